@@ -1,0 +1,1 @@
+//! Kiln's bundled models.

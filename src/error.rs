@@ -1,0 +1,67 @@
+//! One error type for the whole crate, grouped by the stage that raises it.
+//! Every variant names what the user controls: the weight key, the module path, the file.
+
+use std::path::PathBuf;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    // ---- weights -------------------------------------------------------------------------
+    #[error("weight `{key}` is missing from {source_name}")]
+    MissingWeight { key: String, source_name: String },
+
+    #[error("weight `{key}` has shape {got:?}, but the model expects {expected:?}")]
+    WeightShape { key: String, expected: Vec<usize>, got: Vec<usize> },
+
+    #[error("weight `{key}` has dtype {got}, which Kiln cannot load (expected f32, f16 or bf16)")]
+    WeightDtype { key: String, got: String },
+
+    #[error("{count} weight(s) in {source_name} were never used by the model: {keys:?}")]
+    UnusedWeights { count: usize, keys: Vec<String>, source_name: String },
+
+    #[error("cannot read safetensors file {path}: {reason}")]
+    Safetensors { path: PathBuf, reason: String },
+
+    // ---- tracing -------------------------------------------------------------------------
+    #[error("shape mismatch in `{path}` ({op}): {reason}; got input shapes {got:?}")]
+    Shape { path: String, op: String, reason: String, got: Vec<Vec<usize>> },
+
+    #[error("tensors from different traces were combined in `{path}`")]
+    MixedTraces { path: String },
+
+    #[error("{0}")]
+    Graph(String),
+
+    // ---- compiling and running -----------------------------------------------------------
+    #[error("no {backend} converter for op `{op}` (at `{path}`); register one with `kiln::register_converter!`")]
+    NoConverter { backend: &'static str, op: String, path: String },
+
+    #[error("converter for op `{op}` is registered twice")]
+    DuplicateConverter { op: String },
+
+    #[error("input `{name}`: {reason}")]
+    Binding { name: String, reason: String },
+
+    #[error("engine file {path}: {reason}")]
+    EngineFile { path: String, reason: String },
+
+    #[error("no GPU available: {0}")]
+    NoGpu(String),
+
+    #[error("CUDA error in {context}: {reason}")]
+    Cuda { context: String, reason: String },
+
+    #[error("kernel `{name}` failed to compile:\n{log}")]
+    KernelCompile { name: String, log: String },
+
+    #[error("I/O error on {path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+}
+
+impl Error {
+    pub fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Error {
+        let path = path.into();
+        move |source| Error::Io { path, source }
+    }
+}

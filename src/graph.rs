@@ -1,0 +1,292 @@
+//! The traced network: a list of nodes in topological order, one `Op` enum, weights held once.
+//!
+//! The graph knows nothing of CUDA. The CPU executor and the engine builder both consume it.
+
+use crate::ops;
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+pub type NodeId = usize;
+
+/// A dense row-major f32 tensor in host memory: weights, CPU executor values, references.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HostTensor {
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+impl HostTensor {
+    pub fn new(shape: Vec<usize>, data: Vec<f32>) -> Self {
+        assert_eq!(shape.iter().product::<usize>(), data.len(), "HostTensor: shape {shape:?} does not match {} values", data.len());
+        Self { shape, data }
+    }
+    pub fn zeros(shape: Vec<usize>) -> Self {
+        let n = shape.iter().product();
+        Self { shape, data: vec![0.0; n] }
+    }
+    pub fn numel(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// Logical element type of a graph value. The graph is traced in f32; engines choose their own
+/// physical precision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum DType {
+    #[default]
+    F32,
+    F16,
+}
+
+/// The fused activation of a convolution.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum Activation {
+    #[default]
+    None,
+    Relu,
+}
+
+/// Convolution attributes. After fusion a conv may also carry a residual input (added before the
+/// activation) and an activation: `act(conv(x, w) + b + residual)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConvAttrs {
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+    pub dilation: [usize; 2],
+    pub groups: usize,
+    /// Only for `ConvTranspose2d`.
+    pub output_padding: [usize; 2],
+    pub bias: bool,
+    pub residual: bool,
+    pub act: Activation,
+}
+
+impl Default for ConvAttrs {
+    fn default() -> Self {
+        Self {
+            stride: [1, 1],
+            padding: [0, 0],
+            dilation: [1, 1],
+            groups: 1,
+            output_padding: [0, 0],
+            bias: false,
+            residual: false,
+            act: Activation::None,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolAttrs {
+    pub kernel: [usize; 2],
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+    pub ceil_mode: bool,
+    /// AvgPool2d only: whether padded zeros count in the average (PyTorch's default: true).
+    pub count_include_pad: bool,
+}
+
+/// Every operation a graph can hold. Inputs are listed in `Node::inputs`, in the order given
+/// in each variant's comment.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Op {
+    /// A graph input (NCHW, f32).
+    Input {
+        name: String,
+    },
+    /// A named constant: a key into `Graph::weights`.
+    Weight {
+        name: String,
+    },
+    /// x, weight [Cout, Cin/g, kh, kw], bias? [Cout], residual? (same shape as the output)
+    Conv2d(ConvAttrs),
+    /// x, weight [Cin, Cout/g, kh, kw], bias? [Cout]
+    ConvTranspose2d(ConvAttrs),
+    /// x, weight, bias, running_mean, running_var
+    BatchNorm2d {
+        eps: f32,
+    },
+    /// x [N, in], weight [out, in], bias? [out]
+    Linear {
+        bias: bool,
+    },
+    Relu,
+    LeakyRelu {
+        slope: f32,
+    },
+    Sigmoid,
+    MaxPool2d(PoolAttrs),
+    AvgPool2d(PoolAttrs),
+    AdaptiveAvgPool2d {
+        output: [usize; 2],
+    },
+    /// a, b (same shape)
+    Add,
+    /// a, b (same shape)
+    Mul,
+    Flatten {
+        start: usize,
+    },
+    /// any number of inputs, equal except along `dim`
+    Cat {
+        dim: usize,
+    },
+    /// A user-registered op (see `ops::custom`): its name selects its shape rule, CPU reference and
+    /// converter; `attrs` are its named scalar attributes.
+    Custom {
+        name: String,
+        attrs: BTreeMap<String, f64>,
+    },
+}
+
+impl Op {
+    /// The op's name: the key of its converter and CPU reference.
+    pub fn name(&self) -> &str {
+        match self {
+            Op::Input { .. } => "input",
+            Op::Weight { .. } => "weight",
+            Op::Conv2d(_) => "conv2d",
+            Op::ConvTranspose2d(_) => "conv_transpose2d",
+            Op::BatchNorm2d { .. } => "batch_norm2d",
+            Op::Linear { .. } => "linear",
+            Op::Relu => "relu",
+            Op::LeakyRelu { .. } => "leaky_relu",
+            Op::Sigmoid => "sigmoid",
+            Op::MaxPool2d(_) => "max_pool2d",
+            Op::AvgPool2d(_) => "avg_pool2d",
+            Op::AdaptiveAvgPool2d { .. } => "adaptive_avg_pool2d",
+            Op::Add => "add",
+            Op::Mul => "mul",
+            Op::Flatten { .. } => "flatten",
+            Op::Cat { .. } => "cat",
+            Op::Custom { name, .. } => name,
+        }
+    }
+
+    /// Output shape from input shapes, or a reason the inputs do not fit.
+    pub fn infer_shape(&self, inputs: &[&[usize]]) -> std::result::Result<Vec<usize>, String> {
+        match self {
+            Op::Input { .. } | Op::Weight { .. } => Err("inputs and weights have no shape rule".into()),
+            Op::Conv2d(a) => ops::conv::conv2d_shape(a, inputs),
+            Op::ConvTranspose2d(a) => ops::conv::conv_transpose2d_shape(a, inputs),
+            Op::BatchNorm2d { .. } => ops::norm::batch_norm2d_shape(inputs),
+            Op::Linear { bias } => ops::linear::linear_shape(*bias, inputs),
+            Op::Relu | Op::LeakyRelu { .. } | Op::Sigmoid => ops::elementwise::unary_shape(inputs),
+            Op::Add | Op::Mul => ops::elementwise::binary_shape(inputs),
+            Op::MaxPool2d(a) | Op::AvgPool2d(a) => ops::pool::pool2d_shape(a, inputs),
+            Op::AdaptiveAvgPool2d { output } => ops::pool::adaptive_avg_pool2d_shape(*output, inputs),
+            Op::Flatten { start } => ops::shape::flatten_shape(*start, inputs),
+            Op::Cat { dim } => ops::shape::cat_shape(*dim, inputs),
+            Op::Custom { name, attrs } => {
+                ops::custom::lookup(name).ok_or_else(|| format!("custom op `{name}` is not registered"))?.infer_shape(attrs, inputs)
+            }
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Node {
+    pub op: Op,
+    pub inputs: Vec<NodeId>,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+    /// The module path the node was traced in (`layer3.1.conv2`), for errors, profiles and names.
+    pub path: String,
+}
+
+/// A traced network. Nodes are in topological order (every input precedes its users).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Graph {
+    pub nodes: Vec<Node>,
+    /// Graph inputs in binding order.
+    pub inputs: Vec<NodeId>,
+    /// Named outputs in binding order.
+    pub outputs: Vec<(String, NodeId)>,
+    /// Constants by name (`layer1.0.conv1.weight`), shared, never copied by passes that keep them.
+    #[serde(skip)]
+    pub weights: BTreeMap<String, Arc<HostTensor>>,
+}
+
+impl Graph {
+    /// Appends a node after checking its inputs' shapes; the error names the module path.
+    pub fn push(&mut self, op: Op, inputs: Vec<NodeId>, path: String) -> Result<NodeId> {
+        let shapes: Vec<&[usize]> = inputs.iter().map(|&i| self.nodes[i].shape.as_slice()).collect();
+        let shape = op.infer_shape(&shapes).map_err(|reason| Error::Shape {
+            path: path.clone(),
+            op: op.name().to_string(),
+            reason,
+            got: shapes.iter().map(|s| s.to_vec()).collect(),
+        })?;
+        Ok(self.push_unchecked(op, inputs, shape, path))
+    }
+
+    /// Appends a node whose shape is already known (inputs, weights, rewrites by passes).
+    pub fn push_unchecked(&mut self, op: Op, inputs: Vec<NodeId>, shape: Vec<usize>, path: String) -> NodeId {
+        self.nodes.push(Node { op, inputs, shape, dtype: DType::F32, path });
+        self.nodes.len() - 1
+    }
+
+    /// Adds a weight constant (once per name) and returns its node.
+    pub fn weight(&mut self, name: &str, value: Arc<HostTensor>) -> NodeId {
+        if let Some(id) = self.nodes.iter().position(|n| matches!(&n.op, Op::Weight { name: w } if w == name)) {
+            return id;
+        }
+        let shape = value.shape.clone();
+        self.weights.insert(name.to_string(), value);
+        self.push_unchecked(Op::Weight { name: name.to_string() }, vec![], shape, name.to_string())
+    }
+
+    /// The data of a weight node.
+    pub fn weight_data(&self, id: NodeId) -> Option<&Arc<HostTensor>> {
+        match &self.nodes[id].op {
+            Op::Weight { name } => self.weights.get(name),
+            _ => None,
+        }
+    }
+
+    /// Marks a node as a named graph output (TensorRT's `markOutput`).
+    pub fn mark_output(&mut self, name: impl Into<String>, id: NodeId) {
+        let name = name.into();
+        self.outputs.retain(|(n, _)| *n != name);
+        self.outputs.push((name, id));
+    }
+
+    pub fn input_names(&self) -> Vec<&str> {
+        self.inputs
+            .iter()
+            .map(|&i| match &self.nodes[i].op {
+                Op::Input { name } => name.as_str(),
+                _ => unreachable!("graph input is not an Input node"),
+            })
+            .collect()
+    }
+
+    /// How many nodes read each node's value (graph outputs count as readers).
+    pub fn use_counts(&self) -> Vec<usize> {
+        let mut uses = vec![0; self.nodes.len()];
+        for n in &self.nodes {
+            for &i in &n.inputs {
+                uses[i] += 1;
+            }
+        }
+        for (_, o) in &self.outputs {
+            uses[*o] += 1;
+        }
+        uses
+    }
+
+    /// A readable listing, one node a line: `%12 = conv2d(%3, %4) [1, 64, 56, 56]  layer1.0.conv1`.
+    pub fn to_text(&self) -> String {
+        let mut s = String::new();
+        for (i, n) in self.nodes.iter().enumerate() {
+            let args: Vec<String> = n.inputs.iter().map(|i| format!("%{i}")).collect();
+            s += &format!("%{i} = {}({}) {:?}  {}\n", n.op.name(), args.join(", "), n.shape, n.path);
+        }
+        for (name, id) in &self.outputs {
+            s += &format!("output {name} = %{id}\n");
+        }
+        s
+    }
+}

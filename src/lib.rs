@@ -1,0 +1,30 @@
+//! Kiln: define a convolutional network in Rust, load its PyTorch weights, trace it into a graph,
+//! and run it on the CPU (the reference) or compile it to a CUDA engine.
+//!
+//! ```text
+//! Module structs ──forward(symbolic Tensor)──► Graph ──passes──► CPU executor | EngineBuilder ──► Engine
+//! ```
+
+pub mod error;
+pub mod graph;
+pub mod module;
+pub mod ops;
+pub mod registry;
+pub mod seeded;
+pub mod tensor;
+pub mod var_builder;
+
+pub use error::{Error, Result};
+pub use graph::{Activation, ConvAttrs, DType, Graph, HostTensor, Node, NodeId, Op, PoolAttrs};
+pub use kiln_macros::Module;
+pub use module::{Forward, Module, Sequential};
+pub use ops::conv::{Conv2d, Conv2dConfig, ConvTranspose2d};
+pub use ops::elementwise::{LeakyReLU, LeakyReLUConfig, ReLU, Sigmoid};
+pub use ops::linear::{Linear, LinearConfig};
+pub use ops::norm::{BatchNorm2d, BatchNorm2dConfig};
+pub use ops::pool::{AdaptiveAvgPool2d, AvgPool2d, MaxPool2d, Pool2dConfig};
+pub use tensor::{Param, Tensor, Tracer};
+pub use var_builder::VarBuilder;
+
+/// Re-exported for `inventory::submit!` in user crates registering ops and converters.
+pub use inventory;

@@ -1,0 +1,138 @@
+//! Pooling: MaxPool2d, AvgPool2d, AdaptiveAvgPool2d.
+
+use crate::graph::{Op, PoolAttrs};
+use crate::module::{Forward, Module};
+use crate::tensor::Tensor;
+use crate::var_builder::VarBuilder;
+use crate::Result;
+
+/// Options of `MaxPool2d` / `AvgPool2d` with PyTorch's defaults (stride = kernel, square windows).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pool2dConfig {
+    pub kernel_size: usize,
+    /// `None`: the kernel size, as in PyTorch.
+    pub stride: Option<usize>,
+    pub padding: usize,
+    pub ceil_mode: bool,
+    pub count_include_pad: bool,
+}
+
+impl Default for Pool2dConfig {
+    fn default() -> Self {
+        Self { kernel_size: 1, stride: None, padding: 0, ceil_mode: false, count_include_pad: true }
+    }
+}
+
+impl Pool2dConfig {
+    pub fn new(kernel_size: usize) -> Self {
+        Self { kernel_size, ..Default::default() }
+    }
+    pub fn stride(self, stride: usize) -> Self {
+        Self { stride: Some(stride), ..self }
+    }
+    pub fn padding(self, padding: usize) -> Self {
+        Self { padding, ..self }
+    }
+    pub fn ceil_mode(self, ceil_mode: bool) -> Self {
+        Self { ceil_mode, ..self }
+    }
+    fn attrs(&self) -> PoolAttrs {
+        PoolAttrs {
+            kernel: [self.kernel_size; 2],
+            stride: [self.stride.unwrap_or(self.kernel_size); 2],
+            padding: [self.padding; 2],
+            ceil_mode: self.ceil_mode,
+            count_include_pad: self.count_include_pad,
+        }
+    }
+}
+
+macro_rules! pool_module {
+    ($(#[$doc:meta])* $name:ident, $variant:ident) => {
+        $(#[$doc])*
+        #[derive(Clone, Debug)]
+        pub struct $name {
+            pub path: String,
+            pub attrs: PoolAttrs,
+        }
+
+        impl Module for $name {
+            type Config = Pool2dConfig;
+            fn load(vb: VarBuilder, c: &Pool2dConfig) -> Result<Self> {
+                Ok(Self { path: vb.path().to_string(), attrs: c.attrs() })
+            }
+        }
+
+        impl Forward for $name {
+            fn forward(&self, x: &Tensor) -> Result<Tensor> {
+                Tensor::record(&self.path, Op::$variant(self.attrs), &[x], &[])
+            }
+        }
+    };
+}
+
+pool_module!(
+    /// `torch.nn.MaxPool2d` (padding is -inf).
+    MaxPool2d, MaxPool2d
+);
+pool_module!(
+    /// `torch.nn.AvgPool2d`.
+    AvgPool2d, AvgPool2d
+);
+
+/// `torch.nn.AdaptiveAvgPool2d(output_size)`.
+#[derive(Clone, Debug)]
+pub struct AdaptiveAvgPool2d {
+    pub path: String,
+    pub output: [usize; 2],
+}
+
+impl Module for AdaptiveAvgPool2d {
+    type Config = [usize; 2];
+    fn load(vb: VarBuilder, output: &[usize; 2]) -> Result<Self> {
+        Ok(Self { path: vb.path().to_string(), output: *output })
+    }
+}
+
+impl Forward for AdaptiveAvgPool2d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Tensor::record(&self.path, Op::AdaptiveAvgPool2d { output: self.output }, &[x], &[])
+    }
+}
+
+/// PyTorch's pooled extent, including its ceil_mode rule: the last window must start inside the
+/// input or the left padding.
+pub fn pooled_extent(input: usize, k: usize, s: usize, p: usize, ceil: bool) -> Option<usize> {
+    let span = (input + 2 * p).checked_sub(k)?;
+    let mut out = if ceil { span.div_ceil(s) } else { span / s } + 1;
+    if ceil && (out - 1) * s >= input + p {
+        out -= 1;
+    }
+    Some(out)
+}
+
+pub fn pool2d_shape(a: &PoolAttrs, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+    let [x] = inputs else { return Err(format!("expected 1 input, got {}", inputs.len())) };
+    if x.len() != 4 {
+        return Err(format!("input must be NCHW (rank 4), got {x:?}"));
+    }
+    if a.stride.contains(&0) || a.kernel.contains(&0) {
+        return Err("kernel and stride must be positive".into());
+    }
+    if a.padding[0] * 2 > a.kernel[0] || a.padding[1] * 2 > a.kernel[1] {
+        return Err(format!("padding {:?} must be at most half the kernel {:?}", a.padding, a.kernel));
+    }
+    let ext = |i: usize| pooled_extent(x[2 + i], a.kernel[i], a.stride[i], a.padding[i], a.ceil_mode);
+    match (ext(0), ext(1)) {
+        (Some(h), Some(w)) => Ok(vec![x[0], x[1], h, w]),
+        _ => Err(format!("kernel {:?} is larger than the padded input {:?}", a.kernel, &x[2..])),
+    }
+}
+
+pub fn adaptive_avg_pool2d_shape(output: [usize; 2], inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+    let [x] = inputs else { return Err(format!("expected 1 input, got {}", inputs.len())) };
+    if x.len() != 4 || output.contains(&0) {
+        return Err(format!("expects an NCHW input and a positive output size, got {x:?} and {output:?}"));
+    }
+    Ok(vec![x[0], x[1], output[0], output[1]])
+}

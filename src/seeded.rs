@@ -1,0 +1,56 @@
+//! The seeded weight generator: tiny, deterministic, and implemented identically in
+//! `tools/export_reference.py`, so fixtures need no weight files.
+//!
+//! Element `i` of the tensor named `name` is `u = mix(fnv1a64(name) + (i + 1) · φ) >> 11` scaled to
+//! [0, 1) (splitmix64's finaliser; φ = 0x9E3779B97F4A7C15), then shaped by the name's last segment
+//! so activations stay O(1) through a deep network and BatchNorm gets varied statistics:
+//!
+//! | key ends in                  | value                                   |
+//! |------------------------------|-----------------------------------------|
+//! | `running_var`                | 0.5 + u                                 |
+//! | `running_mean`               | 0.2 · (2u − 1)                          |
+//! | `bias`                       | 0.1 · (2u − 1)                          |
+//! | `weight`, 1-D (norm gamma)   | 0.75 + 0.5 u                            |
+//! | `weight`, ≥ 2-D              | (2u − 1) · √(3 / fan_in), fan_in = numel / shape[0] |
+//! | anything else (inputs)       | 2u − 1                                  |
+//!
+//! All arithmetic is in f64 and rounded to f32 once, so Rust and NumPy agree bit for bit.
+
+use crate::graph::HostTensor;
+
+const PHI: u64 = 0x9E37_79B9_7F4A_7C15;
+
+pub fn fnv1a64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+pub fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The i-th uniform draw in [0, 1) of the stream named `name`.
+pub fn uniform(seed: u64, i: u64) -> f64 {
+    (mix(seed.wrapping_add((i + 1).wrapping_mul(PHI))) >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// The seeded value of the tensor `name` with `shape`.
+pub fn weight(name: &str, shape: &[usize]) -> HostTensor {
+    let seed = fnv1a64(name.as_bytes());
+    let numel: usize = shape.iter().product();
+    let last = name.rsplit('.').next().unwrap_or(name);
+    let fan_in = if shape.len() >= 2 { numel / shape[0].max(1) } else { 1 };
+    let f = |u: f64| -> f64 {
+        match last {
+            "running_var" => 0.5 + u,
+            "running_mean" => 0.2 * (2.0 * u - 1.0),
+            "bias" => 0.1 * (2.0 * u - 1.0),
+            "weight" if shape.len() == 1 => 0.75 + 0.5 * u,
+            "weight" => (2.0 * u - 1.0) * (3.0 / fan_in as f64).sqrt(),
+            _ => 2.0 * u - 1.0,
+        }
+    };
+    let data = (0..numel as u64).map(|i| f(uniform(seed, i)) as f32).collect();
+    HostTensor::new(shape.to_vec(), data)
+}

@@ -1,0 +1,175 @@
+//! Symbolic tensors: calling `forward` on them records nodes into a `Graph`.
+//!
+//! Tracing records what ran, like PyTorch's trace-based exporter: Rust control flow in `forward`
+//! (an `if` on a config value, a loop over blocks) is resolved while tracing and fixed in the graph.
+//! There is no data-dependent control flow, because symbolic tensors carry no data.
+
+use crate::graph::{Graph, HostTensor, NodeId, Op};
+use crate::{Error, Result};
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::Arc;
+
+/// A named parameter, as loaded by a `VarBuilder`: its `state_dict` key and its value.
+#[derive(Clone, Debug)]
+pub struct Param {
+    pub name: String,
+    pub value: Arc<HostTensor>,
+}
+
+impl Param {
+    pub fn shape(&self) -> &[usize] {
+        &self.value.shape
+    }
+}
+
+/// Records a trace. Cheap to clone: all clones share one graph.
+#[derive(Clone, Default)]
+pub struct Tracer(Rc<RefCell<Graph>>);
+
+impl Tracer {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A new graph input of the given NCHW shape.
+    pub fn input(&self, name: &str, shape: &[usize]) -> Tensor {
+        let mut g = self.0.borrow_mut();
+        let id = g.push_unchecked(Op::Input { name: name.to_string() }, vec![], shape.to_vec(), name.to_string());
+        g.inputs.push(id);
+        Tensor { tracer: self.clone(), id, shape: shape.to_vec(), scope: Rc::from("") }
+    }
+
+    /// Marks `t` as a graph output named `name` (also for intermediates, as TensorRT's `markOutput`).
+    pub fn output(&self, name: &str, t: &Tensor) {
+        self.0.borrow_mut().mark_output(name, t.id);
+    }
+
+    /// The graph recorded so far.
+    pub fn graph(&self) -> Graph {
+        self.0.borrow().clone()
+    }
+}
+
+/// A symbolic tensor: a node of a trace with its shape, and the module scope it was made in.
+#[derive(Clone)]
+pub struct Tensor {
+    tracer: Tracer,
+    id: NodeId,
+    shape: Vec<usize>,
+    /// The module path of the module whose `forward` produced this value (`layer1.0` for the
+    /// output of `layer1.0.bn3`); ops written inline in a `forward` are named under it.
+    scope: Rc<str>,
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tensor(%{}, {:?}, scope `{}`)", self.id, self.shape, self.scope)
+    }
+}
+
+fn parent(path: &str) -> &str {
+    path.rfind('.').map_or("", |i| &path[..i])
+}
+
+fn join(scope: &str, name: &str) -> String {
+    if scope.is_empty() {
+        name.to_string()
+    } else {
+        format!("{scope}.{name}")
+    }
+}
+
+impl Tensor {
+    pub fn id(&self) -> NodeId {
+        self.id
+    }
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    pub fn dims4(&self) -> Option<[usize; 4]> {
+        <[usize; 4]>::try_from(self.shape.as_slice()).ok()
+    }
+    pub fn tracer(&self) -> &Tracer {
+        &self.tracer
+    }
+
+    /// Records `op` applied to `inputs` and `params`, as the layer at `path`.
+    pub fn record(path: &str, op: Op, inputs: &[&Tensor], params: &[&Param]) -> Result<Tensor> {
+        let first = inputs.first().ok_or_else(|| Error::Graph(format!("op `{}` at `{path}` has no tensor input", op.name())))?;
+        if inputs.iter().any(|t| !Rc::ptr_eq(&t.tracer.0, &first.tracer.0)) {
+            return Err(Error::MixedTraces { path: path.to_string() });
+        }
+        let tracer = first.tracer.clone();
+        let id = {
+            let mut g = tracer.0.borrow_mut();
+            let mut ids: Vec<NodeId> = inputs.iter().map(|t| t.id).collect();
+            for p in params {
+                ids.push(g.weight(&p.name, p.value.clone()));
+            }
+            g.push(op, ids, path.to_string())?
+        };
+        let shape = tracer.0.borrow().nodes[id].shape.clone();
+        Ok(Tensor { tracer, id, shape, scope: Rc::from(parent(path)) })
+    }
+
+    /// Records an op written inline in a `forward` (no module of its own): it is named
+    /// `<scope>.<op>`, in the scope of its first input.
+    pub fn record_inline(op: Op, inputs: &[&Tensor]) -> Result<Tensor> {
+        let scope = inputs.first().map(|t| t.scope.clone()).unwrap_or_else(|| Rc::from(""));
+        let path = join(&scope, op.name());
+        let mut t = Self::record(&path, op, inputs, &[])?;
+        t.scope = scope;
+        Ok(t)
+    }
+
+    pub fn add(&self, other: &Tensor) -> Result<Tensor> {
+        Self::record_inline(Op::Add, &[self, other])
+    }
+    pub fn mul(&self, other: &Tensor) -> Result<Tensor> {
+        Self::record_inline(Op::Mul, &[self, other])
+    }
+    pub fn relu(&self) -> Result<Tensor> {
+        Self::record_inline(Op::Relu, &[self])
+    }
+    pub fn leaky_relu(&self, slope: f32) -> Result<Tensor> {
+        Self::record_inline(Op::LeakyRelu { slope }, &[self])
+    }
+    pub fn sigmoid(&self) -> Result<Tensor> {
+        Self::record_inline(Op::Sigmoid, &[self])
+    }
+    /// Flattens dimensions `start..` into one, as `torch.flatten(x, start)`.
+    pub fn flatten(&self, start: usize) -> Result<Tensor> {
+        Self::record_inline(Op::Flatten { start }, &[self])
+    }
+    /// Concatenates along `dim`, as `torch.cat`.
+    pub fn cat(tensors: &[&Tensor], dim: usize) -> Result<Tensor> {
+        Self::record_inline(Op::Cat { dim }, tensors)
+    }
+    /// Applies a user-registered custom op (see `ops::custom`).
+    pub fn custom(&self, name: &str, attrs: &[(&str, f64)], others: &[&Tensor]) -> Result<Tensor> {
+        let attrs = attrs.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+        let mut inputs = vec![self];
+        inputs.extend_from_slice(others);
+        Self::record_inline(Op::Custom { name: name.to_string(), attrs }, &inputs)
+    }
+    /// Marks this tensor as a graph output named `name`.
+    pub fn mark_output(&self, name: &str) {
+        self.tracer.output(name, self);
+    }
+}
+
+/// `&a + &b` records an add; the result is a `Result` because shapes may not match.
+impl std::ops::Add for &Tensor {
+    type Output = Result<Tensor>;
+    fn add(self, rhs: &Tensor) -> Result<Tensor> {
+        Tensor::add(self, rhs)
+    }
+}
+
+impl std::ops::Mul for &Tensor {
+    type Output = Result<Tensor>;
+    fn mul(self, rhs: &Tensor) -> Result<Tensor> {
+        Tensor::mul(self, rhs)
+    }
+}
