@@ -1,0 +1,327 @@
+#!/usr/bin/env python3
+"""Exports PyTorch references for Kiln's bundled models and op fixtures.
+
+Builds each model's PyTorch twin (torchvision's ResNet-18/50, CenterNet-R50 as Kiln defines it),
+loads seeded, torchvision-initialised or given weights, runs it in FP32 (TF32 off) and writes
+`<model>.reference.safetensors` (`input`, `output.<name>`, `intermediate.<module path>`) and, with
+`--save-weights`, `<model>.weights.safetensors` (the state_dict, loadable by Kiln's VarBuilder).
+`--op-fixtures` writes `ops.reference.safetensors` instead. See docs/REFERENCES.md.
+Works with torch >= 2.0 / torchvision >= 0.15.
+"""
+
+import argparse
+import math
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torchvision
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import seeded  # noqa: E402
+
+MODELS = {"resnet18": 224, "resnet50": 224, "centernet": 512}
+
+
+# ---- models ----------------------------------------------------------------------------------
+
+
+class Backbone(nn.Module):
+    """torchvision's ResNet-50 without avgpool and fc (keys `conv1.weight`, `layer1.0...`)."""
+
+    def __init__(self):
+        super().__init__()
+        r = torchvision.models.resnet50(weights=None)
+        self.conv1, self.bn1, self.relu, self.maxpool = r.conv1, r.bn1, r.relu, r.maxpool
+        self.layer1, self.layer2, self.layer3, self.layer4 = r.layer1, r.layer2, r.layer3, r.layer4
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        return self.layer4(self.layer3(self.layer2(self.layer1(x))))
+
+
+class Upsampler(nn.Module):
+    def __init__(self, cin=2048, channels=(256, 256, 256)):
+        super().__init__()
+        layers = []
+        for c in channels:
+            layers += [nn.ConvTranspose2d(cin, c, 4, stride=2, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True)]
+            cin = c
+        self.deconv_layers = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.deconv_layers(x)
+
+
+def head_branch(cout):
+    return nn.Sequential(nn.Conv2d(256, 64, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(64, cout, 1))
+
+
+class Head(nn.Module):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.hm, self.wh, self.reg = head_branch(num_classes), head_branch(2), head_branch(2)
+
+    def forward(self, x):
+        return self.hm(x), self.wh(x), self.reg(x)
+
+
+class CenterNet(nn.Module):
+    """CenterNet-R50: 512x512 in, 128x128 maps out (hm logits, wh, reg)."""
+
+    def __init__(self, num_classes=80):
+        super().__init__()
+        self.backbone, self.upsampler, self.head = Backbone(), Upsampler(), Head(num_classes)
+
+    def forward(self, x):
+        return self.head(self.upsampler(self.backbone(x)))
+
+
+def centernet_decode(hm, wh, reg, k=100):
+    """Kiln's `centernet_decode` op: sigmoid, 3x3 peak keeping, top-K over classes x positions
+    (ties: lower flat index first), boxes (x1, y1, x2, y2, score, class) in map coordinates."""
+    n, c, h, w = hm.shape
+    heat = torch.sigmoid(hm)
+    pooled = F.max_pool2d(heat, 3, stride=1, padding=1)
+    heat = torch.where(pooled == heat, heat, torch.zeros_like(heat))
+    # A stable descending sort keeps equal scores in index order; torch.topk does not promise it.
+    scores, idx = torch.sort(heat.reshape(n, -1), dim=1, descending=True, stable=True)
+    scores, idx = scores[:, :k], idx[:, :k]
+    cls, pos = idx // (h * w), idx % (h * w)
+    ys, xs = pos // w, pos % w
+
+    def at(t, ch):
+        return torch.gather(t[:, ch].reshape(n, -1), 1, pos)
+
+    cx, cy = xs.float() + at(reg, 0), ys.float() + at(reg, 1)
+    bw, bh = at(wh, 0), at(wh, 1)
+    return torch.stack([cx - bw / 2, cy - bh / 2, cx + bw / 2, cy + bh / 2, scores, cls.float()], dim=2)
+
+
+def build(model):
+    if model == "resnet18":
+        return torchvision.models.resnet18(weights=None)
+    if model == "resnet50":
+        return torchvision.models.resnet50(weights=None)
+    if model == "centernet":
+        return CenterNet(80)
+    raise SystemExit(f"unknown model `{model}` (expected one of {', '.join(MODELS)})")
+
+
+def seeded_state_dict(module):
+    out = {}
+    for key, value in module.state_dict().items():
+        if key.endswith("num_batches_tracked"):
+            out[key] = value
+        else:
+            out[key] = torch.from_numpy(seeded.weight(key, value.shape))
+    return out
+
+
+def load_weights(model, net, weights, seed):
+    if weights == "seeded":
+        net.load_state_dict(seeded_state_dict(net))
+    elif weights == "torchvision":
+        # torchvision's own initialisation, made reproducible: rebuild after seeding.
+        torch.manual_seed(seed)
+        net = build(model)
+    else:
+        net.load_state_dict(load_file(weights))
+    return net
+
+
+def run_model(net, model, x):
+    if model == "centernet":
+        hm, wh, reg = net(x)
+        return {"hm": hm, "wh": wh, "reg": reg, "detections": centernet_decode(hm, wh, reg)}
+    return {"logits": net(x)}
+
+
+# ---- intermediates and statistics ------------------------------------------------------------
+
+
+def attach_hooks(net, paths):
+    """Forward hooks on named modules. A module called several times (torchvision reuses `relu`)
+    records each call: `<path>` holds the last one, `<path>#<k>` every call when there are more."""
+    modules = dict(net.named_modules())
+    if paths == ["all"]:
+        paths = [p for p, m in modules.items() if p and not list(m.children())]
+    missing = [p for p in paths if p not in modules]
+    if missing:
+        raise SystemExit(f"--intermediates: no module named {missing} (e.g. {list(modules)[1:6]})")
+    calls = {}
+
+    def hook(path):
+        def fn(_module, _inputs, output):
+            if isinstance(output, tuple):
+                output = output[0]
+            # clone: inplace ReLUs later overwrite what this module returned.
+            calls.setdefault(path, []).append(output.detach().clone())
+
+        return fn
+
+    handles = [modules[p].register_forward_hook(hook(p)) for p in paths]
+    return calls, handles
+
+
+def flatten_calls(calls):
+    out = {}
+    for path, values in calls.items():
+        out[f"intermediate.{path}"] = values[-1]
+        if len(values) > 1:
+            for i, v in enumerate(values):
+                out[f"intermediate.{path}#{i}"] = v
+    return out
+
+
+def print_stats(net, x):
+    """Per-stage std and max |x| of activations, to check the seeded weights keep them O(1)."""
+    rows = []
+
+    def hook(path):
+        def fn(_m, _i, out):
+            for j, o in enumerate(out if isinstance(out, tuple) else (out,)):
+                rows.append((path + (f"[{j}]" if isinstance(out, tuple) else ""), o.std().item(), o.abs().max().item()))
+
+        return fn
+
+    handles = []
+    for path, m in net.named_modules():
+        leafish = path.count(".") <= 2 and path != ""
+        if leafish:
+            handles.append(m.register_forward_hook(hook(path)))
+    with torch.no_grad():
+        net(x)
+    for h in handles:
+        h.remove()
+    print(f"{'module':40} {'std':>10} {'max|x|':>10}")
+    for path, std, mx in rows:
+        print(f"{path:40} {std:10.4f} {mx:10.3f}")
+    print(f"max |activation| over these stages: {max(r[2] for r in rows):.3f}")
+
+
+# ---- op fixtures ----------------------------------------------------------------------------
+
+
+def op_cases():
+    """(case, module or function, {param: shape}, [input shapes]) for every op fixture.
+    Params and inputs are seeded (named `<case>.<param>`, `<case>.input`, `<case>.other`)."""
+    c = []
+
+    def conv(name, cin, cout, k, shape, **kw):
+        m = nn.Conv2d(cin, cout, k, **kw)
+        c.append((name, m, [shape]))
+
+    conv("conv_stride2_pad", 3, 8, 3, [1, 3, 13, 13], stride=2, padding=1)
+    conv("conv_dilation2", 4, 5, 3, [1, 4, 12, 12], padding=2, dilation=2)
+    conv("conv_groups", 8, 12, 3, [2, 8, 10, 10], padding=1, groups=4)
+    conv("conv_depthwise", 6, 6, 3, [1, 6, 11, 11], stride=2, padding=1, groups=6)
+    conv("conv_nonsquare_batch3", 3, 4, 5, [3, 3, 9, 17], padding=1, bias=False)
+    c.append(("maxpool_ceil", nn.MaxPool2d(3, stride=2, padding=1, ceil_mode=True), [[2, 3, 10, 13]]))
+    c.append(("maxpool_default", nn.MaxPool2d(2), [[1, 3, 9, 12]]))
+    c.append(("avgpool_pad", nn.AvgPool2d(3, stride=2, padding=1), [[1, 3, 9, 12]]))
+    c.append(("avgpool_pad_exclude", nn.AvgPool2d(3, stride=2, padding=1, count_include_pad=False), [[1, 3, 9, 12]]))
+    c.append(("avgpool_ceil", nn.AvgPool2d(2, stride=2, ceil_mode=True), [[2, 2, 7, 9]]))
+    c.append(("adaptive_avgpool_3x3", nn.AdaptiveAvgPool2d(3), [[2, 4, 7, 10]]))
+    c.append(("conv_transpose_outpad_groups", nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2), [[1, 4, 5, 7]]))
+    c.append(("conv_transpose_k4s2", nn.ConvTranspose2d(6, 4, 4, stride=2, padding=1, bias=False), [[2, 6, 5, 5]]))
+    c.append(("batchnorm_eps", nn.BatchNorm2d(5, eps=1e-3), [[2, 5, 4, 6]]))
+    c.append(("linear", nn.Linear(20, 7), [[3, 20]]))
+    c.append(("leaky_relu", nn.LeakyReLU(0.2), [[2, 3, 5, 6]]))
+    c.append(("sigmoid", nn.Sigmoid(), [[2, 3, 5, 6]]))
+    c.append(("relu", nn.ReLU(), [[2, 3, 5, 6]]))
+    c.append(("cat", lambda a, b: torch.cat([a, b], dim=1), [[2, 3, 4, 5], [2, 5, 4, 5]]))
+    c.append(("mul", lambda a, b: a * b, [[2, 3, 4, 5], [2, 3, 4, 5]]))
+    c.append(("add", lambda a, b: a + b, [[2, 3, 4, 5], [2, 3, 4, 5]]))
+    c.append(("flatten", lambda a: torch.flatten(a, 1), [[2, 3, 4, 5]]))
+    return c
+
+
+def export_op_fixtures(out_dir):
+    tensors = {}
+    for case, op, shapes in op_cases():
+        inputs = []
+        for name, shape in zip(["input", "other"], shapes):
+            # Sigmoid's input spans [-4, 4] so both tails are exercised.
+            scale = 4.0 if case == "sigmoid" else 1.0
+            x = torch.from_numpy(seeded.weight(f"{case}.{name}", shape)) * scale
+            tensors[f"{case}.{name}"] = x
+            inputs.append(x)
+        if isinstance(op, nn.Module):
+            op.eval()
+            sd = {k: torch.from_numpy(seeded.weight(f"{case}.{k}", v.shape)) for k, v in op.state_dict().items() if "num_batches" not in k}
+            op.load_state_dict(sd, strict=False)
+            for k, v in sd.items():
+                tensors[f"{case}.{k}"] = v
+        with torch.no_grad():
+            tensors[f"{case}.output"] = op(*inputs)
+    path = os.path.join(out_dir, "ops.reference.safetensors")
+    save_file({k: v.contiguous().float() for k, v in tensors.items()}, path)
+    print(f"wrote {path}: {len(op_cases())} cases")
+
+
+# ---- main -----------------------------------------------------------------------------------
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=list(MODELS), help="bundled model to export")
+    p.add_argument("--weights", default="seeded", help="seeded | torchvision | PATH to a state_dict safetensors file")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--size", type=int, help="input height = width (default: 224 for the ResNets, 512 for CenterNet)")
+    p.add_argument("--seed", type=int, default=0, help="input seed (and torch.manual_seed for --weights torchvision)")
+    p.add_argument("--out", default=".", help="output directory")
+    p.add_argument("--intermediates", default="", help="comma-separated module paths to record, or `all` (leaf modules)")
+    p.add_argument("--save-weights", action="store_true", help="also write <model>.weights.safetensors")
+    p.add_argument("--stats", action="store_true", help="print per-stage activation std and max |x|, write nothing")
+    p.add_argument("--op-fixtures", action="store_true", help="write ops.reference.safetensors and exit")
+    args = p.parse_args()
+
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.set_grad_enabled(False)
+    os.makedirs(args.out, exist_ok=True)
+
+    if args.op_fixtures:
+        export_op_fixtures(args.out)
+        return
+    if not args.model:
+        p.error("--model is required (or --op-fixtures)")
+
+    size = args.size or MODELS[args.model]
+    net = load_weights(args.model, build(args.model), args.weights, args.seed).eval().float()
+    # The input comes from the seeded generator too, so Rust can recreate it without the file.
+    x = torch.from_numpy(seeded.weight(f"input.{args.seed}", [args.batch, 3, size, size]))
+
+    if args.stats:
+        print_stats(net, x)
+        return
+
+    paths = [s for s in args.intermediates.split(",") if s]
+    calls, handles = attach_hooks(net, paths) if paths else ({}, [])
+    outputs = run_model(net, args.model, x)
+    for h in handles:
+        h.remove()
+
+    tensors = {"input": x}
+    tensors.update({f"output.{k}": v for k, v in outputs.items()})
+    tensors.update(flatten_calls(calls))
+    path = os.path.join(args.out, f"{args.model}.reference.safetensors")
+    save_file({k: v.detach().contiguous().float() for k, v in tensors.items()}, path)
+    summary = ", ".join(f"{k} {list(v.shape)}" for k, v in outputs.items())
+    print(f"wrote {path}: input {list(x.shape)}, {summary}, {len(calls)} intermediates")
+    if args.model != "centernet":
+        print(f"top-1 class per image: {outputs['logits'].argmax(1).tolist()}")
+    if args.save_weights:
+        wpath = os.path.join(args.out, f"{args.model}.weights.safetensors")
+        sd = {k: v.contiguous() for k, v in net.state_dict().items()}
+        save_file(sd, wpath)
+        print(f"wrote {wpath}: {len(sd)} tensors")
+
+
+if __name__ == "__main__":
+    main()
