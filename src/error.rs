@@ -33,6 +33,9 @@ pub enum Error {
     #[error("{0}")]
     Graph(String),
 
+    #[error("unknown model `{name}`; the bundled models are: {known}")]
+    UnknownModel { name: String, known: String },
+
     // ---- compiling and running -----------------------------------------------------------
     #[error("no {backend} converter for op `{op}` (at `{path}`); register one with `kiln::register_converter!`")]
     NoConverter { backend: &'static str, op: String, path: String },

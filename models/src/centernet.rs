@@ -1,0 +1,255 @@
+//! CenterNet-R50 ("Objects as Points") and its decode, registered as a custom op.
+//!
+//! PyTorch twin (`tools/export_reference.py`): `backbone` = torchvision ResNet-50 without
+//! `avgpool`/`fc`; `upsampler.deconv_layers` = 3 x [ConvTranspose2d(4, s=2, p=1, bias=False),
+//! BatchNorm2d, ReLU] (2048 → 256 → 256 → 256); `head.{hm,wh,reg}` = [Conv2d(256, 64, 3, p=1), ReLU,
+//! Conv2d(64, C, 1)] with C = num_classes, 2, 2. A 512x512 input gives 128x128 maps.
+
+use crate::resnet::{resnet50_backbone, ResNet};
+use kiln::graph::HostTensor;
+use kiln::ops::custom::{Attrs, CustomOp};
+use kiln::{
+    BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, Error, Forward, Module, ReLU, Result, Sequential, Tensor,
+    VarBuilder,
+};
+
+/// Detections kept per image by default.
+pub const DEFAULT_K: usize = 100;
+
+/// `Conv2d(256, 64, 3, padding=1), ReLU, Conv2d(64, cout, 1)`.
+fn head_branch(vb: VarBuilder, cout: usize) -> Result<Sequential> {
+    Ok(Sequential::new()
+        .add(Conv2d::load(vb.pp(0), &Conv2dConfig::new(256, 64, 3).padding(1))?)
+        .add(ReLU::load(vb.pp(1), &())?)
+        .add(Conv2d::load(vb.pp(2), &Conv2dConfig::new(64, cout, 1))?))
+}
+
+/// The three heads: class heatmap logits, box sizes, center offsets.
+pub struct Head {
+    hm: Sequential,
+    wh: Sequential,
+    reg: Sequential,
+}
+
+impl Module for Head {
+    /// The number of classes.
+    type Config = usize;
+    fn load(vb: VarBuilder, num_classes: &usize) -> Result<Self> {
+        Ok(Self { hm: head_branch(vb.pp("hm"), *num_classes)?, wh: head_branch(vb.pp("wh"), 2)?, reg: head_branch(vb.pp("reg"), 2)? })
+    }
+}
+
+/// The raw outputs of CenterNet, each at stride 4: `hm` [N, C, H, W] (logits), `wh`, `reg` [N, 2, H, W].
+pub struct CenterNetOutput {
+    pub hm: Tensor,
+    pub wh: Tensor,
+    pub reg: Tensor,
+}
+
+impl Head {
+    pub fn forward(&self, x: &Tensor) -> Result<CenterNetOutput> {
+        Ok(CenterNetOutput { hm: self.hm.forward(x)?, wh: self.wh.forward(x)?, reg: self.reg.forward(x)? })
+    }
+}
+
+pub struct CenterNet {
+    backbone: ResNet,
+    /// `upsampler.deconv_layers`: the upsampler module holds only this Sequential.
+    deconv_layers: Sequential,
+    head: Head,
+}
+
+impl Module for CenterNet {
+    /// The number of classes.
+    type Config = usize;
+    fn load(vb: VarBuilder, num_classes: &usize) -> Result<Self> {
+        let vd = vb.pp("upsampler").pp("deconv_layers");
+        let mut deconv_layers = Sequential::new();
+        let mut cin = 2048;
+        for (i, cout) in [256, 256, 256].into_iter().enumerate() {
+            let deconv = Conv2dConfig::new(cin, cout, 4).stride(2).padding(1).bias(false);
+            deconv_layers.push(ConvTranspose2d::load(vd.pp(3 * i), &deconv)?);
+            deconv_layers.push(BatchNorm2d::load(vd.pp(3 * i + 1), &BatchNorm2dConfig::new(cout))?);
+            deconv_layers.push(ReLU::load(vd.pp(3 * i + 2), &())?);
+            cin = cout;
+        }
+        Ok(Self { backbone: resnet50_backbone(vb.pp("backbone"))?, deconv_layers, head: Head::load(vb.pp("head"), num_classes)? })
+    }
+}
+
+impl CenterNet {
+    pub fn forward(&self, x: &Tensor) -> Result<CenterNetOutput> {
+        self.head.forward(&self.deconv_layers.forward(&self.backbone.features(x)?)?)
+    }
+}
+
+/// `centernet_r50(num_classes)`: the model of the module docs.
+pub fn centernet_r50(vb: VarBuilder, num_classes: usize) -> Result<CenterNet> {
+    CenterNet::load(vb, &num_classes)
+}
+
+/// Applies the `centernet_decode` op: [N, k, 6] rows of (x1, y1, x2, y2, score, class) in output
+/// map coordinates, best first.
+pub fn decode(out: &CenterNetOutput, k: usize) -> Result<Tensor> {
+    out.hm.custom("centernet_decode", &[("k", k as f64)], &[&out.wh, &out.reg])
+}
+
+// ---- the `centernet_decode` custom op ------------------------------------------------------
+
+fn k_attr(attrs: &Attrs) -> std::result::Result<usize, String> {
+    let k = attrs.get("k").copied().unwrap_or(DEFAULT_K as f64);
+    if !(k >= 1.0 && k.fract() == 0.0 && k <= u32::MAX as f64) {
+        return Err(format!("attribute k must be a positive integer, got {k}"));
+    }
+    Ok(k as usize)
+}
+
+/// Inputs hm [N, C, H, W], wh and reg [N, 2, H, W]; output [N, k, 6].
+fn decode_shape(attrs: &Attrs, inputs: &[&[usize]]) -> std::result::Result<Vec<usize>, String> {
+    let k = k_attr(attrs)?;
+    let [hm, wh, reg] = inputs else {
+        return Err(format!("centernet_decode expects 3 inputs (hm, wh, reg), got {}", inputs.len()));
+    };
+    if hm.len() != 4 {
+        return Err(format!("hm must be [N, C, H, W], got {hm:?}"));
+    }
+    let want = [hm[0], 2, hm[2], hm[3]];
+    for (name, s) in [("wh", wh), ("reg", reg)] {
+        if **s != want {
+            return Err(format!("{name} must be {want:?} to match hm {hm:?}, got {s:?}"));
+        }
+    }
+    let candidates = hm[1] * hm[2] * hm[3];
+    if k > candidates {
+        return Err(format!("k = {k} exceeds the {candidates} candidates (classes x positions) of hm {hm:?}"));
+    }
+    Ok(vec![hm[0], k, 6])
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// The CPU reference: sigmoid, 3x3 peak keeping (a score survives where it equals its 3x3 max,
+/// stride 1, padding 1), top-k over classes x positions (ties: lower flat index first), boxes
+/// centred at (x + reg_x, y + reg_y) of size wh.
+fn decode_cpu(attrs: &Attrs, inputs: &[&HostTensor]) -> Result<HostTensor> {
+    let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape.as_slice()).collect();
+    let out_shape = decode_shape(attrs, &shapes).map_err(|reason| Error::Shape {
+        path: "centernet_decode".into(),
+        op: "centernet_decode".into(),
+        reason,
+        got: shapes.iter().map(|s| s.to_vec()).collect(),
+    })?;
+    let (hm, wh, reg) = (inputs[0], inputs[1], inputs[2]);
+    let (n, c, h, w) = (hm.shape[0], hm.shape[1], hm.shape[2], hm.shape[3]);
+    let k = out_shape[1];
+    let plane = h * w;
+    let mut out = Vec::with_capacity(n * k * 6);
+    for img in 0..n {
+        let heat: Vec<f32> = hm.data[img * c * plane..(img + 1) * c * plane].iter().map(|&v| sigmoid(v)).collect();
+        let mut kept: Vec<(f32, usize)> = Vec::new();
+        for ch in 0..c {
+            let p = &heat[ch * plane..(ch + 1) * plane];
+            for y in 0..h {
+                for x in 0..w {
+                    let v = p[y * w + x];
+                    let mut max = v;
+                    for yy in y.saturating_sub(1)..(y + 2).min(h) {
+                        for xx in x.saturating_sub(1)..(x + 2).min(w) {
+                            max = max.max(p[yy * w + xx]);
+                        }
+                    }
+                    // Suppressed positions score 0 and still compete, as in the PyTorch decode.
+                    kept.push((if max == v { v } else { 0.0 }, ch * plane + y * w + x));
+                }
+            }
+        }
+        // Only the best k matter: partition first, then sort those (score desc, index asc).
+        let order = |a: &(f32, usize), b: &(f32, usize)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+        if k < kept.len() {
+            kept.select_nth_unstable_by(k - 1, order);
+            kept.truncate(k);
+        }
+        kept.sort_unstable_by(order);
+        let map = |t: &HostTensor, ch: usize, pos: usize| t.data[(img * 2 + ch) * plane + pos];
+        for &(score, idx) in &kept {
+            let (cls, pos) = (idx / plane, idx % plane);
+            let (y, x) = (pos / w, pos % w);
+            let cx = x as f32 + map(reg, 0, pos);
+            let cy = y as f32 + map(reg, 1, pos);
+            let (bw, bh) = (map(wh, 0, pos), map(wh, 1, pos));
+            out.extend_from_slice(&[cx - bw / 2.0, cy - bh / 2.0, cx + bw / 2.0, cy + bh / 2.0, score, cls as f32]);
+        }
+    }
+    Ok(HostTensor::new(out_shape, out))
+}
+
+kiln::inventory::submit! {
+    CustomOp { name: "centernet_decode", infer_shape: decode_shape, cpu: decode_cpu }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn attrs(k: f64) -> Attrs {
+        [("k".to_string(), k)].into_iter().collect()
+    }
+
+    #[test]
+    fn decode_picks_peaks_with_boxes() {
+        // One class, 4x4 map: peaks at (x=1, y=1) logit 3 and (x=3, y=3) logit 1; (x=2, y=1) is a
+        // neighbour of the first peak and must be suppressed although its score is second best.
+        let mut hm = vec![-4.0f32; 16];
+        hm[5] = 3.0;
+        hm[6] = 2.0;
+        hm[15] = 1.0;
+        let hm = HostTensor::new(vec![1, 1, 4, 4], hm);
+        let mut wh = vec![0.0f32; 32];
+        wh[5] = 2.0; // width at (1, 1)
+        wh[16 + 5] = 4.0; // height at (1, 1)
+        let wh = HostTensor::new(vec![1, 2, 4, 4], wh);
+        let mut reg = vec![0.0f32; 32];
+        reg[5] = 0.25;
+        reg[16 + 5] = 0.5;
+        let reg = HostTensor::new(vec![1, 2, 4, 4], reg);
+        let out = decode_cpu(&attrs(2.0), &[&hm, &wh, &reg]).expect("decode");
+        assert_eq!(out.shape, [1, 2, 6]);
+        assert_eq!(&out.data[..6], &[1.25 - 1.0, 1.5 - 2.0, 1.25 + 1.0, 1.5 + 2.0, sigmoid(3.0), 0.0]);
+        assert_eq!(&out.data[6..], &[3.0, 3.0, 3.0, 3.0, sigmoid(1.0), 0.0]);
+    }
+
+    #[test]
+    fn ties_go_to_the_lower_flat_index_across_classes() {
+        // Two classes with identical isolated peaks: class 0's comes first; then the zeros of
+        // suppressed positions, lowest index first.
+        let mut hm = vec![-9.0f32; 2 * 9];
+        hm[4] = 1.0;
+        hm[9 + 4] = 1.0;
+        let hm = HostTensor::new(vec![1, 2, 3, 3], hm);
+        let zeros = HostTensor::zeros(vec![1, 2, 3, 3]);
+        let out = decode_cpu(&attrs(3.0), &[&hm, &zeros, &zeros]).expect("decode");
+        let classes: Vec<f32> = out.data.chunks(6).map(|r| r[5]).collect();
+        assert_eq!(classes, [0.0, 1.0, 0.0]);
+        assert_eq!(out.data[2 * 6 + 4], 0.0, "third pick is a suppressed position");
+        assert_eq!(&out.data[2 * 6..2 * 6 + 2], &[0.0, 0.0], "lowest index: (0, 0) of class 0");
+    }
+
+    #[test]
+    fn bad_inputs_are_shape_errors() {
+        let hm = [1, 3, 8, 8];
+        assert!(decode_shape(&attrs(100.0), &[&hm, &[1, 2, 8, 8], &[1, 2, 8, 8]]).is_ok());
+        assert!(decode_shape(&Attrs::new(), &[&hm, &[1, 2, 8, 8], &[1, 2, 8, 8]]).is_ok(), "k defaults to 100");
+        let err = decode_shape(&attrs(10.0), &[&hm, &[1, 2, 8, 4], &[1, 2, 8, 8]]).unwrap_err();
+        assert!(err.contains("wh"), "{err}");
+        assert!(decode_shape(&attrs(500.0), &[&hm, &[1, 2, 8, 8], &[1, 2, 8, 8]]).unwrap_err().contains("exceeds"));
+        assert!(decode_shape(&attrs(2.5), &[&hm, &[1, 2, 8, 8], &[1, 2, 8, 8]]).unwrap_err().contains("positive integer"));
+        assert!(decode_shape(&attrs(10.0), &[&hm, &[1, 2, 8, 8]]).unwrap_err().contains("3 inputs"));
+    }
+
+    #[test]
+    fn decode_is_registered() {
+        assert!(kiln::ops::custom::lookup("centernet_decode").is_some());
+    }
+}
