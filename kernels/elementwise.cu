@@ -1,0 +1,85 @@
+// Elementwise family: activations, add/mul with a fused activation, and the bias + activation
+// (+ residual) epilogue for layers whose library call cannot fuse it.
+// Every entry point may run in place (y == x or y == a); each element is read before it is
+// written by the same thread.
+
+// y = act(x)
+template <typename T> __device__ void activation(const T* x, T* y, i64 n, int act, float slope) {
+    typedef Pack<T> P;
+    i64 head = 0;
+    if (aligned16(x) && aligned16(y)) {
+        head = n / P::N * P::N;
+        GRID_STRIDE(v, n / P::N) {
+            P p = load_pack(x + v * P::N);
+#pragma unroll
+            for (int k = 0; k < P::N; ++k) p.e[k] = from_f32<T>(apply_act(to_f32(p.e[k]), act, slope));
+            store_pack(y + v * P::N, p);
+        }
+    }
+    GRID_STRIDE(i, n - head) { y[head + i] = from_f32<T>(apply_act(to_f32(x[head + i]), act, slope)); }
+}
+
+// y = act(a + b) or act(a * b)
+template <bool MUL> __device__ __forceinline__ float combine(float a, float b) { return MUL ? a * b : a + b; }
+
+template <typename T, bool MUL> __device__ void binary(const T* a, const T* b, T* y, i64 n, int act, float slope) {
+    typedef Pack<T> P;
+    i64 head = 0;
+    if (aligned16(a) && aligned16(b) && aligned16(y)) {
+        head = n / P::N * P::N;
+        GRID_STRIDE(v, n / P::N) {
+            P pa = load_pack(a + v * P::N);
+            P pb = load_pack(b + v * P::N);
+#pragma unroll
+            for (int k = 0; k < P::N; ++k) pa.e[k] = from_f32<T>(apply_act(combine<MUL>(to_f32(pa.e[k]), to_f32(pb.e[k])), act, slope));
+            store_pack(y + v * P::N, pa);
+        }
+    }
+    GRID_STRIDE(i, n - head) {
+        i64 j = head + i;
+        y[j] = from_f32<T>(apply_act(combine<MUL>(to_f32(a[j]), to_f32(b[j])), act, slope));
+    }
+}
+
+// y[r, c] = act(x[r, c] + bias[c] + residual[r, c]) over rows = N*H*W of C channels (NHWC).
+// `bias` is always f32 (folded BatchNorm shifts lose precision in f16); `bias` and `residual`
+// may be null.
+template <typename T> __device__ void bias_act(const T* x, const float* bias, const T* residual, T* y, i64 rows, int C, int act, float slope) {
+    typedef Pack<T> P;
+    const i64 n = rows * C;
+    if (C % P::N == 0 && aligned16(x) && aligned16(y) && (residual == 0 || aligned16(residual))) {
+        GRID_STRIDE(v, n / P::N) {
+            const i64 base = v * P::N;
+            const int c0 = (int)(base % C);
+            P p = load_pack(x + base);
+            P r;
+            if (residual) r = load_pack(residual + base);
+#pragma unroll
+            for (int k = 0; k < P::N; ++k) {
+                float t = to_f32(p.e[k]);
+                if (bias) t += bias[c0 + k];
+                if (residual) t += to_f32(r.e[k]);
+                p.e[k] = from_f32<T>(apply_act(t, act, slope));
+            }
+            store_pack(y + base, p);
+        }
+        return;
+    }
+    GRID_STRIDE(i, n) {
+        float t = to_f32(x[i]);
+        if (bias) t += bias[i % C];
+        if (residual) t += to_f32(residual[i]);
+        y[i] = from_f32<T>(apply_act(t, act, slope));
+    }
+}
+
+#define ELEMENTWISE(T, S)                                                                                                                    \
+    extern "C" __global__ void activation_##S(const T* x, T* y, i64 n, int act, float slope) { activation<T>(x, y, n, act, slope); }         \
+    extern "C" __global__ void add_##S(const T* a, const T* b, T* y, i64 n, int act, float slope) { binary<T, false>(a, b, y, n, act, slope); } \
+    extern "C" __global__ void mul_##S(const T* a, const T* b, T* y, i64 n, int act, float slope) { binary<T, true>(a, b, y, n, act, slope); }  \
+    extern "C" __global__ void bias_act_##S(const T* x, const float* bias, const T* residual, T* y, i64 rows, int C, int act, float slope) {  \
+        bias_act<T>(x, bias, residual, y, rows, C, act, slope);                                                                                \
+    }
+
+ELEMENTWISE(float, f32)
+ELEMENTWISE(f16, f16)
