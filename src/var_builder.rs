@@ -67,7 +67,7 @@ impl VarBuilder {
             // SAFETY: the file is opened read-only; like every mmap user we assume nobody truncates
             // it while the model loads.
             let mmap = unsafe { Mmap::map(&file) }.map_err(Error::io(&path))?;
-            let tensors = SafeTensors::deserialize(&mmap).map_err(|e| bad(format!("{e:?}")))?;
+            let tensors = SafeTensors::deserialize(&mmap).map_err(|e| bad(explain(&e)))?;
             let base = mmap.as_ptr() as usize;
             for (name, view) in tensors.tensors() {
                 let start = view.data().as_ptr() as usize - base;
@@ -157,6 +157,25 @@ impl VarBuilder {
             return Ok(());
         }
         Err(Error::UnusedWeights { count: keys.len(), keys, source_name: self.store.source.describe() })
+    }
+}
+
+/// The safetensors crate's errors print as their variant names; say what is wrong with the file.
+fn explain(e: &safetensors::SafeTensorError) -> String {
+    use safetensors::SafeTensorError as E;
+    match e {
+        E::HeaderTooSmall => "the file is shorter than the 8-byte header length (truncated or not safetensors)".into(),
+        E::HeaderTooLarge | E::InvalidHeaderLength => {
+            "the header length in the first 8 bytes exceeds the file (truncated, corrupt, or not safetensors)".into()
+        }
+        E::InvalidHeader => "the header is not valid UTF-8 (corrupt file)".into(),
+        E::InvalidHeaderStart | E::InvalidHeaderDeserialization | E::JsonError(_) => {
+            format!("the header is not a valid safetensors JSON table (corrupt file): {e:?}")
+        }
+        E::MetadataIncompleteBuffer => "the tensor data does not end where the header says (truncated or corrupt file)".into(),
+        E::InvalidOffset(name) => format!("the data offsets of tensor `{name}` are out of order or out of range (corrupt file)"),
+        E::TensorInvalidInfo | E::ValidationOverflow => "a tensor's byte size does not match its shape and dtype (corrupt file)".into(),
+        other => format!("{other:?}"),
     }
 }
 
