@@ -5,6 +5,7 @@
 //! Module structs ──forward(symbolic Tensor)──► Graph ──passes──► CPU executor | EngineBuilder ──► Engine
 //! ```
 
+pub mod engine;
 pub mod error;
 pub mod graph;
 pub mod module;

@@ -1,0 +1,336 @@
+//! `EngineBuilder`: graph → passes → one layer per node through its converter → arena plan.
+//! Loading an engine file runs the same lowering with recorded tactics and no passes.
+
+use super::arena::{self, Interval};
+use super::gpu::Gpu;
+use super::kernels::{self, Kernels};
+use super::layer::{BuildCtx, Elem, Layer, Layout, Storage, ValueDesc, ValueId};
+use super::tactic::Tactics;
+use super::{check_converters, converter, is_structural, BuildConfig};
+use crate::graph::{Activation, Graph, Op};
+use crate::{Error, Result};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Builds engines from graphs.
+pub struct EngineBuilder {
+    pub config: BuildConfig,
+    gpu: Option<Arc<Gpu>>,
+}
+
+/// What a build did, for the CLI and logs.
+#[derive(Clone, Debug, Default)]
+pub struct BuildSummary {
+    pub layers: usize,
+    /// One line per layer that does the work of several graph nodes (conv+bias+residual+ReLU).
+    pub fused: Vec<String>,
+    pub arena_bytes: usize,
+    pub workspace_bytes: usize,
+    pub weight_bytes: usize,
+    pub tactics_timed: usize,
+    pub tactics_cached: usize,
+    pub build_seconds: f64,
+    /// Per timed choice: the problem and (kind, ms) of each candidate.
+    pub tactic_log: Vec<(String, Vec<(String, f32)>)>,
+}
+
+impl std::fmt::Display for BuildSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mib = |b: usize| b as f64 / (1 << 20) as f64;
+        writeln!(
+            f,
+            "{} layers ({} fused), arena {:.1} MiB, workspace {:.1} MiB, weights {:.1} MiB; {} tactics timed, {} from cache; built in {:.2} s",
+            self.layers,
+            self.fused.len(),
+            mib(self.arena_bytes),
+            mib(self.workspace_bytes),
+            mib(self.weight_bytes),
+            self.tactics_timed,
+            self.tactics_cached,
+            self.build_seconds
+        )?;
+        for line in &self.fused {
+            writeln!(f, "  fused: {line}")?;
+        }
+        Ok(())
+    }
+}
+
+/// A built engine: layers over one planned arena, shareable by many execution contexts.
+pub struct Engine {
+    pub(crate) gpu: Arc<Gpu>,
+    pub(crate) _kernels: Arc<Kernels>,
+    pub config: BuildConfig,
+    /// The optimised graph the engine was lowered from, with its (folded) weights.
+    pub graph: Graph,
+    pub(crate) layers: Vec<Box<dyn Layer>>,
+    pub(crate) values: Vec<ValueDesc>,
+    /// Arena offset of each arena value (aliases resolved), `usize::MAX` for bindings.
+    pub(crate) offsets: Vec<usize>,
+    pub(crate) arena_bytes: usize,
+    pub(crate) workspace_bytes: usize,
+    pub(crate) inputs: Vec<(String, ValueId)>,
+    pub(crate) outputs: Vec<(String, ValueId)>,
+    pub(crate) tactics: BTreeMap<String, String>,
+    pub summary: BuildSummary,
+}
+
+impl Engine {
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+    pub fn layers(&self) -> impl Iterator<Item = &dyn Layer> {
+        self.layers.iter().map(|l| l.as_ref())
+    }
+    /// Names and per-image dims (PyTorch order) of the inputs.
+    pub fn inputs(&self) -> Vec<(&str, &[usize])> {
+        self.inputs.iter().map(|(n, v)| (n.as_str(), self.values[v.0].dims.as_slice())).collect()
+    }
+    pub fn outputs(&self) -> Vec<(&str, &[usize])> {
+        self.outputs.iter().map(|(n, v)| (n.as_str(), self.values[v.0].dims.as_slice())).collect()
+    }
+    /// The recorded tactic choices (module path and problem → layer kind).
+    pub fn tactics(&self) -> &BTreeMap<String, String> {
+        &self.tactics
+    }
+    /// The engine's layers, one a line, for `inspect`.
+    pub fn describe(&self) -> String {
+        self.layers.iter().enumerate().map(|(i, l)| format!("{i:>4} {}\n", l.describe())).collect()
+    }
+}
+
+impl EngineBuilder {
+    pub fn new(config: BuildConfig) -> Self {
+        Self { config, gpu: None }
+    }
+
+    /// Builds on this GPU instead of opening GPU 0.
+    pub fn with_gpu(mut self, gpu: Arc<Gpu>) -> Self {
+        self.gpu = Some(gpu);
+        self
+    }
+
+    /// Runs the passes, checks every op has a converter (before touching the GPU), lowers and
+    /// plans. Errors name the op and module path.
+    pub fn build(&self, graph: &Graph) -> Result<Engine> {
+        let start = Instant::now();
+        self.config.validate()?;
+        check_converters(graph)?;
+        let optimized = crate::passes::optimize(graph)?;
+        let optimized = fuse_transposed_relu(&optimized);
+        check_converters(&optimized)?;
+        let gpu = match &self.gpu {
+            Some(g) => g.clone(),
+            None => Gpu::new(0)?,
+        };
+        let mut tactics = Tactics { cache_prefix: cache_prefix(&gpu, &self.config), ..Default::default() };
+        if let Some(path) = &self.config.timing_cache {
+            tactics.load_cache(path)?;
+        }
+        let mut engine = lower(gpu, optimized, self.config.clone(), &mut tactics)?;
+        if let Some(path) = &self.config.timing_cache {
+            tactics.save_cache(path)?;
+        }
+        engine.summary.build_seconds = start.elapsed().as_secs_f64();
+        Ok(engine)
+    }
+}
+
+pub(crate) fn cache_prefix(gpu: &Gpu, config: &BuildConfig) -> String {
+    format!("{}|sm{}|cudnn{}|{:?}|b{}", gpu.info.name, gpu.info.sm, gpu.info.cudnn_version, config.precision, config.opt_batch)
+}
+
+/// ConvTranspose2d read only by a ReLU takes the ReLU as its fused activation (the graph passes
+/// fuse only Conv2d; the engine's transposed-conv layer applies the activation in place).
+fn fuse_transposed_relu(graph: &Graph) -> Graph {
+    let mut g = graph.clone();
+    let uses = g.use_counts();
+    let outputs: Vec<usize> = g.outputs.iter().map(|(_, id)| *id).collect();
+    for relu in 0..g.nodes.len() {
+        if !matches!(g.nodes[relu].op, Op::Relu) {
+            continue;
+        }
+        let src = g.nodes[relu].inputs[0];
+        let Op::ConvTranspose2d(mut attrs) = g.nodes[src].op else { continue };
+        if uses[src] != 1 || outputs.contains(&src) || attrs.act != Activation::None {
+            continue;
+        }
+        attrs.act = Activation::Relu;
+        g.nodes[src].op = Op::ConvTranspose2d(attrs);
+        // The ReLU becomes a reshape-free identity: readers of the ReLU read the conv.
+        for n in g.nodes.iter_mut() {
+            for i in n.inputs.iter_mut() {
+                if *i == relu {
+                    *i = src;
+                }
+            }
+        }
+        for (_, o) in g.outputs.iter_mut() {
+            if *o == relu {
+                *o = src;
+            }
+        }
+    }
+    crate::passes::remove_dead_nodes(&g).unwrap_or(g)
+}
+
+/// Lowers an optimised graph to an engine (build and load share this).
+pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &mut Tactics) -> Result<Engine> {
+    let kernels = Arc::new(Kernels::new(&gpu)?);
+    let elem = config.precision.elem();
+    let mut values = Vec::new();
+    let mut node_values = vec![None; graph.nodes.len()];
+    let mut input_bindings = Vec::new();
+    for (id, node) in graph.nodes.iter().enumerate() {
+        if matches!(node.op, Op::Weight { .. }) {
+            continue;
+        }
+        if node.shape.is_empty() {
+            return Err(Error::Graph(format!("`{}` ({}) has no batch dimension", node.path, node.op.name())));
+        }
+        let dims = node.shape[1..].to_vec();
+        if let Op::Input { name } = &node.op {
+            input_bindings.push((name.clone(), id, ValueId(values.len())));
+            values.push(ValueDesc {
+                name: name.clone(),
+                dims: dims.clone(),
+                elem: Elem::F32,
+                layout: Layout::Nchw,
+                storage: Storage::Binding,
+            });
+        }
+        node_values[id] = Some(ValueId(values.len()));
+        values.push(ValueDesc { name: node.path.clone(), dims, elem, layout: Layout::Nhwc, storage: Storage::Arena });
+    }
+    let mut output_bindings = Vec::new();
+    for (name, id) in &graph.outputs {
+        let src = node_values[*id].ok_or_else(|| Error::Graph(format!("output `{name}` is a weight, not a computed value")))?;
+        let dims = values[src.0].dims.clone();
+        output_bindings.push((name.clone(), *id, src, ValueId(values.len())));
+        values.push(ValueDesc { name: name.clone(), dims, elem: Elem::F32, layout: Layout::Nchw, storage: Storage::Binding });
+    }
+
+    let mut ctx = BuildCtx {
+        gpu: &gpu,
+        config: &config,
+        graph: &graph,
+        kernels: &kernels,
+        values,
+        node_values,
+        scratch: Vec::new(),
+        current: 0,
+        tactics,
+        weight_bytes: 0,
+    };
+    // Each layer with the values it touches, for lifetimes.
+    let mut layers: Vec<Box<dyn Layer>> = Vec::new();
+    let mut touches: Vec<Vec<ValueId>> = Vec::new();
+    let mut fused = Vec::new();
+    for (name, id, binding) in &input_bindings {
+        ctx.current = *id;
+        let internal = ctx.node_values[*id].expect("inputs have values");
+        layers.push(kernels::reformat_layer(&mut ctx, *binding, internal, name)?);
+        touches.push(vec![internal]);
+    }
+    for (id, node) in graph.nodes.iter().enumerate() {
+        if is_structural(&node.op) {
+            continue;
+        }
+        let conv = converter(node.op.name())?.ok_or_else(|| Error::NoConverter {
+            backend: "GPU",
+            op: node.op.name().into(),
+            path: node.path.clone(),
+        })?;
+        ctx.current = id;
+        ctx.scratch.clear();
+        let layer = (conv.convert)(&mut ctx, id)?;
+        let mut touched: Vec<ValueId> = node.inputs.iter().filter_map(|&i| ctx.node_values[i]).collect();
+        touched.extend(ctx.node_values[id]);
+        touched.extend(ctx.scratch.iter().copied());
+        if let Op::Conv2d(a) | Op::ConvTranspose2d(a) = &node.op {
+            let mut parts = vec![node.op.name().to_string()];
+            if a.bias {
+                parts.push("bias".into());
+            }
+            if a.residual {
+                parts.push("residual add".into());
+            }
+            if a.act == Activation::Relu {
+                parts.push("relu".into());
+            }
+            if parts.len() > 1 {
+                fused.push(format!("{} = {} as {}", node.path, parts.join(" + "), layer.kind()));
+            }
+        }
+        layers.push(layer);
+        touches.push(touched);
+    }
+    for (name, id, src, binding) in &output_bindings {
+        ctx.current = *id;
+        layers.push(kernels::reformat_layer(&mut ctx, *src, *binding, name)?);
+        touches.push(vec![*src]);
+    }
+    let weight_bytes = ctx.weight_bytes;
+    let values = ctx.values;
+
+    // Lifetimes of arena storage roots (an alias keeps its root alive).
+    let root = |mut v: ValueId| {
+        while let Storage::Alias(src) = values[v.0].storage {
+            v = src;
+        }
+        v
+    };
+    let mut span: BTreeMap<ValueId, (usize, usize)> = BTreeMap::new();
+    for (step, vs) in touches.iter().enumerate() {
+        for &v in vs {
+            let r = root(v);
+            if values[r.0].storage != Storage::Arena {
+                continue;
+            }
+            let e = span.entry(r).or_insert((step, step));
+            e.0 = e.0.min(step);
+            e.1 = e.1.max(step);
+        }
+    }
+    let roots: Vec<ValueId> = span.keys().copied().collect();
+    let intervals: Vec<Interval> =
+        roots.iter().map(|r| Interval { bytes: values[r.0].bytes(config.max_batch), first: span[r].0, last: span[r].1 }).collect();
+    let (root_offsets, arena_bytes) = arena::plan(&intervals);
+    let mut offsets = vec![usize::MAX; values.len()];
+    for (r, off) in roots.iter().zip(root_offsets) {
+        offsets[r.0] = off;
+    }
+    for v in 0..values.len() {
+        let r = root(ValueId(v));
+        offsets[v] = offsets[r.0];
+    }
+    let workspace_bytes = layers.iter().map(|l| l.workspace_bytes(config.max_batch)).max().unwrap_or(0);
+
+    let summary = BuildSummary {
+        layers: layers.len(),
+        fused,
+        arena_bytes,
+        workspace_bytes,
+        weight_bytes,
+        tactics_timed: tactics.timed,
+        tactics_cached: tactics.cached,
+        build_seconds: 0.0,
+        tactic_log: tactics.log.clone(),
+    };
+    Ok(Engine {
+        gpu,
+        _kernels: kernels,
+        config,
+        graph,
+        layers,
+        values,
+        offsets,
+        arena_bytes,
+        workspace_bytes,
+        inputs: input_bindings.into_iter().map(|(n, _, b)| (n, b)).collect(),
+        outputs: output_bindings.into_iter().map(|(n, _, _, b)| (n, b)).collect(),
+        tactics: tactics.recorded.clone(),
+        summary,
+    })
+}

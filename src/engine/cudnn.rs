@@ -1,0 +1,1 @@
+//! cuDNN layers: fused convolution (bias, residual, ReLU), transposed convolution, batch norm.

@@ -1,0 +1,238 @@
+//! `ExecutionContext`: one stream, one arena, one workspace and the bindings of one engine. Many
+//! contexts of one `Arc<Engine>` run concurrently, one per thread; layers are shared read-only.
+
+use super::builder::Engine;
+use super::gpu::{cuda_err, Handles};
+use super::layer::{DeviceBuf, RunCtx, Storage};
+use crate::graph::HostTensor;
+use crate::{Error, Result};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{result as drv, CudaGraph, CudaStream};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+pub struct ExecutionContext {
+    engine: Arc<Engine>,
+    stream: Arc<CudaStream>,
+    handles: Handles,
+    _arena: DeviceBuf,
+    workspace: DeviceBuf,
+    /// One buffer per input binding, then per output binding, sized for the max batch.
+    _bindings: Vec<DeviceBuf>,
+    ptrs: Vec<u64>,
+    /// One captured plan per batch size.
+    graphs: HashMap<usize, CudaGraph>,
+    use_graphs: bool,
+}
+
+// A context is used by one thread at a time (every method takes `&mut self`); its CUDA graphs are
+// only launched from that thread.
+unsafe impl Send for ExecutionContext {}
+
+impl Engine {
+    /// A new execution context with its own stream and memory.
+    pub fn context(self: &Arc<Self>) -> Result<ExecutionContext> {
+        ExecutionContext::new(self.clone())
+    }
+}
+
+impl ExecutionContext {
+    pub fn new(engine: Arc<Engine>) -> Result<Self> {
+        let gpu = engine.gpu.clone();
+        gpu.ctx.bind_to_thread().map_err(cuda_err("binding the CUDA context"))?;
+        let stream = gpu.ctx.new_stream().map_err(cuda_err("creating a stream"))?;
+        let handles = Handles::new(&stream)?;
+        let arena = DeviceBuf::zeros(&stream, engine.arena_bytes)?;
+        let workspace = DeviceBuf::zeros(&stream, engine.workspace_bytes)?;
+        let max = engine.config.max_batch;
+        let mut bindings = Vec::new();
+        let mut ptrs = vec![0u64; engine.values.len()];
+        for (_, v) in engine.inputs.iter().chain(&engine.outputs) {
+            let buf = DeviceBuf::zeros(&stream, engine.values[v.0].bytes(max))?;
+            ptrs[v.0] = buf.ptr();
+            bindings.push(buf);
+        }
+        for (v, desc) in engine.values.iter().enumerate() {
+            if desc.storage != Storage::Binding {
+                ptrs[v] = arena.ptr() + engine.offsets[v] as u64;
+            }
+        }
+        stream.synchronize().map_err(cuda_err("allocating a context"))?;
+        let use_graphs = engine.config.cuda_graphs;
+        Ok(Self { engine, stream, handles, _arena: arena, workspace, _bindings: bindings, ptrs, graphs: HashMap::new(), use_graphs })
+    }
+
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+    /// Switches CUDA graph replay on or off (off: every layer is launched from the host).
+    pub fn set_cuda_graphs(&mut self, on: bool) {
+        self.use_graphs = on;
+    }
+
+    fn check_batch(&self, batch: usize) -> Result<()> {
+        let c = &self.engine.config;
+        if batch < c.min_batch || batch > c.max_batch {
+            return Err(Error::Binding {
+                name: "batch".into(),
+                reason: format!("batch {batch} is outside the engine's range {}..={}", c.min_batch, c.max_batch),
+            });
+        }
+        Ok(())
+    }
+
+    /// Enqueues the whole plan for `batch` on the context's stream (replaying its CUDA graph when
+    /// enabled, capturing it on first use of that batch size). Bindings must already hold inputs.
+    pub fn execute(&mut self, batch: usize) -> Result<()> {
+        self.check_batch(batch)?;
+        self.engine.gpu.ctx.bind_to_thread().map_err(cuda_err("binding the CUDA context"))?;
+        if !self.use_graphs {
+            return self.enqueue_layers(batch);
+        }
+        if !self.graphs.contains_key(&batch) {
+            self.stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(cuda_err("beginning CUDA graph capture"))?;
+            let enqueued = self.enqueue_layers(batch);
+            let captured = self.stream.end_capture(CUgraphInstantiate_flags(0));
+            enqueued?;
+            let graph = captured
+                .map_err(cuda_err("ending CUDA graph capture"))?
+                .ok_or_else(|| Error::Cuda { context: "CUDA graph capture".into(), reason: "nothing was captured".into() })?;
+            graph.upload().map_err(cuda_err("uploading a CUDA graph"))?;
+            self.graphs.insert(batch, graph);
+        }
+        self.graphs[&batch].launch().map_err(cuda_err("launching a CUDA graph"))
+    }
+
+    fn enqueue_layers(&self, batch: usize) -> Result<()> {
+        let rt = RunCtx {
+            stream: &self.stream,
+            handles: &self.handles,
+            ptrs: &self.ptrs,
+            workspace: self.workspace.ptr(),
+            workspace_bytes: self.engine.workspace_bytes,
+        };
+        for layer in &self.engine.layers {
+            layer.enqueue(&rt, batch)?;
+        }
+        Ok(())
+    }
+
+    fn binding(&self, name: &str, inputs: bool) -> Result<(usize, super::ValueId)> {
+        let (list, offset) = if inputs { (&self.engine.inputs, 0) } else { (&self.engine.outputs, self.engine.inputs.len()) };
+        list.iter().position(|(n, _)| n == name).map(|i| (offset + i, list[i].1)).ok_or_else(|| Error::Binding {
+            name: name.to_string(),
+            reason: format!(
+                "the engine has no {} of that name; it has {:?}",
+                if inputs { "input" } else { "output" },
+                list.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>()
+            ),
+        })
+    }
+
+    /// Runs on host tensors (NCHW f32) and waits: every input by name, every output returned.
+    pub fn run(&mut self, inputs: &[(&str, &HostTensor)]) -> Result<BTreeMap<String, HostTensor>> {
+        let batch = self.bind_host_inputs(inputs)?;
+        self.execute(batch)?;
+        let mut out = BTreeMap::new();
+        for (name, v) in self.engine.outputs.clone() {
+            let desc = &self.engine.values[v.0];
+            let mut shape = vec![batch];
+            shape.extend(&desc.dims);
+            let mut data = vec![0f32; batch * desc.per_image_elems()];
+            unsafe { drv::memcpy_dtoh_async(&mut data, self.ptrs[v.0], self.stream.cu_stream()) }
+                .map_err(cuda_err("copying an output to the host"))?;
+            self.stream.synchronize().map_err(cuda_err("running the engine"))?;
+            out.insert(name, HostTensor::new(shape, data));
+        }
+        self.stream.synchronize().map_err(cuda_err("running the engine"))?;
+        Ok(out)
+    }
+
+    fn bind_host_inputs(&mut self, inputs: &[(&str, &HostTensor)]) -> Result<usize> {
+        if inputs.len() != self.engine.inputs.len() {
+            let names: Vec<&str> = self.engine.inputs.iter().map(|(n, _)| n.as_str()).collect();
+            return Err(Error::Binding {
+                name: "inputs".into(),
+                reason: format!("expected {} input(s) {names:?}, got {}", names.len(), inputs.len()),
+            });
+        }
+        let mut batch = None;
+        for (name, t) in inputs {
+            let (_, v) = self.binding(name, true)?;
+            let dims = &self.engine.values[v.0].dims;
+            if t.shape.len() != dims.len() + 1 || t.shape[1..] != dims[..] {
+                return Err(Error::Binding {
+                    name: name.to_string(),
+                    reason: format!("shape {:?} does not match the engine's [batch, {dims:?}]", t.shape),
+                });
+            }
+            let b = t.shape[0];
+            if *batch.get_or_insert(b) != b {
+                return Err(Error::Binding { name: name.to_string(), reason: "inputs have different batch sizes".into() });
+            }
+            self.check_batch(b)?;
+            unsafe { drv::memcpy_htod_async(self.ptrs[v.0], &t.data, self.stream.cu_stream()) }
+                .map_err(cuda_err("copying an input to the device"))?;
+        }
+        // Pageable copies may read the host data after returning; the caller's tensors must stay
+        // valid until then, so wait here rather than hand the caller a hidden borrow.
+        self.stream.synchronize().map_err(cuda_err("copying inputs to the device"))?;
+        batch.ok_or_else(|| Error::Binding { name: "inputs".into(), reason: "the engine has no inputs".into() })
+    }
+
+    /// Asynchronous run from device memory on the context's stream: copies each input (NCHW f32,
+    /// `batch` images at a device address) into the bindings, runs, and copies each output to
+    /// its device address. Returns without waiting; call `synchronize` before reading outputs.
+    ///
+    /// # Safety
+    /// Every address must point to device memory of this engine's GPU large enough for `batch`
+    /// images of that binding, valid until the stream has finished.
+    pub unsafe fn enqueue_device(&mut self, batch: usize, inputs: &[(&str, u64)], outputs: &[(&str, u64)]) -> Result<()> {
+        self.check_batch(batch)?;
+        for (name, ptr) in inputs {
+            let (_, v) = self.binding(name, true)?;
+            let bytes = self.engine.values[v.0].bytes(batch);
+            drv::memcpy_dtod_async(self.ptrs[v.0], *ptr, bytes, self.stream.cu_stream()).map_err(cuda_err("copying an input"))?;
+        }
+        self.execute(batch)?;
+        for (name, ptr) in outputs {
+            let (_, v) = self.binding(name, false)?;
+            let bytes = self.engine.values[v.0].bytes(batch);
+            drv::memcpy_dtod_async(*ptr, self.ptrs[v.0], bytes, self.stream.cu_stream()).map_err(cuda_err("copying an output"))?;
+        }
+        Ok(())
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(cuda_err("synchronising the context's stream"))
+    }
+
+    /// Device address of a binding's buffer (for zero-copy use with `execute`).
+    pub fn binding_ptr(&self, name: &str) -> Result<u64> {
+        let (_, v) = self.binding(name, true).or_else(|_| self.binding(name, false))?;
+        Ok(self.ptrs[v.0])
+    }
+
+    /// Median wall time of `iters` runs of `execute(batch)` on the inputs already bound, after
+    /// `warmup` runs; in milliseconds.
+    pub fn time(&mut self, batch: usize, warmup: usize, iters: usize) -> Result<f64> {
+        for _ in 0..warmup {
+            self.execute(batch)?;
+        }
+        self.synchronize()?;
+        let mut times = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let t = std::time::Instant::now();
+            self.execute(batch)?;
+            self.synchronize()?;
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times.get(times.len() / 2).copied().unwrap_or(f64::NAN))
+    }
+}

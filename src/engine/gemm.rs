@@ -1,0 +1,1 @@
+//! cuBLASLt layers: 1x1 convolutions and Linear as GEMMs with fused epilogues.

@@ -1,0 +1,288 @@
+//! What converters produce and what execution runs: `Layer`s over value handles.
+//!
+//! A converter sees a `BuildCtx` (the node, its value handles, its weights, the GPU, the kernels,
+//! the tactic helper) and returns one `Layer`. At run time a layer sees a `RunCtx`: the stream, the
+//! context's library handles and the device address of every value.
+
+use super::gpu::{cuda_err, Gpu, Handles};
+use super::kernels::Kernels;
+use super::tactic::Tactics;
+use super::{BuildConfig, Precision};
+use crate::graph::{HostTensor, Node, NodeId};
+use crate::{Error, Graph, Result};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+
+/// A value of the engine: an activation in the arena, a binding (user input/output) or a
+/// layer's scratch buffer. Index into the engine's value table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ValueId(pub usize);
+
+/// Element type in device memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Elem {
+    F32,
+    F16,
+}
+
+impl Elem {
+    pub fn size(self) -> usize {
+        match self {
+            Elem::F32 => 4,
+            Elem::F16 => 2,
+        }
+    }
+    /// The suffix of kernel entry points stamped out per type (`relu_f16`).
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Elem::F32 => "f32",
+            Elem::F16 => "f16",
+        }
+    }
+}
+
+/// Memory order of a value. Activations inside the engine are NHWC; bindings are the user's NCHW.
+/// For values of rank 2 (`[N, F]`) both orders are the same bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Layout {
+    Nhwc,
+    Nchw,
+}
+
+/// Where a value lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Storage {
+    /// In the activation arena, at an offset planned by lifetime.
+    Arena,
+    /// A user input or output buffer owned by the execution context.
+    Binding,
+    /// Shares the bytes of another value (a reshape that moves nothing).
+    Alias(ValueId),
+}
+
+/// Shape, type and place of one value. `dims` are the logical per-image dims in PyTorch order
+/// (`[C, H, W]` or `[F]`); the batch is dimension 0 of every value and is chosen per run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ValueDesc {
+    pub name: String,
+    pub dims: Vec<usize>,
+    pub elem: Elem,
+    pub layout: Layout,
+    pub storage: Storage,
+}
+
+impl ValueDesc {
+    pub fn per_image_elems(&self) -> usize {
+        self.dims.iter().product()
+    }
+    pub fn bytes(&self, batch: usize) -> usize {
+        batch * self.per_image_elems() * self.elem.size()
+    }
+    /// `(C, H, W)` of an image value; a `[F]` value reads as `(F, 1, 1)`.
+    pub fn chw(&self) -> Option<(usize, usize, usize)> {
+        match self.dims.as_slice() {
+            [c, h, w] => Some((*c, *h, *w)),
+            [f] => Some((*f, 1, 1)),
+            _ => None,
+        }
+    }
+}
+
+/// Device memory owned by a layer (its weights) or a context (arena, workspace, bindings).
+pub struct DeviceBuf {
+    buf: CudaSlice<u8>,
+    ptr: u64,
+}
+
+impl DeviceBuf {
+    /// Allocates `bytes` (at least 1) of zeroed device memory on `stream`.
+    pub fn zeros(stream: &Arc<CudaStream>, bytes: usize) -> Result<Self> {
+        let buf = stream.alloc_zeros::<u8>(bytes.max(1)).map_err(cuda_err("allocating device memory"))?;
+        let ptr = buf.device_ptr(stream).0;
+        Ok(Self { buf, ptr })
+    }
+    /// Copies raw bytes to a new device buffer and waits for the copy.
+    pub fn from_bytes(stream: &Arc<CudaStream>, bytes: &[u8]) -> Result<Self> {
+        let buf = stream.clone_htod(bytes).map_err(cuda_err("uploading to the device"))?;
+        stream.synchronize().map_err(cuda_err("uploading to the device"))?;
+        let ptr = buf.device_ptr(stream).0;
+        Ok(Self { buf, ptr })
+    }
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+}
+
+/// Host values converted to an element type, as bytes.
+pub fn to_elem_bytes(data: &[f32], elem: Elem) -> Vec<u8> {
+    match elem {
+        Elem::F32 => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        Elem::F16 => data.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
+    }
+}
+
+/// What a layer sees when it is enqueued.
+pub struct RunCtx<'a> {
+    pub stream: &'a Arc<CudaStream>,
+    pub handles: &'a Handles,
+    /// Device address of each value, indexed by `ValueId` (0 for values this run does not hold).
+    pub ptrs: &'a [u64],
+    pub workspace: u64,
+    pub workspace_bytes: usize,
+}
+
+impl RunCtx<'_> {
+    pub fn ptr(&self, v: ValueId) -> u64 {
+        self.ptrs[v.0]
+    }
+}
+
+/// One step of an engine: a cuDNN call, a cuBLASLt GEMM, a kernel launch.
+pub trait Layer: Send + Sync {
+    /// The module path of the node(s) it came from (`layer3.1.conv2`).
+    fn path(&self) -> &str;
+    /// What runs, including the tactic (`cudnn-fused:IMPLICIT_PRECOMP_GEMM`, `cublaslt-gemm`).
+    /// Candidates of one tactic choice must have distinct kinds: the kind is what is recorded.
+    fn kind(&self) -> String;
+    /// Enqueues the layer on `rt.stream` for `batch` images. Must not synchronise (it may be
+    /// captured into a CUDA graph).
+    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()>;
+    /// Scratch memory needed at `batch` (served from the context's workspace).
+    fn workspace_bytes(&self, _batch: usize) -> usize {
+        0
+    }
+    /// A one-line description for `inspect` and build summaries.
+    fn describe(&self) -> String {
+        format!("{:<28} {}", self.kind(), self.path())
+    }
+}
+
+/// A layer that does nothing: the result of a converter that only aliased its output.
+pub struct Nop {
+    pub path: String,
+}
+
+impl Layer for Nop {
+    fn path(&self) -> &str {
+        &self.path
+    }
+    fn kind(&self) -> String {
+        "nop".into()
+    }
+    fn enqueue(&self, _rt: &RunCtx, _batch: usize) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// What a converter sees.
+pub struct BuildCtx<'a> {
+    pub gpu: &'a Arc<Gpu>,
+    pub config: &'a BuildConfig,
+    /// The optimised graph being lowered.
+    pub graph: &'a Graph,
+    pub kernels: &'a Kernels,
+    pub(crate) values: Vec<ValueDesc>,
+    /// The value of each node (None for weights).
+    pub(crate) node_values: Vec<Option<ValueId>>,
+    /// Scratch values requested by the node being converted.
+    pub(crate) scratch: Vec<ValueId>,
+    pub(crate) current: NodeId,
+    pub(crate) tactics: &'a mut Tactics,
+    /// Bytes of weights uploaded so far (for the build summary).
+    pub(crate) weight_bytes: usize,
+}
+
+impl<'a> BuildCtx<'a> {
+    pub fn precision(&self) -> Precision {
+        self.config.precision
+    }
+    /// The element type of activations and weights.
+    pub fn elem(&self) -> Elem {
+        self.config.precision.elem()
+    }
+    pub fn node(&self, id: NodeId) -> &'a Node {
+        &self.graph.nodes[id]
+    }
+    pub fn value(&self, v: ValueId) -> &ValueDesc {
+        &self.values[v.0]
+    }
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.gpu.stream
+    }
+
+    /// The value of a node's `i`-th input, which must be an activation (not a weight).
+    pub fn input(&self, node: NodeId, i: usize) -> Result<ValueId> {
+        let n = self.node(node);
+        let src = *n.inputs.get(i).ok_or_else(|| self.err(node, format!("has no input {i}")))?;
+        self.node_values[src].ok_or_else(|| self.err(node, format!("input {i} is a weight, but an activation is expected here")))
+    }
+
+    /// The node's output value.
+    pub fn output(&self, node: NodeId) -> Result<ValueId> {
+        self.node_values[node].ok_or_else(|| self.err(node, "has no output value".into()))
+    }
+
+    /// The host data of a node's `i`-th input, which must be a weight.
+    pub fn weight(&self, node: NodeId, i: usize) -> Result<&'a Arc<HostTensor>> {
+        let n = self.node(node);
+        let src = *n.inputs.get(i).ok_or_else(|| self.err(node, format!("has no input {i}")))?;
+        self.graph.weight_data(src).ok_or_else(|| self.err(node, format!("input {i} must be a weight (constant), but it is computed")))
+    }
+
+    /// Uploads host values converted to the engine's element type.
+    pub fn upload(&mut self, data: &[f32]) -> Result<DeviceBuf> {
+        let bytes = to_elem_bytes(data, self.elem());
+        self.upload_bytes(&bytes)
+    }
+    /// Uploads host values as f32 whatever the precision (e.g. scales a kernel reads as float).
+    pub fn upload_f32(&mut self, data: &[f32]) -> Result<DeviceBuf> {
+        self.upload_bytes(&to_elem_bytes(data, Elem::F32))
+    }
+    pub fn upload_bytes(&mut self, bytes: &[u8]) -> Result<DeviceBuf> {
+        self.weight_bytes += bytes.len();
+        DeviceBuf::from_bytes(&self.gpu.stream, bytes)
+    }
+
+    /// Declares that `out` is the same bytes as `src` (a reshape that moves nothing). The
+    /// converter then returns a `Nop` layer.
+    pub fn alias(&mut self, out: ValueId, src: ValueId) -> Result<()> {
+        let (a, b) = (self.value(out), self.value(src));
+        if a.bytes(1) != b.bytes(1) || a.elem != b.elem {
+            return Err(self.err(self.current, format!("cannot alias {:?} to {:?}: sizes differ", a.dims, b.dims)));
+        }
+        self.values[out.0].storage = Storage::Alias(src);
+        Ok(())
+    }
+
+    /// A scratch buffer of `bytes_per_image * batch` bytes, live only while this node's layer runs.
+    pub fn scratch(&mut self, bytes_per_image: usize) -> ValueId {
+        let id = ValueId(self.values.len());
+        let name = format!("{}.scratch{}", self.node(self.current).path, self.scratch.len());
+        // Scratch is typed f32 so its size in bytes rounds up to whole words.
+        let dims = vec![bytes_per_image.div_ceil(4)];
+        self.values.push(ValueDesc { name, dims, elem: Elem::F32, layout: Layout::Nhwc, storage: Storage::Arena });
+        self.scratch.push(id);
+        id
+    }
+
+    /// Picks the fastest of `candidates` (TensorRT's tactics): recorded choices (engine being
+    /// loaded, timing cache) are reused, otherwise each candidate is timed on the device at the
+    /// opt batch. Candidates that fail to run are skipped; if none runs the error lists why.
+    /// `key` names the problem (shapes, attributes), not the node: equal keys share a timing.
+    pub fn choose(&mut self, key: &str, candidates: Vec<Box<dyn Layer>>) -> Result<Box<dyn Layer>> {
+        super::tactic::choose(self, key, candidates)
+    }
+
+    /// An error naming the node's op and module path.
+    pub fn err(&self, node: NodeId, reason: String) -> Error {
+        let n = self.node(node);
+        Error::Graph(format!("cannot lower `{}` ({}): {reason}", n.path, n.op.name()))
+    }
+}

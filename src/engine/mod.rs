@@ -1,0 +1,173 @@
+//! The CUDA engine: what TensorRT's builder does, reached straight from our graph.
+//!
+//! ```text
+//! Graph ──passes::optimize──► converters (one per op, inventory) ──► Layers ──► Engine ──► ExecutionContext
+//!                                         │ tactic timing (+ cache)        │ engine file
+//! ```
+//!
+//! Physical layout inside an engine: every activation is NHWC, batch-major, element type f32
+//! (`Fp32`/`Tf32`) or f16 (`Fp16`), allocated for `max_batch` in one arena planned by tensor
+//! lifetime. The user's inputs and outputs are NCHW f32 bindings; reformat layers convert at the
+//! edges.
+
+pub mod arena;
+pub mod builder;
+pub mod cudnn;
+pub mod exec;
+pub mod file;
+pub mod gemm;
+pub mod gpu;
+pub mod kernel_layers;
+pub mod kernels;
+pub mod layer;
+pub mod tactic;
+
+pub use builder::{BuildSummary, Engine, EngineBuilder};
+pub use exec::ExecutionContext;
+pub use gpu::{gpu_available, Gpu, GpuInfo};
+pub use layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId};
+
+use crate::graph::{Graph, NodeId, Op};
+use crate::registry::build_table;
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+/// Arithmetic of an engine. `Fp32` forbids TF32 (cuDNN FMA math, cuBLASLt `COMPUTE_32F`); `Tf32`
+/// keeps f32 storage and lets tensor cores round inputs to TF32; `Fp16` stores activations and
+/// weights in f16 and accumulates in f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum Precision {
+    Fp32,
+    Tf32,
+    #[default]
+    Fp16,
+}
+
+impl Precision {
+    /// The element type activations and weights are stored in.
+    pub fn elem(self) -> Elem {
+        match self {
+            Precision::Fp32 | Precision::Tf32 => Elem::F32,
+            Precision::Fp16 => Elem::F16,
+        }
+    }
+}
+
+/// What the builder is asked for. Any batch in `[min_batch, max_batch]` runs from one engine;
+/// algorithms are timed at `opt_batch`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BuildConfig {
+    pub precision: Precision,
+    pub min_batch: usize,
+    pub opt_batch: usize,
+    pub max_batch: usize,
+    /// Upper bound on one layer's scratch memory (cuDNN / cuBLASLt workspace).
+    pub workspace_bytes: usize,
+    /// A timing cache file: read before timing, written after, so a rebuild times nothing.
+    pub timing_cache: Option<PathBuf>,
+    /// Capture the plan as one CUDA graph per batch size.
+    pub cuda_graphs: bool,
+}
+
+impl Default for BuildConfig {
+    fn default() -> Self {
+        Self {
+            precision: Precision::Fp16,
+            min_batch: 1,
+            opt_batch: 1,
+            max_batch: 1,
+            workspace_bytes: 256 << 20,
+            timing_cache: None,
+            cuda_graphs: true,
+        }
+    }
+}
+
+impl BuildConfig {
+    pub fn precision(mut self, p: Precision) -> Self {
+        self.precision = p;
+        self
+    }
+    /// Sets the batch range `min..=max`, timed at `opt`.
+    pub fn batch(mut self, min: usize, opt: usize, max: usize) -> Self {
+        (self.min_batch, self.opt_batch, self.max_batch) = (min, opt, max);
+        self
+    }
+    pub fn cuda_graphs(mut self, on: bool) -> Self {
+        self.cuda_graphs = on;
+        self
+    }
+    pub fn timing_cache(mut self, path: impl Into<PathBuf>) -> Self {
+        self.timing_cache = Some(path.into());
+        self
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        let ok = 1 <= self.min_batch && self.min_batch <= self.opt_batch && self.opt_batch <= self.max_batch;
+        if !ok {
+            return Err(Error::Graph(format!(
+                "batch range must satisfy 1 <= min <= opt <= max, got min {} opt {} max {}",
+                self.min_batch, self.opt_batch, self.max_batch
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A GPU converter: lowers one node of op `op` to an engine layer. Register with
+/// [`register_converter!`](crate::register_converter) next to the op's definition.
+pub struct Converter {
+    pub op: &'static str,
+    pub convert: fn(&mut BuildCtx<'_>, NodeId) -> Result<Box<dyn Layer>>,
+}
+
+inventory::collect!(Converter);
+
+/// Registers a GPU converter for `op` (the `Op::name()`, or a custom op's name):
+/// `kiln::register_converter!("asinh", convert_asinh);` with
+/// `fn convert_asinh(ctx: &mut kiln::engine::BuildCtx, node: kiln::NodeId) -> kiln::Result<Box<dyn kiln::engine::Layer>>`.
+#[macro_export]
+macro_rules! register_converter {
+    ($op:expr, $convert:path) => {
+        $crate::inventory::submit! {
+            $crate::engine::Converter { op: $op, convert: $convert }
+        }
+    };
+}
+
+type Table = HashMap<&'static str, &'static Converter>;
+
+fn table() -> &'static std::result::Result<Table, String> {
+    static TABLE: OnceLock<std::result::Result<Table, String>> = OnceLock::new();
+    TABLE.get_or_init(|| build_table(inventory::iter::<Converter>.into_iter(), |c| c.op))
+}
+
+/// The converter registered for `op`; a registry with a duplicate name is an error for every op.
+pub fn converter(op: &str) -> Result<Option<&'static Converter>> {
+    match table() {
+        Ok(t) => Ok(t.get(op).copied()),
+        Err(dup) => Err(Error::DuplicateConverter { op: dup.clone() }),
+    }
+}
+
+/// Ops the builder handles itself rather than through a converter.
+pub(crate) fn is_structural(op: &Op) -> bool {
+    matches!(op, Op::Input { .. } | Op::Weight { .. })
+}
+
+/// Checks, before any GPU work, that every node's op has a converter; the error names the op and
+/// the module path of the first node without one. Needs no GPU.
+pub fn check_converters(graph: &Graph) -> Result<()> {
+    for node in &graph.nodes {
+        if is_structural(&node.op) {
+            continue;
+        }
+        if converter(node.op.name())?.is_none() {
+            return Err(Error::NoConverter { backend: "GPU", op: node.op.name().to_string(), path: node.path.clone() });
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,162 @@
+//! Tactics: per-layer algorithm choice by timing candidates on the device, as TensorRT does.
+//!
+//! A choice is recorded twice: in the engine (keyed by module path and problem, so loading an
+//! engine file replays it without timing) and in the timing cache (keyed by device, precision, opt
+//! batch and problem, so rebuilding any engine with the same layers times nothing).
+
+use super::gpu::cuda_err;
+use super::layer::{BuildCtx, DeviceBuf, Layer, RunCtx, ValueId};
+use crate::{Error, Result};
+use cudarc::driver::sys::CUevent_flags;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+#[derive(Default)]
+pub struct Tactics {
+    /// Choices of this engine: `"{path}|{key}"` → winning layer kind.
+    pub recorded: BTreeMap<String, String>,
+    /// Loading an engine: every choice must come from `recorded`; nothing is timed.
+    pub replay: bool,
+    /// Timing cache entries: `"{device}|{precision}|b{opt}|{key}"` → kind.
+    pub cache: BTreeMap<String, String>,
+    pub cache_prefix: String,
+    /// How many choices were timed, and how many came from the cache.
+    pub timed: usize,
+    pub cached: usize,
+    /// Per timed choice: key and (kind, ms) of each candidate that ran, for the build log.
+    pub log: Vec<(String, Vec<(String, f32)>)>,
+}
+
+impl Tactics {
+    /// Reads a timing cache file; a missing file is an empty cache, a malformed one an error.
+    pub fn load_cache(&mut self, path: &Path) -> Result<()> {
+        match std::fs::read(path) {
+            Ok(bytes) => {
+                self.cache = serde_json::from_slice(&bytes).map_err(|e| Error::EngineFile {
+                    path: path.display().to_string(),
+                    reason: format!("timing cache is not valid JSON: {e}"),
+                })?;
+                Ok(())
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(Error::io(path)(e)),
+        }
+    }
+
+    pub fn save_cache(&self, path: &Path) -> Result<()> {
+        let json = serde_json::to_vec_pretty(&self.cache).map_err(|e| Error::Graph(format!("serialising the timing cache: {e}")))?;
+        std::fs::write(path, json).map_err(Error::io(path))
+    }
+}
+
+pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Layer>>) -> Result<Box<dyn Layer>> {
+    let node = ctx.current;
+    let rkey = format!("{}|{key}", ctx.node(node).path);
+    if candidates.is_empty() {
+        return Err(ctx.err(node, format!("no candidate layer for {key}")));
+    }
+    let pick = |candidates: Vec<Box<dyn Layer>>, kind: &str| candidates.into_iter().find(|c| c.kind() == kind);
+
+    if ctx.tactics.replay {
+        let kind = ctx
+            .tactics
+            .recorded
+            .get(&rkey)
+            .cloned()
+            .ok_or_else(|| ctx.err(node, format!("the engine file records no tactic for {key}")))?;
+        return pick(candidates, &kind).ok_or_else(|| ctx.err(node, format!("recorded tactic `{kind}` is not available on this device")));
+    }
+    if candidates.len() == 1 {
+        let only = candidates.into_iter().next().expect("one candidate");
+        ctx.tactics.recorded.insert(rkey, only.kind());
+        return Ok(only);
+    }
+    let ckey = format!("{}|{key}", ctx.tactics.cache_prefix);
+    if let Some(kind) = ctx.tactics.cache.get(&ckey).cloned() {
+        if candidates.iter().any(|c| c.kind() == kind) {
+            ctx.tactics.cached += 1;
+            ctx.tactics.recorded.insert(rkey, kind.clone());
+            return Ok(pick(candidates, &kind).expect("present"));
+        }
+    }
+
+    let times = time_candidates(ctx, &candidates)?;
+    let mut best: Option<(usize, f32)> = None;
+    let mut failures = Vec::new();
+    let mut log = Vec::new();
+    for (i, t) in times.into_iter().enumerate() {
+        match t {
+            Ok(ms) => {
+                log.push((candidates[i].kind(), ms));
+                if best.is_none_or(|(_, b)| ms < b) {
+                    best = Some((i, ms));
+                }
+            }
+            Err(reason) => failures.push(format!("{}: {reason}", candidates[i].kind())),
+        }
+    }
+    let Some((winner, _)) = best else {
+        return Err(ctx.err(node, format!("no candidate ran for {key}: {}", failures.join("; "))));
+    };
+    let layer = candidates.into_iter().nth(winner).expect("winner index");
+    ctx.tactics.timed += 1;
+    ctx.tactics.log.push((key.to_string(), log));
+    ctx.tactics.recorded.insert(rkey, layer.kind());
+    ctx.tactics.cache.insert(ckey, layer.kind());
+    Ok(layer)
+}
+
+/// Times each candidate at the opt batch on scratch buffers for the node's values. A candidate
+/// that fails (unsupported algorithm, workspace over the limit) gets its reason instead of a time.
+fn time_candidates(ctx: &BuildCtx, candidates: &[Box<dyn Layer>]) -> Result<Vec<std::result::Result<f32, String>>> {
+    let batch = ctx.config.opt_batch;
+    let stream = &ctx.gpu.stream;
+    let node = ctx.node(ctx.current);
+    let mut touched: Vec<ValueId> = node.inputs.iter().filter_map(|&i| ctx.node_values[i]).collect();
+    touched.extend(ctx.node_values[ctx.current]);
+    touched.extend(ctx.scratch.iter().copied());
+
+    let mut ptrs = vec![0u64; ctx.values.len()];
+    let mut bufs = Vec::new();
+    for v in touched {
+        let buf = DeviceBuf::zeros(stream, ctx.value(v).bytes(batch))?;
+        ptrs[v.0] = buf.ptr();
+        bufs.push(buf);
+    }
+    let limit = ctx.config.workspace_bytes;
+    let ws_bytes = candidates.iter().map(|c| c.workspace_bytes(batch)).filter(|&b| b <= limit).max().unwrap_or(0);
+    let ws = DeviceBuf::zeros(stream, ws_bytes)?;
+    let rt = RunCtx { stream, handles: &ctx.gpu.handles, ptrs: &ptrs, workspace: ws.ptr(), workspace_bytes: ws_bytes };
+
+    let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let (start, end) = (
+        ctx.gpu.ctx.new_event(timing).map_err(cuda_err("creating an event"))?,
+        ctx.gpu.ctx.new_event(timing).map_err(cuda_err("creating an event"))?,
+    );
+    let mut out = Vec::new();
+    for c in candidates {
+        if c.workspace_bytes(batch) > limit {
+            out.push(Err(format!("needs {} bytes of workspace, over the limit of {limit}", c.workspace_bytes(batch))));
+            continue;
+        }
+        // One untimed run catches unsupported configurations and warms caches.
+        let warm = c.enqueue(&rt, batch).and_then(|_| stream.synchronize().map_err(cuda_err("synchronising after a tactic run")));
+        if let Err(e) = warm {
+            out.push(Err(e.to_string()));
+            continue;
+        }
+        let run = |iters: usize| -> Result<f32> {
+            start.record(stream).map_err(cuda_err("recording an event"))?;
+            for _ in 0..iters {
+                c.enqueue(&rt, batch)?;
+            }
+            end.record(stream).map_err(cuda_err("recording an event"))?;
+            Ok(start.elapsed_ms(&end).map_err(cuda_err("timing a tactic"))? / iters as f32)
+        };
+        // Enough iterations for about 2 ms of work, at most 20, so small layers are not noise.
+        let once = run(1)?;
+        let iters = ((2.0 / once.max(1e-3)) as usize).clamp(2, 20);
+        out.push(Ok(run(iters)?));
+    }
+    Ok(out)
+}
