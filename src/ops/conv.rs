@@ -202,3 +202,250 @@ pub fn conv_transpose2d_shape(a: &ConvAttrs, inputs: &[&[usize]]) -> Result<Vec<
     }
     Ok(vec![x[0], cout, h, wd])
 }
+
+// ---- CPU reference
+
+use crate::graph::{Activation, HostTensor};
+
+fn dims4(t: &HostTensor) -> [usize; 4] {
+    [t.shape[0], t.shape[1], t.shape[2], t.shape[3]]
+}
+
+fn shapes_of<'a>(inputs: &[&'a HostTensor]) -> Vec<&'a [usize]> {
+    inputs.iter().map(|t| t.shape.as_slice()).collect()
+}
+
+/// Applies a fused activation in place.
+pub fn apply_activation(act: Activation, data: &mut [f32]) {
+    match act {
+        Activation::None => {}
+        Activation::Relu => data.iter_mut().for_each(|v| *v = v.max(0.0)),
+    }
+}
+
+/// One spatial extent of im2col: for output index `o` the input index is `o * s + k * d - p`.
+/// Returns the range of outputs whose input index lies inside `0..len`.
+fn valid_range(out: usize, len: usize, s: usize, offset: isize) -> (usize, usize) {
+    // Smallest o with o*s + offset >= 0, and smallest o with o*s + offset >= len.
+    let first = |bound: isize| -> usize {
+        let need = bound - offset;
+        if need <= 0 {
+            0
+        } else {
+            (need as usize).div_ceil(s)
+        }
+    };
+    let lo = first(0).min(out);
+    let hi = first(len as isize).min(out).max(lo);
+    (lo, hi)
+}
+
+/// Unfolds one image's `c` channels into `col` [c·kh·kw, oh·ow], zeros where the window leaves the input.
+#[allow(clippy::too_many_arguments)]
+fn im2col(x: &[f32], c: usize, [h, w]: [usize; 2], [kh, kw]: [usize; 2], [oh, ow]: [usize; 2], a: &ConvAttrs, col: &mut [f32]) {
+    let (s, p, d) = (a.stride, a.padding, a.dilation);
+    let mut rows = col.chunks_exact_mut(oh * ow);
+    for ci in 0..c {
+        let plane = &x[ci * h * w..(ci + 1) * h * w];
+        for ki in 0..kh {
+            let off_y = (ki * d[0]) as isize - p[0] as isize;
+            let (ylo, yhi) = valid_range(oh, h, s[0], off_y);
+            for kj in 0..kw {
+                let off_x = (kj * d[1]) as isize - p[1] as isize;
+                let (xlo, xhi) = valid_range(ow, w, s[1], off_x);
+                let row = rows.next().expect("im2col buffer holds c*kh*kw rows");
+                for (oy, dst) in row.chunks_exact_mut(ow).enumerate() {
+                    if oy < ylo || oy >= yhi {
+                        dst.fill(0.0);
+                        continue;
+                    }
+                    let src = &plane[(oy as isize * s[0] as isize + off_y) as usize * w..][..w];
+                    dst[..xlo].fill(0.0);
+                    dst[xhi..].fill(0.0);
+                    let x0 = xlo as isize * s[1] as isize + off_x;
+                    if s[1] == 1 {
+                        dst[xlo..xhi].copy_from_slice(&src[x0 as usize..x0 as usize + (xhi - xlo)]);
+                    } else {
+                        for (k, v) in dst[xlo..xhi].iter_mut().enumerate() {
+                            *v = src[x0 as usize + k * s[1]];
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `c[m×n] += a[m×k] · b[k×n]`, each given by its row and column strides.
+#[allow(clippy::too_many_arguments)]
+fn gemm_acc(m: usize, k: usize, n: usize, a: &[f32], (rsa, csa): (usize, usize), b: &[f32], (rsb, csb): (usize, usize), c: &mut [f32]) {
+    // The largest element each operand's strides can reach must be inside its slice.
+    let reach = |rows: usize, cols: usize, rs: usize, cs: usize| (rows.max(1) - 1) * rs + (cols.max(1) - 1) * cs + 1;
+    assert!(a.len() >= reach(m, k, rsa, csa) && b.len() >= reach(k, n, rsb, csb) && c.len() >= m * n, "gemm operands too small");
+    if m == 0 || n == 0 || k == 0 {
+        return;
+    }
+    // SAFETY: the assertion above keeps every strided access inside the three slices, and `c`
+    // is borrowed mutably so it cannot alias `a` or `b`.
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a.as_ptr(),
+            rsa as isize,
+            csa as isize,
+            b.as_ptr(),
+            rsb as isize,
+            csb as isize,
+            1.0,
+            c.as_mut_ptr(),
+            n as isize,
+            1,
+        )
+    }
+}
+
+/// Fills `out` [n, cout, plane] with the bias (per channel) plus the residual, the GEMM's starting value.
+fn init_output(out: &mut [f32], cout: usize, plane: usize, bias: Option<&HostTensor>, residual: Option<&HostTensor>) {
+    if let Some(r) = residual {
+        out.copy_from_slice(&r.data);
+    }
+    if let Some(b) = bias {
+        for (i, chunk) in out.chunks_exact_mut(plane).enumerate() {
+            let v = b.data[i % cout];
+            chunk.iter_mut().for_each(|o| *o += v);
+        }
+    }
+}
+
+/// `act(conv2d(x, w) + bias + residual)` with `inputs` = x, weight, bias?, residual?: im2col per image
+/// and group, then one GEMM accumulating onto the bias and residual.
+pub fn conv2d_cpu(a: &ConvAttrs, inputs: &[&HostTensor]) -> Result<HostTensor, String> {
+    let out_shape = conv2d_shape(a, &shapes_of(inputs))?;
+    let (x, w) = (inputs[0], inputs[1]);
+    let bias = a.bias.then(|| inputs[2]);
+    let residual = a.residual.then(|| inputs[inputs.len() - 1]);
+    let [n, cin, h, wd] = dims4(x);
+    let [cout, cin_g, kh, kw] = dims4(w);
+    let [_, _, oh, ow] = [out_shape[0], out_shape[1], out_shape[2], out_shape[3]];
+    let (g, plane) = (a.groups, oh * ow);
+    let (cout_g, krows) = (cout / g, cin_g * kh * kw);
+
+    let mut out = vec![0.0f32; n * cout * plane];
+    init_output(&mut out, cout, plane, bias, residual);
+    // A 1×1 stride-1 unpadded conv reads the input itself as the GEMM's right operand.
+    let direct = kh == 1 && kw == 1 && a.stride == [1, 1] && a.padding == [0, 0];
+    let mut col = if direct { Vec::new() } else { vec![0.0f32; krows * plane] };
+    for b in 0..n {
+        for gi in 0..g {
+            let xg = &x.data[(b * cin + gi * cin_g) * h * wd..][..cin_g * h * wd];
+            let rhs: &[f32] = if direct {
+                xg
+            } else {
+                im2col(xg, cin_g, [h, wd], [kh, kw], [oh, ow], a, &mut col);
+                &col
+            };
+            let wg = &w.data[gi * cout_g * krows..][..cout_g * krows];
+            let c = &mut out[(b * cout + gi * cout_g) * plane..][..cout_g * plane];
+            gemm_acc(cout_g, krows, plane, wg, (krows, 1), rhs, (plane, 1), c);
+        }
+    }
+    apply_activation(a.act, &mut out);
+    Ok(HostTensor::new(out_shape, out))
+}
+
+/// `act(conv_transpose2d(x, w) + bias + residual)` with `inputs` = x, weight [Cin, Cout/g, kh, kw],
+/// bias?, residual?: per image and group one GEMM `Wᵀ·x` into columns, then col2im scatters them.
+pub fn conv_transpose2d_cpu(a: &ConvAttrs, inputs: &[&HostTensor]) -> Result<HostTensor, String> {
+    let out_shape = conv_transpose2d_shape(a, &shapes_of(inputs))?;
+    let residual = a.residual.then(|| inputs[inputs.len() - 1]);
+    if let Some(r) = residual {
+        if r.shape != out_shape {
+            return Err(format!("residual must have the output's shape {out_shape:?}, got {:?}", r.shape));
+        }
+    }
+    let (x, w) = (inputs[0], inputs[1]);
+    let bias = a.bias.then(|| inputs[2]);
+    let [n, cin, h, wd] = dims4(x);
+    let [_, cout_g, kh, kw] = dims4(w);
+    let [_, cout, oh, ow] = [out_shape[0], out_shape[1], out_shape[2], out_shape[3]];
+    let g = a.groups;
+    if cin % g != 0 {
+        return Err(format!("{cin} input channels are not divisible by groups={g}"));
+    }
+    let (cin_g, in_plane, out_plane, krows) = (cin / g, h * wd, oh * ow, cout_g * kh * kw);
+    let (s, p, d) = (a.stride, a.padding, a.dilation);
+
+    let mut out = vec![0.0f32; n * cout * out_plane];
+    init_output(&mut out, cout, out_plane, bias, residual);
+    let mut col = vec![0.0f32; krows * in_plane];
+    for b in 0..n {
+        for gi in 0..g {
+            let xg = &x.data[(b * cin + gi * cin_g) * in_plane..][..cin_g * in_plane];
+            let wg = &w.data[gi * cin_g * krows..][..cin_g * krows];
+            col.fill(0.0);
+            // col[r, j] = Σ_c w[c, r] · x[c, j]: the weight read transposed through its strides.
+            gemm_acc(krows, cin_g, in_plane, wg, (1, krows), xg, (in_plane, 1), &mut col);
+            let og = &mut out[(b * cout + gi * cout_g) * out_plane..][..cout_g * out_plane];
+            for co in 0..cout_g {
+                let dst = &mut og[co * out_plane..][..out_plane];
+                for ki in 0..kh {
+                    let off_y = (ki * d[0]) as isize - p[0] as isize;
+                    for kj in 0..kw {
+                        let off_x = (kj * d[1]) as isize - p[1] as isize;
+                        let src = &col[((co * kh + ki) * kw + kj) * in_plane..][..in_plane];
+                        for iy in 0..h {
+                            let oy = iy as isize * s[0] as isize + off_y;
+                            if oy < 0 || oy >= oh as isize {
+                                continue;
+                            }
+                            let row = &mut dst[oy as usize * ow..][..ow];
+                            for (ix, v) in src[iy * wd..][..wd].iter().enumerate() {
+                                let ox = ix as isize * s[1] as isize + off_x;
+                                if ox >= 0 && ox < ow as isize {
+                                    row[ox as usize] += v;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    apply_activation(a.act, &mut out);
+    Ok(HostTensor::new(out_shape, out))
+}
+
+// ---- GPU converter (engine::cudnn, engine::gemm)
+
+/// Conv2d: every cuDNN algorithm (fused bias+residual+ReLU, or separate calls), and for a
+/// stride-1 1×1 convolution also a cuBLASLt GEMM; the fastest on the device wins.
+fn gpu_conv2d(ctx: &mut crate::engine::BuildCtx, node: crate::NodeId) -> Result<Box<dyn crate::engine::Layer>> {
+    use crate::engine::gemm::{GemmLayer, GemmSpec};
+    let key = crate::engine::cudnn::conv_key(ctx, node);
+    let mut candidates = crate::engine::cudnn::conv_candidates(ctx, node)?;
+    let Op::Conv2d(a) = ctx.node(node).op else { return Err(ctx.err(node, "is not a Conv2d".into())) };
+    let w = ctx.weight(node, 1)?;
+    let pointwise = w.shape[2..] == [1, 1] && a.stride == [1, 1] && a.padding == [0, 0] && a.groups == 1;
+    if pointwise {
+        let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
+        let (_, h, wd) = ctx.value(y).chw().ok_or_else(|| ctx.err(node, "output is not an image".into()))?;
+        let bias = if a.bias { Some(ctx.weight(node, 2)?.data.as_slice()) } else { None };
+        let residual = if a.residual { Some(ctx.input(node, if a.bias { 3 } else { 2 })?) } else { None };
+        let spec = GemmSpec { x, y, residual, rows_per_image: h * wd, weight: &w.data, bias, relu: a.act == Activation::Relu };
+        candidates.push(Box::new(GemmLayer::new(ctx, node, spec)?));
+    }
+    ctx.choose(&key, candidates)
+}
+
+/// ConvTranspose2d through cuDNN's backward-data (bias and ReLU in place after it).
+fn gpu_conv_transpose2d(ctx: &mut crate::engine::BuildCtx, node: crate::NodeId) -> Result<Box<dyn crate::engine::Layer>> {
+    let key = crate::engine::cudnn::conv_key(ctx, node);
+    let candidates = crate::engine::cudnn::deconv_candidates(ctx, node)?;
+    ctx.choose(&key, candidates)
+}
+
+crate::register_converter!("conv2d", gpu_conv2d);
+crate::register_converter!("conv_transpose2d", gpu_conv_transpose2d);

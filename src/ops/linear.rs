@@ -66,3 +66,59 @@ pub fn linear_shape(bias: bool, inputs: &[&[usize]]) -> Result<Vec<usize>, Strin
     }
     Ok(vec![x[0], w[0]])
 }
+
+// ---- CPU reference
+
+use crate::graph::HostTensor;
+
+/// `x·Wᵀ + b` with `inputs` = x [N, in], weight [out, in], bias? [out]: one GEMM onto the bias.
+pub fn linear_cpu(bias: bool, inputs: &[&HostTensor]) -> Result<HostTensor, String> {
+    let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape.as_slice()).collect();
+    let out_shape = linear_shape(bias, &shapes)?;
+    let (x, w) = (inputs[0], inputs[1]);
+    let (n, fin, fout) = (x.shape[0], x.shape[1], w.shape[0]);
+    let mut out = vec![0.0f32; n * fout];
+    if bias {
+        for row in out.chunks_exact_mut(fout.max(1)) {
+            row.copy_from_slice(&inputs[2].data);
+        }
+    }
+    if n > 0 && fin > 0 && fout > 0 {
+        // SAFETY: x is n×fin row-major, W is fout×fin read transposed (strides 1, fin), out is n×fout;
+        // the shape rule checked these extents and `out` is a distinct buffer.
+        unsafe {
+            matrixmultiply::sgemm(
+                n,
+                fin,
+                fout,
+                1.0,
+                x.data.as_ptr(),
+                fin as isize,
+                1,
+                w.data.as_ptr(),
+                1,
+                fin as isize,
+                1.0,
+                out.as_mut_ptr(),
+                fout as isize,
+                1,
+            )
+        }
+    }
+    Ok(HostTensor::new(out_shape, out))
+}
+
+// ---- GPU converter (engine::gemm)
+
+/// Linear as one cuBLASLt GEMM with the bias in its epilogue.
+fn gpu_linear(ctx: &mut crate::engine::BuildCtx, node: crate::NodeId) -> Result<Box<dyn crate::engine::Layer>> {
+    use crate::engine::gemm::{GemmLayer, GemmSpec};
+    let crate::Op::Linear { bias } = ctx.node(node).op else { return Err(ctx.err(node, "is not a Linear".into())) };
+    let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
+    let w = ctx.weight(node, 1)?;
+    let b = if bias { Some(ctx.weight(node, 2)?.data.as_slice()) } else { None };
+    let spec = GemmSpec { x, y, residual: None, rows_per_image: 1, weight: &w.data, bias: b, relu: false };
+    Ok(Box::new(GemmLayer::new(ctx, node, spec)?))
+}
+
+crate::register_converter!("linear", gpu_linear);

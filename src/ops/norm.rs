@@ -63,3 +63,56 @@ pub fn batch_norm2d_shape(inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
     }
     Ok(x.to_vec())
 }
+
+// ---- CPU reference
+
+use crate::graph::HostTensor;
+
+/// Per-channel `(scale, shift)` of an inference BatchNorm: `y = x·scale + shift`, computed in f64.
+/// Shared by the CPU reference and `passes::fold_batchnorm`.
+pub fn batch_norm_scale_shift(gamma: &[f32], beta: &[f32], mean: &[f32], var: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>) {
+    gamma
+        .iter()
+        .zip(beta)
+        .zip(mean.iter().zip(var))
+        .map(|((&g, &b), (&m, &v))| {
+            let scale = g as f64 / (v as f64 + eps as f64).sqrt();
+            (scale as f32, (b as f64 - m as f64 * scale) as f32)
+        })
+        .unzip()
+}
+
+/// Inference BatchNorm on `x` (taken by value so the executor can reuse its buffer); `params` =
+/// weight, bias, running_mean, running_var.
+pub fn batch_norm2d_cpu(eps: f32, mut x: HostTensor, params: [&HostTensor; 4]) -> Result<HostTensor, String> {
+    let shapes: Vec<&[usize]> = std::iter::once(x.shape.as_slice()).chain(params.iter().map(|p| p.shape.as_slice())).collect();
+    batch_norm2d_shape(&shapes)?;
+    let [gamma, beta, mean, var] = params;
+    let (scale, shift) = batch_norm_scale_shift(&gamma.data, &beta.data, &mean.data, &var.data, eps);
+    let (c, plane) = (x.shape[1], x.shape[2] * x.shape[3]);
+    for (i, chunk) in x.data.chunks_exact_mut(plane.max(1)).enumerate() {
+        let (s, t) = (scale[i % c], shift[i % c]);
+        chunk.iter_mut().for_each(|v| *v = *v * s + t);
+    }
+    Ok(x)
+}
+
+// ---- GPU converter (engine::cudnn)
+
+/// A BatchNorm2d the passes could not fold (its input is not a conv's) runs as what it is at
+/// inference: a per-channel scale and shift, i.e. a depthwise 1×1 convolution with bias.
+fn gpu_batch_norm2d(ctx: &mut crate::engine::BuildCtx, node: crate::NodeId) -> Result<Box<dyn crate::engine::Layer>> {
+    use crate::engine::cudnn::{conv_candidates_with, conv_key, ConvProblem};
+    let crate::Op::BatchNorm2d { eps } = ctx.node(node).op else { return Err(ctx.err(node, "is not a BatchNorm2d".into())) };
+    let params = [ctx.weight(node, 1)?, ctx.weight(node, 2)?, ctx.weight(node, 3)?, ctx.weight(node, 4)?];
+    let (scale, shift) = batch_norm_scale_shift(&params[0].data, &params[1].data, &params[2].data, &params[3].data, eps);
+    let c = scale.len();
+    let attrs = crate::ConvAttrs { groups: c, bias: true, ..Default::default() };
+    let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
+    let problem = ConvProblem { attrs, weight: &scale, weight_shape: [c, 1, 1, 1], bias: &shift, x, y, z: None };
+    let key = conv_key(ctx, node);
+    let candidates = conv_candidates_with(ctx, node, problem)?;
+    ctx.choose(&key, candidates)
+}
+
+crate::register_converter!("batch_norm2d", gpu_batch_norm2d);

@@ -136,3 +136,94 @@ pub fn adaptive_avg_pool2d_shape(output: [usize; 2], inputs: &[&[usize]]) -> Res
     }
     Ok(vec![x[0], x[1], output[0], output[1]])
 }
+
+// ---- CPU reference
+
+use crate::graph::HostTensor;
+
+/// The input rows (or columns) of output index `o`, before and after clipping, as PyTorch computes
+/// them: `(start, end)` unclipped except that `end` stops at `len + pad`, then clipped to `0..len`.
+fn window(o: usize, k: usize, s: usize, p: usize, len: usize) -> ((isize, isize), (usize, usize)) {
+    let start = (o * s) as isize - p as isize;
+    let end = (start + k as isize).min((len + p) as isize);
+    ((start, end), (start.max(0) as usize, end.min(len as isize).max(0) as usize))
+}
+
+/// Runs `f(plane, out_plane)` over every (image, channel) plane of `x` into a fresh `[n, c, oh, ow]`.
+fn per_plane(x: &HostTensor, out_shape: Vec<usize>, mut f: impl FnMut(&[f32], &mut [f32])) -> HostTensor {
+    let (in_plane, out_plane) = (x.shape[2] * x.shape[3], out_shape[2] * out_shape[3]);
+    let mut out = vec![0.0f32; out_shape.iter().product()];
+    if in_plane > 0 && out_plane > 0 {
+        for (src, dst) in x.data.chunks_exact(in_plane).zip(out.chunks_exact_mut(out_plane)) {
+            f(src, dst);
+        }
+    }
+    HostTensor::new(out_shape, out)
+}
+
+/// `torch.nn.MaxPool2d`: padding counts as -inf; NaN propagates as in PyTorch.
+pub fn max_pool2d_cpu(a: &PoolAttrs, x: &HostTensor) -> Result<HostTensor, String> {
+    let out_shape = pool2d_shape(a, &[&x.shape])?;
+    let ([h, w], [oh, ow]) = ([x.shape[2], x.shape[3]], [out_shape[2], out_shape[3]]);
+    Ok(per_plane(x, out_shape, |src, dst| {
+        for oy in 0..oh {
+            let (_, (y0, y1)) = window(oy, a.kernel[0], a.stride[0], a.padding[0], h);
+            for ox in 0..ow {
+                let (_, (x0, x1)) = window(ox, a.kernel[1], a.stride[1], a.padding[1], w);
+                let mut m = f32::NEG_INFINITY;
+                for row in src[y0 * w..y1 * w].chunks_exact(w) {
+                    for &v in &row[x0..x1] {
+                        if v > m || v.is_nan() {
+                            m = v;
+                        }
+                    }
+                }
+                dst[oy * ow + ox] = m;
+            }
+        }
+    }))
+}
+
+/// `torch.nn.AvgPool2d` (no divisor override): the divisor is the window clipped to the padded
+/// input when `count_include_pad`, else the window clipped to the input itself.
+pub fn avg_pool2d_cpu(a: &PoolAttrs, x: &HostTensor) -> Result<HostTensor, String> {
+    let out_shape = pool2d_shape(a, &[&x.shape])?;
+    let ([h, w], [oh, ow]) = ([x.shape[2], x.shape[3]], [out_shape[2], out_shape[3]]);
+    Ok(per_plane(x, out_shape, |src, dst| {
+        for oy in 0..oh {
+            let ((py0, py1), (y0, y1)) = window(oy, a.kernel[0], a.stride[0], a.padding[0], h);
+            for ox in 0..ow {
+                let ((px0, px1), (x0, x1)) = window(ox, a.kernel[1], a.stride[1], a.padding[1], w);
+                let sum: f32 = src[y0 * w..y1 * w].chunks_exact(w).map(|row| row[x0..x1].iter().sum::<f32>()).sum();
+                let count = if a.count_include_pad { (py1 - py0) * (px1 - px0) } else { ((y1 - y0) * (x1 - x0)) as isize };
+                dst[oy * ow + ox] = sum / count as f32;
+            }
+        }
+    }))
+}
+
+/// `torch.nn.AdaptiveAvgPool2d`: output cell `i` averages input `floor(i·H/o) .. ceil((i+1)·H/o)`.
+pub fn adaptive_avg_pool2d_cpu(output: [usize; 2], x: &HostTensor) -> Result<HostTensor, String> {
+    let out_shape = adaptive_avg_pool2d_shape(output, &[&x.shape])?;
+    let (h, w) = (x.shape[2], x.shape[3]);
+    if h == 0 || w == 0 {
+        return Err(format!("cannot pool an empty {h}x{w} input"));
+    }
+    let bounds = |i: usize, len: usize, o: usize| (i * len / o, ((i + 1) * len).div_ceil(o));
+    Ok(per_plane(x, out_shape, |src, dst| {
+        for oy in 0..output[0] {
+            let (y0, y1) = bounds(oy, h, output[0]);
+            for ox in 0..output[1] {
+                let (x0, x1) = bounds(ox, w, output[1]);
+                let sum: f32 = src[y0 * w..y1 * w].chunks_exact(w).map(|row| row[x0..x1].iter().sum::<f32>()).sum();
+                dst[oy * output[1] + ox] = sum / ((y1 - y0) * (x1 - x0)) as f32;
+            }
+        }
+    }))
+}
+
+// ---- GPU converter (kernels/pool.cu through engine::kernel_layers)
+
+crate::register_converter!("max_pool2d", crate::engine::kernel_layers::pool);
+crate::register_converter!("avg_pool2d", crate::engine::kernel_layers::pool);
+crate::register_converter!("adaptive_avg_pool2d", crate::engine::kernel_layers::pool);

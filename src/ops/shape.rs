@@ -25,3 +25,34 @@ pub fn cat_shape(dim: usize, inputs: &[&[usize]]) -> Result<Vec<usize>, String> 
     }
     Ok(out)
 }
+
+// ---- CPU reference
+
+use crate::graph::HostTensor;
+
+/// `torch.flatten(x, start)`: the data is already in that order, only the shape changes.
+pub fn flatten_cpu(start: usize, mut x: HostTensor) -> Result<HostTensor, String> {
+    x.shape = flatten_shape(start, &[&x.shape])?;
+    Ok(x)
+}
+
+/// `torch.cat(inputs, dim)`: for each index of the dims before `dim`, the inputs' contiguous blocks
+/// follow one another.
+pub fn cat_cpu(dim: usize, inputs: &[&HostTensor]) -> Result<HostTensor, String> {
+    let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape.as_slice()).collect();
+    let out_shape = cat_shape(dim, &shapes)?;
+    let outer: usize = out_shape[..dim].iter().product();
+    let blocks: Vec<usize> = inputs.iter().map(|t| t.shape[dim..].iter().product()).collect();
+    let mut out = Vec::with_capacity(out_shape.iter().product());
+    for o in 0..outer {
+        for (t, &len) in inputs.iter().zip(&blocks) {
+            out.extend_from_slice(&t.data[o * len..(o + 1) * len]);
+        }
+    }
+    Ok(HostTensor::new(out_shape, out))
+}
+
+// ---- GPU converter (kernels/concat.cu and reformat.cu through engine::kernel_layers)
+
+crate::register_converter!("flatten", crate::engine::kernel_layers::flatten);
+crate::register_converter!("cat", crate::engine::kernel_layers::concat);

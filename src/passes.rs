@@ -1,0 +1,278 @@
+//! Graph rewrites that need no GPU. Each pass is pure (`&Graph` in, new `Graph` out) and leaves
+//! the graph in topological order with ids renumbered.
+//!
+//! A value marked as a graph output stays observable: a node read by an output is never absorbed
+//! into another node (the output would lose its value), though it may absorb the nodes after it.
+
+use crate::graph::{Activation, ConvAttrs, Graph, HostTensor, NodeId, Op};
+use crate::{Error, Result};
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+/// Every pass, in the order the engine builder wants them.
+pub fn optimize(graph: &Graph) -> Result<Graph> {
+    let g = fold_batchnorm(graph)?;
+    let g = fuse_conv_activation(&g)?;
+    remove_dead_nodes(&g)
+}
+
+/// Conv2d / ConvTranspose2d read only by a BatchNorm2d → one conv with folded weights and bias.
+///
+/// The folded tensors get new names (`<conv path>.weight.folded`, `<conv path>.bias.folded`) so a
+/// name never holds two values; the old ones are dropped when nothing else reads them.
+pub fn fold_batchnorm(graph: &Graph) -> Result<Graph> {
+    let mut g = graph.clone();
+    let mut uses = g.use_counts();
+    let mut removed = vec![false; g.nodes.len()];
+    for bn in 0..g.nodes.len() {
+        let Op::BatchNorm2d { eps } = g.nodes[bn].op else { continue };
+        let Some(&conv) = g.nodes[bn].inputs.first() else { continue };
+        if uses[conv] != 1 {
+            continue;
+        }
+        let Some((attrs, weight, bias)) = foldable_conv(&g, conv) else { continue };
+        let bn_params: Option<Vec<&Arc<HostTensor>>> = g.nodes[bn].inputs[1..].iter().map(|&i| g.weight_data(i)).collect();
+        let Some([gamma, beta, mean, var]) = bn_params.as_deref() else { continue };
+        let (scale, shift) = crate::ops::norm::batch_norm_scale_shift(&gamma.data, &beta.data, &mean.data, &var.data, eps);
+        let transposed = matches!(g.nodes[conv].op, Op::ConvTranspose2d(_));
+        let (w, b) = fold_into_conv(&weight, bias.as_deref(), &scale, &shift, transposed, attrs.groups);
+
+        let path = g.nodes[conv].path.clone();
+        let w_name = fresh_weight_name(&g, &format!("{path}.weight.folded"));
+        let w_id = g.weight(&w_name, Arc::new(w));
+        let b_name = fresh_weight_name(&g, &format!("{path}.bias.folded"));
+        let b_id = g.weight(&b_name, Arc::new(b));
+        let x = g.nodes[conv].inputs[0];
+        let node = &mut g.nodes[conv];
+        node.inputs = vec![x, w_id, b_id];
+        node.op = with_attrs(&node.op, ConvAttrs { bias: true, ..attrs });
+        redirect(&mut g, bn, conv);
+        uses[conv] = uses[bn];
+        removed[bn] = true;
+        g.nodes[bn].inputs.clear();
+    }
+    // The replaced weights and the BatchNorm parameters go unless something else reads them.
+    let uses = g.use_counts();
+    rebuild(&g, |id, node| !removed[id] && !(matches!(node.op, Op::Weight { .. }) && uses[id] == 0))
+}
+
+/// A conv whose output may be rescaled per output channel: plain (nothing fused yet) and with
+/// constant weight and bias. Returns its attributes, weight and bias.
+fn foldable_conv(g: &Graph, conv: NodeId) -> Option<(ConvAttrs, Arc<HostTensor>, Option<Arc<HostTensor>>)> {
+    let node = &g.nodes[conv];
+    let attrs = match node.op {
+        Op::Conv2d(a) | Op::ConvTranspose2d(a) if !a.residual && a.act == Activation::None => a,
+        _ => return None,
+    };
+    let weight = g.weight_data(*node.inputs.get(1)?)?.clone();
+    let bias = if attrs.bias { Some(g.weight_data(*node.inputs.get(2)?)?.clone()) } else { None };
+    Some((attrs, weight, bias))
+}
+
+/// `bn(conv(x, w) + b)` = `conv(x, w·scale) + (b·scale + shift)`, scale and shift per output channel.
+/// A Conv2d weight is [Cout, Cin/g, kh, kw]; a ConvTranspose2d weight is [Cin, Cout/g, kh, kw], whose
+/// output channel is `group(ci)·Cout/g + j`.
+fn fold_into_conv(
+    weight: &HostTensor,
+    bias: Option<&HostTensor>,
+    scale: &[f32],
+    shift: &[f32],
+    transposed: bool,
+    groups: usize,
+) -> (HostTensor, HostTensor) {
+    let s = &weight.shape;
+    let kernel: usize = s[2..].iter().product();
+    let mut w = weight.clone();
+    for (row, chunk) in w.data.chunks_exact_mut(s[1] * kernel).enumerate() {
+        if transposed {
+            let cin_per_group = s[0] / groups;
+            for (j, k) in chunk.chunks_exact_mut(kernel).enumerate() {
+                let co = (row / cin_per_group) * s[1] + j;
+                k.iter_mut().for_each(|v| *v *= scale[co]);
+            }
+        } else {
+            chunk.iter_mut().for_each(|v| *v *= scale[row]);
+        }
+    }
+    let b = (0..scale.len()).map(|co| bias.map_or(0.0, |b| b.data[co]) * scale[co] + shift[co]).collect();
+    (w, HostTensor::new(vec![scale.len()], b))
+}
+
+/// Conv2d (+bias) → Add (the other operand becomes the residual) → ReLU becomes one Conv2d with
+/// `residual: true, act: Relu`; also conv → ReLU and conv → Add alone. Each absorbed node must be
+/// read only by the next one of the pattern (and not be an output). The fused node keeps the
+/// conv's module path; the graph is re-sorted since the residual may be traced after the conv.
+pub fn fuse_conv_activation(graph: &Graph) -> Result<Graph> {
+    let mut g = graph.clone();
+    let mut removed = vec![false; g.nodes.len()];
+    // One fusion at a time, then re-read the users: a fusion changes who reads what.
+    while let Some(conv) = next_fusable_conv(&g, &removed) {
+        let users = readers(&g, &removed);
+        let Op::Conv2d(mut attrs) = g.nodes[conv].op else { unreachable!("checked by next_fusable_conv") };
+        let user = users[conv][0];
+        let mut last = user;
+        if matches!(g.nodes[user].op, Op::Add) {
+            let residual = g.nodes[user].inputs.iter().copied().find(|&i| i != conv).expect("the conv is read once by the add");
+            attrs.residual = true;
+            g.nodes[conv].inputs.push(residual);
+            if g.use_counts()[user] == 1 {
+                if let [relu] = users[user][..] {
+                    if matches!(g.nodes[relu].op, Op::Relu) {
+                        attrs.act = Activation::Relu;
+                        last = relu;
+                        removed[user] = true;
+                        g.nodes[user].inputs.clear();
+                    }
+                }
+            }
+        } else {
+            attrs.act = Activation::Relu;
+        }
+        g.nodes[conv].op = Op::Conv2d(attrs);
+        redirect(&mut g, last, conv);
+        removed[last] = true;
+        g.nodes[last].inputs.clear();
+    }
+    rebuild(&g, |id, _| !removed[id])
+}
+
+/// The first plain Conv2d (no residual, no activation) whose value only an Add or a ReLU reads.
+fn next_fusable_conv(g: &Graph, removed: &[bool]) -> Option<NodeId> {
+    let users = readers(g, removed);
+    let uses = g.use_counts();
+    (0..g.nodes.len()).find(|&id| {
+        let plain = matches!(g.nodes[id].op, Op::Conv2d(a) if !a.residual && a.act == Activation::None);
+        plain
+            && !removed[id]
+            && uses[id] == 1
+            && users[id].len() == 1
+            && matches!(g.nodes[users[id][0]].op, Op::Add | Op::Relu)
+            // add(conv, conv) reads the conv twice: there is no other operand to be the residual.
+            && g.nodes[users[id][0]].inputs.iter().filter(|&&i| i == id).count() == 1
+    })
+}
+
+/// Removes nodes and weights that no output depends on; graph inputs always stay (they are the
+/// graph's bindings), ids are renumbered and outputs and inputs remapped.
+pub fn remove_dead_nodes(graph: &Graph) -> Result<Graph> {
+    let mut live = vec![false; graph.nodes.len()];
+    let mut stack: Vec<NodeId> = graph.outputs.iter().map(|(_, id)| *id).chain(graph.inputs.iter().copied()).collect();
+    while let Some(id) = stack.pop() {
+        if !std::mem::replace(&mut live[id], true) {
+            stack.extend(&graph.nodes[id].inputs);
+        }
+    }
+    rebuild(graph, |id, _| live[id])
+}
+
+/// Who reads each node, once per read, among nodes not removed (outputs not included).
+fn readers(g: &Graph, removed: &[bool]) -> Vec<Vec<NodeId>> {
+    let mut users = vec![Vec::new(); g.nodes.len()];
+    for (id, n) in g.nodes.iter().enumerate() {
+        if !removed[id] {
+            n.inputs.iter().for_each(|&i| users[i].push(id));
+        }
+    }
+    users
+}
+
+/// Makes every reader of `from` (nodes and outputs) read `to` instead.
+fn redirect(g: &mut Graph, from: NodeId, to: NodeId) {
+    for n in &mut g.nodes {
+        n.inputs.iter_mut().filter(|i| **i == from).for_each(|i| *i = to);
+    }
+    g.outputs.iter_mut().filter(|(_, o)| *o == from).for_each(|(_, o)| *o = to);
+}
+
+fn with_attrs(op: &Op, attrs: ConvAttrs) -> Op {
+    match op {
+        Op::ConvTranspose2d(_) => Op::ConvTranspose2d(attrs),
+        _ => Op::Conv2d(attrs),
+    }
+}
+
+/// `base`, or `base.1`, `base.2`... if the graph already holds a weight of that name.
+fn fresh_weight_name(g: &Graph, base: &str) -> String {
+    let taken = |name: &str| g.weights.contains_key(name) || g.nodes.iter().any(|n| matches!(&n.op, Op::Weight { name: w } if w == name));
+    if !taken(base) {
+        return base.to_string();
+    }
+    (1..).map(|i| format!("{base}.{i}")).find(|n| !taken(n)).expect("some suffix is free")
+}
+
+/// A stable topological order of the nodes `keep` selects: each node stays where it was unless it
+/// reads a node placed after it, which is then pulled in just before it (depth first, in input
+/// order). A kept node reading a dropped one, or a cycle, is an error naming the node.
+pub fn topological_order(g: &Graph, keep: &[bool]) -> Result<Vec<NodeId>> {
+    #[derive(Clone, Copy, PartialEq)]
+    enum State {
+        New,
+        Open,
+        Done,
+    }
+    let mut state = vec![State::New; g.nodes.len()];
+    let mut order = Vec::with_capacity(g.nodes.len());
+    for root in (0..g.nodes.len()).filter(|&i| keep[i]) {
+        if state[root] != State::New {
+            continue;
+        }
+        state[root] = State::Open;
+        let mut stack = vec![(root, 0usize)];
+        while let Some((id, next)) = stack.last_mut() {
+            let id = *id;
+            let Some(&input) = g.nodes[id].inputs.get(*next) else {
+                state[id] = State::Done;
+                order.push(id);
+                stack.pop();
+                continue;
+            };
+            *next += 1;
+            let node = &g.nodes[id];
+            if !keep[input] {
+                return Err(Error::Graph(format!("`{}` (%{id}, {}) reads %{input}, which a pass removed", node.path, node.op.name())));
+            }
+            match state[input] {
+                State::New => {
+                    state[input] = State::Open;
+                    stack.push((input, 0));
+                }
+                State::Open => return Err(Error::Graph(format!("`{}` (%{id}, {}) is part of a cycle", node.path, node.op.name()))),
+                State::Done => {}
+            }
+        }
+    }
+    Ok(order)
+}
+
+/// The graph of the nodes `keep` selects, topologically sorted and renumbered, with the weights
+/// its weight nodes name. Outputs must point at kept nodes.
+fn rebuild(g: &Graph, keep: impl Fn(NodeId, &crate::graph::Node) -> bool) -> Result<Graph> {
+    let mut keep: Vec<bool> = g.nodes.iter().enumerate().map(|(id, n)| keep(id, n)).collect();
+    for &i in &g.inputs {
+        keep[i] = true;
+    }
+    let order = topological_order(g, &keep)?;
+    let mut new_id = vec![usize::MAX; g.nodes.len()];
+    for (new, &old) in order.iter().enumerate() {
+        new_id[old] = new;
+    }
+    let mut out = Graph::default();
+    let mut weight_names = BTreeSet::new();
+    for &old in &order {
+        let mut node = g.nodes[old].clone();
+        node.inputs.iter_mut().for_each(|i| *i = new_id[*i]);
+        if let Op::Weight { name } = &node.op {
+            weight_names.insert(name.clone());
+        }
+        out.nodes.push(node);
+    }
+    out.inputs = g.inputs.iter().map(|&i| new_id[i]).collect();
+    for (name, id) in &g.outputs {
+        if !keep[*id] {
+            return Err(Error::Graph(format!("output `{name}` reads %{id}, which a pass removed")));
+        }
+        out.outputs.push((name.clone(), new_id[*id]));
+    }
+    out.weights = g.weights.iter().filter(|(k, _)| weight_names.contains(*k)).map(|(k, v)| (k.clone(), v.clone())).collect();
+    Ok(out)
+}
