@@ -258,7 +258,7 @@ def export_op_fixtures(out_dir):
             for k, v in sd.items():
                 tensors[f"{case}.{k}"] = v
         with torch.no_grad():
-            tensors[f"{case}.output"] = op(*inputs)
+            tensors[f"{case}.output"] = op(*inputs).clone()
     path = os.path.join(out_dir, "ops.reference.safetensors")
     save_file({k: v.contiguous().float() for k, v in tensors.items()}, path)
     print(f"wrote {path}: {len(op_cases())} cases")

@@ -1,0 +1,85 @@
+//! The bundled models on Kiln's CPU executor against PyTorch, with seeded weights.
+//!
+//! References: `tests/fixtures/<model>.reference.safetensors`, written by
+//! `python3 tools/export_reference.py --model <model> --out tests/fixtures` (docs/REFERENCES.md).
+
+use kiln::compare::{compare, top1, Comparison};
+use kiln::var_builder::read_safetensors;
+use kiln::{HostTensor, VarBuilder};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+/// Relative L2 error allowed between Kiln's CPU executor and PyTorch, both in FP32.
+const TOL: f64 = 1e-5;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+/// Traces `model` at the reference input's shape, runs it on the CPU and returns (ours, PyTorch's).
+fn run(model: &str) -> (BTreeMap<String, HostTensor>, BTreeMap<String, HostTensor>) {
+    let refs = read_safetensors(fixture(&format!("{model}.reference.safetensors"))).expect("reference file");
+    let x = &refs["input"];
+    // The exporter draws its input from the seeded generator, so both sides agree on it by name.
+    assert_eq!(*x, kiln::seeded::weight("input.0", &x.shape), "the reference input is not seeded `input.0`");
+    let (batch, size) = (x.shape[0], x.shape[2]);
+    let vb = VarBuilder::seeded();
+    let graph = kiln_models::trace(model, vb, batch, size).expect("trace");
+    let ours = kiln::cpu::run(&graph, &[("input", x)]).expect("cpu run");
+    (ours, refs)
+}
+
+fn check(model: &str, name: &str, ours: &BTreeMap<String, HostTensor>, refs: &BTreeMap<String, HostTensor>) -> Comparison {
+    let got = ours.get(name).unwrap_or_else(|| panic!("{model}: no output `{name}` (have {:?})", ours.keys()));
+    let c = compare(&format!("{model}.{name}"), got, &refs[&format!("output.{name}")]);
+    println!("{c}");
+    c
+}
+
+fn check_classifier(model: &str) {
+    let (ours, refs) = run(model);
+    let c = check(model, "logits", &ours, &refs);
+    assert!(c.passes(TOL), "{c} exceeds rel L2 {TOL}");
+    let (got, want) = (top1(&ours["logits"]), top1(&refs["output.logits"]));
+    println!("{model}: top-1 {got:?} (PyTorch {want:?})");
+    assert_eq!(got, want, "{model}: top-1 differs from PyTorch");
+}
+
+#[test]
+fn resnet18_matches_pytorch() {
+    check_classifier("resnet18");
+}
+
+#[test]
+fn resnet50_matches_pytorch() {
+    check_classifier("resnet50");
+}
+
+/// Columns of a [N, K, 6] detections tensor (x1, y1, x2, y2 | score | class) as separate tensors.
+fn columns(d: &HostTensor, range: std::ops::Range<usize>) -> HostTensor {
+    let rows = d.data.len() / 6;
+    let data = d.data.chunks_exact(6).flat_map(|r| r[range.clone()].to_vec()).collect();
+    HostTensor::new(vec![rows, range.len()], data)
+}
+
+#[test]
+fn centernet_matches_pytorch() {
+    let (ours, refs) = run("centernet");
+    for head in ["hm", "wh", "reg"] {
+        let c = check("centernet", head, &ours, &refs);
+        assert!(c.passes(TOL), "{c} exceeds rel L2 {TOL}");
+    }
+
+    // The decode: the same classes, in the same order, at the same positions; scores to 1e-5.
+    let (got, want) = (&ours["detections"], &refs["output.detections"]);
+    assert_eq!(got.shape, want.shape, "detections shape");
+    let (got_cls, want_cls) = (columns(got, 5..6), columns(want, 5..6));
+    assert_eq!(got_cls.data, want_cls.data, "decoded classes differ from PyTorch");
+    let scores = compare("centernet.detections.score", &columns(got, 4..5), &columns(want, 4..5));
+    let boxes = compare("centernet.detections.box", &columns(got, 0..4), &columns(want, 0..4));
+    println!("{scores}\n{boxes}");
+    assert!(scores.passes(TOL), "{scores}");
+    // A detection at another position moves its box centre by about one cell; matching boxes to
+    // 1e-3 means every detection sits at the same position as PyTorch's.
+    assert!(boxes.passes(TOL) && boxes.max_abs < 1e-3, "{boxes}");
+}
