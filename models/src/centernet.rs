@@ -253,3 +253,122 @@ mod tests {
         assert!(kiln::ops::custom::lookup("centernet_decode").is_some());
     }
 }
+
+// ---- GPU converter: `centernet_decode` as an engine layer (kernels/decode.cu) -------------
+// Registered like any user op's converter: through `kiln::register_converter!` and the public
+// engine API only.
+
+mod gpu {
+    use super::k_attr;
+    use kiln::engine::kernel_layers::{grid_for, launch, CudaFunction, KArg};
+    use kiln::engine::{BuildCtx, Layer, Layout, RunCtx, ValueId};
+    use kiln::graph::{NodeId, Op};
+    use kiln::Result;
+
+    /// Keys a block sorts at once and its threads (`SEL_TILE`, `SEL_THREADS` in decode.cu).
+    const TILE: usize = 4096;
+    const THREADS: u32 = 1024;
+
+    /// Selection passes of the decode for a heatmap of `candidates` elements per image: the
+    /// first pass leaves `ceil(candidates / TILE)` lists of `k` keys, each merge pass cuts the
+    /// list by TILE / k, until one tile is left.
+    fn tiles(candidates: usize) -> usize {
+        candidates.div_ceil(TILE)
+    }
+
+    pub struct DecodeLayer {
+        path: String,
+        select: CudaFunction,
+        merge: CudaFunction,
+        boxes: CudaFunction,
+        hm: ValueId,
+        wh: ValueId,
+        reg: ValueId,
+        out: ValueId,
+        /// Ping-pong key lists of the selection passes.
+        keys: [ValueId; 2],
+        /// H, W, C of the heatmap.
+        hwc: [usize; 3],
+        k: usize,
+        sm_count: u32,
+    }
+
+    impl Layer for DecodeLayer {
+        fn path(&self) -> &str {
+            &self.path
+        }
+        fn kind(&self) -> String {
+            format!("kernel:centernet_decode(k={})", self.k)
+        }
+        fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+            let [h, w, c] = self.hwc;
+            let (n, k) = (batch as u32, self.k as i32);
+            let mut t = tiles(h * w * c);
+            let args = [KArg::Ptr(rt.ptr(self.hm)), KArg::I32(h as i32), KArg::I32(w as i32), KArg::I32(c as i32), KArg::I32(k)];
+            launch(rt, &self.select, (t as u32, n, 1), (THREADS, 1, 1), 0, &[&args[..], &[KArg::Ptr(rt.ptr(self.keys[0]))]].concat())?;
+            let (mut src, mut dst) = (self.keys[0], self.keys[1]);
+            while t > 1 {
+                let len = t * self.k;
+                t = len.div_ceil(TILE);
+                let args = [KArg::Ptr(rt.ptr(src)), KArg::I32(len as i32), KArg::I32(k), KArg::Ptr(rt.ptr(dst))];
+                launch(rt, &self.merge, (t as u32, n, 1), (THREADS, 1, 1), 0, &args)?;
+                (src, dst) = (dst, src);
+            }
+            let args = [
+                KArg::Ptr(rt.ptr(src)),
+                KArg::Ptr(rt.ptr(self.wh)),
+                KArg::Ptr(rt.ptr(self.reg)),
+                KArg::I32(n as i32),
+                KArg::I32(h as i32),
+                KArg::I32(w as i32),
+                KArg::I32(k),
+                KArg::Ptr(rt.ptr(self.out)),
+            ];
+            launch(rt, &self.boxes, grid_for(batch * self.k, self.sm_count), (256, 1, 1), 0, &args)
+        }
+    }
+
+    pub fn convert_decode(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
+        let Op::Custom { attrs, .. } = &ctx.node(node).op else { return Err(ctx.err(node, "is not centernet_decode".into())) };
+        let k = k_attr(attrs).map_err(|r| ctx.err(node, r))?;
+        if k > TILE / 2 {
+            return Err(ctx.err(node, format!("the GPU decode keeps at most {} detections per image, asked for k = {k}", TILE / 2)));
+        }
+        let (hm, wh, reg, out) = (ctx.input(node, 0)?, ctx.input(node, 1)?, ctx.input(node, 2)?, ctx.output(node)?);
+        let (dh, dwh, dreg) = (ctx.value(hm).clone(), ctx.value(wh).clone(), ctx.value(reg).clone());
+        let Some((c, h, w)) = dh.chw() else { return Err(ctx.err(node, format!("hm must be [C, H, W], got {:?}", dh.dims))) };
+        for (name, d) in [("hm", &dh), ("wh", &dwh), ("reg", &dreg)] {
+            if d.layout != Layout::Nhwc || d.elem != dh.elem {
+                return Err(ctx.err(node, format!("{name} must be an NHWC map of {:?}, got {:?} {:?}", dh.elem, d.layout, d.elem)));
+            }
+        }
+        if dwh.dims != [2, h, w] || dreg.dims != [2, h, w] {
+            return Err(ctx.err(node, format!("wh and reg must be [2, {h}, {w}], got {:?} and {:?}", dwh.dims, dreg.dims)));
+        }
+        if h * w * c >= u32::MAX as usize {
+            return Err(ctx.err(node, format!("{c}x{h}x{w} candidates exceed the decode's 32-bit indices")));
+        }
+        let (e, o) = (dh.elem.suffix(), ctx.value(out).elem.suffix());
+        let select = ctx.kernels.get(&format!("decode_select_{e}"))?;
+        let merge = ctx.kernels.get("decode_merge")?;
+        let boxes = ctx.kernels.get(&format!("decode_boxes_{e}_{o}"))?;
+        let key_bytes = tiles(h * w * c) * k * 8;
+        let keys = [ctx.scratch(key_bytes), ctx.scratch(key_bytes)];
+        Ok(Box::new(DecodeLayer {
+            path: ctx.node(node).path.clone(),
+            select,
+            merge,
+            boxes,
+            hm,
+            wh,
+            reg,
+            out,
+            keys,
+            hwc: [h, w, c],
+            k,
+            sm_count: ctx.kernels.sm_count(),
+        }))
+    }
+}
+
+kiln::register_converter!("centernet_decode", gpu::convert_decode);

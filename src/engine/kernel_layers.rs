@@ -9,7 +9,8 @@ use super::gpu::cuda_err;
 use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId};
 use crate::graph::{NodeId, Op, PoolAttrs};
 use crate::{Error, Result};
-use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+pub use cudarc::driver::CudaFunction;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 /// Activation codes of `kernels/common.cuh` (`ACT_*`).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -462,14 +463,16 @@ impl Layer for ReformatLayer {
 
 /// A layer converting `src` to `dst`, deciding from their descriptions: NCHW -> NHWC (the
 /// engine's input; `dst` may have more channels than `src`, padded with zeros), NHWC -> NCHW
-/// (the engine's output, or a flatten), or a precision cast where the layouts agree (or the
-/// value has no spatial extent, where both layouts are the same bytes).
+/// (the engine's output), or a precision cast where the layouts agree or the value has no
+/// spatial extent (`[F]`, `[F, 1, 1]`, `[K, 6]`: both layouts are the same bytes).
 pub fn reformat_layer(ctx: &mut BuildCtx, src: ValueId, dst: ValueId, path: &str) -> Result<Box<dyn Layer>> {
     let (s, d) = (ctx.value(src).clone(), ctx.value(dst).clone());
     let fail = |why: String| Error::Graph(format!("cannot reformat `{}` to `{}` (at `{path}`): {why}", s.name, d.name));
     let pair = format!("{}_{}", s.elem.suffix(), d.elem.suffix());
     let spatial = |v: &ValueDesc| v.chw().map(|(_, h, w)| h * w);
-    let plain = s.layout == d.layout || (spatial(&s) == Some(1) && spatial(&d) == Some(1));
+    // Layout means nothing for a value without spatial extent ([F], [K, 6]): the same bytes.
+    let flat = |v: &ValueDesc| spatial(v).map_or(true, |hw| hw == 1);
+    let plain = s.layout == d.layout || (flat(&s) && flat(&d));
     let (entry, transpose) = if plain && s.dims == d.dims {
         (format!("cast_{pair}"), None)
     } else {

@@ -246,6 +246,14 @@ impl Kernels {
             modules: Mutex::new(Vec::new()),
             functions: Mutex::new(HashMap::new()),
         };
+        // NVRTC compiles one program on one thread: compile the families side by side (a fresh
+        // machine with an empty cache pays this once; later builds read the disk cache).
+        let arch = kernels.arch.clone();
+        std::thread::scope(|s| {
+            let jobs: Vec<_> = FAMILIES.iter().map(|(name, src)| s.spawn(|| cached_compile(name, src, &arch))).collect();
+            jobs.into_iter()
+                .try_for_each(|j| j.join().unwrap_or_else(|_| Err(Error::NoGpu("NVRTC panicked while compiling".into()))).map(drop))
+        })?;
         for (name, src) in FAMILIES {
             kernels.add_source(name, src)?;
         }

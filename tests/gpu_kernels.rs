@@ -1,0 +1,333 @@
+//! Every kernel layer (through its converter, inside a real engine) against the CPU executor on
+//! fresh random inputs: FP32 and FP16, batch 1 and > 1, non-square maps, odd channel counts (the
+//! kernels' scalar paths) and multiples of 8 (their 16-byte vector paths). Every engine also runs
+//! the NCHW f32 -> NHWC and back reformats at its edges. Skips with the reason without a GPU.
+//!
+//! On the device: `cargo test --release --test gpu_kernels -- --nocapture --test-threads 1`.
+
+use kiln::engine::{gpu_available, BuildConfig, Engine, EngineBuilder, Gpu, Precision};
+use kiln::graph::{Graph, HostTensor, Op, PoolAttrs};
+use kiln::{Tensor, Tracer};
+use std::sync::{Arc, OnceLock};
+
+/// Batch sizes every engine runs (built for 1..=3, one engine for all).
+const BATCHES: [usize; 2] = [1, 3];
+
+fn gpu() -> Option<Arc<Gpu>> {
+    static GPU: OnceLock<Result<Arc<Gpu>, String>> = OnceLock::new();
+    match GPU.get_or_init(|| gpu_available().and_then(|()| Gpu::new(0).map_err(|e| e.to_string()))) {
+        Ok(g) => Some(g.clone()),
+        Err(why) => {
+            println!("skipped: no GPU ({why})");
+            None
+        }
+    }
+}
+
+/// splitmix64: reproducible inputs without a dependency.
+fn random(shape: &[usize], seed: u64, scale: f32) -> HostTensor {
+    let mut s = seed.wrapping_mul(0x9e3779b97f4a7c15) ^ 0x5851f42d4c957f2d;
+    let data = (0..shape.iter().product::<usize>())
+        .map(|_| {
+            s = s.wrapping_add(0x9e3779b97f4a7c15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
+            z ^= z >> 31;
+            ((z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect();
+    HostTensor::new(shape.to_vec(), data)
+}
+
+/// Rounds to f16 and back: what an FP16 engine sees of an input.
+fn to_f16(t: &HostTensor) -> HostTensor {
+    HostTensor::new(t.shape.clone(), t.data.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect())
+}
+
+fn rel_l2(got: &[f32], want: &[f32]) -> (f64, f64) {
+    let (mut num, mut den, mut max_abs) = (0f64, 0f64, 0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        let d = (g - w) as f64;
+        num += d * d;
+        den += (w as f64) * (w as f64);
+        max_abs = max_abs.max(d.abs());
+    }
+    ((num / den.max(1e-30)).sqrt(), max_abs)
+}
+
+fn build(gpu: &Arc<Gpu>, graph: &Graph, precision: Precision) -> Arc<Engine> {
+    let config = BuildConfig::default().precision(precision).batch(1, 3, 3).cuda_graphs(false);
+    Arc::new(EngineBuilder::new(config).with_gpu(gpu.clone()).build(graph).unwrap_or_else(|e| panic!("build ({precision:?}): {e}")))
+}
+
+/// Traces `f` over inputs of the given per-image shapes (batch 1), then for each precision and
+/// batch runs the engine and the CPU executor on fresh random inputs and compares every output.
+fn check(name: &str, inputs: &[(&str, &[usize])], f: impl Fn(&[Tensor]) -> kiln::Result<Vec<Tensor>>) {
+    let Some(gpu) = gpu() else { return };
+    let tracer = Tracer::new();
+    let xs: Vec<Tensor> = inputs.iter().map(|(n, s)| tracer.input(n, &[&[1][..], s].concat())).collect();
+    for (i, y) in f(&xs).unwrap_or_else(|e| panic!("{name}: trace: {e}")).iter().enumerate() {
+        tracer.output(&format!("y{i}"), y);
+    }
+    let graph = tracer.graph();
+    for (precision, tol) in [(Precision::Fp32, 1e-5), (Precision::Fp16, 1e-2)] {
+        let engine = build(&gpu, &graph, precision);
+        let mut ctx = engine.context().expect("context");
+        for (k, batch) in BATCHES.into_iter().enumerate() {
+            let seed = name.bytes().fold(k as u64 * 7919, |h, b| h.wrapping_mul(31).wrapping_add(b as u64));
+            let host: Vec<HostTensor> =
+                inputs.iter().enumerate().map(|(i, (_, s))| random(&[&[batch][..], s].concat(), seed + i as u64, 2.0)).collect();
+            let bound: Vec<(&str, &HostTensor)> = inputs.iter().zip(&host).map(|((n, _), t)| (*n, t)).collect();
+            let want = kiln::cpu::run(&graph, &bound).unwrap_or_else(|e| panic!("{name}: cpu: {e}"));
+            let got = ctx.run(&bound).unwrap_or_else(|e| panic!("{name} {precision:?} batch {batch}: {e}"));
+            for (out, w) in &want {
+                let g = &got[out];
+                assert_eq!(g.shape, w.shape, "{name} {out}");
+                let (rel, max_abs) = rel_l2(&g.data, &w.data);
+                println!("{name:<34} {precision:?} batch {batch} {out} {:?}: rel L2 {rel:.2e}, max abs {max_abs:.2e}", w.shape);
+                assert!(rel <= tol, "{name} {precision:?} batch {batch} {out}: rel L2 {rel:.3e} > {tol:e}");
+            }
+        }
+    }
+}
+
+fn record(op: Op, x: &Tensor) -> kiln::Result<Tensor> {
+    Tensor::record("op", op, &[x], &[])
+}
+
+fn pool(kernel: [usize; 2], stride: [usize; 2], padding: [usize; 2], ceil_mode: bool, count_include_pad: bool) -> PoolAttrs {
+    PoolAttrs { kernel, stride, padding, ceil_mode, count_include_pad }
+}
+
+#[test]
+fn activations() {
+    for dims in [[7usize, 5, 9], [16, 6, 5]] {
+        check(&format!("relu {dims:?}"), &[("x", &dims)], |x| Ok(vec![x[0].relu()?]));
+        check(&format!("leaky_relu(0.1) {dims:?}"), &[("x", &dims)], |x| Ok(vec![x[0].leaky_relu(0.1)?]));
+        check(&format!("sigmoid {dims:?}"), &[("x", &dims)], |x| Ok(vec![x[0].sigmoid()?]));
+    }
+    // Activations on a flat [N, F] value (after a flatten).
+    check("relu(flatten) [3, 4, 5]", &[("x", &[3, 4, 5])], |x| Ok(vec![x[0].flatten(1)?.sigmoid()?]));
+}
+
+#[test]
+fn add_and_mul() {
+    for dims in [[3usize, 4, 5], [24, 7, 3]] {
+        check(&format!("add {dims:?}"), &[("a", &dims), ("b", &dims)], |x| Ok(vec![x[0].add(&x[1])?]));
+        check(&format!("mul {dims:?}"), &[("a", &dims), ("b", &dims)], |x| Ok(vec![x[0].mul(&x[1])?]));
+    }
+    // Chained: one operand is computed, results reused by two outputs.
+    check("relu(a + b) * a [9, 5, 6]", &[("a", &[9, 5, 6]), ("b", &[9, 5, 6])], |x| {
+        let s = x[0].add(&x[1])?.relu()?;
+        Ok(vec![s.mul(&x[0])?, s])
+    });
+}
+
+#[test]
+fn max_pool() {
+    let cases = [
+        ("max 3x3 s2 p1", [5usize, 11, 8], pool([3, 3], [2, 2], [1, 1], false, true)),
+        ("max 3x3 s2 p1 (ResNet stem)", [64, 16, 16], pool([3, 3], [2, 2], [1, 1], false, true)),
+        ("max 3x3 s2 ceil_mode", [16, 10, 7], pool([3, 3], [2, 2], [0, 0], true, true)),
+        ("max 2x3 s(2,1) p1", [6, 9, 10], pool([2, 3], [2, 1], [1, 1], false, true)),
+        ("max 2x2 s2 ceil p1", [3, 7, 6], pool([2, 2], [2, 2], [1, 1], true, true)),
+    ];
+    for (name, dims, attrs) in cases {
+        check(&format!("{name} {dims:?}"), &[("x", &dims)], |x| Ok(vec![record(Op::MaxPool2d(attrs), &x[0])?]));
+    }
+}
+
+#[test]
+fn avg_pool() {
+    let cases = [
+        ("avg 3x3 s2 p1 incl", [6usize, 9, 10], pool([3, 3], [2, 2], [1, 1], false, true)),
+        ("avg 3x3 s2 p1 excl", [6, 9, 10], pool([3, 3], [2, 2], [1, 1], false, false)),
+        ("avg 3x3 s2 p1 ceil incl", [16, 10, 7], pool([3, 3], [2, 2], [1, 1], true, true)),
+        ("avg 3x3 s2 p1 ceil excl", [16, 10, 7], pool([3, 3], [2, 2], [1, 1], true, false)),
+        ("avg 2x2 s2 ceil", [5, 7, 5], pool([2, 2], [2, 2], [0, 0], true, true)),
+        ("avg 3x2 s(1,2) p(1,0)", [8, 6, 9], pool([3, 2], [1, 2], [1, 0], false, false)),
+    ];
+    for (name, dims, attrs) in cases {
+        check(&format!("{name} {dims:?}"), &[("x", &dims)], |x| Ok(vec![record(Op::AvgPool2d(attrs), &x[0])?]));
+    }
+}
+
+#[test]
+fn adaptive_avg_pool() {
+    let cases = [([64usize, 7, 7], [1usize, 1]), ([5, 7, 7], [1, 1]), ([5, 10, 9], [3, 3]), ([16, 9, 11], [4, 2]), ([3, 5, 4], [5, 4])];
+    for (dims, output) in cases {
+        check(&format!("adaptive_avg {dims:?} -> {output:?}"), &[("x", &dims)], |x| {
+            Ok(vec![record(Op::AdaptiveAvgPool2d { output }, &x[0])?])
+        });
+    }
+    // ResNet's head: global pool then flatten (an alias: nothing moves).
+    check("global pool + flatten [24, 7, 5]", &[("x", &[24, 7, 5])], |x| {
+        Ok(vec![record(Op::AdaptiveAvgPool2d { output: [1, 1] }, &x[0])?.flatten(1)?])
+    });
+}
+
+#[test]
+fn flatten_and_cat() {
+    check("flatten [6, 3, 4]", &[("x", &[6, 3, 4])], |x| Ok(vec![x[0].flatten(1)?]));
+    check("flatten [5, 1, 7] then relu", &[("x", &[5, 1, 7])], |x| Ok(vec![x[0].flatten(1)?.relu()?]));
+    check("cat odd channels [5|8|3, 4, 6]", &[("a", &[5, 4, 6]), ("b", &[8, 4, 6]), ("c", &[3, 4, 6])], |x| {
+        Ok(vec![Tensor::cat(&[&x[0], &x[1].relu()?, &x[2]], 1)?])
+    });
+    check("cat vector channels [16|8, 5, 3]", &[("a", &[16, 5, 3]), ("b", &[8, 5, 3])], |x| Ok(vec![Tensor::cat(&[&x[0], &x[1]], 1)?]));
+}
+
+// ---- CenterNet decode ----------------------------------------------------------------------
+
+/// Engine and CPU decode on the same inputs (for FP16, inputs already rounded to f16, so both
+/// see the same logits); returns (rows that agree in class and centre, rows, max score error).
+fn decode_agreement(
+    gpu: &Arc<Gpu>,
+    precision: Precision,
+    hm: &HostTensor,
+    wh: &HostTensor,
+    reg: &HostTensor,
+    k: usize,
+) -> (usize, usize, f32) {
+    let tracer = Tracer::new();
+    let [_, c, h, w] = hm.shape[..] else { panic!("hm rank") };
+    let t_hm = tracer.input("hm", &[1, c, h, w]);
+    let t_wh = tracer.input("wh", &[1, 2, h, w]);
+    let t_reg = tracer.input("reg", &[1, 2, h, w]);
+    let out = t_hm.custom("centernet_decode", &[("k", k as f64)], &[&t_wh, &t_reg]).expect("trace decode");
+    tracer.output("det", &out);
+    let graph = tracer.graph();
+    let engine = build(gpu, &graph, precision);
+    let mut ctx = engine.context().expect("context");
+    let bound = [("hm", hm), ("wh", wh), ("reg", reg)];
+    let want = &kiln::cpu::run(&graph, &bound).expect("cpu decode")["det"];
+    let got = &ctx.run(&bound).expect("gpu decode")["det"];
+    assert_eq!(got.shape, want.shape);
+    let (mut agree, mut max_score_err) = (0, 0f32);
+    for (g, w) in got.data.chunks(6).zip(want.data.chunks(6)) {
+        let centre = |r: &[f32]| ((r[0] + r[2]) / 2.0, (r[1] + r[3]) / 2.0);
+        let ((gx, gy), (wx, wy)) = (centre(g), centre(w));
+        // An FP16 engine writes its detections in f16: corners carry a relative rounding of
+        // 2^-11 each, so the centre's tolerance grows with the coordinate.
+        let tol = |v: f32| if precision == Precision::Fp16 { 0.01 + v.abs() * 1e-3 } else { 1e-3 };
+        if g[5] == w[5] && (gx - wx).abs() <= tol(wx) && (gy - wy).abs() <= tol(wy) {
+            agree += 1;
+        }
+        max_score_err = max_score_err.max((g[4] - w[4]).abs());
+    }
+    (agree, got.data.len() / 6, max_score_err)
+}
+
+#[test]
+fn centernet_decode_matches_the_cpu_reference() {
+    // Linked for its `centernet_decode` registrations (custom op + GPU converter).
+    let _ = kiln_models::centernet::DEFAULT_K;
+    let Some(gpu) = gpu() else { return };
+    for precision in [Precision::Fp32, Precision::Fp16] {
+        // Small (one tile per image), then CenterNet's real size: 80 classes at 128x128, 320
+        // tiles per image and two merge passes.
+        for (batch, c, h, w, k) in [(1usize, 7usize, 20usize, 24usize, 50usize), (3, 7, 20, 24, 50), (2, 80, 128, 128, 100)] {
+            let seed = (batch * 1000 + c) as u64;
+            let mut hm = random(&[batch, c, h, w], seed, 4.0);
+            let mut wh = random(&[batch, 2, h, w], seed + 1, 8.0);
+            let mut reg = random(&[batch, 2, h, w], seed + 2, 0.5);
+            if precision == Precision::Fp16 {
+                (hm, wh, reg) = (to_f16(&hm), to_f16(&wh), to_f16(&reg));
+            }
+            let (agree, rows, score_err) = decode_agreement(&gpu, precision, &hm, &wh, &reg, k);
+            println!(
+                "decode {precision:?} [{batch}, {c}, {h}, {w}] k={k}: {agree}/{rows} detections identical, max score err {score_err:.2e}"
+            );
+            assert!(agree * 100 >= rows * 98, "{precision:?}: only {agree} of {rows} detections agree");
+            assert!(score_err < if precision == Precision::Fp32 { 1e-5 } else { 1e-3 }, "score error {score_err}");
+        }
+    }
+}
+
+#[test]
+fn centernet_decode_ties_and_suppressed_positions() {
+    let _ = kiln_models::centernet::DEFAULT_K;
+    let Some(gpu) = gpu() else { return };
+    // A ramp rising to the bottom-right corner: one peak per class, so the other picks are the
+    // suppressed positions' zeros, lowest flat index first (the tile's "fewer peaks than k" path).
+    let (c, h, w) = (3, 16, 12);
+    let ramp = HostTensor::new(
+        vec![1, c, h, w],
+        (0..c * h * w).map(|i| ((i % (h * w)) as f32) * 0.01 - 1.0 + (i / (h * w)) as f32 * 0.1).collect(),
+    );
+    // All equal: every position is a peak and ties go to the lower index.
+    let flat = HostTensor::new(vec![1, c, h, w], vec![0.5; c * h * w]);
+    let wh = random(&[1, 2, h, w], 5, 4.0);
+    let reg = random(&[1, 2, h, w], 6, 0.5);
+    for (name, hm) in [("ramp", &ramp), ("flat", &flat)] {
+        for precision in [Precision::Fp32, Precision::Fp16] {
+            let (hm, wh, reg) =
+                if precision == Precision::Fp16 { (to_f16(hm), to_f16(&wh), to_f16(&reg)) } else { (hm.clone(), wh.clone(), reg.clone()) };
+            let (agree, rows, _) = decode_agreement(&gpu, precision, &hm, &wh, &reg, 40);
+            println!("decode {name} {precision:?}: {agree}/{rows}");
+            assert_eq!(agree, rows, "{name} {precision:?}: deterministic ties must agree exactly");
+        }
+    }
+}
+
+// ---- timings (printed, for the report) -------------------------------------------------------
+
+#[test]
+fn timings() {
+    let _ = kiln_models::centernet::DEFAULT_K;
+    let Some(gpu) = gpu() else { return };
+    let time = |name: &str, graph: Graph, batch: usize, inputs: Vec<(&str, HostTensor)>| {
+        let config = BuildConfig::default().precision(Precision::Fp16).batch(1, batch, batch).cuda_graphs(false);
+        let engine = Arc::new(EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph).expect("build"));
+        let mut ctx = engine.context().expect("context");
+        let bound: Vec<(&str, &HostTensor)> = inputs.iter().map(|(n, t)| (*n, t)).collect();
+        ctx.run(&bound).expect("run");
+        let ms = ctx.time(batch, 5, 50).expect("time");
+        println!(
+            "timing {name:<52} FP16 batch {batch:>2}: {:>8.1} us (engine: {})",
+            ms * 1e3,
+            engine.layers().map(|l| l.kind()).collect::<Vec<_>>().join(", ")
+        );
+    };
+    let one = |dims: &[usize], f: &dyn Fn(&Tensor) -> kiln::Result<Tensor>| {
+        let t = Tracer::new();
+        let x = t.input("x", &[&[1][..], dims].concat());
+        t.output("y", &f(&x).expect("trace"));
+        t.graph()
+    };
+    for batch in [1, 32] {
+        let stem = [64, 112, 112];
+        time(
+            "reformats only: relu [64,112,112]",
+            one(&stem, &|x| x.relu()),
+            batch,
+            vec![("x", random(&[&[batch][..], &stem].concat(), 1, 1.0))],
+        );
+        time(
+            "reformats + max_pool 3x3 s2 p1 [64,112,112]",
+            one(&stem, &|x| record(Op::MaxPool2d(pool([3, 3], [2, 2], [1, 1], false, true)), x)),
+            batch,
+            vec![("x", random(&[&[batch][..], &stem].concat(), 2, 1.0))],
+        );
+        let head = [2048, 7, 7];
+        time(
+            "reformats + global avg pool + flatten [2048,7,7]",
+            one(&head, &|x| record(Op::AdaptiveAvgPool2d { output: [1, 1] }, x)?.flatten(1)),
+            batch,
+            vec![("x", random(&[&[batch][..], &head].concat(), 3, 1.0))],
+        );
+    }
+    for batch in [1, 32] {
+        let (c, h, w) = (80, 128, 128);
+        let t = Tracer::new();
+        let hm = t.input("hm", &[1, c, h, w]);
+        let (twh, treg) = (t.input("wh", &[1, 2, h, w]), t.input("reg", &[1, 2, h, w]));
+        t.output("det", &hm.custom("centernet_decode", &[("k", 100.0)], &[&twh, &treg]).expect("trace"));
+        let inputs = vec![
+            ("hm", random(&[batch, c, h, w], 7, 4.0)),
+            ("wh", random(&[batch, 2, h, w], 8, 8.0)),
+            ("reg", random(&[batch, 2, h, w], 9, 0.5)),
+        ];
+        time("reformats + centernet decode [80,128,128] k=100", t.graph(), batch, inputs);
+    }
+}
