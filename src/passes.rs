@@ -53,6 +53,7 @@ pub fn fold_batchnorm(graph: &Graph) -> Result<Graph> {
     }
     // The replaced weights and the BatchNorm parameters go unless something else reads them.
     let uses = g.use_counts();
+    removed.resize(g.nodes.len(), false);
     rebuild(&g, |id, node| !removed[id] && !(matches!(node.op, Op::Weight { .. }) && uses[id] == 0))
 }
 

@@ -1,0 +1,345 @@
+//! Each graph pass, checked two ways on hand-made graphs: the CPU executor gives the same outputs
+//! before and after (relative L2 ≤ 1e-5 on random inputs), and the rewritten graph has the
+//! expected structure.
+
+use kiln::compare::compare;
+use kiln::graph::{Activation, ConvAttrs, Graph, HostTensor, Op};
+use kiln::{cpu, passes};
+use kiln::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, Forward, Module, Tensor, Tracer, VarBuilder};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+fn rand(shape: &[usize]) -> HostTensor {
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    kiln::seeded::weight(&format!("passes.{nanos}.{n}.x"), shape)
+}
+
+/// Runs both graphs on the same random input (batch `batch`) and checks every output agrees.
+fn assert_same_outputs(before: &Graph, after: &Graph, batch: usize) {
+    let traced = &before.nodes[before.inputs[0]].shape;
+    let mut shape = traced.clone();
+    shape[0] = batch;
+    let x = rand(&shape);
+    let name = before.input_names()[0].to_string();
+    let want = cpu::run(before, &[(&name, &x)]).expect("run before");
+    let got = cpu::run(after, &[(&name, &x)]).expect("run after");
+    assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>());
+    for (k, w) in &want {
+        let c = compare(k, &got[k], w);
+        println!("{c}");
+        assert!(c.passes(1e-5), "{c}");
+    }
+}
+
+/// Every input precedes its reader; every weight node names a held weight and vice versa.
+fn assert_well_formed(g: &Graph) {
+    for (id, n) in g.nodes.iter().enumerate() {
+        assert!(n.inputs.iter().all(|&i| i < id), "%{id} ({}) reads a later node:\n{}", n.path, g.to_text());
+        if let Op::Weight { name } = &n.op {
+            assert!(g.weights.contains_key(name), "weight node `{name}` has no data");
+        }
+    }
+    let names: Vec<&String> = g.nodes.iter().filter_map(|n| if let Op::Weight { name } = &n.op { Some(name) } else { None }).collect();
+    assert_eq!(names.len(), g.weights.len(), "weights held but not used, or used twice: {:?}", g.weights.keys());
+    for (_, o) in &g.outputs {
+        assert!(*o < g.nodes.len());
+    }
+}
+
+fn count(g: &Graph, op: &str) -> usize {
+    g.nodes.iter().filter(|n| n.op.name() == op).count()
+}
+
+fn conv_attrs(g: &Graph, path: &str) -> ConvAttrs {
+    let node = g.nodes.iter().find(|n| n.path == path && matches!(n.op, Op::Conv2d(_) | Op::ConvTranspose2d(_)));
+    match node.map(|n| &n.op) {
+        Some(Op::Conv2d(a) | Op::ConvTranspose2d(a)) => *a,
+        _ => panic!("no conv at `{path}`:\n{}", g.to_text()),
+    }
+}
+
+fn conv(vb: &VarBuilder, path: &str, c: Conv2dConfig) -> Conv2d {
+    Conv2d::load(vb.pp(path), &c).expect("conv")
+}
+
+fn bn(vb: &VarBuilder, path: &str, c: usize) -> BatchNorm2d {
+    BatchNorm2d::load(vb.pp(path), &BatchNorm2dConfig::new(c)).expect("bn")
+}
+
+/// torchvision's BasicBlock with a downsample branch, traced in torchvision's order: the
+/// downsample runs after conv2/bn2, so the residual is defined after the conv it joins.
+fn resnet_block(x: &Tensor, vb: &VarBuilder, cin: usize, cout: usize, stride: usize) -> Tensor {
+    let c3 = |i, o, s| Conv2dConfig::new(i, o, 3).stride(s).padding(1).bias(false);
+    let out = conv(vb, "conv1", c3(cin, cout, stride)).forward(x).expect("trace");
+    let out = bn(vb, "bn1", cout).forward(&out).and_then(|t| t.relu()).expect("trace");
+    let out = conv(vb, "conv2", c3(cout, cout, 1)).forward(&out).expect("trace");
+    let out = bn(vb, "bn2", cout).forward(&out).expect("trace");
+    let identity = if stride != 1 || cin != cout {
+        let d = conv(vb, "downsample.0", Conv2dConfig::new(cin, cout, 1).stride(stride).bias(false)).forward(x).expect("trace");
+        bn(vb, "downsample.1", cout).forward(&d).expect("trace")
+    } else {
+        x.clone()
+    };
+    out.add(&identity).and_then(|t| t.relu()).expect("trace")
+}
+
+/// Two blocks: one with a downsample branch, one with an identity shortcut.
+fn two_blocks() -> Graph {
+    let vb = VarBuilder::seeded();
+    let t = Tracer::new();
+    let x = t.input("x", &[1, 4, 10, 9]);
+    let y = resnet_block(&x, &vb.pp("layer1.0"), 4, 8, 2);
+    let y = resnet_block(&y, &vb.pp("layer1.1"), 8, 8, 1);
+    t.output("y", &y);
+    t.graph()
+}
+
+#[test]
+fn fold_batchnorm_on_resnet_blocks() {
+    let g = two_blocks();
+    let folded = passes::fold_batchnorm(&g).expect("fold");
+    assert_well_formed(&folded);
+    assert_same_outputs(&g, &folded, 2);
+    assert_eq!((count(&g, "batch_norm2d"), count(&folded, "batch_norm2d")), (5, 0));
+    assert_eq!(count(&folded, "conv2d"), 5);
+    // Each fold drops the BN node, its 4 parameters and the conv's old weight, and adds 2 tensors.
+    assert_eq!(folded.nodes.len(), g.nodes.len() - 5 * 4);
+    for n in folded.nodes.iter().filter(|n| matches!(n.op, Op::Conv2d(_))) {
+        assert!(conv_attrs(&folded, &n.path).bias, "`{}` has no folded bias", n.path);
+        let names: Vec<&str> = n.inputs[1..].iter().map(|&i| folded.nodes[i].path.as_str()).collect();
+        assert_eq!(names, [format!("{}.weight.folded", n.path), format!("{}.bias.folded", n.path)]);
+    }
+    assert!(
+        !folded.weights.keys().any(|k| k.contains("bn") || k.ends_with(".weight") || k.contains("running")),
+        "{:?}",
+        folded.weights.keys()
+    );
+    // The input graph is untouched (passes are pure).
+    assert_eq!(count(&g, "batch_norm2d"), 5);
+}
+
+#[test]
+fn fuse_conv_add_relu_on_resnet_blocks() {
+    let g = passes::fold_batchnorm(&two_blocks()).expect("fold");
+    let fused = passes::fuse_conv_activation(&g).expect("fuse");
+    assert_well_formed(&fused);
+    assert_same_outputs(&g, &fused, 3);
+    assert_eq!((count(&fused, "add"), count(&fused, "relu")), (0, 0), "{}", fused.to_text());
+    // 4 ReLUs and 2 Adds absorbed.
+    assert_eq!(fused.nodes.len(), g.nodes.len() - 6);
+    let relu = |residual| ConvAttrs { residual, act: Activation::Relu, ..Default::default() };
+    for (path, want) in [
+        ("layer1.0.conv1", relu(false)),
+        ("layer1.0.conv2", relu(true)),
+        ("layer1.0.downsample.0", ConvAttrs::default()),
+        ("layer1.1.conv1", relu(false)),
+        ("layer1.1.conv2", relu(true)),
+    ] {
+        let a = conv_attrs(&fused, path);
+        assert_eq!((a.residual, a.act), (want.residual, want.act), "{path}");
+    }
+    // layer1.0.conv2's residual is the downsample conv, which now precedes it.
+    let id = |path: &str| fused.nodes.iter().position(|n| n.path == path && n.op.name() == "conv2d").expect("conv");
+    let conv2 = &fused.nodes[id("layer1.0.conv2")];
+    assert_eq!(conv2.inputs.len(), 4);
+    assert_eq!(*conv2.inputs.last().expect("residual"), id("layer1.0.downsample.0"));
+    // layer1.1.conv2's residual is the previous block's output.
+    assert_eq!(*fused.nodes[id("layer1.1.conv2")].inputs.last().expect("residual"), id("layer1.0.conv2"));
+    // The graph output is the last fused conv.
+    assert_eq!(fused.outputs, vec![("y".to_string(), id("layer1.1.conv2"))]);
+}
+
+#[test]
+fn optimize_runs_every_pass() {
+    let g = two_blocks();
+    let o = passes::optimize(&g).expect("optimize");
+    assert_well_formed(&o);
+    assert_same_outputs(&g, &o, 1);
+    let ops: Vec<&str> = o.nodes.iter().filter(|n| !matches!(n.op, Op::Weight { .. })).map(|n| n.op.name()).collect();
+    assert_eq!(ops, ["input", "conv2d", "conv2d", "conv2d", "conv2d", "conv2d"]);
+    // Already optimised: a second run changes nothing.
+    let again = passes::optimize(&o).expect("optimize again");
+    assert_eq!(again.nodes, o.nodes);
+    assert_eq!(again.outputs, o.outputs);
+}
+
+#[test]
+fn deconv_batchnorm_relu() {
+    let vb = VarBuilder::seeded();
+    let t = Tracer::new();
+    let x = t.input("x", &[1, 6, 5, 4]);
+    // Grouped, so the fold must pick each weight row's output channel by group.
+    let c = Conv2dConfig::new(6, 4, 4).stride(2).padding(1).groups(2).output_padding(1).bias(true);
+    let deconv = ConvTranspose2d::load(vb.pp("up.0"), &c).expect("deconv");
+    let y = deconv.forward(&x).and_then(|y| bn(&vb, "up.1", 4).forward(&y)).and_then(|y| y.relu()).expect("trace");
+    t.output("y", &y);
+    let g = t.graph();
+    let o = passes::optimize(&g).expect("optimize");
+    assert_well_formed(&o);
+    assert_same_outputs(&g, &o, 2);
+    let ops: Vec<&str> = o.nodes.iter().map(|n| n.op.name()).collect();
+    // Only Conv2d takes a fused activation: the ReLU after a transposed conv stays.
+    assert_eq!(ops, ["input", "weight", "weight", "conv_transpose2d", "relu"]);
+    let a = conv_attrs(&o, "up.0");
+    assert!(a.bias && a.groups == 2 && a.output_padding == [1, 1] && a.act == Activation::None);
+    assert_eq!(o.weights.keys().collect::<Vec<_>>(), ["up.0.bias.folded", "up.0.weight.folded"]);
+}
+
+#[test]
+fn dead_branch_is_removed() {
+    let vb = VarBuilder::seeded();
+    let t = Tracer::new();
+    let x = t.input("x", &[1, 3, 6, 6]);
+    let a = conv(&vb, "a", Conv2dConfig::new(3, 4, 3).padding(1)).forward(&x).and_then(|y| y.relu()).expect("trace");
+    let dead = conv(&vb, "b", Conv2dConfig::new(3, 4, 1)).forward(&x).and_then(|y| y.sigmoid()).expect("trace");
+    let _dead_too = dead.mul(&a).expect("trace");
+    let out = a.sigmoid().expect("trace");
+    t.output("out", &out);
+    let g = t.graph();
+    let clean = passes::remove_dead_nodes(&g).expect("dead-node removal");
+    assert_well_formed(&clean);
+    assert_same_outputs(&g, &clean, 2);
+    let ops: Vec<(&str, &str)> = clean.nodes.iter().map(|n| (n.op.name(), n.path.as_str())).collect();
+    assert_eq!(
+        ops,
+        [("input", "x"), ("weight", "a.weight"), ("weight", "a.bias"), ("conv2d", "a"), ("relu", "relu"), ("sigmoid", "sigmoid")]
+    );
+    assert_eq!(clean.weights.keys().collect::<Vec<_>>(), ["a.bias", "a.weight"]);
+    assert_eq!((clean.inputs.clone(), clean.outputs.clone()), (vec![0], vec![("out".to_string(), 5)]));
+}
+
+#[test]
+fn unused_inputs_stay_bound() {
+    let t = Tracer::new();
+    let x = t.input("x", &[1, 2, 3, 3]);
+    let _unused = t.input("mask", &[1, 2, 3, 3]);
+    t.output("y", &x.relu().expect("trace"));
+    let clean = passes::remove_dead_nodes(&t.graph()).expect("dead-node removal");
+    assert_eq!(clean.input_names(), ["x", "mask"]);
+    assert_eq!(clean.nodes.len(), 3);
+}
+
+#[test]
+fn marked_intermediates_block_fusion() {
+    let vb = VarBuilder::seeded();
+    let t = Tracer::new();
+    let x = t.input("x", &[1, 4, 6, 6]);
+    // A conv marked as an output keeps its BatchNorm and its ReLU.
+    let c1 = conv(&vb, "c1", Conv2dConfig::new(4, 4, 3).padding(1).bias(false)).forward(&x).expect("trace");
+    t.output("c1", &c1);
+    let b1 = bn(&vb, "b1", 4).forward(&c1).and_then(|y| y.relu()).expect("trace");
+    // A marked BatchNorm folds (the folded conv carries its value) but keeps its ReLU.
+    let c2 = conv(&vb, "c2", Conv2dConfig::new(4, 4, 3).padding(1).bias(false)).forward(&b1).expect("trace");
+    let b2 = bn(&vb, "b2", 4).forward(&c2).expect("trace");
+    t.output("b2", &b2);
+    let r2 = b2.relu().expect("trace");
+    // A marked Add absorbs its conv but keeps its ReLU.
+    let c3 = conv(&vb, "c3", Conv2dConfig::new(4, 4, 1)).forward(&r2).expect("trace");
+    let sum = c3.add(&r2).expect("trace");
+    t.output("sum", &sum);
+    t.output("y", &sum.relu().expect("trace"));
+    let g = t.graph();
+    let o = passes::optimize(&g).expect("optimize");
+    assert_well_formed(&o);
+    assert_same_outputs(&g, &o, 2);
+    assert_eq!(count(&o, "batch_norm2d"), 1);
+    assert_eq!(count(&o, "relu"), 3);
+    assert_eq!(count(&o, "add"), 0);
+    let plain = |a: ConvAttrs| (a.residual, a.act);
+    assert_eq!(plain(conv_attrs(&o, "c1")), (false, Activation::None));
+    assert_eq!(plain(conv_attrs(&o, "c2")), (false, Activation::None));
+    assert!(conv_attrs(&o, "c2").bias);
+    assert_eq!(plain(conv_attrs(&o, "c3")), (true, Activation::None));
+    let output = |name: &str| &o.nodes[o.outputs.iter().find(|(n, _)| n == name).expect("output").1];
+    assert_eq!((output("c1").path.as_str(), output("b2").path.as_str(), output("sum").path.as_str()), ("c1", "c2", "c3"));
+}
+
+#[test]
+fn add_is_commutative_and_shared_values_stay() {
+    let vb = VarBuilder::seeded();
+    let t = Tracer::new();
+    let x = t.input("x", &[1, 3, 5, 5]);
+    // identity + conv: the conv is the second operand.
+    let c = conv(&vb, "c", Conv2dConfig::new(3, 3, 3).padding(1)).forward(&x).expect("trace");
+    let s = x.add(&c).and_then(|y| y.relu()).expect("trace");
+    // conv + conv: the first becomes the fused node, the second its residual.
+    let p = conv(&vb, "p", Conv2dConfig::new(3, 3, 1)).forward(&s).expect("trace");
+    let q = conv(&vb, "q", Conv2dConfig::new(3, 3, 1)).forward(&s).expect("trace");
+    let pq = p.add(&q).expect("trace");
+    // A conv read twice (by an add and a mul) is not fused; neither is add(conv, conv) of one conv.
+    let r = conv(&vb, "r", Conv2dConfig::new(3, 3, 1)).forward(&pq).expect("trace");
+    let twice = r.add(&r).expect("trace");
+    let y = twice.mul(&r).expect("trace");
+    t.output("y", &y);
+    let g = t.graph();
+    let o = passes::fuse_conv_activation(&g).expect("fuse");
+    assert_well_formed(&o);
+    assert_same_outputs(&g, &o, 2);
+    let attrs = |p: &str| {
+        let a = conv_attrs(&o, p);
+        (a.residual, a.act)
+    };
+    assert_eq!(attrs("c"), (true, Activation::Relu));
+    assert_eq!(attrs("p"), (true, Activation::None));
+    assert_eq!(attrs("q"), (false, Activation::None));
+    assert_eq!(attrs("r"), (false, Activation::None));
+    assert_eq!((count(&o, "add"), count(&o, "relu"), count(&o, "mul")), (1, 0, 1));
+}
+
+#[test]
+fn conv_read_by_two_nodes_keeps_its_batchnorm() {
+    let vb = VarBuilder::seeded();
+    let t = Tracer::new();
+    let x = t.input("x", &[1, 3, 5, 5]);
+    let c = conv(&vb, "c", Conv2dConfig::new(3, 3, 3).padding(1)).forward(&x).expect("trace");
+    let b = bn(&vb, "b", 3).forward(&c).expect("trace");
+    t.output("y", &b.add(&c).expect("trace"));
+    let g = t.graph();
+    let o = passes::fold_batchnorm(&g).expect("fold");
+    assert_eq!(o.nodes, g.nodes);
+}
+
+#[test]
+fn topological_order_is_stable_and_detects_cycles() {
+    let g = two_blocks();
+    let keep = vec![true; g.nodes.len()];
+    assert_eq!(passes::topological_order(&g, &keep).expect("order"), (0..g.nodes.len()).collect::<Vec<_>>());
+    let mut cyclic = g.clone();
+    let last = cyclic.nodes.len() - 1;
+    cyclic.nodes[1].inputs.push(last);
+    let err = passes::topological_order(&cyclic, &keep).expect_err("cycle");
+    assert!(err.to_string().contains("cycle"), "{err}");
+}
+
+/// ResNet-18 (seeded weights) through every pass: same logits, every BN folded, and every ReLU
+/// fused except the stem's... which follows a conv too, so none remain.
+#[test]
+fn optimize_resnet18() {
+    let g = kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 64).expect("trace resnet18");
+    let o = passes::optimize(&g).expect("optimize");
+    assert_well_formed(&o);
+    assert_same_outputs(&g, &o, 2);
+    assert_eq!((count(&o, "batch_norm2d"), count(&o, "add"), count(&o, "relu")), (0, 0, 0));
+    assert_eq!(count(&o, "conv2d"), 20);
+    let residual = o.nodes.iter().filter(|n| matches!(n.op, Op::Conv2d(a) if a.residual)).count();
+    assert_eq!(residual, 8);
+}
+
+/// ResNet-50 at 224×224, batch 1, on the CPU executor (run with `--release --ignored`).
+#[test]
+#[ignore = "timing: cargo test --release -p kiln --test passes -- --ignored --nocapture"]
+fn time_resnet50_cpu() {
+    let g = kiln_models::trace("resnet50", VarBuilder::seeded(), 1, 224).expect("trace resnet50");
+    let o = passes::optimize(&g).expect("optimize");
+    let x = rand(&[1, 3, 224, 224]);
+    for (name, graph) in [("traced", &g), ("optimized", &o)] {
+        let mut times = vec![];
+        for _ in 0..3 {
+            let start = std::time::Instant::now();
+            cpu::run(graph, &[("input", &x)]).expect("run");
+            times.push(start.elapsed().as_secs_f64());
+        }
+        println!("resnet50 224 batch 1, {name} graph: {:?} s", times);
+    }
+}
