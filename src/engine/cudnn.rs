@@ -1,1 +1,525 @@
-//! cuDNN layers: fused convolution (bias, residual, ReLU), transposed convolution, batch norm.
+//! cuDNN layers over NHWC activations: convolution with bias, residual and ReLU fused
+//! (`cudnnConvolutionBiasActivationForward`, the residual as `z`), the same as separate calls
+//! where the fused call does not run, and transposed convolution (backward-data).
+//!
+//! Descriptors depend on the batch, so each layer creates them per batch size on first use and
+//! keeps them; the algorithm is chosen once at the opt batch (a tactic).
+
+use super::gpu::cuda_err;
+use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, RunCtx, ValueId};
+use super::Precision;
+use crate::graph::{Activation, ConvAttrs, NodeId, Op};
+use crate::{Error, Result};
+use cudarc::cudnn::sys as dnn;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+fn check(status: dnn::cudnnStatus_t, what: &str) -> Result<()> {
+    status.result().map_err(cuda_err(what))
+}
+
+/// A cuDNN descriptor that is destroyed with its owner. Descriptors are host structs, immutable
+/// after set-up, so sharing them between threads is sound.
+struct Desc<T: Copy> {
+    raw: T,
+    destroy: unsafe fn(T) -> dnn::cudnnStatus_t,
+}
+unsafe impl<T: Copy> Send for Desc<T> {}
+unsafe impl<T: Copy> Sync for Desc<T> {}
+impl<T: Copy> Drop for Desc<T> {
+    fn drop(&mut self) {
+        // Nothing to do about a failed destroy at teardown.
+        let _ = unsafe { (self.destroy)(self.raw) };
+    }
+}
+
+fn data_type(elem: Elem) -> dnn::cudnnDataType_t {
+    match elem {
+        Elem::F32 => dnn::cudnnDataType_t::CUDNN_DATA_FLOAT,
+        Elem::F16 => dnn::cudnnDataType_t::CUDNN_DATA_HALF,
+    }
+}
+
+fn tensor(elem: Elem, [n, c, h, w]: [usize; 4]) -> Result<Desc<dnn::cudnnTensorDescriptor_t>> {
+    let raw = cudarc::cudnn::result::create_tensor_descriptor().map_err(cuda_err("cudnnCreateTensorDescriptor"))?;
+    let d = Desc { raw, destroy: dnn::cudnnDestroyTensorDescriptor };
+    let dims = [n as i32, c as i32, h as i32, w as i32];
+    unsafe { cudarc::cudnn::result::set_tensor4d_descriptor(d.raw, dnn::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC, data_type(elem), dims) }
+        .map_err(cuda_err("cudnnSetTensor4dDescriptor"))?;
+    Ok(d)
+}
+
+fn filter(elem: Elem, [k, c, h, w]: [usize; 4]) -> Result<Desc<dnn::cudnnFilterDescriptor_t>> {
+    let raw = cudarc::cudnn::result::create_filter_descriptor().map_err(cuda_err("cudnnCreateFilterDescriptor"))?;
+    let d = Desc { raw, destroy: dnn::cudnnDestroyFilterDescriptor };
+    let dims = [k as i32, c as i32, h as i32, w as i32];
+    unsafe { cudarc::cudnn::result::set_filter4d_descriptor(d.raw, data_type(elem), dnn::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC, dims) }
+        .map_err(cuda_err("cudnnSetFilter4dDescriptor"))?;
+    Ok(d)
+}
+
+/// FP32 must not use TF32: FMA math. TF32 and FP16 may use tensor cores.
+fn math_type(p: Precision) -> dnn::cudnnMathType_t {
+    match p {
+        Precision::Fp32 => dnn::cudnnMathType_t::CUDNN_FMA_MATH,
+        Precision::Tf32 | Precision::Fp16 => dnn::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
+    }
+}
+
+fn conv_desc(a: &ConvAttrs, p: Precision) -> Result<Desc<dnn::cudnnConvolutionDescriptor_t>> {
+    let raw = cudarc::cudnn::result::create_convolution_descriptor().map_err(cuda_err("cudnnCreateConvolutionDescriptor"))?;
+    let d = Desc { raw, destroy: dnn::cudnnDestroyConvolutionDescriptor };
+    unsafe {
+        // Accumulate in f32 for every precision (cuDNN's "pseudo half" for f16 data).
+        cudarc::cudnn::result::set_convolution2d_descriptor(
+            d.raw,
+            a.padding[0] as i32,
+            a.padding[1] as i32,
+            a.stride[0] as i32,
+            a.stride[1] as i32,
+            a.dilation[0] as i32,
+            a.dilation[1] as i32,
+            dnn::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
+            dnn::cudnnDataType_t::CUDNN_DATA_FLOAT,
+        )
+        .map_err(cuda_err("cudnnSetConvolution2dDescriptor"))?;
+        cudarc::cudnn::result::set_convolution_math_type(d.raw, math_type(p)).map_err(cuda_err("cudnnSetConvolutionMathType"))?;
+        cudarc::cudnn::result::set_convolution_group_count(d.raw, a.groups as i32).map_err(cuda_err("cudnnSetConvolutionGroupCount"))?;
+    }
+    Ok(d)
+}
+
+fn activation(relu: bool) -> Result<Desc<dnn::cudnnActivationDescriptor_t>> {
+    let raw = cudarc::cudnn::result::create_activation_descriptor().map_err(cuda_err("cudnnCreateActivationDescriptor"))?;
+    let d = Desc { raw, destroy: dnn::cudnnDestroyActivationDescriptor };
+    let mode = if relu { dnn::cudnnActivationMode_t::CUDNN_ACTIVATION_RELU } else { dnn::cudnnActivationMode_t::CUDNN_ACTIVATION_IDENTITY };
+    unsafe { cudarc::cudnn::result::set_activation_descriptor(d.raw, mode, dnn::cudnnNanPropagation_t::CUDNN_NOT_PROPAGATE_NAN, 0.0) }
+        .map_err(cuda_err("cudnnSetActivationDescriptor"))?;
+    Ok(d)
+}
+
+/// Weights of a convolution as the NHWC filter format wants them: `[K, kh, kw, C]` from
+/// PyTorch's `[K, C, kh, kw]`.
+pub fn kcrs_to_krsc(w: &[f32], [k, c, r, s]: [usize; 4]) -> Vec<f32> {
+    let mut out = vec![0f32; w.len()];
+    for ki in 0..k {
+        for ci in 0..c {
+            for ri in 0..r {
+                for si in 0..s {
+                    out[((ki * r + ri) * s + si) * c + ci] = w[((ki * c + ci) * r + ri) * s + si];
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Shapes of one convolution (forward view: x → y).
+#[derive(Clone, Copy, Debug)]
+struct Geom {
+    cin: usize,
+    h: usize,
+    w: usize,
+    cout: usize,
+    ho: usize,
+    wo: usize,
+}
+
+struct BatchDescs {
+    x: Desc<dnn::cudnnTensorDescriptor_t>,
+    y: Desc<dnn::cudnnTensorDescriptor_t>,
+}
+
+/// How a forward convolution runs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Mode {
+    /// One `cudnnConvolutionBiasActivationForward`.
+    Fused,
+    /// `cudnnConvolutionForward`, then bias, residual and ReLU as separate cuDNN calls.
+    Separate,
+}
+
+/// Shared by all candidates of one node: weights are uploaded once.
+struct ConvShared {
+    path: String,
+    geom: Geom,
+    elem: Elem,
+    x: ValueId,
+    y: ValueId,
+    z: Option<ValueId>,
+    relu: bool,
+    bias_given: bool,
+    w: DeviceBuf,
+    b: DeviceBuf,
+    filter: Desc<dnn::cudnnFilterDescriptor_t>,
+    conv: Desc<dnn::cudnnConvolutionDescriptor_t>,
+    bias: Desc<dnn::cudnnTensorDescriptor_t>,
+    act: Desc<dnn::cudnnActivationDescriptor_t>,
+    relu_act: Desc<dnn::cudnnActivationDescriptor_t>,
+    descs: Mutex<HashMap<usize, Arc<BatchDescs>>>,
+}
+
+impl ConvShared {
+    fn descs(&self, batch: usize) -> Result<Arc<BatchDescs>> {
+        let mut map = self.descs.lock().map_err(|_| Error::Graph(format!("`{}`: descriptor cache poisoned", self.path)))?;
+        if let Some(d) = map.get(&batch) {
+            return Ok(d.clone());
+        }
+        let g = self.geom;
+        let d =
+            Arc::new(BatchDescs { x: tensor(self.elem, [batch, g.cin, g.h, g.w])?, y: tensor(self.elem, [batch, g.cout, g.ho, g.wo])? });
+        map.insert(batch, d.clone());
+        Ok(d)
+    }
+}
+
+/// A forward convolution with its algorithm and mode (one tactic candidate).
+pub struct ConvLayer {
+    shared: Arc<ConvShared>,
+    algo: dnn::cudnnConvolutionFwdAlgo_t,
+    mode: Mode,
+    workspace: usize,
+}
+
+fn algo_name(a: dnn::cudnnConvolutionFwdAlgo_t) -> String {
+    format!("{a:?}").trim_start_matches("CUDNN_CONVOLUTION_FWD_ALGO_").to_string()
+}
+
+const FWD_ALGOS: [dnn::cudnnConvolutionFwdAlgo_t; 8] = {
+    use dnn::cudnnConvolutionFwdAlgo_t as A;
+    [
+        A::CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM,
+        A::CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM,
+        A::CUDNN_CONVOLUTION_FWD_ALGO_GEMM,
+        A::CUDNN_CONVOLUTION_FWD_ALGO_DIRECT,
+        A::CUDNN_CONVOLUTION_FWD_ALGO_FFT,
+        A::CUDNN_CONVOLUTION_FWD_ALGO_FFT_TILING,
+        A::CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD,
+        A::CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD_NONFUSED,
+    ]
+};
+
+impl Layer for ConvLayer {
+    fn path(&self) -> &str {
+        &self.shared.path
+    }
+    fn kind(&self) -> String {
+        let m = match self.mode {
+            Mode::Fused => "cudnn-fused",
+            Mode::Separate => "cudnn-conv",
+        };
+        format!("{m}:{}", algo_name(self.algo))
+    }
+    fn workspace_bytes(&self, _batch: usize) -> usize {
+        self.workspace
+    }
+    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        let s = &self.shared;
+        let d = s.descs(batch)?;
+        let h = rt.handles.cudnn;
+        let (x, y) = (rt.ptr(s.x) as *const c_void, rt.ptr(s.y) as *mut c_void);
+        let (ws, ws_len) = (rt.workspace as *mut c_void, self.workspace.min(rt.workspace_bytes));
+        let one = 1f32;
+        let zero = 0f32;
+        let p = |v: &f32| v as *const f32 as *const c_void;
+        match self.mode {
+            Mode::Fused => {
+                // Without a residual, z aliases y with alpha2 = 0 (cuDNN reads z only when alpha2 != 0).
+                let (z, alpha2) = match s.z {
+                    Some(z) => (rt.ptr(z) as *const c_void, 1f32),
+                    None => (y as *const c_void, 0f32),
+                };
+                unsafe {
+                    check(
+                        dnn::cudnnConvolutionBiasActivationForward(
+                            h,
+                            p(&one),
+                            d.x.raw,
+                            x,
+                            s.filter.raw,
+                            s.w.ptr() as *const c_void,
+                            s.conv.raw,
+                            self.algo,
+                            ws,
+                            ws_len,
+                            p(&alpha2),
+                            d.y.raw,
+                            z,
+                            s.bias.raw,
+                            s.b.ptr() as *const c_void,
+                            s.act.raw,
+                            d.y.raw,
+                            y,
+                        ),
+                        "cudnnConvolutionBiasActivationForward",
+                    )
+                }
+            }
+            Mode::Separate => unsafe {
+                check(
+                    dnn::cudnnConvolutionForward(
+                        h,
+                        p(&one),
+                        d.x.raw,
+                        x,
+                        s.filter.raw,
+                        s.w.ptr() as *const c_void,
+                        s.conv.raw,
+                        self.algo,
+                        ws,
+                        ws_len,
+                        p(&zero),
+                        d.y.raw,
+                        y,
+                    ),
+                    "cudnnConvolutionForward",
+                )?;
+                if s.bias_given {
+                    check(
+                        dnn::cudnnAddTensor(h, p(&one), s.bias.raw, s.b.ptr() as *const c_void, p(&one), d.y.raw, y),
+                        "cudnnAddTensor (bias)",
+                    )?;
+                }
+                if let Some(z) = s.z {
+                    check(
+                        dnn::cudnnAddTensor(h, p(&one), d.y.raw, rt.ptr(z) as *const c_void, p(&one), d.y.raw, y),
+                        "cudnnAddTensor (residual)",
+                    )?;
+                }
+                if s.relu {
+                    check(
+                        dnn::cudnnActivationForward(h, s.relu_act.raw, p(&one), d.y.raw, y, p(&zero), d.y.raw, y),
+                        "cudnnActivationForward",
+                    )?;
+                }
+                Ok(())
+            },
+        }
+    }
+}
+
+/// Reads a conv node: attributes, weight (PyTorch layout) and bias (zeros if absent).
+fn conv_parts<'a>(ctx: &BuildCtx<'a>, node: NodeId) -> Result<(ConvAttrs, &'a crate::HostTensor, Vec<f32>)> {
+    let n = ctx.node(node);
+    let (Op::Conv2d(a) | Op::ConvTranspose2d(a)) = &n.op else {
+        return Err(ctx.err(node, "is not a convolution".into()));
+    };
+    let w = ctx.weight(node, 1)?;
+    let cout = n.shape[1];
+    let b = if a.bias { ctx.weight(node, 2)?.data.clone() } else { vec![0.0; cout] };
+    if b.len() != cout {
+        return Err(ctx.err(node, format!("bias has {} values for {cout} output channels", b.len())));
+    }
+    Ok((*a, w.as_ref(), b))
+}
+
+/// The cuDNN candidates for a forward convolution node (every algorithm, fused and separate).
+/// Candidates a problem cannot use (unsupported algorithm) are left out here or fail at timing.
+pub fn conv_candidates(ctx: &mut BuildCtx, node: NodeId) -> Result<Vec<Box<dyn Layer>>> {
+    let (a, w, b) = conv_parts(ctx, node)?;
+    let x = ctx.input(node, 0)?;
+    let y = ctx.output(node)?;
+    let z = if a.residual { Some(ctx.input(node, if a.bias { 3 } else { 2 })?) } else { None };
+    let shape4: [usize; 4] = w.shape.as_slice().try_into().map_err(|_| ctx.err(node, format!("weight has shape {:?}", w.shape)))?;
+    conv_candidates_with(ctx, node, ConvProblem { attrs: a, weight: &w.data, weight_shape: shape4, bias: &b, x, y, z })
+}
+
+/// A forward convolution spelled out, for converters that are convolutions in disguise
+/// (BatchNorm2d as a depthwise 1×1 convolution).
+pub struct ConvProblem<'a> {
+    pub attrs: ConvAttrs,
+    /// PyTorch layout `[Cout, Cin/g, kh, kw]`.
+    pub weight: &'a [f32],
+    pub weight_shape: [usize; 4],
+    /// One value per output channel (zeros when the op has none).
+    pub bias: &'a [f32],
+    pub x: ValueId,
+    pub y: ValueId,
+    pub z: Option<ValueId>,
+}
+
+pub fn conv_candidates_with(ctx: &mut BuildCtx, node: NodeId, p: ConvProblem) -> Result<Vec<Box<dyn Layer>>> {
+    let (a, x, y, z, shape4) = (p.attrs, p.x, p.y, p.z, p.weight_shape);
+    let (cin, h, wd) = ctx.value(x).chw().ok_or_else(|| ctx.err(node, "input is not an image".into()))?;
+    let (cout, ho, wo) = ctx.value(y).chw().ok_or_else(|| ctx.err(node, "output is not an image".into()))?;
+    let elem = ctx.elem();
+    let wbuf = ctx.upload(&kcrs_to_krsc(p.weight, shape4))?;
+    let bbuf = ctx.upload(p.bias)?;
+    let relu = a.act == Activation::Relu;
+    let shared = Arc::new(ConvShared {
+        path: ctx.node(node).path.clone(),
+        geom: Geom { cin, h, w: wd, cout, ho, wo },
+        elem,
+        x,
+        y,
+        z,
+        relu,
+        bias_given: a.bias,
+        w: wbuf,
+        b: bbuf,
+        filter: filter(elem, shape4)?,
+        conv: conv_desc(&a, ctx.precision())?,
+        bias: tensor(elem, [1, cout, 1, 1])?,
+        act: activation(relu)?,
+        relu_act: activation(true)?,
+        descs: Mutex::new(HashMap::new()),
+    });
+    let handle = ctx.gpu.handles.cudnn;
+    let mut out: Vec<Box<dyn Layer>> = Vec::new();
+    let limit = ctx.config.workspace_bytes;
+    {
+        // Workspace sizes at the max batch bound every batch the engine runs.
+        let d = shared.descs(ctx.config.max_batch)?;
+        for algo in FWD_ALGOS {
+            let mut ws = 0usize;
+            let st = unsafe {
+                dnn::cudnnGetConvolutionForwardWorkspaceSize(handle, d.x.raw, shared.filter.raw, shared.conv.raw, d.y.raw, algo, &mut ws)
+            };
+            if st.result().is_err() || ws > limit {
+                continue;
+            }
+            // cuDNN's fused call supports the identity activation only with IMPLICIT_PRECOMP_GEMM.
+            let fused_ok = relu || algo == dnn::cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM;
+            if fused_ok {
+                out.push(Box::new(ConvLayer { shared: shared.clone(), algo, mode: Mode::Fused, workspace: ws }));
+            }
+            out.push(Box::new(ConvLayer { shared: shared.clone(), algo, mode: Mode::Separate, workspace: ws }));
+        }
+    }
+    Ok(out)
+}
+
+/// A transposed convolution as cuDNN's backward-data of the matching forward convolution, then
+/// bias and ReLU in place when the node has them.
+pub struct DeconvLayer {
+    shared: Arc<ConvShared>,
+    algo: dnn::cudnnConvolutionBwdDataAlgo_t,
+    workspace: usize,
+}
+
+const BWD_ALGOS: [dnn::cudnnConvolutionBwdDataAlgo_t; 6] = {
+    use dnn::cudnnConvolutionBwdDataAlgo_t as A;
+    [
+        A::CUDNN_CONVOLUTION_BWD_DATA_ALGO_0,
+        A::CUDNN_CONVOLUTION_BWD_DATA_ALGO_1,
+        A::CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT,
+        A::CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT_TILING,
+        A::CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD,
+        A::CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD_NONFUSED,
+    ]
+};
+
+impl Layer for DeconvLayer {
+    fn path(&self) -> &str {
+        &self.shared.path
+    }
+    fn kind(&self) -> String {
+        format!("cudnn-deconv:{}", format!("{:?}", self.algo).trim_start_matches("CUDNN_CONVOLUTION_BWD_DATA_ALGO_"))
+    }
+    fn workspace_bytes(&self, _batch: usize) -> usize {
+        self.workspace
+    }
+    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        let s = &self.shared;
+        // Forward view of the matching convolution: "x" is the deconv's output, "y" its input.
+        let d = s.descs(batch)?;
+        let h = rt.handles.cudnn;
+        let (input, out) = (rt.ptr(s.x) as *const c_void, rt.ptr(s.y) as *mut c_void);
+        let (one, zero) = (1f32, 0f32);
+        let p = |v: &f32| v as *const f32 as *const c_void;
+        unsafe {
+            check(
+                dnn::cudnnConvolutionBackwardData(
+                    h,
+                    p(&one),
+                    s.filter.raw,
+                    s.w.ptr() as *const c_void,
+                    d.y.raw,
+                    input,
+                    s.conv.raw,
+                    self.algo,
+                    rt.workspace as *mut c_void,
+                    self.workspace.min(rt.workspace_bytes),
+                    p(&zero),
+                    d.x.raw,
+                    out,
+                ),
+                "cudnnConvolutionBackwardData",
+            )?;
+            if s.bias_given {
+                check(
+                    dnn::cudnnAddTensor(h, p(&one), s.bias.raw, s.b.ptr() as *const c_void, p(&one), d.x.raw, out),
+                    "cudnnAddTensor (bias)",
+                )?;
+            }
+            if s.relu {
+                check(
+                    dnn::cudnnActivationForward(h, s.relu_act.raw, p(&one), d.x.raw, out, p(&zero), d.x.raw, out),
+                    "cudnnActivationForward",
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The cuDNN candidates for a ConvTranspose2d node (weight `[Cin, Cout/g, kh, kw]`).
+pub fn deconv_candidates(ctx: &mut BuildCtx, node: NodeId) -> Result<Vec<Box<dyn Layer>>> {
+    let (a, w, b) = conv_parts(ctx, node)?;
+    if a.residual {
+        return Err(ctx.err(node, "a transposed convolution cannot take a fused residual".into()));
+    }
+    let n = ctx.node(node);
+    let x = ctx.input(node, 0)?;
+    let y = ctx.output(node)?;
+    let (cin, h, wd) = ctx.value(x).chw().ok_or_else(|| ctx.err(node, "input is not an image".into()))?;
+    let (cout, ho, wo) = ctx.value(y).chw().ok_or_else(|| ctx.err(node, "output is not an image".into()))?;
+    let shape4: [usize; 4] = w.shape.as_slice().try_into().map_err(|_| ctx.err(node, format!("weight has shape {:?}", w.shape)))?;
+    let elem = ctx.elem();
+    // The filter of the forward convolution that maps the deconv's output (Cout) to its input
+    // (Cin) is the deconv weight itself: K = Cin, C = Cout/g.
+    let wbuf = ctx.upload(&kcrs_to_krsc(&w.data, shape4))?;
+    let bbuf = ctx.upload(&b)?;
+    let relu = a.act == Activation::Relu;
+    // In the forward view x is the deconv output (Cout, Ho, Wo) and y the deconv input.
+    let shared = Arc::new(ConvShared {
+        path: n.path.clone(),
+        geom: Geom { cin: cout, h: ho, w: wo, cout: cin, ho: h, wo: wd },
+        elem,
+        x,
+        y,
+        z: None,
+        relu,
+        bias_given: a.bias,
+        w: wbuf,
+        b: bbuf,
+        filter: filter(elem, shape4)?,
+        conv: conv_desc(&a, ctx.precision())?,
+        bias: tensor(elem, [1, cout, 1, 1])?,
+        act: activation(relu)?,
+        relu_act: activation(true)?,
+        descs: Mutex::new(HashMap::new()),
+    });
+    let handle = ctx.gpu.handles.cudnn;
+    let d = shared.descs(ctx.config.max_batch)?;
+    let mut out: Vec<Box<dyn Layer>> = Vec::new();
+    for algo in BWD_ALGOS {
+        let mut ws = 0usize;
+        let st = unsafe {
+            dnn::cudnnGetConvolutionBackwardDataWorkspaceSize(handle, shared.filter.raw, d.y.raw, shared.conv.raw, d.x.raw, algo, &mut ws)
+        };
+        if st.result().is_err() || ws > ctx.config.workspace_bytes {
+            continue;
+        }
+        out.push(Box::new(DeconvLayer { shared: shared.clone(), algo, workspace: ws }));
+    }
+    Ok(out)
+}
+
+/// The convolution's tactic key: everything that changes which algorithm wins.
+pub fn conv_key(ctx: &BuildCtx, node: NodeId) -> String {
+    let n = ctx.node(node);
+    let ins: Vec<String> = n.inputs.iter().map(|&i| format!("{:?}", ctx.node(i).shape[1..].to_vec())).collect();
+    format!("{} {:?} in {} out {:?}", n.op.name(), n.op, ins.join(","), &n.shape[1..])
+}

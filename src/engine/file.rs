@@ -46,6 +46,7 @@ impl Header {
 }
 
 /// Everything an engine is rebuilt from.
+#[derive(Debug)]
 pub struct Payload {
     pub config: BuildConfig,
     pub graph: Graph,
