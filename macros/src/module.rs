@@ -140,7 +140,7 @@ impl FieldSpec {
         }
 
         let ty = &field.ty;
-        let shown = quote!(#ty).to_string();
+        let shown = show(ty);
         let kind = match (when, len, wrapped(ty, "Option"), wrapped(ty, "Vec")) {
             (Some(_), Some((_, span)), ..) => return Err(Error::new(span, "`when` and `len` cannot be combined on one field")),
             (Some((when, _)), None, Some(inner), _) => Kind::Optional { inner: inner.clone(), when },
@@ -177,12 +177,17 @@ impl FieldSpec {
         let (ident, segment) = (&self.ident, &self.segment);
         // `&Default::default()` infers the field's own `Config`; an expression given by the user is
         // parenthesised only where `&` would otherwise bind tighter than it.
-        let config = match &self.config {
-            None => quote!(&::core::default::Default::default()),
-            Some(e) if binds_tighter_than_ref(e) => quote!(&#e),
-            Some(e) => quote!(&(#e)),
+        // Spans: a type error in a config is reported at the user's expression, and a field type
+        // that is not a module (or whose config has no default) at that type.
+        let config = |ty: &Type| match &self.config {
+            None => quote_spanned!(ty.span()=> &::core::default::Default::default()),
+            Some(e) if binds_tighter_than_ref(e) => quote_spanned!(e.span()=> &#e),
+            Some(e) => quote_spanned!(e.span()=> &(#e)),
         };
-        let load = |ty: &Type, vb: TokenStream| quote_spanned!(ty.span()=> <#ty as ::kiln::Module>::load(#vb, #config));
+        let load = |ty: &Type, vb: TokenStream| {
+            let config = config(ty);
+            quote_spanned!(ty.span()=> <#ty as ::kiln::Module>::load(#vb, #config))
+        };
         match &self.kind {
             Kind::One(ty) => {
                 let load = load(ty, quote!(#vb.pp(#segment)));
@@ -239,6 +244,14 @@ fn wrapped<'a>(ty: &'a Type, wrapper: &str) -> Option<&'a Type> {
         [GenericArgument::Type(inner)] => Some(inner),
         _ => None,
     }
+}
+
+/// A type as the user would write it (`Option<Block>`, not `Option < Block >`).
+fn show(ty: &Type) -> String {
+    let spaced = quote!(#ty).to_string();
+    [(" :: ", "::"), (":: ", "::"), (" <", "<"), ("< ", "<"), (" >", ">"), (" ,", ","), ("& ", "&")]
+        .iter()
+        .fold(spaced, |s, (from, to)| s.replace(from, to))
 }
 
 /// Whether the identifier `name` appears anywhere in `tokens` (including nested groups).
@@ -342,6 +355,7 @@ mod tests {
 
     #[test]
     fn raw_identifiers_lose_their_prefix() {
+        assert_eq!(show(&syn::parse_str("std::option::Option<Vec<(A, &B)>>").unwrap()), "std::option::Option<Vec<(A, &B)>>");
         let out = expand_str("struct B { r#type: Conv2d }").unwrap();
         assert!(out.contains("vb . pp (\"type\")"), "{out}");
     }
@@ -368,8 +382,9 @@ mod tests {
         assert!(err("struct B { #[module(size = 3)] a: A }").contains("unknown `module` attribute key `size`"));
         assert!(err("struct B { #[module(when = true)] a: Conv2d }")
             .contains("`when` applies to `Option<_>` fields, but `a` has type `Conv2d`"));
-        assert!(err("struct B { #[module(len = 3)] a: Option<A> }")
-            .contains("`len` applies to `Vec<_>` fields, but `a` has type `Option < A >`"));
+        assert!(
+            err("struct B { #[module(len = 3)] a: Option<A> }").contains("`len` applies to `Vec<_>` fields, but `a` has type `Option<A>`")
+        );
         assert!(err("struct B { a: Option<A> }").contains("needs `#[module(when = <bool expression>)]`"));
         assert!(err("struct B { a: Vec<A> }").contains("needs `#[module(len = <usize expression>)]`"));
         assert!(err("struct B { #[module(when = true, len = 2)] a: Option<A> }").contains("cannot be combined"));

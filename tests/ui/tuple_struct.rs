@@ -1,0 +1,6 @@
+use kiln::Module;
+
+#[derive(Module)]
+struct Pair(kiln::Conv2d, kiln::ReLU);
+
+fn main() {}

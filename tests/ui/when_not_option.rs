@@ -1,0 +1,10 @@
+use kiln::Module;
+
+#[derive(Module)]
+#[module(config = bool)]
+struct Block {
+    #[module(when = *cfg)]
+    downsample: kiln::Conv2d,
+}
+
+fn main() {}
