@@ -83,3 +83,38 @@ fn centernet_matches_pytorch() {
     // 1e-3 means every detection sits at the same position as PyTorch's.
     assert!(boxes.passes(TOL) && boxes.max_abs < 1e-3, "{boxes}");
 }
+
+/// References exported elsewhere (e.g. with `--weights torchvision --save-weights`, at any batch
+/// and size) in the directory `KILN_REFERENCE_DIR`: every `<model>.reference.safetensors` there is
+/// checked, loading `<model>.weights.safetensors` beside it (seeded weights when absent). The
+/// weight file must be a full `state_dict` Kiln loads unchanged, with no key left unused.
+#[test]
+fn exported_references_match() {
+    let Some(dir) = std::env::var_os("KILN_REFERENCE_DIR").map(PathBuf::from) else {
+        println!("skipped: set KILN_REFERENCE_DIR to a directory written by tools/export_reference.py");
+        return;
+    };
+    let mut checked = 0;
+    for info in kiln_models::BUNDLED {
+        let reference = dir.join(format!("{}.reference.safetensors", info.name));
+        if !reference.exists() {
+            continue;
+        }
+        let refs = read_safetensors(&reference).expect("reference file");
+        let x = &refs["input"];
+        let weights = dir.join(format!("{}.weights.safetensors", info.name));
+        let vb = if weights.exists() { VarBuilder::from_safetensors(&[&weights]).expect("weights") } else { VarBuilder::seeded() };
+        let graph = kiln_models::trace(info.name, vb.clone(), x.shape[0], x.shape[2]).expect("trace");
+        vb.check_all_used().expect("every state_dict key is a model parameter");
+        let ours = kiln::cpu::run(&graph, &[("input", x)]).expect("cpu run");
+        for name in info.outputs {
+            let c = check(info.name, name, &ours, &refs);
+            assert!(c.passes(TOL), "{c} exceeds rel L2 {TOL}");
+        }
+        if info.outputs == ["logits"] {
+            assert_eq!(top1(&ours["logits"]), top1(&refs["output.logits"]), "{}: top-1 differs", info.name);
+        }
+        checked += 1;
+    }
+    assert!(checked > 0, "no <model>.reference.safetensors in {}", dir.display());
+}

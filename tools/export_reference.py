@@ -311,7 +311,8 @@ def main():
     tensors.update({f"output.{k}": v for k, v in outputs.items()})
     tensors.update(flatten_calls(calls))
     path = os.path.join(args.out, f"{args.model}.reference.safetensors")
-    save_file({k: v.detach().contiguous().float() for k, v in tensors.items()}, path)
+    # clone: the last call of a reused module is stored twice (`path` and `path#i`).
+    save_file({k: v.detach().float().clone().contiguous() for k, v in tensors.items()}, path)
     summary = ", ".join(f"{k} {list(v.shape)}" for k, v in outputs.items())
     print(f"wrote {path}: input {list(x.shape)}, {summary}, {len(calls)} intermediates")
     if args.model != "centernet":
