@@ -42,7 +42,13 @@ __device__ void bitonic_desc(u64* s, int m) {
     }
 }
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+// The CPU reference computes 1 / (1 + exp(-x)) in f32 with a (nearly) correctly rounded exp.
+// CUDA's expf may be 2 ulp off, which reorders near-equal scores among a million candidates, so
+// exp is taken in double and rounded once; the rest is the same f32 arithmetic as the CPU's.
+__device__ __forceinline__ float sigmoid(float x) {
+    const float e = (float)exp(-(double)x);
+    return 1.f / (1.f + e);
+}
 
 // hm: [N, H, W, C] logits. out: [N, tiles, K] keys, each tile's best first.
 // Launch: grid (tiles, N), block SEL_THREADS, tiles = ceil(H*W*C / SEL_TILE).
@@ -64,11 +70,15 @@ template <typename T> __device__ void decode_select(const T* hm, int H, int W, i
         if (e < per_image) {
             const int c = (int)(e % C), p = (int)(e / C);
             const int y = p / W, xx = p % W;
-            const float v = sigmoid(to_f32(x[e]));
-            bool peak = true;
+            // The reference keeps v where the 3x3 max of the sigmoids equals sigmoid(v). The f32
+            // sigmoid is monotone, so that max is the sigmoid of the largest logit: two sigmoids
+            // per element instead of nine, with the same outcome bit for bit.
+            const float logit = to_f32(x[e]);
+            float top = logit;
             for (int yy = max(y - 1, 0); yy <= min(y + 1, H - 1); ++yy)
-                for (int xq = max(xx - 1, 0); xq <= min(xx + 1, W - 1); ++xq)
-                    peak = peak && !(sigmoid(to_f32(x[((i64)yy * W + xq) * C + c])) > v);
+                for (int xq = max(xx - 1, 0); xq <= min(xx + 1, W - 1); ++xq) top = fmaxf(top, to_f32(x[((i64)yy * W + xq) * C + c]));
+            const float v = sigmoid(logit);
+            const bool peak = top == logit || !(sigmoid(top) > v);
             key = make_key(peak ? v : 0.f, (unsigned)c * H * W + p);
             if (peak) s[atomicAdd(&peaks, 1)] = key;
         }

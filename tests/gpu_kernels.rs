@@ -179,16 +179,19 @@ fn flatten_and_cat() {
 
 // ---- CenterNet decode ----------------------------------------------------------------------
 
+/// How far an engine decode agrees with the CPU's on the same detections.
+struct Agreement {
+    /// GPU detections (class and centre) found among the CPU's of the same image.
+    same_set: usize,
+    /// Rows equal at the same rank (near-equal scores may legitimately swap neighbours).
+    same_rank: usize,
+    rows: usize,
+    max_score_err: f32,
+}
+
 /// Engine and CPU decode on the same inputs (for FP16, inputs already rounded to f16, so both
-/// see the same logits); returns (rows that agree in class and centre, rows, max score error).
-fn decode_agreement(
-    gpu: &Arc<Gpu>,
-    precision: Precision,
-    hm: &HostTensor,
-    wh: &HostTensor,
-    reg: &HostTensor,
-    k: usize,
-) -> (usize, usize, f32) {
+/// see the same logits).
+fn decode_agreement(gpu: &Arc<Gpu>, precision: Precision, hm: &HostTensor, wh: &HostTensor, reg: &HostTensor, k: usize) -> Agreement {
     let tracer = Tracer::new();
     let [_, c, h, w] = hm.shape[..] else { panic!("hm rank") };
     let t_hm = tracer.input("hm", &[1, c, h, w]);
@@ -203,19 +206,23 @@ fn decode_agreement(
     let want = &kiln::cpu::run(&graph, &bound).expect("cpu decode")["det"];
     let got = &ctx.run(&bound).expect("gpu decode")["det"];
     assert_eq!(got.shape, want.shape);
-    let (mut agree, mut max_score_err) = (0, 0f32);
-    for (g, w) in got.data.chunks(6).zip(want.data.chunks(6)) {
-        let centre = |r: &[f32]| ((r[0] + r[2]) / 2.0, (r[1] + r[3]) / 2.0);
+    // Detections are f32 in every precision; FP16's wh and reg are the same f16 values the CPU
+    // was given, so centres agree to f32 rounding.
+    let tol = |v: f32| 1e-5 * (1.0 + v.abs());
+    let centre = |r: &[f32]| ((r[0] + r[2]) / 2.0, (r[1] + r[3]) / 2.0);
+    let same = |g: &[f32], w: &[f32]| {
         let ((gx, gy), (wx, wy)) = (centre(g), centre(w));
-        // An FP16 engine writes its detections in f16: corners carry a relative rounding of
-        // 2^-11 each, so the centre's tolerance grows with the coordinate.
-        let tol = |v: f32| if precision == Precision::Fp16 { 0.01 + v.abs() * 1e-3 } else { 1e-3 };
-        if g[5] == w[5] && (gx - wx).abs() <= tol(wx) && (gy - wy).abs() <= tol(wy) {
-            agree += 1;
+        g[5] == w[5] && (gx - wx).abs() <= tol(wx) && (gy - wy).abs() <= tol(wy)
+    };
+    let mut a = Agreement { same_set: 0, same_rank: 0, rows: got.data.len() / 6, max_score_err: 0.0 };
+    for (gi, wi) in got.data.chunks(6 * k).zip(want.data.chunks(6 * k)) {
+        for (g, w) in gi.chunks(6).zip(wi.chunks(6)) {
+            a.same_rank += same(g, w) as usize;
+            a.same_set += wi.chunks(6).any(|w| same(g, w)) as usize;
+            a.max_score_err = a.max_score_err.max((g[4] - w[4]).abs());
         }
-        max_score_err = max_score_err.max((g[4] - w[4]).abs());
     }
-    (agree, got.data.len() / 6, max_score_err)
+    a
 }
 
 #[test]
@@ -234,12 +241,13 @@ fn centernet_decode_matches_the_cpu_reference() {
             if precision == Precision::Fp16 {
                 (hm, wh, reg) = (to_f16(&hm), to_f16(&wh), to_f16(&reg));
             }
-            let (agree, rows, score_err) = decode_agreement(&gpu, precision, &hm, &wh, &reg, k);
+            let a = decode_agreement(&gpu, precision, &hm, &wh, &reg, k);
             println!(
-                "decode {precision:?} [{batch}, {c}, {h}, {w}] k={k}: {agree}/{rows} detections identical, max score err {score_err:.2e}"
+                "decode {precision:?} [{batch}, {c}, {h}, {w}] k={k}: {}/{} detections found by both, {} at the same rank, max score err {:.2e}",
+                a.same_set, a.rows, a.same_rank, a.max_score_err
             );
-            assert!(agree * 100 >= rows * 98, "{precision:?}: only {agree} of {rows} detections agree");
-            assert!(score_err < if precision == Precision::Fp32 { 1e-5 } else { 1e-3 }, "score error {score_err}");
+            assert!(a.same_set * 100 >= a.rows * 98, "{precision:?}: only {} of {} detections agree", a.same_set, a.rows);
+            assert!(a.max_score_err < if precision == Precision::Fp32 { 1e-5 } else { 1e-3 }, "score error {}", a.max_score_err);
         }
     }
 }
@@ -263,9 +271,9 @@ fn centernet_decode_ties_and_suppressed_positions() {
         for precision in [Precision::Fp32, Precision::Fp16] {
             let (hm, wh, reg) =
                 if precision == Precision::Fp16 { (to_f16(hm), to_f16(&wh), to_f16(&reg)) } else { (hm.clone(), wh.clone(), reg.clone()) };
-            let (agree, rows, _) = decode_agreement(&gpu, precision, &hm, &wh, &reg, 40);
-            println!("decode {name} {precision:?}: {agree}/{rows}");
-            assert_eq!(agree, rows, "{name} {precision:?}: deterministic ties must agree exactly");
+            let a = decode_agreement(&gpu, precision, &hm, &wh, &reg, 40);
+            println!("decode {name} {precision:?}: {}/{} at the same rank", a.same_rank, a.rows);
+            assert_eq!(a.same_rank, a.rows, "{name} {precision:?}: ties are broken by index, so every rank must agree");
         }
     }
 }

@@ -261,7 +261,7 @@ mod tests {
 mod gpu {
     use super::k_attr;
     use kiln::engine::kernel_layers::{grid_for, launch, CudaFunction, KArg};
-    use kiln::engine::{BuildCtx, Layer, Layout, RunCtx, ValueId};
+    use kiln::engine::{BuildCtx, Elem, Layer, Layout, RunCtx, ValueId};
     use kiln::graph::{NodeId, Op};
     use kiln::Result;
 
@@ -348,6 +348,8 @@ mod gpu {
         if h * w * c >= u32::MAX as usize {
             return Err(ctx.err(node, format!("{c}x{h}x{w} candidates exceed the decode's 32-bit indices")));
         }
+        // Detections stay f32 in every precision: f16 would round a coordinate of 100 to 1/16.
+        ctx.set_output_elem(Elem::F32)?;
         let (e, o) = (dh.elem.suffix(), ctx.value(out).elem.suffix());
         let select = ctx.kernels.get(&format!("decode_select_{e}"))?;
         let merge = ctx.kernels.get("decode_merge")?;

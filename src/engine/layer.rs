@@ -261,6 +261,15 @@ impl<'a> BuildCtx<'a> {
         Ok(())
     }
 
+    /// Stores the node being converted's output in `elem` rather than the engine's precision
+    /// (e.g. detections whose coordinates f16 would round). Only the node's own converter may
+    /// call it: later layers and the output reformat read the new type, earlier ones never saw it.
+    pub fn set_output_elem(&mut self, elem: Elem) -> Result<()> {
+        let out = self.output(self.current)?;
+        self.values[out.0].elem = elem;
+        Ok(())
+    }
+
     /// A scratch buffer of `bytes_per_image * batch` bytes, live only while this node's layer runs.
     pub fn scratch(&mut self, bytes_per_image: usize) -> ValueId {
         let id = ValueId(self.values.len());
