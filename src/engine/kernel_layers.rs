@@ -471,7 +471,7 @@ pub fn reformat_layer(ctx: &mut BuildCtx, src: ValueId, dst: ValueId, path: &str
     let pair = format!("{}_{}", s.elem.suffix(), d.elem.suffix());
     let spatial = |v: &ValueDesc| v.chw().map(|(_, h, w)| h * w);
     // Layout means nothing for a value without spatial extent ([F], [K, 6]): the same bytes.
-    let flat = |v: &ValueDesc| spatial(v).map_or(true, |hw| hw == 1);
+    let flat = |v: &ValueDesc| !matches!(spatial(v), Some(hw) if hw != 1);
     let plain = s.layout == d.layout || (flat(&s) && flat(&d));
     let (entry, transpose) = if plain && s.dims == d.dims {
         (format!("cast_{pair}"), None)
@@ -559,4 +559,52 @@ pub fn entry_points() -> Vec<String> {
     }
     names.push("decode_merge".into());
     names
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::kernels::{FAMILIES, PRELUDE};
+
+    /// The value of `#define NAME value` in the kernels' prelude.
+    fn define(name: &str) -> Option<i32> {
+        PRELUDE.lines().find_map(|l| {
+            let mut w = l.split_whitespace();
+            (w.next() == Some("#define") && w.next() == Some(name)).then(|| w.next()?.parse().ok()).flatten()
+        })
+    }
+
+    #[test]
+    fn activation_codes_match_the_kernels() {
+        for (act, name) in [
+            (KernelAct::None, "ACT_NONE"),
+            (KernelAct::Relu, "ACT_RELU"),
+            (KernelAct::Leaky(0.1), "ACT_LEAKY"),
+            (KernelAct::Sigmoid, "ACT_SIGMOID"),
+        ] {
+            assert_eq!(Some(act.code().0), define(name), "{name}");
+        }
+        assert_eq!(KernelAct::Leaky(0.25).code().1, 0.25);
+    }
+
+    #[test]
+    fn grids_cover_small_work_and_cap_large_work() {
+        assert_eq!(grid_for(0, 132), (1, 1, 1));
+        assert_eq!(grid_for(1, 132), (1, 1, 1));
+        assert_eq!(grid_for(257, 132), (2, 1, 1));
+        assert_eq!(grid_for(1 << 30, 132), (132 * 16, 1, 1), "grid-stride loops cover the rest");
+    }
+
+    #[test]
+    fn every_entry_point_is_named_in_its_family_source() {
+        let names = entry_points();
+        let unique: std::collections::BTreeSet<&String> = names.iter().collect();
+        assert_eq!(unique.len(), names.len(), "duplicate entry points");
+        for name in &names {
+            // Stamped by a macro: `activation_##S` with S = f32, or a plain `decode_merge(`.
+            let (stem, _) = name.split_once("_f").unwrap_or((name.as_str(), ""));
+            let found = FAMILIES.iter().any(|(_, src)| src.contains(&format!(" {stem}_##S(")) || src.contains(&format!(" {name}(")));
+            assert!(found, "no family defines `{name}`");
+        }
+    }
 }
