@@ -177,6 +177,10 @@ fn fuse_transposed_relu(graph: &Graph) -> Graph {
 
 /// Lowers an optimised graph to an engine (build and load share this).
 pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &mut Tactics) -> Result<Engine> {
+    // A panicked build leaves nothing half-done in the lock's data, so a poisoned lock is usable.
+    let lock_owner = gpu.clone();
+    let _one_build = lock_owner.build_lock.lock().unwrap_or_else(|p| p.into_inner());
+    gpu.ctx.bind_to_thread().map_err(super::gpu::cuda_err("binding the CUDA context"))?;
     let kernels = Arc::new(Kernels::new(&gpu)?);
     let elem = config.precision.elem();
     let mut values = Vec::new();

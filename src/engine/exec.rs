@@ -154,6 +154,7 @@ impl ExecutionContext {
     }
 
     fn bind_host_inputs(&mut self, inputs: &[(&str, &HostTensor)]) -> Result<usize> {
+        self.engine.gpu.ctx.bind_to_thread().map_err(cuda_err("binding the CUDA context"))?;
         if inputs.len() != self.engine.inputs.len() {
             let names: Vec<&str> = self.engine.inputs.iter().map(|(n, _)| n.as_str()).collect();
             return Err(Error::Binding {
@@ -194,6 +195,7 @@ impl ExecutionContext {
     /// images of that binding, valid until the stream has finished.
     pub unsafe fn enqueue_device(&mut self, batch: usize, inputs: &[(&str, u64)], outputs: &[(&str, u64)]) -> Result<()> {
         self.check_batch(batch)?;
+        self.engine.gpu.ctx.bind_to_thread().map_err(cuda_err("binding the CUDA context"))?;
         for (name, ptr) in inputs {
             let (_, v) = self.binding(name, true)?;
             let bytes = self.engine.values[v.0].bytes(batch);
@@ -234,5 +236,48 @@ impl ExecutionContext {
         }
         times.sort_by(f64::total_cmp);
         Ok(times.get(times.len() / 2).copied().unwrap_or(f64::NAN))
+    }
+}
+
+impl ExecutionContext {
+    /// Device time of each layer at `batch`, in plan order and milliseconds: the layers are
+    /// launched one by one (no CUDA graph) with an event after each, and each layer's time is its
+    /// median over `iters` runs. Bindings must already hold inputs. For `kiln profile`.
+    pub fn profile_layers(&mut self, batch: usize, iters: usize) -> Result<Vec<f64>> {
+        use cudarc::driver::sys::CUevent_flags;
+        self.check_batch(batch)?;
+        let ctx = &self.engine.gpu.ctx;
+        ctx.bind_to_thread().map_err(cuda_err("binding the CUDA context"))?;
+        let rt = RunCtx {
+            stream: &self.stream,
+            handles: &self.handles,
+            ptrs: &self.ptrs,
+            workspace: self.workspace.ptr(),
+            workspace_bytes: self.engine.workspace_bytes,
+        };
+        let layers = &self.engine.layers;
+        let events = (0..=layers.len())
+            .map(|_| ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(cuda_err("creating profiling events"))?;
+        let mut samples = vec![Vec::with_capacity(iters); layers.len()];
+        for _ in 0..iters.max(1) {
+            events[0].record(&self.stream).map_err(cuda_err("recording a profiling event"))?;
+            for (i, layer) in layers.iter().enumerate() {
+                layer.enqueue(&rt, batch)?;
+                events[i + 1].record(&self.stream).map_err(cuda_err("recording a profiling event"))?;
+            }
+            self.synchronize()?;
+            for (i, s) in samples.iter_mut().enumerate() {
+                s.push(events[i].elapsed_ms(&events[i + 1]).map_err(cuda_err("reading a profiling event"))? as f64);
+            }
+        }
+        Ok(samples
+            .into_iter()
+            .map(|mut s| {
+                s.sort_by(f64::total_cmp);
+                s[s.len() / 2]
+            })
+            .collect())
     }
 }

@@ -67,6 +67,8 @@ pub struct Gpu {
     pub stream: Arc<CudaStream>,
     pub handles: Handles,
     pub info: GpuInfo,
+    /// Builds use the stream and handles above: one build at a time per `Gpu`.
+    pub(crate) build_lock: std::sync::Mutex<()>,
 }
 
 /// Maps any displayable library error to `Error::Cuda` naming the call.
@@ -128,6 +130,6 @@ impl Gpu {
             driver_version: driver as u32,
             cudnn_version: cudarc::cudnn::result::get_version() as u32,
         };
-        Ok(Arc::new(Gpu { ctx, stream, handles, info }))
+        Ok(Arc::new(Gpu { ctx, stream, handles, info, build_lock: std::sync::Mutex::new(()) }))
     }
 }

@@ -70,6 +70,11 @@ pub struct BuildConfig {
     pub timing_cache: Option<PathBuf>,
     /// Capture the plan as one CUDA graph per batch size.
     pub cuda_graphs: bool,
+    /// Restricts tactics to layer kinds starting with one of these prefixes (`"cublaslt"`,
+    /// `"cudnn-fused"`, `"cudnn-conv"`), like TensorRT's tactic sources; a layer with no
+    /// candidate of these kinds keeps all of its own. `None`: every kind competes.
+    #[serde(default)]
+    pub tactic_sources: Option<Vec<String>>,
 }
 
 impl Default for BuildConfig {
@@ -82,6 +87,7 @@ impl Default for BuildConfig {
             workspace_bytes: 256 << 20,
             timing_cache: None,
             cuda_graphs: true,
+            tactic_sources: None,
         }
     }
 }
@@ -98,6 +104,14 @@ impl BuildConfig {
     }
     pub fn cuda_graphs(mut self, on: bool) -> Self {
         self.cuda_graphs = on;
+        self
+    }
+    pub fn tactic_sources(mut self, prefixes: &[&str]) -> Self {
+        self.tactic_sources = Some(prefixes.iter().map(|p| p.to_string()).collect());
+        self
+    }
+    pub fn workspace(mut self, bytes: usize) -> Self {
+        self.workspace_bytes = bytes;
         self
     }
     pub fn timing_cache(mut self, path: impl Into<PathBuf>) -> Self {

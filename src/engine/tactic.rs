@@ -55,6 +55,13 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
     if candidates.is_empty() {
         return Err(ctx.err(node, format!("no candidate layer for {key}")));
     }
+    let mut candidates = candidates;
+    if let Some(sources) = &ctx.config.tactic_sources {
+        let allowed = |c: &Box<dyn Layer>| sources.iter().any(|p| c.kind().starts_with(p.as_str()));
+        if candidates.iter().any(allowed) {
+            candidates.retain(allowed);
+        }
+    }
     let pick = |candidates: Vec<Box<dyn Layer>>, kind: &str| candidates.into_iter().find(|c| c.kind() == kind);
 
     if ctx.tactics.replay {

@@ -1,0 +1,73 @@
+//! Engine checks that need no GPU: the converter registry, the missing-converter error raised
+//! before any GPU work, batch-range validation, and a clean `NoGpu` where there is no GPU.
+
+use kiln::engine::{check_converters, converter, gpu_available, BuildConfig, EngineBuilder, Gpu};
+use kiln::graph::{Graph, Op};
+use kiln::{Conv2d, Conv2dConfig, Error, Forward, Module, Tracer, VarBuilder};
+use std::collections::BTreeMap;
+
+/// conv → a custom op nobody registered a converter for → output.
+fn graph_with_unknown_op() -> Graph {
+    let tracer = Tracer::new();
+    let x = tracer.input("x", &[1, 3, 8, 8]);
+    let y = Conv2d::load(VarBuilder::seeded().pp("stem"), &Conv2dConfig::new(3, 4, 3)).expect("conv").forward(&x).expect("trace");
+    tracer.output("y", &y);
+    let mut g = tracer.graph();
+    // The op's shape rule is not registered either, so it is appended with its shape given.
+    let id =
+        g.push_unchecked(Op::Custom { name: "mish".into(), attrs: BTreeMap::new() }, vec![y.id()], vec![1, 4, 6, 6], "head.act".into());
+    g.mark_output("y", id);
+    g
+}
+
+#[test]
+fn every_builtin_op_the_models_use_has_a_converter() {
+    for op in
+        ["conv2d", "conv_transpose2d", "linear", "batch_norm2d", "relu", "add", "max_pool2d", "adaptive_avg_pool2d", "flatten", "sigmoid"]
+    {
+        assert!(converter(op).expect("registry").is_some(), "no GPU converter registered for `{op}`");
+    }
+    for model in ["resnet18", "resnet50"] {
+        let g = kiln_models::trace(model, VarBuilder::seeded(), 1, 64).expect("trace");
+        check_converters(&g).unwrap_or_else(|e| panic!("{model}: {e}"));
+    }
+}
+
+#[test]
+fn a_missing_converter_is_reported_with_op_and_path_before_any_gpu_work() {
+    let err = check_converters(&graph_with_unknown_op()).expect_err("mish has no converter");
+    match &err {
+        Error::NoConverter { op, path, .. } => assert_eq!((op.as_str(), path.as_str()), ("mish", "head.act")),
+        other => panic!("expected NoConverter, got {other}"),
+    }
+    // The builder fails the same way, on machines with and without a GPU alike.
+    let err = EngineBuilder::new(BuildConfig::default()).build(&graph_with_unknown_op()).err().expect("build must fail");
+    assert!(matches!(err, Error::NoConverter { .. }), "{err}");
+    println!("{err}");
+    assert!(err.to_string().contains("mish") && err.to_string().contains("head.act"));
+}
+
+#[test]
+fn a_bad_batch_range_is_an_error() {
+    let g = kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 64).expect("trace");
+    let err = EngineBuilder::new(BuildConfig::default().batch(4, 2, 8)).build(&g).err().expect("min > opt");
+    assert!(err.to_string().contains("min <= opt"), "{err}");
+}
+
+#[test]
+fn without_a_gpu_opening_one_is_an_error_not_a_crash() {
+    match gpu_available() {
+        Ok(()) => println!("a GPU is present: nothing to check here"),
+        Err(why) => {
+            println!("no GPU: {why}");
+            match Gpu::new(0) {
+                Err(Error::NoGpu(reason)) => assert_eq!(reason, why),
+                Err(other) => panic!("expected NoGpu, got {other}"),
+                Ok(_) => panic!("gpu_available said no GPU, but Gpu::new succeeded"),
+            }
+            let g = kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 64).expect("trace");
+            let err = EngineBuilder::new(BuildConfig::default()).build(&g).err().expect("no GPU, no engine");
+            assert!(matches!(err, Error::NoGpu(_)), "{err}");
+        }
+    }
+}

@@ -1,0 +1,414 @@
+//! The CUDA engine on the GPU: every converter of this file's families (conv, transposed conv,
+//! linear, batch norm, fused conv+bias+residual+ReLU, the cuBLASLt 1×1 path) against the CPU
+//! executor; ResNet-18/50 and CenterNet against PyTorch; batch 1 and 64 from one engine; CUDA
+//! graphs; save/load; the timing cache; several contexts on threads. Prints rel L2 / max-abs.
+//!
+//! PyTorch references: `tests/fixtures` (seeded weights) always; with `KILN_REFERENCE_DIR` set
+//! (by `tools/gpu-test.sh` on the device), also `$KILN_REFERENCE_DIR/{seeded,torchvision}/`,
+//! written there by `tools/export_reference.py` (with `<model>.weights.safetensors`).
+//! Without a GPU every test prints why it skips and passes.
+//!
+//! On the device: `bash tools/gpu-test.sh` (see docs/ENGINE.md).
+
+use kiln::compare::{compare, top1, Comparison};
+use kiln::engine::{gpu_available, BuildConfig, Engine, EngineBuilder, Gpu, Precision};
+use kiln::module::{Forward, Module};
+use kiln::var_builder::read_safetensors;
+use kiln::{
+    BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, Graph, HostTensor, Linear, LinearConfig, Tensor, Tracer,
+    VarBuilder,
+};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+
+fn gpu() -> Option<Arc<Gpu>> {
+    static GPU: OnceLock<Result<Arc<Gpu>, String>> = OnceLock::new();
+    match GPU.get_or_init(|| gpu_available().and_then(|()| Gpu::new(0).map_err(|e| e.to_string()))) {
+        Ok(g) => Some(g.clone()),
+        Err(why) => {
+            println!("skipped: no GPU ({why})");
+            None
+        }
+    }
+}
+
+/// One timing cache for every build of this process: equal problems are timed once.
+fn cache_path() -> PathBuf {
+    std::env::temp_dir().join(format!("kiln-gpu-engine-{}.timing.json", std::process::id()))
+}
+
+fn build(gpu: &Arc<Gpu>, graph: &Graph, config: BuildConfig) -> Arc<Engine> {
+    let what = format!("{:?} batch {}..{}", config.precision, config.min_batch, config.max_batch);
+    let engine = EngineBuilder::new(config.timing_cache(cache_path()))
+        .with_gpu(gpu.clone())
+        .build(graph)
+        .unwrap_or_else(|e| panic!("build ({what}): {e}"));
+    Arc::new(engine)
+}
+
+/// splitmix64 inputs in [-scale, scale].
+fn random(shape: &[usize], seed: u64, scale: f32) -> HostTensor {
+    let mut s = seed.wrapping_mul(0x9e3779b97f4a7c15) ^ 0x2545f4914f6cdd1d;
+    let data = (0..shape.iter().product::<usize>())
+        .map(|_| {
+            s = s.wrapping_add(0x9e3779b97f4a7c15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
+            z ^= z >> 31;
+            ((z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect();
+    HostTensor::new(shape.to_vec(), data)
+}
+
+/// `n` copies of a batch-1 tensor along the batch.
+fn tile(t: &HostTensor, n: usize) -> HostTensor {
+    let mut shape = t.shape.clone();
+    shape[0] *= n;
+    HostTensor::new(shape, (0..n).flat_map(|_| t.data.iter().copied()).collect())
+}
+
+// ---- converters against the CPU executor ---------------------------------------------------
+
+/// Traces `f` on one input of `dims` (per image), builds it for each precision (and each tactic
+/// source, so every implementation of a layer runs), and compares with the CPU executor on
+/// random inputs at batch 1 and 3.
+fn check_op(name: &str, dims: &[usize], sources: &[Option<&str>], f: impl Fn(&Tensor, VarBuilder) -> kiln::Result<Tensor>) {
+    let Some(gpu) = gpu() else { return };
+    let tracer = Tracer::new();
+    let x = tracer.input("x", &[&[1][..], dims].concat());
+    let y = f(&x, VarBuilder::seeded()).unwrap_or_else(|e| panic!("{name}: trace: {e}"));
+    tracer.output("y", &y);
+    let graph = tracer.graph();
+    for (precision, tol) in [(Precision::Fp32, 1e-5), (Precision::Tf32, 5e-3), (Precision::Fp16, 1e-2)] {
+        for source in sources {
+            let mut config = BuildConfig::default().precision(precision).batch(1, 3, 3).cuda_graphs(false);
+            if let Some(s) = source {
+                config = config.tactic_sources(&[s]);
+            }
+            let engine = build(&gpu, &graph, config);
+            let kinds: Vec<String> = engine.layers().map(|l| l.kind()).collect();
+            if let Some(s) = source {
+                assert!(kinds.iter().any(|k| k.starts_with(s)), "{name}: asked for {s}, engine has {kinds:?}");
+            }
+            let mut ctx = engine.context().expect("context");
+            for batch in [1, 3] {
+                let input = random(&[&[batch][..], dims].concat(), batch as u64 * 31 + dims.len() as u64, 1.0);
+                let want = kiln::cpu::run(&graph, &[("x", &input)]).expect("cpu run");
+                let got = ctx.run(&[("x", &input)]).unwrap_or_else(|e| panic!("{name} {precision:?} batch {batch}: {e}"));
+                let c = compare(name, &got["y"], &want["y"]);
+                println!("{name:<40} {precision:?} {:<12} batch {batch}: {c}  [{}]", source.unwrap_or("any"), kinds.join(", "));
+                assert!(c.passes(tol), "{name} {precision:?} {source:?} batch {batch}: {c} over {tol:e}");
+            }
+        }
+    }
+}
+
+const ANY: &[Option<&str>] = &[None];
+/// Every implementation of a forward convolution.
+const CONV_SOURCES: &[Option<&str>] = &[Some("cudnn-fused"), Some("cudnn-conv")];
+/// A stride-1 1×1 convolution also runs as a cuBLASLt GEMM.
+const POINTWISE_SOURCES: &[Option<&str>] = &[Some("cublaslt"), Some("cudnn-fused"), Some("cudnn-conv")];
+
+#[test]
+fn conv2d_variants() {
+    let conv = |c: Conv2dConfig| move |x: &Tensor, vb: VarBuilder| Conv2d::load(vb.pp("conv"), &c)?.forward(x);
+    check_op("conv 3x3 s1 p1 bias", &[16, 12, 10], CONV_SOURCES, conv(Conv2dConfig::new(16, 32, 3).padding(1)));
+    check_op(
+        "conv 3x3 s2 p1 no-bias non-square",
+        &[8, 13, 9],
+        CONV_SOURCES,
+        conv(Conv2dConfig::new(8, 16, 3).stride(2).padding(1).bias(false)),
+    );
+    check_op(
+        "conv 3x3 dilation 2 groups 4",
+        &[16, 11, 11],
+        CONV_SOURCES,
+        conv(Conv2dConfig::new(16, 32, 3).padding(2).dilation(2).groups(4)),
+    );
+    check_op(
+        "conv 7x7 s2 p3 stem (3 channels)",
+        &[3, 32, 32],
+        CONV_SOURCES,
+        conv(Conv2dConfig::new(3, 64, 7).stride(2).padding(3).bias(false)),
+    );
+    check_op("conv 1x1 s2 downsample", &[32, 14, 14], CONV_SOURCES, conv(Conv2dConfig::new(32, 64, 1).stride(2).bias(false)));
+    check_op("conv 1x1 s1 (GEMM)", &[64, 7, 9], POINTWISE_SOURCES, conv(Conv2dConfig::new(64, 48, 1)));
+}
+
+#[test]
+fn fused_conv_bias_residual_relu() {
+    // conv → BN → (+ x) → ReLU: the passes fold the BN and fuse add + ReLU into the conv.
+    let block = |k: usize| {
+        move |x: &Tensor, vb: VarBuilder| {
+            let c = x.shape()[1];
+            let y = Conv2d::load(vb.pp("conv"), &Conv2dConfig::new(c, c, k).padding(k / 2).bias(false))?.forward(x)?;
+            let y = BatchNorm2d::load(vb.pp("bn"), &BatchNorm2dConfig::new(c))?.forward(&y)?;
+            y.add(x)?.relu()
+        }
+    };
+    check_op("conv 3x3 + bn + residual + relu", &[32, 10, 12], CONV_SOURCES, block(3));
+    check_op("conv 1x1 + bn + residual + relu", &[32, 10, 12], POINTWISE_SOURCES, block(1));
+    let relu_only = |x: &Tensor, vb: VarBuilder| Conv2d::load(vb.pp("conv"), &Conv2dConfig::new(24, 40, 3).padding(1))?.forward(x)?.relu();
+    check_op("conv 3x3 + bias + relu", &[24, 9, 9], CONV_SOURCES, relu_only);
+}
+
+#[test]
+fn conv_transpose2d_variants() {
+    let deconv = |c: Conv2dConfig| move |x: &Tensor, vb: VarBuilder| ConvTranspose2d::load(vb.pp("deconv"), &c)?.forward(x);
+    check_op("deconv k4 s2 p1 (CenterNet)", &[32, 8, 8], ANY, deconv(Conv2dConfig::new(32, 16, 4).stride(2).padding(1).bias(false)));
+    check_op(
+        "deconv k3 s2 p1 output_padding 1 bias",
+        &[16, 7, 5],
+        ANY,
+        deconv(Conv2dConfig::new(16, 24, 3).stride(2).padding(1).output_padding(1)),
+    );
+    check_op("deconv k3 s1 groups 2 bias", &[16, 6, 6], ANY, deconv(Conv2dConfig::new(16, 8, 3).padding(1).groups(2)));
+    let with_bn_relu = |x: &Tensor, vb: VarBuilder| {
+        let y = ConvTranspose2d::load(vb.pp("deconv"), &Conv2dConfig::new(32, 16, 4).stride(2).padding(1).bias(false))?.forward(x)?;
+        BatchNorm2d::load(vb.pp("bn"), &BatchNorm2dConfig::new(16))?.forward(&y)?.relu()
+    };
+    check_op("deconv + bn + relu (folded, fused)", &[32, 8, 8], ANY, with_bn_relu);
+}
+
+#[test]
+fn linear_and_batchnorm() {
+    let linear = |x: &Tensor, vb: VarBuilder| Linear::load(vb.pp("fc"), &LinearConfig::new(96, 40))?.forward(&x.flatten(1)?);
+    check_op("linear 96 -> 40 with bias (after flatten)", &[96, 1, 1], ANY, linear);
+    let bn = |x: &Tensor, vb: VarBuilder| BatchNorm2d::load(vb.pp("bn"), &BatchNorm2dConfig::new(24))?.forward(&x.relu()?);
+    check_op("batchnorm (unfoldable, after relu)", &[24, 7, 6], ANY, bn);
+}
+
+// ---- bundled models against PyTorch ----------------------------------------------------------
+
+struct Reference {
+    label: String,
+    refs: BTreeMap<String, HostTensor>,
+    vb: VarBuilder,
+}
+
+/// The references for `model`: the committed seeded fixture, plus those exported on the device.
+fn references(model: &str) -> Vec<Reference> {
+    let mut out = Vec::new();
+    // Test binaries carried to the device run from another checkout path: KILN_FIXTURES says where.
+    let fixtures = std::env::var_os("KILN_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures"));
+    let fixture = fixtures.join(format!("{model}.reference.safetensors"));
+    if let Ok(refs) = read_safetensors(&fixture) {
+        out.push(Reference { label: "fixture/seeded".into(), refs, vb: VarBuilder::seeded() });
+    }
+    match std::env::var_os("KILN_REFERENCE_DIR") {
+        None => println!("{model}: KILN_REFERENCE_DIR is unset: only the committed seeded fixture is checked"),
+        Some(dir) => {
+            for kind in ["seeded", "torchvision"] {
+                let d = Path::new(&dir).join(kind);
+                let Ok(refs) = read_safetensors(d.join(format!("{model}.reference.safetensors"))) else {
+                    println!("{model}: no {kind} reference in {}", d.display());
+                    continue;
+                };
+                let weights = d.join(format!("{model}.weights.safetensors"));
+                let vb =
+                    if weights.exists() { VarBuilder::from_safetensors(&[&weights]).expect("weights file") } else { VarBuilder::seeded() };
+                out.push(Reference { label: format!("device/{kind}"), refs, vb });
+            }
+        }
+    }
+    out
+}
+
+/// Engines are built for batch 1..=max; CenterNet's maps are 16× ResNet's, so its range is smaller.
+fn max_batch(model: &str, precision: Precision) -> usize {
+    match (model, precision) {
+        ("centernet", Precision::Fp16) => 32,
+        ("centernet", _) => 8,
+        _ => 64,
+    }
+}
+
+fn check_output(label: &str, name: &str, got: &HostTensor, want: &HostTensor, tol: f64) -> Comparison {
+    let c = compare(&format!("{label} {name}"), got, want);
+    println!("  {c}");
+    assert!(c.passes(tol), "{label} {name}: {c} over rel L2 {tol:e}");
+    c
+}
+
+/// Reference detections found among ours: same class, centre within 0.1 pixel of the map.
+fn matching_detections(got: &HostTensor, want: &HostTensor, image: usize) -> usize {
+    let k = want.shape[1];
+    let rows = |t: &HostTensor| -> Vec<[f32; 6]> {
+        t.data[image * k * 6..(image + 1) * k * 6].chunks_exact(6).map(|r| r.try_into().expect("6 columns")).collect()
+    };
+    let (g, w) = (rows(got), rows(want));
+    let centre = |r: &[f32; 6]| ((r[0] + r[2]) / 2.0, (r[1] + r[3]) / 2.0);
+    w.iter()
+        .filter(|wr| {
+            let (wx, wy) = centre(wr);
+            g.iter().any(|gr| {
+                let (gx, gy) = centre(gr);
+                gr[5] == wr[5] && (gx - wx).abs() < 0.1 && (gy - wy).abs() < 0.1
+            })
+        })
+        .count()
+}
+
+fn check_model(model: &str) {
+    let Some(gpu) = gpu() else { return };
+    for reference in references(model) {
+        let x = &reference.refs["input"];
+        let (batch, size) = (x.shape[0], x.shape[2]);
+        let graph = kiln_models::trace(model, reference.vb.clone(), batch, size).expect("trace");
+        for (precision, tol) in [(Precision::Fp32, 1e-4), (Precision::Fp16, 1e-2)] {
+            let max = max_batch(model, precision);
+            let label = format!("{model} {} {precision:?}", reference.label);
+            let config = BuildConfig::default().precision(precision).batch(1, max, max);
+            let engine = build(&gpu, &graph, config);
+            println!("{label}: {}", engine.summary);
+            let mut ctx = engine.context().expect("context");
+            for b in [1, max] {
+                let input = tile(x, b);
+                let got = ctx.run(&[("input", &input)]).unwrap_or_else(|e| panic!("{label} batch {b}: {e}"));
+                println!("{label} batch {b}:");
+                for (name, want) in reference.refs.iter().filter_map(|(k, v)| k.strip_prefix("output.").map(|n| (n, v))) {
+                    let want = tile(want, b);
+                    if name == "detections" {
+                        let min = (0..b).map(|i| matching_detections(&got[name], &want, i)).min().unwrap_or(0);
+                        println!("  {label} detections: {min} of {} identical in class and position (worst image of {b})", want.shape[1]);
+                        assert!(min >= 98, "{label} batch {b}: only {min} detections match PyTorch");
+                        continue;
+                    }
+                    check_output(&label, name, &got[name], &want, tol);
+                    if name == "logits" {
+                        let (g, w) = (top1(&got[name]), top1(&want));
+                        println!("  top-1 {:?} (PyTorch {:?})", &g[..g.len().min(4)], &w[..w.len().min(4)]);
+                        assert_eq!(g, w, "{label} batch {b}: top-1 differs from PyTorch");
+                    }
+                }
+            }
+            if precision == Precision::Fp16 {
+                time_engine(&label, &mut ctx, x, max);
+            }
+        }
+    }
+}
+
+/// Median latency with and without CUDA graphs at batch 1 and the max batch.
+fn time_engine(label: &str, ctx: &mut kiln::engine::ExecutionContext, x: &HostTensor, max: usize) {
+    for b in [1, max] {
+        let input = tile(x, b);
+        ctx.run(&[("input", &input)]).expect("bind");
+        for graphs in [true, false] {
+            ctx.set_cuda_graphs(graphs);
+            let iters = if b == 1 { 200 } else { 30 };
+            let ms = ctx.time(b, 10, iters).expect("timing");
+            println!("TIMING {label} batch {b} cuda_graphs={graphs}: {ms:.3} ms median, {:.0} images/s", b as f64 / ms * 1e3);
+        }
+        ctx.set_cuda_graphs(true);
+    }
+}
+
+#[test]
+fn resnet18_matches_pytorch() {
+    check_model("resnet18");
+}
+
+#[test]
+fn resnet50_matches_pytorch() {
+    check_model("resnet50");
+}
+
+#[test]
+fn centernet_matches_pytorch() {
+    check_model("centernet");
+}
+
+// ---- engine files, timing cache, contexts on threads ---------------------------------------
+
+fn resnet18_graph() -> Graph {
+    kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 224).expect("trace")
+}
+
+#[test]
+fn saved_engine_loads_and_gives_bit_identical_outputs() {
+    let Some(gpu) = gpu() else { return };
+    let engine = build(&gpu, &resnet18_graph(), BuildConfig::default().precision(Precision::Fp16).batch(1, 4, 4));
+    let path = std::env::temp_dir().join(format!("kiln-test-{}.engine", std::process::id()));
+    engine.save(&path).expect("save");
+    let loaded = Arc::new(Engine::load(&path, &gpu).expect("load"));
+    println!(
+        "loaded in {:.3} s (built in {:.3} s), {} tactics replayed",
+        loaded.summary.build_seconds,
+        engine.summary.build_seconds,
+        loaded.tactics().len()
+    );
+    assert_eq!(loaded.summary.tactics_timed, 0, "loading must not time tactics");
+    assert_eq!(engine.tactics(), loaded.tactics());
+    let kinds = |e: &Engine| e.layers().map(|l| l.kind()).collect::<Vec<_>>();
+    assert_eq!(kinds(&engine), kinds(&loaded));
+    for b in [1, 4] {
+        let x = random(&[b, 3, 224, 224], 7 + b as u64, 1.0);
+        let a = engine.context().expect("ctx").run(&[("input", &x)]).expect("run built");
+        let l = loaded.context().expect("ctx").run(&[("input", &x)]).expect("run loaded");
+        assert_eq!(a["logits"].data, l["logits"].data, "batch {b}: loaded engine differs from the built one");
+    }
+
+    let bytes = std::fs::read(&path).expect("read back");
+    let mut corrupt = bytes.clone();
+    let at = bytes.len() / 2;
+    corrupt[at] ^= 0x01;
+    std::fs::write(&path, &corrupt).expect("write");
+    let err = Engine::load(&path, &gpu).err().expect("a corrupted byte must be rejected").to_string();
+    println!("corrupted byte {at}: {err}");
+    assert!(err.contains("checksum"), "{err}");
+    std::fs::write(&path, &bytes[..bytes.len() - 100]).expect("write");
+    let err = Engine::load(&path, &gpu).err().expect("a truncated file must be rejected").to_string();
+    println!("truncated: {err}");
+    assert!(err.contains("truncated"), "{err}");
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn a_timing_cache_makes_a_rebuild_time_nothing() {
+    let Some(gpu) = gpu() else { return };
+    let cache = std::env::temp_dir().join(format!("kiln-test-cache-{}.json", std::process::id()));
+    let _ = std::fs::remove_file(&cache);
+    let graph = resnet18_graph();
+    let config = BuildConfig::default().precision(Precision::Fp16).batch(1, 2, 2).timing_cache(&cache);
+    let first = EngineBuilder::new(config.clone()).with_gpu(gpu.clone()).build(&graph).expect("first build");
+    let second = EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph).expect("second build");
+    println!("first build: {}second build: {}", first.summary, second.summary);
+    assert!(first.summary.tactics_timed > 0);
+    assert_eq!(second.summary.tactics_timed, 0, "the rebuild timed tactics despite the cache");
+    assert_eq!(first.tactics(), second.tactics());
+    let _ = std::fs::remove_file(&cache);
+}
+
+#[test]
+fn contexts_run_concurrently_on_threads() {
+    let Some(gpu) = gpu() else { return };
+    let engine = build(&gpu, &resnet18_graph(), BuildConfig::default().precision(Precision::Fp16).batch(1, 2, 2));
+    let inputs: Vec<HostTensor> = (0..4).map(|i| random(&[2, 3, 224, 224], 100 + i, 1.0)).collect();
+    let mut ctx = engine.context().expect("ctx");
+    let expected: Vec<Vec<f32>> = inputs.iter().map(|x| ctx.run(&[("input", x)]).expect("run")["logits"].data.clone()).collect();
+    let inputs = Arc::new(inputs);
+    let threads: Vec<_> = (0..4)
+        .map(|t| {
+            let (engine, inputs) = (engine.clone(), inputs.clone());
+            std::thread::spawn(move || {
+                let mut ctx = engine.context().expect("context on a thread");
+                (0..12)
+                    .map(|i| (i % 4, ctx.run(&[("input", &inputs[(i + t) % 4])]).expect("run on a thread")["logits"].data.clone()))
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    for (t, h) in threads.into_iter().enumerate() {
+        for (i, got) in h.join().expect("thread") {
+            let want = &expected[(i + t) % 4];
+            assert_eq!(&got, want, "thread {t} run {i}: differs from the single-threaded result");
+        }
+    }
+    println!("4 threads × 12 runs on their own contexts: identical to the single-threaded results");
+}

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Runs on the device (after tools/gpu-build.sh here): exports PyTorch references with the project's
+# own script (seeded weights and torchvision's random init), runs every carried GPU test binary and,
+# with PEERS=1, the PyTorch peers. Logs go to $OUT (the device tool brings them back).
+#
+#   device run:  bash tools/gpu-test.sh          carry: [".carry"]
+set -uo pipefail
+export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu:/usr/lib
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+export KILN_FIXTURES=$PWD/tests/fixtures
+REF=$(mktemp -d)
+export KILN_REFERENCE_DIR=$REF
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c 'import torch; print("torch", torch.__version__, "cudnn", torch.backends.cudnn.version())'
+  date -u
+} 2>&1 | tee "$OUT/device.log"
+
+# References: the models' PyTorch twins on this machine, FP32 with TF32 off.
+t0=$(date +%s)
+for w in ${WEIGHTS:-seeded torchvision}; do
+  for m in ${MODELS:-resnet18 resnet50 centernet}; do
+    python3 .carry/tools/export_reference.py --model "$m" --weights "$w" --seed 0 --save-weights --out "$REF/$w" || echo "EXPORT FAILED: $m $w"
+  done
+done 2>&1 | tee "$OUT/export.log"
+echo "references exported in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/export.log"
+
+status=0
+for t in .carry/bin/*; do
+  name=$(basename "$t")
+  echo "=== $name" | tee -a "$OUT/tests.log"
+  "$t" --nocapture --test-threads 1 ${TEST_FILTER:-} 2>&1 | tee -a "$OUT/tests.log" || status=1
+done
+grep -E "^TIMING" "$OUT/tests.log" > "$OUT/timings.log" || true
+
+if [ "${PEERS:-0}" = 1 ]; then
+  EAGER=1 COMPILE=${COMPILE:-0} python3 .carry/tools/torch_peer.py 2>&1 | tee "$OUT/torch_peer.log"
+fi
+echo "exit status $status"
+exit $status
