@@ -5,11 +5,14 @@
 //! Module structs ──forward(symbolic Tensor)──► Graph ──passes──► CPU executor | EngineBuilder ──► Engine
 //! ```
 
+pub mod codegen;
 pub mod compare;
 pub mod cpu;
+pub mod dot;
 pub mod engine;
 pub mod error;
 pub mod graph;
+pub mod layerwise;
 pub mod module;
 pub mod ops;
 pub mod passes;

@@ -1,0 +1,237 @@
+//! What the commands share: tracing a bundled model with its weights, making or reading an input,
+//! building or loading an engine (with a progress bar), and summarising outputs for people.
+
+use super::{EngineArgs, ModelArgs};
+use indicatif::{ProgressBar, ProgressStyle};
+use kiln::engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision};
+use kiln::{Error, Graph, HostTensor, Result, VarBuilder};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A traced bundled model.
+pub struct Traced {
+    pub name: String,
+    pub graph: Graph,
+    pub size: usize,
+}
+
+/// The weights a command asked for: a safetensors file or the seeded generator.
+pub fn weights(path: Option<&Path>) -> Result<VarBuilder> {
+    match path {
+        Some(p) => VarBuilder::from_safetensors(&[p]),
+        None => Ok(VarBuilder::seeded()),
+    }
+}
+
+/// Traces `model` at `batch` × 3 × size × size, checking (with `strict`) that every weight was used.
+pub fn trace(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize, size: Option<usize>) -> Result<Traced> {
+    let info = kiln_models::bundled(model)?;
+    let size = size.unwrap_or(info.input_size);
+    let vb = weights(weights_path)?;
+    let graph = kiln_models::trace(info.name, vb.clone(), batch, size)?;
+    if let Some(p) = weights_path {
+        let unused = vb.unused();
+        if strict {
+            vb.check_all_used()?;
+        } else if !unused.is_empty() {
+            eprintln!(
+                "note: {} key(s) of {} were not used by {model} (e.g. `{}`); --strict makes this an error",
+                unused.len(),
+                p.display(),
+                unused[0]
+            );
+        }
+    }
+    Ok(Traced { name: info.name.to_string(), graph, size })
+}
+
+pub fn trace_args(m: &ModelArgs, batch: usize) -> Result<Traced> {
+    trace(&m.model, m.weights.as_deref(), m.strict, batch, m.size)
+}
+
+/// A uniform random input in [-1, 1) from `seed` (the seeded generator's stream, so it is cheap
+/// and reproducible).
+pub fn random_input(shape: &[usize], seed: u64) -> HostTensor {
+    let n: usize = shape.iter().product();
+    let data = (0..n as u64).map(|i| (2.0 * kiln::seeded::uniform(seed, i) - 1.0) as f32).collect();
+    HostTensor::new(shape.to_vec(), data)
+}
+
+/// A seed from the clock, so every run sees a fresh input.
+pub fn clock_seed() -> u64 {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    kiln::seeded::mix(now.as_nanos() as u64)
+}
+
+/// Reads an input tensor from a safetensors file: the tensor named `input`, or its only tensor.
+pub fn read_input(path: &Path) -> Result<HostTensor> {
+    let mut tensors = kiln::var_builder::read_safetensors(path)?;
+    if let Some(t) = tensors.remove("input") {
+        return Ok(t);
+    }
+    if tensors.len() == 1 {
+        return Ok(tensors.into_values().next().expect("one tensor"));
+    }
+    Err(Error::Safetensors {
+        path: path.to_path_buf(),
+        reason: format!("holds no tensor named `input` and {} others: {:?}", tensors.len(), tensors.keys().take(5).collect::<Vec<_>>()),
+    })
+}
+
+/// Checks an input is [N, 3, S, S] and returns (N, S).
+pub fn input_dims(x: &HostTensor, what: &Path) -> Result<(usize, usize)> {
+    match x.shape.as_slice() {
+        [n, 3, h, w] if h == w && *n > 0 => Ok((*n, *h)),
+        s => Err(Error::Binding { name: "input".into(), reason: format!("{} holds shape {s:?}; expected [N, 3, S, S]", what.display()) }),
+    }
+}
+
+impl EngineArgs {
+    pub fn precision(&self) -> Precision {
+        if self.fp32 {
+            Precision::Fp32
+        } else if self.tf32 {
+            Precision::Tf32
+        } else {
+            Precision::Fp16
+        }
+    }
+
+    pub fn config(&self, min: usize, opt: usize, max: usize) -> BuildConfig {
+        let mut c = BuildConfig::default().precision(self.precision()).batch(min, opt, max);
+        c.workspace_bytes = self.workspace << 20;
+        if let Some(tc) = &self.timing_cache {
+            c = c.timing_cache(tc.clone());
+        }
+        c
+    }
+}
+
+pub fn precision_name(p: Precision) -> &'static str {
+    match p {
+        Precision::Fp32 => "fp32",
+        Precision::Tf32 => "tf32",
+        Precision::Fp16 => "fp16",
+    }
+}
+
+/// The GPU, or `Error::NoGpu` with the reason (commands that need one stop here).
+pub fn gpu() -> Result<Arc<Gpu>> {
+    kiln::engine::gpu_available().map_err(Error::NoGpu)?;
+    Gpu::new(0)
+}
+
+/// Builds an engine with a spinner while algorithms are timed.
+pub fn build_engine(graph: &Graph, config: BuildConfig, gpu: Arc<Gpu>, what: &str) -> Result<Engine> {
+    let bar = ProgressBar::new_spinner();
+    bar.set_style(ProgressStyle::with_template("{spinner} {msg} [{elapsed}]").unwrap_or_else(|_| ProgressStyle::default_spinner()));
+    bar.set_message(format!(
+        "building {what} ({}, batch {}..={}): timing algorithms",
+        precision_name(config.precision),
+        config.min_batch,
+        config.max_batch
+    ));
+    bar.enable_steady_tick(Duration::from_millis(100));
+    let engine = EngineBuilder::new(config).with_gpu(gpu).build(graph);
+    bar.finish_and_clear();
+    engine
+}
+
+/// Whether a command's model argument names an engine file rather than a bundled model.
+pub fn is_engine_file(arg: &str) -> bool {
+    arg.ends_with(".kiln") || (kiln_models::bundled(arg).is_err() && Path::new(arg).is_file())
+}
+
+/// An engine for `model` (a bundled name, built here, or an engine file, loaded).
+pub fn engine_for(
+    model: &str,
+    weights: Option<&PathBuf>,
+    size: Option<usize>,
+    args: &EngineArgs,
+    batch: (usize, usize, usize),
+    gpu: Arc<Gpu>,
+) -> Result<(String, Engine)> {
+    if is_engine_file(model) {
+        let engine = Engine::load(model, &gpu)?;
+        let c = &engine.config;
+        if batch.0 < c.min_batch || batch.2 > c.max_batch {
+            return Err(Error::Binding {
+                name: "batch".into(),
+                reason: format!("{model} was built for batch {}..={}, asked for {}..={}", c.min_batch, c.max_batch, batch.0, batch.2),
+            });
+        }
+        return Ok((model.to_string(), engine));
+    }
+    let traced = trace(model, weights.map(|p| p.as_path()), false, batch.1, size)?;
+    let engine = build_engine(&traced.graph, args.config(batch.0, batch.1, batch.2), gpu, &traced.name)?;
+    Ok((traced.name, engine))
+}
+
+/// Softmax of one row, for showing class probabilities.
+fn softmax(row: &[f32]) -> Vec<f32> {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exp: Vec<f32> = row.iter().map(|v| (v - max).exp()).collect();
+    let sum: f32 = exp.iter().sum();
+    exp.iter().map(|e| e / sum).collect()
+}
+
+/// How many images' summaries to print at most.
+const SHOWN_IMAGES: usize = 4;
+
+/// People-readable outputs: top-k classes for logits, top-k detections for CenterNet, shapes and
+/// ranges for anything else.
+pub fn summarize(outputs: &BTreeMap<String, HostTensor>, top: usize, input_size: usize) -> String {
+    let mut s = String::new();
+    if let Some(logits) = outputs.get("logits").filter(|t| t.shape.len() == 2) {
+        let (n, classes) = (logits.shape[0], logits.shape[1]);
+        for (img, row) in logits.data.chunks_exact(classes.max(1)).enumerate().take(SHOWN_IMAGES) {
+            let p = softmax(row);
+            let mut idx: Vec<usize> = (0..classes).collect();
+            idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+            let best: Vec<String> = idx.iter().take(top).map(|&c| format!("class {c:>4} (logit {:>7.3}, p {:.3})", row[c], p[c])).collect();
+            s += &format!("image {img}: top-{}:\n    {}\n", best.len(), best.join("\n    "));
+        }
+        if n > SHOWN_IMAGES {
+            s += &format!("({} more images)\n", n - SHOWN_IMAGES);
+        }
+    }
+    if let Some(det) = outputs.get("detections").filter(|t| t.shape.len() == 3 && t.shape[2] == 6) {
+        let (n, k) = (det.shape[0], det.shape[1]);
+        // Boxes are in output-map coordinates; the maps are at stride input/map.
+        let stride = outputs.get("hm").and_then(|hm| hm.shape.get(3)).map(|&w| input_size as f32 / w as f32).unwrap_or(1.0);
+        for img in 0..n.min(SHOWN_IMAGES) {
+            s += &format!("image {img}: top-{} of {k} detections (box in input pixels):\n", top.min(k));
+            for d in det.data[img * k * 6..(img + 1) * k * 6].chunks_exact(6).take(top) {
+                s += &format!(
+                    "    class {:>2}  score {:.3}  box ({:.1}, {:.1}) - ({:.1}, {:.1})\n",
+                    d[5],
+                    d[4],
+                    d[0] * stride,
+                    d[1] * stride,
+                    d[2] * stride,
+                    d[3] * stride
+                );
+            }
+        }
+    }
+    for (name, t) in outputs {
+        if name == "logits" || name == "detections" {
+            continue;
+        }
+        let (lo, hi) = t.data.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+        let mean = t.data.iter().map(|&v| v as f64).sum::<f64>() / t.numel().max(1) as f64;
+        s += &format!("{name}: {:?}, min {lo:.3}, max {hi:.3}, mean {mean:.3}\n", t.shape);
+    }
+    s
+}
+
+/// Milliseconds, with enough digits for both 0.3 ms and 3000 ms.
+pub fn ms(d: f64) -> String {
+    if d < 10.0 {
+        format!("{d:.3} ms")
+    } else {
+        format!("{d:.1} ms")
+    }
+}
