@@ -53,9 +53,12 @@ pub fn run(graph: &Graph, inputs: &[(&str, &HostTensor)]) -> Result<BTreeMap<Str
     }
 
     let mut out = BTreeMap::new();
-    for (name, id) in &graph.outputs {
-        let v = values[*id].as_ref().ok_or_else(|| Error::Graph(format!("output `{name}` (%{id}) was not computed")))?;
-        out.insert(name.clone(), v.clone().into_owned());
+    for (k, (name, id)) in graph.outputs.iter().enumerate() {
+        // A value marked under several names is copied for all but its last name.
+        let last_name = !graph.outputs[k + 1..].iter().any(|(_, o)| o == id);
+        let v = if last_name { values[*id].take() } else { values[*id].clone() };
+        let v = v.ok_or_else(|| Error::Graph(format!("output `{name}` (%{id}) was not computed")))?;
+        out.insert(name.clone(), v.into_owned());
     }
     Ok(out)
 }
@@ -122,10 +125,8 @@ fn eval_node(
         |reason: String, got: Vec<Vec<usize>>| Error::Shape { path: node.path.clone(), op: node.op.name().to_string(), reason, got };
 
     // Ops that reuse their first input's buffer.
-    let in_place = match &node.op {
-        Op::Relu | Op::LeakyRelu { .. } | Op::Sigmoid | Op::BatchNorm2d { .. } | Op::Add | Op::Mul | Op::Flatten { .. } => true,
-        _ => false,
-    };
+    let in_place =
+        matches!(&node.op, Op::Relu | Op::LeakyRelu { .. } | Op::Sigmoid | Op::BatchNorm2d { .. } | Op::Add | Op::Mul | Op::Flatten { .. });
     if in_place {
         let got: Vec<Vec<usize>> =
             node.inputs.iter().map(|&j| values[j].as_ref().map(|v| v.shape.clone()).ok_or_else(|| missing(j))).collect::<Result<_>>()?;

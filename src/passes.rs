@@ -54,7 +54,7 @@ pub fn fold_batchnorm(graph: &Graph) -> Result<Graph> {
     // The replaced weights and the BatchNorm parameters go unless something else reads them.
     let uses = g.use_counts();
     removed.resize(g.nodes.len(), false);
-    rebuild(&g, |id, node| !removed[id] && !(matches!(node.op, Op::Weight { .. }) && uses[id] == 0))
+    rebuild(&g, |id, node| !removed[id] && (uses[id] > 0 || !matches!(node.op, Op::Weight { .. })))
 }
 
 /// A conv whose output may be rescaled per output channel: plain (nothing fused yet) and with
@@ -66,6 +66,11 @@ fn foldable_conv(g: &Graph, conv: NodeId) -> Option<(ConvAttrs, Arc<HostTensor>,
         _ => return None,
     };
     let weight = g.weight_data(*node.inputs.get(1)?)?.clone();
+    // The shape rule of a transposed conv does not ask that its groups divide the input channels;
+    // the fold needs it to find each weight row's group.
+    if weight.shape.len() != 4 || attrs.groups == 0 || weight.shape[0] % attrs.groups != 0 {
+        return None;
+    }
     let bias = if attrs.bias { Some(g.weight_data(*node.inputs.get(2)?)?.clone()) } else { None };
     Some((attrs, weight, bias))
 }

@@ -572,8 +572,10 @@ fn an_intermediate_marked_as_output_keeps_its_value() {
     let m = r.mul(&s).expect("trace");
     t.output("s", &s);
     t.output("m", &m);
+    t.output("s_again", &s);
     let xt = rand(&[1, 2, 4, 4]);
     let out = cpu::run(&t.graph(), &[("x", &xt)]).expect("run");
+    assert_eq!(out["s"], out["s_again"]);
     let sig: Vec<f32> = xt.data.iter().map(|&v| 1.0 / (1.0 + (-v).exp())).collect();
     assert_close("s", &out["s"], &HostTensor::new(xt.shape.clone(), sig.clone()));
     assert_close("m", &out["m"], &HostTensor::new(xt.shape.clone(), sig.iter().map(|v| v * v).collect()));
