@@ -5,7 +5,7 @@
 //! BatchNorm2d, ReLU] (2048 → 256 → 256 → 256); `head.{hm,wh,reg}` = [Conv2d(256, 64, 3, p=1), ReLU,
 //! Conv2d(64, C, 1)] with C = num_classes, 2, 2. A 512x512 input gives 128x128 maps.
 
-use crate::resnet::{resnet50_backbone, ResNet};
+use crate::resnet::{ResNet50, ResNetConfig};
 use kiln::graph::HostTensor;
 use kiln::ops::custom::{Attrs, CustomOp};
 use kiln::{
@@ -16,27 +16,34 @@ use kiln::{
 /// Detections kept per image by default.
 pub const DEFAULT_K: usize = 100;
 
-/// `Conv2d(256, 64, 3, padding=1), ReLU, Conv2d(64, cout, 1)`.
-fn head_branch(vb: VarBuilder, cout: usize) -> Result<Sequential> {
-    Ok(Sequential::new()
-        .add(Conv2d::load(vb.pp(0), &Conv2dConfig::new(256, 64, 3).padding(1))?)
-        .add(ReLU::load(vb.pp(1), &())?)
-        .add(Conv2d::load(vb.pp(2), &Conv2dConfig::new(64, cout, 1))?))
+/// One head: `nn.Sequential(Conv2d(256, 64, 3, padding=1), ReLU, Conv2d(64, cout, 1))`.
+#[derive(Module)]
+#[module(config = usize)]
+pub struct HeadBranch {
+    #[module(name = "0", config = Conv2dConfig::new(256, 64, 3).padding(1))]
+    conv: Conv2d,
+    #[module(name = "1")]
+    relu: ReLU,
+    #[module(name = "2", config = Conv2dConfig::new(64, *cfg, 1))]
+    out: Conv2d,
 }
 
-/// The three heads: class heatmap logits, box sizes, center offsets.
-pub struct Head {
-    hm: Sequential,
-    wh: Sequential,
-    reg: Sequential,
-}
-
-impl Module for Head {
-    /// The number of classes.
-    type Config = usize;
-    fn load(vb: VarBuilder, num_classes: &usize) -> Result<Self> {
-        Ok(Self { hm: head_branch(vb.pp("hm"), *num_classes)?, wh: head_branch(vb.pp("wh"), 2)?, reg: head_branch(vb.pp("reg"), 2)? })
+impl Forward for HeadBranch {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.out.forward(&self.relu.forward(&self.conv.forward(x)?)?)
     }
+}
+
+/// The three heads: class heatmap logits, box sizes, centre offsets.
+#[derive(Module)]
+#[module(config = usize)]
+pub struct Head {
+    #[module(config = *cfg)]
+    hm: HeadBranch,
+    #[module(config = 2)]
+    wh: HeadBranch,
+    #[module(config = 2)]
+    reg: HeadBranch,
 }
 
 /// The raw outputs of CenterNet, each at stride 4: `hm` [N, C, H, W] (logits), `wh`, `reg` [N, 2, H, W].
@@ -52,34 +59,49 @@ impl Head {
     }
 }
 
-pub struct CenterNet {
-    backbone: ResNet,
-    /// `upsampler.deconv_layers`: the upsampler module holds only this Sequential.
+/// `upsampler.deconv_layers`: 3 x [ConvTranspose2d(k=4, s=2, p=1, bias=False), BatchNorm2d, ReLU],
+/// one flat `nn.Sequential` (indices 0..8), 2048 → 256 → 256 → 256 channels.
+pub struct Upsampler {
     deconv_layers: Sequential,
-    head: Head,
 }
 
-impl Module for CenterNet {
-    /// The number of classes.
-    type Config = usize;
-    fn load(vb: VarBuilder, num_classes: &usize) -> Result<Self> {
-        let vd = vb.pp("upsampler").pp("deconv_layers");
+impl Module for Upsampler {
+    type Config = ();
+    fn load(vb: VarBuilder, _: &()) -> Result<Self> {
+        let vb = vb.pp("deconv_layers");
         let mut deconv_layers = Sequential::new();
         let mut cin = 2048;
         for (i, cout) in [256, 256, 256].into_iter().enumerate() {
             let deconv = Conv2dConfig::new(cin, cout, 4).stride(2).padding(1).bias(false);
-            deconv_layers.push(ConvTranspose2d::load(vd.pp(3 * i), &deconv)?);
-            deconv_layers.push(BatchNorm2d::load(vd.pp(3 * i + 1), &BatchNorm2dConfig::new(cout))?);
-            deconv_layers.push(ReLU::load(vd.pp(3 * i + 2), &())?);
+            deconv_layers.push(ConvTranspose2d::load(vb.pp(3 * i), &deconv)?);
+            deconv_layers.push(BatchNorm2d::load(vb.pp(3 * i + 1), &BatchNorm2dConfig::new(cout))?);
+            deconv_layers.push(ReLU::load(vb.pp(3 * i + 2), &())?);
             cin = cout;
         }
-        Ok(Self { backbone: resnet50_backbone(vb.pp("backbone"))?, deconv_layers, head: Head::load(vb.pp("head"), num_classes)? })
+        Ok(Self { deconv_layers })
     }
+}
+
+impl Forward for Upsampler {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.deconv_layers.forward(x)
+    }
+}
+
+/// CenterNet-R50 with `num_classes` classes (the `Config`).
+#[derive(Module)]
+#[module(config = usize)]
+pub struct CenterNet {
+    #[module(config = ResNetConfig { layers: [3, 4, 6, 3], num_classes: None })]
+    backbone: ResNet50,
+    upsampler: Upsampler,
+    #[module(config = *cfg)]
+    head: Head,
 }
 
 impl CenterNet {
     pub fn forward(&self, x: &Tensor) -> Result<CenterNetOutput> {
-        self.head.forward(&self.deconv_layers.forward(&self.backbone.features(x)?)?)
+        self.head.forward(&self.upsampler.forward(&self.backbone.features(x)?)?)
     }
 }
 

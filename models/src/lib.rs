@@ -9,7 +9,7 @@ pub mod centernet;
 pub mod resnet;
 
 pub use centernet::{centernet_r50, decode, CenterNet, CenterNetOutput};
-pub use resnet::{resnet18, resnet50, resnet50_backbone, ResNet};
+pub use resnet::{resnet18, resnet50, resnet50_backbone, BasicBlock, Bottleneck, ResNet, ResNet18, ResNet50};
 
 use kiln::{Error, Forward, Graph, Result, Tracer, VarBuilder};
 

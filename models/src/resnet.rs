@@ -1,24 +1,23 @@
 //! torchvision's ResNets (`torchvision.models.resnet18` / `resnet50`), with the same `state_dict`
 //! names: `conv1`, `bn1`, `layer1.0.conv1`, `layer2.0.downsample.{0,1}`, `fc`.
 //!
-//! Each `forward` follows torchvision's line by line, so the traced nodes come in the order PyTorch
-//! runs them: the block's `relu` module is reused (one path, several nodes), the downsample branch
-//! runs after `bn3`, and `out += identity` is the inline `layerX.Y.add`.
+//! Fields are declared in torchvision's order and each `forward` follows torchvision's line by
+//! line, so the traced nodes come in the order PyTorch runs them: the block's `relu` module is
+//! reused (one path, several nodes), the downsample branch runs after the last BatchNorm, and
+//! `out += identity` is the inline `layerX.Y.add`.
 
 use kiln::{
     AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Forward, Linear, LinearConfig, MaxPool2d, Module,
-    Pool2dConfig, ReLU, Result, Sequential, Tensor, VarBuilder,
+    Pool2dConfig, ReLU, Result, Tensor, VarBuilder,
 };
 
-fn conv(vb: VarBuilder, cin: usize, cout: usize, k: usize, stride: usize) -> Result<Conv2d> {
-    Conv2d::load(vb, &Conv2dConfig::new(cin, cout, k).stride(stride).padding(k / 2).bias(false))
+/// A bias-free convolution with "same" padding, as torchvision's `conv1x1` / `conv3x3`.
+fn conv(cin: usize, cout: usize, k: usize, stride: usize) -> Conv2dConfig {
+    Conv2dConfig::new(cin, cout, k).stride(stride).padding(k / 2).bias(false)
 }
 
-fn bn(vb: VarBuilder, c: usize) -> Result<BatchNorm2d> {
-    BatchNorm2d::load(vb, &BatchNorm2dConfig::new(c))
-}
-
-/// Where a block sits: its input channels, its width (`planes`) and the stride of its first conv.
+/// Where a block sits: its input channels, its width (`planes`) and the stride of its first
+/// spatial conv.
 #[derive(Clone, Copy, Debug)]
 pub struct BlockConfig {
     pub inplanes: usize,
@@ -26,37 +25,56 @@ pub struct BlockConfig {
     pub stride: usize,
 }
 
-/// `downsample = Sequential(conv1x1(stride), BatchNorm2d)` when the shape of the identity changes.
-fn downsample(vb: VarBuilder, c: &BlockConfig, expansion: usize) -> Result<Option<Sequential>> {
-    let out = c.planes * expansion;
-    if c.stride == 1 && c.inplanes == out {
-        return Ok(None);
+impl BlockConfig {
+    /// torchvision adds a projection when the identity's shape changes.
+    fn needs_downsample(&self, expansion: usize) -> bool {
+        self.stride != 1 || self.inplanes != self.planes * expansion
     }
-    Ok(Some(Sequential::new().add(conv(vb.pp(0), c.inplanes, out, 1, c.stride)?).add(bn(vb.pp(1), out)?)))
+    fn downsample(&self, expansion: usize) -> Conv2dConfig {
+        conv(self.inplanes, self.planes * expansion, 1, self.stride)
+    }
+}
+
+/// `downsample = nn.Sequential(conv1x1(stride), BatchNorm2d)`, hence the numeric names.
+#[derive(Module)]
+#[module(config = Conv2dConfig)]
+pub struct Downsample {
+    #[module(name = "0", config = *cfg)]
+    conv: Conv2d,
+    #[module(name = "1", config = BatchNorm2dConfig::new(cfg.out_channels))]
+    bn: BatchNorm2d,
+}
+
+impl Forward for Downsample {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.bn.forward(&self.conv.forward(x)?)
+    }
+}
+
+/// A residual block type: loads from a `BlockConfig`, multiplies `planes` by `EXPANSION`.
+pub trait Block: Module<Config = BlockConfig> + Forward {
+    const EXPANSION: usize;
 }
 
 /// ResNet-18/34's block: two 3x3 convs.
+#[derive(Module)]
+#[module(config = BlockConfig)]
 pub struct BasicBlock {
+    #[module(config = conv(cfg.inplanes, cfg.planes, 3, cfg.stride))]
     conv1: Conv2d,
+    #[module(config = BatchNorm2dConfig::new(cfg.planes))]
     bn1: BatchNorm2d,
     relu: ReLU,
+    #[module(config = conv(cfg.planes, cfg.planes, 3, 1))]
     conv2: Conv2d,
+    #[module(config = BatchNorm2dConfig::new(cfg.planes))]
     bn2: BatchNorm2d,
-    downsample: Option<Sequential>,
+    #[module(when = cfg.needs_downsample(1), config = cfg.downsample(1))]
+    downsample: Option<Downsample>,
 }
 
-impl Module for BasicBlock {
-    type Config = BlockConfig;
-    fn load(vb: VarBuilder, c: &BlockConfig) -> Result<Self> {
-        Ok(Self {
-            conv1: conv(vb.pp("conv1"), c.inplanes, c.planes, 3, c.stride)?,
-            bn1: bn(vb.pp("bn1"), c.planes)?,
-            relu: ReLU::load(vb.pp("relu"), &())?,
-            conv2: conv(vb.pp("conv2"), c.planes, c.planes, 3, 1)?,
-            bn2: bn(vb.pp("bn2"), c.planes)?,
-            downsample: downsample(vb.pp("downsample"), c, 1)?,
-        })
-    }
+impl Block for BasicBlock {
+    const EXPANSION: usize = 1;
 }
 
 impl Forward for BasicBlock {
@@ -68,34 +86,30 @@ impl Forward for BasicBlock {
     }
 }
 
-/// ResNet-50's block: 1x1 reduce, 3x3 (carrying the stride, torchvision's "ResNet V1.5"), 1x1
+/// ResNet-50's block: 1x1 reduce, 3x3 carrying the stride (torchvision's "ResNet V1.5"), 1x1
 /// expand by 4.
+#[derive(Module)]
+#[module(config = BlockConfig)]
 pub struct Bottleneck {
+    #[module(config = conv(cfg.inplanes, cfg.planes, 1, 1))]
     conv1: Conv2d,
+    #[module(config = BatchNorm2dConfig::new(cfg.planes))]
     bn1: BatchNorm2d,
+    #[module(config = conv(cfg.planes, cfg.planes, 3, cfg.stride))]
     conv2: Conv2d,
+    #[module(config = BatchNorm2dConfig::new(cfg.planes))]
     bn2: BatchNorm2d,
+    #[module(config = conv(cfg.planes, cfg.planes * 4, 1, 1))]
     conv3: Conv2d,
+    #[module(config = BatchNorm2dConfig::new(cfg.planes * 4))]
     bn3: BatchNorm2d,
     relu: ReLU,
-    downsample: Option<Sequential>,
+    #[module(when = cfg.needs_downsample(4), config = cfg.downsample(4))]
+    downsample: Option<Downsample>,
 }
 
-impl Module for Bottleneck {
-    type Config = BlockConfig;
-    fn load(vb: VarBuilder, c: &BlockConfig) -> Result<Self> {
-        let out = c.planes * 4;
-        Ok(Self {
-            conv1: conv(vb.pp("conv1"), c.inplanes, c.planes, 1, 1)?,
-            bn1: bn(vb.pp("bn1"), c.planes)?,
-            conv2: conv(vb.pp("conv2"), c.planes, c.planes, 3, c.stride)?,
-            bn2: bn(vb.pp("bn2"), c.planes)?,
-            conv3: conv(vb.pp("conv3"), c.planes, out, 1, 1)?,
-            bn3: bn(vb.pp("bn3"), out)?,
-            relu: ReLU::load(vb.pp("relu"), &())?,
-            downsample: downsample(vb.pp("downsample"), c, 4)?,
-        })
-    }
+impl Block for Bottleneck {
+    const EXPANSION: usize = 4;
 }
 
 impl Forward for Bottleneck {
@@ -108,106 +122,89 @@ impl Forward for Bottleneck {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Block {
-    Basic,
-    Bottleneck,
-}
-
-impl Block {
-    fn expansion(self) -> usize {
-        match self {
-            Block::Basic => 1,
-            Block::Bottleneck => 4,
-        }
-    }
-}
-
 #[derive(Clone, Copy, Debug)]
 pub struct ResNetConfig {
-    pub block: Block,
     /// Blocks per stage (`[2, 2, 2, 2]` for ResNet-18, `[3, 4, 6, 3]` for ResNet-50).
     pub layers: [usize; 4],
     /// `Some(n)`: `avgpool` + `fc` to `n` classes; `None`: a backbone ending at `layer4`.
     pub num_classes: Option<usize>,
 }
 
-/// A torchvision ResNet. Without a classifier it is a backbone (CenterNet's).
-pub struct ResNet {
+impl ResNetConfig {
+    /// Block `i` of stage `stage` (0-based): stages double the width and halve the resolution
+    /// (from `layer2` on), in their first block.
+    fn block(&self, stage: usize, i: usize, expansion: usize) -> BlockConfig {
+        let planes = 64 << stage;
+        let inplanes = match (stage, i) {
+            (0, 0) => 64,
+            (_, 0) => (planes / 2) * expansion,
+            _ => planes * expansion,
+        };
+        BlockConfig { inplanes, planes, stride: if i == 0 && stage > 0 { 2 } else { 1 } }
+    }
+    fn fc(&self, expansion: usize) -> LinearConfig {
+        LinearConfig::new(512 * expansion, self.num_classes.unwrap_or_default())
+    }
+}
+
+/// A torchvision ResNet over residual blocks `B`. Without a classifier it is a backbone.
+#[derive(Module)]
+#[module(config = ResNetConfig)]
+pub struct ResNet<B: Block> {
+    #[module(config = Conv2dConfig::new(3, 64, 7).stride(2).padding(3).bias(false))]
     conv1: Conv2d,
+    #[module(config = BatchNorm2dConfig::new(64))]
     bn1: BatchNorm2d,
     relu: ReLU,
+    #[module(config = Pool2dConfig::new(3).stride(2).padding(1))]
     maxpool: MaxPool2d,
-    layers: [Sequential; 4],
-    classifier: Option<(AdaptiveAvgPool2d, Linear)>,
+    #[module(len = cfg.layers[0], config = cfg.block(0, i, B::EXPANSION))]
+    layer1: Vec<B>,
+    #[module(len = cfg.layers[1], config = cfg.block(1, i, B::EXPANSION))]
+    layer2: Vec<B>,
+    #[module(len = cfg.layers[2], config = cfg.block(2, i, B::EXPANSION))]
+    layer3: Vec<B>,
+    #[module(len = cfg.layers[3], config = cfg.block(3, i, B::EXPANSION))]
+    layer4: Vec<B>,
+    #[module(when = cfg.num_classes.is_some(), config = [1, 1])]
+    avgpool: Option<AdaptiveAvgPool2d>,
+    #[module(when = cfg.num_classes.is_some(), config = cfg.fc(B::EXPANSION))]
+    fc: Option<Linear>,
 }
 
-impl Module for ResNet {
-    type Config = ResNetConfig;
-    fn load(vb: VarBuilder, c: &ResNetConfig) -> Result<Self> {
-        let mut inplanes = 64;
-        let mut stage = |i: usize, planes: usize, stride: usize| -> Result<Sequential> {
-            let vb = vb.pp(format!("layer{}", i + 1));
-            let mut seq = Sequential::new();
-            for b in 0..c.layers[i] {
-                let bc = BlockConfig { inplanes, planes, stride: if b == 0 { stride } else { 1 } };
-                match c.block {
-                    Block::Basic => seq.push(BasicBlock::load(vb.pp(b), &bc)?),
-                    Block::Bottleneck => seq.push(Bottleneck::load(vb.pp(b), &bc)?),
-                }
-                inplanes = planes * c.block.expansion();
-            }
-            Ok(seq)
-        };
-        let layers = [stage(0, 64, 1)?, stage(1, 128, 2)?, stage(2, 256, 2)?, stage(3, 512, 2)?];
-        let classifier = match c.num_classes {
-            Some(n) => Some((
-                AdaptiveAvgPool2d::load(vb.pp("avgpool"), &[1, 1])?,
-                Linear::load(vb.pp("fc"), &LinearConfig::new(512 * c.block.expansion(), n))?,
-            )),
-            None => None,
-        };
-        Ok(Self {
-            conv1: Conv2d::load(vb.pp("conv1"), &Conv2dConfig::new(3, 64, 7).stride(2).padding(3).bias(false))?,
-            bn1: bn(vb.pp("bn1"), 64)?,
-            relu: ReLU::load(vb.pp("relu"), &())?,
-            maxpool: MaxPool2d::load(vb.pp("maxpool"), &Pool2dConfig::new(3).stride(2).padding(1))?,
-            layers,
-            classifier,
-        })
-    }
-}
-
-impl ResNet {
-    /// The stem and the four stages: `layer4`'s output (stride 32).
+impl<B: Block> ResNet<B> {
+    /// The stem and the four stages: `layer4`'s output (stride 32, `512 * EXPANSION` channels).
     pub fn features(&self, x: &Tensor) -> Result<Tensor> {
         let x = self.maxpool.forward(&self.relu.forward(&self.bn1.forward(&self.conv1.forward(x)?)?)?)?;
-        self.layers.iter().try_fold(x, |x, stage| stage.forward(&x))
+        [&self.layer1, &self.layer2, &self.layer3, &self.layer4].into_iter().flatten().try_fold(x, |x, block| block.forward(&x))
     }
 }
 
-impl Forward for ResNet {
+impl<B: Block> Forward for ResNet<B> {
     /// Logits; for a backbone (no classifier), `features`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let x = self.features(x)?;
-        match &self.classifier {
-            Some((avgpool, fc)) => fc.forward(&avgpool.forward(&x)?.flatten(1)?),
-            None => Ok(x),
+        match (&self.avgpool, &self.fc) {
+            (Some(avgpool), Some(fc)) => fc.forward(&avgpool.forward(&x)?.flatten(1)?),
+            _ => Ok(x),
         }
     }
 }
 
+pub type ResNet18 = ResNet<BasicBlock>;
+pub type ResNet50 = ResNet<Bottleneck>;
+
 /// `torchvision.models.resnet18()`: 1000 classes.
-pub fn resnet18(vb: VarBuilder) -> Result<ResNet> {
-    ResNet::load(vb, &ResNetConfig { block: Block::Basic, layers: [2, 2, 2, 2], num_classes: Some(1000) })
+pub fn resnet18(vb: VarBuilder) -> Result<ResNet18> {
+    ResNet::load(vb, &ResNetConfig { layers: [2, 2, 2, 2], num_classes: Some(1000) })
 }
 
 /// `torchvision.models.resnet50()`: 1000 classes.
-pub fn resnet50(vb: VarBuilder) -> Result<ResNet> {
-    ResNet::load(vb, &ResNetConfig { block: Block::Bottleneck, layers: [3, 4, 6, 3], num_classes: Some(1000) })
+pub fn resnet50(vb: VarBuilder) -> Result<ResNet50> {
+    ResNet::load(vb, &ResNetConfig { layers: [3, 4, 6, 3], num_classes: Some(1000) })
 }
 
 /// ResNet-50 without `avgpool` and `fc`: 2048 channels at stride 32.
-pub fn resnet50_backbone(vb: VarBuilder) -> Result<ResNet> {
-    ResNet::load(vb, &ResNetConfig { block: Block::Bottleneck, layers: [3, 4, 6, 3], num_classes: None })
+pub fn resnet50_backbone(vb: VarBuilder) -> Result<ResNet50> {
+    ResNet::load(vb, &ResNetConfig { layers: [3, 4, 6, 3], num_classes: None })
 }
