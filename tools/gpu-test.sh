@@ -5,7 +5,10 @@
 #
 #   device run:  bash tools/gpu-test.sh          carry: [".carry"]
 set -uo pipefail
-export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu:/usr/lib
+# Kiln's binaries need the system cuDNN 9.14 and CUDA 13 libraries; PyTorch must not see them (it
+# bundles cuDNN 9.19 and refuses an older one first on the path), so only the binaries get this.
+KILN_LD=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu:/usr/lib
+unset LD_LIBRARY_PATH
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
@@ -31,7 +34,7 @@ status=0
 for t in .carry/bin/*; do
   name=$(basename "$t")
   echo "=== $name" | tee -a "$OUT/tests.log"
-  "$t" --nocapture --test-threads 1 ${TEST_FILTER:-} 2>&1 | tee -a "$OUT/tests.log" || status=1
+  LD_LIBRARY_PATH=$KILN_LD "$t" --nocapture --test-threads 1 ${TEST_FILTER:-} 2>&1 | tee -a "$OUT/tests.log" || status=1
 done
 grep -E "^TIMING" "$OUT/tests.log" > "$OUT/timings.log" || true
 

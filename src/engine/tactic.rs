@@ -57,9 +57,9 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
     }
     let mut candidates = candidates;
     if let Some(sources) = &ctx.config.tactic_sources {
-        let allowed = |c: &Box<dyn Layer>| sources.iter().any(|p| c.kind().starts_with(p.as_str()));
-        if candidates.iter().any(allowed) {
-            candidates.retain(allowed);
+        let allowed = |kind: String| sources.iter().any(|p| kind.starts_with(p.as_str()));
+        if candidates.iter().any(|c| allowed(c.kind())) {
+            candidates.retain(|c| allowed(c.kind()));
         }
     }
     let pick = |candidates: Vec<Box<dyn Layer>>, kind: &str| candidates.into_iter().find(|c| c.kind() == kind);
