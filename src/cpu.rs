@@ -16,6 +16,7 @@ use std::collections::{BTreeMap, BTreeSet};
 ///
 /// Each input must be given once, with the traced shape except for the batch (dim 0).
 pub fn run(graph: &Graph, inputs: &[(&str, &HostTensor)]) -> Result<BTreeMap<String, HostTensor>> {
+    check_order(graph)?;
     let bound = bind_inputs(graph, inputs)?;
     let live = live_nodes(graph);
     let is_output: BTreeSet<NodeId> = graph.outputs.iter().map(|(_, id)| *id).collect();
@@ -61,6 +62,20 @@ pub fn run(graph: &Graph, inputs: &[(&str, &HostTensor)]) -> Result<BTreeMap<Str
         out.insert(name.clone(), v.into_owned());
     }
     Ok(out)
+}
+
+/// Every node reads only nodes before it, and every output names a node: what the executor's
+/// single forward sweep relies on (passes restore this order after each rewrite).
+fn check_order(graph: &Graph) -> Result<()> {
+    for (id, n) in graph.nodes.iter().enumerate() {
+        if let Some(j) = n.inputs.iter().find(|&&j| j >= id) {
+            return Err(Error::Graph(format!("`{}` (%{id}, {}) reads %{j}, which does not precede it", n.path, n.op.name())));
+        }
+    }
+    if let Some((name, id)) = graph.outputs.iter().find(|(_, id)| *id >= graph.nodes.len()) {
+        return Err(Error::Graph(format!("output `{name}` names %{id}, but the graph has {} nodes", graph.nodes.len())));
+    }
+    Ok(())
 }
 
 /// Checks the bindings against the graph's inputs: every input given once, by a known name, with

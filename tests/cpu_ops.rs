@@ -580,3 +580,22 @@ fn an_intermediate_marked_as_output_keeps_its_value() {
     assert_close("s", &out["s"], &HostTensor::new(xt.shape.clone(), sig.clone()));
     assert_close("m", &out["m"], &HostTensor::new(xt.shape.clone(), sig.iter().map(|v| v * v).collect()));
 }
+
+#[test]
+fn malformed_graphs_are_errors() {
+    let mut g = small_net(1);
+    let x = rand(&[1, 3, 16, 12]);
+    let key = "conv.weight";
+    g.weights.remove(key);
+    match cpu::run(&g, &[("x", &x)]) {
+        Err(Error::MissingWeight { key: k, .. }) => assert_eq!(k, key),
+        other => panic!("expected a missing-weight error, got {other:?}"),
+    }
+    let mut g = small_net(1);
+    let conv = g.nodes.iter().position(|n| n.path == "conv" && n.op.name() == "conv2d").expect("conv");
+    g.nodes[conv].inputs[0] = g.nodes.len() - 1;
+    match cpu::run(&g, &[("x", &x)]) {
+        Err(Error::Graph(msg)) => assert!(msg.contains("`conv`") && msg.contains("does not precede"), "{msg}"),
+        other => panic!("expected a graph-order error, got {other:?}"),
+    }
+}

@@ -288,6 +288,29 @@ fn add_is_commutative_and_shared_values_stay() {
 }
 
 #[test]
+fn a_module_applied_twice_folds_under_distinct_names() {
+    let vb = VarBuilder::seeded();
+    let t = Tracer::new();
+    let (a, b) = (t.input("a", &[1, 3, 5, 5]), t.input("b", &[1, 3, 5, 5]));
+    let c = conv(&vb, "shared.conv", Conv2dConfig::new(3, 4, 3).padding(1));
+    let n = bn(&vb, "shared.bn", 4);
+    let ya = c.forward(&a).and_then(|y| n.forward(&y)).expect("trace");
+    let yb = c.forward(&b).and_then(|y| n.forward(&y)).expect("trace");
+    t.output("y", &ya.mul(&yb).expect("trace"));
+    let g = t.graph();
+    let o = passes::fold_batchnorm(&g).expect("fold");
+    assert_well_formed(&o);
+    assert_eq!(count(&o, "batch_norm2d"), 0);
+    let names: Vec<&String> = o.weights.keys().collect();
+    let want = ["shared.conv.bias.folded", "shared.conv.bias.folded.1", "shared.conv.weight.folded", "shared.conv.weight.folded.1"];
+    assert_eq!(names, want);
+    let (xa, xb) = (rand(&[1, 3, 5, 5]), rand(&[1, 3, 5, 5]));
+    let run = |g: &Graph| cpu::run(g, &[("a", &xa), ("b", &xb)]).expect("run").remove("y").expect("y");
+    let c = compare("y", &run(&o), &run(&g));
+    assert!(c.passes(1e-5), "{c}");
+}
+
+#[test]
 fn conv_read_by_two_nodes_keeps_its_batchnorm() {
     let vb = VarBuilder::seeded();
     let t = Tracer::new();
