@@ -2,8 +2,8 @@
 //! `state_dict` names through a `VarBuilder`, so a user can read and edit exactly what will be built
 //! (as people write TensorRT networks by hand with its layer API).
 //!
-//! The output is laid out the way rustfmt lays it out for the given `max_width` (with
-//! `use_small_heuristics = "Max"`), so it stays clean under `cargo fmt`. Re-tracing the generated
+//! The output is laid out the way rustfmt lays it out for the given `max_width` and heuristics
+//! (default, or `use_small_heuristics = "Max"`), so it stays clean under `cargo fmt`. Re-tracing the generated
 //! function gives back the same graph: same nodes in the same order, attributes, shapes and paths.
 //!
 //! Generate from the *traced* graph, not an optimised one: passes create weights (folded
@@ -22,13 +22,15 @@ pub struct CodegenOptions {
     pub model: String,
     /// The line width to lay out for (rustfmt's `max_width`; Kiln's own rustfmt.toml uses 140).
     pub max_width: usize,
+    /// Lay out as rustfmt with `use_small_heuristics = "Max"` (as Kiln's own rustfmt.toml).
+    pub small_heuristics_max: bool,
     /// The command that produced the file, quoted in its doc comment.
     pub command: String,
 }
 
 impl Default for CodegenOptions {
     fn default() -> Self {
-        Self { fn_name: "build".into(), model: "model".into(), max_width: 100, command: "kiln codegen".into() }
+        Self { fn_name: "build".into(), model: "model".into(), max_width: 100, small_heuristics_max: false, command: "kiln codegen".into() }
     }
 }
 
@@ -73,32 +75,53 @@ impl Doc {
         }
     }
 
+    /// Whether rustfmt would keep this doc on one line under `style`'s width heuristics (the whole
+    /// line's width is checked by the caller).
+    fn may_be_flat(&self, style: &Style) -> bool {
+        let joined = |docs: &[Doc]| docs.iter().map(|d| d.flat().len()).sum::<usize>() + 2 * docs.len().saturating_sub(1);
+        // rustfmt "overflows" a list's only item when it is itself delimited (a call, an array, a
+        // struct): the list's width heuristic does not apply, only the line width.
+        let lone_delimited = |docs: &[Doc]| docs.len() == 1 && docs[0].is_delimited();
+        match self {
+            Doc::Atom(_) => true,
+            Doc::Call { args, .. } => (lone_delimited(args) || joined(args) <= style.fn_call) && args.iter().all(|a| a.may_be_flat(style)),
+            Doc::Array { items, .. } => {
+                (lone_delimited(items) || joined(items) <= style.array) && items.iter().all(|a| a.may_be_flat(style))
+            }
+            Doc::Struct { name, .. } => self.flat().len() - name.len() - 4 <= style.struct_lit,
+        }
+    }
+
+    /// Ends in a closing delimiter (`f(x)`, `&[..]`, `S { .. }`, `g(y)?`).
+    fn is_delimited(&self) -> bool {
+        match self {
+            Doc::Atom(s) => s.trim_end_matches('?').ends_with([')', ']', '}']),
+            _ => true,
+        }
+    }
+
     /// Lays the doc out starting at column `col` of a line indented by `indent`, with `after`
     /// characters that must still follow it on its last line (`;`, `,`, `)`).
-    fn layout(&self, indent: usize, col: usize, after: usize, width: usize) -> String {
+    fn layout(&self, indent: usize, col: usize, after: usize, style: &Style) -> String {
         let flat = self.flat();
-        if col + flat.len() + after <= width && !flat.contains('\n') {
+        if col + flat.len() + after <= style.width && self.may_be_flat(style) {
             return flat;
         }
         let pad = " ".repeat(indent + 4);
         let close = " ".repeat(indent);
+        let vertical =
+            |docs: &[Doc]| -> String { docs.iter().map(|a| format!("{pad}{},\n", a.layout(indent + 4, indent + 4, 1, style))).collect() };
         match self {
             Doc::Atom(s) => s.clone(),
             // rustfmt lets a call's only argument, if it is delimited, continue on the call's line.
             Doc::Call { head, args, tail }
                 if args.len() == 1 && matches!(args[0], Doc::Call { .. } | Doc::Array { .. } | Doc::Struct { .. }) =>
             {
-                let inner = args[0].layout(indent, col + head.len() + 1, after + 1 + tail.len(), width);
+                let inner = args[0].layout(indent, col + head.len() + 1, after + 1 + tail.len(), style);
                 format!("{head}({inner}){tail}")
             }
-            Doc::Call { head, args, tail } => {
-                let lines: Vec<String> = args.iter().map(|a| format!("{pad}{},\n", a.layout(indent + 4, indent + 4, 1, width))).collect();
-                format!("{head}(\n{}{close}){tail}", lines.concat())
-            }
-            Doc::Array { head, items } => {
-                let lines: Vec<String> = items.iter().map(|a| format!("{pad}{},\n", a.layout(indent + 4, indent + 4, 1, width))).collect();
-                format!("{head}[\n{}{close}]", lines.concat())
-            }
+            Doc::Call { head, args, tail } => format!("{head}(\n{}{close}){tail}", vertical(args)),
+            Doc::Array { head, items } => format!("{head}[\n{}{close}]", vertical(items)),
             Doc::Struct { name, fields, base } => {
                 let mut lines: Vec<String> = fields.iter().map(|(k, v)| format!("{pad}{k}: {v},\n")).collect();
                 lines.extend(base.iter().map(|b| format!("{pad}..{b}\n")));
@@ -108,19 +131,39 @@ impl Doc {
     }
 }
 
+/// rustfmt's line width and width heuristics (`use_small_heuristics`).
+#[derive(Clone, Copy, Debug)]
+struct Style {
+    width: usize,
+    fn_call: usize,
+    struct_lit: usize,
+    array: usize,
+}
+
+impl Style {
+    fn new(width: usize, max_heuristics: bool) -> Self {
+        if max_heuristics {
+            return Self { width, fn_call: width, struct_lit: width, array: width };
+        }
+        // rustfmt's defaults for max_width = 100, scaled to the width.
+        let scaled = |w: usize| (w as f64 * width as f64 / 100.0).round() as usize;
+        Self { width, fn_call: scaled(60), struct_lit: scaled(18), array: scaled(60) }
+    }
+}
+
 /// `let name = expr;` as rustfmt writes it: on one line if it fits, else the expression alone on
 /// the next line if it fits there, else the expression broken up.
-fn let_statement(name: &str, expr: &Doc, indent: usize, width: usize) -> String {
+fn let_statement(name: &str, expr: &Doc, indent: usize, style: &Style) -> String {
     let pad = " ".repeat(indent);
     let head = format!("let {name} = ");
     let flat = expr.flat();
-    if indent + head.len() + flat.len() + 1 <= width {
+    if indent + head.len() + flat.len() + 1 <= style.width && expr.may_be_flat(style) {
         return format!("{pad}{head}{flat};\n");
     }
-    if indent + 4 + flat.len() + 1 <= width {
+    if indent + 4 + flat.len() + 1 <= style.width && expr.may_be_flat(style) {
         return format!("{pad}let {name} =\n{pad}    {flat};\n");
     }
-    format!("{pad}{head}{};\n", expr.layout(indent, indent + head.len(), 1, width))
+    format!("{pad}{head}{};\n", expr.layout(indent, indent + head.len(), 1, style))
 }
 
 fn array_lit(v: &[usize]) -> String {
@@ -178,6 +221,9 @@ fn conv_attrs(a: &ConvAttrs, used: &mut BTreeSet<&'static str>) -> Doc {
         fields.push(("act".into(), act.into()));
     }
     used.insert("ConvAttrs");
+    if fields.is_empty() {
+        return Doc::Atom("ConvAttrs::default()".into());
+    }
     Doc::Struct { name: "ConvAttrs".into(), fields, base: Some("ConvAttrs::default()".into()) }
 }
 
@@ -253,7 +299,7 @@ fn ident(path: &str) -> String {
 /// Rust source of a function `fn_name(vb: &VarBuilder, batch: usize) -> Result<Graph>` that traces
 /// `graph` again through `Tensor::record`, with the inputs' first dimension as `batch`.
 pub fn generate(graph: &Graph, opts: &CodegenOptions) -> Result<String> {
-    let width = opts.max_width;
+    let style = Style::new(opts.max_width, opts.small_heuristics_max);
     let mut used: BTreeSet<&'static str> = ["Graph", "Op", "Result", "Tensor", "Tracer", "VarBuilder"].into();
     let mut names: Vec<Option<String>> = vec![None; graph.nodes.len()];
     let mut taken: HashMap<String, usize> = HashMap::new();
@@ -286,7 +332,7 @@ pub fn generate(graph: &Graph, opts: &CodegenOptions) -> Result<String> {
                     args: vec![Doc::Atom(format!("{name:?}")), Doc::Atom(format!("&[{}]", dims.join(", ")))],
                     tail: String::new(),
                 };
-                body += &let_statement(&v, &expr, 4, width);
+                body += &let_statement(&v, &expr, 4, &style);
                 names[id] = Some(v);
             }
             op => {
@@ -327,7 +373,7 @@ pub fn generate(graph: &Graph, opts: &CodegenOptions) -> Result<String> {
                     ],
                     tail: "?".into(),
                 };
-                body += &let_statement(&v, &expr, 4, width);
+                body += &let_statement(&v, &expr, 4, &style);
                 names[id] = Some(v);
                 ops += 1;
             }
@@ -390,19 +436,19 @@ mod tests {
             ],
             tail: "?".into(),
         };
-        let one = let_statement("y", &expr, 4, 140);
+        let one = let_statement("y", &expr, 4, &Style::new(140, true));
         assert_eq!(one, "    let y = Tensor::record(\"a.b\", Op::Conv2d(ConvAttrs { groups: 2, ..ConvAttrs::default() }), &[&x], &[])?;\n");
         // 108 columns on one line, 104 with the expression on its own line.
-        let next = let_statement("y", &expr, 4, 104);
+        let next = let_statement("y", &expr, 4, &Style::new(104, true));
         assert!(next.starts_with("    let y =\n        Tensor::record("), "{next}");
-        let broken = let_statement("y", &expr, 4, 103);
+        let broken = let_statement("y", &expr, 4, &Style::new(103, true));
         assert!(
             broken.starts_with(
                 "    let y = Tensor::record(\n        \"a.b\",\n        Op::Conv2d(ConvAttrs { groups: 2, ..ConvAttrs::default() }),\n"
             ),
             "{broken}"
         );
-        let broken = let_statement("y", &expr, 4, 60);
+        let broken = let_statement("y", &expr, 4, &Style::new(60, true));
         assert!(
             broken.starts_with("    let y = Tensor::record(\n        \"a.b\",\n        Op::Conv2d(ConvAttrs {\n            groups: 2,\n"),
             "{broken}"

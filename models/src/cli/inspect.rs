@@ -47,7 +47,19 @@ pub fn codegen(a: CodegenArgs) -> Result<ExitCode> {
     if a.model.size.is_some() {
         command += &format!(" --size {}", traced.size);
     }
-    let opts = CodegenOptions { fn_name: a.fn_name.clone(), model: traced.name.clone(), max_width: a.max_width, command };
+    if a.max_width != 100 {
+        command += &format!(" --max-width {}", a.max_width);
+    }
+    if a.small_heuristics_max {
+        command += " --small-heuristics-max";
+    }
+    let opts = CodegenOptions {
+        fn_name: a.fn_name.clone(),
+        model: traced.name.clone(),
+        max_width: a.max_width,
+        small_heuristics_max: a.small_heuristics_max,
+        command,
+    };
     let src = generate(&traced.graph, &opts)?;
     match &a.output {
         Some(path) if path.as_os_str() != "-" => {

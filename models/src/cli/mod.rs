@@ -285,6 +285,9 @@ pub struct CodegenArgs {
     /// Line width to lay the code out for (rustfmt's max_width).
     #[arg(long, default_value_t = 100)]
     pub max_width: usize,
+    /// Lay out for rustfmt's `use_small_heuristics = "Max"` (Kiln's own style) instead of the default.
+    #[arg(long)]
+    pub small_heuristics_max: bool,
 }
 
 /// Parses the command line, runs the command, prints `error: ...` and exits non-zero on failure.
