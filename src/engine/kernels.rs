@@ -47,11 +47,20 @@ pub fn preload_nvrtc(path: &Path) -> Result<PathBuf> {
     } else {
         path.to_path_buf()
     };
-    // SAFETY: loading NVRTC runs its initialisers, as cudarc's own load would.
-    let lib =
-        unsafe { libloading::Library::new(&file) }.map_err(|e| Error::NoGpu(format!("cannot load NVRTC from {}: {e}", file.display())))?;
-    // Deliberately kept for the life of the process: cudarc holds symbols from it.
-    std::mem::forget(lib);
+    // NVRTC opens its builtins library by name when it compiles; outside LD_LIBRARY_PATH it
+    // finds it only if it is already loaded, so load the one beside it first.
+    let dir = file.parent().unwrap_or(Path::new("."));
+    let builtins: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(Error::io(dir))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("libnvrtc-builtins.so")))
+        .collect();
+    for lib in builtins.iter().chain([&file]) {
+        // SAFETY: loading NVRTC runs its initialisers, as cudarc's own load would.
+        let loaded = unsafe { libloading::Library::new(lib) }.map_err(|e| Error::NoGpu(format!("cannot load {}: {e}", lib.display())))?;
+        // Deliberately kept for the life of the process: cudarc holds symbols from it.
+        std::mem::forget(loaded);
+    }
     Ok(file)
 }
 
@@ -62,7 +71,10 @@ pub fn nvrtc_available() -> Result<()> {
     PROBE
         .get_or_init(|| {
             if let Some(p) = std::env::var_os("KILN_NVRTC_PATH") {
-                preload_nvrtc(Path::new(&p)).map_err(|e| format!("KILN_NVRTC_PATH: {e}"))?;
+                preload_nvrtc(Path::new(&p)).map_err(|e| match e {
+                    Error::NoGpu(why) => format!("KILN_NVRTC_PATH: {why}"),
+                    other => format!("KILN_NVRTC_PATH: {other}"),
+                })?;
             }
             // SAFETY: only tries to dlopen the candidate names.
             if unsafe { nvrtc_sys::is_culib_present() } {
