@@ -289,6 +289,7 @@ fn check_model(model: &str) {
             }
             if precision == Precision::Fp16 {
                 time_engine(&label, &mut ctx, x, max);
+                profile(&label, &mut ctx, x, max);
             }
         }
     }
@@ -307,6 +308,26 @@ fn time_engine(label: &str, ctx: &mut kiln::engine::ExecutionContext, x: &HostTe
         }
         ctx.set_cuda_graphs(true);
     }
+}
+
+/// The slowest layers at `batch`, launched one by one (where the time goes).
+fn profile(label: &str, ctx: &mut kiln::engine::ExecutionContext, x: &HostTensor, batch: usize) {
+    ctx.run(&[("input", &tile(x, batch))]).expect("bind");
+    let times = ctx.profile_layers(batch, 10).expect("profile");
+    let engine = ctx.engine().clone();
+    let layers: Vec<_> = engine.layers().collect();
+    let total: f64 = times.iter().sum();
+    let mut order: Vec<usize> = (0..times.len()).collect();
+    order.sort_by(|&a, &b| times[b].total_cmp(&times[a]));
+    println!("PROFILE {label} batch {batch}: sum of layers {total:.3} ms");
+    for &i in order.iter().take(12) {
+        println!("PROFILE   {:>8.3} ms {:>5.1}%  {:<36} {}", times[i], 100.0 * times[i] / total, layers[i].kind(), layers[i].path());
+    }
+    let mut by_kind: BTreeMap<String, f64> = BTreeMap::new();
+    for (l, t) in layers.iter().zip(&times) {
+        *by_kind.entry(l.kind().split(':').next().unwrap_or("").to_string()).or_default() += t;
+    }
+    println!("PROFILE   by kind: {by_kind:.3?}");
 }
 
 #[test]
@@ -411,4 +432,27 @@ fn contexts_run_concurrently_on_threads() {
         }
     }
     println!("4 threads × 12 runs on their own contexts: identical to the single-threaded results");
+}
+
+#[test]
+fn device_buffers_run_asynchronously_on_the_context_stream() {
+    use cudarc::driver::{DevicePtr, DevicePtrMut};
+    let Some(gpu) = gpu() else { return };
+    let engine = build(&gpu, &resnet18_graph(), BuildConfig::default().precision(Precision::Fp16).batch(1, 2, 2));
+    let x = random(&[2, 3, 224, 224], 5, 1.0);
+    let mut ctx = engine.context().expect("ctx");
+    let want = ctx.run(&[("input", &x)]).expect("host run")["logits"].clone();
+    let stream = ctx.stream().clone();
+    let input = stream.clone_htod(&x.data).expect("upload");
+    let mut output = stream.alloc_zeros::<f32>(want.data.len()).expect("alloc");
+    {
+        let (pin, _i) = input.device_ptr(&stream);
+        let (pout, _o) = output.device_ptr_mut(&stream);
+        // SAFETY: both buffers live on this engine's GPU, hold 2 images, and outlive the sync below.
+        unsafe { ctx.enqueue_device(2, &[("input", pin)], &[("logits", pout)]) }.expect("enqueue");
+    }
+    ctx.synchronize().expect("sync");
+    let got = stream.clone_dtoh(&output).expect("download");
+    assert_eq!(got, want.data, "device-to-device run differs from the host run");
+    println!("enqueue_device: {} logits equal to the host run", got.len());
 }
