@@ -324,7 +324,12 @@ mod gpu {
         }
         fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
             let [h, w, c] = self.hwc;
-            let (n, k) = (batch as u32, self.k as i32);
+            // Images are the grid's y dimension.
+            let n = u32::try_from(batch).ok().filter(|&b| b <= 65535).ok_or_else(|| kiln::Error::Binding {
+                name: self.path.clone(),
+                reason: format!("batch {batch} exceeds the decode's grid limit of 65535 images"),
+            })?;
+            let k = self.k as i32;
             let mut t = tiles(h * w * c);
             let args = [KArg::Ptr(rt.ptr(self.hm)), KArg::I32(h as i32), KArg::I32(w as i32), KArg::I32(c as i32), KArg::I32(k)];
             launch(rt, &self.select, (t as u32, n, 1), (THREADS, 1, 1), 0, &[&args[..], &[KArg::Ptr(rt.ptr(self.keys[0]))]].concat())?;
