@@ -105,16 +105,19 @@ fn fold_into_conv(
 }
 
 /// Conv2d (+bias) → Add (the other operand becomes the residual) → ReLU becomes one Conv2d with
-/// `residual: true, act: Relu`; also conv → ReLU and conv → Add alone. Each absorbed node must be
-/// read only by the next one of the pattern (and not be an output). The fused node keeps the
-/// conv's module path; the graph is re-sorted since the residual may be traced after the conv.
+/// `residual: true, act: Relu`; also conv → ReLU and conv → Add alone, and ConvTranspose2d → ReLU
+/// (CenterNet's upsampler; a transposed conv takes no residual). Each absorbed node must be read
+/// only by the next one of the pattern (and not be an output). The fused node keeps the conv's
+/// module path; the graph is re-sorted since the residual may be traced after the conv.
 pub fn fuse_conv_activation(graph: &Graph) -> Result<Graph> {
     let mut g = graph.clone();
     let mut removed = vec![false; g.nodes.len()];
     // One fusion at a time, then re-read the users: a fusion changes who reads what.
     while let Some(conv) = next_fusable_conv(&g, &removed) {
         let users = readers(&g, &removed);
-        let Op::Conv2d(mut attrs) = g.nodes[conv].op else { unreachable!("checked by next_fusable_conv") };
+        let (Op::Conv2d(mut attrs) | Op::ConvTranspose2d(mut attrs)) = g.nodes[conv].op else {
+            unreachable!("checked by next_fusable_conv")
+        };
         let user = users[conv][0];
         let mut last = user;
         if matches!(g.nodes[user].op, Op::Add) {
@@ -134,7 +137,7 @@ pub fn fuse_conv_activation(graph: &Graph) -> Result<Graph> {
         } else {
             attrs.act = Activation::Relu;
         }
-        g.nodes[conv].op = Op::Conv2d(attrs);
+        g.nodes[conv].op = with_attrs(&g.nodes[conv].op, attrs);
         redirect(&mut g, last, conv);
         removed[last] = true;
         g.nodes[last].inputs.clear();
@@ -142,19 +145,21 @@ pub fn fuse_conv_activation(graph: &Graph) -> Result<Graph> {
     rebuild(&g, |id, _| !removed[id])
 }
 
-/// The first plain Conv2d (no residual, no activation) whose value only an Add or a ReLU reads.
+/// The first plain conv (no residual, no activation) whose value only a ReLU reads, or only an
+/// Add if it is a Conv2d.
 fn next_fusable_conv(g: &Graph, removed: &[bool]) -> Option<NodeId> {
     let users = readers(g, removed);
     let uses = g.use_counts();
     (0..g.nodes.len()).find(|&id| {
-        let plain = matches!(g.nodes[id].op, Op::Conv2d(a) if !a.residual && a.act == Activation::None);
-        plain
-            && !removed[id]
-            && uses[id] == 1
-            && users[id].len() == 1
-            && matches!(g.nodes[users[id][0]].op, Op::Add | Op::Relu)
+        let plain = |a: &ConvAttrs| !a.residual && a.act == Activation::None;
+        let Some(&user) = users[id].first() else { return false };
+        let pattern = match (&g.nodes[id].op, &g.nodes[user].op) {
+            (Op::Conv2d(a) | Op::ConvTranspose2d(a), Op::Relu) => plain(a),
             // add(conv, conv) reads the conv twice: there is no other operand to be the residual.
-            && g.nodes[users[id][0]].inputs.iter().filter(|&&i| i == id).count() == 1
+            (Op::Conv2d(a), Op::Add) => plain(a) && g.nodes[user].inputs.iter().filter(|&&i| i == id).count() == 1,
+            _ => false,
+        };
+        pattern && !removed[id] && uses[id] == 1 && users[id].len() == 1
     })
 }
 

@@ -179,11 +179,26 @@ fn deconv_batchnorm_relu() {
     assert_well_formed(&o);
     assert_same_outputs(&g, &o, 2);
     let ops: Vec<&str> = o.nodes.iter().map(|n| n.op.name()).collect();
-    // Only Conv2d takes a fused activation: the ReLU after a transposed conv stays.
-    assert_eq!(ops, ["input", "weight", "weight", "conv_transpose2d", "relu"]);
+    assert_eq!(ops, ["input", "weight", "weight", "conv_transpose2d"]);
     let a = conv_attrs(&o, "up.0");
-    assert!(a.bias && a.groups == 2 && a.output_padding == [1, 1] && a.act == Activation::None);
+    assert!(a.bias && a.groups == 2 && a.output_padding == [1, 1] && a.act == Activation::Relu && !a.residual, "{a:?}");
     assert_eq!(o.weights.keys().collect::<Vec<_>>(), ["up.0.bias.folded", "up.0.weight.folded"]);
+}
+
+#[test]
+fn transposed_conv_takes_no_residual() {
+    let vb = VarBuilder::seeded();
+    let t = Tracer::new();
+    let x = t.input("x", &[1, 4, 3, 3]);
+    let c = Conv2dConfig::new(4, 4, 4).stride(2).padding(1);
+    let up = ConvTranspose2d::load(vb.pp("up"), &c).expect("deconv").forward(&x).expect("trace");
+    let skip = ConvTranspose2d::load(vb.pp("skip"), &c).expect("deconv").forward(&x).expect("trace");
+    let y = up.add(&skip).and_then(|y| y.relu()).expect("trace");
+    t.output("y", &y);
+    let g = t.graph();
+    let o = passes::fuse_conv_activation(&g).expect("fuse");
+    assert_same_outputs(&g, &o, 1);
+    assert_eq!(o.nodes, g.nodes);
 }
 
 #[test]
