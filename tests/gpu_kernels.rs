@@ -177,6 +177,104 @@ fn flatten_and_cat() {
     check("cat vector channels [16|8, 5, 3]", &[("a", &[16, 5, 3]), ("b", &[8, 5, 3])], |x| Ok(vec![Tensor::cat(&[&x[0], &x[1]], 1)?]));
 }
 
+// ---- bias + activation (+ residual) epilogue ------------------------------------------------
+// No built-in op lowers to it alone (convolutions fuse their own epilogue), so a test op drives
+// `kernel_layers::bias_act` through the same converter mechanism a user's op would.
+
+mod bias_act_op {
+    use kiln::engine::kernel_layers::{bias_act, KernelAct};
+    use kiln::engine::{BuildCtx, Layer};
+    use kiln::graph::{HostTensor, NodeId, Op};
+    use kiln::ops::custom::{attr, Attrs, CustomOp};
+
+    pub const NAME: &str = "test_bias_act";
+
+    /// Per-channel bias: distinct, signed, so a wrong channel index shows.
+    fn bias(c: usize) -> Vec<f32> {
+        (0..c).map(|i| i as f32 * 0.37 - 1.1).collect()
+    }
+
+    fn act(attrs: &Attrs) -> kiln::Result<KernelAct> {
+        Ok(match attr(attrs, NAME, "act")? as i32 {
+            0 => KernelAct::None,
+            1 => KernelAct::Relu,
+            2 => KernelAct::Leaky(0.1),
+            _ => KernelAct::Sigmoid,
+        })
+    }
+
+    fn apply(a: KernelAct, v: f32) -> f32 {
+        match a {
+            KernelAct::None => v,
+            KernelAct::Relu => v.max(0.0),
+            KernelAct::Leaky(s) => {
+                if v < 0.0 {
+                    v * s
+                } else {
+                    v
+                }
+            }
+            KernelAct::Sigmoid => 1.0 / (1.0 + (-v).exp()),
+        }
+    }
+
+    /// x, r: [N, C, H, W]; `residual` = 0 ignores r.
+    fn shape(_: &Attrs, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+        match inputs {
+            [x, r] if x == r && x.len() == 4 => Ok(x.to_vec()),
+            _ => Err(format!("expects two equal NCHW shapes, got {inputs:?}")),
+        }
+    }
+
+    fn cpu(attrs: &Attrs, inputs: &[&HostTensor]) -> kiln::Result<HostTensor> {
+        let (x, r) = (inputs[0], inputs[1]);
+        let (c, hw) = (x.shape[1], x.shape[2] * x.shape[3]);
+        let (a, b, with_res) = (act(attrs)?, bias(c), attr(attrs, NAME, "residual")? != 0.0);
+        let data =
+            x.data.iter().enumerate().map(|(i, &v)| apply(a, v + b[(i / hw) % c] + if with_res { r.data[i] } else { 0.0 })).collect();
+        Ok(HostTensor::new(x.shape.clone(), data))
+    }
+
+    fn convert(ctx: &mut BuildCtx, node: NodeId) -> kiln::Result<Box<dyn Layer>> {
+        let Op::Custom { attrs, .. } = &ctx.node(node).op else { return Err(ctx.err(node, "not a custom op".into())) };
+        let (a, with_res) = (act(attrs)?, attr(attrs, NAME, "residual")? != 0.0);
+        let (x, r, y) = (ctx.input(node, 0)?, ctx.input(node, 1)?, ctx.output(node)?);
+        let c = ctx.value(y).dims[0];
+        bias_act(ctx, node, x, Some(&bias(c)), with_res.then_some(r), y, a)
+    }
+
+    kiln::inventory::submit! { CustomOp { name: NAME, infer_shape: shape, cpu } }
+    kiln::register_converter!(NAME, convert);
+}
+
+/// The test op's CPU reference is the oracle below, so it is pinned by hand first (no GPU needed).
+#[test]
+fn bias_act_reference_is_right() {
+    let t = Tracer::new();
+    let (x, r) = (t.input("x", &[1, 2, 1, 2]), t.input("r", &[1, 2, 1, 2]));
+    t.output("y", &x.custom(bias_act_op::NAME, &[("act", 1.0), ("residual", 1.0)], &[&r]).expect("trace"));
+    let xs = HostTensor::new(vec![1, 2, 1, 2], vec![1.0, -1.0, 0.5, 2.0]);
+    let rs = HostTensor::new(vec![1, 2, 1, 2], vec![0.5, 0.5, -3.0, 0.0]);
+    let y = &kiln::cpu::run(&t.graph(), &[("x", &xs), ("r", &rs)]).expect("cpu")["y"];
+    // bias = [-1.1, -0.73]: relu(1 - 1.1 + 0.5), relu(-1 - 1.1 + 0.5), relu(0.5 - 0.73 - 3), relu(2 - 0.73)
+    let want = [0.4f32, 0.0, 0.0, 1.27];
+    assert!(y.data.iter().zip(want).all(|(g, w)| (g - w).abs() < 1e-6), "{:?}", y.data);
+}
+
+#[test]
+fn bias_activation_residual_epilogue() {
+    for dims in [[7usize, 5, 6], [16, 3, 5]] {
+        for (act, act_name) in [(0.0, "none"), (1.0, "relu"), (2.0, "leaky"), (3.0, "sigmoid")] {
+            for residual in [0.0, 1.0] {
+                let name = format!("bias+{act_name}{} {dims:?}", if residual != 0.0 { "+residual" } else { "" });
+                check(&name, &[("x", &dims), ("r", &dims)], |x| {
+                    Ok(vec![x[0].custom(bias_act_op::NAME, &[("act", act), ("residual", residual)], &[&x[1]])?])
+                });
+            }
+        }
+    }
+}
+
 // ---- CenterNet decode ----------------------------------------------------------------------
 
 /// How far an engine decode agrees with the CPU's on the same detections.
