@@ -12,8 +12,11 @@ use std::path::PathBuf;
 /// Relative L2 error allowed between Kiln's CPU executor and PyTorch, both in FP32.
 const TOL: f64 = 1e-5;
 
+/// `tests/fixtures/<name>`, or under `KILN_FIXTURES` (test binaries carried to another machine).
 fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    let dir =
+        std::env::var_os("KILN_FIXTURES").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures"), PathBuf::from);
+    dir.join(name)
 }
 
 /// Traces `model` at the reference input's shape, runs it on the CPU and returns (ours, PyTorch's).
@@ -62,21 +65,13 @@ fn columns(d: &HostTensor, range: std::ops::Range<usize>) -> HostTensor {
     HostTensor::new(vec![rows, range.len()], data)
 }
 
-#[test]
-fn centernet_matches_pytorch() {
-    let (ours, refs) = run("centernet");
-    for head in ["hm", "wh", "reg"] {
-        let c = check("centernet", head, &ours, &refs);
-        assert!(c.passes(TOL), "{c} exceeds rel L2 {TOL}");
-    }
-
-    // The decode: the same classes, in the same order, at the same positions; scores to 1e-5.
+/// The decode: the same classes, in the same order, at the same positions; scores to 1e-5.
+fn check_detections(model: &str, ours: &BTreeMap<String, HostTensor>, refs: &BTreeMap<String, HostTensor>) {
     let (got, want) = (&ours["detections"], &refs["output.detections"]);
-    assert_eq!(got.shape, want.shape, "detections shape");
-    let (got_cls, want_cls) = (columns(got, 5..6), columns(want, 5..6));
-    assert_eq!(got_cls.data, want_cls.data, "decoded classes differ from PyTorch");
-    let scores = compare("centernet.detections.score", &columns(got, 4..5), &columns(want, 4..5));
-    let boxes = compare("centernet.detections.box", &columns(got, 0..4), &columns(want, 0..4));
+    assert_eq!(got.shape, want.shape, "{model}: detections shape");
+    assert_eq!(columns(got, 5..6).data, columns(want, 5..6).data, "{model}: decoded classes differ from PyTorch");
+    let scores = compare(&format!("{model}.detections.score"), &columns(got, 4..5), &columns(want, 4..5));
+    let boxes = compare(&format!("{model}.detections.box"), &columns(got, 0..4), &columns(want, 0..4));
     println!("{scores}\n{boxes}");
     assert!(scores.passes(TOL), "{scores}");
     // A detection at another position moves its box centre by about one cell; matching boxes to
@@ -84,37 +79,54 @@ fn centernet_matches_pytorch() {
     assert!(boxes.passes(TOL) && boxes.max_abs < 1e-3, "{boxes}");
 }
 
+#[test]
+fn centernet_matches_pytorch() {
+    let (ours, refs) = run("centernet");
+    for head in ["hm", "wh", "reg"] {
+        let c = check("centernet", head, &ours, &refs);
+        assert!(c.passes(TOL), "{c} exceeds rel L2 {TOL}");
+    }
+    check_detections("centernet", &ours, &refs);
+}
+
 /// References exported elsewhere (e.g. with `--weights torchvision --save-weights`, at any batch
-/// and size) in the directory `KILN_REFERENCE_DIR`: every `<model>.reference.safetensors` there is
-/// checked, loading `<model>.weights.safetensors` beside it (seeded weights when absent). The
-/// weight file must be a full `state_dict` Kiln loads unchanged, with no key left unused.
+/// and size) in `KILN_REFERENCE_DIR` or its subdirectories (`tools/gpu-test.sh` writes `seeded/`
+/// and `torchvision/`): every `<model>.reference.safetensors` is checked, loading
+/// `<model>.weights.safetensors` beside it (seeded weights when absent). The weight file must be a
+/// full `state_dict` that Kiln loads unchanged, with no key left unused.
 #[test]
 fn exported_references_match() {
-    let Some(dir) = std::env::var_os("KILN_REFERENCE_DIR").map(PathBuf::from) else {
+    let Some(root) = std::env::var_os("KILN_REFERENCE_DIR").map(PathBuf::from) else {
         println!("skipped: set KILN_REFERENCE_DIR to a directory written by tools/export_reference.py");
         return;
     };
+    let subdirs = std::fs::read_dir(&root).expect("KILN_REFERENCE_DIR").filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.is_dir());
     let mut checked = 0;
-    for info in kiln_models::BUNDLED {
-        let reference = dir.join(format!("{}.reference.safetensors", info.name));
-        if !reference.exists() {
-            continue;
+    for dir in std::iter::once(root.clone()).chain(subdirs) {
+        for info in kiln_models::BUNDLED {
+            let reference = dir.join(format!("{}.reference.safetensors", info.name));
+            if !reference.exists() {
+                continue;
+            }
+            println!("{}", reference.display());
+            let refs = read_safetensors(&reference).expect("reference file");
+            let x = &refs["input"];
+            let weights = dir.join(format!("{}.weights.safetensors", info.name));
+            let vb = if weights.exists() { VarBuilder::from_safetensors(&[&weights]).expect("weights") } else { VarBuilder::seeded() };
+            let graph = kiln_models::trace(info.name, vb.clone(), x.shape[0], x.shape[2]).expect("trace");
+            vb.check_all_used().expect("every state_dict key is a model parameter");
+            let ours = kiln::cpu::run(&graph, &[("input", x)]).expect("cpu run");
+            for name in info.outputs.iter().filter(|n| **n != "detections") {
+                let c = check(info.name, name, &ours, &refs);
+                assert!(c.passes(TOL), "{c} exceeds rel L2 {TOL}");
+            }
+            if info.outputs.contains(&"detections") {
+                check_detections(info.name, &ours, &refs);
+            } else {
+                assert_eq!(top1(&ours["logits"]), top1(&refs["output.logits"]), "{}: top-1 differs", info.name);
+            }
+            checked += 1;
         }
-        let refs = read_safetensors(&reference).expect("reference file");
-        let x = &refs["input"];
-        let weights = dir.join(format!("{}.weights.safetensors", info.name));
-        let vb = if weights.exists() { VarBuilder::from_safetensors(&[&weights]).expect("weights") } else { VarBuilder::seeded() };
-        let graph = kiln_models::trace(info.name, vb.clone(), x.shape[0], x.shape[2]).expect("trace");
-        vb.check_all_used().expect("every state_dict key is a model parameter");
-        let ours = kiln::cpu::run(&graph, &[("input", x)]).expect("cpu run");
-        for name in info.outputs {
-            let c = check(info.name, name, &ours, &refs);
-            assert!(c.passes(TOL), "{c} exceeds rel L2 {TOL}");
-        }
-        if info.outputs == ["logits"] {
-            assert_eq!(top1(&ours["logits"]), top1(&refs["output.logits"]), "{}: top-1 differs", info.name);
-        }
-        checked += 1;
     }
-    assert!(checked > 0, "no <model>.reference.safetensors in {}", dir.display());
+    assert!(checked > 0, "no <model>.reference.safetensors in {} or its subdirectories", root.display());
 }

@@ -13,8 +13,11 @@ use std::path::PathBuf;
 
 const TOL: f64 = 1e-5;
 
+/// `tests/fixtures/ops.reference.safetensors`, or under `KILN_FIXTURES` (carried test binaries).
 fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/ops.reference.safetensors")
+    let dir =
+        std::env::var_os("KILN_FIXTURES").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures"), PathBuf::from);
+    dir.join("ops.reference.safetensors")
 }
 
 fn conv(vb: VarBuilder, x: &Tensor, c: Conv2dConfig) -> Result<Tensor> {

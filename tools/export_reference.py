@@ -276,6 +276,7 @@ def main():
     p.add_argument("--size", type=int, help="input height = width (default: 224 for the ResNets, 512 for CenterNet)")
     p.add_argument("--seed", type=int, default=0, help="input seed (and torch.manual_seed for --weights torchvision)")
     p.add_argument("--out", default=".", help="output directory")
+    p.add_argument("--device", default="cpu", help="where PyTorch runs the model: cpu (default) or cuda (FP32, TF32 off)")
     p.add_argument("--intermediates", default="", help="comma-separated module paths to record, or `all` (leaf modules)")
     p.add_argument("--save-weights", action="store_true", help="also write <model>.weights.safetensors")
     p.add_argument("--stats", action="store_true", help="print per-stage activation std and max |x|, write nothing")
@@ -298,13 +299,15 @@ def main():
     # The input comes from the seeded generator too, so Rust can recreate it without the file.
     x = torch.from_numpy(seeded.weight(f"input.{args.seed}", [args.batch, 3, size, size]))
 
+    net, xd = net.to(args.device), x.to(args.device)
     if args.stats:
-        print_stats(net, x)
+        print_stats(net, xd)
         return
 
     paths = [s for s in args.intermediates.split(",") if s]
     calls, handles = attach_hooks(net, paths) if paths else ({}, [])
-    outputs = run_model(net, args.model, x)
+    outputs = {k: v.cpu() for k, v in run_model(net, args.model, xd).items()}
+    calls = {k: [v.cpu() for v in vs] for k, vs in calls.items()}
     for h in handles:
         h.remove()
 
@@ -320,7 +323,7 @@ def main():
         print(f"top-1 class per image: {outputs['logits'].argmax(1).tolist()}")
     if args.save_weights:
         wpath = os.path.join(args.out, f"{args.model}.weights.safetensors")
-        sd = {k: v.contiguous() for k, v in net.state_dict().items()}
+        sd = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
         save_file(sd, wpath)
         print(f"wrote {wpath}: {len(sd)} tensors")
 
