@@ -364,20 +364,23 @@ fn optimize_resnet18() {
     assert_eq!(residual, 8);
 }
 
-/// ResNet-50 at 224×224, batch 1, on the CPU executor (run with `--release --ignored`).
+/// ResNet-50 at 224×224 and CenterNet at 512×512, batch 1, on the CPU executor (run with
+/// `--release --ignored`).
 #[test]
 #[ignore = "timing: cargo test --release -p kiln --test passes -- --ignored --nocapture"]
-fn time_resnet50_cpu() {
-    let g = kiln_models::trace("resnet50", VarBuilder::seeded(), 1, 224).expect("trace resnet50");
-    let o = passes::optimize(&g).expect("optimize");
-    let x = rand(&[1, 3, 224, 224]);
-    for (name, graph) in [("traced", &g), ("optimized", &o)] {
-        let mut times = vec![];
-        for _ in 0..3 {
-            let start = std::time::Instant::now();
-            cpu::run(graph, &[("input", &x)]).expect("run");
-            times.push(start.elapsed().as_secs_f64());
+fn time_models_cpu() {
+    for (model, size) in [("resnet50", 224), ("centernet", 512)] {
+        let g = kiln_models::trace(model, VarBuilder::seeded(), 1, size).expect("trace");
+        let o = passes::optimize(&g).expect("optimize");
+        let x = rand(&[1, 3, size, size]);
+        for (name, graph) in [("traced", &g), ("optimized", &o)] {
+            let mut times = vec![];
+            for _ in 0..3 {
+                let start = std::time::Instant::now();
+                cpu::run(graph, &[("input", &x)]).expect("run");
+                times.push(format!("{:.3}", start.elapsed().as_secs_f64()));
+            }
+            println!("{model} {size}x{size} batch 1, {name} graph: {} s", times.join(", "));
         }
-        println!("resnet50 224 batch 1, {name} graph: {:?} s", times);
     }
 }
