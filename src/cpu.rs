@@ -34,7 +34,10 @@ pub fn run(graph: &Graph, inputs: &[(&str, &HostTensor)]) -> Result<BTreeMap<Str
             continue;
         }
         let value = match &node.op {
-            Op::Input { name } => Cow::Borrowed(bound[name.as_str()]),
+            Op::Input { name } => Cow::Borrowed(*bound.get(name.as_str()).ok_or_else(|| Error::Binding {
+                name: name.clone(),
+                reason: format!("node %{id} is an input node missing from the graph's input list"),
+            })?),
             Op::Weight { name } => Cow::Borrowed(
                 graph
                     .weights
