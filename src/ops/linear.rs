@@ -71,7 +71,7 @@ pub fn linear_shape(bias: bool, inputs: &[&[usize]]) -> Result<Vec<usize>, Strin
 
 use crate::graph::HostTensor;
 
-/// `x·Wᵀ + b` with `inputs` = x [N, in], weight [out, in], bias? [out]: one GEMM onto the bias.
+/// `x·Wᵀ + b` with `inputs` = x `[N, in]`, weight `[out, in]`, bias? `[out]`: one GEMM onto the bias.
 pub fn linear_cpu(bias: bool, inputs: &[&HostTensor]) -> Result<HostTensor, String> {
     let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape.as_slice()).collect();
     let out_shape = linear_shape(bias, &shapes)?;
