@@ -17,6 +17,7 @@ use std::time::Instant;
 pub struct EngineBuilder {
     pub config: BuildConfig,
     gpu: Option<Arc<Gpu>>,
+    progress: Option<super::tactic::Progress>,
 }
 
 /// What a build did, for the CLI and logs.
@@ -102,12 +103,19 @@ impl Engine {
 
 impl EngineBuilder {
     pub fn new(config: BuildConfig) -> Self {
-        Self { config, gpu: None }
+        Self { config, gpu: None, progress: None }
     }
 
     /// Builds on this GPU instead of opening GPU 0.
     pub fn with_gpu(mut self, gpu: Arc<Gpu>) -> Self {
         self.gpu = Some(gpu);
+        self
+    }
+
+    /// Calls `f(done, total, module path)` after each node is lowered and its algorithms timed
+    /// (the CLI draws a progress bar with it).
+    pub fn on_progress(mut self, f: impl Fn(usize, usize, &str) + Send + Sync + 'static) -> Self {
+        self.progress = Some(Arc::new(f));
         self
     }
 
@@ -124,7 +132,7 @@ impl EngineBuilder {
             Some(g) => g.clone(),
             None => Gpu::new(0)?,
         };
-        let mut tactics = Tactics { cache_prefix: cache_prefix(&gpu, &self.config), ..Default::default() };
+        let mut tactics = Tactics { cache_prefix: cache_prefix(&gpu, &self.config), progress: self.progress.clone(), ..Default::default() };
         if let Some(path) = &self.config.timing_cache {
             tactics.load_cache(path)?;
         }
@@ -237,9 +245,13 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
         layers.push(kernels::reformat_layer(&mut ctx, *binding, internal, name)?);
         touches.push(vec![internal]);
     }
+    let to_lower = graph.nodes.iter().filter(|n| !is_structural(&n.op)).count();
     for (id, node) in graph.nodes.iter().enumerate() {
         if is_structural(&node.op) {
             continue;
+        }
+        if let Some(progress) = &ctx.tactics.progress {
+            progress(layers.len() - input_bindings.len(), to_lower, &node.path);
         }
         let conv = converter(node.op.name())?.ok_or_else(|| Error::NoConverter {
             backend: "GPU",

@@ -11,6 +11,10 @@ use cudarc::driver::sys::CUevent_flags;
 use std::collections::BTreeMap;
 use std::path::Path;
 
+/// Called after each graph node is lowered (and its tactics timed) with (nodes done, nodes in all,
+/// module path): what the CLI's progress bar shows during a build.
+pub type Progress = std::sync::Arc<dyn Fn(usize, usize, &str) + Send + Sync>;
+
 #[derive(Default)]
 pub struct Tactics {
     /// Choices of this engine: `"{path}|{key}"` → winning layer kind.
@@ -25,6 +29,8 @@ pub struct Tactics {
     pub cached: usize,
     /// Per timed choice: key and (kind, ms) of each candidate that ran, for the build log.
     pub log: Vec<(String, Vec<(String, f32)>)>,
+    /// Build progress callback (see [`Progress`]).
+    pub progress: Option<Progress>,
 }
 
 impl Tactics {

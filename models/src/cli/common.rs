@@ -123,18 +123,27 @@ pub fn gpu() -> Result<Arc<Gpu>> {
     Gpu::new(0)
 }
 
-/// Builds an engine with a spinner while algorithms are timed.
+/// Builds an engine, with a progress bar over the graph's nodes while their algorithms are timed.
 pub fn build_engine(graph: &Graph, config: BuildConfig, gpu: Arc<Gpu>, what: &str) -> Result<Engine> {
-    let bar = ProgressBar::new_spinner();
-    bar.set_style(ProgressStyle::with_template("{spinner} {msg} [{elapsed}]").unwrap_or_else(|_| ProgressStyle::default_spinner()));
-    bar.set_message(format!(
-        "building {what} ({}, batch {}..={}): timing algorithms",
+    let bar = ProgressBar::new(0);
+    let style = ProgressStyle::with_template("{prefix} [{elapsed}] {wide_bar} {pos}/{len} {msg}").map(|s| s.progress_chars("=> "));
+    bar.set_style(style.unwrap_or_else(|_| ProgressStyle::default_bar()));
+    bar.set_prefix(format!(
+        "building {what} ({}, batch {}..={}): timing",
         precision_name(config.precision),
         config.min_batch,
         config.max_batch
     ));
-    bar.enable_steady_tick(Duration::from_millis(100));
-    let engine = EngineBuilder::new(config).with_gpu(gpu).build(graph);
+    bar.enable_steady_tick(Duration::from_millis(200));
+    let shown = bar.clone();
+    let engine = EngineBuilder::new(config)
+        .with_gpu(gpu)
+        .on_progress(move |done, total, path| {
+            shown.set_length(total as u64);
+            shown.set_position(done as u64);
+            shown.set_message(path.to_string());
+        })
+        .build(graph);
     bar.finish_and_clear();
     engine
 }
