@@ -24,6 +24,7 @@ import html
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,6 +46,8 @@ SERIES = [
     ("compile reduce-overhead fp16", "torch.compile FP16 (reduce-overhead)", "#2a9d8f"),
 ]
 PEERS = [s for s in SERIES if not s[0].startswith("kiln")]
+# A line torch_peer.py prints per measurement: `resnet18   eager fp16 channels_last   b=8    224px    0.512 ms    15625 img/s`.
+PEER_LINE = re.compile(r"^(?P<model>\S+)\s+(?P<mode>.+?)\s+b=(?P<batch>\d+)\s+\d+px\s+(?P<ms>[\d.]+) ms\s+(?P<img_s>[\d.]+) img/s")
 
 
 def sh(cmd, timeout=None, env=None, log=None):
@@ -84,7 +87,7 @@ def prepare(args):
 # ---- step 2: device -----------------------------------------------------------------------------
 
 
-def versions(out_dir):
+def versions(out_dir, torch_env):
     v = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     rc, o = sh(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
     if rc == 0 and o.strip():
@@ -96,7 +99,7 @@ def versions(out_dir):
     if rc == 0:
         v["cuda"] = o.strip().splitlines()[-1].strip()
     code = "import torch, torchvision; print(torch.__version__, torch.version.cuda, torch.backends.cudnn.version(), torchvision.__version__)"
-    rc, o = sh([sys.executable, "-c", code])
+    rc, o = sh([sys.executable, "-c", code], env=torch_env)
     if rc == 0 and o.strip():
         t, cuda, cudnn, tv = o.strip().splitlines()[-1].split()
         v.update(torch=t, torch_cuda=cuda, torch_cudnn=cudnn, torchvision=tv)
@@ -111,9 +114,12 @@ def device(args):
     log = os.path.join(out, "side_by_side.log")
     start = time.time()
     left = lambda: args.budget - (time.time() - start)  # noqa: E731
-    env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = LIBS + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
-    versions(out)
+    # Kiln needs the system cuDNN and CUDA 13 libraries on the path; PyTorch must not see them (it
+    # bundles a newer cuDNN and refuses an older one found first), so only kiln gets them.
+    torch_env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    torch_env["PYTHONUNBUFFERED"] = "1"
+    env = dict(torch_env, LD_LIBRARY_PATH=LIBS)
+    versions(out, torch_env)
     kiln = os.path.abspath(args.kiln)
 
     def kiln_bench(precision, both_modes):
@@ -134,8 +140,11 @@ def device(args):
             return
         d = os.path.join(out, f"peer_{kind}")
         os.makedirs(d, exist_ok=True)
-        e = dict(env, OUT=d, **extra)
-        sh([sys.executable, args.peer], timeout=left() - 20, env=e, log=log)
+        e = dict(torch_env, OUT=d, **extra)
+        _, output = sh([sys.executable, args.peer], timeout=left() - 20, env=e, log=log)
+        # torch_peer.py writes its JSON at the end; its printed lines survive a run cut short.
+        with open(os.path.join(d, "stdout.log"), "w") as f:
+            f.write(output)
 
     kiln_bench("fp16", both_modes=True)
     peer("eager", {"EAGER": "1", "COMPILE": "0"})
@@ -156,9 +165,18 @@ def load(results):
         for r in json.load(open(path)):
             key = f"kiln {r['precision']} {r['mode']}"
             rows[(r["model"], r["batch"], key)] = dict(ms=r["median_ms"], p99=r["p99_ms"], img_s=r["batch"] / r["median_ms"] * 1e3, kiln=r)
-    for path in sorted(glob.glob(os.path.join(results, "peer_*", "*.json"))):
-        for r in json.load(open(path)):
-            rows[(r["model"], r["batch"], r["mode"])] = dict(ms=r["ms"], img_s=r["img_s"])
+    for d in sorted(glob.glob(os.path.join(results, "peer_*"))):
+        found = False
+        for path in sorted(glob.glob(os.path.join(d, "*.json"))):
+            for r in json.load(open(path)):
+                rows[(r["model"], r["batch"], r["mode"])] = dict(ms=r["ms"], img_s=r["img_s"])
+                found = True
+        log = os.path.join(d, "stdout.log")
+        if not found and os.path.exists(log):
+            for line in open(log):
+                m = PEER_LINE.match(line)
+                if m:
+                    rows[(m["model"], int(m["batch"]), m["mode"].strip())] = dict(ms=float(m["ms"]), img_s=float(m["img_s"]))
     return rows
 
 
