@@ -15,6 +15,9 @@
 //! | anything else (inputs)       | 2u − 1                                  |
 //!
 //! All arithmetic is in f64 and rounded to f32 once, so Rust and NumPy agree bit for bit.
+//! With this table activations stay O(1) through every layer: the largest |activation| is about 13
+//! in ResNet-50 and 15 in CenterNet-R50, far from FP16's limit (`tools/export_reference.py --stats`);
+//! `tests/seeded.rs` and `tools/test_seeded.py` pin the same golden values.
 
 use crate::graph::HostTensor;
 
