@@ -82,7 +82,7 @@ fn split_inputs<'g>(graph: &'g Graph, node: &Node) -> (Vec<usize>, Vec<&'g [usiz
 /// `%5    conv2d 7x7 s2 p3        [1, 64, 112, 112]  conv1   <- %0`.
 pub fn to_text(graph: &Graph) -> String {
     let mut s = String::new();
-    let ops = graph.nodes.iter().filter(|n| !matches!(n.op, Op::Weight { .. })).count();
+    let ops = graph.nodes.iter().filter(|n| !matches!(n.op, Op::Weight { .. } | Op::Input { .. })).count();
     let weights: usize = graph.weights.values().map(|w| w.numel()).sum();
     let _ = writeln!(s, "{ops} ops, {} weight tensors ({weights} values)", graph.weights.len());
     for (id, node) in graph.nodes.iter().enumerate() {

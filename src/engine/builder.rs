@@ -112,8 +112,8 @@ impl EngineBuilder {
         self
     }
 
-    /// Calls `f(done, total, module path)` after each node is lowered and its algorithms timed
-    /// (the CLI draws a progress bar with it).
+    /// Calls `f(done, total, module path)` as each node is about to be lowered and its algorithms
+    /// timed (the CLI draws a progress bar with it).
     pub fn on_progress(mut self, f: impl Fn(usize, usize, &str) + Send + Sync + 'static) -> Self {
         self.progress = Some(Arc::new(f));
         self

@@ -240,9 +240,13 @@ impl ExecutionContext {
 }
 
 impl ExecutionContext {
-    /// Device time of each layer at `batch`, in plan order and milliseconds: the layers are
-    /// launched one by one (no CUDA graph) with an event after each, and each layer's time is its
-    /// median over `iters` runs. Bindings must already hold inputs. For `kiln profile`.
+    /// Device time of each layer at `batch`, in plan order and milliseconds, for `kiln profile`.
+    ///
+    /// Launched one by one from the host, layers would be timed with the host's launch gaps in
+    /// them (a cuDNN call costs more host time than a small convolution takes on the GPU). So each
+    /// layer is captured alone into a CUDA graph and replayed `iters` times back to back between
+    /// two events: its time is the mean replay. Layers that enqueue nothing take 0. The replays
+    /// overwrite the context's outputs; run again before reading them.
     pub fn profile_layers(&mut self, batch: usize, iters: usize) -> Result<Vec<f64>> {
         use cudarc::driver::sys::CUevent_flags;
         self.check_batch(batch)?;
@@ -255,29 +259,31 @@ impl ExecutionContext {
             workspace: self.workspace.ptr(),
             workspace_bytes: self.engine.workspace_bytes,
         };
-        let layers = &self.engine.layers;
-        let events = (0..=layers.len())
-            .map(|_| ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)))
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(cuda_err("creating profiling events"))?;
-        let mut samples = vec![Vec::with_capacity(iters); layers.len()];
-        for _ in 0..iters.max(1) {
-            events[0].record(&self.stream).map_err(cuda_err("recording a profiling event"))?;
-            for (i, layer) in layers.iter().enumerate() {
-                layer.enqueue(&rt, batch)?;
-                events[i + 1].record(&self.stream).map_err(cuda_err("recording a profiling event"))?;
+        let event = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(cuda_err("creating a profiling event"));
+        let (start, end) = (event()?, event()?);
+        let iters = iters.max(1);
+        let mut times = Vec::with_capacity(self.engine.layers.len());
+        for layer in &self.engine.layers {
+            self.stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(cuda_err("beginning a layer's CUDA graph capture"))?;
+            let enqueued = layer.enqueue(&rt, batch);
+            let captured = self.stream.end_capture(CUgraphInstantiate_flags(0));
+            enqueued?;
+            let Some(graph) = captured.map_err(cuda_err("ending a layer's CUDA graph capture"))? else {
+                times.push(0.0);
+                continue;
+            };
+            graph.upload().map_err(cuda_err("uploading a layer's CUDA graph"))?;
+            graph.launch().map_err(cuda_err("launching a layer's CUDA graph"))?;
+            start.record(&self.stream).map_err(cuda_err("recording a profiling event"))?;
+            for _ in 0..iters {
+                graph.launch().map_err(cuda_err("launching a layer's CUDA graph"))?;
             }
-            self.synchronize()?;
-            for (i, s) in samples.iter_mut().enumerate() {
-                s.push(events[i].elapsed_ms(&events[i + 1]).map_err(cuda_err("reading a profiling event"))? as f64);
-            }
+            end.record(&self.stream).map_err(cuda_err("recording a profiling event"))?;
+            let ms = start.elapsed_ms(&end).map_err(cuda_err("reading a profiling event"))?;
+            times.push(ms as f64 / iters as f64);
         }
-        Ok(samples
-            .into_iter()
-            .map(|mut s| {
-                s.sort_by(f64::total_cmp);
-                s[s.len() / 2]
-            })
-            .collect())
+        Ok(times)
     }
 }

@@ -11,8 +11,8 @@ use cudarc::driver::sys::CUevent_flags;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-/// Called after each graph node is lowered (and its tactics timed) with (nodes done, nodes in all,
-/// module path): what the CLI's progress bar shows during a build.
+/// Called as each graph node is about to be lowered (its tactics timed) with (nodes done, nodes in
+/// all, its module path): what the CLI's progress bar shows during a build.
 pub type Progress = std::sync::Arc<dyn Fn(usize, usize, &str) + Send + Sync>;
 
 #[derive(Default)]

@@ -207,7 +207,7 @@ pub fn profile(a: ProfileArgs) -> Result<ExitCode> {
     rows.sort_by(|x, y| y.1.total_cmp(&x.1));
     let shown = if a.top == 0 { rows.len() } else { a.top.min(rows.len()) };
     println!(
-        "{name}: batch {}, {}, {} layers, median of {} runs each, layers launched one by one",
+        "{name}: batch {}, {}, {} layers; each layer captured alone in a CUDA graph, mean of {} back-to-back replays",
         a.batch,
         precision_name(engine.config.precision),
         layers.len(),
@@ -229,7 +229,7 @@ pub fn profile(a: ProfileArgs) -> Result<ExitCode> {
     if shown < rows.len() {
         println!("({} faster layers not shown)", rows.len() - shown);
     }
-    println!("total of layers: {} ({:.1} images/s without launch overhead)", ms(total), a.batch as f64 / (total / 1e3).max(1e-12));
+    println!("sum of layers: {} ({:.1} images/s if run back to back)", ms(total), a.batch as f64 / (total / 1e3).max(1e-12));
     Ok(ExitCode::SUCCESS)
 }
 

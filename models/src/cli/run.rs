@@ -71,7 +71,7 @@ pub fn build(a: BuildArgs) -> Result<ExitCode> {
     let opt = a.opt_batch.unwrap_or(a.max_batch);
     let config = a.engine.config(a.min_batch, opt, a.max_batch);
     let traced = common::trace_args(&a.model, opt)?;
-    let nodes = traced.graph.nodes.iter().filter(|n| !matches!(n.op, kiln::Op::Weight { .. })).count();
+    let nodes = traced.graph.nodes.iter().filter(|n| !matches!(n.op, kiln::Op::Weight { .. } | kiln::Op::Input { .. })).count();
     println!("{}: traced {nodes} ops at {}x{}", traced.name, traced.size, traced.size);
     let engine = common::build_engine(&traced.graph, config, gpu, &traced.name)?;
     engine.save(&a.output)?;
