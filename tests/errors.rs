@@ -276,3 +276,35 @@ fn tensors_of_two_traces_cannot_be_mixed() {
         other => panic!("expected MixedTraces, got {other:?}"),
     }
 }
+
+#[test]
+fn degenerate_layer_settings_are_shape_errors_naming_the_layer() {
+    use kiln::{ConvTranspose2d, MaxPool2d, Pool2dConfig, Tensor};
+    let vb = VarBuilder::seeded();
+    let tracer = Tracer::new();
+    let x = tracer.input("x", &[1, 4, 8, 8]);
+    let conv = |name: &str, c: Conv2dConfig| Conv2d::load(vb.pp(name), &c).unwrap().forward(&x);
+    let deconv = |name: &str, c: Conv2dConfig| ConvTranspose2d::load(vb.pp(name), &c).unwrap().forward(&x);
+    let pool = |name: &str, c: Pool2dConfig| MaxPool2d::load(vb.pp(name), &c).unwrap().forward(&x);
+    let cases: Vec<(&str, kiln::Result<Tensor>)> = vec![
+        ("k0", conv("k0", Conv2dConfig::new(4, 8, 0))),
+        ("tk0", deconv("tk0", Conv2dConfig::new(4, 8, 0))),
+        ("s0", conv("s0", Conv2dConfig::new(4, 8, 3).stride(0))),
+        ("g0", conv("g0", Conv2dConfig::new(4, 8, 3).groups(0))),
+        ("g3", conv("g3", Conv2dConfig::new(4, 8, 3).groups(3))),
+        ("big", conv("big", Conv2dConfig::new(4, 8, 11))),
+        ("tpad", deconv("tpad", Conv2dConfig::new(4, 8, 3).padding(20))),
+        ("p0", pool("p0", Pool2dConfig::new(2).stride(0))),
+        ("pk0", pool("pk0", Pool2dConfig::new(0))),
+        ("flatten", x.flatten(4)),
+        ("cat", Tensor::cat(&[&x, &tracer.input("y", &[1, 4, 8, 9])], 1)),
+    ];
+    for (name, result) in cases {
+        match result {
+            Err(Error::Shape { path, .. }) => assert!(path == name || path.ends_with(name), "{name}: error names `{path}`"),
+            Err(other) => panic!("{name}: expected Error::Shape, got {other:?}"),
+            Ok(t) => panic!("{name}: traced to {:?}", t.shape()),
+        }
+    }
+    assert!(matches!(Tensor::cat(&[], 0), Err(Error::Graph(_))));
+}

@@ -146,6 +146,10 @@ fn check_common(a: &ConvAttrs, inputs: &[&[usize]], kind: &str) -> Result<(), St
     if inputs[0][1..].contains(&0) {
         return Err(format!("input {:?} is empty", inputs[0]));
     }
+    // The extent rules subtract 1 from the kernel size.
+    if inputs[1][2..].contains(&0) {
+        return Err(format!("kernel size must be positive, got weight {:?}", inputs[1]));
+    }
     if a.groups == 0 || a.stride.contains(&0) || a.dilation.contains(&0) {
         return Err("groups, stride and dilation must be positive".into());
     }
