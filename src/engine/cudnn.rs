@@ -174,12 +174,28 @@ impl ConvShared {
     }
 }
 
+/// Channel padding before a convolution whose input channels tensor cores cannot use as they are
+/// (the 3-channel stem in FP16): `kernels/pad.cu` writes the input with `cp` channels into scratch.
+struct PadStep {
+    kernel: cudarc::driver::CudaFunction,
+    src: ValueId,
+    dst: ValueId,
+    pixels_per_image: usize,
+    c: usize,
+    cp: usize,
+    sm_count: u32,
+}
+
+/// `kernels/pad.cu`, compiled with NVRTC on first use like Kiln's other kernels.
+pub const PAD_CU: &str = include_str!("../../kernels/pad.cu");
+
 /// A forward convolution with its algorithm and mode (one tactic candidate).
 pub struct ConvLayer {
     shared: Arc<ConvShared>,
     algo: dnn::cudnnConvolutionFwdAlgo_t,
     mode: Mode,
     workspace: usize,
+    pad: Option<Arc<PadStep>>,
 }
 
 fn algo_name(a: dnn::cudnnConvolutionFwdAlgo_t) -> String {
@@ -222,13 +238,26 @@ impl Layer for ConvLayer {
             Mode::Fused => "cudnn-fused",
             Mode::Separate => "cudnn-conv",
         };
-        format!("{m}:{}", algo_name(self.algo))
+        let pad = if let Some(p) = &self.pad { format!("pad{}+", p.cp) } else { String::new() };
+        format!("{pad}{m}:{}", algo_name(self.algo))
     }
     fn workspace_bytes(&self, _batch: usize) -> usize {
         self.workspace
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let s = &self.shared;
+        if let Some(p) = &self.pad {
+            use super::kernel_layers::{grid_for, launch, KArg, BLOCK};
+            let pixels = batch * p.pixels_per_image;
+            let args = [
+                KArg::Ptr(rt.ptr(p.src)),
+                KArg::Ptr(rt.ptr(p.dst)),
+                KArg::I64(pixels as i64),
+                KArg::I32(p.c as i32),
+                KArg::I32(p.cp as i32),
+            ];
+            launch(rt, &p.kernel, grid_for(pixels, p.sm_count), (BLOCK, 1, 1), 0, &args)?;
+        }
         let d = s.descs(batch)?;
         let h = rt.handles.cudnn;
         let (x, y) = (rt.ptr(s.x) as *const c_void, rt.ptr(s.y) as *mut c_void);
@@ -378,28 +407,75 @@ pub fn conv_candidates_with(ctx: &mut BuildCtx, node: NodeId, p: ConvProblem) ->
         relu_act: activation(true)?,
         descs: Mutex::new(HashMap::new()),
     });
+    let mut out = fwd_layers(ctx, &shared, None)?;
+
+    // FP16 tensor-core kernels want input channels in multiples of 8: also offer the convolution
+    // on a zero-padded copy of the input (zero weights for the extra channels).
+    if elem == Elem::F16 && a.groups == 1 && cin % 8 != 0 {
+        let cp = cin.next_multiple_of(8);
+        let [k, _, r, sz] = shape4;
+        let mut wp = vec![0f32; k * cp * r * sz];
+        for ki in 0..k {
+            let src = &p.weight[ki * cin * r * sz..(ki + 1) * cin * r * sz];
+            wp[ki * cp * r * sz..ki * cp * r * sz + src.len()].copy_from_slice(src);
+        }
+        let padded_shape = [k, cp, r, sz];
+        let scratch = ctx.scratch(h * wd * cp * elem.size());
+        ctx.kernels.add_source("pad.cu", PAD_CU)?;
+        let pad = Arc::new(PadStep {
+            kernel: ctx.kernels.get("pad_channels_f16")?,
+            src: x,
+            dst: scratch,
+            pixels_per_image: h * wd,
+            c: cin,
+            cp,
+            sm_count: ctx.kernels.sm_count(),
+        });
+        let padded = Arc::new(ConvShared {
+            path: shared.path.clone(),
+            geom: Geom { cin: cp, ..shared.geom },
+            elem,
+            x: scratch,
+            y,
+            z,
+            relu,
+            bias_given: a.bias,
+            w: ctx.upload(&kcrs_to_krsc(&wp, padded_shape))?,
+            b: ctx.upload(p.bias)?,
+            filter: filter(elem, padded_shape)?,
+            conv: conv_desc(&a, ctx.precision())?,
+            bias: tensor(elem, [1, cout, 1, 1])?,
+            act: activation(relu)?,
+            relu_act: activation(true)?,
+            descs: Mutex::new(HashMap::new()),
+        });
+        out.extend(fwd_layers(ctx, &padded, Some(pad))?);
+    }
+    Ok(out)
+}
+
+/// One candidate per usable algorithm (fused where cuDNN allows it, and separate calls).
+fn fwd_layers(ctx: &BuildCtx, shared: &Arc<ConvShared>, pad: Option<Arc<PadStep>>) -> Result<Vec<Box<dyn Layer>>> {
     let handle = ctx.gpu.handles.cudnn;
     let mut out: Vec<Box<dyn Layer>> = Vec::new();
     let limit = ctx.config.workspace_bytes;
     let strict = ctx.precision() == Precision::Fp32;
-    {
-        // Workspace sizes at the max batch bound every batch the engine runs.
-        let d = shared.descs(ctx.config.max_batch)?;
-        for algo in FWD_ALGOS {
-            let mut ws = 0usize;
-            let st = unsafe {
-                dnn::cudnnGetConvolutionForwardWorkspaceSize(handle, d.x.raw, shared.filter.raw, shared.conv.raw, d.y.raw, algo, &mut ws)
-            };
-            if st.result().is_err() || ws > limit || (strict && !exact_algo(algo)) {
-                continue;
-            }
-            // cuDNN's fused call supports the identity activation only with IMPLICIT_PRECOMP_GEMM.
-            let fused_ok = relu || algo == dnn::cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM;
-            if fused_ok {
-                out.push(Box::new(ConvLayer { shared: shared.clone(), algo, mode: Mode::Fused, workspace: ws }));
-            }
-            out.push(Box::new(ConvLayer { shared: shared.clone(), algo, mode: Mode::Separate, workspace: ws }));
+    // Workspace sizes at the max batch bound every batch the engine runs.
+    let d = shared.descs(ctx.config.max_batch)?;
+    for algo in FWD_ALGOS {
+        let mut ws = 0usize;
+        let st = unsafe {
+            dnn::cudnnGetConvolutionForwardWorkspaceSize(handle, d.x.raw, shared.filter.raw, shared.conv.raw, d.y.raw, algo, &mut ws)
+        };
+        if st.result().is_err() || ws > limit || (strict && !exact_algo(algo)) {
+            continue;
         }
+        // cuDNN's fused call supports the identity activation only with IMPLICIT_PRECOMP_GEMM.
+        let fused_ok = shared.relu || algo == dnn::cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM;
+        if fused_ok {
+            out.push(Box::new(ConvLayer { shared: shared.clone(), algo, mode: Mode::Fused, workspace: ws, pad: pad.clone() }));
+        }
+        out.push(Box::new(ConvLayer { shared: shared.clone(), algo, mode: Mode::Separate, workspace: ws, pad: pad.clone() }));
     }
     Ok(out)
 }
