@@ -11,11 +11,11 @@ pub enum Error {
     #[error("weight `{key}` is missing from {source_name}")]
     MissingWeight { key: String, source_name: String },
 
-    #[error("weight `{key}` has shape {got:?}, but the model expects {expected:?}")]
-    WeightShape { key: String, expected: Vec<usize>, got: Vec<usize> },
+    #[error("weight `{key}` in {source_name} has shape {got:?}, but the model expects {expected:?}")]
+    WeightShape { key: String, expected: Vec<usize>, got: Vec<usize>, source_name: String },
 
-    #[error("weight `{key}` has dtype {got}, which Kiln cannot load (expected f32, f16 or bf16)")]
-    WeightDtype { key: String, got: String },
+    #[error("weight `{key}` in {source_name} has dtype {got}, which Kiln cannot load (expected f32, f16 or bf16)")]
+    WeightDtype { key: String, got: String, source_name: String },
 
     #[error("{count} weight(s) in {source_name} were never used by the model: {keys:?}")]
     UnusedWeights { count: usize, keys: Vec<String>, source_name: String },

@@ -129,11 +129,16 @@ impl VarBuilder {
             Source::Safetensors { files, entries } => {
                 let e = entries.get(&key).ok_or_else(missing)?;
                 let bytes = &files[e.file].1[e.range.0..e.range.1];
-                HostTensor::new(e.shape.clone(), decode(&key, e.dtype, bytes)?)
+                let data = decode(e.dtype, bytes).ok_or_else(|| Error::WeightDtype {
+                    key: key.clone(),
+                    got: format!("{:?}", e.dtype),
+                    source_name: self.store.source.describe(),
+                })?;
+                HostTensor::new(e.shape.clone(), data)
             }
         };
         if value.shape != shape {
-            return Err(Error::WeightShape { key, expected: shape.to_vec(), got: value.shape });
+            return Err(Error::WeightShape { key, expected: shape.to_vec(), got: value.shape, source_name: self.store.source.describe() });
         }
         self.store.used.lock().expect("weight bookkeeping lock").insert(key.clone());
         Ok(Param { name: key, value: Arc::new(value) })
@@ -179,13 +184,14 @@ fn explain(e: &safetensors::SafeTensorError) -> String {
     }
 }
 
-fn decode(key: &str, dtype: Dtype, bytes: &[u8]) -> Result<Vec<f32>> {
+/// The values of an f32, f16 or bf16 tensor as f32; `None` for any other dtype.
+fn decode(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
     let pairs = bytes.chunks_exact(2).map(|b| [b[0], b[1]]);
-    Ok(match dtype {
+    Some(match dtype {
         Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
         Dtype::F16 => pairs.map(|b| f16::from_le_bytes(b).to_f32()).collect(),
         Dtype::BF16 => pairs.map(|b| bf16::from_le_bytes(b).to_f32()).collect(),
-        other => return Err(Error::WeightDtype { key: key.to_string(), got: format!("{other:?}") }),
+        _ => return None,
     })
 }
 

@@ -157,13 +157,14 @@ fn wrong_shape_names_the_key_and_both_shapes() {
     // The file holds a 3×3 kernel over 3 channels; ask for 5×5 over 4.
     let err = Conv2d::load(vb.pp("conv"), &Conv2dConfig::new(4, 8, 5)).unwrap_err();
     match &err {
-        Error::WeightShape { key, expected, got } => {
+        Error::WeightShape { key, expected, got, .. } => {
             assert_eq!((key.as_str(), expected.as_slice(), got.as_slice()), ("conv.weight", &[8, 4, 5, 5][..], &[8, 3, 3, 3][..]));
         }
         other => panic!("expected WeightShape, got {other:?}"),
     }
     let msg = err.to_string();
     assert!(msg.contains("`conv.weight`") && msg.contains("[8, 3, 3, 3]") && msg.contains("[8, 4, 5, 5]"), "{msg}");
+    assert!(msg.contains(&path.display().to_string()), "{msg}");
 }
 
 #[test]
@@ -176,9 +177,9 @@ fn unsupported_dtypes_name_the_key_and_the_dtype() {
         let path = write(&dir, &format!("{dtype}.safetensors"), &file);
         let vb = VarBuilder::from_safetensors(&[&path]).unwrap();
         let err = load_conv(&vb).unwrap_err();
-        assert!(matches!(&err, Error::WeightDtype { key, got } if key == "conv.bias" && got == dtype), "{dtype}: {err:?}");
+        assert!(matches!(&err, Error::WeightDtype { key, got, .. } if key == "conv.bias" && got == dtype), "{dtype}: {err:?}");
         let msg = err.to_string();
-        assert!(msg.contains("`conv.bias`") && msg.contains(dtype), "{msg}");
+        assert!(msg.contains("`conv.bias`") && msg.contains(dtype) && msg.contains(&path.display().to_string()), "{msg}");
     }
 }
 
