@@ -277,3 +277,23 @@ fn tempdir(name: &str) -> std::path::PathBuf {
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
+
+/// Fields may be named like the generated `load`'s parameters without shadowing them.
+#[derive(Module)]
+#[module(config = usize)]
+struct Shadowing {
+    #[module(config = Conv2dConfig::new(*cfg, *cfg, 1))]
+    cfg: Conv2d,
+    vb: ReLU,
+    #[module(config = BatchNorm2dConfig::new(*cfg))]
+    after: BatchNorm2d,
+}
+
+#[test]
+fn fields_named_cfg_and_vb_do_not_shadow_the_parameters() {
+    let m = Shadowing::load(VarBuilder::seeded().pp("s"), &6).unwrap();
+    assert_eq!((m.cfg.path.as_str(), m.cfg.weight.shape()), ("s.cfg", &[6usize, 6, 1, 1][..]));
+    assert_eq!(m.vb.0.path, "s.vb");
+    assert_eq!((m.after.path.as_str(), m.after.params[3].name.as_str()), ("s.after", "s.after.running_var"));
+    assert_eq!(m.after.params[3].shape(), [6]);
+}

@@ -1,7 +1,8 @@
 //! `#[derive(Module)]`: writes `kiln::Module::load` for a struct whose named fields are modules.
 //!
-//! The generated `load` is what one would write by hand: one `let` per field, in declaration
-//! order, each loading from `vb.pp("<field>")`, then `Ok(Self { .. })`.
+//! The generated `load` is what one would write by hand: `Ok(Self { field: .., .. })` whose
+//! initialisers load each field from `vb.pp("<field>")`, in declaration order. Initialisers rather
+//! than `let`s, so that a field named `cfg` or `vb` cannot shadow the parameters for later fields.
 
 use proc_macro2::{Span, TokenStream, TokenTree};
 use quote::{quote, quote_spanned};
@@ -65,8 +66,7 @@ pub fn expand(input: &DeriveInput) -> syn::Result<TokenStream> {
     let cfg = Ident::new(if uses_cfg { CONFIG_VAR } else { "_cfg" }, Span::call_site());
     let vb = Ident::new(if specs.is_empty() { "_vb" } else { "vb" }, Span::call_site());
 
-    let lets = specs.iter().map(|s| s.load(&vb));
-    let names = specs.iter().map(|s| &s.ident);
+    let inits = specs.iter().map(|s| s.init(&vb));
     let name = &input.ident;
     let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
     let config_ty = config_ty.map_or_else(|| quote!(()), |ty| quote!(#ty));
@@ -74,8 +74,9 @@ pub fn expand(input: &DeriveInput) -> syn::Result<TokenStream> {
         impl #impl_generics ::kiln::Module for #name #ty_generics #where_clause {
             type Config = #config_ty;
             fn load(#vb: ::kiln::VarBuilder, #cfg: &Self::Config) -> ::kiln::Result<Self> {
-                #(#lets)*
-                ::core::result::Result::Ok(Self { #(#names),* })
+                ::core::result::Result::Ok(Self {
+                    #(#inits)*
+                })
             }
         }
     })
@@ -172,8 +173,8 @@ impl FieldSpec {
         self.config.iter().chain(extra)
     }
 
-    /// `let <field> = ...?;`
-    fn load(&self, vb: &Ident) -> TokenStream {
+    /// `<field>: <load>?,`
+    fn init(&self, vb: &Ident) -> TokenStream {
         let (ident, segment) = (&self.ident, &self.segment);
         // `&Default::default()` infers the field's own `Config`; an expression given by the user is
         // parenthesised only where `&` would otherwise bind tighter than it.
@@ -191,16 +192,16 @@ impl FieldSpec {
         match &self.kind {
             Kind::One(ty) => {
                 let load = load(ty, quote!(#vb.pp(#segment)));
-                quote!(let #ident = #load?;)
+                quote!(#ident: #load?,)
             }
             Kind::Optional { inner, when } => {
                 let load = load(inner, quote!(#vb.pp(#segment)));
                 quote! {
-                    let #ident = if #when {
+                    #ident: if #when {
                         ::core::option::Option::Some(#load?)
                     } else {
                         ::core::option::Option::None
-                    };
+                    },
                 }
             }
             Kind::Repeated { elem, len } => {
@@ -208,9 +209,9 @@ impl FieldSpec {
                 let i = Ident::new(if uses_index { INDEX_VAR } else { "_i" }, Span::call_site());
                 let load = load(elem, quote!(#vb.pp(#segment).pp(#i)));
                 quote! {
-                    let #ident = (0..#len)
+                    #ident: (0..#len)
                         .map(|#i: usize| #load)
-                        .collect::<::kiln::Result<::std::vec::Vec<_>>>()?;
+                        .collect::<::kiln::Result<::std::vec::Vec<_>>>()?,
                 }
             }
         }
@@ -307,11 +308,11 @@ mod tests {
         assert!(out.contains("fn load (vb : :: kiln :: VarBuilder , _cfg : & Self :: Config)"), "{out}");
         assert!(
             out.contains(
-                "let conv = < Conv2d as :: kiln :: Module > :: load (vb . pp (\"conv\") , & :: core :: default :: Default :: default ()) ?"
+                "Ok (Self { conv : < Conv2d as :: kiln :: Module > :: load (vb . pp (\"conv\") , & :: core :: default :: Default :: default ()) ?"
             ),
             "{out}"
         );
-        assert!(out.contains("Ok (Self { conv , relu })"), "{out}");
+        assert!(out.contains("relu : < ReLU as :: kiln :: Module > :: load (vb . pp (\"relu\")"), "{out}");
     }
 
     #[test]
@@ -338,10 +339,7 @@ mod tests {
                #[module(len = 2)] heads: Vec<Head> }",
         )
         .unwrap();
-        assert!(
-            out.contains("let down = if cfg . stride != 1 { :: core :: option :: Option :: Some (< Down as :: kiln :: Module >"),
-            "{out}"
-        );
+        assert!(out.contains("down : if cfg . stride != 1 { :: core :: option :: Option :: Some (< Down as :: kiln :: Module >"), "{out}");
         assert!(
             out.contains("(0 .. cfg . depth) . map (| i : usize | < Block as :: kiln :: Module > :: load (vb . pp (\"blocks\") . pp (i)"),
             "{out}"
