@@ -7,8 +7,8 @@ Three steps (the device has no cargo; see ../shared/GPU.md):
               builds `kiln` (release) and copies it and torch_peer.py into .carry/
   2. device:  python3 tools/bench_side_by_side.py device
               (device tool: carry [".carry"]; results, the table and the chart land in $OUT)
-  3. here:    python3 tools/bench_side_by_side.py render <the device run's files folder>
-              writes docs/BENCHMARKS.md and docs/benchmarks.svg from its JSON
+  3. here:    python3 tools/bench_side_by_side.py render <the device run's files_at>/results.json
+              writes docs/BENCHMARKS.md and docs/benchmarks.svg from it
 
 `device` runs, within --budget seconds: `kiln bench` FP16 (with and without CUDA graphs) and FP32
 on ResNet-18/50 at batch 1, 8, 64, 256 and CenterNet-R50 (512) at 1, 8, 32; then torch_peer.py's
@@ -28,6 +28,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 PLANS = [("resnet18", 224, [1, 8, 64, 256]), ("resnet50", 224, [1, 8, 64, 256]), ("centernet", 512, [1, 8, 32])]
@@ -96,8 +97,9 @@ def versions(out_dir, torch_env):
     rc, o = sh(["nvcc", "--version"])
     if rc != 0:
         rc, o = sh(["/usr/local/cuda/bin/nvcc", "--version"])
-    if rc == 0:
-        v["cuda"] = o.strip().splitlines()[-1].strip()
+    release = [line for line in o.splitlines() if "release" in line]
+    if rc == 0 and release:
+        v["cuda"] = release[0].split("release", 1)[1].strip()
     code = "import torch, torchvision; print(torch.__version__, torch.version.cuda, torch.backends.cudnn.version(), torchvision.__version__)"
     rc, o = sh([sys.executable, "-c", code], env=torch_env)
     if rc == 0 and o.strip():
@@ -109,9 +111,12 @@ def versions(out_dir, torch_env):
 
 
 def device(args):
-    out = os.environ.get("OUT") or args.out
-    os.makedirs(out, exist_ok=True)
-    log = os.path.join(out, "side_by_side.log")
+    final = os.environ.get("OUT") or args.out
+    os.makedirs(final, exist_ok=True)
+    # The device tool brings back only a few files from $OUT: measure in a scratch folder, then
+    # leave there one results.json with every number, the write-up, the chart and the log.
+    out = tempfile.mkdtemp(prefix="kiln-side-by-side-")
+    log = os.path.join(final, "side_by_side.log")
     start = time.time()
     left = lambda: args.budget - (time.time() - start)  # noqa: E731
     # Kiln needs the system cuDNN and CUDA 13 libraries on the path; PyTorch must not see them (it
@@ -151,33 +156,49 @@ def device(args):
     kiln_bench("fp32", both_modes=False)
     if args.compile_set:
         peer("compile", {"EAGER": "0", "COMPILE": "1", "COMPILE_SET": args.compile_set})
-    render_to(out, out, command=args.command)
-    print(f"done in {time.time() - start:.0f} s; results in {out}")
+    bundle(out, os.path.join(final, "results.json"))
+    render_to(final, final, command=args.command)
+    print(f"done in {time.time() - start:.0f} s; results in {final}")
+
+
+def bundle(scratch, path):
+    """Every measurement and the versions in one file (what `render` reads)."""
+    data = {"versions": {}, "kiln": [], "peers": [], "peer_logs": {}}
+    vpath = os.path.join(scratch, "versions.json")
+    if os.path.exists(vpath):
+        data["versions"] = json.load(open(vpath))
+    for p in sorted(glob.glob(os.path.join(scratch, "kiln_*.json"))):
+        data["kiln"] += json.load(open(p))
+    for d in sorted(glob.glob(os.path.join(scratch, "peer_*"))):
+        for p in sorted(glob.glob(os.path.join(d, "*.json"))):
+            data["peers"] += json.load(open(p))
+        log = os.path.join(d, "stdout.log")
+        if os.path.exists(log):
+            data["peer_logs"][os.path.basename(d)] = open(log).read()
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
 
 
 # ---- step 3: render -----------------------------------------------------------------------------
 
 
 def load(results):
-    """Rows {model, batch, series, ms, img_s} from kiln_*.json and peer_*/*.json, last one wins."""
+    """Rows {(model, batch, series): {ms, img_s}} from a results.json (or the folder holding it);
+    a peer run cut short before writing its JSON is read from its printed lines."""
+    path = results if results.endswith(".json") else os.path.join(results, "results.json")
+    data = json.load(open(path))
     rows = {}
-    for path in sorted(glob.glob(os.path.join(results, "kiln_*.json"))):
-        for r in json.load(open(path)):
-            key = f"kiln {r['precision']} {r['mode']}"
-            rows[(r["model"], r["batch"], key)] = dict(ms=r["median_ms"], p99=r["p99_ms"], img_s=r["batch"] / r["median_ms"] * 1e3, kiln=r)
-    for d in sorted(glob.glob(os.path.join(results, "peer_*"))):
-        found = False
-        for path in sorted(glob.glob(os.path.join(d, "*.json"))):
-            for r in json.load(open(path)):
-                rows[(r["model"], r["batch"], r["mode"])] = dict(ms=r["ms"], img_s=r["img_s"])
-                found = True
-        log = os.path.join(d, "stdout.log")
-        if not found and os.path.exists(log):
-            for line in open(log):
-                m = PEER_LINE.match(line)
-                if m:
-                    rows[(m["model"], int(m["batch"]), m["mode"].strip())] = dict(ms=float(m["ms"]), img_s=float(m["img_s"]))
-    return rows
+    for r in data["kiln"]:
+        key = f"kiln {r['precision']} {r['mode']}"
+        rows[(r["model"], r["batch"], key)] = dict(ms=r["median_ms"], p99=r["p99_ms"], img_s=r["batch"] / r["median_ms"] * 1e3, kiln=r)
+    for text in data.get("peer_logs", {}).values():
+        for line in text.splitlines():
+            m = PEER_LINE.match(line)
+            if m:
+                rows[(m["model"], int(m["batch"]), m["mode"].strip())] = dict(ms=float(m["ms"]), img_s=float(m["img_s"]))
+    for r in data["peers"]:
+        rows[(r["model"], r["batch"], r["mode"])] = dict(ms=r["ms"], img_s=r["img_s"])
+    return rows, data.get("versions", {})
 
 
 def fmt_ms(v):
@@ -243,7 +264,8 @@ def svg_chart(rows):
         while 10**e <= hi:
             y = Y(10**e)
             o.append(f'<line x1="{x0 + ml}" x2="{x0 + pw - mr}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e5e5e5"/>')
-            o.append(f'<text x="{x0 + ml - 4}" y="{y + 4:.1f}" text-anchor="end">{fmt_rate(10**e)}</text>')
+            tick = f"{10**e // 1000} k" if e >= 3 else str(10**e)
+            o.append(f'<text x="{x0 + ml - 4}" y="{y + 4:.1f}" text-anchor="end">{tick}</text>')
             e += 1
         for b in batches:
             o.append(f'<text x="{X(b):.1f}" y="{ph - mb + 16}" text-anchor="middle">{b}</text>')
@@ -265,9 +287,7 @@ def svg_chart(rows):
 
 
 def render_to(results, out_dir, command=None):
-    rows = load(results)
-    vpath = os.path.join(results, "versions.json")
-    v = json.load(open(vpath)) if os.path.exists(vpath) else {}
+    rows, v = load(results)
     kiln_rec = next((r["kiln"] for r in rows.values() if "kiln" in r), None)
     svg_name = "benchmarks.svg"
     with open(os.path.join(out_dir, svg_name), "w") as f:
@@ -287,6 +307,7 @@ Measured in one device run by `tools/bench_side_by_side.py` (Kiln's `kiln bench`
 its seeded weights, the peers torchvision's random initialisation (speed does not depend on the
 values). Kiln: median latency of synchronous runs (enqueue + wait) after a 200 ms warm-up, engine
 built for exactly that batch. Peers: median of 50 CUDA-event-timed runs after 10 warm-up runs.
+Kiln FP32 is strict FP32 (no TF32 anywhere); PyTorch's eager FP32 lets cuDNN use TF32.
 
 {chr(10).join(env)}
 
@@ -294,7 +315,7 @@ How to reproduce (three steps; the device has no cargo):
 ```sh
 python3 tools/bench_side_by_side.py prepare            # here: build kiln, fill .carry/
 python3 tools/bench_side_by_side.py device             # on the device, carry [".carry"]{f"  (this run: {command})" if command else ""}
-python3 tools/bench_side_by_side.py render <files_at>  # here: rewrite this file and benchmarks.svg
+python3 tools/bench_side_by_side.py render <files_at>/results.json  # here: rewrite this file and the chart
 ```
 The criterion benches (`benches/models.rs`) measure the same engines: `cargo bench --bench models --no-run`
 here, then the `target/release/deps/models-*` binary with `--bench` on the device.
@@ -338,7 +359,7 @@ def main():
     d.add_argument("--compile-set", default=DEFAULT_COMPILE_SET, help="model:batch pairs for torch.compile ('' to skip)")
     d.add_argument("--command", default="python3 tools/bench_side_by_side.py device")
     d.set_defaults(fn=device)
-    r = sub.add_parser("render", help="write docs/BENCHMARKS.md and docs/benchmarks.svg from a results folder")
+    r = sub.add_parser("render", help="write docs/BENCHMARKS.md and docs/benchmarks.svg from a device run's results.json")
     r.add_argument("results")
     r.add_argument("--command", default=None)
     r.set_defaults(fn=render)
