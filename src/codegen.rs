@@ -157,10 +157,11 @@ fn let_statement(name: &str, expr: &Doc, indent: usize, style: &Style) -> String
     let pad = " ".repeat(indent);
     let head = format!("let {name} = ");
     let flat = expr.flat();
-    if indent + head.len() + flat.len() + 1 <= style.width && expr.may_be_flat(style) {
+    let semicolon = ";".len();
+    if indent + head.len() + flat.len() + semicolon <= style.width && expr.may_be_flat(style) {
         return format!("{pad}{head}{flat};\n");
     }
-    if indent + 4 + flat.len() + 1 <= style.width && expr.may_be_flat(style) {
+    if indent + 4 + flat.len() + semicolon <= style.width && expr.may_be_flat(style) {
         return format!("{pad}let {name} =\n{pad}    {flat};\n");
     }
     format!("{pad}{head}{};\n", expr.layout(indent, indent + head.len(), 1, style))
