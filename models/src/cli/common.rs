@@ -244,3 +244,36 @@ pub fn ms(d: f64) -> String {
         format!("{d:.1} ms")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logits_summary_lists_the_top_classes_in_order() {
+        let logits = HostTensor::new(vec![1, 5], vec![0.1, 3.0, -1.0, 2.0, 2.5]);
+        let s = summarize(&BTreeMap::from([("logits".to_string(), logits)]), 3, 224);
+        let classes: Vec<&str> = s.lines().filter(|l| l.contains("class")).map(|l| l.split_whitespace().nth(1).unwrap_or("")).collect();
+        assert_eq!(classes, ["1", "4", "3"], "{s}");
+        assert!(s.starts_with("image 0: top-3:"), "{s}");
+    }
+
+    #[test]
+    fn detections_are_scaled_to_input_pixels() {
+        // One image, two detections (x1, y1, x2, y2, score, class) on 4x4 maps of a 16x16 input.
+        let det = HostTensor::new(vec![1, 2, 6], vec![1.0, 2.0, 3.0, 4.0, 0.9, 7.0, 0.0, 0.0, 1.0, 1.0, 0.5, 2.0]);
+        let hm = HostTensor::zeros(vec![1, 80, 4, 4]);
+        let s = summarize(&BTreeMap::from([("detections".to_string(), det), ("hm".to_string(), hm)]), 1, 16);
+        assert!(s.contains("class  7  score 0.900  box (4.0, 8.0) - (12.0, 16.0)"), "{s}");
+        assert!(!s.contains("class 2"), "only the top 1 is shown:\n{s}");
+        assert!(s.contains("hm: [1, 80, 4, 4]"), "{s}");
+    }
+
+    #[test]
+    fn random_inputs_are_reproducible_by_seed() {
+        let (a, b) = (random_input(&[1, 3, 2, 2], 5), random_input(&[1, 3, 2, 2], 5));
+        assert_eq!(a, b);
+        assert_ne!(a, random_input(&[1, 3, 2, 2], 6));
+        assert!(a.data.iter().all(|v| (-1.0..1.0).contains(v)));
+    }
+}
