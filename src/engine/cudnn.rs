@@ -59,11 +59,14 @@ fn filter(elem: Elem, [k, c, h, w]: [usize; 4]) -> Result<Desc<dnn::cudnnFilterD
     Ok(d)
 }
 
-/// FP32 must not use TF32: FMA math. TF32 and FP16 may use tensor cores.
+/// FP32 must not use TF32: FMA math. FP16 uses tensor cores. For f32 data cuDNN picks TF32
+/// tensor-core kernels under its default math (as PyTorch sets it with `allow_tf32`), not under
+/// `TENSOR_OP_MATH` (measured: FP32-level error there on the H200).
 fn math_type(p: Precision) -> dnn::cudnnMathType_t {
     match p {
         Precision::Fp32 => dnn::cudnnMathType_t::CUDNN_FMA_MATH,
-        Precision::Tf32 | Precision::Fp16 => dnn::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
+        Precision::Tf32 => dnn::cudnnMathType_t::CUDNN_DEFAULT_MATH,
+        Precision::Fp16 => dnn::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
     }
 }
 
