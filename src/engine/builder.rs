@@ -145,8 +145,11 @@ impl EngineBuilder {
     }
 }
 
+/// Timing-cache key prefix: everything besides the problem that decides a winner. Restricted
+/// tactic sources get their own entries, so a forced choice never poisons an unrestricted build.
 pub(crate) fn cache_prefix(gpu: &Gpu, config: &BuildConfig) -> String {
-    format!("{}|sm{}|cudnn{}|{:?}|b{}", gpu.info.name, gpu.info.sm, gpu.info.cudnn_version, config.precision, config.opt_batch)
+    let sources = config.tactic_sources.as_ref().map(|s| format!("|only:{}", s.join(","))).unwrap_or_default();
+    format!("{}|sm{}|cudnn{}|{:?}|b{}{sources}", gpu.info.name, gpu.info.sm, gpu.info.cudnn_version, config.precision, config.opt_batch)
 }
 
 /// ConvTranspose2d read only by a ReLU takes the ReLU as its fused activation (the graph passes
