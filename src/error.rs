@@ -11,10 +11,10 @@ pub enum Error {
     #[error("weight `{key}` is missing from {source_name}")]
     MissingWeight { key: String, source_name: String },
 
-    #[error("weight `{key}` in {source_name} has shape {got:?}, but the model expects {expected:?}")]
+    #[error("weight `{key}` has shape {got:?}, but the model expects {expected:?} (in {source_name})")]
     WeightShape { key: String, expected: Vec<usize>, got: Vec<usize>, source_name: String },
 
-    #[error("weight `{key}` in {source_name} has dtype {got}, which Kiln cannot load (expected f32, f16 or bf16)")]
+    #[error("weight `{key}` has dtype {got}, which Kiln cannot load: expected f32, f16 or bf16 (in {source_name})")]
     WeightDtype { key: String, got: String, source_name: String },
 
     #[error("{count} weight(s) in {source_name} were never used by the model: {keys:?}")]
