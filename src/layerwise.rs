@@ -116,7 +116,14 @@ impl fmt::Display for LayerwiseReport {
                 "first layer whose error jumps: `{}` ({}): rel_l2 {:.2e}, fed {:.2e} by the layers before it",
                 l.path, l.op, l.comparison.rel_l2, l.upstream
             ),
-            None => write!(f, "{} layers and {} outputs within rel_l2 {:.1e}", self.layers.len(), self.outputs.len(), self.rtol),
+            None => {
+                let failing: Vec<&str> = self.outputs.iter().filter(|c| !c.passes(self.rtol)).map(|c| c.name.as_str()).collect();
+                if failing.is_empty() {
+                    write!(f, "{} layers and {} outputs within rel_l2 {:.1e}", self.layers.len(), self.outputs.len(), self.rtol)
+                } else {
+                    write!(f, "{} layers within rel_l2 {:.1e}, but not the output(s) {}", self.layers.len(), self.rtol, failing.join(", "))
+                }
+            }
         }
     }
 }
