@@ -8,7 +8,7 @@ Three steps (the device has no cargo; see ../shared/GPU.md):
   2. device:  python3 tools/bench_side_by_side.py device
               (device tool: carry [".carry"]; results, the table and the chart land in $OUT)
   3. here:    python3 tools/bench_side_by_side.py render <the device run's files_at>/results.json
-              writes docs/BENCHMARKS.md and docs/benchmarks.svg from it
+              writes docs/BENCHMARKS.md and docs/benchmarks.svg from it, and keeps it as docs/benchmarks.json
 
 `device` runs, within --budget seconds: `kiln bench` FP16 (with and without CUDA graphs) and FP32
 on ResNet-18/50 at batch 1, 8, 64, 256 and CenterNet-R50 (512) at 1, 8, 32; then torch_peer.py's
@@ -78,7 +78,9 @@ def prepare(args):
     rc, _ = sh(["cargo", "build", "--release", "-p", "kiln-models", "--bin", "kiln"])
     if rc != 0:
         sys.exit("cargo build failed")
-    shutil.copy2(os.path.join(ROOT, "target", "release", "kiln"), os.path.join(carry, "kiln"))
+    exe = os.path.join(carry, "kiln")
+    shutil.copy2(os.path.join(ROOT, "target", "release", "kiln"), exe)
+    sh(["strip", exe])  # the carry limit is 64 MiB for everything
     shutil.copy2(args.peer, os.path.join(carry, "torch_peer.py"))
     size = sum(os.path.getsize(p) for p in glob.glob(os.path.join(carry, "*")) if os.path.isfile(p))
     print(f"ready: .carry/ holds kiln and torch_peer.py ({size / 2**20:.1f} MiB of the 64 MiB carry limit)")
@@ -110,6 +112,18 @@ def versions(out_dir, torch_env):
     return v
 
 
+def first_existing(given, candidates):
+    """`given`, or the first of `candidates` (relative to the repository) that exists: tools/gpu-build.sh
+    lays .carry/ out differently (bin/, tools/) and may have run after `prepare`."""
+    if given:
+        return given
+    for c in candidates:
+        path = os.path.join(ROOT, c)
+        if os.path.exists(path):
+            return path
+    sys.exit(f"none of {candidates} exists: run `python3 tools/bench_side_by_side.py prepare` first")
+
+
 def device(args):
     final = os.environ.get("OUT") or args.out
     os.makedirs(final, exist_ok=True)
@@ -125,7 +139,8 @@ def device(args):
     torch_env["PYTHONUNBUFFERED"] = "1"
     env = dict(torch_env, LD_LIBRARY_PATH=LIBS)
     versions(out, torch_env)
-    kiln = os.path.abspath(args.kiln)
+    kiln = os.path.abspath(first_existing(args.kiln, [".carry/kiln", ".carry/bin/kiln"]))
+    args.peer = first_existing(args.peer, [".carry/torch_peer.py", ".carry/tools/torch_peer.py"])
 
     def kiln_bench(precision, both_modes):
         for model, size, batches in PLANS:
@@ -340,7 +355,12 @@ here, then the `target/release/deps/models-*` binary with `--bench` on the devic
 def render(args):
     out = os.path.join(ROOT, "docs")
     os.makedirs(out, exist_ok=True)
-    render_to(args.results, out, command=args.command)
+    results = args.results if args.results.endswith(".json") else os.path.join(args.results, "results.json")
+    # The raw numbers go beside the write-up, so it can be rendered again.
+    kept = os.path.join(out, "benchmarks.json")
+    if os.path.abspath(results) != os.path.abspath(kept):
+        shutil.copyfile(results, kept)
+    render_to(kept, out, command=args.command)
 
 
 def main():
@@ -350,8 +370,8 @@ def main():
     a.add_argument("--peer", default=os.path.join(ROOT, "..", "shared", "bench", "torch_peer.py"))
     a.set_defaults(fn=prepare)
     d = sub.add_parser("device", help="run both benchmarks on the device; results in $OUT")
-    d.add_argument("--kiln", default=os.path.join(ROOT, ".carry", "kiln"))
-    d.add_argument("--peer", default=os.path.join(ROOT, ".carry", "torch_peer.py"))
+    d.add_argument("--kiln", help="the kiln binary (default: .carry/kiln or .carry/bin/kiln)")
+    d.add_argument("--peer", help="torch_peer.py (default: .carry/torch_peer.py or .carry/tools/torch_peer.py)")
     d.add_argument("--out", default="bench_out", help="results folder when $OUT is not set")
     d.add_argument("--budget", type=float, default=560, help="seconds for the whole run (the device allows 600 per command)")
     d.add_argument("--iterations", type=int, default=50)
