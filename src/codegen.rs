@@ -11,7 +11,7 @@
 
 use crate::graph::{Activation, ConvAttrs, Graph, Op, PoolAttrs};
 use crate::{Error, Result};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashSet};
 
 /// What to generate.
 #[derive(Clone, Debug)]
@@ -303,20 +303,23 @@ pub fn generate(graph: &Graph, opts: &CodegenOptions) -> Result<String> {
     let style = Style::new(opts.max_width, opts.small_heuristics_max);
     let mut used: BTreeSet<&'static str> = ["Graph", "Op", "Result", "Tensor", "Tracer", "VarBuilder"].into();
     let mut names: Vec<Option<String>> = vec![None; graph.nodes.len()];
-    let mut taken: HashMap<String, usize> = HashMap::new();
+    let mut taken: HashSet<String> = HashSet::new();
     let batch = graph.inputs.first().and_then(|&i| graph.nodes[i].shape.first().copied());
     let mut body = String::new();
     let mut ops = 0;
     for (id, node) in graph.nodes.iter().enumerate() {
+        // A path seen before (a module called twice) gets `_2`, `_3`...; the suffixed name is checked
+        // too, since `head.hm.2` alone already reads `head_hm_2`, and a repeated `let` would shadow.
         let mut var = || {
             let base = ident(&node.path);
-            let n = taken.entry(base.clone()).or_insert(0);
-            *n += 1;
-            if *n == 1 {
-                base
-            } else {
-                format!("{base}_{n}")
+            let mut name = base.clone();
+            let mut n = 1;
+            while taken.contains(&name) {
+                n += 1;
+                name = format!("{base}_{n}");
             }
+            taken.insert(name.clone());
+            name
         };
         match &node.op {
             Op::Weight { .. } => continue,
@@ -455,6 +458,22 @@ mod tests {
             "{broken}"
         );
         assert!(broken.ends_with("        &[],\n    )?;\n"), "{broken}");
+    }
+
+    #[test]
+    fn variable_names_never_repeat() {
+        let t = crate::Tracer::new();
+        let x = t.input("input", &[1, 2]);
+        // `a.relu` twice, then a module whose own path reads like the second one's name.
+        let a = crate::Tensor::record("a.relu", Op::Relu, &[&x], &[]).expect("relu");
+        let b = crate::Tensor::record("a.relu", Op::Relu, &[&a], &[]).expect("relu");
+        let c = crate::Tensor::record("a.relu.2", Op::Sigmoid, &[&b], &[]).expect("sigmoid");
+        t.output("out", &c);
+        let src = generate(&t.graph(), &CodegenOptions::default()).expect("generate");
+        for name in ["let a_relu =", "let a_relu_2 =", "let a_relu_2_2 ="] {
+            assert_eq!(src.matches(name).count(), 1, "{name}:\n{src}");
+        }
+        assert!(src.contains("&[&a_relu_2]") && src.contains("tracer.output(\"out\", &a_relu_2_2);"), "{src}");
     }
 
     #[test]
