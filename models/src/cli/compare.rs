@@ -76,6 +76,10 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
         all_pass &= pass;
         compared += 1;
         println!("{c}  {}", if pass { "pass" } else { "FAIL" });
+        if name == "detections" && c.shape_ok {
+            let (matched, total) = matching_detections(got, r);
+            println!("  {matched} of {total} reference detections found with the same class and centre (within half a map cell)");
+        }
         if name == "logits" && c.shape_ok {
             let (ours, theirs) = (kiln::compare::top1(got), kiln::compare::top1(r));
             let same = ours.iter().zip(&theirs).filter(|(a, b)| a == b).count();
@@ -90,4 +94,45 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
     }
     println!("{}", if all_pass { "PASS" } else { "FAIL" });
     Ok(if all_pass { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// Decoded detections ([N, k, 6] rows of x1, y1, x2, y2, score, class) of `got` that match one of
+/// `reference` each: same class, centres within half a map cell. Near-equal scores may come out in
+/// another order (FP16), so rows are matched as sets, not position by position. Returns
+/// (matched, reference rows).
+pub fn matching_detections(got: &HostTensor, reference: &HostTensor) -> (usize, usize) {
+    let rows = |t: &HostTensor| -> Vec<[f32; 6]> { t.data.chunks_exact(6).map(|r| [r[0], r[1], r[2], r[3], r[4], r[5]]).collect() };
+    let k = reference.shape.get(1).copied().unwrap_or(0).max(1);
+    let (ours, theirs) = (rows(got), rows(reference));
+    let centre = |r: &[f32; 6]| ((r[0] + r[2]) / 2.0, (r[1] + r[3]) / 2.0);
+    let mut matched = 0;
+    for (image, want) in theirs.chunks(k).enumerate() {
+        let mut free: Vec<&[f32; 6]> = ours.chunks(k).nth(image).map(|c| c.iter().collect()).unwrap_or_default();
+        for w in want {
+            let (wx, wy) = centre(w);
+            let hit = free.iter().position(|g| {
+                let (gx, gy) = centre(g);
+                g[5] == w[5] && (gx - wx).abs() <= 0.5 && (gy - wy).abs() <= 0.5
+            });
+            if let Some(i) = hit {
+                free.swap_remove(i);
+                matched += 1;
+            }
+        }
+    }
+    (matched, theirs.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn detections_match_as_sets_by_class_and_centre() {
+        let reference = HostTensor::new(vec![1, 3, 6], vec![0., 0., 2., 2., 0.9, 1., 4., 4., 6., 6., 0.8, 2., 8., 8., 9., 9., 0.7, 3.]);
+        // Swapped order, a small shift, a wrong class on the third.
+        let got = HostTensor::new(vec![1, 3, 6], vec![4.2, 4., 6.2, 6., 0.8, 2., 0., 0., 2., 2., 0.9, 1., 8., 8., 9., 9., 0.7, 4.]);
+        assert_eq!(matching_detections(&got, &reference), (2, 3));
+        assert_eq!(matching_detections(&reference, &reference), (3, 3));
+    }
 }
