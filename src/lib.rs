@@ -35,3 +35,8 @@ pub use var_builder::VarBuilder;
 
 /// Re-exported for `inventory::submit!` in user crates registering ops and converters.
 pub use inventory;
+
+/// The README's Rust examples are compiled (and the CPU one run) as doctests, so they cannot rot.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
