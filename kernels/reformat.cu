@@ -45,16 +45,61 @@ template <typename In, typename Out> __device__ void nhwc_to_nchw(const In* x, O
     }
 }
 
+// Few channels (image inputs, CenterNet's 2-channel heads): the 32x32 tile would leave most of
+// its threads idle (3 of 32 channels), so one thread per pixel instead. Consecutive threads take
+// consecutive pixels, so each plane read (NCHW side) is coalesced and the NHWC side is one
+// contiguous run per warp; an 8-channel f16 pixel (a padded stem input) is one 16-byte store.
+// x: [N, C, HW], y: [N, HW, cs]; channels C..cs-1 of y are zeroed. cs <= SMALL_C.
+#define SMALL_C 8
+template <typename In, typename Out> __device__ void nchw_to_nhwc_small(const In* x, Out* y, int C, i64 HW, int cs, i64 pixels) {
+    GRID_STRIDE(i, pixels) {
+        const i64 n = i / HW, p = i - n * HW;
+        const In* src = x + n * C * HW + p;
+        Out* dst = y + i * cs;
+        Out v[SMALL_C];
+#pragma unroll
+        for (int c = 0; c < SMALL_C; ++c) v[c] = from_f32<Out>(c < C ? to_f32(src[(i64)c * HW]) : 0.f);
+        if (sizeof(Out) * cs == 16 && aligned16(dst)) {
+            Pack<Out> pk;
+#pragma unroll
+            for (int c = 0; c < Pack<Out>::N; ++c) pk.e[c] = v[c];
+            store_pack(dst, pk);
+        } else {
+#pragma unroll
+            for (int c = 0; c < SMALL_C; ++c)
+                if (c < cs) dst[c] = v[c];
+        }
+    }
+}
+
+// x: [N, HW, cs], y: [N, C, HW]; C <= cs <= SMALL_C. One thread per pixel, plane writes coalesced.
+template <typename In, typename Out> __device__ void nhwc_to_nchw_small(const In* x, Out* y, int C, i64 HW, int cs, i64 pixels) {
+    GRID_STRIDE(i, pixels) {
+        const i64 n = i / HW, p = i - n * HW;
+        const In* src = x + i * cs;
+        Out* dst = y + n * C * HW + p;
+#pragma unroll
+        for (int c = 0; c < SMALL_C; ++c)
+            if (c < C) dst[(i64)c * HW] = from_f32<Out>(to_f32(src[c]));
+    }
+}
+
 // Same layout, other precision.
 template <typename In, typename Out> __device__ void cast(const In* x, Out* y, i64 n) {
     GRID_STRIDE(i, n) { y[i] = from_f32<Out>(to_f32(x[i])); }
 }
 
-// Launch: block (32, 8), grid (ceil(HW/32), ceil(max(C, cs)/32), N).
+// Launch: block (32, 8), grid (ceil(HW/32), ceil(max(C, cs)/32), N); the _small ones 1-D grid-stride.
 #define REFORMAT(In, Out, S)                                                                                                         \
     extern "C" __global__ void nchw_to_nhwc_##S(const In* x, Out* y, int C, int HW, int cs) { nchw_to_nhwc<In, Out>(x, y, C, HW, cs); } \
     extern "C" __global__ void nhwc_to_nchw_##S(const In* x, Out* y, int C, int HW, int cs) { nhwc_to_nchw<In, Out>(x, y, C, HW, cs); } \
-    extern "C" __global__ void cast_##S(const In* x, Out* y, i64 n) { cast<In, Out>(x, y, n); }
+    extern "C" __global__ void cast_##S(const In* x, Out* y, i64 n) { cast<In, Out>(x, y, n); }                                      \
+    extern "C" __global__ void nchw_to_nhwc_small_##S(const In* x, Out* y, int C, i64 HW, int cs, i64 pixels) {                         \
+        nchw_to_nhwc_small<In, Out>(x, y, C, HW, cs, pixels);                                                                        \
+    }                                                                                                                                \
+    extern "C" __global__ void nhwc_to_nchw_small_##S(const In* x, Out* y, int C, i64 HW, int cs, i64 pixels) {                         \
+        nhwc_to_nchw_small<In, Out>(x, y, C, HW, cs, pixels);                                                                        \
+    }
 
 REFORMAT(float, float, f32_f32)
 REFORMAT(float, f16, f32_f16)

@@ -431,6 +431,9 @@ pub struct ReformatLayer {
     dst: ValueId,
     /// `Some((C, HW, cs))` for a transpose; `None` for a cast of `per_image` elements.
     transpose: Option<(i32, i32, i32)>,
+    /// The transpose has at most `SMALL_CHANNELS` channels on its NHWC side: one thread per
+    /// pixel (`*_small` entry points) instead of mostly idle 32×32 tiles.
+    small: bool,
     per_image: usize,
     sm_count: u32,
 }
@@ -445,6 +448,11 @@ impl Layer for ReformatLayer {
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let (src, dst) = (KArg::Ptr(rt.ptr(self.src)), KArg::Ptr(rt.ptr(self.dst)));
         match self.transpose {
+            Some((c, hw, cs)) if self.small => {
+                let pixels = batch * hw as usize;
+                let args = [src, dst, KArg::I32(c), KArg::I64(hw as i64), KArg::I32(cs), KArg::I64(pixels as i64)];
+                launch(rt, &self.f, grid_for(pixels, self.sm_count), (BLOCK, 1, 1), 0, &args)
+            }
             Some((c, hw, cs)) => {
                 let batch = u32::try_from(batch).ok().filter(|&b| b <= 65535).ok_or_else(|| Error::Binding {
                     name: self.path.clone(),
@@ -460,6 +468,10 @@ impl Layer for ReformatLayer {
         }
     }
 }
+
+/// Channel counts (NHWC side) up to which reformats run one thread per pixel (`SMALL_C` in
+/// kernels/reformat.cu).
+const SMALL_CHANNELS: usize = 8;
 
 /// A layer converting `src` to `dst`, deciding from their descriptions: NCHW -> NHWC (the
 /// engine's input; `dst` may have more channels than `src`, padded with zeros), NHWC -> NCHW
@@ -488,8 +500,10 @@ pub fn reformat_layer(ctx: &mut BuildCtx, src: ValueId, dst: ValueId, path: &str
             _ => return Err(fail(format!("no reformat from {:?} {:?} to {:?} {:?}", s.layout, s.dims, d.layout, d.dims))),
         };
         let int = |v: usize| i32::try_from(v).map_err(|_| fail(format!("{v} exceeds the kernels' 32-bit range")));
-        (format!("{name}_{pair}"), Some((int(c)?, int(hw)?, int(cs)?)))
+        let small = if cs <= SMALL_CHANNELS { "_small" } else { "" };
+        (format!("{name}{small}_{pair}"), Some((int(c)?, int(hw)?, int(cs)?)))
     };
+    let small = transpose.is_some_and(|(_, _, cs)| cs as usize <= SMALL_CHANNELS);
     let f = ctx.kernels.get(&entry)?;
     Ok(Box::new(ReformatLayer {
         path: path.to_string(),
@@ -498,6 +512,7 @@ pub fn reformat_layer(ctx: &mut BuildCtx, src: ValueId, dst: ValueId, path: &str
         src,
         dst,
         transpose,
+        small,
         per_image: d.per_image_elems(),
         sm_count: ctx.kernels.sm_count(),
     }))
@@ -537,6 +552,7 @@ fn flatten_transpose(ctx: &mut BuildCtx, node: NodeId, x: ValueId, y: ValueId, p
         src: x,
         dst: y,
         transpose: Some((c, hw, c)),
+        small: false,
         per_image: ctx.value(y).per_image_elems(),
         sm_count: ctx.kernels.sm_count(),
     }))
@@ -552,7 +568,7 @@ pub fn entry_points() -> Vec<String> {
             names.push(format!("{k}_{t}"));
         }
         for u in ["f32", "f16"] {
-            for k in ["nchw_to_nhwc", "nhwc_to_nchw", "cast", "decode_boxes"] {
+            for k in ["nchw_to_nhwc", "nhwc_to_nchw", "nchw_to_nhwc_small", "nhwc_to_nchw_small", "cast", "decode_boxes"] {
                 names.push(format!("{k}_{t}_{u}"));
             }
         }
