@@ -91,7 +91,8 @@ fn check_op(name: &str, dims: &[usize], sources: &[Option<&str>], f: impl Fn(&Te
             let engine = build(&gpu, &graph, config);
             let kinds: Vec<String> = engine.layers().map(|l| l.kind()).collect();
             // Channel padding exists only for FP16 (tensor cores); elsewhere the layer keeps its own kinds.
-            let applies = |s: &str| !s.starts_with("pad") || precision == Precision::Fp16;
+            // So does im2col + GEMM (few input channels, FP16 only).
+            let applies = |s: &str| !(s.starts_with("pad") || s.starts_with("im2col")) || precision == Precision::Fp16;
             if let Some(s) = source.filter(|s| applies(s)) {
                 assert!(kinds.iter().any(|k| k.starts_with(s)), "{name}: asked for {s}, engine has {kinds:?}");
             }
@@ -111,6 +112,9 @@ fn check_op(name: &str, dims: &[usize], sources: &[Option<&str>], f: impl Fn(&Te
 const ANY: &[Option<&str>] = &[None];
 /// Every implementation of a forward convolution.
 const CONV_SOURCES: &[Option<&str>] = &[Some("cudnn-fused"), Some("cudnn-conv")];
+/// A convolution on fewer than 8 input channels also runs on a zero-padded input (FP16) and as
+/// im2col + cuBLASLt GEMM (FP16).
+const STEM_SOURCES: &[Option<&str>] = &[Some("cudnn-fused"), Some("cudnn-conv"), Some("pad8"), Some("im2col")];
 /// A stride-1 1×1 convolution also runs as a cuBLASLt GEMM.
 const POINTWISE_SOURCES: &[Option<&str>] = &[Some("cublaslt"), Some("cudnn-fused"), Some("cudnn-conv")];
 
@@ -133,9 +137,11 @@ fn conv2d_variants() {
     check_op(
         "conv 7x7 s2 p3 stem (3 channels)",
         &[3, 32, 32],
-        CONV_SOURCES,
+        STEM_SOURCES,
         conv(Conv2dConfig::new(3, 64, 7).stride(2).padding(3).bias(false)),
     );
+    let stem_relu = |x: &Tensor, vb: VarBuilder| Conv2d::load(vb.pp("conv"), &Conv2dConfig::new(5, 24, 5).padding(2))?.forward(x)?.relu();
+    check_op("conv 5x5 p2 + bias + relu (5 channels)", &[5, 15, 17], STEM_SOURCES, stem_relu);
     check_op("conv 1x1 s2 downsample", &[32, 14, 14], CONV_SOURCES, conv(Conv2dConfig::new(32, 64, 1).stride(2).bias(false)));
     check_op("conv 1x1 s1 (GEMM)", &[64, 7, 9], POINTWISE_SOURCES, conv(Conv2dConfig::new(64, 48, 1)));
 }

@@ -19,10 +19,10 @@ use std::mem::size_of;
 use std::sync::{Arc, Mutex};
 
 /// Workspace offered to cuBLASLt's heuristic (kernels with split-K need some).
-const GEMM_WORKSPACE: usize = 32 << 20;
+pub(super) const GEMM_WORKSPACE: usize = 32 << 20;
 
-struct MatDesc(sys::cublasLtMatmulDesc_t);
-struct MatLayout(sys::cublasLtMatrixLayout_t);
+pub(super) struct MatDesc(pub(super) sys::cublasLtMatmulDesc_t);
+pub(super) struct MatLayout(pub(super) sys::cublasLtMatrixLayout_t);
 // Host-side descriptors, immutable after set-up.
 unsafe impl Send for MatDesc {}
 unsafe impl Sync for MatDesc {}
@@ -39,7 +39,7 @@ impl Drop for MatLayout {
     }
 }
 
-fn cuda_type(elem: Elem) -> sys::cudaDataType {
+pub(super) fn cuda_type(elem: Elem) -> sys::cudaDataType {
     match elem {
         Elem::F32 => sys::cudaDataType::CUDA_R_32F,
         Elem::F16 => sys::cudaDataType::CUDA_R_16F,
@@ -47,14 +47,14 @@ fn cuda_type(elem: Elem) -> sys::cudaDataType {
 }
 
 /// FP32 must not use TF32; TF32 may; FP16 accumulates in f32.
-fn compute_type(p: Precision) -> sys::cublasComputeType_t {
+pub(super) fn compute_type(p: Precision) -> sys::cublasComputeType_t {
     match p {
         Precision::Fp32 | Precision::Fp16 => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
         Precision::Tf32 => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
     }
 }
 
-unsafe fn set_attr<T>(d: sys::cublasLtMatmulDesc_t, attr: sys::cublasLtMatmulDescAttributes_t, v: &T) -> Result<()> {
+pub(super) unsafe fn set_attr<T>(d: sys::cublasLtMatmulDesc_t, attr: sys::cublasLtMatmulDescAttributes_t, v: &T) -> Result<()> {
     lt::set_matmul_desc_attribute(d, attr, v as *const T as *const c_void, size_of::<T>())
         .map_err(cuda_err("cublasLtMatmulDescSetAttribute"))
 }

@@ -17,6 +17,7 @@ pub mod exec;
 pub mod file;
 pub mod gemm;
 pub mod gpu;
+pub mod im2col;
 pub mod kernel_layers;
 pub mod kernels;
 pub mod layer;

@@ -441,6 +441,18 @@ fn gpu_conv2d(ctx: &mut crate::engine::BuildCtx, node: crate::NodeId) -> Result<
         let spec = GemmSpec { x, y, residual, rows_per_image: h * wd, weight: &w.data, bias, relu: a.act == Activation::Relu };
         candidates.push(Box::new(GemmLayer::new(ctx, node, spec)?));
     }
+    // Few input channels (the stem): im2col + GEMM competes too (engine::im2col decides where it applies).
+    if let [k, c, r, s] = w.shape[..] {
+        let zeros;
+        let bias = if a.bias {
+            ctx.weight(node, 2)?.data.as_slice()
+        } else {
+            zeros = vec![0f32; k];
+            zeros.as_slice()
+        };
+        let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
+        candidates.extend(crate::engine::im2col::candidates(ctx, node, &a, &w.data, [k, c, r, s], bias, x, y, a.residual)?);
+    }
     ctx.choose(&key, candidates)
 }
 

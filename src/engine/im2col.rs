@@ -1,0 +1,264 @@
+//! A convolution with few input channels (the 3-channel stem of ResNet and CenterNet) as im2col
+//! plus one cuBLASLt GEMM, offered as one more timed candidate beside cuDNN's (FP16 only).
+//!
+//! cuDNN runs a 7×7 conv on 3 channels padded to 8 at a small fraction of the tensor cores'
+//! speed. In NHWC, the column matrix `[N·HO·WO, KP]` (K = KH·KW·Cin in (r, s, c) order, padded
+//! to a multiple of 8) times the `[Cout, KP]` weights is the NHWC output, with bias and ReLU in
+//! the GEMM's epilogue (`kernels/im2col.cu` writes the columns). The column matrix is built in
+//! chunks of rows in a scratch buffer, so a large batch does not need it whole.
+
+use super::gemm::{compute_type, cuda_type, set_attr, MatDesc, MatLayout, GEMM_WORKSPACE};
+use super::gpu::cuda_err;
+use super::kernel_layers::{grid_for, launch, KArg, BLOCK};
+use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, RunCtx, ValueId};
+use crate::graph::{Activation, ConvAttrs, NodeId};
+use crate::{Error, Result};
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys;
+use cudarc::driver::CudaFunction;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::mem::size_of;
+use std::sync::{Arc, Mutex};
+
+/// `kernels/im2col.cu`, compiled with NVRTC on first use like Kiln's other kernels.
+pub const IM2COL_CU: &str = include_str!("../../kernels/im2col.cu");
+
+/// Columns the kernel's shared offset table holds (`IM2COL_MAX_K`).
+const MAX_K: usize = 1024;
+
+/// Largest column-matrix chunk of each candidate: a small one stays closer to L2 between the
+/// im2col and the GEMM, a large one launches less; timing picks.
+const CHUNK_BYTES: [usize; 2] = [48 << 20, 256 << 20];
+
+struct Plan {
+    a: MatLayout,
+    b: MatLayout,
+    c: MatLayout,
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+// Host-side descriptors, immutable after set-up.
+unsafe impl Send for Plan {}
+unsafe impl Sync for Plan {}
+
+/// Everything the candidates of one node share.
+struct Shared {
+    path: String,
+    x: ValueId,
+    y: ValueId,
+    col: ValueId,
+    /// Bytes of `col` per image of the run's batch (the arena holds at least `batch` times this).
+    col_bytes_per_image: usize,
+    rows_per_image: usize,
+    /// H, W, C, HO, WO, KH, KW, sh, sw, ph, pw, dh, dw, KP as the kernel takes them.
+    dims: [i32; 14],
+    kp: usize,
+    cout: usize,
+    im2col: CudaFunction,
+    _w: DeviceBuf,
+    _b: DeviceBuf,
+    w_ptr: u64,
+    desc: MatDesc,
+    /// cuBLASLt plans by GEMM rows (a chunk, or a batch's last partial chunk).
+    plans: Mutex<HashMap<usize, Arc<Plan>>>,
+    sm_count: u32,
+}
+
+/// One candidate: im2col + GEMM with column chunks of at most `chunk_bytes`.
+pub struct Im2colGemm {
+    shared: Arc<Shared>,
+    chunk_bytes: usize,
+}
+
+/// The im2col + GEMM candidates for a conv node, or none where they do not apply: FP16 only,
+/// no groups, no residual, fewer than 8 input channels (where cuDNN's tensor-core kernels need
+/// padding), output channels a multiple of 8 (cuBLASLt's aligned rows), K up to [`MAX_K`].
+#[allow(clippy::too_many_arguments)]
+pub fn candidates(
+    ctx: &mut BuildCtx,
+    node: NodeId,
+    a: &ConvAttrs,
+    weight: &[f32],
+    shape4: [usize; 4],
+    bias: &[f32],
+    x: ValueId,
+    y: ValueId,
+    residual: bool,
+) -> Result<Vec<Box<dyn Layer>>> {
+    let (cin, h, w) = ctx.value(x).chw().ok_or_else(|| ctx.err(node, "input is not an image".into()))?;
+    let (cout, ho, wo) = ctx.value(y).chw().ok_or_else(|| ctx.err(node, "output is not an image".into()))?;
+    let [k_out, k_in, kh, kw] = shape4;
+    let k = kh * kw * cin;
+    let kp = k.next_multiple_of(8);
+    if ctx.elem() != Elem::F16 || a.groups != 1 || residual || cin >= 8 || cout % 8 != 0 || kp > MAX_K || k_out != cout || k_in != cin {
+        return Ok(Vec::new());
+    }
+    if weight.len() != cout * k || bias.len() != cout {
+        return Err(ctx.err(node, format!("weight {} / bias {} values for a {shape4:?} convolution", weight.len(), bias.len())));
+    }
+    let int = |v: usize| i32::try_from(v).map_err(|_| ctx.err(node, format!("{v} exceeds the im2col kernel's 32-bit range")));
+    let dims = [
+        int(h)?,
+        int(w)?,
+        int(cin)?,
+        int(ho)?,
+        int(wo)?,
+        int(kh)?,
+        int(kw)?,
+        int(a.stride[0])?,
+        int(a.stride[1])?,
+        int(a.padding[0])?,
+        int(a.padding[1])?,
+        int(a.dilation[0])?,
+        int(a.dilation[1])?,
+        int(kp)?,
+    ];
+    // Weights as `[Cout, KP]` rows in the columns' (r, s, c) order, zeros in the padding.
+    let mut wcol = vec![0f32; cout * kp];
+    for co in 0..cout {
+        for c in 0..cin {
+            for r in 0..kh {
+                for s in 0..kw {
+                    wcol[co * kp + (r * kw + s) * cin + c] = weight[((co * cin + c) * kh + r) * kw + s];
+                }
+            }
+        }
+    }
+    let elem = ctx.elem();
+    let wbuf = ctx.upload(&wcol)?;
+    let bbuf = ctx.upload(bias)?;
+    let raw = lt::create_matmul_desc(compute_type(ctx.precision()), sys::cudaDataType::CUDA_R_32F)
+        .map_err(cuda_err("cublasLtMatmulDescCreate"))?;
+    let desc = MatDesc(raw);
+    use sys::cublasLtEpilogue_t as E;
+    let epilogue = match a.act {
+        Activation::Relu => E::CUBLASLT_EPILOGUE_RELU_BIAS,
+        Activation::None => E::CUBLASLT_EPILOGUE_BIAS,
+    };
+    use sys::cublasLtMatmulDescAttributes_t as A;
+    unsafe {
+        set_attr(desc.0, A::CUBLASLT_MATMUL_DESC_TRANSA, &1i32)?; // CUBLAS_OP_T
+        set_attr(desc.0, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
+        set_attr(desc.0, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bbuf.ptr())?;
+        set_attr(desc.0, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &cuda_type(elem))?;
+    }
+    // The scratch holds `batch` times its per-image size (the arena sizes it for the max batch,
+    // the tactic timer for the opt batch): the max batch gets the largest chunk, any batch at
+    // least one output row's worth of columns, and never more than its whole column matrix.
+    let rows_per_image = ho * wo;
+    let col_per_image = rows_per_image * kp * elem.size();
+    let max_batch = ctx.config.max_batch.max(1);
+    let biggest = CHUNK_BYTES.iter().copied().max().unwrap_or(0);
+    let col_bytes_per_image = col_per_image.min(biggest.div_ceil(max_batch)).max(kp * elem.size() * wo);
+    let col = ctx.scratch(col_bytes_per_image);
+    ctx.kernels.add_source("im2col.cu", IM2COL_CU)?;
+    let shared = Arc::new(Shared {
+        path: ctx.node(node).path.clone(),
+        x,
+        y,
+        col,
+        col_bytes_per_image,
+        rows_per_image,
+        dims,
+        kp,
+        cout,
+        im2col: ctx.kernels.get("im2col_f16")?,
+        w_ptr: wbuf.ptr(),
+        _w: wbuf,
+        _b: bbuf,
+        desc,
+        plans: Mutex::new(HashMap::new()),
+        sm_count: ctx.kernels.sm_count(),
+    });
+    Ok(CHUNK_BYTES.iter().map(|&chunk_bytes| Box::new(Im2colGemm { shared: shared.clone(), chunk_bytes }) as Box<dyn Layer>).collect())
+}
+
+impl Shared {
+    fn plan(&self, rt: &RunCtx, m: usize) -> Result<Arc<Plan>> {
+        let mut plans = self.plans.lock().map_err(|_| Error::Graph(format!("`{}`: GEMM plan cache poisoned", self.path)))?;
+        if let Some(p) = plans.get(&m) {
+            return Ok(p.clone());
+        }
+        let t = cuda_type(Elem::F16);
+        let layout = |rows: u64, cols: u64, ld: i64| {
+            lt::create_matrix_layout(t, rows, cols, ld).map(MatLayout).map_err(cuda_err("cublasLtMatrixLayoutCreate"))
+        };
+        // Column-major view (as in gemm.rs): Yᵀ[Cout, m] = W[Cout, KP] · colᵀ[KP, m].
+        let a = layout(self.kp as u64, self.cout as u64, self.kp as i64)?;
+        let b = layout(self.kp as u64, m as u64, self.kp as i64)?;
+        let c = layout(self.cout as u64, m as u64, self.cout as i64)?;
+        let pref = lt::create_matmul_pref().map_err(cuda_err("cublasLtMatmulPreferenceCreate"))?;
+        let ws = GEMM_WORKSPACE.min(rt.workspace_bytes);
+        let heuristic = unsafe {
+            let set = lt::set_matmul_pref_attribute(
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &ws as *const usize as *const c_void,
+                size_of::<usize>(),
+            );
+            let h = set.and_then(|_| lt::get_matmul_algo_heuristic(rt.handles.lt, self.desc.0, a.0, b.0, c.0, c.0, pref));
+            let _ = lt::destroy_matmul_pref(pref);
+            h.map_err(|e| Error::Cuda {
+                context: format!("cuBLASLt has no algorithm for `{}` with {m} rows", self.path),
+                reason: format!("{e:?}"),
+            })?
+        };
+        let p = Arc::new(Plan { a, b, c, algo: heuristic.algo });
+        plans.insert(m, p.clone());
+        Ok(p)
+    }
+}
+
+impl Layer for Im2colGemm {
+    fn path(&self) -> &str {
+        &self.shared.path
+    }
+    fn kind(&self) -> String {
+        format!("im2col-gemm:{}MiB", self.chunk_bytes >> 20)
+    }
+    fn workspace_bytes(&self, _batch: usize) -> usize {
+        GEMM_WORKSPACE
+    }
+    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        let s = &self.shared;
+        let row_bytes = s.kp * 2;
+        // The scratch has at least `batch` times its per-image size, whatever batch the arena
+        // (or the tactic timer) sized it for.
+        let chunk_rows = ((s.col_bytes_per_image * batch).min(self.chunk_bytes) / row_bytes).max(1);
+        let total = batch * s.rows_per_image;
+        let (x, y, col) = (rt.ptr(s.x), rt.ptr(s.y), rt.ptr(s.col));
+        let (alpha, beta) = (1f32, 0f32);
+        let mut row0 = 0;
+        while row0 < total {
+            let m = chunk_rows.min(total - row0);
+            let mut args = vec![KArg::Ptr(x), KArg::Ptr(col), KArg::I64(row0 as i64), KArg::I64(m as i64)];
+            args.extend(s.dims.iter().map(|&d| KArg::I32(d)));
+            launch(rt, &s.im2col, grid_for(m * (s.kp / 8), s.sm_count), (BLOCK, 1, 1), 0, &args)?;
+            let p = s.plan(rt, m)?;
+            let yc = y + (row0 * s.cout * 2) as u64;
+            unsafe {
+                lt::matmul(
+                    rt.handles.lt,
+                    s.desc.0,
+                    &alpha as *const f32 as *const c_void,
+                    &beta as *const f32 as *const c_void,
+                    s.w_ptr as *const c_void,
+                    p.a.0,
+                    col as *const c_void,
+                    p.b.0,
+                    yc as *const c_void,
+                    p.c.0,
+                    yc as *mut c_void,
+                    p.c.0,
+                    &p.algo,
+                    rt.workspace as *mut c_void,
+                    GEMM_WORKSPACE.min(rt.workspace_bytes),
+                    rt.stream.cu_stream() as sys::cudaStream_t,
+                )
+            }
+            .map_err(cuda_err("cublasLtMatmul"))?;
+            row0 += m;
+        }
+        Ok(())
+    }
+}
