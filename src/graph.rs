@@ -100,15 +100,15 @@ pub enum Op {
     Weight {
         name: String,
     },
-    /// x, weight [Cout, Cin/g, kh, kw], bias? [Cout], residual? (same shape as the output)
+    /// x, weight `[Cout, Cin/g, kh, kw]`, bias? `[Cout]`, residual? (same shape as the output)
     Conv2d(ConvAttrs),
-    /// x, weight [Cin, Cout/g, kh, kw], bias? [Cout]
+    /// x, weight `[Cin, Cout/g, kh, kw]`, bias? `[Cout]`
     ConvTranspose2d(ConvAttrs),
     /// x, weight, bias, running_mean, running_var
     BatchNorm2d {
         eps: f32,
     },
-    /// x [N, in], weight [out, in], bias? [out]
+    /// x `[N, in]`, weight `[out, in]`, bias? `[out]`
     Linear {
         bias: bool,
     },

@@ -11,7 +11,7 @@
 //! | `running_mean`               | 0.2 · (2u − 1)                          |
 //! | `bias`                       | 0.1 · (2u − 1)                          |
 //! | `weight`, 1-D (norm gamma)   | 0.75 + 0.5 u                            |
-//! | `weight`, ≥ 2-D              | (2u − 1) · √(3 / fan_in), fan_in = numel / shape[0] |
+//! | `weight`, ≥ 2-D              | (2u − 1) · √(3 / fan_in), fan_in = numel / shape\[0\] |
 //! | anything else (inputs)       | 2u − 1                                  |
 //!
 //! All arithmetic is in f64 and rounded to f32 once, so Rust and NumPy agree bit for bit.

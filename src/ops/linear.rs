@@ -25,7 +25,7 @@ impl Default for LinearConfig {
     }
 }
 
-/// `torch.nn.Linear`: `weight` [out, in], `bias` [out].
+/// `torch.nn.Linear`: `weight` `[out, in]`, `bias` `[out]`.
 #[derive(Clone, Debug)]
 pub struct Linear {
     pub path: String,
@@ -49,7 +49,7 @@ impl Forward for Linear {
     }
 }
 
-/// `inputs` = x [N, in], weight [out, in], bias? [out].
+/// `inputs` = x `[N, in]`, weight `[out, in]`, bias? `[out]`.
 pub fn linear_shape(bias: bool, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
     if inputs.len() != 2 + bias as usize {
         return Err(format!("linear expects {} inputs, got {}", 2 + bias as usize, inputs.len()));
