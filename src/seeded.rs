@@ -57,3 +57,22 @@ pub fn weight(name: &str, shape: &[usize]) -> HostTensor {
     let data = (0..numel as u64).map(|i| f(uniform(seed, i)) as f32).collect();
     HostTensor::new(shape.to_vec(), data)
 }
+
+/// Uniform values in [-1, 1) from the stream `seed`: inputs for tests, benches and the CLI.
+pub fn uniform_tensor(shape: &[usize], seed: u64) -> HostTensor {
+    let n: usize = shape.iter().product();
+    HostTensor::new(shape.to_vec(), (0..n as u64).map(|i| (2.0 * uniform(seed, i) - 1.0) as f32).collect())
+}
+
+/// A fresh seed on every call, so tests and runs see new inputs each time; set `KILN_SEED` to
+/// replay a particular run (tests print the seed they used).
+pub fn fresh_seed() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static CALLS: AtomicU64 = AtomicU64::new(0);
+    let call = CALLS.fetch_add(1, Ordering::Relaxed);
+    if let Some(seed) = std::env::var("KILN_SEED").ok().and_then(|s| s.parse::<u64>().ok()) {
+        return seed.wrapping_add(call);
+    }
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    mix(nanos ^ call.wrapping_mul(PHI))
+}

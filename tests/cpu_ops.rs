@@ -5,15 +5,11 @@ use kiln::compare::compare;
 use kiln::graph::{Activation, ConvAttrs, Graph, HostTensor, Op, PoolAttrs};
 use kiln::{cpu, Error};
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// Fresh pseudo-random values in [-1, 1): a new stream per call and per process run.
 fn rand(shape: &[usize]) -> HostTensor {
-    static COUNTER: AtomicUsize = AtomicUsize::new(0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    kiln::seeded::weight(&format!("cpu_ops.{nanos}.{n}.x"), shape)
+    kiln::seeded::uniform_tensor(shape, kiln::seeded::fresh_seed())
 }
 
 /// Positive values in [0.5, 1.5) (variances).

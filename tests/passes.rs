@@ -6,13 +6,9 @@ use kiln::compare::compare;
 use kiln::graph::{Activation, ConvAttrs, Graph, HostTensor, Op};
 use kiln::{cpu, passes};
 use kiln::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, Forward, Module, Tensor, Tracer, VarBuilder};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 fn rand(shape: &[usize]) -> HostTensor {
-    static COUNTER: AtomicUsize = AtomicUsize::new(0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    kiln::seeded::weight(&format!("passes.{nanos}.{n}.x"), shape)
+    kiln::seeded::uniform_tensor(shape, kiln::seeded::fresh_seed())
 }
 
 /// Runs both graphs on the same random input (batch `batch`) and checks every output agrees.

@@ -119,7 +119,7 @@ fn engine_input(engine: &Engine, batch: usize) -> Result<HostTensor> {
     let (_, dims) = engine.inputs().into_iter().next().ok_or_else(|| Error::Graph("the engine has no input".into()))?;
     let mut shape = vec![batch];
     shape.extend_from_slice(dims);
-    Ok(common::random_input(&shape, common::clock_seed()))
+    Ok(kiln::seeded::uniform_tensor(&shape, kiln::seeded::fresh_seed()))
 }
 
 pub fn bench(a: BenchArgs) -> Result<ExitCode> {
@@ -136,7 +136,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         for &batch in &a.batch {
             let traced = common::trace(&a.model, a.weights.as_deref(), false, batch, a.size)?;
             let graph = kiln::passes::optimize(&traced.graph)?;
-            let x = common::random_input(&[batch, 3, traced.size, traced.size], common::clock_seed());
+            let x = kiln::seeded::uniform_tensor(&[batch, 3, traced.size, traced.size], kiln::seeded::fresh_seed());
             let (times, total) = time_loop(warmup, a.iterations, duration, || kiln::cpu::run(&graph, &[("input", &x)]).map(|_| ()))?;
             let mut r = record(&traced.name, batch, traced.size, "cpu-f32", "cpu", times, total);
             r.device = "CPU executor".into();

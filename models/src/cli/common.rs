@@ -51,20 +51,6 @@ pub fn trace_args(m: &ModelArgs, batch: usize) -> Result<Traced> {
     trace(&m.model, m.weights.as_deref(), m.strict, batch, m.size)
 }
 
-/// A uniform random input in [-1, 1) from `seed` (the seeded generator's stream, so it is cheap
-/// and reproducible).
-pub fn random_input(shape: &[usize], seed: u64) -> HostTensor {
-    let n: usize = shape.iter().product();
-    let data = (0..n as u64).map(|i| (2.0 * kiln::seeded::uniform(seed, i) - 1.0) as f32).collect();
-    HostTensor::new(shape.to_vec(), data)
-}
-
-/// A seed from the clock, so every run sees a fresh input.
-pub fn clock_seed() -> u64 {
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-    kiln::seeded::mix(now.as_nanos() as u64)
-}
-
 /// Reads an input tensor from a safetensors file: the tensor named `input`, or its only tensor.
 pub fn read_input(path: &Path) -> Result<HostTensor> {
     let mut tensors = kiln::var_builder::read_safetensors(path)?;
@@ -271,9 +257,9 @@ mod tests {
 
     #[test]
     fn random_inputs_are_reproducible_by_seed() {
-        let (a, b) = (random_input(&[1, 3, 2, 2], 5), random_input(&[1, 3, 2, 2], 5));
+        let (a, b) = (kiln::seeded::uniform_tensor(&[1, 3, 2, 2], 5), kiln::seeded::uniform_tensor(&[1, 3, 2, 2], 5));
         assert_eq!(a, b);
-        assert_ne!(a, random_input(&[1, 3, 2, 2], 6));
+        assert_ne!(a, kiln::seeded::uniform_tensor(&[1, 3, 2, 2], 6));
         assert!(a.data.iter().all(|v| (-1.0..1.0).contains(v)));
     }
 }

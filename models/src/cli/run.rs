@@ -28,8 +28,8 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     let (input, origin) = match input {
         Some(x) => (x, origin),
         None => {
-            let seed = a.seed.unwrap_or_else(common::clock_seed);
-            (common::random_input(&[batch, 3, traced.size, traced.size], seed), format!("random input, --seed {seed}"))
+            let seed = a.seed.unwrap_or_else(kiln::seeded::fresh_seed);
+            (kiln::seeded::uniform_tensor(&[batch, 3, traced.size, traced.size], seed), format!("random input, --seed {seed}"))
         }
     };
     let weights = a.model.weights.as_ref().map_or("seeded weights".to_string(), |p| format!("weights {}", p.display()));
