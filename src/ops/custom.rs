@@ -10,10 +10,13 @@ use std::sync::OnceLock;
 
 pub type Attrs = BTreeMap<String, f64>;
 
+/// A shape rule: output shape from the attributes and input shapes, or why they do not fit.
+pub type ShapeRule = fn(&Attrs, &[&[usize]]) -> Result<Vec<usize>, String>;
+
 /// A custom op's registration: its name, shape rule and CPU reference.
 pub struct CustomOp {
     pub name: &'static str,
-    pub infer_shape: fn(&Attrs, &[&[usize]]) -> Result<Vec<usize>, String>,
+    pub infer_shape: ShapeRule,
     pub cpu: fn(&Attrs, &[&HostTensor]) -> Result<HostTensor>,
 }
 
