@@ -301,6 +301,8 @@ mod gpu {
     pub struct DecodeLayer {
         path: String,
         select: CudaFunction,
+        tile_max: CudaFunction,
+        threshold: CudaFunction,
         merge: CudaFunction,
         boxes: CudaFunction,
         hm: ValueId,
@@ -309,6 +311,9 @@ mod gpu {
         out: ValueId,
         /// Ping-pong key lists of the selection passes.
         keys: [ValueId; 2],
+        /// Per-tile lower bounds of the largest key and the per-image threshold of the pre-filter.
+        maxima: ValueId,
+        thr: ValueId,
         /// H, W, C of the heatmap.
         hwc: [usize; 3],
         k: usize,
@@ -331,8 +336,14 @@ mod gpu {
             })?;
             let k = self.k as i32;
             let mut t = tiles(h * w * c);
-            let args = [KArg::Ptr(rt.ptr(self.hm)), KArg::I32(h as i32), KArg::I32(w as i32), KArg::I32(c as i32), KArg::I32(k)];
-            launch(rt, &self.select, (t as u32, n, 1), (THREADS, 1, 1), 0, &[&args[..], &[KArg::Ptr(rt.ptr(self.keys[0]))]].concat())?;
+            let hm = [KArg::Ptr(rt.ptr(self.hm)), KArg::I32(h as i32), KArg::I32(w as i32), KArg::I32(c as i32)];
+            let (maxima, thr) = (KArg::Ptr(rt.ptr(self.maxima)), KArg::Ptr(rt.ptr(self.thr)));
+            // Pre-filter: a per-image threshold from lower bounds of the tiles' best keys, so the
+            // selection scores peaks and sorts keys only at or above it (decode.cu).
+            launch(rt, &self.tile_max, (t as u32, n, 1), (THREADS, 1, 1), 0, &[&hm[..], &[maxima]].concat())?;
+            launch(rt, &self.threshold, (n, 1, 1), (THREADS, 1, 1), 0, &[maxima, KArg::I32(t as i32), KArg::I32(k), thr])?;
+            let sel = [&hm[..], &[KArg::I32(k), thr, KArg::Ptr(rt.ptr(self.keys[0]))]].concat();
+            launch(rt, &self.select, (t as u32, n, 1), (THREADS, 1, 1), 0, &sel)?;
             let (mut src, mut dst) = (self.keys[0], self.keys[1]);
             while t > 1 {
                 let len = t * self.k;
@@ -379,13 +390,18 @@ mod gpu {
         ctx.set_output_elem(Elem::F32)?;
         let (e, o) = (dh.elem.suffix(), ctx.value(out).elem.suffix());
         let select = ctx.kernels.get(&format!("decode_select_{e}"))?;
+        let tile_max = ctx.kernels.get(&format!("decode_tile_max_{e}"))?;
+        let threshold = ctx.kernels.get("decode_threshold")?;
         let merge = ctx.kernels.get("decode_merge")?;
         let boxes = ctx.kernels.get(&format!("decode_boxes_{e}_{o}"))?;
         let key_bytes = tiles(h * w * c) * k * 8;
         let keys = [ctx.scratch(key_bytes), ctx.scratch(key_bytes)];
+        let (maxima, thr) = (ctx.scratch(tiles(h * w * c) * 8), ctx.scratch(8));
         Ok(Box::new(DecodeLayer {
             path: ctx.node(node).path.clone(),
             select,
+            tile_max,
+            threshold,
             merge,
             boxes,
             hm,
@@ -393,6 +409,8 @@ mod gpu {
             reg,
             out,
             keys,
+            maxima,
+            thr,
             hwc: [h, w, c],
             k,
             sm_count: ctx.kernels.sm_count(),

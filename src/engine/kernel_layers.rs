@@ -562,9 +562,18 @@ fn flatten_transpose(ctx: &mut BuildCtx, node: NodeId, x: ValueId, y: ValueId, p
 pub fn entry_points() -> Vec<String> {
     let mut names = Vec::new();
     for t in ["f32", "f16"] {
-        for k in
-            ["activation", "add", "mul", "bias_act", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "concat_channels", "decode_select"]
-        {
+        for k in [
+            "activation",
+            "add",
+            "mul",
+            "bias_act",
+            "max_pool2d",
+            "avg_pool2d",
+            "adaptive_avg_pool2d",
+            "concat_channels",
+            "decode_select",
+            "decode_tile_max",
+        ] {
             names.push(format!("{k}_{t}"));
         }
         for u in ["f32", "f16"] {
@@ -574,6 +583,7 @@ pub fn entry_points() -> Vec<String> {
         }
     }
     names.push("decode_merge".into());
+    names.push("decode_threshold".into());
     names
 }
 
