@@ -76,3 +76,14 @@ pub fn fresh_seed() -> u64 {
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
     mix(nanos ^ call.wrapping_mul(PHI))
 }
+
+/// One fresh seed per process (see [`fresh_seed`]), printed once so a failing test run can be
+/// replayed with `KILN_SEED`.
+pub fn run_seed() -> u64 {
+    static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *SEED.get_or_init(|| {
+        let seed = fresh_seed();
+        println!("random inputs from seed {seed} (KILN_SEED={seed} replays them)");
+        seed
+    })
+}

@@ -24,20 +24,11 @@ fn gpu() -> Option<Arc<Gpu>> {
     }
 }
 
-/// splitmix64: reproducible inputs without a dependency.
-fn random(shape: &[usize], seed: u64, scale: f32) -> HostTensor {
-    let mut s = seed.wrapping_mul(0x9e3779b97f4a7c15) ^ 0x5851f42d4c957f2d;
-    let data = (0..shape.iter().product::<usize>())
-        .map(|_| {
-            s = s.wrapping_add(0x9e3779b97f4a7c15);
-            let mut z = s;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
-            z ^= z >> 31;
-            ((z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect();
-    HostTensor::new(shape.to_vec(), data)
+/// Uniform inputs in [-scale, scale), fresh every run (`KILN_SEED` replays), one stream per `stream`.
+fn random(shape: &[usize], stream: u64, scale: f32) -> HostTensor {
+    let mut t = kiln::seeded::uniform_tensor(shape, kiln::seeded::run_seed().wrapping_add(stream));
+    t.data.iter_mut().for_each(|v| *v *= scale);
+    t
 }
 
 /// Rounds to f16 and back: what an FP16 engine sees of an input.

@@ -72,7 +72,7 @@ impl Conv2dConfig {
     }
 }
 
-/// `torch.nn.Conv2d`: parameters `weight` [out, in/groups, k, k] and `bias` [out].
+/// `torch.nn.Conv2d`: parameters `weight` `[out, in/groups, k, k]` and `bias` `[out]`.
 #[derive(Clone, Debug)]
 pub struct Conv2d {
     pub path: String,
@@ -97,7 +97,7 @@ impl Forward for Conv2d {
     }
 }
 
-/// `torch.nn.ConvTranspose2d`: parameters `weight` [in, out/groups, k, k] and `bias` [out].
+/// `torch.nn.ConvTranspose2d`: parameters `weight` `[in, out/groups, k, k]` and `bias` `[out]`.
 #[derive(Clone, Debug)]
 pub struct ConvTranspose2d {
     pub path: String,
