@@ -72,7 +72,7 @@ pub struct Im2colGemm {
 
 /// The im2col + GEMM candidates for a conv node, or none where they do not apply: FP16 only,
 /// no groups, no residual, fewer than 8 input channels (where cuDNN's tensor-core kernels need
-/// padding), output channels a multiple of 8 (cuBLASLt's aligned rows), K up to [`MAX_K`].
+/// padding), output channels a multiple of 8 (cuBLASLt's aligned rows), K up to `MAX_K` (1024).
 #[allow(clippy::too_many_arguments)]
 pub fn candidates(
     ctx: &mut BuildCtx,
