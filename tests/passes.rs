@@ -380,3 +380,19 @@ fn time_models_cpu() {
         }
     }
 }
+
+/// CenterNet's upsampler (transposed conv → BN → ReLU, three times) ends up as three transposed
+/// convs with folded BN and fused ReLU: no BatchNorm and no ReLU reading a transposed conv remain,
+/// so the engine needs no rewrite of its own.
+#[test]
+fn centernet_upsampler_is_fully_fused() {
+    let g = kiln_models::trace("centernet", VarBuilder::seeded(), 1, 64).expect("trace");
+    let o = passes::optimize(&g).expect("optimize");
+    assert_well_formed(&o);
+    assert_eq!(count(&o, "batch_norm2d"), 0, "{}", o.to_text());
+    let deconvs: Vec<&ConvAttrs> = o.nodes.iter().filter_map(|n| if let Op::ConvTranspose2d(a) = &n.op { Some(a) } else { None }).collect();
+    assert_eq!(deconvs.len(), 3);
+    assert!(deconvs.iter().all(|a| a.act == Activation::Relu && a.bias), "{deconvs:?}");
+    let relu_after_deconv = o.nodes.iter().any(|n| matches!(n.op, Op::Relu) && matches!(o.nodes[n.inputs[0]].op, Op::ConvTranspose2d(_)));
+    assert!(!relu_after_deconv, "{}", o.to_text());
+}

@@ -126,7 +126,6 @@ impl EngineBuilder {
         self.config.validate()?;
         check_converters(graph)?;
         let optimized = crate::passes::optimize(graph)?;
-        let optimized = fuse_transposed_relu(&optimized);
         check_converters(&optimized)?;
         let gpu = match &self.gpu {
             Some(g) => g.clone(),
@@ -150,40 +149,6 @@ impl EngineBuilder {
 pub(crate) fn cache_prefix(gpu: &Gpu, config: &BuildConfig) -> String {
     let sources = config.tactic_sources.as_ref().map(|s| format!("|only:{}", s.join(","))).unwrap_or_default();
     format!("{}|sm{}|cudnn{}|{:?}|b{}{sources}", gpu.info.name, gpu.info.sm, gpu.info.cudnn_version, config.precision, config.opt_batch)
-}
-
-/// ConvTranspose2d read only by a ReLU takes the ReLU as its fused activation (the graph passes
-/// fuse only Conv2d; the engine's transposed-conv layer applies the activation in place).
-fn fuse_transposed_relu(graph: &Graph) -> Graph {
-    let mut g = graph.clone();
-    let uses = g.use_counts();
-    let outputs: Vec<usize> = g.outputs.iter().map(|(_, id)| *id).collect();
-    for relu in 0..g.nodes.len() {
-        if !matches!(g.nodes[relu].op, Op::Relu) {
-            continue;
-        }
-        let src = g.nodes[relu].inputs[0];
-        let Op::ConvTranspose2d(mut attrs) = g.nodes[src].op else { continue };
-        if uses[src] != 1 || outputs.contains(&src) || attrs.act != Activation::None {
-            continue;
-        }
-        attrs.act = Activation::Relu;
-        g.nodes[src].op = Op::ConvTranspose2d(attrs);
-        // The ReLU becomes a reshape-free identity: readers of the ReLU read the conv.
-        for n in g.nodes.iter_mut() {
-            for i in n.inputs.iter_mut() {
-                if *i == relu {
-                    *i = src;
-                }
-            }
-        }
-        for (_, o) in g.outputs.iter_mut() {
-            if *o == relu {
-                *o = src;
-            }
-        }
-    }
-    crate::passes::remove_dead_nodes(&g).unwrap_or(g)
 }
 
 /// Lowers an optimised graph to an engine (build and load share this).
