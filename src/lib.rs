@@ -24,7 +24,7 @@ pub mod var_builder;
 pub use error::{Error, Result};
 pub use graph::{Activation, ConvAttrs, DType, Graph, HostTensor, Node, NodeId, Op, PoolAttrs};
 pub use kiln_macros::Module;
-pub use module::{Forward, Module, Sequential};
+pub use module::{Dropout, Forward, Identity, Module, Sequential};
 pub use ops::conv::{Conv2d, Conv2dConfig, ConvTranspose2d};
 pub use ops::elementwise::{LeakyReLU, LeakyReLUConfig, ReLU, Sigmoid};
 pub use ops::linear::{Linear, LinearConfig};

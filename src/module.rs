@@ -67,3 +67,38 @@ impl<T: Forward> Forward for Box<T> {
         (**self).forward(x)
     }
 }
+
+/// `torch.nn.Identity`: returns its input; records nothing.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Identity;
+
+impl Module for Identity {
+    type Config = ();
+    fn load(_vb: VarBuilder, _config: &()) -> Result<Self> {
+        Ok(Self)
+    }
+}
+
+impl Forward for Identity {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.clone())
+    }
+}
+
+/// `torch.nn.Dropout(p)` (and `StochasticDepth`): the identity at inference, so nothing is
+/// recorded. The config is the drop probability, kept for readers of the model file.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Dropout;
+
+impl Module for Dropout {
+    type Config = f32;
+    fn load(_vb: VarBuilder, _p: &f32) -> Result<Self> {
+        Ok(Self)
+    }
+}
+
+impl Forward for Dropout {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.clone())
+    }
+}
