@@ -54,18 +54,41 @@ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_c
 
 #define GRID_STRIDE(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)(n); i += (i64)blockDim.x * gridDim.x)
 
-// Activation codes shared with src/engine/kernel_layers.rs (`KernelAct`).
+// Unary op codes shared with src/ops/elementwise.rs (`Unary::kernel_code`); p0, p1 are its
+// parameters (slope; clamp bounds; affine scale and shift).
 #define ACT_NONE 0
 #define ACT_RELU 1
 #define ACT_LEAKY 2
 #define ACT_SIGMOID 3
+#define ACT_SILU 4
+#define ACT_HARDSWISH 5
+#define ACT_HARDSIGMOID 6
+#define ACT_GELU 7
+#define ACT_GELU_TANH 8
+#define ACT_TANH 9
+#define ACT_ASINH 10
+#define ACT_CLAMP 11
+#define ACT_AFFINE 12
 
-// NaN propagates through ReLU as in PyTorch (`x < 0` is false for NaN).
-__device__ __forceinline__ float apply_act(float v, int act, float slope) {
+__device__ __forceinline__ float relu6f(float v) { return v < 0.f ? 0.f : (v > 6.f ? 6.f : v); }
+
+// NaN propagates as in PyTorch (comparisons with NaN are false, so NaN falls through).
+__device__ __forceinline__ float apply_act2(float v, int act, float p0, float p1) {
     switch (act) {
     case ACT_RELU: return v < 0.f ? 0.f : v;
-    case ACT_LEAKY: return v < 0.f ? v * slope : v;
+    case ACT_LEAKY: return v < 0.f ? v * p0 : v;
     case ACT_SIGMOID: return 1.f / (1.f + expf(-v));
+    case ACT_SILU: return v / (1.f + expf(-v));
+    case ACT_HARDSWISH: return v * relu6f(v + 3.f) * (1.f / 6.f);
+    case ACT_HARDSIGMOID: return relu6f(v + 3.f) * (1.f / 6.f);
+    case ACT_GELU: return 0.5f * v * (1.f + erff(v * 0.70710678118654752f));
+    case ACT_GELU_TANH: return 0.5f * v * (1.f + tanhf(0.79788456080286536f * (v + 0.044715f * v * v * v)));
+    case ACT_TANH: return tanhf(v);
+    case ACT_ASINH: return asinhf(v);
+    case ACT_CLAMP: return v < p0 ? p0 : (v > p1 ? p1 : v);
+    case ACT_AFFINE: return v * p0 + p1;
     default: return v;
     }
 }
+
+__device__ __forceinline__ float apply_act(float v, int act, float slope) { return apply_act2(v, act, slope, 0.f); }

@@ -4,7 +4,7 @@
 // written by the same thread.
 
 // y = act(x)
-template <typename T> __device__ void activation(const T* x, T* y, i64 n, int act, float slope) {
+template <typename T> __device__ void activation(const T* x, T* y, i64 n, int act, float p0, float p1) {
     typedef Pack<T> P;
     i64 head = 0;
     if (aligned16(x) && aligned16(y)) {
@@ -12,17 +12,30 @@ template <typename T> __device__ void activation(const T* x, T* y, i64 n, int ac
         GRID_STRIDE(v, n / P::N) {
             P p = load_pack(x + v * P::N);
 #pragma unroll
-            for (int k = 0; k < P::N; ++k) p.e[k] = from_f32<T>(apply_act(to_f32(p.e[k]), act, slope));
+            for (int k = 0; k < P::N; ++k) p.e[k] = from_f32<T>(apply_act2(to_f32(p.e[k]), act, p0, p1));
             store_pack(y + v * P::N, p);
         }
     }
-    GRID_STRIDE(i, n - head) { y[head + i] = from_f32<T>(apply_act(to_f32(x[head + i]), act, slope)); }
+    GRID_STRIDE(i, n - head) { y[head + i] = from_f32<T>(apply_act2(to_f32(x[head + i]), act, p0, p1)); }
 }
 
-// y = act(a + b) or act(a * b)
-template <bool MUL> __device__ __forceinline__ float combine(float a, float b) { return MUL ? a * b : a + b; }
+// Binary op codes shared with src/ops/elementwise.rs (`Binary::kernel_code`).
+#define BIN_ADD 0
+#define BIN_SUB 1
+#define BIN_MUL 2
+#define BIN_DIV 3
 
-template <typename T, bool MUL> __device__ void binary(const T* a, const T* b, T* y, i64 n, int act, float slope) {
+__device__ __forceinline__ float combine(float a, float b, int op) {
+    switch (op) {
+    case BIN_SUB: return a - b;
+    case BIN_MUL: return a * b;
+    case BIN_DIV: return a / b;
+    default: return a + b;
+    }
+}
+
+// y = act(a op b) for two operands of the same shape and layout.
+template <typename T> __device__ void binary(const T* a, const T* b, T* y, i64 n, int op, int act, float slope) {
     typedef Pack<T> P;
     i64 head = 0;
     if (aligned16(a) && aligned16(b) && aligned16(y)) {
@@ -31,13 +44,13 @@ template <typename T, bool MUL> __device__ void binary(const T* a, const T* b, T
             P pa = load_pack(a + v * P::N);
             P pb = load_pack(b + v * P::N);
 #pragma unroll
-            for (int k = 0; k < P::N; ++k) pa.e[k] = from_f32<T>(apply_act(combine<MUL>(to_f32(pa.e[k]), to_f32(pb.e[k])), act, slope));
+            for (int k = 0; k < P::N; ++k) pa.e[k] = from_f32<T>(apply_act(combine(to_f32(pa.e[k]), to_f32(pb.e[k]), op), act, slope));
             store_pack(y + v * P::N, pa);
         }
     }
     GRID_STRIDE(i, n - head) {
         i64 j = head + i;
-        y[j] = from_f32<T>(apply_act(combine<MUL>(to_f32(a[j]), to_f32(b[j])), act, slope));
+        y[j] = from_f32<T>(apply_act(combine(to_f32(a[j]), to_f32(b[j]), op), act, slope));
     }
 }
 
@@ -74,9 +87,10 @@ template <typename T> __device__ void bias_act(const T* x, const float* bias, co
 }
 
 #define ELEMENTWISE(T, S)                                                                                                                    \
-    extern "C" __global__ void activation_##S(const T* x, T* y, i64 n, int act, float slope) { activation<T>(x, y, n, act, slope); }         \
-    extern "C" __global__ void add_##S(const T* a, const T* b, T* y, i64 n, int act, float slope) { binary<T, false>(a, b, y, n, act, slope); } \
-    extern "C" __global__ void mul_##S(const T* a, const T* b, T* y, i64 n, int act, float slope) { binary<T, true>(a, b, y, n, act, slope); }  \
+    extern "C" __global__ void activation_##S(const T* x, T* y, i64 n, int act, float p0, float p1) { activation<T>(x, y, n, act, p0, p1); }   \
+    extern "C" __global__ void binary_##S(const T* a, const T* b, T* y, i64 n, int op, int act, float slope) {                                 \
+        binary<T>(a, b, y, n, op, act, slope);                                                                                               \
+    }                                                                                                                                        \
     extern "C" __global__ void bias_act_##S(const T* x, const float* bias, const T* residual, T* y, i64 rows, int C, int act, float slope) {  \
         bias_act<T>(x, bias, residual, y, rows, C, act, slope);                                                                                \
     }

@@ -9,8 +9,9 @@
 //! Generate from the *traced* graph, not an optimised one: passes create weights (folded
 //! BatchNorm) that no `state_dict` holds.
 
-use crate::graph::{Activation, ConvAttrs, Graph, Op, PoolAttrs};
+use crate::graph::{ConvAttrs, Graph, Op};
 use crate::{Error, Result};
+use serde::Serialize;
 use std::collections::{BTreeSet, HashSet};
 
 /// What to generate.
@@ -191,91 +192,282 @@ fn f32_lit(v: f32) -> String {
     }
 }
 
-fn conv_attrs(a: &ConvAttrs, used: &mut BTreeSet<&'static str>) -> Doc {
-    let d = ConvAttrs::default();
-    let mut fields = Vec::new();
-    let mut arr = |name: &str, v: [usize; 2], dv: [usize; 2]| {
-        if v != dv {
-            fields.push((name.to_string(), array_lit(&v)));
-        }
-    };
-    arr("stride", a.stride, d.stride);
-    arr("padding", a.padding, d.padding);
-    arr("dilation", a.dilation, d.dilation);
-    if a.groups != d.groups {
-        fields.push(("groups".into(), a.groups.to_string()));
-    }
-    if a.output_padding != d.output_padding {
-        fields.push(("output_padding".into(), array_lit(&a.output_padding)));
-    }
-    for (name, v, dv) in [("bias", a.bias, d.bias), ("residual", a.residual, d.residual)] {
-        if v != dv {
-            fields.push((name.into(), v.to_string()));
-        }
-    }
-    if a.act != d.act {
-        used.insert("Activation");
-        let act = match a.act {
-            Activation::None => "Activation::None",
-            Activation::Relu => "Activation::Relu",
-        };
-        fields.push(("act".into(), act.into()));
-    }
-    used.insert("ConvAttrs");
-    if fields.is_empty() {
-        return Doc::Atom("ConvAttrs::default()".into());
-    }
-    Doc::Struct { name: "ConvAttrs".into(), fields, base: Some("ConvAttrs::default()".into()) }
+/// The Rust expression that builds `op`: its serde form written as Rust (`Op::Unary(Unary::Relu)`,
+/// `Op::Conv(ConvAttrs { stride: [2, 2], ..ConvAttrs::default() })`), so every op, built-in or
+/// custom, has codegen without code of its own. Types named in it are added to `used`.
+fn op_expr(op: &Op, used: &mut BTreeSet<&'static str>) -> Result<Doc> {
+    let doc = op.serialize(RustLit { used: &mut *used }).map_err(|e| Error::Graph(format!("codegen: op `{}`: {e}", op.name())))?;
+    Ok(elide_defaults(doc, used))
 }
 
-fn pool_attrs(a: &PoolAttrs, used: &mut BTreeSet<&'static str>) -> Doc {
-    used.insert("PoolAttrs");
-    let fields = vec![
-        ("kernel".into(), array_lit(&a.kernel)),
-        ("stride".into(), array_lit(&a.stride)),
-        ("padding".into(), array_lit(&a.padding)),
-        ("ceil_mode".into(), a.ceil_mode.to_string()),
-        ("count_include_pad".into(), a.count_include_pad.to_string()),
-    ];
-    Doc::Struct { name: "PoolAttrs".into(), fields, base: None }
-}
-
-/// The Rust expression that builds `op`.
-fn op_expr(op: &Op, used: &mut BTreeSet<&'static str>) -> Doc {
-    let call = |head: &str, arg: Doc| Doc::Call { head: head.into(), args: vec![arg], tail: String::new() };
-    let named = |name: &str, fields: Vec<(String, String)>| Doc::Struct { name: name.into(), fields, base: None };
-    match op {
-        Op::Conv2d(a) => call("Op::Conv2d", conv_attrs(a, used)),
-        Op::ConvTranspose2d(a) => call("Op::ConvTranspose2d", conv_attrs(a, used)),
-        Op::BatchNorm2d { eps } => named("Op::BatchNorm2d", vec![("eps".into(), f32_lit(*eps))]),
-        Op::Linear { bias } => named("Op::Linear", vec![("bias".into(), bias.to_string())]),
-        Op::Relu => Doc::Atom("Op::Relu".into()),
-        Op::Sigmoid => Doc::Atom("Op::Sigmoid".into()),
-        Op::Add => Doc::Atom("Op::Add".into()),
-        Op::Mul => Doc::Atom("Op::Mul".into()),
-        Op::LeakyRelu { slope } => named("Op::LeakyRelu", vec![("slope".into(), f32_lit(*slope))]),
-        Op::MaxPool2d(a) => call("Op::MaxPool2d", pool_attrs(a, used)),
-        Op::AvgPool2d(a) => call("Op::AvgPool2d", pool_attrs(a, used)),
-        Op::AdaptiveAvgPool2d { output } => named("Op::AdaptiveAvgPool2d", vec![("output".into(), array_lit(output))]),
-        Op::Flatten { start } => named("Op::Flatten", vec![("start".into(), start.to_string())]),
-        Op::Cat { dim } => named("Op::Cat", vec![("dim".into(), dim.to_string())]),
-        Op::Custom { name, attrs } => {
-            let pairs: Vec<Doc> = attrs.iter().map(|(k, v)| Doc::Atom(format!("({:?}.to_string(), {})", k, float_lit(*v)))).collect();
-            let attrs = Doc::Call {
-                head: "BTreeMap::from".into(),
-                args: vec![Doc::Array { head: String::new(), items: pairs }],
-                tail: String::new(),
-            };
-            used.insert("BTreeMap");
-            Doc::Struct {
-                name: "Op::Custom".into(),
-                fields: vec![("name".into(), format!("{name:?}.to_string()")), ("attrs".into(), attrs.flat())],
-                base: None,
+/// Struct literals of types with a `Default` keep only the fields that differ from it.
+fn elide_defaults(doc: Doc, used: &mut BTreeSet<&'static str>) -> Doc {
+    match doc {
+        Doc::Struct { name, fields, base: None } if name == "ConvAttrs" => {
+            let default = ConvAttrs::default().serialize(RustLit { used: &mut BTreeSet::new() });
+            let Ok(Doc::Struct { fields: defaults, .. }) = default else { return Doc::Struct { name, fields, base: None } };
+            let fields: Vec<(String, String)> = fields.into_iter().filter(|f| !defaults.contains(f)).collect();
+            if fields.is_empty() {
+                return Doc::Atom("ConvAttrs::default()".into());
             }
+            Doc::Struct { name, fields, base: Some("ConvAttrs::default()".into()) }
         }
-        Op::Input { .. } | Op::Weight { .. } => unreachable!("inputs and weights are not recorded ops"),
+        Doc::Call { head, args, tail } => Doc::Call { head, args: args.into_iter().map(|d| elide_defaults(d, used)).collect(), tail },
+        other => other,
     }
 }
+
+/// A serde serializer that writes a value as a Rust expression (`Doc`).
+struct RustLit<'a> {
+    used: &'a mut BTreeSet<&'static str>,
+}
+
+#[derive(Debug)]
+struct LitError(String);
+
+impl std::fmt::Display for LitError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for LitError {}
+
+impl serde::ser::Error for LitError {
+    fn custom<T: std::fmt::Display>(msg: T) -> Self {
+        LitError(msg.to_string())
+    }
+}
+
+/// Items of a sequence, tuple, map or struct being written.
+struct LitItems<'a> {
+    used: &'a mut BTreeSet<&'static str>,
+    head: String,
+    items: Vec<Doc>,
+    fields: Vec<(String, String)>,
+    key: Option<Doc>,
+    kind: ItemsKind,
+}
+
+#[derive(PartialEq)]
+enum ItemsKind {
+    Array,
+    Map,
+    Struct,
+    /// A tuple variant: `Name::Variant(a, b)`.
+    Call,
+}
+
+impl LitItems<'_> {
+    fn finish(self) -> Doc {
+        match self.kind {
+            ItemsKind::Array => Doc::Array { head: self.head, items: self.items },
+            ItemsKind::Map => {
+                self.used.insert("BTreeMap");
+                Doc::Call {
+                    head: "BTreeMap::from".into(),
+                    args: vec![Doc::Array { head: String::new(), items: self.items }],
+                    tail: String::new(),
+                }
+            }
+            ItemsKind::Struct => Doc::Struct { name: self.head, fields: self.fields, base: None },
+            ItemsKind::Call => Doc::Call { head: self.head, args: self.items, tail: String::new() },
+        }
+    }
+}
+
+macro_rules! lit_atoms {
+    ($($method:ident: $t:ty => $f:expr),* $(,)?) => {
+        $(fn $method(self, v: $t) -> std::result::Result<Doc, LitError> {
+            #[allow(clippy::redundant_closure_call)]
+            Ok(Doc::Atom(($f)(v)))
+        })*
+    };
+}
+
+impl<'a> serde::Serializer for RustLit<'a> {
+    type Ok = Doc;
+    type Error = LitError;
+    type SerializeSeq = LitItems<'a>;
+    type SerializeTuple = LitItems<'a>;
+    type SerializeTupleStruct = LitItems<'a>;
+    type SerializeTupleVariant = LitItems<'a>;
+    type SerializeMap = LitItems<'a>;
+    type SerializeStruct = LitItems<'a>;
+    type SerializeStructVariant = LitItems<'a>;
+
+    lit_atoms! {
+        serialize_bool: bool => |v: bool| v.to_string(),
+        serialize_i8: i8 => |v: i8| v.to_string(),
+        serialize_i16: i16 => |v: i16| v.to_string(),
+        serialize_i32: i32 => |v: i32| v.to_string(),
+        serialize_i64: i64 => |v: i64| v.to_string(),
+        serialize_u8: u8 => |v: u8| v.to_string(),
+        serialize_u16: u16 => |v: u16| v.to_string(),
+        serialize_u32: u32 => |v: u32| v.to_string(),
+        serialize_u64: u64 => |v: u64| v.to_string(),
+        serialize_f32: f32 => f32_lit,
+        serialize_f64: f64 => float_lit,
+        serialize_char: char => |v: char| format!("{v:?}"),
+        serialize_str: &str => |v: &str| format!("{v:?}.to_string()"),
+    }
+    fn serialize_bytes(self, v: &[u8]) -> std::result::Result<Doc, LitError> {
+        Ok(Doc::Atom(format!("{v:?}.to_vec()")))
+    }
+    fn serialize_none(self) -> std::result::Result<Doc, LitError> {
+        Ok(Doc::Atom("None".into()))
+    }
+    fn serialize_some<T: ?Sized + serde::Serialize>(self, value: &T) -> std::result::Result<Doc, LitError> {
+        Ok(Doc::Call { head: "Some".into(), args: vec![value.serialize(self)?], tail: String::new() })
+    }
+    fn serialize_unit(self) -> std::result::Result<Doc, LitError> {
+        Ok(Doc::Atom("()".into()))
+    }
+    fn serialize_unit_struct(self, name: &'static str) -> std::result::Result<Doc, LitError> {
+        self.used.insert(name);
+        Ok(Doc::Atom(name.into()))
+    }
+    fn serialize_unit_variant(self, name: &'static str, _i: u32, variant: &'static str) -> std::result::Result<Doc, LitError> {
+        self.used.insert(name);
+        Ok(Doc::Atom(format!("{name}::{variant}")))
+    }
+    fn serialize_newtype_struct<T: ?Sized + serde::Serialize>(self, name: &'static str, value: &T) -> std::result::Result<Doc, LitError> {
+        self.used.insert(name);
+        Ok(Doc::Call { head: name.into(), args: vec![value.serialize(self)?], tail: String::new() })
+    }
+    fn serialize_newtype_variant<T: ?Sized + serde::Serialize>(
+        self,
+        name: &'static str,
+        _i: u32,
+        variant: &'static str,
+        value: &T,
+    ) -> std::result::Result<Doc, LitError> {
+        self.used.insert(name);
+        Ok(Doc::Call { head: format!("{name}::{variant}"), args: vec![value.serialize(self)?], tail: String::new() })
+    }
+    fn serialize_seq(self, _len: Option<usize>) -> std::result::Result<LitItems<'a>, LitError> {
+        Ok(LitItems { used: self.used, head: "vec!".into(), items: vec![], fields: vec![], key: None, kind: ItemsKind::Array })
+    }
+    fn serialize_tuple(self, _len: usize) -> std::result::Result<LitItems<'a>, LitError> {
+        Ok(LitItems { used: self.used, head: String::new(), items: vec![], fields: vec![], key: None, kind: ItemsKind::Array })
+    }
+    fn serialize_tuple_struct(self, name: &'static str, _len: usize) -> std::result::Result<LitItems<'a>, LitError> {
+        self.used.insert(name);
+        Ok(LitItems { used: self.used, head: name.into(), items: vec![], fields: vec![], key: None, kind: ItemsKind::Call })
+    }
+    fn serialize_tuple_variant(
+        self,
+        name: &'static str,
+        _i: u32,
+        variant: &'static str,
+        _len: usize,
+    ) -> std::result::Result<LitItems<'a>, LitError> {
+        self.used.insert(name);
+        Ok(LitItems {
+            used: self.used,
+            head: format!("{name}::{variant}"),
+            items: vec![],
+            fields: vec![],
+            key: None,
+            kind: ItemsKind::Call,
+        })
+    }
+    fn serialize_map(self, _len: Option<usize>) -> std::result::Result<LitItems<'a>, LitError> {
+        Ok(LitItems { used: self.used, head: String::new(), items: vec![], fields: vec![], key: None, kind: ItemsKind::Map })
+    }
+    fn serialize_struct(self, name: &'static str, _len: usize) -> std::result::Result<LitItems<'a>, LitError> {
+        self.used.insert(name);
+        Ok(LitItems { used: self.used, head: name.into(), items: vec![], fields: vec![], key: None, kind: ItemsKind::Struct })
+    }
+    fn serialize_struct_variant(
+        self,
+        name: &'static str,
+        _i: u32,
+        variant: &'static str,
+        _len: usize,
+    ) -> std::result::Result<LitItems<'a>, LitError> {
+        self.used.insert(name);
+        Ok(LitItems {
+            used: self.used,
+            head: format!("{name}::{variant}"),
+            items: vec![],
+            fields: vec![],
+            key: None,
+            kind: ItemsKind::Struct,
+        })
+    }
+}
+
+impl LitItems<'_> {
+    fn push<T: ?Sized + serde::Serialize>(&mut self, value: &T) -> std::result::Result<(), LitError> {
+        let doc = value.serialize(RustLit { used: &mut *self.used })?;
+        self.items.push(doc);
+        Ok(())
+    }
+    fn field<T: ?Sized + serde::Serialize>(&mut self, key: &'static str, value: &T) -> std::result::Result<(), LitError> {
+        let doc = value.serialize(RustLit { used: &mut *self.used })?;
+        let doc = elide_defaults(doc, self.used);
+        self.fields.push((key.to_string(), doc.flat()));
+        Ok(())
+    }
+}
+
+macro_rules! lit_items {
+    ($($trait:ident :: $method:ident),*) => {
+        $(impl serde::ser::$trait for LitItems<'_> {
+            type Ok = Doc;
+            type Error = LitError;
+            fn $method<T: ?Sized + serde::Serialize>(&mut self, value: &T) -> std::result::Result<(), LitError> {
+                self.push(value)
+            }
+            fn end(self) -> std::result::Result<Doc, LitError> {
+                Ok(self.finish())
+            }
+        })*
+    };
+}
+
+lit_items!(
+    SerializeSeq::serialize_element,
+    SerializeTuple::serialize_element,
+    SerializeTupleStruct::serialize_field,
+    SerializeTupleVariant::serialize_field
+);
+
+impl serde::ser::SerializeMap for LitItems<'_> {
+    type Ok = Doc;
+    type Error = LitError;
+    fn serialize_key<T: ?Sized + serde::Serialize>(&mut self, key: &T) -> std::result::Result<(), LitError> {
+        self.key = Some(key.serialize(RustLit { used: &mut *self.used })?);
+        Ok(())
+    }
+    fn serialize_value<T: ?Sized + serde::Serialize>(&mut self, value: &T) -> std::result::Result<(), LitError> {
+        let key = self.key.take().ok_or_else(|| LitError("a map value without its key".into()))?;
+        let value = value.serialize(RustLit { used: &mut *self.used })?;
+        self.items.push(Doc::Atom(format!("({}, {})", key.flat(), value.flat())));
+        Ok(())
+    }
+    fn end(self) -> std::result::Result<Doc, LitError> {
+        Ok(self.finish())
+    }
+}
+
+macro_rules! lit_fields {
+    ($($trait:ident),*) => {
+        $(impl serde::ser::$trait for LitItems<'_> {
+            type Ok = Doc;
+            type Error = LitError;
+            fn serialize_field<T: ?Sized + serde::Serialize>(&mut self, key: &'static str, value: &T) -> std::result::Result<(), LitError> {
+                self.field(key, value)
+            }
+            fn end(self) -> std::result::Result<Doc, LitError> {
+                Ok(self.finish())
+            }
+        })*
+    };
+}
+
+lit_fields!(SerializeStruct, SerializeStructVariant);
 
 const KEYWORDS: &[&str] = &[
     "as", "async", "await", "box", "break", "const", "continue", "crate", "dyn", "else", "enum", "extern", "false", "fn", "for", "gen",
@@ -295,6 +487,25 @@ fn ident(path: &str) -> String {
         s = format!("x_{s}");
     }
     s
+}
+
+/// `use krate::{a, b};` as rustfmt writes it: on one line if it fits, else the names filled into
+/// indented lines (its "mixed" imports layout).
+fn use_statement(krate: &str, names: &[&str], width: usize) -> String {
+    let one = format!("use {krate}::{{{}}};\n\n", names.join(", "));
+    if one.len() - 2 <= width {
+        return one;
+    }
+    let mut lines = vec![String::from("   ")];
+    for name in names {
+        let last = lines.last_mut().expect("one line at least");
+        if last.len() + 1 + name.len() + 1 > width {
+            lines.push(format!("    {name},"));
+        } else {
+            *last += &format!(" {name},");
+        }
+    }
+    format!("use {krate}::{{\n{}\n}};\n\n", lines.join("\n"))
 }
 
 /// Rust source of a function `fn_name(vb: &VarBuilder, batch: usize) -> Result<Graph>` that traces
@@ -371,7 +582,7 @@ pub fn generate(graph: &Graph, opts: &CodegenOptions) -> Result<String> {
                     head: "Tensor::record".into(),
                     args: vec![
                         Doc::Atom(format!("{:?}", node.path)),
-                        op_expr(op, &mut used),
+                        op_expr(op, &mut used)?,
                         Doc::Array { head: "&".into(), items: inputs },
                         Doc::Array { head: "&".into(), items: params },
                     ],
@@ -389,6 +600,9 @@ pub fn generate(graph: &Graph, opts: &CodegenOptions) -> Result<String> {
     }
     body += "    Ok(tracer.graph())\n";
 
+    // Types met only in fields left at their default are not named in the code.
+    let header = ["Graph", "Result", "Tracer", "VarBuilder"];
+    used.retain(|u| header.contains(u) || body.contains(u));
     let kiln: Vec<&str> = used.iter().copied().filter(|u| *u != "BTreeMap").collect();
     let mut src = String::new();
     src += &format!("//! {} as Kiln tracing calls, generated by `{}` from its traced graph.\n", opts.model, opts.command);
@@ -398,7 +612,7 @@ pub fn generate(graph: &Graph, opts: &CodegenOptions) -> Result<String> {
     if used.contains("BTreeMap") {
         src += "use std::collections::BTreeMap;\n\n";
     }
-    src += &format!("use kiln::{{{}}};\n\n", kiln.join(", "));
+    src += &use_statement("kiln", &kiln, style.width);
     src += &format!("/// Traces {} for a batch of `batch` inputs and returns its graph.\n", opts.model);
     src += &format!("pub fn {}(vb: &VarBuilder, batch: usize) -> Result<Graph> {{\n", opts.fn_name);
     src += "    let tracer = Tracer::new();\n";
@@ -427,7 +641,7 @@ mod tests {
             args: vec![
                 Doc::Atom("\"a.b\"".into()),
                 Doc::Call {
-                    head: "Op::Conv2d".into(),
+                    head: "Op::Conv".into(),
                     args: vec![Doc::Struct {
                         name: "ConvAttrs".into(),
                         fields: vec![("groups".into(), "2".into())],
@@ -441,20 +655,20 @@ mod tests {
             tail: "?".into(),
         };
         let one = let_statement("y", &expr, 4, &Style::new(140, true));
-        assert_eq!(one, "    let y = Tensor::record(\"a.b\", Op::Conv2d(ConvAttrs { groups: 2, ..ConvAttrs::default() }), &[&x], &[])?;\n");
-        // 108 columns on one line, 104 with the expression on its own line.
-        let next = let_statement("y", &expr, 4, &Style::new(104, true));
+        assert_eq!(one, "    let y = Tensor::record(\"a.b\", Op::Conv(ConvAttrs { groups: 2, ..ConvAttrs::default() }), &[&x], &[])?;\n");
+        // 106 columns on one line, 102 with the expression on its own line.
+        let next = let_statement("y", &expr, 4, &Style::new(102, true));
         assert!(next.starts_with("    let y =\n        Tensor::record("), "{next}");
-        let broken = let_statement("y", &expr, 4, &Style::new(103, true));
+        let broken = let_statement("y", &expr, 4, &Style::new(101, true));
         assert!(
             broken.starts_with(
-                "    let y = Tensor::record(\n        \"a.b\",\n        Op::Conv2d(ConvAttrs { groups: 2, ..ConvAttrs::default() }),\n"
+                "    let y = Tensor::record(\n        \"a.b\",\n        Op::Conv(ConvAttrs { groups: 2, ..ConvAttrs::default() }),\n"
             ),
             "{broken}"
         );
         let broken = let_statement("y", &expr, 4, &Style::new(60, true));
         assert!(
-            broken.starts_with("    let y = Tensor::record(\n        \"a.b\",\n        Op::Conv2d(ConvAttrs {\n            groups: 2,\n"),
+            broken.starts_with("    let y = Tensor::record(\n        \"a.b\",\n        Op::Conv(ConvAttrs {\n            groups: 2,\n"),
             "{broken}"
         );
         assert!(broken.ends_with("        &[],\n    )?;\n"), "{broken}");
@@ -465,9 +679,9 @@ mod tests {
         let t = crate::Tracer::new();
         let x = t.input("input", &[1, 2]);
         // `a.relu` twice, then a module whose own path reads like the second one's name.
-        let a = crate::Tensor::record("a.relu", Op::Relu, &[&x], &[]).expect("relu");
-        let b = crate::Tensor::record("a.relu", Op::Relu, &[&a], &[]).expect("relu");
-        let c = crate::Tensor::record("a.relu.2", Op::Sigmoid, &[&b], &[]).expect("sigmoid");
+        let a = crate::Tensor::record("a.relu", Op::Unary(crate::Unary::Relu), &[&x], &[]).expect("relu");
+        let b = crate::Tensor::record("a.relu", Op::Unary(crate::Unary::Relu), &[&a], &[]).expect("relu");
+        let c = crate::Tensor::record("a.relu.2", Op::Unary(crate::Unary::Sigmoid), &[&b], &[]).expect("sigmoid");
         t.output("out", &c);
         let src = generate(&t.graph(), &CodegenOptions::default()).expect("generate");
         for name in ["let a_relu =", "let a_relu_2 =", "let a_relu_2_2 ="] {

@@ -7,7 +7,7 @@
 //! input's buffer when it is that buffer's last reader.
 
 use crate::graph::{Graph, HostTensor, NodeId, Op};
-use crate::ops;
+use crate::ops::CpuArgs;
 use crate::{Error, Result};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
@@ -19,6 +19,14 @@ pub fn run(graph: &Graph, inputs: &[(&str, &HostTensor)]) -> Result<BTreeMap<Str
     check_order(graph)?;
     let bound = bind_inputs(graph, inputs)?;
     let live = live_nodes(graph);
+    // A custom op without a registration is named before anything runs.
+    for (id, node) in graph.nodes.iter().enumerate() {
+        if let Op::Custom(call) = &node.op {
+            if live[id] && crate::ops::custom::lookup(&call.name).is_none() {
+                return Err(Error::NoConverter { backend: "cpu", op: call.name.clone(), path: node.path.clone() });
+            }
+        }
+    }
     let is_output: BTreeSet<NodeId> = graph.outputs.iter().map(|(_, id)| *id).collect();
     // Reads still to come of each value, by live nodes only.
     let mut pending = vec![0usize; graph.nodes.len()];
@@ -106,6 +114,16 @@ fn bind_inputs<'a>(graph: &Graph, inputs: &[(&'a str, &'a HostTensor)]) -> Resul
     if let Some(missing) = names.iter().find(|n| !bound.contains_key(*n)) {
         return Err(Error::Binding { name: missing.to_string(), reason: "not given".into() });
     }
+    // The batch is one per run, as in an engine (broadcasting must not hide a mismatch).
+    let mut batches = bound.iter().map(|(name, t)| (*name, t.shape[0]));
+    if let Some((first, b0)) = batches.next() {
+        if let Some((name, b)) = batches.find(|(_, b)| *b != b0) {
+            return Err(Error::Binding {
+                name: name.to_string(),
+                reason: format!("has batch {b}, but `{first}` has batch {b0}: all inputs share one batch"),
+            });
+        }
+    }
     Ok(bound)
 }
 
@@ -121,96 +139,32 @@ fn live_nodes(graph: &Graph) -> Vec<bool> {
     live
 }
 
-/// Computes one non-leaf node from the values of its inputs.
-fn eval_node(
-    graph: &Graph,
+/// Computes one non-leaf node from the values of its inputs, through its op's CPU reference. The
+/// first input is handed over by value when this node is its last reader (ops that work in place
+/// reuse its buffer).
+fn eval_node<'g>(
+    graph: &'g Graph,
     id: NodeId,
-    values: &mut [Option<Cow<HostTensor>>],
+    values: &mut [Option<Cow<'g, HostTensor>>],
     pending: &[usize],
     is_output: &BTreeSet<NodeId>,
 ) -> Result<HostTensor> {
     let node = &graph.nodes[id];
     let missing = |j: NodeId| Error::Graph(format!("`{}` (%{id}) reads %{j}, which is not computed before it", node.path));
-    // The first input by value: moved out when this node is its last reader, copied otherwise.
-    let first = node.inputs.first().copied();
-    let owned_first = |values: &mut [Option<Cow<HostTensor>>]| -> Result<HostTensor> {
-        let j = first.ok_or_else(|| Error::Graph(format!("`{}` (%{id}) has no input", node.path)))?;
-        let last_read = pending[j] == 1 && !is_output.contains(&j);
-        let v = if last_read { values[j].take() } else { values[j].clone() };
-        Ok(v.ok_or_else(|| missing(j))?.into_owned())
+    let def = node.op.def().ok_or_else(|| Error::Graph(format!("`{}` (%{id}) is a leaf, not an op", node.path)))?;
+    let moved = match node.inputs.first() {
+        Some(&j) if pending[j] == 1 && !is_output.contains(&j) => Some(values[j].take().ok_or_else(|| missing(j))?),
+        _ => None,
     };
-    let shape_err =
-        |reason: String, got: Vec<Vec<usize>>| Error::Shape { path: node.path.clone(), op: node.op.name().to_string(), reason, got };
-
-    // Ops that reuse their first input's buffer.
-    let in_place =
-        matches!(&node.op, Op::Relu | Op::LeakyRelu { .. } | Op::Sigmoid | Op::BatchNorm2d { .. } | Op::Add | Op::Mul | Op::Flatten { .. });
-    if in_place {
-        let got: Vec<Vec<usize>> =
-            node.inputs.iter().map(|&j| values[j].as_ref().map(|v| v.shape.clone()).ok_or_else(|| missing(j))).collect::<Result<_>>()?;
-        let want = match &node.op {
-            Op::Add | Op::Mul => 2,
-            Op::BatchNorm2d { .. } => 5,
-            _ => 1,
-        };
-        if node.inputs.len() != want {
-            return Err(shape_err(format!("expected {want} inputs, got {}", node.inputs.len()), got));
+    let mut args = Vec::with_capacity(node.inputs.len());
+    let mut moved = moved;
+    for (k, &j) in node.inputs.iter().enumerate() {
+        match (k, moved.take()) {
+            (0, Some(v)) => args.push(v),
+            _ => args.push(Cow::Borrowed(values[j].as_deref().ok_or_else(|| missing(j))?)),
         }
-        let x = owned_first(values)?;
-        let others: Vec<&HostTensor> =
-            node.inputs[1..].iter().map(|&j| values[j].as_deref().ok_or_else(|| missing(j))).collect::<Result<_>>()?;
-        let result = match (&node.op, others.as_slice()) {
-            (Op::Relu | Op::LeakyRelu { .. } | Op::Sigmoid, []) => ops::elementwise::unary_cpu(&node.op, x),
-            (Op::Flatten { start }, []) => ops::shape::flatten_cpu(*start, x),
-            (Op::Add | Op::Mul, [b]) => ops::elementwise::binary_cpu(&node.op, x, b),
-            (Op::BatchNorm2d { eps }, [g, b, m, v]) => ops::norm::batch_norm2d_cpu(*eps, x, [g, b, m, v]),
-            _ => unreachable!("arity checked above"),
-        };
-        return result.map_err(|reason| shape_err(reason, got));
     }
-
-    let args: Vec<&HostTensor> = node.inputs.iter().map(|&j| values[j].as_deref().ok_or_else(|| missing(j))).collect::<Result<_>>()?;
-    let got = || args.iter().map(|t| t.shape.clone()).collect::<Vec<_>>();
-    let single = || match args.as_slice() {
-        [x] => Ok(*x),
-        _ => Err(format!("expected 1 input, got {}", args.len())),
-    };
-    let result = match &node.op {
-        Op::Conv2d(a) => ops::conv::conv2d_cpu(a, &args),
-        Op::ConvTranspose2d(a) => ops::conv::conv_transpose2d_cpu(a, &args),
-        Op::Linear { bias } => ops::linear::linear_cpu(*bias, &args),
-        Op::MaxPool2d(a) => single().and_then(|x| ops::pool::max_pool2d_cpu(a, x)),
-        Op::AvgPool2d(a) => single().and_then(|x| ops::pool::avg_pool2d_cpu(a, x)),
-        Op::AdaptiveAvgPool2d { output } => single().and_then(|x| ops::pool::adaptive_avg_pool2d_cpu(*output, x)),
-        Op::Cat { dim } => ops::shape::cat_cpu(*dim, &args),
-        Op::Custom { name, attrs } => return run_custom(node, name, attrs, &args),
-        Op::Input { .. } | Op::Weight { .. } => unreachable!("leaves are bound by `run`"),
-        Op::Relu | Op::LeakyRelu { .. } | Op::Sigmoid | Op::BatchNorm2d { .. } | Op::Add | Op::Mul | Op::Flatten { .. } => {
-            unreachable!("run in place above")
-        }
-    };
-    result.map_err(|reason| shape_err(reason, got()))
-}
-
-/// A registered custom op's CPU reference, with its result checked against its own shape rule.
-fn run_custom(node: &crate::graph::Node, name: &str, attrs: &ops::custom::Attrs, args: &[&HostTensor]) -> Result<HostTensor> {
-    let op =
-        ops::custom::lookup(name).ok_or_else(|| Error::NoConverter { backend: "cpu", op: name.to_string(), path: node.path.clone() })?;
-    let shapes: Vec<&[usize]> = args.iter().map(|t| t.shape.as_slice()).collect();
-    let shape_err = |reason: String| Error::Shape {
-        path: node.path.clone(),
-        op: name.to_string(),
-        reason,
-        got: shapes.iter().map(|s| s.to_vec()).collect(),
-    };
-    let expected = op.infer_shape(attrs, &shapes).map_err(shape_err)?;
-    let out = (op.cpu)(attrs, args)?;
-    if out.shape != expected || out.data.len() != expected.iter().product::<usize>() {
-        return Err(shape_err(format!(
-            "its CPU reference returned shape {:?} ({} values), but its shape rule says {expected:?}",
-            out.shape,
-            out.data.len()
-        )));
-    }
-    Ok(out)
+    let got = args.iter().map(|t| t.shape.clone()).collect();
+    let mut args = CpuArgs::new(args);
+    def.cpu(&mut args).map_err(|reason| Error::Shape { path: node.path.clone(), op: node.op.name().to_string(), reason, got })
 }

@@ -5,65 +5,31 @@
 //! shows the data flow. A convolution that carries a fused bias, residual add or activation is drawn
 //! in its own colour with the fused parts in its label, so a before/after pair shows what fusion did.
 
-use crate::graph::{Activation, ConvAttrs, Graph, Node, Op, PoolAttrs};
+use crate::graph::{Activation, Graph, Node, Op};
 use std::fmt::Write;
 
-/// A short description of an op with its non-default attributes: `conv2d 3x3 s2 p1 +bias +add +relu`.
+/// A short description of an op with its non-default attributes: `conv2d 3x3 s2 p1 +bias +add +relu`
+/// (its definition's label, with the kernel size of a rank-4 weight after the op's name).
 pub fn describe_op(graph: &Graph, node: &Node) -> String {
-    let kernel = |n: &Node| {
-        n.inputs.get(1).map(|&w| &graph.nodes[w].shape).filter(|s| s.len() == 4).map(|s| format!(" {}x{}", s[2], s[3])).unwrap_or_default()
+    let Some(def) = node.op.def() else {
+        return match &node.op {
+            Op::Input { name } => format!("input `{name}`"),
+            Op::Weight { name } => format!("weight `{name}`"),
+            _ => unreachable!("only leaves have no definition"),
+        };
     };
-    match &node.op {
-        Op::Input { name } => format!("input `{name}`"),
-        Op::Weight { name } => format!("weight `{name}`"),
-        Op::Conv2d(a) | Op::ConvTranspose2d(a) => format!("{}{}{}", node.op.name(), kernel(node), conv_suffix(a)),
-        Op::BatchNorm2d { eps } => format!("batch_norm2d eps={eps}"),
-        Op::Linear { bias } => format!("linear{}", if *bias { " +bias" } else { "" }),
-        Op::LeakyRelu { slope } => format!("leaky_relu slope={slope}"),
-        Op::MaxPool2d(a) | Op::AvgPool2d(a) => format!("{}{}", node.op.name(), pool_suffix(a)),
-        Op::AdaptiveAvgPool2d { output } => format!("adaptive_avg_pool2d -> {}x{}", output[0], output[1]),
-        Op::Flatten { start } => format!("flatten start={start}"),
-        Op::Cat { dim } => format!("cat dim={dim}"),
-        Op::Custom { name, attrs } => {
-            let attrs: Vec<String> = attrs.iter().map(|(k, v)| format!("{k}={v}")).collect();
-            format!("custom `{name}` {}", attrs.join(" ")).trim_end().to_string()
-        }
-        Op::Relu | Op::Sigmoid | Op::Add | Op::Mul => node.op.name().to_string(),
+    let label = def.label();
+    let kernel = node.inputs.get(1).map(|&w| &graph.nodes[w]).filter(|w| matches!(w.op, Op::Weight { .. }) && w.shape.len() == 4);
+    match (kernel, label.split_once(' ')) {
+        (Some(w), Some((name, rest))) => format!("{name} {}x{} {rest}", w.shape[2], w.shape[3]),
+        (Some(w), None) => format!("{label} {}x{}", w.shape[2], w.shape[3]),
+        (None, _) => label,
     }
-}
-
-fn pair(tag: &str, v: [usize; 2], default: usize) -> String {
-    match v {
-        [a, b] if a == b && a == default => String::new(),
-        [a, b] if a == b => format!(" {tag}{a}"),
-        [a, b] => format!(" {tag}{a},{b}"),
-    }
-}
-
-fn conv_suffix(a: &ConvAttrs) -> String {
-    let mut s = pair("s", a.stride, 1) + &pair("p", a.padding, 0) + &pair("d", a.dilation, 1) + &pair("op", a.output_padding, 0);
-    if a.groups != 1 {
-        s += &format!(" g{}", a.groups);
-    }
-    for (on, part) in [(a.bias, " +bias"), (a.residual, " +add"), (a.act == Activation::Relu, " +relu")] {
-        if on {
-            s += part;
-        }
-    }
-    s
-}
-
-fn pool_suffix(a: &PoolAttrs) -> String {
-    let mut s = format!(" {}x{}", a.kernel[0], a.kernel[1]) + &pair("s", a.stride, 0) + &pair("p", a.padding, 0);
-    if a.ceil_mode {
-        s += " ceil";
-    }
-    s
 }
 
 /// Whether a node is a convolution carrying work fused into it by a pass (residual or activation).
 pub fn is_fused(node: &Node) -> bool {
-    matches!(&node.op, Op::Conv2d(a) | Op::ConvTranspose2d(a) if a.residual || a.act != Activation::None)
+    matches!(&node.op, Op::Conv(a) if a.residual || a.act != Activation::None)
 }
 
 /// The tensor inputs of a node (its weight inputs left out), and its weights' shapes.
@@ -119,12 +85,12 @@ fn quote(s: &str) -> String {
 fn fill(node: &Node) -> &'static str {
     match &node.op {
         _ if is_fused(node) => "#f4a259",
-        Op::Conv2d(_) | Op::ConvTranspose2d(_) | Op::Linear { .. } => "#8ecae6",
-        Op::BatchNorm2d { .. } => "#ffe08a",
-        Op::MaxPool2d(_) | Op::AvgPool2d(_) | Op::AdaptiveAvgPool2d { .. } => "#b7e4c7",
-        Op::Relu | Op::LeakyRelu { .. } | Op::Sigmoid => "#e9ecef",
-        Op::Add | Op::Mul | Op::Cat { .. } | Op::Flatten { .. } => "#dee2e6",
-        Op::Custom { .. } => "#cdb4db",
+        Op::Conv(_) | Op::Gemm(_) => "#8ecae6",
+        Op::Norm(_) => "#ffe08a",
+        Op::Pool(_) | Op::Resize(_) => "#b7e4c7",
+        Op::Unary(_) => "#e9ecef",
+        Op::Binary(_) | Op::Shape(_) => "#dee2e6",
+        Op::Custom(_) => "#cdb4db",
         Op::Input { .. } | Op::Weight { .. } => "#ffffff",
     }
 }
@@ -199,7 +165,7 @@ mod tests {
         let mut g = small();
         let conv = g.nodes.iter().position(|n| n.path == "stem.conv").expect("conv node");
         assert!(!is_fused(&g.nodes[conv]));
-        if let Op::Conv2d(a) = &mut g.nodes[conv].op {
+        if let Op::Conv(a) = &mut g.nodes[conv].op {
             a.act = Activation::Relu;
         }
         assert!(is_fused(&g.nodes[conv]));

@@ -2,7 +2,15 @@
 //!
 //! The graph knows nothing of CUDA. The CPU executor and the engine builder both consume it.
 
-use crate::ops;
+pub use crate::ops::conv::{Activation, ConvAttrs};
+pub use crate::ops::custom::CustomCall;
+pub use crate::ops::elementwise::{Binary, Unary};
+pub use crate::ops::linear::Gemm;
+pub use crate::ops::norm::Norm;
+pub use crate::ops::pool::{Pool, PoolAttrs};
+pub use crate::ops::resize::Resize;
+pub use crate::ops::shape::ShapeOp;
+use crate::ops::OpDef;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -40,149 +48,71 @@ pub enum DType {
     F16,
 }
 
-/// The fused activation of a convolution.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
-pub enum Activation {
-    #[default]
-    None,
-    Relu,
-}
-
-/// Convolution attributes. After fusion a conv may also carry a residual input (added before the
-/// activation) and an activation: `act(conv(x, w) + b + residual)`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ConvAttrs {
-    pub stride: [usize; 2],
-    pub padding: [usize; 2],
-    pub dilation: [usize; 2],
-    pub groups: usize,
-    /// Only for `ConvTranspose2d`.
-    pub output_padding: [usize; 2],
-    pub bias: bool,
-    pub residual: bool,
-    pub act: Activation,
-}
-
-impl Default for ConvAttrs {
-    fn default() -> Self {
-        Self {
-            stride: [1, 1],
-            padding: [0, 0],
-            dilation: [1, 1],
-            groups: 1,
-            output_padding: [0, 0],
-            bias: false,
-            residual: false,
-            act: Activation::None,
-        }
-    }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PoolAttrs {
-    pub kernel: [usize; 2],
-    pub stride: [usize; 2],
-    pub padding: [usize; 2],
-    pub ceil_mode: bool,
-    /// AvgPool2d only: whether padded zeros count in the average (PyTorch's default: true).
-    pub count_include_pad: bool,
-}
-
-/// Every operation a graph can hold. Inputs are listed in `Node::inputs`, in the order given
-/// in each variant's comment.
+/// Every operation a graph can hold: the two leaves, and one variant per op family (each family
+/// lives in its own file of `src/ops/` and implements [`OpDef`]). Inputs are listed in
+/// `Node::inputs`, in the order each family documents.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Op {
     /// A graph input (NCHW, f32).
-    Input {
-        name: String,
-    },
+    Input { name: String },
     /// A named constant: a key into `Graph::weights`.
-    Weight {
-        name: String,
-    },
-    /// x, weight `[Cout, Cin/g, kh, kw]`, bias? `[Cout]`, residual? (same shape as the output)
-    Conv2d(ConvAttrs),
-    /// x, weight `[Cin, Cout/g, kh, kw]`, bias? `[Cout]`
-    ConvTranspose2d(ConvAttrs),
-    /// x, weight, bias, running_mean, running_var
-    BatchNorm2d {
-        eps: f32,
-    },
-    /// x `[N, in]`, weight `[out, in]`, bias? `[out]`
-    Linear {
-        bias: bool,
-    },
-    Relu,
-    LeakyRelu {
-        slope: f32,
-    },
-    Sigmoid,
-    MaxPool2d(PoolAttrs),
-    AvgPool2d(PoolAttrs),
-    AdaptiveAvgPool2d {
-        output: [usize; 2],
-    },
-    /// a, b (same shape)
-    Add,
-    /// a, b (same shape)
-    Mul,
-    Flatten {
-        start: usize,
-    },
-    /// any number of inputs, equal except along `dim`
-    Cat {
-        dim: usize,
-    },
-    /// A user-registered op (see `ops::custom`): its name selects its shape rule, CPU reference and
-    /// converter; `attrs` are its named scalar attributes.
-    Custom {
-        name: String,
-        attrs: BTreeMap<String, f64>,
-    },
+    Weight { name: String },
+    /// Conv2d and ConvTranspose2d, with fused bias, residual and activation (`ops::conv`).
+    Conv(ConvAttrs),
+    /// Linear and matmul (`ops::linear`).
+    Gemm(Gemm),
+    /// BatchNorm, LayerNorm, softmax: normalisations along some dims (`ops::norm`).
+    Norm(Norm),
+    /// Pooling and mean reductions (`ops::pool`).
+    Pool(Pool),
+    /// One-input elementwise ops: activations, clamp, scalar arithmetic (`ops::elementwise`).
+    Unary(Unary),
+    /// Two-input elementwise ops with broadcasting (`ops::elementwise`).
+    Binary(Binary),
+    /// Ops that move data without arithmetic: flatten, reshape, permute, cat, slice, pad (`ops::shape`).
+    Shape(ShapeOp),
+    /// Upsampling / interpolation (`ops::resize`).
+    Resize(Resize),
+    /// A user-registered op (`ops::custom`): its name selects its shape rule, CPU reference and
+    /// converter.
+    Custom(CustomCall),
 }
 
 impl Op {
-    /// The op's name: the key of its converter and CPU reference.
+    /// The op's definition: the one dispatch point from a graph node to its shape rule, CPU
+    /// reference, layouts, converter and label. `None` for the leaves (inputs and weights).
+    pub fn def(&self) -> Option<&dyn OpDef> {
+        Some(match self {
+            Op::Input { .. } | Op::Weight { .. } => return None,
+            Op::Conv(a) => a,
+            Op::Gemm(a) => a,
+            Op::Norm(a) => a,
+            Op::Pool(a) => a,
+            Op::Unary(a) => a,
+            Op::Binary(a) => a,
+            Op::Shape(a) => a,
+            Op::Resize(a) => a,
+            Op::Custom(a) => a,
+        })
+    }
+
+    /// The op's name: `input`, `weight`, or its definition's (`conv2d`, `relu`, a custom name).
     pub fn name(&self) -> &str {
         match self {
             Op::Input { .. } => "input",
             Op::Weight { .. } => "weight",
-            Op::Conv2d(_) => "conv2d",
-            Op::ConvTranspose2d(_) => "conv_transpose2d",
-            Op::BatchNorm2d { .. } => "batch_norm2d",
-            Op::Linear { .. } => "linear",
-            Op::Relu => "relu",
-            Op::LeakyRelu { .. } => "leaky_relu",
-            Op::Sigmoid => "sigmoid",
-            Op::MaxPool2d(_) => "max_pool2d",
-            Op::AvgPool2d(_) => "avg_pool2d",
-            Op::AdaptiveAvgPool2d { .. } => "adaptive_avg_pool2d",
-            Op::Add => "add",
-            Op::Mul => "mul",
-            Op::Flatten { .. } => "flatten",
-            Op::Cat { .. } => "cat",
-            Op::Custom { name, .. } => name,
+            _ => self.def().map_or("?", |d| d.name()),
         }
     }
 
     /// Output shape from input shapes, or a reason the inputs do not fit.
     pub fn infer_shape(&self, inputs: &[&[usize]]) -> std::result::Result<Vec<usize>, String> {
-        match self {
-            Op::Input { .. } | Op::Weight { .. } => Err("inputs and weights have no shape rule".into()),
-            Op::Conv2d(a) => ops::conv::conv2d_shape(a, inputs),
-            Op::ConvTranspose2d(a) => ops::conv::conv_transpose2d_shape(a, inputs),
-            Op::BatchNorm2d { .. } => ops::norm::batch_norm2d_shape(inputs),
-            Op::Linear { bias } => ops::linear::linear_shape(*bias, inputs),
-            Op::Relu | Op::LeakyRelu { .. } | Op::Sigmoid => ops::elementwise::unary_shape(inputs),
-            Op::Add | Op::Mul => ops::elementwise::binary_shape(inputs),
-            Op::MaxPool2d(a) | Op::AvgPool2d(a) => ops::pool::pool2d_shape(a, inputs),
-            Op::AdaptiveAvgPool2d { output } => ops::pool::adaptive_avg_pool2d_shape(*output, inputs),
-            Op::Flatten { start } => ops::shape::flatten_shape(*start, inputs),
-            Op::Cat { dim } => ops::shape::cat_shape(*dim, inputs),
-            Op::Custom { name, attrs } => {
-                ops::custom::lookup(name).ok_or_else(|| format!("custom op `{name}` is not registered"))?.infer_shape(attrs, inputs)
-            }
-        }
+        self.def().ok_or_else(|| "inputs and weights have no shape rule".to_string())?.infer_shape(inputs)
+    }
+
+    /// Whether this is an input or a weight (no computation).
+    pub fn is_leaf(&self) -> bool {
+        matches!(self, Op::Input { .. } | Op::Weight { .. })
     }
 }
 

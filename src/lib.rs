@@ -22,11 +22,14 @@ pub mod tensor;
 pub mod var_builder;
 
 pub use error::{Error, Result};
-pub use graph::{Activation, ConvAttrs, DType, Graph, HostTensor, Node, NodeId, Op, PoolAttrs};
+pub use graph::{
+    Activation, Binary, ConvAttrs, CustomCall, DType, Gemm, Graph, HostTensor, Node, NodeId, Norm, Op, Pool, PoolAttrs, Resize, ShapeOp,
+    Unary,
+};
 pub use kiln_macros::Module;
 pub use module::{Dropout, Forward, Identity, Module, Sequential};
 pub use ops::conv::{Conv2d, Conv2dConfig, ConvTranspose2d};
-pub use ops::elementwise::{LeakyReLU, LeakyReLUConfig, ReLU, Sigmoid};
+pub use ops::elementwise::{Hardsigmoid, Hardswish, Hardtanh, LeakyReLU, LeakyReLUConfig, ReLU, ReLU6, SiLU, Sigmoid, Tanh, GELU};
 pub use ops::linear::{Linear, LinearConfig};
 pub use ops::norm::{BatchNorm2d, BatchNorm2dConfig};
 pub use ops::pool::{AdaptiveAvgPool2d, AvgPool2d, MaxPool2d, Pool2dConfig};

@@ -4,7 +4,7 @@
 //! A value marked as a graph output stays observable: a node read by an output is never absorbed
 //! into another node (the output would lose its value), though it may absorb the nodes after it.
 
-use crate::graph::{Activation, ConvAttrs, Graph, HostTensor, NodeId, Op};
+use crate::graph::{Activation, Binary, ConvAttrs, Graph, HostTensor, NodeId, Norm, Op, Unary};
 use crate::{Error, Result};
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -25,7 +25,7 @@ pub fn fold_batchnorm(graph: &Graph) -> Result<Graph> {
     let mut uses = g.use_counts();
     let mut removed = vec![false; g.nodes.len()];
     for bn in 0..g.nodes.len() {
-        let Op::BatchNorm2d { eps } = g.nodes[bn].op else { continue };
+        let Op::Norm(Norm::BatchNorm2d { eps }) = g.nodes[bn].op else { continue };
         let Some(&conv) = g.nodes[bn].inputs.first() else { continue };
         if uses[conv] != 1 {
             continue;
@@ -34,7 +34,7 @@ pub fn fold_batchnorm(graph: &Graph) -> Result<Graph> {
         let bn_params: Option<Vec<&Arc<HostTensor>>> = g.nodes[bn].inputs[1..].iter().map(|&i| g.weight_data(i)).collect();
         let Some([gamma, beta, mean, var]) = bn_params.as_deref() else { continue };
         let (scale, shift) = crate::ops::norm::batch_norm_scale_shift(&gamma.data, &beta.data, &mean.data, &var.data, eps);
-        let transposed = matches!(g.nodes[conv].op, Op::ConvTranspose2d(_));
+        let transposed = attrs.transposed;
         let (w, b) = fold_into_conv(&weight, bias.as_deref(), &scale, &shift, transposed, attrs.groups);
 
         let path = g.nodes[conv].path.clone();
@@ -45,7 +45,7 @@ pub fn fold_batchnorm(graph: &Graph) -> Result<Graph> {
         let x = g.nodes[conv].inputs[0];
         let node = &mut g.nodes[conv];
         node.inputs = vec![x, w_id, b_id];
-        node.op = with_attrs(&node.op, ConvAttrs { bias: true, ..attrs });
+        node.op = Op::Conv(ConvAttrs { bias: true, ..attrs });
         redirect(&mut g, bn, conv);
         uses[conv] = uses[bn];
         removed[bn] = true;
@@ -62,7 +62,7 @@ pub fn fold_batchnorm(graph: &Graph) -> Result<Graph> {
 fn foldable_conv(g: &Graph, conv: NodeId) -> Option<(ConvAttrs, Arc<HostTensor>, Option<Arc<HostTensor>>)> {
     let node = &g.nodes[conv];
     let attrs = match node.op {
-        Op::Conv2d(a) | Op::ConvTranspose2d(a) if !a.residual && a.act == Activation::None => a,
+        Op::Conv(a) if !a.residual && a.act == Activation::None => a,
         _ => return None,
     };
     let weight = g.weight_data(*node.inputs.get(1)?)?.clone();
@@ -115,18 +115,16 @@ pub fn fuse_conv_activation(graph: &Graph) -> Result<Graph> {
     // One fusion at a time, then re-read the users: a fusion changes who reads what.
     while let Some(conv) = next_fusable_conv(&g, &removed) {
         let users = readers(&g, &removed);
-        let (Op::Conv2d(mut attrs) | Op::ConvTranspose2d(mut attrs)) = g.nodes[conv].op else {
-            unreachable!("checked by next_fusable_conv")
-        };
+        let Op::Conv(mut attrs) = g.nodes[conv].op else { unreachable!("checked by next_fusable_conv") };
         let user = users[conv][0];
         let mut last = user;
-        if matches!(g.nodes[user].op, Op::Add) {
+        if matches!(g.nodes[user].op, Op::Binary(Binary::Add)) {
             let residual = g.nodes[user].inputs.iter().copied().find(|&i| i != conv).expect("the conv is read once by the add");
             attrs.residual = true;
             g.nodes[conv].inputs.push(residual);
             if g.use_counts()[user] == 1 {
                 if let [relu] = users[user][..] {
-                    if matches!(g.nodes[relu].op, Op::Relu) {
+                    if matches!(g.nodes[relu].op, Op::Unary(Unary::Relu)) {
                         attrs.act = Activation::Relu;
                         last = relu;
                         removed[user] = true;
@@ -137,7 +135,7 @@ pub fn fuse_conv_activation(graph: &Graph) -> Result<Graph> {
         } else {
             attrs.act = Activation::Relu;
         }
-        g.nodes[conv].op = with_attrs(&g.nodes[conv].op, attrs);
+        g.nodes[conv].op = Op::Conv(attrs);
         redirect(&mut g, last, conv);
         removed[last] = true;
         g.nodes[last].inputs.clear();
@@ -154,9 +152,16 @@ fn next_fusable_conv(g: &Graph, removed: &[bool]) -> Option<NodeId> {
         let plain = |a: &ConvAttrs| !a.residual && a.act == Activation::None;
         let Some(&user) = users[id].first() else { return false };
         let pattern = match (&g.nodes[id].op, &g.nodes[user].op) {
-            (Op::Conv2d(a) | Op::ConvTranspose2d(a), Op::Relu) => plain(a),
-            // add(conv, conv) reads the conv twice: there is no other operand to be the residual.
-            (Op::Conv2d(a), Op::Add) => plain(a) && g.nodes[user].inputs.iter().filter(|&&i| i == id).count() == 1,
+            (Op::Conv(a), Op::Unary(Unary::Relu)) => plain(a),
+            // add(conv, conv) reads the conv twice: there is no other operand to be the residual;
+            // a broadcast operand (a bias-like `[C, 1, 1]`) is not a residual either.
+            (Op::Conv(a), Op::Binary(Binary::Add)) => {
+                let add = &g.nodes[user];
+                plain(a)
+                    && !a.transposed
+                    && add.inputs.iter().filter(|&&i| i == id).count() == 1
+                    && add.inputs.iter().all(|&i| g.nodes[i].shape == g.nodes[id].shape)
+            }
             _ => false,
         };
         pattern && !removed[id] && uses[id] == 1 && users[id].len() == 1
@@ -193,13 +198,6 @@ fn redirect(g: &mut Graph, from: NodeId, to: NodeId) {
         n.inputs.iter_mut().filter(|i| **i == from).for_each(|i| *i = to);
     }
     g.outputs.iter_mut().filter(|(_, o)| *o == from).for_each(|(_, o)| *o = to);
-}
-
-fn with_attrs(op: &Op, attrs: ConvAttrs) -> Op {
-    match op {
-        Op::ConvTranspose2d(_) => Op::ConvTranspose2d(attrs),
-        _ => Op::Conv2d(attrs),
-    }
 }
 
 /// `base`, or `base.1`, `base.2`... if the graph already holds a weight of that name.

@@ -2,7 +2,7 @@
 //! shapes covering the non-default settings; and the executor's binding and error behaviour.
 
 use kiln::compare::compare;
-use kiln::graph::{Activation, ConvAttrs, Graph, HostTensor, Op, PoolAttrs};
+use kiln::graph::{Activation, Binary, ConvAttrs, CustomCall, Gemm, Graph, HostTensor, Norm, Op, Pool, PoolAttrs, ShapeOp, Unary};
 use kiln::{cpu, Error};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -230,7 +230,7 @@ fn conv_case(x: [usize; 4], cout: usize, k: [usize; 2], a: ConvAttrs) {
         ids.push(ri);
         bindings.push(("r", r));
     }
-    let y = g.push(Op::Conv2d(a), ids, "conv".into()).expect("conv shape");
+    let y = g.push(Op::Conv(a), ids, "conv".into()).expect("conv shape");
     g.mark_output("y", y);
     let got = cpu::run(&g, &bindings).expect("cpu run").remove("y").expect("y");
     assert_close(&format!("conv2d {x:?} k{k:?} {a:?}"), &got, &want);
@@ -264,7 +264,7 @@ fn deconv_case(x: [usize; 4], cout: usize, k: usize, a: ConvAttrs) {
     let w = rand(&[x[1], cout / a.groups, k, k]);
     let b = rand(&[cout]);
     let weights: Vec<&HostTensor> = if a.bias { vec![&w, &b] } else { vec![&w] };
-    let got = run_op(Op::ConvTranspose2d(a), &xt, &[], &weights);
+    let got = run_op(Op::Conv(ConvAttrs { transposed: true, ..a }), &xt, &[], &weights);
     let want = naive_conv_transpose2d(&xt, &w, a.bias.then_some(&b), &a);
     assert_close(&format!("conv_transpose2d {x:?} k{k} {a:?}"), &got, &want);
 }
@@ -300,7 +300,7 @@ fn fused_conv_transpose_applies_residual_and_relu() {
 fn pool_case(x: [usize; 4], a: PoolAttrs) {
     let xt = rand(&x);
     for max in [true, false] {
-        let op = if max { Op::MaxPool2d(a) } else { Op::AvgPool2d(a) };
+        let op = if max { Op::Pool(Pool::Max(a)) } else { Op::Pool(Pool::Avg(a)) };
         let got = run_op(op, &xt, &[], &[]);
         let want = naive_pool(&xt, &a, max);
         assert_close(&format!("{} {x:?} {a:?}", if max { "max_pool2d" } else { "avg_pool2d" }), &got, &want);
@@ -333,19 +333,19 @@ fn ceil_mode_matches_pytorch_on_known_cases() {
     // window overhangs by one column and divides by 2·3 = 6 taps, so ones average to 1.
     let ones = HostTensor::new(vec![1, 1, 6, 6], vec![1.0; 36]);
     let a = PoolAttrs { kernel: [3, 3], stride: [2, 2], padding: [0, 0], ceil_mode: true, count_include_pad: true };
-    let y = run_op(Op::AvgPool2d(a), &ones, &[], &[]);
+    let y = run_op(Op::Pool(Pool::Avg(a)), &ones, &[], &[]);
     assert_eq!(y.shape, vec![1, 1, 3, 3]);
     assert!(y.data.iter().all(|&v| (v - 1.0).abs() < 1e-6), "{:?}", y.data);
     // With padding 1 and count_include_pad the corner window counts its padded taps: 4 of 9 are
     // input, so ones average to 4/9 (PyTorch: AvgPool2d(3, 2, 1)(ones(1,1,5,5))[0,0,0,0] = 0.4444).
     let ones5 = HostTensor::new(vec![1, 1, 5, 5], vec![1.0; 25]);
     let a = PoolAttrs { padding: [1, 1], ceil_mode: false, ..a };
-    let y = run_op(Op::AvgPool2d(a), &ones5, &[], &[]);
+    let y = run_op(Op::Pool(Pool::Avg(a)), &ones5, &[], &[]);
     assert_eq!(y.shape, vec![1, 1, 3, 3]);
     assert!((y.data[0] - 4.0 / 9.0).abs() < 1e-6 && (y.data[4] - 1.0).abs() < 1e-6, "{:?}", y.data);
     // ceil_mode drops a window that would start in the right padding: 5 wide, k=2, s=2, p=1 → 3, not 4.
     let a = PoolAttrs { kernel: [2, 2], stride: [2, 2], padding: [1, 1], ceil_mode: true, count_include_pad: true };
-    assert_eq!(run_op(Op::MaxPool2d(a), &ones5, &[], &[]).shape, vec![1, 1, 3, 3]);
+    assert_eq!(run_op(Op::Pool(Pool::Max(a)), &ones5, &[], &[]).shape, vec![1, 1, 3, 3]);
 }
 
 #[test]
@@ -353,7 +353,7 @@ fn max_pool_pads_with_minus_infinity() {
     let mut x = rand(&[1, 1, 4, 4]);
     x.data.iter_mut().for_each(|v| *v = -1.0 - v.abs());
     let a = PoolAttrs { kernel: [3, 3], stride: [2, 2], padding: [1, 1], ceil_mode: false, count_include_pad: true };
-    let y = run_op(Op::MaxPool2d(a), &x, &[], &[]);
+    let y = run_op(Op::Pool(Pool::Max(a)), &x, &[], &[]);
     assert!(y.data.iter().all(|&v| v < -1.0), "padding leaked into the max: {:?}", y.data);
 }
 
@@ -362,7 +362,7 @@ fn adaptive_avg_pool_matches_floor_ceil_bins() {
     for (x, o) in [([2, 3, 7, 7], [3, 3]), ([1, 2, 10, 5], [3, 3]), ([1, 4, 7, 7], [1, 1]), ([1, 2, 4, 6], [5, 4]), ([1, 1, 8, 6], [3, 2])]
     {
         let xt = rand(&x);
-        let got = run_op(Op::AdaptiveAvgPool2d { output: o }, &xt, &[], &[]);
+        let got = run_op(Op::Pool(Pool::AdaptiveAvg { output: o }), &xt, &[], &[]);
         assert_close(&format!("adaptive_avg_pool2d {x:?} -> {o:?}"), &got, &naive_adaptive_avg(&xt, o));
     }
 }
@@ -373,7 +373,7 @@ fn adaptive_avg_pool_matches_floor_ceil_bins() {
 fn batchnorm_linear_and_elementwise() {
     let x = rand(&[2, 3, 4, 5]);
     let (g, b, m, v) = (rand_pos(&[3]), rand(&[3]), rand(&[3]), rand_pos(&[3]));
-    let got = run_op(Op::BatchNorm2d { eps: 1e-5 }, &x, &[], &[&g, &b, &m, &v]);
+    let got = run_op(Op::Norm(Norm::BatchNorm2d { eps: 1e-5 }), &x, &[], &[&g, &b, &m, &v]);
     let want: Vec<f32> = x
         .data
         .iter()
@@ -392,31 +392,35 @@ fn batchnorm_linear_and_elementwise() {
             ((0..7).map(|k| xl.data[n * 7 + k] as f64 * w.data[o * 7 + k] as f64).sum::<f64>() + bias.data[o] as f64) as f32
         })
         .collect();
-    assert_close("linear", &run_op(Op::Linear { bias: true }, &xl, &[], &[&w, &bias]), &HostTensor::new(vec![3, 5], want));
+    assert_close("linear", &run_op(Op::Gemm(Gemm::Linear { bias: true }), &xl, &[], &[&w, &bias]), &HostTensor::new(vec![3, 5], want));
     let want_nb: Vec<f32> =
         (0..15).map(|i| (0..7).map(|k| xl.data[(i / 5) * 7 + k] as f64 * w.data[(i % 5) * 7 + k] as f64).sum::<f64>() as f32).collect();
-    assert_close("linear no bias", &run_op(Op::Linear { bias: false }, &xl, &[], &[&w]), &HostTensor::new(vec![3, 5], want_nb));
+    assert_close("linear no bias", &run_op(Op::Gemm(Gemm::Linear { bias: false }), &xl, &[], &[&w]), &HostTensor::new(vec![3, 5], want_nb));
 
     let map = |f: &dyn Fn(f32) -> f32| HostTensor::new(x.shape.clone(), x.data.iter().map(|&v| f(v)).collect());
-    assert_close("relu", &run_op(Op::Relu, &x, &[], &[]), &map(&|v| if v > 0.0 { v } else { 0.0 }));
-    assert_close("leaky_relu", &run_op(Op::LeakyRelu { slope: 0.1 }, &x, &[], &[]), &map(&|v| if v > 0.0 { v } else { 0.1 * v }));
-    assert_close("sigmoid", &run_op(Op::Sigmoid, &x, &[], &[]), &map(&|v| (1.0 / (1.0 + (-v as f64).exp())) as f32));
+    assert_close("relu", &run_op(Op::Unary(Unary::Relu), &x, &[], &[]), &map(&|v| if v > 0.0 { v } else { 0.0 }));
+    assert_close(
+        "leaky_relu",
+        &run_op(Op::Unary(Unary::LeakyRelu { slope: 0.1 }), &x, &[], &[]),
+        &map(&|v| if v > 0.0 { v } else { 0.1 * v }),
+    );
+    assert_close("sigmoid", &run_op(Op::Unary(Unary::Sigmoid), &x, &[], &[]), &map(&|v| (1.0 / (1.0 + (-v as f64).exp())) as f32));
     let y = rand(&x.shape);
     let zip = |f: &dyn Fn(f32, f32) -> f32| HostTensor::new(x.shape.clone(), x.data.iter().zip(&y.data).map(|(&a, &b)| f(a, b)).collect());
-    assert_close("add", &run_op(Op::Add, &x, &[&y], &[]), &zip(&|a, b| a + b));
-    assert_close("mul", &run_op(Op::Mul, &x, &[&y], &[]), &zip(&|a, b| a * b));
+    assert_close("add", &run_op(Op::Binary(Binary::Add), &x, &[&y], &[]), &zip(&|a, b| a + b));
+    assert_close("mul", &run_op(Op::Binary(Binary::Mul), &x, &[&y], &[]), &zip(&|a, b| a * b));
 }
 
 #[test]
 fn flatten_and_cat() {
     let x = rand(&[2, 3, 4, 5]);
-    let f = run_op(Op::Flatten { start: 1 }, &x, &[], &[]);
+    let f = run_op(Op::Shape(ShapeOp::Flatten { start: 1 }), &x, &[], &[]);
     assert_eq!((f.shape.as_slice(), &f.data), ([2usize, 60].as_slice(), &x.data));
-    let f2 = run_op(Op::Flatten { start: 2 }, &x, &[], &[]);
+    let f2 = run_op(Op::Shape(ShapeOp::Flatten { start: 2 }), &x, &[], &[]);
     assert_eq!(f2.shape, vec![2, 3, 20]);
 
     let (a, b) = (rand(&[2, 2, 3, 3]), rand(&[2, 5, 3, 3]));
-    let got = run_op(Op::Cat { dim: 1 }, &a, &[&b], &[]);
+    let got = run_op(Op::Shape(ShapeOp::Cat { dim: 1 }), &a, &[&b], &[]);
     assert_eq!(got.shape, vec![2, 7, 3, 3]);
     for n in 0..2 {
         for c in 0..7 {
@@ -426,11 +430,11 @@ fn flatten_and_cat() {
             }
         }
     }
-    let c = rand(&[1, 2, 3, 3]);
-    let got = run_op(Op::Cat { dim: 0 }, &a, &[&c], &[]);
+    let c = rand(&[2, 2, 3, 3]);
+    let got = run_op(Op::Shape(ShapeOp::Cat { dim: 0 }), &a, &[&c], &[]);
     assert_eq!(got.data, [a.data.clone(), c.data.clone()].concat());
     let (p, q) = (rand(&[1, 2, 3, 1]), rand(&[1, 2, 3, 2]));
-    let got = run_op(Op::Cat { dim: 3 }, &p, &[&q], &[]);
+    let got = run_op(Op::Shape(ShapeOp::Cat { dim: 3 }), &p, &[&q], &[]);
     assert_eq!(got.shape, vec![1, 2, 3, 3]);
     for row in 0..6 {
         assert_eq!(got.data[row * 3..row * 3 + 3], [p.data[row], q.data[row * 2], q.data[row * 2 + 1]]);
@@ -504,8 +508,10 @@ fn mismatched_batches_fail_with_the_module_path() {
     let g = t.graph();
     let (x1, x2) = (rand(&[2, 2, 3, 3]), rand(&[1, 2, 3, 3]));
     match cpu::run(&g, &[("a", &x1), ("b", &x2)]) {
-        Err(Error::Shape { path, op, .. }) => assert_eq!((path.as_str(), op.as_str()), ("add", "add")),
-        other => panic!("expected a shape error, got {other:?}"),
+        Err(Error::Binding { name, reason }) => {
+            assert!(name == "b" && reason.contains("batch 1") && reason.contains("batch 2"), "{reason}")
+        }
+        other => panic!("expected a batch mismatch, got {other:?}"),
     }
 }
 
@@ -546,7 +552,7 @@ fn custom_ops_run_their_registered_reference() {
 
     let mut g = t.graph();
     let missing = g.push_unchecked(
-        Op::Custom { name: "not_registered".into(), attrs: Default::default() },
+        Op::Custom(CustomCall { name: "not_registered".into(), attrs: Default::default() }),
         vec![x.id()],
         vec![1, 2, 3, 3],
         "head.mystery".into(),

@@ -6,7 +6,7 @@
 //! On the device: `cargo test --release --test gpu_kernels -- --nocapture --test-threads 1`.
 
 use kiln::engine::{gpu_available, BuildConfig, Engine, EngineBuilder, Gpu, Precision};
-use kiln::graph::{Graph, HostTensor, Op, PoolAttrs};
+use kiln::graph::{Graph, HostTensor, Op, Pool, PoolAttrs};
 use kiln::{Tensor, Tracer};
 use std::sync::{Arc, OnceLock};
 
@@ -125,7 +125,7 @@ fn max_pool() {
         ("max 2x2 s2 ceil p1", [3, 7, 6], pool([2, 2], [2, 2], [1, 1], true, true)),
     ];
     for (name, dims, attrs) in cases {
-        check(&format!("{name} {dims:?}"), &[("x", &dims)], |x| Ok(vec![record(Op::MaxPool2d(attrs), &x[0])?]));
+        check(&format!("{name} {dims:?}"), &[("x", &dims)], |x| Ok(vec![record(Op::Pool(Pool::Max(attrs)), &x[0])?]));
     }
 }
 
@@ -140,7 +140,7 @@ fn avg_pool() {
         ("avg 3x2 s(1,2) p(1,0)", [8, 6, 9], pool([3, 2], [1, 2], [1, 0], false, false)),
     ];
     for (name, dims, attrs) in cases {
-        check(&format!("{name} {dims:?}"), &[("x", &dims)], |x| Ok(vec![record(Op::AvgPool2d(attrs), &x[0])?]));
+        check(&format!("{name} {dims:?}"), &[("x", &dims)], |x| Ok(vec![record(Op::Pool(Pool::Avg(attrs)), &x[0])?]));
     }
 }
 
@@ -149,12 +149,12 @@ fn adaptive_avg_pool() {
     let cases = [([64usize, 7, 7], [1usize, 1]), ([5, 7, 7], [1, 1]), ([5, 10, 9], [3, 3]), ([16, 9, 11], [4, 2]), ([3, 5, 4], [5, 4])];
     for (dims, output) in cases {
         check(&format!("adaptive_avg {dims:?} -> {output:?}"), &[("x", &dims)], |x| {
-            Ok(vec![record(Op::AdaptiveAvgPool2d { output }, &x[0])?])
+            Ok(vec![record(Op::Pool(Pool::AdaptiveAvg { output }), &x[0])?])
         });
     }
     // ResNet's head: global pool then flatten (an alias: nothing moves).
     check("global pool + flatten [24, 7, 5]", &[("x", &[24, 7, 5])], |x| {
-        Ok(vec![record(Op::AdaptiveAvgPool2d { output: [1, 1] }, &x[0])?.flatten(1)?])
+        Ok(vec![record(Op::Pool(Pool::AdaptiveAvg { output: [1, 1] }), &x[0])?.flatten(1)?])
     });
 }
 
@@ -173,10 +173,11 @@ fn flatten_and_cat() {
 // `kernel_layers::bias_act` through the same converter mechanism a user's op would.
 
 mod bias_act_op {
-    use kiln::engine::kernel_layers::{bias_act, KernelAct};
+    use kiln::engine::kernel_layers::bias_act;
     use kiln::engine::{BuildCtx, Layer};
     use kiln::graph::{HostTensor, NodeId, Op};
     use kiln::ops::custom::{attr, Attrs, CustomOp};
+    use kiln::Unary;
 
     pub const NAME: &str = "test_bias_act";
 
@@ -185,28 +186,17 @@ mod bias_act_op {
         (0..c).map(|i| i as f32 * 0.37 - 1.1).collect()
     }
 
-    fn act(attrs: &Attrs) -> kiln::Result<KernelAct> {
+    fn act(attrs: &Attrs) -> kiln::Result<Option<Unary>> {
         Ok(match attr(attrs, NAME, "act")? as i32 {
-            0 => KernelAct::None,
-            1 => KernelAct::Relu,
-            2 => KernelAct::Leaky(0.1),
-            _ => KernelAct::Sigmoid,
+            0 => None,
+            1 => Some(Unary::Relu),
+            2 => Some(Unary::LeakyRelu { slope: 0.1 }),
+            _ => Some(Unary::Sigmoid),
         })
     }
 
-    fn apply(a: KernelAct, v: f32) -> f32 {
-        match a {
-            KernelAct::None => v,
-            KernelAct::Relu => v.max(0.0),
-            KernelAct::Leaky(s) => {
-                if v < 0.0 {
-                    v * s
-                } else {
-                    v
-                }
-            }
-            KernelAct::Sigmoid => 1.0 / (1.0 + (-v).exp()),
-        }
+    fn apply(a: Option<Unary>, v: f32) -> f32 {
+        a.map_or(v, |a| a.apply(v))
     }
 
     /// x, r: [N, C, H, W]; `residual` = 0 ignores r.
@@ -227,7 +217,7 @@ mod bias_act_op {
     }
 
     fn convert(ctx: &mut BuildCtx, node: NodeId) -> kiln::Result<Box<dyn Layer>> {
-        let Op::Custom { attrs, .. } = &ctx.node(node).op else { return Err(ctx.err(node, "not a custom op".into())) };
+        let Op::Custom(kiln::CustomCall { attrs, .. }) = &ctx.node(node).op else { return Err(ctx.err(node, "not a custom op".into())) };
         let (a, with_res) = (act(attrs)?, attr(attrs, NAME, "residual")? != 0.0);
         let (x, r, y) = (ctx.input(node, 0)?, ctx.input(node, 1)?, ctx.output(node)?);
         let c = ctx.value(y).dims[0];
@@ -402,14 +392,14 @@ fn timings() {
         );
         time(
             "reformats + max_pool 3x3 s2 p1 [64,112,112]",
-            one(&stem, &|x| record(Op::MaxPool2d(pool([3, 3], [2, 2], [1, 1], false, true)), x)),
+            one(&stem, &|x| record(Op::Pool(Pool::Max(pool([3, 3], [2, 2], [1, 1], false, true))), x)),
             batch,
             vec![("x", random(&[&[batch][..], &stem].concat(), 2, 1.0))],
         );
         let head = [2048, 7, 7];
         time(
             "reformats + global avg pool + flatten [2048,7,7]",
-            one(&head, &|x| record(Op::AdaptiveAvgPool2d { output: [1, 1] }, x)?.flatten(1)),
+            one(&head, &|x| record(Op::Pool(Pool::AdaptiveAvg { output: [1, 1] }), x)?.flatten(1)),
             batch,
             vec![("x", random(&[&[batch][..], &head].concat(), 3, 1.0))],
         );

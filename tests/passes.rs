@@ -3,7 +3,7 @@
 //! expected structure.
 
 use kiln::compare::compare;
-use kiln::graph::{Activation, ConvAttrs, Graph, HostTensor, Op};
+use kiln::graph::{Activation, ConvAttrs, Graph, HostTensor, Op, Unary};
 use kiln::{cpu, passes};
 use kiln::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, Forward, Module, Tensor, Tracer, VarBuilder};
 
@@ -48,9 +48,9 @@ fn count(g: &Graph, op: &str) -> usize {
 }
 
 fn conv_attrs(g: &Graph, path: &str) -> ConvAttrs {
-    let node = g.nodes.iter().find(|n| n.path == path && matches!(n.op, Op::Conv2d(_) | Op::ConvTranspose2d(_)));
+    let node = g.nodes.iter().find(|n| n.path == path && matches!(n.op, Op::Conv(_)));
     match node.map(|n| &n.op) {
-        Some(Op::Conv2d(a) | Op::ConvTranspose2d(a)) => *a,
+        Some(Op::Conv(a)) => *a,
         _ => panic!("no conv at `{path}`:\n{}", g.to_text()),
     }
 }
@@ -101,7 +101,7 @@ fn fold_batchnorm_on_resnet_blocks() {
     assert_eq!(count(&folded, "conv2d"), 5);
     // Each fold drops the BN node, its 4 parameters and the conv's old weight, and adds 2 tensors.
     assert_eq!(folded.nodes.len(), g.nodes.len() - 5 * 4);
-    for n in folded.nodes.iter().filter(|n| matches!(n.op, Op::Conv2d(_))) {
+    for n in folded.nodes.iter().filter(|n| matches!(n.op, Op::Conv(a) if !a.transposed)) {
         assert!(conv_attrs(&folded, &n.path).bias, "`{}` has no folded bias", n.path);
         let names: Vec<&str> = n.inputs[1..].iter().map(|&i| folded.nodes[i].path.as_str()).collect();
         assert_eq!(names, [format!("{}.weight.folded", n.path), format!("{}.bias.folded", n.path)]);
@@ -356,7 +356,7 @@ fn optimize_resnet18() {
     assert_same_outputs(&g, &o, 2);
     assert_eq!((count(&o, "batch_norm2d"), count(&o, "add"), count(&o, "relu")), (0, 0, 0));
     assert_eq!(count(&o, "conv2d"), 20);
-    let residual = o.nodes.iter().filter(|n| matches!(n.op, Op::Conv2d(a) if a.residual)).count();
+    let residual = o.nodes.iter().filter(|n| matches!(n.op, Op::Conv(a) if a.residual)).count();
     assert_eq!(residual, 8);
 }
 
@@ -390,9 +390,11 @@ fn centernet_upsampler_is_fully_fused() {
     let o = passes::optimize(&g).expect("optimize");
     assert_well_formed(&o);
     assert_eq!(count(&o, "batch_norm2d"), 0, "{}", o.to_text());
-    let deconvs: Vec<&ConvAttrs> = o.nodes.iter().filter_map(|n| if let Op::ConvTranspose2d(a) = &n.op { Some(a) } else { None }).collect();
+    let deconvs: Vec<&ConvAttrs> =
+        o.nodes.iter().filter_map(|n| if let Op::Conv(a) = &n.op { a.transposed.then_some(a) } else { None }).collect();
     assert_eq!(deconvs.len(), 3);
     assert!(deconvs.iter().all(|a| a.act == Activation::Relu && a.bias), "{deconvs:?}");
-    let relu_after_deconv = o.nodes.iter().any(|n| matches!(n.op, Op::Relu) && matches!(o.nodes[n.inputs[0]].op, Op::ConvTranspose2d(_)));
+    let relu_after_deconv =
+        o.nodes.iter().any(|n| matches!(n.op, Op::Unary(Unary::Relu)) && matches!(o.nodes[n.inputs[0]].op, Op::Conv(a) if a.transposed));
     assert!(!relu_after_deconv, "{}", o.to_text());
 }

@@ -283,7 +283,7 @@ mod tests {
 mod gpu {
     use super::k_attr;
     use kiln::engine::kernel_layers::{grid_for, launch, CudaFunction, KArg};
-    use kiln::engine::{BuildCtx, Elem, Layer, Layout, RunCtx, ValueId};
+    use kiln::engine::{BuildCtx, Elem, Layer, RunCtx, ValueId};
     use kiln::graph::{NodeId, Op};
     use kiln::Result;
 
@@ -367,7 +367,9 @@ mod gpu {
     }
 
     pub fn convert_decode(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
-        let Op::Custom { attrs, .. } = &ctx.node(node).op else { return Err(ctx.err(node, "is not centernet_decode".into())) };
+        let Op::Custom(kiln::CustomCall { attrs, .. }) = &ctx.node(node).op else {
+            return Err(ctx.err(node, "is not centernet_decode".into()));
+        };
         let k = k_attr(attrs).map_err(|r| ctx.err(node, r))?;
         if k > TILE / 2 {
             return Err(ctx.err(node, format!("the GPU decode keeps at most {} detections per image, asked for k = {k}", TILE / 2)));
@@ -376,7 +378,7 @@ mod gpu {
         let (dh, dwh, dreg) = (ctx.value(hm).clone(), ctx.value(wh).clone(), ctx.value(reg).clone());
         let Some((c, h, w)) = dh.chw() else { return Err(ctx.err(node, format!("hm must be [C, H, W], got {:?}", dh.dims))) };
         for (name, d) in [("hm", &dh), ("wh", &dwh), ("reg", &dreg)] {
-            if d.layout != Layout::Nhwc || d.elem != dh.elem {
+            if !d.layout.is_channels_last() || d.elem != dh.elem {
                 return Err(ctx.err(node, format!("{name} must be an NHWC map of {:?}, got {:?} {:?}", dh.elem, d.layout, d.elem)));
             }
         }

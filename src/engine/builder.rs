@@ -4,12 +4,14 @@
 use super::arena::{self, Interval};
 use super::gpu::Gpu;
 use super::kernels::{self, Kernels};
-use super::layer::{BuildCtx, Elem, Layer, Layout, Storage, ValueDesc, ValueId};
+use super::layer::{BuildCtx, Elem, Layer, Layout, Storage, ValueDesc, ValueId, MAX_RANK};
 use super::tactic::Tactics;
-use super::{check_converters, converter, is_structural, BuildConfig};
+use super::{check_converters, is_structural, BuildConfig};
 use crate::graph::{Activation, Graph, Op};
+use crate::ops::LayoutPlan;
 use crate::{Error, Result};
 use std::collections::BTreeMap;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -151,6 +153,86 @@ pub(crate) fn cache_prefix(gpu: &Gpu, config: &BuildConfig) -> String {
     format!("{}|sm{}|cudnn{}|{:?}|b{}{sources}", gpu.info.name, gpu.info.sm, gpu.info.cudnn_version, config.precision, config.opt_batch)
 }
 
+/// The layout of every value and the layouts each node reads its inputs in, from each op's
+/// `OpDef::layouts`. A graph input takes the layout its first reader asks for (so the input
+/// reformat writes it there directly); one read by nothing is contiguous.
+fn plan_layouts(graph: &Graph) -> Result<(Vec<Option<Layout>>, Vec<Option<LayoutPlan>>)> {
+    let mut layout: Vec<Option<Layout>> = vec![None; graph.nodes.len()];
+    let mut plans = vec![None; graph.nodes.len()];
+    for (id, node) in graph.nodes.iter().enumerate() {
+        let rank = node.shape.len().checked_sub(1).filter(|&r| r <= MAX_RANK).ok_or_else(|| {
+            Error::Graph(format!(
+                "`{}` ({}) has shape {:?}: the engine takes 1 to {} dims after the batch",
+                node.path,
+                node.op.name(),
+                node.shape,
+                MAX_RANK
+            ))
+        })?;
+        let Some(def) = node.op.def() else { continue };
+        let has: Vec<Option<Layout>> = node
+            .inputs
+            .iter()
+            .map(|&j| match &graph.nodes[j].op {
+                Op::Weight { .. } => None,
+                _ => Some(layout[j].unwrap_or(Layout::contiguous(graph.nodes[j].shape.len() - 1))),
+            })
+            .collect();
+        let plan = def.layouts(&has, rank);
+        for (k, &j) in node.inputs.iter().enumerate() {
+            if matches!(graph.nodes[j].op, Op::Input { .. }) && layout[j].is_none() {
+                layout[j] = plan.inputs.get(k).copied().flatten().or(has[k]);
+            }
+        }
+        layout[id] = Some(plan.output);
+        plans[id] = Some(plan);
+    }
+    for (id, node) in graph.nodes.iter().enumerate() {
+        if matches!(node.op, Op::Input { .. }) && layout[id].is_none() {
+            layout[id] = Some(Layout::contiguous(node.shape.len() - 1));
+        }
+    }
+    Ok((layout, plans))
+}
+
+/// Copies of values in other layouts, made once each: a second reader wanting the same layout
+/// reuses the copy, and a reader wanting a copy's original layout reads the original (a reformat
+/// pair that would cancel is never made).
+#[derive(Default)]
+struct Reformats {
+    copies: HashMap<(ValueId, Layout), ValueId>,
+    origin: HashMap<ValueId, ValueId>,
+}
+
+impl Reformats {
+    /// `v` in `want`, adding a reformat layer (and its lifetime) when no copy exists yet.
+    fn get(
+        &mut self,
+        ctx: &mut BuildCtx,
+        v: ValueId,
+        want: Layout,
+        layers: &mut Vec<Box<dyn Layer>>,
+        touches: &mut Vec<Vec<ValueId>>,
+    ) -> Result<ValueId> {
+        let v = self.origin.get(&v).copied().unwrap_or(v);
+        let desc = ctx.value(v).clone();
+        if desc.layout.same_bytes(want, &desc.dims) {
+            return Ok(v);
+        }
+        if let Some(&copy) = self.copies.get(&(v, want)) {
+            return Ok(copy);
+        }
+        let copy = ValueId(ctx.values.len());
+        ctx.values.push(ValueDesc { name: format!("{}.{want:?}", desc.name), layout: want, storage: Storage::Arena, ..desc.clone() });
+        let path = ctx.node(ctx.current).path.clone();
+        layers.push(kernels::reformat_layer(ctx, v, copy, &path)?);
+        touches.push(vec![v, copy]);
+        self.copies.insert((v, want), copy);
+        self.origin.insert(copy, v);
+        Ok(copy)
+    }
+}
+
 /// Lowers an optimised graph to an engine (build and load share this).
 pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &mut Tactics) -> Result<Engine> {
     // A panicked build leaves nothing half-done in the lock's data, so a poisoned lock is usable.
@@ -159,16 +241,12 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
     gpu.ctx.bind_to_thread().map_err(super::gpu::cuda_err("binding the CUDA context"))?;
     let kernels = Arc::new(Kernels::new(&gpu)?);
     let elem = config.precision.elem();
+    let (layouts, plans) = plan_layouts(&graph)?;
     let mut values = Vec::new();
     let mut node_values = vec![None; graph.nodes.len()];
     let mut input_bindings = Vec::new();
     for (id, node) in graph.nodes.iter().enumerate() {
-        if matches!(node.op, Op::Weight { .. }) {
-            continue;
-        }
-        if node.shape.is_empty() {
-            return Err(Error::Graph(format!("`{}` ({}) has no batch dimension", node.path, node.op.name())));
-        }
+        let Some(layout) = layouts[id] else { continue };
         let dims = node.shape[1..].to_vec();
         if let Op::Input { name } = &node.op {
             input_bindings.push((name.clone(), id, ValueId(values.len())));
@@ -176,19 +254,20 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
                 name: name.clone(),
                 dims: dims.clone(),
                 elem: Elem::F32,
-                layout: Layout::Nchw,
+                layout: Layout::contiguous(dims.len()),
                 storage: Storage::Binding,
             });
         }
         node_values[id] = Some(ValueId(values.len()));
-        values.push(ValueDesc { name: node.path.clone(), dims, elem, layout: Layout::Nhwc, storage: Storage::Arena });
+        values.push(ValueDesc { name: node.path.clone(), dims, elem, layout, storage: Storage::Arena });
     }
     let mut output_bindings = Vec::new();
     for (name, id) in &graph.outputs {
         let src = node_values[*id].ok_or_else(|| Error::Graph(format!("output `{name}` is a weight, not a computed value")))?;
         let dims = values[src.0].dims.clone();
+        let layout = Layout::contiguous(dims.len());
         output_bindings.push((name.clone(), *id, src, ValueId(values.len())));
-        values.push(ValueDesc { name: name.clone(), dims, elem: Elem::F32, layout: Layout::Nchw, storage: Storage::Binding });
+        values.push(ValueDesc { name: name.clone(), dims, elem: Elem::F32, layout, storage: Storage::Binding });
     }
 
     let mut ctx = BuildCtx {
@@ -198,6 +277,7 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
         kernels: &kernels,
         values,
         node_values,
+        current_inputs: Vec::new(),
         scratch: Vec::new(),
         current: 0,
         tactics,
@@ -207,6 +287,7 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
     let mut layers: Vec<Box<dyn Layer>> = Vec::new();
     let mut touches: Vec<Vec<ValueId>> = Vec::new();
     let mut fused = Vec::new();
+    let mut reformats = Reformats::default();
     for (name, id, binding) in &input_bindings {
         ctx.current = *id;
         let internal = ctx.node_values[*id].expect("inputs have values");
@@ -214,25 +295,28 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
         touches.push(vec![internal]);
     }
     let to_lower = graph.nodes.iter().filter(|n| !is_structural(&n.op)).count();
+    let mut lowered = 0;
     for (id, node) in graph.nodes.iter().enumerate() {
-        if is_structural(&node.op) {
-            continue;
-        }
+        let (Some(def), Some(plan)) = (node.op.def(), &plans[id]) else { continue };
         if let Some(progress) = &ctx.tactics.progress {
-            progress(layers.len() - input_bindings.len(), to_lower, &node.path);
+            progress(lowered, to_lower, &node.path);
         }
-        let conv = converter(node.op.name())?.ok_or_else(|| Error::NoConverter {
-            backend: "GPU",
-            op: node.op.name().into(),
-            path: node.path.clone(),
-        })?;
+        lowered += 1;
         ctx.current = id;
         ctx.scratch.clear();
-        let layer = (conv.convert)(&mut ctx, id)?;
-        let mut touched: Vec<ValueId> = node.inputs.iter().filter_map(|&i| ctx.node_values[i]).collect();
+        let mut inputs = Vec::with_capacity(node.inputs.len());
+        for (k, &j) in node.inputs.iter().enumerate() {
+            inputs.push(match (ctx.node_values[j], plan.inputs.get(k).copied().flatten()) {
+                (Some(v), Some(want)) => Some(reformats.get(&mut ctx, v, want, &mut layers, &mut touches)?),
+                (v, _) => v,
+            });
+        }
+        ctx.current_inputs = inputs;
+        let layer = def.convert(&mut ctx, id)?;
+        let mut touched: Vec<ValueId> = ctx.current_inputs.iter().flatten().copied().collect();
         touched.extend(ctx.node_values[id]);
         touched.extend(ctx.scratch.iter().copied());
-        if let Op::Conv2d(a) | Op::ConvTranspose2d(a) = &node.op {
+        if let Op::Conv(a) = &node.op {
             let mut parts = vec![node.op.name().to_string()];
             if a.bias {
                 parts.push("bias".into());

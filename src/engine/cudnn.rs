@@ -347,7 +347,7 @@ impl Layer for ConvLayer {
 /// Reads a conv node: attributes, weight (PyTorch layout) and bias (zeros if absent).
 fn conv_parts<'a>(ctx: &BuildCtx<'a>, node: NodeId) -> Result<(ConvAttrs, &'a crate::HostTensor, Vec<f32>)> {
     let n = ctx.node(node);
-    let (Op::Conv2d(a) | Op::ConvTranspose2d(a)) = &n.op else {
+    let Op::Conv(a) = &n.op else {
         return Err(ctx.err(node, "is not a convolution".into()));
     };
     let w = ctx.weight(node, 1)?;

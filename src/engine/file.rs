@@ -27,7 +27,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 pub const MAGIC: [u8; 8] = *b"KILNENG\0";
-pub const FORMAT_VERSION: u32 = 1;
+/// 2: ops grouped by family (`Op::Conv`, `Op::Unary`, ...), per-value layouts.
+pub const FORMAT_VERSION: u32 = 2;
 const HEADER_LEN: usize = 40;
 
 /// The device facts a file was built for.
@@ -209,7 +210,7 @@ mod tests {
         let mut graph = Graph::default();
         let x = graph.push_unchecked(Op::Input { name: "x".into() }, vec![], vec![1, 3, 8, 8], "x".into());
         let w = graph.weight("conv.weight", Arc::new(HostTensor::new(vec![4, 3, 1, 1], (0..12).map(|i| i as f32 * 0.5).collect())));
-        let y = graph.push(Op::Conv2d(ConvAttrs::default()), vec![x, w], "conv".into()).expect("valid conv");
+        let y = graph.push(Op::Conv(ConvAttrs::default()), vec![x, w], "conv".into()).expect("valid conv");
         graph.inputs.push(x);
         graph.mark_output("y", y);
         let tactics = BTreeMap::from([("conv|k1".to_string(), "cublaslt-gemm".to_string())]);

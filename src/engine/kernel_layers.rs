@@ -5,76 +5,20 @@
 //! Layers hold value handles, never addresses: the context's arena is planned after conversion
 //! and every run reads the addresses from `RunCtx`. The batch is a kernel argument.
 
-use super::gpu::cuda_err;
+pub use super::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
 use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId};
-use crate::graph::{NodeId, Op, PoolAttrs};
+use crate::graph::NodeId;
+use crate::ops::elementwise::{Binary, Unary};
+use crate::ops::OpDef;
 use crate::{Error, Result};
-pub use cudarc::driver::CudaFunction;
-use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-/// Activation codes of `kernels/common.cuh` (`ACT_*`).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum KernelAct {
-    None,
-    Relu,
-    Leaky(f32),
-    Sigmoid,
+/// The activation an epilogue applies, as the kernels take it: `(code, p0, p1)`.
+fn act_code(act: Option<Unary>) -> (i32, f32, f32) {
+    act.map_or((0, 0.0, 0.0), Unary::kernel_code)
 }
 
-impl KernelAct {
-    /// `(code, slope)` as the kernels take them.
-    pub fn code(self) -> (i32, f32) {
-        match self {
-            KernelAct::None => (0, 0.0),
-            KernelAct::Relu => (1, 0.0),
-            KernelAct::Leaky(s) => (2, s),
-            KernelAct::Sigmoid => (3, 0.0),
-        }
-    }
-    fn name(self) -> &'static str {
-        match self {
-            KernelAct::None => "",
-            KernelAct::Relu => "+relu",
-            KernelAct::Leaky(_) => "+leaky",
-            KernelAct::Sigmoid => "+sigmoid",
-        }
-    }
-}
-
-/// One kernel argument. Pointers are device addresses (`RunCtx::ptr`), 0 for "none".
-#[derive(Clone, Copy, Debug)]
-pub enum KArg {
-    Ptr(u64),
-    I32(i32),
-    I64(i64),
-    F32(f32),
-}
-
-/// Enqueues `f` on the run's stream.
-pub fn launch(rt: &RunCtx, f: &CudaFunction, grid: (u32, u32, u32), block: (u32, u32, u32), shared: u32, args: &[KArg]) -> Result<()> {
-    let mut lb = rt.stream.launch_builder(f);
-    for a in args {
-        match a {
-            KArg::Ptr(p) => lb.arg(p),
-            KArg::I32(v) => lb.arg(v),
-            KArg::I64(v) => lb.arg(v),
-            KArg::F32(v) => lb.arg(v),
-        };
-    }
-    let cfg = LaunchConfig { grid_dim: grid, block_dim: block, shared_mem_bytes: shared };
-    // SAFETY: every kernel's signature is the argument list its layer builds (kernels/*.cu), and
-    // the addresses come from the context's arena, bindings or the layer's own buffers.
-    unsafe { lb.launch(cfg) }.map_err(cuda_err("launching a kernel"))?;
-    Ok(())
-}
-
-/// Threads per block of the grid-stride kernels.
-pub const BLOCK: u32 = 256;
-
-/// A 1-D grid for `work` grid-stride items: enough blocks to fill the device, no more.
-pub fn grid_for(work: usize, sm_count: u32) -> (u32, u32, u32) {
-    let blocks = work.div_ceil(BLOCK as usize).clamp(1, sm_count as usize * 16);
-    (blocks as u32, 1, 1)
+fn act_suffix(act: Option<Unary>) -> String {
+    act.map_or(String::new(), |a| format!("+{}", a.name()))
 }
 
 /// Elements per 16-byte pack, the vector width the kernels use when channels allow.
@@ -89,8 +33,8 @@ fn to_i32(ctx: &BuildCtx, node: NodeId, what: &str, v: usize) -> Result<i32> {
 /// The NHWC `(C, H, W)` of an activation, or an error naming the node.
 fn nhwc(ctx: &BuildCtx, node: NodeId, v: ValueId) -> Result<(usize, usize, usize)> {
     let d = ctx.value(v);
-    match (d.layout, d.dims.as_slice()) {
-        (Layout::Nhwc, [c, h, w]) => Ok((*c, *h, *w)),
+    match d.dims.as_slice() {
+        [c, h, w] if d.layout.same_bytes(Layout::channels_last(3), &d.dims) => Ok((*c, *h, *w)),
         _ => Err(ctx.err(node, format!("expects an NHWC image activation, got {:?} {:?}", d.layout, d.dims))),
     }
 }
@@ -105,7 +49,7 @@ fn same_elem(ctx: &BuildCtx, node: NodeId, vs: &[ValueId]) -> Result<Elem> {
 
 // ---- elementwise --------------------------------------------------------------------------
 
-/// `y = act(x)`, or `y = act(a + b)` / `act(a * b)`, over the whole value.
+/// `y = op(x)`, or `y = a op b`, over the whole value (operands of one shape and layout).
 pub struct ElementwiseLayer {
     path: String,
     kind: String,
@@ -113,7 +57,8 @@ pub struct ElementwiseLayer {
     inputs: Vec<ValueId>,
     y: ValueId,
     per_image: usize,
-    act: KernelAct,
+    /// The arguments after the pointers and the element count.
+    args: Vec<KArg>,
     sm_count: u32,
 }
 
@@ -126,48 +71,48 @@ impl Layer for ElementwiseLayer {
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let n = batch * self.per_image;
-        let (code, slope) = self.act.code();
         let mut args: Vec<KArg> = self.inputs.iter().map(|&v| KArg::Ptr(rt.ptr(v))).collect();
-        args.extend([KArg::Ptr(rt.ptr(self.y)), KArg::I64(n as i64), KArg::I32(code), KArg::F32(slope)]);
+        args.extend([KArg::Ptr(rt.ptr(self.y)), KArg::I64(n as i64)]);
+        args.extend_from_slice(&self.args);
         launch(rt, &self.f, grid_for(n / 4, self.sm_count), (BLOCK, 1, 1), 0, &args)
     }
 }
 
-/// `act(x)` for a unary node (relu, leaky_relu, sigmoid).
-pub fn activation(ctx: &mut BuildCtx, node: NodeId, act: KernelAct) -> Result<Box<dyn Layer>> {
+/// A unary elementwise node (activations, clamp, scalar arithmetic).
+pub fn activation(ctx: &mut BuildCtx, node: NodeId, op: Unary) -> Result<Box<dyn Layer>> {
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let elem = same_elem(ctx, node, &[x, y])?;
     let f = ctx.kernels.get(&format!("activation_{}", elem.suffix()))?;
+    let (code, p0, p1) = op.kernel_code();
     Ok(Box::new(ElementwiseLayer {
         path: ctx.node(node).path.clone(),
-        kind: format!("kernel:activation{}", act.name()),
+        kind: format!("kernel:{}", op.name()),
         f,
         inputs: vec![x],
         y,
         per_image: ctx.value(y).per_image_elems(),
-        act,
+        args: vec![KArg::I32(code), KArg::F32(p0), KArg::F32(p1)],
         sm_count: ctx.kernels.sm_count(),
     }))
 }
 
-/// `act(a + b)` or `act(a * b)` for a binary node of two same-shaped activations.
-pub fn binary(ctx: &mut BuildCtx, node: NodeId, mul: bool, act: KernelAct) -> Result<Box<dyn Layer>> {
+/// A binary elementwise node of two same-shaped activations in one layout.
+pub fn binary(ctx: &mut BuildCtx, node: NodeId, op: Binary) -> Result<Box<dyn Layer>> {
     let (a, b, y) = (ctx.input(node, 0)?, ctx.input(node, 1)?, ctx.output(node)?);
     let elem = same_elem(ctx, node, &[a, b, y])?;
     let (da, db) = (ctx.value(a), ctx.value(b));
     if da.dims != db.dims || da.layout != db.layout {
         return Err(ctx.err(node, format!("operands differ: {:?} {:?} and {:?} {:?}", da.layout, da.dims, db.layout, db.dims)));
     }
-    let op = if mul { "mul" } else { "add" };
-    let f = ctx.kernels.get(&format!("{op}_{}", elem.suffix()))?;
+    let f = ctx.kernels.get(&format!("binary_{}", elem.suffix()))?;
     Ok(Box::new(ElementwiseLayer {
         path: ctx.node(node).path.clone(),
-        kind: format!("kernel:{op}{}", act.name()),
+        kind: format!("kernel:{}", op.name()),
         f,
         inputs: vec![a, b],
         y,
         per_image: ctx.value(y).per_image_elems(),
-        act,
+        args: vec![KArg::I32(op.kernel_code()), KArg::I32(0), KArg::F32(0.0)],
         sm_count: ctx.kernels.sm_count(),
     }))
 }
@@ -183,7 +128,7 @@ pub struct BiasActLayer {
     y: ValueId,
     rows_per_image: usize,
     channels: usize,
-    act: KernelAct,
+    act: Option<Unary>,
     sm_count: u32,
 }
 
@@ -192,11 +137,11 @@ impl Layer for BiasActLayer {
         &self.path
     }
     fn kind(&self) -> String {
-        format!("kernel:bias{}{}", if self.residual.is_some() { "+residual" } else { "" }, self.act.name())
+        format!("kernel:bias{}{}", if self.residual.is_some() { "+residual" } else { "" }, act_suffix(self.act))
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let rows = batch * self.rows_per_image;
-        let (code, slope) = self.act.code();
+        let (code, slope, _) = act_code(self.act);
         let args = [
             KArg::Ptr(rt.ptr(self.x)),
             KArg::Ptr(self.bias.as_ref().map_or(0, |b| b.ptr())),
@@ -220,14 +165,14 @@ pub fn bias_act(
     bias: Option<&[f32]>,
     residual: Option<ValueId>,
     y: ValueId,
-    act: KernelAct,
+    act: Option<Unary>,
 ) -> Result<Box<dyn Layer>> {
     let mut vals = vec![x, y];
     vals.extend(residual);
     let elem = same_elem(ctx, node, &vals)?;
     let (c, h, w) =
         ctx.value(y).chw().ok_or_else(|| ctx.err(node, format!("bias epilogue needs [C, H, W] or [F], got {:?}", ctx.value(y).dims)))?;
-    if ctx.value(y).layout != Layout::Nhwc && h * w != 1 {
+    if !ctx.value(y).layout.same_bytes(Layout::channels_last(ctx.value(y).dims.len()), &ctx.value(y).dims) {
         return Err(ctx.err(node, "bias epilogue runs on NHWC values".into()));
     }
     if let Some(b) = bias {
@@ -253,8 +198,9 @@ pub fn bias_act(
 
 // ---- pooling ------------------------------------------------------------------------------
 
+/// Which pooling a `PoolLayer` runs.
 #[derive(Clone, Copy, Debug, PartialEq)]
-enum PoolKind {
+pub enum PoolKind {
     Max,
     Avg { count_include_pad: bool },
     Adaptive,
@@ -301,7 +247,8 @@ impl Layer for PoolLayer {
     }
 }
 
-fn pool_layer(ctx: &mut BuildCtx, node: NodeId, kind: PoolKind, window: [usize; 6]) -> Result<Box<dyn Layer>> {
+/// A pooling layer over NHWC values; `window` = kh, kw, sh, sw, ph, pw (unused by adaptive pooling).
+pub fn pool_layer(ctx: &mut BuildCtx, node: NodeId, kind: PoolKind, window: [usize; 6]) -> Result<Box<dyn Layer>> {
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let elem = same_elem(ctx, node, &[x, y])?;
     let (c, h, w) = nhwc(ctx, node, x)?;
@@ -326,20 +273,6 @@ fn pool_layer(ctx: &mut BuildCtx, node: NodeId, kind: PoolKind, window: [usize; 
     let f = ctx.kernels.get(&format!("{name}_{}", elem.suffix()))?;
     let vec = if c % pack(elem) == 0 { pack(elem) } else { 1 };
     Ok(Box::new(PoolLayer { path: ctx.node(node).path.clone(), kind, f, x, y, dims, window: win, vec, sm_count: ctx.kernels.sm_count() }))
-}
-
-fn window(a: &PoolAttrs) -> [usize; 6] {
-    [a.kernel[0], a.kernel[1], a.stride[0], a.stride[1], a.padding[0], a.padding[1]]
-}
-
-/// `max_pool2d` / `avg_pool2d` / `adaptive_avg_pool2d` nodes (NHWC, PyTorch's semantics).
-pub fn pool(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
-    match &ctx.node(node).op {
-        Op::MaxPool2d(a) => pool_layer(ctx, node, PoolKind::Max, window(a)),
-        Op::AvgPool2d(a) => pool_layer(ctx, node, PoolKind::Avg { count_include_pad: a.count_include_pad }, window(a)),
-        Op::AdaptiveAvgPool2d { .. } => pool_layer(ctx, node, PoolKind::Adaptive, [0; 6]),
-        other => Err(ctx.err(node, format!("is not a pooling op ({})", other.name()))),
-    }
 }
 
 // ---- concat -------------------------------------------------------------------------------
@@ -382,8 +315,7 @@ impl Layer for ConcatLayer {
 }
 
 /// `cat` along channels (dim 1 of NCHW, the innermost of NHWC). Other dims are rejected.
-pub fn concat(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
-    let Op::Cat { dim } = ctx.node(node).op else { return Err(ctx.err(node, "is not a cat".into())) };
+pub fn concat(ctx: &mut BuildCtx, node: NodeId, dim: usize) -> Result<Box<dyn Layer>> {
     let n_in = ctx.node(node).inputs.len();
     let y = ctx.output(node)?;
     let ins: Vec<ValueId> = (0..n_in).map(|i| ctx.input(node, i)).collect::<Result<_>>()?;
@@ -402,7 +334,7 @@ pub fn concat(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
     for v in ins {
         let d = ctx.value(v);
         let (c, hi, wi) = d.chw().ok_or_else(|| ctx.err(node, format!("cannot concatenate values of dims {:?}", d.dims)))?;
-        if (hi, wi) != (h, w) || (h * w != 1 && d.layout != Layout::Nhwc) {
+        if (hi, wi) != (h, w) || !d.layout.same_bytes(Layout::channels_last(d.dims.len()), &d.dims) {
             return Err(ctx.err(node, format!("input {:?} {:?} does not fit output {:?}", d.layout, d.dims, dy.dims)));
         }
         inputs.push((v, c));
@@ -473,37 +405,111 @@ impl Layer for ReformatLayer {
 /// kernels/reformat.cu).
 const SMALL_CHANNELS: usize = 8;
 
-/// A layer converting `src` to `dst`, deciding from their descriptions: NCHW -> NHWC (the
-/// engine's input; `dst` may have more channels than `src`, padded with zeros), NHWC -> NCHW
-/// (the engine's output), or a precision cast where the layouts agree or the value has no
-/// spatial extent (`[F]`, `[F, 1, 1]`, `[K, 6]`: both layouts are the same bytes).
+/// Copies a value into another memory order and element type: the general reformat.
+pub struct PermuteLayer {
+    path: String,
+    kind: String,
+    f: CudaFunction,
+    src: ValueId,
+    dst: ValueId,
+    /// Sizes (in `dst`'s physical order), `src` strides of those dims, `src`'s batch stride.
+    meta: DeviceBuf,
+    rank: i32,
+    per_image: usize,
+    sm_count: u32,
+}
+
+impl Layer for PermuteLayer {
+    fn path(&self) -> &str {
+        &self.path
+    }
+    fn kind(&self) -> String {
+        self.kind.clone()
+    }
+    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        let n = batch * self.per_image;
+        let args = [
+            KArg::Ptr(rt.ptr(self.src)),
+            KArg::Ptr(rt.ptr(self.dst)),
+            KArg::I64(n as i64),
+            KArg::Ptr(self.meta.ptr()),
+            KArg::I32(self.rank),
+        ];
+        launch(rt, &self.f, grid_for(n, self.sm_count), (BLOCK, 1, 1), 0, &args)
+    }
+}
+
+/// A [`PermuteLayer`] reading `src` (logical dims `dims`, in `src_layout`, with its own strides)
+/// into `dst`. `src_strides` are the element strides of each logical dim of the source view, and
+/// `src_offset` its first element (for slices); `batch_stride` is the source's per-image size.
+pub fn permute_layer(
+    ctx: &mut BuildCtx,
+    path: &str,
+    src: ValueId,
+    src_strides: &[usize],
+    batch_stride: usize,
+    dst: ValueId,
+) -> Result<Box<dyn Layer>> {
+    let d = ctx.value(dst).clone();
+    let s_elem = ctx.value(src).elem;
+    let order = d.layout.order();
+    let mut meta: Vec<i64> = order.iter().map(|&k| d.dims[k] as i64).collect();
+    meta.extend(order.iter().map(|&k| src_strides[k] as i64));
+    meta.push(batch_stride as i64);
+    let bytes: Vec<u8> = meta.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let meta = ctx.upload_bytes(&bytes)?;
+    let entry = format!("permute_{}_{}", s_elem.suffix(), d.elem.suffix());
+    let f = ctx.kernels.get(&entry)?;
+    Ok(Box::new(PermuteLayer {
+        path: path.to_string(),
+        kind: format!("kernel:{entry}"),
+        f,
+        src,
+        dst,
+        meta,
+        rank: order.len() as i32,
+        per_image: d.per_image_elems(),
+        sm_count: ctx.kernels.sm_count(),
+    }))
+}
+
+/// A layer converting `src` to `dst` (the same logical dims, or `dst` with zero-padded channels
+/// at the engine's input), deciding from their descriptions: a precision cast where the layouts
+/// are the same bytes; the tiled NCHW <-> NHWC transposes for images; the general permute otherwise.
 pub fn reformat_layer(ctx: &mut BuildCtx, src: ValueId, dst: ValueId, path: &str) -> Result<Box<dyn Layer>> {
     let (s, d) = (ctx.value(src).clone(), ctx.value(dst).clone());
     let fail = |why: String| Error::Graph(format!("cannot reformat `{}` to `{}` (at `{path}`): {why}", s.name, d.name));
     let pair = format!("{}_{}", s.elem.suffix(), d.elem.suffix());
-    let spatial = |v: &ValueDesc| v.chw().map(|(_, h, w)| h * w);
-    // Layout means nothing for a value without spatial extent ([F], [K, 6]): the same bytes.
-    let flat = |v: &ValueDesc| !matches!(spatial(v), Some(hw) if hw != 1);
-    let plain = s.layout == d.layout || (flat(&s) && flat(&d));
-    let (entry, transpose) = if plain && s.dims == d.dims {
-        (format!("cast_{pair}"), None)
-    } else {
-        let (sc, sh, sw) = s.chw().ok_or_else(|| fail(format!("source dims {:?} are not an image", s.dims)))?;
-        let (dc, dh, dw) = d.chw().ok_or_else(|| fail(format!("target dims {:?} are not an image", d.dims)))?;
-        if (sh, sw) != (dh, dw) {
-            return Err(fail(format!("spatial sizes differ: {:?} and {:?}", s.dims, d.dims)));
+    if s.dims == d.dims && s.layout.same_bytes(d.layout, &s.dims) {
+        let f = ctx.kernels.get(&format!("cast_{pair}"))?;
+        return Ok(Box::new(ReformatLayer {
+            path: path.to_string(),
+            kind: format!("kernel:cast_{pair}"),
+            f,
+            src,
+            dst,
+            transpose: None,
+            small: false,
+            per_image: d.per_image_elems(),
+            sm_count: ctx.kernels.sm_count(),
+        }));
+    }
+    let image = |v: &ValueDesc| v.dims.len() == 3;
+    let (nchw, nhwc) = (Layout::contiguous(3), Layout::channels_last(3));
+    let tiled = image(&s) && image(&d) && s.dims[1..] == d.dims[1..];
+    let (name, c, cs) = match (s.layout, d.layout) {
+        (a, b) if tiled && a == nchw && b == nhwc && d.dims[0] >= s.dims[0] => ("nchw_to_nhwc", s.dims[0], d.dims[0]),
+        (a, b) if tiled && a == nhwc && b == nchw && s.dims[0] >= d.dims[0] => ("nhwc_to_nchw", d.dims[0], s.dims[0]),
+        _ if s.dims == d.dims => {
+            let strides = s.layout.strides(&s.dims);
+            return permute_layer(ctx, path, src, &strides, s.per_image_elems(), dst);
         }
-        let hw = sh * sw;
-        let (name, c, cs) = match (s.layout, d.layout) {
-            (Layout::Nchw, Layout::Nhwc) if dc >= sc => ("nchw_to_nhwc", sc, dc),
-            (Layout::Nhwc, Layout::Nchw) if sc >= dc => ("nhwc_to_nchw", dc, sc),
-            _ => return Err(fail(format!("no reformat from {:?} {:?} to {:?} {:?}", s.layout, s.dims, d.layout, d.dims))),
-        };
-        let int = |v: usize| i32::try_from(v).map_err(|_| fail(format!("{v} exceeds the kernels' 32-bit range")));
-        let small = if cs <= SMALL_CHANNELS { "_small" } else { "" };
-        (format!("{name}{small}_{pair}"), Some((int(c)?, int(hw)?, int(cs)?)))
+        _ => return Err(fail(format!("no reformat from {:?} {:?} to {:?} {:?}", s.layout, s.dims, d.layout, d.dims))),
     };
-    let small = transpose.is_some_and(|(_, _, cs)| cs as usize <= SMALL_CHANNELS);
+    let hw = s.dims[1] * s.dims[2];
+    let int = |v: usize| i32::try_from(v).map_err(|_| fail(format!("{v} exceeds the kernels' 32-bit range")));
+    let small = cs <= SMALL_CHANNELS;
+    let entry = format!("{name}{}_{pair}", if small { "_small" } else { "" });
     let f = ctx.kernels.get(&entry)?;
     Ok(Box::new(ReformatLayer {
         path: path.to_string(),
@@ -511,7 +517,7 @@ pub fn reformat_layer(ctx: &mut BuildCtx, src: ValueId, dst: ValueId, path: &str
         f,
         src,
         dst,
-        transpose,
+        transpose: Some((int(c)?, int(hw)?, int(cs)?)),
         small,
         per_image: d.per_image_elems(),
         sm_count: ctx.kernels.sm_count(),
@@ -520,15 +526,14 @@ pub fn reformat_layer(ctx: &mut BuildCtx, src: ValueId, dst: ValueId, path: &str
 
 /// `flatten(1)`: NCHW order of an NHWC map. Moves nothing when the map is 1x1 (ResNet's pooled
 /// features) or already flat; otherwise an NHWC -> NCHW transpose in the engine's precision.
-pub fn flatten(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
-    let Op::Flatten { start } = ctx.node(node).op else { return Err(ctx.err(node, "is not a flatten".into())) };
+pub fn flatten(ctx: &mut BuildCtx, node: NodeId, start: usize) -> Result<Box<dyn Layer>> {
     if start != 1 {
         return Err(ctx.err(node, format!("the GPU engine flattens from dim 1 only (the batch stays), got start {start}")));
     }
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let dx = ctx.value(x).clone();
     match dx.chw() {
-        Some((_, h, w)) if h * w > 1 && dx.layout == Layout::Nhwc => {
+        Some((_, h, w)) if h * w > 1 && dx.layout.is_channels_last() => {
             let path = ctx.node(node).path.clone();
             flatten_transpose(ctx, node, x, y, &path)
         }
@@ -564,8 +569,7 @@ pub fn entry_points() -> Vec<String> {
     for t in ["f32", "f16"] {
         for k in [
             "activation",
-            "add",
-            "mul",
+            "binary",
             "bias_act",
             "max_pool2d",
             "avg_pool2d",
@@ -577,7 +581,7 @@ pub fn entry_points() -> Vec<String> {
             names.push(format!("{k}_{t}"));
         }
         for u in ["f32", "f16"] {
-            for k in ["nchw_to_nhwc", "nhwc_to_nchw", "nchw_to_nhwc_small", "nhwc_to_nchw_small", "cast", "decode_boxes"] {
+            for k in ["nchw_to_nhwc", "nhwc_to_nchw", "nchw_to_nhwc_small", "nhwc_to_nchw_small", "cast", "permute", "decode_boxes"] {
                 names.push(format!("{k}_{t}_{u}"));
             }
         }
@@ -601,24 +605,28 @@ mod tests {
     }
 
     #[test]
-    fn activation_codes_match_the_kernels() {
-        for (act, name) in [
-            (KernelAct::None, "ACT_NONE"),
-            (KernelAct::Relu, "ACT_RELU"),
-            (KernelAct::Leaky(0.1), "ACT_LEAKY"),
-            (KernelAct::Sigmoid, "ACT_SIGMOID"),
+    fn op_codes_match_the_kernels() {
+        for (op, name) in [
+            (Unary::Relu, "ACT_RELU"),
+            (Unary::LeakyRelu { slope: 0.1 }, "ACT_LEAKY"),
+            (Unary::Sigmoid, "ACT_SIGMOID"),
+            (Unary::Silu, "ACT_SILU"),
+            (Unary::Hardswish, "ACT_HARDSWISH"),
+            (Unary::Hardsigmoid, "ACT_HARDSIGMOID"),
+            (Unary::Gelu { tanh: false }, "ACT_GELU"),
+            (Unary::Gelu { tanh: true }, "ACT_GELU_TANH"),
+            (Unary::Tanh, "ACT_TANH"),
+            (Unary::Asinh, "ACT_ASINH"),
+            (Unary::Clamp { min: 0.0, max: 6.0 }, "ACT_CLAMP"),
+            (Unary::Affine { scale: 1.0, shift: 0.0 }, "ACT_AFFINE"),
         ] {
-            assert_eq!(Some(act.code().0), define(name), "{name}");
+            assert_eq!(Some(op.kernel_code().0), define(name), "{name}");
         }
-        assert_eq!(KernelAct::Leaky(0.25).code().1, 0.25);
-    }
-
-    #[test]
-    fn grids_cover_small_work_and_cap_large_work() {
-        assert_eq!(grid_for(0, 132), (1, 1, 1));
-        assert_eq!(grid_for(1, 132), (1, 1, 1));
-        assert_eq!(grid_for(257, 132), (2, 1, 1));
-        assert_eq!(grid_for(1 << 30, 132), (132 * 16, 1, 1), "grid-stride loops cover the rest");
+        assert_eq!(act_code(None).0, define("ACT_NONE").unwrap());
+        let elementwise = FAMILIES.iter().find(|(n, _)| *n == "elementwise.cu").map(|(_, s)| *s).expect("elementwise.cu");
+        for (op, name) in [(Binary::Add, "BIN_ADD"), (Binary::Sub, "BIN_SUB"), (Binary::Mul, "BIN_MUL"), (Binary::Div, "BIN_DIV")] {
+            assert!(elementwise.contains(&format!("#define {name} {}", op.kernel_code())), "{name}");
+        }
     }
 
     #[test]
@@ -629,7 +637,7 @@ mod tests {
         for name in &names {
             // Stamped by a macro: `activation_##S` with S = f32, or a plain `decode_merge(`.
             let (stem, _) = name.split_once("_f").unwrap_or((name.as_str(), ""));
-            let found = FAMILIES.iter().any(|(_, src)| src.contains(&format!(" {stem}_##S(")) || src.contains(&format!(" {name}(")));
+            let found = FAMILIES.iter().any(|(_, src)| src.contains(&format!(" {stem}_##S")) || src.contains(&format!(" {name}(")));
             assert!(found, "no family defines `{name}`");
         }
     }

@@ -29,6 +29,7 @@ pub const FAMILIES: &[(&str, &str)] = &[
     ("reformat.cu", include_str!("../../kernels/reformat.cu")),
     ("pool.cu", include_str!("../../kernels/pool.cu")),
     ("concat.cu", include_str!("../../kernels/concat.cu")),
+    ("permute.cu", include_str!("../../kernels/permute.cu")),
     ("decode.cu", include_str!("../../kernels/decode.cu")),
 ];
 

@@ -42,12 +42,92 @@ impl Elem {
     }
 }
 
-/// Memory order of a value. Activations inside the engine are NHWC; bindings are the user's NCHW.
-/// For values of rank 2 (`[N, F]`) both orders are the same bytes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Layout {
-    Nhwc,
-    Nchw,
+/// The most per-image dims a value of the engine may have.
+pub const MAX_RANK: usize = 7;
+
+/// Memory order of a value's per-image dims (the batch is always outermost): `order()[p]` is the
+/// logical dim (PyTorch's order) stored at physical position `p`, outermost first. Bindings and
+/// most shape ops use the contiguous order; convolutions and pooling use channels-last (NHWC for
+/// `[C, H, W]`). Converters state which they read and write (`OpDef::layouts`); the builder
+/// reformats between them.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Layout {
+    rank: u8,
+    order: [u8; MAX_RANK],
+}
+
+impl std::fmt::Debug for Layout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.rank >= 2 && *self == Layout::channels_last(self.rank()) {
+            write!(f, "ChannelsLast")
+        } else if *self == Layout::contiguous(self.rank()) {
+            write!(f, "Contiguous")
+        } else {
+            write!(f, "Order{:?}", self.order())
+        }
+    }
+}
+
+impl Layout {
+    /// PyTorch's own order.
+    pub fn contiguous(rank: usize) -> Self {
+        let mut order = [0u8; MAX_RANK];
+        (0..rank.min(MAX_RANK)).for_each(|i| order[i] = i as u8);
+        Self { rank: rank.min(MAX_RANK) as u8, order }
+    }
+    /// Dim 0 of the per-image dims (channels) innermost: `[C, H, W]` stored as `H, W, C`.
+    pub fn channels_last(rank: usize) -> Self {
+        let mut l = Self::contiguous(rank);
+        if rank >= 2 {
+            l.order[..rank].rotate_left(1);
+        }
+        l
+    }
+    /// A layout from a physical order of logical dims, or `None` if it is not a permutation.
+    pub fn from_order(order: &[usize]) -> Option<Self> {
+        let mut l = Self::contiguous(order.len());
+        let mut seen = [false; MAX_RANK];
+        for (p, &d) in order.iter().enumerate() {
+            if order.len() > MAX_RANK || d >= order.len() || std::mem::replace(&mut seen[d], true) {
+                return None;
+            }
+            l.order[p] = d as u8;
+        }
+        Some(l)
+    }
+    pub fn rank(&self) -> usize {
+        self.rank as usize
+    }
+    pub fn order(&self) -> Vec<usize> {
+        self.order[..self.rank()].iter().map(|&d| d as usize).collect()
+    }
+    pub fn is_channels_last(&self) -> bool {
+        self.rank >= 2 && *self == Layout::channels_last(self.rank())
+    }
+    /// The same kind of layout (channels-last or contiguous) at another rank.
+    pub fn with_rank(self, rank: usize) -> Self {
+        if self.is_channels_last() {
+            Layout::channels_last(rank)
+        } else {
+            Layout::contiguous(rank)
+        }
+    }
+    /// Whether a value of logical `dims` has the same bytes in both layouts (dims of size 1 do not
+    /// change the order, so `[C, 1, 1]` is the same in NCHW and NHWC).
+    pub fn same_bytes(self, other: Layout, dims: &[usize]) -> bool {
+        let big = |l: Layout| -> Vec<usize> { l.order().into_iter().filter(|&d| dims.get(d).is_some_and(|&n| n != 1)).collect() };
+        self.rank() == dims.len() && other.rank() == dims.len() && big(self) == big(other)
+    }
+    /// Element strides of each logical dim of `dims` stored in this layout.
+    pub fn strides(&self, dims: &[usize]) -> Vec<usize> {
+        let mut strides = vec![0; dims.len()];
+        let mut s = 1;
+        for &d in self.order().iter().rev() {
+            strides[d] = s;
+            s *= dims[d];
+        }
+        strides
+    }
 }
 
 /// Where a value lives.
@@ -79,7 +159,8 @@ impl ValueDesc {
     pub fn bytes(&self, batch: usize) -> usize {
         batch * self.per_image_elems() * self.elem.size()
     }
-    /// `(C, H, W)` of an image value; a `[F]` value reads as `(F, 1, 1)`.
+    /// `(C, H, W)` of an image value; a `[F]` value reads as `(F, 1, 1)`. Layers that read it
+    /// this way expect channels-last (or a value whose layouts are the same bytes).
     pub fn chw(&self) -> Option<(usize, usize, usize)> {
         match self.dims.as_slice() {
             [c, h, w] => Some((*c, *h, *w)),
@@ -191,6 +272,8 @@ pub struct BuildCtx<'a> {
     pub(crate) values: Vec<ValueDesc>,
     /// The value of each node (None for weights).
     pub(crate) node_values: Vec<Option<ValueId>>,
+    /// The values the node being converted reads, in the layouts its op asked for (None for weights).
+    pub(crate) current_inputs: Vec<Option<ValueId>>,
     /// Scratch values requested by the node being converted.
     pub(crate) scratch: Vec<ValueId>,
     pub(crate) current: NodeId,
@@ -218,10 +301,12 @@ impl<'a> BuildCtx<'a> {
     }
 
     /// The value of a node's `i`-th input, which must be an activation (not a weight).
+    /// For the node being converted, the value in the layout its op asked for.
     pub fn input(&self, node: NodeId, i: usize) -> Result<ValueId> {
         let n = self.node(node);
         let src = *n.inputs.get(i).ok_or_else(|| self.err(node, format!("has no input {i}")))?;
-        self.node_values[src].ok_or_else(|| self.err(node, format!("input {i} is a weight, but an activation is expected here")))
+        let v = if node == self.current { self.current_inputs.get(i).copied().flatten() } else { self.node_values[src] };
+        v.ok_or_else(|| self.err(node, format!("input {i} is a weight, but an activation is expected here")))
     }
 
     /// The node's output value.
@@ -276,7 +361,7 @@ impl<'a> BuildCtx<'a> {
         let name = format!("{}.scratch{}", self.node(self.current).path, self.scratch.len());
         // Scratch is typed f32 so its size in bytes rounds up to whole words.
         let dims = vec![bytes_per_image.div_ceil(4)];
-        self.values.push(ValueDesc { name, dims, elem: Elem::F32, layout: Layout::Nhwc, storage: Storage::Arena });
+        self.values.push(ValueDesc { name, dims, elem: Elem::F32, layout: Layout::contiguous(1), storage: Storage::Arena });
         self.scratch.push(id);
         id
     }

@@ -20,13 +20,14 @@ pub mod gpu;
 pub mod im2col;
 pub mod kernel_layers;
 pub mod kernels;
+pub mod launch;
 pub mod layer;
 pub mod tactic;
 
 pub use builder::{BuildSummary, Engine, EngineBuilder};
 pub use exec::ExecutionContext;
 pub use gpu::{gpu_available, Gpu, GpuInfo};
-pub use layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId};
+pub use layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId, MAX_RANK};
 
 use crate::graph::{Graph, NodeId, Op};
 use crate::registry::build_table;
@@ -135,8 +136,9 @@ impl BuildConfig {
     }
 }
 
-/// A GPU converter: lowers one node of op `op` to an engine layer. Register with
-/// [`register_converter!`](crate::register_converter) next to the op's definition.
+/// A custom op's GPU converter: lowers one node of the custom op `op` to an engine layer.
+/// Register with [`register_converter!`](crate::register_converter) next to the op's
+/// registration (built-in ops convert through `OpDef::convert`).
 pub struct Converter {
     pub op: &'static str,
     pub convert: fn(&mut BuildCtx<'_>, NodeId) -> Result<Box<dyn Layer>>,
@@ -173,17 +175,15 @@ pub fn converter(op: &str) -> Result<Option<&'static Converter>> {
 
 /// Ops the builder handles itself rather than through a converter.
 pub(crate) fn is_structural(op: &Op) -> bool {
-    matches!(op, Op::Input { .. } | Op::Weight { .. })
+    op.is_leaf()
 }
 
-/// Checks, before any GPU work, that every node's op has a converter; the error names the op and
-/// the module path of the first node without one. Needs no GPU.
+/// Checks, before any GPU work, that every custom op has a converter (built-in ops always have
+/// one); the error names the op and the module path of the first node without one. Needs no GPU.
 pub fn check_converters(graph: &Graph) -> Result<()> {
     for node in &graph.nodes {
-        if is_structural(&node.op) {
-            continue;
-        }
-        if converter(node.op.name())?.is_none() {
+        let Op::Custom(call) = &node.op else { continue };
+        if converter(&call.name)?.is_none() {
             return Err(Error::NoConverter { backend: "GPU", op: node.op.name().to_string(), path: node.path.clone() });
         }
     }

@@ -1,10 +1,109 @@
-//! Conv2d and ConvTranspose2d: layers, shape rules, CPU references.
+//! Conv2d and ConvTranspose2d: layers, attributes, shape rules, CPU references, converters.
 
-use crate::graph::{ConvAttrs, Op};
+use crate::engine::{BuildCtx, Layer, Layout};
+use crate::graph::{NodeId, Op};
 use crate::module::{Forward, Module};
+use crate::ops::{pair_label, CpuArgs, LayoutPlan, OpDef};
 use crate::tensor::{Param, Tensor};
 use crate::var_builder::VarBuilder;
 use crate::Result;
+use serde::{Deserialize, Serialize};
+
+/// The fused activation of a convolution.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum Activation {
+    #[default]
+    None,
+    Relu,
+}
+
+/// Convolution attributes. After fusion a conv may also carry a residual input (added before the
+/// activation) and an activation: `act(conv(x, w) + b + residual)`. Inputs: x, weight
+/// (`[Cout, Cin/g, kh, kw]`, or `[Cin, Cout/g, kh, kw]` transposed), bias? `[Cout]`, residual?
+/// (the output's shape; Conv2d only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConvAttrs {
+    /// `ConvTranspose2d` rather than `Conv2d`.
+    #[serde(default)]
+    pub transposed: bool,
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+    pub dilation: [usize; 2],
+    pub groups: usize,
+    /// Only for `ConvTranspose2d`.
+    pub output_padding: [usize; 2],
+    pub bias: bool,
+    pub residual: bool,
+    pub act: Activation,
+}
+
+impl Default for ConvAttrs {
+    fn default() -> Self {
+        Self {
+            transposed: false,
+            stride: [1, 1],
+            padding: [0, 0],
+            dilation: [1, 1],
+            groups: 1,
+            output_padding: [0, 0],
+            bias: false,
+            residual: false,
+            act: Activation::None,
+        }
+    }
+}
+
+impl OpDef for ConvAttrs {
+    fn name(&self) -> &str {
+        if self.transposed {
+            "conv_transpose2d"
+        } else {
+            "conv2d"
+        }
+    }
+    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+        if self.transposed {
+            conv_transpose2d_shape(self, inputs)
+        } else {
+            conv2d_shape(self, inputs)
+        }
+    }
+    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
+        let inputs = args.all()?;
+        if self.transposed {
+            conv_transpose2d_cpu(self, &inputs)
+        } else {
+            conv2d_cpu(self, &inputs)
+        }
+    }
+    fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
+        LayoutPlan::all(inputs, Layout::channels_last(out_rank))
+    }
+    fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
+        if self.transposed {
+            gpu_conv_transpose2d(ctx, node)
+        } else {
+            gpu_conv2d(ctx, node, *self)
+        }
+    }
+    fn label(&self) -> String {
+        let a = self;
+        let mut s = self.name().to_string()
+            + &pair_label("s", a.stride, 1)
+            + &pair_label("p", a.padding, 0)
+            + &pair_label("d", a.dilation, 1)
+            + &pair_label("op", a.output_padding, 0);
+        if a.groups != 1 {
+            s += &format!(" g{}", a.groups);
+        }
+        for (on, part) in [(a.bias, " +bias"), (a.residual, " +add"), (a.act == Activation::Relu, " +relu")] {
+            if on {
+                s += part;
+            }
+        }
+        s
+    }
+}
 
 /// Options of `Conv2d` / `ConvTranspose2d`, with PyTorch's defaults (square kernels).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,8 +158,9 @@ impl Conv2dConfig {
     pub fn output_padding(self, output_padding: usize) -> Self {
         Self { output_padding, ..self }
     }
-    fn attrs(&self) -> ConvAttrs {
+    fn attrs(&self, transposed: bool) -> ConvAttrs {
         ConvAttrs {
+            transposed,
             stride: [self.stride; 2],
             padding: [self.padding; 2],
             dilation: [self.dilation; 2],
@@ -86,14 +186,14 @@ impl Module for Conv2d {
     fn load(vb: VarBuilder, c: &Conv2dConfig) -> Result<Self> {
         let weight = vb.get(&[c.out_channels, c.in_channels / c.groups.max(1), c.kernel_size, c.kernel_size], "weight")?;
         let bias = if c.bias { Some(vb.get(&[c.out_channels], "bias")?) } else { None };
-        Ok(Self { path: vb.path().to_string(), weight, bias, attrs: c.attrs() })
+        Ok(Self { path: vb.path().to_string(), weight, bias, attrs: c.attrs(false) })
     }
 }
 
 impl Forward for Conv2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let params: Vec<&Param> = std::iter::once(&self.weight).chain(&self.bias).collect();
-        Tensor::record(&self.path, Op::Conv2d(self.attrs), &[x], &params)
+        Tensor::record(&self.path, Op::Conv(self.attrs), &[x], &params)
     }
 }
 
@@ -111,14 +211,14 @@ impl Module for ConvTranspose2d {
     fn load(vb: VarBuilder, c: &Conv2dConfig) -> Result<Self> {
         let weight = vb.get(&[c.in_channels, c.out_channels / c.groups.max(1), c.kernel_size, c.kernel_size], "weight")?;
         let bias = if c.bias { Some(vb.get(&[c.out_channels], "bias")?) } else { None };
-        Ok(Self { path: vb.path().to_string(), weight, bias, attrs: c.attrs() })
+        Ok(Self { path: vb.path().to_string(), weight, bias, attrs: c.attrs(true) })
     }
 }
 
 impl Forward for ConvTranspose2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let params: Vec<&Param> = std::iter::once(&self.weight).chain(&self.bias).collect();
-        Tensor::record(&self.path, Op::ConvTranspose2d(self.attrs), &[x], &params)
+        Tensor::record(&self.path, Op::Conv(self.attrs), &[x], &params)
     }
 }
 
@@ -209,7 +309,7 @@ pub fn conv_transpose2d_shape(a: &ConvAttrs, inputs: &[&[usize]]) -> Result<Vec<
 
 // ---- CPU reference
 
-use crate::graph::{Activation, HostTensor};
+use crate::graph::HostTensor;
 
 fn dims4(t: &HostTensor) -> [usize; 4] {
     [t.shape[0], t.shape[1], t.shape[2], t.shape[3]]
@@ -426,11 +526,10 @@ pub fn conv_transpose2d_cpu(a: &ConvAttrs, inputs: &[&HostTensor]) -> Result<Hos
 
 /// Conv2d: every cuDNN algorithm (fused bias+residual+ReLU, or separate calls), and for a
 /// stride-1 1×1 convolution also a cuBLASLt GEMM; the fastest on the device wins.
-fn gpu_conv2d(ctx: &mut crate::engine::BuildCtx, node: crate::NodeId) -> Result<Box<dyn crate::engine::Layer>> {
+fn gpu_conv2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn Layer>> {
     use crate::engine::gemm::{GemmLayer, GemmSpec};
     let key = crate::engine::cudnn::conv_key(ctx, node);
     let mut candidates = crate::engine::cudnn::conv_candidates(ctx, node)?;
-    let Op::Conv2d(a) = ctx.node(node).op else { return Err(ctx.err(node, "is not a Conv2d".into())) };
     let w = ctx.weight(node, 1)?;
     let pointwise = w.shape[2..] == [1, 1] && a.stride == [1, 1] && a.padding == [0, 0] && a.groups == 1;
     if pointwise {
@@ -457,11 +556,8 @@ fn gpu_conv2d(ctx: &mut crate::engine::BuildCtx, node: crate::NodeId) -> Result<
 }
 
 /// ConvTranspose2d through cuDNN's backward-data (bias and ReLU in place after it).
-fn gpu_conv_transpose2d(ctx: &mut crate::engine::BuildCtx, node: crate::NodeId) -> Result<Box<dyn crate::engine::Layer>> {
+fn gpu_conv_transpose2d(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
     let key = crate::engine::cudnn::conv_key(ctx, node);
     let candidates = crate::engine::cudnn::deconv_candidates(ctx, node)?;
     ctx.choose(&key, candidates)
 }
-
-crate::register_converter!("conv2d", gpu_conv2d);
-crate::register_converter!("conv_transpose2d", gpu_conv_transpose2d);

@@ -2,13 +2,69 @@
 //! `inventory::submit!`, and a GPU converter under the same name (see `engine`), without
 //! touching Kiln. Tracing applies it with `Tensor::custom(name, attrs, others)`.
 
-use crate::graph::HostTensor;
+use crate::engine::{BuildCtx, Layer, Layout};
+use crate::graph::{HostTensor, NodeId};
+use crate::ops::{CpuArgs, LayoutPlan, OpDef};
 use crate::registry::build_table;
 use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::OnceLock;
 
 pub type Attrs = BTreeMap<String, f64>;
+
+/// A node applying a registered custom op: its name and its named scalar attributes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CustomCall {
+    pub name: String,
+    pub attrs: Attrs,
+}
+
+impl CustomCall {
+    fn registered(&self) -> std::result::Result<&'static CustomOp, String> {
+        lookup(&self.name).ok_or_else(|| format!("custom op `{}` is not registered", self.name))
+    }
+}
+
+/// Custom ops go through the same interface as the built-in ones: the shape rule and CPU
+/// reference of their `CustomOp` registration, and the converter registered under their name.
+/// Their converters see rank-4 activations in the engine's native channels-last layout.
+impl OpDef for CustomCall {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn infer_shape(&self, inputs: &[&[usize]]) -> std::result::Result<Vec<usize>, String> {
+        self.registered()?.infer_shape(&self.attrs, inputs)
+    }
+    fn cpu(&self, args: &mut CpuArgs) -> std::result::Result<HostTensor, String> {
+        let op = self.registered()?;
+        let inputs = args.all()?;
+        let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape.as_slice()).collect();
+        let expected = op.infer_shape(&self.attrs, &shapes)?;
+        let out = (op.cpu)(&self.attrs, &inputs).map_err(|e| e.to_string())?;
+        if out.shape != expected || out.data.len() != expected.iter().product::<usize>() {
+            return Err(format!(
+                "its CPU reference returned shape {:?} ({} values), but its shape rule says {expected:?}",
+                out.shape,
+                out.data.len()
+            ));
+        }
+        Ok(out)
+    }
+    fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
+        LayoutPlan::all(inputs, Layout::channels_last(out_rank))
+    }
+    fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
+        let path = ctx.node(node).path.clone();
+        let conv =
+            crate::engine::converter(&self.name)?.ok_or_else(|| Error::NoConverter { backend: "GPU", op: self.name.clone(), path })?;
+        (conv.convert)(ctx, node)
+    }
+    fn label(&self) -> String {
+        let attrs: Vec<String> = self.attrs.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        format!("{} {}", self.name, attrs.join(" "))
+    }
+}
 
 /// A shape rule: output shape from the attributes and input shapes, or why they do not fit.
 pub type ShapeRule = fn(&Attrs, &[&[usize]]) -> Result<Vec<usize>, String>;

@@ -1,10 +1,50 @@
-//! Linear (fully connected): `y = x Wᵀ + b`.
+//! Linear (fully connected): `y = x Wᵀ + b` over the last dim.
 
-use crate::graph::Op;
+use crate::engine::{BuildCtx, Layer, Layout};
+use crate::graph::{NodeId, Op};
 use crate::module::{Forward, Module};
+use crate::ops::{CpuArgs, LayoutPlan, OpDef};
 use crate::tensor::{Param, Tensor};
 use crate::var_builder::VarBuilder;
 use crate::Result;
+use serde::{Deserialize, Serialize};
+
+/// Matrix products. Inputs: Linear: x `[N, ..., in]`, weight `[out, in]`, bias? `[out]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Gemm {
+    Linear { bias: bool },
+}
+
+impl OpDef for Gemm {
+    fn name(&self) -> &str {
+        match self {
+            Gemm::Linear { .. } => "linear",
+        }
+    }
+    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+        match *self {
+            Gemm::Linear { bias } => linear_shape(bias, inputs),
+        }
+    }
+    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
+        match *self {
+            Gemm::Linear { bias } => linear_cpu(bias, &args.all()?),
+        }
+    }
+    fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
+        LayoutPlan::all(inputs, Layout::contiguous(out_rank))
+    }
+    fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
+        match *self {
+            Gemm::Linear { bias } => gpu_linear(ctx, node, bias),
+        }
+    }
+    fn label(&self) -> String {
+        match self {
+            Gemm::Linear { bias } => format!("linear{}", if *bias { " +bias" } else { "" }),
+        }
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LinearConfig {
@@ -45,7 +85,7 @@ impl Module for Linear {
 impl Forward for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let params: Vec<&Param> = std::iter::once(&self.weight).chain(&self.bias).collect();
-        Tensor::record(&self.path, Op::Linear { bias: self.bias.is_some() }, &[x], &params)
+        Tensor::record(&self.path, Op::Gemm(Gemm::Linear { bias: self.bias.is_some() }), &[x], &params)
     }
 }
 
@@ -111,14 +151,11 @@ pub fn linear_cpu(bias: bool, inputs: &[&HostTensor]) -> Result<HostTensor, Stri
 // ---- GPU converter (engine::gemm)
 
 /// Linear as one cuBLASLt GEMM with the bias in its epilogue.
-fn gpu_linear(ctx: &mut crate::engine::BuildCtx, node: crate::NodeId) -> Result<Box<dyn crate::engine::Layer>> {
+fn gpu_linear(ctx: &mut BuildCtx, node: NodeId, bias: bool) -> Result<Box<dyn Layer>> {
     use crate::engine::gemm::{GemmLayer, GemmSpec};
-    let crate::Op::Linear { bias } = ctx.node(node).op else { return Err(ctx.err(node, "is not a Linear".into())) };
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let w = ctx.weight(node, 1)?;
     let b = if bias { Some(ctx.weight(node, 2)?.data.as_slice()) } else { None };
     let spec = GemmSpec { x, y, residual: None, rows_per_image: 1, weight: &w.data, bias: b, relu: false };
     Ok(Box::new(GemmLayer::new(ctx, node, spec)?))
 }
-
-crate::register_converter!("linear", gpu_linear);

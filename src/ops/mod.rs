@@ -1,5 +1,11 @@
-//! One file per op family: its layers (modules), its shape rule, its CPU reference and its
-//! converter. Adding an op touches one file here (plus a kernel in `kernels/` when it needs one).
+//! Every op, one family a file. Each family is an enum (or attribute struct) that implements
+//! [`OpDef`]: its name, shape rule, CPU reference, engine layouts, GPU converter and DOT label live
+//! together, and `Op::def` is the one place that dispatches from the graph's `Op` to them.
+//!
+//! Adding an op: add a variant to its family's enum (or a family file and one `Op` variant), fill
+//! in the `OpDef` match arms the compiler then asks for, add a PyTorch fixture to
+//! `tools/export_reference.py`, and, when it needs one, a kernel in `kernels/`. Codegen needs
+//! nothing: it writes the op's serde form as Rust (see `codegen`).
 
 pub mod conv;
 pub mod custom;
@@ -7,4 +13,118 @@ pub mod elementwise;
 pub mod linear;
 pub mod norm;
 pub mod pool;
+pub mod resize;
 pub mod shape;
+
+use crate::engine::{BuildCtx, Layer, Layout};
+use crate::graph::{HostTensor, NodeId};
+use std::borrow::Cow;
+
+/// What every op provides. Implemented by each op family; reached through `Op::def`.
+pub trait OpDef {
+    /// The op's name (`conv2d`, `relu`): fixture case prefix, profile and error label.
+    fn name(&self) -> &str;
+
+    /// The output shape (NCHW, batch first) from the input shapes, or why they do not fit.
+    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String>;
+
+    /// The CPU reference in f32, with PyTorch's semantics, on the inputs' actual shapes (the batch
+    /// may differ from the traced one). `args.take(0)` hands over the first input's buffer when
+    /// this node is its last reader, for ops that can work in place.
+    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String>;
+
+    /// The engine layouts this op's converter reads and writes. `inputs[i]` is the layout input
+    /// `i` is in (`None` for weights); the plan says which layout each input must be given in and
+    /// which layout the output is written in. The builder inserts reformats where they differ.
+    /// By default every activation is read and written in PyTorch's contiguous order.
+    fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
+        LayoutPlan::all(inputs, Layout::contiguous(out_rank))
+    }
+
+    /// Lowers the node to one engine layer (`ctx.input(node, i)` gives each input in the layout
+    /// `layouts` asked for).
+    fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> crate::Result<Box<dyn Layer>>;
+
+    /// The node's label in Graphviz drawings: the name and the attributes that matter.
+    fn label(&self) -> String {
+        self.name().to_string()
+    }
+}
+
+/// The layouts a converter wants its inputs in (`None`: a weight, or any layout) and the layout
+/// it writes its output in.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayoutPlan {
+    pub inputs: Vec<Option<Layout>>,
+    pub output: Layout,
+}
+
+impl LayoutPlan {
+    /// Every activation input in `layout`'s family (its rank adjusted per input), output in `layout`.
+    pub fn all(inputs: &[Option<Layout>], output: Layout) -> Self {
+        let same = |l: &Option<Layout>| l.map(|l| output.with_rank(l.rank()));
+        Self { inputs: inputs.iter().map(same).collect(), output }
+    }
+    /// Inputs read as they are; the output in `output`.
+    pub fn any_input(inputs: &[Option<Layout>], output: Layout) -> Self {
+        Self { inputs: vec![None; inputs.len()], output }
+    }
+}
+
+/// The inputs of a node being run on the CPU.
+pub struct CpuArgs<'a> {
+    values: Vec<Option<Cow<'a, HostTensor>>>,
+}
+
+impl<'a> CpuArgs<'a> {
+    pub fn new(values: Vec<Cow<'a, HostTensor>>) -> Self {
+        Self { values: values.into_iter().map(Some).collect() }
+    }
+    pub fn len(&self) -> usize {
+        self.values.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty()
+    }
+    /// Input `i`; an error if the node has no such input or it was taken.
+    pub fn get(&self, i: usize) -> Result<&HostTensor, String> {
+        self.values.get(i).and_then(|v| v.as_deref()).ok_or_else(|| format!("input {i} is missing"))
+    }
+    /// Input `i` by value: its buffer when this node is its last reader, a copy otherwise.
+    pub fn take(&mut self, i: usize) -> Result<HostTensor, String> {
+        self.values.get_mut(i).and_then(Option::take).map(Cow::into_owned).ok_or_else(|| format!("input {i} is missing"))
+    }
+    /// All inputs, borrowed.
+    pub fn all(&self) -> Result<Vec<&HostTensor>, String> {
+        (0..self.len()).map(|i| self.get(i)).collect()
+    }
+    /// The inputs' shapes.
+    pub fn shapes(&self) -> Result<Vec<&[usize]>, String> {
+        (0..self.len()).map(|i| self.get(i).map(|t| t.shape.as_slice())).collect()
+    }
+    /// Exactly `n` inputs, or an error saying how many there are.
+    pub fn expect(&self, n: usize) -> Result<(), String> {
+        if self.len() == n {
+            Ok(())
+        } else {
+            Err(format!("expected {n} inputs, got {}", self.len()))
+        }
+    }
+}
+
+/// The ops of one input, for shape rules: `[x]` or an error naming the count.
+pub fn one_input<'a>(inputs: &[&'a [usize]]) -> Result<&'a [usize], String> {
+    match inputs {
+        [x] => Ok(x),
+        _ => Err(format!("expected 1 input, got {}", inputs.len())),
+    }
+}
+
+/// A label part for a pair attribute: `""` at its default, ` s2` when square, ` s2,1` otherwise.
+pub fn pair_label(tag: &str, v: [usize; 2], default: usize) -> String {
+    match v {
+        [a, b] if a == b && a == default => String::new(),
+        [a, b] if a == b => format!(" {tag}{a}"),
+        [a, b] => format!(" {tag}{a},{b}"),
+    }
+}

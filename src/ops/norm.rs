@@ -1,11 +1,58 @@
-//! BatchNorm2d (inference: running statistics). Folded into the preceding conv by
-//! `passes::fold_batchnorm`; run as a per-channel scale and shift otherwise.
+//! Normalisations along some dims: BatchNorm2d (inference: running statistics; folded into the
+//! preceding conv by `passes::fold_batchnorm`, a per-channel scale and shift otherwise).
 
-use crate::graph::Op;
+use crate::engine::{BuildCtx, Layer, Layout};
+use crate::graph::{NodeId, Op};
 use crate::module::{Forward, Module};
+use crate::ops::{CpuArgs, LayoutPlan, OpDef};
 use crate::tensor::{Param, Tensor};
 use crate::var_builder::VarBuilder;
 use crate::Result;
+use serde::{Deserialize, Serialize};
+
+/// Normalisations. Inputs: BatchNorm2d: x, weight, bias, running_mean, running_var.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Norm {
+    BatchNorm2d { eps: f32 },
+}
+
+impl OpDef for Norm {
+    fn name(&self) -> &str {
+        match self {
+            Norm::BatchNorm2d { .. } => "batch_norm2d",
+        }
+    }
+    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+        match self {
+            Norm::BatchNorm2d { .. } => batch_norm2d_shape(inputs),
+        }
+    }
+    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
+        match *self {
+            Norm::BatchNorm2d { eps } => {
+                args.expect(5)?;
+                let x = args.take(0)?;
+                let [g, b, m, v] = [args.get(1)?, args.get(2)?, args.get(3)?, args.get(4)?];
+                batch_norm2d_cpu(eps, x, [g, b, m, v])
+            }
+        }
+    }
+    fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
+        match self {
+            Norm::BatchNorm2d { .. } => LayoutPlan::all(inputs, Layout::channels_last(out_rank)),
+        }
+    }
+    fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
+        match *self {
+            Norm::BatchNorm2d { eps } => gpu_batch_norm2d(ctx, node, eps),
+        }
+    }
+    fn label(&self) -> String {
+        match self {
+            Norm::BatchNorm2d { eps } => format!("batch_norm2d eps={eps}"),
+        }
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct BatchNorm2dConfig {
@@ -45,7 +92,7 @@ impl Module for BatchNorm2d {
 impl Forward for BatchNorm2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let [a, b, c, d] = &self.params;
-        Tensor::record(&self.path, Op::BatchNorm2d { eps: self.eps }, &[x], &[a, b, c, d])
+        Tensor::record(&self.path, Op::Norm(Norm::BatchNorm2d { eps: self.eps }), &[x], &[a, b, c, d])
     }
 }
 
@@ -101,9 +148,8 @@ pub fn batch_norm2d_cpu(eps: f32, mut x: HostTensor, params: [&HostTensor; 4]) -
 
 /// A BatchNorm2d the passes could not fold (its input is not a conv's) runs as what it is at
 /// inference: a per-channel scale and shift, i.e. a depthwise 1×1 convolution with bias.
-fn gpu_batch_norm2d(ctx: &mut crate::engine::BuildCtx, node: crate::NodeId) -> Result<Box<dyn crate::engine::Layer>> {
+fn gpu_batch_norm2d(ctx: &mut BuildCtx, node: NodeId, eps: f32) -> Result<Box<dyn Layer>> {
     use crate::engine::cudnn::{conv_candidates_with, conv_key, ConvProblem};
-    let crate::Op::BatchNorm2d { eps } = ctx.node(node).op else { return Err(ctx.err(node, "is not a BatchNorm2d".into())) };
     let params = [ctx.weight(node, 1)?, ctx.weight(node, 2)?, ctx.weight(node, 3)?, ctx.weight(node, 4)?];
     let (scale, shift) = batch_norm_scale_shift(&params[0].data, &params[1].data, &params[2].data, &params[3].data, eps);
     let c = scale.len();
@@ -114,5 +160,3 @@ fn gpu_batch_norm2d(ctx: &mut crate::engine::BuildCtx, node: crate::NodeId) -> R
     let candidates = conv_candidates_with(ctx, node, problem)?;
     ctx.choose(&key, candidates)
 }
-
-crate::register_converter!("batch_norm2d", gpu_batch_norm2d);

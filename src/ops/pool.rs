@@ -1,10 +1,82 @@
 //! Pooling: MaxPool2d, AvgPool2d, AdaptiveAvgPool2d.
 
-use crate::graph::{Op, PoolAttrs};
+use crate::engine::kernel_layers::{pool_layer, PoolKind};
+use crate::engine::{BuildCtx, Layer, Layout};
+use crate::graph::{NodeId, Op};
 use crate::module::{Forward, Module};
+use crate::ops::{one_input, pair_label, CpuArgs, LayoutPlan, OpDef};
 use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
 use crate::Result;
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolAttrs {
+    pub kernel: [usize; 2],
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+    pub ceil_mode: bool,
+    /// AvgPool2d only: whether padded zeros count in the average (PyTorch's default: true).
+    pub count_include_pad: bool,
+}
+
+/// Pooling over the spatial dims of an NCHW tensor.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Pool {
+    Max(PoolAttrs),
+    Avg(PoolAttrs),
+    AdaptiveAvg { output: [usize; 2] },
+}
+
+impl OpDef for Pool {
+    fn name(&self) -> &str {
+        match self {
+            Pool::Max(_) => "max_pool2d",
+            Pool::Avg(_) => "avg_pool2d",
+            Pool::AdaptiveAvg { .. } => "adaptive_avg_pool2d",
+        }
+    }
+    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+        match self {
+            Pool::Max(a) | Pool::Avg(a) => pool2d_shape(a, inputs),
+            Pool::AdaptiveAvg { output } => adaptive_avg_pool2d_shape(*output, inputs),
+        }
+    }
+    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
+        args.expect(1)?;
+        let x = args.get(0)?;
+        match self {
+            Pool::Max(a) => max_pool2d_cpu(a, x),
+            Pool::Avg(a) => avg_pool2d_cpu(a, x),
+            Pool::AdaptiveAvg { output } => adaptive_avg_pool2d_cpu(*output, x),
+        }
+    }
+    fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
+        LayoutPlan::all(inputs, Layout::channels_last(out_rank))
+    }
+    fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
+        let window = |a: &PoolAttrs| [a.kernel[0], a.kernel[1], a.stride[0], a.stride[1], a.padding[0], a.padding[1]];
+        match self {
+            Pool::Max(a) => pool_layer(ctx, node, PoolKind::Max, window(a)),
+            Pool::Avg(a) => pool_layer(ctx, node, PoolKind::Avg { count_include_pad: a.count_include_pad }, window(a)),
+            Pool::AdaptiveAvg { .. } => pool_layer(ctx, node, PoolKind::Adaptive, [0; 6]),
+        }
+    }
+    fn label(&self) -> String {
+        match self {
+            Pool::Max(a) | Pool::Avg(a) => {
+                let mut s = format!("{} {}x{}", self.name(), a.kernel[0], a.kernel[1])
+                    + &pair_label("s", a.stride, 0)
+                    + &pair_label("p", a.padding, 0);
+                if a.ceil_mode {
+                    s += " ceil";
+                }
+                s
+            }
+            Pool::AdaptiveAvg { output } => format!("adaptive_avg_pool2d -> {}x{}", output[0], output[1]),
+        }
+    }
+}
 
 /// Options of `MaxPool2d` / `AvgPool2d` with PyTorch's defaults (stride = kernel, square windows).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -65,7 +137,7 @@ macro_rules! pool_module {
 
         impl Forward for $name {
             fn forward(&self, x: &Tensor) -> Result<Tensor> {
-                Tensor::record(&self.path, Op::$variant(self.attrs), &[x], &[])
+                Tensor::record(&self.path, Op::Pool(Pool::$variant(self.attrs)), &[x], &[])
             }
         }
     };
@@ -73,11 +145,11 @@ macro_rules! pool_module {
 
 pool_module!(
     /// `torch.nn.MaxPool2d` (padding is -inf).
-    MaxPool2d, MaxPool2d
+    MaxPool2d, Max
 );
 pool_module!(
     /// `torch.nn.AvgPool2d`.
-    AvgPool2d, AvgPool2d
+    AvgPool2d, Avg
 );
 
 /// `torch.nn.AdaptiveAvgPool2d(output_size)`.
@@ -96,7 +168,7 @@ impl Module for AdaptiveAvgPool2d {
 
 impl Forward for AdaptiveAvgPool2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Tensor::record(&self.path, Op::AdaptiveAvgPool2d { output: self.output }, &[x], &[])
+        Tensor::record(&self.path, Op::Pool(Pool::AdaptiveAvg { output: self.output }), &[x], &[])
     }
 }
 
@@ -112,7 +184,7 @@ pub fn pooled_extent(input: usize, k: usize, s: usize, p: usize, ceil: bool) -> 
 }
 
 pub fn pool2d_shape(a: &PoolAttrs, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
-    let [x] = inputs else { return Err(format!("expected 1 input, got {}", inputs.len())) };
+    let x = one_input(inputs)?;
     if x.len() != 4 {
         return Err(format!("input must be NCHW (rank 4), got {x:?}"));
     }
@@ -130,7 +202,7 @@ pub fn pool2d_shape(a: &PoolAttrs, inputs: &[&[usize]]) -> Result<Vec<usize>, St
 }
 
 pub fn adaptive_avg_pool2d_shape(output: [usize; 2], inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
-    let [x] = inputs else { return Err(format!("expected 1 input, got {}", inputs.len())) };
+    let x = one_input(inputs)?;
     if x.len() != 4 || output.contains(&0) {
         return Err(format!("expects an NCHW input and a positive output size, got {x:?} and {output:?}"));
     }
@@ -221,9 +293,3 @@ pub fn adaptive_avg_pool2d_cpu(output: [usize; 2], x: &HostTensor) -> Result<Hos
         }
     }))
 }
-
-// ---- GPU converter (kernels/pool.cu through engine::kernel_layers)
-
-crate::register_converter!("max_pool2d", crate::engine::kernel_layers::pool);
-crate::register_converter!("avg_pool2d", crate::engine::kernel_layers::pool);
-crate::register_converter!("adaptive_avg_pool2d", crate::engine::kernel_layers::pool);

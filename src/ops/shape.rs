@@ -1,4 +1,61 @@
-//! Shape ops: flatten and cat.
+//! Ops that move data without arithmetic: flatten and cat.
+
+use crate::engine::{BuildCtx, Layer, Layout};
+use crate::graph::{HostTensor, NodeId};
+use crate::ops::{CpuArgs, LayoutPlan, OpDef};
+use serde::{Deserialize, Serialize};
+
+/// Data movement. Inputs: one tensor, except Cat (any number, equal except along `dim`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ShapeOp {
+    /// `torch.flatten(x, start)`.
+    Flatten { start: usize },
+    /// `torch.cat(xs, dim)`.
+    Cat { dim: usize },
+}
+
+impl OpDef for ShapeOp {
+    fn name(&self) -> &str {
+        match self {
+            ShapeOp::Flatten { .. } => "flatten",
+            ShapeOp::Cat { .. } => "cat",
+        }
+    }
+    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+        match *self {
+            ShapeOp::Flatten { start } => flatten_shape(start, inputs),
+            ShapeOp::Cat { dim } => cat_shape(dim, inputs),
+        }
+    }
+    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
+        match *self {
+            ShapeOp::Flatten { start } => {
+                args.expect(1)?;
+                flatten_cpu(start, args.take(0)?)
+            }
+            ShapeOp::Cat { dim } => cat_cpu(dim, &args.all()?),
+        }
+    }
+    fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
+        match self {
+            // The engine's flatten reads NHWC maps and writes PyTorch's order.
+            ShapeOp::Flatten { .. } => LayoutPlan::any_input(inputs, Layout::contiguous(out_rank)),
+            ShapeOp::Cat { .. } => LayoutPlan::all(inputs, Layout::channels_last(out_rank)),
+        }
+    }
+    fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> crate::Result<Box<dyn Layer>> {
+        match *self {
+            ShapeOp::Flatten { start } => crate::engine::kernel_layers::flatten(ctx, node, start),
+            ShapeOp::Cat { dim } => crate::engine::kernel_layers::concat(ctx, node, dim),
+        }
+    }
+    fn label(&self) -> String {
+        match self {
+            ShapeOp::Flatten { start } => format!("flatten start={start}"),
+            ShapeOp::Cat { dim } => format!("cat dim={dim}"),
+        }
+    }
+}
 
 pub fn flatten_shape(start: usize, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
     let [x] = inputs else { return Err(format!("expected 1 input, got {}", inputs.len())) };
@@ -28,8 +85,6 @@ pub fn cat_shape(dim: usize, inputs: &[&[usize]]) -> Result<Vec<usize>, String> 
 
 // ---- CPU reference
 
-use crate::graph::HostTensor;
-
 /// `torch.flatten(x, start)`: the data is already in that order, only the shape changes.
 pub fn flatten_cpu(start: usize, mut x: HostTensor) -> Result<HostTensor, String> {
     x.shape = flatten_shape(start, &[&x.shape])?;
@@ -51,8 +106,3 @@ pub fn cat_cpu(dim: usize, inputs: &[&HostTensor]) -> Result<HostTensor, String>
     }
     Ok(HostTensor::new(out_shape, out))
 }
-
-// ---- GPU converter (kernels/concat.cu and reformat.cu through engine::kernel_layers)
-
-crate::register_converter!("flatten", crate::engine::kernel_layers::flatten);
-crate::register_converter!("cat", crate::engine::kernel_layers::concat);

@@ -3,7 +3,7 @@
 //! One statement per traced op (69 ops), in graph order; weights are read by their `state_dict`
 //! names through the `VarBuilder`. Edit freely: `Tensor::record` checks every shape as it traces.
 
-use kiln::{ConvAttrs, Graph, Op, PoolAttrs, Result, Tensor, Tracer, VarBuilder};
+use kiln::{Binary, ConvAttrs, Gemm, Graph, Norm, Op, Pool, PoolAttrs, Result, ShapeOp, Tensor, Tracer, Unary, VarBuilder};
 
 /// Traces resnet18 for a batch of `batch` inputs and returns its graph.
 pub fn build(vb: &VarBuilder, batch: usize) -> Result<Graph> {
@@ -11,13 +11,13 @@ pub fn build(vb: &VarBuilder, batch: usize) -> Result<Graph> {
     let input = tracer.input("input", &[batch, 3, 224, 224]);
     let conv1 = Tensor::record(
         "conv1",
-        Op::Conv2d(ConvAttrs { stride: [2, 2], padding: [3, 3], ..ConvAttrs::default() }),
+        Op::Conv(ConvAttrs { stride: [2, 2], padding: [3, 3], ..ConvAttrs::default() }),
         &[&input],
         &[&vb.get(&[64, 3, 7, 7], "conv1.weight")?],
     )?;
     let bn1 = Tensor::record(
         "bn1",
-        Op::BatchNorm2d { eps: 1e-5 },
+        Op::Norm(Norm::BatchNorm2d { eps: 1e-5 }),
         &[&conv1],
         &[
             &vb.get(&[64], "bn1.weight")?,
@@ -26,22 +26,22 @@ pub fn build(vb: &VarBuilder, batch: usize) -> Result<Graph> {
             &vb.get(&[64], "bn1.running_var")?,
         ],
     )?;
-    let relu = Tensor::record("relu", Op::Relu, &[&bn1], &[])?;
+    let relu = Tensor::record("relu", Op::Unary(Unary::Relu), &[&bn1], &[])?;
     let maxpool = Tensor::record(
         "maxpool",
-        Op::MaxPool2d(PoolAttrs { kernel: [3, 3], stride: [2, 2], padding: [1, 1], ceil_mode: false, count_include_pad: true }),
+        Op::Pool(Pool::Max(PoolAttrs { kernel: [3, 3], stride: [2, 2], padding: [1, 1], ceil_mode: false, count_include_pad: true })),
         &[&relu],
         &[],
     )?;
     let layer1_0_conv1 = Tensor::record(
         "layer1.0.conv1",
-        Op::Conv2d(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
+        Op::Conv(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
         &[&maxpool],
         &[&vb.get(&[64, 64, 3, 3], "layer1.0.conv1.weight")?],
     )?;
     let layer1_0_bn1 = Tensor::record(
         "layer1.0.bn1",
-        Op::BatchNorm2d { eps: 1e-5 },
+        Op::Norm(Norm::BatchNorm2d { eps: 1e-5 }),
         &[&layer1_0_conv1],
         &[
             &vb.get(&[64], "layer1.0.bn1.weight")?,
@@ -50,16 +50,16 @@ pub fn build(vb: &VarBuilder, batch: usize) -> Result<Graph> {
             &vb.get(&[64], "layer1.0.bn1.running_var")?,
         ],
     )?;
-    let layer1_0_relu = Tensor::record("layer1.0.relu", Op::Relu, &[&layer1_0_bn1], &[])?;
+    let layer1_0_relu = Tensor::record("layer1.0.relu", Op::Unary(Unary::Relu), &[&layer1_0_bn1], &[])?;
     let layer1_0_conv2 = Tensor::record(
         "layer1.0.conv2",
-        Op::Conv2d(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
+        Op::Conv(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
         &[&layer1_0_relu],
         &[&vb.get(&[64, 64, 3, 3], "layer1.0.conv2.weight")?],
     )?;
     let layer1_0_bn2 = Tensor::record(
         "layer1.0.bn2",
-        Op::BatchNorm2d { eps: 1e-5 },
+        Op::Norm(Norm::BatchNorm2d { eps: 1e-5 }),
         &[&layer1_0_conv2],
         &[
             &vb.get(&[64], "layer1.0.bn2.weight")?,
@@ -68,17 +68,17 @@ pub fn build(vb: &VarBuilder, batch: usize) -> Result<Graph> {
             &vb.get(&[64], "layer1.0.bn2.running_var")?,
         ],
     )?;
-    let layer1_0_add = Tensor::record("layer1.0.add", Op::Add, &[&layer1_0_bn2, &maxpool], &[])?;
-    let layer1_0_relu_2 = Tensor::record("layer1.0.relu", Op::Relu, &[&layer1_0_add], &[])?;
+    let layer1_0_add = Tensor::record("layer1.0.add", Op::Binary(Binary::Add), &[&layer1_0_bn2, &maxpool], &[])?;
+    let layer1_0_relu_2 = Tensor::record("layer1.0.relu", Op::Unary(Unary::Relu), &[&layer1_0_add], &[])?;
     let layer1_1_conv1 = Tensor::record(
         "layer1.1.conv1",
-        Op::Conv2d(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
+        Op::Conv(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
         &[&layer1_0_relu_2],
         &[&vb.get(&[64, 64, 3, 3], "layer1.1.conv1.weight")?],
     )?;
     let layer1_1_bn1 = Tensor::record(
         "layer1.1.bn1",
-        Op::BatchNorm2d { eps: 1e-5 },
+        Op::Norm(Norm::BatchNorm2d { eps: 1e-5 }),
         &[&layer1_1_conv1],
         &[
             &vb.get(&[64], "layer1.1.bn1.weight")?,
@@ -87,16 +87,16 @@ pub fn build(vb: &VarBuilder, batch: usize) -> Result<Graph> {
             &vb.get(&[64], "layer1.1.bn1.running_var")?,
         ],
     )?;
-    let layer1_1_relu = Tensor::record("layer1.1.relu", Op::Relu, &[&layer1_1_bn1], &[])?;
+    let layer1_1_relu = Tensor::record("layer1.1.relu", Op::Unary(Unary::Relu), &[&layer1_1_bn1], &[])?;
     let layer1_1_conv2 = Tensor::record(
         "layer1.1.conv2",
-        Op::Conv2d(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
+        Op::Conv(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
         &[&layer1_1_relu],
         &[&vb.get(&[64, 64, 3, 3], "layer1.1.conv2.weight")?],
     )?;
     let layer1_1_bn2 = Tensor::record(
         "layer1.1.bn2",
-        Op::BatchNorm2d { eps: 1e-5 },
+        Op::Norm(Norm::BatchNorm2d { eps: 1e-5 }),
         &[&layer1_1_conv2],
         &[
             &vb.get(&[64], "layer1.1.bn2.weight")?,
@@ -105,17 +105,17 @@ pub fn build(vb: &VarBuilder, batch: usize) -> Result<Graph> {
             &vb.get(&[64], "layer1.1.bn2.running_var")?,
         ],
     )?;
-    let layer1_1_add = Tensor::record("layer1.1.add", Op::Add, &[&layer1_1_bn2, &layer1_0_relu_2], &[])?;
-    let layer1_1_relu_2 = Tensor::record("layer1.1.relu", Op::Relu, &[&layer1_1_add], &[])?;
+    let layer1_1_add = Tensor::record("layer1.1.add", Op::Binary(Binary::Add), &[&layer1_1_bn2, &layer1_0_relu_2], &[])?;
+    let layer1_1_relu_2 = Tensor::record("layer1.1.relu", Op::Unary(Unary::Relu), &[&layer1_1_add], &[])?;
     let layer2_0_conv1 = Tensor::record(
         "layer2.0.conv1",
-        Op::Conv2d(ConvAttrs { stride: [2, 2], padding: [1, 1], ..ConvAttrs::default() }),
+        Op::Conv(ConvAttrs { stride: [2, 2], padding: [1, 1], ..ConvAttrs::default() }),
         &[&layer1_1_relu_2],
         &[&vb.get(&[128, 64, 3, 3], "layer2.0.conv1.weight")?],
     )?;
     let layer2_0_bn1 = Tensor::record(
         "layer2.0.bn1",
-        Op::BatchNorm2d { eps: 1e-5 },
+        Op::Norm(Norm::BatchNorm2d { eps: 1e-5 }),
         &[&layer2_0_conv1],
         &[
             &vb.get(&[128], "layer2.0.bn1.weight")?,
@@ -124,16 +124,16 @@ pub fn build(vb: &VarBuilder, batch: usize) -> Result<Graph> {
             &vb.get(&[128], "layer2.0.bn1.running_var")?,
         ],
     )?;
-    let layer2_0_relu = Tensor::record("layer2.0.relu", Op::Relu, &[&layer2_0_bn1], &[])?;
+    let layer2_0_relu = Tensor::record("layer2.0.relu", Op::Unary(Unary::Relu), &[&layer2_0_bn1], &[])?;
     let layer2_0_conv2 = Tensor::record(
         "layer2.0.conv2",
-        Op::Conv2d(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
+        Op::Conv(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
         &[&layer2_0_relu],
         &[&vb.get(&[128, 128, 3, 3], "layer2.0.conv2.weight")?],
     )?;
     let layer2_0_bn2 = Tensor::record(
         "layer2.0.bn2",
-        Op::BatchNorm2d { eps: 1e-5 },
+        Op::Norm(Norm::BatchNorm2d { eps: 1e-5 }),
         &[&layer2_0_conv2],
         &[
             &vb.get(&[128], "layer2.0.bn2.weight")?,
@@ -144,13 +144,13 @@ pub fn build(vb: &VarBuilder, batch: usize) -> Result<Graph> {
     )?;
     let layer2_0_downsample_0 = Tensor::record(
         "layer2.0.downsample.0",
-        Op::Conv2d(ConvAttrs { stride: [2, 2], ..ConvAttrs::default() }),
+        Op::Conv(ConvAttrs { stride: [2, 2], ..ConvAttrs::default() }),
         &[&layer1_1_relu_2],
         &[&vb.get(&[128, 64, 1, 1], "layer2.0.downsample.0.weight")?],
     )?;
     let layer2_0_downsample_1 = Tensor::record(
         "layer2.0.downsample.1",
-        Op::BatchNorm2d { eps: 1e-5 },
+        Op::Norm(Norm::BatchNorm2d { eps: 1e-5 }),
         &[&layer2_0_downsample_0],
         &[
             &vb.get(&[128], "layer2.0.downsample.1.weight")?,
@@ -159,17 +159,17 @@ pub fn build(vb: &VarBuilder, batch: usize) -> Result<Graph> {
             &vb.get(&[128], "layer2.0.downsample.1.running_var")?,
         ],
     )?;
-    let layer2_0_add = Tensor::record("layer2.0.add", Op::Add, &[&layer2_0_bn2, &layer2_0_downsample_1], &[])?;
-    let layer2_0_relu_2 = Tensor::record("layer2.0.relu", Op::Relu, &[&layer2_0_add], &[])?;
+    let layer2_0_add = Tensor::record("layer2.0.add", Op::Binary(Binary::Add), &[&layer2_0_bn2, &layer2_0_downsample_1], &[])?;
+    let layer2_0_relu_2 = Tensor::record("layer2.0.relu", Op::Unary(Unary::Relu), &[&layer2_0_add], &[])?;
     let layer2_1_conv1 = Tensor::record(
         "layer2.1.conv1",
-        Op::Conv2d(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
+        Op::Conv(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
         &[&layer2_0_relu_2],
         &[&vb.get(&[128, 128, 3, 3], "layer2.1.conv1.weight")?],
     )?;
     let layer2_1_bn1 = Tensor::record(
         "layer2.1.bn1",
-        Op::BatchNorm2d { eps: 1e-5 },
+        Op::Norm(Norm::BatchNorm2d { eps: 1e-5 }),
         &[&layer2_1_conv1],
         &[
             &vb.get(&[128], "layer2.1.bn1.weight")?,
@@ -178,16 +178,16 @@ pub fn build(vb: &VarBuilder, batch: usize) -> Result<Graph> {
             &vb.get(&[128], "layer2.1.bn1.running_var")?,
         ],
     )?;
-    let layer2_1_relu = Tensor::record("layer2.1.relu", Op::Relu, &[&layer2_1_bn1], &[])?;
+    let layer2_1_relu = Tensor::record("layer2.1.relu", Op::Unary(Unary::Relu), &[&layer2_1_bn1], &[])?;
     let layer2_1_conv2 = Tensor::record(
         "layer2.1.conv2",
-        Op::Conv2d(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
+        Op::Conv(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
         &[&layer2_1_relu],
         &[&vb.get(&[128, 128, 3, 3], "layer2.1.conv2.weight")?],
     )?;
     let layer2_1_bn2 = Tensor::record(
         "layer2.1.bn2",
-        Op::BatchNorm2d { eps: 1e-5 },
+        Op::Norm(Norm::BatchNorm2d { eps: 1e-5 }),
         &[&layer2_1_conv2],
         &[
             &vb.get(&[128], "layer2.1.bn2.weight")?,
@@ -196,17 +196,17 @@ pub fn build(vb: &VarBuilder, batch: usize) -> Result<Graph> {
             &vb.get(&[128], "layer2.1.bn2.running_var")?,
         ],
     )?;
-    let layer2_1_add = Tensor::record("layer2.1.add", Op::Add, &[&layer2_1_bn2, &layer2_0_relu_2], &[])?;
-    let layer2_1_relu_2 = Tensor::record("layer2.1.relu", Op::Relu, &[&layer2_1_add], &[])?;
+    let layer2_1_add = Tensor::record("layer2.1.add", Op::Binary(Binary::Add), &[&layer2_1_bn2, &layer2_0_relu_2], &[])?;
+    let layer2_1_relu_2 = Tensor::record("layer2.1.relu", Op::Unary(Unary::Relu), &[&layer2_1_add], &[])?;
     let layer3_0_conv1 = Tensor::record(
         "layer3.0.conv1",
-        Op::Conv2d(ConvAttrs { stride: [2, 2], padding: [1, 1], ..ConvAttrs::default() }),
+        Op::Conv(ConvAttrs { stride: [2, 2], padding: [1, 1], ..ConvAttrs::default() }),
         &[&layer2_1_relu_2],
         &[&vb.get(&[256, 128, 3, 3], "layer3.0.conv1.weight")?],
     )?;
     let layer3_0_bn1 = Tensor::record(
         "layer3.0.bn1",
-        Op::BatchNorm2d { eps: 1e-5 },
+        Op::Norm(Norm::BatchNorm2d { eps: 1e-5 }),
         &[&layer3_0_conv1],
         &[
             &vb.get(&[256], "layer3.0.bn1.weight")?,
@@ -215,16 +215,16 @@ pub fn build(vb: &VarBuilder, batch: usize) -> Result<Graph> {
             &vb.get(&[256], "layer3.0.bn1.running_var")?,
         ],
     )?;
-    let layer3_0_relu = Tensor::record("layer3.0.relu", Op::Relu, &[&layer3_0_bn1], &[])?;
+    let layer3_0_relu = Tensor::record("layer3.0.relu", Op::Unary(Unary::Relu), &[&layer3_0_bn1], &[])?;
     let layer3_0_conv2 = Tensor::record(
         "layer3.0.conv2",
-        Op::Conv2d(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
+        Op::Conv(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
         &[&layer3_0_relu],
         &[&vb.get(&[256, 256, 3, 3], "layer3.0.conv2.weight")?],
     )?;
     let layer3_0_bn2 = Tensor::record(
         "layer3.0.bn2",
-        Op::BatchNorm2d { eps: 1e-5 },
+        Op::Norm(Norm::BatchNorm2d { eps: 1e-5 }),
         &[&layer3_0_conv2],
         &[
             &vb.get(&[256], "layer3.0.bn2.weight")?,
@@ -235,13 +235,13 @@ pub fn build(vb: &VarBuilder, batch: usize) -> Result<Graph> {
     )?;
     let layer3_0_downsample_0 = Tensor::record(
         "layer3.0.downsample.0",
-        Op::Conv2d(ConvAttrs { stride: [2, 2], ..ConvAttrs::default() }),
+        Op::Conv(ConvAttrs { stride: [2, 2], ..ConvAttrs::default() }),
         &[&layer2_1_relu_2],
         &[&vb.get(&[256, 128, 1, 1], "layer3.0.downsample.0.weight")?],
     )?;
     let layer3_0_downsample_1 = Tensor::record(
         "layer3.0.downsample.1",
-        Op::BatchNorm2d { eps: 1e-5 },
+        Op::Norm(Norm::BatchNorm2d { eps: 1e-5 }),
         &[&layer3_0_downsample_0],
         &[
             &vb.get(&[256], "layer3.0.downsample.1.weight")?,
@@ -250,17 +250,17 @@ pub fn build(vb: &VarBuilder, batch: usize) -> Result<Graph> {
             &vb.get(&[256], "layer3.0.downsample.1.running_var")?,
         ],
     )?;
-    let layer3_0_add = Tensor::record("layer3.0.add", Op::Add, &[&layer3_0_bn2, &layer3_0_downsample_1], &[])?;
-    let layer3_0_relu_2 = Tensor::record("layer3.0.relu", Op::Relu, &[&layer3_0_add], &[])?;
+    let layer3_0_add = Tensor::record("layer3.0.add", Op::Binary(Binary::Add), &[&layer3_0_bn2, &layer3_0_downsample_1], &[])?;
+    let layer3_0_relu_2 = Tensor::record("layer3.0.relu", Op::Unary(Unary::Relu), &[&layer3_0_add], &[])?;
     let layer3_1_conv1 = Tensor::record(
         "layer3.1.conv1",
-        Op::Conv2d(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
+        Op::Conv(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
         &[&layer3_0_relu_2],
         &[&vb.get(&[256, 256, 3, 3], "layer3.1.conv1.weight")?],
     )?;
     let layer3_1_bn1 = Tensor::record(
         "layer3.1.bn1",
-        Op::BatchNorm2d { eps: 1e-5 },
+        Op::Norm(Norm::BatchNorm2d { eps: 1e-5 }),
         &[&layer3_1_conv1],
         &[
             &vb.get(&[256], "layer3.1.bn1.weight")?,
@@ -269,16 +269,16 @@ pub fn build(vb: &VarBuilder, batch: usize) -> Result<Graph> {
             &vb.get(&[256], "layer3.1.bn1.running_var")?,
         ],
     )?;
-    let layer3_1_relu = Tensor::record("layer3.1.relu", Op::Relu, &[&layer3_1_bn1], &[])?;
+    let layer3_1_relu = Tensor::record("layer3.1.relu", Op::Unary(Unary::Relu), &[&layer3_1_bn1], &[])?;
     let layer3_1_conv2 = Tensor::record(
         "layer3.1.conv2",
-        Op::Conv2d(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
+        Op::Conv(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
         &[&layer3_1_relu],
         &[&vb.get(&[256, 256, 3, 3], "layer3.1.conv2.weight")?],
     )?;
     let layer3_1_bn2 = Tensor::record(
         "layer3.1.bn2",
-        Op::BatchNorm2d { eps: 1e-5 },
+        Op::Norm(Norm::BatchNorm2d { eps: 1e-5 }),
         &[&layer3_1_conv2],
         &[
             &vb.get(&[256], "layer3.1.bn2.weight")?,
@@ -287,17 +287,17 @@ pub fn build(vb: &VarBuilder, batch: usize) -> Result<Graph> {
             &vb.get(&[256], "layer3.1.bn2.running_var")?,
         ],
     )?;
-    let layer3_1_add = Tensor::record("layer3.1.add", Op::Add, &[&layer3_1_bn2, &layer3_0_relu_2], &[])?;
-    let layer3_1_relu_2 = Tensor::record("layer3.1.relu", Op::Relu, &[&layer3_1_add], &[])?;
+    let layer3_1_add = Tensor::record("layer3.1.add", Op::Binary(Binary::Add), &[&layer3_1_bn2, &layer3_0_relu_2], &[])?;
+    let layer3_1_relu_2 = Tensor::record("layer3.1.relu", Op::Unary(Unary::Relu), &[&layer3_1_add], &[])?;
     let layer4_0_conv1 = Tensor::record(
         "layer4.0.conv1",
-        Op::Conv2d(ConvAttrs { stride: [2, 2], padding: [1, 1], ..ConvAttrs::default() }),
+        Op::Conv(ConvAttrs { stride: [2, 2], padding: [1, 1], ..ConvAttrs::default() }),
         &[&layer3_1_relu_2],
         &[&vb.get(&[512, 256, 3, 3], "layer4.0.conv1.weight")?],
     )?;
     let layer4_0_bn1 = Tensor::record(
         "layer4.0.bn1",
-        Op::BatchNorm2d { eps: 1e-5 },
+        Op::Norm(Norm::BatchNorm2d { eps: 1e-5 }),
         &[&layer4_0_conv1],
         &[
             &vb.get(&[512], "layer4.0.bn1.weight")?,
@@ -306,16 +306,16 @@ pub fn build(vb: &VarBuilder, batch: usize) -> Result<Graph> {
             &vb.get(&[512], "layer4.0.bn1.running_var")?,
         ],
     )?;
-    let layer4_0_relu = Tensor::record("layer4.0.relu", Op::Relu, &[&layer4_0_bn1], &[])?;
+    let layer4_0_relu = Tensor::record("layer4.0.relu", Op::Unary(Unary::Relu), &[&layer4_0_bn1], &[])?;
     let layer4_0_conv2 = Tensor::record(
         "layer4.0.conv2",
-        Op::Conv2d(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
+        Op::Conv(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
         &[&layer4_0_relu],
         &[&vb.get(&[512, 512, 3, 3], "layer4.0.conv2.weight")?],
     )?;
     let layer4_0_bn2 = Tensor::record(
         "layer4.0.bn2",
-        Op::BatchNorm2d { eps: 1e-5 },
+        Op::Norm(Norm::BatchNorm2d { eps: 1e-5 }),
         &[&layer4_0_conv2],
         &[
             &vb.get(&[512], "layer4.0.bn2.weight")?,
@@ -326,13 +326,13 @@ pub fn build(vb: &VarBuilder, batch: usize) -> Result<Graph> {
     )?;
     let layer4_0_downsample_0 = Tensor::record(
         "layer4.0.downsample.0",
-        Op::Conv2d(ConvAttrs { stride: [2, 2], ..ConvAttrs::default() }),
+        Op::Conv(ConvAttrs { stride: [2, 2], ..ConvAttrs::default() }),
         &[&layer3_1_relu_2],
         &[&vb.get(&[512, 256, 1, 1], "layer4.0.downsample.0.weight")?],
     )?;
     let layer4_0_downsample_1 = Tensor::record(
         "layer4.0.downsample.1",
-        Op::BatchNorm2d { eps: 1e-5 },
+        Op::Norm(Norm::BatchNorm2d { eps: 1e-5 }),
         &[&layer4_0_downsample_0],
         &[
             &vb.get(&[512], "layer4.0.downsample.1.weight")?,
@@ -341,17 +341,17 @@ pub fn build(vb: &VarBuilder, batch: usize) -> Result<Graph> {
             &vb.get(&[512], "layer4.0.downsample.1.running_var")?,
         ],
     )?;
-    let layer4_0_add = Tensor::record("layer4.0.add", Op::Add, &[&layer4_0_bn2, &layer4_0_downsample_1], &[])?;
-    let layer4_0_relu_2 = Tensor::record("layer4.0.relu", Op::Relu, &[&layer4_0_add], &[])?;
+    let layer4_0_add = Tensor::record("layer4.0.add", Op::Binary(Binary::Add), &[&layer4_0_bn2, &layer4_0_downsample_1], &[])?;
+    let layer4_0_relu_2 = Tensor::record("layer4.0.relu", Op::Unary(Unary::Relu), &[&layer4_0_add], &[])?;
     let layer4_1_conv1 = Tensor::record(
         "layer4.1.conv1",
-        Op::Conv2d(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
+        Op::Conv(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
         &[&layer4_0_relu_2],
         &[&vb.get(&[512, 512, 3, 3], "layer4.1.conv1.weight")?],
     )?;
     let layer4_1_bn1 = Tensor::record(
         "layer4.1.bn1",
-        Op::BatchNorm2d { eps: 1e-5 },
+        Op::Norm(Norm::BatchNorm2d { eps: 1e-5 }),
         &[&layer4_1_conv1],
         &[
             &vb.get(&[512], "layer4.1.bn1.weight")?,
@@ -360,16 +360,16 @@ pub fn build(vb: &VarBuilder, batch: usize) -> Result<Graph> {
             &vb.get(&[512], "layer4.1.bn1.running_var")?,
         ],
     )?;
-    let layer4_1_relu = Tensor::record("layer4.1.relu", Op::Relu, &[&layer4_1_bn1], &[])?;
+    let layer4_1_relu = Tensor::record("layer4.1.relu", Op::Unary(Unary::Relu), &[&layer4_1_bn1], &[])?;
     let layer4_1_conv2 = Tensor::record(
         "layer4.1.conv2",
-        Op::Conv2d(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
+        Op::Conv(ConvAttrs { padding: [1, 1], ..ConvAttrs::default() }),
         &[&layer4_1_relu],
         &[&vb.get(&[512, 512, 3, 3], "layer4.1.conv2.weight")?],
     )?;
     let layer4_1_bn2 = Tensor::record(
         "layer4.1.bn2",
-        Op::BatchNorm2d { eps: 1e-5 },
+        Op::Norm(Norm::BatchNorm2d { eps: 1e-5 }),
         &[&layer4_1_conv2],
         &[
             &vb.get(&[512], "layer4.1.bn2.weight")?,
@@ -378,12 +378,16 @@ pub fn build(vb: &VarBuilder, batch: usize) -> Result<Graph> {
             &vb.get(&[512], "layer4.1.bn2.running_var")?,
         ],
     )?;
-    let layer4_1_add = Tensor::record("layer4.1.add", Op::Add, &[&layer4_1_bn2, &layer4_0_relu_2], &[])?;
-    let layer4_1_relu_2 = Tensor::record("layer4.1.relu", Op::Relu, &[&layer4_1_add], &[])?;
-    let avgpool = Tensor::record("avgpool", Op::AdaptiveAvgPool2d { output: [1, 1] }, &[&layer4_1_relu_2], &[])?;
-    let flatten = Tensor::record("flatten", Op::Flatten { start: 1 }, &[&avgpool], &[])?;
-    let fc =
-        Tensor::record("fc", Op::Linear { bias: true }, &[&flatten], &[&vb.get(&[1000, 512], "fc.weight")?, &vb.get(&[1000], "fc.bias")?])?;
+    let layer4_1_add = Tensor::record("layer4.1.add", Op::Binary(Binary::Add), &[&layer4_1_bn2, &layer4_0_relu_2], &[])?;
+    let layer4_1_relu_2 = Tensor::record("layer4.1.relu", Op::Unary(Unary::Relu), &[&layer4_1_add], &[])?;
+    let avgpool = Tensor::record("avgpool", Op::Pool(Pool::AdaptiveAvg { output: [1, 1] }), &[&layer4_1_relu_2], &[])?;
+    let flatten = Tensor::record("flatten", Op::Shape(ShapeOp::Flatten { start: 1 }), &[&avgpool], &[])?;
+    let fc = Tensor::record(
+        "fc",
+        Op::Gemm(Gemm::Linear { bias: true }),
+        &[&flatten],
+        &[&vb.get(&[1000, 512], "fc.weight")?, &vb.get(&[1000], "fc.bias")?],
+    )?;
     tracer.output("logits", &fc);
     Ok(tracer.graph())
 }
