@@ -80,7 +80,7 @@ pub enum Error {
     #[error("invalid graph: node %{node} (`{path}`): {reason}")]
     InvalidGraph { node: usize, path: String, reason: String },
 
-    #[error("{flag}: {reason}")]
+    #[error("{flag} {reason}")]
     Flag { flag: String, reason: String },
 
     #[error("weight `{key}` is missing from {source_name}, but `{prefix}{key}` is there: the keys start with `{prefix}`, as saved from DataParallel; strip the prefix (`{{k.removeprefix(\"{prefix}\"): v for k, v in state_dict.items()}}`) or save `model.module.state_dict()`")]
