@@ -338,9 +338,13 @@ impl Graph {
                 },
                 op => {
                     let shapes: Vec<&[usize]> = node.inputs.iter().map(|&i| self.nodes[i].shape.as_slice()).collect();
-                    let shape = op.infer_shape(&shapes).map_err(|reason| bad(id, format!("{}: {reason}; input shapes {shapes:?}", op.name())))?;
+                    let shape =
+                        op.infer_shape(&shapes).map_err(|reason| bad(id, format!("{}: {reason}; input shapes {shapes:?}", op.name())))?;
                     if shape != node.shape {
-                        return Err(bad(id, format!("{} infers shape {shape:?} from its inputs, the node says {:?}", op.name(), node.shape)));
+                        return Err(bad(
+                            id,
+                            format!("{} infers shape {shape:?} from its inputs, the node says {:?}", op.name(), node.shape),
+                        ));
                     }
                 }
             }

@@ -80,7 +80,11 @@ impl VarBuilder {
             for (name, entry) in parse_header(&path, &mmap, index)? {
                 if let Some(first) = entries.get(&name) {
                     let first: &Path = files.get(first.file).map_or(path.as_path(), |(p, _): &(PathBuf, Mmap)| p.as_path());
-                    return Err(Error::DuplicateTensor { key: name, first: first.display().to_string(), second: path.display().to_string() });
+                    return Err(Error::DuplicateTensor {
+                        key: name,
+                        first: first.display().to_string(),
+                        second: path.display().to_string(),
+                    });
                 }
                 entries.insert(name, entry);
             }
@@ -149,8 +153,11 @@ impl VarBuilder {
                     return Err(Error::WeightShape { key, expected: shape.to_vec(), got: e.shape.clone(), source_name: source_name() });
                 }
                 let bytes = &files[e.file].1[e.range.0..e.range.1];
-                let data = decode(&e.dtype, bytes, &key, &files[e.file].0)?
-                    .ok_or_else(|| Error::WeightDtype { key: key.clone(), got: e.dtype.clone(), source_name: source_name() })?;
+                let data = decode(&e.dtype, bytes, &key, &files[e.file].0)?.ok_or_else(|| Error::WeightDtype {
+                    key: key.clone(),
+                    got: e.dtype.clone(),
+                    source_name: source_name(),
+                })?;
                 HostTensor::try_new(e.shape.clone(), data)?
             }
         };
@@ -274,17 +281,18 @@ fn parse_header(path: &Path, bytes: &[u8], file: usize) -> Result<Vec<(String, E
     let bad = |reason: String| Error::Safetensors { path: path.into(), reason };
     let hint = |reason: String| if looks_like_pickle(path, bytes) { bad(format!("{reason}; {PTH_HINT}")) } else { bad(reason) };
     if bytes.len() < 8 {
-        return Err(hint(format!("the file is {} bytes, shorter than the 8-byte header length (truncated or not safetensors)", bytes.len())));
+        return Err(hint(format!(
+            "the file is {} bytes, shorter than the 8-byte header length (truncated or not safetensors)",
+            bytes.len()
+        )));
     }
     let len = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
     let rest = bytes.len() - 8;
     let header = match usize::try_from(len) {
         Ok(n) if n <= rest => &bytes[8..8 + n],
-        _ => {
-            return Err(hint(format!(
-                "the header length in the first 8 bytes ({len}) exceeds the {rest} bytes after them (truncated, corrupt, or not safetensors)"
-            )))
-        }
+        _ => return Err(hint(format!(
+            "the header length in the first 8 bytes ({len}) exceeds the {rest} bytes after them (truncated, corrupt, or not safetensors)"
+        ))),
     };
     let data_len = rest - header.len();
     let text = std::str::from_utf8(header).map_err(|e| hint(format!("the header is not valid UTF-8 (corrupt file): {e}")))?;
@@ -293,11 +301,7 @@ fn parse_header(path: &Path, bytes: &[u8], file: usize) -> Result<Vec<(String, E
     let mut entries = Vec::with_capacity(members.len());
     for (name, value) in members {
         if !seen.insert(name.clone()) {
-            return Err(Error::DuplicateTensor {
-                key: name,
-                first: path.display().to_string(),
-                second: "again in the same header".into(),
-            });
+            return Err(Error::DuplicateTensor { key: name, first: path.display().to_string(), second: "again in the same header".into() });
         }
         if name == "__metadata__" {
             continue;

@@ -100,7 +100,8 @@ fn r03_shape_whose_element_count_overflows_is_rejected() {
 #[test]
 fn r04_duplicate_key_in_one_header_is_an_error_naming_it() {
     let dir = tempdir("r04");
-    let header = r#"{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}"#;
+    let header =
+        r#"{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}"#;
     let path = write(&dir, "dup.safetensors", &with_header(header, &[0; 8]));
     let e = open_err(&path);
     assert!(matches!(&e, Error::DuplicateTensor { key, .. } if key == "a"), "{e:?}");
@@ -194,9 +195,16 @@ fn r13_unknown_dtype_name_is_rejected() {
 #[test]
 fn r14_reference_tensor_of_an_unreadable_dtype_is_called_a_reference() {
     let dir = tempdir("r14");
-    let path = write(&dir, "ref.safetensors", &with_header(r#"{"output.logits": {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}}"#, &[0; 8]));
+    let path = write(
+        &dir,
+        "ref.safetensors",
+        &with_header(r#"{"output.logits": {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}}"#, &[0; 8]),
+    );
     let e = read_tensors(&path, "reference", |_| true).unwrap_err();
-    assert!(matches!(&e, Error::TensorDtype { what, key, got, .. } if what == "reference" && key == "output.logits" && got == "I64"), "{e:?}");
+    assert!(
+        matches!(&e, Error::TensorDtype { what, key, got, .. } if what == "reference" && key == "output.logits" && got == "I64"),
+        "{e:?}"
+    );
     let msg = e.to_string();
     assert!(msg.starts_with("reference tensor `output.logits` has dtype I64") && !msg.contains("weight"), "{msg}");
 }

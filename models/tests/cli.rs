@@ -262,7 +262,10 @@ fn fails_with_env(args: &[&str], env: &[(&str, &str)], says: &[&str]) -> String 
 fn raw_safetensors(entries: &[(&str, &str, Vec<usize>, Vec<u8>)]) -> Vec<u8> {
     let (mut offset, mut header, mut data) = (0, serde_json::Map::new(), Vec::new());
     for (name, dtype, shape, bytes) in entries {
-        header.insert(name.to_string(), serde_json::json!({ "dtype": dtype, "shape": shape, "data_offsets": [offset, offset + bytes.len()] }));
+        header.insert(
+            name.to_string(),
+            serde_json::json!({ "dtype": dtype, "shape": shape, "data_offsets": [offset, offset + bytes.len()] }),
+        );
         data.extend_from_slice(bytes);
         offset += bytes.len();
     }
@@ -292,7 +295,8 @@ fn resnet18_reference(dir: &std::path::Path, name: &str, extra: &[(&str, &str, V
     let graph = kiln::passes::optimize(&kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 32).expect("trace")).expect("optimize");
     let x = kiln::seeded::uniform_tensor(&[1, 3, 32, 32], 3);
     let logits = kiln::cpu::run(&graph, &[("input", &x)]).expect("cpu").remove("logits").expect("logits");
-    let mut entries = vec![("input", "F32", x.shape.clone(), f32_bytes(&x)), ("output.logits", "F32", logits.shape.clone(), f32_bytes(&logits))];
+    let mut entries =
+        vec![("input", "F32", x.shape.clone(), f32_bytes(&x)), ("output.logits", "F32", logits.shape.clone(), f32_bytes(&logits))];
     entries.extend(extra.iter().cloned());
     let path = dir.join(name);
     std::fs::write(&path, raw_safetensors(&entries)).expect("write reference");
@@ -319,7 +323,11 @@ fn c03_size_100000_is_too_large_not_an_abort() {
 fn c04_batch_beyond_memory_is_refused_before_allocating() {
     // The limit stands in for a machine with 100 MB free, so the row does not depend on this one.
     let env = [("KILN_CPU_MEMORY_BYTES", "100000000")];
-    fails_with_env(&["run", "resnet18", "--cpu", "--batch", "64"], &env, &["out of memory: the CPU executor at --batch 64", "100000000 bytes are available"]);
+    fails_with_env(
+        &["run", "resnet18", "--cpu", "--batch", "64"],
+        &env,
+        &["out of memory: the CPU executor at --batch 64", "100000000 bytes are available"],
+    );
 }
 
 #[test]
@@ -329,7 +337,10 @@ fn c05_size_zero_says_size_must_be_at_least_1() {
 
 #[test]
 fn c06_bench_duration_inf_is_a_clear_error() {
-    fails_with(&["bench", "resnet18", "--cpu", "--size", "32", "--duration", "inf"], &["--duration must be a finite, non-negative number of seconds, got inf"]);
+    fails_with(
+        &["bench", "resnet18", "--cpu", "--size", "32", "--duration", "inf"],
+        &["--duration must be a finite, non-negative number of seconds, got inf"],
+    );
 }
 
 #[test]
@@ -355,7 +366,10 @@ fn c08_closed_stdout_pipe_is_a_clean_exit() {
 #[test]
 fn c09_directory_as_weights_says_it_is_a_directory() {
     let dir = temp_dir("c09");
-    fails_with(&["run", "resnet18", "--cpu", "--weights", dir.to_str().unwrap()], &["is a directory", "give the path of a .safetensors file"]);
+    fails_with(
+        &["run", "resnet18", "--cpu", "--weights", dir.to_str().unwrap()],
+        &["is a directory", "give the path of a .safetensors file"],
+    );
 }
 
 #[cfg(unix)]
@@ -387,20 +401,29 @@ fn c10_fifo_as_weights_is_rejected_without_hanging() {
 fn c11_rtol_nan_is_rejected() {
     let dir = temp_dir("c11");
     let reference = resnet18_reference(&dir, "ref.safetensors", &[]);
-    fails_with(&["compare", "resnet18", "--cpu", "--reference", reference.to_str().unwrap(), "--rtol", "nan"], &["--rtol must be a finite, non-negative tolerance, got NaN"]);
+    fails_with(
+        &["compare", "resnet18", "--cpu", "--reference", reference.to_str().unwrap(), "--rtol", "nan"],
+        &["--rtol must be a finite, non-negative tolerance, got NaN"],
+    );
 }
 
 #[test]
 fn c12_rtol_negative_is_rejected() {
     let dir = temp_dir("c12");
     let reference = resnet18_reference(&dir, "ref.safetensors", &[]);
-    fails_with(&["compare", "resnet18", "--cpu", "--reference", reference.to_str().unwrap(), "--rtol=-0.5"], &["--rtol must be", "got -0.5"]);
+    fails_with(
+        &["compare", "resnet18", "--cpu", "--reference", reference.to_str().unwrap(), "--rtol=-0.5"],
+        &["--rtol must be", "got -0.5"],
+    );
 }
 
 #[test]
 fn c13_fn_name_that_is_not_an_identifier_is_rejected_and_nothing_is_written() {
     let out = temp_dir("c13").join("gen.rs");
-    fails_with(&["codegen", "resnet18", "--fn-name", "fn bad name", "-o", out.to_str().unwrap()], &["--fn-name must be a Rust identifier", "\"fn bad name\""]);
+    fails_with(
+        &["codegen", "resnet18", "--fn-name", "fn bad name", "-o", out.to_str().unwrap()],
+        &["--fn-name must be a Rust identifier", "\"fn bad name\""],
+    );
     assert!(!out.exists());
     fails_with(&["codegen", "resnet18", "--fn-name", "match"], &["--fn-name must be a Rust identifier"]);
 }
@@ -411,7 +434,10 @@ fn c14_size_that_disagrees_with_input_is_an_error() {
     let x = kiln::seeded::uniform_tensor(&[1, 3, 32, 32], 1);
     let input = dir.join("x.safetensors");
     kiln::var_builder::write_safetensors(&input, &BTreeMap::from([("input".to_string(), x)])).unwrap();
-    fails_with(&["run", "resnet18", "--cpu", "--input", input.to_str().unwrap(), "--size", "64"], &["--size 64 disagrees with --input", "[1, 3, 32, 32]"]);
+    fails_with(
+        &["run", "resnet18", "--cpu", "--input", input.to_str().unwrap(), "--size", "64"],
+        &["--size 64 disagrees with --input", "[1, 3, 32, 32]"],
+    );
     fails_with(&["run", "resnet18", "--cpu", "--input", input.to_str().unwrap(), "--batch", "2"], &["--batch 2 disagrees with --input"]);
 }
 
@@ -419,7 +445,10 @@ fn c14_size_that_disagrees_with_input_is_an_error() {
 fn c15_pth_weights_get_a_conversion_hint() {
     let path = temp_dir("c15").join("resnet18.pth");
     std::fs::write(&path, b"PK\x03\x04\x14\x00\x00\x00\x08\x00archive/data.pkl").unwrap();
-    fails_with(&["run", "resnet18", "--cpu", "--weights", path.to_str().unwrap()], &["resnet18.pth", "PyTorch pickle", "safetensors.torch.save_file(model.state_dict()"]);
+    fails_with(
+        &["run", "resnet18", "--cpu", "--weights", path.to_str().unwrap()],
+        &["resnet18.pth", "PyTorch pickle", "safetensors.torch.save_file(model.state_dict()"],
+    );
 }
 
 #[test]
@@ -428,7 +457,10 @@ fn c16_dataparallel_prefixed_weights_get_a_hint() {
     let path = dir.join("dp.safetensors");
     let w = HostTensor::new(vec![2], vec![0.0; 2]);
     kiln::var_builder::write_safetensors(&path, &BTreeMap::from([("module.conv1.weight".to_string(), w)])).unwrap();
-    fails_with(&["run", "resnet18", "--cpu", "--weights", path.to_str().unwrap()], &["weight `conv1.weight` is missing", "`module.conv1.weight` is there", "DataParallel", "strip the prefix"]);
+    fails_with(
+        &["run", "resnet18", "--cpu", "--weights", path.to_str().unwrap()],
+        &["weight `conv1.weight` is missing", "`module.conv1.weight` is there", "DataParallel", "strip the prefix"],
+    );
 }
 
 #[test]
@@ -440,7 +472,10 @@ fn c17_nan_weights_warn_and_fail_with_strict() {
     let (_, stderr) = text(&out);
     assert!(out.status.success(), "{stderr}");
     assert!(stderr.contains("warning: 1 weight(s) of") && stderr.contains("`layer1.0.conv1.weight`: 1 value(s)"), "{stderr}");
-    fails_with(&["run", "resnet18", "--cpu", "--size", "32", "--strict", "--weights", p], &["weight `layer1.0.conv1.weight` holds 1 non-finite value(s)"]);
+    fails_with(
+        &["run", "resnet18", "--cpu", "--size", "32", "--strict", "--weights", p],
+        &["weight `layer1.0.conv1.weight` holds 1 non-finite value(s)"],
+    );
 }
 
 #[test]
@@ -459,7 +494,8 @@ fn c19_reference_tensor_of_a_wrong_dtype_is_called_a_reference() {
     let dir = temp_dir("c19");
     let path = dir.join("ref.safetensors");
     std::fs::write(&path, raw_safetensors(&[("input", "I64", vec![1], vec![0; 8])])).unwrap();
-    let stderr = fails_with(&["compare", "resnet18", "--cpu", "--reference", path.to_str().unwrap()], &["reference tensor `input` has dtype I64"]);
+    let stderr =
+        fails_with(&["compare", "resnet18", "--cpu", "--reference", path.to_str().unwrap()], &["reference tensor `input` has dtype I64"]);
     assert!(!stderr.contains("weight"), "{stderr}");
 }
 
@@ -479,7 +515,10 @@ fn c21_weights_with_a_bad_json_header_name_the_file_and_the_error() {
     let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
     bytes.extend_from_slice(header.as_bytes());
     std::fs::write(&path, bytes).unwrap();
-    let stderr = fails_with(&["run", "resnet18", "--cpu", "--weights", path.to_str().unwrap()], &["bad.safetensors", "not valid JSON", "expected `,` or `}` at line 1 column"]);
+    let stderr = fails_with(
+        &["run", "resnet18", "--cpu", "--weights", path.to_str().unwrap()],
+        &["bad.safetensors", "not valid JSON", "expected `,` or `}` at line 1 column"],
+    );
     assert!(!stderr.contains("InvalidHeaderDeserialization"), "{stderr}");
 }
 

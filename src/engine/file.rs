@@ -163,9 +163,9 @@ pub fn decode(bytes: &[u8], path: &str) -> Result<(Header, Payload)> {
     let mut data = &body[8 + meta_len..];
     let mut graph = meta.graph;
     for (name, shape) in meta.weights {
-        let bytes = crate::graph::numel(&shape).and_then(|n| n.checked_mul(4)).ok_or_else(|| {
-            err(format!("weight `{name}` has shape {shape:?}, whose size overflows (corrupt or hostile file)"))
-        })?;
+        let bytes = crate::graph::numel(&shape)
+            .and_then(|n| n.checked_mul(4))
+            .ok_or_else(|| err(format!("weight `{name}` has shape {shape:?}, whose size overflows (corrupt or hostile file)")))?;
         if data.len() < bytes {
             return Err(err(format!(
                 "weight `{name}` of shape {shape:?} needs {bytes} bytes, only {} are left: it runs past the end of the file",
@@ -205,13 +205,20 @@ pub fn validate(payload: &Payload, path: &str) -> Result<()> {
     let g = &payload.graph;
     g.validate().map_err(|e| err(e.to_string()))?;
     if g.inputs.is_empty() || g.outputs.is_empty() {
-        return Err(err(format!("the graph has {} input(s) and {} output(s); an engine needs at least one of each", g.inputs.len(), g.outputs.len())));
+        return Err(err(format!(
+            "the graph has {} input(s) and {} output(s); an engine needs at least one of each",
+            g.inputs.len(),
+            g.outputs.len()
+        )));
     }
     for &i in &g.inputs {
         let shape = &g.nodes[i].shape;
         let per_image = crate::graph::numel(shape.get(1..).unwrap_or(&[]));
         if shape.is_empty() || per_image.and_then(|n| n.checked_mul(payload.config.max_batch)).is_none() {
-            return Err(err(format!("input `{}` has shape {shape:?}, too large for max batch {}", g.nodes[i].path, payload.config.max_batch)));
+            return Err(err(format!(
+                "input `{}` has shape {shape:?}, too large for max batch {}",
+                g.nodes[i].path, payload.config.max_batch
+            )));
         }
     }
     Ok(())
@@ -230,6 +237,13 @@ impl Engine {
     pub fn load(path: impl AsRef<Path>, gpu: &Arc<Gpu>) -> Result<Engine> {
         let path = path.as_ref();
         let shown = path.display().to_string();
+        // A directory or FIFO is named, not read (reading a FIFO would wait for a writer).
+        if let Ok(meta) = std::fs::metadata(path) {
+            if !meta.is_file() {
+                let what = if meta.is_dir() { "a directory" } else { "not a regular file (a FIFO, socket or device)" };
+                return Err(Error::EngineFile { path: shown, reason: format!("is {what}; give the path of a .kiln engine file") });
+            }
+        }
         let bytes = std::fs::read(path).map_err(Error::io(path))?;
         let header = decode_header(&bytes, &shown)?;
         check_device(&header, &gpu.info, &shown)?;

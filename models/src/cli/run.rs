@@ -15,7 +15,11 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             let (n, s) = common::input_dims(&x, path)?;
             let disagree = |flag: &str, given: usize, have: usize| Error::Flag {
                 flag: flag.into(),
-                reason: format!("{given} disagrees with --input {}, whose shape {:?} decides it ({have}); drop {flag}", path.display(), x.shape),
+                reason: format!(
+                    "{given} disagrees with --input {}, whose shape {:?} decides it ({have}); drop {flag}",
+                    path.display(),
+                    x.shape
+                ),
             };
             match (a.batch, a.model.size) {
                 (Some(b), _) if b != n => return Err(disagree("--batch", b, n)),
