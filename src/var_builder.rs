@@ -224,7 +224,7 @@ pub(crate) fn check_regular_file(path: &Path) -> Result<()> {
     Err(Error::Safetensors { path: path.into(), reason: format!("is {what}; give the path of a .safetensors file") })
 }
 
-const PTH_HINT: &str = "it looks like a PyTorch pickle (torch.save, .pth/.pt/.bin); Kiln reads safetensors only: convert it with \
+const PTH_HINT: &str = "this looks like a PyTorch pickle (torch.save, .pth/.pt/.bin); Kiln reads safetensors only: convert it with \
      `safetensors.torch.save_file(model.state_dict(), \"model.safetensors\")`";
 
 /// Whether `bytes`/`path` look like `torch.save` output: a zip archive, a raw pickle, or the extension.
@@ -280,6 +280,10 @@ struct TensorInfo {
 fn parse_header(path: &Path, bytes: &[u8], file: usize) -> Result<Vec<(String, Entry)>> {
     let bad = |reason: String| Error::Safetensors { path: path.into(), reason };
     let hint = |reason: String| if looks_like_pickle(path, bytes) { bad(format!("{reason}; {PTH_HINT}")) } else { bad(reason) };
+    if bytes.starts_with(b"PK\x03\x04") {
+        // torch.save's zip archive: no safetensors header length starts with these bytes.
+        return Err(bad(PTH_HINT.to_string()));
+    }
     if bytes.len() < 8 {
         return Err(hint(format!(
             "the file is {} bytes, shorter than the 8-byte header length (truncated or not safetensors)",
@@ -301,7 +305,7 @@ fn parse_header(path: &Path, bytes: &[u8], file: usize) -> Result<Vec<(String, E
     let mut entries = Vec::with_capacity(members.len());
     for (name, value) in members {
         if !seen.insert(name.clone()) {
-            return Err(Error::DuplicateTensor { key: name, first: path.display().to_string(), second: "again in the same header".into() });
+            return Err(Error::DuplicateTensor { key: name, first: path.display().to_string(), second: format!("{} (the same header)", path.display()) });
         }
         if name == "__metadata__" {
             continue;
