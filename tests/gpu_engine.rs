@@ -6,7 +6,7 @@
 //! PyTorch references: `tests/fixtures` (seeded weights) always; with `KILN_REFERENCE_DIR` set
 //! (by `tools/gpu-test.sh` on the device), also `$KILN_REFERENCE_DIR/{seeded,torchvision}/`,
 //! written there by `tools/export_reference.py` (with `<model>.weights.safetensors`).
-//! Without a GPU every test prints why it skips and passes.
+//! Every test is `#[ignore]`d (CI has no GPU); the device runs them with `--include-ignored`.
 //!
 //! On the device: `bash tools/gpu-test.sh` (see docs/ENGINE.md).
 
