@@ -294,9 +294,11 @@ fn parse_header(path: &Path, bytes: &[u8], file: usize) -> Result<Vec<(String, E
     let rest = bytes.len() - 8;
     let header = match usize::try_from(len) {
         Ok(n) if n <= rest => &bytes[8..8 + n],
-        _ => return Err(hint(format!(
+        _ => {
+            return Err(hint(format!(
             "the header length in the first 8 bytes ({len}) exceeds the {rest} bytes after them (truncated, corrupt, or not safetensors)"
-        ))),
+        )))
+        }
     };
     let data_len = rest - header.len();
     let text = std::str::from_utf8(header).map_err(|e| hint(format!("the header is not valid UTF-8 (corrupt file): {e}")))?;
@@ -305,7 +307,11 @@ fn parse_header(path: &Path, bytes: &[u8], file: usize) -> Result<Vec<(String, E
     let mut entries = Vec::with_capacity(members.len());
     for (name, value) in members {
         if !seen.insert(name.clone()) {
-            return Err(Error::DuplicateTensor { key: name, first: path.display().to_string(), second: format!("{} (the same header)", path.display()) });
+            return Err(Error::DuplicateTensor {
+                key: name,
+                first: path.display().to_string(),
+                second: format!("{} (the same header)", path.display()),
+            });
         }
         if name == "__metadata__" {
             continue;

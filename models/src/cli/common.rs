@@ -178,7 +178,8 @@ impl EngineArgs {
 
     pub fn config(&self, min: usize, opt: usize, max: usize) -> BuildConfig {
         let mut c = BuildConfig::default().precision(self.precision()).batch(min, opt, max);
-        c.workspace_bytes = self.workspace << 20;
+        // MiB from a flag: saturate rather than wrap (the builder treats it as a limit).
+        c.workspace_bytes = self.workspace.saturating_mul(1 << 20);
         if let Some(tc) = &self.timing_cache {
             c = c.timing_cache(tc.clone());
         }
