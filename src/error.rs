@@ -60,6 +60,34 @@ pub enum Error {
 
     #[error("I/O error on {path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
+
+    // ---- untrusted input: sizes, files, flags --------------------------------------------
+    #[error("out of memory: {what} needs {bytes} bytes, which could not be allocated")]
+    OutOfMemory { what: String, bytes: usize },
+
+    #[error("{what} is too large: {reason}")]
+    TooLarge { what: String, reason: String },
+
+    #[error("tensor `{key}` appears twice: in {first} and in {second}; a state_dict key must be unique")]
+    DuplicateTensor { key: String, first: String, second: String },
+
+    #[error("weight `{key}` holds {count} non-finite value(s) (NaN or infinity) (in {source_name})")]
+    NonFinite { key: String, count: usize, source_name: String },
+
+    #[error("{what} tensor `{key}` has dtype {got}, which Kiln cannot read: expected f32, f16 or bf16 (in {path})")]
+    TensorDtype { what: String, key: String, got: String, path: PathBuf },
+
+    #[error("invalid graph: node %{node} (`{path}`): {reason}")]
+    InvalidGraph { node: usize, path: String, reason: String },
+
+    #[error("{flag} {reason}")]
+    Flag { flag: String, reason: String },
+
+    #[error("weight `{key}` is missing from {source_name}, but `{prefix}{key}` is there: the keys start with `{prefix}`, as saved from DataParallel; strip the prefix (`{{k.removeprefix(\"{prefix}\"): v for k, v in state_dict.items()}}`) or save `model.module.state_dict()`")]
+    MissingWeightPrefixed { key: String, prefix: String, source_name: String },
+
+    #[error("a tensor of shape {shape:?} holds {expected} values, but {got} were given")]
+    TensorSize { shape: Vec<usize>, expected: String, got: usize },
 }
 
 impl Error {

@@ -30,6 +30,14 @@ impl HostTensor {
         assert_eq!(shape.iter().product::<usize>(), data.len(), "HostTensor: shape {shape:?} does not match {} values", data.len());
         Self { shape, data }
     }
+    /// `new` for sizes that come from a file or a flag: an overflowing element count or a length
+    /// that does not match the shape is an error, not a panic.
+    pub fn try_new(shape: Vec<usize>, data: Vec<f32>) -> Result<Self> {
+        match numel(&shape) {
+            Some(n) if n == data.len() => Ok(Self { shape, data }),
+            n => Err(Error::TensorSize { expected: n.map_or("more than usize::MAX".into(), |n| n.to_string()), got: data.len(), shape }),
+        }
+    }
     pub fn zeros(shape: Vec<usize>) -> Self {
         let n = shape.iter().product();
         Self { shape, data: vec![0.0; n] }
@@ -218,5 +226,80 @@ impl Graph {
             s += &format!("output {name} = %{id}\n");
         }
         s
+    }
+}
+
+/// The element count of `shape`, or `None` when it overflows `usize`.
+pub fn numel(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d))
+}
+
+impl Graph {
+    /// Checks a graph that did not come from tracing (an engine file): every input of a node
+    /// precedes it, every shape is re-inferred from its inputs with the op's own rule and equals
+    /// the stored one, inputs and outputs name the right nodes, and every weight node has its
+    /// data with its shape. Passes and lowering may then index freely.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |node: usize, reason: String| {
+            let path = self.nodes.get(node).map_or(String::new(), |n| n.path.clone());
+            Error::InvalidGraph { node, path, reason }
+        };
+        for (id, node) in self.nodes.iter().enumerate() {
+            if numel(&node.shape).is_none() {
+                return Err(bad(id, format!("shape {:?} has more elements than fit in memory", node.shape)));
+            }
+            if let Some(&j) = node.inputs.iter().find(|&&j| j >= id) {
+                return Err(bad(id, format!("reads %{j}, which does not precede it")));
+            }
+            match &node.op {
+                Op::Input { .. } | Op::Weight { .. } if !node.inputs.is_empty() => {
+                    return Err(bad(id, format!("a {} node has {} input(s)", node.op.name(), node.inputs.len())));
+                }
+                Op::Input { .. } => {}
+                Op::Weight { name } => match self.weights.get(name) {
+                    None => return Err(bad(id, format!("weight `{name}` has no data"))),
+                    Some(w) if w.shape != node.shape => {
+                        return Err(bad(id, format!("weight `{name}` has shape {:?}, the node says {:?}", w.shape, node.shape)));
+                    }
+                    Some(w) if numel(&w.shape) != Some(w.data.len()) => {
+                        return Err(bad(id, format!("weight `{name}` holds {} values for shape {:?}", w.data.len(), w.shape)));
+                    }
+                    Some(_) => {}
+                },
+                op => {
+                    let shapes: Vec<&[usize]> = node.inputs.iter().map(|&i| self.nodes[i].shape.as_slice()).collect();
+                    let shape =
+                        op.infer_shape(&shapes).map_err(|reason| bad(id, format!("{}: {reason}; input shapes {shapes:?}", op.name())))?;
+                    if shape != node.shape {
+                        return Err(bad(
+                            id,
+                            format!("{} infers shape {shape:?} from its inputs, the node says {:?}", op.name(), node.shape),
+                        ));
+                    }
+                }
+            }
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for &i in &self.inputs {
+            match self.nodes.get(i) {
+                Some(Node { op: Op::Input { name }, .. }) if seen.insert(name.as_str()) => {}
+                Some(Node { op: Op::Input { name }, .. }) => return Err(bad(i, format!("input `{name}` is listed twice"))),
+                Some(n) => return Err(bad(i, format!("listed as a graph input, but it is a {} node", n.op.name()))),
+                None => return Err(bad(i, format!("graph input %{i} is past the end ({} nodes)", self.nodes.len()))),
+            }
+        }
+        if let Some(id) = self.nodes.iter().position(|n| matches!(&n.op, Op::Input { name } if !seen.contains(name.as_str()))) {
+            return Err(bad(id, "an input node missing from the graph's input list".into()));
+        }
+        let mut names = std::collections::BTreeSet::new();
+        for (name, id) in &self.outputs {
+            if *id >= self.nodes.len() {
+                return Err(bad(*id, format!("output `{name}` is past the end ({} nodes)", self.nodes.len())));
+            }
+            if !names.insert(name.as_str()) {
+                return Err(bad(*id, format!("output `{name}` is listed twice")));
+            }
+        }
+        Ok(())
     }
 }

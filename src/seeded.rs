@@ -64,6 +64,18 @@ pub fn uniform_tensor(shape: &[usize], seed: u64) -> HostTensor {
     HostTensor::new(shape.to_vec(), (0..n as u64).map(|i| (2.0 * uniform(seed, i) - 1.0) as f32).collect())
 }
 
+/// `uniform_tensor` for shapes that come from a flag: an overflowing size or memory that cannot be
+/// had is an error (`TooLarge`, `OutOfMemory`), not an abort.
+pub fn try_uniform_tensor(shape: &[usize], seed: u64) -> crate::Result<HostTensor> {
+    let what = || format!("an input of shape {shape:?}");
+    let n =
+        crate::graph::numel(shape).ok_or_else(|| crate::Error::TooLarge { what: what(), reason: "its element count overflows".into() })?;
+    let mut data = Vec::new();
+    data.try_reserve_exact(n).map_err(|_| crate::Error::OutOfMemory { what: what(), bytes: n.saturating_mul(4) })?;
+    data.extend((0..n as u64).map(|i| (2.0 * uniform(seed, i) - 1.0) as f32));
+    HostTensor::try_new(shape.to_vec(), data)
+}
+
 /// A fresh seed on every call, so tests and runs see new inputs each time; set `KILN_SEED` to
 /// replay a particular run (tests print the seed they used).
 pub fn fresh_seed() -> u64 {

@@ -7,7 +7,9 @@ use crate::tensor::Param;
 use crate::{Error, Result};
 use half::{bf16, f16};
 use memmap2::Mmap;
-use safetensors::{Dtype, SafeTensors};
+use safetensors::Dtype;
+use serde::de::{Deserializer, MapAccess, Visitor};
+use serde::Deserialize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -21,11 +23,14 @@ pub struct VarBuilder {
 struct Store {
     source: Source,
     used: Mutex<BTreeSet<String>>,
+    /// Keys read so far that held NaN or infinity, with how many such values.
+    non_finite: Mutex<BTreeMap<String, usize>>,
 }
 
 struct Entry {
     file: usize,
-    dtype: Dtype,
+    /// The safetensors dtype name (`F32`, `BF16`, `I64`, ...).
+    dtype: String,
     shape: Vec<usize>,
     range: (usize, usize),
 }
@@ -53,26 +58,34 @@ fn is_bookkeeping(key: &str) -> bool {
 
 impl VarBuilder {
     fn with_source(source: Source) -> Self {
-        Self { store: Arc::new(Store { source, used: Mutex::new(BTreeSet::new()) }), prefix: String::new() }
+        let store = Store { source, used: Mutex::new(BTreeSet::new()), non_finite: Mutex::new(BTreeMap::new()) };
+        Self { store: Arc::new(store), prefix: String::new() }
     }
 
     /// Memory-maps safetensors files (as written by `safetensors.torch.save_file(model.state_dict())`).
+    ///
+    /// Only regular files are opened (a directory or a FIFO is named as such, never waited on); each
+    /// header is parsed and checked against the file here, so a key named twice (in one header or
+    /// in two files) is an error naming both places, and no tensor is decoded until it is asked for.
     pub fn from_safetensors<P: AsRef<Path>>(paths: &[P]) -> Result<Self> {
         let mut files = Vec::new();
-        let mut entries = BTreeMap::new();
+        let mut entries: BTreeMap<String, Entry> = BTreeMap::new();
         for (index, path) in paths.iter().enumerate() {
             let path = path.as_ref().to_path_buf();
-            let bad = |reason: String| Error::Safetensors { path: path.clone(), reason };
+            check_regular_file(&path)?;
             let file = std::fs::File::open(&path).map_err(Error::io(&path))?;
             // SAFETY: the file is opened read-only; like every mmap user we assume nobody truncates
             // it while the model loads.
             let mmap = unsafe { Mmap::map(&file) }.map_err(Error::io(&path))?;
-            let tensors = SafeTensors::deserialize(&mmap).map_err(|e| bad(explain(&e)))?;
-            let base = mmap.as_ptr() as usize;
-            for (name, view) in tensors.tensors() {
-                let start = view.data().as_ptr() as usize - base;
-                let entry =
-                    Entry { file: index, dtype: view.dtype(), shape: view.shape().to_vec(), range: (start, start + view.data().len()) };
+            for (name, entry) in parse_header(&path, &mmap, index)? {
+                if let Some(first) = entries.get(&name) {
+                    let first: &Path = files.get(first.file).map_or(path.as_path(), |(p, _): &(PathBuf, Mmap)| p.as_path());
+                    return Err(Error::DuplicateTensor {
+                        key: name,
+                        first: first.display().to_string(),
+                        second: path.display().to_string(),
+                    });
+                }
                 entries.insert(name, entry);
             }
             files.push((path, mmap));
@@ -119,29 +132,57 @@ impl VarBuilder {
         }
     }
 
-    /// Loads `name` under this prefix as f32, checking that it has exactly `shape`.
+    /// Loads `name` under this prefix as f32, checking that it has exactly `shape`. The stored
+    /// shape and dtype are checked before anything is decoded, and the decoded values' memory is
+    /// requested with `try_reserve`, so a hostile file is an error, never an abort.
     pub fn get(&self, shape: &[usize], name: &str) -> Result<Param> {
         let key = self.key(name);
-        let missing = || Error::MissingWeight { key: key.clone(), source_name: self.store.source.describe() };
+        let source_name = || self.store.source.describe();
+        let missing = || match &self.store.source {
+            Source::Safetensors { entries, .. } if entries.contains_key(&format!("module.{key}")) => {
+                Error::MissingWeightPrefixed { key: key.clone(), prefix: "module.".into(), source_name: source_name() }
+            }
+            _ => Error::MissingWeight { key: key.clone(), source_name: source_name() },
+        };
         let value = match &self.store.source {
             Source::Seeded => crate::seeded::weight(&key, shape),
             Source::Tensors(t) => t.get(&key).ok_or_else(missing)?.clone(),
             Source::Safetensors { files, entries } => {
                 let e = entries.get(&key).ok_or_else(missing)?;
+                if e.shape != shape {
+                    return Err(Error::WeightShape { key, expected: shape.to_vec(), got: e.shape.clone(), source_name: source_name() });
+                }
                 let bytes = &files[e.file].1[e.range.0..e.range.1];
-                let data = decode(e.dtype, bytes).ok_or_else(|| Error::WeightDtype {
+                let data = decode(&e.dtype, bytes, &key, &files[e.file].0)?.ok_or_else(|| Error::WeightDtype {
                     key: key.clone(),
-                    got: format!("{:?}", e.dtype),
-                    source_name: self.store.source.describe(),
+                    got: e.dtype.clone(),
+                    source_name: source_name(),
                 })?;
-                HostTensor::new(e.shape.clone(), data)
+                HostTensor::try_new(e.shape.clone(), data)?
             }
         };
         if value.shape != shape {
-            return Err(Error::WeightShape { key, expected: shape.to_vec(), got: value.shape, source_name: self.store.source.describe() });
+            return Err(Error::WeightShape { key, expected: shape.to_vec(), got: value.shape, source_name: source_name() });
+        }
+        let bad = value.data.iter().filter(|v| !v.is_finite()).count();
+        if bad > 0 {
+            self.store.non_finite.lock().expect("weight bookkeeping lock").insert(key.clone(), bad);
         }
         self.store.used.lock().expect("weight bookkeeping lock").insert(key.clone());
         Ok(Param { name: key, value: Arc::new(value) })
+    }
+
+    /// Keys read so far that hold NaN or infinity, with how many such values each.
+    pub fn non_finite(&self) -> Vec<(String, usize)> {
+        self.store.non_finite.lock().expect("weight bookkeeping lock").iter().map(|(k, n)| (k.clone(), *n)).collect()
+    }
+
+    /// Strict mode: an error naming the first key read so far that holds NaN or infinity.
+    pub fn check_finite(&self) -> Result<()> {
+        match self.non_finite().into_iter().next() {
+            Some((key, count)) => Err(Error::NonFinite { key, count, source_name: self.store.source.describe() }),
+            None => Ok(()),
+        }
     }
 
     /// Keys in the source that no `get` asked for (PyTorch's bookkeeping keys excluded).
@@ -165,42 +206,209 @@ impl VarBuilder {
     }
 }
 
-/// The safetensors crate's errors print as their variant names; say what is wrong with the file.
-fn explain(e: &safetensors::SafeTensorError) -> String {
-    use safetensors::SafeTensorError as E;
-    match e {
-        E::HeaderTooSmall => "the file is shorter than the 8-byte header length (truncated or not safetensors)".into(),
-        E::HeaderTooLarge | E::InvalidHeaderLength => {
-            "the header length in the first 8 bytes exceeds the file (truncated, corrupt, or not safetensors)".into()
-        }
-        E::InvalidHeader => "the header is not valid UTF-8 (corrupt file)".into(),
-        E::InvalidHeaderStart | E::InvalidHeaderDeserialization | E::JsonError(_) => {
-            format!("the header is not a valid safetensors JSON table (corrupt file): {e:?}")
-        }
-        E::MetadataIncompleteBuffer => "the tensor data does not end where the header says (truncated or corrupt file)".into(),
-        E::InvalidOffset(name) => format!("the data offsets of tensor `{name}` are out of order or out of range (corrupt file)"),
-        E::TensorInvalidInfo | E::ValidationOverflow => "a tensor's byte size does not match its shape and dtype (corrupt file)".into(),
-        other => format!("{other:?}"),
-    }
+/// The most elements one tensor read from a file may have: 2^32 (16 GiB as f32). Larger is
+/// corrupt or hostile, never a convolutional network's weight or activation.
+pub const MAX_TENSOR_ELEMENTS: usize = 1 << 32;
+
+/// A directory, FIFO, socket or device is rejected by name before it is opened (opening a FIFO
+/// would wait for a writer forever). A missing file is left to `open`, whose error names it.
+pub(crate) fn check_regular_file(path: &Path) -> Result<()> {
+    let Ok(meta) = std::fs::metadata(path) else { return Ok(()) };
+    let what = if meta.is_dir() {
+        "a directory"
+    } else if meta.is_file() {
+        return Ok(());
+    } else {
+        "not a regular file (a FIFO, socket or device)"
+    };
+    Err(Error::Safetensors { path: path.into(), reason: format!("is {what}; give the path of a .safetensors file") })
 }
 
-/// The values of an f32, f16 or bf16 tensor as f32; `None` for any other dtype.
-fn decode(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
-    let pairs = bytes.chunks_exact(2).map(|b| [b[0], b[1]]);
+const PTH_HINT: &str = "this looks like a PyTorch pickle (torch.save, .pth/.pt/.bin); Kiln reads safetensors only: convert it with \
+     `safetensors.torch.save_file(model.state_dict(), \"model.safetensors\")`";
+
+/// Whether `bytes`/`path` look like `torch.save` output: a zip archive, a raw pickle, or the extension.
+fn looks_like_pickle(path: &Path, bytes: &[u8]) -> bool {
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+    bytes.starts_with(b"PK\x03\x04") || bytes.first() == Some(&0x80) || matches!(ext, "pth" | "pt" | "bin" | "ckpt")
+}
+
+/// The bytes per element of a safetensors dtype name; `None` for a name safetensors does not define.
+fn dtype_size(dtype: &str) -> Option<usize> {
     Some(match dtype {
-        Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-        Dtype::F16 => pairs.map(|b| f16::from_le_bytes(b).to_f32()).collect(),
-        Dtype::BF16 => pairs.map(|b| bf16::from_le_bytes(b).to_f32()).collect(),
+        "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" => 1,
+        "U16" | "I16" | "F16" | "BF16" => 2,
+        "U32" | "I32" | "F32" => 4,
+        "U64" | "I64" | "F64" => 8,
         _ => return None,
     })
 }
 
+/// A JSON object's members in file order, duplicates kept (serde_json's maps keep the last).
+struct Members(Vec<(String, serde_json::Value)>);
+
+impl<'de> Deserialize<'de> for Members {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Members;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object of tensors")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Members, A::Error> {
+                let mut members = Vec::new();
+                while let Some(member) = map.next_entry::<String, serde_json::Value>()? {
+                    members.push(member);
+                }
+                Ok(Members(members))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+#[derive(Deserialize)]
+struct TensorInfo {
+    dtype: String,
+    shape: Vec<usize>,
+    data_offsets: [usize; 2],
+}
+
+/// Parses and checks the header of the safetensors file `bytes`: its length, its JSON (every key
+/// once), each tensor's dtype, byte size against its shape, and offsets that tile the data exactly.
+/// Errors name the file and say what is wrong in the user's terms.
+fn parse_header(path: &Path, bytes: &[u8], file: usize) -> Result<Vec<(String, Entry)>> {
+    let bad = |reason: String| Error::Safetensors { path: path.into(), reason };
+    let hint = |reason: String| if looks_like_pickle(path, bytes) { bad(format!("{reason}; {PTH_HINT}")) } else { bad(reason) };
+    if bytes.starts_with(b"PK\x03\x04") {
+        // torch.save's zip archive: no safetensors header length starts with these bytes.
+        return Err(bad(PTH_HINT.to_string()));
+    }
+    if bytes.len() < 8 {
+        return Err(hint(format!(
+            "the file is {} bytes, shorter than the 8-byte header length (truncated or not safetensors)",
+            bytes.len()
+        )));
+    }
+    let len = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
+    let rest = bytes.len() - 8;
+    let header = match usize::try_from(len) {
+        Ok(n) if n <= rest => &bytes[8..8 + n],
+        _ => {
+            return Err(hint(format!(
+            "the header length in the first 8 bytes ({len}) exceeds the {rest} bytes after them (truncated, corrupt, or not safetensors)"
+        )))
+        }
+    };
+    let data_len = rest - header.len();
+    let text = std::str::from_utf8(header).map_err(|e| hint(format!("the header is not valid UTF-8 (corrupt file): {e}")))?;
+    let Members(members) = serde_json::from_str(text).map_err(|e| hint(format!("the header is not valid JSON (corrupt file): {e}")))?;
+    let mut seen = BTreeSet::new();
+    let mut entries = Vec::with_capacity(members.len());
+    for (name, value) in members {
+        if !seen.insert(name.clone()) {
+            return Err(Error::DuplicateTensor {
+                key: name,
+                first: path.display().to_string(),
+                second: format!("{} (the same header)", path.display()),
+            });
+        }
+        if name == "__metadata__" {
+            continue;
+        }
+        let info: TensorInfo = serde_json::from_value(value)
+            .map_err(|e| bad(format!("the header entry of tensor `{name}` is not a safetensors tensor description: {e}")))?;
+        let size = dtype_size(&info.dtype).ok_or_else(|| bad(format!("tensor `{name}` has unknown dtype `{}`", info.dtype)))?;
+        let [start, end] = info.data_offsets;
+        let want = crate::graph::numel(&info.shape).and_then(|n| n.checked_mul(size));
+        if want != end.checked_sub(start) {
+            let want = want.map_or("more than usize::MAX".into(), |w| w.to_string());
+            return Err(bad(format!(
+                "tensor `{name}`: its byte size ({start}..{end}) does not match its shape {:?} and dtype {} ({want} bytes) (corrupt file)",
+                info.shape, info.dtype
+            )));
+        }
+        entries.push((name, Entry { file, dtype: info.dtype, shape: info.shape, range: (start, end) }));
+    }
+    // The data must be tiled exactly by the tensors, in offset order, as safetensors writes it.
+    let mut order: Vec<&(String, Entry)> = entries.iter().collect();
+    order.sort_by_key(|(_, e)| e.range);
+    let mut at = 0;
+    for (name, e) in order {
+        if e.range.0 != at {
+            return Err(bad(format!("the data offsets of tensor `{name}` are out of order or out of range (corrupt file)")));
+        }
+        at = e.range.1;
+    }
+    if at != data_len {
+        return Err(bad(format!(
+            "the tensor data does not end where the header says: the header covers {at} bytes, the file holds {data_len} (truncated or corrupt file)"
+        )));
+    }
+    // Offsets are relative to the end of the header.
+    let base = 8 + header.len();
+    Ok(entries.into_iter().map(|(n, e)| (n, Entry { range: (base + e.range.0, base + e.range.1), ..e })).collect())
+}
+
+/// The values of an f32, f16 or bf16 tensor as f32; `Ok(None)` for any other dtype. Memory is
+/// requested with `try_reserve`, and a tensor over `MAX_TENSOR_ELEMENTS` is refused first.
+fn decode(dtype: &str, bytes: &[u8], key: &str, path: &Path) -> Result<Option<Vec<f32>>> {
+    let size = match dtype {
+        "F32" => 4,
+        "F16" | "BF16" => 2,
+        _ => return Ok(None),
+    };
+    let n = bytes.len() / size;
+    if n > MAX_TENSOR_ELEMENTS {
+        return Err(Error::TooLarge {
+            what: format!("tensor `{key}` in {}", path.display()),
+            reason: format!("{n} elements, more than the limit of {MAX_TENSOR_ELEMENTS} (16 GiB as f32)"),
+        });
+    }
+    let mut out = Vec::new();
+    out.try_reserve_exact(n)
+        .map_err(|_| Error::OutOfMemory { what: format!("tensor `{key}` of {}", path.display()), bytes: n.saturating_mul(4) })?;
+    let pairs = bytes.chunks_exact(2).map(|b| [b[0], b[1]]);
+    match dtype {
+        "F32" => out.extend(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))),
+        "F16" => out.extend(pairs.map(|b| f16::from_le_bytes(b).to_f32())),
+        _ => out.extend(pairs.map(|b| bf16::from_le_bytes(b).to_f32())),
+    }
+    Ok(Some(out))
+}
+
 /// Reads every tensor of a safetensors file (references, inputs) as f32, by name.
 pub fn read_safetensors(path: impl AsRef<Path>) -> Result<BTreeMap<String, HostTensor>> {
-    let vb = VarBuilder::from_safetensors(&[path.as_ref()])?;
-    let Source::Safetensors { entries, .. } = &vb.store.source else { unreachable!() };
-    let shapes: Vec<(String, Vec<usize>)> = entries.iter().map(|(k, e)| (k.clone(), e.shape.clone())).collect();
-    shapes.into_iter().map(|(k, shape)| Ok((k.clone(), Arc::unwrap_or_clone(vb.get(&shape, &k)?.value)))).collect()
+    read_tensors(path, "stored", |_| true).map(|(tensors, _)| tensors)
+}
+
+/// Reads the tensors of a safetensors file whose key `keep` accepts, as f32; returns them and the
+/// keys left out. `what` names the file's role in errors ("reference", "input"), so a tensor of
+/// an unreadable dtype is not called a weight.
+pub fn read_tensors(
+    path: impl AsRef<Path>,
+    what: &str,
+    keep: impl Fn(&str) -> bool,
+) -> Result<(BTreeMap<String, HostTensor>, Vec<String>)> {
+    let path = path.as_ref();
+    let vb = VarBuilder::from_safetensors(&[path])?;
+    let Source::Safetensors { entries, files } = &vb.store.source else { unreachable!("from_safetensors makes a safetensors source") };
+    let mut out = BTreeMap::new();
+    let mut skipped = Vec::new();
+    for (key, e) in entries {
+        if !keep(key) {
+            skipped.push(key.clone());
+            continue;
+        }
+        let data = decode(&e.dtype, &files[e.file].1[e.range.0..e.range.1], key, path)?.ok_or_else(|| Error::TensorDtype {
+            what: what.to_string(),
+            key: key.clone(),
+            got: e.dtype.clone(),
+            path: path.to_path_buf(),
+        })?;
+        out.insert(key.clone(), HostTensor::try_new(e.shape.clone(), data)?);
+    }
+    Ok((out, skipped))
 }
 
 /// Writes f32 tensors to a safetensors file.

@@ -114,6 +114,7 @@ fn generated_code_is_rustfmt_clean_in_the_default_style() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn generated_graph_builds_an_engine_with_equal_outputs() {
     if let Err(why) = gpu_available() {
         println!("skipped: no GPU ({why})");

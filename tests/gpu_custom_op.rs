@@ -116,6 +116,7 @@ fn the_user_op_traces_and_runs_on_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn the_user_op_runs_in_an_engine_and_matches_its_cpu_reference() {
     if let Err(why) = gpu_available() {
         println!("skipped: no GPU ({why})");

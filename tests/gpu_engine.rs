@@ -6,7 +6,7 @@
 //! PyTorch references: `tests/fixtures` (seeded weights) always; with `KILN_REFERENCE_DIR` set
 //! (by `tools/gpu-test.sh` on the device), also `$KILN_REFERENCE_DIR/{seeded,torchvision}/`,
 //! written there by `tools/export_reference.py` (with `<model>.weights.safetensors`).
-//! Without a GPU every test prints why it skips and passes.
+//! Every test is `#[ignore]`d (CI has no GPU); the device runs them with `--include-ignored`.
 //!
 //! On the device: `bash tools/gpu-test.sh` (see docs/ENGINE.md).
 
@@ -110,6 +110,7 @@ const STEM_SOURCES: &[Option<&str>] = &[Some("cudnn-fused"), Some("cudnn-conv"),
 const POINTWISE_SOURCES: &[Option<&str>] = &[Some("cublaslt"), Some("cudnn-fused"), Some("cudnn-conv")];
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn conv2d_variants() {
     let conv = |c: Conv2dConfig| move |x: &Tensor, vb: VarBuilder| Conv2d::load(vb.pp("conv"), &c)?.forward(x);
     check_op("conv 3x3 s1 p1 bias", &[16, 12, 10], CONV_SOURCES, conv(Conv2dConfig::new(16, 32, 3).padding(1)));
@@ -138,6 +139,7 @@ fn conv2d_variants() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn fused_conv_bias_residual_relu() {
     // conv → BN → (+ x) → ReLU: the passes fold the BN and fuse add + ReLU into the conv.
     let block = |k: usize| {
@@ -155,6 +157,7 @@ fn fused_conv_bias_residual_relu() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn conv_transpose2d_variants() {
     let deconv = |c: Conv2dConfig| move |x: &Tensor, vb: VarBuilder| ConvTranspose2d::load(vb.pp("deconv"), &c)?.forward(x);
     check_op("deconv k4 s2 p1 (CenterNet)", &[32, 8, 8], ANY, deconv(Conv2dConfig::new(32, 16, 4).stride(2).padding(1).bias(false)));
@@ -173,6 +176,7 @@ fn conv_transpose2d_variants() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn linear_and_batchnorm() {
     let linear = |x: &Tensor, vb: VarBuilder| Linear::load(vb.pp("fc"), &LinearConfig::new(96, 40))?.forward(&x.flatten(1)?);
     check_op("linear 96 -> 40 with bias (after flatten)", &[96, 1, 1], ANY, linear);
@@ -330,16 +334,19 @@ fn profile(label: &str, ctx: &mut kiln::engine::ExecutionContext, x: &HostTensor
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn resnet18_matches_pytorch() {
     check_model("resnet18");
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn resnet50_matches_pytorch() {
     check_model("resnet50");
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn centernet_matches_pytorch() {
     check_model("centernet");
 }
@@ -351,6 +358,7 @@ fn resnet18_graph() -> Graph {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn saved_engine_loads_and_gives_bit_identical_outputs() {
     let Some(gpu) = gpu() else { return };
     let engine = build(&gpu, &resnet18_graph(), BuildConfig::default().precision(Precision::Fp16).batch(1, 4, 4));
@@ -390,6 +398,7 @@ fn saved_engine_loads_and_gives_bit_identical_outputs() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn a_timing_cache_makes_a_rebuild_time_nothing() {
     let Some(gpu) = gpu() else { return };
     let cache = std::env::temp_dir().join(format!("kiln-test-cache-{}.json", std::process::id()));
@@ -406,6 +415,7 @@ fn a_timing_cache_makes_a_rebuild_time_nothing() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn contexts_run_concurrently_on_threads() {
     let Some(gpu) = gpu() else { return };
     let engine = build(&gpu, &resnet18_graph(), BuildConfig::default().precision(Precision::Fp16).batch(1, 2, 2));
@@ -434,6 +444,7 @@ fn contexts_run_concurrently_on_threads() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn device_buffers_run_asynchronously_on_the_context_stream() {
     use cudarc::driver::{DevicePtr, DevicePtrMut};
     let Some(gpu) = gpu() else { return };
@@ -458,6 +469,7 @@ fn device_buffers_run_asynchronously_on_the_context_stream() {
 
 /// Throughput of the ResNets at batch 256 (the large-batch anchors), FP16, CUDA graphs.
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn resnet_fp16_throughput_at_batch_256() {
     let Some(gpu) = gpu() else { return };
     for model in ["resnet18", "resnet50"] {

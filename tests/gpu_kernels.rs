@@ -92,6 +92,7 @@ fn pool(kernel: [usize; 2], stride: [usize; 2], padding: [usize; 2], ceil_mode: 
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn activations() {
     for dims in [[7usize, 5, 9], [16, 6, 5]] {
         check(&format!("relu {dims:?}"), &[("x", &dims)], |x| Ok(vec![x[0].relu()?]));
@@ -103,6 +104,7 @@ fn activations() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn add_and_mul() {
     for dims in [[3usize, 4, 5], [24, 7, 3]] {
         check(&format!("add {dims:?}"), &[("a", &dims), ("b", &dims)], |x| Ok(vec![x[0].add(&x[1])?]));
@@ -116,6 +118,7 @@ fn add_and_mul() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn max_pool() {
     let cases = [
         ("max 3x3 s2 p1", [5usize, 11, 8], pool([3, 3], [2, 2], [1, 1], false, true)),
@@ -130,6 +133,7 @@ fn max_pool() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn avg_pool() {
     let cases = [
         ("avg 3x3 s2 p1 incl", [6usize, 9, 10], pool([3, 3], [2, 2], [1, 1], false, true)),
@@ -145,6 +149,7 @@ fn avg_pool() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn adaptive_avg_pool() {
     let cases = [([64usize, 7, 7], [1usize, 1]), ([5, 7, 7], [1, 1]), ([5, 10, 9], [3, 3]), ([16, 9, 11], [4, 2]), ([3, 5, 4], [5, 4])];
     for (dims, output) in cases {
@@ -159,6 +164,7 @@ fn adaptive_avg_pool() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn flatten_and_cat() {
     check("flatten [6, 3, 4]", &[("x", &[6, 3, 4])], |x| Ok(vec![x[0].flatten(1)?]));
     check("flatten [5, 1, 7] then relu", &[("x", &[5, 1, 7])], |x| Ok(vec![x[0].flatten(1)?.relu()?]));
@@ -243,6 +249,7 @@ fn bias_act_reference_is_right() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn bias_activation_residual_epilogue() {
     for dims in [[7usize, 5, 6], [16, 3, 5]] {
         for (act, act_name) in [(0.0, "none"), (1.0, "relu"), (2.0, "leaky"), (3.0, "sigmoid")] {
@@ -305,6 +312,7 @@ fn decode_agreement(gpu: &Arc<Gpu>, precision: Precision, hm: &HostTensor, wh: &
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn centernet_decode_matches_the_cpu_reference() {
     // Linked for its `centernet_decode` registrations (custom op + GPU converter).
     let _ = kiln_models::centernet::DEFAULT_K;
@@ -332,6 +340,7 @@ fn centernet_decode_matches_the_cpu_reference() {
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn centernet_decode_ties_and_suppressed_positions() {
     let _ = kiln_models::centernet::DEFAULT_K;
     let Some(gpu) = gpu() else { return };
@@ -360,6 +369,7 @@ fn centernet_decode_ties_and_suppressed_positions() {
 // ---- timings (printed, for the report) -------------------------------------------------------
 
 #[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn timings() {
     let _ = kiln_models::centernet::DEFAULT_K;
     let Some(gpu) = gpu() else { return };

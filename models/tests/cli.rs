@@ -233,3 +233,296 @@ fn codegen_writes_rust_that_names_the_weights() {
     assert!(stdout.contains("vb.get(&[512, 256, 3, 3], \"layer4.0.conv1.weight\")?"), "{stdout}");
     assert!(stdout.contains("tracer.output(\"logits\", &fc);"), "{stdout}");
 }
+
+// ---- docs/RELIABILITY.md: one test per CLI row ------------------------------------------------
+
+/// Runs `kiln` with extra environment variables.
+fn kiln_env(args: &[&str], env: &[(&str, &str)]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).envs(env.iter().copied()).output().expect("run the kiln binary")
+}
+
+/// Asserts `kiln args` fails with exit status 1 (an error, not a panic's 101 or an abort's 134)
+/// and that its stderr contains every one of `says`; returns stderr.
+fn fails_with(args: &[&str], says: &[&str]) -> String {
+    fails_with_env(args, &[], says)
+}
+
+fn fails_with_env(args: &[&str], env: &[(&str, &str)], says: &[&str]) -> String {
+    let out = kiln_env(args, env);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "kiln {args:?}: expected exit 1\nstdout: {stdout}\nstderr: {stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    for s in says {
+        assert!(stderr.contains(s), "kiln {args:?}: expected `{s}` in stderr: {stderr}");
+    }
+    stderr
+}
+
+/// A safetensors file from (name, dtype, shape, bytes) entries.
+fn raw_safetensors(entries: &[(&str, &str, Vec<usize>, Vec<u8>)]) -> Vec<u8> {
+    let (mut offset, mut header, mut data) = (0, serde_json::Map::new(), Vec::new());
+    for (name, dtype, shape, bytes) in entries {
+        header.insert(
+            name.to_string(),
+            serde_json::json!({ "dtype": dtype, "shape": shape, "data_offsets": [offset, offset + bytes.len()] }),
+        );
+        data.extend_from_slice(bytes);
+        offset += bytes.len();
+    }
+    let header = serde_json::Value::Object(header).to_string();
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(header.as_bytes());
+    file.extend(data);
+    file
+}
+
+fn f32_bytes(t: &HostTensor) -> Vec<u8> {
+    t.data.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// ResNet-18's seeded weights as a state_dict file, with `edit` applied.
+fn resnet18_weights(dir: &std::path::Path, name: &str, edit: impl FnOnce(&mut BTreeMap<String, HostTensor>)) -> PathBuf {
+    let graph = kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 32).expect("trace");
+    let mut state: BTreeMap<String, HostTensor> = graph.weights.iter().map(|(k, v)| (k.clone(), HostTensor::clone(v))).collect();
+    edit(&mut state);
+    let path = dir.join(name);
+    kiln::var_builder::write_safetensors(&path, &state).expect("write weights");
+    path
+}
+
+/// A CPU reference for ResNet-18 at 32x32 (`input`, `output.logits`) plus `extra` entries.
+fn resnet18_reference(dir: &std::path::Path, name: &str, extra: &[(&str, &str, Vec<usize>, Vec<u8>)]) -> PathBuf {
+    let graph = kiln::passes::optimize(&kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 32).expect("trace")).expect("optimize");
+    let x = kiln::seeded::uniform_tensor(&[1, 3, 32, 32], 3);
+    let logits = kiln::cpu::run(&graph, &[("input", &x)]).expect("cpu").remove("logits").expect("logits");
+    let mut entries =
+        vec![("input", "F32", x.shape.clone(), f32_bytes(&x)), ("output.logits", "F32", logits.shape.clone(), f32_bytes(&logits))];
+    entries.extend(extra.iter().cloned());
+    let path = dir.join(name);
+    std::fs::write(&path, raw_safetensors(&entries)).expect("write reference");
+    path
+}
+
+#[test]
+fn c01_batch_zero_says_batch_must_be_at_least_1() {
+    let stderr = fails_with(&["run", "resnet18", "--cpu", "--batch", "0"], &["error: --batch must be at least 1"]);
+    assert!(!stderr.contains("any positive batch"), "{stderr}");
+}
+
+#[test]
+fn c02_batch_of_a_billion_is_too_large_not_an_abort() {
+    fails_with(&["run", "resnet18", "--cpu", "--batch", "1000000000"], &["--batch 1000000000", "is too large", "150528000000000 elements"]);
+}
+
+#[test]
+fn c03_size_100000_is_too_large_not_an_abort() {
+    fails_with(&["run", "resnet18", "--cpu", "--size", "100000"], &["--size 100000", "is too large", "lower --batch or --size"]);
+}
+
+#[test]
+fn c04_batch_beyond_memory_is_refused_before_allocating() {
+    // The limit stands in for a machine with 100 MB free, so the row does not depend on this one.
+    let env = [("KILN_CPU_MEMORY_BYTES", "100000000")];
+    fails_with_env(
+        &["run", "resnet18", "--cpu", "--batch", "64"],
+        &env,
+        &["out of memory: the CPU executor at --batch 64", "100000000 bytes are available"],
+    );
+}
+
+#[test]
+fn c05_size_zero_says_size_must_be_at_least_1() {
+    fails_with(&["run", "resnet18", "--cpu", "--size", "0"], &["error: --size must be at least 1"]);
+}
+
+#[test]
+fn c06_bench_duration_inf_is_a_clear_error() {
+    fails_with(
+        &["bench", "resnet18", "--cpu", "--size", "32", "--duration", "inf"],
+        &["--duration must be a finite, non-negative number of seconds, got inf"],
+    );
+}
+
+#[test]
+fn c07_bench_duration_negative_is_a_clear_error() {
+    fails_with(&["bench", "resnet18", "--cpu", "--size", "32", "--duration=-1"], &["--duration must be", "got -1"]);
+}
+
+#[test]
+fn c08_closed_stdout_pipe_is_a_clean_exit() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["run", "resnet18", "--cpu", "--size", "32", "--seed", "1"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn kiln");
+    drop(child.stdout.take()); // `| head -0`: the reader is gone before the first line.
+    let out = child.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "exit {:?}: {stderr}", out.status.code());
+    assert!(!stderr.contains("panicked") && !stderr.contains("Broken pipe"), "{stderr}");
+}
+
+#[test]
+fn c09_directory_as_weights_says_it_is_a_directory() {
+    let dir = temp_dir("c09");
+    fails_with(
+        &["run", "resnet18", "--cpu", "--weights", dir.to_str().unwrap()],
+        &["is a directory", "give the path of a .safetensors file"],
+    );
+}
+
+#[cfg(unix)]
+#[test]
+fn c10_fifo_as_weights_is_rejected_without_hanging() {
+    let fifo = temp_dir("c10").join("w.fifo");
+    let _ = std::fs::remove_file(&fifo);
+    assert!(Command::new("mkfifo").arg(&fifo).status().expect("mkfifo").success());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["run", "resnet18", "--cpu", "--weights", fifo.to_str().unwrap()])
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn kiln");
+    let start = std::time::Instant::now();
+    while child.try_wait().expect("try_wait").is_none() {
+        if start.elapsed().as_secs() > 60 {
+            child.kill().expect("kill");
+            panic!("kiln hung on a FIFO");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().expect("wait");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a regular file (a FIFO, socket or device)"));
+}
+
+#[test]
+fn c11_rtol_nan_is_rejected() {
+    let dir = temp_dir("c11");
+    let reference = resnet18_reference(&dir, "ref.safetensors", &[]);
+    fails_with(
+        &["compare", "resnet18", "--cpu", "--reference", reference.to_str().unwrap(), "--rtol", "nan"],
+        &["--rtol must be a finite, non-negative tolerance, got NaN"],
+    );
+}
+
+#[test]
+fn c12_rtol_negative_is_rejected() {
+    let dir = temp_dir("c12");
+    let reference = resnet18_reference(&dir, "ref.safetensors", &[]);
+    fails_with(
+        &["compare", "resnet18", "--cpu", "--reference", reference.to_str().unwrap(), "--rtol=-0.5"],
+        &["--rtol must be", "got -0.5"],
+    );
+}
+
+#[test]
+fn c13_fn_name_that_is_not_an_identifier_is_rejected_and_nothing_is_written() {
+    let out = temp_dir("c13").join("gen.rs");
+    fails_with(
+        &["codegen", "resnet18", "--fn-name", "fn bad name", "-o", out.to_str().unwrap()],
+        &["--fn-name must be a Rust identifier", "\"fn bad name\""],
+    );
+    assert!(!out.exists());
+    fails_with(&["codegen", "resnet18", "--fn-name", "match"], &["--fn-name must be a Rust identifier"]);
+}
+
+#[test]
+fn c14_size_that_disagrees_with_input_is_an_error() {
+    let dir = temp_dir("c14");
+    let x = kiln::seeded::uniform_tensor(&[1, 3, 32, 32], 1);
+    let input = dir.join("x.safetensors");
+    kiln::var_builder::write_safetensors(&input, &BTreeMap::from([("input".to_string(), x)])).unwrap();
+    fails_with(
+        &["run", "resnet18", "--cpu", "--input", input.to_str().unwrap(), "--size", "64"],
+        &["--size 64 disagrees with --input", "[1, 3, 32, 32]"],
+    );
+    fails_with(&["run", "resnet18", "--cpu", "--input", input.to_str().unwrap(), "--batch", "2"], &["--batch 2 disagrees with --input"]);
+}
+
+#[test]
+fn c15_pth_weights_get_a_conversion_hint() {
+    let path = temp_dir("c15").join("resnet18.pth");
+    std::fs::write(&path, b"PK\x03\x04\x14\x00\x00\x00\x08\x00archive/data.pkl").unwrap();
+    fails_with(
+        &["run", "resnet18", "--cpu", "--weights", path.to_str().unwrap()],
+        &["resnet18.pth", "PyTorch pickle", "safetensors.torch.save_file(model.state_dict()"],
+    );
+}
+
+#[test]
+fn c16_dataparallel_prefixed_weights_get_a_hint() {
+    let dir = temp_dir("c16");
+    let path = dir.join("dp.safetensors");
+    let w = HostTensor::new(vec![2], vec![0.0; 2]);
+    kiln::var_builder::write_safetensors(&path, &BTreeMap::from([("module.conv1.weight".to_string(), w)])).unwrap();
+    fails_with(
+        &["run", "resnet18", "--cpu", "--weights", path.to_str().unwrap()],
+        &["weight `conv1.weight` is missing", "`module.conv1.weight` is there", "DataParallel", "strip the prefix"],
+    );
+}
+
+#[test]
+fn c17_nan_weights_warn_and_fail_with_strict() {
+    let dir = temp_dir("c17");
+    let path = resnet18_weights(&dir, "nan.safetensors", |s| s.get_mut("layer1.0.conv1.weight").unwrap().data[0] = f32::NAN);
+    let p = path.to_str().unwrap();
+    let out = kiln(&["run", "resnet18", "--cpu", "--size", "32", "--weights", p]);
+    let (_, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("warning: 1 weight(s) of") && stderr.contains("`layer1.0.conv1.weight`: 1 value(s)"), "{stderr}");
+    fails_with(
+        &["run", "resnet18", "--cpu", "--size", "32", "--strict", "--weights", p],
+        &["weight `layer1.0.conv1.weight` holds 1 non-finite value(s)"],
+    );
+}
+
+#[test]
+fn c18_unrelated_tensor_in_a_reference_is_ignored_with_a_note() {
+    let dir = temp_dir("c18");
+    let reference = resnet18_reference(&dir, "ref.safetensors", &[("labels", "I64", vec![1], vec![0; 8])]);
+    let out = kiln(&["compare", "resnet18", "--cpu", "--reference", reference.to_str().unwrap()]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stderr.contains("1 tensor(s) of") && stderr.contains("were ignored (e.g. `labels`)"), "{stderr}");
+    assert!(stdout.contains("logits: rel_l2") && stdout.contains("PASS"), "{stdout}");
+}
+
+#[test]
+fn c19_reference_tensor_of_a_wrong_dtype_is_called_a_reference() {
+    let dir = temp_dir("c19");
+    let path = dir.join("ref.safetensors");
+    std::fs::write(&path, raw_safetensors(&[("input", "I64", vec![1], vec![0; 8])])).unwrap();
+    let stderr =
+        fails_with(&["compare", "resnet18", "--cpu", "--reference", path.to_str().unwrap()], &["reference tensor `input` has dtype I64"]);
+    assert!(!stderr.contains("weight"), "{stderr}");
+}
+
+#[test]
+fn c20_input_tensor_of_a_wrong_dtype_is_called_an_input() {
+    let dir = temp_dir("c20");
+    let path = dir.join("x.safetensors");
+    std::fs::write(&path, raw_safetensors(&[("input", "U8", vec![1, 3, 2, 2], vec![0; 12])])).unwrap();
+    fails_with(&["run", "resnet18", "--cpu", "--input", path.to_str().unwrap()], &["input tensor `input` has dtype U8"]);
+}
+
+#[test]
+fn c21_weights_with_a_bad_json_header_name_the_file_and_the_error() {
+    let dir = temp_dir("c21");
+    let path = dir.join("bad.safetensors");
+    let header = "{\"conv1.weight\": {\"dtype\": \"F32\" \"shape\": [1]}}";
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    std::fs::write(&path, bytes).unwrap();
+    let stderr = fails_with(
+        &["run", "resnet18", "--cpu", "--weights", path.to_str().unwrap()],
+        &["bad.safetensors", "not valid JSON", "expected `,` or `}` at line 1 column"],
+    );
+    assert!(!stderr.contains("InvalidHeaderDeserialization"), "{stderr}");
+}
+
+#[test]
+fn c22_inspect_batch_zero_is_a_clear_error() {
+    fails_with(&["inspect", "resnet18", "--no-engine", "--batch", "0"], &["error: --batch must be at least 1"]);
+}

@@ -155,24 +155,74 @@ pub fn decode(bytes: &[u8], path: &str) -> Result<(Header, Payload)> {
     if body.len() < 8 {
         return Err(err("payload has no metadata".into()));
     }
-    let meta_len = u64_at(body, 0) as usize;
-    let json = body.get(8..8 + meta_len).ok_or_else(|| err("metadata runs past the end of the file".into()))?;
+    let meta_len = usize::try_from(u64_at(body, 0)).map_err(|_| err("metadata length does not fit in memory".into()))?;
+    let json = 8usize
+        .checked_add(meta_len)
+        .and_then(|end| body.get(8..end))
+        .ok_or_else(|| err(format!("metadata of {meta_len} bytes runs past the end of the file")))?;
     let meta: Meta = serde_json::from_slice(json).map_err(|e| err(format!("metadata: {e}")))?;
     let mut data = &body[8 + meta_len..];
     let mut graph = meta.graph;
     for (name, shape) in meta.weights {
-        let n: usize = shape.iter().product();
-        if data.len() < n * 4 {
-            return Err(err(format!("weight `{name}` runs past the end of the file")));
+        let bytes = crate::graph::numel(&shape)
+            .and_then(|n| n.checked_mul(4))
+            .ok_or_else(|| err(format!("weight `{name}` has shape {shape:?}, whose size overflows (corrupt or hostile file)")))?;
+        if data.len() < bytes {
+            return Err(err(format!(
+                "weight `{name}` of shape {shape:?} needs {bytes} bytes, only {} are left: it runs past the end of the file",
+                data.len()
+            )));
         }
-        let values: Vec<f32> = data[..n * 4].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
-        data = &data[n * 4..];
-        graph.weights.insert(name, Arc::new(HostTensor::new(shape, values)));
+        let mut values = Vec::new();
+        values.try_reserve_exact(bytes / 4).map_err(|_| Error::OutOfMemory { what: format!("weight `{name}` of {path}"), bytes })?;
+        values.extend(data[..bytes].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+        data = &data[bytes..];
+        let tensor = HostTensor::try_new(shape, values).map_err(|e| err(format!("weight `{name}`: {e}")))?;
+        if graph.weights.insert(name.clone(), Arc::new(tensor)).is_some() {
+            return Err(err(format!("weight `{name}` is stored twice")));
+        }
     }
     if !data.is_empty() {
         return Err(err(format!("{} unexpected bytes after the weights", data.len())));
     }
-    Ok((header, Payload { config: meta.config, graph, tactics: meta.tactics }))
+    let payload = Payload { config: meta.config, graph, tactics: meta.tactics };
+    validate(&payload, path)?;
+    Ok((header, payload))
+}
+
+/// The largest batch an engine file may declare: far above any real engine, low enough that
+/// activation sizes planned for it cannot overflow.
+pub const MAX_BATCH: usize = 1 << 20;
+
+/// Checks a decoded payload before anything lowers it: the graph (topological order, shapes
+/// re-inferred by each op's rule, inputs, outputs, weights) and the build config. A checksum only
+/// proves the file is what was written, not that what was written is sound.
+pub fn validate(payload: &Payload, path: &str) -> Result<()> {
+    let err = |reason: String| Error::EngineFile { path: path.to_string(), reason };
+    payload.config.validate().map_err(|e| err(format!("build config: {e}")))?;
+    if payload.config.max_batch > MAX_BATCH {
+        return Err(err(format!("build config: max batch {} exceeds the limit of {MAX_BATCH}", payload.config.max_batch)));
+    }
+    let g = &payload.graph;
+    g.validate().map_err(|e| err(e.to_string()))?;
+    if g.inputs.is_empty() || g.outputs.is_empty() {
+        return Err(err(format!(
+            "the graph has {} input(s) and {} output(s); an engine needs at least one of each",
+            g.inputs.len(),
+            g.outputs.len()
+        )));
+    }
+    for &i in &g.inputs {
+        let shape = &g.nodes[i].shape;
+        let per_image = crate::graph::numel(shape.get(1..).unwrap_or(&[]));
+        if shape.is_empty() || per_image.and_then(|n| n.checked_mul(payload.config.max_batch)).is_none() {
+            return Err(err(format!(
+                "input `{}` has shape {shape:?}, too large for max batch {}",
+                g.nodes[i].path, payload.config.max_batch
+            )));
+        }
+    }
+    Ok(())
 }
 
 impl Engine {
@@ -188,6 +238,13 @@ impl Engine {
     pub fn load(path: impl AsRef<Path>, gpu: &Arc<Gpu>) -> Result<Engine> {
         let path = path.as_ref();
         let shown = path.display().to_string();
+        // A directory or FIFO is named, not read (reading a FIFO would wait for a writer).
+        if let Ok(meta) = std::fs::metadata(path) {
+            if !meta.is_file() {
+                let what = if meta.is_dir() { "a directory" } else { "not a regular file (a FIFO, socket or device)" };
+                return Err(Error::EngineFile { path: shown, reason: format!("is {what}; give the path of a .kiln engine file") });
+            }
+        }
         let bytes = std::fs::read(path).map_err(Error::io(path))?;
         let header = decode_header(&bytes, &shown)?;
         check_device(&header, &gpu.info, &shown)?;

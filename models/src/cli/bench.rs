@@ -73,8 +73,8 @@ fn time_loop(warmup: Duration, iterations: usize, duration: Duration, mut once: 
     Ok((times, start.elapsed().as_secs_f64()))
 }
 
-fn print_record(r: &Record) {
-    println!(
+fn print_record(r: &Record) -> Result<()> {
+    say!(
         "{:<10} batch {:<4} {:<7} {:<10} median {:>10}  p90 {:>10}  p99 {:>10}  {:>10.1} images/s  ({} runs)",
         r.model,
         r.batch,
@@ -86,6 +86,7 @@ fn print_record(r: &Record) {
         r.img_s,
         r.iterations
     );
+    Ok(())
 }
 
 fn record(model: &str, batch: usize, size: usize, precision: &str, mode: &str, mut times: Vec<f64>, total_s: f64) -> Record {
@@ -124,7 +125,10 @@ fn engine_input(engine: &Engine, batch: usize) -> Result<HostTensor> {
 
 pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     let warmup = Duration::from_millis(a.warmup);
-    let duration = Duration::from_secs_f64(a.duration.max(0.0));
+    let duration = Duration::try_from_secs_f64(a.duration).map_err(|_| Error::Flag {
+        flag: "--duration".into(),
+        reason: format!("must be a finite, non-negative number of seconds, got {}", a.duration),
+    })?;
     let mut records = Vec::new();
     if a.batch.is_empty() || a.batch.contains(&0) {
         return Err(Error::Binding { name: "batch".into(), reason: format!("batch sizes must be positive, got {:?}", a.batch) });
@@ -136,11 +140,12 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         for &batch in &a.batch {
             let traced = common::trace(&a.model, a.weights.as_deref(), false, batch, a.size)?;
             let graph = kiln::passes::optimize(&traced.graph)?;
-            let x = kiln::seeded::uniform_tensor(&[batch, 3, traced.size, traced.size], kiln::seeded::fresh_seed());
+            common::check_cpu_memory(&graph, batch, traced.size)?;
+            let x = common::random_input(&[batch, 3, traced.size, traced.size], kiln::seeded::fresh_seed())?;
             let (times, total) = time_loop(warmup, a.iterations, duration, || kiln::cpu::run(&graph, &[("input", &x)]).map(|_| ()))?;
             let mut r = record(&traced.name, batch, traced.size, "cpu-f32", "cpu", times, total);
             r.device = "CPU executor".into();
-            print_record(&r);
+            print_record(&r)?;
             records.push(r);
         }
     } else {
@@ -179,7 +184,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
                 let info = &engine.gpu().info;
                 (r.device, r.driver_version, r.cudnn_version) = (info.name.clone(), info.driver_version, info.cudnn_version);
                 r.build_seconds = engine.summary.build_seconds;
-                print_record(&r);
+                print_record(&r)?;
                 records.push(r);
             }
         }
@@ -187,7 +192,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     if let Some(path) = &a.json {
         let text = serde_json::to_string_pretty(&records).map_err(|e| Error::Graph(format!("serialising results: {e}")))?;
         std::fs::write(path, text + "\n").map_err(Error::io(path))?;
-        println!("wrote {}", path.display());
+        say!("wrote {}", path.display());
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -206,19 +211,19 @@ pub fn profile(a: ProfileArgs) -> Result<ExitCode> {
     let mut rows: Vec<(usize, f64)> = times.iter().copied().enumerate().collect();
     rows.sort_by(|x, y| y.1.total_cmp(&x.1));
     let shown = if a.top == 0 { rows.len() } else { a.top.min(rows.len()) };
-    println!(
+    say!(
         "{name}: batch {}, {}, {} layers; each layer captured alone in a CUDA graph, mean of {} back-to-back replays",
         a.batch,
         precision_name(engine.config.precision),
         layers.len(),
         a.iterations.max(1)
     );
-    println!("{:>4} {:<40} {:<34} {:>10} {:>7} {:>7}", "#", "module path", "layer", "time", "share", "cum.");
+    say!("{:>4} {:<40} {:<34} {:>10} {:>7} {:>7}", "#", "module path", "layer", "time", "share", "cum.");
     let mut cum = 0.0;
     for &(i, t) in rows.iter().take(shown) {
         cum += t;
         let share = 100.0 * t / total.max(1e-12);
-        println!(
+        say!(
             "{i:>4} {:<40} {:<34} {:>10} {share:>6.1}% {:>6.1}%",
             layers[i].path(),
             layers[i].kind(),
@@ -227,9 +232,9 @@ pub fn profile(a: ProfileArgs) -> Result<ExitCode> {
         );
     }
     if shown < rows.len() {
-        println!("({} faster layers not shown)", rows.len() - shown);
+        say!("({} faster layers not shown)", rows.len() - shown);
     }
-    println!("sum of layers: {} ({:.1} images/s if run back to back)", ms(total), a.batch as f64 / (total / 1e3).max(1e-12));
+    say!("sum of layers: {} ({:.1} images/s if run back to back)", ms(total), a.batch as f64 / (total / 1e3).max(1e-12));
     Ok(ExitCode::SUCCESS)
 }
 

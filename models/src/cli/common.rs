@@ -25,23 +25,114 @@ pub fn weights(path: Option<&Path>) -> Result<VarBuilder> {
     }
 }
 
-/// Traces `model` at `batch` × 3 × size × size, checking (with `strict`) that every weight was used.
+/// The most elements an input may have: 2^31 (8 GiB as f32).
+pub const MAX_INPUT_ELEMENTS: usize = 1 << 31;
+
+/// Checks `--batch` and `--size` before anything is traced or allocated: both at least 1, and an
+/// input of batch × 3 × size × size that neither overflows nor exceeds `MAX_INPUT_ELEMENTS`.
+pub fn check_input_dims(batch: usize, size: usize) -> Result<()> {
+    let flag = |flag: &str, reason: String| Error::Flag { flag: flag.into(), reason };
+    if batch == 0 {
+        return Err(flag("--batch", "must be at least 1".into()));
+    }
+    if size == 0 {
+        return Err(flag("--size", "must be at least 1".into()));
+    }
+    let what = || format!("an input of --batch {batch} at --size {size} ({batch} x 3 x {size} x {size})");
+    match kiln::graph::numel(&[batch, 3, size, size]) {
+        None => Err(Error::TooLarge { what: what(), reason: "its element count overflows".into() }),
+        Some(n) if n > MAX_INPUT_ELEMENTS => Err(Error::TooLarge {
+            what: what(),
+            reason: format!("{n} elements, more than the limit of {MAX_INPUT_ELEMENTS} (8 GiB as f32); lower --batch or --size"),
+        }),
+        Some(_) => Ok(()),
+    }
+}
+
+/// Bytes of memory the CPU executor may use: `KILN_CPU_MEMORY_BYTES`, else the kernel's
+/// `MemAvailable`; `None` when neither is known (then nothing is checked).
+fn available_memory() -> Option<usize> {
+    if let Some(v) = std::env::var("KILN_CPU_MEMORY_BYTES").ok().and_then(|v| v.parse().ok()) {
+        return Some(v);
+    }
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    line.split_whitespace().nth(1)?.parse::<usize>().ok()?.checked_mul(1024)
+}
+
+/// The CPU executor's peak activation memory for `graph`, in bytes: values live from the node that
+/// makes them to their last reader (as `kiln::cpu::run` frees them), doubled for scratch (im2col,
+/// allocator slack). Weights are already in memory and not counted.
+pub fn cpu_peak_bytes(graph: &Graph) -> usize {
+    let size = |id: usize| kiln::graph::numel(&graph.nodes[id].shape).map_or(usize::MAX, |n| n.saturating_mul(4));
+    let mut last = vec![0usize; graph.nodes.len()];
+    for (i, n) in graph.nodes.iter().enumerate() {
+        n.inputs.iter().for_each(|&j| last[j] = i);
+    }
+    graph.outputs.iter().for_each(|&(_, o)| last[o] = usize::MAX);
+    let (mut live, mut peak) = (0usize, 0usize);
+    for (i, n) in graph.nodes.iter().enumerate() {
+        if matches!(n.op, kiln::Op::Weight { .. }) {
+            continue;
+        }
+        live = live.saturating_add(size(i));
+        peak = peak.max(live);
+        for &j in &n.inputs {
+            if last[j] == i && !matches!(graph.nodes[j].op, kiln::Op::Weight { .. }) {
+                live = live.saturating_sub(size(j));
+            }
+        }
+    }
+    peak.saturating_mul(2)
+}
+
+/// Refuses a CPU run whose activations cannot fit in the memory available, before allocating.
+pub fn check_cpu_memory(graph: &Graph, batch: usize, size: usize) -> Result<()> {
+    let bytes = cpu_peak_bytes(graph);
+    match available_memory() {
+        Some(avail) if bytes > avail => Err(Error::OutOfMemory {
+            what: format!("the CPU executor at --batch {batch}, {size}x{size} (only {avail} bytes are available; lower --batch or --size)"),
+            bytes,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// A random input of `shape` whose memory is requested with `try_reserve`.
+pub fn random_input(shape: &[usize], seed: u64) -> Result<HostTensor> {
+    kiln::seeded::try_uniform_tensor(shape, seed)
+}
+
+/// Traces `model` at `batch` × 3 × size × size, checking (with `strict`) that every weight was used
+/// and that none holds NaN or infinity (without `strict`, both are warnings).
 pub fn trace(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize, size: Option<usize>) -> Result<Traced> {
     let info = kiln_models::bundled(model)?;
     let size = size.unwrap_or(info.input_size);
+    check_input_dims(batch, size)?;
     let vb = weights(weights_path)?;
     let graph = kiln_models::trace(info.name, vb.clone(), batch, size)?;
     if let Some(p) = weights_path {
         let unused = vb.unused();
         if strict {
             vb.check_all_used()?;
-        } else if !unused.is_empty() {
-            eprintln!(
-                "note: {} key(s) of {} were not used by {model} (e.g. `{}`); --strict makes this an error",
-                unused.len(),
-                p.display(),
-                unused[0]
-            );
+            vb.check_finite()?;
+        } else {
+            if !unused.is_empty() {
+                eprintln!(
+                    "note: {} key(s) of {} were not used by {model} (e.g. `{}`); --strict makes this an error",
+                    unused.len(),
+                    p.display(),
+                    unused[0]
+                );
+            }
+            let bad = vb.non_finite();
+            if let Some((key, count)) = bad.first() {
+                eprintln!(
+                    "warning: {} weight(s) of {} hold NaN or infinity (e.g. `{key}`: {count} value(s)); outputs will not be finite; --strict makes this an error",
+                    bad.len(),
+                    p.display()
+                );
+            }
         }
     }
     Ok(Traced { name: info.name.to_string(), graph, size })
@@ -53,7 +144,7 @@ pub fn trace_args(m: &ModelArgs, batch: usize) -> Result<Traced> {
 
 /// Reads an input tensor from a safetensors file: the tensor named `input`, or its only tensor.
 pub fn read_input(path: &Path) -> Result<HostTensor> {
-    let mut tensors = kiln::var_builder::read_safetensors(path)?;
+    let (mut tensors, _) = kiln::var_builder::read_tensors(path, "input", |_| true)?;
     if let Some(t) = tensors.remove("input") {
         return Ok(t);
     }
@@ -87,7 +178,8 @@ impl EngineArgs {
 
     pub fn config(&self, min: usize, opt: usize, max: usize) -> BuildConfig {
         let mut c = BuildConfig::default().precision(self.precision()).batch(min, opt, max);
-        c.workspace_bytes = self.workspace << 20;
+        // MiB from a flag: saturate rather than wrap (the builder treats it as a limit).
+        c.workspace_bytes = self.workspace.saturating_mul(1 << 20);
         if let Some(tc) = &self.timing_cache {
             c = c.timing_cache(tc.clone());
         }

@@ -36,7 +36,19 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
         // Fail before reading a large reference when the engine cannot be built anyway.
         kiln::engine::gpu_available().map_err(|r| Error::NoGpu(format!("{r}; pass --cpu to compare the CPU executor")))?;
     }
-    let reference = kiln::var_builder::read_safetensors(&a.reference)?;
+    if let Some(rtol) = a.rtol.filter(|r| !r.is_finite() || *r < 0.0) {
+        return Err(Error::Flag { flag: "--rtol".into(), reason: format!("must be a finite, non-negative tolerance, got {rtol}") });
+    }
+    // Only `input`, `output.*` and `intermediate.*` are the reference; anything else is left alone.
+    let is_reference = |k: &str| k == "input" || k.starts_with("output.") || k.starts_with("intermediate.");
+    let (reference, ignored) = kiln::var_builder::read_tensors(&a.reference, "reference", is_reference)?;
+    if let Some(first) = ignored.first() {
+        eprintln!(
+            "note: {} tensor(s) of {} are not `input`, `output.*` or `intermediate.*` and were ignored (e.g. `{first}`)",
+            ignored.len(),
+            a.reference.display()
+        );
+    }
     let x = reference.get("input").ok_or_else(|| Error::Safetensors {
         path: a.reference.clone(),
         reason: "holds no tensor named `input` (write references with tools/export_reference.py)".into(),
@@ -45,9 +57,12 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
     let mut model = a.model.clone();
     model.size = Some(size);
     let traced = common::trace_args(&model, batch)?;
+    if a.cpu {
+        common::check_cpu_memory(&traced.graph, batch, size)?;
+    }
     let rtol = a.rtol.unwrap_or_else(|| default_rtol(&a));
     let backend = if a.cpu { "CPU executor".to_string() } else { format!("GPU engine ({})", precision_name(a.engine.precision())) };
-    println!("{} on {backend} against {} (batch {batch}, {size}x{size}), rtol {rtol:.1e}", traced.name, a.reference.display());
+    say!("{} on {backend} against {} (batch {batch}, {size}x{size}), rtol {rtol:.1e}", traced.name, a.reference.display());
 
     if a.layerwise {
         let report = kiln::layerwise::run(&traced.graph, &reference, rtol, |g, input| execute(g, input, &a))?;
@@ -57,7 +72,7 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
                 reason: "holds no `intermediate.<module path>` tensors matching the model; export with --intermediates all".into(),
             });
         }
-        println!("{report}");
+        say!("{report}");
         return Ok(if report.passes() { ExitCode::SUCCESS } else { ExitCode::FAILURE });
     }
 
@@ -68,22 +83,22 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
     let mut compared = 0;
     for (name, got) in &outputs {
         let Some(r) = reference.get(&format!("output.{name}")) else {
-            println!("{name}: no `output.{name}` in the reference, not compared");
+            say!("{name}: no `output.{name}` in the reference, not compared");
             continue;
         };
         let c = kiln::compare::compare(name, got, r);
         let pass = c.passes(rtol);
         all_pass &= pass;
         compared += 1;
-        println!("{c}  {}", if pass { "pass" } else { "FAIL" });
+        say!("{c}  {}", if pass { "pass" } else { "FAIL" });
         if name == "detections" && c.shape_ok {
             let (matched, total) = matching_detections(got, r);
-            println!("  {matched} of {total} reference detections found with the same class and centre (within half a map cell)");
+            say!("  {matched} of {total} reference detections found with the same class and centre (within half a map cell)");
         }
         if name == "logits" && c.shape_ok {
             let (ours, theirs) = (kiln::compare::top1(got), kiln::compare::top1(r));
             let same = ours.iter().zip(&theirs).filter(|(a, b)| a == b).count();
-            println!("  top-1 class agrees on {same} of {} images", theirs.len());
+            say!("  top-1 class agrees on {same} of {} images", theirs.len());
         }
     }
     if compared == 0 {
@@ -92,7 +107,7 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
             reason: "holds no `output.<name>` tensor for any output of the model".into(),
         });
     }
-    println!("{}", if all_pass { "PASS" } else { "FAIL" });
+    say!("{}", if all_pass { "PASS" } else { "FAIL" });
     Ok(if all_pass { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 

@@ -9,21 +9,21 @@ use std::process::ExitCode;
 pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
     let traced = common::trace_args(&a.model, a.batch)?;
     let optimized = kiln::passes::optimize(&traced.graph)?;
-    println!("== traced graph: {} (batch {}, {}x{}) ==", traced.name, a.batch, traced.size, traced.size);
-    print!("{}", kiln::dot::to_text(&traced.graph));
-    println!();
-    println!("== optimised graph (BatchNorm folded, conv+bias+add+ReLU fused, dead nodes removed) ==");
-    print!("{}", kiln::dot::to_text(&optimized));
+    say!("== traced graph: {} (batch {}, {}x{}) ==", traced.name, a.batch, traced.size, traced.size);
+    say_raw!("{}", kiln::dot::to_text(&traced.graph));
+    say!("");
+    say!("== optimised graph (BatchNorm folded, conv+bias+add+ReLU fused, dead nodes removed) ==");
+    say_raw!("{}", kiln::dot::to_text(&optimized));
     let fused = optimized.nodes.iter().filter(|n| kiln::dot::is_fused(n)).count();
-    println!("{fused} fused convolutions");
+    say!("{fused} fused convolutions");
     for (path, graph, title) in [(&a.dot, &traced.graph, "traced"), (&a.dot_optimized, &optimized, "optimised")] {
         if let Some(path) = path {
             let dot = kiln::dot::to_dot(graph, &format!("{} ({title})", traced.name));
             std::fs::write(path, dot).map_err(Error::io(path))?;
-            println!("wrote {} ({title} graph; render with `dot -Tsvg {} -o graph.svg`)", path.display(), path.display());
+            say!("wrote {} ({title} graph; render with `dot -Tsvg {} -o graph.svg`)", path.display(), path.display());
         }
     }
-    println!();
+    say!("");
     if a.no_engine {
         return Ok(ExitCode::SUCCESS);
     }
@@ -32,16 +32,35 @@ pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
             let config = a.engine.config(a.batch, a.batch, a.batch);
             let precision = precision_name(config.precision);
             let engine = common::build_engine(&traced.graph, config, common::gpu()?, &traced.name)?;
-            println!("== engine layers ({precision}, batch {}) ==", a.batch);
-            print!("{}", engine.describe());
-            print!("{}", engine.summary);
+            say!("== engine layers ({precision}, batch {}) ==", a.batch);
+            say_raw!("{}", engine.describe());
+            say_raw!("{}", engine.summary);
         }
-        Err(reason) => println!("engine layers: not shown, no GPU ({reason})"),
+        Err(reason) => say!("engine layers: not shown, no GPU ({reason})"),
     }
     Ok(ExitCode::SUCCESS)
 }
 
+/// Whether `name` can name a Rust function: an identifier that is not a keyword.
+fn is_rust_identifier(name: &str) -> bool {
+    const KEYWORDS: &[&str] = &[
+        "as", "async", "await", "break", "const", "continue", "crate", "dyn", "else", "enum", "extern", "false", "fn", "for", "gen", "if",
+        "impl", "in", "let", "loop", "match", "mod", "move", "mut", "pub", "ref", "return", "self", "Self", "static", "struct", "super",
+        "trait", "true", "type", "unsafe", "use", "where", "while", "abstract", "become", "box", "do", "final", "macro", "override",
+        "priv", "typeof", "unsized", "virtual", "yield", "try", "_",
+    ];
+    let mut chars = name.chars();
+    let first_ok = chars.next().is_some_and(|c| c == '_' || c.is_ascii_alphabetic());
+    first_ok && chars.all(|c| c == '_' || c.is_ascii_alphanumeric()) && !KEYWORDS.contains(&name)
+}
+
 pub fn codegen(a: CodegenArgs) -> Result<ExitCode> {
+    if !is_rust_identifier(&a.fn_name) {
+        return Err(Error::Flag {
+            flag: "--fn-name".into(),
+            reason: format!("must be a Rust identifier (letters, digits and `_`, not a keyword), got {:?}", a.fn_name),
+        });
+    }
     let traced = common::trace_args(&a.model, 1)?;
     let mut command = format!("kiln codegen {}", traced.name);
     if a.model.size.is_some() {
@@ -73,7 +92,7 @@ pub fn codegen(a: CodegenArgs) -> Result<ExitCode> {
                 traced.name
             );
         }
-        _ => print!("{src}"),
+        _ => say_raw!("{src}"),
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -2,6 +2,21 @@
 //! its own file; `common` holds what they share (loading a model, making an input, building or
 //! loading an engine, summarising outputs).
 
+/// `println!` that returns a failed write as an error instead of panicking, so that
+/// `kiln run ... | head -1` ends cleanly when the reader closes the pipe.
+macro_rules! say {
+    ($($arg:tt)*) => {
+        $crate::cli::emit(format_args!("{}\n", format_args!($($arg)*)))?
+    };
+}
+
+/// `print!` counterpart of `say!`.
+macro_rules! say_raw {
+    ($($arg:tt)*) => {
+        $crate::cli::emit(format_args!($($arg)*))?
+    };
+}
+
 mod bench;
 mod common;
 mod compare;
@@ -9,6 +24,8 @@ mod inspect;
 mod run;
 
 use clap::{Args, Parser, Subcommand};
+use kiln::Error;
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -134,9 +151,9 @@ pub struct RunArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
-    /// Images in the batch (ignored with --input, whose shape decides).
-    #[arg(long, default_value_t = 1)]
-    pub batch: usize,
+    /// Images in the batch (default 1; with --input, whose shape decides, it must agree).
+    #[arg(long)]
+    pub batch: Option<usize>,
     /// A safetensors file holding the input as `input` (or as its only tensor), NCHW f32.
     #[arg(long, value_name = "FILE")]
     pub input: Option<PathBuf>,
@@ -306,11 +323,19 @@ pub fn main() -> ExitCode {
     };
     match result {
         Ok(code) => code,
+        // The reader of our output went away (`| head -1`): what it wanted, it got.
+        Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }
     }
+}
+
+/// Writes to standard output; a failed write (a closed pipe) is returned, not a panic.
+pub(crate) fn emit(args: std::fmt::Arguments) -> kiln::Result<()> {
+    let mut out = std::io::stdout().lock();
+    out.write_fmt(args).and_then(|()| out.flush()).map_err(|source| Error::Io { path: "standard output".into(), source })
 }
 
 #[cfg(test)]

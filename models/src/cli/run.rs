@@ -3,7 +3,7 @@
 use super::common::{self, ms, precision_name};
 use super::{BuildArgs, RunArgs};
 use kiln::engine::gpu_available;
-use kiln::Result;
+use kiln::{Error, Result};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -12,7 +12,20 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     let (input, origin) = match &a.input {
         Some(path) => {
             let x = common::read_input(path)?;
-            common::input_dims(&x, path)?;
+            let (n, s) = common::input_dims(&x, path)?;
+            let disagree = |flag: &str, given: usize, have: usize| Error::Flag {
+                flag: flag.into(),
+                reason: format!(
+                    "{given} disagrees with --input {}, whose shape {:?} decides it ({have}); drop {flag}",
+                    path.display(),
+                    x.shape
+                ),
+            };
+            match (a.batch, a.model.size) {
+                (Some(b), _) if b != n => return Err(disagree("--batch", b, n)),
+                (_, Some(size)) if size != s => return Err(disagree("--size", size, s)),
+                _ => {}
+            }
             let origin = format!("input from {}", path.display());
             (Some(x), origin)
         }
@@ -20,29 +33,32 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     };
     let (batch, size) = match &input {
         Some(x) => (x.shape[0], Some(x.shape[2])),
-        None => (a.batch, a.model.size),
+        None => (a.batch.unwrap_or(1), a.model.size),
     };
     let mut model = a.model.clone();
     model.size = size;
     let traced = common::trace_args(&model, batch)?;
+    let gpu_reason = if a.cpu { Err("--cpu was given".to_string()) } else { gpu_available() };
+    if gpu_reason.is_err() {
+        common::check_cpu_memory(&traced.graph, batch, traced.size)?;
+    }
     let (input, origin) = match input {
         Some(x) => (x, origin),
         None => {
             let seed = a.seed.unwrap_or_else(kiln::seeded::fresh_seed);
-            (kiln::seeded::uniform_tensor(&[batch, 3, traced.size, traced.size], seed), format!("random input, --seed {seed}"))
+            (common::random_input(&[batch, 3, traced.size, traced.size], seed)?, format!("random input, --seed {seed}"))
         }
     };
     let weights = a.model.weights.as_ref().map_or("seeded weights".to_string(), |p| format!("weights {}", p.display()));
-    println!("{}: batch {batch}, {}x{}, {weights}, {origin}", traced.name, traced.size, traced.size);
+    say!("{}: batch {batch}, {}x{}, {weights}, {origin}", traced.name, traced.size, traced.size);
 
-    let gpu_reason = if a.cpu { Err("--cpu was given".to_string()) } else { gpu_available() };
     let (outputs, backend, elapsed) = match gpu_reason {
         Ok(()) => {
             let gpu = common::gpu()?;
             let config = a.engine.config(batch, batch, batch);
             let precision = precision_name(config.precision);
             let engine = Arc::new(common::build_engine(&traced.graph, config, gpu, &traced.name)?);
-            println!("engine: {} layers, built in {:.2} s", engine.summary.layers, engine.summary.build_seconds);
+            say!("engine: {} layers, built in {:.2} s", engine.summary.layers, engine.summary.build_seconds);
             let mut ctx = engine.context()?;
             // The first run captures the CUDA graph; the time shown is of the second.
             ctx.run(&[("input", &input)])?;
@@ -52,7 +68,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         }
         Err(reason) => {
             if !a.cpu {
-                println!("note: no GPU ({reason}); running on the CPU reference executor instead");
+                say!("note: no GPU ({reason}); running on the CPU reference executor instead");
             }
             let optimized = kiln::passes::optimize(&traced.graph)?;
             let t = Instant::now();
@@ -60,9 +76,9 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             (out, "CPU executor (f32)".to_string(), t.elapsed())
         }
     };
-    print!("{}", common::summarize(&outputs, a.top, traced.size));
+    say_raw!("{}", common::summarize(&outputs, a.top, traced.size));
     let secs = elapsed.as_secs_f64();
-    println!("{backend}: {} for batch {batch} ({:.1} images/s)", ms(secs * 1e3), batch as f64 / secs.max(1e-12));
+    say!("{backend}: {} for batch {batch} ({:.1} images/s)", ms(secs * 1e3), batch as f64 / secs.max(1e-12));
     Ok(ExitCode::SUCCESS)
 }
 
@@ -72,11 +88,11 @@ pub fn build(a: BuildArgs) -> Result<ExitCode> {
     let config = a.engine.config(a.min_batch, opt, a.max_batch);
     let traced = common::trace_args(&a.model, opt)?;
     let nodes = traced.graph.nodes.iter().filter(|n| !matches!(n.op, kiln::Op::Weight { .. } | kiln::Op::Input { .. })).count();
-    println!("{}: traced {nodes} ops at {}x{}", traced.name, traced.size, traced.size);
+    say!("{}: traced {nodes} ops at {}x{}", traced.name, traced.size, traced.size);
     let engine = common::build_engine(&traced.graph, config, gpu, &traced.name)?;
     engine.save(&a.output)?;
     let c = &engine.config;
-    println!(
+    say!(
         "wrote {}: {}, batch {}..={} (timed at {}), {}",
         a.output.display(),
         precision_name(c.precision),
@@ -85,11 +101,11 @@ pub fn build(a: BuildArgs) -> Result<ExitCode> {
         c.opt_batch,
         engine.gpu().info.name
     );
-    print!("{}", engine.summary);
+    say_raw!("{}", engine.summary);
     if a.verbose {
         for (problem, candidates) in &engine.summary.tactic_log {
             let list: Vec<String> = candidates.iter().map(|(kind, t)| format!("{kind} {t:.3} ms")).collect();
-            println!("  timed {problem}: {}", list.join(", "));
+            say!("  timed {problem}: {}", list.join(", "));
         }
     }
     Ok(ExitCode::SUCCESS)
