@@ -286,7 +286,7 @@ fn graph() -> Graph {
     let mut g = Graph::default();
     let x = g.push_unchecked(Op::Input { name: "x".into() }, vec![], vec![1, 3, 8, 8], "x".into());
     let w = g.weight("conv.weight", Arc::new(HostTensor::new(vec![4, 3, 1, 1], vec![0.5; 12])));
-    let y = g.push(Op::Conv2d(ConvAttrs::default()), vec![x, w], "conv".into()).unwrap();
+    let y = g.push(Op::Conv(ConvAttrs::default()), vec![x, w], "conv".into()).unwrap();
     g.inputs.push(x);
     g.mark_output("y", y);
     g
