@@ -2,7 +2,7 @@
 //!
 //! References: `tests/fixtures/<model>.reference.safetensors`, written by
 //! `python3 tools/export_reference.py --all-fixtures --out tests/fixtures` (docs/REFERENCES.md):
-//! the ResNet-18/50 at 224 and CenterNet at 512 (batch 1), the other classifiers at 64x64, batch 2,
+//! the ResNet-18/50 at 224 and CenterNet at 512 (batch 1), the other classifiers at 112x112, batch 2,
 //! to keep the CPU executor's time down. Each holds `input` and the outputs only.
 
 use kiln::compare::{compare, top1, Comparison};
