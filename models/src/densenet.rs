@@ -151,8 +151,7 @@ impl Module for Features {
                 let first = DenseLayerConfig { num_input_features: cfg.block_input(b), growth_rate: cfg.growth_rate, bn_size: cfg.bn_size };
                 let block = DenseBlock::load(vb.pp(format!("denseblock{}", b + 1)), &(cfg.block_config[b], first))?;
                 let out = cfg.block_input(b) + cfg.block_config[b] * cfg.growth_rate;
-                let transition =
-                    if b < 3 { Some(Transition::load(vb.pp(format!("transition{}", b + 1)), &(out, out / 2))?) } else { None };
+                let transition = if b < 3 { Some(Transition::load(vb.pp(format!("transition{}", b + 1)), &(out, out / 2))?) } else { None };
                 Ok((block, transition))
             })
             .collect::<Result<_>>()?;

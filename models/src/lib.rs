@@ -220,15 +220,36 @@ mod tests {
     /// Parameters and `state_dict` tensors (without `num_batches_tracked`) of torchvision's twin,
     /// from `sum(p.numel() for p in m.parameters())` and `len(m.state_dict())` (torchvision 0.29),
     /// and a few keys with their shapes.
-    const TORCHVISION: &[(&str, usize, usize, &[(&str, &[usize])])] = &[
+    type Expected = (&'static str, usize, usize, &'static [(&'static str, &'static [usize])]);
+    const TORCHVISION: &[Expected] = &[
         ("resnet34", 21_797_672, 182, &[("layer3.5.conv2.weight", &[256, 256, 3, 3]), ("fc.weight", &[1000, 512])]),
         ("resnet101", 44_549_160, 522, &[("layer3.22.conv3.weight", &[1024, 256, 1, 1])]),
         ("resnet152", 60_192_808, 777, &[("layer3.35.bn3.weight", &[1024]), ("layer2.7.conv2.weight", &[128, 128, 3, 3])]),
         ("resnext50_32x4d", 25_028_904, 267, &[("layer1.0.conv2.weight", &[128, 4, 3, 3]), ("layer4.2.conv3.weight", &[2048, 1024, 1, 1])]),
-        ("wide_resnet50_2", 68_883_240, 267, &[("layer1.0.conv2.weight", &[128, 128, 3, 3]), ("layer4.0.conv1.weight", &[1024, 1024, 1, 1])]),
-        ("alexnet", 61_100_840, 16, &[("features.0.weight", &[64, 3, 11, 11]), ("features.10.bias", &[256]), ("classifier.1.weight", &[4096, 9216])]),
-        ("vgg16", 138_357_544, 32, &[("features.28.weight", &[512, 512, 3, 3]), ("classifier.0.weight", &[4096, 25088]), ("classifier.6.bias", &[1000])]),
-        ("vgg16_bn", 138_365_992, 84, &[("features.1.running_var", &[64]), ("features.41.weight", &[512]), ("classifier.6.weight", &[1000, 4096])]),
+        (
+            "wide_resnet50_2",
+            68_883_240,
+            267,
+            &[("layer1.0.conv2.weight", &[128, 128, 3, 3]), ("layer4.0.conv1.weight", &[1024, 1024, 1, 1])],
+        ),
+        (
+            "alexnet",
+            61_100_840,
+            16,
+            &[("features.0.weight", &[64, 3, 11, 11]), ("features.10.bias", &[256]), ("classifier.1.weight", &[4096, 9216])],
+        ),
+        (
+            "vgg16",
+            138_357_544,
+            32,
+            &[("features.28.weight", &[512, 512, 3, 3]), ("classifier.0.weight", &[4096, 25088]), ("classifier.6.bias", &[1000])],
+        ),
+        (
+            "vgg16_bn",
+            138_365_992,
+            84,
+            &[("features.1.running_var", &[64]), ("features.41.weight", &[512]), ("classifier.6.weight", &[1000, 4096])],
+        ),
         ("squeezenet1_0", 1_248_424, 52, &[("features.0.weight", &[96, 3, 7, 7]), ("features.12.expand3x3.weight", &[256, 64, 3, 3])]),
         ("squeezenet1_1", 1_235_496, 52, &[("features.0.weight", &[64, 3, 3, 3]), ("classifier.1.weight", &[1000, 512, 1, 1])]),
         (
