@@ -22,12 +22,23 @@ fn graph_with_unknown_op() -> Graph {
 
 #[test]
 fn every_builtin_op_the_models_use_has_a_converter() {
-    for op in
-        ["conv2d", "conv_transpose2d", "linear", "batch_norm2d", "relu", "add", "max_pool2d", "adaptive_avg_pool2d", "flatten", "sigmoid"]
-    {
+    for op in [
+        "conv2d",
+        "conv_transpose2d",
+        "linear",
+        "batch_norm2d",
+        "relu",
+        "add",
+        "max_pool2d",
+        "avg_pool2d",
+        "adaptive_avg_pool2d",
+        "flatten",
+        "cat",
+        "sigmoid",
+    ] {
         assert!(converter(op).expect("registry").is_some(), "no GPU converter registered for `{op}`");
     }
-    for model in ["resnet18", "resnet50"] {
+    for model in kiln_models::BUNDLED.iter().map(|m| m.name) {
         let g = kiln_models::trace(model, VarBuilder::seeded(), 1, 64).expect("trace");
         check_converters(&g).unwrap_or_else(|e| panic!("{model}: {e}"));
     }

@@ -52,6 +52,44 @@ fn check_classifier(model: &str) {
     assert_eq!(got, want, "{model}: top-1 differs from PyTorch");
 }
 
+/// The graph the engine builds from (BatchNorm folded, conv + ReLU fused, dead nodes dropped), run
+/// on the CPU, against PyTorch: the passes keep every new structure exact (DenseNet's BatchNorms
+/// after a concatenation, which cannot fold; GoogLeNet's branches; VGG's and AlexNet's classifiers).
+fn check_optimized_classifier(model: &str) {
+    let refs = read_safetensors(fixture(&format!("{model}.reference.safetensors"))).expect("reference file");
+    let x = &refs["input"];
+    let graph = kiln_models::trace(model, VarBuilder::seeded(), x.shape[0], x.shape[2]).expect("trace");
+    let optimized = kiln::passes::optimize(&graph).expect("passes");
+    let ours = kiln::cpu::run(&optimized, &[("input", x)]).expect("cpu run");
+    let c = check(&format!("{model} (optimised)"), "logits", &ours, &refs);
+    assert!(c.passes(TOL), "{c} exceeds rel L2 {TOL}");
+    assert_eq!(top1(&ours["logits"]), top1(&refs["output.logits"]), "{model} (optimised): top-1 differs from PyTorch");
+}
+
+/// The models added with torchvision's classifier table (the ResNets 18 and 50 are checked by
+/// `tests/passes.rs`).
+const NEW_CLASSIFIERS: &[&str] = &[
+    "resnet34",
+    "resnet101",
+    "resnet152",
+    "resnext50_32x4d",
+    "wide_resnet50_2",
+    "alexnet",
+    "vgg16",
+    "vgg16_bn",
+    "squeezenet1_0",
+    "squeezenet1_1",
+    "densenet121",
+    "googlenet",
+];
+
+#[test]
+fn optimized_graphs_match_pytorch() {
+    for model in NEW_CLASSIFIERS {
+        check_optimized_classifier(model);
+    }
+}
+
 #[test]
 fn resnet18_matches_pytorch() {
     check_classifier("resnet18");
