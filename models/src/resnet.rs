@@ -66,7 +66,8 @@ pub trait Block: Module<Config = BlockConfig> + Forward {
     const EXPANSION: usize;
 }
 
-/// ResNet-18/34's block: two 3x3 convs.
+/// ResNet-18/34's block: two 3x3 convs. It has no `groups` or `width_per_group` (torchvision
+/// rejects anything but 1 and 64; here they are ignored).
 #[derive(Module)]
 #[module(config = BlockConfig)]
 pub struct BasicBlock {
