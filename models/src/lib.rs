@@ -65,6 +65,9 @@ macro_rules! classifier {
     };
 }
 
+/// Every bundled model, in the order `kiln --help` and the README list them. Adding one is a row
+/// here, its name in `tools/export_reference.py` and its reference in `tests/fixtures` (the tests
+/// check both).
 pub const BUNDLED: &[BundledModel] = &[
     classifier!("resnet18", resnet18, "torchvision ResNet-18"),
     classifier!("resnet34", resnet34, "torchvision ResNet-34"),
