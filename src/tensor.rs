@@ -4,7 +4,7 @@
 //! (an `if` on a config value, a loop over blocks) is resolved while tracing and fixed in the graph.
 //! There is no data-dependent control flow, because symbolic tensors carry no data.
 
-use crate::graph::{Binary, CustomCall, Graph, HostTensor, NodeId, Op, ShapeOp, Unary};
+use crate::graph::{Binary, CustomCall, Graph, HostTensor, NodeId, Op, Pool, ShapeOp, Unary};
 use crate::{Error, Result};
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -182,6 +182,10 @@ impl Tensor {
     /// Flattens dimensions `start..` into one, as `torch.flatten(x, start)`.
     pub fn flatten(&self, start: usize) -> Result<Tensor> {
         Self::record_inline(Op::Shape(ShapeOp::Flatten { start }), &[self])
+    }
+    /// `F.adaptive_avg_pool2d(x, output)`, inline.
+    pub fn adaptive_avg_pool2d(&self, output: [usize; 2]) -> Result<Tensor> {
+        Self::record_inline(Op::Pool(Pool::AdaptiveAvg { output }), &[self])
     }
     /// Concatenates along `dim`, as `torch.cat`.
     pub fn cat(tensors: &[&Tensor], dim: usize) -> Result<Tensor> {

@@ -29,7 +29,7 @@ fn every_op_the_models_use_has_a_converter() {
     // Built-in ops convert through their `OpDef`; only custom ops are looked up by name.
     assert!(converter("centernet_decode").expect("registry").is_some(), "CenterNet's decode registers its converter");
     assert!(converter("conv2d").expect("registry").is_none(), "built-in ops are not in the custom registry");
-    for model in ["resnet18", "resnet50", "centernet"] {
+    for model in kiln_models::BUNDLED.iter().map(|m| m.name) {
         let g = kiln_models::trace(model, VarBuilder::seeded(), 1, 64).expect("trace");
         check_converters(&g).unwrap_or_else(|e| panic!("{model}: {e}"));
     }

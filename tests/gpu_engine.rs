@@ -222,11 +222,17 @@ fn references(model: &str) -> Vec<Reference> {
     out
 }
 
-/// Engines are built for batch 1..=max; CenterNet's maps are 16× ResNet's, so its range is smaller.
+/// The models checked by `check_model` with their own tests; the rest of the zoo is checked
+/// together by `zoo_models_match_pytorch`.
+const FLAGSHIPS: [&str; 3] = ["resnet18", "resnet50", "centernet"];
+
+/// Engines are built for batch 1..=max; CenterNet's maps are 16× ResNet's, so its range is smaller,
+/// and the zoo is checked at batch 1 and 8 from one engine built for 1–8.
 fn max_batch(model: &str, precision: Precision) -> usize {
     match (model, precision) {
         ("centernet", Precision::Fp16) => 32,
         ("centernet", _) => 8,
+        (m, _) if !FLAGSHIPS.contains(&m) => 8,
         _ => 64,
     }
 }
@@ -258,8 +264,13 @@ fn matching_detections(got: &HostTensor, want: &HostTensor, image: usize) -> usi
 }
 
 fn check_model(model: &str) {
+    check_model_with(model, |_| true, true);
+}
+
+/// Checks `model` against the references `keep` selects; `timings` adds latency and a profile.
+fn check_model_with(model: &str, keep: impl Fn(&str) -> bool, timings: bool) {
     let Some(gpu) = gpu() else { return };
-    for reference in references(model) {
+    for reference in references(model).into_iter().filter(|r| keep(&r.label)) {
         let x = &reference.refs["input"];
         let (batch, size) = (x.shape[0], x.shape[2]);
         let graph = kiln_models::trace(model, reference.vb.clone(), batch, size).expect("trace");
@@ -290,7 +301,7 @@ fn check_model(model: &str) {
                     }
                 }
             }
-            if precision == Precision::Fp16 {
+            if precision == Precision::Fp16 && timings {
                 time_engine(&label, &mut ctx, x, max);
                 profile(&label, &mut ctx, x, max);
             }
@@ -349,6 +360,23 @@ fn resnet50_matches_pytorch() {
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn centernet_matches_pytorch() {
     check_model("centernet");
+}
+
+/// Every other bundled model (torchvision's classifiers) against torchvision's own model with its
+/// random init and randomised BatchNorm statistics, exported on the device: FP32 and FP16 at batch
+/// 1 and 8 from one engine. `KILN_ZOO` (comma-separated) picks models.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn zoo_models_match_pytorch() {
+    let pick = std::env::var("KILN_ZOO").ok();
+    let zoo: Vec<&str> = kiln_models::BUNDLED
+        .iter()
+        .map(|m| m.name)
+        .filter(|m| !FLAGSHIPS.contains(m) && pick.as_deref().map_or(true, |p| p.split(',').any(|x| x == *m)))
+        .collect();
+    for model in zoo {
+        check_model_with(model, |label| label == "device/torchvision", false);
+    }
 }
 
 // ---- engine files, timing cache, contexts on threads ---------------------------------------

@@ -1,7 +1,9 @@
 //! The bundled models on Kiln's CPU executor against PyTorch, with seeded weights.
 //!
 //! References: `tests/fixtures/<model>.reference.safetensors`, written by
-//! `python3 tools/export_reference.py --model <model> --out tests/fixtures` (docs/REFERENCES.md).
+//! `python3 tools/export_reference.py --all-fixtures --out tests/fixtures` (docs/REFERENCES.md):
+//! the ResNet-18/50 at 224 and CenterNet at 512 (batch 1), the other classifiers at 112x112, batch 2,
+//! to keep the CPU executor's time down. Each holds `input` and the outputs only.
 
 use kiln::compare::{compare, top1, Comparison};
 use kiln::var_builder::read_safetensors;
@@ -40,12 +42,52 @@ fn check(model: &str, name: &str, ours: &BTreeMap<String, HostTensor>, refs: &BT
 }
 
 fn check_classifier(model: &str) {
+    let start = std::time::Instant::now();
     let (ours, refs) = run(model);
+    println!("{model}: traced and run on the CPU at {:?} in {:.2?}", refs["input"].shape, start.elapsed());
     let c = check(model, "logits", &ours, &refs);
     assert!(c.passes(TOL), "{c} exceeds rel L2 {TOL}");
     let (got, want) = (top1(&ours["logits"]), top1(&refs["output.logits"]));
     println!("{model}: top-1 {got:?} (PyTorch {want:?})");
     assert_eq!(got, want, "{model}: top-1 differs from PyTorch");
+}
+
+/// The graph the engine builds from (BatchNorm folded, conv + ReLU fused, dead nodes dropped), run
+/// on the CPU, against PyTorch: the passes keep every new structure exact (DenseNet's BatchNorms
+/// after a concatenation, which cannot fold; GoogLeNet's branches; VGG's and AlexNet's classifiers).
+fn check_optimized_classifier(model: &str) {
+    let refs = read_safetensors(fixture(&format!("{model}.reference.safetensors"))).expect("reference file");
+    let x = &refs["input"];
+    let graph = kiln_models::trace(model, VarBuilder::seeded(), x.shape[0], x.shape[2]).expect("trace");
+    let optimized = kiln::passes::optimize(&graph).expect("passes");
+    let ours = kiln::cpu::run(&optimized, &[("input", x)]).expect("cpu run");
+    let c = check(&format!("{model} (optimised)"), "logits", &ours, &refs);
+    assert!(c.passes(TOL), "{c} exceeds rel L2 {TOL}");
+    assert_eq!(top1(&ours["logits"]), top1(&refs["output.logits"]), "{model} (optimised): top-1 differs from PyTorch");
+}
+
+/// The models added with torchvision's classifier table (the ResNets 18 and 50 are checked by
+/// `tests/passes.rs`).
+const NEW_CLASSIFIERS: &[&str] = &[
+    "resnet34",
+    "resnet101",
+    "resnet152",
+    "resnext50_32x4d",
+    "wide_resnet50_2",
+    "alexnet",
+    "vgg16",
+    "vgg16_bn",
+    "squeezenet1_0",
+    "squeezenet1_1",
+    "densenet121",
+    "googlenet",
+];
+
+#[test]
+fn optimized_graphs_match_pytorch() {
+    for model in NEW_CLASSIFIERS {
+        check_optimized_classifier(model);
+    }
 }
 
 #[test]
@@ -56,6 +98,82 @@ fn resnet18_matches_pytorch() {
 #[test]
 fn resnet50_matches_pytorch() {
     check_classifier("resnet50");
+}
+
+#[test]
+fn resnet34_matches_pytorch() {
+    check_classifier("resnet34");
+}
+
+#[test]
+fn resnet101_matches_pytorch() {
+    check_classifier("resnet101");
+}
+
+#[test]
+fn resnet152_matches_pytorch() {
+    check_classifier("resnet152");
+}
+
+#[test]
+fn resnext50_32x4d_matches_pytorch() {
+    check_classifier("resnext50_32x4d");
+}
+
+#[test]
+fn wide_resnet50_2_matches_pytorch() {
+    check_classifier("wide_resnet50_2");
+}
+
+#[test]
+fn alexnet_matches_pytorch() {
+    check_classifier("alexnet");
+}
+
+#[test]
+fn vgg16_matches_pytorch() {
+    check_classifier("vgg16");
+}
+
+#[test]
+fn vgg16_bn_matches_pytorch() {
+    check_classifier("vgg16_bn");
+}
+
+#[test]
+fn squeezenet1_0_matches_pytorch() {
+    check_classifier("squeezenet1_0");
+}
+
+#[test]
+fn squeezenet1_1_matches_pytorch() {
+    check_classifier("squeezenet1_1");
+}
+
+#[test]
+fn densenet121_matches_pytorch() {
+    check_classifier("densenet121");
+}
+
+#[test]
+fn googlenet_matches_pytorch() {
+    check_classifier("googlenet");
+}
+
+/// Every bundled model has a committed reference holding only `input` and its outputs, and the
+/// export script knows it by the same name.
+#[test]
+fn every_bundled_model_has_a_reference() {
+    let script = std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tools/export_reference.py")).expect("script");
+    for info in kiln_models::BUNDLED {
+        assert!(script.contains(&format!("\"{}\"", info.name)), "tools/export_reference.py does not list `{}`", info.name);
+        let path = fixture(&format!("{}.reference.safetensors", info.name));
+        let refs = read_safetensors(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let mut want: Vec<String> = info.outputs.iter().map(|o| format!("output.{o}")).collect();
+        want.push("input".into());
+        want.sort();
+        assert_eq!(refs.keys().cloned().collect::<Vec<_>>(), want, "{}", path.display());
+    }
 }
 
 /// Columns of a [N, K, 6] detections tensor (x1, y1, x2, y2 | score | class) as separate tensors.

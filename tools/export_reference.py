@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Exports PyTorch references for Kiln's bundled models and op fixtures.
 
-Builds each model's PyTorch twin (torchvision's ResNet-18/50, CenterNet-R50 as Kiln defines it),
+Builds each model's PyTorch twin (torchvision's own classifier of the same name, CenterNet-R50 as
+Kiln defines it),
 loads seeded, torchvision-initialised or given weights, runs it in FP32 (TF32 off) and writes
 `<model>.reference.safetensors` (`input`, `output.<name>`, `intermediate.<module path>`) and, with
 `--save-weights`, `<model>.weights.safetensors` (the state_dict, loadable by Kiln's VarBuilder).
-`--op-fixtures` writes `ops.reference.safetensors` instead. See docs/REFERENCES.md.
+`--op-fixtures` writes `ops.reference.safetensors` instead, `--all-fixtures` every model's committed
+reference (at `FIXTURE_SIZES`). See docs/REFERENCES.md.
 Works with torch >= 2.0 / torchvision >= 0.15.
 """
 
@@ -24,7 +26,39 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import seeded  # noqa: E402
 
-MODELS = {"resnet18": 224, "resnet50": 224, "centernet": 512}
+# Every model of `kiln_models::BUNDLED` with its default input size (a test checks the names).
+CLASSIFIERS = [
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnet101",
+    "resnet152",
+    "resnext50_32x4d",
+    "wide_resnet50_2",
+    "alexnet",
+    "vgg16",
+    "vgg16_bn",
+    "squeezenet1_0",
+    "squeezenet1_1",
+    "densenet121",
+    "googlenet",
+]
+MODELS = {**{name: 224 for name in CLASSIFIERS}, "centernet": 512}
+
+# The committed references in tests/fixtures: (batch, size). 112 keeps the CPU tests fast and the
+# files small, and is not a multiple of 32, so late stages see odd sizes: GoogLeNet's and
+# SqueezeNet's ceil-mode pools keep a partial window, and the adaptive pools of AlexNet (2x2 -> 6x6)
+# and VGG (3x3 -> 7x7) have overlapping bins.
+FIXTURE_SIZES = {
+    **{name: (2, 112) for name in CLASSIFIERS},
+    "resnet18": (1, 224),
+    "resnet50": (1, 224),
+    "centernet": (1, 512),
+}
+
+# torchvision's builders take these for Kiln's variant of the model: GoogLeNet's inference path
+# without the auxiliary classifiers (which only run in training) and without input re-scaling.
+BUILD_KWARGS = {"googlenet": {"aux_logits": False, "transform_input": False, "init_weights": True}}
 
 
 # ---- models ----------------------------------------------------------------------------------
@@ -103,10 +137,8 @@ def centernet_decode(hm, wh, reg, k=100):
 
 
 def build(model):
-    if model == "resnet18":
-        return torchvision.models.resnet18(weights=None)
-    if model == "resnet50":
-        return torchvision.models.resnet50(weights=None)
+    if model in CLASSIFIERS:
+        return getattr(torchvision.models, model)(weights=None, **BUILD_KWARGS.get(model, {}))
     if model == "centernet":
         return CenterNet(80)
     raise SystemExit(f"unknown model `{model}` (expected one of {', '.join(MODELS)})")
@@ -129,6 +161,15 @@ def load_weights(model, net, weights, seed):
         # torchvision's own initialisation, made reproducible: rebuild after seeding.
         torch.manual_seed(seed)
         net = build(model)
+        # torchvision initialises BatchNorm to the identity (mean 0, var 1, weight 1, bias 0), which
+        # would hide a folding bug: randomise its statistics and affine parameters.
+        with torch.no_grad():
+            for m in net.modules():
+                if isinstance(m, nn.BatchNorm2d):
+                    m.running_mean.normal_(0.0, 0.1)
+                    m.running_var.uniform_(0.5, 1.5)
+                    m.weight.uniform_(0.5, 1.5)
+                    m.bias.normal_(0.0, 0.1)
     else:
         net.load_state_dict(load_file(weights))
     return net
@@ -273,7 +314,7 @@ def main():
     p.add_argument("--model", choices=list(MODELS), help="bundled model to export")
     p.add_argument("--weights", default="seeded", help="seeded | torchvision | PATH to a state_dict safetensors file")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--size", type=int, help="input height = width (default: 224 for the ResNets, 512 for CenterNet)")
+    p.add_argument("--size", type=int, help="input height = width (default: 224 for the classifiers, 512 for CenterNet)")
     p.add_argument("--seed", type=int, default=0, help="input seed (and torch.manual_seed for --weights torchvision)")
     p.add_argument("--out", default=".", help="output directory")
     p.add_argument("--device", default="cpu", help="where PyTorch runs the model: cpu (default) or cuda (FP32, TF32 off)")
@@ -281,6 +322,7 @@ def main():
     p.add_argument("--save-weights", action="store_true", help="also write <model>.weights.safetensors")
     p.add_argument("--stats", action="store_true", help="print per-stage activation std and max |x|, write nothing")
     p.add_argument("--op-fixtures", action="store_true", help="write ops.reference.safetensors and exit")
+    p.add_argument("--all-fixtures", action="store_true", help="write every model's reference at its FIXTURE_SIZES (batch, size)")
     args = p.parse_args()
 
     torch.backends.cudnn.allow_tf32 = False
@@ -291,13 +333,20 @@ def main():
     if args.op_fixtures:
         export_op_fixtures(args.out)
         return
-    if not args.model:
-        p.error("--model is required (or --op-fixtures)")
+    if not args.model and not args.all_fixtures:
+        p.error("--model is required (or --op-fixtures, --all-fixtures)")
 
-    size = args.size or MODELS[args.model]
-    net = load_weights(args.model, build(args.model), args.weights, args.seed).eval().float()
+    if args.all_fixtures:
+        for model, (batch, size) in FIXTURE_SIZES.items():
+            export(args, model, batch, size)
+        return
+    export(args, args.model, args.batch, args.size or MODELS[args.model])
+
+
+def export(args, model, batch, size):
+    net = load_weights(model, build(model), args.weights, args.seed).eval().float()
     # The input comes from the seeded generator too, so Rust can recreate it without the file.
-    x = torch.from_numpy(seeded.weight(f"input.{args.seed}", [args.batch, 3, size, size]))
+    x = torch.from_numpy(seeded.weight(f"input.{args.seed}", [batch, 3, size, size]))
 
     net, xd = net.to(args.device), x.to(args.device)
     if args.stats:
@@ -306,7 +355,7 @@ def main():
 
     paths = [s for s in args.intermediates.split(",") if s]
     calls, handles = attach_hooks(net, paths) if paths else ({}, [])
-    outputs = {k: v.cpu() for k, v in run_model(net, args.model, xd).items()}
+    outputs = {k: v.cpu() for k, v in run_model(net, model, xd).items()}
     calls = {k: [v.cpu() for v in vs] for k, vs in calls.items()}
     for h in handles:
         h.remove()
@@ -314,19 +363,18 @@ def main():
     tensors = {"input": x}
     tensors.update({f"output.{k}": v for k, v in outputs.items()})
     tensors.update(flatten_calls(calls))
-    path = os.path.join(args.out, f"{args.model}.reference.safetensors")
+    path = os.path.join(args.out, f"{model}.reference.safetensors")
     # clone: the last call of a reused module is stored twice (`path` and `path#i`).
     save_file({k: v.detach().float().clone().contiguous() for k, v in tensors.items()}, path)
     summary = ", ".join(f"{k} {list(v.shape)}" for k, v in outputs.items())
     print(f"wrote {path}: input {list(x.shape)}, {summary}, {len(calls)} intermediates")
-    if args.model != "centernet":
+    if model != "centernet":
         print(f"top-1 class per image: {outputs['logits'].argmax(1).tolist()}")
     if args.save_weights:
-        wpath = os.path.join(args.out, f"{args.model}.weights.safetensors")
+        wpath = os.path.join(args.out, f"{model}.weights.safetensors")
         sd = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
         save_file(sd, wpath)
         print(f"wrote {wpath}: {len(sd)} tensors")
-
 
 if __name__ == "__main__":
     main()

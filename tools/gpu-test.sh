@@ -28,6 +28,10 @@ for w in ${WEIGHTS:-seeded torchvision}; do
     python3 .carry/tools/export_reference.py --model "$m" --weights "$w" --seed 0 --save-weights --out "$REF/$w" || echo "EXPORT FAILED: $m $w"
   done
 done 2>&1 | tee "$OUT/export.log"
+# The rest of the zoo against torchvision's own models (random init), batch 1 at 224.
+for m in ${ZOO:-}; do
+  python3 .carry/tools/export_reference.py --model "$m" --weights torchvision --seed 0 --save-weights --out "$REF/torchvision" || echo "EXPORT FAILED: $m"
+done 2>&1 | tee -a "$OUT/export.log"
 echo "references exported in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/export.log"
 
 status=0

@@ -92,7 +92,7 @@ impl Forward for Upsampler {
 #[derive(Module)]
 #[module(config = usize)]
 pub struct CenterNet {
-    #[module(config = ResNetConfig { layers: [3, 4, 6, 3], num_classes: None })]
+    #[module(config = ResNetConfig::new([3, 4, 6, 3], None))]
     backbone: ResNet50,
     upsampler: Upsampler,
     #[module(config = *cfg)]

@@ -1,59 +1,130 @@
-//! Kiln's bundled models, with the `state_dict` names of their PyTorch twins:
-//! torchvision's `resnet18` and `resnet50`, and CenterNet-R50 (`centernet`), whose decode is a
-//! custom op (`centernet_decode`) registered the way a user crate registers its own.
+//! Kiln's bundled models, with the `state_dict` names of their PyTorch twins: torchvision's
+//! classifiers (ResNet, ResNeXt, Wide ResNet, AlexNet, VGG, SqueezeNet, DenseNet, GoogLeNet; one
+//! file per family) and CenterNet-R50 (`centernet`), whose decode is a custom op
+//! (`centernet_decode`) registered the way a user crate registers its own.
 //!
-//! `tools/export_reference.py` builds the same models in PyTorch and writes references to compare
-//! against (docs/REFERENCES.md).
+//! `BUNDLED` is the one list of them: `trace`, the `kiln` CLI (its `--help`) and the README's table
+//! (checked by a test here) all read it. `tools/export_reference.py` builds the same models in
+//! PyTorch and writes references to compare against (docs/REFERENCES.md).
 
+pub mod alexnet;
 pub mod centernet;
+pub mod densenet;
+pub mod googlenet;
 pub mod resnet;
+mod sequential;
+pub mod squeezenet;
+pub mod vgg;
 
+pub use alexnet::{alexnet, AlexNet};
 pub use centernet::{centernet_r50, decode, CenterNet, CenterNetOutput};
-pub use resnet::{resnet18, resnet50, resnet50_backbone, BasicBlock, Bottleneck, ResNet, ResNet18, ResNet50};
+pub use densenet::{densenet121, DenseNet};
+pub use googlenet::{googlenet, GoogLeNet};
+pub use resnet::{
+    resnet101, resnet152, resnet18, resnet34, resnet50, resnet50_backbone, resnext50_32x4d, wide_resnet50_2, BasicBlock, Bottleneck,
+    ResNet, ResNet18, ResNet50,
+};
+pub use squeezenet::{squeezenet1_0, squeezenet1_1, SqueezeNet};
+pub use vgg::{vgg16, vgg16_bn, Vgg};
 
 use kiln::{Error, Forward, Graph, Result, Tracer, VarBuilder};
 
-/// A bundled model: its name, default square input size and graph outputs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A bundled model: its name, default square input size, graph outputs, and how to load it.
+#[derive(Clone, Copy, Debug)]
 pub struct BundledModel {
     pub name: &'static str,
     pub input_size: usize,
     pub outputs: &'static [&'static str],
     pub description: &'static str,
+    load: Load,
 }
 
+/// How `trace` builds a bundled model.
+#[derive(Clone, Copy, Debug)]
+enum Load {
+    /// One input, one output: the `logits`.
+    Classifier(fn(VarBuilder) -> Result<Box<dyn Forward>>),
+    /// CenterNet's three maps and their decode.
+    CenterNet,
+}
+
+fn boxed<M: Forward + 'static>(model: Result<M>) -> Result<Box<dyn Forward>> {
+    Ok(Box::new(model?))
+}
+
+/// A 1000-class torchvision classifier at 224x224, loaded by `$load`.
+macro_rules! classifier {
+    ($name:literal, $load:path, $description:literal) => {
+        BundledModel {
+            name: $name,
+            input_size: 224,
+            outputs: &["logits"],
+            description: $description,
+            load: Load::Classifier(|vb| boxed($load(vb))),
+        }
+    };
+}
+
+/// Every bundled model, in the order `kiln --help` and the README list them. Adding one is a row
+/// here, its name in `tools/export_reference.py` and its reference in `tests/fixtures` (the tests
+/// check both).
 pub const BUNDLED: &[BundledModel] = &[
-    BundledModel { name: "resnet18", input_size: 224, outputs: &["logits"], description: "torchvision ResNet-18, 1000 classes" },
-    BundledModel { name: "resnet50", input_size: 224, outputs: &["logits"], description: "torchvision ResNet-50, 1000 classes" },
+    classifier!("resnet18", resnet18, "torchvision ResNet-18"),
+    classifier!("resnet34", resnet34, "torchvision ResNet-34"),
+    classifier!("resnet50", resnet50, "torchvision ResNet-50"),
+    classifier!("resnet101", resnet101, "torchvision ResNet-101"),
+    classifier!("resnet152", resnet152, "torchvision ResNet-152"),
+    classifier!("resnext50_32x4d", resnext50_32x4d, "torchvision ResNeXt-50 32x4d (grouped 3x3 convs)"),
+    classifier!("wide_resnet50_2", wide_resnet50_2, "torchvision Wide ResNet-50-2"),
+    classifier!("alexnet", alexnet, "torchvision AlexNet"),
+    classifier!("vgg16", vgg16, "torchvision VGG-16"),
+    classifier!("vgg16_bn", vgg16_bn, "torchvision VGG-16 with BatchNorm"),
+    classifier!("squeezenet1_0", squeezenet1_0, "torchvision SqueezeNet 1.0"),
+    classifier!("squeezenet1_1", squeezenet1_1, "torchvision SqueezeNet 1.1"),
+    classifier!("densenet121", densenet121, "torchvision DenseNet-121"),
+    classifier!("googlenet", googlenet, "torchvision GoogLeNet (Inception v1), inference path, no aux heads"),
     BundledModel {
         name: "centernet",
         input_size: 512,
         outputs: &["hm", "wh", "reg", "detections"],
         description: "CenterNet-R50, 80 classes, maps at stride 4, top-100 decode",
+        load: Load::CenterNet,
     },
 ];
 
 /// The bundled model called `name`.
 pub fn bundled(name: &str) -> Result<&'static BundledModel> {
-    BUNDLED
-        .iter()
-        .find(|m| m.name == name)
-        .ok_or_else(|| Error::UnknownModel { name: name.to_string(), known: BUNDLED.iter().map(|m| m.name).collect::<Vec<_>>().join(", ") })
+    BUNDLED.iter().find(|m| m.name == name).ok_or_else(|| Error::UnknownModel { name: name.to_string(), known: bundled_names() })
+}
+
+/// The bundled models' names, comma-separated, in `BUNDLED`'s order.
+pub fn bundled_names() -> String {
+    BUNDLED.iter().map(|m| m.name).collect::<Vec<_>>().join(", ")
+}
+
+/// The bundled models as a Markdown table (name, default input, outputs, description): the
+/// README's list, kept equal to this by a test.
+pub fn bundled_markdown() -> String {
+    let mut s = String::from("| model | default input | outputs | what |\n|---|---|---|---|\n");
+    for m in BUNDLED {
+        let outputs = m.outputs.iter().map(|o| format!("`{o}`")).collect::<Vec<_>>().join(", ");
+        s += &format!("| `{}` | {}x{} | {outputs} | {} |\n", m.name, m.input_size, m.input_size, m.description);
+    }
+    s
 }
 
 /// Traces a bundled model on an input named `input` of shape [batch, 3, size, size].
 ///
-/// Outputs: `logits` for the ResNets; `hm`, `wh`, `reg` and `detections` ([batch, 100, 6]) for
-/// CenterNet (80 classes). Keep a clone of `vb` to ask it afterwards for keys the model never
+/// Outputs: `logits` for the classifiers; `hm`, `wh`, `reg` and `detections` ([batch, 100, 6])
+/// for CenterNet (80 classes). Keep a clone of `vb` to ask it afterwards for keys the model never
 /// used (`VarBuilder::check_all_used`).
 pub fn trace(model: &str, vb: VarBuilder, batch: usize, size: usize) -> Result<Graph> {
     let info = bundled(model)?;
     let tracer = Tracer::new();
     let x = tracer.input("input", &[batch, 3, size, size]);
-    match info.name {
-        "resnet18" => resnet18(vb)?.forward(&x)?.mark_output("logits"),
-        "resnet50" => resnet50(vb)?.forward(&x)?.mark_output("logits"),
-        _ => {
+    match info.load {
+        Load::Classifier(load) => load(vb)?.forward(&x)?.mark_output("logits"),
+        Load::CenterNet => {
             let out = centernet_r50(vb, 80)?.forward(&x)?;
             let detections = decode(&out, centernet::DEFAULT_K)?;
             out.hm.mark_output("hm");
@@ -149,10 +220,126 @@ mod tests {
         assert!(!g.weights.keys().any(|k| k.contains("fc") || k.contains("avgpool")));
     }
 
+    /// Parameters and `state_dict` tensors (without `num_batches_tracked`) of torchvision's twin,
+    /// from `sum(p.numel() for p in m.parameters())` and `len(m.state_dict())` (torchvision 0.29),
+    /// and a few keys with their shapes.
+    type Expected = (&'static str, usize, usize, &'static [(&'static str, &'static [usize])]);
+    const TORCHVISION: &[Expected] = &[
+        ("resnet34", 21_797_672, 182, &[("layer3.5.conv2.weight", &[256, 256, 3, 3]), ("fc.weight", &[1000, 512])]),
+        ("resnet101", 44_549_160, 522, &[("layer3.22.conv3.weight", &[1024, 256, 1, 1])]),
+        ("resnet152", 60_192_808, 777, &[("layer3.35.bn3.weight", &[1024]), ("layer2.7.conv2.weight", &[128, 128, 3, 3])]),
+        ("resnext50_32x4d", 25_028_904, 267, &[("layer1.0.conv2.weight", &[128, 4, 3, 3]), ("layer4.2.conv3.weight", &[2048, 1024, 1, 1])]),
+        (
+            "wide_resnet50_2",
+            68_883_240,
+            267,
+            &[("layer1.0.conv2.weight", &[128, 128, 3, 3]), ("layer4.0.conv1.weight", &[1024, 1024, 1, 1])],
+        ),
+        (
+            "alexnet",
+            61_100_840,
+            16,
+            &[("features.0.weight", &[64, 3, 11, 11]), ("features.10.bias", &[256]), ("classifier.1.weight", &[4096, 9216])],
+        ),
+        (
+            "vgg16",
+            138_357_544,
+            32,
+            &[("features.28.weight", &[512, 512, 3, 3]), ("classifier.0.weight", &[4096, 25088]), ("classifier.6.bias", &[1000])],
+        ),
+        (
+            "vgg16_bn",
+            138_365_992,
+            84,
+            &[("features.1.running_var", &[64]), ("features.41.weight", &[512]), ("classifier.6.weight", &[1000, 4096])],
+        ),
+        ("squeezenet1_0", 1_248_424, 52, &[("features.0.weight", &[96, 3, 7, 7]), ("features.12.expand3x3.weight", &[256, 64, 3, 3])]),
+        ("squeezenet1_1", 1_235_496, 52, &[("features.0.weight", &[64, 3, 3, 3]), ("classifier.1.weight", &[1000, 512, 1, 1])]),
+        (
+            "densenet121",
+            7_978_856,
+            606,
+            &[
+                ("features.denseblock1.denselayer1.norm1.weight", &[64]),
+                ("features.denseblock4.denselayer16.conv2.weight", &[32, 128, 3, 3]),
+                ("features.transition3.conv.weight", &[512, 1024, 1, 1]),
+                ("features.norm5.running_var", &[1024]),
+                ("classifier.weight", &[1000, 1024]),
+            ],
+        ),
+        (
+            "googlenet",
+            6_624_904,
+            287,
+            &[
+                ("conv1.bn.running_var", &[64]),
+                ("inception3a.branch2.1.conv.weight", &[128, 96, 3, 3]),
+                ("inception5b.branch4.1.bn.weight", &[128]),
+                ("fc.weight", &[1000, 1024]),
+            ],
+        ),
+    ];
+
+    #[test]
+    fn classifiers_have_torchvision_parameters_and_names() {
+        for &(name, params, tensors, keys) in TORCHVISION {
+            let g = trace(name, VarBuilder::seeded(), 1, 224).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(shape_of(&g, "logits"), [1, 1000], "{name}");
+            let ours: usize = g.weights.iter().filter(|(k, _)| !k.contains("running")).map(|(_, w)| w.numel()).sum();
+            assert_eq!(ours, params, "{name}: torchvision's parameter count");
+            assert_eq!(g.weights.len(), tensors, "{name}: torchvision's state_dict entries");
+            for (key, shape) in keys {
+                let w = g.weights.get(*key).unwrap_or_else(|| panic!("{name}: no `{key}`"));
+                assert_eq!(w.shape, *shape, "{name}: {key}");
+            }
+        }
+    }
+
+    #[test]
+    fn every_bundled_model_traces_at_its_default_size() {
+        for m in BUNDLED {
+            let g = trace(m.name, VarBuilder::seeded(), 1, m.input_size).unwrap_or_else(|e| panic!("{}: {e}", m.name));
+            let outputs: Vec<&str> = g.outputs.iter().map(|(n, _)| n.as_str()).collect();
+            assert_eq!(outputs, m.outputs, "{}", m.name);
+        }
+    }
+
+    #[test]
+    fn googlenet_and_densenet_follow_torchvision() {
+        let g = trace("googlenet", VarBuilder::seeded(), 1, 224).expect("trace");
+        // 3 stem convs + 9 Inception modules x 6 convs, each with its BatchNorm (eps 0.001).
+        assert_eq!(count(&g, "conv2d"), 3 + 9 * 6);
+        assert!(g.nodes.iter().all(|n| !matches!(n.op, Op::Norm(kiln::Norm::BatchNorm2d { eps }) if eps != 1e-3)));
+        assert_eq!(count(&g, "cat"), 9);
+        assert_eq!(count(&g, "relu"), 3 + 9 * 6);
+        let g = trace("densenet121", VarBuilder::seeded(), 1, 224).expect("trace");
+        // conv0 + 58 dense layers x 2 + 3 transitions; a cat before every layer but each block's first, and after each block.
+        assert_eq!(count(&g, "conv2d"), 1 + 58 * 2 + 3);
+        assert_eq!(count(&g, "cat"), (58 - 4) + 4);
+        assert_eq!(count(&g, "avg_pool2d"), 3);
+        let pooled = g.nodes.iter().find(|n| n.op.name() == "adaptive_avg_pool2d").expect("global pool");
+        assert_eq!(pooled.shape, [1, 1024, 1, 1]);
+    }
+
+    #[test]
+    fn readme_lists_the_bundled_models() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md");
+        let readme = std::fs::read_to_string(&path).expect("README.md");
+        let (begin, end) = ("<!-- bundled models: begin -->\n", "<!-- bundled models: end -->");
+        let start = readme.find(begin).expect("README has the bundled-models markers") + begin.len();
+        let stop = readme[start..].find(end).expect("end marker") + start;
+        let want = bundled_markdown();
+        if readme[start..stop] != want && std::env::var_os("KILN_BLESS").is_some() {
+            std::fs::write(&path, format!("{}{want}{}", &readme[..start], &readme[stop..])).expect("write README.md");
+            return;
+        }
+        assert_eq!(readme[start..stop], want, "README's model table differs from BUNDLED; rerun with KILN_BLESS=1 to rewrite it");
+    }
+
     #[test]
     fn unknown_model_is_a_typed_error() {
-        let err = trace("vgg16", VarBuilder::seeded(), 1, 224).unwrap_err();
-        assert!(matches!(&err, Error::UnknownModel { name, known } if name == "vgg16" && known.contains("resnet50")), "{err}");
+        let err = trace("inception_v3", VarBuilder::seeded(), 1, 224).unwrap_err();
+        assert!(matches!(&err, Error::UnknownModel { name, known } if name == "inception_v3" && known.contains("vgg16_bn")), "{err}");
     }
 
     #[test]

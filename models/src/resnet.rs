@@ -1,5 +1,6 @@
-//! torchvision's ResNets (`torchvision.models.resnet18` / `resnet50`), with the same `state_dict`
-//! names: `conv1`, `bn1`, `layer1.0.conv1`, `layer2.0.downsample.{0,1}`, `fc`.
+//! torchvision's ResNets, ResNeXts and Wide ResNets (`torchvision.models.resnet18` ... `resnet152`,
+//! `resnext50_32x4d`, `wide_resnet50_2`), with the same `state_dict` names: `conv1`, `bn1`,
+//! `layer1.0.conv1`, `layer2.0.downsample.{0,1}`, `fc`.
 //!
 //! Fields are declared in torchvision's order and each `forward` follows torchvision's line by
 //! line, so the traced nodes come in the order PyTorch runs them: the block's `relu` module is
@@ -16,16 +17,25 @@ fn conv(cin: usize, cout: usize, k: usize, stride: usize) -> Conv2dConfig {
     Conv2dConfig::new(cin, cout, k).stride(stride).padding(k / 2).bias(false)
 }
 
-/// Where a block sits: its input channels, its width (`planes`) and the stride of its first
-/// spatial conv.
+/// Where a block sits: its input channels, its width (`planes`), the stride of its first
+/// spatial conv, and the ResNeXt / Wide ResNet knobs of its 3x3 conv.
 #[derive(Clone, Copy, Debug)]
 pub struct BlockConfig {
     pub inplanes: usize,
     pub planes: usize,
     pub stride: usize,
+    /// Groups of the 3x3 conv (32 in ResNeXt-50 32x4d).
+    pub groups: usize,
+    /// torchvision's `base_width`: channels per group at `planes = 64` (64; 4 in 32x4d; 128 in
+    /// Wide ResNet-50-2).
+    pub width_per_group: usize,
 }
 
 impl BlockConfig {
+    /// The bottleneck's inner width, `int(planes * (base_width / 64.0)) * groups` in torchvision.
+    fn width(&self) -> usize {
+        self.planes * self.width_per_group / 64 * self.groups
+    }
     /// torchvision adds a projection when the identity's shape changes.
     fn needs_downsample(&self, expansion: usize) -> bool {
         self.stride != 1 || self.inplanes != self.planes * expansion
@@ -56,7 +66,8 @@ pub trait Block: Module<Config = BlockConfig> + Forward {
     const EXPANSION: usize;
 }
 
-/// ResNet-18/34's block: two 3x3 convs.
+/// ResNet-18/34's block: two 3x3 convs. It has no `groups` or `width_per_group` (torchvision
+/// rejects anything but 1 and 64; here they are ignored).
 #[derive(Module)]
 #[module(config = BlockConfig)]
 pub struct BasicBlock {
@@ -86,20 +97,20 @@ impl Forward for BasicBlock {
     }
 }
 
-/// ResNet-50's block: 1x1 reduce, 3x3 carrying the stride (torchvision's "ResNet V1.5"), 1x1
-/// expand by 4.
+/// ResNet-50's block: 1x1 reduce, 3x3 carrying the stride (torchvision's "ResNet V1.5") and the
+/// groups, 1x1 expand by 4. Its inner width is `planes` for ResNets, wider for ResNeXt and Wide ResNet.
 #[derive(Module)]
 #[module(config = BlockConfig)]
 pub struct Bottleneck {
-    #[module(config = conv(cfg.inplanes, cfg.planes, 1, 1))]
+    #[module(config = conv(cfg.inplanes, cfg.width(), 1, 1))]
     conv1: Conv2d,
-    #[module(config = BatchNorm2dConfig::new(cfg.planes))]
+    #[module(config = BatchNorm2dConfig::new(cfg.width()))]
     bn1: BatchNorm2d,
-    #[module(config = conv(cfg.planes, cfg.planes, 3, cfg.stride))]
+    #[module(config = conv(cfg.width(), cfg.width(), 3, cfg.stride).groups(cfg.groups))]
     conv2: Conv2d,
-    #[module(config = BatchNorm2dConfig::new(cfg.planes))]
+    #[module(config = BatchNorm2dConfig::new(cfg.width()))]
     bn2: BatchNorm2d,
-    #[module(config = conv(cfg.planes, cfg.planes * 4, 1, 1))]
+    #[module(config = conv(cfg.width(), cfg.planes * 4, 1, 1))]
     conv3: Conv2d,
     #[module(config = BatchNorm2dConfig::new(cfg.planes * 4))]
     bn3: BatchNorm2d,
@@ -128,9 +139,23 @@ pub struct ResNetConfig {
     pub layers: [usize; 4],
     /// `Some(n)`: `avgpool` + `fc` to `n` classes; `None`: a backbone ending at `layer4`.
     pub num_classes: Option<usize>,
+    /// Groups of every bottleneck's 3x3 conv (1; 32 for ResNeXt-50 32x4d).
+    pub groups: usize,
+    /// Channels per group at the first stage (64; 4 for 32x4d, 128 for Wide ResNet-50-2).
+    pub width_per_group: usize,
 }
 
 impl ResNetConfig {
+    /// A plain ResNet (`groups = 1`, `width_per_group = 64`) with `num_classes` classes.
+    pub fn new(layers: [usize; 4], num_classes: Option<usize>) -> Self {
+        Self { layers, num_classes, groups: 1, width_per_group: 64 }
+    }
+    pub fn groups(self, groups: usize) -> Self {
+        Self { groups, ..self }
+    }
+    pub fn width_per_group(self, width_per_group: usize) -> Self {
+        Self { width_per_group, ..self }
+    }
     /// Block `i` of stage `stage` (0-based): stages double the width and halve the resolution
     /// (from `layer2` on), in their first block.
     fn block(&self, stage: usize, i: usize, expansion: usize) -> BlockConfig {
@@ -140,7 +165,8 @@ impl ResNetConfig {
             (_, 0) => (planes / 2) * expansion,
             _ => planes * expansion,
         };
-        BlockConfig { inplanes, planes, stride: if i == 0 && stage > 0 { 2 } else { 1 } }
+        let stride = if i == 0 && stage > 0 { 2 } else { 1 };
+        BlockConfig { inplanes, planes, stride, groups: self.groups, width_per_group: self.width_per_group }
     }
     fn fc(&self, expansion: usize) -> LinearConfig {
         LinearConfig::new(512 * expansion, self.num_classes.unwrap_or_default())
@@ -191,20 +217,47 @@ impl<B: Block> Forward for ResNet<B> {
     }
 }
 
+/// ResNet-18/34: basic blocks.
 pub type ResNet18 = ResNet<BasicBlock>;
+/// ResNet-50/101/152, ResNeXt, Wide ResNet: bottleneck blocks.
 pub type ResNet50 = ResNet<Bottleneck>;
 
 /// `torchvision.models.resnet18()`: 1000 classes.
 pub fn resnet18(vb: VarBuilder) -> Result<ResNet18> {
-    ResNet::load(vb, &ResNetConfig { layers: [2, 2, 2, 2], num_classes: Some(1000) })
+    ResNet::load(vb, &ResNetConfig::new([2, 2, 2, 2], Some(1000)))
+}
+
+/// `torchvision.models.resnet34()`.
+pub fn resnet34(vb: VarBuilder) -> Result<ResNet18> {
+    ResNet::load(vb, &ResNetConfig::new([3, 4, 6, 3], Some(1000)))
 }
 
 /// `torchvision.models.resnet50()`: 1000 classes.
 pub fn resnet50(vb: VarBuilder) -> Result<ResNet50> {
-    ResNet::load(vb, &ResNetConfig { layers: [3, 4, 6, 3], num_classes: Some(1000) })
+    ResNet::load(vb, &ResNetConfig::new([3, 4, 6, 3], Some(1000)))
+}
+
+/// `torchvision.models.resnet101()`.
+pub fn resnet101(vb: VarBuilder) -> Result<ResNet50> {
+    ResNet::load(vb, &ResNetConfig::new([3, 4, 23, 3], Some(1000)))
+}
+
+/// `torchvision.models.resnet152()`.
+pub fn resnet152(vb: VarBuilder) -> Result<ResNet50> {
+    ResNet::load(vb, &ResNetConfig::new([3, 8, 36, 3], Some(1000)))
+}
+
+/// `torchvision.models.resnext50_32x4d()`: 32 groups of 4 channels (at the first stage).
+pub fn resnext50_32x4d(vb: VarBuilder) -> Result<ResNet50> {
+    ResNet::load(vb, &ResNetConfig::new([3, 4, 6, 3], Some(1000)).groups(32).width_per_group(4))
+}
+
+/// `torchvision.models.wide_resnet50_2()`: bottlenecks twice as wide inside.
+pub fn wide_resnet50_2(vb: VarBuilder) -> Result<ResNet50> {
+    ResNet::load(vb, &ResNetConfig::new([3, 4, 6, 3], Some(1000)).width_per_group(128))
 }
 
 /// ResNet-50 without `avgpool` and `fc`: 2048 channels at stride 32.
 pub fn resnet50_backbone(vb: VarBuilder) -> Result<ResNet50> {
-    ResNet::load(vb, &ResNetConfig { layers: [3, 4, 6, 3], num_classes: None })
+    ResNet::load(vb, &ResNetConfig::new([3, 4, 6, 3], None))
 }

@@ -33,6 +33,11 @@ fn help_mentions_every_command_and_examples() {
         assert!(stdout.contains(&format!("\n  {cmd} ")), "--help lists `{cmd}`:\n{stdout}");
     }
     assert!(stdout.contains("Examples:") && stdout.contains("kiln run resnet50"), "{stdout}");
+    // The list of models comes from the one table, `kiln_models::BUNDLED`.
+    let unwrapped = stdout.split_whitespace().collect::<Vec<_>>().join(" ");
+    for m in kiln_models::BUNDLED {
+        assert!(unwrapped.contains(&format!("{} ({}x{})", m.name, m.input_size, m.input_size)), "--help lists `{}`:\n{stdout}", m.name);
+    }
     let build = text(&kiln(&["build", "--help"])).0;
     for flag in ["--fp16", "--fp32", "--tf32", "--min-batch", "--opt-batch", "--max-batch", "--workspace", "--timing-cache", "--output"] {
         assert!(build.contains(flag), "build --help explains {flag}:\n{build}");
@@ -99,7 +104,7 @@ fn unknown_model_is_a_clear_error() {
     let out = kiln(&["run", "resnet19"]);
     let (_, stderr) = text(&out);
     assert!(!out.status.success());
-    assert_eq!(stderr.trim(), "error: unknown model `resnet19`; the bundled models are: resnet18, resnet50, centernet");
+    assert_eq!(stderr.trim(), format!("error: unknown model `resnet19`; the bundled models are: {}", kiln_models::bundled_names()));
 }
 
 #[test]

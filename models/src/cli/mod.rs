@@ -29,7 +29,11 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-const EXAMPLES: &str = "\
+/// `kiln --help`'s epilogue; its list of models comes from `kiln_models::BUNDLED`.
+fn examples() -> String {
+    let models: Vec<String> = kiln_models::BUNDLED.iter().map(|m| format!("{} ({}x{})", m.name, m.input_size, m.input_size)).collect();
+    format!(
+        "\
 Examples:
   kiln run resnet50                                  # seeded weights, random input, GPU or CPU
   kiln run resnet18 --weights resnet18.safetensors --input image.safetensors
@@ -41,13 +45,22 @@ Examples:
   kiln inspect resnet18 --dot before.dot --dot-optimized after.dot
   kiln codegen resnet18 -o resnet18_gen.rs
 
-Bundled models: resnet18 (224x224), resnet50 (224x224), centernet (CenterNet-R50, 512x512).
+Bundled models: {}.
 Weights are seeded (deterministic, like tools/export_reference.py --weights seeded) unless
---weights names a PyTorch state_dict saved with safetensors.torch.save_file.";
+--weights names a PyTorch state_dict saved with safetensors.torch.save_file.",
+        models.join(", ")
+    )
+}
+
+/// The help line of a command's model argument.
+fn model_help(engine_file_too: bool) -> String {
+    let or_engine = if engine_file_too { ", or an engine file from `kiln build`" } else { "" };
+    format!("A bundled model ({}){or_engine}", kiln_models::bundled_names())
+}
 
 /// Kiln: compile convolutional networks to CUDA engines, and the tools to check and measure them.
 #[derive(Parser, Debug)]
-#[command(name = "kiln", version, after_long_help = EXAMPLES, propagate_version = true)]
+#[command(name = "kiln", version, after_long_help = examples(), propagate_version = true)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -110,7 +123,7 @@ pub enum Command {
 /// Which model, with which weights, on which input.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// A bundled model: resnet18, resnet50 or centernet.
+    #[arg(help = model_help(false))]
     pub model: String,
     /// A safetensors state_dict (PyTorch names, f32/f16/bf16) instead of the seeded weights.
     #[arg(long, value_name = "FILE")]
@@ -118,7 +131,7 @@ pub struct ModelArgs {
     /// Fail when the weight file holds keys the model never uses.
     #[arg(long)]
     pub strict: bool,
-    /// Input height and width (default: the model's, 224 or 512).
+    /// Input height and width (default: the model's, listed in `kiln --help`).
     #[arg(long, value_name = "PIXELS")]
     pub size: Option<usize>,
 }
@@ -193,7 +206,7 @@ pub struct BuildArgs {
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
-    /// A bundled model (resnet18, resnet50, centernet) or an engine file from `kiln build`.
+    #[arg(help = model_help(true))]
     pub model: String,
     /// Weights for a bundled model (default: seeded).
     #[arg(long, value_name = "FILE")]
@@ -231,7 +244,7 @@ pub struct BenchArgs {
 
 #[derive(Args, Debug)]
 pub struct ProfileArgs {
-    /// A bundled model or an engine file.
+    #[arg(help = model_help(true))]
     pub model: String,
     /// Weights for a bundled model (default: seeded).
     #[arg(long, value_name = "FILE")]

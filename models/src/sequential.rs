@@ -1,0 +1,28 @@
+//! Loading an `nn.Sequential` written out layer by layer, as torchvision's model files write
+//! `features` and `classifier`: each pushed layer loads from the next index (`features.0`,
+//! `features.1`, ...), parameter-free layers included, so the `state_dict` names line up.
+
+use kiln::{Forward, Module, Result, Sequential, VarBuilder};
+
+/// Builds a `Sequential` whose children load from `vb.pp(0)`, `vb.pp(1)`, ... in push order.
+pub struct SequentialLoader {
+    vb: VarBuilder,
+    layers: Sequential,
+}
+
+impl SequentialLoader {
+    pub fn new(vb: VarBuilder) -> Self {
+        Self { vb, layers: Sequential::new() }
+    }
+
+    /// Loads an `M` from the next index and appends it.
+    pub fn push<M: Module + Forward + 'static>(&mut self, config: &M::Config) -> Result<&mut Self> {
+        let layer = M::load(self.vb.pp(self.layers.len()), config)?;
+        self.layers.push(layer);
+        Ok(self)
+    }
+
+    pub fn finish(self) -> Sequential {
+        self.layers
+    }
+}
