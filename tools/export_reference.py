@@ -154,6 +154,30 @@ def seeded_state_dict(module):
     return out
 
 
+def randomise_batchnorm(net, model, seed):
+    """torchvision initialises BatchNorm to the identity (mean 0, var 1, weight 1, bias 0), which
+    would hide a folding bug, and with those statistics a deep random network's activations grow
+    past FP16's range. So the statistics are measured, as training would: the running mean and
+    variance of each BatchNorm over a few random batches, then its weight and bias are drawn at
+    random around 1 and 0."""
+    g = torch.Generator().manual_seed(seed + 1)
+    size = MODELS[model]
+    for m in net.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.reset_running_stats()
+            m.momentum = None  # a cumulative average over the calibration batches
+    net.train()
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(4, 3, size, size, generator=g)
+            net(x)
+        for m in net.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.weight.copy_(torch.rand(m.weight.shape, generator=g) + 0.5)
+                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
+    net.eval()
+
+
 def load_weights(model, net, weights, seed):
     if weights == "seeded":
         net.load_state_dict(seeded_state_dict(net))
@@ -161,15 +185,7 @@ def load_weights(model, net, weights, seed):
         # torchvision's own initialisation, made reproducible: rebuild after seeding.
         torch.manual_seed(seed)
         net = build(model)
-        # torchvision initialises BatchNorm to the identity (mean 0, var 1, weight 1, bias 0), which
-        # would hide a folding bug: randomise its statistics and affine parameters.
-        with torch.no_grad():
-            for m in net.modules():
-                if isinstance(m, nn.BatchNorm2d):
-                    m.running_mean.normal_(0.0, 0.1)
-                    m.running_var.uniform_(0.5, 1.5)
-                    m.weight.uniform_(0.5, 1.5)
-                    m.bias.normal_(0.0, 0.1)
+        randomise_batchnorm(net, model, seed)
     else:
         net.load_state_dict(load_file(weights))
     return net

@@ -83,6 +83,15 @@ impl Layout {
         }
         l
     }
+    /// The engine's native layout at `rank`: channels-last for images (`[C, H, W]`), PyTorch's
+    /// order for everything else (`[F]`, `[K, 6]`, `[L, D]`).
+    pub fn native(rank: usize) -> Self {
+        if rank == 3 {
+            Layout::channels_last(3)
+        } else {
+            Layout::contiguous(rank)
+        }
+    }
     /// A layout from a physical order of logical dims, or `None` if it is not a permutation.
     pub fn from_order(order: &[usize]) -> Option<Self> {
         let mut l = Self::contiguous(order.len());

@@ -124,8 +124,8 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
 fn time_candidates(ctx: &BuildCtx, candidates: &[Box<dyn Layer>]) -> Result<Vec<std::result::Result<f32, String>>> {
     let batch = ctx.config.opt_batch;
     let stream = &ctx.gpu.stream;
-    let node = ctx.node(ctx.current);
-    let mut touched: Vec<ValueId> = node.inputs.iter().filter_map(|&i| ctx.node_values[i]).collect();
+    // The inputs in the layouts the converter asked for (reformatted copies where they differ).
+    let mut touched: Vec<ValueId> = ctx.current_inputs.iter().flatten().copied().collect();
     touched.extend(ctx.node_values[ctx.current]);
     touched.extend(ctx.scratch.iter().copied());
 

@@ -28,7 +28,8 @@ impl CustomCall {
 
 /// Custom ops go through the same interface as the built-in ones: the shape rule and CPU
 /// reference of their `CustomOp` registration, and the converter registered under their name.
-/// Their converters see rank-4 activations in the engine's native channels-last layout.
+/// Their converters see activations in the engine's native layout (`Layout::native`): NHWC for
+/// images, PyTorch's order otherwise.
 impl OpDef for CustomCall {
     fn name(&self) -> &str {
         &self.name
@@ -52,7 +53,7 @@ impl OpDef for CustomCall {
         Ok(out)
     }
     fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
-        LayoutPlan::all(inputs, Layout::channels_last(out_rank))
+        LayoutPlan { inputs: inputs.iter().map(|l| l.map(|l| Layout::native(l.rank()))).collect(), output: Layout::native(out_rank) }
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         let path = ctx.node(node).path.clone();

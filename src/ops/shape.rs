@@ -40,7 +40,7 @@ impl OpDef for ShapeOp {
         match self {
             // The engine's flatten reads NHWC maps and writes PyTorch's order.
             ShapeOp::Flatten { .. } => LayoutPlan::any_input(inputs, Layout::contiguous(out_rank)),
-            ShapeOp::Cat { .. } => LayoutPlan::all(inputs, Layout::channels_last(out_rank)),
+            ShapeOp::Cat { .. } => LayoutPlan::all(inputs, Layout::native(out_rank)),
         }
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> crate::Result<Box<dyn Layer>> {
