@@ -11,7 +11,7 @@
 //! On the device: `bash tools/gpu-test.sh` (see docs/ENGINE.md).
 
 use kiln::compare::{compare, top1, Comparison};
-use kiln::engine::{gpu_available, BuildConfig, Engine, EngineBuilder, Gpu, Precision};
+use kiln::engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision};
 use kiln::module::{Forward, Module};
 use kiln::var_builder::read_safetensors;
 use kiln::{
@@ -20,18 +20,10 @@ use kiln::{
 };
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
-fn gpu() -> Option<Arc<Gpu>> {
-    static GPU: OnceLock<Result<Arc<Gpu>, String>> = OnceLock::new();
-    match GPU.get_or_init(|| gpu_available().and_then(|()| Gpu::new(0).map_err(|e| e.to_string()))) {
-        Ok(g) => Some(g.clone()),
-        Err(why) => {
-            println!("skipped: no GPU ({why})");
-            None
-        }
-    }
-}
+mod common;
+use common::{gpu, random};
 
 /// One timing cache for every build of this process: equal problems are timed once.
 fn cache_path() -> PathBuf {
@@ -45,13 +37,6 @@ fn build(gpu: &Arc<Gpu>, graph: &Graph, config: BuildConfig) -> Arc<Engine> {
         .build(graph)
         .unwrap_or_else(|e| panic!("build ({what}): {e}"));
     Arc::new(engine)
-}
-
-/// Uniform inputs in [-scale, scale), fresh every run (`KILN_SEED` replays), one stream per `stream`.
-fn random(shape: &[usize], stream: u64, scale: f32) -> HostTensor {
-    let mut t = kiln::seeded::uniform_tensor(shape, kiln::seeded::run_seed().wrapping_add(stream));
-    t.data.iter_mut().for_each(|v| *v *= scale);
-    t
 }
 
 /// `n` copies of a batch-1 tensor along the batch.
