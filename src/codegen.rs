@@ -197,11 +197,11 @@ fn f32_lit(v: f32) -> String {
 /// custom, has codegen without code of its own. Types named in it are added to `used`.
 fn op_expr(op: &Op, used: &mut BTreeSet<&'static str>) -> Result<Doc> {
     let doc = op.serialize(RustLit { used: &mut *used }).map_err(|e| Error::Graph(format!("codegen: op `{}`: {e}", op.name())))?;
-    Ok(elide_defaults(doc, used))
+    Ok(elide_defaults(doc))
 }
 
 /// Struct literals of types with a `Default` keep only the fields that differ from it.
-fn elide_defaults(doc: Doc, used: &mut BTreeSet<&'static str>) -> Doc {
+fn elide_defaults(doc: Doc) -> Doc {
     match doc {
         Doc::Struct { name, fields, base: None } if name == "ConvAttrs" => {
             let default = ConvAttrs::default().serialize(RustLit { used: &mut BTreeSet::new() });
@@ -212,7 +212,7 @@ fn elide_defaults(doc: Doc, used: &mut BTreeSet<&'static str>) -> Doc {
             }
             Doc::Struct { name, fields, base: Some("ConvAttrs::default()".into()) }
         }
-        Doc::Call { head, args, tail } => Doc::Call { head, args: args.into_iter().map(|d| elide_defaults(d, used)).collect(), tail },
+        Doc::Call { head, args, tail } => Doc::Call { head, args: args.into_iter().map(elide_defaults).collect(), tail },
         other => other,
     }
 }
@@ -406,7 +406,7 @@ impl LitItems<'_> {
     }
     fn field<T: ?Sized + serde::Serialize>(&mut self, key: &'static str, value: &T) -> std::result::Result<(), LitError> {
         let doc = value.serialize(RustLit { used: &mut *self.used })?;
-        let doc = elide_defaults(doc, self.used);
+        let doc = elide_defaults(doc);
         self.fields.push((key.to_string(), doc.flat()));
         Ok(())
     }

@@ -357,7 +357,11 @@ fn zoo_models_match_pytorch() {
     let zoo: Vec<&str> = kiln_models::BUNDLED
         .iter()
         .map(|m| m.name)
-        .filter(|m| !FLAGSHIPS.contains(m) && pick.as_deref().map_or(true, |p| p.split(',').any(|x| x == *m)))
+        .filter(|m| !FLAGSHIPS.contains(m))
+        .filter(|m| match pick.as_deref() {
+            None => true,
+            Some(p) => p.split(',').any(|x| x == *m),
+        })
         .collect();
     // Every model is checked; the failures are listed together at the end.
     let failed: Vec<&str> = zoo

@@ -153,10 +153,13 @@ pub(crate) fn cache_prefix(gpu: &Gpu, config: &BuildConfig) -> String {
     format!("{}|sm{}|cudnn{}|{:?}|b{}{sources}", gpu.info.name, gpu.info.sm, gpu.info.cudnn_version, config.precision, config.opt_batch)
 }
 
+/// The layout of each node's value (`None` for weights).
+type NodeLayouts = Vec<Option<Layout>>;
+
 /// The layout of every value and the layouts each node reads its inputs in, from each op's
 /// `OpDef::layouts`. A graph input takes the layout its first reader asks for (so the input
 /// reformat writes it there directly); one read by nothing is contiguous.
-fn plan_layouts(graph: &Graph) -> Result<(Vec<Option<Layout>>, Vec<Option<LayoutPlan>>)> {
+fn plan_layouts(graph: &Graph) -> Result<(NodeLayouts, Vec<Option<LayoutPlan>>)> {
     let mut layout: Vec<Option<Layout>> = vec![None; graph.nodes.len()];
     let mut plans = vec![None; graph.nodes.len()];
     for (id, node) in graph.nodes.iter().enumerate() {

@@ -163,7 +163,46 @@ struct ConvShared {
     descs: Mutex<HashMap<usize, Arc<BatchDescs>>>,
 }
 
+/// The parts of a convolution that `ConvShared::new` sets up.
+struct ConvSetup<'a> {
+    geom: Geom,
+    x: ValueId,
+    y: ValueId,
+    z: Option<ValueId>,
+    attrs: &'a ConvAttrs,
+    /// PyTorch layout, with `shape` (uploaded as KRSC).
+    weight: &'a [f32],
+    shape: [usize; 4],
+    /// One value per output channel of the layer (`geom.cout`).
+    bias: &'a [f32],
+}
+
 impl ConvShared {
+    /// Uploads the weights and bias and creates the descriptors of one convolution (shared by
+    /// forward convolutions, their channel-padded variant and transposed convolutions).
+    fn new(ctx: &mut BuildCtx, path: &str, s: ConvSetup) -> Result<Self> {
+        let elem = ctx.elem();
+        let relu = s.attrs.act == Activation::Relu;
+        Ok(Self {
+            path: path.to_string(),
+            geom: s.geom,
+            elem,
+            x: s.x,
+            y: s.y,
+            z: s.z,
+            relu,
+            bias_given: s.attrs.bias,
+            w: ctx.upload(&kcrs_to_krsc(s.weight, s.shape))?,
+            b: ctx.upload(s.bias)?,
+            filter: filter(elem, s.shape)?,
+            conv: conv_desc(s.attrs, ctx.precision())?,
+            bias: tensor(elem, [1, s.bias.len(), 1, 1])?,
+            act: activation(relu)?,
+            relu_act: activation(true)?,
+            descs: Mutex::new(HashMap::new()),
+        })
+    }
+
     fn descs(&self, batch: usize) -> Result<Arc<BatchDescs>> {
         let mut map = self.descs.lock().map_err(|_| Error::Graph(format!("`{}`: descriptor cache poisoned", self.path)))?;
         if let Some(d) = map.get(&batch) {
@@ -389,27 +428,9 @@ pub fn conv_candidates_with(ctx: &mut BuildCtx, node: NodeId, p: ConvProblem) ->
     let (cin, h, wd) = ctx.value(x).chw().ok_or_else(|| ctx.err(node, "input is not an image".into()))?;
     let (cout, ho, wo) = ctx.value(y).chw().ok_or_else(|| ctx.err(node, "output is not an image".into()))?;
     let elem = ctx.elem();
-    let wbuf = ctx.upload(&kcrs_to_krsc(p.weight, shape4))?;
-    let bbuf = ctx.upload(p.bias)?;
-    let relu = a.act == Activation::Relu;
-    let shared = Arc::new(ConvShared {
-        path: ctx.node(node).path.clone(),
-        geom: Geom { cin, h, w: wd, cout, ho, wo },
-        elem,
-        x,
-        y,
-        z,
-        relu,
-        bias_given: a.bias,
-        w: wbuf,
-        b: bbuf,
-        filter: filter(elem, shape4)?,
-        conv: conv_desc(&a, ctx.precision())?,
-        bias: tensor(elem, [1, cout, 1, 1])?,
-        act: activation(relu)?,
-        relu_act: activation(true)?,
-        descs: Mutex::new(HashMap::new()),
-    });
+    let path = ctx.node(node).path.clone();
+    let setup = ConvSetup { geom: Geom { cin, h, w: wd, cout, ho, wo }, x, y, z, attrs: &a, weight: p.weight, shape: shape4, bias: p.bias };
+    let shared = Arc::new(ConvShared::new(ctx, &path, setup)?);
     let mut out = fwd_layers(ctx, &shared, None)?;
 
     // FP16 tensor-core kernels want input channels in multiples of 8: also offer the convolution
@@ -434,24 +455,17 @@ pub fn conv_candidates_with(ctx: &mut BuildCtx, node: NodeId, p: ConvProblem) ->
             cp,
             sm_count: ctx.kernels.sm_count(),
         });
-        let padded = Arc::new(ConvShared {
-            path: shared.path.clone(),
+        let setup = ConvSetup {
             geom: Geom { cin: cp, ..shared.geom },
-            elem,
             x: scratch,
             y,
             z,
-            relu,
-            bias_given: a.bias,
-            w: ctx.upload(&kcrs_to_krsc(&wp, padded_shape))?,
-            b: ctx.upload(p.bias)?,
-            filter: filter(elem, padded_shape)?,
-            conv: conv_desc(&a, ctx.precision())?,
-            bias: tensor(elem, [1, cout, 1, 1])?,
-            act: activation(relu)?,
-            relu_act: activation(true)?,
-            descs: Mutex::new(HashMap::new()),
-        });
+            attrs: &a,
+            weight: &wp,
+            shape: padded_shape,
+            bias: p.bias,
+        };
+        let padded = Arc::new(ConvShared::new(ctx, &path, setup)?);
         out.extend(fwd_layers(ctx, &padded, Some(pad))?);
     }
     Ok(out)
@@ -569,31 +583,20 @@ pub fn deconv_candidates(ctx: &mut BuildCtx, node: NodeId) -> Result<Vec<Box<dyn
     let (cin, h, wd) = ctx.value(x).chw().ok_or_else(|| ctx.err(node, "input is not an image".into()))?;
     let (cout, ho, wo) = ctx.value(y).chw().ok_or_else(|| ctx.err(node, "output is not an image".into()))?;
     let shape4: [usize; 4] = w.shape.as_slice().try_into().map_err(|_| ctx.err(node, format!("weight has shape {:?}", w.shape)))?;
-    let elem = ctx.elem();
     // The filter of the forward convolution that maps the deconv's output (Cout) to its input
-    // (Cin) is the deconv weight itself: K = Cin, C = Cout/g.
-    let wbuf = ctx.upload(&kcrs_to_krsc(&w.data, shape4))?;
-    let bbuf = ctx.upload(&b)?;
-    let relu = a.act == Activation::Relu;
-    // In the forward view x is the deconv output (Cout, Ho, Wo) and y the deconv input.
-    let shared = Arc::new(ConvShared {
-        path: n.path.clone(),
+    // (Cin) is the deconv weight itself: K = Cin, C = Cout/g. In the forward view x is the
+    // deconv output (Cout, Ho, Wo) and y the deconv input.
+    let setup = ConvSetup {
         geom: Geom { cin: cout, h: ho, w: wo, cout: cin, ho: h, wo: wd },
-        elem,
         x,
         y,
         z: None,
-        relu,
-        bias_given: a.bias,
-        w: wbuf,
-        b: bbuf,
-        filter: filter(elem, shape4)?,
-        conv: conv_desc(&a, ctx.precision())?,
-        bias: tensor(elem, [1, cout, 1, 1])?,
-        act: activation(relu)?,
-        relu_act: activation(true)?,
-        descs: Mutex::new(HashMap::new()),
-    });
+        attrs: &a,
+        weight: &w.data,
+        shape: shape4,
+        bias: &b,
+    };
+    let shared = Arc::new(ConvShared::new(ctx, &n.path, setup)?);
     let handle = ctx.gpu.handles.cudnn;
     let d = shared.descs(ctx.config.max_batch)?;
     let mut out: Vec<Box<dyn Layer>> = Vec::new();

@@ -93,31 +93,50 @@ impl ExecutionContext {
             return self.enqueue_layers(batch);
         }
         if !self.graphs.contains_key(&batch) {
-            self.stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                .map_err(cuda_err("beginning CUDA graph capture"))?;
-            let enqueued = self.enqueue_layers(batch);
-            let captured = self.stream.end_capture(CUgraphInstantiate_flags(0));
-            enqueued?;
-            let graph = captured
-                .map_err(cuda_err("ending CUDA graph capture"))?
+            let graph = self
+                .capture(|| self.enqueue_layers(batch))?
                 .ok_or_else(|| Error::Cuda { context: "CUDA graph capture".into(), reason: "nothing was captured".into() })?;
-            graph.upload().map_err(cuda_err("uploading a CUDA graph"))?;
             self.graphs.insert(batch, graph);
         }
         self.graphs[&batch].launch().map_err(cuda_err("launching a CUDA graph"))
     }
 
-    fn enqueue_layers(&self, batch: usize) -> Result<()> {
-        let rt = RunCtx {
+    /// Captures what `enqueue` puts on the context's stream into an uploaded CUDA graph (`None`
+    /// if it enqueued nothing). The one capture path: whole plans and single layers alike.
+    fn capture(&self, enqueue: impl FnOnce() -> Result<()>) -> Result<Option<CudaGraph>> {
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(cuda_err("beginning CUDA graph capture"))?;
+        let enqueued = enqueue();
+        let captured = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        enqueued?;
+        let graph = captured.map_err(cuda_err("ending CUDA graph capture"))?;
+        if let Some(g) = &graph {
+            g.upload().map_err(cuda_err("uploading a CUDA graph"))?;
+        }
+        Ok(graph)
+    }
+
+    /// What this context's layers see when they are enqueued.
+    fn run_ctx(&self) -> RunCtx<'_> {
+        RunCtx {
             stream: &self.stream,
             handles: &self.handles,
             ptrs: &self.ptrs,
             workspace: self.workspace.ptr(),
             workspace_bytes: self.engine.workspace_bytes,
-        };
+        }
+    }
+
+    fn enqueue_layers(&self, batch: usize) -> Result<()> {
+        let rt = self.run_ctx();
         for layer in &self.engine.layers {
-            layer.enqueue(&rt, batch)?;
+            layer.enqueue(&rt, batch).map_err(|e| match e {
+                Error::Cuda { context, reason } => {
+                    Error::Cuda { context: format!("{context} (layer `{}`, {}, batch {batch})", layer.path(), layer.kind()), reason }
+                }
+                other => other,
+            })?;
         }
         Ok(())
     }
@@ -252,29 +271,16 @@ impl ExecutionContext {
         self.check_batch(batch)?;
         let ctx = &self.engine.gpu.ctx;
         ctx.bind_to_thread().map_err(cuda_err("binding the CUDA context"))?;
-        let rt = RunCtx {
-            stream: &self.stream,
-            handles: &self.handles,
-            ptrs: &self.ptrs,
-            workspace: self.workspace.ptr(),
-            workspace_bytes: self.engine.workspace_bytes,
-        };
+        let rt = self.run_ctx();
         let event = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(cuda_err("creating a profiling event"));
         let (start, end) = (event()?, event()?);
         let iters = iters.max(1);
         let mut times = Vec::with_capacity(self.engine.layers.len());
         for layer in &self.engine.layers {
-            self.stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                .map_err(cuda_err("beginning a layer's CUDA graph capture"))?;
-            let enqueued = layer.enqueue(&rt, batch);
-            let captured = self.stream.end_capture(CUgraphInstantiate_flags(0));
-            enqueued?;
-            let Some(graph) = captured.map_err(cuda_err("ending a layer's CUDA graph capture"))? else {
+            let Some(graph) = self.capture(|| layer.enqueue(&rt, batch))? else {
                 times.push(0.0);
                 continue;
             };
-            graph.upload().map_err(cuda_err("uploading a layer's CUDA graph"))?;
             graph.launch().map_err(cuda_err("launching a layer's CUDA graph"))?;
             start.record(&self.stream).map_err(cuda_err("recording a profiling event"))?;
             for _ in 0..iters {

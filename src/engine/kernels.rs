@@ -9,6 +9,7 @@
 //! cudarc loads NVRTC dynamically and panics when the library is absent; everything here checks
 //! for it first and returns `Error::NoGpu` with the reason instead.
 
+use super::file::{fnv1a_extend, FNV_OFFSET};
 use super::gpu::{cuda_err, Gpu};
 use crate::{Error, Result};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
@@ -167,19 +168,10 @@ pub fn compile_all_for(arch: &str) -> Result<Vec<(String, usize)>> {
     FAMILIES.iter().map(|(name, src)| Ok((name.to_string(), compile_source(name, src, arch)?.len()))).collect()
 }
 
-/// 64-bit FNV-1a: a stable hash for cache keys (std's hasher may change between releases).
+/// A stable hash of several byte strings for cache keys (std's hasher may change between
+/// releases): FNV-1a with a separator after each part, so ("ab", "c") and ("a", "bc") differ.
 fn fnv1a(parts: &[&[u8]]) -> u64 {
-    let mut h: u64 = 0xcbf29ce484222325;
-    for part in parts {
-        for &b in *part {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x100000001b3);
-        }
-        // Separator, so ("ab", "c") and ("a", "bc") differ.
-        h ^= 0xff;
-        h = h.wrapping_mul(0x100000001b3);
-    }
-    h
+    parts.iter().fold(FNV_OFFSET, |h, part| fnv1a_extend(fnv1a_extend(h, part), &[0xff]))
 }
 
 /// Where compiled kernels are cached: `$KILN_CACHE_DIR`, else `$XDG_CACHE_HOME/kiln`, else

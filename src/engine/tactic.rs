@@ -120,9 +120,13 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
 }
 
 /// Times each candidate at the opt batch on scratch buffers for the node's values. A candidate
-/// that fails (unsupported algorithm, workspace over the limit) gets its reason instead of a time.
+/// that fails (unsupported algorithm, workspace over the limit) gets its reason instead of a time;
+/// so does one that fails at the smallest or largest batch of the range (some cuDNN algorithms
+/// accept a batch of 8 and reject a batch of 1).
 fn time_candidates(ctx: &BuildCtx, candidates: &[Box<dyn Layer>]) -> Result<Vec<std::result::Result<f32, String>>> {
     let batch = ctx.config.opt_batch;
+    let mut batches = vec![ctx.config.min_batch, batch, ctx.config.max_batch];
+    batches.dedup();
     let stream = &ctx.gpu.stream;
     // The inputs in the layouts the converter asked for (reformatted copies where they differ).
     let mut touched: Vec<ValueId> = ctx.current_inputs.iter().flatten().copied().collect();
@@ -132,12 +136,13 @@ fn time_candidates(ctx: &BuildCtx, candidates: &[Box<dyn Layer>]) -> Result<Vec<
     let mut ptrs = vec![0u64; ctx.values.len()];
     let mut bufs = Vec::new();
     for v in touched {
-        let buf = DeviceBuf::zeros(stream, ctx.value(v).bytes(batch))?;
+        let buf = DeviceBuf::zeros(stream, ctx.value(v).bytes(ctx.config.max_batch))?;
         ptrs[v.0] = buf.ptr();
         bufs.push(buf);
     }
     let limit = ctx.config.workspace_bytes;
-    let ws_bytes = candidates.iter().map(|c| c.workspace_bytes(batch)).filter(|&b| b <= limit).max().unwrap_or(0);
+    let need = |c: &dyn Layer| batches.iter().map(|&b| c.workspace_bytes(b)).max().unwrap_or(0);
+    let ws_bytes = candidates.iter().map(|c| need(c.as_ref())).filter(|&b| b <= limit).max().unwrap_or(0);
     let ws = DeviceBuf::zeros(stream, ws_bytes)?;
     let rt = RunCtx { stream, handles: &ctx.gpu.handles, ptrs: &ptrs, workspace: ws.ptr(), workspace_bytes: ws_bytes };
 
@@ -148,12 +153,14 @@ fn time_candidates(ctx: &BuildCtx, candidates: &[Box<dyn Layer>]) -> Result<Vec<
     );
     let mut out = Vec::new();
     for c in candidates {
-        if c.workspace_bytes(batch) > limit {
-            out.push(Err(format!("needs {} bytes of workspace, over the limit of {limit}", c.workspace_bytes(batch))));
+        if need(c.as_ref()) > limit {
+            out.push(Err(format!("needs {} bytes of workspace, over the limit of {limit}", need(c.as_ref()))));
             continue;
         }
-        // One untimed run catches unsupported configurations and warms caches.
-        let warm = c.enqueue(&rt, batch).and_then(|_| stream.synchronize().map_err(cuda_err("synchronising after a tactic run")));
+        // One untimed run per batch of the range catches unsupported configurations and warms caches.
+        let warm = batches
+            .iter()
+            .try_for_each(|&b| c.enqueue(&rt, b).and_then(|_| stream.synchronize().map_err(cuda_err("synchronising after a tactic run"))));
         if let Err(e) = warm {
             out.push(Err(e.to_string()));
             continue;

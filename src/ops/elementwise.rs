@@ -70,15 +70,7 @@ fn erf(x: f64) -> f64 {
 impl Unary {
     /// The op on one value.
     pub fn apply(self, v: f32) -> f32 {
-        let relu6 = |t: f32| {
-            if t < 0.0 {
-                0.0
-            } else if t > 6.0 {
-                6.0
-            } else {
-                t
-            }
-        };
+        let relu6 = |t: f32| t.clamp(0.0, 6.0);
         match self {
             Unary::Relu => {
                 if v < 0.0 {
