@@ -5,6 +5,8 @@
 //! Module structs ──forward(symbolic Tensor)──► Graph ──passes──► CPU executor | EngineBuilder ──► Engine
 //! ```
 
+#![warn(clippy::undocumented_unsafe_blocks)]
+
 pub mod codegen;
 pub mod compare;
 pub mod cpu;

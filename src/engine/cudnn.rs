@@ -25,11 +25,14 @@ struct Desc<T: Copy> {
     raw: T,
     destroy: unsafe fn(T) -> dnn::cudnnStatus_t,
 }
+// SAFETY: a descriptor is plain data owned by this value; cuDNN descriptors may be used from any thread.
 unsafe impl<T: Copy> Send for Desc<T> {}
+// SAFETY: shared use only reads the descriptor (cuDNN calls take it as const).
 unsafe impl<T: Copy> Sync for Desc<T> {}
 impl<T: Copy> Drop for Desc<T> {
     fn drop(&mut self) {
         // Nothing to do about a failed destroy at teardown.
+        // SAFETY: `raw` was created by the matching cuDNN create call and is destroyed once, here.
         let _ = unsafe { (self.destroy)(self.raw) };
     }
 }
@@ -45,6 +48,7 @@ fn tensor(elem: Elem, [n, c, h, w]: [usize; 4]) -> Result<Desc<dnn::cudnnTensorD
     let raw = cudarc::cudnn::result::create_tensor_descriptor().map_err(cuda_err("cudnnCreateTensorDescriptor"))?;
     let d = Desc { raw, destroy: dnn::cudnnDestroyTensorDescriptor };
     let dims = [n as i32, c as i32, h as i32, w as i32];
+    // SAFETY: `d.raw` is a live tensor descriptor created above.
     unsafe { cudarc::cudnn::result::set_tensor4d_descriptor(d.raw, dnn::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC, data_type(elem), dims) }
         .map_err(cuda_err("cudnnSetTensor4dDescriptor"))?;
     Ok(d)
@@ -54,6 +58,7 @@ fn filter(elem: Elem, [k, c, h, w]: [usize; 4]) -> Result<Desc<dnn::cudnnFilterD
     let raw = cudarc::cudnn::result::create_filter_descriptor().map_err(cuda_err("cudnnCreateFilterDescriptor"))?;
     let d = Desc { raw, destroy: dnn::cudnnDestroyFilterDescriptor };
     let dims = [k as i32, c as i32, h as i32, w as i32];
+    // SAFETY: `d.raw` is a live filter descriptor created above.
     unsafe { cudarc::cudnn::result::set_filter4d_descriptor(d.raw, data_type(elem), dnn::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC, dims) }
         .map_err(cuda_err("cudnnSetFilter4dDescriptor"))?;
     Ok(d)
@@ -73,6 +78,7 @@ fn math_type(p: Precision) -> dnn::cudnnMathType_t {
 fn conv_desc(a: &ConvAttrs, p: Precision) -> Result<Desc<dnn::cudnnConvolutionDescriptor_t>> {
     let raw = cudarc::cudnn::result::create_convolution_descriptor().map_err(cuda_err("cudnnCreateConvolutionDescriptor"))?;
     let d = Desc { raw, destroy: dnn::cudnnDestroyConvolutionDescriptor };
+    // SAFETY: `d.raw` is a live convolution descriptor created above; the arrays outlive the calls.
     unsafe {
         // Accumulate in f32 for every precision (cuDNN's "pseudo half" for f16 data).
         cudarc::cudnn::result::set_convolution2d_descriptor(
@@ -97,6 +103,7 @@ fn activation(relu: bool) -> Result<Desc<dnn::cudnnActivationDescriptor_t>> {
     let raw = cudarc::cudnn::result::create_activation_descriptor().map_err(cuda_err("cudnnCreateActivationDescriptor"))?;
     let d = Desc { raw, destroy: dnn::cudnnDestroyActivationDescriptor };
     let mode = if relu { dnn::cudnnActivationMode_t::CUDNN_ACTIVATION_RELU } else { dnn::cudnnActivationMode_t::CUDNN_ACTIVATION_IDENTITY };
+    // SAFETY: `d.raw` is a live activation descriptor created above.
     unsafe { cudarc::cudnn::result::set_activation_descriptor(d.raw, mode, dnn::cudnnNanPropagation_t::CUDNN_NOT_PROPAGATE_NAN, 0.0) }
         .map_err(cuda_err("cudnnSetActivationDescriptor"))?;
     Ok(d)
@@ -314,6 +321,8 @@ impl Layer for ConvLayer {
                     Some(z) => (rt.ptr(z) as *const c_void, 1f32),
                     None => (y as *const c_void, 0f32),
                 };
+                // SAFETY: descriptors are live (owned by `s` and `d`); the addresses come from the context's arena,
+                // bindings and workspace, sized for `batch` by the builder; the scalars outlive the call.
                 unsafe {
                     check(
                         dnn::cudnnConvolutionBiasActivationForward(
@@ -340,6 +349,7 @@ impl Layer for ConvLayer {
                     )
                 }
             }
+            // SAFETY: as in the fused call above: live descriptors, arena/binding/workspace addresses sized for `batch`.
             Mode::Separate => unsafe {
                 check(
                     dnn::cudnnConvolutionForward(
@@ -481,6 +491,7 @@ fn fwd_layers(ctx: &BuildCtx, shared: &Arc<ConvShared>, pad: Option<Arc<PadStep>
     let d = shared.descs(ctx.config.max_batch)?;
     for algo in FWD_ALGOS {
         let mut ws = 0usize;
+        // SAFETY: the handle and descriptors are live; `ws` outlives the call.
         let st = unsafe {
             dnn::cudnnGetConvolutionForwardWorkspaceSize(handle, d.x.raw, shared.filter.raw, shared.conv.raw, d.y.raw, algo, &mut ws)
         };
@@ -535,6 +546,7 @@ impl Layer for DeconvLayer {
         let (input, out) = (rt.ptr(s.x) as *const c_void, rt.ptr(s.y) as *mut c_void);
         let (one, zero) = (1f32, 0f32);
         let p = |v: &f32| v as *const f32 as *const c_void;
+        // SAFETY: live descriptors (owned by `s` and `d`); arena, binding and workspace addresses sized for `batch`.
         unsafe {
             check(
                 dnn::cudnnConvolutionBackwardData(
@@ -602,6 +614,7 @@ pub fn deconv_candidates(ctx: &mut BuildCtx, node: NodeId) -> Result<Vec<Box<dyn
     let mut out: Vec<Box<dyn Layer>> = Vec::new();
     for algo in BWD_ALGOS {
         let mut ws = 0usize;
+        // SAFETY: the handle and descriptors are live; `ws` outlives the call.
         let st = unsafe {
             dnn::cudnnGetConvolutionBackwardDataWorkspaceSize(handle, shared.filter.raw, d.y.raw, shared.conv.raw, d.x.raw, algo, &mut ws)
         };

@@ -25,8 +25,8 @@ pub struct ExecutionContext {
     use_graphs: bool,
 }
 
-// A context is used by one thread at a time (every method takes `&mut self`); its CUDA graphs are
-// only launched from that thread.
+// SAFETY: a context is used by one thread at a time (every method takes `&mut self`); its CUDA
+// graphs are only launched from that thread.
 unsafe impl Send for ExecutionContext {}
 
 impl Engine {
@@ -163,6 +163,8 @@ impl ExecutionContext {
             let mut shape = vec![batch];
             shape.extend(&desc.dims);
             let mut data = vec![0f32; batch * desc.per_image_elems()];
+            // SAFETY: `data` holds `batch` images of the binding, which the device pointer holds too; the
+            // stream is synchronised before `data` is read or dropped.
             unsafe { drv::memcpy_dtoh_async(&mut data, self.ptrs[v.0], self.stream.cu_stream()) }
                 .map_err(cuda_err("copying an output to the host"))?;
             self.stream.synchronize().map_err(cuda_err("running the engine"))?;
@@ -196,6 +198,8 @@ impl ExecutionContext {
                 return Err(Error::Binding { name: name.to_string(), reason: "inputs have different batch sizes".into() });
             }
             self.check_batch(b)?;
+            // SAFETY: the binding's device buffer holds `max_batch` images and `t` was checked to hold `b` of
+            // them; the stream is synchronised before `t` can be dropped by the caller.
             unsafe { drv::memcpy_htod_async(self.ptrs[v.0], &t.data, self.stream.cu_stream()) }
                 .map_err(cuda_err("copying an input to the device"))?;
         }

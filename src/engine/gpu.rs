@@ -36,15 +36,17 @@ pub struct Handles {
     pub lt: lt_sys::cublasLtHandle_t,
 }
 
-// The handles are only used from the thread that holds the owning context or builder (`&mut` or
-// behind that owner's lock); the libraries allow moving a handle between threads.
+// SAFETY: the handles are only used from the thread that holds the owning context or builder
+// (`&mut` or behind that owner's lock); the libraries allow moving a handle between threads.
 unsafe impl Send for Handles {}
+// SAFETY: as for `Send`: shared references never use a handle concurrently.
 unsafe impl Sync for Handles {}
 
 impl Handles {
     pub fn new(stream: &CudaStream) -> Result<Self> {
         stream.context().bind_to_thread().map_err(cuda_err("binding the CUDA context"))?;
         let cudnn = cudarc::cudnn::result::create_handle().map_err(cuda_err("cudnnCreate"))?;
+        // SAFETY: `cudnn` is the live handle created above; the stream outlives it (both owned by `Gpu`).
         unsafe { cudarc::cudnn::result::set_stream(cudnn, stream.cu_stream() as *mut _) }.map_err(cuda_err("cudnnSetStream"))?;
         let lt = cudarc::cublaslt::result::create_handle().map_err(cuda_err("cublasLtCreate"))?;
         Ok(Self { cudnn, lt })
@@ -54,6 +56,7 @@ impl Handles {
 impl Drop for Handles {
     fn drop(&mut self) {
         // Errors on teardown cannot be acted on; the handles are gone either way.
+        // SAFETY: the handles were created in `Handles::new` and are destroyed once, here.
         unsafe {
             let _ = cudarc::cudnn::result::destroy_handle(self.cudnn);
             let _ = cudarc::cublaslt::result::destroy_handle(self.lt);
@@ -118,11 +121,13 @@ impl Gpu {
             .map_err(|e| Error::NoGpu(format!("cannot open GPU {ordinal}: {e:?}")))?;
         // Kiln orders its own work: one stream per execution context, weights uploaded and
         // synchronised at build. cudarc's per-buffer events would only add host cost per call.
+        // SAFETY: called once before any buffer of this context exists (see the note above).
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
         let handles = Handles::new(&stream)?;
         let (major, minor) = ctx.compute_capability().map_err(cuda_err("reading the compute capability"))?;
         let mut driver = 0i32;
+        // SAFETY: `driver` outlives the call.
         unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) }.result().map_err(cuda_err("cuDriverGetVersion"))?;
         let info = GpuInfo {
             name: ctx.name().map_err(cuda_err("reading the device name"))?,

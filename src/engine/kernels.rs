@@ -148,12 +148,15 @@ pub fn compile_source(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
         // SAFETY: `prog` is live until the end of this closure.
         let compiled = unsafe { nvrtc::compile_program(prog.0, &options(arch)) };
         if let Err(e) = compiled {
+            // SAFETY: `prog.0` is a live program created above; the options outlive the call.
             let log = unsafe { nvrtc::get_program_log(prog.0) }.map(|l| c_chars_to_string(&l)).unwrap_or_default();
             return Err(fail(format!("{e:?} for {arch}\n{log}")));
         }
         let mut size = 0usize;
+        // SAFETY: `prog.0` is a live, compiled program; `size` outlives the call.
         unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog.0, &mut size) }.result().map_err(|e| fail(format!("nvrtcGetCUBINSize: {e:?}")))?;
         let mut cubin = vec![0u8; size];
+        // SAFETY: `cubin` has the size NVRTC reported for this program.
         unsafe { nvrtc_sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr().cast()) }
             .result()
             .map_err(|e| fail(format!("nvrtcGetCUBIN: {e:?}")))?;
