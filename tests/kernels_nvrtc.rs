@@ -3,7 +3,7 @@
 //! does not compile never lands; elsewhere, a missing NVRTC skips these tests with the reason.
 
 use kiln::engine::kernel_layers::entry_points;
-use kiln::engine::kernels::{self, cached_compile, compile_all_for, compile_source, image_has_symbol, FAMILIES};
+use kiln::engine::kernels::{self, cached_compile, compile_all_for, compile_source, image_has_symbol, FAMILIES, ON_DEMAND};
 use kiln::Error;
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -63,7 +63,7 @@ fn every_kernel_family_compiles_for_sm_90() {
     let t = Instant::now();
     let compiled = compile_all_for(ARCH).unwrap_or_else(|e| panic!("{e}"));
     println!("NVRTC {major}.{minor}: {} families for {ARCH} in {:.2?}", compiled.len(), t.elapsed());
-    assert_eq!(compiled.len(), FAMILIES.len());
+    assert_eq!(compiled.len(), FAMILIES.len() + ON_DEMAND.len(), "every family, eager and on demand");
     for (name, bytes) in &compiled {
         println!("  {name:<16} {bytes:>8} bytes of CUBIN");
         assert!(*bytes > 1000, "{name} compiled to a suspiciously small image");
@@ -80,6 +80,17 @@ fn every_entry_point_the_layers_launch_exists() {
     for entry in entry_points() {
         let homes: Vec<&str> = images.iter().filter(|(_, img)| image_has_symbol(img, &entry)).map(|(n, _)| *n).collect();
         assert_eq!(homes.len(), 1, "entry point `{entry}` should be defined by exactly one family, found in {homes:?}");
+    }
+}
+
+#[test]
+fn centernet_decode_kernels_compile_with_every_entry_point() {
+    if !require_nvrtc() {
+        return;
+    }
+    let image = compile_source("decode.cu", kiln_models::centernet::DECODE_CU, ARCH).unwrap_or_else(|e| panic!("{e}"));
+    for entry in kiln_models::centernet::decode_entry_points() {
+        assert!(image_has_symbol(&image, &entry), "decode.cu defines no `{entry}`");
     }
 }
 

@@ -16,6 +16,23 @@ use kiln::{
 /// Detections kept per image by default.
 pub const DEFAULT_K: usize = 100;
 
+/// The decode's kernels (`models/kernels/decode.cu`): they live with the model that registers the
+/// op, as a user's kernels would, and are compiled when a decode layer is built.
+pub const DECODE_CU: &str = include_str!("../kernels/decode.cu");
+
+/// Every entry point the decode layer launches (checked against `DECODE_CU` by the NVRTC test).
+pub fn decode_entry_points() -> Vec<String> {
+    let mut names = vec!["decode_threshold".to_string(), "decode_merge".to_string()];
+    for t in ["f32", "f16"] {
+        names.push(format!("decode_select_{t}"));
+        names.push(format!("decode_tile_max_{t}"));
+        for o in ["f32", "f16"] {
+            names.push(format!("decode_boxes_{t}_{o}"));
+        }
+    }
+    names
+}
+
 /// One head: `nn.Sequential(Conv2d(256, 64, 3, padding=1), ReLU, Conv2d(64, cout, 1))`.
 #[derive(Module)]
 #[module(config = usize)]
@@ -391,6 +408,7 @@ mod gpu {
         // Detections stay f32 in every precision: f16 would round a coordinate of 100 to 1/16.
         ctx.set_output_elem(Elem::F32)?;
         let (e, o) = (dh.elem.suffix(), ctx.value(out).elem.suffix());
+        ctx.kernels.add_source("decode.cu", super::DECODE_CU)?;
         let select = ctx.kernels.get(&format!("decode_select_{e}"))?;
         let tile_max = ctx.kernels.get(&format!("decode_tile_max_{e}"))?;
         let threshold = ctx.kernels.get("decode_threshold")?;

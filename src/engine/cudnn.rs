@@ -236,7 +236,10 @@ struct PadStep {
 }
 
 /// `kernels/pad.cu`, compiled with NVRTC on first use like Kiln's other kernels.
-pub const PAD_CU: &str = include_str!("../../kernels/pad.cu");
+pub use super::kernels::ON_DEMAND;
+
+/// The channel-padding kernel family (`kernels/pad.cu`).
+pub const PAD_CU: &str = ON_DEMAND[0].1;
 
 /// A forward convolution with its algorithm and mode (one tactic candidate).
 pub struct ConvLayer {

@@ -22,7 +22,7 @@ use std::mem::size_of;
 use std::sync::{Arc, Mutex};
 
 /// `kernels/im2col.cu`, compiled with NVRTC on first use like Kiln's other kernels.
-pub const IM2COL_CU: &str = include_str!("../../kernels/im2col.cu");
+pub const IM2COL_CU: &str = super::kernels::ON_DEMAND[1].1;
 
 /// Columns the kernel's shared offset table holds (`IM2COL_MAX_K`).
 const MAX_K: usize = 1024;

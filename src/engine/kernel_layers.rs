@@ -575,19 +575,15 @@ pub fn entry_points() -> Vec<String> {
             "avg_pool2d",
             "adaptive_avg_pool2d",
             "concat_channels",
-            "decode_select",
-            "decode_tile_max",
         ] {
             names.push(format!("{k}_{t}"));
         }
         for u in ["f32", "f16"] {
-            for k in ["nchw_to_nhwc", "nhwc_to_nchw", "nchw_to_nhwc_small", "nhwc_to_nchw_small", "cast", "permute", "decode_boxes"] {
+            for k in ["nchw_to_nhwc", "nhwc_to_nchw", "nchw_to_nhwc_small", "nhwc_to_nchw_small", "cast", "permute"] {
                 names.push(format!("{k}_{t}_{u}"));
             }
         }
     }
-    names.push("decode_merge".into());
-    names.push("decode_threshold".into());
     names
 }
 

@@ -31,8 +31,12 @@ pub const FAMILIES: &[(&str, &str)] = &[
     ("pool.cu", include_str!("../../kernels/pool.cu")),
     ("concat.cu", include_str!("../../kernels/concat.cu")),
     ("permute.cu", include_str!("../../kernels/permute.cu")),
-    ("decode.cu", include_str!("../../kernels/decode.cu")),
 ];
+
+/// Families compiled only when a layer that launches them is built (`Kernels::add_source`): the
+/// channel padding of the FP16 cuDNN path and the im2col of the small-channel stem.
+pub const ON_DEMAND: &[(&str, &str)] =
+    &[("pad.cu", include_str!("../../kernels/pad.cu")), ("im2col.cu", include_str!("../../kernels/im2col.cu"))];
 
 /// Loads NVRTC from an explicit path (a file, or a folder holding `libnvrtc.so*`) and keeps it
 /// loaded, so that cudarc's later lookup by name finds it even when its folder is not on
@@ -168,7 +172,7 @@ pub fn compile_source(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
 /// kernel that does not compile from landing. Needs NVRTC, not a GPU. Returns each family's
 /// name and CUBIN size.
 pub fn compile_all_for(arch: &str) -> Result<Vec<(String, usize)>> {
-    FAMILIES.iter().map(|(name, src)| Ok((name.to_string(), compile_source(name, src, arch)?.len()))).collect()
+    FAMILIES.iter().chain(ON_DEMAND).map(|(name, src)| Ok((name.to_string(), compile_source(name, src, arch)?.len()))).collect()
 }
 
 /// A stable hash of several byte strings for cache keys (std's hasher may change between
