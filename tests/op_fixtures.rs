@@ -29,25 +29,25 @@ fn build(case: &str, vb: VarBuilder, x: &Tensor, other: Option<&Tensor>) -> Opti
     let other = || other.ok_or_else(|| kiln::Error::Graph(format!("case {case} needs `{case}.other`")));
     let c = Conv2dConfig::new;
     Some(match case {
-        "conv_stride2_pad" => conv(vb, x, c(3, 8, 3).stride(2).padding(1)),
-        "conv_dilation2" => conv(vb, x, c(4, 5, 3).padding(2).dilation(2)),
-        "conv_groups" => conv(vb, x, c(8, 12, 3).padding(1).groups(4)),
-        "conv_depthwise" => conv(vb, x, c(6, 6, 3).stride(2).padding(1).groups(6)),
-        "conv_nonsquare_batch3" => conv(vb, x, c(3, 4, 5).padding(1).bias(false)),
-        "maxpool_ceil" => MaxPool2d::load(vb, &Pool2dConfig::new(3).stride(2).padding(1).ceil_mode(true)).and_then(|m| m.forward(x)),
-        "maxpool_default" => MaxPool2d::load(vb, &Pool2dConfig::new(2)).and_then(|m| m.forward(x)),
-        "avgpool_pad" => AvgPool2d::load(vb, &Pool2dConfig::new(3).stride(2).padding(1)).and_then(|m| m.forward(x)),
-        "avgpool_pad_exclude" => {
+        "conv2d_stride2_pad" => conv(vb, x, c(3, 8, 3).stride(2).padding(1)),
+        "conv2d_dilation2" => conv(vb, x, c(4, 5, 3).padding(2).dilation(2)),
+        "conv2d_groups" => conv(vb, x, c(8, 12, 3).padding(1).groups(4)),
+        "conv2d_depthwise" => conv(vb, x, c(6, 6, 3).stride(2).padding(1).groups(6)),
+        "conv2d_nonsquare_batch3" => conv(vb, x, c(3, 4, 5).padding(1).bias(false)),
+        "max_pool2d_ceil" => MaxPool2d::load(vb, &Pool2dConfig::new(3).stride(2).padding(1).ceil_mode(true)).and_then(|m| m.forward(x)),
+        "max_pool2d_default" => MaxPool2d::load(vb, &Pool2dConfig::new(2)).and_then(|m| m.forward(x)),
+        "avg_pool2d_pad" => AvgPool2d::load(vb, &Pool2dConfig::new(3).stride(2).padding(1)).and_then(|m| m.forward(x)),
+        "avg_pool2d_pad_exclude" => {
             let cfg = Pool2dConfig { count_include_pad: false, ..Pool2dConfig::new(3).stride(2).padding(1) };
             AvgPool2d::load(vb, &cfg).and_then(|m| m.forward(x))
         }
-        "avgpool_ceil" => AvgPool2d::load(vb, &Pool2dConfig::new(2).stride(2).ceil_mode(true)).and_then(|m| m.forward(x)),
-        "adaptive_avgpool_3x3" => AdaptiveAvgPool2d::load(vb, &[3, 3]).and_then(|m| m.forward(x)),
-        "conv_transpose_outpad_groups" => {
+        "avg_pool2d_ceil" => AvgPool2d::load(vb, &Pool2dConfig::new(2).stride(2).ceil_mode(true)).and_then(|m| m.forward(x)),
+        "adaptive_avg_pool2d_3x3" => AdaptiveAvgPool2d::load(vb, &[3, 3]).and_then(|m| m.forward(x)),
+        "conv_transpose2d_outpad_groups" => {
             ConvTranspose2d::load(vb, &c(4, 6, 3).stride(2).padding(1).output_padding(1).groups(2)).and_then(|m| m.forward(x))
         }
-        "conv_transpose_k4s2" => ConvTranspose2d::load(vb, &c(6, 4, 4).stride(2).padding(1).bias(false)).and_then(|m| m.forward(x)),
-        "batchnorm_eps" => BatchNorm2d::load(vb, &BatchNorm2dConfig { num_features: 5, eps: 1e-3 }).and_then(|m| m.forward(x)),
+        "conv_transpose2d_k4s2" => ConvTranspose2d::load(vb, &c(6, 4, 4).stride(2).padding(1).bias(false)).and_then(|m| m.forward(x)),
+        "batch_norm2d_eps" => BatchNorm2d::load(vb, &BatchNorm2dConfig { num_features: 5, eps: 1e-3 }).and_then(|m| m.forward(x)),
         "linear" => Linear::load(vb, &LinearConfig::new(20, 7)).and_then(|m| m.forward(x)),
         "leaky_relu" => LeakyReLU::load(vb, &LeakyReLUConfig { negative_slope: 0.2 }).and_then(|m| m.forward(x)),
         "sigmoid" => Sigmoid::load(vb, &()).and_then(|m| m.forward(x)),
@@ -95,4 +95,19 @@ fn every_op_fixture_matches_pytorch() {
         weights.unused().into_iter().filter(|k| !(k.ends_with(".input") || k.ends_with(".other") || k.ends_with(".output"))).collect();
     assert!(unused.is_empty(), "parameters in the fixture that no Kiln layer loaded: {unused:?}");
     assert!(failures.is_empty(), "op fixtures above rel L2 {TOL}:\n{}", failures.join("\n"));
+}
+
+/// No op can be half-added: every built-in op (one of each variant of every family, from
+/// `kiln::ops::builtin_ops`) has at least one PyTorch fixture case named after it (`<op>` or
+/// `<op>_<variant>`), which `every_op_fixture_matches_pytorch` runs through its CPU reference.
+/// Its shape rule, CPU reference and converter are methods of `OpDef`, which the compiler asks
+/// every family to implement for every variant.
+#[test]
+fn every_builtin_op_has_a_pytorch_fixture() {
+    let tensors = read_safetensors(fixture()).expect("op fixtures");
+    let cases: Vec<&str> = tensors.keys().filter_map(|k| k.strip_suffix(".output")).collect();
+    let names: std::collections::BTreeSet<String> = kiln::ops::builtin_ops().iter().map(|op| op.name().to_string()).collect();
+    println!("{} built-in ops: {names:?}", names.len());
+    let missing: Vec<&String> = names.iter().filter(|n| !cases.iter().any(|c| c == n || c.starts_with(&format!("{n}_")))).collect();
+    assert!(missing.is_empty(), "built-in ops without a PyTorch fixture in ops.reference.safetensors: {missing:?}");
 }

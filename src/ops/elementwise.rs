@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 /// One-input elementwise ops, with PyTorch's definitions. NaN propagates through every one of
 /// them, as in PyTorch.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize, strum::EnumIter)]
 pub enum Unary {
     Relu,
     LeakyRelu {
@@ -175,7 +175,7 @@ impl OpDef for Unary {
 
 /// Two-input elementwise arithmetic with broadcasting (trailing dims aligned, size-1 dims
 /// stretched), as PyTorch's `+ - * /` on tensors.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, strum::EnumIter)]
 pub enum Binary {
     Add,
     Sub,

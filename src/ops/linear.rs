@@ -10,7 +10,7 @@ use crate::Result;
 use serde::{Deserialize, Serialize};
 
 /// Matrix products. Inputs: Linear: x `[N, ..., in]`, weight `[out, in]`, bias? `[out]`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, strum::EnumIter)]
 pub enum Gemm {
     Linear { bias: bool },
 }

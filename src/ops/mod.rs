@@ -17,8 +17,25 @@ pub mod resize;
 pub mod shape;
 
 use crate::engine::{BuildCtx, Layer, Layout};
-use crate::graph::{HostTensor, NodeId};
+use crate::graph::{Binary, ConvAttrs, Gemm, HostTensor, NodeId, Norm, Op, Pool, Resize, ShapeOp, Unary};
 use std::borrow::Cow;
+use strum::IntoEnumIterator;
+
+/// One op of every built-in kind (attributes at their defaults), for the op-completeness test:
+/// each family's enum lists its own variants, so a new variant is on this list by itself.
+pub fn builtin_ops() -> Vec<Op> {
+    let convs = [false, true].map(|transposed| Op::Conv(ConvAttrs { transposed, ..Default::default() }));
+    convs
+        .into_iter()
+        .chain(Gemm::iter().map(Op::Gemm))
+        .chain(Norm::iter().map(Op::Norm))
+        .chain(Pool::iter().map(Op::Pool))
+        .chain(Unary::iter().map(Op::Unary))
+        .chain(Binary::iter().map(Op::Binary))
+        .chain(ShapeOp::iter().map(Op::Shape))
+        .chain(Resize::iter().map(Op::Resize))
+        .collect()
+}
 
 /// What every op provides. Implemented by each op family; reached through `Op::def`.
 pub trait OpDef {

@@ -11,7 +11,7 @@ use crate::Result;
 use serde::{Deserialize, Serialize};
 
 /// Normalisations. Inputs: BatchNorm2d: x, weight, bias, running_mean, running_var.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize, strum::EnumIter)]
 pub enum Norm {
     BatchNorm2d { eps: f32 },
 }

@@ -10,7 +10,7 @@ use crate::var_builder::VarBuilder;
 use crate::Result;
 use serde::{Deserialize, Serialize};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct PoolAttrs {
     pub kernel: [usize; 2],
     pub stride: [usize; 2],
@@ -21,7 +21,7 @@ pub struct PoolAttrs {
 }
 
 /// Pooling over the spatial dims of an NCHW tensor.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, strum::EnumIter)]
 pub enum Pool {
     Max(PoolAttrs),
     Avg(PoolAttrs),

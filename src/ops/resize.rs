@@ -6,7 +6,7 @@ use crate::ops::{CpuArgs, OpDef};
 use serde::{Deserialize, Serialize};
 
 /// Resizing ops of NCHW tensors.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, strum::EnumIter)]
 pub enum Resize {}
 
 impl OpDef for Resize {

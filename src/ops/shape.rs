@@ -6,7 +6,7 @@ use crate::ops::{CpuArgs, LayoutPlan, OpDef};
 use serde::{Deserialize, Serialize};
 
 /// Data movement. Inputs: one tensor, except Cat (any number, equal except along `dim`).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, strum::EnumIter)]
 pub enum ShapeOp {
     /// `torch.flatten(x, start)`.
     Flatten { start: usize },
