@@ -196,7 +196,7 @@ fn f32_lit(v: f32) -> String {
 /// `Op::Conv(ConvAttrs { stride: [2, 2], ..ConvAttrs::default() })`), so every op, built-in or
 /// custom, has codegen without code of its own. Types named in it are added to `used`.
 fn op_expr(op: &Op, used: &mut BTreeSet<&'static str>) -> Result<Doc> {
-    let doc = op.serialize(RustLit { used: &mut *used }).map_err(|e| Error::Graph(format!("codegen: op `{}`: {e}", op.name())))?;
+    let doc = op.serialize(RustLit { used: &mut *used }).map_err(|e| Error::Codegen { reason: format!("op `{}`: {e}", op.name()) })?;
     Ok(elide_defaults(doc))
 }
 
@@ -559,13 +559,17 @@ pub fn generate(graph: &Graph, opts: &CodegenOptions) -> Result<String> {
                         _ => match &names[i] {
                             Some(v) => inputs.push(Doc::Atom(format!("&{v}"))),
                             None => {
-                                return Err(Error::Graph(format!("codegen: node %{id} (`{}`) reads %{i}, which comes later", node.path)))
+                                return Err(Error::InvalidGraph {
+                                    node: id,
+                                    path: node.path.clone(),
+                                    reason: format!("reads %{i}, which comes later"),
+                                })
                             }
                         },
                     }
                 }
                 if inputs.is_empty() {
-                    return Err(Error::Graph(format!("codegen: op `{}` at `{}` has no tensor input", op.name(), node.path)));
+                    return Err(Error::NoTensorInput { op: op.name().to_string(), path: node.path.clone() });
                 }
                 // A weight read between two tensor inputs cannot be expressed by `Tensor::record`,
                 // which puts tensors first.
@@ -575,7 +579,7 @@ pub fn generate(graph: &Graph, opts: &CodegenOptions) -> Result<String> {
                     .skip_while(|&&i| !matches!(graph.nodes[i].op, Op::Weight { .. }))
                     .any(|&i| !matches!(graph.nodes[i].op, Op::Weight { .. }))
                 {
-                    return Err(Error::Graph(format!("codegen: op `{}` at `{}` reads a tensor after a weight", op.name(), node.path)));
+                    return Err(Error::Codegen { reason: format!("op `{}` at `{}` reads a tensor after a weight", op.name(), node.path) });
                 }
                 let v = var();
                 let expr = Doc::Call {
@@ -595,7 +599,7 @@ pub fn generate(graph: &Graph, opts: &CodegenOptions) -> Result<String> {
         }
     }
     for (name, id) in &graph.outputs {
-        let v = names[*id].as_ref().ok_or_else(|| Error::Graph(format!("codegen: output `{name}` is a weight")))?;
+        let v = names[*id].as_ref().ok_or_else(|| Error::Codegen { reason: format!("output `{name}` is a weight") })?;
         body += &format!("    tracer.output({name:?}, &{v});\n");
     }
     body += "    Ok(tracer.graph())\n";

@@ -69,7 +69,7 @@ pub fn run(graph: &Graph, inputs: &[(&str, &HostTensor)]) -> Result<BTreeMap<Str
         // A value marked under several names is copied for all but its last name.
         let last_name = !graph.outputs[k + 1..].iter().any(|(_, o)| o == id);
         let v = if last_name { values[*id].take() } else { values[*id].clone() };
-        let v = v.ok_or_else(|| Error::Graph(format!("output `{name}` (%{id}) was not computed")))?;
+        let v = v.ok_or_else(|| Error::Binding { name: name.clone(), reason: format!("the output (%{id}) was not computed") })?;
         out.insert(name.clone(), v.into_owned());
     }
     Ok(out)
@@ -80,11 +80,18 @@ pub fn run(graph: &Graph, inputs: &[(&str, &HostTensor)]) -> Result<BTreeMap<Str
 fn check_order(graph: &Graph) -> Result<()> {
     for (id, n) in graph.nodes.iter().enumerate() {
         if let Some(j) = n.inputs.iter().find(|&&j| j >= id) {
-            return Err(Error::Graph(format!("`{}` (%{id}, {}) reads %{j}, which does not precede it", n.path, n.op.name())));
+            return Err(Error::InvalidGraph {
+                node: id,
+                path: n.path.clone(),
+                reason: format!("{} reads %{j}, which does not precede it", n.op.name()),
+            });
         }
     }
     if let Some((name, id)) = graph.outputs.iter().find(|(_, id)| *id >= graph.nodes.len()) {
-        return Err(Error::Graph(format!("output `{name}` names %{id}, but the graph has {} nodes", graph.nodes.len())));
+        return Err(Error::Binding {
+            name: name.clone(),
+            reason: format!("the output names %{id}, but the graph has {} nodes", graph.nodes.len()),
+        });
     }
     Ok(())
 }
@@ -150,8 +157,13 @@ fn eval_node<'g>(
     is_output: &BTreeSet<NodeId>,
 ) -> Result<HostTensor> {
     let node = &graph.nodes[id];
-    let missing = |j: NodeId| Error::Graph(format!("`{}` (%{id}) reads %{j}, which is not computed before it", node.path));
-    let def = node.op.def().ok_or_else(|| Error::Graph(format!("`{}` (%{id}) is a leaf, not an op", node.path)))?;
+    let missing = |j: NodeId| Error::InvalidGraph {
+        node: id,
+        path: node.path.clone(),
+        reason: format!("reads %{j}, which is not computed before it"),
+    };
+    let def =
+        node.op.def().ok_or_else(|| Error::InvalidGraph { node: id, path: node.path.clone(), reason: "is a leaf, not an op".into() })?;
     let moved = match node.inputs.first() {
         Some(&j) if pending[j] == 1 && !is_output.contains(&j) => Some(values[j].take().ok_or_else(|| missing(j))?),
         _ => None,

@@ -30,8 +30,14 @@ pub enum Error {
     #[error("tensors from different traces were combined in `{path}`")]
     MixedTraces { path: String },
 
-    #[error("{0}")]
-    Graph(String),
+    #[error("op `{op}` at `{path}` has no tensor input")]
+    NoTensorInput { op: String, path: String },
+
+    #[error("op `{op}` needs attribute `{key}`")]
+    Attribute { op: String, key: String },
+
+    #[error("codegen: {reason}")]
+    Codegen { reason: String },
 
     #[error("unknown model `{name}`; the bundled models are: {known}")]
     UnknownModel { name: String, known: String },
@@ -45,6 +51,18 @@ pub enum Error {
 
     #[error("input `{name}`: {reason}")]
     Binding { name: String, reason: String },
+
+    #[error("cannot lower `{path}` ({op}): {reason}")]
+    Lower { path: String, op: String, reason: String },
+
+    #[error("invalid build configuration: {reason}")]
+    Config { reason: String },
+
+    #[error("cannot serialise {what}: {reason}")]
+    Serialize { what: String, reason: String },
+
+    #[error("`{path}`: the {what} cache was poisoned by a panic on another thread")]
+    Poisoned { path: String, what: String },
 
     #[error("engine file {path}: {reason}")]
     EngineFile { path: String, reason: String },

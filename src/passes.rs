@@ -238,14 +238,24 @@ pub fn topological_order(g: &Graph, keep: &[bool]) -> Result<Vec<NodeId>> {
             *next += 1;
             let node = &g.nodes[id];
             if !keep[input] {
-                return Err(Error::Graph(format!("`{}` (%{id}, {}) reads %{input}, which a pass removed", node.path, node.op.name())));
+                return Err(Error::InvalidGraph {
+                    node: id,
+                    path: node.path.clone(),
+                    reason: format!("{} reads %{input}, which a pass removed", node.op.name()),
+                });
             }
             match state[input] {
                 State::New => {
                     state[input] = State::Open;
                     stack.push((input, 0));
                 }
-                State::Open => return Err(Error::Graph(format!("`{}` (%{id}, {}) is part of a cycle", node.path, node.op.name()))),
+                State::Open => {
+                    return Err(Error::InvalidGraph {
+                        node: id,
+                        path: node.path.clone(),
+                        reason: format!("{} is part of a cycle", node.op.name()),
+                    })
+                }
                 State::Done => {}
             }
         }
@@ -278,7 +288,7 @@ fn rebuild(g: &Graph, keep: impl Fn(NodeId, &crate::graph::Node) -> bool) -> Res
     out.inputs = g.inputs.iter().map(|&i| new_id[i]).collect();
     for (name, id) in &g.outputs {
         if !keep[*id] {
-            return Err(Error::Graph(format!("output `{name}` reads %{id}, which a pass removed")));
+            return Err(Error::Binding { name: name.clone(), reason: format!("the output reads %{id}, which a pass removed") });
         }
         out.outputs.push((name.clone(), new_id[*id]));
     }

@@ -96,7 +96,7 @@ impl Tensor {
 
     /// Records `op` applied to `inputs` and `params`, as the layer at `path`.
     pub fn record(path: &str, op: Op, inputs: &[&Tensor], params: &[&Param]) -> Result<Tensor> {
-        let first = inputs.first().ok_or_else(|| Error::Graph(format!("op `{}` at `{path}` has no tensor input", op.name())))?;
+        let first = inputs.first().ok_or_else(|| Error::NoTensorInput { op: op.name().to_string(), path: path.to_string() })?;
         if inputs.iter().any(|t| !Rc::ptr_eq(&t.tracer.0, &first.tracer.0)) {
             return Err(Error::MixedTraces { path: path.to_string() });
         }

@@ -597,7 +597,7 @@ fn malformed_graphs_are_errors() {
     let conv = g.nodes.iter().position(|n| n.path == "conv" && n.op.name() == "conv2d").expect("conv");
     g.nodes[conv].inputs[0] = g.nodes.len() - 1;
     match cpu::run(&g, &[("x", &x)]) {
-        Err(Error::Graph(msg)) => assert!(msg.contains("`conv`") && msg.contains("does not precede"), "{msg}"),
+        Err(Error::InvalidGraph { path, reason, .. }) => assert!(path == "conv" && reason.contains("does not precede"), "{reason}"),
         other => panic!("expected a graph-order error, got {other:?}"),
     }
 }

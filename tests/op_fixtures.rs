@@ -26,7 +26,7 @@ fn conv(vb: VarBuilder, x: &Tensor, c: Conv2dConfig) -> Result<Tensor> {
 
 /// The Kiln twin of each PyTorch case in `op_cases()` of the export script. `None`: unknown case.
 fn build(case: &str, vb: VarBuilder, x: &Tensor, other: Option<&Tensor>) -> Option<Result<Tensor>> {
-    let other = || other.ok_or_else(|| kiln::Error::Graph(format!("case {case} needs `{case}.other`")));
+    let other = || other.ok_or_else(|| kiln::Error::MissingWeight { key: format!("{case}.other"), source_name: "the op fixtures".into() });
     let c = Conv2dConfig::new;
     Some(match case {
         "conv2d_stride2_pad" => conv(vb, x, c(3, 8, 3).stride(2).padding(1)),

@@ -163,14 +163,10 @@ fn plan_layouts(graph: &Graph) -> Result<(NodeLayouts, Vec<Option<LayoutPlan>>)>
     let mut layout: Vec<Option<Layout>> = vec![None; graph.nodes.len()];
     let mut plans = vec![None; graph.nodes.len()];
     for (id, node) in graph.nodes.iter().enumerate() {
-        let rank = node.shape.len().checked_sub(1).filter(|&r| r <= MAX_RANK).ok_or_else(|| {
-            Error::Graph(format!(
-                "`{}` ({}) has shape {:?}: the engine takes 1 to {} dims after the batch",
-                node.path,
-                node.op.name(),
-                node.shape,
-                MAX_RANK
-            ))
+        let rank = node.shape.len().checked_sub(1).filter(|&r| r <= MAX_RANK).ok_or_else(|| Error::Lower {
+            path: node.path.clone(),
+            op: node.op.name().to_string(),
+            reason: format!("shape {:?}: the engine takes 1 to {MAX_RANK} dims after the batch", node.shape),
         })?;
         let Some(def) = node.op.def() else { continue };
         let has: Vec<Option<Layout>> = node
@@ -266,7 +262,8 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
     }
     let mut output_bindings = Vec::new();
     for (name, id) in &graph.outputs {
-        let src = node_values[*id].ok_or_else(|| Error::Graph(format!("output `{name}` is a weight, not a computed value")))?;
+        let src = node_values[*id]
+            .ok_or_else(|| Error::Binding { name: name.clone(), reason: "the output is a weight, not a computed value".into() })?;
         let dims = values[src.0].dims.clone();
         let layout = Layout::contiguous(dims.len());
         output_bindings.push((name.clone(), *id, src, ValueId(values.len())));

@@ -211,7 +211,7 @@ impl ConvShared {
     }
 
     fn descs(&self, batch: usize) -> Result<Arc<BatchDescs>> {
-        let mut map = self.descs.lock().map_err(|_| Error::Graph(format!("`{}`: descriptor cache poisoned", self.path)))?;
+        let mut map = self.descs.lock().map_err(|_| Error::Poisoned { path: self.path.clone(), what: "cuDNN descriptor".into() })?;
         if let Some(d) = map.get(&batch) {
             return Ok(d.clone());
         }

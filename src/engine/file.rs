@@ -80,7 +80,7 @@ pub fn checksum(bytes: &[u8]) -> u64 {
 pub fn encode(header: &Header, payload: &Payload) -> Result<Vec<u8>> {
     let weights: Vec<(String, Vec<usize>)> = payload.graph.weights.iter().map(|(n, t)| (n.clone(), t.shape.clone())).collect();
     let meta = Meta { config: payload.config.clone(), graph: payload.graph.clone(), tactics: payload.tactics.clone(), weights };
-    let json = serde_json::to_vec(&meta).map_err(|e| Error::Graph(format!("serialising the engine: {e}")))?;
+    let json = serde_json::to_vec(&meta).map_err(|e| Error::Serialize { what: "the engine".into(), reason: e.to_string() })?;
     let data_len: usize = payload.graph.weights.values().map(|t| t.data.len() * 4).sum();
     let mut body = Vec::with_capacity(8 + json.len() + data_len);
     body.extend((json.len() as u64).to_le_bytes());

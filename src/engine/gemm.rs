@@ -148,7 +148,7 @@ impl GemmLayer {
     }
 
     fn plan(&self, rt: &RunCtx, batch: usize) -> Result<Arc<Plan>> {
-        let mut plans = self.plans.lock().map_err(|_| Error::Graph(format!("`{}`: GEMM plan cache poisoned", self.path)))?;
+        let mut plans = self.plans.lock().map_err(|_| Error::Poisoned { path: self.path.clone(), what: "GEMM plan".into() })?;
         if let Some(p) = plans.get(&batch) {
             return Ok(p.clone());
         }

@@ -175,7 +175,7 @@ pub fn candidates(
 
 impl Shared {
     fn plan(&self, rt: &RunCtx, m: usize) -> Result<Arc<Plan>> {
-        let mut plans = self.plans.lock().map_err(|_| Error::Graph(format!("`{}`: GEMM plan cache poisoned", self.path)))?;
+        let mut plans = self.plans.lock().map_err(|_| Error::Poisoned { path: self.path.clone(), what: "GEMM plan".into() })?;
         if let Some(p) = plans.get(&m) {
             return Ok(p.clone());
         }

@@ -478,7 +478,11 @@ pub fn permute_layer(
 /// are the same bytes; the tiled NCHW <-> NHWC transposes for images; the general permute otherwise.
 pub fn reformat_layer(ctx: &mut BuildCtx, src: ValueId, dst: ValueId, path: &str) -> Result<Box<dyn Layer>> {
     let (s, d) = (ctx.value(src).clone(), ctx.value(dst).clone());
-    let fail = |why: String| Error::Graph(format!("cannot reformat `{}` to `{}` (at `{path}`): {why}", s.name, d.name));
+    let fail = |why: String| Error::Lower {
+        path: path.to_string(),
+        op: "reformat".into(),
+        reason: format!("cannot reformat `{}` to `{}`: {why}", s.name, d.name),
+    };
     let pair = format!("{}_{}", s.elem.suffix(), d.elem.suffix());
     if s.dims == d.dims && s.layout.same_bytes(d.layout, &s.dims) {
         let f = ctx.kernels.get(&format!("cast_{pair}"))?;

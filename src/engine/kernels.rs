@@ -115,7 +115,7 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
 fn check_arch(arch: &str) -> Result<()> {
     let digits = arch.strip_prefix("sm_").unwrap_or("");
     if digits.len() < 2 || !digits.chars().all(|c| c.is_ascii_alphanumeric()) || !digits.starts_with(|c: char| c.is_ascii_digit()) {
-        return Err(Error::Graph(format!("`{arch}` is not a GPU architecture (expected e.g. `sm_90`)")));
+        return Err(Error::Config { reason: format!("`{arch}` is not a GPU architecture (expected e.g. `sm_90`)") });
     }
     Ok(())
 }

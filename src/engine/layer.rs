@@ -386,6 +386,6 @@ impl<'a> BuildCtx<'a> {
     /// An error naming the node's op and module path.
     pub fn err(&self, node: NodeId, reason: String) -> Error {
         let n = self.node(node);
-        Error::Graph(format!("cannot lower `{}` ({}): {reason}", n.path, n.op.name()))
+        Error::Lower { path: n.path.clone(), op: n.op.name().to_string(), reason }
     }
 }

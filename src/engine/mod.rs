@@ -127,10 +127,12 @@ impl BuildConfig {
     pub(crate) fn validate(&self) -> Result<()> {
         let ok = 1 <= self.min_batch && self.min_batch <= self.opt_batch && self.opt_batch <= self.max_batch;
         if !ok {
-            return Err(Error::Graph(format!(
-                "batch range must satisfy 1 <= min <= opt <= max, got min {} opt {} max {}",
-                self.min_batch, self.opt_batch, self.max_batch
-            )));
+            return Err(Error::Config {
+                reason: format!(
+                    "batch range must satisfy 1 <= min <= opt <= max, got min {} opt {} max {}",
+                    self.min_batch, self.opt_batch, self.max_batch
+                ),
+            });
         }
         Ok(())
     }

@@ -50,7 +50,8 @@ impl Tactics {
     }
 
     pub fn save_cache(&self, path: &Path) -> Result<()> {
-        let json = serde_json::to_vec_pretty(&self.cache).map_err(|e| Error::Graph(format!("serialising the timing cache: {e}")))?;
+        let json = serde_json::to_vec_pretty(&self.cache)
+            .map_err(|e| Error::Serialize { what: "the timing cache".into(), reason: e.to_string() })?;
         std::fs::write(path, json).map_err(Error::io(path))
     }
 }

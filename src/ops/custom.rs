@@ -105,5 +105,5 @@ pub fn check_registry() -> Result<()> {
 
 /// Reads a required attribute.
 pub fn attr(attrs: &Attrs, op: &str, key: &str) -> Result<f64> {
-    attrs.get(key).copied().ok_or_else(|| Error::Graph(format!("custom op `{op}` needs attribute `{key}`")))
+    attrs.get(key).copied().ok_or_else(|| Error::Attribute { op: op.to_string(), key: key.to_string() })
 }

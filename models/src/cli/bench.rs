@@ -117,7 +117,11 @@ fn engine_size(engine: &Engine) -> usize {
 }
 
 fn engine_input(engine: &Engine, batch: usize) -> Result<HostTensor> {
-    let (_, dims) = engine.inputs().into_iter().next().ok_or_else(|| Error::Graph("the engine has no input".into()))?;
+    let (_, dims) = engine
+        .inputs()
+        .into_iter()
+        .next()
+        .ok_or_else(|| Error::Binding { name: "input".into(), reason: "the engine has no input".into() })?;
     let mut shape = vec![batch];
     shape.extend_from_slice(dims);
     Ok(kiln::seeded::uniform_tensor(&shape, kiln::seeded::fresh_seed()))
@@ -135,7 +139,10 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     }
     if a.cpu {
         if common::is_engine_file(&a.model) {
-            return Err(Error::Graph(format!("--cpu benchmarks a bundled model, not the engine file {}", a.model)));
+            return Err(Error::Flag {
+                flag: "--cpu".into(),
+                reason: format!("benchmarks a bundled model, not the engine file {}", a.model),
+            });
         }
         for &batch in &a.batch {
             let traced = common::trace(&a.model, a.weights.as_deref(), false, batch, a.size)?;
@@ -190,7 +197,8 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         }
     }
     if let Some(path) = &a.json {
-        let text = serde_json::to_string_pretty(&records).map_err(|e| Error::Graph(format!("serialising results: {e}")))?;
+        let text =
+            serde_json::to_string_pretty(&records).map_err(|e| Error::Serialize { what: "the results".into(), reason: e.to_string() })?;
         std::fs::write(path, text + "\n").map_err(Error::io(path))?;
         say!("wrote {}", path.display());
     }
