@@ -577,6 +577,10 @@ pub fn entry_points() -> Vec<String> {
             "concat_channels",
             "decode_select",
             "decode_tile_max",
+            "softmax",
+            "layer_norm",
+            "mean",
+            "matmul",
         ] {
             names.push(format!("{k}_{t}"));
         }
