@@ -407,3 +407,42 @@ impl Layer for MatmulLayer {
         launch(rt, &self.f, grid, (16, 16, 1), 0, &args)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn linear_shape_takes_any_leading_dims() {
+        assert_eq!(linear_shape(true, &[&[2, 5, 12], &[7, 12], &[7]]), Ok(vec![2, 5, 7]));
+        assert_eq!(linear_shape(false, &[&[2, 12], &[7, 12]]), Ok(vec![2, 7]));
+        assert!(linear_shape(false, &[&[12], &[7, 12]]).is_err());
+        assert!(linear_shape(false, &[&[2, 5, 11], &[7, 12]]).unwrap_err().contains("[2, 5, 11]"));
+        assert!(linear_shape(true, &[&[2, 12], &[7, 12], &[6]]).unwrap_err().contains("[6]"));
+    }
+
+    #[test]
+    fn matmul_shape_broadcasts_and_keeps_the_batch_first() {
+        assert_eq!(matmul_shape(&[&[2, 5, 7], &[2, 7, 3]]), Ok(vec![2, 5, 3]));
+        assert_eq!(matmul_shape(&[&[2, 3, 4, 6], &[2, 1, 6, 5]]), Ok(vec![2, 3, 4, 5]));
+        assert_eq!(matmul_shape(&[&[2, 3, 4, 6], &[6, 5]]), Ok(vec![2, 3, 4, 5]));
+        assert_eq!(matmul_shape(&[&[2, 1, 4, 6], &[3, 6, 5]]), Ok(vec![2, 3, 4, 5]));
+        assert!(matmul_shape(&[&[2, 5, 7], &[2, 6, 3]]).unwrap_err().contains("[2, 6, 3]"));
+        assert!(matmul_shape(&[&[5, 7], &[2, 7, 3]]).unwrap_err().contains("batch"));
+        assert!(matmul_shape(&[&[2, 3, 4, 6], &[2, 2, 6, 5]]).unwrap_err().contains("broadcast"));
+        assert!(matmul_shape(&[&[2, 7], &[7]]).unwrap_err().contains("rank"));
+        assert!(matmul_shape(&[&[1, 5, 7], &[2, 7, 3]]).is_err(), "a's batch may not broadcast to b's");
+        assert!(matmul_shape(&[&[2, 5, 7]]).is_err());
+    }
+
+    #[test]
+    fn matmul_cpu_broadcasts_a_shared_operand() {
+        // a: two 1×2 rows; b: one shared 2×1 matrix (batch dim 1).
+        let a = HostTensor::new(vec![2, 1, 2], vec![1.0, 2.0, 3.0, 4.0]);
+        let b = HostTensor::new(vec![1, 2, 1], vec![10.0, 1.0]);
+        let y = matmul_cpu(&[&a, &b]).unwrap();
+        assert_eq!((y.shape.clone(), y.data), (vec![2, 1, 1], vec![12.0, 34.0]));
+        let w = HostTensor::new(vec![2, 1], vec![10.0, 1.0]);
+        assert_eq!(matmul_cpu(&[&a, &w]).unwrap().data, vec![12.0, 34.0]);
+    }
+}

@@ -528,3 +528,76 @@ fn gpu_rows(ctx: &mut BuildCtx, node: NodeId, op: RowOp, dim: usize, count: usiz
     let path = ctx.node(node).path.clone();
     Ok(Box::new(RowsLayer { path, op, f, x, y, params, outer, len, inner, sm_count: ctx.kernels.sm_count() }))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(shape: &[usize], data: Vec<f32>) -> HostTensor {
+        HostTensor::new(shape.to_vec(), data)
+    }
+
+    #[test]
+    fn softmax_shape_errors_name_the_shape() {
+        assert!(softmax_shape(0, &[&[2, 3]]).unwrap_err().contains("batch"));
+        assert!(softmax_shape(2, &[&[2, 3]]).unwrap_err().contains("[2, 3]"));
+        assert!(softmax_shape(1, &[&[2, 3], &[2, 3]]).is_err());
+        assert_eq!(softmax_shape(1, &[&[2, 3]]), Ok(vec![2, 3]));
+    }
+
+    #[test]
+    fn resolve_dim_counts_from_the_end_and_refuses_the_batch() {
+        assert_eq!(resolve_dim(&[2, 3, 4], -1), Ok(2));
+        assert_eq!(resolve_dim(&[2, 3, 4], 1), Ok(1));
+        assert!(resolve_dim(&[2, 3, 4], -3).unwrap_err().contains("batch"));
+        assert!(resolve_dim(&[2, 3, 4], 3).is_err());
+        assert!(resolve_dim(&[2, 3, 4], -4).is_err());
+    }
+
+    #[test]
+    fn softmax_rows_sum_to_one_and_nan_propagates() {
+        let y = softmax_cpu(1, t(&[1, 3, 2], vec![1.0, 0.0, 2.0, 0.0, 3.0, f32::NAN])).unwrap();
+        let col0: f32 = [0, 2, 4].iter().map(|&i| y.data[i]).sum();
+        assert!((col0 - 1.0).abs() < 1e-6, "{y:?}");
+        assert!(y.data[1].is_nan() && y.data[5].is_nan(), "a NaN makes its whole column NaN, as PyTorch");
+        // Large logits do not overflow (max-subtracted).
+        let y = softmax_cpu(1, t(&[1, 2], vec![1000.0, 1000.0])).unwrap();
+        assert_eq!(y.data, vec![0.5, 0.5]);
+    }
+
+    #[test]
+    fn layer_norm_shape_errors() {
+        assert!(layer_norm_shape(1, &[4], false, &[&[2, 3]]).unwrap_err().contains("[2, 3]"));
+        assert!(layer_norm_shape(0, &[2, 3], false, &[&[2, 3]]).unwrap_err().contains("batch"));
+        assert!(layer_norm_shape(1, &[], false, &[&[2, 3]]).is_err());
+        assert!(layer_norm_shape(1, &[3], true, &[&[2, 3]]).unwrap_err().contains("3 inputs"));
+        assert!(layer_norm_shape(1, &[3], true, &[&[2, 3], &[3], &[4]]).unwrap_err().contains("[4]"));
+        assert!(layer_norm_shape(1, &[3, 4], false, &[&[2, 3]]).is_err(), "normalized dims past the end");
+        assert_eq!(layer_norm_shape(1, &[3], true, &[&[2, 3, 5], &[3], &[3]]), Ok(vec![2, 3, 5]));
+    }
+
+    #[test]
+    fn layer_norm_over_a_middle_dim_normalises_each_column() {
+        // [1, 2, 2]: normalise over dim 1 (LayerNorm2d's channels): columns (1, 3) and (2, 6).
+        let y = layer_norm_cpu(1, &[2], 0.0, t(&[1, 2, 2], vec![1.0, 2.0, 3.0, 6.0]), None).unwrap();
+        assert_eq!(y.data, vec![-1.0, -1.0, 1.0, 1.0]);
+        let (w, b) = (t(&[2], vec![2.0, 3.0]), t(&[2], vec![0.5, -0.5]));
+        let y = layer_norm_cpu(1, &[2], 0.0, t(&[1, 2, 2], vec![1.0, 2.0, 3.0, 6.0]), Some((&w, &b))).unwrap();
+        assert_eq!(y.data, vec![-1.5, -1.5, 2.5, 2.5]);
+    }
+
+    #[test]
+    fn split_dims_and_rows_positions() {
+        assert_eq!(split_dims(&[2, 3, 4, 5], 1, 1), (2, 3, 20));
+        assert_eq!(split_dims(&[2, 3, 4, 5], 2, 2), (6, 20, 1));
+        // NHWC of [C, H, W]: channels (dim 1) are innermost; H, W (dims 2, 3) are together first.
+        let nhwc = Layout::channels_last(3);
+        assert_eq!(rows_position(nhwc, 1, 1), Some(2));
+        assert_eq!(rows_position(nhwc, 2, 2), Some(0));
+        assert_eq!(rows_position(nhwc, 1, 2), None, "C and H are not stored together in NHWC");
+        assert_eq!(rows_position(Layout::contiguous(3), 1, 3), Some(0));
+        let plan = rows_layout(&[Some(nhwc)], 3, 1, 2);
+        assert_eq!(plan.output, Layout::contiguous(3));
+        assert_eq!(rows_layout(&[Some(nhwc), None, None], 3, 1, 1).inputs, vec![Some(nhwc), None, None]);
+    }
+}

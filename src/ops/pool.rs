@@ -447,3 +447,31 @@ fn gpu_mean(ctx: &mut BuildCtx, node: NodeId, dims: &[usize]) -> Result<Box<dyn 
         sm_count: ctx.kernels.sm_count(),
     }))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mean_shape_errors_name_the_shape() {
+        let x: &[usize] = &[2, 3, 4, 5];
+        assert!(mean_shape(&[], false, &[x]).unwrap_err().contains("[2, 3, 4, 5]"));
+        assert!(mean_shape(&[0, 2], false, &[x]).unwrap_err().contains("batch"));
+        assert!(mean_shape(&[4], false, &[x]).unwrap_err().contains("out of range"));
+        assert!(mean_shape(&[2, 2], false, &[x]).unwrap_err().contains("distinct"));
+        assert!(mean_shape(&[2], false, &[x, x]).is_err());
+        assert_eq!(mean_shape(&[2, 3], false, &[x]), Ok(vec![2, 3]));
+        assert_eq!(mean_shape(&[2, 3], true, &[x]), Ok(vec![2, 3, 1, 1]));
+    }
+
+    #[test]
+    fn mean_reduces_non_adjacent_dims() {
+        // [1, 2, 2, 2], mean over dims 1 and 3: out[h] = mean of x[:, :, h, :].
+        let x = HostTensor::new(vec![1, 2, 2, 2], (0..8).map(|v| v as f32).collect());
+        let y = mean_cpu(&[1, 3], false, &x).unwrap();
+        assert_eq!(y.shape, vec![1, 2]);
+        assert_eq!(y.data, vec![(0.0 + 1.0 + 4.0 + 5.0) / 4.0, (2.0 + 3.0 + 6.0 + 7.0) / 4.0]);
+        let empty = HostTensor::new(vec![1, 0, 2], vec![]);
+        assert!(mean_cpu(&[1], false, &empty).unwrap().data.iter().all(|v| v.is_nan()), "an empty mean is NaN, as PyTorch");
+    }
+}
