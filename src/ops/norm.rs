@@ -264,7 +264,7 @@ impl Tensor {
 
     /// `F.layer_norm(x, normalized_shape, eps=eps)` inline, without weight and bias.
     pub fn layer_norm(&self, normalized_shape: &[usize], eps: f32) -> Result<Tensor> {
-        let dim = self.shape().len().checked_sub(normalized_shape.len()).unwrap_or(0);
+        let dim = self.shape().len().saturating_sub(normalized_shape.len());
         let op = Op::Norm(Norm::LayerNorm { dim, shape: normalized_shape.to_vec(), eps, affine: false });
         Tensor::record_inline(op, &[self])
     }
