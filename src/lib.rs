@@ -33,7 +33,7 @@ pub use module::{Dropout, Forward, Identity, Module, Sequential};
 pub use ops::conv::{Conv2d, Conv2dConfig, ConvTranspose2d};
 pub use ops::elementwise::{Hardsigmoid, Hardswish, Hardtanh, LeakyReLU, LeakyReLUConfig, ReLU, ReLU6, SiLU, Sigmoid, Tanh, GELU};
 pub use ops::linear::{Linear, LinearConfig};
-pub use ops::norm::{BatchNorm2d, BatchNorm2dConfig};
+pub use ops::norm::{BatchNorm2d, BatchNorm2dConfig, LayerNorm, LayerNorm2d, LayerNormConfig, Softmax};
 pub use ops::pool::{AdaptiveAvgPool2d, AvgPool2d, MaxPool2d, Pool2dConfig};
 pub use tensor::{Param, Tensor, Tracer};
 pub use var_builder::VarBuilder;

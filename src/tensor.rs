@@ -94,6 +94,11 @@ impl Tensor {
         &self.tracer
     }
 
+    /// The path an inline op named `op` would get in this tensor's scope (`layer1.0.add`).
+    pub fn scope_path(&self, op: &str) -> String {
+        join(&self.scope, op)
+    }
+
     /// Records `op` applied to `inputs` and `params`, as the layer at `path`.
     pub fn record(path: &str, op: Op, inputs: &[&Tensor], params: &[&Param]) -> Result<Tensor> {
         let first = inputs.first().ok_or_else(|| Error::NoTensorInput { op: op.name().to_string(), path: path.to_string() })?;

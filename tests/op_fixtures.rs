@@ -6,8 +6,9 @@
 use kiln::compare::compare;
 use kiln::var_builder::read_safetensors;
 use kiln::{
-    AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, Forward, LeakyReLU,
-    LeakyReLUConfig, Linear, LinearConfig, MaxPool2d, Module, Pool2dConfig, ReLU, Result, Sigmoid, Tensor, Tracer, VarBuilder,
+    AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, Forward, LayerNorm, LayerNorm2d,
+    LayerNormConfig, LeakyReLU, LeakyReLUConfig, Linear, LinearConfig, MaxPool2d, Module, Pool2dConfig, ReLU, Result, Sigmoid, Softmax,
+    Tensor, Tracer, VarBuilder,
 };
 use std::path::PathBuf;
 
@@ -56,6 +57,24 @@ fn build(case: &str, vb: VarBuilder, x: &Tensor, other: Option<&Tensor>) -> Opti
         "mul" => other().and_then(|o| x * o),
         "add" => other().and_then(|o| x + o),
         "flatten" => x.flatten(1),
+        "softmax_dim1" => Softmax::load(vb, &1).and_then(|m| m.forward(x)),
+        "softmax_last" => x.affine(4.0, 0.0).and_then(|a| a.softmax(-1)),
+        "softmax_mid" => x.softmax(2),
+        "layer_norm_last" => LayerNorm::load(vb, &LayerNormConfig::new(&[24])).and_then(|m| m.forward(x)),
+        "layer_norm_convnext_nhwc" => LayerNorm::load(vb, &LayerNormConfig::new(&[8]).eps(1e-6)).and_then(|m| m.forward(x)),
+        "layer_norm_2d_torchvision" => LayerNorm2d::load(vb, &LayerNormConfig::new(&[8]).eps(1e-6)).and_then(|m| m.forward(x)),
+        "layer_norm_two_dims" => LayerNorm::load(vb, &LayerNormConfig::new(&[6, 7]).eps(1e-3)).and_then(|m| m.forward(x)),
+        "layer_norm_no_affine" => LayerNorm::load(vb, &LayerNormConfig::new(&[10]).elementwise_affine(false)).and_then(|m| m.forward(x)),
+        "mean_hw" => x.mean(&[2, 3], false),
+        "mean_hw_keepdim" => x.mean(&[3, 2], true),
+        "mean_last" => x.mean(&[x.shape().len() - 1], false),
+        "mean_dim1_keepdim" => x.mean(&[1], true),
+        "matmul_bmm" => other().and_then(|o| x.bmm(o)),
+        "matmul_broadcast" => other().and_then(|o| x.matmul(o)),
+        "matmul_weight" => vb.get(&[9, 4], "weight").and_then(|w| x.matmul_weight(case, &w)),
+        "matmul_weight_batched" => vb.get(&[3, 6, 4], "weight").and_then(|w| x.matmul_weight(case, &w)),
+        "linear_rank3" => Linear::load(vb, &LinearConfig::new(12, 7)).and_then(|m| m.forward(x)),
+        "linear_rank4_nobias" => Linear::load(vb, &LinearConfig { bias: false, ..LinearConfig::new(8, 3) }).and_then(|m| m.forward(x)),
         _ => return None,
     })
 }

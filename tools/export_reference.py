@@ -299,6 +299,35 @@ def op_cases():
     c.append(("mul", lambda a, b: a * b, [[2, 3, 4, 5], [2, 3, 4, 5]]))
     c.append(("add", lambda a, b: a + b, [[2, 3, 4, 5], [2, 3, 4, 5]]))
     c.append(("flatten", lambda a: torch.flatten(a, 1), [[2, 3, 4, 5]]))
+    # Normalisations, reductions and matrix products (issue 7).
+    from torchvision.models.convnext import LayerNorm2d
+
+    class MatmulWeight(nn.Module):
+        def __init__(self, shape):
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(shape))
+
+        def forward(self, a):
+            return a @ self.weight
+
+    c.append(("softmax_dim1", nn.Softmax(dim=1), [[2, 5, 3, 4]]))
+    c.append(("softmax_last", lambda a: F.softmax(a * 4, dim=-1), [[3, 7, 33]]))
+    c.append(("softmax_mid", lambda a: torch.softmax(a, dim=2), [[2, 3, 6, 5]]))
+    c.append(("layer_norm_last", nn.LayerNorm(24), [[2, 5, 24]]))
+    c.append(("layer_norm_convnext_nhwc", nn.LayerNorm(8, eps=1e-6), [[2, 5, 6, 8]]))
+    c.append(("layer_norm_2d_torchvision", LayerNorm2d(8, eps=1e-6), [[2, 8, 5, 6]]))
+    c.append(("layer_norm_two_dims", nn.LayerNorm([6, 7], eps=1e-3), [[3, 4, 6, 7]]))
+    c.append(("layer_norm_no_affine", nn.LayerNorm(10, elementwise_affine=False), [[2, 3, 10]]))
+    c.append(("mean_hw", lambda a: a.mean((2, 3)), [[2, 6, 5, 7]]))
+    c.append(("mean_hw_keepdim", lambda a: a.mean((2, 3), keepdim=True), [[3, 4, 3, 5]]))
+    c.append(("mean_last", lambda a: a.mean(-1), [[3, 4, 9]]))
+    c.append(("mean_dim1_keepdim", lambda a: a.mean(1, keepdim=True), [[2, 5, 3, 4]]))
+    c.append(("matmul_bmm", torch.bmm, [[2, 5, 7], [2, 7, 3]]))
+    c.append(("matmul_broadcast", torch.matmul, [[2, 3, 4, 6], [2, 1, 6, 5]]))
+    c.append(("matmul_weight", MatmulWeight([9, 4]), [[2, 5, 9]]))
+    c.append(("matmul_weight_batched", MatmulWeight([3, 6, 4]), [[2, 3, 5, 6]]))
+    c.append(("linear_rank3", nn.Linear(12, 7), [[2, 5, 12]]))
+    c.append(("linear_rank4_nobias", nn.Linear(8, 3, bias=False), [[2, 3, 4, 8]]))
     return c
 
 

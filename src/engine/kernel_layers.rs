@@ -571,7 +571,19 @@ fn flatten_transpose(ctx: &mut BuildCtx, node: NodeId, x: ValueId, y: ValueId, p
 pub fn entry_points() -> Vec<String> {
     let mut names = Vec::new();
     for t in ["f32", "f16"] {
-        for k in ["activation", "binary", "bias_act", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "concat_channels"] {
+        for k in [
+            "activation",
+            "binary",
+            "bias_act",
+            "max_pool2d",
+            "avg_pool2d",
+            "adaptive_avg_pool2d",
+            "concat_channels",
+            "softmax",
+            "layer_norm",
+            "mean",
+            "matmul",
+        ] {
             names.push(format!("{k}_{t}"));
         }
         for u in ["f32", "f16"] {

@@ -31,6 +31,7 @@ pub const FAMILIES: &[(&str, &str)] = &[
     ("pool.cu", include_str!("../../kernels/pool.cu")),
     ("concat.cu", include_str!("../../kernels/concat.cu")),
     ("permute.cu", include_str!("../../kernels/permute.cu")),
+    ("norm.cu", include_str!("../../kernels/norm.cu")),
 ];
 
 /// Families compiled only when a layer that launches them is built (`Kernels::add_source`): the

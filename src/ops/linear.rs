@@ -1,4 +1,5 @@
-//! Linear (fully connected): `y = x Wᵀ + b` over the last dim.
+//! Linear (fully connected): `y = x Wᵀ + b` over the last dim, and `matmul` / `bmm` of two
+//! activations (or of an activation and a constant), broadcasting batch dims as PyTorch.
 
 use crate::engine::{BuildCtx, Layer, Layout};
 use crate::graph::{NodeId, Op};
@@ -9,26 +10,35 @@ use crate::var_builder::VarBuilder;
 use crate::Result;
 use serde::{Deserialize, Serialize};
 
-/// Matrix products. Inputs: Linear: x `[N, ..., in]`, weight `[out, in]`, bias? `[out]`.
+/// Matrix products. Inputs: Linear: x `[N, ..., in]`, weight `[out, in]`, bias? `[out]`;
+/// Matmul: a `[N, ..., M, K]`, b `[N, ..., K, P]` (an activation, or a constant `[..., K, P]`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, strum::EnumIter)]
 pub enum Gemm {
-    Linear { bias: bool },
+    Linear {
+        bias: bool,
+    },
+    /// `torch.matmul(a, b)` with both of rank >= 2: the batch dims broadcast; `a` sets the
+    /// output's rank (its dim 0 is the batch).
+    Matmul,
 }
 
 impl OpDef for Gemm {
     fn name(&self) -> &str {
         match self {
             Gemm::Linear { .. } => "linear",
+            Gemm::Matmul => "matmul",
         }
     }
     fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
         match *self {
             Gemm::Linear { bias } => linear_shape(bias, inputs),
+            Gemm::Matmul => matmul_shape(inputs),
         }
     }
     fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
         match *self {
             Gemm::Linear { bias } => linear_cpu(bias, &args.all()?),
+            Gemm::Matmul => matmul_cpu(&args.all()?),
         }
     }
     fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
@@ -37,11 +47,13 @@ impl OpDef for Gemm {
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         match *self {
             Gemm::Linear { bias } => gpu_linear(ctx, node, bias),
+            Gemm::Matmul => gpu_matmul(ctx, node),
         }
     }
     fn label(&self) -> String {
         match self {
             Gemm::Linear { bias } => format!("linear{}", if *bias { " +bias" } else { "" }),
+            Gemm::Matmul => "matmul".into(),
         }
     }
 }
@@ -89,34 +101,106 @@ impl Forward for Linear {
     }
 }
 
-/// `inputs` = x `[N, in]`, weight `[out, in]`, bias? `[out]`.
+/// `inputs` = x `[N, ..., in]`, weight `[out, in]`, bias? `[out]`.
 pub fn linear_shape(bias: bool, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
     if inputs.len() != 2 + bias as usize {
         return Err(format!("linear expects {} inputs, got {}", 2 + bias as usize, inputs.len()));
     }
     let (x, w) = (inputs[0], inputs[1]);
-    if x.len() != 2 || w.len() != 2 {
-        return Err(format!("linear expects a [N, in] input and an [out, in] weight (flatten first), got {x:?} and {w:?}"));
+    if x.len() < 2 || w.len() != 2 {
+        return Err(format!("linear expects an [N, ..., in] input and an [out, in] weight, got {x:?} and {w:?}"));
     }
-    if x[1] != w[1] {
-        return Err(format!("input has {} features, but the weight {w:?} expects {}", x[1], w[1]));
+    let fin = x[x.len() - 1];
+    if fin != w[1] {
+        return Err(format!("input {x:?} has {fin} features, but the weight {w:?} expects {}", w[1]));
     }
     if bias && inputs[2] != [w[0]] {
         return Err(format!("bias must have shape [{}], got {:?}", w[0], inputs[2]));
     }
-    Ok(vec![x[0], w[0]])
+    let mut out = x.to_vec();
+    *out.last_mut().expect("rank >= 2") = w[0];
+    Ok(out)
+}
+
+impl Tensor {
+    /// `torch.matmul(self, other)` of two activations (both of rank >= 2, batch dims broadcast,
+    /// `other` of `self`'s rank: both carry the batch as dim 0).
+    pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
+        Tensor::record_inline(Op::Gemm(Gemm::Matmul), &[self, other])
+    }
+    /// `torch.bmm(self, other)`: `[N, M, K] @ [N, K, P]`.
+    pub fn bmm(&self, other: &Tensor) -> Result<Tensor> {
+        if self.shape().len() != 3 || other.shape().len() != 3 {
+            return Err(crate::Error::Shape {
+                path: self.scope_path("bmm"),
+                op: "bmm".into(),
+                reason: "bmm expects two rank-3 tensors".into(),
+                got: vec![self.shape().to_vec(), other.shape().to_vec()],
+            });
+        }
+        self.matmul(other)
+    }
+    /// `self @ weight` with a constant `weight` `[..., K, P]` (a parameter, not transposed as
+    /// Linear's), recorded as the layer at `path`.
+    pub fn matmul_weight(&self, path: &str, weight: &Param) -> Result<Tensor> {
+        Tensor::record(path, Op::Gemm(Gemm::Matmul), &[self], &[weight])
+    }
+}
+
+/// `inputs` = a `[..., M, K]`, b `[..., K, P]`: the broadcast batch dims, then `[M, P]`.
+pub fn matmul_shape(inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+    let [a, b] = inputs else {
+        return Err(format!("matmul expects 2 inputs, got {}", inputs.len()));
+    };
+    let (ra, rb) = (a.len(), b.len());
+    if ra < 2 || rb < 2 {
+        return Err(format!("matmul expects operands of rank >= 2, got {a:?} and {b:?}"));
+    }
+    if rb > ra {
+        return Err(format!(
+            "matmul of {a:?} and {b:?}: the second operand has more dims, which would move the batch (the engine keeps the batch as dim 0)"
+        ));
+    }
+    if a[ra - 1] != b[rb - 2] {
+        return Err(format!("matmul of {a:?} and {b:?}: {} columns against {} rows", a[ra - 1], b[rb - 2]));
+    }
+    let mut out = a[..ra - 2].to_vec();
+    for (i, &nb) in b[..rb - 2].iter().enumerate() {
+        let o = &mut out[ra - rb + i];
+        match (*o, nb) {
+            (x, y) if x == y || y == 1 => {}
+            (1, y) if ra - rb + i > 0 => *o = y,
+            _ => return Err(format!("matmul of {a:?} and {b:?}: batch dims do not broadcast")),
+        }
+    }
+    out.extend([a[ra - 2], b[rb - 1]]);
+    Ok(out)
+}
+
+/// Element strides of `shape`'s dims aligned to the right of `out_batch` (0 where `shape` has
+/// no such dim or broadcasts it), for the batch dims only.
+fn batch_strides(shape: &[usize], out_batch: &[usize]) -> Vec<usize> {
+    let r = shape.len();
+    let lead = out_batch.len() - (r - 2);
+    (0..out_batch.len())
+        .map(|d| match d.checked_sub(lead) {
+            Some(i) if shape[i] != 1 => shape[i + 1..].iter().product(),
+            _ => 0,
+        })
+        .collect()
 }
 
 // ---- CPU reference
 
 use crate::graph::HostTensor;
 
-/// `x·Wᵀ + b` with `inputs` = x `[N, in]`, weight `[out, in]`, bias? `[out]`: one GEMM onto the bias.
+/// `x·Wᵀ + b` with `inputs` = x `[N, ..., in]` (rows: all but the last dim), weight `[out, in]`, bias? `[out]`: one GEMM onto the bias.
 pub fn linear_cpu(bias: bool, inputs: &[&HostTensor]) -> Result<HostTensor, String> {
     let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape.as_slice()).collect();
     let out_shape = linear_shape(bias, &shapes)?;
     let (x, w) = (inputs[0], inputs[1]);
-    let (n, fin, fout) = (x.shape[0], x.shape[1], w.shape[0]);
+    let (fin, fout) = (w.shape[1], w.shape[0]);
+    let n: usize = x.shape[..x.shape.len() - 1].iter().product();
     let mut out = vec![0.0f32; n * fout];
     if bias {
         for row in out.chunks_exact_mut(fout.max(1)) {
@@ -148,6 +232,53 @@ pub fn linear_cpu(bias: bool, inputs: &[&HostTensor]) -> Result<HostTensor, Stri
     Ok(HostTensor::new(out_shape, out))
 }
 
+/// `torch.matmul` with `inputs` = a `[..., M, K]`, b `[..., K, P]`: one GEMM per output batch.
+pub fn matmul_cpu(inputs: &[&HostTensor]) -> Result<HostTensor, String> {
+    let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape.as_slice()).collect();
+    let out_shape = matmul_shape(&shapes)?;
+    let (a, b) = (inputs[0], inputs[1]);
+    let r = out_shape.len();
+    let (m, k, p) = (out_shape[r - 2], a.shape[a.shape.len() - 1], out_shape[r - 1]);
+    let batch = &out_shape[..r - 2];
+    let (sa, sb) = (batch_strides(&a.shape, batch), batch_strides(&b.shape, batch));
+    let count: usize = batch.iter().product();
+    let mut out = vec![0.0f32; count * m * p];
+    if m * k * p == 0 {
+        return Ok(HostTensor::new(out_shape, out));
+    }
+    for z in 0..count {
+        let (mut rem, mut ao, mut bo) = (z, 0, 0);
+        for d in (0..batch.len()).rev() {
+            let i = rem % batch[d];
+            rem /= batch[d];
+            ao += i * sa[d];
+            bo += i * sb[d];
+        }
+        let dst = &mut out[z * m * p..(z + 1) * m * p];
+        // SAFETY: a's block at `ao` is m×k row-major, b's at `bo` is k×p, dst is m×p; the shape rule
+        // and the broadcast strides keep every block inside its buffer.
+        unsafe {
+            matrixmultiply::sgemm(
+                m,
+                k,
+                p,
+                1.0,
+                a.data[ao..].as_ptr(),
+                k as isize,
+                1,
+                b.data[bo..].as_ptr(),
+                p as isize,
+                1,
+                0.0,
+                dst.as_mut_ptr(),
+                p as isize,
+                1,
+            )
+        }
+    }
+    Ok(HostTensor::new(out_shape, out))
+}
+
 // ---- GPU converter (engine::gemm)
 
 /// Linear as one cuBLASLt GEMM with the bias in its epilogue.
@@ -156,6 +287,167 @@ fn gpu_linear(ctx: &mut BuildCtx, node: NodeId, bias: bool) -> Result<Box<dyn La
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let w = ctx.weight(node, 1)?;
     let b = if bias { Some(ctx.weight(node, 2)?.data.as_slice()) } else { None };
-    let spec = GemmSpec { x, y, residual: None, rows_per_image: 1, weight: &w.data, bias: b, relu: false };
-    Ok(Box::new(GemmLayer::new(ctx, node, spec)?))
+    let rows_per_image = ctx.value(y).per_image_elems() / w.shape[0].max(1);
+    let spec = GemmSpec { x, y, residual: None, rows_per_image, weight: &w.data, bias: b, relu: false };
+    Ok(Box::new(GemmLayer::new_matrix(ctx, node, spec)?))
+}
+
+/// `a @ W` with a constant rank-2 `W` is one cuBLASLt GEMM over a's rows (W transposed on the
+/// host to Linear's `[P, K]`); every other matmul runs our batched, broadcasting tiled kernel.
+fn gpu_matmul(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
+    use crate::engine::gemm::{GemmLayer, GemmSpec};
+    let (a, y) = (ctx.input(node, 0)?, ctx.output(node)?);
+    let weight = ctx.weight(node, 1).ok().cloned();
+    let (da, dy) = (ctx.value(a).clone(), ctx.value(y).clone());
+    let ro = dy.dims.len() + 1;
+    let full = |d: &[usize]| [&[1usize][..], d].concat();
+    let (k, p) = (da.dims[ro - 2], dy.dims[ro - 2]);
+    if let Some(w) = weight.as_ref().filter(|w| w.shape.len() == 2) {
+        let mut wt = vec![0.0f32; k * p];
+        for (i, row) in w.data.chunks_exact(p.max(1)).enumerate() {
+            row.iter().enumerate().for_each(|(j, &v)| wt[j * k + i] = v);
+        }
+        let spec =
+            GemmSpec { x: a, y, residual: None, rows_per_image: dy.per_image_elems() / p.max(1), weight: &wt, bias: None, relu: false };
+        return Ok(Box::new(GemmLayer::new_matrix(ctx, node, spec)?));
+    }
+    if ro < 3 {
+        return Err(ctx.err(node, format!("a rank-2 activation multiplies a constant [K, P] only, got {:?}", ctx.node(node).shape)));
+    }
+    let m = dy.dims[ro - 3];
+    // Shapes with a batch of 1 at dim 0 (activations) to compute the broadcast strides; a weight
+    // as it is (it has no batch; one of the output's full rank must broadcast it).
+    let b_shape = match &weight {
+        Some(w) if w.shape.len() == ro && w.shape[0] != 1 => {
+            return Err(ctx.err(node, format!("a constant operand {:?} of the output's rank would need the batch as its dim 0", w.shape)))
+        }
+        Some(w) => w.shape.clone(),
+        None => {
+            let db = ctx.value(ctx.input(node, 1)?).dims.clone();
+            if db.len() + 1 != ro {
+                return Err(ctx.err(node, format!("activation operands must have the same rank, got {:?} and {db:?} (per image)", da.dims)));
+            }
+            full(&db)
+        }
+    };
+    let out_batch = full(&dy.dims[..ro - 3]);
+    let (sa, sb) = (batch_strides(&full(&da.dims), &out_batch), batch_strides(&b_shape, &out_batch));
+    let mut meta: Vec<i64> = out_batch[1..].iter().map(|&v| v as i64).collect();
+    meta.extend(sa[1..].iter().map(|&v| v as i64));
+    meta.extend(sb[1..].iter().map(|&v| v as i64));
+    let b_batch = if weight.is_some() { 0 } else { b_shape[1..].iter().product::<usize>() };
+    let bytes: Vec<u8> = meta.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let meta_buf = ctx.upload_bytes(&bytes)?;
+    let b = match &weight {
+        Some(w) => MatmulB::Weight(ctx.upload(&w.data)?),
+        None => MatmulB::Value(ctx.input(node, 1)?),
+    };
+    let int = |what: &str, v: usize| i32::try_from(v).map_err(|_| ctx.err(node, format!("{what} = {v} exceeds the kernels' 32-bit range")));
+    let mkp = [int("M", m)?, int("K", k)?, int("P", p)?];
+    let f = ctx.kernels.get(&format!("matmul_{}", dy.elem.suffix()))?;
+    Ok(Box::new(MatmulLayer {
+        path: ctx.node(node).path.clone(),
+        f,
+        a,
+        b,
+        y,
+        mkp,
+        meta: meta_buf,
+        nb: (out_batch.len() - 1) as i32,
+        per_image_batches: out_batch[1..].iter().product(),
+        a_batch: da.per_image_elems(),
+        b_batch,
+    }))
+}
+
+enum MatmulB {
+    Value(crate::engine::ValueId),
+    Weight(crate::engine::DeviceBuf),
+}
+
+/// `y = a @ b` over every output batch: our 16×16-tiled kernel (`matmul_*` in kernels/norm.cu).
+struct MatmulLayer {
+    path: String,
+    f: crate::engine::launch::CudaFunction,
+    a: crate::engine::ValueId,
+    b: MatmulB,
+    y: crate::engine::ValueId,
+    mkp: [i32; 3],
+    meta: crate::engine::DeviceBuf,
+    nb: i32,
+    per_image_batches: usize,
+    a_batch: usize,
+    b_batch: usize,
+}
+
+impl Layer for MatmulLayer {
+    fn path(&self) -> &str {
+        &self.path
+    }
+    fn kind(&self) -> String {
+        "kernel:matmul_tiled".into()
+    }
+    fn enqueue(&self, rt: &crate::engine::RunCtx, batch: usize) -> Result<()> {
+        use crate::engine::launch::{launch, KArg};
+        let [m, k, p] = self.mkp;
+        let nbatch = batch * self.per_image_batches;
+        let grid = ((p as u32).div_ceil(16).max(1), (m as u32).div_ceil(16).max(1), nbatch.clamp(1, 65535) as u32);
+        let b = match &self.b {
+            MatmulB::Value(v) => rt.ptr(*v),
+            MatmulB::Weight(w) => w.ptr(),
+        };
+        let args = [
+            KArg::Ptr(rt.ptr(self.a)),
+            KArg::Ptr(b),
+            KArg::Ptr(rt.ptr(self.y)),
+            KArg::I32(m),
+            KArg::I32(k),
+            KArg::I32(p),
+            KArg::I64(nbatch as i64),
+            KArg::Ptr(self.meta.ptr()),
+            KArg::I32(self.nb),
+            KArg::I64(self.a_batch as i64),
+            KArg::I64(self.b_batch as i64),
+        ];
+        launch(rt, &self.f, grid, (16, 16, 1), 0, &args)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn linear_shape_takes_any_leading_dims() {
+        assert_eq!(linear_shape(true, &[&[2, 5, 12], &[7, 12], &[7]]), Ok(vec![2, 5, 7]));
+        assert_eq!(linear_shape(false, &[&[2, 12], &[7, 12]]), Ok(vec![2, 7]));
+        assert!(linear_shape(false, &[&[12], &[7, 12]]).is_err());
+        assert!(linear_shape(false, &[&[2, 5, 11], &[7, 12]]).unwrap_err().contains("[2, 5, 11]"));
+        assert!(linear_shape(true, &[&[2, 12], &[7, 12], &[6]]).unwrap_err().contains("[6]"));
+    }
+
+    #[test]
+    fn matmul_shape_broadcasts_and_keeps_the_batch_first() {
+        assert_eq!(matmul_shape(&[&[2, 5, 7], &[2, 7, 3]]), Ok(vec![2, 5, 3]));
+        assert_eq!(matmul_shape(&[&[2, 3, 4, 6], &[2, 1, 6, 5]]), Ok(vec![2, 3, 4, 5]));
+        assert_eq!(matmul_shape(&[&[2, 3, 4, 6], &[6, 5]]), Ok(vec![2, 3, 4, 5]));
+        assert_eq!(matmul_shape(&[&[2, 1, 4, 6], &[3, 6, 5]]), Ok(vec![2, 3, 4, 5]));
+        assert!(matmul_shape(&[&[2, 5, 7], &[2, 6, 3]]).unwrap_err().contains("[2, 6, 3]"));
+        assert!(matmul_shape(&[&[5, 7], &[2, 7, 3]]).unwrap_err().contains("batch"));
+        assert!(matmul_shape(&[&[2, 3, 4, 6], &[2, 2, 6, 5]]).unwrap_err().contains("broadcast"));
+        assert!(matmul_shape(&[&[2, 7], &[7]]).unwrap_err().contains("rank"));
+        assert!(matmul_shape(&[&[1, 5, 7], &[2, 7, 3]]).is_err(), "a's batch may not broadcast to b's");
+        assert!(matmul_shape(&[&[2, 5, 7]]).is_err());
+    }
+
+    #[test]
+    fn matmul_cpu_broadcasts_a_shared_operand() {
+        // a: two 1×2 rows; b: one shared 2×1 matrix (batch dim 1).
+        let a = HostTensor::new(vec![2, 1, 2], vec![1.0, 2.0, 3.0, 4.0]);
+        let b = HostTensor::new(vec![1, 2, 1], vec![10.0, 1.0]);
+        let y = matmul_cpu(&[&a, &b]).unwrap();
+        assert_eq!((y.shape.clone(), y.data), (vec![2, 1, 1], vec![12.0, 34.0]));
+        let w = HostTensor::new(vec![2, 1], vec![10.0, 1.0]);
+        assert_eq!(matmul_cpu(&[&a, &w]).unwrap().data, vec![12.0, 34.0]);
+    }
 }

@@ -1,5 +1,6 @@
 //! Normalisations along some dims: BatchNorm2d (inference: running statistics; folded into the
-//! preceding conv by `passes::fold_batchnorm`, a per-channel scale and shift otherwise).
+//! preceding conv by `passes::fold_batchnorm`, a per-channel scale and shift otherwise), softmax
+//! and LayerNorm (our kernels in `kernels/norm.cu`, f32 statistics whatever the precision).
 
 use crate::engine::{BuildCtx, Layer, Layout};
 use crate::graph::{NodeId, Op};
@@ -10,46 +11,86 @@ use crate::var_builder::VarBuilder;
 use crate::Result;
 use serde::{Deserialize, Serialize};
 
-/// Normalisations. Inputs: BatchNorm2d: x, weight, bias, running_mean, running_var.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize, strum::EnumIter)]
+/// Normalisations. Inputs: BatchNorm2d: x, weight, bias, running_mean, running_var; Softmax: x;
+/// LayerNorm: x, and weight, bias (both of `shape`) when `affine`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, strum::EnumIter)]
 pub enum Norm {
-    BatchNorm2d { eps: f32 },
+    BatchNorm2d {
+        eps: f32,
+    },
+    /// `torch.softmax(x, dim)` (`dim` >= 1: the batch is dim 0), max-subtracted, in f32.
+    Softmax {
+        dim: usize,
+    },
+    /// `F.layer_norm` over the dims `dim .. dim + shape.len()`, which must equal `shape`:
+    /// `nn.LayerNorm` normalises the trailing dims (`dim = rank - shape.len()`), torchvision's
+    /// `LayerNorm2d` the channels of NCHW (`dim = 1`, `shape = [C]`). Biased variance, as PyTorch.
+    LayerNorm {
+        dim: usize,
+        shape: Vec<usize>,
+        eps: f32,
+        affine: bool,
+    },
 }
 
 impl OpDef for Norm {
     fn name(&self) -> &str {
         match self {
             Norm::BatchNorm2d { .. } => "batch_norm2d",
+            Norm::Softmax { .. } => "softmax",
+            Norm::LayerNorm { .. } => "layer_norm",
         }
     }
     fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
         match self {
             Norm::BatchNorm2d { .. } => batch_norm2d_shape(inputs),
+            Norm::Softmax { dim } => softmax_shape(*dim, inputs),
+            Norm::LayerNorm { dim, shape, affine, .. } => layer_norm_shape(*dim, shape, *affine, inputs),
         }
     }
     fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
-        match *self {
+        match self {
             Norm::BatchNorm2d { eps } => {
                 args.expect(5)?;
                 let x = args.take(0)?;
                 let [g, b, m, v] = [args.get(1)?, args.get(2)?, args.get(3)?, args.get(4)?];
-                batch_norm2d_cpu(eps, x, [g, b, m, v])
+                batch_norm2d_cpu(*eps, x, [g, b, m, v])
+            }
+            Norm::Softmax { dim } => {
+                args.expect(1)?;
+                softmax_cpu(*dim, args.take(0)?)
+            }
+            Norm::LayerNorm { dim, shape, eps, affine } => {
+                args.expect(1 + 2 * *affine as usize)?;
+                let x = args.take(0)?;
+                let wb = if *affine { Some((args.get(1)?, args.get(2)?)) } else { None };
+                layer_norm_cpu(*dim, shape, *eps, x, wb)
             }
         }
     }
     fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
         match self {
             Norm::BatchNorm2d { .. } => LayoutPlan::all(inputs, Layout::channels_last(out_rank)),
+            Norm::Softmax { dim } => rows_layout(inputs, out_rank, *dim, 1),
+            Norm::LayerNorm { dim, shape, .. } => rows_layout(inputs, out_rank, *dim, shape.len()),
         }
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
-        match *self {
-            Norm::BatchNorm2d { eps } => gpu_batch_norm2d(ctx, node, eps),
+        match self {
+            Norm::BatchNorm2d { eps } => gpu_batch_norm2d(ctx, node, *eps),
+            Norm::Softmax { dim } => gpu_rows(ctx, node, RowOp::Softmax, *dim, 1),
+            Norm::LayerNorm { dim, shape, eps, affine } => {
+                gpu_rows(ctx, node, RowOp::LayerNorm { eps: *eps, affine: *affine }, *dim, shape.len())
+            }
         }
     }
     fn label(&self) -> String {
         match self {
             Norm::BatchNorm2d { eps } => format!("batch_norm2d eps={eps}"),
+            Norm::Softmax { dim } => format!("softmax dim={dim}"),
+            Norm::LayerNorm { dim, shape, eps, affine } => {
+                format!("layer_norm {shape:?} dim={dim} eps={eps}{}", if *affine { "" } else { " no-affine" })
+            }
         }
     }
 }
@@ -96,6 +137,156 @@ impl Forward for BatchNorm2d {
     }
 }
 
+/// `torch.nn.Softmax(dim)`; a negative `dim` counts from the end, as in PyTorch.
+#[derive(Clone, Debug)]
+pub struct Softmax {
+    pub path: String,
+    pub dim: isize,
+}
+
+impl Module for Softmax {
+    type Config = isize;
+    fn load(vb: VarBuilder, dim: &isize) -> Result<Self> {
+        Ok(Self { path: vb.path().to_string(), dim: *dim })
+    }
+}
+
+impl Forward for Softmax {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dim = resolve_dim(x.shape(), self.dim).map_err(|reason| crate::Error::Shape {
+            path: self.path.clone(),
+            op: "softmax".into(),
+            reason,
+            got: vec![x.shape().to_vec()],
+        })?;
+        Tensor::record(&self.path, Op::Norm(Norm::Softmax { dim }), &[x], &[])
+    }
+}
+
+/// Options of `nn.LayerNorm` with PyTorch's defaults (eps 1e-5, affine).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerNormConfig {
+    pub normalized_shape: Vec<usize>,
+    pub eps: f32,
+    pub elementwise_affine: bool,
+}
+
+impl LayerNormConfig {
+    pub fn new(normalized_shape: &[usize]) -> Self {
+        Self { normalized_shape: normalized_shape.to_vec(), eps: 1e-5, elementwise_affine: true }
+    }
+    pub fn eps(self, eps: f32) -> Self {
+        Self { eps, ..self }
+    }
+    pub fn elementwise_affine(self, elementwise_affine: bool) -> Self {
+        Self { elementwise_affine, ..self }
+    }
+}
+
+impl Default for LayerNormConfig {
+    fn default() -> Self {
+        Self::new(&[1])
+    }
+}
+
+/// `torch.nn.LayerNorm`: normalises the trailing `normalized_shape` dims; `weight`, `bias` of
+/// that shape when `elementwise_affine`.
+#[derive(Clone, Debug)]
+pub struct LayerNorm {
+    pub path: String,
+    pub shape: Vec<usize>,
+    pub eps: f32,
+    pub params: Option<[Param; 2]>,
+}
+
+impl Module for LayerNorm {
+    type Config = LayerNormConfig;
+    fn load(vb: VarBuilder, c: &LayerNormConfig) -> Result<Self> {
+        let s = &c.normalized_shape;
+        if s.is_empty() || s.contains(&0) {
+            return Err(crate::Error::Shape {
+                path: vb.path().to_string(),
+                op: "layer_norm".into(),
+                reason: format!("LayerNorm needs a non-empty positive normalized_shape, got {s:?}"),
+                got: vec![],
+            });
+        }
+        let params = if c.elementwise_affine { Some([vb.get(s, "weight")?, vb.get(s, "bias")?]) } else { None };
+        Ok(Self { path: vb.path().to_string(), shape: s.clone(), eps: c.eps, params })
+    }
+}
+
+impl LayerNorm {
+    fn record(&self, x: &Tensor, dim: usize) -> Result<Tensor> {
+        let op = Op::Norm(Norm::LayerNorm { dim, shape: self.shape.clone(), eps: self.eps, affine: self.params.is_some() });
+        let params: Vec<&Param> = self.params.iter().flatten().collect();
+        Tensor::record(&self.path, op, &[x], &params)
+    }
+}
+
+impl Forward for LayerNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dim = x.shape().len().checked_sub(self.shape.len()).ok_or_else(|| crate::Error::Shape {
+            path: self.path.clone(),
+            op: "layer_norm".into(),
+            reason: format!("normalized_shape {:?} has more dims than the input", self.shape),
+            got: vec![x.shape().to_vec()],
+        })?;
+        self.record(x, dim)
+    }
+}
+
+/// torchvision's `LayerNorm2d` (ConvNeXt): a LayerNorm over the channels (dim 1) of an NCHW
+/// input, `normalized_shape = [C]`; PyTorch permutes to NHWC and back, Kiln normalises in place.
+#[derive(Clone, Debug)]
+pub struct LayerNorm2d(pub LayerNorm);
+
+impl Module for LayerNorm2d {
+    type Config = LayerNormConfig;
+    fn load(vb: VarBuilder, c: &LayerNormConfig) -> Result<Self> {
+        LayerNorm::load(vb, c).map(Self)
+    }
+}
+
+impl Forward for LayerNorm2d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.0.record(x, 1)
+    }
+}
+
+/// A PyTorch dim (negative counts from the end) as an index >= 1 of `shape`, or why not.
+pub fn resolve_dim(shape: &[usize], dim: isize) -> Result<usize, String> {
+    let rank = shape.len() as isize;
+    let d = if dim < 0 { dim + rank } else { dim };
+    if d == 0 {
+        return Err(format!("dim {dim} of {shape:?} is the batch (the engine keeps the batch as dim 0)"));
+    }
+    if d < 1 || d >= rank {
+        return Err(format!("dim {dim} is out of range for shape {shape:?}"));
+    }
+    Ok(d as usize)
+}
+
+impl Tensor {
+    /// `torch.softmax(x, dim)` inline (`dim` may be negative: `-1` is the last dim; not the batch).
+    pub fn softmax(&self, dim: isize) -> Result<Tensor> {
+        let d = resolve_dim(self.shape(), dim).map_err(|reason| crate::Error::Shape {
+            path: self.scope_path("softmax"),
+            op: "softmax".into(),
+            reason,
+            got: vec![self.shape().to_vec()],
+        })?;
+        Tensor::record_inline(Op::Norm(Norm::Softmax { dim: d }), &[self])
+    }
+
+    /// `F.layer_norm(x, normalized_shape, eps=eps)` inline, without weight and bias.
+    pub fn layer_norm(&self, normalized_shape: &[usize], eps: f32) -> Result<Tensor> {
+        let dim = self.shape().len().saturating_sub(normalized_shape.len());
+        let op = Op::Norm(Norm::LayerNorm { dim, shape: normalized_shape.to_vec(), eps, affine: false });
+        Tensor::record_inline(op, &[self])
+    }
+}
+
 /// `inputs` = x, weight, bias, running_mean, running_var.
 pub fn batch_norm2d_shape(inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
     if inputs.len() != 5 {
@@ -111,9 +302,104 @@ pub fn batch_norm2d_shape(inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
     Ok(x.to_vec())
 }
 
+pub fn softmax_shape(dim: usize, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+    let x = crate::ops::one_input(inputs)?;
+    if dim == 0 {
+        return Err(format!("softmax over dim 0 of {x:?}: the engine keeps the batch as dim 0"));
+    }
+    if dim >= x.len() {
+        return Err(format!("softmax dim {dim} is out of range for shape {x:?}"));
+    }
+    Ok(x.to_vec())
+}
+
+/// `inputs` = x, and weight, bias (both `shape`) when `affine`.
+pub fn layer_norm_shape(dim: usize, shape: &[usize], affine: bool, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+    let want = 1 + 2 * affine as usize;
+    if inputs.len() != want {
+        return Err(format!("layer_norm expects {want} inputs, got {}", inputs.len()));
+    }
+    let x = inputs[0];
+    if shape.is_empty() || shape.contains(&0) {
+        return Err(format!("layer_norm needs a non-empty positive normalized_shape, got {shape:?}"));
+    }
+    if dim == 0 {
+        return Err(format!("layer_norm over {shape:?} of {x:?} would include dim 0: the engine keeps the batch as dim 0"));
+    }
+    if x.get(dim..dim + shape.len()) != Some(shape) {
+        return Err(format!("layer_norm over {shape:?} from dim {dim}: input shape {x:?} does not end in it there"));
+    }
+    if let Some(bad) = inputs[1..].iter().find(|p| **p != shape) {
+        return Err(format!("layer_norm weight and bias must have shape {shape:?}, got {bad:?}"));
+    }
+    Ok(x.to_vec())
+}
+
+/// `(outer, len, inner)` of `shape` for an op over the dims `dim .. dim + count` (contiguous order).
+pub fn split_dims(shape: &[usize], dim: usize, count: usize) -> (usize, usize, usize) {
+    let end = (dim + count).min(shape.len());
+    let p = |s: &[usize]| s.iter().product::<usize>();
+    (p(&shape[..dim.min(end)]), p(&shape[dim.min(end)..end]), p(&shape[end..]))
+}
+
 // ---- CPU reference
 
 use crate::graph::HostTensor;
+
+/// `torch.softmax` on `x` in place: max-subtracted, sums in f64.
+pub fn softmax_cpu(dim: usize, mut x: HostTensor) -> Result<HostTensor, String> {
+    softmax_shape(dim, &[&x.shape])?;
+    let (outer, len, inner) = split_dims(&x.shape, dim, 1);
+    for o in 0..outer {
+        for i in 0..inner {
+            let at = |j: usize| o * len * inner + j * inner + i;
+            // NaN propagates (as PyTorch): a NaN max makes every exp NaN.
+            let m = (0..len).map(|j| x.data[at(j)]).fold(f32::NEG_INFINITY, |m, v| if v > m || v.is_nan() { v } else { m });
+            let mut sum = 0f64;
+            for j in 0..len {
+                let e = (x.data[at(j)] - m).exp();
+                x.data[at(j)] = e;
+                sum += e as f64;
+            }
+            let inv = (1.0 / sum) as f32;
+            (0..len).for_each(|j| x.data[at(j)] *= inv);
+        }
+    }
+    Ok(x)
+}
+
+/// `F.layer_norm` on `x` in place over the dims `dim .. dim + shape.len()`: biased variance, in
+/// f64; `wb` = weight and bias of `shape`.
+pub fn layer_norm_cpu(
+    dim: usize,
+    shape: &[usize],
+    eps: f32,
+    mut x: HostTensor,
+    wb: Option<(&HostTensor, &HostTensor)>,
+) -> Result<HostTensor, String> {
+    let mut shapes: Vec<&[usize]> = vec![&x.shape];
+    if let Some((w, b)) = wb {
+        shapes.extend([w.shape.as_slice(), b.shape.as_slice()]);
+    }
+    layer_norm_shape(dim, shape, wb.is_some(), &shapes)?;
+    let (outer, len, inner) = split_dims(&x.shape, dim, shape.len());
+    for o in 0..outer {
+        for i in 0..inner {
+            let at = |j: usize| o * len * inner + j * inner + i;
+            let mean = (0..len).map(|j| x.data[at(j)] as f64).sum::<f64>() / len as f64;
+            let var = (0..len).map(|j| (x.data[at(j)] as f64 - mean).powi(2)).sum::<f64>() / len as f64;
+            let rstd = 1.0 / (var + eps as f64).sqrt();
+            for j in 0..len {
+                let mut v = (x.data[at(j)] as f64 - mean) * rstd;
+                if let Some((w, b)) = wb {
+                    v = v * w.data[j] as f64 + b.data[j] as f64;
+                }
+                x.data[at(j)] = v as f32;
+            }
+        }
+    }
+    Ok(x)
+}
 
 /// Per-channel `(scale, shift)` of an inference BatchNorm: `y = x·scale + shift`, computed in f64.
 /// Shared by the CPU reference and `passes::fold_batchnorm`.
@@ -159,4 +445,176 @@ fn gpu_batch_norm2d(ctx: &mut BuildCtx, node: NodeId, eps: f32) -> Result<Box<dy
     let key = conv_key(ctx, node);
     let candidates = conv_candidates_with(ctx, node, problem)?;
     ctx.choose(&key, candidates)
+}
+
+// ---- GPU converters for softmax and LayerNorm (kernels/norm.cu)
+
+/// Where the dims `dim .. dim + count` (of the full shape, batch first) sit in `layout`: their
+/// physical position, when they are stored together and in their logical order.
+fn rows_position(layout: Layout, dim: usize, count: usize) -> Option<usize> {
+    let order = layout.order();
+    let first = dim.checked_sub(1)?;
+    let p = order.iter().position(|&d| d == first)?;
+    let run = order.get(p..p + count)?;
+    run.iter().enumerate().all(|(k, &d)| d == first + k).then_some(p)
+}
+
+/// Softmax and LayerNorm read any layout that keeps their dims together and in order (so
+/// LayerNorm2d runs on NHWC with unit stride), else the contiguous one; the output is written in
+/// the layout the input is read in.
+fn rows_layout(inputs: &[Option<Layout>], out_rank: usize, dim: usize, count: usize) -> LayoutPlan {
+    let chosen = match inputs.first().copied().flatten() {
+        Some(l) if l.rank() == out_rank && rows_position(l, dim, count).is_some() => l,
+        _ => Layout::contiguous(out_rank),
+    };
+    LayoutPlan { inputs: inputs.iter().map(|l| l.map(|_| chosen)).collect(), output: chosen }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum RowOp {
+    Softmax,
+    LayerNorm { eps: f32, affine: bool },
+}
+
+/// A softmax or LayerNorm over `(outer, len, inner)` in physical order: one warp per row when
+/// the row is contiguous (`inner == 1`), one thread per column otherwise.
+struct RowsLayer {
+    path: String,
+    op: RowOp,
+    f: crate::engine::launch::CudaFunction,
+    x: crate::engine::ValueId,
+    y: crate::engine::ValueId,
+    params: Option<(crate::engine::DeviceBuf, crate::engine::DeviceBuf)>,
+    /// Per image.
+    outer: usize,
+    len: i32,
+    inner: i32,
+    sm_count: u32,
+}
+
+impl Layer for RowsLayer {
+    fn path(&self) -> &str {
+        &self.path
+    }
+    fn kind(&self) -> String {
+        let what = match self.op {
+            RowOp::Softmax => "softmax",
+            RowOp::LayerNorm { .. } => "layer_norm",
+        };
+        format!("kernel:{what}{}", if self.inner == 1 { "_rows" } else { "_cols" })
+    }
+    fn enqueue(&self, rt: &crate::engine::RunCtx, batch: usize) -> Result<()> {
+        use crate::engine::launch::{grid_for, launch, KArg, BLOCK};
+        let outer = batch * self.outer;
+        let threads = if self.inner == 1 { outer * 32 } else { outer * self.inner as usize };
+        let mut args = vec![KArg::Ptr(rt.ptr(self.x)), KArg::Ptr(rt.ptr(self.y))];
+        if let RowOp::LayerNorm { eps, .. } = self.op {
+            let (w, b) = self.params.as_ref().map_or((0, 0), |(w, b)| (w.ptr(), b.ptr()));
+            args.extend([KArg::Ptr(w), KArg::Ptr(b), KArg::F32(eps)]);
+        }
+        args.extend([KArg::I64(outer as i64), KArg::I32(self.len), KArg::I32(self.inner)]);
+        launch(rt, &self.f, grid_for(threads, self.sm_count), (BLOCK, 1, 1), 0, &args)
+    }
+}
+
+fn gpu_rows(ctx: &mut BuildCtx, node: NodeId, op: RowOp, dim: usize, count: usize) -> Result<Box<dyn Layer>> {
+    let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
+    let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
+    if dx.elem != dy.elem || dx.layout != dy.layout || dx.dims != dy.dims {
+        return Err(ctx.err(node, format!("input {:?} {:?} and output {:?} {:?} differ", dx.layout, dx.dims, dy.layout, dy.dims)));
+    }
+    let p = rows_position(dx.layout, dim, count)
+        .ok_or_else(|| ctx.err(node, format!("dims {dim}..{} are not stored together in {:?}", dim + count, dx.layout)))?;
+    let phys: Vec<usize> = dx.layout.order().iter().map(|&d| dx.dims[d]).collect();
+    let prod = |s: &[usize]| s.iter().product::<usize>();
+    let (outer, len, inner) = (prod(&phys[..p]), prod(&phys[p..p + count]), prod(&phys[p + count..]));
+    let int = |what: &str, v: usize| i32::try_from(v).map_err(|_| ctx.err(node, format!("{what} = {v} exceeds the kernels' 32-bit range")));
+    let (len, inner) = (int("row length", len)?, int("inner size", inner)?);
+    let params = match op {
+        RowOp::LayerNorm { affine: true, .. } => {
+            let (w, b) = (ctx.weight(node, 1)?.clone(), ctx.weight(node, 2)?.clone());
+            Some((ctx.upload_f32(&w.data)?, ctx.upload_f32(&b.data)?))
+        }
+        _ => None,
+    };
+    let name = match op {
+        RowOp::Softmax => "softmax",
+        RowOp::LayerNorm { .. } => "layer_norm",
+    };
+    let f = ctx.kernels.get(&format!("{name}_{}", dx.elem.suffix()))?;
+    let path = ctx.node(node).path.clone();
+    Ok(Box::new(RowsLayer { path, op, f, x, y, params, outer, len, inner, sm_count: ctx.kernels.sm_count() }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(shape: &[usize], data: Vec<f32>) -> HostTensor {
+        HostTensor::new(shape.to_vec(), data)
+    }
+
+    #[test]
+    fn softmax_shape_errors_name_the_shape() {
+        assert!(softmax_shape(0, &[&[2, 3]]).unwrap_err().contains("batch"));
+        assert!(softmax_shape(2, &[&[2, 3]]).unwrap_err().contains("[2, 3]"));
+        assert!(softmax_shape(1, &[&[2, 3], &[2, 3]]).is_err());
+        assert_eq!(softmax_shape(1, &[&[2, 3]]), Ok(vec![2, 3]));
+    }
+
+    #[test]
+    fn resolve_dim_counts_from_the_end_and_refuses_the_batch() {
+        assert_eq!(resolve_dim(&[2, 3, 4], -1), Ok(2));
+        assert_eq!(resolve_dim(&[2, 3, 4], 1), Ok(1));
+        assert!(resolve_dim(&[2, 3, 4], -3).unwrap_err().contains("batch"));
+        assert!(resolve_dim(&[2, 3, 4], 3).is_err());
+        assert!(resolve_dim(&[2, 3, 4], -4).is_err());
+    }
+
+    #[test]
+    fn softmax_rows_sum_to_one_and_nan_propagates() {
+        let y = softmax_cpu(1, t(&[1, 3, 2], vec![1.0, 0.0, 2.0, 0.0, 3.0, f32::NAN])).unwrap();
+        let col0: f32 = [0, 2, 4].iter().map(|&i| y.data[i]).sum();
+        assert!((col0 - 1.0).abs() < 1e-6, "{y:?}");
+        assert!(y.data[1].is_nan() && y.data[5].is_nan(), "a NaN makes its whole column NaN, as PyTorch");
+        // Large logits do not overflow (max-subtracted).
+        let y = softmax_cpu(1, t(&[1, 2], vec![1000.0, 1000.0])).unwrap();
+        assert_eq!(y.data, vec![0.5, 0.5]);
+    }
+
+    #[test]
+    fn layer_norm_shape_errors() {
+        assert!(layer_norm_shape(1, &[4], false, &[&[2, 3]]).unwrap_err().contains("[2, 3]"));
+        assert!(layer_norm_shape(0, &[2, 3], false, &[&[2, 3]]).unwrap_err().contains("batch"));
+        assert!(layer_norm_shape(1, &[], false, &[&[2, 3]]).is_err());
+        assert!(layer_norm_shape(1, &[3], true, &[&[2, 3]]).unwrap_err().contains("3 inputs"));
+        assert!(layer_norm_shape(1, &[3], true, &[&[2, 3], &[3], &[4]]).unwrap_err().contains("[4]"));
+        assert!(layer_norm_shape(1, &[3, 4], false, &[&[2, 3]]).is_err(), "normalized dims past the end");
+        assert_eq!(layer_norm_shape(1, &[3], true, &[&[2, 3, 5], &[3], &[3]]), Ok(vec![2, 3, 5]));
+    }
+
+    #[test]
+    fn layer_norm_over_a_middle_dim_normalises_each_column() {
+        // [1, 2, 2]: normalise over dim 1 (LayerNorm2d's channels): columns (1, 3) and (2, 6).
+        let y = layer_norm_cpu(1, &[2], 0.0, t(&[1, 2, 2], vec![1.0, 2.0, 3.0, 6.0]), None).unwrap();
+        assert_eq!(y.data, vec![-1.0, -1.0, 1.0, 1.0]);
+        let (w, b) = (t(&[2], vec![2.0, 3.0]), t(&[2], vec![0.5, -0.5]));
+        let y = layer_norm_cpu(1, &[2], 0.0, t(&[1, 2, 2], vec![1.0, 2.0, 3.0, 6.0]), Some((&w, &b))).unwrap();
+        assert_eq!(y.data, vec![-1.5, -1.5, 2.5, 2.5]);
+    }
+
+    #[test]
+    fn split_dims_and_rows_positions() {
+        assert_eq!(split_dims(&[2, 3, 4, 5], 1, 1), (2, 3, 20));
+        assert_eq!(split_dims(&[2, 3, 4, 5], 2, 2), (6, 20, 1));
+        // NHWC of [C, H, W]: channels (dim 1) are innermost; H, W (dims 2, 3) are together first.
+        let nhwc = Layout::channels_last(3);
+        assert_eq!(rows_position(nhwc, 1, 1), Some(2));
+        assert_eq!(rows_position(nhwc, 2, 2), Some(0));
+        assert_eq!(rows_position(nhwc, 1, 2), None, "C and H are not stored together in NHWC");
+        assert_eq!(rows_position(Layout::contiguous(3), 1, 3), Some(0));
+        let plan = rows_layout(&[Some(nhwc)], 3, 1, 2);
+        assert_eq!(plan.output, Layout::contiguous(3));
+        assert_eq!(rows_layout(&[Some(nhwc), None, None], 3, 1, 1).inputs, vec![Some(nhwc), None, None]);
+    }
 }

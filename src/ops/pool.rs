@@ -1,4 +1,4 @@
-//! Pooling: MaxPool2d, AvgPool2d, AdaptiveAvgPool2d.
+//! Pooling: MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, and the mean over any dims (`Tensor::mean`).
 
 use crate::engine::kernel_layers::{pool_layer, PoolKind};
 use crate::engine::{BuildCtx, Layer, Layout};
@@ -25,7 +25,14 @@ pub struct PoolAttrs {
 pub enum Pool {
     Max(PoolAttrs),
     Avg(PoolAttrs),
-    AdaptiveAvg { output: [usize; 2] },
+    AdaptiveAvg {
+        output: [usize; 2],
+    },
+    /// `x.mean(dims, keepdim)`: `dims` sorted, distinct, >= 1 (the batch is dim 0).
+    Mean {
+        dims: Vec<usize>,
+        keepdim: bool,
+    },
 }
 
 impl OpDef for Pool {
@@ -34,12 +41,14 @@ impl OpDef for Pool {
             Pool::Max(_) => "max_pool2d",
             Pool::Avg(_) => "avg_pool2d",
             Pool::AdaptiveAvg { .. } => "adaptive_avg_pool2d",
+            Pool::Mean { .. } => "mean",
         }
     }
     fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
         match self {
             Pool::Max(a) | Pool::Avg(a) => pool2d_shape(a, inputs),
             Pool::AdaptiveAvg { output } => adaptive_avg_pool2d_shape(*output, inputs),
+            Pool::Mean { dims, keepdim } => mean_shape(dims, *keepdim, inputs),
         }
     }
     fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
@@ -49,10 +58,15 @@ impl OpDef for Pool {
             Pool::Max(a) => max_pool2d_cpu(a, x),
             Pool::Avg(a) => avg_pool2d_cpu(a, x),
             Pool::AdaptiveAvg { output } => adaptive_avg_pool2d_cpu(*output, x),
+            Pool::Mean { dims, keepdim } => mean_cpu(dims, *keepdim, x),
         }
     }
     fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
-        LayoutPlan::all(inputs, Layout::channels_last(out_rank))
+        match self {
+            // The reduction reads any layout through its strides.
+            Pool::Mean { .. } => LayoutPlan::any_input(inputs, Layout::contiguous(out_rank)),
+            _ => LayoutPlan::all(inputs, Layout::channels_last(out_rank)),
+        }
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         let window = |a: &PoolAttrs| [a.kernel[0], a.kernel[1], a.stride[0], a.stride[1], a.padding[0], a.padding[1]];
@@ -60,6 +74,7 @@ impl OpDef for Pool {
             Pool::Max(a) => pool_layer(ctx, node, PoolKind::Max, window(a)),
             Pool::Avg(a) => pool_layer(ctx, node, PoolKind::Avg { count_include_pad: a.count_include_pad }, window(a)),
             Pool::AdaptiveAvg { .. } => pool_layer(ctx, node, PoolKind::Adaptive, [0; 6]),
+            Pool::Mean { dims, .. } => gpu_mean(ctx, node, dims),
         }
     }
     fn label(&self) -> String {
@@ -74,6 +89,7 @@ impl OpDef for Pool {
                 s
             }
             Pool::AdaptiveAvg { output } => format!("adaptive_avg_pool2d -> {}x{}", output[0], output[1]),
+            Pool::Mean { dims, keepdim } => format!("mean {dims:?}{}", if *keepdim { " keepdim" } else { "" }),
         }
     }
 }
@@ -172,6 +188,39 @@ impl Forward for AdaptiveAvgPool2d {
     }
 }
 
+impl Tensor {
+    /// `x.mean(dims, keepdim)` inline: the mean over `dims` (each >= 1: the batch is dim 0; the
+    /// order does not matter), e.g. `x.mean(&[2, 3], false)` is global average pooling of NCHW.
+    pub fn mean(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+        let mut dims = dims.to_vec();
+        dims.sort_unstable();
+        Tensor::record_inline(Op::Pool(Pool::Mean { dims, keepdim }), &[self])
+    }
+}
+
+/// `inputs` = x; `dims` sorted and distinct, each in `1..rank`.
+pub fn mean_shape(dims: &[usize], keepdim: bool, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+    let x = one_input(inputs)?;
+    if dims.is_empty() {
+        return Err(format!("mean over no dims of {x:?}: name the dims to reduce"));
+    }
+    if dims.contains(&0) {
+        return Err(format!("mean over dims {dims:?} of {x:?} includes dim 0: the engine keeps the batch as dim 0"));
+    }
+    if let Some(d) = dims.iter().find(|&&d| d >= x.len()) {
+        return Err(format!("mean dim {d} is out of range for shape {x:?}"));
+    }
+    if dims.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(format!("mean dims {dims:?} must be sorted and distinct (shape {x:?})"));
+    }
+    let out = x.iter().enumerate().filter_map(|(i, &n)| match dims.contains(&i) {
+        true if keepdim => Some(1),
+        true => None,
+        false => Some(n),
+    });
+    Ok(out.collect())
+}
+
 /// PyTorch's pooled extent, including its ceil_mode rule: the last window must start inside the
 /// input or the left padding.
 pub fn pooled_extent(input: usize, k: usize, s: usize, p: usize, ceil: bool) -> Option<usize> {
@@ -233,6 +282,31 @@ fn per_plane(x: &HostTensor, out_shape: Vec<usize>, mut f: impl FnMut(&[f32], &m
     HostTensor::new(out_shape, out)
 }
 
+/// `x.mean(dims, keepdim)`, summed in f64. Empty reductions give NaN, as in PyTorch.
+pub fn mean_cpu(dims: &[usize], keepdim: bool, x: &HostTensor) -> Result<HostTensor, String> {
+    let out_shape = mean_shape(dims, keepdim, &[&x.shape])?;
+    let strides: Vec<usize> = (0..x.shape.len()).map(|d| x.shape[d + 1..].iter().product()).collect();
+    let kept: Vec<usize> = (0..x.shape.len()).filter(|d| !dims.contains(d)).collect();
+    let n_out: usize = kept.iter().map(|&d| x.shape[d]).product();
+    let count: usize = dims.iter().map(|&d| x.shape[d]).product();
+    let offsets = |ds: &[usize], mut i: usize| {
+        let mut off = 0;
+        for &d in ds.iter().rev() {
+            off += (i % x.shape[d]) * strides[d];
+            i /= x.shape[d];
+        }
+        off
+    };
+    let reduced: Vec<usize> = (0..count).map(|r| offsets(dims, r)).collect();
+    let out = (0..n_out)
+        .map(|i| {
+            let base = offsets(&kept, i);
+            (reduced.iter().map(|&r| x.data[base + r] as f64).sum::<f64>() / count as f64) as f32
+        })
+        .collect();
+    Ok(HostTensor::new(out_shape, out))
+}
+
 /// `torch.nn.MaxPool2d`: padding counts as -inf; NaN propagates as in PyTorch.
 pub fn max_pool2d_cpu(a: &PoolAttrs, x: &HostTensor) -> Result<HostTensor, String> {
     let out_shape = pool2d_shape(a, &[&x.shape])?;
@@ -292,4 +366,112 @@ pub fn adaptive_avg_pool2d_cpu(output: [usize; 2], x: &HostTensor) -> Result<Hos
             }
         }
     }))
+}
+
+// ---- GPU converter for the mean (kernels/norm.cu)
+
+/// The mean over `dims` of a value in any layout: one thread (or warp, when the innermost reduced
+/// dim is contiguous and long) per output, writing the contiguous output.
+struct MeanLayer {
+    path: String,
+    f: crate::engine::launch::CudaFunction,
+    x: crate::engine::ValueId,
+    y: crate::engine::ValueId,
+    meta: crate::engine::DeviceBuf,
+    kept: i32,
+    red: i32,
+    scale: f32,
+    per_image: usize,
+    warp: bool,
+    sm_count: u32,
+}
+
+impl Layer for MeanLayer {
+    fn path(&self) -> &str {
+        &self.path
+    }
+    fn kind(&self) -> String {
+        format!("kernel:mean{}", if self.warp { "_warp" } else { "" })
+    }
+    fn enqueue(&self, rt: &crate::engine::RunCtx, batch: usize) -> Result<()> {
+        use crate::engine::launch::{grid_for, launch, KArg, BLOCK};
+        let n = batch * self.per_image;
+        let args = [
+            KArg::Ptr(rt.ptr(self.x)),
+            KArg::Ptr(rt.ptr(self.y)),
+            KArg::I64(n as i64),
+            KArg::Ptr(self.meta.ptr()),
+            KArg::I32(self.kept),
+            KArg::I32(self.red),
+            KArg::F32(self.scale),
+            KArg::I32(self.warp as i32),
+        ];
+        launch(rt, &self.f, grid_for(if self.warp { n * 32 } else { n }, self.sm_count), (BLOCK, 1, 1), 0, &args)
+    }
+}
+
+fn gpu_mean(ctx: &mut BuildCtx, node: NodeId, dims: &[usize]) -> Result<Box<dyn Layer>> {
+    let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
+    let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
+    if dx.elem != dy.elem || !dy.layout.same_bytes(Layout::contiguous(dy.dims.len()), &dy.dims) {
+        return Err(ctx.err(node, format!("expects a contiguous output of the input's type, got {:?} {:?}", dy.layout, dy.elem)));
+    }
+    let strides = dx.layout.strides(&dx.dims);
+    // Per-image dims: logical dim d of the tensor is per-image dim d - 1.
+    let reduced: Vec<usize> = dims.iter().map(|&d| d - 1).collect();
+    let kept: Vec<usize> = (0..dx.dims.len()).filter(|d| !reduced.contains(d)).collect();
+    // The reduced dims, largest stride first: the innermost loop walks the smallest stride.
+    let mut red = reduced.clone();
+    red.sort_by_key(|&d| std::cmp::Reverse(strides[d]));
+    let mut meta: Vec<i64> = kept.iter().map(|&d| dx.dims[d] as i64).collect();
+    meta.extend(kept.iter().map(|&d| strides[d] as i64));
+    meta.extend(red.iter().map(|&d| dx.dims[d] as i64));
+    meta.extend(red.iter().map(|&d| strides[d] as i64));
+    meta.push(dx.per_image_elems() as i64);
+    let count: usize = red.iter().map(|&d| dx.dims[d]).product();
+    let warp = red.last().is_some_and(|&d| strides[d] == 1 && dx.dims[d] >= 32);
+    let bytes: Vec<u8> = meta.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let meta = ctx.upload_bytes(&bytes)?;
+    let f = ctx.kernels.get(&format!("mean_{}", dx.elem.suffix()))?;
+    Ok(Box::new(MeanLayer {
+        path: ctx.node(node).path.clone(),
+        f,
+        x,
+        y,
+        meta,
+        kept: kept.len() as i32,
+        red: red.len() as i32,
+        scale: if count == 0 { f32::NAN } else { 1.0 / count as f32 },
+        per_image: dy.per_image_elems(),
+        warp,
+        sm_count: ctx.kernels.sm_count(),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mean_shape_errors_name_the_shape() {
+        let x: &[usize] = &[2, 3, 4, 5];
+        assert!(mean_shape(&[], false, &[x]).unwrap_err().contains("[2, 3, 4, 5]"));
+        assert!(mean_shape(&[0, 2], false, &[x]).unwrap_err().contains("batch"));
+        assert!(mean_shape(&[4], false, &[x]).unwrap_err().contains("out of range"));
+        assert!(mean_shape(&[2, 2], false, &[x]).unwrap_err().contains("distinct"));
+        assert!(mean_shape(&[2], false, &[x, x]).is_err());
+        assert_eq!(mean_shape(&[2, 3], false, &[x]), Ok(vec![2, 3]));
+        assert_eq!(mean_shape(&[2, 3], true, &[x]), Ok(vec![2, 3, 1, 1]));
+    }
+
+    #[test]
+    fn mean_reduces_non_adjacent_dims() {
+        // [1, 2, 2, 2], mean over dims 1 and 3: out[h] = mean of x[:, :, h, :].
+        let x = HostTensor::new(vec![1, 2, 2, 2], (0..8).map(|v| v as f32).collect());
+        let y = mean_cpu(&[1, 3], false, &x).unwrap();
+        assert_eq!(y.shape, vec![1, 2]);
+        assert_eq!(y.data, vec![(0.0 + 1.0 + 4.0 + 5.0) / 4.0, (2.0 + 3.0 + 6.0 + 7.0) / 4.0]);
+        let empty = HostTensor::new(vec![1, 0, 2], vec![]);
+        assert!(mean_cpu(&[1], false, &empty).unwrap().data.iter().all(|v| v.is_nan()), "an empty mean is NaN, as PyTorch");
+    }
 }

@@ -1,0 +1,190 @@
+// Norm family: reductions along some dims with f32 arithmetic whatever the element type.
+//
+// softmax / layer_norm work on (outer, len, inner) in physical order: rows of `len` elements
+// `inner` apart. A contiguous row (inner == 1) gets one warp, its lanes striding the row
+// (coalesced); otherwise one thread per (outer, inner) column, neighbouring threads reading
+// neighbouring columns (coalesced too). Softmax subtracts the row max; LayerNorm takes two passes
+// (mean, then the biased variance of x - mean) before it writes.
+//
+// mean reduces any set of dims of any layout: one thread per output (kept dims, outermost
+// first), or one warp per output when the innermost reduced dim has unit stride.
+//
+// matmul is a batched, broadcasting [M, K] x [K, P] product in 16x16 shared-memory tiles.
+
+__device__ __forceinline__ float nan_max(float a, float b) { return (b > a || b != b) ? b : a; }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Every warp of the grid takes rows r = warp, warp + warps, ... (the loop is uniform per warp).
+#define WARP_STRIDE(r, n)                                                                                                              \
+    for (i64 r = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < (i64)(n); r += ((i64)blockDim.x * gridDim.x) >> 5)
+
+template <typename T> __device__ void softmax(const T* x, T* y, i64 outer, int len, int inner) {
+    if (inner == 1) {
+        const int lane = threadIdx.x & 31;
+        WARP_STRIDE(r, outer) {
+            const T* px = x + r * len;
+            T* py = y + r * len;
+            float m = neg_inf();
+            for (int j = lane; j < len; j += 32) m = nan_max(m, to_f32(px[j]));
+            m = warp_max(m);
+            float s = 0.f;
+            for (int j = lane; j < len; j += 32) s += expf(to_f32(px[j]) - m);
+            const float inv = 1.f / warp_sum(s);
+            for (int j = lane; j < len; j += 32) py[j] = from_f32<T>(expf(to_f32(px[j]) - m) * inv);
+        }
+        return;
+    }
+    GRID_STRIDE(i, outer * inner) {
+        const i64 o = i / inner, c = i % inner;
+        const T* px = x + o * len * inner + c;
+        T* py = y + o * len * inner + c;
+        float m = neg_inf();
+        for (int j = 0; j < len; ++j) m = nan_max(m, to_f32(px[(i64)j * inner]));
+        float s = 0.f;
+        for (int j = 0; j < len; ++j) s += expf(to_f32(px[(i64)j * inner]) - m);
+        const float inv = 1.f / s;
+        for (int j = 0; j < len; ++j) py[(i64)j * inner] = from_f32<T>(expf(to_f32(px[(i64)j * inner]) - m) * inv);
+    }
+}
+
+// w, b: `len` f32 values each, or null (no affine).
+template <typename T> __device__ void layer_norm(const T* x, T* y, const float* w, const float* b, float eps, i64 outer, int len, int inner) {
+    const float inv_len = 1.f / len;
+    if (inner == 1) {
+        const int lane = threadIdx.x & 31;
+        WARP_STRIDE(r, outer) {
+            const T* px = x + r * len;
+            T* py = y + r * len;
+            float s = 0.f;
+            for (int j = lane; j < len; j += 32) s += to_f32(px[j]);
+            const float mean = warp_sum(s) * inv_len;
+            float q = 0.f;
+            for (int j = lane; j < len; j += 32) {
+                const float d = to_f32(px[j]) - mean;
+                q += d * d;
+            }
+            const float rstd = rsqrtf(warp_sum(q) * inv_len + eps);
+            for (int j = lane; j < len; j += 32) {
+                float v = (to_f32(px[j]) - mean) * rstd;
+                if (w) v = v * w[j] + b[j];
+                py[j] = from_f32<T>(v);
+            }
+        }
+        return;
+    }
+    GRID_STRIDE(i, outer * inner) {
+        const i64 o = i / inner, c = i % inner;
+        const T* px = x + o * len * inner + c;
+        T* py = y + o * len * inner + c;
+        float s = 0.f;
+        for (int j = 0; j < len; ++j) s += to_f32(px[(i64)j * inner]);
+        const float mean = s * inv_len;
+        float q = 0.f;
+        for (int j = 0; j < len; ++j) {
+            const float d = to_f32(px[(i64)j * inner]) - mean;
+            q += d * d;
+        }
+        const float rstd = rsqrtf(q * inv_len + eps);
+        for (int j = 0; j < len; ++j) {
+            float v = (to_f32(px[(i64)j * inner]) - mean) * rstd;
+            if (w) v = v * w[j] + b[j];
+            py[(i64)j * inner] = from_f32<T>(v);
+        }
+    }
+}
+
+// meta: kept sizes [kept], kept strides in x [kept], reduced sizes [red], reduced strides [red],
+// x's batch stride. Outputs are enumerated in the kept dims' order (innermost last), then the
+// batch. The last reduced dim is the innermost loop (the converter puts the smallest stride last).
+template <typename T> __device__ void mean(const T* x, T* y, i64 n_out, const i64* meta, int kept, int red, float scale, int warp) {
+    const i64* rsize = meta + 2 * kept;
+    const i64* rstride = rsize + red;
+    const i64 batch_stride = rstride[red];
+    const i64 last = red > 0 ? rsize[red - 1] : 1, last_stride = red > 0 ? rstride[red - 1] : 0;
+    i64 outer = 1;
+    for (int d = 0; d + 1 < red; ++d) outer *= rsize[d];
+    const int lane = warp ? (threadIdx.x & 31) : 0, step = warp ? 32 : 1;
+    const i64 first = warp ? ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5 : (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const i64 stride = warp ? ((i64)blockDim.x * gridDim.x) >> 5 : (i64)blockDim.x * gridDim.x;
+    for (i64 i = first; i < n_out; i += stride) {
+        i64 rem = i, base = 0;
+        for (int d = kept - 1; d >= 0; --d) {
+            base += (rem % meta[d]) * meta[kept + d];
+            rem /= meta[d];
+        }
+        base += rem * batch_stride;
+        float acc = 0.f;
+        for (i64 ro = 0; ro < outer; ++ro) {
+            i64 r = ro, off = base;
+            for (int d = red - 2; d >= 0; --d) {
+                off += (r % rsize[d]) * rstride[d];
+                r /= rsize[d];
+            }
+            for (i64 j = lane; j < last; j += step) acc += to_f32(x[off + j * last_stride]);
+        }
+        if (warp) acc = warp_sum(acc);
+        if (lane == 0) y[i] = from_f32<T>(acc * scale);
+    }
+}
+
+// y[z] = a[z] @ b[z] for z < nbatch: a is [M, K], b is [K, P], y is [M, P], all row-major.
+// meta: the batch dims' sizes [nb] (per image, outermost first), a's strides [nb], b's strides
+// [nb] (0 where it broadcasts); z decomposes over them, what remains is the image, whose strides
+// are a_batch and b_batch (0 for a weight). Output batches are contiguous.
+#define MM_TILE 16
+template <typename T>
+__device__ void matmul(const T* a, const T* b, T* y, int M, int K, int P, i64 nbatch, const i64* meta, int nb, i64 a_batch, i64 b_batch) {
+    __shared__ float as[MM_TILE][MM_TILE + 1];
+    __shared__ float bs[MM_TILE][MM_TILE + 1];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int row = blockIdx.y * MM_TILE + ty, col = blockIdx.x * MM_TILE + tx;
+    for (i64 z = blockIdx.z; z < nbatch; z += gridDim.z) {
+        i64 rem = z, ao = 0, bo = 0;
+        for (int d = nb - 1; d >= 0; --d) {
+            const i64 idx = rem % meta[d];
+            rem /= meta[d];
+            ao += idx * meta[nb + d];
+            bo += idx * meta[2 * nb + d];
+        }
+        ao += rem * a_batch;
+        bo += rem * b_batch;
+        float acc = 0.f;
+        for (int k0 = 0; k0 < K; k0 += MM_TILE) {
+            as[ty][tx] = (row < M && k0 + tx < K) ? to_f32(a[ao + (i64)row * K + k0 + tx]) : 0.f;
+            bs[ty][tx] = (k0 + ty < K && col < P) ? to_f32(b[bo + (i64)(k0 + ty) * P + col]) : 0.f;
+            __syncthreads();
+#pragma unroll
+            for (int k = 0; k < MM_TILE; ++k) acc += as[ty][k] * bs[k][tx];
+            __syncthreads();
+        }
+        if (row < M && col < P) y[z * M * P + (i64)row * P + col] = from_f32<T>(acc);
+    }
+}
+
+#define NORM(T, S)                                                                                                                    \
+    extern "C" __global__ void softmax_##S(const T* x, T* y, i64 outer, int len, int inner) { softmax<T>(x, y, outer, len, inner); } \
+    extern "C" __global__ void layer_norm_##S(const T* x, T* y, const float* w, const float* b, float eps, i64 outer, int len,       \
+                                              int inner) {                                                                          \
+        layer_norm<T>(x, y, w, b, eps, outer, len, inner);                                                                          \
+    }                                                                                                                               \
+    extern "C" __global__ void mean_##S(const T* x, T* y, i64 n_out, const i64* meta, int kept, int red, float scale, int warp) {    \
+        mean<T>(x, y, n_out, meta, kept, red, scale, warp);                                                                         \
+    }                                                                                                                               \
+    extern "C" __global__ void matmul_##S(const T* a, const T* b, T* y, int M, int K, int P, i64 nbatch, const i64* meta, int nb,   \
+                                          i64 a_batch, i64 b_batch) {                                                               \
+        matmul<T>(a, b, y, M, K, P, nbatch, meta, nb, a_batch, b_batch);                                                            \
+    }
+
+NORM(float, f32)
+NORM(f16, f16)

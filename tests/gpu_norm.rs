@@ -1,0 +1,88 @@
+//! Softmax, LayerNorm, mean, matmul and Linear on rank-3+ inputs through their converters inside
+//! real engines, against the CPU executor (FP32 and FP16, batch 1 and 3): contiguous rows (one warp
+//! per row), strided rows (one thread per column), NHWC inputs straight from a convolution, the
+//! cuBLASLt path of `x @ W` and Linear, and our tiled kernel for batched, broadcasting matmul.
+//!
+//! On the device: `cargo test --release --test gpu_norm -- --include-ignored --nocapture --test-threads 1`.
+
+use kiln::{Conv2d, Conv2dConfig, Forward, LayerNorm, LayerNorm2d, LayerNormConfig, Linear, LinearConfig, Module, Tensor, VarBuilder};
+
+mod common;
+use common::check;
+
+fn vb(path: &str) -> VarBuilder {
+    VarBuilder::seeded().pp(path)
+}
+
+/// A 3×3 convolution (padding 1): its output is NHWC in the engine.
+fn conv(x: &Tensor, cin: usize, cout: usize) -> kiln::Result<Tensor> {
+    Conv2d::load(vb("conv"), &Conv2dConfig::new(cin, cout, 3).padding(1))?.forward(x)
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn softmax() {
+    for (dims, dim) in [(&[5usize, 7, 9][..], 1isize), (&[5, 7, 9], -1), (&[5, 7, 9], 2), (&[37], 1), (&[4, 300], -1)] {
+        check(&format!("softmax {dims:?} dim {dim}"), &[("x", dims)], |x| Ok(vec![x[0].softmax(dim)?]));
+    }
+    check("softmax(dim 1) of an NHWC conv [4, 6, 5]", &[("x", &[4, 6, 5])], |x| Ok(vec![conv(&x[0], 4, 6)?.softmax(1)?]));
+    check("softmax(dim -1) of an NHWC conv [4, 6, 5]", &[("x", &[4, 6, 5])], |x| Ok(vec![conv(&x[0], 4, 6)?.softmax(-1)?]));
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn layer_norm() {
+    let ln = |shape: &[usize], c: LayerNormConfig, x: &Tensor| {
+        LayerNorm::load(vb("ln"), &LayerNormConfig { normalized_shape: shape.to_vec(), ..c })?.forward(x)
+    };
+    let c = LayerNormConfig::new(&[1]);
+    check("layer_norm [24] of [5, 24]", &[("x", &[5, 24])], |x| Ok(vec![ln(&[24], c.clone(), &x[0])?]));
+    check("layer_norm [768] eps 1e-6 of [3, 768]", &[("x", &[3, 768])], |x| Ok(vec![ln(&[768], c.clone().eps(1e-6), &x[0])?]));
+    check("layer_norm [6, 7] of [4, 6, 7]", &[("x", &[4, 6, 7])], |x| Ok(vec![ln(&[6, 7], c.clone().eps(1e-3), &x[0])?]));
+    check("layer_norm no affine [10] of [3, 10]", &[("x", &[3, 10])], |x| Ok(vec![ln(&[10], c.clone().elementwise_affine(false), &x[0])?]));
+    let ln2d = |x: &Tensor, ch: usize| LayerNorm2d::load(vb("ln2d"), &LayerNormConfig::new(&[ch]).eps(1e-6))?.forward(x);
+    check("layer_norm2d [8, 5, 6]", &[("x", &[8, 5, 6])], |x| Ok(vec![ln2d(&x[0], 8)?]));
+    check("layer_norm2d of an NHWC conv [3, 7, 5]", &[("x", &[3, 7, 5])], |x| Ok(vec![ln2d(&conv(&x[0], 3, 12)?, 12)?]));
+    check("layer_norm [5] of an NHWC conv [3, 4, 5]", &[("x", &[3, 4, 5])], |x| Ok(vec![ln(&[5], c.clone(), &conv(&x[0], 3, 6)?)?]));
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn mean() {
+    check("mean (2, 3) [6, 5, 7]", &[("x", &[6, 5, 7])], |x| Ok(vec![x[0].mean(&[2, 3], false)?]));
+    check("mean (2, 3) keepdim [4, 3, 5]", &[("x", &[4, 3, 5])], |x| Ok(vec![x[0].mean(&[2, 3], true)?]));
+    check("mean (2, 3) of an NHWC conv [3, 7, 6]", &[("x", &[3, 7, 6])], |x| Ok(vec![conv(&x[0], 3, 16)?.mean(&[2, 3], false)?]));
+    check("mean -1 [4, 64]", &[("x", &[4, 64])], |x| Ok(vec![x[0].mean(&[2], false)?]));
+    check("mean -1 [4, 9]", &[("x", &[4, 9])], |x| Ok(vec![x[0].mean(&[2], false)?]));
+    check("mean 1 keepdim [5, 3, 4]", &[("x", &[5, 3, 4])], |x| Ok(vec![x[0].mean(&[1], true)?]));
+    check("mean (1, 3) [5, 3, 4]", &[("x", &[5, 3, 4])], |x| Ok(vec![x[0].mean(&[1, 3], false)?]));
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn matmul() {
+    check("bmm [5, 7] @ [7, 3]", &[("a", &[5, 7]), ("b", &[7, 3])], |x| Ok(vec![x[0].bmm(&x[1])?]));
+    check("matmul [33, 40] @ [40, 17]", &[("a", &[33, 40]), ("b", &[40, 17])], |x| Ok(vec![x[0].matmul(&x[1])?]));
+    check("matmul [3, 4, 6] @ [1, 6, 5]", &[("a", &[3, 4, 6]), ("b", &[1, 6, 5])], |x| Ok(vec![x[0].matmul(&x[1])?]));
+    check("matmul [2, 3, 4, 6] @ [2, 1, 6, 5]", &[("a", &[2, 3, 4, 6]), ("b", &[2, 1, 6, 5])], |x| Ok(vec![x[0].matmul(&x[1])?]));
+    check("[5, 9] @ W[9, 4] (cuBLASLt)", &[("x", &[5, 9])], |x| {
+        let w = vb("mm").get(&[9, 4], "weight")?;
+        Ok(vec![x[0].matmul_weight("mm", &w)?])
+    });
+    check("[3, 5, 6] @ W[3, 6, 4]", &[("x", &[3, 5, 6])], |x| {
+        let w = vb("mm").get(&[3, 6, 4], "weight")?;
+        Ok(vec![x[0].matmul_weight("mm", &w)?])
+    });
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn linear_rank3() {
+    let lin = |x: &Tensor, c: LinearConfig| Linear::load(vb("fc"), &c)?.forward(x);
+    check("linear [5, 12] -> 7", &[("x", &[5, 12])], |x| Ok(vec![lin(&x[0], LinearConfig::new(12, 7))?]));
+    check("linear no bias [3, 4, 8] -> 3", &[("x", &[3, 4, 8])], |x| {
+        Ok(vec![lin(&x[0], LinearConfig { bias: false, ..LinearConfig::new(8, 3) })?])
+    });
+    check("linear [20] -> 7", &[("x", &[20])], |x| Ok(vec![lin(&x[0], LinearConfig::new(20, 7))?]));
+    check("linear then softmax [6, 16] -> 10", &[("x", &[6, 16])], |x| Ok(vec![lin(&x[0], LinearConfig::new(16, 10))?.softmax(-1)?]));
+}
