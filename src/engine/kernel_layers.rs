@@ -577,6 +577,8 @@ pub fn entry_points() -> Vec<String> {
             "concat_channels",
             "decode_select",
             "decode_tile_max",
+            "shape_gather",
+            "shape_scatter",
         ] {
             names.push(format!("{k}_{t}"));
         }
