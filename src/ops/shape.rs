@@ -742,8 +742,10 @@ mod tests {
     fn tensor_methods_check_their_arguments() {
         let tracer = Tracer::new();
         let x = tracer.input("x", &[2, 6, 4, 5]);
-        let err = |r: Result<Tensor>| r.unwrap_err().to_string();
-        assert!(err(x.reshape(&[-1, 4, 5])).contains("batch"), "{}", err(x.reshape(&[-1, 4, 5])));
+        fn err<T: std::fmt::Debug>(r: Result<T>) -> String {
+            r.unwrap_err().to_string()
+        }
+        assert!(err(x.reshape(&[-1, 4, 5])).contains("batch"));
         assert!(err(x.reshape(&[2, -1, -1])).contains("more than one"));
         assert!(err(x.reshape(&[2, 7, -1])).contains("cannot infer"));
         assert!(err(x.reshape(&[2, 0, -1])).contains("cannot infer"));
@@ -767,7 +769,6 @@ mod tests {
         assert!(err(x.chunk(0, 1)).contains("0 chunks"));
         let shapes = |ts: Vec<Tensor>| ts.iter().map(|t| t.shape()[1]).collect::<Vec<_>>();
         assert_eq!(shapes(x.chunk(4, 1).unwrap()), vec![2, 2, 2], "PyTorch: ceil(6 / 4) = 2 each, 3 chunks");
-        assert_eq!(shapes(x.chunk(4, 1).unwrap()), vec![2, 2, 2]);
         assert_eq!(shapes(x.split_size(4, 1).unwrap()), vec![4, 2]);
         assert_eq!(shapes(x.chunk(5, 1).unwrap()), vec![2, 2, 2]);
         assert!(err(x.pad(&[1, -1], 0.0)).contains("negative pad"));
