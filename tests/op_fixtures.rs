@@ -7,7 +7,7 @@ use kiln::compare::compare;
 use kiln::var_builder::read_safetensors;
 use kiln::{
     AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, Forward, LeakyReLU,
-    LeakyReLUConfig, Linear, LinearConfig, MaxPool2d, Module, Pool2dConfig, ReLU, Result, Sigmoid, Tensor, Tracer, VarBuilder,
+    LeakyReLUConfig, Linear, LinearConfig, MaxPool2d, Module, Pool2dConfig, ReLU, Result, Sigmoid, Tensor, Tracer, VarBuilder, ConstantPad2d, ConstantPad2dConfig, ZeroPad2d,
 };
 use std::path::PathBuf;
 
@@ -56,6 +56,28 @@ fn build(case: &str, vb: VarBuilder, x: &Tensor, other: Option<&Tensor>) -> Opti
         "mul" => other().and_then(|o| x * o),
         "add" => other().and_then(|o| x + o),
         "flatten" => x.flatten(1),
+        "reshape_infer" => x.reshape(&[3, 2, -1, 5]),
+        "reshape_view_flat" => x.view(&[2, -1]),
+        "reshape_channel_shuffle" => x.view(&[2, 3, 2, 5, 7]).and_then(|v| v.transpose(1, 2)?.contiguous()?.view(&[2, 6, 5, 7])),
+        "permute_nhwc" => x.permute(&[0, 2, 3, 1]),
+        "permute_rank5" => x.permute(&[0, 3, 1, 4, 2]),
+        "permute_transpose_last" => x.transpose(-1, -2),
+        "flatten_start2" => x.flatten(2),
+        "flatten_range_mid" => x.flatten_range(1, 2),
+        "slice_narrow" => x.narrow(2, 1, 3),
+        "slice_narrow_last" => x.narrow(-1, 2, 4),
+        "slice_chunk_reversed" => x.chunk(3, 3).and_then(|c| Tensor::cat(&c.iter().rev().collect::<Vec<_>>(), 3)),
+        "slice_chunk_fewer" => x.chunk(4, 1).and_then(|c| Tensor::cat(&c.iter().rev().collect::<Vec<_>>(), 1)),
+        "slice_split_sizes" => x.split(&[2, 4, 1], 1).and_then(|c| Tensor::cat(&c.iter().rev().collect::<Vec<_>>(), 1)),
+        "cat_dim2" => other().and_then(|o| Tensor::cat(&[x, o], 2)),
+        "cat_last" => other().and_then(|o| Tensor::cat(&[x, o], 3)),
+        "cat_rank2" => other().and_then(|o| Tensor::cat(&[x, o], 1)),
+        "pad_constant" => x.pad(&[1, 2, 0, 3], 0.5),
+        "pad_channels" => x.pad(&[1, 0, 0, 2, 2, 1], -2.0),
+        "pad_zero2d" => ZeroPad2d::load(vb, &[2, 1, 1, 0]).and_then(|m| m.forward(x)),
+        "pad_constant2d" => {
+            ConstantPad2d::load(vb, &ConstantPad2dConfig { padding: [1, 1, 2, 2], value: -1.5 }).and_then(|m| m.forward(x))
+        }
         _ => return None,
     })
 }
