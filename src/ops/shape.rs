@@ -207,7 +207,8 @@ pub fn pad_shape(pads: &[usize], x: &[usize]) -> Result<Vec<usize>, String> {
     let mut out = x.to_vec();
     for (i, pair) in pads.chunks(2).enumerate() {
         let d = x.len() - 1 - i;
-        out[d] = x[d].checked_add(pair[0]).and_then(|v| v.checked_add(pair[1])).ok_or_else(|| format!("padding dim {d} of {x:?} overflows"))?;
+        out[d] =
+            x[d].checked_add(pair[0]).and_then(|v| v.checked_add(pair[1])).ok_or_else(|| format!("padding dim {d} of {x:?} overflows"))?;
     }
     Ok(out)
 }
@@ -390,7 +391,11 @@ fn gpu_cat(ctx: &mut BuildCtx, node: NodeId, dim: usize) -> Result<Box<dyn Layer
     let dy = ctx.value(y).clone();
     let k = match dim.checked_sub(1) {
         Some(k) if k < dy.dims.len() => k,
-        _ => return Err(ctx.err(node, format!("the GPU engine concatenates along dims 1 to {} (the batch stays), got dim {dim}", dy.dims.len()))),
+        _ => {
+            return Err(
+                ctx.err(node, format!("the GPU engine concatenates along dims 1 to {} (the batch stays), got dim {dim}", dy.dims.len()))
+            )
+        }
     };
     let ins: Vec<ValueId> = (0..ctx.node(node).inputs.len()).map(|i| ctx.input(node, i)).collect::<Result<_>>()?;
     let channels_last = |v: ValueId| {
@@ -538,7 +543,8 @@ impl Tensor {
     /// `x.reshape(shape)`, with at most one `-1` (inferred), as PyTorch. Dim 0 must stay the batch.
     pub fn reshape(&self, shape: &[isize]) -> Result<Tensor> {
         let x = self.shape();
-        let total = x.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| arg_err(self, "reshape", "too many elements".into()))?;
+        let total =
+            x.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| arg_err(self, "reshape", "too many elements".into()))?;
         let mut dims = Vec::with_capacity(shape.len());
         let mut infer = None;
         for (i, &d) in shape.iter().enumerate() {
@@ -552,7 +558,10 @@ impl Tensor {
                 d => dims.push(d as usize),
             }
         }
-        let known = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| arg_err(self, "reshape", format!("{shape:?} is too large")))?;
+        let known = dims
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| arg_err(self, "reshape", format!("{shape:?} is too large")))?;
         if let Some(i) = infer {
             if known == 0 || total % known != 0 {
                 return Err(arg_err(self, "reshape", format!("cannot infer the -1 of {shape:?}")));
