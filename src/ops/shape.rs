@@ -195,7 +195,7 @@ pub fn slice_shape(dim: usize, start: usize, len: usize, x: &[usize]) -> Result<
 
 /// `x` grown by `pads` (last dim first, `(before, after)` pairs).
 pub fn pad_shape(pads: &[usize], x: &[usize]) -> Result<Vec<usize>, String> {
-    if pads.len() % 2 != 0 {
+    if !pads.len().is_multiple_of(2) {
         return Err(format!("pads {pads:?} must come in (before, after) pairs"));
     }
     if pads.len() / 2 >= x.len() {
