@@ -6,9 +6,8 @@
 use kiln::compare::compare;
 use kiln::var_builder::read_safetensors;
 use kiln::{
-    AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, BatchNorm2dConfig, ConstantPad2d, ConstantPad2dConfig, Conv2d, Conv2dConfig,
-    ConvTranspose2d, Forward, LeakyReLU, LeakyReLUConfig, Linear, LinearConfig, MaxPool2d, Module, Pool2dConfig, ReLU, Result, Sigmoid,
-    Tensor, Tracer, VarBuilder, ZeroPad2d,
+    AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, Forward, LeakyReLU,
+    LeakyReLUConfig, Linear, LinearConfig, MaxPool2d, Module, Pool2dConfig, ReLU, Result, Sigmoid, Tensor, Tracer, VarBuilder,
 };
 use std::path::PathBuf;
 
@@ -75,8 +74,10 @@ fn build(case: &str, vb: VarBuilder, x: &Tensor, other: Option<&Tensor>) -> Opti
         "cat_rank2" => other().and_then(|o| Tensor::cat(&[x, o], 1)),
         "pad_constant" => x.pad(&[1, 2, 0, 3], 0.5),
         "pad_channels" => x.pad(&[1, 0, 0, 2, 2, 1], -2.0),
-        "pad_zero2d" => ZeroPad2d::load(vb, &[2, 1, 1, 0]).and_then(|m| m.forward(x)),
-        "pad_constant2d" => ConstantPad2d::load(vb, &ConstantPad2dConfig { padding: [1, 1, 2, 2], value: -1.5 }).and_then(|m| m.forward(x)),
+        "pad_zero2d" => kiln::ZeroPad2d::load(vb, &[2, 1, 1, 0]).and_then(|m| m.forward(x)),
+        "pad_constant2d" => {
+            kiln::ConstantPad2d::load(vb, &kiln::ConstantPad2dConfig { padding: [1, 1, 2, 2], value: -1.5 }).and_then(|m| m.forward(x))
+        }
         _ => return None,
     })
 }
