@@ -75,6 +75,28 @@ fn build(case: &str, vb: VarBuilder, x: &Tensor, other: Option<&Tensor>) -> Opti
         "matmul_weight_batched" => vb.get(&[3, 6, 4], "weight").and_then(|w| x.matmul_weight(case, &w)),
         "linear_rank3" => Linear::load(vb, &LinearConfig::new(12, 7)).and_then(|m| m.forward(x)),
         "linear_rank4_nobias" => Linear::load(vb, &LinearConfig { bias: false, ..LinearConfig::new(8, 3) }).and_then(|m| m.forward(x)),
+        "reshape_infer" => x.reshape(&[3, 2, -1, 5]),
+        "reshape_view_flat" => x.view(&[2, -1]),
+        "reshape_channel_shuffle" => x.view(&[2, 3, 2, 5, 7]).and_then(|v| v.transpose(1, 2)?.contiguous()?.view(&[2, 6, 5, 7])),
+        "permute_nhwc" => x.permute(&[0, 2, 3, 1]),
+        "permute_rank5" => x.permute(&[0, 3, 1, 4, 2]),
+        "permute_transpose_last" => x.transpose(-1, -2),
+        "flatten_start2" => x.flatten(2),
+        "flatten_range_mid" => x.flatten_range(1, 2),
+        "slice_narrow" => x.narrow(2, 1, 3),
+        "slice_narrow_last" => x.narrow(-1, 2, 4),
+        "slice_chunk_reversed" => x.chunk(3, 3).and_then(|c| Tensor::cat(&c.iter().rev().collect::<Vec<_>>(), 3)),
+        "slice_chunk_fewer" => x.chunk(4, 1).and_then(|c| Tensor::cat(&c.iter().rev().collect::<Vec<_>>(), 1)),
+        "slice_split_sizes" => x.split(&[2, 4, 1], 1).and_then(|c| Tensor::cat(&c.iter().rev().collect::<Vec<_>>(), 1)),
+        "cat_dim2" => other().and_then(|o| Tensor::cat(&[x, o], 2)),
+        "cat_last" => other().and_then(|o| Tensor::cat(&[x, o], 3)),
+        "cat_rank2" => other().and_then(|o| Tensor::cat(&[x, o], 1)),
+        "pad_constant" => x.pad(&[1, 2, 0, 3], 0.5),
+        "pad_channels" => x.pad(&[1, 0, 0, 2, 2, 1], -2.0),
+        "pad_zero2d" => kiln::ZeroPad2d::load(vb, &[2, 1, 1, 0]).and_then(|m| m.forward(x)),
+        "pad_constant2d" => {
+            kiln::ConstantPad2d::load(vb, &kiln::ConstantPad2dConfig { padding: [1, 1, 2, 2], value: -1.5 }).and_then(|m| m.forward(x))
+        }
         _ => return None,
     })
 }

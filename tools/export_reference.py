@@ -328,6 +328,27 @@ def op_cases():
     c.append(("matmul_weight_batched", MatmulWeight([3, 6, 4]), [[2, 3, 5, 6]]))
     c.append(("linear_rank3", nn.Linear(12, 7), [[2, 5, 12]]))
     c.append(("linear_rank4_nobias", nn.Linear(8, 3, bias=False), [[2, 3, 4, 8]]))
+    # Shape ops (src/ops/shape.rs): reshape, permute, flatten ranges, slices, cat on any dim, pad.
+    c.append(("reshape_infer", lambda a: a.reshape(3, 2, -1, 5), [[3, 4, 3, 5]]))
+    c.append(("reshape_view_flat", lambda a: a.view(2, -1), [[2, 3, 5, 7]]))
+    c.append(("reshape_channel_shuffle", lambda a: a.view(2, 3, 2, 5, 7).transpose(1, 2).contiguous().view(2, 6, 5, 7), [[2, 6, 5, 7]]))
+    c.append(("permute_nhwc", lambda a: a.permute(0, 2, 3, 1), [[2, 3, 4, 5]]))
+    c.append(("permute_rank5", lambda a: a.permute(0, 3, 1, 4, 2), [[2, 2, 3, 4, 5]]))
+    c.append(("permute_transpose_last", lambda a: a.transpose(-1, -2), [[3, 5, 7]]))
+    c.append(("flatten_start2", lambda a: torch.flatten(a, 2), [[2, 3, 4, 5]]))
+    c.append(("flatten_range_mid", lambda a: torch.flatten(a, 1, 2), [[3, 3, 4, 5]]))
+    c.append(("slice_narrow", lambda a: a.narrow(2, 1, 3), [[2, 3, 7, 5]]))
+    c.append(("slice_narrow_last", lambda a: a.narrow(-1, 2, 4), [[3, 4, 6, 9]]))
+    c.append(("slice_chunk_reversed", lambda a: torch.cat(torch.chunk(a, 3, dim=3)[::-1], dim=3), [[2, 3, 4, 7]]))
+    c.append(("slice_chunk_fewer", lambda a: torch.cat(torch.chunk(a, 4, dim=1)[::-1], dim=1), [[2, 6, 3, 5]]))
+    c.append(("slice_split_sizes", lambda a: torch.cat(torch.split(a, [2, 4, 1], dim=1)[::-1], dim=1), [[3, 7, 2, 5]]))
+    c.append(("cat_dim2", lambda a, b: torch.cat([a, b], dim=2), [[2, 3, 4, 5], [2, 3, 6, 5]]))
+    c.append(("cat_last", lambda a, b: torch.cat([a, b], dim=-1), [[3, 2, 5, 3], [3, 2, 5, 4]]))
+    c.append(("cat_rank2", lambda a, b: torch.cat([a, b], dim=1), [[3, 5], [3, 7]]))
+    c.append(("pad_constant", lambda a: F.pad(a, (1, 2, 0, 3), value=0.5), [[2, 3, 4, 5]]))
+    c.append(("pad_channels", lambda a: F.pad(a, (1, 0, 0, 2, 2, 1), value=-2.0), [[2, 3, 4, 5]]))
+    c.append(("pad_zero2d", nn.ZeroPad2d((2, 1, 1, 0)), [[3, 2, 5, 4]]))
+    c.append(("pad_constant2d", nn.ConstantPad2d((1, 1, 2, 2), -1.5), [[1, 3, 4, 6]]))
     return c
 
 

@@ -583,6 +583,8 @@ pub fn entry_points() -> Vec<String> {
             "layer_norm",
             "mean",
             "matmul",
+            "shape_gather",
+            "shape_scatter",
         ] {
             names.push(format!("{k}_{t}"));
         }

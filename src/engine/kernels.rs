@@ -32,6 +32,7 @@ pub const FAMILIES: &[(&str, &str)] = &[
     ("concat.cu", include_str!("../../kernels/concat.cu")),
     ("permute.cu", include_str!("../../kernels/permute.cu")),
     ("norm.cu", include_str!("../../kernels/norm.cu")),
+    ("shape.cu", include_str!("../../kernels/shape.cu")),
 ];
 
 /// Families compiled only when a layer that launches them is built (`Kernels::add_source`): the
