@@ -7,7 +7,8 @@ use kiln::compare::compare;
 use kiln::var_builder::read_safetensors;
 use kiln::{
     AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, Forward, LeakyReLU,
-    LeakyReLUConfig, Linear, LinearConfig, MaxPool2d, Module, Pool2dConfig, ReLU, Result, Sigmoid, Tensor, Tracer, VarBuilder,
+    LeakyReLUConfig, Linear, LinearConfig, MaxPool2d, Module, Pool2dConfig, ReLU, Result, Sigmoid, Tensor, Tracer, Upsample,
+    UpsampleConfig, VarBuilder,
 };
 use std::path::PathBuf;
 
@@ -18,6 +19,10 @@ fn fixture() -> PathBuf {
     let dir =
         std::env::var_os("KILN_FIXTURES").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures"), PathBuf::from);
     dir.join("ops.reference.safetensors")
+}
+
+fn upsample(vb: VarBuilder, x: &Tensor, c: UpsampleConfig) -> Result<Tensor> {
+    Upsample::load(vb, &c)?.forward(x)
 }
 
 fn conv(vb: VarBuilder, x: &Tensor, c: Conv2dConfig) -> Result<Tensor> {
@@ -56,6 +61,20 @@ fn build(case: &str, vb: VarBuilder, x: &Tensor, other: Option<&Tensor>) -> Opti
         "mul" => other().and_then(|o| x * o),
         "add" => other().and_then(|o| x + o),
         "flatten" => x.flatten(1),
+        "upsample_nearest2d_scale2" => upsample(vb, x, UpsampleConfig::scale(2.0)),
+        "upsample_nearest2d_scale1_5" => upsample(vb, x, UpsampleConfig::scale(1.5)),
+        "upsample_nearest2d_scale1_7" => x.interpolate(&UpsampleConfig::scale(1.7)),
+        "upsample_nearest2d_recompute" => x.interpolate(&UpsampleConfig::scale(1.7).recompute_scale_factor(true)),
+        "upsample_nearest2d_scale_hw" => upsample(vb, x, UpsampleConfig::scale2(2.0, 1.5)),
+        "upsample_nearest2d_scale_near1" => upsample(vb, x, UpsampleConfig::scale(1.05)),
+        "upsample_nearest2d_size" => upsample(vb, x, UpsampleConfig::size(11, 4)),
+        "upsample_bilinear2d_scale2" => upsample(vb, x, UpsampleConfig::scale(2.0).bilinear(false)),
+        "upsample_bilinear2d_scale2_align_corners" => upsample(vb, x, UpsampleConfig::scale(2.0).bilinear(true)),
+        "upsample_bilinear2d_scale1_5" => upsample(vb, x, UpsampleConfig::scale(1.5).bilinear(false)),
+        "upsample_bilinear2d_scale1_7" => x.interpolate(&UpsampleConfig::scale(1.7).bilinear(false)),
+        "upsample_bilinear2d_down" => x.interpolate(&UpsampleConfig::scale(0.6).bilinear(false)),
+        "upsample_bilinear2d_size" => upsample(vb, x, UpsampleConfig::size(9, 13).bilinear(false)),
+        "upsample_bilinear2d_size_align_corners" => upsample(vb, x, UpsampleConfig::size(9, 4).bilinear(true)),
         _ => return None,
     })
 }

@@ -296,6 +296,23 @@ def op_cases():
     c.append(("mul", lambda a, b: a * b, [[2, 3, 4, 5], [2, 3, 4, 5]]))
     c.append(("add", lambda a, b: a + b, [[2, 3, 4, 5], [2, 3, 4, 5]]))
     c.append(("flatten", lambda a: torch.flatten(a, 1), [[2, 3, 4, 5]]))
+    # Resize: PyTorch's legacy `nearest` and bilinear; with a scale factor the index arithmetic
+    # uses 1 / scale_factor (1.7 on 7 pixels picks other pixels than 7 / 11 would).
+    up = nn.Upsample
+    c.append(("upsample_nearest2d_scale2", up(scale_factor=2), [[2, 3, 5, 7]]))
+    c.append(("upsample_nearest2d_scale1_5", up(scale_factor=1.5), [[1, 2, 7, 9]]))
+    c.append(("upsample_nearest2d_scale1_7", lambda a: F.interpolate(a, scale_factor=1.7), [[1, 2, 7, 6]]))
+    c.append(("upsample_nearest2d_recompute", lambda a: F.interpolate(a, scale_factor=1.7, recompute_scale_factor=True), [[1, 2, 7, 6]]))
+    c.append(("upsample_nearest2d_scale_hw", up(scale_factor=(2, 1.5)), [[2, 3, 4, 5]]))
+    c.append(("upsample_nearest2d_scale_near1", up(scale_factor=1.05), [[1, 2, 10, 9]]))
+    c.append(("upsample_nearest2d_size", up(size=(11, 4)), [[2, 3, 5, 7]]))
+    c.append(("upsample_bilinear2d_scale2", up(scale_factor=2, mode="bilinear"), [[2, 3, 5, 7]]))
+    c.append(("upsample_bilinear2d_scale2_align_corners", up(scale_factor=2, mode="bilinear", align_corners=True), [[2, 3, 5, 7]]))
+    c.append(("upsample_bilinear2d_scale1_5", up(scale_factor=1.5, mode="bilinear"), [[1, 2, 7, 9]]))
+    c.append(("upsample_bilinear2d_scale1_7", lambda a: F.interpolate(a, scale_factor=1.7, mode="bilinear"), [[1, 2, 7, 6]]))
+    c.append(("upsample_bilinear2d_down", lambda a: F.interpolate(a, scale_factor=0.6, mode="bilinear"), [[1, 2, 10, 9]]))
+    c.append(("upsample_bilinear2d_size", up(size=(9, 13), mode="bilinear"), [[3, 2, 5, 7]]))
+    c.append(("upsample_bilinear2d_size_align_corners", up(size=(9, 4), mode="bilinear", align_corners=True), [[2, 3, 5, 7]]))
     return c
 
 

@@ -275,6 +275,90 @@ pub fn pool_layer(ctx: &mut BuildCtx, node: NodeId, kind: PoolKind, window: [usi
     Ok(Box::new(PoolLayer { path: ctx.node(node).path.clone(), kind, f, x, y, dims, window: win, vec, sm_count: ctx.kernels.sm_count() }))
 }
 
+// ---- resize --------------------------------------------------------------------------------
+
+/// Nearest or bilinear upsampling of an NHWC image through per-axis index (and weight) tables.
+pub struct ResizeLayer {
+    path: String,
+    kind: &'static str,
+    f: CudaFunction,
+    x: ValueId,
+    y: ValueId,
+    /// H, W, C, OH, OW
+    dims: [i32; 5],
+    tab: DeviceBuf,
+    /// Bilinear weights (`None` for nearest).
+    lam: Option<DeviceBuf>,
+    vec: usize,
+    sm_count: u32,
+}
+
+impl Layer for ResizeLayer {
+    fn path(&self) -> &str {
+        &self.path
+    }
+    fn kind(&self) -> String {
+        format!("kernel:{}", self.kind)
+    }
+    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        let [h, w, c, oh, ow] = self.dims;
+        let n = i32::try_from(batch)
+            .map_err(|_| Error::Binding { name: self.path.clone(), reason: format!("batch {batch} exceeds the resize kernel's range") })?;
+        let mut args = vec![KArg::Ptr(rt.ptr(self.x)), KArg::Ptr(rt.ptr(self.y)), KArg::I32(n)];
+        args.extend([h, w, c, oh, ow].map(KArg::I32));
+        args.push(KArg::Ptr(self.tab.ptr()));
+        if let Some(lam) = &self.lam {
+            args.push(KArg::Ptr(lam.ptr()));
+        }
+        args.push(KArg::I32((self.vec > 1) as i32));
+        let work = batch * (oh as usize) * (ow as usize) * (c as usize) / self.vec;
+        launch(rt, &self.f, grid_for(work, self.sm_count), (BLOCK, 1, 1), 0, &args)
+    }
+}
+
+/// A [`ResizeLayer`] for a `Resize` node (NHWC in and out); the tables come from the op's own
+/// index arithmetic, the one the CPU reference uses.
+pub fn resize(ctx: &mut BuildCtx, node: NodeId, op: &crate::ops::resize::Resize) -> Result<Box<dyn Layer>> {
+    use crate::ops::resize::Resize;
+    let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
+    let elem = same_elem(ctx, node, &[x, y])?;
+    let (c, h, w) = nhwc(ctx, node, x)?;
+    let (c2, oh, ow) = nhwc(ctx, node, y)?;
+    if c2 != c || op.output_hw([h, w]).map_err(|e| ctx.err(node, e))? != [oh, ow] {
+        return Err(ctx.err(node, format!("resize maps [{c}, {h}, {w}] to [{c2}, {oh}, {ow}]")));
+    }
+    let mut dims = [0i32; 5];
+    for (d, (name, v)) in dims.iter_mut().zip([("H", h), ("W", w), ("C", c), ("OH", oh), ("OW", ow)]) {
+        *d = to_i32(ctx, node, name, v)?;
+    }
+    let ints = |v: Vec<usize>| -> Vec<u8> { v.into_iter().flat_map(|i| (i as i32).to_le_bytes()).collect() };
+    let (kind, tab, lam) = match *op {
+        Resize::Nearest { scale, .. } => {
+            let mut t = Resize::nearest_indices(scale.map(|s| s[0]), h, oh);
+            t.extend(Resize::nearest_indices(scale.map(|s| s[1]), w, ow));
+            ("resize_nearest", ints(t), None)
+        }
+        Resize::Bilinear { scale, align_corners, .. } => {
+            let ty = Resize::linear_indices(scale.map(|s| s[0]), align_corners, h, oh);
+            let tx = Resize::linear_indices(scale.map(|s| s[1]), align_corners, w, ow);
+            let mut idx = Vec::with_capacity(2 * (oh + ow));
+            let mut lam = Vec::with_capacity(2 * (oh + ow));
+            for t in [&ty, &tx] {
+                idx.extend(t.iter().map(|e| e.0));
+                idx.extend(t.iter().map(|e| e.1));
+                lam.extend(t.iter().map(|e| e.2));
+                lam.extend(t.iter().map(|e| e.3));
+            }
+            ("resize_bilinear", ints(idx), Some(lam))
+        }
+    };
+    let tab = ctx.upload_bytes(&tab)?;
+    let lam = lam.map(|l| ctx.upload_f32(&l)).transpose()?;
+    let f = ctx.kernels.get(&format!("{kind}_{}", elem.suffix()))?;
+    let vec = if c % pack(elem) == 0 { pack(elem) } else { 1 };
+    Ok(Box::new(ResizeLayer { path: ctx.node(node).path.clone(), kind, f, x, y, dims, tab, lam, vec, sm_count: ctx.kernels.sm_count() }))
+}
+
 // ---- concat -------------------------------------------------------------------------------
 
 pub struct ConcatLayer {
@@ -575,6 +659,8 @@ pub fn entry_points() -> Vec<String> {
             "avg_pool2d",
             "adaptive_avg_pool2d",
             "concat_channels",
+            "resize_nearest",
+            "resize_bilinear",
             "decode_select",
             "decode_tile_max",
         ] {

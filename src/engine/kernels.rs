@@ -31,6 +31,7 @@ pub const FAMILIES: &[(&str, &str)] = &[
     ("concat.cu", include_str!("../../kernels/concat.cu")),
     ("permute.cu", include_str!("../../kernels/permute.cu")),
     ("decode.cu", include_str!("../../kernels/decode.cu")),
+    ("resize.cu", include_str!("../../kernels/resize.cu")),
 ];
 
 /// Loads NVRTC from an explicit path (a file, or a folder holding `libnvrtc.so*`) and keeps it
