@@ -6,9 +6,9 @@
 use kiln::compare::compare;
 use kiln::var_builder::read_safetensors;
 use kiln::{
-    AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, Forward, LeakyReLU,
-    LeakyReLUConfig, Linear, LinearConfig, MaxPool2d, Module, Pool2dConfig, ReLU, Result, Sigmoid, Tensor, Tracer, Upsample,
-    UpsampleConfig, VarBuilder,
+    AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, BatchNorm2dConfig, Binary, Conv2d, Conv2dConfig, ConvTranspose2d, Forward, Hardsigmoid,
+    Hardswish, Hardtanh, LeakyReLU, LeakyReLUConfig, Linear, LinearConfig, MaxPool2d, Module, Pool2dConfig, ReLU, ReLU6, Result, SiLU,
+    Sigmoid, Tanh, Tensor, Tracer, Upsample, UpsampleConfig, VarBuilder, GELU,
 };
 use std::path::PathBuf;
 
@@ -19,6 +19,11 @@ fn fixture() -> PathBuf {
     let dir =
         std::env::var_os("KILN_FIXTURES").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures"), PathBuf::from);
     dir.join("ops.reference.safetensors")
+}
+
+/// `b.abs() + 0.5` as `relu(b) + relu(-b) + 0.5` (a divisor away from zero).
+fn abs_plus_half(b: &Tensor) -> Result<Tensor> {
+    b.relu()?.add(&b.affine(-1.0, 0.0)?.relu()?)?.affine(1.0, 0.5)
 }
 
 fn upsample(vb: VarBuilder, x: &Tensor, c: UpsampleConfig) -> Result<Tensor> {
@@ -61,6 +66,26 @@ fn build(case: &str, vb: VarBuilder, x: &Tensor, other: Option<&Tensor>) -> Opti
         "mul" => other().and_then(|o| x * o),
         "add" => other().and_then(|o| x + o),
         "flatten" => x.flatten(1),
+        "silu" => SiLU::load(vb, &()).and_then(|m| m.forward(x)),
+        "hardswish" => Hardswish::load(vb, &()).and_then(|m| m.forward(x)),
+        "hardsigmoid" => Hardsigmoid::load(vb, &()).and_then(|m| m.forward(x)),
+        "gelu_exact" => GELU::load(vb, &false).and_then(|m| m.forward(x)),
+        "gelu_tanh" => GELU::load(vb, &true).and_then(|m| m.forward(x)),
+        "tanh" => Tanh::load(vb, &()).and_then(|m| m.forward(x)),
+        "asinh" => x.asinh(),
+        "clamp_relu6" => ReLU6::load(vb, &()).and_then(|m| m.forward(x)),
+        "clamp_hardtanh" => Hardtanh::load(vb, &(-2.0, 3.0)).and_then(|m| m.forward(x)),
+        "clamp_tensor" => x.clamp(-0.5, 0.7),
+        "affine_mul_add" => x.affine(0.5, 3.0),
+        "affine_rsub" => x.affine(-1.0, 1.0),
+        "affine_div" => x.affine(1.0 / 6.0, 0.0),
+        "sub" => other().and_then(|o| x - o),
+        "div" => other().and_then(|o| x / &abs_plus_half(o)?),
+        "mul_squeeze_excitation" => other().and_then(|o| x * o),
+        "sub_broadcast_rows" => other().and_then(|o| x - o),
+        "add_weight_c11" => vb.get(&[6, 1, 1], "scale").and_then(|p| x.binary_weight(vb.path(), Binary::Add, &p)),
+        "mul_weight_c11" => vb.get(&[6, 1, 1], "gamma").and_then(|p| x.binary_weight(vb.path(), Binary::Mul, &p)),
+        "add_position_embedding" => vb.get(&[1, 9, 8], "pos_embedding").and_then(|p| x.binary_weight(vb.path(), Binary::Add, &p)),
         "upsample_nearest2d_scale2" => upsample(vb, x, UpsampleConfig::scale(2.0)),
         "upsample_nearest2d_scale1_5" => upsample(vb, x, UpsampleConfig::scale(1.5)),
         "upsample_nearest2d_scale1_7" => x.interpolate(&UpsampleConfig::scale(1.7)),

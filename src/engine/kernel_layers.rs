@@ -96,27 +96,219 @@ pub fn activation(ctx: &mut BuildCtx, node: NodeId, op: Unary) -> Result<Box<dyn
     }))
 }
 
-/// A binary elementwise node of two same-shaped activations in one layout.
+/// A binary elementwise node (`+ - * /` with PyTorch's broadcasting). Two activations of the
+/// output's dims in its layout take the packed same-shape kernel; anything else (a broadcast
+/// operand, another layout, a constant such as a `[C, 1, 1]` layer scale or a `[1, L, D]` position
+/// embedding, uploaded here) takes the strided broadcasting kernel.
 pub fn binary(ctx: &mut BuildCtx, node: NodeId, op: Binary) -> Result<Box<dyn Layer>> {
-    let (a, b, y) = (ctx.input(node, 0)?, ctx.input(node, 1)?, ctx.output(node)?);
-    let elem = same_elem(ctx, node, &[a, b, y])?;
-    let (da, db) = (ctx.value(a), ctx.value(b));
-    if da.dims != db.dims || da.layout != db.layout {
-        return Err(ctx.err(node, format!("operands differ: {:?} {:?} and {:?} {:?}", da.layout, da.dims, db.layout, db.dims)));
+    let y = ctx.output(node)?;
+    let n_in = ctx.node(node).inputs.len();
+    if n_in != 2 {
+        return Err(ctx.err(node, format!("expects 2 operands, got {n_in}")));
     }
-    let f = ctx.kernels.get(&format!("binary_{}", elem.suffix()))?;
-    Ok(Box::new(ElementwiseLayer {
+    let is_weight = |ctx: &BuildCtx, i: usize| ctx.graph.weight_data(ctx.node(node).inputs[i]).is_some();
+    let dy = ctx.value(y).clone();
+    if !is_weight(ctx, 0) && !is_weight(ctx, 1) {
+        let (a, b) = (ctx.input(node, 0)?, ctx.input(node, 1)?);
+        let elem = same_elem(ctx, node, &[a, b, y])?;
+        let same = |v: ValueId| {
+            let d = ctx.value(v);
+            d.dims == dy.dims && d.layout.same_bytes(dy.layout, &dy.dims)
+        };
+        if same(a) && same(b) {
+            let f = ctx.kernels.get(&format!("binary_{}", elem.suffix()))?;
+            return Ok(Box::new(ElementwiseLayer {
+                path: ctx.node(node).path.clone(),
+                kind: format!("kernel:{}", op.name()),
+                f,
+                inputs: vec![a, b],
+                y,
+                per_image: dy.per_image_elems(),
+                args: vec![KArg::I32(op.kernel_code()), KArg::I32(0), KArg::F32(0.0)],
+                sm_count: ctx.kernels.sm_count(),
+            }));
+        }
+    }
+    broadcast_binary(ctx, node, op, y)
+}
+
+/// One operand of a broadcasting binary layer: an activation, or a constant the layer owns.
+enum Operand {
+    Value(ValueId),
+    Const(DeviceBuf),
+}
+
+impl Operand {
+    fn ptr(&self, rt: &RunCtx) -> u64 {
+        match self {
+            Operand::Value(v) => rt.ptr(*v),
+            Operand::Const(b) => b.ptr(),
+        }
+    }
+}
+
+/// `y = a op b` through per-operand strides (`binary_bcast_*`).
+pub struct BroadcastBinaryLayer {
+    path: String,
+    kind: String,
+    f: CudaFunction,
+    operands: [Operand; 2],
+    y: ValueId,
+    meta: DeviceBuf,
+    rank: i32,
+    op_code: i32,
+    vec: bool,
+    per_image: usize,
+    sm_count: u32,
+}
+
+impl Layer for BroadcastBinaryLayer {
+    fn path(&self) -> &str {
+        &self.path
+    }
+    fn kind(&self) -> String {
+        self.kind.clone()
+    }
+    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        let n = batch * self.per_image;
+        let args = [
+            KArg::Ptr(self.operands[0].ptr(rt)),
+            KArg::Ptr(self.operands[1].ptr(rt)),
+            KArg::Ptr(rt.ptr(self.y)),
+            KArg::I64(n as i64),
+            KArg::Ptr(self.meta.ptr()),
+            KArg::I32(self.rank),
+            KArg::I32(self.op_code),
+            KArg::I32(self.vec as i32),
+        ];
+        let work = if self.vec { n / 4 } else { n };
+        launch(rt, &self.f, grid_for(work, self.sm_count), (BLOCK, 1, 1), 0, &args)
+    }
+}
+
+/// Element strides of each output dim (logical order) for one operand of a broadcast, and its
+/// batch stride: an activation of the output's rank in its own layout, or a constant weight
+/// (its own row-major shape, aligned to the output's dims from the right, batch stride 0).
+fn operand_strides(ctx: &BuildCtx, node: NodeId, i: usize, out: &[usize]) -> Result<(Vec<usize>, usize, Option<Vec<f32>>)> {
+    let bad = |what: String| ctx.err(node, format!("operand {i} {what} does not broadcast to the output {out:?} (per image)"));
+    let src = ctx.node(node).inputs[i];
+    if let Some(w) = ctx.graph.weight_data(src) {
+        // The weight's dims against the full output [batch, out...]: its leading dims beyond the
+        // output's per-image rank must be 1 (a constant is shared by every image).
+        let rank = out.len() + 1;
+        if w.shape.len() > rank {
+            return Err(bad(format!("(a constant of shape {:?})", w.shape)));
+        }
+        let full: Vec<usize> = std::iter::repeat_n(1, rank - w.shape.len()).chain(w.shape.iter().copied()).collect();
+        if full[0] != 1 {
+            return Err(bad(format!(
+                "(a constant of shape {:?} whose dim {} lines up with the batch; the engine keeps the batch as dim 0 and shares constants across it)",
+                w.shape,
+                w.shape.len() - out.len() - 1
+            )));
+        }
+        let dims = &full[1..];
+        let mut strides = vec![0; out.len()];
+        let mut s = 1;
+        for d in (0..out.len()).rev() {
+            if dims[d] != out[d] && dims[d] != 1 {
+                return Err(bad(format!("(a constant of shape {:?})", w.shape)));
+            }
+            strides[d] = if dims[d] == 1 { 0 } else { s };
+            s *= dims[d];
+        }
+        return Ok((strides, 0, Some(w.data.clone())));
+    }
+    let v = ctx.input(node, i)?;
+    let d = ctx.value(v);
+    if d.dims.len() != out.len() {
+        return Err(bad(format!(
+            "{:?} (an activation of another rank: its batch dim would not line up with the output's; the engine keeps the batch as dim 0)",
+            d.dims
+        )));
+    }
+    let mut strides = d.layout.strides(&d.dims);
+    for (k, s) in strides.iter_mut().enumerate() {
+        match (d.dims[k], out[k]) {
+            (a, b) if a == b => {}
+            (1, _) => *s = 0,
+            _ => return Err(bad(format!("{:?}", d.dims))),
+        }
+    }
+    Ok((strides, d.per_image_elems(), None))
+}
+
+/// A [`BroadcastBinaryLayer`]: strides in the output's physical order, size-1 dims dropped and
+/// runs that are contiguous for both operands merged (an SE block's `[C, H, W] * [C, 1, 1]` in
+/// NHWC becomes `[HW, C]` by `[0, 1]`).
+fn broadcast_binary(ctx: &mut BuildCtx, node: NodeId, op: Binary, y: ValueId) -> Result<Box<dyn Layer>> {
+    let dy = ctx.value(y).clone();
+    let elem = dy.elem;
+    let mut operands = Vec::with_capacity(2);
+    let mut strides = Vec::with_capacity(2);
+    let mut batch = [0usize; 2];
+    for i in 0..2 {
+        let (s, b, data) = operand_strides(ctx, node, i, &dy.dims)?;
+        let operand = match data {
+            Some(w) => Operand::Const(ctx.upload(&w)?),
+            None => {
+                let v = ctx.input(node, i)?;
+                if ctx.value(v).elem != elem {
+                    return Err(ctx.err(node, format!("mixes element types {:?} and {elem:?}", ctx.value(v).elem)));
+                }
+                Operand::Value(v)
+            }
+        };
+        operands.push(operand);
+        strides.push(s);
+        batch[i] = b;
+    }
+    if operands.iter().all(|o| matches!(o, Operand::Const(_))) {
+        return Err(ctx.err(node, "both operands are constants (fold them before building)".into()));
+    }
+    // Physical order of y, outermost first, without size-1 dims; then merge contiguous runs.
+    let mut dims: Vec<[usize; 3]> =
+        dy.layout.order().into_iter().filter(|&k| dy.dims[k] != 1).map(|k| [dy.dims[k], strides[0][k], strides[1][k]]).collect();
+    let mut merged: Vec<[usize; 3]> = Vec::with_capacity(dims.len());
+    for d in dims.drain(..) {
+        match merged.last_mut() {
+            Some(outer) if outer[1] == d[1] * d[0] && outer[2] == d[2] * d[0] => *outer = [outer[0] * d[0], d[1], d[2]],
+            _ => merged.push(d),
+        }
+    }
+    if merged.is_empty() {
+        merged.push([1, 0, 0]);
+    }
+    let width = pack(elem);
+    let inner = merged[merged.len() - 1];
+    let outer_aligned = |s: usize| s % width == 0;
+    let vec = inner[0] % width == 0
+        && inner[1] <= 1
+        && inner[2] <= 1
+        && merged[..merged.len() - 1].iter().all(|d| outer_aligned(d[1]) && outer_aligned(d[2]))
+        && batch.iter().all(|&b| outer_aligned(b));
+    let mut meta: Vec<i64> = merged.iter().map(|d| d[0] as i64).collect();
+    meta.extend(merged.iter().map(|d| d[1] as i64));
+    meta.extend(merged.iter().map(|d| d[2] as i64));
+    meta.extend(batch.map(|b| b as i64));
+    let bytes: Vec<u8> = meta.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let meta = ctx.upload_bytes(&bytes)?;
+    let f = ctx.kernels.get(&format!("binary_bcast_{}", elem.suffix()))?;
+    let operands: [Operand; 2] = operands.try_into().unwrap_or_else(|_| unreachable!("two operands were pushed"));
+    Ok(Box::new(BroadcastBinaryLayer {
         path: ctx.node(node).path.clone(),
-        kind: format!("kernel:{}", op.name()),
+        kind: format!("kernel:{}_broadcast", op.name()),
         f,
-        inputs: vec![a, b],
+        operands,
         y,
-        per_image: ctx.value(y).per_image_elems(),
-        args: vec![KArg::I32(op.kernel_code()), KArg::I32(0), KArg::F32(0.0)],
+        meta,
+        rank: merged.len() as i32,
+        op_code: op.kernel_code(),
+        vec,
+        per_image: dy.per_image_elems(),
         sm_count: ctx.kernels.sm_count(),
     }))
 }
-
 /// `y = act(x + bias[c] + residual)` over NHWC (or `[N, F]`) values: the epilogue of layers whose
 /// library call cannot fuse it (e.g. a deconvolution's bias, a GEMM without the epilogue).
 pub struct BiasActLayer {
@@ -654,6 +846,7 @@ pub fn entry_points() -> Vec<String> {
         for k in [
             "activation",
             "binary",
+            "binary_bcast",
             "bias_act",
             "max_pool2d",
             "avg_pool2d",
