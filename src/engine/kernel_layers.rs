@@ -247,7 +247,7 @@ fn broadcast_binary(ctx: &mut BuildCtx, node: NodeId, op: Binary, y: ValueId) ->
     let mut operands = Vec::with_capacity(2);
     let mut strides = Vec::with_capacity(2);
     let mut batch = [0usize; 2];
-    for i in 0..2 {
+    for (i, batch_stride) in batch.iter_mut().enumerate() {
         let (s, b, data) = operand_strides(ctx, node, i, &dy.dims)?;
         let operand = match data {
             Some(w) => Operand::Const(ctx.upload(&w)?),
@@ -261,7 +261,7 @@ fn broadcast_binary(ctx: &mut BuildCtx, node: NodeId, op: Binary, y: ValueId) ->
         };
         operands.push(operand);
         strides.push(s);
-        batch[i] = b;
+        *batch_stride = b;
     }
     if operands.iter().all(|o| matches!(o, Operand::Const(_))) {
         return Err(ctx.err(node, "both operands are constants (fold them before building)".into()));
@@ -281,8 +281,8 @@ fn broadcast_binary(ctx: &mut BuildCtx, node: NodeId, op: Binary, y: ValueId) ->
     }
     let width = pack(elem);
     let inner = merged[merged.len() - 1];
-    let outer_aligned = |s: usize| s % width == 0;
-    let vec = inner[0] % width == 0
+    let outer_aligned = |s: usize| s.is_multiple_of(width);
+    let vec = inner[0].is_multiple_of(width)
         && inner[1] <= 1
         && inner[2] <= 1
         && merged[..merged.len() - 1].iter().all(|d| outer_aligned(d[1]) && outer_aligned(d[2]))
