@@ -32,6 +32,7 @@ pub const FAMILIES: &[(&str, &str)] = &[
     ("permute.cu", include_str!("../../kernels/permute.cu")),
     ("decode.cu", include_str!("../../kernels/decode.cu")),
     ("resize.cu", include_str!("../../kernels/resize.cu")),
+    ("depthwise.cu", include_str!("../../kernels/depthwise.cu")),
 ];
 
 /// Loads NVRTC from an explicit path (a file, or a folder holding `libnvrtc.so*`) and keeps it
