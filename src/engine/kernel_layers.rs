@@ -227,15 +227,48 @@ fn operand_strides(ctx: &BuildCtx, node: NodeId, i: usize, out: &[usize]) -> Res
             d.dims
         )));
     }
-    let mut strides = d.layout.strides(&d.dims);
+    let strides = activation_strides(&d.dims, d.layout, out).ok_or_else(|| bad(format!("{:?}", d.dims)))?;
+    Ok((strides, d.per_image_elems(), None))
+}
+
+/// Element strides of each dim of `out` for a value of `dims` stored in `layout` (0 along the
+/// dims it is broadcast over), or `None` if it does not broadcast to `out` (same rank).
+fn activation_strides(dims: &[usize], layout: Layout, out: &[usize]) -> Option<Vec<usize>> {
+    let mut strides = layout.strides(dims);
     for (k, s) in strides.iter_mut().enumerate() {
-        match (d.dims[k], out[k]) {
+        match (dims[k], out[k]) {
             (a, b) if a == b => {}
             (1, _) => *s = 0,
-            _ => return Err(bad(format!("{:?}", d.dims))),
+            _ => return None,
         }
     }
-    Ok((strides, d.per_image_elems(), None))
+    Some(strides)
+}
+
+/// The broadcasting kernel's plan: `[size, stride a, stride b]` per dim of y in its physical
+/// order (outermost first), size-1 dims dropped and runs that are contiguous for both operands
+/// merged; and whether the packed path applies (innermost size a multiple of `width`, innermost
+/// strides 0 or 1, every other stride and both batch strides multiples of `width`).
+fn broadcast_plan(out: &[usize], layout: Layout, strides: [&[usize]; 2], batch: [usize; 2], width: usize) -> (Vec<[usize; 3]>, bool) {
+    let mut merged: Vec<[usize; 3]> = Vec::with_capacity(out.len());
+    for k in layout.order().into_iter().filter(|&k| out[k] != 1) {
+        let d = [out[k], strides[0][k], strides[1][k]];
+        match merged.last_mut() {
+            Some(outer) if outer[1] == d[1] * d[0] && outer[2] == d[2] * d[0] => *outer = [outer[0] * d[0], d[1], d[2]],
+            _ => merged.push(d),
+        }
+    }
+    if merged.is_empty() {
+        merged.push([1, 0, 0]);
+    }
+    let inner = merged[merged.len() - 1];
+    let aligned = |s: usize| s.is_multiple_of(width);
+    let vec = aligned(inner[0])
+        && inner[1] <= 1
+        && inner[2] <= 1
+        && merged[..merged.len() - 1].iter().all(|d| aligned(d[1]) && aligned(d[2]))
+        && batch.iter().all(|&b| aligned(b));
+    (merged, vec)
 }
 
 /// A [`BroadcastBinaryLayer`]: strides in the output's physical order, size-1 dims dropped and
@@ -266,27 +299,7 @@ fn broadcast_binary(ctx: &mut BuildCtx, node: NodeId, op: Binary, y: ValueId) ->
     if operands.iter().all(|o| matches!(o, Operand::Const(_))) {
         return Err(ctx.err(node, "both operands are constants (fold them before building)".into()));
     }
-    // Physical order of y, outermost first, without size-1 dims; then merge contiguous runs.
-    let mut dims: Vec<[usize; 3]> =
-        dy.layout.order().into_iter().filter(|&k| dy.dims[k] != 1).map(|k| [dy.dims[k], strides[0][k], strides[1][k]]).collect();
-    let mut merged: Vec<[usize; 3]> = Vec::with_capacity(dims.len());
-    for d in dims.drain(..) {
-        match merged.last_mut() {
-            Some(outer) if outer[1] == d[1] * d[0] && outer[2] == d[2] * d[0] => *outer = [outer[0] * d[0], d[1], d[2]],
-            _ => merged.push(d),
-        }
-    }
-    if merged.is_empty() {
-        merged.push([1, 0, 0]);
-    }
-    let width = pack(elem);
-    let inner = merged[merged.len() - 1];
-    let outer_aligned = |s: usize| s.is_multiple_of(width);
-    let vec = inner[0].is_multiple_of(width)
-        && inner[1] <= 1
-        && inner[2] <= 1
-        && merged[..merged.len() - 1].iter().all(|d| outer_aligned(d[1]) && outer_aligned(d[2]))
-        && batch.iter().all(|&b| outer_aligned(b));
+    let (merged, vec) = broadcast_plan(&dy.dims, dy.layout, [&strides[0], &strides[1]], batch, pack(elem));
     let mut meta: Vec<i64> = merged.iter().map(|d| d[0] as i64).collect();
     meta.extend(merged.iter().map(|d| d[1] as i64));
     meta.extend(merged.iter().map(|d| d[2] as i64));
@@ -1019,6 +1032,75 @@ mod tests {
         for (op, name) in [(Binary::Add, "BIN_ADD"), (Binary::Sub, "BIN_SUB"), (Binary::Mul, "BIN_MUL"), (Binary::Div, "BIN_DIV")] {
             assert!(elementwise.contains(&format!("#define {name} {}", op.kernel_code())), "{name}");
         }
+    }
+
+    /// `binary_bcast`'s indexing, run on the host over the plan `broadcast_binary` makes, against
+    /// the CPU reference of `Binary` (activations in NCHW and NHWC, broadcasts of every kind).
+    #[test]
+    fn broadcast_plans_index_like_the_cpu_reference() {
+        use crate::graph::HostTensor;
+        use crate::ops::{CpuArgs, OpDef};
+        use std::borrow::Cow;
+        let (nchw, nhwc) = (Layout::contiguous(3), Layout::channels_last(3));
+        // (a dims, a layout, b dims, b layout, y layout), per image.
+        let cases = [
+            ([8, 5, 6], nhwc, [8, 1, 1], nhwc, nhwc),
+            ([8, 5, 6], nhwc, [8, 1, 1], nchw, nhwc),
+            ([5, 4, 6], nchw, [5, 1, 1], nchw, nchw),
+            ([3, 4, 8], nhwc, [1, 4, 8], nchw, nhwc),
+            ([3, 1, 8], nchw, [1, 4, 1], nhwc, nchw),
+            ([8, 4, 8], nhwc, [8, 4, 8], nchw, nhwc),
+            ([1, 1, 1], nhwc, [6, 2, 3], nchw, nchw),
+        ];
+        for (da, la, db, lb, ly) in cases {
+            let out = crate::ops::elementwise::broadcast_shape(&da, &db).unwrap();
+            let batch = 2;
+            let logical = |dims: &[usize], seed: u64| crate::seeded::uniform_tensor(&[&[batch][..], dims].concat(), seed);
+            let (a, b) = (logical(&da, 1), logical(&db, 2));
+            // Each operand's bytes in its layout.
+            let physical = |t: &HostTensor, dims: &[usize], l: Layout| -> Vec<f32> {
+                let per: usize = dims.iter().product();
+                let strides = l.strides(dims);
+                let mut v = vec![0f32; t.data.len()];
+                for (i, &x) in t.data.iter().enumerate() {
+                    let (n, mut rem, mut off) = (i / per, i % per, 0);
+                    for k in (0..dims.len()).rev() {
+                        off += (rem % dims[k]) * strides[k];
+                        rem /= dims[k];
+                    }
+                    v[n * per + off] = x;
+                }
+                v
+            };
+            let (pa, pb) = (physical(&a, &da, la), physical(&b, &db, lb));
+            let sa = activation_strides(&da, la, &out).unwrap();
+            let sb = activation_strides(&db, lb, &out).unwrap();
+            let bs = [da.iter().product::<usize>(), db.iter().product::<usize>()];
+            for width in [1, 4, 8] {
+                let (plan, _vec) = broadcast_plan(&out, ly, [&sa, &sb], bs, width);
+                let per: usize = out.iter().product();
+                let y: Vec<f32> = (0..batch * per)
+                    .map(|i| {
+                        let (mut rem, mut oa, mut ob) = (i, 0, 0);
+                        for d in plan.iter().rev() {
+                            oa += (rem % d[0]) * d[1];
+                            ob += (rem % d[0]) * d[2];
+                            rem /= d[0];
+                        }
+                        pa[oa + rem * bs[0]] * pb[ob + rem * bs[1]]
+                    })
+                    .collect();
+                let mut args = CpuArgs::new(vec![Cow::Owned(a.clone()), Cow::Owned(b.clone())]);
+                let want = Binary::Mul.cpu(&mut args).unwrap();
+                let want = physical(&want, &out, ly);
+                assert_eq!(y, want, "{da:?} {la:?} * {db:?} {lb:?} -> {ly:?}, plan {plan:?}");
+            }
+        }
+        // The squeeze-excitation plan: [HW, C] by [0, 1] on the packed path.
+        let sa = activation_strides(&[16, 5, 6], nhwc, &[16, 5, 6]).unwrap();
+        let sb = activation_strides(&[16, 1, 1], nhwc, &[16, 5, 6]).unwrap();
+        assert_eq!(broadcast_plan(&[16, 5, 6], nhwc, [&sa, &sb], [480, 16], 8), (vec![[30, 16, 0], [16, 1, 1]], true));
+        assert!(!broadcast_plan(&[12, 5, 6], nhwc, [&sa, &sb], [360, 12], 8).1, "12 channels are not whole packs of 8");
     }
 
     #[test]
