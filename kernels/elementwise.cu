@@ -54,6 +54,55 @@ template <typename T> __device__ void binary(const T* a, const T* b, T* y, i64 n
     }
 }
 
+// y = a op b with broadcasting: every operand is read through its own strides, so operands may
+// be in any layout, broadcast along any dims (stride 0) or be a constant shared by every image
+// (batch stride 0). y is written in its own physical order; `meta` holds, for each of its rank
+// dims (outermost first, size-1 dims dropped and contiguous runs merged by the host), the size,
+// then a's stride, then b's stride, then a's and b's batch strides. With `vec`, the innermost
+// dim is a multiple of the pack width and each operand's innermost stride is 1 (a pack is
+// loaded) or 0 (one value is repeated), every other stride a multiple of the pack width.
+template <typename T> __device__ __forceinline__ void bcast_offsets(i64 e, const i64* meta, int rank, i64& oa, i64& ob) {
+    const i64* size = meta;
+    const i64* sa = meta + rank;
+    const i64* sb = meta + 2 * rank;
+    i64 rem = e;
+    oa = 0;
+    ob = 0;
+    for (int d = rank - 1; d >= 0; --d) {
+        const i64 idx = rem % size[d];
+        rem /= size[d];
+        oa += idx * sa[d];
+        ob += idx * sb[d];
+    }
+    oa += rem * meta[3 * rank];
+    ob += rem * meta[3 * rank + 1];
+}
+
+template <typename T> __device__ void binary_bcast(const T* a, const T* b, T* y, i64 n, const i64* meta, int rank, int op, int vec) {
+    typedef Pack<T> P;
+    if (vec && aligned16(a) && aligned16(b) && aligned16(y)) {
+        const bool pa = meta[2 * rank - 1] != 0, pb = meta[3 * rank - 1] != 0;
+        GRID_STRIDE(v, n / P::N) {
+            i64 oa, ob;
+            bcast_offsets<T>(v * P::N, meta, rank, oa, ob);
+            P x, z;
+            if (pa) x = load_pack(a + oa);
+            if (pb) z = load_pack(b + ob);
+            const float sa = pa ? 0.f : to_f32(a[oa]);
+            const float sb = pb ? 0.f : to_f32(b[ob]);
+#pragma unroll
+            for (int k = 0; k < P::N; ++k) x.e[k] = from_f32<T>(combine(pa ? to_f32(x.e[k]) : sa, pb ? to_f32(z.e[k]) : sb, op));
+            store_pack(y + v * P::N, x);
+        }
+        return;
+    }
+    GRID_STRIDE(i, n) {
+        i64 oa, ob;
+        bcast_offsets<T>(i, meta, rank, oa, ob);
+        y[i] = from_f32<T>(combine(to_f32(a[oa]), to_f32(b[ob]), op));
+    }
+}
+
 // y[r, c] = act(x[r, c] + bias[c] + residual[r, c]) over rows = N*H*W of C channels (NHWC).
 // `bias` is always f32 (folded BatchNorm shifts lose precision in f16); `bias` and `residual`
 // may be null.
@@ -90,6 +139,9 @@ template <typename T> __device__ void bias_act(const T* x, const float* bias, co
     extern "C" __global__ void activation_##S(const T* x, T* y, i64 n, int act, float p0, float p1) { activation<T>(x, y, n, act, p0, p1); }   \
     extern "C" __global__ void binary_##S(const T* a, const T* b, T* y, i64 n, int op, int act, float slope) {                                 \
         binary<T>(a, b, y, n, op, act, slope);                                                                                               \
+    }                                                                                                                                        \
+    extern "C" __global__ void binary_bcast_##S(const T* a, const T* b, T* y, i64 n, const i64* meta, int rank, int op, int vec) {          \
+        binary_bcast<T>(a, b, y, n, meta, rank, op, vec);                                                                                 \
     }                                                                                                                                        \
     extern "C" __global__ void bias_act_##S(const T* x, const float* bias, const T* residual, T* y, i64 rows, int C, int act, float slope) {  \
         bias_act<T>(x, bias, residual, y, rows, C, act, slope);                                                                                \

@@ -35,6 +35,7 @@ pub use ops::elementwise::{Hardsigmoid, Hardswish, Hardtanh, LeakyReLU, LeakyReL
 pub use ops::linear::{Linear, LinearConfig};
 pub use ops::norm::{BatchNorm2d, BatchNorm2dConfig, LayerNorm, LayerNorm2d, LayerNormConfig, Softmax};
 pub use ops::pool::{AdaptiveAvgPool2d, AvgPool2d, MaxPool2d, Pool2dConfig};
+pub use ops::resize::{InterpolateMode, Upsample, UpsampleConfig};
 pub use ops::shape::{ConstantPad2d, ConstantPad2dConfig, ZeroPad2d};
 pub use tensor::{Param, Tensor, Tracer};
 pub use var_builder::VarBuilder;

@@ -6,9 +6,9 @@
 use kiln::compare::compare;
 use kiln::var_builder::read_safetensors;
 use kiln::{
-    AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, Forward, LayerNorm, LayerNorm2d,
-    LayerNormConfig, LeakyReLU, LeakyReLUConfig, Linear, LinearConfig, MaxPool2d, Module, Pool2dConfig, ReLU, Result, Sigmoid, Softmax,
-    Tensor, Tracer, VarBuilder,
+    AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, BatchNorm2dConfig, Binary, Conv2d, Conv2dConfig, ConvTranspose2d, Forward, Hardsigmoid,
+    Hardswish, Hardtanh, LayerNorm, LayerNorm2d, LayerNormConfig, LeakyReLU, LeakyReLUConfig, Linear, LinearConfig, MaxPool2d, Module,
+    Pool2dConfig, ReLU, ReLU6, Result, SiLU, Sigmoid, Softmax, Tanh, Tensor, Tracer, Upsample, UpsampleConfig, VarBuilder, GELU,
 };
 use std::path::PathBuf;
 
@@ -19,6 +19,15 @@ fn fixture() -> PathBuf {
     let dir =
         std::env::var_os("KILN_FIXTURES").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures"), PathBuf::from);
     dir.join("ops.reference.safetensors")
+}
+
+/// `b.abs() + 0.5` as `relu(b) + relu(-b) + 0.5` (a divisor away from zero).
+fn abs_plus_half(b: &Tensor) -> Result<Tensor> {
+    b.relu()?.add(&b.affine(-1.0, 0.0)?.relu()?)?.affine(1.0, 0.5)
+}
+
+fn upsample(vb: VarBuilder, x: &Tensor, c: UpsampleConfig) -> Result<Tensor> {
+    Upsample::load(vb, &c)?.forward(x)
 }
 
 fn conv(vb: VarBuilder, x: &Tensor, c: Conv2dConfig) -> Result<Tensor> {
@@ -97,6 +106,40 @@ fn build(case: &str, vb: VarBuilder, x: &Tensor, other: Option<&Tensor>) -> Opti
         "pad_constant2d" => {
             kiln::ConstantPad2d::load(vb, &kiln::ConstantPad2dConfig { padding: [1, 1, 2, 2], value: -1.5 }).and_then(|m| m.forward(x))
         }
+        "silu" => SiLU::load(vb, &()).and_then(|m| m.forward(x)),
+        "hardswish" => Hardswish::load(vb, &()).and_then(|m| m.forward(x)),
+        "hardsigmoid" => Hardsigmoid::load(vb, &()).and_then(|m| m.forward(x)),
+        "gelu_exact" => GELU::load(vb, &false).and_then(|m| m.forward(x)),
+        "gelu_tanh" => GELU::load(vb, &true).and_then(|m| m.forward(x)),
+        "tanh" => Tanh::load(vb, &()).and_then(|m| m.forward(x)),
+        "asinh" => x.asinh(),
+        "clamp_relu6" => ReLU6::load(vb, &()).and_then(|m| m.forward(x)),
+        "clamp_hardtanh" => Hardtanh::load(vb, &(-2.0, 3.0)).and_then(|m| m.forward(x)),
+        "clamp_tensor" => x.clamp(-0.5, 0.7),
+        "affine_mul_add" => x.affine(0.5, 3.0),
+        "affine_rsub" => x.affine(-1.0, 1.0),
+        "affine_div" => x.affine(1.0 / 6.0, 0.0),
+        "sub" => other().and_then(|o| x - o),
+        "div" => other().and_then(|o| x / &abs_plus_half(o)?),
+        "mul_squeeze_excitation" => other().and_then(|o| x * o),
+        "sub_broadcast_rows" => other().and_then(|o| x - o),
+        "add_weight_c11" => vb.get(&[6, 1, 1], "scale").and_then(|p| x.binary_weight(vb.path(), Binary::Add, &p)),
+        "mul_weight_c11" => vb.get(&[6, 1, 1], "gamma").and_then(|p| x.binary_weight(vb.path(), Binary::Mul, &p)),
+        "add_position_embedding" => vb.get(&[1, 9, 8], "pos_embedding").and_then(|p| x.binary_weight(vb.path(), Binary::Add, &p)),
+        "upsample_nearest2d_scale2" => upsample(vb, x, UpsampleConfig::scale(2.0)),
+        "upsample_nearest2d_scale1_5" => upsample(vb, x, UpsampleConfig::scale(1.5)),
+        "upsample_nearest2d_scale1_7" => x.interpolate(&UpsampleConfig::scale(1.7)),
+        "upsample_nearest2d_recompute" => x.interpolate(&UpsampleConfig::scale(1.7).recompute_scale_factor(true)),
+        "upsample_nearest2d_scale_hw" => upsample(vb, x, UpsampleConfig::scale2(2.0, 1.5)),
+        "upsample_nearest2d_scale_near1" => upsample(vb, x, UpsampleConfig::scale(1.05)),
+        "upsample_nearest2d_size" => upsample(vb, x, UpsampleConfig::size(11, 4)),
+        "upsample_bilinear2d_scale2" => upsample(vb, x, UpsampleConfig::scale(2.0).bilinear(false)),
+        "upsample_bilinear2d_scale2_align_corners" => upsample(vb, x, UpsampleConfig::scale(2.0).bilinear(true)),
+        "upsample_bilinear2d_scale1_5" => upsample(vb, x, UpsampleConfig::scale(1.5).bilinear(false)),
+        "upsample_bilinear2d_scale1_7" => x.interpolate(&UpsampleConfig::scale(1.7).bilinear(false)),
+        "upsample_bilinear2d_down" => x.interpolate(&UpsampleConfig::scale(0.6).bilinear(false)),
+        "upsample_bilinear2d_size" => upsample(vb, x, UpsampleConfig::size(9, 13).bilinear(false)),
+        "upsample_bilinear2d_size_align_corners" => upsample(vb, x, UpsampleConfig::size(9, 4).bilinear(true)),
         _ => return None,
     })
 }

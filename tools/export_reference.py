@@ -268,6 +268,23 @@ def print_stats(net, x):
 # ---- op fixtures ----------------------------------------------------------------------------
 
 
+class ParamOp(nn.Module):
+    """`fn(x, p)` with a constant parameter `p` (a layer scale, a position embedding)."""
+
+    def __init__(self, name, shape, fn):
+        super().__init__()
+        self.name, self.fn = name, fn
+        self.register_parameter(name, nn.Parameter(torch.zeros(shape)))
+
+    def forward(self, x):
+        return self.fn(x, getattr(self, self.name))
+
+
+# Op fixtures whose input spans [-4, 4] (or more) rather than [-1, 1], to reach every branch.
+WIDE_INPUTS = {"sigmoid": 4.0, "silu": 4.0, "hardswish": 4.0, "hardsigmoid": 4.0, "gelu_exact": 4.0, "gelu_tanh": 4.0, "tanh": 4.0}
+WIDE_INPUTS.update({"asinh": 4.0, "clamp_relu6": 8.0, "clamp_hardtanh": 4.0})
+
+
 def op_cases():
     """(case, module or function, {param: shape}, [input shapes]) for every op fixture.
     Params and inputs are seeded (named `<case>.<param>`, `<case>.input`, `<case>.other`)."""
@@ -349,6 +366,45 @@ def op_cases():
     c.append(("pad_channels", lambda a: F.pad(a, (1, 0, 0, 2, 2, 1), value=-2.0), [[2, 3, 4, 5]]))
     c.append(("pad_zero2d", nn.ZeroPad2d((2, 1, 1, 0)), [[3, 2, 5, 4]]))
     c.append(("pad_constant2d", nn.ConstantPad2d((1, 1, 2, 2), -1.5), [[1, 3, 4, 6]]))
+    # Unary ops (inputs scaled by WIDE_INPUTS so every branch of each op is exercised).
+    c.append(("silu", nn.SiLU(), [[2, 3, 5, 6]]))
+    c.append(("hardswish", nn.Hardswish(), [[2, 3, 5, 6]]))
+    c.append(("hardsigmoid", nn.Hardsigmoid(), [[2, 3, 5, 6]]))
+    c.append(("gelu_exact", nn.GELU(), [[2, 3, 5, 6]]))
+    c.append(("gelu_tanh", nn.GELU(approximate="tanh"), [[2, 3, 5, 6]]))
+    c.append(("tanh", nn.Tanh(), [[2, 3, 5, 6]]))
+    c.append(("asinh", torch.asinh, [[2, 3, 5, 6]]))
+    c.append(("clamp_relu6", nn.ReLU6(), [[2, 3, 5, 6]]))
+    c.append(("clamp_hardtanh", nn.Hardtanh(-2, 3), [[2, 3, 5, 6]]))
+    c.append(("clamp_tensor", lambda a: torch.clamp(a, -0.5, 0.7), [[2, 3, 5, 6]]))
+    c.append(("affine_mul_add", lambda a: a * 0.5 + 3, [[2, 3, 5, 6]]))
+    c.append(("affine_rsub", lambda a: 1 - a, [[2, 3, 5, 6]]))
+    c.append(("affine_div", lambda a: a / 6, [[2, 3, 5, 6]]))
+    # Binary ops with broadcasting; constants as module parameters (seeded as `<case>.<name>`).
+    c.append(("sub", lambda a, b: a - b, [[2, 3, 4, 5], [2, 3, 4, 5]]))
+    c.append(("div", lambda a, b: a / (b.abs() + 0.5), [[2, 3, 4, 5], [2, 3, 4, 5]]))
+    c.append(("mul_squeeze_excitation", lambda a, b: a * b, [[2, 6, 5, 7], [2, 6, 1, 1]]))
+    c.append(("sub_broadcast_rows", lambda a, b: a - b, [[2, 3, 4, 5], [2, 1, 4, 5]]))
+    c.append(("add_weight_c11", ParamOp("scale", [6, 1, 1], torch.add), [[2, 6, 5, 7]]))
+    c.append(("mul_weight_c11", ParamOp("gamma", [6, 1, 1], torch.mul), [[2, 6, 5, 7]]))
+    c.append(("add_position_embedding", ParamOp("pos_embedding", [1, 9, 8], torch.add), [[3, 9, 8]]))
+    # Resize: PyTorch's legacy `nearest` and bilinear; with a scale factor the index arithmetic
+    # uses 1 / scale_factor (1.7 on 7 pixels picks other pixels than 7 / 11 would).
+    up = nn.Upsample
+    c.append(("upsample_nearest2d_scale2", up(scale_factor=2), [[2, 3, 5, 7]]))
+    c.append(("upsample_nearest2d_scale1_5", up(scale_factor=1.5), [[1, 2, 7, 9]]))
+    c.append(("upsample_nearest2d_scale1_7", lambda a: F.interpolate(a, scale_factor=1.7), [[1, 2, 7, 6]]))
+    c.append(("upsample_nearest2d_recompute", lambda a: F.interpolate(a, scale_factor=1.7, recompute_scale_factor=True), [[1, 2, 7, 6]]))
+    c.append(("upsample_nearest2d_scale_hw", up(scale_factor=(2, 1.5)), [[2, 3, 4, 5]]))
+    c.append(("upsample_nearest2d_scale_near1", up(scale_factor=1.05), [[1, 2, 10, 9]]))
+    c.append(("upsample_nearest2d_size", up(size=(11, 4)), [[2, 3, 5, 7]]))
+    c.append(("upsample_bilinear2d_scale2", up(scale_factor=2, mode="bilinear"), [[2, 3, 5, 7]]))
+    c.append(("upsample_bilinear2d_scale2_align_corners", up(scale_factor=2, mode="bilinear", align_corners=True), [[2, 3, 5, 7]]))
+    c.append(("upsample_bilinear2d_scale1_5", up(scale_factor=1.5, mode="bilinear"), [[1, 2, 7, 9]]))
+    c.append(("upsample_bilinear2d_scale1_7", lambda a: F.interpolate(a, scale_factor=1.7, mode="bilinear"), [[1, 2, 7, 6]]))
+    c.append(("upsample_bilinear2d_down", lambda a: F.interpolate(a, scale_factor=0.6, mode="bilinear"), [[1, 2, 10, 9]]))
+    c.append(("upsample_bilinear2d_size", up(size=(9, 13), mode="bilinear"), [[3, 2, 5, 7]]))
+    c.append(("upsample_bilinear2d_size_align_corners", up(size=(9, 4), mode="bilinear", align_corners=True), [[2, 3, 5, 7]]))
     return c
 
 
@@ -358,7 +414,7 @@ def export_op_fixtures(out_dir):
         inputs = []
         for name, shape in zip(["input", "other"], shapes):
             # Sigmoid's input spans [-4, 4] so both tails are exercised.
-            scale = 4.0 if case == "sigmoid" else 1.0
+            scale = WIDE_INPUTS.get(case, 1.0)
             x = torch.from_numpy(seeded.weight(f"{case}.{name}", shape)) * scale
             tensors[f"{case}.{name}"] = x
             inputs.append(x)

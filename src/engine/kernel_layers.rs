@@ -96,27 +96,232 @@ pub fn activation(ctx: &mut BuildCtx, node: NodeId, op: Unary) -> Result<Box<dyn
     }))
 }
 
-/// A binary elementwise node of two same-shaped activations in one layout.
+/// A binary elementwise node (`+ - * /` with PyTorch's broadcasting). Two activations of the
+/// output's dims in its layout take the packed same-shape kernel; anything else (a broadcast
+/// operand, another layout, a constant such as a `[C, 1, 1]` layer scale or a `[1, L, D]` position
+/// embedding, uploaded here) takes the strided broadcasting kernel.
 pub fn binary(ctx: &mut BuildCtx, node: NodeId, op: Binary) -> Result<Box<dyn Layer>> {
-    let (a, b, y) = (ctx.input(node, 0)?, ctx.input(node, 1)?, ctx.output(node)?);
-    let elem = same_elem(ctx, node, &[a, b, y])?;
-    let (da, db) = (ctx.value(a), ctx.value(b));
-    if da.dims != db.dims || da.layout != db.layout {
-        return Err(ctx.err(node, format!("operands differ: {:?} {:?} and {:?} {:?}", da.layout, da.dims, db.layout, db.dims)));
+    let y = ctx.output(node)?;
+    let n_in = ctx.node(node).inputs.len();
+    if n_in != 2 {
+        return Err(ctx.err(node, format!("expects 2 operands, got {n_in}")));
     }
-    let f = ctx.kernels.get(&format!("binary_{}", elem.suffix()))?;
-    Ok(Box::new(ElementwiseLayer {
+    let is_weight = |ctx: &BuildCtx, i: usize| ctx.graph.weight_data(ctx.node(node).inputs[i]).is_some();
+    let dy = ctx.value(y).clone();
+    if !is_weight(ctx, 0) && !is_weight(ctx, 1) {
+        let (a, b) = (ctx.input(node, 0)?, ctx.input(node, 1)?);
+        let elem = same_elem(ctx, node, &[a, b, y])?;
+        let same = |v: ValueId| {
+            let d = ctx.value(v);
+            d.dims == dy.dims && d.layout.same_bytes(dy.layout, &dy.dims)
+        };
+        if same(a) && same(b) {
+            let f = ctx.kernels.get(&format!("binary_{}", elem.suffix()))?;
+            return Ok(Box::new(ElementwiseLayer {
+                path: ctx.node(node).path.clone(),
+                kind: format!("kernel:{}", op.name()),
+                f,
+                inputs: vec![a, b],
+                y,
+                per_image: dy.per_image_elems(),
+                args: vec![KArg::I32(op.kernel_code()), KArg::I32(0), KArg::F32(0.0)],
+                sm_count: ctx.kernels.sm_count(),
+            }));
+        }
+    }
+    broadcast_binary(ctx, node, op, y)
+}
+
+/// One operand of a broadcasting binary layer: an activation, or a constant the layer owns.
+enum Operand {
+    Value(ValueId),
+    Const(DeviceBuf),
+}
+
+impl Operand {
+    fn ptr(&self, rt: &RunCtx) -> u64 {
+        match self {
+            Operand::Value(v) => rt.ptr(*v),
+            Operand::Const(b) => b.ptr(),
+        }
+    }
+}
+
+/// `y = a op b` through per-operand strides (`binary_bcast_*`).
+pub struct BroadcastBinaryLayer {
+    path: String,
+    kind: String,
+    f: CudaFunction,
+    operands: [Operand; 2],
+    y: ValueId,
+    meta: DeviceBuf,
+    rank: i32,
+    op_code: i32,
+    vec: bool,
+    per_image: usize,
+    sm_count: u32,
+}
+
+impl Layer for BroadcastBinaryLayer {
+    fn path(&self) -> &str {
+        &self.path
+    }
+    fn kind(&self) -> String {
+        self.kind.clone()
+    }
+    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        let n = batch * self.per_image;
+        let args = [
+            KArg::Ptr(self.operands[0].ptr(rt)),
+            KArg::Ptr(self.operands[1].ptr(rt)),
+            KArg::Ptr(rt.ptr(self.y)),
+            KArg::I64(n as i64),
+            KArg::Ptr(self.meta.ptr()),
+            KArg::I32(self.rank),
+            KArg::I32(self.op_code),
+            KArg::I32(self.vec as i32),
+        ];
+        let work = if self.vec { n / 4 } else { n };
+        launch(rt, &self.f, grid_for(work, self.sm_count), (BLOCK, 1, 1), 0, &args)
+    }
+}
+
+/// Element strides of each output dim (logical order) for one operand of a broadcast, and its
+/// batch stride: an activation of the output's rank in its own layout, or a constant weight
+/// (its own row-major shape, aligned to the output's dims from the right, batch stride 0).
+fn operand_strides(ctx: &BuildCtx, node: NodeId, i: usize, out: &[usize]) -> Result<(Vec<usize>, usize, Option<Vec<f32>>)> {
+    let bad = |what: String| ctx.err(node, format!("operand {i} {what} does not broadcast to the output {out:?} (per image)"));
+    let src = ctx.node(node).inputs[i];
+    if let Some(w) = ctx.graph.weight_data(src) {
+        // The weight's dims against the full output [batch, out...]: its leading dims beyond the
+        // output's per-image rank must be 1 (a constant is shared by every image).
+        let rank = out.len() + 1;
+        if w.shape.len() > rank {
+            return Err(bad(format!("(a constant of shape {:?})", w.shape)));
+        }
+        let full: Vec<usize> = std::iter::repeat_n(1, rank - w.shape.len()).chain(w.shape.iter().copied()).collect();
+        if full[0] != 1 {
+            return Err(bad(format!(
+                "(a constant of shape {:?} whose dim {} lines up with the batch; the engine keeps the batch as dim 0 and shares constants across it)",
+                w.shape,
+                w.shape.len() - out.len() - 1
+            )));
+        }
+        let dims = &full[1..];
+        let mut strides = vec![0; out.len()];
+        let mut s = 1;
+        for d in (0..out.len()).rev() {
+            if dims[d] != out[d] && dims[d] != 1 {
+                return Err(bad(format!("(a constant of shape {:?})", w.shape)));
+            }
+            strides[d] = if dims[d] == 1 { 0 } else { s };
+            s *= dims[d];
+        }
+        return Ok((strides, 0, Some(w.data.clone())));
+    }
+    let v = ctx.input(node, i)?;
+    let d = ctx.value(v);
+    if d.dims.len() != out.len() {
+        return Err(bad(format!(
+            "{:?} (an activation of another rank: its batch dim would not line up with the output's; the engine keeps the batch as dim 0)",
+            d.dims
+        )));
+    }
+    let strides = activation_strides(&d.dims, d.layout, out).ok_or_else(|| bad(format!("{:?}", d.dims)))?;
+    Ok((strides, d.per_image_elems(), None))
+}
+
+/// Element strides of each dim of `out` for a value of `dims` stored in `layout` (0 along the
+/// dims it is broadcast over), or `None` if it does not broadcast to `out` (same rank).
+fn activation_strides(dims: &[usize], layout: Layout, out: &[usize]) -> Option<Vec<usize>> {
+    let mut strides = layout.strides(dims);
+    for (k, s) in strides.iter_mut().enumerate() {
+        match (dims[k], out[k]) {
+            (a, b) if a == b => {}
+            (1, _) => *s = 0,
+            _ => return None,
+        }
+    }
+    Some(strides)
+}
+
+/// The broadcasting kernel's plan: `[size, stride a, stride b]` per dim of y in its physical
+/// order (outermost first), size-1 dims dropped and runs that are contiguous for both operands
+/// merged; and whether the packed path applies (innermost size a multiple of `width`, innermost
+/// strides 0 or 1, every other stride and both batch strides multiples of `width`).
+fn broadcast_plan(out: &[usize], layout: Layout, strides: [&[usize]; 2], batch: [usize; 2], width: usize) -> (Vec<[usize; 3]>, bool) {
+    let mut merged: Vec<[usize; 3]> = Vec::with_capacity(out.len());
+    for k in layout.order().into_iter().filter(|&k| out[k] != 1) {
+        let d = [out[k], strides[0][k], strides[1][k]];
+        match merged.last_mut() {
+            Some(outer) if outer[1] == d[1] * d[0] && outer[2] == d[2] * d[0] => *outer = [outer[0] * d[0], d[1], d[2]],
+            _ => merged.push(d),
+        }
+    }
+    if merged.is_empty() {
+        merged.push([1, 0, 0]);
+    }
+    let inner = merged[merged.len() - 1];
+    let aligned = |s: usize| s.is_multiple_of(width);
+    let vec = aligned(inner[0])
+        && inner[1] <= 1
+        && inner[2] <= 1
+        && merged[..merged.len() - 1].iter().all(|d| aligned(d[1]) && aligned(d[2]))
+        && batch.iter().all(|&b| aligned(b));
+    (merged, vec)
+}
+
+/// A [`BroadcastBinaryLayer`]: strides in the output's physical order, size-1 dims dropped and
+/// runs that are contiguous for both operands merged (an SE block's `[C, H, W] * [C, 1, 1]` in
+/// NHWC becomes `[HW, C]` by `[0, 1]`).
+fn broadcast_binary(ctx: &mut BuildCtx, node: NodeId, op: Binary, y: ValueId) -> Result<Box<dyn Layer>> {
+    let dy = ctx.value(y).clone();
+    let elem = dy.elem;
+    let mut operands = Vec::with_capacity(2);
+    let mut strides = Vec::with_capacity(2);
+    let mut batch = [0usize; 2];
+    for (i, batch_stride) in batch.iter_mut().enumerate() {
+        let (s, b, data) = operand_strides(ctx, node, i, &dy.dims)?;
+        let operand = match data {
+            Some(w) => Operand::Const(ctx.upload(&w)?),
+            None => {
+                let v = ctx.input(node, i)?;
+                if ctx.value(v).elem != elem {
+                    return Err(ctx.err(node, format!("mixes element types {:?} and {elem:?}", ctx.value(v).elem)));
+                }
+                Operand::Value(v)
+            }
+        };
+        operands.push(operand);
+        strides.push(s);
+        *batch_stride = b;
+    }
+    if operands.iter().all(|o| matches!(o, Operand::Const(_))) {
+        return Err(ctx.err(node, "both operands are constants (fold them before building)".into()));
+    }
+    let (merged, vec) = broadcast_plan(&dy.dims, dy.layout, [&strides[0], &strides[1]], batch, pack(elem));
+    let mut meta: Vec<i64> = merged.iter().map(|d| d[0] as i64).collect();
+    meta.extend(merged.iter().map(|d| d[1] as i64));
+    meta.extend(merged.iter().map(|d| d[2] as i64));
+    meta.extend(batch.map(|b| b as i64));
+    let bytes: Vec<u8> = meta.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let meta = ctx.upload_bytes(&bytes)?;
+    let f = ctx.kernels.get(&format!("binary_bcast_{}", elem.suffix()))?;
+    let operands: [Operand; 2] = operands.try_into().unwrap_or_else(|_| unreachable!("two operands were pushed"));
+    Ok(Box::new(BroadcastBinaryLayer {
         path: ctx.node(node).path.clone(),
-        kind: format!("kernel:{}", op.name()),
+        kind: format!("kernel:{}_broadcast", op.name()),
         f,
-        inputs: vec![a, b],
+        operands,
         y,
-        per_image: ctx.value(y).per_image_elems(),
-        args: vec![KArg::I32(op.kernel_code()), KArg::I32(0), KArg::F32(0.0)],
+        meta,
+        rank: merged.len() as i32,
+        op_code: op.kernel_code(),
+        vec,
+        per_image: dy.per_image_elems(),
         sm_count: ctx.kernels.sm_count(),
     }))
 }
-
 /// `y = act(x + bias[c] + residual)` over NHWC (or `[N, F]`) values: the epilogue of layers whose
 /// library call cannot fuse it (e.g. a deconvolution's bias, a GEMM without the epilogue).
 pub struct BiasActLayer {
@@ -273,6 +478,201 @@ pub fn pool_layer(ctx: &mut BuildCtx, node: NodeId, kind: PoolKind, window: [usi
     let f = ctx.kernels.get(&format!("{name}_{}", elem.suffix()))?;
     let vec = if c % pack(elem) == 0 { pack(elem) } else { 1 };
     Ok(Box::new(PoolLayer { path: ctx.node(node).path.clone(), kind, f, x, y, dims, window: win, vec, sm_count: ctx.kernels.sm_count() }))
+}
+
+// ---- resize --------------------------------------------------------------------------------
+
+/// Nearest or bilinear upsampling of an NHWC image through per-axis index (and weight) tables.
+pub struct ResizeLayer {
+    path: String,
+    kind: &'static str,
+    f: CudaFunction,
+    x: ValueId,
+    y: ValueId,
+    /// H, W, C, OH, OW
+    dims: [i32; 5],
+    tab: DeviceBuf,
+    /// Bilinear weights (`None` for nearest).
+    lam: Option<DeviceBuf>,
+    vec: usize,
+    sm_count: u32,
+}
+
+impl Layer for ResizeLayer {
+    fn path(&self) -> &str {
+        &self.path
+    }
+    fn kind(&self) -> String {
+        format!("kernel:{}", self.kind)
+    }
+    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        let [h, w, c, oh, ow] = self.dims;
+        let n = i32::try_from(batch)
+            .map_err(|_| Error::Binding { name: self.path.clone(), reason: format!("batch {batch} exceeds the resize kernel's range") })?;
+        let mut args = vec![KArg::Ptr(rt.ptr(self.x)), KArg::Ptr(rt.ptr(self.y)), KArg::I32(n)];
+        args.extend([h, w, c, oh, ow].map(KArg::I32));
+        args.push(KArg::Ptr(self.tab.ptr()));
+        if let Some(lam) = &self.lam {
+            args.push(KArg::Ptr(lam.ptr()));
+        }
+        args.push(KArg::I32((self.vec > 1) as i32));
+        let work = batch * (oh as usize) * (ow as usize) * (c as usize) / self.vec;
+        launch(rt, &self.f, grid_for(work, self.sm_count), (BLOCK, 1, 1), 0, &args)
+    }
+}
+
+/// A [`ResizeLayer`] for a `Resize` node (NHWC in and out); the tables come from the op's own
+/// index arithmetic, the one the CPU reference uses.
+pub fn resize(ctx: &mut BuildCtx, node: NodeId, op: &crate::ops::resize::Resize) -> Result<Box<dyn Layer>> {
+    use crate::ops::resize::Resize;
+    let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
+    let elem = same_elem(ctx, node, &[x, y])?;
+    let (c, h, w) = nhwc(ctx, node, x)?;
+    let (c2, oh, ow) = nhwc(ctx, node, y)?;
+    if c2 != c || op.output_hw([h, w]).map_err(|e| ctx.err(node, e))? != [oh, ow] {
+        return Err(ctx.err(node, format!("resize maps [{c}, {h}, {w}] to [{c2}, {oh}, {ow}]")));
+    }
+    let mut dims = [0i32; 5];
+    for (d, (name, v)) in dims.iter_mut().zip([("H", h), ("W", w), ("C", c), ("OH", oh), ("OW", ow)]) {
+        *d = to_i32(ctx, node, name, v)?;
+    }
+    let ints = |v: Vec<usize>| -> Vec<u8> { v.into_iter().flat_map(|i| (i as i32).to_le_bytes()).collect() };
+    let (kind, tab, lam) = match *op {
+        Resize::Nearest { scale, .. } => {
+            let mut t = Resize::nearest_indices(scale.map(|s| s[0]), h, oh);
+            t.extend(Resize::nearest_indices(scale.map(|s| s[1]), w, ow));
+            ("resize_nearest", ints(t), None)
+        }
+        Resize::Bilinear { scale, align_corners, .. } => {
+            let ty = Resize::linear_indices(scale.map(|s| s[0]), align_corners, h, oh);
+            let tx = Resize::linear_indices(scale.map(|s| s[1]), align_corners, w, ow);
+            let mut idx = Vec::with_capacity(2 * (oh + ow));
+            let mut lam = Vec::with_capacity(2 * (oh + ow));
+            for t in [&ty, &tx] {
+                idx.extend(t.iter().map(|e| e.0));
+                idx.extend(t.iter().map(|e| e.1));
+                lam.extend(t.iter().map(|e| e.2));
+                lam.extend(t.iter().map(|e| e.3));
+            }
+            ("resize_bilinear", ints(idx), Some(lam))
+        }
+    };
+    let tab = ctx.upload_bytes(&tab)?;
+    let lam = lam.map(|l| ctx.upload_f32(&l)).transpose()?;
+    let f = ctx.kernels.get(&format!("{kind}_{}", elem.suffix()))?;
+    let vec = if c % pack(elem) == 0 { pack(elem) } else { 1 };
+    Ok(Box::new(ResizeLayer { path: ctx.node(node).path.clone(), kind, f, x, y, dims, tab, lam, vec, sm_count: ctx.kernels.sm_count() }))
+}
+
+// ---- depthwise convolution -----------------------------------------------------------------
+
+/// A depthwise K x K convolution of NHWC images (`kernels/depthwise.cu`), bias, residual and ReLU
+/// fused: a tactic candidate beside cuDNN's for `groups == channels` convolutions.
+pub struct DepthwiseLayer {
+    path: String,
+    kind: String,
+    f: CudaFunction,
+    x: ValueId,
+    residual: Option<ValueId>,
+    y: ValueId,
+    w: DeviceBuf,
+    bias: Option<DeviceBuf>,
+    /// H, W, C, OH, OW, sh, sw, ph, pw, relu
+    dims: [i32; 10],
+    vec: usize,
+    sm_count: u32,
+}
+
+impl Layer for DepthwiseLayer {
+    fn path(&self) -> &str {
+        &self.path
+    }
+    fn kind(&self) -> String {
+        self.kind.clone()
+    }
+    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        let n = i32::try_from(batch).map_err(|_| Error::Binding {
+            name: self.path.clone(),
+            reason: format!("batch {batch} exceeds the depthwise kernel's range"),
+        })?;
+        let mut args = vec![
+            KArg::Ptr(rt.ptr(self.x)),
+            KArg::Ptr(self.w.ptr()),
+            KArg::Ptr(self.bias.as_ref().map_or(0, DeviceBuf::ptr)),
+            KArg::Ptr(self.residual.map_or(0, |r| rt.ptr(r))),
+            KArg::Ptr(rt.ptr(self.y)),
+            KArg::I32(n),
+        ];
+        args.extend(self.dims.map(KArg::I32));
+        args.push(KArg::I32((self.vec > 1) as i32));
+        let [_, _, c, oh, ow, ..] = self.dims;
+        let work = batch * (oh as usize) * (ow as usize) * (c as usize) / self.vec;
+        launch(rt, &self.f, grid_for(work, self.sm_count), (BLOCK, 1, 1), 0, &args)
+    }
+}
+
+/// The [`DepthwiseLayer`] candidate for a Conv2d node, or `None` where it does not apply: not
+/// transposed, `groups == Cin == Cout`, a square 3x3 or 5x5 kernel, dilation 1, stride 1 or 2.
+/// Inputs as the conv converter reads them: x, weight `[C, 1, K, K]`, bias?, residual?.
+pub fn depthwise_candidate(ctx: &mut BuildCtx, node: NodeId, a: &crate::graph::ConvAttrs) -> Result<Option<Box<dyn Layer>>> {
+    let w = ctx.weight(node, 1)?;
+    let k = match w.shape[..] {
+        [_, 1, k, k2] if k == k2 && (k == 3 || k == 5) => k,
+        _ => return Ok(None),
+    };
+    let c = w.shape[0];
+    let fits = !a.transposed && a.groups == c && a.dilation == [1, 1] && a.stride.iter().all(|s| (1..=2).contains(s));
+    if !fits {
+        return Ok(None);
+    }
+    let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
+    let residual = if a.residual { Some(ctx.input(node, if a.bias { 3 } else { 2 })?) } else { None };
+    let mut vals = vec![x, y];
+    vals.extend(residual);
+    let elem = same_elem(ctx, node, &vals)?;
+    let (cx, h, wd) = nhwc(ctx, node, x)?;
+    let (cy, oh, ow) = nhwc(ctx, node, y)?;
+    if cx != c || cy != c {
+        return Ok(None);
+    }
+    // [C, 1, K, K] -> [K*K, C]: tap-major, channels innermost.
+    let taps = k * k;
+    let mut wt = vec![0f32; taps * c];
+    for ch in 0..c {
+        for t in 0..taps {
+            wt[t * c + ch] = w.data[ch * taps + t];
+        }
+    }
+    let bias = if a.bias { Some(ctx.weight(node, 2)?.data.clone()) } else { None };
+    if bias.as_ref().is_some_and(|b| b.len() != c) {
+        return Err(ctx.err(node, format!("bias has {} values for {c} channels", bias.as_ref().map_or(0, Vec::len))));
+    }
+    let relu = a.act == crate::graph::Activation::Relu;
+    let mut dims = [0i32; 10];
+    let named = [("H", h), ("W", wd), ("C", c), ("OH", oh), ("OW", ow), ("stride", a.stride[0]), ("stride", a.stride[1])];
+    for (d, (name, v)) in
+        dims.iter_mut().zip(named.into_iter().chain([("padding", a.padding[0]), ("padding", a.padding[1]), ("relu", relu as usize)]))
+    {
+        *d = to_i32(ctx, node, name, v)?;
+    }
+    let w = ctx.upload_f32(&wt)?;
+    let bias = bias.map(|b| ctx.upload_f32(&b)).transpose()?;
+    let entry = format!("depthwise_k{k}_{}", elem.suffix());
+    let f = ctx.kernels.get(&entry)?;
+    let vec = if c % pack(elem) == 0 { pack(elem) } else { 1 };
+    Ok(Some(Box::new(DepthwiseLayer {
+        path: ctx.node(node).path.clone(),
+        kind: format!("kernel:{entry}"),
+        f,
+        x,
+        residual,
+        y,
+        w,
+        bias,
+        dims,
+        vec,
+        sm_count: ctx.kernels.sm_count(),
+    })))
 }
 
 // ---- concat -------------------------------------------------------------------------------
@@ -574,6 +974,7 @@ pub fn entry_points() -> Vec<String> {
         for k in [
             "activation",
             "binary",
+            "binary_bcast",
             "bias_act",
             "max_pool2d",
             "avg_pool2d",
@@ -585,6 +986,10 @@ pub fn entry_points() -> Vec<String> {
             "matmul",
             "shape_gather",
             "shape_scatter",
+            "resize_nearest",
+            "resize_bilinear",
+            "depthwise_k3",
+            "depthwise_k5",
         ] {
             names.push(format!("{k}_{t}"));
         }
@@ -633,6 +1038,75 @@ mod tests {
         for (op, name) in [(Binary::Add, "BIN_ADD"), (Binary::Sub, "BIN_SUB"), (Binary::Mul, "BIN_MUL"), (Binary::Div, "BIN_DIV")] {
             assert!(elementwise.contains(&format!("#define {name} {}", op.kernel_code())), "{name}");
         }
+    }
+
+    /// `binary_bcast`'s indexing, run on the host over the plan `broadcast_binary` makes, against
+    /// the CPU reference of `Binary` (activations in NCHW and NHWC, broadcasts of every kind).
+    #[test]
+    fn broadcast_plans_index_like_the_cpu_reference() {
+        use crate::graph::HostTensor;
+        use crate::ops::{CpuArgs, OpDef};
+        use std::borrow::Cow;
+        let (nchw, nhwc) = (Layout::contiguous(3), Layout::channels_last(3));
+        // (a dims, a layout, b dims, b layout, y layout), per image.
+        let cases = [
+            ([8, 5, 6], nhwc, [8, 1, 1], nhwc, nhwc),
+            ([8, 5, 6], nhwc, [8, 1, 1], nchw, nhwc),
+            ([5, 4, 6], nchw, [5, 1, 1], nchw, nchw),
+            ([3, 4, 8], nhwc, [1, 4, 8], nchw, nhwc),
+            ([3, 1, 8], nchw, [1, 4, 1], nhwc, nchw),
+            ([8, 4, 8], nhwc, [8, 4, 8], nchw, nhwc),
+            ([1, 1, 1], nhwc, [6, 2, 3], nchw, nchw),
+        ];
+        for (da, la, db, lb, ly) in cases {
+            let out = crate::ops::elementwise::broadcast_shape(&da, &db).unwrap();
+            let batch = 2;
+            let logical = |dims: &[usize], seed: u64| crate::seeded::uniform_tensor(&[&[batch][..], dims].concat(), seed);
+            let (a, b) = (logical(&da, 1), logical(&db, 2));
+            // Each operand's bytes in its layout.
+            let physical = |t: &HostTensor, dims: &[usize], l: Layout| -> Vec<f32> {
+                let per: usize = dims.iter().product();
+                let strides = l.strides(dims);
+                let mut v = vec![0f32; t.data.len()];
+                for (i, &x) in t.data.iter().enumerate() {
+                    let (n, mut rem, mut off) = (i / per, i % per, 0);
+                    for k in (0..dims.len()).rev() {
+                        off += (rem % dims[k]) * strides[k];
+                        rem /= dims[k];
+                    }
+                    v[n * per + off] = x;
+                }
+                v
+            };
+            let (pa, pb) = (physical(&a, &da, la), physical(&b, &db, lb));
+            let sa = activation_strides(&da, la, &out).unwrap();
+            let sb = activation_strides(&db, lb, &out).unwrap();
+            let bs = [da.iter().product::<usize>(), db.iter().product::<usize>()];
+            for width in [1, 4, 8] {
+                let (plan, _vec) = broadcast_plan(&out, ly, [&sa, &sb], bs, width);
+                let per: usize = out.iter().product();
+                let y: Vec<f32> = (0..batch * per)
+                    .map(|i| {
+                        let (mut rem, mut oa, mut ob) = (i, 0, 0);
+                        for d in plan.iter().rev() {
+                            oa += (rem % d[0]) * d[1];
+                            ob += (rem % d[0]) * d[2];
+                            rem /= d[0];
+                        }
+                        pa[oa + rem * bs[0]] * pb[ob + rem * bs[1]]
+                    })
+                    .collect();
+                let mut args = CpuArgs::new(vec![Cow::Owned(a.clone()), Cow::Owned(b.clone())]);
+                let want = Binary::Mul.cpu(&mut args).unwrap();
+                let want = physical(&want, &out, ly);
+                assert_eq!(y, want, "{da:?} {la:?} * {db:?} {lb:?} -> {ly:?}, plan {plan:?}");
+            }
+        }
+        // The squeeze-excitation plan: [HW, C] by [0, 1] on the packed path.
+        let sa = activation_strides(&[16, 5, 6], nhwc, &[16, 5, 6]).unwrap();
+        let sb = activation_strides(&[16, 1, 1], nhwc, &[16, 5, 6]).unwrap();
+        assert_eq!(broadcast_plan(&[16, 5, 6], nhwc, [&sa, &sb], [480, 16], 8), (vec![[30, 16, 0], [16, 1, 1]], true));
+        assert!(!broadcast_plan(&[12, 5, 6], nhwc, [&sa, &sb], [360, 12], 8).1, "12 channels are not whole packs of 8");
     }
 
     #[test]

@@ -33,6 +33,8 @@ pub const FAMILIES: &[(&str, &str)] = &[
     ("permute.cu", include_str!("../../kernels/permute.cu")),
     ("norm.cu", include_str!("../../kernels/norm.cu")),
     ("shape.cu", include_str!("../../kernels/shape.cu")),
+    ("resize.cu", include_str!("../../kernels/resize.cu")),
+    ("depthwise.cu", include_str!("../../kernels/depthwise.cu")),
 ];
 
 /// Families compiled only when a layer that launches them is built (`Kernels::add_source`): the

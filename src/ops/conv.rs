@@ -552,6 +552,8 @@ fn gpu_conv2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn 
         let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
         candidates.extend(crate::engine::im2col::candidates(ctx, node, &a, &w.data, [k, c, r, s], bias, x, y, a.residual)?);
     }
+    // Depthwise 3x3 / 5x5 (groups == channels): Kiln's own NHWC kernel competes too.
+    candidates.extend(crate::engine::kernel_layers::depthwise_candidate(ctx, node, &a)?);
     ctx.choose(&key, candidates)
 }
 

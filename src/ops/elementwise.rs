@@ -70,6 +70,7 @@ fn erf(x: f64) -> f64 {
 impl Unary {
     /// The op on one value.
     pub fn apply(self, v: f32) -> f32 {
+        // f32::clamp keeps NaN, as PyTorch's relu6 does.
         let relu6 = |t: f32| t.clamp(0.0, 6.0);
         match self {
             Unary::Relu => {
@@ -279,6 +280,14 @@ impl OpDef for Binary {
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         crate::engine::kernel_layers::binary(ctx, node, *self)
+    }
+}
+
+impl Tensor {
+    /// `self op weight` with a constant second operand, broadcast as PyTorch (a `[C, 1, 1]` layer
+    /// scale, a `[1, L, D]` position embedding), recorded as the layer at `path`.
+    pub fn binary_weight(&self, path: &str, op: Binary, weight: &crate::tensor::Param) -> Result<Tensor> {
+        Tensor::record(path, Op::Binary(op), &[self], &[weight])
     }
 }
 
