@@ -21,25 +21,30 @@ use std::sync::{Arc, Mutex};
 /// Workspace offered to cuBLASLt's heuristic (kernels with split-K need some).
 pub(super) const GEMM_WORKSPACE: usize = 32 << 20;
 
-pub(super) struct MatDesc(pub(super) sys::cublasLtMatmulDesc_t);
-pub(super) struct MatLayout(pub(super) sys::cublasLtMatrixLayout_t);
-// Host-side descriptors, immutable after set-up.
+struct MatDesc(sys::cublasLtMatmulDesc_t);
+struct MatLayout(sys::cublasLtMatrixLayout_t);
+// SAFETY: host-side descriptors, immutable after set-up; cuBLASLt reads them from any thread.
 unsafe impl Send for MatDesc {}
+// SAFETY: as for `Send`: shared use only reads them.
 unsafe impl Sync for MatDesc {}
+// SAFETY: as for `MatDesc`.
 unsafe impl Send for MatLayout {}
+// SAFETY: as for `MatDesc`.
 unsafe impl Sync for MatLayout {}
 impl Drop for MatDesc {
     fn drop(&mut self) {
+        // SAFETY: created by `create_matmul_desc` and destroyed once, here.
         let _ = unsafe { lt::destroy_matmul_desc(self.0) };
     }
 }
 impl Drop for MatLayout {
     fn drop(&mut self) {
+        // SAFETY: created by `create_matrix_layout` and destroyed once, here.
         let _ = unsafe { lt::destroy_matrix_layout(self.0) };
     }
 }
 
-pub(super) fn cuda_type(elem: Elem) -> sys::cudaDataType {
+fn cuda_type(elem: Elem) -> sys::cudaDataType {
     match elem {
         Elem::F32 => sys::cudaDataType::CUDA_R_32F,
         Elem::F16 => sys::cudaDataType::CUDA_R_16F,
@@ -47,14 +52,16 @@ pub(super) fn cuda_type(elem: Elem) -> sys::cudaDataType {
 }
 
 /// FP32 must not use TF32; TF32 may; FP16 accumulates in f32.
-pub(super) fn compute_type(p: Precision) -> sys::cublasComputeType_t {
+fn compute_type(p: Precision) -> sys::cublasComputeType_t {
     match p {
         Precision::Fp32 | Precision::Fp16 => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
         Precision::Tf32 => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
     }
 }
 
-pub(super) unsafe fn set_attr<T>(d: sys::cublasLtMatmulDesc_t, attr: sys::cublasLtMatmulDescAttributes_t, v: &T) -> Result<()> {
+/// # Safety
+/// `d` is a live matmul descriptor and `T` is the type cuBLASLt documents for `attr`.
+unsafe fn set_attr<T>(d: sys::cublasLtMatmulDesc_t, attr: sys::cublasLtMatmulDescAttributes_t, v: &T) -> Result<()> {
     lt::set_matmul_desc_attribute(d, attr, v as *const T as *const c_void, size_of::<T>())
         .map_err(cuda_err("cublasLtMatmulDescSetAttribute"))
 }
@@ -65,8 +72,114 @@ struct Plan {
     c: MatLayout,
     algo: sys::cublasLtMatmulAlgo_t,
 }
-unsafe impl Send for Plan {}
-unsafe impl Sync for Plan {}
+
+/// Kiln's one cuBLASLt matmul: the row-major `Y[m, n] = act(X[m, k] · Wᵀ + bias) + beta·C`, with
+/// `W` row-major `[n, k]` (PyTorch's Linear / 1×1 conv layout). Holds the descriptor with its
+/// epilogue and a cache of plans (matrix layouts + the heuristic's algorithm) by row count `m`.
+/// Used by every cuBLASLt layer: 1×1 convs, Linear, matmul by a constant, im2col convs.
+pub struct LtMatmul {
+    path: String,
+    k: usize,
+    n: usize,
+    elem: Elem,
+    desc: MatDesc,
+    plans: Mutex<HashMap<usize, Arc<Plan>>>,
+}
+
+impl LtMatmul {
+    /// `bias` (device, `n` values of `elem`) and `relu` go into the epilogue.
+    pub fn new(path: &str, precision: Precision, elem: Elem, k: usize, n: usize, bias: Option<&DeviceBuf>, relu: bool) -> Result<Self> {
+        let raw =
+            lt::create_matmul_desc(compute_type(precision), sys::cudaDataType::CUDA_R_32F).map_err(cuda_err("cublasLtMatmulDescCreate"))?;
+        let desc = MatDesc(raw);
+        use sys::cublasLtEpilogue_t as E;
+        let epilogue = match (bias.is_some(), relu) {
+            (true, true) => E::CUBLASLT_EPILOGUE_RELU_BIAS,
+            (true, false) => E::CUBLASLT_EPILOGUE_BIAS,
+            (false, true) => E::CUBLASLT_EPILOGUE_RELU,
+            (false, false) => E::CUBLASLT_EPILOGUE_DEFAULT,
+        };
+        use sys::cublasLtMatmulDescAttributes_t as A;
+        // SAFETY: `desc.0` is live; each value has the type its attribute takes.
+        unsafe {
+            set_attr(desc.0, A::CUBLASLT_MATMUL_DESC_TRANSA, &1i32)?; // CUBLAS_OP_T
+            set_attr(desc.0, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
+            if let Some(b) = bias {
+                set_attr(desc.0, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b.ptr())?;
+                set_attr(desc.0, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &cuda_type(elem))?;
+            }
+        }
+        Ok(Self { path: path.to_string(), k, n, elem, desc, plans: Mutex::new(HashMap::new()) })
+    }
+
+    /// The plan for `m` rows, made once (cuBLAS is column-major: `Yᵀ[n, m] = W[n, k] · Xᵀ[k, m]`,
+    /// A = W read transposed from its row-major storage, B = X and D = Y as stored).
+    fn plan(&self, rt: &RunCtx, m: usize) -> Result<Arc<Plan>> {
+        let mut plans = self.plans.lock().map_err(|_| Error::Poisoned { path: self.path.clone(), what: "GEMM plan".into() })?;
+        if let Some(p) = plans.get(&m) {
+            return Ok(p.clone());
+        }
+        let t = cuda_type(self.elem);
+        let layout = |rows: usize, cols: usize, ld: usize| {
+            lt::create_matrix_layout(t, rows as u64, cols as u64, ld as i64).map(MatLayout).map_err(cuda_err("cublasLtMatrixLayoutCreate"))
+        };
+        let a = layout(self.k, self.n, self.k)?;
+        let b = layout(self.k, m, self.k)?;
+        let c = layout(self.n, m, self.n)?;
+        let pref = lt::create_matmul_pref().map_err(cuda_err("cublasLtMatmulPreferenceCreate"))?;
+        let ws = GEMM_WORKSPACE.min(rt.workspace_bytes);
+        // SAFETY: `pref`, the descriptor and the layouts are live; `ws` outlives the call; `pref`
+        // is destroyed once, after its last use.
+        let heuristic = unsafe {
+            let set = lt::set_matmul_pref_attribute(
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &ws as *const usize as *const c_void,
+                size_of::<usize>(),
+            );
+            let h = set.and_then(|_| lt::get_matmul_algo_heuristic(rt.handles.lt, self.desc.0, a.0, b.0, c.0, c.0, pref));
+            let _ = lt::destroy_matmul_pref(pref);
+            h.map_err(|e| Error::Cuda {
+                context: format!("cuBLASLt has no algorithm for `{}` with {m} rows", self.path),
+                reason: format!("{e:?}"),
+            })?
+        };
+        let p = Arc::new(Plan { a, b, c, algo: heuristic.algo });
+        plans.insert(m, p.clone());
+        Ok(p)
+    }
+
+    /// Enqueues `Y = act(X · Wᵀ + bias) + C` (`c` = 0: no C) for `m` rows at device addresses.
+    pub fn enqueue(&self, rt: &RunCtx, m: usize, x: u64, w: u64, c: u64, y: u64) -> Result<()> {
+        let p = self.plan(rt, m)?;
+        let (alpha, beta) = (1f32, if c != 0 { 1f32 } else { 0f32 });
+        let c = if c != 0 { c } else { y };
+        // SAFETY: the plan's layouts describe `m` rows of X and Y and the `[n, k]` weight, which
+        // the callers' buffers hold (arena values sized for the run's batch, uploaded weights);
+        // the workspace is the context's, at least `GEMM_WORKSPACE.min(workspace_bytes)` bytes.
+        unsafe {
+            lt::matmul(
+                rt.handles.lt,
+                self.desc.0,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                w as *const c_void,
+                p.a.0,
+                x as *const c_void,
+                p.b.0,
+                c as *const c_void,
+                p.c.0,
+                y as *mut c_void,
+                p.c.0,
+                &p.algo,
+                rt.workspace as *mut c_void,
+                GEMM_WORKSPACE.min(rt.workspace_bytes),
+                rt.stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(cuda_err("cublasLtMatmul"))
+    }
+}
 
 /// `Y = act(X · Wᵀ + bias + residual)` over NHWC rows.
 pub struct GemmLayer {
@@ -76,14 +189,10 @@ pub struct GemmLayer {
     z: Option<ValueId>,
     /// GEMM rows per image (H·W for a 1×1 conv, the product of the middle dims for Linear).
     rows_per_image: usize,
-    k: usize,
-    n: usize,
-    elem: Elem,
     _w: DeviceBuf,
     w_ptr: u64,
     _b: Option<DeviceBuf>,
-    desc: MatDesc,
-    plans: Mutex<HashMap<usize, Arc<Plan>>>,
+    matmul: LtMatmul,
 }
 
 /// What a GEMM layer is asked to do.
@@ -136,75 +245,9 @@ impl GemmLayer {
             Some(b) => Some(ctx.upload(b)?),
             None => None,
         };
-        let raw = lt::create_matmul_desc(compute_type(ctx.precision()), sys::cudaDataType::CUDA_R_32F)
-            .map_err(cuda_err("cublasLtMatmulDescCreate"))?;
-        let desc = MatDesc(raw);
-        use sys::cublasLtEpilogue_t as E;
-        let epilogue = match (b.is_some(), spec.relu) {
-            (true, true) => E::CUBLASLT_EPILOGUE_RELU_BIAS,
-            (true, false) => E::CUBLASLT_EPILOGUE_BIAS,
-            (false, true) => E::CUBLASLT_EPILOGUE_RELU,
-            (false, false) => E::CUBLASLT_EPILOGUE_DEFAULT,
-        };
-        use sys::cublasLtMatmulDescAttributes_t as A;
-        unsafe {
-            set_attr(desc.0, A::CUBLASLT_MATMUL_DESC_TRANSA, &1i32)?; // CUBLAS_OP_T
-            set_attr(desc.0, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
-            if let Some(b) = &b {
-                set_attr(desc.0, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b.ptr())?;
-                set_attr(desc.0, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &cuda_type(elem))?;
-            }
-        }
-        Ok(Self {
-            path: ctx.node(node).path.clone(),
-            x: spec.x,
-            y: spec.y,
-            z: spec.residual,
-            rows_per_image: spec.rows_per_image,
-            k,
-            n: n_out,
-            elem,
-            w_ptr: w.ptr(),
-            _w: w,
-            _b: b,
-            desc,
-            plans: Mutex::new(HashMap::new()),
-        })
-    }
-
-    fn plan(&self, rt: &RunCtx, batch: usize) -> Result<Arc<Plan>> {
-        let mut plans = self.plans.lock().map_err(|_| Error::Poisoned { path: self.path.clone(), what: "GEMM plan".into() })?;
-        if let Some(p) = plans.get(&batch) {
-            return Ok(p.clone());
-        }
-        let m = (batch * self.rows_per_image) as u64;
-        let t = cuda_type(self.elem);
-        let layout = |rows: u64, cols: u64, ld: i64| {
-            lt::create_matrix_layout(t, rows, cols, ld).map(MatLayout).map_err(cuda_err("cublasLtMatrixLayoutCreate"))
-        };
-        // A: W stored [Cout, Cin] row-major = column-major Cin × Cout (transposed by TRANSA).
-        let a = layout(self.k as u64, self.n as u64, self.k as i64)?;
-        let b = layout(self.k as u64, m, self.k as i64)?;
-        let c = layout(self.n as u64, m, self.n as i64)?;
-        let pref = lt::create_matmul_pref().map_err(cuda_err("cublasLtMatmulPreferenceCreate"))?;
-        let ws = GEMM_WORKSPACE.min(rt.workspace_bytes);
-        let heuristic = unsafe {
-            let set = lt::set_matmul_pref_attribute(
-                pref,
-                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                &ws as *const usize as *const c_void,
-                size_of::<usize>(),
-            );
-            let h = set.and_then(|_| lt::get_matmul_algo_heuristic(rt.handles.lt, self.desc.0, a.0, b.0, c.0, c.0, pref));
-            let _ = lt::destroy_matmul_pref(pref);
-            h.map_err(|e| Error::Cuda {
-                context: format!("cuBLASLt has no algorithm for `{}` at batch {batch}", self.path),
-                reason: format!("{e:?}"),
-            })?
-        };
-        let p = Arc::new(Plan { a, b, c, algo: heuristic.algo });
-        plans.insert(batch, p.clone());
-        Ok(p)
+        let path = ctx.node(node).path.clone();
+        let matmul = LtMatmul::new(&path, ctx.precision(), elem, k, n_out, b.as_ref(), spec.relu)?;
+        Ok(Self { path, x: spec.x, y: spec.y, z: spec.residual, rows_per_image: spec.rows_per_image, w_ptr: w.ptr(), _w: w, _b: b, matmul })
     }
 }
 
@@ -219,30 +262,7 @@ impl Layer for GemmLayer {
         GEMM_WORKSPACE
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
-        let p = self.plan(rt, batch)?;
-        let (alpha, beta) = (1f32, if self.z.is_some() { 1f32 } else { 0f32 });
-        let y = rt.ptr(self.y);
-        let c = self.z.map(|z| rt.ptr(z)).unwrap_or(y);
-        unsafe {
-            lt::matmul(
-                rt.handles.lt,
-                self.desc.0,
-                &alpha as *const f32 as *const c_void,
-                &beta as *const f32 as *const c_void,
-                self.w_ptr as *const c_void,
-                p.a.0,
-                rt.ptr(self.x) as *const c_void,
-                p.b.0,
-                c as *const c_void,
-                p.c.0,
-                y as *mut c_void,
-                p.c.0,
-                &p.algo,
-                rt.workspace as *mut c_void,
-                GEMM_WORKSPACE.min(rt.workspace_bytes),
-                rt.stream.cu_stream() as sys::cudaStream_t,
-            )
-        }
-        .map_err(cuda_err("cublasLtMatmul"))
+        let c = self.z.map_or(0, |z| rt.ptr(z));
+        self.matmul.enqueue(rt, batch * self.rows_per_image, rt.ptr(self.x), self.w_ptr, c, rt.ptr(self.y))
     }
 }

@@ -7,19 +7,12 @@
 //! the GEMM's epilogue (`kernels/im2col.cu` writes the columns). The column matrix is built in
 //! chunks of rows in a scratch buffer, so a large batch does not need it whole.
 
-use super::gemm::{compute_type, cuda_type, set_attr, MatDesc, MatLayout, GEMM_WORKSPACE};
-use super::gpu::cuda_err;
-use super::kernel_layers::{grid_for, launch, KArg, BLOCK};
+use super::gemm::{LtMatmul, GEMM_WORKSPACE};
+use super::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
 use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, RunCtx, ValueId};
 use crate::graph::{Activation, ConvAttrs, NodeId};
-use crate::{Error, Result};
-use cudarc::cublaslt::result as lt;
-use cudarc::cublaslt::sys;
-use cudarc::driver::CudaFunction;
-use std::collections::HashMap;
-use std::ffi::c_void;
-use std::mem::size_of;
-use std::sync::{Arc, Mutex};
+use crate::Result;
+use std::sync::Arc;
 
 /// `kernels/im2col.cu`, compiled with NVRTC on first use like Kiln's other kernels.
 pub const IM2COL_CU: &str = super::kernels::ON_DEMAND[1].1;
@@ -30,16 +23,6 @@ const MAX_K: usize = 1024;
 /// Largest column-matrix chunk of each candidate: a small one stays closer to L2 between the
 /// im2col and the GEMM, a large one launches less; timing picks.
 const CHUNK_BYTES: [usize; 2] = [48 << 20, 256 << 20];
-
-struct Plan {
-    a: MatLayout,
-    b: MatLayout,
-    c: MatLayout,
-    algo: sys::cublasLtMatmulAlgo_t,
-}
-// Host-side descriptors, immutable after set-up.
-unsafe impl Send for Plan {}
-unsafe impl Sync for Plan {}
 
 /// Everything the candidates of one node share.
 struct Shared {
@@ -58,9 +41,9 @@ struct Shared {
     _w: DeviceBuf,
     _b: DeviceBuf,
     w_ptr: u64,
-    desc: MatDesc,
-    /// cuBLASLt plans by GEMM rows (a chunk, or a batch's last partial chunk).
-    plans: Mutex<HashMap<usize, Arc<Plan>>>,
+    /// `Yᵀ[Cout, m] = W[Cout, KP] · colᵀ[KP, m]` with bias and ReLU in its epilogue; plans by GEMM
+    /// rows (a chunk, or a batch's last partial chunk).
+    matmul: LtMatmul,
     sm_count: u32,
 }
 
@@ -127,21 +110,8 @@ pub fn candidates(
     let elem = ctx.elem();
     let wbuf = ctx.upload(&wcol)?;
     let bbuf = ctx.upload(bias)?;
-    let raw = lt::create_matmul_desc(compute_type(ctx.precision()), sys::cudaDataType::CUDA_R_32F)
-        .map_err(cuda_err("cublasLtMatmulDescCreate"))?;
-    let desc = MatDesc(raw);
-    use sys::cublasLtEpilogue_t as E;
-    let epilogue = match a.act {
-        Activation::Relu => E::CUBLASLT_EPILOGUE_RELU_BIAS,
-        Activation::None => E::CUBLASLT_EPILOGUE_BIAS,
-    };
-    use sys::cublasLtMatmulDescAttributes_t as A;
-    unsafe {
-        set_attr(desc.0, A::CUBLASLT_MATMUL_DESC_TRANSA, &1i32)?; // CUBLAS_OP_T
-        set_attr(desc.0, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
-        set_attr(desc.0, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bbuf.ptr())?;
-        set_attr(desc.0, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &cuda_type(elem))?;
-    }
+    let path = ctx.node(node).path.clone();
+    let matmul = LtMatmul::new(&path, ctx.precision(), elem, kp, cout, Some(&bbuf), a.act == Activation::Relu)?;
     // The scratch holds `batch` times its per-image size (the arena sizes it for the max batch,
     // the tactic timer for the opt batch): the max batch gets the largest chunk, any batch at
     // least one output row's worth of columns, and never more than its whole column matrix.
@@ -153,7 +123,7 @@ pub fn candidates(
     let col = ctx.scratch(col_bytes_per_image);
     ctx.kernels.add_source("im2col.cu", IM2COL_CU)?;
     let shared = Arc::new(Shared {
-        path: ctx.node(node).path.clone(),
+        path,
         x,
         y,
         col,
@@ -166,47 +136,10 @@ pub fn candidates(
         w_ptr: wbuf.ptr(),
         _w: wbuf,
         _b: bbuf,
-        desc,
-        plans: Mutex::new(HashMap::new()),
+        matmul,
         sm_count: ctx.kernels.sm_count(),
     });
     Ok(CHUNK_BYTES.iter().map(|&chunk_bytes| Box::new(Im2colGemm { shared: shared.clone(), chunk_bytes }) as Box<dyn Layer>).collect())
-}
-
-impl Shared {
-    fn plan(&self, rt: &RunCtx, m: usize) -> Result<Arc<Plan>> {
-        let mut plans = self.plans.lock().map_err(|_| Error::Poisoned { path: self.path.clone(), what: "GEMM plan".into() })?;
-        if let Some(p) = plans.get(&m) {
-            return Ok(p.clone());
-        }
-        let t = cuda_type(Elem::F16);
-        let layout = |rows: u64, cols: u64, ld: i64| {
-            lt::create_matrix_layout(t, rows, cols, ld).map(MatLayout).map_err(cuda_err("cublasLtMatrixLayoutCreate"))
-        };
-        // Column-major view (as in gemm.rs): Yᵀ[Cout, m] = W[Cout, KP] · colᵀ[KP, m].
-        let a = layout(self.kp as u64, self.cout as u64, self.kp as i64)?;
-        let b = layout(self.kp as u64, m as u64, self.kp as i64)?;
-        let c = layout(self.cout as u64, m as u64, self.cout as i64)?;
-        let pref = lt::create_matmul_pref().map_err(cuda_err("cublasLtMatmulPreferenceCreate"))?;
-        let ws = GEMM_WORKSPACE.min(rt.workspace_bytes);
-        let heuristic = unsafe {
-            let set = lt::set_matmul_pref_attribute(
-                pref,
-                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                &ws as *const usize as *const c_void,
-                size_of::<usize>(),
-            );
-            let h = set.and_then(|_| lt::get_matmul_algo_heuristic(rt.handles.lt, self.desc.0, a.0, b.0, c.0, c.0, pref));
-            let _ = lt::destroy_matmul_pref(pref);
-            h.map_err(|e| Error::Cuda {
-                context: format!("cuBLASLt has no algorithm for `{}` with {m} rows", self.path),
-                reason: format!("{e:?}"),
-            })?
-        };
-        let p = Arc::new(Plan { a, b, c, algo: heuristic.algo });
-        plans.insert(m, p.clone());
-        Ok(p)
-    }
 }
 
 impl Layer for Im2colGemm {
@@ -227,36 +160,14 @@ impl Layer for Im2colGemm {
         let chunk_rows = ((s.col_bytes_per_image * batch).min(self.chunk_bytes) / row_bytes).max(1);
         let total = batch * s.rows_per_image;
         let (x, y, col) = (rt.ptr(s.x), rt.ptr(s.y), rt.ptr(s.col));
-        let (alpha, beta) = (1f32, 0f32);
         let mut row0 = 0;
         while row0 < total {
             let m = chunk_rows.min(total - row0);
             let mut args = vec![KArg::Ptr(x), KArg::Ptr(col), KArg::I64(row0 as i64), KArg::I64(m as i64)];
             args.extend(s.dims.iter().map(|&d| KArg::I32(d)));
             launch(rt, &s.im2col, grid_for(m * (s.kp / 8), s.sm_count), (BLOCK, 1, 1), 0, &args)?;
-            let p = s.plan(rt, m)?;
             let yc = y + (row0 * s.cout * 2) as u64;
-            unsafe {
-                lt::matmul(
-                    rt.handles.lt,
-                    s.desc.0,
-                    &alpha as *const f32 as *const c_void,
-                    &beta as *const f32 as *const c_void,
-                    s.w_ptr as *const c_void,
-                    p.a.0,
-                    col as *const c_void,
-                    p.b.0,
-                    yc as *const c_void,
-                    p.c.0,
-                    yc as *mut c_void,
-                    p.c.0,
-                    &p.algo,
-                    rt.workspace as *mut c_void,
-                    GEMM_WORKSPACE.min(rt.workspace_bytes),
-                    rt.stream.cu_stream() as sys::cudaStream_t,
-                )
-            }
-            .map_err(cuda_err("cublasLtMatmul"))?;
+            s.matmul.enqueue(rt, m, col, s.w_ptr, 0, yc)?;
             row0 += m;
         }
         Ok(())

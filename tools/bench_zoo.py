@@ -1,0 +1,175 @@
+#!/usr/bin/env python3
+"""The model zoo beside its PyTorch peers, in one device run: docs/BENCHMARKS.md's zoo table.
+
+For every model: Kiln FP16 (CUDA graphs) at batch 1 (latency) and batch 64 (throughput) through
+`kiln bench`, then torchvision's own model in FP16 channels_last with a CUDA graph at both batches
+and, while the time budget lasts, torch.compile (reduce-overhead) at batch 64 and 1. With --old, the
+same `kiln bench` runs of the bundled flagships through an older build too (a regression check in
+the same run). Random weights on both sides; ratios, not absolute times, are what to quote.
+
+  here:    cargo build --release -p kiln-models --bin kiln && cp target/release/kiln .carry/bin/
+  device:  python3 .carry/tools/bench_zoo.py --kiln .carry/bin/kiln --out $OUT [--old .carry/bin/kiln-old]
+  here:    python3 tools/bench_zoo.py --render <files_at>/zoo.json   (prints the markdown table)
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+LIBS = "/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu:/usr/lib"
+ZOO = [
+    "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d", "wide_resnet50_2", "alexnet", "vgg16",
+    "vgg16_bn", "squeezenet1_0", "squeezenet1_1", "densenet121", "googlenet",
+]
+# (model, batch) pairs the regression check times with the old and the new build, alternating.
+REGRESSION = [("resnet50", 1), ("resnet50", 256), ("centernet", 32)]
+
+
+def kiln_bench(exe, model, batches, out_json, duration):
+    env = dict(os.environ, LD_LIBRARY_PATH=LIBS)
+    cmd = [exe, "bench", model, "--fp16", "--cuda-graphs-only", "--batch", ",".join(map(str, batches)), "--duration", str(duration),
+           "--warmup", "200", "--json", out_json]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    print(p.stdout[-2000:], flush=True)
+    if p.returncode != 0 or not os.path.exists(out_json):
+        return []
+    with open(out_json) as f:
+        return json.load(f)
+
+
+def torch_peers(model, deadline, compile_batches):
+    import torch
+    import torchvision
+
+    torch.backends.cudnn.benchmark = True
+    kwargs = {"aux_logits": False, "init_weights": True} if model == "googlenet" else {}
+    m = getattr(torchvision.models, model)(weights=None, **kwargs).eval().cuda().half().to(memory_format=torch.channels_last)
+
+    def timed(fn, x, iters):
+        for _ in range(5):
+            fn(x)
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn(x)
+            b.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b))
+        ts.sort()
+        return ts[len(ts) // 2]
+
+    def graphed(fn, x):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                fn(x)
+        torch.cuda.current_stream().wait_stream(s)
+        g, static = torch.cuda.CUDAGraph(), x.clone()
+        with torch.cuda.graph(g):
+            out = fn(static)
+
+        def run(inp):
+            static.copy_(inp)
+            g.replay()
+            return out
+
+        return run
+
+    rows = []
+    with torch.inference_mode():
+        for b in (1, 64):
+            x = torch.randn(b, 3, 224, 224, device="cuda").half().to(memory_format=torch.channels_last)
+            ms = timed(graphed(m, x), x, 100 if b == 1 else 30)
+            rows.append(dict(model=model, peer="torch fp16 cuda-graph", batch=b, ms=ms, img_s=b / ms * 1e3))
+        for b in compile_batches:
+            if time.time() > deadline:
+                print(f"{model}: torch.compile at batch {b} skipped (time budget)", flush=True)
+                continue
+            torch._dynamo.reset()
+            c = torch.compile(m, mode="reduce-overhead")
+            x = torch.randn(b, 3, 224, 224, device="cuda").half().to(memory_format=torch.channels_last)
+            ms = timed(lambda t: c(t).clone(), x, 100 if b == 1 else 30)
+            rows.append(dict(model=model, peer="torch.compile reduce-overhead", batch=b, ms=ms, img_s=b / ms * 1e3))
+    for r in rows:
+        print(f"{r['model']:18s} {r['peer']:30s} b={r['batch']:<3d} {r['ms']:8.3f} ms {r['img_s']:10.0f} img/s", flush=True)
+    return rows
+
+
+def device(args):
+    os.makedirs(args.out, exist_ok=True)
+    result = {"kiln": [], "peers": [], "regression": []}
+    path = os.path.join(args.out, "zoo.json")
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+    start = time.time()
+    if args.old:
+        for rnd in range(2):
+            for model, b in REGRESSION:
+                for label, exe in (("old", args.old), ("new", args.kiln)):
+                    recs = kiln_bench(exe, model, [b], os.path.join(args.out, f"reg_{label}.json"), 2)
+                    result["regression"] += [dict(r, build=label, round=rnd) for r in recs]
+                    save()
+    models = [m for m in ZOO if not args.models or m in args.models.split(",")]
+    for model in models:
+        result["kiln"] += kiln_bench(args.kiln, model, [1, 64], os.path.join(args.out, "kiln.json"), 1)
+        save()
+    deadline = start + args.budget
+    for model in models:
+        batches = [int(b) for b in args.compile_batches.split(",") if b] if args.compile else []
+        result["peers"] += torch_peers(model, deadline, batches)
+        save()
+    print(f"zoo done in {time.time() - start:.0f} s", flush=True)
+
+
+def render(path):
+    with open(path) as f:
+        r = json.load(f)
+    kiln = {(x["model"], x["batch"]): x for x in r["kiln"]}
+    peer = {(x["model"], x["peer"], x["batch"]): x for x in r["peers"]}
+    print("| model | Kiln b1 ms | PyTorch CUDA graph b1 ms | ratio | torch.compile b1 ms | ratio | Kiln b64 img/s | PyTorch CUDA graph b64 | ratio | torch.compile b64 | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for model in dict.fromkeys(x["model"] for x in r["kiln"]):
+        k1, k64 = kiln.get((model, 1)), kiln.get((model, 64))
+        g1, g64 = peer.get((model, "torch fp16 cuda-graph", 1)), peer.get((model, "torch fp16 cuda-graph", 64))
+        c1, c64 = peer.get((model, "torch.compile reduce-overhead", 1)), peer.get((model, "torch.compile reduce-overhead", 64))
+        ms = lambda x: f"{x['median_ms'] if 'median_ms' in x else x['ms']:.3f}" if x else "–"
+        ips = lambda x: f"{x['img_s']:,.0f}" if x else "–"
+        lat = lambda p: f"{p['ms'] / k1['median_ms']:.2f}×" if (p and k1) else "–"
+        thr = lambda p: f"{k64['img_s'] / p['img_s']:.2f}×" if (p and k64) else "–"
+        print(f"| {model} | {ms(k1)} | {ms(g1)} | {lat(g1)} | {ms(c1)} | {lat(c1)} | {ips(k64)} | {ips(g64)} | {thr(g64)} | {ips(c64)} | {thr(c64)} |")
+    if r.get("regression"):
+        print("\n| model | batch | build | round | median ms | img/s |\n|---|---|---|---|---|---|")
+        for x in r["regression"]:
+            print(f"| {x['model']} | {x['batch']} | {x['build']} | {x['round']} | {x['median_ms']:.3f} | {x['img_s']:,.0f} |")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kiln", help="the kiln binary (device)")
+    p.add_argument("--old", help="an older kiln binary for the regression check (device)")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--models", default="", help="comma-separated subset of the zoo")
+    p.add_argument("--compile", action="store_true", help="also torch.compile (reduce-overhead)")
+    p.add_argument("--compile-batches", default="64,1")
+    p.add_argument("--budget", type=float, default=480, help="seconds after which torch.compile steps are skipped")
+    p.add_argument("--render", help="a zoo.json from the device: print the markdown tables")
+    args = p.parse_args()
+    if args.render:
+        render(args.render)
+    elif args.kiln:
+        device(args)
+    else:
+        sys.exit("give --kiln (on the device) or --render (here)")
+
+
+if __name__ == "__main__":
+    main()
