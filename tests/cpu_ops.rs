@@ -601,3 +601,29 @@ fn malformed_graphs_are_errors() {
         other => panic!("expected a graph-order error, got {other:?}"),
     }
 }
+
+/// A 7×7 kernel with padding 3 over a 2×2 map (ConvNeXt's last stage at 64×64): most taps miss
+/// the input entirely; the unfold must skip them, not index outside the row.
+#[test]
+fn conv_taps_that_miss_the_input_read_nothing() {
+    let x = rand(&[1, 2, 2, 2]);
+    let w = rand(&[2, 1, 7, 7]);
+    let a = ConvAttrs { padding: [3, 3], groups: 2, ..ConvAttrs::default() };
+    let got = run_op(Op::Conv(a), &x, &[], &[&w]);
+    assert_eq!(got.shape, vec![1, 2, 2, 2]);
+    // Depthwise: output (c, oy, ox) sums x[c, iy, ix] * w[c, 0, iy - oy + 3, ix - ox + 3].
+    for c in 0..2 {
+        for oy in 0..2 {
+            for ox in 0..2 {
+                let mut want = 0.0f32;
+                for iy in 0..2 {
+                    for ix in 0..2 {
+                        want += x.data[(c * 2 + iy) * 2 + ix] * w.data[(c * 7 + (iy + 3 - oy)) * 7 + (ix + 3 - ox)];
+                    }
+                }
+                let g = got.data[(c * 2 + oy) * 2 + ox];
+                assert!((g - want).abs() < 1e-5, "c{c} ({oy}, {ox}): {g} vs {want}");
+            }
+        }
+    }
+}

@@ -366,6 +366,11 @@ fn im2col(x: &[f32], c: usize, [h, w]: [usize; 2], [kh, kw]: [usize; 2], [oh, ow
                     let src = &plane[(oy as isize * s[0] as isize + off_y) as usize * w..][..w];
                     dst[..xlo].fill(0.0);
                     dst[xhi..].fill(0.0);
+                    // A tap that misses the input for every output column reads nothing (its
+                    // first column would lie outside the row).
+                    if xlo >= xhi {
+                        continue;
+                    }
                     let x0 = xlo as isize * s[1] as isize + off_x;
                     if s[1] == 1 {
                         dst[xlo..xhi].copy_from_slice(&src[x0 as usize..x0 as usize + (xhi - xlo)]);
