@@ -24,7 +24,14 @@ pub struct MBConvConfig {
     pub num_layers: usize,
 }
 
-const fn bneck(expand_ratio: f64, kernel: usize, stride: usize, input_channels: usize, out_channels: usize, num_layers: usize) -> MBConvConfig {
+const fn bneck(
+    expand_ratio: f64,
+    kernel: usize,
+    stride: usize,
+    input_channels: usize,
+    out_channels: usize,
+    num_layers: usize,
+) -> MBConvConfig {
     MBConvConfig { expand_ratio, kernel, stride, input_channels, out_channels, num_layers }
 }
 
@@ -122,7 +129,11 @@ impl Module for EfficientNet {
         features.push::<Conv2dNormActivation<SiLU>>(&ConvNormConfig::new(lastconv_input_channels, cfg.lastconv_output_channels(), 1))?;
         let mut classifier = SequentialLoader::new(vb.pp("classifier"));
         classifier.push::<Dropout>(&cfg.dropout)?.push::<Linear>(&LinearConfig::new(cfg.lastconv_output_channels(), cfg.num_classes))?;
-        Ok(Self { features: features.finish(), avgpool: AdaptiveAvgPool2d::load(vb.pp("avgpool"), &[1, 1])?, classifier: classifier.finish() })
+        Ok(Self {
+            features: features.finish(),
+            avgpool: AdaptiveAvgPool2d::load(vb.pp("avgpool"), &[1, 1])?,
+            classifier: classifier.finish(),
+        })
     }
 }
 

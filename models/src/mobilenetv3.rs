@@ -152,7 +152,11 @@ impl Module for MobileNetV3 {
             .push::<Hardswish>(&())?
             .push::<Dropout>(&cfg.dropout)?
             .push::<Linear>(&LinearConfig::new(cfg.last_channel, cfg.num_classes))?;
-        Ok(Self { features: features.finish(), avgpool: AdaptiveAvgPool2d::load(vb.pp("avgpool"), &[1, 1])?, classifier: classifier.finish() })
+        Ok(Self {
+            features: features.finish(),
+            avgpool: AdaptiveAvgPool2d::load(vb.pp("avgpool"), &[1, 1])?,
+            classifier: classifier.finish(),
+        })
     }
 }
 

@@ -58,7 +58,11 @@ impl BlockParams {
 
     /// Makes each stage's bottleneck width a multiple of its group width (shrinking the group
     /// width to the bottleneck width if needed).
-    fn adjust_widths_groups_compatibilty(stage_widths: &[usize], bottleneck_ratios: &[f64], group_widths: &[usize]) -> (Vec<usize>, Vec<usize>) {
+    fn adjust_widths_groups_compatibilty(
+        stage_widths: &[usize],
+        bottleneck_ratios: &[f64],
+        group_widths: &[usize],
+    ) -> (Vec<usize>, Vec<usize>) {
         let widths: Vec<usize> = stage_widths.iter().zip(bottleneck_ratios).map(|(&w, b)| (w as f64 * b) as usize).collect();
         let group_widths_min: Vec<usize> = group_widths.iter().zip(&widths).map(|(&g, &w_bot)| g.min(w_bot)).collect();
         let ws_bot = widths.iter().zip(&group_widths_min).map(|(&w_bot, &g)| make_divisible(w_bot as f64, g));

@@ -177,5 +177,8 @@ impl Forward for ShuffleNetV2 {
 
 /// `torchvision.models.shufflenet_v2_x1_0()`: 1000 classes.
 pub fn shufflenet_v2_x1_0(vb: VarBuilder) -> Result<ShuffleNetV2> {
-    ShuffleNetV2::load(vb, &ShuffleNetV2Config { stages_repeats: [4, 8, 4], stages_out_channels: [24, 116, 232, 464, 1024], num_classes: 1000 })
+    ShuffleNetV2::load(
+        vb,
+        &ShuffleNetV2Config { stages_repeats: [4, 8, 4], stages_out_channels: [24, 116, 232, 464, 1024], num_classes: 1000 },
+    )
 }
