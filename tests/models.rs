@@ -2,8 +2,8 @@
 //!
 //! References: `tests/fixtures/<model>.reference.safetensors`, written by
 //! `python3 tools/export_reference.py --all-fixtures --out tests/fixtures` (docs/REFERENCES.md):
-//! the ResNet-18/50 at 224 and CenterNet at 512 (batch 1), the other classifiers at 112x112, batch 2,
-//! to keep the CPU executor's time down. Each holds `input` and the outputs only.
+//! the ResNet-18/50 at 224 and CenterNet at 512 (batch 1), RegNetY-400MF and ConvNeXt-Tiny at 96x96
+//! and the other classifiers at 112x112, batch 2, to keep the CPU executor's time down. Each holds `input` and the outputs only.
 
 use kiln::compare::{compare, top1, Comparison};
 use kiln::var_builder::read_safetensors;
@@ -66,8 +66,8 @@ fn check_optimized_classifier(model: &str) {
     assert_eq!(top1(&ours["logits"]), top1(&refs["output.logits"]), "{model} (optimised): top-1 differs from PyTorch");
 }
 
-/// The models added with torchvision's classifier table (the ResNets 18 and 50 are checked by
-/// `tests/passes.rs`).
+/// The models added with torchvision's classifier table and issue 7's mobile and modern families
+/// (the ResNets 18 and 50 are checked by `tests/passes.rs`).
 const NEW_CLASSIFIERS: &[&str] = &[
     "resnet34",
     "resnet101",
@@ -81,6 +81,12 @@ const NEW_CLASSIFIERS: &[&str] = &[
     "squeezenet1_1",
     "densenet121",
     "googlenet",
+    "mobilenet_v2",
+    "mobilenet_v3_large",
+    "efficientnet_b0",
+    "shufflenet_v2_x1_0",
+    "regnet_y_400mf",
+    "convnext_tiny",
 ];
 
 #[test]
@@ -158,6 +164,106 @@ fn densenet121_matches_pytorch() {
 #[test]
 fn googlenet_matches_pytorch() {
     check_classifier("googlenet");
+}
+
+/// A classifier of issue 7's mobile and modern families: its parameters and `state_dict` keys are
+/// torchvision's (count of learnable values, count of entries without `num_batches_tracked`, and
+/// a few keys with their shapes), and its CPU run matches PyTorch.
+fn check_torchvision_classifier(model: &str, params: usize, entries: usize, keys: &[(&str, &[usize])]) {
+    let g = kiln_models::trace(model, VarBuilder::seeded(), 1, 64).expect("trace");
+    let ours: usize = g.weights.iter().filter(|(k, _)| !k.contains("running")).map(|(_, w)| w.numel()).sum();
+    println!("{model}: {ours} parameters in {} tensors", g.weights.len());
+    assert_eq!(ours, params, "{model}: torchvision's parameter count");
+    assert_eq!(g.weights.len(), entries, "{model}: torchvision's state_dict entries");
+    for (key, shape) in keys {
+        let w = g.weights.get(*key).unwrap_or_else(|| panic!("{model}: no `{key}`"));
+        assert_eq!(w.shape, *shape, "{model}: {key}");
+    }
+    check_classifier(model);
+}
+
+#[test]
+fn mobilenet_v2_matches_pytorch() {
+    let keys: &[(&str, &[usize])] = &[
+        ("features.0.0.weight", &[32, 3, 3, 3]),
+        ("features.1.conv.0.0.weight", &[32, 1, 3, 3]),
+        ("features.2.conv.1.0.weight", &[96, 1, 3, 3]),
+        ("features.9.conv.3.running_mean", &[64]),
+        ("features.18.1.running_var", &[1280]),
+        ("classifier.1.weight", &[1000, 1280]),
+    ];
+    check_torchvision_classifier("mobilenet_v2", 3_504_872, 262, keys);
+}
+
+#[test]
+fn mobilenet_v3_large_matches_pytorch() {
+    let keys: &[(&str, &[usize])] = &[
+        ("features.0.0.weight", &[16, 3, 3, 3]),
+        ("features.4.block.2.fc1.weight", &[24, 72, 1, 1]),
+        ("features.4.block.2.fc2.bias", &[72]),
+        ("features.9.block.0.1.running_mean", &[184]),
+        ("features.16.0.weight", &[960, 160, 1, 1]),
+        ("classifier.0.weight", &[1280, 960]),
+        ("classifier.3.weight", &[1000, 1280]),
+    ];
+    check_torchvision_classifier("mobilenet_v3_large", 5_483_032, 266, keys);
+}
+
+#[test]
+fn efficientnet_b0_matches_pytorch() {
+    let keys: &[(&str, &[usize])] = &[
+        ("features.1.0.block.0.0.weight", &[32, 1, 3, 3]),
+        ("features.1.0.block.1.fc1.weight", &[8, 32, 1, 1]),
+        ("features.5.0.block.1.0.weight", &[480, 1, 5, 5]),
+        ("features.6.3.block.2.fc2.weight", &[1152, 48, 1, 1]),
+        ("features.8.1.running_var", &[1280]),
+        ("classifier.1.weight", &[1000, 1280]),
+    ];
+    check_torchvision_classifier("efficientnet_b0", 5_288_548, 311, keys);
+}
+
+#[test]
+fn shufflenet_v2_x1_0_matches_pytorch() {
+    let keys: &[(&str, &[usize])] = &[
+        ("conv1.0.weight", &[24, 3, 3, 3]),
+        ("stage2.0.branch1.0.weight", &[24, 1, 3, 3]),
+        ("stage2.0.branch2.0.weight", &[58, 24, 1, 1]),
+        ("stage3.3.branch2.6.running_mean", &[116]),
+        ("conv5.1.running_var", &[1024]),
+        ("fc.weight", &[1000, 1024]),
+    ];
+    check_torchvision_classifier("shufflenet_v2_x1_0", 2_278_604, 282, keys);
+}
+
+#[test]
+fn regnet_y_400mf_matches_pytorch() {
+    let keys: &[(&str, &[usize])] = &[
+        ("stem.0.weight", &[32, 3, 3, 3]),
+        ("trunk_output.block1.block1-0.proj.0.weight", &[48, 32, 1, 1]),
+        ("trunk_output.block1.block1-0.f.se.fc1.weight", &[8, 48, 1, 1]),
+        ("trunk_output.block2.block2-1.f.b.0.weight", &[104, 8, 3, 3]),
+        ("trunk_output.block3.block3-3.f.se.fc2.weight", &[208, 52, 1, 1]),
+        ("trunk_output.block4.block4-5.f.c.1.running_var", &[440]),
+        ("fc.weight", &[1000, 440]),
+    ];
+    check_torchvision_classifier("regnet_y_400mf", 4_344_144, 331, keys);
+}
+
+#[test]
+fn convnext_tiny_matches_pytorch() {
+    let keys: &[(&str, &[usize])] = &[
+        ("features.0.0.weight", &[96, 3, 4, 4]),
+        ("features.0.1.weight", &[96]),
+        ("features.1.0.block.0.weight", &[96, 1, 7, 7]),
+        ("features.1.0.block.2.bias", &[96]),
+        ("features.2.0.weight", &[96]),
+        ("features.2.1.weight", &[192, 96, 2, 2]),
+        ("features.5.2.block.5.weight", &[384, 1536]),
+        ("features.5.3.layer_scale", &[384, 1, 1]),
+        ("classifier.0.bias", &[768]),
+        ("classifier.2.weight", &[1000, 768]),
+    ];
+    check_torchvision_classifier("convnext_tiny", 28_589_128, 182, keys);
 }
 
 /// Every bundled model has a committed reference holding only `input` and its outputs, and the

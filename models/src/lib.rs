@@ -1,6 +1,7 @@
 //! Kiln's bundled models, with the `state_dict` names of their PyTorch twins: torchvision's
-//! classifiers (ResNet, ResNeXt, Wide ResNet, AlexNet, VGG, SqueezeNet, DenseNet, GoogLeNet; one
-//! file per family) and CenterNet-R50 (`centernet`), whose decode is a custom op
+//! classifiers (ResNet, ResNeXt, Wide ResNet, AlexNet, VGG, SqueezeNet, DenseNet, GoogLeNet,
+//! MobileNetV2/V3, EfficientNet, ShuffleNetV2, RegNet, ConvNeXt; one file per family, with
+//! torchvision.ops.misc's shared blocks in `misc`) and CenterNet-R50 (`centernet`), whose decode is a custom op
 //! (`centernet_decode`) registered the way a user crate registers its own.
 //!
 //! `BUNDLED` is the one list of them: `trace`, the `kiln` CLI (its `--help`) and the README's table
@@ -9,21 +10,34 @@
 
 pub mod alexnet;
 pub mod centernet;
+pub mod convnext;
 pub mod densenet;
+pub mod efficientnet;
 pub mod googlenet;
+pub mod misc;
+pub mod mobilenetv2;
+pub mod mobilenetv3;
+pub mod regnet;
 pub mod resnet;
 mod sequential;
+pub mod shufflenetv2;
 pub mod squeezenet;
 pub mod vgg;
 
 pub use alexnet::{alexnet, AlexNet};
 pub use centernet::{centernet_r50, decode, CenterNet, CenterNetOutput};
+pub use convnext::{convnext_tiny, ConvNeXt};
 pub use densenet::{densenet121, DenseNet};
+pub use efficientnet::{efficientnet_b0, EfficientNet};
 pub use googlenet::{googlenet, GoogLeNet};
+pub use mobilenetv2::{mobilenet_v2, MobileNetV2};
+pub use mobilenetv3::{mobilenet_v3_large, MobileNetV3};
+pub use regnet::{regnet_y_400mf, RegNet};
 pub use resnet::{
     resnet101, resnet152, resnet18, resnet34, resnet50, resnet50_backbone, resnext50_32x4d, wide_resnet50_2, BasicBlock, Bottleneck,
     ResNet, ResNet18, ResNet50,
 };
+pub use shufflenetv2::{shufflenet_v2_x1_0, ShuffleNetV2};
 pub use squeezenet::{squeezenet1_0, squeezenet1_1, SqueezeNet};
 pub use vgg::{vgg16, vgg16_bn, Vgg};
 
@@ -83,6 +97,12 @@ pub const BUNDLED: &[BundledModel] = &[
     classifier!("squeezenet1_1", squeezenet1_1, "torchvision SqueezeNet 1.1"),
     classifier!("densenet121", densenet121, "torchvision DenseNet-121"),
     classifier!("googlenet", googlenet, "torchvision GoogLeNet (Inception v1), inference path, no aux heads"),
+    classifier!("mobilenet_v2", mobilenet_v2, "torchvision MobileNetV2 (inverted residuals, ReLU6)"),
+    classifier!("mobilenet_v3_large", mobilenet_v3_large, "torchvision MobileNetV3-Large (Hardswish, squeeze-excitation)"),
+    classifier!("efficientnet_b0", efficientnet_b0, "torchvision EfficientNet-B0 (MBConv, SiLU, squeeze-excitation)"),
+    classifier!("shufflenet_v2_x1_0", shufflenet_v2_x1_0, "torchvision ShuffleNetV2 1.0x (channel split and shuffle)"),
+    classifier!("regnet_y_400mf", regnet_y_400mf, "torchvision RegNetY-400MF (grouped convs, squeeze-excitation)"),
+    classifier!("convnext_tiny", convnext_tiny, "torchvision ConvNeXt-Tiny (depthwise 7x7, LayerNorm, GELU, layer scale)"),
     BundledModel {
         name: "centernet",
         input_size: 512,

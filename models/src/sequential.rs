@@ -17,7 +17,13 @@ impl SequentialLoader {
 
     /// Loads an `M` from the next index and appends it.
     pub fn push<M: Module + Forward + 'static>(&mut self, config: &M::Config) -> Result<&mut Self> {
-        let layer = M::load(self.vb.pp(self.layers.len()), config)?;
+        self.push_with(|vb| M::load(vb, config))
+    }
+
+    /// Appends what `load` builds from the next index: a nested `nn.Sequential` (a stage of
+    /// blocks), or any layer not loaded through `Module`.
+    pub fn push_with<F: Forward + 'static>(&mut self, load: impl FnOnce(VarBuilder) -> Result<F>) -> Result<&mut Self> {
+        let layer = load(self.vb.pp(self.layers.len()))?;
         self.layers.push(layer);
         Ok(self)
     }
