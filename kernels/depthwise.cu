@@ -76,7 +76,8 @@ __device__ void depthwise(const T* x, const float* w, const float* bias, const T
 
 #define DEPTHWISE(T, S)                                                                                                                 \
     extern "C" __global__ void depthwise_k3_##S(DEPTHWISE_ARGS(T)) { depthwise<T, 3>(DEPTHWISE_PASS); }                                    \
-    extern "C" __global__ void depthwise_k5_##S(DEPTHWISE_ARGS(T)) { depthwise<T, 5>(DEPTHWISE_PASS); }
+    extern "C" __global__ void depthwise_k5_##S(DEPTHWISE_ARGS(T)) { depthwise<T, 5>(DEPTHWISE_PASS); }                                    \
+    extern "C" __global__ void depthwise_k7_##S(DEPTHWISE_ARGS(T)) { depthwise<T, 7>(DEPTHWISE_PASS); }
 
 DEPTHWISE(float, f32)
 DEPTHWISE(f16, f16)

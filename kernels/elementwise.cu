@@ -103,10 +103,11 @@ template <typename T> __device__ void binary_bcast(const T* a, const T* b, T* y,
     }
 }
 
-// y[r, c] = act(x[r, c] + bias[c] + residual[r, c]) over rows = N*H*W of C channels (NHWC).
-// `bias` is always f32 (folded BatchNorm shifts lose precision in f16); `bias` and `residual`
-// may be null.
-template <typename T> __device__ void bias_act(const T* x, const float* bias, const T* residual, T* y, i64 rows, int C, int act, float slope) {
+// y[r, c] = act(x[r, c] * scale[c] + bias[c] + residual[r, c]) over rows = N*H*W of C channels
+// (NHWC). `scale` and `bias` are always f32 (BatchNorm's scale and shift lose precision in f16);
+// `scale`, `bias` and `residual` may be null.
+template <typename T>
+__device__ void bias_act(const T* x, const float* scale, const float* bias, const T* residual, T* y, i64 rows, int C, int act, float slope) {
     typedef Pack<T> P;
     const i64 n = rows * C;
     if (C % P::N == 0 && aligned16(x) && aligned16(y) && (residual == 0 || aligned16(residual))) {
@@ -119,6 +120,7 @@ template <typename T> __device__ void bias_act(const T* x, const float* bias, co
 #pragma unroll
             for (int k = 0; k < P::N; ++k) {
                 float t = to_f32(p.e[k]);
+                if (scale) t *= scale[c0 + k];
                 if (bias) t += bias[c0 + k];
                 if (residual) t += to_f32(r.e[k]);
                 p.e[k] = from_f32<T>(apply_act(t, act, slope));
@@ -129,6 +131,7 @@ template <typename T> __device__ void bias_act(const T* x, const float* bias, co
     }
     GRID_STRIDE(i, n) {
         float t = to_f32(x[i]);
+        if (scale) t *= scale[i % C];
         if (bias) t += bias[i % C];
         if (residual) t += to_f32(residual[i]);
         y[i] = from_f32<T>(apply_act(t, act, slope));
@@ -143,8 +146,9 @@ template <typename T> __device__ void bias_act(const T* x, const float* bias, co
     extern "C" __global__ void binary_bcast_##S(const T* a, const T* b, T* y, i64 n, const i64* meta, int rank, int op, int vec) {          \
         binary_bcast<T>(a, b, y, n, meta, rank, op, vec);                                                                                 \
     }                                                                                                                                        \
-    extern "C" __global__ void bias_act_##S(const T* x, const float* bias, const T* residual, T* y, i64 rows, int C, int act, float slope) {  \
-        bias_act<T>(x, bias, residual, y, rows, C, act, slope);                                                                                \
+    extern "C" __global__ void bias_act_##S(const T* x, const float* scale, const float* bias, const T* residual, T* y, i64 rows, int C, int act, \
+                                            float slope) {                                                                                 \
+        bias_act<T>(x, scale, bias, residual, y, rows, C, act, slope);                                                                                \
     }
 
 ELEMENTWISE(float, f32)

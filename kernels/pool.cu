@@ -102,6 +102,28 @@ template <typename T> __device__ void adaptive_avg_pool2d(const T* x, T* y, int 
     });
 }
 
+// Global average pooling of NHWC maps (adaptive pooling to 1x1, squeeze-excitation's pool): one
+// block of GAP_ROWS x 32 threads per (image, 32-channel slice); lanes read consecutive channels of
+// a pixel (coalesced), rows stride over the pixels, shared memory sums the rows' partial sums.
+#define GAP_ROWS 32
+template <typename T> __device__ void global_avg_pool(const T* x, T* y, int HW, int C) {
+    __shared__ float part[GAP_ROWS][33];
+    const int lane = threadIdx.x & 31, row = threadIdx.x >> 5;
+    const int n = blockIdx.x, c = blockIdx.y * 32 + lane;
+    float acc = 0.f;
+    if (c < C) {
+        const T* p = x + (i64)n * HW * C + c;
+        for (int i = row; i < HW; i += GAP_ROWS) acc += to_f32(p[(i64)i * C]);
+    }
+    part[row][lane] = acc;
+    __syncthreads();
+    if (row == 0 && c < C) {
+        float s = 0.f;
+        for (int r = 0; r < GAP_ROWS; ++r) s += part[r][lane];
+        y[(i64)n * C + c] = from_f32<T>(s / (float)HW);
+    }
+}
+
 #define POOL(T, S)                                                                                                                            \
     extern "C" __global__ void max_pool2d_##S(const T* x, T* y, int N, int H, int W, int C, int OH, int OW, int kh, int kw, int sh, int sw,  \
                                               int ph, int pw) {                                                                             \
@@ -113,7 +135,8 @@ template <typename T> __device__ void adaptive_avg_pool2d(const T* x, T* y, int 
     }                                                                                                                                       \
     extern "C" __global__ void adaptive_avg_pool2d_##S(const T* x, T* y, int N, int H, int W, int C, int OH, int OW) {                        \
         adaptive_avg_pool2d<T>(x, y, N, H, W, C, OH, OW);                                                                                   \
-    }
+    }                                                                                                                                       \
+    extern "C" __global__ void global_avg_pool_##S(const T* x, T* y, int HW, int C) { global_avg_pool<T>(x, y, HW, C); }
 
 POOL(float, f32)
 POOL(f16, f16)

@@ -1,7 +1,7 @@
 //! The depthwise convolution kernel (`kernels/depthwise.cu`, a tactic candidate of Conv2d with
 //! groups == channels) against the CPU executor: forced (tactic sources restricted to it, so it
 //! runs whatever cuDNN's timing says) and as timing picks, FP32 and FP16, batch 1 and 3, 3x3 and
-//! 5x5, stride 1 and 2, with and without bias, with fused ReLU and residual, odd channel counts
+//! 5x5 and 7x7, stride 1 and 2, with and without bias, with fused ReLU and residual, odd channel counts
 //! (scalar path) and multiples of 8 (packed path).
 //!
 //! On the device: `cargo test --release --test gpu_depthwise -- --include-ignored --nocapture`.
@@ -16,7 +16,7 @@ use common::{check, gpu, random, rel_l2};
 /// (channels, H, W, kernel, stride, padding, bias, relu, residual)
 type Case = (usize, usize, usize, usize, usize, usize, bool, bool, bool);
 
-const CASES: [Case; 8] = [
+const CASES: [Case; 10] = [
     (16, 14, 14, 3, 1, 1, true, false, false),
     (16, 15, 13, 3, 2, 1, true, true, false),
     (5, 9, 11, 3, 1, 1, false, true, false),
@@ -25,6 +25,9 @@ const CASES: [Case; 8] = [
     (24, 13, 11, 5, 2, 2, false, false, false),
     (16, 8, 10, 3, 1, 1, true, true, true),
     (3, 7, 7, 5, 1, 2, true, false, true),
+    // ConvNeXt's 7x7 (padding 3), and over a map smaller than the kernel.
+    (96, 14, 14, 7, 1, 3, true, false, false),
+    (8, 2, 3, 7, 1, 3, true, false, true),
 ];
 
 fn block(x: &Tensor, case: Case) -> kiln::Result<Tensor> {

@@ -122,6 +122,11 @@ mod bias_act_op {
         (0..c).map(|i| i as f32 * 0.37 - 1.1).collect()
     }
 
+    /// Per-channel scale (an unfolded BatchNorm's), distinct per channel.
+    fn scale(c: usize) -> Vec<f32> {
+        (0..c).map(|i| 0.5 + i as f32 * 0.11).collect()
+    }
+
     fn act(attrs: &Attrs) -> kiln::Result<Option<Unary>> {
         Ok(match attr(attrs, NAME, "act")? as i32 {
             0 => None,
@@ -147,8 +152,13 @@ mod bias_act_op {
         let (x, r) = (inputs[0], inputs[1]);
         let (c, hw) = (x.shape[1], x.shape[2] * x.shape[3]);
         let (a, b, with_res) = (act(attrs)?, bias(c), attr(attrs, NAME, "residual")? != 0.0);
-        let data =
-            x.data.iter().enumerate().map(|(i, &v)| apply(a, v + b[(i / hw) % c] + if with_res { r.data[i] } else { 0.0 })).collect();
+        let sc = scale(c);
+        let data = x
+            .data
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| apply(a, v * sc[(i / hw) % c] + b[(i / hw) % c] + if with_res { r.data[i] } else { 0.0 }))
+            .collect();
         Ok(HostTensor::new(x.shape.clone(), data))
     }
 
@@ -157,7 +167,7 @@ mod bias_act_op {
         let (a, with_res) = (act(attrs)?, attr(attrs, NAME, "residual")? != 0.0);
         let (x, r, y) = (ctx.input(node, 0)?, ctx.input(node, 1)?, ctx.output(node)?);
         let c = ctx.value(y).dims[0];
-        bias_act(ctx, node, x, Some(&bias(c)), with_res.then_some(r), y, a)
+        bias_act(ctx, node, x, Some(&scale(c)), Some(&bias(c)), with_res.then_some(r), y, a)
     }
 
     kiln::inventory::submit! { CustomOp { name: NAME, infer_shape: shape, cpu } }

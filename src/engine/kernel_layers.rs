@@ -328,6 +328,7 @@ pub struct BiasActLayer {
     path: String,
     f: CudaFunction,
     x: ValueId,
+    scale: Option<DeviceBuf>,
     bias: Option<DeviceBuf>,
     residual: Option<ValueId>,
     y: ValueId,
@@ -342,13 +343,15 @@ impl Layer for BiasActLayer {
         &self.path
     }
     fn kind(&self) -> String {
-        format!("kernel:bias{}{}", if self.residual.is_some() { "+residual" } else { "" }, act_suffix(self.act))
+        let scale = if self.scale.is_some() { "scale+" } else { "" };
+        format!("kernel:{scale}bias{}{}", if self.residual.is_some() { "+residual" } else { "" }, act_suffix(self.act))
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let rows = batch * self.rows_per_image;
         let (code, slope, _) = act_code(self.act);
         let args = [
             KArg::Ptr(rt.ptr(self.x)),
+            KArg::Ptr(self.scale.as_ref().map_or(0, |b| b.ptr())),
             KArg::Ptr(self.bias.as_ref().map_or(0, |b| b.ptr())),
             KArg::Ptr(self.residual.map_or(0, |r| rt.ptr(r))),
             KArg::Ptr(rt.ptr(self.y)),
@@ -361,12 +364,14 @@ impl Layer for BiasActLayer {
     }
 }
 
-/// Builds a [`BiasActLayer`] for `node` reading `x` and writing `y` (which may be `x`: in place).
-/// `bias` has one value per channel (uploaded as f32 whatever the precision).
+/// Builds a [`BiasActLayer`] for `node` reading `x` and writing `y` (which may be `x`: in place):
+/// `act(x * scale + bias + residual)`. `scale` and `bias` have one value per channel (uploaded as
+/// f32 whatever the precision); an unfolded BatchNorm is this with its scale and shift.
 pub fn bias_act(
     ctx: &mut BuildCtx,
     node: NodeId,
     x: ValueId,
+    scale: Option<&[f32]>,
     bias: Option<&[f32]>,
     residual: Option<ValueId>,
     y: ValueId,
@@ -380,17 +385,19 @@ pub fn bias_act(
     if !ctx.value(y).layout.same_bytes(Layout::channels_last(ctx.value(y).dims.len()), &ctx.value(y).dims) {
         return Err(ctx.err(node, "bias epilogue runs on NHWC values".into()));
     }
-    if let Some(b) = bias {
-        if b.len() != c {
-            return Err(ctx.err(node, format!("bias has {} values for {c} channels", b.len())));
+    for (what, v) in [("scale", scale), ("bias", bias)] {
+        if let Some(v) = v.filter(|v| v.len() != c) {
+            return Err(ctx.err(node, format!("{what} has {} values for {c} channels", v.len())));
         }
     }
+    let scale = scale.map(|s| ctx.upload_f32(s)).transpose()?;
     let bias = bias.map(|b| ctx.upload_f32(b)).transpose()?;
     let f = ctx.kernels.get(&format!("bias_act_{}", elem.suffix()))?;
     Ok(Box::new(BiasActLayer {
         path: ctx.node(node).path.clone(),
         f,
         x,
+        scale,
         bias,
         residual,
         y,
@@ -425,6 +432,16 @@ pub struct PoolLayer {
     sm_count: u32,
 }
 
+/// Rows of the global-average-pool kernel's blocks (`GAP_ROWS` in kernels/pool.cu).
+const GAP_ROWS: u32 = 32;
+
+impl PoolLayer {
+    /// Adaptive pooling to 1×1: a reduction over every pixel, with a kernel of its own.
+    fn is_global(&self) -> bool {
+        self.kind == PoolKind::Adaptive && self.dims[3] == 1 && self.dims[4] == 1
+    }
+}
+
 impl Layer for PoolLayer {
     fn path(&self) -> &str {
         &self.path
@@ -433,12 +450,18 @@ impl Layer for PoolLayer {
         match self.kind {
             PoolKind::Max => "kernel:max_pool2d".into(),
             PoolKind::Avg { .. } => "kernel:avg_pool2d".into(),
-            PoolKind::Adaptive if self.dims[3] == 1 && self.dims[4] == 1 => "kernel:global_avg_pool".into(),
+            PoolKind::Adaptive if self.is_global() => "kernel:global_avg_pool".into(),
             PoolKind::Adaptive => "kernel:adaptive_avg_pool2d".into(),
         }
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let [h, w, c, oh, ow] = self.dims;
+        if self.is_global() {
+            // One block per (image, 32 channels): `GAP_ROWS` (32) rows of 32 lanes.
+            let grid = (batch as u32, (c as u32).div_ceil(32), 1);
+            let args = [KArg::Ptr(rt.ptr(self.x)), KArg::Ptr(rt.ptr(self.y)), KArg::I32(h * w), KArg::I32(c)];
+            return launch(rt, &self.f, grid, (32 * GAP_ROWS, 1, 1), 0, &args);
+        }
         let mut args = vec![KArg::Ptr(rt.ptr(self.x)), KArg::Ptr(rt.ptr(self.y)), KArg::I32(batch as i32)];
         args.extend([h, w, c, oh, ow].map(KArg::I32));
         if self.kind != PoolKind::Adaptive {
@@ -473,6 +496,7 @@ pub fn pool_layer(ctx: &mut BuildCtx, node: NodeId, kind: PoolKind, window: [usi
     let name = match kind {
         PoolKind::Max => "max_pool2d",
         PoolKind::Avg { .. } => "avg_pool2d",
+        PoolKind::Adaptive if (oh, ow) == (1, 1) => "global_avg_pool",
         PoolKind::Adaptive => "adaptive_avg_pool2d",
     };
     let f = ctx.kernels.get(&format!("{name}_{}", elem.suffix()))?;
@@ -617,7 +641,7 @@ impl Layer for DepthwiseLayer {
 pub fn depthwise_candidate(ctx: &mut BuildCtx, node: NodeId, a: &crate::graph::ConvAttrs) -> Result<Option<Box<dyn Layer>>> {
     let w = ctx.weight(node, 1)?;
     let k = match w.shape[..] {
-        [_, 1, k, k2] if k == k2 && (k == 3 || k == 5) => k,
+        [_, 1, k, k2] if k == k2 && matches!(k, 3 | 5 | 7) => k,
         _ => return Ok(None),
     };
     let c = w.shape[0];
@@ -990,6 +1014,8 @@ pub fn entry_points() -> Vec<String> {
             "resize_bilinear",
             "depthwise_k3",
             "depthwise_k5",
+            "depthwise_k7",
+            "global_avg_pool",
         ] {
             names.push(format!("{k}_{t}"));
         }
