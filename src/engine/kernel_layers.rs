@@ -367,6 +367,7 @@ impl Layer for BiasActLayer {
 /// Builds a [`BiasActLayer`] for `node` reading `x` and writing `y` (which may be `x`: in place):
 /// `act(x * scale + bias + residual)`. `scale` and `bias` have one value per channel (uploaded as
 /// f32 whatever the precision); an unfolded BatchNorm is this with its scale and shift.
+#[allow(clippy::too_many_arguments)]
 pub fn bias_act(
     ctx: &mut BuildCtx,
     node: NodeId,
