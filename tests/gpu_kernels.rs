@@ -180,11 +180,12 @@ fn bias_act_reference_is_right() {
     let t = Tracer::new();
     let (x, r) = (t.input("x", &[1, 2, 1, 2]), t.input("r", &[1, 2, 1, 2]));
     t.output("y", &x.custom(bias_act_op::NAME, &[("act", 1.0), ("residual", 1.0)], &[&r]).expect("trace"));
-    let xs = HostTensor::new(vec![1, 2, 1, 2], vec![1.0, -1.0, 0.5, 2.0]);
+    let xs = HostTensor::new(vec![1, 2, 1, 2], vec![3.0, -1.0, 0.5, 2.0]);
     let rs = HostTensor::new(vec![1, 2, 1, 2], vec![0.5, 0.5, -3.0, 0.0]);
     let y = &kiln::cpu::run(&t.graph(), &[("x", &xs), ("r", &rs)]).expect("cpu")["y"];
-    // bias = [-1.1, -0.73]: relu(1 - 1.1 + 0.5), relu(-1 - 1.1 + 0.5), relu(0.5 - 0.73 - 3), relu(2 - 0.73)
-    let want = [0.4f32, 0.0, 0.0, 1.27];
+    // scale = [0.5, 0.61], bias = [-1.1, -0.73]: relu(3·0.5 - 1.1 + 0.5), relu(-1·0.5 - 1.1 + 0.5),
+    // relu(0.5·0.61 - 0.73 - 3), relu(2·0.61 - 0.73)
+    let want = [0.9f32, 0.0, 0.0, 0.49];
     assert!(y.data.iter().zip(want).all(|(g, w)| (g - w).abs() < 1e-6), "{:?}", y.data);
 }
 
