@@ -7,7 +7,7 @@ use super::kernels::{self, Kernels};
 use super::layer::{BuildCtx, Elem, Layer, Layout, Storage, ValueDesc, ValueId, MAX_RANK};
 use super::tactic::Tactics;
 use super::{check_converters, is_structural, BuildConfig};
-use crate::graph::{Activation, Graph, Op};
+use crate::graph::{Graph, Op};
 use crate::ops::LayoutPlan;
 use crate::{Error, Result};
 use std::collections::BTreeMap;
@@ -316,20 +316,10 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
         let mut touched: Vec<ValueId> = ctx.current_inputs.iter().flatten().copied().collect();
         touched.extend(ctx.node_values[id]);
         touched.extend(ctx.scratch.iter().copied());
-        if let Op::Conv(a) = &node.op {
-            let mut parts = vec![node.op.name().to_string()];
-            if a.bias {
-                parts.push("bias".into());
-            }
-            if a.residual {
-                parts.push("residual add".into());
-            }
-            if a.act == Activation::Relu {
-                parts.push("relu".into());
-            }
-            if parts.len() > 1 {
-                fused.push(format!("{} = {} as {}", node.path, parts.join(" + "), layer.kind()));
-            }
+        // A layer doing the work of several traced nodes says so in its op's label (`+relu`).
+        let label = def.label();
+        if let Some((name, fused_parts)) = label.split_once(" +") {
+            fused.push(format!("{} = {name} + {} as {}", node.path, fused_parts.replace(" +", " + "), layer.kind()));
         }
         layers.push(layer);
         touches.push(touched);

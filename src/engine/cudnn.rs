@@ -8,7 +8,7 @@
 use super::gpu::cuda_err;
 use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, RunCtx, ValueId};
 use super::Precision;
-use crate::graph::{Activation, ConvAttrs, NodeId, Op};
+use crate::graph::{Activation, ConvAttrs, NodeId};
 use crate::{Error, Result};
 use cudarc::cudnn::sys as dnn;
 use std::collections::HashMap;
@@ -396,34 +396,9 @@ impl Layer for ConvLayer {
     }
 }
 
-/// Reads a conv node: attributes, weight (PyTorch layout) and bias (zeros if absent).
-fn conv_parts<'a>(ctx: &BuildCtx<'a>, node: NodeId) -> Result<(ConvAttrs, &'a crate::HostTensor, Vec<f32>)> {
-    let n = ctx.node(node);
-    let Op::Conv(a) = &n.op else {
-        return Err(ctx.err(node, "is not a convolution".into()));
-    };
-    let w = ctx.weight(node, 1)?;
-    let cout = n.shape[1];
-    let b = if a.bias { ctx.weight(node, 2)?.data.clone() } else { vec![0.0; cout] };
-    if b.len() != cout {
-        return Err(ctx.err(node, format!("bias has {} values for {cout} output channels", b.len())));
-    }
-    Ok((*a, w.as_ref(), b))
-}
-
-/// The cuDNN candidates for a forward convolution node (every algorithm, fused and separate).
-/// Candidates a problem cannot use (unsupported algorithm) are left out here or fail at timing.
-pub fn conv_candidates(ctx: &mut BuildCtx, node: NodeId) -> Result<Vec<Box<dyn Layer>>> {
-    let (a, w, b) = conv_parts(ctx, node)?;
-    let x = ctx.input(node, 0)?;
-    let y = ctx.output(node)?;
-    let z = if a.residual { Some(ctx.input(node, if a.bias { 3 } else { 2 })?) } else { None };
-    let shape4: [usize; 4] = w.shape.as_slice().try_into().map_err(|_| ctx.err(node, format!("weight has shape {:?}", w.shape)))?;
-    conv_candidates_with(ctx, node, ConvProblem { attrs: a, weight: &w.data, weight_shape: shape4, bias: &b, x, y, z })
-}
-
-/// A forward convolution spelled out, for converters that are convolutions in disguise
-/// (BatchNorm2d as a depthwise 1×1 convolution).
+/// A convolution spelled out for the cuDNN layers: what a converter hands them (Conv2d and
+/// ConvTranspose2d, and ops that are convolutions in disguise, as BatchNorm2d is a depthwise 1×1
+/// convolution). The layers never read the graph's op.
 pub struct ConvProblem<'a> {
     pub attrs: ConvAttrs,
     /// PyTorch layout `[Cout, Cin/g, kh, kw]`.
@@ -587,17 +562,15 @@ impl Layer for DeconvLayer {
 }
 
 /// The cuDNN candidates for a ConvTranspose2d node (weight `[Cin, Cout/g, kh, kw]`).
-pub fn deconv_candidates(ctx: &mut BuildCtx, node: NodeId) -> Result<Vec<Box<dyn Layer>>> {
-    let (a, w, b) = conv_parts(ctx, node)?;
-    if a.residual {
+pub fn deconv_candidates(ctx: &mut BuildCtx, node: NodeId, p: ConvProblem) -> Result<Vec<Box<dyn Layer>>> {
+    let (a, x, y) = (p.attrs, p.x, p.y);
+    if a.residual || p.z.is_some() {
         return Err(ctx.err(node, "a transposed convolution cannot take a fused residual".into()));
     }
-    let n = ctx.node(node);
-    let x = ctx.input(node, 0)?;
-    let y = ctx.output(node)?;
+    let path = ctx.node(node).path.clone();
     let (cin, h, wd) = ctx.value(x).chw().ok_or_else(|| ctx.err(node, "input is not an image".into()))?;
     let (cout, ho, wo) = ctx.value(y).chw().ok_or_else(|| ctx.err(node, "output is not an image".into()))?;
-    let shape4: [usize; 4] = w.shape.as_slice().try_into().map_err(|_| ctx.err(node, format!("weight has shape {:?}", w.shape)))?;
+    let shape4 = p.weight_shape;
     // The filter of the forward convolution that maps the deconv's output (Cout) to its input
     // (Cin) is the deconv weight itself: K = Cin, C = Cout/g. In the forward view x is the
     // deconv output (Cout, Ho, Wo) and y the deconv input.
@@ -607,11 +580,11 @@ pub fn deconv_candidates(ctx: &mut BuildCtx, node: NodeId) -> Result<Vec<Box<dyn
         y,
         z: None,
         attrs: &a,
-        weight: &w.data,
+        weight: p.weight,
         shape: shape4,
-        bias: &b,
+        bias: p.bias,
     };
-    let shared = Arc::new(ConvShared::new(ctx, &n.path, setup)?);
+    let shared = Arc::new(ConvShared::new(ctx, &path, setup)?);
     let handle = ctx.gpu.handles.cudnn;
     let d = shared.descs(ctx.config.max_batch)?;
     let mut out: Vec<Box<dyn Layer>> = Vec::new();
@@ -633,11 +606,4 @@ pub fn deconv_candidates(ctx: &mut BuildCtx, node: NodeId) -> Result<Vec<Box<dyn
         out.push(Box::new(DeconvLayer { shared: shared.clone(), algo, workspace: ws }));
     }
     Ok(out)
-}
-
-/// The convolution's tactic key: everything that changes which algorithm wins.
-pub fn conv_key(ctx: &BuildCtx, node: NodeId) -> String {
-    let n = ctx.node(node);
-    let ins: Vec<String> = n.inputs.iter().map(|&i| format!("{:?}", ctx.node(i).shape[1..].to_vec())).collect();
-    format!("{} {:?} in {} out {:?}", n.op.name(), n.op, ins.join(","), &n.shape[1..])
 }

@@ -383,6 +383,14 @@ impl<'a> BuildCtx<'a> {
         super::tactic::choose(self, key, candidates)
     }
 
+    /// A tactic key for the node's problem: its op with attributes, its inputs' and its output's
+    /// per-image dims. Equal keys share a timing (and a timing-cache entry).
+    pub fn problem_key(&self, node: NodeId) -> String {
+        let n = self.node(node);
+        let ins: Vec<String> = n.inputs.iter().map(|&i| format!("{:?}", self.node(i).shape[1..].to_vec())).collect();
+        format!("{} {:?} in {} out {:?}", n.op.name(), n.op, ins.join(","), &n.shape[1..])
+    }
+
     /// An error naming the node's op and module path.
     pub fn err(&self, node: NodeId, reason: String) -> Error {
         let n = self.node(node);

@@ -81,7 +81,7 @@ impl OpDef for ConvAttrs {
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         if self.transposed {
-            gpu_conv_transpose2d(ctx, node)
+            gpu_conv_transpose2d(ctx, node, *self)
         } else {
             gpu_conv2d(ctx, node, *self)
         }
@@ -533,9 +533,10 @@ pub fn conv_transpose2d_cpu(a: &ConvAttrs, inputs: &[&HostTensor]) -> Result<Hos
 /// stride-1 1×1 convolution also a cuBLASLt GEMM; the fastest on the device wins.
 fn gpu_conv2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn Layer>> {
     use crate::engine::gemm::{GemmLayer, GemmSpec};
-    let key = crate::engine::cudnn::conv_key(ctx, node);
-    let mut candidates = crate::engine::cudnn::conv_candidates(ctx, node)?;
-    let w = ctx.weight(node, 1)?;
+    let key = ctx.problem_key(node);
+    let (zeros, w) = (conv_zero_bias(ctx, node)?, ctx.weight(node, 1)?);
+    let problem = conv_problem(ctx, node, &a, w, &zeros)?;
+    let mut candidates = crate::engine::cudnn::conv_candidates_with(ctx, node, problem)?;
     let pointwise = w.shape[2..] == [1, 1] && a.stride == [1, 1] && a.padding == [0, 0] && a.groups == 1;
     if pointwise {
         let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
@@ -563,8 +564,41 @@ fn gpu_conv2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn 
 }
 
 /// ConvTranspose2d through cuDNN's backward-data (bias and ReLU in place after it).
-fn gpu_conv_transpose2d(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
-    let key = crate::engine::cudnn::conv_key(ctx, node);
-    let candidates = crate::engine::cudnn::deconv_candidates(ctx, node)?;
+fn gpu_conv_transpose2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn Layer>> {
+    let key = ctx.problem_key(node);
+    let (zeros, w) = (conv_zero_bias(ctx, node)?, ctx.weight(node, 1)?);
+    let problem = conv_problem(ctx, node, &a, w, &zeros)?;
+    let candidates = crate::engine::cudnn::deconv_candidates(ctx, node, problem)?;
     ctx.choose(&key, candidates)
+}
+
+/// Zeros for a conv node without a bias: one per output channel.
+fn conv_zero_bias(ctx: &BuildCtx, node: NodeId) -> Result<Vec<f32>> {
+    Ok(vec![0.0; ctx.node(node).shape.get(1).copied().unwrap_or(0)])
+}
+
+/// The cuDNN layers' description of a conv node: attributes, weight (PyTorch layout), bias
+/// (`zeros` when the node has none), input, output and fused residual.
+fn conv_problem<'a>(
+    ctx: &BuildCtx<'a>,
+    node: NodeId,
+    a: &ConvAttrs,
+    w: &'a HostTensor,
+    zeros: &'a [f32],
+) -> Result<crate::engine::cudnn::ConvProblem<'a>> {
+    let weight_shape: [usize; 4] = w.shape.as_slice().try_into().map_err(|_| ctx.err(node, format!("weight has shape {:?}", w.shape)))?;
+    let bias = if a.bias { ctx.weight(node, 2)?.data.as_slice() } else { zeros };
+    if bias.len() != zeros.len() {
+        return Err(ctx.err(node, format!("bias has {} values for {} output channels", bias.len(), zeros.len())));
+    }
+    let residual = if a.residual { Some(ctx.input(node, if a.bias { 3 } else { 2 })?) } else { None };
+    Ok(crate::engine::cudnn::ConvProblem {
+        attrs: *a,
+        weight: &w.data,
+        weight_shape,
+        bias,
+        x: ctx.input(node, 0)?,
+        y: ctx.output(node)?,
+        z: residual,
+    })
 }
