@@ -953,44 +953,6 @@ pub fn reformat_layer(ctx: &mut BuildCtx, src: ValueId, dst: ValueId, path: &str
     }))
 }
 
-/// `flatten(1)`: NCHW order of an NHWC map. Moves nothing when the map is 1x1 (ResNet's pooled
-/// features) or already flat; otherwise an NHWC -> NCHW transpose in the engine's precision.
-pub fn flatten(ctx: &mut BuildCtx, node: NodeId, start: usize) -> Result<Box<dyn Layer>> {
-    if start != 1 {
-        return Err(ctx.err(node, format!("the GPU engine flattens from dim 1 only (the batch stays), got start {start}")));
-    }
-    let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
-    let dx = ctx.value(x).clone();
-    match dx.chw() {
-        Some((_, h, w)) if h * w > 1 && dx.layout.is_channels_last() => {
-            let path = ctx.node(node).path.clone();
-            flatten_transpose(ctx, node, x, y, &path)
-        }
-        _ => {
-            ctx.alias(y, x)?;
-            Ok(Box::new(super::layer::Nop { path: ctx.node(node).path.clone() }))
-        }
-    }
-}
-
-fn flatten_transpose(ctx: &mut BuildCtx, node: NodeId, x: ValueId, y: ValueId, path: &str) -> Result<Box<dyn Layer>> {
-    let elem = same_elem(ctx, node, &[x, y])?;
-    let (c, h, w) = nhwc(ctx, node, x)?;
-    let entry = format!("nhwc_to_nchw_{0}_{0}", elem.suffix());
-    let f = ctx.kernels.get(&entry)?;
-    let (c, hw) = (to_i32(ctx, node, "channels", c)?, to_i32(ctx, node, "H*W", h * w)?);
-    Ok(Box::new(ReformatLayer {
-        path: path.to_string(),
-        kind: format!("kernel:flatten:{entry}"),
-        f,
-        src: x,
-        dst: y,
-        transpose: Some((c, hw, c)),
-        small: false,
-        per_image: ctx.value(y).per_image_elems(),
-        sm_count: ctx.kernels.sm_count(),
-    }))
-}
 
 /// Every kernel entry point the layers above may launch, for the NVRTC test to check.
 pub fn entry_points() -> Vec<String> {
