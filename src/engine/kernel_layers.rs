@@ -953,7 +953,6 @@ pub fn reformat_layer(ctx: &mut BuildCtx, src: ValueId, dst: ValueId, path: &str
     }))
 }
 
-
 /// Every kernel entry point the layers above may launch, for the NVRTC test to check.
 pub fn entry_points() -> Vec<String> {
     let mut names = Vec::new();
