@@ -347,7 +347,16 @@ here, then the `target/release/deps/models-*` binary with `--bench` on the devic
 """
     if missing:
         doc += f"\nNot measured in this run: {', '.join(missing)}.\n"
-    with open(os.path.join(out_dir, "BENCHMARKS.md"), "w") as f:
+    # The zoo section (tools/bench_zoo.py) stays above the flagships' tables: keep it, and write
+    # this run's write-up as its "## The flagships" section.
+    path = os.path.join(out_dir, "BENCHMARKS.md")
+    zoo_marker, flagships = "## The model zoo", "## The flagships"
+    old = open(path).read() if os.path.exists(path) else ""
+    if zoo_marker in old and flagships in old:
+        head = old[: old.index(flagships)]
+        body = doc.split("\n", 1)[1].lstrip("\n")
+        doc = f"{head}{flagships} (this run)\n\n{body}"
+    with open(path, "w") as f:
         f.write(doc)
     print(f"wrote {os.path.join(out_dir, 'BENCHMARKS.md')} and {svg_name} ({len(rows)} measurements)")
 
