@@ -258,7 +258,11 @@ enum ItemsKind {
     Call,
 }
 
-impl LitItems<'_> {
+impl<'a> LitItems<'a> {
+    fn new(used: &'a mut BTreeSet<&'static str>, head: String, kind: ItemsKind) -> Self {
+        Self { used, head, items: vec![], fields: vec![], key: None, kind }
+    }
+
     fn finish(self) -> Doc {
         match self.kind {
             ItemsKind::Array => Doc::Array { head: self.head, items: self.items },
@@ -346,14 +350,14 @@ impl<'a> serde::Serializer for RustLit<'a> {
         Ok(Doc::Call { head: format!("{name}::{variant}"), args: vec![value.serialize(self)?], tail: String::new() })
     }
     fn serialize_seq(self, _len: Option<usize>) -> std::result::Result<LitItems<'a>, LitError> {
-        Ok(LitItems { used: self.used, head: "vec!".into(), items: vec![], fields: vec![], key: None, kind: ItemsKind::Array })
+        Ok(LitItems::new(self.used, "vec!".into(), ItemsKind::Array))
     }
     fn serialize_tuple(self, _len: usize) -> std::result::Result<LitItems<'a>, LitError> {
-        Ok(LitItems { used: self.used, head: String::new(), items: vec![], fields: vec![], key: None, kind: ItemsKind::Array })
+        Ok(LitItems::new(self.used, String::new(), ItemsKind::Array))
     }
     fn serialize_tuple_struct(self, name: &'static str, _len: usize) -> std::result::Result<LitItems<'a>, LitError> {
         self.used.insert(name);
-        Ok(LitItems { used: self.used, head: name.into(), items: vec![], fields: vec![], key: None, kind: ItemsKind::Call })
+        Ok(LitItems::new(self.used, name.into(), ItemsKind::Call))
     }
     fn serialize_tuple_variant(
         self,
@@ -363,21 +367,14 @@ impl<'a> serde::Serializer for RustLit<'a> {
         _len: usize,
     ) -> std::result::Result<LitItems<'a>, LitError> {
         self.used.insert(name);
-        Ok(LitItems {
-            used: self.used,
-            head: format!("{name}::{variant}"),
-            items: vec![],
-            fields: vec![],
-            key: None,
-            kind: ItemsKind::Call,
-        })
+        Ok(LitItems::new(self.used, format!("{name}::{variant}"), ItemsKind::Call))
     }
     fn serialize_map(self, _len: Option<usize>) -> std::result::Result<LitItems<'a>, LitError> {
-        Ok(LitItems { used: self.used, head: String::new(), items: vec![], fields: vec![], key: None, kind: ItemsKind::Map })
+        Ok(LitItems::new(self.used, String::new(), ItemsKind::Map))
     }
     fn serialize_struct(self, name: &'static str, _len: usize) -> std::result::Result<LitItems<'a>, LitError> {
         self.used.insert(name);
-        Ok(LitItems { used: self.used, head: name.into(), items: vec![], fields: vec![], key: None, kind: ItemsKind::Struct })
+        Ok(LitItems::new(self.used, name.into(), ItemsKind::Struct))
     }
     fn serialize_struct_variant(
         self,
@@ -387,14 +384,7 @@ impl<'a> serde::Serializer for RustLit<'a> {
         _len: usize,
     ) -> std::result::Result<LitItems<'a>, LitError> {
         self.used.insert(name);
-        Ok(LitItems {
-            used: self.used,
-            head: format!("{name}::{variant}"),
-            items: vec![],
-            fields: vec![],
-            key: None,
-            kind: ItemsKind::Struct,
-        })
+        Ok(LitItems::new(self.used, format!("{name}::{variant}"), ItemsKind::Struct))
     }
 }
 

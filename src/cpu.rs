@@ -164,17 +164,12 @@ fn eval_node<'g>(
     };
     let def =
         node.op.def().ok_or_else(|| Error::InvalidGraph { node: id, path: node.path.clone(), reason: "is a leaf, not an op".into() })?;
-    let moved = match node.inputs.first() {
-        Some(&j) if pending[j] == 1 && !is_output.contains(&j) => Some(values[j].take().ok_or_else(|| missing(j))?),
-        _ => None,
-    };
     let mut args = Vec::with_capacity(node.inputs.len());
-    let mut moved = moved;
-    for (k, &j) in node.inputs.iter().enumerate() {
-        match (k, moved.take()) {
-            (0, Some(v)) => args.push(v),
-            _ => args.push(Cow::Borrowed(values[j].as_deref().ok_or_else(|| missing(j))?)),
-        }
+    if let Some(&j) = node.inputs.first().filter(|&&j| pending[j] == 1 && !is_output.contains(&j)) {
+        args.push(values[j].take().ok_or_else(|| missing(j))?);
+    }
+    for &j in &node.inputs[args.len()..] {
+        args.push(Cow::Borrowed(values[j].as_deref().ok_or_else(|| missing(j))?));
     }
     let got = args.iter().map(|t| t.shape.clone()).collect();
     let mut args = CpuArgs::new(args);
