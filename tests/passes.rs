@@ -398,3 +398,22 @@ fn centernet_upsampler_is_fully_fused() {
         o.nodes.iter().any(|n| matches!(n.op, Op::Unary(Unary::Relu)) && matches!(o.nodes[n.inputs[0]].op, Op::Conv(a) if a.transposed));
     assert!(!relu_after_deconv, "{}", o.to_text());
 }
+
+/// The arena planner on ResNet-50's optimised graph at batch 64 in FP16 (what the builder
+/// estimates before lowering): each residual is overwritten by the conv that adds it, so the plan
+/// needs no more than the live peak. That peak is in layer2.0, where the block input (needed by
+/// the downsample) lives beside conv1's and conv2's outputs: 159.25 MiB.
+#[test]
+fn resnet50_plans_its_arena_at_the_live_peak() {
+    let graph = kiln_models::trace("resnet50", VarBuilder::seeded(), 1, 224).expect("trace");
+    let g = passes::optimize(&graph).expect("optimize");
+    let (batch, elem) = (64, 2);
+    let (p, step_of) = kiln::engine::estimate_arena(&g, elem, batch);
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    let at = step_of.iter().position(|&s| s == Some(p.peak_step)).map(|n| g.nodes[n].path.clone()).unwrap_or_default();
+    println!("arena {:.2} MiB, live peak {:.2} MiB at `{at}`, {} convs in place", mib(p.bytes), mib(p.peak), p.in_place.len());
+    assert_eq!(p.in_place.len(), 16, "every bottleneck's residual is overwritten");
+    let floor = (256 * 56 * 56 + 128 * 56 * 56 + 128 * 28 * 28) * batch * elem;
+    assert_eq!((p.peak, at.as_str()), (floor, "layer2.0.conv2"), "peak {:.2} MiB", mib(p.peak));
+    assert!(p.bytes <= p.peak + p.peak / 50, "the greedy plan is within 2% of the peak: {:.2} MiB", mib(p.bytes));
+}

@@ -1,10 +1,10 @@
 //! `EngineBuilder`: graph → passes → one layer per node through its converter → arena plan.
 //! Loading an engine file runs the same lowering with recorded tactics and no passes.
 
-use super::arena::{self, Interval};
+use super::arena::{self, StepUse};
 use super::gpu::Gpu;
 use super::kernels::{self, Kernels};
-use super::layer::{BuildCtx, Elem, Layer, Layout, Storage, ValueDesc, ValueId, MAX_RANK};
+use super::layer::{BuildCtx, Elem, Layer, Layout, RunCtx, Storage, ValueDesc, ValueId, MAX_RANK};
 use super::tactic::Tactics;
 use super::{check_converters, is_structural, BuildConfig};
 use crate::graph::{Graph, Op};
@@ -12,6 +12,7 @@ use crate::ops::LayoutPlan;
 use crate::{Error, Result};
 use std::collections::BTreeMap;
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -28,9 +29,7 @@ pub struct BuildSummary {
     pub layers: usize,
     /// One line per layer that does the work of several graph nodes (conv+bias+residual+ReLU).
     pub fused: Vec<String>,
-    pub arena_bytes: usize,
-    pub workspace_bytes: usize,
-    pub weight_bytes: usize,
+    pub memory: MemorySummary,
     pub tactics_timed: usize,
     pub tactics_cached: usize,
     pub build_seconds: f64,
@@ -38,21 +37,63 @@ pub struct BuildSummary {
     pub tactic_log: Vec<(String, Vec<(String, f32)>)>,
 }
 
-impl std::fmt::Display for BuildSummary {
+/// Device memory of an engine, in bytes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MemorySummary {
+    /// Weights, held once by the engine (the layers chosen; losing candidates' copies are freed).
+    pub weights: usize,
+    /// Each execution context's arena: activations and layer workspaces, planned by lifetime.
+    pub arena: usize,
+    /// The most bytes live at one layer, a lower bound on `arena`.
+    pub peak_live: usize,
+    /// The layer where `peak_live` is reached.
+    pub peak_at: String,
+    /// The largest workspace of one layer (inside the arena).
+    pub largest_workspace: usize,
+    /// Layers that write their output over an input that dies with them.
+    pub in_place: usize,
+    /// Each context's input and output bindings at the max batch.
+    pub bindings: usize,
+}
+
+impl MemorySummary {
+    /// Weights and one context's arena: the device memory an engine with one context needs
+    /// besides its bindings.
+    pub fn total(&self) -> usize {
+        self.weights + self.arena
+    }
+}
+
+impl std::fmt::Display for MemorySummary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let mib = |b: usize| b as f64 / (1 << 20) as f64;
+        write!(
+            f,
+            "memory {:.1} MiB = weights {:.1} MiB + arena {:.1} MiB per context (live peak {:.1} MiB at `{}`, largest workspace {:.1} MiB, {} layers in place); bindings {:.1} MiB per context",
+            mib(self.total()),
+            mib(self.weights),
+            mib(self.arena),
+            mib(self.peak_live),
+            self.peak_at,
+            mib(self.largest_workspace),
+            self.in_place,
+            mib(self.bindings)
+        )
+    }
+}
+
+impl std::fmt::Display for BuildSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "{} layers ({} fused), arena {:.1} MiB, workspace {:.1} MiB, weights {:.1} MiB; {} tactics timed, {} from cache; built in {:.2} s",
+            "{} layers ({} fused); {} tactics timed, {} from cache; built in {:.2} s",
             self.layers,
             self.fused.len(),
-            mib(self.arena_bytes),
-            mib(self.workspace_bytes),
-            mib(self.weight_bytes),
             self.tactics_timed,
             self.tactics_cached,
             self.build_seconds
         )?;
+        writeln!(f, "{}", self.memory)?;
         for line in &self.fused {
             writeln!(f, "  fused: {line}")?;
         }
@@ -72,7 +113,8 @@ pub struct Engine {
     /// Arena offset of each arena value (aliases resolved), `usize::MAX` for bindings.
     pub(crate) offsets: Vec<usize>,
     pub(crate) arena_bytes: usize,
-    pub(crate) workspace_bytes: usize,
+    /// Each layer's workspace in the arena: offset and length.
+    pub(crate) workspaces: Vec<(usize, usize)>,
     pub(crate) inputs: Vec<(String, ValueId)>,
     pub(crate) outputs: Vec<(String, ValueId)>,
     pub(crate) tactics: BTreeMap<String, String>,
@@ -97,9 +139,17 @@ impl Engine {
     pub fn tactics(&self) -> &BTreeMap<String, String> {
         &self.tactics
     }
-    /// The engine's layers, one a line, for `inspect`.
+    /// The engine's layers, one a line, for `inspect` (with the workspace of those that have one).
     pub fn describe(&self) -> String {
-        self.layers.iter().enumerate().map(|(i, l)| format!("{i:>4} {}\n", l.describe())).collect()
+        let mut out = String::new();
+        for (i, l) in self.layers.iter().enumerate() {
+            let ws = match self.workspaces.get(i) {
+                Some(&(_, bytes)) if bytes > 0 => format!("  [workspace {:.2} MiB]", bytes as f64 / (1 << 20) as f64),
+                _ => String::new(),
+            };
+            out.push_str(&format!("{i:>4} {}{ws}\n", l.describe()));
+        }
+        out
     }
 }
 
@@ -151,6 +201,33 @@ impl EngineBuilder {
 pub(crate) fn cache_prefix(gpu: &Gpu, config: &BuildConfig) -> String {
     let sources = config.tactic_sources.as_ref().map(|s| format!("|only:{}", s.join(","))).unwrap_or_default();
     format!("{}|sm{}|cudnn{}|{:?}|b{}{sources}", gpu.info.name, gpu.info.sm, gpu.info.cudnn_version, config.precision, config.opt_batch)
+}
+
+/// The arena the graph's activations need at `batch` with `elem_bytes` per element, planned
+/// before lowering: one step per computed node (no reformats, scratch or workspace), each residual
+/// overwritten by the conv that adds it. Returns the plan and each node's step (`None` for
+/// weights). The builder gives each layer's tactics the room this leaves at its step as their
+/// workspace budget.
+pub fn estimate_arena(graph: &Graph, elem_bytes: usize, batch: usize) -> (arena::ArenaPlan, Vec<Option<usize>>) {
+    let computed = |i: usize| !matches!(graph.nodes[i].op, Op::Weight { .. });
+    let bytes: Vec<usize> =
+        graph.nodes.iter().map(|n| n.shape.iter().skip(1).product::<usize>().saturating_mul(batch).saturating_mul(elem_bytes)).collect();
+    let mut step_of = vec![None; graph.nodes.len()];
+    let mut steps = Vec::new();
+    for (id, n) in graph.nodes.iter().enumerate().filter(|&(id, _)| computed(id)) {
+        let mut values: Vec<usize> = n.inputs.iter().copied().filter(|&i| computed(i)).collect();
+        values.push(id);
+        let overwrite = match &n.op {
+            Op::Conv(a) if a.residual => n.inputs.last().map(|&z| (id, z)),
+            _ => None,
+        };
+        step_of[id] = Some(steps.len());
+        steps.push(StepUse { values, workspace: 0, overwrite });
+    }
+    // Graph outputs stay live to the end.
+    let outputs: Vec<usize> = graph.outputs.iter().map(|(_, id)| *id).collect();
+    steps.push(StepUse { values: outputs, ..Default::default() });
+    (arena::plan_steps(&bytes, &steps), step_of)
 }
 
 /// The layout of each node's value (`None` for weights).
@@ -241,6 +318,7 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
     let kernels = Arc::new(Kernels::new(&gpu)?);
     let elem = config.precision.elem();
     let (layouts, plans) = plan_layouts(&graph)?;
+    let (estimate, step_of) = estimate_arena(&graph, elem.size(), config.max_batch);
     let mut values = Vec::new();
     let mut node_values = vec![None; graph.nodes.len()];
     let mut input_bindings = Vec::new();
@@ -281,7 +359,8 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
         scratch: Vec::new(),
         current: 0,
         tactics,
-        weight_bytes: 0,
+        weights: Default::default(),
+        workspace_budget: 0,
     };
     // Each layer with the values it touches, for lifetimes.
     let mut layers: Vec<Box<dyn Layer>> = Vec::new();
@@ -303,6 +382,7 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
         }
         lowered += 1;
         ctx.current = id;
+        ctx.workspace_budget = step_of[id].map_or(0, |s| estimate.peak.saturating_sub(estimate.live[s]));
         ctx.scratch.clear();
         let mut inputs = Vec::with_capacity(node.inputs.len());
         for (k, &j) in node.inputs.iter().enumerate() {
@@ -329,8 +409,21 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
         layers.push(kernels::reformat_layer(&mut ctx, *src, *binding, name)?);
         touches.push(vec![*src]);
     }
-    let weight_bytes = ctx.weight_bytes;
+    let weight_bytes = ctx.weights.load(Ordering::Relaxed);
     let values = ctx.values;
+
+    // cuBLASLt plans for every batch of the range, so workspace sizes are exact.
+    let rt = RunCtx { stream: &gpu.stream, handles: &gpu.handles, ptrs: &[], workspace: 0, workspace_bytes: super::gemm::GEMM_WORKSPACE };
+    let batches = config.min_batch..=config.max_batch;
+    let mut workspaces = Vec::with_capacity(layers.len());
+    for layer in &layers {
+        let mut need = 0;
+        for b in batches.clone() {
+            layer.prepare(&rt, b)?;
+            need = need.max(layer.workspace_bytes(b));
+        }
+        workspaces.push(need);
+    }
 
     // Lifetimes of arena storage roots (an alias keeps its root alive).
     let root = |mut v: ValueId| {
@@ -339,38 +432,39 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
         }
         v
     };
-    let mut span: BTreeMap<ValueId, (usize, usize)> = BTreeMap::new();
-    for (step, vs) in touches.iter().enumerate() {
-        for &v in vs {
-            let r = root(v);
-            if values[r.0].storage != Storage::Arena {
-                continue;
-            }
-            let e = span.entry(r).or_insert((step, step));
-            e.0 = e.0.min(step);
-            e.1 = e.1.max(step);
+    let in_arena = |v: ValueId| values[root(v).0].storage == Storage::Arena;
+    let value_bytes: Vec<usize> =
+        values.iter().enumerate().map(|(v, d)| if root(ValueId(v)).0 == v && in_arena(ValueId(v)) { d.bytes(config.max_batch) } else { 0 }).collect();
+    // One step per layer, two for a layer with a prologue (its copy, then its main work).
+    let mut steps: Vec<StepUse> = Vec::with_capacity(layers.len());
+    let mut step_of_layer = Vec::with_capacity(layers.len());
+    for ((vs, layer), &workspace) in touches.iter().zip(&layers).zip(&workspaces) {
+        let mut values: Vec<usize> = vs.iter().filter(|&&v| in_arena(v)).map(|&v| root(v).0).collect();
+        if let Some((src, dst)) = layer.prologue().filter(|&(s, d)| in_arena(s) && in_arena(d)) {
+            let (src, dst) = (root(src).0, root(dst).0);
+            steps.push(StepUse { values: vec![src, dst], ..Default::default() });
+            values.retain(|&v| v != src);
         }
+        step_of_layer.push(steps.len());
+        let overwrite = layer.overwrites().filter(|&(o, i)| in_arena(o) && in_arena(i)).map(|(o, i)| (root(o).0, root(i).0));
+        steps.push(StepUse { values, workspace, overwrite });
     }
-    let roots: Vec<ValueId> = span.keys().copied().collect();
-    let intervals: Vec<Interval> =
-        roots.iter().map(|r| Interval { bytes: values[r.0].bytes(config.max_batch), first: span[r].0, last: span[r].1 }).collect();
-    let (root_offsets, arena_bytes) = arena::plan(&intervals);
-    let mut offsets = vec![usize::MAX; values.len()];
-    for (r, off) in roots.iter().zip(root_offsets) {
-        offsets[r.0] = off;
-    }
-    for v in 0..values.len() {
-        let r = root(ValueId(v));
-        offsets[v] = offsets[r.0];
-    }
-    let workspace_bytes = layers.iter().map(|l| l.workspace_bytes(config.max_batch)).max().unwrap_or(0);
+    let plan = arena::plan_steps(&value_bytes, &steps);
+    let offsets: Vec<usize> = (0..values.len()).map(|v| plan.offsets[root(ValueId(v)).0].unwrap_or(0)).collect();
+    let memory = MemorySummary {
+        weights: weight_bytes,
+        arena: plan.bytes,
+        peak_live: plan.peak,
+        peak_at: step_of_layer.iter().position(|&s| s >= plan.peak_step).map(|l| layers[l].path().to_string()).unwrap_or_default(),
+        largest_workspace: workspaces.iter().copied().max().unwrap_or(0),
+        in_place: plan.in_place.len(),
+        bindings: values.iter().filter(|d| d.storage == Storage::Binding).map(|d| d.bytes(config.max_batch)).sum(),
+    };
 
     let summary = BuildSummary {
         layers: layers.len(),
         fused,
-        arena_bytes,
-        workspace_bytes,
-        weight_bytes,
+        memory,
         tactics_timed: tactics.timed,
         tactics_cached: tactics.cached,
         build_seconds: 0.0,
@@ -384,8 +478,8 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
         layers,
         values,
         offsets,
-        arena_bytes,
-        workspace_bytes,
+        workspaces: step_of_layer.iter().map(|&s| plan.workspace[s]).collect(),
+        arena_bytes: plan.bytes,
         inputs: input_bindings.into_iter().map(|(n, _, b)| (n, b)).collect(),
         outputs: output_bindings.into_iter().map(|(n, _, _, b)| (n, b)).collect(),
         tactics: tactics.recorded.clone(),

@@ -296,6 +296,14 @@ impl Layer for ConvLayer {
     fn workspace_bytes(&self, _batch: usize) -> usize {
         self.workspace
     }
+    fn overwrites(&self) -> Option<(ValueId, ValueId)> {
+        // The fused call adds z in its epilogue, element by element; the separate calls accumulate
+        // the convolution onto y (beta = 1) when y already holds z.
+        self.shared.z.map(|z| (self.shared.y, z))
+    }
+    fn prologue(&self) -> Option<(ValueId, ValueId)> {
+        self.pad.as_ref().map(|p| (p.src, p.dst))
+    }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let s = &self.shared;
         if let Some(p) = &self.pad {
@@ -354,6 +362,8 @@ impl Layer for ConvLayer {
             }
             // SAFETY: as in the fused call above: live descriptors, arena/binding/workspace addresses sized for `batch`.
             Mode::Separate => unsafe {
+                // Written over its residual, y holds z already: accumulate onto it.
+                let in_place = s.z.is_some_and(|z| rt.ptr(z) == rt.ptr(s.y));
                 check(
                     dnn::cudnnConvolutionForward(
                         h,
@@ -366,7 +376,7 @@ impl Layer for ConvLayer {
                         self.algo,
                         ws,
                         ws_len,
-                        p(&zero),
+                        p(if in_place { &one } else { &zero }),
                         d.y.raw,
                         y,
                     ),
@@ -378,7 +388,7 @@ impl Layer for ConvLayer {
                         "cudnnAddTensor (bias)",
                     )?;
                 }
-                if let Some(z) = s.z {
+                if let Some(z) = s.z.filter(|_| !in_place) {
                     check(
                         dnn::cudnnAddTensor(h, p(&one), d.y.raw, rt.ptr(z) as *const c_void, p(&one), d.y.raw, y),
                         "cudnnAddTensor (residual)",

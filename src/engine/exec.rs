@@ -1,4 +1,4 @@
-//! `ExecutionContext`: one stream, one arena, one workspace and the bindings of one engine. Many
+//! `ExecutionContext`: one stream, one arena (activations and workspaces) and the bindings of one engine. Many
 //! contexts of one `Arc<Engine>` run concurrently, one per thread; layers are shared read-only.
 
 use super::builder::Engine;
@@ -15,8 +15,7 @@ pub struct ExecutionContext {
     engine: Arc<Engine>,
     stream: Arc<CudaStream>,
     handles: Handles,
-    _arena: DeviceBuf,
-    workspace: DeviceBuf,
+    arena: DeviceBuf,
     /// One buffer per input binding, then per output binding, sized for the max batch.
     _bindings: Vec<DeviceBuf>,
     ptrs: Vec<u64>,
@@ -43,7 +42,6 @@ impl ExecutionContext {
         let stream = gpu.ctx.new_stream().map_err(cuda_err("creating a stream"))?;
         let handles = Handles::new(&stream)?;
         let arena = DeviceBuf::zeros(&stream, engine.arena_bytes)?;
-        let workspace = DeviceBuf::zeros(&stream, engine.workspace_bytes)?;
         let max = engine.config.max_batch;
         let mut bindings = Vec::new();
         let mut ptrs = vec![0u64; engine.values.len()];
@@ -59,7 +57,7 @@ impl ExecutionContext {
         }
         stream.synchronize().map_err(cuda_err("allocating a context"))?;
         let use_graphs = engine.config.cuda_graphs;
-        Ok(Self { engine, stream, handles, _arena: arena, workspace, _bindings: bindings, ptrs, graphs: HashMap::new(), use_graphs })
+        Ok(Self { engine, stream, handles, arena, _bindings: bindings, ptrs, graphs: HashMap::new(), use_graphs })
     }
 
     pub fn engine(&self) -> &Arc<Engine> {
@@ -117,21 +115,16 @@ impl ExecutionContext {
         Ok(graph)
     }
 
-    /// What this context's layers see when they are enqueued.
-    fn run_ctx(&self) -> RunCtx<'_> {
-        RunCtx {
-            stream: &self.stream,
-            handles: &self.handles,
-            ptrs: &self.ptrs,
-            workspace: self.workspace.ptr(),
-            workspace_bytes: self.engine.workspace_bytes,
-        }
+    /// What layer `i` of this context sees when it is enqueued: its workspace is its own part
+    /// of the arena.
+    fn run_ctx(&self, i: usize) -> RunCtx<'_> {
+        let (offset, bytes) = self.engine.workspaces[i];
+        RunCtx { stream: &self.stream, handles: &self.handles, ptrs: &self.ptrs, workspace: self.arena.ptr() + offset as u64, workspace_bytes: bytes }
     }
 
     fn enqueue_layers(&self, batch: usize) -> Result<()> {
-        let rt = self.run_ctx();
-        for layer in &self.engine.layers {
-            layer.enqueue(&rt, batch).map_err(|e| match e {
+        for (i, layer) in self.engine.layers.iter().enumerate() {
+            layer.enqueue(&self.run_ctx(i), batch).map_err(|e| match e {
                 Error::Cuda { context, reason } => {
                     Error::Cuda { context: format!("{context} (layer `{}`, {}, batch {batch})", layer.path(), layer.kind()), reason }
                 }
@@ -275,13 +268,12 @@ impl ExecutionContext {
         self.check_batch(batch)?;
         let ctx = &self.engine.gpu.ctx;
         ctx.bind_to_thread().map_err(cuda_err("binding the CUDA context"))?;
-        let rt = self.run_ctx();
         let event = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(cuda_err("creating a profiling event"));
         let (start, end) = (event()?, event()?);
         let iters = iters.max(1);
         let mut times = Vec::with_capacity(self.engine.layers.len());
-        for layer in &self.engine.layers {
-            let Some(graph) = self.capture(|| layer.enqueue(&rt, batch))? else {
+        for (i, layer) in self.engine.layers.iter().enumerate() {
+            let Some(graph) = self.capture(|| layer.enqueue(&self.run_ctx(i), batch))? else {
                 times.push(0.0);
                 continue;
             };

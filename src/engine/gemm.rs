@@ -71,6 +71,8 @@ struct Plan {
     b: MatLayout,
     c: MatLayout,
     algo: sys::cublasLtMatmulAlgo_t,
+    /// The bytes of workspace `algo` needs.
+    workspace: usize,
 }
 
 /// Kiln's one cuBLASLt matmul: the row-major `Y[m, n] = act(X[m, k] · Wᵀ + bias) + beta·C`, with
@@ -144,9 +146,21 @@ impl LtMatmul {
                 reason: format!("{e:?}"),
             })?
         };
-        let p = Arc::new(Plan { a, b, c, algo: heuristic.algo });
+        let p = Arc::new(Plan { a, b, c, algo: heuristic.algo, workspace: heuristic.workspaceSize });
         plans.insert(m, p.clone());
         Ok(p)
+    }
+
+    /// The workspace the plan for `m` rows needs: exact once the plan is made (`prepare`), the
+    /// heuristic's limit before.
+    pub fn workspace(&self, m: usize) -> usize {
+        let plans = self.plans.lock().unwrap_or_else(|p| p.into_inner());
+        plans.get(&m).map_or(GEMM_WORKSPACE, |p| p.workspace)
+    }
+
+    /// Makes the plan for `m` rows now rather than at the first run.
+    pub fn prepare(&self, rt: &RunCtx, m: usize) -> Result<()> {
+        self.plan(rt, m).map(|_| ())
     }
 
     /// Enqueues `Y = act(X · Wᵀ + bias) + C` (`c` = 0: no C) for `m` rows at device addresses.
@@ -258,8 +272,15 @@ impl Layer for GemmLayer {
     fn kind(&self) -> String {
         "cublaslt-gemm".into()
     }
-    fn workspace_bytes(&self, _batch: usize) -> usize {
-        GEMM_WORKSPACE
+    fn workspace_bytes(&self, batch: usize) -> usize {
+        self.matmul.workspace(batch * self.rows_per_image)
+    }
+    fn prepare(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        self.matmul.prepare(rt, batch * self.rows_per_image)
+    }
+    fn overwrites(&self) -> Option<(ValueId, ValueId)> {
+        // cuBLASLt computes D in place of C when both have one layout (as here: C is the residual).
+        self.z.map(|z| (self.y, z))
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let c = self.z.map_or(0, |z| rt.ptr(z));

@@ -7,7 +7,7 @@
 //! the GEMM's epilogue (`kernels/im2col.cu` writes the columns). The column matrix is built in
 //! chunks of rows in a scratch buffer, so a large batch does not need it whole.
 
-use super::gemm::{LtMatmul, GEMM_WORKSPACE};
+use super::gemm::LtMatmul;
 use super::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
 use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, RunCtx, ValueId};
 use crate::graph::{Activation, ConvAttrs, NodeId};
@@ -142,6 +142,22 @@ pub fn candidates(
     Ok(CHUNK_BYTES.iter().map(|&chunk_bytes| Box::new(Im2colGemm { shared: shared.clone(), chunk_bytes }) as Box<dyn Layer>).collect())
 }
 
+impl Im2colGemm {
+    /// GEMM rows per chunk and in all, at `batch`. The scratch has at least `batch` times its
+    /// per-image size, whatever batch the arena (or the tactic timer) sized it for.
+    fn chunking(&self, batch: usize) -> (usize, usize) {
+        let s = &self.shared;
+        let row_bytes = s.kp * 2;
+        (((s.col_bytes_per_image * batch).min(self.chunk_bytes) / row_bytes).max(1), batch * s.rows_per_image)
+    }
+
+    /// The distinct row counts of the GEMMs run at `batch` (full chunks and the last one).
+    fn gemm_rows(&self, batch: usize) -> impl Iterator<Item = usize> {
+        let (chunk, total) = self.chunking(batch);
+        [chunk.min(total), total % chunk].into_iter().filter(|&m| m > 0)
+    }
+}
+
 impl Layer for Im2colGemm {
     fn path(&self) -> &str {
         &self.shared.path
@@ -149,16 +165,15 @@ impl Layer for Im2colGemm {
     fn kind(&self) -> String {
         format!("im2col-gemm:{}MiB", self.chunk_bytes >> 20)
     }
-    fn workspace_bytes(&self, _batch: usize) -> usize {
-        GEMM_WORKSPACE
+    fn workspace_bytes(&self, batch: usize) -> usize {
+        self.gemm_rows(batch).map(|m| self.shared.matmul.workspace(m)).max().unwrap_or(0)
+    }
+    fn prepare(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        self.gemm_rows(batch).try_for_each(|m| self.shared.matmul.prepare(rt, m))
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let s = &self.shared;
-        let row_bytes = s.kp * 2;
-        // The scratch has at least `batch` times its per-image size, whatever batch the arena
-        // (or the tactic timer) sized it for.
-        let chunk_rows = ((s.col_bytes_per_image * batch).min(self.chunk_bytes) / row_bytes).max(1);
-        let total = batch * s.rows_per_image;
+        let (chunk_rows, total) = self.chunking(batch);
         let (x, y, col) = (rt.ptr(s.x), rt.ptr(s.y), rt.ptr(s.col));
         let mut row0 = 0;
         while row0 < total {

@@ -12,6 +12,7 @@ use crate::graph::{HostTensor, Node, NodeId};
 use crate::{Error, Graph, Result};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// A value of the engine: an activation in the arena, a binding (user input/output) or a
@@ -183,6 +184,16 @@ impl ValueDesc {
 pub struct DeviceBuf {
     buf: CudaSlice<u8>,
     ptr: u64,
+    /// A count of live bytes this buffer is part of (the engine's weights), decreased on drop.
+    counted: Option<Arc<AtomicUsize>>,
+}
+
+impl Drop for DeviceBuf {
+    fn drop(&mut self) {
+        if let Some(c) = &self.counted {
+            c.fetch_sub(self.buf.len(), Ordering::Relaxed);
+        }
+    }
 }
 
 impl DeviceBuf {
@@ -190,14 +201,20 @@ impl DeviceBuf {
     pub fn zeros(stream: &Arc<CudaStream>, bytes: usize) -> Result<Self> {
         let buf = stream.alloc_zeros::<u8>(bytes.max(1)).map_err(cuda_err("allocating device memory"))?;
         let ptr = buf.device_ptr(stream).0;
-        Ok(Self { buf, ptr })
+        Ok(Self { buf, ptr, counted: None })
     }
     /// Copies raw bytes to a new device buffer and waits for the copy.
     pub fn from_bytes(stream: &Arc<CudaStream>, bytes: &[u8]) -> Result<Self> {
         let buf = stream.clone_htod(bytes).map_err(cuda_err("uploading to the device"))?;
         stream.synchronize().map_err(cuda_err("uploading to the device"))?;
         let ptr = buf.device_ptr(stream).0;
-        Ok(Self { buf, ptr })
+        Ok(Self { buf, ptr, counted: None })
+    }
+    /// Counts this buffer's bytes in `count` for as long as it lives.
+    fn counted_in(mut self, count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(self.buf.len(), Ordering::Relaxed);
+        self.counted = Some(count.clone());
+        self
     }
     pub fn ptr(&self) -> u64 {
         self.ptr
@@ -244,9 +261,26 @@ pub trait Layer: Send + Sync {
     /// Enqueues the layer on `rt.stream` for `batch` images. Must not synchronise (it may be
     /// captured into a CUDA graph).
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()>;
-    /// Scratch memory needed at `batch` (served from the context's workspace).
+    /// Scratch memory needed at `batch`, exact once `prepare` has run for that batch (the arena
+    /// holds it for this layer's step alone).
     fn workspace_bytes(&self, _batch: usize) -> usize {
         0
+    }
+    /// Makes what running at `batch` needs ahead of time (cuBLASLt plans); the builder calls it for
+    /// every batch of the range, so runs (and CUDA-graph captures) find everything made.
+    fn prepare(&self, _rt: &RunCtx, _batch: usize) -> Result<()> {
+        Ok(())
+    }
+    /// `(output, input)` when the layer reads each element of `input` before it writes the same
+    /// element of `output`, in one layout: the arena may then give `output` the bytes of `input`
+    /// if nothing reads `input` later (a residual overwritten by the conv that adds it).
+    fn overwrites(&self) -> Option<(ValueId, ValueId)> {
+        None
+    }
+    /// `(src, dst)` when the layer first copies `src` into `dst` (scratch) and reads only `dst`
+    /// afterwards (the channel padding of an FP16 stem): the arena lets `src` die after the copy.
+    fn prologue(&self) -> Option<(ValueId, ValueId)> {
+        None
     }
     /// A one-line description for `inspect` and build summaries.
     fn describe(&self) -> String {
@@ -287,8 +321,11 @@ pub struct BuildCtx<'a> {
     pub(crate) scratch: Vec<ValueId>,
     pub(crate) current: NodeId,
     pub(crate) tactics: &'a mut Tactics,
-    /// Bytes of weights uploaded so far (for the build summary).
-    pub(crate) weight_bytes: usize,
+    /// Workspace the node being converted may use without growing the arena past its activation
+    /// peak (see `builder::estimate_arena`).
+    pub(crate) workspace_budget: usize,
+    /// Bytes of uploaded weights still alive (losing tactic candidates free theirs).
+    pub(crate) weights: Arc<AtomicUsize>,
 }
 
 impl<'a> BuildCtx<'a> {
@@ -340,8 +377,7 @@ impl<'a> BuildCtx<'a> {
         self.upload_bytes(&to_elem_bytes(data, Elem::F32))
     }
     pub fn upload_bytes(&mut self, bytes: &[u8]) -> Result<DeviceBuf> {
-        self.weight_bytes += bytes.len();
-        DeviceBuf::from_bytes(&self.gpu.stream, bytes)
+        Ok(DeviceBuf::from_bytes(&self.gpu.stream, bytes)?.counted_in(&self.weights))
     }
 
     /// Declares that `out` is the same bytes as `src` (a reshape that moves nothing). The

@@ -24,7 +24,7 @@ pub mod launch;
 pub mod layer;
 pub mod tactic;
 
-pub use builder::{BuildSummary, Engine, EngineBuilder};
+pub use builder::{estimate_arena, BuildSummary, Engine, EngineBuilder, MemorySummary};
 pub use exec::ExecutionContext;
 pub use gpu::{gpu_available, Gpu, GpuInfo};
 pub use layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId, MAX_RANK};

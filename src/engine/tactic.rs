@@ -56,6 +56,10 @@ impl Tactics {
     }
 }
 
+/// How much slower (as a fraction) a candidate whose workspace fits the arena may be than the
+/// fastest, whose workspace does not, and still be chosen.
+pub const WORKSPACE_TRADE: f32 = 0.10;
+
 pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Layer>>) -> Result<Box<dyn Layer>> {
     let node = ctx.current;
     let rkey = format!("{}|{key}", ctx.node(node).path);
@@ -98,10 +102,12 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
     let mut best: Option<(usize, f32)> = None;
     let mut failures = Vec::new();
     let mut log = Vec::new();
+    let mut log_times = Vec::new();
     for (i, t) in times.into_iter().enumerate() {
         match t {
             Ok(ms) => {
                 log.push((candidates[i].kind(), ms));
+                log_times.push((i, ms));
                 if best.is_none_or(|(_, b)| ms < b) {
                     best = Some((i, ms));
                 }
@@ -109,9 +115,19 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
             Err(reason) => failures.push(format!("{}: {reason}", candidates[i].kind())),
         }
     }
-    let Some((winner, _)) = best else {
+    let Some((mut winner, fastest)) = best else {
         return Err(ctx.err(node, format!("no candidate ran for {key}: {}", failures.join("; "))));
     };
+    // A workspace larger than the room the arena has at this layer would grow every context's
+    // memory: take the fastest candidate that fits unless it is more than WORKSPACE_TRADE slower.
+    let ws = |i: usize| candidates[i].workspace_bytes(ctx.config.max_batch);
+    if ws(winner) > ctx.workspace_budget {
+        let fits = log_times.iter().filter(|&&(i, _)| ws(i) <= ctx.workspace_budget).min_by(|a, b| a.1.total_cmp(&b.1));
+        if let Some(&(i, ms)) = fits.filter(|&&(_, ms)| ms <= fastest * (1.0 + WORKSPACE_TRADE)) {
+            winner = i;
+            log.push((format!("{} (fits the arena's room of {} bytes)", candidates[i].kind(), ctx.workspace_budget), ms));
+        }
+    }
     let layer = candidates.into_iter().nth(winner).expect("winner index");
     ctx.tactics.timed += 1;
     ctx.tactics.log.push((key.to_string(), log));
