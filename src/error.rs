@@ -114,3 +114,13 @@ impl Error {
         move |source| Error::Io { path, source }
     }
 }
+
+impl Error {
+    /// Says what an out-of-memory error was allocating (`what`); other errors pass unchanged.
+    pub fn out_of_memory_in(self, what: impl FnOnce() -> String) -> Error {
+        match self {
+            Error::OutOfMemory { bytes, .. } => Error::OutOfMemory { what: what(), bytes },
+            other => other,
+        }
+    }
+}

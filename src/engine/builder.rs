@@ -2,7 +2,7 @@
 //! Loading an engine file runs the same lowering with recorded tactics and no passes.
 
 use super::arena::{self, StepUse};
-use super::gpu::Gpu;
+use super::gpu::{cuda_err, Gpu};
 use super::kernels::{self, Kernels};
 use super::layer::{BuildCtx, Elem, Layer, Layout, RunCtx, Storage, ValueDesc, ValueId, MAX_RANK};
 use super::tactic::Tactics;
@@ -319,6 +319,18 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
     let elem = config.precision.elem();
     let (layouts, plans) = plan_layouts(&graph)?;
     let (estimate, step_of) = estimate_arena(&graph, elem.size(), config.max_batch);
+    // An engine whose activations alone cannot fit is refused before any tactic is timed.
+    let (free, _) = cudarc::driver::result::mem_get_info().map_err(cuda_err("reading free device memory"))?;
+    if estimate.bytes > free {
+        let at = step_of.iter().position(|&s| s == Some(estimate.peak_step)).map(|n| graph.nodes[n].path.as_str()).unwrap_or("?");
+        return Err(Error::OutOfMemory {
+            what: format!(
+                "the activations of an engine for batch {}..={} ({:?}; {} bytes are live at `{at}`, {free} bytes of device memory are free; lower the max batch)",
+                config.min_batch, config.max_batch, config.precision, estimate.peak
+            ),
+            bytes: estimate.bytes,
+        });
+    }
     let mut values = Vec::new();
     let mut node_values = vec![None; graph.nodes.len()];
     let mut input_bindings = Vec::new();

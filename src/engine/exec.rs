@@ -41,7 +41,12 @@ impl ExecutionContext {
         gpu.ctx.bind_to_thread().map_err(cuda_err("binding the CUDA context"))?;
         let stream = gpu.ctx.new_stream().map_err(cuda_err("creating a stream"))?;
         let handles = Handles::new(&stream)?;
-        let arena = DeviceBuf::zeros(&stream, engine.arena_bytes)?;
+        let c = &engine.config;
+        let arena = DeviceBuf::zeros(&stream, engine.arena_bytes).map_err(|e| {
+            e.out_of_memory_in(|| {
+                format!("the arena of an execution context (engine for batch {}..={}, {:?}; lower the max batch)", c.min_batch, c.max_batch, c.precision)
+            })
+        })?;
         let max = engine.config.max_batch;
         let mut bindings = Vec::new();
         let mut ptrs = vec![0u64; engine.values.len()];

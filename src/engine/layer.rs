@@ -199,7 +199,10 @@ impl Drop for DeviceBuf {
 impl DeviceBuf {
     /// Allocates `bytes` (at least 1) of zeroed device memory on `stream`.
     pub fn zeros(stream: &Arc<CudaStream>, bytes: usize) -> Result<Self> {
-        let buf = stream.alloc_zeros::<u8>(bytes.max(1)).map_err(cuda_err("allocating device memory"))?;
+        let buf = stream.alloc_zeros::<u8>(bytes.max(1)).map_err(|e| match e.0 {
+            cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Error::OutOfMemory { what: "device memory".into(), bytes },
+            _ => cuda_err("allocating device memory")(e),
+        })?;
         let ptr = buf.device_ptr(stream).0;
         Ok(Self { buf, ptr, counted: None })
     }

@@ -152,15 +152,20 @@ fn time_candidates(ctx: &BuildCtx, candidates: &[Box<dyn Layer>]) -> Result<Vec<
 
     let mut ptrs = vec![0u64; ctx.values.len()];
     let mut bufs = Vec::new();
+    let engine = |what: String| {
+        let c = ctx.config;
+        move || format!("{what} of layer `{}` for tactic timing (engine for batch {}..={}, {:?})", ctx.node(ctx.current).path, c.min_batch, c.max_batch, c.precision)
+    };
     for v in touched {
-        let buf = DeviceBuf::zeros(stream, ctx.value(v).bytes(ctx.config.max_batch))?;
+        let buf = DeviceBuf::zeros(stream, ctx.value(v).bytes(ctx.config.max_batch))
+            .map_err(|e| e.out_of_memory_in(engine(format!("value `{}`", ctx.value(v).name))))?;
         ptrs[v.0] = buf.ptr();
         bufs.push(buf);
     }
     let limit = ctx.config.workspace_bytes;
     let need = |c: &dyn Layer| batches.iter().map(|&b| c.workspace_bytes(b)).max().unwrap_or(0);
     let ws_bytes = candidates.iter().map(|c| need(c.as_ref())).filter(|&b| b <= limit).max().unwrap_or(0);
-    let ws = DeviceBuf::zeros(stream, ws_bytes)?;
+    let ws = DeviceBuf::zeros(stream, ws_bytes).map_err(|e| e.out_of_memory_in(engine("the workspace".into())))?;
     let rt = RunCtx { stream, handles: &ctx.gpu.handles, ptrs: &ptrs, workspace: ws.ptr(), workspace_bytes: ws_bytes };
 
     let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
