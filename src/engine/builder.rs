@@ -407,7 +407,8 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
         let layer = def.convert(&mut ctx, id)?;
         let mut touched: Vec<ValueId> = ctx.current_inputs.iter().flatten().copied().collect();
         touched.extend(ctx.node_values[id]);
-        touched.extend(ctx.scratch.iter().copied());
+        // Scratch made for the candidates is held only if the chosen one uses it (its prologue's copy).
+        touched.extend(layer.prologue().map(|(_, dst)| dst));
         // A layer doing the work of several traced nodes says so in its op's label (`+relu`).
         let label = def.label();
         if let Some((name, fused_parts)) = label.split_once(" +") {

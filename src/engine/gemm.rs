@@ -129,7 +129,9 @@ impl LtMatmul {
         let b = layout(self.k, m, self.k)?;
         let c = layout(self.n, m, self.n)?;
         let pref = lt::create_matmul_pref().map_err(cuda_err("cublasLtMatmulPreferenceCreate"))?;
-        let ws = GEMM_WORKSPACE.min(rt.workspace_bytes);
+        // Plans are made with one workspace limit wherever they are made (build, timing or run),
+        // so an engine and its reload choose alike; the arena then holds what the plan needs.
+        let ws = GEMM_WORKSPACE;
         // SAFETY: `pref`, the descriptor and the layouts are live; `ws` outlives the call; `pref`
         // is destroyed once, after its last use.
         let heuristic = unsafe {
@@ -166,11 +168,17 @@ impl LtMatmul {
     /// Enqueues `Y = act(X · Wᵀ + bias) + C` (`c` = 0: no C) for `m` rows at device addresses.
     pub fn enqueue(&self, rt: &RunCtx, m: usize, x: u64, w: u64, c: u64, y: u64) -> Result<()> {
         let p = self.plan(rt, m)?;
+        if rt.workspace_bytes < p.workspace {
+            return Err(Error::Cuda {
+                context: format!("cublasLtMatmul for `{}` with {m} rows", self.path),
+                reason: format!("its algorithm needs {} bytes of workspace, the run gives {}", p.workspace, rt.workspace_bytes),
+            });
+        }
         let (alpha, beta) = (1f32, if c != 0 { 1f32 } else { 0f32 });
         let c = if c != 0 { c } else { y };
         // SAFETY: the plan's layouts describe `m` rows of X and Y and the `[n, k]` weight, which
         // the callers' buffers hold (arena values sized for the run's batch, uploaded weights);
-        // the workspace is the context's, at least `GEMM_WORKSPACE.min(workspace_bytes)` bytes.
+        // the workspace is this layer's part of the arena, at least the `p.workspace` bytes checked above.
         unsafe {
             lt::matmul(
                 rt.handles.lt,
@@ -187,7 +195,7 @@ impl LtMatmul {
                 p.c.0,
                 &p.algo,
                 rt.workspace as *mut c_void,
-                GEMM_WORKSPACE.min(rt.workspace_bytes),
+                p.workspace,
                 rt.stream.cu_stream() as sys::cudaStream_t,
             )
         }

@@ -5,7 +5,8 @@
 //! speed. In NHWC, the column matrix `[N·HO·WO, KP]` (K = KH·KW·Cin in (r, s, c) order, padded
 //! to a multiple of 8) times the `[Cout, KP]` weights is the NHWC output, with bias and ReLU in
 //! the GEMM's epilogue (`kernels/im2col.cu` writes the columns). The column matrix is built in
-//! chunks of rows in a scratch buffer, so a large batch does not need it whole.
+//! chunks of rows in the layer's workspace (which the arena holds for this layer alone), so a large
+//! batch does not need it whole.
 
 use super::gemm::LtMatmul;
 use super::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
@@ -21,17 +22,15 @@ pub const IM2COL_CU: &str = super::kernels::ON_DEMAND[1].1;
 const MAX_K: usize = 1024;
 
 /// Largest column-matrix chunk of each candidate: a small one stays closer to L2 between the
-/// im2col and the GEMM, a large one launches less; timing picks.
-const CHUNK_BYTES: [usize; 2] = [48 << 20, 256 << 20];
+/// im2col and the GEMM and takes less of the arena, a large one launches less; timing picks
+/// (within the room the arena has at the layer, see `tactic::choose`).
+const CHUNK_BYTES: [usize; 3] = [16 << 20, 48 << 20, 256 << 20];
 
 /// Everything the candidates of one node share.
 struct Shared {
     path: String,
     x: ValueId,
     y: ValueId,
-    col: ValueId,
-    /// Bytes of `col` per image of the run's batch (the arena holds at least `batch` times this).
-    col_bytes_per_image: usize,
     rows_per_image: usize,
     /// H, W, C, HO, WO, KH, KW, sh, sw, ph, pw, dh, dw, KP as the kernel takes them.
     dims: [i32; 14],
@@ -112,22 +111,16 @@ pub fn candidates(
     let bbuf = ctx.upload(bias)?;
     let path = ctx.node(node).path.clone();
     let matmul = LtMatmul::new(&path, ctx.precision(), elem, kp, cout, Some(&bbuf), a.act == Activation::Relu)?;
-    // The scratch holds `batch` times its per-image size (the arena sizes it for the max batch,
-    // the tactic timer for the opt batch): the max batch gets the largest chunk, any batch at
-    // least one output row's worth of columns, and never more than its whole column matrix.
     let rows_per_image = ho * wo;
-    let col_per_image = rows_per_image * kp * elem.size();
-    let max_batch = ctx.config.max_batch.max(1);
-    let biggest = CHUNK_BYTES.iter().copied().max().unwrap_or(0);
-    let col_bytes_per_image = col_per_image.min(biggest.div_ceil(max_batch)).max(kp * elem.size() * wo);
-    let col = ctx.scratch(col_bytes_per_image);
+    // Chunks smaller than the whole column matrix at the max batch, and one that holds it whole.
+    let whole = ctx.config.max_batch.max(1) * rows_per_image * kp * elem.size();
+    let mut chunks: Vec<usize> = CHUNK_BYTES.iter().copied().filter(|&c| c < whole).collect();
+    chunks.extend(CHUNK_BYTES.iter().copied().find(|&c| c >= whole));
     ctx.kernels.add_source("im2col.cu", IM2COL_CU)?;
     let shared = Arc::new(Shared {
         path,
         x,
         y,
-        col,
-        col_bytes_per_image,
         rows_per_image,
         dims,
         kp,
@@ -139,22 +132,26 @@ pub fn candidates(
         matmul,
         sm_count: ctx.kernels.sm_count(),
     });
-    Ok(CHUNK_BYTES.iter().map(|&chunk_bytes| Box::new(Im2colGemm { shared: shared.clone(), chunk_bytes }) as Box<dyn Layer>).collect())
+    Ok(chunks.into_iter().map(|chunk_bytes| Box::new(Im2colGemm { shared: shared.clone(), chunk_bytes }) as Box<dyn Layer>).collect())
 }
 
 impl Im2colGemm {
-    /// GEMM rows per chunk and in all, at `batch`. The scratch has at least `batch` times its
-    /// per-image size, whatever batch the arena (or the tactic timer) sized it for.
+    /// GEMM rows per chunk and in all, at `batch`.
     fn chunking(&self, batch: usize) -> (usize, usize) {
         let s = &self.shared;
-        let row_bytes = s.kp * 2;
-        (((s.col_bytes_per_image * batch).min(self.chunk_bytes) / row_bytes).max(1), batch * s.rows_per_image)
+        let total = batch * s.rows_per_image;
+        ((self.chunk_bytes / (s.kp * 2)).clamp(1, total.max(1)), total)
     }
 
     /// The distinct row counts of the GEMMs run at `batch` (full chunks and the last one).
     fn gemm_rows(&self, batch: usize) -> impl Iterator<Item = usize> {
         let (chunk, total) = self.chunking(batch);
         [chunk.min(total), total % chunk].into_iter().filter(|&m| m > 0)
+    }
+
+    /// Bytes of the column chunk at `batch`; the GEMM's own workspace follows it, aligned.
+    fn col_bytes(&self, batch: usize) -> usize {
+        (self.chunking(batch).0 * self.shared.kp * 2).next_multiple_of(super::arena::ALIGN)
     }
 }
 
@@ -166,7 +163,7 @@ impl Layer for Im2colGemm {
         format!("im2col-gemm:{}MiB", self.chunk_bytes >> 20)
     }
     fn workspace_bytes(&self, batch: usize) -> usize {
-        self.gemm_rows(batch).map(|m| self.shared.matmul.workspace(m)).max().unwrap_or(0)
+        self.col_bytes(batch) + self.gemm_rows(batch).map(|m| self.shared.matmul.workspace(m)).max().unwrap_or(0)
     }
     fn prepare(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         self.gemm_rows(batch).try_for_each(|m| self.shared.matmul.prepare(rt, m))
@@ -174,7 +171,17 @@ impl Layer for Im2colGemm {
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let s = &self.shared;
         let (chunk_rows, total) = self.chunking(batch);
-        let (x, y, col) = (rt.ptr(s.x), rt.ptr(s.y), rt.ptr(s.col));
+        let col_bytes = self.col_bytes(batch);
+        if rt.workspace_bytes < col_bytes {
+            return Err(crate::Error::Lower {
+                path: s.path.clone(),
+                op: "conv2d".into(),
+                reason: format!("im2col needs {col_bytes} bytes of workspace at batch {batch}, the run gives {}", rt.workspace_bytes),
+            });
+        }
+        let col = rt.workspace;
+        let gemm_rt = RunCtx { workspace: rt.workspace + col_bytes as u64, workspace_bytes: rt.workspace_bytes - col_bytes, ..*rt };
+        let (x, y) = (rt.ptr(s.x), rt.ptr(s.y));
         let mut row0 = 0;
         while row0 < total {
             let m = chunk_rows.min(total - row0);
@@ -182,7 +189,7 @@ impl Layer for Im2colGemm {
             args.extend(s.dims.iter().map(|&d| KArg::I32(d)));
             launch(rt, &s.im2col, grid_for(m * (s.kp / 8), s.sm_count), (BLOCK, 1, 1), 0, &args)?;
             let yc = y + (row0 * s.cout * 2) as u64;
-            s.matmul.enqueue(rt, m, col, s.w_ptr, 0, yc)?;
+            s.matmul.enqueue(&gemm_rt, m, col, s.w_ptr, 0, yc)?;
             row0 += m;
         }
         Ok(())
