@@ -369,6 +369,7 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
         node_values,
         current_inputs: Vec::new(),
         scratch: Vec::new(),
+        prologue_scratch: Vec::new(),
         current: 0,
         tactics,
         weights: Default::default(),
@@ -396,6 +397,7 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
         ctx.current = id;
         ctx.workspace_budget = step_of[id].map_or(0, |s| estimate.peak.saturating_sub(estimate.live[s]));
         ctx.scratch.clear();
+        ctx.prologue_scratch.clear();
         let mut inputs = Vec::with_capacity(node.inputs.len());
         for (k, &j) in node.inputs.iter().enumerate() {
             inputs.push(match (ctx.node_values[j], plan.inputs.get(k).copied().flatten()) {
@@ -407,8 +409,9 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
         let layer = def.convert(&mut ctx, id)?;
         let mut touched: Vec<ValueId> = ctx.current_inputs.iter().flatten().copied().collect();
         touched.extend(ctx.node_values[id]);
-        // Scratch made for the candidates is held only if the chosen one uses it (its prologue's copy).
-        touched.extend(layer.prologue().map(|(_, dst)| dst));
+        touched.extend(ctx.scratch.iter().copied());
+        // A prologue's scratch is held only if the chosen layer has that prologue.
+        touched.extend(layer.prologue().map(|(_, dst)| dst).filter(|d| ctx.prologue_scratch.contains(d)));
         // A layer doing the work of several traced nodes says so in its op's label (`+relu`).
         let label = def.label();
         if let Some((name, fused_parts)) = label.split_once(" +") {

@@ -442,7 +442,7 @@ pub fn conv_candidates_with(ctx: &mut BuildCtx, node: NodeId, p: ConvProblem) ->
             wp[ki * cp * r * sz..ki * cp * r * sz + src.len()].copy_from_slice(src);
         }
         let padded_shape = [k, cp, r, sz];
-        let scratch = ctx.scratch(h * wd * cp * elem.size());
+        let scratch = ctx.prologue_scratch(h * wd * cp * elem.size());
         ctx.kernels.add_source("pad.cu", PAD_CU)?;
         let pad = Arc::new(PadStep {
             kernel: ctx.kernels.get("pad_channels_f16")?,

@@ -320,8 +320,10 @@ pub struct BuildCtx<'a> {
     pub(crate) node_values: Vec<Option<ValueId>>,
     /// The values the node being converted reads, in the layouts its op asked for (None for weights).
     pub(crate) current_inputs: Vec<Option<ValueId>>,
-    /// Scratch values requested by the node being converted.
+    /// Scratch values requested by the node being converted: held by whichever candidate wins.
     pub(crate) scratch: Vec<ValueId>,
+    /// Scratch values of some candidates' prologues: held only if the winner's prologue names one.
+    pub(crate) prologue_scratch: Vec<ValueId>,
     pub(crate) current: NodeId,
     pub(crate) tactics: &'a mut Tactics,
     /// Workspace the node being converted may use without growing the arena past its activation
@@ -405,12 +407,25 @@ impl<'a> BuildCtx<'a> {
 
     /// A scratch buffer of `bytes_per_image * batch` bytes, live only while this node's layer runs.
     pub fn scratch(&mut self, bytes_per_image: usize) -> ValueId {
+        let id = self.new_scratch(bytes_per_image);
+        self.scratch.push(id);
+        id
+    }
+
+    /// A scratch buffer that only some candidates use, as the `dst` of their `Layer::prologue`:
+    /// the arena holds it only if the chosen layer's prologue names it.
+    pub fn prologue_scratch(&mut self, bytes_per_image: usize) -> ValueId {
+        let id = self.new_scratch(bytes_per_image);
+        self.prologue_scratch.push(id);
+        id
+    }
+
+    fn new_scratch(&mut self, bytes_per_image: usize) -> ValueId {
         let id = ValueId(self.values.len());
-        let name = format!("{}.scratch{}", self.node(self.current).path, self.scratch.len());
+        let name = format!("{}.scratch{}", self.node(self.current).path, self.scratch.len() + self.prologue_scratch.len());
         // Scratch is typed f32 so its size in bytes rounds up to whole words.
         let dims = vec![bytes_per_image.div_ceil(4)];
         self.values.push(ValueDesc { name, dims, elem: Elem::F32, layout: Layout::contiguous(1), storage: Storage::Arena });
-        self.scratch.push(id);
         id
     }
 

@@ -148,7 +148,7 @@ fn time_candidates(ctx: &BuildCtx, candidates: &[Box<dyn Layer>]) -> Result<Vec<
     // The inputs in the layouts the converter asked for (reformatted copies where they differ).
     let mut touched: Vec<ValueId> = ctx.current_inputs.iter().flatten().copied().collect();
     touched.extend(ctx.node_values[ctx.current]);
-    touched.extend(ctx.scratch.iter().copied());
+    touched.extend(ctx.scratch.iter().chain(&ctx.prologue_scratch).copied());
 
     let mut ptrs = vec![0u64; ctx.values.len()];
     let mut bufs = Vec::new();
