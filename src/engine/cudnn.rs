@@ -188,6 +188,21 @@ impl ConvShared {
     /// Uploads the weights and bias and creates the descriptors of one convolution (shared by
     /// forward convolutions, their channel-padded variant and transposed convolutions).
     fn new(ctx: &mut BuildCtx, path: &str, s: ConvSetup) -> Result<Self> {
+        // cuDNN's tensor descriptors count elements in 32 bits.
+        let g = s.geom;
+        let max = ctx.config.max_batch;
+        for (what, dims) in [("input", [max, g.cin, g.h, g.w]), ("output", [max, g.cout, g.ho, g.wo])] {
+            let elems = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+            if elems.is_none_or(|n| n > i32::MAX as usize) {
+                return Err(Error::Lower {
+                    path: path.to_string(),
+                    op: "conv2d".into(),
+                    reason: format!(
+                        "the {what} {dims:?} at the max batch {max} has more than 2^31 - 1 elements, the most cuDNN describes; lower the max batch"
+                    ),
+                });
+            }
+        }
         let elem = ctx.elem();
         let relu = s.attrs.act == Activation::Relu;
         Ok(Self {

@@ -56,9 +56,9 @@ impl Tactics {
     }
 }
 
-/// How much slower (as a fraction) a candidate whose workspace fits the arena may be than the
-/// fastest, whose workspace does not, and still be chosen.
-pub const WORKSPACE_TRADE: f32 = 0.10;
+/// Workspace any layer may have whatever the arena's room at it: small engines (batch 1) would
+/// otherwise rule out algorithms over a few MiB that cost nothing in absolute terms.
+pub const WORKSPACE_FLOOR: usize = 8 << 20;
 
 pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Layer>>) -> Result<Box<dyn Layer>> {
     let node = ctx.current;
@@ -115,17 +115,18 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
             Err(reason) => failures.push(format!("{}: {reason}", candidates[i].kind())),
         }
     }
-    let Some((mut winner, fastest)) = best else {
+    let Some((mut winner, _)) = best else {
         return Err(ctx.err(node, format!("no candidate ran for {key}: {}", failures.join("; "))));
     };
     // A workspace larger than the room the arena has at this layer would grow every context's
-    // memory: take the fastest candidate that fits unless it is more than WORKSPACE_TRADE slower.
+    // memory: take the fastest candidate that fits the room (at least `WORKSPACE_FLOOR`), if any.
+    let room = ctx.workspace_budget.max(WORKSPACE_FLOOR);
     let ws = |i: usize| candidates[i].workspace_bytes(ctx.config.max_batch);
-    if ws(winner) > ctx.workspace_budget {
-        let fits = log_times.iter().filter(|&&(i, _)| ws(i) <= ctx.workspace_budget).min_by(|a, b| a.1.total_cmp(&b.1));
-        if let Some(&(i, ms)) = fits.filter(|&&(_, ms)| ms <= fastest * (1.0 + WORKSPACE_TRADE)) {
+    if ws(winner) > room {
+        let fits = log_times.iter().filter(|&&(i, _)| ws(i) <= room).min_by(|a, b| a.1.total_cmp(&b.1));
+        if let Some(&(i, ms)) = fits {
+            log.push((format!("chosen: {} ({ms:.4} ms), the fastest within the arena's room of {room} bytes", candidates[i].kind()), ms));
             winner = i;
-            log.push((format!("{} (fits the arena's room of {} bytes)", candidates[i].kind(), ctx.workspace_budget), ms));
         }
     }
     let layer = candidates.into_iter().nth(winner).expect("winner index");
