@@ -222,9 +222,16 @@ impl Forward for ConvTranspose2d {
     }
 }
 
+/// Sizes come from files: every step is checked, and `None` covers overflow as well as a kernel
+/// larger than the padded input.
 fn out_extent(input: usize, k: usize, s: usize, p: usize, d: usize) -> Option<usize> {
-    let span = d * (k - 1) + 1;
-    (input + 2 * p).checked_sub(span).map(|v| v / s + 1)
+    let span = d.checked_mul(k - 1)?.checked_add(1)?;
+    input.checked_add(p.checked_mul(2)?)?.checked_sub(span).map(|v| v / s + 1)
+}
+
+/// A transposed convolution's output extent, checked like `out_extent`.
+fn transposed_extent(input: usize, k: usize, s: usize, p: usize, d: usize, out_pad: usize) -> Option<usize> {
+    (input - 1).checked_mul(s)?.checked_add(d.checked_mul(k - 1)?)?.checked_add(out_pad)?.checked_add(1)?.checked_sub(p.checked_mul(2)?)
 }
 
 fn check_common(a: &ConvAttrs, inputs: &[&[usize]], kind: &str) -> Result<(), String> {
@@ -260,8 +267,8 @@ fn check_common(a: &ConvAttrs, inputs: &[&[usize]], kind: &str) -> Result<(), St
 pub fn conv2d_shape(a: &ConvAttrs, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
     check_common(a, inputs, "conv2d")?;
     let (x, w) = (inputs[0], inputs[1]);
-    if x[1] != w[1] * a.groups {
-        return Err(format!("input has {} channels, but the weight {:?} with groups={} expects {}", x[1], w, a.groups, w[1] * a.groups));
+    if w[1].checked_mul(a.groups) != Some(x[1]) {
+        return Err(format!("input has {} channels, but the weight {:?} with groups={} expects {}", x[1], w, a.groups, w[1].saturating_mul(a.groups)));
     }
     if w[0] % a.groups != 0 {
         return Err(format!("{} output channels are not divisible by groups={}", w[0], a.groups));
@@ -295,12 +302,11 @@ pub fn conv_transpose2d_shape(a: &ConvAttrs, inputs: &[&[usize]]) -> Result<Vec<
             ));
         }
     }
-    let ext =
-        |i: usize| ((x[2 + i] - 1) * a.stride[i] + a.dilation[i] * (w[2 + i] - 1) + a.output_padding[i] + 1).checked_sub(2 * a.padding[i]);
+    let ext = |i: usize| transposed_extent(x[2 + i], w[2 + i], a.stride[i], a.padding[i], a.dilation[i], a.output_padding[i]);
     let (Some(h), Some(wd)) = (ext(0), ext(1)) else {
-        return Err(format!("padding {:?} is larger than the output", a.padding));
+        return Err(format!("padding {:?} is larger than the output, or the output overflows", a.padding));
     };
-    let cout = w[1] * a.groups;
+    let cout = w[1].checked_mul(a.groups).ok_or_else(|| format!("{} x {} groups output channels overflow", w[1], a.groups))?;
     if a.bias && inputs[2] != [cout] {
         return Err(format!("bias must have shape [{cout}], got {:?}", inputs[2]));
     }
@@ -601,4 +607,27 @@ fn conv_problem<'a>(
         y: ctx.output(node)?,
         z: residual,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn attrs(transposed: bool, f: impl Fn(&mut ConvAttrs)) -> ConvAttrs {
+        let mut a = ConvAttrs { transposed, ..ConvAttrs::default() };
+        f(&mut a);
+        a
+    }
+
+    #[test]
+    fn attributes_from_a_file_that_overflow_are_errors() {
+        let (x, w): (&[usize], &[usize]) = (&[1, 4, 8, 8], &[8, 4, 3, 3]);
+        assert!(conv2d_shape(&attrs(false, |a| a.padding = [usize::MAX / 2 + 1, 1]), &[x, w]).is_err());
+        assert!(conv2d_shape(&attrs(false, |a| a.dilation = [usize::MAX, 1]), &[x, w]).is_err());
+        assert!(conv2d_shape(&attrs(false, |a| a.groups = usize::MAX), &[x, &[8, 2, 3, 3]]).is_err());
+        let wt: &[usize] = &[4, 8, 3, 3];
+        assert!(conv_transpose2d_shape(&attrs(true, |a| a.stride = [usize::MAX, 1]), &[x, wt]).is_err());
+        assert!(conv_transpose2d_shape(&attrs(true, |a| a.groups = usize::MAX), &[x, wt]).is_err());
+        assert_eq!(conv2d_shape(&ConvAttrs::default(), &[x, w]), Ok(vec![1, 8, 6, 6]));
+    }
 }

@@ -224,9 +224,9 @@ pub fn mean_shape(dims: &[usize], keepdim: bool, inputs: &[&[usize]]) -> Result<
 /// PyTorch's pooled extent, including its ceil_mode rule: the last window must start inside the
 /// input or the left padding.
 pub fn pooled_extent(input: usize, k: usize, s: usize, p: usize, ceil: bool) -> Option<usize> {
-    let span = (input + 2 * p).checked_sub(k)?;
+    let span = input.checked_add(p.checked_mul(2)?)?.checked_sub(k)?;
     let mut out = if ceil { span.div_ceil(s) } else { span / s } + 1;
-    if ceil && (out - 1) * s >= input + p {
+    if ceil && (out - 1).checked_mul(s)? >= input.checked_add(p)? {
         out -= 1;
     }
     Some(out)
@@ -240,7 +240,7 @@ pub fn pool2d_shape(a: &PoolAttrs, inputs: &[&[usize]]) -> Result<Vec<usize>, St
     if a.stride.contains(&0) || a.kernel.contains(&0) {
         return Err("kernel and stride must be positive".into());
     }
-    if a.padding[0] * 2 > a.kernel[0] || a.padding[1] * 2 > a.kernel[1] {
+    if a.padding[0] > a.kernel[0] / 2 || a.padding[1] > a.kernel[1] / 2 {
         return Err(format!("padding {:?} must be at most half the kernel {:?}", a.padding, a.kernel));
     }
     let ext = |i: usize| pooled_extent(x[2 + i], a.kernel[i], a.stride[i], a.padding[i], a.ceil_mode);
@@ -451,6 +451,17 @@ fn gpu_mean(ctx: &mut BuildCtx, node: NodeId, dims: &[usize]) -> Result<Box<dyn 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn attributes_from_a_file_that_overflow_are_errors() {
+        let x: &[usize] = &[1, 3, 8, 8];
+        let big = PoolAttrs { kernel: [usize::MAX, 3], stride: [1, 1], padding: [usize::MAX / 2, 1], ceil_mode: true, count_include_pad: true };
+        assert!(pool2d_shape(&big, &[x]).is_err());
+        assert_eq!(pooled_extent(usize::MAX, 3, 1, 1, false), None);
+        assert_eq!(pooled_extent(8, 3, usize::MAX, 1, true), Some(1));
+        let ok = PoolAttrs { kernel: [3, 3], stride: [2, 2], padding: [1, 1], ceil_mode: false, count_include_pad: true };
+        assert_eq!(pool2d_shape(&ok, &[x]), Ok(vec![1, 3, 4, 4]));
+    }
 
     #[test]
     fn mean_shape_errors_name_the_shape() {
