@@ -263,6 +263,9 @@ pub struct ConvLayer {
     mode: Mode,
     workspace: usize,
     pad: Option<Arc<PadStep>>,
+    /// Runs the batch in slices of at most this many images, so the workspace (which grows with
+    /// the batch) fits the arena's room at this layer.
+    split: Option<usize>,
 }
 
 fn algo_name(a: dnn::cudnnConvolutionFwdAlgo_t) -> String {
@@ -306,7 +309,8 @@ impl Layer for ConvLayer {
             Mode::Separate => "cudnn-conv",
         };
         let pad = if let Some(p) = &self.pad { format!("pad{}+", p.cp) } else { String::new() };
-        format!("{pad}{m}:{}", algo_name(self.algo))
+        let split = self.split.map(|n| format!(":by{n}")).unwrap_or_default();
+        format!("{pad}{m}:{}{split}", algo_name(self.algo))
     }
     fn workspace_bytes(&self, _batch: usize) -> usize {
         self.workspace
@@ -333,9 +337,28 @@ impl Layer for ConvLayer {
             ];
             launch(rt, &p.kernel, grid_for(pixels, p.sm_count), (BLOCK, 1, 1), 0, &args)?;
         }
+        let slice = self.split.unwrap_or(batch).max(1);
+        let g = s.geom;
+        let (x_image, y_image) = ((g.cin * g.h * g.w * s.elem.size()) as u64, (g.cout * g.ho * g.wo * s.elem.size()) as u64);
+        let mut first = 0;
+        while first < batch {
+            let n = slice.min(batch - first);
+            let at = first as u64;
+            let z = s.z.map(|z| rt.ptr(z) + at * y_image);
+            self.convolve(rt, n, rt.ptr(s.x) + at * x_image, rt.ptr(s.y) + at * y_image, z)?;
+            first += n;
+        }
+        Ok(())
+    }
+}
+
+impl ConvLayer {
+    /// The convolution of `batch` images at `x` into `y` (adding `z`), as the layer's mode says.
+    fn convolve(&self, rt: &RunCtx, batch: usize, x: u64, y: u64, z: Option<u64>) -> Result<()> {
+        let s = &self.shared;
         let d = s.descs(batch)?;
         let h = rt.handles.cudnn;
-        let (x, y) = (rt.ptr(s.x) as *const c_void, rt.ptr(s.y) as *mut c_void);
+        let (x, y) = (x as *const c_void, y as *mut c_void);
         let (ws, ws_len) = (rt.workspace as *mut c_void, self.workspace.min(rt.workspace_bytes));
         let one = 1f32;
         let zero = 0f32;
@@ -343,8 +366,8 @@ impl Layer for ConvLayer {
         match self.mode {
             Mode::Fused => {
                 // Without a residual, z aliases y with alpha2 = 0 (cuDNN reads z only when alpha2 != 0).
-                let (z, alpha2) = match s.z {
-                    Some(z) => (rt.ptr(z) as *const c_void, 1f32),
+                let (z, alpha2) = match z {
+                    Some(z) => (z as *const c_void, 1f32),
                     None => (y as *const c_void, 0f32),
                 };
                 // SAFETY: descriptors are live (owned by `s` and `d`); the addresses come from the context's arena,
@@ -378,7 +401,7 @@ impl Layer for ConvLayer {
             // SAFETY: as in the fused call above: live descriptors, arena/binding/workspace addresses sized for `batch`.
             Mode::Separate => unsafe {
                 // Written over its residual, y holds z already: accumulate onto it.
-                let in_place = s.z.is_some_and(|z| rt.ptr(z) == rt.ptr(s.y));
+                let in_place = z.is_some_and(|z| z == y as u64);
                 check(
                     dnn::cudnnConvolutionForward(
                         h,
@@ -403,9 +426,9 @@ impl Layer for ConvLayer {
                         "cudnnAddTensor (bias)",
                     )?;
                 }
-                if let Some(z) = s.z.filter(|_| !in_place) {
+                if let Some(z) = z.filter(|_| !in_place) {
                     check(
-                        dnn::cudnnAddTensor(h, p(&one), d.y.raw, rt.ptr(z) as *const c_void, p(&one), d.y.raw, y),
+                        dnn::cudnnAddTensor(h, p(&one), d.y.raw, z as *const c_void, p(&one), d.y.raw, y),
                         "cudnnAddTensor (residual)",
                     )?;
                 }
@@ -503,12 +526,41 @@ fn fwd_layers(ctx: &BuildCtx, shared: &Arc<ConvShared>, pad: Option<Arc<PadStep>
         }
         // cuDNN's fused call supports the identity activation only with IMPLICIT_PRECOMP_GEMM.
         let fused_ok = shared.relu || algo == dnn::cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM;
-        if fused_ok {
-            out.push(Box::new(ConvLayer { shared: shared.clone(), algo, mode: Mode::Fused, workspace: ws, pad: pad.clone() }));
+        let mut add = |workspace: usize, split: Option<usize>| {
+            if fused_ok {
+                out.push(Box::new(ConvLayer { shared: shared.clone(), algo, mode: Mode::Fused, workspace, pad: pad.clone(), split }));
+            }
+            out.push(Box::new(ConvLayer { shared: shared.clone(), algo, mode: Mode::Separate, workspace, pad: pad.clone(), split }));
+        };
+        add(ws, None);
+        // A workspace that outgrows the arena's room at this layer also runs in batch slices
+        // small enough for the room, as one more candidate.
+        let room = ctx.workspace_budget.max(super::tactic::WORKSPACE_FLOOR);
+        if ws > room {
+            if let Some((n, ws_n)) = slice_within(ctx, shared, algo, room)? {
+                add(ws_n, Some(n));
+            }
         }
-        out.push(Box::new(ConvLayer { shared: shared.clone(), algo, mode: Mode::Separate, workspace: ws, pad: pad.clone() }));
     }
     Ok(out)
+}
+
+/// The largest batch slice (halving from the max batch) whose workspace for `algo` fits `room`.
+fn slice_within(ctx: &BuildCtx, shared: &ConvShared, algo: dnn::cudnnConvolutionFwdAlgo_t, room: usize) -> Result<Option<(usize, usize)>> {
+    let mut n = ctx.config.max_batch / 2;
+    while n >= 1 {
+        let d = shared.descs(n)?;
+        let mut ws = 0usize;
+        // SAFETY: the handle and descriptors are live; `ws` outlives the call.
+        let st = unsafe {
+            dnn::cudnnGetConvolutionForwardWorkspaceSize(ctx.gpu.handles.cudnn, d.x.raw, shared.filter.raw, shared.conv.raw, d.y.raw, algo, &mut ws)
+        };
+        if st.result().is_ok() && ws <= room {
+            return Ok(Some((n, ws)));
+        }
+        n /= 2;
+    }
+    Ok(None)
 }
 
 /// A transposed convolution as cuDNN's backward-data of the matching forward convolution, then
