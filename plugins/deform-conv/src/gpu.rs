@@ -64,7 +64,8 @@ impl Layer for DeformConvLayer {
         let rows = batch * self.rows_per_image;
         let mask = self.mask.map_or(0, |m| rt.ptr(m));
         let col = rt.ptr(self.col);
-        let mut args = vec![KArg::Ptr(rt.ptr(self.x)), KArg::Ptr(rt.ptr(self.offset)), KArg::Ptr(mask), KArg::Ptr(col), KArg::I64(rows as i64)];
+        let mut args =
+            vec![KArg::Ptr(rt.ptr(self.x)), KArg::Ptr(rt.ptr(self.offset)), KArg::Ptr(mask), KArg::Ptr(col), KArg::I64(rows as i64)];
         args.extend(self.dims.iter().map(|&d| KArg::I32(d)));
         launch(rt, &self.im2col, grid_for(rows * self.kp, self.sm_count), (BLOCK, 1, 1), 0, &args)?;
         self.matmul.enqueue(rt, rows, col, self.w_ptr, 0, rt.ptr(self.y))
@@ -189,7 +190,10 @@ mod tests {
         for o in 0..cout {
             let ours: f32 = (0..kp).map(|k| if k < taps * cin { wc[o * kp + k] * v(k % cin, k / cin) } else { wc[o * kp + k] }).sum();
             let (cin_g, grp) = (cin / groups, o / (cout / groups));
-            let want: f32 = (0..cin_g).flat_map(|ci| (0..taps).map(move |t| (ci, t))).map(|(ci, t)| w.data[(o * cin_g + ci) * taps + t] * v(grp * cin_g + ci, t)).sum();
+            let want: f32 = (0..cin_g)
+                .flat_map(|ci| (0..taps).map(move |t| (ci, t)))
+                .map(|(ci, t)| w.data[(o * cin_g + ci) * taps + t] * v(grp * cin_g + ci, t))
+                .sum();
             assert!((ours - want).abs() < 1e-5, "output channel {o}: {ours} vs {want}");
         }
         assert!(wc.chunks(kp).all(|row| row[taps * cin..].iter().all(|&z| z == 0.0)), "padding columns are zero");

@@ -322,16 +322,7 @@ pub struct DeformConv2dConfig {
 impl DeformConv2dConfig {
     /// A square `k`×`k` kernel, stride 1, no padding, one group, with a bias (torchvision's defaults).
     pub fn new(in_channels: usize, out_channels: usize, k: usize) -> Self {
-        Self {
-            in_channels,
-            out_channels,
-            kernel_size: [k, k],
-            stride: [1, 1],
-            padding: [0, 0],
-            dilation: [1, 1],
-            groups: 1,
-            bias: true,
-        }
+        Self { in_channels, out_channels, kernel_size: [k, k], stride: [1, 1], padding: [0, 0], dilation: [1, 1], groups: 1, bias: true }
     }
     pub fn kernel_hw(mut self, kh: usize, kw: usize) -> Self {
         self.kernel_size = [kh, kw];

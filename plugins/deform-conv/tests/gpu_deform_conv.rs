@@ -41,11 +41,7 @@ fn dcn_op_matches_the_cpu_reference() {
     check("dcn s(2,1) p(2,1) d(2,1) og2 [6, 12, 10] -> 8", &[("x", &[6, 12, 10]), ("offset", &[36, 6, 10])], dcn(c, false));
     // Groups 2, a 3x2 kernel, 3 offset groups, mask.
     let c = DeformConv2dConfig::new(6, 8, 3).kernel_hw(3, 2).stride_hw(1, 2).padding_hw(1, 0).dilation_hw(1, 2).groups(2);
-    check(
-        "dcn groups2 og3 3x2 [6, 7, 9] -> 8",
-        &[("x", &[6, 7, 9]), ("offset", &[36, 7, 4]), ("mask", &[18, 7, 4])],
-        dcn(c, true),
-    );
+    check("dcn groups2 og3 3x2 [6, 7, 9] -> 8", &[("x", &[6, 7, 9]), ("offset", &[36, 7, 4]), ("mask", &[18, 7, 4])], dcn(c, true));
     // Odd output channels (cuBLASLt rows not a multiple of 8) and no padding.
     let c = DeformConv2dConfig::new(3, 5, 3);
     check("dcn 3x3 no padding [3, 5, 6] -> 5", &[("x", &[3, 5, 6]), ("offset", &[18, 3, 4]), ("mask", &[9, 3, 4])], dcn(c, true));
