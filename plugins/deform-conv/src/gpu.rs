@@ -170,7 +170,77 @@ pub fn convert(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::op::DeformAttrs;
+    use crate::op::{bilinear, DeformAttrs, OP};
+    use kiln::graph::HostTensor;
+
+    /// NCHW `[N, C, H, W]` to NHWC, as the engine stores images.
+    fn nhwc(t: &HostTensor) -> Vec<f32> {
+        let [n, c, h, w] = <[usize; 4]>::try_from(t.shape.as_slice()).expect("4-d");
+        let mut out = vec![0f32; t.data.len()];
+        for (i, &v) in t.data.iter().enumerate() {
+            let (b, ch, y, x) = (i / (c * h * w), i / (h * w) % c, i / w % h, i % w);
+            out[((b * h + y) * w + x) * c + ch] = v;
+        }
+        out
+    }
+
+    /// The layer on the CPU: `deform_im2col` element by element with the kernel's index maths
+    /// (NHWC inputs, `[rows, KP]` columns), then the GEMM with `column_weights` and the bias. It
+    /// must give the CPU reference's output, in NHWC.
+    #[test]
+    fn the_kernels_index_maths_reproduce_the_cpu_reference() {
+        let a = DeformAttrs { stride: [1, 2], padding: [1, 0], dilation: [2, 1], mask: true, bias: true };
+        let (n, cin, h, w, cout, kh, kw, og, groups) = (2, 6, 7, 9, 4, 3, 2, 3, 2);
+        let x = kiln::seeded::weight("t.input", &[n, cin, h, w]);
+        let g = geometry(&a, &[&x.shape, &[n, 2 * og * kh * kw, 5, 4], &[n, og * kh * kw, 5, 4], &[cout, cin / groups, kh, kw], &[cout]])
+            .expect("geometry");
+        let (ho, wo, taps) = (g.ho, g.wo, g.taps());
+        let mut offset = kiln::seeded::weight("t.offset", &[n, 2 * og * taps, ho, wo]);
+        offset.data.iter_mut().for_each(|v| *v *= 3.0);
+        let mask = kiln::seeded::weight("t.mask", &[n, og * taps, ho, wo]);
+        let weight = kiln::seeded::weight("t.weight", &[cout, cin / groups, kh, kw]);
+        let bias = kiln::seeded::weight("t.bias", &[cout]);
+        let attrs = a.to_attrs().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        let want = (kiln::ops::custom::lookup(OP).expect("registered").cpu)(&attrs, &[&x, &offset, &mask, &weight, &bias]).expect("cpu");
+
+        let (xs, offs, masks) = (nhwc(&x), nhwc(&offset), nhwc(&mask));
+        let k_all = taps * cin;
+        let kp = k_all.next_multiple_of(K_ALIGN);
+        let rows = n * ho * wo;
+        let c_per_group = cin / og;
+        let mut col = vec![0f32; rows * kp];
+        for (i, slot) in col.iter_mut().enumerate() {
+            let (row, k) = (i / kp, i % kp);
+            if k >= k_all {
+                continue;
+            }
+            let (t, c) = (k / cin, k % cin);
+            let (ti, tj) = (t / kw, t % kw);
+            let grp = c / c_per_group;
+            let (b, p) = (row / (ho * wo), row % (ho * wo));
+            let (oy, ox) = (p / wo, p % wo);
+            let off = row * (2 * og * taps) + 2 * (grp * taps + t);
+            let [sh, sw, ph, pw, dh, dw] =
+                [a.stride[0], a.stride[1], a.padding[0], a.padding[1], a.dilation[0], a.dilation[1]].map(|v| v as i64);
+            let y = (oy as i64 * sh - ph + ti as i64 * dh) as f32 + offs[off];
+            let xf = (ox as i64 * sw - pw + tj as i64 * dw) as f32 + offs[off + 1];
+            let m = masks[row * (og * taps) + grp * taps + t];
+            // The kernel reads channel c of the NHWC image: the plane of channel c, gathered.
+            let plane: Vec<f32> = (0..h * w).map(|q| xs[(b * h * w + q) * cin + c]).collect();
+            *slot = m * bilinear(&plane, h, w, y, xf);
+        }
+        let wc = column_weights(&g, &weight.data, kp);
+        let mut got = vec![0f32; rows * cout];
+        for r in 0..rows {
+            for o in 0..cout {
+                got[r * cout + o] = bias.data[o] + (0..kp).map(|k| col[r * kp + k] * wc[o * kp + k]).sum::<f32>();
+            }
+        }
+        let want = nhwc(&want);
+        let max = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        println!("kernel index maths vs CPU reference: max abs {max:.2e} over {} values", want.len());
+        assert!(max < 1e-5, "max abs {max}");
+    }
 
     /// The column weights times a column matrix built in the kernel's (tap, channel) order equal
     /// the grouped weights times torchvision's (channel, tap) columns: the GEMM the layer runs
