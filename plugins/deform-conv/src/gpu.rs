@@ -175,7 +175,7 @@ mod tests {
 
     /// NCHW `[N, C, H, W]` to NHWC, as the engine stores images.
     fn nhwc(t: &HostTensor) -> Vec<f32> {
-        let [n, c, h, w] = <[usize; 4]>::try_from(t.shape.as_slice()).expect("4-d");
+        let [_, c, h, w] = <[usize; 4]>::try_from(t.shape.as_slice()).expect("4-d");
         let mut out = vec![0f32; t.data.len()];
         for (i, &v) in t.data.iter().enumerate() {
             let (b, ch, y, x) = (i / (c * h * w), i / (h * w) % c, i / w % h, i % w);

@@ -378,7 +378,7 @@ pub struct DeformConv2d {
 impl Module for DeformConv2d {
     type Config = DeformConv2dConfig;
     fn load(vb: VarBuilder, c: &DeformConv2dConfig) -> Result<Self> {
-        if c.groups == 0 || c.in_channels % c.groups != 0 || c.out_channels % c.groups != 0 {
+        if c.groups == 0 || !c.in_channels.is_multiple_of(c.groups) || !c.out_channels.is_multiple_of(c.groups) {
             return Err(Error::Config {
                 reason: format!(
                     "{}: in_channels {} and out_channels {} must be multiples of groups {}",
