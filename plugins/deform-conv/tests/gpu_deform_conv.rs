@@ -2,8 +2,9 @@
 //! - `dcn_op_*`: the `deform_conv2d` layer (deformable im2col kernel + cuBLASLt GEMM) inside real
 //!   engines against the op's CPU reference, FP32 (rel L2 ≤ 1e-5) and FP16 (≤ 1e-2), batch 1 and
 //!   3, on fresh random inputs (offsets up to ±2 pixels, so samples cross the border);
-//! - `centernet_dcn_matches_pytorch`: CenterNet-R50-DCN against PyTorch (FP32 ≤ 1e-4, FP16 ≤ 1e-2,
-//!   ≥ 98 of 100 detections identical): the committed seeded fixture (128×128) and, with
+//! - `centernet_dcn_matches_pytorch`: CenterNet-R50-DCN against PyTorch (FP32 ≤ 1e-4, FP16 ≤ 1e-2;
+//!   ≥ 98 of 100 detections identical in FP32, and in FP16 all but 2 of those whose score is
+//!   above the cut by more than FP16's error): the committed seeded fixture (128×128) and, with
 //!   `KILN_REFERENCE_DIR`, references exported on the device (`tools/gpu-test.sh` with
 //!   `MODELS=centernet_dcn`: `seeded/` and `torchvision/` at 512×512).
 //!
@@ -109,15 +110,18 @@ fn tile(t: &HostTensor, b: usize) -> HostTensor {
     HostTensor::new(shape, t.data.repeat(b))
 }
 
-/// Reference detections found among ours: same class, centre within 0.1 of the map's pixels.
-fn matching_detections(got: &HostTensor, want: &HostTensor, image: usize) -> usize {
+/// Reference detections with a score of at least `min_score` found among ours: same class,
+/// centre within 0.1 of the map's pixels. Returns (found, considered).
+fn matching_detections(got: &HostTensor, want: &HostTensor, image: usize, min_score: f32) -> (usize, usize) {
     let k = want.shape[1];
     let rows = |t: &HostTensor| -> Vec<[f32; 6]> {
         t.data[image * k * 6..(image + 1) * k * 6].chunks_exact(6).map(|r| r.try_into().expect("6 columns")).collect()
     };
     let (g, w) = (rows(got), rows(want));
+    let w: Vec<[f32; 6]> = w.into_iter().filter(|r| r[4] >= min_score).collect();
     let centre = |r: &[f32; 6]| ((r[0] + r[2]) / 2.0, (r[1] + r[3]) / 2.0);
-    w.iter()
+    let found = w
+        .iter()
         .filter(|wr| {
             let (wx, wy) = centre(wr);
             g.iter().any(|gr| {
@@ -125,7 +129,18 @@ fn matching_detections(got: &HostTensor, want: &HostTensor, image: usize) -> usi
                 gr[5] == wr[5] && (gx - wx).abs() < 0.1 && (gy - wy).abs() < 0.1
             })
         })
-        .count()
+        .count();
+    (found, w.len())
+}
+
+/// The score of the best candidate just outside PyTorch's top 100 (its 101st), from the
+/// reference maps through the decode's CPU reference: what a reference detection must beat.
+fn first_excluded_score(refs: &BTreeMap<String, HostTensor>) -> f32 {
+    let decode = kiln::ops::custom::lookup("centernet_decode").expect("kiln-models registers centernet_decode");
+    let attrs = [("k".to_string(), 101.0)].into_iter().collect();
+    let maps = [&refs["output.hm"], &refs["output.wh"], &refs["output.reg"]];
+    let out = (decode.cpu)(&attrs, &maps).expect("decode of the reference maps");
+    out.data[100 * 6 + 4]
 }
 
 #[test]
@@ -150,15 +165,32 @@ fn centernet_dcn_matches_pytorch() {
             let mut ctx = engine.context().expect("context");
             for b in [1, max] {
                 let got = ctx.run(&[("input", &tile(x, b))]).unwrap_or_else(|e| panic!("{label} batch {b}: {e}"));
+                let mut hm_err = 0f64;
                 for name in ["hm", "wh", "reg"] {
                     let c = compare(&format!("{label} batch {b} {name}"), &got[name], &tile(&refs[&format!("output.{name}")], b));
                     println!("  {c}");
                     assert!(c.passes(tol), "{c} over rel L2 {tol:e}");
+                    if name == "hm" {
+                        hm_err = c.max_abs;
+                    }
                 }
                 let want = tile(&refs["output.detections"], b);
-                let min = (0..b).map(|i| matching_detections(&got["detections"], &want, i)).min().unwrap_or(0);
-                println!("  {label} batch {b} detections: {min} of {} identical in class and position (worst image)", want.shape[1]);
-                assert!(min >= 98, "{label} batch {b}: only {min} detections match PyTorch");
+                let all = (0..b).map(|i| matching_detections(&got["detections"], &want, i, f32::MIN).0).min().unwrap_or(0);
+                println!("  {label} batch {b} detections: {all} of {} identical in class and position (worst image)", want.shape[1]);
+                if precision == Precision::Fp32 {
+                    assert!(all >= 98, "{label} batch {b}: only {all} detections match PyTorch");
+                } else {
+                    // Seeded weights give many near-equal scores at the top-100 cut (at 128x128,
+                    // 40 candidates within 3e-4 of it), which FP16's rounding may reorder. A score
+                    // error is at most a quarter of the logit error (the sigmoid's slope), so a
+                    // reference detection above the 101st candidate by more than half the largest
+                    // logit error cannot be displaced: those must all be found (2 spare, as above).
+                    let floor = first_excluded_score(&refs) + 0.5 * hm_err as f32;
+                    let (found, separated) =
+                        (0..b).map(|i| matching_detections(&got["detections"], &want, i, floor)).min().unwrap_or((0, 0));
+                    println!("  {label} batch {b}: {found} of the {separated} detections separated from the cut by > FP16's error found");
+                    assert!(found + 2 >= separated, "{label} batch {b}: only {found} of {separated} separated detections match PyTorch");
+                }
             }
             if precision == Precision::Fp16 {
                 for b in [1, max] {
