@@ -2,9 +2,9 @@
 //! - `dcn_op_*`: the `deform_conv2d` layer (deformable im2col kernel + cuBLASLt GEMM) inside real
 //!   engines against the op's CPU reference, FP32 (rel L2 ≤ 1e-5) and FP16 (≤ 1e-2), batch 1 and
 //!   3, on fresh random inputs (offsets up to ±2 pixels, so samples cross the border);
-//! - `centernet_dcn_matches_pytorch`: CenterNet-R50-DCN against PyTorch (FP32 ≤ 1e-4, FP16 ≤ 1e-2;
-//!   ≥ 98 of 100 detections identical in FP32, and in FP16 all but 2 of those whose score is
-//!   above the cut by more than FP16's error): the committed seeded fixture (128×128) and, with
+//! - `centernet_dcn_matches_pytorch`: CenterNet-R50-DCN against PyTorch (maps: FP32 ≤ 1e-4, FP16
+//!   ≤ 1e-2; detections: all but 2 of those whose score is above the top-100 cut by more than the
+//!   run's error): the committed seeded fixture (128×128) and, with
 //!   `KILN_REFERENCE_DIR`, references exported on the device (`tools/gpu-test.sh` with
 //!   `MODELS=centernet_dcn`: `seeded/` and `torchvision/` at 512×512).
 //!
@@ -177,20 +177,16 @@ fn centernet_dcn_matches_pytorch() {
                 let want = tile(&refs["output.detections"], b);
                 let all = (0..b).map(|i| matching_detections(&got["detections"], &want, i, f32::MIN).0).min().unwrap_or(0);
                 println!("  {label} batch {b} detections: {all} of {} identical in class and position (worst image)", want.shape[1]);
-                if precision == Precision::Fp32 {
-                    assert!(all >= 98, "{label} batch {b}: only {all} detections match PyTorch");
-                } else {
-                    // Seeded weights give many near-equal scores at the top-100 cut (at 128x128,
-                    // 40 candidates within 3e-4 of it), which FP16's rounding may reorder. A score
-                    // error is at most a quarter of the logit error (the sigmoid's slope), so a
-                    // reference detection above the 101st candidate by more than half the largest
-                    // logit error cannot be displaced: those must all be found (2 spare, as above).
-                    let floor = first_excluded_score(&refs) + 0.5 * hm_err as f32;
-                    let (found, separated) =
-                        (0..b).map(|i| matching_detections(&got["detections"], &want, i, floor)).min().unwrap_or((0, 0));
-                    println!("  {label} batch {b}: {found} of the {separated} detections separated from the cut by > FP16's error found");
-                    assert!(found + 2 >= separated, "{label} batch {b}: only {found} of {separated} separated detections match PyTorch");
-                }
+                // Random and seeded weights give near-equal scores at the top-100 cut (seeded
+                // at 128x128: 40 candidates within 3e-4 of it; torchvision's init: within 1e-6),
+                // which rounding may reorder. A score error is at most a quarter of the logit
+                // error (the sigmoid's slope), so a reference detection above the 101st candidate
+                // by more than half the largest logit error cannot be displaced: those must all be
+                // found, 2 spare (the `centernet` check's 98 of 100 when all are separated).
+                let floor = first_excluded_score(&refs) + 0.5 * hm_err as f32;
+                let (found, separated) = (0..b).map(|i| matching_detections(&got["detections"], &want, i, floor)).min().unwrap_or((0, 0));
+                println!("  {label} batch {b}: {found} of the {separated} detections separated from the cut by more than the error found");
+                assert!(found + 2 >= separated, "{label} batch {b}: only {found} of {separated} separated detections match PyTorch");
             }
             if precision == Precision::Fp16 {
                 for b in [1, max] {
