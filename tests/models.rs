@@ -354,3 +354,23 @@ fn exported_references_match() {
     }
     assert!(checked > 0, "no <model>.reference.safetensors in {} or its subdirectories", root.display());
 }
+
+/// CenterNet-R50-DCN (deformable convs from the `kiln-deform-conv` plugin) at 128x128, traced and
+/// optimised graphs alike.
+#[test]
+fn centernet_dcn_matches_pytorch() {
+    let (ours, refs) = run("centernet_dcn");
+    for head in ["hm", "wh", "reg"] {
+        let c = check("centernet_dcn", head, &ours, &refs);
+        assert!(c.passes(TOL), "{c} exceeds rel L2 {TOL}");
+    }
+    check_detections("centernet_dcn", &ours, &refs);
+    let x = &refs["input"];
+    let graph = kiln_models::trace("centernet_dcn", VarBuilder::seeded(), x.shape[0], x.shape[2]).expect("trace");
+    let optimized = kiln::passes::optimize(&graph).expect("passes");
+    let ours = kiln::cpu::run(&optimized, &[("input", x)]).expect("cpu run");
+    for head in ["hm", "wh", "reg"] {
+        let c = check("centernet_dcn (optimised)", head, &ours, &refs);
+        assert!(c.passes(TOL), "{c} exceeds rel L2 {TOL}");
+    }
+}

@@ -49,7 +49,7 @@ CLASSIFIERS = [
     "regnet_y_400mf",
     "convnext_tiny",
 ]
-MODELS = {**{name: 224 for name in CLASSIFIERS}, "centernet": 512}
+MODELS = {**{name: 224 for name in CLASSIFIERS}, "centernet": 512, "centernet_dcn": 512}
 
 # The committed references in tests/fixtures: (batch, size). 112 keeps the CPU tests fast and the
 # files small, and is not a multiple of 32, so late stages see odd sizes: GoogLeNet's and
@@ -66,6 +66,8 @@ FIXTURE_SIZES = {
     "regnet_y_400mf": (2, 96),
     "convnext_tiny": (2, 96),
     "centernet": (1, 512),
+    # CenterNet-R50-DCN: 128 keeps the CPU test fast (DCNs at 4x4, 8x8 and 16x16).
+    "centernet_dcn": (1, 128),
 }
 
 # torchvision's builders take these for Kiln's variant of the model: GoogLeNet's inference path
@@ -127,6 +129,45 @@ class CenterNet(nn.Module):
         return self.head(self.upsampler(self.backbone(x)))
 
 
+class DCN(torchvision.ops.DeformConv2d):
+    """The original CenterNet's DCN (DCNv2's `DCN` module) on torchvision's op: a 3x3 conv
+    `conv_offset_mask` predicts 27 channels, the first 18 are the (dy, dx) offsets of the 9 taps,
+    the last 9 the mask (through a sigmoid). Keys: `weight`, `bias`, `conv_offset_mask.{weight,bias}`
+    (Kiln's twin: kiln_models::centernet_dcn::Dcn)."""
+
+    def __init__(self, cin, cout):
+        super().__init__(cin, cout, 3, padding=1, bias=True)
+        self.conv_offset_mask = nn.Conv2d(cin, 27, 3, padding=1)
+
+    def forward(self, x):
+        om = self.conv_offset_mask(x)
+        return super().forward(x, om[:, :18], torch.sigmoid(om[:, 18:]))
+
+
+class UpsamplerDCN(nn.Module):
+    """CenterNet's `resnet_dcn` upsampler: 3 x [DCN, BN, ReLU, ConvTranspose2d(4, s=2, p=1), BN, ReLU]."""
+
+    def __init__(self, cin=2048, channels=(256, 256, 256)):
+        super().__init__()
+        layers = []
+        for c in channels:
+            layers += [DCN(cin, c), nn.BatchNorm2d(c), nn.ReLU(inplace=True)]
+            layers += [nn.ConvTranspose2d(c, c, 4, stride=2, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True)]
+            cin = c
+        self.deconv_layers = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.deconv_layers(x)
+
+
+class CenterNetDCN(CenterNet):
+    """CenterNet-R50-DCN: CenterNet-R50 with a deformable 3x3 conv before each upsampling deconv."""
+
+    def __init__(self, num_classes=80):
+        super().__init__(num_classes)
+        self.upsampler = UpsamplerDCN()
+
+
 def centernet_decode(hm, wh, reg, k=100):
     """Kiln's `centernet_decode` op: sigmoid, 3x3 peak keeping, top-K over classes x positions
     (ties: lower flat index first), boxes (x1, y1, x2, y2, score, class) in map coordinates."""
@@ -153,6 +194,8 @@ def build(model):
         return getattr(torchvision.models, model)(weights=None, **BUILD_KWARGS.get(model, {}))
     if model == "centernet":
         return CenterNet(80)
+    if model == "centernet_dcn":
+        return CenterNetDCN(80)
     raise SystemExit(f"unknown model `{model}` (expected one of {', '.join(MODELS)})")
 
 
@@ -207,7 +250,7 @@ def load_weights(model, net, weights, seed):
 
 
 def run_model(net, model, x):
-    if model == "centernet":
+    if model in ("centernet", "centernet_dcn"):
         hm, wh, reg = net(x)
         return {"hm": hm, "wh": wh, "reg": reg, "detections": centernet_decode(hm, wh, reg)}
     return {"logits": net(x)}
@@ -443,6 +486,48 @@ def export_op_fixtures(out_dir):
     print(f"wrote {path}: {len(op_cases())} cases")
 
 
+# ---- deform_conv2d fixtures (plugins/deform-conv) ----------------------------------------------
+
+# (case, input [N, C, H, W], weight [Cout, C / groups, KH, KW], stride, padding, dilation,
+#  offset groups, mask, bias, offset scale). Offsets are seeded in [-1, 1) times the scale, so
+# the larger scales push many samples past the border (zero outside, partial corners).
+DEFORM_CASES = [
+    ("basic_mask_batch2", [2, 4, 9, 11], [6, 4, 3, 3], (1, 1), (1, 1), (1, 1), 1, True, True, 2.0),
+    ("stride_dilation_og2_nomask", [1, 6, 12, 10], [8, 6, 3, 3], (2, 1), (2, 1), (2, 1), 2, False, False, 3.0),
+    ("groups2_og3_kernel3x2", [2, 6, 7, 9], [4, 3, 3, 2], (1, 2), (1, 0), (1, 2), 3, True, True, 2.5),
+    ("far_offsets_batch3", [3, 3, 5, 6], [5, 3, 3, 3], (1, 1), (0, 0), (1, 1), 1, True, False, 6.0),
+    ("kernel1_og4_nomask", [2, 8, 6, 5], [3, 8, 1, 1], (1, 1), (0, 0), (1, 1), 4, False, True, 1.5),
+]
+
+
+def export_deform_fixtures(out_dir):
+    """`torchvision.ops.deform_conv2d` on seeded tensors: `<case>.{input,offset,mask,weight,bias}`,
+    `<case>.output` and `<case>.attrs` = (stride_h, stride_w, pad_h, pad_w, dil_h, dil_w)."""
+    from torchvision.ops import deform_conv2d
+
+    tensors = {}
+    for case, xs, ws, stride, padding, dilation, og, use_mask, use_bias, scale in DEFORM_CASES:
+        kh, kw = ws[2], ws[3]
+        ho = (xs[2] + 2 * padding[0] - (dilation[0] * (kh - 1) + 1)) // stride[0] + 1
+        wo = (xs[3] + 2 * padding[1] - (dilation[1] * (kw - 1) + 1)) // stride[1] + 1
+        t = {
+            "input": torch.from_numpy(seeded.weight(f"{case}.input", xs)),
+            "offset": torch.from_numpy(seeded.weight(f"{case}.offset", [xs[0], 2 * og * kh * kw, ho, wo])) * scale,
+            "weight": torch.from_numpy(seeded.weight(f"{case}.weight", ws)),
+        }
+        if use_mask:
+            t["mask"] = (torch.from_numpy(seeded.weight(f"{case}.mask", [xs[0], og * kh * kw, ho, wo])) + 1) / 2
+        if use_bias:
+            t["bias"] = torch.from_numpy(seeded.weight(f"{case}.bias", [ws[0]]))
+        out = deform_conv2d(t["input"], t["offset"], t["weight"], t.get("bias"), stride, padding, dilation, t.get("mask"))
+        t["output"] = out
+        t["attrs"] = torch.tensor([*stride, *padding, *dilation], dtype=torch.float32)
+        tensors.update({f"{case}.{k}": v for k, v in t.items()})
+    path = os.path.join(out_dir, "deform_conv2d.reference.safetensors")
+    save_file({k: v.contiguous().float() for k, v in tensors.items()}, path)
+    print(f"wrote {path}: {len(DEFORM_CASES)} cases")
+
+
 # ---- main -----------------------------------------------------------------------------------
 
 
@@ -459,6 +544,7 @@ def main():
     p.add_argument("--save-weights", action="store_true", help="also write <model>.weights.safetensors")
     p.add_argument("--stats", action="store_true", help="print per-stage activation std and max |x|, write nothing")
     p.add_argument("--op-fixtures", action="store_true", help="write ops.reference.safetensors and exit")
+    p.add_argument("--deform-conv-fixtures", action="store_true", help="write deform_conv2d.reference.safetensors (plugins/deform-conv) and exit")
     p.add_argument("--all-fixtures", action="store_true", help="write every model's reference at its FIXTURE_SIZES (batch, size)")
     args = p.parse_args()
 
@@ -469,6 +555,9 @@ def main():
 
     if args.op_fixtures:
         export_op_fixtures(args.out)
+        return
+    if args.deform_conv_fixtures:
+        export_deform_fixtures(args.out)
         return
     if not args.model and not args.all_fixtures:
         p.error("--model is required (or --op-fixtures, --all-fixtures)")
@@ -505,7 +594,7 @@ def export(args, model, batch, size):
     save_file({k: v.detach().float().clone().contiguous() for k, v in tensors.items()}, path)
     summary = ", ".join(f"{k} {list(v.shape)}" for k, v in outputs.items())
     print(f"wrote {path}: input {list(x.shape)}, {summary}, {len(calls)} intermediates")
-    if model != "centernet":
+    if model in CLASSIFIERS:
         print(f"top-1 class per image: {outputs['logits'].argmax(1).tolist()}")
     if args.save_weights:
         wpath = os.path.join(args.out, f"{model}.weights.safetensors")

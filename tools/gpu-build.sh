@@ -6,8 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo '/.carry/' >> .git/info/exclude
 rm -rf .carry && mkdir -p .carry/bin .carry/tools
-# Every test binary of the kiln crate whose name starts with gpu_ (and engine-level no-GPU tests).
-cargo test --release -p kiln --no-run --message-format=json 2>/dev/null \
+# Every test binary of the kiln crate and of the plugin crates whose name starts with gpu_ (and
+# engine-level no-GPU tests).
+cargo test --release -p kiln -p kiln-deform-conv --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, sys
 for line in sys.stdin:

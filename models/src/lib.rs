@@ -2,7 +2,8 @@
 //! classifiers (ResNet, ResNeXt, Wide ResNet, AlexNet, VGG, SqueezeNet, DenseNet, GoogLeNet,
 //! MobileNetV2/V3, EfficientNet, ShuffleNetV2, RegNet, ConvNeXt; one file per family, with
 //! torchvision.ops.misc's shared blocks in `misc`) and CenterNet-R50 (`centernet`), whose decode is a custom op
-//! (`centernet_decode`) registered the way a user crate registers its own.
+//! (`centernet_decode`) registered the way a user crate registers its own, and CenterNet-R50-DCN
+//! (`centernet_dcn`), whose deformable convs come from the `kiln-deform-conv` plugin crate.
 //!
 //! `BUNDLED` is the one list of them: `trace`, the `kiln` CLI (its `--help`) and the README's table
 //! (checked by a test here) all read it. `tools/export_reference.py` builds the same models in
@@ -10,6 +11,7 @@
 
 pub mod alexnet;
 pub mod centernet;
+pub mod centernet_dcn;
 pub mod convnext;
 pub mod densenet;
 pub mod efficientnet;
@@ -26,6 +28,7 @@ pub mod vgg;
 
 pub use alexnet::{alexnet, AlexNet};
 pub use centernet::{centernet_r50, decode, CenterNet, CenterNetOutput};
+pub use centernet_dcn::{centernet_dcn_r50, CenterNetDcn};
 pub use convnext::{convnext_tiny, ConvNeXt};
 pub use densenet::{densenet121, DenseNet};
 pub use efficientnet::{efficientnet_b0, EfficientNet};
@@ -60,6 +63,8 @@ enum Load {
     Classifier(fn(VarBuilder) -> Result<Box<dyn Forward>>),
     /// CenterNet's three maps and their decode.
     CenterNet,
+    /// CenterNet-R50-DCN (the `kiln-deform-conv` plugin's op): the same outputs.
+    CenterNetDcn,
 }
 
 fn boxed<M: Forward + 'static>(model: Result<M>) -> Result<Box<dyn Forward>> {
@@ -110,6 +115,13 @@ pub const BUNDLED: &[BundledModel] = &[
         description: "CenterNet-R50, 80 classes, maps at stride 4, top-100 decode",
         load: Load::CenterNet,
     },
+    BundledModel {
+        name: "centernet_dcn",
+        input_size: 512,
+        outputs: &["hm", "wh", "reg", "detections"],
+        description: "CenterNet-R50-DCN: deformable 3x3 convs (plugin op `deform_conv2d`) before the deconvs",
+        load: Load::CenterNetDcn,
+    },
 ];
 
 /// The bundled model called `name`.
@@ -144,8 +156,11 @@ pub fn trace(model: &str, vb: VarBuilder, batch: usize, size: usize) -> Result<G
     let x = tracer.input("input", &[batch, 3, size, size]);
     match info.load {
         Load::Classifier(load) => load(vb)?.forward(&x)?.mark_output("logits"),
-        Load::CenterNet => {
-            let out = centernet_r50(vb, 80)?.forward(&x)?;
+        Load::CenterNet | Load::CenterNetDcn => {
+            let out = match info.load {
+                Load::CenterNetDcn => centernet_dcn_r50(vb, 80)?.forward(&x)?,
+                _ => centernet_r50(vb, 80)?.forward(&x)?,
+            };
             let detections = decode(&out, centernet::DEFAULT_K)?;
             out.hm.mark_output("hm");
             out.wh.mark_output("wh");
