@@ -24,6 +24,7 @@ pub mod shufflenetv2;
 pub mod squeezenet;
 pub mod vgg;
 pub mod yolo;
+pub mod yolo_letterbox;
 pub mod yolo_nms;
 
 pub use alexnet::{alexnet, AlexNet};
