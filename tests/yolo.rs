@@ -125,7 +125,7 @@ fn yolos_have_ultralytics_parameters_and_names() {
                 ("model.22.dfl.conv.weight", &[1, 16, 1, 1]),
             ],
         ),
-        ("yolov8s", kiln_models::yolov8s, 11_166_560, 298, &[("model.21.cv2.conv.weight", &[512, 1024, 1, 1])]),
+        ("yolov8s", kiln_models::yolov8s, 11_166_560, 298, &[("model.21.cv2.conv.weight", &[512, 768, 1, 1])]),
         (
             "yolo11n",
             kiln_models::yolo11n,
@@ -136,7 +136,7 @@ fn yolos_have_ultralytics_parameters_and_names() {
                 ("model.6.m.0.m.1.cv2.conv.weight", &[32, 32, 3, 3]),
                 ("model.10.m.0.attn.qkv.conv.weight", &[256, 128, 1, 1]),
                 ("model.10.m.0.attn.pe.conv.weight", &[128, 1, 3, 3]),
-                ("model.10.m.1.ffn.1.bn.bias", &[128]),
+                ("model.10.m.0.ffn.1.bn.bias", &[128]),
                 ("model.23.cv3.0.0.0.conv.weight", &[64, 1, 3, 3]),
                 ("model.23.cv3.1.1.1.bn.running_mean", &[80]),
                 ("model.23.dfl.conv.weight", &[1, 16, 1, 1]),
