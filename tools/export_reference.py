@@ -176,6 +176,32 @@ def build_yolo(yaml):
     return DetectionModel(yaml, verbose=False).eval()
 
 
+def calibrate_yolo_head(net, model, seed):
+    """A random YOLO's outputs are degenerate: with Ultralytics' init every class score is ~1e-5
+    (nothing passes conf 0.25), and with measured BatchNorm statistics its logits reach ~100, so
+    every score is exactly 1.0 (all ties) and the DFL softmax picks one bin. Like
+    `randomise_batchnorm`, this makes the random model look trained where the tests look: the last
+    1x1 conv of each level's class branch is rescaled so its logits have mean -7 and std 2 on random
+    images (some anchors pass 0.25, with distinct scores spread to ~0.8), and each box branch's so its
+    DFL logits have mean 0 and std 2 (spread distributions, boxes of varied sizes). The calibration
+    images are drawn like the references' inputs (seeded), under another name."""
+    size = MODELS[model]
+    head = net.model[-1]
+    convs = [(head.cv2[i][-1], 0.0) for i in range(head.nl)] + [(head.cv3[i][-1], -7.0) for i in range(head.nl)]
+    seen = {}
+    hooks = [c.register_forward_hook(lambda m, i, o, c=c: seen.__setitem__(c, o)) for c, _ in convs]
+    net.eval()
+    with torch.no_grad():
+        net(torch.from_numpy(seeded.weight(f"calibration.{seed}", [2, 3, size, size])))
+        for conv, mean in convs:
+            o = seen[conv]
+            k = 2.0 / o.std()
+            conv.weight.mul_(k)
+            conv.bias.copy_((conv.bias - o.mean()) * k + mean)
+    for h in hooks:
+        h.remove()
+
+
 def yolo_nms(pred, conf=0.25, iou=0.7, k=300, cap=4096):
     """Kiln's `yolo_nms` op with torchvision's `batched_nms`: per anchor its best class when its
     score is > conf, the `cap` best candidates (ties to the lower anchor), class-aware NMS, the
@@ -274,6 +300,8 @@ def load_weights(model, net, weights, seed):
         # initialisation, whose top-100 detections are well separated for the FP16 check.
         if model in CLASSIFIERS or model in YOLO:
             randomise_batchnorm(net, model, seed)
+        if model in YOLO:
+            calibrate_yolo_head(net, model, seed)
     else:
         net.load_state_dict(load_file(weights))
     return net
