@@ -148,7 +148,14 @@ fn matched(got: &HostTensor, want: &HostTensor, n: usize) -> (usize, usize) {
 
 /// Checks an engine's outputs against a reference: predictions by rel L2, detections by the
 /// share matched (same class, IoU >= 0.9).
-fn check(label: &str, got: &std::collections::BTreeMap<String, HostTensor>, want: &HostTensor, want_det: &HostTensor, tol: f64, min_share: f64) {
+fn check(
+    label: &str,
+    got: &std::collections::BTreeMap<String, HostTensor>,
+    want: &HostTensor,
+    want_det: &HostTensor,
+    tol: f64,
+    min_share: f64,
+) {
     let (rel, max_abs) = rel_l2(&got["predictions"].data, &want.data);
     println!("{label} predictions {:?}: rel L2 {rel:.2e}, max abs {max_abs:.2e}", want.shape);
     assert!(rel <= tol, "{label}: predictions rel L2 {rel:.3e} > {tol:e}");
@@ -187,7 +194,10 @@ fn yolo_models_match_the_cpu_and_ultralytics() {
                     let input = HostTensor::new(vec![b, 3, 640, 640], x.data.iter().copied().cycle().take(b * 3 * 640 * 640).collect());
                     ctx.run(&[("input", &input)]).expect("bind");
                     let ms = ctx.time(b, 10, if b == 1 { 200 } else { 30 }).expect("timing");
-                    println!("TIMING {model} FP16 640 batch {b} cuda_graphs=true (NMS included): {ms:.3} ms median, {:.0} images/s", b as f64 / ms * 1e3);
+                    println!(
+                        "TIMING {model} FP16 640 batch {b} cuda_graphs=true (NMS included): {ms:.3} ms median, {:.0} images/s",
+                        b as f64 / ms * 1e3
+                    );
                 }
             }
         }

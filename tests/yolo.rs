@@ -85,7 +85,11 @@ fn check_model(model: &str) {
             assert!(worst < 1e-4, "{model}: detections differ by {worst}");
         }
     }
-    assert_same_set(&format!("{model} NMS of PyTorch's predictions"), &run_nms(&[], &refs["output.predictions"]), &refs["output.detections"]);
+    assert_same_set(
+        &format!("{model} NMS of PyTorch's predictions"),
+        &run_nms(&[], &refs["output.predictions"]),
+        &refs["output.detections"],
+    );
 }
 
 #[test]

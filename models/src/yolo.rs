@@ -471,7 +471,8 @@ impl Detect {
     fn load(vb: VarBuilder, nc: usize, ch: &[usize], depthwise: bool) -> Result<Self> {
         let c2 = 16.max(ch[0] / 4).max(4 * REG_MAX);
         let c3 = ch[0].max(nc.min(100));
-        let cv2 = ch.iter().enumerate().map(|(i, &x)| Branch::load(vb.pp("cv2").pp(i), x, c2, 4 * REG_MAX, false)).collect::<Result<_>>()?;
+        let cv2 =
+            ch.iter().enumerate().map(|(i, &x)| Branch::load(vb.pp("cv2").pp(i), x, c2, 4 * REG_MAX, false)).collect::<Result<_>>()?;
         let cv3 = ch.iter().enumerate().map(|(i, &x)| Branch::load(vb.pp("cv3").pp(i), x, c3, nc, depthwise)).collect::<Result<_>>()?;
         Ok(Self {
             path: vb.path().to_string(),

@@ -60,12 +60,8 @@ impl Default for NmsConfig {
 
 impl NmsConfig {
     fn attrs(&self) -> Vec<(&'static str, f64)> {
-        let mut a = vec![
-            ("conf", self.conf as f64),
-            ("iou", self.iou),
-            ("k", self.max_det as f64),
-            ("max_candidates", self.max_candidates as f64),
-        ];
+        let mut a =
+            vec![("conf", self.conf as f64), ("iou", self.iou), ("k", self.max_det as f64), ("max_candidates", self.max_candidates as f64)];
         if let Some(([fh, fw], [ih, iw])) = self.frame {
             a.extend([("frame_h", fh as f64), ("frame_w", fw as f64), ("input_h", ih as f64), ("input_w", iw as f64)]);
         }
@@ -162,12 +158,8 @@ pub(crate) fn iou_above(a: &[f32; 4], b: &[f32; 4], thr: f64) -> bool {
 /// The CPU reference of the module docs.
 fn nms_cpu(attrs: &Attrs, inputs: &[&HostTensor]) -> Result<HostTensor> {
     let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape.as_slice()).collect();
-    let shape_err = |reason| Error::Shape {
-        path: "yolo_nms".into(),
-        op: "yolo_nms".into(),
-        reason,
-        got: shapes.iter().map(|s| s.to_vec()).collect(),
-    };
+    let shape_err =
+        |reason| Error::Shape { path: "yolo_nms".into(), op: "yolo_nms".into(), reason, got: shapes.iter().map(|s| s.to_vec()).collect() };
     let out_shape = nms_shape(attrs, &shapes).map_err(shape_err)?;
     let p = params(attrs).map_err(shape_err)?;
     let x = inputs[0];
@@ -235,11 +227,7 @@ kiln::inventory::submit! {
 /// The detections of `out` (`[N, K, 6]`) for image `n`: its rows with `class >= 0`.
 pub fn detections(out: &HostTensor, n: usize) -> Vec<[f32; 6]> {
     let k = out.shape[1];
-    out.data[n * k * 6..(n + 1) * k * 6]
-        .chunks_exact(6)
-        .filter(|r| r[5] >= 0.0)
-        .map(|r| [r[0], r[1], r[2], r[3], r[4], r[5]])
-        .collect()
+    out.data[n * k * 6..(n + 1) * k * 6].chunks_exact(6).filter(|r| r[5] >= 0.0).map(|r| [r[0], r[1], r[2], r[3], r[4], r[5]]).collect()
 }
 
 /// The largest f32 `t` with `x > t` exactly when `x as f64 > thr`, for every f32 `x`.
@@ -391,13 +379,28 @@ mod gpu {
             let words = cap.div_ceil(64) as u32;
             let ptr = |v: ValueId| KArg::Ptr(rt.ptr(v));
             let pred = [ptr(self.pred), KArg::I32(c as i32), KArg::I32(a as i32)];
-            launch(rt, &self.keys_fn, (a.div_ceil(256) as u32, n, 1), (256, 1, 1), 0, &[&pred[..], &[KArg::F32(self.p.conf), ptr(self.keys)]].concat())?;
+            launch(
+                rt,
+                &self.keys_fn,
+                (a.div_ceil(256) as u32, n, 1),
+                (256, 1, 1),
+                0,
+                &[&pred[..], &[KArg::F32(self.p.conf), ptr(self.keys)]].concat(),
+            )?;
             let sel = [ptr(self.keys), KArg::I32(a as i32), KArg::I32(cap as i32), ptr(self.sorted), ptr(self.count)];
             launch(rt, &self.select, (n, 1, 1), (THREADS, 1, 1), 0, &sel)?;
             let bx = [ptr(self.sorted), ptr(self.count), KArg::I32(cap as i32), ptr(self.boxes), ptr(self.cls), ptr(self.scores)];
             launch(rt, &self.boxes_fn, (cap.div_ceil(256) as u32, n, 1), (256, 1, 1), 0, &[&pred[..], &bx[..]].concat())?;
             let thr = f32_threshold(self.p.iou);
-            let mk = [ptr(self.boxes), ptr(self.cls), ptr(self.count), KArg::I32(cap as i32), KArg::I32(words as i32), KArg::F32(thr), ptr(self.mask)];
+            let mk = [
+                ptr(self.boxes),
+                ptr(self.cls),
+                ptr(self.count),
+                KArg::I32(cap as i32),
+                KArg::I32(words as i32),
+                KArg::F32(thr),
+                ptr(self.mask),
+            ];
             launch(rt, &self.mask_fn, (words, words, n), (64, 1, 1), 0, &mk)?;
             let (px, py, gain, fw, fh) = self.p.map.unwrap_or((0.0, 0.0, 1.0, 0.0, 0.0));
             let sc = [
@@ -428,7 +431,9 @@ mod gpu {
         let p = params(attrs).map_err(|r| ctx.err(node, r))?;
         let (pred, out) = (ctx.input(node, 0)?, ctx.output(node)?);
         let d = ctx.value(pred).clone();
-        let [rows, a] = d.dims[..] else { return Err(ctx.err(node, format!("predictions must be [4 + C, A] per image, got {:?}", d.dims))) };
+        let [rows, a] = d.dims[..] else {
+            return Err(ctx.err(node, format!("predictions must be [4 + C, A] per image, got {:?}", d.dims)));
+        };
         if d.layout.order() != [0, 1, 2] {
             return Err(ctx.err(node, format!("predictions must be contiguous, got {:?}", d.layout)));
         }
