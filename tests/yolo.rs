@@ -114,7 +114,8 @@ fn params(g: &kiln::Graph) -> (usize, usize) {
 #[test]
 fn yolos_have_ultralytics_parameters_and_names() {
     type Load = fn(VarBuilder) -> kiln::Result<kiln_models::Yolo>;
-    let table: [(&str, Load, usize, usize, &[(&str, &[usize])]); 4] = [
+    type Keys = &'static [(&'static str, &'static [usize])];
+    let table: [(&str, Load, usize, usize, Keys); 4] = [
         (
             "yolov8n",
             kiln_models::yolov8n,

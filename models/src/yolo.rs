@@ -212,8 +212,8 @@ impl Forward for C3k {
 
 /// One entry of a C2f / C3k2's `m`.
 pub enum Inner {
-    Bottleneck(Bottleneck),
-    C3k(C3k),
+    Bottleneck(Box<Bottleneck>),
+    C3k(Box<C3k>),
 }
 
 impl Forward for Inner {
@@ -252,9 +252,11 @@ impl Module for C2f {
         for i in 0..s.n {
             let vb = vb.pp("m").pp(i);
             m.push(match s.c3k {
-                None => Inner::Bottleneck(Bottleneck::load(vb, &BottleneckSpec { c1: c, c2: c, shortcut: s.shortcut, e: 1.0 })?),
-                Some(false) => Inner::Bottleneck(Bottleneck::load(vb, &BottleneckSpec { c1: c, c2: c, shortcut: s.shortcut, e: 0.5 })?),
-                Some(true) => Inner::C3k(C3k::load(vb, &(c, c, s.shortcut))?),
+                None => Inner::Bottleneck(Box::new(Bottleneck::load(vb, &BottleneckSpec { c1: c, c2: c, shortcut: s.shortcut, e: 1.0 })?)),
+                Some(false) => {
+                    Inner::Bottleneck(Box::new(Bottleneck::load(vb, &BottleneckSpec { c1: c, c2: c, shortcut: s.shortcut, e: 0.5 })?))
+                }
+                Some(true) => Inner::C3k(Box::new(C3k::load(vb, &(c, c, s.shortcut))?)),
             });
         }
         Ok(Self {
