@@ -3,6 +3,8 @@
 //! MobileNetV2/V3, EfficientNet, ShuffleNetV2, RegNet, ConvNeXt; one file per family, with
 //! torchvision.ops.misc's shared blocks in `misc`) and CenterNet-R50 (`centernet`), whose decode is a custom op
 //! (`centernet_decode`) registered the way a user crate registers its own.
+//! Ultralytics' YOLOv8 and YOLO11 (`yolo`) come with their post-processing (`yolo_nms`) and
+//! preprocessing (`yolo_letterbox`) as custom ops registered the same way.
 //!
 //! `BUNDLED` is the one list of them: `trace`, the `kiln` CLI (its `--help`) and the README's table
 //! (checked by a test here) all read it. `tools/export_reference.py` builds the same models in
