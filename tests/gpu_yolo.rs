@@ -201,22 +201,28 @@ fn yolo_models_match_the_cpu_and_ultralytics() {
                 }
             }
         }
-        let Some(dir) = std::env::var_os("KILN_REFERENCE_DIR").map(PathBuf::from) else { continue };
-        let path = dir.join(format!("{model}.reference.safetensors"));
-        if !path.exists() {
-            println!("{model}: no {} (export one with tools/export_reference.py --device cuda)", path.display());
-            continue;
-        }
-        let refs = read_safetensors(&path).expect("reference");
-        let x = &refs["input"];
-        let weights = dir.join(format!("{model}.weights.safetensors"));
-        let vb = if weights.exists() { VarBuilder::from_safetensors(&[&weights]).expect("weights") } else { VarBuilder::seeded() };
-        let graph = kiln_models::trace(model, vb.clone(), 1, x.shape[2]).expect("trace");
-        vb.check_all_used().expect("every state_dict key is used");
-        for (precision, tol) in [(Precision::Fp32, 1e-4), (Precision::Fp16, 1e-2)] {
-            let mut ctx = engine(&gpu, &graph, precision, x.shape[0]).context().expect("context");
-            let got = ctx.run(&[("input", x)]).expect("run");
-            check(&format!("{model} Ultralytics {precision:?}"), &got, &refs["output.predictions"], &refs["output.detections"], tol, 0.98);
+        let Some(root) = std::env::var_os("KILN_REFERENCE_DIR").map(PathBuf::from) else { continue };
+        // tools/gpu-test.sh writes `seeded/` and `torchvision/` (Ultralytics' init) under the root.
+        for dir in [root.clone(), root.join("torchvision"), root.join("seeded")] {
+            let path = dir.join(format!("{model}.reference.safetensors"));
+            if !path.exists() {
+                println!("{model}: no {}", path.display());
+                continue;
+            }
+            let refs = read_safetensors(&path).expect("reference");
+            let x = &refs["input"];
+            let weights = dir.join(format!("{model}.weights.safetensors"));
+            let vb = if weights.exists() { VarBuilder::from_safetensors(&[&weights]).expect("weights") } else { VarBuilder::seeded() };
+            let graph = kiln_models::trace(model, vb.clone(), 1, x.shape[2]).expect("trace");
+            vb.check_all_used().expect("every state_dict key is used");
+            for (precision, tol) in [(Precision::Fp32, 1e-4), (Precision::Fp16, 1e-2)] {
+                let mut ctx = engine(&gpu, &graph, precision, x.shape[0]).context().expect("context");
+                let got = ctx.run(&[("input", x)]).expect("run");
+                let label = format!("{model} Ultralytics {} {precision:?}", path.display());
+                // Seeded weights: the FP16 share is bounded as above.
+                let share = if dir.ends_with("seeded") && precision == Precision::Fp16 { 0.95 } else { 0.98 };
+                check(&label, &got, &refs["output.predictions"], &refs["output.detections"], tol, share);
+            }
         }
     }
 }
