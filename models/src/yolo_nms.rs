@@ -317,6 +317,149 @@ mod tests {
         }
     }
 
+    /// The GPU layer's algorithm (nms.cu) step by step on the CPU: keys, radix select of the
+    /// cap-th key, sort, the IoU bitmask, the greedy scan. It must give the reference's rows.
+    fn gpu_algorithm(attrs: &Attrs, x: &HostTensor) -> Vec<f32> {
+        let p = params(attrs).expect("params");
+        let (n, rows, a) = (x.shape[0], x.shape[1], x.shape[2]);
+        let c = rows - 4;
+        let mut out = Vec::new();
+        for img in 0..n {
+            let pred = &x.data[img * rows * a..(img + 1) * rows * a];
+            let best = |anchor: usize| -> (f32, i32) {
+                let (mut best, mut cls) = (0f32, -1i32);
+                for k in 0..c {
+                    let v = pred[(4 + k) * a + anchor];
+                    if if cls < 0 { v == v } else { v > best } {
+                        (best, cls) = (v, k as i32);
+                    }
+                }
+                (best, cls)
+            };
+            let keys: Vec<u64> = (0..a)
+                .map(|i| {
+                    let (b, cls) = best(i);
+                    if cls >= 0 && b > p.conf {
+                        ((b.to_bits() as u64) << 32) | (0xffff_ffffu32 - i as u32) as u64
+                    } else {
+                        0
+                    }
+                })
+                .collect();
+            let total = keys.iter().filter(|&&k| k != 0).count();
+            let mut thr = 1u64;
+            if total > p.cap {
+                let (mut prefix, mut mask, mut need) = (0u64, 0u64, p.cap);
+                for shift in (0..=56).rev().step_by(8) {
+                    let mut hist = [0usize; 256];
+                    for &v in &keys {
+                        if v != 0 && v & mask == prefix {
+                            hist[((v >> shift) & 0xff) as usize] += 1;
+                        }
+                    }
+                    let mut d = 255;
+                    while d > 0 && hist[d] < need {
+                        need -= hist[d];
+                        d -= 1;
+                    }
+                    prefix |= (d as u64) << shift;
+                    mask |= 0xff << shift;
+                }
+                thr = prefix;
+            }
+            let mut sorted: Vec<u64> = keys.iter().copied().filter(|&v| v != 0 && v >= thr).collect();
+            assert!(sorted.len() <= p.cap);
+            sorted.sort_unstable_by(|x, y| y.cmp(x));
+            let cand: Vec<([f32; 4], i32, f32)> = sorted
+                .iter()
+                .map(|&key| {
+                    let i = (0xffff_ffffu32 - (key & 0xffff_ffff) as u32) as usize;
+                    let (hw, hh) = (pred[2 * a + i] / 2.0, pred[3 * a + i] / 2.0);
+                    let b = [pred[i] - hw, pred[a + i] - hh, pred[i] + hw, pred[a + i] + hh];
+                    (b, best(i).1, f32::from_bits((key >> 32) as u32))
+                })
+                .collect();
+            let words = p.cap.div_ceil(64);
+            let t = f32_threshold(p.iou);
+            let mut maskbits = vec![0u64; cand.len() * words];
+            for i in 0..cand.len() {
+                for j in i + 1..cand.len() {
+                    // The f32 threshold the GPU compares with gives the f64 comparison's answer.
+                    let (bi, bj) = (&cand[i].0, &cand[j].0);
+                    let area_i = (bi[2] - bi[0]) * (bi[3] - bi[1]);
+                    let area_j = (bj[2] - bj[0]) * (bj[3] - bj[1]);
+                    let w = (bi[2].min(bj[2]) - bi[0].max(bj[0])).max(0.0);
+                    let h = (bi[3].min(bj[3]) - bi[1].max(bj[1])).max(0.0);
+                    let iou = w * h / (area_i + area_j - w * h);
+                    if cand[i].1 == cand[j].1 && iou > t {
+                        maskbits[i * words + j / 64] |= 1 << (j % 64);
+                    }
+                }
+            }
+            let mut removed = vec![0u64; words];
+            let mut kept = 0;
+            for i in 0..cand.len() {
+                if kept == p.k {
+                    break;
+                }
+                if (removed[i / 64] >> (i % 64)) & 1 == 1 {
+                    continue;
+                }
+                let (b, cls, score) = cand[i];
+                out.extend_from_slice(&[b[0], b[1], b[2], b[3], score, cls as f32]);
+                kept += 1;
+                for (r, m) in removed.iter_mut().zip(&maskbits[i * words..(i + 1) * words]) {
+                    *r |= m;
+                }
+            }
+            for _ in kept..p.k {
+                out.extend_from_slice(&[0.0, 0.0, 0.0, 0.0, 0.0, -1.0]);
+            }
+        }
+        out
+    }
+
+    /// Crowded predictions: boxes around a few centres, scores from a small generator.
+    fn crowded(n: usize, c: usize, a: usize, seed: u64) -> HostTensor {
+        let mut s = seed;
+        let mut next = |m: u64| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (s >> 33) % m
+        };
+        let mut d = vec![0f32; n * (4 + c) * a];
+        for img in 0..n {
+            let p = &mut d[img * (4 + c) * a..(img + 1) * (4 + c) * a];
+            let centres: Vec<(u64, u64)> = (0..12).map(|_| (40 + next(500), 40 + next(500))).collect();
+            for i in 0..a {
+                let (cx, cy) = centres[next(12) as usize];
+                p[i] = cx as f32 + next(1000) as f32 / 125.0 - 4.0;
+                p[a + i] = cy as f32 + next(1000) as f32 / 125.0 - 4.0;
+                p[2 * a + i] = 16.0 + next(4800) as f32 / 100.0;
+                p[3 * a + i] = 16.0 + next(4800) as f32 / 100.0;
+                for k in 0..c {
+                    p[(4 + k) * a + i] = next(1 << 20) as f32 / (1 << 20) as f32;
+                }
+            }
+        }
+        HostTensor::new(vec![n, 4 + c, a], d)
+    }
+
+    #[test]
+    fn the_gpu_algorithm_gives_the_reference_rows() {
+        let settings: [&[(&str, f64)]; 4] =
+            [&[], &[("conf", 0.5), ("iou", 0.3), ("k", 1000.0)], &[("max_candidates", 64.0)], &[("iou", 0.45), ("k", 20.0)]];
+        for (seed, a) in [(1, 700), (2, 6000)] {
+            let x = crowded(2, 3, a, seed);
+            for pairs in settings {
+                let at = attrs(pairs);
+                let want = nms_cpu(&at, &[&x]).expect("nms");
+                let kept: Vec<usize> = (0..2).map(|n| detections(&want, n).len()).collect();
+                println!("{a} anchors {pairs:?}: kept {kept:?}");
+                assert_eq!(gpu_algorithm(&at, &x), want.data, "{a} anchors, {pairs:?}");
+            }
+        }
+    }
+
     #[test]
     fn bad_inputs_are_errors() {
         assert!(nms_shape(&Attrs::new(), &[&[2, 84, 8400]]).is_ok());
