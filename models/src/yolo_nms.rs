@@ -330,7 +330,7 @@ mod tests {
                 let (mut best, mut cls) = (0f32, -1i32);
                 for k in 0..c {
                     let v = pred[(4 + k) * a + anchor];
-                    if if cls < 0 { v == v } else { v > best } {
+                    if if cls < 0 { !v.is_nan() } else { v > best } {
                         (best, cls) = (v, k as i32);
                     }
                 }
