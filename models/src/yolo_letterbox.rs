@@ -251,7 +251,7 @@ mod gpu {
         let d = ctx.value(frame).clone();
         let per_image = [&[1][..], &d.dims].concat();
         let ([h, w], [ih, iw]) = geometry(attrs, &[&per_image]).map_err(|r| ctx.err(node, r))?;
-        if d.layout.order() != [0, 1, 2] {
+        if d.layout.order() != [0, 1] {
             return Err(ctx.err(node, format!("the frame must be contiguous, got {:?}", d.layout)));
         }
         let o = ctx.value(out).clone();

@@ -577,7 +577,7 @@ mod gpu {
         let [rows, a] = d.dims[..] else {
             return Err(ctx.err(node, format!("predictions must be [4 + C, A] per image, got {:?}", d.dims)));
         };
-        if d.layout.order() != [0, 1, 2] {
+        if d.layout.order() != [0, 1] {
             return Err(ctx.err(node, format!("predictions must be contiguous, got {:?}", d.layout)));
         }
         if p.k > i32::MAX as usize / 6 {
