@@ -208,8 +208,8 @@ fn references(model: &str) -> Vec<Reference> {
 }
 
 /// The models checked by `check_model` with their own tests; the rest of the zoo is checked
-/// together by `zoo_models_match_pytorch`.
-const FLAGSHIPS: [&str; 3] = ["resnet18", "resnet50", "centernet"];
+/// together by `zoo_models_match_pytorch`. The YOLOs are checked by `tests/gpu_yolo.rs`.
+const FLAGSHIPS: [&str; 5] = ["resnet18", "resnet50", "centernet", "yolov8n", "yolo11n"];
 
 /// Engines are built for batch 1..=max; CenterNet's maps are 16× ResNet's, so its range is smaller,
 /// and the zoo is checked at batch 1 and 8 from one engine built for 1–8.

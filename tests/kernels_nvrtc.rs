@@ -147,3 +147,20 @@ fn compiled_kernels_are_cached_on_disk() {
     println!("compile {compile_time:.2?}; cache file {}", on_disk[0].display());
     let _ = std::fs::remove_file(&on_disk[0]);
 }
+
+#[test]
+fn yolo_nms_and_letterbox_kernels_compile_with_every_entry_point() {
+    if !require_nvrtc() {
+        return;
+    }
+    let sources = [
+        ("nms.cu", kiln_models::yolo_nms::NMS_CU, kiln_models::yolo_nms::nms_entry_points()),
+        ("letterbox.cu", kiln_models::yolo_letterbox::LETTERBOX_CU, kiln_models::yolo_letterbox::letterbox_entry_points()),
+    ];
+    for (name, source, entries) in sources {
+        let image = compile_source(name, source, ARCH).unwrap_or_else(|e| panic!("{e}"));
+        for entry in entries {
+            assert!(image_has_symbol(&image, &entry), "{name} defines no `{entry}`");
+        }
+    }
+}

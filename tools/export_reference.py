@@ -49,7 +49,9 @@ CLASSIFIERS = [
     "regnet_y_400mf",
     "convnext_tiny",
 ]
-MODELS = {**{name: 224 for name in CLASSIFIERS}, "centernet": 512, "centernet_dcn": 512}
+# Ultralytics' detectors, built from the yaml packaged with `ultralytics` (see `build_yolo`).
+YOLO = {"yolov8n": "yolov8n.yaml", "yolo11n": "yolo11n.yaml"}
+MODELS = {**{name: 224 for name in CLASSIFIERS}, "centernet": 512, "centernet_dcn": 512, **{name: 640 for name in YOLO}}
 
 # The committed references in tests/fixtures: (batch, size). 112 keeps the CPU tests fast and the
 # files small, and is not a multiple of 32, so late stages see odd sizes: GoogLeNet's and
@@ -68,6 +70,8 @@ FIXTURE_SIZES = {
     "centernet": (1, 512),
     # CenterNet-R50-DCN: 128 keeps the CPU test fast (DCNs at 4x4, 8x8 and 16x16).
     "centernet_dcn": (1, 128),
+    # 160x160 keeps the YOLO references small (525 anchors) and the CPU executor fast.
+    **{name: (2, 160) for name in YOLO},
 }
 
 # torchvision's builders take these for Kiln's variant of the model: GoogLeNet's inference path
@@ -189,6 +193,99 @@ def centernet_decode(hm, wh, reg, k=100):
     return torch.stack([cx - bw / 2, cy - bh / 2, cx + bw / 2, cy + bh / 2, scores, cls.float()], dim=2)
 
 
+def build_yolo(yaml):
+    """Ultralytics' `DetectionModel(yaml)` with its own random init, in eval mode (not fused).
+    Ultralytics imports cv2 at import time but building and running the model never calls it: where
+    OpenCV is not installed, a stand-in module lets the import succeed."""
+    os.environ.setdefault("YOLO_OFFLINE", "1")
+    try:
+        import cv2  # noqa: F401
+    except ImportError:
+        import types
+
+        class _NoCv2(types.ModuleType):
+            def __getattr__(self, name):
+                if name.startswith("__"):
+                    raise AttributeError(name)
+                return lambda *a, **k: 0
+
+        stub = _NoCv2("cv2")
+        stub.__version__ = "0.0.0"
+        sys.modules["cv2"] = stub
+    from ultralytics.nn.tasks import DetectionModel
+
+    return DetectionModel(yaml, verbose=False).eval()
+
+
+def calibrate_yolo_head(net, model, seed):
+    """A random YOLO's outputs are degenerate: with Ultralytics' init every class score is ~1e-5
+    (nothing passes conf 0.25), and with measured BatchNorm statistics its logits reach ~100, so
+    every score is exactly 1.0 (all ties) and the DFL softmax picks one bin. Like
+    `randomise_batchnorm`, this makes the random model look trained where the tests look: the last
+    1x1 conv of each level's class branch is rescaled so its logits have mean -7 and std 2 on random
+    images (some anchors pass 0.25, with distinct scores spread to ~0.8), and each box branch's so its
+    DFL logits have mean 0 and std 2 (spread distributions, boxes of varied sizes). The calibration
+    images are drawn like the references' inputs (seeded), under another name."""
+    size = MODELS[model]
+    head = net.model[-1]
+    convs = [(head.cv2[i][-1], 0.0) for i in range(head.nl)] + [(head.cv3[i][-1], -7.0) for i in range(head.nl)]
+    seen = {}
+    hooks = [c.register_forward_hook(lambda m, i, o, c=c: seen.__setitem__(c, o)) for c, _ in convs]
+    net.eval()
+    with torch.no_grad():
+        net(torch.from_numpy(seeded.weight(f"calibration.{seed}", [2, 3, size, size])))
+        for conv, mean in convs:
+            o = seen[conv]
+            k = 2.0 / o.std()
+            conv.weight.mul_(k)
+            conv.bias.copy_((conv.bias - o.mean()) * k + mean)
+    for h in hooks:
+        h.remove()
+
+
+def yolo_nms(pred, conf=0.25, iou=0.7, k=300, cap=4096):
+    """Kiln's `yolo_nms` op with torchvision's `batched_nms`: per anchor its best class when its
+    score is > conf, the `cap` best candidates (ties to the lower anchor), class-aware NMS, the
+    best `k` kept; rows (x1, y1, x2, y2, score, class), padded with (0, 0, 0, 0, 0, -1)."""
+    out = torch.zeros(pred.shape[0], k, 6)
+    out[..., 5] = -1
+    for n, p in enumerate(pred.float().cpu()):
+        scores, cls = p[4:].max(0)
+        idx = (scores > conf).nonzero().squeeze(1)
+        order = torch.sort(scores[idx], descending=True, stable=True).indices[:cap]
+        idx = idx[order]
+        xy, wh = p[:2, idx].T, p[2:4, idx].T / 2
+        boxes = torch.cat((xy - wh, xy + wh), 1)
+        keep = torchvision.ops.batched_nms(boxes, scores[idx], cls[idx], iou)[:k]
+        rows = torch.cat((boxes[keep], scores[idx][keep, None], cls[idx][keep, None].float()), 1)
+        out[n, : len(rows)] = rows
+    return out
+
+
+def export_yolo_nms_fixture(out_dir):
+    """`yolo_nms.reference.safetensors`: synthetic predictions [2, 4 + 3, 5000] whose boxes crowd
+    around 40 centres (so NMS suppresses), with unique scores (no ties) and more candidates than
+    the 4096 cap, and `yolo_nms`'s output for two settings (`default`: conf 0.25, IoU 0.7, k 300;
+    `strict`: conf 0.5, IoU 0.3, k 1000, fewer kept than k)."""
+    g = torch.Generator().manual_seed(7)
+    n, c, a = 2, 3, 5000
+    centres = torch.rand(n, 2, 40, generator=g) * 200
+    which = torch.randint(0, 40, (n, 1, a), generator=g).expand(n, 2, a)
+    cxcy = centres.gather(2, which) + torch.randn(n, 2, a, generator=g) * 4
+    wh = 10 + torch.rand(n, 2, a, generator=g) * 30
+    scores = (torch.randperm(n * c * a, generator=g).float() + 1) / (n * c * a + 1)
+    pred = torch.cat((cxcy, wh, scores.view(n, c, a)), 1)
+    tensors = {
+        "input": pred,
+        "output.default": yolo_nms(pred),
+        "output.strict": yolo_nms(pred, conf=0.5, iou=0.3, k=1000),
+    }
+    path = os.path.join(out_dir, "yolo_nms.reference.safetensors")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path)
+    counts = [int((tensors[f"output.{s}"][..., 5] >= 0).sum()) for s in ("default", "strict")]
+    print(f"wrote {path}: detections per setting {counts}")
+
+
 def build(model):
     if model in CLASSIFIERS:
         return getattr(torchvision.models, model)(weights=None, **BUILD_KWARGS.get(model, {}))
@@ -196,6 +293,8 @@ def build(model):
         return CenterNet(80)
     if model == "centernet_dcn":
         return CenterNetDCN(80)
+    if model in YOLO:
+        return build_yolo(YOLO[model])
     raise SystemExit(f"unknown model `{model}` (expected one of {', '.join(MODELS)})")
 
 
@@ -242,14 +341,19 @@ def load_weights(model, net, weights, seed):
         net = build(model)
         # The classifiers' BatchNorms get measured statistics; CenterNet keeps torchvision's
         # initialisation, whose top-100 detections are well separated for the FP16 check.
-        if model in CLASSIFIERS:
+        if model in CLASSIFIERS or model in YOLO:
             randomise_batchnorm(net, model, seed)
+        if model in YOLO:
+            calibrate_yolo_head(net, model, seed)
     else:
         net.load_state_dict(load_file(weights))
     return net
 
 
 def run_model(net, model, x):
+    if model in YOLO:
+        predictions = net(x)[0]  # eval mode: (y, raw head outputs)
+        return {"predictions": predictions, "detections": yolo_nms(predictions)}
     if model in ("centernet", "centernet_dcn"):
         hm, wh, reg = net(x)
         return {"hm": hm, "wh": wh, "reg": reg, "detections": centernet_decode(hm, wh, reg)}
@@ -565,6 +669,7 @@ def main():
     if args.all_fixtures:
         for model, (batch, size) in FIXTURE_SIZES.items():
             export(args, model, batch, size)
+        export_yolo_nms_fixture(args.out)
         return
     export(args, args.model, args.batch, args.size or MODELS[args.model])
 
@@ -594,7 +699,7 @@ def export(args, model, batch, size):
     save_file({k: v.detach().float().clone().contiguous() for k, v in tensors.items()}, path)
     summary = ", ".join(f"{k} {list(v.shape)}" for k, v in outputs.items())
     print(f"wrote {path}: input {list(x.shape)}, {summary}, {len(calls)} intermediates")
-    if model in CLASSIFIERS:
+    if "logits" in outputs:
         print(f"top-1 class per image: {outputs['logits'].argmax(1).tolist()}")
     if args.save_weights:
         wpath = os.path.join(args.out, f"{model}.weights.safetensors")

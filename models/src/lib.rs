@@ -2,8 +2,10 @@
 //! classifiers (ResNet, ResNeXt, Wide ResNet, AlexNet, VGG, SqueezeNet, DenseNet, GoogLeNet,
 //! MobileNetV2/V3, EfficientNet, ShuffleNetV2, RegNet, ConvNeXt; one file per family, with
 //! torchvision.ops.misc's shared blocks in `misc`) and CenterNet-R50 (`centernet`), whose decode is a custom op
-//! (`centernet_decode`) registered the way a user crate registers its own, and CenterNet-R50-DCN
+//! (`centernet_decode`) registered the way a user crate registers its own; CenterNet-R50-DCN
 //! (`centernet_dcn`), whose deformable convs come from the `kiln-deform-conv` plugin crate.
+//! Ultralytics' YOLOv8 and YOLO11 (`yolo`) come with their post-processing (`yolo_nms`) and
+//! preprocessing (`yolo_letterbox`) as custom ops registered the same way.
 //!
 //! `BUNDLED` is the one list of them: `trace`, the `kiln` CLI (its `--help`) and the README's table
 //! (checked by a test here) all read it. `tools/export_reference.py` builds the same models in
@@ -25,6 +27,9 @@ mod sequential;
 pub mod shufflenetv2;
 pub mod squeezenet;
 pub mod vgg;
+pub mod yolo;
+pub mod yolo_letterbox;
+pub mod yolo_nms;
 
 pub use alexnet::{alexnet, AlexNet};
 pub use centernet::{centernet_r50, decode, CenterNet, CenterNetOutput};
@@ -43,6 +48,7 @@ pub use resnet::{
 pub use shufflenetv2::{shufflenet_v2_x1_0, ShuffleNetV2};
 pub use squeezenet::{squeezenet1_0, squeezenet1_1, SqueezeNet};
 pub use vgg::{vgg16, vgg16_bn, Vgg};
+pub use yolo::{yolo11n, yolo11s, yolov8n, yolov8s, Yolo};
 
 use kiln::{Error, Forward, Graph, Result, Tracer, VarBuilder};
 
@@ -65,6 +71,8 @@ enum Load {
     CenterNet,
     /// CenterNet-R50-DCN (the `kiln-deform-conv` plugin's op): the same outputs.
     CenterNetDcn,
+    /// A YOLO detector: its raw predictions and their NMS.
+    Yolo(fn(VarBuilder) -> Result<Yolo>),
 }
 
 fn boxed<M: Forward + 'static>(model: Result<M>) -> Result<Box<dyn Forward>> {
@@ -122,6 +130,20 @@ pub const BUNDLED: &[BundledModel] = &[
         description: "CenterNet-R50-DCN: deformable 3x3 convs (plugin op `deform_conv2d`) before the deconvs",
         load: Load::CenterNetDcn,
     },
+    BundledModel {
+        name: "yolov8n",
+        input_size: 640,
+        outputs: &["predictions", "detections"],
+        description: "Ultralytics YOLOv8n, 80 classes: [N, 84, anchors] (xywh + scores), class-aware NMS to 300",
+        load: Load::Yolo(yolov8n),
+    },
+    BundledModel {
+        name: "yolo11n",
+        input_size: 640,
+        outputs: &["predictions", "detections"],
+        description: "Ultralytics YOLO11n (C3k2, C2PSA attention), 80 classes, class-aware NMS to 300",
+        load: Load::Yolo(yolo11n),
+    },
 ];
 
 /// The bundled model called `name`.
@@ -148,7 +170,8 @@ pub fn bundled_markdown() -> String {
 /// Traces a bundled model on an input named `input` of shape [batch, 3, size, size].
 ///
 /// Outputs: `logits` for the classifiers; `hm`, `wh`, `reg` and `detections` ([batch, 100, 6])
-/// for CenterNet (80 classes). Keep a clone of `vb` to ask it afterwards for keys the model never
+/// for CenterNet (80 classes); `predictions` ([batch, 84, anchors]) and `detections`
+/// ([batch, 300, 6], `yolo_nms`) for the YOLOs. Keep a clone of `vb` to ask it afterwards for keys the model never
 /// used (`VarBuilder::check_all_used`).
 pub fn trace(model: &str, vb: VarBuilder, batch: usize, size: usize) -> Result<Graph> {
     let info = bundled(model)?;
@@ -165,6 +188,12 @@ pub fn trace(model: &str, vb: VarBuilder, batch: usize, size: usize) -> Result<G
             out.hm.mark_output("hm");
             out.wh.mark_output("wh");
             out.reg.mark_output("reg");
+            detections.mark_output("detections");
+        }
+        Load::Yolo(load) => {
+            let predictions = load(vb)?.forward(&x)?;
+            let detections = yolo_nms::nms(&predictions, &yolo_nms::NmsConfig::default())?;
+            predictions.mark_output("predictions");
             detections.mark_output("detections");
         }
     }
