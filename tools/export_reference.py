@@ -48,6 +48,8 @@ CLASSIFIERS = [
     "shufflenet_v2_x1_0",
     "regnet_y_400mf",
     "convnext_tiny",
+    "swin_t",
+    "vit_b_16",
 ]
 MODELS = {**{name: 224 for name in CLASSIFIERS}, "centernet": 512}
 
@@ -159,7 +161,8 @@ def build(model):
 def seeded_state_dict(module):
     out = {}
     for key, value in module.state_dict().items():
-        if key.endswith("num_batches_tracked"):
+        if key.endswith("num_batches_tracked") or not value.is_floating_point():
+            # Integer buffers (BatchNorm's counter, Swin's relative_position_index) stay as built.
             out[key] = value
         else:
             out[key] = torch.from_numpy(seeded.weight(key, value.shape))
