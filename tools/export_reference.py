@@ -67,6 +67,10 @@ FIXTURE_SIZES = {
     # panics in Kiln's CPU im2col).
     "regnet_y_400mf": (2, 96),
     "convnext_tiny": (2, 96),
+    # The transformers at their natural 224 (Swin-T's windows of 7 tile 56, 28, 14 and 7; ViT-B/16's
+    # position embedding is built for the input size), batch 1 to keep the CPU test short.
+    "swin_t": (1, 224),
+    "vit_b_16": (1, 224),
     "centernet": (1, 512),
 }
 
@@ -420,6 +424,23 @@ def op_cases():
     c.append(("upsample_bilinear2d_down", lambda a: F.interpolate(a, scale_factor=0.6, mode="bilinear"), [[1, 2, 10, 9]]))
     c.append(("upsample_bilinear2d_size", up(size=(9, 13), mode="bilinear"), [[3, 2, 5, 7]]))
     c.append(("upsample_bilinear2d_size_align_corners", up(size=(9, 4), mode="bilinear", align_corners=True), [[2, 3, 5, 7]]))
+    # Roll (Swin's cyclic shift) and attention (src/ops/attention.rs): q is the input, k and v
+    # are `other[:, 0]` and `other[:, 1]`; odd lengths, batch > 1, a bias that broadcasts.
+    c.append(("roll_swin_shift", lambda a: torch.roll(a, shifts=(-3, -3), dims=(1, 2)), [[2, 7, 9, 5]]))
+    c.append(("roll_mixed", lambda a: torch.roll(a, shifts=(11, -2), dims=(3, 1)), [[3, 4, 5, 6]]))
+
+    class Attn(nn.Module):
+        def __init__(self, bias_shape=None, scale=None):
+            super().__init__()
+            self.bias = nn.Parameter(torch.zeros(bias_shape)) if bias_shape else None
+            self.scale = scale
+
+        def forward(self, q, kv):
+            return F.scaled_dot_product_attention(q, kv[:, 0], kv[:, 1], attn_mask=self.bias, scale=self.scale)
+
+    c.append(("attention_vit", Attn(), [[2, 3, 17, 16], [2, 2, 3, 13, 16]]))
+    c.append(("attention_swin_bias", Attn([4, 3, 7, 7], 0.3), [[2, 4, 3, 7, 8], [2, 2, 4, 3, 7, 8]]))
+    c.append(("attention_bias_rows", Attn([5, 1], None), [[3, 2, 5, 4], [3, 2, 2, 9, 4]]))
     return c
 
 
