@@ -336,3 +336,45 @@ impl Layer for GemmLayer {
         self.matmul.enqueue(rt, batch * self.rows_per_image, rt.ptr(self.x), self.w_ptr, c, rt.ptr(self.y))
     }
 }
+
+/// `Y = X · W` of two activations over `batch · count_per_image` strided matrices (`torch.matmul`
+/// of `[.., M, K]` and `[.., K, N]` with the same leading dims), one cuBLASLt call.
+pub struct BatchedGemmLayer {
+    path: String,
+    x: ValueId,
+    w: ValueId,
+    y: ValueId,
+    m: usize,
+    count_per_image: usize,
+    matmul: LtMatmul,
+}
+
+impl BatchedGemmLayer {
+    /// X `[count, m, k]`, W `[count, k, n]`, Y `[count, m, n]` per image, all contiguous.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(ctx: &BuildCtx, node: NodeId, x: ValueId, w: ValueId, y: ValueId, [m, k, n]: [usize; 3], count_per_image: usize) -> Result<Self> {
+        let elem = ctx.value(y).elem;
+        if ctx.value(x).elem != elem || ctx.value(w).elem != elem {
+            return Err(ctx.err(node, "a batched GEMM needs one element type for its operands and output".into()));
+        }
+        let path = ctx.node(node).path.clone();
+        let batched = Batched { w_kn: true, stride_x: m * k, stride_w: k * n, stride_y: m * n, alpha: 1.0, out_elem: elem };
+        let matmul = LtMatmul::new_batched(&path, ctx.precision(), elem, k, n, batched)?;
+        Ok(Self { path, x, w, y, m, count_per_image, matmul })
+    }
+}
+
+impl Layer for BatchedGemmLayer {
+    fn path(&self) -> &str {
+        &self.path
+    }
+    fn kind(&self) -> String {
+        "cublaslt-batched-gemm".into()
+    }
+    fn workspace_bytes(&self, _batch: usize) -> usize {
+        GEMM_WORKSPACE
+    }
+    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        self.matmul.enqueue_batched(rt, self.m, batch * self.count_per_image, rt.ptr(self.x), rt.ptr(self.w), 0, rt.ptr(self.y))
+    }
+}
