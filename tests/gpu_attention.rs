@@ -42,8 +42,10 @@ fn check_candidates(name: &str, q: &[usize], kv: &[usize], bias: Option<&Param>,
             if let Some(s) = source {
                 config = config.tactic_sources(&[s]);
             }
-            let engine = Arc::new(EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph).unwrap_or_else(|e| panic!("{name}: build: {e}")));
-            let kind: Vec<String> = engine.layers().filter(|l| l.path() == "attn" || l.path().ends_with("attention")).map(|l| l.kind()).collect();
+            let engine =
+                Arc::new(EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph).unwrap_or_else(|e| panic!("{name}: build: {e}")));
+            let kind: Vec<String> =
+                engine.layers().filter(|l| l.path() == "attn" || l.path().ends_with("attention")).map(|l| l.kind()).collect();
             if let Some(s) = source {
                 assert!(kind.iter().all(|k| k.starts_with(s)), "{name}: forced {s}, got {kind:?}");
             }

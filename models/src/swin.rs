@@ -153,7 +153,8 @@ impl Forward for ShiftedWindowAttention {
         let hd = c / heads;
         let i = |v: usize| v as isize;
         // Partition: [B, nh, ws, nw, ws, C] -> [B, nh, nw, ws, ws, C] -> [B, windows, N, C].
-        let x = x.view(&[i(b), i(nh), i(ws), i(nw), i(ws), i(c)])?.permute(&[0, 1, 3, 2, 4, 5])?.reshape(&[i(b), i(nh * nw), i(n), i(c)])?;
+        let x =
+            x.view(&[i(b), i(nh), i(ws), i(nw), i(ws), i(c)])?.permute(&[0, 1, 3, 2, 4, 5])?.reshape(&[i(b), i(nh * nw), i(n), i(c)])?;
         let qkv = self.qkv.forward(&x)?;
         // [B, windows, N, 3, heads, hd] -> [B, 3, windows, heads, N, hd].
         let qkv = qkv.reshape(&[i(b), i(nh * nw), i(n), 3, i(heads), i(hd)])?.permute(&[0, 3, 1, 4, 2, 5])?;
@@ -244,7 +245,12 @@ impl Forward for PatchMerging {
         // cat([x0, x1, x2, x3], -1) with x0 = (even row, even col), x1 = (odd, even), x2 = (even,
         // odd), x3 = (odd, odd): channel block (col phase)·2 + (row phase). One permute:
         // [B, H/2, 2(row), W/2, 2(col), C] -> [B, H/2, W/2, 2(col), 2(row), C].
-        let x = x.view(&[b as isize, h2, 2, w2, 2, c as isize])?.permute(&[0, 1, 3, 4, 2, 5])?.reshape(&[b as isize, h2, w2, 4 * c as isize])?;
+        let x = x.view(&[b as isize, h2, 2, w2, 2, c as isize])?.permute(&[0, 1, 3, 4, 2, 5])?.reshape(&[
+            b as isize,
+            h2,
+            w2,
+            4 * c as isize,
+        ])?;
         self.reduction.forward(&self.norm.forward(&x)?)
     }
 }

@@ -129,7 +129,8 @@ impl Module for VisionTransformer {
     type Config = VitConfig;
     fn load(vb: VarBuilder, c: &VitConfig) -> Result<Self> {
         let encoder = vb.pp("encoder");
-        let layers = (0..c.layers).map(|i| EncoderBlock::load(encoder.pp("layers").pp(format!("encoder_layer_{i}")), c)).collect::<Result<_>>()?;
+        let layers =
+            (0..c.layers).map(|i| EncoderBlock::load(encoder.pp("layers").pp(format!("encoder_layer_{i}")), c)).collect::<Result<_>>()?;
         Ok(Self {
             config: *c,
             conv_proj: Conv2d::load(vb.pp("conv_proj"), &Conv2dConfig::new(3, c.hidden, c.patch).stride(c.patch))?,

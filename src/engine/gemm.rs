@@ -135,7 +135,8 @@ impl LtMatmul {
         let mut mm = Self::new(path, precision, elem, k, n, None, false)?;
         if batched.w_kn {
             // SAFETY: `mm.desc.0` is live; TRANSA takes an i32 (`cublasOperation_t`).
-            unsafe { set_attr(mm.desc.0, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &0i32)? }; // CUBLAS_OP_N
+            unsafe { set_attr(mm.desc.0, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &0i32)? };
+            // CUBLAS_OP_N
         }
         mm.batched = Some(batched);
         Ok(mm)
@@ -352,7 +353,15 @@ pub struct BatchedGemmLayer {
 impl BatchedGemmLayer {
     /// X `[count, m, k]`, W `[count, k, n]`, Y `[count, m, n]` per image, all contiguous.
     #[allow(clippy::too_many_arguments)]
-    pub fn new(ctx: &BuildCtx, node: NodeId, x: ValueId, w: ValueId, y: ValueId, [m, k, n]: [usize; 3], count_per_image: usize) -> Result<Self> {
+    pub fn new(
+        ctx: &BuildCtx,
+        node: NodeId,
+        x: ValueId,
+        w: ValueId,
+        y: ValueId,
+        [m, k, n]: [usize; 3],
+        count_per_image: usize,
+    ) -> Result<Self> {
         let elem = ctx.value(y).elem;
         if ctx.value(x).elem != elem || ctx.value(w).elem != elem {
             return Err(ctx.err(node, "a batched GEMM needs one element type for its operands and output".into()));

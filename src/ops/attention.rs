@@ -292,7 +292,14 @@ fn gpu_attention(ctx: &mut BuildCtx, node: NodeId, attrs: Attention) -> Result<B
         elem,
         dims.s,
         dims.dv,
-        Batched { w_kn: true, stride_x: dims.l * dims.s, stride_w: dims.s * dims.dv, stride_y: dims.l * dims.dv, alpha: 1.0, out_elem: elem },
+        Batched {
+            w_kn: true,
+            stride_x: dims.l * dims.s,
+            stride_w: dims.s * dims.dv,
+            stride_y: dims.l * dims.dv,
+            alpha: 1.0,
+            out_elem: elem,
+        },
     )?;
     candidates.push(Box::new(GemmAttention {
         path: path.clone(),

@@ -444,7 +444,9 @@ fn gpu_roll(ctx: &mut BuildCtx, node: NodeId, shifts: &[i64], dims: &[usize]) ->
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
     if !dx.layout.same_bytes(dy.layout, &dy.dims) || dx.elem != dy.elem {
-        return Err(ctx.err(node, format!("input {:?} {:?} and output {:?} {:?} must share a layout", dx.layout, dx.dims, dy.layout, dy.dims)));
+        return Err(
+            ctx.err(node, format!("input {:?} {:?} and output {:?} {:?} must share a layout", dx.layout, dx.dims, dy.layout, dy.dims))
+        );
     }
     // Per-image shifts (dims after the batch), then both lists in physical order.
     let full: Vec<usize> = [&[1usize][..], &dx.dims].concat();
@@ -488,7 +490,8 @@ impl Layer for RollLayer {
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let n = batch * self.per_image;
-        let args = [KArg::Ptr(rt.ptr(self.x)), KArg::Ptr(rt.ptr(self.y)), KArg::I64(n as i64), KArg::Ptr(self.meta.ptr()), KArg::I32(self.rank)];
+        let args =
+            [KArg::Ptr(rt.ptr(self.x)), KArg::Ptr(rt.ptr(self.y)), KArg::I64(n as i64), KArg::Ptr(self.meta.ptr()), KArg::I32(self.rank)];
         launch(rt, &self.f, grid_for(n, self.sm_count), (BLOCK, 1, 1), 0, &args)
     }
 }
