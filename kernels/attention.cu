@@ -3,15 +3,16 @@
 // the optional bias is f32 [zimg, L, S] and problem z reads its slice z % zimg (the bias has no
 // batch: it is the same for every image). Softmax statistics and accumulators are f32.
 
-// The second half of the unfused candidate: scores (f32 [Z, L, S], already scaled by the GEMM)
-// plus the bias, softmax along S, written as probabilities in T for the P·V GEMM. One warp a row.
+// The second half of the unfused candidate: scores (f32 [Z, L, S], rows `ld` apart, already
+// scaled by the GEMM) plus the bias, softmax along S, written as probabilities in T (rows `ld`
+// apart; the padding is never read) for the P·V GEMM. One warp a row.
 template <typename T>
-__device__ void attn_softmax(const float* scores, const float* bias, T* probs, i64 rows, int L, int S, i64 zimg) {
+__device__ void attn_softmax(const float* scores, const float* bias, T* probs, i64 rows, int L, int S, int ld, i64 zimg) {
     const int lane = threadIdx.x & 31;
     const i64 warp = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const i64 warps = ((i64)gridDim.x * blockDim.x) >> 5;
     for (i64 r = warp; r < rows; r += warps) {
-        const float* s = scores + r * S;
+        const float* s = scores + r * ld;
         // Row r is row (r % L) of problem r / L; its bias row is that problem's modulo zimg.
         const float* b = bias ? bias + (((r / L) % zimg) * L + r % L) * S : nullptr;
         float m = neg_inf();
@@ -21,7 +22,7 @@ __device__ void attn_softmax(const float* scores, const float* bias, T* probs, i
         for (int j = lane; j < S; j += 32) sum += expf(s[j] + (b ? b[j] : 0.f) - m);
         for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
         const float inv = 1.f / sum;
-        T* p = probs + r * S;
+        T* p = probs + r * ld;
         for (int j = lane; j < S; j += 32) p[j] = from_f32<T>(expf(s[j] + (b ? b[j] : 0.f) - m) * inv);
     }
 }
@@ -90,8 +91,9 @@ __device__ void attn_fused(const T* q, const T* k, const T* v, const float* bias
 }
 
 #define ATTENTION(T, S)                                                                                                          \
-    extern "C" __global__ void attn_softmax_##S(const float* scores, const float* bias, T* probs, i64 rows, int L, int Sk, i64 zimg) { \
-        attn_softmax<T>(scores, bias, probs, rows, L, Sk, zimg);                                                                 \
+    extern "C" __global__ void attn_softmax_##S(const float* scores, const float* bias, T* probs, i64 rows, int L, int Sk, int ld, \
+                                                i64 zimg) {                                                                      \
+        attn_softmax<T>(scores, bias, probs, rows, L, Sk, ld, zimg);                                                             \
     }                                                                                                                            \
     extern "C" __global__ void __launch_bounds__(ATTN_BQ) attn_fused_d32_##S(const T* q, const T* k, const T* v, const float* bias, \
                                                                           T* y, int L, int Sk, i64 zimg, float scale) {         \

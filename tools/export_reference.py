@@ -197,6 +197,16 @@ def randomise_batchnorm(net, model, seed):
     net.eval()
 
 
+def randomise_zero_head(net, seed):
+    """torchvision initialises ViT's classifier head to zeros, so every logit would be 0 and no
+    comparison could fail: the head is drawn at random instead (std 0.02, as its other Linears)."""
+    g = torch.Generator().manual_seed(seed + 2)
+    head = net.heads.head
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 0.02)
+        head.bias.copy_(torch.randn(head.bias.shape, generator=g) * 0.02)
+
+
 def load_weights(model, net, weights, seed):
     if weights == "seeded":
         net.load_state_dict(seeded_state_dict(net))
@@ -208,6 +218,8 @@ def load_weights(model, net, weights, seed):
         # initialisation, whose top-100 detections are well separated for the FP16 check.
         if model in CLASSIFIERS:
             randomise_batchnorm(net, model, seed)
+        if model == "vit_b_16":
+            randomise_zero_head(net, seed)
     else:
         net.load_state_dict(load_file(weights))
     return net

@@ -102,6 +102,10 @@ pub struct Batched {
     pub alpha: f32,
     /// Y's element type: f32 scores from f16 operands keep the softmax's input exact.
     pub out_elem: Elem,
+    /// Row strides (elements) of X and Y when wider than their rows (0: k and n): attention pads
+    /// its score rows to a multiple of 8 so every f16 row and matrix starts 16-byte aligned.
+    pub ld_x: usize,
+    pub ld_y: usize,
 }
 
 impl LtMatmul {
@@ -183,8 +187,9 @@ impl LtMatmul {
             Some(b) if b.w_kn => layout(t, self.n, self.k, self.n, Some(b.stride_w))?,
             _ => layout(t, self.k, self.n, self.k, bt.map(|b| b.stride_w))?,
         };
-        let b = layout(t, self.k, m, self.k, bt.map(|b| b.stride_x))?;
-        let c = layout(bt.map_or(t, |b| cuda_type(b.out_elem)), self.n, m, self.n, bt.map(|b| b.stride_y))?;
+        let ld = |ld: usize, dense: usize| if ld == 0 { dense } else { ld };
+        let b = layout(t, self.k, m, ld(bt.map_or(0, |b| b.ld_x), self.k), bt.map(|b| b.stride_x))?;
+        let c = layout(bt.map_or(t, |b| cuda_type(b.out_elem)), self.n, m, ld(bt.map_or(0, |b| b.ld_y), self.n), bt.map(|b| b.stride_y))?;
         let pref = lt::create_matmul_pref().map_err(cuda_err("cublasLtMatmulPreferenceCreate"))?;
         let ws = GEMM_WORKSPACE.min(rt.workspace_bytes);
         // SAFETY: `pref`, the descriptor and the layouts are live; `ws` outlives the call; `pref`
@@ -367,7 +372,8 @@ impl BatchedGemmLayer {
             return Err(ctx.err(node, "a batched GEMM needs one element type for its operands and output".into()));
         }
         let path = ctx.node(node).path.clone();
-        let batched = Batched { w_kn: true, stride_x: m * k, stride_w: k * n, stride_y: m * n, alpha: 1.0, out_elem: elem };
+        let batched =
+            Batched { w_kn: true, stride_x: m * k, stride_w: k * n, stride_y: m * n, alpha: 1.0, out_elem: elem, ld_x: 0, ld_y: 0 };
         let matmul = LtMatmul::new_batched(&path, ctx.precision(), elem, k, n, batched)?;
         Ok(Self { path, x, w, y, m, count_per_image, matmul })
     }

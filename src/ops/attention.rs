@@ -267,8 +267,11 @@ fn gpu_attention(ctx: &mut BuildCtx, node: NodeId, attrs: Attention) -> Result<B
     let path = ctx.node(node).path.clone();
     let mut candidates: Vec<Box<dyn Layer>> = Vec::new();
 
-    // (a) cuBLASLt: scores (f32) = scale · Q·Kᵀ, softmax kernel, Y = P·V.
-    let scores_bytes = dims.zimg.checked_mul(dims.l * dims.s).ok_or_else(|| ctx.err(node, "scores too large".into()))?;
+    // (a) cuBLASLt: scores (f32) = scale · Q·Kᵀ, softmax kernel, Y = P·V. Score and probability
+    // rows are `ld` = S rounded up to 8 apart, so every f16 row and matrix is 16-byte aligned.
+    let ld = dims.s.next_multiple_of(8);
+    let ldi = int("S rounded up to 8", ld)?;
+    let scores_bytes = dims.zimg.checked_mul(dims.l * ld).ok_or_else(|| ctx.err(node, "scores too large".into()))?;
     let scores = ctx.scratch(scores_bytes * Elem::F32.size());
     let probs = ctx.scratch(scores_bytes * elem.size());
     let qk = LtMatmul::new_batched(
@@ -281,9 +284,11 @@ fn gpu_attention(ctx: &mut BuildCtx, node: NodeId, attrs: Attention) -> Result<B
             w_kn: false,
             stride_x: dims.l * dims.d,
             stride_w: dims.s * dims.d,
-            stride_y: dims.l * dims.s,
+            stride_y: dims.l * ld,
             alpha: attrs.scale,
             out_elem: Elem::F32,
+            ld_x: 0,
+            ld_y: ld,
         },
     )?;
     let pv = LtMatmul::new_batched(
@@ -294,11 +299,13 @@ fn gpu_attention(ctx: &mut BuildCtx, node: NodeId, attrs: Attention) -> Result<B
         dims.dv,
         Batched {
             w_kn: true,
-            stride_x: dims.l * dims.s,
+            stride_x: dims.l * ld,
             stride_w: dims.s * dims.dv,
             stride_y: dims.l * dims.dv,
             alpha: 1.0,
             out_elem: elem,
+            ld_x: ld,
+            ld_y: 0,
         },
     )?;
     candidates.push(Box::new(GemmAttention {
@@ -313,6 +320,7 @@ fn gpu_attention(ctx: &mut BuildCtx, node: NodeId, attrs: Attention) -> Result<B
         dims,
         li,
         si,
+        ldi,
         sm_count: ctx.kernels.sm_count(),
     }));
 
@@ -339,6 +347,8 @@ struct GemmAttention {
     dims: Dims,
     li: i32,
     si: i32,
+    /// Row stride of the scores and probabilities (S rounded up to 8).
+    ldi: i32,
     sm_count: u32,
 }
 
@@ -367,6 +377,7 @@ impl Layer for GemmAttention {
             KArg::I64(rows as i64),
             KArg::I32(self.li),
             KArg::I32(self.si),
+            KArg::I32(self.ldi),
             KArg::I64(self.dims.zimg.max(1) as i64),
         ];
         launch(rt, &self.softmax, (blocks, 1, 1), (256, 1, 1), 0, &args)?;
