@@ -105,8 +105,9 @@ fn roll() {
     check("roll -3,-3 dims 1,2 of [7, 9, 5]", &[("x", &[7, 9, 5])], |x| Ok(vec![x[0].roll(&[-3, -3], &[1, 2])?]));
     check("roll 11,-2 of [4, 5, 6]", &[("x", &[4, 5, 6])], |x| Ok(vec![x[0].roll(&[11, -2], &[3, 1])?]));
     check("roll of an NHWC conv output", &[("x", &[3, 8, 8])], |x| {
+        use kiln::{Forward, Module};
         let conv = kiln::Conv2d::load(kiln::VarBuilder::seeded().pp("conv"), &kiln::Conv2dConfig::new(3, 6, 3).padding(1))?;
-        Ok(vec![kiln::Forward::forward(&conv, &x[0])?.roll(&[2, -1], &[2, 3])?])
+        Ok(vec![conv.forward(&x[0])?.roll(&[2, -1], &[2, 3])?])
     });
 }
 

@@ -153,7 +153,7 @@ impl Forward for VisionTransformer {
         // with class_token added to row 0).
         let pos = self.encoder.get(&[1, tokens + 1, e], "pos_embedding")?;
         let mut merged = pos.value.data.clone();
-        merged[..e].iter_mut().zip(&self.class_token.value.data).for_each(|(p, c)| *p = c + *p);
+        merged[..e].iter_mut().zip(&self.class_token.value.data).for_each(|(p, c)| *p += c);
         let merged = Param { name: format!("{}+class_token", pos.name), value: Arc::new(HostTensor::new(vec![1, tokens + 1, e], merged)) };
         let x = x.pad(&[0, 0, 1, 0], 0.0)?.binary_weight(&format!("{}.add_pos_embedding", self.encoder.path()), Binary::Add, &merged)?;
         let x = self.layers.iter().try_fold(x, |x, l| l.forward(&x))?;
