@@ -105,11 +105,11 @@ __device__ void attn_fused(const T* q, const T* k, const T* v, const float* bias
                                                 i64 zimg) {                                                                      \
         attn_softmax<T>(scores, bias, probs, rows, L, Sk, ld, zimg);                                                             \
     }                                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(ATTN_BQ) attn_fused_d32_##S(const T* q, const T* k, const T* v, const float* bias, \
+    extern "C" __global__ void __launch_bounds__(ATTN_BQ) flash_attn_d32_##S(const T* q, const T* k, const T* v, const float* bias, \
                                                                           T* y, int L, int Sk, i64 zimg, float scale) {         \
         attn_fused<T, 32>(q, k, v, bias, y, L, Sk, zimg, scale);                                                                 \
     }                                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(ATTN_BQ) attn_fused_d64_##S(const T* q, const T* k, const T* v, const float* bias, \
+    extern "C" __global__ void __launch_bounds__(ATTN_BQ) flash_attn_d64_##S(const T* q, const T* k, const T* v, const float* bias, \
                                                                           T* y, int L, int Sk, i64 zimg, float scale) {         \
         attn_fused<T, 64>(q, k, v, bias, y, L, Sk, zimg, scale);                                                                 \
     }

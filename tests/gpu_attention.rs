@@ -34,7 +34,7 @@ fn check_candidates(name: &str, q: &[usize], kv: &[usize], bias: Option<&Param>,
     let graph = trace(q, kv, bias);
     let mut sources: Vec<Option<&str>> = vec![None, Some("cublaslt-attention")];
     if fused {
-        sources.push(Some("kernel:attn_fused"));
+        sources.push(Some("kernel:flash_attn"));
     }
     for source in sources {
         for (precision, tol) in [(Precision::Fp32, 1e-5), (Precision::Fp16, 1e-2)] {

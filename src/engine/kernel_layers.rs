@@ -980,8 +980,8 @@ pub fn entry_points() -> Vec<String> {
             "global_avg_pool",
             "shape_roll",
             "attn_softmax",
-            "attn_fused_d32",
-            "attn_fused_d64",
+            "flash_attn_d32",
+            "flash_attn_d64",
         ] {
             names.push(format!("{k}_{t}"));
         }

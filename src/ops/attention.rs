@@ -7,7 +7,7 @@
 //! On the GPU two candidates are timed per layer (`BuildCtx::choose`):
 //! - `cublaslt-attention`: a strided-batched cuBLASLt GEMM for f32 scores, our softmax kernel
 //!   (bias added, f32 statistics) writing probabilities, and a second batched GEMM for `P·V`;
-//! - `kernel:attn_fused`: our flash-attention-style kernel (`kernels/attention.cu`: online
+//! - `kernel:flash_attn`: our flash-attention-style kernel (`kernels/attention.cu`: online
 //!   softmax, K/V tiles in shared memory, f32 accumulators), for head dims 32 and 64.
 
 use crate::engine::gemm::{Batched, LtMatmul, GEMM_WORKSPACE};
@@ -326,7 +326,7 @@ fn gpu_attention(ctx: &mut BuildCtx, node: NodeId, attrs: Attention) -> Result<B
 
     // (b) the fused kernel, for the head dims it is stamped for.
     if dims.d == dims.dv && matches!(dims.d, 32 | 64) {
-        let f = ctx.kernels.get(&format!("attn_fused_d{}_{}", dims.d, elem.suffix()))?;
+        let f = ctx.kernels.get(&format!("flash_attn_d{}_{}", dims.d, elem.suffix()))?;
         candidates.push(Box::new(FusedAttention { path, f, io: [q, k, v, y], bias, dims, li, si, scale: attrs.scale }));
     }
     let key = ctx.problem_key(node);
@@ -405,7 +405,7 @@ impl Layer for FusedAttention {
         &self.path
     }
     fn kind(&self) -> String {
-        format!("kernel:attn_fused_d{}", self.dims.d)
+        format!("kernel:flash_attn_d{}", self.dims.d)
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let [q, k, v, y] = self.io.map(|v| rt.ptr(v));
