@@ -337,6 +337,21 @@ mod tests {
     }
 
     #[test]
+    fn swin_t_traces_with_torchvision_structure() {
+        let g = crate::trace("swin_t", VarBuilder::seeded(), 1, 224).expect("trace");
+        let count = |op: &str| g.nodes.iter().filter(|n| n.op.name() == op).count();
+        assert_eq!(count("attention"), 12, "depths 2 + 2 + 6 + 2");
+        // Shifted blocks (every second one) roll there and back, except in the last stage, whose
+        // 7x7 map is one window (torchvision's shift is then 0).
+        assert_eq!(count("roll"), 2 * (1 + 1 + 3));
+        assert!(g.weights.contains_key("features.5.5.mlp.3.weight"));
+        assert!(g.weights.contains_key("features.6.reduction.weight"));
+        assert_eq!(g.weights["features.1.1.attn.relative_position_bias+shifted_window_mask"].shape, [64, 3, 49, 49]);
+        assert_eq!(g.weights["features.7.1.attn.relative_position_bias"].shape, [24, 49, 49]);
+        assert_eq!(g.weights["head.weight"].shape, [1000, 768]);
+    }
+
+    #[test]
     fn shifted_window_mask_separates_regions() {
         // 14×14 map, window 7, shift 3: 4 windows; the first window is one region (all zeros),
         // the last mixes four regions.

@@ -166,3 +166,21 @@ impl Forward for VisionTransformer {
 pub fn vit_b_16(vb: VarBuilder) -> Result<VisionTransformer> {
     VisionTransformer::load(vb, &VitConfig::vit_b_16())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vit_b_16_traces_with_torchvision_structure() {
+        let g = crate::trace("vit_b_16", VarBuilder::seeded(), 2, 224).expect("trace");
+        let attention: Vec<_> = g.nodes.iter().filter(|n| n.op.name() == "attention").collect();
+        assert_eq!(attention.len(), 12);
+        assert_eq!(attention[0].shape, [2, 12, 197, 64], "[N, heads, 1 + 14·14 tokens, 64]");
+        assert_eq!(g.weights["encoder.layers.encoder_layer_11.self_attention.in_proj_weight"].shape, [2304, 768]);
+        assert_eq!(g.weights["encoder.pos_embedding+class_token"].shape, [1, 197, 768]);
+        assert_eq!(g.weights["heads.head.weight"].shape, [1000, 768]);
+        let out = g.outputs.iter().find(|(n, _)| n == "logits").map(|(_, id)| g.nodes[*id].shape.clone());
+        assert_eq!(out, Some(vec![2, 1000]));
+    }
+}
