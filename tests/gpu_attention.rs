@@ -122,3 +122,38 @@ fn swin_block_end_to_end() {
         Ok(vec![b.forward(&x[0])?])
     });
 }
+
+/// `matmul` of two activations with the same leading dims through the forced strided-batched
+/// cuBLASLt candidate and the forced tiled kernel (attention written as matmuls, as PyTorch code
+/// often is), against the CPU executor.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn batched_matmul_candidates() {
+    let Some(gpu) = gpu() else { return };
+    let (a, b) = ([3usize, 17, 40], [3usize, 40, 9]);
+    let tracer = Tracer::new();
+    let full = |s: &[usize]| [&[1usize][..], s].concat();
+    let (ta, tb) = (tracer.input("a", &full(&a)), tracer.input("b", &full(&b)));
+    tracer.output("y", &ta.matmul(&tb).expect("trace"));
+    let graph = tracer.graph();
+    for source in ["cublaslt-batched-gemm", "kernel:matmul_tiled"] {
+        for (precision, tol) in [(Precision::Fp32, 1e-5), (Precision::Fp16, 1e-2)] {
+            let config = BuildConfig::default().precision(precision).batch(1, 3, 3).cuda_graphs(false).tactic_sources(&[source]);
+            let engine =
+                Arc::new(EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph).unwrap_or_else(|e| panic!("{source}: build: {e}")));
+            let kinds: Vec<String> = engine.layers().map(|l| l.kind()).filter(|k| k.contains("matmul") || k.contains("gemm")).collect();
+            assert!(kinds.iter().all(|k| k.starts_with(source)) && !kinds.is_empty(), "forced {source}, got {kinds:?}");
+            let mut ctx = engine.context().expect("context");
+            for batch in BATCHES {
+                let shape = |s: &[usize]| [&[batch][..], s].concat();
+                let (ha, hb) = (random(&shape(&a), 11 + batch as u64, 1.0), random(&shape(&b), 13 + batch as u64, 1.0));
+                let bound = [("a", &ha), ("b", &hb)];
+                let want = kiln::cpu::run(&graph, &bound).expect("cpu");
+                let got = ctx.run(&bound).unwrap_or_else(|e| panic!("{source} {precision:?} batch {batch}: {e}"));
+                let (rel, max_abs) = rel_l2(&got["y"].data, &want["y"].data);
+                println!("matmul {a:?} @ {b:?} {source:<22} {precision:?} batch {batch}: rel L2 {rel:.2e}, max abs {max_abs:.2e}");
+                assert!(rel <= tol, "{source} {precision:?} batch {batch}: rel L2 {rel:.3e} > {tol:e}");
+            }
+        }
+    }
+}
