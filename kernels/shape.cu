@@ -54,3 +54,30 @@ template <typename T> __device__ void shape_scatter(const T* x, T* y, i64 n, con
 
 SHAPE(float, f32)
 SHAPE(f16, f16)
+
+// Roll (torch.roll): y and x share one layout; y's element at index i along each dim reads x's at
+// (i - shift) mod size. `meta`: each dim's size, then its shift in [0, size), in physical order.
+template <typename T> __device__ void shape_roll(const T* x, T* y, i64 n, const i64* meta, int rank) {
+    const i64* size = meta;
+    const i64* shift = meta + rank;
+    GRID_STRIDE(i, n) {
+        i64 rem = i, off = 0, stride = 1;
+        for (int d = rank - 1; d >= 0; --d) {
+            const i64 idx = rem % size[d];
+            rem /= size[d];
+            i64 src = idx - shift[d];
+            if (src < 0) src += size[d];
+            off += src * stride;
+            stride *= size[d];
+        }
+        y[i] = x[off + rem * stride];
+    }
+}
+
+#define ROLL(T, S)                                                                                     \
+    extern "C" __global__ void shape_roll_##S(const T* x, T* y, i64 n, const i64* meta, int rank) { \
+        shape_roll<T>(x, y, n, meta, rank);                                                         \
+    }
+
+ROLL(float, f32)
+ROLL(f16, f16)

@@ -85,7 +85,7 @@ fn quote(s: &str) -> String {
 fn fill(node: &Node) -> &'static str {
     match &node.op {
         _ if is_fused(node) => "#f4a259",
-        Op::Conv(_) | Op::Gemm(_) => "#8ecae6",
+        Op::Conv(_) | Op::Gemm(_) | Op::Attention(_) => "#8ecae6",
         Op::Norm(_) => "#ffe08a",
         Op::Pool(_) | Op::Resize(_) => "#b7e4c7",
         Op::Unary(_) => "#e9ecef",

@@ -2,6 +2,7 @@
 //!
 //! The graph knows nothing of CUDA. The CPU executor and the engine builder both consume it.
 
+pub use crate::ops::attention::Attention;
 pub use crate::ops::conv::{Activation, ConvAttrs};
 pub use crate::ops::custom::CustomCall;
 pub use crate::ops::elementwise::{Binary, Unary};
@@ -81,6 +82,8 @@ pub enum Op {
     Shape(ShapeOp),
     /// Upsampling / interpolation (`ops::resize`).
     Resize(Resize),
+    /// Scaled dot-product attention with an optional additive bias (`ops::attention`).
+    Attention(Attention),
     /// A user-registered op (`ops::custom`): its name selects its shape rule, CPU reference and
     /// converter.
     Custom(CustomCall),
@@ -100,6 +103,7 @@ impl Op {
             Op::Binary(a) => a,
             Op::Shape(a) => a,
             Op::Resize(a) => a,
+            Op::Attention(a) => a,
             Op::Custom(a) => a,
         })
     }

@@ -9,9 +9,9 @@
 //! |------------------------------|-----------------------------------------|
 //! | `running_var`                | 0.5 + u                                 |
 //! | `running_mean`               | 0.2 · (2u − 1)                          |
-//! | `bias`                       | 0.1 · (2u − 1)                          |
+//! | `bias`, `in_proj_bias`       | 0.1 · (2u − 1)                          |
 //! | `weight`, 1-D (norm gamma)   | 0.75 + 0.5 u                            |
-//! | `weight`, ≥ 2-D              | (2u − 1) · √(3 / fan_in), fan_in = numel / shape\[0\] |
+//! | `weight`, ≥ 2-D; `in_proj_weight` (`nn.MultiheadAttention`) | (2u − 1) · √(3 / fan_in), fan_in = numel / shape\[0\] |
 //! | anything else (inputs)       | 2u − 1                                  |
 //!
 //! All arithmetic is in f64 and rounded to f32 once, so Rust and NumPy agree bit for bit.
@@ -48,9 +48,9 @@ pub fn weight(name: &str, shape: &[usize]) -> HostTensor {
         match last {
             "running_var" => 0.5 + u,
             "running_mean" => 0.2 * (2.0 * u - 1.0),
-            "bias" => 0.1 * (2.0 * u - 1.0),
+            "bias" | "in_proj_bias" => 0.1 * (2.0 * u - 1.0),
             "weight" if shape.len() == 1 => 0.75 + 0.5 * u,
-            "weight" => (2.0 * u - 1.0) * (3.0 / fan_in as f64).sqrt(),
+            "weight" | "in_proj_weight" => (2.0 * u - 1.0) * (3.0 / fan_in as f64).sqrt(),
             _ => 2.0 * u - 1.0,
         }
     };

@@ -51,9 +51,10 @@ impl Source {
     }
 }
 
-/// Keys that PyTorch saves but inference never reads.
+/// Keys that PyTorch saves but inference never reads, or that Kiln recomputes: Swin's
+/// `relative_position_index` is a constant of the window size (`kiln_models::swin`).
 fn is_bookkeeping(key: &str) -> bool {
-    key.ends_with("num_batches_tracked")
+    key.ends_with("num_batches_tracked") || key.ends_with("relative_position_index")
 }
 
 impl VarBuilder {

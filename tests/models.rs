@@ -96,6 +96,21 @@ fn optimized_graphs_match_pytorch() {
     }
 }
 
+/// torchvision's Swin-T at 224 (seeded weights): roll, window partition, relative position bias
+/// and shifted-window mask, patch merging.
+#[test]
+fn swin_t_matches_pytorch() {
+    check_classifier("swin_t");
+    check_optimized_classifier("swin_t");
+}
+
+/// torchvision's ViT-B/16 at 224 (seeded weights): class token, position embedding, multi-head
+/// attention with `in_proj_weight`.
+#[test]
+fn vit_b_16_matches_pytorch() {
+    check_classifier("vit_b_16");
+}
+
 #[test]
 fn resnet18_matches_pytorch() {
     check_classifier("resnet18");

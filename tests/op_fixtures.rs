@@ -140,8 +140,28 @@ fn build(case: &str, vb: VarBuilder, x: &Tensor, other: Option<&Tensor>) -> Opti
         "upsample_bilinear2d_down" => x.interpolate(&UpsampleConfig::scale(0.6).bilinear(false)),
         "upsample_bilinear2d_size" => upsample(vb, x, UpsampleConfig::size(9, 13).bilinear(false)),
         "upsample_bilinear2d_size_align_corners" => upsample(vb, x, UpsampleConfig::size(9, 4).bilinear(true)),
+        "roll_swin_shift" => x.roll(&[-3, -3], &[1, 2]),
+        "roll_mixed" => x.roll(&[11, -2], &[3, 1]),
+        "attention_vit" => other().and_then(|o| {
+            let (k, v) = kv(o)?;
+            x.attention(&k, &v, None, None)
+        }),
+        "attention_swin_bias" => other().and_then(|o| {
+            let (k, v) = kv(o)?;
+            x.attention_weight(case, &k, &v, &vb.get(&[4, 3, 7, 7], "bias")?, Some(0.3))
+        }),
+        "attention_bias_rows" => other().and_then(|o| {
+            let (k, v) = kv(o)?;
+            x.attention_weight(case, &k, &v, &vb.get(&[5, 1], "bias")?, None)
+        }),
         _ => return None,
     })
+}
+
+/// Keys and values of the attention cases: `other[:, 0]` and `other[:, 1]`.
+fn kv(o: &Tensor) -> Result<(Tensor, Tensor)> {
+    let dims: Vec<isize> = std::iter::once(o.shape()[0]).chain(o.shape()[2..].iter().copied()).map(|d| d as isize).collect();
+    Ok((o.narrow(1, 0, 1)?.reshape(&dims)?, o.narrow(1, 1, 1)?.reshape(&dims)?))
 }
 
 #[test]

@@ -23,7 +23,7 @@ LIBS = "/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu:
 ZOO = [
     "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d", "wide_resnet50_2", "alexnet", "vgg16",
     "vgg16_bn", "squeezenet1_0", "squeezenet1_1", "densenet121", "googlenet", "mobilenet_v2", "mobilenet_v3_large", "efficientnet_b0",
-    "shufflenet_v2_x1_0", "regnet_y_400mf", "convnext_tiny",
+    "shufflenet_v2_x1_0", "regnet_y_400mf", "convnext_tiny", "swin_t", "vit_b_16",
 ]
 # (model, batch) pairs the regression check times with the old and the new build, alternating.
 REGRESSION = [("resnet50", 1), ("resnet50", 256), ("centernet", 32)]

@@ -48,6 +48,8 @@ CLASSIFIERS = [
     "shufflenet_v2_x1_0",
     "regnet_y_400mf",
     "convnext_tiny",
+    "swin_t",
+    "vit_b_16",
 ]
 # Ultralytics' detectors, built from the yaml packaged with `ultralytics` (see `build_yolo`).
 YOLO = {"yolov8n": "yolov8n.yaml", "yolo11n": "yolo11n.yaml"}
@@ -67,6 +69,10 @@ FIXTURE_SIZES = {
     # panics in Kiln's CPU im2col).
     "regnet_y_400mf": (2, 96),
     "convnext_tiny": (2, 96),
+    # The transformers at their natural 224 (Swin-T's windows of 7 tile 56, 28, 14 and 7; ViT-B/16's
+    # position embedding is built for the input size), batch 1 to keep the CPU test short.
+    "swin_t": (1, 224),
+    "vit_b_16": (1, 224),
     "centernet": (1, 512),
     # CenterNet-R50-DCN: 128 keeps the CPU test fast (DCNs at 4x4, 8x8 and 16x16).
     "centernet_dcn": (1, 128),
@@ -301,7 +307,8 @@ def build(model):
 def seeded_state_dict(module):
     out = {}
     for key, value in module.state_dict().items():
-        if key.endswith("num_batches_tracked"):
+        if key.endswith("num_batches_tracked") or not value.is_floating_point():
+            # Integer buffers (BatchNorm's counter, Swin's relative_position_index) stay as built.
             out[key] = value
         else:
             out[key] = torch.from_numpy(seeded.weight(key, value.shape))
@@ -332,6 +339,16 @@ def randomise_batchnorm(net, model, seed):
     net.eval()
 
 
+def randomise_zero_head(net, seed):
+    """torchvision initialises ViT's classifier head to zeros, so every logit would be 0 and no
+    comparison could fail: the head is drawn at random instead (std 0.02, as its other Linears)."""
+    g = torch.Generator().manual_seed(seed + 2)
+    head = net.heads.head
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 0.02)
+        head.bias.copy_(torch.randn(head.bias.shape, generator=g) * 0.02)
+
+
 def load_weights(model, net, weights, seed):
     if weights == "seeded":
         net.load_state_dict(seeded_state_dict(net))
@@ -345,6 +362,8 @@ def load_weights(model, net, weights, seed):
             randomise_batchnorm(net, model, seed)
         if model in YOLO:
             calibrate_yolo_head(net, model, seed)
+        if model == "vit_b_16":
+            randomise_zero_head(net, seed)
     else:
         net.load_state_dict(load_file(weights))
     return net
@@ -564,6 +583,23 @@ def op_cases():
     c.append(("upsample_bilinear2d_down", lambda a: F.interpolate(a, scale_factor=0.6, mode="bilinear"), [[1, 2, 10, 9]]))
     c.append(("upsample_bilinear2d_size", up(size=(9, 13), mode="bilinear"), [[3, 2, 5, 7]]))
     c.append(("upsample_bilinear2d_size_align_corners", up(size=(9, 4), mode="bilinear", align_corners=True), [[2, 3, 5, 7]]))
+    # Roll (Swin's cyclic shift) and attention (src/ops/attention.rs): q is the input, k and v
+    # are `other[:, 0]` and `other[:, 1]`; odd lengths, batch > 1, a bias that broadcasts.
+    c.append(("roll_swin_shift", lambda a: torch.roll(a, shifts=(-3, -3), dims=(1, 2)), [[2, 7, 9, 5]]))
+    c.append(("roll_mixed", lambda a: torch.roll(a, shifts=(11, -2), dims=(3, 1)), [[3, 4, 5, 6]]))
+
+    class Attn(nn.Module):
+        def __init__(self, bias_shape=None, scale=None):
+            super().__init__()
+            self.bias = nn.Parameter(torch.zeros(bias_shape)) if bias_shape else None
+            self.scale = scale
+
+        def forward(self, q, kv):
+            return F.scaled_dot_product_attention(q, kv[:, 0], kv[:, 1], attn_mask=self.bias, scale=self.scale)
+
+    c.append(("attention_vit", Attn(), [[2, 3, 17, 16], [2, 2, 3, 13, 16]]))
+    c.append(("attention_swin_bias", Attn([4, 3, 7, 7], 0.3), [[2, 4, 3, 7, 8], [2, 2, 4, 3, 7, 8]]))
+    c.append(("attention_bias_rows", Attn([5, 1], None), [[3, 2, 5, 4], [3, 2, 2, 9, 4]]))
     return c
 
 

@@ -46,11 +46,11 @@ def weight(name: str, shape) -> np.ndarray:
         v = 0.5 + u
     elif last == "running_mean":
         v = 0.2 * (2.0 * u - 1.0)
-    elif last == "bias":
+    elif last in ("bias", "in_proj_bias"):
         v = 0.1 * (2.0 * u - 1.0)
     elif last == "weight" and len(shape) == 1:
         v = 0.75 + 0.5 * u
-    elif last == "weight":
+    elif last in ("weight", "in_proj_weight"):
         fan_in = numel // max(shape[0], 1)
         v = (2.0 * u - 1.0) * math.sqrt(3.0 / fan_in)
     else:

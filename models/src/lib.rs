@@ -26,10 +26,12 @@ pub mod resnet;
 mod sequential;
 pub mod shufflenetv2;
 pub mod squeezenet;
+pub mod swin;
 pub mod vgg;
 pub mod yolo;
 pub mod yolo_letterbox;
 pub mod yolo_nms;
+pub mod vit;
 
 pub use alexnet::{alexnet, AlexNet};
 pub use centernet::{centernet_r50, decode, CenterNet, CenterNetOutput};
@@ -47,8 +49,10 @@ pub use resnet::{
 };
 pub use shufflenetv2::{shufflenet_v2_x1_0, ShuffleNetV2};
 pub use squeezenet::{squeezenet1_0, squeezenet1_1, SqueezeNet};
+pub use swin::{swin_t, SwinTransformer};
 pub use vgg::{vgg16, vgg16_bn, Vgg};
 pub use yolo::{yolo11n, yolo11s, yolov8n, yolov8s, Yolo};
+pub use vit::{vit_b_16, VisionTransformer};
 
 use kiln::{Error, Forward, Graph, Result, Tracer, VarBuilder};
 
@@ -116,6 +120,8 @@ pub const BUNDLED: &[BundledModel] = &[
     classifier!("shufflenet_v2_x1_0", shufflenet_v2_x1_0, "torchvision ShuffleNetV2 1.0x (channel split and shuffle)"),
     classifier!("regnet_y_400mf", regnet_y_400mf, "torchvision RegNetY-400MF (grouped convs, squeeze-excitation)"),
     classifier!("convnext_tiny", convnext_tiny, "torchvision ConvNeXt-Tiny (depthwise 7x7, LayerNorm, GELU, layer scale)"),
+    classifier!("swin_t", swin_t, "torchvision Swin-T (shifted windows, relative position bias, patch merging)"),
+    classifier!("vit_b_16", vit_b_16, "torchvision ViT-B/16 (class token, multi-head attention)"),
     BundledModel {
         name: "centernet",
         input_size: 512,

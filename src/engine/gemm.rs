@@ -19,7 +19,7 @@ use std::mem::size_of;
 use std::sync::{Arc, Mutex};
 
 /// Workspace offered to cuBLASLt's heuristic (kernels with split-K need some).
-pub(super) const GEMM_WORKSPACE: usize = 32 << 20;
+pub const GEMM_WORKSPACE: usize = 32 << 20;
 
 struct MatDesc(sys::cublasLtMatmulDesc_t);
 struct MatLayout(sys::cublasLtMatrixLayout_t);
@@ -85,7 +85,29 @@ pub struct LtMatmul {
     n: usize,
     elem: Elem,
     desc: MatDesc,
-    plans: Mutex<HashMap<usize, Arc<Plan>>>,
+    /// Plans by (rows, batch count).
+    plans: Mutex<HashMap<(usize, usize), Arc<Plan>>>,
+    batched: Option<Batched>,
+}
+
+/// A strided-batched product of two activations (attention's `Q·Kᵀ` and `P·V`, `matmul` of two
+/// activations): `count` matrices per call, each operand `stride` elements after the previous.
+#[derive(Clone, Copy, Debug)]
+pub struct Batched {
+    /// W is stored row-major `[k, n]` (a plain right operand) rather than Linear's `[n, k]`.
+    pub w_kn: bool,
+    /// Element strides between consecutive matrices of X, W and Y.
+    pub stride_x: usize,
+    pub stride_w: usize,
+    pub stride_y: usize,
+    /// `Y = alpha · X·W` (attention's scale).
+    pub alpha: f32,
+    /// Y's element type: f32 scores from f16 operands keep the softmax's input exact.
+    pub out_elem: Elem,
+    /// Row strides (elements) of X and Y when wider than their rows (0: k and n): attention pads
+    /// its score rows to a multiple of 8 so every f16 row and matrix starts 16-byte aligned.
+    pub ld_x: usize,
+    pub ld_y: usize,
 }
 
 impl LtMatmul {
@@ -111,23 +133,65 @@ impl LtMatmul {
                 set_attr(desc.0, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &cuda_type(elem))?;
             }
         }
-        Ok(Self { path: path.to_string(), k, n, elem, desc, plans: Mutex::new(HashMap::new()) })
+        Ok(Self { path: path.to_string(), k, n, elem, desc, plans: Mutex::new(HashMap::new()), batched: None })
+    }
+
+    /// A strided-batched `Y = alpha · X[m, k] · W` of two activations (no bias, no epilogue).
+    pub fn new_batched(path: &str, precision: Precision, elem: Elem, k: usize, n: usize, batched: Batched) -> Result<Self> {
+        let mut mm = Self::new(path, precision, elem, k, n, None, false)?;
+        if batched.w_kn {
+            // SAFETY: `mm.desc.0` is live; TRANSA takes an i32 (`cublasOperation_t`).
+            unsafe { set_attr(mm.desc.0, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &0i32)? };
+            // CUBLAS_OP_N
+        }
+        mm.batched = Some(batched);
+        Ok(mm)
     }
 
     /// The plan for `m` rows, made once (cuBLAS is column-major: `Yᵀ[n, m] = W[n, k] · Xᵀ[k, m]`,
     /// A = W read transposed from its row-major storage, B = X and D = Y as stored).
-    fn plan(&self, rt: &RunCtx, m: usize) -> Result<Arc<Plan>> {
+    /// Batched: `count` such products, each layout strided by its operand's stride; a `[k, n]` W
+    /// is A = W as stored (col-major `[n, k]`, not transposed).
+    fn plan(&self, rt: &RunCtx, m: usize, count: usize) -> Result<Arc<Plan>> {
         let mut plans = self.plans.lock().map_err(|_| Error::Poisoned { path: self.path.clone(), what: "GEMM plan".into() })?;
-        if let Some(p) = plans.get(&m) {
+        if let Some(p) = plans.get(&(m, count)) {
             return Ok(p.clone());
         }
         let t = cuda_type(self.elem);
-        let layout = |rows: usize, cols: usize, ld: usize| {
-            lt::create_matrix_layout(t, rows as u64, cols as u64, ld as i64).map(MatLayout).map_err(cuda_err("cublasLtMatrixLayoutCreate"))
+        let layout = |t: sys::cudaDataType, rows: usize, cols: usize, ld: usize, stride: Option<usize>| {
+            let l = lt::create_matrix_layout(t, rows as u64, cols as u64, ld as i64)
+                .map(MatLayout)
+                .map_err(cuda_err("cublasLtMatrixLayoutCreate"))?;
+            if let Some(stride) = stride {
+                let (count, stride) = (
+                    i32::try_from(count).map_err(|_| self.too_large("batch count", count))?,
+                    i64::try_from(stride).map_err(|_| self.too_large("batch stride", stride))?,
+                );
+                use sys::cublasLtMatrixLayoutAttribute_t as L;
+                // SAFETY: `l.0` is live; BATCH_COUNT takes an i32, STRIDED_BATCH_OFFSET an i64.
+                unsafe {
+                    lt::set_matrix_layout_attribute(l.0, L::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count as *const i32 as *const c_void, 4)
+                        .and_then(|_| {
+                            lt::set_matrix_layout_attribute(
+                                l.0,
+                                L::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                &stride as *const i64 as *const c_void,
+                                8,
+                            )
+                        })
+                        .map_err(cuda_err("cublasLtMatrixLayoutSetAttribute"))?;
+                }
+            }
+            Ok::<_, Error>(l)
         };
-        let a = layout(self.k, self.n, self.k)?;
-        let b = layout(self.k, m, self.k)?;
-        let c = layout(self.n, m, self.n)?;
+        let bt = self.batched;
+        let a = match bt {
+            Some(b) if b.w_kn => layout(t, self.n, self.k, self.n, Some(b.stride_w))?,
+            _ => layout(t, self.k, self.n, self.k, bt.map(|b| b.stride_w))?,
+        };
+        let ld = |ld: usize, dense: usize| if ld == 0 { dense } else { ld };
+        let b = layout(t, self.k, m, ld(bt.map_or(0, |b| b.ld_x), self.k), bt.map(|b| b.stride_x))?;
+        let c = layout(bt.map_or(t, |b| cuda_type(b.out_elem)), self.n, m, ld(bt.map_or(0, |b| b.ld_y), self.n), bt.map(|b| b.stride_y))?;
         let pref = lt::create_matmul_pref().map_err(cuda_err("cublasLtMatmulPreferenceCreate"))?;
         // Plans are made with one workspace limit wherever they are made (build, timing or run),
         // so an engine and its reload choose alike; the arena then holds what the plan needs.
@@ -149,36 +213,48 @@ impl LtMatmul {
             })?
         };
         let p = Arc::new(Plan { a, b, c, algo: heuristic.algo, workspace: heuristic.workspaceSize });
-        plans.insert(m, p.clone());
+        plans.insert((m, count), p.clone());
         Ok(p)
     }
 
-    /// The workspace the plan for `m` rows needs: exact once the plan is made (`prepare`), the
-    /// heuristic's limit before.
-    pub fn workspace(&self, m: usize) -> usize {
-        let plans = self.plans.lock().unwrap_or_else(|p| p.into_inner());
-        plans.get(&m).map_or(GEMM_WORKSPACE, |p| p.workspace)
+    fn too_large(&self, what: &str, v: usize) -> Error {
+        Error::Cuda { context: format!("cuBLASLt GEMM `{}`", self.path), reason: format!("{what} {v} exceeds cuBLASLt's range") }
     }
 
-    /// Makes the plan for `m` rows now rather than at the first run.
-    pub fn prepare(&self, rt: &RunCtx, m: usize) -> Result<()> {
-        self.plan(rt, m).map(|_| ())
+    /// The workspace the plan for `m` rows (`count` strided matrices) needs: exact once the plan
+    /// is made (`prepare`), the heuristic's limit before.
+    pub fn workspace(&self, m: usize, count: usize) -> usize {
+        let plans = self.plans.lock().unwrap_or_else(|p| p.into_inner());
+        plans.get(&(m, count)).map_or(GEMM_WORKSPACE, |p| p.workspace)
+    }
+
+    /// Makes the plan for `m` rows (`count` strided matrices) now rather than at the first run.
+    pub fn prepare(&self, rt: &RunCtx, m: usize, count: usize) -> Result<()> {
+        self.plan(rt, m, count).map(|_| ())
     }
 
     /// Enqueues `Y = act(X · Wᵀ + bias) + C` (`c` = 0: no C) for `m` rows at device addresses.
     pub fn enqueue(&self, rt: &RunCtx, m: usize, x: u64, w: u64, c: u64, y: u64) -> Result<()> {
-        let p = self.plan(rt, m)?;
+        self.enqueue_batched(rt, m, 1, x, w, c, y)
+    }
+
+    /// `enqueue` for `count` strided matrices (a batched matmul; `count` is 1 otherwise).
+    #[allow(clippy::too_many_arguments)]
+    pub fn enqueue_batched(&self, rt: &RunCtx, m: usize, count: usize, x: u64, w: u64, c: u64, y: u64) -> Result<()> {
+        let p = self.plan(rt, m, count)?;
         if rt.workspace_bytes < p.workspace {
             return Err(Error::Cuda {
                 context: format!("cublasLtMatmul for `{}` with {m} rows", self.path),
                 reason: format!("its algorithm needs {} bytes of workspace, the run gives {}", p.workspace, rt.workspace_bytes),
             });
         }
-        let (alpha, beta) = (1f32, if c != 0 { 1f32 } else { 0f32 });
+        let alpha = self.batched.map_or(1f32, |b| b.alpha);
+        let beta = if c != 0 { 1f32 } else { 0f32 };
         let c = if c != 0 { c } else { y };
-        // SAFETY: the plan's layouts describe `m` rows of X and Y and the `[n, k]` weight, which
-        // the callers' buffers hold (arena values sized for the run's batch, uploaded weights);
-        // the workspace is this layer's part of the arena, at least the `p.workspace` bytes checked above.
+        // SAFETY: the plan's layouts describe `m` rows of X and Y and the `[n, k]` weight (`count`
+        // strided copies of each when batched), which the callers' buffers hold (arena values sized
+        // for the run's batch, uploaded weights); the workspace is this layer's part of the arena,
+        // at least the `p.workspace` bytes checked above.
         unsafe {
             lt::matmul(
                 rt.handles.lt,
@@ -281,10 +357,10 @@ impl Layer for GemmLayer {
         "cublaslt-gemm".into()
     }
     fn workspace_bytes(&self, batch: usize) -> usize {
-        self.matmul.workspace(batch * self.rows_per_image)
+        self.matmul.workspace(batch * self.rows_per_image, 1)
     }
     fn prepare(&self, rt: &RunCtx, batch: usize) -> Result<()> {
-        self.matmul.prepare(rt, batch * self.rows_per_image)
+        self.matmul.prepare(rt, batch * self.rows_per_image, 1)
     }
     fn overwrites(&self) -> Option<(ValueId, ValueId)> {
         // cuBLASLt computes D in place of C when both have one layout (as here: C is the residual).
@@ -293,5 +369,56 @@ impl Layer for GemmLayer {
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let c = self.z.map_or(0, |z| rt.ptr(z));
         self.matmul.enqueue(rt, batch * self.rows_per_image, rt.ptr(self.x), self.w_ptr, c, rt.ptr(self.y))
+    }
+}
+
+/// `Y = X · W` of two activations over `batch · count_per_image` strided matrices (`torch.matmul`
+/// of `[.., M, K]` and `[.., K, N]` with the same leading dims), one cuBLASLt call.
+pub struct BatchedGemmLayer {
+    path: String,
+    x: ValueId,
+    w: ValueId,
+    y: ValueId,
+    m: usize,
+    count_per_image: usize,
+    matmul: LtMatmul,
+}
+
+impl BatchedGemmLayer {
+    /// X `[count, m, k]`, W `[count, k, n]`, Y `[count, m, n]` per image, all contiguous.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        ctx: &BuildCtx,
+        node: NodeId,
+        x: ValueId,
+        w: ValueId,
+        y: ValueId,
+        [m, k, n]: [usize; 3],
+        count_per_image: usize,
+    ) -> Result<Self> {
+        let elem = ctx.value(y).elem;
+        if ctx.value(x).elem != elem || ctx.value(w).elem != elem {
+            return Err(ctx.err(node, "a batched GEMM needs one element type for its operands and output".into()));
+        }
+        let path = ctx.node(node).path.clone();
+        let batched =
+            Batched { w_kn: true, stride_x: m * k, stride_w: k * n, stride_y: m * n, alpha: 1.0, out_elem: elem, ld_x: 0, ld_y: 0 };
+        let matmul = LtMatmul::new_batched(&path, ctx.precision(), elem, k, n, batched)?;
+        Ok(Self { path, x, w, y, m, count_per_image, matmul })
+    }
+}
+
+impl Layer for BatchedGemmLayer {
+    fn path(&self) -> &str {
+        &self.path
+    }
+    fn kind(&self) -> String {
+        "cublaslt-batched-gemm".into()
+    }
+    fn workspace_bytes(&self, _batch: usize) -> usize {
+        GEMM_WORKSPACE
+    }
+    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        self.matmul.enqueue_batched(rt, self.m, batch * self.count_per_image, rt.ptr(self.x), rt.ptr(self.w), 0, rt.ptr(self.y))
     }
 }

@@ -163,10 +163,10 @@ impl Layer for Im2colGemm {
         format!("im2col-gemm:{}MiB", self.chunk_bytes >> 20)
     }
     fn workspace_bytes(&self, batch: usize) -> usize {
-        self.col_bytes(batch) + self.gemm_rows(batch).map(|m| self.shared.matmul.workspace(m)).max().unwrap_or(0)
+        self.col_bytes(batch) + self.gemm_rows(batch).map(|m| self.shared.matmul.workspace(m, 1)).max().unwrap_or(0)
     }
     fn prepare(&self, rt: &RunCtx, batch: usize) -> Result<()> {
-        self.gemm_rows(batch).try_for_each(|m| self.shared.matmul.prepare(rt, m))
+        self.gemm_rows(batch).try_for_each(|m| self.shared.matmul.prepare(rt, m, 1))
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let s = &self.shared;

@@ -978,6 +978,10 @@ pub fn entry_points() -> Vec<String> {
             "depthwise_k5",
             "depthwise_k7",
             "global_avg_pool",
+            "shape_roll",
+            "attn_softmax",
+            "flash_attn_d32",
+            "flash_attn_d64",
         ] {
             names.push(format!("{k}_{t}"));
         }

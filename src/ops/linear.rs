@@ -293,7 +293,9 @@ fn gpu_linear(ctx: &mut BuildCtx, node: NodeId, bias: bool) -> Result<Box<dyn La
 }
 
 /// `a @ W` with a constant rank-2 `W` is one cuBLASLt GEMM over a's rows (W transposed on the
-/// host to Linear's `[P, K]`); every other matmul runs our batched, broadcasting tiled kernel.
+/// host to Linear's `[P, K]`); every other matmul runs our batched, broadcasting tiled kernel, and
+/// two activations with the same leading dims also get a strided-batched cuBLASLt candidate (the
+/// faster one, timed, is kept).
 fn gpu_matmul(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
     use crate::engine::gemm::{GemmLayer, GemmSpec};
     let (a, y) = (ctx.input(node, 0)?, ctx.output(node)?);
@@ -345,7 +347,7 @@ fn gpu_matmul(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
     let int = |what: &str, v: usize| i32::try_from(v).map_err(|_| ctx.err(node, format!("{what} = {v} exceeds the kernels' 32-bit range")));
     let mkp = [int("M", m)?, int("K", k)?, int("P", p)?];
     let f = ctx.kernels.get(&format!("matmul_{}", dy.elem.suffix()))?;
-    Ok(Box::new(MatmulLayer {
+    let tiled = Box::new(MatmulLayer {
         path: ctx.node(node).path.clone(),
         f,
         a,
@@ -357,7 +359,18 @@ fn gpu_matmul(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         per_image_batches: out_batch[1..].iter().product(),
         a_batch: da.per_image_elems(),
         b_batch,
-    }))
+    });
+    // Two activations with the same leading dims (attention's Q·Kᵀ written as matmuls): also a
+    // strided-batched cuBLASLt GEMM, timed against the tiled kernel.
+    if let MatmulB::Value(bv) = tiled.b {
+        if ctx.value(bv).dims[..ro - 3] == da.dims[..ro - 3] {
+            let count: usize = dy.dims[..ro - 3].iter().product();
+            let lt = crate::engine::gemm::BatchedGemmLayer::new(ctx, node, a, bv, y, [m, k, p], count)?;
+            let key = ctx.problem_key(node);
+            return ctx.choose(&key, vec![tiled, Box::new(lt)]);
+        }
+    }
+    Ok(tiled)
 }
 
 enum MatmulB {

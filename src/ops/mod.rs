@@ -7,6 +7,7 @@
 //! `tools/export_reference.py`, and, when it needs one, a kernel in `kernels/`. Codegen needs
 //! nothing: it writes the op's serde form as Rust (see `codegen`).
 
+pub mod attention;
 pub mod conv;
 pub mod custom;
 pub mod elementwise;
@@ -34,6 +35,7 @@ pub fn builtin_ops() -> Vec<Op> {
         .chain(Binary::iter().map(Op::Binary))
         .chain(ShapeOp::iter().map(Op::Shape))
         .chain(Resize::iter().map(Op::Resize))
+        .chain([Op::Attention(attention::Attention::default())])
         .collect()
 }
 

@@ -33,6 +33,8 @@ pub enum ShapeOp {
     /// `F.pad(x, pads, value=value)`, constant mode: `pads` in PyTorch's order, last dim first,
     /// `(before, after)` pairs.
     Pad { pads: Vec<usize>, value: f32 },
+    /// `torch.roll(x, shifts, dims)` (`dims >= 1`; a shift may be negative or exceed the size).
+    Roll { shifts: Vec<i64>, dims: Vec<usize> },
 }
 
 impl OpDef for ShapeOp {
@@ -44,6 +46,7 @@ impl OpDef for ShapeOp {
             ShapeOp::Permute { .. } => "permute",
             ShapeOp::Slice { .. } => "slice",
             ShapeOp::Pad { .. } => "pad",
+            ShapeOp::Roll { .. } => "roll",
         }
     }
     fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
@@ -54,6 +57,7 @@ impl OpDef for ShapeOp {
             ShapeOp::Permute { dims } => permute_shape(dims, one_input(inputs)?),
             ShapeOp::Slice { dim, start, len } => slice_shape(*dim, *start, *len, one_input(inputs)?),
             ShapeOp::Pad { pads, .. } => pad_shape(pads, one_input(inputs)?),
+            ShapeOp::Roll { shifts, dims } => roll_shape(shifts, dims, one_input(inputs)?),
         }
     }
     fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
@@ -67,6 +71,7 @@ impl OpDef for ShapeOp {
             ShapeOp::Permute { dims } => permute_cpu(dims, args.get(0)?),
             ShapeOp::Slice { dim, start, len } => slice_cpu(*dim, *start, *len, args.get(0)?),
             ShapeOp::Pad { pads, value } => pad_cpu(pads, *value, args.get(0)?),
+            ShapeOp::Roll { shifts, dims } => roll_cpu(shifts, dims, args.get(0)?),
         }
     }
     fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
@@ -83,7 +88,9 @@ impl OpDef for ShapeOp {
                 LayoutPlan::any_input(inputs, out)
             }
             // Copies written in the input's own layout.
-            ShapeOp::Slice { .. } | ShapeOp::Pad { .. } => LayoutPlan::any_input(inputs, first.unwrap_or(Layout::contiguous(out_rank))),
+            ShapeOp::Slice { .. } | ShapeOp::Pad { .. } | ShapeOp::Roll { .. } => {
+                LayoutPlan::any_input(inputs, first.unwrap_or(Layout::contiguous(out_rank)))
+            }
         }
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
@@ -93,6 +100,7 @@ impl OpDef for ShapeOp {
             ShapeOp::Permute { dims } => gpu_permute(ctx, node, dims),
             ShapeOp::Slice { dim, start, .. } => gpu_slice(ctx, node, *dim, *start),
             ShapeOp::Pad { pads, value } => gpu_pad(ctx, node, pads, *value),
+            ShapeOp::Roll { shifts, dims } => gpu_roll(ctx, node, shifts, dims),
         }
     }
     fn label(&self) -> String {
@@ -103,6 +111,9 @@ impl OpDef for ShapeOp {
             ShapeOp::Permute { dims } => format!("permute {}", list(dims)),
             ShapeOp::Slice { dim, start, len } => format!("slice dim={dim} [{start}, {})", start.saturating_add(*len)),
             ShapeOp::Pad { pads, value } => format!("pad {} value={value}", list(pads)),
+            ShapeOp::Roll { shifts, dims } => {
+                format!("roll {} dims={}", shifts.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(","), list(dims))
+            }
         }
     }
 }
@@ -213,6 +224,29 @@ pub fn pad_shape(pads: &[usize], x: &[usize]) -> Result<Vec<usize>, String> {
     Ok(out)
 }
 
+/// Checks that `shifts` and `dims` pair up and that no dim is the batch or out of range.
+pub fn roll_shape(shifts: &[i64], dims: &[usize], x: &[usize]) -> Result<Vec<usize>, String> {
+    if shifts.len() != dims.len() || dims.is_empty() {
+        return Err(format!("roll needs one shift per dim, got shifts {shifts:?} and dims {dims:?}"));
+    }
+    if let Some(d) = dims.iter().find(|&&d| d == 0 || d >= x.len()) {
+        return Err(format!("roll dim {d} of {x:?} is the batch or out of range (the engine keeps the batch as dim 0)"));
+    }
+    Ok(x.to_vec())
+}
+
+/// The net shift of each dim of `shape`, in `[0, size)` (repeated dims add up, as PyTorch's).
+fn roll_per_dim(shifts: &[i64], dims: &[usize], shape: &[usize]) -> Vec<usize> {
+    let mut per = vec![0usize; shape.len()];
+    for (&s, &d) in shifts.iter().zip(dims) {
+        if let Some(&size) = shape.get(d).filter(|&&n| n > 0) {
+            let size = size as i128;
+            per[d] = ((per[d] as i128 + s as i128).rem_euclid(size)) as usize;
+        }
+    }
+    per
+}
+
 /// The `(before, after)` padding of each dim of a rank-`rank` tensor.
 fn pads_per_dim(pads: &[usize], rank: usize) -> Vec<(usize, usize)> {
     let mut per = vec![(0, 0); rank];
@@ -295,6 +329,27 @@ pub fn pad_cpu(pads: &[usize], value: f32, x: &HostTensor) -> Result<HostTensor,
     let base = pads_per_dim(pads, x.shape.len()).iter().zip(&ys).map(|((before, _), s)| before * s).sum();
     let mut out = vec![value; shape.iter().product()];
     for_each_offset(&x.shape, &ys, base, |i, off| out[off] = x.data[i]);
+    Ok(HostTensor::new(shape, out))
+}
+
+/// `torch.roll(x, shifts, dims)`: output index `i` along each dim reads input index `i - shift`
+/// modulo the dim's size.
+pub fn roll_cpu(shifts: &[i64], dims: &[usize], x: &HostTensor) -> Result<HostTensor, String> {
+    let shape = roll_shape(shifts, dims, &x.shape)?;
+    let per = roll_per_dim(shifts, dims, &shape);
+    let xs = contiguous_strides(&shape);
+    let n = numel(&shape)?;
+    let mut out = vec![0.0; n];
+    let mut idx = vec![0usize; shape.len()];
+    for (i, o) in out.iter_mut().enumerate() {
+        let mut rem = i;
+        for k in (0..shape.len()).rev() {
+            idx[k] = rem % shape[k];
+            rem /= shape[k];
+        }
+        let off: usize = idx.iter().zip(&shape).zip(&per).zip(&xs).map(|(((&j, &n), &s), &st)| ((j + n - s) % n) * st).sum();
+        *o = x.data[off];
+    }
     Ok(HostTensor::new(shape, out))
 }
 
@@ -382,6 +437,63 @@ fn gpu_pad(ctx: &mut BuildCtx, node: NodeId, pads: &[usize], value: f32) -> Resu
     let before: Vec<usize> = pads_per_dim(pads, dx.dims.len() + 1)[1..].iter().map(|p| p.0).collect();
     let copy = gather_copy(ctx, x, y, &xs, &before, &dx.dims, 0)?;
     strided_layer(ctx, node, "pad", vec![copy], Some(value))
+}
+
+/// Roll: one gather (`shape_roll_*`) in the input's layout, which the output shares.
+fn gpu_roll(ctx: &mut BuildCtx, node: NodeId, shifts: &[i64], dims: &[usize]) -> Result<Box<dyn Layer>> {
+    let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
+    let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
+    if !dx.layout.same_bytes(dy.layout, &dy.dims) || dx.elem != dy.elem {
+        return Err(
+            ctx.err(node, format!("input {:?} {:?} and output {:?} {:?} must share a layout", dx.layout, dx.dims, dy.layout, dy.dims))
+        );
+    }
+    // Per-image shifts (dims after the batch), then both lists in physical order.
+    let full: Vec<usize> = [&[1usize][..], &dx.dims].concat();
+    let per = roll_per_dim(shifts, dims, &full);
+    let order = dy.layout.order();
+    let mut meta: Vec<usize> = order.iter().map(|&k| dy.dims[k]).collect();
+    meta.extend(order.iter().map(|&k| per[k + 1]));
+    let meta = upload_meta(ctx, &meta)?;
+    let entry = format!("shape_roll_{}", dy.elem.suffix());
+    let f = ctx.kernels.get(&entry)?;
+    Ok(Box::new(RollLayer {
+        path: ctx.node(node).path.clone(),
+        f,
+        x,
+        y,
+        meta,
+        per_image: dy.per_image_elems(),
+        rank: dy.dims.len() as i32,
+        sm_count: ctx.kernels.sm_count(),
+    }))
+}
+
+/// `torch.roll` on the GPU: one thread per output element.
+struct RollLayer {
+    path: String,
+    f: CudaFunction,
+    x: ValueId,
+    y: ValueId,
+    meta: DeviceBuf,
+    per_image: usize,
+    rank: i32,
+    sm_count: u32,
+}
+
+impl Layer for RollLayer {
+    fn path(&self) -> &str {
+        &self.path
+    }
+    fn kind(&self) -> String {
+        "kernel:roll".into()
+    }
+    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        let n = batch * self.per_image;
+        let args =
+            [KArg::Ptr(rt.ptr(self.x)), KArg::Ptr(rt.ptr(self.y)), KArg::I64(n as i64), KArg::Ptr(self.meta.ptr()), KArg::I32(self.rank)];
+        launch(rt, &self.f, grid_for(n, self.sm_count), (BLOCK, 1, 1), 0, &args)
+    }
 }
 
 /// Cat: channels of NHWC images (or `[F]` vectors) by the vectorised concat kernel; any other dim
@@ -653,6 +765,11 @@ impl Tensor {
             return Err(arg_err(self, "chunk", "0 chunks".into()));
         }
         self.split_size(self.shape()[d].div_ceil(chunks).max(1), dim)
+    }
+    /// `torch.roll(x, shifts, dims)` (negative dims count from the end; never the batch).
+    pub fn roll(&self, shifts: &[i64], dims: &[isize]) -> Result<Tensor> {
+        let dims = dims.iter().map(|&d| norm_dim(self, "roll", d)).collect::<Result<Vec<_>>>()?;
+        Tensor::record_inline(Op::Shape(ShapeOp::Roll { shifts: shifts.to_vec(), dims }), &[self])
     }
     /// `F.pad(x, pads, value=value)` in constant mode: `pads` last dim first, `(before, after)`
     /// pairs, non-negative (PyTorch's negative pads crop: use `narrow`).

@@ -1,0 +1,186 @@
+//! torchvision's Vision Transformer (`torchvision/models/vision_transformer.py`): `vit_b_16`, with
+//! its `state_dict` names (`conv_proj.weight`, `class_token`, `encoder.pos_embedding`,
+//! `encoder.layers.encoder_layer_0.self_attention.in_proj_weight`, `heads.head.weight`).
+//!
+//! The class token is concatenated in front of the patch tokens and the position embedding added;
+//! both are constants, so Kiln pads one zero token in front and adds one constant,
+//! `pos_embedding` with `class_token` added to its row 0: the same f32 sums as `cat` then `+`.
+//! The position embedding is read at trace time for the traced input size (`[1, (size/16)² + 1,
+//! 768]`, torchvision's `image_size` argument). Dropout is the identity at inference.
+
+use kiln::{
+    Binary, Conv2d, Conv2dConfig, Forward, Gemm, HostTensor, LayerNorm, LayerNormConfig, Linear, LinearConfig, Module, Op, Param, Result,
+    Tensor, VarBuilder, GELU,
+};
+use std::sync::Arc;
+
+/// `vit_b_16`'s hyper-parameters: patch 16, 12 layers, 12 heads, width 768, MLP 3072.
+#[derive(Clone, Copy, Debug)]
+pub struct VitConfig {
+    pub patch: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub hidden: usize,
+    pub mlp: usize,
+    pub num_classes: usize,
+}
+
+impl VitConfig {
+    pub fn vit_b_16() -> Self {
+        Self { patch: 16, layers: 12, heads: 12, hidden: 768, mlp: 3072, num_classes: 1000 }
+    }
+}
+
+fn ln(vb: VarBuilder, dim: usize) -> Result<LayerNorm> {
+    LayerNorm::load(vb, &LayerNormConfig::new(&[dim]).eps(1e-6))
+}
+
+/// `nn.MultiheadAttention(E, heads, batch_first=True)` as self-attention: `in_proj_weight`
+/// `[3E, E]`, `in_proj_bias`, `out_proj`.
+pub struct MultiheadAttention {
+    path: String,
+    in_proj_weight: Param,
+    in_proj_bias: Param,
+    out_proj: Linear,
+    heads: usize,
+}
+
+impl Module for MultiheadAttention {
+    /// (embed dim, heads).
+    type Config = (usize, usize);
+    fn load(vb: VarBuilder, &(e, heads): &(usize, usize)) -> Result<Self> {
+        Ok(Self {
+            path: vb.path().to_string(),
+            in_proj_weight: vb.get(&[3 * e, e], "in_proj_weight")?,
+            in_proj_bias: vb.get(&[3 * e], "in_proj_bias")?,
+            out_proj: Linear::load(vb.pp("out_proj"), &LinearConfig::new(e, e))?,
+            heads,
+        })
+    }
+}
+
+impl Forward for MultiheadAttention {
+    /// `[N, L, E]` → `[N, L, E]`.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (n, l, e) = (x.shape()[0] as isize, x.shape()[1] as isize, x.shape()[2]);
+        let (h, hd) = (self.heads as isize, (e / self.heads) as isize);
+        let qkv = Tensor::record(
+            &format!("{}.in_proj", self.path),
+            Op::Gemm(Gemm::Linear { bias: true }),
+            &[x],
+            &[&self.in_proj_weight, &self.in_proj_bias],
+        )?;
+        // [N, L, 3, heads, hd] -> [N, 3, heads, L, hd].
+        let qkv = qkv.reshape(&[n, l, 3, h, hd])?.permute(&[0, 2, 3, 1, 4])?;
+        let part = |k: usize| qkv.narrow(1, k, 1)?.reshape(&[n, h, l, hd]);
+        let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+        let y = q.attention(&k, &v, None, None)?;
+        self.out_proj.forward(&y.permute(&[0, 2, 1, 3])?.reshape(&[n, l, e as isize])?)
+    }
+}
+
+/// `EncoderBlock`: `x + self_attention(ln_1(x))`, then `x + mlp(ln_2(x))` (`mlp.0`, GELU, `mlp.3`).
+pub struct EncoderBlock {
+    ln_1: LayerNorm,
+    self_attention: MultiheadAttention,
+    ln_2: LayerNorm,
+    fc1: Linear,
+    act: GELU,
+    fc2: Linear,
+}
+
+impl Module for EncoderBlock {
+    type Config = VitConfig;
+    fn load(vb: VarBuilder, c: &VitConfig) -> Result<Self> {
+        let mlp = vb.pp("mlp");
+        Ok(Self {
+            ln_1: ln(vb.pp("ln_1"), c.hidden)?,
+            self_attention: MultiheadAttention::load(vb.pp("self_attention"), &(c.hidden, c.heads))?,
+            ln_2: ln(vb.pp("ln_2"), c.hidden)?,
+            fc1: Linear::load(mlp.pp(0), &LinearConfig::new(c.hidden, c.mlp))?,
+            act: GELU::load(mlp.pp(1), &false)?,
+            fc2: Linear::load(mlp.pp(3), &LinearConfig::new(c.mlp, c.hidden))?,
+        })
+    }
+}
+
+impl Forward for EncoderBlock {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = (x + &self.self_attention.forward(&self.ln_1.forward(x)?)?)?;
+        let y = self.fc2.forward(&self.act.forward(&self.fc1.forward(&self.ln_2.forward(&x)?)?)?)?;
+        &x + &y
+    }
+}
+
+/// `VisionTransformer`: `conv_proj`, `class_token`, `encoder` (`pos_embedding`, `layers`, `ln`),
+/// `heads.head`.
+pub struct VisionTransformer {
+    config: VitConfig,
+    conv_proj: Conv2d,
+    class_token: Param,
+    /// `encoder`: `pos_embedding` is read when tracing, for the input size.
+    encoder: VarBuilder,
+    layers: Vec<EncoderBlock>,
+    ln: LayerNorm,
+    head: Linear,
+}
+
+impl Module for VisionTransformer {
+    type Config = VitConfig;
+    fn load(vb: VarBuilder, c: &VitConfig) -> Result<Self> {
+        let encoder = vb.pp("encoder");
+        let layers =
+            (0..c.layers).map(|i| EncoderBlock::load(encoder.pp("layers").pp(format!("encoder_layer_{i}")), c)).collect::<Result<_>>()?;
+        Ok(Self {
+            config: *c,
+            conv_proj: Conv2d::load(vb.pp("conv_proj"), &Conv2dConfig::new(3, c.hidden, c.patch).stride(c.patch))?,
+            class_token: vb.get(&[1, 1, c.hidden], "class_token")?,
+            ln: ln(encoder.pp("ln"), c.hidden)?,
+            encoder,
+            layers,
+            head: Linear::load(vb.pp("heads").pp("head"), &LinearConfig::new(c.hidden, c.num_classes))?,
+        })
+    }
+}
+
+impl Forward for VisionTransformer {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let e = self.config.hidden;
+        let x = self.conv_proj.forward(x)?;
+        let (n, tokens) = (x.shape()[0] as isize, x.shape()[2] * x.shape()[3]);
+        let x = x.reshape(&[n, e as isize, tokens as isize])?.permute(&[0, 2, 1])?;
+        // cat([class_token, x], 1) + pos_embedding == pad(x, one token in front) + (pos_embedding
+        // with class_token added to row 0).
+        let pos = self.encoder.get(&[1, tokens + 1, e], "pos_embedding")?;
+        let mut merged = pos.value.data.clone();
+        merged[..e].iter_mut().zip(&self.class_token.value.data).for_each(|(p, c)| *p += c);
+        let merged = Param { name: format!("{}+class_token", pos.name), value: Arc::new(HostTensor::new(vec![1, tokens + 1, e], merged)) };
+        let x = x.pad(&[0, 0, 1, 0], 0.0)?.binary_weight(&format!("{}.add_pos_embedding", self.encoder.path()), Binary::Add, &merged)?;
+        let x = self.layers.iter().try_fold(x, |x, l| l.forward(&x))?;
+        let x = self.ln.forward(&x)?;
+        self.head.forward(&x.narrow(1, 0, 1)?.reshape(&[n, e as isize])?)
+    }
+}
+
+/// torchvision's `vit_b_16()`.
+pub fn vit_b_16(vb: VarBuilder) -> Result<VisionTransformer> {
+    VisionTransformer::load(vb, &VitConfig::vit_b_16())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vit_b_16_traces_with_torchvision_structure() {
+        let g = crate::trace("vit_b_16", VarBuilder::seeded(), 2, 224).expect("trace");
+        let attention: Vec<_> = g.nodes.iter().filter(|n| n.op.name() == "attention").collect();
+        assert_eq!(attention.len(), 12);
+        assert_eq!(attention[0].shape, [2, 12, 197, 64], "[N, heads, 1 + 14·14 tokens, 64]");
+        assert_eq!(g.weights["encoder.layers.encoder_layer_11.self_attention.in_proj_weight"].shape, [2304, 768]);
+        assert_eq!(g.weights["encoder.pos_embedding+class_token"].shape, [1, 197, 768]);
+        assert_eq!(g.weights["heads.head.weight"].shape, [1000, 768]);
+        let out = g.outputs.iter().find(|(n, _)| n == "logits").map(|(_, id)| g.nodes[*id].shape.clone());
+        assert_eq!(out, Some(vec![2, 1000]));
+    }
+}
