@@ -180,21 +180,99 @@ mod tests {
         assert_eq!(f.metadata[KEY_FORMAT], FORMAT);
     }
 
-    #[test]
-    fn a_plain_state_dict_is_not_a_graph_file() {
-        let t = HostTensor::new(vec![2], vec![1.0, 2.0]);
-        let bytes = encode_safetensors(&BTreeMap::from([("w".to_string(), &t)]), &BTreeMap::new()).expect("encodes");
-        assert!(reason(decode(&bytes, Path::new("w.safetensors")).unwrap_err()).contains("not a Kiln graph file"));
+    /// `sample()` as a graph file whose graph JSON, metadata and tensors `edit` changed first.
+    fn edited(edit: impl FnOnce(&mut serde_json::Value, &mut BTreeMap<String, String>, &mut BTreeMap<String, HostTensor>)) -> Result<GraphFile> {
+        let g = sample();
+        let mut json = serde_json::to_value(&g).expect("json");
+        let mut meta = BTreeMap::from([
+            (KEY_FORMAT.to_string(), FORMAT.to_string()),
+            (KEY_VERSION.to_string(), VERSION.to_string()),
+        ]);
+        let mut tensors: BTreeMap<String, HostTensor> = g.weights.iter().map(|(k, t)| (k.clone(), HostTensor::clone(t))).collect();
+        edit(&mut json, &mut meta, &mut tensors);
+        meta.entry(KEY_GRAPH.to_string()).or_insert_with(|| json.to_string());
+        let refs: BTreeMap<String, &HostTensor> = tensors.iter().map(|(k, t)| (k.clone(), t)).collect();
+        decode(&encode_safetensors(&refs, &meta).expect("encodes"), Path::new("g.kiln.safetensors"))
+    }
+
+    fn says(r: Result<GraphFile>, want: &str) {
+        let e = reason(r.expect_err("rejected"));
+        assert!(e.contains(want), "`{e}` should say `{want}`");
+        println!("graph file g.kiln.safetensors: {e}");
     }
 
     #[test]
-    fn a_missing_or_extra_tensor_is_named() {
-        let mut g = sample();
-        let extra = Arc::new(HostTensor::new(vec![1], vec![0.5]));
-        g.weights.insert("stray".into(), extra);
-        assert!(reason(decode(&encode(&g, &BTreeMap::new()).unwrap(), Path::new("g")).unwrap_err()).contains("tensor `stray`"));
-        let mut g = sample();
-        g.weights.clear();
-        assert!(reason(decode(&encode(&g, &BTreeMap::new()).unwrap(), Path::new("g")).unwrap_err()).contains("`conv.weight`"));
+    fn g00_the_unedited_file_is_accepted() {
+        let f = edited(|_, _, _| {}).expect("valid");
+        assert_eq!(f.graph.nodes, sample().nodes);
+    }
+
+    #[test]
+    fn g01_a_state_dict_is_not_a_graph_file() {
+        let t = HostTensor::new(vec![2], vec![1.0, 2.0]);
+        let bytes = encode_safetensors(&BTreeMap::from([("w".to_string(), &t)]), &BTreeMap::new()).expect("encodes");
+        says(decode(&bytes, Path::new("w.safetensors")), "is a safetensors file but not a Kiln graph file");
+    }
+
+    #[test]
+    fn g02_a_newer_format_version_is_named() {
+        says(edited(|_, m, _| drop(m.insert(KEY_VERSION.into(), "2".into()))), "graph format version 2 is not supported");
+    }
+
+    #[test]
+    fn g03_graph_json_that_does_not_parse_names_the_key() {
+        says(edited(|_, m, _| drop(m.insert(KEY_GRAPH.into(), "{\"nodes\": [".into()))), "metadata `kiln.graph`: EOF");
+    }
+
+    #[test]
+    fn g04_node_input_index_999999_is_rejected() {
+        says(edited(|j, _, _| j["nodes"][2]["inputs"][1] = 999_999.into()), "reads %999999, which does not precede it");
+    }
+
+    #[test]
+    fn g05_a_stored_shape_its_op_does_not_infer_is_rejected() {
+        says(edited(|j, _, _| j["nodes"][2]["shape"][2] = 9.into()), "conv2d infers shape [2, 4, 8, 8] from its inputs, the node says [2, 4, 9, 8]");
+    }
+
+    #[test]
+    fn g06_a_weight_node_without_its_tensor_is_named() {
+        says(edited(|_, _, t| drop(t.remove("conv.weight"))), "weight node %1 (`conv.weight`) names tensor `conv.weight`, which the file does not hold");
+    }
+
+    #[test]
+    fn g07_a_tensor_no_node_uses_is_named() {
+        says(edited(|_, _, t| drop(t.insert("stray".into(), HostTensor::new(vec![1], vec![0.5])))), "tensor `stray` is not a weight of the graph");
+    }
+
+    #[test]
+    fn g08_a_weight_of_another_shape_than_its_node_is_rejected() {
+        says(
+            edited(|_, _, t| drop(t.insert("conv.weight".into(), HostTensor::new(vec![2, 6, 1, 1], vec![0.5; 12])))),
+            "weight `conv.weight` has shape [2, 6, 1, 1], the node says [4, 3, 1, 1]",
+        );
+    }
+
+    #[test]
+    fn g09_a_graph_without_outputs_is_rejected() {
+        says(edited(|j, _, _| j["outputs"] = serde_json::json!([])), "1 input(s) and 0 output(s)");
+    }
+
+    #[test]
+    fn g10_an_input_of_2_pow_62_by_4_is_rejected() {
+        says(edited(|j, _, _| j["nodes"][0]["shape"] = serde_json::json!([1u64 << 62, 4, 1, 1])), "has more elements than fit in memory");
+    }
+
+    #[test]
+    fn g11_an_unregistered_custom_op_is_rejected() {
+        says(
+            edited(|j, _, _| j["nodes"][2]["op"] = serde_json::json!({"Custom": {"name": "evil", "attrs": {}}})),
+            "custom op `evil` is not registered",
+        );
+    }
+
+    #[test]
+    fn g12_a_directory_is_named_as_a_directory() {
+        let e = reason(read(std::env::temp_dir()).unwrap_err());
+        assert!(e.contains("is a directory"), "{e}");
     }
 }
