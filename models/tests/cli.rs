@@ -698,7 +698,7 @@ fn tiny_reference(dir: &std::path::Path, path: &std::path::Path, model_in_metada
     let x = kiln::seeded::weight("input.0", &[2, 3, 24, 32]);
     let mut y = kiln::cpu::run(&graph, &[("input", &x)]).expect("run").remove("logits").expect("logits");
     y.data.iter_mut().for_each(|v| *v *= scale);
-    let out = dir.join(format!("ref-{model_in_metadata}-{scale}.safetensors"));
+    let out = dir.join(format!("ref-{model_in_metadata}-{scale}.safetensors").replace('/', "_"));
     let tensors = BTreeMap::from([("input".to_string(), &x), ("output.logits".to_string(), &y)]);
     let meta = BTreeMap::from([
         ("model".to_string(), model_in_metadata.to_string()),
@@ -715,11 +715,12 @@ fn compare_checks_elementwise_saves_and_loads_outputs_and_writes_a_report() {
     let dir = temp_dir("user-compare");
     let path = tiny_graph_file(&dir);
     let name = arg(&path).to_string();
-    let reference = tiny_reference(&dir, &path, &name, 1.0);
+    let reference = tiny_reference(&dir, &path, "tinynet", 1.0);
     let report = dir.join("report.json");
     let out = kiln(&["compare", &name, "--cpu", "--reference", arg(&reference), "--atol", "1e-5", "--rtol", "1e-4", "--report", arg(&report)]);
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(!stderr.contains("hint:"), "the metadata matches the run:\n{stderr}");
     assert!(stdout.contains("elementwise |out - ref| <= 0.00001 + 0.0001 * |ref|: 0 of 20 elements fail"), "{stdout}");
     let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).expect("report")).expect("JSON");
     println!("report: {r}");

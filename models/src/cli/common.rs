@@ -14,6 +14,8 @@ use std::time::Duration;
 /// A traced (or loaded) model, ready to run.
 pub struct Traced {
     pub name: String,
+    /// The model's own name: `name` for bundled and user models, a graph file's `model` metadata.
+    pub model: String,
     pub graph: Graph,
     /// The input's height and width.
     pub hw: [usize; 2],
@@ -195,7 +197,7 @@ pub fn trace_args(m: &ModelArgs, batch: usize) -> Result<Traced> {
 
 /// `trace_args` from the parts of the flags.
 pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize, hw: Option<[usize; 2]>) -> Result<Traced> {
-    let fixed = |graph: Graph, name: String, origin: &'static str| -> Result<Traced> {
+    let fixed = |graph: Graph, name: String, model: String, origin: &'static str| -> Result<Traced> {
         let have = graph_hw(&graph, &name)?;
         if let Some(want) = hw.filter(|&want| want != have) {
             return Err(Error::Flag {
@@ -207,15 +209,18 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
             });
         }
         check_input_dims(batch, have)?;
-        Ok(Traced { name, graph, hw: have, origin })
+        Ok(Traced { name, model, graph, hw: have, origin })
     };
     let (name, graph, vb, origin) = match source(model)? {
         Source::GraphFile(path) => {
-            let mut graph = kiln::graph_file::read(&path)?.graph;
+            let file = kiln::graph_file::read(&path)?;
+            let mut graph = file.graph;
             if let Some(w) = weights_path {
                 replace_weights(&mut graph, w, strict)?;
             }
-            return fixed(graph, path.display().to_string(), "graph file");
+            let shown = path.display().to_string();
+            let model = file.metadata.get("model").cloned().unwrap_or_else(|| shown.clone());
+            return fixed(graph, shown, model, "graph file");
         }
         Source::EngineFile(path) => {
             let bytes = std::fs::read(&path).map_err(Error::io(&path))?;
@@ -224,7 +229,8 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
                 return Err(Error::Flag { flag: "--weights".into(), reason: format!("cannot change the folded weights of the engine file {model}") });
             }
             tracing::info!("note: {model} is an engine file: its optimised graph (folded, fused) is used");
-            return fixed(payload.graph, path.display().to_string(), "engine file");
+            let shown = path.display().to_string();
+            return fixed(payload.graph, shown.clone(), shown, "engine file");
         }
         Source::Bundled(info) => {
             let hw = hw.unwrap_or([info.input_size, info.input_size]);
@@ -267,7 +273,7 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
             }
         }
     }
-    Ok(Traced { name, graph, hw, origin })
+    Ok(Traced { model: name.clone(), name, graph, hw, origin })
 }
 
 /// Bytes of memory the CPU executor may use: `KILN_CPU_MEMORY_BYTES`, else the kernel's

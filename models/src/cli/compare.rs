@@ -110,7 +110,7 @@ pub fn sha256_file(path: &Path) -> Result<String> {
 /// The metadata a reference or saved-outputs file carries: what produced it.
 pub fn run_metadata(traced: &Traced, a: &CompareArgs, input: &HostTensor, seed: Option<u64>, backend: &str) -> Result<BTreeMap<String, String>> {
     let mut m = BTreeMap::from([
-        ("model".to_string(), traced.name.clone()),
+        ("model".to_string(), traced.model.clone()),
         ("input_shape".to_string(), super::shapes::dims_text(&input.shape)),
         ("backend".to_string(), backend.to_string()),
         ("producer".to_string(), format!("kiln compare {}", env!("CARGO_PKG_VERSION"))),
@@ -139,20 +139,24 @@ pub fn metadata_hints(meta: &BTreeMap<String, String>, traced: &Traced, a: &Comp
     if meta.is_empty() {
         return Ok(hints);
     }
-    if let Some(model) = meta.get("model").filter(|m| **m != traced.name && !traced.name.ends_with(m.as_str())) {
-        hints.push(format!("the reference was made for model `{model}`, this run is `{}`", traced.name));
+    if let Some(model) = meta.get("model").filter(|m| **m != traced.model) {
+        hints.push(format!("the reference was made for model `{model}`, this run is `{}`", traced.model));
     }
-    match (meta.get("weights").map(String::as_str), &a.model.weights) {
-        (Some("seeded"), Some(p)) => hints.push(format!("the reference used the seeded weights, this run --weights {}", p.display())),
-        (Some(w), None) if w != "seeded" && (traced.origin == "bundled" || traced.origin == "user") => {
-            hints.push(format!("the reference used the weights `{w}`, this run the seeded weights (pass --weights)"))
+    match (&a.model.weights, meta.get("weights_sha256")) {
+        (Some(p), Some(want)) => {
+            let have = sha256_file(p)?;
+            if *want != have {
+                hints.push(format!(
+                    "the reference's weights have SHA-256 {}..., --weights {} has {}...",
+                    &want[..want.len().min(12)],
+                    p.display(),
+                    &have[..12]
+                ));
+            }
         }
-        (_, Some(p)) => {
-            if let Some(want) = meta.get("weights_sha256") {
-                let have = sha256_file(p)?;
-                if *want != have {
-                    hints.push(format!("the reference's weights have SHA-256 {}…, --weights {} has {}…", &want[..want.len().min(12)], p.display(), &have[..12]));
-                }
+        (None, _) if traced.origin == "bundled" || traced.origin == "user" => {
+            if let Some(w) = meta.get("weights").filter(|w| *w != "seeded") {
+                hints.push(format!("the reference used the weights `{w}`, this run the seeded weights (pass --weights)"));
             }
         }
         _ => {}
