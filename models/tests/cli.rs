@@ -880,3 +880,10 @@ fn gpu_user_graph_file_builds_benches_profiles_and_compares() {
     assert!(out.status.success(), "{stdout}{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn c23_bad_percentile_and_tolerances_are_clear_errors() {
+    fails_with(&["bench", "resnet18", "--cpu", "--percentile", "101"], &["--percentile must be within 0 and 100, got 101"]);
+    fails_with(&["compare", "resnet18", "--cpu", "--atol", "nan"], &["--atol must be a finite, non-negative tolerance, got NaN"]);
+    fails_with(&["compare", "resnet18", "--cpu", "--l2-tol=-1"], &["--l2-tol must be a finite, non-negative tolerance, got -1"]);
+}

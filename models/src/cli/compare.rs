@@ -63,11 +63,11 @@ pub fn elementwise(got: &HostTensor, reference: &HostTensor, atol: f64, rtol: f6
     let (mut failing, mut worst, mut worst_excess) = (0, None, f64::NEG_INFINITY);
     for (i, (&g, &r)) in got.data.iter().zip(&reference.data).enumerate() {
         let excess = (g as f64 - r as f64).abs() - (atol + rtol * (r as f64).abs());
-        let bad = !(excess <= 0.0);
+        let bad = excess.is_nan() || excess > 0.0;
         if bad {
             failing += 1;
         }
-        if bad && (excess > worst_excess || excess.is_nan() && worst.is_none()) {
+        if bad && (excess > worst_excess || (excess.is_nan() && worst.is_none())) {
             worst_excess = excess;
             worst = Some((i, g, r));
         }

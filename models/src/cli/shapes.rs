@@ -121,11 +121,6 @@ pub fn profiles(
     Ok(out)
 }
 
-/// The shape to run `name` at: `--shapes` if given, else the profile's opt.
-pub fn run_shape(shapes: &[ShapeSpec], profiles: &BTreeMap<String, Profile>, name: &str) -> Option<Vec<usize>> {
-    shapes.iter().find(|s| s.name == name).map(|s| s.dims.clone()).or_else(|| profiles.get(name).map(|p| p.opt.clone()))
-}
-
 /// Formats dims as trtexec does: `1x3x224x224`.
 pub fn dims_text(dims: &[usize]) -> String {
     dims.iter().map(usize::to_string).collect::<Vec<_>>().join("x")
