@@ -78,9 +78,9 @@ pub fn decode(bytes: &[u8], path: &Path) -> Result<GraphFile> {
     }
     for (id, node) in graph.nodes.iter().enumerate() {
         if let Op::Weight { name } = &node.op {
-            let tensor = tensors.remove(name).ok_or_else(|| {
-                err(format!("weight node %{id} (`{}`) names tensor `{name}`, which the file does not hold", node.path))
-            })?;
+            let tensor = tensors
+                .remove(name)
+                .ok_or_else(|| err(format!("weight node %{id} (`{}`) names tensor `{name}`, which the file does not hold", node.path)))?;
             if graph.weights.insert(name.clone(), Arc::new(tensor)).is_some() {
                 return Err(err(format!("weight `{name}` is named by two weight nodes")));
             }
@@ -181,13 +181,12 @@ mod tests {
     }
 
     /// `sample()` as a graph file whose graph JSON, metadata and tensors `edit` changed first.
-    fn edited(edit: impl FnOnce(&mut serde_json::Value, &mut BTreeMap<String, String>, &mut BTreeMap<String, HostTensor>)) -> Result<GraphFile> {
+    fn edited(
+        edit: impl FnOnce(&mut serde_json::Value, &mut BTreeMap<String, String>, &mut BTreeMap<String, HostTensor>),
+    ) -> Result<GraphFile> {
         let g = sample();
         let mut json = serde_json::to_value(&g).expect("json");
-        let mut meta = BTreeMap::from([
-            (KEY_FORMAT.to_string(), FORMAT.to_string()),
-            (KEY_VERSION.to_string(), VERSION.to_string()),
-        ]);
+        let mut meta = BTreeMap::from([(KEY_FORMAT.to_string(), FORMAT.to_string()), (KEY_VERSION.to_string(), VERSION.to_string())]);
         let mut tensors: BTreeMap<String, HostTensor> = g.weights.iter().map(|(k, t)| (k.clone(), HostTensor::clone(t))).collect();
         edit(&mut json, &mut meta, &mut tensors);
         meta.entry(KEY_GRAPH.to_string()).or_insert_with(|| json.to_string());
@@ -231,17 +230,26 @@ mod tests {
 
     #[test]
     fn g05_a_stored_shape_its_op_does_not_infer_is_rejected() {
-        says(edited(|j, _, _| j["nodes"][2]["shape"][2] = 9.into()), "conv2d infers shape [2, 4, 8, 8] from its inputs, the node says [2, 4, 9, 8]");
+        says(
+            edited(|j, _, _| j["nodes"][2]["shape"][2] = 9.into()),
+            "conv2d infers shape [2, 4, 8, 8] from its inputs, the node says [2, 4, 9, 8]",
+        );
     }
 
     #[test]
     fn g06_a_weight_node_without_its_tensor_is_named() {
-        says(edited(|_, _, t| drop(t.remove("conv.weight"))), "weight node %1 (`conv.weight`) names tensor `conv.weight`, which the file does not hold");
+        says(
+            edited(|_, _, t| drop(t.remove("conv.weight"))),
+            "weight node %1 (`conv.weight`) names tensor `conv.weight`, which the file does not hold",
+        );
     }
 
     #[test]
     fn g07_a_tensor_no_node_uses_is_named() {
-        says(edited(|_, _, t| drop(t.insert("stray".into(), HostTensor::new(vec![1], vec![0.5])))), "tensor `stray` is not a weight of the graph");
+        says(
+            edited(|_, _, t| drop(t.insert("stray".into(), HostTensor::new(vec![1], vec![0.5])))),
+            "tensor `stray` is not a weight of the graph",
+        );
     }
 
     #[test]

@@ -496,7 +496,9 @@ pub fn encode_safetensors(tensors: &BTreeMap<String, &HostTensor>, metadata: &BT
         tensors.iter().map(|(k, t)| (k, t.data.iter().flat_map(|v| v.to_le_bytes()).collect(), &t.shape)).collect();
     let views = bytes
         .iter()
-        .map(|(k, b, s)| Ok(((*k).clone(), safetensors::tensor::TensorView::new(Dtype::F32, (*s).clone(), b).map_err(|e| format!("{e:?}"))?)))
+        .map(|(k, b, s)| {
+            Ok(((*k).clone(), safetensors::tensor::TensorView::new(Dtype::F32, (*s).clone(), b).map_err(|e| format!("{e:?}"))?))
+        })
         .collect::<Result<Vec<_>, String>>()?;
     let meta: std::collections::HashMap<String, String> = metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
     let meta = if meta.is_empty() { None } else { Some(meta) };

@@ -717,7 +717,8 @@ fn compare_checks_elementwise_saves_and_loads_outputs_and_writes_a_report() {
     let name = arg(&path).to_string();
     let reference = tiny_reference(&dir, &path, "tinynet", 1.0);
     let report = dir.join("report.json");
-    let out = kiln(&["compare", &name, "--cpu", "--reference", arg(&reference), "--atol", "1e-5", "--rtol", "1e-4", "--report", arg(&report)]);
+    let out =
+        kiln(&["compare", &name, "--cpu", "--reference", arg(&reference), "--atol", "1e-5", "--rtol", "1e-4", "--report", arg(&report)]);
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stdout}{stderr}");
     assert!(!stderr.contains("hint:"), "the metadata matches the run:\n{stderr}");
@@ -766,7 +767,8 @@ fn files_that_are_neither_graphs_nor_engines_are_named() {
     std::fs::write(&notes, "hello").expect("write");
     fails_with(&["run", arg(&notes), "--cpu"], &["is neither a graph file (.kiln.safetensors", "nor an engine file (.kiln"]);
     let weights = dir.join("weights.safetensors");
-    kiln::var_builder::write_safetensors(&weights, &BTreeMap::from([("w".to_string(), HostTensor::new(vec![1], vec![0.5]))])).expect("write");
+    kiln::var_builder::write_safetensors(&weights, &BTreeMap::from([("w".to_string(), HostTensor::new(vec![1], vec![0.5]))]))
+        .expect("write");
     fails_with(&["run", arg(&weights), "--cpu"], &["is a safetensors file but not a Kiln graph file", "--weights"]);
     fails_with(&["run", "/nonexistent/model.kiln.safetensors", "--cpu"], &["/nonexistent/model.kiln.safetensors", "no such file"]);
     let _ = std::fs::remove_dir_all(&dir);
@@ -778,7 +780,10 @@ fn shapes_flags_pick_the_input_shape_and_disagreements_are_errors() {
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stderr}");
     assert!(stdout.contains("batch 2, 32x48"), "{stdout}");
-    fails_with(&["run", "resnet18", "--cpu", "--batch", "1", "--shapes", "input:2x3x32x32"], &["--batch 1 disagrees with --shapes input:2x3x32x32"]);
+    fails_with(
+        &["run", "resnet18", "--cpu", "--batch", "1", "--shapes", "input:2x3x32x32"],
+        &["--batch 1 disagrees with --shapes input:2x3x32x32"],
+    );
     fails_with(&["run", "resnet18", "--cpu", "--shapes", "input:2x3x32"], &["--shapes gives 3 dims for `input`"]);
     let (_, stderr) = text(&kiln(&["run", "resnet18", "--shapes", "input:2x0x3x3"]));
     assert!(stderr.contains("every dim must be at least 1"), "{stderr}");
@@ -795,7 +800,10 @@ fn diagnostics_follow_quiet_verbose_and_rust_log() {
     assert!(stdout.contains("top-5"), "{stdout}");
     let debug = kiln_env(&["run", arg(&path), "--cpu", "--seed", "1"], &[("RUST_LOG", "kiln=debug")]);
     let (_, stderr) = text(&debug);
-    assert!(stderr.contains("DEBUG") && stderr.contains("loaded graph file"), "RUST_LOG=kiln=debug shows the library's debug lines:\n{stderr}");
+    assert!(
+        stderr.contains("DEBUG") && stderr.contains("loaded graph file"),
+        "RUST_LOG=kiln=debug shows the library's debug lines:\n{stderr}"
+    );
     let verbose = kiln(&["-v", "run", arg(&path), "--cpu", "--seed", "1"]);
     assert!(text(&verbose).1.contains("loaded graph file"), "{}", text(&verbose).1);
     let _ = std::fs::remove_dir_all(&dir);
@@ -829,7 +837,19 @@ fn help_examples_are_unwrapped_and_parse() {
     for args in [
         &["kiln", "bench", "--loadEngine", "e.kiln", "--warmUp", "10", "--exportTimes", "t.json"][..],
         &["kiln", "profile", "--loadEngine", "e.kiln", "--exportProfile", "p.json"],
-        &["kiln", "build", "resnet18", "--saveEngine", "e.kiln", "--minShapes", "input:1x3x224x224", "--optShapes", "input:4x3x224x224", "--maxShapes", "input:8x3x224x224"],
+        &[
+            "kiln",
+            "build",
+            "resnet18",
+            "--saveEngine",
+            "e.kiln",
+            "--minShapes",
+            "input:1x3x224x224",
+            "--optShapes",
+            "input:4x3x224x224",
+            "--maxShapes",
+            "input:8x3x224x224",
+        ],
     ] {
         kiln_models::cli::Cli::try_parse_from(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
     }
@@ -858,7 +878,19 @@ fn gpu_user_graph_file_builds_benches_profiles_and_compares() {
     ]);
     assert!(out.status.success(), "{}", text(&out).1);
     let times = dir.join("times.json");
-    let out = kiln(&["bench", "--loadEngine", arg(&engine), "--shapes", "input:4x3x24x32", "--iterations", "20", "--duration", "0", "--export-times", arg(&times)]);
+    let out = kiln(&[
+        "bench",
+        "--loadEngine",
+        arg(&engine),
+        "--shapes",
+        "input:4x3x24x32",
+        "--iterations",
+        "20",
+        "--duration",
+        "0",
+        "--export-times",
+        arg(&times),
+    ]);
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stderr}");
     println!("{stdout}");

@@ -201,7 +201,10 @@ fn shape_flag(shapes: &Option<super::Shapes>) -> Result<(Option<usize>, Option<[
         Some([one]) if one.dims.len() == 4 => Ok((Some(one.dims[0]), Some([one.dims[2], one.dims[3]]))),
         Some(other) => Err(Error::Flag {
             flag: "--shapes".into(),
-            reason: format!("expected one input `input:NxCxHxW`, got {}", other.iter().map(|s| format!("{}:{}", s.name, super::shapes::dims_text(&s.dims))).collect::<Vec<_>>().join(",")),
+            reason: format!(
+                "expected one input `input:NxCxHxW`, got {}",
+                other.iter().map(|s| format!("{}:{}", s.name, super::shapes::dims_text(&s.dims))).collect::<Vec<_>>().join(",")
+            ),
         }),
     }
 }
@@ -240,7 +243,10 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
     }
     if a.cpu {
         if common::is_engine_file(&model) {
-            return Err(Error::Flag { flag: "--cpu".into(), reason: format!("benchmarks a model or graph file, not the engine file {model}") });
+            return Err(Error::Flag {
+                flag: "--cpu".into(),
+                reason: format!("benchmarks a model or graph file, not the engine file {model}"),
+            });
         }
         for &batch in &batches {
             let traced = common::load(&model, a.weights.as_deref(), false, batch, hw)?;
@@ -251,7 +257,14 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             let mut r = record(&traced.name, batch, traced.hw[1], "cpu-f32", "cpu", &timed, &a.percentile);
             r.device = "CPU executor".into();
             print_record(&r)?;
-            series.push(Times { model: r.model.clone(), batch, precision: r.precision.clone(), mode: r.mode.clone(), start_ms: timed.starts, latency_ms: timed.times });
+            series.push(Times {
+                model: r.model.clone(),
+                batch,
+                precision: r.precision.clone(),
+                mode: r.mode.clone(),
+                start_ms: timed.starts,
+                latency_ms: timed.times,
+            });
             records.push(r);
         }
     } else {
@@ -285,12 +298,20 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
                     ctx.synchronize()
                 })?;
                 let mode = if graphs { "cuda-graph" } else { "no-graph" };
-                let mut r = record(&name, batch, engine_size(&engine), precision_name(engine.config.precision), mode, &timed, &a.percentile);
+                let mut r =
+                    record(&name, batch, engine_size(&engine), precision_name(engine.config.precision), mode, &timed, &a.percentile);
                 let info = &engine.gpu().info;
                 (r.device, r.driver_version, r.cudnn_version) = (info.name.clone(), info.driver_version, info.cudnn_version);
                 r.build_seconds = engine.summary.build_seconds;
                 print_record(&r)?;
-                series.push(Times { model: r.model.clone(), batch, precision: r.precision.clone(), mode: r.mode.clone(), start_ms: timed.starts, latency_ms: timed.times });
+                series.push(Times {
+                    model: r.model.clone(),
+                    batch,
+                    precision: r.precision.clone(),
+                    mode: r.mode.clone(),
+                    start_ms: timed.starts,
+                    latency_ms: timed.times,
+                });
                 records.push(r);
             }
         }
@@ -374,7 +395,13 @@ pub fn profile(a: ProfileArgs) -> Result<ExitCode> {
     let all: Vec<LayerTime> = times
         .iter()
         .enumerate()
-        .map(|(i, &t)| LayerTime { index: i, path: layers[i].path().to_string(), kind: layers[i].kind().to_string(), time_ms: t, share: 100.0 * t / total.max(1e-12) })
+        .map(|(i, &t)| LayerTime {
+            index: i,
+            path: layers[i].path().to_string(),
+            kind: layers[i].kind().to_string(),
+            time_ms: t,
+            share: 100.0 * t / total.max(1e-12),
+        })
         .collect();
     if let Some(path) = &a.json {
         write_json(path, "per-layer times", &all)?;

@@ -140,10 +140,7 @@ pub fn requested(m: &ModelArgs, batch: Option<usize>) -> Result<(Option<usize>, 
     let spec = match shapes.0.as_slice() {
         [one] => one,
         more => {
-            return Err(Error::Flag {
-                flag: "--shapes".into(),
-                reason: format!("names {} inputs; the model has one, `input`", more.len()),
-            })
+            return Err(Error::Flag { flag: "--shapes".into(), reason: format!("names {} inputs; the model has one, `input`", more.len()) })
         }
     };
     let [n, _, h, w] = spec.dims[..] else {
@@ -226,7 +223,10 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
             let bytes = std::fs::read(&path).map_err(Error::io(&path))?;
             let (_, payload) = kiln::engine::file::decode(&bytes, &path.display().to_string())?;
             if weights_path.is_some() {
-                return Err(Error::Flag { flag: "--weights".into(), reason: format!("cannot change the folded weights of the engine file {model}") });
+                return Err(Error::Flag {
+                    flag: "--weights".into(),
+                    reason: format!("cannot change the folded weights of the engine file {model}"),
+                });
             }
             tracing::info!("note: {model} is an engine file: its optimised graph (folded, fused) is used");
             let shown = path.display().to_string();

@@ -108,7 +108,13 @@ pub fn sha256_file(path: &Path) -> Result<String> {
 }
 
 /// The metadata a reference or saved-outputs file carries: what produced it.
-pub fn run_metadata(traced: &Traced, a: &CompareArgs, input: &HostTensor, seed: Option<u64>, backend: &str) -> Result<BTreeMap<String, String>> {
+pub fn run_metadata(
+    traced: &Traced,
+    a: &CompareArgs,
+    input: &HostTensor,
+    seed: Option<u64>,
+    backend: &str,
+) -> Result<BTreeMap<String, String>> {
     let mut m = BTreeMap::from([
         ("model".to_string(), traced.model.clone()),
         ("input_shape".to_string(), super::shapes::dims_text(&input.shape)),
@@ -269,7 +275,15 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
             let same = ours.iter().zip(&theirs).filter(|(a, b)| a == b).count();
             say!("  top-1 class agrees on {same} of {} images", theirs.len());
         }
-        rows.push(OutputReport { name: name.clone(), shape: got.shape.clone(), shape_ok: c.shape_ok, rel_l2: c.rel_l2, max_abs: c.max_abs, elementwise: ew, pass });
+        rows.push(OutputReport {
+            name: name.clone(),
+            shape: got.shape.clone(),
+            shape_ok: c.shape_ok,
+            rel_l2: c.rel_l2,
+            max_abs: c.max_abs,
+            elementwise: ew,
+            pass,
+        });
     }
     if rows.is_empty() && a.reference.is_some() {
         return Err(Error::Safetensors {
@@ -278,8 +292,18 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
         });
     }
     if let Some(path) = &a.report {
-        let report = Report { model: traced.name.clone(), backend: backend.clone(), reference: shown, input_shape: x.shape.clone(), l2_tol, outputs: rows.clone(), hints: hints.clone(), pass: all_pass };
-        let text = serde_json::to_string_pretty(&report).map_err(|e| Error::Serialize { what: "the report".into(), reason: e.to_string() })?;
+        let report = Report {
+            model: traced.name.clone(),
+            backend: backend.clone(),
+            reference: shown,
+            input_shape: x.shape.clone(),
+            l2_tol,
+            outputs: rows.clone(),
+            hints: hints.clone(),
+            pass: all_pass,
+        };
+        let text =
+            serde_json::to_string_pretty(&report).map_err(|e| Error::Serialize { what: "the report".into(), reason: e.to_string() })?;
         std::fs::write(path, text + "\n").map_err(Error::io(path))?;
         tracing::info!("wrote {} (the comparison as JSON)", path.display());
     }

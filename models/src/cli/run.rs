@@ -55,7 +55,11 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         }
     };
     let weights = a.model.weights.as_ref().map_or(
-        if traced.origin == "bundled" || traced.origin == "user" { "seeded weights".to_string() } else { format!("{}'s weights", traced.origin) },
+        if traced.origin == "bundled" || traced.origin == "user" {
+            "seeded weights".to_string()
+        } else {
+            format!("{}'s weights", traced.origin)
+        },
         |p| format!("weights {}", p.display()),
     );
     say!("{}: batch {batch}, {}, {weights}, {origin}", traced.name, traced.hw_text());
@@ -99,7 +103,10 @@ pub fn trace(a: TraceArgs) -> Result<ExitCode> {
     let (batch, _) = common::requested(&a.model, Some(a.batch))?;
     let batch = batch.unwrap_or(a.batch);
     let traced = common::trace_args(&a.model, batch)?;
-    let weights = a.model.weights.as_ref().map_or(if traced.origin == "bundled" || traced.origin == "user" { "seeded".to_string() } else { traced.origin.to_string() }, |p| p.display().to_string());
+    let weights = a.model.weights.as_ref().map_or(
+        if traced.origin == "bundled" || traced.origin == "user" { "seeded".to_string() } else { traced.origin.to_string() },
+        |p| p.display().to_string(),
+    );
     let meta = BTreeMap::from([
         ("model".to_string(), traced.name.clone()),
         ("weights".to_string(), weights),
@@ -126,15 +133,25 @@ fn batch_range(a: &BuildArgs) -> Result<(Profile, Option<[usize; 2]>)> {
     let profiles = shapes::profiles(&fixed, &spec(&a.min_shapes), &spec(&a.opt_shapes), &spec(&a.max_shapes))?;
     if let Some((name, p)) = profiles.iter().next() {
         if profiles.len() > 1 || name != "input" {
-            return Err(Error::Flag { flag: "--minShapes".into(), reason: format!("names {:?}; the model has one input, `input`", profiles.keys().collect::<Vec<_>>()) });
+            return Err(Error::Flag {
+                flag: "--minShapes".into(),
+                reason: format!("names {:?}; the model has one input, `input`", profiles.keys().collect::<Vec<_>>()),
+            });
         }
         if a.min_batch.or(a.opt_batch).or(a.max_batch).is_some() {
-            return Err(Error::Flag { flag: "--min-batch".into(), reason: "and the shape flags both give the batch range; give one".into() });
+            return Err(Error::Flag {
+                flag: "--min-batch".into(),
+                reason: "and the shape flags both give the batch range; give one".into(),
+            });
         }
         if p.min.len() != 4 || p.min[1..] != p.max[1..] {
             return Err(Error::Flag {
                 flag: "--minShapes".into(),
-                reason: format!("input `input`: {} ..= {}: engines range over the batch only today; C, H and W must be equal", shapes::dims_text(&p.min), shapes::dims_text(&p.max)),
+                reason: format!(
+                    "input `input`: {} ..= {}: engines range over the batch only today; C, H and W must be equal",
+                    shapes::dims_text(&p.min),
+                    shapes::dims_text(&p.max)
+                ),
             });
         }
         return Ok((p.clone(), Some([p.opt[2], p.opt[3]])));

@@ -68,12 +68,7 @@ impl Profile {
 /// Gathers the shape flags into one profile per input name. A name given in any of the three range
 /// flags must be given in all three, with as many dims, and min <= opt <= max dim by dim;
 /// `--shapes` alone fixes min = opt = max. The flag named in errors is the trtexec one.
-pub fn profiles(
-    shapes: &[ShapeSpec],
-    min: &[ShapeSpec],
-    opt: &[ShapeSpec],
-    max: &[ShapeSpec],
-) -> Result<BTreeMap<String, Profile>> {
+pub fn profiles(shapes: &[ShapeSpec], min: &[ShapeSpec], opt: &[ShapeSpec], max: &[ShapeSpec]) -> Result<BTreeMap<String, Profile>> {
     let flag = |flag: &str, reason: String| Error::Flag { flag: flag.into(), reason };
     let index = |flag_name: &str, specs: &[ShapeSpec]| -> Result<BTreeMap<String, Vec<usize>>> {
         let mut m = BTreeMap::new();
@@ -90,7 +85,9 @@ pub fn profiles(
     let names: std::collections::BTreeSet<&String> = min.keys().chain(opt.keys()).chain(max.keys()).collect();
     for name in names {
         let get = |m: &BTreeMap<String, Vec<usize>>, f: &str| {
-            m.get(name).cloned().ok_or_else(|| flag(f, format!("does not name input `{name}`, which another of --minShapes/--optShapes/--maxShapes names; give all three")))
+            m.get(name).cloned().ok_or_else(|| {
+                flag(f, format!("does not name input `{name}`, which another of --minShapes/--optShapes/--maxShapes names; give all three"))
+            })
         };
         let p = Profile { min: get(&min, "--minShapes")?, opt: get(&opt, "--optShapes")?, max: get(&max, "--maxShapes")? };
         if p.min.len() != p.opt.len() || p.opt.len() != p.max.len() {
