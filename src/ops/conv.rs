@@ -222,9 +222,11 @@ impl Forward for ConvTranspose2d {
     }
 }
 
+/// Output extent of a convolution; `None` when the kernel does not fit or a size overflows
+/// (attributes may come from a file).
 fn out_extent(input: usize, k: usize, s: usize, p: usize, d: usize) -> Option<usize> {
-    let span = d * (k - 1) + 1;
-    (input + 2 * p).checked_sub(span).map(|v| v / s + 1)
+    let span = d.checked_mul(k.checked_sub(1)?)?.checked_add(1)?;
+    input.checked_add(p.checked_mul(2)?)?.checked_sub(span).map(|v| v / s + 1)
 }
 
 fn check_common(a: &ConvAttrs, inputs: &[&[usize]], kind: &str) -> Result<(), String> {
@@ -260,8 +262,9 @@ fn check_common(a: &ConvAttrs, inputs: &[&[usize]], kind: &str) -> Result<(), St
 pub fn conv2d_shape(a: &ConvAttrs, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
     check_common(a, inputs, "conv2d")?;
     let (x, w) = (inputs[0], inputs[1]);
-    if x[1] != w[1] * a.groups {
-        return Err(format!("input has {} channels, but the weight {:?} with groups={} expects {}", x[1], w, a.groups, w[1] * a.groups));
+    if w[1].checked_mul(a.groups) != Some(x[1]) {
+        let expects = w[1].checked_mul(a.groups).map_or("more than usize::MAX".into(), |c| c.to_string());
+        return Err(format!("input has {} channels, but the weight {:?} with groups={} expects {expects}", x[1], w, a.groups));
     }
     if w[0] % a.groups != 0 {
         return Err(format!("{} output channels are not divisible by groups={}", w[0], a.groups));
@@ -295,12 +298,15 @@ pub fn conv_transpose2d_shape(a: &ConvAttrs, inputs: &[&[usize]]) -> Result<Vec<
             ));
         }
     }
-    let ext =
-        |i: usize| ((x[2 + i] - 1) * a.stride[i] + a.dilation[i] * (w[2 + i] - 1) + a.output_padding[i] + 1).checked_sub(2 * a.padding[i]);
-    let (Some(h), Some(wd)) = (ext(0), ext(1)) else {
-        return Err(format!("padding {:?} is larger than the output", a.padding));
+    // Checked: attributes may come from a file.
+    let ext = |i: usize| {
+        let grown = (x[2 + i] - 1).checked_mul(a.stride[i])?.checked_add(a.dilation[i].checked_mul(w[2 + i] - 1)?)?;
+        grown.checked_add(a.output_padding[i])?.checked_add(1)?.checked_sub(a.padding[i].checked_mul(2)?)
     };
-    let cout = w[1] * a.groups;
+    let (Some(h), Some(wd)) = (ext(0), ext(1)) else {
+        return Err(format!("padding {:?} is larger than the output, or the output size overflows", a.padding));
+    };
+    let cout = w[1].checked_mul(a.groups).ok_or_else(|| format!("{} x groups={} output channels overflow", w[1], a.groups))?;
     if a.bias && inputs[2] != [cout] {
         return Err(format!("bias must have shape [{cout}], got {:?}", inputs[2]));
     }
