@@ -224,9 +224,10 @@ pub fn mean_shape(dims: &[usize], keepdim: bool, inputs: &[&[usize]]) -> Result<
 /// PyTorch's pooled extent, including its ceil_mode rule: the last window must start inside the
 /// input or the left padding.
 pub fn pooled_extent(input: usize, k: usize, s: usize, p: usize, ceil: bool) -> Option<usize> {
-    let span = (input + 2 * p).checked_sub(k)?;
+    // Checked: sizes and attributes may come from a file.
+    let span = input.checked_add(p.checked_mul(2)?)?.checked_sub(k)?;
     let mut out = if ceil { span.div_ceil(s) } else { span / s } + 1;
-    if ceil && (out - 1) * s >= input + p {
+    if ceil && (out - 1).checked_mul(s)? >= input.checked_add(p)? {
         out -= 1;
     }
     Some(out)
@@ -240,7 +241,7 @@ pub fn pool2d_shape(a: &PoolAttrs, inputs: &[&[usize]]) -> Result<Vec<usize>, St
     if a.stride.contains(&0) || a.kernel.contains(&0) {
         return Err("kernel and stride must be positive".into());
     }
-    if a.padding[0] * 2 > a.kernel[0] || a.padding[1] * 2 > a.kernel[1] {
+    if a.padding[0] > a.kernel[0] / 2 || a.padding[1] > a.kernel[1] / 2 {
         return Err(format!("padding {:?} must be at most half the kernel {:?}", a.padding, a.kernel));
     }
     let ext = |i: usize| pooled_extent(x[2 + i], a.kernel[i], a.stride[i], a.padding[i], a.ceil_mode);
