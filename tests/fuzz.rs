@@ -252,9 +252,17 @@ proptest! {
         ]);
         let tensors: BTreeMap<String, &HostTensor> = graph.weights.iter().map(|(k, t)| (k.clone(), t.as_ref())).collect();
         let bytes = kiln::var_builder::encode_safetensors(&tensors, &meta).expect("encode");
-        // An accepted graph goes on to the passes, as `kiln run` sends it.
+        // An accepted graph goes on to the passes and, when small, the CPU executor, as `kiln run`
+        // sends it.
         if let Ok(file) = kiln::graph_file::decode(&bytes, Path::new("fuzz.kiln.safetensors")) {
-            let _ = kiln::passes::optimize(&file.graph);
+            if let Ok(g) = kiln::passes::optimize(&file.graph) {
+                let small = g.nodes.iter().all(|n| kiln::graph::numel(&n.shape).is_some_and(|e| e <= 1 << 16));
+                let input = g.inputs.first().map(|&i| g.nodes[i].shape.clone()).unwrap_or_default();
+                if small && !input.is_empty() {
+                    let x = kiln::seeded::uniform_tensor(&input, 1);
+                    let _ = kiln::cpu::run(&g, &[("input", &x)]);
+                }
+            }
         }
     }
 }
