@@ -7,8 +7,14 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
+/// The `kiln` binary: cargo's, or `KILN_BIN` where the test binary was carried to another machine
+/// (the device, which has no cargo) with the CLI beside it.
+fn kiln_exe() -> PathBuf {
+    std::env::var_os("KILN_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_kiln")), PathBuf::from)
+}
+
 fn kiln(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).output().expect("run the kiln binary")
+    Command::new(kiln_exe()).args(args).output().expect("run the kiln binary")
 }
 
 fn text(out: &Output) -> (String, String) {
@@ -246,7 +252,7 @@ fn codegen_writes_rust_that_names_the_weights() {
 
 /// Runs `kiln` with extra environment variables.
 fn kiln_env(args: &[&str], env: &[(&str, &str)]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).envs(env.iter().copied()).output().expect("run the kiln binary")
+    Command::new(kiln_exe()).args(args).envs(env.iter().copied()).output().expect("run the kiln binary")
 }
 
 /// Asserts `kiln args` fails with exit status 1 (an error, not a panic's 101 or an abort's 134)
@@ -358,7 +364,7 @@ fn c07_bench_duration_negative_is_a_clear_error() {
 
 #[test]
 fn c08_closed_stdout_pipe_is_a_clean_exit() {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+    let mut child = Command::new(kiln_exe())
         .args(["run", "resnet18", "--cpu", "--size", "32", "--seed", "1"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -386,7 +392,7 @@ fn c10_fifo_as_weights_is_rejected_without_hanging() {
     let fifo = temp_dir("c10").join("w.fifo");
     let _ = std::fs::remove_file(&fifo);
     assert!(Command::new("mkfifo").arg(&fifo).status().expect("mkfifo").success());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+    let mut child = Command::new(kiln_exe())
         .args(["run", "resnet18", "--cpu", "--weights", fifo.to_str().unwrap()])
         .stderr(std::process::Stdio::piped())
         .stdout(std::process::Stdio::null())
