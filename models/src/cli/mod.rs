@@ -87,10 +87,10 @@ fn model_help() -> String {
 #[command(name = "kiln", version, after_long_help = examples(), propagate_version = true, term_width = 0)]
 pub struct Cli {
     /// More diagnostics on standard error (-v: debug, -vv: trace); RUST_LOG overrides.
-    #[arg(short, long, action = ArgAction::Count, global = true)]
+    #[arg(short, long, action = ArgAction::Count, global = true, display_order = 1000)]
     pub verbose: u8,
     /// Only errors on standard error.
-    #[arg(short, long, global = true, conflicts_with = "verbose")]
+    #[arg(short, long, global = true, conflicts_with = "verbose", display_order = 1001)]
     pub quiet: bool,
     #[command(subcommand)]
     pub command: Command,
