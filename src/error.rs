@@ -67,6 +67,9 @@ pub enum Error {
     #[error("engine file {path}: {reason}")]
     EngineFile { path: String, reason: String },
 
+    #[error("graph file {path}: {reason}")]
+    GraphFile { path: String, reason: String },
+
     #[error("no GPU available: {0}")]
     NoGpu(String),
 

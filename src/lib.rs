@@ -14,6 +14,7 @@ pub mod dot;
 pub mod engine;
 pub mod error;
 pub mod graph;
+pub mod graph_file;
 pub mod layerwise;
 pub mod module;
 pub mod ops;

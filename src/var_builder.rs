@@ -429,3 +429,79 @@ pub fn write_safetensors(path: impl AsRef<Path>, tensors: &BTreeMap<String, Host
         .collect::<Result<_>>()?;
     safetensors::serialize_to_file(views, &None, path).map_err(|e| Error::Safetensors { path: path.into(), reason: format!("{e:?}") })
 }
+
+/// The `__metadata__` of a safetensors header as a string map (empty when the file has none).
+/// `bytes` must be a file whose header `parse_header` accepted.
+fn metadata_of(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, String>> {
+    let bad = |reason: String| Error::Safetensors { path: path.into(), reason };
+    let len = bytes.get(..8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes"))).unwrap_or(0);
+    let header = usize::try_from(len).ok().and_then(|n| bytes.get(8..8usize.checked_add(n)?)).unwrap_or(&[]);
+    let value: serde_json::Value =
+        serde_json::from_slice(header).map_err(|e| bad(format!("the header is not valid JSON (corrupt file): {e}")))?;
+    let Some(meta) = value.get("__metadata__") else { return Ok(BTreeMap::new()) };
+    let object = meta.as_object().ok_or_else(|| bad("`__metadata__` is not a JSON object of strings".into()))?;
+    object
+        .iter()
+        .map(|(k, v)| match v.as_str() {
+            Some(s) => Ok((k.clone(), s.to_string())),
+            None => Err(bad(format!("`__metadata__` entry `{k}` is not a string"))),
+        })
+        .collect()
+}
+
+/// Reads every tensor (f32, f16 or bf16, as f32) and the `__metadata__` of a safetensors file
+/// already in memory; `path` names it in errors and `what` names its role ("graph", "outputs").
+/// The header is checked as `VarBuilder::from_safetensors` checks it.
+pub fn decode_safetensors(path: &Path, bytes: &[u8], what: &str) -> Result<(BTreeMap<String, HostTensor>, BTreeMap<String, String>)> {
+    let entries = parse_header(path, bytes, 0)?;
+    let metadata = metadata_of(path, bytes)?;
+    let mut out = BTreeMap::new();
+    for (key, e) in entries {
+        let data = decode(&e.dtype, &bytes[e.range.0..e.range.1], &key, path)?.ok_or_else(|| Error::TensorDtype {
+            what: what.to_string(),
+            key: key.clone(),
+            got: e.dtype.clone(),
+            path: path.to_path_buf(),
+        })?;
+        out.insert(key, HostTensor::try_new(e.shape, data)?);
+    }
+    Ok((out, metadata))
+}
+
+/// The `__metadata__` of a safetensors file (checked header, no tensor decoded).
+pub fn read_metadata(path: impl AsRef<Path>) -> Result<BTreeMap<String, String>> {
+    let path = path.as_ref();
+    check_regular_file(path)?;
+    let file = std::fs::File::open(path).map_err(Error::io(path))?;
+    // SAFETY: the file is opened read-only; like every mmap user we assume nobody truncates it
+    // while it is read.
+    let mmap = unsafe { Mmap::map(&file) }.map_err(Error::io(path))?;
+    parse_header(path, &mmap, 0)?;
+    metadata_of(path, &mmap)
+}
+
+/// Writes f32 tensors to a safetensors file with `metadata` as its `__metadata__`.
+pub fn write_safetensors_with_metadata(
+    path: impl AsRef<Path>,
+    tensors: &BTreeMap<String, &HostTensor>,
+    metadata: &BTreeMap<String, String>,
+) -> Result<()> {
+    let path = path.as_ref();
+    let bytes = encode_safetensors(tensors, metadata).map_err(|reason| Error::Safetensors { path: path.into(), reason })?;
+    std::fs::write(path, bytes).map_err(Error::io(path))
+}
+
+/// The bytes of a safetensors file holding f32 `tensors` and `metadata`.
+pub fn encode_safetensors(tensors: &BTreeMap<String, &HostTensor>, metadata: &BTreeMap<String, String>) -> Result<Vec<u8>, String> {
+    let bytes: Vec<(&String, Vec<u8>, &Vec<usize>)> =
+        tensors.iter().map(|(k, t)| (k, t.data.iter().flat_map(|v| v.to_le_bytes()).collect(), &t.shape)).collect();
+    let views = bytes
+        .iter()
+        .map(|(k, b, s)| {
+            Ok(((*k).clone(), safetensors::tensor::TensorView::new(Dtype::F32, (*s).clone(), b).map_err(|e| format!("{e:?}"))?))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    let meta: std::collections::HashMap<String, String> = metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    let meta = if meta.is_empty() { None } else { Some(meta) };
+    safetensors::serialize(views, &meta).map_err(|e| format!("{e:?}"))
+}

@@ -12,6 +12,7 @@ Works with torch >= 2.0 / torchvision >= 0.15.
 """
 
 import argparse
+import hashlib
 import os
 import re
 import sys
@@ -730,18 +731,38 @@ def export(args, model, batch, size):
     tensors = {"input": x}
     tensors.update({f"output.{k}": v for k, v in outputs.items()})
     tensors.update(flatten_calls(calls))
-    path = os.path.join(args.out, f"{model}.reference.safetensors")
-    # clone: the last call of a reused module is stored twice (`path` and `path#i`).
-    save_file({k: v.detach().float().clone().contiguous() for k, v in tensors.items()}, path)
-    summary = ", ".join(f"{k} {list(v.shape)}" for k, v in outputs.items())
-    print(f"wrote {path}: input {list(x.shape)}, {summary}, {len(calls)} intermediates")
-    if "logits" in outputs:
-        print(f"top-1 class per image: {outputs['logits'].argmax(1).tolist()}")
+    # What made the reference, for `kiln compare` to hint at when its run differs (model, weights
+    # by SHA-256 of the file `--weights` names, input size, seed).
+    metadata = {
+        "model": model,
+        "weights": args.weights if args.weights in ("seeded", "torchvision") else os.path.basename(args.weights),
+        "input_shape": "x".join(str(d) for d in x.shape),
+        "seed": str(args.seed),
+        "producer": f"tools/export_reference.py (torch {torch.__version__})",
+    }
+    if args.weights not in ("seeded", "torchvision"):
+        metadata["weights_sha256"] = sha256_file(args.weights)
     if args.save_weights:
         wpath = os.path.join(args.out, f"{model}.weights.safetensors")
         sd = {k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}
         save_file(sd, wpath)
         print(f"wrote {wpath}: {len(sd)} tensors")
+        metadata["weights_sha256"] = sha256_file(wpath)
+    path = os.path.join(args.out, f"{model}.reference.safetensors")
+    # clone: the last call of a reused module is stored twice (`path` and `path#i`).
+    save_file({k: v.detach().float().clone().contiguous() for k, v in tensors.items()}, path, metadata=metadata)
+    summary = ", ".join(f"{k} {list(v.shape)}" for k, v in outputs.items())
+    print(f"wrote {path}: input {list(x.shape)}, {summary}, {len(calls)} intermediates")
+    if "logits" in outputs:
+        print(f"top-1 class per image: {outputs['logits'].argmax(1).tolist()}")
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 if __name__ == "__main__":
     main()

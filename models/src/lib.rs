@@ -14,6 +14,7 @@
 pub mod alexnet;
 pub mod centernet;
 pub mod centernet_dcn;
+pub mod cli;
 pub mod convnext;
 pub mod densenet;
 pub mod efficientnet;
@@ -180,9 +181,14 @@ pub fn bundled_markdown() -> String {
 /// ([batch, 300, 6], `yolo_nms`) for the YOLOs. Keep a clone of `vb` to ask it afterwards for keys the model never
 /// used (`VarBuilder::check_all_used`).
 pub fn trace(model: &str, vb: VarBuilder, batch: usize, size: usize) -> Result<Graph> {
+    trace_hw(model, vb, batch, [size, size])
+}
+
+/// `trace` at an input of height × width `hw` (not necessarily square).
+pub fn trace_hw(model: &str, vb: VarBuilder, batch: usize, hw: [usize; 2]) -> Result<Graph> {
     let info = bundled(model)?;
     let tracer = Tracer::new();
-    let x = tracer.input("input", &[batch, 3, size, size]);
+    let x = tracer.input("input", &[batch, 3, hw[0], hw[1]]);
     match info.load {
         Load::Classifier(load) => load(vb)?.forward(&x)?.mark_output("logits"),
         Load::CenterNet | Load::CenterNetDcn => {

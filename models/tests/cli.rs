@@ -1,13 +1,20 @@
 //! The `kiln` binary, run as a user runs it. Everything here works without a GPU: where one is
-//! present, `run` uses it and the GPU-only commands are exercised by the device scripts instead.
+//! present, `run` uses it and the GPU-only commands are exercised by the device scripts instead,
+//! or by the `#[ignore]`d `gpu_*` tests at the end (`--include-ignored` on the device).
 
 use kiln::{HostTensor, VarBuilder};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
+/// The `kiln` binary: cargo's, or `KILN_BIN` where the test binary was carried to another machine
+/// (the device, which has no cargo) with the CLI beside it.
+fn kiln_exe() -> PathBuf {
+    std::env::var_os("KILN_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_kiln")), PathBuf::from)
+}
+
 fn kiln(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).output().expect("run the kiln binary")
+    Command::new(kiln_exe()).args(args).output().expect("run the kiln binary")
 }
 
 fn text(out: &Output) -> (String, String) {
@@ -76,8 +83,10 @@ fn run_falls_back_to_the_cpu_and_prints_top5() {
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stderr}");
     if no_gpu() {
-        assert!(stdout.contains("note: no GPU ("), "{stdout}");
-        assert!(stdout.contains("running on the CPU reference executor"), "{stdout}");
+        // The note is a diagnostic: standard error, not the results.
+        assert!(stderr.contains("note: no GPU ("), "{stderr}");
+        assert!(stderr.contains("running on the CPU reference executor"), "{stderr}");
+        assert!(!stdout.contains("note:"), "{stdout}");
         assert!(stdout.contains("CPU executor (f32):"), "{stdout}");
     }
     assert!(stdout.contains("image 0: top-5:"), "{stdout}");
@@ -243,7 +252,7 @@ fn codegen_writes_rust_that_names_the_weights() {
 
 /// Runs `kiln` with extra environment variables.
 fn kiln_env(args: &[&str], env: &[(&str, &str)]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kiln")).args(args).envs(env.iter().copied()).output().expect("run the kiln binary")
+    Command::new(kiln_exe()).args(args).envs(env.iter().copied()).output().expect("run the kiln binary")
 }
 
 /// Asserts `kiln args` fails with exit status 1 (an error, not a panic's 101 or an abort's 134)
@@ -355,7 +364,7 @@ fn c07_bench_duration_negative_is_a_clear_error() {
 
 #[test]
 fn c08_closed_stdout_pipe_is_a_clean_exit() {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+    let mut child = Command::new(kiln_exe())
         .args(["run", "resnet18", "--cpu", "--size", "32", "--seed", "1"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -383,7 +392,7 @@ fn c10_fifo_as_weights_is_rejected_without_hanging() {
     let fifo = temp_dir("c10").join("w.fifo");
     let _ = std::fs::remove_file(&fifo);
     assert!(Command::new("mkfifo").arg(&fifo).status().expect("mkfifo").success());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kiln"))
+    let mut child = Command::new(kiln_exe())
         .args(["run", "resnet18", "--cpu", "--weights", fifo.to_str().unwrap()])
         .stderr(std::process::Stdio::piped())
         .stdout(std::process::Stdio::null())
@@ -530,4 +539,389 @@ fn c21_weights_with_a_bad_json_header_name_the_file_and_the_error() {
 #[test]
 fn c22_inspect_batch_zero_is_a_clear_error() {
     fails_with(&["inspect", "resnet18", "--no-engine", "--batch", "0"], &["error: --batch must be at least 1"]);
+}
+
+// ---- A user's own model: definition -> graph file -> every command ------------------------------
+
+use kiln::{
+    AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Forward, Graph, Linear, LinearConfig, Module, ReLU, Tensor,
+    Tracer,
+};
+
+#[derive(Clone, Copy)]
+struct TinyConfig {
+    classes: usize,
+}
+
+/// A small classifier written the way a user writes one: conv-BN-ReLU twice, pooled, linear.
+#[derive(Module)]
+#[module(config = TinyConfig)]
+struct TinyNet {
+    #[module(config = Conv2dConfig::new(3, 8, 3).padding(1).bias(false))]
+    conv1: Conv2d,
+    #[module(config = BatchNorm2dConfig::new(8))]
+    bn1: BatchNorm2d,
+    #[module(config = Conv2dConfig::new(8, 16, 3).padding(1).stride(2))]
+    conv2: Conv2d,
+    relu: ReLU,
+    #[module(config = [1, 1])]
+    avgpool: AdaptiveAvgPool2d,
+    #[module(config = LinearConfig::new(16, cfg.classes))]
+    fc: Linear,
+}
+
+impl Forward for TinyNet {
+    fn forward(&self, x: &Tensor) -> kiln::Result<Tensor> {
+        let x = self.relu.forward(&self.bn1.forward(&self.conv1.forward(x)?)?)?;
+        let x = self.relu.forward(&self.conv2.forward(&x)?)?;
+        self.fc.forward(&self.avgpool.forward(&x)?.flatten(1)?)
+    }
+}
+
+/// The `TraceFn` a program hands to `kiln_models::cli::main_with`; its own size is 24 x 32.
+fn tinynet(vb: VarBuilder, batch: usize, hw: Option<[usize; 2]>) -> kiln::Result<Graph> {
+    let [h, w] = hw.unwrap_or([24, 32]);
+    let net = TinyNet::load(vb, &TinyConfig { classes: 10 })?;
+    let tracer = Tracer::new();
+    let x = tracer.input("input", &[batch, 3, h, w]);
+    tracer.output("logits", &net.forward(&x)?);
+    Ok(tracer.graph())
+}
+
+fn arg(p: &std::path::Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+/// Writes the tiny model's graph file with the embedded CLI (`kiln trace tinynet`, in process).
+fn tiny_graph_file(dir: &std::path::Path) -> PathBuf {
+    let path = dir.join("tinynet.kiln.safetensors");
+    let code = kiln_models::cli::run_with(["kiln", "-q", "trace", "tinynet", "--batch", "2", "-o", arg(&path)], &[("tinynet", tinynet)]);
+    assert_eq!(code, std::process::ExitCode::SUCCESS);
+    path
+}
+
+#[test]
+fn user_model_is_traced_by_the_embedded_cli_and_loads_back_equal() {
+    let dir = temp_dir("user-trace");
+    let path = tiny_graph_file(&dir);
+    let direct = tinynet(VarBuilder::seeded(), 2, None).expect("trace");
+    let loaded = kiln::graph_file::read(&path).expect("the written graph file loads");
+    assert_eq!(loaded.graph.nodes, direct.nodes);
+    assert_eq!(loaded.graph.outputs, direct.outputs);
+    assert_eq!(loaded.graph.weights.keys().collect::<Vec<_>>(), direct.weights.keys().collect::<Vec<_>>());
+    for (k, w) in &direct.weights {
+        assert_eq!(loaded.graph.weights[k].data, w.data, "{k}");
+    }
+    assert_eq!(loaded.metadata["model"], "tinynet");
+    assert_eq!(loaded.metadata["input_shape"], "2x3x24x32");
+    // Graph::save / Graph::load are the same format.
+    let again = dir.join("again.kiln.safetensors");
+    direct.save(&again).expect("save");
+    assert_eq!(Graph::load(&again).expect("load").nodes, direct.nodes);
+    // A name the program did not register is an error listing what is known.
+    let code = kiln_models::cli::run_with(["kiln", "trace", "nosuchnet", "-o", arg(&dir.join("x"))], &[("tinynet", tinynet)]);
+    assert_eq!(code, std::process::ExitCode::FAILURE);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn user_graph_file_runs_inspects_codegens_and_benches_on_the_cpu() {
+    let dir = temp_dir("user-cpu");
+    let path = tiny_graph_file(&dir);
+    let out = kiln(&["run", arg(&path), "--cpu", "--seed", "3", "--batch", "3"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("batch 3, 24x32, graph file's weights, random input, --seed 3"), "{stdout}");
+    assert!(stdout.contains("image 2: top-5:"), "a graph file runs at another batch than traced:\n{stdout}");
+    // The CPU executor's logits equal what the CLI printed (top class of image 0).
+    let graph = kiln::passes::optimize(&Graph::load(&path).expect("load")).expect("optimize");
+    let x = kiln::seeded::try_uniform_tensor(&[3, 3, 24, 32], 3).expect("input");
+    let logits = &kiln::cpu::run(&graph, &[("input", &x)]).expect("run")["logits"];
+    let best = kiln::compare::top1(logits)[0];
+    let first = stdout.lines().find(|l| l.trim_start().starts_with("class")).expect("a class line");
+    assert!(first.contains(&format!("class {best:>4}")), "{first} vs top-1 {best}");
+
+    let wrong = kiln(&["run", arg(&path), "--cpu", "--size", "64"]);
+    assert!(text(&wrong).1.contains("asks for 64x64, but") && text(&wrong).1.contains("was traced at 24x32"), "{}", text(&wrong).1);
+
+    let inspect = kiln(&["inspect", arg(&path), "--no-engine"]);
+    let (stdout, stderr) = text(&inspect);
+    assert!(inspect.status.success(), "{stderr}");
+    assert!(stdout.contains("conv1") && stdout.contains("bn1") && stdout.contains("fc"), "{stdout}");
+
+    let codegen = kiln(&["codegen", arg(&path)]);
+    let (stdout, stderr) = text(&codegen);
+    assert!(codegen.status.success(), "{stderr}");
+    assert!(stdout.contains("vb.get(&[16, 8, 3, 3], \"conv2.weight\")?"), "{stdout}");
+
+    let (json, times) = (dir.join("bench.json"), dir.join("times.json"));
+    let bench = kiln(&[
+        "bench",
+        arg(&path),
+        "--cpu",
+        "--batch",
+        "1,2",
+        "--warmUp",
+        "0",
+        "--iterations",
+        "4",
+        "--duration",
+        "0",
+        "--percentile",
+        "50,99.9",
+        "--json",
+        arg(&json),
+        "--export-times",
+        arg(&times),
+    ]);
+    let (stdout, stderr) = text(&bench);
+    assert!(bench.status.success(), "{stderr}");
+    assert!(stdout.contains(" max ") && stdout.contains(" std ") && stdout.contains("p99.9"), "{stdout}");
+    let records: Vec<serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(&json).expect("json")).expect("JSON");
+    let series: Vec<serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(&times).expect("times")).expect("JSON");
+    assert_eq!((records.len(), series.len()), (2, 2));
+    for (r, t) in records.iter().zip(&series) {
+        let lat: Vec<f64> = t["latency_ms"].as_array().expect("array").iter().map(|v| v.as_f64().expect("ms")).collect();
+        assert_eq!(lat.len(), r["iterations"].as_u64().expect("n") as usize);
+        let max = lat.iter().copied().fold(f64::MIN, f64::max);
+        let mean = lat.iter().sum::<f64>() / lat.len() as f64;
+        let std = (lat.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / lat.len() as f64).sqrt();
+        println!("batch {}: max {max:.3} ms, std {std:.4} ms, percentiles {}", r["batch"], r["percentiles_ms"]);
+        assert!((r["max_ms"].as_f64().expect("max") - max).abs() < 1e-9, "{r}");
+        assert!((r["std_ms"].as_f64().expect("std") - std).abs() < 1e-9, "{r}");
+        assert_eq!(r["percentiles_ms"]["99.9"].as_f64(), Some(max), "p99.9 of 4 runs is the max");
+        assert_eq!(t["model"], r["model"]);
+        let starts = t["start_ms"].as_array().expect("starts");
+        assert!(starts.windows(2).all(|w| w[0].as_f64() <= w[1].as_f64()), "{t}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A reference for the tiny model from the unoptimised graph (as PyTorch would compute it), with
+/// the export script's metadata.
+fn tiny_reference(dir: &std::path::Path, path: &std::path::Path, model_in_metadata: &str, scale: f32) -> PathBuf {
+    let graph = Graph::load(path).expect("load");
+    let x = kiln::seeded::weight("input.0", &[2, 3, 24, 32]);
+    let mut y = kiln::cpu::run(&graph, &[("input", &x)]).expect("run").remove("logits").expect("logits");
+    y.data.iter_mut().for_each(|v| *v *= scale);
+    let out = dir.join(format!("ref-{model_in_metadata}-{scale}.safetensors").replace('/', "_"));
+    let tensors = BTreeMap::from([("input".to_string(), &x), ("output.logits".to_string(), &y)]);
+    let meta = BTreeMap::from([
+        ("model".to_string(), model_in_metadata.to_string()),
+        ("weights".to_string(), "seeded".to_string()),
+        ("input_shape".to_string(), "2x3x24x32".to_string()),
+        ("seed".to_string(), "0".to_string()),
+    ]);
+    kiln::var_builder::write_safetensors_with_metadata(&out, &tensors, &meta).expect("write");
+    out
+}
+
+#[test]
+fn compare_checks_elementwise_saves_and_loads_outputs_and_writes_a_report() {
+    let dir = temp_dir("user-compare");
+    let path = tiny_graph_file(&dir);
+    let name = arg(&path).to_string();
+    let reference = tiny_reference(&dir, &path, "tinynet", 1.0);
+    let report = dir.join("report.json");
+    let out =
+        kiln(&["compare", &name, "--cpu", "--reference", arg(&reference), "--atol", "1e-5", "--rtol", "1e-4", "--report", arg(&report)]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(!stderr.contains("hint:"), "the metadata matches the run:\n{stderr}");
+    assert!(stdout.contains("elementwise |out - ref| <= 0.00001 + 0.0001 * |ref|: 0 of 20 elements fail"), "{stdout}");
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).expect("report")).expect("JSON");
+    println!("report: {r}");
+    assert_eq!(r["pass"], true);
+    assert_eq!(r["outputs"][0]["name"], "logits");
+    assert_eq!(r["outputs"][0]["elementwise"]["failing"], 0);
+    assert!(r["outputs"][0]["rel_l2"].as_f64().expect("rel l2") <= 1e-5, "{r}");
+
+    // Off by 0.1 %: rel L2 1e-3 fails the CPU's 1e-5, and every element with |ref| > 0.01 fails
+    // atol 1e-5 + rtol 1e-4; a hint names the model the reference's metadata says it is for.
+    let scaled = tiny_reference(&dir, &path, "resnet50", 1.001);
+    let out = kiln(&["compare", &name, "--cpu", "--reference", arg(&scaled), "--atol", "1e-5", "--rtol", "1e-4", "--report", arg(&report)]);
+    let (stdout, stderr) = text(&out);
+    assert!(!out.status.success(), "{stdout}");
+    assert!(stderr.contains("hint: the reference was made for model `resnet50`"), "{stderr}");
+    assert!(stdout.contains("FAIL (the reference may not match this run"), "{stdout}");
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).expect("report")).expect("JSON");
+    assert_eq!(r["pass"], false);
+    assert!(r["outputs"][0]["elementwise"]["failing"].as_u64().expect("count") > 0, "{r}");
+    // A loose tolerance passes the same outputs (the rule is the tolerance's, not fixed).
+    let loose = kiln(&["compare", &name, "--cpu", "--reference", arg(&scaled), "--l2-tol", "1e-2", "--atol", "1e-2", "--rtol", "1e-2"]);
+    assert!(loose.status.success(), "{}", text(&loose).0);
+
+    // Save the outputs of a random input, then compare a second run against them.
+    let saved = dir.join("saved.safetensors");
+    let out = kiln(&["compare", &name, "--cpu", "--seed", "5", "--batch", "2", "--save-outputs", arg(&saved)]);
+    assert!(out.status.success(), "{}", text(&out).1);
+    let meta = kiln::var_builder::read_metadata(&saved).expect("metadata");
+    assert_eq!((meta["seed"].as_str(), meta["input_shape"].as_str(), meta["weights"].as_str()), ("5", "2x3x24x32", "graph file"));
+    let tensors = kiln::var_builder::read_safetensors(&saved).expect("tensors");
+    assert_eq!(tensors["input"], kiln::seeded::try_uniform_tensor(&[2, 3, 24, 32], 5).expect("input"));
+    let out = kiln(&["compare", &name, "--cpu", "--load-outputs", arg(&saved), "--atol", "0", "--rtol", "0"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(stdout.contains("0 of 20 elements fail") && stdout.contains("PASS"), "{stdout}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn files_that_are_neither_graphs_nor_engines_are_named() {
+    let dir = temp_dir("not-a-model");
+    let notes = dir.join("notes.txt");
+    std::fs::write(&notes, "hello").expect("write");
+    fails_with(&["run", arg(&notes), "--cpu"], &["is neither a graph file (.kiln.safetensors", "nor an engine file (.kiln"]);
+    let weights = dir.join("weights.safetensors");
+    kiln::var_builder::write_safetensors(&weights, &BTreeMap::from([("w".to_string(), HostTensor::new(vec![1], vec![0.5]))]))
+        .expect("write");
+    fails_with(&["run", arg(&weights), "--cpu"], &["is a safetensors file but not a Kiln graph file", "--weights"]);
+    fails_with(&["run", "/nonexistent/model.kiln.safetensors", "--cpu"], &["/nonexistent/model.kiln.safetensors", "no such file"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn shapes_flags_pick_the_input_shape_and_disagreements_are_errors() {
+    let out = kiln(&["run", "resnet18", "--cpu", "--seed", "1", "--shapes", "input:2x3x32x48"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("batch 2, 32x48"), "{stdout}");
+    fails_with(
+        &["run", "resnet18", "--cpu", "--batch", "1", "--shapes", "input:2x3x32x32"],
+        &["--batch 1 disagrees with --shapes input:2x3x32x32"],
+    );
+    fails_with(&["run", "resnet18", "--cpu", "--shapes", "input:2x3x32"], &["--shapes gives 3 dims for `input`"]);
+    let (_, stderr) = text(&kiln(&["run", "resnet18", "--shapes", "input:2x0x3x3"]));
+    assert!(stderr.contains("every dim must be at least 1"), "{stderr}");
+}
+
+#[test]
+fn diagnostics_follow_quiet_verbose_and_rust_log() {
+    let dir = temp_dir("logging");
+    let path = tiny_graph_file(&dir);
+    let quiet = kiln(&["-q", "run", arg(&path), "--seed", "1"]);
+    let (stdout, stderr) = text(&quiet);
+    assert!(quiet.status.success(), "{stderr}");
+    assert!(stderr.is_empty(), "-q leaves only errors on standard error:\n{stderr}");
+    assert!(stdout.contains("top-5"), "{stdout}");
+    let debug = kiln_env(&["run", arg(&path), "--cpu", "--seed", "1"], &[("RUST_LOG", "kiln=debug")]);
+    let (_, stderr) = text(&debug);
+    assert!(
+        stderr.contains("DEBUG") && stderr.contains("loaded graph file"),
+        "RUST_LOG=kiln=debug shows the library's debug lines:\n{stderr}"
+    );
+    let verbose = kiln(&["-v", "run", arg(&path), "--cpu", "--seed", "1"]);
+    assert!(text(&verbose).1.contains("loaded graph file"), "{}", text(&verbose).1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn help_examples_are_unwrapped_and_parse() {
+    use clap::{CommandFactory, Parser};
+    let help = text(&kiln(&["--help"])).0;
+    for example in kiln_models::cli::EXAMPLES {
+        assert!(help.lines().any(|l| l.trim() == *example), "`{example}` is one unwrapped line of --help:\n{help}");
+        let words: Vec<&str> = example.split_whitespace().collect();
+        kiln_models::cli::Cli::try_parse_from(&words).unwrap_or_else(|e| panic!("`{example}`: {e}"));
+    }
+    let cli = kiln_models::cli::Cli::command();
+    for sub in cli.get_subcommands() {
+        let name = sub.get_name().to_string();
+        let help = text(&kiln(&[&name, "--help"])).0;
+        let examples: Vec<&str> = help.lines().map(str::trim).filter(|l| l.starts_with("kiln ")).collect();
+        assert!(!examples.is_empty(), "{name} --help has examples");
+        for line in examples {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            kiln_models::cli::Cli::try_parse_from(&words).unwrap_or_else(|e| panic!("{name} --help: `{line}`: {e}"));
+        }
+        // `--batch` is documented wherever it exists.
+        if let Some(batch) = sub.get_arguments().find(|a| a.get_id() == "batch") {
+            assert!(batch.get_help().is_some_and(|h| !h.to_string().is_empty()), "{name} --batch has help");
+        }
+    }
+    // trtexec's spellings are accepted.
+    for args in [
+        &["kiln", "bench", "--loadEngine", "e.kiln", "--warmUp", "10", "--exportTimes", "t.json"][..],
+        &["kiln", "profile", "--loadEngine", "e.kiln", "--exportProfile", "p.json"],
+        &[
+            "kiln",
+            "build",
+            "resnet18",
+            "--saveEngine",
+            "e.kiln",
+            "--minShapes",
+            "input:1x3x224x224",
+            "--optShapes",
+            "input:4x3x224x224",
+            "--maxShapes",
+            "input:8x3x224x224",
+        ],
+    ] {
+        kiln_models::cli::Cli::try_parse_from(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+    }
+}
+
+// ---- GPU paths of the user model (the lead runs these on the device) ----------------------------
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn gpu_user_graph_file_builds_benches_profiles_and_compares() {
+    let dir = temp_dir("user-gpu");
+    let path = tiny_graph_file(&dir);
+    let engine = dir.join("tinynet.kiln");
+    let out = kiln(&[
+        "build",
+        arg(&path),
+        "--fp32",
+        "--minShapes",
+        "input:1x3x24x32",
+        "--optShapes",
+        "input:2x3x24x32",
+        "--maxShapes",
+        "input:4x3x24x32",
+        "--saveEngine",
+        arg(&engine),
+    ]);
+    assert!(out.status.success(), "{}", text(&out).1);
+    let times = dir.join("times.json");
+    let out = kiln(&[
+        "bench",
+        "--loadEngine",
+        arg(&engine),
+        "--shapes",
+        "input:4x3x24x32",
+        "--iterations",
+        "20",
+        "--duration",
+        "0",
+        "--export-times",
+        arg(&times),
+    ]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    println!("{stdout}");
+    let series: Vec<serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(&times).expect("times")).expect("JSON");
+    assert!(series.iter().all(|s| s["batch"] == 4 && s["latency_ms"].as_array().is_some_and(|a| a.len() >= 20)), "{series:?}");
+    let (json, csv) = (dir.join("profile.json"), dir.join("profile.csv"));
+    let out = kiln(&["profile", arg(&engine), "--batch", "2", "--export-profile", arg(&json), "--csv", arg(&csv)]);
+    assert!(out.status.success(), "{}", text(&out).1);
+    let layers: Vec<serde_json::Value> = serde_json::from_str(&std::fs::read_to_string(&json).expect("json")).expect("JSON");
+    let rows = std::fs::read_to_string(&csv).expect("csv");
+    assert_eq!(rows.lines().count(), layers.len() + 1, "{rows}");
+    // The engine against the CPU executor's saved outputs, elementwise (FP32: no TF32 rounding).
+    let saved = dir.join("cpu.safetensors");
+    let out = kiln(&["compare", arg(&path), "--cpu", "--batch", "2", "--save-outputs", arg(&saved)]);
+    assert!(out.status.success(), "{}", text(&out).1);
+    let out = kiln(&["compare", arg(&engine), "--load-outputs", arg(&saved), "--l2-tol", "1e-4", "--atol", "1e-4", "--rtol", "1e-3"]);
+    let (stdout, stderr) = text(&out);
+    println!("{stdout}");
+    assert!(out.status.success(), "{stdout}{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn c23_bad_percentile_and_tolerances_are_clear_errors() {
+    fails_with(&["bench", "resnet18", "--cpu", "--percentile", "101"], &["--percentile must be within 0 and 100, got 101"]);
+    fails_with(&["compare", "resnet18", "--cpu", "--atol", "nan"], &["--atol must be a finite, non-negative tolerance, got NaN"]);
+    fails_with(&["compare", "resnet18", "--cpu", "--l2-tol=-1"], &["--l2-tol must be a finite, non-negative tolerance, got -1"]);
 }

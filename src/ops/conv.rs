@@ -225,7 +225,7 @@ impl Forward for ConvTranspose2d {
 /// Sizes come from files: every step is checked, and `None` covers overflow as well as a kernel
 /// larger than the padded input.
 fn out_extent(input: usize, k: usize, s: usize, p: usize, d: usize) -> Option<usize> {
-    let span = d.checked_mul(k - 1)?.checked_add(1)?;
+    let span = d.checked_mul(k.checked_sub(1)?)?.checked_add(1)?;
     input.checked_add(p.checked_mul(2)?)?.checked_sub(span).map(|v| v / s + 1)
 }
 
@@ -268,7 +268,8 @@ pub fn conv2d_shape(a: &ConvAttrs, inputs: &[&[usize]]) -> Result<Vec<usize>, St
     check_common(a, inputs, "conv2d")?;
     let (x, w) = (inputs[0], inputs[1]);
     if w[1].checked_mul(a.groups) != Some(x[1]) {
-        return Err(format!("input has {} channels, but the weight {:?} with groups={} expects {}", x[1], w, a.groups, w[1].saturating_mul(a.groups)));
+        let expects = w[1].checked_mul(a.groups).map_or("more than usize::MAX".into(), |c| c.to_string());
+        return Err(format!("input has {} channels, but the weight {:?} with groups={} expects {expects}", x[1], w, a.groups));
     }
     if w[0] % a.groups != 0 {
         return Err(format!("{} output channels are not divisible by groups={}", w[0], a.groups));

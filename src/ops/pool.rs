@@ -224,6 +224,7 @@ pub fn mean_shape(dims: &[usize], keepdim: bool, inputs: &[&[usize]]) -> Result<
 /// PyTorch's pooled extent, including its ceil_mode rule: the last window must start inside the
 /// input or the left padding.
 pub fn pooled_extent(input: usize, k: usize, s: usize, p: usize, ceil: bool) -> Option<usize> {
+    // Checked: sizes and attributes may come from a file.
     let span = input.checked_add(p.checked_mul(2)?)?.checked_sub(k)?;
     let mut out = if ceil { span.div_ceil(s) } else { span / s } + 1;
     if ceil && (out - 1).checked_mul(s)? >= input.checked_add(p)? {

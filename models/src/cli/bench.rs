@@ -5,13 +5,13 @@ use super::common::{self, ms, precision_name};
 use super::{BenchArgs, ProfileArgs};
 use kiln::engine::{Engine, ExecutionContext};
 use kiln::{Error, HostTensor, Result};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// One benchmark result, as written by `--json` (read by tools/bench_side_by_side.py).
-#[derive(Serialize, Debug, Clone)]
+#[derive(Serialize, Deserialize, Debug, Clone)]
 pub struct Record {
     pub model: String,
     pub batch: usize,
@@ -25,6 +25,12 @@ pub struct Record {
     pub p99_ms: f64,
     pub mean_ms: f64,
     pub min_ms: f64,
+    pub max_ms: f64,
+    /// Population standard deviation of the per-run times.
+    pub std_ms: f64,
+    /// The `--percentile` values asked for, by percentile (`"99.9"`).
+    #[serde(default)]
+    pub percentiles_ms: std::collections::BTreeMap<String, f64>,
     pub iterations: usize,
     /// Images per second over the whole timed loop (batch × runs / time).
     pub img_s: f64,
@@ -42,40 +48,90 @@ pub struct Stats {
     pub p99: f64,
     pub mean: f64,
     pub min: f64,
+    pub max: f64,
+    pub std: f64,
 }
 
-/// Nearest-rank percentiles of `times` (sorted here).
+/// The nearest-rank `p`-th percentile of sorted `times` (NaN when empty).
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    let n = sorted.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    sorted[((p / 100.0 * n as f64).ceil() as usize).clamp(1, n) - 1]
+}
+
+/// Nearest-rank percentiles, mean, extremes and standard deviation of `times` (sorted here).
 pub fn stats(times: &mut [f64]) -> Stats {
     times.sort_by(f64::total_cmp);
     let n = times.len();
     if n == 0 {
-        return Stats { median: f64::NAN, p90: f64::NAN, p99: f64::NAN, mean: f64::NAN, min: f64::NAN };
+        let nan = f64::NAN;
+        return Stats { median: nan, p90: nan, p99: nan, mean: nan, min: nan, max: nan, std: nan };
     }
-    let pct = |p: f64| times[((p / 100.0 * n as f64).ceil() as usize).clamp(1, n) - 1];
-    Stats { median: pct(50.0), p90: pct(90.0), p99: pct(99.0), mean: times.iter().sum::<f64>() / n as f64, min: times[0] }
+    let mean = times.iter().sum::<f64>() / n as f64;
+    let std = (times.iter().map(|t| (t - mean).powi(2)).sum::<f64>() / n as f64).sqrt();
+    Stats {
+        median: percentile(times, 50.0),
+        p90: percentile(times, 90.0),
+        p99: percentile(times, 99.0),
+        mean,
+        min: times[0],
+        max: times[n - 1],
+        std,
+    }
 }
 
-/// Runs `once` for `warmup`, then at least `iterations` times and at least `duration`; returns each
-/// timed run's milliseconds and the total timed seconds.
-fn time_loop(warmup: Duration, iterations: usize, duration: Duration, mut once: impl FnMut() -> Result<()>) -> Result<(Vec<f64>, f64)> {
+/// One timed series as `--export-times` writes it: every run's latency in order (trtexec's
+/// --exportTimes, grouped per model, batch and mode).
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct Times {
+    pub model: String,
+    pub batch: usize,
+    pub precision: String,
+    pub mode: String,
+    /// Milliseconds since the first timed run started, per run.
+    pub start_ms: Vec<f64>,
+    pub latency_ms: Vec<f64>,
+}
+
+/// Checks `--percentile` values: each within 0..=100.
+fn check_percentiles(ps: &[f64]) -> Result<()> {
+    match ps.iter().find(|p| !(0.0..=100.0).contains(*p)) {
+        Some(p) => Err(Error::Flag { flag: "--percentile".into(), reason: format!("must be within 0 and 100, got {p}") }),
+        None => Ok(()),
+    }
+}
+
+/// A timed loop's result: each run's start (ms since the first) and latency (ms), and the total.
+pub struct Timed {
+    pub starts: Vec<f64>,
+    pub times: Vec<f64>,
+    pub total_s: f64,
+}
+
+/// Runs `once` for `warmup`, then at least `iterations` times and at least `duration`.
+fn time_loop(warmup: Duration, iterations: usize, duration: Duration, mut once: impl FnMut() -> Result<()>) -> Result<Timed> {
     let start = Instant::now();
     once()?;
     while start.elapsed() < warmup {
         once()?;
     }
-    let mut times = Vec::new();
+    let (mut times, mut starts) = (Vec::new(), Vec::new());
     let start = Instant::now();
     while times.len() < iterations.max(1) || start.elapsed() < duration {
         let t = Instant::now();
+        starts.push(t.duration_since(start).as_secs_f64() * 1e3);
         once()?;
         times.push(t.elapsed().as_secs_f64() * 1e3);
     }
-    Ok((times, start.elapsed().as_secs_f64()))
+    Ok(Timed { starts, times, total_s: start.elapsed().as_secs_f64() })
 }
 
 fn print_record(r: &Record) -> Result<()> {
+    let extra: String = r.percentiles_ms.iter().map(|(p, v)| format!("  p{p} {:>10}", ms(*v))).collect();
     say!(
-        "{:<10} batch {:<4} {:<7} {:<10} median {:>10}  p90 {:>10}  p99 {:>10}  {:>10.1} images/s  ({} runs)",
+        "{:<10} batch {:<4} {:<7} {:<10} median {:>10}  p90 {:>10}  p99 {:>10}{extra}  max {:>10}  std {:>10}  {:>10.1} images/s  ({} runs)",
         r.model,
         r.batch,
         r.precision,
@@ -83,13 +139,16 @@ fn print_record(r: &Record) -> Result<()> {
         ms(r.median_ms),
         ms(r.p90_ms),
         ms(r.p99_ms),
+        ms(r.max_ms),
+        ms(r.std_ms),
         r.img_s,
         r.iterations
     );
     Ok(())
 }
 
-fn record(model: &str, batch: usize, size: usize, precision: &str, mode: &str, mut times: Vec<f64>, total_s: f64) -> Record {
+fn record(model: &str, batch: usize, size: usize, precision: &str, mode: &str, timed: &Timed, percentiles: &[f64]) -> Record {
+    let (mut times, total_s) = (timed.times.clone(), timed.total_s);
     let s = stats(&mut times);
     Record {
         model: model.to_string(),
@@ -102,6 +161,9 @@ fn record(model: &str, batch: usize, size: usize, precision: &str, mode: &str, m
         p99_ms: s.p99,
         mean_ms: s.mean,
         min_ms: s.min,
+        max_ms: s.max,
+        std_ms: s.std,
+        percentiles_ms: percentiles.iter().map(|&p| (p.to_string(), percentile(&times, p))).collect(),
         iterations: times.len(),
         img_s: batch as f64 * times.len() as f64 / total_s.max(1e-12),
         device: String::new(),
@@ -127,32 +189,82 @@ fn engine_input(engine: &Engine, batch: usize) -> Result<HostTensor> {
     Ok(kiln::seeded::uniform_tensor(&shape, kiln::seeded::fresh_seed()))
 }
 
+/// The model argument of bench/profile: the positional one or `--loadEngine`.
+fn model_arg(model: &Option<String>, load_engine: &Option<std::path::PathBuf>) -> String {
+    model.clone().or_else(|| load_engine.as_ref().map(|p| p.display().to_string())).unwrap_or_default()
+}
+
+/// `--shapes input:NxCxHxW` for bench/profile: (batch, H × W).
+fn shape_flag(shapes: &Option<super::Shapes>) -> Result<(Option<usize>, Option<[usize; 2]>)> {
+    match shapes.as_ref().map(|s| s.0.as_slice()) {
+        None => Ok((None, None)),
+        Some([one]) if one.dims.len() == 4 => Ok((Some(one.dims[0]), Some([one.dims[2], one.dims[3]]))),
+        Some(other) => Err(Error::Flag {
+            flag: "--shapes".into(),
+            reason: format!(
+                "expected one input `input:NxCxHxW`, got {}",
+                other.iter().map(|s| format!("{}:{}", s.name, super::shapes::dims_text(&s.dims))).collect::<Vec<_>>().join(",")
+            ),
+        }),
+    }
+}
+
+fn write_json<T: Serialize>(path: &std::path::Path, what: &str, value: &T) -> Result<()> {
+    let text = serde_json::to_string_pretty(value).map_err(|e| Error::Serialize { what: what.into(), reason: e.to_string() })?;
+    std::fs::write(path, text + "\n").map_err(Error::io(path))?;
+    tracing::info!("wrote {} ({what})", path.display());
+    Ok(())
+}
+
 pub fn bench(a: BenchArgs) -> Result<ExitCode> {
+    let model = model_arg(&a.model, &a.load_engine);
     let warmup = Duration::from_millis(a.warmup);
     let duration = Duration::try_from_secs_f64(a.duration).map_err(|_| Error::Flag {
         flag: "--duration".into(),
         reason: format!("must be a finite, non-negative number of seconds, got {}", a.duration),
     })?;
+    check_percentiles(&a.percentile)?;
+    let (shape_batch, shape_hw) = shape_flag(&a.shapes)?;
+    let hw = match (shape_hw, a.size) {
+        (Some(hw), Some(s)) if hw != [s, s] => {
+            return Err(Error::Flag { flag: "--size".into(), reason: format!("{s} disagrees with --shapes ({}x{})", hw[0], hw[1]) })
+        }
+        (Some(hw), _) => Some(hw),
+        (None, s) => s.map(|s| [s, s]),
+    };
+    let batches = match shape_batch {
+        Some(b) => vec![b],
+        None => a.batch.clone(),
+    };
     let mut records = Vec::new();
-    if a.batch.is_empty() || a.batch.contains(&0) {
-        return Err(Error::Binding { name: "batch".into(), reason: format!("batch sizes must be positive, got {:?}", a.batch) });
+    let mut series = Vec::new();
+    if batches.is_empty() || batches.contains(&0) {
+        return Err(Error::Binding { name: "batch".into(), reason: format!("batch sizes must be positive, got {batches:?}") });
     }
     if a.cpu {
-        if common::is_engine_file(&a.model) {
+        if common::is_engine_file(&model) {
             return Err(Error::Flag {
                 flag: "--cpu".into(),
-                reason: format!("benchmarks a bundled model, not the engine file {}", a.model),
+                reason: format!("benchmarks a model or graph file, not the engine file {model}"),
             });
         }
-        for &batch in &a.batch {
-            let traced = common::trace(&a.model, a.weights.as_deref(), false, batch, a.size)?;
+        for &batch in &batches {
+            let traced = common::load(&model, a.weights.as_deref(), false, batch, hw)?;
             let graph = kiln::passes::optimize(&traced.graph)?;
-            common::check_cpu_memory(&graph, batch, traced.size)?;
-            let x = common::random_input(&[batch, 3, traced.size, traced.size], kiln::seeded::fresh_seed())?;
-            let (times, total) = time_loop(warmup, a.iterations, duration, || kiln::cpu::run(&graph, &[("input", &x)]).map(|_| ()))?;
-            let mut r = record(&traced.name, batch, traced.size, "cpu-f32", "cpu", times, total);
+            common::check_cpu_memory(&graph, batch, traced.hw)?;
+            let x = common::random_input(&[batch, 3, traced.hw[0], traced.hw[1]], kiln::seeded::fresh_seed())?;
+            let timed = time_loop(warmup, a.iterations, duration, || kiln::cpu::run(&graph, &[("input", &x)]).map(|_| ()))?;
+            let mut r = record(&traced.name, batch, traced.hw[1], "cpu-f32", "cpu", &timed, &a.percentile);
             r.device = "CPU executor".into();
             print_record(&r)?;
+            series.push(Times {
+                model: r.model.clone(),
+                batch,
+                precision: r.precision.clone(),
+                mode: r.mode.clone(),
+                start_ms: timed.starts,
+                latency_ms: timed.times,
+            });
             records.push(r);
         }
     } else {
@@ -162,18 +274,17 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             (_, true) => vec![false],
             _ => vec![true, false],
         };
-        let loaded = if common::is_engine_file(&a.model) {
-            let (min, max) = (a.batch.iter().min().copied().unwrap_or(1), a.batch.iter().max().copied().unwrap_or(1));
-            Some(Arc::new(common::engine_for(&a.model, None, None, &a.engine, (min, max, max), gpu.clone())?.1))
+        let loaded = if common::is_engine_file(&model) {
+            let (min, max) = (batches.iter().min().copied().unwrap_or(1), batches.iter().max().copied().unwrap_or(1));
+            Some(Arc::new(common::engine_for(&model, None, hw, &a.engine, (min, max, max), gpu.clone())?.1))
         } else {
             None
         };
-        for &batch in &a.batch {
+        for &batch in &batches {
             let (name, engine) = match &loaded {
-                Some(e) => (a.model.clone(), e.clone()),
+                Some(e) => (model.clone(), e.clone()),
                 None => {
-                    let (name, e) =
-                        common::engine_for(&a.model, a.weights.as_ref(), a.size, &a.engine, (batch, batch, batch), gpu.clone())?;
+                    let (name, e) = common::engine_for(&model, a.weights.as_ref(), hw, &a.engine, (batch, batch, batch), gpu.clone())?;
                     (name, Arc::new(e))
                 }
             };
@@ -182,38 +293,76 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             ctx.run(&[("input", &x)])?;
             for &graphs in &modes {
                 ctx.set_cuda_graphs(graphs);
-                let (times, total) = time_loop(warmup, a.iterations, duration, || {
+                let timed = time_loop(warmup, a.iterations, duration, || {
                     ctx.execute(batch)?;
                     ctx.synchronize()
                 })?;
                 let mode = if graphs { "cuda-graph" } else { "no-graph" };
-                let mut r = record(&name, batch, engine_size(&engine), precision_name(engine.config.precision), mode, times, total);
+                let mut r =
+                    record(&name, batch, engine_size(&engine), precision_name(engine.config.precision), mode, &timed, &a.percentile);
                 let info = &engine.gpu().info;
                 (r.device, r.driver_version, r.cudnn_version) = (info.name.clone(), info.driver_version, info.cudnn_version);
                 r.build_seconds = engine.summary.build_seconds;
                 print_record(&r)?;
+                series.push(Times {
+                    model: r.model.clone(),
+                    batch,
+                    precision: r.precision.clone(),
+                    mode: r.mode.clone(),
+                    start_ms: timed.starts,
+                    latency_ms: timed.times,
+                });
                 records.push(r);
             }
         }
     }
     if let Some(path) = &a.json {
-        let text =
-            serde_json::to_string_pretty(&records).map_err(|e| Error::Serialize { what: "the results".into(), reason: e.to_string() })?;
-        std::fs::write(path, text + "\n").map_err(Error::io(path))?;
-        say!("wrote {}", path.display());
+        write_json(path, "the results", &records)?;
+    }
+    if let Some(path) = &a.export_times {
+        write_json(path, "per-run times", &series)?;
     }
     Ok(ExitCode::SUCCESS)
 }
 
+/// One layer's time as `profile --json/--csv` write it.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct LayerTime {
+    /// The layer's index in execution order.
+    pub index: usize,
+    pub path: String,
+    pub kind: String,
+    pub time_ms: f64,
+    /// Percent of the sum of all layers.
+    pub share: f64,
+}
+
+/// Layer times as CSV (`index,path,kind,time_ms,share`), paths quoted.
+pub fn layers_csv(rows: &[LayerTime]) -> String {
+    let quote = |s: &str| format!("\"{}\"", s.replace('"', "\"\""));
+    let mut out = String::from("index,path,kind,time_ms,share\n");
+    for r in rows {
+        out += &format!("{},{},{},{},{}\n", r.index, quote(&r.path), quote(&r.kind), r.time_ms, r.share);
+    }
+    out
+}
+
 pub fn profile(a: ProfileArgs) -> Result<ExitCode> {
+    let model = model_arg(&a.model, &a.load_engine);
+    let (shape_batch, shape_hw) = shape_flag(&a.shapes)?;
+    let hw = shape_hw.or(a.size.map(|s| [s, s]));
+    let batch = shape_batch.unwrap_or(a.batch);
+    if batch == 0 {
+        return Err(Error::Flag { flag: "--batch".into(), reason: "must be at least 1".into() });
+    }
     let gpu = common::gpu()?;
-    let (name, engine) = common::engine_for(&a.model, a.weights.as_ref(), a.size, &a.engine, (a.batch, a.batch, a.batch), gpu)?;
+    let (name, engine) = common::engine_for(&model, a.weights.as_ref(), hw, &a.engine, (batch, batch, batch), gpu)?;
     let engine = Arc::new(engine);
-    let x = engine_input(&engine, a.batch)?;
+    let x = engine_input(&engine, batch)?;
     let mut ctx = engine.context()?;
     ctx.set_cuda_graphs(false);
     ctx.run(&[("input", &x)])?;
-    let times = ctx.profile_layers(a.batch, a.iterations.max(1))?;
+    let times = ctx.profile_layers(batch, a.iterations.max(1))?;
     let layers: Vec<_> = engine.layers().collect();
     let total: f64 = times.iter().sum();
     let mut rows: Vec<(usize, f64)> = times.iter().copied().enumerate().collect();
@@ -221,7 +370,7 @@ pub fn profile(a: ProfileArgs) -> Result<ExitCode> {
     let shown = if a.top == 0 { rows.len() } else { a.top.min(rows.len()) };
     say!(
         "{name}: batch {}, {}, {} layers; each layer captured alone in a CUDA graph, mean of {} back-to-back replays",
-        a.batch,
+        batch,
         precision_name(engine.config.precision),
         layers.len(),
         a.iterations.max(1)
@@ -242,7 +391,25 @@ pub fn profile(a: ProfileArgs) -> Result<ExitCode> {
     if shown < rows.len() {
         say!("({} faster layers not shown)", rows.len() - shown);
     }
-    say!("sum of layers: {} ({:.1} images/s if run back to back)", ms(total), a.batch as f64 / (total / 1e3).max(1e-12));
+    say!("sum of layers: {} ({:.1} images/s if run back to back)", ms(total), batch as f64 / (total / 1e3).max(1e-12));
+    let all: Vec<LayerTime> = times
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| LayerTime {
+            index: i,
+            path: layers[i].path().to_string(),
+            kind: layers[i].kind().to_string(),
+            time_ms: t,
+            share: 100.0 * t / total.max(1e-12),
+        })
+        .collect();
+    if let Some(path) = &a.json {
+        write_json(path, "per-layer times", &all)?;
+    }
+    if let Some(path) = &a.csv {
+        std::fs::write(path, layers_csv(&all)).map_err(Error::io(path))?;
+        tracing::info!("wrote {} (per-layer times, CSV)", path.display());
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -256,20 +423,32 @@ mod tests {
         let s = stats(&mut t);
         assert_eq!((s.median, s.p90, s.p99, s.min), (50.0, 90.0, 99.0, 1.0));
         assert_eq!(s.mean, 50.5);
+        assert_eq!(s.max, 100.0);
+        // The population standard deviation of 1..=100 is sqrt((100^2 - 1) / 12).
+        assert!((s.std - (9999.0f64 / 12.0).sqrt()).abs() < 1e-9, "{}", s.std);
+        assert_eq!(percentile(&t, 99.9), 100.0);
         let mut one = vec![3.0];
         assert_eq!(stats(&mut one).p99, 3.0);
         assert!(stats(&mut []).median.is_nan());
     }
 
     #[test]
+    fn layer_csv_quotes_paths() {
+        let rows = [LayerTime { index: 3, path: "layer1.0\"x\"".into(), kind: "conv".into(), time_ms: 0.25, share: 12.5 }];
+        let csv = layers_csv(&rows);
+        assert_eq!(csv.lines().nth(1), Some("3,\"layer1.0\"\"x\"\"\",\"conv\",0.25,12.5"), "{csv}");
+    }
+
+    #[test]
     fn time_loop_runs_at_least_the_iterations() {
         let mut n = 0;
-        let (times, _) = time_loop(Duration::ZERO, 5, Duration::ZERO, || {
+        let timed = time_loop(Duration::ZERO, 5, Duration::ZERO, || {
             n += 1;
             Ok(())
         })
         .expect("loop");
-        assert_eq!(times.len(), 5);
+        assert_eq!(timed.times.len(), 5);
+        assert!(timed.starts.windows(2).all(|w| w[0] <= w[1]), "starts are in order: {:?}", timed.starts);
         assert_eq!(n, 6, "one warm-up run, five timed");
     }
 }

@@ -1,20 +1,98 @@
-//! What the commands share: tracing a bundled model with its weights, making or reading an input,
-//! building or loading an engine (with a progress bar), and summarising outputs for people.
+//! What the commands share: finding the model a command names (a bundled or user model, a graph
+//! file, an engine file), tracing it with its weights, making or reading an input, building or
+//! loading an engine (with a progress bar), and summarising outputs for people.
 
-use super::{EngineArgs, ModelArgs};
+use super::{EngineArgs, ModelArgs, TraceFn};
 use indicatif::{ProgressBar, ProgressStyle};
 use kiln::engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision};
 use kiln::{Error, Graph, HostTensor, Result, VarBuilder};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// A traced bundled model.
+/// A traced (or loaded) model, ready to run.
 pub struct Traced {
     pub name: String,
+    /// The model's own name: `name` for bundled and user models, a graph file's `model` metadata.
+    pub model: String,
     pub graph: Graph,
-    pub size: usize,
+    /// The input's height and width.
+    pub hw: [usize; 2],
+    /// Where it came from, for messages and metadata (`bundled`, `user`, `graph file`, `engine file`).
+    pub origin: &'static str,
+}
+
+impl Traced {
+    /// `HxW` for messages.
+    pub fn hw_text(&self) -> String {
+        format!("{}x{}", self.hw[0], self.hw[1])
+    }
+}
+
+/// The models a program added with `main_with`, by name.
+static USER_MODELS: Mutex<Vec<(String, TraceFn)>> = Mutex::new(Vec::new());
+
+pub fn set_user_models(models: &[(&str, TraceFn)]) {
+    let mut m = USER_MODELS.lock().unwrap_or_else(|p| p.into_inner());
+    *m = models.iter().map(|(n, f)| (n.to_string(), *f)).collect();
+}
+
+fn user_model(name: &str) -> Option<TraceFn> {
+    USER_MODELS.lock().unwrap_or_else(|p| p.into_inner()).iter().find(|(n, _)| n == name).map(|(_, f)| *f)
+}
+
+/// What a command's model argument names.
+#[derive(Clone, Debug)]
+pub enum Source {
+    User(String, TraceFn),
+    Bundled(&'static crate::BundledModel),
+    GraphFile(PathBuf),
+    EngineFile(PathBuf),
+}
+
+/// Decides what `arg` names: a program's own model, a bundled model, then a file by its first
+/// bytes (an engine file starts with `KILNENG`) or extension (`.kiln` engine, `.safetensors` graph
+/// file); anything else is an error listing what is accepted.
+pub fn source(arg: &str) -> Result<Source> {
+    if let Some(f) = user_model(arg) {
+        return Ok(Source::User(arg.to_string(), f));
+    }
+    if let Ok(info) = crate::bundled(arg) {
+        return Ok(Source::Bundled(info));
+    }
+    let path = PathBuf::from(arg);
+    let is_engine_name = arg.ends_with(".kiln");
+    let is_graph_name = arg.ends_with(".safetensors");
+    if !path.exists() {
+        if is_engine_name || is_graph_name || arg.contains(std::path::MAIN_SEPARATOR) {
+            return Err(Error::Io { path, source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file") });
+        }
+        let mut known = crate::bundled_names();
+        let users: Vec<String> = USER_MODELS.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(n, _)| n.clone()).collect();
+        if !users.is_empty() {
+            known = format!("{known}; this program's own: {}", users.join(", "));
+        }
+        return Err(Error::UnknownModel { name: arg.to_string(), known });
+    }
+    let mut magic = [0u8; 8];
+    let head = std::fs::File::open(&path).and_then(|mut f| std::io::Read::read(&mut f, &mut magic)).unwrap_or(0);
+    if (head == 8 && magic == kiln::engine::file::MAGIC) || is_engine_name {
+        return Ok(Source::EngineFile(path));
+    }
+    if is_graph_name || path.is_dir() {
+        return Ok(Source::GraphFile(path));
+    }
+    Err(Error::GraphFile {
+        path: arg.to_string(),
+        reason: "is neither a graph file (.kiln.safetensors, from `kiln trace`) nor an engine file (.kiln, from `kiln build`, starting with KILNENG)"
+            .into(),
+    })
+}
+
+/// Whether a command's model argument names an engine file.
+pub fn is_engine_file(arg: &str) -> bool {
+    matches!(source(arg), Ok(Source::EngineFile(_)))
 }
 
 /// The weights a command asked for: a safetensors file or the seeded generator.
@@ -29,24 +107,173 @@ pub fn weights(path: Option<&Path>) -> Result<VarBuilder> {
 pub const MAX_INPUT_ELEMENTS: usize = 1 << 31;
 
 /// Checks `--batch` and `--size` before anything is traced or allocated: both at least 1, and an
-/// input of batch × 3 × size × size that neither overflows nor exceeds `MAX_INPUT_ELEMENTS`.
-pub fn check_input_dims(batch: usize, size: usize) -> Result<()> {
+/// input of batch × 3 × H × W that neither overflows nor exceeds `MAX_INPUT_ELEMENTS`.
+pub fn check_input_dims(batch: usize, hw: [usize; 2]) -> Result<()> {
     let flag = |flag: &str, reason: String| Error::Flag { flag: flag.into(), reason };
     if batch == 0 {
         return Err(flag("--batch", "must be at least 1".into()));
     }
-    if size == 0 {
+    if hw[0] == 0 || hw[1] == 0 {
         return Err(flag("--size", "must be at least 1".into()));
     }
-    let what = || format!("an input of --batch {batch} at --size {size} ({batch} x 3 x {size} x {size})");
-    match kiln::graph::numel(&[batch, 3, size, size]) {
-        None => Err(Error::TooLarge { what: what(), reason: "its element count overflows".into() }),
+    let [h, w] = hw;
+    let what = if h == w {
+        format!("an input of --batch {batch} at --size {h} ({batch} x 3 x {h} x {w})")
+    } else {
+        format!("an input of --batch {batch} at {h}x{w} ({batch} x 3 x {h} x {w})")
+    };
+    match kiln::graph::numel(&[batch, 3, h, w]) {
+        None => Err(Error::TooLarge { what, reason: "its element count overflows".into() }),
         Some(n) if n > MAX_INPUT_ELEMENTS => Err(Error::TooLarge {
-            what: what(),
+            what,
             reason: format!("{n} elements, more than the limit of {MAX_INPUT_ELEMENTS} (8 GiB as f32); lower --batch or --size"),
         }),
         Some(_) => Ok(()),
     }
+}
+
+/// The batch and H × W a command asked for, from `--batch`, `--size` and `--shapes input:NxCxHxW`
+/// together; flags that disagree are an error naming both.
+pub fn requested(m: &ModelArgs, batch: Option<usize>) -> Result<(Option<usize>, Option<[usize; 2]>)> {
+    let size = m.size.map(|s| [s, s]);
+    let Some(shapes) = &m.shapes else { return Ok((batch, size)) };
+    let spec = match shapes.0.as_slice() {
+        [one] => one,
+        more => {
+            return Err(Error::Flag { flag: "--shapes".into(), reason: format!("names {} inputs; the model has one, `input`", more.len()) })
+        }
+    };
+    let [n, _, h, w] = spec.dims[..] else {
+        return Err(Error::Flag {
+            flag: "--shapes".into(),
+            reason: format!("gives {} dims for `{}`; the input is NxCxHxW", spec.dims.len(), spec.name),
+        });
+    };
+    let disagree = |flag: &str, given: String| Error::Flag {
+        flag: flag.into(),
+        reason: format!("{given} disagrees with --shapes {}:{}", spec.name, super::shapes::dims_text(&spec.dims)),
+    };
+    if let Some(b) = batch.filter(|&b| b != n) {
+        return Err(disagree("--batch", b.to_string()));
+    }
+    if let Some(s) = m.size.filter(|&s| [s, s] != [h, w]) {
+        return Err(disagree("--size", s.to_string()));
+    }
+    Ok((Some(n), Some([h, w])))
+}
+
+/// The input H × W of a graph (its first input, NCHW), for graph files and user models.
+fn graph_hw(graph: &Graph, what: &str) -> Result<[usize; 2]> {
+    let shape = graph.inputs.first().map(|&i| graph.nodes[i].shape.clone()).unwrap_or_default();
+    match shape[..] {
+        [_, _, h, w] => Ok([h, w]),
+        _ => Err(Error::Binding { name: "input".into(), reason: format!("{what} has input shape {shape:?}; Kiln's CLI runs NCHW inputs") }),
+    }
+}
+
+/// Replaces a loaded graph's weights with those of `--weights`, by name, each checked for shape.
+fn replace_weights(graph: &mut Graph, path: &Path, strict: bool) -> Result<()> {
+    let vb = VarBuilder::from_safetensors(&[path])?;
+    for (name, t) in graph.weights.iter_mut() {
+        *t = vb.get(&t.shape, name)?.value;
+    }
+    if strict {
+        vb.check_all_used()?;
+        vb.check_finite()?;
+    }
+    Ok(())
+}
+
+/// Loads the model `m` names at `batch` (a trace for bundled and user models; graph and engine
+/// files hold their graph, which the CPU executor runs at any batch), checking (with `--strict`)
+/// that every weight was used and that none holds NaN or infinity (without it, both are warnings).
+pub fn trace_args(m: &ModelArgs, batch: usize) -> Result<Traced> {
+    let (_, hw) = requested(m, Some(batch))?;
+    load(&m.model, m.weights.as_deref(), m.strict, batch, hw)
+}
+
+/// `trace_args` from the parts of the flags.
+pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize, hw: Option<[usize; 2]>) -> Result<Traced> {
+    let fixed = |graph: Graph, name: String, model: String, origin: &'static str| -> Result<Traced> {
+        let have = graph_hw(&graph, &name)?;
+        if let Some(want) = hw.filter(|&want| want != have) {
+            return Err(Error::Flag {
+                flag: "--size/--shapes".into(),
+                reason: format!(
+                    "asks for {}x{}, but {name} was traced at {}x{}; trace it again at that size (`kiln trace ... --shapes`)",
+                    want[0], want[1], have[0], have[1]
+                ),
+            });
+        }
+        check_input_dims(batch, have)?;
+        Ok(Traced { name, model, graph, hw: have, origin })
+    };
+    let (name, graph, vb, origin) = match source(model)? {
+        Source::GraphFile(path) => {
+            let file = kiln::graph_file::read(&path)?;
+            let mut graph = file.graph;
+            if let Some(w) = weights_path {
+                replace_weights(&mut graph, w, strict)?;
+            }
+            let shown = path.display().to_string();
+            let model = file.metadata.get("model").cloned().unwrap_or_else(|| shown.clone());
+            return fixed(graph, shown, model, "graph file");
+        }
+        Source::EngineFile(path) => {
+            let bytes = std::fs::read(&path).map_err(Error::io(&path))?;
+            let (_, payload) = kiln::engine::file::decode(&bytes, &path.display().to_string())?;
+            if weights_path.is_some() {
+                return Err(Error::Flag {
+                    flag: "--weights".into(),
+                    reason: format!("cannot change the folded weights of the engine file {model}"),
+                });
+            }
+            tracing::info!("note: {model} is an engine file: its optimised graph (folded, fused) is used");
+            let shown = path.display().to_string();
+            return fixed(payload.graph, shown.clone(), shown, "engine file");
+        }
+        Source::Bundled(info) => {
+            let hw = hw.unwrap_or([info.input_size, info.input_size]);
+            check_input_dims(batch, hw)?;
+            let vb = weights(weights_path)?;
+            (info.name.to_string(), crate::trace_hw(info.name, vb.clone(), batch, hw)?, vb, "bundled")
+        }
+        Source::User(name, f) => {
+            if let Some(hw) = hw {
+                check_input_dims(batch, hw)?;
+            }
+            let vb = weights(weights_path)?;
+            let graph = f(vb.clone(), batch, hw)?;
+            (name, graph, vb, "user")
+        }
+    };
+    let hw = graph_hw(&graph, &name)?;
+    check_input_dims(batch, hw)?;
+    if let Some(p) = weights_path {
+        let unused = vb.unused();
+        if strict {
+            vb.check_all_used()?;
+            vb.check_finite()?;
+        } else {
+            if !unused.is_empty() {
+                tracing::warn!(
+                    "note: {} key(s) of {} were not used by {name} (e.g. `{}`); --strict makes this an error",
+                    unused.len(),
+                    p.display(),
+                    unused[0]
+                );
+            }
+            let bad = vb.non_finite();
+            if let Some((key, count)) = bad.first() {
+                tracing::warn!(
+                    "warning: {} weight(s) of {} hold NaN or infinity (e.g. `{key}`: {count} value(s)); outputs will not be finite; --strict makes this an error",
+                    bad.len(),
+                    p.display()
+                );
+            }
+        }
+    }
+    Ok(Traced { model: name.clone(), name, graph, hw, origin })
 }
 
 /// Bytes of memory the CPU executor may use: `KILN_CPU_MEMORY_BYTES`, else the kernel's
@@ -87,11 +314,14 @@ pub fn cpu_peak_bytes(graph: &Graph) -> usize {
 }
 
 /// Refuses a CPU run whose activations cannot fit in the memory available, before allocating.
-pub fn check_cpu_memory(graph: &Graph, batch: usize, size: usize) -> Result<()> {
-    let bytes = cpu_peak_bytes(graph);
+/// The graph may be traced at another batch than the run's: its peak is scaled to `batch`.
+pub fn check_cpu_memory(graph: &Graph, batch: usize, hw: [usize; 2]) -> Result<()> {
+    let traced_batch = graph.inputs.first().and_then(|&i| graph.nodes[i].shape.first().copied()).unwrap_or(1).max(1);
+    let bytes = (cpu_peak_bytes(graph) / traced_batch).saturating_mul(batch);
+    let [h, w] = hw;
     match available_memory() {
         Some(avail) if bytes > avail => Err(Error::OutOfMemory {
-            what: format!("the CPU executor at --batch {batch}, {size}x{size} (only {avail} bytes are available; lower --batch or --size)"),
+            what: format!("the CPU executor at --batch {batch}, {h}x{w} (only {avail} bytes are available; lower --batch or --size)"),
             bytes,
         }),
         _ => Ok(()),
@@ -101,45 +331,6 @@ pub fn check_cpu_memory(graph: &Graph, batch: usize, size: usize) -> Result<()> 
 /// A random input of `shape` whose memory is requested with `try_reserve`.
 pub fn random_input(shape: &[usize], seed: u64) -> Result<HostTensor> {
     kiln::seeded::try_uniform_tensor(shape, seed)
-}
-
-/// Traces `model` at `batch` × 3 × size × size, checking (with `strict`) that every weight was used
-/// and that none holds NaN or infinity (without `strict`, both are warnings).
-pub fn trace(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize, size: Option<usize>) -> Result<Traced> {
-    let info = kiln_models::bundled(model)?;
-    let size = size.unwrap_or(info.input_size);
-    check_input_dims(batch, size)?;
-    let vb = weights(weights_path)?;
-    let graph = kiln_models::trace(info.name, vb.clone(), batch, size)?;
-    if let Some(p) = weights_path {
-        let unused = vb.unused();
-        if strict {
-            vb.check_all_used()?;
-            vb.check_finite()?;
-        } else {
-            if !unused.is_empty() {
-                eprintln!(
-                    "note: {} key(s) of {} were not used by {model} (e.g. `{}`); --strict makes this an error",
-                    unused.len(),
-                    p.display(),
-                    unused[0]
-                );
-            }
-            let bad = vb.non_finite();
-            if let Some((key, count)) = bad.first() {
-                eprintln!(
-                    "warning: {} weight(s) of {} hold NaN or infinity (e.g. `{key}`: {count} value(s)); outputs will not be finite; --strict makes this an error",
-                    bad.len(),
-                    p.display()
-                );
-            }
-        }
-    }
-    Ok(Traced { name: info.name.to_string(), graph, size })
-}
-
-pub fn trace_args(m: &ModelArgs, batch: usize) -> Result<Traced> {
-    trace(&m.model, m.weights.as_deref(), m.strict, batch, m.size)
 }
 
 /// Reads an input tensor from a safetensors file: the tensor named `input`, or its only tensor.
@@ -157,11 +348,11 @@ pub fn read_input(path: &Path) -> Result<HostTensor> {
     })
 }
 
-/// Checks an input is [N, 3, S, S] and returns (N, S).
-pub fn input_dims(x: &HostTensor, what: &Path) -> Result<(usize, usize)> {
+/// Checks an input is [N, 3, H, W] and returns (N, [H, W]).
+pub fn input_dims(x: &HostTensor, what: &Path) -> Result<(usize, [usize; 2])> {
     match x.shape.as_slice() {
-        [n, 3, h, w] if h == w && *n > 0 => Ok((*n, *h)),
-        s => Err(Error::Binding { name: "input".into(), reason: format!("{} holds shape {s:?}; expected [N, 3, S, S]", what.display()) }),
+        [n, 3, h, w] if *n > 0 => Ok((*n, [*h, *w])),
+        s => Err(Error::Binding { name: "input".into(), reason: format!("{} holds shape {s:?}; expected [N, 3, H, W]", what.display()) }),
     }
 }
 
@@ -226,22 +417,18 @@ pub fn build_engine(graph: &Graph, config: BuildConfig, gpu: Arc<Gpu>, what: &st
     engine
 }
 
-/// Whether a command's model argument names an engine file rather than a bundled model.
-pub fn is_engine_file(arg: &str) -> bool {
-    arg.ends_with(".kiln") || (kiln_models::bundled(arg).is_err() && Path::new(arg).is_file())
-}
-
-/// An engine for `model` (a bundled name, built here, or an engine file, loaded).
+/// An engine for `model` (a bundled or user model or graph file, built here; or an engine file,
+/// loaded and checked to accept the batch range).
 pub fn engine_for(
     model: &str,
     weights: Option<&PathBuf>,
-    size: Option<usize>,
+    hw: Option<[usize; 2]>,
     args: &EngineArgs,
     batch: (usize, usize, usize),
     gpu: Arc<Gpu>,
 ) -> Result<(String, Engine)> {
-    if is_engine_file(model) {
-        let engine = Engine::load(model, &gpu)?;
+    if let Source::EngineFile(path) = source(model)? {
+        let engine = Engine::load(&path, &gpu)?;
         let c = &engine.config;
         if batch.0 < c.min_batch || batch.2 > c.max_batch {
             return Err(Error::Binding {
@@ -249,9 +436,18 @@ pub fn engine_for(
                 reason: format!("{model} was built for batch {}..={}, asked for {}..={}", c.min_batch, c.max_batch, batch.0, batch.2),
             });
         }
+        if let Some(want) = hw {
+            let have = engine.inputs().first().map(|(_, d)| d.to_vec()).unwrap_or_default();
+            if have.get(1..3) != Some(&want[..]) {
+                return Err(Error::Binding {
+                    name: "input".into(),
+                    reason: format!("{model} takes [N, {:?}] per image; asked for {}x{}", have, want[0], want[1]),
+                });
+            }
+        }
         return Ok((model.to_string(), engine));
     }
-    let traced = trace(model, weights.map(|p| p.as_path()), false, batch.1, size)?;
+    let traced = load(model, weights.map(|p| p.as_path()), false, batch.1, hw)?;
     let engine = build_engine(&traced.graph, args.config(batch.0, batch.1, batch.2), gpu, &traced.name)?;
     Ok((traced.name, engine))
 }
@@ -269,7 +465,7 @@ const SHOWN_IMAGES: usize = 4;
 
 /// People-readable outputs: top-k classes for logits, top-k detections for CenterNet, shapes and
 /// ranges for anything else.
-pub fn summarize(outputs: &BTreeMap<String, HostTensor>, top: usize, input_size: usize) -> String {
+pub fn summarize(outputs: &BTreeMap<String, HostTensor>, top: usize, input_width: usize) -> String {
     let mut s = String::new();
     if let Some(logits) = outputs.get("logits").filter(|t| t.shape.len() == 2) {
         let (n, classes) = (logits.shape[0], logits.shape[1]);
@@ -287,7 +483,7 @@ pub fn summarize(outputs: &BTreeMap<String, HostTensor>, top: usize, input_size:
     if let Some(det) = outputs.get("detections").filter(|t| t.shape.len() == 3 && t.shape[2] == 6) {
         let (n, k) = (det.shape[0], det.shape[1]);
         // Boxes are in output-map coordinates; the maps are at stride input/map.
-        let stride = outputs.get("hm").and_then(|hm| hm.shape.get(3)).map(|&w| input_size as f32 / w as f32).unwrap_or(1.0);
+        let stride = outputs.get("hm").and_then(|hm| hm.shape.get(3)).map(|&w| input_width as f32 / w as f32).unwrap_or(1.0);
         for img in 0..n.min(SHOWN_IMAGES) {
             s += &format!("image {img}: top-{} of {k} detections (box in input pixels):\n", top.min(k));
             for d in det.data[img * k * 6..(img + 1) * k * 6].chunks_exact(6).take(top) {

@@ -1,10 +1,15 @@
-//! `kiln compare`: outputs (and with `--layerwise`, every intermediate) against a PyTorch reference.
+//! `kiln compare`: outputs (and with `--layerwise`, every intermediate) against a PyTorch reference
+//! or outputs saved by an earlier run (Polygraphy's `--save-outputs`/`--load-outputs`): relative
+//! L2 per output, and with `--atol`/`--rtol` Polygraphy's elementwise rule; a JSON report.
 
-use super::common::{self, precision_name};
+use super::common::{self, precision_name, Traced};
 use super::CompareArgs;
 use kiln::engine::Precision;
 use kiln::{Error, Graph, HostTensor, Result};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 
@@ -15,12 +20,16 @@ fn execute(graph: &Graph, x: &HostTensor, a: &CompareArgs) -> Result<BTreeMap<St
     }
     let gpu = common::gpu()?;
     let batch = x.shape[0];
-    let engine = Arc::new(common::build_engine(graph, a.engine.config(batch, batch, batch), gpu, &a.model.model)?);
-    let mut ctx = engine.context()?;
+    let engine = if common::is_engine_file(&a.model.model) {
+        common::engine_for(&a.model.model, None, None, &a.engine, (batch, batch, batch), gpu)?.1
+    } else {
+        common::build_engine(graph, a.engine.config(batch, batch, batch), gpu, &a.model.model)?
+    };
+    let mut ctx = Arc::new(engine).context()?;
     ctx.run(&[("input", x)])
 }
 
-fn default_rtol(a: &CompareArgs) -> f64 {
+fn default_l2_tol(a: &CompareArgs) -> f64 {
     if a.cpu {
         return 1e-5;
     }
@@ -31,44 +40,196 @@ fn default_rtol(a: &CompareArgs) -> f64 {
     }
 }
 
+fn check_tolerance(flag: &str, v: Option<f64>) -> Result<()> {
+    match v.filter(|r| !r.is_finite() || *r < 0.0) {
+        Some(v) => Err(Error::Flag { flag: flag.into(), reason: format!("must be a finite, non-negative tolerance, got {v}") }),
+        None => Ok(()),
+    }
+}
+
+/// Polygraphy's elementwise check: how many elements break |got - ref| <= atol + rtol * |ref|, and
+/// the worst one (flat index, got, ref). Non-finite values always break it.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct Elementwise {
+    pub atol: f64,
+    pub rtol: f64,
+    pub failing: usize,
+    pub total: usize,
+    /// The element with the largest |got - ref| - (atol + rtol * |ref|): (flat index, got, ref).
+    pub worst: Option<(usize, f32, f32)>,
+}
+
+pub fn elementwise(got: &HostTensor, reference: &HostTensor, atol: f64, rtol: f64) -> Elementwise {
+    let (mut failing, mut worst, mut worst_excess) = (0, None, f64::NEG_INFINITY);
+    for (i, (&g, &r)) in got.data.iter().zip(&reference.data).enumerate() {
+        let excess = (g as f64 - r as f64).abs() - (atol + rtol * (r as f64).abs());
+        let bad = excess.is_nan() || excess > 0.0;
+        if bad {
+            failing += 1;
+        }
+        if bad && (excess > worst_excess || (excess.is_nan() && worst.is_none())) {
+            worst_excess = excess;
+            worst = Some((i, g, r));
+        }
+    }
+    Elementwise { atol, rtol, failing, total: got.data.len().min(reference.data.len()), worst }
+}
+
+/// One output's line of the JSON report.
+#[derive(Serialize, Deserialize, Debug, Clone)]
+pub struct OutputReport {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub shape_ok: bool,
+    pub rel_l2: f64,
+    pub max_abs: f64,
+    pub elementwise: Option<Elementwise>,
+    pub pass: bool,
+}
+
+/// `--report`'s JSON.
+#[derive(Serialize, Deserialize, Debug, Clone)]
+pub struct Report {
+    pub model: String,
+    pub backend: String,
+    pub reference: Option<String>,
+    pub input_shape: Vec<usize>,
+    pub l2_tol: f64,
+    pub outputs: Vec<OutputReport>,
+    /// Where the reference's metadata disagrees with this run (model, weights, input).
+    pub hints: Vec<String>,
+    pub pass: bool,
+}
+
+/// SHA-256 of a file, hex (tools/export_reference.py writes the same of the weights it saves).
+pub fn sha256_file(path: &Path) -> Result<String> {
+    let bytes = std::fs::read(path).map_err(Error::io(path))?;
+    Ok(Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The metadata a reference or saved-outputs file carries: what produced it.
+pub fn run_metadata(
+    traced: &Traced,
+    a: &CompareArgs,
+    input: &HostTensor,
+    seed: Option<u64>,
+    backend: &str,
+) -> Result<BTreeMap<String, String>> {
+    let mut m = BTreeMap::from([
+        ("model".to_string(), traced.model.clone()),
+        ("input_shape".to_string(), super::shapes::dims_text(&input.shape)),
+        ("backend".to_string(), backend.to_string()),
+        ("producer".to_string(), format!("kiln compare {}", env!("CARGO_PKG_VERSION"))),
+    ]);
+    match &a.model.weights {
+        Some(p) => {
+            m.insert("weights".into(), p.display().to_string());
+            m.insert("weights_sha256".into(), sha256_file(p)?);
+        }
+        None if traced.origin == "bundled" || traced.origin == "user" => {
+            m.insert("weights".into(), "seeded".into());
+        }
+        None => {
+            m.insert("weights".into(), traced.origin.into());
+        }
+    }
+    if let Some(seed) = seed {
+        m.insert("seed".into(), seed.to_string());
+    }
+    Ok(m)
+}
+
+/// Where a reference's metadata disagrees with this run: each a hint for the reader of a FAIL.
+pub fn metadata_hints(meta: &BTreeMap<String, String>, traced: &Traced, a: &CompareArgs, input: &HostTensor) -> Result<Vec<String>> {
+    let mut hints = Vec::new();
+    if meta.is_empty() {
+        return Ok(hints);
+    }
+    if let Some(model) = meta.get("model").filter(|m| **m != traced.model) {
+        hints.push(format!("the reference was made for model `{model}`, this run is `{}`", traced.model));
+    }
+    match (&a.model.weights, meta.get("weights_sha256")) {
+        (Some(p), Some(want)) => {
+            let have = sha256_file(p)?;
+            if *want != have {
+                hints.push(format!(
+                    "the reference's weights have SHA-256 {}..., --weights {} has {}...",
+                    &want[..want.len().min(12)],
+                    p.display(),
+                    &have[..12]
+                ));
+            }
+        }
+        (None, _) if traced.origin == "bundled" || traced.origin == "user" => {
+            if let Some(w) = meta.get("weights").filter(|w| *w != "seeded") {
+                hints.push(format!("the reference used the weights `{w}`, this run the seeded weights (pass --weights)"));
+            }
+        }
+        _ => {}
+    }
+    if let Some(shape) = meta.get("input_shape").filter(|s| **s != super::shapes::dims_text(&input.shape)) {
+        hints.push(format!("the metadata says input {shape}, the file's `input` is {}", super::shapes::dims_text(&input.shape)));
+    }
+    Ok(hints)
+}
+
 pub fn compare(a: CompareArgs) -> Result<ExitCode> {
     if !a.cpu {
         // Fail before reading a large reference when the engine cannot be built anyway.
         kiln::engine::gpu_available().map_err(|r| Error::NoGpu(format!("{r}; pass --cpu to compare the CPU executor")))?;
     }
-    if let Some(rtol) = a.rtol.filter(|r| !r.is_finite() || *r < 0.0) {
-        return Err(Error::Flag { flag: "--rtol".into(), reason: format!("must be a finite, non-negative tolerance, got {rtol}") });
-    }
-    // Only `input`, `output.*` and `intermediate.*` are the reference; anything else is left alone.
-    let is_reference = |k: &str| k == "input" || k.starts_with("output.") || k.starts_with("intermediate.");
-    let (reference, ignored) = kiln::var_builder::read_tensors(&a.reference, "reference", is_reference)?;
-    if let Some(first) = ignored.first() {
-        eprintln!(
-            "note: {} tensor(s) of {} are not `input`, `output.*` or `intermediate.*` and were ignored (e.g. `{first}`)",
-            ignored.len(),
-            a.reference.display()
-        );
-    }
-    let x = reference.get("input").ok_or_else(|| Error::Safetensors {
-        path: a.reference.clone(),
-        reason: "holds no tensor named `input` (write references with tools/export_reference.py)".into(),
-    })?;
-    let (batch, size) = common::input_dims(x, &a.reference)?;
-    let mut model = a.model.clone();
-    model.size = Some(size);
-    let traced = common::trace_args(&model, batch)?;
+    check_tolerance("--rtol", a.rtol)?;
+    check_tolerance("--atol", a.atol)?;
+    check_tolerance("--l2-tol", a.l2_tol)?;
+    let (reference, ref_meta, x, seed) = match &a.reference {
+        Some(path) => {
+            // Only `input`, `output.*` and `intermediate.*` are the reference; anything else is left alone.
+            let is_reference = |k: &str| k == "input" || k.starts_with("output.") || k.starts_with("intermediate.");
+            let (mut reference, ignored) = kiln::var_builder::read_tensors(path, "reference", is_reference)?;
+            if let Some(first) = ignored.first() {
+                tracing::info!(
+                    "note: {} tensor(s) of {} are not `input`, `output.*` or `intermediate.*` and were ignored (e.g. `{first}`)",
+                    ignored.len(),
+                    path.display()
+                );
+            }
+            let meta = kiln::var_builder::read_metadata(path)?;
+            let x = reference.remove("input").ok_or_else(|| Error::Safetensors {
+                path: path.clone(),
+                reason: "holds no tensor named `input` (write references with tools/export_reference.py)".into(),
+            })?;
+            (reference, meta, x, None)
+        }
+        None => {
+            let (batch, hw) = common::requested(&a.model, a.batch)?;
+            let batch = batch.unwrap_or(1);
+            let probe = common::load(&a.model.model, a.model.weights.as_deref(), a.model.strict, batch, hw)?;
+            let x = common::random_input(&[batch, 3, probe.hw[0], probe.hw[1]], a.seed)?;
+            (BTreeMap::new(), BTreeMap::new(), x, Some(a.seed))
+        }
+    };
+    let shown = a.reference.as_ref().map(|p| p.display().to_string());
+    let (batch, hw) = common::input_dims(&x, a.reference.as_deref().unwrap_or(Path::new("the random input")))?;
+    let traced = common::load(&a.model.model, a.model.weights.as_deref(), a.model.strict, batch, Some(hw))?;
     if a.cpu {
-        common::check_cpu_memory(&traced.graph, batch, size)?;
+        common::check_cpu_memory(&traced.graph, batch, hw)?;
     }
-    let rtol = a.rtol.unwrap_or_else(|| default_rtol(&a));
+    let l2_tol = a.l2_tol.unwrap_or_else(|| default_l2_tol(&a));
     let backend = if a.cpu { "CPU executor".to_string() } else { format!("GPU engine ({})", precision_name(a.engine.precision())) };
-    say!("{} on {backend} against {} (batch {batch}, {size}x{size}), rtol {rtol:.1e}", traced.name, a.reference.display());
+    let hints = metadata_hints(&ref_meta, &traced, &a, &x)?;
+    for h in &hints {
+        tracing::warn!("hint: {h}");
+    }
+    let against = shown.clone().unwrap_or_else(|| format!("nothing (random input, --seed {})", a.seed));
+    say!("{} on {backend} against {against} (batch {batch}, {}), l2-tol {l2_tol:.1e}", traced.name, traced.hw_text());
 
     if a.layerwise {
-        let report = kiln::layerwise::run(&traced.graph, &reference, rtol, |g, input| execute(g, input, &a))?;
+        let mut with_input = reference.clone();
+        with_input.insert("input".into(), x.clone());
+        let report = kiln::layerwise::run(&traced.graph, &with_input, l2_tol, |g, input| execute(g, input, &a))?;
         if report.layers.is_empty() {
             return Err(Error::Safetensors {
-                path: a.reference.clone(),
+                path: a.reference.clone().unwrap_or_default(),
                 reason: "holds no `intermediate.<module path>` tensors matching the model; export with --intermediates all".into(),
             });
         }
@@ -78,19 +239,33 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
 
     // The CPU executor runs the optimised graph, as the engine does.
     let graph = if a.cpu { kiln::passes::optimize(&traced.graph)? } else { traced.graph.clone() };
-    let outputs = execute(&graph, x, &a)?;
+    let outputs = execute(&graph, &x, &a)?;
+    if let Some(path) = &a.save_outputs {
+        let mut tensors: BTreeMap<String, &HostTensor> = outputs.iter().map(|(k, v)| (format!("output.{k}"), v)).collect();
+        tensors.insert("input".into(), &x);
+        let meta = run_metadata(&traced, &a, &x, seed, &backend)?;
+        kiln::var_builder::write_safetensors_with_metadata(path, &tensors, &meta)?;
+        say!("wrote {} (input and {} output(s); compare against it with --load-outputs)", path.display(), outputs.len());
+    }
+    let elementwise_tol = (a.atol.is_some() || a.rtol.is_some()).then(|| (a.atol.unwrap_or(0.0), a.rtol.unwrap_or(0.0)));
     let mut all_pass = true;
-    let mut compared = 0;
+    let mut rows = Vec::new();
     for (name, got) in &outputs {
         let Some(r) = reference.get(&format!("output.{name}")) else {
-            say!("{name}: no `output.{name}` in the reference, not compared");
+            if a.reference.is_some() {
+                say!("{name}: no `output.{name}` in the reference, not compared");
+            }
             continue;
         };
         let c = kiln::compare::compare(name, got, r);
-        let pass = c.passes(rtol);
+        let ew = elementwise_tol.filter(|_| c.shape_ok).map(|(atol, rtol)| elementwise(got, r, atol, rtol));
+        let pass = c.passes(l2_tol) && ew.as_ref().is_none_or(|e| e.failing == 0);
         all_pass &= pass;
-        compared += 1;
         say!("{c}  {}", if pass { "pass" } else { "FAIL" });
+        if let Some(e) = &ew {
+            let worst = e.worst.map_or(String::new(), |(i, g, r)| format!("; worst at flat index {i}: {g} vs {r}"));
+            say!("  elementwise |out - ref| <= {} + {} * |ref|: {} of {} elements fail{worst}", e.atol, e.rtol, e.failing, e.total);
+        }
         if name == "detections" && c.shape_ok {
             let (matched, total) = matching_detections(got, r);
             say!("  {matched} of {total} reference detections found with the same class and centre (within half a map cell)");
@@ -100,14 +275,48 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
             let same = ours.iter().zip(&theirs).filter(|(a, b)| a == b).count();
             say!("  top-1 class agrees on {same} of {} images", theirs.len());
         }
+        rows.push(OutputReport {
+            name: name.clone(),
+            shape: got.shape.clone(),
+            shape_ok: c.shape_ok,
+            rel_l2: c.rel_l2,
+            max_abs: c.max_abs,
+            elementwise: ew,
+            pass,
+        });
     }
-    if compared == 0 {
+    if rows.is_empty() && a.reference.is_some() {
         return Err(Error::Safetensors {
-            path: a.reference.clone(),
+            path: a.reference.clone().unwrap_or_default(),
             reason: "holds no `output.<name>` tensor for any output of the model".into(),
         });
     }
-    say!("{}", if all_pass { "PASS" } else { "FAIL" });
+    if let Some(path) = &a.report {
+        let report = Report {
+            model: traced.name.clone(),
+            backend: backend.clone(),
+            reference: shown,
+            input_shape: x.shape.clone(),
+            l2_tol,
+            outputs: rows.clone(),
+            hints: hints.clone(),
+            pass: all_pass,
+        };
+        let text =
+            serde_json::to_string_pretty(&report).map_err(|e| Error::Serialize { what: "the report".into(), reason: e.to_string() })?;
+        std::fs::write(path, text + "\n").map_err(Error::io(path))?;
+        tracing::info!("wrote {} (the comparison as JSON)", path.display());
+    }
+    if rows.is_empty() {
+        say!("nothing compared (no reference); outputs of the random input, --seed {}:", a.seed);
+        say_raw!("{}", common::summarize(&outputs, 5, traced.hw[1]));
+        return Ok(ExitCode::SUCCESS);
+    }
+    if !all_pass && !hints.is_empty() {
+        say!("FAIL (the reference may not match this run: {})", hints.join("; "));
+    } else {
+        say!("{}", if all_pass { "PASS" } else { "FAIL" });
+    }
     Ok(if all_pass { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
@@ -149,5 +358,18 @@ mod tests {
         let got = HostTensor::new(vec![1, 3, 6], vec![4.2, 4., 6.2, 6., 0.8, 2., 0., 0., 2., 2., 0.9, 1., 8., 8., 9., 9., 0.7, 4.]);
         assert_eq!(matching_detections(&got, &reference), (2, 3));
         assert_eq!(matching_detections(&reference, &reference), (3, 3));
+    }
+
+    #[test]
+    fn elementwise_follows_polygraphys_rule() {
+        let reference = HostTensor::new(vec![4], vec![1.0, -2.0, 100.0, 0.0]);
+        let got = HostTensor::new(vec![4], vec![1.05, -2.0, 101.0, 0.02]);
+        // |d| = 0.05, 0, 1, 0.02; bounds with atol 0.03, rtol 0.01: 0.04, 0.05, 1.03, 0.03.
+        let e = elementwise(&got, &reference, 0.03, 0.01);
+        assert_eq!((e.failing, e.total), (1, 4));
+        assert_eq!(e.worst.map(|w| w.0), Some(0));
+        assert_eq!(elementwise(&got, &reference, 0.1, 0.0).failing, 1, "|d| = 1 at 100 fails without rtol");
+        let nan = HostTensor::new(vec![4], vec![f32::NAN, -2.0, 100.0, 0.0]);
+        assert_eq!(elementwise(&nan, &reference, 1.0, 1.0).failing, 1, "NaN always fails");
     }
 }

@@ -9,7 +9,7 @@ use std::process::ExitCode;
 pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
     let traced = common::trace_args(&a.model, a.batch)?;
     let optimized = kiln::passes::optimize(&traced.graph)?;
-    say!("== traced graph: {} (batch {}, {}x{}) ==", traced.name, a.batch, traced.size, traced.size);
+    say!("== traced graph: {} (batch {}, {}) ==", traced.name, a.batch, traced.hw_text());
     say_raw!("{}", kiln::dot::to_text(&traced.graph));
     say!("");
     say!("== optimised graph (BatchNorm folded, conv+bias+add+ReLU fused, dead nodes removed) ==");
@@ -63,8 +63,10 @@ pub fn codegen(a: CodegenArgs) -> Result<ExitCode> {
     }
     let traced = common::trace_args(&a.model, 1)?;
     let mut command = format!("kiln codegen {}", traced.name);
-    if a.model.size.is_some() {
-        command += &format!(" --size {}", traced.size);
+    if a.model.shapes.is_some() {
+        command += &format!(" --shapes input:1x3x{}x{}", traced.hw[0], traced.hw[1]);
+    } else if a.model.size.is_some() {
+        command += &format!(" --size {}", traced.hw[0]);
     }
     if a.max_width != 100 {
         command += &format!(" --max-width {}", a.max_width);
@@ -84,7 +86,7 @@ pub fn codegen(a: CodegenArgs) -> Result<ExitCode> {
         Some(path) if path.as_os_str() != "-" => {
             std::fs::write(path, &src).map_err(Error::io(path))?;
             let ops = traced.graph.nodes.iter().filter(|n| !matches!(n.op, kiln::Op::Weight { .. } | kiln::Op::Input { .. })).count();
-            eprintln!(
+            tracing::info!(
                 "wrote {} ({ops} ops, {} lines): `{}(vb, batch)` rebuilds {}",
                 path.display(),
                 src.lines().count(),

@@ -22,46 +22,76 @@ mod common;
 mod compare;
 mod inspect;
 mod run;
+pub mod shapes;
 
-use clap::{Args, Parser, Subcommand};
-use kiln::Error;
+use clap::{ArgAction, Args, Parser, Subcommand};
+use kiln::{Error, Graph, VarBuilder};
+use shapes::{parse_shapes, ShapeSpec};
+use std::ffi::OsString;
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-/// `kiln --help`'s epilogue; its list of models comes from `kiln_models::BUNDLED`.
+/// How a program's own model is traced: with its weights, at a batch, and at an input height and
+/// width (`None`: the model's own size). The graph's first input is named `input`.
+pub type TraceFn = fn(vb: VarBuilder, batch: usize, hw: Option<[usize; 2]>) -> kiln::Result<Graph>;
+
+/// Every example line of `kiln --help`; each must parse (tested), and none is wrapped (the help is
+/// laid out with `term_width(0)`, so a terminal's soft wrap is the only wrap and copy-paste works).
+pub const EXAMPLES: &[&str] = &[
+    "kiln run resnet50",
+    "kiln run resnet18 --weights resnet18.safetensors --input image.safetensors",
+    "kiln trace resnet18 -o resnet18.kiln.safetensors",
+    "kiln run resnet18.kiln.safetensors --cpu",
+    "kiln build resnet50 --fp16 --min-batch 1 --opt-batch 8 --max-batch 64 -o rn50.kiln",
+    "kiln build resnet50 --minShapes input:1x3x224x224 --optShapes input:8x3x224x224 --maxShapes input:64x3x224x224 --saveEngine rn50.kiln",
+    "kiln bench --loadEngine rn50.kiln --shapes input:8x3x224x224 --warmUp 500 --duration 10 --percentile 99.9 --export-times times.json",
+    "kiln bench resnet18 --batch 1,8,64 --json rn18.json",
+    "kiln profile centernet --fp16 --csv layers.csv",
+    "kiln compare resnet50 --reference resnet50.reference.safetensors --layerwise",
+    "kiln compare resnet50 --fp32 --save-outputs fp32.safetensors",
+    "kiln compare resnet50 --fp16 --load-outputs fp32.safetensors --atol 1e-2 --rtol 1e-2 --report fp16.json",
+    "kiln inspect resnet18 --dot before.dot --dot-optimized after.dot",
+    "kiln codegen resnet18 -o resnet18_gen.rs",
+];
+
+/// `kiln --help`'s epilogue; its list of models comes from `kiln_models::BUNDLED` and the
+/// program's own models.
 fn examples() -> String {
-    let models: Vec<String> = kiln_models::BUNDLED.iter().map(|m| format!("{} ({}x{})", m.name, m.input_size, m.input_size)).collect();
+    let models: Vec<String> = crate::BUNDLED.iter().map(|m| format!("{} ({}x{})", m.name, m.input_size, m.input_size)).collect();
+    let lines: Vec<String> = EXAMPLES.iter().map(|e| format!("  {e}")).collect();
     format!(
         "\
 Examples:
-  kiln run resnet50                                  # seeded weights, random input, GPU or CPU
-  kiln run resnet18 --weights resnet18.safetensors --input image.safetensors
-  kiln build resnet50 --fp16 --min-batch 1 --opt-batch 8 --max-batch 64 -o rn50.kiln
-  kiln bench rn50.kiln --batch 8                     # latency and throughput of a saved engine
-  kiln bench resnet18 --batch 1,8,64 --json rn18.json
-  kiln profile centernet --fp16                      # per-layer times by module path
-  kiln compare resnet50 --reference resnet50.reference.safetensors --layerwise
-  kiln inspect resnet18 --dot before.dot --dot-optimized after.dot
-  kiln codegen resnet18 -o resnet18_gen.rs
+{}
 
 Bundled models: {}.
-Weights are seeded (deterministic, like tools/export_reference.py --weights seeded) unless
---weights names a PyTorch state_dict saved with safetensors.torch.save_file.",
+A model argument is a bundled name, a graph file (.kiln.safetensors, from `kiln trace` or Graph::save) or an engine file (.kiln, from `kiln build`).
+Weights are seeded (deterministic, like tools/export_reference.py --weights seeded) unless --weights names a PyTorch state_dict saved with safetensors.torch.save_file.
+Logging: diagnostics go to standard error (RUST_LOG=kiln=debug, -v, -q), results to standard output.",
+        lines.join("\n"),
         models.join(", ")
     )
 }
 
 /// The help line of a command's model argument.
-fn model_help(engine_file_too: bool) -> String {
-    let or_engine = if engine_file_too { ", or an engine file from `kiln build`" } else { "" };
-    format!("A bundled model ({}){or_engine}", kiln_models::bundled_names())
+fn model_help() -> String {
+    format!(
+        "A bundled model ({}), a graph file (.kiln.safetensors, from `kiln trace`), or an engine file (.kiln, from `kiln build`)",
+        crate::bundled_names()
+    )
 }
 
 /// Kiln: compile convolutional networks to CUDA engines, and the tools to check and measure them.
 #[derive(Parser, Debug)]
-#[command(name = "kiln", version, after_long_help = examples(), propagate_version = true)]
+#[command(name = "kiln", version, after_long_help = examples(), propagate_version = true, term_width = 0)]
 pub struct Cli {
+    /// More diagnostics on standard error (-v: debug, -vv: trace); RUST_LOG overrides.
+    #[arg(short, long, action = ArgAction::Count, global = true, display_order = 1000)]
+    pub verbose: u8,
+    /// Only errors on standard error.
+    #[arg(short, long, global = true, conflicts_with = "verbose", display_order = 1001)]
+    pub quiet: bool,
     #[command(subcommand)]
     pub command: Command,
 }
@@ -71,61 +101,80 @@ pub enum Command {
     /// Run a model once on a random or given input and print its top classes or detections.
     ///
     /// Uses the GPU engine when a GPU is present, otherwise the CPU reference executor (with a
-    /// note saying why). Prints the output summary and the time taken.
+    /// note on standard error saying why). Prints the output summary and the time taken.
     #[command(
-        after_long_help = "Examples:\n  kiln run resnet50\n  kiln run centernet --batch 2 --fp32\n  kiln run resnet18 --cpu --input x.safetensors"
+        after_long_help = "Examples:\n  kiln run resnet50\n  kiln run centernet --batch 2 --fp32\n  kiln run resnet18 --cpu --input x.safetensors\n  kiln run mynet.kiln.safetensors --cpu --shapes input:2x3x32x32"
     )]
     Run(RunArgs),
-    /// Build an engine file from a bundled model (needs a GPU).
+    /// Trace a model and write it with its weights as a graph file (one safetensors file whose
+    /// metadata holds the graph); every command takes the file in place of the model's name.
+    #[command(
+        after_long_help = "Examples:\n  kiln trace resnet18 -o resnet18.kiln.safetensors\n  kiln trace centernet --weights centernet.safetensors --shapes input:1x3x384x512 -o cn.kiln.safetensors"
+    )]
+    Trace(TraceArgs),
+    /// Build an engine file from a model or graph file (needs a GPU).
     ///
     /// Traces the model, runs the graph passes (BatchNorm folding, conv+bias+add+ReLU fusion),
     /// times the candidate algorithms of each layer on the device, and writes the engine. Prints
-    /// what was fused and the engine's device memory.
+    /// what was fused and the engine's device memory; -v lists every timed candidate.
     #[command(
-        after_long_help = "Examples:\n  kiln build resnet50 -o rn50.kiln\n  kiln build centernet --fp16 --max-batch 32 --opt-batch 8 --timing-cache tc.bin -o cn.kiln"
+        after_long_help = "Examples:\n  kiln build resnet50 -o rn50.kiln\n  kiln build centernet --fp16 --max-batch 32 --opt-batch 8 --timing-cache tc.bin -o cn.kiln\n  kiln build resnet50 --minShapes input:1x3x224x224 --optShapes input:8x3x224x224 --maxShapes input:32x3x224x224 --saveEngine rn50.kiln"
     )]
     Build(BuildArgs),
-    /// Measure latency (median, p90, p99) and throughput, with and without CUDA graphs (needs a GPU,
-    /// or --cpu).
+    /// Measure latency (median, p90, p99, max, standard deviation) and throughput, with and without
+    /// CUDA graphs (needs a GPU, or --cpu).
     ///
-    /// Like trtexec: warm up for --warmup ms, then run at least --iterations times and at least
+    /// Like trtexec: warm up for --warmUp ms, then run at least --iterations times and at least
     /// --duration seconds; each timed run is synchronous (enqueue + wait), so latency is what a
     /// caller sees.
     #[command(
-        after_long_help = "Examples:\n  kiln bench resnet50 --batch 1,64 --fp16\n  kiln bench rn50.kiln --batch 8 --json out.json\n  kiln bench resnet18 --cpu --iterations 3 --duration 0"
+        after_long_help = "Examples:\n  kiln bench resnet50 --batch 1,64 --fp16\n  kiln bench rn50.kiln --batch 8 --json out.json\n  kiln bench --loadEngine rn50.kiln --shapes input:8x3x224x224 --percentile 99.9 --export-times times.json\n  kiln bench resnet18 --cpu --iterations 3 --duration 0"
     )]
     Bench(BenchArgs),
     /// Per-layer device time, named by module path, sorted, with each layer's share (needs a GPU).
-    #[command(after_long_help = "Examples:\n  kiln profile resnet50 --batch 8\n  kiln profile cn.kiln --top 20")]
-    Profile(ProfileArgs),
-    /// Compare outputs with a PyTorch reference from tools/export_reference.py.
-    ///
-    /// Prints per-output relative L2 and max-abs errors and pass/fail against --rtol. With
-    /// --layerwise, every intermediate the reference holds (export it with `--intermediates all`)
-    /// is marked as an output and compared, and the first layer whose error jumps is named.
     #[command(
-        after_long_help = "Examples:\n  python tools/export_reference.py --model resnet50 --intermediates all --save-weights\n  kiln compare resnet50 --reference resnet50.reference.safetensors --weights resnet50.weights.safetensors\n  kiln compare resnet50 --reference resnet50.reference.safetensors --cpu --layerwise"
+        after_long_help = "Examples:\n  kiln profile resnet50 --batch 8\n  kiln profile cn.kiln --top 20\n  kiln profile --loadEngine rn50.kiln --batch 8 --export-profile layers.json --csv layers.csv"
+    )]
+    Profile(ProfileArgs),
+    /// Compare outputs with a PyTorch reference (tools/export_reference.py) or with saved outputs.
+    ///
+    /// Prints per-output relative L2 and max-abs errors; an output passes when its relative L2 is
+    /// within --l2-tol and, with --atol/--rtol, every element satisfies Polygraphy's rule
+    /// |out - ref| <= atol + rtol * |ref|. With --layerwise, every intermediate the reference holds
+    /// (export it with `--intermediates all`) is marked as an output and compared, and the first
+    /// layer whose error jumps is named. Without a reference, a random input (--seed) is run and
+    /// --save-outputs writes it with the outputs, to --load-outputs in a later run.
+    #[command(
+        after_long_help = "Examples:\n  python tools/export_reference.py --model resnet50 --intermediates all --save-weights\n  kiln compare resnet50 --reference resnet50.reference.safetensors --weights resnet50.weights.safetensors\n  kiln compare resnet50 --reference resnet50.reference.safetensors --cpu --layerwise\n  kiln compare resnet50 --fp32 --save-outputs fp32.safetensors\n  kiln compare resnet50 --fp16 --load-outputs fp32.safetensors --atol 1e-2 --rtol 1e-2 --report fp16.json"
     )]
     Compare(CompareArgs),
     /// Print the traced graph and the optimised graph (and the engine's layers when a GPU is
     /// present); write Graphviz DOT before and after fusion.
     #[command(
-        after_long_help = "Examples:\n  kiln inspect resnet18\n  kiln inspect resnet50 --dot before.dot --dot-optimized after.dot && dot -Tsvg after.dot -o after.svg"
+        after_long_help = "Examples:\n  kiln inspect resnet18\n  kiln inspect resnet50 --dot before.dot --dot-optimized after.dot\n  kiln inspect rn50.kiln"
     )]
     Inspect(InspectArgs),
     /// Emit Rust source that rebuilds the traced network with Kiln's tracing API, weights by name.
     #[command(
-        after_long_help = "Examples:\n  kiln codegen resnet18 -o resnet18_gen.rs\n  kiln codegen centernet --fn-name centernet_graph --max-width 140"
+        after_long_help = "Examples:\n  kiln codegen resnet18 -o resnet18_gen.rs\n  kiln codegen centernet --fn-name centernet_graph --max-width 140\n  kiln codegen mynet.kiln.safetensors -o mynet_gen.rs"
     )]
     Codegen(CodegenArgs),
+}
+
+/// A `--shapes`-style flag value: one or more `name:d0xd1x...`, comma-separated.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct Shapes(pub Vec<ShapeSpec>);
+
+fn shapes_parser(value: &str) -> Result<Shapes, String> {
+    parse_shapes(value).map(Shapes)
 }
 
 /// Which model, with which weights, on which input.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    #[arg(help = model_help(false))]
+    #[arg(help = model_help())]
     pub model: String,
-    /// A safetensors state_dict (PyTorch names, f32/f16/bf16) instead of the seeded weights.
+    /// A safetensors state_dict (PyTorch names, f32/f16/bf16) instead of the seeded weights (for a graph file: replaces its weights by name).
     #[arg(long, value_name = "FILE")]
     pub weights: Option<PathBuf>,
     /// Fail when the weight file holds keys the model never uses.
@@ -134,6 +183,9 @@ pub struct ModelArgs {
     /// Input height and width (default: the model's, listed in `kiln --help`).
     #[arg(long, value_name = "PIXELS")]
     pub size: Option<usize>,
+    /// The input's shape, trtexec-style: `input:NxCxHxW` (batch and H x W; H x W must be the graph's for a graph or engine file).
+    #[arg(long, value_name = "NAME:DIMS", value_parser = shapes_parser)]
+    pub shapes: Option<Shapes>,
 }
 
 /// Engine build settings shared by every command that builds one.
@@ -148,9 +200,7 @@ pub struct EngineArgs {
     /// FP32 storage, TF32 tensor-core math.
     #[arg(long, group = "precision")]
     pub tf32: bool,
-    /// Scratch memory limit per layer, in MiB. A limit, not an allocation: the engine allocates the
-    /// largest workspace its chosen layers need. Too low a limit rules out fast algorithms (FP32
-    /// CenterNet at batch 32: 853 ms with 256 MiB, 76 ms with 4096 MiB on an H200).
+    /// Scratch memory limit per layer, in MiB. A limit, not an allocation: the engine allocates the largest workspace its chosen layers need. Too low a limit rules out fast algorithms (FP32 CenterNet at batch 32: 853 ms with 256 MiB, 76 ms with 4096 MiB on an H200).
     #[arg(long, value_name = "MiB", default_value_t = 4096)]
     pub workspace: usize,
     /// Timing cache file: read before timing algorithms, written after, so rebuilds are fast.
@@ -164,7 +214,7 @@ pub struct RunArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
-    /// Images in the batch (default 1; with --input, whose shape decides, it must agree).
+    /// Images in the batch (default 1; with --input, whose shape decides, it must agree; --shapes gives it too).
     #[arg(long)]
     pub batch: Option<usize>,
     /// A safetensors file holding the input as `input` (or as its only tensor), NCHW f32.
@@ -182,45 +232,69 @@ pub struct RunArgs {
 }
 
 #[derive(Args, Debug)]
+pub struct TraceArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The batch to trace at (the CPU executor runs a graph file at any batch; engines take --min-batch/--max-batch).
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Where to write the graph file (`.kiln.safetensors` by convention).
+    #[arg(short, long, value_name = "FILE")]
+    pub output: PathBuf,
+}
+
+#[derive(Args, Debug)]
 pub struct BuildArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
-    /// Where to write the engine.
-    #[arg(short, long, value_name = "FILE")]
+    /// Where to write the engine (trtexec: --saveEngine).
+    #[arg(short, long, value_name = "FILE", visible_alias = "saveEngine")]
     pub output: PathBuf,
-    /// Smallest batch the engine accepts.
-    #[arg(long, default_value_t = 1)]
-    pub min_batch: usize,
+    /// Smallest batch the engine accepts (default 1).
+    #[arg(long)]
+    pub min_batch: Option<usize>,
     /// The batch algorithms are timed at (default: --max-batch).
     #[arg(long)]
     pub opt_batch: Option<usize>,
-    /// Largest batch the engine accepts (activation memory is planned for it).
-    #[arg(long, default_value_t = 1)]
-    pub max_batch: usize,
-    /// Print every timed candidate of every layer.
-    #[arg(long, short)]
-    pub verbose: bool,
+    /// Largest batch the engine accepts (default 1; activation memory is planned for it).
+    #[arg(long)]
+    pub max_batch: Option<usize>,
+    /// trtexec's name for the smallest shape, `input:NxCxHxW`: sets --min-batch (H x W must be the model's).
+    #[arg(long = "minShapes", value_name = "NAME:DIMS", value_parser = shapes_parser, requires_all = ["opt_shapes", "max_shapes"])]
+    pub min_shapes: Option<Shapes>,
+    /// trtexec's name for the shape algorithms are timed at: sets --opt-batch.
+    #[arg(long = "optShapes", value_name = "NAME:DIMS", value_parser = shapes_parser, requires_all = ["min_shapes", "max_shapes"])]
+    pub opt_shapes: Option<Shapes>,
+    /// trtexec's name for the largest shape: sets --max-batch.
+    #[arg(long = "maxShapes", value_name = "NAME:DIMS", value_parser = shapes_parser, requires_all = ["min_shapes", "opt_shapes"])]
+    pub max_shapes: Option<Shapes>,
 }
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
-    #[arg(help = model_help(true))]
-    pub model: String,
+    #[arg(help = model_help(), required_unless_present = "load_engine")]
+    pub model: Option<String>,
+    /// trtexec's way to name an engine file (the same as giving it as the model).
+    #[arg(long = "loadEngine", value_name = "FILE", conflicts_with = "model")]
+    pub load_engine: Option<PathBuf>,
     /// Weights for a bundled model (default: seeded).
     #[arg(long, value_name = "FILE")]
     pub weights: Option<PathBuf>,
     /// Input height and width for a bundled model (default: the model's).
     #[arg(long, value_name = "PIXELS")]
     pub size: Option<usize>,
+    /// The input's shape, `input:NxCxHxW`: its N is the batch (instead of --batch).
+    #[arg(long, value_name = "NAME:DIMS", value_parser = shapes_parser, conflicts_with = "batch")]
+    pub shapes: Option<Shapes>,
     #[command(flatten)]
     pub engine: EngineArgs,
-    /// Batch sizes, comma-separated; a bundled model gets one engine per batch.
+    /// Batch sizes, comma-separated; a bundled model or graph file gets one engine per batch; an engine file runs each within its range.
     #[arg(long, value_delimiter = ',', default_value = "1")]
     pub batch: Vec<usize>,
-    /// Warm-up time before timing, in milliseconds (trtexec: 200).
-    #[arg(long, value_name = "MS", default_value_t = 200)]
+    /// Warm-up time before timing, in milliseconds (trtexec: --warmUp 200).
+    #[arg(long, value_name = "MS", default_value_t = 200, visible_alias = "warmUp")]
     pub warmup: u64,
     /// Minimum number of timed runs (trtexec: 10).
     #[arg(long, default_value_t = 10)]
@@ -228,6 +302,9 @@ pub struct BenchArgs {
     /// Minimum total timed duration, in seconds (trtexec: 3).
     #[arg(long, value_name = "S", default_value_t = 3.0)]
     pub duration: f64,
+    /// Extra latency percentiles to report, comma-separated (trtexec: --percentile=90,95,99).
+    #[arg(long, value_name = "P", value_delimiter = ',')]
+    pub percentile: Vec<f64>,
     /// Time only with CUDA graphs (default: both with and without).
     #[arg(long, conflicts_with = "no_cuda_graphs")]
     pub cuda_graphs_only: bool,
@@ -240,20 +317,30 @@ pub struct BenchArgs {
     /// Also write the results as JSON (an array of records) to FILE.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// Write every timed run's latency as JSON to FILE (trtexec: --exportTimes).
+    #[arg(long, value_name = "FILE", visible_alias = "exportTimes")]
+    pub export_times: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
 pub struct ProfileArgs {
-    #[arg(help = model_help(true))]
-    pub model: String,
+    #[arg(help = model_help(), required_unless_present = "load_engine")]
+    pub model: Option<String>,
+    /// trtexec's way to name an engine file (the same as giving it as the model).
+    #[arg(long = "loadEngine", value_name = "FILE", conflicts_with = "model")]
+    pub load_engine: Option<PathBuf>,
     /// Weights for a bundled model (default: seeded).
     #[arg(long, value_name = "FILE")]
     pub weights: Option<PathBuf>,
     /// Input height and width for a bundled model.
     #[arg(long, value_name = "PIXELS")]
     pub size: Option<usize>,
+    /// The input's shape, `input:NxCxHxW`: its N is the batch (instead of --batch).
+    #[arg(long, value_name = "NAME:DIMS", value_parser = shapes_parser, conflicts_with = "batch")]
+    pub shapes: Option<Shapes>,
     #[command(flatten)]
     pub engine: EngineArgs,
+    /// Images in the batch profiled (an engine file: within its batch range).
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
     /// Back-to-back replays of each layer (captured alone in a CUDA graph); its time is their mean.
@@ -262,6 +349,12 @@ pub struct ProfileArgs {
     /// Show only the N slowest layers (0: all).
     #[arg(long, default_value_t = 0)]
     pub top: usize,
+    /// Write every layer's time as JSON to FILE (trtexec: --exportProfile).
+    #[arg(long, value_name = "FILE", visible_aliases = ["export-profile", "exportProfile"])]
+    pub json: Option<PathBuf>,
+    /// Write every layer's time as CSV to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub csv: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -270,18 +363,35 @@ pub struct CompareArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
-    /// Reference safetensors from tools/export_reference.py: `input`, `output.<name>`, and
-    /// `intermediate.<module path>` for --layerwise.
+    /// Reference safetensors from tools/export_reference.py (`input`, `output.<name>`, `intermediate.<module path>` for --layerwise), or outputs saved by --save-outputs (Polygraphy: --load-outputs).
+    #[arg(long, value_name = "FILE", visible_alias = "load-outputs")]
+    pub reference: Option<PathBuf>,
+    /// Write the input and this run's outputs (with metadata) to FILE, in the reference format.
     #[arg(long, value_name = "FILE")]
-    pub reference: PathBuf,
-    /// Relative L2 tolerance (default: 1e-5 on the CPU, 1e-4 FP32, 2e-3 TF32, 1e-2 FP16).
-    #[arg(long)]
+    pub save_outputs: Option<PathBuf>,
+    /// Write the comparison as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub report: Option<PathBuf>,
+    /// Relative L2 tolerance per output (default: 1e-5 on the CPU, 1e-4 FP32, 2e-3 TF32, 1e-2 FP16).
+    #[arg(long, value_name = "TOL")]
+    pub l2_tol: Option<f64>,
+    /// Elementwise absolute tolerance: |out - ref| <= atol + rtol * |ref| (Polygraphy's rule; checked when --atol or --rtol is given, the other defaulting to 0).
+    #[arg(long, value_name = "TOL")]
+    pub atol: Option<f64>,
+    /// Elementwise relative tolerance (see --atol).
+    #[arg(long, value_name = "TOL")]
     pub rtol: Option<f64>,
+    /// Images in the random input when there is no reference (default 1).
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Seed of the random input when there is no reference (default 0, so two runs see one input).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
     /// Compare on the CPU reference executor instead of an engine.
     #[arg(long)]
     pub cpu: bool,
     /// Compare every intermediate in the reference and name the first layer whose error jumps.
-    #[arg(long)]
+    #[arg(long, requires = "reference")]
     pub layerwise: bool,
 }
 
@@ -291,6 +401,7 @@ pub struct InspectArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
+    /// Images in the batch the graph is traced at (and the engine built for).
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
     /// Write the traced graph as Graphviz DOT to FILE.
@@ -322,12 +433,48 @@ pub struct CodegenArgs {
     pub small_heuristics_max: bool,
 }
 
-/// Parses the command line, runs the command, prints `error: ...` and exits non-zero on failure.
+/// The `kiln` command line with the bundled models only.
 pub fn main() -> ExitCode {
-    let cli = Cli::parse();
+    main_with(&[])
+}
+
+/// The whole `kiln` command line for a program with its own models: each `(name, trace_fn)` is
+/// accepted wherever a bundled model's name is (and shadows a bundled model of the same name).
+///
+/// ```no_run
+/// use kiln::{Graph, Result, VarBuilder};
+/// fn mynet(vb: VarBuilder, batch: usize, hw: Option<[usize; 2]>) -> Result<Graph> {
+///     # let _ = (vb, batch, hw); unimplemented!()
+/// }
+/// fn main() -> std::process::ExitCode {
+///     kiln_models::cli::main_with(&[("mynet", mynet)])
+/// }
+/// ```
+pub fn main_with(models: &[(&str, TraceFn)]) -> ExitCode {
+    run_with(std::env::args_os(), models)
+}
+
+/// `main_with` on given arguments (the first is the program name), for tests and embedding.
+pub fn run_with<I, T>(args: I, models: &[(&str, TraceFn)]) -> ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            // --help and --version are "errors" that print to standard output and succeed.
+            let _ = e.print();
+            return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(2));
+        }
+    };
+    init_logging(cli.verbose, cli.quiet);
+    common::set_user_models(models);
+    let verbose = cli.verbose > 0;
     let result = match cli.command {
         Command::Run(a) => run::run(a),
-        Command::Build(a) => run::build(a),
+        Command::Trace(a) => run::trace(a),
+        Command::Build(a) => run::build(a, verbose),
         Command::Bench(a) => bench::bench(a),
         Command::Profile(a) => bench::profile(a),
         Command::Compare(a) => compare::compare(a),
@@ -339,10 +486,36 @@ pub fn main() -> ExitCode {
         // The reader of our output went away (`| head -1`): what it wanted, it got.
         Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
         Err(e) => {
+            // The one message that is not a log line: it is the command's result.
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }
     }
+}
+
+/// Diagnostics to standard error through `tracing`: `RUST_LOG` (an EnvFilter, e.g.
+/// `kiln=debug`) when set, else notes and warnings (`-q`: errors only; `-v`: debug; `-vv`: trace).
+/// Without -v or RUST_LOG, lines are the bare message (`note: ...`), as before logging existed.
+fn init_logging(verbose: u8, quiet: bool) {
+    use tracing_subscriber::EnvFilter;
+    let from_env = std::env::var("RUST_LOG").ok().filter(|v| !v.is_empty());
+    let default = match (quiet, verbose) {
+        (true, _) => "error",
+        (_, 0) => "info",
+        (_, 1) => "debug",
+        _ => "trace",
+    };
+    let filter = from_env.as_deref().map(EnvFilter::new).unwrap_or_else(|| EnvFilter::new(default));
+    let detailed = verbose > 0 || from_env.is_some();
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .without_time()
+        .with_level(detailed)
+        .with_target(detailed);
+    // A second call in one process (tests embedding the CLI) keeps the first subscriber.
+    let _ = builder.try_init();
 }
 
 /// Writes to standard output; a failed write (a closed pipe) is returned, not a panic.
@@ -359,5 +532,21 @@ mod tests {
     #[test]
     fn cli_definition_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn every_help_example_parses() {
+        let mut all: Vec<String> = EXAMPLES.iter().map(|e| e.to_string()).collect();
+        for sub in Cli::command().get_subcommands() {
+            let help = sub.get_after_long_help().map(|h| h.to_string()).unwrap_or_default();
+            all.extend(help.lines().map(str::trim).filter(|l| l.starts_with("kiln ")).map(str::to_string));
+        }
+        assert!(all.len() > 20, "{all:?}");
+        for line in &all {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            if let Err(e) = Cli::try_parse_from(&words) {
+                panic!("example `{line}` does not parse: {e}");
+            }
+        }
     }
 }
