@@ -8,6 +8,7 @@ pub use crate::ops::elementwise::{Binary, Unary};
 pub use crate::ops::linear::Gemm;
 pub use crate::ops::norm::Norm;
 pub use crate::ops::pool::{Pool, PoolAttrs};
+pub use crate::ops::quant::{Quant, QuantFormat, QuantParams};
 pub use crate::ops::resize::Resize;
 pub use crate::ops::shape::ShapeOp;
 use crate::ops::OpDef;
@@ -81,6 +82,8 @@ pub enum Op {
     Shape(ShapeOp),
     /// Upsampling / interpolation (`ops::resize`).
     Resize(Resize),
+    /// Quantize, dequantize and fake-quantize, int8 and fp8 (`ops::quant`).
+    Quant(Quant),
     /// A user-registered op (`ops::custom`): its name selects its shape rule, CPU reference and
     /// converter.
     Custom(CustomCall),
@@ -100,6 +103,7 @@ impl Op {
             Op::Binary(a) => a,
             Op::Shape(a) => a,
             Op::Resize(a) => a,
+            Op::Quant(a) => a,
             Op::Custom(a) => a,
         })
     }

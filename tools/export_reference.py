@@ -295,6 +295,8 @@ class ParamOp(nn.Module):
 # Op fixtures whose input spans [-4, 4] (or more) rather than [-1, 1], to reach every branch.
 WIDE_INPUTS = {"sigmoid": 4.0, "silu": 4.0, "hardswish": 4.0, "hardsigmoid": 4.0, "gelu_exact": 4.0, "gelu_tanh": 4.0, "tanh": 4.0}
 WIDE_INPUTS.update({"asinh": 4.0, "clamp_relu6": 8.0, "clamp_hardtanh": 4.0})
+# Quantisation cases span the saturation range of their scales.
+WIDE_INPUTS.update({k: 4.0 for k in ["fake_quantize_per_tensor_affine", "fake_quantize_per_tensor_zero_point", "fake_quantize_per_channel_affine", "fake_quantize_fp8_e4m3", "fake_quantize_fp8_per_channel", "quantize_int8_per_tensor", "quantize_int8_per_channel", "quantize_fp8", "dequantize_int8_per_tensor", "dequantize_int8_per_channel", "dequantize_fp8"]})
 
 
 def op_cases():
@@ -417,6 +419,29 @@ def op_cases():
     c.append(("upsample_bilinear2d_down", lambda a: F.interpolate(a, scale_factor=0.6, mode="bilinear"), [[1, 2, 10, 9]]))
     c.append(("upsample_bilinear2d_size", up(size=(9, 13), mode="bilinear"), [[3, 2, 5, 7]]))
     c.append(("upsample_bilinear2d_size_align_corners", up(size=(9, 4), mode="bilinear", align_corners=True), [[2, 3, 5, 7]]))
+    # Quantisation (src/ops/quant.rs): PyTorch's fake-quant and quantize ops, and the fp8 e4m3
+    # round trip after scaling (clamped first: Kiln saturates, PyTorch's cast would give NaN).
+    def fp8(a, scale):
+        inv = 1.0 / torch.tensor(scale, dtype=torch.float32)
+        return torch.clamp(a * inv, -448.0, 448.0).to(torch.float8_e4m3fn).float()
+
+    zeros3 = torch.zeros(3, dtype=torch.int32)
+    ch_scales = torch.tensor([0.01, 0.02, 0.05])
+    c.append(("fake_quantize_per_tensor_affine", lambda a: torch.fake_quantize_per_tensor_affine(a, 0.02, 0, -128, 127), [[2, 3, 5, 6]]))
+    c.append(("fake_quantize_per_tensor_zero_point", lambda a: torch.fake_quantize_per_tensor_affine(a, 0.03, 10, 0, 255), [[2, 3, 5, 6]]))
+    c.append(("fake_quantize_per_channel_affine", lambda a: torch.fake_quantize_per_channel_affine(a, ch_scales, zeros3, 1, -128, 127), [[2, 3, 5, 6]]))
+    w_scales = torch.tensor([0.004, 0.01, 0.02, 0.03])
+    c.append(("fake_quantize_per_channel_axis0", lambda a: torch.fake_quantize_per_channel_affine(a, w_scales, torch.zeros(4, dtype=torch.int32), 0, -127, 127), [[4, 3, 3, 3]]))
+    c.append(("fake_quantize_fp8_e4m3", lambda a: fp8(a, 0.005) * torch.tensor(0.005), [[2, 3, 5, 6]]))
+    fp8_ch = torch.tensor([0.001, 0.01, 0.1]).view(1, 3, 1, 1)
+    c.append(("fake_quantize_fp8_per_channel", lambda a: fp8(a, fp8_ch) * fp8_ch, [[2, 3, 5, 6]]))
+    c.append(("quantize_int8_per_tensor", lambda a: torch.quantize_per_tensor(a, 0.02, 0, torch.qint8).int_repr().float(), [[2, 3, 5, 6]]))
+    qc = lambda a: torch.quantize_per_channel(a, ch_scales.double(), torch.zeros(3, dtype=torch.int64), 1, torch.qint8)
+    c.append(("quantize_int8_per_channel", lambda a: qc(a).int_repr().float(), [[2, 3, 5, 6]]))
+    c.append(("quantize_fp8", lambda a: fp8(a, 0.02), [[2, 3, 5, 6]]))
+    c.append(("dequantize_int8_per_tensor", lambda a: torch.dequantize(torch.quantize_per_tensor(a, 0.03125, 0, torch.qint8)), [[2, 3, 5, 6]]))
+    c.append(("dequantize_int8_per_channel", lambda a: torch.dequantize(qc(a)), [[2, 3, 5, 6]]))
+    c.append(("dequantize_fp8", lambda a: fp8(a, 0.03125) * 0.03125, [[2, 3, 5, 6]]))
     return c
 
 

@@ -978,6 +978,7 @@ pub fn entry_points() -> Vec<String> {
             "depthwise_k5",
             "depthwise_k7",
             "global_avg_pool",
+            "quant",
         ] {
             names.push(format!("{k}_{t}"));
         }

@@ -35,6 +35,7 @@ pub const FAMILIES: &[(&str, &str)] = &[
     ("shape.cu", include_str!("../../kernels/shape.cu")),
     ("resize.cu", include_str!("../../kernels/resize.cu")),
     ("depthwise.cu", include_str!("../../kernels/depthwise.cu")),
+    ("quant.cu", include_str!("../../kernels/quant.cu")),
 ];
 
 /// Families compiled only when a layer that launches them is built (`Kernels::add_source`): the

@@ -13,11 +13,12 @@ pub mod elementwise;
 pub mod linear;
 pub mod norm;
 pub mod pool;
+pub mod quant;
 pub mod resize;
 pub mod shape;
 
 use crate::engine::{BuildCtx, Layer, Layout};
-use crate::graph::{Binary, ConvAttrs, Gemm, HostTensor, NodeId, Norm, Op, Pool, Resize, ShapeOp, Unary};
+use crate::graph::{Binary, ConvAttrs, Gemm, HostTensor, NodeId, Norm, Op, Pool, Quant, Resize, ShapeOp, Unary};
 use std::borrow::Cow;
 use strum::IntoEnumIterator;
 
@@ -34,6 +35,7 @@ pub fn builtin_ops() -> Vec<Op> {
         .chain(Binary::iter().map(Op::Binary))
         .chain(ShapeOp::iter().map(Op::Shape))
         .chain(Resize::iter().map(Op::Resize))
+        .chain(Quant::iter().map(Op::Quant))
         .collect()
 }
 

@@ -192,6 +192,9 @@ pub fn precision_name(p: Precision) -> &'static str {
         Precision::Fp32 => "fp32",
         Precision::Tf32 => "tf32",
         Precision::Fp16 => "fp16",
+        Precision::Int8 => "int8",
+        Precision::Fp8 => "fp8",
+        Precision::Best => "best",
     }
 }
 
