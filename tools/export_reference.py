@@ -49,7 +49,8 @@ CLASSIFIERS = [
     "regnet_y_400mf",
     "convnext_tiny",
 ]
-MODELS = {**{name: 224 for name in CLASSIFIERS}, "centernet": 512}
+# "digits_resnet": the small ResNet of tools/train_digits.py (trained weights in models/weights/).
+MODELS = {**{name: 224 for name in CLASSIFIERS}, "centernet": 512, "digits_resnet": 32}
 
 # The committed references in tests/fixtures: (batch, size). 112 keeps the CPU tests fast and the
 # files small, and is not a multiple of 32, so late stages see odd sizes: GoogLeNet's and
@@ -66,6 +67,7 @@ FIXTURE_SIZES = {
     "regnet_y_400mf": (2, 96),
     "convnext_tiny": (2, 96),
     "centernet": (1, 512),
+    "digits_resnet": (2, 32),
 }
 
 # torchvision's builders take these for Kiln's variant of the model: GoogLeNet's inference path
@@ -153,6 +155,10 @@ def build(model):
         return getattr(torchvision.models, model)(weights=None, **BUILD_KWARGS.get(model, {}))
     if model == "centernet":
         return CenterNet(80)
+    if model == "digits_resnet":
+        from train_digits import DigitsResNet
+
+        return DigitsResNet()
     raise SystemExit(f"unknown model `{model}` (expected one of {', '.join(MODELS)})")
 
 

@@ -12,6 +12,7 @@ pub mod alexnet;
 pub mod centernet;
 pub mod convnext;
 pub mod densenet;
+pub mod digits;
 pub mod efficientnet;
 pub mod googlenet;
 pub mod misc;
@@ -28,6 +29,7 @@ pub use alexnet::{alexnet, AlexNet};
 pub use centernet::{centernet_r50, decode, CenterNet, CenterNetOutput};
 pub use convnext::{convnext_tiny, ConvNeXt};
 pub use densenet::{densenet121, DenseNet};
+pub use digits::{digits_resnet, DigitsResNet, DIGITS_WEIGHTS};
 pub use efficientnet::{efficientnet_b0, EfficientNet};
 pub use googlenet::{googlenet, GoogLeNet};
 pub use mobilenetv2::{mobilenet_v2, MobileNetV2};
@@ -103,6 +105,13 @@ pub const BUNDLED: &[BundledModel] = &[
     classifier!("shufflenet_v2_x1_0", shufflenet_v2_x1_0, "torchvision ShuffleNetV2 1.0x (channel split and shuffle)"),
     classifier!("regnet_y_400mf", regnet_y_400mf, "torchvision RegNetY-400MF (grouped convs, squeeze-excitation)"),
     classifier!("convnext_tiny", convnext_tiny, "torchvision ConvNeXt-Tiny (depthwise 7x7, LayerNorm, GELU, layer scale)"),
+    BundledModel {
+        name: "digits_resnet",
+        input_size: 32,
+        outputs: &["logits"],
+        description: "small ResNet trained on scikit-learn's digits (tools/train_digits.py; weights in models/weights/)",
+        load: Load::Classifier(|vb| boxed(digits_resnet(vb))),
+    },
     BundledModel {
         name: "centernet",
         input_size: 512,

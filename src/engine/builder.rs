@@ -129,10 +129,24 @@ impl EngineBuilder {
         check_converters(graph)?;
         let optimized = crate::passes::optimize(graph)?;
         check_converters(&optimized)?;
+        let optimized = match self.config.precision {
+            super::Precision::Best => {
+                return Err(Error::Config { reason: "precision Best (per-layer timing of FP16/INT8/FP8) is not implemented yet".into() })
+            }
+            p => match p.quant_format() {
+                Some(format) => crate::calibrate::prepare_for_engine(optimized, format, self.config.calibration_cache.as_deref())?,
+                None => optimized,
+            },
+        };
         let gpu = match &self.gpu {
             Some(g) => g.clone(),
             None => Gpu::new(0)?,
         };
+        if self.config.precision == super::Precision::Fp8 && gpu.info.sm < 89 {
+            return Err(Error::Config {
+                reason: format!("FP8 needs a GPU of compute capability 8.9 or newer; {} is sm_{}", gpu.info.name, gpu.info.sm),
+            });
+        }
         let mut tactics = Tactics { cache_prefix: cache_prefix(&gpu, &self.config), progress: self.progress.clone(), ..Default::default() };
         if let Some(path) = &self.config.timing_cache {
             tactics.load_cache(path)?;

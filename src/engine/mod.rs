@@ -96,6 +96,10 @@ pub struct BuildConfig {
     /// candidate of these kinds keeps all of its own. `None`: every kind competes.
     #[serde(default)]
     pub tactic_sources: Option<Vec<String>>,
+    /// The calibration cache (`kiln calibrate`) an `Int8`/`Fp8` build takes its activation scales
+    /// from, unless the graph has its own quantize/dequantize nodes.
+    #[serde(default)]
+    pub calibration_cache: Option<PathBuf>,
 }
 
 impl Default for BuildConfig {
@@ -109,6 +113,7 @@ impl Default for BuildConfig {
             timing_cache: None,
             cuda_graphs: true,
             tactic_sources: None,
+            calibration_cache: None,
         }
     }
 }
@@ -133,6 +138,10 @@ impl BuildConfig {
     }
     pub fn workspace(mut self, bytes: usize) -> Self {
         self.workspace_bytes = bytes;
+        self
+    }
+    pub fn calibration_cache(mut self, path: impl Into<PathBuf>) -> Self {
+        self.calibration_cache = Some(path.into());
         self
     }
     pub fn timing_cache(mut self, path: impl Into<PathBuf>) -> Self {
