@@ -171,6 +171,12 @@ impl EngineArgs {
             Precision::Fp32
         } else if self.tf32 {
             Precision::Tf32
+        } else if self.int8 {
+            Precision::Int8
+        } else if self.fp8 {
+            Precision::Fp8
+        } else if self.best {
+            Precision::Best
         } else {
             Precision::Fp16
         }
@@ -182,6 +188,9 @@ impl EngineArgs {
         c.workspace_bytes = self.workspace.saturating_mul(1 << 20);
         if let Some(tc) = &self.timing_cache {
             c = c.timing_cache(tc.clone());
+        }
+        if let Some(cal) = &self.calibration_cache {
+            c = c.calibration_cache(cal.clone());
         }
         c
     }
