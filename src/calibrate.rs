@@ -430,7 +430,10 @@ pub fn quantize_graph(graph: &Graph, cache: &CalibrationCache, format: QuantForm
     if cache.graph_hash != hash {
         return Err(Error::Calibration {
             path: "the calibration cache".into(),
-            reason: format!("it was recorded on graph {}, this graph is {hash}: recalibrate for this model and input size", cache.graph_hash),
+            reason: format!(
+                "it was recorded on graph {}, this graph is {hash}: recalibrate for this model and input size",
+                cache.graph_hash
+            ),
         });
     }
     let names = tensor_names(graph);
@@ -486,10 +489,11 @@ pub fn fold_constant_quant(graph: &Graph) -> Result<Graph> {
         let Op::Quant(Quant::FakeQuantize(p)) = &g.nodes[id].op else { continue };
         let Some(&src) = g.nodes[id].inputs.first() else { continue };
         let Op::Weight { name } = &g.nodes[src].op else { continue };
-        let mut w = g.weights.get(name).map(|w| w.as_ref().clone()).ok_or_else(|| Error::MissingWeight {
-            key: name.clone(),
-            source_name: "the graph's weights".into(),
-        })?;
+        let mut w = g
+            .weights
+            .get(name)
+            .map(|w| w.as_ref().clone())
+            .ok_or_else(|| Error::MissingWeight { key: name.clone(), source_name: "the graph's weights".into() })?;
         p.check(&w.shape).map_err(|reason| Error::InvalidGraph { node: id, path: g.nodes[id].path.clone(), reason })?;
         p.fake_quantize(&mut w);
         let folded = format!("{name}.{}", p.format.name());
@@ -532,6 +536,43 @@ pub fn prepare_for_engine(optimized: Graph, format: QuantFormat, cache: Option<&
     fold_constant_quant(&g)
 }
 
+/// The precision each engine layer computes in, by module path, for `kiln inspect` and the build
+/// summary: `int8`/`fp8` for the quantisers, `int8 (q/dq, fp16 math)` for a layer whose input and
+/// weights are on the 8-bit grid but which multiplies in FP16 (no native 8-bit kernel yet), and
+/// `elem` (the engine's storage type) for everything else.
+pub fn layer_precision(graph: &Graph, path: &str, elem: &str) -> String {
+    let Some(node) = graph.nodes.iter().rev().find(|n| n.path == path && !n.op.is_leaf()) else {
+        return elem.to_string();
+    };
+    if let Op::Quant(q) = &node.op {
+        return q.params().format.name().to_string();
+    }
+    let quant_input = |i: usize| match node.inputs.get(i).map(|&j| &graph.nodes[j].op) {
+        Some(Op::Quant(q)) => Some(q.params().format),
+        _ => None,
+    };
+    match (quantizable(&node.op), quant_input(0)) {
+        (true, Some(f)) => format!("{} (q/dq, {elem} math)", f.name()),
+        _ => elem.to_string(),
+    }
+}
+
+/// One line for a build summary: how many layers of a quantised graph are 8-bit.
+pub fn quant_summary(graph: &Graph) -> Option<String> {
+    if !has_quant_nodes(graph) {
+        return None;
+    }
+    let quantisers = graph.nodes.iter().filter(|n| matches!(n.op, Op::Quant(_))).count();
+    let layers = graph
+        .nodes
+        .iter()
+        .filter(|n| quantizable(&n.op) && matches!(n.inputs.first().map(|&j| &graph.nodes[j].op), Some(Op::Quant(_))))
+        .count();
+    Some(format!(
+        "quantised: {layers} conv/linear layer(s) read 8-bit inputs and weights (emulated: FP16 math on Q/DQ values), {quantisers} quantiser(s); all other layers FP16"
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -554,9 +595,30 @@ mod tests {
     fn cache_round_trips_through_json() {
         let mut tensors = BTreeMap::new();
         tensors.insert("layer1.0.relu".to_string(), TensorRange::from_amax(3.1415927));
-        let c = CalibrationCache { version: CACHE_VERSION, method: CalibrationMethod::Percentile(99.99), graph_hash: "ab".into(), images: 4, tensors };
+        let c = CalibrationCache {
+            version: CACHE_VERSION,
+            method: CalibrationMethod::Percentile(99.99),
+            graph_hash: "ab".into(),
+            images: 4,
+            tensors,
+        };
         let back: CalibrationCache = serde_json::from_str(&c.to_json()).unwrap();
         assert_eq!(back, c);
+    }
+
+    #[test]
+    fn layers_report_their_precision() {
+        let tracer = crate::Tracer::new();
+        let x = tracer.input("input", &[1, 2, 4, 4]);
+        let q = x.fake_quantize(QuantParams::int8(0.1)).unwrap();
+        let w = crate::tensor::Param { name: "w".into(), value: Arc::new(HostTensor::new(vec![3, 2, 1, 1], vec![0.5; 6])) };
+        let y = crate::tensor::Tensor::record("conv", Op::Conv(ConvAttrs::default()), &[&q], &[&w]).unwrap();
+        y.relu().unwrap().mark_output("y");
+        let g = tracer.graph();
+        assert_eq!(layer_precision(&g, "conv", "fp16"), "int8 (q/dq, fp16 math)");
+        assert_eq!(layer_precision(&g, &g.nodes[q.id()].path, "fp16"), "int8");
+        assert_eq!(layer_precision(&g, "conv.relu", "fp16"), "fp16");
+        assert!(quant_summary(&g).unwrap().contains("1 conv/linear"));
     }
 
     #[test]

@@ -144,7 +144,9 @@ fn build(case: &str, vb: VarBuilder, x: &Tensor, other: Option<&Tensor>) -> Opti
         "fake_quantize_per_tensor_affine" => x.fake_quantize(QuantParams::int8(0.02)),
         "fake_quantize_per_tensor_zero_point" => x.fake_quantize(QuantParams::int8(0.03).zero_points(vec![10]).range(0, 255)),
         "fake_quantize_per_channel_affine" => x.fake_quantize(QuantParams::int8(1.0).per_channel(1, vec![0.01, 0.02, 0.05])),
-        "fake_quantize_per_channel_axis0" => x.fake_quantize(QuantParams::int8(1.0).range(-127, 127).per_channel(0, vec![0.004, 0.01, 0.02, 0.03])),
+        "fake_quantize_per_channel_axis0" => {
+            x.fake_quantize(QuantParams::int8(1.0).range(-127, 127).per_channel(0, vec![0.004, 0.01, 0.02, 0.03]))
+        }
         "fake_quantize_fp8_e4m3" => x.fake_quantize(QuantParams::fp8(0.005)),
         "fake_quantize_fp8_per_channel" => x.fake_quantize(QuantParams::fp8(1.0).per_channel(1, vec![0.001, 0.01, 0.1])),
         "quantize_int8_per_tensor" => x.quantize(QuantParams::int8(0.02)),

@@ -15,7 +15,13 @@ pub const DIGITS_WEIGHTS: &str = "models/weights/digits_resnet.safetensors";
 /// Stage `s` (0-based): 16, 32, 64 channels, the last two halving the resolution.
 fn stage(s: usize) -> BlockConfig {
     let planes = 16 << s;
-    BlockConfig { inplanes: if s == 0 { 16 } else { planes / 2 }, planes, stride: if s == 0 { 1 } else { 2 }, groups: 1, width_per_group: 64 }
+    BlockConfig {
+        inplanes: if s == 0 { 16 } else { planes / 2 },
+        planes,
+        stride: if s == 0 { 1 } else { 2 },
+        groups: 1,
+        width_per_group: 64,
+    }
 }
 
 /// `DigitsResNet` of `tools/train_digits.py`: a 3x3 stem and one BasicBlock per stage.

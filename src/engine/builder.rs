@@ -36,6 +36,8 @@ pub struct BuildSummary {
     pub build_seconds: f64,
     /// Per timed choice: the problem and (kind, ms) of each candidate.
     pub tactic_log: Vec<(String, Vec<(String, f32)>)>,
+    /// For an INT8/FP8 engine: which layers are quantised (`calibrate::quant_summary`).
+    pub quantised: Option<String>,
 }
 
 impl std::fmt::Display for BuildSummary {
@@ -55,6 +57,9 @@ impl std::fmt::Display for BuildSummary {
         )?;
         for line in &self.fused {
             writeln!(f, "  fused: {line}")?;
+        }
+        if let Some(q) = &self.quantised {
+            writeln!(f, "  {q}")?;
         }
         Ok(())
     }
@@ -97,9 +102,14 @@ impl Engine {
     pub fn tactics(&self) -> &BTreeMap<String, String> {
         &self.tactics
     }
-    /// The engine's layers, one a line, for `inspect`.
+    /// The engine's layers, one a line, with the precision each computes in, for `inspect`.
     pub fn describe(&self) -> String {
-        self.layers.iter().enumerate().map(|(i, l)| format!("{i:>4} {}\n", l.describe())).collect()
+        let elem = crate::engine::Precision::name(self.config.precision.elem());
+        self.layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| format!("{i:>4} {:<22} {}\n", crate::calibrate::layer_precision(&self.graph, l.path(), elem), l.describe()))
+            .collect()
     }
 }
 
@@ -135,6 +145,8 @@ impl EngineBuilder {
             }
             p => match p.quant_format() {
                 Some(format) => crate::calibrate::prepare_for_engine(optimized, format, self.config.calibration_cache.as_deref())?,
+                // A Q/DQ graph in FP16/FP32 runs its quantisers as they are; weights' are folded.
+                None if crate::calibrate::has_quant_nodes(&optimized) => crate::calibrate::fold_constant_quant(&optimized)?,
                 None => optimized,
             },
         };
@@ -389,6 +401,7 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
         tactics_cached: tactics.cached,
         build_seconds: 0.0,
         tactic_log: tactics.log.clone(),
+        quantised: crate::calibrate::quant_summary(&graph),
     };
     Ok(Engine {
         gpu,

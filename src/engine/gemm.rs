@@ -54,7 +54,9 @@ fn cuda_type(elem: Elem) -> sys::cudaDataType {
 /// FP32 must not use TF32; TF32 may; FP16 accumulates in f32.
 fn compute_type(p: Precision) -> sys::cublasComputeType_t {
     match p {
-        Precision::Fp32 | Precision::Fp16 | Precision::Int8 | Precision::Fp8 | Precision::Best => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        Precision::Fp32 | Precision::Fp16 | Precision::Int8 | Precision::Fp8 | Precision::Best => {
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+        }
         Precision::Tf32 => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
     }
 }

@@ -64,6 +64,14 @@ impl Precision {
         }
     }
 
+    /// `fp32` / `fp16`: the name of a storage type, for layer listings.
+    pub fn name(elem: Elem) -> &'static str {
+        match elem {
+            Elem::F32 => "fp32",
+            Elem::F16 => "fp16",
+        }
+    }
+
     /// The 8-bit format this precision quantises to (`None`: not a quantised precision).
     pub fn quant_format(self) -> Option<crate::graph::QuantFormat> {
         match self {

@@ -98,7 +98,9 @@ fn read_folder(dir: &Path, size: usize, mean: &[f32], std: &[f32], limit: Option
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(Error::io(dir))?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().and_then(|e| e.to_str()).is_some_and(|e| matches!(e.to_ascii_lowercase().as_str(), "pgm" | "ppm" | "pnm")))
+        .filter(|p| {
+            p.extension().and_then(|e| e.to_str()).is_some_and(|e| matches!(e.to_ascii_lowercase().as_str(), "pgm" | "ppm" | "pnm"))
+        })
         .collect();
     files.sort();
     files.truncate(limit.unwrap_or(usize::MAX));
