@@ -151,11 +151,7 @@ pub struct QuantPoint {
 
 /// Whether `op` has an 8-bit implementation (see the module docs).
 pub fn quantizable(op: &Op) -> bool {
-    match op {
-        Op::Conv(ConvAttrs { transposed: false, groups: 1, .. }) => true,
-        Op::Gemm(Gemm::Linear { .. }) => true,
-        _ => false,
-    }
+    matches!(op, Op::Conv(ConvAttrs { transposed: false, groups: 1, .. }) | Op::Gemm(Gemm::Linear { .. }))
 }
 
 /// The 8-bit layers of `graph` whose weight is a constant, in graph order.
@@ -291,12 +287,12 @@ impl Histogram {
             let q_total: f64 = q[..i].iter().sum();
             let p_total = total as f64;
             let mut kl = 0.0;
-            for j in 0..i {
-                let p = if j == i - 1 { (self.bins[j] + suffix[i]) as f64 } else { self.bins[j] as f64 };
+            for (j, (&count, &qj)) in self.bins[..i].iter().zip(&q[..i]).enumerate() {
+                let p = if j == i - 1 { (count + suffix[i]) as f64 } else { count as f64 };
                 if p == 0.0 {
                     continue;
                 }
-                let (p, qj) = (p / p_total, q[j] / q_total);
+                let (p, qj) = (p / p_total, qj / q_total);
                 if qj == 0.0 {
                     kl = f64::INFINITY;
                     break;
@@ -594,7 +590,7 @@ mod tests {
     #[test]
     fn cache_round_trips_through_json() {
         let mut tensors = BTreeMap::new();
-        tensors.insert("layer1.0.relu".to_string(), TensorRange::from_amax(3.1415927));
+        tensors.insert("layer1.0.relu".to_string(), TensorRange::from_amax(2.7182817));
         let c = CalibrationCache {
             version: CACHE_VERSION,
             method: CalibrationMethod::Percentile(99.99),

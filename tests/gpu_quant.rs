@@ -92,7 +92,7 @@ fn digits_engines_int8_fp8_accuracy() {
     println!("held-out top-1 on {n} images: Kiln CPU FP32 {fp32_top1:.2}%");
     let dir = std::env::temp_dir().join(format!("kiln-gpu-quant-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    let stats = Calibrator::new(&d.graph).expect("calibrator").collect(&[d.calib.clone()]).expect("calibrate");
+    let stats = Calibrator::new(&d.graph).expect("calibrator").collect(std::slice::from_ref(&d.calib)).expect("calibrate");
 
     let run = |precision: Precision, cache: Option<&PathBuf>| -> HostTensor {
         let mut config = BuildConfig::default().precision(precision).batch(1, n, n);

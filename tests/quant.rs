@@ -67,7 +67,7 @@ fn digits_int8_and_fp8_simulation_stay_within_half_a_point_of_fp32() {
     assert!(fp32 > 95.0, "the trained network should classify digits, got {fp32:.2}%");
 
     let calibrator = Calibrator::new(&d.graph).expect("calibrator");
-    let stats = calibrator.collect(&[d.calib.clone()]).expect("calibrate");
+    let stats = calibrator.collect(std::slice::from_ref(&d.calib)).expect("calibrate");
     println!("{} calibrated tensors: {:?}", stats.tensors.len(), calibrator.tensor_names());
     let mut rows = vec![];
     for (format, method) in [
@@ -91,8 +91,8 @@ fn digits_int8_and_fp8_simulation_stay_within_half_a_point_of_fp32() {
 fn calibrating_twice_gives_the_same_cache_and_the_cache_round_trips() {
     let d = digits();
     let calibrator = Calibrator::new(&d.graph).expect("calibrator");
-    let first = calibrator.calibrate(&[d.calib.clone()], CalibrationMethod::Entropy).expect("calibrate");
-    let second = calibrator.calibrate(&[d.calib.clone()], CalibrationMethod::Entropy).expect("calibrate");
+    let first = calibrator.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::Entropy).expect("calibrate");
+    let second = calibrator.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::Entropy).expect("calibrate");
     assert_eq!(first.images, 100);
     assert_eq!(first.to_json(), second.to_json(), "calibration is deterministic");
     assert_eq!(first.graph_hash, graph_hash(calibrator.graph()));
@@ -136,7 +136,7 @@ fn calibrating_twice_gives_the_same_cache_and_the_cache_round_trips() {
 fn simulation_quantises_exactly_the_documented_points() {
     let d = digits();
     let calibrator = Calibrator::new(&d.graph).expect("calibrator");
-    let cache = calibrator.calibrate(&[d.calib.clone()], CalibrationMethod::MinMax).expect("calibrate");
+    let cache = calibrator.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::MinMax).expect("calibrate");
     let optimized = calibrator.graph();
     let points = quant_points(optimized);
     // 9 convs (stem, 2 per block, 2 downsamples) and the fc.
