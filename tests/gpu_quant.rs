@@ -17,8 +17,15 @@ use std::sync::Arc;
 mod common;
 use common::{check, gpu, rel_l2};
 
+/// The workspace root: where the binary was built, or (a binary carried to the device by
+/// tools/gpu-build.sh) the current directory, the repository root there.
 fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    if built.join("tests/fixtures/digits.safetensors").exists() {
+        built
+    } else {
+        std::env::current_dir().expect("current directory")
+    }
 }
 
 /// The quantisation ops alone, FP32 and FP16 engines against the CPU executor (`check`): per
