@@ -47,11 +47,32 @@ __device__ void quant(const T* x, T* y, i64 n, const float* scale, const float* 
     }
 }
 
+// The e4m3 bits of a value already on the e4m3 grid (|v| <= 448): sign, 4 exponent bits (bias
+// 7), 3 mantissa bits; below 2^-6 the subnormals m * 2^-9. Mirrors `encode_e4m3` in src/ops/quant.rs.
+__device__ __forceinline__ unsigned char encode_e4m3(float v) {
+    unsigned int b = __float_as_uint(v);
+    unsigned char sign = (b >> 24) & 0x80;
+    float a = fabsf(v);
+    if (a == 0.0f) return sign;
+    if (a < 0.015625f) return sign | (unsigned char)(a * 512.0f);
+    int e = (int)((b >> 23) & 0xff) - 127;
+    return sign | (unsigned char)(((e + 7) << 3) | ((b >> 20) & 7));
+}
+
+// q = e4m3 bits of x * inv_scale (saturated, nearest even): an FP8 GEMM's activation operand.
+template <typename T> __device__ void to_e4m3(const T* x, unsigned char* q, i64 n, float inv_scale) {
+    GRID_STRIDE(i, n) {
+        float t = fminf(fmaxf(to_f32(x[i]) * inv_scale, -E4M3_MAX), E4M3_MAX);
+        q[i] = encode_e4m3(round_e4m3(t));
+    }
+}
+
 #define QUANT(T, S)                                                                                                                   \
     extern "C" __global__ void quant_##S(const T* x, T* y, i64 n, const float* scale, const float* zp, i64 inner, int channels, int mode, \
                                          int fmt, float qmin, float qmax) {                                                         \
         quant<T>(x, y, n, scale, zp, inner, channels, mode, fmt, qmin, qmax);                                                       \
-    }
+    }                                                                                                                               \
+    extern "C" __global__ void to_e4m3_##S(const T* x, unsigned char* q, i64 n, float inv_scale) { to_e4m3<T>(x, q, n, inv_scale); }
 
 QUANT(float, f32)
 QUANT(f16, f16)

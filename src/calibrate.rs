@@ -7,8 +7,10 @@
 //!   `linear`: one scale per tensor, from the calibration cache (`amax / 127` for int8,
 //!   `amax / 448` for fp8). A value read by several such layers gets one fake-quantiser, shared,
 //!   named after the value;
-//! - their weights: per output channel, symmetric, `max |w[c]| / 127` (or `/ 448`), computed at
-//!   build time from the (BatchNorm-folded) weights;
+//! - their weights, symmetric, computed at build time from the (BatchNorm-folded) weights: int8
+//!   per output channel (`max |w[c]| / 127`, range ±127 as TensorRT), fp8 per tensor
+//!   (`max |w| / 448`: e4m3's relative precision does not depend on the scale, and Hopper's FP8
+//!   GEMMs take one scale per operand);
 //! - nothing else: biases and fused residuals are added in f32 in the layer's epilogue; grouped and
 //!   depthwise convs, transposed convs, pooling, matmul and elementwise layers run in FP16.
 //!
@@ -463,7 +465,14 @@ pub fn quantize_graph(graph: &Graph, cache: &CalibrationCache, format: QuantForm
                 path: node.path.clone(),
                 reason: "an 8-bit layer's weight has no data".into(),
             })?;
-            let params = QuantParams::symmetric(format, 1.0).per_channel(0, weight_scales(w, format));
+            // Int8 weights per output channel; fp8 per tensor (e4m3's relative precision does not
+            // depend on the scale, and Hopper's FP8 GEMMs take one scale per operand).
+            let params = match format {
+                QuantFormat::Int8 => QuantParams::int8(1.0).range(-127, 127).per_channel(0, weight_scales(w, format)),
+                QuantFormat::Fp8E4m3 => {
+                    QuantParams::fp8(symmetric_scale(w.data.iter().fold(0f32, |m, v| m.max(v.abs())), QuantFormat::Fp8E4m3))
+                }
+            };
             inputs[1] = out.push(Op::Quant(Quant::FakeQuantize(params)), vec![inputs[1]], format!("{}.weight_quantizer", node.path))?;
         }
         let new = match &node.op {
@@ -565,7 +574,7 @@ pub fn quant_summary(graph: &Graph) -> Option<String> {
         .filter(|n| quantizable(&n.op) && matches!(n.inputs.first().map(|&j| &graph.nodes[j].op), Some(Op::Quant(_))))
         .count();
     Some(format!(
-        "quantised: {layers} conv/linear layer(s) read 8-bit inputs and weights (emulated: FP16 math on Q/DQ values), {quantisers} quantiser(s); all other layers FP16"
+        "quantised: {layers} conv/linear layer(s) read 8-bit inputs and weights ({quantisers} quantisers); they compute in FP16 on the Q/DQ values unless an FP8 GEMM (`cublaslt-gemm-fp8`) won their timing; all other layers FP16"
     ))
 }
 

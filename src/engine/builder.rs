@@ -108,7 +108,15 @@ impl Engine {
         self.layers
             .iter()
             .enumerate()
-            .map(|(i, l)| format!("{i:>4} {:<22} {}\n", crate::calibrate::layer_precision(&self.graph, l.path(), elem), l.describe()))
+            .map(|(i, l)| {
+                // A layer on 8-bit tensor cores says so in its kind.
+                let p = if l.kind().ends_with("-fp8") {
+                    "fp8".to_string()
+                } else {
+                    crate::calibrate::layer_precision(&self.graph, l.path(), elem)
+                };
+                format!("{i:>4} {p:<22} {}\n", l.describe())
+            })
             .collect()
     }
 }

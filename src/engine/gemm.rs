@@ -84,6 +84,8 @@ pub struct LtMatmul {
     k: usize,
     n: usize,
     elem: Elem,
+    /// The type of A and B: `elem`'s, or e4m3 for FP8 GEMMs (`new_fp8`).
+    ab_type: sys::cudaDataType,
     desc: MatDesc,
     plans: Mutex<HashMap<usize, Arc<Plan>>>,
 }
@@ -91,8 +93,46 @@ pub struct LtMatmul {
 impl LtMatmul {
     /// `bias` (device, `n` values of `elem`) and `relu` go into the epilogue.
     pub fn new(path: &str, precision: Precision, elem: Elem, k: usize, n: usize, bias: Option<&DeviceBuf>, relu: bool) -> Result<Self> {
-        let raw =
-            lt::create_matmul_desc(compute_type(precision), sys::cudaDataType::CUDA_R_32F).map_err(cuda_err("cublasLtMatmulDescCreate"))?;
+        Self::with_types(path, compute_type(precision), elem, cuda_type(elem), k, n, bias, relu)
+    }
+
+    /// An FP8 GEMM: A (the weight) and B (the activation) in e4m3 with per-tensor scales read from
+    /// device f32 scalars `a_scale` / `b_scale`, f32 accumulation, C and D in f16, `bias` (f16)
+    /// and ReLU in the epilogue. Hopper's FP8 kernels want exactly this "TN" form (A transposed).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new_fp8(path: &str, k: usize, n: usize, bias: Option<&DeviceBuf>, relu: bool, a_scale: u64, b_scale: u64) -> Result<Self> {
+        let m = Self::with_types(
+            path,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            Elem::F16,
+            sys::cudaDataType::CUDA_R_8F_E4M3,
+            k,
+            n,
+            bias,
+            relu,
+        )?;
+        use sys::cublasLtMatmulDescAttributes_t as A;
+        // SAFETY: `m.desc.0` is live; the scale attributes take device pointers to f32 scalars,
+        // which the caller keeps alive as long as this matmul.
+        unsafe {
+            set_attr(m.desc.0, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale)?;
+            set_attr(m.desc.0, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale)?;
+        }
+        Ok(m)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn with_types(
+        path: &str,
+        compute: sys::cublasComputeType_t,
+        elem: Elem,
+        ab_type: sys::cudaDataType,
+        k: usize,
+        n: usize,
+        bias: Option<&DeviceBuf>,
+        relu: bool,
+    ) -> Result<Self> {
+        let raw = lt::create_matmul_desc(compute, sys::cudaDataType::CUDA_R_32F).map_err(cuda_err("cublasLtMatmulDescCreate"))?;
         let desc = MatDesc(raw);
         use sys::cublasLtEpilogue_t as E;
         let epilogue = match (bias.is_some(), relu) {
@@ -111,7 +151,7 @@ impl LtMatmul {
                 set_attr(desc.0, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &cuda_type(elem))?;
             }
         }
-        Ok(Self { path: path.to_string(), k, n, elem, desc, plans: Mutex::new(HashMap::new()) })
+        Ok(Self { path: path.to_string(), k, n, elem, ab_type, desc, plans: Mutex::new(HashMap::new()) })
     }
 
     /// The plan for `m` rows, made once (cuBLAS is column-major: `Yᵀ[n, m] = W[n, k] · Xᵀ[k, m]`,
@@ -121,13 +161,12 @@ impl LtMatmul {
         if let Some(p) = plans.get(&m) {
             return Ok(p.clone());
         }
-        let t = cuda_type(self.elem);
-        let layout = |rows: usize, cols: usize, ld: usize| {
+        let layout = |t: sys::cudaDataType, rows: usize, cols: usize, ld: usize| {
             lt::create_matrix_layout(t, rows as u64, cols as u64, ld as i64).map(MatLayout).map_err(cuda_err("cublasLtMatrixLayoutCreate"))
         };
-        let a = layout(self.k, self.n, self.k)?;
-        let b = layout(self.k, m, self.k)?;
-        let c = layout(self.n, m, self.n)?;
+        let a = layout(self.ab_type, self.k, self.n, self.k)?;
+        let b = layout(self.ab_type, self.k, m, self.k)?;
+        let c = layout(cuda_type(self.elem), self.n, m, self.n)?;
         let pref = lt::create_matmul_pref().map_err(cuda_err("cublasLtMatmulPreferenceCreate"))?;
         let ws = GEMM_WORKSPACE.min(rt.workspace_bytes);
         // SAFETY: `pref`, the descriptor and the layouts are live; `ws` outlives the call; `pref`

@@ -979,6 +979,7 @@ pub fn entry_points() -> Vec<String> {
             "depthwise_k7",
             "global_avg_pool",
             "quant",
+            "to_e4m3",
         ] {
             names.push(format!("{k}_{t}"));
         }

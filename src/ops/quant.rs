@@ -199,6 +199,22 @@ pub fn round_e4m3(v: f32) -> f32 {
     ((a / step).round_ties_even() * step).copysign(v)
 }
 
+/// The e4m3 bits of `v`, which must lie on the e4m3 grid (`round_e4m3`'s output): sign, 4
+/// exponent bits (bias 7), 3 mantissa bits; subnormals below 2^-6 (mirrored by `kernels/quant.cu`).
+pub fn encode_e4m3(v: f32) -> u8 {
+    let b = v.to_bits();
+    let sign = ((b >> 24) & 0x80) as u8;
+    let a = v.abs();
+    if a == 0.0 {
+        return sign;
+    }
+    if a < 0.015625 {
+        return sign | (a * 512.0) as u8;
+    }
+    let e = ((b >> 23) & 0xff) as i32 - 127;
+    sign | (((e + 7) << 3) as u8 | ((b >> 20) & 7) as u8)
+}
+
 /// Quantisation ops. Input: the value; the parameters are attributes (from a QAT `state_dict`,
 /// a calibration cache, or per-channel weight ranges).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, strum::EnumIter)]
@@ -379,6 +395,10 @@ mod tests {
             assert_eq!(round_e4m3(mid + (hi - lo) * 0.01), hi);
         }
         assert_eq!(round_e4m3(1e6), 448.0);
+        for (bits, &v) in values.iter().enumerate() {
+            assert_eq!(encode_e4m3(v), bits as u8, "{v}");
+            assert_eq!(encode_e4m3(-v), bits as u8 | 0x80, "-{v}");
+        }
         assert!(round_e4m3(f32::NAN).is_nan());
     }
 
