@@ -173,3 +173,44 @@ fn quantised_builds_without_scales_are_refused() {
         assert!(matches!(err, Some(Error::Config { .. })), "{p:?}: {err:?}");
     }
 }
+
+/// The FP8 GEMM (`cublaslt-gemm-fp8`) forced on a block of 1×1 convs (bias, ReLU, residual),
+/// against the CPU simulation of the same FP8 engine and against FP32.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn fp8_gemm_matches_the_simulation() {
+    let Some(gpu) = gpu() else { return };
+    if gpu.info.sm < 89 {
+        println!("skipped: sm_{} has no FP8", gpu.info.sm);
+        return;
+    }
+    use kiln::{Conv2d, Conv2dConfig};
+    let tracer = kiln::Tracer::new();
+    let x = tracer.input("input", &[4, 32, 7, 7]);
+    let vb = VarBuilder::seeded();
+    let c1 = Conv2d::load(vb.pp("c1"), &Conv2dConfig::new(32, 64, 1)).expect("c1");
+    let c2 = Conv2d::load(vb.pp("c2"), &Conv2dConfig::new(64, 32, 1)).expect("c2");
+    let h = c1.forward(&x).and_then(|h| h.relu()).expect("c1");
+    let y = c2.forward(&h).and_then(|y| y.add(&x)).and_then(|y| y.relu()).expect("c2");
+    y.mark_output("y");
+    let graph = tracer.graph();
+    let input = common::random(&[4, 32, 7, 7], 11, 2.0);
+    let cache =
+        Calibrator::new(&graph).and_then(|c| c.calibrate(std::slice::from_ref(&input), CalibrationMethod::MinMax)).expect("calibrate");
+    let path = std::env::temp_dir().join(format!("kiln-fp8-gemm-{}.json", std::process::id()));
+    cache.save(&path).expect("save");
+    let config =
+        BuildConfig::default().precision(Precision::Fp8).batch(1, 4, 4).calibration_cache(&path).tactic_sources(&["cublaslt-gemm-fp8"]);
+    let engine = Arc::new(EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph).expect("FP8 engine"));
+    print!("{}{}", engine.describe(), engine.summary);
+    let fp8_layers = engine.layers().filter(|l| l.kind() == "cublaslt-gemm-fp8").count();
+    let got = engine.context().expect("context").run(&[("input", &input)]).expect("run").remove("y").expect("y");
+    let sim = kiln::cpu::run(&simulate(&graph, &cache, QuantFormat::Fp8E4m3).expect("simulate"), &[("input", &input)]).expect("cpu");
+    let fp32 = kiln::cpu::run(&graph, &[("input", &input)]).expect("cpu");
+    let (vs_sim, max_sim) = rel_l2(&got.data, &sim["y"].data);
+    let (vs_fp32, _) = rel_l2(&got.data, &fp32["y"].data);
+    println!("FP8 GEMM layers: {fp8_layers}; rel L2 {vs_sim:.2e} (max-abs {max_sim:.2e}) vs the simulation, {vs_fp32:.2e} vs FP32");
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(fp8_layers, 2, "both 1x1 convs run on FP8 tensor cores");
+    assert!(vs_sim < 1e-2, "rel L2 {vs_sim:.2e} against the CPU simulation");
+}
