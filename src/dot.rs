@@ -91,6 +91,7 @@ fn fill(node: &Node) -> &'static str {
         Op::Unary(_) => "#e9ecef",
         Op::Binary(_) | Op::Shape(_) => "#dee2e6",
         Op::Custom(_) => "#cdb4db",
+        Op::Quant(_) => "#ffc8dd",
         Op::Input { .. } | Op::Weight { .. } => "#ffffff",
     }
 }

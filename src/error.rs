@@ -39,6 +39,9 @@ pub enum Error {
     #[error("codegen: {reason}")]
     Codegen { reason: String },
 
+    #[error("calibration ({path}): {reason}")]
+    Calibration { path: String, reason: String },
+
     #[error("unknown model `{name}`; the bundled models are: {known}")]
     UnknownModel { name: String, known: String },
 

@@ -9,6 +9,7 @@ pub use crate::ops::elementwise::{Binary, Unary};
 pub use crate::ops::linear::Gemm;
 pub use crate::ops::norm::Norm;
 pub use crate::ops::pool::{Pool, PoolAttrs};
+pub use crate::ops::quant::{Quant, QuantFormat, QuantParams};
 pub use crate::ops::resize::Resize;
 pub use crate::ops::shape::ShapeOp;
 use crate::ops::OpDef;
@@ -84,6 +85,8 @@ pub enum Op {
     Resize(Resize),
     /// Scaled dot-product attention with an optional additive bias (`ops::attention`).
     Attention(Attention),
+    /// Quantize, dequantize and fake-quantize, int8 and fp8 (`ops::quant`).
+    Quant(Quant),
     /// A user-registered op (`ops::custom`): its name selects its shape rule, CPU reference and
     /// converter.
     Custom(CustomCall),
@@ -104,6 +107,7 @@ impl Op {
             Op::Shape(a) => a,
             Op::Resize(a) => a,
             Op::Attention(a) => a,
+            Op::Quant(a) => a,
             Op::Custom(a) => a,
         })
     }

@@ -7,6 +7,7 @@
 
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub mod calibrate;
 pub mod codegen;
 pub mod compare;
 pub mod cpu;

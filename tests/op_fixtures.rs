@@ -4,6 +4,7 @@
 //! executor and compared with PyTorch's output.
 
 use kiln::compare::compare;
+use kiln::graph::QuantParams;
 use kiln::var_builder::read_safetensors;
 use kiln::{
     AdaptiveAvgPool2d, AvgPool2d, BatchNorm2d, BatchNorm2dConfig, Binary, Conv2d, Conv2dConfig, ConvTranspose2d, Forward, Hardsigmoid,
@@ -154,6 +155,23 @@ fn build(case: &str, vb: VarBuilder, x: &Tensor, other: Option<&Tensor>) -> Opti
             let (k, v) = kv(o)?;
             x.attention_weight(case, &k, &v, &vb.get(&[5, 1], "bias")?, None)
         }),
+        "fake_quantize_per_tensor_affine" => x.fake_quantize(QuantParams::int8(0.02)),
+        "fake_quantize_per_tensor_zero_point" => x.fake_quantize(QuantParams::int8(0.03).zero_points(vec![10]).range(0, 255)),
+        "fake_quantize_per_channel_affine" => x.fake_quantize(QuantParams::int8(1.0).per_channel(1, vec![0.01, 0.02, 0.05])),
+        "fake_quantize_per_channel_axis0" => {
+            x.fake_quantize(QuantParams::int8(1.0).range(-127, 127).per_channel(0, vec![0.004, 0.01, 0.02, 0.03]))
+        }
+        "fake_quantize_fp8_e4m3" => x.fake_quantize(QuantParams::fp8(0.005)),
+        "fake_quantize_fp8_per_channel" => x.fake_quantize(QuantParams::fp8(1.0).per_channel(1, vec![0.001, 0.01, 0.1])),
+        "quantize_int8_per_tensor" => x.quantize(QuantParams::int8(0.02)),
+        "quantize_int8_per_channel" => x.quantize(QuantParams::int8(1.0).per_channel(1, vec![0.01, 0.02, 0.05])),
+        "quantize_fp8" => x.quantize(QuantParams::fp8(0.02)),
+        "dequantize_int8_per_tensor" => x.quantize(QuantParams::int8(0.03125)).and_then(|q| q.dequantize(QuantParams::int8(0.03125))),
+        "dequantize_int8_per_channel" => {
+            let p = QuantParams::int8(1.0).per_channel(1, vec![0.01, 0.02, 0.05]);
+            x.quantize(p.clone()).and_then(|q| q.dequantize(p))
+        }
+        "dequantize_fp8" => x.quantize(QuantParams::fp8(0.03125)).and_then(|q| q.dequantize(QuantParams::fp8(0.03125))),
         _ => return None,
     })
 }

@@ -54,7 +54,8 @@ CLASSIFIERS = [
 ]
 # Ultralytics' detectors, built from the yaml packaged with `ultralytics` (see `build_yolo`).
 YOLO = {"yolov8n": "yolov8n.yaml", "yolo11n": "yolo11n.yaml"}
-MODELS = {**{name: 224 for name in CLASSIFIERS}, "centernet": 512, "centernet_dcn": 512, **{name: 640 for name in YOLO}}
+# "digits_resnet": the small ResNet of tools/train_digits.py (trained weights in models/weights/).
+MODELS = {**{name: 224 for name in CLASSIFIERS}, "centernet": 512, "centernet_dcn": 512, **{name: 640 for name in YOLO}, "digits_resnet": 32}
 
 # The committed references in tests/fixtures: (batch, size). 112 keeps the CPU tests fast and the
 # files small, and is not a multiple of 32, so late stages see odd sizes: GoogLeNet's and
@@ -79,6 +80,7 @@ FIXTURE_SIZES = {
     "centernet_dcn": (1, 128),
     # 160x160 keeps the YOLO references small (525 anchors) and the CPU executor fast.
     **{name: (2, 160) for name in YOLO},
+    "digits_resnet": (2, 32),
 }
 
 # torchvision's builders take these for Kiln's variant of the model: GoogLeNet's inference path
@@ -302,6 +304,10 @@ def build(model):
         return CenterNetDCN(80)
     if model in YOLO:
         return build_yolo(YOLO[model])
+    if model == "digits_resnet":
+        from train_digits import DigitsResNet
+
+        return DigitsResNet()
     raise SystemExit(f"unknown model `{model}` (expected one of {', '.join(MODELS)})")
 
 
@@ -462,6 +468,8 @@ class ParamOp(nn.Module):
 # Op fixtures whose input spans [-4, 4] (or more) rather than [-1, 1], to reach every branch.
 WIDE_INPUTS = {"sigmoid": 4.0, "silu": 4.0, "hardswish": 4.0, "hardsigmoid": 4.0, "gelu_exact": 4.0, "gelu_tanh": 4.0, "tanh": 4.0}
 WIDE_INPUTS.update({"asinh": 4.0, "clamp_relu6": 8.0, "clamp_hardtanh": 4.0})
+# Quantisation cases span the saturation range of their scales.
+WIDE_INPUTS.update({k: 4.0 for k in ["fake_quantize_per_tensor_affine", "fake_quantize_per_tensor_zero_point", "fake_quantize_per_channel_affine", "fake_quantize_fp8_e4m3", "fake_quantize_fp8_per_channel", "quantize_int8_per_tensor", "quantize_int8_per_channel", "quantize_fp8", "dequantize_int8_per_tensor", "dequantize_int8_per_channel", "dequantize_fp8"]})
 
 
 def op_cases():
@@ -601,6 +609,29 @@ def op_cases():
     c.append(("attention_vit", Attn(), [[2, 3, 17, 16], [2, 2, 3, 13, 16]]))
     c.append(("attention_swin_bias", Attn([4, 3, 7, 7], 0.3), [[2, 4, 3, 7, 8], [2, 2, 4, 3, 7, 8]]))
     c.append(("attention_bias_rows", Attn([5, 1], None), [[3, 2, 5, 4], [3, 2, 2, 9, 4]]))
+    # Quantisation (src/ops/quant.rs): PyTorch's fake-quant and quantize ops, and the fp8 e4m3
+    # round trip after scaling (clamped first: Kiln saturates, PyTorch's cast would give NaN).
+    def fp8(a, scale):
+        inv = 1.0 / torch.tensor(scale, dtype=torch.float32)
+        return torch.clamp(a * inv, -448.0, 448.0).to(torch.float8_e4m3fn).float()
+
+    zeros3 = torch.zeros(3, dtype=torch.int32)
+    ch_scales = torch.tensor([0.01, 0.02, 0.05])
+    c.append(("fake_quantize_per_tensor_affine", lambda a: torch.fake_quantize_per_tensor_affine(a, 0.02, 0, -128, 127), [[2, 3, 5, 6]]))
+    c.append(("fake_quantize_per_tensor_zero_point", lambda a: torch.fake_quantize_per_tensor_affine(a, 0.03, 10, 0, 255), [[2, 3, 5, 6]]))
+    c.append(("fake_quantize_per_channel_affine", lambda a: torch.fake_quantize_per_channel_affine(a, ch_scales, zeros3, 1, -128, 127), [[2, 3, 5, 6]]))
+    w_scales = torch.tensor([0.004, 0.01, 0.02, 0.03])
+    c.append(("fake_quantize_per_channel_axis0", lambda a: torch.fake_quantize_per_channel_affine(a, w_scales, torch.zeros(4, dtype=torch.int32), 0, -127, 127), [[4, 3, 3, 3]]))
+    c.append(("fake_quantize_fp8_e4m3", lambda a: fp8(a, 0.005) * torch.tensor(0.005), [[2, 3, 5, 6]]))
+    fp8_ch = torch.tensor([0.001, 0.01, 0.1]).view(1, 3, 1, 1)
+    c.append(("fake_quantize_fp8_per_channel", lambda a: fp8(a, fp8_ch) * fp8_ch, [[2, 3, 5, 6]]))
+    c.append(("quantize_int8_per_tensor", lambda a: torch.quantize_per_tensor(a, 0.02, 0, torch.qint8).int_repr().float(), [[2, 3, 5, 6]]))
+    qc = lambda a: torch.quantize_per_channel(a, ch_scales.double(), torch.zeros(3, dtype=torch.int64), 1, torch.qint8)
+    c.append(("quantize_int8_per_channel", lambda a: qc(a).int_repr().float(), [[2, 3, 5, 6]]))
+    c.append(("quantize_fp8", lambda a: fp8(a, 0.02), [[2, 3, 5, 6]]))
+    c.append(("dequantize_int8_per_tensor", lambda a: torch.dequantize(torch.quantize_per_tensor(a, 0.03125, 0, torch.qint8)), [[2, 3, 5, 6]]))
+    c.append(("dequantize_int8_per_channel", lambda a: torch.dequantize(qc(a)), [[2, 3, 5, 6]]))
+    c.append(("dequantize_fp8", lambda a: fp8(a, 0.03125) * 0.03125, [[2, 3, 5, 6]]))
     return c
 
 

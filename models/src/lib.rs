@@ -17,6 +17,7 @@ pub mod centernet_dcn;
 pub mod cli;
 pub mod convnext;
 pub mod densenet;
+pub mod digits;
 pub mod efficientnet;
 pub mod googlenet;
 pub mod misc;
@@ -39,6 +40,7 @@ pub use centernet::{centernet_r50, decode, CenterNet, CenterNetOutput};
 pub use centernet_dcn::{centernet_dcn_r50, CenterNetDcn};
 pub use convnext::{convnext_tiny, ConvNeXt};
 pub use densenet::{densenet121, DenseNet};
+pub use digits::{digits_resnet, DigitsResNet, DIGITS_WEIGHTS};
 pub use efficientnet::{efficientnet_b0, EfficientNet};
 pub use googlenet::{googlenet, GoogLeNet};
 pub use mobilenetv2::{mobilenet_v2, MobileNetV2};
@@ -123,6 +125,13 @@ pub const BUNDLED: &[BundledModel] = &[
     classifier!("convnext_tiny", convnext_tiny, "torchvision ConvNeXt-Tiny (depthwise 7x7, LayerNorm, GELU, layer scale)"),
     classifier!("swin_t", swin_t, "torchvision Swin-T (shifted windows, relative position bias, patch merging)"),
     classifier!("vit_b_16", vit_b_16, "torchvision ViT-B/16 (class token, multi-head attention)"),
+    BundledModel {
+        name: "digits_resnet",
+        input_size: 32,
+        outputs: &["logits"],
+        description: "small ResNet trained on scikit-learn's digits (tools/train_digits.py; weights in models/weights/)",
+        load: Load::Classifier(|vb| boxed(digits_resnet(vb))),
+    },
     BundledModel {
         name: "centernet",
         input_size: 512,

@@ -35,6 +35,8 @@ pub struct BuildSummary {
     pub build_seconds: f64,
     /// Per timed choice: the problem and (kind, ms) of each candidate.
     pub tactic_log: Vec<(String, Vec<(String, f32)>)>,
+    /// For an INT8/FP8 engine: which layers are quantised (`calibrate::quant_summary`).
+    pub quantised: Option<String>,
 }
 
 /// Device memory of an engine, in bytes.
@@ -97,6 +99,9 @@ impl std::fmt::Display for BuildSummary {
         for line in &self.fused {
             writeln!(f, "  fused: {line}")?;
         }
+        if let Some(q) = &self.quantised {
+            writeln!(f, "  {q}")?;
+        }
         Ok(())
     }
 }
@@ -139,15 +144,19 @@ impl Engine {
     pub fn tactics(&self) -> &BTreeMap<String, String> {
         &self.tactics
     }
-    /// The engine's layers, one a line, for `inspect` (with the workspace of those that have one).
+    /// The engine's layers, one a line, with the precision each computes in and the workspace of
+    /// those that have one, for `inspect`.
     pub fn describe(&self) -> String {
+        let elem = crate::engine::Precision::name(self.config.precision.elem());
         let mut out = String::new();
         for (i, l) in self.layers.iter().enumerate() {
+            // A layer on 8-bit tensor cores says so in its kind.
+            let p = if l.kind().ends_with("-fp8") { "fp8".to_string() } else { crate::calibrate::layer_precision(&self.graph, l.path(), elem) };
             let ws = match self.workspaces.get(i) {
                 Some(&(_, bytes)) if bytes > 0 => format!("  [workspace {:.2} MiB]", bytes as f64 / (1 << 20) as f64),
                 _ => String::new(),
             };
-            out.push_str(&format!("{i:>4} {}{ws}\n", l.describe()));
+            out.push_str(&format!("{i:>4} {p:<22} {}{ws}\n", l.describe()));
         }
         out
     }
@@ -179,10 +188,26 @@ impl EngineBuilder {
         check_converters(graph)?;
         let optimized = crate::passes::optimize(graph)?;
         check_converters(&optimized)?;
+        let optimized = match self.config.precision {
+            super::Precision::Best => {
+                return Err(Error::Config { reason: "precision Best (per-layer timing of FP16/INT8/FP8) is not implemented yet".into() })
+            }
+            p => match p.quant_format() {
+                Some(format) => crate::calibrate::prepare_for_engine(optimized, format, self.config.calibration_cache.as_deref())?,
+                // A Q/DQ graph in FP16/FP32 runs its quantisers as they are; weights' are folded.
+                None if crate::calibrate::has_quant_nodes(&optimized) => crate::calibrate::fold_constant_quant(&optimized)?,
+                None => optimized,
+            },
+        };
         let gpu = match &self.gpu {
             Some(g) => g.clone(),
             None => Gpu::new(0)?,
         };
+        if self.config.precision == super::Precision::Fp8 && gpu.info.sm < 89 {
+            return Err(Error::Config {
+                reason: format!("FP8 needs a GPU of compute capability 8.9 or newer; {} is sm_{}", gpu.info.name, gpu.info.sm),
+            });
+        }
         let mut tactics = Tactics { cache_prefix: cache_prefix(&gpu, &self.config), progress: self.progress.clone(), ..Default::default() };
         if let Some(path) = &self.config.timing_cache {
             tactics.load_cache(path)?;
@@ -485,6 +510,7 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
         tactics_cached: tactics.cached,
         build_seconds: 0.0,
         tactic_log: tactics.log.clone(),
+        quantised: crate::calibrate::quant_summary(&graph),
     };
     Ok(Engine {
         gpu,

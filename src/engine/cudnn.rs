@@ -71,7 +71,7 @@ fn math_type(p: Precision) -> dnn::cudnnMathType_t {
     match p {
         Precision::Fp32 => dnn::cudnnMathType_t::CUDNN_FMA_MATH,
         Precision::Tf32 => dnn::cudnnMathType_t::CUDNN_DEFAULT_MATH,
-        Precision::Fp16 => dnn::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
+        Precision::Fp16 | Precision::Int8 | Precision::Fp8 | Precision::Best => dnn::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
     }
 }
 

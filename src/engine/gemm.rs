@@ -54,7 +54,9 @@ fn cuda_type(elem: Elem) -> sys::cudaDataType {
 /// FP32 must not use TF32; TF32 may; FP16 accumulates in f32.
 fn compute_type(p: Precision) -> sys::cublasComputeType_t {
     match p {
-        Precision::Fp32 | Precision::Fp16 => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        Precision::Fp32 | Precision::Fp16 | Precision::Int8 | Precision::Fp8 | Precision::Best => {
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+        }
         Precision::Tf32 => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
     }
 }
@@ -84,6 +86,8 @@ pub struct LtMatmul {
     k: usize,
     n: usize,
     elem: Elem,
+    /// The type of A and B: `elem`'s, or e4m3 for FP8 GEMMs (`new_fp8`).
+    ab_type: sys::cudaDataType,
     desc: MatDesc,
     /// Plans by (rows, batch count).
     plans: Mutex<HashMap<(usize, usize), Arc<Plan>>>,
@@ -113,8 +117,46 @@ pub struct Batched {
 impl LtMatmul {
     /// `bias` (device, `n` values of `elem`) and `relu` go into the epilogue.
     pub fn new(path: &str, precision: Precision, elem: Elem, k: usize, n: usize, bias: Option<&DeviceBuf>, relu: bool) -> Result<Self> {
-        let raw =
-            lt::create_matmul_desc(compute_type(precision), sys::cudaDataType::CUDA_R_32F).map_err(cuda_err("cublasLtMatmulDescCreate"))?;
+        Self::with_types(path, compute_type(precision), elem, cuda_type(elem), k, n, bias, relu)
+    }
+
+    /// An FP8 GEMM: A (the weight) and B (the activation) in e4m3 with per-tensor scales read from
+    /// device f32 scalars `a_scale` / `b_scale`, f32 accumulation, C and D in f16, `bias` (f16)
+    /// and ReLU in the epilogue. Hopper's FP8 kernels want exactly this "TN" form (A transposed).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new_fp8(path: &str, k: usize, n: usize, bias: Option<&DeviceBuf>, relu: bool, a_scale: u64, b_scale: u64) -> Result<Self> {
+        let m = Self::with_types(
+            path,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            Elem::F16,
+            sys::cudaDataType::CUDA_R_8F_E4M3,
+            k,
+            n,
+            bias,
+            relu,
+        )?;
+        use sys::cublasLtMatmulDescAttributes_t as A;
+        // SAFETY: `m.desc.0` is live; the scale attributes take device pointers to f32 scalars,
+        // which the caller keeps alive as long as this matmul.
+        unsafe {
+            set_attr(m.desc.0, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale)?;
+            set_attr(m.desc.0, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale)?;
+        }
+        Ok(m)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn with_types(
+        path: &str,
+        compute: sys::cublasComputeType_t,
+        elem: Elem,
+        ab_type: sys::cudaDataType,
+        k: usize,
+        n: usize,
+        bias: Option<&DeviceBuf>,
+        relu: bool,
+    ) -> Result<Self> {
+        let raw = lt::create_matmul_desc(compute, sys::cudaDataType::CUDA_R_32F).map_err(cuda_err("cublasLtMatmulDescCreate"))?;
         let desc = MatDesc(raw);
         use sys::cublasLtEpilogue_t as E;
         let epilogue = match (bias.is_some(), relu) {
@@ -133,7 +175,7 @@ impl LtMatmul {
                 set_attr(desc.0, A::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &cuda_type(elem))?;
             }
         }
-        Ok(Self { path: path.to_string(), k, n, elem, desc, plans: Mutex::new(HashMap::new()), batched: None })
+        Ok(Self { path: path.to_string(), k, n, elem, ab_type, desc, plans: Mutex::new(HashMap::new()), batched: None })
     }
 
     /// A strided-batched `Y = alpha · X[m, k] · W` of two activations (no bias, no epilogue).
@@ -186,11 +228,11 @@ impl LtMatmul {
         };
         let bt = self.batched;
         let a = match bt {
-            Some(b) if b.w_kn => layout(t, self.n, self.k, self.n, Some(b.stride_w))?,
-            _ => layout(t, self.k, self.n, self.k, bt.map(|b| b.stride_w))?,
+            Some(b) if b.w_kn => layout(self.ab_type, self.n, self.k, self.n, Some(b.stride_w))?,
+            _ => layout(self.ab_type, self.k, self.n, self.k, bt.map(|b| b.stride_w))?,
         };
         let ld = |ld: usize, dense: usize| if ld == 0 { dense } else { ld };
-        let b = layout(t, self.k, m, ld(bt.map_or(0, |b| b.ld_x), self.k), bt.map(|b| b.stride_x))?;
+        let b = layout(self.ab_type, self.k, m, ld(bt.map_or(0, |b| b.ld_x), self.k), bt.map(|b| b.stride_x))?;
         let c = layout(bt.map_or(t, |b| cuda_type(b.out_elem)), self.n, m, ld(bt.map_or(0, |b| b.ld_y), self.n), bt.map(|b| b.stride_y))?;
         let pref = lt::create_matmul_pref().map_err(cuda_err("cublasLtMatmulPreferenceCreate"))?;
         // Plans are made with one workspace limit wherever they are made (build, timing or run),

@@ -982,6 +982,8 @@ pub fn entry_points() -> Vec<String> {
             "attn_softmax",
             "flash_attn_d32",
             "flash_attn_d64",
+            "quant",
+            "to_e4m3",
         ] {
             names.push(format!("{k}_{t}"));
         }

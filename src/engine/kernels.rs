@@ -36,6 +36,7 @@ pub const FAMILIES: &[(&str, &str)] = &[
     ("resize.cu", include_str!("../../kernels/resize.cu")),
     ("depthwise.cu", include_str!("../../kernels/depthwise.cu")),
     ("attention.cu", include_str!("../../kernels/attention.cu")),
+    ("quant.cu", include_str!("../../kernels/quant.cu")),
 ];
 
 /// Families compiled only when a layer that launches them is built (`Kernels::add_source`): the

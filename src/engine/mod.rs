@@ -22,6 +22,7 @@ pub mod kernel_layers;
 pub mod kernels;
 pub mod launch;
 pub mod layer;
+pub mod quant;
 pub mod tactic;
 
 pub use builder::{estimate_arena, BuildSummary, Engine, EngineBuilder, MemorySummary};
@@ -39,13 +40,19 @@ use std::sync::OnceLock;
 
 /// Arithmetic of an engine. `Fp32` forbids TF32 (cuDNN FMA math, cuBLASLt `COMPUTE_32F`); `Tf32`
 /// keeps f32 storage and lets tensor cores round inputs to TF32; `Fp16` stores activations and
-/// weights in f16 and accumulates in f32.
+/// weights in f16 and accumulates in f32. `Int8` and `Fp8` quantise the inputs and weights of
+/// convolutions and Linear layers with a calibration cache's scales (or a graph's own Q/DQ
+/// nodes), see `kiln::calibrate`; every other layer runs in FP16. `Fp8` needs sm_89 or newer.
+/// `Best` is TensorRT's `--best`: per layer, the fastest of FP16, INT8 and FP8.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub enum Precision {
     Fp32,
     Tf32,
     #[default]
     Fp16,
+    Int8,
+    Fp8,
+    Best,
 }
 
 impl Precision {
@@ -53,7 +60,24 @@ impl Precision {
     pub fn elem(self) -> Elem {
         match self {
             Precision::Fp32 | Precision::Tf32 => Elem::F32,
-            Precision::Fp16 => Elem::F16,
+            Precision::Fp16 | Precision::Int8 | Precision::Fp8 | Precision::Best => Elem::F16,
+        }
+    }
+
+    /// `fp32` / `fp16`: the name of a storage type, for layer listings.
+    pub fn name(elem: Elem) -> &'static str {
+        match elem {
+            Elem::F32 => "fp32",
+            Elem::F16 => "fp16",
+        }
+    }
+
+    /// The 8-bit format this precision quantises to (`None`: not a quantised precision).
+    pub fn quant_format(self) -> Option<crate::graph::QuantFormat> {
+        match self {
+            Precision::Int8 | Precision::Best => Some(crate::graph::QuantFormat::Int8),
+            Precision::Fp8 => Some(crate::graph::QuantFormat::Fp8E4m3),
+            Precision::Fp32 | Precision::Tf32 | Precision::Fp16 => None,
         }
     }
 }
@@ -80,6 +104,10 @@ pub struct BuildConfig {
     /// candidate of these kinds keeps all of its own. `None`: every kind competes.
     #[serde(default)]
     pub tactic_sources: Option<Vec<String>>,
+    /// The calibration cache (`kiln calibrate`) an `Int8`/`Fp8` build takes its activation scales
+    /// from, unless the graph has its own quantize/dequantize nodes.
+    #[serde(default)]
+    pub calibration_cache: Option<PathBuf>,
 }
 
 impl Default for BuildConfig {
@@ -93,6 +121,7 @@ impl Default for BuildConfig {
             timing_cache: None,
             cuda_graphs: true,
             tactic_sources: None,
+            calibration_cache: None,
         }
     }
 }
@@ -117,6 +146,10 @@ impl BuildConfig {
     }
     pub fn workspace(mut self, bytes: usize) -> Self {
         self.workspace_bytes = bytes;
+        self
+    }
+    pub fn calibration_cache(mut self, path: impl Into<PathBuf>) -> Self {
+        self.calibration_cache = Some(path.into());
         self
     }
     pub fn timing_cache(mut self, path: impl Into<PathBuf>) -> Self {

@@ -14,11 +14,12 @@ pub mod elementwise;
 pub mod linear;
 pub mod norm;
 pub mod pool;
+pub mod quant;
 pub mod resize;
 pub mod shape;
 
 use crate::engine::{BuildCtx, Layer, Layout};
-use crate::graph::{Binary, ConvAttrs, Gemm, HostTensor, NodeId, Norm, Op, Pool, Resize, ShapeOp, Unary};
+use crate::graph::{Binary, ConvAttrs, Gemm, HostTensor, NodeId, Norm, Op, Pool, Quant, Resize, ShapeOp, Unary};
 use std::borrow::Cow;
 use strum::IntoEnumIterator;
 
@@ -36,6 +37,7 @@ pub fn builtin_ops() -> Vec<Op> {
         .chain(ShapeOp::iter().map(Op::Shape))
         .chain(Resize::iter().map(Op::Resize))
         .chain([Op::Attention(attention::Attention::default())])
+        .chain(Quant::iter().map(Op::Quant))
         .collect()
 }
 

@@ -362,6 +362,12 @@ impl EngineArgs {
             Precision::Fp32
         } else if self.tf32 {
             Precision::Tf32
+        } else if self.int8 {
+            Precision::Int8
+        } else if self.fp8 {
+            Precision::Fp8
+        } else if self.best {
+            Precision::Best
         } else {
             Precision::Fp16
         }
@@ -374,6 +380,9 @@ impl EngineArgs {
         if let Some(tc) = &self.timing_cache {
             c = c.timing_cache(tc.clone());
         }
+        if let Some(cal) = &self.calibration_cache {
+            c = c.calibration_cache(cal.clone());
+        }
         c
     }
 }
@@ -383,6 +392,9 @@ pub fn precision_name(p: Precision) -> &'static str {
         Precision::Fp32 => "fp32",
         Precision::Tf32 => "tf32",
         Precision::Fp16 => "fp16",
+        Precision::Int8 => "int8",
+        Precision::Fp8 => "fp8",
+        Precision::Best => "best",
     }
 }
 

@@ -37,6 +37,8 @@ fn default_l2_tol(a: &CompareArgs) -> f64 {
         Precision::Fp32 => 1e-4,
         Precision::Tf32 => 2e-3,
         Precision::Fp16 => 1e-2,
+        // 8-bit engines are compared with FP32 PyTorch: quantisation error, not a bug, dominates.
+        Precision::Int8 | Precision::Fp8 | Precision::Best => 1e-1,
     }
 }
 

@@ -18,6 +18,7 @@ macro_rules! say_raw {
 }
 
 mod bench;
+mod calibrate;
 mod common;
 mod compare;
 mod inspect;
@@ -159,6 +160,15 @@ pub enum Command {
         after_long_help = "Examples:\n  kiln codegen resnet18 -o resnet18_gen.rs\n  kiln codegen centernet --fn-name centernet_graph --max-width 140\n  kiln codegen mynet.kiln.safetensors -o mynet_gen.rs"
     )]
     Codegen(CodegenArgs),
+    /// Record activation ranges over a calibration set (CPU) and write an INT8/FP8 calibration cache.
+    ///
+    /// Methods are TensorRT's: entropy (KL divergence, the default), percentile (99.99) and
+    /// min-max. The cache is readable JSON; `--int8`/`--fp8` builds read it with
+    /// --calibration-cache and need no data.
+    #[command(
+        after_long_help = "Examples:\n  kiln calibrate digits_resnet --weights models/weights/digits_resnet.safetensors --data calib.safetensors --images 100\n  kiln build resnet50 --int8 --calibration-cache resnet50.calib.json -o rn50.int8.kiln"
+    )]
+    Calibrate(calibrate::CalibrateArgs),
 }
 
 /// A `--shapes`-style flag value: one or more `name:d0xd1x...`, comma-separated.
@@ -200,7 +210,22 @@ pub struct EngineArgs {
     /// FP32 storage, TF32 tensor-core math.
     #[arg(long, group = "precision")]
     pub tf32: bool,
-    /// Scratch memory limit per layer, in MiB. A limit, not an allocation: the engine allocates the largest workspace its chosen layers need. Too low a limit rules out fast algorithms (FP32 CenterNet at batch 32: 853 ms with 256 MiB, 76 ms with 4096 MiB on an H200).
+    /// INT8 convolutions and Linear layers (scales from --calibration-cache or the graph's Q/DQ
+    /// nodes), FP16 elsewhere.
+    #[arg(long, group = "precision")]
+    pub int8: bool,
+    /// FP8 (e4m3) convolutions and Linear layers, FP16 elsewhere (sm_89 or newer).
+    #[arg(long, group = "precision")]
+    pub fp8: bool,
+    /// Per layer, the fastest of FP16, INT8 and FP8 (TensorRT's --best).
+    #[arg(long, group = "precision")]
+    pub best: bool,
+    /// The calibration cache (`kiln calibrate`) of --int8/--fp8/--best builds.
+    #[arg(long, value_name = "FILE")]
+    pub calibration_cache: Option<PathBuf>,
+    /// Scratch memory limit per layer, in MiB. A limit, not an allocation: the engine allocates the
+    /// largest workspace its chosen layers need. Too low a limit rules out fast algorithms (FP32
+    /// CenterNet at batch 32: 853 ms with 256 MiB, 76 ms with 4096 MiB on an H200).
     #[arg(long, value_name = "MiB", default_value_t = 4096)]
     pub workspace: usize,
     /// Timing cache file: read before timing algorithms, written after, so rebuilds are fast.
@@ -480,6 +505,7 @@ where
         Command::Compare(a) => compare::compare(a),
         Command::Inspect(a) => inspect::inspect(a),
         Command::Codegen(a) => inspect::codegen(a),
+        Command::Calibrate(a) => calibrate::calibrate(a),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,177 @@
+//! `kiln calibrate`: records activation ranges of a model over a calibration set on the CPU
+//! executor and writes the JSON calibration cache that `--int8` / `--fp8` builds read
+//! (`--calibration-cache`), so later builds need no data.
+//!
+//! The set is a safetensors file (`input` `[N, 3, S, S]`, or its only tensor; `[N, 1, S, S]` is
+//! repeated over 3 channels) or a folder of binary PGM/PPM images (`P5`/`P6`, 8-bit, S×S, sorted
+//! by name), scaled to [0, 1] and normalised with `--mean` / `--std`.
+
+use super::common;
+use super::ModelArgs;
+use clap::Args;
+use kiln::calibrate::{CalibrationMethod, Calibrator};
+use kiln::{Error, HostTensor, Result};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+#[derive(Args, Debug)]
+pub struct CalibrateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The calibration set: a safetensors file or a folder of PGM/PPM images.
+    #[arg(long, value_name = "PATH")]
+    pub data: PathBuf,
+    /// Use the first N images of the set (default: all).
+    #[arg(long, value_name = "N")]
+    pub images: Option<usize>,
+    /// Images per CPU run.
+    #[arg(long, default_value_t = 32)]
+    pub batch: usize,
+    /// entropy (TensorRT's KL-divergence default), percentile (99.99), percentile=P, or minmax.
+    #[arg(long, default_value = "entropy")]
+    pub method: String,
+    /// Per-channel mean subtracted from images read from a folder (after scaling to [0, 1]).
+    #[arg(long, value_delimiter = ',', default_value = "0.485,0.456,0.406")]
+    pub mean: Vec<f32>,
+    /// Per-channel standard deviation images read from a folder are divided by.
+    #[arg(long, value_delimiter = ',', default_value = "0.229,0.224,0.225")]
+    pub std: Vec<f32>,
+    /// Where to write the cache (default: <model>.calib.json).
+    #[arg(short, long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+}
+
+pub fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
+    let method = CalibrationMethod::parse(&a.method)?;
+    if a.batch == 0 {
+        return Err(Error::Flag { flag: "--batch".into(), reason: "must be at least 1".into() });
+    }
+    let traced = common::trace_args(&a.model, 1)?;
+    let [size, width] = traced.hw;
+    if size != width {
+        return Err(Error::Flag {
+            flag: "--data".into(),
+            reason: format!("calibration reads square images; {} takes {}", traced.name, traced.hw_text()),
+        });
+    }
+    let images = if a.data.is_dir() { read_folder(&a.data, size, &a.mean, &a.std, a.images)? } else { read_batch(&a.data, size)? };
+    let n = a.images.unwrap_or(images.shape[0]).min(images.shape[0]);
+    if n == 0 {
+        return Err(Error::Flag { flag: "--data".into(), reason: format!("{} holds no images", a.data.display()) });
+    }
+    let per = images.numel() / images.shape[0];
+    let batches: Vec<HostTensor> = (0..n)
+        .step_by(a.batch)
+        .map(|start| {
+            let end = (start + a.batch).min(n);
+            HostTensor::new(vec![end - start, 3, size, size], images.data[start * per..end * per].to_vec())
+        })
+        .collect();
+    let calibrator = Calibrator::new(&traced.graph)?;
+    let cache = calibrator.calibrate(&batches, method)?;
+    let out = a.output.unwrap_or_else(|| PathBuf::from(format!("{}.calib.json", traced.name)));
+    cache.save(&out)?;
+    say!("calibrated {} ({method:?}) on {n} image(s) of {}: {} tensors", traced.name, a.data.display(), cache.tensors.len());
+    for (name, r) in &cache.tensors {
+        say!("  {name:<40} amax {:>10.5}  int8 scale {:.6e}  fp8 scale {:.6e}", r.amax, r.int8_scale, r.fp8_scale);
+    }
+    say!("wrote {} (graph {}); build with --int8 or --fp8 --calibration-cache {}", out.display(), cache.graph_hash, out.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `[N, 3, S, S]` from a safetensors file (`[N, 1, S, S]` repeated over 3 channels).
+fn read_batch(path: &Path, size: usize) -> Result<HostTensor> {
+    let x = common::read_input(path)?;
+    match x.shape.as_slice() {
+        [_, 3, h, w] if *h == size && *w == size => Ok(x),
+        [n, 1, h, w] if *h == size && *w == size => {
+            let plane = h * w;
+            let data = x.data.chunks_exact(plane).flat_map(|p| p.iter().chain(p).chain(p).copied()).collect();
+            Ok(HostTensor::new(vec![*n, 3, size, size], data))
+        }
+        s => Err(Error::Binding {
+            name: "input".into(),
+            reason: format!("{} holds shape {s:?}; the model takes [N, 3, {size}, {size}] (or [N, 1, {size}, {size}])", path.display()),
+        }),
+    }
+}
+
+/// Binary PGM/PPM images of a folder, sorted by name, normalised per channel.
+fn read_folder(dir: &Path, size: usize, mean: &[f32], std: &[f32], limit: Option<usize>) -> Result<HostTensor> {
+    if mean.len() != 3 || std.len() != 3 || std.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
+        return Err(Error::Flag { flag: "--mean/--std".into(), reason: "three values each, std positive".into() });
+    }
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(Error::io(dir))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.extension().and_then(|e| e.to_str()).is_some_and(|e| matches!(e.to_ascii_lowercase().as_str(), "pgm" | "ppm" | "pnm"))
+        })
+        .collect();
+    files.sort();
+    files.truncate(limit.unwrap_or(usize::MAX));
+    let mut data = Vec::new();
+    for f in &files {
+        let bytes = std::fs::read(f).map_err(Error::io(f))?;
+        let (channels, pixels) = parse_pnm(&bytes, size).map_err(|reason| Error::Safetensors { path: f.clone(), reason })?;
+        for c in 0..3 {
+            let src = if channels == 1 { 0 } else { c };
+            data.extend(pixels.iter().skip(src).step_by(channels).map(|&p| (p as f32 / 255.0 - mean[c]) / std[c]));
+        }
+    }
+    Ok(HostTensor::new(vec![files.len(), 3, size, size], data))
+}
+
+/// A binary PGM (`P5`) or PPM (`P6`) of `size`×`size` 8-bit pixels: (channels, interleaved pixels).
+fn parse_pnm(bytes: &[u8], size: usize) -> std::result::Result<(usize, &[u8]), String> {
+    let channels = match bytes.get(..2) {
+        Some(b"P5") => 1,
+        Some(b"P6") => 3,
+        _ => return Err("not a binary PGM (P5) or PPM (P6) image".into()),
+    };
+    // Header: magic, width, height, maxval, separated by whitespace (with `#` comments), then one
+    // whitespace byte before the pixels.
+    let mut fields = Vec::new();
+    let mut i = 2;
+    while fields.len() < 3 {
+        while i < bytes.len() && (bytes[i].is_ascii_whitespace() || bytes[i] == b'#') {
+            if bytes[i] == b'#' {
+                while i < bytes.len() && bytes[i] != b'\n' {
+                    i += 1;
+                }
+            }
+            i += 1;
+        }
+        let start = i;
+        while i < bytes.len() && bytes[i].is_ascii_digit() {
+            i += 1;
+        }
+        let v: usize = std::str::from_utf8(&bytes[start..i]).ok().and_then(|s| s.parse().ok()).ok_or("a truncated or malformed header")?;
+        fields.push(v);
+    }
+    let (w, h, maxval) = (fields[0], fields[1], fields[2]);
+    if maxval != 255 {
+        return Err(format!("maxval {maxval}: only 8-bit images (255) are read"));
+    }
+    if (w, h) != (size, size) {
+        return Err(format!("{w}x{h} pixels; the model takes {size}x{size} (resize the calibration images first)"));
+    }
+    let n = w * h * channels;
+    let pixels = bytes.get(i + 1..i + 1 + n).ok_or_else(|| format!("{} pixel bytes, expected {n}", bytes.len().saturating_sub(i + 1)))?;
+    Ok((channels, pixels))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pnm_headers_are_parsed_and_checked() {
+        let mut img = b"P5\n# a comment\n2 2\n255\n".to_vec();
+        img.extend([0u8, 64, 128, 255]);
+        assert_eq!(parse_pnm(&img, 2), Ok((1, &[0u8, 64, 128, 255][..])));
+        assert!(parse_pnm(&img, 3).unwrap_err().contains("2x2"));
+        assert!(parse_pnm(&img[..img.len() - 1], 2).is_err());
+        assert!(parse_pnm(b"P3\n1 1\n255\n0 0 0", 1).is_err());
+    }
+}

@@ -1,0 +1,636 @@
+//! Post-training quantisation: calibration (TensorRT's entropy, percentile and min-max methods),
+//! the JSON calibration cache, and the pass that turns a calibrated graph into an explicit Q/DQ
+//! graph, which both the CPU fake-quant simulation and the 8-bit engines run.
+//!
+//! **What is quantised** (the same points for the CPU simulation and the engine):
+//! - the activation input of every `conv2d` with `groups == 1` (not transposed) and every
+//!   `linear`: one scale per tensor, from the calibration cache (`amax / 127` for int8,
+//!   `amax / 448` for fp8). A value read by several such layers gets one fake-quantiser, shared,
+//!   named after the value;
+//! - their weights, symmetric, computed at build time from the (BatchNorm-folded) weights: int8
+//!   per output channel (`max |w[c]| / 127`, range ±127 as TensorRT), fp8 per tensor
+//!   (`max |w| / 448`: e4m3's relative precision does not depend on the scale, and Hopper's FP8
+//!   GEMMs take one scale per operand);
+//! - nothing else: biases and fused residuals are added in f32 in the layer's epilogue; grouped and
+//!   depthwise convs, transposed convs, pooling, matmul and elementwise layers run in FP16.
+//!
+//! Because every 8-bit reader of a value quantises it with that value's one scale, an engine that
+//! keeps the value in 8 bits between 8-bit layers (the producer requantises in its epilogue) and
+//! one that quantises at each reader's input compute the same numbers; the simulation is exact for
+//! both.
+//!
+//! A graph that already holds `quantize` / `dequantize` / `fake_quantize` nodes (quantisation-aware
+//! training, explicit precision) is built with exactly those scales and needs no cache.
+
+use crate::engine::file::{fnv1a_extend, FNV_OFFSET};
+use crate::graph::{ConvAttrs, Gemm, Graph, HostTensor, NodeId, Op, Quant, QuantFormat, QuantParams};
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+/// The calibration cache format this code writes and reads.
+pub const CACHE_VERSION: u32 = 1;
+/// Histogram bins over `[0, amax]` (TensorRT's).
+pub const HIST_BINS: usize = 2048;
+/// Quantisation levels of the entropy method's candidate distributions (int8's positive half).
+pub const ENTROPY_LEVELS: usize = 128;
+
+/// How a tensor's range is chosen from its recorded values.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum CalibrationMethod {
+    /// TensorRT's default: the threshold minimising the KL divergence between the histogram
+    /// clipped there and its 128-level quantisation.
+    #[default]
+    Entropy,
+    /// The given percentile of `|x|` (TensorRT uses 99.99).
+    Percentile(f64),
+    /// `max |x|`.
+    MinMax,
+}
+
+impl CalibrationMethod {
+    /// `entropy`, `percentile` (99.99), `percentile=99.9`, `minmax`/`max` (CLI flags).
+    pub fn parse(s: &str) -> Result<Self> {
+        let bad = |reason: String| Error::Flag { flag: "--method".into(), reason };
+        Ok(match s {
+            "entropy" => Self::Entropy,
+            "percentile" => Self::Percentile(99.99),
+            "minmax" | "min-max" | "max" => Self::MinMax,
+            _ => match s.strip_prefix("percentile=") {
+                Some(p) => {
+                    let p: f64 = p.parse().map_err(|_| bad(format!("`{s}`: the percentile is not a number")))?;
+                    if !(p > 0.0 && p <= 100.0) {
+                        return Err(bad(format!("`{s}`: the percentile must be in (0, 100]")));
+                    }
+                    Self::Percentile(p)
+                }
+                None => return Err(bad(format!("unknown method `{s}`: entropy, percentile, percentile=P or minmax"))),
+            },
+        })
+    }
+}
+
+/// One tensor's calibrated range and the scales it gives.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TensorRange {
+    pub amax: f32,
+    pub int8_scale: f32,
+    pub fp8_scale: f32,
+}
+
+impl TensorRange {
+    pub fn from_amax(amax: f32) -> Self {
+        Self { amax, int8_scale: symmetric_scale(amax, QuantFormat::Int8), fp8_scale: symmetric_scale(amax, QuantFormat::Fp8E4m3) }
+    }
+    pub fn scale(&self, format: QuantFormat) -> f32 {
+        match format {
+            QuantFormat::Int8 => self.int8_scale,
+            QuantFormat::Fp8E4m3 => self.fp8_scale,
+        }
+    }
+}
+
+/// `amax / max_abs(format)`; 1 for an all-zero range (any scale maps zeros to zero).
+pub fn symmetric_scale(amax: f32, format: QuantFormat) -> f32 {
+    if amax > 0.0 && amax.is_finite() {
+        amax / format.max_abs()
+    } else {
+        1.0
+    }
+}
+
+/// A calibration cache: per-tensor ranges of one graph, readable JSON that later builds reuse
+/// without data. `graph_hash` ties it to the optimised graph it was recorded on.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CalibrationCache {
+    pub version: u32,
+    pub method: CalibrationMethod,
+    pub graph_hash: String,
+    /// Images the ranges were recorded on.
+    pub images: usize,
+    /// Tensor name (the producing node's module path, or the input's name) → range.
+    pub tensors: BTreeMap<String, TensorRange>,
+}
+
+impl CalibrationCache {
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a calibration cache serialises") + "\n"
+    }
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        std::fs::write(path, self.to_json()).map_err(Error::io(path))
+    }
+    /// Reads and checks a cache: its version, and every scale positive and finite.
+    pub fn load(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let bad = |reason: String| Error::Calibration { path: path.display().to_string(), reason };
+        let text = std::fs::read_to_string(path).map_err(Error::io(path))?;
+        let cache: Self = serde_json::from_str(&text).map_err(|e| bad(format!("not a calibration cache: {e}")))?;
+        if cache.version != CACHE_VERSION {
+            return Err(bad(format!("cache version {} (this Kiln reads version {CACHE_VERSION}); recalibrate", cache.version)));
+        }
+        for (name, r) in &cache.tensors {
+            for (what, s) in [("int8_scale", r.int8_scale), ("fp8_scale", r.fp8_scale)] {
+                if !(s.is_finite() && s > 0.0) {
+                    return Err(bad(format!("tensor `{name}`: {what} {s} is not positive and finite")));
+                }
+            }
+        }
+        Ok(cache)
+    }
+}
+
+/// A layer the engine runs in 8 bits: its activation input and its weight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QuantPoint {
+    pub node: NodeId,
+    pub activation: NodeId,
+    pub weight: NodeId,
+}
+
+/// Whether `op` has an 8-bit implementation (see the module docs).
+pub fn quantizable(op: &Op) -> bool {
+    matches!(op, Op::Conv(ConvAttrs { transposed: false, groups: 1, .. }) | Op::Gemm(Gemm::Linear { .. }))
+}
+
+/// The 8-bit layers of `graph` whose weight is a constant, in graph order.
+pub fn quant_points(graph: &Graph) -> Vec<QuantPoint> {
+    graph
+        .nodes
+        .iter()
+        .enumerate()
+        .filter(|(_, n)| quantizable(&n.op) && n.inputs.len() >= 2)
+        .filter(|(_, n)| matches!(graph.nodes[n.inputs[1]].op, Op::Weight { .. }))
+        .map(|(id, n)| QuantPoint { node: id, activation: n.inputs[0], weight: n.inputs[1] })
+        .collect()
+}
+
+/// A unique name for every node's value: the graph input's name, or the module path, with
+/// `#k` appended to the k-th repeat of a path.
+pub fn tensor_names(graph: &Graph) -> Vec<String> {
+    let mut seen: BTreeMap<&str, usize> = BTreeMap::new();
+    graph
+        .nodes
+        .iter()
+        .map(|n| {
+            let base = match &n.op {
+                Op::Input { name } => name.as_str(),
+                _ => n.path.as_str(),
+            };
+            let k = seen.entry(base).or_insert(0);
+            *k += 1;
+            if *k == 1 {
+                base.to_string()
+            } else {
+                format!("{base}#{}", *k - 1)
+            }
+        })
+        .collect()
+}
+
+/// A hash of the graph's structure (ops with their attributes, inputs, per-image shapes, paths),
+/// independent of the batch it was traced at; weights' values are not part of it.
+pub fn graph_hash(graph: &Graph) -> String {
+    let mut h = FNV_OFFSET;
+    for n in &graph.nodes {
+        let attrs = serde_json::to_string(&n.op).unwrap_or_default();
+        let line = format!("{attrs}|{:?}|{:?}|{}\n", n.inputs, n.shape.get(1..).unwrap_or(&[]), n.path);
+        h = fnv1a_extend(h, line.as_bytes());
+    }
+    for (name, id) in &graph.outputs {
+        h = fnv1a_extend(h, format!("out {name}={id}\n").as_bytes());
+    }
+    format!("{h:016x}")
+}
+
+/// Whether the graph carries its own quantisation (explicit Q/DQ nodes).
+pub fn has_quant_nodes(graph: &Graph) -> bool {
+    graph.nodes.iter().any(|n| matches!(n.op, Op::Quant(_)))
+}
+
+/// A histogram of `|x|` over `[0, range]` in `HIST_BINS` bins; exact zeros are counted apart
+/// (they quantise to zero at any scale, so they say nothing about the threshold, and a ReLU's
+/// zeros would swamp the first bin).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Histogram {
+    pub range: f32,
+    pub zeros: u64,
+    pub bins: Vec<u64>,
+}
+
+impl Histogram {
+    pub fn new(range: f32) -> Self {
+        Self { range, zeros: 0, bins: vec![0; HIST_BINS] }
+    }
+    pub fn add(&mut self, data: &[f32]) {
+        let per_unit = if self.range > 0.0 { HIST_BINS as f64 / self.range as f64 } else { 0.0 };
+        for &v in data {
+            let a = v.abs();
+            if a == 0.0 || a.is_nan() {
+                self.zeros += 1;
+                continue;
+            }
+            let b = ((a as f64 * per_unit) as usize).min(HIST_BINS - 1);
+            self.bins[b] += 1;
+        }
+    }
+    fn bin_width(&self) -> f64 {
+        self.range as f64 / HIST_BINS as f64
+    }
+
+    /// The upper edge of the bin where the `p`-th percentile of `|x|` (zeros included) falls.
+    pub fn percentile(&self, p: f64) -> f32 {
+        let total = self.zeros + self.bins.iter().sum::<u64>();
+        let want = (p / 100.0 * total as f64).ceil() as u64;
+        let mut cum = self.zeros;
+        if cum >= want {
+            return 0.0;
+        }
+        for (b, &c) in self.bins.iter().enumerate() {
+            cum += c;
+            if cum >= want {
+                return ((b + 1) as f64 * self.bin_width()) as f32;
+            }
+        }
+        self.range
+    }
+
+    /// TensorRT's entropy threshold: for each candidate `i` from `ENTROPY_LEVELS` bins up, the
+    /// reference `P` is the first `i` bins with everything beyond added to the last; the candidate
+    /// `Q` quantises those `i` bins to `ENTROPY_LEVELS` levels (each level's count spread evenly
+    /// over its non-empty bins); the threshold with the smallest KL(P || Q) wins (the first, on a
+    /// tie). Returns the upper edge of the winning bin.
+    pub fn entropy_threshold(&self) -> f32 {
+        let n = self.bins.len();
+        let total: u64 = self.bins.iter().sum();
+        if total == 0 {
+            return 0.0;
+        }
+        let mut suffix = vec![0u64; n + 1];
+        for i in (0..n).rev() {
+            suffix[i] = suffix[i + 1] + self.bins[i];
+        }
+        let mut best = (f64::INFINITY, n);
+        let mut q = vec![0f64; n];
+        for i in ENTROPY_LEVELS..=n {
+            // Q: `i` bins quantised to ENTROPY_LEVELS levels (level g covers [g*i/L, (g+1)*i/L)).
+            for g in 0..ENTROPY_LEVELS {
+                let (lo, hi) = (g * i / ENTROPY_LEVELS, (g + 1) * i / ENTROPY_LEVELS);
+                let bins = &self.bins[lo..hi];
+                let count: u64 = bins.iter().sum();
+                let nonzero = bins.iter().filter(|&&c| c > 0).count();
+                for (j, &c) in bins.iter().enumerate() {
+                    q[lo + j] = if c > 0 { count as f64 / nonzero as f64 } else { 0.0 };
+                }
+            }
+            let q_total: f64 = q[..i].iter().sum();
+            let p_total = total as f64;
+            let mut kl = 0.0;
+            for (j, (&count, &qj)) in self.bins[..i].iter().zip(&q[..i]).enumerate() {
+                let p = if j == i - 1 { (count + suffix[i]) as f64 } else { count as f64 };
+                if p == 0.0 {
+                    continue;
+                }
+                let (p, qj) = (p / p_total, qj / q_total);
+                if qj == 0.0 {
+                    kl = f64::INFINITY;
+                    break;
+                }
+                kl += p * (p / qj).ln();
+            }
+            if kl < best.0 {
+                best = (kl, i);
+            }
+        }
+        (best.1 as f64 * self.bin_width()) as f32
+    }
+}
+
+/// Per-tensor statistics recorded over a calibration set, from which any method's cache is made.
+#[derive(Clone, Debug)]
+pub struct CalibrationStats {
+    pub graph_hash: String,
+    pub images: usize,
+    /// Tensor name → (max |x|, histogram of |x| over [0, max]).
+    pub tensors: BTreeMap<String, (f32, Histogram)>,
+}
+
+impl CalibrationStats {
+    /// The cache of one method.
+    pub fn cache(&self, method: CalibrationMethod) -> CalibrationCache {
+        let tensors = self
+            .tensors
+            .iter()
+            .map(|(name, (amax, hist))| {
+                let a = match method {
+                    CalibrationMethod::MinMax => *amax,
+                    CalibrationMethod::Percentile(p) => hist.percentile(p),
+                    CalibrationMethod::Entropy => hist.entropy_threshold(),
+                };
+                (name.clone(), TensorRange::from_amax(a))
+            })
+            .collect();
+        CalibrationCache { version: CACHE_VERSION, method, graph_hash: self.graph_hash.clone(), images: self.images, tensors }
+    }
+}
+
+/// Runs a graph over a calibration set on the CPU executor and records the range of every tensor
+/// an 8-bit layer reads. Calibration runs on the optimised graph (BatchNorm folded, ReLUs fused),
+/// the one the engine is built from.
+pub struct Calibrator {
+    graph: Graph,
+    /// (tensor name, node) of each quantised activation, once each.
+    tensors: Vec<(String, NodeId)>,
+}
+
+impl Calibrator {
+    pub fn new(graph: &Graph) -> Result<Self> {
+        let graph = crate::passes::optimize(graph)?;
+        let names = tensor_names(&graph);
+        let mut tensors: Vec<(String, NodeId)> = vec![];
+        for p in quant_points(&graph) {
+            if !tensors.iter().any(|(_, id)| *id == p.activation) && !matches!(graph.nodes[p.activation].op, Op::Quant(_)) {
+                tensors.push((names[p.activation].clone(), p.activation));
+            }
+        }
+        Ok(Self { graph, tensors })
+    }
+
+    /// The optimised graph calibration runs on.
+    pub fn graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    /// The names of the tensors that get a range.
+    pub fn tensor_names(&self) -> Vec<&str> {
+        self.tensors.iter().map(|(n, _)| n.as_str()).collect()
+    }
+
+    /// One run recording every calibrated tensor.
+    fn run(&self, input: &HostTensor) -> Result<BTreeMap<String, HostTensor>> {
+        let mut g = self.graph.clone();
+        g.outputs = self.tensors.iter().map(|(n, id)| (n.clone(), *id)).collect();
+        let names = g.input_names();
+        let [name] = names.as_slice() else {
+            return Err(Error::Config { reason: format!("calibration feeds graphs of one input; this one has {names:?}") });
+        };
+        crate::cpu::run(&g, &[(name, input)])
+    }
+
+    /// Records ranges over `batches` (each `[N, ...]` for the graph's one input): a first pass for
+    /// `max |x|`, a second for histograms over `[0, max]`.
+    pub fn collect(&self, batches: &[HostTensor]) -> Result<CalibrationStats> {
+        if batches.is_empty() {
+            return Err(Error::Config { reason: "calibration needs at least one batch".into() });
+        }
+        let mut amax: BTreeMap<String, f32> = self.tensors.iter().map(|(n, _)| (n.clone(), 0.0)).collect();
+        for b in batches {
+            for (name, t) in self.run(b)? {
+                let m = t.data.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let e = amax.entry(name).or_insert(0.0);
+                *e = e.max(m);
+            }
+        }
+        let mut hists: BTreeMap<String, Histogram> = amax.iter().map(|(n, &a)| (n.clone(), Histogram::new(a))).collect();
+        for b in batches {
+            for (name, t) in self.run(b)? {
+                if let Some(h) = hists.get_mut(&name) {
+                    h.add(&t.data);
+                }
+            }
+        }
+        let tensors = hists.into_iter().map(|(n, h)| (n.clone(), (amax[&n], h))).collect();
+        let images = batches.iter().map(|b| b.shape.first().copied().unwrap_or(0)).sum();
+        Ok(CalibrationStats { graph_hash: graph_hash(&self.graph), images, tensors })
+    }
+
+    /// `collect` then one method's cache.
+    pub fn calibrate(&self, batches: &[HostTensor], method: CalibrationMethod) -> Result<CalibrationCache> {
+        Ok(self.collect(batches)?.cache(method))
+    }
+}
+
+/// Per-output-channel symmetric scales of a weight `[Cout, ...]`: `max |w[c]| / max_abs`.
+pub fn weight_scales(w: &HostTensor, format: QuantFormat) -> Vec<f32> {
+    let cout = w.shape.first().copied().unwrap_or(1).max(1);
+    let per = w.data.len() / cout;
+    w.data.chunks(per.max(1)).map(|c| symmetric_scale(c.iter().fold(0f32, |m, v| m.max(v.abs())), format)).collect()
+}
+
+/// The explicit Q/DQ form of an optimised graph: a `fake_quantize` (per tensor, the cache's
+/// scale) on the activation input of every 8-bit layer and one (per output channel) on its
+/// weight. `graph` must be the optimised graph the cache was recorded on (its hash is checked).
+pub fn quantize_graph(graph: &Graph, cache: &CalibrationCache, format: QuantFormat) -> Result<Graph> {
+    let hash = graph_hash(graph);
+    if cache.graph_hash != hash {
+        return Err(Error::Calibration {
+            path: "the calibration cache".into(),
+            reason: format!(
+                "it was recorded on graph {}, this graph is {hash}: recalibrate for this model and input size",
+                cache.graph_hash
+            ),
+        });
+    }
+    let names = tensor_names(graph);
+    let points = quant_points(graph);
+    let mut out = Graph { weights: graph.weights.clone(), ..Default::default() };
+    let mut map: Vec<NodeId> = Vec::with_capacity(graph.nodes.len());
+    // The fake-quantised copy of each value already made (shared by all its 8-bit readers).
+    let mut quantised: BTreeMap<NodeId, NodeId> = BTreeMap::new();
+    for (id, node) in graph.nodes.iter().enumerate() {
+        let mut inputs: Vec<NodeId> = node.inputs.iter().map(|&j| map[j]).collect();
+        if let Some(p) = points.iter().find(|p| p.node == id) {
+            if !matches!(graph.nodes[p.activation].op, Op::Quant(_)) {
+                let q = match quantised.get(&p.activation) {
+                    Some(&q) => q,
+                    None => {
+                        let name = &names[p.activation];
+                        let range = cache.tensors.get(name).ok_or_else(|| Error::Calibration {
+                            path: "the calibration cache".into(),
+                            reason: format!("has no range for tensor `{name}` (read by `{}`)", node.path),
+                        })?;
+                        let params = QuantParams::symmetric(format, range.scale(format));
+                        let q = out.push(Op::Quant(Quant::FakeQuantize(params)), vec![inputs[0]], format!("{name}.quantizer"))?;
+                        quantised.insert(p.activation, q);
+                        q
+                    }
+                };
+                inputs[0] = q;
+            }
+            let w = graph.weight_data(p.weight).ok_or_else(|| Error::InvalidGraph {
+                node: id,
+                path: node.path.clone(),
+                reason: "an 8-bit layer's weight has no data".into(),
+            })?;
+            // Int8 weights per output channel; fp8 per tensor (e4m3's relative precision does not
+            // depend on the scale, and Hopper's FP8 GEMMs take one scale per operand).
+            let params = match format {
+                QuantFormat::Int8 => QuantParams::int8(1.0).range(-127, 127).per_channel(0, weight_scales(w, format)),
+                QuantFormat::Fp8E4m3 => {
+                    QuantParams::fp8(symmetric_scale(w.data.iter().fold(0f32, |m, v| m.max(v.abs())), QuantFormat::Fp8E4m3))
+                }
+            };
+            inputs[1] = out.push(Op::Quant(Quant::FakeQuantize(params)), vec![inputs[1]], format!("{}.weight_quantizer", node.path))?;
+        }
+        let new = match &node.op {
+            Op::Weight { name } => out.push_unchecked(node.op.clone(), vec![], node.shape.clone(), name.clone()),
+            _ => out.push_unchecked(node.op.clone(), inputs, node.shape.clone(), node.path.clone()),
+        };
+        map.push(new);
+    }
+    out.inputs = graph.inputs.iter().map(|&i| map[i]).collect();
+    out.outputs = graph.outputs.iter().map(|(n, i)| (n.clone(), map[*i])).collect();
+    Ok(out)
+}
+
+/// Replaces every `fake_quantize` of a constant by the constant it computes (`<weight>.<format>`),
+/// so that layers read plain weights whose values lie on the 8-bit grid. Returns the new graph.
+pub fn fold_constant_quant(graph: &Graph) -> Result<Graph> {
+    let mut g = graph.clone();
+    for id in 0..g.nodes.len() {
+        let Op::Quant(Quant::FakeQuantize(p)) = &g.nodes[id].op else { continue };
+        let Some(&src) = g.nodes[id].inputs.first() else { continue };
+        let Op::Weight { name } = &g.nodes[src].op else { continue };
+        let mut w = g
+            .weights
+            .get(name)
+            .map(|w| w.as_ref().clone())
+            .ok_or_else(|| Error::MissingWeight { key: name.clone(), source_name: "the graph's weights".into() })?;
+        p.check(&w.shape).map_err(|reason| Error::InvalidGraph { node: id, path: g.nodes[id].path.clone(), reason })?;
+        p.fake_quantize(&mut w);
+        let folded = format!("{name}.{}", p.format.name());
+        g.weights.insert(folded.clone(), Arc::new(w));
+        g.nodes[id].op = Op::Weight { name: folded };
+        g.nodes[id].inputs.clear();
+    }
+    crate::passes::remove_dead_nodes(&g)
+}
+
+/// The graph the CPU executor runs to simulate a `format` engine built with `cache`: the
+/// optimised graph with Q/DQ nodes at the engine's quantisation points.
+pub fn simulate(graph: &Graph, cache: &CalibrationCache, format: QuantFormat) -> Result<Graph> {
+    quantize_graph(&crate::passes::optimize(graph)?, cache, format)
+}
+
+/// What the engine builder lowers for an 8-bit precision: an optimised graph that already has
+/// Q/DQ nodes as it is, anything else quantised with the cache (an error without one); weight
+/// fake-quantisers are then folded into the weights.
+pub fn prepare_for_engine(optimized: Graph, format: QuantFormat, cache: Option<&Path>) -> Result<Graph> {
+    let explicit = has_quant_nodes(&optimized);
+    let g = match (explicit, cache) {
+        (true, _) => optimized,
+        (false, Some(path)) => {
+            let cache = CalibrationCache::load(path)?;
+            quantize_graph(&optimized, &cache, format).map_err(|e| match e {
+                Error::Calibration { reason, .. } => Error::Calibration { path: path.display().to_string(), reason },
+                e => e,
+            })?
+        }
+        (false, None) => {
+            return Err(Error::Config {
+                reason: format!(
+                    "a {} engine needs a calibration cache (BuildConfig::calibration_cache, `kiln calibrate`) or a graph with quantize/dequantize nodes",
+                    format.name()
+                ),
+            })
+        }
+    };
+    fold_constant_quant(&g)
+}
+
+/// The precision each engine layer computes in, by module path, for `kiln inspect` and the build
+/// summary: `int8`/`fp8` for the quantisers, `int8 (q/dq, fp16 math)` for a layer whose input and
+/// weights are on the 8-bit grid but which multiplies in FP16 (no native 8-bit kernel yet), and
+/// `elem` (the engine's storage type) for everything else.
+pub fn layer_precision(graph: &Graph, path: &str, elem: &str) -> String {
+    let Some(node) = graph.nodes.iter().rev().find(|n| n.path == path && !n.op.is_leaf()) else {
+        return elem.to_string();
+    };
+    if let Op::Quant(q) = &node.op {
+        return q.params().format.name().to_string();
+    }
+    let quant_input = |i: usize| match node.inputs.get(i).map(|&j| &graph.nodes[j].op) {
+        Some(Op::Quant(q)) => Some(q.params().format),
+        _ => None,
+    };
+    match (quantizable(&node.op), quant_input(0)) {
+        (true, Some(f)) => format!("{} (q/dq, {elem} math)", f.name()),
+        _ => elem.to_string(),
+    }
+}
+
+/// One line for a build summary: how many layers of a quantised graph are 8-bit.
+pub fn quant_summary(graph: &Graph) -> Option<String> {
+    if !has_quant_nodes(graph) {
+        return None;
+    }
+    let quantisers = graph.nodes.iter().filter(|n| matches!(n.op, Op::Quant(_))).count();
+    let layers = graph
+        .nodes
+        .iter()
+        .filter(|n| quantizable(&n.op) && matches!(n.inputs.first().map(|&j| &graph.nodes[j].op), Some(Op::Quant(_))))
+        .count();
+    Some(format!(
+        "quantised: {layers} conv/linear layer(s) read 8-bit inputs and weights ({quantisers} quantisers); they compute in FP16 on the Q/DQ values unless an FP8 GEMM (`cublaslt-gemm-fp8`) won their timing; all other layers FP16"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entropy_clips_a_long_tail() {
+        // A dense bulk in [0, 1) and a few outliers out to 10: the threshold lands near the bulk.
+        let mut h = Histogram::new(10.0);
+        let bulk: Vec<f32> = (0..20000).map(|i| (i as f32 / 20000.0).powf(1.5)).collect();
+        h.add(&bulk);
+        h.add(&[4.0, 7.5, 10.0]);
+        let t = h.entropy_threshold();
+        println!("entropy threshold {t}, percentile 99.99 {}", h.percentile(99.99));
+        assert!(t > 0.6 && t < 2.0, "threshold {t}");
+        assert!(h.percentile(100.0) >= 9.99);
+        assert!(h.percentile(50.0) < 0.7);
+    }
+
+    #[test]
+    fn cache_round_trips_through_json() {
+        let mut tensors = BTreeMap::new();
+        tensors.insert("layer1.0.relu".to_string(), TensorRange::from_amax(2.7182817));
+        let c = CalibrationCache {
+            version: CACHE_VERSION,
+            method: CalibrationMethod::Percentile(99.99),
+            graph_hash: "ab".into(),
+            images: 4,
+            tensors,
+        };
+        let back: CalibrationCache = serde_json::from_str(&c.to_json()).unwrap();
+        assert_eq!(back, c);
+    }
+
+    #[test]
+    fn layers_report_their_precision() {
+        let tracer = crate::Tracer::new();
+        let x = tracer.input("input", &[1, 2, 4, 4]);
+        let q = x.fake_quantize(QuantParams::int8(0.1)).unwrap();
+        let w = crate::tensor::Param { name: "w".into(), value: Arc::new(HostTensor::new(vec![3, 2, 1, 1], vec![0.5; 6])) };
+        let y = crate::tensor::Tensor::record("conv", Op::Conv(ConvAttrs::default()), &[&q], &[&w]).unwrap();
+        y.relu().unwrap().mark_output("y");
+        let g = tracer.graph();
+        assert_eq!(layer_precision(&g, "conv", "fp16"), "int8 (q/dq, fp16 math)");
+        assert_eq!(layer_precision(&g, &g.nodes[q.id()].path, "fp16"), "int8");
+        assert_eq!(layer_precision(&g, "conv.relu", "fp16"), "fp16");
+        assert!(quant_summary(&g).unwrap().contains("1 conv/linear"));
+    }
+
+    #[test]
+    fn methods_parse() {
+        assert_eq!(CalibrationMethod::parse("percentile").unwrap(), CalibrationMethod::Percentile(99.99));
+        assert_eq!(CalibrationMethod::parse("percentile=99.9").unwrap(), CalibrationMethod::Percentile(99.9));
+        assert!(CalibrationMethod::parse("percentile=120").is_err());
+        assert!(CalibrationMethod::parse("kl").is_err());
+    }
+}

@@ -1,0 +1,210 @@
+//! Post-training quantisation on the CPU: the trained digits ResNet (`tools/train_digits.py`) on
+//! its held-out set in FP32, and through the fake-quant simulation of INT8 (each calibration
+//! method) and FP8 engines; calibration determinism and the cache's round trip; explicit Q/DQ
+//! graphs built with exactly their `state_dict` scales.
+
+use kiln::calibrate::{
+    graph_hash, prepare_for_engine, quant_points, quantize_graph, simulate, CalibrationCache, CalibrationMethod, Calibrator,
+};
+use kiln::graph::{Graph, HostTensor, Op, Quant, QuantFormat, QuantParams};
+use kiln::ops::quant::{FakeQuantize, FakeQuantizeConfig};
+use kiln::var_builder::read_safetensors;
+use kiln::{Conv2d, Conv2dConfig, Error, Forward, Module, Tracer, VarBuilder};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `[N, 1, 32, 32]` digits repeated over the model's 3 input channels.
+fn rgb(x: &HostTensor) -> HostTensor {
+    let (n, plane) = (x.shape[0], x.shape[2] * x.shape[3]);
+    let mut data = Vec::with_capacity(n * 3 * plane);
+    for img in x.data.chunks_exact(plane) {
+        for _ in 0..3 {
+            data.extend_from_slice(img);
+        }
+    }
+    HostTensor::new(vec![n, 3, x.shape[2], x.shape[3]], data)
+}
+
+struct Digits {
+    graph: Graph,
+    heldout: HostTensor,
+    labels: Vec<usize>,
+    calib: HostTensor,
+}
+
+fn digits() -> Digits {
+    let data = read_safetensors(root().join("tests/fixtures/digits.safetensors")).expect("digits fixture");
+    let vb = VarBuilder::from_safetensors(&[root().join(kiln_models::DIGITS_WEIGHTS)]).expect("digits weights");
+    let heldout = rgb(&data["heldout"]);
+    let graph = kiln_models::trace("digits_resnet", vb.clone(), heldout.shape[0], 32).expect("trace");
+    vb.check_all_used().expect("every trained weight is used");
+    let labels = data["heldout_labels"].data.iter().map(|&l| l as usize).collect();
+    Digits { graph, heldout, labels, calib: rgb(&data["calib"]) }
+}
+
+fn top1(graph: &Graph, x: &HostTensor, labels: &[usize]) -> (f64, Vec<f32>) {
+    let out = kiln::cpu::run(graph, &[("input", x)]).expect("cpu run");
+    let logits = &out["logits"];
+    let classes = logits.shape[1];
+    let correct = logits
+        .data
+        .chunks_exact(classes)
+        .zip(labels)
+        .filter(|(row, &l)| row.iter().enumerate().fold((0, f32::MIN), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 == l)
+        .count();
+    (100.0 * correct as f64 / labels.len() as f64, logits.data.clone())
+}
+
+#[test]
+fn digits_int8_and_fp8_simulation_stay_within_half_a_point_of_fp32() {
+    let d = digits();
+    let (fp32, _) = top1(&d.graph, &d.heldout, &d.labels);
+    println!("held-out top-1 on {} images: Kiln CPU FP32 {fp32:.2}%", d.labels.len());
+    assert!(fp32 > 95.0, "the trained network should classify digits, got {fp32:.2}%");
+
+    let calibrator = Calibrator::new(&d.graph).expect("calibrator");
+    let stats = calibrator.collect(std::slice::from_ref(&d.calib)).expect("calibrate");
+    println!("{} calibrated tensors: {:?}", stats.tensors.len(), calibrator.tensor_names());
+    let mut rows = vec![];
+    for (format, method) in [
+        (QuantFormat::Int8, CalibrationMethod::Entropy),
+        (QuantFormat::Int8, CalibrationMethod::Percentile(99.99)),
+        (QuantFormat::Int8, CalibrationMethod::MinMax),
+        (QuantFormat::Fp8E4m3, CalibrationMethod::MinMax),
+        (QuantFormat::Fp8E4m3, CalibrationMethod::Entropy),
+    ] {
+        let cache = stats.cache(method);
+        let sim = simulate(&d.graph, &cache, format).expect("simulate");
+        let (acc, _) = top1(&sim, &d.heldout, &d.labels);
+        println!("  {} {method:?}: {acc:.2}% ({:+.2} points)", format.name(), acc - fp32);
+        rows.push((format, method, acc));
+    }
+    let bad: Vec<_> = rows.iter().filter(|r| (r.2 - fp32).abs() > 0.5).collect();
+    assert!(bad.is_empty(), "more than 0.5 points from FP32 ({fp32:.2}%): {bad:?}");
+}
+
+#[test]
+fn calibrating_twice_gives_the_same_cache_and_the_cache_round_trips() {
+    let d = digits();
+    let calibrator = Calibrator::new(&d.graph).expect("calibrator");
+    let first = calibrator.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::Entropy).expect("calibrate");
+    let second = calibrator.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::Entropy).expect("calibrate");
+    assert_eq!(first.images, 100);
+    assert_eq!(first.to_json(), second.to_json(), "calibration is deterministic");
+    assert_eq!(first.graph_hash, graph_hash(calibrator.graph()));
+
+    let dir = std::env::temp_dir().join(format!("kiln-quant-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join("digits.calib.json");
+    first.save(&path).expect("save");
+    let text = std::fs::read_to_string(&path).expect("read");
+    assert!(text.contains("\"method\": \"entropy\"") && text.contains("int8_scale"), "readable JSON:\n{text}");
+    let loaded = CalibrationCache::load(&path).expect("load");
+    assert_eq!(loaded, first);
+
+    // A build from the file needs no data: it yields exactly the graph the in-memory cache does.
+    let optimized = kiln::passes::optimize(&d.graph).expect("optimize");
+    let from_file = prepare_for_engine(optimized.clone(), QuantFormat::Int8, Some(&path)).expect("from the cache file");
+    let again = prepare_for_engine(optimized.clone(), QuantFormat::Int8, Some(&path)).expect("again");
+    assert_eq!(from_file.nodes, again.nodes);
+    let x = HostTensor::new(vec![4, 3, 32, 32], d.heldout.data[..4 * 3 * 1024].to_vec());
+    let a = kiln::cpu::run(&from_file, &[("input", &x)]).expect("run");
+    let b = kiln::cpu::run(&simulate(&d.graph, &first, QuantFormat::Int8).expect("simulate"), &[("input", &x)]).expect("run");
+    assert_eq!(a["logits"], b["logits"], "folded weights compute what the weight fake-quantisers do");
+    println!("cache: {} tensors, {} bytes; rebuilt graphs identical", loaded.tensors.len(), text.len());
+
+    // Without a cache an INT8 build is refused, naming the way out; a cache of another graph too.
+    let err = prepare_for_engine(optimized.clone(), QuantFormat::Int8, None).expect_err("needs a cache");
+    assert!(matches!(&err, Error::Config { reason } if reason.contains("calibration cache")), "{err}");
+    let mut other = first.clone();
+    other.graph_hash = "0000000000000000".into();
+    let err = quantize_graph(&optimized, &other, QuantFormat::Int8).expect_err("other graph");
+    assert!(err.to_string().contains("recalibrate"), "{err}");
+    let mut missing = first.clone();
+    let name = missing.tensors.keys().next().cloned().expect("a tensor");
+    missing.tensors.remove(&name);
+    let err = quantize_graph(&optimized, &missing, QuantFormat::Int8).expect_err("missing tensor");
+    assert!(err.to_string().contains(&format!("`{name}`")), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn simulation_quantises_exactly_the_documented_points() {
+    let d = digits();
+    let calibrator = Calibrator::new(&d.graph).expect("calibrator");
+    let cache = calibrator.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::MinMax).expect("calibrate");
+    let optimized = calibrator.graph();
+    let points = quant_points(optimized);
+    // 9 convs (stem, 2 per block, 2 downsamples) and the fc.
+    assert_eq!(points.len(), 10, "{}", optimized.to_text());
+    let sim = quantize_graph(optimized, &cache, QuantFormat::Int8).expect("quantize");
+    let fq: Vec<&kiln::graph::Node> = sim.nodes.iter().filter(|n| matches!(n.op, Op::Quant(_))).collect();
+    let activations = fq.iter().filter(|n| n.path.ends_with(".quantizer")).count();
+    let weights = fq.iter().filter(|n| n.path.ends_with(".weight_quantizer")).count();
+    // Each block's input is read by its conv1 and its downsample: one shared quantiser.
+    assert_eq!((activations, weights), (cache.tensors.len(), 10));
+    assert_eq!(cache.tensors.len(), 8);
+    for n in &fq {
+        let Op::Quant(Quant::FakeQuantize(p)) = &n.op else { panic!("{} is not a fake-quantize", n.path) };
+        if n.path.ends_with(".weight_quantizer") {
+            assert_eq!(p.axis, Some(0));
+        } else {
+            let name = n.path.trim_end_matches(".quantizer");
+            assert_eq!(p.scale, vec![cache.tensors[name].int8_scale], "{name}");
+        }
+    }
+}
+
+/// A QAT-style model: fake-quantisers with `scale`/`zero_point` buffers in its `state_dict`.
+#[test]
+fn explicit_qdq_graphs_build_with_exactly_their_state_dict_scales() {
+    let mut sd = BTreeMap::new();
+    sd.insert("quant.scale".to_string(), HostTensor::new(vec![1], vec![0.0123]));
+    sd.insert("quant.zero_point".to_string(), HostTensor::new(vec![1], vec![0.0]));
+    sd.insert("conv.weight".to_string(), kiln::seeded::weight("conv.weight", &[4, 3, 3, 3]));
+    sd.insert("conv.bias".to_string(), kiln::seeded::weight("conv.bias", &[4]));
+    sd.insert("wq.scale".to_string(), HostTensor::new(vec![4], vec![0.002, 0.003, 0.004, 0.005]));
+    let vb = VarBuilder::from_tensors(sd);
+    let quant = FakeQuantize::load(vb.pp("quant"), &FakeQuantizeConfig::default()).expect("load");
+    let wq = FakeQuantize::load(vb.pp("wq"), &FakeQuantizeConfig { format: QuantFormat::Fp8E4m3, channels: Some(4), ..Default::default() })
+        .expect("load");
+    let conv = Conv2d::load(vb.pp("conv"), &Conv2dConfig::new(3, 4, 3).padding(1)).expect("load");
+    vb.check_all_used().expect("every buffer used");
+
+    let tracer = Tracer::new();
+    let x = tracer.input("input", &[2, 3, 6, 6]);
+    let y = wq.forward(&conv.forward(&quant.forward(&x).expect("q")).expect("conv")).expect("wq");
+    y.mark_output("y");
+    let graph = tracer.graph();
+    let engine_graph = prepare_for_engine(kiln::passes::optimize(&graph).expect("optimize"), QuantFormat::Int8, None).expect("explicit");
+    let scales: Vec<Vec<f32>> =
+        engine_graph.nodes.iter().filter_map(|n| if let Op::Quant(q) = &n.op { Some(q.params().scale.clone()) } else { None }).collect();
+    assert_eq!(scales, vec![vec![0.0123], vec![0.002, 0.003, 0.004, 0.005]], "the state_dict's scales, unchanged");
+
+    // The CPU executor runs them: the same as quantising by hand.
+    let input = kiln::seeded::uniform_tensor(&[2, 3, 6, 6], 7);
+    let got = kiln::cpu::run(&engine_graph, &[("input", &input)]).expect("run");
+    let mut xq = input.clone();
+    QuantParams::int8(0.0123).fake_quantize(&mut xq);
+    let tracer = Tracer::new();
+    let x = tracer.input("input", &[2, 3, 6, 6]);
+    conv.forward(&x).expect("conv").mark_output("y");
+    let mut want = kiln::cpu::run(&tracer.graph(), &[("input", &xq)]).expect("run").remove("y").expect("y");
+    QuantParams::fp8(1.0).per_channel(1, vec![0.002, 0.003, 0.004, 0.005]).fake_quantize(&mut want);
+    let c = kiln::compare::compare("explicit Q/DQ", &got["y"], &want);
+    println!("{c}");
+    assert!(c.passes(1e-6), "{c}");
+}
+
+#[test]
+fn fp8_on_the_cpu_and_bad_scales_in_a_state_dict() {
+    let mut sd = BTreeMap::new();
+    sd.insert("q.scale".to_string(), HostTensor::new(vec![1], vec![-1.0]));
+    sd.insert("q.zero_point".to_string(), HostTensor::new(vec![1], vec![0.0]));
+    let err = FakeQuantize::load(VarBuilder::from_tensors(sd).pp("q"), &FakeQuantizeConfig::default()).expect_err("negative scale");
+    assert!(err.to_string().contains("q") && err.to_string().contains("positive"), "{err}");
+}
