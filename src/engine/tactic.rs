@@ -60,10 +60,6 @@ impl Tactics {
 /// otherwise rule out algorithms over a few MiB that cost nothing in absolute terms.
 pub const WORKSPACE_FLOOR: usize = 8 << 20;
 
-/// How much slower (a fraction) the fastest candidate within the arena's room may be than the
-/// fastest overall and still be chosen: memory is traded for at most this much time per layer.
-pub const WORKSPACE_TRADE: f32 = 0.10;
-
 pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Layer>>) -> Result<Box<dyn Layer>> {
     let node = ctx.current;
     let rkey = format!("{}|{key}", ctx.node(node).path);
@@ -119,12 +115,12 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
             Err(reason) => failures.push(format!("{}: {reason}", candidates[i].kind())),
         }
     }
-    let Some((mut winner, fastest)) = best else {
+    let Some((mut winner, _)) = best else {
         return Err(ctx.err(node, format!("no candidate ran for {key}: {}", failures.join("; "))));
     };
     // Memory beyond the room the arena has at this layer (a workspace, or a prologue's scratch)
     // would grow every context's arena: the fastest candidate that fits the room (at least
-    // `WORKSPACE_FLOOR`) is taken unless the fastest overall is more than `WORKSPACE_TRADE` faster.
+    // `WORKSPACE_FLOOR`) is taken; the fastest overall only if none fits.
     let room = ctx.workspace_budget.max(WORKSPACE_FLOOR);
     let need = |i: usize| {
         let c = &candidates[i];
@@ -133,7 +129,7 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
     };
     if need(winner) > room {
         let fits = log_times.iter().filter(|&&(i, _)| need(i) <= room).min_by(|a, b| a.1.total_cmp(&b.1));
-        if let Some(&(i, ms)) = fits.filter(|&&(_, ms)| ms <= fastest * (1.0 + WORKSPACE_TRADE)) {
+        if let Some(&(i, ms)) = fits {
             log.push((format!("chosen: {} ({ms:.4} ms), the fastest within the arena's room of {room} bytes", candidates[i].kind()), ms));
             winner = i;
         }
