@@ -138,10 +138,14 @@ fn an_engine_too_big_for_the_device_is_refused_then_a_smaller_one_builds() {
     // elements than cuDNN's 32-bit descriptors count: a typed error naming the layer.
     let err = build(&gpu, &g, BuildConfig::default().precision(Precision::Fp16).batch(1, 8, 4096)).err().expect("batch 4096 built");
     println!("CenterNet FP16 batch 1..=4096: {err}");
-    assert!(matches!(&err, Error::Lower { path, reason, .. } if path == "backbone.conv1" && reason.contains("2^31 - 1") && reason.contains("lower the max batch")), "{err}");
+    assert!(
+        matches!(&err, Error::Lower { path, reason, .. } if path == "backbone.conv1" && reason.contains("2^31 - 1") && reason.contains("lower the max batch")),
+        "{err}"
+    );
     // At batch 16384 the activations alone exceed the device: refused before any tactic is timed.
     let start = Instant::now();
-    let err = build(&gpu, &g, BuildConfig::default().precision(Precision::Fp16).batch(1, 8, 16384)).err().expect("a batch-16384 CenterNet fits");
+    let err =
+        build(&gpu, &g, BuildConfig::default().precision(Precision::Fp16).batch(1, 8, 16384)).err().expect("a batch-16384 CenterNet fits");
     println!("CenterNet FP16 batch 1..=16384 ({:.2} s): {err}", start.elapsed().as_secs_f64());
     let Error::OutOfMemory { what, bytes } = &err else { panic!("expected an out-of-memory error, got: {err}") };
     let (free, _) = cudarc::driver::result::mem_get_info().expect("cuMemGetInfo");
@@ -169,14 +173,21 @@ fn resnet50_fp16_memory_against_its_floor() {
     let (floor, _) = kiln::engine::estimate_arena(&optimized, 2, 64);
     println!("MEMORY resnet50 FP16 batch 1..=64: {m}");
     println!("MEMORY activation floor {:.1} MiB; total {:.1} MiB against the 210 MiB target", mib(floor.peak), mib(m.total()));
-    for (problem, candidates) in engine.summary.tactic_log.iter().filter(|(_, c)| c.iter().any(|(k, _)| k.contains(":by") || k.contains("pad8"))) {
+    for (problem, candidates) in
+        engine.summary.tactic_log.iter().filter(|(_, c)| c.iter().any(|(k, _)| k.contains(":by") || k.contains("pad8")))
+    {
         println!("TACTICS {problem}: {candidates:?}");
     }
     print!("{}", engine.describe());
     let used = device_used(&gpu);
     let mut ctx = engine.context().expect("context");
     let context_bytes = device_used(&gpu) - used;
-    println!("MEMORY one context took {:.1} MiB of device memory (arena {:.1} + bindings {:.1} + handles)", mib(context_bytes), mib(m.arena), mib(m.bindings));
+    println!(
+        "MEMORY one context took {:.1} MiB of device memory (arena {:.1} + bindings {:.1} + handles)",
+        mib(context_bytes),
+        mib(m.arena),
+        mib(m.bindings)
+    );
     let x = random(&[64, 3, 224, 224], 11, 1.0);
     assert!(logits(&mut ctx, &x).iter().all(|v| v.is_finite()));
     let ms = ctx.time(64, 5, 30).expect("time");

@@ -30,10 +30,10 @@ pub mod shufflenetv2;
 pub mod squeezenet;
 pub mod swin;
 pub mod vgg;
+pub mod vit;
 pub mod yolo;
 pub mod yolo_letterbox;
 pub mod yolo_nms;
-pub mod vit;
 
 pub use alexnet::{alexnet, AlexNet};
 pub use centernet::{centernet_r50, decode, CenterNet, CenterNetOutput};
@@ -54,8 +54,8 @@ pub use shufflenetv2::{shufflenet_v2_x1_0, ShuffleNetV2};
 pub use squeezenet::{squeezenet1_0, squeezenet1_1, SqueezeNet};
 pub use swin::{swin_t, SwinTransformer};
 pub use vgg::{vgg16, vgg16_bn, Vgg};
-pub use yolo::{yolo11n, yolo11s, yolov8n, yolov8s, Yolo};
 pub use vit::{vit_b_16, VisionTransformer};
+pub use yolo::{yolo11n, yolo11s, yolov8n, yolov8s, Yolo};
 
 use kiln::{Error, Forward, Graph, Result, Tracer, VarBuilder};
 

@@ -151,7 +151,8 @@ impl Engine {
         let mut out = String::new();
         for (i, l) in self.layers.iter().enumerate() {
             // A layer on 8-bit tensor cores says so in its kind.
-            let p = if l.kind().ends_with("-fp8") { "fp8".to_string() } else { crate::calibrate::layer_precision(&self.graph, l.path(), elem) };
+            let p =
+                if l.kind().ends_with("-fp8") { "fp8".to_string() } else { crate::calibrate::layer_precision(&self.graph, l.path(), elem) };
             let ws = match self.workspaces.get(i) {
                 Some(&(_, bytes)) if bytes > 0 => format!("  [workspace {:.2} MiB]", bytes as f64 / (1 << 20) as f64),
                 _ => String::new(),
@@ -474,8 +475,11 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
         v
     };
     let in_arena = |v: ValueId| values[root(v).0].storage == Storage::Arena;
-    let value_bytes: Vec<usize> =
-        values.iter().enumerate().map(|(v, d)| if root(ValueId(v)).0 == v && in_arena(ValueId(v)) { d.bytes(config.max_batch) } else { 0 }).collect();
+    let value_bytes: Vec<usize> = values
+        .iter()
+        .enumerate()
+        .map(|(v, d)| if root(ValueId(v)).0 == v && in_arena(ValueId(v)) { d.bytes(config.max_batch) } else { 0 })
+        .collect();
     // One step per layer, two for a layer with a prologue (its copy, then its main work).
     let mut steps: Vec<StepUse> = Vec::with_capacity(layers.len());
     let mut step_of_layer = Vec::with_capacity(layers.len());

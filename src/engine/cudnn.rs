@@ -427,10 +427,7 @@ impl ConvLayer {
                     )?;
                 }
                 if let Some(z) = z.filter(|_| !in_place) {
-                    check(
-                        dnn::cudnnAddTensor(h, p(&one), d.y.raw, z as *const c_void, p(&one), d.y.raw, y),
-                        "cudnnAddTensor (residual)",
-                    )?;
+                    check(dnn::cudnnAddTensor(h, p(&one), d.y.raw, z as *const c_void, p(&one), d.y.raw, y), "cudnnAddTensor (residual)")?;
                 }
                 if s.relu {
                     check(
@@ -553,7 +550,15 @@ fn slice_within(ctx: &BuildCtx, shared: &ConvShared, algo: dnn::cudnnConvolution
         let mut ws = 0usize;
         // SAFETY: the handle and descriptors are live; `ws` outlives the call.
         let st = unsafe {
-            dnn::cudnnGetConvolutionForwardWorkspaceSize(ctx.gpu.handles.cudnn, d.x.raw, shared.filter.raw, shared.conv.raw, d.y.raw, algo, &mut ws)
+            dnn::cudnnGetConvolutionForwardWorkspaceSize(
+                ctx.gpu.handles.cudnn,
+                d.x.raw,
+                shared.filter.raw,
+                shared.conv.raw,
+                d.y.raw,
+                algo,
+                &mut ws,
+            )
         };
         if st.result().is_ok() && ws <= room {
             return Ok(Some((n, ws)));

@@ -44,7 +44,10 @@ impl ExecutionContext {
         let c = &engine.config;
         let arena = DeviceBuf::zeros(&stream, engine.arena_bytes).map_err(|e| {
             e.out_of_memory_in(|| {
-                format!("the arena of an execution context (engine for batch {}..={}, {:?}; lower the max batch)", c.min_batch, c.max_batch, c.precision)
+                format!(
+                    "the arena of an execution context (engine for batch {}..={}, {:?}; lower the max batch)",
+                    c.min_batch, c.max_batch, c.precision
+                )
             })
         })?;
         let max = engine.config.max_batch;
@@ -124,7 +127,13 @@ impl ExecutionContext {
     /// of the arena.
     fn run_ctx(&self, i: usize) -> RunCtx<'_> {
         let (offset, bytes) = self.engine.workspaces[i];
-        RunCtx { stream: &self.stream, handles: &self.handles, ptrs: &self.ptrs, workspace: self.arena.ptr() + offset as u64, workspace_bytes: bytes }
+        RunCtx {
+            stream: &self.stream,
+            handles: &self.handles,
+            ptrs: &self.ptrs,
+            workspace: self.arena.ptr() + offset as u64,
+            workspace_bytes: bytes,
+        }
     }
 
     fn enqueue_layers(&self, batch: usize) -> Result<()> {

@@ -124,7 +124,8 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
     let room = ctx.workspace_budget.max(WORKSPACE_FLOOR);
     let need = |i: usize| {
         let c = &candidates[i];
-        let scratch = c.prologue().filter(|(_, d)| ctx.prologue_scratch.contains(d)).map_or(0, |(_, d)| ctx.value(d).bytes(ctx.config.max_batch));
+        let scratch =
+            c.prologue().filter(|(_, d)| ctx.prologue_scratch.contains(d)).map_or(0, |(_, d)| ctx.value(d).bytes(ctx.config.max_batch));
         c.workspace_bytes(ctx.config.max_batch) + scratch
     };
     if need(winner) > room {
@@ -160,7 +161,15 @@ fn time_candidates(ctx: &BuildCtx, candidates: &[Box<dyn Layer>]) -> Result<Vec<
     let mut bufs = Vec::new();
     let engine = |what: String| {
         let c = ctx.config;
-        move || format!("{what} of layer `{}` for tactic timing (engine for batch {}..={}, {:?})", ctx.node(ctx.current).path, c.min_batch, c.max_batch, c.precision)
+        move || {
+            format!(
+                "{what} of layer `{}` for tactic timing (engine for batch {}..={}, {:?})",
+                ctx.node(ctx.current).path,
+                c.min_batch,
+                c.max_batch,
+                c.precision
+            )
+        }
     };
     for v in touched {
         let buf = DeviceBuf::zeros(stream, ctx.value(v).bytes(ctx.config.max_batch))
@@ -193,10 +202,16 @@ fn time_candidates(ctx: &BuildCtx, candidates: &[Box<dyn Layer>]) -> Result<Vec<
             out.push(Err(e.to_string()));
             continue;
         }
+        // Timed as engines run: captured once into a CUDA graph and replayed, so a candidate of
+        // many small calls (batch slices, im2col chunks) is not charged the host's launch time.
+        let graph = capture(stream, || c.enqueue(&rt, batch));
         let run = |iters: usize| -> Result<f32> {
             start.record(stream).map_err(cuda_err("recording an event"))?;
             for _ in 0..iters {
-                c.enqueue(&rt, batch)?;
+                match &graph {
+                    Some(g) => g.launch().map_err(cuda_err("launching a tactic's CUDA graph"))?,
+                    None => c.enqueue(&rt, batch)?,
+                }
             }
             end.record(stream).map_err(cuda_err("recording an event"))?;
             Ok(start.elapsed_ms(&end).map_err(cuda_err("timing a tactic"))? / iters as f32)
@@ -207,4 +222,15 @@ fn time_candidates(ctx: &BuildCtx, candidates: &[Box<dyn Layer>]) -> Result<Vec<
         out.push(Ok(run(iters)?));
     }
     Ok(out)
+}
+
+/// `enqueue`'s work as an instantiated CUDA graph, or `None` where it cannot be captured (then the
+/// candidate is timed by direct launches).
+fn capture(stream: &std::sync::Arc<cudarc::driver::CudaStream>, enqueue: impl FnOnce() -> Result<()>) -> Option<cudarc::driver::CudaGraph> {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).ok()?;
+    let enqueued = enqueue();
+    let captured = stream.end_capture(CUgraphInstantiate_flags(0));
+    enqueued.ok()?;
+    captured.ok().flatten()
 }

@@ -456,7 +456,8 @@ mod tests {
     #[test]
     fn attributes_from_a_file_that_overflow_are_errors() {
         let x: &[usize] = &[1, 3, 8, 8];
-        let big = PoolAttrs { kernel: [usize::MAX, 3], stride: [1, 1], padding: [usize::MAX / 2, 1], ceil_mode: true, count_include_pad: true };
+        let big =
+            PoolAttrs { kernel: [usize::MAX, 3], stride: [1, 1], padding: [usize::MAX / 2, 1], ceil_mode: true, count_include_pad: true };
         assert!(pool2d_shape(&big, &[x]).is_err());
         assert_eq!(pooled_extent(usize::MAX, 3, 1, 1, false), None);
         assert_eq!(pooled_extent(8, 3, usize::MAX, 1, true), Some(1));
