@@ -236,10 +236,10 @@ mod tests {
     fn check_plan(bytes: &[usize], steps: &[StepUse], p: &ArenaPlan) {
         let merged: Vec<(usize, usize)> = p.in_place.iter().filter_map(|&s| steps[s].overwrite).collect();
         let mut items = Vec::new(); // (offset, bytes, first, last, value)
-        for v in 0..bytes.len() {
+        for (v, &len) in bytes.iter().enumerate() {
             let touched: Vec<usize> = steps.iter().enumerate().filter(|(_, s)| s.values.contains(&v)).map(|(i, _)| i).collect();
             match (touched.first(), touched.last(), p.offsets[v]) {
-                (Some(&f), Some(&l), Some(off)) => items.push((off, bytes[v], f, l, Some(v))),
+                (Some(&f), Some(&l), Some(off)) => items.push((off, len, f, l, Some(v))),
                 (None, _, off) => assert_eq!(off, None, "an untouched value has no place"),
                 _ => panic!("value {v} is touched but has no offset: {p:?}"),
             }
