@@ -21,13 +21,12 @@ CUDA graph or torch.compile (reduce-overhead), then Ultralytics' own `non_max_su
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_zoo import graphed, kiln_bench, timed  # noqa: E402
 
-LIBS = "/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu:/usr/lib"
 MODELS = ["yolov8n", "yolo11n"]
 BATCHES = [1, 32]
 SIZE = 640
@@ -47,18 +46,6 @@ def weights(model, out):
     return net, path
 
 
-def kiln_bench(exe, model, wpath, out_json, duration):
-    env = dict(os.environ, LD_LIBRARY_PATH=LIBS)
-    cmd = [exe, "bench", model, "--weights", wpath, "--fp16", "--cuda-graphs-only", "--batch", ",".join(map(str, BATCHES)),
-           "--duration", str(duration), "--warmup", "100", "--json", out_json]
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    print(p.stdout[-2000:], flush=True)
-    if p.returncode != 0 or not os.path.exists(out_json):
-        return []
-    with open(out_json) as f:
-        return json.load(f)
-
-
 def torch_peers(model, net, compile_):
     import torch
     from ultralytics.utils.nms import non_max_suppression
@@ -69,39 +56,6 @@ def torch_peers(model, net, compile_):
 
     def first(y):
         return y[0] if isinstance(y, (tuple, list)) else y
-
-    def timed(fn, x, iters):
-        for _ in range(5):
-            fn(x)
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn(x)
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b))
-        ts.sort()
-        return ts[len(ts) // 2]
-
-    def graphed(fn, x):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                fn(x)
-        torch.cuda.current_stream().wait_stream(s)
-        g, static = torch.cuda.CUDAGraph(), x.clone()
-        with torch.cuda.graph(g):
-            out = fn(static)
-
-        def run(inp):
-            static.copy_(inp)
-            g.replay()
-            return out
-
-        return run
 
     def with_nms(forward):
         return lambda x: non_max_suppression(forward(x), conf_thres=0.25, iou_thres=0.7, max_det=300)
@@ -137,7 +91,7 @@ def device(args):
     start = time.time()
     for model in [m for m in MODELS if not args.models or m in args.models.split(",")]:
         net, wpath = weights(model, args.out)
-        result["kiln"] += kiln_bench(args.kiln, model, wpath, os.path.join(args.out, "kiln.json"), 2)
+        result["kiln"] += kiln_bench(args.kiln, model, BATCHES, os.path.join(args.out, "kiln.json"), 2, extra=["--weights", wpath], warmup_ms=100)
         result["peers"] += torch_peers(model, net, args.compile)
         with open(path, "w") as f:
             json.dump(result, f, indent=1)

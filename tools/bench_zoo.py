@@ -29,16 +29,58 @@ ZOO = [
 REGRESSION = [("resnet50", 1), ("resnet50", 256), ("centernet", 32)]
 
 
-def kiln_bench(exe, model, batches, out_json, duration):
+def kiln_bench(exe, model, batches, out_json, duration, extra=(), warmup_ms=200):
+    """`kiln bench` of `model` (FP16, CUDA graphs) at `batches`, its JSON records (tools/bench_yolo.py too)."""
     env = dict(os.environ, LD_LIBRARY_PATH=LIBS)
-    cmd = [exe, "bench", model, "--fp16", "--cuda-graphs-only", "--batch", ",".join(map(str, batches)), "--duration", str(duration),
-           "--warmup", "200", "--json", out_json]
+    cmd = [exe, "bench", model, *extra, "--fp16", "--cuda-graphs-only", "--batch", ",".join(map(str, batches)), "--duration", str(duration),
+           "--warmup", str(warmup_ms), "--json", out_json]
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     print(p.stdout[-2000:], flush=True)
     if p.returncode != 0 or not os.path.exists(out_json):
         return []
     with open(out_json) as f:
         return json.load(f)
+
+
+def timed(fn, x, iters):
+    """Median CUDA-event time of `fn(x)` in ms, after 5 warm-up calls (tools/bench_yolo.py too)."""
+    import torch
+
+    for _ in range(5):
+        fn(x)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(x)
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def graphed(fn, x):
+    """`fn` captured into a CUDA graph on a static copy of `x`; the returned callable replays it."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn(x)
+    torch.cuda.current_stream().wait_stream(s)
+    g, static = torch.cuda.CUDAGraph(), x.clone()
+    with torch.cuda.graph(g):
+        out = fn(static)
+
+    def run(inp):
+        static.copy_(inp)
+        g.replay()
+        return out
+
+    return run
 
 
 def torch_peers(model, deadline, compile_batches):
@@ -48,39 +90,6 @@ def torch_peers(model, deadline, compile_batches):
     torch.backends.cudnn.benchmark = True
     kwargs = {"aux_logits": False, "init_weights": True} if model == "googlenet" else {}
     m = getattr(torchvision.models, model)(weights=None, **kwargs).eval().cuda().half().to(memory_format=torch.channels_last)
-
-    def timed(fn, x, iters):
-        for _ in range(5):
-            fn(x)
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn(x)
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b))
-        ts.sort()
-        return ts[len(ts) // 2]
-
-    def graphed(fn, x):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                fn(x)
-        torch.cuda.current_stream().wait_stream(s)
-        g, static = torch.cuda.CUDAGraph(), x.clone()
-        with torch.cuda.graph(g):
-            out = fn(static)
-
-        def run(inp):
-            static.copy_(inp)
-            g.replay()
-            return out
-
-        return run
 
     rows = []
     with torch.inference_mode():

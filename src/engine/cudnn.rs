@@ -506,19 +506,14 @@ pub fn conv_candidates_with(ctx: &mut BuildCtx, node: NodeId, p: ConvProblem) ->
 
 /// One candidate per usable algorithm (fused where cuDNN allows it, and separate calls).
 fn fwd_layers(ctx: &BuildCtx, shared: &Arc<ConvShared>, pad: Option<Arc<PadStep>>) -> Result<Vec<Box<dyn Layer>>> {
-    let handle = ctx.gpu.handles.cudnn;
     let mut out: Vec<Box<dyn Layer>> = Vec::new();
     let limit = ctx.config.workspace_bytes;
     let strict = ctx.precision() == Precision::Fp32;
-    // Workspace sizes at the max batch bound every batch the engine runs.
-    let d = shared.descs(ctx.config.max_batch)?;
+    let room = ctx.workspace_budget.max(super::tactic::WORKSPACE_FLOOR);
     for algo in FWD_ALGOS {
-        let mut ws = 0usize;
-        // SAFETY: the handle and descriptors are live; `ws` outlives the call.
-        let st = unsafe {
-            dnn::cudnnGetConvolutionForwardWorkspaceSize(handle, d.x.raw, shared.filter.raw, shared.conv.raw, d.y.raw, algo, &mut ws)
-        };
-        if st.result().is_err() || ws > limit || (strict && !exact_algo(algo)) {
+        // Workspace sizes at the max batch bound every batch the engine runs.
+        let Some(ws) = fwd_workspace(ctx, shared, algo, ctx.config.max_batch)? else { continue };
+        if ws > limit || (strict && !exact_algo(algo)) {
             continue;
         }
         // cuDNN's fused call supports the identity activation only with IMPLICIT_PRECOMP_GEMM.
@@ -531,41 +526,39 @@ fn fwd_layers(ctx: &BuildCtx, shared: &Arc<ConvShared>, pad: Option<Arc<PadStep>
         };
         add(ws, None);
         // A workspace that outgrows the arena's room at this layer also runs in batch slices
-        // small enough for the room, as one more candidate.
-        let room = ctx.workspace_budget.max(super::tactic::WORKSPACE_FLOOR);
+        // small enough for the room, as one more candidate: the largest slice (halving from the
+        // max batch) whose workspace fits.
         if ws > room {
-            if let Some((n, ws_n)) = slice_within(ctx, shared, algo, room)? {
-                add(ws_n, Some(n));
+            let mut n = ctx.config.max_batch / 2;
+            while n >= 1 {
+                if let Some(ws_n) = fwd_workspace(ctx, shared, algo, n)?.filter(|&w| w <= room) {
+                    add(ws_n, Some(n));
+                    break;
+                }
+                n /= 2;
             }
         }
     }
     Ok(out)
 }
 
-/// The largest batch slice (halving from the max batch) whose workspace for `algo` fits `room`.
-fn slice_within(ctx: &BuildCtx, shared: &ConvShared, algo: dnn::cudnnConvolutionFwdAlgo_t, room: usize) -> Result<Option<(usize, usize)>> {
-    let mut n = ctx.config.max_batch / 2;
-    while n >= 1 {
-        let d = shared.descs(n)?;
-        let mut ws = 0usize;
-        // SAFETY: the handle and descriptors are live; `ws` outlives the call.
-        let st = unsafe {
-            dnn::cudnnGetConvolutionForwardWorkspaceSize(
-                ctx.gpu.handles.cudnn,
-                d.x.raw,
-                shared.filter.raw,
-                shared.conv.raw,
-                d.y.raw,
-                algo,
-                &mut ws,
-            )
-        };
-        if st.result().is_ok() && ws <= room {
-            return Ok(Some((n, ws)));
-        }
-        n /= 2;
-    }
-    Ok(None)
+/// The workspace `algo` needs for `batch` images, or `None` where cuDNN does not support it.
+fn fwd_workspace(ctx: &BuildCtx, shared: &ConvShared, algo: dnn::cudnnConvolutionFwdAlgo_t, batch: usize) -> Result<Option<usize>> {
+    let d = shared.descs(batch)?;
+    let mut ws = 0usize;
+    // SAFETY: the handle and descriptors are live; `ws` outlives the call.
+    let st = unsafe {
+        dnn::cudnnGetConvolutionForwardWorkspaceSize(
+            ctx.gpu.handles.cudnn,
+            d.x.raw,
+            shared.filter.raw,
+            shared.conv.raw,
+            d.y.raw,
+            algo,
+            &mut ws,
+        )
+    };
+    Ok(st.result().is_ok().then_some(ws))
 }
 
 /// A transposed convolution as cuDNN's backward-data of the matching forward convolution, then

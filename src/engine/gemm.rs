@@ -335,7 +335,9 @@ pub struct GemmLayer {
     matmul: LtMatmul,
 }
 
-/// What a GEMM layer is asked to do.
+/// What a GEMM layer is asked to do (cuBLASLt's FP16/FP32 GEMM, or the FP8 candidate of
+/// `engine::quant`).
+#[derive(Clone, Copy)]
 pub struct GemmSpec<'a> {
     pub x: ValueId,
     pub y: ValueId,

@@ -3,6 +3,7 @@
 //! without an 8-bit implementation (the FP16 fallback), with the same arithmetic as the CPU
 //! reference, so a quantised engine and the CPU fake-quant simulation see the same values.
 
+use super::gemm::GemmSpec;
 use super::kernel_layers::{grid_for, launch, CudaFunction, KArg, BLOCK};
 use super::layer::{BuildCtx, DeviceBuf, Layer, RunCtx, ValueId};
 use crate::graph::NodeId;
@@ -141,22 +142,11 @@ impl Layer for Fp8GemmLayer {
     }
 }
 
-/// What an FP8 GEMM candidate is built from (a 1×1 conv's pieces).
-pub struct Fp8GemmSpec<'a> {
-    pub x: ValueId,
-    pub y: ValueId,
-    pub residual: Option<ValueId>,
-    pub rows_per_image: usize,
-    /// Row-major `[n, k]`, already on the e4m3 grid of one per-tensor scale (a folded quantiser).
-    pub weight: &'a [f32],
-    pub bias: Option<&'a [f32]>,
-    pub relu: bool,
-}
-
 /// The FP8 GEMM candidate of `node`, when it applies: an `Fp8` engine, the node's input produced
 /// by a per-tensor fp8 `fake_quantize`, f16 values, and channel counts that are multiples of 16
-/// (cuBLASLt's FP8 alignment). `None` otherwise.
-pub fn fp8_gemm_candidate(ctx: &mut BuildCtx, node: NodeId, spec: Fp8GemmSpec) -> Result<Option<Box<dyn Layer>>> {
+/// (cuBLASLt's FP8 alignment). `None` otherwise. The weight is already on the e4m3 grid of one
+/// per-tensor scale (a folded quantiser).
+pub fn fp8_gemm_candidate(ctx: &mut BuildCtx, node: NodeId, spec: GemmSpec) -> Result<Option<Box<dyn Layer>>> {
     use crate::graph::{Op, QuantFormat};
     use crate::ops::quant::{encode_e4m3, round_e4m3, E4M3_MAX};
     if ctx.precision() != super::Precision::Fp8 {
