@@ -223,6 +223,55 @@ impl Graph {
         uses
     }
 
+    /// The same graph for other input dims: each input named in `dims` gets those per-image dims
+    /// (the batch stays), and every node's shape is inferred again with its op's rule. Ops whose
+    /// attributes fix a size (a reshape to given dims, a constant of the traced size added to an
+    /// activation) make this an error naming the node and both shapes, not a silent mismatch.
+    pub fn with_input_dims(&self, dims: &BTreeMap<String, Vec<usize>>) -> Result<Graph> {
+        let mut g = self.clone();
+        for (name, d) in dims {
+            let node = g.inputs.iter().copied().find(|&i| matches!(&g.nodes[i].op, Op::Input { name: n } if n == name));
+            let Some(node) = node else {
+                return Err(Error::Binding {
+                    name: name.clone(),
+                    reason: format!("the graph has no such input; it has {:?}", self.input_names()),
+                });
+            };
+            let shape = &mut g.nodes[node].shape;
+            if d.len() + 1 != shape.len() {
+                return Err(Error::Binding {
+                    name: name.clone(),
+                    reason: format!("{} per-image dims {d:?} given, the input has {} ({:?})", d.len(), shape.len() - 1, &shape[1..]),
+                });
+            }
+            shape.truncate(1);
+            shape.extend(d);
+        }
+        for id in 0..g.nodes.len() {
+            let node = &g.nodes[id];
+            if node.op.is_leaf() {
+                continue;
+            }
+            let shapes: Vec<&[usize]> = node.inputs.iter().map(|&i| g.nodes[i].shape.as_slice()).collect();
+            let shape = node.op.infer_shape(&shapes).map_err(|reason| Error::Shape {
+                path: node.path.clone(),
+                op: node.op.name().to_string(),
+                reason: format!("{reason} (at input dims {dims:?}; the node's traced shape is {:?})", self.nodes[id].shape),
+                got: shapes.iter().map(|s| s.to_vec()).collect(),
+            })?;
+            if numel(&shape).is_none() {
+                return Err(Error::Shape {
+                    path: node.path.clone(),
+                    op: node.op.name().to_string(),
+                    reason: format!("output shape {shape:?} has more elements than fit in memory"),
+                    got: shapes.iter().map(|s| s.to_vec()).collect(),
+                });
+            }
+            g.nodes[id].shape = shape;
+        }
+        Ok(g)
+    }
+
     /// A readable listing, one node a line: `%12 = conv2d(%3, %4) [1, 64, 56, 56]  layer1.0.conv1`.
     pub fn to_text(&self) -> String {
         let mut s = String::new();

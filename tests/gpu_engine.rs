@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 mod common;
-use common::{gpu, random};
+use common::{gpu, matching_detections, random};
 
 /// One timing cache for every build of this process: equal problems are timed once.
 fn cache_path() -> PathBuf {
@@ -227,25 +227,6 @@ fn check_output(label: &str, name: &str, got: &HostTensor, want: &HostTensor, to
     println!("  {c}");
     assert!(c.passes(tol), "{label} {name}: {c} over rel L2 {tol:e}");
     c
-}
-
-/// Reference detections found among ours: same class, centre within 0.1 pixel of the map.
-fn matching_detections(got: &HostTensor, want: &HostTensor, image: usize) -> usize {
-    let k = want.shape[1];
-    let rows = |t: &HostTensor| -> Vec<[f32; 6]> {
-        t.data[image * k * 6..(image + 1) * k * 6].chunks_exact(6).map(|r| r.try_into().expect("6 columns")).collect()
-    };
-    let (g, w) = (rows(got), rows(want));
-    let centre = |r: &[f32; 6]| ((r[0] + r[2]) / 2.0, (r[1] + r[3]) / 2.0);
-    w.iter()
-        .filter(|wr| {
-            let (wx, wy) = centre(wr);
-            g.iter().any(|gr| {
-                let (gx, gy) = centre(gr);
-                gr[5] == wr[5] && (gx - wx).abs() < 0.1 && (gy - wy).abs() < 0.1
-            })
-        })
-        .count()
 }
 
 fn check_model(model: &str) {

@@ -708,7 +708,7 @@ def main():
     p.add_argument("--model", choices=list(MODELS), help="bundled model to export")
     p.add_argument("--weights", default="seeded", help="seeded | torchvision | PATH to a state_dict safetensors file")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--size", type=int, help="input height = width (default: 224 for the classifiers, 512 for CenterNet)")
+    p.add_argument("--size", type=parse_size, help="input height = width, or HxW such as 384x512 (default: 224 for the classifiers, 512 for CenterNet)")
     p.add_argument("--seed", type=int, default=0, help="input seed (and torch.manual_seed for --weights torchvision)")
     p.add_argument("--out", default=".", help="output directory")
     p.add_argument("--device", default="cpu", help="where PyTorch runs the model: cpu (default) or cuda (FP32, TF32 off)")
@@ -742,10 +742,17 @@ def main():
     export(args, args.model, args.batch, args.size or MODELS[args.model])
 
 
+def parse_size(text):
+    """`512` (square) or `384x512` (height x width)."""
+    h, _, w = text.partition("x")
+    return (int(h), int(w or h))
+
+
 def export(args, model, batch, size):
     net = load_weights(model, build(model), args.weights, args.seed).eval().float()
+    h, w = size if isinstance(size, tuple) else (size, size)
     # The input comes from the seeded generator too, so Rust can recreate it without the file.
-    x = torch.from_numpy(seeded.weight(f"input.{args.seed}", [batch, 3, size, size]))
+    x = torch.from_numpy(seeded.weight(f"input.{args.seed}", [batch, 3, h, w]))
 
     net, xd = net.to(args.device), x.to(args.device)
     if args.stats:

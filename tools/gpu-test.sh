@@ -32,6 +32,10 @@ done 2>&1 | tee "$OUT/export.log"
 for m in ${ZOO:-}; do
   python3 .carry/tools/export_reference.py --model "$m" --weights torchvision --seed 0 --save-weights --out "$REF/torchvision" || echo "EXPORT FAILED: $m"
 done 2>&1 | tee -a "$OUT/export.log"
+# CenterNet at the sizes one engine with an H/W profile runs (tests/gpu_profiles.rs).
+for s in ${SHAPES:-384x512 512x512 640x480}; do
+  python3 .carry/tools/export_reference.py --model centernet --weights seeded --seed 0 --size "$s" --out "$REF/shapes/$s" || echo "EXPORT FAILED: centernet $s"
+done 2>&1 | tee -a "$OUT/export.log"
 echo "references exported in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/export.log"
 
 status=0

@@ -4,16 +4,15 @@
 use super::arena::{self, StepUse};
 use super::gpu::{cuda_err, Gpu};
 use super::kernels::{self, Kernels};
-use super::layer::{BuildCtx, Elem, Layer, Layout, RunCtx, Storage, ValueDesc, ValueId, MAX_RANK};
+use super::layer::{BuildCtx, Elem, Layer, Layout, RunCtx, Storage, ValueDesc, ValueId, WeightStore, MAX_RANK};
 use super::tactic::Tactics;
-use super::{check_converters, is_structural, BuildConfig};
+use super::{check_converters, is_structural, BuildConfig, InputDims};
 use crate::graph::{Graph, Op};
 use crate::ops::LayoutPlan;
 use crate::{Error, Result};
 use std::collections::BTreeMap;
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
 /// Builds engines from graphs.
@@ -106,13 +105,30 @@ impl std::fmt::Display for BuildSummary {
     }
 }
 
-/// A built engine: layers over one planned arena, shareable by many execution contexts.
+/// A built engine: its plans (one per input shape it runs: layers over one planned arena),
+/// shareable by many execution contexts.
 pub struct Engine {
     pub(crate) gpu: Arc<Gpu>,
-    pub(crate) _kernels: Arc<Kernels>,
+    pub(crate) kernels: Arc<Kernels>,
     pub config: BuildConfig,
-    /// The optimised graph the engine was lowered from, with its (folded) weights.
+    /// The optimised graph the engine was lowered from, with its (folded) weights, at its traced
+    /// input dims; each plan is lowered from it at that plan's dims.
     pub graph: Graph,
+    /// The plan at the first build shape (the first profile's opt, or the traced dims).
+    pub(crate) plan: Arc<Plan>,
+    /// Every plan lowered so far, `plan` first; more are added as new shapes are run.
+    pub(crate) plans: RwLock<Vec<Arc<Plan>>>,
+    /// Per profile, the kind chosen for each module path at its opt shape (other shapes follow).
+    pub(crate) follow: Vec<BTreeMap<String, String>>,
+    pub(crate) weights: WeightStore,
+    pub(crate) tactics: Mutex<BTreeMap<String, String>>,
+    pub summary: BuildSummary,
+}
+
+/// An engine lowered for one set of input dims: layers over one planned arena.
+pub struct Plan {
+    /// Every input's per-image dims.
+    pub dims: InputDims,
     pub(crate) layers: Vec<Box<dyn Layer>>,
     pub(crate) values: Vec<ValueDesc>,
     /// Arena offset of each arena value (aliases resolved), `usize::MAX` for bindings.
@@ -122,14 +138,10 @@ pub struct Engine {
     pub(crate) workspaces: Vec<(usize, usize)>,
     pub(crate) inputs: Vec<(String, ValueId)>,
     pub(crate) outputs: Vec<(String, ValueId)>,
-    pub(crate) tactics: BTreeMap<String, String>,
-    pub summary: BuildSummary,
+    pub memory: MemorySummary,
 }
 
-impl Engine {
-    pub fn gpu(&self) -> &Arc<Gpu> {
-        &self.gpu
-    }
+impl Plan {
     pub fn layers(&self) -> impl Iterator<Item = &dyn Layer> {
         self.layers.iter().map(|l| l.as_ref())
     }
@@ -140,27 +152,114 @@ impl Engine {
     pub fn outputs(&self) -> Vec<(&str, &[usize])> {
         self.outputs.iter().map(|(n, v)| (n.as_str(), self.values[v.0].dims.as_slice())).collect()
     }
-    /// The recorded tactic choices (module path and problem → layer kind).
-    pub fn tactics(&self) -> &BTreeMap<String, String> {
-        &self.tactics
+}
+
+impl Engine {
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
     }
-    /// The engine's layers, one a line, with the precision each computes in and the workspace of
-    /// those that have one, for `inspect`.
+    /// The plan at the first build shape (see [`Engine::plan_for`] for others).
+    pub fn plan(&self) -> &Arc<Plan> {
+        &self.plan
+    }
+    /// Every plan lowered so far.
+    pub fn plans(&self) -> Vec<Arc<Plan>> {
+        self.plans.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+    /// The first plan's layers.
+    pub fn layers(&self) -> impl Iterator<Item = &dyn Layer> {
+        self.plan.layers()
+    }
+    /// Names and per-image dims (PyTorch order) of the inputs, at the first plan's shape.
+    pub fn inputs(&self) -> Vec<(&str, &[usize])> {
+        self.plan.inputs()
+    }
+    pub fn outputs(&self) -> Vec<(&str, &[usize])> {
+        self.plan.outputs()
+    }
+    /// The recorded tactic choices (module path and problem → layer kind), of every plan.
+    pub fn tactics(&self) -> BTreeMap<String, String> {
+        self.tactics.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The plan for these input dims: one already lowered, or a new one, lowered now with the
+    /// algorithms its profile chose at opt (each checked to run at these dims, timed only where
+    /// it does not). An error names the dims and the ranges the engine accepts.
+    pub fn plan_for(&self, dims: &InputDims) -> Result<Arc<Plan>> {
+        if let Some(p) = self.plans.read().unwrap_or_else(|p| p.into_inner()).iter().find(|p| p.dims == *dims) {
+            return Ok(p.clone());
+        }
+        let Some(profile) = self.config.profile_for(&self.graph, dims) else {
+            let accepted: Vec<String> = if self.config.profiles.is_empty() {
+                vec![format!("{:?} (no profiles; build with --minShapes/--optShapes/--maxShapes for others)", self.plan.dims)]
+            } else {
+                self.config.profiles.iter().map(|p| format!("{p:?}")).collect()
+            };
+            return Err(Error::Binding {
+                name: dims.keys().cloned().collect::<Vec<_>>().join(","),
+                reason: format!("input dims {dims:?} are outside every profile of the engine; it accepts {}", accepted.join(" or ")),
+            });
+        };
+        let graph = self.graph.with_input_dims(dims)?;
+        let mut tactics = Tactics {
+            recorded: self.tactics(),
+            follow: self.follow.get(profile).cloned().unwrap_or_default(),
+            cache_prefix: cache_prefix(&self.gpu, &self.config),
+            ..Default::default()
+        };
+        let (plan, _) = lower_plan(&self.gpu, &self.kernels, &graph, dims.clone(), &self.config, &mut tactics, &self.weights)?;
+        let plan = Arc::new(plan);
+        self.tactics.lock().unwrap_or_else(|p| p.into_inner()).extend(tactics.recorded);
+        let mut plans = self.plans.write().unwrap_or_else(|p| p.into_inner());
+        // Another thread may have lowered the same dims meanwhile: keep the first.
+        if let Some(p) = plans.iter().find(|p| p.dims == *dims) {
+            return Ok(p.clone());
+        }
+        plans.push(plan.clone());
+        Ok(plan)
+    }
+
+    /// The engine's layers (its first plan's), one a line, with the precision each computes in
+    /// and the workspace of those that have one, then every plan's dims and arena, for `inspect`.
     pub fn describe(&self) -> String {
         let elem = crate::engine::Precision::name(self.config.precision.elem());
         let mut out = String::new();
-        for (i, l) in self.layers.iter().enumerate() {
+        for (i, l) in self.plan.layers.iter().enumerate() {
             // A layer on 8-bit tensor cores says so in its kind.
             let p =
                 if l.kind().ends_with("-fp8") { "fp8".to_string() } else { crate::calibrate::layer_precision(&self.graph, l.path(), elem) };
-            let ws = match self.workspaces.get(i) {
+            let ws = match self.plan.workspaces.get(i) {
                 Some(&(_, bytes)) if bytes > 0 => format!("  [workspace {:.2} MiB]", bytes as f64 / (1 << 20) as f64),
                 _ => String::new(),
             };
             out.push_str(&format!("{i:>4} {p:<22} {}{ws}\n", l.describe()));
         }
+        let plans = self.plans();
+        if plans.len() > 1 || !self.config.profiles.is_empty() {
+            for (p, profile) in self.config.profiles.iter().enumerate() {
+                let ranges: Vec<String> = profile
+                    .iter()
+                    .map(|(n, r)| format!("{n}: min {} opt {} max {}", dims_text(&r.min), dims_text(&r.opt), dims_text(&r.max)))
+                    .collect();
+                out.push_str(&format!("profile {p}: {}\n", ranges.join(", ")));
+            }
+            for plan in plans {
+                let dims: Vec<String> = plan.dims.iter().map(|(n, d)| format!("{n}: {}", dims_text(d))).collect();
+                out.push_str(&format!(
+                    "plan {}: {} layers, arena {:.1} MiB\n",
+                    dims.join(", "),
+                    plan.layers.len(),
+                    plan.arena_bytes as f64 / (1 << 20) as f64
+                ));
+            }
+        }
         out
     }
+}
+
+/// Dims as `3x480x640`.
+pub fn dims_text(dims: &[usize]) -> String {
+    dims.iter().map(usize::to_string).collect::<Vec<_>>().join("x")
 }
 
 impl EngineBuilder {
@@ -186,6 +285,7 @@ impl EngineBuilder {
     pub fn build(&self, graph: &Graph) -> Result<Engine> {
         let start = Instant::now();
         self.config.validate()?;
+        self.config.validate_profiles(graph)?;
         check_converters(graph)?;
         let optimized = crate::passes::optimize(graph)?;
         check_converters(&optimized)?;
@@ -335,16 +435,72 @@ impl Reformats {
     }
 }
 
-/// Lowers an optimised graph to an engine (build and load share this).
+/// Lowers an optimised graph to an engine (build and load share this): one plan per build shape
+/// (`BuildConfig::build_shapes`), each profile's opt first, timed; the others follow its choices.
 pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &mut Tactics) -> Result<Engine> {
+    let kernels = {
+        let _one_build = gpu.build_lock.lock().unwrap_or_else(|p| p.into_inner());
+        gpu.ctx.bind_to_thread().map_err(super::gpu::cuda_err("binding the CUDA context"))?;
+        Arc::new(Kernels::new(&gpu)?)
+    };
+    let weights = WeightStore::default();
+    let shapes = config.build_shapes(&graph);
+    let mut plans = Vec::with_capacity(shapes.len());
+    let mut follow = vec![BTreeMap::new(); config.profiles.len()];
+    let mut summary = None;
+    for dims in shapes {
+        let at_shape = if plans.is_empty() && config.profiles.is_empty() { graph.clone() } else { graph.with_input_dims(&dims)? };
+        let profile = config.profile_for(&graph, &dims);
+        // A profile's first plan is its opt (build_shapes lists the opts first): it is timed.
+        let is_opt = profile.is_some_and(|p| config.profiles[p].iter().all(|(n, r)| dims.get(n) == Some(&r.opt)));
+        tactics.follow = match profile {
+            Some(p) if !is_opt => follow[p].clone(),
+            _ => BTreeMap::new(),
+        };
+        let before = tactics.chosen.len();
+        let (plan, plan_summary) = lower_plan(&gpu, &kernels, &at_shape, dims, &config, tactics, &weights)?;
+        if let (Some(p), true) = (profile, is_opt) {
+            follow[p].extend(tactics.chosen[before..].iter().cloned());
+        }
+        summary.get_or_insert(plan_summary);
+        plans.push(Arc::new(plan));
+    }
+    tactics.follow.clear();
+    let plan = plans.first().cloned().ok_or_else(|| Error::Config { reason: "no input shape to build for".into() })?;
+    let mut summary = summary.unwrap_or_default();
+    summary.memory.weights = weights.bytes();
+    Ok(Engine {
+        gpu,
+        kernels,
+        config,
+        graph,
+        plan,
+        plans: RwLock::new(plans),
+        follow,
+        weights,
+        tactics: Mutex::new(tactics.recorded.clone()),
+        summary,
+    })
+}
+
+/// Lowers a graph at one set of input dims to a plan: layouts, one layer per node through its
+/// converter, reformats, workspaces and the arena.
+fn lower_plan(
+    gpu: &Arc<Gpu>,
+    kernels: &Kernels,
+    graph: &Graph,
+    dims: InputDims,
+    config: &BuildConfig,
+    tactics: &mut Tactics,
+    weights: &WeightStore,
+) -> Result<(Plan, BuildSummary)> {
     // A panicked build leaves nothing half-done in the lock's data, so a poisoned lock is usable.
-    let lock_owner = gpu.clone();
-    let _one_build = lock_owner.build_lock.lock().unwrap_or_else(|p| p.into_inner());
+    let _one_build = gpu.build_lock.lock().unwrap_or_else(|p| p.into_inner());
     gpu.ctx.bind_to_thread().map_err(super::gpu::cuda_err("binding the CUDA context"))?;
-    let kernels = Arc::new(Kernels::new(&gpu)?);
+    let (timed_before, cached_before, log_before) = (tactics.timed, tactics.cached, tactics.log.len());
     let elem = config.precision.elem();
-    let (layouts, plans) = plan_layouts(&graph)?;
-    let (estimate, step_of) = estimate_arena(&graph, elem.size(), config.max_batch);
+    let (layouts, plans) = plan_layouts(graph)?;
+    let (estimate, step_of) = estimate_arena(graph, elem.size(), config.max_batch);
     // An engine whose activations alone cannot fit is refused before any tactic is timed.
     let (free, _) = cudarc::driver::result::mem_get_info().map_err(cuda_err("reading free device memory"))?;
     if estimate.bytes > free {
@@ -387,10 +543,10 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
     }
 
     let mut ctx = BuildCtx {
-        gpu: &gpu,
-        config: &config,
-        graph: &graph,
-        kernels: &kernels,
+        gpu,
+        config,
+        graph,
+        kernels,
         values,
         node_values,
         current_inputs: Vec::new(),
@@ -398,7 +554,7 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
         prologue_scratch: Vec::new(),
         current: 0,
         tactics,
-        weights: Default::default(),
+        weights,
         workspace_budget: 0,
     };
     // Each layer with the values it touches, for lifetimes.
@@ -451,7 +607,7 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
         layers.push(kernels::reformat_layer(&mut ctx, *src, *binding, name)?);
         touches.push(vec![*src]);
     }
-    let weight_bytes = ctx.weights.load(Ordering::Relaxed);
+    let weight_bytes = weights.bytes();
     let values = ctx.values;
 
     // cuBLASLt plans for every batch of the range, so workspace sizes are exact.
@@ -509,18 +665,15 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
     let summary = BuildSummary {
         layers: layers.len(),
         fused,
-        memory,
-        tactics_timed: tactics.timed,
-        tactics_cached: tactics.cached,
+        memory: memory.clone(),
+        tactics_timed: tactics.timed - timed_before,
+        tactics_cached: tactics.cached - cached_before,
         build_seconds: 0.0,
-        tactic_log: tactics.log.clone(),
-        quantised: crate::calibrate::quant_summary(&graph),
+        tactic_log: tactics.log[log_before..].to_vec(),
+        quantised: crate::calibrate::quant_summary(graph),
     };
-    Ok(Engine {
-        gpu,
-        _kernels: kernels,
-        config,
-        graph,
+    let plan = Plan {
+        dims,
         layers,
         values,
         offsets,
@@ -528,7 +681,7 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
         arena_bytes: plan.bytes,
         inputs: input_bindings.into_iter().map(|(n, _, b)| (n, b)).collect(),
         outputs: output_bindings.into_iter().map(|(n, _, _, b)| (n, b)).collect(),
-        tactics: tactics.recorded.clone(),
-        summary,
-    })
+        memory,
+    };
+    Ok((plan, summary))
 }

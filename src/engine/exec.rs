@@ -1,9 +1,10 @@
 //! `ExecutionContext`: one stream, one arena (activations and workspaces) and the bindings of one engine. Many
 //! contexts of one `Arc<Engine>` run concurrently, one per thread; layers are shared read-only.
 
-use super::builder::Engine;
+use super::builder::{Engine, Plan};
 use super::gpu::{cuda_err, Handles};
 use super::layer::{DeviceBuf, RunCtx, Storage};
+use super::InputDims;
 use crate::graph::HostTensor;
 use crate::{Error, Result};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -15,13 +16,22 @@ pub struct ExecutionContext {
     engine: Arc<Engine>,
     stream: Arc<CudaStream>,
     handles: Handles,
+    /// One arena for every plan this context runs, sized for the largest.
     arena: DeviceBuf,
-    /// One buffer per input binding, then per output binding, sized for the max batch.
-    _bindings: Vec<DeviceBuf>,
-    ptrs: Vec<u64>,
-    /// One captured plan per batch size.
-    graphs: HashMap<usize, CudaGraph>,
+    /// One buffer per input and output binding name, sized for the largest plan at the max batch.
+    bindings: BTreeMap<String, DeviceBuf>,
+    /// The plans this context has run (or was made with), each with its value addresses and one
+    /// captured CUDA graph per batch size.
+    plans: Vec<ContextPlan>,
+    /// The plan the next run uses (chosen by the inputs' dims).
+    current: usize,
     use_graphs: bool,
+}
+
+struct ContextPlan {
+    plan: Arc<Plan>,
+    ptrs: Vec<u64>,
+    graphs: HashMap<usize, CudaGraph>,
 }
 
 // SAFETY: a context is used by one thread at a time (every method takes `&mut self`); its CUDA
@@ -41,31 +51,79 @@ impl ExecutionContext {
         gpu.ctx.bind_to_thread().map_err(cuda_err("binding the CUDA context"))?;
         let stream = gpu.ctx.new_stream().map_err(cuda_err("creating a stream"))?;
         let handles = Handles::new(&stream)?;
-        let c = &engine.config;
-        let arena = DeviceBuf::zeros(&stream, engine.arena_bytes).map_err(|e| {
-            e.out_of_memory_in(|| {
-                format!(
-                    "the arena of an execution context (engine for batch {}..={}, {:?}; lower the max batch)",
-                    c.min_batch, c.max_batch, c.precision
-                )
-            })
-        })?;
-        let max = engine.config.max_batch;
-        let mut bindings = Vec::new();
-        let mut ptrs = vec![0u64; engine.values.len()];
-        for (_, v) in engine.inputs.iter().chain(&engine.outputs) {
-            let buf = DeviceBuf::zeros(&stream, engine.values[v.0].bytes(max))?;
-            ptrs[v.0] = buf.ptr();
-            bindings.push(buf);
+        let arena = DeviceBuf::zeros(&stream, 1)?;
+        let mut ctx = Self {
+            engine: engine.clone(),
+            stream,
+            handles,
+            arena,
+            bindings: BTreeMap::new(),
+            plans: Vec::new(),
+            current: 0,
+            use_graphs: engine.config.cuda_graphs,
+        };
+        let plans = engine.plans();
+        ctx.reserve(&plans)?;
+        ctx.plans = plans.into_iter().map(|plan| ContextPlan { plan, ptrs: Vec::new(), graphs: HashMap::new() }).collect();
+        ctx.place();
+        ctx.stream.synchronize().map_err(cuda_err("allocating a context"))?;
+        Ok(ctx)
+    }
+
+    /// Grows the arena and the bindings to hold `plans` at the max batch. Returns whether anything
+    /// was reallocated (then every plan's addresses and captured graphs are stale).
+    fn reserve(&mut self, plans: &[Arc<Plan>]) -> Result<bool> {
+        let c = &self.engine.config;
+        let max = c.max_batch;
+        let mut grown = false;
+        let arena = plans.iter().map(|p| p.arena_bytes).max().unwrap_or(0);
+        if arena > self.arena.len() {
+            // Nothing may still be running on the old memory.
+            self.stream.synchronize().map_err(cuda_err("synchronising before growing the arena"))?;
+            self.arena = DeviceBuf::zeros(&self.stream, arena).map_err(|e| {
+                e.out_of_memory_in(|| {
+                    format!(
+                        "the arena of an execution context (engine for batch {}..={}, {:?}; lower the max batch or the max shapes)",
+                        c.min_batch, c.max_batch, c.precision
+                    )
+                })
+            })?;
+            grown = true;
         }
-        for (v, desc) in engine.values.iter().enumerate() {
-            if desc.storage != Storage::Binding {
-                ptrs[v] = arena.ptr() + engine.offsets[v] as u64;
+        for plan in plans {
+            for (name, v) in plan.inputs.iter().chain(&plan.outputs) {
+                let bytes = plan.values[v.0].bytes(max);
+                if self.bindings.get(name).is_none_or(|b| b.len() < bytes) {
+                    self.stream.synchronize().map_err(cuda_err("synchronising before growing a binding"))?;
+                    self.bindings.insert(name.clone(), DeviceBuf::zeros(&self.stream, bytes)?);
+                    grown = true;
+                }
             }
         }
-        stream.synchronize().map_err(cuda_err("allocating a context"))?;
-        let use_graphs = engine.config.cuda_graphs;
-        Ok(Self { engine, stream, handles, arena, _bindings: bindings, ptrs, graphs: HashMap::new(), use_graphs })
+        Ok(grown)
+    }
+
+    /// The address of each value of `plan` in this context's arena and bindings.
+    fn addresses(&self, plan: &Plan) -> Vec<u64> {
+        let mut ptrs = vec![0u64; plan.values.len()];
+        for (name, v) in plan.inputs.iter().chain(&plan.outputs) {
+            ptrs[v.0] = self.bindings.get(name).map_or(0, DeviceBuf::ptr);
+        }
+        for (v, desc) in plan.values.iter().enumerate() {
+            if desc.storage != Storage::Binding {
+                ptrs[v] = self.arena.ptr() + plan.offsets[v] as u64;
+            }
+        }
+        ptrs
+    }
+
+    /// Computes every plan's value addresses in the current arena and bindings, dropping captured
+    /// graphs (they hold the old addresses).
+    fn place(&mut self) {
+        for i in 0..self.plans.len() {
+            self.plans[i].ptrs = self.addresses(&self.plans[i].plan);
+            self.plans[i].graphs.clear();
+        }
     }
 
     pub fn engine(&self) -> &Arc<Engine> {
@@ -74,9 +132,42 @@ impl ExecutionContext {
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
+    /// The plan the next run uses.
+    pub fn plan(&self) -> &Arc<Plan> {
+        &self.plans[self.current].plan
+    }
     /// Switches CUDA graph replay on or off (off: every layer is launched from the host).
     pub fn set_cuda_graphs(&mut self, on: bool) {
         self.use_graphs = on;
+    }
+
+    /// Selects the plan for these per-image input dims (TensorRT's `setInputShape`), lowering it
+    /// on first use if it lies inside one of the engine's profiles. Inputs not named keep the
+    /// current plan's dims. The binding addresses stay valid unless a larger plan grows them.
+    pub fn set_input_dims(&mut self, dims: &InputDims) -> Result<()> {
+        let mut want = self.plan().dims.clone();
+        for (name, d) in dims {
+            if !want.contains_key(name) {
+                return Err(Error::Binding {
+                    name: name.clone(),
+                    reason: format!("the engine has no input of that name; it has {:?}", want.keys().collect::<Vec<_>>()),
+                });
+            }
+            want.insert(name.clone(), d.clone());
+        }
+        if let Some(i) = self.plans.iter().position(|cp| cp.plan.dims == want) {
+            self.current = i;
+            return Ok(());
+        }
+        let plan = self.engine.plan_for(&want)?;
+        let grown = self.reserve(std::slice::from_ref(&plan))?;
+        let ptrs = self.addresses(&plan);
+        self.plans.push(ContextPlan { plan, ptrs, graphs: HashMap::new() });
+        self.current = self.plans.len() - 1;
+        if grown {
+            self.place();
+        }
+        Ok(())
     }
 
     fn check_batch(&self, batch: usize) -> Result<()> {
@@ -90,21 +181,22 @@ impl ExecutionContext {
         Ok(())
     }
 
-    /// Enqueues the whole plan for `batch` on the context's stream (replaying its CUDA graph when
-    /// enabled, capturing it on first use of that batch size). Bindings must already hold inputs.
+    /// Enqueues the current plan for `batch` on the context's stream (replaying its CUDA graph
+    /// when enabled, capturing it on first use of that batch size). Bindings must already hold
+    /// inputs.
     pub fn execute(&mut self, batch: usize) -> Result<()> {
         self.check_batch(batch)?;
         self.engine.gpu.ctx.bind_to_thread().map_err(cuda_err("binding the CUDA context"))?;
         if !self.use_graphs {
             return self.enqueue_layers(batch);
         }
-        if !self.graphs.contains_key(&batch) {
+        if !self.plans[self.current].graphs.contains_key(&batch) {
             let graph = self
                 .capture(|| self.enqueue_layers(batch))?
                 .ok_or_else(|| Error::Cuda { context: "CUDA graph capture".into(), reason: "nothing was captured".into() })?;
-            self.graphs.insert(batch, graph);
+            self.plans[self.current].graphs.insert(batch, graph);
         }
-        self.graphs[&batch].launch().map_err(cuda_err("launching a CUDA graph"))
+        self.plans[self.current].graphs[&batch].launch().map_err(cuda_err("launching a CUDA graph"))
     }
 
     /// Captures what `enqueue` puts on the context's stream into an uploaded CUDA graph (`None`
@@ -123,21 +215,22 @@ impl ExecutionContext {
         Ok(graph)
     }
 
-    /// What layer `i` of this context sees when it is enqueued: its workspace is its own part
+    /// What layer `i` of the current plan sees when it is enqueued: its workspace is its own part
     /// of the arena.
     fn run_ctx(&self, i: usize) -> RunCtx<'_> {
-        let (offset, bytes) = self.engine.workspaces[i];
+        let cp = &self.plans[self.current];
+        let (offset, bytes) = cp.plan.workspaces[i];
         RunCtx {
             stream: &self.stream,
             handles: &self.handles,
-            ptrs: &self.ptrs,
+            ptrs: &cp.ptrs,
             workspace: self.arena.ptr() + offset as u64,
             workspace_bytes: bytes,
         }
     }
 
     fn enqueue_layers(&self, batch: usize) -> Result<()> {
-        for (i, layer) in self.engine.layers.iter().enumerate() {
+        for (i, layer) in self.plan().layers.iter().enumerate() {
             layer.enqueue(&self.run_ctx(i), batch).map_err(|e| match e {
                 Error::Cuda { context, reason } => {
                     Error::Cuda { context: format!("{context} (layer `{}`, {}, batch {batch})", layer.path(), layer.kind()), reason }
@@ -148,9 +241,11 @@ impl ExecutionContext {
         Ok(())
     }
 
-    fn binding(&self, name: &str, inputs: bool) -> Result<(usize, super::ValueId)> {
-        let (list, offset) = if inputs { (&self.engine.inputs, 0) } else { (&self.engine.outputs, self.engine.inputs.len()) };
-        list.iter().position(|(n, _)| n == name).map(|i| (offset + i, list[i].1)).ok_or_else(|| Error::Binding {
+    /// The value of the binding `name` in the current plan.
+    fn binding(&self, name: &str, inputs: bool) -> Result<super::ValueId> {
+        let plan = self.plan();
+        let list = if inputs { &plan.inputs } else { &plan.outputs };
+        list.iter().find(|(n, _)| n == name).map(|(_, v)| *v).ok_or_else(|| Error::Binding {
             name: name.to_string(),
             reason: format!(
                 "the engine has no {} of that name; it has {:?}",
@@ -161,21 +256,23 @@ impl ExecutionContext {
     }
 
     /// Runs on host tensors (NCHW f32) and waits: every input by name, every output returned.
+    /// The inputs' dims pick the plan (see [`ExecutionContext::set_input_dims`]).
     pub fn run(&mut self, inputs: &[(&str, &HostTensor)]) -> Result<BTreeMap<String, HostTensor>> {
         let batch = self.bind_host_inputs(inputs)?;
         self.execute(batch)?;
         let mut out = BTreeMap::new();
-        for (name, v) in self.engine.outputs.clone() {
-            let desc = &self.engine.values[v.0];
+        let cp = &self.plans[self.current];
+        for (name, v) in &cp.plan.outputs {
+            let desc = &cp.plan.values[v.0];
             let mut shape = vec![batch];
             shape.extend(&desc.dims);
             let mut data = vec![0f32; batch * desc.per_image_elems()];
             // SAFETY: `data` holds `batch` images of the binding, which the device pointer holds too; the
             // stream is synchronised before `data` is read or dropped.
-            unsafe { drv::memcpy_dtoh_async(&mut data, self.ptrs[v.0], self.stream.cu_stream()) }
+            unsafe { drv::memcpy_dtoh_async(&mut data, cp.ptrs[v.0], self.stream.cu_stream()) }
                 .map_err(cuda_err("copying an output to the host"))?;
             self.stream.synchronize().map_err(cuda_err("running the engine"))?;
-            out.insert(name, HostTensor::new(shape, data));
+            out.insert(name.clone(), HostTensor::new(shape, data));
         }
         self.stream.synchronize().map_err(cuda_err("running the engine"))?;
         Ok(out)
@@ -183,32 +280,46 @@ impl ExecutionContext {
 
     fn bind_host_inputs(&mut self, inputs: &[(&str, &HostTensor)]) -> Result<usize> {
         self.engine.gpu.ctx.bind_to_thread().map_err(cuda_err("binding the CUDA context"))?;
-        if inputs.len() != self.engine.inputs.len() {
-            let names: Vec<&str> = self.engine.inputs.iter().map(|(n, _)| n.as_str()).collect();
+        let names: Vec<String> = self.plan().inputs.iter().map(|(n, _)| n.clone()).collect();
+        if inputs.len() != names.len() {
             return Err(Error::Binding {
                 name: "inputs".into(),
                 reason: format!("expected {} input(s) {names:?}, got {}", names.len(), inputs.len()),
             });
         }
-        let mut batch = None;
+        let mut dims = InputDims::new();
         for (name, t) in inputs {
-            let (_, v) = self.binding(name, true)?;
-            let dims = &self.engine.values[v.0].dims;
-            if t.shape.len() != dims.len() + 1 || t.shape[1..] != dims[..] {
+            if !names.iter().any(|n| n == name) {
                 return Err(Error::Binding {
                     name: name.to_string(),
-                    reason: format!("shape {:?} does not match the engine's [batch, {dims:?}]", t.shape),
+                    reason: format!("the engine has no input of that name; it has {names:?}"),
                 });
             }
+            let Some((_, per_image)) = t.shape.split_first() else {
+                return Err(Error::Binding { name: name.to_string(), reason: "a scalar input has no batch dimension".into() });
+            };
+            dims.insert(name.to_string(), per_image.to_vec());
+        }
+        if dims != self.plan().dims {
+            self.set_input_dims(&dims).map_err(|e| match e {
+                Error::Binding { reason, .. } if dims.len() == 1 => {
+                    Error::Binding { name: names[0].clone(), reason: format!("shape {:?}: {reason}", inputs[0].1.shape) }
+                }
+                other => other,
+            })?;
+        }
+        let mut batch = None;
+        for (name, t) in inputs {
+            let v = self.binding(name, true)?;
             let b = t.shape[0];
             if *batch.get_or_insert(b) != b {
                 return Err(Error::Binding { name: name.to_string(), reason: "inputs have different batch sizes".into() });
             }
             self.check_batch(b)?;
-            // SAFETY: the binding's device buffer holds `max_batch` images and `t` was checked to hold `b` of
-            // them; the stream is synchronised before `t` can be dropped by the caller.
-            unsafe { drv::memcpy_htod_async(self.ptrs[v.0], &t.data, self.stream.cu_stream()) }
-                .map_err(cuda_err("copying an input to the device"))?;
+            let ptr = self.plans[self.current].ptrs[v.0];
+            // SAFETY: the binding's device buffer holds `max_batch` images at these dims and `t` was checked to
+            // hold `b` of them; the stream is synchronised before `t` can be dropped by the caller.
+            unsafe { drv::memcpy_htod_async(ptr, &t.data, self.stream.cu_stream()) }.map_err(cuda_err("copying an input to the device"))?;
         }
         // Pageable copies may read the host data after returning; the caller's tensors must stay
         // valid until then, so wait here rather than hand the caller a hidden borrow.
@@ -217,8 +328,9 @@ impl ExecutionContext {
     }
 
     /// Asynchronous run from device memory on the context's stream: copies each input (NCHW f32,
-    /// `batch` images at a device address) into the bindings, runs, and copies each output to
-    /// its device address. Returns without waiting; call `synchronize` before reading outputs.
+    /// `batch` images of the current plan's dims at a device address) into the bindings, runs,
+    /// and copies each output to its device address. Returns without waiting; call
+    /// `synchronize` before reading outputs. Select other dims first with `set_input_dims`.
     ///
     /// # Safety
     /// Every address must point to device memory of this engine's GPU large enough for `batch`
@@ -227,15 +339,17 @@ impl ExecutionContext {
         self.check_batch(batch)?;
         self.engine.gpu.ctx.bind_to_thread().map_err(cuda_err("binding the CUDA context"))?;
         for (name, ptr) in inputs {
-            let (_, v) = self.binding(name, true)?;
-            let bytes = self.engine.values[v.0].bytes(batch);
-            drv::memcpy_dtod_async(self.ptrs[v.0], *ptr, bytes, self.stream.cu_stream()).map_err(cuda_err("copying an input"))?;
+            let v = self.binding(name, true)?;
+            let bytes = self.plan().values[v.0].bytes(batch);
+            drv::memcpy_dtod_async(self.plans[self.current].ptrs[v.0], *ptr, bytes, self.stream.cu_stream())
+                .map_err(cuda_err("copying an input"))?;
         }
         self.execute(batch)?;
         for (name, ptr) in outputs {
-            let (_, v) = self.binding(name, false)?;
-            let bytes = self.engine.values[v.0].bytes(batch);
-            drv::memcpy_dtod_async(*ptr, self.ptrs[v.0], bytes, self.stream.cu_stream()).map_err(cuda_err("copying an output"))?;
+            let v = self.binding(name, false)?;
+            let bytes = self.plan().values[v.0].bytes(batch);
+            drv::memcpy_dtod_async(*ptr, self.plans[self.current].ptrs[v.0], bytes, self.stream.cu_stream())
+                .map_err(cuda_err("copying an output"))?;
         }
         Ok(())
     }
@@ -244,10 +358,12 @@ impl ExecutionContext {
         self.stream.synchronize().map_err(cuda_err("synchronising the context's stream"))
     }
 
-    /// Device address of a binding's buffer (for zero-copy use with `execute`).
+    /// Device address of a binding's buffer (for zero-copy use with `execute`). It holds the max
+    /// batch at the largest dims of the plans this context has; selecting a plan with larger
+    /// dims may move it.
     pub fn binding_ptr(&self, name: &str) -> Result<u64> {
-        let (_, v) = self.binding(name, true).or_else(|_| self.binding(name, false))?;
-        Ok(self.ptrs[v.0])
+        self.binding(name, true).or_else(|_| self.binding(name, false))?;
+        Ok(self.bindings.get(name).map_or(0, DeviceBuf::ptr))
     }
 
     /// Median wall time of `iters` runs of `execute(batch)` on the inputs already bound, after
@@ -285,8 +401,9 @@ impl ExecutionContext {
         let event = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(cuda_err("creating a profiling event"));
         let (start, end) = (event()?, event()?);
         let iters = iters.max(1);
-        let mut times = Vec::with_capacity(self.engine.layers.len());
-        for (i, layer) in self.engine.layers.iter().enumerate() {
+        let plan = self.plan().clone();
+        let mut times = Vec::with_capacity(plan.layers.len());
+        for (i, layer) in plan.layers.iter().enumerate() {
             let Some(graph) = self.capture(|| layer.enqueue(&self.run_ctx(i), batch))? else {
                 times.push(0.0);
                 continue;

@@ -213,6 +213,7 @@ pub fn validate(payload: &Payload, path: &str) -> Result<()> {
     }
     let g = &payload.graph;
     g.validate().map_err(|e| err(e.to_string()))?;
+    payload.config.validate_profiles(g).map_err(|e| err(format!("build config: {e}")))?;
     if g.inputs.is_empty() || g.outputs.is_empty() {
         return Err(err(format!(
             "the graph has {} input(s) and {} output(s); an engine needs at least one of each",
@@ -237,7 +238,7 @@ impl Engine {
     /// Writes the engine file.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
-        let payload = Payload { config: self.config.clone(), graph: self.graph.clone(), tactics: self.tactics.clone() };
+        let payload = Payload { config: self.config.clone(), graph: self.graph.clone(), tactics: self.tactics() };
         let bytes = encode(&Header::for_gpu(&self.gpu.info), &payload)?;
         std::fs::write(path, bytes).map_err(Error::io(path))
     }

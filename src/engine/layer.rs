@@ -180,15 +180,21 @@ impl ValueDesc {
     }
 }
 
-/// Device memory owned by a layer (its weights) or a context (arena, workspace, bindings).
+/// Device memory owned by a layer (its weights) or a context (arena, bindings). Weights uploaded
+/// through a [`WeightStore`] may be shared by several layers (the plans of one engine at several
+/// input shapes); the memory is freed with the last of them.
 pub struct DeviceBuf {
-    buf: CudaSlice<u8>,
+    alloc: Arc<Alloc>,
     ptr: u64,
+}
+
+struct Alloc {
+    buf: CudaSlice<u8>,
     /// A count of live bytes this buffer is part of (the engine's weights), decreased on drop.
     counted: Option<Arc<AtomicUsize>>,
 }
 
-impl Drop for DeviceBuf {
+impl Drop for Alloc {
     fn drop(&mut self) {
         if let Some(c) = &self.counted {
             c.fetch_sub(self.buf.len(), Ordering::Relaxed);
@@ -197,36 +203,69 @@ impl Drop for DeviceBuf {
 }
 
 impl DeviceBuf {
+    fn new(buf: CudaSlice<u8>, stream: &Arc<CudaStream>) -> Self {
+        let ptr = buf.device_ptr(stream).0;
+        Self { alloc: Arc::new(Alloc { buf, counted: None }), ptr }
+    }
     /// Allocates `bytes` (at least 1) of zeroed device memory on `stream`.
     pub fn zeros(stream: &Arc<CudaStream>, bytes: usize) -> Result<Self> {
         let buf = stream.alloc_zeros::<u8>(bytes.max(1)).map_err(|e| match e.0 {
             cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Error::OutOfMemory { what: "device memory".into(), bytes },
             _ => cuda_err("allocating device memory")(e),
         })?;
-        let ptr = buf.device_ptr(stream).0;
-        Ok(Self { buf, ptr, counted: None })
+        Ok(Self::new(buf, stream))
     }
     /// Copies raw bytes to a new device buffer and waits for the copy.
     pub fn from_bytes(stream: &Arc<CudaStream>, bytes: &[u8]) -> Result<Self> {
         let buf = stream.clone_htod(bytes).map_err(cuda_err("uploading to the device"))?;
         stream.synchronize().map_err(cuda_err("uploading to the device"))?;
-        let ptr = buf.device_ptr(stream).0;
-        Ok(Self { buf, ptr, counted: None })
-    }
-    /// Counts this buffer's bytes in `count` for as long as it lives.
-    fn counted_in(mut self, count: &Arc<AtomicUsize>) -> Self {
-        count.fetch_add(self.buf.len(), Ordering::Relaxed);
-        self.counted = Some(count.clone());
-        self
+        Ok(Self::new(buf, stream))
     }
     pub fn ptr(&self) -> u64 {
         self.ptr
     }
     pub fn len(&self) -> usize {
-        self.buf.len()
+        self.alloc.buf.len()
     }
     pub fn is_empty(&self) -> bool {
-        self.buf.is_empty()
+        self.alloc.buf.is_empty()
+    }
+}
+
+/// An engine's uploaded weights, by content: a second upload of the same bytes (the same layer
+/// lowered for another input shape) shares the first one's memory while it lives. Counts the
+/// bytes alive, so losing tactic candidates' copies, freed, are not counted.
+#[derive(Default)]
+pub struct WeightStore {
+    bytes: Arc<AtomicUsize>,
+    by_content: std::sync::Mutex<std::collections::HashMap<(u64, u64, usize), std::sync::Weak<Alloc>>>,
+}
+
+impl WeightStore {
+    /// Bytes of weights alive.
+    pub fn bytes(&self) -> usize {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// `bytes` on the device: the live upload of the same content, or a new one.
+    pub fn upload(&self, stream: &Arc<CudaStream>, bytes: &[u8]) -> Result<DeviceBuf> {
+        use std::hash::{Hash, Hasher};
+        // Two independent 64-bit hashes and the length: a false match is not a practical risk.
+        let mut sip = std::collections::hash_map::DefaultHasher::new();
+        bytes.hash(&mut sip);
+        let key = (super::file::checksum(bytes), sip.finish(), bytes.len());
+        // A panic elsewhere leaves the map consistent (entries are inserted whole).
+        let mut map = self.by_content.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(alloc) = map.get(&key).and_then(std::sync::Weak::upgrade) {
+            let ptr = alloc.buf.device_ptr(stream).0;
+            return Ok(DeviceBuf { alloc, ptr });
+        }
+        map.retain(|_, w| w.strong_count() > 0);
+        let mut buf = DeviceBuf::from_bytes(stream, bytes)?;
+        self.bytes.fetch_add(buf.len(), Ordering::Relaxed);
+        Arc::get_mut(&mut buf.alloc).expect("a new allocation has one owner").counted = Some(self.bytes.clone());
+        map.insert(key, Arc::downgrade(&buf.alloc));
+        Ok(buf)
     }
 }
 
@@ -329,8 +368,8 @@ pub struct BuildCtx<'a> {
     /// Workspace the node being converted may use without growing the arena past its activation
     /// peak (see `builder::estimate_arena`).
     pub(crate) workspace_budget: usize,
-    /// Bytes of uploaded weights still alive (losing tactic candidates free theirs).
-    pub(crate) weights: Arc<AtomicUsize>,
+    /// The engine's uploaded weights, shared by its plans (losing tactic candidates free theirs).
+    pub(crate) weights: &'a WeightStore,
 }
 
 impl<'a> BuildCtx<'a> {
@@ -381,8 +420,9 @@ impl<'a> BuildCtx<'a> {
     pub fn upload_f32(&mut self, data: &[f32]) -> Result<DeviceBuf> {
         self.upload_bytes(&to_elem_bytes(data, Elem::F32))
     }
+    /// Uploads bytes as a weight (shared with an upload of the same bytes still alive).
     pub fn upload_bytes(&mut self, bytes: &[u8]) -> Result<DeviceBuf> {
-        Ok(DeviceBuf::from_bytes(&self.gpu.stream, bytes)?.counted_in(&self.weights))
+        self.weights.upload(&self.gpu.stream, bytes)
     }
 
     /// Declares that `out` is the same bytes as `src` (a reshape that moves nothing). The
@@ -434,7 +474,9 @@ impl<'a> BuildCtx<'a> {
     /// opt batch. Candidates that fail to run are skipped; if none runs the error lists why.
     /// `key` names the problem (shapes, attributes), not the node: equal keys share a timing.
     pub fn choose(&mut self, key: &str, candidates: Vec<Box<dyn Layer>>) -> Result<Box<dyn Layer>> {
-        super::tactic::choose(self, key, candidates)
+        let layer = super::tactic::choose(self, key, candidates)?;
+        self.tactics.chosen.push((self.node(self.current).path.clone(), layer.kind()));
+        Ok(layer)
     }
 
     /// A tactic key for the node's problem: its op with attributes, its inputs' and its output's

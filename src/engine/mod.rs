@@ -25,7 +25,7 @@ pub mod layer;
 pub mod quant;
 pub mod tactic;
 
-pub use builder::{estimate_arena, BuildSummary, Engine, EngineBuilder, MemorySummary};
+pub use builder::{estimate_arena, BuildSummary, Engine, EngineBuilder, MemorySummary, Plan};
 pub use exec::ExecutionContext;
 pub use gpu::{gpu_available, Gpu, GpuInfo};
 pub use layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId, MAX_RANK};
@@ -34,7 +34,7 @@ use crate::graph::{Graph, NodeId, Op};
 use crate::registry::build_table;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
@@ -108,7 +108,38 @@ pub struct BuildConfig {
     /// from, unless the graph has its own quantize/dequantize nodes.
     #[serde(default)]
     pub calibration_cache: Option<PathBuf>,
+    /// Optimization profiles over the inputs' per-image dims (TensorRT's): the engine runs any
+    /// input dims inside one of them, with any batch of the batch range. Empty: the traced dims
+    /// only. See [`ShapeProfile`].
+    #[serde(default)]
+    pub profiles: Vec<ShapeProfile>,
 }
+
+/// The per-image dims (PyTorch order, without the batch) one input accepts: every dim in
+/// `min..=max`, algorithms timed at `opt`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DimsRange {
+    pub min: Vec<usize>,
+    pub opt: Vec<usize>,
+    pub max: Vec<usize>,
+}
+
+impl DimsRange {
+    pub fn new(min: &[usize], opt: &[usize], max: &[usize]) -> Self {
+        Self { min: min.to_vec(), opt: opt.to_vec(), max: max.to_vec() }
+    }
+    /// Whether `dims` lies inside the range, dim by dim.
+    pub fn contains(&self, dims: &[usize]) -> bool {
+        dims.len() == self.min.len() && (0..dims.len()).all(|d| self.min[d] <= dims[d] && dims[d] <= self.max[d])
+    }
+}
+
+/// One optimization profile: a range per input name. An input it does not name keeps its traced
+/// dims. An engine lowers one plan per input shape it runs (its layers, descriptors and arena are
+/// made for that shape; weights are shared): the plan at each profile's `opt` is timed at build,
+/// the plans at `min` and `max` are made at build with `opt`'s algorithms (so the arena is sized
+/// and both ends are known to run), and any other shape is lowered on its first run the same way.
+pub type ShapeProfile = BTreeMap<String, DimsRange>;
 
 impl Default for BuildConfig {
     fn default() -> Self {
@@ -122,6 +153,7 @@ impl Default for BuildConfig {
             cuda_graphs: true,
             tactic_sources: None,
             calibration_cache: None,
+            profiles: Vec::new(),
         }
     }
 }
@@ -152,6 +184,11 @@ impl BuildConfig {
         self.calibration_cache = Some(path.into());
         self
     }
+    /// Adds an optimization profile (see [`ShapeProfile`]).
+    pub fn profile(mut self, profile: ShapeProfile) -> Self {
+        self.profiles.push(profile);
+        self
+    }
     pub fn timing_cache(mut self, path: impl Into<PathBuf>) -> Self {
         self.timing_cache = Some(path.into());
         self
@@ -169,7 +206,99 @@ impl BuildConfig {
         }
         Ok(())
     }
+
+    /// Checks the profiles against the graph's inputs: each names existing inputs, with as many
+    /// dims as the input has, `1 <= min <= opt <= max` dim by dim, and sizes that cannot overflow
+    /// at the max batch.
+    pub(crate) fn validate_profiles(&self, graph: &Graph) -> Result<()> {
+        let inputs: BTreeMap<&str, usize> = graph.input_names().into_iter().zip(graph.inputs.iter().copied()).collect();
+        for (p, profile) in self.profiles.iter().enumerate() {
+            for (name, r) in profile {
+                let bad = |reason: String| Error::Config { reason: format!("profile {p}, input `{name}`: {reason}") };
+                let Some(&node) = inputs.get(name.as_str()) else {
+                    return Err(bad(format!("the graph has no such input; it has {:?}", inputs.keys().collect::<Vec<_>>())));
+                };
+                let rank = graph.nodes[node].shape.len().saturating_sub(1);
+                if [&r.min, &r.opt, &r.max].iter().any(|d| d.len() != rank) {
+                    return Err(bad(format!(
+                        "min {:?}, opt {:?} and max {:?} must each give the input's {rank} per-image dims (traced: {:?})",
+                        r.min,
+                        r.opt,
+                        r.max,
+                        &graph.nodes[node].shape[1..]
+                    )));
+                }
+                if (0..rank).any(|d| !(1 <= r.min[d] && r.min[d] <= r.opt[d] && r.opt[d] <= r.max[d])) {
+                    return Err(bad(format!(
+                        "each dim must satisfy 1 <= min <= opt <= max, got min {:?}, opt {:?}, max {:?}",
+                        r.min, r.opt, r.max
+                    )));
+                }
+                if crate::graph::numel(&r.max).and_then(|n| n.checked_mul(self.max_batch)).is_none() {
+                    return Err(bad(format!("max {:?} at batch {} has more elements than fit in memory", r.max, self.max_batch)));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The input dims each plan made at build is lowered for: per profile `opt` first (timed),
+    /// then `max` and `min`; the traced dims when there are no profiles. Each entry gives every
+    /// input's per-image dims by name; duplicates are dropped.
+    pub fn build_shapes(&self, graph: &Graph) -> Vec<InputDims> {
+        let traced: InputDims =
+            graph.input_names().into_iter().zip(&graph.inputs).map(|(n, &i)| (n.to_string(), graph.nodes[i].shape[1..].to_vec())).collect();
+        let mut shapes: Vec<InputDims> = Vec::new();
+        let pick = |profile: &ShapeProfile, which: fn(&DimsRange) -> &Vec<usize>| {
+            let mut dims = traced.clone();
+            for (name, r) in profile {
+                dims.insert(name.clone(), which(r).clone());
+            }
+            dims
+        };
+        for profile in &self.profiles {
+            shapes.push(pick(profile, |r| &r.opt));
+        }
+        for profile in &self.profiles {
+            shapes.push(pick(profile, |r| &r.max));
+            shapes.push(pick(profile, |r| &r.min));
+        }
+        if shapes.is_empty() {
+            shapes.push(traced);
+        }
+        let mut seen = Vec::new();
+        shapes.retain(|s| {
+            if seen.contains(s) {
+                false
+            } else {
+                seen.push(s.clone());
+                true
+            }
+        });
+        shapes
+    }
+
+    /// The profile whose ranges hold `dims` (every input named by it inside its range, every other
+    /// input at its traced dims), if any.
+    pub fn profile_for(&self, graph: &Graph, dims: &InputDims) -> Option<usize> {
+        let traced = |name: &str| {
+            graph
+                .inputs
+                .iter()
+                .find(|&&i| matches!(&graph.nodes[i].op, Op::Input { name: n } if n == name))
+                .map(|&i| &graph.nodes[i].shape[1..])
+        };
+        self.profiles.iter().position(|p| {
+            dims.iter().all(|(name, d)| match p.get(name) {
+                Some(r) => r.contains(d),
+                None => traced(name) == Some(d.as_slice()),
+            })
+        })
+    }
 }
+
+/// Every input's per-image dims, by name: the shape a plan is lowered for.
+pub type InputDims = BTreeMap<String, Vec<usize>>;
 
 /// A custom op's GPU converter: lowers one node of the custom op `op` to an engine layer.
 /// Register with [`register_converter!`](crate::register_converter) next to the op's

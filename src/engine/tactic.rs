@@ -21,6 +21,10 @@ pub struct Tactics {
     pub recorded: BTreeMap<String, String>,
     /// Loading an engine: every choice must come from `recorded`; nothing is timed.
     pub replay: bool,
+    /// Lowering a plan for another input shape of a profile: module path → the kind chosen at the
+    /// profile's opt shape. That kind is taken if it runs at this shape (TensorRT's rule: tactics
+    /// are timed at opt); otherwise the candidates are timed here.
+    pub follow: BTreeMap<String, String>,
     /// Timing cache entries: `"{device}|{precision}|b{opt}|{key}"` → kind.
     pub cache: BTreeMap<String, String>,
     pub cache_prefix: String,
@@ -29,6 +33,9 @@ pub struct Tactics {
     pub cached: usize,
     /// Per timed choice: key and (kind, ms) of each candidate that ran, for the build log.
     pub log: Vec<(String, Vec<(String, f32)>)>,
+    /// Every choice made, in order: (module path, kind), whether timed, cached, recorded or
+    /// followed (the builder takes a profile's opt choices from it).
+    pub chosen: Vec<(String, String)>,
     /// Build progress callback (see [`Progress`]).
     pub progress: Option<Progress>,
 }
@@ -75,19 +82,26 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
     }
     let pick = |candidates: Vec<Box<dyn Layer>>, kind: &str| candidates.into_iter().find(|c| c.kind() == kind);
 
-    if ctx.tactics.replay {
-        let kind = ctx
-            .tactics
-            .recorded
-            .get(&rkey)
-            .cloned()
-            .ok_or_else(|| ctx.err(node, format!("the engine file records no tactic for {key}")))?;
+    // A recorded choice (a loaded engine, or the same problem already lowered for another shape).
+    if let Some(kind) = ctx.tactics.recorded.get(&rkey).cloned() {
         return pick(candidates, &kind).ok_or_else(|| ctx.err(node, format!("recorded tactic `{kind}` is not available on this device")));
     }
     if candidates.len() == 1 {
         let only = candidates.into_iter().next().expect("one candidate");
         ctx.tactics.recorded.insert(rkey, only.kind());
         return Ok(only);
+    }
+    let path = &ctx.node(node).path;
+    if let Some(kind) = ctx.tactics.follow.get(path).cloned() {
+        if let Some(i) = candidates.iter().position(|c| c.kind() == kind) {
+            if let [Ok(_)] = time_candidates(ctx, &candidates[i..=i], false)?[..] {
+                ctx.tactics.recorded.insert(rkey, kind);
+                return Ok(candidates.into_iter().nth(i).expect("index"));
+            }
+        }
+    }
+    if ctx.tactics.replay {
+        return Err(ctx.err(node, format!("the engine file records no tactic for {key}")));
     }
     let ckey = format!("{}|{key}", ctx.tactics.cache_prefix);
     if let Some(kind) = ctx.tactics.cache.get(&ckey).cloned() {
@@ -98,7 +112,7 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
         }
     }
 
-    let times = time_candidates(ctx, &candidates)?;
+    let times = time_candidates(ctx, &candidates, true)?;
     let mut best: Option<(usize, f32)> = None;
     let mut failures = Vec::new();
     let mut log = Vec::new();
@@ -146,8 +160,9 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
 /// Times each candidate at the opt batch on scratch buffers for the node's values. A candidate
 /// that fails (unsupported algorithm, workspace over the limit) gets its reason instead of a time;
 /// so does one that fails at the smallest or largest batch of the range (some cuDNN algorithms
-/// accept a batch of 8 and reject a batch of 1).
-fn time_candidates(ctx: &BuildCtx, candidates: &[Box<dyn Layer>]) -> Result<Vec<std::result::Result<f32, String>>> {
+/// accept a batch of 8 and reject a batch of 1). With `timed` false, candidates are only run
+/// (time 0): whether they work here.
+fn time_candidates(ctx: &BuildCtx, candidates: &[Box<dyn Layer>], timed: bool) -> Result<Vec<std::result::Result<f32, String>>> {
     let batch = ctx.config.opt_batch;
     let mut batches = vec![ctx.config.min_batch, batch, ctx.config.max_batch];
     batches.dedup();
@@ -200,6 +215,10 @@ fn time_candidates(ctx: &BuildCtx, candidates: &[Box<dyn Layer>]) -> Result<Vec<
             .try_for_each(|&b| c.enqueue(&rt, b).and_then(|_| stream.synchronize().map_err(cuda_err("synchronising after a tactic run"))));
         if let Err(e) = warm {
             out.push(Err(e.to_string()));
+            continue;
+        }
+        if !timed {
+            out.push(Ok(0.0));
             continue;
         }
         // Timed as engines run: captured once into a CUDA graph and replayed, so a candidate of

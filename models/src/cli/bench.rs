@@ -178,7 +178,7 @@ fn engine_size(engine: &Engine) -> usize {
     engine.inputs().first().and_then(|(_, dims)| dims.get(1).copied()).unwrap_or(0)
 }
 
-fn engine_input(engine: &Engine, batch: usize) -> Result<HostTensor> {
+fn engine_input(engine: &Engine, batch: usize, hw: Option<[usize; 2]>) -> Result<HostTensor> {
     let (_, dims) = engine
         .inputs()
         .into_iter()
@@ -186,6 +186,9 @@ fn engine_input(engine: &Engine, batch: usize) -> Result<HostTensor> {
         .ok_or_else(|| Error::Binding { name: "input".into(), reason: "the engine has no input".into() })?;
     let mut shape = vec![batch];
     shape.extend_from_slice(dims);
+    if let (Some(hw), 4) = (hw, shape.len()) {
+        shape[2..].copy_from_slice(&hw);
+    }
     Ok(kiln::seeded::uniform_tensor(&shape, kiln::seeded::fresh_seed()))
 }
 
@@ -288,7 +291,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
                     (name, Arc::new(e))
                 }
             };
-            let x = engine_input(&engine, batch)?;
+            let x = engine_input(&engine, batch, hw)?;
             let mut ctx: ExecutionContext = engine.context()?;
             ctx.run(&[("input", &x)])?;
             for &graphs in &modes {
@@ -358,12 +361,13 @@ pub fn profile(a: ProfileArgs) -> Result<ExitCode> {
     let gpu = common::gpu()?;
     let (name, engine) = common::engine_for(&model, a.weights.as_ref(), hw, &a.engine, (batch, batch, batch), gpu)?;
     let engine = Arc::new(engine);
-    let x = engine_input(&engine, batch)?;
+    let x = engine_input(&engine, batch, hw)?;
     let mut ctx = engine.context()?;
     ctx.set_cuda_graphs(false);
     ctx.run(&[("input", &x)])?;
     let times = ctx.profile_layers(batch, a.iterations.max(1))?;
-    let layers: Vec<_> = engine.layers().collect();
+    let plan = ctx.plan().clone();
+    let layers: Vec<_> = plan.layers().collect();
     let total: f64 = times.iter().sum();
     let mut rows: Vec<(usize, f64)> = times.iter().copied().enumerate().collect();
     rows.sort_by(|x, y| y.1.total_cmp(&x.1));

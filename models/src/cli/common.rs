@@ -194,17 +194,23 @@ pub fn trace_args(m: &ModelArgs, batch: usize) -> Result<Traced> {
 
 /// `trace_args` from the parts of the flags.
 pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize, hw: Option<[usize; 2]>) -> Result<Traced> {
+    // Graph and engine files hold a graph traced at one size: another H x W re-infers every
+    // shape (an op that fixed a size makes that a typed error naming it). An engine runs it only
+    // inside one of its profiles; that is checked when it runs.
     let fixed = |graph: Graph, name: String, model: String, origin: &'static str| -> Result<Traced> {
         let have = graph_hw(&graph, &name)?;
-        if let Some(want) = hw.filter(|&want| want != have) {
-            return Err(Error::Flag {
-                flag: "--size/--shapes".into(),
-                reason: format!(
-                    "asks for {}x{}, but {name} was traced at {}x{}; trace it again at that size (`kiln trace ... --shapes`)",
-                    want[0], want[1], have[0], have[1]
-                ),
-            });
-        }
+        let graph = match hw.filter(|&want| want != have) {
+            Some([h, w]) => {
+                let c = graph.inputs.first().map_or(3, |&i| graph.nodes[i].shape[1]);
+                let dims = kiln::engine::InputDims::from([("input".to_string(), vec![c, h, w])]);
+                graph.with_input_dims(&dims).map_err(|e| Error::Flag {
+                    flag: "--size/--shapes".into(),
+                    reason: format!("{name} was traced at {}x{} and does not run at {h}x{w}: {e}", have[0], have[1]),
+                })?
+            }
+            None => graph,
+        };
+        let have = graph_hw(&graph, &name)?;
         check_input_dims(batch, have)?;
         Ok(Traced { name, model, graph, hw: have, origin })
     };
@@ -448,14 +454,15 @@ pub fn engine_for(
                 reason: format!("{model} was built for batch {}..={}, asked for {}..={}", c.min_batch, c.max_batch, batch.0, batch.2),
             });
         }
-        if let Some(want) = hw {
-            let have = engine.inputs().first().map(|(_, d)| d.to_vec()).unwrap_or_default();
-            if have.get(1..3) != Some(&want[..]) {
-                return Err(Error::Binding {
-                    name: "input".into(),
-                    reason: format!("{model} takes [N, {:?}] per image; asked for {}x{}", have, want[0], want[1]),
-                });
+        if let Some([h, w]) = hw {
+            // The plan for that size: made now if it lies inside one of the engine's profiles.
+            let mut dims = engine.plan().dims.clone();
+            if let Some(d) = dims.get_mut("input").filter(|d| d.len() == 3) {
+                d[1..].copy_from_slice(&[h, w]);
             }
+            engine
+                .plan_for(&dims)
+                .map_err(|e| Error::Binding { name: "input".into(), reason: format!("{model}, asked for {h}x{w}: {e}") })?;
         }
         return Ok((model.to_string(), engine));
     }

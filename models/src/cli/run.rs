@@ -3,7 +3,7 @@
 use super::common::{self, ms, precision_name};
 use super::shapes::{self, Profile};
 use super::{BuildArgs, RunArgs, TraceArgs};
-use kiln::engine::gpu_available;
+use kiln::engine::{gpu_available, DimsRange, ShapeProfile};
 use kiln::{Error, Result};
 use std::collections::BTreeMap;
 use std::process::ExitCode;
@@ -125,9 +125,11 @@ pub fn trace(a: TraceArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The batch range of `kiln build`: from --min/--opt/--max-batch, or trtexec's
-/// --minShapes/--optShapes/--maxShapes (whose other dims must be the model's), not both.
-fn batch_range(a: &BuildArgs) -> Result<(Profile, Option<[usize; 2]>)> {
+/// The shapes `kiln build` makes an engine for: the batch range from --min/--opt/--max-batch, or
+/// trtexec's --minShapes/--optShapes/--maxShapes (not both), whose H and W may range too (an
+/// optimization profile; C must stay the model's). Returns the batch range, the profile over
+/// H and W when they range, and the H x W to trace at (opt).
+fn shape_range(a: &BuildArgs) -> Result<(Profile, Option<ShapeProfile>, Option<[usize; 2]>)> {
     let spec = |s: &Option<super::Shapes>| s.as_ref().map(|s| s.0.clone()).unwrap_or_default();
     let fixed = a.model.shapes.as_ref().map(|s| s.0.clone()).unwrap_or_default();
     let profiles = shapes::profiles(&fixed, &spec(&a.min_shapes), &spec(&a.opt_shapes), &spec(&a.max_shapes))?;
@@ -144,29 +146,34 @@ fn batch_range(a: &BuildArgs) -> Result<(Profile, Option<[usize; 2]>)> {
                 reason: "and the shape flags both give the batch range; give one".into(),
             });
         }
-        if p.min.len() != 4 || p.min[1..] != p.max[1..] {
+        if p.min.len() != 4 || p.min[1] != p.max[1] {
             return Err(Error::Flag {
                 flag: "--minShapes".into(),
                 reason: format!(
-                    "input `input`: {} ..= {}: engines range over the batch only today; C, H and W must be equal",
+                    "input `input`: {} ..= {}: give NxCxHxW with the same C in min, opt and max",
                     shapes::dims_text(&p.min),
                     shapes::dims_text(&p.max)
                 ),
             });
         }
-        return Ok((p.clone(), Some([p.opt[2], p.opt[3]])));
+        let spatial =
+            (p.min[2..] != p.max[2..]).then(|| ShapeProfile::from([(name.clone(), DimsRange::new(&p.min[1..], &p.opt[1..], &p.max[1..]))]));
+        return Ok((p.clone(), spatial, Some([p.opt[2], p.opt[3]])));
     }
     let max = a.max_batch.unwrap_or(1);
     let min = a.min_batch.unwrap_or(1);
     let opt = a.opt_batch.unwrap_or(max);
-    Ok((Profile { min: vec![min], opt: vec![opt], max: vec![max] }, None))
+    Ok((Profile { min: vec![min], opt: vec![opt], max: vec![max] }, None, None))
 }
 
 pub fn build(a: BuildArgs, verbose: bool) -> Result<ExitCode> {
-    let (profile, hw) = batch_range(&a)?;
+    let (profile, spatial, hw) = shape_range(&a)?;
     let (min, opt, max) = profile.batch();
     let gpu = common::gpu()?;
-    let config = a.engine.config(min, opt, max);
+    let mut config = a.engine.config(min, opt, max);
+    if let Some(spatial) = spatial {
+        config = config.profile(spatial);
+    }
     let hw = hw.or(common::requested(&a.model, None)?.1);
     let traced = common::load(&a.model.model, a.model.weights.as_deref(), a.model.strict, opt, hw)?;
     let nodes = traced.graph.nodes.iter().filter(|n| !n.op.is_leaf()).count();
@@ -184,6 +191,10 @@ pub fn build(a: BuildArgs, verbose: bool) -> Result<ExitCode> {
         engine.gpu().info.name
     );
     say_raw!("{}", engine.summary);
+    for plan in engine.plans() {
+        let dims = plan.dims.get("input").map_or(String::new(), |d| shapes::dims_text(d));
+        say!("  plan input {dims}: arena {:.1} MiB", plan.memory.arena as f64 / (1 << 20) as f64);
+    }
     if verbose {
         for (problem, candidates) in &engine.summary.tactic_log {
             let list: Vec<String> = candidates.iter().map(|(kind, t)| format!("{kind} {t:.3} ms")).collect();
