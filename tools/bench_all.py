@@ -35,6 +35,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,10 +52,14 @@ ZOO_BATCHES = [1, 64]
 TRANSFORMERS = ["swin_t", "vit_b_16"]
 YOLO_BATCHES = [1, 32]
 MAX_AUTOTUNE = "resnet18:1,resnet18:256,resnet50:1,resnet50:256,centernet:1,centernet:32"
-# Seconds of phase 2 per unit, to budget phase 1: `kiln bench` per process and per batch (build and
-# timing), and a worker's time per case.
-KILN_S, KILN_BATCH_S = 1.0, 1.6
-CASE_S = {"compile": 0.5, "nms": 3.0, "other": 1.2}
+# Seconds of phase 2 per unit: `kiln bench` per process and per batch (build and timing), a worker
+# per process (its exit included) and per case. Phase 1 leaves phase 2 RESERVE times their sum.
+KILN_S, KILN_BATCH_S = 2.0, 2.0
+WORKER_S, CASE_S = 2.0, {"compile": 0.5, "nms": 3.0, "other": 1.2}
+RESERVE = 1.25
+# Caches that outlive a run (a second run on the same machine compiles less): torch.compile's,
+# Kiln's kernels and its timing caches.
+CACHE = "/tmp/kiln-bench-cache"
 TIME = "not measured (time)"
 
 PEER_LABELS = {
@@ -133,7 +138,7 @@ def estimate(u):
     """Seconds phase 2 needs for unit `u`."""
     kiln = KILN_S + KILN_BATCH_S * len(u["kiln_batches"]) if u["kiln_batches"] else 0.0
     kind = lambda p: "compile" if p.startswith("compile") else ("nms" if p.endswith("-nms") else "other")  # noqa: E731
-    return kiln + 1.0 + sum(CASE_S[kind(p)] for p, _ in u["cases"])
+    return kiln + WORKER_S + sum(CASE_S[kind(p)] for p, _ in u["cases"])
 
 
 # ---- running it ---------------------------------------------------------------------------------
@@ -149,7 +154,8 @@ class Run:
         self.out = os.path.abspath(args.out)
         self.work = os.path.join("/tmp", f"kiln-bench-{os.getpid()}")
         os.makedirs(self.out, exist_ok=True)
-        os.makedirs(self.work, exist_ok=True)
+        os.makedirs(os.path.join(self.work, "kiln"), exist_ok=True)
+        os.makedirs(CACHE, exist_ok=True)
         self.units = plan(args, self.work)
         self.procs = {}  # unit name -> Popen
         self.stopped = set()  # units whose worker phase 1's deadline stopped
@@ -159,8 +165,8 @@ class Run:
         # PyTorch must not see the system cuDNN that Kiln needs (it bundles a newer one).
         self.torch_env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
         self.torch_env.update(PYTHONUNBUFFERED="1", YOLO_OFFLINE="1", TORCHINDUCTOR_COMPILE_THREADS="1",
-                              TORCHINDUCTOR_CACHE_DIR=os.path.join(self.work, "inductor"))
-        self.kiln_env = dict(self.torch_env, LD_LIBRARY_PATH=LIBS, KILN_CACHE_DIR=os.path.join(self.work, "kiln-cache"))
+                              TORCHINDUCTOR_CACHE_DIR=os.path.join(CACHE, "inductor"))
+        self.kiln_env = dict(self.torch_env, LD_LIBRARY_PATH=LIBS, KILN_CACHE_DIR=os.path.join(CACHE, "kiln"))
 
     def left(self):
         return self.deadline - time.time()
@@ -237,11 +243,16 @@ class Run:
         loads a graph file instead of generating the seeded weights and tracing once per batch."""
 
         def trace(u):
+            if time.time() > self.phase1_deadline:
+                return
             path = os.path.join(self.work, f"{u['model']}.kiln.safetensors")
             cmd = [self.args.kiln, "trace", u["model"], "--size", str(u["size"]), "-o", path]
-            p = subprocess.run(cmd, capture_output=True, text=True, env=self.kiln_env)
-            if p.returncode != 0:
-                log(f"kiln trace {u['model']} failed (its bench will trace): {p.stdout[-300:]}{p.stderr[-300:]}")
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, env=self.kiln_env, timeout=max(self.phase1_deadline - time.time(), 1))
+                if p.returncode != 0:
+                    log(f"kiln trace {u['model']} failed (its bench will trace): {p.stdout[-300:]}{p.stderr[-300:]}")
+            except subprocess.TimeoutExpired:
+                log(f"kiln trace {u['model']}: phase 1 ended first (its bench will trace)")
 
         todo = [u for u in self.units if u["kiln_batches"] and not u["kiln_extra"]]
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=4)
@@ -250,7 +261,7 @@ class Run:
         return futures
 
     def phase1(self):
-        reserve = sum(estimate(u) for u in self.units) + 15
+        reserve = RESERVE * sum(estimate(u) for u in self.units) + 15
         self.phase1_deadline = self.deadline - reserve
         log(f"plan: {len(self.units)} units, {sum(len(u['cases']) for u in self.units)} PyTorch cases; "
             f"phase 2 estimated at {reserve:.0f} s, so phase 1 ends within {self.phase1_deadline - time.time():.0f} s")
@@ -288,12 +299,12 @@ class Run:
         """`kiln bench` of unit `u` at its batches: from its graph file, else by name."""
         graph = os.path.join(self.work, f"{u['model']}.kiln.safetensors")
         sources = ([graph] if os.path.exists(graph) else []) + [u["model"]]
-        out_json = os.path.join(self.work, f"kiln-{u['model']}.json")
+        out_json = os.path.join(self.work, "kiln", f"{u['model']}.json")
         if self.args.cpu_smoke:
             mode = ["--cpu", "--iterations", "2", "--duration", "0", "--warmup", "0"]
         else:
             mode = ["--fp16", "--cuda-graphs-only", "--duration", str(self.args.kiln_duration), "--warmup", "100",
-                    "--timing-cache", os.path.join(self.work, f"{u['model']}.timing-cache")]
+                    "--timing-cache", os.path.join(CACHE, f"{u['model']}.timing-cache")]
         for source in sources:
             size = ["--size", str(u["size"])] if source == u["model"] else []
             cmd = [self.args.kiln, "bench", source, *size, *u["kiln_extra"], *mode, "--batch", ",".join(map(str, u["kiln_batches"])),
@@ -397,6 +408,7 @@ class Run:
             f.write(doc)
         for name in TABLES:
             print(f"\n## {name}\n{TABLES[name](result)}", flush=True)
+        shutil.rmtree(self.work, ignore_errors=True)
         log(f"done in {self.phases['total_s']:.0f} s: {self.phases}; results.json, BENCHMARKS.md and logs.tar.gz in {self.out}")
 
 
@@ -457,6 +469,8 @@ def cell(r, show):
 
 def flagships_table(result):
     """Every peer at the flagships' batches: time (ratio)."""
+    if not units_of(result, "classifier", "centernet") or not any(u["flagship"] for u in result["units"]):
+        return "Not in this run."
     ix, peers = index(result), ["eager-fp32", "eager-fp16", "graph-fp16", "compile-ro", "compile-ma"]
     lines = ["| model | batch | Kiln FP16 (CUDA graphs) | " + " | ".join(PEER_LABELS[p] for p in peers) + " |", "|---" * (3 + len(peers)) + "|"]
     counts = {}
@@ -475,8 +489,10 @@ def flagships_table(result):
 
 def zoo_table(result, units):
     """Batch-1 latency and large-batch throughput, Kiln beside the CUDA-graph and reduce-overhead peers."""
+    if not units:
+        return "Not in this run."
     ix = index(result)
-    small, large = units[0]["zoo"] if units else (1, 64)
+    small, large = units[0]["zoo"]
     lines = [f"| model | Kiln b{small} ms | PyTorch CUDA graph b{small} ms | ratio | torch.compile b{small} ms | ratio | Kiln b{large} img/s | "
              f"PyTorch CUDA graph b{large} img/s | ratio | torch.compile b{large} img/s | ratio |", "|---" * 11 + "|"]
     counts = {}
@@ -497,6 +513,8 @@ def zoo_table(result, units):
 
 def yolo_table(result):
     """Per batch: Kiln with its NMS layer beside Ultralytics' model with NMS (and without, for scale)."""
+    if not units_of(result, "yolo"):
+        return "Not in this run."
     ix, peers = index(result), ["graph-fp16-nms", "compile-ro-nms", "graph-fp16"]
     labels = [PEER_LABELS[p] for p in peers[:2]] + ["Ultralytics FP16 + CUDA graph, no NMS"]
     lines = ["| model | batch | Kiln FP16 (NMS in the engine) | " + " | ".join(f"{lab} | ratio" for lab in labels) + " |", "|---" * (3 + 2 * len(peers)) + "|"]

@@ -34,7 +34,12 @@ import sys
 import time
 import traceback
 
+import torch
+import torchvision
+from safetensors.torch import save_file
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import export_reference as er  # noqa: E402
 
 COMPILE_MODES = {"compile-ro": "reduce-overhead", "compile-ma": "max-autotune"}
 
@@ -46,8 +51,6 @@ def is_compile(peer):
 def graphed(fn, x):
     """`fn` captured into a CUDA graph on a static copy of `x`; the returned callable replays it
     (on the CPU, `fn` itself)."""
-    import torch
-
     if not x.is_cuda:
         return fn
     s = torch.cuda.Stream()
@@ -69,8 +72,6 @@ def graphed(fn, x):
 
 
 def sync(x):
-    import torch
-
     if x.is_cuda:
         torch.cuda.synchronize()
 
@@ -78,7 +79,6 @@ def sync(x):
 def timed(fn, x, target_s, iters):
     """(median ms, runs) of `fn(x)`: 5 warm-up calls, then as many timed calls as fill about
     `target_s` seconds, within `iters` = (fewest, most)."""
-    import torch
 
     def once():
         if x.is_cuda:
@@ -120,16 +120,10 @@ def build(unit):
     """The unit's network in FP32 on the CPU, in eval mode: torchvision's classifier or Kiln's
     CenterNet twin with PyTorch's random init, or Ultralytics' YOLO with export_reference's
     calibrated random weights (saved for Kiln first, then fused as Ultralytics' predictor does)."""
-    import torch
-
-    import export_reference as er
-
     model = unit["model"]
     torch.manual_seed(0)
     if model not in er.YOLO:
         return er.build(model).eval()
-    from safetensors.torch import save_file
-
     net = er.load_weights(model, er.build(model), "torchvision", 0).eval()
     save_file({k: v.detach().contiguous() for k, v in net.state_dict().items()}, unit["weights_out"])
     net = net.fuse(verbose=False) if "verbose" in net.fuse.__code__.co_varnames else net.fuse()
@@ -140,10 +134,6 @@ class Peers:
     """The unit's model in each form its peers need, and each peer as a callable on an input."""
 
     def __init__(self, unit):
-        import torch
-
-        import export_reference as er
-
         self.unit = unit
         self.yolo = unit["model"] in er.YOLO
         self.dev = unit["device"]
@@ -156,8 +146,6 @@ class Peers:
         self.compiled = {}
 
     def input(self, peer, batch):
-        import torch
-
         size, fp32 = self.unit["size"], peer == "eager-fp32"
         shape = (batch, 3, size, size)
         x = torch.rand(shape, device=self.dev) if self.yolo else torch.randn(shape, device=self.dev)
@@ -168,8 +156,6 @@ class Peers:
         return y[0] if self.yolo else y
 
     def compiled_forward(self, mode):
-        import torch
-
         if mode not in self.compiled:
             # dynamic=False: one static graph per batch, as the CUDA-graph peers have.
             self.compiled[mode] = torch.compile(self.fast, mode=mode, dynamic=False)
@@ -203,9 +189,6 @@ class Peers:
 
 
 def versions():
-    import torch
-    import torchvision
-
     v = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "torchvision": torchvision.__version__}
     if torch.cuda.is_available():
         v.update(torch_cudnn=torch.backends.cudnn.version(), torch_gpu=torch.cuda.get_device_name(0))
@@ -247,6 +230,8 @@ class Worker:
                 x = peers.input(peer, b)
                 peers.forward(peer, x)(x)
                 sync(x)
+            if self.unit["device"] == "cuda":
+                torch.cuda.empty_cache()  # cuDNN's search workspaces, while others compile
         open(self.stem + ".warm", "w").close()
 
     def compile_all(self, peers):
@@ -292,8 +277,6 @@ class Worker:
                 self.failed(peer, b, e)
 
     def run(self):
-        import torch
-
         torch.backends.cudnn.benchmark = True
         self.result["versions"] = versions()
         with torch.inference_mode():
@@ -305,8 +288,7 @@ class Worker:
                     self.failed(peer, b, e)
                 open(self.stem + ".warm", "w").close()
                 return
-            if self.unit["compile"]:
-                self.compile_all(peers)
+            self.compile_all(peers)
             if self.unit["device"] == "cuda":
                 torch.cuda.empty_cache()
             open(self.stem + ".parked", "w").close()
