@@ -1,29 +1,14 @@
 #!/usr/bin/env bash
 # docs/BENCHMARKS.md's tables from one device run (tools/bench_all.py): Kiln beside every PyTorch peer.
 #
-#   here:    bash tools/bench-all.sh build        kiln (release, stripped) into .carry/kiln/; .whl/ must
-#                                                 hold the Ultralytics wheels (ultralytics, ultralytics-thop)
+#   here:    bash tools/gpu-build.sh              stages the kiln CLI in .carry/kiln/; .whl/ must hold the
+#                                                 Ultralytics wheels (ultralytics, ultralytics-thop)
 #   device:  bash tools/bench-all.sh              carry [".carry", ".whl"], timeout_s 600 (about 9 minutes)
 #   here:    python3 tools/bench_all.py render <files_at>/results.json    rewrites docs/BENCHMARKS.md's tables
 #
 # Extra arguments go to `bench_all.py device` (e.g. --budget 500, --models resnet50,yolov8n).
-# Run `build` after tools/gpu-build.sh, which empties .carry/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-
-if [ "${1:-}" = build ]; then
-  set -e
-  exclude=$(git rev-parse --git-path info/exclude)
-  for d in /.carry/ /.whl/; do grep -qx "$d" "$exclude" 2>/dev/null || echo "$d" >> "$exclude"; done
-  cargo build --release -p kiln-models --bin kiln
-  mkdir -p .carry/kiln
-  cp target/release/kiln .carry/kiln/kiln
-  strip .carry/kiln/kiln
-  echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!docs' || echo -dirty)" > .carry/kiln/COMMIT
-  ls .whl/ultralytics-*.whl .whl/ultralytics_thop-*.whl || echo "warning: no Ultralytics wheels in .whl/: the YOLO peers will fail"
-  du -sh .carry .whl 2>/dev/null
-  exit 0
-fi
 
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"

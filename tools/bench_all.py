@@ -2,7 +2,7 @@
 """docs/BENCHMARKS.md's tables from one device run: Kiln FP16 beside every PyTorch peer that
 issues 7, 8 and 12 ask for, within one device command (about 9 minutes on one H100).
 
-  here:    bash tools/bench-all.sh build          kiln (release, stripped) into .carry/kiln/
+  here:    bash tools/gpu-build.sh                the kiln CLI (release, stripped) into .carry/kiln/
   device:  bash tools/bench-all.sh                carry [".carry", ".whl"], timeout_s 600
   here:    python3 tools/bench_all.py render <files_at>/results.json    rewrites the tables in docs/BENCHMARKS.md
   here:    python3 tools/bench_all.py device --cpu-smoke --out /tmp/smoke    every path on the CPU, tiny
