@@ -144,6 +144,20 @@ def estimate(u):
 # ---- running it ---------------------------------------------------------------------------------
 
 
+def machine(args):
+    """Date, GPU, driver and the commit the kiln binary was built from (tools/gpu-build.sh)."""
+    v = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    try:
+        q = "--query-gpu=name,driver_version,memory.total"
+        o = subprocess.run(["nvidia-smi", q, "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout
+        v["gpu"], v["driver"], v["gpu_memory"] = [p.strip() for p in o.splitlines()[0].split(",")]
+    except (OSError, IndexError, ValueError, subprocess.SubprocessError):
+        v["gpu"] = "CPU (smoke test)" if args.cpu_smoke else "?"
+    commit = os.path.join(os.path.dirname(args.kiln), "COMMIT")
+    v["kiln_commit"] = open(commit).read().strip() if os.path.exists(commit) else "?"
+    return v
+
+
 class Run:
     """One device run: the units, their workers, every row measured, and the clock."""
 
@@ -162,6 +176,7 @@ class Run:
         self.rows = []
         self.phases = {}
         self.device = "cpu" if args.cpu_smoke else "cuda"
+        self.machine = machine(args)
         # PyTorch must not see the system cuDNN that Kiln needs (it bundles a newer one).
         self.torch_env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
         self.torch_env.update(PYTHONUNBUFFERED="1", YOLO_OFFLINE="1", TORCHINDUCTOR_COMPILE_THREADS="1",
@@ -183,26 +198,12 @@ class Run:
         os.replace(tmp, os.path.join(self.out, "results.json"))
         return result
 
-    # -- versions --
-
     def versions(self):
-        if not hasattr(self, "_versions"):
-            v = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-            try:
-                q = "--query-gpu=name,driver_version,memory.total"
-                o = subprocess.run(["nvidia-smi", q, "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout
-                v["gpu"], v["driver"], v["gpu_memory"] = [p.strip() for p in o.splitlines()[0].split(",")]
-            except (OSError, IndexError, ValueError, subprocess.SubprocessError):
-                v["gpu"] = "CPU (smoke test)" if self.args.cpu_smoke else "?"
-            commit = os.path.join(os.path.dirname(self.args.kiln), "COMMIT")
-            v["kiln_commit"] = open(commit).read().strip() if os.path.exists(commit) else "?"
-            self._versions = v
-        v = self._versions
+        """The machine's, with what the workers and `kiln bench` reported."""
+        v = dict(self.machine)
         for p in glob.glob(os.path.join(self.work, "*.json")):
             v.update(json.load(open(p)).get("versions", {}))
-        for r in self.rows:
-            if r["peer"] == "kiln-fp16" and r.get("cudnn"):
-                v["kiln_cudnn"] = r["cudnn"]
+        v.update({"kiln_cudnn": r["cudnn"] for r in self.rows if r["peer"] == "kiln-fp16" and r.get("cudnn")})
         return v
 
     # -- phase 1 --
@@ -211,7 +212,6 @@ class Run:
         spec = dict(u, cases=cases if cases is not None else u["cases"], deadline=deadline or self.phase1_deadline,
                     work=self.work, lock=os.path.join(self.work, "gpu.lock"), device=self.device,
                     target_s=0.05 if self.args.cpu_smoke else 0.3, iters=[3, 5] if self.args.cpu_smoke else [20, 200])
-        spec.setdefault("weights_out", None)
         env = dict(self.torch_env)
         if u["kind"] == "max-autotune":
             env["TORCHINDUCTOR_FREEZING"] = "1"
@@ -313,7 +313,7 @@ class Run:
                 os.remove(out_json)
             try:
                 p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.kiln_env,
-                                   timeout=max(self.left() - 5, 1))
+                                   timeout=max(min(self.left() - 5, 120), 1))
                 output, ok = p.stdout, p.returncode == 0 and os.path.exists(out_json)
             except subprocess.TimeoutExpired:
                 output, ok = "timed out", False
