@@ -214,7 +214,8 @@ class Run:
                     target_s=0.05 if self.args.cpu_smoke else 0.3, iters=[3, 5] if self.args.cpu_smoke else [20, 200])
         env = dict(self.torch_env)
         if u["kind"] == "max-autotune":
-            env["TORCHINDUCTOR_FREEZING"] = "1"
+            # Autotuning compiles many candidate kernels: a few threads for the spare cores.
+            env.update(TORCHINDUCTOR_FREEZING="1", TORCHINDUCTOR_COMPILE_THREADS="4")
         for suffix in (".warm", ".parked", ".json"):
             if os.path.exists(self.stem(u) + suffix):
                 os.remove(self.stem(u) + suffix)
