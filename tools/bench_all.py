@@ -54,8 +54,8 @@ YOLO_BATCHES = [1, 32]
 MAX_AUTOTUNE = "resnet18:1,resnet18:256,resnet50:1,resnet50:256,centernet:1,centernet:32"
 # Seconds of phase 2 per unit: `kiln bench` per process and per batch (build and timing), a worker
 # per process (its exit included) and per case. Phase 1 leaves phase 2 RESERVE times their sum.
-KILN_S, KILN_BATCH_S = 2.0, 2.0
-WORKER_S, CASE_S = 2.0, {"compile": 0.5, "nms": 3.0, "other": 1.2}
+KILN_S, KILN_BATCH_S = 1.0, 1.5
+WORKER_S, CASE_S = 1.0, {"compile": 0.4, "nms": 2.0, "other": 0.6}
 RESERVE = 1.25
 # Caches that outlive a run (a second run on the same machine compiles less): torch.compile's,
 # Kiln's kernels and its timing caches.
@@ -262,10 +262,10 @@ class Run:
         return futures
 
     def phase1(self):
-        reserve = RESERVE * sum(estimate(u) for u in self.units) + 15
-        self.phase1_deadline = self.deadline - reserve
-        log(f"plan: {len(self.units)} units, {sum(len(u['cases']) for u in self.units)} PyTorch cases; "
-            f"phase 2 estimated at {reserve:.0f} s, so phase 1 ends within {self.phase1_deadline - time.time():.0f} s")
+        need = sum(estimate(u) for u in self.units)
+        self.phase1_deadline = self.deadline - RESERVE * need - 15
+        log(f"plan: {len(self.units)} units, {sum(len(u['cases']) for u in self.units)} PyTorch cases; phase 2 estimated at "
+            f"{need:.0f} s, so phase 1 ends within {self.phase1_deadline - time.time():.0f} s")
         t = time.time()
         traces = self.trace_graphs()
         ma = [u for u in self.units if u["kind"] == "max-autotune"]
