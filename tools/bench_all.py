@@ -212,7 +212,8 @@ class Run:
         spec = dict(u, cases=cases if cases is not None else u["cases"], deadline=deadline or self.phase1_deadline,
                     work=self.work, lock=os.path.join(self.work, "gpu.lock"), device=self.device,
                     target_s=0.05 if self.args.cpu_smoke else 0.3, iters=[3, 5] if self.args.cpu_smoke else [20, 200])
-        env = dict(self.torch_env)
+        # Ultralytics writes its settings file on import: one folder per worker, no race.
+        env = dict(self.torch_env, YOLO_CONFIG_DIR=self.stem(u) + "-ultralytics")
         if u["kind"] == "max-autotune":
             # Autotuning compiles many candidate kernels: a few threads for the spare cores.
             env.update(TORCHINDUCTOR_FREEZING="1", TORCHINDUCTOR_COMPILE_THREADS="4")
