@@ -188,16 +188,14 @@ class Peers:
         return lambda x: non_max_suppression(fn(x), conf_thres=0.25, iou_thres=0.7, max_det=300)
 
 
-def versions():
+def versions(yolo):
     v = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "torchvision": torchvision.__version__}
     if torch.cuda.is_available():
         v.update(torch_cudnn=torch.backends.cudnn.version(), torch_gpu=torch.cuda.get_device_name(0))
-    try:
+    if yolo:
         import ultralytics
 
         v["ultralytics"] = ultralytics.__version__
-    except ImportError:
-        pass
     return v
 
 
@@ -278,10 +276,10 @@ class Worker:
 
     def run(self):
         torch.backends.cudnn.benchmark = True
-        self.result["versions"] = versions()
         with torch.inference_mode():
             try:
                 peers = Peers(self.unit)
+                self.result["versions"] = versions(peers.yolo)
                 self.warm_up(peers)
             except Exception as e:  # noqa: BLE001 - no model, no case
                 for peer, b in self.unit["cases"]:
