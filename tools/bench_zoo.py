@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""The model zoo beside its PyTorch peers, in one device run: docs/BENCHMARKS.md's zoo table.
+"""The model zoo beside its PyTorch peers, and the regression check of the bundled models against an
+older build (--old). docs/BENCHMARKS.md's tables now come from tools/bench_all.py; this script stays
+for the regression check.
 
 For every model: Kiln FP16 (CUDA graphs) at batch 1 (latency) and batch 64 (throughput) through
 `kiln bench`, then torchvision's own model in FP16 channels_last with a CUDA graph at both batches
@@ -30,7 +32,7 @@ REGRESSION = [("resnet50", 1), ("resnet50", 256), ("centernet", 32)]
 
 
 def kiln_bench(exe, model, batches, out_json, duration, extra=(), warmup_ms=200):
-    """`kiln bench` of `model` (FP16, CUDA graphs) at `batches`, its JSON records (tools/bench_yolo.py too)."""
+    """`kiln bench` of `model` (FP16, CUDA graphs) at `batches`, its JSON records."""
     env = dict(os.environ, LD_LIBRARY_PATH=LIBS)
     cmd = [exe, "bench", model, *extra, "--fp16", "--cuda-graphs-only", "--batch", ",".join(map(str, batches)), "--duration", str(duration),
            "--warmup", str(warmup_ms), "--json", out_json]
@@ -43,7 +45,7 @@ def kiln_bench(exe, model, batches, out_json, duration, extra=(), warmup_ms=200)
 
 
 def timed(fn, x, iters):
-    """Median CUDA-event time of `fn(x)` in ms, after 5 warm-up calls (tools/bench_yolo.py too)."""
+    """Median CUDA-event time of `fn(x)` in ms, after 5 warm-up calls."""
     import torch
 
     for _ in range(5):

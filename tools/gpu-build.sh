@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Builds the GPU test binaries here (the device has no Rust toolchain) and stages them, with the
-# Python tools, in .carry/ for `bash tools/gpu-test.sh` on the device (docs/ENGINE.md).
-# .carry/ is git-ignored and must stay under the device tool's 64 MiB limit, so binaries are stripped.
+# Builds the GPU test binaries and the kiln CLI here (the device has no Rust toolchain) and stages
+# them, with the Python tools, in .carry/ for `bash tools/gpu-test.sh` and `bash tools/bench-all.sh`
+# on the device (docs/ENGINE.md, docs/BENCHMARKS.md). .carry/ is git-ignored and must stay under the
+# device tool's 64 MiB limit, so binaries are stripped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo '/.carry/' >> .git/info/exclude
-rm -rf .carry && mkdir -p .carry/bin .carry/tools
+exclude=$(git rev-parse --git-path info/exclude)
+for d in /.carry/ /.whl/; do grep -qx "$d" "$exclude" 2>/dev/null || echo "$d" >> "$exclude"; done
+rm -rf .carry && mkdir -p .carry/bin .carry/tools .carry/kiln
 # Every test binary of the kiln crate and of the plugin crates whose name starts with gpu_ (and
 # engine-level no-GPU tests).
 cargo test --release -p kiln -p kiln-deform-conv --no-run --message-format=json 2>/dev/null \
@@ -24,7 +26,12 @@ for line in sys.stdin:
     cp "$exe" ".carry/bin/$name"
     strip ".carry/bin/$name"
   done
+# The CLI for tools/bench-all.sh, and the commit it was built from (for the benchmark write-up).
+cargo build --release -p kiln-models --bin kiln
+cp target/release/kiln .carry/kiln/kiln
+strip .carry/kiln/kiln
+echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!docs' || echo -dirty)" > .carry/kiln/COMMIT
 cp tools/*.py .carry/tools/
 [ -f ../shared/bench/torch_peer.py ] && cp ../shared/bench/torch_peer.py .carry/tools/
-ls -la .carry/bin
+ls -la .carry/bin .carry/kiln
 du -sh .carry
