@@ -301,7 +301,7 @@ pub fn fp8_gemm_probe(gpu: &super::Gpu, m: usize, k: usize, n: usize) -> Result<
             if relu { "+relu" } else { "" },
             if with_c { "residual as C (beta 1)" } else { "no C" }
         );
-        let (a_scale, b_scale) = (scales.ptr(), scales.ptr() + 4);
+        let (a_scale, b_scale) = (scales.ptr(), scales.ptr() + std::mem::size_of::<f32>() as u64);
         let run = || -> Result<Vec<f32>> {
             let mm = super::gemm::LtMatmul::new_fp8("fp8-probe", k, n, with_bias.then_some(&bias_b), relu, a_scale, b_scale)?;
             mm.enqueue(&rt, m, xb.ptr(), wb.ptr(), if with_c { res_b.ptr() } else { 0 }, y.ptr())?;
