@@ -159,16 +159,20 @@ pub fn intermediate_keys(graph: &Graph) -> Vec<(NodeId, Vec<String>)> {
     keys
 }
 
-/// `graph` with every node that has a reference intermediate marked as an output named by its
-/// reference key, and those (key, node) pairs in graph order.
-pub fn mark_intermediates(graph: &Graph, reference: &BTreeMap<String, HostTensor>) -> (Graph, Vec<(String, NodeId)>) {
+/// `graph` with, for each `(node, keys)`, the first key the reference holds marked as an output
+/// (per-call keys come first: the plain key holds only the last call), and those (key, node) pairs
+/// in graph order.
+pub fn mark_intermediates(
+    graph: &Graph,
+    keys: &[(NodeId, Vec<String>)],
+    reference: &BTreeMap<String, HostTensor>,
+) -> (Graph, Vec<(String, NodeId)>) {
     let mut marked = graph.clone();
     let mut pairs = Vec::new();
-    for (id, names) in intermediate_keys(graph) {
-        // Prefer the per-call key: the plain key holds only the last call.
-        if let Some(key) = names.into_iter().find(|k| reference.contains_key(k)) {
-            marked.mark_output(key.clone(), id);
-            pairs.push((key, id));
+    for (id, names) in keys {
+        if let Some(key) = names.iter().find(|k| reference.contains_key(*k)) {
+            marked.mark_output(key.clone(), *id);
+            pairs.push((key.clone(), *id));
         }
     }
     (marked, pairs)
@@ -195,8 +199,103 @@ pub fn run(
     rtol: f64,
     execute: impl FnOnce(&Graph, &HostTensor) -> Result<BTreeMap<String, HostTensor>>,
 ) -> Result<LayerwiseReport> {
+    let keys = intermediate_keys(graph);
+    run_keyed(graph, &keys, reference, rtol, execute)
+}
+
+/// `run` for an INT8/FP8 engine: the graph that runs is the quantised engine's own (`traced`
+/// optimised, BatchNorm folded and ReLUs and residual adds fused, then Q/DQ nodes from `cache`, or
+/// the graph's own Q/DQ nodes when it has them and `cache` is `None`), so marking intermediates
+/// changes neither the fusion nor the quantisation (marking the traced graph would keep every
+/// BatchNorm and ReLU apart, and the calibration cache, recorded on the fused graph, would not
+/// apply). Each node of that graph is compared with the reference of the traced node whose value
+/// it computes (`fused_keys`): a conv that absorbed `bn`, the residual add and `relu` against the
+/// reference after the `relu`. `execute` gets the explicit Q/DQ graph: an engine builds it with
+/// exactly its scales, the CPU executor runs the fake-quant simulation.
+pub fn run_quantised(
+    traced: &Graph,
+    cache: Option<&crate::calibrate::CalibrationCache>,
+    format: crate::graph::QuantFormat,
+    reference: &BTreeMap<String, HostTensor>,
+    rtol: f64,
+    execute: impl FnOnce(&Graph, &HostTensor) -> Result<BTreeMap<String, HostTensor>>,
+) -> Result<LayerwiseReport> {
+    let optimized = crate::passes::optimize(traced)?;
+    let quantised = match cache {
+        _ if crate::calibrate::has_quant_nodes(&optimized) => optimized,
+        Some(cache) => crate::calibrate::quantize_graph(&optimized, cache, format)?,
+        None => {
+            return Err(Error::Config {
+                reason: format!("a layerwise comparison of a {} engine needs its calibration cache (--calibration-cache)", format.name()),
+            })
+        }
+    };
+    let keys = fused_keys(traced, &quantised);
+    run_keyed(&quantised, &keys, reference, rtol, execute)
+}
+
+/// For each node of `optimized` (`traced` after `passes::optimize`, possibly with Q/DQ nodes
+/// inserted), the reference keys of the traced node whose value it computes: the node with the
+/// same module path and op (the k-th such for the k-th), and for a conv that absorbed nodes the
+/// last of them: its BatchNorm (when that BatchNorm's path is gone from `optimized`), then the
+/// residual add (`residual`) and the ReLU (`act`), in the order `passes` fuses them. Nodes with
+/// no traced counterpart (quantisers) get none.
+pub fn fused_keys(traced: &Graph, optimized: &Graph) -> Vec<(NodeId, Vec<String>)> {
+    use crate::graph::{Activation, Binary, Norm, Unary};
+    let traced_keys: HashMap<NodeId, Vec<String>> = intermediate_keys(traced).into_iter().collect();
+    let remaining: std::collections::HashSet<&str> = optimized.nodes.iter().map(|n| n.path.as_str()).collect();
+    let mut readers: Vec<Vec<NodeId>> = vec![vec![]; traced.nodes.len()];
+    for (id, n) in traced.nodes.iter().enumerate() {
+        for &i in &n.inputs {
+            readers[i].push(id);
+        }
+    }
+    let only_reader = |id: NodeId, want: &dyn Fn(&Op) -> bool| match readers[id][..] {
+        [r] if want(&traced.nodes[r].op) => Some(r),
+        _ => None,
+    };
+    // Traced nodes by (path, op name), in graph order; each optimized node takes the next one.
+    let mut by_name: HashMap<(&str, &str), std::collections::VecDeque<NodeId>> = HashMap::new();
+    for (id, n) in traced.nodes.iter().enumerate() {
+        if !n.op.is_leaf() {
+            by_name.entry((n.path.as_str(), n.op.name())).or_default().push_back(id);
+        }
+    }
+    let mut keys = Vec::new();
+    for (id, n) in optimized.nodes.iter().enumerate() {
+        if n.op.is_leaf() {
+            continue;
+        }
+        let Some(mut t) = by_name.get_mut(&(n.path.as_str(), n.op.name())).and_then(|q| q.pop_front()) else { continue };
+        if let Op::Conv(a) = &n.op {
+            if let Some(bn) = only_reader(t, &|op| matches!(op, Op::Norm(Norm::BatchNorm2d { .. }))) {
+                if !remaining.contains(traced.nodes[bn].path.as_str()) {
+                    t = bn;
+                }
+            }
+            if a.residual {
+                t = only_reader(t, &|op| matches!(op, Op::Binary(Binary::Add))).unwrap_or(t);
+            }
+            if a.act == Activation::Relu {
+                t = only_reader(t, &|op| matches!(op, Op::Unary(Unary::Relu))).unwrap_or(t);
+            }
+        }
+        keys.push((id, traced_keys.get(&t).cloned().unwrap_or_default()));
+    }
+    keys
+}
+
+/// Marks the reference's intermediates on `graph` (`mark_intermediates`), runs it once and compares
+/// each marked value with the reference.
+fn run_keyed(
+    graph: &Graph,
+    keys: &[(NodeId, Vec<String>)],
+    reference: &BTreeMap<String, HostTensor>,
+    rtol: f64,
+    execute: impl FnOnce(&Graph, &HostTensor) -> Result<BTreeMap<String, HostTensor>>,
+) -> Result<LayerwiseReport> {
     let input = reference.get("input").ok_or_else(|| Error::MissingWeight { key: "input".into(), source_name: "the reference".into() })?;
-    let (marked, pairs) = mark_intermediates(graph, reference);
+    let (marked, pairs) = mark_intermediates(graph, keys, reference);
     let got = execute(&marked, input)?;
     let mut by_node: HashMap<NodeId, f64> = HashMap::new();
     let mut layers = Vec::new();

@@ -208,3 +208,80 @@ fn fp8_on_the_cpu_and_bad_scales_in_a_state_dict() {
     let err = FakeQuantize::load(VarBuilder::from_tensors(sd).pp("q"), &FakeQuantizeConfig::default()).expect_err("negative scale");
     assert!(err.to_string().contains("q") && err.to_string().contains("positive"), "{err}");
 }
+
+/// A reference as `tools/export_reference.py --intermediates all` writes it (`input`,
+/// `output.<name>`, `intermediate.<path>`), made by the CPU executor in FP32 on `graph`.
+fn reference_of(graph: &Graph, x: &HostTensor) -> BTreeMap<String, HostTensor> {
+    let out = kiln::cpu::run(&kiln::layerwise::mark_all(graph), &[("input", x)]).expect("cpu reference");
+    let mut r: BTreeMap<String, HostTensor> =
+        out.into_iter().map(|(k, v)| if k.starts_with("intermediate.") { (k, v) } else { (format!("output.{k}"), v) }).collect();
+    r.insert("input".into(), x.clone());
+    r
+}
+
+/// `fused_keys` maps each node of the optimised graph to the traced value it computes: ResNet-18
+/// (torchvision's repeated `relu` per block) optimised and run in FP32 matches the unoptimised
+/// reference at every node, which it could not if a fused conv were compared before its
+/// BatchNorm, residual add or ReLU.
+#[test]
+fn fused_nodes_are_compared_with_the_value_they_compute() {
+    let traced = kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 64).expect("trace");
+    let x = kiln::seeded::weight("input.0", &[1, 3, 64, 64]);
+    let reference = reference_of(&traced, &x);
+    let optimized = kiln::passes::optimize(&traced).expect("optimize");
+    let keys = kiln::layerwise::fused_keys(&traced, &optimized);
+    let (marked, pairs) = kiln::layerwise::mark_intermediates(&optimized, &keys, &reference);
+    let computed = optimized.nodes.iter().filter(|n| !n.op.is_leaf()).count();
+    assert_eq!(pairs.len(), computed, "every node of the optimised graph has a reference");
+    let got = kiln::cpu::run(&marked, &[("input", &x)]).expect("run");
+    let mut worst = (0.0, String::new());
+    for (key, id) in &pairs {
+        let c = kiln::compare::compare(key, &got[key], &reference[key]);
+        if c.rel_l2 > worst.0 {
+            worst = (c.rel_l2, format!("{} ({key})", optimized.nodes[*id].path));
+        }
+        assert!(c.passes(1e-5), "{} against {c}", optimized.nodes[*id].path);
+    }
+    println!("{} fused nodes against the traced reference; worst rel L2 {:.2e} at {}", pairs.len(), worst.0, worst.1);
+    // e.g. layer1.0.conv2 absorbed bn2, the residual add and the block's second relu.
+    let conv2 = pairs.iter().find(|(_, id)| optimized.nodes[*id].path == "layer1.0.conv2").map(|(k, _)| k.as_str());
+    assert_eq!(conv2, Some("intermediate.layer1.0.relu#1"));
+}
+
+/// `kiln compare --layerwise` on INT8/FP8: `layerwise::run_quantised` runs the quantised graph
+/// (here the CPU fake-quant simulation, as `--cpu` does) with every fused layer compared with the
+/// FP32 reference: each layer's error is quantisation-sized (≤ 0.2; entropy clipping on these
+/// digits gives 1e-2 at the stem, up to 1e-1 deeper), and
+/// the marked outputs leave the logits exactly the simulation's.
+#[test]
+fn layerwise_runs_on_quantised_graphs() {
+    let d = digits();
+    let x = HostTensor::new(vec![4, 3, 32, 32], d.heldout.data[..4 * 3 * 1024].to_vec());
+    let reference = reference_of(&d.graph, &x);
+    let cache =
+        Calibrator::new(&d.graph).and_then(|c| c.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::Entropy)).expect("calibrate");
+    for format in [QuantFormat::Int8, QuantFormat::Fp8E4m3] {
+        let sim = simulate(&d.graph, &cache, format).expect("simulate");
+        let mut ran = None;
+        let report = kiln::layerwise::run_quantised(&d.graph, Some(&cache), format, &reference, 0.2, |g, input| {
+            ran = Some(g.clone());
+            kiln::cpu::run(g, &[("input", input)])
+        })
+        .expect("layerwise");
+        println!("{} simulation, layer by layer against FP32:\n{report}", format.name());
+        let ran = ran.expect("executed");
+        assert!(kiln::calibrate::has_quant_nodes(&ran), "the executed graph is the Q/DQ graph");
+        let layers = sim.nodes.iter().filter(|n| !n.op.is_leaf() && !matches!(n.op, Op::Quant(_))).count();
+        assert_eq!(report.layers.len(), layers, "every fused layer is compared");
+        assert!(report.passes(), "quantisation error stays under 0.2 at every layer");
+        let errors: Vec<f64> = report.layers.iter().map(|l| l.comparison.rel_l2).collect();
+        assert!(errors.iter().all(|&e| e > 0.0), "every layer sees quantisation error: {errors:?}");
+        let want = kiln::cpu::run(&sim, &[("input", &x)]).expect("simulation");
+        let logits = kiln::compare::compare("logits", &kiln::cpu::run(&ran, &[("input", &x)]).expect("run")["logits"], &want["logits"]);
+        assert_eq!(logits.rel_l2, 0.0, "marking outputs changes nothing: {logits}");
+    }
+    // Without a cache (and no Q/DQ nodes in the graph) it is a clear error.
+    let err = kiln::layerwise::run_quantised(&d.graph, None, QuantFormat::Int8, &reference, 0.1, |_, _| Ok(BTreeMap::new()))
+        .expect_err("needs a cache");
+    assert!(matches!(&err, Error::Config { reason } if reason.contains("--calibration-cache")), "{err}");
+}

@@ -226,8 +226,11 @@ impl Engine {
         let mut out = String::new();
         for (i, l) in self.plan.layers.iter().enumerate() {
             // A layer on 8-bit tensor cores says so in its kind.
-            let p =
-                if l.kind().ends_with("-fp8") { "fp8".to_string() } else { crate::calibrate::layer_precision(&self.graph, l.path(), elem) };
+            let p = if l.kind().split(':').next().is_some_and(|k| k.ends_with("-fp8")) {
+                "fp8".to_string()
+            } else {
+                crate::calibrate::layer_precision(&self.graph, l.path(), elem)
+            };
             let ws = match self.plan.workspaces.get(i) {
                 Some(&(_, bytes)) if bytes > 0 => format!("  [workspace {:.2} MiB]", bytes as f64 / (1 << 20) as f64),
                 _ => String::new(),

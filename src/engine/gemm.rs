@@ -121,8 +121,11 @@ impl LtMatmul {
     }
 
     /// An FP8 GEMM: A (the weight) and B (the activation) in e4m3 with per-tensor scales read from
-    /// device f32 scalars `a_scale` / `b_scale`, f32 accumulation, C and D in f16, `bias` (f16)
-    /// and ReLU in the epilogue. Hopper's FP8 kernels want exactly this "TN" form (A transposed).
+    /// device f32 scalars `a_scale` / `b_scale`, f32 accumulation (`COMPUTE_32F`, f32 alpha and
+    /// beta), C and D in f16, `bias` (f16, `BIAS_DATA_TYPE` 16F) and ReLU in the epilogue.
+    /// cuBLASLt's FP8 kernels on sm_89/sm_90 take only the "TN" form: A transposed (the row-major
+    /// `[n, k]` weight read as column-major `[k, n]`), B not (`[m, k]` rows, column-major
+    /// `[k, m]`), so K-contiguous operands; K and n must be multiples of 16 (16-byte rows).
     #[allow(clippy::too_many_arguments)]
     pub fn new_fp8(path: &str, k: usize, n: usize, bias: Option<&DeviceBuf>, relu: bool, a_scale: u64, b_scale: u64) -> Result<Self> {
         let m = Self::with_types(
@@ -139,6 +142,7 @@ impl LtMatmul {
         // SAFETY: `m.desc.0` is live; the scale attributes take device pointers to f32 scalars,
         // which the caller keeps alive as long as this matmul.
         unsafe {
+            set_attr(m.desc.0, A::CUBLASLT_MATMUL_DESC_TRANSB, &0i32)?; // CUBLAS_OP_N: the TN form
             set_attr(m.desc.0, A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale)?;
             set_attr(m.desc.0, A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale)?;
         }

@@ -6,7 +6,7 @@
 use super::gemm::GemmSpec;
 use super::kernel_layers::{grid_for, launch, CudaFunction, KArg, BLOCK};
 use super::layer::{BuildCtx, DeviceBuf, Layer, RunCtx, ValueId};
-use crate::graph::NodeId;
+use crate::graph::{HostTensor, NodeId};
 use crate::ops::quant::Quant;
 use crate::ops::OpDef;
 use crate::Result;
@@ -100,16 +100,36 @@ pub fn quant_layer(ctx: &mut BuildCtx, node: NodeId, op: &Quant) -> Result<Box<d
 
 // ---- FP8 GEMM -------------------------------------------------------------------------------
 
+/// Where an FP8 GEMM applies its bias, residual and ReLU.
+///
+/// cuBLASLt's FP8 kernels (Hopper, cuBLASLt 12/13) take e4m3 A and B in the "TN" form only (A
+/// transposed, B not), compute type `COMPUTE_32F` with f32 scalars, per-tensor f32 scales by device
+/// pointer (`A_SCALE_POINTER`, `B_SCALE_POINTER`), 16-byte aligned operands with K and the output
+/// channels multiples of 16, and for an f16 D an f16 C and f16 bias. Which epilogues each version
+/// accepts with FP8 is less clear, so both forms are candidates and the timing (whose first,
+/// untimed run at each batch of the range rejects a configuration cuBLASLt refuses) keeps one that
+/// runs; [`fp8_gemm_probe`] prints what the device's cuBLASLt accepts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fp8Epilogue {
+    /// All in cuBLASLt: f16 bias and ReLU in its epilogue, the residual as C with beta = 1.
+    Fused,
+    /// cuBLASLt computes only `s_w·s_x·Wq·Xq` into Y; Kiln's `bias_act` kernel then adds the bias
+    /// (f32) and the residual and applies ReLU, in place.
+    Kernel,
+}
+
 /// A stride-1 1×1 convolution of an FP8 engine on cuBLASLt's e4m3 tensor cores: the activation
 /// (already fake-quantised by its `fake_quantize` node, per tensor) is re-encoded as e4m3 bytes
 /// with the same scale (exact: its values lie on the grid), the weight is stored as e4m3 with its
-/// per-tensor scale, and one `LtMatmul` computes `act(s_w·s_x·Wq·Xq + bias) + residual` in f16.
-/// A tactic candidate beside the FP16 layers, which compute the same numbers.
+/// per-tensor scale, and one `LtMatmul` computes `act(s_w·s_x·Wq·Xq + bias + residual)` in f16
+/// (its epilogue fused or a kernel, [`Fp8Epilogue`]). A tactic candidate beside the FP16 layers,
+/// which compute the same numbers.
 pub struct Fp8GemmLayer {
     path: String,
     x: ValueId,
     xq: ValueId,
     y: ValueId,
+    /// The residual, read by cuBLASLt as C (`Fused`) or by the epilogue kernel (`Kernel`).
     z: Option<ValueId>,
     rows_per_image: usize,
     k: usize,
@@ -119,6 +139,8 @@ pub struct Fp8GemmLayer {
     _scales: DeviceBuf,
     _bias: Option<DeviceBuf>,
     matmul: super::gemm::LtMatmul,
+    /// `Kernel`: the bias/residual/ReLU layer run on Y after the GEMM.
+    epilogue: Option<Box<dyn Layer>>,
     sm_count: u32,
 }
 
@@ -127,56 +149,101 @@ impl Layer for Fp8GemmLayer {
         &self.path
     }
     fn kind(&self) -> String {
-        "cublaslt-gemm-fp8".into()
+        match self.epilogue {
+            None => format!("{FP8_GEMM}:fused"),
+            Some(_) => format!("{FP8_GEMM}:bias-kernel"),
+        }
     }
-    fn workspace_bytes(&self, _batch: usize) -> usize {
-        super::gemm::GEMM_WORKSPACE
+    fn workspace_bytes(&self, batch: usize) -> usize {
+        self.matmul.workspace(batch * self.rows_per_image, 1)
+    }
+    fn prepare(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        self.matmul.prepare(rt, batch * self.rows_per_image, 1)
+    }
+    fn overwrites(&self) -> Option<(ValueId, ValueId)> {
+        // cuBLASLt writes D over C in place; the epilogue kernel needs the residual after the GEMM.
+        self.z.filter(|_| self.epilogue.is_none()).map(|z| (self.y, z))
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let m = batch * self.rows_per_image;
         let n = m * self.k;
         let args = [KArg::Ptr(rt.ptr(self.x)), KArg::Ptr(rt.ptr(self.xq)), KArg::I64(n as i64), KArg::F32(self.inv_sx)];
         launch(rt, &self.to_e4m3, grid_for(n, self.sm_count), (BLOCK, 1, 1), 0, &args)?;
-        let c = self.z.map_or(0, |z| rt.ptr(z));
-        self.matmul.enqueue(rt, m, rt.ptr(self.xq), self.w.ptr(), c, rt.ptr(self.y))
+        match &self.epilogue {
+            None => {
+                let c = self.z.map_or(0, |z| rt.ptr(z));
+                self.matmul.enqueue(rt, m, rt.ptr(self.xq), self.w.ptr(), c, rt.ptr(self.y))
+            }
+            Some(epilogue) => {
+                self.matmul.enqueue(rt, m, rt.ptr(self.xq), self.w.ptr(), 0, rt.ptr(self.y))?;
+                epilogue.enqueue(rt, batch)
+            }
+        }
     }
 }
 
-/// The FP8 GEMM candidate of `node`, when it applies: an `Fp8` engine, the node's input produced
-/// by a per-tensor fp8 `fake_quantize`, f16 values, and channel counts that are multiples of 16
-/// (cuBLASLt's FP8 alignment). `None` otherwise. The weight is already on the e4m3 grid of one
-/// per-tensor scale (a folded quantiser).
-pub fn fp8_gemm_candidate(ctx: &mut BuildCtx, node: NodeId, spec: GemmSpec) -> Result<Option<Box<dyn Layer>>> {
+/// The kind of the FP8 GEMM layers, before their epilogue's name (`cublaslt-gemm-fp8:fused`,
+/// `cublaslt-gemm-fp8:bias-kernel`).
+pub const FP8_GEMM: &str = "cublaslt-gemm-fp8";
+
+/// The FP8 GEMM candidates of `node` (one per [`Fp8Epilogue`]), when they apply: an `Fp8` engine,
+/// the node's input produced by a per-tensor fp8 `fake_quantize`, f16 values, and channel counts
+/// that are multiples of 16 (cuBLASLt's FP8 alignment). None otherwise. The weight is already on
+/// the e4m3 grid of one per-tensor scale (a folded quantiser).
+pub fn fp8_gemm_candidates(ctx: &mut BuildCtx, node: NodeId, spec: GemmSpec) -> Result<Vec<Box<dyn Layer>>> {
     use crate::graph::{Op, QuantFormat};
-    use crate::ops::quant::{encode_e4m3, round_e4m3, E4M3_MAX};
     if ctx.precision() != super::Precision::Fp8 {
-        return Ok(None);
+        return Ok(vec![]);
     }
     let src = ctx.node(node).inputs[0];
     let sx = match &ctx.graph.nodes[src].op {
         Op::Quant(Quant::FakeQuantize(p)) if p.format == QuantFormat::Fp8E4m3 && p.axis.is_none() => p.scale[0],
-        _ => return Ok(None),
+        _ => return Ok(vec![]),
     };
     let (dx, dy) = (ctx.value(spec.x).clone(), ctx.value(spec.y).clone());
-    let (Some((k, _, _)), Some((n, _, _))) = (dx.chw(), dy.chw()) else { return Ok(None) };
+    let (Some((k, _, _)), Some((n, _, _))) = (dx.chw(), dy.chw()) else { return Ok(vec![]) };
     if dx.elem != super::layer::Elem::F16 || k % 16 != 0 || n % 16 != 0 || spec.weight.len() != n * k {
-        return Ok(None);
+        return Ok(vec![]);
     }
-    let amax = spec.weight.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let xq = ctx.scratch(spec.rows_per_image * k);
+    [Fp8Epilogue::Fused, Fp8Epilogue::Kernel].into_iter().map(|e| fp8_gemm_layer(ctx, node, spec, sx, xq, [k, n], e)).collect()
+}
+
+/// The e4m3 bytes of `w` and its per-tensor scale (`max|w| / 448`).
+fn e4m3_weight(w: &[f32]) -> (Vec<u8>, f32) {
+    use crate::graph::QuantFormat;
+    use crate::ops::quant::{encode_e4m3, round_e4m3, E4M3_MAX};
+    let amax = w.iter().fold(0f32, |m, v| m.max(v.abs()));
     let sw = crate::calibrate::symmetric_scale(amax, QuantFormat::Fp8E4m3);
-    let wq: Vec<u8> = spec.weight.iter().map(|&v| encode_e4m3(round_e4m3((v * (1.0 / sw)).clamp(-E4M3_MAX, E4M3_MAX)))).collect();
+    (w.iter().map(|&v| encode_e4m3(round_e4m3((v * (1.0 / sw)).clamp(-E4M3_MAX, E4M3_MAX)))).collect(), sw)
+}
+
+fn fp8_gemm_layer(
+    ctx: &mut BuildCtx,
+    node: NodeId,
+    spec: GemmSpec,
+    sx: f32,
+    xq: ValueId,
+    [k, n]: [usize; 2],
+    epilogue: Fp8Epilogue,
+) -> Result<Box<dyn Layer>> {
+    let (wq, sw) = e4m3_weight(spec.weight);
     let w = ctx.upload_bytes(&wq)?;
     let scales = ctx.upload_f32(&[sw, sx])?;
-    let bias = match spec.bias {
-        Some(b) => Some(ctx.upload(b)?),
-        None => None,
-    };
-    let path = ctx.node(node).path.clone();
     let (a_scale, b_scale) = (scales.ptr(), scales.ptr() + std::mem::size_of::<f32>() as u64);
-    let matmul = super::gemm::LtMatmul::new_fp8(&path, k, n, bias.as_ref(), spec.relu, a_scale, b_scale)?;
-    let xq = ctx.scratch(spec.rows_per_image * k);
-    let to_e4m3 = ctx.kernels.get("to_e4m3_f16")?;
-    Ok(Some(Box::new(Fp8GemmLayer {
+    let path = ctx.node(node).path.clone();
+    let (matmul, bias, epilogue) = match epilogue {
+        Fp8Epilogue::Fused => {
+            let bias = spec.bias.map(|b| ctx.upload(b)).transpose()?;
+            (super::gemm::LtMatmul::new_fp8(&path, k, n, bias.as_ref(), spec.relu, a_scale, b_scale)?, bias, None)
+        }
+        Fp8Epilogue::Kernel => {
+            let act = spec.relu.then_some(crate::ops::elementwise::Unary::Relu);
+            let kernel = super::kernel_layers::bias_act(ctx, node, spec.y, None, spec.bias, spec.residual, spec.y, act)?;
+            (super::gemm::LtMatmul::new_fp8(&path, k, n, None, false, a_scale, b_scale)?, None, Some(kernel))
+        }
+    };
+    Ok(Box::new(Fp8GemmLayer {
         path,
         x: spec.x,
         xq,
@@ -185,11 +252,89 @@ pub fn fp8_gemm_candidate(ctx: &mut BuildCtx, node: NodeId, spec: GemmSpec) -> R
         rows_per_image: spec.rows_per_image,
         k,
         inv_sx: 1.0 / sx,
-        to_e4m3,
+        to_e4m3: ctx.kernels.get("to_e4m3_f16")?,
         w,
         _scales: scales,
         _bias: bias,
         matmul,
+        epilogue,
         sm_count: ctx.kernels.sm_count(),
-    })))
+    }))
+}
+
+/// One configuration tried by [`fp8_gemm_probe`]: its description and, where cuBLASLt ran it,
+/// its (relative L2, max-abs) error against the f32 product of the same e4m3 values.
+pub type Fp8ProbeResult = (String, std::result::Result<(f64, f64), String>);
+
+/// Runs cuBLASLt's FP8 GEMM (`LtMatmul::new_fp8`) on random e4m3 operands, `m` rows, `[k] → [n]`,
+/// in every epilogue form (none, bias, ReLU, bias+ReLU, each with and without a residual C) and
+/// compares each with the host's f32 result: which configurations this device's cuBLASLt accepts,
+/// and whether they compute what Kiln expects. A diagnostic for `tests/gpu_quant.rs`.
+pub fn fp8_gemm_probe(gpu: &super::Gpu, m: usize, k: usize, n: usize) -> Result<Vec<Fp8ProbeResult>> {
+    use crate::ops::quant::{encode_e4m3, round_e4m3};
+    use cudarc::driver::result as drv;
+    gpu.ctx.bind_to_thread().map_err(super::gpu::cuda_err("binding the CUDA context"))?;
+    let stream = &gpu.stream;
+    let uniform = |count: usize, seed: u64, scale: f32| -> Vec<f32> {
+        crate::seeded::uniform_tensor(&[count], seed).data.iter().map(|v| round_e4m3(v * scale)).collect()
+    };
+    // Operands on the e4m3 grid (|v| < 8), scales that are not powers of two.
+    let (x, w) = (uniform(m * k, 1, 8.0), uniform(n * k, 2, 8.0));
+    let (sx, sw) = (0.0123f32, 0.0071f32);
+    let bias: Vec<f32> = uniform(n, 3, 1.0).iter().map(|v| half::f16::from_f32(*v).to_f32()).collect();
+    let residual: Vec<f32> = uniform(m * n, 4, 1.0).iter().map(|v| half::f16::from_f32(*v).to_f32()).collect();
+    let enc = |v: &[f32]| v.iter().map(|&t| encode_e4m3(t)).collect::<Vec<u8>>();
+    let f16 = |v: &[f32]| super::layer::to_elem_bytes(v, super::layer::Elem::F16);
+    let (xb, wb) = (DeviceBuf::from_bytes(stream, &enc(&x))?, DeviceBuf::from_bytes(stream, &enc(&w))?);
+    let scales = DeviceBuf::from_bytes(stream, &super::layer::to_elem_bytes(&[sw, sx], super::layer::Elem::F32))?;
+    let (bias_b, res_b) = (DeviceBuf::from_bytes(stream, &f16(&bias))?, DeviceBuf::from_bytes(stream, &f16(&residual))?);
+    let y = DeviceBuf::zeros(stream, m * n * 2)?;
+    let ws = DeviceBuf::zeros(stream, super::gemm::GEMM_WORKSPACE)?;
+    let rt = RunCtx { stream, handles: &gpu.handles, ptrs: &[], workspace: ws.ptr(), workspace_bytes: ws.len() };
+    let mut results = Vec::new();
+    for (with_bias, relu, with_c) in
+        [false, true].into_iter().flat_map(|b| [false, true].into_iter().flat_map(move |r| [(b, r, false), (b, r, true)]))
+    {
+        let label = format!(
+            "m {m} k {k} n {n}: epilogue {}{}, {}",
+            if with_bias { "bias" } else { "none" },
+            if relu { "+relu" } else { "" },
+            if with_c { "residual as C (beta 1)" } else { "no C" }
+        );
+        let (a_scale, b_scale) = (scales.ptr(), scales.ptr() + std::mem::size_of::<f32>() as u64);
+        let run = || -> Result<Vec<f32>> {
+            let mm = super::gemm::LtMatmul::new_fp8("fp8-probe", k, n, with_bias.then_some(&bias_b), relu, a_scale, b_scale)?;
+            mm.enqueue(&rt, m, xb.ptr(), wb.ptr(), if with_c { res_b.ptr() } else { 0 }, y.ptr())?;
+            let mut out = vec![half::f16::ZERO; m * n];
+            // SAFETY: `y` holds m·n f16 values, as `out` does; the stream is synchronised before
+            // `out` is read.
+            unsafe { drv::memcpy_dtoh_async(&mut out, y.ptr(), stream.cu_stream()) }
+                .map_err(super::gpu::cuda_err("copying to the host"))?;
+            stream.synchronize().map_err(super::gpu::cuda_err("running the FP8 GEMM"))?;
+            Ok(out.iter().map(|v| v.to_f32()).collect())
+        };
+        let outcome = run().map_err(|e| e.to_string()).map(|got| {
+            let want: Vec<f32> = (0..m * n)
+                .map(|i| {
+                    let (r, c) = (i / n, i % n);
+                    let dot: f64 = (0..k).map(|j| x[r * k + j] as f64 * w[c * k + j] as f64).sum();
+                    let mut v = (dot * sx as f64 * sw as f64) as f32;
+                    if with_c {
+                        v += residual[i];
+                    }
+                    if with_bias {
+                        v += bias[c];
+                    }
+                    if relu {
+                        v = v.max(0.0);
+                    }
+                    v
+                })
+                .collect();
+            let c = crate::compare::compare(&label, &HostTensor::new(vec![m, n], got), &HostTensor::new(vec![m, n], want));
+            (c.rel_l2, c.max_abs)
+        });
+        results.push((label, outcome));
+    }
+    Ok(results)
 }

@@ -553,7 +553,7 @@ fn gpu_conv2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn 
         let spec = GemmSpec { x, y, residual, rows_per_image: h * wd, weight: &w.data, bias, relu: a.act == Activation::Relu };
         candidates.push(Box::new(GemmLayer::new(ctx, node, spec)?));
         // An FP8 engine's quantised 1×1 conv also runs on e4m3 tensor cores (engine::quant).
-        candidates.extend(crate::engine::quant::fp8_gemm_candidate(ctx, node, spec)?);
+        candidates.extend(crate::engine::quant::fp8_gemm_candidates(ctx, node, spec)?);
     }
     // Few input channels (the stem): im2col + GEMM competes too (engine::im2col decides where it applies).
     if let [k, c, r, s] = w.shape[..] {

@@ -228,7 +228,17 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
     if a.layerwise {
         let mut with_input = reference.clone();
         with_input.insert("input".into(), x.clone());
-        let report = kiln::layerwise::run(&traced.graph, &with_input, l2_tol, |g, input| execute(g, input, &a))?;
+        // An INT8/FP8 engine is compared on its own fused, quantised graph (kiln::layerwise::run_quantised).
+        let precision = a.engine.precision();
+        let report = match precision.quant_format().filter(|_| precision != Precision::Best) {
+            Some(format) => {
+                let cache = a.engine.calibration_cache.as_deref().map(kiln::calibrate::CalibrationCache::load).transpose()?;
+                kiln::layerwise::run_quantised(&traced.graph, cache.as_ref(), format, &with_input, l2_tol, |g, input| {
+                    execute(g, input, &a)
+                })?
+            }
+            None => kiln::layerwise::run(&traced.graph, &with_input, l2_tol, |g, input| execute(g, input, &a))?,
+        };
         if report.layers.is_empty() {
             return Err(Error::Safetensors {
                 path: a.reference.clone().unwrap_or_default(),
