@@ -51,9 +51,14 @@ const SUBPIXEL: &[&str] = &["subpixel+", "subpixel:by2+", "cudnn-deconv"];
 
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
-fn subpixel_deconv_matches_the_cpu() {
+fn candidates_subpixel_deconv_matches_the_cpu() {
     let deconv = |c: Conv2dConfig| move |x: &Tensor, vb: VarBuilder| ConvTranspose2d::load(vb.pp("deconv"), &c)?.forward(x);
-    check_forced("deconv k4 s2 p1 (CenterNet)", &[32, 8, 8], SUBPIXEL, deconv(Conv2dConfig::new(32, 16, 4).stride(2).padding(1).bias(false)));
+    check_forced(
+        "deconv k4 s2 p1 (CenterNet)",
+        &[32, 8, 8],
+        SUBPIXEL,
+        deconv(Conv2dConfig::new(32, 16, 4).stride(2).padding(1).bias(false)),
+    );
     check_forced("deconv k4 s2 p1 64->64 at 32x32", &[64, 32, 32], SUBPIXEL, deconv(Conv2dConfig::new(64, 64, 4).stride(2).padding(1)));
     check_forced(
         "deconv k3 s2 p1 output_padding 1 bias",
@@ -71,7 +76,7 @@ fn subpixel_deconv_matches_the_cpu() {
 
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
-fn strided_gemm_matches_the_cpu() {
+fn candidates_strided_gemm_matches_the_cpu() {
     const SOURCES: &[&str] = &["cublaslt-strided-gemm", "cudnn-fused", "cudnn-conv"];
     let conv = |c: Conv2dConfig| move |x: &Tensor, vb: VarBuilder| Conv2d::load(vb.pp("conv"), &c)?.forward(x);
     check_forced("conv 1x1 s2 downsample (no bias)", &[32, 14, 14], SOURCES, conv(Conv2dConfig::new(32, 64, 1).stride(2).bias(false)));
@@ -118,7 +123,7 @@ fn time_candidates(label: &str, dims: &[usize], batch: usize, f: impl Fn(&Tensor
 
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
-fn candidate_timings_at_the_issue_shapes() {
+fn candidates_timed_at_the_issue_shapes() {
     // CenterNet-R50's last deconv (+ folded BN + ReLU): 256 → 256, 64×64 → 128×128, batch 32.
     let deconv_bn_relu = |x: &Tensor, vb: VarBuilder| {
         let y = ConvTranspose2d::load(vb.pp("deconv"), &Conv2dConfig::new(256, 256, 4).stride(2).padding(1).bias(false))?.forward(x)?;

@@ -93,8 +93,7 @@ pub fn candidate(
         ld_x: shape.ld_x,
         ld_y: 0,
     };
-    let matmul =
-        LtMatmul::new(&path, ctx.precision(), elem, cin, cout, bbuf.as_ref(), a.act == Activation::Relu)?.with_batched(batched)?;
+    let matmul = LtMatmul::new(&path, ctx.precision(), elem, cin, cout, bbuf.as_ref(), a.act == Activation::Relu)?.with_batched(batched)?;
     Ok(Some(Box::new(StridedGemmLayer { path, x, y, z: residual, shape, w_ptr: wbuf.ptr(), _w: wbuf, _b: bbuf, matmul })))
 }
 

@@ -247,7 +247,7 @@ impl Layer for SubpixelDeconv {
     fn prepare(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let step = self.step(batch);
         self.conv.prepare(rt, step)?;
-        if batch % step != 0 {
+        if !batch.is_multiple_of(step) {
             self.conv.prepare(rt, batch % step)?;
         }
         Ok(())
@@ -291,7 +291,14 @@ impl Layer for SubpixelDeconv {
 /// The sub-pixel candidates of a ConvTranspose2d node (weight `[Cin, Cout, kh, kw]`, `bias` one
 /// value per output channel, zeros when it has none), or none where the decomposition does not
 /// apply (groups, dilation).
-pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, weight: &[f32], shape4: [usize; 4], bias: &[f32]) -> Result<Vec<Box<dyn Layer>>> {
+pub fn candidates(
+    ctx: &mut BuildCtx,
+    node: NodeId,
+    a: &ConvAttrs,
+    weight: &[f32],
+    shape4: [usize; 4],
+    bias: &[f32],
+) -> Result<Vec<Box<dyn Layer>>> {
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let (cin, h, w) = ctx.value(x).chw().ok_or_else(|| ctx.err(node, "input is not an image".into()))?;
     let (cout, ho, wo) = ctx.value(y).chw().ok_or_else(|| ctx.err(node, "output is not an image".into()))?;
@@ -302,8 +309,7 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, weight: &[f32
     let Some(dims) = plan.kernel_dims() else { return Ok(Vec::new()) };
     let wt = plan.conv_weight(weight);
     let bt = plan.conv_bias(bias);
-    let problem =
-        ConvProblem { attrs: plan.conv_attrs(a), weight: &wt, weight_shape: plan.conv_weight_shape(), bias: &bt, x, y, z: None };
+    let problem = ConvProblem { attrs: plan.conv_attrs(a), weight: &wt, weight_shape: plan.conv_weight_shape(), bias: &bt, x, y, z: None };
     let convs = conv_candidates_geom(ctx, node, problem, plan.conv_out_chw(), false)?;
     if convs.is_empty() {
         return Ok(Vec::new());
@@ -357,7 +363,15 @@ mod tests {
 
     /// The rearranged convolution followed by the depth-to-space equals the transposed
     /// convolution, both on the CPU executor's references.
-    fn check(cin: usize, cout: usize, k: [usize; 2], s: [usize; 2], p: [usize; 2], op: [usize; 2], hw: [usize; 2], bias: bool, relu: bool) {
+    fn check(
+        (cin, cout): (usize, usize),
+        k: [usize; 2],
+        s: [usize; 2],
+        p: [usize; 2],
+        op: [usize; 2],
+        hw: [usize; 2],
+        (bias, relu): (bool, bool),
+    ) {
         let a = ConvAttrs {
             transposed: true,
             stride: s,
@@ -396,18 +410,18 @@ mod tests {
     #[test]
     fn rearranged_conv_and_depth_to_space_equal_the_transposed_conv() {
         // CenterNet's deconvs: k4 s2 p1, with the folded BatchNorm's bias and ReLU.
-        check(8, 6, [4, 4], [2, 2], [1, 1], [0, 0], [5, 7], true, true);
-        check(8, 6, [4, 4], [2, 2], [1, 1], [0, 0], [5, 7], false, false);
+        check((8, 6), [4, 4], [2, 2], [1, 1], [0, 0], [5, 7], (true, true));
+        check((8, 6), [4, 4], [2, 2], [1, 1], [0, 0], [5, 7], (false, false));
         // A kernel the stride does not divide, with output padding.
-        check(5, 3, [3, 3], [2, 2], [1, 1], [1, 1], [4, 6], true, false);
-        check(5, 3, [3, 3], [2, 2], [0, 0], [0, 0], [4, 3], false, true);
+        check((5, 3), [3, 3], [2, 2], [1, 1], [1, 1], [4, 6], (true, false));
+        check((5, 3), [3, 3], [2, 2], [0, 0], [0, 0], [4, 3], (false, true));
         // Kernel = stride (no overlap), stride 3, mixed strides, stride 1, large padding.
-        check(4, 4, [2, 2], [2, 2], [0, 0], [0, 0], [3, 5], true, false);
-        check(3, 5, [5, 6], [3, 3], [2, 1], [1, 2], [4, 4], true, true);
-        check(4, 2, [4, 3], [2, 1], [1, 1], [1, 0], [3, 5], true, false);
-        check(4, 2, [3, 3], [1, 1], [1, 1], [0, 0], [5, 5], false, false);
-        check(3, 2, [4, 4], [2, 2], [3, 2], [0, 1], [6, 5], true, false);
-        check(3, 2, [1, 1], [2, 2], [0, 0], [1, 1], [3, 3], true, false);
+        check((4, 4), [2, 2], [2, 2], [0, 0], [0, 0], [3, 5], (true, false));
+        check((3, 5), [5, 6], [3, 3], [2, 1], [1, 2], [4, 4], (true, true));
+        check((4, 2), [4, 3], [2, 1], [1, 1], [1, 0], [3, 5], (true, false));
+        check((4, 2), [3, 3], [1, 1], [1, 1], [0, 0], [5, 5], (false, false));
+        check((3, 2), [4, 4], [2, 2], [3, 2], [0, 1], [6, 5], (true, false));
+        check((3, 2), [1, 1], [2, 2], [0, 0], [1, 1], [3, 3], (true, false));
     }
 
     #[test]
