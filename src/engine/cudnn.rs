@@ -457,9 +457,24 @@ pub struct ConvProblem<'a> {
 }
 
 pub fn conv_candidates_with(ctx: &mut BuildCtx, node: NodeId, p: ConvProblem) -> Result<Vec<Box<dyn Layer>>> {
+    let out = ctx.value(p.y).chw().ok_or_else(|| ctx.err(node, "output is not an image".into()))?;
+    conv_candidates_geom(ctx, node, p, out, true)
+}
+
+/// The forward-convolution candidates with the output's `(C, H, W)` given rather than read from
+/// `p.y`'s value: a layer that convolves into its own scratch (the sub-pixel transposed
+/// convolution, `engine::subpixel`) passes its scratch geometry and points `p.y` at the scratch
+/// when it enqueues. `pad_variants`: also the channel-padded FP16 variants (which need a
+/// prologue scratch of their own).
+pub fn conv_candidates_geom(
+    ctx: &mut BuildCtx,
+    node: NodeId,
+    p: ConvProblem,
+    (cout, ho, wo): (usize, usize, usize),
+    pad_variants: bool,
+) -> Result<Vec<Box<dyn Layer>>> {
     let (a, x, y, z, shape4) = (p.attrs, p.x, p.y, p.z, p.weight_shape);
     let (cin, h, wd) = ctx.value(x).chw().ok_or_else(|| ctx.err(node, "input is not an image".into()))?;
-    let (cout, ho, wo) = ctx.value(y).chw().ok_or_else(|| ctx.err(node, "output is not an image".into()))?;
     let elem = ctx.elem();
     let path = ctx.node(node).path.clone();
     let setup = ConvSetup { geom: Geom { cin, h, w: wd, cout, ho, wo }, x, y, z, attrs: &a, weight: p.weight, shape: shape4, bias: p.bias };
@@ -468,7 +483,7 @@ pub fn conv_candidates_with(ctx: &mut BuildCtx, node: NodeId, p: ConvProblem) ->
 
     // FP16 tensor-core kernels want input channels in multiples of 8: also offer the convolution
     // on a zero-padded copy of the input (zero weights for the extra channels).
-    if elem == Elem::F16 && a.groups == 1 && cin % 8 != 0 {
+    if pad_variants && elem == Elem::F16 && a.groups == 1 && cin % 8 != 0 {
         let cp = cin.next_multiple_of(8);
         let [k, _, r, sz] = shape4;
         let mut wp = vec![0f32; k * cp * r * sz];

@@ -184,14 +184,20 @@ impl LtMatmul {
 
     /// A strided-batched `Y = alpha · X[m, k] · W` of two activations (no bias, no epilogue).
     pub fn new_batched(path: &str, precision: Precision, elem: Elem, k: usize, n: usize, batched: Batched) -> Result<Self> {
-        let mut mm = Self::new(path, precision, elem, k, n, None, false)?;
+        Self::new(path, precision, elem, k, n, None, false)?.with_batched(batched)
+    }
+
+    /// This matmul (its epilogue kept) as a strided-batched one. A `stride_w` of 0 shares one
+    /// weight among the matrices, and the bias is shared too (cuBLASLt's bias batch stride is 0):
+    /// a strided 1×1 convolution (`engine::strided_gemm`).
+    pub fn with_batched(mut self, batched: Batched) -> Result<Self> {
         if batched.w_kn {
-            // SAFETY: `mm.desc.0` is live; TRANSA takes an i32 (`cublasOperation_t`).
-            unsafe { set_attr(mm.desc.0, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &0i32)? };
+            // SAFETY: `self.desc.0` is live; TRANSA takes an i32 (`cublasOperation_t`).
+            unsafe { set_attr(self.desc.0, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, &0i32)? };
             // CUBLAS_OP_N
         }
-        mm.batched = Some(batched);
-        Ok(mm)
+        self.batched = Some(batched);
+        Ok(self)
     }
 
     /// The plan for `m` rows, made once (cuBLAS is column-major: `Yᵀ[n, m] = W[n, k] · Xᵀ[k, m]`,

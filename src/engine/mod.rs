@@ -23,6 +23,8 @@ pub mod kernels;
 pub mod launch;
 pub mod layer;
 pub mod quant;
+pub mod strided_gemm;
+pub mod subpixel;
 pub mod tactic;
 
 pub use builder::{estimate_arena, BuildSummary, Engine, EngineBuilder, MemorySummary, Plan};

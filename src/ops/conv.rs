@@ -537,7 +537,8 @@ pub fn conv_transpose2d_cpu(a: &ConvAttrs, inputs: &[&HostTensor]) -> Result<Hos
 // ---- GPU converter (engine::cudnn, engine::gemm)
 
 /// Conv2d: every cuDNN algorithm (fused bias+residual+ReLU, or separate calls), and for a
-/// stride-1 1×1 convolution also a cuBLASLt GEMM; the fastest on the device wins.
+/// 1×1 convolution also a cuBLASLt GEMM (strided-batched when the conv is strided); the fastest
+/// on the device wins.
 fn gpu_conv2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn Layer>> {
     use crate::engine::gemm::{GemmLayer, GemmSpec};
     let key = ctx.problem_key(node);
@@ -554,6 +555,11 @@ fn gpu_conv2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn 
         candidates.push(Box::new(GemmLayer::new(ctx, node, spec)?));
         // An FP8 engine's quantised 1×1 conv also runs on e4m3 tensor cores (engine::quant).
         candidates.extend(crate::engine::quant::fp8_gemm_candidates(ctx, node, spec)?);
+    }
+    // A strided 1×1 (ResNet's downsample): one strided-batched GEMM over the output rows.
+    if let [k, c, 1, 1] = w.shape[..] {
+        let bias = if a.bias { Some(ctx.weight(node, 2)?.data.as_slice()) } else { None };
+        candidates.extend(crate::engine::strided_gemm::candidate(ctx, node, &a, &w.data, [k, c, 1, 1], bias)?);
     }
     // Few input channels (the stem): im2col + GEMM competes too (engine::im2col decides where it applies).
     if let [k, c, r, s] = w.shape[..] {
@@ -572,12 +578,15 @@ fn gpu_conv2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn 
     ctx.choose(&key, candidates)
 }
 
-/// ConvTranspose2d through cuDNN's backward-data (bias and ReLU in place after it).
+/// ConvTranspose2d through cuDNN's backward-data (bias and ReLU in place after it), and as one
+/// stride-1 convolution per output phase plus a depth-to-space (engine::subpixel); timing picks.
 fn gpu_conv_transpose2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn Layer>> {
     let key = ctx.problem_key(node);
     let (zeros, w) = (conv_zero_bias(ctx, node)?, ctx.weight(node, 1)?);
     let problem = conv_problem(ctx, node, &a, w, &zeros)?;
-    let candidates = crate::engine::cudnn::deconv_candidates(ctx, node, problem)?;
+    let (weight_shape, bias) = (problem.weight_shape, problem.bias);
+    let mut candidates = crate::engine::subpixel::candidates(ctx, node, &a, &w.data, weight_shape, bias)?;
+    candidates.extend(crate::engine::cudnn::deconv_candidates(ctx, node, problem)?);
     ctx.choose(&key, candidates)
 }
 
