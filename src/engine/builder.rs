@@ -329,7 +329,11 @@ impl EngineBuilder {
 /// tactic sources get their own entries, so a forced choice never poisons an unrestricted build.
 pub(crate) fn cache_prefix(gpu: &Gpu, config: &BuildConfig) -> String {
     let sources = config.tactic_sources.as_ref().map(|s| format!("|only:{}", s.join(","))).unwrap_or_default();
-    format!("{}|sm{}|cudnn{}|{:?}|b{}{sources}", gpu.info.name, gpu.info.sm, gpu.info.cudnn_version, config.precision, config.opt_batch)
+    let fastest = if config.fastest_tactics { "|fastest" } else { "" };
+    format!(
+        "{}|sm{}|cudnn{}|{:?}|b{}{sources}{fastest}",
+        gpu.info.name, gpu.info.sm, gpu.info.cudnn_version, config.precision, config.opt_batch
+    )
 }
 
 /// The arena the graph's activations need at `batch` with `elem_bytes` per element, planned

@@ -142,7 +142,7 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
             c.prologue().filter(|(_, d)| ctx.prologue_scratch.contains(d)).map_or(0, |(_, d)| ctx.value(d).bytes(ctx.config.max_batch));
         c.workspace_bytes(ctx.config.max_batch) + scratch
     };
-    if need(winner) > room {
+    if need(winner) > room && !ctx.config.fastest_tactics {
         let fits = log_times.iter().filter(|&&(i, _)| need(i) <= room).min_by(|a, b| a.1.total_cmp(&b.1));
         if let Some(&(i, ms)) = fits {
             log.push((format!("chosen: {} ({ms:.4} ms), the fastest within the arena's room of {room} bytes", candidates[i].kind()), ms));

@@ -383,6 +383,7 @@ impl EngineArgs {
         let mut c = BuildConfig::default().precision(self.precision()).batch(min, opt, max);
         // MiB from a flag: saturate rather than wrap (the builder treats it as a limit).
         c.workspace_bytes = self.workspace.saturating_mul(1 << 20);
+        c.fastest_tactics = self.fastest;
         if let Some(tc) = &self.timing_cache {
             c = c.timing_cache(tc.clone());
         }
