@@ -436,7 +436,7 @@ pub fn quantize_graph(graph: &Graph, cache: &CalibrationCache, format: QuantForm
     }
     let names = tensor_names(graph);
     let points = quant_points(graph);
-    let mut out = Graph { weights: graph.weights.clone(), ..Default::default() };
+    let mut out = Graph { weights: graph.weights.clone(), fp32_layers: graph.fp32_layers.clone(), ..Default::default() };
     let mut map: Vec<NodeId> = Vec::with_capacity(graph.nodes.len());
     // The fake-quantised copy of each value already made (shared by all its 8-bit readers).
     let mut quantised: BTreeMap<NodeId, NodeId> = BTreeMap::new();

@@ -153,6 +153,11 @@ pub struct Graph {
     /// Constants by name (`layer1.0.conv1.weight`), shared, never copied by passes that keep them.
     #[serde(skip)]
     pub weights: BTreeMap<String, Arc<HostTensor>>,
+    /// Module-path patterns of nodes the model needs in FP32 whatever the engine's precision
+    /// (`Tracer::require_fp32`; TensorRT's per-layer precision set in the network definition).
+    /// Engines apply them before `BuildConfig::layer_precisions`, which may override them.
+    #[serde(default)]
+    pub fp32_layers: Vec<String>,
 }
 
 impl Graph {

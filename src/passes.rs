@@ -286,6 +286,7 @@ fn rebuild(g: &Graph, keep: impl Fn(NodeId, &crate::graph::Node) -> bool) -> Res
         out.nodes.push(node);
     }
     out.inputs = g.inputs.iter().map(|&i| new_id[i]).collect();
+    out.fp32_layers = g.fp32_layers.clone();
     for (name, id) in &g.outputs {
         if !keep[*id] {
             return Err(Error::Binding { name: name.clone(), reason: format!("the output reads %{id}, which a pass removed") });

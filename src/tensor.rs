@@ -45,6 +45,16 @@ impl Tracer {
         self.0.borrow_mut().mark_output(name, t.id);
     }
 
+    /// Asks engines to compute the nodes matching `pattern` (a module path or glob, see
+    /// `engine::LayerPrecision`) in FP32 whatever their precision: for values whose f16 rounding
+    /// the model cannot afford (YOLO's box decode, in pixels up to 640).
+    pub fn require_fp32(&self, pattern: &str) {
+        let mut g = self.0.borrow_mut();
+        if !g.fp32_layers.iter().any(|p| p == pattern) {
+            g.fp32_layers.push(pattern.to_string());
+        }
+    }
+
     /// The graph recorded so far.
     pub fn graph(&self) -> Graph {
         self.0.borrow().clone()
@@ -97,6 +107,12 @@ impl Tensor {
     /// The path an inline op named `op` would get in this tensor's scope (`layer1.0.add`).
     pub fn scope_path(&self, op: &str) -> String {
         join(&self.scope, op)
+    }
+
+    /// The same value, with the inline ops recorded from it named under `scope` (`scope.softmax`):
+    /// groups a `forward`'s inline ops under one path, e.g. for a per-layer precision rule.
+    pub fn in_scope(&self, scope: &str) -> Tensor {
+        Tensor { scope: Rc::from(scope), ..self.clone() }
     }
 
     /// Records `op` applied to `inputs` and `params`, as the layer at `path`.

@@ -181,3 +181,34 @@ fn letterbox_matches_the_python_reference() {
         assert!(c.passes(1e-7) && c.max_abs == 0.0, "{c}: the CPU letterbox must match the Python reference exactly");
     }
 }
+
+/// The Detect head's decode and the NMS are required in FP32 by the model itself
+/// (`Graph::fp32_layers`): in an FP16 engine every node under `model.22.decode` and `model.22.dfl`
+/// computes in FP32 and the branches' convolutions in FP16; a user's rule may override them.
+#[test]
+fn yolo_decode_and_nms_compute_in_fp32_in_fp16_engines() {
+    use kiln::engine::{node_precisions, BuildConfig, Precision};
+    for (model, head) in [("yolov8n", "model.22"), ("yolo11n", "model.23")] {
+        let graph = kiln::passes::optimize(&kiln_models::trace(model, kiln::VarBuilder::seeded(), 1, 160).expect("trace")).expect("passes");
+        assert_eq!(graph.fp32_layers, [format!("{head}.decode"), format!("{head}.dfl"), format!("{head}.decode.yolo_nms")], "{model}");
+        let check = |config: &BuildConfig, decode: Precision| {
+            let p = node_precisions(&graph, config);
+            let mut seen = (0, 0);
+            for (node, p) in graph.nodes.iter().zip(p).filter(|(n, _)| !n.op.is_leaf()) {
+                let in_decode = node.path.starts_with(&format!("{head}.decode.")) || node.path.starts_with(&format!("{head}.dfl."));
+                let want = if in_decode { decode } else { Precision::Fp16 };
+                assert_eq!(p, want, "{model} {} ({})", node.path, node.op.name());
+                if in_decode {
+                    seen.0 += 1;
+                } else {
+                    seen.1 += 1;
+                }
+            }
+            let nms = graph.nodes.iter().position(|n| n.op.name() == "yolo_nms").expect("an NMS node");
+            assert_eq!(graph.nodes[nms].path, format!("{head}.decode.yolo_nms"));
+            assert!(seen.0 >= 12 && seen.1 > 50, "{model}: {seen:?} decode / other nodes");
+        };
+        check(&BuildConfig::default(), Precision::Fp32);
+        check(&BuildConfig::default().layer_precision(&format!("{head}.*"), Precision::Fp16), Precision::Fp16);
+    }
+}

@@ -460,6 +460,11 @@ impl Forward for Branch {
 /// branch (`cv3`); DFL (softmax over the 16 bins, then the 1x1 conv `dfl.conv` whose weights are
 /// 0..15 in Ultralytics); `dist2bbox` to (cx, cy, w, h) around the anchor points (cell centres),
 /// times the level's stride; sigmoid class scores.
+///
+/// The decode (everything after the branches: `<head>.decode.*` and `<head>.dfl`) is required in
+/// FP32 (`Tracer::require_fp32`): in f16 each of its steps rounds coordinates up to 640 pixels to
+/// 0.25-0.5 px, enough to flip NMS decisions of boxes whose overlap is near the IoU threshold
+/// (96% of FP16 detections matched Ultralytics with it in f16). It is a few elementwise kernels.
 pub struct Detect {
     path: String,
     nc: usize,
@@ -506,9 +511,14 @@ impl Detect {
     }
 
     pub fn forward(&self, xs: &[&Tensor]) -> Result<Tensor> {
+        let decode = format!("{}.decode", self.path);
+        if let Some(x) = xs.first() {
+            x.tracer().require_fp32(&decode);
+            x.tracer().require_fp32(&format!("{}.dfl", self.path));
+        }
         let flat = |t: Tensor| -> Result<Tensor> {
             let s = t.shape().to_vec();
-            t.view(&[s[0] as isize, s[1] as isize, -1])
+            Ok(t.view(&[s[0] as isize, s[1] as isize, -1])?.in_scope(&decode))
         };
         let (mut boxes, mut scores, mut feats) = (Vec::new(), Vec::new(), Vec::new());
         for (i, x) in xs.iter().enumerate() {
@@ -531,11 +541,11 @@ impl Detect {
         let sub = kiln::graph::Binary::Sub;
         let add = kiln::graph::Binary::Add;
         // anchor - lt, written lt - anchor negated (IEEE subtraction is sign-symmetric).
-        let x1y1 = lt.binary_weight(&format!("{}.x1y1", self.path), sub, &anchors)?.affine(-1.0, 0.0)?;
-        let x2y2 = rb.binary_weight(&format!("{}.x2y2", self.path), add, &anchors)?;
+        let x1y1 = lt.binary_weight(&format!("{decode}.x1y1"), sub, &anchors)?.affine(-1.0, 0.0)?;
+        let x2y2 = rb.binary_weight(&format!("{decode}.x2y2"), add, &anchors)?;
         let c_xy = (&x1y1 + &x2y2)?.affine(0.5, 0.0)?;
         let wh = (&x2y2 - &x1y1)?;
-        let dbox = Tensor::cat(&[&c_xy, &wh], 1)?.binary_weight(&format!("{}.stride", self.path), kiln::graph::Binary::Mul, &strides)?;
+        let dbox = Tensor::cat(&[&c_xy, &wh], 1)?.binary_weight(&format!("{decode}.stride"), kiln::graph::Binary::Mul, &strides)?;
         debug_assert_eq!(scores.shape()[1], self.nc);
         Tensor::cat(&[&dbox, &scores.sigmoid()?], 1)
     }

@@ -71,6 +71,8 @@ impl NmsConfig {
 
 /// Applies `yolo_nms` to the detector output `predictions` `[N, 4 + C, A]`.
 pub fn nms(predictions: &Tensor, config: &NmsConfig) -> Result<Tensor> {
+    // Scores and pixel coordinates are compared in f32 whatever the engine's precision.
+    predictions.tracer().require_fp32(&predictions.scope_path("yolo_nms"));
     predictions.custom("yolo_nms", &config.attrs(), &[])
 }
 

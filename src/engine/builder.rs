@@ -222,9 +222,10 @@ impl Engine {
     /// The engine's layers (its first plan's), one a line, with the precision each computes in
     /// and the workspace of those that have one, then every plan's dims and arena, for `inspect`.
     pub fn describe(&self) -> String {
-        let elem = crate::engine::Precision::name(self.config.precision.elem());
         let mut out = String::new();
         for (i, l) in self.plan.layers.iter().enumerate() {
+            // Per-layer rules decide each layer's storage type (reformats show their reader's).
+            let elem = crate::engine::Precision::name(self.config.precision_of(&self.graph.fp32_layers, l.path()).elem());
             // A layer on 8-bit tensor cores says so in its kind.
             let p = if l.kind().split(':').next().is_some_and(|k| k.ends_with("-fp8")) {
                 "fp8".to_string()
@@ -404,39 +405,41 @@ fn plan_layouts(graph: &Graph) -> Result<(NodeLayouts, Vec<Option<LayoutPlan>>)>
     Ok((layout, plans))
 }
 
-/// Copies of values in other layouts, made once each: a second reader wanting the same layout
-/// reuses the copy, and a reader wanting a copy's original layout reads the original (a reformat
-/// pair that would cancel is never made).
+/// Copies of values in another layout or element type, made once each: a second reader wanting
+/// the same (layout, type) reuses the copy, and a reader wanting a copy's original reads the
+/// original (a reformat pair that would cancel is never made). Element types differ where nodes
+/// of different precisions meet (`BuildConfig::layer_precisions`): one kernel converts both.
 #[derive(Default)]
 struct Reformats {
-    copies: HashMap<(ValueId, Layout), ValueId>,
+    copies: HashMap<(ValueId, Layout, Elem), ValueId>,
     origin: HashMap<ValueId, ValueId>,
 }
 
 impl Reformats {
-    /// `v` in `want`, adding a reformat layer (and its lifetime) when no copy exists yet.
+    /// `v` in `want` and `elem`, adding a reformat layer (and its lifetime) when no copy exists yet.
     fn get(
         &mut self,
         ctx: &mut BuildCtx,
         v: ValueId,
-        want: Layout,
+        (want, elem): (Layout, Elem),
         layers: &mut Vec<Box<dyn Layer>>,
         touches: &mut Vec<Vec<ValueId>>,
     ) -> Result<ValueId> {
         let v = self.origin.get(&v).copied().unwrap_or(v);
         let desc = ctx.value(v).clone();
-        if desc.layout.same_bytes(want, &desc.dims) {
+        if desc.layout.same_bytes(want, &desc.dims) && desc.elem == elem {
             return Ok(v);
         }
-        if let Some(&copy) = self.copies.get(&(v, want)) {
+        if let Some(&copy) = self.copies.get(&(v, want, elem)) {
             return Ok(copy);
         }
         let copy = ValueId(ctx.values.len());
-        ctx.values.push(ValueDesc { name: format!("{}.{want:?}", desc.name), layout: want, storage: Storage::Arena, ..desc.clone() });
+        let name = if desc.elem == elem { format!("{}.{want:?}", desc.name) } else { format!("{}.{want:?}.{elem:?}", desc.name) };
+        ctx.values.push(ValueDesc { name, layout: want, elem, storage: Storage::Arena, ..desc.clone() });
         let path = ctx.node(ctx.current).path.clone();
         layers.push(kernels::reformat_layer(ctx, v, copy, &path)?);
         touches.push(vec![v, copy]);
-        self.copies.insert((v, want), copy);
+        self.copies.insert((v, want, elem), copy);
         self.origin.insert(copy, v);
         Ok(copy)
     }
@@ -506,6 +509,7 @@ fn lower_plan(
     gpu.ctx.bind_to_thread().map_err(super::gpu::cuda_err("binding the CUDA context"))?;
     let (timed_before, cached_before, log_before) = (tactics.timed, tactics.cached, tactics.log.len());
     let elem = config.precision.elem();
+    let precisions = super::node_precisions(graph, config);
     let (layouts, plans) = plan_layouts(graph)?;
     let (estimate, step_of) = estimate_arena(graph, elem.size(), config.max_batch);
     // An engine whose activations alone cannot fit is refused before any tactic is timed.
@@ -537,7 +541,7 @@ fn lower_plan(
             });
         }
         node_values[id] = Some(ValueId(values.len()));
-        values.push(ValueDesc { name: node.path.clone(), dims, elem, layout, storage: Storage::Arena });
+        values.push(ValueDesc { name: node.path.clone(), dims, elem: precisions[id].elem(), layout, storage: Storage::Arena });
     }
     let mut output_bindings = Vec::new();
     for (name, id) in &graph.outputs {
@@ -563,6 +567,7 @@ fn lower_plan(
         tactics,
         weights,
         workspace_budget: 0,
+        precisions,
     };
     // Each layer with the values it touches, for lifetimes.
     let mut layers: Vec<Box<dyn Layer>> = Vec::new();
@@ -587,11 +592,16 @@ fn lower_plan(
         ctx.workspace_budget = step_of[id].map_or(0, |s| estimate.peak.saturating_sub(estimate.live[s]));
         ctx.scratch.clear();
         ctx.prologue_scratch.clear();
+        // Each activation input in the layout the op asks for and the node's own element type.
+        let elem = ctx.elem();
         let mut inputs = Vec::with_capacity(node.inputs.len());
         for (k, &j) in node.inputs.iter().enumerate() {
-            inputs.push(match (ctx.node_values[j], plan.inputs.get(k).copied().flatten()) {
-                (Some(v), Some(want)) => Some(reformats.get(&mut ctx, v, want, &mut layers, &mut touches)?),
-                (v, _) => v,
+            inputs.push(match ctx.node_values[j] {
+                Some(v) => {
+                    let want = plan.inputs.get(k).copied().flatten().unwrap_or(ctx.value(v).layout);
+                    Some(reformats.get(&mut ctx, v, (want, elem), &mut layers, &mut touches)?)
+                }
+                None => None,
             });
         }
         ctx.current_inputs = inputs;

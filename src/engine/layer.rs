@@ -21,7 +21,7 @@ use std::sync::Arc;
 pub struct ValueId(pub usize);
 
 /// Element type in device memory.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Elem {
     F32,
     F16,
@@ -370,15 +370,18 @@ pub struct BuildCtx<'a> {
     pub(crate) workspace_budget: usize,
     /// The engine's uploaded weights, shared by its plans (losing tactic candidates free theirs).
     pub(crate) weights: &'a WeightStore,
+    /// Each node's precision (`engine::node_precisions`): the engine's unless a per-layer rule says otherwise.
+    pub(crate) precisions: Vec<Precision>,
 }
 
 impl<'a> BuildCtx<'a> {
+    /// The precision of the node being converted: the engine's, or its per-layer rule's.
     pub fn precision(&self) -> Precision {
-        self.config.precision
+        self.precisions.get(self.current).copied().unwrap_or(self.config.precision)
     }
-    /// The element type of activations and weights.
+    /// The element type of the node being converted's activations and weights.
     pub fn elem(&self) -> Elem {
-        self.config.precision.elem()
+        self.precision().elem()
     }
     pub fn node(&self, id: NodeId) -> &'a Node {
         &self.graph.nodes[id]

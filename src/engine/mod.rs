@@ -74,6 +74,20 @@ impl Precision {
         }
     }
 
+    /// Parses a precision name as the CLI writes it (`fp32`, `tf32`, `fp16`, `int8`, `fp8`,
+    /// `best`; any case).
+    pub fn parse(name: &str) -> Option<Self> {
+        Some(match name.to_ascii_lowercase().as_str() {
+            "fp32" => Precision::Fp32,
+            "tf32" => Precision::Tf32,
+            "fp16" => Precision::Fp16,
+            "int8" => Precision::Int8,
+            "fp8" => Precision::Fp8,
+            "best" => Precision::Best,
+            _ => return None,
+        })
+    }
+
     /// The 8-bit format this precision quantises to (`None`: not a quantised precision).
     pub fn quant_format(self) -> Option<crate::graph::QuantFormat> {
         match self {
@@ -82,6 +96,102 @@ impl Precision {
             Precision::Fp32 | Precision::Tf32 | Precision::Fp16 => None,
         }
     }
+}
+
+/// One per-layer precision rule, TensorRT's `--layerPrecisions` with `--precisionConstraints=obey`:
+/// the nodes whose module path matches `pattern` compute in `precision` (weights and activations
+/// stored in its type) whatever the engine's precision. A pattern matches a path when it matches
+/// the whole path or one of its ancestors (`model.22` covers `model.22.dfl.conv`); `*` matches any
+/// run of characters, dots included, and `?` one character. The last matching rule wins.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerPrecision {
+    pub pattern: String,
+    pub precision: Precision,
+}
+
+/// The flag whose syntax [`LayerPrecision::parse_list`] reads, named in its errors.
+pub const LAYER_PRECISIONS_FLAG: &str = "--layer-precisions";
+
+impl LayerPrecision {
+    pub fn new(pattern: impl Into<String>, precision: Precision) -> Self {
+        Self { pattern: pattern.into(), precision }
+    }
+
+    /// Parses `pattern:precision[,pattern:precision...]` (`model.22.*:fp32,stem:fp32`), as
+    /// trtexec's `--layerPrecisions`. Precisions are `fp32`, `tf32` and `fp16`; the pattern is what
+    /// comes before the last `:`. Errors are `Error::Flag` naming `--layer-precisions`.
+    pub fn parse_list(spec: &str) -> Result<Vec<Self>> {
+        let bad = |reason: String| Error::Flag { flag: LAYER_PRECISIONS_FLAG.into(), reason };
+        let mut rules = Vec::new();
+        for item in spec.split(',').map(str::trim) {
+            let Some((pattern, name)) = item.rsplit_once(':') else {
+                return Err(bad(format!("`{item}` is not `pattern:precision` (e.g. `model.22.*:fp32`)")));
+            };
+            let pattern = pattern.trim();
+            if pattern.is_empty() {
+                return Err(bad(format!("`{item}` has an empty module-path pattern (`*` matches every layer)")));
+            }
+            let precision = Precision::parse(name.trim())
+                .ok_or_else(|| bad(format!("`{item}`: unknown precision `{}` (expected fp32, tf32 or fp16)", name.trim())))?;
+            let rule = Self::new(pattern, precision);
+            rule.check().map_err(bad)?;
+            rules.push(rule);
+        }
+        Ok(rules)
+    }
+
+    /// Only storage precisions can be asked per layer: an 8-bit layer needs calibration scales.
+    fn check(&self) -> std::result::Result<(), String> {
+        match self.precision {
+            Precision::Fp32 | Precision::Tf32 | Precision::Fp16 => Ok(()),
+            p => Err(format!("`{}:{}`: per-layer {p:?} is not supported (use fp32, tf32 or fp16)", self.pattern, p.short_name())),
+        }
+    }
+
+    /// Whether the rule covers the node at `path` (the path itself or one of its ancestors).
+    pub fn matches(&self, path: &str) -> bool {
+        let ancestors = path.match_indices('.').map(|(i, _)| &path[..i]);
+        ancestors.chain(std::iter::once(path)).any(|p| glob_match(&self.pattern, p))
+    }
+}
+
+impl Precision {
+    /// `fp32`, `tf32`, `fp16`, `int8`, `fp8`, `best`: the name `parse` reads.
+    pub fn short_name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Tf32 => "tf32",
+            Precision::Fp16 => "fp16",
+            Precision::Int8 => "int8",
+            Precision::Fp8 => "fp8",
+            Precision::Best => "best",
+        }
+    }
+}
+
+/// Whether `text` matches the glob `pattern` as a whole: `*` any run of characters (dots too),
+/// `?` exactly one; everything else literally.
+pub fn glob_match(pattern: &str, text: &str) -> bool {
+    let (p, t): (Vec<char>, Vec<char>) = (pattern.chars().collect(), text.chars().collect());
+    // The classic two-pointer match with backtracking to the last `*` (linear in practice).
+    let (mut i, mut j, mut star, mut mark) = (0, 0, None, 0);
+    while j < t.len() {
+        if i < p.len() && (p[i] == '?' || p[i] == t[j]) {
+            i += 1;
+            j += 1;
+        } else if i < p.len() && p[i] == '*' {
+            star = Some(i);
+            mark = j;
+            i += 1;
+        } else if let Some(s) = star {
+            i = s + 1;
+            mark += 1;
+            j = mark;
+        } else {
+            return false;
+        }
+    }
+    p[i..].iter().all(|&c| c == '*')
 }
 
 /// What the builder is asked for. Any batch in `[min_batch, max_batch]` runs from one engine;
@@ -122,6 +232,11 @@ pub struct BuildConfig {
     /// 490 MiB more arena).
     #[serde(default)]
     pub fastest_tactics: bool,
+    /// Per-layer precisions (`--layer-precisions`), applied after the graph's own
+    /// (`Graph::fp32_layers`); the last matching rule wins. Engines built before these existed
+    /// read as having none.
+    #[serde(default)]
+    pub layer_precisions: Vec<LayerPrecision>,
 }
 
 /// The per-image dims (PyTorch order, without the batch) one input accepts: every dim in
@@ -164,6 +279,7 @@ impl Default for BuildConfig {
             calibration_cache: None,
             profiles: Vec::new(),
             fastest_tactics: false,
+            layer_precisions: Vec::new(),
         }
     }
 }
@@ -203,6 +319,24 @@ impl BuildConfig {
         self.timing_cache = Some(path.into());
         self
     }
+    /// Adds a per-layer precision rule (see [`LayerPrecision`]): `.layer_precision("model.22.*", Precision::Fp32)`.
+    pub fn layer_precision(mut self, pattern: &str, precision: Precision) -> Self {
+        self.layer_precisions.push(LayerPrecision::new(pattern, precision));
+        self
+    }
+    pub fn layer_precisions(mut self, rules: impl IntoIterator<Item = LayerPrecision>) -> Self {
+        self.layer_precisions.extend(rules);
+        self
+    }
+
+    /// The precision a node at `path` computes in: the last rule of `graph_fp32` (patterns the
+    /// graph requires in FP32) then of `layer_precisions` that matches, else the engine's.
+    pub fn precision_of(&self, graph_fp32: &[String], path: &str) -> Precision {
+        let model = graph_fp32.iter().filter(|p| LayerPrecision::new(p.as_str(), Precision::Fp32).matches(path)).map(|_| Precision::Fp32);
+        let user = self.layer_precisions.iter().filter(|r| r.matches(path)).map(|r| r.precision);
+        // An 8-bit engine's rules apply to the layers it does not quantise, which run in FP16.
+        model.chain(user).last().unwrap_or(self.precision)
+    }
 
     pub(crate) fn validate(&self) -> Result<()> {
         let ok = 1 <= self.min_batch && self.min_batch <= self.opt_batch && self.opt_batch <= self.max_batch;
@@ -212,6 +346,15 @@ impl BuildConfig {
                     "batch range must satisfy 1 <= min <= opt <= max, got min {} opt {} max {}",
                     self.min_batch, self.opt_batch, self.max_batch
                 ),
+            });
+        }
+        for rule in &self.layer_precisions {
+            rule.check().map_err(|reason| Error::Flag { flag: LAYER_PRECISIONS_FLAG.into(), reason })?;
+        }
+        if !self.layer_precisions.is_empty() && self.precision.quant_format().is_some() {
+            return Err(Error::Flag {
+                flag: LAYER_PRECISIONS_FLAG.into(),
+                reason: format!("is not supported in {:?} engines yet (only in fp32, tf32 and fp16 ones)", self.precision),
             });
         }
         Ok(())
@@ -347,6 +490,22 @@ pub fn converter(op: &str) -> Result<Option<&'static Converter>> {
     }
 }
 
+/// The precision each node of an optimised graph computes in: the engine's, unless a rule of the
+/// graph (`Graph::fp32_layers`) or of the config (`BuildConfig::layer_precisions`) matches its
+/// module path. A graph input takes its first reader's, so an FP32 first layer reads the f32
+/// binding without a round trip through f16. Needs no GPU.
+pub fn node_precisions(graph: &Graph, config: &BuildConfig) -> Vec<Precision> {
+    let mut p: Vec<Precision> = graph.nodes.iter().map(|n| config.precision_of(&graph.fp32_layers, &n.path)).collect();
+    for (id, node) in graph.nodes.iter().enumerate() {
+        if matches!(node.op, Op::Input { .. }) {
+            if let Some(reader) = graph.nodes.iter().position(|m| m.inputs.contains(&id)) {
+                p[id] = p[reader];
+            }
+        }
+    }
+    p
+}
+
 /// Ops the builder handles itself rather than through a converter.
 pub(crate) fn is_structural(op: &Op) -> bool {
     op.is_leaf()
@@ -362,4 +521,122 @@ pub fn check_converters(graph: &Graph) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Conv2d, Conv2dConfig, Forward, Module, Tracer, VarBuilder};
+
+    #[test]
+    fn globs_match_whole_paths() {
+        assert!(glob_match("model.22.*", "model.22.dfl.conv"));
+        assert!(glob_match("*", ""));
+        assert!(glob_match("layer?.0.conv1", "layer3.0.conv1"));
+        assert!(glob_match("*.se.*", "trunk_output.block1.block1-0.f.se.fc1"));
+        assert!(glob_match("a*b*c", "axxbyybc"));
+        assert!(!glob_match("model.22.*", "model.22"));
+        assert!(!glob_match("layer?.conv", "layer10.conv"));
+        assert!(!glob_match("stem", "stem.0"));
+    }
+
+    #[test]
+    fn a_pattern_covers_a_path_and_what_is_under_it() {
+        let rule = LayerPrecision::new("trunk_output.block1", Precision::Fp32);
+        assert!(rule.matches("trunk_output.block1"));
+        assert!(rule.matches("trunk_output.block1.block1-0.f.a.0"));
+        assert!(!rule.matches("trunk_output.block10.x"), "ancestors end at a dot");
+        assert!(!rule.matches("trunk_output"));
+        assert!(LayerPrecision::new("*.f.a", Precision::Fp32).matches("trunk_output.block2.block2-1.f.a.0"));
+    }
+
+    #[test]
+    fn layer_precision_specs_parse_as_trtexec_writes_them() {
+        let rules = LayerPrecision::parse_list("model.22.*:fp32, stem:FP16,layer?.0:tf32").expect("valid");
+        assert_eq!(
+            rules,
+            [
+                LayerPrecision::new("model.22.*", Precision::Fp32),
+                LayerPrecision::new("stem", Precision::Fp16),
+                LayerPrecision::new("layer?.0", Precision::Tf32)
+            ]
+        );
+        // A pattern may hold a colon: the precision is after the last one.
+        assert_eq!(LayerPrecision::parse_list("a:b:fp32").expect("valid")[0].pattern, "a:b");
+        for (spec, why) in [
+            ("model.22", "not `pattern:precision`"),
+            (":fp32", "empty module-path pattern"),
+            ("stem:fp64", "unknown precision `fp64`"),
+            ("stem:int8", "per-layer Int8 is not supported"),
+            ("stem:fp32,", "not `pattern:precision`"),
+        ] {
+            let err = LayerPrecision::parse_list(spec).expect_err(spec);
+            assert!(matches!(&err, Error::Flag { flag, .. } if flag == LAYER_PRECISIONS_FLAG), "{spec}: {err:?}");
+            let text = err.to_string();
+            assert!(text.starts_with("--layer-precisions") && text.contains(why), "{spec}: {text}");
+        }
+    }
+
+    #[test]
+    fn the_last_matching_rule_decides_and_overrides_the_graphs() {
+        let config = BuildConfig::default().layer_precision("*", Precision::Fp32).layer_precision("layer4", Precision::Fp16);
+        assert_eq!(config.precision_of(&[], "layer3.0.conv1"), Precision::Fp32);
+        assert_eq!(config.precision_of(&[], "layer4.1.conv2"), Precision::Fp16);
+        let plain = BuildConfig::default();
+        let graph_fp32 = ["head.decode".to_string()];
+        assert_eq!(plain.precision_of(&graph_fp32, "head.decode.add"), Precision::Fp32);
+        assert_eq!(plain.precision_of(&graph_fp32, "head.cls"), Precision::Fp16);
+        let user = BuildConfig::default().layer_precision("head.*", Precision::Fp16);
+        assert_eq!(user.precision_of(&graph_fp32, "head.decode.add"), Precision::Fp16, "the user's rule comes last");
+    }
+
+    #[test]
+    fn rules_are_checked_with_the_config() {
+        let int8 = BuildConfig::default().precision(Precision::Int8).layer_precision("fc", Precision::Fp32);
+        let err = int8.validate().expect_err("per-layer rules in an INT8 engine");
+        assert!(err.to_string().starts_with("--layer-precisions"), "{err}");
+        let bad = BuildConfig::default().layer_precision("fc", Precision::Fp8);
+        assert!(bad.validate().is_err());
+        BuildConfig::default().layer_precision("fc", Precision::Fp32).validate().expect("fp32 in fp16");
+    }
+
+    #[test]
+    fn engine_files_without_rules_still_read() {
+        let config = BuildConfig::default().layer_precision("fc", Precision::Fp32);
+        let json = serde_json::to_value(&config).expect("json");
+        assert_eq!(serde_json::from_value::<BuildConfig>(json.clone()).expect("round trip"), config);
+        let mut old = json;
+        old.as_object_mut().expect("object").remove("layer_precisions");
+        assert_eq!(serde_json::from_value::<BuildConfig>(old).expect("an older engine's config").layer_precisions, []);
+    }
+
+    /// A conv, a ReLU and a second conv: each node gets its rule's precision, the input its
+    /// first reader's, and the passes keep the graph's own FP32 patterns.
+    #[test]
+    fn nodes_lower_in_their_rules_precision() {
+        let tracer = Tracer::new();
+        let x = tracer.input("input", &[1, 3, 8, 8]);
+        let vb = VarBuilder::seeded();
+        let y = Conv2d::load(vb.pp("stem"), &Conv2dConfig::new(3, 8, 3).padding(1)).and_then(|c| c.forward(&x)).expect("stem");
+        let y = y.relu().expect("relu");
+        let y = Conv2d::load(vb.pp("head.conv"), &Conv2dConfig::new(8, 4, 1)).and_then(|c| c.forward(&y)).expect("head");
+        tracer.output("y", &y.sigmoid().expect("sigmoid"));
+        tracer.require_fp32("head.sigmoid");
+        let graph = crate::passes::optimize(&tracer.graph()).expect("passes");
+        assert_eq!(graph.fp32_layers, ["head.sigmoid"], "the passes keep the graph's rules");
+        let of = |config: &BuildConfig| -> Vec<(String, Precision)> {
+            let p = node_precisions(&graph, config);
+            graph.nodes.iter().zip(p).filter(|(n, _)| !matches!(n.op, Op::Weight { .. })).map(|(n, p)| (n.path.clone(), p)).collect()
+        };
+        let fp16 = BuildConfig::default();
+        let mixed = fp16.clone().layer_precision("stem", Precision::Fp32);
+        // The ReLU is fused into the stem's conv, which keeps the conv's path.
+        let paths: Vec<String> = of(&fp16).into_iter().map(|(p, _)| p).collect();
+        assert_eq!(paths, ["input", "stem", "head.conv", "head.sigmoid"]);
+        use Precision::{Fp16, Fp32};
+        assert_eq!(of(&fp16).into_iter().map(|(_, p)| p).collect::<Vec<_>>(), [Fp16, Fp16, Fp16, Fp32]);
+        assert_eq!(of(&mixed).into_iter().map(|(_, p)| p).collect::<Vec<_>>(), [Fp32, Fp32, Fp16, Fp32]);
+        let all32 = BuildConfig::default().precision(Precision::Fp32).layer_precision("head", Precision::Fp16);
+        assert_eq!(of(&all32).into_iter().map(|(_, p)| p).collect::<Vec<_>>(), [Fp32, Fp32, Fp16, Fp16]);
+    }
 }

@@ -69,6 +69,15 @@ pub const WORKSPACE_FLOOR: usize = 8 << 20;
 
 pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Layer>>) -> Result<Box<dyn Layer>> {
     let node = ctx.current;
+    // A layer in another precision than the engine's (a per-layer rule) is another problem: its
+    // timings and its cache entry are its own.
+    let tagged;
+    let key = if ctx.precision() != ctx.config.precision {
+        tagged = format!("{key} @{}", ctx.precision().short_name());
+        tagged.as_str()
+    } else {
+        key
+    };
     let rkey = format!("{}|{key}", ctx.node(node).path);
     if candidates.is_empty() {
         return Err(ctx.err(node, format!("no candidate layer for {key}")));

@@ -390,6 +390,9 @@ impl EngineArgs {
         if let Some(cal) = &self.calibration_cache {
             c = c.calibration_cache(cal.clone());
         }
+        if let Some(rules) = &self.layer_precisions {
+            c = c.layer_precisions(rules.0.iter().cloned());
+        }
         c
     }
 }

@@ -236,6 +236,18 @@ pub struct EngineArgs {
     /// Timing cache file: read before timing algorithms, written after, so rebuilds are fast.
     #[arg(long, value_name = "FILE")]
     pub timing_cache: Option<PathBuf>,
+    /// Per-layer precisions, trtexec's --layerPrecisions (obeyed): `pattern:fp32|tf32|fp16,...`;
+    /// a pattern is a module path or glob (`*`, `?`) and covers what is under it; the last match wins.
+    #[arg(long, value_name = "PATTERN:PREC,...", value_parser = layer_precisions_parser)]
+    pub layer_precisions: Option<LayerPrecisions>,
+}
+
+/// A `--layer-precisions` value.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerPrecisions(pub Vec<kiln::engine::LayerPrecision>);
+
+fn layer_precisions_parser(value: &str) -> Result<LayerPrecisions, String> {
+    kiln::engine::LayerPrecision::parse_list(value).map(LayerPrecisions).map_err(|e| e.to_string())
 }
 
 #[derive(Args, Debug)]
