@@ -405,8 +405,13 @@ fn mixed_precision_resnet18_matches_pytorch() {
             }
             if what == "mixed" {
                 println!("{describe}");
-                let line =
-                    |path: &str| describe.lines().find(|l| l.ends_with(path) && !l.contains("kernel:cast")).unwrap_or("").to_string();
+                let line = |path: &str| {
+                    describe
+                        .lines()
+                        .find(|l| l.split_whitespace().any(|w| w == path) && !l.contains("kernel:cast"))
+                        .unwrap_or("")
+                        .to_string()
+                };
                 assert!(line("layer2.1.conv2").contains("fp16"), "layer2 must stay FP16: {}", line("layer2.1.conv2"));
                 assert!(line("layer3.0.conv1").contains("fp32"), "layer3 must be FP32: {}", line("layer3.0.conv1"));
                 assert!(line("fc").contains("fp32"), "fc must be FP32: {}", line("fc"));

@@ -13,6 +13,7 @@ use crate::{Error, Result};
 use cudarc::cudnn::sys as dnn;
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 fn check(status: dnn::cudnnStatus_t, what: &str) -> Result<()> {
@@ -261,7 +262,9 @@ pub struct ConvLayer {
     shared: Arc<ConvShared>,
     algo: dnn::cudnnConvolutionFwdAlgo_t,
     mode: Mode,
-    workspace: usize,
+    /// The workspace of the largest need seen: at the max batch when made, then at every batch
+    /// `prepare` saw (cuDNN's need is not monotonic in the batch).
+    workspace: AtomicUsize,
     pad: Option<Arc<PadStep>>,
     /// Runs the batch in slices of at most this many images, so the workspace (which grows with
     /// the batch) fits the arena's room at this layer.
@@ -313,7 +316,14 @@ impl Layer for ConvLayer {
         format!("{pad}{m}:{}{split}", algo_name(self.algo))
     }
     fn workspace_bytes(&self, _batch: usize) -> usize {
-        self.workspace
+        self.workspace.load(Ordering::Relaxed)
+    }
+    fn prepare(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        let slice = self.split.unwrap_or(batch).min(batch).max(1);
+        if let Some(ws) = workspace_query(rt.handles.cudnn, &self.shared, self.algo, slice)? {
+            self.workspace.fetch_max(ws, Ordering::Relaxed);
+        }
+        Ok(())
     }
     fn overwrites(&self) -> Option<(ValueId, ValueId)> {
         // The fused call adds z in its epilogue, element by element; the separate calls accumulate
@@ -359,7 +369,7 @@ impl ConvLayer {
         let d = s.descs(batch)?;
         let h = rt.handles.cudnn;
         let (x, y) = (x as *const c_void, y as *mut c_void);
-        let (ws, ws_len) = (rt.workspace as *mut c_void, self.workspace.min(rt.workspace_bytes));
+        let (ws, ws_len) = (rt.workspace as *mut c_void, rt.workspace_bytes);
         let one = 1f32;
         let zero = 0f32;
         let p = |v: &f32| v as *const f32 as *const c_void;
@@ -535,8 +545,10 @@ fn fwd_layers(ctx: &BuildCtx, shared: &Arc<ConvShared>, pad: Option<Arc<PadStep>
         let fused_ok = shared.relu || algo == dnn::cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM;
         let mut add = |workspace: usize, split: Option<usize>| {
             if fused_ok {
+                let workspace = AtomicUsize::new(workspace);
                 out.push(Box::new(ConvLayer { shared: shared.clone(), algo, mode: Mode::Fused, workspace, pad: pad.clone(), split }));
             }
+            let workspace = AtomicUsize::new(workspace);
             out.push(Box::new(ConvLayer { shared: shared.clone(), algo, mode: Mode::Separate, workspace, pad: pad.clone(), split }));
         };
         add(ws, None);
@@ -559,19 +571,20 @@ fn fwd_layers(ctx: &BuildCtx, shared: &Arc<ConvShared>, pad: Option<Arc<PadStep>
 
 /// The workspace `algo` needs for `batch` images, or `None` where cuDNN does not support it.
 fn fwd_workspace(ctx: &BuildCtx, shared: &ConvShared, algo: dnn::cudnnConvolutionFwdAlgo_t, batch: usize) -> Result<Option<usize>> {
+    workspace_query(ctx.gpu.handles.cudnn, shared, algo, batch)
+}
+
+fn workspace_query(
+    handle: dnn::cudnnHandle_t,
+    shared: &ConvShared,
+    algo: dnn::cudnnConvolutionFwdAlgo_t,
+    batch: usize,
+) -> Result<Option<usize>> {
     let d = shared.descs(batch)?;
     let mut ws = 0usize;
     // SAFETY: the handle and descriptors are live; `ws` outlives the call.
     let st = unsafe {
-        dnn::cudnnGetConvolutionForwardWorkspaceSize(
-            ctx.gpu.handles.cudnn,
-            d.x.raw,
-            shared.filter.raw,
-            shared.conv.raw,
-            d.y.raw,
-            algo,
-            &mut ws,
-        )
+        dnn::cudnnGetConvolutionForwardWorkspaceSize(handle, d.x.raw, shared.filter.raw, shared.conv.raw, d.y.raw, algo, &mut ws)
     };
     Ok(st.result().is_ok().then_some(ws))
 }
@@ -627,7 +640,7 @@ impl Layer for DeconvLayer {
                     s.conv.raw,
                     self.algo,
                     rt.workspace as *mut c_void,
-                    self.workspace.min(rt.workspace_bytes),
+                    rt.workspace_bytes,
                     p(&zero),
                     d.x.raw,
                     out,
