@@ -316,12 +316,15 @@ fn decode_every_selection_path_matches_the_cpu_reference() {
     let Some(gpu) = gpu() else { return };
     // Plateaus of one logit make every position a peak with the same score, so the order is the
     // index alone: [1, 8, 64, 64] flat leaves 32768 candidates (radix select over the list),
-    // [1, 80, 128, 128] flat 1.3M (over the whole map); a map with a few peaks over a flat
-    // floor has fewer than k logit peaks on some images (the unfiltered collect). CenterNet's
+    // [1, 80, 128, 128] flat 1.3M (over the whole map); a few spikes on a ramp leave fewer than
+    // k logit peaks (the unfiltered collect, where suppressed positions' zeros rank). CenterNet's
     // size at batch 32 checks the batch-sized grid (strips of 16 rows) against batch 1's
     // (strips of 1 row), and C = 7 the scalar (unvectorized) sweeps.
     let few_peaks = |shape: &[usize]| {
-        let mut t = HostTensor::new(shape.to_vec(), vec![-3.0; shape.iter().product()]);
+        // A ramp along each plane (one peak per class at its end) with a few spikes.
+        let plane = shape[2] * shape[3];
+        let ramp = (0..shape.iter().product::<usize>()).map(|i| -3.0 + 0.001 * (i % plane) as f32).collect();
+        let mut t = HostTensor::new(shape.to_vec(), ramp);
         for (i, v) in t.data.iter_mut().enumerate().step_by(997) {
             *v = (i % 13) as f32 * 0.25;
         }

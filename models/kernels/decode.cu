@@ -10,8 +10,8 @@
 //   decode_hist_*:    one pass over hm, fully parallel (thread = one pixel column of 8 or 4
 //                     channels over a strip of rows, the 3x3 max rolled down the strip in
 //                     registers): a histogram of the logits of the "logit peaks" (logit == its
-//                     3x3 max), 4096 bins on the top 12 bits of the value as f16, and each
-//                     warp's largest logit;
+//                     3x3 max), 8192 bins on the top 13 bits of the value as f16 (128 bins an
+//                     octave), and each warp's largest logit;
 //   decode_threshold: per image, the bin holding the K-th largest logit peak gives a score S no
 //                     larger than the K-th best key's (logit peaks are peaks, the sigmoid is
 //                     monotone), and x_min, the smallest logit whose sigmoid reaches S;
@@ -25,7 +25,8 @@
 // peaks plus the K lowest indices, which is exact; a list longer than DEC_CAP (huge plateaus of
 // equal scores) is selected by radix passes over the whole map, exact but slow.
 
-#define DEC_BINS 4096
+#define DEC_BINS 8192
+#define DEC_BIN_SHIFT 3
 #define DEC_THREADS 256
 #define DEC_WARPS (DEC_THREADS / 32)
 #define DEC_CAP 65536
@@ -86,7 +87,7 @@ template <typename T> __device__ __forceinline__ u64 element_key(const T* x, i64
 
 // ---- the two sweeps over hm ------------------------------------------------------------------
 
-// Histogram bin of a logit: the top 12 bits of its f16 value in an order-preserving code (f16
+// Histogram bin of a logit: the top 13 bits of its f16 value in an order-preserving code (f16
 // rounding is monotone, so bins order like the logits in f32 and f16 engines alike).
 __device__ __forceinline__ unsigned half_code(float x) {
     const unsigned b = from_f32<f16>(x).bits;
@@ -172,7 +173,7 @@ struct HistVisit {
     __device__ __forceinline__ void operator()(int, int, float logit, float top) {
         max = fmaxf(max, logit);
         if (logit == top) {
-            const unsigned b = half_code(logit) >> 4;
+            const unsigned b = half_code(logit) >> DEC_BIN_SHIFT;
             if (b != run_bin) {
                 if (run) atomicAdd(&bins[run_bin], run);
                 run_bin = b;
@@ -269,22 +270,25 @@ template <typename T, int V> __device__ void decode_collect(const T* hm, int H, 
 
 // ---- per-image threshold and final selection -------------------------------------------------
 
-// hist: [N, DEC_BINS]; meta: [N, 4]. Launch: grid N, block 1024 (DEC_BINS / 4 threads).
+// hist: [N, DEC_BINS]. Launch: grid N, any block.
 extern "C" __global__ void decode_clear(unsigned* hist) {
     unsigned* h = hist + (i64)blockIdx.x * DEC_BINS;
     for (int i = threadIdx.x; i < DEC_BINS; i += blockDim.x) h[i] = 0;
 }
 
-extern "C" __global__ void decode_threshold(const unsigned* hist, int K, unsigned* meta) {
+// hist: [N, DEC_BINS]; meta: [N, 4]. Launch: grid N, block 1024 (each thread GROUP bins).
+#define DEC_GROUP (DEC_BINS / 1024)
+extern "C" __global__ void __launch_bounds__(1024) decode_threshold(const unsigned* hist, int K, unsigned* meta) {
     __shared__ unsigned sfx[1024];
     __shared__ int bin;
     const unsigned* h = hist + (i64)blockIdx.x * DEC_BINS;
     const int t = threadIdx.x;
-    const unsigned local = h[4 * t] + h[4 * t + 1] + h[4 * t + 2] + h[4 * t + 3];
+    unsigned local = 0;
+    for (int j = 0; j < DEC_GROUP; ++j) local += h[DEC_GROUP * t + j];
     sfx[t] = local;
     if (t == 0) bin = -1;
     __syncthreads();
-    // Suffix sums over the threads' 4-bin groups (Hillis-Steele, from the top).
+    // Suffix sums over the threads' groups of bins (Hillis-Steele, from the top).
     for (int off = 1; off < 1024; off <<= 1) {
         const unsigned v = sfx[t] + (t + off < 1024 ? sfx[t + off] : 0u);
         __syncthreads();
@@ -294,7 +298,7 @@ extern "C" __global__ void decode_threshold(const unsigned* hist, int K, unsigne
     const unsigned above = sfx[t] - local;
     if (above < (unsigned)K && sfx[t] >= (unsigned)K) {
         unsigned acc = above;
-        for (int j = 4 * t + 3; j >= 4 * t; --j) {
+        for (int j = DEC_GROUP * t + DEC_GROUP - 1; j >= DEC_GROUP * t; --j) {
             acc += h[j];
             if (acc >= (unsigned)K) {
                 bin = j;
@@ -310,7 +314,7 @@ extern "C" __global__ void decode_threshold(const unsigned* hist, int K, unsigne
     if (bin >= 0) {
         // At least K logit peaks round (as f16) to bin's values or above, so each exceeds the
         // f16 value just below the bin, L, and scores at least S = sigmoid(L).
-        const unsigned lowest = (unsigned)bin << 4;
+        const unsigned lowest = (unsigned)bin << DEC_BIN_SHIFT;
         const float L = lowest > 0 ? code_half(lowest - 1) : neg_inf();
         const float S = sigmoid(L);
         if (S > 0.f) {
@@ -341,7 +345,9 @@ template <typename T> struct MapSource {
     __device__ __forceinline__ u64 operator()(i64 e) const { return element_key(x, e, H, W, C); }
 };
 
-// The K-th largest of len distinct keys (K <= len), by 8-bit MSD radix passes. All threads.
+// A key no larger than the K-th largest of len distinct keys (K <= len) and larger than the
+// (K+1)-th, by 8-bit MSD radix passes, stopping once the chosen prefix holds only winners. All
+// threads of the block take part.
 template <typename Src> __device__ u64 radix_kth(const Src& src, i64 len, int K, unsigned* sfx, unsigned* pick) {
     u64 prefix = 0, mask = 0;
     unsigned rem = (unsigned)K;
@@ -364,17 +370,22 @@ template <typename Src> __device__ u64 radix_kth(const Src& src, i64 len, int K,
         if (t < 256 && sfx[t] - local < rem && sfx[t] >= rem) {
             pick[0] = (unsigned)t;
             pick[1] = rem - (sfx[t] - local);
+            pick[2] = local;
         }
         __syncthreads();
         prefix |= (u64)pick[0] << shift;
         mask |= (u64)255 << shift;
         rem = pick[1];
+        const bool whole = pick[2] == rem;
         __syncthreads();
+        // Every key of the chosen prefix ranks: the K-th is the smallest of them, and the keys
+        // >= prefix (lower bits 0) are exactly the K best. Uniform across the block.
+        if (whole) break;
     }
     return prefix;
 }
 
-// Keys >= kth of the source into s[0, K) (exactly K: keys are distinct). s is zeroed first.
+// Keys >= kth of the source into s[0, K) (exactly K, by radix_kth). s is zeroed first.
 template <typename Src> __device__ void gather_top(const Src& src, i64 len, u64 kth, u64* s, int m, unsigned* got) {
     for (int i = threadIdx.x; i < m; i += blockDim.x) s[i] = 0;
     if (threadIdx.x == 0) *got = 0;
@@ -395,7 +406,7 @@ template <typename T, typename Out>
 __device__ void decode_final(const T* hm, const T* wh, const T* reg, int H, int W, int C, int K, const unsigned* meta, const u64* cand, Out* out) {
     __shared__ u64 s[DEC_SORT];
     __shared__ unsigned sfx[256];
-    __shared__ unsigned pick[2];
+    __shared__ unsigned pick[3];
     const int n = blockIdx.x;
     const unsigned count = meta[(i64)n * 4 + 2];
     const u64* list = cand + (i64)n * DEC_CAP;

@@ -308,7 +308,7 @@ mod gpu {
 
     /// Constants of decode.cu: histogram bins, sweep block size, candidate list per image, keys
     /// sorted in shared memory, threads of the per-image kernels.
-    const BINS: usize = 4096;
+    const BINS: usize = 8192;
     const THREADS: usize = 256;
     const WARPS: usize = THREADS / 32;
     const CAP: usize = 65536;
@@ -371,7 +371,7 @@ mod gpu {
             let k = KArg::I32(self.k as i32);
             let hm_ptr = rt.ptr(self.hm);
             // 16-byte loads need whole packs per pixel and an aligned map.
-            let vec = c % self.pack == 0 && hm_ptr % 16 == 0;
+            let vec = c.is_multiple_of(self.pack) && hm_ptr.is_multiple_of(16);
             let (v, which) = if vec { (self.pack, 1) } else { (1, 0) };
             let (grid, r) = sweep_grid(self.hwc, v, batch, self.sm_count as usize);
             let dims = [KArg::Ptr(hm_ptr), KArg::I32(h as i32), KArg::I32(w as i32), KArg::I32(c as i32)];
