@@ -229,7 +229,8 @@ fn decode_agreement(gpu: &Arc<Gpu>, precision: Precision, hm: &HostTensor, wh: &
     let graph = tracer.graph();
     let max_batch = hm.shape[0].max(3);
     let config = BuildConfig::default().precision(precision).batch(1, max_batch, max_batch).cuda_graphs(false);
-    let engine = EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph).unwrap_or_else(|e| panic!("build ({precision:?}): {e}"));
+    let engine =
+        Arc::new(EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph).unwrap_or_else(|e| panic!("build ({precision:?}): {e}")));
     let mut ctx = engine.context().expect("context");
     let bound = [("hm", hm), ("wh", wh), ("reg", reg)];
     let want = &kiln::cpu::run(&graph, &bound).expect("cpu decode")["det"];
