@@ -22,12 +22,14 @@ pub const DECODE_CU: &str = include_str!("../kernels/decode.cu");
 
 /// Every entry point the decode layer launches (checked against `DECODE_CU` by the NVRTC test).
 pub fn decode_entry_points() -> Vec<String> {
-    let mut names = vec!["decode_threshold".to_string(), "decode_merge".to_string()];
+    let mut names = vec!["decode_clear".to_string(), "decode_threshold".to_string()];
     for t in ["f32", "f16"] {
-        names.push(format!("decode_select_{t}"));
-        names.push(format!("decode_tile_max_{t}"));
+        for v in ["", "_vec"] {
+            names.push(format!("decode_hist_{t}{v}"));
+            names.push(format!("decode_collect_{t}{v}"));
+        }
         for o in ["f32", "f16"] {
-            names.push(format!("decode_boxes_{t}_{o}"));
+            names.push(format!("decode_final_{t}_{o}"));
         }
     }
     names
@@ -299,40 +301,55 @@ mod tests {
 
 mod gpu {
     use super::k_attr;
-    use kiln::engine::kernel_layers::{grid_for, launch, CudaFunction, KArg};
+    use kiln::engine::kernel_layers::{launch, CudaFunction, KArg};
     use kiln::engine::{BuildCtx, Elem, Layer, RunCtx, ValueId};
     use kiln::graph::{NodeId, Op};
     use kiln::Result;
 
-    /// Keys a block sorts at once and its threads (`SEL_TILE`, `SEL_THREADS` in decode.cu).
-    const TILE: usize = 4096;
-    const THREADS: u32 = 1024;
+    /// Constants of decode.cu: histogram bins, sweep block size, candidate list per image, keys
+    /// sorted in shared memory, threads of the per-image kernels.
+    const BINS: usize = 8192;
+    const THREADS: usize = 256;
+    const WARPS: usize = THREADS / 32;
+    const CAP: usize = 65536;
+    const SORT: usize = 4096;
+    const FINAL_THREADS: u32 = 1024;
 
-    /// Selection passes of the decode for a heatmap of `candidates` elements per image: the
-    /// first pass leaves `ceil(candidates / TILE)` lists of `k` keys, each merge pass cuts the
-    /// list by TILE / k, until one tile is left.
-    fn tiles(candidates: usize) -> usize {
-        candidates.div_ceil(TILE)
+    /// The sweeps' grid: `(column blocks, strips, images)` and the strip height `R`. A thread
+    /// walks one pixel column of `v` channels down `R` rows; `R` shrinks (to 1) until the grid
+    /// fills the GPU (8 blocks of 256 threads per SM), so batch 1 gets as many blocks as rows.
+    pub(super) fn sweep_grid(hwc: [usize; 3], v: usize, batch: usize, sm_count: usize) -> ((u32, u32, u32), usize) {
+        let [h, w, c] = hwc;
+        let xb = (w * (c / v)).div_ceil(THREADS);
+        let mut r = 16;
+        while r > 1 && xb * h.div_ceil(r) * batch < 8 * sm_count {
+            r /= 2;
+        }
+        ((xb as u32, h.div_ceil(r) as u32, batch as u32), r)
     }
 
     pub struct DecodeLayer {
         path: String,
-        select: CudaFunction,
-        tile_max: CudaFunction,
+        clear: CudaFunction,
         threshold: CudaFunction,
-        merge: CudaFunction,
-        boxes: CudaFunction,
+        /// Scalar and 16-byte-vector variants of the two sweeps.
+        hist: [CudaFunction; 2],
+        collect: [CudaFunction; 2],
+        fin: CudaFunction,
         hm: ValueId,
         wh: ValueId,
         reg: ValueId,
         out: ValueId,
-        /// Ping-pong key lists of the selection passes.
-        keys: [ValueId; 2],
-        /// Per-tile lower bounds of the largest key and the per-image threshold of the pre-filter.
-        maxima: ValueId,
-        thr: ValueId,
+        /// Per image: the logit-peak histogram, each sweep warp's largest logit, the threshold
+        /// and candidate count, the candidate keys.
+        hist_buf: ValueId,
+        warp_max: ValueId,
+        meta: ValueId,
+        cand: ValueId,
         /// H, W, C of the heatmap.
         hwc: [usize; 3],
+        /// Channels per 16-byte load.
+        pack: usize,
         k: usize,
         sm_count: u32,
     }
@@ -346,40 +363,38 @@ mod gpu {
         }
         fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
             let [h, w, c] = self.hwc;
-            // Images are the grid's y dimension.
+            // Images are the grid's z dimension (sweeps) or x dimension (per-image kernels).
             let n = u32::try_from(batch).ok().filter(|&b| b <= 65535).ok_or_else(|| kiln::Error::Binding {
                 name: self.path.clone(),
                 reason: format!("batch {batch} exceeds the decode's grid limit of 65535 images"),
             })?;
-            let k = self.k as i32;
-            let mut t = tiles(h * w * c);
-            let hm = [KArg::Ptr(rt.ptr(self.hm)), KArg::I32(h as i32), KArg::I32(w as i32), KArg::I32(c as i32)];
-            let (maxima, thr) = (KArg::Ptr(rt.ptr(self.maxima)), KArg::Ptr(rt.ptr(self.thr)));
-            // Pre-filter: a per-image threshold from lower bounds of the tiles' best keys, so the
-            // selection scores peaks and sorts keys only at or above it (decode.cu).
-            launch(rt, &self.tile_max, (t as u32, n, 1), (THREADS, 1, 1), 0, &[&hm[..], &[maxima]].concat())?;
-            launch(rt, &self.threshold, (n, 1, 1), (THREADS, 1, 1), 0, &[maxima, KArg::I32(t as i32), KArg::I32(k), thr])?;
-            let sel = [&hm[..], &[KArg::I32(k), thr, KArg::Ptr(rt.ptr(self.keys[0]))]].concat();
-            launch(rt, &self.select, (t as u32, n, 1), (THREADS, 1, 1), 0, &sel)?;
-            let (mut src, mut dst) = (self.keys[0], self.keys[1]);
-            while t > 1 {
-                let len = t * self.k;
-                t = len.div_ceil(TILE);
-                let args = [KArg::Ptr(rt.ptr(src)), KArg::I32(len as i32), KArg::I32(k), KArg::Ptr(rt.ptr(dst))];
-                launch(rt, &self.merge, (t as u32, n, 1), (THREADS, 1, 1), 0, &args)?;
-                (src, dst) = (dst, src);
-            }
+            let k = KArg::I32(self.k as i32);
+            let hm_ptr = rt.ptr(self.hm);
+            // 16-byte loads need whole packs per pixel and an aligned map.
+            let vec = c.is_multiple_of(self.pack) && hm_ptr.is_multiple_of(16);
+            let (v, which) = if vec { (self.pack, 1) } else { (1, 0) };
+            let (grid, r) = sweep_grid(self.hwc, v, batch, self.sm_count as usize);
+            let dims = [KArg::Ptr(hm_ptr), KArg::I32(h as i32), KArg::I32(w as i32), KArg::I32(c as i32)];
+            let (hist, warp_max) = (KArg::Ptr(rt.ptr(self.hist_buf)), KArg::Ptr(rt.ptr(self.warp_max)));
+            let (meta, cand) = (KArg::Ptr(rt.ptr(self.meta)), KArg::Ptr(rt.ptr(self.cand)));
+            let block = (THREADS as u32, 1, 1);
+            launch(rt, &self.clear, (n, 1, 1), (FINAL_THREADS, 1, 1), 0, &[hist])?;
+            launch(rt, &self.hist[which], grid, block, 0, &[&dims[..], &[KArg::I32(r as i32), hist, warp_max]].concat())?;
+            launch(rt, &self.threshold, (n, 1, 1), (FINAL_THREADS, 1, 1), 0, &[hist, k, meta])?;
+            launch(rt, &self.collect[which], grid, block, 0, &[&dims[..], &[KArg::I32(r as i32), k, warp_max, meta, cand]].concat())?;
             let args = [
-                KArg::Ptr(rt.ptr(src)),
+                KArg::Ptr(hm_ptr),
                 KArg::Ptr(rt.ptr(self.wh)),
                 KArg::Ptr(rt.ptr(self.reg)),
-                KArg::I32(n as i32),
                 KArg::I32(h as i32),
                 KArg::I32(w as i32),
-                KArg::I32(k),
+                KArg::I32(c as i32),
+                k,
+                meta,
+                cand,
                 KArg::Ptr(rt.ptr(self.out)),
             ];
-            launch(rt, &self.boxes, grid_for(batch * self.k, self.sm_count), (256, 1, 1), 0, &args)
+            launch(rt, &self.fin, (n, 1, 1), (FINAL_THREADS, 1, 1), 0, &args)
         }
     }
 
@@ -388,8 +403,8 @@ mod gpu {
             return Err(ctx.err(node, "is not centernet_decode".into()));
         };
         let k = k_attr(attrs).map_err(|r| ctx.err(node, r))?;
-        if k > TILE / 2 {
-            return Err(ctx.err(node, format!("the GPU decode keeps at most {} detections per image, asked for k = {k}", TILE / 2)));
+        if k > SORT / 2 {
+            return Err(ctx.err(node, format!("the GPU decode keeps at most {} detections per image, asked for k = {k}", SORT / 2)));
         }
         let (hm, wh, reg, out) = (ctx.input(node, 0)?, ctx.input(node, 1)?, ctx.input(node, 2)?, ctx.output(node)?);
         let (dh, dwh, dreg) = (ctx.value(hm).clone(), ctx.value(wh).clone(), ctx.value(reg).clone());
@@ -402,36 +417,45 @@ mod gpu {
         if dwh.dims != [2, h, w] || dreg.dims != [2, h, w] {
             return Err(ctx.err(node, format!("wh and reg must be [2, {h}, {w}], got {:?} and {:?}", dwh.dims, dreg.dims)));
         }
-        if h * w * c >= u32::MAX as usize {
-            return Err(ctx.err(node, format!("{c}x{h}x{w} candidates exceed the decode's 32-bit indices")));
+        if h * w * c >= i32::MAX as usize {
+            return Err(ctx.err(node, format!("{c}x{h}x{w} candidates exceed the decode's 31-bit indices")));
+        }
+        if h > 65535 {
+            return Err(ctx.err(node, format!("a heatmap of {h} rows exceeds the decode's grid limit of 65535")));
         }
         // Detections stay f32 in every precision: f16 would round a coordinate of 100 to 1/16.
         ctx.set_output_elem(Elem::F32)?;
         let (e, o) = (dh.elem.suffix(), ctx.value(out).elem.suffix());
         ctx.kernels.add_source("decode.cu", super::DECODE_CU)?;
-        let select = ctx.kernels.get(&format!("decode_select_{e}"))?;
-        let tile_max = ctx.kernels.get(&format!("decode_tile_max_{e}"))?;
-        let threshold = ctx.kernels.get("decode_threshold")?;
-        let merge = ctx.kernels.get("decode_merge")?;
-        let boxes = ctx.kernels.get(&format!("decode_boxes_{e}_{o}"))?;
-        let key_bytes = tiles(h * w * c) * k * 8;
-        let keys = [ctx.scratch(key_bytes), ctx.scratch(key_bytes)];
-        let (maxima, thr) = (ctx.scratch(tiles(h * w * c) * 8), ctx.scratch(8));
+        let get = |ctx: &BuildCtx, name: String| ctx.kernels.get(&name);
+        let hist = [get(ctx, format!("decode_hist_{e}"))?, get(ctx, format!("decode_hist_{e}_vec"))?];
+        let collect = [get(ctx, format!("decode_collect_{e}"))?, get(ctx, format!("decode_collect_{e}_vec"))?];
+        let (clear, threshold) = (ctx.kernels.get("decode_clear")?, ctx.kernels.get("decode_threshold")?);
+        let fin = get(ctx, format!("decode_final_{e}_{o}"))?;
+        let pack = 16 / dh.elem.size();
+        // Warps of the sweeps per image, at most (scalar loads, strips of one row).
+        let warps = (w * c).div_ceil(THREADS) * h * WARPS;
+        let hist_buf = ctx.scratch(BINS * 4);
+        let warp_max = ctx.scratch(warps * 4);
+        let meta = ctx.scratch(16);
+        let cand = ctx.scratch(CAP * 8);
         Ok(Box::new(DecodeLayer {
             path: ctx.node(node).path.clone(),
-            select,
-            tile_max,
+            clear,
             threshold,
-            merge,
-            boxes,
+            hist,
+            collect,
+            fin,
             hm,
             wh,
             reg,
             out,
-            keys,
-            maxima,
-            thr,
+            hist_buf,
+            warp_max,
+            meta,
+            cand,
             hwc: [h, w, c],
+            pack,
             k,
             sm_count: ctx.kernels.sm_count(),
         }))
