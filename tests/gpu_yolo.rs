@@ -22,8 +22,14 @@ fn fixture(name: &str) -> PathBuf {
     dir.join(name)
 }
 
+/// `KILN_LAYER_PRECISIONS` (the `--layer-precisions` syntax) adds rules to the FP16 engines, for
+/// finding which layers FP16 detections are sensitive to.
 fn engine(gpu: &Arc<Gpu>, graph: &Graph, precision: Precision, max_batch: usize) -> Arc<Engine> {
-    let config = BuildConfig::default().precision(precision).batch(1, max_batch, max_batch);
+    let mut config = BuildConfig::default().precision(precision).batch(1, max_batch, max_batch);
+    if let (Precision::Fp16, Ok(spec)) = (precision, std::env::var("KILN_LAYER_PRECISIONS")) {
+        config.layer_precisions = kiln::engine::LayerPrecision::parse_list(&spec).expect("KILN_LAYER_PRECISIONS");
+        println!("FP16 engines with the extra rules {spec}");
+    }
     Arc::new(EngineBuilder::new(config).with_gpu(gpu.clone()).build(graph).unwrap_or_else(|e| panic!("build ({precision:?}): {e}")))
 }
 
