@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+from bench_torch import graphed  # tools/ is the script directory, so its modules import
+
 LIBS = "/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu:/usr/lib"
 ZOO = [
     "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d", "wide_resnet50_2", "alexnet", "vgg16",
@@ -61,28 +63,6 @@ def timed(fn, x, iters):
         ts.append(a.elapsed_time(b))
     ts.sort()
     return ts[len(ts) // 2]
-
-
-def graphed(fn, x):
-    """`fn` captured into a CUDA graph on a static copy of `x`; the returned callable replays it."""
-    import torch
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn(x)
-    torch.cuda.current_stream().wait_stream(s)
-    g, static = torch.cuda.CUDAGraph(), x.clone()
-    with torch.cuda.graph(g):
-        out = fn(static)
-
-    def run(inp):
-        static.copy_(inp)
-        g.replay()
-        return out
-
-    return run
 
 
 def torch_peers(model, deadline, compile_batches):

@@ -398,14 +398,7 @@ impl EngineArgs {
 }
 
 pub fn precision_name(p: Precision) -> &'static str {
-    match p {
-        Precision::Fp32 => "fp32",
-        Precision::Tf32 => "tf32",
-        Precision::Fp16 => "fp16",
-        Precision::Int8 => "int8",
-        Precision::Fp8 => "fp8",
-        Precision::Best => "best",
-    }
+    p.short_name()
 }
 
 /// The GPU, or `Error::NoGpu` with the reason (commands that need one stop here).
