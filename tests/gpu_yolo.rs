@@ -26,7 +26,7 @@ fn fixture(name: &str) -> PathBuf {
 /// finding which layers FP16 detections are sensitive to.
 fn engine(gpu: &Arc<Gpu>, graph: &Graph, precision: Precision, max_batch: usize) -> Arc<Engine> {
     let mut config = BuildConfig::default().precision(precision).batch(1, max_batch, max_batch);
-    if let (Precision::Fp16, Ok(spec)) = (precision, std::env::var("KILN_LAYER_PRECISIONS")) {
+    if let (Precision::Fp16, Some(spec)) = (precision, std::env::var("KILN_LAYER_PRECISIONS").ok().filter(|s| !s.is_empty())) {
         config.layer_precisions = kiln::engine::LayerPrecision::parse_list(&spec).expect("KILN_LAYER_PRECISIONS");
         println!("FP16 engines with the extra rules {spec}");
     }
