@@ -320,7 +320,7 @@ impl Layer for ConvLayer {
     }
     fn prepare(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let slice = self.split.unwrap_or(batch).min(batch).max(1);
-        if let Some(ws) = workspace_query(rt.handles.cudnn, &self.shared, self.algo, slice)? {
+        if let Some(ws) = fwd_workspace(rt.handles.cudnn, &self.shared, self.algo, slice)? {
             self.workspace.fetch_max(ws, Ordering::Relaxed);
         }
         Ok(())
@@ -537,7 +537,7 @@ fn fwd_layers(ctx: &BuildCtx, shared: &Arc<ConvShared>, pad: Option<Arc<PadStep>
     let room = ctx.workspace_budget.max(super::tactic::WORKSPACE_FLOOR);
     for algo in FWD_ALGOS {
         // Workspace sizes at the max batch bound every batch the engine runs.
-        let Some(ws) = fwd_workspace(ctx, shared, algo, ctx.config.max_batch)? else { continue };
+        let Some(ws) = fwd_workspace(ctx.gpu.handles.cudnn, shared, algo, ctx.config.max_batch)? else { continue };
         if ws > limit || (strict && !exact_algo(algo)) {
             continue;
         }
@@ -558,7 +558,7 @@ fn fwd_layers(ctx: &BuildCtx, shared: &Arc<ConvShared>, pad: Option<Arc<PadStep>
         if ws > room {
             let mut n = ctx.config.max_batch / 2;
             while n >= 1 {
-                if let Some(ws_n) = fwd_workspace(ctx, shared, algo, n)?.filter(|&w| w <= room) {
+                if let Some(ws_n) = fwd_workspace(ctx.gpu.handles.cudnn, shared, algo, n)?.filter(|&w| w <= room) {
                     add(ws_n, Some(n));
                     break;
                 }
@@ -570,11 +570,7 @@ fn fwd_layers(ctx: &BuildCtx, shared: &Arc<ConvShared>, pad: Option<Arc<PadStep>
 }
 
 /// The workspace `algo` needs for `batch` images, or `None` where cuDNN does not support it.
-fn fwd_workspace(ctx: &BuildCtx, shared: &ConvShared, algo: dnn::cudnnConvolutionFwdAlgo_t, batch: usize) -> Result<Option<usize>> {
-    workspace_query(ctx.gpu.handles.cudnn, shared, algo, batch)
-}
-
-fn workspace_query(
+fn fwd_workspace(
     handle: dnn::cudnnHandle_t,
     shared: &ConvShared,
     algo: dnn::cudnnConvolutionFwdAlgo_t,

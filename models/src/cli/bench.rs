@@ -1,7 +1,7 @@
 //! `kiln bench` (latency percentiles and throughput, trtexec-style) and `kiln profile` (per-layer
 //! device time by module path).
 
-use super::common::{self, ms, precision_name};
+use super::common::{self, ms};
 use super::{BenchArgs, ProfileArgs};
 use kiln::engine::{Engine, ExecutionContext};
 use kiln::{Error, HostTensor, Result};
@@ -93,6 +93,21 @@ pub struct Times {
     /// Milliseconds since the first timed run started, per run.
     pub start_ms: Vec<f64>,
     pub latency_ms: Vec<f64>,
+}
+
+/// Prints a record and keeps it, with its per-run times for `--export-times`.
+fn keep(r: Record, batch: usize, timed: Timed, records: &mut Vec<Record>, series: &mut Vec<Times>) -> Result<()> {
+    print_record(&r)?;
+    series.push(Times {
+        model: r.model.clone(),
+        batch,
+        precision: r.precision.clone(),
+        mode: r.mode.clone(),
+        start_ms: timed.starts,
+        latency_ms: timed.times,
+    });
+    records.push(r);
+    Ok(())
 }
 
 /// Checks `--percentile` values: each within 0..=100.
@@ -259,16 +274,7 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
             let timed = time_loop(warmup, a.iterations, duration, || kiln::cpu::run(&graph, &[("input", &x)]).map(|_| ()))?;
             let mut r = record(&traced.name, batch, traced.hw[1], "cpu-f32", "cpu", &timed, &a.percentile);
             r.device = "CPU executor".into();
-            print_record(&r)?;
-            series.push(Times {
-                model: r.model.clone(),
-                batch,
-                precision: r.precision.clone(),
-                mode: r.mode.clone(),
-                start_ms: timed.starts,
-                latency_ms: timed.times,
-            });
-            records.push(r);
+            keep(r, batch, timed, &mut records, &mut series)?;
         }
     } else {
         let gpu = common::gpu()?;
@@ -301,21 +307,11 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
                     ctx.synchronize()
                 })?;
                 let mode = if graphs { "cuda-graph" } else { "no-graph" };
-                let mut r =
-                    record(&name, batch, engine_size(&engine), precision_name(engine.config.precision), mode, &timed, &a.percentile);
+                let mut r = record(&name, batch, engine_size(&engine), engine.config.precision.short_name(), mode, &timed, &a.percentile);
                 let info = &engine.gpu().info;
                 (r.device, r.driver_version, r.cudnn_version) = (info.name.clone(), info.driver_version, info.cudnn_version);
                 r.build_seconds = engine.summary.build_seconds;
-                print_record(&r)?;
-                series.push(Times {
-                    model: r.model.clone(),
-                    batch,
-                    precision: r.precision.clone(),
-                    mode: r.mode.clone(),
-                    start_ms: timed.starts,
-                    latency_ms: timed.times,
-                });
-                records.push(r);
+                keep(r, batch, timed, &mut records, &mut series)?;
             }
         }
     }
@@ -375,7 +371,7 @@ pub fn profile(a: ProfileArgs) -> Result<ExitCode> {
     say!(
         "{name}: batch {}, {}, {} layers; each layer captured alone in a CUDA graph, mean of {} back-to-back replays",
         batch,
-        precision_name(engine.config.precision),
+        engine.config.precision.short_name(),
         layers.len(),
         a.iterations.max(1)
     );

@@ -397,10 +397,6 @@ impl EngineArgs {
     }
 }
 
-pub fn precision_name(p: Precision) -> &'static str {
-    p.short_name()
-}
-
 /// The GPU, or `Error::NoGpu` with the reason (commands that need one stop here).
 pub fn gpu() -> Result<Arc<Gpu>> {
     kiln::engine::gpu_available().map_err(Error::NoGpu)?;
@@ -414,7 +410,7 @@ pub fn build_engine(graph: &Graph, config: BuildConfig, gpu: Arc<Gpu>, what: &st
     bar.set_style(style.unwrap_or_else(|_| ProgressStyle::default_bar()));
     bar.set_prefix(format!(
         "building {what} ({}, batch {}..={}): timing",
-        precision_name(config.precision),
+        config.precision.short_name(),
         config.min_batch,
         config.max_batch
     ));

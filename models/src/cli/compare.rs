@@ -2,7 +2,7 @@
 //! or outputs saved by an earlier run (Polygraphy's `--save-outputs`/`--load-outputs`): relative
 //! L2 per output, and with `--atol`/`--rtol` Polygraphy's elementwise rule; a JSON report.
 
-use super::common::{self, precision_name, Traced};
+use super::common::{self, Traced};
 use super::CompareArgs;
 use kiln::engine::Precision;
 use kiln::{Error, Graph, HostTensor, Result};
@@ -217,7 +217,7 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
         common::check_cpu_memory(&traced.graph, batch, hw)?;
     }
     let l2_tol = a.l2_tol.unwrap_or_else(|| default_l2_tol(&a));
-    let backend = if a.cpu { "CPU executor".to_string() } else { format!("GPU engine ({})", precision_name(a.engine.precision())) };
+    let backend = if a.cpu { "CPU executor".to_string() } else { format!("GPU engine ({})", a.engine.precision().short_name()) };
     let hints = metadata_hints(&ref_meta, &traced, &a, &x)?;
     for h in &hints {
         tracing::warn!("hint: {h}");

@@ -1,6 +1,6 @@
 //! `kiln inspect` (graphs as text and Graphviz DOT, engine layers) and `kiln codegen`.
 
-use super::common::{self, precision_name};
+use super::common;
 use super::{CodegenArgs, InspectArgs};
 use kiln::codegen::{generate, CodegenOptions};
 use kiln::{Error, Result};
@@ -30,7 +30,7 @@ pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
     match kiln::engine::gpu_available() {
         Ok(()) => {
             let config = a.engine.config(a.batch, a.batch, a.batch);
-            let precision = precision_name(config.precision);
+            let precision = config.precision.short_name();
             let engine = common::build_engine(&traced.graph, config, common::gpu()?, &traced.name)?;
             say!("== engine layers ({precision}, batch {}) ==", a.batch);
             say_raw!("{}", engine.describe());

@@ -1,6 +1,6 @@
 //! `kiln run` (the README's main job), `kiln trace` and `kiln build`.
 
-use super::common::{self, ms, precision_name};
+use super::common::{self, ms};
 use super::shapes::{self, Profile};
 use super::{BuildArgs, RunArgs, TraceArgs};
 use kiln::engine::{gpu_available, DimsRange, ShapeProfile};
@@ -72,7 +72,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             } else {
                 common::build_engine(&traced.graph, a.engine.config(batch, batch, batch), gpu, &traced.name)?
             };
-            let precision = precision_name(engine.config.precision);
+            let precision = engine.config.precision.short_name();
             let engine = Arc::new(engine);
             say!("engine: {} layers, built in {:.2} s", engine.summary.layers, engine.summary.build_seconds);
             let mut ctx = engine.context()?;
@@ -184,7 +184,7 @@ pub fn build(a: BuildArgs, verbose: bool) -> Result<ExitCode> {
     say!(
         "wrote {}: {}, batch {}..={} (timed at {}), {}",
         a.output.display(),
-        precision_name(c.precision),
+        c.precision.short_name(),
         c.min_batch,
         c.max_batch,
         c.opt_batch,

@@ -119,9 +119,7 @@ pub fn profiles(shapes: &[ShapeSpec], min: &[ShapeSpec], opt: &[ShapeSpec], max:
 }
 
 /// Formats dims as trtexec does: `1x3x224x224`.
-pub fn dims_text(dims: &[usize]) -> String {
-    dims.iter().map(usize::to_string).collect::<Vec<_>>().join("x")
-}
+pub use kiln::engine::builder::dims_text;
 
 #[cfg(test)]
 mod tests {
