@@ -460,7 +460,8 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
     let mut follow = vec![BTreeMap::new(); config.profiles.len()];
     let mut summary = None;
     for dims in shapes {
-        let at_shape = if plans.is_empty() && config.profiles.is_empty() { graph.clone() } else { graph.with_input_dims(&dims)? };
+        // Without profiles the one build shape is the traced one: the graph as it is.
+        let at_shape = if config.profiles.is_empty() { graph.clone() } else { graph.with_input_dims(&dims)? };
         let profile = config.profile_for(&graph, &dims);
         // A profile's first plan is its opt (build_shapes lists the opts first): it is timed.
         let is_opt = profile.is_some_and(|p| config.profiles[p].iter().all(|(n, r)| dims.get(n) == Some(&r.opt)));
