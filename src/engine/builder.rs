@@ -183,8 +183,10 @@ impl Engine {
     }
 
     /// The plan for these input dims: one already lowered, or a new one, lowered now with the
-    /// algorithms its profile chose at opt (each checked to run at these dims, timed only where
-    /// it does not). An error names the dims and the ranges the engine accepts.
+    /// algorithms its profile chose at opt (each checked to run at these dims; where one does not,
+    /// the same algorithm sliced differently, else the first candidate that runs: nothing is
+    /// timed, so a reloaded engine lowers the same plan). An error names the dims and the ranges
+    /// the engine accepts.
     pub fn plan_for(&self, dims: &InputDims) -> Result<Arc<Plan>> {
         if let Some(p) = self.plans.read().unwrap_or_else(|p| p.into_inner()).iter().find(|p| p.dims == *dims) {
             return Ok(p.clone());

@@ -22,8 +22,9 @@ pub struct Tactics {
     /// Loading an engine: every choice must come from `recorded`; nothing is timed.
     pub replay: bool,
     /// Lowering a plan for another input shape of a profile: module path → the kind chosen at the
-    /// profile's opt shape. That kind is taken if it runs at this shape (TensorRT's rule: tactics
-    /// are timed at opt); otherwise the candidates are timed here.
+    /// profile's opt shape. Nothing is timed (TensorRT's rule: tactics are timed at opt): that kind
+    /// if it runs at this shape, else the same algorithm in another batch slicing, else the first
+    /// candidate that runs.
     pub follow: BTreeMap<String, String>,
     /// Timing cache entries: `"{device}|{precision}|b{opt}|{key}"` → kind.
     pub cache: BTreeMap<String, String>,
@@ -102,9 +103,16 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
     }
     let path = &ctx.node(node).path;
     if let Some(kind) = ctx.tactics.follow.get(path).cloned() {
-        if let Some(i) = candidates.iter().position(|c| c.kind() == kind) {
+        // Never timed, so a built engine and its reload lower the same shape alike: opt's kind,
+        // else the same algorithm sliced differently (the arena's room differs between shapes),
+        // else the first candidate that runs here.
+        let kinds: Vec<String> = candidates.iter().map(|c| c.kind()).collect();
+        let mut order: Vec<usize> = (0..kinds.len()).filter(|&i| kinds[i] == kind).collect();
+        order.extend((0..kinds.len()).filter(|&i| kinds[i] != kind && unsliced(&kinds[i]) == unsliced(&kind)));
+        order.extend((0..kinds.len()).filter(|&i| unsliced(&kinds[i]) != unsliced(&kind)));
+        for i in order {
             if let [Ok(_)] = time_candidates(ctx, &candidates[i..=i], false)?[..] {
-                ctx.tactics.recorded.insert(rkey, kind);
+                ctx.tactics.recorded.insert(rkey, kinds[i].clone());
                 return Ok(candidates.into_iter().nth(i).expect("index"));
             }
         }
@@ -164,6 +172,20 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
     ctx.tactics.recorded.insert(rkey, layer.kind());
     ctx.tactics.cache.insert(ckey, layer.kind());
     Ok(layer)
+}
+
+/// A layer kind without its batch slicing (`:by8`): the algorithm it runs.
+fn unsliced(kind: &str) -> String {
+    let mut out = String::with_capacity(kind.len());
+    let mut rest = kind;
+    while let Some(at) = rest.find(":by") {
+        let digits = rest[at + 3..].bytes().take_while(u8::is_ascii_digit).count();
+        let keep = if digits > 0 { at } else { at + 3 };
+        out.push_str(&rest[..keep]);
+        rest = &rest[at + 3 + digits..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// Times each candidate at the opt batch on scratch buffers for the node's values. A candidate
@@ -261,4 +283,17 @@ fn capture(stream: &std::sync::Arc<cudarc::driver::CudaStream>, enqueue: impl Fn
     let captured = stream.end_capture(CUgraphInstantiate_flags(0));
     enqueued.ok()?;
     captured.ok().flatten()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::unsliced;
+
+    #[test]
+    fn unsliced_kinds_drop_only_the_batch_slicing() {
+        assert_eq!(unsliced("cudnn-fused:IMPLICIT_PRECOMP_GEMM:by8"), "cudnn-fused:IMPLICIT_PRECOMP_GEMM");
+        assert_eq!(unsliced("subpixel:by16+cudnn-fused:IMPLICIT_GEMM"), "subpixel+cudnn-fused:IMPLICIT_GEMM");
+        assert_eq!(unsliced("cublaslt-gemm"), "cublaslt-gemm");
+        assert_eq!(unsliced("kernel:bypass:by2"), "kernel:bypass");
+    }
 }
