@@ -1,7 +1,14 @@
 // Attention family (src/ops/attention.rs): softmax(scale·Q·Kᵀ + bias)·V over `Z` independent
-// (image, head) problems. Q is [Z, L, D], K [Z, S, D], V [Z, S, D], Y [Z, L, D], all contiguous;
-// the optional bias is f32 [zimg, L, S] and problem z reads its slice z % zimg (the bias has no
-// batch: it is the same for every image). Softmax statistics and accumulators are f32.
+// (image, window, head) problems. The optional bias is f32 [zimg, L, S] and problem z reads its
+// slice z % zimg (the bias has no batch: it is the same for every image). Softmax statistics and
+// accumulators are f32.
+//
+// The fused kernels read q, k, v and write y as strided rows, so that multi-head attention on a
+// packed projection ([.., L, 3·H·D], nn.MultiheadAttention's in_proj) needs no copies: problem z
+// is head h = z % heads of group g = z / heads, and
+//   q row i at q + (g·L + i)·ldq + h·D,   k and v row j at k|v + (g·S + j)·ldkv + h·D,
+//   y row i at y + (g·L + i)·ldy + h·D    (D contiguous elements each).
+// Contiguous [Z, L, D] operands are heads = 1, ld = D.
 
 // The second half of the unfused candidate: scores (f32 [Z, L, S], rows `ld` apart, already
 // scaled by the GEMM) plus the bias, softmax along S, written as probabilities in T (rows `ld`
@@ -27,22 +34,24 @@ __device__ void attn_softmax(const float* scores, const float* bias, T* probs, i
     }
 }
 
-// The fused candidate (flash-attention style, on CUDA cores): one thread per query row holds
-// its scaled q and its f32 accumulator in registers; the block's 64 rows stream K and V through
-// shared memory in tiles of ATTN_BK keys, with the online softmax (running max and sum,
-// rescaling the accumulator when the max grows). Grid: (Z, ceil(L / 64)).
+// The CUDA-core fused candidate (flash-attention style): one thread per query row holds its
+// scaled q and its f32 accumulator in registers; the block's 64 rows stream K and V through shared
+// memory in tiles of ATTN_BK keys, with the online softmax (running max and sum, rescaling the
+// accumulator when the max grows). Grid: (Z, ceil(L / 64)). Any element type.
 #define ATTN_BQ 64
 #define ATTN_BK 32
 template <typename T, int D>
-__device__ void attn_fused(const T* q, const T* k, const T* v, const float* bias, T* y, int L, int S, i64 zimg, float scale) {
+__device__ void attn_fused(const T* q, const T* k, const T* v, const float* bias, T* y, int L, int S, int heads, i64 ldq, i64 ldkv,
+                           i64 ldy, i64 zimg, float scale) {
     // Rows of D floats (D a multiple of 4), read as float4: a quarter of the shared-memory loads.
     __shared__ __align__(16) float ks[ATTN_BK][D];
     __shared__ __align__(16) float vs[ATTN_BK][D];
     const i64 z = blockIdx.x;
+    const i64 g = z / heads, hd = (z % heads) * D;
     const int row = blockIdx.y * ATTN_BQ + threadIdx.x;
     const bool live = row < L;
     float qr[D], acc[D];
-    const T* qp = q + (z * L + (live ? row : 0)) * D;
+    const T* qp = q + (g * L + (live ? row : 0)) * ldq + hd;
 #pragma unroll
     for (int d = 0; d < D; ++d) {
         qr[d] = live ? to_f32(qp[d]) * scale : 0.f;
@@ -50,15 +59,15 @@ __device__ void attn_fused(const T* q, const T* k, const T* v, const float* bias
     }
     const float* brow = (bias && live) ? bias + ((z % zimg) * L + row) * (i64)S : nullptr;
     float m = neg_inf(), l = 0.f;
-    const T* kz = k + z * (i64)S * D;
-    const T* vz = v + z * (i64)S * D;
+    const T* kz = k + g * S * ldkv + hd;
+    const T* vz = v + g * S * ldkv + hd;
     for (int s0 = 0; s0 < S; s0 += ATTN_BK) {
         const int nk = min(ATTN_BK, S - s0);
         for (int e = threadIdx.x; e < ATTN_BK * D; e += ATTN_BQ) {
             const int j = e / D, d = e % D;
             const bool in = j < nk;
-            ks[j][d] = in ? to_f32(kz[(i64)(s0 + j) * D + d]) : 0.f;
-            vs[j][d] = in ? to_f32(vz[(i64)(s0 + j) * D + d]) : 0.f;
+            ks[j][d] = in ? to_f32(kz[(i64)(s0 + j) * ldkv + d]) : 0.f;
+            vs[j][d] = in ? to_f32(vz[(i64)(s0 + j) * ldkv + d]) : 0.f;
         }
         __syncthreads();
         if (live) {
@@ -94,9 +103,186 @@ __device__ void attn_fused(const T* q, const T* k, const T* v, const float* bias
     }
     if (live) {
         const float inv = 1.f / l;
-        T* yp = y + (z * L + row) * D;
+        T* yp = y + (g * L + row) * ldy + hd;
 #pragma unroll
         for (int d = 0; d < D; ++d) yp[d] = from_f32<T>(acc[d] * inv);
+    }
+}
+
+// ---- The tensor-core fused candidate (f16; flash-attention 2's structure)
+//
+// A block of 4 warps takes 64 query rows, 16 per warp; K and V stream through shared memory in
+// tiles of 64 keys. Per tile each warp computes its 16×64 scores with mma.m16n8k16 (f16 in, f32
+// accumulate), applies the scale, bias and key mask, updates the online softmax in registers, and
+// multiplies the probabilities (rounded to f16, as any f16 P·V GEMM does) by V with the score
+// fragments reused directly as the A operand. Statistics and the output accumulator stay f32.
+// Requires ldq, ldkv, ldy and h·D multiples of 8 (16-byte rows) and 16-byte aligned pointers.
+#define TC_BQ 64
+#define TC_BK 64
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// Two f32 as one f16x2 register, `lo` in the low half.
+__device__ __forceinline__ unsigned pack_f16x2(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ void mma_16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int D>
+__device__ void attn_tc(const f16* q, const f16* k, const f16* v, const float* bias, f16* y, int L, int S, int heads, i64 ldq, i64 ldkv,
+                        i64 ldy, i64 zimg, float scale) {
+    // Rows padded by 8 halves (16 bytes): the 8 rows a fragment load touches fall in distinct banks.
+    constexpr int LDS = D + 8;
+    __shared__ __align__(16) unsigned short ks[TC_BK * LDS];
+    __shared__ __align__(16) unsigned short vs[TC_BK * LDS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int r = lane >> 2, c2 = (lane & 3) * 2;
+    const i64 z = blockIdx.x;
+    const i64 g = z / heads, hd = (z % heads) * D;
+    const int q0 = blockIdx.y * TC_BQ + warp * 16;
+    // This thread's two query rows (fragment rows r and r + 8), clamped for loads.
+    const int rows[2] = {q0 + r, q0 + r + 8};
+
+    // Q as A fragments, one per 16-wide slice of D (row-major 16×16: a0 = (r, c2..), a1 = (r + 8,
+    // c2..), a2 = (r, c2 + 8..), a3 = (r + 8, c2 + 8..)).
+    unsigned qa[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = rows[half];
+            const unsigned* p = reinterpret_cast<const unsigned*>(q + (g * L + (row < L ? row : 0)) * ldq + hd + kk * 16 + c2);
+            qa[kk][half] = row < L ? p[0] : 0u;
+            qa[kk][half + 2] = row < L ? p[4] : 0u;  // 8 halves on
+        }
+    }
+    // Scores in log2 units: exp2(x·scale·log2 e) = exp(x·scale).
+    const float qk_scale = scale * 1.4426950408889634f;
+    const float* bias_z = bias ? bias + (z % zimg) * (i64)L * S : nullptr;
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
+
+    const f16* kz = k + g * S * ldkv + hd;
+    const f16* vz = v + g * S * ldkv + hd;
+    for (int s0 = 0; s0 < S; s0 += TC_BK) {
+        // K and V tiles, 16 bytes a thread a step; keys past S are zeros (masked below).
+        for (int e = threadIdx.x; e < TC_BK * (D / 8); e += blockDim.x) {
+            const int j = e / (D / 8), c = (e % (D / 8)) * 8;
+            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+            if (s0 + j < S) {
+                kv = *reinterpret_cast<const uint4*>(kz + (i64)(s0 + j) * ldkv + c);
+                vv = *reinterpret_cast<const uint4*>(vz + (i64)(s0 + j) * ldkv + c);
+            }
+            *reinterpret_cast<uint4*>(&ks[j * LDS + c]) = kv;
+            *reinterpret_cast<uint4*>(&vs[j * LDS + c]) = vv;
+        }
+        __syncthreads();
+
+        // S = Q·Kᵀ: 8 tiles of 8 keys. B (k = d, n = key) is K's row `key`: two halves at (key, d).
+        float s[TC_BK / 8][4];
+#pragma unroll
+        for (int j = 0; j < TC_BK / 8; ++j) {
+            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+            const unsigned short* kr = &ks[(j * 8 + r) * LDS + c2];
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const unsigned b0 = *reinterpret_cast<const unsigned*>(kr + kk * 16);
+                const unsigned b1 = *reinterpret_cast<const unsigned*>(kr + kk * 16 + 8);
+                mma_16816(s[j], qa[kk], b0, b1);
+            }
+        }
+        // Scale, bias, mask; row maxima (fragment element e: row rows[e / 2], key j·8 + c2 + e % 2).
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int j = 0; j < TC_BK / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = s0 + j * 8 + c2 + (e & 1);
+                const int row = rows[e >> 1];
+                float x = s[j][e] * qk_scale;
+                if (bias_z && row < L && key < S) x += bias_z[(i64)row * S + key] * 1.4426950408889634f;
+                x = key < S ? x : neg_inf();
+                s[j][e] = x;
+                mx[e >> 1] = fmaxf(mx[e >> 1], x);
+            }
+        }
+        float corr[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            // The row's 4 threads (lanes 4r .. 4r + 3) share its maximum.
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+            // A row with every key masked so far keeps max -inf: exponentiate against 0 instead.
+            const float base = mx[h] == neg_inf() ? 0.f : mx[h];
+            corr[h] = exp2f(m[h] - base);
+            m[h] = mx[h];
+            l[h] *= corr[h];
+        }
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            o[n][0] *= corr[0];
+            o[n][1] *= corr[0];
+            o[n][2] *= corr[1];
+            o[n][3] *= corr[1];
+        }
+        // P = exp2(S - max), row sums (this thread's share; the row's 4 threads add up at the end).
+        unsigned pa[TC_BK / 16][4];
+#pragma unroll
+        for (int j = 0; j < TC_BK / 8; ++j) {
+            float p[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float base = m[e >> 1] == neg_inf() ? 0.f : m[e >> 1];
+                p[e] = exp2f(s[j][e] - base);
+                l[e >> 1] += p[e];
+            }
+            // Score tiles 2t and 2t + 1 form the A fragment of keys 16t .. 16t + 15.
+            pa[j / 2][(j & 1) * 2] = pack_f16x2(p[0], p[1]);
+            pa[j / 2][(j & 1) * 2 + 1] = pack_f16x2(p[2], p[3]);
+        }
+        // O += P·V: B (k = key, n = d) from V's rows with ldmatrix.trans (V is [key][d] in shared).
+#pragma unroll
+        for (int t = 0; t < TC_BK / 16; ++t) {
+            // ldmatrix .x2: lanes 0-15 give the addresses of keys 16t .. 16t + 15.
+            const unsigned short* vr = &vs[(t * 16 + (lane & 15)) * LDS];
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                unsigned b0, b1;
+                asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
+                             : "=r"(b0), "=r"(b1)
+                             : "r"(smem_u32(vr + n * 8)));
+                mma_16816(o[n], pa[t], b0, b1);
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = rows[h];
+        if (row >= L) continue;
+        const float inv = 1.f / l[h];
+        unsigned* yp = reinterpret_cast<unsigned*>(y + (g * L + row) * ldy + hd + c2);
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) yp[n * 4] = pack_f16x2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
     }
 }
 
@@ -105,14 +291,26 @@ __device__ void attn_fused(const T* q, const T* k, const T* v, const float* bias
                                                 i64 zimg) {                                                                      \
         attn_softmax<T>(scores, bias, probs, rows, L, Sk, ld, zimg);                                                             \
     }                                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(ATTN_BQ) flash_attn_d32_##S(const T* q, const T* k, const T* v, const float* bias, \
-                                                                          T* y, int L, int Sk, i64 zimg, float scale) {         \
-        attn_fused<T, 32>(q, k, v, bias, y, L, Sk, zimg, scale);                                                                 \
+    extern "C" __global__ void __launch_bounds__(ATTN_BQ)                                                                        \
+        flash_attn_d32_##S(const T* q, const T* k, const T* v, const float* bias, T* y, int L, int Sk, int heads, i64 ldq,       \
+                           i64 ldkv, i64 ldy, i64 zimg, float scale) {                                                           \
+        attn_fused<T, 32>(q, k, v, bias, y, L, Sk, heads, ldq, ldkv, ldy, zimg, scale);                                          \
     }                                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(ATTN_BQ) flash_attn_d64_##S(const T* q, const T* k, const T* v, const float* bias, \
-                                                                          T* y, int L, int Sk, i64 zimg, float scale) {         \
-        attn_fused<T, 64>(q, k, v, bias, y, L, Sk, zimg, scale);                                                                 \
+    extern "C" __global__ void __launch_bounds__(ATTN_BQ)                                                                        \
+        flash_attn_d64_##S(const T* q, const T* k, const T* v, const float* bias, T* y, int L, int Sk, int heads, i64 ldq,       \
+                           i64 ldkv, i64 ldy, i64 zimg, float scale) {                                                           \
+        attn_fused<T, 64>(q, k, v, bias, y, L, Sk, heads, ldq, ldkv, ldy, zimg, scale);                                          \
     }
 
 ATTENTION(float, f32)
 ATTENTION(f16, f16)
+
+#define ATTENTION_TC(D)                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128)                                                                            \
+        flash_attn_tc_d##D##_f16(const f16* q, const f16* k, const f16* v, const float* bias, f16* y, int L, int Sk, int heads,  \
+                                 i64 ldq, i64 ldkv, i64 ldy, i64 zimg, float scale) {                                            \
+        attn_tc<D>(q, k, v, bias, y, L, Sk, heads, ldq, ldkv, ldy, zimg, scale);                                                 \
+    }
+
+ATTENTION_TC(32)
+ATTENTION_TC(64)

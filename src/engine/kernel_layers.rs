@@ -987,6 +987,9 @@ pub fn entry_points() -> Vec<String> {
         ] {
             names.push(format!("{k}_{t}"));
         }
+        if t == "f16" {
+            names.extend(["flash_attn_tc_d32_f16".to_string(), "flash_attn_tc_d64_f16".to_string()]);
+        }
         for u in ["f32", "f16"] {
             for k in ["nchw_to_nhwc", "nhwc_to_nchw", "nchw_to_nhwc_small", "nhwc_to_nchw_small", "cast", "permute"] {
                 names.push(format!("{k}_{t}_{u}"));
