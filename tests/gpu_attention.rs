@@ -34,10 +34,14 @@ fn check_candidates(name: &str, q: &[usize], kv: &[usize], bias: Option<&Param>,
     let graph = trace(q, kv, bias);
     let mut sources: Vec<Option<&str>> = vec![None, Some("cublaslt-attention")];
     if fused {
-        sources.push(Some("kernel:flash_attn"));
+        // The CUDA-core kernel (any precision) and the tensor-core one (f16 only).
+        sources.extend([Some("kernel:flash_attn_d"), Some("kernel:flash_attn_tc")]);
     }
     for source in sources {
         for (precision, tol) in [(Precision::Fp32, 1e-5), (Precision::Fp16, 1e-2)] {
+            if source == Some("kernel:flash_attn_tc") && precision == Precision::Fp32 {
+                continue;
+            }
             let mut config = BuildConfig::default().precision(precision).batch(1, 3, 3).cuda_graphs(false);
             if let Some(s) = source {
                 config = config.tactic_sources(&[s]);

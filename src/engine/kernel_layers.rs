@@ -7,6 +7,7 @@
 
 pub use super::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
 use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId};
+use super::strided::{CopyDim, CopyKind, StridedCopy, StridedLayer};
 use crate::graph::NodeId;
 use crate::ops::elementwise::{Binary, Unary};
 use crate::ops::OpDef;
@@ -931,6 +932,12 @@ pub fn reformat_layer(ctx: &mut BuildCtx, src: ValueId, dst: ValueId, path: &str
         (a, b) if tiled && a == nhwc && b == nchw && s.dims[0] >= d.dims[0] => ("nhwc_to_nchw", d.dims[0], s.dims[0]),
         _ if s.dims == d.dims => {
             let strides = s.layout.strides(&s.dims);
+            if s.elem == d.elem {
+                // The shape kernels' planned gather: merged dims, 16-byte units where it can.
+                let dims: Vec<CopyDim> = d.layout.order().iter().map(|&k| CopyDim::plain(d.dims[k], strides[k])).collect();
+                let copy = StridedCopy::new(ctx, path, "reformat", CopyKind::Gather { fill: 0.0 }, src, dst, &dims, 0)?;
+                return Ok(Box::new(StridedLayer::new(ctx, path, "reformat", vec![copy])));
+            }
             return permute_layer(ctx, path, src, &strides, s.per_image_elems(), dst);
         }
         _ => return Err(fail(format!("no reformat from {:?} {:?} to {:?} {:?}", s.layout, s.dims, d.layout, d.dims))),
@@ -987,6 +994,7 @@ pub fn entry_points() -> Vec<String> {
         ] {
             names.push(format!("{k}_{t}"));
         }
+        names.push(format!("shape_gather_v16_{t}"));
         if t == "f16" {
             names.extend(["flash_attn_tc_d32_f16".to_string(), "flash_attn_tc_d64_f16".to_string()]);
         }
@@ -996,6 +1004,7 @@ pub fn entry_points() -> Vec<String> {
             }
         }
     }
+    names.extend(["shape_scatter_v16".to_string(), "shape_roll_v16".to_string()]);
     names
 }
 

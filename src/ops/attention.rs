@@ -324,10 +324,26 @@ fn gpu_attention(ctx: &mut BuildCtx, node: NodeId, attrs: Attention) -> Result<B
         sm_count: ctx.kernels.sm_count(),
     }));
 
-    // (b) the fused kernel, for the head dims it is stamped for.
+    // (b) the fused kernels, for the head dims they are stamped for: on CUDA cores, and for f16 on
+    // tensor cores.
     if dims.d == dims.dv && matches!(dims.d, 32 | 64) {
         let f = ctx.kernels.get(&format!("flash_attn_d{}_{}", dims.d, elem.suffix()))?;
-        candidates.push(Box::new(FusedAttention { path, f, io: [q, k, v, y], bias, dims, li, si, scale: attrs.scale }));
+        let io = [q, k, v, y];
+        candidates.push(Box::new(FusedAttention {
+            path: path.clone(),
+            f,
+            tc: false,
+            io,
+            bias: bias.clone(),
+            dims,
+            li,
+            si,
+            scale: attrs.scale,
+        }));
+        if elem == Elem::F16 {
+            let f = ctx.kernels.get(&format!("flash_attn_tc_d{}_f16", dims.d))?;
+            candidates.push(Box::new(FusedAttention { path, f, tc: true, io, bias, dims, li, si, scale: attrs.scale }));
+        }
     }
     let key = ctx.problem_key(node);
     ctx.choose(&key, candidates)
@@ -389,6 +405,8 @@ impl Layer for GemmAttention {
 struct FusedAttention {
     path: String,
     f: CudaFunction,
+    /// The tensor-core kernel (4 warps of 16 rows a block) rather than the CUDA-core one.
+    tc: bool,
     io: [ValueId; 4],
     bias: Option<Arc<DeviceBuf>>,
     dims: Dims,
@@ -405,7 +423,7 @@ impl Layer for FusedAttention {
         &self.path
     }
     fn kind(&self) -> String {
-        format!("kernel:flash_attn_d{}", self.dims.d)
+        format!("kernel:flash_attn{}_d{}", if self.tc { "_tc" } else { "" }, self.dims.d)
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let [q, k, v, y] = self.io.map(|v| rt.ptr(v));
@@ -423,10 +441,16 @@ impl Layer for FusedAttention {
             KArg::Ptr(y),
             KArg::I32(self.li),
             KArg::I32(self.si),
+            // Contiguous [Z, L, D] operands: one head per problem, rows D apart.
+            KArg::I32(1),
+            KArg::I64(self.dims.d as i64),
+            KArg::I64(self.dims.d as i64),
+            KArg::I64(self.dims.d as i64),
             KArg::I64(self.dims.zimg.max(1) as i64),
             KArg::F32(self.scale),
         ];
-        launch(rt, &self.f, (z.max(1), tiles, 1), (FUSED_ROWS as u32, 1, 1), 0, &args)
+        let threads = if self.tc { 128 } else { FUSED_ROWS as u32 };
+        launch(rt, &self.f, (z.max(1), tiles, 1), (threads, 1, 1), 0, &args)
     }
 }
 

@@ -6,8 +6,8 @@
 //! layout, a permute re-expressed as the permuted layout), and slice, pad and cat are strided
 //! copies (`kernels/shape.cu`) in whatever layout their input is in.
 
-use crate::engine::kernel_layers::{grid_for, launch, CudaFunction, KArg, BLOCK};
-use crate::engine::{BuildCtx, DeviceBuf, Layer, Layout, RunCtx, ValueId};
+use crate::engine::strided::{CopyDim, CopyKind, StridedCopy, StridedLayer};
+use crate::engine::{BuildCtx, Layer, Layout, ValueId};
 use crate::graph::{HostTensor, NodeId, Op};
 use crate::module::{Forward, Module};
 use crate::ops::{one_input, CpuArgs, LayoutPlan, OpDef};
@@ -414,8 +414,8 @@ fn gpu_permute(ctx: &mut BuildCtx, node: NodeId, dims: &[usize]) -> Result<Box<d
     }
     let xs = dx.layout.strides(&dx.dims);
     let src_strides: Vec<usize> = dims[1..].iter().map(|&d| xs[d - 1]).collect();
-    let copy = gather_copy(ctx, x, y, &src_strides, &vec![0; dy.dims.len()], &dy.dims, 0)?;
-    strided_layer(ctx, node, "permute", vec![copy], None)
+    let copy = gather_copy(ctx, node, x, y, &src_strides, &vec![0; dy.dims.len()], &dy.dims, 0, 0.0)?;
+    Ok(strided_layer(ctx, node, "permute", vec![copy]))
 }
 
 /// Slice: a strided copy from an offset of the input, written in the output's layout.
@@ -424,8 +424,8 @@ fn gpu_slice(ctx: &mut BuildCtx, node: NodeId, dim: usize, start: usize) -> Resu
     let dx = ctx.value(x).clone();
     let xs = dx.layout.strides(&dx.dims);
     let k = dim.checked_sub(1).filter(|&k| k < xs.len()).ok_or_else(|| ctx.err(node, format!("cannot slice dim {dim}")))?;
-    let copy = gather_copy(ctx, x, y, &xs, &vec![0; xs.len()], &dx.dims, start * xs[k])?;
-    strided_layer(ctx, node, "slice", vec![copy], None)
+    let copy = gather_copy(ctx, node, x, y, &xs, &vec![0; xs.len()], &dx.dims, start * xs[k], 0.0)?;
+    Ok(strided_layer(ctx, node, "slice", vec![copy]))
 }
 
 /// Constant pad: each output element reads the input, or `value` outside it.
@@ -435,8 +435,8 @@ fn gpu_pad(ctx: &mut BuildCtx, node: NodeId, pads: &[usize], value: f32) -> Resu
     let xs = dx.layout.strides(&dx.dims);
     // Per-image dims: the full tensor's dims without the batch.
     let before: Vec<usize> = pads_per_dim(pads, dx.dims.len() + 1)[1..].iter().map(|p| p.0).collect();
-    let copy = gather_copy(ctx, x, y, &xs, &before, &dx.dims, 0)?;
-    strided_layer(ctx, node, "pad", vec![copy], Some(value))
+    let copy = gather_copy(ctx, node, x, y, &xs, &before, &dx.dims, 0, value)?;
+    Ok(strided_layer(ctx, node, "pad", vec![copy]))
 }
 
 /// Roll: one gather (`shape_roll_*`) in the input's layout, which the output shares.
@@ -452,48 +452,11 @@ fn gpu_roll(ctx: &mut BuildCtx, node: NodeId, shifts: &[i64], dims: &[usize]) ->
     let full: Vec<usize> = [&[1usize][..], &dx.dims].concat();
     let per = roll_per_dim(shifts, dims, &full);
     let order = dy.layout.order();
-    let mut meta: Vec<usize> = order.iter().map(|&k| dy.dims[k]).collect();
-    meta.extend(order.iter().map(|&k| per[k + 1]));
-    let meta = upload_meta(ctx, &meta)?;
-    let entry = format!("shape_roll_{}", dy.elem.suffix());
-    let f = ctx.kernels.get(&entry)?;
-    Ok(Box::new(RollLayer {
-        path: ctx.node(node).path.clone(),
-        f,
-        x,
-        y,
-        meta,
-        per_image: dy.per_image_elems(),
-        rank: dy.dims.len() as i32,
-        sm_count: ctx.kernels.sm_count(),
-    }))
-}
-
-/// `torch.roll` on the GPU: one thread per output element.
-struct RollLayer {
-    path: String,
-    f: CudaFunction,
-    x: ValueId,
-    y: ValueId,
-    meta: DeviceBuf,
-    per_image: usize,
-    rank: i32,
-    sm_count: u32,
-}
-
-impl Layer for RollLayer {
-    fn path(&self) -> &str {
-        &self.path
-    }
-    fn kind(&self) -> String {
-        "kernel:roll".into()
-    }
-    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
-        let n = batch * self.per_image;
-        let args =
-            [KArg::Ptr(rt.ptr(self.x)), KArg::Ptr(rt.ptr(self.y)), KArg::I64(n as i64), KArg::Ptr(self.meta.ptr()), KArg::I32(self.rank)];
-        launch(rt, &self.f, grid_for(n, self.sm_count), (BLOCK, 1, 1), 0, &args)
-    }
+    let sizes: Vec<usize> = order.iter().map(|&k| dy.dims[k]).collect();
+    let shifts: Vec<usize> = order.iter().map(|&k| per[k + 1]).collect();
+    let path = ctx.node(node).path.clone();
+    let copy = StridedCopy::roll(ctx, &path, x, y, &sizes, &shifts)?;
+    Ok(strided_layer(ctx, node, "roll", vec![copy]))
 }
 
 /// Cat: channels of NHWC images (or `[F]` vectors) by the vectorised concat kernel; any other dim
@@ -525,111 +488,44 @@ fn gpu_cat(ctx: &mut BuildCtx, node: NodeId, dim: usize) -> Result<Box<dyn Layer
         if dx.dims.len() != dy.dims.len() {
             return Err(ctx.err(node, format!("input {:?} does not fit output {:?}", dx.dims, dy.dims)));
         }
-        copies.push(scatter_copy(ctx, x, y, &ys, at * ys[k])?);
+        copies.push(scatter_copy(ctx, node, x, y, &ys, at * ys[k])?);
         at += dx.dims[k];
     }
-    strided_layer(ctx, node, "cat", copies, None)
-}
-
-/// One launch of a `kernels/shape.cu` entry point: `per_image` threads per image.
-struct StridedCopy {
-    x: ValueId,
-    y: ValueId,
-    meta: DeviceBuf,
-    per_image: usize,
-}
-
-/// Strided copies (gathers for slice, pad and permute; scatters for cat) of one node.
-pub struct StridedLayer {
-    path: String,
-    kind: String,
-    f: CudaFunction,
-    copies: Vec<StridedCopy>,
-    rank: i32,
-    /// The pad value (gathers only).
-    fill: Option<f32>,
-    sm_count: u32,
-}
-
-impl Layer for StridedLayer {
-    fn path(&self) -> &str {
-        &self.path
-    }
-    fn kind(&self) -> String {
-        self.kind.clone()
-    }
-    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
-        for c in &self.copies {
-            let n = batch * c.per_image;
-            let mut args =
-                vec![KArg::Ptr(rt.ptr(c.x)), KArg::Ptr(rt.ptr(c.y)), KArg::I64(n as i64), KArg::Ptr(c.meta.ptr()), KArg::I32(self.rank)];
-            args.extend(self.fill.map(KArg::F32));
-            launch(rt, &self.f, grid_for(n, self.sm_count), (BLOCK, 1, 1), 0, &args)?;
-        }
-        Ok(())
-    }
-}
-
-fn upload_meta(ctx: &mut BuildCtx, meta: &[usize]) -> Result<DeviceBuf> {
-    let bytes: Vec<u8> = meta.iter().flat_map(|&v| (v as i64).to_le_bytes()).collect();
-    ctx.upload_bytes(&bytes)
+    Ok(strided_layer(ctx, node, "cat", copies))
 }
 
 /// A gather writing all of `y` (in its layout): output element at logical index `i` reads
-/// `x[offset + sum((i[k] - before[k]) * src_strides[k])]`, or the fill value where
-/// `i[k] - before[k]` falls outside `0..src_dims[k]`.
+/// `x[offset + sum((i[k] - before[k]) * src_strides[k])]`, or `fill` where `i[k] - before[k]`
+/// falls outside `0..src_dims[k]`.
+#[allow(clippy::too_many_arguments)]
 fn gather_copy(
     ctx: &mut BuildCtx,
+    node: NodeId,
     x: ValueId,
     y: ValueId,
     src_strides: &[usize],
     before: &[usize],
     src_dims: &[usize],
     offset: usize,
+    fill: f32,
 ) -> Result<StridedCopy> {
     let dy = ctx.value(y).clone();
-    let order = dy.layout.order();
-    let mut meta: Vec<usize> = order.iter().map(|&k| dy.dims[k]).collect();
-    meta.extend(order.iter().map(|&k| src_strides[k]));
-    meta.extend(order.iter().map(|&k| before[k]));
-    meta.extend(order.iter().map(|&k| src_dims[k]));
-    meta.push(offset);
-    meta.push(ctx.value(x).per_image_elems());
-    Ok(StridedCopy { x, y, meta: upload_meta(ctx, &meta)?, per_image: dy.per_image_elems() })
+    let dims: Vec<CopyDim> =
+        dy.layout.order().iter().map(|&k| CopyDim::gather(dy.dims[k], src_strides[k], before[k], src_dims[k])).collect();
+    let (path, op) = (ctx.node(node).path.clone(), ctx.node(node).op.name().to_string());
+    StridedCopy::new(ctx, &path, &op, CopyKind::Gather { fill }, x, y, &dims, offset)
 }
 
 /// A scatter reading all of `x` (in its layout) into `y` at `offset + sum(i[k] * dst_strides[k])`.
-fn scatter_copy(ctx: &mut BuildCtx, x: ValueId, y: ValueId, dst_strides: &[usize], offset: usize) -> Result<StridedCopy> {
+fn scatter_copy(ctx: &mut BuildCtx, node: NodeId, x: ValueId, y: ValueId, dst_strides: &[usize], offset: usize) -> Result<StridedCopy> {
     let dx = ctx.value(x).clone();
-    let order = dx.layout.order();
-    let mut meta: Vec<usize> = order.iter().map(|&k| dx.dims[k]).collect();
-    meta.extend(order.iter().map(|&k| dst_strides[k]));
-    meta.push(offset);
-    meta.push(ctx.value(y).per_image_elems());
-    Ok(StridedCopy { x, y, meta: upload_meta(ctx, &meta)?, per_image: dx.per_image_elems() })
+    let dims: Vec<CopyDim> = dx.layout.order().iter().map(|&k| CopyDim::plain(dx.dims[k], dst_strides[k])).collect();
+    let (path, op) = (ctx.node(node).path.clone(), ctx.node(node).op.name().to_string());
+    StridedCopy::new(ctx, &path, &op, CopyKind::Scatter, x, y, &dims, offset)
 }
 
-fn strided_layer(ctx: &mut BuildCtx, node: NodeId, what: &str, copies: Vec<StridedCopy>, fill: Option<f32>) -> Result<Box<dyn Layer>> {
-    let elem = ctx.elem();
-    for c in &copies {
-        let (ex, ey) = (ctx.value(c.x).elem, ctx.value(c.y).elem);
-        if ex != ey {
-            return Err(ctx.err(node, format!("mixes element types {ex:?} and {ey:?}")));
-        }
-    }
-    let elem = copies.first().map_or(elem, |c| ctx.value(c.y).elem);
-    let entry = format!("{}_{}", if what == "cat" { "shape_scatter" } else { "shape_gather" }, elem.suffix());
-    let rank = copies.first().map_or(0, |c| ctx.value(c.y).dims.len()) as i32;
-    let f = ctx.kernels.get(&entry)?;
-    Ok(Box::new(StridedLayer {
-        path: ctx.node(node).path.clone(),
-        kind: format!("kernel:{what}:{entry}"),
-        f,
-        copies,
-        rank,
-        fill: fill.or((what != "cat").then_some(0.0)),
-        sm_count: ctx.kernels.sm_count(),
-    }))
+fn strided_layer(ctx: &BuildCtx, node: NodeId, what: &str, copies: Vec<StridedCopy>) -> Box<dyn Layer> {
+    Box::new(StridedLayer::new(ctx, &ctx.node(node).path, what, copies))
 }
 
 // ---- tracing: Tensor methods and modules
