@@ -305,12 +305,13 @@ __device__ void attn_tc(const f16* q, const f16* k, const f16* v, const float* b
 ATTENTION(float, f32)
 ATTENTION(f16, f16)
 
-#define ATTENTION_TC(D)                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128)                                                                            \
-        flash_attn_tc_d##D##_f16(const f16* q, const f16* k, const f16* v, const float* bias, f16* y, int L, int Sk, int heads,  \
-                                 i64 ldq, i64 ldkv, i64 ldy, i64 zimg, float scale) {                                            \
-        attn_tc<D>(q, k, v, bias, y, L, Sk, heads, ldq, ldkv, ldy, zimg, scale);                                                 \
-    }
-
-ATTENTION_TC(32)
-ATTENTION_TC(64)
+extern "C" __global__ void __launch_bounds__(128) flash_attn_tc_d32_f16(const f16* q, const f16* k, const f16* v, const float* bias, f16* y,
+                                                                       int L, int Sk, int heads, i64 ldq, i64 ldkv, i64 ldy, i64 zimg,
+                                                                       float scale) {
+    attn_tc<32>(q, k, v, bias, y, L, Sk, heads, ldq, ldkv, ldy, zimg, scale);
+}
+extern "C" __global__ void __launch_bounds__(128) flash_attn_tc_d64_f16(const f16* q, const f16* k, const f16* v, const float* bias, f16* y,
+                                                                       int L, int Sk, int heads, i64 ldq, i64 ldkv, i64 ldy, i64 zimg,
+                                                                       float scale) {
+    attn_tc<64>(q, k, v, bias, y, L, Sk, heads, ldq, ldkv, ldy, zimg, scale);
+}

@@ -12,6 +12,7 @@ Works with torch >= 2.0 / torchvision >= 0.15.
 """
 
 import argparse
+import copy
 import hashlib
 import os
 import re
@@ -379,7 +380,11 @@ def load_weights(model, net, weights, seed):
 def run_model(net, model, x):
     if model in YOLO:
         predictions = net(x)[0]  # eval mode: (y, raw head outputs)
-        return {"predictions": predictions, "detections": yolo_nms(predictions)}
+        # PyTorch's own FP16 run of the same model (as Ultralytics' predictor with half=True): the
+        # share of FP32 detections it keeps is the baseline tests/gpu_yolo.rs holds Kiln's FP16 to.
+        half = copy.deepcopy(net).half()
+        fp16 = half(x.half())[0].float()
+        return {"predictions": predictions, "detections": yolo_nms(predictions), "detections_fp16": yolo_nms(fp16)}
     if model in ("centernet", "centernet_dcn"):
         hm, wh, reg = net(x)
         return {"hm": hm, "wh": wh, "reg": reg, "detections": centernet_decode(hm, wh, reg)}

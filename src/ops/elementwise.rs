@@ -273,9 +273,14 @@ impl OpDef for Binary {
         Ok(HostTensor::new(out, data))
     }
     fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
-        // The output follows the first activation operand of the output's rank; operands are read
-        // through strides, in whatever layout they are.
-        let out = inputs.iter().flatten().find(|l| l.rank() == out_rank).copied().unwrap_or(Layout::contiguous(out_rank));
+        // The output takes the engine's native layout if an operand of the output's rank has it,
+        // else the first such operand's; operands are read through strides, in whatever layout
+        // they are. Preferring the native layout ends a permuted layout at the first add that
+        // meets a native operand: ViT's residual stream, permuted by the patch embedding, made
+        // every residual add read one operand transposed and every LayerNorm reformat its input.
+        let same_rank = || inputs.iter().flatten().filter(|l| l.rank() == out_rank).copied();
+        let native = Layout::native(out_rank);
+        let out = same_rank().find(|&l| l == native).or_else(|| same_rank().next()).unwrap_or(Layout::contiguous(out_rank));
         LayoutPlan::any_input(inputs, out)
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
