@@ -993,6 +993,8 @@ pub fn entry_points() -> Vec<String> {
             }
         }
     }
+    // Tensor-core kernels exist in f16 only.
+    names.extend(["flash_attn_tc_d32_f16", "flash_attn_tc_d64_f16"].map(String::from));
     names
 }
 
