@@ -1073,4 +1073,40 @@ mod tests {
         }
         assert_eq!(Regions { part: usize::MAX / 2, scores: 0, probs: 0 }.per_image(), None);
     }
+
+    #[test]
+    fn qkv_attention_survives_graph_files_codegen_dot_and_new_dims() {
+        let t = crate::Tracer::new();
+        let x = t.input("x", &[1, 5, 30]);
+        let bias = Param { name: "blk.bias".into(), value: Arc::new(crate::seeded::weight("bias", &[2, 5, 5])) };
+        let y = x.qkv_attention_weight("blk.attention", 2, &bias, Some(0.5)).expect("trace");
+        t.output("y", &y);
+        let g = t.graph();
+        // Graph files (and engine files, the same JSON) keep the op and its attributes.
+        let bytes = crate::graph_file::encode(&g, &Default::default()).expect("encode");
+        let back = crate::graph_file::decode(&bytes, std::path::Path::new("qkv.kiln.safetensors")).expect("decode").graph;
+        assert_eq!(back.nodes, g.nodes);
+        let input = crate::seeded::weight("x", &[1, 5, 30]);
+        assert_eq!(crate::cpu::run(&back, &[("x", &input)]).expect("cpu")["y"], crate::cpu::run(&g, &[("x", &input)]).expect("cpu")["y"]);
+        // Codegen writes the op's serde form; its type is importable from the crate root.
+        let src = crate::codegen::generate(&g, &Default::default()).expect("codegen");
+        let flat: String = src.split_whitespace().collect::<Vec<_>>().join(" ");
+        assert!(flat.contains("Op::QkvAttention(QkvAttention { heads: 2, scale: 0.5, bias: true, })"), "{src}");
+        assert!(flat.contains("use kiln::{Graph, Op, QkvAttention, Result,"), "{src}");
+        // DOT: the bias's rank 4 is not read as a kernel size.
+        let id = g.nodes.iter().position(|n| n.path == "blk.attention").expect("node");
+        assert_eq!(crate::dot::describe_op(&g, &g.nodes[id]), "qkv_attention heads=2 scale=0.5 +bias");
+    }
+
+    #[test]
+    fn qkv_attention_reinfers_at_new_lengths() {
+        let t = crate::Tracer::new();
+        let x = t.input("x", &[1, 5, 30]);
+        t.output("y", &x.qkv_attention(2, None, None).expect("trace"));
+        let g = t.graph();
+        let moved = g.with_input_dims(&[("x".to_string(), vec![9, 30])].into()).expect("re-inferred");
+        assert_eq!(moved.nodes.last().map(|n| n.shape.clone()), Some(vec![1, 9, 10]));
+        let e = g.with_input_dims(&[("x".to_string(), vec![9, 32])].into()).unwrap_err().to_string();
+        assert!(e.contains("qkv_attention") && e.contains("[1, 9, 32]"), "{e}");
+    }
 }
