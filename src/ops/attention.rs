@@ -209,7 +209,7 @@ pub fn qkv_attention_shape(heads: usize, bias: bool, inputs: &[&[usize]]) -> Res
         return Err(format!("qkv_attention needs at least one head (qkv {qkv:?})"));
     }
     let packed = heads.checked_mul(3).ok_or_else(|| format!("qkv_attention: {heads} heads is too many"))?;
-    if qkv[r - 1] % packed != 0 {
+    if !qkv[r - 1].is_multiple_of(packed) {
         return Err(format!(
             "the last dim of qkv {qkv:?} ({}) is not divisible by 3 · {heads} heads = {packed} (q, k and v of {heads} heads each)",
             qkv[r - 1]
@@ -475,7 +475,7 @@ fn gpu_qkv_attention(ctx: &mut BuildCtx, node: NodeId, attrs: QkvAttention) -> R
     let r = dx.dims.len();
     let h = attrs.heads;
     let packed = mul(ctx, node, "3 · heads", 3, h)?;
-    if r < 2 || h == 0 || dx.dims[r - 1] % packed != 0 || dy.dims.len() != r {
+    if r < 2 || h == 0 || !dx.dims[r - 1].is_multiple_of(packed) || dy.dims.len() != r {
         return Err(ctx.err(node, format!("qkv {:?} needs [.., L, 3·{h}·D] per image (output {:?})", dx.dims, dy.dims)));
     }
     let (groups, l, d) = (&dx.dims[..r - 2], dx.dims[r - 2], dx.dims[r - 1] / packed);
@@ -840,7 +840,7 @@ impl FusedAttention {
         bias: Option<Arc<DeviceBuf>>,
     ) -> Result<Option<Self>> {
         let tiles = dims.l.div_ceil(FUSED_ROWS).max(1);
-        let rows8 = [io.ldq, io.ldkv, io.ldy].iter().all(|ld| ld % 8 == 0) && dims.d % 8 == 0;
+        let rows8 = [io.ldq, io.ldkv, io.ldy].iter().all(|ld| ld % 8 == 0) && dims.d.is_multiple_of(8);
         if tiles > MAX_GRID_Y || (kernel == FusedKernel::TensorCores && !rows8) {
             return Ok(None);
         }
@@ -986,7 +986,9 @@ mod tests {
             name: "win".into(),
             value: Arc::new(crate::seeded::weight("win", &[g, heads, l, l])),
         };
-        let cases: Vec<(&str, Vec<usize>, usize, Option<Param>, Option<f32>)> = vec![
+        // (name, qkv shape, heads, bias, scale)
+        type Case = (&'static str, Vec<usize>, usize, Option<Param>, Option<f32>);
+        let cases: Vec<Case> = vec![
             ("ViT-like, 2 heads of 4", vec![2, 7, 24], 2, None, None),
             ("one head of 5, scale 0.3", vec![3, 6, 15], 1, None, Some(0.3)),
             ("Swin-like windows, a bias per head", vec![2, 3, 9, 72], 3, Some(rel(3, 9)), None),
