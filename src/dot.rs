@@ -19,7 +19,9 @@ pub fn describe_op(graph: &Graph, node: &Node) -> String {
         };
     };
     let label = def.label();
-    let kernel = node.inputs.get(1).map(|&w| &graph.nodes[w]).filter(|w| matches!(w.op, Op::Weight { .. }) && w.shape.len() == 4);
+    // Only a convolution's rank-4 weight is a kernel (Swin's attention bias is rank 4 too).
+    let conv = matches!(node.op, Op::Conv(_));
+    let kernel = node.inputs.get(1).map(|&w| &graph.nodes[w]).filter(|w| conv && matches!(w.op, Op::Weight { .. }) && w.shape.len() == 4);
     match (kernel, label.split_once(' ')) {
         (Some(w), Some((name, rest))) => format!("{name} {}x{} {rest}", w.shape[2], w.shape[3]),
         (Some(w), None) => format!("{label} {}x{}", w.shape[2], w.shape[3]),
@@ -85,7 +87,7 @@ fn quote(s: &str) -> String {
 fn fill(node: &Node) -> &'static str {
     match &node.op {
         _ if is_fused(node) => "#f4a259",
-        Op::Conv(_) | Op::Gemm(_) | Op::Attention(_) => "#8ecae6",
+        Op::Conv(_) | Op::Gemm(_) | Op::Attention(_) | Op::QkvAttention(_) => "#8ecae6",
         Op::Norm(_) => "#ffe08a",
         Op::Pool(_) | Op::Resize(_) => "#b7e4c7",
         Op::Unary(_) => "#e9ecef",

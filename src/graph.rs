@@ -2,7 +2,7 @@
 //!
 //! The graph knows nothing of CUDA. The CPU executor and the engine builder both consume it.
 
-pub use crate::ops::attention::Attention;
+pub use crate::ops::attention::{Attention, QkvAttention};
 pub use crate::ops::conv::{Activation, ConvAttrs};
 pub use crate::ops::custom::CustomCall;
 pub use crate::ops::elementwise::{Binary, Unary};
@@ -85,6 +85,9 @@ pub enum Op {
     Resize(Resize),
     /// Scaled dot-product attention with an optional additive bias (`ops::attention`).
     Attention(Attention),
+    /// Multi-head self-attention on a packed `[.., L, 3·H·D]` projection, heads concatenated in
+    /// its output: no copies around the attention (`ops::attention`).
+    QkvAttention(QkvAttention),
     /// Quantize, dequantize and fake-quantize, int8 and fp8 (`ops::quant`).
     Quant(Quant),
     /// A user-registered op (`ops::custom`): its name selects its shape rule, CPU reference and
@@ -107,6 +110,7 @@ impl Op {
             Op::Shape(a) => a,
             Op::Resize(a) => a,
             Op::Attention(a) => a,
+            Op::QkvAttention(a) => a,
             Op::Quant(a) => a,
             Op::Custom(a) => a,
         })

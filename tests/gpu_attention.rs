@@ -1,20 +1,79 @@
-//! The attention op's two GPU candidates (cuBLASLt batched GEMMs + our softmax kernel, and our
-//! fused kernel), each forced through `tactic_sources`, plus the timed choice, against the CPU
-//! executor: FP32 and FP16, batch 1 and 3, odd lengths (ViT's 197 tokens, Swin's 49-position
-//! windows), with and without a constant bias (Swin's relative position bias + shifted-window mask).
-//! Also `roll` (Swin's cyclic shift) through `common::check`.
+//! The attention ops' GPU candidates against the CPU executor, each forced through
+//! `tactic_sources`, plus the timed choice: FP32 and FP16, batch 1 to 3, odd lengths (ViT's 197
+//! tokens, Swin's 49-position windows), with and without a constant bias (Swin's relative position
+//! bias + shifted-window mask).
+//! - `attention` (q, k, v apart): cuBLASLt batched GEMMs + our softmax kernel, our fused kernel on
+//!   CUDA cores, and (FP16) its tensor-core twin;
+//! - `qkv_attention` (packed `[.., L, 3·H·D]`, heads concatenated out): the two fused kernels
+//!   reading q, k and v in place, and the unpacked cuBLASLt fallback (any head dim).
+//!
+//! Also `roll` (Swin's cyclic shift) and a Swin block through `common::check`.
 //!
 //! On the device: `cargo test --release --test gpu_attention -- --include-ignored --nocapture --test-threads 1`.
 
 use kiln::engine::{BuildConfig, EngineBuilder, Precision};
-use kiln::{HostTensor, Param, Tracer};
+use kiln::{Graph, HostTensor, Param, Tracer};
 use std::sync::Arc;
 
 mod common;
 use common::{check, gpu, random, rel_l2, BATCHES};
 
-/// A traced attention over inputs q `[1, ..q]`, k and v `[1, ..kv]`, optionally with a constant bias.
-fn trace(q: &[usize], kv: &[usize], bias: Option<&Param>) -> kiln::Graph {
+/// A tactic source to force (`None`: the timed choice) and whether only FP16 engines have it.
+type Source = (Option<&'static str>, bool);
+
+/// The sources of an attention layer: the timed choice, the cuBLASLt path (`gemm`, the kind's
+/// prefix), and the fused kernels where the head dim has them (the tensor-core one in FP16 only).
+fn sources(gemm: &'static str, fused: bool) -> Vec<Source> {
+    let mut s = vec![(None, false), (Some(gemm), false)];
+    if fused {
+        s.extend([(Some("kernel:flash_attn_d"), false), (Some("kernel:flash_attn_tc"), true)]);
+    }
+    s
+}
+
+/// Builds `graph` with each source forced (FP32 at `tol32`, FP16 at 1e-2) and compares output `y`
+/// with the CPU executor at every batch, on fresh inputs of the given per-image shapes.
+fn run_sources(name: &str, graph: &Graph, inputs: &[(&str, &[usize])], sources: &[Source], tol32: f64) {
+    let Some(gpu) = gpu() else { return };
+    for &(source, fp16_only) in sources {
+        for (precision, tol) in [(Precision::Fp32, tol32), (Precision::Fp16, 1e-2)] {
+            if fp16_only && precision != Precision::Fp16 {
+                continue;
+            }
+            let mut config = BuildConfig::default().precision(precision).batch(1, 3, 3).cuda_graphs(false);
+            if let Some(s) = source {
+                config = config.tactic_sources(&[s]);
+            }
+            let engine =
+                Arc::new(EngineBuilder::new(config).with_gpu(gpu.clone()).build(graph).unwrap_or_else(|e| panic!("{name}: build: {e}")));
+            let kind: Vec<String> = engine.layers().map(|l| l.kind()).filter(|k| k.contains("attn") || k.contains("attention")).collect();
+            assert!(!kind.is_empty(), "{name}: no attention layer in the engine");
+            if let Some(s) = source {
+                assert!(kind.iter().all(|k| k.starts_with(s)), "{name}: forced {s}, got {kind:?}");
+            }
+            let mut ctx = engine.context().expect("context");
+            for batch in [1, 2, 3] {
+                let seed = name.bytes().fold(batch as u64 * 7919, |h, b| h.wrapping_mul(31).wrapping_add(b as u64));
+                let values: Vec<HostTensor> =
+                    inputs.iter().enumerate().map(|(i, (_, s))| random(&[&[batch][..], s].concat(), seed + i as u64, 1.0)).collect();
+                let bound: Vec<(&str, &HostTensor)> = inputs.iter().map(|(n, _)| *n).zip(&values).collect();
+                let want = kiln::cpu::run(graph, &bound).expect("cpu");
+                let got = ctx.run(&bound).unwrap_or_else(|e| panic!("{name} {precision:?} batch {batch}: {e}"));
+                let (rel, max_abs) = rel_l2(&got["y"].data, &want["y"].data);
+                println!(
+                    "{name:<36} {:<28} {precision:?} batch {batch} {:?}: rel L2 {rel:.2e}, max abs {max_abs:.2e} ({kind:?})",
+                    source.unwrap_or("timed"),
+                    want["y"].shape
+                );
+                assert!(rel <= tol, "{name} {source:?} {precision:?} batch {batch}: rel L2 {rel:.3e} > {tol:e}");
+            }
+        }
+    }
+}
+
+/// `attention` over inputs q `[1, ..q]`, k and v `[1, ..kv]`, optionally with a constant bias,
+/// through every candidate.
+fn check_candidates(name: &str, q: &[usize], kv: &[usize], bias: Option<&Param>, fused: bool) {
     let tracer = Tracer::new();
     let full = |s: &[usize]| [&[1usize][..], s].concat();
     let (tq, tk, tv) = (tracer.input("q", &full(q)), tracer.input("k", &full(kv)), tracer.input("v", &full(kv)));
@@ -24,53 +83,23 @@ fn trace(q: &[usize], kv: &[usize], bias: Option<&Param>) -> kiln::Graph {
     }
     .expect("trace");
     tracer.output("y", &y);
-    tracer.graph()
+    run_sources(name, &tracer.graph(), &[("q", q), ("k", kv), ("v", kv)], &sources("cublaslt-attention", fused), 1e-5);
 }
 
-/// Builds the graph with each candidate forced (and with the timed choice) and compares it with
-/// the CPU executor at every batch.
-fn check_candidates(name: &str, q: &[usize], kv: &[usize], bias: Option<&Param>, fused: bool) {
-    let Some(gpu) = gpu() else { return };
-    let graph = trace(q, kv, bias);
-    let mut sources: Vec<Option<&str>> = vec![None, Some("cublaslt-attention")];
-    if fused {
-        // The CUDA-core kernel (any precision) and the tensor-core one (f16 only).
-        sources.extend([Some("kernel:flash_attn_d"), Some("kernel:flash_attn_tc")]);
+/// `qkv_attention` over a packed input `[1, ..qkv]` with `heads` heads, optionally with a constant
+/// bias, through every candidate its head dim has.
+fn check_packed(name: &str, qkv: &[usize], heads: usize, bias: Option<&Param>) {
+    let tracer = Tracer::new();
+    let x = tracer.input("qkv", &[&[1usize][..], qkv].concat());
+    let y = match bias {
+        Some(b) => x.qkv_attention_weight("attn", heads, b, None),
+        None => x.qkv_attention(heads, None, None),
     }
-    for source in sources {
-        for (precision, tol) in [(Precision::Fp32, 1e-5), (Precision::Fp16, 1e-2)] {
-            if source == Some("kernel:flash_attn_tc") && precision == Precision::Fp32 {
-                continue;
-            }
-            let mut config = BuildConfig::default().precision(precision).batch(1, 3, 3).cuda_graphs(false);
-            if let Some(s) = source {
-                config = config.tactic_sources(&[s]);
-            }
-            let engine =
-                Arc::new(EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph).unwrap_or_else(|e| panic!("{name}: build: {e}")));
-            let kind: Vec<String> = engine.layers().map(|l| l.kind()).filter(|k| k.contains("attn") || k.contains("attention")).collect();
-            assert!(!kind.is_empty(), "{name}: no attention layer in the engine");
-            if let Some(s) = source {
-                assert!(kind.iter().all(|k| k.starts_with(s)), "{name}: forced {s}, got {kind:?}");
-            }
-            let mut ctx = engine.context().expect("context");
-            for batch in BATCHES {
-                let seed = name.bytes().fold(batch as u64 * 7919, |h, b| h.wrapping_mul(31).wrapping_add(b as u64));
-                let shape = |s: &[usize]| [&[batch][..], s].concat();
-                let (hq, hk, hv) = (random(&shape(q), seed, 1.0), random(&shape(kv), seed + 1, 1.0), random(&shape(kv), seed + 2, 1.0));
-                let bound = [("q", &hq), ("k", &hk), ("v", &hv)];
-                let want = kiln::cpu::run(&graph, &bound).expect("cpu");
-                let got = ctx.run(&bound).unwrap_or_else(|e| panic!("{name} {precision:?} batch {batch}: {e}"));
-                let (rel, max_abs) = rel_l2(&got["y"].data, &want["y"].data);
-                println!(
-                    "{name:<28} {:<20} {precision:?} batch {batch} {:?}: rel L2 {rel:.2e}, max abs {max_abs:.2e} ({kind:?})",
-                    source.unwrap_or("timed"),
-                    want["y"].shape
-                );
-                assert!(rel <= tol, "{name} {source:?} {precision:?} batch {batch}: rel L2 {rel:.3e} > {tol:e}");
-            }
-        }
-    }
+    .expect("trace");
+    tracer.output("y", &y);
+    let d = qkv[qkv.len() - 1] / (3 * heads);
+    let fused = matches!(d, 32 | 64);
+    run_sources(name, &tracer.graph(), &[("qkv", qkv)], &sources("cublaslt-attention:unpacked", fused), 1e-4);
 }
 
 /// Swin's stage-1 bias for 4 windows of a 14×14 map: a random relative position bias per head
@@ -103,6 +132,34 @@ fn swin_window_attention_with_bias_and_mask() {
     check_candidates("swin windows, bias + mask", &[4, 3, 49, 32], &[4, 3, 49, 32], Some(&swin_bias(3)), true);
 }
 
+/// ViT-B/16's packed attention: `in_proj`'s `[197, 2304]` rows, 12 heads of 64.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn packed_vit_attention_197_tokens() {
+    check_packed("packed vit 12 heads L197 d64", &[197, 2304], 12, None);
+    check_packed("packed 4 heads L70 d32", &[70, 384], 4, None);
+}
+
+/// Swin-T's stage-1 packed window attention: `[4 windows, 49, 288]`, 3 heads of 32, with the
+/// relative position bias alone and with the shifted-window mask added.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn packed_swin_window_attention_with_bias_and_mask() {
+    let rel = Param { name: "attn.rel".into(), value: Arc::new(random(&[3, 49, 49], 98, 0.5)) };
+    check_packed("packed swin windows, rel bias", &[4, 49, 288], 3, Some(&rel));
+    check_packed("packed swin windows, bias + mask", &[4, 49, 288], 3, Some(&swin_bias(3)));
+}
+
+/// A head dim the fused kernels are not stamped for (40): the unpacked cuBLASLt candidate alone,
+/// without and with groups and a bias.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn packed_attention_head_dim_40_unpacked() {
+    check_packed("packed 2 heads L19 d40", &[19, 240], 2, None);
+    let bias = Param { name: "attn.bias".into(), value: Arc::new(random(&[3, 2, 19, 19], 97, 0.5)) };
+    check_packed("packed 3 groups 2 heads L19 d40 bias", &[3, 19, 240], 2, Some(&bias));
+}
+
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn roll() {
@@ -123,6 +180,19 @@ fn swin_block_end_to_end() {
     use kiln::{Forward, Module};
     check("swin block dim 96 heads 3 on 14x14, shifted", &[("x", &[14, 14, 96])], |x| {
         let b = kiln_models::swin::SwinTransformerBlock::load(kiln::VarBuilder::seeded().pp("blk"), &(96, 3, 7, 3))?;
+        Ok(vec![b.forward(&x[0])?])
+    });
+}
+
+/// A ViT encoder block end to end (LayerNorm, in_proj, packed attention, out_proj, MLP), narrowed
+/// to 256 wide with 8 heads of 32 to keep the CPU reference quick.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn vit_block_end_to_end() {
+    use kiln::{Forward, Module};
+    check("vit block width 256 heads 8 on 197 tokens", &[("x", &[197, 256])], |x| {
+        let c = kiln_models::vit::VitConfig { hidden: 256, heads: 8, mlp: 512, ..kiln_models::vit::VitConfig::vit_b_16() };
+        let b = kiln_models::vit::EncoderBlock::load(kiln::VarBuilder::seeded().pp("blk"), &c)?;
         Ok(vec![b.forward(&x[0])?])
     });
 }

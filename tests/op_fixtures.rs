@@ -155,6 +155,9 @@ fn build(case: &str, vb: VarBuilder, x: &Tensor, other: Option<&Tensor>) -> Opti
             let (k, v) = kv(o)?;
             x.attention_weight(case, &k, &v, &vb.get(&[5, 1], "bias")?, None)
         }),
+        "qkv_attention_vit" => x.qkv_attention(3, None, None),
+        "qkv_attention_swin_bias" => vb.get(&[4, 3, 7, 7], "bias").and_then(|b| x.qkv_attention_weight(case, 3, &b, Some(0.3))),
+        "qkv_attention_head_bias" => vb.get(&[2, 5, 5], "bias").and_then(|b| x.qkv_attention_weight(case, 2, &b, None)),
         "fake_quantize_per_tensor_affine" => x.fake_quantize(QuantParams::int8(0.02)),
         "fake_quantize_per_tensor_zero_point" => x.fake_quantize(QuantParams::int8(0.03).zero_points(vec![10]).range(0, 255)),
         "fake_quantize_per_channel_affine" => x.fake_quantize(QuantParams::int8(1.0).per_channel(1, vec![0.01, 0.02, 0.05])),

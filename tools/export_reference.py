@@ -614,6 +614,27 @@ def op_cases():
     c.append(("attention_vit", Attn(), [[2, 3, 17, 16], [2, 2, 3, 13, 16]]))
     c.append(("attention_swin_bias", Attn([4, 3, 7, 7], 0.3), [[2, 4, 3, 7, 8], [2, 2, 4, 3, 7, 8]]))
     c.append(("attention_bias_rows", Attn([5, 1], None), [[3, 2, 5, 4], [3, 2, 2, 9, 4]]))
+
+    # Packed multi-head self-attention (qkv_attention): the input's last dim is q, k, v, each
+    # `heads` heads of D (`nn.MultiheadAttention`'s in_proj order, Swin's qkv Linear); the output
+    # has the heads concatenated, as both models feed it to their output projection.
+    class QkvAttn(nn.Module):
+        def __init__(self, heads, bias_shape=None, scale=None):
+            super().__init__()
+            self.heads, self.scale = heads, scale
+            self.bias = nn.Parameter(torch.zeros(bias_shape)) if bias_shape else None
+
+        def forward(self, x):
+            *lead, n, e3 = x.shape
+            d = e3 // (3 * self.heads)
+            q, k, v = x.reshape(*lead, n, 3, self.heads, d).unbind(-3)
+            q, k, v = (t.transpose(-3, -2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias, scale=self.scale)
+            return y.transpose(-3, -2).reshape(*lead, n, self.heads * d)
+
+    c.append(("qkv_attention_vit", QkvAttn(3), [[2, 17, 144]]))
+    c.append(("qkv_attention_swin_bias", QkvAttn(3, [4, 3, 7, 7], 0.3), [[2, 4, 7, 72]]))
+    c.append(("qkv_attention_head_bias", QkvAttn(2, [2, 5, 5]), [[3, 5, 30]]))
     # Quantisation (src/ops/quant.rs): PyTorch's fake-quant and quantize ops, and the fp8 e4m3
     # round trip after scaling (clamped first: Kiln saturates, PyTorch's cast would give NaN).
     def fp8(a, scale):

@@ -155,11 +155,8 @@ impl Forward for ShiftedWindowAttention {
         // Partition: [B, nh, ws, nw, ws, C] -> [B, nh, nw, ws, ws, C] -> [B, windows, N, C].
         let x =
             x.view(&[i(b), i(nh), i(ws), i(nw), i(ws), i(c)])?.permute(&[0, 1, 3, 2, 4, 5])?.reshape(&[i(b), i(nh * nw), i(n), i(c)])?;
+        // [B, windows, N, 3·C]: q, k, v, each `heads` heads of hd, read in place by the packed op.
         let qkv = self.qkv.forward(&x)?;
-        // [B, windows, N, 3, heads, hd] -> [B, 3, windows, heads, N, hd].
-        let qkv = qkv.reshape(&[i(b), i(nh * nw), i(n), 3, i(heads), i(hd)])?.permute(&[0, 3, 1, 4, 2, 5])?;
-        let part = |k: usize| qkv.narrow(1, k, 1)?.reshape(&[i(b), i(nh * nw), i(heads), i(n), i(hd)]);
-        let (q, k, v) = (part(0)?, part(1)?, part(2)?);
         if shift[0] != shift[1] {
             return Err(kiln::Error::Shape {
                 path: self.path.clone(),
@@ -170,9 +167,8 @@ impl Forward for ShiftedWindowAttention {
         }
         let bias = self.bias(ph, pw, shift[0]);
         let scale = (hd as f32).powf(-0.5);
-        let y = q.attention_weight(&format!("{}.attention", self.path), &k, &v, &bias, Some(scale))?;
-        // [B, windows, heads, N, hd] -> [B, windows, N, C].
-        let y = y.permute(&[0, 1, 3, 2, 4])?.reshape(&[i(b), i(nh * nw), i(n), i(c)])?;
+        // [B, windows, N, C], the heads concatenated as `proj` reads them.
+        let y = qkv.qkv_attention_weight(&format!("{}.attention", self.path), heads, &bias, Some(scale))?;
         let y = self.proj.forward(&y)?;
         // Reverse: [B, nh, nw, ws, ws, C] -> [B, nh, ws, nw, ws, C] -> [B, ph, pw, C].
         let y = y.view(&[i(b), i(nh), i(nw), i(ws), i(ws), i(c)])?.permute(&[0, 1, 3, 2, 4, 5])?.reshape(&[i(b), i(ph), i(pw), i(c)])?;
@@ -340,7 +336,16 @@ mod tests {
     fn swin_t_traces_with_torchvision_structure() {
         let g = crate::trace("swin_t", VarBuilder::seeded(), 1, 224).expect("trace");
         let count = |op: &str| g.nodes.iter().filter(|n| n.op.name() == op).count();
-        assert_eq!(count("attention"), 12, "depths 2 + 2 + 6 + 2");
+        assert_eq!(count("qkv_attention"), 12, "depths 2 + 2 + 6 + 2");
+        assert_eq!(count("attention"), 0, "every block reads its packed qkv");
+        // No copies around the attention: it reads the qkv Linear's output and proj reads its own.
+        let id = g.nodes.iter().position(|n| n.path == "features.1.1.attn.attention").expect("the second block's attention");
+        let node = &g.nodes[id];
+        assert_eq!(node.op.name(), "qkv_attention");
+        assert_eq!((node.shape.as_slice(), g.nodes[node.inputs[0]].path.as_str()), ([1, 64, 49, 96].as_slice(), "features.1.1.attn.qkv"));
+        assert_eq!(g.nodes[node.inputs[1]].shape, [64, 3, 49, 49], "relative position bias + shifted-window mask");
+        let readers: Vec<&str> = g.nodes.iter().filter(|n| n.inputs.contains(&id)).map(|n| n.path.as_str()).collect();
+        assert_eq!(readers, ["features.1.1.attn.proj"]);
         // Shifted blocks (every second one) roll there and back, except in the last stage, whose
         // 7x7 map is one window (torchvision's shift is then 0).
         assert_eq!(count("roll"), 2 * (1 + 1 + 3));

@@ -62,20 +62,15 @@ impl Module for MultiheadAttention {
 impl Forward for MultiheadAttention {
     /// `[N, L, E]` → `[N, L, E]`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (n, l, e) = (x.shape()[0] as isize, x.shape()[1] as isize, x.shape()[2]);
-        let (h, hd) = (self.heads as isize, (e / self.heads) as isize);
         let qkv = Tensor::record(
             &format!("{}.in_proj", self.path),
             Op::Gemm(Gemm::Linear { bias: true }),
             &[x],
             &[&self.in_proj_weight, &self.in_proj_bias],
         )?;
-        // [N, L, 3, heads, hd] -> [N, 3, heads, L, hd].
-        let qkv = qkv.reshape(&[n, l, 3, h, hd])?.permute(&[0, 2, 3, 1, 4])?;
-        let part = |k: usize| qkv.narrow(1, k, 1)?.reshape(&[n, h, l, hd]);
-        let (q, k, v) = (part(0)?, part(1)?, part(2)?);
-        let y = q.attention(&k, &v, None, None)?;
-        self.out_proj.forward(&y.permute(&[0, 2, 1, 3])?.reshape(&[n, l, e as isize])?)
+        // `in_proj`'s rows are q, k, v, each `heads` heads of E / heads: the packed op reads them
+        // where they are and writes the heads concatenated, `[N, L, E]`, ready for `out_proj`.
+        self.out_proj.forward(&qkv.qkv_attention(self.heads, None, None)?)
     }
 }
 
@@ -174,9 +169,17 @@ mod tests {
     #[test]
     fn vit_b_16_traces_with_torchvision_structure() {
         let g = crate::trace("vit_b_16", VarBuilder::seeded(), 2, 224).expect("trace");
-        let attention: Vec<_> = g.nodes.iter().filter(|n| n.op.name() == "attention").collect();
+        let attention: Vec<_> = (0..g.nodes.len()).filter(|&i| g.nodes[i].op.name() == "qkv_attention").collect();
         assert_eq!(attention.len(), 12);
-        assert_eq!(attention[0].shape, [2, 12, 197, 64], "[N, heads, 1 + 14·14 tokens, 64]");
+        let first = &g.nodes[attention[0]];
+        assert_eq!(first.shape, [2, 197, 768], "[N, 1 + 14·14 tokens, 12 heads · 64]");
+        assert_eq!(first.op, Op::QkvAttention(kiln::QkvAttention { heads: 12, scale: 0.125, bias: false }));
+        // No copies around the attention: it reads in_proj's output and out_proj reads its own.
+        let layer = "encoder.layers.encoder_layer_0.self_attention";
+        assert_eq!(g.nodes[first.inputs[0]].path, format!("{layer}.in_proj"));
+        assert_eq!(g.nodes[first.inputs[0]].shape, [2, 197, 2304]);
+        let readers: Vec<&str> = g.nodes.iter().filter(|n| n.inputs.contains(&attention[0])).map(|n| n.path.as_str()).collect();
+        assert_eq!(readers, [format!("{layer}.out_proj")]);
         assert_eq!(g.weights["encoder.layers.encoder_layer_11.self_attention.in_proj_weight"].shape, [2304, 768]);
         assert_eq!(g.weights["encoder.pos_embedding+class_token"].shape, [1, 197, 768]);
         assert_eq!(g.weights["heads.head.weight"].shape, [1000, 768]);

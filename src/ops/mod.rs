@@ -36,7 +36,7 @@ pub fn builtin_ops() -> Vec<Op> {
         .chain(Binary::iter().map(Op::Binary))
         .chain(ShapeOp::iter().map(Op::Shape))
         .chain(Resize::iter().map(Op::Resize))
-        .chain([Op::Attention(attention::Attention::default())])
+        .chain([Op::Attention(attention::Attention::default()), Op::QkvAttention(attention::QkvAttention::default())])
         .chain(Quant::iter().map(Op::Quant))
         .collect()
 }
