@@ -205,7 +205,9 @@ fn assert_decode_in_fp32(model: &str, engine: &Engine) {
 /// scores out of 8400 near-ties: FP16's score rounding (about 2e-4 at 0.5) reorders that cut
 /// (4.7% kept on the H100), so with seeded weights the FP16 share is printed, not asserted, and the
 /// predictions are checked by rel L2. With Ultralytics' references (calibrated head, separated
-/// scores) it must reach 98%.
+/// scores) it must reach 98%, or PyTorch's own FP16 share where that is lower: on YOLO11n's random
+/// network (its calibrated head amplifies FP16 rounding) Ultralytics' FP16 model keeps 86% of its
+/// own FP32 detections on the H100 (`tools/yolo_fp16_baseline.py`).
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored on the device"]
 fn yolo_models_match_the_cpu_and_ultralytics() {
@@ -255,8 +257,24 @@ fn yolo_models_match_the_cpu_and_ultralytics() {
                 let mut ctx = e.context().expect("context");
                 let got = ctx.run(&[("input", x)]).expect("run");
                 let label = format!("{model} Ultralytics {} {precision:?}", path.display());
-                // Seeded weights: the FP16 share is only printed (see above).
-                let share = if dir.ends_with("seeded") && precision == Precision::Fp16 { None } else { Some(0.98) };
+                // Seeded weights: the FP16 share is only printed (see above). Otherwise FP16 must keep
+                // 98% of the FP32 detections, or, where PyTorch's own FP16 run of the model keeps
+                // fewer (`output.detections_fp16`, tools/export_reference.py), at least as many as it.
+                let share = match (precision, refs.get("output.detections_fp16")) {
+                    (Precision::Fp16, _) if dir.ends_with("seeded") => None,
+                    (Precision::Fp16, Some(torch16)) => {
+                        let (m, total) = (0..x.shape[0])
+                            .map(|n| matched(torch16, &refs["output.detections"], n))
+                            .fold((0, 0), |(a, b), (m, t)| (a + m, b + t));
+                        let torch_share = if total == 0 { 1.0 } else { m as f64 / total as f64 };
+                        println!(
+                            "BASELINE {model}: PyTorch's own FP16 keeps {m} of {total} FP32 detections ({:.1}%)",
+                            torch_share * 100.0
+                        );
+                        Some(torch_share.min(0.98))
+                    }
+                    _ => Some(0.98),
+                };
                 check(&label, &got, &refs["output.predictions"], &refs["output.detections"], tol, share);
             }
         }
