@@ -13,7 +13,8 @@ use std::fmt::Write;
 pub fn describe_op(graph: &Graph, node: &Node) -> String {
     let Some(def) = node.op.def() else {
         return match &node.op {
-            Op::Input { name } => format!("input `{name}`"),
+            Op::Input { name } if node.dtype == crate::graph::DType::F32 => format!("input `{name}`"),
+            Op::Input { name } => format!("input `{name}` {}", node.dtype),
             Op::Weight { name } => format!("weight `{name}`"),
             _ => unreachable!("only leaves have no definition"),
         };
