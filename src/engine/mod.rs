@@ -66,11 +66,12 @@ impl Precision {
         }
     }
 
-    /// `fp32` / `fp16`: the name of a storage type, for layer listings.
+    /// `fp32` / `fp16`: the name of a storage type, for layer listings (`u8` for a byte binding).
     pub fn name(elem: Elem) -> &'static str {
         match elem {
             Elem::F32 => "fp32",
             Elem::F16 => "fp16",
+            Elem::U8 => "u8",
         }
     }
 
