@@ -15,6 +15,7 @@ pub use crate::ops::shape::ShapeOp;
 use crate::ops::OpDef;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -127,13 +128,13 @@ impl<'a> HostInput<'a> {
     /// The values the CPU executor computes with for the input `name` declared `dtype`: an f32
     /// tensor as it is (for a u8 input, once its values are checked to be bytes), bytes as f32.
     /// Bytes for an f32 input are an error: the declared type is the binding's contract.
-    pub fn to_f32(self, name: &str, dtype: DType) -> Result<std::borrow::Cow<'a, HostTensor>> {
+    pub fn to_f32(self, name: &str, dtype: DType) -> Result<Cow<'a, HostTensor>> {
         self.check_len(name)?;
         match (self, dtype) {
             (_, DType::F16) => Err(unsupported_input(name, dtype)),
-            (HostInput::F32(t), DType::U8) => check_bytes(name, t).map(|()| std::borrow::Cow::Borrowed(t)),
-            (HostInput::F32(t), DType::F32) => Ok(std::borrow::Cow::Borrowed(t)),
-            (HostInput::U8(t), DType::U8) => Ok(std::borrow::Cow::Owned(t.to_f32())),
+            (HostInput::F32(t), DType::U8) => check_bytes(name, t).map(|()| Cow::Borrowed(t)),
+            (HostInput::F32(t), DType::F32) => Ok(Cow::Borrowed(t)),
+            (HostInput::U8(t), DType::U8) => Ok(Cow::Owned(t.to_f32())),
             (HostInput::U8(_), DType::F32) => Err(Error::Binding {
                 name: name.to_string(),
                 reason: "bytes were given, but the input is declared f32; give f32 values (a HostTensor), or declare it u8 when tracing (`Tracer::input_typed`)".into(),
@@ -143,13 +144,13 @@ impl<'a> HostInput<'a> {
 
     /// The bytes an engine uploads for the input `name` declared u8: bytes as they are, f32 values
     /// converted once checked to be bytes.
-    pub fn to_u8(self, name: &str) -> Result<std::borrow::Cow<'a, ByteTensor>> {
+    pub fn to_u8(self, name: &str) -> Result<Cow<'a, ByteTensor>> {
         self.check_len(name)?;
         match self {
-            HostInput::U8(t) => Ok(std::borrow::Cow::Borrowed(t)),
+            HostInput::U8(t) => Ok(Cow::Borrowed(t)),
             HostInput::F32(t) => {
                 check_bytes(name, t)?;
-                Ok(std::borrow::Cow::Owned(ByteTensor { shape: t.shape.clone(), data: t.data.iter().map(|&v| v as u8).collect() }))
+                Ok(Cow::Owned(ByteTensor { shape: t.shape.clone(), data: t.data.iter().map(|&v| v as u8).collect() }))
             }
         }
     }
@@ -157,7 +158,7 @@ impl<'a> HostInput<'a> {
 
 /// The error for an input declared with a type no binding has (f16: the graph's element types
 /// include it, but the host API hands over f32 values or bytes).
-pub(crate) fn unsupported_input(name: &str, dtype: DType) -> Error {
+fn unsupported_input(name: &str, dtype: DType) -> Error {
     Error::Binding { name: name.to_string(), reason: format!("is declared {dtype}; inputs are f32 or u8") }
 }
 

@@ -981,7 +981,10 @@ fn a_u8_frame_model_runs_benches_inspects_and_codegens_on_the_cpu() {
     assert!(stdout.contains("tracer.input_typed(\"frame\", &[batch, 30, 120], DType::U8)"), "{stdout}");
 
     // An image size is for NCHW inputs; the frame model says what it takes instead.
-    fails_with(&["run", arg(&path), "--cpu", "--size", "64"], &["--size/--shapes", "NCHW", "`frame` 30x120 u8"]);
+    fails_with(
+        &["run", arg(&path), "--cpu", "--size", "64"],
+        &["--size/--shapes 64x64 is for an NCHW image input", "takes frame 30x120 u8, at its traced dims"],
+    );
     fails_with(&["compare", arg(&path), "--cpu"], &["kiln compare needs a model whose input is an NCHW image", "frame 30x120 u8"]);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -313,7 +313,7 @@ impl ExecutionContext {
             })?;
         }
         let mut batch = None;
-        // Converted inputs (f32 values for a u8 binding) live until the copies are done.
+        // Bytes converted from f32 values live until the copies are done.
         let mut staged = Vec::new();
         for (name, t) in inputs {
             let v = self.binding(name, true)?;

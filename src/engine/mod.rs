@@ -7,8 +7,8 @@
 //!
 //! Physical layout inside an engine: every activation is NHWC, batch-major, element type f32
 //! (`Fp32`/`Tf32`) or f16 (`Fp16`), allocated for `max_batch` in one arena planned by tensor
-//! lifetime. The user's inputs and outputs are NCHW f32 bindings; reformat layers convert at the
-//! edges.
+//! lifetime. The user's inputs and outputs are NCHW f32 bindings (an input declared u8 is a
+//! binding of bytes); reformat layers convert at the edges.
 
 pub mod arena;
 pub mod builder;

@@ -30,14 +30,7 @@ impl Traced {
     pub fn hw_text(&self) -> String {
         match self.hw {
             Some([h, w]) => format!("{h}x{w}"),
-            None => {
-                let inputs = graph_inputs(&self.graph);
-                inputs
-                    .iter()
-                    .map(|i| format!("{} {} {}", i.name, super::shapes::dims_text(&i.dims), i.dtype))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            }
+            None => inputs_text(&self.graph),
         }
     }
 
@@ -56,6 +49,12 @@ pub struct InputSpec {
     pub name: String,
     pub dims: Vec<usize>,
     pub dtype: DType,
+}
+
+/// Each input's name, per-image dims and type, for messages: `frame 720x3840 u8`.
+fn inputs_text(graph: &Graph) -> String {
+    let inputs = graph_inputs(graph);
+    inputs.iter().map(|i| format!("{} {} {}", i.name, super::shapes::dims_text(&i.dims), i.dtype)).collect::<Vec<_>>().join(", ")
 }
 
 /// The inputs of a graph, in binding order.
@@ -321,12 +320,9 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
                 })?
             }
             (Some([h, w]), None) => {
-                let inputs = graph_inputs(&graph);
-                let have: Vec<String> =
-                    inputs.iter().map(|i| format!("`{}` {} {}", i.name, super::shapes::dims_text(&i.dims), i.dtype)).collect();
                 return Err(Error::Flag {
                     flag: "--size/--shapes".into(),
-                    reason: format!("{h}x{w} is for an NCHW image input; {name} takes {}, at its traced dims", have.join(", ")),
+                    reason: format!("{h}x{w} is for an NCHW image input; {name} takes {}, at its traced dims", inputs_text(&graph)),
                 });
             }
             _ => graph,
