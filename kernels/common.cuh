@@ -4,7 +4,8 @@
 //
 // Conventions of every kernel:
 // - activations are NHWC, batch-major; N is a kernel argument (the batch is known only at run time);
-// - element type `float` or `f16` (IEEE binary16 bits); arithmetic accumulates in float;
+// - element type `float` or `f16` (IEEE binary16 bits); arithmetic accumulates in float (the
+//   entry reformats also read `unsigned char`, the bytes of an input declared u8);
 // - entry points are `extern "C"` and stamped out per dtype with a macro: `relu_f32`, `relu_f16`;
 // - grid-stride loops, so any grid size is correct and the host sizes grids for occupancy.
 
@@ -17,6 +18,8 @@ struct __align__(2) f16 {
 };
 
 __device__ __forceinline__ float to_f32(float x) { return x; }
+// Bytes: only read, from an input binding declared u8 (the entry reformats), never written.
+__device__ __forceinline__ float to_f32(unsigned char x) { return (float)x; }
 __device__ __forceinline__ float to_f32(f16 x) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));

@@ -27,3 +27,6 @@ PERMUTE(float, f32, float, f32)
 PERMUTE(float, f32, f16, f16)
 PERMUTE(f16, f16, float, f32)
 PERMUTE(f16, f16, f16, f16)
+// From an input binding declared u8 into another layout.
+PERMUTE(unsigned char, u8, float, f32)
+PERMUTE(unsigned char, u8, f16, f16)

@@ -1,5 +1,5 @@
-// Reformat family: the layout and precision changes at the engine's edges (the user's NCHW f32
-// in and out) and inside it (flatten of an NHWC map, precision casts).
+// Reformat family: the layout and precision changes at the engine's edges (the user's NCHW f32,
+// or u8 bytes, in; NCHW f32 out) and inside it (flatten of an NHWC map, precision casts).
 //
 // Both directions are a batched transpose of a [C, HW] matrix through a 32x32 shared tile, so
 // reads and writes are both coalesced. The NHWC side has a channel stride `cs` >= C: the input
@@ -90,18 +90,25 @@ template <typename In, typename Out> __device__ void cast(const In* x, Out* y, i
 }
 
 // Launch: block (32, 8), grid (ceil(HW/32), ceil(max(C, cs)/32), N); the _small ones 1-D grid-stride.
-#define REFORMAT(In, Out, S)                                                                                                         \
+// Into the engine's layout (and the plain cast):
+#define REFORMAT_IN(In, Out, S)                                                                                                         \
     extern "C" __global__ void nchw_to_nhwc_##S(const In* x, Out* y, int C, int HW, int cs) { nchw_to_nhwc<In, Out>(x, y, C, HW, cs); } \
-    extern "C" __global__ void nhwc_to_nchw_##S(const In* x, Out* y, int C, int HW, int cs) { nhwc_to_nchw<In, Out>(x, y, C, HW, cs); } \
     extern "C" __global__ void cast_##S(const In* x, Out* y, i64 n) { cast<In, Out>(x, y, n); }                                      \
     extern "C" __global__ void nchw_to_nhwc_small_##S(const In* x, Out* y, int C, i64 HW, int cs, i64 pixels) {                         \
         nchw_to_nhwc_small<In, Out>(x, y, C, HW, cs, pixels);                                                                        \
-    }                                                                                                                                \
+    }
+// Out of it:
+#define REFORMAT_OUT(In, Out, S)                                                                                                        \
+    extern "C" __global__ void nhwc_to_nchw_##S(const In* x, Out* y, int C, int HW, int cs) { nhwc_to_nchw<In, Out>(x, y, C, HW, cs); } \
     extern "C" __global__ void nhwc_to_nchw_small_##S(const In* x, Out* y, int C, i64 HW, int cs, i64 pixels) {                         \
         nhwc_to_nchw_small<In, Out>(x, y, C, HW, cs, pixels);                                                                        \
     }
+#define REFORMAT(In, Out, S) REFORMAT_IN(In, Out, S) REFORMAT_OUT(In, Out, S)
 
 REFORMAT(float, float, f32_f32)
 REFORMAT(float, f16, f32_f16)
 REFORMAT(f16, float, f16_f32)
 REFORMAT(f16, f16, f16_f16)
+// An input binding declared u8 holds bytes (1/4 of the f32 upload); they only ever come in.
+REFORMAT_IN(unsigned char, float, u8_f32)
+REFORMAT_IN(unsigned char, f16, u8_f16)

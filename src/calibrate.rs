@@ -479,6 +479,8 @@ pub fn quantize_graph(graph: &Graph, cache: &CalibrationCache, format: QuantForm
             Op::Weight { name } => out.push_unchecked(node.op.clone(), vec![], node.shape.clone(), name.clone()),
             _ => out.push_unchecked(node.op.clone(), inputs, node.shape.clone(), node.path.clone()),
         };
+        // A u8 input stays one.
+        out.nodes[new].dtype = node.dtype;
         map.push(new);
     }
     out.inputs = graph.inputs.iter().map(|&i| map[i]).collect();

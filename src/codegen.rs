@@ -9,7 +9,7 @@
 //! Generate from the *traced* graph, not an optimised one: passes create weights (folded
 //! BatchNorm) that no `state_dict` holds.
 
-use crate::graph::{ConvAttrs, Graph, Op};
+use crate::graph::{ConvAttrs, DType, Graph, Op};
 use crate::{Error, Result};
 use serde::Serialize;
 use std::collections::{BTreeSet, HashSet};
@@ -532,11 +532,16 @@ pub fn generate(graph: &Graph, opts: &CodegenOptions) -> Result<String> {
                     }
                 }
                 let v = var();
-                let expr = Doc::Call {
-                    head: "tracer.input".into(),
-                    args: vec![Doc::Atom(format!("{name:?}")), Doc::Atom(format!("&[{}]", dims.join(", ")))],
-                    tail: String::new(),
+                let mut args = vec![Doc::Atom(format!("{name:?}")), Doc::Atom(format!("&[{}]", dims.join(", ")))];
+                // A typed input (bytes) keeps its type: the engine's binding depends on it.
+                let head = if node.dtype == DType::F32 {
+                    "tracer.input"
+                } else {
+                    used.insert("DType");
+                    args.push(Doc::Atom(format!("DType::{:?}", node.dtype)));
+                    "tracer.input_typed"
                 };
+                let expr = Doc::Call { head: head.into(), args, tail: String::new() };
                 body += &let_statement(&v, &expr, 4, &style);
                 names[id] = Some(v);
             }

@@ -6,7 +6,7 @@
 //! that maps its input to an output of the same shape (activations, BatchNorm, Add) reuses the
 //! input's buffer when it is that buffer's last reader.
 
-use crate::graph::{Graph, HostTensor, NodeId, Op};
+use crate::graph::{Graph, HostInput, HostTensor, NodeId, Op};
 use crate::ops::CpuArgs;
 use crate::{Error, Result};
 use std::borrow::Cow;
@@ -14,10 +14,14 @@ use std::collections::{BTreeMap, BTreeSet};
 
 /// Runs `graph` on `inputs` (by input name) and returns its named outputs.
 ///
-/// Each input must be given once, with the traced shape except for the batch (dim 0).
-pub fn run(graph: &Graph, inputs: &[(&str, &HostTensor)]) -> Result<BTreeMap<String, HostTensor>> {
+/// Each input must be given once, with the traced shape except for the batch (dim 0). Inputs are
+/// `&HostTensor`s, or [`HostInput`]s where some are bytes: an input declared u8 takes bytes
+/// (`&ByteTensor`, computed with as their f32 values) or f32 values that are integers in 0..=255,
+/// as an engine does.
+pub fn run<'a, T: Into<HostInput<'a>> + Copy>(graph: &Graph, inputs: &[(&str, T)]) -> Result<BTreeMap<String, HostTensor>> {
     check_order(graph)?;
-    let bound = bind_inputs(graph, inputs)?;
+    let inputs: Vec<(&str, HostInput<'a>)> = inputs.iter().map(|&(name, t)| (name, t.into())).collect();
+    let mut bound = bind_inputs(graph, &inputs)?;
     let live = live_nodes(graph);
     // A custom op without a registration is named before anything runs.
     for (id, node) in graph.nodes.iter().enumerate() {
@@ -42,10 +46,11 @@ pub fn run(graph: &Graph, inputs: &[(&str, &HostTensor)]) -> Result<BTreeMap<Str
             continue;
         }
         let value = match &node.op {
-            Op::Input { name } => Cow::Borrowed(*bound.get(name.as_str()).ok_or_else(|| Error::Binding {
+            // Each input node is visited once: its value moves out of the bindings.
+            Op::Input { name } => bound.remove(name.as_str()).ok_or_else(|| Error::Binding {
                 name: name.clone(),
                 reason: format!("node %{id} is an input node missing from the graph's input list"),
-            })?),
+            })?,
             Op::Weight { name } => Cow::Borrowed(
                 graph
                     .weights
@@ -97,8 +102,9 @@ fn check_order(graph: &Graph) -> Result<()> {
 }
 
 /// Checks the bindings against the graph's inputs: every input given once, by a known name, with
-/// the traced shape except for a positive batch.
-fn bind_inputs<'a>(graph: &Graph, inputs: &[(&'a str, &'a HostTensor)]) -> Result<BTreeMap<&'a str, &'a HostTensor>> {
+/// the traced shape except for a positive batch, and data its declared type accepts (bytes
+/// become f32 values here).
+fn bind_inputs<'a, 'n>(graph: &Graph, inputs: &[(&'n str, HostInput<'a>)]) -> Result<BTreeMap<&'n str, Cow<'a, HostTensor>>> {
     let names = graph.input_names();
     let mut bound = BTreeMap::new();
     for &(name, t) in inputs {
@@ -106,17 +112,17 @@ fn bind_inputs<'a>(graph: &Graph, inputs: &[(&'a str, &'a HostTensor)]) -> Resul
         let Some(pos) = names.iter().position(|n| *n == name) else {
             return Err(bad(format!("the graph has no such input (its inputs are {names:?})")));
         };
-        if bound.insert(name, t).is_some() {
+        if bound.contains_key(name) {
             return Err(bad("given more than once".into()));
         }
-        if t.shape.iter().product::<usize>() != t.data.len() {
-            return Err(bad(format!("shape {:?} does not match its {} values", t.shape, t.data.len())));
-        }
-        let traced = &graph.nodes[graph.inputs[pos]].shape;
+        let node = &graph.nodes[graph.inputs[pos]];
+        let t = t.to_f32(name, node.dtype)?;
+        let traced = &node.shape;
         let fits = t.shape.len() == traced.len() && t.shape.first().is_some_and(|&b| b > 0) && t.shape[1..] == traced[1..];
         if !fits {
             return Err(bad(format!("expected shape {traced:?} (any positive batch), got {:?}", t.shape)));
         }
+        bound.insert(name, t);
     }
     if let Some(missing) = names.iter().find(|n| !bound.contains_key(*n)) {
         return Err(Error::Binding { name: missing.to_string(), reason: "not given".into() });

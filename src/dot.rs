@@ -5,7 +5,7 @@
 //! shows the data flow. A convolution that carries a fused bias, residual add or activation is drawn
 //! in its own colour with the fused parts in its label, so a before/after pair shows what fusion did.
 
-use crate::graph::{Activation, Graph, Node, Op};
+use crate::graph::{Activation, DType, Graph, Node, Op};
 use std::fmt::Write;
 
 /// A short description of an op with its non-default attributes: `conv2d 3x3 s2 p1 +bias +add +relu`
@@ -13,7 +13,8 @@ use std::fmt::Write;
 pub fn describe_op(graph: &Graph, node: &Node) -> String {
     let Some(def) = node.op.def() else {
         return match &node.op {
-            Op::Input { name } => format!("input `{name}`"),
+            Op::Input { name } if node.dtype == DType::F32 => format!("input `{name}`"),
+            Op::Input { name } => format!("input `{name}` {}", node.dtype),
             Op::Weight { name } => format!("weight `{name}`"),
             _ => unreachable!("only leaves have no definition"),
         };

@@ -55,6 +55,9 @@ pub enum Error {
     #[error("input `{name}`: {reason}")]
     Binding { name: String, reason: String },
 
+    #[error("input `{name}` is declared u8, but its element {index:?} is {value}, not an integer in 0..=255")]
+    NotAByte { name: String, index: Vec<usize>, value: f32 },
+
     #[error("cannot lower `{path}` ({op}): {reason}")]
     Lower { path: String, op: String, reason: String },
 

@@ -15,6 +15,7 @@ pub use crate::ops::shape::ShapeOp;
 use crate::ops::OpDef;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -49,13 +50,158 @@ impl HostTensor {
     }
 }
 
-/// Logical element type of a graph value. The graph is traced in f32; engines choose their own
-/// physical precision.
+/// A dense row-major tensor of bytes in host memory: the data of an input declared `DType::U8`
+/// (a decoded `uint8` image), handed to an engine as it is, one byte per element.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ByteTensor {
+    pub shape: Vec<usize>,
+    pub data: Vec<u8>,
+}
+
+impl ByteTensor {
+    /// A byte tensor; an overflowing element count or a length that does not match the shape is
+    /// an error (sizes often come from a file or a decoder).
+    pub fn new(shape: Vec<usize>, data: Vec<u8>) -> Result<Self> {
+        match numel(&shape) {
+            Some(n) if n == data.len() => Ok(Self { shape, data }),
+            n => Err(Error::TensorSize { expected: n.map_or("more than usize::MAX".into(), |n| n.to_string()), got: data.len(), shape }),
+        }
+    }
+    pub fn numel(&self) -> usize {
+        self.data.len()
+    }
+    /// The same values as f32 (exact: every byte is an f32 integer).
+    pub fn to_f32(&self) -> HostTensor {
+        HostTensor { shape: self.shape.clone(), data: self.data.iter().map(|&b| f32::from(b)).collect() }
+    }
+}
+
+/// One input as `cpu::run` and `ExecutionContext::run` take it: f32 values, or bytes for an input
+/// declared `DType::U8`. Both convert from a reference (`&HostTensor`, `&ByteTensor`), so a list
+/// of f32 inputs is written as before: `&[("input", &x)]`; a mixed list names the variants.
+#[derive(Clone, Copy, Debug)]
+pub enum HostInput<'a> {
+    F32(&'a HostTensor),
+    U8(&'a ByteTensor),
+}
+
+impl<'a> From<&'a HostTensor> for HostInput<'a> {
+    fn from(t: &'a HostTensor) -> Self {
+        HostInput::F32(t)
+    }
+}
+
+impl<'a> From<&'a ByteTensor> for HostInput<'a> {
+    fn from(t: &'a ByteTensor) -> Self {
+        HostInput::U8(t)
+    }
+}
+
+impl<'a> HostInput<'a> {
+    pub fn shape(&self) -> &'a [usize] {
+        match self {
+            HostInput::F32(t) => &t.shape,
+            HostInput::U8(t) => &t.shape,
+        }
+    }
+
+    /// Elements held, which must equal the shape's element count (the fields are public).
+    fn len(&self) -> usize {
+        match self {
+            HostInput::F32(t) => t.data.len(),
+            HostInput::U8(t) => t.data.len(),
+        }
+    }
+
+    /// Checks that the data holds exactly the shape's elements: a tensor built field by field may
+    /// not, and an engine copies `data` to a buffer sized from the shape.
+    pub fn check_len(&self, name: &str) -> Result<()> {
+        match numel(self.shape()) {
+            Some(n) if n == self.len() => Ok(()),
+            _ => Err(Error::Binding {
+                name: name.to_string(),
+                reason: format!("shape {:?} does not match its {} values", self.shape(), self.len()),
+            }),
+        }
+    }
+
+    /// The values the CPU executor computes with for the input `name` declared `dtype`: an f32
+    /// tensor as it is (for a u8 input, once its values are checked to be bytes), bytes as f32.
+    /// Bytes for an f32 input are an error: the declared type is the binding's contract.
+    pub fn to_f32(self, name: &str, dtype: DType) -> Result<Cow<'a, HostTensor>> {
+        self.check_len(name)?;
+        match (self, dtype) {
+            (_, DType::F16) => Err(unsupported_input(name, dtype)),
+            (HostInput::F32(t), DType::U8) => check_bytes(name, t).map(|()| Cow::Borrowed(t)),
+            (HostInput::F32(t), DType::F32) => Ok(Cow::Borrowed(t)),
+            (HostInput::U8(t), DType::U8) => Ok(Cow::Owned(t.to_f32())),
+            (HostInput::U8(_), DType::F32) => Err(Error::Binding {
+                name: name.to_string(),
+                reason: "bytes were given, but the input is declared f32; give f32 values (a HostTensor), or declare it u8 when tracing (`Tracer::input_typed`)".into(),
+            }),
+        }
+    }
+
+    /// The bytes an engine uploads for the input `name` declared u8: bytes as they are, f32 values
+    /// converted once checked to be bytes.
+    pub fn to_u8(self, name: &str) -> Result<Cow<'a, ByteTensor>> {
+        self.check_len(name)?;
+        match self {
+            HostInput::U8(t) => Ok(Cow::Borrowed(t)),
+            HostInput::F32(t) => {
+                check_bytes(name, t)?;
+                Ok(Cow::Owned(ByteTensor { shape: t.shape.clone(), data: t.data.iter().map(|&v| v as u8).collect() }))
+            }
+        }
+    }
+}
+
+/// The error for an input declared with a type no binding has (f16: the graph's element types
+/// include it, but the host API hands over f32 values or bytes).
+fn unsupported_input(name: &str, dtype: DType) -> Error {
+    Error::Binding { name: name.to_string(), reason: format!("is declared {dtype}; inputs are f32 or u8") }
+}
+
+/// Every value of `t` is an integer in 0..=255; otherwise the first that is not, by index.
+fn check_bytes(name: &str, t: &HostTensor) -> Result<()> {
+    let Some(flat) = t.data.iter().position(|&v| !(0.0..=255.0).contains(&v) || v.fract() != 0.0) else { return Ok(()) };
+    // The flat index as a multi-index of the shape, innermost dim last.
+    let mut index = vec![0; t.shape.len()];
+    let mut rest = flat;
+    for (i, &d) in t.shape.iter().enumerate().rev() {
+        index[i] = rest % d.max(1);
+        rest /= d.max(1);
+    }
+    Err(Error::NotAByte { name: name.to_string(), index, value: t.data[flat] })
+}
+
+/// Element type of a graph value. The graph computes in f32 (engines choose their own physical
+/// precision); a graph input may be declared `U8` (`Tracer::input_typed`): its data are bytes,
+/// which an engine uploads one byte per element and converts on entry, and which every reader
+/// sees as their f32 values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub enum DType {
     #[default]
     F32,
     F16,
+    U8,
+}
+
+impl DType {
+    /// `f32`, `f16`, `u8`: the name shown in listings and errors.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::U8 => "u8",
+        }
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// Every operation a graph can hold: the two leaves, and one variant per op family (each family
@@ -141,6 +287,9 @@ pub struct Node {
     pub op: Op,
     pub inputs: Vec<NodeId>,
     pub shape: Vec<usize>,
+    /// F32 for every node but a graph input declared u8. Files written before inputs had types
+    /// may lack it.
+    #[serde(default)]
     pub dtype: DType,
     /// The module path the node was traced in (`layer3.1.conv2`), for errors, profiles and names.
     pub path: String,
@@ -218,6 +367,11 @@ impl Graph {
             .collect()
     }
 
+    /// The element type input `name` is declared with (`None`: no such input).
+    pub fn input_dtype(&self, name: &str) -> Option<DType> {
+        self.inputs.iter().map(|&i| &self.nodes[i]).find(|n| matches!(&n.op, Op::Input { name: m } if m == name)).map(|n| n.dtype)
+    }
+
     /// How many nodes read each node's value (graph outputs count as readers).
     pub fn use_counts(&self) -> Vec<usize> {
         let mut uses = vec![0; self.nodes.len()];
@@ -286,7 +440,8 @@ impl Graph {
         let mut s = String::new();
         for (i, n) in self.nodes.iter().enumerate() {
             let args: Vec<String> = n.inputs.iter().map(|i| format!("%{i}")).collect();
-            s += &format!("%{i} = {}({}) {:?}  {}\n", n.op.name(), args.join(", "), n.shape, n.path);
+            let dtype = if n.dtype == DType::F32 { String::new() } else { format!(" {}", n.dtype) };
+            s += &format!("%{i} = {}({}) {:?}{dtype}  {}\n", n.op.name(), args.join(", "), n.shape, n.path);
         }
         for (name, id) in &self.outputs {
             s += &format!("output {name} = %{id}\n");
@@ -321,7 +476,17 @@ impl Graph {
                 Op::Input { .. } | Op::Weight { .. } if !node.inputs.is_empty() => {
                     return Err(bad(id, format!("a {} node has {} input(s)", node.op.name(), node.inputs.len())));
                 }
+                // Bytes exist only at the edge: readers compute in f32 whatever an input holds.
+                Op::Input { name } if !matches!(node.dtype, DType::F32 | DType::U8) => {
+                    return Err(bad(id, format!("input `{name}` is declared {}; inputs are f32 or u8", node.dtype)));
+                }
                 Op::Input { .. } => {}
+                _ if node.dtype != DType::F32 => {
+                    return Err(bad(
+                        id,
+                        format!("a {} node is declared {}; only graph inputs may have another type than f32", node.op.name(), node.dtype),
+                    ));
+                }
                 Op::Weight { name } => match self.weights.get(name) {
                     None => return Err(bad(id, format!("weight `{name}` has no data"))),
                     Some(w) if w.shape != node.shape => {

@@ -279,6 +279,30 @@ mod tests {
     }
 
     #[test]
+    fn a_u8_input_keeps_its_dtype_and_files_without_dtypes_read_as_f32() {
+        let mut g = sample();
+        g.nodes[0].dtype = crate::graph::DType::U8;
+        let f = decode(&encode(&g, &BTreeMap::new()).expect("encodes"), Path::new("g.kiln.safetensors")).expect("decodes");
+        assert_eq!(f.graph.nodes[0].dtype, crate::graph::DType::U8);
+        assert_eq!(f.graph.nodes, g.nodes);
+        assert_eq!(f.graph.input_dtype("input"), Some(crate::graph::DType::U8));
+        // Graph files written before inputs had types have no `dtype` on their nodes.
+        let old = edited(|j, _, _| {
+            for n in j["nodes"].as_array_mut().expect("nodes") {
+                n.as_object_mut().expect("node").remove("dtype");
+            }
+        })
+        .expect("an older graph file");
+        assert!(old.graph.nodes.iter().all(|n| n.dtype == crate::graph::DType::F32));
+    }
+
+    #[test]
+    fn g13_only_inputs_may_be_u8() {
+        says(edited(|j, _, _| j["nodes"][2]["dtype"] = "U8".into()), "a conv2d node is declared u8; only graph inputs may");
+        says(edited(|j, _, _| j["nodes"][0]["dtype"] = "F16".into()), "input `input` is declared f16; inputs are f32 or u8");
+    }
+
+    #[test]
     fn g12_a_directory_is_named_as_a_directory() {
         let e = reason(read(std::env::temp_dir()).unwrap_err());
         assert!(e.contains("is a directory"), "{e}");

@@ -27,8 +27,8 @@ pub mod var_builder;
 
 pub use error::{Error, Result};
 pub use graph::{
-    Activation, Attention, Binary, ConvAttrs, CustomCall, DType, Gemm, Graph, HostTensor, Node, NodeId, Norm, Op, Pool, PoolAttrs,
-    QkvAttention, Resize, ShapeOp, Unary,
+    Activation, Attention, Binary, ByteTensor, ConvAttrs, CustomCall, DType, Gemm, Graph, HostInput, HostTensor, Node, NodeId, Norm, Op,
+    Pool, PoolAttrs, QkvAttention, Resize, ShapeOp, Unary,
 };
 pub use kiln_macros::Module;
 pub use module::{Dropout, Forward, Identity, Module, Sequential};

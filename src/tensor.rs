@@ -4,7 +4,7 @@
 //! (an `if` on a config value, a loop over blocks) is resolved while tracing and fixed in the graph.
 //! There is no data-dependent control flow, because symbolic tensors carry no data.
 
-use crate::graph::{Binary, CustomCall, Graph, HostTensor, NodeId, Op, Pool, ShapeOp, Unary};
+use crate::graph::{Binary, CustomCall, DType, Graph, HostTensor, NodeId, Op, Pool, ShapeOp, Unary};
 use crate::{Error, Result};
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -32,10 +32,18 @@ impl Tracer {
         Self::default()
     }
 
-    /// A new graph input of the given NCHW shape.
+    /// A new graph input of the given shape (NCHW for images), holding f32 values.
     pub fn input(&self, name: &str, shape: &[usize]) -> Tensor {
+        self.input_typed(name, shape, DType::F32)
+    }
+
+    /// A new graph input whose data have the element type `dtype`: `DType::U8` for bytes (a
+    /// decoded `uint8` image), which an engine uploads one byte per element and converts to its
+    /// own precision on entry (TensorRT's `kUINT8` input). Every op reads the input as f32 values.
+    pub fn input_typed(&self, name: &str, shape: &[usize], dtype: DType) -> Tensor {
         let mut g = self.0.borrow_mut();
         let id = g.push_unchecked(Op::Input { name: name.to_string() }, vec![], shape.to_vec(), name.to_string());
+        g.nodes[id].dtype = dtype;
         g.inputs.push(id);
         Tensor { tracer: self.clone(), id, shape: shape.to_vec(), scope: Rc::from("") }
     }

@@ -3,7 +3,7 @@
 
 use kiln::compare::compare;
 use kiln::graph::{Activation, Binary, ConvAttrs, CustomCall, Gemm, Graph, HostTensor, Norm, Op, Pool, PoolAttrs, ShapeOp, Unary};
-use kiln::{cpu, Error};
+use kiln::{cpu, ByteTensor, DType, Error, HostInput};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -445,6 +445,11 @@ fn flatten_and_cat() {
 
 /// A small traced network: conv → BN → ReLU → maxpool → adaptive pool → flatten → linear.
 fn small_net(batch: usize) -> Graph {
+    small_net_typed(batch, kiln::DType::F32)
+}
+
+/// `small_net` with its input `x` declared `dtype`.
+fn small_net_typed(batch: usize, dtype: kiln::DType) -> Graph {
     use kiln::{AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Forward, Linear, LinearConfig, MaxPool2d, Module};
     use kiln::{Pool2dConfig, Tracer, VarBuilder};
     let vb = VarBuilder::seeded();
@@ -454,7 +459,7 @@ fn small_net(batch: usize) -> Graph {
     let gap = AdaptiveAvgPool2d::load(vb.pp("gap"), &[1, 1]).expect("gap");
     let fc = Linear::load(vb.pp("fc"), &LinearConfig::new(8, 5)).expect("fc");
     let t = Tracer::new();
-    let x = t.input("x", &[batch, 3, 16, 12]);
+    let x = t.input_typed("x", &[batch, 3, 16, 12], dtype);
     let y = conv.forward(&x).and_then(|y| bn.forward(&y)).and_then(|y| y.relu()).expect("trace");
     let y = pool.forward(&y).and_then(|y| gap.forward(&y)).and_then(|y| y.flatten(1)).and_then(|y| fc.forward(&y)).expect("trace");
     t.output("logits", &y);
@@ -484,7 +489,7 @@ fn bad_bindings_are_typed_errors_naming_the_input() {
         Err(Error::Binding { name, reason }) => (name, reason),
         other => panic!("expected a binding error, got {other:?}"),
     };
-    let (name, reason) = binding(cpu::run(&g, &[]));
+    let (name, reason) = binding(cpu::run::<&HostTensor>(&g, &[]));
     assert_eq!((name.as_str(), reason.as_str()), ("x", "not given"));
     let (name, reason) = binding(cpu::run(&g, &[("x", &x), ("image", &x)]));
     assert_eq!(name, "image");
@@ -496,6 +501,79 @@ fn bad_bindings_are_typed_errors_naming_the_input() {
     binding(cpu::run(&g, &[("x", &rand(&[2, 3, 12, 16]))]));
     binding(cpu::run(&g, &[("x", &HostTensor { shape: vec![0, 3, 16, 12], data: vec![] })]));
     binding(cpu::run(&g, &[("x", &HostTensor { shape: vec![2, 3, 16, 12], data: vec![0.5; 7] })]));
+}
+
+/// Random bytes, and the same values as f32.
+fn rand_bytes(shape: &[usize]) -> (ByteTensor, HostTensor) {
+    let values = rand(shape);
+    let bytes = ByteTensor::new(shape.to_vec(), values.data.iter().map(|v| ((v + 1.0) * 128.0) as u8).collect()).expect("bytes");
+    let values = bytes.to_f32();
+    (bytes, values)
+}
+
+#[test]
+fn a_u8_input_takes_bytes_or_byte_valued_f32_and_computes_in_f32() {
+    let (g8, g32) = (small_net_typed(2, DType::U8), small_net(2));
+    assert_eq!(g8.input_dtype("x"), Some(DType::U8));
+    let (bytes, values) = rand_bytes(&[2, 3, 16, 12]);
+    let want = cpu::run(&g32, &[("x", &values)]).expect("f32 input");
+    // Bytes are their f32 values: the outputs are the f32 graph's, bit for bit.
+    assert_eq!(cpu::run(&g8, &[("x", &bytes)]).expect("bytes"), want);
+    assert_eq!(cpu::run(&g8, &[("x", &values)]).expect("byte-valued f32"), want);
+    assert_eq!(cpu::run(&g8, &[("x", HostInput::from(&bytes))]).expect("a HostInput list"), want);
+    // A batch other than the traced one, as for f32 inputs.
+    let (three, values3) = rand_bytes(&[3, 3, 16, 12]);
+    assert_eq!(cpu::run(&g8, &[("x", &three)]).expect("batch 3"), cpu::run(&g32, &[("x", &values3)]).expect("f32 batch 3"));
+}
+
+#[test]
+fn values_a_u8_input_cannot_hold_are_typed_errors_naming_the_first() {
+    let g = small_net_typed(2, DType::U8);
+    let (_, clean) = rand_bytes(&[2, 3, 16, 12]);
+    // (flat index, value, multi-index): a fraction, past 255, negative, NaN, infinity.
+    let cases = [
+        (5, 2.5, [0, 0, 0, 5]),
+        (17, 256.0, [0, 0, 1, 5]),
+        (600, -1.0, [1, 0, 2, 0]),
+        (1000, f32::NAN, [1, 2, 3, 4]),
+        (0, f32::INFINITY, [0, 0, 0, 0]),
+    ];
+    for (at, bad, want) in cases {
+        let mut x = clean.clone();
+        x.data[at] = bad;
+        // A later bad value too: the first is named.
+        x.data[1151] = 0.5;
+        match cpu::run(&g, &[("x", &x)]) {
+            Err(e @ Error::NotAByte { .. }) => {
+                let text = e.to_string();
+                let Error::NotAByte { name, index, value } = e else { unreachable!() };
+                assert_eq!((name.as_str(), index.as_slice()), ("x", want.as_slice()), "{text}");
+                assert!(value.to_bits() == bad.to_bits() || value.is_nan() && bad.is_nan(), "{text}");
+                assert!(
+                    text.starts_with("input `x` is declared u8, but its element [") && text.contains("not an integer in 0..=255"),
+                    "{text}"
+                );
+                println!("{text}");
+            }
+            other => panic!("value {bad} at {at}: expected NotAByte, got {other:?}"),
+        }
+    }
+    // Bytes for an input declared f32 are refused, naming the input and both types.
+    let (bytes, _) = rand_bytes(&[2, 3, 16, 12]);
+    match cpu::run(&small_net(2), &[("x", &bytes)]) {
+        Err(Error::Binding { name, reason }) => {
+            assert!(name == "x" && reason.contains("declared f32") && reason.contains("u8"), "{reason}")
+        }
+        other => panic!("expected a binding error, got {other:?}"),
+    }
+    // Sizes that do not match: a typed error, at construction or (fields set by hand) at the run.
+    assert!(matches!(ByteTensor::new(vec![2, 3], vec![0; 5]), Err(Error::TensorSize { .. })));
+    assert!(matches!(ByteTensor::new(vec![usize::MAX, 2], vec![]), Err(Error::TensorSize { .. })));
+    let short = ByteTensor { shape: vec![2, 3, 16, 12], data: vec![1; 7] };
+    match cpu::run(&g, &[("x", &short)]) {
+        Err(Error::Binding { name, reason }) => assert!(name == "x" && reason.contains("does not match its 7 values"), "{reason}"),
+        other => panic!("expected a binding error, got {other:?}"),
+    }
 }
 
 #[test]

@@ -11,7 +11,7 @@ use common::{gpu, random, rel_l2};
 use kiln::engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision};
 use kiln::graph::{Graph, HostTensor};
 use kiln::var_builder::read_safetensors;
-use kiln::{Tracer, VarBuilder};
+use kiln::{ByteTensor, DType, Tracer, VarBuilder};
 use kiln_models::yolo_nms::{detections, nms, NmsConfig};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -136,6 +136,53 @@ fn letterbox_layer_matches_the_cpu_reference() {
             let (rel, max_abs) = rel_l2(&got.data, &want.data);
             println!("letterbox {h}x{w} -> {ih}x{iw} {precision:?}: rel L2 {rel:.2e}, max abs {max_abs:.2e}");
             assert!(max_abs <= tol, "letterbox {h}x{w} {precision:?}: max abs {max_abs} > {tol}");
+        }
+    }
+}
+
+/// The letterbox front with its frame declared u8 (`frame_input`), run from raw bytes: FP32 and
+/// FP16 engines match the CPU reference as the f32 frame above does, the frame's binding holds one
+/// byte per element, the entry reformat reads bytes, the same frame as f32 byte values gives the
+/// same outputs, and a value that is no byte is `Error::NotAByte` naming it.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device"]
+fn letterbox_from_u8_frames_matches_the_cpu_reference() {
+    let Some(gpu) = gpu() else { return };
+    let max_batch = 2;
+    for (h, w, ih, iw) in [(37, 53, 64, 64), (50, 30, 64, 96), (64, 64, 64, 64), (720, 1280, 640, 640), (480, 640, 320, 320)] {
+        let tracer = Tracer::new();
+        let x = kiln_models::yolo_letterbox::frame_input(&tracer, "frame", 1, [h, w]);
+        tracer.output("input", &kiln_models::yolo_letterbox::letterbox(&x, [ih, iw]).expect("letterbox"));
+        let graph = tracer.graph();
+        for (precision, tol) in [(Precision::Fp32, 0.0), (Precision::Fp16, 2.5e-4)] {
+            let engine = engine(&gpu, &graph, precision, max_batch);
+            assert_eq!(engine.input_dtype("frame"), Some(DType::U8));
+            let entry = engine.layers().next().expect("the entry reformat").kind();
+            assert_eq!(entry, format!("kernel:cast_u8_{}", precision.elem().suffix()), "the entry reformat converts the bytes");
+            let mut ctx = engine.context().expect("context");
+            let bytes_held = ctx.binding_bytes("frame").expect("frame binding");
+            assert_eq!(bytes_held, max_batch * h * w * 3, "the frame binding holds 1 byte per element at the max batch");
+            for batch in [1, max_batch] {
+                let mut values = random(&[batch, h, w * 3], (h * w + batch) as u64, 1.0);
+                values.data.iter_mut().for_each(|v| *v = ((*v + 1.0) * 127.9).floor());
+                let bytes = ByteTensor::new(values.shape.clone(), values.data.iter().map(|&v| v as u8).collect()).expect("bytes");
+                let want = kiln::cpu::run(&graph, &[("frame", &bytes)]).expect("cpu")["input"].clone();
+                let got = ctx.run(&[("frame", &bytes)]).expect("run from bytes")["input"].clone();
+                let (rel, max_abs) = rel_l2(&got.data, &want.data);
+                println!(
+                    "letterbox u8 {h}x{w} -> {ih}x{iw} {precision:?} batch {batch}: rel L2 {rel:.2e}, max abs {max_abs:.2e}; frame binding {bytes_held} bytes"
+                );
+                assert!(max_abs <= tol, "letterbox u8 {h}x{w} {precision:?} batch {batch}: max abs {max_abs} > {tol}");
+                let from_values = ctx.run(&[("frame", &values)]).expect("run from f32 byte values")["input"].clone();
+                assert_eq!(from_values.data, got.data, "f32 byte values upload the same bytes");
+                values.data[7] = 0.5;
+                match ctx.run(&[("frame", &values)]) {
+                    Err(kiln::Error::NotAByte { name, index, value }) => {
+                        assert_eq!((name.as_str(), index, value), ("frame", vec![0, 0, 7], 0.5));
+                    }
+                    other => panic!("a frame value of 0.5: expected NotAByte, got {other:?}"),
+                }
+            }
         }
     }
 }

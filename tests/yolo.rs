@@ -182,6 +182,35 @@ fn letterbox_matches_the_python_reference() {
     }
 }
 
+/// The letterbox front of a model: the reference frames as a u8 `frame` input (`frame_input`),
+/// run from their bytes and from their f32 values, give the reference exactly; the graph keeps
+/// the input's type through a graph file.
+#[test]
+fn a_u8_frame_runs_from_bytes_as_from_f32_values() {
+    let refs: BTreeMap<String, HostTensor> = read_safetensors(fixture("letterbox.reference.safetensors")).expect("reference file");
+    for (key, want) in refs.iter().filter(|(k, _)| k.starts_with("output.")) {
+        let case = &key["output.".len()..];
+        let frame = &refs[&format!("frame.{case}")];
+        let [n, h, w3] = frame.shape[..] else { panic!("frame {case}: {:?}", frame.shape) };
+        let tracer = kiln::Tracer::new();
+        let x = kiln_models::yolo_letterbox::frame_input(&tracer, "frame", n, [h, w3 / 3]);
+        let input = kiln_models::yolo_letterbox::letterbox(&x, [want.shape[2], want.shape[3]]).expect("letterbox");
+        tracer.output("input", &input);
+        let graph = tracer.graph();
+        assert_eq!(graph.input_dtype("frame"), Some(kiln::DType::U8));
+        let bytes = kiln::ByteTensor::new(frame.shape.clone(), frame.data.iter().map(|&v| v as u8).collect()).expect("bytes");
+        assert_eq!(bytes.to_f32(), *frame, "the reference frames hold bytes");
+        let from_bytes = kiln::cpu::run(&graph, &[("frame", &bytes)]).expect("bytes")["input"].clone();
+        let from_values = kiln::cpu::run(&graph, &[("frame", frame)]).expect("f32 values")["input"].clone();
+        assert_eq!(from_bytes, *want, "letterbox {case} from bytes");
+        assert_eq!(from_values, *want, "letterbox {case} from f32 values");
+        let path = std::env::temp_dir().join(format!("kiln-u8-frame-{}-{case}.kiln.safetensors", std::process::id()));
+        graph.save(&path).expect("save");
+        assert_eq!(kiln::Graph::load(&path).expect("load").input_dtype("frame"), Some(kiln::DType::U8));
+        let _ = std::fs::remove_file(&path);
+    }
+}
+
 /// The Detect head's decode and the NMS are required in FP32 by the model itself
 /// (`Graph::fp32_layers`): in an FP16 engine every node under `model.22.decode` and `model.22.dfl`
 /// computes in FP32 and the branches' convolutions in FP16; a user's rule may override them.

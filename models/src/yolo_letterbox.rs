@@ -1,16 +1,16 @@
 //! YOLO preprocessing as a custom op, `yolo_letterbox`: a decoded frame in, the model's input out.
 //!
-//! Input `frame`: `[N, H, W * 3]`, each row a frame row of interleaved B, G, R byte values (the
-//! `uint8` HWC image OpenCV decodes), held as f32 (0..=255, exact in FP32 and FP16). Output
-//! `[N, 3, input_h, input_w]`: Ultralytics' `LetterBox(new_shape, auto=False, scaleup=True,
-//! center=True)` (resize keeping the aspect ratio to `round(w * r) x round(h * r)`, pad with 114,
-//! `round(dw -/+ 0.1)` on each side), BGR to RGB, divided by 255.
+//! Input `frame`: `[N, H, W * 3]`, each row a frame row of interleaved B, G, R bytes (the `uint8`
+//! HWC image OpenCV decodes). Output `[N, 3, input_h, input_w]`: Ultralytics' `LetterBox(new_shape,
+//! auto=False, scaleup=True, center=True)` (resize keeping the aspect ratio to `round(w * r) x
+//! round(h * r)`, pad with 114, `round(dw -/+ 0.1)` on each side), BGR to RGB, divided by 255.
 //!
-//! Why f32 byte values, not a `uint8` binding: engine bindings are f32 (`HostTensor` holds f32,
-//! the binding is reformatted to the engine's precision on entry), so bytes packed four to an f32
-//! would be destroyed by an FP16 engine's conversion. Byte values as f32 cost 4x the host-to-device
-//! copy of a `uint8` frame (a 1080p frame: 25 MB instead of 6 MB) but need no engine change; the
-//! clean next step is `Elem::U8` input bindings, which this op would read unchanged.
+//! The frame is a u8 input (`frame_input`, `Tracer::input_typed(.., DType::U8)`): an engine
+//! uploads it one byte per element (a 1080p frame: 6 MB, where f32 values took 25 MB) and its
+//! entry reformat converts the bytes to the engine's precision, so this op reads f32 or f16
+//! values 0..=255 (exact in both) as any op reads its input. `ExecutionContext::run` and
+//! `cpu::run` take the bytes as a `ByteTensor`; f32 values that are integers in 0..=255 are
+//! accepted too. A frame traced as an f32 input (`Tracer::input`) still works, at 4 bytes a value.
 //!
 //! Resize: bilinear with half-pixel centres, as OpenCV's `INTER_LINEAR` (source coordinate
 //! `(d + 0.5) * (src / dst) - 0.5`, clamped to the edge), rounded to an integer level as
@@ -24,7 +24,7 @@
 
 use kiln::graph::HostTensor;
 use kiln::ops::custom::{Attrs, CustomOp};
-use kiln::{Error, Result, Tensor};
+use kiln::{DType, Error, Result, Tensor, Tracer};
 
 /// The padding value of Ultralytics' letterbox.
 pub const PAD: f32 = 114.0;
@@ -34,6 +34,12 @@ pub const LETTERBOX_CU: &str = include_str!("../kernels/letterbox.cu");
 
 pub fn letterbox_entry_points() -> Vec<String> {
     vec!["letterbox_f32".into(), "letterbox_f16".into()]
+}
+
+/// The frame input of a letterboxed model: `[batch, h, w * 3]` B, G, R bytes, declared u8 so an
+/// engine uploads the decoded frame as it is.
+pub fn frame_input(tracer: &Tracer, name: &str, batch: usize, [h, w]: [usize; 2]) -> Tensor {
+    tracer.input_typed(name, &[batch, h, w * 3], DType::U8)
 }
 
 /// Applies `yolo_letterbox` to `frame` `[N, H, W * 3]` for a model input of `input` (h, w).

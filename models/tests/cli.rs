@@ -928,3 +928,86 @@ fn c23_bad_percentile_and_tolerances_are_clear_errors() {
     fails_with(&["compare", "resnet18", "--cpu", "--atol", "nan"], &["--atol must be a finite, non-negative tolerance, got NaN"]);
     fails_with(&["compare", "resnet18", "--cpu", "--l2-tol=-1"], &["--l2-tol must be a finite, non-negative tolerance, got -1"]);
 }
+
+// ---- A model whose input is a frame of bytes (u8), as YOLO's letterbox front takes ---------------
+
+/// A graph file of a letterbox front (`frame`: `[N, 30, 40 * 3]` u8) and a 3x3 conv on its
+/// 32x32 output.
+fn frame_graph_file(dir: &std::path::Path) -> PathBuf {
+    let tracer = Tracer::new();
+    let frame = kiln_models::yolo_letterbox::frame_input(&tracer, "frame", 1, [30, 40]);
+    let x = kiln_models::yolo_letterbox::letterbox(&frame, [32, 32]).expect("letterbox");
+    let conv = Conv2d::load(VarBuilder::seeded().pp("conv"), &Conv2dConfig::new(3, 4, 3).padding(1)).expect("conv");
+    tracer.output("y", &conv.forward(&x).expect("conv"));
+    let path = dir.join("frame.kiln.safetensors");
+    tracer.graph().save(&path).expect("save");
+    path
+}
+
+#[test]
+fn a_u8_frame_model_runs_benches_inspects_and_codegens_on_the_cpu() {
+    let dir = temp_dir("u8-frame");
+    let path = frame_graph_file(&dir);
+    let out = kiln(&["run", arg(&path), "--cpu", "--seed", "2", "--batch", "2"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    println!("{stdout}");
+    assert!(stdout.contains("batch 2, frame 30x120 u8, graph file's weights, random input, --seed 2"), "{stdout}");
+    // The random input is bytes drawn from the seed: the CLI's output is the CPU executor's on them.
+    let values = kiln::seeded::try_uniform_tensor(&[2, 30, 120], 2).expect("values");
+    let bytes =
+        kiln::ByteTensor::new(values.shape.clone(), values.data.iter().map(|v| ((v + 1.0) * 128.0) as u8).collect()).expect("bytes");
+    let graph = kiln::passes::optimize(&Graph::load(&path).expect("load")).expect("optimize");
+    let y = kiln::cpu::run(&graph, &[("frame", &bytes)]).expect("run").remove("y").expect("y");
+    let (lo, hi) = y.data.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+    let mean = y.data.iter().map(|&v| v as f64).sum::<f64>() / y.numel() as f64;
+    let line = format!("y: [2, 4, 32, 32], min {lo:.3}, max {hi:.3}, mean {mean:.3}");
+    assert!(stdout.contains(&line), "`{line}` in:\n{stdout}");
+
+    let bench = kiln(&["bench", arg(&path), "--cpu", "--batch", "1,2", "--warmUp", "0", "--iterations", "2", "--duration", "0"]);
+    let (stdout, stderr) = text(&bench);
+    assert!(bench.status.success(), "{stderr}");
+    assert_eq!(stdout.lines().filter(|l| l.contains("cpu-f32")).count(), 2, "{stdout}");
+
+    let inspect = kiln(&["inspect", arg(&path), "--no-engine"]);
+    let (stdout, stderr) = text(&inspect);
+    assert!(inspect.status.success(), "{stderr}");
+    println!("{stdout}");
+    assert!(stdout.contains("input `frame` u8") && stdout.contains("frame 30x120 u8"), "{stdout}");
+
+    let codegen = kiln(&["codegen", arg(&path)]);
+    let (stdout, stderr) = text(&codegen);
+    assert!(codegen.status.success(), "{stderr}");
+    assert!(stdout.contains("tracer.input_typed(\"frame\", &[batch, 30, 120], DType::U8)"), "{stdout}");
+
+    // An image size is for NCHW inputs; the frame model says what it takes instead.
+    fails_with(
+        &["run", arg(&path), "--cpu", "--size", "64"],
+        &["--size/--shapes 64x64 is for an NCHW image input", "takes frame 30x120 u8, at its traced dims"],
+    );
+    fails_with(&["compare", arg(&path), "--cpu"], &["kiln compare needs a model whose input is an NCHW image", "frame 30x120 u8"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn gpu_a_u8_frame_model_runs_builds_and_benches() {
+    let dir = temp_dir("u8-frame-gpu");
+    let path = frame_graph_file(&dir);
+    let out = kiln(&["run", arg(&path), "--seed", "2", "--batch", "2"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("GPU engine (fp16)") && stdout.contains("y: [2, 4, 32, 32]"), "{stdout}");
+    let engine = dir.join("frame.kiln");
+    let out = kiln(&["build", arg(&path), "--max-batch", "4", "-o", arg(&engine)]);
+    assert!(out.status.success(), "{}", text(&out).1);
+    let out = kiln(&["bench", arg(&engine), "--batch", "1,4", "--iterations", "5", "--duration", "0"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    println!("{stdout}");
+    let out = kiln(&["inspect", arg(&engine), "--batch", "2"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("input `frame`: 30x120 u8") && stdout.contains("kernel:cast_u8_f16"), "{stdout}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

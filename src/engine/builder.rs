@@ -7,7 +7,7 @@ use super::kernels::{self, Kernels};
 use super::layer::{BuildCtx, Elem, Layer, Layout, RunCtx, Storage, ValueDesc, ValueId, WeightStore, MAX_RANK};
 use super::tactic::Tactics;
 use super::{check_converters, is_structural, BuildConfig, InputDims};
-use crate::graph::{Graph, Op};
+use crate::graph::{DType, Graph, Op};
 use crate::ops::LayoutPlan;
 use crate::{Error, Result};
 use std::collections::BTreeMap;
@@ -177,6 +177,11 @@ impl Engine {
     pub fn outputs(&self) -> Vec<(&str, &[usize])> {
         self.plan.outputs()
     }
+    /// The element type input `name` is declared with: f32, or u8 for a binding of bytes
+    /// (`None`: no such input).
+    pub fn input_dtype(&self, name: &str) -> Option<DType> {
+        self.graph.input_dtype(name)
+    }
     /// The recorded tactic choices (module path and problem → layer kind), of every plan.
     pub fn tactics(&self) -> BTreeMap<String, String> {
         self.tactics.lock().unwrap_or_else(|p| p.into_inner()).clone()
@@ -240,6 +245,11 @@ impl Engine {
                 _ => String::new(),
             };
             out.push_str(&format!("{i:>4} {p:<22} {}{ws}\n", l.describe()));
+        }
+        // The bindings as the user hands them over (a u8 input is uploaded as bytes).
+        for (name, dims) in self.plan.inputs() {
+            let dtype = self.input_dtype(name).unwrap_or_default();
+            out.push_str(&format!("input `{name}`: {} {dtype}\n", dims_text(dims)));
         }
         let plans = self.plans();
         if plans.len() > 1 || !self.config.profiles.is_empty() {
@@ -535,11 +545,24 @@ fn lower_plan(
         let Some(layout) = layouts[id] else { continue };
         let dims = node.shape[1..].to_vec();
         if let Op::Input { name } = &node.op {
+            // The binding holds what the user hands over (f32 values, or bytes for a u8 input);
+            // the entry reformat converts it to the input's element type inside the engine.
+            let elem = match node.dtype {
+                DType::F32 => Elem::F32,
+                DType::U8 => Elem::U8,
+                other => {
+                    return Err(Error::Lower {
+                        path: node.path.clone(),
+                        op: "input".into(),
+                        reason: format!("input `{name}` is declared {other}; engine inputs are f32 or u8"),
+                    })
+                }
+            };
             input_bindings.push((name.clone(), id, ValueId(values.len())));
             values.push(ValueDesc {
                 name: name.clone(),
                 dims: dims.clone(),
-                elem: Elem::F32,
+                elem,
                 layout: Layout::contiguous(dims.len()),
                 storage: Storage::Binding,
             });

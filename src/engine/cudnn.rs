@@ -42,6 +42,7 @@ fn data_type(elem: Elem) -> dnn::cudnnDataType_t {
     match elem {
         Elem::F32 => dnn::cudnnDataType_t::CUDNN_DATA_FLOAT,
         Elem::F16 => dnn::cudnnDataType_t::CUDNN_DATA_HALF,
+        Elem::U8 => dnn::cudnnDataType_t::CUDNN_DATA_UINT8,
     }
 }
 

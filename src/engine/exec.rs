@@ -3,9 +3,9 @@
 
 use super::builder::{Engine, Plan};
 use super::gpu::{cuda_err, Handles};
-use super::layer::{DeviceBuf, RunCtx, Storage};
+use super::layer::{DeviceBuf, Elem, RunCtx, Storage};
 use super::InputDims;
-use crate::graph::HostTensor;
+use crate::graph::{DType, HostInput, HostTensor};
 use crate::{Error, Result};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{result as drv, CudaGraph, CudaStream};
@@ -255,10 +255,14 @@ impl ExecutionContext {
         })
     }
 
-    /// Runs on host tensors (NCHW f32) and waits: every input by name, every output returned.
-    /// The inputs' dims pick the plan (see [`ExecutionContext::set_input_dims`]).
-    pub fn run(&mut self, inputs: &[(&str, &HostTensor)]) -> Result<BTreeMap<String, HostTensor>> {
-        let batch = self.bind_host_inputs(inputs)?;
+    /// Runs on host tensors and waits: every input by name, every output returned (f32). The
+    /// inputs' dims pick the plan (see [`ExecutionContext::set_input_dims`]). Inputs are
+    /// `&HostTensor`s (f32 values), or [`HostInput`]s where some are bytes: an input declared u8
+    /// is uploaded one byte per element from a `&ByteTensor` as it is, or from f32 values that
+    /// are integers in 0..=255 (anything else is `Error::NotAByte`, naming the first).
+    pub fn run<'a, T: Into<HostInput<'a>> + Copy>(&mut self, inputs: &[(&str, T)]) -> Result<BTreeMap<String, HostTensor>> {
+        let inputs: Vec<(&str, HostInput<'a>)> = inputs.iter().map(|&(name, t)| (name, t.into())).collect();
+        let batch = self.bind_host_inputs(&inputs)?;
         self.execute(batch)?;
         let mut out = BTreeMap::new();
         let cp = &self.plans[self.current];
@@ -278,7 +282,7 @@ impl ExecutionContext {
         Ok(out)
     }
 
-    fn bind_host_inputs(&mut self, inputs: &[(&str, &HostTensor)]) -> Result<usize> {
+    fn bind_host_inputs(&mut self, inputs: &[(&str, HostInput)]) -> Result<usize> {
         self.engine.gpu.ctx.bind_to_thread().map_err(cuda_err("binding the CUDA context"))?;
         let names: Vec<String> = self.plan().inputs.iter().map(|(n, _)| n.clone()).collect();
         if inputs.len() != names.len() {
@@ -295,7 +299,7 @@ impl ExecutionContext {
                     reason: format!("the engine has no input of that name; it has {names:?}"),
                 });
             }
-            let Some((_, per_image)) = t.shape.split_first() else {
+            let Some((_, per_image)) = t.shape().split_first() else {
                 return Err(Error::Binding { name: name.to_string(), reason: "a scalar input has no batch dimension".into() });
             };
             dims.insert(name.to_string(), per_image.to_vec());
@@ -303,32 +307,53 @@ impl ExecutionContext {
         if dims != self.plan().dims {
             self.set_input_dims(&dims).map_err(|e| match e {
                 Error::Binding { reason, .. } if dims.len() == 1 => {
-                    Error::Binding { name: names[0].clone(), reason: format!("shape {:?}: {reason}", inputs[0].1.shape) }
+                    Error::Binding { name: names[0].clone(), reason: format!("shape {:?}: {reason}", inputs[0].1.shape()) }
                 }
                 other => other,
             })?;
         }
         let mut batch = None;
+        // Bytes converted from f32 values live until the copies are done.
+        let mut staged = Vec::new();
         for (name, t) in inputs {
             let v = self.binding(name, true)?;
-            let b = t.shape[0];
+            let b = t.shape()[0];
             if *batch.get_or_insert(b) != b {
                 return Err(Error::Binding { name: name.to_string(), reason: "inputs have different batch sizes".into() });
             }
             self.check_batch(b)?;
+            t.check_len(name)?;
             let ptr = self.plans[self.current].ptrs[v.0];
-            // SAFETY: the binding's device buffer holds `max_batch` images at these dims and `t` was checked to
-            // hold `b` of them; the stream is synchronised before `t` can be dropped by the caller.
-            unsafe { drv::memcpy_htod_async(ptr, &t.data, self.stream.cu_stream()) }.map_err(cuda_err("copying an input to the device"))?;
+            let copied = cuda_err("copying an input to the device");
+            // The binding's type decides what is uploaded: bytes for a u8 input, f32 otherwise.
+            match self.plan().values[v.0].elem {
+                Elem::U8 => {
+                    let bytes = t.to_u8(name)?;
+                    // SAFETY: the binding's device buffer holds `max_batch` images of these dims, one byte per
+                    // element, and `bytes` holds `b` of them (its length was checked against its shape, whose
+                    // per-image dims are the plan's); the stream is synchronised below, before `staged` drops.
+                    unsafe { drv::memcpy_htod_async(ptr, &bytes.data, self.stream.cu_stream()) }.map_err(copied)?;
+                    staged.push(bytes);
+                }
+                _ => {
+                    let values = t.to_f32(name, DType::F32)?;
+                    // SAFETY: the binding's device buffer holds `max_batch` images of these dims as f32, and
+                    // `values` holds `b` of them (checked as above); the stream is synchronised below, before the
+                    // caller's tensors can be dropped.
+                    unsafe { drv::memcpy_htod_async(ptr, &values.data, self.stream.cu_stream()) }.map_err(copied)?;
+                }
+            }
         }
         // Pageable copies may read the host data after returning; the caller's tensors must stay
         // valid until then, so wait here rather than hand the caller a hidden borrow.
         self.stream.synchronize().map_err(cuda_err("copying inputs to the device"))?;
+        drop(staged);
         batch.ok_or_else(|| Error::Binding { name: "inputs".into(), reason: "the engine has no inputs".into() })
     }
 
-    /// Asynchronous run from device memory on the context's stream: copies each input (NCHW f32,
-    /// `batch` images of the current plan's dims at a device address) into the bindings, runs,
+    /// Asynchronous run from device memory on the context's stream: copies each input (`batch`
+    /// images of the current plan's dims at a device address, f32 values, or bytes for an input
+    /// declared u8) into the bindings, runs,
     /// and copies each output to its device address. Returns without waiting; call
     /// `synchronize` before reading outputs. Select other dims first with `set_input_dims`.
     ///
@@ -356,6 +381,13 @@ impl ExecutionContext {
 
     pub fn synchronize(&self) -> Result<()> {
         self.stream.synchronize().map_err(cuda_err("synchronising the context's stream"))
+    }
+
+    /// The size in bytes of a binding's buffer: the max batch at the largest dims of the plans
+    /// this context has, one byte per element for an input declared u8, four otherwise.
+    pub fn binding_bytes(&self, name: &str) -> Result<usize> {
+        self.binding(name, true).or_else(|_| self.binding(name, false))?;
+        Ok(self.bindings.get(name).map_or(0, DeviceBuf::len))
     }
 
     /// Device address of a binding's buffer (for zero-copy use with `execute`). It holds the max

@@ -306,6 +306,15 @@ mod tests {
     }
 
     #[test]
+    fn a_u8_input_keeps_its_dtype() {
+        let (h, mut p) = sample();
+        p.graph.nodes[0].dtype = crate::graph::DType::U8;
+        let (_, p2) = decode(&encode(&h, &p).expect("encodes"), "e.kiln").expect("decodes");
+        assert_eq!(p2.graph.input_dtype("x"), Some(crate::graph::DType::U8));
+        assert_eq!(p2.graph.nodes, p.graph.nodes);
+    }
+
+    #[test]
     fn every_corrupted_byte_is_rejected() {
         let (h, p) = sample();
         let bytes = encode(&h, &p).expect("encodes");

@@ -48,6 +48,7 @@ fn cuda_type(elem: Elem) -> sys::cudaDataType {
     match elem {
         Elem::F32 => sys::cudaDataType::CUDA_R_32F,
         Elem::F16 => sys::cudaDataType::CUDA_R_16F,
+        Elem::U8 => sys::cudaDataType::CUDA_R_8U,
     }
 }
 

@@ -1003,6 +1003,10 @@ pub fn entry_points() -> Vec<String> {
                 names.push(format!("{k}_{t}_{u}"));
             }
         }
+        // From a u8 input binding into the engine (`t` is the engine's type here).
+        for k in ["nchw_to_nhwc", "nchw_to_nhwc_small", "cast", "permute"] {
+            names.push(format!("{k}_u8_{t}"));
+        }
     }
     names.extend(["shape_scatter_v16".to_string(), "shape_roll_v16".to_string()]);
     names

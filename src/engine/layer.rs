@@ -20,11 +20,15 @@ use std::sync::Arc;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct ValueId(pub usize);
 
-/// Element type in device memory.
+/// Element type in device memory. Every value a layer reads or writes is `F32` or `F16` (its
+/// node's precision); `U8` is only ever the type of an input binding declared u8
+/// (`DType::U8`), which the builder's entry reformat converts to its reader's type, so
+/// converters never meet it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Elem {
     F32,
     F16,
+    U8,
 }
 
 impl Elem {
@@ -32,13 +36,15 @@ impl Elem {
         match self {
             Elem::F32 => 4,
             Elem::F16 => 2,
+            Elem::U8 => 1,
         }
     }
-    /// The suffix of kernel entry points stamped out per type (`relu_f16`).
+    /// The suffix of kernel entry points stamped out per type (`relu_f16`, `cast_u8_f16`).
     pub fn suffix(self) -> &'static str {
         match self {
             Elem::F32 => "f32",
             Elem::F16 => "f16",
+            Elem::U8 => "u8",
         }
     }
 }
@@ -274,6 +280,8 @@ pub fn to_elem_bytes(data: &[f32], elem: Elem) -> Vec<u8> {
     match elem {
         Elem::F32 => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
         Elem::F16 => data.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
+        // Saturating, as a u8 binding's values are; no weight is stored as bytes.
+        Elem::U8 => data.iter().map(|&v| v as u8).collect(),
     }
 }
 

@@ -7,8 +7,8 @@
 //!
 //! Physical layout inside an engine: every activation is NHWC, batch-major, element type f32
 //! (`Fp32`/`Tf32`) or f16 (`Fp16`), allocated for `max_batch` in one arena planned by tensor
-//! lifetime. The user's inputs and outputs are NCHW f32 bindings; reformat layers convert at the
-//! edges.
+//! lifetime. The user's inputs and outputs are NCHW f32 bindings (an input declared u8 is a
+//! binding of bytes); reformat layers convert at the edges.
 
 pub mod arena;
 pub mod builder;
@@ -67,11 +67,12 @@ impl Precision {
         }
     }
 
-    /// `fp32` / `fp16`: the name of a storage type, for layer listings.
+    /// `fp32` / `fp16`: the name of a storage type, for layer listings (`u8` for a byte binding).
     pub fn name(elem: Elem) -> &'static str {
         match elem {
             Elem::F32 => "fp32",
             Elem::F16 => "fp16",
+            Elem::U8 => "u8",
         }
     }
 

@@ -773,6 +773,8 @@ impl FusedKernel {
         match elem {
             Elem::F16 => vec![Self::CudaCores, Self::TensorCores],
             Elem::F32 => vec![Self::CudaCores],
+            // Only ever a binding: no attention runs on bytes.
+            Elem::U8 => vec![],
         }
     }
     fn entry(self, d: usize, elem: Elem) -> String {

@@ -1,10 +1,10 @@
 //! `kiln bench` (latency percentiles and throughput, trtexec-style) and `kiln profile` (per-layer
 //! device time by module path).
 
-use super::common::{self, ms};
+use super::common::{self, ms, InputData};
 use super::{BenchArgs, ProfileArgs};
 use kiln::engine::{Engine, ExecutionContext};
-use kiln::{Error, HostTensor, Result};
+use kiln::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -188,23 +188,22 @@ fn record(model: &str, batch: usize, size: usize, precision: &str, mode: &str, t
     }
 }
 
-/// The input size of an engine (its `input` binding is [3, S, S] per image).
+/// The input size of an engine whose first input is an image ([3, S, S] per image); 0 otherwise.
 fn engine_size(engine: &Engine) -> usize {
-    engine.inputs().first().and_then(|(_, dims)| dims.get(1).copied()).unwrap_or(0)
+    engine.inputs().first().filter(|(_, dims)| dims.len() == 3).map_or(0, |(_, dims)| dims[1])
 }
 
-fn engine_input(engine: &Engine, batch: usize, hw: Option<[usize; 2]>) -> Result<HostTensor> {
-    let (_, dims) = engine
-        .inputs()
-        .into_iter()
-        .next()
-        .ok_or_else(|| Error::Binding { name: "input".into(), reason: "the engine has no input".into() })?;
-    let mut shape = vec![batch];
-    shape.extend_from_slice(dims);
-    if let (Some(hw), 4) = (hw, shape.len()) {
-        shape[2..].copy_from_slice(&hw);
+/// Random data for every input of an engine at `batch` (random bytes for a u8 input), its image
+/// input at `hw` when given.
+fn engine_inputs(engine: &Engine, batch: usize, hw: Option<[usize; 2]>) -> Result<Vec<(String, InputData)>> {
+    let mut inputs = common::engine_inputs(engine);
+    if inputs.is_empty() {
+        return Err(Error::Binding { name: "input".into(), reason: "the engine has no input".into() });
     }
-    Ok(kiln::seeded::uniform_tensor(&shape, kiln::seeded::fresh_seed()))
+    if let (Some(hw), 3) = (hw, inputs[0].dims.len()) {
+        inputs[0].dims[1..].copy_from_slice(&hw);
+    }
+    common::random_inputs(&inputs, batch, kiln::seeded::fresh_seed())
 }
 
 /// The model argument of bench/profile: the positional one or `--loadEngine`.
@@ -269,10 +268,12 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
         for &batch in &batches {
             let traced = common::load(&model, a.weights.as_deref(), false, batch, hw)?;
             let graph = kiln::passes::optimize(&traced.graph)?;
-            common::check_cpu_memory(&graph, batch, traced.hw)?;
-            let x = common::random_input(&[batch, 3, traced.hw[0], traced.hw[1]], kiln::seeded::fresh_seed())?;
-            let timed = time_loop(warmup, a.iterations, duration, || kiln::cpu::run(&graph, &[("input", &x)]).map(|_| ()))?;
-            let mut r = record(&traced.name, batch, traced.hw[1], "cpu-f32", "cpu", &timed, &a.percentile);
+            common::check_cpu_memory(&graph, batch, &traced.hw_text())?;
+            let inputs = common::random_inputs(&common::graph_inputs(&graph), batch, kiln::seeded::fresh_seed())?;
+            let bound = common::bind(&inputs);
+            let timed = time_loop(warmup, a.iterations, duration, || kiln::cpu::run(&graph, &bound).map(|_| ()))?;
+            let size = traced.hw.map_or(0, |[_, w]| w);
+            let mut r = record(&traced.name, batch, size, "cpu-f32", "cpu", &timed, &a.percentile);
             r.device = "CPU executor".into();
             keep(r, batch, timed, &mut records, &mut series)?;
         }
@@ -297,9 +298,9 @@ pub fn bench(a: BenchArgs) -> Result<ExitCode> {
                     (name, Arc::new(e))
                 }
             };
-            let x = engine_input(&engine, batch, hw)?;
+            let inputs = engine_inputs(&engine, batch, hw)?;
             let mut ctx: ExecutionContext = engine.context()?;
-            ctx.run(&[("input", &x)])?;
+            ctx.run(&common::bind(&inputs))?;
             for &graphs in &modes {
                 ctx.set_cuda_graphs(graphs);
                 let timed = time_loop(warmup, a.iterations, duration, || {
@@ -357,10 +358,10 @@ pub fn profile(a: ProfileArgs) -> Result<ExitCode> {
     let gpu = common::gpu()?;
     let (name, engine) = common::engine_for(&model, a.weights.as_ref(), hw, &a.engine, (batch, batch, batch), gpu)?;
     let engine = Arc::new(engine);
-    let x = engine_input(&engine, batch, hw)?;
+    let inputs = engine_inputs(&engine, batch, hw)?;
     let mut ctx = engine.context()?;
     ctx.set_cuda_graphs(false);
-    ctx.run(&[("input", &x)])?;
+    ctx.run(&common::bind(&inputs))?;
     let times = ctx.profile_layers(batch, a.iterations.max(1))?;
     let plan = ctx.plan().clone();
     let layers: Vec<_> = plan.layers().collect();

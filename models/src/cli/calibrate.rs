@@ -47,7 +47,7 @@ pub fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
         return Err(Error::Flag { flag: "--batch".into(), reason: "must be at least 1".into() });
     }
     let traced = common::trace_args(&a.model, 1)?;
-    let [size, width] = traced.hw;
+    let [size, width] = traced.nchw_hw("kiln calibrate")?;
     if size != width {
         return Err(Error::Flag {
             flag: "--data".into(),

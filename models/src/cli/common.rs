@@ -5,7 +5,7 @@
 use super::{EngineArgs, ModelArgs, TraceFn};
 use indicatif::{ProgressBar, ProgressStyle};
 use kiln::engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision};
-use kiln::{Error, Graph, HostTensor, Result, VarBuilder};
+use kiln::{ByteTensor, DType, Error, Graph, HostInput, HostTensor, Result, VarBuilder};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -17,17 +17,104 @@ pub struct Traced {
     /// The model's own name: `name` for bundled and user models, a graph file's `model` metadata.
     pub model: String,
     pub graph: Graph,
-    /// The input's height and width.
-    pub hw: [usize; 2],
+    /// The input's height and width, when its first input is an NCHW image (`None` for other
+    /// inputs, such as a letterboxed model's `[N, H, W * 3]` frame of bytes).
+    pub hw: Option<[usize; 2]>,
     /// Where it came from, for messages and metadata (`bundled`, `user`, `graph file`, `engine file`).
     pub origin: &'static str,
 }
 
 impl Traced {
-    /// `HxW` for messages.
+    /// `HxW` for messages; for a model of other inputs, each input's per-image dims and type
+    /// (`frame 720x3840 u8`).
     pub fn hw_text(&self) -> String {
-        format!("{}x{}", self.hw[0], self.hw[1])
+        match self.hw {
+            Some([h, w]) => format!("{h}x{w}"),
+            None => inputs_text(&self.graph),
+        }
     }
+
+    /// The H × W of the model's NCHW input, or an error that `command` needs one.
+    pub fn nchw_hw(&self, command: &str) -> Result<[usize; 2]> {
+        self.hw.ok_or_else(|| Error::Flag {
+            flag: command.into(),
+            reason: format!("needs a model whose input is an NCHW image; {} takes {}", self.name, self.hw_text()),
+        })
+    }
+}
+
+/// One graph input as the commands make data for it: name, per-image dims, declared type.
+#[derive(Clone, Debug, PartialEq)]
+pub struct InputSpec {
+    pub name: String,
+    pub dims: Vec<usize>,
+    pub dtype: DType,
+}
+
+/// Each input's name, per-image dims and type, for messages: `frame 720x3840 u8`.
+fn inputs_text(graph: &Graph) -> String {
+    let inputs = graph_inputs(graph);
+    inputs.iter().map(|i| format!("{} {} {}", i.name, super::shapes::dims_text(&i.dims), i.dtype)).collect::<Vec<_>>().join(", ")
+}
+
+/// The inputs of a graph, in binding order.
+pub fn graph_inputs(graph: &Graph) -> Vec<InputSpec> {
+    graph
+        .inputs
+        .iter()
+        .zip(graph.input_names())
+        .map(|(&i, name)| InputSpec { name: name.to_string(), dims: graph.nodes[i].shape[1..].to_vec(), dtype: graph.nodes[i].dtype })
+        .collect()
+}
+
+/// The inputs of an engine at its first plan's dims, in binding order.
+pub fn engine_inputs(engine: &Engine) -> Vec<InputSpec> {
+    engine
+        .inputs()
+        .into_iter()
+        .map(|(name, dims)| InputSpec { name: name.to_string(), dims: dims.to_vec(), dtype: engine.input_dtype(name).unwrap_or_default() })
+        .collect()
+}
+
+/// One input's data as a command holds it: f32 values, or bytes for an input declared u8.
+#[derive(Clone, Debug, PartialEq)]
+pub enum InputData {
+    F32(HostTensor),
+    U8(ByteTensor),
+}
+
+impl InputData {
+    pub fn as_input(&self) -> HostInput<'_> {
+        match self {
+            InputData::F32(t) => HostInput::F32(t),
+            InputData::U8(t) => HostInput::U8(t),
+        }
+    }
+}
+
+/// Named inputs as `run` takes them.
+pub fn bind(inputs: &[(String, InputData)]) -> Vec<(&str, HostInput<'_>)> {
+    inputs.iter().map(|(n, d)| (n.as_str(), d.as_input())).collect()
+}
+
+/// Random data for `inputs` at `batch`: uniform in [-1, 1) for f32 inputs, uniform bytes for u8
+/// ones (an image as decoded). The k-th input is drawn from `seed + k`, so a one-input model's
+/// input depends on `seed` alone, as `--seed` promises.
+pub fn random_inputs(inputs: &[InputSpec], batch: usize, seed: u64) -> Result<Vec<(String, InputData)>> {
+    let mut out = Vec::with_capacity(inputs.len());
+    for (k, spec) in inputs.iter().enumerate() {
+        let shape: Vec<usize> = std::iter::once(batch).chain(spec.dims.iter().copied()).collect();
+        let values = random_input(&shape, seed.wrapping_add(k as u64))?;
+        let data = match spec.dtype {
+            // [-1, 1) onto the 256 levels, each equally likely.
+            DType::U8 => {
+                InputData::U8(ByteTensor::new(shape, values.data.iter().map(|v| ((v + 1.0) * 128.0).clamp(0.0, 255.0) as u8).collect())?)
+            }
+            _ => InputData::F32(values),
+        };
+        out.push((spec.name.clone(), data));
+    }
+    Ok(out)
 }
 
 /// The models a program added with `main_with`, by name.
@@ -162,13 +249,38 @@ pub fn requested(m: &ModelArgs, batch: Option<usize>) -> Result<(Option<usize>, 
     Ok((Some(n), Some([h, w])))
 }
 
-/// The input H × W of a graph (its first input, NCHW), for graph files and user models.
-fn graph_hw(graph: &Graph, what: &str) -> Result<[usize; 2]> {
-    let shape = graph.inputs.first().map(|&i| graph.nodes[i].shape.clone()).unwrap_or_default();
-    match shape[..] {
-        [_, _, h, w] => Ok([h, w]),
-        _ => Err(Error::Binding { name: "input".into(), reason: format!("{what} has input shape {shape:?}; Kiln's CLI runs NCHW inputs") }),
+/// The input H × W of a graph whose first input is an NCHW image, for graph files and user
+/// models; `None` for other inputs (they run at their traced per-image dims).
+fn graph_hw(graph: &Graph) -> Option<[usize; 2]> {
+    match graph.inputs.first().map(|&i| graph.nodes[i].shape.as_slice()) {
+        Some(&[_, _, h, w]) => Some([h, w]),
+        _ => None,
     }
+}
+
+/// `check_input_dims` for a graph of any inputs: a batch of at least 1, and every input at
+/// `batch` within `MAX_INPUT_ELEMENTS`.
+fn check_graph_inputs(batch: usize, graph: &Graph, name: &str) -> Result<()> {
+    if let Some(hw) = graph_hw(graph) {
+        return check_input_dims(batch, hw);
+    }
+    if batch == 0 {
+        return Err(Error::Flag { flag: "--batch".into(), reason: "must be at least 1".into() });
+    }
+    for spec in graph_inputs(graph) {
+        let what = format!("input `{}` of {name} at --batch {batch} ({batch} x {})", spec.name, super::shapes::dims_text(&spec.dims));
+        match spec.dims.iter().try_fold(batch, |n, &d| n.checked_mul(d)) {
+            None => return Err(Error::TooLarge { what, reason: "its element count overflows".into() }),
+            Some(n) if n > MAX_INPUT_ELEMENTS => {
+                return Err(Error::TooLarge {
+                    what,
+                    reason: format!("{n} elements, more than the limit of {MAX_INPUT_ELEMENTS}; lower --batch"),
+                })
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
 }
 
 /// Replaces a loaded graph's weights with those of `--weights`, by name, each checked for shape.
@@ -198,9 +310,8 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
     // shape (an op that fixed a size makes that a typed error naming it). An engine runs it only
     // inside one of its profiles; that is checked when it runs.
     let fixed = |graph: Graph, name: String, model: String, origin: &'static str| -> Result<Traced> {
-        let have = graph_hw(&graph, &name)?;
-        let graph = match hw.filter(|&want| want != have) {
-            Some([h, w]) => {
+        let graph = match (hw, graph_hw(&graph)) {
+            (Some([h, w]), Some(have)) if [h, w] != have => {
                 let c = graph.inputs.first().map_or(3, |&i| graph.nodes[i].shape[1]);
                 let dims = kiln::engine::InputDims::from([("input".to_string(), vec![c, h, w])]);
                 graph.with_input_dims(&dims).map_err(|e| Error::Flag {
@@ -208,11 +319,16 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
                     reason: format!("{name} was traced at {}x{} and does not run at {h}x{w}: {e}", have[0], have[1]),
                 })?
             }
-            None => graph,
+            (Some([h, w]), None) => {
+                return Err(Error::Flag {
+                    flag: "--size/--shapes".into(),
+                    reason: format!("{h}x{w} is for an NCHW image input; {name} takes {}, at its traced dims", inputs_text(&graph)),
+                });
+            }
+            _ => graph,
         };
-        let have = graph_hw(&graph, &name)?;
-        check_input_dims(batch, have)?;
-        Ok(Traced { name, model, graph, hw: have, origin })
+        check_graph_inputs(batch, &graph, &name)?;
+        Ok(Traced { name, model, hw: graph_hw(&graph), graph, origin })
     };
     let (name, graph, vb, origin) = match source(model)? {
         Source::GraphFile(path) => {
@@ -253,8 +369,8 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
             (name, graph, vb, "user")
         }
     };
-    let hw = graph_hw(&graph, &name)?;
-    check_input_dims(batch, hw)?;
+    check_graph_inputs(batch, &graph, &name)?;
+    let hw = graph_hw(&graph);
     if let Some(p) = weights_path {
         let unused = vb.unused();
         if strict {
@@ -321,13 +437,13 @@ pub fn cpu_peak_bytes(graph: &Graph) -> usize {
 
 /// Refuses a CPU run whose activations cannot fit in the memory available, before allocating.
 /// The graph may be traced at another batch than the run's: its peak is scaled to `batch`.
-pub fn check_cpu_memory(graph: &Graph, batch: usize, hw: [usize; 2]) -> Result<()> {
+/// `shape` describes the input for the message (`224x224`).
+pub fn check_cpu_memory(graph: &Graph, batch: usize, shape: &str) -> Result<()> {
     let traced_batch = graph.inputs.first().and_then(|&i| graph.nodes[i].shape.first().copied()).unwrap_or(1).max(1);
     let bytes = (cpu_peak_bytes(graph) / traced_batch).saturating_mul(batch);
-    let [h, w] = hw;
     match available_memory() {
         Some(avail) if bytes > avail => Err(Error::OutOfMemory {
-            what: format!("the CPU executor at --batch {batch}, {h}x{w} (only {avail} bytes are available; lower --batch or --size)"),
+            what: format!("the CPU executor at --batch {batch}, {shape} (only {avail} bytes are available; lower --batch or --size)"),
             bytes,
         }),
         _ => Ok(()),
@@ -476,8 +592,8 @@ fn softmax(row: &[f32]) -> Vec<f32> {
 const SHOWN_IMAGES: usize = 4;
 
 /// People-readable outputs: top-k classes for logits, top-k detections for CenterNet, shapes and
-/// ranges for anything else.
-pub fn summarize(outputs: &BTreeMap<String, HostTensor>, top: usize, input_width: usize) -> String {
+/// ranges for anything else. `input_width` (of an NCHW input) scales CenterNet's boxes to pixels.
+pub fn summarize(outputs: &BTreeMap<String, HostTensor>, top: usize, input_width: Option<usize>) -> String {
     let mut s = String::new();
     if let Some(logits) = outputs.get("logits").filter(|t| t.shape.len() == 2) {
         let (n, classes) = (logits.shape[0], logits.shape[1]);
@@ -495,7 +611,10 @@ pub fn summarize(outputs: &BTreeMap<String, HostTensor>, top: usize, input_width
     if let Some(det) = outputs.get("detections").filter(|t| t.shape.len() == 3 && t.shape[2] == 6) {
         let (n, k) = (det.shape[0], det.shape[1]);
         // Boxes are in output-map coordinates; the maps are at stride input/map.
-        let stride = outputs.get("hm").and_then(|hm| hm.shape.get(3)).map(|&w| input_width as f32 / w as f32).unwrap_or(1.0);
+        let stride = match (outputs.get("hm").and_then(|hm| hm.shape.get(3)), input_width) {
+            (Some(&w), Some(input)) => input as f32 / w as f32,
+            _ => 1.0,
+        };
         for img in 0..n.min(SHOWN_IMAGES) {
             s += &format!("image {img}: top-{} of {k} detections (box in input pixels):\n", top.min(k));
             for d in det.data[img * k * 6..(img + 1) * k * 6].chunks_exact(6).take(top) {
@@ -538,7 +657,7 @@ mod tests {
     #[test]
     fn logits_summary_lists_the_top_classes_in_order() {
         let logits = HostTensor::new(vec![1, 5], vec![0.1, 3.0, -1.0, 2.0, 2.5]);
-        let s = summarize(&BTreeMap::from([("logits".to_string(), logits)]), 3, 224);
+        let s = summarize(&BTreeMap::from([("logits".to_string(), logits)]), 3, Some(224));
         let classes: Vec<&str> = s.lines().filter(|l| l.contains("class")).map(|l| l.split_whitespace().nth(1).unwrap_or("")).collect();
         assert_eq!(classes, ["1", "4", "3"], "{s}");
         assert!(s.starts_with("image 0: top-3:"), "{s}");
@@ -549,7 +668,7 @@ mod tests {
         // One image, two detections (x1, y1, x2, y2, score, class) on 4x4 maps of a 16x16 input.
         let det = HostTensor::new(vec![1, 2, 6], vec![1.0, 2.0, 3.0, 4.0, 0.9, 7.0, 0.0, 0.0, 1.0, 1.0, 0.5, 2.0]);
         let hm = HostTensor::zeros(vec![1, 80, 4, 4]);
-        let s = summarize(&BTreeMap::from([("detections".to_string(), det), ("hm".to_string(), hm)]), 1, 16);
+        let s = summarize(&BTreeMap::from([("detections".to_string(), det), ("hm".to_string(), hm)]), 1, Some(16));
         assert!(s.contains("class  7  score 0.900  box (4.0, 8.0) - (12.0, 16.0)"), "{s}");
         assert!(!s.contains("class 2"), "only the top 1 is shown:\n{s}");
         assert!(s.contains("hm: [1, 80, 4, 4]"), "{s}");

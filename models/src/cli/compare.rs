@@ -206,7 +206,8 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
             let (batch, hw) = common::requested(&a.model, a.batch)?;
             let batch = batch.unwrap_or(1);
             let probe = common::load(&a.model.model, a.model.weights.as_deref(), a.model.strict, batch, hw)?;
-            let x = common::random_input(&[batch, 3, probe.hw[0], probe.hw[1]], a.seed)?;
+            let [h, w] = probe.nchw_hw("kiln compare")?;
+            let x = common::random_input(&[batch, 3, h, w], a.seed)?;
             (BTreeMap::new(), BTreeMap::new(), x, Some(a.seed))
         }
     };
@@ -214,7 +215,7 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
     let (batch, hw) = common::input_dims(&x, a.reference.as_deref().unwrap_or(Path::new("the random input")))?;
     let traced = common::load(&a.model.model, a.model.weights.as_deref(), a.model.strict, batch, Some(hw))?;
     if a.cpu {
-        common::check_cpu_memory(&traced.graph, batch, hw)?;
+        common::check_cpu_memory(&traced.graph, batch, &traced.hw_text())?;
     }
     let l2_tol = a.l2_tol.unwrap_or_else(|| default_l2_tol(&a));
     let backend = if a.cpu { "CPU executor".to_string() } else { format!("GPU engine ({})", a.engine.precision().short_name()) };
@@ -321,7 +322,7 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
     }
     if rows.is_empty() {
         say!("nothing compared (no reference); outputs of the random input, --seed {}:", a.seed);
-        say_raw!("{}", common::summarize(&outputs, 5, traced.hw[1]));
+        say_raw!("{}", common::summarize(&outputs, 5, traced.hw.map(|[_, w]| w)));
         return Ok(ExitCode::SUCCESS);
     }
     if !all_pass && !hints.is_empty() {

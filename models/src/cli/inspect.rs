@@ -63,10 +63,10 @@ pub fn codegen(a: CodegenArgs) -> Result<ExitCode> {
     }
     let traced = common::trace_args(&a.model, 1)?;
     let mut command = format!("kiln codegen {}", traced.name);
-    if a.model.shapes.is_some() {
-        command += &format!(" --shapes input:1x3x{}x{}", traced.hw[0], traced.hw[1]);
-    } else if a.model.size.is_some() {
-        command += &format!(" --size {}", traced.hw[0]);
+    match traced.hw {
+        Some([h, w]) if a.model.shapes.is_some() => command += &format!(" --shapes input:1x3x{h}x{w}"),
+        Some([h, _]) if a.model.size.is_some() => command += &format!(" --size {h}"),
+        _ => {}
     }
     if a.max_width != 100 {
         command += &format!(" --max-width {}", a.max_width);

@@ -1,6 +1,6 @@
 //! `kiln run` (the README's main job), `kiln trace` and `kiln build`.
 
-use super::common::{self, ms};
+use super::common::{self, ms, InputData};
 use super::shapes::{self, Profile};
 use super::{BuildArgs, RunArgs, TraceArgs};
 use kiln::engine::{gpu_available, DimsRange, ShapeProfile};
@@ -45,15 +45,21 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     let traced = common::load(&a.model.model, a.model.weights.as_deref(), a.model.strict, batch, hw)?;
     let gpu_reason = if a.cpu { Err("--cpu was given".to_string()) } else { gpu_available() };
     if gpu_reason.is_err() {
-        common::check_cpu_memory(&traced.graph, batch, traced.hw)?;
+        common::check_cpu_memory(&traced.graph, batch, &traced.hw_text())?;
     }
-    let (input, origin) = match input {
-        Some(x) => (x, origin),
+    let (inputs, origin) = match input {
+        // The file's image is the model's NCHW input (checked against it above).
+        Some(x) => {
+            let name = traced.graph.input_names().first().map_or("input".to_string(), |n| n.to_string());
+            (vec![(name, InputData::F32(x))], origin)
+        }
         None => {
             let seed = a.seed.unwrap_or_else(kiln::seeded::fresh_seed);
-            (common::random_input(&[batch, 3, traced.hw[0], traced.hw[1]], seed)?, format!("random input, --seed {seed}"))
+            let what = if traced.graph.inputs.len() == 1 { "input" } else { "inputs" };
+            (common::random_inputs(&common::graph_inputs(&traced.graph), batch, seed)?, format!("random {what}, --seed {seed}"))
         }
     };
+    let bound = common::bind(&inputs);
     let weights = a.model.weights.as_ref().map_or(
         if traced.origin == "bundled" || traced.origin == "user" {
             "seeded weights".to_string()
@@ -77,9 +83,9 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             say!("engine: {} layers, built in {:.2} s", engine.summary.layers, engine.summary.build_seconds);
             let mut ctx = engine.context()?;
             // The first run captures the CUDA graph; the time shown is of the second.
-            ctx.run(&[("input", &input)])?;
+            ctx.run(&bound)?;
             let t = Instant::now();
-            let out = ctx.run(&[("input", &input)])?;
+            let out = ctx.run(&bound)?;
             (out, format!("GPU engine ({precision})"), t.elapsed())
         }
         Err(reason) => {
@@ -88,11 +94,11 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             }
             let optimized = kiln::passes::optimize(&traced.graph)?;
             let t = Instant::now();
-            let out = kiln::cpu::run(&optimized, &[("input", &input)])?;
+            let out = kiln::cpu::run(&optimized, &bound)?;
             (out, "CPU executor (f32)".to_string(), t.elapsed())
         }
     };
-    say_raw!("{}", common::summarize(&outputs, a.top, traced.hw[1]));
+    say_raw!("{}", common::summarize(&outputs, a.top, traced.hw.map(|[_, w]| w)));
     let secs = elapsed.as_secs_f64();
     say!("{backend}: {} for batch {batch} ({:.1} images/s)", ms(secs * 1e3), batch as f64 / secs.max(1e-12));
     Ok(ExitCode::SUCCESS)
@@ -107,21 +113,17 @@ pub fn trace(a: TraceArgs) -> Result<ExitCode> {
         if traced.origin == "bundled" || traced.origin == "user" { "seeded".to_string() } else { traced.origin.to_string() },
         |p| p.display().to_string(),
     );
+    // Every input's full shape (`2x3x224x224`), comma-separated where there are several.
+    let input_shape = traced.graph.inputs.iter().map(|&i| shapes::dims_text(&traced.graph.nodes[i].shape)).collect::<Vec<_>>().join(",");
     let meta = BTreeMap::from([
         ("model".to_string(), traced.name.clone()),
         ("weights".to_string(), weights),
-        ("input_shape".to_string(), shapes::dims_text(&[batch, 3, traced.hw[0], traced.hw[1]])),
+        ("input_shape".to_string(), input_shape.clone()),
         ("kiln.tool".to_string(), format!("kiln trace {}", env!("CARGO_PKG_VERSION"))),
     ]);
     kiln::graph_file::write(&traced.graph, &a.output, &meta)?;
     let ops = traced.graph.nodes.iter().filter(|n| !n.op.is_leaf()).count();
-    say!(
-        "wrote {}: {} ({ops} ops, {} weights, input {})",
-        a.output.display(),
-        traced.name,
-        traced.graph.weights.len(),
-        shapes::dims_text(&[batch, 3, traced.hw[0], traced.hw[1]])
-    );
+    say!("wrote {}: {} ({ops} ops, {} weights, input {})", a.output.display(), traced.name, traced.graph.weights.len(), input_shape);
     Ok(ExitCode::SUCCESS)
 }
 
@@ -192,8 +194,8 @@ pub fn build(a: BuildArgs, verbose: bool) -> Result<ExitCode> {
     );
     say_raw!("{}", engine.summary);
     for plan in engine.plans() {
-        let dims = plan.dims.get("input").map_or(String::new(), |d| shapes::dims_text(d));
-        say!("  plan input {dims}: arena {:.1} MiB", plan.memory.arena as f64 / (1 << 20) as f64);
+        let dims: Vec<String> = plan.dims.iter().map(|(n, d)| format!("{n} {}", shapes::dims_text(d))).collect();
+        say!("  plan {}: arena {:.1} MiB", dims.join(", "), plan.memory.arena as f64 / (1 << 20) as f64);
     }
     if verbose {
         for (problem, candidates) in &engine.summary.tactic_log {
