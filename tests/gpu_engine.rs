@@ -1,5 +1,5 @@
 //! The CUDA engine on the GPU: every converter of this file's families (conv, transposed conv,
-//! linear, batch norm, fused conv+bias+residual+ReLU, the cuBLASLt 1×1 path) against the CPU
+//! linear, batch norm, fused conv+bias+residual+ReLU, the cuBLASLt 1×1 path, u8 inputs) against the CPU
 //! executor; ResNet-18/50 and CenterNet against PyTorch; batch 1 and 64 from one engine; CUDA
 //! graphs; save/load; the timing cache; several contexts on threads. Prints rel L2 / max-abs.
 //!
@@ -15,8 +15,8 @@ use kiln::engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision};
 use kiln::module::{Forward, Module};
 use kiln::var_builder::read_safetensors;
 use kiln::{
-    BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, Graph, HostTensor, Linear, LinearConfig, Tensor, Tracer,
-    VarBuilder,
+    BatchNorm2d, BatchNorm2dConfig, ByteTensor, Conv2d, Conv2dConfig, ConvTranspose2d, DType, Graph, HostTensor, Linear, LinearConfig,
+    Tensor, Tracer, VarBuilder,
 };
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -121,6 +121,41 @@ fn conv2d_variants() {
     check_op("conv 5x5 p2 + bias + relu (5 channels)", &[5, 15, 17], STEM_SOURCES, stem_relu);
     check_op("conv 1x1 s2 downsample", &[32, 14, 14], CONV_SOURCES, conv(Conv2dConfig::new(32, 64, 1).stride(2).bias(false)));
     check_op("conv 1x1 s1 (GEMM)", &[64, 7, 9], POINTWISE_SOURCES, conv(Conv2dConfig::new(64, 48, 1)));
+}
+
+/// An input declared u8 enters through each image reformat: 3 channels (one thread per pixel
+/// into NHWC, then in FP16 also the padded stem or im2col) and 40 (the tiled transpose), run from
+/// raw bytes against the CPU executor on the same bytes; the binding holds one byte per element.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn u8_inputs_enter_through_the_image_reformats() {
+    let Some(gpu) = gpu() else { return };
+    for (name, dims, conv) in [
+        ("u8 conv 3x3 p1 (3 channels)", [3, 20, 24], Conv2dConfig::new(3, 16, 3).padding(1)),
+        ("u8 conv 1x1 (40 channels)", [40, 9, 11], Conv2dConfig::new(40, 24, 1)),
+    ] {
+        let tracer = Tracer::new();
+        let x = tracer.input_typed("x", &[1, dims[0], dims[1], dims[2]], DType::U8);
+        tracer.output("y", &Conv2d::load(VarBuilder::seeded().pp("conv"), &conv).and_then(|c| c.forward(&x)).expect("trace"));
+        let graph = tracer.graph();
+        for (precision, tol) in [(Precision::Fp32, 1e-5), (Precision::Fp16, 1e-2)] {
+            let engine = build(&gpu, &graph, BuildConfig::default().precision(precision).batch(1, 3, 3));
+            let entry = engine.layers().next().expect("the entry reformat").kind();
+            let mut ctx = engine.context().expect("context");
+            assert_eq!(ctx.binding_bytes("x").expect("binding"), 3 * dims.iter().product::<usize>(), "1 byte per element");
+            for batch in [1, 3] {
+                let values = random(&[batch, dims[0], dims[1], dims[2]], batch as u64 * 7 + dims[0] as u64, 1.0);
+                let bytes =
+                    ByteTensor::new(values.shape.clone(), values.data.iter().map(|v| ((v + 1.0) * 127.9) as u8).collect()).expect("bytes");
+                let want = kiln::cpu::run(&graph, &[("x", &bytes)]).expect("cpu run");
+                let got = ctx.run(&[("x", &bytes)]).unwrap_or_else(|e| panic!("{name} {precision:?} batch {batch}: {e}"));
+                let c = compare(name, &got["y"], &want["y"]);
+                println!("{name:<32} {precision:?} batch {batch}: {c}  [{entry}]");
+                assert!(entry.contains("_u8_"), "{name}: the entry reformat {entry} does not read bytes");
+                assert!(c.passes(tol), "{name} {precision:?} batch {batch}: {c} over {tol:e}");
+            }
+        }
+    }
 }
 
 #[test]

@@ -1125,8 +1125,12 @@ mod tests {
         let unique: std::collections::BTreeSet<&String> = names.iter().collect();
         assert_eq!(unique.len(), names.len(), "duplicate entry points");
         for name in &names {
-            // Stamped by a macro: `activation_##S` with S = f32, or a plain `decode_merge(`.
-            let (stem, _) = name.split_once("_f").unwrap_or((name.as_str(), ""));
+            // Stamped by a macro: `activation_##S` with S = f32 (`cast_##S` with S = u8_f16), or a
+            // plain `decode_merge(`.
+            let mut stem = name.as_str();
+            while let Some(shorter) = ["_f32", "_f16", "_u8"].iter().find_map(|t| stem.strip_suffix(t)) {
+                stem = shorter;
+            }
             let found = FAMILIES.iter().any(|(_, src)| src.contains(&format!(" {stem}_##S")) || src.contains(&format!(" {name}(")));
             assert!(found, "no family defines `{name}`");
         }
