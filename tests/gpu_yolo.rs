@@ -314,10 +314,7 @@ fn yolo_models_match_the_cpu_and_ultralytics() {
                             .map(|n| matched(torch16, &refs["output.detections"], n))
                             .fold((0, 0), |(a, b), (m, t)| (a + m, b + t));
                         let torch_share = if total == 0 { 1.0 } else { m as f64 / total as f64 };
-                        println!(
-                            "BASELINE {model}: PyTorch's own FP16 keeps {m} of {total} FP32 detections ({:.1}%)",
-                            torch_share * 100.0
-                        );
+                        println!("BASELINE {model}: PyTorch's own FP16 keeps {m} of {total} FP32 detections ({:.1}%)", torch_share * 100.0);
                         Some(torch_share.min(0.98))
                     }
                     _ => Some(0.98),

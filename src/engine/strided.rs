@@ -63,7 +63,7 @@ impl CopyPlan {
     /// Plans a copy of `dims` (outermost first) for elements of `elem_size` bytes.
     pub fn new(dims: &[CopyDim], offset: usize, strided_per_image: usize, elem_size: usize) -> Self {
         let mut merged: Vec<CopyDim> = Vec::with_capacity(dims.len());
-        for &d in dims.iter().filter(|d| !(d.size == 1 && !d.padded())) {
+        for &d in dims.iter().filter(|d| d.size != 1 || d.padded()) {
             match merged.last_mut() {
                 // The outer dim steps exactly over the inner one on the strided side too.
                 Some(o) if !o.padded() && !d.padded() && o.stride == d.stride * d.size => *o = CopyDim::plain(o.size * d.size, d.stride),
@@ -76,14 +76,14 @@ impl CopyPlan {
         let mut plan = Self { dims: merged, offset, strided_per_image, unit: 1 };
         let v = 16 / elem_size.max(1);
         let last = *plan.dims.last().expect("at least one dim");
-        let others_aligned = plan.dims[..plan.dims.len() - 1].iter().all(|d| d.stride % v == 0);
+        let others_aligned = plan.dims[..plan.dims.len() - 1].iter().all(|d| d.stride.is_multiple_of(v));
         if v > 1
             && last.stride == 1
             && !last.padded()
-            && last.size % v == 0
+            && last.size.is_multiple_of(v)
             && others_aligned
-            && offset % v == 0
-            && strided_per_image % v == 0
+            && offset.is_multiple_of(v)
+            && strided_per_image.is_multiple_of(v)
         {
             let n = plan.dims.len();
             for (i, d) in plan.dims.iter_mut().enumerate() {
@@ -164,6 +164,7 @@ fn check_u32(path: &str, op: &str, values: &[usize]) -> Result<()> {
 impl StridedCopy {
     /// A gather into all of `y` or a scatter of all of `x`, planned from `dims` (the walked side's
     /// dims in its physical order, with the other side's strides).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         ctx: &mut BuildCtx,
         path: &str,
@@ -231,7 +232,7 @@ impl StridedCopy {
         }
         let v = 16 / d.elem.size();
         let unit = match (sizes.last(), shifts.last()) {
-            (Some(&s), Some(&0)) if s % v == 0 => {
+            (Some(&s), Some(&0)) if s.is_multiple_of(v) => {
                 *sizes.last_mut().expect("one dim") /= v;
                 v
             }
