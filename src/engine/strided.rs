@@ -120,6 +120,17 @@ impl CopyPlan {
     }
 }
 
+/// What a planned copy launches: the kernel family (`shape_gather`, ...), the unit (elements per
+/// 16-byte unit, or 1), the merged rank, the units walked per image, the meta, the fill value.
+struct Launch {
+    name: &'static str,
+    unit: usize,
+    rank: usize,
+    walked: usize,
+    meta: Vec<usize>,
+    fill: Option<f32>,
+}
+
 /// Dims per copy after merging (`SHAPE_MAX_RANK` in kernels/shape.cu).
 const MAX_COPY_RANK: usize = 8;
 
@@ -188,35 +199,12 @@ impl StridedCopy {
             CopyKind::Scatter => dy.per_image_elems(),
         };
         let plan = CopyPlan::new(dims, offset, strided_per_image, dx.elem.size());
-        if plan.dims.len() > MAX_COPY_RANK {
-            let reason = format!("a copy of {} dims exceeds the shape kernels' {MAX_COPY_RANK}", plan.dims.len());
-            return Err(Error::Lower { path: path.into(), op: op.into(), reason });
-        }
-        let meta = plan.meta(kind);
-        let walked = plan.walked_per_image();
-        check_u32(path, op, &[&meta[..], &[walked, dx.per_image_elems(), dy.per_image_elems()]].concat())?;
-        let name = match kind {
-            CopyKind::Gather { .. } => "shape_gather",
-            CopyKind::Scatter => "shape_scatter",
+        let (name, fill) = match kind {
+            CopyKind::Gather { fill } => ("shape_gather", Some(fill)),
+            CopyKind::Scatter => ("shape_scatter", None),
         };
-        let entry = entry(name, dx.elem, plan.unit);
-        let f = ctx.kernels.get(&entry)?;
-        let bytes: Vec<u8> = meta.iter().flat_map(|&v| (v as i64).to_le_bytes()).collect();
-        Ok(Self {
-            x,
-            y,
-            f,
-            entry,
-            meta: ctx.upload_bytes(&bytes)?,
-            rank: plan.dims.len() as i32,
-            walked: walked as u32,
-            x_image_bytes: dx.bytes(1) as u64,
-            y_image_bytes: dy.bytes(1) as u64,
-            fill: match kind {
-                CopyKind::Gather { fill } => Some(fill),
-                CopyKind::Scatter => None,
-            },
-        })
+        let launch = Launch { name, unit: plan.unit, rank: plan.dims.len(), walked: plan.walked_per_image(), meta: plan.meta(kind), fill };
+        Self::finish(ctx, path, op, x, y, launch)
     }
 
     /// `torch.roll` of `x` into `y` (one layout): `dims` sizes and shifts in physical order.
@@ -238,27 +226,40 @@ impl StridedCopy {
             }
             _ => 1,
         };
-        if sizes.len() > MAX_COPY_RANK {
-            let reason = format!("a roll of {} dims exceeds the shape kernels' {MAX_COPY_RANK}", sizes.len());
-            return Err(Error::Lower { path: path.into(), op: "roll".into(), reason });
+        let launch = Launch {
+            name: "shape_roll",
+            unit,
+            rank: sizes.len(),
+            walked: sizes.iter().product(),
+            meta: [&sizes[..], &shifts[..]].concat(),
+            fill: None,
+        };
+        Self::finish(ctx, path, "roll", x, y, launch)
+    }
+
+    /// The checks and the upload every copy ends with: its dims fit the kernels' meta, every
+    /// size and offset fits their 32-bit arithmetic, and the entry point exists.
+    fn finish(ctx: &mut BuildCtx, path: &str, op: &str, x: ValueId, y: ValueId, launch: Launch) -> Result<Self> {
+        let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
+        if launch.rank > MAX_COPY_RANK {
+            let reason = format!("a copy of {} dims exceeds the shape kernels' {MAX_COPY_RANK}", launch.rank);
+            return Err(Error::Lower { path: path.into(), op: op.into(), reason });
         }
-        let walked: usize = sizes.iter().product();
-        let meta: Vec<usize> = [&sizes[..], &shifts[..]].concat();
-        check_u32(path, "roll", &[&meta[..], &[d.per_image_elems()]].concat())?;
-        let entry = entry("shape_roll", d.elem, unit);
+        check_u32(path, op, &[&launch.meta[..], &[launch.walked, dx.per_image_elems(), dy.per_image_elems()]].concat())?;
+        let entry = entry(launch.name, dx.elem, launch.unit);
         let f = ctx.kernels.get(&entry)?;
-        let bytes: Vec<u8> = meta.iter().flat_map(|&v| (v as i64).to_le_bytes()).collect();
+        let bytes: Vec<u8> = launch.meta.iter().flat_map(|&v| (v as i64).to_le_bytes()).collect();
         Ok(Self {
             x,
             y,
             f,
             entry,
             meta: ctx.upload_bytes(&bytes)?,
-            rank: sizes.len() as i32,
-            walked: walked as u32,
-            x_image_bytes: d.bytes(1) as u64,
-            y_image_bytes: d.bytes(1) as u64,
-            fill: None,
+            rank: launch.rank as i32,
+            walked: launch.walked as u32,
+            x_image_bytes: dx.bytes(1) as u64,
+            y_image_bytes: dy.bytes(1) as u64,
+            fill: launch.fill,
         })
     }
 
