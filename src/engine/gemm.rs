@@ -307,7 +307,7 @@ impl LtMatmul {
         // SAFETY: the plan's layouts describe `m` rows of X and Y and the `[n, k]` weight (`count`
         // strided copies of each when batched), which the callers' buffers hold (arena values sized
         // for the run's batch, uploaded weights); the workspace is this layer's part of the arena,
-        // at least the `p.workspace` bytes checked above.
+        // `rt.workspace_bytes` long, at least the `p.workspace` bytes checked above.
         unsafe {
             lt::matmul(
                 rt.handles.lt,
@@ -324,7 +324,7 @@ impl LtMatmul {
                 p.c.0,
                 &p.algo,
                 rt.workspace as *mut c_void,
-                p.workspace,
+                rt.workspace_bytes,
                 rt.stream.cu_stream() as sys::cudaStream_t,
             )
         }

@@ -209,6 +209,20 @@ pub fn fp8_gemm_candidates(ctx: &mut BuildCtx, node: NodeId, spec: GemmSpec) -> 
     [Fp8Epilogue::Fused, Fp8Epilogue::Kernel].into_iter().map(|e| fp8_gemm_layer(ctx, node, spec, sx, xq, [k, n], e)).collect()
 }
 
+/// Bytes between the A and B scales of an FP8 GEMM in their device buffer. cuBLASLt refuses
+/// (`NOT_SUPPORTED`, at `cublasLtMatmul`, after its heuristic accepted the problem) a scale
+/// pointer that is not 16-byte aligned: two f32 scalars packed 4 bytes apart failed every FP8
+/// configuration on the H100 (cuBLASLt 13.1), the same scales 16 bytes apart run.
+const SCALE_SLOT: u64 = 16;
+
+/// `a` and `b` in one buffer, each at the start of its 16-byte slot (`SCALE_SLOT`).
+fn scale_slots(a: f32, b: f32) -> [f32; 8] {
+    let mut s = [0f32; 8];
+    s[0] = a;
+    s[SCALE_SLOT as usize / 4] = b;
+    s
+}
+
 /// The e4m3 bytes of `w` and its per-tensor scale (`max|w| / 448`).
 fn e4m3_weight(w: &[f32]) -> (Vec<u8>, f32) {
     use crate::graph::QuantFormat;
@@ -229,8 +243,8 @@ fn fp8_gemm_layer(
 ) -> Result<Box<dyn Layer>> {
     let (wq, sw) = e4m3_weight(spec.weight);
     let w = ctx.upload_bytes(&wq)?;
-    let scales = ctx.upload_f32(&[sw, sx])?;
-    let (a_scale, b_scale) = (scales.ptr(), scales.ptr() + std::mem::size_of::<f32>() as u64);
+    let scales = ctx.upload_f32(&scale_slots(sw, sx))?;
+    let (a_scale, b_scale) = (scales.ptr(), scales.ptr() + SCALE_SLOT);
     let path = ctx.node(node).path.clone();
     let (matmul, bias, epilogue) = match epilogue {
         Fp8Epilogue::Fused => {
@@ -286,22 +300,29 @@ pub fn fp8_gemm_probe(gpu: &super::Gpu, m: usize, k: usize, n: usize) -> Result<
     let enc = |v: &[f32]| v.iter().map(|&t| encode_e4m3(t)).collect::<Vec<u8>>();
     let f16 = |v: &[f32]| super::layer::to_elem_bytes(v, super::layer::Elem::F16);
     let (xb, wb) = (DeviceBuf::from_bytes(stream, &enc(&x))?, DeviceBuf::from_bytes(stream, &enc(&w))?);
-    let scales = DeviceBuf::from_bytes(stream, &super::layer::to_elem_bytes(&[sw, sx], super::layer::Elem::F32))?;
+    let f32s = |v: &[f32]| super::layer::to_elem_bytes(v, super::layer::Elem::F32);
+    let scales = DeviceBuf::from_bytes(stream, &f32s(&scale_slots(sw, sx)))?;
+    // The same scales 4 bytes apart: the layout cuBLASLt refused (`SCALE_SLOT`), kept as a probe.
+    let packed = DeviceBuf::from_bytes(stream, &f32s(&[sw, sx]))?;
     let (bias_b, res_b) = (DeviceBuf::from_bytes(stream, &f16(&bias))?, DeviceBuf::from_bytes(stream, &f16(&residual))?);
     let y = DeviceBuf::zeros(stream, m * n * 2)?;
     let ws = DeviceBuf::zeros(stream, super::gemm::GEMM_WORKSPACE)?;
     let rt = RunCtx { stream, handles: &gpu.handles, ptrs: &[], workspace: ws.ptr(), workspace_bytes: ws.len() };
     let mut results = Vec::new();
-    for (with_bias, relu, with_c) in
-        [false, true].into_iter().flat_map(|b| [false, true].into_iter().flat_map(move |r| [(b, r, false), (b, r, true)]))
-    {
+    let configs = [false, true].into_iter().flat_map(|b| [false, true].into_iter().flat_map(move |r| [(b, r, false), (b, r, true)]));
+    for (with_bias, relu, with_c, aligned) in configs.map(|(b, r, c)| (b, r, c, true)).chain([(false, false, false, false)]) {
         let label = format!(
-            "m {m} k {k} n {n}: epilogue {}{}, {}",
+            "m {m} k {k} n {n}: epilogue {}{}, {}{}",
             if with_bias { "bias" } else { "none" },
             if relu { "+relu" } else { "" },
-            if with_c { "residual as C (beta 1)" } else { "no C" }
+            if with_c { "residual as C (beta 1)" } else { "no C" },
+            if aligned { "" } else { ", scales 4 bytes apart" }
         );
-        let (a_scale, b_scale) = (scales.ptr(), scales.ptr() + std::mem::size_of::<f32>() as u64);
+        let (a_scale, b_scale) = if aligned {
+            (scales.ptr(), scales.ptr() + SCALE_SLOT)
+        } else {
+            (packed.ptr(), packed.ptr() + std::mem::size_of::<f32>() as u64)
+        };
         let run = || -> Result<Vec<f32>> {
             let mm = super::gemm::LtMatmul::new_fp8("fp8-probe", k, n, with_bias.then_some(&bias_b), relu, a_scale, b_scale)?;
             mm.enqueue(&rt, m, xb.ptr(), wb.ptr(), if with_c { res_b.ptr() } else { 0 }, y.ptr())?;

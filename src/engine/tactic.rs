@@ -97,6 +97,14 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
         return pick(candidates, &kind).ok_or_else(|| ctx.err(node, format!("recorded tactic `{kind}` is not available on this device")));
     }
     if candidates.len() == 1 {
+        // A candidate left alone by `tactic_sources` is the user's choice, not the only way to
+        // lower the node: it is run once here, so a configuration the device refuses is a build
+        // error naming it rather than a failure at the first run.
+        if ctx.config.tactic_sources.is_some() && !ctx.tactics.replay {
+            if let [Err(reason)] = &time_candidates(ctx, &candidates, false)?[..] {
+                return Err(ctx.err(node, format!("the forced tactic `{}` does not run here: {reason}", candidates[0].kind())));
+            }
+        }
         let only = candidates.into_iter().next().expect("one candidate");
         ctx.tactics.recorded.insert(rkey, only.kind());
         return Ok(only);
