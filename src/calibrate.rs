@@ -491,21 +491,32 @@ pub fn quantize_graph(graph: &Graph, cache: &CalibrationCache, format: QuantForm
 /// Replaces every `fake_quantize` of a constant by the constant it computes (`<weight>.<format>`),
 /// so that layers read plain weights whose values lie on the 8-bit grid. Returns the new graph.
 pub fn fold_constant_quant(graph: &Graph) -> Result<Graph> {
+    replace_weight_quantizers(graph, true)
+}
+
+/// Replaces every `fake_quantize` of a constant by a constant: the one it computes
+/// (`<weight>.<format>`) with `fold`, else the weight it reads (the quantiser dropped).
+fn replace_weight_quantizers(graph: &Graph, fold: bool) -> Result<Graph> {
     let mut g = graph.clone();
     for id in 0..g.nodes.len() {
         let Op::Quant(Quant::FakeQuantize(p)) = &g.nodes[id].op else { continue };
         let Some(&src) = g.nodes[id].inputs.first() else { continue };
         let Op::Weight { name } = &g.nodes[src].op else { continue };
-        let mut w = g
-            .weights
-            .get(name)
-            .map(|w| w.as_ref().clone())
-            .ok_or_else(|| Error::MissingWeight { key: name.clone(), source_name: "the graph's weights".into() })?;
-        p.check(&w.shape).map_err(|reason| Error::InvalidGraph { node: id, path: g.nodes[id].path.clone(), reason })?;
-        p.fake_quantize(&mut w);
-        let folded = format!("{name}.{}", p.format.name());
-        g.weights.insert(folded.clone(), Arc::new(w));
-        g.nodes[id].op = Op::Weight { name: folded };
+        let name = if fold {
+            let mut w = g
+                .weights
+                .get(name)
+                .map(|w| w.as_ref().clone())
+                .ok_or_else(|| Error::MissingWeight { key: name.clone(), source_name: "the graph's weights".into() })?;
+            p.check(&w.shape).map_err(|reason| Error::InvalidGraph { node: id, path: g.nodes[id].path.clone(), reason })?;
+            p.fake_quantize(&mut w);
+            let folded = format!("{name}.{}", p.format.name());
+            g.weights.insert(folded.clone(), Arc::new(w));
+            folded
+        } else {
+            name.clone()
+        };
+        g.nodes[id].op = Op::Weight { name };
         g.nodes[id].inputs.clear();
     }
     crate::passes::remove_dead_nodes(&g)
@@ -521,26 +532,41 @@ pub fn simulate(graph: &Graph, cache: &CalibrationCache, format: QuantFormat) ->
 /// Q/DQ nodes as it is, anything else quantised with the cache (an error without one); weight
 /// fake-quantisers are then folded into the weights.
 pub fn prepare_for_engine(optimized: Graph, format: QuantFormat, cache: Option<&Path>) -> Result<Graph> {
-    let explicit = has_quant_nodes(&optimized);
-    let g = match (explicit, cache) {
-        (true, _) => optimized,
-        (false, Some(path)) => {
-            let cache = CalibrationCache::load(path)?;
-            quantize_graph(&optimized, &cache, format).map_err(|e| match e {
-                Error::Calibration { reason, .. } => Error::Calibration { path: path.display().to_string(), reason },
-                e => e,
-            })?
-        }
-        (false, None) => {
-            return Err(Error::Config {
-                reason: format!(
-                    "a {} engine needs a calibration cache (BuildConfig::calibration_cache, `kiln calibrate`) or a graph with quantize/dequantize nodes",
-                    format.name()
-                ),
-            })
-        }
+    if has_quant_nodes(&optimized) {
+        return fold_constant_quant(&optimized);
+    }
+    fold_constant_quant(&quantize_with_cache(&optimized, format, cache, format.name())?)
+}
+
+/// What the engine builder lowers for `Best` (TensorRT's `--best`): the optimised graph with FP8
+/// activation quantisers from the cache at the 8-bit points, and the weights as they are. The
+/// builder lowers those quantisers as aliases of their inputs: they only carry the scales to
+/// the FP8 GEMM candidates, which quantise their own input and weight, while a layer whose
+/// timing an FP16 candidate wins computes in FP16 on unquantised values. A graph with its own
+/// Q/DQ nodes (explicit quantisation) keeps its scales, weights folded, as for `Fp8`.
+pub fn prepare_for_best(optimized: Graph, cache: Option<&Path>) -> Result<Graph> {
+    if has_quant_nodes(&optimized) {
+        return fold_constant_quant(&optimized);
+    }
+    let g = quantize_with_cache(&optimized, QuantFormat::Fp8E4m3, cache, "best")?;
+    replace_weight_quantizers(&g, false)
+}
+
+/// `optimized` quantised with the cache at `cache` (an error naming the file, or asking for a
+/// cache, for a `precision` engine).
+fn quantize_with_cache(optimized: &Graph, format: QuantFormat, cache: Option<&Path>, precision: &str) -> Result<Graph> {
+    let Some(path) = cache else {
+        return Err(Error::Config {
+            reason: format!(
+                "a {precision} engine needs a calibration cache (BuildConfig::calibration_cache, `kiln calibrate`) or a graph with quantize/dequantize nodes"
+            ),
+        });
     };
-    fold_constant_quant(&g)
+    let cache = CalibrationCache::load(path)?;
+    quantize_graph(optimized, &cache, format).map_err(|e| match e {
+        Error::Calibration { reason, .. } => Error::Calibration { path: path.display().to_string(), reason },
+        e => e,
+    })
 }
 
 /// The precision each engine layer computes in, by module path, for `kiln inspect` and the build

@@ -192,7 +192,7 @@ fn digits_engines_int8_fp8_accuracy() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
-/// An INT8 build without a cache, and Best (not implemented yet), are clear errors before any GPU work.
+/// An INT8, FP8 or Best build without a cache is a clear error before any GPU work.
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn quantised_builds_without_scales_are_refused() {
@@ -303,6 +303,43 @@ fn fp8_gemm_matches_the_simulation() {
             }
         }
     }
+    // Best: the FP8 GEMM forced quantises its own (unaliased) input and must compute what the
+    // FP8 engine does; left to timing, each conv takes FP8 or FP16, and the result lies between
+    // FP8's error and FP16's.
+    let (_, fp8_vs_fp32) = {
+        let sim4 = &sim["y"].data;
+        let (r, _) = rel_l2(sim4, &fp32["y"].data);
+        (r, r)
+    };
+    for source in [Some("cublaslt-gemm-fp8"), None] {
+        let mut config = BuildConfig::default().precision(Precision::Best).batch(1, 4, 4).calibration_cache(&path);
+        if let Some(s) = source {
+            config = config.tactic_sources(&[s]);
+        }
+        let engine = match EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph) {
+            Ok(e) => e,
+            Err(e) => {
+                failures.push(format!("Best {source:?} must build: {e}"));
+                continue;
+            }
+        };
+        print!("{}{}", engine.describe(), engine.summary);
+        let kinds: Vec<String> = engine.layers().map(|l| l.kind()).filter(|k| !k.starts_with("reformat")).collect();
+        let got = engine.context().expect("context").run(&[("input", &input)]).expect("run").remove("y").expect("y");
+        let (vs_sim, _) = rel_l2(&got.data, &sim["y"].data);
+        let (vs_fp32, _) = rel_l2(&got.data, &fp32["y"].data);
+        println!("Best {source:?} batch 4: layers {kinds:?}; rel L2 {vs_sim:.2e} vs the FP8 simulation, {vs_fp32:.2e} vs FP32");
+        if engine.layers().any(|l| l.kind().contains("quantize")) {
+            failures.push(format!("Best {source:?}: a quantiser was lowered as a layer: {kinds:?}"));
+        }
+        match source {
+            Some(_) if vs_sim >= 1e-2 => failures.push(format!("Best forced FP8: rel L2 {vs_sim:.2e} against the FP8 simulation")),
+            None if vs_fp32 > fp8_vs_fp32 * 1.2 + 1e-3 => {
+                failures.push(format!("Best: rel L2 {vs_fp32:.2e} against FP32, beyond the FP8 engine's {fp8_vs_fp32:.2e}"))
+            }
+            _ => {}
+        }
+    }
     let _ = std::fs::remove_file(&path);
     assert!(failures.is_empty(), "{failures:#?}");
 }
@@ -330,8 +367,10 @@ fn layerwise_on_quantised_engines() {
     let reference = reference_of(&d.graph, &x);
     let stats = Calibrator::new(&d.graph).expect("calibrator").collect(std::slice::from_ref(&d.calib)).expect("calibrate");
     let mut failures = vec![];
-    for (precision, format) in [(Precision::Int8, QuantFormat::Int8), (Precision::Fp8, QuantFormat::Fp8E4m3)] {
-        if precision == Precision::Fp8 && gpu.info.sm < 89 {
+    for (precision, format) in
+        [(Precision::Int8, QuantFormat::Int8), (Precision::Fp8, QuantFormat::Fp8E4m3), (Precision::Best, QuantFormat::Fp8E4m3)]
+    {
+        if precision != Precision::Int8 && gpu.info.sm < 89 {
             println!("FP8 skipped: sm_{}", gpu.info.sm);
             continue;
         }
@@ -417,8 +456,10 @@ fn resnet50_int8_fp8_cosine_against_fp32() {
         dot / (norm(a) * norm(b)).max(1e-30)
     };
     let mut failures = vec![];
-    for (precision, format) in [(Precision::Int8, QuantFormat::Int8), (Precision::Fp8, QuantFormat::Fp8E4m3)] {
-        if precision == Precision::Fp8 && gpu.info.sm < 89 {
+    for (precision, format) in
+        [(Precision::Int8, QuantFormat::Int8), (Precision::Fp8, QuantFormat::Fp8E4m3), (Precision::Best, QuantFormat::Fp8E4m3)]
+    {
+        if precision != Precision::Int8 && gpu.info.sm < 89 {
             println!("FP8 skipped: sm_{}", gpu.info.sm);
             continue;
         }

@@ -4,7 +4,8 @@
 //! graphs built with exactly their `state_dict` scales.
 
 use kiln::calibrate::{
-    graph_hash, prepare_for_engine, quant_points, quantize_graph, simulate, CalibrationCache, CalibrationMethod, Calibrator,
+    graph_hash, prepare_for_best, prepare_for_engine, quant_points, quantize_graph, simulate, CalibrationCache, CalibrationMethod,
+    Calibrator,
 };
 use kiln::graph::{Graph, HostTensor, Op, Quant, QuantFormat, QuantParams};
 use kiln::ops::quant::{FakeQuantize, FakeQuantizeConfig};
@@ -157,6 +158,51 @@ fn simulation_quantises_exactly_the_documented_points() {
             assert_eq!(p.scale, vec![cache.tensors[name].int8_scale], "{name}");
         }
     }
+}
+
+/// `Best` (TensorRT's `--best`) lowers FP8 activation quantisers as aliases that carry their
+/// scales to the FP8 candidates, and keeps the weights unquantised for the FP16 layers: its graph
+/// has one FP8 quantiser per calibrated tensor with the cache's e4m3 scale, no weight quantiser,
+/// and the original weights under their own names (an FP8 engine's are folded onto the e4m3 grid).
+#[test]
+fn best_keeps_fp8_scales_and_unquantised_weights() {
+    let d = digits();
+    let calibrator = Calibrator::new(&d.graph).expect("calibrator");
+    let cache = calibrator.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::MinMax).expect("calibrate");
+    let path = std::env::temp_dir().join(format!("kiln-best-{}.json", std::process::id()));
+    cache.save(&path).expect("save");
+    let optimized = calibrator.graph().clone();
+    let best = prepare_for_best(optimized.clone(), Some(&path)).expect("best");
+    let fp8 = prepare_for_engine(optimized.clone(), QuantFormat::Fp8E4m3, Some(&path)).expect("fp8");
+    let _ = std::fs::remove_file(&path);
+    let quantisers: Vec<(&str, f32)> = best
+        .nodes
+        .iter()
+        .filter_map(|n| match &n.op {
+            Op::Quant(Quant::FakeQuantize(p)) => {
+                assert_eq!(p.format, QuantFormat::Fp8E4m3, "{}", n.path);
+                assert!(!matches!(best.nodes[n.inputs[0]].op, Op::Weight { .. }), "{} quantises a weight", n.path);
+                Some((n.path.trim_end_matches(".quantizer"), p.scale[0]))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(quantisers.len(), cache.tensors.len());
+    for (name, scale) in quantisers {
+        assert_eq!(scale, cache.tensors[name].fp8_scale, "{name}");
+    }
+    let weight_names = |g: &Graph| -> Vec<String> {
+        let mut names: Vec<String> =
+            g.nodes.iter().filter_map(|n| if let Op::Weight { name } = &n.op { Some(name.clone()) } else { None }).collect();
+        names.sort();
+        names
+    };
+    let (best_w, fp8_w) = (weight_names(&best), weight_names(&fp8));
+    assert_eq!(best_w, weight_names(&optimized), "Best reads the optimised graph's own weights");
+    assert!(fp8_w.iter().filter(|w| w.ends_with(".fp8")).count() == quant_points(&optimized).len(), "{fp8_w:?}");
+    // Without a cache, Best is refused as the other 8-bit precisions are, naming itself.
+    let err = prepare_for_best(optimized, None).expect_err("no cache");
+    assert!(err.to_string().contains("best engine needs a calibration cache"), "{err}");
 }
 
 /// A QAT-style model: fake-quantisers with `scale`/`zero_point` buffers in its `state_dict`.

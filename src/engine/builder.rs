@@ -236,6 +236,9 @@ impl Engine {
             // A layer on 8-bit tensor cores says so in its kind.
             let p = if l.kind().split(':').next().is_some_and(|k| k.ends_with("-fp8")) {
                 "fp8".to_string()
+            } else if self.config.precision == crate::engine::Precision::Best {
+                // Best's other layers compute on unquantised values.
+                elem.to_string()
             } else {
                 crate::calibrate::layer_precision(&self.graph, l.path(), elem)
             };
@@ -307,9 +310,7 @@ impl EngineBuilder {
         let optimized = crate::passes::optimize(graph)?;
         check_converters(&optimized)?;
         let optimized = match self.config.precision {
-            super::Precision::Best => {
-                return Err(Error::Config { reason: "precision Best (per-layer timing of FP16/INT8/FP8) is not implemented yet".into() })
-            }
+            super::Precision::Best => crate::calibrate::prepare_for_best(optimized, self.config.calibration_cache.as_deref())?,
             p => match p.quant_format() {
                 Some(format) => crate::calibrate::prepare_for_engine(optimized, format, self.config.calibration_cache.as_deref())?,
                 // A Q/DQ graph in FP16/FP32 runs its quantisers as they are; weights' are folded.
@@ -507,6 +508,36 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
     })
 }
 
+/// The nodes a `Best` engine lowers as aliases of their input: its activation quantisers
+/// (`calibrate::prepare_for_best`), which carry scales for the FP8 candidates of the layers that
+/// read them and compute nothing themselves. None in other precisions.
+fn best_aliases(graph: &Graph, config: &BuildConfig) -> Vec<bool> {
+    use crate::ops::quant::Quant;
+    graph
+        .nodes
+        .iter()
+        .map(|n| {
+            config.precision == super::Precision::Best
+                && matches!(n.op, Op::Quant(Quant::FakeQuantize(_)))
+                && n.inputs.first().is_some_and(|&i| !matches!(graph.nodes[i].op, Op::Weight { .. }))
+        })
+        .collect()
+}
+
+/// A `Best` engine's summary line: how many layers could run in 8 bits and how many chose to.
+fn best_summary(graph: &Graph, layers: &[Box<dyn Layer>]) -> String {
+    let candidates = graph.nodes.iter().filter(|n| crate::calibrate::quantizable(&n.op) && reads_quantiser(graph, n)).count();
+    let fp8 = layers.iter().filter(|l| l.kind().starts_with(super::quant::FP8_GEMM)).count();
+    format!(
+        "best: {fp8} of {candidates} conv/linear layer(s) with an FP8 scale won their timing on FP8 tensor cores (`{}`); every other layer computes in FP16 on unquantised values",
+        super::quant::FP8_GEMM
+    )
+}
+
+fn reads_quantiser(graph: &Graph, node: &crate::graph::Node) -> bool {
+    matches!(node.inputs.first().map(|&j| &graph.nodes[j].op), Some(Op::Quant(_)))
+}
+
 /// Lowers a graph at one set of input dims to a plan: layouts, one layer per node through its
 /// converter, reformats, workspaces and the arena.
 fn lower_plan(
@@ -541,8 +572,13 @@ fn lower_plan(
     let mut values = Vec::new();
     let mut node_values = vec![None; graph.nodes.len()];
     let mut input_bindings = Vec::new();
+    let aliased = best_aliases(graph, config);
     for (id, node) in graph.nodes.iter().enumerate() {
         let Some(layout) = layouts[id] else { continue };
+        if aliased[id] {
+            node_values[id] = node_values[node.inputs[0]];
+            continue;
+        }
         let dims = node.shape[1..].to_vec();
         if let Op::Input { name } = &node.op {
             // The binding holds what the user hands over (f32 values, or bytes for a u8 input);
@@ -611,6 +647,9 @@ fn lower_plan(
     let mut lowered = 0;
     for (id, node) in graph.nodes.iter().enumerate() {
         let (Some(def), Some(plan)) = (node.op.def(), &plans[id]) else { continue };
+        if aliased[id] {
+            continue;
+        }
         if let Some(progress) = &ctx.tactics.progress {
             progress(lowered, to_lower, &node.path);
         }
@@ -714,7 +753,10 @@ fn lower_plan(
         tactics_cached: tactics.cached - cached_before,
         build_seconds: 0.0,
         tactic_log: tactics.log[log_before..].to_vec(),
-        quantised: crate::calibrate::quant_summary(graph),
+        quantised: match config.precision {
+            super::Precision::Best => Some(best_summary(graph, &layers)),
+            _ => crate::calibrate::quant_summary(graph),
+        },
     };
     let plan = Plan {
         dims,

@@ -93,8 +93,9 @@ impl Precision {
     /// The 8-bit format this precision quantises to (`None`: not a quantised precision).
     pub fn quant_format(self) -> Option<crate::graph::QuantFormat> {
         match self {
-            Precision::Int8 | Precision::Best => Some(crate::graph::QuantFormat::Int8),
-            Precision::Fp8 => Some(crate::graph::QuantFormat::Fp8E4m3),
+            Precision::Int8 => Some(crate::graph::QuantFormat::Int8),
+            // Best's 8-bit candidates are FP8 GEMMs: its calibration scales are e4m3's.
+            Precision::Fp8 | Precision::Best => Some(crate::graph::QuantFormat::Fp8E4m3),
             Precision::Fp32 | Precision::Tf32 | Precision::Fp16 => None,
         }
     }

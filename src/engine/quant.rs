@@ -26,6 +26,10 @@ pub struct QuantLayer {
     mode: i32,
     format: i32,
     range: (f32, f32),
+    /// Per tensor: the vectorised kernel (`quant_tensor_*`) with the scale, `1/scale` and zero
+    /// point as values; it runs where the element count is a multiple of a 16-byte vector.
+    per_tensor: Option<(CudaFunction, [f32; 3])>,
+    elem_bytes: usize,
     sm_count: u32,
 }
 
@@ -38,6 +42,24 @@ impl Layer for QuantLayer {
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let n = batch * self.per_image;
+        let per_vec = 16 / self.elem_bytes;
+        let aligned = rt.ptr(self.x) % 16 == 0 && rt.ptr(self.y) % 16 == 0;
+        if let (Some((f, [s, inv_s, z])), true, true) = (&self.per_tensor, n % per_vec == 0, aligned) {
+            let nvec = n / per_vec;
+            let args = [
+                KArg::Ptr(rt.ptr(self.x)),
+                KArg::Ptr(rt.ptr(self.y)),
+                KArg::I64(nvec as i64),
+                KArg::F32(*s),
+                KArg::F32(*inv_s),
+                KArg::F32(*z),
+                KArg::I32(self.mode),
+                KArg::I32(self.format),
+                KArg::F32(self.range.0),
+                KArg::F32(self.range.1),
+            ];
+            return launch(rt, f, grid_for(nvec, self.sm_count), (BLOCK, 1, 1), 0, &args);
+        }
         let args = [
             KArg::Ptr(rt.ptr(self.x)),
             KArg::Ptr(rt.ptr(self.y)),
@@ -80,6 +102,10 @@ pub fn quant_layer(ctx: &mut BuildCtx, node: NodeId, op: &Quant) -> Result<Box<d
     let scale = ctx.upload_f32(&p.scale)?;
     let zero_point = ctx.upload_f32(&zp)?;
     let f = ctx.kernels.get(&format!("quant_{}", desc.elem.suffix()))?;
+    let per_tensor = match (channels, p.scale.first()) {
+        (1, Some(&s)) => Some((ctx.kernels.get(&format!("quant_tensor_{}", desc.elem.suffix()))?, [s, 1.0 / s, zp[0]])),
+        _ => None,
+    };
     Ok(Box::new(QuantLayer {
         path: ctx.node(node).path.clone(),
         kind: format!("kernel:{}_{}", op.name(), p.format.name()),
@@ -94,6 +120,8 @@ pub fn quant_layer(ctx: &mut BuildCtx, node: NodeId, op: &Quant) -> Result<Box<d
         mode: op.kernel_mode(),
         format: p.format as i32,
         range: (p.qmin as f32, p.qmax as f32),
+        per_tensor,
+        elem_bytes: desc.elem.size(),
         sm_count: ctx.kernels.sm_count(),
     }))
 }
@@ -192,7 +220,8 @@ pub const FP8_GEMM: &str = "cublaslt-gemm-fp8";
 /// the e4m3 grid of one per-tensor scale (a folded quantiser).
 pub fn fp8_gemm_candidates(ctx: &mut BuildCtx, node: NodeId, spec: GemmSpec) -> Result<Vec<Box<dyn Layer>>> {
     use crate::graph::{Op, QuantFormat};
-    if ctx.precision() != super::Precision::Fp8 {
+    // Best on a GPU without FP8 tensor cores is FP16: it offers no 8-bit candidate.
+    if !matches!(ctx.precision(), super::Precision::Fp8 | super::Precision::Best) || ctx.gpu.info.sm < 89 {
         return Ok(vec![]);
     }
     let src = ctx.node(node).inputs[0];
