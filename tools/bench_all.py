@@ -52,6 +52,11 @@ ZOO_BATCHES = [1, 64]
 TRANSFORMERS = ["swin_t", "vit_b_16"]
 YOLO_BATCHES = [1, 32]
 MAX_AUTOTUNE = "resnet18:1,resnet18:256,resnet50:1,resnet50:256,centernet:1,centernet:32"
+# Kiln's 8-bit precisions beside its FP16 on the flagships (issue 9), each from a calibration cache
+# that `kiln calibrate` records on the device's CPU over CALIB_IMAGES random images (speed only:
+# accuracy is tests/gpu_quant.rs's).
+LOW_PRECISIONS = ["int8", "fp8", "best"]
+CALIB_IMAGES, CALIB_S = 4, 10.0
 # Seconds of phase 2 per unit: `kiln bench` per process and per batch (build and timing), a worker
 # per process (its exit included) and per case. Phase 1 leaves phase 2 RESERVE times their sum.
 KILN_S, KILN_BATCH_S = 1.0, 1.5
@@ -137,6 +142,8 @@ def plan(args, work):
 def estimate(u):
     """Seconds phase 2 needs for unit `u`."""
     kiln = KILN_S + KILN_BATCH_S * len(u["kiln_batches"]) if u["kiln_batches"] else 0.0
+    if u["flagship"]:  # the 8-bit builds time more layers; calibration runs on the CPU first
+        kiln += CALIB_S + len(LOW_PRECISIONS) * (KILN_S + 2 * KILN_BATCH_S * len(u["flagship"]))
     kind = lambda p: "compile" if p.startswith("compile") else ("nms" if p.endswith("-nms") else "other")  # noqa: E731
     return kiln + WORKER_S + sum(CASE_S[kind(p)] for p, _ in u["cases"])
 
@@ -297,19 +304,41 @@ class Run:
 
     # -- phase 2 --
 
-    def kiln_bench(self, u):
-        """`kiln bench` of unit `u` at its batches: from its graph file, else by name."""
+    def calibrate(self, u):
+        """A calibration cache for unit `u`'s model (`kiln calibrate` on random images, CPU), or
+        None with the reason logged."""
+        import numpy as np
+        from safetensors.numpy import save_file
+
+        data = os.path.join(self.work, f"{u['model']}.calib.safetensors")
+        cache = os.path.join(self.work, f"{u['model']}.calib.json")
+        images = np.random.default_rng(0).standard_normal((CALIB_IMAGES, 3, u["size"], u["size"])).astype(np.float32)
+        save_file({"input": images}, data)
+        cmd = [self.args.kiln, "calibrate", u["model"], "--size", str(u["size"]), "--data", data, "--batch", str(CALIB_IMAGES), "-o", cache]
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.kiln_env, timeout=300)
+        with open(os.path.join(self.work, f"kiln-{u['model']}.log"), "a") as f:
+            f.write("$ " + " ".join(cmd) + "\n" + p.stdout + "\n")
+        if p.returncode != 0 or not os.path.exists(cache):
+            log(f"kiln calibrate {u['model']} failed: {(p.stdout.strip().splitlines() or ['?'])[-1]}")
+            return None
+        return cache
+
+    def kiln_bench(self, u, precision="fp16", batches=None, calibration=None):
+        """`kiln bench` of unit `u` at its batches (or `batches`) in `precision`: from its graph
+        file, else by name."""
         graph = os.path.join(self.work, f"{u['model']}.kiln.safetensors")
         sources = ([graph] if os.path.exists(graph) else []) + [u["model"]]
-        out_json = os.path.join(self.work, "kiln", f"{u['model']}.json")
+        out_json = os.path.join(self.work, "kiln", f"{u['model']}-{precision}.json")
         if self.args.cpu_smoke:
             mode = ["--cpu", "--iterations", "2", "--duration", "0", "--warmup", "0"]
         else:
-            mode = ["--fp16", "--cuda-graphs-only", "--duration", str(self.args.kiln_duration), "--warmup", "100",
+            cache = ["--calibration-cache", calibration] if calibration else []
+            mode = [f"--{precision}", *cache, "--cuda-graphs-only", "--duration", str(self.args.kiln_duration), "--warmup", "100",
                     "--timing-cache", os.path.join(CACHE, f"{u['model']}.timing-cache")]
+        batches = batches or u["kiln_batches"]
         for source in sources:
             size = ["--size", str(u["size"])] if source == u["model"] else []
-            cmd = [self.args.kiln, "bench", source, *size, *u["kiln_extra"], *mode, "--batch", ",".join(map(str, u["kiln_batches"])),
+            cmd = [self.args.kiln, "bench", source, *size, *u["kiln_extra"], *mode, "--batch", ",".join(map(str, batches)),
                    "--json", out_json]
             if os.path.exists(out_json):
                 os.remove(out_json)
@@ -327,17 +356,27 @@ class Run:
         return [], (output.strip().splitlines() or ["?"])[-1][:200]
 
     def kiln_rows(self, u):
-        records, error = self.kiln_bench(u)
-        seen = set()
+        self.add_kiln_rows(u, "fp16", u["kiln_batches"], *self.kiln_bench(u))
+        if not u["flagship"] or self.args.cpu_smoke or not self.args.low_precision:
+            return
+        calibration = self.calibrate(u)
+        for p in LOW_PRECISIONS:
+            if calibration:
+                self.add_kiln_rows(u, p, u["flagship"], *self.kiln_bench(u, p, u["flagship"], calibration))
+            else:
+                self.add_kiln_rows(u, p, u["flagship"], [], "calibration failed")
+
+    def add_kiln_rows(self, u, precision, batches, records, error):
+        peer, seen = f"kiln-{precision}", set()
         for r in records:
             seen.add(r["batch"])
-            self.rows.append(dict(model=u["model"], peer="kiln-fp16", batch=r["batch"], status="ok", ms=r["median_ms"],
+            self.rows.append(dict(model=u["model"], peer=peer, batch=r["batch"], status="ok", ms=r["median_ms"],
                                   img_s=r["batch"] / r["median_ms"] * 1e3, p99_ms=r["p99_ms"], runs=r["iterations"],
                                   build_s=r["build_seconds"], cudnn=r.get("cudnn_version")))
-            log(f"kiln {u['model']} b={r['batch']}: {r['median_ms']:.3f} ms")
-        for b in u["kiln_batches"]:
+            log(f"kiln {u['model']} {precision} b={r['batch']}: {r['median_ms']:.3f} ms")
+        for b in batches:
             if b not in seen:
-                self.rows.append(dict(model=u["model"], peer="kiln-fp16", batch=b, status=f"failed: {error}"))
+                self.rows.append(dict(model=u["model"], peer=peer, batch=b, status=f"failed: {error}"))
 
     def worker_rows(self, u):
         """Release unit `u`'s worker and collect its rows. A worker stopped at phase 1's deadline
@@ -489,6 +528,27 @@ def flagships_table(result):
     return "\n".join(lines) + "\n\n" + summary(counts, "rows")
 
 
+def low_precision_table(result):
+    """Kiln's INT8, FP8 and Best engines beside its FP16 on the flagships: time (FP16 time over it)."""
+    ix = index(result)
+    units = [u for u in units_of(result, "classifier", "centernet") if u["flagship"]]
+    if not any(ix.get((u["model"], f"kiln-{p}", b)) for u in units for b in u["flagship"] for p in LOW_PRECISIONS):
+        return "Not in this run."
+    lines = ["| model | batch | Kiln FP16 | " + " | ".join(f"Kiln {p.upper() if p != 'best' else 'Best'}" for p in LOW_PRECISIONS) + " |",
+             "|---" * (3 + len(LOW_PRECISIONS)) + "|"]
+    for u in units:
+        for b in u["flagship"]:
+            k = ix.get((u["model"], "kiln-fp16", b))
+            show = lambda r: f"{fmt_ms(r['ms'])} ms" + (f" ({fmt_rate(r['img_s'])}/s)" if b > 1 else "")  # noqa: E731
+            cells = [u["model"], str(b), cell(k, show)]
+            for p in LOW_PRECISIONS:
+                r = ix.get((u["model"], f"kiln-{p}", b))
+                x = ratio(k, r)
+                cells.append(cell(r, lambda r: show(r) + (f" ({x:.2f}×)" if x else "")))
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def zoo_table(result, units):
     """Batch-1 latency and large-batch throughput, Kiln beside the CUDA-graph and reduce-overhead peers."""
     if not units:
@@ -549,6 +609,7 @@ def environment(result):
 TABLES = {
     "env": environment,
     "flagships": flagships_table,
+    "low-precision": low_precision_table,
     "zoo": lambda r: zoo_table(r, [u for u in units_of(r, "classifier") if u["model"] not in TRANSFORMERS]),
     "transformers": lambda r: zoo_table(r, [u for u in units_of(r, "classifier") if u["model"] in TRANSFORMERS]),
     "yolo": yolo_table,
@@ -585,6 +646,8 @@ def main():
     d.add_argument("--max-autotune", default=MAX_AUTOTUNE, help="model:batch pairs for torch.compile max-autotune ('' for none)")
     d.add_argument("--kiln-duration", type=float, default=0.4, help="seconds `kiln bench` times each batch")
     d.add_argument("--cpu-smoke", action="store_true", help="run every path on the CPU at tiny sizes (no GPU needed)")
+    d.add_argument("--no-low-precision", dest="low_precision", action="store_false",
+                   help="skip Kiln's INT8/FP8/Best rows on the flagships")
     d.set_defaults(fn=device)
     r = sub.add_parser("render", help="rewrite docs/BENCHMARKS.md's tables from a results.json")
     r.add_argument("results")
@@ -592,7 +655,7 @@ def main():
     r.set_defaults(fn=render_doc)
     args = p.parse_args()
     if args.step == "device":
-        shown = ("budget", "models", "max_autotune", "kiln_duration", "cpu_smoke")
+        shown = ("budget", "models", "max_autotune", "kiln_duration", "cpu_smoke", "low_precision")
         flags = [f" --{k.replace('_', '-')}" + ("" if v is True else f" {v!r}") for k, v in vars(args).items() if k in shown and v != d.get_default(k)]
         args.command = "bash tools/bench-all.sh" + "".join(flags)
     args.fn(args)
