@@ -43,8 +43,8 @@ impl Layer for QuantLayer {
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let n = batch * self.per_image;
         let per_vec = 16 / self.elem_bytes;
-        let aligned = rt.ptr(self.x) % 16 == 0 && rt.ptr(self.y) % 16 == 0;
-        if let (Some((f, [s, inv_s, z])), true, true) = (&self.per_tensor, n % per_vec == 0, aligned) {
+        let aligned = rt.ptr(self.x).is_multiple_of(16) && rt.ptr(self.y).is_multiple_of(16);
+        if let (Some((f, [s, inv_s, z])), true, true) = (&self.per_tensor, n.is_multiple_of(per_vec), aligned) {
             let nvec = n / per_vec;
             let args = [
                 KArg::Ptr(rt.ptr(self.x)),
