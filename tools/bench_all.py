@@ -315,7 +315,11 @@ class Run:
         images = np.random.default_rng(0).standard_normal((CALIB_IMAGES, 3, u["size"], u["size"])).astype(np.float32)
         save_file({"input": images}, data)
         cmd = [self.args.kiln, "calibrate", u["model"], "--size", str(u["size"]), "--data", data, "--batch", str(CALIB_IMAGES), "-o", cache]
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.kiln_env, timeout=300)
+        try:
+            p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.kiln_env, timeout=300)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            log(f"kiln calibrate {u['model']} failed: {e}")
+            return None
         with open(os.path.join(self.work, f"kiln-{u['model']}.log"), "a") as f:
             f.write("$ " + " ".join(cmd) + "\n" + p.stdout + "\n")
         if p.returncode != 0 or not os.path.exists(cache):
@@ -348,6 +352,8 @@ class Run:
                 output, ok = p.stdout, p.returncode == 0 and os.path.exists(out_json)
             except subprocess.TimeoutExpired:
                 output, ok = "timed out", False
+            except OSError as e:  # no kiln binary: every Kiln row fails, the peers still run
+                output, ok = f"cannot run {self.args.kiln}: {e}", False
             with open(os.path.join(self.work, f"kiln-{u['model']}.log"), "a") as f:
                 f.write("$ " + " ".join(cmd) + "\n" + output + "\n")
             if ok:
