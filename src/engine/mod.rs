@@ -46,7 +46,9 @@ use std::sync::OnceLock;
 /// weights in f16 and accumulates in f32. `Int8` and `Fp8` quantise the inputs and weights of
 /// convolutions and Linear layers with a calibration cache's scales (or a graph's own Q/DQ
 /// nodes), see `kiln::calibrate`; every other layer runs in FP16. `Fp8` needs sm_89 or newer.
-/// `Best` is TensorRT's `--best`: per layer, the fastest of FP16, INT8 and FP8.
+/// `Best` is TensorRT's `--best`: per layer, the faster of FP16 and FP8 by timing, with FP8 scales
+/// from the cache and no quantiser where FP16 wins (`calibrate::prepare_for_best`; INT8 has no
+/// native kernel yet to compete).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub enum Precision {
     Fp32,
