@@ -596,14 +596,24 @@ pub fn quant_summary(graph: &Graph) -> Option<String> {
         return None;
     }
     let quantisers = graph.nodes.iter().filter(|n| matches!(n.op, Op::Quant(_))).count();
-    let layers = graph
-        .nodes
-        .iter()
-        .filter(|n| quantizable(&n.op) && matches!(n.inputs.first().map(|&j| &graph.nodes[j].op), Some(Op::Quant(_))))
-        .count();
+    let layers = quantised_layers(graph);
     Some(format!(
         "quantised: {layers} conv/linear layer(s) read 8-bit inputs and weights ({quantisers} quantisers); they compute in FP16 on the Q/DQ values unless an FP8 GEMM (`cublaslt-gemm-fp8`) won their timing; all other layers FP16"
     ))
+}
+
+/// A `Best` engine's summary line: how many of the layers with an FP8 scale took an FP8 kernel
+/// (`fp8_layers`, counted by the builder from the chosen tactics).
+pub fn best_summary(graph: &Graph, fp8_layers: usize, fp8_kind: &str) -> String {
+    format!(
+        "best: {fp8_layers} of {} conv/linear layer(s) with an FP8 scale won their timing on FP8 tensor cores (`{fp8_kind}`); every other layer computes in FP16 on unquantised values",
+        quantised_layers(graph)
+    )
+}
+
+/// The conv/linear layers whose activation input is a quantiser's output.
+fn quantised_layers(graph: &Graph) -> usize {
+    graph.nodes.iter().filter(|n| quantizable(&n.op) && matches!(n.inputs.first().map(|&j| &graph.nodes[j].op), Some(Op::Quant(_)))).count()
 }
 
 #[cfg(test)]

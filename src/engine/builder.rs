@@ -524,20 +524,6 @@ fn best_aliases(graph: &Graph, config: &BuildConfig) -> Vec<bool> {
         .collect()
 }
 
-/// A `Best` engine's summary line: how many layers could run in 8 bits and how many chose to.
-fn best_summary(graph: &Graph, layers: &[Box<dyn Layer>]) -> String {
-    let candidates = graph.nodes.iter().filter(|n| crate::calibrate::quantizable(&n.op) && reads_quantiser(graph, n)).count();
-    let fp8 = layers.iter().filter(|l| l.kind().starts_with(super::quant::FP8_GEMM)).count();
-    format!(
-        "best: {fp8} of {candidates} conv/linear layer(s) with an FP8 scale won their timing on FP8 tensor cores (`{}`); every other layer computes in FP16 on unquantised values",
-        super::quant::FP8_GEMM
-    )
-}
-
-fn reads_quantiser(graph: &Graph, node: &crate::graph::Node) -> bool {
-    matches!(node.inputs.first().map(|&j| &graph.nodes[j].op), Some(Op::Quant(_)))
-}
-
 /// Lowers a graph at one set of input dims to a plan: layouts, one layer per node through its
 /// converter, reformats, workspaces and the arena.
 fn lower_plan(
@@ -754,7 +740,10 @@ fn lower_plan(
         build_seconds: 0.0,
         tactic_log: tactics.log[log_before..].to_vec(),
         quantised: match config.precision {
-            super::Precision::Best => Some(best_summary(graph, &layers)),
+            super::Precision::Best => {
+                let fp8 = layers.iter().filter(|l| l.kind().starts_with(super::quant::FP8_GEMM)).count();
+                Some(crate::calibrate::best_summary(graph, fp8, super::quant::FP8_GEMM))
+            }
             _ => crate::calibrate::quant_summary(graph),
         },
     };
