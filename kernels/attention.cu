@@ -120,25 +120,6 @@ __device__ void attn_fused(const T* q, const T* k, const T* v, const float* bias
 #define TC_BQ 64
 #define TC_BK 64
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-// Two f32 as one f16x2 register, `lo` in the low half.
-__device__ __forceinline__ unsigned pack_f16x2(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-__device__ __forceinline__ void mma_16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 template <int D>
 __device__ void attn_tc(const f16* q, const f16* k, const f16* v, const float* bias, f16* y, int L, int S, int heads, i64 ldq, i64 ldkv,
                         i64 ldy, i64 zimg, float scale) {

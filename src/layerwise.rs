@@ -238,8 +238,8 @@ pub fn run_quantised(
 /// inserted), the reference keys of the traced node whose value it computes: the node with the
 /// same module path and op (the k-th such for the k-th), and for a conv that absorbed nodes the
 /// last of them: its BatchNorm (when that BatchNorm's path is gone from `optimized`), then the
-/// residual add (`residual`) and the ReLU (`act`), in the order `passes` fuses them. Nodes with
-/// no traced counterpart (quantisers) get none.
+/// residual add (`residual`), the ReLU (`act`) and the max-pool (`pool`), in the order `passes`
+/// fuses them. Nodes with no traced counterpart (quantisers) get none.
 pub fn fused_keys(traced: &Graph, optimized: &Graph) -> Vec<(NodeId, Vec<String>)> {
     use crate::graph::{Activation, Binary, Norm, Unary};
     let traced_keys: HashMap<NodeId, Vec<String>> = intermediate_keys(traced).into_iter().collect();
@@ -278,6 +278,9 @@ pub fn fused_keys(traced: &Graph, optimized: &Graph) -> Vec<(NodeId, Vec<String>
             }
             if a.act == Activation::Relu {
                 t = only_reader(t, &|op| matches!(op, Op::Unary(Unary::Relu))).unwrap_or(t);
+            }
+            if a.pool.is_some() {
+                t = only_reader(t, &|op| matches!(op, Op::Pool(crate::graph::Pool::Max(_)))).unwrap_or(t);
             }
         }
         keys.push((id, traced_keys.get(&t).cloned().unwrap_or_default()));

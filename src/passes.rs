@@ -4,7 +4,7 @@
 //! A value marked as a graph output stays observable: a node read by an output is never absorbed
 //! into another node (the output would lose its value), though it may absorb the nodes after it.
 
-use crate::graph::{Activation, Binary, ConvAttrs, Graph, HostTensor, NodeId, Norm, Op, Unary};
+use crate::graph::{Activation, Binary, ConvAttrs, Graph, HostTensor, NodeId, Norm, Op, Pool, Unary};
 use crate::{Error, Result};
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -13,6 +13,7 @@ use std::sync::Arc;
 pub fn optimize(graph: &Graph) -> Result<Graph> {
     let g = fold_batchnorm(graph)?;
     let g = fuse_conv_activation(&g)?;
+    let g = fuse_conv_max_pool(&g)?;
     remove_dead_nodes(&g)
 }
 
@@ -166,6 +167,31 @@ fn next_fusable_conv(g: &Graph, removed: &[bool]) -> Option<NodeId> {
         };
         pattern && !removed[id] && uses[id] == 1 && users[id].len() == 1
     })
+}
+
+/// Conv2d with ReLU read only by a MaxPool2d → one conv carrying the pool (`ConvAttrs::pool`), so
+/// the ResNet stem can run as one kernel that never writes the conv's output (engine::stem). Runs
+/// after `fuse_conv_activation`: the ReLU is already part of the conv.
+pub fn fuse_conv_max_pool(graph: &Graph) -> Result<Graph> {
+    let mut g = graph.clone();
+    let mut removed = vec![false; g.nodes.len()];
+    let users = readers(&g, &removed);
+    let uses = g.use_counts();
+    for conv in 0..g.nodes.len() {
+        let Op::Conv(attrs) = g.nodes[conv].op else { continue };
+        let fusable = !attrs.transposed && attrs.act == Activation::Relu && attrs.pool.is_none();
+        let [pool] = users[conv][..] else { continue };
+        let Op::Pool(Pool::Max(p)) = g.nodes[pool].op else { continue };
+        if !fusable || uses[conv] != 1 || removed[pool] {
+            continue;
+        }
+        g.nodes[conv].op = Op::Conv(ConvAttrs { pool: Some(p), ..attrs });
+        g.nodes[conv].shape = g.nodes[pool].shape.clone();
+        redirect(&mut g, pool, conv);
+        removed[pool] = true;
+        g.nodes[pool].inputs.clear();
+    }
+    rebuild(&g, |id, _| !removed[id])
 }
 
 /// Removes nodes and weights that no output depends on; graph inputs always stay (they are the

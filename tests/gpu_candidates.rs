@@ -1,10 +1,10 @@
 //! Issue 12's layer candidates on the GPU, each forced (`tactic_sources`) and compared with the CPU
 //! executor: the sub-pixel transposed convolution (`engine::subpixel`: a stride-1 convolution with
 //! one block of output channels per phase, then `kernels/subpixel.cu`'s depth-to-space), whole
-//! batch and in slices, and the strided-batched cuBLASLt GEMM of strided 1×1 convolutions
-//! (`engine::strided_gemm`). Then every candidate's tactic time at the shapes that motivated them
-//! (CenterNet's last deconv at batch 32, ResNet-18's `layer2.0.downsample.0` at batch 256), as
-//! `TIMING` lines.
+//! batch and in slices, the strided-batched cuBLASLt GEMM of strided 1×1 convolutions
+//! (`engine::strided_gemm`) and the fused ResNet stem (`engine::stem`). Then every candidate's
+//! tactic time at the shapes that motivated them (CenterNet's last deconv at batch 32, ResNet-18's
+//! `layer2.0.downsample.0` at batch 256, the stem at batch 256 and 1), as `TIMING` lines.
 //!
 //! `#[ignore]`d (CI has no GPU); on the device: `bash tools/gpu-test.sh` (docs/ENGINE.md).
 
@@ -20,13 +20,25 @@ use common::{gpu, random};
 /// (batch 1..=3), checks the forced kind is in the engine, and compares batch 1 and 3 with the
 /// CPU executor.
 fn check_forced(name: &str, dims: &[usize], sources: &[&str], f: impl Fn(&Tensor, VarBuilder) -> kiln::Result<Tensor>) {
+    check_forced_in(name, dims, &[Precision::Fp32, Precision::Fp16], sources, f)
+}
+
+/// `check_forced` in the given precisions only (a candidate that exists in FP16 alone).
+fn check_forced_in(
+    name: &str,
+    dims: &[usize],
+    precisions: &[Precision],
+    sources: &[&str],
+    f: impl Fn(&Tensor, VarBuilder) -> kiln::Result<Tensor>,
+) {
     let Some(gpu) = gpu() else { return };
     let tracer = Tracer::new();
     let x = tracer.input("x", &[&[1][..], dims].concat());
     let y = f(&x, VarBuilder::seeded()).unwrap_or_else(|e| panic!("{name}: trace: {e}"));
     tracer.output("y", &y);
     let graph = tracer.graph();
-    for (precision, tol) in [(Precision::Fp32, 1e-4), (Precision::Fp16, 1e-2)] {
+    for &precision in precisions {
+        let tol = if precision == Precision::Fp32 { 1e-4 } else { 1e-2 };
         for &source in sources {
             let config = BuildConfig::default().precision(precision).batch(1, 3, 3).cuda_graphs(false).tactic_sources(&[source]);
             let engine = EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph).unwrap_or_else(|e| panic!("{name}: build: {e}"));
@@ -92,6 +104,28 @@ fn candidates_strided_gemm_matches_the_cpu() {
     check_forced("downsample + residual + relu", &[32, 12, 12], &["cublaslt-strided-gemm"], block);
 }
 
+/// The ResNet stem (conv 7×7/2 → BN → ReLU → max-pool 3×3/2, fused into one conv node by the
+/// passes): Kiln's one-kernel stem (`engine::stem`, FP16), and cuDNN's conv followed by the pooling
+/// kernel, on inputs whose pooled tiles are partial, with 1 to 4 channels and a ceil-mode pool.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn candidates_stem_pool_matches_the_cpu() {
+    let stem = |cin: usize, ceil: bool| {
+        move |x: &Tensor, vb: VarBuilder| {
+            let y = Conv2d::load(vb.pp("conv1"), &Conv2dConfig::new(cin, 64, 7).stride(2).padding(3).bias(false))?.forward(x)?;
+            let y = BatchNorm2d::load(vb.pp("bn1"), &BatchNorm2dConfig::new(64))?.forward(&y)?.relu()?;
+            kiln::MaxPool2d::load(vb.pp("maxpool"), &kiln::Pool2dConfig::new(3).stride(2).padding(1).ceil_mode(ceil))?.forward(&y)
+        }
+    };
+    let fp16 = &[Precision::Fp16][..];
+    check_forced_in("stem 3ch 224x224 (ResNet)", &[3, 224, 224], fp16, &["kernel:stem_conv_pool", "cudnn"], stem(3, false));
+    check_forced_in("stem 3ch 61x45 (partial tiles)", &[3, 61, 45], fp16, &["kernel:stem_conv_pool", "cudnn"], stem(3, false));
+    check_forced_in("stem 3ch 61x45 (conv, then pool)", &[3, 61, 45], &[Precision::Fp32], &["cudnn"], stem(3, false));
+    check_forced_in("stem 1ch 30x33", &[1, 30, 33], fp16, &["kernel:stem_conv_pool"], stem(1, false));
+    check_forced_in("stem 4ch 40x29, ceil-mode pool", &[4, 40, 29], fp16, &["kernel:stem_conv_pool"], stem(4, true));
+    check_forced_in("stem 2ch 9x7 (one tile, mostly padding)", &[2, 9, 7], fp16, &["kernel:stem_conv_pool"], stem(2, false));
+}
+
 /// Every candidate's tactic time (FP16, the engine's own timing: CUDA-graph replays at the opt
 /// batch) for one layer, and the chosen one's profile.
 fn time_candidates(label: &str, dims: &[usize], batch: usize, f: impl Fn(&Tensor, VarBuilder) -> kiln::Result<Tensor>) {
@@ -136,4 +170,12 @@ fn candidates_timed_at_the_issue_shapes() {
         BatchNorm2d::load(vb.pp("bn"), &BatchNorm2dConfig::new(128))?.forward(&d)
     };
     time_candidates("resnet18 layer2.0.downsample.0", &[64, 56, 56], 256, down);
+    // The ResNet stem (+ folded BN, ReLU, max-pool), at batch 256 and 1.
+    let stem = |x: &Tensor, vb: VarBuilder| {
+        let y = Conv2d::load(vb.pp("conv1"), &Conv2dConfig::new(3, 64, 7).stride(2).padding(3).bias(false))?.forward(x)?;
+        let y = BatchNorm2d::load(vb.pp("bn1"), &BatchNorm2dConfig::new(64))?.forward(&y)?.relu()?;
+        kiln::MaxPool2d::load(vb.pp("maxpool"), &kiln::Pool2dConfig::new(3).stride(2).padding(1))?.forward(&y)
+    };
+    time_candidates("resnet stem + maxpool", &[3, 224, 224], 256, stem);
+    time_candidates("resnet stem + maxpool", &[3, 224, 224], 1, stem);
 }

@@ -4,6 +4,7 @@
 
 use kiln::compare::compare;
 use kiln::graph::{Activation, ConvAttrs, Graph, HostTensor, Op, Unary};
+use kiln::ops::OpDef;
 use kiln::{cpu, passes};
 use kiln::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, Forward, Module, Tensor, Tracer, VarBuilder};
 
@@ -416,4 +417,45 @@ fn resnet50_plans_its_arena_at_the_live_peak() {
     let floor = (256 * 56 * 56 + 128 * 56 * 56 + 128 * 28 * 28) * batch * elem;
     assert_eq!((p.peak, at.as_str()), (floor, "layer2.0.conv2"), "peak {:.2} MiB", mib(p.peak));
     assert!(p.bytes <= p.peak + p.peak / 50, "the greedy plan is within 2% of the peak: {:.2} MiB", mib(p.bytes));
+}
+
+/// The ResNet stem: conv → BN → ReLU → max-pool. After `optimize` it is one conv carrying the
+/// pool (and the output is the same); a conv whose ReLU output another node also reads, or a conv
+/// without a ReLU, keeps its max-pool apart.
+#[test]
+fn fuse_conv_max_pool_on_the_stem() {
+    let stem = |relu: bool, tap: bool| {
+        let vb = VarBuilder::seeded();
+        let t = Tracer::new();
+        let x = t.input("x", &[1, 3, 23, 18]);
+        let y = conv(&vb, "conv1", Conv2dConfig::new(3, 16, 7).stride(2).padding(3).bias(false)).forward(&x).expect("trace");
+        let mut y = bn(&vb, "bn1", 16).forward(&y).expect("trace");
+        if relu {
+            y = y.relu().expect("trace");
+        }
+        if tap {
+            t.output("tap", &y);
+        }
+        let pool = kiln::MaxPool2d::load(vb.pp("maxpool"), &kiln::Pool2dConfig::new(3).stride(2).padding(1)).expect("pool");
+        t.output("y", &pool.forward(&y).expect("trace"));
+        t.graph()
+    };
+    let g = stem(true, false);
+    let o = passes::optimize(&g).expect("optimize");
+    assert_well_formed(&o);
+    assert_same_outputs(&g, &o, 2);
+    assert_eq!(count(&o, "max_pool2d"), 0, "{}", o.to_text());
+    let a = conv_attrs(&o, "conv1");
+    let pool = a.pool.expect("the pool is fused");
+    assert_eq!((a.act, pool.kernel, pool.stride, pool.padding), (Activation::Relu, [3, 3], [2, 2], [1, 1]));
+    let fused = o.nodes.iter().find(|n| n.path == "conv1").expect("conv1");
+    assert_eq!(fused.shape, [1, 16, 6, 5], "the node's shape is the pool's output");
+    let label = a.label();
+    assert!(label.ends_with("+relu +max_pool k3 s2 p1"), "{label}");
+
+    for (relu, tap) in [(true, true), (false, false)] {
+        let o = passes::optimize(&stem(relu, tap)).expect("optimize");
+        assert_eq!(count(&o, "max_pool2d"), 1, "relu {relu}, tap {tap}: {}", o.to_text());
+        assert!(conv_attrs(&o, "conv1").pool.is_none());
+    }
 }

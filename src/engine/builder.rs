@@ -611,7 +611,7 @@ fn lower_plan(
         node_values,
         current_inputs: Vec::new(),
         scratch: Vec::new(),
-        prologue_scratch: Vec::new(),
+        candidate_scratch: Vec::new(),
         current: 0,
         tactics,
         weights,
@@ -643,7 +643,7 @@ fn lower_plan(
         ctx.current = id;
         ctx.workspace_budget = step_of[id].map_or(0, |s| estimate.peak.saturating_sub(estimate.live[s]));
         ctx.scratch.clear();
-        ctx.prologue_scratch.clear();
+        ctx.candidate_scratch.clear();
         // Each activation input in the layout the op asks for and the node's own element type.
         let elem = ctx.elem();
         let mut inputs = Vec::with_capacity(node.inputs.len());
@@ -661,8 +661,9 @@ fn lower_plan(
         let mut touched: Vec<ValueId> = ctx.current_inputs.iter().flatten().copied().collect();
         touched.extend(ctx.node_values[id]);
         touched.extend(ctx.scratch.iter().copied());
-        // A prologue's scratch is held only if the chosen layer has that prologue.
-        touched.extend(layer.prologue().map(|(_, dst)| dst).filter(|d| ctx.prologue_scratch.contains(d)));
+        // A candidate's own scratch (a prologue's copy, a chain's intermediate) is held only if
+        // the chosen layer uses it.
+        touched.extend(layer.own_scratch().into_iter().filter(|d| ctx.candidate_scratch.contains(d)));
         // A layer doing the work of several traced nodes says so in its op's label (`+relu`).
         let label = def.label();
         if let Some((name, fused_parts)) = label.split_once(" +") {

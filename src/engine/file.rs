@@ -28,7 +28,8 @@ use std::sync::Arc;
 
 pub const MAGIC: [u8; 8] = *b"KILNENG\0";
 /// 2: ops grouped by family (`Op::Conv`, `Op::Unary`, ...), per-value layouts.
-pub const FORMAT_VERSION: u32 = 2;
+/// 3: a conv may carry a fused max-pool (`ConvAttrs::pool`), which version-2 readers would drop.
+pub const FORMAT_VERSION: u32 = 3;
 const HEADER_LEN: usize = 40;
 
 /// The device facts a file was built for.

@@ -480,6 +480,19 @@ impl Layer for PoolLayer {
 /// A pooling layer over NHWC values; `window` = kh, kw, sh, sw, ph, pw (unused by adaptive pooling).
 pub fn pool_layer(ctx: &mut BuildCtx, node: NodeId, kind: PoolKind, window: [usize; 6]) -> Result<Box<dyn Layer>> {
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
+    pool_layer_between(ctx, node, kind, window, x, y)
+}
+
+/// `pool_layer` from `x` to `y` rather than the node's input and output (a conv's fused max-pool
+/// reads the conv's output from scratch).
+pub fn pool_layer_between(
+    ctx: &mut BuildCtx,
+    node: NodeId,
+    kind: PoolKind,
+    window: [usize; 6],
+    x: ValueId,
+    y: ValueId,
+) -> Result<Box<dyn Layer>> {
     let elem = same_elem(ctx, node, &[x, y])?;
     let (c, h, w) = nhwc(ctx, node, x)?;
     let (c2, oh, ow) = nhwc(ctx, node, y)?;
@@ -640,7 +653,7 @@ impl Layer for DepthwiseLayer {
 /// The [`DepthwiseLayer`] candidate for a Conv2d node, or `None` where it does not apply: not
 /// transposed, `groups == Cin == Cout`, a square 3x3 or 5x5 kernel, dilation 1, stride 1 or 2.
 /// Inputs as the conv converter reads them: x, weight `[C, 1, K, K]`, bias?, residual?.
-pub fn depthwise_candidate(ctx: &mut BuildCtx, node: NodeId, a: &crate::graph::ConvAttrs) -> Result<Option<Box<dyn Layer>>> {
+pub fn depthwise_candidate(ctx: &mut BuildCtx, node: NodeId, a: &crate::graph::ConvAttrs, y: ValueId) -> Result<Option<Box<dyn Layer>>> {
     let w = ctx.weight(node, 1)?;
     let k = match w.shape[..] {
         [_, 1, k, k2] if k == k2 && matches!(k, 3 | 5 | 7) => k,
@@ -651,7 +664,7 @@ pub fn depthwise_candidate(ctx: &mut BuildCtx, node: NodeId, a: &crate::graph::C
     if !fits {
         return Ok(None);
     }
-    let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
+    let x = ctx.input(node, 0)?;
     let residual = if a.residual { Some(ctx.input(node, if a.bias { 3 } else { 2 })?) } else { None };
     let mut vals = vec![x, y];
     vals.extend(residual);

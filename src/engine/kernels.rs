@@ -40,12 +40,13 @@ pub const FAMILIES: &[(&str, &str)] = &[
 ];
 
 /// Families compiled only when a layer that launches them is built (`Kernels::add_source`): the
-/// channel padding of the FP16 cuDNN path, the im2col of the small-channel stem and the
-/// depth-to-space of the sub-pixel transposed convolution.
+/// channel padding of the FP16 cuDNN path, the im2col of the small-channel stem, the
+/// depth-to-space of the sub-pixel transposed convolution and the fused stem + max-pool.
 pub const ON_DEMAND: &[(&str, &str)] = &[
     ("pad.cu", include_str!("../../kernels/pad.cu")),
     ("im2col.cu", include_str!("../../kernels/im2col.cu")),
     ("subpixel.cu", include_str!("../../kernels/subpixel.cu")),
+    ("stem.cu", include_str!("../../kernels/stem.cu")),
 ];
 
 /// Loads NVRTC from an explicit path (a file, or a folder holding `libnvrtc.so*`) and keeps it

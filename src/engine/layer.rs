@@ -332,6 +332,11 @@ pub trait Layer: Send + Sync {
     fn prologue(&self) -> Option<(ValueId, ValueId)> {
         None
     }
+    /// The candidate scratch values (`BuildCtx::prologue_scratch`, `BuildCtx::chain_scratch`) this
+    /// layer uses: the arena holds those of the chosen layer for its step.
+    fn own_scratch(&self) -> Vec<ValueId> {
+        self.prologue().map(|(_, dst)| dst).into_iter().collect()
+    }
     /// A one-line description for `inspect` and build summaries.
     fn describe(&self) -> String {
         format!("{:<28} {}", self.kind(), self.path())
@@ -355,6 +360,43 @@ impl Layer for Nop {
     }
 }
 
+/// Two layers as one candidate: `first` writes `mid` (a `BuildCtx::chain_scratch`), `second`
+/// reads it. A conv and the max-pool fused after it, where no single kernel does both.
+pub struct Chain {
+    pub first: Box<dyn Layer>,
+    pub second: Box<dyn Layer>,
+    pub mid: ValueId,
+}
+
+impl Layer for Chain {
+    fn path(&self) -> &str {
+        self.first.path()
+    }
+    fn kind(&self) -> String {
+        format!("{}+{}", self.first.kind(), self.second.kind())
+    }
+    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        self.first.enqueue(rt, batch)?;
+        self.second.enqueue(rt, batch)
+    }
+    fn workspace_bytes(&self, batch: usize) -> usize {
+        self.first.workspace_bytes(batch).max(self.second.workspace_bytes(batch))
+    }
+    fn prepare(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        self.first.prepare(rt, batch)?;
+        self.second.prepare(rt, batch)
+    }
+    fn prologue(&self) -> Option<(ValueId, ValueId)> {
+        self.first.prologue()
+    }
+    fn own_scratch(&self) -> Vec<ValueId> {
+        let mut own = self.first.own_scratch();
+        own.extend(self.second.own_scratch());
+        own.push(self.mid);
+        own
+    }
+}
+
 /// What a converter sees.
 pub struct BuildCtx<'a> {
     pub gpu: &'a Arc<Gpu>,
@@ -369,8 +411,9 @@ pub struct BuildCtx<'a> {
     pub(crate) current_inputs: Vec<Option<ValueId>>,
     /// Scratch values requested by the node being converted: held by whichever candidate wins.
     pub(crate) scratch: Vec<ValueId>,
-    /// Scratch values of some candidates' prologues: held only if the winner's prologue names one.
-    pub(crate) prologue_scratch: Vec<ValueId>,
+    /// Scratch values only some candidates use (a prologue's copy, a chain's intermediate): held
+    /// only if the winner names one in `Layer::own_scratch`.
+    pub(crate) candidate_scratch: Vec<ValueId>,
     pub(crate) current: NodeId,
     pub(crate) tactics: &'a mut Tactics,
     /// Workspace the node being converted may use without growing the arena past its activation
@@ -467,13 +510,23 @@ impl<'a> BuildCtx<'a> {
     /// the arena holds it only if the chosen layer's prologue names it.
     pub fn prologue_scratch(&mut self, bytes_per_image: usize) -> ValueId {
         let id = self.new_scratch(bytes_per_image);
-        self.prologue_scratch.push(id);
+        self.candidate_scratch.push(id);
+        id
+    }
+
+    /// An intermediate image that only some candidates use (`Chain`'s): per-image `dims` in
+    /// PyTorch's order, stored in `elem` and `layout`; the arena holds it only if the chosen layer
+    /// names it in `own_scratch`.
+    pub fn chain_scratch(&mut self, dims: Vec<usize>, elem: Elem, layout: Layout) -> ValueId {
+        let id = self.new_scratch(0);
+        self.values[id.0] = ValueDesc { dims, elem, layout, ..self.values[id.0].clone() };
+        self.candidate_scratch.push(id);
         id
     }
 
     fn new_scratch(&mut self, bytes_per_image: usize) -> ValueId {
         let id = ValueId(self.values.len());
-        let name = format!("{}.scratch{}", self.node(self.current).path, self.scratch.len() + self.prologue_scratch.len());
+        let name = format!("{}.scratch{}", self.node(self.current).path, self.scratch.len() + self.candidate_scratch.len());
         // Scratch is typed f32 so its size in bytes rounds up to whole words.
         let dims = vec![bytes_per_image.div_ceil(4)];
         self.values.push(ValueDesc { name, dims, elem: Elem::F32, layout: Layout::contiguous(1), storage: Storage::Arena });

@@ -23,6 +23,7 @@ pub mod kernels;
 pub mod launch;
 pub mod layer;
 pub mod quant;
+pub mod stem;
 pub mod strided;
 pub mod strided_gemm;
 pub mod subpixel;

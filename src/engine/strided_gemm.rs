@@ -70,8 +70,9 @@ pub fn candidate(
     weight: &[f32],
     shape4: [usize; 4],
     bias: Option<&[f32]>,
+    y: ValueId,
 ) -> Result<Option<Box<dyn Layer>>> {
-    let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
+    let x = ctx.input(node, 0)?;
     let (cin, h, w) = ctx.value(x).chw().ok_or_else(|| ctx.err(node, "input is not an image".into()))?;
     let (cout, ho, wo) = ctx.value(y).chw().ok_or_else(|| ctx.err(node, "output is not an image".into()))?;
     let Some(shape) = StridedGemm::new(a, shape4, [h, w], [ho, wo]) else { return Ok(None) };

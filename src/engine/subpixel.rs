@@ -128,6 +128,7 @@ impl SubpixelPlan {
             bias: a.bias,
             residual: false,
             act: a.act,
+            pool: None,
         }
     }
 

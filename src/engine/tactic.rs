@@ -157,14 +157,18 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
     let Some((mut winner, _)) = best else {
         return Err(ctx.err(node, format!("no candidate ran for {key}: {}", failures.join("; "))));
     };
-    // Memory beyond the room the arena has at this layer (a workspace, or a prologue's scratch)
+    // Memory beyond the room the arena has at this layer (a workspace, or a candidate's scratch)
     // would grow every context's arena: the fastest candidate that fits the room (at least
     // `WORKSPACE_FLOOR`) is taken; the fastest overall only if none fits.
     let room = ctx.workspace_budget.max(WORKSPACE_FLOOR);
     let need = |i: usize| {
         let c = &candidates[i];
-        let scratch =
-            c.prologue().filter(|(_, d)| ctx.prologue_scratch.contains(d)).map_or(0, |(_, d)| ctx.value(d).bytes(ctx.config.max_batch));
+        let scratch: usize = c
+            .own_scratch()
+            .into_iter()
+            .filter(|d| ctx.candidate_scratch.contains(d))
+            .map(|d| ctx.value(d).bytes(ctx.config.max_batch))
+            .sum();
         c.workspace_bytes(ctx.config.max_batch) + scratch
     };
     if need(winner) > room && !ctx.config.fastest_tactics {
@@ -209,7 +213,7 @@ fn time_candidates(ctx: &BuildCtx, candidates: &[Box<dyn Layer>], timed: bool) -
     // The inputs in the layouts the converter asked for (reformatted copies where they differ).
     let mut touched: Vec<ValueId> = ctx.current_inputs.iter().flatten().copied().collect();
     touched.extend(ctx.node_values[ctx.current]);
-    touched.extend(ctx.scratch.iter().chain(&ctx.prologue_scratch).copied());
+    touched.extend(ctx.scratch.iter().chain(&ctx.candidate_scratch).copied());
 
     let mut ptrs = vec![0u64; ctx.values.len()];
     let mut bufs = Vec::new();

@@ -1,8 +1,11 @@
 //! Conv2d and ConvTranspose2d: layers, attributes, shape rules, CPU references, converters.
 
-use crate::engine::{BuildCtx, Layer, Layout};
-use crate::graph::{NodeId, Op};
+use crate::engine::kernel_layers::PoolKind;
+use crate::engine::layer::Chain;
+use crate::engine::{BuildCtx, Layer, Layout, ValueId};
+use crate::graph::{NodeId, Op, PoolAttrs};
 use crate::module::{Forward, Module};
+use crate::ops::pool::{max_pool2d_cpu, pool2d_shape};
 use crate::ops::{pair_label, CpuArgs, LayoutPlan, OpDef};
 use crate::tensor::{Param, Tensor};
 use crate::var_builder::VarBuilder;
@@ -18,7 +21,8 @@ pub enum Activation {
 }
 
 /// Convolution attributes. After fusion a conv may also carry a residual input (added before the
-/// activation) and an activation: `act(conv(x, w) + b + residual)`. Inputs: x, weight
+/// activation), an activation and a max-pool after it: `pool(act(conv(x, w) + b + residual))`.
+/// Inputs: x, weight
 /// (`[Cout, Cin/g, kh, kw]`, or `[Cin, Cout/g, kh, kw]` transposed), bias? `[Cout]`, residual?
 /// (the output's shape; Conv2d only).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -35,6 +39,10 @@ pub struct ConvAttrs {
     pub bias: bool,
     pub residual: bool,
     pub act: Activation,
+    /// A `MaxPool2d` applied to the activation's output (conv → ReLU → max-pool, the ResNet stem);
+    /// the node's shape is the pool's output.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<PoolAttrs>,
 }
 
 impl Default for ConvAttrs {
@@ -49,6 +57,7 @@ impl Default for ConvAttrs {
             bias: false,
             residual: false,
             act: Activation::None,
+            pool: None,
         }
     }
 }
@@ -62,18 +71,21 @@ impl OpDef for ConvAttrs {
         }
     }
     fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
-        if self.transposed {
-            conv_transpose2d_shape(self, inputs)
-        } else {
-            conv2d_shape(self, inputs)
+        let conv = if self.transposed { conv_transpose2d_shape(self, inputs)? } else { conv2d_shape(self, inputs)? };
+        if self.transposed && self.pool.is_some() {
+            return Err("a max-pool is fused after a Conv2d only, not a ConvTranspose2d".into());
+        }
+        match &self.pool {
+            Some(p) => pool2d_shape(p, &[&conv]).map_err(|e| format!("the fused max-pool: {e}")),
+            None => Ok(conv),
         }
     }
     fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
         let inputs = args.all()?;
-        if self.transposed {
-            conv_transpose2d_cpu(self, &inputs)
-        } else {
-            conv2d_cpu(self, &inputs)
+        let conv = if self.transposed { conv_transpose2d_cpu(self, &inputs)? } else { conv2d_cpu(self, &inputs)? };
+        match &self.pool {
+            Some(p) => max_pool2d_cpu(p, &conv),
+            None => Ok(conv),
         }
     }
     fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
@@ -100,6 +112,9 @@ impl OpDef for ConvAttrs {
             if on {
                 s += part;
             }
+        }
+        if let Some(p) = &a.pool {
+            s += &format!(" +max_pool{}", pair_label("k", p.kernel, 0) + &pair_label("s", p.stride, 1) + &pair_label("p", p.padding, 0));
         }
         s
     }
@@ -540,14 +555,37 @@ pub fn conv_transpose2d_cpu(a: &ConvAttrs, inputs: &[&HostTensor]) -> Result<Hos
 /// 1×1 convolution also a cuBLASLt GEMM (strided-batched when the conv is strided); the fastest
 /// on the device wins.
 fn gpu_conv2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn Layer>> {
-    use crate::engine::gemm::{GemmLayer, GemmSpec};
     let key = ctx.problem_key(node);
+    let y = ctx.output(node)?;
+    let Some(pool) = a.pool else {
+        let candidates = conv2d_candidates(ctx, node, a, y)?;
+        return ctx.choose(&key, candidates);
+    };
+    // Conv → ReLU → max-pool: Kiln's fused stem kernel where it applies, against the best conv
+    // (into scratch) followed by the pooling kernel.
+    let (x, out) = (ctx.value(ctx.input(node, 0)?).clone(), ctx.value(y).clone());
+    let shapes: Vec<&[usize]> = ctx.node(node).inputs.iter().map(|&i| ctx.node(i).shape.as_slice()).collect();
+    let conv_shape = conv2d_shape(&a, &shapes).map_err(|e| ctx.err(node, e))?;
+    let mid = ctx.chain_scratch(conv_shape[1..].to_vec(), out.elem, x.layout);
+    let inner = conv2d_candidates(ctx, node, ConvAttrs { pool: None, ..a }, mid)?;
+    let conv = ctx.choose(&format!("{key} before its max-pool"), inner)?;
+    let pool_layer = crate::engine::kernel_layers::pool_layer_between(ctx, node, PoolKind::Max, pool.window(), mid, y)?;
+    let mut candidates: Vec<Box<dyn Layer>> = vec![Box::new(Chain { first: conv, second: pool_layer, mid })];
+    candidates.extend(crate::engine::stem::candidate(ctx, node, &a, &pool)?);
+    ctx.choose(&key, candidates)
+}
+
+/// Every way to run the conv of `a` (no pool) into `y`: cuDNN's algorithms, and where they apply
+/// cuBLASLt GEMMs (1×1), a strided GEMM (strided 1×1), im2col + GEMM (few input channels) and
+/// Kiln's depthwise kernel.
+fn conv2d_candidates(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs, y: ValueId) -> Result<Vec<Box<dyn Layer>>> {
+    use crate::engine::gemm::{GemmLayer, GemmSpec};
     let (zeros, w) = (conv_zero_bias(ctx, node)?, ctx.weight(node, 1)?);
-    let problem = conv_problem(ctx, node, &a, w, &zeros)?;
+    let problem = conv_problem(ctx, node, &a, w, &zeros, y)?;
     let mut candidates = crate::engine::cudnn::conv_candidates_with(ctx, node, problem)?;
     let pointwise = w.shape[2..] == [1, 1] && a.stride == [1, 1] && a.padding == [0, 0] && a.groups == 1;
     if pointwise {
-        let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
+        let x = ctx.input(node, 0)?;
         let (_, h, wd) = ctx.value(y).chw().ok_or_else(|| ctx.err(node, "output is not an image".into()))?;
         let bias = if a.bias { Some(ctx.weight(node, 2)?.data.as_slice()) } else { None };
         let residual = if a.residual { Some(ctx.input(node, if a.bias { 3 } else { 2 })?) } else { None };
@@ -559,7 +597,7 @@ fn gpu_conv2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn 
     // A strided 1×1 (ResNet's downsample): one strided-batched GEMM over the output rows.
     if let [k, c, 1, 1] = w.shape[..] {
         let bias = if a.bias { Some(ctx.weight(node, 2)?.data.as_slice()) } else { None };
-        candidates.extend(crate::engine::strided_gemm::candidate(ctx, node, &a, &w.data, [k, c, 1, 1], bias)?);
+        candidates.extend(crate::engine::strided_gemm::candidate(ctx, node, &a, &w.data, [k, c, 1, 1], bias, y)?);
     }
     // Few input channels (the stem): im2col + GEMM competes too (engine::im2col decides where it applies).
     if let [k, c, r, s] = w.shape[..] {
@@ -570,12 +608,12 @@ fn gpu_conv2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn 
             zeros = vec![0f32; k];
             zeros.as_slice()
         };
-        let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
+        let x = ctx.input(node, 0)?;
         candidates.extend(crate::engine::im2col::candidates(ctx, node, &a, &w.data, [k, c, r, s], bias, x, y, a.residual)?);
     }
     // Depthwise 3x3 / 5x5 (groups == channels): Kiln's own NHWC kernel competes too.
-    candidates.extend(crate::engine::kernel_layers::depthwise_candidate(ctx, node, &a)?);
-    ctx.choose(&key, candidates)
+    candidates.extend(crate::engine::kernel_layers::depthwise_candidate(ctx, node, &a, y)?);
+    Ok(candidates)
 }
 
 /// ConvTranspose2d through cuDNN's backward-data (bias and ReLU in place after it), and as one
@@ -583,7 +621,7 @@ fn gpu_conv2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn 
 fn gpu_conv_transpose2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn Layer>> {
     let key = ctx.problem_key(node);
     let (zeros, w) = (conv_zero_bias(ctx, node)?, ctx.weight(node, 1)?);
-    let problem = conv_problem(ctx, node, &a, w, &zeros)?;
+    let problem = conv_problem(ctx, node, &a, w, &zeros, ctx.output(node)?)?;
     let (weight_shape, bias) = (problem.weight_shape, problem.bias);
     let mut candidates = crate::engine::subpixel::candidates(ctx, node, &a, &w.data, weight_shape, bias)?;
     candidates.extend(crate::engine::cudnn::deconv_candidates(ctx, node, problem)?);
@@ -595,14 +633,15 @@ fn conv_zero_bias(ctx: &BuildCtx, node: NodeId) -> Result<Vec<f32>> {
     Ok(vec![0.0; ctx.node(node).shape.get(1).copied().unwrap_or(0)])
 }
 
-/// The cuDNN layers' description of a conv node: attributes, weight (PyTorch layout), bias
-/// (`zeros` when the node has none), input, output and fused residual.
+/// The cuDNN layers' description of a conv node writing `y`: attributes, weight (PyTorch layout),
+/// bias (`zeros` when the node has none), input, output and fused residual.
 fn conv_problem<'a>(
     ctx: &BuildCtx<'a>,
     node: NodeId,
     a: &ConvAttrs,
     w: &'a HostTensor,
     zeros: &'a [f32],
+    y: ValueId,
 ) -> Result<crate::engine::cudnn::ConvProblem<'a>> {
     let weight_shape: [usize; 4] = w.shape.as_slice().try_into().map_err(|_| ctx.err(node, format!("weight has shape {:?}", w.shape)))?;
     let bias = if a.bias { ctx.weight(node, 2)?.data.as_slice() } else { zeros };
@@ -610,15 +649,7 @@ fn conv_problem<'a>(
         return Err(ctx.err(node, format!("bias has {} values for {} output channels", bias.len(), zeros.len())));
     }
     let residual = if a.residual { Some(ctx.input(node, if a.bias { 3 } else { 2 })?) } else { None };
-    Ok(crate::engine::cudnn::ConvProblem {
-        attrs: *a,
-        weight: &w.data,
-        weight_shape,
-        bias,
-        x: ctx.input(node, 0)?,
-        y: ctx.output(node)?,
-        z: residual,
-    })
+    Ok(crate::engine::cudnn::ConvProblem { attrs: *a, weight: &w.data, weight_shape, bias, x: ctx.input(node, 0)?, y, z: residual })
 }
 
 #[cfg(test)]

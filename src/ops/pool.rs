@@ -20,6 +20,13 @@ pub struct PoolAttrs {
     pub count_include_pad: bool,
 }
 
+impl PoolAttrs {
+    /// kh, kw, sh, sw, ph, pw: the window as the pooling kernels take it.
+    pub fn window(&self) -> [usize; 6] {
+        [self.kernel[0], self.kernel[1], self.stride[0], self.stride[1], self.padding[0], self.padding[1]]
+    }
+}
+
 /// Pooling over the spatial dims of an NCHW tensor.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, strum::EnumIter)]
 pub enum Pool {
@@ -69,10 +76,9 @@ impl OpDef for Pool {
         }
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
-        let window = |a: &PoolAttrs| [a.kernel[0], a.kernel[1], a.stride[0], a.stride[1], a.padding[0], a.padding[1]];
         match self {
-            Pool::Max(a) => pool_layer(ctx, node, PoolKind::Max, window(a)),
-            Pool::Avg(a) => pool_layer(ctx, node, PoolKind::Avg { count_include_pad: a.count_include_pad }, window(a)),
+            Pool::Max(a) => pool_layer(ctx, node, PoolKind::Max, a.window()),
+            Pool::Avg(a) => pool_layer(ctx, node, PoolKind::Avg { count_include_pad: a.count_include_pad }, a.window()),
             Pool::AdaptiveAvg { .. } => pool_layer(ctx, node, PoolKind::Adaptive, [0; 6]),
             Pool::Mean { dims, .. } => gpu_mean(ctx, node, dims),
         }
