@@ -14,7 +14,7 @@
 //
 // 8 warps each take two 16-pixel M tiles against all 64 channels (mma.m16n8k16, f32 accumulation).
 // Bias and ReLU are applied to the accumulators, which are rounded to f16 (the conv's FP16
-// output) into shared memory over the input and weights; conv pixels outside the image become 0,
+// output) into a conv tile in shared memory; conv pixels outside the image become 0,
 // which the max ignores because every real value is >= 0 after the ReLU, and every window holds
 // at least one real pixel. Then each thread takes 8 channels of a pooled pixel: a 3×3 max of
 // 16-byte rows (`max.NaN` keeps a NaN, as PyTorch's max-pool does) and one 16-byte store.
@@ -38,7 +38,11 @@
 #define STEM_THREADS 256
 #define W_HALVES (STEM_COUT * WSTRIDE)
 #define X_HALVES (IR * ICP * 4)
-#define STEM_SMEM_HALVES (W_HALVES + X_HALVES)
+#define O_HALVES (CM * OSTRIDE)
+// Dynamic shared memory of a block (src/engine/stem.rs raises the function's limit to it).
+#define STEM_SMEM_BYTES ((W_HALVES + X_HALVES + O_HALVES) * 2)
+// Input pixels each thread stages per tile.
+#define X_PER_THREAD ((IR * ICP + STEM_THREADS - 1) / STEM_THREADS)
 
 __device__ __forceinline__ unsigned hmax2_nan(unsigned a, unsigned b) {
     unsigned d;
@@ -46,45 +50,79 @@ __device__ __forceinline__ unsigned hmax2_nan(unsigned a, unsigned b) {
     return d;
 }
 
+// Where tile `t` (row-major over (image, tile row, tile column)) starts.
+struct StemTile {
+    i64 n;
+    int ph0, pw0;
+};
+
+__device__ __forceinline__ StemTile stem_tile(int t, int tiles_h, int tiles_w) {
+    StemTile s;
+    s.n = t / (tiles_w * tiles_h);
+    const int r = t - (int)s.n * tiles_w * tiles_h;
+    s.ph0 = (r / tiles_w) * TPH;
+    s.pw0 = (r - (r / tiles_w) * tiles_w) * TPW;
+    return s;
+}
+
+// This thread's input pixels of tile `s` (channels padded to 4 with zeros, zeros outside the
+// image), as the two words of each pixel's 8 bytes.
+__device__ __forceinline__ void stem_load(uint2* px, const f16* x, StemTile s, int H, int W, int C) {
+    // Input tile origin: the conv tile's (pool padding 1) times 2, minus the conv's padding of 3.
+    const int iy0 = 2 * (2 * s.ph0 - 1) - 3, ix0 = 2 * (2 * s.pw0 - 1) - 3;
+    const f16* xn = x + s.n * H * W * C;
+#pragma unroll
+    for (int k = 0; k < X_PER_THREAD; ++k) {
+        const int i = threadIdx.x + k * STEM_THREADS;
+        const int r = i / ICP, c = i - (i / ICP) * ICP;
+        const int iy = iy0 + r, ix = ix0 + c;
+        unsigned lo = 0, hi = 0;
+        if (i < IR * ICP && (unsigned)iy < (unsigned)H && (unsigned)ix < (unsigned)W) {
+            const f16* p = xn + ((i64)iy * W + ix) * C;
+            lo = p[0].bits | (C > 1 ? (unsigned)p[1].bits << 16 : 0u);
+            hi = (C > 2 ? p[2].bits : 0u) | (C > 3 ? (unsigned)p[3].bits << 16 : 0u);
+        }
+        px[k].x = lo;
+        px[k].y = hi;
+    }
+}
+
+__device__ __forceinline__ void stem_store(unsigned short* sx, const uint2* px) {
+#pragma unroll
+    for (int k = 0; k < X_PER_THREAD; ++k) {
+        const int i = threadIdx.x + k * STEM_THREADS;
+        if (i < IR * ICP)
+            *reinterpret_cast<uint2*>(sx + i * 4) = px[k];
+    }
+}
+
 // x: [N, H, W, C] with C <= 4; w: [64][KTOT] in (r, tap, channel) order with zeros past 7 taps and
-// past C channels; bias: [64] f32; y: [N, HP, WP, 64]. HC × WC is the conv's output size. One block
-// per (image, pooled tile), row-major over tiles.
+// past C channels; bias: [64] f32; y: [N, HP, WP, 64]. HC × WC is the conv's output size. Blocks
+// are persistent: block b takes tiles b, b + gridDim.x, ... (row-major over (image, tile row,
+// tile column)), keeps the weights in shared memory throughout, and loads the next tile's input
+// into registers while its tensor cores work on the current one.
 extern "C" __global__ void __launch_bounds__(STEM_THREADS, 2)
-    stem_conv_pool_f16(const f16* __restrict__ x, const f16* __restrict__ w, const float* __restrict__ bias, f16* __restrict__ y, int H,
-                       int W, int C, int HC, int WC, int HP, int WP) {
+    stem_conv_pool_f16(const f16* __restrict__ x, const f16* __restrict__ w, const float* __restrict__ bias, f16* __restrict__ y, int N,
+                       int H, int W, int C, int HC, int WC, int HP, int WP) {
     static_assert(CM <= 16 * 2 * (STEM_THREADS / 32), "two M tiles per warp cover the conv tile");
-    static_assert(CM * OSTRIDE <= STEM_SMEM_HALVES, "the conv tile fits over the input and weights");
-    __shared__ __align__(16) unsigned short smem[STEM_SMEM_HALVES];
+    extern __shared__ __align__(16) unsigned short smem[];
     unsigned short* sw = smem;
     unsigned short* sx = smem + W_HALVES;
+    unsigned short* so = sx + X_HALVES;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int tiles_w = (WP + TPW - 1) / TPW, tiles_h = (HP + TPH - 1) / TPH;
-    const int tx = blockIdx.x % tiles_w, ty = (blockIdx.x / tiles_w) % tiles_h;
-    const i64 n = blockIdx.x / (tiles_w * tiles_h);
-    const int ph0 = ty * TPH, pw0 = tx * TPW;
-    // Conv tile origin (the pool's padding of 1), input tile origin (the conv's padding of 3).
-    const int cy0 = 2 * ph0 - 1, cx0 = 2 * pw0 - 1;
-    const int iy0 = 2 * cy0 - 3, ix0 = 2 * cx0 - 3;
+    const int tiles = N * tiles_h * tiles_w;
+    int t = blockIdx.x;
+    if (t >= tiles)
+        return;
 
     for (int i = tid; i < STEM_COUT * (KTOT / 8); i += STEM_THREADS) {
         const int row = i / (KTOT / 8), col = i - row * (KTOT / 8);
         *reinterpret_cast<uint4*>(sw + row * WSTRIDE + col * 8) = *reinterpret_cast<const uint4*>(w + row * KTOT + col * 8);
     }
-    const f16* xn = x + n * H * W * C;
-    for (int i = tid; i < IR * ICP; i += STEM_THREADS) {
-        const int r = i / ICP, c = i - r * ICP;
-        const int iy = iy0 + r, ix = ix0 + c;
-        unsigned lo = 0, hi = 0;
-        if ((unsigned)iy < (unsigned)H && (unsigned)ix < (unsigned)W) {
-            const f16* p = xn + ((i64)iy * W + ix) * C;
-            lo = p[0].bits | (C > 1 ? (unsigned)p[1].bits << 16 : 0u);
-            hi = (C > 2 ? p[2].bits : 0u) | (C > 3 ? (unsigned)p[3].bits << 16 : 0u);
-        }
-        uint2 u;
-        u.x = lo;
-        u.y = hi;
-        *reinterpret_cast<uint2*>(sx + i * 4) = u;
-    }
+    uint2 px[X_PER_THREAD];
+    stem_load(px, x, stem_tile(t, tiles_h, tiles_w), H, W, C);
+    stem_store(sx, px);
     const int g = lane >> 2, q = lane & 3;
     float bv[8][2];
 #pragma unroll
@@ -92,8 +130,6 @@ extern "C" __global__ void __launch_bounds__(STEM_THREADS, 2)
         bv[j][0] = bias[8 * j + 2 * q];
         bv[j][1] = bias[8 * j + 2 * q + 1];
     }
-    __syncthreads();
-
     // Row addresses of this lane in the ldmatrix loads: A (conv pixel m, k half 8·(lane / 16)) and
     // B (channel (lane & 7) + 8·(lane / 16), k half 8·((lane / 8) & 1)).
     unsigned a_addr[2];
@@ -105,73 +141,87 @@ extern "C" __global__ void __launch_bounds__(STEM_THREADS, 2)
         a_addr[i] = smem_u32(sx + ((2 * cr) * ICP + 2 * cc) * 4 + 8 * (lane >> 4));
     }
     const unsigned b_addr = smem_u32(sw + ((lane & 7) + 8 * (lane >> 4)) * WSTRIDE + 8 * ((lane >> 3) & 1));
-    float acc[2][8][4];
+    __syncthreads();
+
+    for (; t < tiles; t += gridDim.x) {
+        const StemTile cur = stem_tile(t, tiles_h, tiles_w);
+        const int next = t + gridDim.x;
+        // In flight during the MMAs.
+        if (next < tiles)
+            stem_load(px, x, stem_tile(next, tiles_h, tiles_w), H, W, C);
+        float acc[2][8][4];
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+        for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+            for (int j = 0; j < 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                acc[i][j][e] = 0.f;
+                for (int e = 0; e < 4; ++e)
+                    acc[i][j][e] = 0.f;
 #pragma unroll 1
-    for (int r = 0; r < STEM_K; ++r) {
+        for (int r = 0; r < STEM_K; ++r) {
 #pragma unroll
-        for (int h = 0; h < KSEG / 16; ++h) {
-            unsigned a[2][4];
+            for (int h = 0; h < KSEG / 16; ++h) {
+                unsigned a[2][4];
 #pragma unroll
-            for (int i = 0; i < 2; ++i)
-                ldmatrix_x4(a[i], a_addr[i] + (r * ICP * 4 + h * 16) * 2);
+                for (int i = 0; i < 2; ++i)
+                    ldmatrix_x4(a[i], a_addr[i] + (r * ICP * 4 + h * 16) * 2);
 #pragma unroll
-            for (int jp = 0; jp < 4; ++jp) {
-                unsigned b[4];
-                ldmatrix_x4(b, b_addr + (jp * 16 * WSTRIDE + r * KSEG + h * 16) * 2);
+                for (int jp = 0; jp < 4; ++jp) {
+                    unsigned b[4];
+                    ldmatrix_x4(b, b_addr + (jp * 16 * WSTRIDE + r * KSEG + h * 16) * 2);
 #pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    mma_16816(acc[i][2 * jp], a[i], b[0], b[1]);
-                    mma_16816(acc[i][2 * jp + 1], a[i], b[2], b[3]);
+                    for (int i = 0; i < 2; ++i) {
+                        mma_16816(acc[i][2 * jp], a[i], b[0], b[1]);
+                        mma_16816(acc[i][2 * jp + 1], a[i], b[2], b[3]);
+                    }
                 }
             }
         }
-    }
-    // Every warp is done with the input and the weights: the conv tile goes over them.
-    __syncthreads();
-    unsigned short* so = smem;
+        // Bias, ReLU, f16 into the conv tile (the previous tile's pooling finished reading it at
+        // the barrier that ended its iteration).
+        const int cy0 = 2 * cur.ph0 - 1, cx0 = 2 * cur.pw0 - 1;
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+        for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int m = (warp * 2 + i) * 16 + g + 8 * half;
-            if (m < CM) {
-                const int cr = m / CC, cc = m - (m / CC) * CC;
-                const bool inside = (unsigned)(cy0 + cr) < (unsigned)HC && (unsigned)(cx0 + cc) < (unsigned)WC;
+            for (int half = 0; half < 2; ++half) {
+                const int m = (warp * 2 + i) * 16 + g + 8 * half;
+                if (m < CM) {
+                    const int cr = m / CC, cc = m - (m / CC) * CC;
+                    const bool inside = (unsigned)(cy0 + cr) < (unsigned)HC && (unsigned)(cx0 + cc) < (unsigned)WC;
 #pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    float v0 = acc[i][j][2 * half] + bv[j][0], v1 = acc[i][j][2 * half + 1] + bv[j][1];
-                    v0 = v0 < 0.f ? 0.f : v0;
-                    v1 = v1 < 0.f ? 0.f : v1;
-                    *reinterpret_cast<unsigned*>(so + m * OSTRIDE + 8 * j + 2 * q) = inside ? pack_f16x2(v0, v1) : 0u;
+                    for (int j = 0; j < 8; ++j) {
+                        float v0 = acc[i][j][2 * half] + bv[j][0], v1 = acc[i][j][2 * half + 1] + bv[j][1];
+                        v0 = v0 < 0.f ? 0.f : v0;
+                        v1 = v1 < 0.f ? 0.f : v1;
+                        *reinterpret_cast<unsigned*>(so + m * OSTRIDE + 8 * j + 2 * q) = inside ? pack_f16x2(v0, v1) : 0u;
+                    }
                 }
             }
+        // Every warp is done with this tile's input and has written its conv pixels.
+        __syncthreads();
+        if (next < tiles)
+            stem_store(sx, px);
+        for (int it = tid; it < TPH * TPW * 8; it += STEM_THREADS) {
+            const int cg = it & 7, pix = it >> 3;
+            const int ply = pix / TPW, plx = pix - (pix / TPW) * TPW;
+            const int py = cur.ph0 + ply, pxo = cur.pw0 + plx;
+            if (py >= HP || pxo >= WP)
+                continue;
+            const unsigned short* base = so + ((2 * ply) * CC + 2 * plx) * OSTRIDE + cg * 8;
+            uint4 best = *reinterpret_cast<const uint4*>(base);
+#pragma unroll
+            for (int dy = 0; dy < 3; ++dy)
+#pragma unroll
+                for (int dx = 0; dx < 3; ++dx) {
+                    const uint4 v = *reinterpret_cast<const uint4*>(base + (dy * CC + dx) * OSTRIDE);
+                    best.x = hmax2_nan(best.x, v.x);
+                    best.y = hmax2_nan(best.y, v.y);
+                    best.z = hmax2_nan(best.z, v.z);
+                    best.w = hmax2_nan(best.w, v.w);
+                }
+            *reinterpret_cast<uint4*>(y + ((cur.n * HP + py) * WP + pxo) * STEM_COUT + cg * 8) = best;
         }
-    __syncthreads();
-    for (int it = tid; it < TPH * TPW * 8; it += STEM_THREADS) {
-        const int cg = it & 7, pix = it >> 3;
-        const int ply = pix / TPW, plx = pix - (pix / TPW) * TPW;
-        const int py = ph0 + ply, px = pw0 + plx;
-        if (py >= HP || px >= WP)
-            continue;
-        const unsigned short* base = so + ((2 * ply) * CC + 2 * plx) * OSTRIDE + cg * 8;
-        uint4 best = *reinterpret_cast<const uint4*>(base);
-#pragma unroll
-        for (int dy = 0; dy < 3; ++dy)
-#pragma unroll
-            for (int dx = 0; dx < 3; ++dx) {
-                const uint4 v = *reinterpret_cast<const uint4*>(base + (dy * CC + dx) * OSTRIDE);
-                best.x = hmax2_nan(best.x, v.x);
-                best.y = hmax2_nan(best.y, v.y);
-                best.z = hmax2_nan(best.z, v.z);
-                best.w = hmax2_nan(best.w, v.w);
-            }
-        *reinterpret_cast<uint4*>(y + ((n * HP + py) * WP + px) * STEM_COUT + cg * 8) = best;
+        // The next tile's input is staged, and the conv tile is free again.
+        __syncthreads();
     }
 }

@@ -10,6 +10,7 @@ use super::launch::{launch, CudaFunction, KArg};
 use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueId};
 use crate::graph::{Activation, ConvAttrs, NodeId, PoolAttrs};
 use crate::{Error, Result};
+use cudarc::driver::sys::CUfunction_attribute;
 
 /// `kernels/stem.cu`, compiled with NVRTC on first use.
 pub const STEM_CU: &str = super::kernels::ON_DEMAND[3].1;
@@ -21,6 +22,15 @@ const COUT: usize = 64;
 const MAX_CIN: usize = 4;
 const TILE: [usize; 2] = [8, 7];
 const THREADS: u32 = 256;
+/// Blocks resident per SM (`__launch_bounds__`): the persistent grid is this many per SM.
+const BLOCKS_PER_SM: u32 = 2;
+/// Conv pixels under a tile of pooled pixels, and input pixels under those (with the extra column
+/// the 8-tap segments reach).
+const CONV_TILE: [usize; 2] = [2 * TILE[0] + 1, 2 * TILE[1] + 1];
+const INPUT_TILE: [usize; 2] = [2 * (CONV_TILE[0] - 1) + K, 2 * (CONV_TILE[1] - 1) + 8];
+/// Dynamic shared memory per block (`STEM_SMEM_BYTES`), in halves with padded rows: weights,
+/// input tile (4 channels), conv tile.
+const SMEM_BYTES: u32 = (2 * (COUT * (KTOT + 8) + INPUT_TILE[0] * INPUT_TILE[1] * 4 + CONV_TILE[0] * CONV_TILE[1] * (COUT + 8))) as u32;
 /// Weight halves per output channel: 7 filter rows of 8 taps × 4 channels.
 const KTOT: usize = K * 32;
 
@@ -36,6 +46,7 @@ pub struct StemPool {
     dims: [i32; 7],
     /// Blocks per image.
     tiles: usize,
+    sm_count: u32,
 }
 
 /// The fused stem for a conv node carrying `pool`, or `None` where the kernel does not apply:
@@ -92,17 +103,12 @@ pub fn candidate(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, pool: &PoolAtt
     }
     let (w, bias) = (ctx.upload(&packed)?, ctx.upload_f32(&bias)?);
     ctx.kernels.add_source("stem.cu", STEM_CU)?;
+    let f = ctx.kernels.get("stem_conv_pool_f16")?;
+    f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM_BYTES as i32)
+        .map_err(|e| ctx.err(node, format!("the stem kernel cannot have {SMEM_BYTES} bytes of shared memory: {e:?}")))?;
     let tiles = hp.div_ceil(TILE[0]) * wp.div_ceil(TILE[1]);
-    Ok(Some(Box::new(StemPool {
-        path: ctx.node(node).path.clone(),
-        f: ctx.kernels.get("stem_conv_pool_f16")?,
-        x,
-        y,
-        w,
-        bias,
-        dims,
-        tiles,
-    })))
+    let sm_count = ctx.kernels.sm_count();
+    Ok(Some(Box::new(StemPool { path: ctx.node(node).path.clone(), f, x, y, w, bias, dims, tiles, sm_count })))
 }
 
 impl Layer for StemPool {
@@ -116,12 +122,27 @@ impl Layer for StemPool {
         if batch == 0 {
             return Ok(());
         }
-        let blocks =
-            batch.checked_mul(self.tiles).and_then(|b| u32::try_from(b).ok()).filter(|&b| b <= i32::MAX as u32).ok_or_else(|| {
-                Error::Binding { name: self.path.clone(), reason: format!("batch {batch} exceeds the stem kernel's grid") }
-            })?;
-        let mut args = vec![KArg::Ptr(rt.ptr(self.x)), KArg::Ptr(self.w.ptr()), KArg::Ptr(self.bias.ptr()), KArg::Ptr(rt.ptr(self.y))];
+        // Tile indices are 32-bit in the kernel.
+        let out_of_range = || Error::Binding { name: self.path.clone(), reason: format!("batch {batch} exceeds the stem kernel's range") };
+        let tiles = batch.checked_mul(self.tiles).and_then(|t| i32::try_from(t).ok()).ok_or_else(out_of_range)?;
+        let n = i32::try_from(batch).map_err(|_| out_of_range())?;
+        let blocks = (tiles as u32).min(self.sm_count * BLOCKS_PER_SM);
+        let mut args =
+            vec![KArg::Ptr(rt.ptr(self.x)), KArg::Ptr(self.w.ptr()), KArg::Ptr(self.bias.ptr()), KArg::Ptr(rt.ptr(self.y)), KArg::I32(n)];
         args.extend(self.dims.map(KArg::I32));
-        launch(rt, &self.f, (blocks, 1, 1), (THREADS, 1, 1), 0, &args)
+        launch(rt, &self.f, (blocks, 1, 1), (THREADS, 1, 1), SMEM_BYTES, &args)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_memory_matches_the_kernel_and_fits_two_blocks_per_sm() {
+        // kernels/stem.cu: (64·232 + 39·36·4 + 255·72) halves.
+        assert_eq!(SMEM_BYTES, 77_648);
+        // Hopper and Ampere give a block up to 227 KiB and an SM 228 KiB (1 KiB reserved per block).
+        assert!(BLOCKS_PER_SM * (SMEM_BYTES + 1024) <= 228 * 1024);
     }
 }
