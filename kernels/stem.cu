@@ -12,7 +12,7 @@
 // k-steps of 16); the weights of the 8th tap and of channels past Cin are zero, and the tile has
 // one more column than the taps reach, so the extra reads stay inside it.
 //
-// 8 warps each take two 16-pixel M tiles against all 64 channels (mma.m16n8k16, f32 accumulation).
+// Each warp takes two 16-pixel M tiles against all 64 channels (mma.m16n8k16, f32 accumulation).
 // Bias and ReLU are applied to the accumulators, which are rounded to f16 (the conv's FP16
 // output) into a conv tile in shared memory; conv pixels outside the image become 0,
 // which the max ignores because every real value is >= 0 after the ReLU, and every window holds
@@ -21,28 +21,28 @@
 
 #define STEM_K 7
 #define STEM_COUT 64
-#define TPH 8
-#define TPW 7
-#define CR (2 * TPH + 1)
-#define CC (2 * TPW + 1)
-#define CM (CR * CC)
-#define IR (2 * (CR - 1) + STEM_K)
-// Input columns: the last conv column's segment reads 8 pixels from 2·(CC - 1).
-#define ICP (2 * (CC - 1) + 8)
 #define KSEG 32
 #define KTOT (STEM_K * KSEG)
 // Row strides in halves, padded so the 8 rows of an ldmatrix or of a fragment store fall in
 // distinct banks.
 #define WSTRIDE (KTOT + 8)
 #define OSTRIDE (STEM_COUT + 8)
-#define STEM_THREADS 256
 #define W_HALVES (STEM_COUT * WSTRIDE)
-#define X_HALVES (IR * ICP * 4)
-#define O_HALVES (CM * OSTRIDE)
-// Dynamic shared memory of a block (src/engine/stem.rs raises the function's limit to it).
-#define STEM_SMEM_BYTES ((W_HALVES + X_HALVES + O_HALVES) * 2)
-// Input pixels each thread stages per tile.
-#define X_PER_THREAD ((IR * ICP + STEM_THREADS - 1) / STEM_THREADS)
+
+// A block's geometry: TPH × TPW pooled pixels, WARPS warps of two 16-pixel M tiles each.
+template <int TPH_, int TPW_, int WARPS_> struct StemGeo {
+    static constexpr int TPH = TPH_, TPW = TPW_, THREADS = 32 * WARPS_;
+    static constexpr int CR = 2 * TPH + 1, CC = 2 * TPW + 1, CM = CR * CC;
+    static constexpr int IR = 2 * (CR - 1) + STEM_K;
+    // Input columns: the last conv column's segment reads 8 pixels from 2·(CC - 1).
+    static constexpr int ICP = 2 * (CC - 1) + 8;
+    static constexpr int X_HALVES = IR * ICP * 4;
+    // Input pixels each thread stages per tile.
+    static constexpr int X_PER_THREAD = (IR * ICP + THREADS - 1) / THREADS;
+    static_assert(CM <= 16 * 2 * WARPS_, "two M tiles per warp cover the conv tile");
+    // Dynamic shared memory of a block: weights, input tile, conv tile (src/engine/stem.rs).
+    static constexpr int SMEM_BYTES = (W_HALVES + X_HALVES + CM * OSTRIDE) * 2;
+};
 
 __device__ __forceinline__ unsigned hmax2_nan(unsigned a, unsigned b) {
     unsigned d;
@@ -56,28 +56,28 @@ struct StemTile {
     int ph0, pw0;
 };
 
-__device__ __forceinline__ StemTile stem_tile(int t, int tiles_h, int tiles_w) {
+template <class G> __device__ __forceinline__ StemTile stem_tile(int t, int tiles_h, int tiles_w) {
     StemTile s;
     s.n = t / (tiles_w * tiles_h);
     const int r = t - (int)s.n * tiles_w * tiles_h;
-    s.ph0 = (r / tiles_w) * TPH;
-    s.pw0 = (r - (r / tiles_w) * tiles_w) * TPW;
+    s.ph0 = (r / tiles_w) * G::TPH;
+    s.pw0 = (r - (r / tiles_w) * tiles_w) * G::TPW;
     return s;
 }
 
 // This thread's input pixels of tile `s` (channels padded to 4 with zeros, zeros outside the
 // image), as the two words of each pixel's 8 bytes.
-__device__ __forceinline__ void stem_load(uint2* px, const f16* x, StemTile s, int H, int W, int C) {
+template <class G> __device__ __forceinline__ void stem_load(uint2* px, const f16* x, StemTile s, int H, int W, int C) {
     // Input tile origin: the conv tile's (pool padding 1) times 2, minus the conv's padding of 3.
     const int iy0 = 2 * (2 * s.ph0 - 1) - 3, ix0 = 2 * (2 * s.pw0 - 1) - 3;
     const f16* xn = x + s.n * H * W * C;
 #pragma unroll
-    for (int k = 0; k < X_PER_THREAD; ++k) {
-        const int i = threadIdx.x + k * STEM_THREADS;
-        const int r = i / ICP, c = i - (i / ICP) * ICP;
+    for (int k = 0; k < G::X_PER_THREAD; ++k) {
+        const int i = threadIdx.x + k * G::THREADS;
+        const int r = i / G::ICP, c = i - (i / G::ICP) * G::ICP;
         const int iy = iy0 + r, ix = ix0 + c;
         unsigned lo = 0, hi = 0;
-        if (i < IR * ICP && (unsigned)iy < (unsigned)H && (unsigned)ix < (unsigned)W) {
+        if (i < G::IR * G::ICP && (unsigned)iy < (unsigned)H && (unsigned)ix < (unsigned)W) {
             const f16* p = xn + ((i64)iy * W + ix) * C;
             lo = p[0].bits | (C > 1 ? (unsigned)p[1].bits << 16 : 0u);
             hi = (C > 2 ? p[2].bits : 0u) | (C > 3 ? (unsigned)p[3].bits << 16 : 0u);
@@ -87,11 +87,11 @@ __device__ __forceinline__ void stem_load(uint2* px, const f16* x, StemTile s, i
     }
 }
 
-__device__ __forceinline__ void stem_store(unsigned short* sx, const uint2* px) {
+template <class G> __device__ __forceinline__ void stem_store(unsigned short* sx, const uint2* px) {
 #pragma unroll
-    for (int k = 0; k < X_PER_THREAD; ++k) {
-        const int i = threadIdx.x + k * STEM_THREADS;
-        if (i < IR * ICP)
+    for (int k = 0; k < G::X_PER_THREAD; ++k) {
+        const int i = threadIdx.x + k * G::THREADS;
+        if (i < G::IR * G::ICP)
             *reinterpret_cast<uint2*>(sx + i * 4) = px[k];
     }
 }
@@ -101,28 +101,28 @@ __device__ __forceinline__ void stem_store(unsigned short* sx, const uint2* px) 
 // are persistent: block b takes tiles b, b + gridDim.x, ... (row-major over (image, tile row,
 // tile column)), keeps the weights in shared memory throughout, and loads the next tile's input
 // into registers while its tensor cores work on the current one.
-extern "C" __global__ void __launch_bounds__(STEM_THREADS, 2)
-    stem_conv_pool_f16(const f16* __restrict__ x, const f16* __restrict__ w, const float* __restrict__ bias, f16* __restrict__ y, int N,
-                       int H, int W, int C, int HC, int WC, int HP, int WP) {
-    static_assert(CM <= 16 * 2 * (STEM_THREADS / 32), "two M tiles per warp cover the conv tile");
+template <class G>
+__device__ void stem_conv_pool(const f16* __restrict__ x, const f16* __restrict__ w, const float* __restrict__ bias, f16* __restrict__ y,
+                               int N, int H, int W, int C, int HC, int WC, int HP, int WP) {
+    constexpr int CC = G::CC, CM = G::CM, ICP = G::ICP;
     extern __shared__ __align__(16) unsigned short smem[];
     unsigned short* sw = smem;
     unsigned short* sx = smem + W_HALVES;
-    unsigned short* so = sx + X_HALVES;
+    unsigned short* so = sx + G::X_HALVES;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int tiles_w = (WP + TPW - 1) / TPW, tiles_h = (HP + TPH - 1) / TPH;
+    const int tiles_w = (WP + G::TPW - 1) / G::TPW, tiles_h = (HP + G::TPH - 1) / G::TPH;
     const int tiles = N * tiles_h * tiles_w;
     int t = blockIdx.x;
     if (t >= tiles)
         return;
 
-    for (int i = tid; i < STEM_COUT * (KTOT / 8); i += STEM_THREADS) {
+    for (int i = tid; i < STEM_COUT * (KTOT / 8); i += G::THREADS) {
         const int row = i / (KTOT / 8), col = i - row * (KTOT / 8);
         *reinterpret_cast<uint4*>(sw + row * WSTRIDE + col * 8) = *reinterpret_cast<const uint4*>(w + row * KTOT + col * 8);
     }
-    uint2 px[X_PER_THREAD];
-    stem_load(px, x, stem_tile(t, tiles_h, tiles_w), H, W, C);
-    stem_store(sx, px);
+    uint2 px[G::X_PER_THREAD];
+    stem_load<G>(px, x, stem_tile<G>(t, tiles_h, tiles_w), H, W, C);
+    stem_store<G>(sx, px);
     const int g = lane >> 2, q = lane & 3;
     float bv[8][2];
 #pragma unroll
@@ -144,11 +144,11 @@ extern "C" __global__ void __launch_bounds__(STEM_THREADS, 2)
     __syncthreads();
 
     for (; t < tiles; t += gridDim.x) {
-        const StemTile cur = stem_tile(t, tiles_h, tiles_w);
+        const StemTile cur = stem_tile<G>(t, tiles_h, tiles_w);
         const int next = t + gridDim.x;
         // In flight during the MMAs.
         if (next < tiles)
-            stem_load(px, x, stem_tile(next, tiles_h, tiles_w), H, W, C);
+            stem_load<G>(px, x, stem_tile<G>(next, tiles_h, tiles_w), H, W, C);
         float acc[2][8][4];
 #pragma unroll
         for (int i = 0; i < 2; ++i)
@@ -200,10 +200,10 @@ extern "C" __global__ void __launch_bounds__(STEM_THREADS, 2)
         // Every warp is done with this tile's input and has written its conv pixels.
         __syncthreads();
         if (next < tiles)
-            stem_store(sx, px);
-        for (int it = tid; it < TPH * TPW * 8; it += STEM_THREADS) {
+            stem_store<G>(sx, px);
+        for (int it = tid; it < G::TPH * G::TPW * 8; it += G::THREADS) {
             const int cg = it & 7, pix = it >> 3;
-            const int ply = pix / TPW, plx = pix - (pix / TPW) * TPW;
+            const int ply = pix / G::TPW, plx = pix - (pix / G::TPW) * G::TPW;
             const int py = cur.ph0 + ply, pxo = cur.pw0 + plx;
             if (py >= HP || pxo >= WP)
                 continue;
@@ -224,4 +224,21 @@ extern "C" __global__ void __launch_bounds__(STEM_THREADS, 2)
         // The next tile's input is staged, and the conv tile is free again.
         __syncthreads();
     }
+}
+
+// The two tile shapes, timed against each other (src/engine/stem.rs): 8×7 pooled pixels (255 of
+// 256 M rows used; large batches), and 4×4 (81 of 96: 3.5× as many blocks, for small batches).
+typedef StemGeo<8, 7, 8> StemLarge;
+typedef StemGeo<4, 4, 3> StemSmall;
+
+#define STEM_ARGS                                                                                                                              \
+    const f16 *__restrict__ x, const f16 *__restrict__ w, const float *__restrict__ bias, f16 *__restrict__ y, int N, int H, int W, int C,    \
+        int HC, int WC, int HP, int WP
+
+extern "C" __global__ void __launch_bounds__(StemLarge::THREADS, 2) stem_conv_pool_f16(STEM_ARGS) {
+    stem_conv_pool<StemLarge>(x, w, bias, y, N, H, W, C, HC, WC, HP, WP);
+}
+
+extern "C" __global__ void __launch_bounds__(StemSmall::THREADS, 4) stem_conv_pool_small_f16(STEM_ARGS) {
+    stem_conv_pool<StemSmall>(x, w, bias, y, N, H, W, C, HC, WC, HP, WP);
 }

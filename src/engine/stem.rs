@@ -16,26 +16,41 @@ use cudarc::driver::sys::CUfunction_attribute;
 pub const STEM_CU: &str = super::kernels::ON_DEMAND[3].1;
 
 /// The kernel's fixed geometry (`kernels/stem.cu`): filter size, output channels, the most input
-/// channels, pooled pixels per block, threads per block.
+/// channels, weight halves per output channel (7 filter rows of 8 taps × 4 channels).
 const K: usize = 7;
 const COUT: usize = 64;
 const MAX_CIN: usize = 4;
-const TILE: [usize; 2] = [8, 7];
-const THREADS: u32 = 256;
-/// Blocks resident per SM (`__launch_bounds__`): the persistent grid is this many per SM.
-const BLOCKS_PER_SM: u32 = 2;
-/// Conv pixels under a tile of pooled pixels, and input pixels under those (with the extra column
-/// the 8-tap segments reach).
-const CONV_TILE: [usize; 2] = [2 * TILE[0] + 1, 2 * TILE[1] + 1];
-const INPUT_TILE: [usize; 2] = [2 * (CONV_TILE[0] - 1) + K, 2 * (CONV_TILE[1] - 1) + 8];
-/// Dynamic shared memory per block (`STEM_SMEM_BYTES`), in halves with padded rows: weights,
-/// input tile (4 channels), conv tile.
-const SMEM_BYTES: u32 = (2 * (COUT * (KTOT + 8) + INPUT_TILE[0] * INPUT_TILE[1] * 4 + CONV_TILE[0] * CONV_TILE[1] * (COUT + 8))) as u32;
-/// Weight halves per output channel: 7 filter rows of 8 taps × 4 channels.
 const KTOT: usize = K * 32;
+
+/// One tile shape of the kernel (`StemGeo` in `kernels/stem.cu`).
+#[derive(Clone, Copy, Debug)]
+struct Variant {
+    entry: &'static str,
+    /// Pooled pixels per block (rows, columns).
+    tile: [usize; 2],
+    threads: u32,
+    /// Blocks resident per SM (its `__launch_bounds__`): the persistent grid is this many per SM.
+    blocks_per_sm: u32,
+}
+
+const VARIANTS: [Variant; 2] = [
+    Variant { entry: "stem_conv_pool_f16", tile: [8, 7], threads: 256, blocks_per_sm: 2 },
+    Variant { entry: "stem_conv_pool_small_f16", tile: [4, 4], threads: 96, blocks_per_sm: 4 },
+];
+
+impl Variant {
+    /// Dynamic shared memory per block (`StemGeo::SMEM_BYTES`), in halves with padded rows:
+    /// weights, input tile (4 channels, with the extra column the 8-tap segments reach), conv tile.
+    const fn smem_bytes(&self) -> u32 {
+        let conv = [2 * self.tile[0] + 1, 2 * self.tile[1] + 1];
+        let input = [2 * (conv[0] - 1) + K, 2 * (conv[1] - 1) + 8];
+        (2 * (COUT * (KTOT + 8) + input[0] * input[1] * 4 + conv[0] * conv[1] * (COUT + 8))) as u32
+    }
+}
 
 pub struct StemPool {
     path: String,
+    variant: Variant,
     f: CudaFunction,
     x: ValueId,
     y: ValueId,
@@ -49,16 +64,16 @@ pub struct StemPool {
     sm_count: u32,
 }
 
-/// The fused stem for a conv node carrying `pool`, or `None` where the kernel does not apply:
+/// The fused stem's tile shapes for a conv node carrying `pool`, or none where the kernel does not apply:
 /// FP16, a 7×7 conv with stride 2, padding 3, no dilation, groups or residual, at most 4 input
 /// and exactly 64 output channels, ReLU, and a 3×3 max-pool with stride 2 and padding 1, on a GPU
 /// with `mma.m16n8k16` (sm_80 or newer).
-pub fn candidate(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, pool: &PoolAttrs) -> Result<Option<Box<dyn Layer>>> {
+pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, pool: &PoolAttrs) -> Result<Vec<Box<dyn Layer>>> {
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let w = ctx.weight(node, 1)?;
     let cin = match w.shape[..] {
         [COUT, c, K, K] if c <= MAX_CIN => c,
-        _ => return Ok(None),
+        _ => return Ok(Vec::new()),
     };
     let conv_fits = !a.transposed
         && a.stride == [2, 2]
@@ -72,7 +87,7 @@ pub fn candidate(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, pool: &PoolAtt
     let nhwc_f16 =
         |d: &super::ValueDesc| d.elem == Elem::F16 && d.dims.len() == 3 && d.layout.same_bytes(Layout::channels_last(3), &d.dims);
     if !conv_fits || !pool_fits || ctx.elem() != Elem::F16 || ctx.gpu.info.sm < 80 || !nhwc_f16(dx) || !nhwc_f16(dy) {
-        return Ok(None);
+        return Ok(Vec::new());
     }
     let ([c, h, wd], [cy, hp, wp]) = (dx.dims[..3].try_into().expect("rank 3"), dy.dims[..3].try_into().expect("rank 3"));
     if c != cin || cy != COUT {
@@ -101,14 +116,20 @@ pub fn candidate(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, pool: &PoolAtt
     if bias.len() != COUT {
         return Err(ctx.err(node, format!("bias has {} values for {COUT} channels", bias.len())));
     }
-    let (w, bias) = (ctx.upload(&packed)?, ctx.upload_f32(&bias)?);
     ctx.kernels.add_source("stem.cu", STEM_CU)?;
-    let f = ctx.kernels.get("stem_conv_pool_f16")?;
-    f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM_BYTES as i32)
-        .map_err(|e| ctx.err(node, format!("the stem kernel cannot have {SMEM_BYTES} bytes of shared memory: {e:?}")))?;
-    let tiles = hp.div_ceil(TILE[0]) * wp.div_ceil(TILE[1]);
-    let sm_count = ctx.kernels.sm_count();
-    Ok(Some(Box::new(StemPool { path: ctx.node(node).path.clone(), f, x, y, w, bias, dims, tiles, sm_count })))
+    let (path, sm_count) = (ctx.node(node).path.clone(), ctx.kernels.sm_count());
+    let mut out: Vec<Box<dyn Layer>> = Vec::new();
+    for variant in VARIANTS {
+        let f = ctx.kernels.get(variant.entry)?;
+        let smem = variant.smem_bytes();
+        f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+            .map_err(|e| ctx.err(node, format!("`{}` cannot have {smem} bytes of shared memory: {e:?}", variant.entry)))?;
+        let tiles = hp.div_ceil(variant.tile[0]) * wp.div_ceil(variant.tile[1]);
+        // Uploads of equal bytes share one buffer (`WeightStore`).
+        let (w, bias) = (ctx.upload(&packed)?, ctx.upload_f32(&bias)?);
+        out.push(Box::new(StemPool { path: path.clone(), variant, f, x, y, w, bias, dims, tiles, sm_count }));
+    }
+    Ok(out)
 }
 
 impl Layer for StemPool {
@@ -116,7 +137,7 @@ impl Layer for StemPool {
         &self.path
     }
     fn kind(&self) -> String {
-        "kernel:stem_conv_pool_f16".into()
+        format!("kernel:{}", self.variant.entry)
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         if batch == 0 {
@@ -126,11 +147,12 @@ impl Layer for StemPool {
         let out_of_range = || Error::Binding { name: self.path.clone(), reason: format!("batch {batch} exceeds the stem kernel's range") };
         let tiles = batch.checked_mul(self.tiles).and_then(|t| i32::try_from(t).ok()).ok_or_else(out_of_range)?;
         let n = i32::try_from(batch).map_err(|_| out_of_range())?;
-        let blocks = (tiles as u32).min(self.sm_count * BLOCKS_PER_SM);
+        let v = &self.variant;
+        let blocks = (tiles as u32).min(self.sm_count * v.blocks_per_sm);
         let mut args =
             vec![KArg::Ptr(rt.ptr(self.x)), KArg::Ptr(self.w.ptr()), KArg::Ptr(self.bias.ptr()), KArg::Ptr(rt.ptr(self.y)), KArg::I32(n)];
         args.extend(self.dims.map(KArg::I32));
-        launch(rt, &self.f, (blocks, 1, 1), (THREADS, 1, 1), SMEM_BYTES, &args)
+        launch(rt, &self.f, (blocks, 1, 1), (v.threads, 1, 1), v.smem_bytes(), &args)
     }
 }
 
@@ -139,10 +161,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn shared_memory_matches_the_kernel_and_fits_two_blocks_per_sm() {
-        // kernels/stem.cu: (64·232 + 39·36·4 + 255·72) halves.
-        assert_eq!(SMEM_BYTES, 77_648);
-        // Hopper and Ampere give a block up to 227 KiB and an SM 228 KiB (1 KiB reserved per block).
-        assert!(BLOCKS_PER_SM * (SMEM_BYTES + 1024) <= 228 * 1024);
+    fn shared_memory_matches_the_kernel_and_fits_the_blocks_per_sm() {
+        // kernels/stem.cu: (64·232 + 39·36·4 + 255·72) and (64·232 + 23·24·4 + 81·72) halves.
+        assert_eq!(VARIANTS.map(|v| v.smem_bytes()), [77_648, 45_776]);
+        for v in VARIANTS {
+            // Hopper and Ampere give an SM 228 KiB (1 KiB reserved per block).
+            assert!(v.blocks_per_sm * (v.smem_bytes() + 1024) <= 228 * 1024, "{v:?}");
+            // Two 16-row M tiles per warp cover the conv tile.
+            let conv = (2 * v.tile[0] + 1) * (2 * v.tile[1] + 1);
+            assert!(conv <= 2 * 16 * v.threads as usize / 32, "{v:?}");
+        }
     }
 }
