@@ -226,10 +226,9 @@ __device__ void stem_conv_pool(const f16* __restrict__ x, const f16* __restrict_
     }
 }
 
-// The two tile shapes, timed against each other (src/engine/stem.rs): 8×7 pooled pixels (255 of
-// 256 M rows used; large batches), and 4×4 (81 of 96: 3.5× as many blocks, for small batches).
+// 8×7 pooled pixels: 255 of 256 M rows used. (A 4×4 tile with 3 warps, 3.5× the blocks, measured
+// 8.3 µs against 8.6 at batch 1 on the H100, where the layer is latency-bound: not kept.)
 typedef StemGeo<8, 7, 8> StemLarge;
-typedef StemGeo<4, 4, 3> StemSmall;
 
 #define STEM_ARGS                                                                                                                              \
     const f16 *__restrict__ x, const f16 *__restrict__ w, const float *__restrict__ bias, f16 *__restrict__ y, int N, int H, int W, int C,    \
@@ -237,8 +236,4 @@ typedef StemGeo<4, 4, 3> StemSmall;
 
 extern "C" __global__ void __launch_bounds__(StemLarge::THREADS, 2) stem_conv_pool_f16(STEM_ARGS) {
     stem_conv_pool<StemLarge>(x, w, bias, y, N, H, W, C, HC, WC, HP, WP);
-}
-
-extern "C" __global__ void __launch_bounds__(StemSmall::THREADS, 4) stem_conv_pool_small_f16(STEM_ARGS) {
-    stem_conv_pool<StemSmall>(x, w, bias, y, N, H, W, C, HC, WC, HP, WP);
 }

@@ -118,13 +118,13 @@ fn candidates_stem_pool_matches_the_cpu() {
         }
     };
     let fp16 = &[Precision::Fp16][..];
-    const BOTH_TILES: &[&str] = &["kernel:stem_conv_pool_f16", "kernel:stem_conv_pool_small_f16"];
-    check_forced_in("stem 3ch 224x224 (ResNet)", &[3, 224, 224], fp16, &[BOTH_TILES, &["cudnn"]].concat(), stem(3, false));
-    check_forced_in("stem 3ch 61x45 (partial tiles)", &[3, 61, 45], fp16, &[BOTH_TILES, &["cudnn"]].concat(), stem(3, false));
+    const STEM: &[&str] = &["kernel:stem_conv_pool_f16"];
+    check_forced_in("stem 3ch 224x224 (ResNet)", &[3, 224, 224], fp16, &[STEM, &["cudnn"]].concat(), stem(3, false));
+    check_forced_in("stem 3ch 61x45 (partial tiles)", &[3, 61, 45], fp16, &[STEM, &["cudnn"]].concat(), stem(3, false));
     check_forced_in("stem 3ch 61x45 (conv, then pool)", &[3, 61, 45], &[Precision::Fp32], &["cudnn"], stem(3, false));
-    check_forced_in("stem 1ch 30x33", &[1, 30, 33], fp16, BOTH_TILES, stem(1, false));
-    check_forced_in("stem 4ch 40x29, ceil-mode pool", &[4, 40, 29], fp16, BOTH_TILES, stem(4, true));
-    check_forced_in("stem 2ch 9x7 (one tile, mostly padding)", &[2, 9, 7], fp16, BOTH_TILES, stem(2, false));
+    check_forced_in("stem 1ch 30x33", &[1, 30, 33], fp16, STEM, stem(1, false));
+    check_forced_in("stem 4ch 40x29, ceil-mode pool", &[4, 40, 29], fp16, STEM, stem(4, true));
+    check_forced_in("stem 2ch 9x7 (one tile, mostly padding)", &[2, 9, 7], fp16, STEM, stem(2, false));
 }
 
 /// Every candidate's tactic time (FP16, the engine's own timing: CUDA-graph replays at the opt
