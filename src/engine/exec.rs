@@ -202,6 +202,7 @@ impl ExecutionContext {
     /// Captures what `enqueue` puts on the context's stream into an uploaded CUDA graph (`None`
     /// if it enqueued nothing). The one capture path: whole plans and single layers alike.
     fn capture(&self, enqueue: impl FnOnce() -> Result<()>) -> Result<Option<CudaGraph>> {
+        let _gate = super::gpu::capturing();
         self.stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(cuda_err("beginning CUDA graph capture"))?;

@@ -42,9 +42,28 @@ unsafe impl Send for Handles {}
 // SAFETY: as for `Send`: shared references never use a handle concurrently.
 unsafe impl Sync for Handles {}
 
+/// CUDA-graph captures hold it shared; creating and destroying library handles hold it alone.
+/// cudnnCreate and cublasLtCreate (and their destroys) synchronise the device, and a device-wide
+/// synchronisation while another thread captures a stream invalidates that capture: 16 threads
+/// creating execution contexts while others captured their first runs failed with
+/// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED` and cuDNN's `EXECUTION_FAILED`
+/// (`gpu_hardening::sixteen_threads_with_mixed_batches_are_bit_identical_to_one`).
+pub(crate) static CAPTURE_GATE: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+/// Holds the capture gate shared for as long as the guard lives (a poisoned gate still serves:
+/// it guards no data).
+pub(crate) fn capturing() -> std::sync::RwLockReadGuard<'static, ()> {
+    CAPTURE_GATE.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn synchronising() -> std::sync::RwLockWriteGuard<'static, ()> {
+    CAPTURE_GATE.write().unwrap_or_else(|e| e.into_inner())
+}
+
 impl Handles {
     pub fn new(stream: &CudaStream) -> Result<Self> {
         stream.context().bind_to_thread().map_err(cuda_err("binding the CUDA context"))?;
+        let _alone = synchronising();
         let cudnn = cudarc::cudnn::result::create_handle().map_err(cuda_err("cudnnCreate"))?;
         // SAFETY: `cudnn` is the live handle created above; the stream outlives it (both owned by `Gpu`).
         unsafe { cudarc::cudnn::result::set_stream(cudnn, stream.cu_stream() as *mut _) }.map_err(cuda_err("cudnnSetStream"))?;
@@ -56,6 +75,7 @@ impl Handles {
 impl Drop for Handles {
     fn drop(&mut self) {
         // Errors on teardown cannot be acted on; the handles are gone either way.
+        let _alone = synchronising();
         // SAFETY: the handles were created in `Handles::new` and are destroyed once, here.
         unsafe {
             let _ = cudarc::cudnn::result::destroy_handle(self.cudnn);

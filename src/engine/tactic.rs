@@ -290,6 +290,7 @@ fn time_candidates(ctx: &BuildCtx, candidates: &[Box<dyn Layer>], timed: bool) -
 /// candidate is timed by direct launches).
 fn capture(stream: &std::sync::Arc<cudarc::driver::CudaStream>, enqueue: impl FnOnce() -> Result<()>) -> Option<cudarc::driver::CudaGraph> {
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let _gate = super::gpu::capturing();
     stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).ok()?;
     let enqueued = enqueue();
     let captured = stream.end_capture(CUgraphInstantiate_flags(0));
