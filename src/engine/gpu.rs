@@ -43,11 +43,12 @@ unsafe impl Send for Handles {}
 unsafe impl Sync for Handles {}
 
 /// CUDA-graph captures hold it shared; creating and destroying library handles hold it alone.
-/// cudnnCreate and cublasLtCreate (and their destroys) synchronise the device, and a device-wide
-/// synchronisation while another thread captures a stream invalidates that capture: 16 threads
-/// creating execution contexts while others captured their first runs failed with
-/// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED` and cuDNN's `EXECUTION_FAILED`
-/// (`gpu_hardening::sixteen_threads_with_mixed_batches_are_bit_identical_to_one`).
+/// Library handle creation and destruction may synchronise the device (cuBLAS documents it for its
+/// own), and a device-wide synchronisation while another thread captures a stream invalidates that
+/// capture: 16 threads creating execution contexts while others captured their first runs failed
+/// with `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED` and cuDNN's `EXECUTION_FAILED`
+/// (`gpu_hardening::sixteen_threads_with_mixed_batches_are_bit_identical_to_one`); with the gate
+/// they pass.
 pub(crate) static CAPTURE_GATE: std::sync::RwLock<()> = std::sync::RwLock::new(());
 
 /// Holds the capture gate shared for as long as the guard lives (a poisoned gate still serves:
