@@ -30,9 +30,10 @@ pub fn describe_op(graph: &Graph, node: &Node) -> String {
     }
 }
 
-/// Whether a node is a convolution carrying work fused into it by a pass (residual or activation).
+/// Whether a node is a convolution carrying work fused into it by a pass (residual, activation or
+/// max-pool).
 pub fn is_fused(node: &Node) -> bool {
-    matches!(&node.op, Op::Conv(a) if a.residual || a.act != Activation::None)
+    matches!(&node.op, Op::Conv(a) if a.residual || a.act != Activation::None || a.pool.is_some())
 }
 
 /// The tensor inputs of a node (its weight inputs left out), and its weights' shapes.

@@ -12,7 +12,7 @@ pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
     say!("== traced graph: {} (batch {}, {}) ==", traced.name, a.batch, traced.hw_text());
     say_raw!("{}", kiln::dot::to_text(&traced.graph));
     say!("");
-    say!("== optimised graph (BatchNorm folded, conv+bias+add+ReLU fused, dead nodes removed) ==");
+    say!("== optimised graph (BatchNorm folded, conv+bias+add+ReLU(+max-pool) fused, dead nodes removed) ==");
     say_raw!("{}", kiln::dot::to_text(&optimized));
     let fused = optimized.nodes.iter().filter(|n| kiln::dot::is_fused(n)).count();
     say!("{fused} fused convolutions");
