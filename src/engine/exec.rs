@@ -330,17 +330,18 @@ impl ExecutionContext {
             match self.plan().values[v.0].elem {
                 Elem::U8 => {
                     let bytes = t.to_u8(name)?;
-                    // SAFETY: the binding's device buffer holds `max_batch` images of these dims, one byte per
-                    // element, and `bytes` holds `b` of them (its length was checked against its shape, whose
-                    // per-image dims are the plan's); the stream is synchronised below, before `staged` drops.
+                    // The binding's device buffer holds `max_batch` images of these dims, one byte per
+                    // element, and `bytes` holds `b` of them (its length was checked against its shape,
+                    // whose per-image dims are the plan's).
+                    // SAFETY: `bytes` fits the binding, and the stream is synchronised below, before `staged` drops.
                     unsafe { drv::memcpy_htod_async(ptr, &bytes.data, self.stream.cu_stream()) }.map_err(copied)?;
                     staged.push(bytes);
                 }
                 _ => {
                     let values = t.to_f32(name, DType::F32)?;
-                    // SAFETY: the binding's device buffer holds `max_batch` images of these dims as f32, and
-                    // `values` holds `b` of them (checked as above); the stream is synchronised below, before the
-                    // caller's tensors can be dropped.
+                    // The binding's device buffer holds `max_batch` images of these dims as f32, and
+                    // `values` holds `b` of them (checked as above).
+                    // SAFETY: `values` fits the binding, and the stream is synchronised below, before the caller's tensors drop.
                     unsafe { drv::memcpy_htod_async(ptr, &values.data, self.stream.cu_stream()) }.map_err(copied)?;
                 }
             }

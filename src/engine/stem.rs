@@ -66,8 +66,9 @@ pub struct StemPool {
 /// The fused stem's tile shapes for a conv node carrying `pool`, or none where the kernel does not apply:
 /// FP16, a 7×7 conv with stride 2, padding 3, no dilation, groups or residual, at most 4 input
 /// and exactly 64 output channels, ReLU, and a 3×3 max-pool with stride 2 and padding 1, on a GPU
-/// with `mma.m16n8k16` (sm_80 or newer).
-pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, pool: &PoolAttrs) -> Result<Vec<Box<dyn Layer>>> {
+/// with `mma.m16n8k16` (sm_80 or newer). `conv_hw` is the conv's output size (before the pool),
+/// from the conv's shape rule.
+pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, pool: &PoolAttrs, conv_hw: [usize; 2]) -> Result<Vec<Box<dyn Layer>>> {
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let w = ctx.weight(node, 1)?;
     let cin = match w.shape[..] {
@@ -92,11 +93,7 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, pool: &PoolAt
     if c != cin || cy != COUT {
         return Err(ctx.err(node, format!("the stem maps {c} channels to {cy}, its weight {:?} says {cin} to {COUT}", w.shape)));
     }
-    // The conv's output extent (stride 2, padding 3, 7 taps): (len + 6 - 7) / 2 + 1.
-    let conv_extent = |len: usize| len.checked_sub(1).map(|l| l / 2 + 1);
-    let (Some(hc), Some(wc)) = (conv_extent(h), conv_extent(wd)) else {
-        return Err(ctx.err(node, format!("an empty input {:?} for the stem", dx.dims)));
-    };
+    let [hc, wc] = conv_hw;
     let mut dims = [0i32; 7];
     for (d, (name, v)) in dims.iter_mut().zip([("H", h), ("W", wd), ("C", c), ("HC", hc), ("WC", wc), ("HP", hp), ("WP", wp)]) {
         *d = i32::try_from(v).map_err(|_| ctx.err(node, format!("{name} = {v} exceeds the stem kernel's 32-bit range")))?;

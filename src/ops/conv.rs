@@ -571,7 +571,7 @@ fn gpu_conv2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn 
     let conv = ctx.choose(&format!("{key} before its max-pool"), inner)?;
     let pool_layer = crate::engine::kernel_layers::pool_layer_between(ctx, node, PoolKind::Max, pool.window(), mid, y)?;
     let mut candidates: Vec<Box<dyn Layer>> = vec![Box::new(Chain { first: conv, second: pool_layer, mid })];
-    candidates.extend(crate::engine::stem::candidates(ctx, node, &a, &pool)?);
+    candidates.extend(crate::engine::stem::candidates(ctx, node, &a, &pool, [conv_shape[2], conv_shape[3]])?);
     ctx.choose(&key, candidates)
 }
 
