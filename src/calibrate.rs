@@ -11,8 +11,11 @@
 //!   per output channel (`max |w[c]| / 127`, range ±127 as TensorRT), fp8 per tensor
 //!   (`max |w| / 448`: e4m3's relative precision does not depend on the scale, and Hopper's FP8
 //!   GEMMs take one scale per operand);
-//! - nothing else: biases and fused residuals are added in f32 in the layer's epilogue; grouped and
-//!   depthwise convs, transposed convs, pooling, matmul and elementwise layers run in FP16.
+//! - the residual a conv adds in its epilogue (the skip connection of a ResNet block), with that
+//!   value's own scale: so a block's input and output are one 8-bit tensor each, which the engine
+//!   keeps in 8 bits between its 8-bit convs (TensorRT's QAT recipe quantises the same input);
+//! - nothing else: biases are added in f32 in the layer's epilogue; grouped and depthwise convs,
+//!   transposed convs, pooling, matmul and elementwise layers run in FP16.
 //!
 //! Because every 8-bit reader of a value quantises it with that value's one scale, an engine that
 //! keeps the value in 8 bits between 8-bit layers (the producer requantises in its epilogue) and
@@ -31,7 +34,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 /// The calibration cache format this code writes and reads.
-pub const CACHE_VERSION: u32 = 1;
+pub const CACHE_VERSION: u32 = 2;
 /// Histogram bins over `[0, amax]` (TensorRT's).
 pub const HIST_BINS: usize = 2048;
 /// Quantisation levels of the entropy method's candidate distributions (int8's positive half).
@@ -143,12 +146,21 @@ impl CalibrationCache {
     }
 }
 
-/// A layer the engine runs in 8 bits: its activation input and its weight.
+/// A layer the engine runs in 8 bits: its activation input, its weight, and the residual it adds
+/// (a conv's fused skip connection), if any.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct QuantPoint {
     pub node: NodeId,
     pub activation: NodeId,
     pub weight: NodeId,
+    pub residual: Option<NodeId>,
+}
+
+impl QuantPoint {
+    /// The activations this layer reads in 8 bits: its input, then its residual.
+    pub fn activations(&self) -> impl Iterator<Item = NodeId> {
+        std::iter::once(self.activation).chain(self.residual)
+    }
 }
 
 /// Whether `op` has an 8-bit implementation (see the module docs).
@@ -164,7 +176,13 @@ pub fn quant_points(graph: &Graph) -> Vec<QuantPoint> {
         .enumerate()
         .filter(|(_, n)| quantizable(&n.op) && n.inputs.len() >= 2)
         .filter(|(_, n)| matches!(graph.nodes[n.inputs[1]].op, Op::Weight { .. }))
-        .map(|(id, n)| QuantPoint { node: id, activation: n.inputs[0], weight: n.inputs[1] })
+        .map(|(id, n)| {
+            let residual = match &n.op {
+                Op::Conv(a) if a.residual => n.inputs.last().copied(),
+                _ => None,
+            };
+            QuantPoint { node: id, activation: n.inputs[0], weight: n.inputs[1], residual }
+        })
         .collect()
 }
 
@@ -351,9 +369,9 @@ impl Calibrator {
         let graph = crate::passes::optimize(graph)?;
         let names = tensor_names(&graph);
         let mut tensors: Vec<(String, NodeId)> = vec![];
-        for p in quant_points(&graph) {
-            if !tensors.iter().any(|(_, id)| *id == p.activation) && !matches!(graph.nodes[p.activation].op, Op::Quant(_)) {
-                tensors.push((names[p.activation].clone(), p.activation));
+        for a in quant_points(&graph).iter().flat_map(QuantPoint::activations) {
+            if !tensors.iter().any(|(_, id)| *id == a) && !matches!(graph.nodes[a].op, Op::Quant(_)) {
+                tensors.push((names[a].clone(), a));
             }
         }
         Ok(Self { graph, tensors })
@@ -443,22 +461,25 @@ pub fn quantize_graph(graph: &Graph, cache: &CalibrationCache, format: QuantForm
     for (id, node) in graph.nodes.iter().enumerate() {
         let mut inputs: Vec<NodeId> = node.inputs.iter().map(|&j| map[j]).collect();
         if let Some(p) = points.iter().find(|p| p.node == id) {
-            if !matches!(graph.nodes[p.activation].op, Op::Quant(_)) {
-                let q = match quantised.get(&p.activation) {
+            let slots = [Some((0, p.activation)), p.residual.map(|r| (inputs.len() - 1, r))];
+            for (slot, a) in slots.into_iter().flatten() {
+                if matches!(graph.nodes[a].op, Op::Quant(_)) {
+                    continue;
+                }
+                inputs[slot] = match quantised.get(&a) {
                     Some(&q) => q,
                     None => {
-                        let name = &names[p.activation];
+                        let name = &names[a];
                         let range = cache.tensors.get(name).ok_or_else(|| Error::Calibration {
                             path: "the calibration cache".into(),
                             reason: format!("has no range for tensor `{name}` (read by `{}`)", node.path),
                         })?;
                         let params = QuantParams::symmetric(format, range.scale(format));
-                        let q = out.push(Op::Quant(Quant::FakeQuantize(params)), vec![inputs[0]], format!("{name}.quantizer"))?;
-                        quantised.insert(p.activation, q);
+                        let q = out.push(Op::Quant(Quant::FakeQuantize(params)), vec![map[a]], format!("{name}.quantizer"))?;
+                        quantised.insert(a, q);
                         q
                     }
                 };
-                inputs[0] = q;
             }
             let w = graph.weight_data(p.weight).ok_or_else(|| Error::InvalidGraph {
                 node: id,

@@ -146,9 +146,13 @@ fn simulation_quantises_exactly_the_documented_points() {
     let fq: Vec<&kiln::graph::Node> = sim.nodes.iter().filter(|n| matches!(n.op, Op::Quant(_))).collect();
     let activations = fq.iter().filter(|n| n.path.ends_with(".quantizer")).count();
     let weights = fq.iter().filter(|n| n.path.ends_with(".weight_quantizer")).count();
-    // Each block's input is read by its conv1 and its downsample: one shared quantiser.
+    // Each block's input is read by its conv1, its downsample and (in a block without one) as the
+    // residual of conv2: one shared quantiser. A downsample's output is quantised as conv2's
+    // residual (the stem, which absorbed its ReLU, is layer1.0's skip).
     assert_eq!((activations, weights), (cache.tensors.len(), 10));
-    assert_eq!(cache.tensors.len(), 8);
+    assert_eq!(cache.tensors.len(), 10);
+    let residuals: Vec<&str> = points.iter().filter_map(|p| p.residual).map(|r| optimized.nodes[r].path.as_str()).collect();
+    assert_eq!(residuals, ["conv1", "layer2.0.downsample.0", "layer3.0.downsample.0"], "the skip connections");
     for n in &fq {
         let Op::Quant(Quant::FakeQuantize(p)) = &n.op else { panic!("{} is not a fake-quantize", n.path) };
         if n.path.ends_with(".weight_quantizer") {
@@ -296,8 +300,9 @@ fn fused_nodes_are_compared_with_the_value_they_compute() {
 
 /// `kiln compare --layerwise` on INT8/FP8: `layerwise::run_quantised` runs the quantised graph
 /// (here the CPU fake-quant simulation, as `--cpu` does) with every fused layer compared with the
-/// FP32 reference: each layer's error is quantisation-sized (≤ 0.2; entropy clipping on these
-/// digits gives 1e-2 at the stem, up to 1e-1 deeper), and
+/// FP32 reference: each layer's error is quantisation-sized (≤ 0.25; entropy clipping on these
+/// digits gives 1e-2 at the stem, up to 2.1e-1 deeper in FP8, whose skip connections are e4m3
+/// too), and
 /// the marked outputs leave the logits exactly the simulation's.
 #[test]
 fn layerwise_runs_on_quantised_graphs() {
@@ -309,7 +314,7 @@ fn layerwise_runs_on_quantised_graphs() {
     for format in [QuantFormat::Int8, QuantFormat::Fp8E4m3] {
         let sim = simulate(&d.graph, &cache, format).expect("simulate");
         let mut ran = None;
-        let report = kiln::layerwise::run_quantised(&d.graph, Some(&cache), format, &reference, 0.2, |g, input| {
+        let report = kiln::layerwise::run_quantised(&d.graph, Some(&cache), format, &reference, 0.25, |g, input| {
             ran = Some(g.clone());
             kiln::cpu::run(g, &[("input", input)])
         })
@@ -319,7 +324,7 @@ fn layerwise_runs_on_quantised_graphs() {
         assert!(kiln::calibrate::has_quant_nodes(&ran), "the executed graph is the Q/DQ graph");
         let layers = sim.nodes.iter().filter(|n| !n.op.is_leaf() && !matches!(n.op, Op::Quant(_))).count();
         assert_eq!(report.layers.len(), layers, "every fused layer is compared");
-        assert!(report.passes(), "quantisation error stays under 0.2 at every layer");
+        assert!(report.passes(), "quantisation error stays under 0.25 at every layer");
         let errors: Vec<f64> = report.layers.iter().map(|l| l.comparison.rel_l2).collect();
         assert!(errors.iter().all(|&e| e > 0.0), "every layer sees quantisation error: {errors:?}");
         let want = kiln::cpu::run(&sim, &[("input", &x)]).expect("simulation");

@@ -47,6 +47,7 @@ pub const ON_DEMAND: &[(&str, &str)] = &[
     ("im2col.cu", include_str!("../../kernels/im2col.cu")),
     ("subpixel.cu", include_str!("../../kernels/subpixel.cu")),
     ("stem.cu", include_str!("../../kernels/stem.cu")),
+    ("conv8.cu", include_str!("../../kernels/conv8.cu")),
 ];
 
 /// Loads NVRTC from an explicit path (a file, or a folder holding `libnvrtc.so*`) and keeps it

@@ -1,0 +1,277 @@
+// 8-bit convolution (src/engine/conv8.rs): an implicit GEMM over NHWC activations and [K][R][S][C]
+// weights, both int8 or both fp8 e4m3, on mma.sync tensor cores (m16n8k32: s8 → s32 on sm_80+,
+// e4m3 → f32 on sm_89+), with the whole epilogue fused:
+//
+//     v = acc · alpha[k] + bias[k] (+ residual) ; ReLU ; then either f16, or requantised to 8 bits
+//
+// alpha[k] = s_x · s_w[k] dequantises the product (per-output-channel weight scales), and a
+// requantised output is q = clamp(rint(v · (1/s_y)), qmin, qmax) for int8 and
+// e4m3(sat(v · (1/s_y))) for fp8: the arithmetic of kernels/quant.cu's quantisers, so the next
+// layer reads what the CPU's fake-quant simulation computes. The residual is f16, or 8-bit with
+// its own scale.
+//
+// GEMM view: M = N·P·Q output pixels (rows, NHWC order), N = K output channels, K = R·S·C
+// (channel fastest, so a 16-byte chunk of the reduction is 16 channels of one filter tap: C must be
+// a multiple of 16). A block computes 128 × BN outputs with warps of 64 × 32; each stage holds 64
+// bytes of the reduction for A (im2col rows gathered on the fly with cp.async, zero-filled outside
+// the image) and B, in a 4-stage cp.async pipeline. Shared-memory rows are 64 bytes, their four
+// 16-byte chunks XOR-swizzled by (row / 2) % 4 so that ldmatrix's eight rows hit distinct banks.
+
+#define C8_BM 128
+#define C8_BK 64
+#define C8_STAGES 4
+
+// Output and residual storage codes (`Store8` in src/engine/conv8.rs).
+#define C8_NONE 0
+#define C8_F16 1
+#define C8_Q8 2
+
+struct Conv8Args {
+    const unsigned char* x;
+    const unsigned char* w;
+    const float* alpha;
+    const float* bias;
+    const void* z;
+    void* y;
+    float z_scale, inv_y_scale, qmin, qmax;
+    int z_store, y_store, relu;
+    int n, h, w_, c, k, r, s, p, q;
+    int stride_h, stride_w, pad_h, pad_w, dil_h, dil_w;
+};
+
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// Byte offset of (row, 16-byte chunk) in a stage's 64-byte-row tile.
+__device__ __forceinline__ unsigned swz(int row, int chunk) { return row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4); }
+
+template <bool FP8> struct Acc;
+template <> struct Acc<false> {
+    typedef int T;
+};
+template <> struct Acc<true> {
+    typedef float T;
+};
+
+__device__ __forceinline__ void mma_8bit(int* c, const unsigned* a, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_8bit(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+#if __CUDA_ARCH__ >= 890
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
+}
+
+// One 8-bit code as a float (before its scale).
+template <bool FP8> __device__ __forceinline__ float decode8(unsigned char b);
+template <> __device__ __forceinline__ float decode8<false>(unsigned char b) { return (float)(signed char)b; }
+template <> __device__ __forceinline__ float decode8<true>(unsigned char b) {
+    // e4m3: sign, 4 exponent bits (bias 7), 3 mantissa bits; subnormals below 2^-6; 0x7f/0xff NaN.
+    unsigned e = (b >> 3) & 15, m = b & 7;
+    float a = e == 0 ? (float)m * 0.001953125f : __uint_as_float(((e + 120) << 23) | (m << 20));
+    if ((b & 0x7f) == 0x7f) a = __int_as_float(0x7fc00000);
+    return (b & 0x80) ? -a : a;
+}
+
+// v requantised to an 8-bit code: int8 as kernels/quant.cu's quantize_value; e4m3 with saturation,
+// nearest even (the hardware conversion, sm_89+).
+template <bool FP8> __device__ __forceinline__ unsigned char encode8(float v, float inv_s, float qmin, float qmax);
+template <> __device__ __forceinline__ unsigned char encode8<false>(float v, float inv_s, float qmin, float qmax) {
+    return (unsigned char)(signed char)(int)fminf(fmaxf(rintf(v * inv_s), qmin), qmax);
+}
+template <> __device__ __forceinline__ unsigned char encode8<true>(float v, float inv_s, float, float) {
+#if __CUDA_ARCH__ >= 890
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.f), "f"(v * inv_s));
+    return (unsigned char)(r & 0xff);
+#else
+    __trap();
+    return 0;
+#endif
+}
+
+template <bool FP8, int BN>
+__device__ __forceinline__ void conv8(const Conv8Args& a) {
+    constexpr int THREADS = 128 * (BN / 64);
+    constexpr int TPR = THREADS / C8_BM;  // threads per A row
+    constexpr int CPT = 4 / TPR;          // A chunks per thread
+    constexpr int A_BYTES = C8_BM * C8_BK, B_BYTES = BN * C8_BK, STAGE = A_BYTES + B_BYTES;
+    typedef typename Acc<FP8>::T AccT;
+    extern __shared__ __align__(128) unsigned char smem[];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int warp_m = warp & 1, warp_n = warp >> 1;
+    const int m_total = a.n * a.p * a.q;
+    const int kg = a.r * a.s * a.c;
+    const int block_m = blockIdx.x * C8_BM, block_n = blockIdx.y * BN;
+    const unsigned base = smem_u32(smem);
+
+    // This thread's A row (an output pixel) and its chunks' filter position (c, s, r), advanced
+    // by 64 bytes of the reduction per stage.
+    const int a_row = tid / TPR, a_chunk0 = (tid % TPR) * CPT;
+    const int m = block_m + a_row;
+    const bool m_ok = m < m_total;
+    int ih0 = 0, iw0 = 0;
+    const unsigned char* xb = a.x;
+    if (m_ok) {
+        int img = m / (a.p * a.q), pq = m - img * a.p * a.q, pp = pq / a.q, qq = pq - pp * a.q;
+        ih0 = pp * a.stride_h - a.pad_h;
+        iw0 = qq * a.stride_w - a.pad_w;
+        xb = a.x + (long long)img * a.h * a.w_ * a.c;
+    }
+    int pc[CPT], ps[CPT], pr[CPT];
+#pragma unroll
+    for (int j = 0; j < CPT; j++) {
+        int kk = (a_chunk0 + j) * 16;
+        pc[j] = kk % a.c;
+        int rs = kk / a.c;
+        ps[j] = rs % a.s;
+        pr[j] = rs / a.s;
+    }
+
+    auto load_stage = [&](int stage, int kb) {
+        const unsigned sa = base + stage * STAGE, sb = sa + A_BYTES;
+#pragma unroll
+        for (int j = 0; j < CPT; j++) {
+            int kk = kb * C8_BK + (a_chunk0 + j) * 16;
+            int ih = ih0 + pr[j] * a.dil_h, iw = iw0 + ps[j] * a.dil_w;
+            bool ok = m_ok && kk < kg && ih >= 0 && ih < a.h && iw >= 0 && iw < a.w_;
+            const unsigned char* src = ok ? xb + ((long long)(ih * a.w_ + iw) * a.c + pc[j]) : a.x;
+            cp_async16(sa + swz(a_row, a_chunk0 + j), src, ok);
+            // Advance this chunk by one stage (64 channels' worth of the reduction).
+            pc[j] += C8_BK;
+            while (pc[j] >= a.c) {
+                pc[j] -= a.c;
+                if (++ps[j] == a.s) {
+                    ps[j] = 0;
+                    ++pr[j];
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < BN * 4 / THREADS; j++) {
+            int idx = tid + j * THREADS, row = idx >> 2, chunk = idx & 3;
+            int kk = kb * C8_BK + chunk * 16, nn = block_n + row;
+            bool ok = nn < a.k && kk < kg;
+            const unsigned char* src = ok ? a.w + (long long)nn * kg + kk : a.w;
+            cp_async16(sb + swz(row, chunk), src, ok);
+        }
+    };
+
+    AccT acc[4][4][4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int t = 0; t < 4; t++) acc[i][j][t] = 0;
+
+    const int kblocks = (kg + C8_BK - 1) / C8_BK;
+#pragma unroll
+    for (int st = 0; st < C8_STAGES - 1; st++) {
+        if (st < kblocks) load_stage(st, st);
+        cp_async_commit();
+    }
+    for (int kb = 0; kb < kblocks; kb++) {
+        cp_async_wait<C8_STAGES - 2>();
+        __syncthreads();
+        // Refill the stage read C8_STAGES - 1 iterations ago (every warp is past it).
+        int next = kb + C8_STAGES - 1;
+        if (next < kblocks) load_stage(next % C8_STAGES, next);
+        cp_async_commit();
+
+        const unsigned sa = base + (kb % C8_STAGES) * STAGE, sb = sa + A_BYTES;
+#pragma unroll
+        for (int ks = 0; ks < 2; ks++) {
+            unsigned af[4][4], bf[4][2];
+#pragma unroll
+            for (int mt = 0; mt < 4; mt++) {
+                int row = warp_m * 64 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                ldmatrix_x4(af[mt], sa + swz(row, 2 * ks + (lane >> 4)));
+            }
+#pragma unroll
+            for (int np = 0; np < 2; np++) {
+                int row = warp_n * 32 + np * 16 + (lane & 7) + (lane >> 4) * 8;
+                unsigned r[4];
+                ldmatrix_x4(r, sb + swz(row, 2 * ks + ((lane >> 3) & 1)));
+                bf[2 * np][0] = r[0];
+                bf[2 * np][1] = r[1];
+                bf[2 * np + 1][0] = r[2];
+                bf[2 * np + 1][1] = r[3];
+            }
+#pragma unroll
+            for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++) mma_8bit(acc[mt][nt], af[mt], bf[nt][0], bf[nt][1]);
+        }
+    }
+    cp_async_wait<0>();
+
+    // Epilogue: each thread owns pairs of adjacent channels in rows g and g + 8 of each m16 tile.
+    const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < 4; nt++) {
+        int col = block_n + warp_n * 32 + nt * 8 + t4 * 2;
+        if (col >= a.k) continue;
+        float al0 = a.alpha[col], al1 = a.alpha[col + 1];
+        float b0 = a.bias ? a.bias[col] : 0.f, b1 = a.bias ? a.bias[col + 1] : 0.f;
+#pragma unroll
+        for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+            for (int half = 0; half < 2; half++) {
+                int row = block_m + warp_m * 64 + mt * 16 + g + half * 8;
+                if (row >= m_total) continue;
+                long long o = (long long)row * a.k + col;
+                float v0 = (float)acc[mt][nt][2 * half] * al0 + b0;
+                float v1 = (float)acc[mt][nt][2 * half + 1] * al1 + b1;
+                if (a.z_store == C8_F16) {
+                    unsigned zz = *reinterpret_cast<const unsigned*>(reinterpret_cast<const f16*>(a.z) + o);
+                    f16 lo, hi;
+                    lo.bits = zz & 0xffff;
+                    hi.bits = zz >> 16;
+                    v0 += to_f32(lo);
+                    v1 += to_f32(hi);
+                } else if (a.z_store == C8_Q8) {
+                    unsigned short zz = *reinterpret_cast<const unsigned short*>(reinterpret_cast<const unsigned char*>(a.z) + o);
+                    v0 += decode8<FP8>(zz & 0xff) * a.z_scale;
+                    v1 += decode8<FP8>(zz >> 8) * a.z_scale;
+                }
+                if (a.relu) {
+                    v0 = fmaxf(v0, 0.f);
+                    v1 = fmaxf(v1, 0.f);
+                }
+                if (a.y_store == C8_F16) {
+                    *reinterpret_cast<unsigned*>(reinterpret_cast<f16*>(a.y) + o) = pack_f16x2(v0, v1);
+                } else {
+                    unsigned short qv = encode8<FP8>(v0, a.inv_y_scale, a.qmin, a.qmax) |
+                                        ((unsigned short)encode8<FP8>(v1, a.inv_y_scale, a.qmin, a.qmax) << 8);
+                    *reinterpret_cast<unsigned short*>(reinterpret_cast<unsigned char*>(a.y) + o) = qv;
+                }
+            }
+    }
+}
+
+// Arguments flattened (the launcher passes scalars and pointers), in `Conv8Layer::enqueue`'s order.
+#define CONV8(NAME, FP8, BN)                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(128 * (BN / 64))                                                                    \
+        NAME(const unsigned char* x, const unsigned char* w, const float* alpha, const float* bias, const void* z, void* y,          \
+             float z_scale, float inv_y_scale, float qmin, float qmax, int z_store, int y_store, int relu, int n, int h, int wd, int c, \
+             int k, int r, int s, int p, int q, int sh, int sw, int ph, int pw, int dh, int dw) {                                    \
+        Conv8Args a = {x, w, alpha, bias, z, y, z_scale, inv_y_scale, qmin, qmax, z_store, y_store, relu, n, h, wd, c, k, r, s, p, q,  \
+                       sh, sw, ph, pw, dh, dw};                                                                                       \
+        conv8<FP8, BN>(a);                                                                                                            \
+    }
+
+CONV8(conv8_i8_n64, false, 64)
+CONV8(conv8_i8_n128, false, 128)
+CONV8(conv8_e4m3_n64, true, 64)
+CONV8(conv8_e4m3_n128, true, 128)
