@@ -104,6 +104,29 @@ template <typename T> __device__ void to_e4m3(const T* x, unsigned char* q, i64 
     GRID_STRIDE(i, n) { q[i] = e4m3_of(x[i], inv_scale); }
 }
 
+// The codes of a per-tensor, symmetric quantiser whose value an 8-bit engine stores as bytes
+// (src/engine/conv8.rs): int8 as two's complement, fp8 as e4m3 bits. Eight per thread and step
+// when n is a multiple of 8 and the pointers are aligned (arena values are).
+template <typename T> __device__ __forceinline__ unsigned char code_of(T x, float inv_s, int fmt, float qmin, float qmax) {
+    float v = quantize_value(to_f32(x), inv_s, 0.f, fmt, qmin, qmax);
+    return fmt == QFMT_E4M3 ? encode_e4m3(v) : (unsigned char)(signed char)(int)v;
+}
+template <typename T> __device__ void quant_codes(const T* x, unsigned char* q, i64 n, float inv_s, int fmt, float qmin, float qmax) {
+    if (n % 8 == 0 && ((size_t)x % 16) == 0 && ((size_t)q % 8) == 0) {
+        GRID_STRIDE(i, n / 8) {
+            T e[8];
+#pragma unroll
+            for (int h = 0; h < 8 * (int)sizeof(T); h += 16) *reinterpret_cast<uint4*>(reinterpret_cast<char*>(e) + h) = *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(x + i * 8) + h);
+            unsigned char b[8];
+#pragma unroll
+            for (int k = 0; k < 8; k++) b[k] = code_of(e[k], inv_s, fmt, qmin, qmax);
+            reinterpret_cast<uint2*>(q)[i] = *reinterpret_cast<uint2*>(b);
+        }
+        return;
+    }
+    GRID_STRIDE(i, n) { q[i] = code_of(x[i], inv_s, fmt, qmin, qmax); }
+}
+
 #define QUANT(T, S)                                                                                                                   \
     extern "C" __global__ void quant_##S(const T* x, T* y, i64 n, const float* scale, const float* zp, i64 inner, int channels, int mode, \
                                          int fmt, float qmin, float qmax) {                                                         \
@@ -113,6 +136,9 @@ template <typename T> __device__ void to_e4m3(const T* x, unsigned char* q, i64 
     extern "C" __global__ void quant_tensor_##S(const uint4* x, uint4* y, i64 nvec, float s, float inv_s, float z, int mode, int fmt,  \
                                                 float qmin, float qmax) {                                                           \
         quant_tensor<T>(x, y, nvec, s, inv_s, z, mode, fmt, qmin, qmax);                                                            \
+    }                                                                                                                               \
+    extern "C" __global__ void quant_codes_##S(const T* x, unsigned char* q, i64 n, float inv_s, int fmt, float qmin, float qmax) {   \
+        quant_codes<T>(x, q, n, inv_s, fmt, qmin, qmax);                                                                              \
     }
 
 QUANT(float, f32)

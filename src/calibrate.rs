@@ -497,7 +497,7 @@ pub fn quantize_graph(graph: &Graph, cache: &CalibrationCache, format: QuantForm
             inputs[1] = out.push(Op::Quant(Quant::FakeQuantize(params)), vec![inputs[1]], format!("{}.weight_quantizer", node.path))?;
         }
         let new = match &node.op {
-            Op::Weight { name } => out.push_unchecked(node.op.clone(), vec![], node.shape.clone(), name.clone()),
+            Op::Weight { name, .. } => out.push_unchecked(node.op.clone(), vec![], node.shape.clone(), name.clone()),
             _ => out.push_unchecked(node.op.clone(), inputs, node.shape.clone(), node.path.clone()),
         };
         // A u8 input stays one.
@@ -522,8 +522,8 @@ fn replace_weight_quantizers(graph: &Graph, fold: bool) -> Result<Graph> {
     for id in 0..g.nodes.len() {
         let Op::Quant(Quant::FakeQuantize(p)) = &g.nodes[id].op else { continue };
         let Some(&src) = g.nodes[id].inputs.first() else { continue };
-        let Op::Weight { name } = &g.nodes[src].op else { continue };
-        let name = if fold {
+        let Op::Weight { name, .. } = &g.nodes[src].op else { continue };
+        let (name, quant) = if fold {
             let mut w = g
                 .weights
                 .get(name)
@@ -533,11 +533,11 @@ fn replace_weight_quantizers(graph: &Graph, fold: bool) -> Result<Graph> {
             p.fake_quantize(&mut w);
             let folded = format!("{name}.{}", p.format.name());
             g.weights.insert(folded.clone(), Arc::new(w));
-            folded
+            (folded, Some(p.clone()))
         } else {
-            name.clone()
+            (name.clone(), None)
         };
-        g.nodes[id].op = Op::Weight { name };
+        g.nodes[id].op = Op::Weight { name, quant };
         g.nodes[id].inputs.clear();
     }
     crate::passes::remove_dead_nodes(&g)
@@ -611,15 +611,16 @@ pub fn layer_precision(graph: &Graph, path: &str, elem: &str) -> String {
     }
 }
 
-/// One line for a build summary: how many layers of a quantised graph are 8-bit.
-pub fn quant_summary(graph: &Graph) -> Option<String> {
+/// One line for a build summary: how many layers of a quantised graph are 8-bit, and how many of
+/// those (`native`) the engine runs on 8-bit tensor cores between 8-bit activations.
+pub fn quant_summary(graph: &Graph, native: usize) -> Option<String> {
     if !has_quant_nodes(graph) {
         return None;
     }
     let quantisers = graph.nodes.iter().filter(|n| matches!(n.op, Op::Quant(_))).count();
     let layers = quantised_layers(graph);
     Some(format!(
-        "quantised: {layers} conv/linear layer(s) read 8-bit inputs and weights ({quantisers} quantisers); they compute in FP16 on the Q/DQ values unless an FP8 GEMM (`cublaslt-gemm-fp8`) won their timing; all other layers FP16"
+        "quantised: {layers} conv/linear layer(s) read 8-bit inputs and weights ({quantisers} quantisers); {native} run on 8-bit tensor cores with 8-bit activations between them (`conv8`), the others compute in FP16 on the Q/DQ values unless an FP8 GEMM (`cublaslt-gemm-fp8`) won their timing; all other layers FP16"
     ))
 }
 
@@ -682,7 +683,7 @@ mod tests {
         assert_eq!(layer_precision(&g, "conv", "fp16"), "int8 (q/dq, fp16 math)");
         assert_eq!(layer_precision(&g, &g.nodes[q.id()].path, "fp16"), "int8");
         assert_eq!(layer_precision(&g, "conv.relu", "fp16"), "fp16");
-        assert!(quant_summary(&g).unwrap().contains("1 conv/linear"));
+        assert!(quant_summary(&g, 0).unwrap().contains("1 conv/linear"));
     }
 
     #[test]

@@ -550,7 +550,9 @@ pub fn generate(graph: &Graph, opts: &CodegenOptions) -> Result<String> {
                 let mut params = Vec::new();
                 for &i in &node.inputs {
                     match &graph.nodes[i].op {
-                        Op::Weight { name } => params.push(Doc::Atom(format!("&vb.get(&{}, {name:?})?", array_lit(&graph.nodes[i].shape)))),
+                        Op::Weight { name, .. } => {
+                            params.push(Doc::Atom(format!("&vb.get(&{}, {name:?})?", array_lit(&graph.nodes[i].shape))))
+                        }
                         _ => match &names[i] {
                             Some(v) => inputs.push(Doc::Atom(format!("&{v}"))),
                             None => {

@@ -51,7 +51,7 @@ pub fn run<'a, T: Into<HostInput<'a>> + Copy>(graph: &Graph, inputs: &[(&str, T)
                 name: name.clone(),
                 reason: format!("node %{id} is an input node missing from the graph's input list"),
             })?,
-            Op::Weight { name } => Cow::Borrowed(
+            Op::Weight { name, .. } => Cow::Borrowed(
                 graph
                     .weights
                     .get(name)

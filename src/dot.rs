@@ -15,7 +15,7 @@ pub fn describe_op(graph: &Graph, node: &Node) -> String {
         return match &node.op {
             Op::Input { name } if node.dtype == DType::F32 => format!("input `{name}`"),
             Op::Input { name } => format!("input `{name}` {}", node.dtype),
-            Op::Weight { name } => format!("weight `{name}`"),
+            Op::Weight { name, .. } => format!("weight `{name}`"),
             _ => unreachable!("only leaves have no definition"),
         };
     };

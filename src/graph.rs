@@ -211,8 +211,14 @@ impl std::fmt::Display for DType {
 pub enum Op {
     /// A graph input (NCHW, f32).
     Input { name: String },
-    /// A named constant: a key into `Graph::weights`.
-    Weight { name: String },
+    /// A named constant: a key into `Graph::weights`. `quant`: the 8-bit grid its values lie on,
+    /// where a constant `fake_quantize` was folded into it (`calibrate::fold_constant_quant`), so
+    /// that an 8-bit layer can take its codes and scales.
+    Weight {
+        name: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        quant: Option<crate::ops::quant::QuantParams>,
+    },
     /// Conv2d and ConvTranspose2d, with fused bias, residual and activation (`ops::conv`).
     Conv(ConvAttrs),
     /// Linear and matmul (`ops::linear`).
@@ -334,18 +340,18 @@ impl Graph {
 
     /// Adds a weight constant (once per name) and returns its node.
     pub fn weight(&mut self, name: &str, value: Arc<HostTensor>) -> NodeId {
-        if let Some(id) = self.nodes.iter().position(|n| matches!(&n.op, Op::Weight { name: w } if w == name)) {
+        if let Some(id) = self.nodes.iter().position(|n| matches!(&n.op, Op::Weight { name: w, .. } if w == name)) {
             return id;
         }
         let shape = value.shape.clone();
         self.weights.insert(name.to_string(), value);
-        self.push_unchecked(Op::Weight { name: name.to_string() }, vec![], shape, name.to_string())
+        self.push_unchecked(Op::Weight { name: name.to_string(), quant: None }, vec![], shape, name.to_string())
     }
 
     /// The data of a weight node.
     pub fn weight_data(&self, id: NodeId) -> Option<&Arc<HostTensor>> {
         match &self.nodes[id].op {
-            Op::Weight { name } => self.weights.get(name),
+            Op::Weight { name, .. } => self.weights.get(name),
             _ => None,
         }
     }
@@ -487,7 +493,7 @@ impl Graph {
                         format!("a {} node is declared {}; only graph inputs may have another type than f32", node.op.name(), node.dtype),
                     ));
                 }
-                Op::Weight { name } => match self.weights.get(name) {
+                Op::Weight { name, .. } => match self.weights.get(name) {
                     None => return Err(bad(id, format!("weight `{name}` has no data"))),
                     Some(w) if w.shape != node.shape => {
                         return Err(bad(id, format!("weight `{name}` has shape {:?}, the node says {:?}", w.shape, node.shape)));

@@ -77,7 +77,7 @@ pub fn decode(bytes: &[u8], path: &Path) -> Result<GraphFile> {
         return Err(err(format!("{} nodes, more than the limit of {MAX_NODES}", graph.nodes.len())));
     }
     for (id, node) in graph.nodes.iter().enumerate() {
-        if let Op::Weight { name } = &node.op {
+        if let Op::Weight { name, .. } = &node.op {
             let tensor = tensors
                 .remove(name)
                 .ok_or_else(|| err(format!("weight node %{id} (`{}`) names tensor `{name}`, which the file does not hold", node.path)))?;

@@ -228,7 +228,8 @@ fn redirect(g: &mut Graph, from: NodeId, to: NodeId) {
 
 /// `base`, or `base.1`, `base.2`... if the graph already holds a weight of that name.
 fn fresh_weight_name(g: &Graph, base: &str) -> String {
-    let taken = |name: &str| g.weights.contains_key(name) || g.nodes.iter().any(|n| matches!(&n.op, Op::Weight { name: w } if w == name));
+    let taken =
+        |name: &str| g.weights.contains_key(name) || g.nodes.iter().any(|n| matches!(&n.op, Op::Weight { name: w, .. } if w == name));
     if !taken(base) {
         return base.to_string();
     }
@@ -306,7 +307,7 @@ fn rebuild(g: &Graph, keep: impl Fn(NodeId, &crate::graph::Node) -> bool) -> Res
     for &old in &order {
         let mut node = g.nodes[old].clone();
         node.inputs.iter_mut().for_each(|i| *i = new_id[*i]);
-        if let Op::Weight { name } = &node.op {
+        if let Op::Weight { name, .. } = &node.op {
             weight_names.insert(name.clone());
         }
         out.nodes.push(node);

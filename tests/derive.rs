@@ -169,7 +169,7 @@ fn traced_nodes_carry_module_paths_and_shapes() {
     // Each weight node feeds the layer its name says it belongs to.
     for n in g.nodes.iter().filter(|n| !matches!(n.op, Op::Weight { .. } | Op::Input { .. })) {
         for &i in &n.inputs {
-            if let Op::Weight { name } = &g.nodes[i].op {
+            if let Op::Weight { name, .. } = &g.nodes[i].op {
                 assert_eq!(name.rsplit_once('.').map(|(owner, _)| owner), Some(n.path.as_str()), "weight `{name}` feeds `{}`", n.path);
             }
         }

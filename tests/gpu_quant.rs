@@ -271,41 +271,12 @@ fn fp8_gemm_matches_the_simulation() {
     let sim = kiln::cpu::run(&simulate(&graph, &cache, QuantFormat::Fp8E4m3).expect("simulate"), &[("input", &input)]).expect("cpu");
     let fp32 = kiln::cpu::run(&graph, &[("input", &input)]).expect("cpu");
     let mut failures = vec![];
-    for source in ["cublaslt-gemm-fp8:fused", "cublaslt-gemm-fp8:bias-kernel", "cublaslt-gemm-fp8"] {
-        let config = BuildConfig::default().precision(Precision::Fp8).batch(1, 4, 4).calibration_cache(&path).tactic_sources(&[source]);
-        let engine = match EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph) {
-            Ok(e) => Arc::new(e),
-            Err(e) => {
-                println!("FP8 GEMM `{source}`: refused: {e}");
-                if source != "cublaslt-gemm-fp8:fused" {
-                    failures.push(format!("`{source}` must build: {e}"));
-                }
-                continue;
-            }
-        };
-        print!("{}{}", engine.describe(), engine.summary);
-        let kinds: Vec<String> = engine.layers().map(|l| l.kind()).filter(|k| k.starts_with("cublaslt-gemm-fp8")).collect();
-        let mut ctx = engine.context().expect("context");
-        for batch in [1, 4] {
-            let x = HostTensor::new(vec![batch, 32, 7, 7], input.data[..batch * 32 * 49].to_vec());
-            let got = ctx.run(&[("input", &x)]).expect("run").remove("y").expect("y");
-            let n = got.data.len();
-            let (vs_sim, max_sim) = rel_l2(&got.data, &sim["y"].data[..n]);
-            let (vs_fp32, max_fp32) = rel_l2(&got.data, &fp32["y"].data[..n]);
-            println!(
-                "FP8 GEMM `{source}` batch {batch}: layers {kinds:?}; rel L2 {vs_sim:.2e} (max abs {max_sim:.2e}) vs the simulation, {vs_fp32:.2e} (max abs {max_fp32:.2e}) vs FP32"
-            );
-            if kinds.len() != 2 {
-                failures.push(format!("`{source}`: {} FP8 GEMM layers, expected both 1x1 convs", kinds.len()));
-            }
-            if vs_sim >= 1e-2 {
-                failures.push(format!("`{source}` batch {batch}: rel L2 {vs_sim:.2e} against the CPU simulation"));
-            }
-        }
-    }
+    // An FP8 engine runs these convs on the 8-bit kernel (`conv8_matches_the_simulation`); the
+    // FP8 GEMMs are Best's candidates, where they read unquantised FP16 values.
     // Best: the FP8 GEMM forced quantises its own (unaliased) input and must compute what the
-    // FP8 engine does; left to timing, each conv takes FP8 or FP16, and the result lies between
-    // FP8's error and FP16's.
+    // FP8 engine does, but for the skip connection, which Best leaves in FP16 (its quantisers are
+    // aliases) and the simulation quantises: hence 3e-2 rather than 1e-2. Left to timing, each
+    // conv takes FP8 or FP16, and the result lies between FP8's error and FP16's.
     let (fp8_vs_fp32, _) = rel_l2(&sim["y"].data, &fp32["y"].data);
     for source in [Some("cublaslt-gemm-fp8"), None] {
         let mut config = BuildConfig::default().precision(Precision::Best).batch(1, 4, 4).calibration_cache(&path);
@@ -329,11 +300,94 @@ fn fp8_gemm_matches_the_simulation() {
             failures.push(format!("Best {source:?}: a quantiser was lowered as a layer: {kinds:?}"));
         }
         match source {
-            Some(_) if vs_sim >= 1e-2 => failures.push(format!("Best forced FP8: rel L2 {vs_sim:.2e} against the FP8 simulation")),
+            Some(_) if vs_sim >= 3e-2 => failures.push(format!("Best forced FP8: rel L2 {vs_sim:.2e} against the FP8 simulation")),
             None if vs_fp32 > fp8_vs_fp32 * 1.2 + 1e-3 => {
                 failures.push(format!("Best: rel L2 {vs_fp32:.2e} against FP32, beyond the FP8 engine's {fp8_vs_fp32:.2e}"))
             }
             _ => {}
+        }
+    }
+    let _ = std::fs::remove_file(&path);
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The 8-bit conv kernel (`kernels/conv8.cu`) in INT8 and FP8 engines, each tile shape forced,
+/// against the CPU fake-quant simulation at batch 1 and 5: 3×3 convs with stride 1 and 2 and
+/// dilation 2, a 1×1 conv adding an 8-bit residual, output channels that leave a partial tile,
+/// odd image sizes, a conv requantising into the next one's input, one writing f16 for a reader
+/// the kernel cannot run (24 input channels), and a value read by two 8-bit convs.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn conv8_matches_the_simulation() {
+    let Some(gpu) = gpu() else { return };
+    use kiln::{Conv2d, Conv2dConfig};
+    let tracer = kiln::Tracer::new();
+    let x = tracer.input("input", &[5, 32, 9, 11]);
+    let vb = VarBuilder::seeded();
+    let conv = |name: &str, c: Conv2dConfig| Conv2d::load(vb.pp(name), &c).expect(name);
+    let c1 = conv("c1", Conv2dConfig::new(32, 48, 3).padding(1));
+    let c2 = conv("c2", Conv2dConfig::new(48, 32, 1));
+    let c3 = conv("c3", Conv2dConfig::new(32, 24, 3).stride(2).padding(1));
+    let c4 = conv("c4", Conv2dConfig::new(24, 16, 1));
+    let c5 = conv("c5", Conv2dConfig::new(32, 16, 3).padding(2).dilation(2));
+    let h1 = c1.forward(&x).and_then(|h| h.relu()).expect("c1");
+    let h2 = c2.forward(&h1).and_then(|y| y.add(&x)).and_then(|y| y.relu()).expect("c2");
+    let h3 = c3.forward(&h2).and_then(|h| h.relu()).expect("c3");
+    c4.forward(&h3).expect("c4").mark_output("y1");
+    c5.forward(&h2).expect("c5").mark_output("y2");
+    let graph = tracer.graph();
+    let input = common::random(&[5, 32, 9, 11], 23, 2.0);
+    let cache =
+        Calibrator::new(&graph).and_then(|c| c.calibrate(std::slice::from_ref(&input), CalibrationMethod::MinMax)).expect("calibrate");
+    let path = std::env::temp_dir().join(format!("kiln-conv8-{}.json", std::process::id()));
+    cache.save(&path).expect("save");
+    let mut failures = vec![];
+    for (precision, format, code) in [(Precision::Int8, QuantFormat::Int8, "i8"), (Precision::Fp8, QuantFormat::Fp8E4m3, "e4m3")] {
+        if precision == Precision::Fp8 && gpu.info.sm < 89 {
+            println!("FP8 skipped: sm_{} has no FP8", gpu.info.sm);
+            continue;
+        }
+        let sim = kiln::cpu::run(&simulate(&graph, &cache, format).expect("simulate"), &[("input", &input)]).expect("cpu");
+        for bn in [64, 128] {
+            let source = format!("kernel:conv8_{code}_n{bn}");
+            // c4 reads 24 channels: it has no 8-bit candidate, so the restriction leaves it its FP16 ones.
+            let config =
+                BuildConfig::default().precision(precision).batch(1, 5, 5).calibration_cache(&path).tactic_sources(&[source.as_str()]);
+            let engine = match EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph) {
+                Ok(e) => Arc::new(e),
+                Err(e) => {
+                    failures.push(format!("`{source}` must build: {e}"));
+                    continue;
+                }
+            };
+            print!("{}{}", engine.describe(), engine.summary);
+            let eight_bit: Vec<String> = engine.layers().filter(|l| l.kind() == source).map(|l| l.path().to_string()).collect();
+            if eight_bit != ["c1", "c2", "c3", "c5"] {
+                failures.push(format!("`{source}`: 8-bit layers {eight_bit:?}, expected c1, c2, c3, c5"));
+            }
+            // c1 requantises into c2's input: no quantiser runs between them.
+            let quantisers: Vec<String> = engine.layers().filter(|l| l.kind().contains("quant")).map(|l| l.path().to_string()).collect();
+            println!("`{source}`: quantiser layers {quantisers:?}");
+            if quantisers.iter().any(|p| p.starts_with("c1")) {
+                failures.push(format!("`{source}`: c1's output is quantised by a layer of its own: {quantisers:?}"));
+            }
+            let mut ctx = engine.context().expect("context");
+            for batch in [1, 5] {
+                let per = 32 * 9 * 11;
+                let xb = HostTensor::new(vec![batch, 32, 9, 11], input.data[..batch * per].to_vec());
+                let got = ctx.run(&[("input", &xb)]).expect("run");
+                for name in ["y1", "y2"] {
+                    let n = got[name].data.len();
+                    let (rel, max_abs) = rel_l2(&got[name].data, &sim[name].data[..n]);
+                    println!(
+                        "`{source}` batch {batch} {name}: rel L2 {rel:.2e}, max abs {max_abs:.2e} against the {} simulation",
+                        format.name()
+                    );
+                    if rel >= 1e-2 {
+                        failures.push(format!("`{source}` batch {batch} {name}: rel L2 {rel:.2e}"));
+                    }
+                }
+            }
         }
     }
     let _ = std::fs::remove_file(&path);

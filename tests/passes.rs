@@ -33,11 +33,11 @@ fn assert_same_outputs(before: &Graph, after: &Graph, batch: usize) {
 fn assert_well_formed(g: &Graph) {
     for (id, n) in g.nodes.iter().enumerate() {
         assert!(n.inputs.iter().all(|&i| i < id), "%{id} ({}) reads a later node:\n{}", n.path, g.to_text());
-        if let Op::Weight { name } = &n.op {
+        if let Op::Weight { name, .. } = &n.op {
             assert!(g.weights.contains_key(name), "weight node `{name}` has no data");
         }
     }
-    let names: Vec<&String> = g.nodes.iter().filter_map(|n| if let Op::Weight { name } = &n.op { Some(name) } else { None }).collect();
+    let names: Vec<&String> = g.nodes.iter().filter_map(|n| if let Op::Weight { name, .. } = &n.op { Some(name) } else { None }).collect();
     assert_eq!(names.len(), g.weights.len(), "weights held but not used, or used twice: {:?}", g.weights.keys());
     for (_, o) in &g.outputs {
         assert!(*o < g.nodes.len());

@@ -197,7 +197,7 @@ fn best_keeps_fp8_scales_and_unquantised_weights() {
     }
     let weight_names = |g: &Graph| -> Vec<String> {
         let mut names: Vec<String> =
-            g.nodes.iter().filter_map(|n| if let Op::Weight { name } = &n.op { Some(name.clone()) } else { None }).collect();
+            g.nodes.iter().filter_map(|n| if let Op::Weight { name, .. } = &n.op { Some(name.clone()) } else { None }).collect();
         names.sort();
         names
     };
@@ -335,4 +335,57 @@ fn layerwise_runs_on_quantised_graphs() {
     let err = kiln::layerwise::run_quantised(&d.graph, None, QuantFormat::Int8, &reference, 0.1, |_, _| Ok(BTreeMap::new()))
         .expect_err("needs a cache");
     assert!(matches!(&err, Error::Config { reason } if reason.contains("--calibration-cache")), "{err}");
+}
+
+/// Which values an INT8 engine of the digits network keeps in 8 bits (`engine::conv8::plan`, no
+/// GPU): every conv but the 3-channel stem runs on the 8-bit kernel; each block's input is one
+/// stored tensor read by its convs (and as the skip connection); convs whose only reader is a
+/// stored quantiser requantise into it. Below sm_80, in FP16, or for a conv a per-layer rule keeps
+/// in FP16, nothing (or less) is 8-bit.
+#[test]
+fn eight_bit_plan_of_the_digits_network() {
+    use kiln::engine::{conv8, node_precisions, BuildConfig, Precision};
+    let d = digits();
+    let cache =
+        Calibrator::new(&d.graph).and_then(|c| c.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::MinMax)).expect("calibrate");
+    let path = std::env::temp_dir().join(format!("kiln-plan-{}.json", std::process::id()));
+    cache.save(&path).expect("save");
+    let optimized = kiln::passes::optimize(&d.graph).expect("optimize");
+    let g = prepare_for_engine(optimized.clone(), QuantFormat::Int8, Some(&path)).expect("quantise");
+    let plan_for = |config: &BuildConfig, sm: u32| conv8::plan(&g, config.precision, &node_precisions(&g, config), sm);
+    let names = |v: &[bool]| -> Vec<String> { v.iter().enumerate().filter(|(_, &b)| b).map(|(i, _)| g.nodes[i].path.clone()).collect() };
+    let config = BuildConfig::default().precision(Precision::Int8);
+    let plan = plan_for(&config, 90);
+    let convs = names(&plan.conv);
+    println!("8-bit convs {convs:?}\nstored {:?}", names(&plan.stored));
+    let all_convs: Vec<String> = g.nodes.iter().filter(|n| matches!(n.op, Op::Conv(_))).map(|n| n.path.clone()).collect();
+    assert_eq!(convs.len(), all_convs.len() - 1, "every conv but the stem: {convs:?} of {all_convs:?}");
+    assert!(!convs.contains(&"conv1".to_string()), "the stem reads 3 channels");
+    // The stem's quantiser (read by a conv the kernel cannot run) and the fc's stay FP16 Q/DQ.
+    for (id, n) in g.nodes.iter().enumerate() {
+        if let Op::Quant(_) = n.op {
+            let readers: Vec<usize> = (0..g.nodes.len()).filter(|&r| g.nodes[r].inputs.contains(&id)).collect();
+            assert_eq!(plan.stored[id], readers.iter().all(|&r| plan.conv[r]), "{}", n.path);
+        }
+    }
+    // Every stored value written by an 8-bit conv comes from the conv's epilogue.
+    for (id, q) in plan.requant.iter().enumerate() {
+        if let Some(q) = q {
+            assert!(plan.conv[id] && plan.stored[*q] && g.nodes[*q].inputs == [id], "{}", g.nodes[id].path);
+        }
+    }
+    let requantising = plan.requant.iter().filter(|q| q.is_some()).count();
+    println!("{requantising} convs requantise in their epilogue");
+    assert!(requantising >= convs.len() - 2, "all but the last block's convs write 8-bit codes");
+    assert_eq!(
+        plan_for(&config, 75),
+        conv8::EightBitPlan { conv: vec![false; g.nodes.len()], stored: vec![false; g.nodes.len()], requant: vec![None; g.nodes.len()] }
+    );
+    assert!(plan_for(&BuildConfig::default().precision(Precision::Fp16), 90).conv.iter().all(|&b| !b));
+    // A conv kept in FP16 by a per-layer rule leaves the kernel, and so does its input's storage.
+    let kept = "layer2.0.conv1";
+    let plan = plan_for(&config.clone().layer_precision(kept, Precision::Fp16), 90);
+    let id = g.nodes.iter().position(|n| n.path == kept).expect("conv");
+    assert!(!plan.conv[id] && !plan.stored[g.nodes[id].inputs[0]], "{kept} is FP16, its input is not stored");
+    let _ = std::fs::remove_file(&path);
 }

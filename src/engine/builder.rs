@@ -234,8 +234,11 @@ impl Engine {
             // Per-layer rules decide each layer's storage type (reformats show their reader's).
             let elem = crate::engine::Precision::name(self.config.precision_of(&self.graph.fp32_layers, l.path()).elem());
             // A layer on 8-bit tensor cores says so in its kind.
-            let p = if l.kind().split(':').next().is_some_and(|k| k.ends_with("-fp8")) {
+            let kind = l.kind();
+            let p = if kind.split(':').next().is_some_and(|k| k.ends_with("-fp8")) || kind.starts_with("kernel:conv8_e4m3") {
                 "fp8".to_string()
+            } else if kind.starts_with("kernel:conv8_i8") {
+                "int8".to_string()
             } else if self.config.precision == crate::engine::Precision::Best {
                 // Best's other layers compute on unquantised values.
                 elem.to_string()
@@ -558,11 +561,16 @@ fn lower_plan(
     let mut values = Vec::new();
     let mut node_values = vec![None; graph.nodes.len()];
     let mut input_bindings = Vec::new();
-    let aliased = best_aliases(graph, config);
+    let eight_bit = super::conv8::plan(graph, config.precision, &precisions, gpu.info.sm);
+    let stored_elem = config.precision.quant_format().map(super::conv8::EightBitPlan::elem);
+    // Best's quantisers, and quantisers whose codes the conv before them writes, are not lowered.
+    let mut aliased = best_aliases(graph, config);
     for (id, node) in graph.nodes.iter().enumerate() {
         let Some(layout) = layouts[id] else { continue };
         if aliased[id] {
-            node_values[id] = node_values[node.inputs[0]];
+            if node_values[id].is_none() {
+                node_values[id] = node_values[node.inputs[0]];
+            }
             continue;
         }
         let dims = node.shape[1..].to_vec();
@@ -590,7 +598,22 @@ fn lower_plan(
             });
         }
         node_values[id] = Some(ValueId(values.len()));
-        values.push(ValueDesc { name: node.path.clone(), dims, elem: precisions[id].elem(), layout, storage: Storage::Arena });
+        match (eight_bit.requant[id], stored_elem) {
+            // A conv that requantises writes its quantiser's value: the codes, named after it.
+            (Some(q), Some(elem)) => {
+                let name = graph.nodes[q].path.clone();
+                values.push(ValueDesc { name, dims, elem, layout, storage: Storage::Arena });
+                node_values[q] = node_values[id];
+                aliased[q] = true;
+            }
+            _ => {
+                let elem = match stored_elem {
+                    Some(e) if eight_bit.stored[id] => e,
+                    _ => precisions[id].elem(),
+                };
+                values.push(ValueDesc { name: node.path.clone(), dims, elem, layout, storage: Storage::Arena });
+            }
+        }
     }
     let mut output_bindings = Vec::new();
     for (name, id) in &graph.outputs {
@@ -617,6 +640,7 @@ fn lower_plan(
         weights,
         workspace_budget: 0,
         precisions,
+        eight_bit,
     };
     // Each layer with the values it touches, for lifetimes.
     let mut layers: Vec<Box<dyn Layer>> = Vec::new();
@@ -649,6 +673,8 @@ fn lower_plan(
         let mut inputs = Vec::with_capacity(node.inputs.len());
         for (k, &j) in node.inputs.iter().enumerate() {
             inputs.push(match ctx.node_values[j] {
+                // 8-bit codes are read as they are, by the 8-bit convs the plan made them for.
+                Some(v) if ctx.eight_bit.stored[j] => Some(v),
                 Some(v) => {
                     let want = plan.inputs.get(k).copied().flatten().unwrap_or(ctx.value(v).layout);
                     Some(reformats.get(&mut ctx, v, (want, elem), &mut layers, &mut touches)?)
@@ -745,7 +771,10 @@ fn lower_plan(
                 let fp8 = layers.iter().filter(|l| l.kind().starts_with(super::quant::FP8_GEMM)).count();
                 Some(crate::calibrate::best_summary(graph, fp8, super::quant::FP8_GEMM))
             }
-            _ => crate::calibrate::quant_summary(graph),
+            _ => {
+                let native = layers.iter().filter(|l| l.kind().starts_with(super::conv8::KIND)).count();
+                crate::calibrate::quant_summary(graph, native)
+            }
         },
     };
     let plan = Plan {

@@ -43,6 +43,8 @@ fn data_type(elem: Elem) -> dnn::cudnnDataType_t {
         Elem::F32 => dnn::cudnnDataType_t::CUDNN_DATA_FLOAT,
         Elem::F16 => dnn::cudnnDataType_t::CUDNN_DATA_HALF,
         Elem::U8 => dnn::cudnnDataType_t::CUDNN_DATA_UINT8,
+        Elem::I8 => dnn::cudnnDataType_t::CUDNN_DATA_INT8,
+        Elem::E4m3 => dnn::cudnnDataType_t::CUDNN_DATA_FP8_E4M3,
     }
 }
 

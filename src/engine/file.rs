@@ -29,7 +29,9 @@ use std::sync::Arc;
 pub const MAGIC: [u8; 8] = *b"KILNENG\0";
 /// 2: ops grouped by family (`Op::Conv`, `Op::Unary`, ...), per-value layouts.
 /// 3: a conv may carry a fused max-pool (`ConvAttrs::pool`), which version-2 readers would drop.
-pub const FORMAT_VERSION: u32 = 3;
+/// 4: a weight may carry its 8-bit grid (`Op::Weight::quant`), which 8-bit convs read their codes
+///    and scales from; version-3 readers would drop it.
+pub const FORMAT_VERSION: u32 = 4;
 const HEADER_LEN: usize = 40;
 
 /// The device facts a file was built for.

@@ -49,6 +49,8 @@ fn cuda_type(elem: Elem) -> sys::cudaDataType {
         Elem::F32 => sys::cudaDataType::CUDA_R_32F,
         Elem::F16 => sys::cudaDataType::CUDA_R_16F,
         Elem::U8 => sys::cudaDataType::CUDA_R_8U,
+        Elem::I8 => sys::cudaDataType::CUDA_R_8I,
+        Elem::E4m3 => sys::cudaDataType::CUDA_R_8F_E4M3,
     }
 }
 

@@ -21,14 +21,17 @@ use std::sync::Arc;
 pub struct ValueId(pub usize);
 
 /// Element type in device memory. Every value a layer reads or writes is `F32` or `F16` (its
-/// node's precision); `U8` is only ever the type of an input binding declared u8
-/// (`DType::U8`), which the builder's entry reformat converts to its reader's type, so
-/// converters never meet it.
+/// node's precision), except in an 8-bit engine: an activation quantiser's value that only 8-bit
+/// convs read is stored as its codes, `I8` or `E4m3` (`engine::conv8::EightBitPlan`), with the
+/// scale of the quantiser node that defines it. `U8` is only ever the type of an input binding
+/// declared u8 (`DType::U8`), which the builder's entry reformat converts to its reader's type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Elem {
     F32,
     F16,
     U8,
+    I8,
+    E4m3,
 }
 
 impl Elem {
@@ -36,7 +39,7 @@ impl Elem {
         match self {
             Elem::F32 => 4,
             Elem::F16 => 2,
-            Elem::U8 => 1,
+            Elem::U8 | Elem::I8 | Elem::E4m3 => 1,
         }
     }
     /// The suffix of kernel entry points stamped out per type (`relu_f16`, `cast_u8_f16`).
@@ -45,6 +48,8 @@ impl Elem {
             Elem::F32 => "f32",
             Elem::F16 => "f16",
             Elem::U8 => "u8",
+            Elem::I8 => "i8",
+            Elem::E4m3 => "e4m3",
         }
     }
 }
@@ -282,6 +287,9 @@ pub fn to_elem_bytes(data: &[f32], elem: Elem) -> Vec<u8> {
         Elem::F16 => data.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
         // Saturating, as a u8 binding's values are; no weight is stored as bytes.
         Elem::U8 => data.iter().map(|&v| v as u8).collect(),
+        // 8-bit weights are uploaded as their codes (`conv8`), never converted from values here.
+        Elem::I8 => data.iter().map(|&v| v as i8 as u8).collect(),
+        Elem::E4m3 => data.iter().map(|&v| crate::ops::quant::encode_e4m3(v)).collect(),
     }
 }
 
@@ -423,6 +431,8 @@ pub struct BuildCtx<'a> {
     pub(crate) weights: &'a WeightStore,
     /// Each node's precision (`engine::node_precisions`): the engine's unless a per-layer rule says otherwise.
     pub(crate) precisions: Vec<Precision>,
+    /// An 8-bit engine's 8-bit convs and stored quantisers (empty plan otherwise).
+    pub eight_bit: super::conv8::EightBitPlan,
 }
 
 impl<'a> BuildCtx<'a> {

@@ -12,6 +12,7 @@
 
 pub mod arena;
 pub mod builder;
+pub mod conv8;
 pub mod cudnn;
 pub mod exec;
 pub mod file;
@@ -76,6 +77,8 @@ impl Precision {
             Elem::F32 => "fp32",
             Elem::F16 => "fp16",
             Elem::U8 => "u8",
+            Elem::I8 => "int8",
+            Elem::E4m3 => "fp8",
         }
     }
 

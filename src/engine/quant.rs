@@ -82,6 +82,9 @@ impl Layer for QuantLayer {
 pub fn quant_layer(ctx: &mut BuildCtx, node: NodeId, op: &Quant) -> Result<Box<dyn Layer>> {
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let desc = ctx.value(x).clone();
+    if ctx.eight_bit.stored[node] {
+        return codes_layer(ctx, node, op, x, y);
+    }
     if ctx.value(y).elem != desc.elem || ctx.value(y).layout != desc.layout {
         return Err(ctx.err(node, format!("input {:?} {:?} and output differ in type or layout", desc.elem, desc.layout)));
     }
@@ -124,6 +127,65 @@ pub fn quant_layer(ctx: &mut BuildCtx, node: NodeId, op: &Quant) -> Result<Box<d
         elem_bytes: desc.elem.size(),
         sm_count: ctx.kernels.sm_count(),
     }))
+}
+
+/// A quantiser whose value an 8-bit engine stores as codes (`engine::conv8`), where no conv before
+/// it writes them: reads the FP16/FP32 value and writes its int8 or e4m3 codes.
+pub struct QuantCodesLayer {
+    path: String,
+    f: CudaFunction,
+    x: ValueId,
+    y: ValueId,
+    per_image: usize,
+    inv_scale: f32,
+    format: i32,
+    range: (f32, f32),
+    sm_count: u32,
+}
+
+fn codes_layer(ctx: &mut BuildCtx, node: NodeId, op: &Quant, x: ValueId, y: ValueId) -> Result<Box<dyn Layer>> {
+    let p = op.params();
+    let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
+    let [scale] = p.scale[..] else { return Err(ctx.err(node, format!("{} scales for a stored (per-tensor) quantiser", p.scale.len()))) };
+    if dx.dims != dy.dims || !dx.layout.same_bytes(dy.layout, &dx.dims) {
+        return Err(ctx.err(
+            node,
+            format!("input {:?} {:?} and its codes {:?} {:?} differ in shape or layout", dx.dims, dx.layout, dy.dims, dy.layout),
+        ));
+    }
+    Ok(Box::new(QuantCodesLayer {
+        path: ctx.node(node).path.clone(),
+        f: ctx.kernels.get(&format!("quant_codes_{}", dx.elem.suffix()))?,
+        x,
+        y,
+        per_image: dx.per_image_elems(),
+        inv_scale: 1.0 / scale,
+        format: p.format as i32,
+        range: (p.qmin as f32, p.qmax as f32),
+        sm_count: ctx.kernels.sm_count(),
+    }))
+}
+
+impl Layer for QuantCodesLayer {
+    fn path(&self) -> &str {
+        &self.path
+    }
+    fn kind(&self) -> String {
+        "kernel:quant_codes".into()
+    }
+    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        let n = batch * self.per_image;
+        let args = [
+            KArg::Ptr(rt.ptr(self.x)),
+            KArg::Ptr(rt.ptr(self.y)),
+            KArg::I64(n as i64),
+            KArg::F32(self.inv_scale),
+            KArg::I32(self.format),
+            KArg::F32(self.range.0),
+            KArg::F32(self.range.1),
+        ];
+        launch(rt, &self.f, grid_for(n.div_ceil(8), self.sm_count), (BLOCK, 1, 1), 0, &args)
+    }
 }
 
 // ---- FP8 GEMM -------------------------------------------------------------------------------

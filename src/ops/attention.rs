@@ -773,8 +773,8 @@ impl FusedKernel {
         match elem {
             Elem::F16 => vec![Self::CudaCores, Self::TensorCores],
             Elem::F32 => vec![Self::CudaCores],
-            // Only ever a binding: no attention runs on bytes.
-            Elem::U8 => vec![],
+            // A binding, or 8-bit codes only 8-bit convs read: no attention runs on bytes.
+            Elem::U8 | Elem::I8 | Elem::E4m3 => vec![],
         }
     }
     fn entry(self, d: usize, elem: Elem) -> String {

@@ -556,6 +556,11 @@ pub fn conv_transpose2d_cpu(a: &ConvAttrs, inputs: &[&HostTensor]) -> Result<Hos
 /// on the device wins.
 fn gpu_conv2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn Layer>> {
     let key = ctx.problem_key(node);
+    if ctx.eight_bit.conv[node] {
+        // Between 8-bit values of an INT8/FP8 engine: only the 8-bit kernel reads their codes.
+        let candidates = crate::engine::conv8::candidates(ctx, node, &a)?;
+        return ctx.choose(&key, candidates);
+    }
     let y = ctx.output(node)?;
     let Some(pool) = a.pool else {
         let candidates = conv2d_candidates(ctx, node, a, y)?;

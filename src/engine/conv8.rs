@@ -1,0 +1,386 @@
+//! 8-bit convolutions (`kernels/conv8.cu`) and the plan of which values an INT8 or FP8 engine
+//! keeps in 8 bits between them.
+//!
+//! The quantised graph (`calibrate::prepare_for_engine`) says *what* is quantised: a
+//! `fake_quantize` in front of each 8-bit conv's input and residual, weights folded onto their
+//! grid (`Op::Weight::quant`). [`EightBitPlan`] decides *how it is stored*:
+//! - an activation quantiser whose every reader is a conv the 8-bit kernel runs is stored as its
+//!   codes (`Elem::I8` / `Elem::E4m3`) with the quantiser's scale;
+//! - such a conv reads the codes of its input and residual directly, and multiplies on 8-bit
+//!   tensor cores;
+//! - where a conv's only reader is such a quantiser, the conv requantises in its epilogue and
+//!   writes the codes itself: the quantiser computes nothing (TensorRT's "requantise in the
+//!   epilogue"). Elsewhere the quantiser runs as a kernel writing codes (`engine::quant`).
+//!
+//! The numbers are the CPU fake-quant simulation's: the conv accumulates exact integer (or e4m3)
+//! products, scales them by `s_x · s_w[k]` in f32, adds the f32 bias and the dequantised
+//! residual, applies ReLU, and rounds to the next quantiser's grid as `kernels/quant.cu` does.
+
+use super::launch::{launch, CudaFunction, KArg};
+use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueId};
+use super::Precision;
+use crate::graph::{Activation, ConvAttrs, Graph, NodeId, Op, Quant, QuantFormat, QuantParams};
+use crate::{Error, Result};
+use cudarc::driver::sys::CUfunction_attribute;
+
+/// `kernels/conv8.cu`, compiled with NVRTC on first use.
+pub const CONV8_CU: &str = super::kernels::ON_DEMAND[4].1;
+
+/// The kind prefix of every 8-bit conv layer (`kiln inspect`, the build summary).
+pub const KIND: &str = "kernel:conv8_";
+
+/// Output pixels per block, reduction bytes per stage and pipeline depth (`C8_BM`, `C8_BK`,
+/// `C8_STAGES` in the kernel).
+const BM: usize = 128;
+const BK: usize = 64;
+const STAGES: usize = 4;
+
+/// Where the 8-bit plan puts each node of an 8-bit engine's graph.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EightBitPlan {
+    /// Convs lowered to the 8-bit kernel.
+    pub conv: Vec<bool>,
+    /// Activation quantisers whose value is stored as 8-bit codes.
+    pub stored: Vec<bool>,
+    /// For an 8-bit conv whose only reader is a stored quantiser: that quantiser, whose codes the
+    /// conv writes (the quantiser itself is not lowered).
+    pub requant: Vec<Option<NodeId>>,
+}
+
+impl EightBitPlan {
+    /// Whether quantiser `id` is computed by the conv before it (no layer of its own).
+    pub fn requantised(&self, id: NodeId) -> bool {
+        self.requant.iter().any(|&q| q == Some(id))
+    }
+    /// The storage type of a stored quantiser's value in a `format` engine.
+    pub fn elem(format: QuantFormat) -> Elem {
+        match format {
+            QuantFormat::Int8 => Elem::I8,
+            QuantFormat::Fp8E4m3 => Elem::E4m3,
+        }
+    }
+}
+
+/// The per-tensor, symmetric activation quantiser of `format` at `id`, if it is one.
+fn activation_quantiser(graph: &Graph, id: NodeId, format: QuantFormat) -> Option<&QuantParams> {
+    let n = &graph.nodes[id];
+    let Op::Quant(Quant::FakeQuantize(p)) = &n.op else { return None };
+    let on_activation = n.inputs.first().is_some_and(|&i| !matches!(graph.nodes[i].op, Op::Weight { .. }));
+    let symmetric = p.zero_point.iter().all(|&z| z == 0);
+    (on_activation && p.format == format && p.axis.is_none() && p.scale.len() == 1 && symmetric).then_some(p)
+}
+
+/// A conv the 8-bit kernel can run, its quantisers aside: a plain (not transposed, not grouped,
+/// no pool) conv with ReLU or no activation, input channels a multiple of 16, output channels a
+/// multiple of 8, and a weight folded onto the engine's 8-bit grid (int8 per output channel or
+/// per tensor; fp8 per tensor).
+fn kernel_fits(graph: &Graph, id: NodeId, format: QuantFormat) -> bool {
+    let n = &graph.nodes[id];
+    let Op::Conv(a) = &n.op else { return false };
+    let plain = !a.transposed && a.groups == 1 && a.pool.is_none() && matches!(a.act, Activation::None | Activation::Relu);
+    let Some(&w) = n.inputs.get(1) else { return false };
+    let Op::Weight { quant: Some(q), .. } = &graph.nodes[w].op else { return false };
+    let grid = q.format == format
+        && q.zero_point.iter().all(|&z| z == 0)
+        && match q.axis {
+            None => q.scale.len() == 1,
+            Some(0) => format == QuantFormat::Int8 && q.scale.len() == graph.nodes[w].shape[0],
+            Some(_) => false,
+        };
+    let fits = matches!(graph.nodes[w].shape[..], [k, c, _, _] if c % 16 == 0 && k % 8 == 0);
+    plain && grid && fits
+}
+
+/// The 8-bit plan of `graph` for an engine of `precision` whose nodes compute in `precisions`
+/// (a node a per-layer rule keeps in FP16/FP32 is not 8-bit). Empty for other precisions, and
+/// for INT8 below sm_80 (`mma.m16n8k32`); FP8 engines need sm_89, which the builder checks.
+pub fn plan(graph: &Graph, precision: Precision, precisions: &[Precision], sm: u32) -> EightBitPlan {
+    let len = graph.nodes.len();
+    let mut plan = EightBitPlan { conv: vec![false; len], stored: vec![false; len], requant: vec![None; len] };
+    let format = match precision {
+        Precision::Int8 if sm >= 80 => QuantFormat::Int8,
+        Precision::Fp8 if sm >= 89 => QuantFormat::Fp8E4m3,
+        _ => return plan,
+    };
+    let eight_bit = |id: NodeId| precisions.get(id) == Some(&precision);
+    let mut readers: Vec<Vec<NodeId>> = vec![Vec::new(); len];
+    for (id, n) in graph.nodes.iter().enumerate() {
+        n.inputs.iter().for_each(|&i| readers[i].push(id));
+    }
+    let output = |id: NodeId| graph.outputs.iter().any(|(_, o)| *o == id);
+    // The conv's 8-bit activations: its input and its residual.
+    let activations = |id: NodeId| -> Vec<NodeId> {
+        let n = &graph.nodes[id];
+        match &n.op {
+            Op::Conv(a) if a.residual => vec![n.inputs[0], *n.inputs.last().expect("a residual conv has inputs")],
+            _ => vec![n.inputs[0]],
+        }
+    };
+    for id in 0..len {
+        plan.conv[id] = eight_bit(id) && kernel_fits(graph, id, format);
+        plan.stored[id] = eight_bit(id) && activation_quantiser(graph, id, format).is_some() && !output(id);
+    }
+    // A stored value needs every reader to be an 8-bit conv reading it as an activation, and an
+    // 8-bit conv needs its activations stored: drop what fails until nothing changes.
+    loop {
+        let mut changed = false;
+        for id in 0..len {
+            if plan.conv[id] && !activations(id).iter().all(|&a| plan.stored[a]) {
+                plan.conv[id] = false;
+                changed = true;
+            }
+            let readers_ok = readers[id].iter().all(|&r| {
+                plan.conv[r] && graph.nodes[r].inputs.iter().enumerate().all(|(k, &i)| i != id || k == 0 || activations(r).contains(&i))
+            });
+            if plan.stored[id] && !readers_ok {
+                plan.stored[id] = false;
+                changed = true;
+            }
+        }
+        if !changed {
+            break;
+        }
+    }
+    for id in (0..len).filter(|&id| plan.conv[id] && !output(id)) {
+        if let [q] = readers[id][..] {
+            if plan.stored[q] {
+                plan.requant[id] = Some(q);
+            }
+        }
+    }
+    plan
+}
+
+/// One compiled tile shape (`CONV8` entries of the kernel): output channels per block.
+#[derive(Clone, Copy, Debug)]
+struct Variant {
+    bn: usize,
+}
+
+impl Variant {
+    const ALL: [Variant; 2] = [Variant { bn: 64 }, Variant { bn: 128 }];
+    fn threads(self) -> u32 {
+        (128 * self.bn / 64) as u32
+    }
+    fn smem_bytes(self) -> u32 {
+        (STAGES * (BM + self.bn) * BK) as u32
+    }
+    fn entry(self, format: QuantFormat) -> String {
+        let t = match format {
+            QuantFormat::Int8 => "i8",
+            QuantFormat::Fp8E4m3 => "e4m3",
+        };
+        format!("conv8_{t}_n{}", self.bn)
+    }
+}
+
+/// What the kernel's epilogue stores (`C8_*` in the kernel).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Store8 {
+    None = 0,
+    F16 = 1,
+    Codes = 2,
+}
+
+/// A conv of an 8-bit engine on 8-bit tensor cores: input (and residual) read as codes, output
+/// written as f16 or requantised codes.
+pub struct Conv8Layer {
+    path: String,
+    entry: String,
+    variant: Variant,
+    f: CudaFunction,
+    x: ValueId,
+    y: ValueId,
+    z: Option<ValueId>,
+    /// `[K][R][S][C]` codes.
+    w: DeviceBuf,
+    /// `s_x · s_w[k]` per output channel.
+    alpha: DeviceBuf,
+    bias: Option<DeviceBuf>,
+    z_store: Store8,
+    z_scale: f32,
+    y_store: Store8,
+    inv_y_scale: f32,
+    range: (f32, f32),
+    relu: bool,
+    /// H, W, C, K, R, S, P, Q, stride, padding and dilation (h, w) as the kernel takes them.
+    geo: [i32; 14],
+    /// Output pixels per image (the GEMM's rows).
+    rows_per_image: usize,
+}
+
+/// The 8-bit kernel's candidates for conv `node` of the plan (one per tile shape, timed).
+pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec<Box<dyn Layer>>> {
+    let graph = ctx.graph;
+    let n = ctx.node(node);
+    let format = match ctx.config.precision {
+        Precision::Int8 => QuantFormat::Int8,
+        _ => QuantFormat::Fp8E4m3,
+    };
+    let quantiser = |id: NodeId, what: &str| {
+        activation_quantiser(graph, id, format).ok_or_else(|| ctx.err(node, format!("its {what} is not an 8-bit activation quantiser")))
+    };
+    let sx = quantiser(n.inputs[0], "input")?.scale[0];
+    let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
+    let z = if a.residual { Some(ctx.input(node, n.inputs.len() - 1)?) } else { None };
+    let w_node = &graph.nodes[n.inputs[1]];
+    let Op::Weight { quant: Some(wq), .. } = &w_node.op else {
+        return Err(ctx.err(node, "its weight is not on an 8-bit grid".into()));
+    };
+    let w = ctx.weight(node, 1)?;
+    let [k, c, r, s] = w.shape[..] else { return Err(ctx.err(node, format!("weight shape {:?} is not [K, C, R, S]", w.shape))) };
+    let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
+    let elem = EightBitPlan::elem(format);
+    let nhwc = |d: &super::ValueDesc| d.dims.len() == 3 && d.layout.same_bytes(Layout::channels_last(3), &d.dims);
+    if dx.elem != elem || !nhwc(&dx) || !nhwc(&dy) || dx.dims[0] != c || dy.dims[0] != k {
+        return Err(ctx.err(
+            node,
+            format!(
+                "the 8-bit conv reads {:?} {:?} {:?} and writes {:?} {:?}; it needs NHWC {elem:?} [{c}, H, W] in",
+                dx.elem, dx.dims, dx.layout, dy.elem, dy.dims
+            ),
+        ));
+    }
+    // Codes of the folded weight: its values lie on the grid, so value / scale is the code.
+    let w_scale = |kk: usize| if wq.axis.is_some() { wq.scale[kk] } else { wq.scale[0] };
+    let per_k = c * r * s;
+    let mut codes = vec![0f32; w.data.len()];
+    for (i, v) in w.data.iter().enumerate() {
+        let t = v / w_scale(i / per_k);
+        codes[i] = match format {
+            QuantFormat::Int8 => t.round().clamp(-127.0, 127.0),
+            QuantFormat::Fp8E4m3 => crate::ops::quant::round_e4m3(t),
+        };
+    }
+    let codes = super::cudnn::kcrs_to_krsc(&codes, [k, c, r, s]);
+    let alpha: Vec<f32> = (0..k).map(|kk| sx * w_scale(kk)).collect();
+    let bias = if a.bias { Some(ctx.weight(node, 2)?.data.clone()) } else { None };
+    let (z_store, z_scale) = match z {
+        Some(zv) => {
+            if ctx.value(zv).elem != elem || ctx.value(zv).dims != dy.dims {
+                return Err(
+                    ctx.err(node, format!("its residual is {:?} {:?}, not {elem:?} {:?}", ctx.value(zv).elem, ctx.value(zv).dims, dy.dims))
+                );
+            }
+            (Store8::Codes, quantiser(*n.inputs.last().expect("residual"), "residual")?.scale[0])
+        }
+        None => (Store8::None, 0.0),
+    };
+    let (y_store, inv_y_scale, range) = match (dy.elem, ctx.eight_bit.requant[node]) {
+        (e, Some(q)) if e == elem => {
+            let p = quantiser(q, "output")?;
+            (Store8::Codes, 1.0 / p.scale[0], (p.qmin as f32, p.qmax as f32))
+        }
+        (Elem::F16, None) => (Store8::F16, 0.0, (0.0, 0.0)),
+        (e, _) => return Err(ctx.err(node, format!("the 8-bit conv cannot write {e:?}"))),
+    };
+    let shapes: Vec<&[usize]> = n.inputs.iter().map(|&i| graph.nodes[i].shape.as_slice()).collect();
+    let out = crate::ops::conv::conv2d_shape(a, &shapes).map_err(|e| ctx.err(node, e))?;
+    let (h, wd, p, q) = (dx.dims[1], dx.dims[2], out[2], out[3]);
+    let mut geo = [0i32; 14];
+    let named = [
+        ("H", h),
+        ("W", wd),
+        ("C", c),
+        ("K", k),
+        ("R", r),
+        ("S", s),
+        ("P", p),
+        ("Q", q),
+        ("stride", a.stride[0]),
+        ("stride", a.stride[1]),
+        ("padding", a.padding[0]),
+        ("padding", a.padding[1]),
+        ("dilation", a.dilation[0]),
+        ("dilation", a.dilation[1]),
+    ];
+    for (g, (name, v)) in geo.iter_mut().zip(named) {
+        *g = i32::try_from(v).map_err(|_| ctx.err(node, format!("{name} = {v} exceeds the 8-bit kernel's 32-bit range")))?;
+    }
+    ctx.kernels.add_source("conv8.cu", CONV8_CU)?;
+    let path = n.path.clone();
+    let mut out: Vec<Box<dyn Layer>> = Vec::new();
+    for variant in Variant::ALL {
+        let entry = variant.entry(format);
+        let f = ctx.kernels.get(&entry)?;
+        let smem = variant.smem_bytes();
+        f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+            .map_err(|e| ctx.err(node, format!("`{entry}` cannot have {smem} bytes of shared memory: {e:?}")))?;
+        let w = ctx.upload_bytes(&super::layer::to_elem_bytes(&codes, elem))?;
+        let alpha = ctx.upload_f32(&alpha)?;
+        let bias = bias.as_deref().map(|b| ctx.upload_f32(b)).transpose()?;
+        out.push(Box::new(Conv8Layer {
+            path: path.clone(),
+            entry,
+            variant,
+            f,
+            x,
+            y,
+            z,
+            w,
+            alpha,
+            bias,
+            z_store,
+            z_scale,
+            y_store,
+            inv_y_scale,
+            range,
+            relu: a.act == Activation::Relu,
+            geo,
+            rows_per_image: p * q,
+        }));
+    }
+    Ok(out)
+}
+
+impl Layer for Conv8Layer {
+    fn path(&self) -> &str {
+        &self.path
+    }
+    fn kind(&self) -> String {
+        format!("kernel:{}", self.entry)
+    }
+    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        if batch == 0 {
+            return Ok(());
+        }
+        // Output pixels index 32-bit in the kernel.
+        let rows = batch.checked_mul(self.rows_per_image).filter(|&m| i32::try_from(m).is_ok()).ok_or_else(|| Error::Binding {
+            name: self.path.clone(),
+            reason: format!("batch {batch} exceeds the 8-bit conv's 32-bit range"),
+        })?;
+        let k = self.geo[3] as usize;
+        let grid = (rows.div_ceil(BM) as u32, k.div_ceil(self.variant.bn) as u32, 1);
+        let ptr = |v: Option<ValueId>| v.map_or(0, |v| rt.ptr(v));
+        let mut args = vec![
+            KArg::Ptr(rt.ptr(self.x)),
+            KArg::Ptr(self.w.ptr()),
+            KArg::Ptr(self.alpha.ptr()),
+            KArg::Ptr(self.bias.as_ref().map_or(0, |b| b.ptr())),
+            KArg::Ptr(ptr(self.z)),
+            KArg::Ptr(rt.ptr(self.y)),
+            KArg::F32(self.z_scale),
+            KArg::F32(self.inv_y_scale),
+            KArg::F32(self.range.0),
+            KArg::F32(self.range.1),
+            KArg::I32(self.z_store as i32),
+            KArg::I32(self.y_store as i32),
+            KArg::I32(self.relu as i32),
+            KArg::I32(batch as i32),
+        ];
+        args.extend(self.geo.map(KArg::I32));
+        launch(rt, &self.f, grid, (self.variant.threads(), 1, 1), self.variant.smem_bytes(), &args)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_memory_matches_the_kernel() {
+        // kernels/conv8.cu: C8_STAGES × (A tile 128 × 64 bytes + B tile BN × 64 bytes).
+        assert_eq!(Variant::ALL.map(|v| v.smem_bytes()), [49_152, 65_536]);
+        assert_eq!(Variant::ALL.map(|v| v.threads()), [128, 256]);
+    }
+}
