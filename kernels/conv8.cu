@@ -12,7 +12,7 @@
 //
 // GEMM view: M = N·P·Q output pixels (rows, NHWC order), N = K output channels, K = R·S·C
 // (channel fastest, so a 16-byte chunk of the reduction is 16 channels of one filter tap: C must be
-// a multiple of 16). A block computes 128 × BN outputs with warps of 64 × 32; each stage holds 64
+// a multiple of 16; K too, for the epilogue's 16-channel vectors). A block computes 128 × BN outputs with warps of 64 × 32; each stage holds 64
 // bytes of the reduction for A (im2col rows gathered on the fly with cp.async, zero-filled outside
 // the image) and B, in a 4-stage cp.async pipeline. Shared-memory rows are 64 bytes, their four
 // 16-byte chunks XOR-swizzled by (row / 2) % 4 so that ldmatrix's eight rows hit distinct banks.
@@ -71,28 +71,53 @@ __device__ __forceinline__ void mma_8bit(float* c, const unsigned* a, unsigned b
 #endif
 }
 
-// One 8-bit code as a float (before its scale).
-template <bool FP8> __device__ __forceinline__ float decode8(unsigned char b);
-template <> __device__ __forceinline__ float decode8<false>(unsigned char b) { return (float)(signed char)b; }
-template <> __device__ __forceinline__ float decode8<true>(unsigned char b) {
-    // e4m3: sign, 4 exponent bits (bias 7), 3 mantissa bits; subnormals below 2^-6; 0x7f/0xff NaN.
-    unsigned e = (b >> 3) & 15, m = b & 7;
-    float a = e == 0 ? (float)m * 0.001953125f : __uint_as_float(((e + 120) << 23) | (m << 20));
-    if ((b & 0x7f) == 0x7f) a = __int_as_float(0x7fc00000);
-    return (b & 0x80) ? -a : a;
+// 16 codes (one uint4) added to v as values: code · scale. int8 through integer extraction; e4m3
+// through the hardware's e4m3x2 → f16x2 conversion (sm_89+).
+template <bool FP8> __device__ __forceinline__ void decode16(uint4 q, float scale, float* v);
+template <> __device__ __forceinline__ void decode16<false>(uint4 q, float scale, float* v) {
+    const unsigned* w = reinterpret_cast<const unsigned*>(&q);
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int b = 0; b < 4; b++) v[4 * i + b] += (float)((int)(w[i] << (24 - 8 * b)) >> 24) * scale;
+}
+template <> __device__ __forceinline__ void decode16<true>(uint4 q, float scale, float* v) {
+#if __CUDA_ARCH__ >= 890
+    const unsigned* w = reinterpret_cast<const unsigned*>(&q);
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            unsigned short pair = (unsigned short)(w[i] >> (16 * h));
+            unsigned f2;
+            asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(f2) : "h"(pair));
+            f16 lo, hi;
+            lo.bits = f2 & 0xffff;
+            hi.bits = f2 >> 16;
+            v[4 * i + 2 * h] += to_f32(lo) * scale;
+            v[4 * i + 2 * h + 1] += to_f32(hi) * scale;
+        }
+#else
+    __trap();
+#endif
 }
 
-// v requantised to an 8-bit code: int8 as kernels/quant.cu's quantize_value; e4m3 with saturation,
-// nearest even (the hardware conversion, sm_89+).
-template <bool FP8> __device__ __forceinline__ unsigned char encode8(float v, float inv_s, float qmin, float qmax);
-template <> __device__ __forceinline__ unsigned char encode8<false>(float v, float inv_s, float qmin, float qmax) {
-    return (unsigned char)(signed char)(int)fminf(fmaxf(rintf(v * inv_s), qmin), qmax);
+// Four values requantised to four codes (one u32, first value in the low byte): int8 as
+// kernels/quant.cu's quantize_value (round half to even, clamped to [qmin, qmax]); e4m3 with
+// saturation, nearest even (the hardware conversion, sm_89+).
+template <bool FP8> __device__ __forceinline__ unsigned encode4(const float* v, float inv_s, float qmin, float qmax);
+template <> __device__ __forceinline__ unsigned encode4<false>(const float* v, float inv_s, float qmin, float qmax) {
+    unsigned r = 0;
+#pragma unroll
+    for (int b = 0; b < 4; b++) r |= ((unsigned)(int)fminf(fmaxf(rintf(v[b] * inv_s), qmin), qmax) & 0xff) << (8 * b);
+    return r;
 }
-template <> __device__ __forceinline__ unsigned char encode8<true>(float v, float inv_s, float, float) {
+template <> __device__ __forceinline__ unsigned encode4<true>(const float* v, float inv_s, float, float) {
 #if __CUDA_ARCH__ >= 890
-    unsigned short r;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.f), "f"(v * inv_s));
-    return (unsigned char)(r & 0xff);
+    unsigned short lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(v[1] * inv_s), "f"(v[0] * inv_s));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(v[3] * inv_s), "f"(v[2] * inv_s));
+    return (unsigned)lo | ((unsigned)hi << 16);
 #else
     __trap();
     return 0;
@@ -216,47 +241,82 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
     }
     cp_async_wait<0>();
 
-    // Epilogue: each thread owns pairs of adjacent channels in rows g and g + 8 of each m16 tile.
+    // Epilogue, in two passes through shared memory (the pipeline's buffers, now idle):
+    // 1. each thread stores its accumulators, scaled and biased, as f32 at their (row, channel);
+    // 2. each thread takes 16 consecutive channels of one row: reads the residual with 16-byte
+    //    loads, adds it, applies ReLU and writes 16 bytes of codes (32 of f16), so that rows are
+    //    read and written in whole sectors. K is a multiple of 16.
+    __syncthreads();
+    constexpr int LD = BN + 4;  // f32 row stride of the staging tile (padded against bank conflicts)
+    float* tile = reinterpret_cast<float*>(smem);
     const int g = lane >> 2, t4 = lane & 3;
 #pragma unroll
     for (int nt = 0; nt < 4; nt++) {
-        int col = block_n + warp_n * 32 + nt * 8 + t4 * 2;
-        if (col >= a.k) continue;
-        float al0 = a.alpha[col], al1 = a.alpha[col + 1];
-        float b0 = a.bias ? a.bias[col] : 0.f, b1 = a.bias ? a.bias[col + 1] : 0.f;
+        int lc = warp_n * 32 + nt * 8 + t4 * 2, col = block_n + lc;
+        bool ok = col < a.k;
+        float al0 = ok ? a.alpha[col] : 0.f, al1 = ok ? a.alpha[col + 1] : 0.f;
+        float b0 = ok && a.bias ? a.bias[col] : 0.f, b1 = ok && a.bias ? a.bias[col + 1] : 0.f;
 #pragma unroll
         for (int mt = 0; mt < 4; mt++)
 #pragma unroll
             for (int half = 0; half < 2; half++) {
-                int row = block_m + warp_m * 64 + mt * 16 + g + half * 8;
-                if (row >= m_total) continue;
-                long long o = (long long)row * a.k + col;
-                float v0 = (float)acc[mt][nt][2 * half] * al0 + b0;
-                float v1 = (float)acc[mt][nt][2 * half + 1] * al1 + b1;
-                if (a.z_store == C8_F16) {
-                    unsigned zz = *reinterpret_cast<const unsigned*>(reinterpret_cast<const f16*>(a.z) + o);
+                int lr = warp_m * 64 + mt * 16 + g + half * 8;
+                float2 v = make_float2((float)acc[mt][nt][2 * half] * al0 + b0, (float)acc[mt][nt][2 * half + 1] * al1 + b1);
+                *reinterpret_cast<float2*>(tile + lr * LD + lc) = v;
+            }
+    }
+    __syncthreads();
+    constexpr int CHUNKS = BN / 16;
+    for (int item = tid; item < C8_BM * CHUNKS; item += THREADS) {
+        int lr = item / CHUNKS, lc = (item % CHUNKS) * 16;
+        int row = block_m + lr, col = block_n + lc;
+        if (row >= m_total || col >= a.k) continue;
+        float v[16];
+#pragma unroll
+        for (int i = 0; i < 16; i += 4) *reinterpret_cast<float4*>(v + i) = *reinterpret_cast<const float4*>(tile + lr * LD + lc + i);
+        long long o = (long long)row * a.k + col;
+        if (a.z_store == C8_F16) {
+            const uint4* zp = reinterpret_cast<const uint4*>(reinterpret_cast<const f16*>(a.z) + o);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                uint4 zz = zp[h];
+                const unsigned* w = reinterpret_cast<const unsigned*>(&zz);
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
                     f16 lo, hi;
-                    lo.bits = zz & 0xffff;
-                    hi.bits = zz >> 16;
-                    v0 += to_f32(lo);
-                    v1 += to_f32(hi);
-                } else if (a.z_store == C8_Q8) {
-                    unsigned short zz = *reinterpret_cast<const unsigned short*>(reinterpret_cast<const unsigned char*>(a.z) + o);
-                    v0 += decode8<FP8>(zz & 0xff) * a.z_scale;
-                    v1 += decode8<FP8>(zz >> 8) * a.z_scale;
-                }
-                if (a.relu) {
-                    v0 = fmaxf(v0, 0.f);
-                    v1 = fmaxf(v1, 0.f);
-                }
-                if (a.y_store == C8_F16) {
-                    *reinterpret_cast<unsigned*>(reinterpret_cast<f16*>(a.y) + o) = pack_f16x2(v0, v1);
-                } else {
-                    unsigned short qv = encode8<FP8>(v0, a.inv_y_scale, a.qmin, a.qmax) |
-                                        ((unsigned short)encode8<FP8>(v1, a.inv_y_scale, a.qmin, a.qmax) << 8);
-                    *reinterpret_cast<unsigned short*>(reinterpret_cast<unsigned char*>(a.y) + o) = qv;
+                    lo.bits = w[i] & 0xffff;
+                    hi.bits = w[i] >> 16;
+                    v[h * 8 + 2 * i] += to_f32(lo);
+                    v[h * 8 + 2 * i + 1] += to_f32(hi);
                 }
             }
+        } else if (a.z_store == C8_Q8) {
+            uint4 zz = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(a.z) + o);
+            decode16<FP8>(zz, a.z_scale, v);
+        }
+        if (a.relu) {
+#pragma unroll
+            for (int i = 0; i < 16; i++) v[i] = fmaxf(v[i], 0.f);
+        }
+        if (a.y_store == C8_F16) {
+            uint4* yp = reinterpret_cast<uint4*>(reinterpret_cast<f16*>(a.y) + o);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                uint4 r;
+                r.x = pack_f16x2(v[h * 8 + 0], v[h * 8 + 1]);
+                r.y = pack_f16x2(v[h * 8 + 2], v[h * 8 + 3]);
+                r.z = pack_f16x2(v[h * 8 + 4], v[h * 8 + 5]);
+                r.w = pack_f16x2(v[h * 8 + 6], v[h * 8 + 7]);
+                yp[h] = r;
+            }
+        } else {
+            uint4 r;
+            unsigned* w = reinterpret_cast<unsigned*>(&r);
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                w[i] = encode4<FP8>(v + 4 * i, a.inv_y_scale, a.qmin, a.qmax);
+            *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(a.y) + o) = r;
+        }
     }
 }
 

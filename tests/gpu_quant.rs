@@ -315,7 +315,7 @@ fn fp8_gemm_matches_the_simulation() {
 /// against the CPU fake-quant simulation at batch 1 and 5: 3×3 convs with stride 1 and 2 and
 /// dilation 2, a 1×1 conv adding an 8-bit residual, output channels that leave a partial tile,
 /// odd image sizes, a conv requantising into the next one's input, one writing f16 for a reader
-/// the kernel cannot run (24 input channels), and a value read by two 8-bit convs.
+/// the kernel cannot run (a grouped conv), and a value read by two 8-bit convs.
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn conv8_matches_the_simulation() {
@@ -327,8 +327,8 @@ fn conv8_matches_the_simulation() {
     let conv = |name: &str, c: Conv2dConfig| Conv2d::load(vb.pp(name), &c).expect(name);
     let c1 = conv("c1", Conv2dConfig::new(32, 48, 3).padding(1));
     let c2 = conv("c2", Conv2dConfig::new(48, 32, 1));
-    let c3 = conv("c3", Conv2dConfig::new(32, 24, 3).stride(2).padding(1));
-    let c4 = conv("c4", Conv2dConfig::new(24, 16, 1));
+    let c3 = conv("c3", Conv2dConfig::new(32, 48, 3).stride(2).padding(1));
+    let c4 = conv("c4", Conv2dConfig::new(48, 16, 1).groups(2));
     let c5 = conv("c5", Conv2dConfig::new(32, 16, 3).padding(2).dilation(2));
     let h1 = c1.forward(&x).and_then(|h| h.relu()).expect("c1");
     let h2 = c2.forward(&h1).and_then(|y| y.add(&x)).and_then(|y| y.relu()).expect("c2");
@@ -350,7 +350,7 @@ fn conv8_matches_the_simulation() {
         let sim = kiln::cpu::run(&simulate(&graph, &cache, format).expect("simulate"), &[("input", &input)]).expect("cpu");
         for bn in [64, 128] {
             let source = format!("kernel:conv8_{code}_n{bn}");
-            // c4 reads 24 channels: it has no 8-bit candidate, so the restriction leaves it its FP16 ones.
+            // c4 is grouped: it has no 8-bit candidate, so the restriction leaves it its FP16 ones.
             let config =
                 BuildConfig::default().precision(precision).batch(1, 5, 5).calibration_cache(&path).tactic_sources(&[source.as_str()]);
             let engine = match EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph) {

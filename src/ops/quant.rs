@@ -269,8 +269,12 @@ impl OpDef for Quant {
         Ok(x)
     }
     fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
-        // Elementwise: the output keeps the input's layout; the kernel finds the channel of an
-        // element from the layout's strides.
+        // An image is quantised channels-last, as the convs that read it want it (and as an 8-bit
+        // engine stores its codes); anything else keeps its layout (the kernel finds the channel
+        // of an element from the layout's strides).
+        if out_rank == 3 {
+            return LayoutPlan::all(inputs, Layout::channels_last(3));
+        }
         let keep = inputs.first().copied().flatten().unwrap_or(Layout::contiguous(out_rank));
         LayoutPlan::any_input(inputs, keep)
     }
