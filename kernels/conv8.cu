@@ -39,6 +39,12 @@ struct Conv8Args {
     int stride_h, stride_w, pad_h, pad_w, dil_h, dil_w;
 };
 
+// 16 bytes global → shared, zero-filled where !valid. The activation goes through L1 (`.ca`): a
+// k×k conv reads each input pixel for several taps and neighbouring output rows; the weights,
+// read once per block, bypass it (`.cg`).
+__device__ __forceinline__ void cp_async16_ca(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
@@ -171,7 +177,7 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
             int ih = ih0 + pr[j] * a.dil_h, iw = iw0 + ps[j] * a.dil_w;
             bool ok = m_ok && kk < kg && ih >= 0 && ih < a.h && iw >= 0 && iw < a.w_;
             const unsigned char* src = ok ? xb + ((long long)(ih * a.w_ + iw) * a.c + pc[j]) : a.x;
-            cp_async16(sa + swz(a_row, a_chunk0 + j), src, ok);
+            cp_async16_ca(sa + swz(a_row, a_chunk0 + j), src, ok);
             // Advance this chunk by one stage (64 channels' worth of the reduction).
             pc[j] += C8_BK;
             while (pc[j] >= a.c) {
