@@ -14,12 +14,12 @@
 // (channel fastest, so a 16-byte chunk of the reduction is 16 channels of one filter tap: C must be
 // a multiple of 16; K too, for the epilogue's 16-channel vectors). A block computes 128 × BN outputs with warps of 64 × 32; each stage holds 64
 // bytes of the reduction for A (im2col rows gathered on the fly with cp.async, zero-filled outside
-// the image) and B, in a 4-stage cp.async pipeline. Shared-memory rows are 64 bytes, their four
+// the image) and B, in a 3-stage cp.async pipeline. Shared-memory rows are 64 bytes, their four
 // 16-byte chunks XOR-swizzled by (row / 2) % 4 so that ldmatrix's eight rows hit distinct banks.
 
 #define C8_BM 128
 #define C8_BK 64
-#define C8_STAGES 4
+#define C8_STAGES 3
 
 // Output and residual storage codes (`Store8` in src/engine/conv8.rs).
 #define C8_NONE 0
@@ -252,6 +252,16 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
     // 2. each thread takes 16 consecutive channels of one row: reads the residual with 16-byte
     //    loads, adds it, applies ReLU and writes 16 bytes of codes (32 of f16), so that rows are
     //    read and written in whole sectors. K is a multiple of 16.
+    // An 8-bit residual is loaded first, so that its latency overlaps the staging.
+    constexpr int CHUNKS = BN / 16, ITEMS = C8_BM * CHUNKS / THREADS;
+    uint4 zpre[ITEMS];
+#pragma unroll
+    for (int i = 0; i < ITEMS; i++) {
+        int item = tid + i * THREADS, row = block_m + item / CHUNKS, col = block_n + (item % CHUNKS) * 16;
+        zpre[i] = make_uint4(0, 0, 0, 0);
+        if (a.z_store == C8_Q8 && row < m_total && col < a.k)
+            zpre[i] = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(a.z) + (long long)row * a.k + col);
+    }
     __syncthreads();
     constexpr int LD = BN + 4;  // f32 row stride of the staging tile (padded against bank conflicts)
     float* tile = reinterpret_cast<float*>(smem);
@@ -272,9 +282,9 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
             }
     }
     __syncthreads();
-    constexpr int CHUNKS = BN / 16;
-    for (int item = tid; item < C8_BM * CHUNKS; item += THREADS) {
-        int lr = item / CHUNKS, lc = (item % CHUNKS) * 16;
+#pragma unroll
+    for (int i = 0; i < ITEMS; i++) {
+        int item = tid + i * THREADS, lr = item / CHUNKS, lc = (item % CHUNKS) * 16;
         int row = block_m + lr, col = block_n + lc;
         if (row >= m_total || col >= a.k) continue;
         float v[16];
@@ -297,8 +307,7 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
                 }
             }
         } else if (a.z_store == C8_Q8) {
-            uint4 zz = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(a.z) + o);
-            decode16<FP8>(zz, a.z_scale, v);
+            decode16<FP8>(zpre[i], a.z_scale, v);
         }
         if (a.relu) {
 #pragma unroll
