@@ -143,7 +143,10 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
     const int warp_m = warp & 1, warp_n = warp >> 1;
     const int m_total = a.n * a.p * a.q;
     const int kg = a.r * a.s * a.c;
-    const int block_m = blockIdx.x * C8_BM, block_n = blockIdx.y * BN;
+    // A 1-D grid, output-channel tiles fastest: the blocks sharing an activation tile run together,
+    // so it is read from DRAM once and from L2 by the others.
+    const int n_tiles = (a.k + BN - 1) / BN;
+    const int block_m = (blockIdx.x / n_tiles) * C8_BM, block_n = (blockIdx.x % n_tiles) * BN;
     const unsigned base = smem_u32(smem);
 
     // This thread's A row (an output pixel) and its chunks' filter position (c, s, r), advanced

@@ -351,7 +351,11 @@ impl Layer for Conv8Layer {
             reason: format!("batch {batch} exceeds the 8-bit conv's 32-bit range"),
         })?;
         let k = self.geo[3] as usize;
-        let grid = (rows.div_ceil(BM) as u32, k.div_ceil(self.variant.bn) as u32, 1);
+        // One block per (pixel tile, channel tile), channel tiles fastest (the kernel's order).
+        let blocks = rows.div_ceil(BM) * k.div_ceil(self.variant.bn);
+        let blocks = u32::try_from(blocks)
+            .map_err(|_| Error::Binding { name: self.path.clone(), reason: format!("batch {batch} needs {blocks} blocks of the 8-bit conv") })?;
+        let grid = (blocks, 1, 1);
         let ptr = |v: Option<ValueId>| v.map_or(0, |v| rt.ptr(v));
         let mut args = vec![
             KArg::Ptr(rt.ptr(self.x)),
