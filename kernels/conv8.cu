@@ -108,6 +108,26 @@ template <> __device__ __forceinline__ void decode16<true>(uint4 q, float scale,
 #endif
 }
 
+// Two codes (first in the low byte) added to v[0], v[1] as values: code · scale.
+template <bool FP8> __device__ __forceinline__ void decode2(unsigned short q, float scale, float* v);
+template <> __device__ __forceinline__ void decode2<false>(unsigned short q, float scale, float* v) {
+    v[0] += (float)(signed char)(q & 0xff) * scale;
+    v[1] += (float)(signed char)(q >> 8) * scale;
+}
+template <> __device__ __forceinline__ void decode2<true>(unsigned short q, float scale, float* v) {
+#if __CUDA_ARCH__ >= 890
+    unsigned f2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(f2) : "h"(q));
+    f16 lo, hi;
+    lo.bits = f2 & 0xffff;
+    hi.bits = f2 >> 16;
+    v[0] += to_f32(lo) * scale;
+    v[1] += to_f32(hi) * scale;
+#else
+    __trap();
+#endif
+}
+
 // Four values requantised to four codes (one u32, first value in the low byte): int8 as
 // kernels/quant.cu's quantize_value (round half to even, clamped to [qmin, qmax]); e4m3 with
 // saturation, nearest even (the hardware conversion, sm_89+).
@@ -266,6 +286,54 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
             zpre[i] = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(a.z) + (long long)row * a.k + col);
     }
     __syncthreads();
+    if (a.y_store == C8_Q8 && a.z_store != C8_F16) {
+        // Codes out (the 8-bit engine's path): stage bytes, not floats (a quarter of the shared-
+        // memory traffic). The residual's codes go into one byte tile, each thread reads its own
+        // pairs from it, requantises its values into a second byte tile, and the block writes that
+        // out in 16-byte vectors.
+        constexpr int LB = BN + 16;  // byte row stride (16-byte aligned rows, shifted banks)
+        unsigned char* zt = smem;
+        unsigned char* yt = smem + C8_BM * LB;
+        if (a.z_store == C8_Q8) {
+#pragma unroll
+            for (int i = 0; i < ITEMS; i++) {
+                int item = tid + i * THREADS;
+                *reinterpret_cast<uint4*>(zt + (item / CHUNKS) * LB + (item % CHUNKS) * 16) = zpre[i];
+            }
+            __syncthreads();
+        }
+        const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) {
+            int lc = warp_n * 32 + nt * 8 + t4 * 2, col = block_n + lc;
+            bool ok = col < a.k;
+            float al0 = ok ? a.alpha[col] : 0.f, al1 = ok ? a.alpha[col + 1] : 0.f;
+            float b0 = ok && a.bias ? a.bias[col] : 0.f, b1 = ok && a.bias ? a.bias[col + 1] : 0.f;
+#pragma unroll
+            for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+                for (int half = 0; half < 2; half++) {
+                    int lr = warp_m * 64 + mt * 16 + g + half * 8;
+                    float v[4] = {(float)acc[mt][nt][2 * half] * al0 + b0, (float)acc[mt][nt][2 * half + 1] * al1 + b1, 0.f, 0.f};
+                    if (a.z_store == C8_Q8) decode2<FP8>(*reinterpret_cast<const unsigned short*>(zt + lr * LB + lc), a.z_scale, v);
+                    if (a.relu) {
+                        v[0] = fmaxf(v[0], 0.f);
+                        v[1] = fmaxf(v[1], 0.f);
+                    }
+                    *reinterpret_cast<unsigned short*>(yt + lr * LB + lc) = (unsigned short)encode4<FP8>(v, a.inv_y_scale, a.qmin, a.qmax);
+                }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < ITEMS; i++) {
+            int item = tid + i * THREADS, lr = item / CHUNKS, lc = (item % CHUNKS) * 16;
+            int row = block_m + lr, col = block_n + lc;
+            if (row < m_total && col < a.k)
+                *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(a.y) + (long long)row * a.k + col) =
+                    *reinterpret_cast<const uint4*>(yt + lr * LB + lc);
+        }
+        return;
+    }
     constexpr int LD = BN + 4;  // f32 row stride of the staging tile (padded against bank conflicts)
     float* tile = reinterpret_cast<float*>(smem);
     const int g = lane >> 2, t4 = lane & 3;

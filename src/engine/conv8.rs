@@ -353,8 +353,10 @@ impl Layer for Conv8Layer {
         let k = self.geo[3] as usize;
         // One block per (pixel tile, channel tile), channel tiles fastest (the kernel's order).
         let blocks = rows.div_ceil(BM) * k.div_ceil(self.variant.bn);
-        let blocks = u32::try_from(blocks)
-            .map_err(|_| Error::Binding { name: self.path.clone(), reason: format!("batch {batch} needs {blocks} blocks of the 8-bit conv") })?;
+        let blocks = u32::try_from(blocks).map_err(|_| Error::Binding {
+            name: self.path.clone(),
+            reason: format!("batch {batch} needs {blocks} blocks of the 8-bit conv"),
+        })?;
         let grid = (blocks, 1, 1);
         let ptr = |v: Option<ValueId>| v.map_or(0, |v| rt.ptr(v));
         let mut args = vec![
