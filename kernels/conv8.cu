@@ -12,7 +12,7 @@
 //
 // GEMM view: M = N·P·Q output pixels (rows, NHWC order), N = K output channels, K = R·S·C
 // (channel fastest, so a 16-byte chunk of the reduction is 16 channels of one filter tap: C must be
-// a multiple of 16; K too, for the epilogue's 16-channel vectors). A tile is 128 × BN outputs, with warps of 64 × 32; each stage holds 64
+// a multiple of 16; K too, for the epilogue's 16-channel vectors). A block computes 128 × BN outputs with warps of 64 × 32; each stage holds 64
 // bytes of the reduction for A (im2col rows gathered on the fly with cp.async, zero-filled outside
 // the image) and B, in a 3-stage cp.async pipeline. Shared-memory rows are 64 bytes, their four
 // 16-byte chunks XOR-swizzled by (row / 2) % 4 so that ldmatrix's eight rows hit distinct banks.
@@ -108,26 +108,6 @@ template <> __device__ __forceinline__ void decode16<true>(uint4 q, float scale,
 #endif
 }
 
-// Two codes (first in the low byte) added to v[0], v[1] as values: code · scale.
-template <bool FP8> __device__ __forceinline__ void decode2(unsigned short q, float scale, float* v);
-template <> __device__ __forceinline__ void decode2<false>(unsigned short q, float scale, float* v) {
-    v[0] += (float)(signed char)(q & 0xff) * scale;
-    v[1] += (float)(signed char)(q >> 8) * scale;
-}
-template <> __device__ __forceinline__ void decode2<true>(unsigned short q, float scale, float* v) {
-#if __CUDA_ARCH__ >= 890
-    unsigned f2;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(f2) : "h"(q));
-    f16 lo, hi;
-    lo.bits = f2 & 0xffff;
-    hi.bits = f2 >> 16;
-    v[0] += to_f32(lo) * scale;
-    v[1] += to_f32(hi) * scale;
-#else
-    __trap();
-#endif
-}
-
 // Four values requantised to four codes (one u32, first value in the low byte): int8 as
 // kernels/quant.cu's quantize_value (round half to even, clamped to [qmin, qmax]); e4m3 with
 // saturation, nearest even (the hardware conversion, sm_89+).
@@ -150,145 +130,71 @@ template <> __device__ __forceinline__ unsigned encode4<true>(const float* v, fl
 #endif
 }
 
-// Requantises one finished tile: v = acc · alpha + bias (+ residual), ReLU, then
-// - codes out (the 8-bit engine's path): through the block's own byte tiles in shared memory: the
-//   residual's codes are staged with 16-byte loads, each thread reads its pairs, requantises into
-//   the output tile, and the block writes that out in 16-byte vectors (whole sectors);
-// - f16 out (a conv read by a layer without 8 bits): each thread writes its pairs directly.
-template <bool FP8, int BN, typename AccT>
-__device__ __forceinline__ void conv8_epilogue(const Conv8Args& a, AccT (&acc)[4][4][4], int block_m, int block_n, int m_total,
-                                               unsigned char* zt, unsigned char* yt) {
-    constexpr int THREADS = 128 * (BN / 64), CHUNKS = BN / 16, ITEMS = C8_BM * CHUNKS / THREADS, LB = BN + 16;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int warp_m = warp & 1, warp_n = warp >> 1, g = lane >> 2, t4 = lane & 3;
-    const bool staged = a.y_store == C8_Q8 && a.z_store != C8_F16;
-    if (staged) {
-        // The previous tile's readers of zt and yt are past the main loop's barriers; this one
-        // keeps the writers of zt after them when there is no residual to stage.
-        if (a.z_store == C8_Q8) {
-#pragma unroll
-            for (int i = 0; i < ITEMS; i++) {
-                int item = tid + i * THREADS, lr = item / CHUNKS, lc = (item % CHUNKS) * 16;
-                int row = block_m + lr, col = block_n + lc;
-                uint4 z = make_uint4(0, 0, 0, 0);
-                if (row < m_total && col < a.k)
-                    z = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(a.z) + (long long)row * a.k + col);
-                *reinterpret_cast<uint4*>(zt + lr * LB + lc) = z;
-            }
-        }
-        __syncthreads();
-    }
-#pragma unroll
-    for (int nt = 0; nt < 4; nt++) {
-        int lc = warp_n * 32 + nt * 8 + t4 * 2, col = block_n + lc;
-        bool ok = col < a.k;
-        float al0 = ok ? a.alpha[col] : 0.f, al1 = ok ? a.alpha[col + 1] : 0.f;
-        float b0 = ok && a.bias ? a.bias[col] : 0.f, b1 = ok && a.bias ? a.bias[col + 1] : 0.f;
-#pragma unroll
-        for (int mt = 0; mt < 4; mt++)
-#pragma unroll
-            for (int half = 0; half < 2; half++) {
-                int lr = warp_m * 64 + mt * 16 + g + half * 8, row = block_m + lr;
-                float v[4] = {(float)acc[mt][nt][2 * half] * al0 + b0, (float)acc[mt][nt][2 * half + 1] * al1 + b1, 0.f, 0.f};
-                long long o = (long long)row * a.k + col;
-                if (staged) {
-                    if (a.z_store == C8_Q8) decode2<FP8>(*reinterpret_cast<const unsigned short*>(zt + lr * LB + lc), a.z_scale, v);
-                } else if (ok && row < m_total) {
-                    if (a.z_store == C8_F16) {
-                        unsigned zz = *reinterpret_cast<const unsigned*>(reinterpret_cast<const f16*>(a.z) + o);
-                        f16 lo, hi;
-                        lo.bits = zz & 0xffff;
-                        hi.bits = zz >> 16;
-                        v[0] += to_f32(lo);
-                        v[1] += to_f32(hi);
-                    } else if (a.z_store == C8_Q8) {
-                        decode2<FP8>(*reinterpret_cast<const unsigned short*>(reinterpret_cast<const unsigned char*>(a.z) + o), a.z_scale, v);
-                    }
-                }
-                if (a.relu) {
-                    v[0] = fmaxf(v[0], 0.f);
-                    v[1] = fmaxf(v[1], 0.f);
-                }
-                if (staged) {
-                    *reinterpret_cast<unsigned short*>(yt + lr * LB + lc) = (unsigned short)encode4<FP8>(v, a.inv_y_scale, a.qmin, a.qmax);
-                } else if (ok && row < m_total) {
-                    if (a.y_store == C8_F16)
-                        *reinterpret_cast<unsigned*>(reinterpret_cast<f16*>(a.y) + o) = pack_f16x2(v[0], v[1]);
-                    else
-                        *reinterpret_cast<unsigned short*>(reinterpret_cast<unsigned char*>(a.y) + o) =
-                            (unsigned short)encode4<FP8>(v, a.inv_y_scale, a.qmin, a.qmax);
-                }
-            }
-    }
-    if (staged) {
-        __syncthreads();
-#pragma unroll
-        for (int i = 0; i < ITEMS; i++) {
-            int item = tid + i * THREADS, lr = item / CHUNKS, lc = (item % CHUNKS) * 16;
-            int row = block_m + lr, col = block_n + lc;
-            if (row < m_total && col < a.k)
-                *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(a.y) + (long long)row * a.k + col) =
-                    *reinterpret_cast<const uint4*>(yt + lr * LB + lc);
-        }
-    }
-}
-
-// Persistent blocks: block b computes tiles b, b + gridDim.x, ... (a tile is 128 output pixels ×
-// BN channels, channel tiles fastest, so the blocks sharing an activation tile run together and
-// read it from DRAM once). The cp.async pipeline runs over the flat sequence of (tile, k-block)
-// stages, so the next tile's loads are in flight while this one's epilogue runs: a 1×1 conv over
-// 64 channels is a single k-block per tile, and a block per tile spent most of its time waiting.
 template <bool FP8, int BN>
 __device__ __forceinline__ void conv8(const Conv8Args& a) {
     constexpr int THREADS = 128 * (BN / 64);
     constexpr int TPR = THREADS / C8_BM;  // threads per A row
     constexpr int CPT = 4 / TPR;          // A chunks per thread
     constexpr int A_BYTES = C8_BM * C8_BK, B_BYTES = BN * C8_BK, STAGE = A_BYTES + B_BYTES;
-    constexpr int LB = BN + 16;
     typedef typename Acc<FP8>::T AccT;
     extern __shared__ __align__(128) unsigned char smem[];
-    unsigned char* zt = smem + C8_STAGES * STAGE;
-    unsigned char* yt = zt + C8_BM * LB;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int warp_m = warp & 1, warp_n = warp >> 1;
-    const int m_total = a.n * a.p * a.q, pq_total = a.p * a.q;
+    const int m_total = a.n * a.p * a.q;
     const int kg = a.r * a.s * a.c;
-    const int n_tiles = (a.k + BN - 1) / BN, tiles = n_tiles * ((m_total + C8_BM - 1) / C8_BM);
-    const int kblocks = (kg + C8_BK - 1) / C8_BK;
-    const int my_tiles = tiles > (int)blockIdx.x ? (tiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
-    const int total = my_tiles * kblocks;
+    // A 1-D grid, output-channel tiles fastest: the blocks sharing an activation tile run together,
+    // so it is read from DRAM once and from L2 by the others.
+    const int n_tiles = (a.k + BN - 1) / BN;
+    const int block_m = (blockIdx.x / n_tiles) * C8_BM, block_n = (blockIdx.x % n_tiles) * BN;
     const unsigned base = smem_u32(smem);
-    const int a_row = tid / TPR, a_chunk0 = (tid % TPR) * CPT;
 
-    // Stage f of this block's sequence: k-block f % kblocks of its (f / kblocks)-th tile.
-    auto load_stage = [&](int stage, int f) {
+    // This thread's A row (an output pixel) and its chunks' filter position (c, s, r), advanced
+    // by 64 bytes of the reduction per stage.
+    const int a_row = tid / TPR, a_chunk0 = (tid % TPR) * CPT;
+    const int m = block_m + a_row;
+    const bool m_ok = m < m_total;
+    int ih0 = 0, iw0 = 0;
+    const unsigned char* xb = a.x;
+    if (m_ok) {
+        int img = m / (a.p * a.q), pq = m - img * a.p * a.q, pp = pq / a.q, qq = pq - pp * a.q;
+        ih0 = pp * a.stride_h - a.pad_h;
+        iw0 = qq * a.stride_w - a.pad_w;
+        xb = a.x + (long long)img * a.h * a.w_ * a.c;
+    }
+    int pc[CPT], ps[CPT], pr[CPT];
+#pragma unroll
+    for (int j = 0; j < CPT; j++) {
+        int kk = (a_chunk0 + j) * 16;
+        pc[j] = kk % a.c;
+        int rs = kk / a.c;
+        ps[j] = rs % a.s;
+        pr[j] = rs / a.s;
+    }
+
+    auto load_stage = [&](int stage, int kb) {
         const unsigned sa = base + stage * STAGE, sb = sa + A_BYTES;
-        int lt = f / kblocks, kb = f - lt * kblocks, tile = (int)blockIdx.x + lt * (int)gridDim.x;
-        int bm = (tile / n_tiles) * C8_BM, bn = (tile % n_tiles) * BN;
-        int m = bm + a_row;
-        bool m_ok = m < m_total;
-        int ih0 = 0, iw0 = 0;
-        const unsigned char* xb = a.x;
-        if (m_ok) {
-            int img = m / pq_total, pq = m - img * pq_total, pp = pq / a.q, qq = pq - pp * a.q;
-            ih0 = pp * a.stride_h - a.pad_h;
-            iw0 = qq * a.stride_w - a.pad_w;
-            xb = a.x + (long long)img * a.h * a.w_ * a.c;
-        }
 #pragma unroll
         for (int j = 0; j < CPT; j++) {
             int kk = kb * C8_BK + (a_chunk0 + j) * 16;
-            int c = kk % a.c, rs = kk / a.c, s = rs % a.s, r = rs / a.s;
-            int ih = ih0 + r * a.dil_h, iw = iw0 + s * a.dil_w;
+            int ih = ih0 + pr[j] * a.dil_h, iw = iw0 + ps[j] * a.dil_w;
             bool ok = m_ok && kk < kg && ih >= 0 && ih < a.h && iw >= 0 && iw < a.w_;
-            const unsigned char* src = ok ? xb + ((long long)(ih * a.w_ + iw) * a.c + c) : a.x;
+            const unsigned char* src = ok ? xb + ((long long)(ih * a.w_ + iw) * a.c + pc[j]) : a.x;
             cp_async16_ca(sa + swz(a_row, a_chunk0 + j), src, ok);
+            // Advance this chunk by one stage (64 channels' worth of the reduction).
+            pc[j] += C8_BK;
+            while (pc[j] >= a.c) {
+                pc[j] -= a.c;
+                if (++ps[j] == a.s) {
+                    ps[j] = 0;
+                    ++pr[j];
+                }
+            }
         }
 #pragma unroll
         for (int j = 0; j < BN * 4 / THREADS; j++) {
             int idx = tid + j * THREADS, row = idx >> 2, chunk = idx & 3;
-            int kk = kb * C8_BK + chunk * 16, nn = bn + row;
+            int kk = kb * C8_BK + chunk * 16, nn = block_n + row;
             bool ok = nn < a.k && kk < kg;
             const unsigned char* src = ok ? a.w + (long long)nn * kg + kk : a.w;
             cp_async16(sb + swz(row, chunk), src, ok);
@@ -303,20 +209,21 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
 #pragma unroll
             for (int t = 0; t < 4; t++) acc[i][j][t] = 0;
 
+    const int kblocks = (kg + C8_BK - 1) / C8_BK;
 #pragma unroll
     for (int st = 0; st < C8_STAGES - 1; st++) {
-        if (st < total) load_stage(st, st);
+        if (st < kblocks) load_stage(st, st);
         cp_async_commit();
     }
-    for (int f = 0; f < total; f++) {
+    for (int kb = 0; kb < kblocks; kb++) {
         cp_async_wait<C8_STAGES - 2>();
         __syncthreads();
         // Refill the stage read C8_STAGES - 1 iterations ago (every warp is past it).
-        int next = f + C8_STAGES - 1;
-        if (next < total) load_stage(next % C8_STAGES, next);
+        int next = kb + C8_STAGES - 1;
+        if (next < kblocks) load_stage(next % C8_STAGES, next);
         cp_async_commit();
 
-        const unsigned sa = base + (f % C8_STAGES) * STAGE, sb = sa + A_BYTES;
+        const unsigned sa = base + (kb % C8_STAGES) * STAGE, sb = sa + A_BYTES;
 #pragma unroll
         for (int ks = 0; ks < 2; ks++) {
             unsigned af[4][4], bf[4][2];
@@ -340,18 +247,95 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
 #pragma unroll
                 for (int nt = 0; nt < 4; nt++) mma_8bit(acc[mt][nt], af[mt], bf[nt][0], bf[nt][1]);
         }
-        if ((f + 1) % kblocks == 0) {
-            int tile = (int)blockIdx.x + (f / kblocks) * (int)gridDim.x;
-            conv8_epilogue<FP8, BN>(a, acc, (tile / n_tiles) * C8_BM, (tile % n_tiles) * BN, m_total, zt, yt);
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-#pragma unroll
-                for (int j = 0; j < 4; j++)
-#pragma unroll
-                    for (int t = 0; t < 4; t++) acc[i][j][t] = 0;
-        }
     }
     cp_async_wait<0>();
+
+    // Epilogue, in two passes through shared memory (the pipeline's buffers, now idle):
+    // 1. each thread stores its accumulators, scaled and biased, as f32 at their (row, channel);
+    // 2. each thread takes 16 consecutive channels of one row: reads the residual with 16-byte
+    //    loads, adds it, applies ReLU and writes 16 bytes of codes (32 of f16), so that rows are
+    //    read and written in whole sectors. K is a multiple of 16.
+    // An 8-bit residual is loaded first, so that its latency overlaps the staging.
+    constexpr int CHUNKS = BN / 16, ITEMS = C8_BM * CHUNKS / THREADS;
+    uint4 zpre[ITEMS];
+#pragma unroll
+    for (int i = 0; i < ITEMS; i++) {
+        int item = tid + i * THREADS, row = block_m + item / CHUNKS, col = block_n + (item % CHUNKS) * 16;
+        zpre[i] = make_uint4(0, 0, 0, 0);
+        if (a.z_store == C8_Q8 && row < m_total && col < a.k)
+            zpre[i] = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(a.z) + (long long)row * a.k + col);
+    }
+    __syncthreads();
+    constexpr int LD = BN + 4;  // f32 row stride of the staging tile (padded against bank conflicts)
+    float* tile = reinterpret_cast<float*>(smem);
+    const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < 4; nt++) {
+        int lc = warp_n * 32 + nt * 8 + t4 * 2, col = block_n + lc;
+        bool ok = col < a.k;
+        float al0 = ok ? a.alpha[col] : 0.f, al1 = ok ? a.alpha[col + 1] : 0.f;
+        float b0 = ok && a.bias ? a.bias[col] : 0.f, b1 = ok && a.bias ? a.bias[col + 1] : 0.f;
+#pragma unroll
+        for (int mt = 0; mt < 4; mt++)
+#pragma unroll
+            for (int half = 0; half < 2; half++) {
+                int lr = warp_m * 64 + mt * 16 + g + half * 8;
+                float2 v = make_float2((float)acc[mt][nt][2 * half] * al0 + b0, (float)acc[mt][nt][2 * half + 1] * al1 + b1);
+                *reinterpret_cast<float2*>(tile + lr * LD + lc) = v;
+            }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < ITEMS; i++) {
+        int item = tid + i * THREADS, lr = item / CHUNKS, lc = (item % CHUNKS) * 16;
+        int row = block_m + lr, col = block_n + lc;
+        if (row >= m_total || col >= a.k) continue;
+        float v[16];
+#pragma unroll
+        for (int i = 0; i < 16; i += 4) *reinterpret_cast<float4*>(v + i) = *reinterpret_cast<const float4*>(tile + lr * LD + lc + i);
+        long long o = (long long)row * a.k + col;
+        if (a.z_store == C8_F16) {
+            const uint4* zp = reinterpret_cast<const uint4*>(reinterpret_cast<const f16*>(a.z) + o);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                uint4 zz = zp[h];
+                const unsigned* w = reinterpret_cast<const unsigned*>(&zz);
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    f16 lo, hi;
+                    lo.bits = w[i] & 0xffff;
+                    hi.bits = w[i] >> 16;
+                    v[h * 8 + 2 * i] += to_f32(lo);
+                    v[h * 8 + 2 * i + 1] += to_f32(hi);
+                }
+            }
+        } else if (a.z_store == C8_Q8) {
+            decode16<FP8>(zpre[i], a.z_scale, v);
+        }
+        if (a.relu) {
+#pragma unroll
+            for (int i = 0; i < 16; i++) v[i] = fmaxf(v[i], 0.f);
+        }
+        if (a.y_store == C8_F16) {
+            uint4* yp = reinterpret_cast<uint4*>(reinterpret_cast<f16*>(a.y) + o);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                uint4 r;
+                r.x = pack_f16x2(v[h * 8 + 0], v[h * 8 + 1]);
+                r.y = pack_f16x2(v[h * 8 + 2], v[h * 8 + 3]);
+                r.z = pack_f16x2(v[h * 8 + 4], v[h * 8 + 5]);
+                r.w = pack_f16x2(v[h * 8 + 6], v[h * 8 + 7]);
+                yp[h] = r;
+            }
+        } else {
+            uint4 r;
+            unsigned* w = reinterpret_cast<unsigned*>(&r);
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                w[i] = encode4<FP8>(v + 4 * i, a.inv_y_scale, a.qmin, a.qmax);
+            *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(a.y) + o) = r;
+        }
+    }
 }
 
 // Arguments flattened (the launcher passes scalars and pointers), in `Conv8Layer::enqueue`'s order.

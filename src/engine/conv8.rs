@@ -162,10 +162,9 @@ impl Variant {
     fn threads(self) -> u32 {
         (128 * self.bn / 64) as u32
     }
-    /// The pipeline's stages, then the epilogue's two byte tiles (residual and output codes,
-    /// rows padded by 16 bytes), which persist while the next tile's stages load.
+    /// The pipeline's stages, or the epilogue's f32 staging tile (rows padded by 4) if larger.
     fn smem_bytes(self) -> u32 {
-        (STAGES * (BM + self.bn) * BK + 2 * BM * (self.bn + 16)) as u32
+        (STAGES * (BM + self.bn) * BK).max(BM * (self.bn + 4) * 4) as u32
     }
     fn entry(self, format: QuantFormat) -> String {
         let t = match format {
@@ -209,9 +208,6 @@ pub struct Conv8Layer {
     geo: [i32; 14],
     /// Output pixels per image (the GEMM's rows).
     rows_per_image: usize,
-    /// Blocks the persistent grid may have: resident blocks per SM (the driver's occupancy for
-    /// this block size and shared memory) × SMs.
-    max_blocks: usize,
 }
 
 /// The 8-bit kernel's candidates for conv `node` of the plan (one per tile shape, timed).
@@ -311,10 +307,6 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec
         let smem = variant.smem_bytes();
         f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
             .map_err(|e| ctx.err(node, format!("`{entry}` cannot have {smem} bytes of shared memory: {e:?}")))?;
-        let per_sm = f
-            .occupancy_max_active_blocks_per_multiprocessor(variant.threads(), smem as usize, None)
-            .map_err(|e| ctx.err(node, format!("the occupancy of `{entry}`: {e:?}")))?;
-        let max_blocks = (per_sm.max(1) * ctx.kernels.sm_count()) as usize;
         let w = ctx.upload_bytes(&super::layer::to_elem_bytes(&codes, elem))?;
         let alpha = ctx.upload_f32(&alpha)?;
         let bias = bias.as_deref().map(|b| ctx.upload_f32(b)).transpose()?;
@@ -337,7 +329,6 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec
             relu: a.act == Activation::Relu,
             geo,
             rows_per_image: p * q,
-            max_blocks,
         }));
     }
     Ok(out)
@@ -360,12 +351,11 @@ impl Layer for Conv8Layer {
             reason: format!("batch {batch} exceeds the 8-bit conv's 32-bit range"),
         })?;
         let k = self.geo[3] as usize;
-        // Persistent blocks, each looping over tiles (pixel tile, channel tile) in the kernel.
-        let tiles = rows.div_ceil(BM) * k.div_ceil(self.variant.bn);
-        if i32::try_from(tiles).is_err() {
-            return Err(Error::Binding { name: self.path.clone(), reason: format!("batch {batch} needs {tiles} tiles of the 8-bit conv") });
-        }
-        let grid = (tiles.min(self.max_blocks) as u32, 1, 1);
+        // One block per (pixel tile, channel tile), channel tiles fastest (the kernel's order).
+        let blocks = rows.div_ceil(BM) * k.div_ceil(self.variant.bn);
+        let blocks = u32::try_from(blocks)
+            .map_err(|_| Error::Binding { name: self.path.clone(), reason: format!("batch {batch} needs {blocks} blocks of the 8-bit conv") })?;
+        let grid = (blocks, 1, 1);
         let ptr = |v: Option<ValueId>| v.map_or(0, |v| rt.ptr(v));
         let mut args = vec![
             KArg::Ptr(rt.ptr(self.x)),
@@ -394,9 +384,9 @@ mod tests {
 
     #[test]
     fn shared_memory_matches_the_kernel() {
-        // kernels/conv8.cu: C8_STAGES × (A tile 128 × 64 bytes + B tile BN × 64 bytes), then two
-        // 128 × (BN + 16)-byte tiles.
-        assert_eq!(Variant::ALL.map(|v| v.smem_bytes()), [57_344, 86_016]);
+        // kernels/conv8.cu: C8_STAGES × (A tile 128 × 64 bytes + B tile BN × 64 bytes), or the
+        // epilogue's 128 × (BN + 4) floats.
+        assert_eq!(Variant::ALL.map(|v| v.smem_bytes()), [36_864, 67_584]);
         assert_eq!(Variant::ALL.map(|v| v.threads()), [128, 256]);
     }
 }
