@@ -12,12 +12,12 @@
 //
 // GEMM view: M = N·P·Q output pixels (rows, NHWC order), N = K output channels, K = R·S·C
 // (channel fastest, so a 16-byte chunk of the reduction is 16 channels of one filter tap: C must be
-// a multiple of 16; K too, for the epilogue's 16-channel vectors). A block computes 128 × BN outputs with warps of 64 × 32; each stage holds 64
+// a multiple of 16; K too, for the epilogue's 16-channel vectors). A block computes BM × BN
+// outputs (BM 128 or 64: small batches need more blocks) with warps of BM/2 × 32; each stage holds 64
 // bytes of the reduction for A (im2col rows gathered on the fly with cp.async, zero-filled outside
 // the image) and B, in a 3-stage cp.async pipeline. Shared-memory rows are 64 bytes, their four
 // 16-byte chunks XOR-swizzled by (row / 2) % 4 so that ldmatrix's eight rows hit distinct banks.
 
-#define C8_BM 128
 #define C8_BK 64
 #define C8_STAGES 3
 
@@ -130,12 +130,12 @@ template <> __device__ __forceinline__ unsigned encode4<true>(const float* v, fl
 #endif
 }
 
-template <bool FP8, int BN>
+template <bool FP8, int BM, int BN>
 __device__ __forceinline__ void conv8(const Conv8Args& a) {
-    constexpr int THREADS = 128 * (BN / 64);
-    constexpr int TPR = THREADS / C8_BM;  // threads per A row
+    constexpr int THREADS = 128 * (BN / 64), MT = BM / 32;  // MT: m16 tiles per warp (2 warps along M)
+    constexpr int TPR = THREADS / BM;  // threads per A row
     constexpr int CPT = 4 / TPR;          // A chunks per thread
-    constexpr int A_BYTES = C8_BM * C8_BK, B_BYTES = BN * C8_BK, STAGE = A_BYTES + B_BYTES;
+    constexpr int A_BYTES = BM * C8_BK, B_BYTES = BN * C8_BK, STAGE = A_BYTES + B_BYTES;
     typedef typename Acc<FP8>::T AccT;
     extern __shared__ __align__(128) unsigned char smem[];
 
@@ -146,7 +146,7 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
     // A 1-D grid, output-channel tiles fastest: the blocks sharing an activation tile run together,
     // so it is read from DRAM once and from L2 by the others.
     const int n_tiles = (a.k + BN - 1) / BN;
-    const int block_m = (blockIdx.x / n_tiles) * C8_BM, block_n = (blockIdx.x % n_tiles) * BN;
+    const int block_m = (blockIdx.x / n_tiles) * BM, block_n = (blockIdx.x % n_tiles) * BN;
     const unsigned base = smem_u32(smem);
 
     // This thread's A row (an output pixel) and its chunks' filter position (c, s, r), advanced
@@ -201,9 +201,9 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
         }
     };
 
-    AccT acc[4][4][4];
+    AccT acc[MT][4][4];
 #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < MT; i++)
 #pragma unroll
         for (int j = 0; j < 4; j++)
 #pragma unroll
@@ -226,10 +226,10 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
         const unsigned sa = base + (kb % C8_STAGES) * STAGE, sb = sa + A_BYTES;
 #pragma unroll
         for (int ks = 0; ks < 2; ks++) {
-            unsigned af[4][4], bf[4][2];
+            unsigned af[MT][4], bf[4][2];
 #pragma unroll
-            for (int mt = 0; mt < 4; mt++) {
-                int row = warp_m * 64 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+            for (int mt = 0; mt < MT; mt++) {
+                int row = warp_m * (BM / 2) + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
                 ldmatrix_x4(af[mt], sa + swz(row, 2 * ks + (lane >> 4)));
             }
 #pragma unroll
@@ -243,7 +243,7 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
                 bf[2 * np + 1][1] = r[3];
             }
 #pragma unroll
-            for (int mt = 0; mt < 4; mt++)
+            for (int mt = 0; mt < MT; mt++)
 #pragma unroll
                 for (int nt = 0; nt < 4; nt++) mma_8bit(acc[mt][nt], af[mt], bf[nt][0], bf[nt][1]);
         }
@@ -256,7 +256,7 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
     //    loads, adds it, applies ReLU and writes 16 bytes of codes (32 of f16), so that rows are
     //    read and written in whole sectors. K is a multiple of 16.
     // An 8-bit residual is loaded first, so that its latency overlaps the staging.
-    constexpr int CHUNKS = BN / 16, ITEMS = C8_BM * CHUNKS / THREADS;
+    constexpr int CHUNKS = BN / 16, ITEMS = BM * CHUNKS / THREADS;
     uint4 zpre[ITEMS];
 #pragma unroll
     for (int i = 0; i < ITEMS; i++) {
@@ -276,10 +276,10 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
         float al0 = ok ? a.alpha[col] : 0.f, al1 = ok ? a.alpha[col + 1] : 0.f;
         float b0 = ok && a.bias ? a.bias[col] : 0.f, b1 = ok && a.bias ? a.bias[col + 1] : 0.f;
 #pragma unroll
-        for (int mt = 0; mt < 4; mt++)
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int half = 0; half < 2; half++) {
-                int lr = warp_m * 64 + mt * 16 + g + half * 8;
+                int lr = warp_m * (BM / 2) + mt * 16 + g + half * 8;
                 float2 v = make_float2((float)acc[mt][nt][2 * half] * al0 + b0, (float)acc[mt][nt][2 * half + 1] * al1 + b1);
                 *reinterpret_cast<float2*>(tile + lr * LD + lc) = v;
             }
@@ -339,17 +339,19 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
 }
 
 // Arguments flattened (the launcher passes scalars and pointers), in `Conv8Layer::enqueue`'s order.
-#define CONV8(NAME, FP8, BN)                                                                                                         \
+#define CONV8(NAME, FP8, BM, BN)                                                                                                     \
     extern "C" __global__ void __launch_bounds__(128 * (BN / 64))                                                                    \
         NAME(const unsigned char* x, const unsigned char* w, const float* alpha, const float* bias, const void* z, void* y,          \
              float z_scale, float inv_y_scale, float qmin, float qmax, int z_store, int y_store, int relu, int n, int h, int wd, int c, \
              int k, int r, int s, int p, int q, int sh, int sw, int ph, int pw, int dh, int dw) {                                    \
         Conv8Args a = {x, w, alpha, bias, z, y, z_scale, inv_y_scale, qmin, qmax, z_store, y_store, relu, n, h, wd, c, k, r, s, p, q,  \
                        sh, sw, ph, pw, dh, dw};                                                                                       \
-        conv8<FP8, BN>(a);                                                                                                            \
+        conv8<FP8, BM, BN>(a);                                                                                                        \
     }
 
-CONV8(conv8_i8_n64, false, 64)
-CONV8(conv8_i8_n128, false, 128)
-CONV8(conv8_e4m3_n64, true, 64)
-CONV8(conv8_e4m3_n128, true, 128)
+CONV8(conv8_i8_m128n64, false, 128, 64)
+CONV8(conv8_i8_m128n128, false, 128, 128)
+CONV8(conv8_i8_m64n64, false, 64, 64)
+CONV8(conv8_e4m3_m128n64, true, 128, 64)
+CONV8(conv8_e4m3_m128n128, true, 128, 128)
+CONV8(conv8_e4m3_m64n64, true, 64, 64)

@@ -351,8 +351,8 @@ fn conv8_matches_the_simulation() {
         }
         let seen = common::to_f16(&input);
         let sim = kiln::cpu::run(&simulate(&graph, &cache, format).expect("simulate"), &[("input", &seen)]).expect("cpu");
-        for bn in [64, 128] {
-            let source = format!("kernel:conv8_{code}_n{bn}");
+        for tile in ["m128n64", "m128n128", "m64n64"] {
+            let source = format!("kernel:conv8_{code}_{tile}");
             // c4 is grouped: it has no 8-bit candidate, so the restriction leaves it its FP16 ones.
             let config =
                 BuildConfig::default().precision(precision).batch(1, 5, 5).calibration_cache(&path).tactic_sources(&[source.as_str()]);

@@ -29,9 +29,7 @@ pub const CONV8_CU: &str = super::kernels::ON_DEMAND[4].1;
 /// The kind prefix of every 8-bit conv layer (`kiln inspect`, the build summary).
 pub const KIND: &str = "kernel:conv8_";
 
-/// Output pixels per block, reduction bytes per stage and pipeline depth (`C8_BM`, `C8_BK`,
-/// `C8_STAGES` in the kernel).
-const BM: usize = 128;
+/// Reduction bytes per stage and pipeline depth (`C8_BK`, `C8_STAGES` in the kernel).
 const BK: usize = 64;
 const STAGES: usize = 3;
 
@@ -151,27 +149,29 @@ pub fn plan(graph: &Graph, precision: Precision, precisions: &[Precision], sm: u
     plan
 }
 
-/// One compiled tile shape (`CONV8` entries of the kernel): output channels per block.
+/// One compiled tile shape (`CONV8` entries of the kernel): output pixels and channels per block.
 #[derive(Clone, Copy, Debug)]
 struct Variant {
+    bm: usize,
     bn: usize,
 }
 
 impl Variant {
-    const ALL: [Variant; 2] = [Variant { bn: 64 }, Variant { bn: 128 }];
+    /// 128-pixel tiles for large batches; 64-pixel tiles give small ones more blocks.
+    const ALL: [Variant; 3] = [Variant { bm: 128, bn: 64 }, Variant { bm: 128, bn: 128 }, Variant { bm: 64, bn: 64 }];
     fn threads(self) -> u32 {
         (128 * self.bn / 64) as u32
     }
     /// The pipeline's stages, or the epilogue's f32 staging tile (rows padded by 4) if larger.
     fn smem_bytes(self) -> u32 {
-        (STAGES * (BM + self.bn) * BK).max(BM * (self.bn + 4) * 4) as u32
+        (STAGES * (self.bm + self.bn) * BK).max(self.bm * (self.bn + 4) * 4) as u32
     }
     fn entry(self, format: QuantFormat) -> String {
         let t = match format {
             QuantFormat::Int8 => "i8",
             QuantFormat::Fp8E4m3 => "e4m3",
         };
-        format!("conv8_{t}_n{}", self.bn)
+        format!("conv8_{t}_m{}n{}", self.bm, self.bn)
     }
 }
 
@@ -352,9 +352,11 @@ impl Layer for Conv8Layer {
         })?;
         let k = self.geo[3] as usize;
         // One block per (pixel tile, channel tile), channel tiles fastest (the kernel's order).
-        let blocks = rows.div_ceil(BM) * k.div_ceil(self.variant.bn);
-        let blocks = u32::try_from(blocks)
-            .map_err(|_| Error::Binding { name: self.path.clone(), reason: format!("batch {batch} needs {blocks} blocks of the 8-bit conv") })?;
+        let blocks = rows.div_ceil(self.variant.bm) * k.div_ceil(self.variant.bn);
+        let blocks = u32::try_from(blocks).map_err(|_| Error::Binding {
+            name: self.path.clone(),
+            reason: format!("batch {batch} needs {blocks} blocks of the 8-bit conv"),
+        })?;
         let grid = (blocks, 1, 1);
         let ptr = |v: Option<ValueId>| v.map_or(0, |v| rt.ptr(v));
         let mut args = vec![
@@ -384,9 +386,10 @@ mod tests {
 
     #[test]
     fn shared_memory_matches_the_kernel() {
-        // kernels/conv8.cu: C8_STAGES × (A tile 128 × 64 bytes + B tile BN × 64 bytes), or the
-        // epilogue's 128 × (BN + 4) floats.
-        assert_eq!(Variant::ALL.map(|v| v.smem_bytes()), [36_864, 67_584]);
-        assert_eq!(Variant::ALL.map(|v| v.threads()), [128, 256]);
+        // kernels/conv8.cu: C8_STAGES × (A tile BM × 64 bytes + B tile BN × 64 bytes), or the
+        // epilogue's BM × (BN + 4) floats.
+        assert_eq!(Variant::ALL.map(|v| v.smem_bytes()), [36_864, 67_584, 24_576]);
+        assert_eq!(Variant::ALL.map(|v| v.threads()), [128, 256, 128]);
+        assert_eq!(Variant::ALL.map(|v| v.entry(QuantFormat::Int8)), ["conv8_i8_m128n64", "conv8_i8_m128n128", "conv8_i8_m64n64"]);
     }
 }
