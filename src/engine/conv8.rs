@@ -46,10 +46,6 @@ pub struct EightBitPlan {
 }
 
 impl EightBitPlan {
-    /// Whether quantiser `id` is computed by the conv before it (no layer of its own).
-    pub fn requantised(&self, id: NodeId) -> bool {
-        self.requant.iter().any(|&q| q == Some(id))
-    }
     /// The storage type of a stored quantiser's value in a `format` engine.
     pub fn elem(format: QuantFormat) -> Elem {
         match format {
@@ -122,12 +118,12 @@ pub fn plan(graph: &Graph, precision: Precision, precisions: &[Precision], sm: u
     // 8-bit conv needs its activations stored: drop what fails until nothing changes.
     loop {
         let mut changed = false;
-        for id in 0..len {
+        for (id, reads) in readers.iter().enumerate() {
             if plan.conv[id] && !activations(id).iter().all(|&a| plan.stored[a]) {
                 plan.conv[id] = false;
                 changed = true;
             }
-            let readers_ok = readers[id].iter().all(|&r| {
+            let readers_ok = reads.iter().all(|&r| {
                 plan.conv[r] && graph.nodes[r].inputs.iter().enumerate().all(|(k, &i)| i != id || k == 0 || activations(r).contains(&i))
             });
             if plan.stored[id] && !readers_ok {
