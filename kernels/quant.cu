@@ -81,32 +81,10 @@ __device__ __forceinline__ unsigned char encode_e4m3(float v) {
     return sign | (unsigned char)(((e + 7) << 3) | ((b >> 20) & 7));
 }
 
-// q = e4m3 bits of x * inv_scale (saturated, nearest even): an FP8 GEMM's activation operand.
-template <typename T> __device__ __forceinline__ unsigned char e4m3_of(T x, float inv_scale) {
-    return encode_e4m3(round_e4m3(fminf(fmaxf(to_f32(x) * inv_scale, -E4M3_MAX), E4M3_MAX)));
-}
-
-// Eight elements per thread and step when n is a multiple of 8 and x 16-byte aligned (the
-// engine's arena values are), else one.
-template <typename T> __device__ void to_e4m3(const T* x, unsigned char* q, i64 n, float inv_scale) {
-    if (n % 8 == 0 && ((size_t)x % 16) == 0 && ((size_t)q % 8) == 0) {
-        GRID_STRIDE(i, n / 8) {
-            T e[8];
-#pragma unroll
-            for (int h = 0; h < 8 * (int)sizeof(T); h += 16) *reinterpret_cast<uint4*>(reinterpret_cast<char*>(e) + h) = *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(x + i * 8) + h);
-            unsigned char b[8];
-#pragma unroll
-            for (int k = 0; k < 8; k++) b[k] = e4m3_of(e[k], inv_scale);
-            reinterpret_cast<uint2*>(q)[i] = *reinterpret_cast<uint2*>(b);
-        }
-        return;
-    }
-    GRID_STRIDE(i, n) { q[i] = e4m3_of(x[i], inv_scale); }
-}
-
-// The codes of a per-tensor, symmetric quantiser whose value an 8-bit engine stores as bytes
-// (src/engine/conv8.rs): int8 as two's complement, fp8 as e4m3 bits. Eight per thread and step
-// when n is a multiple of 8 and the pointers are aligned (arena values are).
+// The codes of a per-tensor, symmetric quantiser: int8 as two's complement, fp8 as e4m3 bits
+// (saturated, nearest even). They are the stored value of an 8-bit engine's quantiser
+// (src/engine/conv8.rs) and an FP8 GEMM's activation operand (`to_e4m3_*`). Eight per thread and
+// step when n is a multiple of 8 and the pointers are aligned (arena values are), else one.
 template <typename T> __device__ __forceinline__ unsigned char code_of(T x, float inv_s, int fmt, float qmin, float qmax) {
     float v = quantize_value(to_f32(x), inv_s, 0.f, fmt, qmin, qmax);
     return fmt == QFMT_E4M3 ? encode_e4m3(v) : (unsigned char)(signed char)(int)v;
@@ -132,7 +110,9 @@ template <typename T> __device__ void quant_codes(const T* x, unsigned char* q, 
                                          int fmt, float qmin, float qmax) {                                                         \
         quant<T>(x, y, n, scale, zp, inner, channels, mode, fmt, qmin, qmax);                                                       \
     }                                                                                                                               \
-    extern "C" __global__ void to_e4m3_##S(const T* x, unsigned char* q, i64 n, float inv_scale) { to_e4m3<T>(x, q, n, inv_scale); } \
+    extern "C" __global__ void to_e4m3_##S(const T* x, unsigned char* q, i64 n, float inv_scale) {                                \
+        quant_codes<T>(x, q, n, inv_scale, QFMT_E4M3, 0.f, 0.f);                                                                     \
+    }                                                                                                                               \
     extern "C" __global__ void quant_tensor_##S(const uint4* x, uint4* y, i64 nvec, float s, float inv_s, float z, int mode, int fmt,  \
                                                 float qmin, float qmax) {                                                           \
         quant_tensor<T>(x, y, nvec, s, inv_s, z, mode, fmt, qmin, qmax);                                                            \
