@@ -389,3 +389,28 @@ fn eight_bit_plan_of_the_digits_network() {
     assert!(!plan.conv[id] && !plan.stored[g.nodes[id].inputs[0]], "{kept} is FP16, its input is not stored");
     let _ = std::fs::remove_file(&path);
 }
+
+/// An INT8 engine's graph through the engine file: every folded weight keeps its 8-bit grid
+/// (`Op::Weight::quant`, which the 8-bit convs read their codes and scales from), so a loaded
+/// engine plans the same 8-bit layers as the build did.
+#[test]
+fn weight_grids_survive_the_engine_file() {
+    use kiln::engine::file::{decode, encode, Header, Payload, FORMAT_VERSION};
+    use kiln::engine::{conv8, node_precisions, BuildConfig, Precision};
+    let d = digits();
+    let cache =
+        Calibrator::new(&d.graph).and_then(|c| c.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::MinMax)).expect("calibrate");
+    let path = std::env::temp_dir().join(format!("kiln-grid-{}.json", std::process::id()));
+    cache.save(&path).expect("save");
+    let g = prepare_for_engine(kiln::passes::optimize(&d.graph).expect("optimize"), QuantFormat::Int8, Some(&path)).expect("quantise");
+    let grids = g.nodes.iter().filter(|n| matches!(&n.op, Op::Weight { quant: Some(q), .. } if q.axis == Some(0))).count();
+    assert_eq!(grids, 10, "every 8-bit layer's weight is on a per-channel int8 grid");
+    let config = BuildConfig::default().precision(Precision::Int8);
+    let header = Header { version: FORMAT_VERSION, sm: 90, driver_version: 13000, cudnn_version: 91400 };
+    let payload = Payload { config: config.clone(), graph: g.clone(), tactics: Default::default() };
+    let (_, loaded) = decode(&encode(&header, &payload).expect("encode"), "digits.kiln").expect("decode");
+    assert_eq!(loaded.graph.nodes, g.nodes, "ops, grids included, survive");
+    let plan = |g: &kiln::graph::Graph| conv8::plan(g, Precision::Int8, &node_precisions(g, &config), 90);
+    assert_eq!(plan(&loaded.graph), plan(&g));
+    let _ = std::fs::remove_file(&path);
+}
