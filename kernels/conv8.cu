@@ -113,6 +113,17 @@ template <> __device__ __forceinline__ void decode16<true>(uint4 q, float scale,
 // saturation, nearest even (the hardware conversion, sm_89+).
 template <bool FP8> __device__ __forceinline__ unsigned encode4(const float* v, float inv_s, float qmin, float qmax);
 template <> __device__ __forceinline__ unsigned encode4<false>(const float* v, float inv_s, float qmin, float qmax) {
+    if (qmin == -128.f && qmax == 127.f) {
+        // The full int8 range: round to nearest even (cvt.rni), then saturate and pack two pairs
+        // (cvt.pack.sat: d = c's low half << 16 | sat(a) << 8 | sat(b)). The epilogue is
+        // instruction-bound, and this is 6 instructions for 4 codes instead of about 30.
+        int q0 = __float2int_rn(v[0] * inv_s), q1 = __float2int_rn(v[1] * inv_s);
+        int q2 = __float2int_rn(v[2] * inv_s), q3 = __float2int_rn(v[3] * inv_s);
+        unsigned hi, r;
+        asm("cvt.pack.sat.s8.s32.b32 %0, %1, %2, %3;" : "=r"(hi) : "r"(q3), "r"(q2), "r"(0));
+        asm("cvt.pack.sat.s8.s32.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(q1), "r"(q0), "r"(hi));
+        return r;
+    }
     unsigned r = 0;
 #pragma unroll
     for (int b = 0; b < 4; b++) r |= ((unsigned)(int)fminf(fmaxf(rintf(v[b] * inv_s), qmin), qmax) & 0xff) << (8 * b);
