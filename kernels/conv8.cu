@@ -85,7 +85,7 @@ template <> __device__ __forceinline__ void decode16<false>(uint4 q, float scale
 #pragma unroll
     for (int i = 0; i < 4; i++)
 #pragma unroll
-        for (int b = 0; b < 4; b++) v[4 * i + b] += (float)((int)(w[i] << (24 - 8 * b)) >> 24) * scale;
+        for (int b = 0; b < 4; b++) v[4 * i + b] += (float)(signed char)(w[i] >> (8 * b)) * scale;
 }
 template <> __device__ __forceinline__ void decode16<true>(uint4 q, float scale, float* v) {
 #if __CUDA_ARCH__ >= 890
