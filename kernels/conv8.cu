@@ -37,6 +37,10 @@ struct Conv8Args {
     int z_store, y_store, relu;
     int n, h, w_, c, k, r, s, p, q;
     int stride_h, stride_w, pad_h, pad_w, dil_h, dil_w;
+    // Split-K: `splits` blocks share a tile's reduction, each writing its f32 partial sums to
+    // ws[split][row][k]; conv8_finish then adds them and runs the epilogue. 1: no split.
+    float* ws;
+    int splits;
 };
 
 // 16 bytes global → shared, zero-filled where !valid. The activation goes through L1 (`.ca`): a
@@ -141,6 +145,52 @@ template <> __device__ __forceinline__ unsigned encode4<true>(const float* v, fl
 #endif
 }
 
+// The end of the epilogue for 16 consecutive channels at output offset o, given v = acc · alpha
+// + bias: the residual (f16, or the codes zq), ReLU, then f16 or codes, stored as 16-byte vectors.
+template <bool FP8> __device__ __forceinline__ void finish16(const Conv8Args& a, float* v, long long o, uint4 zq) {
+    if (a.z_store == C8_F16) {
+        const uint4* zp = reinterpret_cast<const uint4*>(reinterpret_cast<const f16*>(a.z) + o);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            uint4 zz = zp[h];
+            const unsigned* w = reinterpret_cast<const unsigned*>(&zz);
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                f16 lo, hi;
+                lo.bits = w[i] & 0xffff;
+                hi.bits = w[i] >> 16;
+                v[h * 8 + 2 * i] += to_f32(lo);
+                v[h * 8 + 2 * i + 1] += to_f32(hi);
+            }
+        }
+    } else if (a.z_store == C8_Q8) {
+        decode16<FP8>(zq, a.z_scale, v);
+    }
+    if (a.relu) {
+#pragma unroll
+        for (int i = 0; i < 16; i++) v[i] = fmaxf(v[i], 0.f);
+    }
+    if (a.y_store == C8_F16) {
+        uint4* yp = reinterpret_cast<uint4*>(reinterpret_cast<f16*>(a.y) + o);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            uint4 r;
+            r.x = pack_f16x2(v[h * 8 + 0], v[h * 8 + 1]);
+            r.y = pack_f16x2(v[h * 8 + 2], v[h * 8 + 3]);
+            r.z = pack_f16x2(v[h * 8 + 4], v[h * 8 + 5]);
+            r.w = pack_f16x2(v[h * 8 + 6], v[h * 8 + 7]);
+            yp[h] = r;
+        }
+    } else {
+        uint4 r;
+        unsigned* w = reinterpret_cast<unsigned*>(&r);
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            w[i] = encode4<FP8>(v + 4 * i, a.inv_y_scale, a.qmin, a.qmax);
+        *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(a.y) + o) = r;
+    }
+}
+
 template <bool FP8, int BM, int BN>
 __device__ __forceinline__ void conv8(const Conv8Args& a) {
     constexpr int THREADS = 128 * (BN / 64), MT = BM / 32;  // MT: m16 tiles per warp (2 warps along M)
@@ -156,8 +206,11 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
     const int kg = a.r * a.s * a.c;
     // A 1-D grid, output-channel tiles fastest: the blocks sharing an activation tile run together,
     // so it is read from DRAM once and from L2 by the others.
-    const int n_tiles = (a.k + BN - 1) / BN;
-    const int block_m = (blockIdx.x / n_tiles) * BM, block_n = (blockIdx.x % n_tiles) * BN;
+    // With split-K, the splits of a tile are adjacent blocks; each reduces its share of k-blocks.
+    const int n_tiles = (a.k + BN - 1) / BN, split = blockIdx.x % a.splits, tile = blockIdx.x / a.splits;
+    const int block_m = (tile / n_tiles) * BM, block_n = (tile % n_tiles) * BN;
+    const int kblocks_all = (kg + C8_BK - 1) / C8_BK, per_split = (kblocks_all + a.splits - 1) / a.splits;
+    const int kb0 = min(split * per_split, kblocks_all), kblocks = min(kblocks_all - kb0, per_split);
     const unsigned base = smem_u32(smem);
 
     // This thread's A row (an output pixel) and its chunks' filter position (c, s, r), advanced
@@ -176,7 +229,7 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
     int pc[CPT], ps[CPT], pr[CPT];
 #pragma unroll
     for (int j = 0; j < CPT; j++) {
-        int kk = (a_chunk0 + j) * 16;
+        int kk = kb0 * C8_BK + (a_chunk0 + j) * 16;
         pc[j] = kk % a.c;
         int rs = kk / a.c;
         ps[j] = rs % a.s;
@@ -187,7 +240,7 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
         const unsigned sa = base + stage * STAGE, sb = sa + A_BYTES;
 #pragma unroll
         for (int j = 0; j < CPT; j++) {
-            int kk = kb * C8_BK + (a_chunk0 + j) * 16;
+            int kk = (kb0 + kb) * C8_BK + (a_chunk0 + j) * 16;
             int ih = ih0 + pr[j] * a.dil_h, iw = iw0 + ps[j] * a.dil_w;
             bool ok = m_ok && kk < kg && ih >= 0 && ih < a.h && iw >= 0 && iw < a.w_;
             const unsigned char* src = ok ? xb + ((long long)(ih * a.w_ + iw) * a.c + pc[j]) : a.x;
@@ -205,7 +258,7 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
 #pragma unroll
         for (int j = 0; j < BN * 4 / THREADS; j++) {
             int idx = tid + j * THREADS, row = idx >> 2, chunk = idx & 3;
-            int kk = kb * C8_BK + chunk * 16, nn = block_n + row;
+            int kk = (kb0 + kb) * C8_BK + chunk * 16, nn = block_n + row;
             bool ok = nn < a.k && kk < kg;
             const unsigned char* src = ok ? a.w + (long long)nn * kg + kk : a.w;
             cp_async16(sb + swz(row, chunk), src, ok);
@@ -220,7 +273,6 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
 #pragma unroll
             for (int t = 0; t < 4; t++) acc[i][j][t] = 0;
 
-    const int kblocks = (kg + C8_BK - 1) / C8_BK;
 #pragma unroll
     for (int st = 0; st < C8_STAGES - 1; st++) {
         if (st < kblocks) load_stage(st, st);
@@ -260,6 +312,25 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
         }
     }
     cp_async_wait<0>();
+    const int g = lane >> 2, t4 = lane & 3;
+    if (a.splits > 1) {
+        // This split's partial sums, as they are: conv8_finish adds the splits and runs the epilogue.
+        float* ws = a.ws + (long long)split * m_total * a.k;
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++) {
+            int col = block_n + warp_n * 32 + nt * 8 + t4 * 2;
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int half = 0; half < 2; half++) {
+                    int row = block_m + warp_m * (BM / 2) + mt * 16 + g + half * 8;
+                    if (row < m_total && col < a.k)
+                        *reinterpret_cast<float2*>(ws + (long long)row * a.k + col) =
+                            make_float2((float)acc[mt][nt][2 * half], (float)acc[mt][nt][2 * half + 1]);
+                }
+        }
+        return;
+    }
 
     // Epilogue, in two passes through shared memory (the pipeline's buffers, now idle):
     // 1. each thread stores its accumulators, scaled and biased, as f32 at their (row, channel);
@@ -278,8 +349,7 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
     }
     __syncthreads();
     constexpr int LD = BN + 4;  // f32 row stride of the staging tile (padded against bank conflicts)
-    float* tile = reinterpret_cast<float*>(smem);
-    const int g = lane >> 2, t4 = lane & 3;
+    float* stage_tile = reinterpret_cast<float*>(smem);
 #pragma unroll
     for (int nt = 0; nt < 4; nt++) {
         int lc = warp_n * 32 + nt * 8 + t4 * 2, col = block_n + lc;
@@ -292,7 +362,7 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
             for (int half = 0; half < 2; half++) {
                 int lr = warp_m * (BM / 2) + mt * 16 + g + half * 8;
                 float2 v = make_float2((float)acc[mt][nt][2 * half] * al0 + b0, (float)acc[mt][nt][2 * half + 1] * al1 + b1);
-                *reinterpret_cast<float2*>(tile + lr * LD + lc) = v;
+                *reinterpret_cast<float2*>(stage_tile + lr * LD + lc) = v;
             }
     }
     __syncthreads();
@@ -303,49 +373,35 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
         if (row >= m_total || col >= a.k) continue;
         float v[16];
 #pragma unroll
-        for (int i = 0; i < 16; i += 4) *reinterpret_cast<float4*>(v + i) = *reinterpret_cast<const float4*>(tile + lr * LD + lc + i);
+        for (int i = 0; i < 16; i += 4) *reinterpret_cast<float4*>(v + i) = *reinterpret_cast<const float4*>(stage_tile + lr * LD + lc + i);
+        finish16<FP8>(a, v, (long long)row * a.k + col, zpre[i]);
+    }
+}
+
+// Split-K's second step: one thread per 16 channels of an output row adds the splits' partial sums,
+// scales and biases them, and finishes as the one-step epilogue does.
+template <bool FP8> __device__ __forceinline__ void conv8_finish(const Conv8Args& a) {
+    const int m_total = a.n * a.p * a.q, chunks = a.k / 16;
+    GRID_STRIDE(i, (i64)m_total * chunks) {
+        int row = (int)(i / chunks), col = (int)(i % chunks) * 16;
         long long o = (long long)row * a.k + col;
-        if (a.z_store == C8_F16) {
-            const uint4* zp = reinterpret_cast<const uint4*>(reinterpret_cast<const f16*>(a.z) + o);
+        float v[16] = {};
+        for (int sp = 0; sp < a.splits; sp++) {
+            const float* w = a.ws + (long long)sp * m_total * a.k + o;
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                uint4 zz = zp[h];
-                const unsigned* w = reinterpret_cast<const unsigned*>(&zz);
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    f16 lo, hi;
-                    lo.bits = w[i] & 0xffff;
-                    hi.bits = w[i] >> 16;
-                    v[h * 8 + 2 * i] += to_f32(lo);
-                    v[h * 8 + 2 * i + 1] += to_f32(hi);
-                }
+            for (int j = 0; j < 16; j += 4) {
+                float4 t = *reinterpret_cast<const float4*>(w + j);
+                v[j] += t.x;
+                v[j + 1] += t.y;
+                v[j + 2] += t.z;
+                v[j + 3] += t.w;
             }
-        } else if (a.z_store == C8_Q8) {
-            decode16<FP8>(zpre[i], a.z_scale, v);
         }
-        if (a.relu) {
 #pragma unroll
-            for (int i = 0; i < 16; i++) v[i] = fmaxf(v[i], 0.f);
-        }
-        if (a.y_store == C8_F16) {
-            uint4* yp = reinterpret_cast<uint4*>(reinterpret_cast<f16*>(a.y) + o);
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                uint4 r;
-                r.x = pack_f16x2(v[h * 8 + 0], v[h * 8 + 1]);
-                r.y = pack_f16x2(v[h * 8 + 2], v[h * 8 + 3]);
-                r.z = pack_f16x2(v[h * 8 + 4], v[h * 8 + 5]);
-                r.w = pack_f16x2(v[h * 8 + 6], v[h * 8 + 7]);
-                yp[h] = r;
-            }
-        } else {
-            uint4 r;
-            unsigned* w = reinterpret_cast<unsigned*>(&r);
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-                w[i] = encode4<FP8>(v + 4 * i, a.inv_y_scale, a.qmin, a.qmax);
-            *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(a.y) + o) = r;
-        }
+        for (int j = 0; j < 16; j++) v[j] = v[j] * a.alpha[col + j] + (a.bias ? a.bias[col + j] : 0.f);
+        uint4 zq = make_uint4(0, 0, 0, 0);
+        if (a.z_store == C8_Q8) zq = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(a.z) + o);
+        finish16<FP8>(a, v, o, zq);
     }
 }
 
@@ -354,9 +410,9 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
     extern "C" __global__ void __launch_bounds__(128 * (BN / 64))                                                                    \
         NAME(const unsigned char* x, const unsigned char* w, const float* alpha, const float* bias, const void* z, void* y,          \
              float z_scale, float inv_y_scale, float qmin, float qmax, int z_store, int y_store, int relu, int n, int h, int wd, int c, \
-             int k, int r, int s, int p, int q, int sh, int sw, int ph, int pw, int dh, int dw) {                                    \
+             int k, int r, int s, int p, int q, int sh, int sw, int ph, int pw, int dh, int dw, float* ws, int splits) {             \
         Conv8Args a = {x, w, alpha, bias, z, y, z_scale, inv_y_scale, qmin, qmax, z_store, y_store, relu, n, h, wd, c, k, r, s, p, q,  \
-                       sh, sw, ph, pw, dh, dw};                                                                                       \
+                       sh, sw, ph, pw, dh, dw, ws, splits};                                                                           \
         conv8<FP8, BM, BN>(a);                                                                                                        \
     }
 
@@ -366,3 +422,16 @@ CONV8(conv8_i8_m64n64, false, 64, 64)
 CONV8(conv8_e4m3_m128n64, true, 128, 64)
 CONV8(conv8_e4m3_m128n128, true, 128, 128)
 CONV8(conv8_e4m3_m64n64, true, 64, 64)
+
+#define CONV8_FINISH(NAME, FP8)                                                                                                      \
+    extern "C" __global__ void NAME(const unsigned char* x, const unsigned char* w, const float* alpha, const float* bias, const void* z, \
+                                    void* y, float z_scale, float inv_y_scale, float qmin, float qmax, int z_store, int y_store,     \
+                                    int relu, int n, int h, int wd, int c, int k, int r, int s, int p, int q, int sh, int sw, int ph, \
+                                    int pw, int dh, int dw, float* ws, int splits) {                                                  \
+        Conv8Args a = {x, w, alpha, bias, z, y, z_scale, inv_y_scale, qmin, qmax, z_store, y_store, relu, n, h, wd, c, k, r, s, p, q,  \
+                       sh, sw, ph, pw, dh, dw, ws, splits};                                                                           \
+        conv8_finish<FP8>(a);                                                                                                         \
+    }
+
+CONV8_FINISH(conv8_finish_i8, false)
+CONV8_FINISH(conv8_finish_e4m3, true)

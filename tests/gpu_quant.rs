@@ -315,7 +315,8 @@ fn fp8_gemm_matches_the_simulation() {
 /// against the CPU fake-quant simulation at batch 1 and 5: 3×3 convs with stride 1 and 2 and
 /// dilation 2, a 1×1 conv adding an 8-bit residual, output channels that leave a partial tile,
 /// odd image sizes, a conv requantising into the next one's input, one writing f16 for a reader
-/// the kernel cannot run (a grouped conv), and a value read by two 8-bit convs. The simulation
+/// the kernel cannot run (a grouped conv), a value read by two 8-bit convs, and a 5×5 conv deep
+/// enough for split-K (19 k-blocks), forced with 4 and 8 splits. The simulation
 /// reads the input rounded to f16, as the engine's quantiser does (with the f32 input, values
 /// near a rounding boundary land on the other code: 8e-3 in INT8).
 #[test]
@@ -332,11 +333,13 @@ fn conv8_matches_the_simulation() {
     let c3 = conv("c3", Conv2dConfig::new(32, 48, 3).stride(2).padding(1));
     let c4 = conv("c4", Conv2dConfig::new(48, 16, 1).groups(2));
     let c5 = conv("c5", Conv2dConfig::new(32, 16, 3).padding(2).dilation(2));
+    let c6 = conv("c6", Conv2dConfig::new(48, 32, 5).padding(2));
     let h1 = c1.forward(&x).and_then(|h| h.relu()).expect("c1");
     let h2 = c2.forward(&h1).and_then(|y| y.add(&x)).and_then(|y| y.relu()).expect("c2");
     let h3 = c3.forward(&h2).and_then(|h| h.relu()).expect("c3");
     c4.forward(&h3).expect("c4").mark_output("y1");
     c5.forward(&h2).expect("c5").mark_output("y2");
+    c6.forward(&h1).expect("c6").mark_output("y3");
     let graph = tracer.graph();
     let input = common::random(&[5, 32, 9, 11], 23, 2.0);
     let cache =
@@ -351,7 +354,7 @@ fn conv8_matches_the_simulation() {
         }
         let seen = common::to_f16(&input);
         let sim = kiln::cpu::run(&simulate(&graph, &cache, format).expect("simulate"), &[("input", &seen)]).expect("cpu");
-        for tile in ["m128n64", "m128n128", "m64n64"] {
+        for tile in ["m128n64", "m128n128", "m64n64", "m64n64:split4", "m64n64:split8"] {
             let source = format!("kernel:conv8_{code}_{tile}");
             // c4 is grouped: it has no 8-bit candidate, so the restriction leaves it its FP16 ones.
             let config =
@@ -364,9 +367,17 @@ fn conv8_matches_the_simulation() {
                 }
             };
             print!("{}{}", engine.describe(), engine.summary);
-            let eight_bit: Vec<String> = engine.layers().filter(|l| l.kind() == source).map(|l| l.path().to_string()).collect();
-            if eight_bit != ["c1", "c2", "c3", "c5"] {
-                failures.push(format!("`{source}`: 8-bit layers {eight_bit:?}, expected c1, c2, c3, c5"));
+            let eight_bit: Vec<String> =
+                engine.layers().filter(|l| l.kind().starts_with("kernel:conv8_")).map(|l| l.path().to_string()).collect();
+            if eight_bit != ["c1", "c2", "c3", "c5", "c6"] {
+                failures.push(format!("`{source}`: 8-bit layers {eight_bit:?}, expected c1, c2, c3, c5, c6"));
+            }
+            // Every 8-bit layer took the forced tile, where it has one (split-K only c6; forcing a
+            // tile leaves its split-K forms to the timing, as `tactic_sources` matches prefixes).
+            let forced: Vec<String> = engine.layers().filter(|l| l.kind().starts_with(&source)).map(|l| l.path().to_string()).collect();
+            let want: &[&str] = if source.contains(":split") { &["c6"] } else { &["c1", "c2", "c3", "c5", "c6"] };
+            if forced != want {
+                failures.push(format!("`{source}`: forced on {forced:?}, expected {want:?}"));
             }
             // c1 requantises into c2's input: no quantiser runs between them.
             let quantisers: Vec<String> = engine.layers().filter(|l| l.kind().contains("quant")).map(|l| l.path().to_string()).collect();
@@ -379,7 +390,7 @@ fn conv8_matches_the_simulation() {
                 let per = 32 * 9 * 11;
                 let xb = HostTensor::new(vec![batch, 32, 9, 11], input.data[..batch * per].to_vec());
                 let got = ctx.run(&[("input", &xb)]).expect("run");
-                for name in ["y1", "y2"] {
+                for name in ["y1", "y2", "y3"] {
                     let n = got[name].data.len();
                     let (rel, max_abs) = rel_l2(&got[name].data, &sim[name].data[..n]);
                     println!(

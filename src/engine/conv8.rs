@@ -16,7 +16,7 @@
 //! products, scales them by `s_x · s_w[k]` in f32, adds the f32 bias and the dequantised
 //! residual, applies ReLU, and rounds to the next quantiser's grid as `kernels/quant.cu` does.
 
-use super::launch::{launch, CudaFunction, KArg};
+use super::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
 use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueId};
 use super::Precision;
 use crate::graph::{Activation, ConvAttrs, Graph, NodeId, Op, Quant, QuantFormat, QuantParams};
@@ -204,7 +204,16 @@ pub struct Conv8Layer {
     geo: [i32; 14],
     /// Output pixels per image (the GEMM's rows).
     rows_per_image: usize,
+    /// Split-K: blocks sharing one tile's reduction (1: none), and the kernel that adds their
+    /// partial sums (kept in the layer's workspace) and runs the epilogue.
+    splits: usize,
+    finish: Option<CudaFunction>,
+    sm_count: u32,
 }
+
+/// Split-K factors tried for the 64-pixel tile where the reduction has at least twice as many
+/// 64-byte k-blocks (a small batch's deep layers: one tile per block leaves most SMs idle).
+const SPLITS: [usize; 2] = [4, 8];
 
 /// The 8-bit kernel's candidates for conv `node` of the plan (one per tile shape, timed).
 pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec<Box<dyn Layer>>> {
@@ -297,8 +306,15 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec
     ctx.kernels.add_source("conv8.cu", CONV8_CU)?;
     let path = n.path.clone();
     let mut out: Vec<Box<dyn Layer>> = Vec::new();
-    for variant in Variant::ALL {
+    let kblocks = (c * r * s).div_ceil(BK);
+    let finish_entry = format!("conv8_finish_{}", if format == QuantFormat::Int8 { "i8" } else { "e4m3" });
+    let shapes = Variant::ALL
+        .into_iter()
+        .map(|v| (v, 1))
+        .chain(SPLITS.into_iter().filter(|&n| kblocks >= 2 * n).map(|n| (Variant { bm: 64, bn: 64 }, n)));
+    for (variant, splits) in shapes {
         let entry = variant.entry(format);
+        let finish = if splits > 1 { Some(ctx.kernels.get(&finish_entry)?) } else { None };
         let f = ctx.kernels.get(&entry)?;
         let smem = variant.smem_bytes();
         f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
@@ -325,6 +341,9 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec
             relu: a.act == Activation::Relu,
             geo,
             rows_per_image: p * q,
+            splits,
+            finish,
+            sm_count: ctx.kernels.sm_count(),
         }));
     }
     Ok(out)
@@ -335,7 +354,16 @@ impl Layer for Conv8Layer {
         &self.path
     }
     fn kind(&self) -> String {
-        format!("kernel:{}", self.entry)
+        match self.splits {
+            1 => format!("kernel:{}", self.entry),
+            n => format!("kernel:{}:split{n}", self.entry),
+        }
+    }
+    fn workspace_bytes(&self, batch: usize) -> usize {
+        match self.splits {
+            1 => 0,
+            n => n * batch * self.rows_per_image * self.geo[3] as usize * 4,
+        }
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         if batch == 0 {
@@ -347,8 +375,9 @@ impl Layer for Conv8Layer {
             reason: format!("batch {batch} exceeds the 8-bit conv's 32-bit range"),
         })?;
         let k = self.geo[3] as usize;
-        // One block per (pixel tile, channel tile), channel tiles fastest (the kernel's order).
-        let blocks = rows.div_ceil(self.variant.bm) * k.div_ceil(self.variant.bn);
+        // One block per (pixel tile, channel tile, split), splits then channel tiles fastest (the
+        // kernel's order).
+        let blocks = rows.div_ceil(self.variant.bm) * k.div_ceil(self.variant.bn) * self.splits;
         let blocks = u32::try_from(blocks).map_err(|_| Error::Binding {
             name: self.path.clone(),
             reason: format!("batch {batch} needs {blocks} blocks of the 8-bit conv"),
@@ -372,7 +401,18 @@ impl Layer for Conv8Layer {
             KArg::I32(batch as i32),
         ];
         args.extend(self.geo.map(KArg::I32));
-        launch(rt, &self.f, grid, (self.variant.threads(), 1, 1), self.variant.smem_bytes(), &args)
+        if self.splits > 1 && rt.workspace_bytes < self.workspace_bytes(batch) {
+            return Err(Error::Binding {
+                name: self.path.clone(),
+                reason: format!("split-K needs {} bytes of workspace, the run has {}", self.workspace_bytes(batch), rt.workspace_bytes),
+            });
+        }
+        args.extend([KArg::Ptr(rt.workspace), KArg::I32(self.splits as i32)]);
+        launch(rt, &self.f, grid, (self.variant.threads(), 1, 1), self.variant.smem_bytes(), &args)?;
+        match &self.finish {
+            Some(f) => launch(rt, f, grid_for(rows * k / 16, self.sm_count), (BLOCK, 1, 1), 0, &args),
+            None => Ok(()),
+        }
     }
 }
 
