@@ -337,6 +337,18 @@ fn layerwise_runs_on_quantised_graphs() {
     assert!(matches!(&err, Error::Config { reason } if reason.contains("--calibration-cache")), "{err}");
 }
 
+/// The graph an INT8 engine of the digits network is lowered from: optimised, quantised with a
+/// min-max cache of the calibration images, weights folded onto their grids.
+fn digits_int8_engine_graph(d: &Digits) -> kiln::graph::Graph {
+    let cache =
+        Calibrator::new(&d.graph).and_then(|c| c.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::MinMax)).expect("calibrate");
+    let path = std::env::temp_dir().join(format!("kiln-int8-{}-{:?}.json", std::process::id(), std::thread::current().id()));
+    cache.save(&path).expect("save");
+    let g = prepare_for_engine(kiln::passes::optimize(&d.graph).expect("optimize"), QuantFormat::Int8, Some(&path)).expect("quantise");
+    let _ = std::fs::remove_file(&path);
+    g
+}
+
 /// Which values an INT8 engine of the digits network keeps in 8 bits (`engine::conv8::plan`, no
 /// GPU): every conv but the 3-channel stem runs on the 8-bit kernel; each block's input is one
 /// stored tensor read by its convs (and as the skip connection); convs whose only reader is a
@@ -345,13 +357,7 @@ fn layerwise_runs_on_quantised_graphs() {
 #[test]
 fn eight_bit_plan_of_the_digits_network() {
     use kiln::engine::{conv8, node_precisions, BuildConfig, Precision};
-    let d = digits();
-    let cache =
-        Calibrator::new(&d.graph).and_then(|c| c.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::MinMax)).expect("calibrate");
-    let path = std::env::temp_dir().join(format!("kiln-plan-{}.json", std::process::id()));
-    cache.save(&path).expect("save");
-    let optimized = kiln::passes::optimize(&d.graph).expect("optimize");
-    let g = prepare_for_engine(optimized.clone(), QuantFormat::Int8, Some(&path)).expect("quantise");
+    let g = digits_int8_engine_graph(&digits());
     let plan_for = |config: &BuildConfig, sm: u32| conv8::plan(&g, config.precision, &node_precisions(&g, config), sm);
     let names = |v: &[bool]| -> Vec<String> { v.iter().enumerate().filter(|(_, &b)| b).map(|(i, _)| g.nodes[i].path.clone()).collect() };
     let config = BuildConfig::default().precision(Precision::Int8);
@@ -387,7 +393,6 @@ fn eight_bit_plan_of_the_digits_network() {
     let plan = plan_for(&config.clone().layer_precision(kept, Precision::Fp16), 90);
     let id = g.nodes.iter().position(|n| n.path == kept).expect("conv");
     assert!(!plan.conv[id] && !plan.stored[g.nodes[id].inputs[0]], "{kept} is FP16, its input is not stored");
-    let _ = std::fs::remove_file(&path);
 }
 
 /// An INT8 engine's graph through the engine file: every folded weight keeps its 8-bit grid
@@ -397,12 +402,7 @@ fn eight_bit_plan_of_the_digits_network() {
 fn weight_grids_survive_the_engine_file() {
     use kiln::engine::file::{decode, encode, Header, Payload, FORMAT_VERSION};
     use kiln::engine::{conv8, node_precisions, BuildConfig, Precision};
-    let d = digits();
-    let cache =
-        Calibrator::new(&d.graph).and_then(|c| c.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::MinMax)).expect("calibrate");
-    let path = std::env::temp_dir().join(format!("kiln-grid-{}.json", std::process::id()));
-    cache.save(&path).expect("save");
-    let g = prepare_for_engine(kiln::passes::optimize(&d.graph).expect("optimize"), QuantFormat::Int8, Some(&path)).expect("quantise");
+    let g = digits_int8_engine_graph(&digits());
     let grids = g.nodes.iter().filter(|n| matches!(&n.op, Op::Weight { quant: Some(q), .. } if q.axis == Some(0))).count();
     assert_eq!(grids, 10, "every 8-bit layer's weight is on a per-channel int8 grid");
     let config = BuildConfig::default().precision(Precision::Int8);
@@ -412,5 +412,4 @@ fn weight_grids_survive_the_engine_file() {
     assert_eq!(loaded.graph.nodes, g.nodes, "ops, grids included, survive");
     let plan = |g: &kiln::graph::Graph| conv8::plan(g, Precision::Int8, &node_precisions(g, &config), 90);
     assert_eq!(plan(&loaded.graph), plan(&g));
-    let _ = std::fs::remove_file(&path);
 }
