@@ -171,6 +171,19 @@ impl Variant {
     }
 }
 
+/// Every entry point the 8-bit conv layers launch from `kernels/conv8.cu` (the tile shapes of both
+/// formats and split-K's finishing kernels), for the NVRTC test.
+pub fn entry_points() -> Vec<String> {
+    let formats = [QuantFormat::Int8, QuantFormat::Fp8E4m3];
+    let tiles = formats.iter().flat_map(|&f| Variant::ALL.map(|v| v.entry(f)));
+    tiles.chain(formats.map(finish_entry)).collect()
+}
+
+/// Split-K's second kernel for `format`.
+fn finish_entry(format: QuantFormat) -> String {
+    format!("conv8_finish_{}", if format == QuantFormat::Int8 { "i8" } else { "e4m3" })
+}
+
 /// What the kernel's epilogue stores (`C8_*` in the kernel).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Store8 {
@@ -307,7 +320,7 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec
     let path = n.path.clone();
     let mut out: Vec<Box<dyn Layer>> = Vec::new();
     let kblocks = (c * r * s).div_ceil(BK);
-    let finish_entry = format!("conv8_finish_{}", if format == QuantFormat::Int8 { "i8" } else { "e4m3" });
+    let finish_entry = finish_entry(format);
     let shapes = Variant::ALL
         .into_iter()
         .map(|v| (v, 1))
