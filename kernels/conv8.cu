@@ -405,14 +405,19 @@ template <bool FP8> __device__ __forceinline__ void conv8_finish(const Conv8Args
     }
 }
 
-// Arguments flattened (the launcher passes scalars and pointers), in `Conv8Layer::enqueue`'s order.
+// Both entry kinds take the arguments flattened (the launcher passes scalars and pointers), in
+// `Conv8Layer::enqueue`'s order, and gather them into one Conv8Args.
+#define CONV8_PARAMS                                                                                                                 \
+    const unsigned char *x, const unsigned char *w, const float *alpha, const float *bias, const void *z, void *y, float z_scale,     \
+        float inv_y_scale, float qmin, float qmax, int z_store, int y_store, int relu, int n, int h, int wd, int c, int k, int r,    \
+        int s, int p, int q, int sh, int sw, int ph, int pw, int dh, int dw, float *ws, int splits
+#define CONV8_ARGS                                                                                                                   \
+    Conv8Args a = {x, w, alpha, bias, z, y, z_scale, inv_y_scale, qmin, qmax, z_store, y_store, relu, n, h, wd, c, k, r, s, p, q,    \
+                   sh, sw, ph, pw, dh, dw, ws, splits}
+
 #define CONV8(NAME, FP8, BM, BN)                                                                                                     \
-    extern "C" __global__ void __launch_bounds__(128 * (BN / 64))                                                                    \
-        NAME(const unsigned char* x, const unsigned char* w, const float* alpha, const float* bias, const void* z, void* y,          \
-             float z_scale, float inv_y_scale, float qmin, float qmax, int z_store, int y_store, int relu, int n, int h, int wd, int c, \
-             int k, int r, int s, int p, int q, int sh, int sw, int ph, int pw, int dh, int dw, float* ws, int splits) {             \
-        Conv8Args a = {x, w, alpha, bias, z, y, z_scale, inv_y_scale, qmin, qmax, z_store, y_store, relu, n, h, wd, c, k, r, s, p, q,  \
-                       sh, sw, ph, pw, dh, dw, ws, splits};                                                                           \
+    extern "C" __global__ void __launch_bounds__(128 * (BN / 64)) NAME(CONV8_PARAMS) {                                               \
+        CONV8_ARGS;                                                                                                                   \
         conv8<FP8, BM, BN>(a);                                                                                                        \
     }
 
@@ -424,12 +429,8 @@ CONV8(conv8_e4m3_m128n128, true, 128, 128)
 CONV8(conv8_e4m3_m64n64, true, 64, 64)
 
 #define CONV8_FINISH(NAME, FP8)                                                                                                      \
-    extern "C" __global__ void NAME(const unsigned char* x, const unsigned char* w, const float* alpha, const float* bias, const void* z, \
-                                    void* y, float z_scale, float inv_y_scale, float qmin, float qmax, int z_store, int y_store,     \
-                                    int relu, int n, int h, int wd, int c, int k, int r, int s, int p, int q, int sh, int sw, int ph, \
-                                    int pw, int dh, int dw, float* ws, int splits) {                                                  \
-        Conv8Args a = {x, w, alpha, bias, z, y, z_scale, inv_y_scale, qmin, qmax, z_store, y_store, relu, n, h, wd, c, k, r, s, p, q,  \
-                       sh, sw, ph, pw, dh, dw, ws, splits};                                                                           \
+    extern "C" __global__ void NAME(CONV8_PARAMS) {                                                                                   \
+        CONV8_ARGS;                                                                                                                   \
         conv8_finish<FP8>(a);                                                                                                         \
     }
 

@@ -235,10 +235,10 @@ impl Engine {
             let elem = crate::engine::Precision::name(self.config.precision_of(&self.graph.fp32_layers, l.path()).elem());
             // A layer on 8-bit tensor cores says so in its kind.
             let kind = l.kind();
-            let p = if kind.split(':').next().is_some_and(|k| k.ends_with("-fp8")) || kind.starts_with("kernel:conv8_e4m3") {
+            let p = if let Some(p) = super::conv8::precision_of_kind(&kind) {
+                p.to_string()
+            } else if kind.split(':').next().is_some_and(|k| k.ends_with("-fp8")) {
                 "fp8".to_string()
-            } else if kind.starts_with("kernel:conv8_i8") {
-                "int8".to_string()
             } else if self.config.precision == crate::engine::Precision::Best {
                 // Best's other layers compute on unquantised values.
                 elem.to_string()

@@ -163,11 +163,7 @@ impl Variant {
         (STAGES * (self.bm + self.bn) * BK).max(self.bm * (self.bn + 4) * 4) as u32
     }
     fn entry(self, format: QuantFormat) -> String {
-        let t = match format {
-            QuantFormat::Int8 => "i8",
-            QuantFormat::Fp8E4m3 => "e4m3",
-        };
-        format!("conv8_{t}_m{}n{}", self.bm, self.bn)
+        format!("conv8_{}_m{}n{}", EightBitPlan::elem(format).suffix(), self.bm, self.bn)
     }
 }
 
@@ -181,7 +177,17 @@ pub fn entry_points() -> Vec<String> {
 
 /// Split-K's second kernel for `format`.
 fn finish_entry(format: QuantFormat) -> String {
-    format!("conv8_finish_{}", if format == QuantFormat::Int8 { "i8" } else { "e4m3" })
+    format!("conv8_finish_{}", EightBitPlan::elem(format).suffix())
+}
+
+/// The precision an 8-bit conv layer of this kind computes in (`int8`, `fp8`), for `kiln inspect`;
+/// `None` for any other layer.
+pub fn precision_of_kind(kind: &str) -> Option<&'static str> {
+    let entry = kind.strip_prefix(KIND)?;
+    [QuantFormat::Int8, QuantFormat::Fp8E4m3]
+        .into_iter()
+        .find(|&f| entry.starts_with(&format!("{}_", EightBitPlan::elem(f).suffix())))
+        .map(|f| super::Precision::name(EightBitPlan::elem(f)))
 }
 
 /// What the kernel's epilogue stores (`C8_*` in the kernel).
@@ -232,9 +238,8 @@ const SPLITS: [usize; 2] = [4, 8];
 pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec<Box<dyn Layer>>> {
     let graph = ctx.graph;
     let n = ctx.node(node);
-    let format = match ctx.config.precision {
-        Precision::Int8 => QuantFormat::Int8,
-        _ => QuantFormat::Fp8E4m3,
+    let Some(format) = ctx.config.precision.quant_format() else {
+        return Err(ctx.err(node, format!("a {:?} engine has no 8-bit convs", ctx.config.precision)));
     };
     let quantiser = |id: NodeId, what: &str| {
         activation_quantiser(graph, id, format).ok_or_else(|| ctx.err(node, format!("its {what} is not an 8-bit activation quantiser")))
@@ -271,7 +276,7 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec
             QuantFormat::Fp8E4m3 => crate::ops::quant::round_e4m3(t),
         };
     }
-    let codes = super::cudnn::kcrs_to_krsc(&codes, [k, c, r, s]);
+    let codes = super::layer::to_elem_bytes(&super::cudnn::kcrs_to_krsc(&codes, [k, c, r, s]), elem);
     let alpha: Vec<f32> = (0..k).map(|kk| sx * w_scale(kk)).collect();
     let bias = if a.bias { Some(ctx.weight(node, 2)?.data.clone()) } else { None };
     let (z_store, z_scale) = match z {
@@ -320,19 +325,19 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec
     let path = n.path.clone();
     let mut out: Vec<Box<dyn Layer>> = Vec::new();
     let kblocks = (c * r * s).div_ceil(BK);
-    let finish_entry = finish_entry(format);
+    let finish_name = finish_entry(format);
     let shapes = Variant::ALL
         .into_iter()
         .map(|v| (v, 1))
         .chain(SPLITS.into_iter().filter(|&n| kblocks >= 2 * n).map(|n| (Variant { bm: 64, bn: 64 }, n)));
     for (variant, splits) in shapes {
         let entry = variant.entry(format);
-        let finish = if splits > 1 { Some(ctx.kernels.get(&finish_entry)?) } else { None };
+        let finish = if splits > 1 { Some(ctx.kernels.get(&finish_name)?) } else { None };
         let f = ctx.kernels.get(&entry)?;
         let smem = variant.smem_bytes();
         f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
             .map_err(|e| ctx.err(node, format!("`{entry}` cannot have {smem} bytes of shared memory: {e:?}")))?;
-        let w = ctx.upload_bytes(&super::layer::to_elem_bytes(&codes, elem))?;
+        let w = ctx.upload_bytes(&codes)?;
         let alpha = ctx.upload_f32(&alpha)?;
         let bias = bias.as_deref().map(|b| ctx.upload_f32(b)).transpose()?;
         out.push(Box::new(Conv8Layer {
@@ -440,5 +445,8 @@ mod tests {
         assert_eq!(Variant::ALL.map(|v| v.smem_bytes()), [36_864, 67_584, 24_576]);
         assert_eq!(Variant::ALL.map(|v| v.threads()), [128, 256, 128]);
         assert_eq!(Variant::ALL.map(|v| v.entry(QuantFormat::Int8)), ["conv8_i8_m128n64", "conv8_i8_m128n128", "conv8_i8_m64n64"]);
+        assert_eq!(precision_of_kind("kernel:conv8_i8_m64n64:split4"), Some("int8"));
+        assert_eq!(precision_of_kind("kernel:conv8_e4m3_m128n64"), Some("fp8"));
+        assert_eq!(precision_of_kind("cudnn-fused:IMPLICIT_PRECOMP_GEMM"), None);
     }
 }

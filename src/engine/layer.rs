@@ -287,7 +287,7 @@ pub fn to_elem_bytes(data: &[f32], elem: Elem) -> Vec<u8> {
         Elem::F16 => data.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
         // Saturating, as a u8 binding's values are; no weight is stored as bytes.
         Elem::U8 => data.iter().map(|&v| v as u8).collect(),
-        // 8-bit weights are uploaded as their codes (`conv8`), never converted from values here.
+        // 8-bit weights: their codes as values (integers, or values on the e4m3 grid), as bytes.
         Elem::I8 => data.iter().map(|&v| v as i8 as u8).collect(),
         Elem::E4m3 => data.iter().map(|&v| crate::ops::quant::encode_e4m3(v)).collect(),
     }
