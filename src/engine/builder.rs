@@ -772,7 +772,7 @@ fn lower_plan(
                 Some(crate::calibrate::best_summary(graph, fp8, super::quant::FP8_GEMM))
             }
             _ => {
-                let native = layers.iter().filter(|l| l.kind().starts_with(super::conv8::KIND)).count();
+                let native = layers.iter().filter(|l| super::conv8::precision_of_kind(&l.kind()).is_some()).count();
                 crate::calibrate::quant_summary(graph, native)
             }
         },

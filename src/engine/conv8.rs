@@ -16,6 +16,7 @@
 //! products, scales them by `s_x · s_w[k]` in f32, adds the f32 bias and the dequantised
 //! residual, applies ReLU, and rounds to the next quantiser's grid as `kernels/quant.cu` does.
 
+use super::cudnn_graph::{engine_configs, FusedConv, FusedConvLayer, Operand, Step};
 use super::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
 use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueId};
 use super::Precision;
@@ -180,13 +181,22 @@ fn finish_entry(format: QuantFormat) -> String {
     format!("conv8_finish_{}", EightBitPlan::elem(format).suffix())
 }
 
-/// The precision an 8-bit conv layer of this kind computes in (`int8`, `fp8`), for `kiln inspect`;
-/// `None` for any other layer.
+/// The kind prefix of the 8-bit convs on cuDNN's fused engines (`cudnn-graph-i8:eng4_k24=1`).
+pub const LIBRARY_KIND: &str = "cudnn-graph-";
+
+/// Engine configurations of cuDNN's heuristics timed per 8-bit conv (its best-ranked ones).
+const LIBRARY_CANDIDATES: usize = 4;
+
+/// The precision an 8-bit conv layer of this kind computes in (`int8`, `fp8`), for `kiln inspect`
+/// and the build summary; `None` for any other layer.
 pub fn precision_of_kind(kind: &str) -> Option<&'static str> {
-    let entry = kind.strip_prefix(KIND)?;
+    let (entry, sep) = match kind.strip_prefix(KIND) {
+        Some(e) => (e, '_'),
+        None => (kind.strip_prefix(LIBRARY_KIND)?, ':'),
+    };
     [QuantFormat::Int8, QuantFormat::Fp8E4m3]
         .into_iter()
-        .find(|&f| entry.starts_with(&format!("{}_", EightBitPlan::elem(f).suffix())))
+        .find(|&f| entry.starts_with(&format!("{}{sep}", EightBitPlan::elem(f).suffix())))
         .map(|f| super::Precision::name(EightBitPlan::elem(f)))
 }
 
@@ -364,6 +374,48 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec
             sm_count: ctx.kernels.sm_count(),
         }));
     }
+    // The same conv and epilogue on cuDNN's fused engines.
+    let mut constants = vec![alpha];
+    let mut steps = vec![Step::Mul(Operand::Channels(0))];
+    if let Some(b) = bias {
+        constants.push(b);
+        steps.push(Step::Add(Operand::Channels(constants.len() - 1)));
+    }
+    if z.is_some() {
+        constants.push(vec![z_scale]);
+        steps.push(Step::Residual(Operand::Scalar(constants.len() - 1)));
+    }
+    if a.act == Activation::Relu {
+        steps.push(Step::Relu);
+    }
+    if y_store == Store8::Codes {
+        // v / s_y, then clamped to the codes' range (int8: [qmin, qmax]; e4m3: ±448, saturating).
+        let (lo, hi) = match format {
+            QuantFormat::Int8 => range,
+            QuantFormat::Fp8E4m3 => (-448.0, 448.0),
+        };
+        for (v, step) in [(inv_y_scale, Step::Mul as fn(Operand) -> Step), (lo, Step::Max), (hi, Step::Min)] {
+            constants.push(vec![v]);
+            steps.push(step(Operand::Scalar(constants.len() - 1)));
+        }
+    }
+    let fused = FusedConv {
+        x: elem,
+        y: dy.elem,
+        z: z.map(|_| elem),
+        dims: [c, h, wd, k, r, s, p, q],
+        stride: a.stride,
+        padding: a.padding,
+        dilation: a.dilation,
+        steps,
+    };
+    let (opt, max) = (ctx.config.opt_batch, ctx.config.max_batch);
+    let prefix = format!("{LIBRARY_KIND}{}", elem.suffix());
+    for cfg in engine_configs(ctx.gpu.handles.cudnn, &fused, opt, LIBRARY_CANDIDATES)? {
+        let w = ctx.upload_bytes(&codes)?;
+        let consts = constants.iter().map(|c| ctx.upload_f32(c)).collect::<Result<Vec<_>>>()?;
+        out.push(Box::new(FusedConvLayer::new(ctx.gpu, &path, &prefix, fused.clone(), cfg, (x, y, z), w, consts, (opt, max))));
+    }
     Ok(out)
 }
 
@@ -448,5 +500,7 @@ mod tests {
         assert_eq!(precision_of_kind("kernel:conv8_i8_m64n64:split4"), Some("int8"));
         assert_eq!(precision_of_kind("kernel:conv8_e4m3_m128n64"), Some("fp8"));
         assert_eq!(precision_of_kind("cudnn-fused:IMPLICIT_PRECOMP_GEMM"), None);
+        assert_eq!(precision_of_kind("cudnn-graph-i8:eng4_k24=1"), Some("int8"));
+        assert_eq!(precision_of_kind("cudnn-graph-e4m3:eng2"), Some("fp8"));
     }
 }

@@ -14,6 +14,7 @@ pub mod arena;
 pub mod builder;
 pub mod conv8;
 pub mod cudnn;
+pub mod cudnn_graph;
 pub mod exec;
 pub mod file;
 pub mod gemm;
