@@ -16,7 +16,7 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-fn check(status: dnn::cudnnStatus_t, what: &str) -> Result<()> {
+pub(super) fn check(status: dnn::cudnnStatus_t, what: &str) -> Result<()> {
     status.result().map_err(cuda_err(what))
 }
 
@@ -38,7 +38,7 @@ impl<T: Copy> Drop for Desc<T> {
     }
 }
 
-fn data_type(elem: Elem) -> dnn::cudnnDataType_t {
+pub(super) fn data_type(elem: Elem) -> dnn::cudnnDataType_t {
     match elem {
         Elem::F32 => dnn::cudnnDataType_t::CUDNN_DATA_FLOAT,
         Elem::F16 => dnn::cudnnDataType_t::CUDNN_DATA_HALF,

@@ -12,7 +12,8 @@
 //! capture): a batch runs as slices of the planned sizes (the max and opt batch, and powers of two),
 //! largest first.
 
-use super::gpu::{cuda_err, Gpu};
+use super::cudnn::{check, data_type};
+use super::gpu::Gpu;
 use super::layer::{DeviceBuf, Elem, Layer, RunCtx, ValueId};
 use crate::{Error, Result};
 use cudarc::cudnn::sys as dnn;
@@ -22,10 +23,6 @@ use dnn::cudnnBackendDescriptorType_t as Kind;
 use std::collections::BTreeMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
-
-fn check(status: dnn::cudnnStatus_t, what: &str) -> Result<()> {
-    status.result().map_err(cuda_err(what))
-}
 
 /// One backend descriptor, destroyed with its owner.
 struct Desc(dnn::cudnnBackendDescriptor_t);
@@ -100,17 +97,6 @@ impl Desc {
     }
 }
 
-fn data_type(e: Elem) -> dnn::cudnnDataType_t {
-    use dnn::cudnnDataType_t::*;
-    match e {
-        Elem::F32 => CUDNN_DATA_FLOAT,
-        Elem::F16 => CUDNN_DATA_HALF,
-        Elem::U8 => CUDNN_DATA_UINT8,
-        Elem::I8 => CUDNN_DATA_INT8,
-        Elem::E4m3 => CUDNN_DATA_FP8_E4M3,
-    }
-}
-
 /// A constant operand of a pointwise step: one f32 per output channel, or one f32.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Operand {
@@ -153,8 +139,7 @@ const Z: i64 = 4;
 const CONSTANTS: i64 = 10;
 const VIRTUALS: i64 = 1000;
 
-fn nhwc_strides([n, c, h, w]: [i64; 4]) -> [i64; 4] {
-    let _ = n;
+fn nhwc_strides([_, c, h, w]: [i64; 4]) -> [i64; 4] {
     [c * h * w, 1, w * c, c]
 }
 
@@ -405,7 +390,7 @@ pub struct FusedConvLayer {
 }
 
 impl FusedConvLayer {
-    /// `kind_prefix` names the layer family (`cudnn-graph:int8`); `w` holds the KRSC weight in `x`'s
+    /// `kind_prefix` names the layer family (`cudnn-graph-i8`); `w` holds the KRSC weight in `x`'s
     /// storage type; `opt` and `max` are the engine's batch sizes.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -433,10 +418,6 @@ impl FusedConvLayer {
         self.plans.lock().map_err(|_| poisoned())?.insert(size, p.clone());
         Ok(p)
     }
-
-    fn elem_bytes(&self, e: Elem, dims: [usize; 3]) -> u64 {
-        (dims.iter().product::<usize>() * e.size()) as u64
-    }
 }
 
 impl Layer for FusedConvLayer {
@@ -455,9 +436,11 @@ impl Layer for FusedConvLayer {
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let [c, h, w, k, _, _, p, q] = self.conv.dims;
-        let x_image = self.elem_bytes(self.conv.x, [c, h, w]);
-        let y_image = self.elem_bytes(self.conv.y, [k, p, q]);
-        let z_image = self.conv.z.map_or(0, |e| self.elem_bytes(e, [k, p, q]));
+        // Bytes per image of x, y and z.
+        let image = |e: Elem, dims: [usize; 3]| (dims.iter().product::<usize>() * e.size()) as u64;
+        let x_image = image(self.conv.x, [c, h, w]);
+        let y_image = image(self.conv.y, [k, p, q]);
+        let z_image = self.conv.z.map_or(0, |e| image(e, [k, p, q]));
         let mut first = 0u64;
         for size in slices(&self.sizes, batch) {
             let plan = self.plan(size)?;
