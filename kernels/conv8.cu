@@ -58,29 +58,6 @@ template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile(
 // Byte offset of (row, 16-byte chunk) in a stage's 64-byte-row tile.
 __device__ __forceinline__ unsigned swz(int row, int chunk) { return row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4); }
 
-template <bool FP8> struct Acc;
-template <> struct Acc<false> {
-    typedef int T;
-};
-template <> struct Acc<true> {
-    typedef float T;
-};
-
-__device__ __forceinline__ void mma_8bit(int* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void mma_8bit(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-#if __CUDA_ARCH__ >= 890
-    asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    __trap();
-#endif
-}
-
 // 16 codes (one uint4) added to v as values: code · scale. int8 through integer extraction; e4m3
 // through the hardware's e4m3x2 → f16x2 conversion (sm_89+).
 template <bool FP8> __device__ __forceinline__ void decode16(uint4 q, float scale, float* v);
@@ -109,39 +86,6 @@ template <> __device__ __forceinline__ void decode16<true>(uint4 q, float scale,
         }
 #else
     __trap();
-#endif
-}
-
-// Four values requantised to four codes (one u32, first value in the low byte): int8 as
-// kernels/quant.cu's quantize_value (round half to even, clamped to [qmin, qmax]); e4m3 with
-// saturation, nearest even (the hardware conversion, sm_89+).
-template <bool FP8> __device__ __forceinline__ unsigned encode4(const float* v, float inv_s, float qmin, float qmax);
-template <> __device__ __forceinline__ unsigned encode4<false>(const float* v, float inv_s, float qmin, float qmax) {
-    if (qmin == -128.f && qmax == 127.f) {
-        // The full int8 range: round to nearest even (cvt.rni), then saturate and pack two pairs
-        // (cvt.pack.sat: d = c's low half << 16 | sat(a) << 8 | sat(b)). The epilogue is
-        // instruction-bound, and this is 6 instructions for 4 codes instead of about 30.
-        int q0 = __float2int_rn(v[0] * inv_s), q1 = __float2int_rn(v[1] * inv_s);
-        int q2 = __float2int_rn(v[2] * inv_s), q3 = __float2int_rn(v[3] * inv_s);
-        unsigned hi, r;
-        asm("cvt.pack.sat.s8.s32.b32 %0, %1, %2, %3;" : "=r"(hi) : "r"(q3), "r"(q2), "r"(0));
-        asm("cvt.pack.sat.s8.s32.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(q1), "r"(q0), "r"(hi));
-        return r;
-    }
-    unsigned r = 0;
-#pragma unroll
-    for (int b = 0; b < 4; b++) r |= ((unsigned)(int)fminf(fmaxf(rintf(v[b] * inv_s), qmin), qmax) & 0xff) << (8 * b);
-    return r;
-}
-template <> __device__ __forceinline__ unsigned encode4<true>(const float* v, float inv_s, float, float) {
-#if __CUDA_ARCH__ >= 890
-    unsigned short lo, hi;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(v[1] * inv_s), "f"(v[0] * inv_s));
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(v[3] * inv_s), "f"(v[2] * inv_s));
-    return (unsigned)lo | ((unsigned)hi << 16);
-#else
-    __trap();
-    return 0;
 #endif
 }
 
@@ -265,6 +209,19 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
         }
     };
 
+    // An 8-bit residual is loaded before the main loop, so that its latency overlaps the
+    // reduction's (a residual 1×1 conv has one or two k-blocks: without this, the block waits
+    // for its input, then again for its residual).
+    constexpr int CHUNKS = BN / 16, ITEMS = BM * CHUNKS / THREADS;
+    uint4 zpre[ITEMS];
+#pragma unroll
+    for (int i = 0; i < ITEMS; i++) {
+        int item = tid + i * THREADS, row = block_m + item / CHUNKS, col = block_n + (item % CHUNKS) * 16;
+        zpre[i] = make_uint4(0, 0, 0, 0);
+        if (a.splits == 1 && a.z_store == C8_Q8 && row < m_total && col < a.k)
+            zpre[i] = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(a.z) + (long long)row * a.k + col);
+    }
+
     AccT acc[MT][4][4];
 #pragma unroll
     for (int i = 0; i < MT; i++)
@@ -334,19 +291,9 @@ __device__ __forceinline__ void conv8(const Conv8Args& a) {
 
     // Epilogue, in two passes through shared memory (the pipeline's buffers, now idle):
     // 1. each thread stores its accumulators, scaled and biased, as f32 at their (row, channel);
-    // 2. each thread takes 16 consecutive channels of one row: reads the residual with 16-byte
-    //    loads, adds it, applies ReLU and writes 16 bytes of codes (32 of f16), so that rows are
+    // 2. each thread takes 16 consecutive channels of one row: adds the residual (read above
+    //    with 16-byte loads), applies ReLU and writes 16 bytes of codes (32 of f16), so that rows are
     //    read and written in whole sectors. K is a multiple of 16.
-    // An 8-bit residual is loaded first, so that its latency overlaps the staging.
-    constexpr int CHUNKS = BN / 16, ITEMS = BM * CHUNKS / THREADS;
-    uint4 zpre[ITEMS];
-#pragma unroll
-    for (int i = 0; i < ITEMS; i++) {
-        int item = tid + i * THREADS, row = block_m + item / CHUNKS, col = block_n + (item % CHUNKS) * 16;
-        zpre[i] = make_uint4(0, 0, 0, 0);
-        if (a.z_store == C8_Q8 && row < m_total && col < a.k)
-            zpre[i] = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(a.z) + (long long)row * a.k + col);
-    }
     __syncthreads();
     constexpr int LD = BN + 4;  // f32 row stride of the staging tile (padded against bank conflicts)
     float* stage_tile = reinterpret_cast<float*>(smem);

@@ -103,24 +103,44 @@ template <typename T> __device__ void adaptive_avg_pool2d(const T* x, T* y, int 
 }
 
 // Global average pooling of NHWC maps (adaptive pooling to 1x1, squeeze-excitation's pool): one
-// block of GAP_ROWS x 32 threads per (image, 32-channel slice); lanes read consecutive channels of
-// a pixel (coalesced), rows stride over the pixels, shared memory sums the rows' partial sums.
-#define GAP_ROWS 32
+// block of 32 x GAP_ROWS threads per (image, 32 channel packs). A lane owns one pack (16 bytes
+// of channels where C and the pointers allow, else one channel), so a warp reads 512 contiguous
+// bytes of a pixel; the GAP_ROWS rows stride over the pixels, and shared memory adds the rows'
+// partial sums. (One 2-byte channel per lane, as before, read 64 bytes per warp and request.)
+#define GAP_ROWS 8
 template <typename T> __device__ void global_avg_pool(const T* x, T* y, int HW, int C) {
-    __shared__ float part[GAP_ROWS][33];
+    typedef Pack<T> P;
+    __shared__ float part[GAP_ROWS][32][P::N + 1];
     const int lane = threadIdx.x & 31, row = threadIdx.x >> 5;
-    const int n = blockIdx.x, c = blockIdx.y * 32 + lane;
-    float acc = 0.f;
-    if (c < C) {
-        const T* p = x + (i64)n * HW * C + c;
-        for (int i = row; i < HW; i += GAP_ROWS) acc += to_f32(p[(i64)i * C]);
+    const int vec = (C % P::N == 0 && aligned16(x) && aligned16(y)) ? P::N : 1;
+    const int packs = C / vec, n = blockIdx.x, pk = blockIdx.y * 32 + lane, c0 = pk * vec;
+    float acc[P::N];
+#pragma unroll
+    for (int k = 0; k < P::N; ++k) acc[k] = 0.f;
+    if (pk < packs) {
+        const T* p = x + (i64)n * HW * C + c0;
+        if (vec == P::N) {
+#pragma unroll 4
+            for (int i = row; i < HW; i += GAP_ROWS) {
+                const P v = load_pack(p + (i64)i * C);
+#pragma unroll
+                for (int k = 0; k < P::N; ++k) acc[k] += to_f32(v.e[k]);
+            }
+        } else {
+            for (int i = row; i < HW; i += GAP_ROWS) acc[0] += to_f32(p[(i64)i * C]);
+        }
     }
-    part[row][lane] = acc;
+#pragma unroll
+    for (int k = 0; k < P::N; ++k) part[row][lane][k] = acc[k];
     __syncthreads();
-    if (row == 0 && c < C) {
-        float s = 0.f;
-        for (int r = 0; r < GAP_ROWS; ++r) s += part[r][lane];
-        y[(i64)n * C + c] = from_f32<T>(s / (float)HW);
+    if (row == 0 && pk < packs) {
+        const float inv = 1.f / (float)HW;
+        for (int k = 0; k < vec; ++k) {
+            float s = 0.f;
+            for (int r = 0; r < GAP_ROWS; ++r) s += part[r][lane][k];
+            acc[k] = s;
+        }
+        store_lanes(y + (i64)n * C + c0, vec, acc, inv);
     }
 }
 

@@ -237,3 +237,198 @@ typedef StemGeo<8, 7, 8> StemLarge;
 extern "C" __global__ void __launch_bounds__(StemLarge::THREADS, 2) stem_conv_pool_f16(STEM_ARGS) {
     stem_conv_pool<StemLarge>(x, w, bias, y, N, H, W, C, HC, WC, HP, WP);
 }
+
+// ---- The 8-bit stem (INT8 and FP8 engines) ---------------------------------------------------
+//
+// The same tiles and pooling in 8 bits, on mma.m16n8k32 (s8 → s32, or e4m3 → f32 on sm_89+):
+// - The input (FP16 values) is quantised as it is staged, with the engine's quantiser of the
+//   stem's input (encode4: kernels/quant.cu's rounding), so no quantiser runs before the stem.
+//   A pixel's 4 channel codes are one 32-bit word, and filter row r of conv pixel (cr, cc) is 8
+//   taps × 4 channels = 32 bytes from input pixel (2cr + r, 2cc): one k-step. A's fragment
+//   registers are 4 bytes of a row, i.e. one input pixel each, so they are read as words (no
+//   16-byte alignment needed, which a row starting at an odd pixel pair would break for ldmatrix);
+//   B's, the weights, with ldmatrix.
+// - The epilogue dequantises (alpha[k] = s_x · s_w[k]), adds the bias, applies ReLU and
+//   requantises to the output quantiser's codes in the conv tile. The pool then takes the max of
+//   the codes: quantisation is monotonic, so that is the code of the max, what the CPU simulation
+//   computes (conv, ReLU, max-pool, then the quantiser). After ReLU every code is a non-negative
+//   int8 or a non-negative e4m3 (+0 for 0), whose bytes order as unsigned integers, so the max is
+//   a byte-wise unsigned max (__vmaxu4) for both, and pixels outside the image are code 0.
+
+// Weight rows: 7 filter rows × 32 bytes, padded by 16 so that ldmatrix's 8 rows hit distinct banks.
+#define W8STRIDE (STEM_K * 32 + 16)
+// Conv tile rows: 64 channel codes, padded by 16 (16-byte aligned for the pool's loads).
+#define O8STRIDE (STEM_COUT + 16)
+
+template <class G> struct Stem8Geo {
+    static constexpr int X_WORDS = G::IR * G::ICP;
+    // Dynamic shared memory (src/engine/stem.rs): weights, input words, conv tile.
+    static constexpr int SMEM_BYTES = STEM_COUT * W8STRIDE + X_WORDS * 4 + G::CM * O8STRIDE;
+};
+
+// This thread's staged pixels (4 f16 channels each, from stem_load) as 4 codes per word.
+template <class G, bool FP8> __device__ __forceinline__ void stem8_store(unsigned* sx, const uint2* px, float inv_s, float qmin, float qmax) {
+#pragma unroll
+    for (int k = 0; k < G::X_PER_THREAD; ++k) {
+        const int i = threadIdx.x + k * G::THREADS;
+        if (i < G::IR * G::ICP) {
+            f16 h[4];
+            h[0].bits = px[k].x & 0xffff;
+            h[1].bits = px[k].x >> 16;
+            h[2].bits = px[k].y & 0xffff;
+            h[3].bits = px[k].y >> 16;
+            const float v[4] = {to_f32(h[0]), to_f32(h[1]), to_f32(h[2]), to_f32(h[3])};
+            sx[i] = encode4<FP8>(v, inv_s, qmin, qmax);
+        }
+    }
+}
+
+// x: [N, H, W, C] f16 with C <= 4; w: [64][7][32] codes in (row, tap, channel) order, zeros past
+// 7 taps and past C channels; alpha, bias: [64] f32; y: [N, HP, WP, 64] codes. Persistent blocks
+// as in stem_conv_pool.
+template <class G, bool FP8>
+__device__ void stem8_conv_pool(const f16* __restrict__ x, const unsigned char* __restrict__ w, const float* __restrict__ alpha,
+                                const float* __restrict__ bias, unsigned char* __restrict__ y, int N, int H, int W, int C, int HC, int WC,
+                                int HP, int WP, float inv_sx, float xmin, float xmax, float inv_sy, float ymin, float ymax) {
+    typedef typename Acc<FP8>::T AccT;
+    constexpr int CC = G::CC, CM = G::CM, ICP = G::ICP;
+    extern __shared__ __align__(16) unsigned char smem8[];
+    unsigned char* sw = smem8;
+    unsigned* sx = reinterpret_cast<unsigned*>(smem8 + STEM_COUT * W8STRIDE);
+    unsigned char* so = smem8 + STEM_COUT * W8STRIDE + Stem8Geo<G>::X_WORDS * 4;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tiles_w = (WP + G::TPW - 1) / G::TPW, tiles_h = (HP + G::TPH - 1) / G::TPH;
+    const int tiles = N * tiles_h * tiles_w;
+    int t = blockIdx.x;
+    if (t >= tiles)
+        return;
+
+    for (int i = tid; i < STEM_COUT * (STEM_K * 2); i += G::THREADS) {
+        const int row = i / (STEM_K * 2), col = i - row * (STEM_K * 2);
+        *reinterpret_cast<uint4*>(sw + row * W8STRIDE + col * 16) = *reinterpret_cast<const uint4*>(w + row * STEM_K * 32 + col * 16);
+    }
+    uint2 px[G::X_PER_THREAD];
+    stem_load<G>(px, x, stem_tile<G>(t, tiles_h, tiles_w), H, W, C);
+    stem8_store<G, FP8>(sx, px, inv_sx, xmin, xmax);
+    const int g = lane >> 2, q = lane & 3;
+    float av[8][2], bv[8][2];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        av[j][0] = alpha[8 * j + 2 * q];
+        av[j][1] = alpha[8 * j + 2 * q + 1];
+        bv[j][0] = bias[8 * j + 2 * q];
+        bv[j][1] = bias[8 * j + 2 * q + 1];
+    }
+    // The input word of this lane's A rows (conv pixels g and g + 8 of each M tile) at filter
+    // row 0, tap q; taps 4..7 are 4 words on, filter row r is r·ICP words on.
+    int a_word[2][2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            int m = (warp * 2 + i) * 16 + g + 8 * half;
+            m = m < CM ? m : CM - 1;
+            const int cr = m / CC, cc = m - (m / CC) * CC;
+            a_word[i][half] = (2 * cr) * ICP + 2 * cc + q;
+        }
+    // B rows for ldmatrix: channel (lane & 7) + 8·(lane / 16), bytes 16·((lane / 8) & 1) of a row's 32.
+    const unsigned b_addr = smem_u32(sw + ((lane & 7) + 8 * (lane >> 4)) * W8STRIDE + 16 * ((lane >> 3) & 1));
+    __syncthreads();
+
+    for (; t < tiles; t += gridDim.x) {
+        const StemTile cur = stem_tile<G>(t, tiles_h, tiles_w);
+        const int next = t + gridDim.x;
+        if (next < tiles)
+            stem_load<G>(px, x, stem_tile<G>(next, tiles_h, tiles_w), H, W, C);
+        AccT acc[2][8][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    acc[i][j][e] = 0;
+#pragma unroll
+        for (int r = 0; r < STEM_K; ++r) {
+            unsigned a[2][4];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                a[i][0] = sx[a_word[i][0] + r * ICP];
+                a[i][1] = sx[a_word[i][1] + r * ICP];
+                a[i][2] = sx[a_word[i][0] + r * ICP + 4];
+                a[i][3] = sx[a_word[i][1] + r * ICP + 4];
+            }
+#pragma unroll
+            for (int jp = 0; jp < 4; ++jp) {
+                unsigned b[4];
+                ldmatrix_x4(b, b_addr + jp * 16 * W8STRIDE + r * 32);
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    mma_8bit(acc[i][2 * jp], a[i], b[0], b[1]);
+                    mma_8bit(acc[i][2 * jp + 1], a[i], b[2], b[3]);
+                }
+            }
+        }
+        // Dequantise, bias, ReLU (+0 for anything not positive), requantise into the conv tile.
+        const int cy0 = 2 * cur.ph0 - 1, cx0 = 2 * cur.pw0 - 1;
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int m = (warp * 2 + i) * 16 + g + 8 * half;
+                if (m < CM) {
+                    const int cr = m / CC, cc = m - (m / CC) * CC;
+                    const bool inside = (unsigned)(cy0 + cr) < (unsigned)HC && (unsigned)(cx0 + cc) < (unsigned)WC;
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        float v[4];
+                        v[0] = (float)acc[i][j][2 * half] * av[j][0] + bv[j][0];
+                        v[1] = (float)acc[i][j][2 * half + 1] * av[j][1] + bv[j][1];
+                        v[0] = v[0] > 0.f ? v[0] : 0.f;
+                        v[1] = v[1] > 0.f ? v[1] : 0.f;
+                        v[2] = v[3] = 0.f;
+                        const unsigned codes = encode4<FP8>(v, inv_sy, ymin, ymax);
+                        *reinterpret_cast<unsigned short*>(so + m * O8STRIDE + 8 * j + 2 * q) = inside ? (unsigned short)codes : 0;
+                    }
+                }
+            }
+        __syncthreads();
+        if (next < tiles)
+            stem8_store<G, FP8>(sx, px, inv_sx, xmin, xmax);
+        // Each thread: 16 channels of a pooled pixel, the max of 9 16-byte rows of codes.
+        for (int it = tid; it < G::TPH * G::TPW * 4; it += G::THREADS) {
+            const int cg = it & 3, pix = it >> 2;
+            const int ply = pix / G::TPW, plx = pix - (pix / G::TPW) * G::TPW;
+            const int py = cur.ph0 + ply, pxo = cur.pw0 + plx;
+            if (py >= HP || pxo >= WP)
+                continue;
+            const unsigned char* base = so + ((2 * ply) * CC + 2 * plx) * O8STRIDE + cg * 16;
+            uint4 best = *reinterpret_cast<const uint4*>(base);
+#pragma unroll
+            for (int dy = 0; dy < 3; ++dy)
+#pragma unroll
+                for (int dx = 0; dx < 3; ++dx) {
+                    const uint4 v = *reinterpret_cast<const uint4*>(base + (dy * CC + dx) * O8STRIDE);
+                    best.x = __vmaxu4(best.x, v.x);
+                    best.y = __vmaxu4(best.y, v.y);
+                    best.z = __vmaxu4(best.z, v.z);
+                    best.w = __vmaxu4(best.w, v.w);
+                }
+            *reinterpret_cast<uint4*>(y + ((cur.n * HP + py) * WP + pxo) * STEM_COUT + cg * 16) = best;
+        }
+        __syncthreads();
+    }
+}
+
+#define STEM8_ARGS                                                                                                                             \
+    const f16 *__restrict__ x, const unsigned char *__restrict__ w, const float *__restrict__ alpha, const float *__restrict__ bias,          \
+        unsigned char *__restrict__ y, int N, int H, int W, int C, int HC, int WC, int HP, int WP, float inv_sx, float xmin, float xmax,   \
+        float inv_sy, float ymin, float ymax
+#define STEM8(NAME, FP8)                                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(StemLarge::THREADS, 2) NAME(STEM8_ARGS) {                                                  \
+        stem8_conv_pool<StemLarge, FP8>(x, w, alpha, bias, y, N, H, W, C, HC, WC, HP, WP, inv_sx, xmin, xmax, inv_sy, ymin, ymax);          \
+    }
+
+// Named as 8-bit convs (`conv8_<format>_…`), which is what `kiln inspect` counts them as.
+STEM8(conv8_i8_stem, false)
+STEM8(conv8_e4m3_stem, true)

@@ -385,7 +385,12 @@ fn eight_bit_plan_of_the_digits_network() {
     assert!(requantising >= convs.len() - 2, "all but the last block's convs write 8-bit codes");
     assert_eq!(
         plan_for(&config, 75),
-        conv8::EightBitPlan { conv: vec![false; g.nodes.len()], stored: vec![false; g.nodes.len()], requant: vec![None; g.nodes.len()] }
+        conv8::EightBitPlan {
+            conv: vec![false; g.nodes.len()],
+            stored: vec![false; g.nodes.len()],
+            requant: vec![None; g.nodes.len()],
+            folded: vec![false; g.nodes.len()]
+        }
     );
     assert!(plan_for(&BuildConfig::default().precision(Precision::Fp16), 90).conv.iter().all(|&b| !b));
     // A conv kept in FP16 by a per-layer rule leaves the kernel, and so does its input's storage.
@@ -393,6 +398,41 @@ fn eight_bit_plan_of_the_digits_network() {
     let plan = plan_for(&config.clone().layer_precision(kept, Precision::Fp16), 90);
     let id = g.nodes.iter().position(|n| n.path == kept).expect("conv");
     assert!(!plan.conv[id] && !plan.stored[g.nodes[id].inputs[0]], "{kept} is FP16, its input is not stored");
+}
+
+/// The ResNet stem in an 8-bit engine (`engine::conv8::plan`, no GPU): the 7×7 conv + ReLU +
+/// max-pool runs on the 8-bit stem, which folds in the quantiser of its input (that quantiser is
+/// neither lowered nor stored: the stem reads the FP16 input) and writes the codes of the
+/// quantiser after it, which layer1's convs read. A per-layer rule keeping the stem in FP16 leaves
+/// both quantisers to their own layers.
+#[test]
+fn eight_bit_plan_of_the_resnet_stem() {
+    use kiln::engine::{conv8, node_precisions, BuildConfig, Precision};
+    let traced = kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 64).expect("trace");
+    let x = kiln::seeded::weight("input.0", &[2, 3, 64, 64]);
+    let cache = Calibrator::new(&traced).and_then(|c| c.calibrate(std::slice::from_ref(&x), CalibrationMethod::MinMax)).expect("calibrate");
+    let path = std::env::temp_dir().join(format!("kiln-stem8-{}.json", std::process::id()));
+    cache.save(&path).expect("save");
+    for (precision, format) in [(Precision::Int8, QuantFormat::Int8), (Precision::Fp8, QuantFormat::Fp8E4m3)] {
+        let g = prepare_for_engine(kiln::passes::optimize(&traced).expect("optimize"), format, Some(&path)).expect("quantise");
+        let id = |p: &str| g.nodes.iter().position(|n| n.path == p).unwrap_or_else(|| panic!("no node {p}"));
+        let (stem, q_in) = (id("conv1"), id("input.quantizer"));
+        assert_eq!(g.nodes[stem].inputs[0], q_in, "the stem reads the input's quantiser");
+        let config = BuildConfig::default().precision(precision);
+        let plan = conv8::plan(&g, precision, &node_precisions(&g, &config), 90);
+        let q_out = plan.requant[stem].unwrap_or_else(|| panic!("{precision:?}: the stem writes the codes of the quantiser after it"));
+        println!("{precision:?}: conv1 writes {}, folds {}", g.nodes[q_out].path, g.nodes[q_in].path);
+        assert!(plan.conv[stem] && plan.stored[q_out], "{precision:?}");
+        assert!(plan.folded[q_in] && !plan.stored[q_in], "{precision:?}: the input's quantiser folds into the stem");
+        assert_eq!(plan.folded.iter().filter(|&&f| f).count(), 1, "only the stem folds a quantiser");
+        for r in (0..g.nodes.len()).filter(|&r| g.nodes[r].inputs.contains(&q_out)) {
+            assert!(plan.conv[r], "{} reads the stem's codes on an 8-bit kernel", g.nodes[r].path);
+        }
+        let kept = config.clone().layer_precision("conv1", Precision::Fp16);
+        let plan = conv8::plan(&g, precision, &node_precisions(&g, &kept), 90);
+        assert!(!plan.conv[stem] && !plan.folded[q_in] && plan.requant[stem].is_none(), "{precision:?}: an FP16 stem");
+    }
+    let _ = std::fs::remove_file(&path);
 }
 
 /// An INT8 engine's graph through the engine file: every folded weight keeps its 8-bit grid

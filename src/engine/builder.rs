@@ -563,8 +563,10 @@ fn lower_plan(
     let mut input_bindings = Vec::new();
     let eight_bit = super::conv8::plan(graph, config.precision, &precisions, gpu.info.sm);
     let stored_elem = config.precision.quant_format().map(super::conv8::EightBitPlan::elem);
-    // Best's quantisers, and quantisers whose codes the conv before them writes, are not lowered.
+    // Best's quantisers, quantisers folded into the 8-bit stem after them and quantisers whose
+    // codes the conv before them writes are not lowered.
     let mut aliased = best_aliases(graph, config);
+    aliased.iter_mut().zip(&eight_bit.folded).for_each(|(a, &f)| *a |= f);
     for (id, node) in graph.nodes.iter().enumerate() {
         let Some(layout) = layouts[id] else { continue };
         if aliased[id] {

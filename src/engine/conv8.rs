@@ -37,13 +37,16 @@ const STAGES: usize = 3;
 /// Where the 8-bit plan puts each node of an 8-bit engine's graph.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct EightBitPlan {
-    /// Convs lowered to the 8-bit kernel.
+    /// Convs lowered to an 8-bit kernel (the ResNet stem's to the 8-bit stem, `engine::stem`).
     pub conv: Vec<bool>,
     /// Activation quantisers whose value is stored as 8-bit codes.
     pub stored: Vec<bool>,
     /// For an 8-bit conv whose only reader is a stored quantiser: that quantiser, whose codes the
     /// conv writes (the quantiser itself is not lowered).
     pub requant: Vec<Option<NodeId>>,
+    /// Activation quantisers whose only reader is the 8-bit stem: the stem quantises its FP16
+    /// input as it loads it, so the quantiser is not lowered (its value is its input's).
+    pub folded: Vec<bool>,
 }
 
 impl EightBitPlan {
@@ -65,25 +68,41 @@ fn activation_quantiser(graph: &Graph, id: NodeId, format: QuantFormat) -> Optio
     (on_activation && p.format == format && p.axis.is_none() && p.scale.len() == 1 && symmetric).then_some(p)
 }
 
-/// A conv the 8-bit kernel can run, its quantisers aside: a plain (not transposed, not grouped,
-/// no pool) conv with ReLU or no activation, input and output channels multiples of 16 (16-byte
-/// vectors of codes), and a weight folded onto the engine's 8-bit grid (int8 per output channel or
+/// Whether conv `id`'s weight is folded onto the engine's 8-bit grid (int8 per output channel or
 /// per tensor; fp8 per tensor).
-fn kernel_fits(graph: &Graph, id: NodeId, format: QuantFormat) -> bool {
-    let n = &graph.nodes[id];
-    let Op::Conv(a) = &n.op else { return false };
-    let plain = !a.transposed && a.groups == 1 && a.pool.is_none() && matches!(a.act, Activation::None | Activation::Relu);
-    let Some(&w) = n.inputs.get(1) else { return false };
+fn weight_on_grid(graph: &Graph, id: NodeId, format: QuantFormat) -> bool {
+    let Some(&w) = graph.nodes[id].inputs.get(1) else { return false };
     let Op::Weight { quant: Some(q), .. } = &graph.nodes[w].op else { return false };
-    let grid = q.format == format
+    q.format == format
         && q.zero_point.iter().all(|&z| z == 0)
         && match q.axis {
             None => q.scale.len() == 1,
             Some(0) => format == QuantFormat::Int8 && q.scale.len() == graph.nodes[w].shape[0],
             Some(_) => false,
-        };
-    let fits = matches!(graph.nodes[w].shape[..], [k, c, _, _] if c % 16 == 0 && k % 16 == 0);
-    plain && grid && fits
+        }
+}
+
+/// A conv the 8-bit kernel can run, its quantisers aside: a plain (not transposed, not grouped,
+/// no pool) conv with ReLU or no activation, input and output channels multiples of 16 (16-byte
+/// vectors of codes), and a weight on the 8-bit grid.
+fn kernel_fits(graph: &Graph, id: NodeId, format: QuantFormat) -> bool {
+    let n = &graph.nodes[id];
+    let Op::Conv(a) = &n.op else { return false };
+    let plain = !a.transposed && a.groups == 1 && a.pool.is_none() && matches!(a.act, Activation::None | Activation::Relu);
+    let fits = n.inputs.get(1).is_some_and(|&w| matches!(graph.nodes[w].shape[..], [k, c, _, _] if c % 16 == 0 && k % 16 == 0));
+    plain && fits && weight_on_grid(graph, id, format)
+}
+
+/// A conv the 8-bit stem runs (`engine::stem::fits`: ResNet's 7×7/2 conv, ReLU and 3×3/2
+/// max-pool on at most 4 channels), with its weight on the 8-bit grid and its input an activation
+/// quantiser of the format (the stem quantises with its scale).
+fn stem_fits(graph: &Graph, id: NodeId, format: QuantFormat) -> bool {
+    let n = &graph.nodes[id];
+    let Op::Conv(a) = &n.op else { return false };
+    let (Some(pool), Some(&w)) = (a.pool, n.inputs.get(1)) else { return false };
+    super::stem::fits(a, &pool, &graph.nodes[w].shape)
+        && weight_on_grid(graph, id, format)
+        && activation_quantiser(graph, n.inputs[0], format).is_some()
 }
 
 /// The 8-bit plan of `graph` for an engine of `precision` whose nodes compute in `precisions`
@@ -91,7 +110,7 @@ fn kernel_fits(graph: &Graph, id: NodeId, format: QuantFormat) -> bool {
 /// for INT8 below sm_80 (`mma.m16n8k32`); FP8 engines need sm_89, which the builder checks.
 pub fn plan(graph: &Graph, precision: Precision, precisions: &[Precision], sm: u32) -> EightBitPlan {
     let len = graph.nodes.len();
-    let mut plan = EightBitPlan { conv: vec![false; len], stored: vec![false; len], requant: vec![None; len] };
+    let mut plan = EightBitPlan { conv: vec![false; len], stored: vec![false; len], requant: vec![None; len], folded: vec![false; len] };
     let format = match precision {
         Precision::Int8 if sm >= 80 => QuantFormat::Int8,
         Precision::Fp8 if sm >= 89 => QuantFormat::Fp8E4m3,
@@ -103,16 +122,19 @@ pub fn plan(graph: &Graph, precision: Precision, precisions: &[Precision], sm: u
         n.inputs.iter().for_each(|&i| readers[i].push(id));
     }
     let output = |id: NodeId| graph.outputs.iter().any(|(_, o)| *o == id);
-    // The conv's 8-bit activations: its input and its residual.
+    let stem = |id: NodeId| stem_fits(graph, id, format);
+    // The conv's 8-bit activations, read as codes: its input and its residual (none for the stem,
+    // which reads FP16 values).
     let activations = |id: NodeId| -> Vec<NodeId> {
         let n = &graph.nodes[id];
         match &n.op {
+            _ if stem(id) => vec![],
             Op::Conv(a) if a.residual => vec![n.inputs[0], *n.inputs.last().expect("a residual conv has inputs")],
             _ => vec![n.inputs[0]],
         }
     };
     for id in 0..len {
-        plan.conv[id] = eight_bit(id) && kernel_fits(graph, id, format);
+        plan.conv[id] = eight_bit(id) && (kernel_fits(graph, id, format) || stem(id));
         plan.stored[id] = eight_bit(id) && activation_quantiser(graph, id, format).is_some() && !output(id);
     }
     // A stored value needs every reader to be an 8-bit conv reading it as an activation, and an
@@ -124,9 +146,8 @@ pub fn plan(graph: &Graph, precision: Precision, precisions: &[Precision], sm: u
                 plan.conv[id] = false;
                 changed = true;
             }
-            let readers_ok = reads.iter().all(|&r| {
-                plan.conv[r] && graph.nodes[r].inputs.iter().enumerate().all(|(k, &i)| i != id || k == 0 || activations(r).contains(&i))
-            });
+            let readers_ok =
+                reads.iter().all(|&r| plan.conv[r] && graph.nodes[r].inputs.iter().all(|&i| i != id || activations(r).contains(&i)));
             if plan.stored[id] && !readers_ok {
                 plan.stored[id] = false;
                 changed = true;
@@ -142,6 +163,17 @@ pub fn plan(graph: &Graph, precision: Precision, precisions: &[Precision], sm: u
                 plan.requant[id] = Some(q);
             }
         }
+    }
+    // The 8-bit stem writes only codes: one whose output is read otherwise stays FP16. Where it
+    // runs, the quantiser of its input folds into it if nothing else reads that.
+    let stems: Vec<NodeId> = (0..len).filter(|&id| plan.conv[id] && stem(id)).collect();
+    for id in stems {
+        if plan.requant[id].is_none() {
+            plan.conv[id] = false;
+            continue;
+        }
+        let q = graph.nodes[id].inputs[0];
+        plan.folded[q] = readers[q] == [id] && !output(q);
     }
     plan
 }
@@ -254,13 +286,19 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec
     let quantiser = |id: NodeId, what: &str| {
         activation_quantiser(graph, id, format).ok_or_else(|| ctx.err(node, format!("its {what} is not an 8-bit activation quantiser")))
     };
+    let (codes, w_scale) = weight_codes(ctx, node, format)?;
+    if let Some(pool) = &a.pool {
+        let Some(q) = ctx.eight_bit.requant[node] else {
+            return Err(ctx.err(node, "the 8-bit stem writes codes, and no stored quantiser reads its output".into()));
+        };
+        let shapes: Vec<&[usize]> = n.inputs.iter().map(|&i| graph.nodes[i].shape.as_slice()).collect();
+        let conv = crate::ops::conv::conv2d_shape(&ConvAttrs { pool: None, ..*a }, &shapes).map_err(|e| ctx.err(node, e))?;
+        let quantisers = (quantiser(n.inputs[0], "input")?, quantiser(q, "output")?);
+        return super::stem::eight_bit_candidates(ctx, node, (a, pool), [conv[2], conv[3]], quantisers, (&codes, &w_scale));
+    }
     let sx = quantiser(n.inputs[0], "input")?.scale[0];
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let z = if a.residual { Some(ctx.input(node, n.inputs.len() - 1)?) } else { None };
-    let w_node = &graph.nodes[n.inputs[1]];
-    let Op::Weight { quant: Some(wq), .. } = &w_node.op else {
-        return Err(ctx.err(node, "its weight is not on an 8-bit grid".into()));
-    };
     let w = ctx.weight(node, 1)?;
     let [k, c, r, s] = w.shape[..] else { return Err(ctx.err(node, format!("weight shape {:?} is not [K, C, R, S]", w.shape))) };
     let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
@@ -275,19 +313,8 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec
             ),
         ));
     }
-    // Codes of the folded weight: its values lie on the grid, so value / scale is the code.
-    let w_scale = |kk: usize| if wq.axis.is_some() { wq.scale[kk] } else { wq.scale[0] };
-    let per_k = c * r * s;
-    let mut codes = vec![0f32; w.data.len()];
-    for (i, v) in w.data.iter().enumerate() {
-        let t = v / w_scale(i / per_k);
-        codes[i] = match format {
-            QuantFormat::Int8 => t.round().clamp(-127.0, 127.0),
-            QuantFormat::Fp8E4m3 => crate::ops::quant::round_e4m3(t),
-        };
-    }
     let codes = super::layer::to_elem_bytes(&super::cudnn::kcrs_to_krsc(&codes, [k, c, r, s]), elem);
-    let alpha: Vec<f32> = (0..k).map(|kk| sx * w_scale(kk)).collect();
+    let alpha: Vec<f32> = w_scale.iter().map(|sw| sx * sw).collect();
     let bias = if a.bias { Some(ctx.weight(node, 2)?.data.clone()) } else { None };
     let (z_store, z_scale) = match z {
         Some(zv) => {
@@ -417,6 +444,35 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec
         out.push(Box::new(FusedConvLayer::new(ctx.gpu, &path, &prefix, fused.clone(), cfg, (x, y, z), w, consts, (opt, max))));
     }
     Ok(out)
+}
+
+/// The codes of conv `node`'s folded weight (`[K, C, R, S]`, as values: integers, or values on
+/// the e4m3 grid) and its scale per output channel. The weight's values lie on the grid, so
+/// value / scale is the code.
+fn weight_codes(ctx: &BuildCtx, node: NodeId, format: QuantFormat) -> Result<(Vec<f32>, Vec<f32>)> {
+    let Op::Weight { quant: Some(wq), .. } = &ctx.graph.nodes[ctx.node(node).inputs[1]].op else {
+        return Err(ctx.err(node, "its weight is not on an 8-bit grid".into()));
+    };
+    let w = ctx.weight(node, 1)?;
+    let k = w.shape.first().copied().filter(|&k| k > 0).ok_or_else(|| ctx.err(node, format!("weight shape {:?}", w.shape)))?;
+    let w_scale = (0..k)
+        .map(|kk| wq.scale.get(if wq.axis.is_some() { kk } else { 0 }).copied())
+        .collect::<Option<Vec<f32>>>()
+        .ok_or_else(|| ctx.err(node, format!("{} weight scales for {k} output channels", wq.scale.len())))?;
+    let per_k = w.data.len() / k;
+    let codes = w
+        .data
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let t = v / w_scale[i / per_k];
+            match format {
+                QuantFormat::Int8 => t.round().clamp(-127.0, 127.0),
+                QuantFormat::Fp8E4m3 => crate::ops::quant::round_e4m3(t),
+            }
+        })
+        .collect();
+    Ok((codes, w_scale))
 }
 
 impl Layer for Conv8Layer {

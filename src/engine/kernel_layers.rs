@@ -435,7 +435,7 @@ pub struct PoolLayer {
 }
 
 /// Rows of the global-average-pool kernel's blocks (`GAP_ROWS` in kernels/pool.cu).
-const GAP_ROWS: u32 = 32;
+const GAP_ROWS: u32 = 8;
 
 impl PoolLayer {
     /// Adaptive pooling to 1×1: a reduction over every pixel, with a kernel of its own.
@@ -459,8 +459,11 @@ impl Layer for PoolLayer {
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let [h, w, c, oh, ow] = self.dims;
         if self.is_global() {
-            // One block per (image, 32 channels): `GAP_ROWS` (32) rows of 32 lanes.
-            let grid = (batch as u32, (c as u32).div_ceil(32), 1);
+            // One block per (image, 32 channel packs): `GAP_ROWS` rows of 32 lanes. A pack is 16
+            // bytes where C and both pointers allow it (the kernel makes the same choice).
+            let aligned = rt.ptr(self.x).is_multiple_of(16) && rt.ptr(self.y).is_multiple_of(16);
+            let vec = if aligned { self.vec } else { 1 };
+            let grid = (batch as u32, (c as u32).div_ceil(32 * vec as u32), 1);
             let args = [KArg::Ptr(rt.ptr(self.x)), KArg::Ptr(rt.ptr(self.y)), KArg::I32(h * w), KArg::I32(c)];
             return launch(rt, &self.f, grid, (32 * GAP_ROWS, 1, 1), 0, &args);
         }

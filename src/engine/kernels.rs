@@ -41,13 +41,15 @@ pub const FAMILIES: &[(&str, &str)] = &[
 
 /// Families compiled only when a layer that launches them is built (`Kernels::add_source`): the
 /// channel padding of the FP16 cuDNN path, the im2col of the small-channel stem, the
-/// depth-to-space of the sub-pixel transposed convolution and the fused stem + max-pool.
+/// depth-to-space of the sub-pixel transposed convolution, the fused stem + max-pool (FP16 and
+/// 8-bit) and the 8-bit convs. The last two share `kernels/eight_bit.cuh`'s 8-bit MMA and
+/// requantisation helpers, prepended to their sources.
 pub const ON_DEMAND: &[(&str, &str)] = &[
     ("pad.cu", include_str!("../../kernels/pad.cu")),
     ("im2col.cu", include_str!("../../kernels/im2col.cu")),
     ("subpixel.cu", include_str!("../../kernels/subpixel.cu")),
-    ("stem.cu", include_str!("../../kernels/stem.cu")),
-    ("conv8.cu", include_str!("../../kernels/conv8.cu")),
+    ("stem.cu", concat!(include_str!("../../kernels/eight_bit.cuh"), include_str!("../../kernels/stem.cu"))),
+    ("conv8.cu", concat!(include_str!("../../kernels/eight_bit.cuh"), include_str!("../../kernels/conv8.cu"))),
 ];
 
 /// Loads NVRTC from an explicit path (a file, or a folder holding `libnvrtc.so*`) and keeps it

@@ -1,14 +1,17 @@
 //! The ResNet stem (7×7/2 conv over the image's few channels, ReLU, 3×3/2 max-pool) as one kernel
-//! on tensor cores, offered as a timed candidate beside the conv and pool run apart (FP16 only).
+//! on tensor cores: in FP16 a timed candidate beside the conv and pool run apart; in INT8 and FP8
+//! engines the 8-bit stem, which quantises the FP16 input as it loads it and writes the codes the
+//! next convs read (`conv8::plan` decides where it runs).
 //!
 //! cuDNN runs the 7×7 conv on 3 channels at a small fraction of the tensor cores' speed, and the
 //! max-pool then reads its output, the largest activation of the network, back from memory.
 //! `kernels/stem.cu` keeps the conv's output in shared memory and writes only the pooled image:
 //! a quarter of the bytes, one launch instead of two.
 
+use super::conv8::EightBitPlan;
 use super::launch::{launch, CudaFunction, KArg};
 use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueId};
-use crate::graph::{Activation, ConvAttrs, NodeId, PoolAttrs};
+use crate::graph::{Activation, ConvAttrs, NodeId, PoolAttrs, QuantParams};
 use crate::{Error, Result};
 use cudarc::driver::sys::CUfunction_attribute;
 
@@ -22,38 +25,46 @@ const COUT: usize = 64;
 const MAX_CIN: usize = 4;
 const KTOT: usize = K * 32;
 
-/// One tile shape of the kernel (`StemGeo` in `kernels/stem.cu`).
+/// The kernels' tile shape (`StemLarge` in `kernels/stem.cu`): pooled pixels per block (rows,
+/// columns), threads, and blocks resident per SM (the `__launch_bounds__`; the persistent grid is
+/// this many per SM). A 4×4 tile measured no faster at batch 1, where the layer is latency-bound
+/// (docs/PERFORMANCE.md step 8).
 #[derive(Clone, Copy, Debug)]
 struct Variant {
-    entry: &'static str,
-    /// Pooled pixels per block (rows, columns).
     tile: [usize; 2],
     threads: u32,
-    /// Blocks resident per SM (its `__launch_bounds__`): the persistent grid is this many per SM.
     blocks_per_sm: u32,
 }
 
-/// The tile shapes compiled (a 4×4 tile measured no faster at batch 1, where the layer is
-/// latency-bound; docs/PERFORMANCE.md step 8).
-const VARIANTS: [Variant; 1] = [Variant { entry: "stem_conv_pool_f16", tile: [8, 7], threads: 256, blocks_per_sm: 2 }];
+const VARIANT: Variant = Variant { tile: [8, 7], threads: 256, blocks_per_sm: 2 };
+
+/// The FP16 kernel's entry point.
+const F16_ENTRY: &str = "stem_conv_pool_f16";
 
 impl Variant {
-    /// Dynamic shared memory per block (`StemGeo::SMEM_BYTES`), in halves with padded rows:
-    /// weights, input tile (4 channels, with the extra column the 8-tap segments reach), conv tile.
-    const fn smem_bytes(&self) -> u32 {
+    /// Dynamic shared memory per block, with the kernels' padded rows: weights, input tile (the
+    /// extra column the 8-tap segments reach) and conv tile. FP16 (`StemGeo::SMEM_BYTES`): f16
+    /// values, 4 channels a pixel. 8-bit (`Stem8Geo::SMEM_BYTES`): codes, a pixel's 4 a word.
+    const fn smem_bytes(&self, eight_bit: bool) -> u32 {
         let conv = [2 * self.tile[0] + 1, 2 * self.tile[1] + 1];
         let input = [2 * (conv[0] - 1) + K, 2 * (conv[1] - 1) + 8];
-        (2 * (COUT * (KTOT + 8) + input[0] * input[1] * 4 + conv[0] * conv[1] * (COUT + 8))) as u32
+        let bytes = if eight_bit {
+            COUT * (K * 32 + 16) + input[0] * input[1] * 4 + conv[0] * conv[1] * (COUT + 16)
+        } else {
+            2 * (COUT * (KTOT + 8) + input[0] * input[1] * 4 + conv[0] * conv[1] * (COUT + 8))
+        };
+        bytes as u32
     }
 }
 
 pub struct StemPool {
     path: String,
-    variant: Variant,
+    entry: String,
     f: CudaFunction,
     x: ValueId,
     y: ValueId,
-    /// `[Cout][KTOT]` f16 in (row, tap, channel) order, zeros past 7 taps and past Cin channels.
+    /// `[Cout][KTOT]` f16 in (row, tap, channel) order, zeros past 7 taps and past Cin channels;
+    /// the 8-bit stem's codes `[Cout][7][32]` in the same order.
     w: DeviceBuf,
     bias: DeviceBuf,
     /// H, W, C, HC, WC, HP, WP as the kernel takes them.
@@ -61,43 +72,89 @@ pub struct StemPool {
     /// Blocks per image.
     tiles: usize,
     sm_count: u32,
+    eight_bit: Option<EightBit>,
 }
 
-/// The fused stem's tile shapes for a conv node carrying `pool`, or none where the kernel does not apply:
-/// FP16, a 7×7 conv with stride 2, padding 3, no dilation, groups or residual, at most 4 input
-/// and exactly 64 output channels, ReLU, and a 3×3 max-pool with stride 2 and padding 1, on a GPU
-/// with `mma.m16n8k16` (sm_80 or newer). `conv_hw` is the conv's output size (before the pool),
-/// from the conv's shape rule.
-pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, pool: &PoolAttrs, conv_hw: [usize; 2]) -> Result<Vec<Box<dyn Layer>>> {
-    let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
-    let w = ctx.weight(node, 1)?;
-    let cin = match w.shape[..] {
-        [COUT, c, K, K] if c <= MAX_CIN => c,
-        _ => return Ok(Vec::new()),
-    };
-    let conv_fits = !a.transposed
+/// What the 8-bit stem takes beyond the FP16 one: `s_x · s_w[k]` per output channel, and the
+/// input's and output's quantisers (1/scale, qmin, qmax each).
+struct EightBit {
+    alpha: DeviceBuf,
+    quantisers: [f32; 6],
+}
+
+/// Whether the kernel's fixed geometry runs this conv and its pool: a 7×7 conv with stride 2,
+/// padding 3, no dilation, groups or residual, at most 4 input and exactly 64 output channels
+/// (`weight` is `[K, C, R, S]`), ReLU, and a 3×3 max-pool with stride 2 and padding 1.
+pub fn fits(a: &ConvAttrs, pool: &PoolAttrs, weight: &[usize]) -> bool {
+    let conv = !a.transposed
         && a.stride == [2, 2]
         && a.padding == [3, 3]
         && a.dilation == [1, 1]
         && a.groups == 1
         && !a.residual
-        && a.act == Activation::Relu;
-    let pool_fits = pool.kernel == [3, 3] && pool.stride == [2, 2] && pool.padding == [1, 1];
+        && a.act == Activation::Relu
+        && matches!(weight, &[COUT, c, K, K] if c <= MAX_CIN);
+    conv && pool.kernel == [3, 3] && pool.stride == [2, 2] && pool.padding == [1, 1]
+}
+
+/// The checked geometry of a stem node whose input and output values are NHWC in `x_elem` and
+/// `y_elem`: the kernel's dims, blocks per image and input channels; none where it does not apply
+/// (see [`fits`]; the kernels need sm_80's `mma`).
+fn geometry(
+    ctx: &BuildCtx,
+    node: NodeId,
+    (a, pool): (&ConvAttrs, &PoolAttrs),
+    conv_hw: [usize; 2],
+    (x_elem, y_elem): (Elem, Elem),
+) -> Result<Option<([i32; 7], usize, usize)>> {
+    let w = ctx.weight(node, 1)?;
+    let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let (dx, dy) = (ctx.value(x), ctx.value(y));
-    let nhwc_f16 =
-        |d: &super::ValueDesc| d.elem == Elem::F16 && d.dims.len() == 3 && d.layout.same_bytes(Layout::channels_last(3), &d.dims);
-    if !conv_fits || !pool_fits || ctx.elem() != Elem::F16 || ctx.gpu.info.sm < 80 || !nhwc_f16(dx) || !nhwc_f16(dy) {
-        return Ok(Vec::new());
+    let nhwc = |d: &super::ValueDesc, e: Elem| d.elem == e && d.dims.len() == 3 && d.layout.same_bytes(Layout::channels_last(3), &d.dims);
+    if !fits(a, pool, &w.shape) || ctx.gpu.info.sm < 80 || !nhwc(dx, x_elem) || !nhwc(dy, y_elem) {
+        return Ok(None);
     }
     let ([c, h, wd], [cy, hp, wp]) = (dx.dims[..3].try_into().expect("rank 3"), dy.dims[..3].try_into().expect("rank 3"));
-    if c != cin || cy != COUT {
-        return Err(ctx.err(node, format!("the stem maps {c} channels to {cy}, its weight {:?} says {cin} to {COUT}", w.shape)));
+    if c != w.shape[1] || cy != COUT {
+        return Err(ctx.err(node, format!("the stem maps {c} channels to {cy}, its weight {:?} says {} to {COUT}", w.shape, w.shape[1])));
     }
     let [hc, wc] = conv_hw;
     let mut dims = [0i32; 7];
     for (d, (name, v)) in dims.iter_mut().zip([("H", h), ("W", wd), ("C", c), ("HC", hc), ("WC", wc), ("HP", hp), ("WP", wp)]) {
         *d = i32::try_from(v).map_err(|_| ctx.err(node, format!("{name} = {v} exceeds the stem kernel's 32-bit range")))?;
     }
+    let tiles = hp.div_ceil(VARIANT.tile[0]) * wp.div_ceil(VARIANT.tile[1]);
+    Ok(Some((dims, tiles, c)))
+}
+
+/// The bias of a stem conv, checked against its 64 channels.
+fn bias_of(ctx: &BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec<f32>> {
+    let bias = if a.bias { ctx.weight(node, 2)?.data.clone() } else { vec![0.0; COUT] };
+    if bias.len() != COUT {
+        return Err(ctx.err(node, format!("bias has {} values for {COUT} channels", bias.len())));
+    }
+    Ok(bias)
+}
+
+/// `entry` of `kernels/stem.cu`, with the variant's shared memory allowed.
+fn function(ctx: &BuildCtx, node: NodeId, entry: &str) -> Result<CudaFunction> {
+    ctx.kernels.add_source("stem.cu", STEM_CU)?;
+    let f = ctx.kernels.get(entry)?;
+    let smem = VARIANT.smem_bytes(entry != F16_ENTRY);
+    f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+        .map_err(|e| ctx.err(node, format!("`{entry}` cannot have {smem} bytes of shared memory: {e:?}")))?;
+    Ok(f)
+}
+
+/// The fused FP16 stem for a conv node carrying `pool`, or none where the kernel does not apply
+/// ([`fits`], FP16 NHWC values, sm_80 or newer). `conv_hw` is the conv's output size (before the
+/// pool), from the conv's shape rule.
+pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, pool: &PoolAttrs, conv_hw: [usize; 2]) -> Result<Vec<Box<dyn Layer>>> {
+    if ctx.elem() != Elem::F16 {
+        return Ok(Vec::new());
+    }
+    let Some((dims, tiles, c)) = geometry(ctx, node, (a, pool), conv_hw, (Elem::F16, Elem::F16))? else { return Ok(Vec::new()) };
+    let w = ctx.weight(node, 1)?;
     let mut packed = vec![0f32; COUT * KTOT];
     for co in 0..COUT {
         for ch in 0..c {
@@ -108,24 +165,53 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, pool: &PoolAt
             }
         }
     }
-    let bias = if a.bias { ctx.weight(node, 2)?.data.clone() } else { vec![0.0; COUT] };
-    if bias.len() != COUT {
-        return Err(ctx.err(node, format!("bias has {} values for {COUT} channels", bias.len())));
-    }
-    ctx.kernels.add_source("stem.cu", STEM_CU)?;
+    let bias = bias_of(ctx, node, a)?;
+    let f = function(ctx, node, F16_ENTRY)?;
+    let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let (path, sm_count) = (ctx.node(node).path.clone(), ctx.kernels.sm_count());
-    let mut out: Vec<Box<dyn Layer>> = Vec::new();
-    for variant in VARIANTS {
-        let f = ctx.kernels.get(variant.entry)?;
-        let smem = variant.smem_bytes();
-        f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
-            .map_err(|e| ctx.err(node, format!("`{}` cannot have {smem} bytes of shared memory: {e:?}", variant.entry)))?;
-        let tiles = hp.div_ceil(variant.tile[0]) * wp.div_ceil(variant.tile[1]);
-        // Uploads of equal bytes share one buffer (`WeightStore`).
-        let (w, bias) = (ctx.upload(&packed)?, ctx.upload_f32(&bias)?);
-        out.push(Box::new(StemPool { path: path.clone(), variant, f, x, y, w, bias, dims, tiles, sm_count }));
+    // Uploads of equal bytes share one buffer (`WeightStore`).
+    let (w, bias) = (ctx.upload(&packed)?, ctx.upload_f32(&bias)?);
+    Ok(vec![Box::new(StemPool { path, entry: F16_ENTRY.into(), f, x, y, w, bias, dims, tiles, sm_count, eight_bit: None })])
+}
+
+/// The 8-bit stem of an INT8 or FP8 engine (`conv8::plan` made the node an 8-bit conv): it reads
+/// the FP16 input and quantises it with `input`'s parameters, multiplies the codes with the
+/// weight's codes (`codes`: `[K, C, R, S]` values on the 8-bit grid, `w_scale` per output
+/// channel) and writes the codes of `output`, the quantiser after it.
+pub fn eight_bit_candidates(
+    ctx: &mut BuildCtx,
+    node: NodeId,
+    (a, pool): (&ConvAttrs, &PoolAttrs),
+    conv_hw: [usize; 2],
+    (input, output): (&QuantParams, &QuantParams),
+    (codes, w_scale): (&[f32], &[f32]),
+) -> Result<Vec<Box<dyn Layer>>> {
+    let elem = EightBitPlan::elem(input.format);
+    let Some((dims, tiles, c)) = geometry(ctx, node, (a, pool), conv_hw, (Elem::F16, elem))? else {
+        return Err(ctx.err(node, "the 8-bit stem needs NHWC FP16 input and 8-bit output on sm_80 or newer".into()));
+    };
+    let mut packed = vec![0f32; COUT * K * 32];
+    for co in 0..COUT {
+        for ch in 0..c {
+            for r in 0..K {
+                for s in 0..K {
+                    packed[(co * K + r) * 32 + s * 4 + ch] = codes[((co * c + ch) * K + r) * K + s];
+                }
+            }
+        }
     }
-    Ok(out)
+    let alpha: Vec<f32> = w_scale.iter().map(|s| input.scale[0] * s).collect();
+    let bias = bias_of(ctx, node, a)?;
+    let entry = format!("conv8_{}_stem", elem.suffix());
+    let f = function(ctx, node, &entry)?;
+    let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
+    let (path, sm_count) = (ctx.node(node).path.clone(), ctx.kernels.sm_count());
+    let w = ctx.upload_bytes(&super::layer::to_elem_bytes(&packed, elem))?;
+    let (alpha, bias) = (ctx.upload_f32(&alpha)?, ctx.upload_f32(&bias)?);
+    let quantisers =
+        [1.0 / input.scale[0], input.qmin as f32, input.qmax as f32, 1.0 / output.scale[0], output.qmin as f32, output.qmax as f32];
+    let eight_bit = Some(EightBit { alpha, quantisers });
+    Ok(vec![Box::new(StemPool { path, entry, f, x, y, w, bias, dims, tiles, sm_count, eight_bit })])
 }
 
 impl Layer for StemPool {
@@ -133,7 +219,7 @@ impl Layer for StemPool {
         &self.path
     }
     fn kind(&self) -> String {
-        format!("kernel:{}", self.variant.entry)
+        format!("kernel:{}", self.entry)
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         if batch == 0 {
@@ -143,12 +229,18 @@ impl Layer for StemPool {
         let out_of_range = || Error::Binding { name: self.path.clone(), reason: format!("batch {batch} exceeds the stem kernel's range") };
         let tiles = batch.checked_mul(self.tiles).and_then(|t| i32::try_from(t).ok()).ok_or_else(out_of_range)?;
         let n = i32::try_from(batch).map_err(|_| out_of_range())?;
-        let v = &self.variant;
-        let blocks = (tiles as u32).min(self.sm_count * v.blocks_per_sm);
-        let mut args =
-            vec![KArg::Ptr(rt.ptr(self.x)), KArg::Ptr(self.w.ptr()), KArg::Ptr(self.bias.ptr()), KArg::Ptr(rt.ptr(self.y)), KArg::I32(n)];
+        let blocks = (tiles as u32).min(self.sm_count * VARIANT.blocks_per_sm);
+        let mut args = vec![KArg::Ptr(rt.ptr(self.x)), KArg::Ptr(self.w.ptr())];
+        if let Some(e) = &self.eight_bit {
+            args.push(KArg::Ptr(e.alpha.ptr()));
+        }
+        args.extend([KArg::Ptr(self.bias.ptr()), KArg::Ptr(rt.ptr(self.y)), KArg::I32(n)]);
         args.extend(self.dims.map(KArg::I32));
-        launch(rt, &self.f, (blocks, 1, 1), (v.threads, 1, 1), v.smem_bytes(), &args)
+        if let Some(e) = &self.eight_bit {
+            args.extend(e.quantisers.map(KArg::F32));
+        }
+        let smem = VARIANT.smem_bytes(self.eight_bit.is_some());
+        launch(rt, &self.f, (blocks, 1, 1), (VARIANT.threads, 1, 1), smem, &args)
     }
 }
 
@@ -158,14 +250,27 @@ mod tests {
 
     #[test]
     fn shared_memory_matches_the_kernel_and_fits_the_blocks_per_sm() {
-        // kernels/stem.cu: (64·232 + 39·36·4 + 255·72) halves.
-        assert_eq!(VARIANTS.map(|v| v.smem_bytes()), [77_648]);
-        for v in VARIANTS {
+        // kernels/stem.cu: (64·232 + 39·36·4 + 255·72) halves; 64·240 + 39·36·4 + 255·80 bytes.
+        assert_eq!([false, true].map(|e| VARIANT.smem_bytes(e)), [77_648, 41_376]);
+        for eight_bit in [false, true] {
             // Hopper and Ampere give an SM 228 KiB (1 KiB reserved per block).
-            assert!(v.blocks_per_sm * (v.smem_bytes() + 1024) <= 228 * 1024, "{v:?}");
-            // Two 16-row M tiles per warp cover the conv tile.
-            let conv = (2 * v.tile[0] + 1) * (2 * v.tile[1] + 1);
-            assert!(conv <= 2 * 16 * v.threads as usize / 32, "{v:?}");
+            assert!(VARIANT.blocks_per_sm * (VARIANT.smem_bytes(eight_bit) + 1024) <= 228 * 1024);
         }
+        // Two 16-row M tiles per warp cover the conv tile.
+        let conv = (2 * VARIANT.tile[0] + 1) * (2 * VARIANT.tile[1] + 1);
+        assert!(conv <= 2 * 16 * VARIANT.threads as usize / 32);
+    }
+
+    #[test]
+    fn the_geometry_is_the_resnet_stem_only() {
+        let stem = ConvAttrs { stride: [2, 2], padding: [3, 3], act: Activation::Relu, ..ConvAttrs::default() };
+        let pool = PoolAttrs { kernel: [3, 3], stride: [2, 2], padding: [1, 1], ..PoolAttrs::default() };
+        assert!(fits(&stem, &pool, &[64, 3, 7, 7]));
+        assert!(fits(&stem, &pool, &[64, 4, 7, 7]));
+        assert!(!fits(&stem, &pool, &[64, 5, 7, 7]), "at most 4 input channels");
+        assert!(!fits(&stem, &pool, &[32, 3, 7, 7]), "64 output channels");
+        assert!(!fits(&ConvAttrs { act: Activation::None, ..stem }, &pool, &[64, 3, 7, 7]), "ReLU");
+        assert!(!fits(&ConvAttrs { residual: true, ..stem }, &pool, &[64, 3, 7, 7]));
+        assert!(!fits(&stem, &PoolAttrs { stride: [1, 1], ..pool }, &[64, 3, 7, 7]));
     }
 }
