@@ -383,3 +383,175 @@ CONV8(conv8_e4m3_m64n64, true, 64, 64)
 
 CONV8_FINISH(conv8_finish_i8, false)
 CONV8_FINISH(conv8_finish_e4m3, true)
+
+// ---- Pointwise (1×1, stride 1) convs: persistent and pipelined across tiles --------------------
+//
+// A 1×1 conv with a short reduction (C <= 256: ResNet's bottleneck expansions) is a GEMM that
+// moves far more bytes than it multiplies: ResNet-50's layer1 conv3 reads 64 codes and a 256-code
+// residual per pixel and writes 256. conv8 above handles one tile per block and waits for its
+// input, then computes, then writes, so few bytes are in flight. Here a block keeps its 128 output
+// channels' weights (128 × C codes) in shared memory and walks 128-pixel tiles (block b takes
+// tiles b, b + gridDim.x, ...; gridDim.x is a multiple of the channel tiles, so a block's channel
+// tile never changes) through a 3-stage cp.async pipeline: while it computes tile i, the input
+// rows and residual codes of tiles i + 1 and i + 2 are on their way. The epilogue reads the
+// residual from shared memory, writes the requantised codes in its place, and the block then
+// stores the tile in 16-byte vectors.
+//
+// Warps: 4 along M (32 rows each) × 2 along N (64 channels each), m16n8k32 MMAs. Shared-memory
+// rows are padded by 16 bytes so that ldmatrix's 8 rows and the epilogue's 8 rows fall in distinct
+// banks. C is a multiple of 32, K of 16; the output is 8-bit codes.
+#define PW_BM 128
+#define PW_BN 128
+#define PW_THREADS 256
+#define PW_STAGES 3
+
+__device__ __forceinline__ void decode2(unsigned short q, float scale, float* v, bool fp8) {
+    if (!fp8) {
+        v[0] += (float)(signed char)(q & 0xff) * scale;
+        v[1] += (float)(signed char)(q >> 8) * scale;
+        return;
+    }
+#if __CUDA_ARCH__ >= 890
+    unsigned f2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(f2) : "h"(q));
+    f16 lo, hi;
+    lo.bits = f2 & 0xffff;
+    hi.bits = f2 >> 16;
+    v[0] += to_f32(lo) * scale;
+    v[1] += to_f32(hi) * scale;
+#else
+    __trap();
+#endif
+}
+
+template <bool FP8> __device__ __forceinline__ void conv8_pw(const Conv8Args& a) {
+    typedef typename Acc<FP8>::T AccT;
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int warp_m = warp & 3, warp_n = warp >> 2;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int C = a.c, K = a.k, m_total = a.n * a.p * a.q;
+    const int a_ld = C + 16, z_ld = PW_BN + 16;  // row strides in bytes
+    const int a_bytes = PW_BM * a_ld, stage_bytes = a_bytes + PW_BM * z_ld;
+    float* s_alpha = reinterpret_cast<float*>(smem);  // alpha and bias of the block's channels
+    float* s_bias = s_alpha + PW_BN;
+    unsigned char* sb = smem + 2 * PW_BN * 4;          // weights: PW_BN rows × a_ld
+    unsigned char* stages = sb + PW_BN * a_ld;         // PW_STAGES × (A tile, Z tile)
+    const int n_tiles = (K + PW_BN - 1) / PW_BN, m_tiles = (m_total + PW_BM - 1) / PW_BM;
+    const int block_n = (blockIdx.x % n_tiles) * PW_BN;
+    // This block's tiles: m = (blockIdx.x + i · gridDim.x) / n_tiles for i = 0, 1, ...
+    const int first = blockIdx.x / n_tiles, step = gridDim.x / n_tiles;
+    const int my_tiles = first < m_tiles ? (m_tiles - first + step - 1) / step : 0;
+    const int chunks_c = C / 16, chunks_n = PW_BN / 16;
+    const bool residual = a.z_store == C8_Q8;
+
+    for (int i = tid; i < PW_BN * chunks_c; i += PW_THREADS) {
+        const int row = i / chunks_c, ch = i - row * chunks_c, nn = block_n + row;
+        const bool ok = nn < K;
+        cp_async16(smem_u32(sb + row * a_ld + ch * 16), ok ? a.w + (long long)nn * C + ch * 16 : a.w, ok);
+    }
+    auto load_tile = [&](int i) {
+        unsigned char* st = stages + (i % PW_STAGES) * stage_bytes;
+        const int m0 = (first + i * step) * PW_BM;
+        for (int j = tid; j < PW_BM * chunks_c; j += PW_THREADS) {
+            const int row = j / chunks_c, ch = j - row * chunks_c, m = m0 + row;
+            const bool ok = m < m_total;
+            cp_async16_ca(smem_u32(st + row * a_ld + ch * 16), ok ? a.x + (long long)m * C + ch * 16 : a.x, ok);
+        }
+        if (residual) {
+            const unsigned char* z = reinterpret_cast<const unsigned char*>(a.z);
+            for (int j = tid; j < PW_BM * chunks_n; j += PW_THREADS) {
+                const int row = j / chunks_n, ch = j - row * chunks_n, m = m0 + row, col = block_n + ch * 16;
+                const bool ok = m < m_total && col < K;
+                cp_async16(smem_u32(st + a_bytes + row * z_ld + ch * 16), ok ? z + (long long)m * K + col : z, ok);
+            }
+        }
+    };
+#pragma unroll
+    for (int i = 0; i < PW_STAGES - 1; i++) {
+        if (i < my_tiles) load_tile(i);
+        cp_async_commit();
+    }
+    for (int j = tid; j < PW_BN; j += PW_THREADS) {
+        const int col = block_n + j;
+        s_alpha[j] = col < K ? a.alpha[col] : 0.f;
+        s_bias[j] = col < K && a.bias ? a.bias[col] : 0.f;
+    }
+
+    for (int i = 0; i < my_tiles; i++) {
+        cp_async_wait<PW_STAGES - 2>();
+        __syncthreads();
+        if (i + PW_STAGES - 1 < my_tiles) load_tile(i + PW_STAGES - 1);
+        cp_async_commit();
+        unsigned char* st = stages + (i % PW_STAGES) * stage_bytes;
+        const unsigned sa = smem_u32(st), sbw = smem_u32(sb);
+        AccT acc[2][8][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[mt][nt][e] = 0;
+        for (int kk = 0; kk < C; kk += 32) {
+            unsigned af[2][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++) {
+                const int row = warp_m * 32 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                ldmatrix_x4(af[mt], sa + row * a_ld + kk + 16 * (lane >> 4));
+            }
+#pragma unroll
+            for (int np = 0; np < 4; np++) {
+                const int row = warp_n * 64 + np * 16 + (lane & 7) + (lane >> 4) * 8;
+                unsigned r[4];
+                ldmatrix_x4(r, sbw + row * a_ld + kk + 16 * ((lane >> 3) & 1));
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++) {
+                    mma_8bit(acc[mt][2 * np], af[mt], r[0], r[1]);
+                    mma_8bit(acc[mt][2 * np + 1], af[mt], r[2], r[3]);
+                }
+            }
+        }
+        // Epilogue in place: each pair of channels' residual codes become its output codes.
+        unsigned char* zt = st + a_bytes;
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+            for (int half = 0; half < 2; half++) {
+                const int row = warp_m * 32 + mt * 16 + g + 8 * half;
+#pragma unroll
+                for (int nt = 0; nt < 8; nt++) {
+                    const int lc = warp_n * 64 + nt * 8 + t4 * 2;
+                    unsigned short* zp = reinterpret_cast<unsigned short*>(zt + row * z_ld + lc);
+                    const float2 al = *reinterpret_cast<const float2*>(s_alpha + lc), bi = *reinterpret_cast<const float2*>(s_bias + lc);
+                    float v[4];
+                    v[0] = (float)acc[mt][nt][2 * half] * al.x + bi.x;
+                    v[1] = (float)acc[mt][nt][2 * half + 1] * al.y + bi.y;
+                    v[2] = v[3] = 0.f;
+                    if (residual) decode2(*zp, a.z_scale, v, FP8);
+                    if (a.relu) {
+                        v[0] = fmaxf(v[0], 0.f);
+                        v[1] = fmaxf(v[1], 0.f);
+                    }
+                    *zp = (unsigned short)encode4<FP8>(v, a.inv_y_scale, a.qmin, a.qmax);
+                }
+            }
+        __syncthreads();
+        const int m0 = (first + i * step) * PW_BM;
+        unsigned char* y = reinterpret_cast<unsigned char*>(a.y);
+        for (int j = tid; j < PW_BM * chunks_n; j += PW_THREADS) {
+            const int row = j / chunks_n, ch = j - row * chunks_n, m = m0 + row, col = block_n + ch * 16;
+            if (m < m_total && col < K)
+                *reinterpret_cast<uint4*>(y + (long long)m * K + col) = *reinterpret_cast<const uint4*>(zt + row * z_ld + ch * 16);
+        }
+    }
+    cp_async_wait<0>();
+}
+
+#define CONV8_PW(NAME, FP8)                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(PW_THREADS, 2) NAME(CONV8_PARAMS) {                                                 \
+        CONV8_ARGS;                                                                                                                   \
+        conv8_pw<FP8>(a);                                                                                                             \
+    }
+
+CONV8_PW(conv8_i8_pw, false)
+CONV8_PW(conv8_e4m3_pw, true)

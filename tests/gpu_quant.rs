@@ -316,8 +316,10 @@ fn fp8_gemm_matches_the_simulation() {
 /// fake-quant simulation at batch 1, 3 (cuDNN: slices of 2 and 1) and 5: 3×3 convs with stride 1 and 2 and
 /// dilation 2, a 1×1 conv adding an 8-bit residual, output channels that leave a partial tile,
 /// odd image sizes, a conv requantising into the next one's input, one writing f16 for a reader
-/// the kernel cannot run (a grouped conv), a value read by two 8-bit convs, and a 5×5 conv deep
-/// enough for split-K (19 k-blocks), forced with 4 and 8 splits. The simulation
+/// the kernel cannot run (a grouped conv), a value read by three 8-bit convs, a 5×5 and a 3×3 conv
+/// deep enough for split-K (25 and 21 k-blocks), forced with 4 and 8 splits, and the pointwise
+/// kernel on two 1×1 convs (one with a residual and a partial channel tile, one over two channel
+/// tiles) whose 495 output pixels at batch 5 end in a partial tile. The simulation
 /// reads the input rounded to f16, as the engine's quantiser does (with the f32 input, values
 /// near a rounding boundary land on the other code: 8e-3 in INT8).
 #[test]
@@ -329,18 +331,22 @@ fn conv8_matches_the_simulation() {
     let x = tracer.input("input", &[5, 32, 9, 11]);
     let vb = VarBuilder::seeded();
     let conv = |name: &str, c: Conv2dConfig| Conv2d::load(vb.pp(name), &c).expect(name);
-    let c1 = conv("c1", Conv2dConfig::new(32, 48, 3).padding(1));
-    let c2 = conv("c2", Conv2dConfig::new(48, 32, 1));
+    let c1 = conv("c1", Conv2dConfig::new(32, 64, 3).padding(1));
+    let c2 = conv("c2", Conv2dConfig::new(64, 32, 1));
     let c3 = conv("c3", Conv2dConfig::new(32, 48, 3).stride(2).padding(1));
     let c4 = conv("c4", Conv2dConfig::new(48, 16, 1).groups(2));
     let c5 = conv("c5", Conv2dConfig::new(32, 16, 3).padding(2).dilation(2));
-    let c6 = conv("c6", Conv2dConfig::new(48, 32, 5).padding(2));
+    let c6 = conv("c6", Conv2dConfig::new(64, 32, 5).padding(2));
+    let c7 = conv("c7", Conv2dConfig::new(32, 144, 1));
+    let c8 = conv("c8", Conv2dConfig::new(144, 16, 3).padding(1));
     let h1 = c1.forward(&x).and_then(|h| h.relu()).expect("c1");
     let h2 = c2.forward(&h1).and_then(|y| y.add(&x)).and_then(|y| y.relu()).expect("c2");
     let h3 = c3.forward(&h2).and_then(|h| h.relu()).expect("c3");
     c4.forward(&h3).expect("c4").mark_output("y1");
     c5.forward(&h2).expect("c5").mark_output("y2");
     c6.forward(&h1).expect("c6").mark_output("y3");
+    let h7 = c7.forward(&h2).and_then(|h| h.relu()).expect("c7");
+    c8.forward(&h7).expect("c8").mark_output("y4");
     let graph = tracer.graph();
     let input = common::random(&[5, 32, 9, 11], 23, 2.0);
     let cache =
@@ -355,7 +361,7 @@ fn conv8_matches_the_simulation() {
         }
         let seen = common::to_f16(&input);
         let sim = kiln::cpu::run(&simulate(&graph, &cache, format).expect("simulate"), &[("input", &seen)]).expect("cpu");
-        let tiles = ["m128n64", "m128n128", "m64n64", "m64n64:split4", "m64n64:split8"].map(|t| format!("kernel:conv8_{code}_{t}"));
+        let tiles = ["m128n64", "m128n128", "m64n64", "m64n64:split4", "m64n64:split8", "pw"].map(|t| format!("kernel:conv8_{code}_{t}"));
         // cuDNN's fused engines, forced: every conv cuDNN has an engine for takes one.
         let library = format!("cudnn-graph-{code}");
         for source in tiles.iter().chain([&library]) {
@@ -375,14 +381,21 @@ fn conv8_matches_the_simulation() {
                 .filter(|l| kiln::engine::conv8::precision_of_kind(&l.kind()).is_some())
                 .map(|l| l.path().to_string())
                 .collect();
-            if eight_bit != ["c1", "c2", "c3", "c5", "c6"] {
-                failures.push(format!("`{source}`: 8-bit layers {eight_bit:?}, expected c1, c2, c3, c5, c6"));
+            let all = ["c1", "c2", "c3", "c5", "c6", "c7", "c8"];
+            if eight_bit != all {
+                failures.push(format!("`{source}`: 8-bit layers {eight_bit:?}, expected {all:?}"));
             }
-            // Every 8-bit layer took the forced tile, where it has one (split-K only c6; forcing a
-            // tile leaves its split-K forms to the timing, as `tactic_sources` matches prefixes).
+            // Every 8-bit layer took the forced tile, where it has one (split-K: the deep
+            // reductions c6 and c8; forcing a tile leaves its split-K forms to the timing, as
+            // `tactic_sources` matches prefixes; pointwise: the requantising 1×1 convs c2, with a
+            // residual and 32 channels, and c7, whose 144 channels span two channel tiles).
             let forced: Vec<String> =
                 engine.layers().filter(|l| l.kind().starts_with(source.as_str())).map(|l| l.path().to_string()).collect();
-            let want: &[&str] = if source.contains(":split") { &["c6"] } else { &["c1", "c2", "c3", "c5", "c6"] };
+            let want: &[&str] = match source.as_str() {
+                s if s.contains(":split") => &["c6", "c8"],
+                s if s.ends_with("_pw") => &["c2", "c7"],
+                _ => &all,
+            };
             if *source == library {
                 // cuDNN need not fuse every shape (dilation, 5×5): the 3×3, strided and residual
                 // 1×1 convs it must.
@@ -405,7 +418,7 @@ fn conv8_matches_the_simulation() {
                 let per = 32 * 9 * 11;
                 let xb = HostTensor::new(vec![batch, 32, 9, 11], input.data[..batch * per].to_vec());
                 let got = ctx.run(&[("input", &xb)]).expect("run");
-                for name in ["y1", "y2", "y3"] {
+                for name in ["y1", "y2", "y3", "y4"] {
                     let n = got[name].data.len();
                     let (rel, max_abs) = rel_l2(&got[name].data, &sim[name].data[..n]);
                     println!(

@@ -178,25 +178,61 @@ pub fn plan(graph: &Graph, precision: Precision, precisions: &[Precision], sm: u
     plan
 }
 
-/// One compiled tile shape (`CONV8` entries of the kernel): output pixels and channels per block.
+/// One compiled tile shape: output pixels and channels per block, and whether it is the
+/// persistent pointwise kernel (`CONV8_PW`: 1×1 convs, blocks walk their tiles through a
+/// pipeline) rather than a tile per block (`CONV8`).
 #[derive(Clone, Copy, Debug)]
 struct Variant {
     bm: usize,
     bn: usize,
+    pointwise: bool,
 }
+
+/// The pointwise kernel's pipeline depth and most input channels (`PW_STAGES`; its weights, input
+/// and residual tiles must fit in shared memory).
+const PW_STAGES: usize = 3;
+const PW_MAX_C: usize = 256;
 
 impl Variant {
     /// 128-pixel tiles for large batches; 64-pixel tiles give small ones more blocks.
-    const ALL: [Variant; 3] = [Variant { bm: 128, bn: 64 }, Variant { bm: 128, bn: 128 }, Variant { bm: 64, bn: 64 }];
+    const ALL: [Variant; 3] = [
+        Variant { bm: 128, bn: 64, pointwise: false },
+        Variant { bm: 128, bn: 128, pointwise: false },
+        Variant { bm: 64, bn: 64, pointwise: false },
+    ];
+    const POINTWISE: Variant = Variant { bm: 128, bn: 128, pointwise: true };
     fn threads(self) -> u32 {
         (128 * self.bn / 64) as u32
     }
-    /// The pipeline's stages, or the epilogue's f32 staging tile (rows padded by 4) if larger.
-    fn smem_bytes(self) -> u32 {
-        (STAGES * (self.bm + self.bn) * BK).max(self.bm * (self.bn + 4) * 4) as u32
+    /// Shared memory for `c` input channels. A tile per block: the pipeline's stages, or the
+    /// epilogue's f32 staging tile (rows padded by 4) if larger. Pointwise: alpha and bias, the
+    /// weights, and per stage the input and residual tiles, rows padded by 16 bytes.
+    fn smem_bytes(self, c: usize) -> u32 {
+        let bytes = if self.pointwise {
+            2 * self.bn * 4 + self.bn * (c + 16) + PW_STAGES * self.bm * (c + 16 + self.bn + 16)
+        } else {
+            (STAGES * (self.bm + self.bn) * BK).max(self.bm * (self.bn + 4) * 4)
+        };
+        bytes as u32
     }
     fn entry(self, format: QuantFormat) -> String {
-        format!("conv8_{}_m{}n{}", EightBitPlan::elem(format).suffix(), self.bm, self.bn)
+        match self.pointwise {
+            true => format!("conv8_{}_pw", EightBitPlan::elem(format).suffix()),
+            false => format!("conv8_{}_m{}n{}", EightBitPlan::elem(format).suffix(), self.bm, self.bn),
+        }
+    }
+    /// Blocks of a launch over `rows` output pixels and `k` channels. A tile per block: one per
+    /// (pixel tile, channel tile, split). Pointwise: as many as fit on the GPU at once (2 per SM
+    /// at most, fewer where shared memory is short), a multiple of the channel tiles so that each
+    /// block keeps one channel tile's weights.
+    fn blocks(self, rows: usize, k: usize, splits: usize, c: usize, sm_count: u32) -> usize {
+        let tiles = rows.div_ceil(self.bm) * k.div_ceil(self.bn);
+        if !self.pointwise {
+            return tiles * splits;
+        }
+        let per_sm = (228 * 1024 / (self.smem_bytes(c) as usize + 1024)).clamp(1, 2);
+        let n_tiles = k.div_ceil(self.bn);
+        (tiles.min(sm_count as usize * per_sm) / n_tiles).max(1) * n_tiles
     }
 }
 
@@ -204,7 +240,7 @@ impl Variant {
 /// formats and split-K's finishing kernels), for the NVRTC test.
 pub fn entry_points() -> Vec<String> {
     let formats = [QuantFormat::Int8, QuantFormat::Fp8E4m3];
-    let tiles = formats.iter().flat_map(|&f| Variant::ALL.map(|v| v.entry(f)));
+    let tiles = formats.iter().flat_map(|&f| Variant::ALL.into_iter().chain([Variant::POINTWISE]).map(move |v| v.entry(f)));
     tiles.chain(formats.map(finish_entry)).collect()
 }
 
@@ -363,15 +399,24 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec
     let mut out: Vec<Box<dyn Layer>> = Vec::new();
     let kblocks = (c * r * s).div_ceil(BK);
     let finish_name = finish_entry(format);
+    // The pointwise kernel: 1×1, stride 1, whole 32-byte k-steps, requantised output.
+    let pointwise = [r, s] == [1, 1]
+        && a.stride == [1, 1]
+        && a.padding == [0, 0]
+        && c % 32 == 0
+        && c <= PW_MAX_C
+        && y_store == Store8::Codes
+        && z_store != Store8::F16;
     let shapes = Variant::ALL
         .into_iter()
         .map(|v| (v, 1))
-        .chain(SPLITS.into_iter().filter(|&n| kblocks >= 2 * n).map(|n| (Variant { bm: 64, bn: 64 }, n)));
+        .chain(SPLITS.into_iter().filter(|&n| kblocks >= 2 * n).map(|n| (Variant { bm: 64, bn: 64, pointwise: false }, n)))
+        .chain(pointwise.then_some((Variant::POINTWISE, 1)));
     for (variant, splits) in shapes {
         let entry = variant.entry(format);
         let finish = if splits > 1 { Some(ctx.kernels.get(&finish_name)?) } else { None };
         let f = ctx.kernels.get(&entry)?;
-        let smem = variant.smem_bytes();
+        let smem = variant.smem_bytes(c);
         f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
             .map_err(|e| ctx.err(node, format!("`{entry}` cannot have {smem} bytes of shared memory: {e:?}")))?;
         let w = ctx.upload_bytes(&codes)?;
@@ -503,7 +548,8 @@ impl Layer for Conv8Layer {
         let k = self.geo[3] as usize;
         // One block per (pixel tile, channel tile, split), splits then channel tiles fastest (the
         // kernel's order).
-        let blocks = rows.div_ceil(self.variant.bm) * k.div_ceil(self.variant.bn) * self.splits;
+        let c = self.geo[2] as usize;
+        let blocks = self.variant.blocks(rows, k, self.splits, c, self.sm_count);
         let blocks = u32::try_from(blocks).map_err(|_| Error::Binding {
             name: self.path.clone(),
             reason: format!("batch {batch} needs {blocks} blocks of the 8-bit conv"),
@@ -534,7 +580,7 @@ impl Layer for Conv8Layer {
             });
         }
         args.extend([KArg::Ptr(rt.workspace), KArg::I32(self.splits as i32)]);
-        launch(rt, &self.f, grid, (self.variant.threads(), 1, 1), self.variant.smem_bytes(), &args)?;
+        launch(rt, &self.f, grid, (self.variant.threads(), 1, 1), self.variant.smem_bytes(c), &args)?;
         match &self.finish {
             Some(f) => launch(rt, f, grid_for(rows * k / 16, self.sm_count), (BLOCK, 1, 1), 0, &args),
             None => Ok(()),
@@ -550,7 +596,20 @@ mod tests {
     fn shared_memory_matches_the_kernel() {
         // kernels/conv8.cu: C8_STAGES × (A tile BM × 64 bytes + B tile BN × 64 bytes), or the
         // epilogue's BM × (BN + 4) floats.
-        assert_eq!(Variant::ALL.map(|v| v.smem_bytes()), [36_864, 67_584, 24_576]);
+        assert_eq!(Variant::ALL.map(|v| v.smem_bytes(64)), [36_864, 67_584, 24_576]);
+        // Pointwise (kernels/conv8.cu `conv8_pw`): 2·128 floats, 128 weight rows of C + 16 bytes,
+        // 3 stages of 128 input rows (C + 16) and 128 residual rows (128 + 16).
+        assert_eq!(Variant::POINTWISE.smem_bytes(64), 1024 + 128 * 80 + 3 * 128 * (80 + 144));
+        // Two blocks per SM at C = 64, one at C = 256, within an SM's 228 KiB.
+        assert!(2 * (Variant::POINTWISE.smem_bytes(64) + 1024) <= 228 * 1024);
+        assert!(Variant::POINTWISE.smem_bytes(PW_MAX_C) + 1024 <= 228 * 1024);
+        assert_eq!(Variant::POINTWISE.entry(QuantFormat::Fp8E4m3), "conv8_e4m3_pw");
+        // Persistent grid: a multiple of the channel tiles, at most 2 per SM, at most the tiles.
+        assert_eq!(Variant::POINTWISE.blocks(802_816, 256, 1, 64, 132), 264);
+        assert_eq!(Variant::POINTWISE.blocks(50_176, 1024, 1, 256, 132), 128);
+        assert_eq!(Variant::POINTWISE.blocks(100, 256, 1, 64, 132), 2);
+        assert_eq!(Variant::ALL[0].blocks(1000, 256, 2, 64, 132), 8 * 4 * 2);
+        assert_eq!(precision_of_kind("kernel:conv8_i8_pw"), Some("int8"));
         assert_eq!(Variant::ALL.map(|v| v.threads()), [128, 256, 128]);
         assert_eq!(Variant::ALL.map(|v| v.entry(QuantFormat::Int8)), ["conv8_i8_m128n64", "conv8_i8_m128n128", "conv8_i8_m64n64"]);
         assert_eq!(precision_of_kind("kernel:conv8_i8_m64n64:split4"), Some("int8"));
