@@ -392,18 +392,18 @@ CONV8_FINISH(conv8_finish_e4m3, true)
 // input, then computes, then writes, so few bytes are in flight. Here a block keeps its 128 output
 // channels' weights (128 × C codes) in shared memory and walks 128-pixel tiles (block b takes
 // tiles b, b + gridDim.x, ...; gridDim.x is a multiple of the channel tiles, so a block's channel
-// tile never changes) through a 3-stage cp.async pipeline: while it computes tile i, the input
-// rows and residual codes of tiles i + 1 and i + 2 are on their way. The epilogue reads the
+// tile never changes) through a cp.async pipeline of 2 or 3 stages: while it computes tile i, the
+// input rows and residual codes of the next one or two are on their way (3 stages at C = 128 leave
+// room for one block per SM, 2 for two). The epilogue reads the
 // residual from shared memory, writes the requantised codes in its place, and the block then
 // stores the tile in 16-byte vectors.
 //
 // Warps: 4 along M (32 rows each) × 2 along N (64 channels each), m16n8k32 MMAs. Shared-memory
 // rows are padded by 16 bytes so that ldmatrix's 8 rows and the epilogue's 8 rows fall in distinct
-// banks. C is a multiple of 32, K of 16; the output is 8-bit codes.
+// banks. C is 32, 64, 128 or 256, K a multiple of 16; the output is 8-bit codes.
 #define PW_BM 128
 #define PW_BN 128
 #define PW_THREADS 256
-#define PW_STAGES 3
 
 __device__ __forceinline__ void decode2(unsigned short q, float scale, float* v, bool fp8) {
     if (!fp8) {
@@ -424,7 +424,18 @@ __device__ __forceinline__ void decode2(unsigned short q, float scale, float* v,
 #endif
 }
 
-template <bool FP8> __device__ __forceinline__ void conv8_pw(const Conv8Args& a) {
+// Two values requantised to two codes (a u16, first value in the low byte), as encode4.
+template <bool FP8> __device__ __forceinline__ unsigned encode2(float v0, float v1, float inv_s, float qmin, float qmax) {
+    if (!FP8 && qmin == -128.f && qmax == 127.f) {
+        unsigned r;
+        asm("cvt.pack.sat.s8.s32.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(__float2int_rn(v1 * inv_s)), "r"(__float2int_rn(v0 * inv_s)), "r"(0));
+        return r;
+    }
+    const float v[4] = {v0, v1, 0.f, 0.f};
+    return encode4<FP8>(v, inv_s, qmin, qmax);
+}
+
+template <bool FP8, int PW_STAGES> __device__ __forceinline__ void conv8_pw(const Conv8Args& a) {
     typedef typename Acc<FP8>::T AccT;
     extern __shared__ __align__(128) unsigned char smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -442,28 +453,31 @@ template <bool FP8> __device__ __forceinline__ void conv8_pw(const Conv8Args& a)
     // This block's tiles: m = (blockIdx.x + i · gridDim.x) / n_tiles for i = 0, 1, ...
     const int first = blockIdx.x / n_tiles, step = gridDim.x / n_tiles;
     const int my_tiles = first < m_tiles ? (m_tiles - first + step - 1) / step : 0;
-    const int chunks_c = C / 16, chunks_n = PW_BN / 16;
     const bool residual = a.z_store == C8_Q8;
+    // Copies of 16-byte chunks: a thread always takes the same chunk column of every
+    // `rows_step`-th row (C / 16 divides the 256 threads: C is 32, 64, 128 or 256), so the
+    // per-tile loops need no division.
+    const int chunks_c = C / 16, a_rows_step = PW_THREADS / chunks_c, a_row0 = tid / chunks_c, a_ch = tid % chunks_c;
+    const int z_rows_step = PW_THREADS / (PW_BN / 16), z_row0 = tid / (PW_BN / 16), z_ch = tid % (PW_BN / 16);
+    const bool z_col_ok = block_n + z_ch * 16 < K;
 
-    for (int i = tid; i < PW_BN * chunks_c; i += PW_THREADS) {
-        const int row = i / chunks_c, ch = i - row * chunks_c, nn = block_n + row;
+    for (int row = a_row0; row < PW_BN; row += a_rows_step) {
+        const int nn = block_n + row;
         const bool ok = nn < K;
-        cp_async16(smem_u32(sb + row * a_ld + ch * 16), ok ? a.w + (long long)nn * C + ch * 16 : a.w, ok);
+        cp_async16(smem_u32(sb + row * a_ld + a_ch * 16), ok ? a.w + (long long)nn * C + a_ch * 16 : a.w, ok);
     }
     auto load_tile = [&](int i) {
         unsigned char* st = stages + (i % PW_STAGES) * stage_bytes;
         const int m0 = (first + i * step) * PW_BM;
-        for (int j = tid; j < PW_BM * chunks_c; j += PW_THREADS) {
-            const int row = j / chunks_c, ch = j - row * chunks_c, m = m0 + row;
-            const bool ok = m < m_total;
-            cp_async16_ca(smem_u32(st + row * a_ld + ch * 16), ok ? a.x + (long long)m * C + ch * 16 : a.x, ok);
+        for (int row = a_row0; row < PW_BM; row += a_rows_step) {
+            const bool ok = m0 + row < m_total;
+            cp_async16_ca(smem_u32(st + row * a_ld + a_ch * 16), ok ? a.x + (long long)(m0 + row) * C + a_ch * 16 : a.x, ok);
         }
         if (residual) {
             const unsigned char* z = reinterpret_cast<const unsigned char*>(a.z);
-            for (int j = tid; j < PW_BM * chunks_n; j += PW_THREADS) {
-                const int row = j / chunks_n, ch = j - row * chunks_n, m = m0 + row, col = block_n + ch * 16;
-                const bool ok = m < m_total && col < K;
-                cp_async16(smem_u32(st + a_bytes + row * z_ld + ch * 16), ok ? z + (long long)m * K + col : z, ok);
+            for (int row = z_row0; row < PW_BM; row += z_rows_step) {
+                const bool ok = m0 + row < m_total && z_col_ok;
+                cp_async16(smem_u32(st + a_bytes + row * z_ld + z_ch * 16), ok ? z + (long long)(m0 + row) * K + block_n + z_ch * 16 : z, ok);
             }
         }
     };
@@ -512,46 +526,46 @@ template <bool FP8> __device__ __forceinline__ void conv8_pw(const Conv8Args& a)
             }
         }
         // Epilogue in place: each pair of channels' residual codes become its output codes.
-        unsigned char* zt = st + a_bytes;
+        unsigned char* zt = st + a_bytes + (warp_m * 32 + g) * z_ld + warp_n * 64 + t4 * 2;
 #pragma unroll
-        for (int mt = 0; mt < 2; mt++)
+        for (int nt = 0; nt < 8; nt++) {
+            const int lc = warp_n * 64 + nt * 8 + t4 * 2;
+            const float2 al = *reinterpret_cast<const float2*>(s_alpha + lc), bi = *reinterpret_cast<const float2*>(s_bias + lc);
 #pragma unroll
-            for (int half = 0; half < 2; half++) {
-                const int row = warp_m * 32 + mt * 16 + g + 8 * half;
+            for (int mt = 0; mt < 2; mt++)
 #pragma unroll
-                for (int nt = 0; nt < 8; nt++) {
-                    const int lc = warp_n * 64 + nt * 8 + t4 * 2;
-                    unsigned short* zp = reinterpret_cast<unsigned short*>(zt + row * z_ld + lc);
-                    const float2 al = *reinterpret_cast<const float2*>(s_alpha + lc), bi = *reinterpret_cast<const float2*>(s_bias + lc);
-                    float v[4];
+                for (int half = 0; half < 2; half++) {
+                    unsigned short* zp = reinterpret_cast<unsigned short*>(zt + (mt * 16 + 8 * half) * z_ld + nt * 8);
+                    float v[2];
                     v[0] = (float)acc[mt][nt][2 * half] * al.x + bi.x;
                     v[1] = (float)acc[mt][nt][2 * half + 1] * al.y + bi.y;
-                    v[2] = v[3] = 0.f;
                     if (residual) decode2(*zp, a.z_scale, v, FP8);
                     if (a.relu) {
                         v[0] = fmaxf(v[0], 0.f);
                         v[1] = fmaxf(v[1], 0.f);
                     }
-                    *zp = (unsigned short)encode4<FP8>(v, a.inv_y_scale, a.qmin, a.qmax);
+                    *zp = (unsigned short)encode2<FP8>(v[0], v[1], a.inv_y_scale, a.qmin, a.qmax);
                 }
-            }
+        }
         __syncthreads();
         const int m0 = (first + i * step) * PW_BM;
         unsigned char* y = reinterpret_cast<unsigned char*>(a.y);
-        for (int j = tid; j < PW_BM * chunks_n; j += PW_THREADS) {
-            const int row = j / chunks_n, ch = j - row * chunks_n, m = m0 + row, col = block_n + ch * 16;
-            if (m < m_total && col < K)
-                *reinterpret_cast<uint4*>(y + (long long)m * K + col) = *reinterpret_cast<const uint4*>(zt + row * z_ld + ch * 16);
-        }
+        const unsigned char* zs = st + a_bytes;
+        for (int row = z_row0; row < PW_BM; row += z_rows_step)
+            if (m0 + row < m_total && z_col_ok)
+                *reinterpret_cast<uint4*>(y + (long long)(m0 + row) * K + block_n + z_ch * 16) =
+                    *reinterpret_cast<const uint4*>(zs + row * z_ld + z_ch * 16);
     }
     cp_async_wait<0>();
 }
 
-#define CONV8_PW(NAME, FP8)                                                                                                          \
+#define CONV8_PW(NAME, FP8, STAGES)                                                                                                  \
     extern "C" __global__ void __launch_bounds__(PW_THREADS, 2) NAME(CONV8_PARAMS) {                                                 \
         CONV8_ARGS;                                                                                                                   \
-        conv8_pw<FP8>(a);                                                                                                             \
+        conv8_pw<FP8, STAGES>(a);                                                                                                     \
     }
 
-CONV8_PW(conv8_i8_pw, false)
-CONV8_PW(conv8_e4m3_pw, true)
+CONV8_PW(conv8_i8_pw2, false, 2)
+CONV8_PW(conv8_i8_pw3, false, 3)
+CONV8_PW(conv8_e4m3_pw2, true, 2)
+CONV8_PW(conv8_e4m3_pw3, true, 3)

@@ -185,22 +185,24 @@ pub fn plan(graph: &Graph, precision: Precision, precisions: &[Precision], sm: u
 struct Variant {
     bm: usize,
     bn: usize,
-    pointwise: bool,
+    /// The pointwise kernel's pipeline stages (2 or 3); 0 for a tile per block.
+    pw_stages: usize,
 }
 
-/// The pointwise kernel's pipeline depth and most input channels (`PW_STAGES`; its weights, input
-/// and residual tiles must fit in shared memory).
-const PW_STAGES: usize = 3;
+/// The pointwise kernel's most input channels (its weights, input and residual tiles must fit in
+/// shared memory). It takes C = 32, 64, 128 or 256.
 const PW_MAX_C: usize = 256;
 
 impl Variant {
     /// 128-pixel tiles for large batches; 64-pixel tiles give small ones more blocks.
-    const ALL: [Variant; 3] = [
-        Variant { bm: 128, bn: 64, pointwise: false },
-        Variant { bm: 128, bn: 128, pointwise: false },
-        Variant { bm: 64, bn: 64, pointwise: false },
-    ];
-    const POINTWISE: Variant = Variant { bm: 128, bn: 128, pointwise: true };
+    const ALL: [Variant; 3] =
+        [Variant { bm: 128, bn: 64, pw_stages: 0 }, Variant { bm: 128, bn: 128, pw_stages: 0 }, Variant { bm: 64, bn: 64, pw_stages: 0 }];
+    /// 3 stages keep more bytes in flight per block; 2 leave room for two blocks per SM where C
+    /// is 128.
+    const POINTWISE: [Variant; 2] = [Variant { bm: 128, bn: 128, pw_stages: 2 }, Variant { bm: 128, bn: 128, pw_stages: 3 }];
+    fn pointwise(self) -> bool {
+        self.pw_stages > 0
+    }
     fn threads(self) -> u32 {
         (128 * self.bn / 64) as u32
     }
@@ -208,16 +210,16 @@ impl Variant {
     /// epilogue's f32 staging tile (rows padded by 4) if larger. Pointwise: alpha and bias, the
     /// weights, and per stage the input and residual tiles, rows padded by 16 bytes.
     fn smem_bytes(self, c: usize) -> u32 {
-        let bytes = if self.pointwise {
-            2 * self.bn * 4 + self.bn * (c + 16) + PW_STAGES * self.bm * (c + 16 + self.bn + 16)
+        let bytes = if self.pointwise() {
+            2 * self.bn * 4 + self.bn * (c + 16) + self.pw_stages * self.bm * (c + 16 + self.bn + 16)
         } else {
             (STAGES * (self.bm + self.bn) * BK).max(self.bm * (self.bn + 4) * 4)
         };
         bytes as u32
     }
     fn entry(self, format: QuantFormat) -> String {
-        match self.pointwise {
-            true => format!("conv8_{}_pw", EightBitPlan::elem(format).suffix()),
+        match self.pointwise() {
+            true => format!("conv8_{}_pw{}", EightBitPlan::elem(format).suffix(), self.pw_stages),
             false => format!("conv8_{}_m{}n{}", EightBitPlan::elem(format).suffix(), self.bm, self.bn),
         }
     }
@@ -227,7 +229,7 @@ impl Variant {
     /// block keeps one channel tile's weights.
     fn blocks(self, rows: usize, k: usize, splits: usize, c: usize, sm_count: u32) -> usize {
         let tiles = rows.div_ceil(self.bm) * k.div_ceil(self.bn);
-        if !self.pointwise {
+        if !self.pointwise() {
             return tiles * splits;
         }
         let per_sm = (228 * 1024 / (self.smem_bytes(c) as usize + 1024)).clamp(1, 2);
@@ -240,7 +242,7 @@ impl Variant {
 /// formats and split-K's finishing kernels), for the NVRTC test.
 pub fn entry_points() -> Vec<String> {
     let formats = [QuantFormat::Int8, QuantFormat::Fp8E4m3];
-    let tiles = formats.iter().flat_map(|&f| Variant::ALL.into_iter().chain([Variant::POINTWISE]).map(move |v| v.entry(f)));
+    let tiles = formats.iter().flat_map(|&f| Variant::ALL.into_iter().chain(Variant::POINTWISE).map(move |v| v.entry(f)));
     tiles.chain(formats.map(finish_entry)).collect()
 }
 
@@ -403,22 +405,29 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec
     let pointwise = [r, s] == [1, 1]
         && a.stride == [1, 1]
         && a.padding == [0, 0]
-        && c % 32 == 0
-        && c <= PW_MAX_C
+        && c.is_power_of_two()
+        && (32..=PW_MAX_C).contains(&c)
         && y_store == Store8::Codes
         && z_store != Store8::F16;
     let shapes = Variant::ALL
         .into_iter()
         .map(|v| (v, 1))
-        .chain(SPLITS.into_iter().filter(|&n| kblocks >= 2 * n).map(|n| (Variant { bm: 64, bn: 64, pointwise: false }, n)))
-        .chain(pointwise.then_some((Variant::POINTWISE, 1)));
+        .chain(SPLITS.into_iter().filter(|&n| kblocks >= 2 * n).map(|n| (Variant { bm: 64, bn: 64, pw_stages: 0 }, n)))
+        .chain(Variant::POINTWISE.into_iter().filter(|_| pointwise).map(|v| (v, 1)));
     for (variant, splits) in shapes {
         let entry = variant.entry(format);
         let finish = if splits > 1 { Some(ctx.kernels.get(&finish_name)?) } else { None };
         let f = ctx.kernels.get(&entry)?;
-        let smem = variant.smem_bytes(c);
-        f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
-            .map_err(|e| ctx.err(node, format!("`{entry}` cannot have {smem} bytes of shared memory: {e:?}")))?;
+        // The limit belongs to the function, which every layer of this entry shares: the
+        // pointwise kernel's depends on C, so it is set to its largest (where the GPU allows that
+        // much; elsewhere the kernel is no candidate).
+        let smem = if variant.pointwise() { variant.smem_bytes(PW_MAX_C) } else { variant.smem_bytes(c) };
+        let limit = f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32);
+        match limit {
+            Err(_) if variant.pointwise() => continue,
+            Err(e) => return Err(ctx.err(node, format!("`{entry}` cannot have {smem} bytes of shared memory: {e:?}"))),
+            Ok(()) => {}
+        }
         let w = ctx.upload_bytes(&codes)?;
         let alpha = ctx.upload_f32(&alpha)?;
         let bias = bias.as_deref().map(|b| ctx.upload_f32(b)).transpose()?;
@@ -598,18 +607,22 @@ mod tests {
         // epilogue's BM × (BN + 4) floats.
         assert_eq!(Variant::ALL.map(|v| v.smem_bytes(64)), [36_864, 67_584, 24_576]);
         // Pointwise (kernels/conv8.cu `conv8_pw`): 2·128 floats, 128 weight rows of C + 16 bytes,
-        // 3 stages of 128 input rows (C + 16) and 128 residual rows (128 + 16).
-        assert_eq!(Variant::POINTWISE.smem_bytes(64), 1024 + 128 * 80 + 3 * 128 * (80 + 144));
-        // Two blocks per SM at C = 64, one at C = 256, within an SM's 228 KiB.
-        assert!(2 * (Variant::POINTWISE.smem_bytes(64) + 1024) <= 228 * 1024);
-        assert!(Variant::POINTWISE.smem_bytes(PW_MAX_C) + 1024 <= 228 * 1024);
-        assert_eq!(Variant::POINTWISE.entry(QuantFormat::Fp8E4m3), "conv8_e4m3_pw");
+        // 2 or 3 stages of 128 input rows (C + 16) and 128 residual rows (128 + 16).
+        let [pw2, pw3] = Variant::POINTWISE;
+        assert_eq!(pw3.smem_bytes(64), 1024 + 128 * 80 + 3 * 128 * (80 + 144));
+        assert_eq!(pw2.smem_bytes(128), 1024 + 128 * 144 + 2 * 128 * (144 + 144));
+        // Two blocks per SM at C = 64 (3 stages) and C = 128 (2 stages), one at C = 256, within an
+        // SM's 228 KiB.
+        assert!(2 * (pw3.smem_bytes(64) + 1024) <= 228 * 1024);
+        assert!(2 * (pw2.smem_bytes(128) + 1024) <= 228 * 1024);
+        assert!(pw3.smem_bytes(PW_MAX_C) + 1024 <= 228 * 1024);
+        assert_eq!([pw2, pw3].map(|v| v.entry(QuantFormat::Fp8E4m3)), ["conv8_e4m3_pw2", "conv8_e4m3_pw3"]);
         // Persistent grid: a multiple of the channel tiles, at most 2 per SM, at most the tiles.
-        assert_eq!(Variant::POINTWISE.blocks(802_816, 256, 1, 64, 132), 264);
-        assert_eq!(Variant::POINTWISE.blocks(50_176, 1024, 1, 256, 132), 128);
-        assert_eq!(Variant::POINTWISE.blocks(100, 256, 1, 64, 132), 2);
+        assert_eq!(pw3.blocks(802_816, 256, 1, 64, 132), 264);
+        assert_eq!(pw3.blocks(50_176, 1024, 1, 256, 132), 128);
+        assert_eq!(pw3.blocks(100, 256, 1, 64, 132), 2);
         assert_eq!(Variant::ALL[0].blocks(1000, 256, 2, 64, 132), 8 * 4 * 2);
-        assert_eq!(precision_of_kind("kernel:conv8_i8_pw"), Some("int8"));
+        assert_eq!(precision_of_kind("kernel:conv8_i8_pw3"), Some("int8"));
         assert_eq!(Variant::ALL.map(|v| v.threads()), [128, 256, 128]);
         assert_eq!(Variant::ALL.map(|v| v.entry(QuantFormat::Int8)), ["conv8_i8_m128n64", "conv8_i8_m128n128", "conv8_i8_m64n64"]);
         assert_eq!(precision_of_kind("kernel:conv8_i8_m64n64:split4"), Some("int8"));
