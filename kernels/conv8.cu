@@ -407,8 +407,9 @@ CONV8_FINISH(conv8_finish_e4m3, true)
 
 __device__ __forceinline__ void decode2(unsigned short q, float scale, float* v, bool fp8) {
     if (!fp8) {
-        v[0] += (float)(signed char)(q & 0xff) * scale;
-        v[1] += (float)(signed char)(q >> 8) * scale;
+        const unsigned f = (unsigned)q ^ 0x8080u;
+        v[0] += int8_code_value<0>(f) * scale;
+        v[1] += int8_code_value<1>(f) * scale;
         return;
     }
 #if __CUDA_ARCH__ >= 890
@@ -422,17 +423,6 @@ __device__ __forceinline__ void decode2(unsigned short q, float scale, float* v,
 #else
     __trap();
 #endif
-}
-
-// Two values requantised to two codes (a u16, first value in the low byte), as encode4.
-template <bool FP8> __device__ __forceinline__ unsigned encode2(float v0, float v1, float inv_s, float qmin, float qmax) {
-    if (!FP8 && qmin == -128.f && qmax == 127.f) {
-        unsigned r;
-        asm("cvt.pack.sat.s8.s32.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(__float2int_rn(v1 * inv_s)), "r"(__float2int_rn(v0 * inv_s)), "r"(0));
-        return r;
-    }
-    const float v[4] = {v0, v1, 0.f, 0.f};
-    return encode4<FP8>(v, inv_s, qmin, qmax);
 }
 
 template <bool FP8, int PW_STAGES> __device__ __forceinline__ void conv8_pw(const Conv8Args& a) {
@@ -454,6 +444,9 @@ template <bool FP8, int PW_STAGES> __device__ __forceinline__ void conv8_pw(cons
     const int first = blockIdx.x / n_tiles, step = gridDim.x / n_tiles;
     const int my_tiles = first < m_tiles ? (m_tiles - first + step - 1) / step : 0;
     const bool residual = a.z_store == C8_Q8;
+    // int8's ReLU is its clamp's lower end: with inv_s > 0, codes of max(v, 0) are codes of v
+    // clamped at max(qmin, 0).
+    const float qlo = !FP8 && a.relu ? fmaxf(a.qmin, 0.f) : a.qmin;
     // Copies of 16-byte chunks: a thread always takes the same chunk column of every
     // `rows_step`-th row (C / 16 divides the 256 threads: C is 32, 64, 128 or 256), so the
     // per-tile loops need no division.
@@ -537,14 +530,14 @@ template <bool FP8, int PW_STAGES> __device__ __forceinline__ void conv8_pw(cons
                 for (int half = 0; half < 2; half++) {
                     unsigned short* zp = reinterpret_cast<unsigned short*>(zt + (mt * 16 + 8 * half) * z_ld + nt * 8);
                     float v[2];
-                    v[0] = (float)acc[mt][nt][2 * half] * al.x + bi.x;
-                    v[1] = (float)acc[mt][nt][2 * half + 1] * al.y + bi.y;
+                    v[0] = short_dot_value(acc[mt][nt][2 * half]) * al.x + bi.x;
+                    v[1] = short_dot_value(acc[mt][nt][2 * half + 1]) * al.y + bi.y;
                     if (residual) decode2(*zp, a.z_scale, v, FP8);
-                    if (a.relu) {
+                    if (FP8 && a.relu) {
                         v[0] = fmaxf(v[0], 0.f);
                         v[1] = fmaxf(v[1], 0.f);
                     }
-                    *zp = (unsigned short)encode2<FP8>(v[0], v[1], a.inv_y_scale, a.qmin, a.qmax);
+                    *zp = (unsigned short)encode2<FP8>(v[0], v[1], a.inv_y_scale, qlo, a.qmax);
                 }
         }
         __syncthreads();

@@ -190,7 +190,9 @@ struct Variant {
 }
 
 /// The pointwise kernel's most input channels (its weights, input and residual tiles must fit in
-/// shared memory). It takes C = 32, 64, 128 or 256.
+/// shared memory, and its int8 accumulators, at most 256 products, convert to floats exactly
+/// without the conversion unit: `small_int_to_float` in kernels/eight_bit.cuh). It takes C = 32,
+/// 64, 128 or 256.
 const PW_MAX_C: usize = 256;
 
 impl Variant {
