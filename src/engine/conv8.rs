@@ -603,6 +603,50 @@ impl Layer for Conv8Layer {
 mod tests {
     use super::*;
 
+    /// kernels/eight_bit.cuh's conversion-free int8 arithmetic (the pointwise conv's epilogue),
+    /// step for step in f32 and u32, against the plain conversions and the CPU simulation's
+    /// rounding: every code decodes exactly, every accumulator of up to 256 products converts
+    /// exactly, and requantisation gives quantize_value's code, ties and saturation included.
+    #[test]
+    fn the_conversion_free_int8_arithmetic_is_exact() {
+        const F_MAGIC: f32 = 12_582_912.0; // 1.5 · 2^23
+        const I_MAGIC: i32 = 0x4B40_0000;
+        // __byte_perm(x, y, s): byte n of the result is byte s's nibble n of (y:x).
+        let byte_perm = |x: u32, y: u32, s: u32| -> u32 {
+            let bytes = (u64::from(y) << 32) | u64::from(x);
+            (0..4).map(|n| ((bytes >> (8 * ((s >> (4 * n)) & 7))) & 0xff) << (8 * n)).sum::<u64>() as u32
+        };
+        let small_int_to_float = |x: i32| f32::from_bits((x + I_MAGIC) as u32) - F_MAGIC;
+        let code_value = |flipped: u32, b: u32| f32::from_bits(byte_perm(flipped, 0x4B00_0000, 0x7540 + b)) - 8_388_736.0;
+        let code_bits = |v: f32, inv_s: f32, lo: f32, hi: f32| ((v * inv_s) + F_MAGIC).max(lo + F_MAGIC).min(hi + F_MAGIC).to_bits();
+        let pack2 = |a: u32, b: u32| byte_perm(a, b, 0x0040) & 0xffff;
+
+        for code in -128i32..=127 {
+            let word = (code as u8 as u32) * 0x0101_0101;
+            for b in 0..4 {
+                assert_eq!(code_value(word ^ 0x8080_8080, b), code as f32, "code {code}, byte {b}");
+            }
+        }
+        let bound = 256 * 128 * 128;
+        for x in (-bound..=bound).step_by(997).chain([-bound, -1, 0, 1, bound]) {
+            assert_eq!(small_int_to_float(x), x as f32, "accumulator {x}");
+        }
+        let reference = |v: f32, inv_s: f32, lo: f32, hi: f32| (v * inv_s).round_ties_even().clamp(lo, hi) as i32;
+        let seed = crate::seeded::run_seed();
+        let mut values: Vec<f32> = (0..20_000).map(|i| (300.0 * (crate::seeded::uniform(seed, i) - 0.5)) as f32).collect();
+        // Ties, both saturations, huge values and signed zeros.
+        values.extend([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, 127.5, -127.5, -128.5, 1e9, -1e9, 0.0, -0.0]);
+        for &(lo, hi) in &[(-128.0, 127.0), (0.0, 127.0), (-127.0, 127.0)] {
+            for &v in &values {
+                let got = code_bits(v, 1.0, lo, hi) as u8 as i8 as i32;
+                assert_eq!(got, reference(v, 1.0, lo, hi), "value {v} in [{lo}, {hi}]");
+                let scaled = code_bits(v, 0.37, lo, hi) as u8 as i8 as i32;
+                assert_eq!(scaled, reference(v, 0.37, lo, hi), "value {v} · 0.37 in [{lo}, {hi}]");
+            }
+        }
+        assert_eq!(pack2(code_bits(-3.0, 1.0, -128.0, 127.0), code_bits(5.0, 1.0, -128.0, 127.0)), 0x05FD);
+    }
+
     #[test]
     fn shared_memory_matches_the_kernel() {
         // kernels/conv8.cu: C8_STAGES × (A tile BM × 64 bytes + B tile BN × 64 bytes), or the
