@@ -6,7 +6,7 @@
 //! On the device:
 //! `cargo test --release --test gpu_quant -- --include-ignored --nocapture --test-threads 1`.
 
-use kiln::calibrate::{simulate, CalibrationMethod, Calibrator};
+use kiln::calibrate::{simulate, CalibrationCache, CalibrationMethod, Calibrator};
 use kiln::engine::{BuildConfig, EngineBuilder, Precision};
 use kiln::graph::{Graph, HostTensor, QuantFormat, QuantParams};
 use kiln::var_builder::read_safetensors;
@@ -264,10 +264,7 @@ fn fp8_gemm_matches_the_simulation() {
     y.mark_output("y");
     let graph = tracer.graph();
     let input = common::random(&[4, 32, 7, 7], 11, 2.0);
-    let cache =
-        Calibrator::new(&graph).and_then(|c| c.calibrate(std::slice::from_ref(&input), CalibrationMethod::MinMax)).expect("calibrate");
-    let path = std::env::temp_dir().join(format!("kiln-fp8-gemm-{}.json", std::process::id()));
-    cache.save(&path).expect("save");
+    let (cache, path) = min_max_cache(&graph, &input, "fp8-gemm");
     let sim = kiln::cpu::run(&simulate(&graph, &cache, QuantFormat::Fp8E4m3).expect("simulate"), &[("input", &input)]).expect("cpu");
     let fp32 = kiln::cpu::run(&graph, &[("input", &input)]).expect("cpu");
     let mut failures = vec![];
@@ -349,10 +346,7 @@ fn conv8_matches_the_simulation() {
     c8.forward(&h7).expect("c8").mark_output("y4");
     let graph = tracer.graph();
     let input = common::random(&[5, 32, 9, 11], 23, 2.0);
-    let cache =
-        Calibrator::new(&graph).and_then(|c| c.calibrate(std::slice::from_ref(&input), CalibrationMethod::MinMax)).expect("calibrate");
-    let path = std::env::temp_dir().join(format!("kiln-conv8-{}.json", std::process::id()));
-    cache.save(&path).expect("save");
+    let (cache, path) = min_max_cache(&graph, &input, "conv8");
     let mut failures = vec![];
     for (precision, format, code) in [(Precision::Int8, QuantFormat::Int8, "i8"), (Precision::Fp8, QuantFormat::Fp8E4m3, "e4m3")] {
         if precision == Precision::Fp8 && gpu.info.sm < 89 {
@@ -458,10 +452,7 @@ fn stem8_matches_the_simulation() {
     conv2.forward(&h).expect("conv2").mark_output("y");
     let graph = tracer.graph();
     let input = common::random(&dims, 31, 2.0);
-    let cache =
-        Calibrator::new(&graph).and_then(|c| c.calibrate(std::slice::from_ref(&input), CalibrationMethod::MinMax)).expect("calibrate");
-    let path = std::env::temp_dir().join(format!("kiln-stem8-{}.json", std::process::id()));
-    cache.save(&path).expect("save");
+    let (cache, path) = min_max_cache(&graph, &input, "stem8");
     let mut failures = vec![];
     for (precision, format, code) in [(Precision::Int8, QuantFormat::Int8, "i8"), (Precision::Fp8, QuantFormat::Fp8E4m3, "e4m3")] {
         if precision == Precision::Fp8 && gpu.info.sm < 89 {
@@ -495,6 +486,16 @@ fn stem8_matches_the_simulation() {
     }
     let _ = std::fs::remove_file(&path);
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// A min-max calibration cache of `graph` over `input`, saved to a temporary file named after
+/// `name` for the builds to read.
+fn min_max_cache(graph: &Graph, input: &HostTensor, name: &str) -> (CalibrationCache, PathBuf) {
+    let cache =
+        Calibrator::new(graph).and_then(|c| c.calibrate(std::slice::from_ref(input), CalibrationMethod::MinMax)).expect("calibrate");
+    let path = std::env::temp_dir().join(format!("kiln-{name}-{}.json", std::process::id()));
+    cache.save(&path).expect("save");
+    (cache, path)
 }
 
 /// A reference as `tools/export_reference.py --intermediates all` writes it, made by the CPU

@@ -631,17 +631,18 @@ mod tests {
         for x in (-bound..=bound).step_by(997).chain([-bound, -1, 0, 1, bound]) {
             assert_eq!(small_int_to_float(x), x as f32, "accumulator {x}");
         }
-        let reference = |v: f32, inv_s: f32, lo: f32, hi: f32| (v * inv_s).round_ties_even().clamp(lo, hi) as i32;
         let seed = crate::seeded::run_seed();
         let mut values: Vec<f32> = (0..20_000).map(|i| (300.0 * (crate::seeded::uniform(seed, i) - 0.5)) as f32).collect();
         // Ties, both saturations, huge values and signed zeros.
         values.extend([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, 127.5, -127.5, -128.5, 1e9, -1e9, 0.0, -0.0]);
-        for &(lo, hi) in &[(-128.0, 127.0), (0.0, 127.0), (-127.0, 127.0)] {
-            for &v in &values {
-                let got = code_bits(v, 1.0, lo, hi) as u8 as i8 as i32;
-                assert_eq!(got, reference(v, 1.0, lo, hi), "value {v} in [{lo}, {hi}]");
-                let scaled = code_bits(v, 0.37, lo, hi) as u8 as i8 as i32;
-                assert_eq!(scaled, reference(v, 0.37, lo, hi), "value {v} · 0.37 in [{lo}, {hi}]");
+        for (qmin, qmax) in [(-128, 127), (0, 127), (-127, 127)] {
+            // The engine passes the kernel 1/scale, as the simulation computes it.
+            for scale in [1.0f32, 2.7] {
+                let q = QuantParams { qmin, qmax, ..QuantParams::int8(scale) };
+                for &v in &values {
+                    let got = code_bits(v, 1.0 / scale, qmin as f32, qmax as f32) as u8 as i8;
+                    assert_eq!(f32::from(got), q.quantize_value(v, 0), "value {v} / {scale} in [{qmin}, {qmax}]");
+                }
             }
         }
         assert_eq!(pack2(code_bits(-3.0, 1.0, -128.0, 127.0), code_bits(5.0, 1.0, -128.0, 127.0)), 0x05FD);

@@ -127,6 +127,22 @@ fn geometry(
     Ok(Some((dims, tiles, c)))
 }
 
+/// A `[64, c, 7, 7]` weight (values or codes) in the kernels' order: `[64][7 rows][32]`, a row's
+/// 8 taps × 4 channels, zeros past 7 taps and past `c` channels.
+fn pack_rows(weight: &[f32], c: usize) -> Vec<f32> {
+    let mut packed = vec![0f32; COUT * KTOT];
+    for co in 0..COUT {
+        for ch in 0..c {
+            for r in 0..K {
+                for s in 0..K {
+                    packed[co * KTOT + r * 32 + s * 4 + ch] = weight[((co * c + ch) * K + r) * K + s];
+                }
+            }
+        }
+    }
+    packed
+}
+
 /// The bias of a stem conv, checked against its 64 channels.
 fn bias_of(ctx: &BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec<f32>> {
     let bias = if a.bias { ctx.weight(node, 2)?.data.clone() } else { vec![0.0; COUT] };
@@ -154,17 +170,7 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, pool: &PoolAt
         return Ok(Vec::new());
     }
     let Some((dims, tiles, c)) = geometry(ctx, node, (a, pool), conv_hw, (Elem::F16, Elem::F16))? else { return Ok(Vec::new()) };
-    let w = ctx.weight(node, 1)?;
-    let mut packed = vec![0f32; COUT * KTOT];
-    for co in 0..COUT {
-        for ch in 0..c {
-            for r in 0..K {
-                for s in 0..K {
-                    packed[co * KTOT + r * 32 + s * 4 + ch] = w.data[((co * c + ch) * K + r) * K + s];
-                }
-            }
-        }
-    }
+    let packed = pack_rows(&ctx.weight(node, 1)?.data, c);
     let bias = bias_of(ctx, node, a)?;
     let f = function(ctx, node, F16_ENTRY)?;
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
@@ -190,16 +196,7 @@ pub fn eight_bit_candidates(
     let Some((dims, tiles, c)) = geometry(ctx, node, (a, pool), conv_hw, (Elem::F16, elem))? else {
         return Err(ctx.err(node, "the 8-bit stem needs NHWC FP16 input and 8-bit output on sm_80 or newer".into()));
     };
-    let mut packed = vec![0f32; COUT * K * 32];
-    for co in 0..COUT {
-        for ch in 0..c {
-            for r in 0..K {
-                for s in 0..K {
-                    packed[(co * K + r) * 32 + s * 4 + ch] = codes[((co * c + ch) * K + r) * K + s];
-                }
-            }
-        }
-    }
+    let packed = pack_rows(codes, c);
     let alpha: Vec<f32> = w_scale.iter().map(|s| input.scale[0] * s).collect();
     let bias = bias_of(ctx, node, a)?;
     let entry = format!("conv8_{}_stem", elem.suffix());
