@@ -515,27 +515,29 @@ pub fn fold_constant_quant(graph: &Graph) -> Result<Graph> {
     replace_weight_quantizers(graph, true)
 }
 
-/// Replaces every `fake_quantize` of a constant by a constant: the one it computes
-/// (`<weight>.<format>`) with `fold`, else the weight it reads (the quantiser dropped).
+/// Replaces every `fake_quantize` of a constant by a constant carrying the quantiser's grid: the
+/// one it computes (`<weight>.<format>`) with `fold`, else the weight it reads, whose 8-bit layers
+/// round it onto that grid while its 16-bit layers read it as it is.
 fn replace_weight_quantizers(graph: &Graph, fold: bool) -> Result<Graph> {
     let mut g = graph.clone();
     for id in 0..g.nodes.len() {
         let Op::Quant(Quant::FakeQuantize(p)) = &g.nodes[id].op else { continue };
         let Some(&src) = g.nodes[id].inputs.first() else { continue };
         let Op::Weight { name, .. } = &g.nodes[src].op else { continue };
+        let w = g
+            .weights
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::MissingWeight { key: name.clone(), source_name: "the graph's weights".into() })?;
+        p.check(&w.shape).map_err(|reason| Error::InvalidGraph { node: id, path: g.nodes[id].path.clone(), reason })?;
         let (name, quant) = if fold {
-            let mut w = g
-                .weights
-                .get(name)
-                .map(|w| w.as_ref().clone())
-                .ok_or_else(|| Error::MissingWeight { key: name.clone(), source_name: "the graph's weights".into() })?;
-            p.check(&w.shape).map_err(|reason| Error::InvalidGraph { node: id, path: g.nodes[id].path.clone(), reason })?;
+            let mut w = w.as_ref().clone();
             p.fake_quantize(&mut w);
             let folded = format!("{name}.{}", p.format.name());
             g.weights.insert(folded.clone(), Arc::new(w));
             (folded, Some(p.clone()))
         } else {
-            (name.clone(), None)
+            (name.clone(), Some(p.clone()))
         };
         g.nodes[id].op = Op::Weight { name, quant };
         g.nodes[id].inputs.clear();
@@ -559,17 +561,19 @@ pub fn prepare_for_engine(optimized: Graph, format: QuantFormat, cache: Option<&
     fold_constant_quant(&quantize_with_cache(&optimized, format, cache, format.name())?)
 }
 
-/// What the engine builder lowers for `Best` (TensorRT's `--best`): the optimised graph with FP8
-/// activation quantisers from the cache at the 8-bit points, and the weights as they are. The
-/// builder lowers those quantisers as aliases of their inputs: they only carry the scales to
-/// the FP8 GEMM candidates, which quantise their own input and weight, while a layer whose
-/// timing an FP16 candidate wins computes in FP16 on unquantised values. A graph with its own
-/// Q/DQ nodes (explicit quantisation) keeps its scales, weights folded, as for `Fp8`.
+/// What the engine builder lowers for `Best` (TensorRT's `--best`): the optimised graph with INT8
+/// activation quantisers from the cache at the 8-bit points, and the weights as they are, each
+/// carrying its per-channel INT8 grid. The convs that timing puts on INT8 tensor cores
+/// (`engine::best`) round their weights onto it and read their inputs' codes; every other
+/// quantiser is lowered as an alias of its input, so a layer whose timing a 16-bit candidate wins
+/// computes on unquantised values, and an FP8 GEMM candidate takes the quantiser's range as its
+/// input scale and quantises its own input and weight. A graph with its own Q/DQ nodes (explicit
+/// quantisation) keeps its scales, weights folded, as for the other 8-bit precisions.
 pub fn prepare_for_best(optimized: Graph, cache: Option<&Path>) -> Result<Graph> {
     if has_quant_nodes(&optimized) {
         return fold_constant_quant(&optimized);
     }
-    let g = quantize_with_cache(&optimized, QuantFormat::Fp8E4m3, cache, "best")?;
+    let g = quantize_with_cache(&optimized, QuantFormat::Int8, cache, "best")?;
     replace_weight_quantizers(&g, false)
 }
 
@@ -624,12 +628,13 @@ pub fn quant_summary(graph: &Graph, native: usize) -> Option<String> {
     ))
 }
 
-/// A `Best` engine's summary line: how many of the layers with an FP8 scale took an FP8 kernel
-/// (`fp8_layers`, counted by the builder from the chosen tactics).
-pub fn best_summary(graph: &Graph, fp8_layers: usize, fp8_kind: &str) -> String {
+/// A `Best` engine's summary line: how many of the layers with a calibrated range took an INT8
+/// conv (`int8_layers`) or an FP8 GEMM (`fp8_layers`), counted by the builder from its layers.
+pub fn best_summary(graph: &Graph, int8_layers: usize, fp8_layers: usize) -> String {
     format!(
-        "best: {fp8_layers} of {} conv/linear layer(s) with an FP8 scale won their timing on FP8 tensor cores (`{fp8_kind}`); every other layer computes in FP16 on unquantised values",
-        quantised_layers(graph)
+        "best: of {} conv/linear layer(s) with a calibrated range, {int8_layers} won their timing on INT8 tensor cores (`conv8`) and {fp8_layers} on FP8 GEMMs (`{}`); every other layer computes in FP16 on unquantised values",
+        quantised_layers(graph),
+        crate::engine::quant::FP8_GEMM
     )
 }
 

@@ -211,9 +211,10 @@ impl std::fmt::Display for DType {
 pub enum Op {
     /// A graph input (NCHW, f32).
     Input { name: String },
-    /// A named constant: a key into `Graph::weights`. `quant`: the 8-bit grid its values lie on,
-    /// where a constant `fake_quantize` was folded into it (`calibrate::fold_constant_quant`), so
-    /// that an 8-bit layer can take its codes and scales.
+    /// A named constant: a key into `Graph::weights`. `quant`: the 8-bit grid of the constant
+    /// `fake_quantize` it replaced, so that an 8-bit layer can take its codes and scales. Its
+    /// values lie on that grid where the quantiser was folded in (`calibrate::fold_constant_quant`);
+    /// a `Best` graph keeps the original values for its 16-bit layers (`calibrate::prepare_for_best`).
     Weight {
         name: String,
         #[serde(default, skip_serializing_if = "Option::is_none")]

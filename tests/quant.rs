@@ -164,12 +164,12 @@ fn simulation_quantises_exactly_the_documented_points() {
     }
 }
 
-/// `Best` (TensorRT's `--best`) lowers FP8 activation quantisers as aliases that carry their
-/// scales to the FP8 candidates, and keeps the weights unquantised for the FP16 layers: its graph
-/// has one FP8 quantiser per calibrated tensor with the cache's e4m3 scale, no weight quantiser,
-/// and the original weights under their own names (an FP8 engine's are folded onto the e4m3 grid).
+/// `Best` (TensorRT's `--best`): its graph has one INT8 quantiser per calibrated tensor with the
+/// cache's scale (the FP8 GEMMs clip at the same ranges), and keeps the original weights under
+/// their own names for its 16-bit layers, each carrying the per-channel INT8 grid its INT8 conv
+/// rounds it onto (an INT8 engine's weights are folded onto that grid instead).
 #[test]
-fn best_keeps_fp8_scales_and_unquantised_weights() {
+fn best_keeps_int8_scales_and_unquantised_weights_on_their_grid() {
     let d = digits();
     let calibrator = Calibrator::new(&d.graph).expect("calibrator");
     let cache = calibrator.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::MinMax).expect("calibrate");
@@ -177,14 +177,14 @@ fn best_keeps_fp8_scales_and_unquantised_weights() {
     cache.save(&path).expect("save");
     let optimized = calibrator.graph().clone();
     let best = prepare_for_best(optimized.clone(), Some(&path)).expect("best");
-    let fp8 = prepare_for_engine(optimized.clone(), QuantFormat::Fp8E4m3, Some(&path)).expect("fp8");
+    let int8 = prepare_for_engine(optimized.clone(), QuantFormat::Int8, Some(&path)).expect("int8");
     let _ = std::fs::remove_file(&path);
     let quantisers: Vec<(&str, f32)> = best
         .nodes
         .iter()
         .filter_map(|n| match &n.op {
             Op::Quant(Quant::FakeQuantize(p)) => {
-                assert_eq!(p.format, QuantFormat::Fp8E4m3, "{}", n.path);
+                assert_eq!(p.format, QuantFormat::Int8, "{}", n.path);
                 assert!(!matches!(best.nodes[n.inputs[0]].op, Op::Weight { .. }), "{} quantises a weight", n.path);
                 Some((n.path.trim_end_matches(".quantizer"), p.scale[0]))
             }
@@ -193,17 +193,28 @@ fn best_keeps_fp8_scales_and_unquantised_weights() {
         .collect();
     assert_eq!(quantisers.len(), cache.tensors.len());
     for (name, scale) in quantisers {
-        assert_eq!(scale, cache.tensors[name].fp8_scale, "{name}");
+        assert_eq!(scale, cache.tensors[name].int8_scale, "{name}");
     }
-    let weight_names = |g: &Graph| -> Vec<String> {
-        let mut names: Vec<String> =
-            g.nodes.iter().filter_map(|n| if let Op::Weight { name, .. } = &n.op { Some(name.clone()) } else { None }).collect();
-        names.sort();
-        names
+    let weights = |g: &Graph| -> Vec<(String, Option<QuantParams>)> {
+        let mut w: Vec<_> =
+            g.nodes.iter().filter_map(|n| if let Op::Weight { name, quant } = &n.op { Some((name.clone(), quant.clone())) } else { None }).collect();
+        w.sort_by(|a, b| a.0.cmp(&b.0));
+        w
     };
-    let (best_w, fp8_w) = (weight_names(&best), weight_names(&fp8));
-    assert_eq!(best_w, weight_names(&optimized), "Best reads the optimised graph's own weights");
-    assert!(fp8_w.iter().filter(|w| w.ends_with(".fp8")).count() == quant_points(&optimized).len(), "{fp8_w:?}");
+    let (best_w, int8_w) = (weights(&best), weights(&int8));
+    let names = |w: &[(String, Option<QuantParams>)]| w.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+    assert_eq!(names(&best_w), names(&weights(&optimized)), "Best reads the optimised graph's own weights");
+    // The same grids as the INT8 engine's folded weights, on the original values.
+    let grids = |w: &[(String, Option<QuantParams>)]| w.iter().filter_map(|(_, q)| q.clone()).collect::<Vec<_>>();
+    assert_eq!(grids(&best_w).len(), quant_points(&optimized).len());
+    assert_eq!(grids(&best_w), grids(&int8_w));
+    for (name, q) in &best_w {
+        assert_eq!(best.weights[name], optimized.weights[name], "{name} keeps its values");
+        if let Some(q) = q {
+            assert!(int8.weights[&format!("{name}.int8")].data != best.weights[name].data, "{name}: INT8 folds it, Best does not");
+            assert_eq!(q.axis, Some(0), "{name}: per output channel");
+        }
+    }
     // Without a cache, Best is refused as the other 8-bit precisions are, naming itself.
     let err = prepare_for_best(optimized, None).expect_err("no cache");
     assert!(err.to_string().contains("best engine needs a calibration cache"), "{err}");
@@ -358,7 +369,7 @@ fn digits_int8_engine_graph(d: &Digits) -> kiln::graph::Graph {
 fn eight_bit_plan_of_the_digits_network() {
     use kiln::engine::{conv8, node_precisions, BuildConfig, Precision};
     let g = digits_int8_engine_graph(&digits());
-    let plan_for = |config: &BuildConfig, sm: u32| conv8::plan(&g, config.precision, &node_precisions(&g, config), sm);
+    let plan_for = |config: &BuildConfig, sm: u32| conv8::plan(&g, config, &node_precisions(&g, config), sm);
     let names = |v: &[bool]| -> Vec<String> { v.iter().enumerate().filter(|(_, &b)| b).map(|(i, _)| g.nodes[i].path.clone()).collect() };
     let config = BuildConfig::default().precision(Precision::Int8);
     let plan = plan_for(&config, 90);
@@ -386,6 +397,7 @@ fn eight_bit_plan_of_the_digits_network() {
     assert_eq!(
         plan_for(&config, 75),
         conv8::EightBitPlan {
+            format: None,
             conv: vec![false; g.nodes.len()],
             stored: vec![false; g.nodes.len()],
             requant: vec![None; g.nodes.len()],
@@ -398,6 +410,46 @@ fn eight_bit_plan_of_the_digits_network() {
     let plan = plan_for(&config.clone().layer_precision(kept, Precision::Fp16), 90);
     let id = g.nodes.iter().position(|n| n.path == kept).expect("conv");
     assert!(!plan.conv[id] && !plan.stored[g.nodes[id].inputs[0]], "{kept} is FP16, its input is not stored");
+}
+
+/// Best's search (`engine::best::choose`, no GPU) on the digits network with made-up layer times:
+/// every conv on INT8 when each is faster there, none when none is, the convs of one block moved
+/// to 16 bits when their INT8 times are far worse, and kept on INT8 when they are worse by less
+/// than the quantiser kernels the move would add cost.
+#[test]
+fn best_moves_convs_to_16_bits_only_where_it_pays() {
+    use kiln::engine::best::{choose, LayerTimes};
+    use kiln::engine::{conv8, node_precisions, BuildConfig, Precision};
+    let d = digits();
+    let cache =
+        Calibrator::new(&d.graph).and_then(|c| c.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::MinMax)).expect("calibrate");
+    let path = std::env::temp_dir().join(format!("kiln-best-choose-{}.json", std::process::id()));
+    cache.save(&path).expect("save");
+    let g = prepare_for_best(kiln::passes::optimize(&d.graph).expect("optimize"), Some(&path)).expect("best graph");
+    let _ = std::fs::remove_file(&path);
+    let config = BuildConfig::default().precision(Precision::Best);
+    let all = conv8::plan(&g, &config, &node_precisions(&g, &config), 90);
+    let int8: Vec<String> = g.nodes.iter().zip(&all.conv).filter(|(_, &c)| c).map(|(n, _)| n.path.clone()).collect();
+    let block = "layer2.0.";
+    let in_block = int8.iter().filter(|p| p.starts_with(block)).count();
+    println!("INT8-capable convs {int8:?}; {in_block} in {block}");
+    assert!(int8.len() >= 8 && in_block >= 2, "{int8:?}");
+    let times = |f: &dyn Fn(&str) -> f64| -> LayerTimes { g.nodes.iter().map(|n| (n.path.clone(), f(&n.path))).collect() };
+    let fp16 = times(&|_| 1.0);
+    assert_eq!(choose(&g, &config, 90, 1, &fp16, &times(&|_| 0.5)), int8, "INT8 is faster everywhere");
+    assert!(choose(&g, &config, 90, 1, &fp16, &times(&|_| 2.0)).is_empty(), "16 bits is faster everywhere");
+    let slow_block = |by: f64| times(&|p: &str| if p.starts_with(block) { 1.0 + by } else { 0.5 });
+    let chosen = choose(&g, &config, 90, 1, &fp16, &slow_block(2.0));
+    let rest: Vec<String> = int8.iter().filter(|p| !p.starts_with(block)).cloned().collect();
+    assert_eq!(chosen, rest, "{block}'s convs move to 16 bits, the others stay on INT8");
+    // 1e-4 ms slower on INT8 each, but moving them needs quantiser kernels (2 µs or more each).
+    assert_eq!(choose(&g, &config, 90, 1, &fp16, &slow_block(1e-4)), int8, "the quantisers a move needs cost more than it saves");
+    // A per-layer choice already made is the plan's: only those convs are INT8.
+    let mut kept = config.clone();
+    kept.best_int8_layers = Some(rest.clone());
+    let plan = conv8::plan(&g, &kept, &node_precisions(&g, &kept), 90);
+    let planned: Vec<String> = g.nodes.iter().zip(&plan.conv).filter(|(_, &c)| c).map(|(n, _)| n.path.clone()).collect();
+    assert_eq!(planned, rest);
 }
 
 /// The ResNet stem in an 8-bit engine (`engine::conv8::plan`, no GPU): the 7×7 conv + ReLU +
@@ -419,7 +471,7 @@ fn eight_bit_plan_of_the_resnet_stem() {
         let (stem, q_in) = (id("conv1"), id("input.quantizer"));
         assert_eq!(g.nodes[stem].inputs[0], q_in, "the stem reads the input's quantiser");
         let config = BuildConfig::default().precision(precision);
-        let plan = conv8::plan(&g, precision, &node_precisions(&g, &config), 90);
+        let plan = conv8::plan(&g, &config, &node_precisions(&g, &config), 90);
         let q_out = plan.requant[stem].unwrap_or_else(|| panic!("{precision:?}: the stem writes the codes of the quantiser after it"));
         println!("{precision:?}: conv1 writes {}, folds {}", g.nodes[q_out].path, g.nodes[q_in].path);
         assert!(plan.conv[stem] && plan.stored[q_out], "{precision:?}");
@@ -429,7 +481,7 @@ fn eight_bit_plan_of_the_resnet_stem() {
             assert!(plan.conv[r], "{} reads the stem's codes on an 8-bit kernel", g.nodes[r].path);
         }
         let kept = config.clone().layer_precision("conv1", Precision::Fp16);
-        let plan = conv8::plan(&g, precision, &node_precisions(&g, &kept), 90);
+        let plan = conv8::plan(&g, &kept, &node_precisions(&g, &kept), 90);
         assert!(!plan.conv[stem] && !plan.folded[q_in] && plan.requant[stem].is_none(), "{precision:?}: an FP16 stem");
     }
     let _ = std::fs::remove_file(&path);
@@ -450,6 +502,6 @@ fn weight_grids_survive_the_engine_file() {
     let payload = Payload { config: config.clone(), graph: g.clone(), tactics: Default::default() };
     let (_, loaded) = decode(&encode(&header, &payload).expect("encode"), "digits.kiln").expect("decode");
     assert_eq!(loaded.graph.nodes, g.nodes, "ops, grids included, survive");
-    let plan = |g: &kiln::graph::Graph| conv8::plan(g, Precision::Int8, &node_precisions(g, &config), 90);
+    let plan = |g: &kiln::graph::Graph| conv8::plan(g, &config, &node_precisions(g, &config), 90);
     assert_eq!(plan(&loaded.graph), plan(&g));
 }

@@ -239,7 +239,7 @@ impl Engine {
                 p.to_string()
             } else if kind.split(':').next().is_some_and(|k| k.ends_with("-fp8")) {
                 "fp8".to_string()
-            } else if self.config.precision == crate::engine::Precision::Best {
+            } else if self.config.precision == crate::engine::Precision::Best && kind != super::quant::QUANT_CODES {
                 // Best's other layers compute on unquantised values.
                 elem.to_string()
             } else {
@@ -334,7 +334,10 @@ impl EngineBuilder {
         if let Some(path) = &self.config.timing_cache {
             tactics.load_cache(path)?;
         }
-        let mut engine = lower(gpu, optimized, self.config.clone(), &mut tactics)?;
+        let mut engine = match (self.config.precision, &self.config.best_int8_layers) {
+            (super::Precision::Best, None) => super::best::build(gpu, optimized, self.config.clone(), &mut tactics)?,
+            _ => lower(gpu, optimized, self.config.clone(), &mut tactics)?,
+        };
         if let Some(path) = &self.config.timing_cache {
             tactics.save_cache(path)?;
         }
@@ -512,15 +515,18 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
 }
 
 /// The nodes a `Best` engine lowers as aliases of their input: its activation quantisers
-/// (`calibrate::prepare_for_best`), which carry scales for the FP8 candidates of the layers that
-/// read them and compute nothing themselves. None in other precisions.
-fn best_aliases(graph: &Graph, config: &BuildConfig) -> Vec<bool> {
+/// (`calibrate::prepare_for_best`) but the `stored` ones, whose codes its INT8 convs read. They
+/// carry scales for the FP8 candidates of the layers that read them and compute nothing
+/// themselves. None in other precisions.
+fn best_aliases(graph: &Graph, config: &BuildConfig, stored: &[bool]) -> Vec<bool> {
     use crate::ops::quant::Quant;
     graph
         .nodes
         .iter()
-        .map(|n| {
+        .zip(stored)
+        .map(|(n, &stored)| {
             config.precision == super::Precision::Best
+                && !stored
                 && matches!(n.op, Op::Quant(Quant::FakeQuantize(_)))
                 && n.inputs.first().is_some_and(|&i| !matches!(graph.nodes[i].op, Op::Weight { .. }))
         })
@@ -561,11 +567,11 @@ fn lower_plan(
     let mut values = Vec::new();
     let mut node_values = vec![None; graph.nodes.len()];
     let mut input_bindings = Vec::new();
-    let eight_bit = super::conv8::plan(graph, config.precision, &precisions, gpu.info.sm);
-    let stored_elem = config.precision.quant_format().map(super::conv8::EightBitPlan::elem);
-    // Best's quantisers, quantisers folded into the 8-bit stem after them and quantisers whose
-    // codes the conv before them writes are not lowered.
-    let mut aliased = best_aliases(graph, config);
+    let eight_bit = super::conv8::plan(graph, config, &precisions, gpu.info.sm);
+    let stored_elem = eight_bit.format.map(super::conv8::EightBitPlan::elem);
+    // Best's quantisers but those its INT8 convs read, quantisers folded into the 8-bit stem
+    // after them and quantisers whose codes the conv before them writes are not lowered.
+    let mut aliased = best_aliases(graph, config, &eight_bit.stored);
     aliased.iter_mut().zip(&eight_bit.folded).for_each(|(a, &f)| *a |= f);
     for (id, node) in graph.nodes.iter().enumerate() {
         let Some(layout) = layouts[id] else { continue };
@@ -770,8 +776,10 @@ fn lower_plan(
         tactic_log: tactics.log[log_before..].to_vec(),
         quantised: match config.precision {
             super::Precision::Best => {
-                let fp8 = layers.iter().filter(|l| l.kind().starts_with(super::quant::FP8_GEMM)).count();
-                Some(crate::calibrate::best_summary(graph, fp8, super::quant::FP8_GEMM))
+                let count = |f: &dyn Fn(&str) -> bool| layers.iter().filter(|l| f(&l.kind())).count();
+                let int8 = count(&|k| super::conv8::precision_of_kind(k).is_some());
+                let fp8 = count(&|k| k.starts_with(super::quant::FP8_GEMM));
+                Some(crate::calibrate::best_summary(graph, int8, fp8))
             }
             _ => {
                 let native = layers.iter().filter(|l| super::conv8::precision_of_kind(&l.kind()).is_some()).count();

@@ -19,7 +19,7 @@
 use super::cudnn_graph::{engine_configs, FusedConv, FusedConvLayer, Operand, Step};
 use super::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
 use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueId};
-use super::Precision;
+use super::{BuildConfig, Precision};
 use crate::graph::{Activation, ConvAttrs, Graph, NodeId, Op, Quant, QuantFormat, QuantParams};
 use crate::{Error, Result};
 use cudarc::driver::sys::CUfunction_attribute;
@@ -37,6 +37,8 @@ const STAGES: usize = 3;
 /// Where the 8-bit plan puts each node of an 8-bit engine's graph.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct EightBitPlan {
+    /// The format of the codes (`None`: nothing is 8-bit).
+    pub format: Option<QuantFormat>,
     /// Convs lowered to an 8-bit kernel (the ResNet stem's to the 8-bit stem, `engine::stem`).
     pub conv: Vec<bool>,
     /// Activation quantisers whose value is stored as 8-bit codes.
@@ -105,18 +107,28 @@ fn stem_fits(graph: &Graph, id: NodeId, format: QuantFormat) -> bool {
         && activation_quantiser(graph, n.inputs[0], format).is_some()
 }
 
-/// The 8-bit plan of `graph` for an engine of `precision` whose nodes compute in `precisions`
-/// (a node a per-layer rule keeps in FP16/FP32 is not 8-bit). Empty for other precisions, and
-/// for INT8 below sm_80 (`mma.m16n8k32`); FP8 engines need sm_89, which the builder checks.
-pub fn plan(graph: &Graph, precision: Precision, precisions: &[Precision], sm: u32) -> EightBitPlan {
+/// The 8-bit plan of `graph` for an engine of `config` whose nodes compute in `precisions` (a
+/// node a per-layer rule keeps in FP16/FP32 is not 8-bit; a `Best` engine's 8-bit convs are its
+/// `best_int8_layers`, every conv that can where it has none). Empty for 16- and 32-bit
+/// precisions, and for INT8 below sm_80 (`mma.m16n8k32`); FP8 engines need sm_89, which the
+/// builder checks.
+pub fn plan(graph: &Graph, config: &BuildConfig, precisions: &[Precision], sm: u32) -> EightBitPlan {
     let len = graph.nodes.len();
-    let mut plan = EightBitPlan { conv: vec![false; len], stored: vec![false; len], requant: vec![None; len], folded: vec![false; len] };
-    let format = match precision {
-        Precision::Int8 if sm >= 80 => QuantFormat::Int8,
-        Precision::Fp8 if sm >= 89 => QuantFormat::Fp8E4m3,
+    let mut plan =
+        EightBitPlan { format: None, conv: vec![false; len], stored: vec![false; len], requant: vec![None; len], folded: vec![false; len] };
+    let precision = config.precision;
+    let format = match precision.quant_format() {
+        Some(QuantFormat::Int8) if sm >= 80 => QuantFormat::Int8,
+        Some(QuantFormat::Fp8E4m3) if sm >= 89 => QuantFormat::Fp8E4m3,
         _ => return plan,
     };
+    plan.format = Some(format);
     let eight_bit = |id: NodeId| precisions.get(id) == Some(&precision);
+    let chosen: Option<std::collections::HashSet<&str>> = match (precision, &config.best_int8_layers) {
+        (Precision::Best, Some(paths)) => Some(paths.iter().map(String::as_str).collect()),
+        _ => None,
+    };
+    let chosen = |id: NodeId| chosen.as_ref().is_none_or(|c| c.contains(graph.nodes[id].path.as_str()));
     let mut readers: Vec<Vec<NodeId>> = vec![Vec::new(); len];
     for (id, n) in graph.nodes.iter().enumerate() {
         n.inputs.iter().for_each(|&i| readers[i].push(id));
@@ -134,7 +146,7 @@ pub fn plan(graph: &Graph, precision: Precision, precisions: &[Precision], sm: u
         }
     };
     for id in 0..len {
-        plan.conv[id] = eight_bit(id) && (kernel_fits(graph, id, format) || stem(id));
+        plan.conv[id] = eight_bit(id) && chosen(id) && (kernel_fits(graph, id, format) || stem(id));
         plan.stored[id] = eight_bit(id) && activation_quantiser(graph, id, format).is_some() && !output(id);
     }
     // A stored value needs every reader to be an 8-bit conv reading it as an activation, and an
@@ -320,7 +332,7 @@ const SPLITS: [usize; 2] = [4, 8];
 pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec<Box<dyn Layer>>> {
     let graph = ctx.graph;
     let n = ctx.node(node);
-    let Some(format) = ctx.config.precision.quant_format() else {
+    let Some(format) = ctx.eight_bit.format else {
         return Err(ctx.err(node, format!("a {:?} engine has no 8-bit convs", ctx.config.precision)));
     };
     let quantiser = |id: NodeId, what: &str| {
@@ -502,9 +514,9 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec
     Ok(out)
 }
 
-/// The codes of conv `node`'s folded weight (`[K, C, R, S]`, as values: integers, or values on
-/// the e4m3 grid) and its scale per output channel. The weight's values lie on the grid, so
-/// value / scale is the code.
+/// The codes of conv `node`'s weight on its 8-bit grid (`[K, C, R, S]`, as values: integers, or
+/// values on the e4m3 grid) and its scale per output channel: value / scale rounded as its
+/// quantiser rounds (a folded weight's values already lie on the grid).
 fn weight_codes(ctx: &BuildCtx, node: NodeId, format: QuantFormat) -> Result<(Vec<f32>, Vec<f32>)> {
     let Op::Weight { quant: Some(wq), .. } = &ctx.graph.nodes[ctx.node(node).inputs[1]].op else {
         return Err(ctx.err(node, "its weight is not on an 8-bit grid".into()));
@@ -516,18 +528,11 @@ fn weight_codes(ctx: &BuildCtx, node: NodeId, format: QuantFormat) -> Result<(Ve
         .collect::<Option<Vec<f32>>>()
         .ok_or_else(|| ctx.err(node, format!("{} weight scales for {k} output channels", wq.scale.len())))?;
     let per_k = w.data.len() / k;
-    let codes = w
-        .data
-        .iter()
-        .enumerate()
-        .map(|(i, v)| {
-            let t = v / w_scale[i / per_k];
-            match format {
-                QuantFormat::Int8 => t.round().clamp(-127.0, 127.0),
-                QuantFormat::Fp8E4m3 => crate::ops::quant::round_e4m3(t),
-            }
-        })
-        .collect();
+    if wq.format != format {
+        return Err(ctx.err(node, format!("its weight is on the {} grid, the engine's codes are {}", wq.format.name(), format.name())));
+    }
+    let channel = |i: usize| if wq.axis.is_some() { i / per_k } else { 0 };
+    let codes = w.data.iter().enumerate().map(|(i, &v)| wq.quantize_value(v, channel(i))).collect();
     Ok((codes, w_scale))
 }
 

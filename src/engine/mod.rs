@@ -11,6 +11,7 @@
 //! binding of bytes); reformat layers convert at the edges.
 
 pub mod arena;
+pub mod best;
 pub mod builder;
 pub mod conv8;
 pub mod cudnn;
@@ -49,9 +50,9 @@ use std::sync::OnceLock;
 /// weights in f16 and accumulates in f32. `Int8` and `Fp8` quantise the inputs and weights of
 /// convolutions and Linear layers with a calibration cache's scales (or a graph's own Q/DQ
 /// nodes), see `kiln::calibrate`; every other layer runs in FP16. `Fp8` needs sm_89 or newer.
-/// `Best` is TensorRT's `--best`: per layer, the faster of FP16 and FP8 by timing, with FP8 scales
-/// from the cache and no quantiser where FP16 wins (`calibrate::prepare_for_best`; INT8 has no
-/// native kernel yet to compete).
+/// `Best` is TensorRT's `--best`: per layer the fastest of FP16, FP8 GEMMs and INT8 convs on 8-bit
+/// tensor cores, by timing (`engine::best`), with the cache's scales and no quantiser where a
+/// 16-bit layer wins (`calibrate::prepare_for_best`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub enum Precision {
     Fp32,
@@ -101,8 +102,10 @@ impl Precision {
     pub fn quant_format(self) -> Option<crate::graph::QuantFormat> {
         match self {
             Precision::Int8 => Some(crate::graph::QuantFormat::Int8),
-            // Best's 8-bit candidates are FP8 GEMMs: its calibration scales are e4m3's.
-            Precision::Fp8 | Precision::Best => Some(crate::graph::QuantFormat::Fp8E4m3),
+            Precision::Fp8 => Some(crate::graph::QuantFormat::Fp8E4m3),
+            // Best's 8-bit chains are INT8 (as fast as FP8 on the same tensor cores, and closer to
+            // FP32); its FP8 GEMMs clip at the same ranges (`engine::quant`).
+            Precision::Best => Some(crate::graph::QuantFormat::Int8),
             Precision::Fp32 | Precision::Tf32 | Precision::Fp16 => None,
         }
     }
@@ -247,6 +250,11 @@ pub struct BuildConfig {
     /// read as having none.
     #[serde(default)]
     pub layer_precisions: Vec<LayerPrecision>,
+    /// A `Best` engine's convs on INT8 tensor cores (module paths), which its build chose by
+    /// timing (`engine::best`) and a loaded engine lowers again. `None`: not chosen yet, every
+    /// conv that can. Other precisions ignore it.
+    #[serde(default)]
+    pub best_int8_layers: Option<Vec<String>>,
 }
 
 /// The per-image dims (PyTorch order, without the batch) one input accepts: every dim in
@@ -290,6 +298,7 @@ impl Default for BuildConfig {
             profiles: Vec::new(),
             fastest_tactics: false,
             layer_precisions: Vec::new(),
+            best_int8_layers: None,
         }
     }
 }

@@ -166,12 +166,16 @@ fn codes_layer(ctx: &mut BuildCtx, node: NodeId, op: &Quant, x: ValueId, y: Valu
     }))
 }
 
+/// The kind of the layer that writes an FP16 value's 8-bit codes (a stored quantiser whose
+/// producer does not requantise).
+pub const QUANT_CODES: &str = "kernel:quant_codes";
+
 impl Layer for QuantCodesLayer {
     fn path(&self) -> &str {
         &self.path
     }
     fn kind(&self) -> String {
-        "kernel:quant_codes".into()
+        QUANT_CODES.into()
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let n = batch * self.per_image;
@@ -276,10 +280,11 @@ impl Layer for Fp8GemmLayer {
 /// `cublaslt-gemm-fp8:bias-kernel`).
 pub const FP8_GEMM: &str = "cublaslt-gemm-fp8";
 
-/// The FP8 GEMM candidates of `node` (one per [`Fp8Epilogue`]), when they apply: an `Fp8` engine,
-/// the node's input produced by a per-tensor fp8 `fake_quantize`, f16 values, and channel counts
-/// that are multiples of 16 (cuBLASLt's FP8 alignment). None otherwise. The weight is already on
-/// the e4m3 grid of one per-tensor scale (a folded quantiser).
+/// The FP8 GEMM candidates of `node` (one per [`Fp8Epilogue`]), when they apply: an `Fp8` or
+/// `Best` engine, the node's input produced by a per-tensor fp8 `fake_quantize` (or Best's int8
+/// one, whose range it clips at), f16 values, and channel counts that are multiples of 16
+/// (cuBLASLt's FP8 alignment). None otherwise. The weight is quantised to e4m3 with one
+/// per-tensor scale (a folded FP8 weight's values are their own codes).
 pub fn fp8_gemm_candidates(ctx: &mut BuildCtx, node: NodeId, spec: GemmSpec) -> Result<Vec<Box<dyn Layer>>> {
     use crate::graph::{Op, QuantFormat};
     // Best on a GPU without FP8 tensor cores is FP16: it offers no 8-bit candidate.
@@ -288,7 +293,14 @@ pub fn fp8_gemm_candidates(ctx: &mut BuildCtx, node: NodeId, spec: GemmSpec) -> 
     }
     let src = ctx.node(node).inputs[0];
     let sx = match &ctx.graph.nodes[src].op {
-        Op::Quant(Quant::FakeQuantize(p)) if p.format == QuantFormat::Fp8E4m3 && p.axis.is_none() => p.scale[0],
+        Op::Quant(Quant::FakeQuantize(p)) if p.axis.is_none() && p.scale.len() == 1 => match p.format {
+            QuantFormat::Fp8E4m3 => p.scale[0],
+            // Best's quantisers are INT8's: the FP8 GEMM clips at the same range.
+            QuantFormat::Int8 if ctx.config.precision == super::Precision::Best => {
+                p.scale[0] * p.qmax as f32 / crate::ops::quant::E4M3_MAX
+            }
+            QuantFormat::Int8 => return Ok(vec![]),
+        },
         _ => return Ok(vec![]),
     };
     let (dx, dy) = (ctx.value(spec.x).clone(), ctx.value(spec.y).clone());

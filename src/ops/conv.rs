@@ -557,7 +557,10 @@ pub fn conv_transpose2d_cpu(a: &ConvAttrs, inputs: &[&HostTensor]) -> Result<Hos
 fn gpu_conv2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn Layer>> {
     let key = ctx.problem_key(node);
     if ctx.eight_bit.conv[node] {
-        // Between 8-bit values of an INT8/FP8 engine: only the 8-bit kernel reads their codes.
+        // Between 8-bit values of an INT8/FP8 engine: only the 8-bit kernel reads their codes. Its
+        // problem is another than the same conv's in 16 bits (a Best build times both), and
+        // another again where it writes FP16 rather than codes (fewer kernels apply).
+        let key = format!("{key} 8-bit to {:?}", ctx.value(ctx.output(node)?).elem);
         let candidates = crate::engine::conv8::candidates(ctx, node, &a)?;
         return ctx.choose(&key, candidates);
     }

@@ -217,9 +217,10 @@ pub struct EngineArgs {
     /// FP8 (e4m3) convolutions and Linear layers, FP16 elsewhere (sm_89 or newer).
     #[arg(long, group = "precision")]
     pub fp8: bool,
-    /// Per layer, the faster of FP16 and FP8 by timing (TensorRT's --best; INT8 has no native
-    /// kernel yet to compete). Needs --calibration-cache (FP8 scales); layers that keep FP16 run
-    /// on unquantised values with no quantiser.
+    /// Per layer, the fastest of FP16, FP8 GEMMs and INT8 convs by timing (TensorRT's --best):
+    /// the build profiles an all-16-bit and an all-INT8 plan and keeps the fastest mix (about
+    /// three builds' time). Needs --calibration-cache; layers that keep 16 bits run on
+    /// unquantised values with no quantiser.
     #[arg(long, group = "precision")]
     pub best: bool,
     /// The calibration cache (`kiln calibrate`) of --int8/--fp8/--best builds.
