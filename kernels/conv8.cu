@@ -43,18 +43,6 @@ struct Conv8Args {
     int splits;
 };
 
-// 16 bytes global → shared, zero-filled where !valid. The activation goes through L1 (`.ca`): a
-// k×k conv reads each input pixel for several taps and neighbouring output rows; the weights,
-// read once per block, bypass it (`.cg`).
-__device__ __forceinline__ void cp_async16_ca(unsigned dst, const void* src, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
-
 // Byte offset of (row, 16-byte chunk) in a stage's 64-byte-row tile.
 __device__ __forceinline__ unsigned swz(int row, int chunk) { return row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4); }
 

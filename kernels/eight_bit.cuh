@@ -25,6 +25,21 @@ __device__ __forceinline__ void mma_8bit(float* c, const unsigned* a, unsigned b
 #endif
 }
 
+// 16 (4) bytes global → shared, zero-filled where !valid. The activation goes through L1 (`.ca`): a
+// k×k conv reads each input pixel for several taps and neighbouring output rows; the weights,
+// read once per block, bypass it (`.cg`).
+__device__ __forceinline__ void cp_async16_ca(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async4_ca(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
+}
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
 // Conversions without the conversion unit (the pointwise conv's epilogue). sm_80 and sm_90 convert 16 values per clock per SM
 // between integers and floats, an eighth of their FP32 rate, and an 8-bit epilogue converts two or
 // three times per output (accumulator, residual code, output code): Nsight Compute found the
@@ -109,3 +124,15 @@ template <bool FP8> __device__ __forceinline__ unsigned encode2(float v0, float 
 #endif
 }
 
+// Two values requantised to two codes as encode4 (cvt), for an epilogue the conversion unit does
+// not bind (the stem's): half encode4's conversions where only two values are real.
+template <bool FP8> __device__ __forceinline__ unsigned encode2_cvt(float v0, float v1, float inv_s, float qmin, float qmax) {
+    if (FP8 || qmin != -128.f || qmax != 127.f) {
+        const float v[4] = {v0, v1, 0.f, 0.f};
+        return encode4<FP8>(v, inv_s, qmin, qmax) & 0xffff;
+    }
+    const int q0 = __float2int_rn(v0 * inv_s), q1 = __float2int_rn(v1 * inv_s);
+    unsigned r;
+    asm("cvt.pack.sat.s8.s32.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(q1), "r"(q0), "r"(0));
+    return r;
+}

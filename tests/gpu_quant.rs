@@ -433,60 +433,72 @@ fn conv8_matches_the_simulation() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
-/// The 8-bit stem (`conv8_<format>_stem` in kernels/stem.cu: ResNet's 7×7/2 conv, ReLU and 3×3/2
-/// max-pool on 3 channels) against the CPU simulation, on an odd-sized image whose pool windows
-/// cross every edge, followed by an 8-bit 3×3 conv that reads its codes. The stem quantises the
-/// FP16 input itself and writes the codes of the quantiser after it, so no quantiser layer runs.
-/// The simulation reads the input rounded to f16, as the engine does.
+/// The 8-bit stem (`conv8_<format>_stem[_nchw]` in kernels/stem.cu: ResNet's 7×7/2 conv, ReLU and
+/// 3×3/2 max-pool on 3 channels) against the CPU simulation, on an odd-sized image whose pool
+/// windows cross every edge, followed by an 8-bit 3×3 conv that reads its codes. The stem
+/// quantises its input itself and writes the codes of the quantiser after it, so no quantiser
+/// layer runs. Reading the graph input, it reads the NCHW f32 binding (`_nchw`: no reformat runs,
+/// and the simulation reads the f32 input); after a ReLU, the engine's FP16 NHWC value (the
+/// simulation reads the input rounded to f16, as the engine does).
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn stem8_matches_the_simulation() {
     let Some(gpu) = gpu() else { return };
     use kiln::{Conv2d, Conv2dConfig};
-    let tracer = kiln::Tracer::new();
     let dims = [3, 3, 45, 38];
-    let x = tracer.input("input", &dims);
-    let vb = VarBuilder::seeded();
-    let stem = Conv2d::load(vb.pp("conv1"), &Conv2dConfig::new(3, 64, 7).stride(2).padding(3)).expect("conv1");
-    let pool = MaxPool2d::load(vb.pp("maxpool"), &Pool2dConfig::new(3).stride(2).padding(1)).expect("maxpool");
-    let conv2 = Conv2d::load(vb.pp("conv2"), &Conv2dConfig::new(64, 64, 3).padding(1)).expect("conv2");
-    let h = stem.forward(&x).and_then(|h| h.relu()).and_then(|h| pool.forward(&h)).expect("stem");
-    conv2.forward(&h).expect("conv2").mark_output("y");
-    let graph = tracer.graph();
     let input = common::random(&dims, 31, 2.0);
-    let (cache, path) = min_max_cache(&graph, &input, "stem8");
     let mut failures = vec![];
-    for (precision, format, code) in [(Precision::Int8, QuantFormat::Int8, "i8"), (Precision::Fp8, QuantFormat::Fp8E4m3, "e4m3")] {
-        if precision == Precision::Fp8 && gpu.info.sm < 89 {
-            println!("FP8 skipped: sm_{} has no FP8", gpu.info.sm);
-            continue;
-        }
-        let sim = kiln::cpu::run(&simulate(&graph, &cache, format).expect("simulate"), &[("input", &common::to_f16(&input))]).expect("cpu");
-        let config = BuildConfig::default().precision(precision).batch(1, 3, 3).calibration_cache(&path);
-        let engine = Arc::new(EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph).expect("build"));
-        print!("{}{}", engine.describe(), engine.summary);
-        let kinds: Vec<(String, String)> = engine.layers().map(|l| (l.path().to_string(), l.kind())).collect();
-        let want = format!("kernel:conv8_{code}_stem");
-        if !kinds.iter().any(|(p, k)| p == "conv1" && *k == want) {
-            failures.push(format!("{code}: conv1 is not `{want}`: {kinds:?}"));
-        }
-        if let Some((p, k)) = kinds.iter().find(|(_, k)| k.contains("quant")) {
-            failures.push(format!("{code}: a quantiser runs as a layer of its own: {p} ({k})"));
-        }
-        let mut ctx = engine.context().expect("context");
-        for batch in [1, 3] {
-            let per: usize = dims[1..].iter().product();
-            let xb = HostTensor::new(vec![batch, 3, 45, 38], input.data[..batch * per].to_vec());
-            let got = ctx.run(&[("input", &xb)]).expect("run");
-            let n = got["y"].data.len();
-            let (rel, max_abs) = rel_l2(&got["y"].data, &sim["y"].data[..n]);
-            println!("{code} stem batch {batch}: rel L2 {rel:.2e}, max abs {max_abs:.2e} against the {} simulation", format.name());
-            if rel >= 1e-2 {
-                failures.push(format!("{code} batch {batch}: rel L2 {rel:.2e}"));
+    for after_relu in [false, true] {
+        let tracer = kiln::Tracer::new();
+        let x = tracer.input("input", &dims);
+        let x = if after_relu { x.relu().expect("relu") } else { x };
+        let vb = VarBuilder::seeded();
+        let stem = Conv2d::load(vb.pp("conv1"), &Conv2dConfig::new(3, 64, 7).stride(2).padding(3)).expect("conv1");
+        let pool = MaxPool2d::load(vb.pp("maxpool"), &Pool2dConfig::new(3).stride(2).padding(1)).expect("maxpool");
+        let conv2 = Conv2d::load(vb.pp("conv2"), &Conv2dConfig::new(64, 64, 3).padding(1)).expect("conv2");
+        let h = stem.forward(&x).and_then(|h| h.relu()).and_then(|h| pool.forward(&h)).expect("stem");
+        conv2.forward(&h).expect("conv2").mark_output("y");
+        let graph = tracer.graph();
+        let (cache, path) = min_max_cache(&graph, &input, "stem8");
+        let (sim_input, suffix) = if after_relu { (common::to_f16(&input), "") } else { (input.clone(), "_nchw") };
+        for (precision, format, code) in [(Precision::Int8, QuantFormat::Int8, "i8"), (Precision::Fp8, QuantFormat::Fp8E4m3, "e4m3")] {
+            if precision == Precision::Fp8 && gpu.info.sm < 89 {
+                println!("FP8 skipped: sm_{} has no FP8", gpu.info.sm);
+                continue;
+            }
+            let sim = kiln::cpu::run(&simulate(&graph, &cache, format).expect("simulate"), &[("input", &sim_input)]).expect("cpu");
+            let config = BuildConfig::default().precision(precision).batch(1, 3, 3).calibration_cache(&path);
+            let engine = Arc::new(EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph).expect("build"));
+            print!("{}{}", engine.describe(), engine.summary);
+            let kinds: Vec<(String, String)> = engine.layers().map(|l| (l.path().to_string(), l.kind())).collect();
+            let want = format!("kernel:conv8_{code}_stem{suffix}");
+            if !kinds.iter().any(|(p, k)| p == "conv1" && *k == want) {
+                failures.push(format!("{code}: conv1 is not `{want}`: {kinds:?}"));
+            }
+            if let Some((p, k)) = kinds.iter().find(|(_, k)| k.contains("quant")) {
+                failures.push(format!("{code}: a quantiser runs as a layer of its own: {p} ({k})"));
+            }
+            if !after_relu && kinds.iter().any(|(p, _)| p == "input") {
+                failures.push(format!("{code}: the stem reads the input binding, yet a layer converts it: {kinds:?}"));
+            }
+            let mut ctx = engine.context().expect("context");
+            for batch in [1, 3] {
+                let per: usize = dims[1..].iter().product();
+                let xb = HostTensor::new(vec![batch, 3, 45, 38], input.data[..batch * per].to_vec());
+                let got = ctx.run(&[("input", &xb)]).expect("run");
+                let n = got["y"].data.len();
+                let (rel, max_abs) = rel_l2(&got["y"].data, &sim["y"].data[..n]);
+                println!(
+                    "{code} stem{suffix} (after a ReLU: {after_relu}) batch {batch}: rel L2 {rel:.2e}, max abs {max_abs:.2e} against the {} simulation",
+                    format.name()
+                );
+                if rel >= 1e-2 {
+                    failures.push(format!("{code}{suffix} batch {batch}: rel L2 {rel:.2e}"));
+                }
             }
         }
+        let _ = std::fs::remove_file(&path);
     }
-    let _ = std::fs::remove_file(&path);
     assert!(failures.is_empty(), "{failures:#?}");
 }
 

@@ -604,6 +604,13 @@ fn lower_plan(
                 layout: Layout::contiguous(dims.len()),
                 storage: Storage::Binding,
             });
+            // An input whose only reader is a quantiser folded into the 8-bit stem is read from its
+            // binding as the user hands it over (NCHW f32): no entry reformat runs.
+            let readers: Vec<usize> = (0..graph.nodes.len()).filter(|&r| graph.nodes[r].inputs.contains(&id)).collect();
+            if elem == Elem::F32 && matches!(readers[..], [q] if eight_bit.folded[q]) {
+                node_values[id] = Some(ValueId(values.len() - 1));
+                continue;
+            }
         }
         node_values[id] = Some(ValueId(values.len()));
         match (eight_bit.requant[id], stored_elem) {
@@ -658,6 +665,9 @@ fn lower_plan(
     for (name, id, binding) in &input_bindings {
         ctx.current = *id;
         let internal = ctx.node_values[*id].expect("inputs have values");
+        if internal == *binding {
+            continue;
+        }
         layers.push(kernels::reformat_layer(&mut ctx, *binding, internal, name)?);
         touches.push(vec![internal]);
     }
@@ -681,8 +691,9 @@ fn lower_plan(
         let mut inputs = Vec::with_capacity(node.inputs.len());
         for (k, &j) in node.inputs.iter().enumerate() {
             inputs.push(match ctx.node_values[j] {
-                // 8-bit codes are read as they are, by the 8-bit convs the plan made them for.
-                Some(v) if ctx.eight_bit.stored[j] => Some(v),
+                // 8-bit codes are read as they are, by the 8-bit convs the plan made them for, and
+                // so is an input binding, by the 8-bit stem.
+                Some(v) if ctx.eight_bit.stored[j] || ctx.value(v).storage == Storage::Binding => Some(v),
                 Some(v) => {
                     let want = plan.inputs.get(k).copied().flatten().unwrap_or(ctx.value(v).layout);
                     Some(reformats.get(&mut ctx, v, (want, elem), &mut layers, &mut touches)?)

@@ -38,20 +38,42 @@ struct Variant {
 
 const VARIANT: Variant = Variant { tile: [8, 7], threads: 256, blocks_per_sm: 2 };
 
-/// The FP16 kernel's entry point.
-const F16_ENTRY: &str = "stem_conv_pool_f16";
+/// What a stem kernel reads and writes: FP16 NHWC in and out (`stem_conv_pool_f16`), or 8-bit
+/// codes out from FP16 NHWC (`conv8_<format>_stem`) or from the engine's NCHW f32 input binding
+/// read as it is (`conv8_<format>_stem_nchw`: no reformat runs before it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Io {
+    F16,
+    EightBit,
+    EightBitNchw,
+}
+
+impl Io {
+    /// The kernel's entry point for codes of `elem`.
+    fn entry(self, elem: Elem) -> String {
+        match self {
+            Io::F16 => "stem_conv_pool_f16".into(),
+            Io::EightBit => format!("conv8_{}_stem", elem.suffix()),
+            Io::EightBitNchw => format!("conv8_{}_stem_nchw", elem.suffix()),
+        }
+    }
+}
 
 impl Variant {
     /// Dynamic shared memory per block, with the kernels' padded rows: weights, input tile (the
     /// extra column the 8-tap segments reach) and conv tile. FP16 (`StemGeo::SMEM_BYTES`): f16
-    /// values, 4 channels a pixel. 8-bit (`Stem8Geo::SMEM_BYTES`): codes, a pixel's 4 a word.
-    const fn smem_bytes(&self, eight_bit: bool) -> u32 {
+    /// values, 4 channels a pixel. 8-bit (`Stem8Geo::SMEM_BYTES`): codes, a pixel's 4 a word, and
+    /// a float4 of alphas and biases per channel pair; reading NCHW f32, also the staging area of
+    /// each thread's input pixels (`STAGE_BYTES`: 4 channels of f32 per pixel).
+    const fn smem_bytes(&self, io: Io) -> u32 {
         let conv = [2 * self.tile[0] + 1, 2 * self.tile[1] + 1];
         let input = [2 * (conv[0] - 1) + K, 2 * (conv[1] - 1) + 8];
-        let bytes = if eight_bit {
-            COUT * (K * 32 + 16) + input[0] * input[1] * 4 + conv[0] * conv[1] * (COUT + 16)
-        } else {
-            2 * (COUT * (KTOT + 8) + input[0] * input[1] * 4 + conv[0] * conv[1] * (COUT + 8))
+        let eight_bit = COUT * (K * 32 + 16) + input[0] * input[1] * 4 + conv[0] * conv[1] * (COUT + 16) + COUT / 2 * 16;
+        let threads = self.threads as usize;
+        let bytes = match io {
+            Io::F16 => 2 * (COUT * (KTOT + 8) + input[0] * input[1] * 4 + conv[0] * conv[1] * (COUT + 8)),
+            Io::EightBit => eight_bit,
+            Io::EightBitNchw => eight_bit + (input[0] * input[1]).div_ceil(threads) * 4 * threads * 4,
         };
         bytes as u32
     }
@@ -69,6 +91,7 @@ pub struct StemPool {
     bias: DeviceBuf,
     /// H, W, C, HC, WC, HP, WP as the kernel takes them.
     dims: [i32; 7],
+    io: Io,
     /// Blocks per image.
     tiles: usize,
     sm_count: u32,
@@ -97,21 +120,25 @@ pub fn fits(a: &ConvAttrs, pool: &PoolAttrs, weight: &[usize]) -> bool {
     conv && pool.kernel == [3, 3] && pool.stride == [2, 2] && pool.padding == [1, 1]
 }
 
-/// The checked geometry of a stem node whose input and output values are NHWC in `x_elem` and
-/// `y_elem`: the kernel's dims, blocks per image and input channels; none where it does not apply
-/// (see [`fits`]; the kernels need sm_80's `mma`).
+/// The checked geometry of a stem node whose input is what `io` reads and whose output is NHWC
+/// in `y_elem`: the kernel's dims, blocks per image and input channels; none where it does not
+/// apply (see [`fits`]; the kernels need sm_80's `mma`).
 fn geometry(
     ctx: &BuildCtx,
     node: NodeId,
     (a, pool): (&ConvAttrs, &PoolAttrs),
     conv_hw: [usize; 2],
-    (x_elem, y_elem): (Elem, Elem),
+    (io, y_elem): (Io, Elem),
 ) -> Result<Option<([i32; 7], usize, usize)>> {
     let w = ctx.weight(node, 1)?;
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let (dx, dy) = (ctx.value(x), ctx.value(y));
-    let nhwc = |d: &super::ValueDesc, e: Elem| d.elem == e && d.dims.len() == 3 && d.layout.same_bytes(Layout::channels_last(3), &d.dims);
-    if !fits(a, pool, &w.shape) || ctx.gpu.info.sm < 80 || !nhwc(dx, x_elem) || !nhwc(dy, y_elem) {
+    let is = |d: &super::ValueDesc, e: Elem, l: Layout| d.elem == e && d.dims.len() == 3 && d.layout.same_bytes(l, &d.dims);
+    let x_ok = match io {
+        Io::F16 | Io::EightBit => is(dx, Elem::F16, Layout::channels_last(3)),
+        Io::EightBitNchw => is(dx, Elem::F32, Layout::contiguous(3)),
+    };
+    if !fits(a, pool, &w.shape) || ctx.gpu.info.sm < 80 || !x_ok || !is(dy, y_elem, Layout::channels_last(3)) {
         return Ok(None);
     }
     let ([c, h, wd], [cy, hp, wp]) = (dx.dims[..3].try_into().expect("rank 3"), dy.dims[..3].try_into().expect("rank 3"));
@@ -152,11 +179,11 @@ fn bias_of(ctx: &BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec<f32>> {
     Ok(bias)
 }
 
-/// `entry` of `kernels/stem.cu`, with the variant's shared memory allowed.
-fn function(ctx: &BuildCtx, node: NodeId, entry: &str) -> Result<CudaFunction> {
+/// `entry` of `kernels/stem.cu`, with the variant's shared memory for `io` allowed.
+fn function(ctx: &BuildCtx, node: NodeId, entry: &str, io: Io) -> Result<CudaFunction> {
     ctx.kernels.add_source("stem.cu", STEM_CU)?;
     let f = ctx.kernels.get(entry)?;
-    let smem = VARIANT.smem_bytes(entry != F16_ENTRY);
+    let smem = VARIANT.smem_bytes(io);
     f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
         .map_err(|e| ctx.err(node, format!("`{entry}` cannot have {smem} bytes of shared memory: {e:?}")))?;
     Ok(f)
@@ -169,19 +196,21 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, pool: &PoolAt
     if ctx.elem() != Elem::F16 {
         return Ok(Vec::new());
     }
-    let Some((dims, tiles, c)) = geometry(ctx, node, (a, pool), conv_hw, (Elem::F16, Elem::F16))? else { return Ok(Vec::new()) };
+    let Some((dims, tiles, c)) = geometry(ctx, node, (a, pool), conv_hw, (Io::F16, Elem::F16))? else { return Ok(Vec::new()) };
     let packed = pack_rows(&ctx.weight(node, 1)?.data, c);
     let bias = bias_of(ctx, node, a)?;
-    let f = function(ctx, node, F16_ENTRY)?;
+    let entry = Io::F16.entry(Elem::F16);
+    let f = function(ctx, node, &entry, Io::F16)?;
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let (path, sm_count) = (ctx.node(node).path.clone(), ctx.kernels.sm_count());
     // Uploads of equal bytes share one buffer (`WeightStore`).
     let (w, bias) = (ctx.upload(&packed)?, ctx.upload_f32(&bias)?);
-    Ok(vec![Box::new(StemPool { path, entry: F16_ENTRY.into(), f, x, y, w, bias, dims, tiles, sm_count, eight_bit: None })])
+    Ok(vec![Box::new(StemPool { path, entry, f, x, y, w, bias, dims, io: Io::F16, tiles, sm_count, eight_bit: None })])
 }
 
 /// The 8-bit stem of an INT8 or FP8 engine (`conv8::plan` made the node an 8-bit conv): it reads
-/// the FP16 input and quantises it with `input`'s parameters, multiplies the codes with the
+/// the FP16 NHWC input, or the engine's NCHW f32 input binding where the builder hands it that
+/// (nothing else reads the input), and quantises it with `input`'s parameters, multiplies the codes with the
 /// weight's codes (`codes`: `[K, C, R, S]` values on the 8-bit grid, `w_scale` per output
 /// channel) and writes the codes of `output`, the quantiser after it.
 pub fn eight_bit_candidates(
@@ -193,14 +222,15 @@ pub fn eight_bit_candidates(
     (codes, w_scale): (&[f32], &[f32]),
 ) -> Result<Vec<Box<dyn Layer>>> {
     let elem = EightBitPlan::elem(input.format);
-    let Some((dims, tiles, c)) = geometry(ctx, node, (a, pool), conv_hw, (Elem::F16, elem))? else {
-        return Err(ctx.err(node, "the 8-bit stem needs NHWC FP16 input and 8-bit output on sm_80 or newer".into()));
+    let io = if ctx.value(ctx.input(node, 0)?).elem == Elem::F32 { Io::EightBitNchw } else { Io::EightBit };
+    let Some((dims, tiles, c)) = geometry(ctx, node, (a, pool), conv_hw, (io, elem))? else {
+        return Err(ctx.err(node, "the 8-bit stem needs NHWC FP16 or NCHW f32 input and NHWC 8-bit output on sm_80 or newer".into()));
     };
     let packed = pack_rows(codes, c);
     let alpha: Vec<f32> = w_scale.iter().map(|s| input.scale[0] * s).collect();
     let bias = bias_of(ctx, node, a)?;
-    let entry = format!("conv8_{}_stem", elem.suffix());
-    let f = function(ctx, node, &entry)?;
+    let entry = io.entry(elem);
+    let f = function(ctx, node, &entry, io)?;
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let (path, sm_count) = (ctx.node(node).path.clone(), ctx.kernels.sm_count());
     let w = ctx.upload_bytes(&super::layer::to_elem_bytes(&packed, elem))?;
@@ -208,7 +238,7 @@ pub fn eight_bit_candidates(
     let quantisers =
         [1.0 / input.scale[0], input.qmin as f32, input.qmax as f32, 1.0 / output.scale[0], output.qmin as f32, output.qmax as f32];
     let eight_bit = Some(EightBit { alpha, quantisers });
-    Ok(vec![Box::new(StemPool { path, entry, f, x, y, w, bias, dims, tiles, sm_count, eight_bit })])
+    Ok(vec![Box::new(StemPool { path, entry, f, x, y, w, bias, dims, io, tiles, sm_count, eight_bit })])
 }
 
 impl Layer for StemPool {
@@ -236,7 +266,7 @@ impl Layer for StemPool {
         if let Some(e) = &self.eight_bit {
             args.extend(e.quantisers.map(KArg::F32));
         }
-        let smem = VARIANT.smem_bytes(self.eight_bit.is_some());
+        let smem = VARIANT.smem_bytes(self.io);
         launch(rt, &self.f, (blocks, 1, 1), (VARIANT.threads, 1, 1), smem, &args)
     }
 }
@@ -247,12 +277,15 @@ mod tests {
 
     #[test]
     fn shared_memory_matches_the_kernel_and_fits_the_blocks_per_sm() {
-        // kernels/stem.cu: (64·232 + 39·36·4 + 255·72) halves; 64·240 + 39·36·4 + 255·80 bytes.
-        assert_eq!([false, true].map(|e| VARIANT.smem_bytes(e)), [77_648, 41_376]);
-        for eight_bit in [false, true] {
+        // kernels/stem.cu: (64·232 + 39·36·4 + 255·72) halves; 64·240 + 39·36·4 + 255·80 + 32·16
+        // bytes; and 6 pixels of 4 f32 channels per thread staged.
+        let io = [Io::F16, Io::EightBit, Io::EightBitNchw];
+        assert_eq!(io.map(|io| VARIANT.smem_bytes(io)), [77_648, 41_888, 41_888 + 6 * 4 * 256 * 4]);
+        for io in io {
             // Hopper and Ampere give an SM 228 KiB (1 KiB reserved per block).
-            assert!(VARIANT.blocks_per_sm * (VARIANT.smem_bytes(eight_bit) + 1024) <= 228 * 1024);
+            assert!(VARIANT.blocks_per_sm * (VARIANT.smem_bytes(io) + 1024) <= 228 * 1024);
         }
+        assert_eq!([Io::EightBit, Io::EightBitNchw].map(|io| io.entry(Elem::I8)), ["conv8_i8_stem", "conv8_i8_stem_nchw"]);
         // Two 16-row M tiles per warp cover the conv tile.
         let conv = (2 * VARIANT.tile[0] + 1) * (2 * VARIANT.tile[1] + 1);
         assert!(conv <= 2 * 16 * VARIANT.threads as usize / 32);
