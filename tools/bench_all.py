@@ -60,6 +60,9 @@ CALIB_IMAGES, CALIB_S = 4, 10.0
 # Seconds of phase 2 per unit: `kiln bench` per process and per batch (build and timing), a worker
 # per process (its exit included) and per case. Phase 1 leaves phase 2 RESERVE times their sum.
 KILN_S, KILN_BATCH_S = 1.0, 1.5
+# The most one `kiln bench` call may take: an 8-bit ResNet-50 or CenterNet engine at its large
+# batch times cuDNN's fused 8-bit plans for a minute or more, Best two plans (engine::best).
+KILN_TIMEOUT_S = 240
 WORKER_S, CASE_S = 1.0, {"compile": 0.4, "nms": 2.0, "other": 0.6}
 RESERVE = 1.25
 # Caches that outlive a run (a second run on the same machine compiles less): torch.compile's,
@@ -136,6 +139,8 @@ def plan(args, work):
     units += [yolo_unit(m, size(m), work, b(YOLO_BATCHES)) for m in er.YOLO if wanted(m)]
     rest = TRANSFORMERS + [m for m in er.CLASSIFIERS if m not in TRANSFORMERS and m not in FLAGSHIPS]
     units += [classifier_unit(m, size(m), [], b(ZOO_BATCHES)) for m in rest if wanted(m)]
+    if args.kiln_only:  # the flagships' Kiln rows (FP16 and the 8-bit precisions) alone
+        units = [dict(u, cases=[], kiln_batches=u["flagship"]) for u in units if u["flagship"] and u["kind"] != "max-autotune"]
     return units
 
 
@@ -278,7 +283,7 @@ class Run:
         traces = self.trace_graphs()
         ma = [u for u in self.units if u["kind"] == "max-autotune"]
         for u in self.units:
-            if u["kind"] != "max-autotune":
+            if u["kind"] != "max-autotune" and u["cases"]:
                 self.start_worker(u)
         while True:
             others = [u for u in self.units if u["kind"] != "max-autotune"]
@@ -348,7 +353,7 @@ class Run:
                 os.remove(out_json)
             try:
                 p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=self.kiln_env,
-                                   timeout=max(min(self.left() - 5, 120), 1))
+                                   timeout=max(min(self.left() - 5, KILN_TIMEOUT_S), 1))
                 output, ok = p.stdout, p.returncode == 0 and os.path.exists(out_json)
             except subprocess.TimeoutExpired:
                 output, ok = "timed out", False
@@ -388,6 +393,8 @@ class Run:
         """Release unit `u`'s worker and collect its rows. A worker stopped at phase 1's deadline
         is replaced by a fresh one without its compile cases (its other peers still count)."""
         cases = [tuple(c) for c in u["cases"]]
+        if not cases:
+            return
         if not (self.alive(u) and self.has(u, ".parked")):
             cases = self.replace_worker(u, cases)
         if self.alive(u) and self.has(u, ".parked"):
@@ -654,6 +661,8 @@ def main():
     d.add_argument("--cpu-smoke", action="store_true", help="run every path on the CPU at tiny sizes (no GPU needed)")
     d.add_argument("--no-low-precision", dest="low_precision", action="store_false",
                    help="skip Kiln's INT8/FP8/Best rows on the flagships")
+    d.add_argument("--kiln-only", action="store_true",
+                   help="only Kiln's rows of the flagships (FP16 and the 8-bit precisions: the low-precision table), no PyTorch peer")
     d.set_defaults(fn=device)
     r = sub.add_parser("render", help="rewrite docs/BENCHMARKS.md's tables from a results.json")
     r.add_argument("results")
@@ -661,7 +670,7 @@ def main():
     r.set_defaults(fn=render_doc)
     args = p.parse_args()
     if args.step == "device":
-        shown = ("budget", "models", "max_autotune", "kiln_duration", "cpu_smoke", "low_precision")
+        shown = ("budget", "models", "max_autotune", "kiln_duration", "cpu_smoke", "low_precision", "kiln_only")
         flags = [f" --{k.replace('_', '-')}" + ("" if v is True else f" {v!r}") for k, v in vars(args).items() if k in shown and v != d.get_default(k)]
         args.command = "bash tools/bench-all.sh" + "".join(flags)
     args.fn(args)
