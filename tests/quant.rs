@@ -196,8 +196,11 @@ fn best_keeps_int8_scales_and_unquantised_weights_on_their_grid() {
         assert_eq!(scale, cache.tensors[name].int8_scale, "{name}");
     }
     let weights = |g: &Graph| -> Vec<(String, Option<QuantParams>)> {
-        let mut w: Vec<_> =
-            g.nodes.iter().filter_map(|n| if let Op::Weight { name, quant } = &n.op { Some((name.clone(), quant.clone())) } else { None }).collect();
+        let mut w: Vec<_> = g
+            .nodes
+            .iter()
+            .filter_map(|n| if let Op::Weight { name, quant } = &n.op { Some((name.clone(), quant.clone())) } else { None })
+            .collect();
         w.sort_by(|a, b| a.0.cmp(&b.0));
         w
     };

@@ -96,8 +96,8 @@ fn profile(engine: Engine, batch: usize) -> Result<(Engine, LayerTimes)> {
     for (layer, t) in engine.plan.layers.iter().zip(ms) {
         *times.entry(layer.path().to_string()).or_default() += t;
     }
-    let engine = Arc::try_unwrap(engine)
-        .map_err(|_| Error::Config { reason: "a Best candidate engine is still shared after profiling".into() })?;
+    let engine =
+        Arc::try_unwrap(engine).map_err(|_| Error::Config { reason: "a Best candidate engine is still shared after profiling".into() })?;
     Ok((engine, times))
 }
 
@@ -106,9 +106,8 @@ fn profile(engine: Engine, batch: usize) -> Result<(Engine, LayerTimes)> {
 /// Empty when every conv is faster in 16 bits.
 pub fn choose(graph: &Graph, config: &BuildConfig, sm: u32, batch: usize, fp16: &LayerTimes, int8: &LayerTimes) -> Vec<String> {
     let precisions = node_precisions(graph, config);
-    let plan_of = |layers: Option<Vec<String>>| {
-        conv8::plan(graph, &BuildConfig { best_int8_layers: layers, ..config.clone() }, &precisions, sm)
-    };
+    let plan_of =
+        |layers: Option<Vec<String>>| conv8::plan(graph, &BuildConfig { best_int8_layers: layers, ..config.clone() }, &precisions, sm);
     let all = plan_of(None);
     let cost = |plan: &EightBitPlan| modelled_ms(graph, plan, &all, batch, fp16, int8);
     let groups = groups(graph, &all);

@@ -296,9 +296,7 @@ pub fn fp8_gemm_candidates(ctx: &mut BuildCtx, node: NodeId, spec: GemmSpec) -> 
         Op::Quant(Quant::FakeQuantize(p)) if p.axis.is_none() && p.scale.len() == 1 => match p.format {
             QuantFormat::Fp8E4m3 => p.scale[0],
             // Best's quantisers are INT8's: the FP8 GEMM clips at the same range.
-            QuantFormat::Int8 if ctx.config.precision == super::Precision::Best => {
-                p.scale[0] * p.qmax as f32 / crate::ops::quant::E4M3_MAX
-            }
+            QuantFormat::Int8 if ctx.config.precision == super::Precision::Best => p.scale[0] * p.qmax as f32 / crate::ops::quant::E4M3_MAX,
             QuantFormat::Int8 => return Ok(vec![]),
         },
         _ => return Ok(vec![]),
