@@ -321,6 +321,15 @@ pub struct Graph {
 }
 
 impl Graph {
+    /// The nodes that read each node, once per read, in graph order (outputs not included).
+    pub fn readers(&self) -> Vec<Vec<NodeId>> {
+        let mut readers = vec![Vec::new(); self.nodes.len()];
+        for (id, n) in self.nodes.iter().enumerate() {
+            n.inputs.iter().for_each(|&i| readers[i].push(id));
+        }
+        readers
+    }
+
     /// Appends a node after checking its inputs' shapes; the error names the module path.
     pub fn push(&mut self, op: Op, inputs: Vec<NodeId>, path: String) -> Result<NodeId> {
         let shapes: Vec<&[usize]> = inputs.iter().map(|&i| self.nodes[i].shape.as_slice()).collect();

@@ -244,12 +244,7 @@ pub fn fused_keys(traced: &Graph, optimized: &Graph) -> Vec<(NodeId, Vec<String>
     use crate::graph::{Activation, Binary, Norm, Unary};
     let traced_keys: HashMap<NodeId, Vec<String>> = intermediate_keys(traced).into_iter().collect();
     let remaining: std::collections::HashSet<&str> = optimized.nodes.iter().map(|n| n.path.as_str()).collect();
-    let mut readers: Vec<Vec<NodeId>> = vec![vec![]; traced.nodes.len()];
-    for (id, n) in traced.nodes.iter().enumerate() {
-        for &i in &n.inputs {
-            readers[i].push(id);
-        }
-    }
+    let readers = traced.readers();
     let only_reader = |id: NodeId, want: &dyn Fn(&Op) -> bool| match readers[id][..] {
         [r] if want(&traced.nodes[r].op) => Some(r),
         _ => None,

@@ -209,12 +209,8 @@ pub fn remove_dead_nodes(graph: &Graph) -> Result<Graph> {
 
 /// Who reads each node, once per read, among nodes not removed (outputs not included).
 fn readers(g: &Graph, removed: &[bool]) -> Vec<Vec<NodeId>> {
-    let mut users = vec![Vec::new(); g.nodes.len()];
-    for (id, n) in g.nodes.iter().enumerate() {
-        if !removed[id] {
-            n.inputs.iter().for_each(|&i| users[i].push(id));
-        }
-    }
+    let mut users = g.readers();
+    users.iter_mut().for_each(|u| u.retain(|&r| !removed[r]));
     users
 }
 

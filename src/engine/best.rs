@@ -177,10 +177,7 @@ fn groups(graph: &Graph, all: &EightBitPlan) -> Vec<Vec<NodeId>> {
         }
         i
     }
-    let mut readers: Vec<Vec<NodeId>> = vec![Vec::new(); len];
-    for (id, n) in graph.nodes.iter().enumerate() {
-        n.inputs.iter().for_each(|&i| readers[i].push(id));
-    }
+    let readers = graph.readers();
     let mut join = |a: NodeId, b: NodeId| {
         let (ra, rb) = (root(&mut parent, a), root(&mut parent, b));
         parent[ra] = rb;

@@ -572,6 +572,7 @@ fn lower_plan(
     // Best's quantisers but those its INT8 convs read, quantisers folded into the 8-bit stem
     // after them and quantisers whose codes the conv before them writes are not lowered.
     let mut aliased = best_aliases(graph, config, &eight_bit.stored);
+    let readers = graph.readers();
     aliased.iter_mut().zip(&eight_bit.folded).for_each(|(a, &f)| *a |= f);
     for (id, node) in graph.nodes.iter().enumerate() {
         let Some(layout) = layouts[id] else { continue };
@@ -606,8 +607,7 @@ fn lower_plan(
             });
             // An input whose only reader is a quantiser folded into the 8-bit stem is read from its
             // binding as the user hands it over (NCHW f32): no entry reformat runs.
-            let readers: Vec<usize> = (0..graph.nodes.len()).filter(|&r| graph.nodes[r].inputs.contains(&id)).collect();
-            if elem == Elem::F32 && matches!(readers[..], [q] if eight_bit.folded[q]) {
+            if elem == Elem::F32 && matches!(readers[id][..], [q] if eight_bit.folded[q]) {
                 node_values[id] = Some(ValueId(values.len() - 1));
                 continue;
             }

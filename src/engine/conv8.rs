@@ -129,10 +129,7 @@ pub fn plan(graph: &Graph, config: &BuildConfig, precisions: &[Precision], sm: u
         _ => None,
     };
     let chosen = |id: NodeId| chosen.as_ref().is_none_or(|c| c.contains(graph.nodes[id].path.as_str()));
-    let mut readers: Vec<Vec<NodeId>> = vec![Vec::new(); len];
-    for (id, n) in graph.nodes.iter().enumerate() {
-        n.inputs.iter().for_each(|&i| readers[i].push(id));
-    }
+    let readers = graph.readers();
     let output = |id: NodeId| graph.outputs.iter().any(|(_, o)| *o == id);
     let stem = |id: NodeId| stem_fits(graph, id, format);
     // The conv's 8-bit activations, read as codes: its input and its residual (none for the stem,
