@@ -122,3 +122,29 @@ __device__ __forceinline__ void mma_16816(float* c, const unsigned* a, unsigned 
 __device__ __forceinline__ void ldmatrix_x4(unsigned* r, unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
+
+// ---- Block-wide sorting (the detectors' decode and NMS kernels in kiln-models)
+
+__device__ __forceinline__ int next_pow2(int v) {
+    int m = 1;
+    while (m < v) m <<= 1;
+    return m;
+}
+
+// Sorts s[0, m) descending in shared memory; m is a power of two; all threads of the block take part.
+__device__ void bitonic_sort_desc(u64* s, int m) {
+    for (int k = 2; k <= m; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = threadIdx.x; i < m / 2; i += blockDim.x) {
+                const int lo = (i / j) * 2 * j + (i % j), hi = lo + j;
+                const u64 a = s[lo], b = s[hi];
+                const bool desc = (lo & k) == 0;
+                if (desc ? a < b : a > b) {
+                    s[lo] = b;
+                    s[hi] = a;
+                }
+            }
+            __syncthreads();
+        }
+    }
+}

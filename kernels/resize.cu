@@ -5,6 +5,22 @@
 //   bilinear: tab = iy0[OH], iy1[OH], ix0[OW], ix1[OW]; lam = ly0[OH], ly1[OH], lx0[OW], lx1[OW]
 // One thread per output element, or per 16-byte pack of channels when C allows (`vec`).
 
+// Output element (or channel pack) i of an NHWC [N, OH, OW, C] tensor as (n, oy, ox, c).
+struct OutPixel {
+    i64 n;
+    int oy, ox, c;
+};
+__device__ __forceinline__ OutPixel out_pixel(i64 i, int C, int OH, int OW) {
+    OutPixel o;
+    o.c = (int)(i % C);
+    i64 p = i / C;
+    o.ox = (int)(p % OW);
+    p /= OW;
+    o.oy = (int)(p % OH);
+    o.n = p / OH;
+    return o;
+}
+
 template <typename T>
 __device__ void resize_nearest(const T* x, T* y, int N, int H, int W, int C, int OH, int OW, const int* tab, int vec) {
     const int* iy = tab;
@@ -13,23 +29,17 @@ __device__ void resize_nearest(const T* x, T* y, int N, int H, int W, int C, int
     if (vec && aligned16(x) && aligned16(y)) {
         const int CP = C / P::N;
         GRID_STRIDE(i, (i64)N * OH * OW * CP) {
-            const int cp = (int)(i % CP);
-            i64 p = i / CP;
-            const int ox = (int)(p % OW);
-            p /= OW;
-            const int oy = (int)(p % OH);
-            const i64 n = p / OH;
+            const OutPixel at = out_pixel(i, CP, OH, OW);
+            const int cp = at.c, ox = at.ox, oy = at.oy;
+            const i64 n = at.n;
             store_pack(y + i * P::N, load_pack(x + ((n * H + iy[oy]) * W + ix[ox]) * C + (i64)cp * P::N));
         }
         return;
     }
     GRID_STRIDE(i, (i64)N * OH * OW * C) {
-        const int c = (int)(i % C);
-        i64 p = i / C;
-        const int ox = (int)(p % OW);
-        p /= OW;
-        const int oy = (int)(p % OH);
-        const i64 n = p / OH;
+        const OutPixel at = out_pixel(i, C, OH, OW);
+        const int c = at.c, ox = at.ox, oy = at.oy;
+        const i64 n = at.n;
         y[i] = x[((n * H + iy[oy]) * W + ix[ox]) * C + c];
     }
 }
@@ -47,12 +57,9 @@ __device__ void resize_bilinear(const T* x, T* y, int N, int H, int W, int C, in
     if (vec && aligned16(x) && aligned16(y)) {
         const int CP = C / P::N;
         GRID_STRIDE(i, (i64)N * OH * OW * CP) {
-            const int cp = (int)(i % CP);
-            i64 p = i / CP;
-            const int ox = (int)(p % OW);
-            p /= OW;
-            const int oy = (int)(p % OH);
-            const i64 n = p / OH;
+            const OutPixel at = out_pixel(i, CP, OH, OW);
+            const int cp = at.c, ox = at.ox, oy = at.oy;
+            const i64 n = at.n;
             const T* img = x + n * H * W * C + (i64)cp * P::N;
             const i64 r0 = (i64)iy0[oy] * W, r1 = (i64)iy1[oy] * W;
             P a = load_pack(img + (r0 + ix0[ox]) * C), b = load_pack(img + (r0 + ix1[ox]) * C);
@@ -67,12 +74,9 @@ __device__ void resize_bilinear(const T* x, T* y, int N, int H, int W, int C, in
         return;
     }
     GRID_STRIDE(i, (i64)N * OH * OW * C) {
-        const int ch = (int)(i % C);
-        i64 p = i / C;
-        const int ox = (int)(p % OW);
-        p /= OW;
-        const int oy = (int)(p % OH);
-        const i64 n = p / OH;
+        const OutPixel at = out_pixel(i, C, OH, OW);
+        const int ch = at.c, ox = at.ox, oy = at.oy;
+        const i64 n = at.n;
         const T* img = x + n * H * W * C + ch;
         const i64 r0 = (i64)iy0[oy] * W, r1 = (i64)iy1[oy] * W;
         y[i] = from_f32<T>(lerp2(to_f32(img[(r0 + ix0[ox]) * C]), to_f32(img[(r0 + ix1[ox]) * C]), to_f32(img[(r1 + ix0[ox]) * C]),

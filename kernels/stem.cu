@@ -67,6 +67,42 @@ template <class G> __device__ __forceinline__ StemTile stem_tile(int t, int tile
 
 // This thread's input pixels of tile `s` (channels padded to 4 with zeros, zeros outside the
 // image), as the two words of each pixel's 8 bytes.
+// The stem's 3×3/2 max-pool over the conv tile in shared memory (`so`, rows of `STRIDE` elements of
+// type T: f16 bits or 8-bit codes), written to `y` (NHWC, 64 channels). Each thread takes 16 bytes
+// of channels of a pooled pixel and the max of the 9 rows under it; `Max` combines two 4-byte
+// words lane by lane (NaN-propagating for f16, unsigned for codes).
+template <class G, int STRIDE, class T, class Max>
+__device__ __forceinline__ void stem_pool_tile(const T* so, T* __restrict__ y, StemTile cur, int CC, int HP, int WP, int tid, Max max) {
+    constexpr int PER_VEC = 16 / sizeof(T), GROUPS = STEM_COUT / PER_VEC;
+    for (int it = tid; it < G::TPH * G::TPW * GROUPS; it += G::THREADS) {
+        const int cg = it % GROUPS, pix = it / GROUPS;
+        const int ply = pix / G::TPW, plx = pix - (pix / G::TPW) * G::TPW;
+        const int py = cur.ph0 + ply, pxo = cur.pw0 + plx;
+        if (py >= HP || pxo >= WP)
+            continue;
+        const T* base = so + ((2 * ply) * CC + 2 * plx) * STRIDE + cg * PER_VEC;
+        uint4 best = *reinterpret_cast<const uint4*>(base);
+#pragma unroll
+        for (int dy = 0; dy < 3; ++dy)
+#pragma unroll
+            for (int dx = 0; dx < 3; ++dx) {
+                const uint4 v = *reinterpret_cast<const uint4*>(base + (dy * CC + dx) * STRIDE);
+                best.x = max(best.x, v.x);
+                best.y = max(best.y, v.y);
+                best.z = max(best.z, v.z);
+                best.w = max(best.w, v.w);
+            }
+        *reinterpret_cast<uint4*>(y + ((cur.n * HP + py) * WP + pxo) * STEM_COUT + cg * PER_VEC) = best;
+    }
+}
+
+struct MaxF16x2 {
+    __device__ __forceinline__ unsigned operator()(unsigned a, unsigned b) const { return hmax2_nan(a, b); }
+};
+struct MaxU8x4 {
+    __device__ __forceinline__ unsigned operator()(unsigned a, unsigned b) const { return __vmaxu4(a, b); }
+};
+
 template <class G> __device__ __forceinline__ void stem_load(uint2* px, const f16* x, StemTile s, int H, int W, int C) {
     // Input tile origin: the conv tile's (pool padding 1) times 2, minus the conv's padding of 3.
     const int iy0 = 2 * (2 * s.ph0 - 1) - 3, ix0 = 2 * (2 * s.pw0 - 1) - 3;
@@ -201,26 +237,7 @@ __device__ void stem_conv_pool(const f16* __restrict__ x, const f16* __restrict_
         __syncthreads();
         if (next < tiles)
             stem_store<G>(sx, px);
-        for (int it = tid; it < G::TPH * G::TPW * 8; it += G::THREADS) {
-            const int cg = it & 7, pix = it >> 3;
-            const int ply = pix / G::TPW, plx = pix - (pix / G::TPW) * G::TPW;
-            const int py = cur.ph0 + ply, pxo = cur.pw0 + plx;
-            if (py >= HP || pxo >= WP)
-                continue;
-            const unsigned short* base = so + ((2 * ply) * CC + 2 * plx) * OSTRIDE + cg * 8;
-            uint4 best = *reinterpret_cast<const uint4*>(base);
-#pragma unroll
-            for (int dy = 0; dy < 3; ++dy)
-#pragma unroll
-                for (int dx = 0; dx < 3; ++dx) {
-                    const uint4 v = *reinterpret_cast<const uint4*>(base + (dy * CC + dx) * OSTRIDE);
-                    best.x = hmax2_nan(best.x, v.x);
-                    best.y = hmax2_nan(best.y, v.y);
-                    best.z = hmax2_nan(best.z, v.z);
-                    best.w = hmax2_nan(best.w, v.w);
-                }
-            *reinterpret_cast<uint4*>(y + ((cur.n * HP + py) * WP + pxo) * STEM_COUT + cg * 8) = best;
-        }
+        stem_pool_tile<G, OSTRIDE>(so, reinterpret_cast<unsigned short*>(y), cur, CC, HP, WP, tid, MaxF16x2());
         // The next tile's input is staged, and the conv tile is free again.
         __syncthreads();
     }
@@ -451,27 +468,7 @@ __device__ void stem8_conv_pool(const typename In::T* __restrict__ x, const unsi
         __syncthreads();
         if (next < tiles)
             in.store(sx, inv_sx, xmin, xmax);
-        // Each thread: 16 channels of a pooled pixel, the max of 9 16-byte rows of codes.
-        for (int it = tid; it < G::TPH * G::TPW * 4; it += G::THREADS) {
-            const int cg = it & 3, pix = it >> 2;
-            const int ply = pix / G::TPW, plx = pix - (pix / G::TPW) * G::TPW;
-            const int py = cur.ph0 + ply, pxo = cur.pw0 + plx;
-            if (py >= HP || pxo >= WP)
-                continue;
-            const unsigned char* base = so + ((2 * ply) * CC + 2 * plx) * O8STRIDE + cg * 16;
-            uint4 best = *reinterpret_cast<const uint4*>(base);
-#pragma unroll
-            for (int dy = 0; dy < 3; ++dy)
-#pragma unroll
-                for (int dx = 0; dx < 3; ++dx) {
-                    const uint4 v = *reinterpret_cast<const uint4*>(base + (dy * CC + dx) * O8STRIDE);
-                    best.x = __vmaxu4(best.x, v.x);
-                    best.y = __vmaxu4(best.y, v.y);
-                    best.z = __vmaxu4(best.z, v.z);
-                    best.w = __vmaxu4(best.w, v.w);
-                }
-            *reinterpret_cast<uint4*>(y + ((cur.n * HP + py) * WP + pxo) * STEM_COUT + cg * 16) = best;
-        }
+        stem_pool_tile<G, O8STRIDE>(so, y, cur, CC, HP, WP, tid, MaxU8x4());
         __syncthreads();
     }
 }

@@ -549,4 +549,28 @@ impl Graph {
         }
         Ok(())
     }
+
+    /// What a graph needs to run as a model, beyond `validate`: at least one input and one
+    /// output, and inputs with a batch dim, no zero dims, and room for `max_batch` images (`None`:
+    /// the batch each input declares). Graph files and engine files share it.
+    pub fn check_model_io(&self, max_batch: Option<usize>) -> std::result::Result<(), String> {
+        if self.inputs.is_empty() || self.outputs.is_empty() {
+            return Err(format!(
+                "the graph has {} input(s) and {} output(s); a model needs at least one of each",
+                self.inputs.len(),
+                self.outputs.len()
+            ));
+        }
+        for &i in &self.inputs {
+            let shape = &self.nodes[i].shape;
+            if shape.is_empty() || shape.contains(&0) {
+                return Err(format!("input `{}` has shape {shape:?}; inputs need a batch dim and no zero dims", self.nodes[i].path));
+            }
+            let batch = max_batch.unwrap_or(shape[0]);
+            if numel(&shape[1..]).and_then(|n| n.checked_mul(batch)).is_none() {
+                return Err(format!("input `{}` has shape {shape:?}, too large for batch {batch}", self.nodes[i].path));
+            }
+        }
+        Ok(())
+    }
 }

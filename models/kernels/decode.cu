@@ -35,30 +35,6 @@
 
 __device__ __forceinline__ u64 make_key(float score, unsigned idx) { return ((u64)__float_as_uint(score) << 32) | (u64)(0xffffffffu - idx); }
 
-__device__ __forceinline__ int next_pow2(int v) {
-    int m = 1;
-    while (m < v) m <<= 1;
-    return m;
-}
-
-// Sorts s[0, m) descending; m is a power of two; all threads of the block take part.
-__device__ void bitonic_desc(u64* s, int m) {
-    for (int k = 2; k <= m; k <<= 1) {
-        for (int j = k >> 1; j > 0; j >>= 1) {
-            for (int i = threadIdx.x; i < m / 2; i += blockDim.x) {
-                const int lo = (i / j) * 2 * j + (i % j), hi = lo + j;
-                const u64 a = s[lo], b = s[hi];
-                const bool desc = (lo & k) == 0;
-                if (desc ? a < b : a > b) {
-                    s[lo] = b;
-                    s[hi] = a;
-                }
-            }
-            __syncthreads();
-        }
-    }
-}
-
 // The CPU reference computes 1 / (1 + exp(-x)) in f32 with a (nearly) correctly rounded exp.
 // CUDA's expf may be 2 ulp off, which reorders near-equal scores among a million candidates, so
 // exp is taken in double and rounded once; the rest is the same f32 arithmetic as the CPU's.
@@ -426,7 +402,7 @@ __device__ void decode_final(const T* hm, const T* wh, const T* reg, int H, int 
             gather_top(src, len, radix_kth(src, len, K, sfx, pick), s, m, &pick[0]);
         }
     }
-    bitonic_desc(s, m);
+    bitonic_sort_desc(s, m);
     const int plane = H * W;
     for (int i = threadIdx.x; i < K; i += blockDim.x) {
         const u64 key = s[i];

@@ -16,30 +16,6 @@
 #define NMS_CAP 4096
 #define NMS_THREADS 1024
 
-__device__ __forceinline__ int nms_next_pow2(int v) {
-    int m = 1;
-    while (m < v) m <<= 1;
-    return m;
-}
-
-// Sorts s[0, m) descending; m is a power of two; all threads of the block take part.
-__device__ void nms_bitonic_desc(u64* s, int m) {
-    for (int k = 2; k <= m; k <<= 1) {
-        for (int j = k >> 1; j > 0; j >>= 1) {
-            for (int i = threadIdx.x; i < m / 2; i += blockDim.x) {
-                const int lo = (i / j) * 2 * j + (i % j), hi = lo + j;
-                const u64 a = s[lo], b = s[hi];
-                const bool desc = (lo & k) == 0;
-                if (desc ? a < b : a > b) {
-                    s[lo] = b;
-                    s[hi] = a;
-                }
-            }
-            __syncthreads();
-        }
-    }
-}
-
 // The best class of anchor a and its score: strict > keeps the first of equal maxima; NaN never wins.
 template <typename T> __device__ __forceinline__ int best_class(const T* p, int C, int A, int a, float& best) {
     int cls = -1;
@@ -117,10 +93,10 @@ extern "C" __global__ void nms_select(const u64* keys, int A, int cap, u64* sort
     }
     __syncthreads();
     const int c = min(kept, cap);
-    const int m = nms_next_pow2(max(c, 1));
+    const int m = next_pow2(max(c, 1));
     for (int i = c + threadIdx.x; i < m; i += blockDim.x) s[i] = 0;
     __syncthreads();
-    nms_bitonic_desc(s, m);
+    bitonic_sort_desc(s, m);
     for (int i = threadIdx.x; i < c; i += blockDim.x) sorted[(i64)n * cap + i] = s[i];
     if (threadIdx.x == 0) count[n] = c;
 }

@@ -84,20 +84,37 @@ pub struct Upsampler {
     deconv_layers: Sequential,
 }
 
-impl Module for Upsampler {
-    type Config = ();
-    fn load(vb: VarBuilder, _: &()) -> Result<Self> {
+impl Upsampler {
+    /// Three stages, 2048 → 256 → 256 → 256 channels, of `per_stage` layers each: what `front`
+    /// pushes first (given the folder, the stage's first index, `cin` and `cout`; it returns the
+    /// channels it leaves), then ConvTranspose2d(k=4, s=2, p=1, bias=False), BatchNorm2d, ReLU.
+    /// CenterNet pushes nothing in front; CenterNet-DCN a DCN, BatchNorm2d and ReLU.
+    pub(crate) fn load_stages(
+        vb: VarBuilder,
+        per_stage: usize,
+        mut front: impl FnMut(&mut Sequential, &VarBuilder, usize, usize, usize) -> Result<usize>,
+    ) -> Result<Self> {
         let vb = vb.pp("deconv_layers");
         let mut deconv_layers = Sequential::new();
         let mut cin = 2048;
         for (i, cout) in [256, 256, 256].into_iter().enumerate() {
-            let deconv = Conv2dConfig::new(cin, cout, 4).stride(2).padding(1).bias(false);
-            deconv_layers.push(ConvTranspose2d::load(vb.pp(3 * i), &deconv)?);
-            deconv_layers.push(BatchNorm2d::load(vb.pp(3 * i + 1), &BatchNorm2dConfig::new(cout))?);
-            deconv_layers.push(ReLU::load(vb.pp(3 * i + 2), &())?);
+            let first = per_stage * i;
+            let c = front(&mut deconv_layers, &vb, first, cin, cout)?;
+            let at = first + per_stage - 3;
+            let deconv = Conv2dConfig::new(c, cout, 4).stride(2).padding(1).bias(false);
+            deconv_layers.push(ConvTranspose2d::load(vb.pp(at), &deconv)?);
+            deconv_layers.push(BatchNorm2d::load(vb.pp(at + 1), &BatchNorm2dConfig::new(cout))?);
+            deconv_layers.push(ReLU::load(vb.pp(at + 2), &())?);
             cin = cout;
         }
         Ok(Self { deconv_layers })
+    }
+}
+
+impl Module for Upsampler {
+    type Config = ();
+    fn load(vb: VarBuilder, _: &()) -> Result<Self> {
+        Self::load_stages(vb, 3, |_, _, _, cin, _| Ok(cin))
     }
 }
 

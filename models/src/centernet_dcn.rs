@@ -10,11 +10,9 @@
 //! `conv_offset_mask` = Conv2d(cin, 27, 3, padding=1): channels 0..18 are the (dy, dx) offsets of
 //! the 9 taps, 18..27 the mask logits (DCNv2's `DCN` module; its `state_dict` names too).
 
-use crate::centernet::{CenterNetOutput, Head};
+use crate::centernet::{CenterNetOutput, Head, Upsampler};
 use crate::resnet::{ResNet50, ResNetConfig};
-use kiln::{
-    BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, Forward, Module, ReLU, Result, Sequential, Tensor, VarBuilder,
-};
+use kiln::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Forward, Module, ReLU, Result, Tensor, VarBuilder};
 use kiln_deform_conv::{DeformConv2d, DeformConv2dConfig};
 
 /// Kernel taps of the 3×3 deformable conv; `conv_offset_mask` predicts 3 values per tap.
@@ -47,35 +45,26 @@ impl Forward for Dcn {
 }
 
 /// `upsampler.deconv_layers`: 3 × [DCN, BatchNorm2d, ReLU, ConvTranspose2d(4, s=2, p=1), BatchNorm2d,
-/// ReLU], one flat `nn.Sequential`, 2048 → 256 → 256 → 256 channels.
-pub struct UpsamplerDcn {
-    deconv_layers: Sequential,
-}
+/// ReLU], one flat `nn.Sequential`, 2048 → 256 → 256 → 256 channels: CenterNet's upsampler with a
+/// DCN in front of each transposed conv.
+pub struct UpsamplerDcn(Upsampler);
 
 impl Module for UpsamplerDcn {
     type Config = ();
     fn load(vb: VarBuilder, _: &()) -> Result<Self> {
-        let vb = vb.pp("deconv_layers");
-        let mut deconv_layers = Sequential::new();
-        let mut cin = 2048;
-        for (i, cout) in [256, 256, 256].into_iter().enumerate() {
-            let at = 6 * i;
-            deconv_layers.push(Dcn::load(vb.pp(at), &(cin, cout))?);
-            deconv_layers.push(BatchNorm2d::load(vb.pp(at + 1), &BatchNorm2dConfig::new(cout))?);
-            deconv_layers.push(ReLU::load(vb.pp(at + 2), &())?);
-            let deconv = Conv2dConfig::new(cout, cout, 4).stride(2).padding(1).bias(false);
-            deconv_layers.push(ConvTranspose2d::load(vb.pp(at + 3), &deconv)?);
-            deconv_layers.push(BatchNorm2d::load(vb.pp(at + 4), &BatchNorm2dConfig::new(cout))?);
-            deconv_layers.push(ReLU::load(vb.pp(at + 5), &())?);
-            cin = cout;
-        }
-        Ok(Self { deconv_layers })
+        let upsampler = Upsampler::load_stages(vb, 6, |layers, vb, at, cin, cout| {
+            layers.push(Dcn::load(vb.pp(at), &(cin, cout))?);
+            layers.push(BatchNorm2d::load(vb.pp(at + 1), &BatchNorm2dConfig::new(cout))?);
+            layers.push(ReLU::load(vb.pp(at + 2), &())?);
+            Ok(cout)
+        })?;
+        Ok(Self(upsampler))
     }
 }
 
 impl Forward for UpsamplerDcn {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.deconv_layers.forward(x)
+        self.0.forward(x)
     }
 }
 
