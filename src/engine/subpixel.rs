@@ -310,7 +310,9 @@ pub fn candidates(
     let Some(dims) = plan.kernel_dims() else { return Ok(Vec::new()) };
     let wt = plan.conv_weight(weight);
     let bt = plan.conv_bias(bias);
-    let problem = ConvProblem { attrs: plan.conv_attrs(a), weight: &wt, weight_shape: plan.conv_weight_shape(), bias: &bt, x, y, z: None };
+    let attrs = plan.conv_attrs(a);
+    let (geometry, epilogue) = (attrs.geometry(), attrs.epilogue());
+    let problem = ConvProblem { geometry, epilogue, weight: &wt, weight_shape: plan.conv_weight_shape(), bias: &bt, x, y, z: None };
     let convs = conv_candidates_geom(ctx, node, problem, plan.conv_out_chw(), false)?;
     if convs.is_empty() {
         return Ok(Vec::new());

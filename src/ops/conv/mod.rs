@@ -1,5 +1,7 @@
 //! Conv2d and ConvTranspose2d: layers, attributes, shape rules, CPU references, converters.
 
+mod cudnn;
+
 use crate::engine::kernel_layers::PoolKind;
 use crate::engine::layer::Chain;
 use crate::engine::{BuildCtx, Layer, Layout, ValueId};
@@ -588,8 +590,8 @@ fn gpu_conv2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn 
 /// Kiln's depthwise kernel.
 fn conv2d_candidates(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs, y: ValueId) -> Result<Vec<Box<dyn Layer>>> {
     use crate::engine::gemm::{GemmLayer, GemmSpec};
-    let (zeros, w) = (conv_zero_bias(ctx, node)?, ctx.weight(node, 1)?);
-    let problem = conv_problem(ctx, node, &a, w, &zeros, y)?;
+    let (zeros, w) = (cudnn::zero_bias(ctx, node)?, ctx.weight(node, 1)?);
+    let problem = cudnn::problem(ctx, node, &a, w, &zeros, y)?;
     let mut candidates = crate::engine::cudnn::conv_candidates_with(ctx, node, problem)?;
     let pointwise = w.shape[2..] == [1, 1] && a.stride == [1, 1] && a.padding == [0, 0] && a.groups == 1;
     if pointwise {
@@ -628,36 +630,12 @@ fn conv2d_candidates(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs, y: ValueId)
 /// stride-1 convolution per output phase plus a depth-to-space (engine::subpixel); timing picks.
 fn gpu_conv_transpose2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn Layer>> {
     let key = ctx.problem_key(node);
-    let (zeros, w) = (conv_zero_bias(ctx, node)?, ctx.weight(node, 1)?);
-    let problem = conv_problem(ctx, node, &a, w, &zeros, ctx.output(node)?)?;
+    let (zeros, w) = (cudnn::zero_bias(ctx, node)?, ctx.weight(node, 1)?);
+    let problem = cudnn::problem(ctx, node, &a, w, &zeros, ctx.output(node)?)?;
     let (weight_shape, bias) = (problem.weight_shape, problem.bias);
     let mut candidates = crate::engine::subpixel::candidates(ctx, node, &a, &w.data, weight_shape, bias)?;
     candidates.extend(crate::engine::cudnn::deconv_candidates(ctx, node, problem)?);
     ctx.choose(&key, candidates)
-}
-
-/// Zeros for a conv node without a bias: one per output channel.
-fn conv_zero_bias(ctx: &BuildCtx, node: NodeId) -> Result<Vec<f32>> {
-    Ok(vec![0.0; ctx.node(node).shape.get(1).copied().unwrap_or(0)])
-}
-
-/// The cuDNN layers' description of a conv node writing `y`: attributes, weight (PyTorch layout),
-/// bias (`zeros` when the node has none), input, output and fused residual.
-fn conv_problem<'a>(
-    ctx: &BuildCtx<'a>,
-    node: NodeId,
-    a: &ConvAttrs,
-    w: &'a HostTensor,
-    zeros: &'a [f32],
-    y: ValueId,
-) -> Result<crate::engine::cudnn::ConvProblem<'a>> {
-    let weight_shape: [usize; 4] = w.shape.as_slice().try_into().map_err(|_| ctx.err(node, format!("weight has shape {:?}", w.shape)))?;
-    let bias = if a.bias { ctx.weight(node, 2)?.data.as_slice() } else { zeros };
-    if bias.len() != zeros.len() {
-        return Err(ctx.err(node, format!("bias has {} values for {} output channels", bias.len(), zeros.len())));
-    }
-    let residual = if a.residual { Some(ctx.input(node, if a.bias { 3 } else { 2 })?) } else { None };
-    Ok(crate::engine::cudnn::ConvProblem { attrs: *a, weight: &w.data, weight_shape, bias, x: ctx.input(node, 0)?, y, z: residual })
 }
 
 #[cfg(test)]
