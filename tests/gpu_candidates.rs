@@ -1,8 +1,8 @@
 //! Issue 12's layer candidates on the GPU, each forced (`tactic_sources`) and compared with the CPU
-//! executor: the sub-pixel transposed convolution (`engine::subpixel`: a stride-1 convolution with
+//! executor: the sub-pixel transposed convolution (`ops::conv::subpixel`: a stride-1 convolution with
 //! one block of output channels per phase, then `kernels/subpixel.cu`'s depth-to-space), whole
 //! batch and in slices, the strided-batched cuBLASLt GEMM of strided 1×1 convolutions
-//! (`engine::strided_gemm`) and the fused ResNet stem (`engine::stem`). Then every candidate's
+//! (`ops::conv::strided_gemm`) and the fused ResNet stem (`engine::stem`). Then every candidate's
 //! tactic time at the shapes that motivated them (CenterNet's last deconv at batch 32, ResNet-18's
 //! `layer2.0.downsample.0` at batch 256, the stem at batch 256 and 1), as `TIMING` lines.
 //!

@@ -502,7 +502,7 @@ pub fn conv_candidates_with(ctx: &mut BuildCtx, node: NodeId, p: ConvProblem) ->
 
 /// The forward-convolution candidates with the output's `(C, H, W)` given rather than read from
 /// `p.y`'s value: a layer that convolves into its own scratch (the sub-pixel transposed
-/// convolution, `engine::subpixel`) passes its scratch geometry and points `p.y` at the scratch
+/// convolution, `ops::conv::subpixel`) passes its scratch geometry and points `p.y` at the scratch
 /// when it enqueues. `pad_variants`: also the channel-padded FP16 variants (which need a
 /// prologue scratch of their own).
 pub fn conv_candidates_geom(

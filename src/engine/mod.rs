@@ -20,7 +20,6 @@ pub mod exec;
 pub mod file;
 pub mod gemm;
 pub mod gpu;
-pub mod im2col;
 pub mod kernel_layers;
 pub mod kernels;
 pub mod launch;
@@ -28,8 +27,6 @@ pub mod layer;
 pub mod quant;
 pub mod stem;
 pub mod strided;
-pub mod strided_gemm;
-pub mod subpixel;
 pub mod tactic;
 
 pub use builder::{estimate_arena, BuildSummary, Engine, EngineBuilder, MemorySummary, Plan};

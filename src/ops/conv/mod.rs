@@ -1,6 +1,10 @@
 //! Conv2d and ConvTranspose2d: layers, attributes, shape rules, CPU references, converters.
 
 mod cudnn;
+pub mod depthwise;
+pub mod im2col;
+pub mod strided_gemm;
+pub mod subpixel;
 
 use crate::engine::kernel_layers::PoolKind;
 use crate::engine::layer::Chain;
@@ -607,9 +611,9 @@ fn conv2d_candidates(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs, y: ValueId)
     // A strided 1×1 (ResNet's downsample): one strided-batched GEMM over the output rows.
     if let [k, c, 1, 1] = w.shape[..] {
         let bias = if a.bias { Some(ctx.weight(node, 2)?.data.as_slice()) } else { None };
-        candidates.extend(crate::engine::strided_gemm::candidate(ctx, node, &a, &w.data, [k, c, 1, 1], bias, y)?);
+        candidates.extend(strided_gemm::candidate(ctx, node, &a, &w.data, [k, c, 1, 1], bias, y)?);
     }
-    // Few input channels (the stem): im2col + GEMM competes too (engine::im2col decides where it applies).
+    // Few input channels (the stem): im2col + GEMM competes too (`im2col` decides where it applies).
     if let [k, c, r, s] = w.shape[..] {
         let zeros;
         let bias = if a.bias {
@@ -619,21 +623,21 @@ fn conv2d_candidates(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs, y: ValueId)
             zeros.as_slice()
         };
         let x = ctx.input(node, 0)?;
-        candidates.extend(crate::engine::im2col::candidates(ctx, node, &a, &w.data, [k, c, r, s], bias, x, y, a.residual)?);
+        candidates.extend(im2col::candidates(ctx, node, &a, &w.data, [k, c, r, s], bias, x, y, a.residual)?);
     }
     // Depthwise 3x3 / 5x5 (groups == channels): Kiln's own NHWC kernel competes too.
-    candidates.extend(crate::engine::kernel_layers::depthwise_candidate(ctx, node, &a, y)?);
+    candidates.extend(depthwise::candidate(ctx, node, &a, y)?);
     Ok(candidates)
 }
 
 /// ConvTranspose2d through cuDNN's backward-data (bias and ReLU in place after it), and as one
-/// stride-1 convolution per output phase plus a depth-to-space (engine::subpixel); timing picks.
+/// stride-1 convolution per output phase plus a depth-to-space (`subpixel`); timing picks.
 fn gpu_conv_transpose2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn Layer>> {
     let key = ctx.problem_key(node);
     let (zeros, w) = (cudnn::zero_bias(ctx, node)?, ctx.weight(node, 1)?);
     let problem = cudnn::problem(ctx, node, &a, w, &zeros, ctx.output(node)?)?;
     let (weight_shape, bias) = (problem.weight_shape, problem.bias);
-    let mut candidates = crate::engine::subpixel::candidates(ctx, node, &a, &w.data, weight_shape, bias)?;
+    let mut candidates = subpixel::candidates(ctx, node, &a, &w.data, weight_shape, bias)?;
     candidates.extend(crate::engine::cudnn::deconv_candidates(ctx, node, problem)?);
     ctx.choose(&key, candidates)
 }
