@@ -13,9 +13,9 @@
 pub mod arena;
 pub mod best;
 pub mod builder;
-pub mod conv8;
 pub mod cudnn;
 pub mod cudnn_graph;
+pub mod eight_bit;
 pub mod exec;
 pub mod file;
 pub mod gemm;
@@ -25,7 +25,6 @@ pub mod kernels;
 pub mod launch;
 pub mod layer;
 pub mod quant;
-pub mod stem;
 pub mod strided;
 pub mod tactic;
 

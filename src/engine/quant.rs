@@ -3,6 +3,7 @@
 //! without an 8-bit implementation (the FP16 fallback), with the same arithmetic as the CPU
 //! reference, so a quantised engine and the CPU fake-quant simulation see the same values.
 
+use super::eight_bit::{FP8_GEMM, QUANT_CODES};
 use super::gemm::GemmSpec;
 use super::kernel_layers::{grid_for, launch, CudaFunction, KArg, BLOCK};
 use super::layer::{BuildCtx, DeviceBuf, Layer, RunCtx, ValueId};
@@ -129,7 +130,7 @@ pub fn quant_layer(ctx: &mut BuildCtx, node: NodeId, op: &Quant) -> Result<Box<d
     }))
 }
 
-/// A quantiser whose value an 8-bit engine stores as codes (`engine::conv8`), where no conv before
+/// A quantiser whose value an 8-bit engine stores as codes (`engine::eight_bit`), where no conv before
 /// it writes them: reads the FP16/FP32 value and writes its int8 or e4m3 codes.
 pub struct QuantCodesLayer {
     path: String,
@@ -165,10 +166,6 @@ fn codes_layer(ctx: &mut BuildCtx, node: NodeId, op: &Quant, x: ValueId, y: Valu
         sm_count: ctx.kernels.sm_count(),
     }))
 }
-
-/// The kind of the layer that writes an FP16 value's 8-bit codes (a stored quantiser whose
-/// producer does not requantise).
-pub const QUANT_CODES: &str = "kernel:quant_codes";
 
 impl Layer for QuantCodesLayer {
     fn path(&self) -> &str {
@@ -275,10 +272,6 @@ impl Layer for Fp8GemmLayer {
         }
     }
 }
-
-/// The kind of the FP8 GEMM layers, before their epilogue's name (`cublaslt-gemm-fp8:fused`,
-/// `cublaslt-gemm-fp8:bias-kernel`).
-pub const FP8_GEMM: &str = "cublaslt-gemm-fp8";
 
 /// The FP8 GEMM candidates of `node` (one per [`Fp8Epilogue`]), when they apply: an `Fp8` or
 /// `Best` engine, the node's input produced by a per-tensor fp8 `fake_quantize` (or Best's int8

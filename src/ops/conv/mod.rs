@@ -1,8 +1,10 @@
 //! Conv2d and ConvTranspose2d: layers, attributes, shape rules, CPU references, converters.
 
+pub mod conv8;
 mod cudnn;
 pub mod depthwise;
 pub mod im2col;
+pub mod stem;
 pub mod strided_gemm;
 pub mod subpixel;
 
@@ -567,7 +569,7 @@ fn gpu_conv2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn 
         // problem is another than the same conv's in 16 bits (a Best build times both), and
         // another again where it writes FP16 rather than codes (fewer kernels apply).
         let key = format!("{key} 8-bit to {:?}", ctx.value(ctx.output(node)?).elem);
-        let candidates = crate::engine::conv8::candidates(ctx, node, &a)?;
+        let candidates = conv8::candidates(ctx, node, &a)?;
         return ctx.choose(&key, candidates);
     }
     let y = ctx.output(node)?;
@@ -585,7 +587,7 @@ fn gpu_conv2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn 
     let conv = ctx.choose(&format!("{key} before its max-pool"), inner)?;
     let pool_layer = crate::engine::kernel_layers::pool_layer_between(ctx, node, PoolKind::Max, pool.window(), mid, y)?;
     let mut candidates: Vec<Box<dyn Layer>> = vec![Box::new(Chain { first: conv, second: pool_layer, mid })];
-    candidates.extend(crate::engine::stem::candidates(ctx, node, &a, &pool, [conv_shape[2], conv_shape[3]])?);
+    candidates.extend(stem::candidates(ctx, node, &a, &pool, [conv_shape[2], conv_shape[3]])?);
     ctx.choose(&key, candidates)
 }
 
