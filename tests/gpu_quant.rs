@@ -220,7 +220,7 @@ fn fp8_gemm_configurations() {
     }
     let mut failures = vec![];
     for (m, k, n) in [(49, 32, 64), (196, 64, 32), (256, 256, 64), (3136, 64, 256)] {
-        for (label, outcome) in kiln::engine::quant::fp8_gemm_probe(&gpu, m, k, n).expect("probe") {
+        for (label, outcome) in kiln::ops::quant::fp8_gemm::probe(&gpu, m, k, n).expect("probe") {
             match outcome {
                 Ok((rel, max_abs)) => {
                     println!("FP8 GEMM {label}: runs, rel L2 {rel:.2e}, max abs {max_abs:.2e}");

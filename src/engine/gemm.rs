@@ -349,7 +349,7 @@ pub struct GemmLayer {
 }
 
 /// What a GEMM layer is asked to do (cuBLASLt's FP16/FP32 GEMM, or the FP8 candidate of
-/// `engine::quant`).
+/// `ops::quant::fp8_gemm`).
 #[derive(Clone, Copy)]
 pub struct GemmSpec<'a> {
     pub x: ValueId,

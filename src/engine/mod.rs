@@ -24,7 +24,6 @@ pub mod kernel_layers;
 pub mod kernels;
 pub mod launch;
 pub mod layer;
-pub mod quant;
 pub mod strided;
 pub mod tactic;
 

@@ -607,8 +607,8 @@ fn conv2d_candidates(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs, y: ValueId)
         let residual = if a.residual { Some(ctx.input(node, if a.bias { 3 } else { 2 })?) } else { None };
         let spec = GemmSpec { x, y, residual, rows_per_image: h * wd, weight: &w.data, bias, relu: a.act == Activation::Relu };
         candidates.push(Box::new(GemmLayer::new(ctx, node, spec)?));
-        // An FP8 engine's quantised 1×1 conv also runs on e4m3 tensor cores (engine::quant).
-        candidates.extend(crate::engine::quant::fp8_gemm_candidates(ctx, node, spec)?);
+        // An FP8 engine's quantised 1×1 conv also runs on e4m3 tensor cores (`ops::quant::fp8_gemm`).
+        candidates.extend(crate::ops::quant::fp8_gemm::candidates(ctx, node, spec)?);
     }
     // A strided 1×1 (ResNet's downsample): one strided-batched GEMM over the output rows.
     if let [k, c, 1, 1] = w.shape[..] {
