@@ -50,7 +50,7 @@ pub fn pack(elem: Elem) -> usize {
     16 / elem.size()
 }
 
-/// `v` as a kernel's `int` argument, or an error naming the node and `what` it is.
+/// `v` as a 32-bit kernel argument, or an error naming the node and what overflowed.
 pub fn to_i32(ctx: &BuildCtx, node: NodeId, what: &str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| ctx.err(node, format!("{what} = {v} exceeds the kernels' 32-bit range")))
 }
@@ -64,7 +64,7 @@ pub fn nhwc(ctx: &BuildCtx, node: NodeId, v: ValueId) -> Result<(usize, usize, u
     }
 }
 
-/// The element type all of `vs` share, or an error naming the node.
+/// The element type all of `vs` share, or an error naming the node and the two types it mixes.
 pub fn same_elem(ctx: &BuildCtx, node: NodeId, vs: &[ValueId]) -> Result<Elem> {
     let e = ctx.value(vs[0]).elem;
     if let Some(other) = vs.iter().map(|&v| ctx.value(v).elem).find(|&o| o != e) {
