@@ -249,6 +249,18 @@ enum Store8 {
     Codes = 2,
 }
 
+/// What the 8-bit epilogue reads and stores besides the bias: the residual's codes and scale, the
+/// output as f16 or as codes (`1/s_y` and the codes' range), and ReLU.
+#[derive(Clone, Copy, Debug)]
+struct Epilogue8 {
+    z_store: Store8,
+    z_scale: f32,
+    y_store: Store8,
+    inv_y_scale: f32,
+    range: (f32, f32),
+    relu: bool,
+}
+
 /// A conv of an 8-bit engine on 8-bit tensor cores: input (and residual) read as codes, output
 /// written as f16 or requantised codes.
 pub struct Conv8Layer {
@@ -264,12 +276,7 @@ pub struct Conv8Layer {
     /// `s_x · s_w[k]` per output channel.
     alpha: DeviceBuf,
     bias: Option<DeviceBuf>,
-    z_store: Store8,
-    z_scale: f32,
-    y_store: Store8,
-    inv_y_scale: f32,
-    range: (f32, f32),
-    relu: bool,
+    epilogue: Epilogue8,
     /// H, W, C, K, R, S, P, Q, stride, padding and dilation (h, w) as the kernel takes them.
     geo: [i32; 14],
     /// Output pixels per image (the GEMM's rows).
@@ -341,12 +348,7 @@ struct Conv8Problem {
     /// `s_x · s_w[k]` per output channel.
     alpha: Vec<f32>,
     bias: Option<Vec<f32>>,
-    z_store: Store8,
-    z_scale: f32,
-    y_store: Store8,
-    inv_y_scale: f32,
-    range: (f32, f32),
-    relu: bool,
+    epilogue: Epilogue8,
     stride: [usize; 2],
     padding: [usize; 2],
     dilation: [usize; 2],
@@ -387,11 +389,11 @@ impl Conv8Problem {
         let out = super::conv2d_shape(a, &shapes).map_err(|e| ctx.err(node, e))?;
         let dims = [c, dx.dims[1], dx.dims[2], k, r, s, out[2], out[3]];
         let geo = kernel_geometry(ctx, node, a, dims)?;
-        let (path, relu) = (n.path.clone(), a.act == Activation::Relu);
-        let (stride, padding, dilation) = (a.stride, a.padding, a.dilation);
+        let relu = a.act == Activation::Relu;
+        let epilogue = Epilogue8 { z_store, z_scale, y_store, inv_y_scale, range, relu };
         Ok(Self {
             format,
-            path,
+            path: n.path.clone(),
             x,
             y,
             z,
@@ -399,15 +401,10 @@ impl Conv8Problem {
             codes,
             alpha,
             bias,
-            z_store,
-            z_scale,
-            y_store,
-            inv_y_scale,
-            range,
-            relu,
-            stride,
-            padding,
-            dilation,
+            epilogue,
+            stride: a.stride,
+            padding: a.padding,
+            dilation: a.dilation,
             dims,
             geo,
         })
@@ -422,8 +419,8 @@ impl Conv8Problem {
             && self.padding == [0, 0]
             && c.is_power_of_two()
             && (32..=PW_MAX_C).contains(&c)
-            && self.y_store == Store8::Codes
-            && self.z_store != Store8::F16
+            && self.epilogue.y_store == Store8::Codes
+            && self.epilogue.z_store != Store8::F16
     }
 
     /// The kernel's layer of one tile shape (`splits` > 1: split-K, finished by `finish`), with its
@@ -450,12 +447,7 @@ impl Conv8Problem {
             w,
             alpha,
             bias,
-            z_store: self.z_store,
-            z_scale: self.z_scale,
-            y_store: self.y_store,
-            inv_y_scale: self.inv_y_scale,
-            range: self.range,
-            relu: self.relu,
+            epilogue: self.epilogue,
             geo: self.geo,
             rows_per_image: p * q,
             splits,
@@ -468,6 +460,7 @@ impl Conv8Problem {
     /// `+ s_z · z`, ReLU, and requantised output's `· 1/s_y` clamped to the codes' range (int8:
     /// `[qmin, qmax]`; e4m3: ±448, saturating).
     fn library_epilogue(&self) -> (Vec<Vec<f32>>, Vec<Step>) {
+        let e = self.epilogue;
         let mut constants = vec![self.alpha.clone()];
         let mut steps = vec![Step::Mul(Operand::Channels(0))];
         if let Some(b) = &self.bias {
@@ -475,18 +468,18 @@ impl Conv8Problem {
             steps.push(Step::Add(Operand::Channels(constants.len() - 1)));
         }
         if self.z.is_some() {
-            constants.push(vec![self.z_scale]);
+            constants.push(vec![e.z_scale]);
             steps.push(Step::Residual(Operand::Scalar(constants.len() - 1)));
         }
-        if self.relu {
+        if e.relu {
             steps.push(Step::Relu);
         }
-        if self.y_store == Store8::Codes {
+        if e.y_store == Store8::Codes {
             let (lo, hi) = match self.format {
-                QuantFormat::Int8 => self.range,
+                QuantFormat::Int8 => e.range,
                 QuantFormat::Fp8E4m3 => (-448.0, 448.0),
             };
-            for (v, step) in [(self.inv_y_scale, Step::Mul as fn(Operand) -> Step), (lo, Step::Max), (hi, Step::Min)] {
+            for (v, step) in [(e.inv_y_scale, Step::Mul as fn(Operand) -> Step), (lo, Step::Max), (hi, Step::Min)] {
                 constants.push(vec![v]);
                 steps.push(step(Operand::Scalar(constants.len() - 1)));
             }
@@ -659,7 +652,7 @@ impl Layer for Conv8Layer {
             reason: format!("batch {batch} needs {blocks} blocks of the 8-bit conv"),
         })?;
         let grid = (blocks, 1, 1);
-        let ptr = |v: Option<ValueId>| v.map_or(0, |v| rt.ptr(v));
+        let (e, ptr) = (self.epilogue, |v: Option<ValueId>| v.map_or(0, |v| rt.ptr(v)));
         let mut args = vec![
             KArg::Ptr(rt.ptr(self.x)),
             KArg::Ptr(self.w.ptr()),
@@ -667,13 +660,13 @@ impl Layer for Conv8Layer {
             KArg::Ptr(self.bias.as_ref().map_or(0, |b| b.ptr())),
             KArg::Ptr(ptr(self.z)),
             KArg::Ptr(rt.ptr(self.y)),
-            KArg::F32(self.z_scale),
-            KArg::F32(self.inv_y_scale),
-            KArg::F32(self.range.0),
-            KArg::F32(self.range.1),
-            KArg::I32(self.z_store as i32),
-            KArg::I32(self.y_store as i32),
-            KArg::I32(self.relu as i32),
+            KArg::F32(e.z_scale),
+            KArg::F32(e.inv_y_scale),
+            KArg::F32(e.range.0),
+            KArg::F32(e.range.1),
+            KArg::I32(e.z_store as i32),
+            KArg::I32(e.y_store as i32),
+            KArg::I32(e.relu as i32),
             KArg::I32(batch as i32),
         ];
         args.extend(self.geo.map(KArg::I32));
