@@ -634,7 +634,7 @@ pub fn best_summary(graph: &Graph, int8_layers: usize, fp8_layers: usize) -> Str
     format!(
         "best: of {} conv/linear layer(s) with a calibrated range, {int8_layers} won their timing on INT8 tensor cores (`conv8`) and {fp8_layers} on FP8 GEMMs (`{}`); every other layer computes in FP16 on unquantised values",
         quantised_layers(graph),
-        crate::engine::quant::FP8_GEMM
+        crate::engine::eight_bit::FP8_GEMM
     )
 }
 

@@ -170,7 +170,7 @@ fn next_fusable_conv(g: &Graph, removed: &[bool]) -> Option<NodeId> {
 }
 
 /// Conv2d with ReLU read only by a MaxPool2d → one conv carrying the pool (`ConvAttrs::pool`), so
-/// the ResNet stem can run as one kernel that never writes the conv's output (engine::stem). Runs
+/// the ResNet stem can run as one kernel that never writes the conv's output (ops::conv::stem). Runs
 /// after `fuse_conv_activation`: the ReLU is already part of the conv.
 pub fn fuse_conv_max_pool(graph: &Graph) -> Result<Graph> {
     let mut g = graph.clone();

@@ -1,8 +1,8 @@
 //! Issue 12's layer candidates on the GPU, each forced (`tactic_sources`) and compared with the CPU
-//! executor: the sub-pixel transposed convolution (`engine::subpixel`: a stride-1 convolution with
+//! executor: the sub-pixel transposed convolution (`ops::conv::subpixel`: a stride-1 convolution with
 //! one block of output channels per phase, then `kernels/subpixel.cu`'s depth-to-space), whole
 //! batch and in slices, the strided-batched cuBLASLt GEMM of strided 1×1 convolutions
-//! (`engine::strided_gemm`) and the fused ResNet stem (`engine::stem`). Then every candidate's
+//! (`ops::conv::strided_gemm`) and the fused ResNet stem (`ops::conv::stem`). Then every candidate's
 //! tactic time at the shapes that motivated them (CenterNet's last deconv at batch 32, ResNet-18's
 //! `layer2.0.downsample.0` at batch 256, the stem at batch 256 and 1), as `TIMING` lines.
 //!
@@ -105,7 +105,7 @@ fn candidates_strided_gemm_matches_the_cpu() {
 }
 
 /// The ResNet stem (conv 7×7/2 → BN → ReLU → max-pool 3×3/2, fused into one conv node by the
-/// passes): Kiln's one-kernel stem (`engine::stem`, FP16), and cuDNN's conv followed by the pooling
+/// passes): Kiln's one-kernel stem (`ops::conv::stem`, FP16), and cuDNN's conv followed by the pooling
 /// kernel, on inputs whose pooled tiles are partial, with 1 to 4 channels and a ceil-mode pool.
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]

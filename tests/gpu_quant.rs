@@ -220,7 +220,7 @@ fn fp8_gemm_configurations() {
     }
     let mut failures = vec![];
     for (m, k, n) in [(49, 32, 64), (196, 64, 32), (256, 256, 64), (3136, 64, 256)] {
-        for (label, outcome) in kiln::engine::quant::fp8_gemm_probe(&gpu, m, k, n).expect("probe") {
+        for (label, outcome) in kiln::ops::quant::fp8_gemm::probe(&gpu, m, k, n).expect("probe") {
             match outcome {
                 Ok((rel, max_abs)) => {
                     println!("FP8 GEMM {label}: runs, rel L2 {rel:.2e}, max abs {max_abs:.2e}");
@@ -294,7 +294,7 @@ fn fp8_gemm_matches_the_simulation() {
         let (vs_fp32, _) = rel_l2(&got.data, &fp32["y"].data);
         println!("Best {source:?} batch 4: layers {kinds:?}; rel L2 {vs_sim:.2e} vs the FP8 simulation, {vs_fp32:.2e} vs FP32");
         // Best lowers a quantiser only to write the codes its INT8 convs read.
-        let int8 = engine.layers().any(|l| kiln::engine::conv8::precision_of_kind(&l.kind()).is_some());
+        let int8 = engine.layers().any(|l| kiln::engine::eight_bit::precision_of_kind(&l.kind()).is_some());
         if engine.layers().any(|l| l.kind().contains("quant")) && (source.is_some() || !int8) {
             failures.push(format!("Best {source:?}: a quantiser was lowered as a layer without an INT8 conv: {kinds:?}"));
         }
@@ -375,7 +375,7 @@ fn conv8_matches_the_simulation() {
             print!("{}{}", engine.describe(), engine.summary);
             let eight_bit: Vec<String> = engine
                 .layers()
-                .filter(|l| kiln::engine::conv8::precision_of_kind(&l.kind()).is_some())
+                .filter(|l| kiln::engine::eight_bit::precision_of_kind(&l.kind()).is_some())
                 .map(|l| l.path().to_string())
                 .collect();
             let all = ["c1", "c2", "c3", "c5", "c6", "c7", "c8"];

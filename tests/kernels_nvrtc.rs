@@ -88,8 +88,8 @@ fn the_8_bit_conv_kernels_compile_with_every_entry_point() {
     if !require_nvrtc() {
         return;
     }
-    let image = compile_source("conv8.cu", kiln::engine::conv8::CONV8_CU, ARCH).unwrap_or_else(|e| panic!("{e}"));
-    let entries = kiln::engine::conv8::entry_points();
+    let image = compile_source("conv8.cu", kiln::ops::conv::conv8::CONV8_CU, ARCH).unwrap_or_else(|e| panic!("{e}"));
+    let entries = kiln::ops::conv::conv8::entry_points();
     assert_eq!(entries.len(), 12, "3 tile shapes, the pointwise kernel's 2 and a finishing kernel per format: {entries:?}");
     for entry in entries {
         assert!(image_has_symbol(&image, &entry), "conv8.cu defines no `{entry}`");

@@ -363,14 +363,15 @@ fn digits_int8_engine_graph(d: &Digits) -> kiln::graph::Graph {
     g
 }
 
-/// Which values an INT8 engine of the digits network keeps in 8 bits (`engine::conv8::plan`, no
+/// Which values an INT8 engine of the digits network keeps in 8 bits (`ops::conv::conv8::plan`, no
 /// GPU): every conv but the 3-channel stem runs on the 8-bit kernel; each block's input is one
 /// stored tensor read by its convs (and as the skip connection); convs whose only reader is a
 /// stored quantiser requantise into it. Below sm_80, in FP16, or for a conv a per-layer rule keeps
 /// in FP16, nothing (or less) is 8-bit.
 #[test]
 fn eight_bit_plan_of_the_digits_network() {
-    use kiln::engine::{conv8, node_precisions, BuildConfig, Precision};
+    use kiln::engine::{node_precisions, BuildConfig, Precision};
+    use kiln::ops::conv::conv8;
     let g = digits_int8_engine_graph(&digits());
     let plan_for = |config: &BuildConfig, sm: u32| conv8::plan(&g, config, &node_precisions(&g, config), sm);
     let names = |v: &[bool]| -> Vec<String> { v.iter().enumerate().filter(|(_, &b)| b).map(|(i, _)| g.nodes[i].path.clone()).collect() };
@@ -399,7 +400,7 @@ fn eight_bit_plan_of_the_digits_network() {
     assert!(requantising >= convs.len() - 2, "all but the last block's convs write 8-bit codes");
     assert_eq!(
         plan_for(&config, 75),
-        conv8::EightBitPlan {
+        kiln::engine::eight_bit::EightBitPlan {
             format: None,
             conv: vec![false; g.nodes.len()],
             stored: vec![false; g.nodes.len()],
@@ -422,7 +423,8 @@ fn eight_bit_plan_of_the_digits_network() {
 #[test]
 fn best_moves_convs_to_16_bits_only_where_it_pays() {
     use kiln::engine::best::{choose, LayerTimes};
-    use kiln::engine::{conv8, node_precisions, BuildConfig, Precision};
+    use kiln::engine::{node_precisions, BuildConfig, Precision};
+    use kiln::ops::conv::conv8;
     let d = digits();
     let cache =
         Calibrator::new(&d.graph).and_then(|c| c.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::MinMax)).expect("calibrate");
@@ -455,14 +457,15 @@ fn best_moves_convs_to_16_bits_only_where_it_pays() {
     assert_eq!(planned, rest);
 }
 
-/// The ResNet stem in an 8-bit engine (`engine::conv8::plan`, no GPU): the 7×7 conv + ReLU +
+/// The ResNet stem in an 8-bit engine (`ops::conv::conv8::plan`, no GPU): the 7×7 conv + ReLU +
 /// max-pool runs on the 8-bit stem, which folds in the quantiser of its input (that quantiser is
 /// neither lowered nor stored: the stem reads the FP16 input) and writes the codes of the
 /// quantiser after it, which layer1's convs read. A per-layer rule keeping the stem in FP16 leaves
 /// both quantisers to their own layers.
 #[test]
 fn eight_bit_plan_of_the_resnet_stem() {
-    use kiln::engine::{conv8, node_precisions, BuildConfig, Precision};
+    use kiln::engine::{node_precisions, BuildConfig, Precision};
+    use kiln::ops::conv::conv8;
     let traced = kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 64).expect("trace");
     let x = kiln::seeded::weight("input.0", &[2, 3, 64, 64]);
     let cache = Calibrator::new(&traced).and_then(|c| c.calibrate(std::slice::from_ref(&x), CalibrationMethod::MinMax)).expect("calibrate");
@@ -496,7 +499,8 @@ fn eight_bit_plan_of_the_resnet_stem() {
 #[test]
 fn weight_grids_survive_the_engine_file() {
     use kiln::engine::file::{decode, encode, Header, Payload, FORMAT_VERSION};
-    use kiln::engine::{conv8, node_precisions, BuildConfig, Precision};
+    use kiln::engine::{node_precisions, BuildConfig, Precision};
+    use kiln::ops::conv::conv8;
     let g = digits_int8_engine_graph(&digits());
     let grids = g.nodes.iter().filter(|n| matches!(&n.op, Op::Weight { quant: Some(q), .. } if q.axis == Some(0))).count();
     assert_eq!(grids, 10, "every 8-bit layer's weight is on a per-channel int8 grid");

@@ -16,11 +16,12 @@
 //! `BuildConfig::best_int8_layers`, so a loaded engine lowers the same plan without searching.
 
 use super::builder::{lower, Engine};
-use super::conv8::{self, EightBitPlan};
+use super::eight_bit::{self, EightBitPlan};
 use super::gpu::Gpu;
 use super::tactic::Tactics;
 use super::{node_precisions, BuildConfig};
 use crate::graph::{Graph, NodeId, Op};
+use crate::ops::conv::conv8;
 use crate::{Error, Result};
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
@@ -46,7 +47,7 @@ pub(crate) fn build(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
     let int8 = paths(&graph, &all.conv);
     // Tactic sources that leave out the 8-bit kernels leave Best its 16-bit layers.
     let allowed = config.tactic_sources.as_ref().is_none_or(|sources| {
-        sources.iter().any(|s| [conv8::KIND, conv8::LIBRARY_KIND].iter().any(|k| k.starts_with(s.as_str()) || s.starts_with(k)))
+        sources.iter().any(|s| [eight_bit::KIND, eight_bit::LIBRARY_KIND].iter().any(|k| k.starts_with(s.as_str()) || s.starts_with(k)))
     });
     if int8.is_empty() || !allowed {
         return lower(gpu, graph, with(vec![]), tactics);

@@ -235,11 +235,11 @@ impl Engine {
             let elem = crate::engine::Precision::name(self.config.precision_of(&self.graph.fp32_layers, l.path()).elem());
             // A layer on 8-bit tensor cores says so in its kind.
             let kind = l.kind();
-            let p = if let Some(p) = super::conv8::precision_of_kind(&kind) {
+            let p = if let Some(p) = super::eight_bit::precision_of_kind(&kind) {
                 p.to_string()
             } else if kind.split(':').next().is_some_and(|k| k.ends_with("-fp8")) {
                 "fp8".to_string()
-            } else if self.config.precision == crate::engine::Precision::Best && kind != super::quant::QUANT_CODES {
+            } else if self.config.precision == crate::engine::Precision::Best && kind != super::eight_bit::QUANT_CODES {
                 // Best's other layers compute on unquantised values.
                 elem.to_string()
             } else {
@@ -567,8 +567,8 @@ fn lower_plan(
     let mut values = Vec::new();
     let mut node_values = vec![None; graph.nodes.len()];
     let mut input_bindings = Vec::new();
-    let eight_bit = super::conv8::plan(graph, config, &precisions, gpu.info.sm);
-    let stored_elem = eight_bit.format.map(super::conv8::EightBitPlan::elem);
+    let eight_bit = crate::ops::conv::conv8::plan(graph, config, &precisions, gpu.info.sm);
+    let stored_elem = eight_bit.format.map(super::eight_bit::EightBitPlan::elem);
     // Best's quantisers but those its INT8 convs read, quantisers folded into the 8-bit stem
     // after them and quantisers whose codes the conv before them writes are not lowered.
     let mut aliased = best_aliases(graph, config, &eight_bit.stored);
@@ -788,12 +788,12 @@ fn lower_plan(
         quantised: match config.precision {
             super::Precision::Best => {
                 let count = |f: &dyn Fn(&str) -> bool| layers.iter().filter(|l| f(&l.kind())).count();
-                let int8 = count(&|k| super::conv8::precision_of_kind(k).is_some());
-                let fp8 = count(&|k| k.starts_with(super::quant::FP8_GEMM));
+                let int8 = count(&|k| super::eight_bit::precision_of_kind(k).is_some());
+                let fp8 = count(&|k| k.starts_with(super::eight_bit::FP8_GEMM));
                 Some(crate::calibrate::best_summary(graph, int8, fp8))
             }
             _ => {
-                let native = layers.iter().filter(|l| super::conv8::precision_of_kind(&l.kind()).is_some()).count();
+                let native = layers.iter().filter(|l| super::eight_bit::precision_of_kind(&l.kind()).is_some()).count();
                 crate::calibrate::quant_summary(graph, native)
             }
         },

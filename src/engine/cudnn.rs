@@ -8,7 +8,7 @@
 use super::gpu::cuda_err;
 use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, RunCtx, ValueId};
 use super::Precision;
-use crate::graph::{Activation, ConvAttrs, NodeId};
+use crate::graph::NodeId;
 use crate::{Error, Result};
 use cudarc::cudnn::sys as dnn;
 use std::collections::HashMap;
@@ -79,7 +79,7 @@ fn math_type(p: Precision) -> dnn::cudnnMathType_t {
     }
 }
 
-fn conv_desc(a: &ConvAttrs, p: Precision) -> Result<Desc<dnn::cudnnConvolutionDescriptor_t>> {
+fn conv_desc(a: &ConvGeometry, p: Precision) -> Result<Desc<dnn::cudnnConvolutionDescriptor_t>> {
     let raw = cudarc::cudnn::result::create_convolution_descriptor().map_err(cuda_err("cudnnCreateConvolutionDescriptor"))?;
     let d = Desc { raw, destroy: dnn::cudnnDestroyConvolutionDescriptor };
     // SAFETY: `d.raw` is a live convolution descriptor created above; the arrays outlive the calls.
@@ -127,6 +127,30 @@ pub fn kcrs_to_krsc(w: &[f32], [k, c, r, s]: [usize; 4]) -> Vec<f32> {
         }
     }
     out
+}
+
+/// The geometry of a convolution as cuDNN's descriptor takes it (forward view), per spatial axis
+/// (h, w).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConvGeometry {
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+    pub dilation: [usize; 2],
+    pub groups: usize,
+}
+
+impl Default for ConvGeometry {
+    fn default() -> Self {
+        Self { stride: [1, 1], padding: [0, 0], dilation: [1, 1], groups: 1 }
+    }
+}
+
+/// What a convolution layer applies after the sum: the bias (when `false`, `ConvProblem::bias`
+/// holds zeros, which the separate calls skip) and ReLU. The residual is `ConvProblem::z`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Epilogue {
+    pub bias: bool,
+    pub relu: bool,
 }
 
 /// Shapes of one convolution (forward view: x → y).
@@ -180,7 +204,8 @@ struct ConvSetup<'a> {
     x: ValueId,
     y: ValueId,
     z: Option<ValueId>,
-    attrs: &'a ConvAttrs,
+    conv: ConvGeometry,
+    epilogue: Epilogue,
     /// PyTorch layout, with `shape` (uploaded as KRSC).
     weight: &'a [f32],
     shape: [usize; 4],
@@ -208,7 +233,7 @@ impl ConvShared {
             }
         }
         let elem = ctx.elem();
-        let relu = s.attrs.act == Activation::Relu;
+        let relu = s.epilogue.relu;
         Ok(Self {
             path: path.to_string(),
             geom: s.geom,
@@ -217,11 +242,11 @@ impl ConvShared {
             y: s.y,
             z: s.z,
             relu,
-            bias_given: s.attrs.bias,
+            bias_given: s.epilogue.bias,
             w: ctx.upload(&kcrs_to_krsc(s.weight, s.shape))?,
             b: ctx.upload(s.bias)?,
             filter: filter(elem, s.shape)?,
-            conv: conv_desc(s.attrs, ctx.precision())?,
+            conv: conv_desc(&s.conv, ctx.precision())?,
             bias: tensor(elem, [1, s.bias.len(), 1, 1])?,
             act: activation(relu)?,
             relu_act: activation(true)?,
@@ -339,7 +364,7 @@ impl Layer for ConvLayer {
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let s = &self.shared;
         if let Some(p) = &self.pad {
-            use super::kernel_layers::{grid_for, launch, KArg, BLOCK};
+            use super::launch::{grid_for, launch, KArg, BLOCK};
             let pixels = batch * p.pixels_per_image;
             let args = [
                 KArg::Ptr(rt.ptr(p.src)),
@@ -458,7 +483,8 @@ impl ConvLayer {
 /// ConvTranspose2d, and ops that are convolutions in disguise, as BatchNorm2d is a depthwise 1×1
 /// convolution). The layers never read the graph's op.
 pub struct ConvProblem<'a> {
-    pub attrs: ConvAttrs,
+    pub geometry: ConvGeometry,
+    pub epilogue: Epilogue,
     /// PyTorch layout `[Cout, Cin/g, kh, kw]`.
     pub weight: &'a [f32],
     pub weight_shape: [usize; 4],
@@ -476,7 +502,7 @@ pub fn conv_candidates_with(ctx: &mut BuildCtx, node: NodeId, p: ConvProblem) ->
 
 /// The forward-convolution candidates with the output's `(C, H, W)` given rather than read from
 /// `p.y`'s value: a layer that convolves into its own scratch (the sub-pixel transposed
-/// convolution, `engine::subpixel`) passes its scratch geometry and points `p.y` at the scratch
+/// convolution, `ops::conv::subpixel`) passes its scratch geometry and points `p.y` at the scratch
 /// when it enqueues. `pad_variants`: also the channel-padded FP16 variants (which need a
 /// prologue scratch of their own).
 pub fn conv_candidates_geom(
@@ -486,17 +512,18 @@ pub fn conv_candidates_geom(
     (cout, ho, wo): (usize, usize, usize),
     pad_variants: bool,
 ) -> Result<Vec<Box<dyn Layer>>> {
-    let (a, x, y, z, shape4) = (p.attrs, p.x, p.y, p.z, p.weight_shape);
+    let (x, y, z, shape4) = (p.x, p.y, p.z, p.weight_shape);
     let (cin, h, wd) = ctx.value(x).chw().ok_or_else(|| ctx.err(node, "input is not an image".into()))?;
     let elem = ctx.elem();
     let path = ctx.node(node).path.clone();
-    let setup = ConvSetup { geom: Geom { cin, h, w: wd, cout, ho, wo }, x, y, z, attrs: &a, weight: p.weight, shape: shape4, bias: p.bias };
+    let geom = Geom { cin, h, w: wd, cout, ho, wo };
+    let setup = ConvSetup { geom, x, y, z, conv: p.geometry, epilogue: p.epilogue, weight: p.weight, shape: shape4, bias: p.bias };
     let shared = Arc::new(ConvShared::new(ctx, &path, setup)?);
     let mut out = fwd_layers(ctx, &shared, None)?;
 
     // FP16 tensor-core kernels want input channels in multiples of 8: also offer the convolution
     // on a zero-padded copy of the input (zero weights for the extra channels).
-    if pad_variants && elem == Elem::F16 && a.groups == 1 && cin % 8 != 0 {
+    if pad_variants && elem == Elem::F16 && p.geometry.groups == 1 && cin % 8 != 0 {
         let cp = cin.next_multiple_of(8);
         let [k, _, r, sz] = shape4;
         let mut wp = vec![0f32; k * cp * r * sz];
@@ -521,7 +548,8 @@ pub fn conv_candidates_geom(
             x: scratch,
             y,
             z,
-            attrs: &a,
+            conv: p.geometry,
+            epilogue: p.epilogue,
             weight: &wp,
             shape: padded_shape,
             bias: p.bias,
@@ -665,8 +693,8 @@ impl Layer for DeconvLayer {
 
 /// The cuDNN candidates for a ConvTranspose2d node (weight `[Cin, Cout/g, kh, kw]`).
 pub fn deconv_candidates(ctx: &mut BuildCtx, node: NodeId, p: ConvProblem) -> Result<Vec<Box<dyn Layer>>> {
-    let (a, x, y) = (p.attrs, p.x, p.y);
-    if a.residual || p.z.is_some() {
+    let (x, y) = (p.x, p.y);
+    if p.z.is_some() {
         return Err(ctx.err(node, "a transposed convolution cannot take a fused residual".into()));
     }
     let path = ctx.node(node).path.clone();
@@ -681,7 +709,8 @@ pub fn deconv_candidates(ctx: &mut BuildCtx, node: NodeId, p: ConvProblem) -> Re
         x,
         y,
         z: None,
-        attrs: &a,
+        conv: p.geometry,
+        epilogue: p.epilogue,
         weight: p.weight,
         shape: shape4,
         bias: p.bias,

@@ -192,7 +192,7 @@ impl LtMatmul {
 
     /// This matmul (its epilogue kept) as a strided-batched one. A `stride_w` of 0 shares one
     /// weight among the matrices, and the bias is shared too (cuBLASLt's bias batch stride is 0):
-    /// a strided 1×1 convolution (`engine::strided_gemm`).
+    /// a strided 1×1 convolution (`ops::conv::strided_gemm`).
     pub fn with_batched(mut self, batched: Batched) -> Result<Self> {
         if batched.w_kn {
             // SAFETY: `self.desc.0` is live; TRANSA takes an i32 (`cublasOperation_t`).
@@ -349,7 +349,7 @@ pub struct GemmLayer {
 }
 
 /// What a GEMM layer is asked to do (cuBLASLt's FP16/FP32 GEMM, or the FP8 candidate of
-/// `engine::quant`).
+/// `ops::quant::fp8_gemm`).
 #[derive(Clone, Copy)]
 pub struct GemmSpec<'a> {
     pub x: ValueId,

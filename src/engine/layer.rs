@@ -22,7 +22,7 @@ pub struct ValueId(pub usize);
 
 /// Element type in device memory. Every value a layer reads or writes is `F32` or `F16` (its
 /// node's precision), except in an 8-bit engine: an activation quantiser's value that only 8-bit
-/// convs read is stored as its codes, `I8` or `E4m3` (`engine::conv8::EightBitPlan`), with the
+/// convs read is stored as its codes, `I8` or `E4m3` (`engine::eight_bit::EightBitPlan`), with the
 /// scale of the quantiser node that defines it. `U8` is only ever the type of an input binding
 /// declared u8 (`DType::U8`), which the builder's entry reformat converts to its reader's type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -432,7 +432,7 @@ pub struct BuildCtx<'a> {
     /// Each node's precision (`engine::node_precisions`): the engine's unless a per-layer rule says otherwise.
     pub(crate) precisions: Vec<Precision>,
     /// An 8-bit engine's 8-bit convs and stored quantisers (empty plan otherwise).
-    pub eight_bit: super::conv8::EightBitPlan,
+    pub eight_bit: super::eight_bit::EightBitPlan,
 }
 
 impl<'a> BuildCtx<'a> {

@@ -13,23 +13,18 @@
 pub mod arena;
 pub mod best;
 pub mod builder;
-pub mod conv8;
 pub mod cudnn;
 pub mod cudnn_graph;
+pub mod eight_bit;
 pub mod exec;
 pub mod file;
 pub mod gemm;
 pub mod gpu;
-pub mod im2col;
 pub mod kernel_layers;
 pub mod kernels;
 pub mod launch;
 pub mod layer;
-pub mod quant;
-pub mod stem;
 pub mod strided;
-pub mod strided_gemm;
-pub mod subpixel;
 pub mod tactic;
 
 pub use builder::{estimate_arena, BuildSummary, Engine, EngineBuilder, MemorySummary, Plan};

@@ -437,14 +437,14 @@ pub fn batch_norm2d_cpu(eps: f32, mut x: HostTensor, params: [&HostTensor; 4]) -
 /// scale+shift kernel (memory-bound, one pass), or cuDNN's depthwise 1×1 convolution with bias;
 /// timing picks.
 fn gpu_batch_norm2d(ctx: &mut BuildCtx, node: NodeId, eps: f32) -> Result<Box<dyn Layer>> {
-    use crate::engine::cudnn::{conv_candidates_with, ConvProblem};
+    use crate::engine::cudnn::{conv_candidates_with, ConvGeometry, ConvProblem, Epilogue};
     use crate::engine::kernel_layers::bias_act;
     let params = [ctx.weight(node, 1)?, ctx.weight(node, 2)?, ctx.weight(node, 3)?, ctx.weight(node, 4)?];
     let (scale, shift) = batch_norm_scale_shift(&params[0].data, &params[1].data, &params[2].data, &params[3].data, eps);
     let c = scale.len();
-    let attrs = crate::ConvAttrs { groups: c, bias: true, ..Default::default() };
+    let (geometry, epilogue) = (ConvGeometry { groups: c, ..Default::default() }, Epilogue { bias: true, relu: false });
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
-    let problem = ConvProblem { attrs, weight: &scale, weight_shape: [c, 1, 1, 1], bias: &shift, x, y, z: None };
+    let problem = ConvProblem { geometry, epilogue, weight: &scale, weight_shape: [c, 1, 1, 1], bias: &shift, x, y, z: None };
     let key = ctx.problem_key(node);
     let mut candidates = conv_candidates_with(ctx, node, problem)?;
     candidates.push(bias_act(ctx, node, x, Some(&scale), Some(&shift), None, y, None)?);

@@ -14,15 +14,16 @@
 //! The convolution's output is this layer's scratch, in its workspace (the arena holds it for
 //! this step alone); candidates that run the batch in slices need a slice's scratch only.
 
-use super::cudnn::{conv_candidates_geom, ConvProblem};
-use super::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
-use super::layer::{BuildCtx, Layer, RunCtx, ValueId};
-use crate::graph::{ConvAttrs, NodeId};
+use super::ConvAttrs;
+use crate::engine::cudnn::{conv_candidates_geom, ConvProblem};
+use crate::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
+use crate::engine::layer::{BuildCtx, Layer, RunCtx, ValueId};
+use crate::graph::NodeId;
 use crate::{Error, Result};
 use std::sync::Arc;
 
 /// `kernels/subpixel.cu`, compiled with NVRTC on first use like Kiln's other kernels.
-pub const SUBPIXEL_CU: &str = super::kernels::ON_DEMAND[2].1;
+pub const SUBPIXEL_CU: &str = crate::engine::kernels::ON_DEMAND[2].1;
 
 /// Batch slices offered beside the whole batch: a few images' scratch (8.7 MB per image for
 /// CenterNet's last deconv) stays in L2 between the convolution and the gather.
@@ -231,7 +232,7 @@ impl SubpixelDeconv {
         self.slice.map_or(batch, |s| s.min(batch)).max(1)
     }
     fn scratch_bytes(&self, batch: usize) -> usize {
-        (self.step(batch) * self.shared.conv_image).next_multiple_of(super::arena::ALIGN)
+        (self.step(batch) * self.shared.conv_image).next_multiple_of(crate::engine::arena::ALIGN)
     }
 }
 
@@ -310,7 +311,9 @@ pub fn candidates(
     let Some(dims) = plan.kernel_dims() else { return Ok(Vec::new()) };
     let wt = plan.conv_weight(weight);
     let bt = plan.conv_bias(bias);
-    let problem = ConvProblem { attrs: plan.conv_attrs(a), weight: &wt, weight_shape: plan.conv_weight_shape(), bias: &bt, x, y, z: None };
+    let attrs = plan.conv_attrs(a);
+    let (geometry, epilogue) = (attrs.geometry(), attrs.epilogue());
+    let problem = ConvProblem { geometry, epilogue, weight: &wt, weight_shape: plan.conv_weight_shape(), bias: &bt, x, y, z: None };
     let convs = conv_candidates_geom(ctx, node, problem, plan.conv_out_chw(), false)?;
     if convs.is_empty() {
         return Ok(Vec::new());
@@ -333,7 +336,7 @@ pub fn candidates(
     // The whole batch, a few small slices, and the largest slice whose scratch fits the arena's
     // room at this layer.
     let max = ctx.config.max_batch;
-    let room = ctx.workspace_budget.max(super::tactic::WORKSPACE_FLOOR);
+    let room = ctx.workspace_budget.max(crate::engine::tactic::WORKSPACE_FLOOR);
     let mut slices: Vec<Option<usize>> = vec![None];
     slices.extend(SLICES.iter().filter(|&&n| n < max).map(|&n| Some(n)));
     if max * shared.conv_image > room {
@@ -355,8 +358,8 @@ pub fn candidates(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::graph::{Activation, HostTensor};
-    use crate::ops::conv::{conv2d_cpu, conv_transpose2d_cpu};
+    use crate::graph::HostTensor;
+    use crate::ops::conv::{conv2d_cpu, conv_transpose2d_cpu, Activation};
 
     fn uniform(shape: &[usize], seed: u64) -> HostTensor {
         crate::seeded::uniform_tensor(shape, seed)

@@ -8,15 +8,18 @@
 //! `kernels/stem.cu` keeps the conv's output in shared memory and writes only the pooled image:
 //! a quarter of the bytes, one launch instead of two.
 
-use super::conv8::EightBitPlan;
-use super::launch::{launch, CudaFunction, KArg};
-use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueId};
-use crate::graph::{Activation, ConvAttrs, NodeId, PoolAttrs, QuantParams};
+use super::{Activation, ConvAttrs};
+use crate::engine::eight_bit::EightBitPlan;
+use crate::engine::launch::{launch, CudaFunction, KArg};
+use crate::engine::layer::{to_elem_bytes, BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId};
+use crate::graph::NodeId;
+use crate::ops::pool::PoolAttrs;
+use crate::ops::quant::QuantParams;
 use crate::{Error, Result};
 use cudarc::driver::sys::CUfunction_attribute;
 
 /// `kernels/stem.cu`, compiled with NVRTC on first use.
-pub const STEM_CU: &str = super::kernels::ON_DEMAND[3].1;
+pub const STEM_CU: &str = crate::engine::kernels::ON_DEMAND[3].1;
 
 /// The kernel's fixed geometry (`kernels/stem.cu`): filter size, output channels, the most input
 /// channels, weight halves per output channel (7 filter rows of 8 taps × 4 channels).
@@ -133,7 +136,7 @@ fn geometry(
     let w = ctx.weight(node, 1)?;
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let (dx, dy) = (ctx.value(x), ctx.value(y));
-    let is = |d: &super::ValueDesc, e: Elem, l: Layout| d.elem == e && d.dims.len() == 3 && d.layout.same_bytes(l, &d.dims);
+    let is = |d: &ValueDesc, e: Elem, l: Layout| d.elem == e && d.dims.len() == 3 && d.layout.same_bytes(l, &d.dims);
     let x_ok = match io {
         Io::F16 | Io::EightBit => is(dx, Elem::F16, Layout::channels_last(3)),
         Io::EightBitNchw => is(dx, Elem::F32, Layout::contiguous(3)),
@@ -233,7 +236,7 @@ pub fn eight_bit_candidates(
     let f = function(ctx, node, &entry, io)?;
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let (path, sm_count) = (ctx.node(node).path.clone(), ctx.kernels.sm_count());
-    let w = ctx.upload_bytes(&super::layer::to_elem_bytes(&packed, elem))?;
+    let w = ctx.upload_bytes(&to_elem_bytes(&packed, elem))?;
     let (alpha, bias) = (ctx.upload_f32(&alpha)?, ctx.upload_f32(&bias)?);
     let quantisers =
         [1.0 / input.scale[0], input.qmin as f32, input.qmax as f32, 1.0 / output.scale[0], output.qmin as f32, output.qmax as f32];

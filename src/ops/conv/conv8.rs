@@ -1,5 +1,6 @@
-//! 8-bit convolutions (`kernels/conv8.cu`) and the plan of which values an INT8 or FP8 engine
-//! keeps in 8 bits between them.
+//! 8-bit convolutions (`kernels/conv8.cu`, and cuDNN's fused engines) and the plan of which
+//! values an INT8 or FP8 engine keeps in 8 bits between them (the plan's type, [`EightBitPlan`],
+//! is the engine's: the builder allocates by it).
 //!
 //! The quantised graph (`calibrate::prepare_for_engine`) says *what* is quantised: a
 //! `fake_quantize` in front of each 8-bit conv's input and residual, weights folded onto their
@@ -10,56 +11,31 @@
 //!   tensor cores;
 //! - where a conv's only reader is such a quantiser, the conv requantises in its epilogue and
 //!   writes the codes itself: the quantiser computes nothing (TensorRT's "requantise in the
-//!   epilogue"). Elsewhere the quantiser runs as a kernel writing codes (`engine::quant`).
+//!   epilogue"). Elsewhere the quantiser runs as a kernel writing codes (`ops::quant`).
 //!
 //! The numbers are the CPU fake-quant simulation's: the conv accumulates exact integer (or e4m3)
 //! products, scales them by `s_x · s_w[k]` in f32, adds the f32 bias and the dequantised
 //! residual, applies ReLU, and rounds to the next quantiser's grid as `kernels/quant.cu` does.
 
-use super::cudnn_graph::{engine_configs, FusedConv, FusedConvLayer, Operand, Step};
-use super::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
-use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueId};
-use super::{BuildConfig, Precision};
-use crate::graph::{Activation, ConvAttrs, Graph, NodeId, Op, Quant, QuantFormat, QuantParams};
+use super::{Activation, ConvAttrs};
+use crate::engine::cudnn::kcrs_to_krsc;
+use crate::engine::cudnn_graph::{engine_configs, FusedConv, FusedConvLayer, Operand, Step};
+use crate::engine::eight_bit::{EightBitPlan, LIBRARY_KIND};
+use crate::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
+use crate::engine::layer::{to_elem_bytes, BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId};
+use crate::engine::{BuildConfig, Precision};
+use crate::graph::{Graph, NodeId, Op};
+use crate::ops::pool::PoolAttrs;
+use crate::ops::quant::{Quant, QuantFormat, QuantParams};
 use crate::{Error, Result};
 use cudarc::driver::sys::CUfunction_attribute;
 
 /// `kernels/conv8.cu`, compiled with NVRTC on first use.
-pub const CONV8_CU: &str = super::kernels::ON_DEMAND[4].1;
-
-/// The kind prefix of every 8-bit conv layer (`kiln inspect`, the build summary).
-pub const KIND: &str = "kernel:conv8_";
+pub const CONV8_CU: &str = crate::engine::kernels::ON_DEMAND[4].1;
 
 /// Reduction bytes per stage and pipeline depth (`C8_BK`, `C8_STAGES` in the kernel).
 const BK: usize = 64;
 const STAGES: usize = 3;
-
-/// Where the 8-bit plan puts each node of an 8-bit engine's graph.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct EightBitPlan {
-    /// The format of the codes (`None`: nothing is 8-bit).
-    pub format: Option<QuantFormat>,
-    /// Convs lowered to an 8-bit kernel (the ResNet stem's to the 8-bit stem, `engine::stem`).
-    pub conv: Vec<bool>,
-    /// Activation quantisers whose value is stored as 8-bit codes.
-    pub stored: Vec<bool>,
-    /// For an 8-bit conv whose only reader is a stored quantiser: that quantiser, whose codes the
-    /// conv writes (the quantiser itself is not lowered).
-    pub requant: Vec<Option<NodeId>>,
-    /// Activation quantisers whose only reader is the 8-bit stem: the stem quantises its FP16
-    /// input as it loads it, so the quantiser is not lowered (its value is its input's).
-    pub folded: Vec<bool>,
-}
-
-impl EightBitPlan {
-    /// The storage type of a stored quantiser's value in a `format` engine.
-    pub fn elem(format: QuantFormat) -> Elem {
-        match format {
-            QuantFormat::Int8 => Elem::I8,
-            QuantFormat::Fp8E4m3 => Elem::E4m3,
-        }
-    }
-}
 
 /// The per-tensor, symmetric activation quantiser of `format` at `id`, if it is one.
 fn activation_quantiser(graph: &Graph, id: NodeId, format: QuantFormat) -> Option<&QuantParams> {
@@ -95,7 +71,7 @@ fn kernel_fits(graph: &Graph, id: NodeId, format: QuantFormat) -> bool {
     plain && fits && weight_on_grid(graph, id, format)
 }
 
-/// A conv the 8-bit stem runs (`engine::stem::fits`: ResNet's 7×7/2 conv, ReLU and 3×3/2
+/// A conv the 8-bit stem runs (`stem::fits`: ResNet's 7×7/2 conv, ReLU and 3×3/2
 /// max-pool on at most 4 channels), with its weight on the 8-bit grid and its input an activation
 /// quantiser of the format (the stem quantises with its scale).
 fn stem_fits(graph: &Graph, id: NodeId, format: QuantFormat) -> bool {
@@ -262,24 +238,8 @@ fn finish_entry(format: QuantFormat) -> String {
     format!("conv8_finish_{}", EightBitPlan::elem(format).suffix())
 }
 
-/// The kind prefix of the 8-bit convs on cuDNN's fused engines (`cudnn-graph-i8:eng4_k24=1`).
-pub const LIBRARY_KIND: &str = "cudnn-graph-";
-
 /// Engine configurations of cuDNN's heuristics timed per 8-bit conv (its best-ranked ones).
 const LIBRARY_CANDIDATES: usize = 4;
-
-/// The precision an 8-bit conv layer of this kind computes in (`int8`, `fp8`), for `kiln inspect`
-/// and the build summary; `None` for any other layer.
-pub fn precision_of_kind(kind: &str) -> Option<&'static str> {
-    let (entry, sep) = match kind.strip_prefix(KIND) {
-        Some(e) => (e, '_'),
-        None => (kind.strip_prefix(LIBRARY_KIND)?, ':'),
-    };
-    [QuantFormat::Int8, QuantFormat::Fp8E4m3]
-        .into_iter()
-        .find(|&f| entry.starts_with(&format!("{}{sep}", EightBitPlan::elem(f).suffix())))
-        .map(|f| super::Precision::name(EightBitPlan::elem(f)))
-}
 
 /// What the kernel's epilogue stores (`C8_*` in the kernel).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -287,6 +247,18 @@ enum Store8 {
     None = 0,
     F16 = 1,
     Codes = 2,
+}
+
+/// What the 8-bit epilogue reads and stores besides the bias: the residual's codes and scale, the
+/// output as f16 or as codes (`1/s_y` and the codes' range), and ReLU.
+#[derive(Clone, Copy, Debug)]
+struct Epilogue8 {
+    z_store: Store8,
+    z_scale: f32,
+    y_store: Store8,
+    inv_y_scale: f32,
+    range: (f32, f32),
+    relu: bool,
 }
 
 /// A conv of an 8-bit engine on 8-bit tensor cores: input (and residual) read as codes, output
@@ -304,12 +276,7 @@ pub struct Conv8Layer {
     /// `s_x · s_w[k]` per output channel.
     alpha: DeviceBuf,
     bias: Option<DeviceBuf>,
-    z_store: Store8,
-    z_scale: f32,
-    y_store: Store8,
-    inv_y_scale: f32,
-    range: (f32, f32),
-    relu: bool,
+    epilogue: Epilogue8,
     /// H, W, C, K, R, S, P, Q, stride, padding and dilation (h, w) as the kernel takes them.
     geo: [i32; 14],
     /// Output pixels per image (the GEMM's rows).
@@ -325,68 +292,230 @@ pub struct Conv8Layer {
 /// 64-byte k-blocks (a small batch's deep layers: one tile per block leaves most SMs idle).
 const SPLITS: [usize; 2] = [4, 8];
 
-/// The 8-bit kernel's candidates for conv `node` of the plan (one per tile shape, timed).
+/// The 8-bit kernel's candidates for conv `node` of the plan (one per tile shape, timed), and
+/// cuDNN's fused engines on the same conv and epilogue; the 8-bit stem for a conv carrying a pool.
 pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec<Box<dyn Layer>>> {
-    let graph = ctx.graph;
-    let n = ctx.node(node);
     let Some(format) = ctx.eight_bit.format else {
         return Err(ctx.err(node, format!("a {:?} engine has no 8-bit convs", ctx.config.precision)));
     };
-    let quantiser = |id: NodeId, what: &str| {
-        activation_quantiser(graph, id, format).ok_or_else(|| ctx.err(node, format!("its {what} is not an 8-bit activation quantiser")))
-    };
     let (codes, w_scale) = weight_codes(ctx, node, format)?;
     if let Some(pool) = &a.pool {
-        let Some(q) = ctx.eight_bit.requant[node] else {
-            return Err(ctx.err(node, "the 8-bit stem writes codes, and no stored quantiser reads its output".into()));
-        };
-        let shapes: Vec<&[usize]> = n.inputs.iter().map(|&i| graph.nodes[i].shape.as_slice()).collect();
-        let conv = crate::ops::conv::conv2d_shape(&ConvAttrs { pool: None, ..*a }, &shapes).map_err(|e| ctx.err(node, e))?;
-        let quantisers = (quantiser(n.inputs[0], "input")?, quantiser(q, "output")?);
-        return super::stem::eight_bit_candidates(ctx, node, (a, pool), [conv[2], conv[3]], quantisers, (&codes, &w_scale));
+        return stem_candidates(ctx, node, (a, pool), format, (&codes, &w_scale));
     }
-    let sx = quantiser(n.inputs[0], "input")?.scale[0];
-    let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
-    let z = if a.residual { Some(ctx.input(node, n.inputs.len() - 1)?) } else { None };
-    let w = ctx.weight(node, 1)?;
-    let [k, c, r, s] = w.shape[..] else { return Err(ctx.err(node, format!("weight shape {:?} is not [K, C, R, S]", w.shape))) };
-    let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
-    let elem = EightBitPlan::elem(format);
-    let nhwc = |d: &super::ValueDesc| d.dims.len() == 3 && d.layout.same_bytes(Layout::channels_last(3), &d.dims);
-    if dx.elem != elem || !nhwc(&dx) || !nhwc(&dy) || dx.dims[0] != c || dy.dims[0] != k {
-        return Err(ctx.err(
-            node,
-            format!(
-                "the 8-bit conv reads {:?} {:?} {:?} and writes {:?} {:?}; it needs NHWC {elem:?} [{c}, H, W] in",
-                dx.elem, dx.dims, dx.layout, dy.elem, dy.dims
-            ),
-        ));
-    }
-    let codes = super::layer::to_elem_bytes(&super::cudnn::kcrs_to_krsc(&codes, [k, c, r, s]), elem);
-    let alpha: Vec<f32> = w_scale.iter().map(|sw| sx * sw).collect();
-    let bias = if a.bias { Some(ctx.weight(node, 2)?.data.clone()) } else { None };
-    let (z_store, z_scale) = match z {
-        Some(zv) => {
-            if ctx.value(zv).elem != elem || ctx.value(zv).dims != dy.dims {
-                return Err(
-                    ctx.err(node, format!("its residual is {:?} {:?}, not {elem:?} {:?}", ctx.value(zv).elem, ctx.value(zv).dims, dy.dims))
-                );
-            }
-            (Store8::Codes, quantiser(*n.inputs.last().expect("residual"), "residual")?.scale[0])
-        }
-        None => (Store8::None, 0.0),
-    };
-    let (y_store, inv_y_scale, range) = match (dy.elem, ctx.eight_bit.requant[node]) {
-        (e, Some(q)) if e == elem => {
-            let p = quantiser(q, "output")?;
-            (Store8::Codes, 1.0 / p.scale[0], (p.qmin as f32, p.qmax as f32))
-        }
-        (Elem::F16, None) => (Store8::F16, 0.0, (0.0, 0.0)),
-        (e, _) => return Err(ctx.err(node, format!("the 8-bit conv cannot write {e:?}"))),
+    let problem = Conv8Problem::new(ctx, node, a, format, (&codes, &w_scale))?;
+    ctx.kernels.add_source("conv8.cu", CONV8_CU)?;
+    let mut out = kernel_candidates(ctx, node, &problem)?;
+    out.extend(library_candidates(ctx, &problem)?);
+    Ok(out)
+}
+
+/// The activation quantiser `id` that conv `node` reads or writes as its `what`, or why it is not
+/// one of the engine's.
+fn quantiser<'a>(ctx: &BuildCtx<'a>, node: NodeId, id: NodeId, format: QuantFormat, what: &str) -> Result<&'a QuantParams> {
+    activation_quantiser(ctx.graph, id, format).ok_or_else(|| ctx.err(node, format!("its {what} is not an 8-bit activation quantiser")))
+}
+
+/// The 8-bit stem (`stem::eight_bit_candidates`) for a conv that carries its max-pool: it writes
+/// the codes of the stored quantiser after it, quantising its input with the quantiser before.
+fn stem_candidates(
+    ctx: &mut BuildCtx,
+    node: NodeId,
+    (a, pool): (&ConvAttrs, &PoolAttrs),
+    format: QuantFormat,
+    weight: (&[f32], &[f32]),
+) -> Result<Vec<Box<dyn Layer>>> {
+    let (graph, n) = (ctx.graph, ctx.node(node));
+    let Some(q) = ctx.eight_bit.requant[node] else {
+        return Err(ctx.err(node, "the 8-bit stem writes codes, and no stored quantiser reads its output".into()));
     };
     let shapes: Vec<&[usize]> = n.inputs.iter().map(|&i| graph.nodes[i].shape.as_slice()).collect();
-    let out = crate::ops::conv::conv2d_shape(a, &shapes).map_err(|e| ctx.err(node, e))?;
-    let (h, wd, p, q) = (dx.dims[1], dx.dims[2], out[2], out[3]);
+    let conv = super::conv2d_shape(&ConvAttrs { pool: None, ..*a }, &shapes).map_err(|e| ctx.err(node, e))?;
+    let quantisers = (quantiser(ctx, node, n.inputs[0], format, "input")?, quantiser(ctx, node, q, format, "output")?);
+    super::stem::eight_bit_candidates(ctx, node, (a, pool), [conv[2], conv[3]], quantisers, weight)
+}
+
+/// One 8-bit conv as its candidates take it: operands, the weight's codes and alphas, what the
+/// epilogue reads and stores, and the geometry.
+struct Conv8Problem {
+    format: QuantFormat,
+    path: String,
+    x: ValueId,
+    y: ValueId,
+    z: Option<ValueId>,
+    y_elem: Elem,
+    /// `[K][R][S][C]` codes, as bytes.
+    codes: Vec<u8>,
+    /// `s_x · s_w[k]` per output channel.
+    alpha: Vec<f32>,
+    bias: Option<Vec<f32>>,
+    epilogue: Epilogue8,
+    stride: [usize; 2],
+    padding: [usize; 2],
+    dilation: [usize; 2],
+    /// C, H, W, K, R, S, P, Q (cuDNN's `FusedConv::dims`).
+    dims: [usize; 8],
+    /// The same as the kernel takes them (`Conv8Layer::geo`).
+    geo: [i32; 14],
+}
+
+impl Conv8Problem {
+    /// Checks conv `node`'s values (NHWC codes in, NHWC f16 or codes out, a residual of codes) and
+    /// gathers what its layers need; `weight` is its codes `[K, C, R, S]` and scale per channel.
+    fn new(ctx: &BuildCtx, node: NodeId, a: &ConvAttrs, format: QuantFormat, weight: (&[f32], &[f32])) -> Result<Self> {
+        let (graph, n) = (ctx.graph, ctx.node(node));
+        let sx = quantiser(ctx, node, n.inputs[0], format, "input")?.scale[0];
+        let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
+        let z = if a.residual { Some(ctx.input(node, n.inputs.len() - 1)?) } else { None };
+        let w = ctx.weight(node, 1)?;
+        let [k, c, r, s] = w.shape[..] else { return Err(ctx.err(node, format!("weight shape {:?} is not [K, C, R, S]", w.shape))) };
+        let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
+        let elem = EightBitPlan::elem(format);
+        let nhwc = |d: &ValueDesc| d.dims.len() == 3 && d.layout.same_bytes(Layout::channels_last(3), &d.dims);
+        if dx.elem != elem || !nhwc(&dx) || !nhwc(&dy) || dx.dims[0] != c || dy.dims[0] != k {
+            return Err(ctx.err(
+                node,
+                format!(
+                    "the 8-bit conv reads {:?} {:?} {:?} and writes {:?} {:?}; it needs NHWC {elem:?} [{c}, H, W] in",
+                    dx.elem, dx.dims, dx.layout, dy.elem, dy.dims
+                ),
+            ));
+        }
+        let codes = to_elem_bytes(&kcrs_to_krsc(weight.0, [k, c, r, s]), elem);
+        let alpha: Vec<f32> = weight.1.iter().map(|sw| sx * sw).collect();
+        let bias = if a.bias { Some(ctx.weight(node, 2)?.data.clone()) } else { None };
+        let (z_store, z_scale) = residual_store(ctx, node, format, z, &dy.dims)?;
+        let (y_store, inv_y_scale, range) = output_store(ctx, node, format, dy.elem)?;
+        let shapes: Vec<&[usize]> = n.inputs.iter().map(|&i| graph.nodes[i].shape.as_slice()).collect();
+        let out = super::conv2d_shape(a, &shapes).map_err(|e| ctx.err(node, e))?;
+        let dims = [c, dx.dims[1], dx.dims[2], k, r, s, out[2], out[3]];
+        let geo = kernel_geometry(ctx, node, a, dims)?;
+        let relu = a.act == Activation::Relu;
+        let epilogue = Epilogue8 { z_store, z_scale, y_store, inv_y_scale, range, relu };
+        Ok(Self {
+            format,
+            path: n.path.clone(),
+            x,
+            y,
+            z,
+            y_elem: dy.elem,
+            codes,
+            alpha,
+            bias,
+            epilogue,
+            stride: a.stride,
+            padding: a.padding,
+            dilation: a.dilation,
+            dims,
+            geo,
+        })
+    }
+
+    /// Whether the persistent pointwise kernel applies: 1×1, stride 1, whole 32-byte k-steps,
+    /// requantised output.
+    fn pointwise(&self) -> bool {
+        let [c, _, _, _, r, s, ..] = self.dims;
+        [r, s] == [1, 1]
+            && self.stride == [1, 1]
+            && self.padding == [0, 0]
+            && c.is_power_of_two()
+            && (32..=PW_MAX_C).contains(&c)
+            && self.epilogue.y_store == Store8::Codes
+            && self.epilogue.z_store != Store8::F16
+    }
+
+    /// The kernel's layer of one tile shape (`splits` > 1: split-K, finished by `finish`), with its
+    /// own copies of the codes, alphas and bias.
+    fn layer(
+        &self,
+        ctx: &mut BuildCtx,
+        (entry, variant, splits): (String, Variant, usize),
+        f: CudaFunction,
+        finish: Option<CudaFunction>,
+    ) -> Result<Conv8Layer> {
+        let w = ctx.upload_bytes(&self.codes)?;
+        let alpha = ctx.upload_f32(&self.alpha)?;
+        let bias = self.bias.as_deref().map(|b| ctx.upload_f32(b)).transpose()?;
+        let [.., p, q] = self.dims;
+        Ok(Conv8Layer {
+            path: self.path.clone(),
+            entry,
+            variant,
+            f,
+            x: self.x,
+            y: self.y,
+            z: self.z,
+            w,
+            alpha,
+            bias,
+            epilogue: self.epilogue,
+            geo: self.geo,
+            rows_per_image: p * q,
+            splits,
+            finish,
+            sm_count: ctx.kernels.sm_count(),
+        })
+    }
+
+    /// The epilogue as cuDNN's pointwise steps over their constants: `· alpha[k]`, `+ bias[k]`,
+    /// `+ s_z · z`, ReLU, and requantised output's `· 1/s_y` clamped to the codes' range (int8:
+    /// `[qmin, qmax]`; e4m3: ±448, saturating).
+    fn library_epilogue(&self) -> (Vec<Vec<f32>>, Vec<Step>) {
+        let e = self.epilogue;
+        let mut constants = vec![self.alpha.clone()];
+        let mut steps = vec![Step::Mul(Operand::Channels(0))];
+        if let Some(b) = &self.bias {
+            constants.push(b.clone());
+            steps.push(Step::Add(Operand::Channels(constants.len() - 1)));
+        }
+        if self.z.is_some() {
+            constants.push(vec![e.z_scale]);
+            steps.push(Step::Residual(Operand::Scalar(constants.len() - 1)));
+        }
+        if e.relu {
+            steps.push(Step::Relu);
+        }
+        if e.y_store == Store8::Codes {
+            let (lo, hi) = match self.format {
+                QuantFormat::Int8 => e.range,
+                QuantFormat::Fp8E4m3 => (-448.0, 448.0),
+            };
+            for (v, step) in [(e.inv_y_scale, Step::Mul as fn(Operand) -> Step), (lo, Step::Max), (hi, Step::Min)] {
+                constants.push(vec![v]);
+                steps.push(step(Operand::Scalar(constants.len() - 1)));
+            }
+        }
+        (constants, steps)
+    }
+}
+
+/// How conv `node` reads its residual `z`: as the codes of its quantiser, of the output's
+/// `dims`, with that quantiser's scale; nothing without one.
+fn residual_store(ctx: &BuildCtx, node: NodeId, format: QuantFormat, z: Option<ValueId>, dims: &[usize]) -> Result<(Store8, f32)> {
+    let Some(zv) = z else { return Ok((Store8::None, 0.0)) };
+    let elem = EightBitPlan::elem(format);
+    if ctx.value(zv).elem != elem || ctx.value(zv).dims != dims {
+        return Err(ctx.err(node, format!("its residual is {:?} {:?}, not {elem:?} {:?}", ctx.value(zv).elem, ctx.value(zv).dims, dims)));
+    }
+    let n = ctx.node(node);
+    Ok((Store8::Codes, quantiser(ctx, node, *n.inputs.last().expect("residual"), format, "residual")?.scale[0]))
+}
+
+/// What conv `node` writes as `y_elem`: the codes of the stored quantiser that reads it (its
+/// `1/scale` and range), or f16.
+fn output_store(ctx: &BuildCtx, node: NodeId, format: QuantFormat, y_elem: Elem) -> Result<(Store8, f32, (f32, f32))> {
+    match (y_elem, ctx.eight_bit.requant[node]) {
+        (e, Some(q)) if e == EightBitPlan::elem(format) => {
+            let p = quantiser(ctx, node, q, format, "output")?;
+            Ok((Store8::Codes, 1.0 / p.scale[0], (p.qmin as f32, p.qmax as f32)))
+        }
+        (Elem::F16, None) => Ok((Store8::F16, 0.0, (0.0, 0.0))),
+        (e, _) => Err(ctx.err(node, format!("the 8-bit conv cannot write {e:?}"))),
+    }
+}
+
+/// `dims` (C, H, W, K, R, S, P, Q) and `a`'s stride, padding and dilation as the kernel takes
+/// them, each checked to fit its 32-bit arguments.
+fn kernel_geometry(ctx: &BuildCtx, node: NodeId, a: &ConvAttrs, [c, h, wd, k, r, s, p, q]: [usize; 8]) -> Result<[i32; 14]> {
     let mut geo = [0i32; 14];
     let named = [
         ("H", h),
@@ -407,26 +536,23 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec
     for (g, (name, v)) in geo.iter_mut().zip(named) {
         *g = i32::try_from(v).map_err(|_| ctx.err(node, format!("{name} = {v} exceeds the 8-bit kernel's 32-bit range")))?;
     }
-    ctx.kernels.add_source("conv8.cu", CONV8_CU)?;
-    let path = n.path.clone();
-    let mut out: Vec<Box<dyn Layer>> = Vec::new();
+    Ok(geo)
+}
+
+/// One layer per tile shape of the 8-bit kernel: the three tiles, split-K on the 64-pixel tile
+/// where the reduction is deep enough, and the pointwise kernel where it applies.
+fn kernel_candidates(ctx: &mut BuildCtx, node: NodeId, p: &Conv8Problem) -> Result<Vec<Box<dyn Layer>>> {
+    let [c, _, _, _, r, s, ..] = p.dims;
     let kblocks = (c * r * s).div_ceil(BK);
-    let finish_name = finish_entry(format);
-    // The pointwise kernel: 1×1, stride 1, whole 32-byte k-steps, requantised output.
-    let pointwise = [r, s] == [1, 1]
-        && a.stride == [1, 1]
-        && a.padding == [0, 0]
-        && c.is_power_of_two()
-        && (32..=PW_MAX_C).contains(&c)
-        && y_store == Store8::Codes
-        && z_store != Store8::F16;
+    let finish_name = finish_entry(p.format);
     let shapes = Variant::ALL
         .into_iter()
         .map(|v| (v, 1))
         .chain(SPLITS.into_iter().filter(|&n| kblocks >= 2 * n).map(|n| (Variant { bm: 64, bn: 64, pw_stages: 0 }, n)))
-        .chain(Variant::POINTWISE.into_iter().filter(|_| pointwise).map(|v| (v, 1)));
+        .chain(Variant::POINTWISE.into_iter().filter(|_| p.pointwise()).map(|v| (v, 1)));
+    let mut out: Vec<Box<dyn Layer>> = Vec::new();
     for (variant, splits) in shapes {
-        let entry = variant.entry(format);
+        let entry = variant.entry(p.format);
         let finish = if splits > 1 { Some(ctx.kernels.get(&finish_name)?) } else { None };
         let f = ctx.kernels.get(&entry)?;
         // The limit belongs to the function, which every layer of this entry shares: the
@@ -439,74 +565,32 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec
             Err(e) => return Err(ctx.err(node, format!("`{entry}` cannot have {smem} bytes of shared memory: {e:?}"))),
             Ok(()) => {}
         }
-        let w = ctx.upload_bytes(&codes)?;
-        let alpha = ctx.upload_f32(&alpha)?;
-        let bias = bias.as_deref().map(|b| ctx.upload_f32(b)).transpose()?;
-        out.push(Box::new(Conv8Layer {
-            path: path.clone(),
-            entry,
-            variant,
-            f,
-            x,
-            y,
-            z,
-            w,
-            alpha,
-            bias,
-            z_store,
-            z_scale,
-            y_store,
-            inv_y_scale,
-            range,
-            relu: a.act == Activation::Relu,
-            geo,
-            rows_per_image: p * q,
-            splits,
-            finish,
-            sm_count: ctx.kernels.sm_count(),
-        }));
+        out.push(Box::new(p.layer(ctx, (entry, variant, splits), f, finish)?));
     }
-    // The same conv and epilogue on cuDNN's fused engines.
-    let mut constants = vec![alpha];
-    let mut steps = vec![Step::Mul(Operand::Channels(0))];
-    if let Some(b) = bias {
-        constants.push(b);
-        steps.push(Step::Add(Operand::Channels(constants.len() - 1)));
-    }
-    if z.is_some() {
-        constants.push(vec![z_scale]);
-        steps.push(Step::Residual(Operand::Scalar(constants.len() - 1)));
-    }
-    if a.act == Activation::Relu {
-        steps.push(Step::Relu);
-    }
-    if y_store == Store8::Codes {
-        // v / s_y, then clamped to the codes' range (int8: [qmin, qmax]; e4m3: ±448, saturating).
-        let (lo, hi) = match format {
-            QuantFormat::Int8 => range,
-            QuantFormat::Fp8E4m3 => (-448.0, 448.0),
-        };
-        for (v, step) in [(inv_y_scale, Step::Mul as fn(Operand) -> Step), (lo, Step::Max), (hi, Step::Min)] {
-            constants.push(vec![v]);
-            steps.push(step(Operand::Scalar(constants.len() - 1)));
-        }
-    }
+    Ok(out)
+}
+
+/// The same conv and epilogue on cuDNN's fused engines (its best-ranked configurations).
+fn library_candidates(ctx: &mut BuildCtx, p: &Conv8Problem) -> Result<Vec<Box<dyn Layer>>> {
+    let elem = EightBitPlan::elem(p.format);
+    let (constants, steps) = p.library_epilogue();
     let fused = FusedConv {
         x: elem,
-        y: dy.elem,
-        z: z.map(|_| elem),
-        dims: [c, h, wd, k, r, s, p, q],
-        stride: a.stride,
-        padding: a.padding,
-        dilation: a.dilation,
+        y: p.y_elem,
+        z: p.z.map(|_| elem),
+        dims: p.dims,
+        stride: p.stride,
+        padding: p.padding,
+        dilation: p.dilation,
         steps,
     };
     let (opt, max) = (ctx.config.opt_batch, ctx.config.max_batch);
     let prefix = format!("{LIBRARY_KIND}{}", elem.suffix());
+    let mut out: Vec<Box<dyn Layer>> = Vec::new();
     for cfg in engine_configs(ctx.gpu.handles.cudnn, &fused, opt, LIBRARY_CANDIDATES)? {
-        let w = ctx.upload_bytes(&codes)?;
+        let w = ctx.upload_bytes(&p.codes)?;
         let consts = constants.iter().map(|c| ctx.upload_f32(c)).collect::<Result<Vec<_>>>()?;
-        out.push(Box::new(FusedConvLayer::new(ctx.gpu, &path, &prefix, fused.clone(), cfg, (x, y, z), w, consts, (opt, max))));
+        out.push(Box::new(FusedConvLayer::new(ctx.gpu, &p.path, &prefix, fused.clone(), cfg, (p.x, p.y, p.z), w, consts, (opt, max))));
     }
     Ok(out)
 }
@@ -568,7 +652,7 @@ impl Layer for Conv8Layer {
             reason: format!("batch {batch} needs {blocks} blocks of the 8-bit conv"),
         })?;
         let grid = (blocks, 1, 1);
-        let ptr = |v: Option<ValueId>| v.map_or(0, |v| rt.ptr(v));
+        let (e, ptr) = (self.epilogue, |v: Option<ValueId>| v.map_or(0, |v| rt.ptr(v)));
         let mut args = vec![
             KArg::Ptr(rt.ptr(self.x)),
             KArg::Ptr(self.w.ptr()),
@@ -576,13 +660,13 @@ impl Layer for Conv8Layer {
             KArg::Ptr(self.bias.as_ref().map_or(0, |b| b.ptr())),
             KArg::Ptr(ptr(self.z)),
             KArg::Ptr(rt.ptr(self.y)),
-            KArg::F32(self.z_scale),
-            KArg::F32(self.inv_y_scale),
-            KArg::F32(self.range.0),
-            KArg::F32(self.range.1),
-            KArg::I32(self.z_store as i32),
-            KArg::I32(self.y_store as i32),
-            KArg::I32(self.relu as i32),
+            KArg::F32(e.z_scale),
+            KArg::F32(e.inv_y_scale),
+            KArg::F32(e.range.0),
+            KArg::F32(e.range.1),
+            KArg::I32(e.z_store as i32),
+            KArg::I32(e.y_store as i32),
+            KArg::I32(e.relu as i32),
             KArg::I32(batch as i32),
         ];
         args.extend(self.geo.map(KArg::I32));
@@ -671,13 +755,7 @@ mod tests {
         assert_eq!(pw3.blocks(50_176, 1024, 1, 256, 132), 128);
         assert_eq!(pw3.blocks(100, 256, 1, 64, 132), 2);
         assert_eq!(Variant::ALL[0].blocks(1000, 256, 2, 64, 132), 8 * 4 * 2);
-        assert_eq!(precision_of_kind("kernel:conv8_i8_pw3"), Some("int8"));
         assert_eq!(Variant::ALL.map(|v| v.threads()), [128, 256, 128]);
         assert_eq!(Variant::ALL.map(|v| v.entry(QuantFormat::Int8)), ["conv8_i8_m128n64", "conv8_i8_m128n128", "conv8_i8_m64n64"]);
-        assert_eq!(precision_of_kind("kernel:conv8_i8_m64n64:split4"), Some("int8"));
-        assert_eq!(precision_of_kind("kernel:conv8_e4m3_m128n64"), Some("fp8"));
-        assert_eq!(precision_of_kind("cudnn-fused:IMPLICIT_PRECOMP_GEMM"), None);
-        assert_eq!(precision_of_kind("cudnn-graph-i8:eng4_k24=1"), Some("int8"));
-        assert_eq!(precision_of_kind("cudnn-graph-e4m3:eng2"), Some("fp8"));
     }
 }

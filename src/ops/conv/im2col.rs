@@ -8,15 +8,16 @@
 //! chunks of rows in the layer's workspace (which the arena holds for this layer alone), so a large
 //! batch does not need it whole.
 
-use super::gemm::LtMatmul;
-use super::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
-use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, RunCtx, ValueId};
-use crate::graph::{Activation, ConvAttrs, NodeId};
+use super::{Activation, ConvAttrs};
+use crate::engine::gemm::LtMatmul;
+use crate::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
+use crate::engine::layer::{BuildCtx, DeviceBuf, Elem, Layer, RunCtx, ValueId};
+use crate::graph::NodeId;
 use crate::Result;
 use std::sync::Arc;
 
 /// `kernels/im2col.cu`, compiled with NVRTC on first use like Kiln's other kernels.
-pub const IM2COL_CU: &str = super::kernels::ON_DEMAND[1].1;
+pub const IM2COL_CU: &str = crate::engine::kernels::ON_DEMAND[1].1;
 
 /// Columns the kernel's shared offset table holds (`IM2COL_MAX_K`).
 const MAX_K: usize = 1024;
@@ -151,7 +152,7 @@ impl Im2colGemm {
 
     /// Bytes of the column chunk at `batch`; the GEMM's own workspace follows it, aligned.
     fn col_bytes(&self, batch: usize) -> usize {
-        (self.chunking(batch).0 * self.shared.kp * 2).next_multiple_of(super::arena::ALIGN)
+        (self.chunking(batch).0 * self.shared.kp * 2).next_multiple_of(crate::engine::arena::ALIGN)
     }
 }
 

@@ -1,5 +1,13 @@
 //! Conv2d and ConvTranspose2d: layers, attributes, shape rules, CPU references, converters.
 
+pub mod conv8;
+mod cudnn;
+pub mod depthwise;
+pub mod im2col;
+pub mod stem;
+pub mod strided_gemm;
+pub mod subpixel;
+
 use crate::engine::kernel_layers::PoolKind;
 use crate::engine::layer::Chain;
 use crate::engine::{BuildCtx, Layer, Layout, ValueId};
@@ -561,7 +569,7 @@ fn gpu_conv2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn 
         // problem is another than the same conv's in 16 bits (a Best build times both), and
         // another again where it writes FP16 rather than codes (fewer kernels apply).
         let key = format!("{key} 8-bit to {:?}", ctx.value(ctx.output(node)?).elem);
-        let candidates = crate::engine::conv8::candidates(ctx, node, &a)?;
+        let candidates = conv8::candidates(ctx, node, &a)?;
         return ctx.choose(&key, candidates);
     }
     let y = ctx.output(node)?;
@@ -579,7 +587,7 @@ fn gpu_conv2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn 
     let conv = ctx.choose(&format!("{key} before its max-pool"), inner)?;
     let pool_layer = crate::engine::kernel_layers::pool_layer_between(ctx, node, PoolKind::Max, pool.window(), mid, y)?;
     let mut candidates: Vec<Box<dyn Layer>> = vec![Box::new(Chain { first: conv, second: pool_layer, mid })];
-    candidates.extend(crate::engine::stem::candidates(ctx, node, &a, &pool, [conv_shape[2], conv_shape[3]])?);
+    candidates.extend(stem::candidates(ctx, node, &a, &pool, [conv_shape[2], conv_shape[3]])?);
     ctx.choose(&key, candidates)
 }
 
@@ -588,8 +596,8 @@ fn gpu_conv2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn 
 /// Kiln's depthwise kernel.
 fn conv2d_candidates(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs, y: ValueId) -> Result<Vec<Box<dyn Layer>>> {
     use crate::engine::gemm::{GemmLayer, GemmSpec};
-    let (zeros, w) = (conv_zero_bias(ctx, node)?, ctx.weight(node, 1)?);
-    let problem = conv_problem(ctx, node, &a, w, &zeros, y)?;
+    let (zeros, w) = (cudnn::zero_bias(ctx, node)?, ctx.weight(node, 1)?);
+    let problem = cudnn::problem(ctx, node, &a, w, &zeros, y)?;
     let mut candidates = crate::engine::cudnn::conv_candidates_with(ctx, node, problem)?;
     let pointwise = w.shape[2..] == [1, 1] && a.stride == [1, 1] && a.padding == [0, 0] && a.groups == 1;
     if pointwise {
@@ -599,15 +607,15 @@ fn conv2d_candidates(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs, y: ValueId)
         let residual = if a.residual { Some(ctx.input(node, if a.bias { 3 } else { 2 })?) } else { None };
         let spec = GemmSpec { x, y, residual, rows_per_image: h * wd, weight: &w.data, bias, relu: a.act == Activation::Relu };
         candidates.push(Box::new(GemmLayer::new(ctx, node, spec)?));
-        // An FP8 engine's quantised 1×1 conv also runs on e4m3 tensor cores (engine::quant).
-        candidates.extend(crate::engine::quant::fp8_gemm_candidates(ctx, node, spec)?);
+        // An FP8 engine's quantised 1×1 conv also runs on e4m3 tensor cores (`ops::quant::fp8_gemm`).
+        candidates.extend(crate::ops::quant::fp8_gemm::candidates(ctx, node, spec)?);
     }
     // A strided 1×1 (ResNet's downsample): one strided-batched GEMM over the output rows.
     if let [k, c, 1, 1] = w.shape[..] {
         let bias = if a.bias { Some(ctx.weight(node, 2)?.data.as_slice()) } else { None };
-        candidates.extend(crate::engine::strided_gemm::candidate(ctx, node, &a, &w.data, [k, c, 1, 1], bias, y)?);
+        candidates.extend(strided_gemm::candidate(ctx, node, &a, &w.data, [k, c, 1, 1], bias, y)?);
     }
-    // Few input channels (the stem): im2col + GEMM competes too (engine::im2col decides where it applies).
+    // Few input channels (the stem): im2col + GEMM competes too (`im2col` decides where it applies).
     if let [k, c, r, s] = w.shape[..] {
         let zeros;
         let bias = if a.bias {
@@ -617,47 +625,23 @@ fn conv2d_candidates(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs, y: ValueId)
             zeros.as_slice()
         };
         let x = ctx.input(node, 0)?;
-        candidates.extend(crate::engine::im2col::candidates(ctx, node, &a, &w.data, [k, c, r, s], bias, x, y, a.residual)?);
+        candidates.extend(im2col::candidates(ctx, node, &a, &w.data, [k, c, r, s], bias, x, y, a.residual)?);
     }
     // Depthwise 3x3 / 5x5 (groups == channels): Kiln's own NHWC kernel competes too.
-    candidates.extend(crate::engine::kernel_layers::depthwise_candidate(ctx, node, &a, y)?);
+    candidates.extend(depthwise::candidate(ctx, node, &a, y)?);
     Ok(candidates)
 }
 
 /// ConvTranspose2d through cuDNN's backward-data (bias and ReLU in place after it), and as one
-/// stride-1 convolution per output phase plus a depth-to-space (engine::subpixel); timing picks.
+/// stride-1 convolution per output phase plus a depth-to-space (`subpixel`); timing picks.
 fn gpu_conv_transpose2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn Layer>> {
     let key = ctx.problem_key(node);
-    let (zeros, w) = (conv_zero_bias(ctx, node)?, ctx.weight(node, 1)?);
-    let problem = conv_problem(ctx, node, &a, w, &zeros, ctx.output(node)?)?;
+    let (zeros, w) = (cudnn::zero_bias(ctx, node)?, ctx.weight(node, 1)?);
+    let problem = cudnn::problem(ctx, node, &a, w, &zeros, ctx.output(node)?)?;
     let (weight_shape, bias) = (problem.weight_shape, problem.bias);
-    let mut candidates = crate::engine::subpixel::candidates(ctx, node, &a, &w.data, weight_shape, bias)?;
+    let mut candidates = subpixel::candidates(ctx, node, &a, &w.data, weight_shape, bias)?;
     candidates.extend(crate::engine::cudnn::deconv_candidates(ctx, node, problem)?);
     ctx.choose(&key, candidates)
-}
-
-/// Zeros for a conv node without a bias: one per output channel.
-fn conv_zero_bias(ctx: &BuildCtx, node: NodeId) -> Result<Vec<f32>> {
-    Ok(vec![0.0; ctx.node(node).shape.get(1).copied().unwrap_or(0)])
-}
-
-/// The cuDNN layers' description of a conv node writing `y`: attributes, weight (PyTorch layout),
-/// bias (`zeros` when the node has none), input, output and fused residual.
-fn conv_problem<'a>(
-    ctx: &BuildCtx<'a>,
-    node: NodeId,
-    a: &ConvAttrs,
-    w: &'a HostTensor,
-    zeros: &'a [f32],
-    y: ValueId,
-) -> Result<crate::engine::cudnn::ConvProblem<'a>> {
-    let weight_shape: [usize; 4] = w.shape.as_slice().try_into().map_err(|_| ctx.err(node, format!("weight has shape {:?}", w.shape)))?;
-    let bias = if a.bias { ctx.weight(node, 2)?.data.as_slice() } else { zeros };
-    if bias.len() != zeros.len() {
-        return Err(ctx.err(node, format!("bias has {} values for {} output channels", bias.len(), zeros.len())));
-    }
-    let residual = if a.residual { Some(ctx.input(node, if a.bias { 3 } else { 2 })?) } else { None };
-    Ok(crate::engine::cudnn::ConvProblem { attrs: *a, weight: &w.data, weight_shape, bias, x: ctx.input(node, 0)?, y, z: residual })
 }
 
 #[cfg(test)]

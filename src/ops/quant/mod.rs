@@ -11,8 +11,11 @@
 //!   past 480); `dequantize(q) = q · scale`.
 //!
 //! The graph is f32: a quantised value holds the integers (or e4m3 values) as f32, exactly. The
-//! engine stores them in its activation type and runs these ops with `kernels/quant.cu`; an 8-bit
+//! engine stores them in its activation type and runs these ops with `kernels/quant.cu` (`layers`); an 8-bit
 //! layer reads the scales of the Q/DQ nodes around it (see `calibrate` for where they go).
+
+pub mod fp8_gemm;
+mod layers;
 
 use crate::engine::{BuildCtx, Layer, Layout};
 use crate::graph::{HostTensor, NodeId, Op};
@@ -279,7 +282,7 @@ impl OpDef for Quant {
         LayoutPlan::any_input(inputs, keep)
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
-        crate::engine::quant::quant_layer(ctx, node, self)
+        layers::quant_layer(ctx, node, self)
     }
     fn label(&self) -> String {
         let p = self.params();

@@ -8,9 +8,10 @@
 //! first, so all `N·Ho` row GEMMs are one strided-batched call sharing the weight (batch stride 0)
 //! and the bias: no copy of the subsampled input, bias/ReLU in the epilogue, a residual as C.
 
-use super::gemm::{Batched, LtMatmul};
-use super::layer::{BuildCtx, DeviceBuf, Layer, RunCtx, ValueId};
-use crate::graph::{Activation, ConvAttrs, NodeId};
+use super::{Activation, ConvAttrs};
+use crate::engine::gemm::{Batched, LtMatmul};
+use crate::engine::layer::{BuildCtx, DeviceBuf, Layer, RunCtx, ValueId};
+use crate::graph::NodeId;
 use crate::Result;
 
 /// The shape of the batched GEMM of a strided 1×1 convolution.
