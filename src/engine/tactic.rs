@@ -33,7 +33,7 @@ pub struct Tactics {
     pub timed: usize,
     pub cached: usize,
     /// Per timed choice: key and (kind, ms) of each candidate that ran, for the build log.
-    pub log: Vec<(String, Vec<(String, f32)>)>,
+    pub log: TimingLog,
     /// Every choice made, in order: (module path, kind), whether timed, cached, recorded or
     /// followed (the builder takes a profile's opt choices from it).
     pub chosen: Vec<(String, String)>,
@@ -62,7 +62,28 @@ impl Tactics {
             .map_err(|e| Error::Serialize { what: "the timing cache".into(), reason: e.to_string() })?;
         std::fs::write(path, json).map_err(Error::io(path))
     }
+
+    /// The counters now, so that a summary can count what comes after (`since`).
+    pub(crate) fn mark(&self) -> TacticsMark {
+        TacticsMark { timed: self.timed, cached: self.cached, log: self.log.len() }
+    }
+
+    /// Since `mark`: how many choices were timed, how many came from the cache, and the timing log.
+    pub(crate) fn since(&self, mark: TacticsMark) -> (usize, usize, TimingLog) {
+        (self.timed - mark.timed, self.cached - mark.cached, self.log[mark.log..].to_vec())
+    }
 }
+
+/// A [`Tactics`]' counters at one moment ([`Tactics::mark`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TacticsMark {
+    timed: usize,
+    cached: usize,
+    log: usize,
+}
+
+/// Per timed choice: its key and the (kind, ms) of each candidate that ran.
+pub type TimingLog = Vec<(String, Vec<(String, f32)>)>;
 
 /// Workspace any layer may have whatever the arena's room at it: small engines (batch 1) would
 /// otherwise rule out algorithms over a few MiB that cost nothing in absolute terms.
