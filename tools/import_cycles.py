@@ -13,8 +13,8 @@ than one file are printed, largest first.
 
 A path is resolved through re-exports: `crate::graph::ConvAttrs`, where graph.rs has
 `pub use crate::ops::conv::ConvAttrs`, is an edge to ops/conv.rs, not to graph.rs. By default a
-re-export is naming, not use, so a file that only re-exports (a mod.rs) adds no edge of its own;
-`--reexports` counts it. Pure Python, no dependencies; a heuristic reader of Rust, not a parser:
+re-export is naming, not use: it is an edge only where the file's own code names it, so a file that
+only re-exports (a mod.rs) adds no edge of its own; `--reexports` counts every re-export. Pure Python, no dependencies; a heuristic reader of Rust, not a parser:
 macros' `$crate::` paths and `#[path]` attributes are ignored.
 """
 
@@ -221,15 +221,16 @@ class Crate:
         graph = {rel: set() for rel in self.files.values()}
         for mod, rel in self.files.items():
             targets = []
+            body = USE.sub(" ", self.code[mod])
             for public, target, local in self.uses[mod]:
-                if public and not reexports:
+                # A re-export is a use too where the file's own code names it.
+                if public and not reexports and not (local and re.search(rf"\b{local}\b", body)):
                     continue
                 if local is None:  # a glob: the module it opens
                     m = tuple(target)
                     targets.append(self.files.get(m) or self.resolve(target))
                 else:
                     targets.append(self.resolve(target))
-            body = USE.sub(" ", self.code[mod])
             for m in PATH.finditer(body):
                 segs = [s.strip() for s in m.group(1).split("::")]
                 absolute = self.absolute(mod, segs)
