@@ -1,13 +1,15 @@
 //! `EngineBuilder`: graph → passes → one layer per node through its converter → arena plan.
 //! Loading an engine file runs the same lowering with recorded tactics and no passes.
 
+use super::best::{self, LayerTimes};
 use super::gpu::Gpu;
 use super::kernels::Kernels;
 use super::layer::{Layer, WeightStore};
 use super::plan::lower_plan;
 pub use super::plan::{BuildSummary, MemorySummary, Plan};
+use super::prepare::prepare;
 use super::tactic::Tactics;
-use super::{check_converters, BuildConfig, InputDims};
+use super::{BuildConfig, InputDims, Precision};
 use crate::graph::{DType, Graph};
 use crate::{Error, Result};
 use std::collections::BTreeMap;
@@ -190,46 +192,39 @@ impl EngineBuilder {
         self
     }
 
-    /// Runs the passes, checks every op has a converter (before touching the GPU), lowers and
-    /// plans. Errors name the op and module path.
+    /// Prepares the graph (`engine::prepare`: checks, passes and its precision's quantisers,
+    /// before touching the GPU), lowers and plans it. Errors name the op and module path.
     pub fn build(&self, graph: &Graph) -> Result<Engine> {
         let start = Instant::now();
-        self.config.validate()?;
-        self.config.validate_profiles(graph)?;
-        check_converters(graph)?;
-        let optimized = crate::passes::optimize(graph)?;
-        check_converters(&optimized)?;
-        let optimized = match self.config.precision {
-            super::Precision::Best => crate::calibrate::prepare_for_best(optimized, self.config.calibration_cache.as_deref())?,
-            p => match p.quant_format() {
-                Some(format) => crate::calibrate::prepare_for_engine(optimized, format, self.config.calibration_cache.as_deref())?,
-                // A Q/DQ graph in FP16/FP32 runs its quantisers as they are; weights' are folded.
-                None if crate::calibrate::has_quant_nodes(&optimized) => crate::calibrate::fold_constant_quant(&optimized)?,
-                None => optimized,
-            },
-        };
-        let gpu = match &self.gpu {
-            Some(g) => g.clone(),
-            None => Gpu::new(0)?,
-        };
-        if self.config.precision == super::Precision::Fp8 && gpu.info.sm < 89 {
-            return Err(Error::Config {
-                reason: format!("FP8 needs a GPU of compute capability 8.9 or newer; {} is sm_{}", gpu.info.name, gpu.info.sm),
-            });
-        }
+        let prepared = prepare(graph, &self.config)?;
+        let gpu = self.open_gpu()?;
         let mut tactics = Tactics { cache_prefix: cache_prefix(&gpu, &self.config), progress: self.progress.clone(), ..Default::default() };
         if let Some(path) = &self.config.timing_cache {
             tactics.load_cache(path)?;
         }
         let mut engine = match (self.config.precision, &self.config.best_int8_layers) {
-            (super::Precision::Best, None) => super::best::build(gpu, optimized, self.config.clone(), &mut tactics)?,
-            _ => lower(gpu, optimized, self.config.clone(), &mut tactics)?,
+            (Precision::Best, None) => lower_best(gpu, prepared, self.config.clone(), &mut tactics)?,
+            _ => lower(gpu, prepared, self.config.clone(), &mut tactics)?,
         };
         if let Some(path) = &self.config.timing_cache {
             tactics.save_cache(path)?;
         }
         engine.summary.build_seconds = start.elapsed().as_secs_f64();
         Ok(engine)
+    }
+
+    /// The GPU to build on (GPU 0 unless one was given), checked to run the precision.
+    fn open_gpu(&self) -> Result<Arc<Gpu>> {
+        let gpu = match &self.gpu {
+            Some(g) => g.clone(),
+            None => Gpu::new(0)?,
+        };
+        if self.config.precision == Precision::Fp8 && gpu.info.sm < 89 {
+            return Err(Error::Config {
+                reason: format!("FP8 needs a GPU of compute capability 8.9 or newer; {} is sm_{}", gpu.info.name, gpu.info.sm),
+            });
+        }
+        Ok(gpu)
     }
 }
 
@@ -291,4 +286,35 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
         tactics: Mutex::new(tactics.recorded.clone()),
         summary,
     })
+}
+
+/// Lowers a `Best` engine whose INT8 convs are not chosen yet: `best::search` lowers and profiles
+/// candidate plans through this builder and keeps the fastest; its line joins the summary. With
+/// nothing to search, the all-16-bit engine, unprofiled.
+fn lower_best(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &mut Tactics) -> Result<Engine> {
+    let with = |layers: Vec<String>| BuildConfig { best_int8_layers: Some(layers), ..config.clone() };
+    let int8 = best::int8_convs(&graph, &config, gpu.info.sm);
+    if int8.is_empty() {
+        return lower(gpu, graph, with(vec![]), tactics);
+    }
+    let mark = tactics.mark();
+    let measure = |layers: Vec<String>| layer_times(lower(gpu.clone(), graph.clone(), with(layers), tactics)?, config.opt_batch);
+    let (mut engine, search) = best::search(&graph, &config, gpu.info.sm, int8, measure)?;
+    let summary = &mut engine.summary;
+    summary.quantised = Some(summary.quantised.take().map_or(search.clone(), |q| format!("{q}\n{search}")));
+    (summary.tactics_timed, summary.tactics_cached, summary.tactic_log) = tactics.since(mark);
+    Ok(engine)
+}
+
+/// `engine` with the device time of each of its module paths at `batch` (`profile_layers`).
+fn layer_times(engine: Engine, batch: usize) -> Result<(Engine, LayerTimes)> {
+    let engine = Arc::new(engine);
+    let ms = engine.context()?.profile_layers(batch, best::PROFILE_ITERS)?;
+    let mut times = LayerTimes::new();
+    for (layer, t) in engine.plan.layers.iter().zip(ms) {
+        *times.entry(layer.path().to_string()).or_default() += t;
+    }
+    let engine =
+        Arc::try_unwrap(engine).map_err(|_| Error::Config { reason: "a Best candidate engine is still shared after profiling".into() })?;
+    Ok((engine, times))
 }

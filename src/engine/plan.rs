@@ -4,13 +4,13 @@
 //! arena) and summarise.
 
 use super::arena::{self, ArenaPlan, StepUse};
-use super::config::{BuildConfig, InputDims};
+use super::config::{node_precisions, BuildConfig, InputDims};
 use super::conv8::{self, EightBitPlan};
 use super::converters::is_structural;
 use super::gpu::{cuda_err, Gpu};
 use super::kernels::{self, Kernels};
 use super::layer::{BuildCtx, Elem, Layer, Layout, RunCtx, Storage, ValueDesc, ValueId, WeightStore, MAX_RANK};
-use super::precision::{node_precisions, Precision};
+use super::precision::Precision;
 use super::quant::FP8_GEMM;
 use super::tactic::{Tactics, TacticsMark};
 use crate::graph::{DType, Graph, NodeId, Op};
@@ -614,7 +614,10 @@ fn quantised(graph: &Graph, config: &BuildConfig, layers: &[Box<dyn Layer>]) -> 
     match config.precision {
         Precision::Best => {
             let fp8 = count(&|k| k.starts_with(FP8_GEMM));
-            Some(crate::calibrate::best_summary(graph, int8, fp8))
+            Some(format!(
+                "best: of {} conv/linear layer(s) with a calibrated range, {int8} won their timing on INT8 tensor cores (`conv8`) and {fp8} on FP8 GEMMs (`{FP8_GEMM}`); every other layer computes in FP16 on unquantised values",
+                crate::calibrate::quantised_layers(graph),
+            ))
         }
         _ => crate::calibrate::quant_summary(graph, int8),
     }

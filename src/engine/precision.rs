@@ -1,9 +1,7 @@
-//! The arithmetic of an engine ([`Precision`]) and of each of its layers: per-layer rules
-//! ([`LayerPrecision`], TensorRT's `--layerPrecisions`) and the precision each node computes in.
+//! The arithmetic of an engine ([`Precision`]) and the per-layer rules that override it
+//! ([`LayerPrecision`], TensorRT's `--layerPrecisions`).
 
 use super::layer::Elem;
-use super::BuildConfig;
-use crate::graph::{Graph, Op};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
@@ -167,26 +165,9 @@ pub fn glob_match(pattern: &str, text: &str) -> bool {
     p[i..].iter().all(|&c| c == '*')
 }
 
-/// The precision each node of an optimised graph computes in: the engine's, unless a rule of the
-/// graph (`Graph::fp32_layers`) or of the config (`BuildConfig::layer_precisions`) matches its
-/// module path. A graph input takes its first reader's, so an FP32 first layer reads the f32
-/// binding without a round trip through f16. Needs no GPU.
-pub fn node_precisions(graph: &Graph, config: &BuildConfig) -> Vec<Precision> {
-    let mut p: Vec<Precision> = graph.nodes.iter().map(|n| config.precision_of(&graph.fp32_layers, &n.path)).collect();
-    for (id, node) in graph.nodes.iter().enumerate() {
-        if matches!(node.op, Op::Input { .. }) {
-            if let Some(reader) = graph.nodes.iter().position(|m| m.inputs.contains(&id)) {
-                p[id] = p[reader];
-            }
-        }
-    }
-    p
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Conv2d, Conv2dConfig, Forward, Module, Tracer, VarBuilder};
 
     #[test]
     fn globs_match_whole_paths() {
@@ -235,35 +216,5 @@ mod tests {
             let text = err.to_string();
             assert!(text.starts_with("--layer-precisions") && text.contains(why), "{spec}: {text}");
         }
-    }
-
-    /// A conv, a ReLU and a second conv: each node gets its rule's precision, the input its
-    /// first reader's, and the passes keep the graph's own FP32 patterns.
-    #[test]
-    fn nodes_lower_in_their_rules_precision() {
-        let tracer = Tracer::new();
-        let x = tracer.input("input", &[1, 3, 8, 8]);
-        let vb = VarBuilder::seeded();
-        let y = Conv2d::load(vb.pp("stem"), &Conv2dConfig::new(3, 8, 3).padding(1)).and_then(|c| c.forward(&x)).expect("stem");
-        let y = y.relu().expect("relu");
-        let y = Conv2d::load(vb.pp("head.conv"), &Conv2dConfig::new(8, 4, 1)).and_then(|c| c.forward(&y)).expect("head");
-        tracer.output("y", &y.sigmoid().expect("sigmoid"));
-        tracer.require_fp32("head.sigmoid");
-        let graph = crate::passes::optimize(&tracer.graph()).expect("passes");
-        assert_eq!(graph.fp32_layers, ["head.sigmoid"], "the passes keep the graph's rules");
-        let of = |config: &BuildConfig| -> Vec<(String, Precision)> {
-            let p = node_precisions(&graph, config);
-            graph.nodes.iter().zip(p).filter(|(n, _)| !matches!(n.op, Op::Weight { .. })).map(|(n, p)| (n.path.clone(), p)).collect()
-        };
-        let fp16 = BuildConfig::default();
-        let mixed = fp16.clone().layer_precision("stem", Precision::Fp32);
-        // The ReLU is fused into the stem's conv, which keeps the conv's path.
-        let paths: Vec<String> = of(&fp16).into_iter().map(|(p, _)| p).collect();
-        assert_eq!(paths, ["input", "stem", "head.conv", "head.sigmoid"]);
-        use Precision::{Fp16, Fp32};
-        assert_eq!(of(&fp16).into_iter().map(|(_, p)| p).collect::<Vec<_>>(), [Fp16, Fp16, Fp16, Fp32]);
-        assert_eq!(of(&mixed).into_iter().map(|(_, p)| p).collect::<Vec<_>>(), [Fp32, Fp32, Fp16, Fp32]);
-        let all32 = BuildConfig::default().precision(Precision::Fp32).layer_precision("head", Precision::Fp16);
-        assert_eq!(of(&all32).into_iter().map(|(_, p)| p).collect::<Vec<_>>(), [Fp32, Fp32, Fp16, Fp16]);
     }
 }
