@@ -1,4 +1,6 @@
-//! `EngineBuilder`: graph → passes → one layer per node through its converter → arena plan.
+//! `EngineBuilder`: graph → `prepare` (checks, passes, the precision's quantisers) → one plan per
+//! build shape (`plan::lower_plan`: a layer per node through its converter, over an arena) →
+//! [`Engine`]. `Best` searches its INT8 convs here (`best::search`, lowering through this file).
 //! Loading an engine file runs the same lowering with recorded tactics and no passes.
 
 use super::best::{self, LayerTimes};
