@@ -25,8 +25,8 @@
 //! A graph that already holds `quantize` / `dequantize` / `fake_quantize` nodes (quantisation-aware
 //! training, explicit precision) is built with exactly those scales and needs no cache.
 
-use crate::engine::file::{fnv1a_extend, FNV_OFFSET};
 use crate::graph::{ConvAttrs, Gemm, Graph, HostTensor, NodeId, Op, Quant, QuantFormat, QuantParams};
+use crate::hash::{fnv1a_extend, FNV_OFFSET};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -628,18 +628,8 @@ pub fn quant_summary(graph: &Graph, native: usize) -> Option<String> {
     ))
 }
 
-/// A `Best` engine's summary line: how many of the layers with a calibrated range took an INT8
-/// conv (`int8_layers`) or an FP8 GEMM (`fp8_layers`), counted by the builder from its layers.
-pub fn best_summary(graph: &Graph, int8_layers: usize, fp8_layers: usize) -> String {
-    format!(
-        "best: of {} conv/linear layer(s) with a calibrated range, {int8_layers} won their timing on INT8 tensor cores (`conv8`) and {fp8_layers} on FP8 GEMMs (`{}`); every other layer computes in FP16 on unquantised values",
-        quantised_layers(graph),
-        crate::engine::eight_bit::FP8_GEMM
-    )
-}
-
 /// The conv/linear layers whose activation input is a quantiser's output.
-fn quantised_layers(graph: &Graph) -> usize {
+pub fn quantised_layers(graph: &Graph) -> usize {
     graph.nodes.iter().filter(|n| quantizable(&n.op) && matches!(n.inputs.first().map(|&j| &graph.nodes[j].op), Some(Op::Quant(_)))).count()
 }
 

@@ -16,6 +16,7 @@ pub mod engine;
 pub mod error;
 pub mod graph;
 pub mod graph_file;
+mod hash;
 pub mod layerwise;
 pub mod module;
 pub mod ops;

@@ -15,16 +15,12 @@
 //! fastest of the measured plans is the engine. Its INT8 convs are recorded in the engine's
 //! `BuildConfig::best_int8_layers`, so a loaded engine lowers the same plan without searching.
 
-use super::builder::{lower, Engine};
+use super::config::{node_precisions, BuildConfig};
 use super::eight_bit::{self, EightBitPlan};
-use super::gpu::Gpu;
-use super::tactic::Tactics;
-use super::{node_precisions, BuildConfig};
-use crate::graph::{Graph, NodeId, Op};
 use crate::ops::conv::conv8;
-use crate::{Error, Result};
+use crate::graph::{Graph, NodeId, Op};
+use crate::Result;
 use std::collections::{BTreeMap, HashSet};
-use std::sync::Arc;
 
 /// Device time per module path, in milliseconds, summed over the path's layers.
 pub type LayerTimes = BTreeMap<String, f64>;
@@ -36,70 +32,64 @@ pub const QUANTISE_BYTES_PER_MS: f64 = 2.0e9;
 /// A kernel's fixed cost, added to each estimated quantiser (ms).
 const LAUNCH_MS: f64 = 0.002;
 /// Replays per layer when profiling a candidate plan.
-const PROFILE_ITERS: usize = 20;
+pub(crate) const PROFILE_ITERS: usize = 20;
 
-/// Builds a `Best` engine whose INT8 convs are not chosen yet (module docs): lowers and profiles
-/// the all-16-bit and all-INT8 plans, then the modelled best mix, and returns the fastest.
-pub(crate) fn build(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &mut Tactics) -> Result<Engine> {
-    let with = |layers: Vec<String>| BuildConfig { best_int8_layers: Some(layers), ..config.clone() };
-    let precisions = node_precisions(&graph, &config);
-    let all = conv8::plan(&graph, &BuildConfig { best_int8_layers: None, ..config.clone() }, &precisions, gpu.info.sm);
-    let int8 = paths(&graph, &all.conv);
-    // Tactic sources that leave out the 8-bit kernels leave Best its 16-bit layers.
+/// The convs a `Best` build starts its search from: every conv that can run on INT8 (module
+/// paths). Empty where there is nothing to search: no conv can, or the tactic sources leave out
+/// the 8-bit kernels (Best keeps its 16-bit layers).
+pub(crate) fn int8_convs(graph: &Graph, config: &BuildConfig, sm: u32) -> Vec<String> {
+    let precisions = node_precisions(graph, config);
+    let all = conv8::plan(graph, &BuildConfig { best_int8_layers: None, ..config.clone() }, &precisions, sm);
     let allowed = config.tactic_sources.as_ref().is_none_or(|sources| {
         sources.iter().any(|s| [eight_bit::KIND, eight_bit::LIBRARY_KIND].iter().any(|k| k.starts_with(s.as_str()) || s.starts_with(k)))
     });
-    if int8.is_empty() || !allowed {
-        return lower(gpu, graph, with(vec![]), tactics);
+    if allowed {
+        paths(graph, &all.conv)
+    } else {
+        Vec::new()
     }
-    let (timed, cached, log) = (tactics.timed, tactics.cached, tactics.log.len());
+}
+
+/// Searches a `Best` engine's INT8 convs (module docs) from `int8` (`int8_convs`, not empty):
+/// `measure` lowers the graph with the INT8 convs it is given and profiles the plan layer by
+/// layer at the opt batch (the builder's lowering and `profile_layers`). Returns the fastest
+/// measured engine and the search's line for the build summary.
+pub(crate) fn search<E>(
+    graph: &Graph,
+    config: &BuildConfig,
+    sm: u32,
+    int8: Vec<String>,
+    mut measure: impl FnMut(Vec<String>) -> Result<(E, LayerTimes)>,
+) -> Result<(E, String)> {
     let batch = config.opt_batch;
+    let mut sets = vec![vec![], int8.clone()];
     let mut measured = Vec::new();
-    for layers in [vec![], int8.clone()] {
-        let engine = lower(gpu.clone(), graph.clone(), with(layers), tactics)?;
-        measured.push(profile(engine, batch)?);
+    for layers in sets.clone() {
+        measured.push(measure(layers)?);
     }
-    let chosen = choose(&graph, &config, gpu.info.sm, batch, &measured[0].1, &measured[1].1);
+    let chosen = choose(graph, config, sm, batch, &measured[0].1, &measured[1].1);
     if !chosen.is_empty() && chosen != int8 {
-        let engine = lower(gpu.clone(), graph.clone(), with(chosen), tactics)?;
-        measured.push(profile(engine, batch)?);
+        sets.push(chosen.clone());
+        measured.push(measure(chosen)?);
     }
     let totals: Vec<f64> = measured.iter().map(|(_, t)| t.values().sum()).collect();
     let fastest = (0..totals.len()).min_by(|&a, &b| totals[a].total_cmp(&totals[b])).expect("two plans were measured");
-    let (mut engine, _) = measured.swap_remove(fastest);
-    let int8_layers = engine.config.best_int8_layers.as_ref().map_or(0, Vec::len);
+    let (engine, _) = measured.swap_remove(fastest);
+    let int8_layers = sets[fastest].len();
     let mixed = totals.get(2).map(|t| format!(", the modelled mix {t:.3} ms")).unwrap_or_default();
-    let search = format!(
+    let line = format!(
         "best search at batch {batch}, layers profiled one by one: every conv in 16 bits {:.3} ms, every conv that can ({}) on INT8 {:.3} ms{mixed}; kept the {} plan ({int8_layers} INT8 convs)",
         totals[0],
         int8.len(),
         totals[1],
         ["16-bit", "INT8", "mixed"][fastest],
     );
-    let summary = &mut engine.summary;
-    summary.quantised = Some(summary.quantised.take().map_or(search.clone(), |q| format!("{q}\n{search}")));
-    summary.tactics_timed = tactics.timed - timed;
-    summary.tactics_cached = tactics.cached - cached;
-    summary.tactic_log = tactics.log[log..].to_vec();
-    Ok(engine)
+    Ok((engine, line))
 }
 
 /// The module paths of the nodes `which` marks.
 fn paths(graph: &Graph, which: &[bool]) -> Vec<String> {
     graph.nodes.iter().zip(which).filter(|(_, &w)| w).map(|(n, _)| n.path.clone()).collect()
-}
-
-/// `engine` with the device time of each of its module paths at `batch` (`profile_layers`).
-fn profile(engine: Engine, batch: usize) -> Result<(Engine, LayerTimes)> {
-    let engine = Arc::new(engine);
-    let ms = engine.context()?.profile_layers(batch, PROFILE_ITERS)?;
-    let mut times = LayerTimes::new();
-    for (layer, t) in engine.plan.layers.iter().zip(ms) {
-        *times.entry(layer.path().to_string()).or_default() += t;
-    }
-    let engine =
-        Arc::try_unwrap(engine).map_err(|_| Error::Config { reason: "a Best candidate engine is still shared after profiling".into() })?;
-    Ok((engine, times))
 }
 
 /// The INT8 convs (module paths) of the fastest mix the model finds (module docs), from the

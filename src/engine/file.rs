@@ -20,6 +20,8 @@ use super::gpu::{Gpu, GpuInfo};
 use super::tactic::Tactics;
 use super::BuildConfig;
 use crate::graph::{Graph, HostTensor};
+/// Kiln's FNV-1a (`crate::hash`), as the engine's kernel cache keys (`engine::kernels`) read it.
+pub use crate::hash::{fnv1a_extend, FNV_OFFSET};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -64,14 +66,6 @@ struct Meta {
     tactics: BTreeMap<String, String>,
     /// Weight names and shapes, in the order of the f32 data after the metadata.
     weights: Vec<(String, Vec<usize>)>,
-}
-
-/// FNV-1a's 64-bit offset basis: the hash of nothing.
-pub const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-
-/// Continues a 64-bit FNV-1a hash `h` over `bytes` (Kiln's one FNV-1a: checksums and cache keys).
-pub fn fnv1a_extend(h: u64, bytes: &[u8]) -> u64 {
-    bytes.iter().fold(h, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
 /// FNV-1a, 64 bit: detects any changed byte; this is integrity checking, not security.

@@ -4,10 +4,12 @@
 //! engine file replays it without timing) and in the timing cache (keyed by device, precision, opt
 //! batch and problem, so rebuilding any engine with the same layers times nothing).
 
+use super::config::BuildConfig;
 use super::gpu::cuda_err;
 use super::layer::{BuildCtx, DeviceBuf, Layer, RunCtx, ValueId};
 use crate::{Error, Result};
 use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::CudaEvent;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -33,7 +35,7 @@ pub struct Tactics {
     pub timed: usize,
     pub cached: usize,
     /// Per timed choice: key and (kind, ms) of each candidate that ran, for the build log.
-    pub log: Vec<(String, Vec<(String, f32)>)>,
+    pub log: TimingLog,
     /// Every choice made, in order: (module path, kind), whether timed, cached, recorded or
     /// followed (the builder takes a profile's opt choices from it).
     pub chosen: Vec<(String, String)>,
@@ -62,68 +64,53 @@ impl Tactics {
             .map_err(|e| Error::Serialize { what: "the timing cache".into(), reason: e.to_string() })?;
         std::fs::write(path, json).map_err(Error::io(path))
     }
+
+    /// The counters now, so that a summary can count what comes after (`since`).
+    pub(crate) fn mark(&self) -> TacticsMark {
+        TacticsMark { timed: self.timed, cached: self.cached, log: self.log.len() }
+    }
+
+    /// Since `mark`: how many choices were timed, how many came from the cache, and the timing log.
+    pub(crate) fn since(&self, mark: TacticsMark) -> (usize, usize, TimingLog) {
+        (self.timed - mark.timed, self.cached - mark.cached, self.log[mark.log..].to_vec())
+    }
 }
+
+/// A [`Tactics`]' counters at one moment ([`Tactics::mark`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TacticsMark {
+    timed: usize,
+    cached: usize,
+    log: usize,
+}
+
+/// Per timed choice: its key and the (kind, ms) of each candidate that ran.
+pub type TimingLog = Vec<(String, Vec<(String, f32)>)>;
 
 /// Workspace any layer may have whatever the arena's room at it: small engines (batch 1) would
 /// otherwise rule out algorithms over a few MiB that cost nothing in absolute terms.
 pub const WORKSPACE_FLOOR: usize = 8 << 20;
 
+/// The layer for one problem (`key`) of the node being converted, from its candidates: recorded,
+/// the only one, followed from a profile's opt shape, cached, or the fastest by timing (in that
+/// order). The choice is recorded in the engine, and a timed one in the timing cache.
 pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Layer>>) -> Result<Box<dyn Layer>> {
     let node = ctx.current;
-    // A layer in another precision than the engine's (a per-layer rule) is another problem: its
-    // timings and its cache entry are its own.
-    let tagged;
-    let key = if ctx.precision() != ctx.config.precision {
-        tagged = format!("{key} @{}", ctx.precision().short_name());
-        tagged.as_str()
-    } else {
-        key
-    };
+    let key = problem_key(ctx, key);
     let rkey = format!("{}|{key}", ctx.node(node).path);
     if candidates.is_empty() {
         return Err(ctx.err(node, format!("no candidate layer for {key}")));
     }
-    let mut candidates = candidates;
-    if let Some(sources) = &ctx.config.tactic_sources {
-        let allowed = |kind: String| sources.iter().any(|p| kind.starts_with(p.as_str()));
-        if candidates.iter().any(|c| allowed(c.kind())) {
-            candidates.retain(|c| allowed(c.kind()));
-        }
-    }
-    let pick = |candidates: Vec<Box<dyn Layer>>, kind: &str| candidates.into_iter().find(|c| c.kind() == kind);
-
+    let mut candidates = restrict_to_sources(ctx.config, candidates);
     // A recorded choice (a loaded engine, or the same problem already lowered for another shape).
     if let Some(kind) = ctx.tactics.recorded.get(&rkey).cloned() {
-        return pick(candidates, &kind).ok_or_else(|| ctx.err(node, format!("recorded tactic `{kind}` is not available on this device")));
+        return take(candidates, &kind).ok_or_else(|| ctx.err(node, format!("recorded tactic `{kind}` is not available on this device")));
     }
     if candidates.len() == 1 {
-        // A candidate left alone by `tactic_sources` is the user's choice, not the only way to
-        // lower the node: it is run once here, so a configuration the device refuses is a build
-        // error naming it rather than a failure at the first run.
-        if ctx.config.tactic_sources.is_some() && !ctx.tactics.replay {
-            if let [Err(reason)] = &time_candidates(ctx, &candidates, false)?[..] {
-                return Err(ctx.err(node, format!("the forced tactic `{}` does not run here: {reason}", candidates[0].kind())));
-            }
-        }
-        let only = candidates.into_iter().next().expect("one candidate");
-        ctx.tactics.recorded.insert(rkey, only.kind());
-        return Ok(only);
+        return only(ctx, rkey, candidates);
     }
-    let path = &ctx.node(node).path;
-    if let Some(kind) = ctx.tactics.follow.get(path).cloned() {
-        // Never timed, so a built engine and its reload lower the same shape alike: opt's kind,
-        // else the same algorithm sliced differently (the arena's room differs between shapes),
-        // else the first candidate that runs here.
-        let kinds: Vec<String> = candidates.iter().map(|c| c.kind()).collect();
-        let mut order: Vec<usize> = (0..kinds.len()).filter(|&i| kinds[i] == kind).collect();
-        order.extend((0..kinds.len()).filter(|&i| kinds[i] != kind && unsliced(&kinds[i]) == unsliced(&kind)));
-        order.extend((0..kinds.len()).filter(|&i| unsliced(&kinds[i]) != unsliced(&kind)));
-        for i in order {
-            if let [Ok(_)] = time_candidates(ctx, &candidates[i..=i], false)?[..] {
-                ctx.tactics.recorded.insert(rkey, kinds[i].clone());
-                return Ok(candidates.into_iter().nth(i).expect("index"));
-            }
-        }
+    if let Some(layer) = followed(ctx, &rkey, &mut candidates)? {
+        return Ok(layer);
     }
     if ctx.tactics.replay {
         return Err(ctx.err(node, format!("the engine file records no tactic for {key}")));
@@ -133,20 +120,88 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
         if candidates.iter().any(|c| c.kind() == kind) {
             ctx.tactics.cached += 1;
             ctx.tactics.recorded.insert(rkey, kind.clone());
-            return Ok(pick(candidates, &kind).expect("present"));
+            return Ok(take(candidates, &kind).expect("present"));
         }
     }
+    let layer = fastest(ctx, &key, candidates)?;
+    ctx.tactics.recorded.insert(rkey, layer.kind());
+    ctx.tactics.cache.insert(ckey, layer.kind());
+    Ok(layer)
+}
 
+/// The problem as the engine and the timing cache know it: a layer in another precision than the
+/// engine's (a per-layer rule) is another problem, with its own timings and cache entry.
+fn problem_key(ctx: &BuildCtx, key: &str) -> String {
+    if ctx.precision() != ctx.config.precision {
+        format!("{key} @{}", ctx.precision().short_name())
+    } else {
+        key.to_string()
+    }
+}
+
+/// `candidates` of the tactic sources only, where any is of one; a layer with none of their kinds
+/// keeps all of its own.
+fn restrict_to_sources(config: &BuildConfig, mut candidates: Vec<Box<dyn Layer>>) -> Vec<Box<dyn Layer>> {
+    if let Some(sources) = &config.tactic_sources {
+        let allowed = |kind: String| sources.iter().any(|p| kind.starts_with(p.as_str()));
+        if candidates.iter().any(|c| allowed(c.kind())) {
+            candidates.retain(|c| allowed(c.kind()));
+        }
+    }
+    candidates
+}
+
+/// The candidate of `kind`, if there is one.
+fn take(candidates: Vec<Box<dyn Layer>>, kind: &str) -> Option<Box<dyn Layer>> {
+    candidates.into_iter().find(|c| c.kind() == kind)
+}
+
+/// The one candidate. One left alone by `tactic_sources` is the user's choice, not the only way
+/// to lower the node: it is run once here, so a configuration the device refuses is a build error
+/// naming it rather than a failure at the first run.
+fn only(ctx: &mut BuildCtx, rkey: String, candidates: Vec<Box<dyn Layer>>) -> Result<Box<dyn Layer>> {
+    if ctx.config.tactic_sources.is_some() && !ctx.tactics.replay {
+        if let [Err(reason)] = &time_candidates(ctx, &candidates, false)?[..] {
+            return Err(ctx.err(ctx.current, format!("the forced tactic `{}` does not run here: {reason}", candidates[0].kind())));
+        }
+    }
+    let only = candidates.into_iter().next().expect("one candidate");
+    ctx.tactics.recorded.insert(rkey, only.kind());
+    Ok(only)
+}
+
+/// For another shape of a profile: the kind chosen at its opt shape, else the same algorithm
+/// sliced differently (the arena's room differs between shapes), else the first candidate that
+/// runs here. Never timed, so a built engine and its reload lower the same shape alike. `None`
+/// where the node follows nothing, or no candidate runs.
+fn followed(ctx: &mut BuildCtx, rkey: &str, candidates: &mut Vec<Box<dyn Layer>>) -> Result<Option<Box<dyn Layer>>> {
+    let Some(kind) = ctx.tactics.follow.get(&ctx.node(ctx.current).path).cloned() else { return Ok(None) };
+    let kinds: Vec<String> = candidates.iter().map(|c| c.kind()).collect();
+    let mut order: Vec<usize> = (0..kinds.len()).filter(|&i| kinds[i] == kind).collect();
+    order.extend((0..kinds.len()).filter(|&i| kinds[i] != kind && unsliced(&kinds[i]) == unsliced(&kind)));
+    order.extend((0..kinds.len()).filter(|&i| unsliced(&kinds[i]) != unsliced(&kind)));
+    for i in order {
+        if let [Ok(_)] = time_candidates(ctx, &candidates[i..=i], false)?[..] {
+            ctx.tactics.recorded.insert(rkey.to_string(), kinds[i].clone());
+            return Ok(Some(candidates.remove(i)));
+        }
+    }
+    Ok(None)
+}
+
+/// Times every candidate and takes the fastest, or the fastest within the arena's room
+/// (`within_room`); logs the times. An error lists why each failed when none ran.
+fn fastest(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Layer>>) -> Result<Box<dyn Layer>> {
     let times = time_candidates(ctx, &candidates, true)?;
     let mut best: Option<(usize, f32)> = None;
     let mut failures = Vec::new();
     let mut log = Vec::new();
-    let mut log_times = Vec::new();
+    let mut ran = Vec::new();
     for (i, t) in times.into_iter().enumerate() {
         match t {
             Ok(ms) => {
                 log.push((candidates[i].kind(), ms));
-                log_times.push((i, ms));
+                ran.push((i, ms));
                 if best.is_none_or(|(_, b)| ms < b) {
                     best = Some((i, ms));
                 }
@@ -155,11 +210,23 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
         }
     }
     let Some((mut winner, _)) = best else {
-        return Err(ctx.err(node, format!("no candidate ran for {key}: {}", failures.join("; "))));
+        return Err(ctx.err(ctx.current, format!("no candidate ran for {key}: {}", failures.join("; "))));
     };
-    // Memory beyond the room the arena has at this layer (a workspace, or a candidate's scratch)
-    // would grow every context's arena: the fastest candidate that fits the room (at least
-    // `WORKSPACE_FLOOR`) is taken; the fastest overall only if none fits.
+    if let Some((i, ms, room)) = within_room(ctx, &candidates, &ran, winner) {
+        log.push((format!("chosen: {} ({ms:.4} ms), the fastest within the arena's room of {room} bytes", candidates[i].kind()), ms));
+        winner = i;
+    }
+    let layer = candidates.into_iter().nth(winner).expect("winner index");
+    ctx.tactics.timed += 1;
+    ctx.tactics.log.push((key.to_string(), log));
+    Ok(layer)
+}
+
+/// Memory beyond the room the arena has at this layer (a workspace, or a candidate's scratch)
+/// would grow every context's arena. Where the fastest candidate (`winner`) needs more than the
+/// room (at least `WORKSPACE_FLOOR`), the fastest of those that ran (`ran`: index and ms) that
+/// fits, and the room; `None` where the winner fits, none does, or `fastest_tactics` is on.
+fn within_room(ctx: &BuildCtx, candidates: &[Box<dyn Layer>], ran: &[(usize, f32)], winner: usize) -> Option<(usize, f32, usize)> {
     let room = ctx.workspace_budget.max(WORKSPACE_FLOOR);
     let need = |i: usize| {
         let c = &candidates[i];
@@ -171,19 +238,10 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
             .sum();
         c.workspace_bytes(ctx.config.max_batch) + scratch
     };
-    if need(winner) > room && !ctx.config.fastest_tactics {
-        let fits = log_times.iter().filter(|&&(i, _)| need(i) <= room).min_by(|a, b| a.1.total_cmp(&b.1));
-        if let Some(&(i, ms)) = fits {
-            log.push((format!("chosen: {} ({ms:.4} ms), the fastest within the arena's room of {room} bytes", candidates[i].kind()), ms));
-            winner = i;
-        }
+    if need(winner) <= room || ctx.config.fastest_tactics {
+        return None;
     }
-    let layer = candidates.into_iter().nth(winner).expect("winner index");
-    ctx.tactics.timed += 1;
-    ctx.tactics.log.push((key.to_string(), log));
-    ctx.tactics.recorded.insert(rkey, layer.kind());
-    ctx.tactics.cache.insert(ckey, layer.kind());
-    Ok(layer)
+    ran.iter().filter(|&&(i, _)| need(i) <= room).min_by(|a, b| a.1.total_cmp(&b.1)).map(|&(i, ms)| (i, ms, room))
 }
 
 /// A layer kind without its batch slicing (`:by8`): the algorithm it runs.
@@ -210,39 +268,15 @@ fn time_candidates(ctx: &BuildCtx, candidates: &[Box<dyn Layer>], timed: bool) -
     let mut batches = vec![ctx.config.min_batch, batch, ctx.config.max_batch];
     batches.dedup();
     let stream = &ctx.gpu.stream;
-    // The inputs in the layouts the converter asked for (reformatted copies where they differ).
-    let mut touched: Vec<ValueId> = ctx.current_inputs.iter().flatten().copied().collect();
-    touched.extend(ctx.node_values[ctx.current]);
-    touched.extend(ctx.scratch.iter().chain(&ctx.candidate_scratch).copied());
-
-    let mut ptrs = vec![0u64; ctx.values.len()];
-    let mut bufs = Vec::new();
-    let engine = |what: String| {
-        let c = ctx.config;
-        move || {
-            format!(
-                "{what} of layer `{}` for tactic timing (engine for batch {}..={}, {:?})",
-                ctx.node(ctx.current).path,
-                c.min_batch,
-                c.max_batch,
-                c.precision
-            )
-        }
-    };
-    for v in touched {
-        let buf = DeviceBuf::zeros(stream, ctx.value(v).bytes(ctx.config.max_batch))
-            .map_err(|e| e.out_of_memory_in(engine(format!("value `{}`", ctx.value(v).name))))?;
-        ptrs[v.0] = buf.ptr();
-        bufs.push(buf);
-    }
+    let (ptrs, _values) = value_buffers(ctx)?;
     let limit = ctx.config.workspace_bytes;
     let need = |c: &dyn Layer| batches.iter().map(|&b| c.workspace_bytes(b)).max().unwrap_or(0);
     let ws_bytes = candidates.iter().map(|c| need(c.as_ref())).filter(|&b| b <= limit).max().unwrap_or(0);
-    let ws = DeviceBuf::zeros(stream, ws_bytes).map_err(|e| e.out_of_memory_in(engine("the workspace".into())))?;
+    let ws = DeviceBuf::zeros(stream, ws_bytes).map_err(|e| e.out_of_memory_in(for_timing(ctx, "the workspace".into())))?;
     let rt = RunCtx { stream, handles: &ctx.gpu.handles, ptrs: &ptrs, workspace: ws.ptr(), workspace_bytes: ws_bytes };
 
     let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
-    let (start, end) = (
+    let events = (
         ctx.gpu.ctx.new_event(timing).map_err(cuda_err("creating an event"))?,
         ctx.gpu.ctx.new_event(timing).map_err(cuda_err("creating an event"))?,
     );
@@ -252,38 +286,78 @@ fn time_candidates(ctx: &BuildCtx, candidates: &[Box<dyn Layer>], timed: bool) -
             out.push(Err(format!("needs {} bytes of workspace, over the limit of {limit}", need(c.as_ref()))));
             continue;
         }
-        // One untimed run per batch of the range catches unsupported configurations and warms caches.
-        let warm = batches
-            .iter()
-            .try_for_each(|&b| c.enqueue(&rt, b).and_then(|_| stream.synchronize().map_err(cuda_err("synchronising after a tactic run"))));
-        if let Err(e) = warm {
-            out.push(Err(e.to_string()));
-            continue;
-        }
-        if !timed {
-            out.push(Ok(0.0));
-            continue;
-        }
-        // Timed as engines run: captured once into a CUDA graph and replayed, so a candidate of
-        // many small calls (batch slices, im2col chunks) is not charged the host's launch time.
-        let graph = capture(stream, || c.enqueue(&rt, batch));
-        let run = |iters: usize| -> Result<f32> {
-            start.record(stream).map_err(cuda_err("recording an event"))?;
-            for _ in 0..iters {
-                match &graph {
-                    Some(g) => g.launch().map_err(cuda_err("launching a tactic's CUDA graph"))?,
-                    None => c.enqueue(&rt, batch)?,
-                }
-            }
-            end.record(stream).map_err(cuda_err("recording an event"))?;
-            Ok(start.elapsed_ms(&end).map_err(cuda_err("timing a tactic"))? / iters as f32)
-        };
-        // Enough iterations for about 2 ms of work, at most 20, so small layers are not noise.
-        let once = run(1)?;
-        let iters = ((2.0 / once.max(1e-3)) as usize).clamp(2, 20);
-        out.push(Ok(run(iters)?));
+        out.push(run_candidate(c.as_ref(), &rt, &batches, batch, timed.then_some(&events))?);
     }
     Ok(out)
+}
+
+/// Zeroed device buffers for the values the node being converted touches (its inputs in the
+/// layouts its converter asked for, its output, its scratch), and each value's address (0 for
+/// the others).
+fn value_buffers(ctx: &BuildCtx) -> Result<(Vec<u64>, Vec<DeviceBuf>)> {
+    let mut touched: Vec<ValueId> = ctx.current_inputs.iter().flatten().copied().collect();
+    touched.extend(ctx.node_values[ctx.current]);
+    touched.extend(ctx.scratch.iter().chain(&ctx.candidate_scratch).copied());
+    let mut ptrs = vec![0u64; ctx.values.len()];
+    let mut bufs = Vec::new();
+    for v in touched {
+        let buf = DeviceBuf::zeros(&ctx.gpu.stream, ctx.value(v).bytes(ctx.config.max_batch))
+            .map_err(|e| e.out_of_memory_in(for_timing(ctx, format!("value `{}`", ctx.value(v).name))))?;
+        ptrs[v.0] = buf.ptr();
+        bufs.push(buf);
+    }
+    Ok((ptrs, bufs))
+}
+
+/// What an out-of-memory error names: `what`, of the layer being converted, for tactic timing.
+fn for_timing<'a>(ctx: &'a BuildCtx, what: String) -> impl FnOnce() -> String + 'a {
+    let c = ctx.config;
+    move || {
+        format!(
+            "{what} of layer `{}` for tactic timing (engine for batch {}..={}, {:?})",
+            ctx.node(ctx.current).path,
+            c.min_batch,
+            c.max_batch,
+            c.precision
+        )
+    }
+}
+
+/// Runs `c` once per batch of the range, which catches unsupported configurations and warms
+/// caches (its reason where it fails), then, with `events`, times it at `batch`.
+fn run_candidate(
+    c: &dyn Layer,
+    rt: &RunCtx,
+    batches: &[usize],
+    batch: usize,
+    events: Option<&(CudaEvent, CudaEvent)>,
+) -> Result<std::result::Result<f32, String>> {
+    let stream = rt.stream;
+    let warm = batches
+        .iter()
+        .try_for_each(|&b| c.enqueue(rt, b).and_then(|_| stream.synchronize().map_err(cuda_err("synchronising after a tactic run"))));
+    if let Err(e) = warm {
+        return Ok(Err(e.to_string()));
+    }
+    let Some((start, end)) = events else { return Ok(Ok(0.0)) };
+    // Timed as engines run: captured once into a CUDA graph and replayed, so a candidate of
+    // many small calls (batch slices, im2col chunks) is not charged the host's launch time.
+    let graph = capture(stream, || c.enqueue(rt, batch));
+    let run = |iters: usize| -> Result<f32> {
+        start.record(stream).map_err(cuda_err("recording an event"))?;
+        for _ in 0..iters {
+            match &graph {
+                Some(g) => g.launch().map_err(cuda_err("launching a tactic's CUDA graph"))?,
+                None => c.enqueue(rt, batch)?,
+            }
+        }
+        end.record(stream).map_err(cuda_err("recording an event"))?;
+        Ok(start.elapsed_ms(end).map_err(cuda_err("timing a tactic"))? / iters as f32)
+    };
+    // Enough iterations for about 2 ms of work, at most 20, so small layers are not noise.
+    let once = run(1)?;
+    let iters = ((2.0 / once.max(1e-3)) as usize).clamp(2, 20);
+    Ok(Ok(run(iters)?))
 }
 
 /// `enqueue`'s work as an instantiated CUDA graph, or `None` where it cannot be captured (then the

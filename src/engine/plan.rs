@@ -1,0 +1,625 @@
+//! A [`Plan`]: an engine lowered for one set of input dims, and how one is lowered. [`lower_plan`]
+//! runs named phases in order: pre-check (the activations fit), allocate (a value per node),
+//! bind (the outputs), convert (a layer per node, reformats between), workspaces, lifetimes (the
+//! arena) and summarise.
+
+use super::arena::{self, ArenaPlan, StepUse};
+use super::config::{node_precisions, BuildConfig, InputDims};
+use super::eight_bit::{self, EightBitPlan};
+use crate::ops::conv::conv8;
+use super::converters::is_structural;
+use super::gpu::{cuda_err, Gpu};
+use super::kernels::{self, Kernels};
+use super::layer::{BuildCtx, Elem, Layer, Layout, RunCtx, Storage, ValueDesc, ValueId, WeightStore, MAX_RANK};
+use super::precision::Precision;
+use super::eight_bit::FP8_GEMM;
+use super::tactic::{Tactics, TacticsMark};
+use crate::graph::{DType, Graph, NodeId, Op};
+use crate::ops::{LayoutPlan, OpDef};
+use crate::{Error, Result};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// What a build did, for the CLI and logs.
+#[derive(Clone, Debug, Default)]
+pub struct BuildSummary {
+    pub layers: usize,
+    /// One line per layer that does the work of several graph nodes (conv+bias+residual+ReLU).
+    pub fused: Vec<String>,
+    pub memory: MemorySummary,
+    pub tactics_timed: usize,
+    pub tactics_cached: usize,
+    pub build_seconds: f64,
+    /// Per timed choice: the problem and (kind, ms) of each candidate.
+    pub tactic_log: Vec<(String, Vec<(String, f32)>)>,
+    /// For an INT8/FP8 engine: which layers are quantised (`calibrate::quant_summary`).
+    pub quantised: Option<String>,
+}
+
+/// Device memory of an engine, in bytes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MemorySummary {
+    /// Weights, held once by the engine (the layers chosen; losing candidates' copies are freed).
+    pub weights: usize,
+    /// Each execution context's arena: activations and layer workspaces, planned by lifetime.
+    pub arena: usize,
+    /// The most bytes live at one layer, a lower bound on `arena`.
+    pub peak_live: usize,
+    /// The layer where `peak_live` is reached.
+    pub peak_at: String,
+    /// The largest workspace of one layer (inside the arena).
+    pub largest_workspace: usize,
+    /// Layers that write their output over an input that dies with them.
+    pub in_place: usize,
+    /// Each context's input and output bindings at the max batch.
+    pub bindings: usize,
+}
+
+impl MemorySummary {
+    /// Weights and one context's arena: the device memory an engine with one context needs
+    /// besides its bindings.
+    pub fn total(&self) -> usize {
+        self.weights + self.arena
+    }
+}
+
+impl std::fmt::Display for MemorySummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mib = |b: usize| b as f64 / (1 << 20) as f64;
+        write!(
+            f,
+            "memory {:.1} MiB = weights {:.1} MiB + arena {:.1} MiB per context (live peak {:.1} MiB at `{}`, largest workspace {:.1} MiB, {} layers in place); bindings {:.1} MiB per context",
+            mib(self.total()),
+            mib(self.weights),
+            mib(self.arena),
+            mib(self.peak_live),
+            self.peak_at,
+            mib(self.largest_workspace),
+            self.in_place,
+            mib(self.bindings)
+        )
+    }
+}
+
+impl std::fmt::Display for BuildSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "{} layers ({} fused); {} tactics timed, {} from cache; built in {:.2} s",
+            self.layers,
+            self.fused.len(),
+            self.tactics_timed,
+            self.tactics_cached,
+            self.build_seconds
+        )?;
+        writeln!(f, "{}", self.memory)?;
+        for line in &self.fused {
+            writeln!(f, "  fused: {line}")?;
+        }
+        if let Some(q) = &self.quantised {
+            writeln!(f, "  {q}")?;
+        }
+        Ok(())
+    }
+}
+
+/// An engine lowered for one set of input dims: layers over one planned arena.
+pub struct Plan {
+    /// Every input's per-image dims.
+    pub dims: InputDims,
+    pub(crate) layers: Vec<Box<dyn Layer>>,
+    pub(crate) values: Vec<ValueDesc>,
+    /// Arena offset of each arena value (aliases resolved), `usize::MAX` for bindings.
+    pub(crate) offsets: Vec<usize>,
+    pub(crate) arena_bytes: usize,
+    /// Each layer's workspace in the arena: offset and length.
+    pub(crate) workspaces: Vec<(usize, usize)>,
+    pub(crate) inputs: Vec<(String, ValueId)>,
+    pub(crate) outputs: Vec<(String, ValueId)>,
+    pub memory: MemorySummary,
+}
+
+impl Plan {
+    pub fn layers(&self) -> impl Iterator<Item = &dyn Layer> {
+        self.layers.iter().map(|l| l.as_ref())
+    }
+    /// Names and per-image dims (PyTorch order) of the inputs.
+    pub fn inputs(&self) -> Vec<(&str, &[usize])> {
+        self.inputs.iter().map(|(n, v)| (n.as_str(), self.values[v.0].dims.as_slice())).collect()
+    }
+    pub fn outputs(&self) -> Vec<(&str, &[usize])> {
+        self.outputs.iter().map(|(n, v)| (n.as_str(), self.values[v.0].dims.as_slice())).collect()
+    }
+}
+
+/// Lowers a graph at one set of input dims to a plan, phase by phase: pre-check, allocate, bind,
+/// convert, workspaces, lifetimes, summarise.
+pub(crate) fn lower_plan(
+    gpu: &Arc<Gpu>,
+    kernels: &Kernels,
+    graph: &Graph,
+    dims: InputDims,
+    config: &BuildConfig,
+    tactics: &mut Tactics,
+    weights: &WeightStore,
+) -> Result<(Plan, BuildSummary)> {
+    // A panicked build leaves nothing half-done in the lock's data, so a poisoned lock is usable.
+    let _one_build = gpu.build_lock.lock().unwrap_or_else(|p| p.into_inner());
+    gpu.ctx.bind_to_thread().map_err(cuda_err("binding the CUDA context"))?;
+    let mark = tactics.mark();
+    let precisions = node_precisions(graph, config);
+    let (layouts, op_layouts) = plan_layouts(graph)?;
+    let estimate = check_activations_fit(graph, config)?;
+    let eight_bit = conv8::plan(graph, config, &precisions, gpu.info.sm);
+    let aliased = eight_bit.aliased(graph, config);
+    let mut allocated = allocate(graph, &layouts, &precisions, &eight_bit, &aliased)?;
+    let outputs = bind_outputs(graph, &mut allocated)?;
+    let mut ctx = BuildCtx {
+        gpu,
+        config,
+        graph,
+        kernels,
+        values: allocated.values,
+        node_values: allocated.node_values,
+        current_inputs: Vec::new(),
+        scratch: Vec::new(),
+        candidate_scratch: Vec::new(),
+        current: 0,
+        tactics,
+        weights,
+        workspace_budget: 0,
+        precisions,
+        eight_bit,
+    };
+    let lowered = convert(&mut ctx, &op_layouts, &aliased, &estimate, &allocated.inputs, &outputs)?;
+    let weight_bytes = weights.bytes();
+    let values = ctx.values;
+    let workspaces = workspaces(gpu, config, &lowered.layers)?;
+    let arena = lifetimes(&values, &lowered, &workspaces, config.max_batch);
+    let memory = memory(&values, &arena, &workspaces, weight_bytes, config.max_batch);
+    let summary = summarise(graph, config, tactics, mark, &lowered, memory.clone());
+    let plan = Plan {
+        dims,
+        layers: lowered.layers,
+        values,
+        offsets: arena.offsets,
+        arena_bytes: arena.plan.bytes,
+        workspaces: arena.workspaces,
+        inputs: allocated.inputs.into_iter().map(|(n, _, b)| (n, b)).collect(),
+        outputs: outputs.into_iter().map(|o| (o.name, o.binding)).collect(),
+        memory,
+    };
+    Ok((plan, summary))
+}
+
+/// The arena the graph's activations need at `batch` with `elem_bytes` per element, planned
+/// before lowering: one step per computed node (no reformats, scratch or workspace), each residual
+/// overwritten by the conv that adds it. Returns the plan and each node's step (`None` for
+/// weights). The builder gives each layer's tactics the room this leaves at its step as their
+/// workspace budget.
+pub fn estimate_arena(graph: &Graph, elem_bytes: usize, batch: usize) -> (ArenaPlan, Vec<Option<usize>>) {
+    let computed = |i: usize| !matches!(graph.nodes[i].op, Op::Weight { .. });
+    let bytes: Vec<usize> =
+        graph.nodes.iter().map(|n| n.shape.iter().skip(1).product::<usize>().saturating_mul(batch).saturating_mul(elem_bytes)).collect();
+    let mut step_of = vec![None; graph.nodes.len()];
+    let mut steps = Vec::new();
+    for (id, n) in graph.nodes.iter().enumerate().filter(|&(id, _)| computed(id)) {
+        let mut values: Vec<usize> = n.inputs.iter().copied().filter(|&i| computed(i)).collect();
+        values.push(id);
+        let overwrite = match &n.op {
+            Op::Conv(a) if a.residual => n.inputs.last().map(|&z| (id, z)),
+            _ => None,
+        };
+        step_of[id] = Some(steps.len());
+        steps.push(StepUse { values, workspace: 0, overwrite });
+    }
+    // Graph outputs stay live to the end.
+    let outputs: Vec<usize> = graph.outputs.iter().map(|(_, id)| *id).collect();
+    steps.push(StepUse { values: outputs, ..Default::default() });
+    (arena::plan_steps(&bytes, &steps), step_of)
+}
+
+/// The layout of each node's value (`None` for weights).
+type NodeLayouts = Vec<Option<Layout>>;
+
+/// The layout of every value and the layouts each node reads its inputs in, from each op's
+/// `OpDef::layouts`. A graph input takes the layout its first reader asks for (so the input
+/// reformat writes it there directly); one read by nothing is contiguous.
+fn plan_layouts(graph: &Graph) -> Result<(NodeLayouts, Vec<Option<LayoutPlan>>)> {
+    let mut layout: Vec<Option<Layout>> = vec![None; graph.nodes.len()];
+    let mut plans = vec![None; graph.nodes.len()];
+    for (id, node) in graph.nodes.iter().enumerate() {
+        let rank = node.shape.len().checked_sub(1).filter(|&r| r <= MAX_RANK).ok_or_else(|| Error::Lower {
+            path: node.path.clone(),
+            op: node.op.name().to_string(),
+            reason: format!("shape {:?}: the engine takes 1 to {MAX_RANK} dims after the batch", node.shape),
+        })?;
+        let Some(def) = node.op.def() else { continue };
+        let has: Vec<Option<Layout>> = node
+            .inputs
+            .iter()
+            .map(|&j| match &graph.nodes[j].op {
+                Op::Weight { .. } => None,
+                _ => Some(layout[j].unwrap_or(Layout::contiguous(graph.nodes[j].shape.len() - 1))),
+            })
+            .collect();
+        let plan = def.layouts(&has, rank);
+        for (k, &j) in node.inputs.iter().enumerate() {
+            if matches!(graph.nodes[j].op, Op::Input { .. }) && layout[j].is_none() {
+                layout[j] = plan.inputs.get(k).copied().flatten().or(has[k]);
+            }
+        }
+        layout[id] = Some(plan.output);
+        plans[id] = Some(plan);
+    }
+    for (id, node) in graph.nodes.iter().enumerate() {
+        if matches!(node.op, Op::Input { .. }) && layout[id].is_none() {
+            layout[id] = Some(Layout::contiguous(node.shape.len() - 1));
+        }
+    }
+    Ok((layout, plans))
+}
+
+/// The activations' arena as estimated before lowering (`estimate_arena`), with each node's step.
+struct ActivationEstimate {
+    plan: ArenaPlan,
+    step_of: Vec<Option<usize>>,
+}
+
+impl ActivationEstimate {
+    /// The workspace node `id`'s tactics may take without growing the arena past the activations'
+    /// own peak.
+    fn room_at(&self, id: NodeId) -> usize {
+        self.step_of[id].map_or(0, |s| self.plan.peak.saturating_sub(self.plan.live[s]))
+    }
+}
+
+/// Pre-check: an engine whose activations alone cannot fit in the free device memory is refused
+/// before any tactic is timed.
+fn check_activations_fit(graph: &Graph, config: &BuildConfig) -> Result<ActivationEstimate> {
+    let (plan, step_of) = estimate_arena(graph, config.precision.elem().size(), config.max_batch);
+    let (free, _) = cudarc::driver::result::mem_get_info().map_err(cuda_err("reading free device memory"))?;
+    if plan.bytes > free {
+        let at = step_of.iter().position(|&s| s == Some(plan.peak_step)).map(|n| graph.nodes[n].path.as_str()).unwrap_or("?");
+        return Err(Error::OutOfMemory {
+            what: format!(
+                "the activations of an engine for batch {}..={} ({:?}; {} bytes are live at `{at}`, {free} bytes of device memory are free; lower the max batch)",
+                config.min_batch, config.max_batch, config.precision, plan.peak
+            ),
+            bytes: plan.bytes,
+        });
+    }
+    Ok(ActivationEstimate { plan, step_of })
+}
+
+/// A plan's values as allocation made them.
+struct Values {
+    values: Vec<ValueDesc>,
+    /// The value of each node (`None` for weights; an alias shares its input's).
+    node_values: Vec<Option<ValueId>>,
+    /// Each graph input: its name, its node and its binding.
+    inputs: Vec<(String, NodeId, ValueId)>,
+}
+
+/// Allocate: a value for each computed node in the layout planned for it and the type its
+/// precision or the 8-bit plan stores it in (`EightBitPlan::node_value`); an alias
+/// (`EightBitPlan::aliased`) shares its input's value, and an input gets its binding too.
+fn allocate(graph: &Graph, layouts: &NodeLayouts, precisions: &[Precision], eight_bit: &EightBitPlan, aliased: &[bool]) -> Result<Values> {
+    let mut v = Values { values: Vec::new(), node_values: vec![None; graph.nodes.len()], inputs: Vec::new() };
+    let readers = graph.readers();
+    for (id, node) in graph.nodes.iter().enumerate() {
+        let Some(layout) = layouts[id] else { continue };
+        if aliased[id] {
+            if v.node_values[id].is_none() {
+                v.node_values[id] = v.node_values[node.inputs[0]];
+            }
+            continue;
+        }
+        let dims = node.shape[1..].to_vec();
+        if let Op::Input { name } = &node.op {
+            let binding = ValueId(v.values.len());
+            let desc = input_binding(graph, id, name, &dims)?;
+            let read_as_bound = desc.elem == Elem::F32 && eight_bit.reads_binding(&readers, id);
+            v.inputs.push((name.clone(), id, binding));
+            v.values.push(desc);
+            if read_as_bound {
+                v.node_values[id] = Some(binding);
+                continue;
+            }
+        }
+        v.node_values[id] = Some(ValueId(v.values.len()));
+        let value = eight_bit.node_value(graph, id, precisions[id].elem());
+        if let Some(q) = value.codes_of {
+            v.node_values[q] = v.node_values[id];
+        }
+        v.values.push(ValueDesc { name: value.name.to_string(), dims, elem: value.elem, layout, storage: Storage::Arena });
+    }
+    Ok(v)
+}
+
+/// Input `id`'s binding: what the user hands over (f32 values, or bytes for a u8 input); the
+/// entry reformat converts it to the input's element type inside the engine.
+fn input_binding(graph: &Graph, id: NodeId, name: &str, dims: &[usize]) -> Result<ValueDesc> {
+    let node = &graph.nodes[id];
+    let elem = match node.dtype {
+        DType::F32 => Elem::F32,
+        DType::U8 => Elem::U8,
+        other => {
+            return Err(Error::Lower {
+                path: node.path.clone(),
+                op: "input".into(),
+                reason: format!("input `{name}` is declared {other}; engine inputs are f32 or u8"),
+            })
+        }
+    };
+    Ok(ValueDesc { name: name.to_string(), dims: dims.to_vec(), elem, layout: Layout::contiguous(dims.len()), storage: Storage::Binding })
+}
+
+/// A graph output's binding, written by its exit reformat from the value `src` of node `node`.
+struct OutputBinding {
+    name: String,
+    node: NodeId,
+    src: ValueId,
+    binding: ValueId,
+}
+
+/// Bind: an f32, contiguous binding for each graph output.
+fn bind_outputs(graph: &Graph, values: &mut Values) -> Result<Vec<OutputBinding>> {
+    let mut bindings = Vec::new();
+    for (name, id) in &graph.outputs {
+        let src = values.node_values[*id]
+            .ok_or_else(|| Error::Binding { name: name.clone(), reason: "the output is a weight, not a computed value".into() })?;
+        let dims = values.values[src.0].dims.clone();
+        let layout = Layout::contiguous(dims.len());
+        bindings.push(OutputBinding { name: name.clone(), node: *id, src, binding: ValueId(values.values.len()) });
+        values.values.push(ValueDesc { name: name.clone(), dims, elem: Elem::F32, layout, storage: Storage::Binding });
+    }
+    Ok(bindings)
+}
+
+/// The layers made so far, each with the values it touches (for lifetimes).
+#[derive(Default)]
+struct Lowered {
+    layers: Vec<Box<dyn Layer>>,
+    touches: Vec<Vec<ValueId>>,
+    /// One line per layer that does the work of several graph nodes.
+    fused: Vec<String>,
+}
+
+impl Lowered {
+    fn push(&mut self, layer: Box<dyn Layer>, touched: Vec<ValueId>) {
+        self.layers.push(layer);
+        self.touches.push(touched);
+    }
+}
+
+/// Convert: the entry reformats of the inputs, one layer per node through its converter (tactics
+/// are timed there), then the exit reformats of the outputs.
+fn convert(
+    ctx: &mut BuildCtx,
+    op_layouts: &[Option<LayoutPlan>],
+    aliased: &[bool],
+    estimate: &ActivationEstimate,
+    inputs: &[(String, NodeId, ValueId)],
+    outputs: &[OutputBinding],
+) -> Result<Lowered> {
+    let mut lowered = Lowered::default();
+    for (name, id, binding) in inputs {
+        ctx.current = *id;
+        let internal = ctx.node_values[*id].expect("inputs have values");
+        if internal == *binding {
+            continue;
+        }
+        let layer = kernels::reformat_layer(ctx, *binding, internal, name)?;
+        lowered.push(layer, vec![internal]);
+    }
+    let graph = ctx.graph;
+    let to_lower = graph.nodes.iter().filter(|n| !is_structural(&n.op)).count();
+    let mut done = 0;
+    let mut reformats = Reformats::default();
+    for (id, node) in graph.nodes.iter().enumerate() {
+        let (Some(def), Some(layouts)) = (node.op.def(), &op_layouts[id]) else { continue };
+        if aliased[id] {
+            continue;
+        }
+        if let Some(progress) = &ctx.tactics.progress {
+            progress(done, to_lower, &node.path);
+        }
+        done += 1;
+        ctx.current = id;
+        ctx.workspace_budget = estimate.room_at(id);
+        convert_node(ctx, def, layouts, &mut reformats, &mut lowered)?;
+    }
+    for out in outputs {
+        ctx.current = out.node;
+        let layer = kernels::reformat_layer(ctx, out.src, out.binding, &out.name)?;
+        lowered.push(layer, vec![out.src]);
+    }
+    Ok(lowered)
+}
+
+/// The layer of the node `ctx.current`: its inputs in the layouts `layouts` asks for and its own
+/// element type, then its converter. Records the values it touches, and a line when it fuses.
+fn convert_node(ctx: &mut BuildCtx, def: &dyn OpDef, layouts: &LayoutPlan, reformats: &mut Reformats, lowered: &mut Lowered) -> Result<()> {
+    let id = ctx.current;
+    let node = ctx.node(id);
+    ctx.scratch.clear();
+    ctx.candidate_scratch.clear();
+    let elem = ctx.elem();
+    let mut inputs = Vec::with_capacity(node.inputs.len());
+    for (k, &j) in node.inputs.iter().enumerate() {
+        inputs.push(match ctx.node_values[j] {
+            // 8-bit codes are read as they are, by the 8-bit convs the plan made them for, and
+            // so is an input binding, by the 8-bit stem.
+            Some(v) if ctx.eight_bit.stored[j] || ctx.value(v).storage == Storage::Binding => Some(v),
+            Some(v) => {
+                let want = layouts.inputs.get(k).copied().flatten().unwrap_or(ctx.value(v).layout);
+                Some(reformats.get(ctx, v, (want, elem), lowered)?)
+            }
+            None => None,
+        });
+    }
+    ctx.current_inputs = inputs;
+    let layer = def.convert(ctx, id)?;
+    let mut touched: Vec<ValueId> = ctx.current_inputs.iter().flatten().copied().collect();
+    touched.extend(ctx.node_values[id]);
+    touched.extend(ctx.scratch.iter().copied());
+    // A candidate's own scratch (a prologue's copy, a chain's intermediate) is held only if
+    // the chosen layer uses it.
+    touched.extend(layer.own_scratch().into_iter().filter(|d| ctx.candidate_scratch.contains(d)));
+    // A layer doing the work of several traced nodes says so in its op's label (`+relu`).
+    if let Some((name, fused_parts)) = def.label().split_once(" +") {
+        lowered.fused.push(format!("{} = {name} + {} as {}", node.path, fused_parts.replace(" +", " + "), layer.kind()));
+    }
+    lowered.push(layer, touched);
+    Ok(())
+}
+
+/// Copies of values in another layout or element type, made once each: a second reader wanting
+/// the same (layout, type) reuses the copy, and a reader wanting a copy's original reads the
+/// original (a reformat pair that would cancel is never made). Element types differ where nodes
+/// of different precisions meet (`BuildConfig::layer_precisions`): one kernel converts both.
+#[derive(Default)]
+struct Reformats {
+    copies: HashMap<(ValueId, Layout, Elem), ValueId>,
+    origin: HashMap<ValueId, ValueId>,
+}
+
+impl Reformats {
+    /// `v` in `want` and `elem`, adding a reformat layer (and its lifetime) when no copy exists yet.
+    fn get(&mut self, ctx: &mut BuildCtx, v: ValueId, (want, elem): (Layout, Elem), lowered: &mut Lowered) -> Result<ValueId> {
+        let v = self.origin.get(&v).copied().unwrap_or(v);
+        let desc = ctx.value(v).clone();
+        if desc.layout.same_bytes(want, &desc.dims) && desc.elem == elem {
+            return Ok(v);
+        }
+        if let Some(&copy) = self.copies.get(&(v, want, elem)) {
+            return Ok(copy);
+        }
+        let copy = ValueId(ctx.values.len());
+        let name = if desc.elem == elem { format!("{}.{want:?}", desc.name) } else { format!("{}.{want:?}.{elem:?}", desc.name) };
+        ctx.values.push(ValueDesc { name, layout: want, elem, storage: Storage::Arena, ..desc.clone() });
+        let path = ctx.node(ctx.current).path.clone();
+        let layer = kernels::reformat_layer(ctx, v, copy, &path)?;
+        lowered.push(layer, vec![v, copy]);
+        self.copies.insert((v, want, elem), copy);
+        self.origin.insert(copy, v);
+        Ok(copy)
+    }
+}
+
+/// Workspaces: each layer's largest over the batch range. cuBLASLt plans are made for every batch
+/// of the range first, so the sizes are exact.
+fn workspaces(gpu: &Gpu, config: &BuildConfig, layers: &[Box<dyn Layer>]) -> Result<Vec<usize>> {
+    let rt = RunCtx { stream: &gpu.stream, handles: &gpu.handles, ptrs: &[], workspace: 0, workspace_bytes: super::gemm::GEMM_WORKSPACE };
+    let mut workspaces = Vec::with_capacity(layers.len());
+    for layer in layers {
+        let mut need = 0;
+        for b in config.min_batch..=config.max_batch {
+            layer.prepare(&rt, b)?;
+            need = need.max(layer.workspace_bytes(b));
+        }
+        workspaces.push(need);
+    }
+    Ok(workspaces)
+}
+
+/// Where a plan's values and workspaces live in its arena.
+struct ArenaLayout {
+    plan: ArenaPlan,
+    /// Each value's offset (an alias's is its root's).
+    offsets: Vec<usize>,
+    /// Each layer's workspace: offset and length.
+    workspaces: Vec<(usize, usize)>,
+    /// The module path of the layer where the live bytes peak.
+    peak_at: String,
+}
+
+/// Lifetimes: the arena, planned over the storage roots each layer touches (an alias keeps its
+/// root alive), one step per layer, two for a layer with a prologue (its copy, then its main work).
+fn lifetimes(values: &[ValueDesc], lowered: &Lowered, workspaces: &[usize], max_batch: usize) -> ArenaLayout {
+    let root = |mut v: ValueId| {
+        while let Storage::Alias(src) = values[v.0].storage {
+            v = src;
+        }
+        v
+    };
+    let in_arena = |v: ValueId| values[root(v).0].storage == Storage::Arena;
+    let value_bytes: Vec<usize> = values
+        .iter()
+        .enumerate()
+        .map(|(v, d)| if root(ValueId(v)).0 == v && in_arena(ValueId(v)) { d.bytes(max_batch) } else { 0 })
+        .collect();
+    let mut steps: Vec<StepUse> = Vec::with_capacity(lowered.layers.len());
+    let mut step_of_layer = Vec::with_capacity(lowered.layers.len());
+    for ((vs, layer), &workspace) in lowered.touches.iter().zip(&lowered.layers).zip(workspaces) {
+        let mut values: Vec<usize> = vs.iter().filter(|&&v| in_arena(v)).map(|&v| root(v).0).collect();
+        if let Some((src, dst)) = layer.prologue().filter(|&(s, d)| in_arena(s) && in_arena(d)) {
+            let (src, dst) = (root(src).0, root(dst).0);
+            steps.push(StepUse { values: vec![src, dst], ..Default::default() });
+            values.retain(|&v| v != src);
+        }
+        step_of_layer.push(steps.len());
+        let overwrite = layer.overwrites().filter(|&(o, i)| in_arena(o) && in_arena(i)).map(|(o, i)| (root(o).0, root(i).0));
+        steps.push(StepUse { values, workspace, overwrite });
+    }
+    let plan = arena::plan_steps(&value_bytes, &steps);
+    ArenaLayout {
+        offsets: (0..values.len()).map(|v| plan.offsets[root(ValueId(v)).0].unwrap_or(0)).collect(),
+        workspaces: step_of_layer.iter().map(|&s| plan.workspace[s]).collect(),
+        peak_at: step_of_layer.iter().position(|&s| s >= plan.peak_step).map(|l| lowered.layers[l].path().to_string()).unwrap_or_default(),
+        plan,
+    }
+}
+
+/// The plan's device memory: `weight_bytes` of weights, its arena, and its bindings at `max_batch`.
+fn memory(values: &[ValueDesc], arena: &ArenaLayout, workspaces: &[usize], weight_bytes: usize, max_batch: usize) -> MemorySummary {
+    MemorySummary {
+        weights: weight_bytes,
+        arena: arena.plan.bytes,
+        peak_live: arena.plan.peak,
+        peak_at: arena.peak_at.clone(),
+        largest_workspace: workspaces.iter().copied().max().unwrap_or(0),
+        in_place: arena.plan.in_place.len(),
+        bindings: values.iter().filter(|d| d.storage == Storage::Binding).map(|d| d.bytes(max_batch)).sum(),
+    }
+}
+
+/// Summarise: the build summary of one plan (tactics counted from `mark`).
+fn summarise(
+    graph: &Graph,
+    config: &BuildConfig,
+    tactics: &Tactics,
+    mark: TacticsMark,
+    lowered: &Lowered,
+    memory: MemorySummary,
+) -> BuildSummary {
+    let (tactics_timed, tactics_cached, tactic_log) = tactics.since(mark);
+    BuildSummary {
+        layers: lowered.layers.len(),
+        fused: lowered.fused.clone(),
+        memory,
+        tactics_timed,
+        tactics_cached,
+        build_seconds: 0.0,
+        tactic_log,
+        quantised: quantised(graph, config, &lowered.layers),
+    }
+}
+
+/// The summary's quantisation line: for `Best`, how many layers won on INT8 convs and on FP8
+/// GEMMs; otherwise `calibrate::quant_summary` with the layers on 8-bit tensor cores.
+fn quantised(graph: &Graph, config: &BuildConfig, layers: &[Box<dyn Layer>]) -> Option<String> {
+    let count = |f: &dyn Fn(&str) -> bool| layers.iter().filter(|l| f(&l.kind())).count();
+    let int8 = count(&|k| eight_bit::precision_of_kind(k).is_some());
+    match config.precision {
+        Precision::Best => {
+            let fp8 = count(&|k| k.starts_with(FP8_GEMM));
+            Some(format!(
+                "best: of {} conv/linear layer(s) with a calibrated range, {int8} won their timing on INT8 tensor cores (`conv8`) and {fp8} on FP8 GEMMs (`{FP8_GEMM}`); every other layer computes in FP16 on unquantised values",
+                crate::calibrate::quantised_layers(graph),
+            ))
+        }
+        _ => crate::calibrate::quant_summary(graph, int8),
+    }
+}
