@@ -306,6 +306,13 @@ impl<'a> Unpickler<'a> {
         Value::Obj(self.arena.len() - 1)
     }
 
+    fn arena_mut(&mut self, v: Value) -> Option<&mut Obj> {
+        match v {
+            Value::Obj(i) => self.arena.get_mut(i),
+            _ => None,
+        }
+    }
+
     fn obj(&self, v: Value) -> Option<&Obj> {
         match v {
             Value::Obj(i) => self.arena.get(i),
@@ -353,270 +360,234 @@ impl<'a> Unpickler<'a> {
         }
     }
 
-    /// Runs to `STOP`; returns the value and the position after it.
+    /// Runs to `STOP` and returns the value; `self.pos` is then just after it. Storages named by
+    /// persistent ids are recorded in `storages`.
     fn run(&mut self, storages: &mut BTreeMap<String, StorageRef>) -> Result<Value> {
         loop {
             let [code] = self.array::<1>()?;
-            match code {
-                op::PROTO => {
-                    let [v] = self.array::<1>()?;
-                    if v > 5 {
-                        return Err(self.err(format!("pickle protocol {v} is newer than 5")));
-                    }
-                }
-                op::FRAME => {
-                    self.take(8)?;
-                }
-                op::STOP => return self.pop(),
-                op::MARK => self.marks.push(self.stack.len()),
-                op::POP => {
-                    self.pop()?;
-                }
-                op::POP_MARK => {
-                    self.pop_mark()?;
-                }
-                op::DUP => {
-                    let v = self.top()?;
-                    self.stack.push(v);
-                }
-                op::NONE => self.stack.push(Value::None),
-                op::NEWTRUE => self.stack.push(Value::Bool(true)),
-                op::NEWFALSE => self.stack.push(Value::Bool(false)),
-                op::BININT => {
-                    let v = i32::from_le_bytes(self.array()?);
-                    self.stack.push(Value::Int(v.into()));
-                }
-                op::BININT1 => {
-                    let [v] = self.array::<1>()?;
-                    self.stack.push(Value::Int(v.into()));
-                }
-                op::BININT2 => {
-                    let v = u16::from_le_bytes(self.array()?);
-                    self.stack.push(Value::Int(v.into()));
-                }
-                op::INT | op::LONG => {
-                    let line = self.line()?;
-                    let v = match line.trim_end_matches('L') {
-                        "00" => Value::Bool(false),
-                        "01" => Value::Bool(true),
-                        t => Value::Int(t.parse().map_err(|_| self.err(format!("`{line}` is not an integer")))?),
-                    };
-                    self.stack.push(v);
-                }
-                op::LONG1 => {
-                    let [n] = self.array::<1>()?;
-                    let b = self.take(n.into())?;
-                    let v = self.long(b);
-                    self.stack.push(v);
-                }
-                op::LONG4 => {
-                    let n = u32::from_le_bytes(self.array()?);
-                    let b = self.take_len(n.into())?;
-                    let v = self.long(b);
-                    self.stack.push(v);
-                }
-                op::BINFLOAT => {
-                    self.take(8)?;
-                    self.stack.push(Value::Float);
-                }
-                op::SHORT_BINUNICODE => {
-                    let [n] = self.array::<1>()?;
-                    let b = self.take(n.into())?;
-                    let v = self.string(b)?;
-                    self.stack.push(v);
-                }
-                op::BINUNICODE => {
-                    let n = u32::from_le_bytes(self.array()?);
-                    let b = self.take_len(n.into())?;
-                    let v = self.string(b)?;
-                    self.stack.push(v);
-                }
-                op::BINUNICODE8 => {
-                    let n = u64::from_le_bytes(self.array()?);
-                    let b = self.take_len(n)?;
-                    let v = self.string(b)?;
-                    self.stack.push(v);
-                }
-                // Python 2's `str`: the storage keys of old checkpoints are ASCII.
-                op::SHORT_BINSTRING => {
-                    let [n] = self.array::<1>()?;
-                    let b = self.take(n.into())?;
-                    let v = self.string(b)?;
-                    self.stack.push(v);
-                }
-                op::BINSTRING => {
-                    let n = i32::from_le_bytes(self.array()?);
-                    let n = u64::try_from(n).map_err(|_| self.err("negative string length"))?;
-                    let b = self.take_len(n)?;
-                    let v = self.string(b)?;
-                    self.stack.push(v);
-                }
-                op::SHORT_BINBYTES => {
-                    let [n] = self.array::<1>()?;
-                    self.take(n.into())?;
-                    let v = self.alloc(Obj::Bytes);
-                    self.stack.push(v);
-                }
-                op::BINBYTES => {
-                    let n = u32::from_le_bytes(self.array()?);
-                    self.take_len(n.into())?;
-                    let v = self.alloc(Obj::Bytes);
-                    self.stack.push(v);
-                }
-                op::BINBYTES8 | op::BYTEARRAY8 => {
-                    let n = u64::from_le_bytes(self.array()?);
-                    self.take_len(n)?;
-                    let v = self.alloc(Obj::Bytes);
-                    self.stack.push(v);
-                }
-                op::EMPTY_TUPLE => {
-                    let v = self.alloc(Obj::Tuple(vec![]));
-                    self.stack.push(v);
-                }
-                op::TUPLE1 | op::TUPLE2 | op::TUPLE3 => {
-                    let n = usize::from(code - op::TUPLE1 + 1);
-                    let mut items = Vec::with_capacity(n);
-                    for _ in 0..n {
-                        items.push(self.pop()?);
-                    }
-                    items.reverse();
-                    let v = self.alloc(Obj::Tuple(items));
-                    self.stack.push(v);
-                }
-                op::TUPLE => {
-                    let items = self.pop_mark()?;
-                    let v = self.alloc(Obj::Tuple(items));
-                    self.stack.push(v);
-                }
-                op::EMPTY_LIST => {
-                    let v = self.alloc(Obj::List(vec![]));
-                    self.stack.push(v);
-                }
-                op::LIST => {
-                    let items = self.pop_mark()?;
-                    let v = self.alloc(Obj::List(items));
-                    self.stack.push(v);
-                }
-                op::EMPTY_DICT => {
-                    let v = self.alloc(Obj::Dict(vec![]));
-                    self.stack.push(v);
-                }
-                op::DICT => {
-                    let items = self.pop_mark()?;
-                    let pairs = self.pairs(items)?;
-                    let v = self.alloc(Obj::Dict(pairs));
-                    self.stack.push(v);
-                }
-                op::EMPTY_SET => {
-                    let v = self.alloc(Obj::Set);
-                    self.stack.push(v);
-                }
-                op::FROZENSET => {
-                    self.pop_mark()?;
-                    let v = self.alloc(Obj::Set);
-                    self.stack.push(v);
-                }
-                op::ADDITEMS => {
-                    self.pop_mark()?;
-                    match self.obj(self.top()?) {
-                        Some(Obj::Set) => {}
-                        _ => return Err(self.err("ADDITEMS to something not a set (corrupt pickle)")),
-                    }
-                }
-                op::APPEND => {
-                    let item = self.pop()?;
-                    let list = self.top()?;
-                    self.extend_list(list, vec![item])?;
-                }
-                op::APPENDS => {
-                    let items = self.pop_mark()?;
-                    let list = self.top()?;
-                    self.extend_list(list, items)?;
-                }
-                op::SETITEM => {
-                    let value = self.pop()?;
-                    let key = self.pop()?;
-                    let dict = self.top()?;
-                    self.extend_dict(dict, vec![(key, value)])?;
-                }
-                op::SETITEMS => {
-                    let items = self.pop_mark()?;
-                    let pairs = self.pairs(items)?;
-                    let dict = self.top()?;
-                    self.extend_dict(dict, pairs)?;
-                }
-                op::BINPUT => {
-                    let [i] = self.array::<1>()?;
-                    self.memo.insert(i.into(), self.top()?);
-                }
-                op::LONG_BINPUT => {
-                    let i = u32::from_le_bytes(self.array()?);
-                    self.memo.insert(i.into(), self.top()?);
-                }
-                op::PUT => {
-                    let line = self.line()?;
-                    let i = line.parse().map_err(|_| self.err(format!("memo index `{line}` is not a number")))?;
-                    self.memo.insert(i, self.top()?);
-                }
-                op::MEMOIZE => {
-                    let i = self.memo.len() as u64;
-                    self.memo.insert(i, self.top()?);
-                }
-                op::BINGET => {
-                    let [i] = self.array::<1>()?;
-                    self.get(i.into())?;
-                }
-                op::LONG_BINGET => {
-                    let i = u32::from_le_bytes(self.array()?);
-                    self.get(i.into())?;
-                }
-                op::GET => {
-                    let line = self.line()?;
-                    let i = line.parse().map_err(|_| self.err(format!("memo index `{line}` is not a number")))?;
-                    self.get(i)?;
-                }
-                op::GLOBAL => {
-                    let module = self.line()?;
-                    let name = self.line()?;
-                    let v = self.global(module, name)?;
-                    self.stack.push(v);
-                }
-                op::STACK_GLOBAL => {
-                    let name = self.pop()?;
-                    let module = self.pop()?;
-                    let (Some(module), Some(name)) = (self.str_of(module), self.str_of(name)) else {
-                        return Err(self.err("STACK_GLOBAL of something not a string (corrupt pickle)"));
-                    };
-                    let (module, name) = (module.to_string(), name.to_string());
-                    let v = self.global(&module, &name)?;
-                    self.stack.push(v);
-                }
-                op::BINPERSID => {
-                    let pid = self.pop()?;
-                    let v = self.persistent_load(pid, storages)?;
-                    self.stack.push(v);
-                }
-                op::REDUCE | op::NEWOBJ => {
-                    let args = self.pop()?;
-                    let callable = self.pop()?;
-                    let v = self.reduce(callable, args)?;
-                    self.stack.push(v);
-                }
-                op::BUILD => {
-                    self.pop()?;
-                    match self.obj(self.top()?) {
-                        // OrderedDict's `_metadata` and a Parameter's state: nothing a weight needs.
-                        Some(Obj::Dict(_) | Obj::Tensor(_)) => {}
-                        _ => return Err(self.err("BUILD on something not a dict or tensor (corrupt pickle)")),
-                    }
-                }
-                other => {
-                    return Err(self.err(format!(
-                        "opcode 0x{other:02x} is not one a state_dict needs (objects, extensions and out-of-band buffers are refused)"
-                    )))
-                }
+            if code == op::STOP {
+                return self.pop();
+            }
+            if let Some(v) = self.scalar(code)? {
+                self.stack.push(v);
+            } else if !(self.stack_op(code)? || self.container(code)? || self.memo(code)? || self.call(code, storages)?) {
+                return Err(self.err(format!(
+                    "opcode 0x{code:02x} is not one a state_dict needs (objects, extensions and out-of-band buffers are refused)"
+                )));
             }
         }
+    }
+
+    /// The value of a number, string or bytes opcode; `None` for any other opcode.
+    fn scalar(&mut self, code: u8) -> Result<Option<Value>> {
+        Ok(Some(match code {
+            op::NONE => Value::None,
+            op::NEWTRUE => Value::Bool(true),
+            op::NEWFALSE => Value::Bool(false),
+            op::BININT => Value::Int(i32::from_le_bytes(self.array()?).into()),
+            op::BININT1 => Value::Int(self.array::<1>()?[0].into()),
+            op::BININT2 => Value::Int(u16::from_le_bytes(self.array()?).into()),
+            op::INT | op::LONG => {
+                let line = self.line()?;
+                match line.trim_end_matches('L') {
+                    "00" => Value::Bool(false),
+                    "01" => Value::Bool(true),
+                    t => Value::Int(t.parse().map_err(|_| self.err(format!("`{line}` is not an integer")))?),
+                }
+            }
+            op::LONG1 | op::LONG4 => {
+                let n = self.length(code)?;
+                let b = self.take_len(n)?;
+                self.long(b)
+            }
+            op::BINFLOAT => {
+                self.take(8)?;
+                Value::Float
+            }
+            // Python 2's `str` (BINSTRING) too: the storage keys of old checkpoints are ASCII.
+            op::SHORT_BINUNICODE | op::BINUNICODE | op::BINUNICODE8 | op::SHORT_BINSTRING | op::BINSTRING => {
+                let n = self.length(code)?;
+                let b = self.take_len(n)?;
+                self.string(b)?
+            }
+            op::SHORT_BINBYTES | op::BINBYTES | op::BINBYTES8 | op::BYTEARRAY8 => {
+                let n = self.length(code)?;
+                self.take_len(n)?;
+                self.alloc(Obj::Bytes)
+            }
+            _ => return Ok(None),
+        }))
+    }
+
+    /// The length argument of a sized opcode: one byte, four (BINSTRING's signed) or eight.
+    fn length(&mut self, code: u8) -> Result<u64> {
+        Ok(match code {
+            op::LONG1 | op::SHORT_BINUNICODE | op::SHORT_BINSTRING | op::SHORT_BINBYTES => self.array::<1>()?[0].into(),
+            op::BINSTRING => u64::try_from(i32::from_le_bytes(self.array()?)).map_err(|_| self.err("negative string length"))?,
+            op::BINUNICODE8 | op::BINBYTES8 | op::BYTEARRAY8 => u64::from_le_bytes(self.array()?),
+            _ => u32::from_le_bytes(self.array()?).into(),
+        })
+    }
+
+    /// The protocol header, framing, marks and stack shuffles; `false` for any other opcode.
+    fn stack_op(&mut self, code: u8) -> Result<bool> {
+        match code {
+            op::PROTO => {
+                let [v] = self.array::<1>()?;
+                if v > 5 {
+                    return Err(self.err(format!("pickle protocol {v} is newer than 5")));
+                }
+            }
+            op::FRAME => {
+                self.take(8)?;
+            }
+            op::MARK => self.marks.push(self.stack.len()),
+            op::POP => {
+                self.pop()?;
+            }
+            op::POP_MARK => {
+                self.pop_mark()?;
+            }
+            op::DUP => {
+                let v = self.top()?;
+                self.stack.push(v);
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// Builds or fills a tuple, list, dict or set; `false` for any other opcode.
+    fn container(&mut self, code: u8) -> Result<bool> {
+        let obj = match code {
+            op::EMPTY_TUPLE => Obj::Tuple(vec![]),
+            op::EMPTY_LIST => Obj::List(vec![]),
+            op::EMPTY_DICT => Obj::Dict(vec![]),
+            op::EMPTY_SET => Obj::Set,
+            op::TUPLE1 | op::TUPLE2 | op::TUPLE3 => {
+                let n = usize::from(code - op::TUPLE1 + 1);
+                let mut items = (0..n).map(|_| self.pop()).collect::<Result<Vec<_>>>()?;
+                items.reverse();
+                Obj::Tuple(items)
+            }
+            op::TUPLE => Obj::Tuple(self.pop_mark()?),
+            op::LIST => Obj::List(self.pop_mark()?),
+            op::DICT => {
+                let items = self.pop_mark()?;
+                Obj::Dict(self.pairs(items)?)
+            }
+            op::FROZENSET => {
+                self.pop_mark()?;
+                Obj::Set
+            }
+            op::APPEND | op::APPENDS => {
+                let items = if code == op::APPEND { vec![self.pop()?] } else { self.pop_mark()? };
+                let list = self.top()?;
+                match self.arena_mut(list) {
+                    Some(Obj::List(l)) => l.extend(items),
+                    _ => return Err(self.err("APPEND to something not a list (corrupt pickle)")),
+                }
+                return Ok(true);
+            }
+            // Later keys win, as in Python; `state_dict` resolves duplicates.
+            op::SETITEM | op::SETITEMS => {
+                let items = if code == op::SETITEM {
+                    let value = self.pop()?;
+                    vec![self.pop()?, value]
+                } else {
+                    self.pop_mark()?
+                };
+                let pairs = self.pairs(items)?;
+                let dict = self.top()?;
+                match self.arena_mut(dict) {
+                    Some(Obj::Dict(d)) => d.extend(pairs),
+                    _ => return Err(self.err("SETITEM on something not a dict (corrupt pickle)")),
+                }
+                return Ok(true);
+            }
+            op::ADDITEMS => {
+                self.pop_mark()?;
+                match self.obj(self.top()?) {
+                    Some(Obj::Set) => return Ok(true),
+                    _ => return Err(self.err("ADDITEMS to something not a set (corrupt pickle)")),
+                }
+            }
+            _ => return Ok(false),
+        };
+        let v = self.alloc(obj);
+        self.stack.push(v);
+        Ok(true)
+    }
+
+    /// Stores the top of the stack in the memo or pushes a stored value; `false` for any other opcode.
+    fn memo(&mut self, code: u8) -> Result<bool> {
+        let text_index = |u: &mut Self| -> Result<u64> {
+            let line = u.line()?;
+            line.parse().map_err(|_| u.err(format!("memo index `{line}` is not a number")))
+        };
+        match code {
+            op::BINPUT | op::LONG_BINPUT | op::PUT | op::MEMOIZE => {
+                let i = match code {
+                    op::BINPUT => self.array::<1>()?[0].into(),
+                    op::LONG_BINPUT => u32::from_le_bytes(self.array()?).into(),
+                    op::PUT => text_index(self)?,
+                    _ => self.memo.len() as u64,
+                };
+                let v = self.top()?;
+                self.memo.insert(i, v);
+            }
+            op::BINGET | op::LONG_BINGET | op::GET => {
+                let i = match code {
+                    op::BINGET => self.array::<1>()?[0].into(),
+                    op::LONG_BINGET => u32::from_le_bytes(self.array()?).into(),
+                    _ => text_index(self)?,
+                };
+                let v = *self.memo.get(&i).ok_or_else(|| self.err(format!("memo entry {i} was never stored (corrupt pickle)")))?;
+                self.stack.push(v);
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// Globals, persistent ids, calls and BUILD; `false` for any other opcode.
+    fn call(&mut self, code: u8, storages: &mut BTreeMap<String, StorageRef>) -> Result<bool> {
+        let v = match code {
+            op::GLOBAL => {
+                let module = self.line()?;
+                let name = self.line()?;
+                self.global(module, name)?
+            }
+            op::STACK_GLOBAL => {
+                let name = self.pop()?;
+                let module = self.pop()?;
+                let (Some(module), Some(name)) = (self.str_of(module), self.str_of(name)) else {
+                    return Err(self.err("STACK_GLOBAL of something not a string (corrupt pickle)"));
+                };
+                let (module, name) = (module.to_string(), name.to_string());
+                self.global(&module, &name)?
+            }
+            op::BINPERSID => {
+                let pid = self.pop()?;
+                self.persistent_load(pid, storages)?
+            }
+            op::REDUCE | op::NEWOBJ => {
+                let args = self.pop()?;
+                let callable = self.pop()?;
+                self.reduce(callable, args)?
+            }
+            op::BUILD => {
+                self.pop()?;
+                return match self.obj(self.top()?) {
+                    // OrderedDict's `_metadata` and a Parameter's state: nothing a weight needs.
+                    Some(Obj::Dict(_) | Obj::Tensor(_)) => Ok(true),
+                    _ => Err(self.err("BUILD on something not a dict or tensor (corrupt pickle)")),
+                };
+            }
+            _ => return Ok(false),
+        };
+        self.stack.push(v);
+        Ok(true)
     }
 
     /// LONG1/LONG4's little-endian two's complement: an `Int` when it fits, else a `BigInt`.
@@ -631,44 +602,11 @@ impl<'a> Unpickler<'a> {
         }
     }
 
-    fn get(&mut self, i: u64) -> Result<()> {
-        let v = *self.memo.get(&i).ok_or_else(|| self.err(format!("memo entry {i} was never stored (corrupt pickle)")))?;
-        self.stack.push(v);
-        Ok(())
-    }
-
     fn pairs(&self, items: Vec<Value>) -> Result<Vec<(Value, Value)>> {
         if items.len() % 2 != 0 {
             return Err(self.err("a dict's items are not key-value pairs (corrupt pickle)"));
         }
         Ok(items.chunks_exact(2).map(|p| (p[0], p[1])).collect())
-    }
-
-    fn extend_list(&mut self, list: Value, items: Vec<Value>) -> Result<()> {
-        match list {
-            Value::Obj(i) => match self.arena.get_mut(i) {
-                Some(Obj::List(l)) => {
-                    l.extend(items);
-                    Ok(())
-                }
-                _ => Err(self.err("APPEND to something not a list (corrupt pickle)")),
-            },
-            _ => Err(self.err("APPEND to something not a list (corrupt pickle)")),
-        }
-    }
-
-    /// Later keys win, as in Python; `entries` resolves duplicates.
-    fn extend_dict(&mut self, dict: Value, pairs: Vec<(Value, Value)>) -> Result<()> {
-        match dict {
-            Value::Obj(i) => match self.arena.get_mut(i) {
-                Some(Obj::Dict(d)) => {
-                    d.extend(pairs);
-                    Ok(())
-                }
-                _ => Err(self.err("SETITEM on something not a dict (corrupt pickle)")),
-            },
-            _ => Err(self.err("SETITEM on something not a dict (corrupt pickle)")),
-        }
     }
 
     fn items(&self, v: Value) -> Option<&[Value]> {
