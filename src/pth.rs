@@ -603,7 +603,7 @@ impl<'a> Unpickler<'a> {
     }
 
     fn pairs(&self, items: Vec<Value>) -> Result<Vec<(Value, Value)>> {
-        if items.len() % 2 != 0 {
+        if !items.len().is_multiple_of(2) {
             return Err(self.err("a dict's items are not key-value pairs (corrupt pickle)"));
         }
         Ok(items.chunks_exact(2).map(|p| (p[0], p[1])).collect())
@@ -826,7 +826,7 @@ fn gather(path: &Path, key: &str, t: &TensorRef, storage: &[u8], size: usize) ->
     }
     {
         let last = t.shape.iter().zip(&t.stride).try_fold(t.offset, |at, (&d, &s)| (d - 1).checked_mul(s)?.checked_add(at));
-        if last.map_or(true, |l| l >= have) {
+        if last.is_none_or(|l| l >= have) {
             return Err(bad(
                 path,
                 format!(
@@ -1115,9 +1115,8 @@ mod tests {
         let e = decode_zipless(&good).expect_err("offset 1 + 2 elements > 2");
         assert!(e.to_string().contains("reach past its storage"), "{e}");
         // The same tensor at offset 0 reads.
-        let fixed: Vec<u8> = good.iter().copied().collect::<Vec<u8>>();
+        let mut fixed = good.clone();
         let at = fixed.windows(4).position(|w| w == b"QK\x01K").expect("offset") + 2;
-        let mut fixed = fixed;
         fixed[at] = 0;
         let c = decode_zipless(&fixed).expect("in range");
         assert_eq!(c.tensors["w"].data, [1.0, 2.0]);
