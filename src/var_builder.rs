@@ -295,8 +295,9 @@ pub(crate) fn check_regular_file(path: &Path) -> Result<()> {
     Err(Error::Safetensors { path: path.into(), reason: format!("is {what}; give the path of a .safetensors file") })
 }
 
-const PTH_HINT: &str = "this looks like a PyTorch checkpoint (torch.save, .pth/.pt/.bin), not safetensors: \
-     load it with `VarBuilder::from_pth` or `VarBuilder::from_files`";
+const PTH_HINT: &str = "this looks like a PyTorch pickle (torch.save, .pth/.pt/.bin), which `from_safetensors` does not read: \
+     load it with `VarBuilder::from_pth` or `from_files`, or convert it with \
+     `safetensors.torch.save_file(model.state_dict(), \"model.safetensors\")`";
 
 /// Whether `bytes`/`path` look like `torch.save` output: a zip archive, a raw pickle, or the extension.
 fn looks_like_pickle(path: &Path, bytes: &[u8]) -> bool {
