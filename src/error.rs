@@ -23,6 +23,12 @@ pub enum Error {
     #[error("cannot read safetensors file {path}: {reason}")]
     Safetensors { path: PathBuf, reason: String },
 
+    #[error("cannot read PyTorch checkpoint {path}: {reason}")]
+    Checkpoint { path: PathBuf, reason: String },
+
+    #[error("PyTorch checkpoint {path} names `{global}`, which Kiln does not load: its unpickler runs no code and knows only what a state_dict's tensors need; save `model.state_dict()` alone")]
+    CheckpointGlobal { path: PathBuf, global: String },
+
     // ---- tracing -------------------------------------------------------------------------
     #[error("shape mismatch in `{path}` ({op}): {reason}; got input shapes {got:?}")]
     Shape { path: String, op: String, reason: String, got: Vec<Vec<usize>> },

@@ -21,6 +21,7 @@ pub mod layerwise;
 pub mod module;
 pub mod ops;
 pub mod passes;
+pub mod pth;
 pub mod registry;
 pub mod seeded;
 pub mod tensor;

@@ -1,5 +1,6 @@
 //! Weights by `state_dict` name: a `VarBuilder` is a dotted-path prefix over a weight source
-//! (memory-mapped safetensors files, or the seeded generator used for fixtures and benchmarks).
+//! (memory-mapped safetensors files, PyTorch checkpoints read by `crate::pth`, or the seeded
+//! generator used for fixtures and benchmarks).
 //! Every lookup checks name, shape and dtype; keys the model never asked for are reported.
 
 use crate::graph::HostTensor;
@@ -36,8 +37,17 @@ struct Entry {
 }
 
 enum Source {
-    Safetensors { files: Vec<(PathBuf, Mmap)>, entries: BTreeMap<String, Entry> },
+    Safetensors {
+        files: Vec<(PathBuf, Mmap)>,
+        entries: BTreeMap<String, Entry>,
+    },
     Tensors(BTreeMap<String, HostTensor>),
+    /// PyTorch checkpoints, decoded when opened; `other` holds the keys of dtypes Kiln cannot load.
+    Checkpoint {
+        name: String,
+        tensors: BTreeMap<String, HostTensor>,
+        other: BTreeMap<String, String>,
+    },
     Seeded,
 }
 
@@ -46,6 +56,7 @@ impl Source {
         match self {
             Source::Safetensors { files, .. } => files.iter().map(|(p, _)| p.display().to_string()).collect::<Vec<_>>().join(", "),
             Source::Tensors(_) => "the given tensors".into(),
+            Source::Checkpoint { name, .. } => name.clone(),
             Source::Seeded => "the seeded generator".into(),
         }
     }
@@ -55,6 +66,18 @@ impl Source {
 /// `relative_position_index` is a constant of the window size (`kiln_models::swin`).
 fn is_bookkeeping(key: &str) -> bool {
     key.ends_with("num_batches_tracked") || key.ends_with("relative_position_index")
+}
+
+impl Store {
+    /// Whether the source holds the full key `key`.
+    fn has(&self, key: &str) -> bool {
+        match &self.source {
+            Source::Safetensors { entries, .. } => entries.contains_key(key),
+            Source::Tensors(t) => t.contains_key(key),
+            Source::Checkpoint { tensors, other, .. } => tensors.contains_key(key) || other.contains_key(key),
+            Source::Seeded => true,
+        }
+    }
 }
 
 impl VarBuilder {
@@ -94,6 +117,52 @@ impl VarBuilder {
         Ok(Self::with_source(Source::Safetensors { files, entries }))
     }
 
+    /// Reads PyTorch checkpoints (`torch.save`, `.pth`/`.pt`; zip or legacy format): a bare
+    /// state_dict or a dict holding one (`crate::pth::read_pth`). A key in two files is an error.
+    pub fn from_pth<P: AsRef<Path>>(paths: &[P]) -> Result<Self> {
+        let mut tensors = BTreeMap::new();
+        let mut other = BTreeMap::new();
+        let mut first: BTreeMap<String, PathBuf> = BTreeMap::new();
+        for path in paths {
+            let path = path.as_ref();
+            let c = crate::pth::read_pth(path)?;
+            for key in c.tensors.keys().chain(c.other.keys()) {
+                if let Some(was) = first.insert(key.clone(), path.to_path_buf()) {
+                    return Err(Error::DuplicateTensor {
+                        key: key.clone(),
+                        first: was.display().to_string(),
+                        second: path.display().to_string(),
+                    });
+                }
+            }
+            tensors.extend(c.tensors);
+            other.extend(c.other);
+        }
+        let name = paths.iter().map(|p| p.as_ref().display().to_string()).collect::<Vec<_>>().join(", ");
+        Ok(Self::with_source(Source::Checkpoint { name, tensors, other }))
+    }
+
+    /// Weights files of either kind: PyTorch checkpoints (recognised by their first bytes) go to
+    /// `from_pth`, anything else to `from_safetensors`. The files must all be of one kind.
+    pub fn from_files<P: AsRef<Path>>(paths: &[P]) -> Result<Self> {
+        let mut pth = Vec::new();
+        for path in paths {
+            let path = path.as_ref();
+            check_regular_file(path)?;
+            let mut head = [0u8; 4];
+            let n = std::fs::File::open(path).and_then(|mut f| std::io::Read::read(&mut f, &mut head)).map_err(Error::io(path))?;
+            pth.push(crate::pth::looks_like_checkpoint(&head[..n]));
+        }
+        match (pth.iter().all(|&p| p), pth.iter().any(|&p| p)) {
+            (true, true) => Self::from_pth(paths),
+            (_, false) => Self::from_safetensors(paths),
+            _ => Err(Error::Checkpoint {
+                path: paths[pth.iter().position(|&p| p).unwrap_or(0)].as_ref().into(),
+                reason: "is a PyTorch checkpoint, given with safetensors files: give weights files of one kind".into(),
+            }),
+        }
+    }
+
     /// Weights from tensors already in memory.
     pub fn from_tensors(tensors: BTreeMap<String, HostTensor>) -> Self {
         Self::with_source(Source::Tensors(tensors))
@@ -125,12 +194,7 @@ impl VarBuilder {
 
     /// Whether the source holds `name` under this prefix.
     pub fn contains(&self, name: &str) -> bool {
-        let key = self.key(name);
-        match &self.store.source {
-            Source::Safetensors { entries, .. } => entries.contains_key(&key),
-            Source::Tensors(t) => t.contains_key(&key),
-            Source::Seeded => true,
-        }
+        self.store.has(&self.key(name))
     }
 
     /// Loads `name` under this prefix as f32, checking that it has exactly `shape`. The stored
@@ -140,7 +204,7 @@ impl VarBuilder {
         let key = self.key(name);
         let source_name = || self.store.source.describe();
         let missing = || match &self.store.source {
-            Source::Safetensors { entries, .. } if entries.contains_key(&format!("module.{key}")) => {
+            Source::Safetensors { .. } | Source::Checkpoint { .. } if self.store.has(&format!("module.{key}")) => {
                 Error::MissingWeightPrefixed { key: key.clone(), prefix: "module.".into(), source_name: source_name() }
             }
             _ => Error::MissingWeight { key: key.clone(), source_name: source_name() },
@@ -148,6 +212,11 @@ impl VarBuilder {
         let value = match &self.store.source {
             Source::Seeded => crate::seeded::weight(&key, shape),
             Source::Tensors(t) => t.get(&key).ok_or_else(missing)?.clone(),
+            Source::Checkpoint { tensors, other, .. } => match (tensors.get(&key), other.get(&key)) {
+                (Some(t), _) => t.clone(),
+                (None, Some(dtype)) => return Err(Error::WeightDtype { key, got: dtype.clone(), source_name: source_name() }),
+                (None, None) => return Err(missing()),
+            },
             Source::Safetensors { files, entries } => {
                 let e = entries.get(&key).ok_or_else(missing)?;
                 if e.shape != shape {
@@ -192,6 +261,7 @@ impl VarBuilder {
         let keys: Vec<&String> = match &self.store.source {
             Source::Safetensors { entries, .. } => entries.keys().collect(),
             Source::Tensors(t) => t.keys().collect(),
+            Source::Checkpoint { tensors, other, .. } => tensors.keys().chain(other.keys()).collect(),
             Source::Seeded => vec![],
         };
         keys.into_iter().filter(|k| !used.contains(*k) && !is_bookkeeping(k)).cloned().collect()
@@ -225,7 +295,8 @@ pub(crate) fn check_regular_file(path: &Path) -> Result<()> {
     Err(Error::Safetensors { path: path.into(), reason: format!("is {what}; give the path of a .safetensors file") })
 }
 
-const PTH_HINT: &str = "this looks like a PyTorch pickle (torch.save, .pth/.pt/.bin); Kiln reads safetensors only: convert it with \
+const PTH_HINT: &str = "this looks like a PyTorch pickle (torch.save, .pth/.pt/.bin), which `from_safetensors` does not read: \
+     load it with `VarBuilder::from_pth` or `from_files`, or convert it with \
      `safetensors.torch.save_file(model.state_dict(), \"model.safetensors\")`";
 
 /// Whether `bytes`/`path` look like `torch.save` output: a zip archive, a raw pickle, or the extension.
@@ -353,7 +424,7 @@ fn parse_header(path: &Path, bytes: &[u8], file: usize) -> Result<Vec<(String, E
 
 /// The values of an f32, f16 or bf16 tensor as f32; `Ok(None)` for any other dtype. Memory is
 /// requested with `try_reserve`, and a tensor over `MAX_TENSOR_ELEMENTS` is refused first.
-fn decode(dtype: &str, bytes: &[u8], key: &str, path: &Path) -> Result<Option<Vec<f32>>> {
+pub(crate) fn decode(dtype: &str, bytes: &[u8], key: &str, path: &Path) -> Result<Option<Vec<f32>>> {
     let size = match dtype {
         "F32" => 4,
         "F16" | "BF16" => 2,

@@ -1,0 +1,106 @@
+//! Images for Kiln: from a photo to a model's input, and from its output to names and boxes.
+//!
+//! - `load_rgb` / `decode_rgb`: JPEG, PNG, BMP, GIF, WebP, PNM and TIFF through the `image` crate,
+//!   as 8-bit RGB (grey is repeated, alpha dropped, as PIL's `convert("RGB")` does).
+//! - `classify`: torchvision's classification preset (`Resize(256)` with PIL's antialiased
+//!   bilinear filter, `CenterCrop(224)`, ImageNet mean/std) to an NCHW f32 `HostTensor`.
+//!   `resize` is PIL's `Image.resize(..., BILINEAR)`, bit for bit.
+//! - `letterbox`: Ultralytics' `LetterBox` for YOLO, from pixels in a stated channel order.
+//! - `labels`: ImageNet-1k and COCO-80 class names, softmax and top-k.
+//! - `draw`: labelled boxes drawn onto an RGB image, saved as PNG.
+
+pub mod classify;
+pub mod draw;
+pub mod labels;
+pub mod letterbox;
+pub mod resize;
+
+pub use classify::{center_crop, resize_shorter, to_nchw, ClassifyPreset};
+pub use draw::{detections, draw_detections, Detection};
+pub use image::{self, RgbImage};
+pub use labels::{coco_classes, imagenet_classes, softmax, top_k, top_k_batch, Prediction};
+pub use letterbox::{frame_bytes, letterbox, letterbox_pixels, ChannelOrder, Letterbox};
+pub use resize::resize_bilinear;
+
+use std::path::{Path, PathBuf};
+
+/// What can go wrong between a file and a tensor; every variant names the file or the sizes.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("cannot decode image {path}: {reason}")]
+    Decode { path: PathBuf, reason: String },
+
+    #[error("cannot write image {path}: {reason}")]
+    Encode { path: PathBuf, reason: String },
+
+    #[error("{what}: {reason}")]
+    Size { what: String, reason: String },
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Decodes the image file at `path` (format from its bytes) as 8-bit RGB.
+pub fn load_rgb(path: impl AsRef<Path>) -> Result<RgbImage> {
+    let path = path.as_ref();
+    let bytes = std::fs::read(path).map_err(|e| Error::Decode { path: path.into(), reason: e.to_string() })?;
+    decode_rgb(&bytes, path)
+}
+
+/// Decodes an image file already in memory as 8-bit RGB; `path` names it in errors. Grey images
+/// repeat their level over R, G and B; alpha is dropped (not composited), as PIL's
+/// `convert("RGB")` does; 16-bit channels keep their high byte.
+pub fn decode_rgb(bytes: &[u8], path: &Path) -> Result<RgbImage> {
+    let decoded = image::load_from_memory(bytes).map_err(|e| Error::Decode { path: path.into(), reason: e.to_string() })?;
+    Ok(decoded.to_rgb8())
+}
+
+/// Writes `img` as a PNG file.
+pub fn save_png(img: &RgbImage, path: impl AsRef<Path>) -> Result<()> {
+    let path = path.as_ref();
+    img.save_with_format(path, image::ImageFormat::Png).map_err(|e| Error::Encode { path: path.into(), reason: e.to_string() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn encoded(img: &image::DynamicImage, format: image::ImageFormat) -> Vec<u8> {
+        let mut out = std::io::Cursor::new(Vec::new());
+        img.write_to(&mut out, format).expect("encode");
+        out.into_inner()
+    }
+
+    #[test]
+    fn decodes_png_jpeg_bmp_and_grey_to_rgb() {
+        let rgb = RgbImage::from_fn(8, 6, |x, y| image::Rgb([x as u8 * 30, y as u8 * 40, 200]));
+        let dynamic = image::DynamicImage::ImageRgb8(rgb.clone());
+        for format in [image::ImageFormat::Png, image::ImageFormat::Bmp] {
+            assert_eq!(decode_rgb(&encoded(&dynamic, format), Path::new("x")).expect("lossless"), rgb, "{format:?}");
+        }
+        let jpeg = decode_rgb(&encoded(&dynamic, image::ImageFormat::Jpeg), Path::new("x.jpg")).expect("jpeg");
+        assert_eq!(jpeg.dimensions(), (8, 6));
+        let grey = image::DynamicImage::ImageLuma8(image::GrayImage::from_fn(3, 2, |x, _| image::Luma([x as u8 * 100])));
+        let out = decode_rgb(&encoded(&grey, image::ImageFormat::Png), Path::new("g.png")).expect("grey");
+        assert_eq!(out.get_pixel(2, 1).0, [200, 200, 200]);
+        let rgba = image::DynamicImage::ImageRgba8(image::RgbaImage::from_pixel(2, 2, image::Rgba([10, 20, 30, 0])));
+        let out = decode_rgb(&encoded(&rgba, image::ImageFormat::Png), Path::new("a.png")).expect("rgba");
+        assert_eq!(out.get_pixel(0, 0).0, [10, 20, 30], "alpha dropped, not composited");
+    }
+
+    #[test]
+    fn garbage_is_a_decode_error_naming_the_file() {
+        let e = decode_rgb(b"not an image", Path::new("cat.png")).expect_err("garbage");
+        assert!(matches!(e, Error::Decode { .. }) && e.to_string().contains("cat.png"), "{e}");
+        let e = load_rgb("/nonexistent/cat.jpg").expect_err("missing");
+        assert!(e.to_string().contains("/nonexistent/cat.jpg"), "{e}");
+    }
+
+    #[test]
+    fn png_round_trips() {
+        let img = RgbImage::from_fn(5, 4, |x, y| image::Rgb([x as u8, y as u8, 7]));
+        let path = std::env::temp_dir().join(format!("kiln-vision-{}.png", std::process::id()));
+        save_png(&img, &path).expect("save");
+        assert_eq!(load_rgb(&path).expect("load"), img);
+        std::fs::remove_file(&path).ok();
+    }
+}
