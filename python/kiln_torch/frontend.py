@@ -73,6 +73,7 @@ class Converter:
         self.has_children = {name for name, m in model.named_modules() if next(m.children(), None) is not None}
         self.root = _class_name(type(model))
         self.input_names = input_names
+        self.model = model
         self.b.graph.modules[""] = self.root
 
     # ---- placeholders
@@ -238,9 +239,67 @@ class Converter:
                 continue
             self.b.graph.mark_output(name, v.id)
 
+    # ---- whole modules (ops.MODULES)
+
+    def _module_calls(self):
+        """First node of each call of a module class with a converter → (path, class, the call's nodes)."""
+        calls, current = {}, None
+        for node in self.ep.graph.nodes:
+            stack = node.meta.get("nn_module_stack") or {}
+            hit = next(((k, p, _class_name(c)) for k, (p, c) in stack.items() if _class_name(c) in ops.MODULES), None)
+            if node.op != "call_function" or hit is None:
+                current = None
+                continue
+            if current is not None and current[0] == hit[0]:
+                calls[current[1]][2].append(node)
+                continue
+            current = (hit[0], node.name)
+            calls[node.name] = (hit[1], hit[2], [node])
+        return calls
+
+    def module_call(self, path, cls, nodes) -> bool:
+        """Converts one call of a module as a whole; False to convert it op by op."""
+        inside = {n.name for n in nodes}
+        ext = []
+        for n in nodes:
+            for a in n.all_input_nodes:
+                v = self.values.get(a.name)
+                if a.name not in inside and isinstance(v, Act) and v not in ext:
+                    ext.append(v)
+        outs = [n for n in nodes if any(u.name not in inside for u in n.users)]
+        if len(outs) != 1 or any(isinstance(v, Unknown) for v in ext):
+            return False
+        mod = self.model.get_submodule(path)
+        attrs = {k: getattr(mod, k, None) for k in ("num_heads", "embed_dim", "batch_first", "add_zero_attn", "normalized_shape", "eps")}
+        attrs["qkv_same_embed_dim"] = getattr(mod, "_qkv_same_embed_dim", True)
+        attrs["bias_k"] = getattr(mod, "bias_k", None) is not None
+        prefix = f"{path}." if path else ""
+        params = {n: Const(prefix + n, p.detach()) for n, p in mod.named_parameters()}
+        self._scope(nodes[0])
+        self.b.begin(cls, nodes[0].name, path, path not in self.has_children, self._out_shape(outs[0]))
+        try:
+            values = ops.MODULES[cls](self.b, attrs, ext, params)
+        except Unsupported:
+            return False
+        self.values[outs[0].name] = values[0]
+        for n in nodes:
+            self.values.setdefault(n.name, Unknown(()))
+        return True
+
     def run(self, output_names):
         self.placeholders()
+        calls = self._module_calls()
+        skip = set()
         for node in self.ep.graph.nodes:
+            if node.name in skip:
+                continue
+            if node.name in calls:
+                path, cls, nodes = calls[node.name]
+                mark = len(self.b.graph.nodes)
+                if self.module_call(path, cls, nodes):
+                    skip.update(n.name for n in nodes)
+                    continue
+                self.b.graph.truncate(mark)
             if node.op == "call_function":
                 self.call(node)
             elif node.op not in ("placeholder", "output"):

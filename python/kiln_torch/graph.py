@@ -92,6 +92,13 @@ class KilnGraph:
         self.weight_ids[name] = i
         return i
 
+    def truncate(self, n: int) -> None:
+        """Drops nodes `n..` (and their weights): undoes a conversion that gave up."""
+        del self.nodes[n:]
+        for name, i in list(self.weight_ids.items()):
+            if i >= n:
+                del self.weight_ids[name], self.weights[name]
+
     def mark_output(self, name: str, node: int) -> None:
         if any(n == name for n, _ in self.outputs):
             raise ValueError(f"two outputs are named `{name}`")

@@ -837,3 +837,59 @@ def find(name: str, user: dict):
         if key in user:
             return user[key]
     return TABLE.get(name)
+
+
+# ---- whole modules
+
+MODULES: dict = {}
+
+
+def module(*classes):
+    """Registers a converter for every call of a module class, replacing the ops it traces into.
+    It gets the module's attributes, its activation inputs and its parameters (by name under the
+    module), and raises `Unsupported` to fall back to converting the call op by op."""
+
+    def register(fn):
+        for c in classes:
+            MODULES[c] = fn
+        return fn
+
+    return register
+
+
+@module("torch.nn.modules.activation.MultiheadAttention")
+def multihead_attention(cx, attrs, inputs, params):
+    """`nn.MultiheadAttention(E, heads, batch_first=True)` as self-attention with no masks and no
+    weights returned: `in_proj` (a Linear on the packed `in_proj_weight`), one `qkv_attention` on
+    its output, and `out_proj`, as Kiln's own ViT (models/src/vit.rs)."""
+    if not attrs.get("batch_first") or not attrs.get("qkv_same_embed_dim") or attrs.get("bias_k") or attrs.get("add_zero_attn"):
+        raise Unsupported("a MultiheadAttention other than batch-first self-attention")
+    if len(inputs) != 1 or not is_act(inputs[0]):
+        raise Unsupported("attention over several inputs, or with masks")
+    x = inputs[0]
+    heads, e = int(attrs["num_heads"]), int(attrs["embed_dim"])
+    w, b = params.get("in_proj_weight"), params.get("in_proj_bias")
+    ow, ob = params.get("out_proj.weight"), params.get("out_proj.bias")
+    if w is None or ow is None:
+        raise Unsupported("MultiheadAttention without its in_proj_weight / out_proj")
+    shape = tuple(x.tshape[:-1])
+    qkv = cx.node({"Gemm": {"Linear": {"bias": b is not None}}}, [x, w] + ([b] if b is not None else []), "in_proj", shape + (3 * e,))
+    y = cx.node({"QkvAttention": {"heads": heads, "scale": 1.0 / math.sqrt(e // heads), "bias": False}}, [qkv], "qkv_attention",
+                shape + (e,))
+    out = cx.node({"Gemm": {"Linear": {"bias": ob is not None}}}, [y, ow] + ([ob] if ob is not None else []), "out_proj", shape + (e,))
+    cx.graph.modules[f"{cx.scope}.out_proj" if cx.scope else "out_proj"] = "torch.nn.modules.linear.NonDynamicallyQuantizableLinear"
+    return [out]
+
+
+@module("torchvision.models.convnext.LayerNorm2d")
+def layer_norm2d(cx, attrs, inputs, params):
+    """torchvision's `LayerNorm2d` (permute to NHWC, LayerNorm over C, permute back) as one
+    LayerNorm over dim 1, as Kiln's `LayerNorm2d`: the same sums, no copies."""
+    shape = list(attrs.get("normalized_shape") or [])
+    if len(inputs) != 1 or not is_act(inputs[0]) or len(shape) != 1 or len(inputs[0].tshape) != 4:
+        raise Unsupported("a LayerNorm2d other than over the channels of NCHW")
+    x = cx.batched(inputs[0], 4, "LayerNorm2d")
+    w, b = params.get("weight"), params.get("bias")
+    affine_ = w is not None
+    op = {"Norm": {"LayerNorm": {"dim": 1, "shape": shape, "eps": float(attrs["eps"]), "affine": affine_}}}
+    return [cx.node(op, [x] + ([w, b] if affine_ else []), "layer_norm", x.tshape)]

@@ -194,5 +194,34 @@ class Converters(unittest.TestCase):
         self.assertEqual(b.graph.nodes[node["inputs"][1]]["op"], {"Weight": {"name": "scale"}})
 
 
+class Modules(unittest.TestCase):
+    def test_multihead_self_attention_is_in_proj_qkv_attention_out_proj(self):
+        b, x = builder([1, 5, 8], scope="encoder.layers.0.self_attention", out=(1, 5, 8))
+        params = {
+            "in_proj_weight": Const("sa.in_proj_weight", np.zeros([24, 8], np.float32)),
+            "in_proj_bias": Const("sa.in_proj_bias", np.zeros([24], np.float32)),
+            "out_proj.weight": Const("sa.out_proj.weight", np.zeros([8, 8], np.float32)),
+            "out_proj.bias": Const("sa.out_proj.bias", np.zeros([8], np.float32)),
+        }
+        attrs = {"num_heads": 2, "embed_dim": 8, "batch_first": True, "qkv_same_embed_dim": True}
+        (y,) = ops.MODULES["torch.nn.modules.activation.MultiheadAttention"](b, attrs, [x], params)
+        nodes = [n for n in b.graph.nodes if family(n)[0] not in ("Input", "Weight")]
+        self.assertEqual([n["path"].rsplit(".", 1)[1] for n in nodes], ["in_proj", "qkv_attention", "out_proj"])
+        self.assertEqual(nodes[1]["op"], {"QkvAttention": {"heads": 2, "scale": 0.5, "bias": False}})
+        self.assertEqual(nodes[0]["shape"], [1, 5, 24])
+        self.assertEqual(b.graph.nodes[y.id]["shape"], [1, 5, 8])
+        with self.assertRaises(Unsupported):
+            ops.MODULES["torch.nn.modules.activation.MultiheadAttention"](b, dict(attrs, batch_first=False), [x], params)
+
+    def test_torchvisions_layer_norm2d_is_one_layer_norm_over_the_channels(self):
+        b, x = builder([1, 4, 3, 3], scope="features.0.1", leaf=True)
+        params = {"weight": Const("features.0.1.weight", np.ones([4], np.float32)),
+                  "bias": Const("features.0.1.bias", np.zeros([4], np.float32))}
+        (y,) = ops.MODULES["torchvision.models.convnext.LayerNorm2d"](b, {"normalized_shape": (4,), "eps": 1e-6}, [x], params)
+        node = b.graph.nodes[y.id]
+        self.assertEqual(node["op"], {"Norm": {"LayerNorm": {"dim": 1, "shape": [4], "eps": 1e-6, "affine": True}}})
+        self.assertEqual(node["path"], "features.0.1")
+
+
 if __name__ == "__main__":
     unittest.main()
