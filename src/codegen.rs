@@ -9,6 +9,12 @@
 //! Generate from the *traced* graph, not an optimised one: passes create weights (folded
 //! BatchNorm) that no `state_dict` holds.
 
+mod layers;
+mod structured;
+mod tree;
+
+pub use structured::generate as generate_structured;
+
 use crate::graph::{ConvAttrs, DType, Graph, Op};
 use crate::{Error, Result};
 use serde::Serialize;
@@ -584,7 +590,9 @@ impl<'g> Flat<'g> {
         let (mut inputs, mut params) = (Vec::new(), Vec::new());
         for &i in &node.inputs {
             match (&graph.nodes[i].op, &self.names[i]) {
-                (Op::Weight { name, .. }, _) => params.push(Doc::Atom(format!("&vb.get(&{}, {name:?})?", array_lit(&graph.nodes[i].shape)))),
+                (Op::Weight { name, .. }, _) => {
+                    params.push(Doc::Atom(format!("&vb.get(&{}, {name:?})?", array_lit(&graph.nodes[i].shape))))
+                }
                 (_, Some(v)) => inputs.push(Doc::Atom(format!("&{v}"))),
                 (_, None) => {
                     return Err(Error::InvalidGraph { node: id, path: node.path.clone(), reason: format!("reads %{i}, which comes later") })
