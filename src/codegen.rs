@@ -9,6 +9,12 @@
 //! Generate from the *traced* graph, not an optimised one: passes create weights (folded
 //! BatchNorm) that no `state_dict` holds.
 
+mod layers;
+mod structured;
+mod tree;
+
+pub use structured::generate as generate_structured;
+
 use crate::graph::{ConvAttrs, DType, Graph, Op};
 use crate::{Error, Result};
 use serde::Serialize;
@@ -502,124 +508,159 @@ fn use_statement(krate: &str, names: &[&str], width: usize) -> String {
 /// `graph` again through `Tensor::record`, with the inputs' first dimension as `batch`.
 pub fn generate(graph: &Graph, opts: &CodegenOptions) -> Result<String> {
     let style = Style::new(opts.max_width, opts.small_heuristics_max);
-    let mut used: BTreeSet<&'static str> = ["Graph", "Op", "Result", "Tensor", "Tracer", "VarBuilder"].into();
-    let mut names: Vec<Option<String>> = vec![None; graph.nodes.len()];
-    let mut taken: HashSet<String> = HashSet::new();
-    let batch = graph.inputs.first().and_then(|&i| graph.nodes[i].shape.first().copied());
-    let mut body = String::new();
-    let mut ops = 0;
+    let mut flat = Flat::new(graph, style);
     for (id, node) in graph.nodes.iter().enumerate() {
-        // A path seen before (a module called twice) gets `_2`, `_3`...; the suffixed name is checked
-        // too, since `head.hm.2` alone already reads `head_hm_2`, and a repeated `let` would shadow.
-        let mut var = || {
-            let base = ident(&node.path);
-            let mut name = base.clone();
-            let mut n = 1;
-            while taken.contains(&name) {
-                n += 1;
-                name = format!("{base}_{n}");
-            }
-            taken.insert(name.clone());
-            name
-        };
         match &node.op {
-            Op::Weight { .. } => continue,
-            Op::Input { name } => {
-                let mut dims: Vec<String> = node.shape.iter().map(|d| d.to_string()).collect();
-                if let (Some(first), Some(b)) = (dims.first_mut(), batch) {
-                    if node.shape[0] == b {
-                        *first = "batch".into();
-                    }
-                }
-                let v = var();
-                let mut args = vec![Doc::Atom(format!("{name:?}")), Doc::Atom(format!("&[{}]", dims.join(", ")))];
-                // A typed input (bytes) keeps its type: the engine's binding depends on it.
-                let head = if node.dtype == DType::F32 {
-                    "tracer.input"
-                } else {
-                    used.insert("DType");
-                    args.push(Doc::Atom(format!("DType::{:?}", node.dtype)));
-                    "tracer.input_typed"
-                };
-                let expr = Doc::Call { head: head.into(), args, tail: String::new() };
-                body += &let_statement(&v, &expr, 4, &style);
-                names[id] = Some(v);
-            }
-            op => {
-                let mut inputs = Vec::new();
-                let mut params = Vec::new();
-                for &i in &node.inputs {
-                    match &graph.nodes[i].op {
-                        Op::Weight { name, .. } => {
-                            params.push(Doc::Atom(format!("&vb.get(&{}, {name:?})?", array_lit(&graph.nodes[i].shape))))
-                        }
-                        _ => match &names[i] {
-                            Some(v) => inputs.push(Doc::Atom(format!("&{v}"))),
-                            None => {
-                                return Err(Error::InvalidGraph {
-                                    node: id,
-                                    path: node.path.clone(),
-                                    reason: format!("reads %{i}, which comes later"),
-                                })
-                            }
-                        },
-                    }
-                }
-                if inputs.is_empty() {
-                    return Err(Error::NoTensorInput { op: op.name().to_string(), path: node.path.clone() });
-                }
-                // A weight read between two tensor inputs cannot be expressed by `Tensor::record`,
-                // which puts tensors first.
-                if node
-                    .inputs
-                    .iter()
-                    .skip_while(|&&i| !matches!(graph.nodes[i].op, Op::Weight { .. }))
-                    .any(|&i| !matches!(graph.nodes[i].op, Op::Weight { .. }))
-                {
-                    return Err(Error::Codegen { reason: format!("op `{}` at `{}` reads a tensor after a weight", op.name(), node.path) });
-                }
-                let v = var();
-                let expr = Doc::Call {
-                    head: "Tensor::record".into(),
-                    args: vec![
-                        Doc::Atom(format!("{:?}", node.path)),
-                        op_expr(op, &mut used)?,
-                        Doc::Array { head: "&".into(), items: inputs },
-                        Doc::Array { head: "&".into(), items: params },
-                    ],
-                    tail: "?".into(),
-                };
-                body += &let_statement(&v, &expr, 4, &style);
-                names[id] = Some(v);
-                ops += 1;
-            }
+            Op::Weight { .. } => {}
+            Op::Input { name } => flat.input(id, name)?,
+            op => flat.record(id, op)?,
         }
     }
-    for (name, id) in &graph.outputs {
-        let v = names[*id].as_ref().ok_or_else(|| Error::Codegen { reason: format!("output `{name}` is a weight") })?;
-        body += &format!("    tracer.output({name:?}, &{v});\n");
-    }
-    body += "    Ok(tracer.graph())\n";
+    flat.outputs()?;
+    Ok(flat.file(opts))
+}
 
-    // Types met only in fields left at their default are not named in the code.
-    let header = ["Graph", "Result", "Tracer", "VarBuilder"];
-    used.retain(|u| header.contains(u) || body.contains(u));
-    let kiln: Vec<&str> = used.iter().copied().filter(|u| *u != "BTreeMap").collect();
-    let mut src = String::new();
-    src += &format!("//! {} as Kiln tracing calls, generated by `{}` from its traced graph.\n", opts.model, opts.command);
-    src += "//!\n";
-    src += &format!("//! One statement per traced op ({ops} ops), in graph order; weights are read by their `state_dict`\n");
-    src += "//! names through the `VarBuilder`. Edit freely: `Tensor::record` checks every shape as it traces.\n\n";
-    if used.contains("BTreeMap") {
-        src += "use std::collections::BTreeMap;\n\n";
+/// The flat generator's state: the function body so far, each node's variable, the type names used.
+struct Flat<'g> {
+    graph: &'g Graph,
+    style: Style,
+    used: BTreeSet<&'static str>,
+    names: Vec<Option<String>>,
+    taken: HashSet<String>,
+    batch: Option<usize>,
+    body: String,
+    ops: usize,
+}
+
+impl<'g> Flat<'g> {
+    fn new(graph: &'g Graph, style: Style) -> Self {
+        Self {
+            graph,
+            style,
+            used: ["Graph", "Op", "Result", "Tensor", "Tracer", "VarBuilder"].into(),
+            names: vec![None; graph.nodes.len()],
+            taken: HashSet::new(),
+            batch: graph.inputs.first().and_then(|&i| graph.nodes[i].shape.first().copied()),
+            body: String::new(),
+            ops: 0,
+        }
     }
-    src += &use_statement("kiln", &kiln, style.width);
-    src += &format!("/// Traces {} for a batch of `batch` inputs and returns its graph.\n", opts.model);
-    src += &format!("pub fn {}(vb: &VarBuilder, batch: usize) -> Result<Graph> {{\n", opts.fn_name);
-    src += "    let tracer = Tracer::new();\n";
-    src += &body;
-    src += "}\n";
-    Ok(src)
+
+    /// A new variable for node `id`, named after its path. A path seen before (a module called
+    /// twice) gets `_2`, `_3`...; the suffixed name is checked too, since `head.hm.2` alone already
+    /// reads `head_hm_2`, and a repeated `let` would shadow.
+    fn var(&mut self, id: usize) -> String {
+        let base = ident(&self.graph.nodes[id].path);
+        let mut name = base.clone();
+        let mut n = 1;
+        while self.taken.contains(&name) {
+            n += 1;
+            name = format!("{base}_{n}");
+        }
+        self.taken.insert(name.clone());
+        self.names[id] = Some(name.clone());
+        name
+    }
+
+    fn input(&mut self, id: usize, name: &str) -> Result<()> {
+        let node = &self.graph.nodes[id];
+        let mut dims: Vec<String> = node.shape.iter().map(|d| d.to_string()).collect();
+        if let (Some(first), Some(b)) = (dims.first_mut(), self.batch) {
+            if node.shape[0] == b {
+                *first = "batch".into();
+            }
+        }
+        let mut args = vec![Doc::Atom(format!("{name:?}")), Doc::Atom(format!("&[{}]", dims.join(", ")))];
+        // A typed input (bytes) keeps its type: the engine's binding depends on it.
+        let head = if node.dtype == DType::F32 {
+            "tracer.input"
+        } else {
+            self.used.insert("DType");
+            args.push(Doc::Atom(format!("DType::{:?}", node.dtype)));
+            "tracer.input_typed"
+        };
+        let v = self.var(id);
+        self.body += &let_statement(&v, &Doc::Call { head: head.into(), args, tail: String::new() }, 4, &self.style);
+        Ok(())
+    }
+
+    /// The tensors and the weights node `id` reads, as `Tensor::record` takes them.
+    fn record_args(&self, id: usize, op: &Op) -> Result<(Vec<Doc>, Vec<Doc>)> {
+        let (graph, node) = (self.graph, &self.graph.nodes[id]);
+        let (mut inputs, mut params) = (Vec::new(), Vec::new());
+        for &i in &node.inputs {
+            match (&graph.nodes[i].op, &self.names[i]) {
+                (Op::Weight { name, .. }, _) => {
+                    params.push(Doc::Atom(format!("&vb.get(&{}, {name:?})?", array_lit(&graph.nodes[i].shape))))
+                }
+                (_, Some(v)) => inputs.push(Doc::Atom(format!("&{v}"))),
+                (_, None) => {
+                    return Err(Error::InvalidGraph { node: id, path: node.path.clone(), reason: format!("reads %{i}, which comes later") })
+                }
+            }
+        }
+        if inputs.is_empty() {
+            return Err(Error::NoTensorInput { op: op.name().to_string(), path: node.path.clone() });
+        }
+        // A weight read between two tensor inputs cannot be expressed by `Tensor::record`, which
+        // puts tensors first.
+        let is_weight = |i: &usize| matches!(graph.nodes[*i].op, Op::Weight { .. });
+        if node.inputs.iter().skip_while(|i| !is_weight(i)).any(|i| !is_weight(i)) {
+            return Err(Error::Codegen { reason: format!("op `{}` at `{}` reads a tensor after a weight", op.name(), node.path) });
+        }
+        Ok((inputs, params))
+    }
+
+    fn record(&mut self, id: usize, op: &Op) -> Result<()> {
+        let (inputs, params) = self.record_args(id, op)?;
+        let expr = Doc::Call {
+            head: "Tensor::record".into(),
+            args: vec![
+                Doc::Atom(format!("{:?}", self.graph.nodes[id].path)),
+                op_expr(op, &mut self.used)?,
+                Doc::Array { head: "&".into(), items: inputs },
+                Doc::Array { head: "&".into(), items: params },
+            ],
+            tail: "?".into(),
+        };
+        let v = self.var(id);
+        self.body += &let_statement(&v, &expr, 4, &self.style);
+        self.ops += 1;
+        Ok(())
+    }
+
+    fn outputs(&mut self) -> Result<()> {
+        for (name, id) in &self.graph.outputs {
+            let v = self.names[*id].as_ref().ok_or_else(|| Error::Codegen { reason: format!("output `{name}` is a weight") })?;
+            self.body += &format!("    tracer.output({name:?}, &{v});\n");
+        }
+        self.body += "    Ok(tracer.graph())\n";
+        Ok(())
+    }
+
+    /// The whole file: doc comment, `use` lines and the function.
+    fn file(mut self, opts: &CodegenOptions) -> String {
+        // Types met only in fields left at their default are not named in the code.
+        let header = ["Graph", "Result", "Tracer", "VarBuilder"];
+        let body = &self.body;
+        self.used.retain(|u| header.contains(u) || body.contains(u));
+        let kiln: Vec<&str> = self.used.iter().copied().filter(|u| *u != "BTreeMap").collect();
+        let mut src = String::new();
+        src += &format!("//! {} as Kiln tracing calls, generated by `{}` from its traced graph.\n", opts.model, opts.command);
+        src += "//!\n";
+        src += &format!("//! One statement per traced op ({} ops), in graph order; weights are read by their `state_dict`\n", self.ops);
+        src += "//! names through the `VarBuilder`. Edit freely: `Tensor::record` checks every shape as it traces.\n\n";
+        if self.used.contains("BTreeMap") {
+            src += "use std::collections::BTreeMap;\n\n";
+        }
+        src += &use_statement("kiln", &kiln, self.style.width);
+        src += &format!("/// Traces {} for a batch of `batch` inputs and returns its graph.\n", opts.model);
+        src += &format!("pub fn {}(vb: &VarBuilder, batch: usize) -> Result<Graph> {{\n", opts.fn_name);
+        src += "    let tracer = Tracer::new();\n";
+        src += &self.body;
+        src += "}\n";
+        src
+    }
 }
 
 #[cfg(test)]

@@ -318,6 +318,12 @@ pub struct Graph {
     /// Engines apply them before `BuildConfig::layer_precisions`, which may override them.
     #[serde(default)]
     pub fp32_layers: Vec<String>,
+    /// The PyTorch class of each module path the nodes were traced in (`layer1.0` →
+    /// `torchvision.models.resnet.BasicBlock`; `""` is the model itself), as `kiln-torch` records
+    /// them from `torch.export`'s module stacks. Structured codegen writes one struct per class.
+    /// Empty for graphs traced in Rust; files without it read as empty.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub modules: BTreeMap<String, String>,
 }
 
 impl Graph {

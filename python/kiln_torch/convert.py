@@ -1,0 +1,233 @@
+"""`Builder`: what op converters (`ops.py`) call to add Kiln nodes. Pure Python and NumPy.
+
+It names nodes after their module (a leaf module's op is named by the module's path, an op written
+inline in a `forward` is `<module path>.<op>`, Kiln's convention), turns constants into weight
+nodes under their names, and keeps Kiln's one rule about shapes: the batch is dim 0 of every value.
+A PyTorch value whose dim 0 is not the batch (the batch merged with other dims, or moved) is held
+*lifted*, `[1, *shape]` (see `graph.Act`): exported at batch 1, the graph then computes per image,
+so it runs at any batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import ops
+from .graph import Act, Const, KilnGraph
+from .ops import Unsupported
+
+
+def broadcast(a, b):
+    return tuple(np.broadcast_shapes(tuple(a), tuple(b)))
+
+
+class Builder:
+    def __init__(self, graph: KilnGraph | None = None):
+        self.graph = graph or KilnGraph()
+        self.scope = ""
+        self.leaf = False
+        self.fx_name = ""
+        self.target = ""
+        self.out_shape: tuple = ()
+        self._named = False
+
+    # ---- context of the node being converted
+
+    def begin(self, target: str, fx_name: str, scope: str, leaf: bool, out_shape) -> None:
+        self.target, self.fx_name, self.scope, self.leaf = target, fx_name, scope, leaf
+        self.out_shape = tuple(out_shape) if out_shape is not None else ()
+        self._named = False
+
+    def path(self, name: str, helper: bool = False) -> str:
+        """A leaf module's first op takes the module's path; other ops are `<scope>.<name>`."""
+        if self.leaf and not helper and not self._named:
+            self._named = True
+            return self.scope
+        return f"{self.scope}.{name}" if self.scope else name
+
+    # ---- nodes
+
+    def _id(self, v) -> int:
+        if isinstance(v, Act):
+            return v.id
+        if isinstance(v, Const):
+            return self.graph.weight(v.name, to_numpy(v.value))
+        raise Unsupported(f"an input of Kiln op is {v!r}")
+
+    def node(self, op, inputs, name, tshape=None, lifted=None, helper=False) -> Act:
+        acts = [v for v in inputs if isinstance(v, Act)]
+        if lifted is None:
+            lifted = bool(acts) and acts[0].lifted
+        tshape = self.out_shape if tshape is None else tuple(tshape)
+        kshape = ([1] if lifted else []) + list(tshape)
+        nid = self.graph.push(op, [self._id(v) for v in inputs], kshape, self.path(name, helper))
+        return Act(nid, tuple(int(d) for d in tshape), lifted)
+
+    def const_value(self, value, suffix: str) -> Const:
+        base = f"{self.scope}.{self.fx_name}" if self.scope else self.fx_name
+        name = f"{base}.{suffix}" if suffix else base
+        return Const(name, np.asarray(value, dtype=np.float32))
+
+    # ---- the batch stays dim 0
+
+    def lift(self, x: Act) -> Act:
+        """`x` as a lifted value `[1, *shape]` (for ops that touch PyTorch's dim 0)."""
+        if x.lifted:
+            return x
+        if not x.tshape or x.tshape[0] != 1:
+            raise Unsupported(
+                f"it moves or merges dim 0 of a value of shape {list(x.tshape)}, the batch: Kiln keeps the batch as dim 0; "
+                "export at batch 1 (the graph then runs at any batch)"
+            )
+        return self.node(ops.shape_op("Reshape", dims=list(x.tshape)), [x], "reshape", x.tshape, lifted=True, helper=True)
+
+    def unlift(self, x: Act) -> Act:
+        """`x` with PyTorch's dim 0 as the batch again (its dim 0 must be 1)."""
+        if not x.lifted:
+            return x
+        if not x.tshape or x.tshape[0] != 1:
+            raise Unsupported(
+                f"it needs the batch as dim 0, but its input of shape {list(x.tshape)} has the batch merged into dim 0 "
+                "(Kiln runs images, not windows or tokens, as the batch)"
+            )
+        return self.node(ops.shape_op("Reshape", dims=list(x.tshape[1:])), [x], "reshape", x.tshape, lifted=False, helper=True)
+
+    def batched(self, x: Act, rank: int, what: str) -> Act:
+        if len(x.tshape) != rank:
+            raise Unsupported(f"{what} of a {len(x.tshape)}-D value of shape {list(x.tshape)} (Kiln's takes {rank}-D)")
+        return self.unlift(x)
+
+    # ---- data movement and arithmetic shared by several converters
+
+    def reshape(self, x: Act, tshape) -> Act:
+        tshape = tuple(int(d) for d in tshape)
+        if tshape == tuple(x.tshape):
+            return x
+        if not x.lifted and x.tshape and tshape and tshape[0] == x.tshape[0]:
+            start = len(tshape) - 1
+            if start >= 1 and tshape[:start] == tuple(x.tshape[:start]) and tshape[-1] == math.prod(x.tshape[start:]):
+                return self.node(ops.shape_op("Flatten", start=start), [x], "flatten", tshape)
+            return self.node(ops.shape_op("Reshape", dims=list(tshape[1:])), [x], "reshape", tshape)
+        if not x.lifted:
+            x = self.lift(x)
+        if tshape and tshape[0] == 1:
+            return self.node(ops.shape_op("Reshape", dims=list(tshape[1:])), [x], "reshape", tshape, lifted=False)
+        return self.node(ops.shape_op("Reshape", dims=list(tshape)), [x], "reshape", tshape, lifted=True)
+
+    def permute(self, x: Act, dims) -> Act:
+        dims = [int(d) for d in dims]
+        if dims == list(range(len(dims))):
+            return x
+        out = tuple(x.tshape[d] for d in dims)
+        if not x.lifted and dims[0] == 0:
+            return self.node(ops.shape_op("Permute", dims=dims), [x], "permute", out)
+        x = self.lift(x)
+        return self.node(ops.shape_op("Permute", dims=[0] + [d + 1 for d in dims]), [x], "permute", out)
+
+    def slice(self, x: Act, d: int, start: int, end: int, step: int = 1) -> Act:
+        n = x.tshape[d]
+        if step < 1:
+            raise Unsupported(f"a slice with step {step}")
+        if start == 0 and end >= n and step == 1:
+            return x
+        if d == 0 and not x.lifted:
+            x = self.lift(x)
+        if step == 1:
+            return self._narrow(x, d, start, end - start)
+        # x[start:end:step] along d: narrow (or pad) to count·step, view as [.., count, step, ..], keep
+        # index 0 of the step axis, and drop it.
+        count = -(-(end - start) // step)
+        span = count * step
+        shape = list(x.tshape)
+        if start + span <= n:
+            x = self._narrow(x, d, start, span)
+        else:
+            x = self._narrow(x, d, start, n - start)
+            extra = start + span - n
+            rank = len(x.kshape)
+            kd = d + x.offset
+            pads = [0, 0] * (rank - 1 - kd) + [0, extra]
+            shape[d] = span
+            x = self.node(ops.shape_op("Pad", pads=pads, value=0.0), [x], "pad", shape, helper=True)
+        split = list(x.tshape[:d]) + [count, step] + list(x.tshape[d + 1 :])
+        x = self.reshape(x, split)
+        x = self._narrow(x, d + 1, 0, 1)
+        return self.reshape(x, split[: d + 1] + split[d + 2 :])
+
+    def _narrow(self, x: Act, d: int, start: int, length: int) -> Act:
+        if start == 0 and length == x.tshape[d]:
+            return x
+        shape = list(x.tshape)
+        shape[d] = length
+        return self.node(ops.shape_op("Slice", dim=d + x.offset, start=int(start), len=int(length)), [x], "slice", shape)
+
+    def cat(self, parts, d: int) -> Act:
+        acts = [i for i, p in enumerate(parts) if isinstance(p, Act)]
+        if not acts:
+            raise Unsupported("cat of constants only (it should have been folded)")
+        if acts != list(range(acts[0], acts[-1] + 1)):
+            raise Unsupported("cat of activations with constants between them")
+        run = [parts[i] for i in acts]
+        if len({p.lifted for p in run}) > 1 or (d == 0 and not run[0].lifted):
+            run = [self.lift(p) for p in run]
+        out = list(run[0].tshape)
+        out[d] = sum(p.tshape[d] for p in run)
+        y = run[0] if len(run) == 1 else self.node(ops.shape_op("Cat", dim=d + run[0].offset), run, "cat", out)
+        before, after = parts[: acts[0]], parts[acts[-1] + 1 :]
+        if not before and not after:
+            return y
+        return self._cat_constants(y, before, after, d)
+
+    def _cat_constants(self, y: Act, before, after, d: int) -> Act:
+        """`cat([c.., y, c..], d)` with constants `c` as `pad(y) + C`: zeros where the constants are
+        in `pad(y)`, zeros where `y` is in `C`, so every element is one exact sum with 0 (ViT's
+        class token). Unlike a cat with a constant, it broadcasts over the batch."""
+        if d == 0:
+            raise Unsupported("cat of a constant along dim 0, the batch")
+        lo, hi = sum(c.tshape[d] for c in before), sum(c.tshape[d] for c in after)
+        out = list(y.tshape)
+        out[d] += lo + hi
+        kd, rank = d + y.offset, len(y.kshape)
+        pads = [0, 0] * (rank - 1 - kd) + [lo, hi]
+        padded = self.node(ops.shape_op("Pad", pads=pads, value=0.0), [y], "pad", out)
+        full = np.zeros([1] + out[1:], np.float32)
+        offset = 0
+        for c in before:
+            idx = [slice(None)] * len(out)
+            idx[d] = slice(offset, offset + c.tshape[d])
+            full[tuple(idx)] = to_numpy(c.value)
+            offset += c.tshape[d]
+        offset = lo + y.tshape[d]
+        for c in after:
+            idx = [slice(None)] * len(out)
+            idx[d] = slice(offset, offset + c.tshape[d])
+            full[tuple(idx)] = to_numpy(c.value)
+            offset += c.tshape[d]
+        return self.binary("Add", padded, self.const_value(full, "cat_constants"), tshape=out)
+
+    def binary(self, op: str, x, y, tshape=None) -> Act:
+        """`x op y` with broadcasting; `x` an activation, `y` an activation or a constant."""
+        out = broadcast(x.tshape, y.tshape)
+        if isinstance(y, Act):
+            if x.lifted != y.lifted or len(x.tshape) != len(y.tshape):
+                x, y = self.lift(x), self.lift(y)
+            return self.node(ops.binary(op), [x, y], op.lower(), out if tshape is None else tshape)
+        rank_c = len(y.tshape)
+        needs_lift = rank_c > len(x.tshape) or (rank_c == len(x.tshape) and not x.lifted and y.tshape and y.tshape[0] != 1)
+        if needs_lift:
+            x = self.lift(x)
+        if x.lifted and rank_c > len(x.tshape):
+            y = Const(f"{y.name}.unsqueezed", to_numpy(y.value).reshape((1,) + tuple(y.tshape)))
+        return self.node(ops.binary(op), [x, y], op.lower(), out if tshape is None else tshape)
+
+
+def to_numpy(v) -> np.ndarray:
+    """A constant's value as a NumPy array (torch tensors included, without importing torch)."""
+    if hasattr(v, "detach"):
+        v = v.detach().cpu()
+        if str(v.dtype) in ("torch.bfloat16", "torch.float16"):
+            v = v.float()
+        return v.numpy()
+    return np.asarray(v)

@@ -1,0 +1,401 @@
+"""The PyTorch side: `torch.export` captures the model as an ATen graph, every node is converted
+through the op table (`ops.py`) or computed right away when it reads constants only, and the result
+is a Kiln graph file. Needs torch."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+
+from . import graph as kg
+from . import ops
+from .convert import Builder
+from .graph import Act, Const
+from .ops import Unsupported
+from .report import Missing, UnsupportedOpsError, source_line
+
+VERSION = "0.1.0"
+
+
+class ExportError(Exception):
+    """torch.export could not capture the model (data-dependent control flow, unsupported Python)."""
+
+
+@dataclass
+class Unknown:
+    """A value that could not be converted (its node is in the report); its readers are skipped."""
+
+    tshape: tuple
+
+
+@dataclass
+class Result:
+    graph: kg.KilnGraph
+    inputs: dict  # name -> np.ndarray (the example inputs)
+    outputs: dict  # name -> np.ndarray (PyTorch's outputs on them)
+    metadata: dict = field(default_factory=dict)
+
+
+def _named_outputs(value, names=None) -> list:
+    """(name, tensor) for each tensor of a model's output: `output` for one tensor, the keys of a
+    dict (`out`, `aux`), `output0`, `output1` ... for a tuple or list."""
+    flat, _ = torch.utils._pytree.tree_flatten_with_path(value)
+    tensors = [(path, v) for path, v in flat if isinstance(v, torch.Tensor)]
+    if names is not None:
+        if len(names) != len(tensors):
+            raise ValueError(f"{len(names)} output names given, the model returns {len(tensors)} tensors")
+        return list(zip(names, (v for _, v in tensors)))
+    if len(tensors) == 1 and not flat[0][0]:
+        return [("output", tensors[0][1])]
+    out = []
+    for i, (path, v) in enumerate(tensors):
+        keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", i)))) for k in path]
+        name = ".".join(keys) if keys and not all(k.isdigit() for k in keys) else f"output{i}"
+        out.append((name, v))
+    return out
+
+
+def _class_name(cls) -> str:
+    return cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
+
+
+class Converter:
+    """Walks one exported program and builds the Kiln graph, collecting what it cannot convert."""
+
+    def __init__(self, ep, model, input_names, custom_ops):
+        self.ep = ep
+        self.b = Builder()
+        self.values: dict = {}
+        self.missing: list = []
+        self.user = ops.custom_table(custom_ops)
+        self.has_children = {name for name, m in model.named_modules() if next(m.children(), None) is not None}
+        self.root = _class_name(type(model))
+        self.input_names = input_names
+        self.model = model
+        self.b.graph.modules[""] = self.root
+
+    # ---- placeholders
+
+    def _tensor_of(self, spec):
+        if spec.target in self.ep.state_dict:
+            return self.ep.state_dict[spec.target]
+        return self.ep.constants[spec.target]
+
+    def placeholders(self) -> None:
+        kinds = torch.export.graph_signature.InputKind
+        user = 0
+        for spec in self.ep.graph_signature.input_specs:
+            name = spec.arg.name
+            if spec.kind == kinds.USER_INPUT:
+                node = next(n for n in self.ep.graph.nodes if n.name == name)
+                val = node.meta.get("val")
+                if not isinstance(val, torch.Tensor):
+                    raise ExportError(f"input `{name}` is not a tensor ({type(val).__name__}); Kiln's inputs are tensors")
+                if val.dtype != torch.float32:
+                    raise ExportError(f"input `{name}` is {val.dtype}; export with float32 inputs")
+                kname = self.input_names[user] if self.input_names and user < len(self.input_names) else name
+                user += 1
+                shape = tuple(int(d) for d in val.shape)
+                self.values[name] = Act(self.b.graph.input(kname, shape), shape)
+            elif spec.kind in (kinds.PARAMETER, kinds.BUFFER, kinds.CONSTANT_TENSOR):
+                self.values[name] = Const(spec.target, self._tensor_of(spec).detach())
+            else:
+                raise ExportError(f"input `{name}` of kind {spec.kind} is not supported")
+
+    # ---- nodes
+
+    def _scope(self, node):
+        stack = node.meta.get("nn_module_stack") or {}
+        path, cls = "", self.root
+        for p, c in stack.values():
+            p = p.replace("L['self'].", "").replace("L__self__.", "")
+            if p.startswith("L['self']") or p == "L__self__":
+                p = ""
+            self.b.graph.modules.setdefault(p, _class_name(c))
+            path, cls = p, _class_name(c)
+        return path, cls, bool(path) and path not in self.has_children
+
+    def _map(self, a):
+        if isinstance(a, torch.fx.Node):
+            return self.values[a.name]
+        if isinstance(a, (list, tuple)):
+            return type(a)(self._map(x) for x in a)
+        if isinstance(a, dict):
+            return {k: self._map(v) for k, v in a.items()}
+        return a
+
+    @staticmethod
+    def _flat(v):
+        if isinstance(v, (list, tuple)):
+            for x in v:
+                yield from Converter._flat(x)
+        elif isinstance(v, dict):
+            for x in v.values():
+                yield from Converter._flat(x)
+        else:
+            yield v
+
+    def _fold(self, node, args, kwargs, scope):
+        """Runs a node whose inputs are all constants, in PyTorch, once."""
+        def real(v):
+            if isinstance(v, Const):
+                return v.value
+            if isinstance(v, (list, tuple)):
+                return type(v)(real(x) for x in v)
+            return v
+
+        with torch.no_grad():
+            out = node.target(*real(args), **{k: real(v) for k, v in kwargs.items()})
+        base = f"{scope}.{node.name}" if scope else node.name
+
+        def wrap(v, i=None):
+            if isinstance(v, torch.Tensor):
+                return Const(base if i is None else f"{base}.{i}", v.detach())
+            if isinstance(v, (list, tuple)):
+                return tuple(wrap(x, j) for j, x in enumerate(v))
+            return v
+
+        return wrap(out)
+
+    @staticmethod
+    def _named_args(node, args, kwargs) -> dict:
+        schema = node.target._schema
+        named = {}
+        for i, arg in enumerate(schema.arguments):
+            if i < len(args) and not arg.kwarg_only:
+                named[arg.name] = args[i]
+            elif arg.name in kwargs:
+                named[arg.name] = kwargs[arg.name]
+            elif arg.has_default_value():
+                named[arg.name] = arg.default_value
+            else:
+                named[arg.name] = None
+        for k, v in named.items():
+            if isinstance(v, torch.dtype):
+                named[k] = str(v).replace("torch.", "")
+        return named
+
+    @staticmethod
+    def _out_shape(node):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return tuple(int(d) for d in val.shape)
+        if isinstance(val, (list, tuple)):
+            for v in val:
+                if isinstance(v, torch.Tensor):
+                    return tuple(int(d) for d in v.shape)
+        return ()
+
+    def _unknown(self, node):
+        val = node.meta.get("val")
+        if isinstance(val, (list, tuple)):
+            return tuple(Unknown(tuple(v.shape)) if isinstance(v, torch.Tensor) else None for v in val)
+        return Unknown(tuple(val.shape) if isinstance(val, torch.Tensor) else ())
+
+    def call(self, node) -> None:
+        if node.target is operator.getitem:
+            v = self.values[node.args[0].name]
+            item = v[node.args[1]] if not isinstance(v, Unknown) else v
+            self.values[node.name] = item() if callable(item) else item
+            return
+        scope, cls, leaf = self._scope(node)
+        args, kwargs = self._map(node.args), self._map(node.kwargs)
+        flat = list(self._flat((args, kwargs)))
+        if any(isinstance(v, Unknown) for v in flat):
+            self.values[node.name] = self._unknown(node)
+            return
+        if not any(isinstance(v, Act) for v in flat):
+            self.values[node.name] = self._fold(node, args, kwargs, scope)
+            return
+        name = str(node.target)
+        conv = ops.find(name, self.user)
+        try:
+            if conv is None or not hasattr(node.target, "_schema"):
+                raise Unsupported("Kiln has no such op")
+            self.b.begin(name, node.name, scope, leaf, self._out_shape(node))
+            self.values[node.name] = conv(self.b, self._named_args(node, args, kwargs))
+        except Unsupported as e:
+            self.missing.append(Missing(name, scope, cls, source_line(node.meta.get("stack_trace")), str(e)))
+            self.values[node.name] = self._unknown(node)
+
+    def outputs(self, names) -> None:
+        out_node = next(n for n in self.ep.graph.nodes if n.op == "output")
+        kinds = torch.export.graph_signature.OutputKind
+        specs = [s for s in self.ep.graph_signature.output_specs if s.kind == kinds.USER_OUTPUT]
+        for spec, name in zip(specs, names):
+            v = self.values.get(spec.arg.name)
+            if isinstance(v, Unknown):
+                continue
+            if not isinstance(v, Act):
+                self.missing.append(Missing("output", "", self.root, None, f"output `{name}` does not depend on the input"))
+                continue
+            self.b.begin("output", out_node.name, "", False, v.tshape)
+            try:
+                v = self.b.unlift(v)
+            except Unsupported as e:
+                self.missing.append(Missing("output", "", self.root, None, f"output `{name}`: {e}"))
+                continue
+            self.b.graph.mark_output(name, v.id)
+
+    # ---- whole modules (ops.MODULES)
+
+    def _module_calls(self):
+        """First node of each call of a module class with a converter → (path, class, the call's nodes)."""
+        calls, current = {}, None
+        for node in self.ep.graph.nodes:
+            stack = node.meta.get("nn_module_stack") or {}
+            hit = next(((k, p, _class_name(c)) for k, (p, c) in stack.items() if _class_name(c) in ops.MODULES), None)
+            if node.op != "call_function" or hit is None:
+                current = None
+                continue
+            if current is not None and current[0] == hit[0]:
+                calls[current[1]][2].append(node)
+                continue
+            current = (hit[0], node.name)
+            calls[node.name] = (hit[1], hit[2], [node])
+        return calls
+
+    def module_call(self, path, cls, nodes) -> bool:
+        """Converts one call of a module as a whole; False to convert it op by op."""
+        inside = {n.name for n in nodes}
+        ext = []
+        for n in nodes:
+            for a in n.all_input_nodes:
+                v = self.values.get(a.name)
+                if a.name not in inside and isinstance(v, Act) and v not in ext:
+                    ext.append(v)
+        outs = [n for n in nodes if any(u.name not in inside for u in n.users)]
+        if len(outs) != 1 or any(isinstance(v, Unknown) for v in ext):
+            return False
+        mod = self.model.get_submodule(path)
+        attrs = {k: getattr(mod, k, None) for k in ("num_heads", "embed_dim", "batch_first", "add_zero_attn", "normalized_shape", "eps")}
+        attrs["qkv_same_embed_dim"] = getattr(mod, "_qkv_same_embed_dim", True)
+        attrs["bias_k"] = getattr(mod, "bias_k", None) is not None
+        prefix = f"{path}." if path else ""
+        params = {n: Const(prefix + n, p.detach()) for n, p in mod.named_parameters()}
+        self._scope(nodes[0])
+        self.b.begin(cls, nodes[0].name, path, path not in self.has_children, self._out_shape(outs[0]))
+        try:
+            values = ops.MODULES[cls](self.b, attrs, ext, params)
+        except Unsupported:
+            return False
+        self.values[outs[0].name] = values[0]
+        for n in nodes:
+            self.values.setdefault(n.name, Unknown(()))
+        return True
+
+    def run(self, output_names):
+        self.placeholders()
+        calls = self._module_calls()
+        skip = set()
+        for node in self.ep.graph.nodes:
+            if node.name in skip:
+                continue
+            if node.name in calls:
+                path, cls, nodes = calls[node.name]
+                mark = len(self.b.graph.nodes)
+                if self.module_call(path, cls, nodes):
+                    skip.update(n.name for n in nodes)
+                    continue
+                self.b.graph.truncate(mark)
+            if node.op == "call_function":
+                self.call(node)
+            elif node.op not in ("placeholder", "output"):
+                self.missing.append(Missing(node.op, "", self.root, None, f"an FX `{node.op}` node"))
+        self.outputs(output_names)
+        return self.b.graph
+
+
+def _decompositions(missing) -> dict:
+    """PyTorch's own decompositions of the ops in `missing` that have one (tried once more)."""
+    table = torch.export.default_decompositions()
+    found = {}
+    for m in missing:
+        for op in list(table.keys()):
+            if str(op) == m.op:
+                found[op] = table[op]
+    return found
+
+
+def export(model, example_inputs, path=None, *, input_names=None, output_names=None, custom_ops=None, strict=False,
+           reference=None, metadata=None, model_name=None) -> Result:
+    """Exports `model` (an `nn.Module`) called on `example_inputs` to a Kiln graph file at `path`.
+
+    - `input_names`, `output_names`: Kiln's names for the inputs and outputs (default: the forward
+      arguments' names; `output`, the keys of a returned dict, or `output0`, `output1`, ...).
+    - `custom_ops`: `{op: kiln custom op}` for ops Kiln lacks (`{"mylib::swish": "swish"}`), see
+      `ops.CustomOp`; `torchvision::deform_conv2d` maps to the kiln-deform-conv plugin by itself.
+    - `reference`: also write PyTorch's outputs for `kiln compare --reference` (`input`, `output.<name>`).
+
+    Raises `UnsupportedOpsError` listing every node without a Kiln op, before writing anything.
+    Export at batch 1 when the model merges the batch into other dims (window attention): the graph
+    then runs at any batch.
+    """
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    example_inputs = tuple(example_inputs)
+    model = model.eval()
+    model_name = model_name or type(model).__name__
+    with torch.no_grad():
+        eager = model(*example_inputs)
+    named = _named_outputs(eager, output_names)
+    try:
+        ep = torch.export.export(model, example_inputs, strict=strict)
+    except Exception as e:  # torch raises many types here; the message is what helps
+        raise ExportError(
+            f"torch.export could not capture {model_name}: {type(e).__name__}: {e}\n"
+            "Kiln imports what torch.export captures: no data-dependent control flow or shapes (docs/IMPORT.md, \"Limits\")."
+        ) from e
+    ep = ep.run_decompositions({})
+    for attempt in range(3):
+        conv = Converter(ep, model, input_names, custom_ops)
+        graph = conv.run([n for n, _ in named])
+        if not conv.missing:
+            break
+        table = _decompositions(conv.missing) if attempt < 2 else {}
+        if not table:
+            raise UnsupportedOpsError(conv.missing, model_name)
+        ep = ep.run_decompositions(table)
+    in_names = [graph.nodes[i]["op"]["Input"]["name"] for i in graph.inputs]
+    inputs = {n: x.detach().float().numpy() for n, x in zip(in_names, example_inputs)}
+    outputs = {n: v.detach().float().numpy() for n, v in named}
+    meta = {
+        "kiln.tool": f"kiln-torch {VERSION}",
+        "model": model_name,
+        "torch": torch.__version__,
+        "input_shape": ",".join(f"{n}:" + "x".join(str(d) for d in x.shape) for n, x in inputs.items()),
+    }
+    meta.update(metadata or {})
+    result = Result(graph, inputs, outputs, meta)
+    if path is not None:
+        kg.write(graph, path, meta)
+    if reference is not None:
+        write_reference(result, reference)
+    return result
+
+
+def write_reference(result: Result, path) -> None:
+    """PyTorch's outputs for `kiln compare --reference`: `input` (or `input.<name>` when there are
+    several), `output.<name>`."""
+    tensors = {}
+    if len(result.inputs) == 1:
+        tensors["input"] = next(iter(result.inputs.values()))
+    else:
+        tensors.update({f"input.{n}": v for n, v in result.inputs.items()})
+    tensors.update({f"output.{n}": v for n, v in result.outputs.items()})
+    meta = {"model": result.metadata.get("model", ""), "kiln.tool": result.metadata.get("kiln.tool", "")}
+    with open(path, "wb") as f:
+        f.write(kg.encode_safetensors(tensors, meta))
+
+
+def load_weights(model, path, strict=True) -> None:
+    """Loads a safetensors `state_dict` into `model` (`--weights`)."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(path))
+    result = model.load_state_dict(state, strict=strict)
+    if strict is False and (result.missing_keys or result.unexpected_keys):
+        print(f"kiln-torch: --weights {path}: missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}")
+

@@ -1,0 +1,895 @@
+"""The op table: every ATen op Kiln imports, and how it becomes Kiln ops. Pure Python (no torch),
+so the table is tested without PyTorch (python/tests/test_ops.py).
+
+Each converter is `fn(cx, a)`: `a` holds the ATen op's arguments by schema name (activations as
+`Act`, constants as `Const`, everything else as Python values), and `cx` (`convert.Builder`)
+pushes Kiln nodes. A converter returns the op's value (an `Act`, a tuple for ops with several
+outputs), or raises `Unsupported` with the reason. Kiln's ops are written in their serde form, as
+Kiln's `Graph` JSON holds them (src/ops/*.rs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .graph import Act, Const
+
+
+class Unsupported(Exception):
+    """This node cannot become Kiln ops; the message says why (shown in the export report)."""
+
+
+# ---- Kiln ops in their serde form
+
+F32_MAX = 3.4028234663852886e38
+
+
+def conv(stride, padding, dilation, groups, bias, transposed=False, output_padding=(0, 0)):
+    return {
+        "Conv": {
+            "transposed": transposed,
+            "stride": list(stride),
+            "padding": list(padding),
+            "dilation": list(dilation),
+            "groups": int(groups),
+            "output_padding": list(output_padding),
+            "bias": bool(bias),
+            "residual": False,
+            "act": "None",
+        }
+    }
+
+
+def unary(name, **attrs):
+    """`Unary::Relu` is `"Relu"`; a variant with fields is `{"Clamp": {"min": .., "max": ..}}`."""
+    return {"Unary": {name: attrs} if attrs else name}
+
+
+def binary(name):
+    return {"Binary": name}
+
+
+def affine(scale, shift):
+    return unary("Affine", scale=float(scale), shift=float(shift))
+
+
+def clamp(lo, hi):
+    lo = -F32_MAX if lo is None or lo == -math.inf else float(lo)
+    hi = F32_MAX if hi is None or hi == math.inf else float(hi)
+    return unary("Clamp", min=lo, max=hi)
+
+
+def shape_op(name, **attrs):
+    return {"Shape": {name: attrs}}
+
+
+def pool(kind, kernel, stride, padding, ceil_mode=False, count_include_pad=True):
+    attrs = {"kernel": list(kernel), "stride": list(stride), "padding": list(padding), "ceil_mode": bool(ceil_mode)}
+    attrs["count_include_pad"] = bool(count_include_pad)
+    return {"Pool": {kind: attrs}}
+
+
+def custom(name, attrs):
+    return {"Custom": {"name": name, "attrs": {k: float(v) for k, v in sorted(attrs.items())}}}
+
+
+# ---- argument helpers
+
+
+def pair(v, what="value"):
+    """A PyTorch int-or-pair argument as `[a, b]` (`3` and `[3]` are `[3, 3]`)."""
+    if isinstance(v, (int, float)):
+        return [int(v), int(v)]
+    v = list(v)
+    if len(v) == 1:
+        return [int(v[0])] * 2
+    if len(v) != 2:
+        raise Unsupported(f"{what} {v} is not 2-D (Kiln's convolutions and pooling are 2-D)")
+    return [int(x) for x in v]
+
+
+def norm_dim(d, rank):
+    d = int(d)
+    if not -rank <= d < max(rank, 1):
+        raise Unsupported(f"dim {d} is out of range for rank {rank}")
+    return d % rank if rank else 0
+
+
+def is_act(v):
+    return isinstance(v, Act)
+
+
+def act(v, what="input"):
+    if isinstance(v, Act):
+        return v
+    if isinstance(v, Const):
+        raise Unsupported(f"its {what} is a constant where Kiln needs an activation")
+    raise Unsupported(f"its {what} is {v!r}, not a tensor")
+
+
+def const(v, what):
+    if isinstance(v, Const):
+        return v
+    if isinstance(v, Act):
+        raise Unsupported(f"its {what} is computed from the input; Kiln needs it constant (a parameter or buffer)")
+    raise Unsupported(f"its {what} is {v!r}, not a tensor")
+
+
+def is_scalar(v):
+    return isinstance(v, (int, float, bool)) and not isinstance(v, Act)
+
+
+def scalar_of(v):
+    """A Python number, or a one-element constant read as one."""
+    if is_scalar(v):
+        return float(v)
+    if isinstance(v, Const) and v.value.size == 1:
+        return float(np.asarray(v.value).reshape(()))
+    return None
+
+
+# ---- the table
+
+TABLE: dict = {}
+
+
+def aten(*names):
+    """Registers a converter under one or more ATen op names (`aten.relu.default`)."""
+
+    def register(fn):
+        for name in names:
+            if name in TABLE:
+                raise ValueError(f"{name} is registered twice")
+            TABLE[name] = fn
+        return fn
+
+    return register
+
+
+def lookup(name: str):
+    return TABLE.get(name)
+
+
+# Ops that are the identity at inference, or copies Kiln does not need.
+IDENTITY = (
+    "aten.clone.default",
+    "aten.alias.default",
+    "aten.contiguous.default",
+    "aten.detach.default",
+    "aten.lift_fresh_copy.default",
+    "aten.dropout.default",
+    "aten.feature_dropout.default",
+    "aten.alpha_dropout.default",
+)
+
+
+@aten(*IDENTITY)
+def identity(cx, a):
+    return a.get("self", a.get("input"))
+
+
+@aten("aten._to_copy.default", "aten.to.dtype", "aten.type_as.default")
+def to_copy(cx, a):
+    dtype = a.get("dtype")
+    if dtype not in (None, "float32", "torch.float32"):
+        raise Unsupported(f"a cast to {dtype}: Kiln computes in f32 (graph inputs may be u8)")
+    return a["self"]
+
+
+# -- activations
+
+SIMPLE_UNARY = {
+    "aten.relu.default": "Relu",
+    "aten.sigmoid.default": "Sigmoid",
+    "aten.silu.default": "Silu",
+    "aten.hardswish.default": "Hardswish",
+    "aten.hardsigmoid.default": "Hardsigmoid",
+    "aten.tanh.default": "Tanh",
+    "aten.asinh.default": "Asinh",
+}
+
+
+def _simple(kind):
+    return lambda cx, a: cx.node(unary(kind), [act(a["self"])], kind.lower())
+
+
+for _name, _kind in SIMPLE_UNARY.items():
+    aten(_name)(_simple(_kind))
+
+
+@aten("aten.gelu.default")
+def gelu(cx, a):
+    return cx.node(unary("Gelu", tanh=a.get("approximate", "none") == "tanh"), [act(a["self"])], "gelu")
+
+
+@aten("aten.leaky_relu.default")
+def leaky_relu(cx, a):
+    return cx.node(unary("LeakyRelu", slope=float(a.get("negative_slope", 0.01))), [act(a["self"])], "leaky_relu")
+
+
+@aten("aten.hardtanh.default")
+def hardtanh(cx, a):
+    return cx.node(clamp(a.get("min_val", -1.0), a.get("max_val", 1.0)), [act(a["self"])], "clamp")
+
+
+@aten("aten.relu6.default")
+def relu6(cx, a):
+    return cx.node(clamp(0.0, 6.0), [act(a["self"])], "clamp")
+
+
+@aten("aten.clamp.default", "aten.clamp_min.default", "aten.clamp_max.default")
+def clamp_op(cx, a):
+    lo, hi = a.get("min"), a.get("max")
+    if any(v is not None and not is_scalar(v) for v in (lo, hi)):
+        raise Unsupported("clamp with tensor bounds (Kiln's clamp takes numbers)")
+    return cx.node(clamp(lo, hi), [act(a["self"])], "clamp")
+
+
+@aten("aten.neg.default")
+def neg(cx, a):
+    return cx.node(affine(-1.0, 0.0), [act(a["self"])], "affine")
+
+
+# -- arithmetic
+
+
+def _scalar_affine(cx, op, x, s, reverse=False):
+    """`x op s` (or `s op x`) with a number `s`, as one `x * scale + shift`."""
+    if op == "Add":
+        return cx.node(affine(1.0, s), [x], "affine")
+    if op == "Sub":
+        return cx.node(affine(-1.0, s) if reverse else affine(1.0, -s), [x], "affine")
+    if op == "Mul":
+        return cx.node(affine(s, 0.0), [x], "affine")
+    if reverse:
+        raise Unsupported(f"{s} / x: Kiln has no reciprocal op")
+    return cx.node(affine(1.0 / s, 0.0), [x], "affine")
+
+
+def arith(cx, op, x, y, alpha=1):
+    if alpha != 1:
+        if op not in ("Add", "Sub"):
+            raise Unsupported(f"alpha={alpha}")
+        if is_act(y):
+            y = cx.node(affine(alpha, 0.0), [y], "affine", tshape=y.tshape)
+        elif (s := scalar_of(y)) is not None:
+            y = s * alpha
+        else:
+            y = cx.const_value(np.asarray(y.value, dtype=np.float32) * alpha, "scaled")
+    if not is_act(x) and not is_act(y):
+        raise Unsupported("both operands are constants (they should have been folded)")
+    if is_act(x) and (s := scalar_of(y)) is not None and not (isinstance(y, Const) and y.value.ndim > 0):
+        return _scalar_affine(cx, op, x, s)
+    if is_act(y) and (s := scalar_of(x)) is not None and not (isinstance(x, Const) and x.value.ndim > 0):
+        return _scalar_affine(cx, op, y, s, reverse=True)
+    if not is_act(x) and op in ("Add", "Mul"):
+        x, y = y, x
+    return cx.binary(op, x, y)
+
+
+@aten("aten.add.Tensor", "aten.add.Scalar")
+def add(cx, a):
+    return arith(cx, "Add", a["self"], a["other"], a.get("alpha", 1))
+
+
+@aten("aten.sub.Tensor", "aten.sub.Scalar")
+def sub(cx, a):
+    return arith(cx, "Sub", a["self"], a["other"], a.get("alpha", 1))
+
+
+@aten("aten.rsub.Scalar", "aten.rsub.Tensor")
+def rsub(cx, a):
+    return arith(cx, "Sub", a["other"], a["self"], a.get("alpha", 1))
+
+
+@aten("aten.mul.Tensor", "aten.mul.Scalar")
+def mul(cx, a):
+    return arith(cx, "Mul", a["self"], a["other"])
+
+
+@aten("aten.div.Tensor", "aten.div.Scalar")
+def div(cx, a):
+    return arith(cx, "Div", a["self"], a["other"])
+
+
+@aten("aten.div.Tensor_mode")
+def div_mode(cx, a):
+    if a.get("rounding_mode") is not None:
+        raise Unsupported(f"division with rounding_mode={a['rounding_mode']!r}")
+    return arith(cx, "Div", a["self"], a["other"])
+
+
+# -- convolution, normalisation, linear
+
+
+def _conv(cx, x, w, b, stride, padding, dilation, groups, transposed=False, output_padding=(0, 0)):
+    x = cx.batched(act(x), 4, "a 2-D convolution")
+    w = const(w, "weight")
+    if w.value.ndim != 4:
+        raise Unsupported(f"a {w.value.ndim - 2}-D convolution (Kiln's are 2-D)")
+    if isinstance(padding, str):
+        padding = _same_padding(padding, w.value.shape[2:], pair(dilation, "dilation"), pair(stride, "stride"))
+    inputs = [x, w] + ([const(b, "bias")] if b is not None else [])
+    op = conv(pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation"), groups, b is not None, transposed,
+              pair(output_padding, "output_padding"))
+    return cx.node(op, inputs, "conv_transpose2d" if transposed else "conv2d")
+
+
+def _same_padding(mode, kernel, dilation, stride):
+    if mode == "valid":
+        return [0, 0]
+    pads = []
+    for k, d in zip(kernel, dilation):
+        total = d * (k - 1)
+        if total % 2:
+            raise Unsupported(f"padding='same' with kernel {list(kernel)} pads unevenly (Kiln pads both sides alike)")
+        pads.append(total // 2)
+    return pads
+
+
+@aten("aten.conv2d.default", "aten.conv2d.padding")
+def conv2d(cx, a):
+    return _conv(cx, a["input"], a["weight"], a.get("bias"), a.get("stride", 1), a.get("padding", 0), a.get("dilation", 1),
+                 a.get("groups", 1))
+
+
+@aten("aten.convolution.default")
+def convolution(cx, a):
+    return _conv(cx, a["input"], a["weight"], a.get("bias"), a["stride"], a["padding"], a["dilation"], a["groups"],
+                 a["transposed"], a["output_padding"])
+
+
+@aten("aten.conv_transpose2d.input")
+def conv_transpose2d(cx, a):
+    if pair(a.get("dilation", 1)) != [1, 1]:
+        raise Unsupported("a dilated transposed convolution")
+    return _conv(cx, a["input"], a["weight"], a.get("bias"), a.get("stride", 1), a.get("padding", 0), 1, a.get("groups", 1),
+                 True, a.get("output_padding", 0))
+
+
+def _norm_param(cx, v, n, fill, what):
+    if v is None:
+        return cx.const_value(np.full([n], fill, dtype=np.float32), what)
+    return const(v, what)
+
+
+def _batch_norm(cx, x, w, b, mean, var, eps):
+    x = act(x)
+    if len(x.tshape) < 2:
+        raise Unsupported(f"batch norm of a {len(x.tshape)}-D value")
+    c = x.tshape[1]
+    params = [_norm_param(cx, w, c, 1.0, "weight"), _norm_param(cx, b, c, 0.0, "bias"), const(mean, "running_mean"),
+              const(var, "running_var")]
+    op = {"Norm": {"BatchNorm2d": {"eps": float(eps)}}}
+    if len(x.tshape) == 4:
+        return cx.node(op, [cx.batched(x, 4, "batch norm")] + params, "batch_norm2d")
+    # BatchNorm1d: [N, C] or [N, C, L] normalised as [N, C, L, 1].
+    shape4 = tuple(x.tshape) + (1,) * (4 - len(x.tshape))
+    y = cx.node(op, [cx.reshape(cx.batched(x, len(x.tshape), "batch norm"), shape4)] + params, "batch_norm2d", tshape=shape4)
+    return cx.reshape(y, x.tshape)
+
+
+@aten("aten._native_batch_norm_legit_no_training.default")
+def batch_norm_legit(cx, a):
+    y = _batch_norm(cx, a["input"], a.get("weight"), a.get("bias"), a["running_mean"], a["running_var"], a["eps"])
+    return (y, None, None)
+
+
+@aten("aten.batch_norm.default")
+def batch_norm(cx, a):
+    if a.get("training"):
+        raise Unsupported("batch norm in training mode (call model.eval() before exporting)")
+    return _batch_norm(cx, a["input"], a.get("weight"), a.get("bias"), a["running_mean"], a["running_var"], a["eps"])
+
+
+@aten("aten.layer_norm.default")
+def layer_norm(cx, a):
+    x = act(a["input"])
+    shape = [int(d) for d in a["normalized_shape"]]
+    w, b = a.get("weight"), a.get("bias")
+    affine_ = w is not None or b is not None
+    if len(shape) >= len(x.tshape) and not x.lifted:
+        x = cx.lift(x)
+    if affine_:
+        params = [const(w, "weight") if w is not None else cx.const_value(np.ones(shape, np.float32), "weight"),
+                  const(b, "bias") if b is not None else cx.const_value(np.zeros(shape, np.float32), "bias")]
+    else:
+        params = []
+    op = {"Norm": {"LayerNorm": {"dim": len(x.kshape) - len(shape), "shape": shape, "eps": float(a.get("eps", 1e-5)),
+                                 "affine": affine_}}}
+    return cx.node(op, [x] + params, "layer_norm")
+
+
+@aten("aten.native_layer_norm.default")
+def native_layer_norm(cx, a):
+    return (layer_norm(cx, dict(a, eps=a["eps"])), None, None)
+
+
+@aten("aten.linear.default")
+def linear(cx, a):
+    x, w, b = act(a["input"]), a["weight"], a.get("bias")
+    if is_act(w):
+        raise Unsupported("F.linear with a computed weight (use matmul)")
+    w = const(w, "weight")
+    if w.value.ndim != 2:
+        raise Unsupported(f"a linear weight of shape {list(w.value.shape)}")
+    if len(x.kshape) < 2:
+        x = cx.lift(x)
+    inputs = [x, w] + ([const(b, "bias")] if b is not None else [])
+    return cx.node({"Gemm": {"Linear": {"bias": b is not None}}}, inputs, "linear")
+
+
+@aten("aten.matmul.default", "aten.bmm.default", "aten.mm.default")
+def matmul(cx, a):
+    x, y = a["self"], a.get("other", a.get("mat2"))
+    if not is_act(x):
+        raise Unsupported("matmul whose first operand is a constant")
+    if len(x.tshape) < 2 or len(y.tshape) < 2:
+        raise Unsupported("matmul of a vector (Kiln's matmul takes matrices)")
+    if is_act(y):
+        if x.lifted != y.lifted or len(x.tshape) != len(y.tshape):
+            x, y = cx.lift(x), cx.lift(y)
+    elif len(y.tshape) > len(x.tshape) or (len(y.tshape) == len(x.tshape) and not x.lifted and y.tshape[0] != 1):
+        x = cx.lift(x)
+    return cx.node({"Gemm": "Matmul"}, [x, y], "matmul")
+
+
+@aten("aten.scaled_dot_product_attention.default")
+def sdpa(cx, a):
+    q, k, v = act(a["query"], "query"), act(a["key"], "key"), act(a["value"], "value")
+    if a.get("dropout_p", 0.0) not in (0, 0.0):
+        raise Unsupported("attention with dropout_p > 0 (export in eval mode)")
+    if a.get("enable_gqa"):
+        raise Unsupported("grouped-query attention (enable_gqa=True)")
+    if len({x.lifted for x in (q, k, v)}) > 1:
+        q, k, v = cx.lift(q), cx.lift(k), cx.lift(v)
+    d = q.tshape[-1]
+    scale = a.get("scale")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    mask = a.get("attn_mask")
+    if a.get("is_causal"):
+        if mask is not None:
+            raise Unsupported("is_causal together with attn_mask")
+        ql, kl = q.tshape[-2], k.tshape[-2]
+        mask = Const("causal", np.triu(np.full((ql, kl), -np.inf, np.float32), 1))
+        mask = cx.const_value(mask.value, "causal_mask")
+    inputs = [q, k, v]
+    if mask is not None:
+        if is_act(mask):
+            raise Unsupported("an attention mask computed from the input (Kiln's attention takes a constant or additive mask)")
+        m = np.asarray(mask.value)
+        if m.dtype == np.bool_:
+            m = np.where(m, 0.0, -np.inf).astype(np.float32)
+            mask = cx.const_value(m, "attn_mask")
+        inputs.append(mask)
+    op = {"Attention": {"scale": scale, "bias": mask is not None}}
+    return cx.node(op, inputs, "attention")
+
+
+# -- pooling and reductions
+
+
+@aten("aten.max_pool2d.default", "aten.max_pool2d_with_indices.default")
+def max_pool2d(cx, a):
+    x = cx.batched(act(a["self"]), 4, "max pooling")
+    k = pair(a["kernel_size"], "kernel_size")
+    s = pair(a.get("stride") or k, "stride")
+    if pair(a.get("dilation", 1), "dilation") != [1, 1]:
+        raise Unsupported("dilated max pooling")
+    y = cx.node(pool("Max", k, s, pair(a.get("padding", 0)), a.get("ceil_mode", False)), [x], "max_pool2d")
+    return (y, None) if "with_indices" in cx.target else y
+
+
+@aten("aten.avg_pool2d.default")
+def avg_pool2d(cx, a):
+    x = cx.batched(act(a["self"]), 4, "average pooling")
+    if a.get("divisor_override") is not None:
+        raise Unsupported("avg_pool2d with divisor_override")
+    k = pair(a["kernel_size"], "kernel_size")
+    s = pair(a.get("stride") or k, "stride")
+    op = pool("Avg", k, s, pair(a.get("padding", 0)), a.get("ceil_mode", False), a.get("count_include_pad", True))
+    return cx.node(op, [x], "avg_pool2d")
+
+
+@aten("aten.adaptive_avg_pool2d.default", "aten._adaptive_avg_pool2d.default")
+def adaptive_avg_pool2d(cx, a):
+    x = cx.batched(act(a["self"]), 4, "adaptive average pooling")
+    out = pair(a["output_size"], "output_size")
+    return cx.node({"Pool": {"AdaptiveAvg": {"output": out}}}, [x], "adaptive_avg_pool2d")
+
+
+def _mean(cx, x, dims, keepdim):
+    x = act(x)
+    rank = len(x.tshape)
+    dims = sorted({norm_dim(d, rank) for d in (dims if dims else range(rank))})
+    if 0 in dims and not x.lifted:
+        x = cx.lift(x)
+    kd = [d + x.offset for d in dims]
+    return cx.node({"Pool": {"Mean": {"dims": kd, "keepdim": bool(keepdim)}}}, [x], "mean")
+
+
+@aten("aten.mean.dim", "aten.mean.default")
+def mean(cx, a):
+    return _mean(cx, a["self"], a.get("dim"), a.get("keepdim", False))
+
+
+@aten("aten.sum.dim_IntList")
+def sum_dims(cx, a):
+    x = act(a["self"])
+    dims = a.get("dim") or range(len(x.tshape))
+    n = int(np.prod([x.tshape[norm_dim(d, len(x.tshape))] for d in dims]))
+    return cx.node(affine(float(n), 0.0), [_mean(cx, x, a.get("dim"), a.get("keepdim", False))], "affine")
+
+
+@aten("aten.softmax.int", "aten._softmax.default")
+def softmax(cx, a):
+    x = act(a["self"])
+    d = norm_dim(a["dim"], len(x.tshape))
+    if d == 0 and not x.lifted:
+        x = cx.lift(x)
+    return cx.node({"Norm": {"Softmax": {"dim": d + x.offset}}}, [x], "softmax")
+
+
+# -- resizing
+
+
+def _resize(cx, mode, x, size, scales, align_corners=False):
+    x = cx.batched(act(x), 4, "interpolation")
+    attrs = {"size": None, "scale": None}
+    if scales is not None and all(s is not None for s in scales):
+        attrs["scale"] = [float(s) for s in scales]
+    elif size is not None:
+        attrs["size"] = pair(size, "size")
+    else:
+        attrs["size"] = list(cx.out_shape[2:])
+    if mode == "Bilinear":
+        attrs["align_corners"] = bool(align_corners)
+    return cx.node({"Resize": {mode: attrs}}, [x], "interpolate")
+
+
+@aten("aten.upsample_nearest2d.vec")
+def upsample_nearest_vec(cx, a):
+    return _resize(cx, "Nearest", a["input"], a.get("output_size"), a.get("scale_factors"))
+
+
+@aten("aten.upsample_nearest2d.default")
+def upsample_nearest(cx, a):
+    return _resize(cx, "Nearest", a["self"], a.get("output_size"), [a.get("scales_h"), a.get("scales_w")])
+
+
+@aten("aten.upsample_bilinear2d.vec")
+def upsample_bilinear_vec(cx, a):
+    return _resize(cx, "Bilinear", a["input"], a.get("output_size"), a.get("scale_factors"), a.get("align_corners", False))
+
+
+@aten("aten.upsample_bilinear2d.default")
+def upsample_bilinear(cx, a):
+    return _resize(cx, "Bilinear", a["self"], a.get("output_size"), [a.get("scales_h"), a.get("scales_w")],
+                   a.get("align_corners", False))
+
+
+# -- data movement
+
+
+@aten(
+    "aten.view.default",
+    "aten._unsafe_view.default",
+    "aten.reshape.default",
+    "aten.flatten.using_ints",
+    "aten.unflatten.int",
+    "aten.squeeze.dim",
+    "aten.squeeze.dims",
+    "aten.squeeze.default",
+    "aten.unsqueeze.default",
+)
+def view(cx, a):
+    return cx.reshape(act(a["self"]), cx.out_shape)
+
+
+@aten("aten.expand.default", "aten.expand_as.default")
+def expand(cx, a):
+    x = act(a["self"])
+    out = tuple(cx.out_shape)
+    if tuple(x.tshape) == out:
+        return x
+    # A broadcast copy: x + zeros of the expanded dims (exact: x + 0 is x).
+    pad = len(out) - len(x.tshape)
+    src = (1,) * pad + tuple(x.tshape)
+    zeros = [o if s == 1 and o != 1 else 1 for s, o in zip(src, out)]
+    while len(zeros) > 1 and zeros[0] == 1:
+        zeros = zeros[1:]
+    if pad or (zeros and zeros[0] != 1 and len(zeros) == len(out) and not x.lifted):
+        x = cx.lift(x) if len(zeros) >= len(x.tshape) + x.offset else x
+    return cx.binary("Add", x, cx.const_value(np.zeros(zeros, np.float32), "expand"))
+
+
+@aten("aten.permute.default")
+def permute(cx, a):
+    x = act(a["self"])
+    rank = len(x.tshape)
+    dims = [norm_dim(d, rank) for d in a["dims"]]
+    return cx.permute(x, dims)
+
+
+@aten("aten.transpose.int")
+def transpose(cx, a):
+    x = act(a["self"])
+    rank = len(x.tshape)
+    dims = list(range(rank))
+    d0, d1 = norm_dim(a["dim0"], rank), norm_dim(a["dim1"], rank)
+    dims[d0], dims[d1] = dims[d1], dims[d0]
+    return cx.permute(x, dims)
+
+
+@aten("aten.t.default", "aten.numpy_T.default")
+def t(cx, a):
+    x = act(a["self"])
+    return cx.permute(x, list(range(len(x.tshape)))[::-1])
+
+
+@aten("aten.cat.default", "aten.concat.default")
+def cat(cx, a):
+    parts = [p for p in a["tensors"] if not (isinstance(p, (Act, Const)) and 0 in p.tshape)]
+    rank = len(parts[0].tshape)
+    d = norm_dim(a.get("dim", 0), rank)
+    return cx.cat(parts, d)
+
+
+@aten("aten.slice.Tensor")
+def slice_(cx, a):
+    x = act(a["self"])
+    rank = len(x.tshape)
+    d = norm_dim(a.get("dim", 0), rank)
+    n = x.tshape[d]
+    start, end, step = a.get("start"), a.get("end"), a.get("step", 1)
+    start = 0 if start is None else start
+    end = n if end is None else end
+    start = max(0, min(n, start + n if start < 0 else start))
+    end = max(start, min(n, end + n if end < 0 else end))
+    return cx.slice(x, d, start, end, int(step))
+
+
+@aten("aten.narrow.default")
+def narrow(cx, a):
+    x = act(a["self"])
+    d = norm_dim(a["dim"], len(x.tshape))
+    start = a["start"] % x.tshape[d] if a["start"] < 0 else a["start"]
+    return cx.slice(x, d, start, start + a["length"], 1)
+
+
+@aten("aten.select.int")
+def select(cx, a):
+    x = act(a["self"])
+    d = norm_dim(a["dim"], len(x.tshape))
+    i = a["index"] % x.tshape[d]
+    return cx.reshape(cx.slice(x, d, i, i + 1, 1), cx.out_shape)
+
+
+def _split(cx, x, sizes, d):
+    """Each part as a thunk: a part becomes a Kiln node only when something reads it."""
+    parts, start = [], 0
+    for s in sizes:
+        parts.append(_Part(cx, x, d, start, start + s))
+        start += s
+    return tuple(parts)
+
+
+class _Part:
+    """One output of a split, sliced when first read (`getitem`)."""
+
+    def __init__(self, cx, x, d, start, end):
+        self.cx, self.x, self.d, self.start, self.end, self.value = cx, x, d, start, end, None
+
+    def __call__(self):
+        if self.value is None:
+            self.value = self.cx.slice(self.x, self.d, self.start, self.end, 1)
+        return self.value
+
+
+@aten("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", "aten.unsafe_split.Tensor")
+def split(cx, a):
+    x = act(a["self"])
+    d = norm_dim(a.get("dim", 0), len(x.tshape))
+    n = x.tshape[d]
+    if "split_sizes" in a:
+        sizes = list(a["split_sizes"])
+    elif "chunks" in a:
+        step = -(-n // a["chunks"])
+        sizes = [min(step, n - i) for i in range(0, n, step)]
+    else:
+        step = a["split_size"]
+        sizes = [min(step, n - i) for i in range(0, n, step)]
+    return _split(cx, x, sizes, d)
+
+
+@aten("aten.unbind.int")
+def unbind(cx, a):
+    x = act(a["self"])
+    d = norm_dim(a.get("dim", 0), len(x.tshape))
+    shape = tuple(s for i, s in enumerate(x.tshape) if i != d)
+    return tuple(_Reshaped(p, cx, shape) for p in _split(cx, x, [1] * x.tshape[d], d))
+
+
+class _Reshaped:
+    def __init__(self, part, cx, shape):
+        self.part, self.cx, self.shape, self.value = part, cx, shape, None
+
+    def __call__(self):
+        if self.value is None:
+            self.value = self.cx.reshape(self.part(), self.shape)
+        return self.value
+
+
+@aten("aten.constant_pad_nd.default", "aten.pad.default")
+def pad(cx, a):
+    x = act(a["self"])
+    mode = a.get("mode", "constant")
+    if mode != "constant":
+        raise Unsupported(f"padding mode {mode!r} (Kiln pads with a constant)")
+    pads = [int(p) for p in a["pad"]]
+    value = a.get("value")
+    value = 0.0 if value is None else float(value)
+    if any(p < 0 for p in pads):
+        raise Unsupported(f"negative padding {pads}")
+    if not any(pads):
+        return x
+    if len(pads) // 2 >= len(x.tshape) and not x.lifted:
+        x = cx.lift(x)
+    return cx.node(shape_op("Pad", pads=pads, value=value), [x], "pad")
+
+
+@aten("aten.roll.default")
+def roll(cx, a):
+    x = act(a["self"])
+    rank = len(x.tshape)
+    dims = [norm_dim(d, rank) for d in a.get("dims", [])]
+    if not dims:
+        raise Unsupported("roll over the flattened tensor (give dims)")
+    if 0 in dims and not x.lifted:
+        x = cx.lift(x)
+    return cx.node(shape_op("Roll", shifts=[int(s) for s in a["shifts"]], dims=[d + x.offset for d in dims]), [x], "roll")
+
+
+# -- torchvision ops
+
+
+@aten("torchvision.deform_conv2d.default")
+def deform_conv2d(cx, a):
+    """`torchvision.ops.deform_conv2d` → the `kiln-deform-conv` plugin's op `deform_conv2d`."""
+    x = cx.batched(act(a["input"]), 4, "a deformable convolution")
+    offset = cx.batched(act(a["offset"], "offset"), 4, "a deformable convolution")
+    w = const(a["weight"], "weight")
+    use_mask = bool(a.get("use_mask"))
+    bias = a.get("bias")
+    has_bias = bias is not None and not (isinstance(bias, Const) and not np.any(np.asarray(bias.value)))
+    inputs = [x, offset]
+    if use_mask:
+        inputs.append(cx.batched(act(a["mask"], "mask"), 4, "a deformable convolution"))
+    inputs.append(w)
+    if has_bias:
+        inputs.append(const(bias, "bias"))
+    attrs = {
+        "stride_h": a["stride_h"], "stride_w": a["stride_w"], "pad_h": a["pad_h"], "pad_w": a["pad_w"],
+        "dil_h": a["dilation_h"], "dil_w": a["dilation_w"], "mask": int(use_mask), "bias": int(has_bias),
+    }
+    return cx.node(custom("deform_conv2d", attrs), inputs, "deform_conv2d")
+
+
+# ---- user-registered custom ops
+
+
+class CustomOp:
+    """How a node becomes a Kiln custom op (a `CustomOp` registered in Rust under `name`).
+
+    By default its tensor arguments become the node's inputs in order (activations first, then
+    constants, as `Tensor::record` takes them) and its numbers become attributes named after the
+    op's arguments (a list `[a, b]` as `name_0`, `name_1`; booleans as 0 or 1). `attrs` may be a
+    function of the arguments (by name) returning the attributes instead.
+    """
+
+    def __init__(self, name: str, attrs=None):
+        self.name, self.attrs = name, attrs
+
+    def __call__(self, cx, a):
+        inputs = [v for v in _tensors(a.values()) if is_act(v)] + [v for v in _tensors(a.values()) if isinstance(v, Const)]
+        if not any(is_act(v) for v in inputs):
+            raise Unsupported(f"custom op `{self.name}` has no activation input")
+        acts = [cx.unlift(v) if is_act(v) else v for v in inputs]
+        attrs = self.attrs(a) if callable(self.attrs) else _number_attrs(a)
+        return cx.node(custom(self.name, attrs), acts, self.name)
+
+
+def _tensors(values):
+    for v in values:
+        if isinstance(v, (Act, Const)):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from _tensors(v)
+
+
+def _number_attrs(a):
+    attrs = {}
+    for k, v in a.items():
+        if isinstance(v, bool):
+            attrs[k] = int(v)
+        elif isinstance(v, (int, float)):
+            attrs[k] = v
+        elif isinstance(v, (list, tuple)) and v and all(isinstance(x, (int, float)) for x in v):
+            attrs.update({f"{k}_{i}": x for i, x in enumerate(v)})
+    return attrs
+
+
+def custom_table(custom_ops: dict | None) -> dict:
+    """A user's table `{op name: Kiln custom op name or CustomOp}` as converters, keyed as the
+    report names ops (`mylib.swish.default`); `mylib::swish` matches every overload."""
+    out = {}
+    for key, spec in (custom_ops or {}).items():
+        conv_ = spec if isinstance(spec, CustomOp) else CustomOp(str(spec))
+        out[key.replace("::", ".")] = conv_
+    return out
+
+
+def find(name: str, user: dict):
+    """The converter of the ATen op `name` (`aten.relu.default`): the user's table first."""
+    for key in (name, name.rsplit(".", 1)[0]):
+        if key in user:
+            return user[key]
+    return TABLE.get(name)
+
+
+# ---- whole modules
+
+MODULES: dict = {}
+
+
+def module(*classes):
+    """Registers a converter for every call of a module class, replacing the ops it traces into.
+    It gets the module's attributes, its activation inputs and its parameters (by name under the
+    module), and raises `Unsupported` to fall back to converting the call op by op."""
+
+    def register(fn):
+        for c in classes:
+            MODULES[c] = fn
+        return fn
+
+    return register
+
+
+@module("torch.nn.modules.activation.MultiheadAttention")
+def multihead_attention(cx, attrs, inputs, params):
+    """`nn.MultiheadAttention(E, heads, batch_first=True)` as self-attention with no masks and no
+    weights returned: `in_proj` (a Linear on the packed `in_proj_weight`), one `qkv_attention` on
+    its output, and `out_proj`, as Kiln's own ViT (models/src/vit.rs)."""
+    if not attrs.get("batch_first") or not attrs.get("qkv_same_embed_dim") or attrs.get("bias_k") or attrs.get("add_zero_attn"):
+        raise Unsupported("a MultiheadAttention other than batch-first self-attention")
+    if len(inputs) != 1 or not is_act(inputs[0]):
+        raise Unsupported("attention over several inputs, or with masks")
+    x = inputs[0]
+    heads, e = int(attrs["num_heads"]), int(attrs["embed_dim"])
+    w, b = params.get("in_proj_weight"), params.get("in_proj_bias")
+    ow, ob = params.get("out_proj.weight"), params.get("out_proj.bias")
+    if w is None or ow is None:
+        raise Unsupported("MultiheadAttention without its in_proj_weight / out_proj")
+    shape = tuple(x.tshape[:-1])
+    qkv = cx.node({"Gemm": {"Linear": {"bias": b is not None}}}, [x, w] + ([b] if b is not None else []), "in_proj", shape + (3 * e,))
+    y = cx.node({"QkvAttention": {"heads": heads, "scale": 1.0 / math.sqrt(e // heads), "bias": False}}, [qkv], "qkv_attention",
+                shape + (e,))
+    out = cx.node({"Gemm": {"Linear": {"bias": ob is not None}}}, [y, ow] + ([ob] if ob is not None else []), "out_proj", shape + (e,))
+    cx.graph.modules[f"{cx.scope}.out_proj" if cx.scope else "out_proj"] = "torch.nn.modules.linear.NonDynamicallyQuantizableLinear"
+    return [out]
+
+
+@module("torchvision.models.convnext.LayerNorm2d")
+def layer_norm2d(cx, attrs, inputs, params):
+    """torchvision's `LayerNorm2d` (permute to NHWC, LayerNorm over C, permute back) as one
+    LayerNorm over dim 1, as Kiln's `LayerNorm2d`: the same sums, no copies."""
+    shape = list(attrs.get("normalized_shape") or [])
+    if len(inputs) != 1 or not is_act(inputs[0]) or len(shape) != 1 or len(inputs[0].tshape) != 4:
+        raise Unsupported("a LayerNorm2d other than over the channels of NCHW")
+    x = cx.batched(inputs[0], 4, "LayerNorm2d")
+    w, b = params.get("weight"), params.get("bias")
+    affine_ = w is not None
+    op = {"Norm": {"LayerNorm": {"dim": 1, "shape": shape, "eps": float(attrs["eps"]), "affine": affine_}}}
+    return [cx.node(op, [x] + ([w, b] if affine_ else []), "layer_norm", x.tshape)]

@@ -1,0 +1,227 @@
+"""The op table and the converters' Kiln nodes, without torch: converters are called with their
+arguments by name, as the exporter calls them, on a `Builder` over a graph with one input."""
+
+import os
+import sys
+import unittest
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from kiln_torch import ops  # noqa: E402
+from kiln_torch.convert import Builder  # noqa: E402
+from kiln_torch.graph import Act, Const  # noqa: E402
+from kiln_torch.ops import Unsupported  # noqa: E402
+
+
+def builder(shape, scope="blk", leaf=False, target="aten.x", out=None):
+    b = Builder()
+    x = Act(b.graph.input("input", shape), tuple(shape))
+    b.begin(target, "node", scope, leaf, out if out is not None else shape)
+    return b, x
+
+
+def family(node):
+    (name, body), = node["op"].items()
+    return name, body
+
+
+class OpTable(unittest.TestCase):
+    def test_every_op_kiln_imports_has_a_converter(self):
+        for name in ["aten.conv2d.default", "aten.linear.default", "aten._native_batch_norm_legit_no_training.default",
+                     "aten.relu.default", "aten.add.Tensor", "aten.view.default", "aten.cat.default", "aten.split.Tensor",
+                     "aten.scaled_dot_product_attention.default", "aten.upsample_bilinear2d.vec", "torchvision.deform_conv2d.default"]:
+            self.assertIsNotNone(ops.lookup(name), name)
+        self.assertIsNone(ops.lookup("aten.erf.default"))
+
+    def test_a_user_table_comes_first_and_matches_every_overload(self):
+        user = ops.custom_table({"mylib::swish": "swish", "aten.erf.default": ops.CustomOp("erf")})
+        self.assertEqual(ops.find("mylib.swish.default", user).name, "swish")
+        self.assertEqual(ops.find("aten.erf.default", user).name, "erf")
+        self.assertIs(ops.find("aten.relu.default", user), ops.TABLE["aten.relu.default"])
+
+    def test_registering_a_name_twice_is_an_error(self):
+        with self.assertRaises(ValueError):
+            ops.aten("aten.relu.default")(lambda cx, a: None)
+
+
+class Converters(unittest.TestCase):
+    def test_a_leaf_modules_op_takes_the_module_path(self):
+        b, x = builder([1, 3, 8, 8], scope="features.0", leaf=True, out=(1, 4, 8, 8))
+        w = Const("features.0.weight", np.zeros([4, 3, 3, 3], np.float32))
+        y = ops.TABLE["aten.conv2d.default"](b, {"input": x, "weight": w, "bias": None, "stride": [1, 1], "padding": [1, 1],
+                                                 "dilation": [1, 1], "groups": 1})
+        node = b.graph.nodes[y.id]
+        self.assertEqual(node["path"], "features.0")
+        self.assertEqual(node["shape"], [1, 4, 8, 8])
+        name, conv = family(node)
+        self.assertEqual((name, conv["padding"], conv["bias"]), ("Conv", [1, 1], False))
+        self.assertEqual(b.graph.nodes[node["inputs"][1]]["op"], {"Weight": {"name": "features.0.weight"}})
+
+    def test_inline_ops_are_named_in_their_modules_scope(self):
+        b, x = builder([1, 4], scope="layer1.0")
+        y = ops.TABLE["aten.add.Tensor"](b, {"self": x, "other": x, "alpha": 1})
+        self.assertEqual(b.graph.nodes[y.id]["path"], "layer1.0.add")
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Binary": "Add"})
+
+    def test_arithmetic_with_a_number_is_one_affine(self):
+        b, x = builder([1, 4])
+        cases = [("aten.add.Tensor", 3, (1.0, 3.0)), ("aten.mul.Tensor", 0.5, (0.5, 0.0)), ("aten.sub.Tensor", 2, (1.0, -2.0))]
+        for target, s, (scale, shift) in cases:
+            y = ops.TABLE[target](b, {"self": x, "other": s, "alpha": 1})
+            self.assertEqual(b.graph.nodes[y.id]["op"], {"Unary": {"Affine": {"scale": scale, "shift": shift}}}, target)
+        y = ops.TABLE["aten.rsub.Scalar"](b, {"self": x, "other": 1, "alpha": 1})
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Unary": {"Affine": {"scale": -1.0, "shift": 1.0}}}, "1 - x")
+
+    def test_a_constant_first_operand_of_a_commutative_op_goes_second(self):
+        b, x = builder([1, 4, 2, 2], out=(1, 4, 2, 2))
+        c = Const("layer_scale", np.ones([4, 1, 1], np.float32))
+        y = ops.TABLE["aten.mul.Tensor"](b, {"self": c, "other": x})
+        ins = b.graph.nodes[y.id]["inputs"]
+        self.assertEqual(ins[0], x.id)
+        self.assertEqual(b.graph.nodes[ins[1]]["op"], {"Weight": {"name": "layer_scale"}})
+
+    def test_relu6_and_hardtanh_are_clamps(self):
+        b, x = builder([1, 4])
+        y = ops.TABLE["aten.hardtanh.default"](b, {"self": x, "min_val": 0.0, "max_val": 6.0})
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Unary": {"Clamp": {"min": 0.0, "max": 6.0}}})
+
+    def test_a_view_keeping_the_batch_is_a_flatten_or_a_reshape(self):
+        b, x = builder([2, 8, 4, 4])
+        y = b.reshape(x, (2, 128))
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Shape": {"Flatten": {"start": 1}}})
+        z = b.reshape(x, (2, 8, 16))
+        self.assertEqual(b.graph.nodes[z.id]["op"], {"Shape": {"Flatten": {"start": 2}}})
+        w = b.reshape(x, (2, 4, 2, 16))
+        self.assertEqual(b.graph.nodes[w.id]["op"], {"Shape": {"Reshape": {"dims": [4, 2, 16]}}})
+        self.assertFalse(w.lifted)
+
+    def test_merging_the_batch_lifts_the_value_and_unmerging_drops_the_lift(self):
+        # Swin: [1, 56, 56, 96] → [64 windows, 49, 96] → back to [1, 56, 56, 96].
+        b, x = builder([1, 8, 8, 4])
+        windows = b.reshape(x, (4, 16, 4))
+        self.assertTrue(windows.lifted)
+        self.assertEqual(windows.kshape, [1, 4, 16, 4])
+        self.assertEqual(b.graph.nodes[windows.id]["shape"], [1, 4, 16, 4])
+        back = b.reshape(windows, (1, 8, 8, 4))
+        self.assertFalse(back.lifted)
+        self.assertEqual(b.graph.nodes[back.id]["op"], {"Shape": {"Reshape": {"dims": [8, 8, 4]}}})
+
+    def test_a_permute_moving_dim_0_is_made_on_the_lifted_value(self):
+        b, x = builder([1, 5, 6])
+        y = b.permute(x, [1, 0, 2])
+        self.assertTrue(y.lifted)
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Shape": {"Permute": {"dims": [0, 2, 1, 3]}}})
+        self.assertEqual(y.kshape, [1, 5, 1, 6])
+
+    def test_lifting_needs_batch_1(self):
+        b, x = builder([2, 5, 6])
+        with self.assertRaisesRegex(Unsupported, "export at batch 1"):
+            b.permute(x, [1, 0, 2])
+
+    def test_a_strided_slice_is_a_view_and_a_narrow(self):
+        # x[:, ::2] of [1, 6, 3]: view as [1, 3, 2, 3], keep index 0 of the step axis, merge it away.
+        b, x = builder([1, 6, 3])
+        y = b.slice(x, 1, 0, 6, 2)
+        self.assertEqual(y.tshape, (1, 3, 3))
+        kinds = [family(n)[1] for n in b.graph.nodes[1:]]
+        self.assertEqual(kinds[0], {"Reshape": {"dims": [3, 2, 3]}})
+        self.assertEqual(kinds[1], {"Slice": {"dim": 2, "start": 0, "len": 1}})
+        self.assertEqual(kinds[2], {"Flatten": {"start": 2}}, "[1, 3, 1, 3] → [1, 3, 3]")
+        # An end that is not a whole number of steps away pads first: x[:, 1::2] of [1, 5, 3].
+        b, x = builder([1, 5, 3])
+        y = b.slice(x, 1, 1, 5, 2)
+        self.assertEqual(y.tshape, (1, 2, 3))
+
+    def test_cat_with_a_constant_is_a_pad_and_an_add(self):
+        # ViT: cat([class_token [1, 1, 4], x [1, 3, 4]], 1).
+        b, x = builder([1, 3, 4], out=(1, 4, 4))
+        token = Const("class_token", np.arange(4, dtype=np.float32).reshape(1, 1, 4))
+        y = ops.TABLE["aten.cat.default"](b, {"tensors": [token, x], "dim": 1})
+        add = b.graph.nodes[y.id]
+        self.assertEqual(add["op"], {"Binary": "Add"})
+        pad = b.graph.nodes[add["inputs"][0]]
+        self.assertEqual(pad["op"], {"Shape": {"Pad": {"pads": [0, 0, 1, 0], "value": 0.0}}})
+        name = b.graph.nodes[add["inputs"][1]]["op"]["Weight"]["name"]
+        full = b.graph.weights[name]
+        self.assertEqual(full.shape, (1, 4, 4))
+        np.testing.assert_array_equal(full[0, 0], [0, 1, 2, 3])
+        np.testing.assert_array_equal(full[0, 1:], 0)
+
+    def test_split_slices_only_the_parts_that_are_read(self):
+        b, x = builder([1, 6, 2, 2])
+        parts = ops.TABLE["aten.split.Tensor"](b, {"self": x, "split_size": 3, "dim": 1})
+        self.assertEqual(len(b.graph.nodes), 1)
+        second = parts[1]()
+        self.assertEqual(b.graph.nodes[second.id]["op"], {"Shape": {"Slice": {"dim": 1, "start": 3, "len": 3}}})
+        self.assertEqual(len(b.graph.nodes), 2)
+
+    def test_a_conv_of_windows_cannot_unmerge_the_batch(self):
+        b, x = builder([1, 8, 8, 4])
+        windows = b.reshape(x, (4, 16, 4))
+        with self.assertRaisesRegex(Unsupported, "batch merged"):
+            b.unlift(windows)
+
+    def test_unsupported_arguments_say_why(self):
+        b, x = builder([1, 3, 8, 8])
+        with self.assertRaisesRegex(Unsupported, "padding mode 'reflect'"):
+            ops.TABLE["aten.pad.default"](b, {"self": x, "pad": [1, 1, 1, 1], "mode": "reflect", "value": None})
+        with self.assertRaisesRegex(Unsupported, "computed weight"):
+            ops.TABLE["aten.linear.default"](b, {"input": x, "weight": x, "bias": None})
+
+    def test_deform_conv2d_maps_to_the_plugin_op(self):
+        b, x = builder([1, 4, 8, 8], out=(1, 4, 8, 8))
+        offset = Act(b.graph.input("offset", [1, 18, 8, 8]), (1, 18, 8, 8))
+        w = Const("dcn.weight", np.zeros([4, 4, 3, 3], np.float32))
+        zero_bias = Const("dcn.bias_zeros", np.zeros([4], np.float32))
+        a = {"input": x, "weight": w, "offset": offset, "mask": Const("m", np.zeros([1], np.float32)), "bias": zero_bias,
+             "stride_h": 1, "stride_w": 1, "pad_h": 1, "pad_w": 1, "dilation_h": 1, "dilation_w": 1, "groups": 1,
+             "offset_groups": 1, "use_mask": False}
+        y = ops.TABLE["torchvision.deform_conv2d.default"](b, a)
+        node = b.graph.nodes[y.id]
+        self.assertEqual(node["op"]["Custom"]["name"], "deform_conv2d")
+        self.assertEqual(node["op"]["Custom"]["attrs"]["bias"], 0.0, "a zero bias is no bias")
+        self.assertEqual(len(node["inputs"]), 3, "x, offset, weight")
+
+    def test_a_custom_op_takes_tensors_as_inputs_and_numbers_as_attributes(self):
+        b, x = builder([1, 4])
+        w = Const("scale", np.ones([4], np.float32))
+        y = ops.CustomOp("scaled_swish")(b, {"self": x, "scale": w, "beta": 1.5, "dims": [1, 2], "flag": True})
+        node = b.graph.nodes[y.id]
+        self.assertEqual(node["op"], {"Custom": {"name": "scaled_swish", "attrs": {"beta": 1.5, "dims_0": 1.0, "dims_1": 2.0,
+                                                                                   "flag": 1.0}}})
+        self.assertEqual(b.graph.nodes[node["inputs"][1]]["op"], {"Weight": {"name": "scale"}})
+
+
+class Modules(unittest.TestCase):
+    def test_multihead_self_attention_is_in_proj_qkv_attention_out_proj(self):
+        b, x = builder([1, 5, 8], scope="encoder.layers.0.self_attention", out=(1, 5, 8))
+        params = {
+            "in_proj_weight": Const("sa.in_proj_weight", np.zeros([24, 8], np.float32)),
+            "in_proj_bias": Const("sa.in_proj_bias", np.zeros([24], np.float32)),
+            "out_proj.weight": Const("sa.out_proj.weight", np.zeros([8, 8], np.float32)),
+            "out_proj.bias": Const("sa.out_proj.bias", np.zeros([8], np.float32)),
+        }
+        attrs = {"num_heads": 2, "embed_dim": 8, "batch_first": True, "qkv_same_embed_dim": True}
+        (y,) = ops.MODULES["torch.nn.modules.activation.MultiheadAttention"](b, attrs, [x], params)
+        nodes = [n for n in b.graph.nodes if family(n)[0] not in ("Input", "Weight")]
+        self.assertEqual([n["path"].rsplit(".", 1)[1] for n in nodes], ["in_proj", "qkv_attention", "out_proj"])
+        self.assertEqual(nodes[1]["op"], {"QkvAttention": {"heads": 2, "scale": 0.5, "bias": False}})
+        self.assertEqual(nodes[0]["shape"], [1, 5, 24])
+        self.assertEqual(b.graph.nodes[y.id]["shape"], [1, 5, 8])
+        with self.assertRaises(Unsupported):
+            ops.MODULES["torch.nn.modules.activation.MultiheadAttention"](b, dict(attrs, batch_first=False), [x], params)
+
+    def test_torchvisions_layer_norm2d_is_one_layer_norm_over_the_channels(self):
+        b, x = builder([1, 4, 3, 3], scope="features.0.1", leaf=True)
+        params = {"weight": Const("features.0.1.weight", np.ones([4], np.float32)),
+                  "bias": Const("features.0.1.bias", np.zeros([4], np.float32))}
+        (y,) = ops.MODULES["torchvision.models.convnext.LayerNorm2d"](b, {"normalized_shape": (4,), "eps": 1e-6}, [x], params)
+        node = b.graph.nodes[y.id]
+        self.assertEqual(node["op"], {"Norm": {"LayerNorm": {"dim": 1, "shape": [4], "eps": 1e-6, "affine": True}}})
+        self.assertEqual(node["path"], "features.0.1")
+
+
+if __name__ == "__main__":
+    unittest.main()

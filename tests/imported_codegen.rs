@@ -1,0 +1,76 @@
+//! Structured codegen on the graph files kiln-torch exported (tests/fixtures/imported/): the Rust
+//! each one gives is committed in tests/generated/imported/ (compiled and run by tests/imported.rs),
+//! and regenerating it must give the committed file, laid out by rustfmt with Kiln's rustfmt.toml.
+//!
+//! After a deliberate change to the generator or the fixtures, refresh the files with
+//! `KILN_BLESS=1 cargo test --test imported_codegen`.
+
+use kiln::codegen::{generate_structured, CodegenOptions};
+use kiln::Graph;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// The fixtures, as in tests/imported.rs.
+pub const FIXTURES: &[&str] = &["tiny_resnet", "tiny_mobilenet_v2", "handwritten", "tiny_swin", "tiny_vit", "tiny_deeplab"];
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn options(name: &str) -> CodegenOptions {
+    CodegenOptions {
+        fn_name: "build".into(),
+        model: name.into(),
+        command: format!("kiln codegen tests/fixtures/imported/{name}.kiln.safetensors"),
+        ..CodegenOptions::default()
+    }
+}
+
+/// `src` laid out by rustfmt with Kiln's rustfmt.toml, or `None` without rustfmt.
+fn rustfmt(src: &str) -> Option<String> {
+    let mut child = Command::new("rustfmt")
+        .args(["--edition", "2021", "--config-path"])
+        .arg(root().join("rustfmt.toml"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .ok()?;
+    child.stdin.take()?.write_all(src.as_bytes()).ok()?;
+    let out = child.wait_with_output().ok()?;
+    assert!(out.status.success(), "rustfmt rejects the generated code:\n{}\n{src}", String::from_utf8_lossy(&out.stderr));
+    Some(String::from_utf8(out.stdout).expect("utf-8"))
+}
+
+#[test]
+fn committed_structured_code_is_what_codegen_emits() {
+    let mut stale = Vec::new();
+    for name in FIXTURES {
+        let graph = Graph::load(root().join(format!("tests/fixtures/imported/{name}.kiln.safetensors"))).expect("graph file");
+        let src = generate_structured(&graph, &options(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let Some(src) = rustfmt(&src) else {
+            println!("skipped: rustfmt is not installed");
+            return;
+        };
+        let path = root().join(format!("tests/generated/imported/{name}.rs"));
+        if std::env::var_os("KILN_BLESS").is_some() {
+            std::fs::create_dir_all(path.parent().expect("dir")).expect("create dir");
+            std::fs::write(&path, &src).expect("write");
+        }
+        let committed = std::fs::read_to_string(&path).unwrap_or_default();
+        if committed != src {
+            stale.push(path.strip_prefix(root()).unwrap_or(Path::new(name)).display().to_string());
+        }
+        // One struct per module class, no trace of `Tensor::record` for the common layers.
+        assert!(src.contains("#[derive(Module)]") || src.contains("impl Module for"), "{name}: no module struct");
+    }
+    assert!(stale.is_empty(), "stale: {stale:?}; regenerate with `KILN_BLESS=1 cargo test --test imported_codegen`");
+}
+
+#[test]
+fn a_graph_without_module_classes_is_refused_with_the_reason() {
+    let graph = kiln_models::trace("resnet18", kiln::VarBuilder::seeded(), 1, 64).expect("trace");
+    let err = generate_structured(&graph, &options("resnet18")).unwrap_err().to_string();
+    assert!(err.contains("kiln-torch") && err.contains("flat"), "{err}");
+}
