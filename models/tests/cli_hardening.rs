@@ -1,0 +1,114 @@
+//! Hardening, round two, as a user meets it through the `kiln` binary (docs/RELIABILITY.md,
+//! "Round two"): one test per item, `chNN_` after the item. Each failed before its fix. The
+//! library side of each item is tests/hardening.rs.
+
+use kiln::{ConvAttrs, Graph, HostTensor, Op, Unary};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::Arc;
+
+/// The `kiln` binary: cargo's, or `KILN_BIN` where the tests run on another machine.
+fn kiln_exe() -> PathBuf {
+    std::env::var_os("KILN_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_kiln")), PathBuf::from)
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kiln-cli-hardening-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+/// Runs `kiln args` (through `sh -c` with `prefix` first, e.g. a `ulimit`), killing it after
+/// 60 s: a hang is a failure, not a stuck test run.
+fn kiln_in(prefix: &str, args: &[&str]) -> Output {
+    let mut child = Command::new("sh")
+        .arg("-c")
+        .arg(format!("{prefix} exec \"$0\" \"$@\""))
+        .arg(kiln_exe())
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run the kiln binary");
+    let start = std::time::Instant::now();
+    while child.try_wait().expect("try_wait").is_none() {
+        if start.elapsed().as_secs() > 60 {
+            child.kill().expect("kill");
+            panic!("kiln {args:?} hung");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("output")
+}
+
+fn kiln(args: &[&str]) -> Output {
+    kiln_in("", args)
+}
+
+fn text(out: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// Asserts `out` is a clean error (exit 1, no panic, no abort) whose stderr says every one of
+/// `says`; returns stderr.
+fn failed(args: &[&str], out: &Output, says: &[&str]) -> String {
+    let (stdout, stderr) = text(out);
+    assert_eq!(out.status.code(), Some(1), "kiln {args:?}: expected exit 1, got {:?}\nstdout: {stdout}\nstderr: {stderr}", out.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    for s in says {
+        assert!(stderr.contains(s), "kiln {args:?}: expected `{s}` in stderr: {stderr}");
+    }
+    stderr
+}
+
+fn fails_with(args: &[&str], says: &[&str]) -> String {
+    failed(args, &kiln(args), says)
+}
+
+/// The repro graph: input [1, 3, 2, 2] → 1×1 conv (`conv.weight` [1, 3, 1, 1]) → relu,
+/// output `y`; `edit` may change the graph JSON and the weight first.
+fn tiny_graph_file(dir: &Path, name: &str, edit: impl FnOnce(&mut serde_json::Value, &mut HostTensor)) -> String {
+    let mut g = Graph::default();
+    let x = g.push_unchecked(Op::Input { name: "input".into() }, vec![], vec![1, 3, 2, 2], "input".into());
+    let w = g.weight("conv.weight", Arc::new(HostTensor::new(vec![1, 3, 1, 1], vec![1.0, 1.0, 1.0])));
+    let c = g.push(Op::Conv(ConvAttrs::default()), vec![x, w], "conv".into()).expect("conv");
+    let r = g.push(Op::Unary(Unary::Relu), vec![c], "relu".into()).expect("relu");
+    g.inputs.push(x);
+    g.mark_output("y", r);
+    let mut json = serde_json::to_value(&g).expect("json");
+    let mut weight = HostTensor::clone(&g.weights["conv.weight"]);
+    edit(&mut json, &mut weight);
+    let meta = BTreeMap::from([
+        (kiln::graph_file::KEY_FORMAT.to_string(), kiln::graph_file::FORMAT.to_string()),
+        (kiln::graph_file::KEY_VERSION.to_string(), kiln::graph_file::VERSION.to_string()),
+        (kiln::graph_file::KEY_GRAPH.to_string(), json.to_string()),
+    ]);
+    let path = dir.join(name);
+    kiln::var_builder::write_safetensors_with_metadata(&path, &BTreeMap::from([("conv.weight".to_string(), &weight)]), &meta)
+        .expect("write graph file");
+    path.to_str().expect("utf-8 path").to_string()
+}
+
+fn mkfifo(path: &Path) {
+    let _ = std::fs::remove_file(path);
+    assert!(Command::new("mkfifo").arg(path).status().expect("mkfifo").success());
+}
+
+/// Item 1: `kiln run --cpu` runs the fused graph; a NaN input pixel now reaches the output (the
+/// fused ReLU made it 0: `mean 0.000`), as the unfused graph and PyTorch give.
+#[test]
+fn ch01_nan_input_gives_nan_through_the_fused_relu() {
+    let dir = temp_dir("ch01");
+    // Negative weights: every finite pixel is below 0 before the ReLU.
+    let model = tiny_graph_file(&dir, "nan_fused_relu.kiln.safetensors", |_, w| w.data.fill(-1.0));
+    let mut x = HostTensor::new(vec![1, 3, 2, 2], vec![0.5; 12]);
+    x.data[0] = f32::NAN;
+    let input = dir.join("nan_input.safetensors");
+    kiln::var_builder::write_safetensors(&input, &BTreeMap::from([("input".to_string(), x)])).expect("write input");
+    let args = ["run", &model, "--cpu", "--input", input.to_str().unwrap()];
+    let out = kiln(&args);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("y: [1, 1, 2, 2]") && stdout.contains("mean NaN"), "{stdout}");
+}
