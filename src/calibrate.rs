@@ -126,12 +126,13 @@ impl CalibrationCache {
         let path = path.as_ref();
         std::fs::write(path, self.to_json()).map_err(Error::io(path))
     }
-    /// Reads and checks a cache: its version, and every scale positive and finite.
+    /// Reads and checks a cache: only a regular file is opened (a FIFO is named, never waited
+    /// on), then its version, and every scale positive and finite.
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let bad = |reason: String| Error::Calibration { path: path.display().to_string(), reason };
-        let text = std::fs::read_to_string(path).map_err(Error::io(path))?;
-        let cache: Self = serde_json::from_str(&text).map_err(|e| bad(format!("not a calibration cache: {e}")))?;
+        let bytes = crate::host::read_regular(path, "the path of a JSON calibration cache (`kiln calibrate -o`)", bad)?;
+        let cache: Self = serde_json::from_slice(&bytes).map_err(|e| bad(format!("not a calibration cache: {e}")))?;
         if cache.version != CACHE_VERSION {
             return Err(bad(format!("cache version {} (this Kiln reads version {CACHE_VERSION}); recalibrate", cache.version)));
         }

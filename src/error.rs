@@ -23,6 +23,9 @@ pub enum Error {
     #[error("cannot read safetensors file {path}: {reason}")]
     Safetensors { path: PathBuf, reason: String },
 
+    #[error("cannot read image {path}: {reason}")]
+    Image { path: PathBuf, reason: String },
+
     // ---- tracing -------------------------------------------------------------------------
     #[error("shape mismatch in `{path}` ({op}): {reason}; got input shapes {got:?}")]
     Shape { path: String, op: String, reason: String, got: Vec<Vec<usize>> },

@@ -106,19 +106,13 @@ pub fn decode(bytes: &[u8], path: &Path) -> Result<GraphFile> {
     Ok(GraphFile { graph, metadata })
 }
 
-/// Reads a graph file: the file is checked to be a regular file, then decoded and validated.
+/// Reads a graph file: only a regular file is opened (a directory or FIFO is named, never waited
+/// on), and it is mapped, so only its header is read before it is checked.
 pub fn read(path: impl AsRef<Path>) -> Result<GraphFile> {
     let path = path.as_ref();
-    if let Ok(meta) = std::fs::metadata(path) {
-        if !meta.is_file() {
-            let what = if meta.is_dir() { "a directory" } else { "not a regular file (a FIFO, socket or device)" };
-            return Err(Error::GraphFile {
-                path: path.display().to_string(),
-                reason: format!("is {what}; give the path of a {EXTENSION} graph file"),
-            });
-        }
-    }
-    let bytes = std::fs::read(path).map_err(Error::io(path))?;
+    let shown = path.display().to_string();
+    let give = format!("the path of a {EXTENSION} graph file");
+    let bytes = crate::host::map_regular(path, &give, |reason| Error::GraphFile { path: shown, reason })?;
     let file = decode(&bytes, path)?;
     tracing::debug!(path = %path.display(), nodes = file.graph.nodes.len(), weights = file.graph.weights.len(), "loaded graph file");
     Ok(file)

@@ -73,11 +73,7 @@ impl VarBuilder {
         let mut entries: BTreeMap<String, Entry> = BTreeMap::new();
         for (index, path) in paths.iter().enumerate() {
             let path = path.as_ref().to_path_buf();
-            check_regular_file(&path)?;
-            let file = std::fs::File::open(&path).map_err(Error::io(&path))?;
-            // SAFETY: the file is opened read-only; like every mmap user we assume nobody truncates
-            // it while the model loads.
-            let mmap = unsafe { Mmap::map(&file) }.map_err(Error::io(&path))?;
+            let mmap = map_safetensors(&path)?;
             for (name, entry) in parse_header(&path, &mmap, index)? {
                 if let Some(first) = entries.get(&name) {
                     let first: &Path = files.get(first.file).map_or(path.as_path(), |(p, _): &(PathBuf, Mmap)| p.as_path());
@@ -211,18 +207,10 @@ impl VarBuilder {
 /// corrupt or hostile, never a convolutional network's weight or activation.
 pub const MAX_TENSOR_ELEMENTS: usize = 1 << 32;
 
-/// A directory, FIFO, socket or device is rejected by name before it is opened (opening a FIFO
-/// would wait for a writer forever). A missing file is left to `open`, whose error names it.
-pub(crate) fn check_regular_file(path: &Path) -> Result<()> {
-    let Ok(meta) = std::fs::metadata(path) else { return Ok(()) };
-    let what = if meta.is_dir() {
-        "a directory"
-    } else if meta.is_file() {
-        return Ok(());
-    } else {
-        "not a regular file (a FIFO, socket or device)"
-    };
-    Err(Error::Safetensors { path: path.into(), reason: format!("is {what}; give the path of a .safetensors file") })
+/// Maps a safetensors file: a directory, FIFO, socket or device is named as such, never opened
+/// for reading or waited on (`host::map_regular`).
+fn map_safetensors(path: &Path) -> Result<Mmap> {
+    crate::host::map_regular(path, "the path of a .safetensors file", |reason| Error::Safetensors { path: path.into(), reason })
 }
 
 const PTH_HINT: &str = "this looks like a PyTorch pickle (torch.save, .pth/.pt/.bin); Kiln reads safetensors only: convert it with \
@@ -471,11 +459,7 @@ pub fn decode_safetensors(path: &Path, bytes: &[u8], what: &str) -> Result<(BTre
 /// The `__metadata__` of a safetensors file (checked header, no tensor decoded).
 pub fn read_metadata(path: impl AsRef<Path>) -> Result<BTreeMap<String, String>> {
     let path = path.as_ref();
-    check_regular_file(path)?;
-    let file = std::fs::File::open(path).map_err(Error::io(path))?;
-    // SAFETY: the file is opened read-only; like every mmap user we assume nobody truncates it
-    // while it is read.
-    let mmap = unsafe { Mmap::map(&file) }.map_err(Error::io(path))?;
+    let mmap = map_safetensors(path)?;
     parse_header(path, &mmap, 0)?;
     metadata_of(path, &mmap)
 }

@@ -56,3 +56,119 @@ fn h01_nan_survives_fused_conv_epilogues_on_the_cpu() {
         assert_eq!(nans(&after), nans(&before), "fused: {:?}, unfused: {:?}", after.data, before.data);
     }
 }
+
+// ---- helpers for files ----------------------------------------------------------------------
+
+/// A tiny graph file: input [1, 3, 2, 2] → 1×1 conv (`conv.weight` [1, 3, 1, 1]) → relu, whose
+/// graph JSON and tensors `edit` may change first (the repro files of the issue are made so).
+fn tiny_graph_file(edit: impl FnOnce(&mut serde_json::Value, &mut BTreeMap<String, HostTensor>)) -> Vec<u8> {
+    let mut g = Graph::default();
+    let x = g.push_unchecked(Op::Input { name: "input".into() }, vec![], vec![1, 3, 2, 2], "input".into());
+    let w = g.weight("conv.weight", Arc::new(HostTensor::new(vec![1, 3, 1, 1], vec![0.5, -0.25, 1.0])));
+    let c = g.push(Op::Conv(ConvAttrs::default()), vec![x, w], "conv".into()).unwrap();
+    let r = g.push(Op::Unary(Unary::Relu), vec![c], "relu".into()).unwrap();
+    g.inputs.push(x);
+    g.mark_output("y", r);
+    let mut json = serde_json::to_value(&g).unwrap();
+    let mut tensors: BTreeMap<String, HostTensor> = g.weights.iter().map(|(k, t)| (k.clone(), HostTensor::clone(t))).collect();
+    edit(&mut json, &mut tensors);
+    let meta = BTreeMap::from([
+        (kiln::graph_file::KEY_FORMAT.to_string(), kiln::graph_file::FORMAT.to_string()),
+        (kiln::graph_file::KEY_VERSION.to_string(), kiln::graph_file::VERSION.to_string()),
+        (kiln::graph_file::KEY_GRAPH.to_string(), json.to_string()),
+    ]);
+    let refs: BTreeMap<String, &HostTensor> = tensors.iter().map(|(k, t)| (k.clone(), t)).collect();
+    kiln::var_builder::encode_safetensors(&refs, &meta).unwrap()
+}
+
+fn graph_file_err(bytes: &[u8]) -> String {
+    match kiln::graph_file::decode(bytes, Path::new("g.kiln.safetensors")) {
+        Err(e @ Error::GraphFile { .. }) => e.to_string(),
+        Err(other) => panic!("expected a graph-file error, got {other:?}"),
+        Ok(_) => panic!("accepted"),
+    }
+}
+
+fn mkfifo(path: &Path) {
+    let _ = std::fs::remove_file(path);
+    assert!(std::process::Command::new("mkfifo").arg(path).status().unwrap().success(), "mkfifo {}", path.display());
+}
+
+/// Runs `f` on another thread and fails if it has not returned within 10 s (it would block
+/// forever on a FIFO nobody writes).
+fn within_10_s<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap_or_else(|_| panic!("{what} blocked for 10 s"))
+}
+
+/// Set in a child process that re-runs one test of this binary under a `ulimit`.
+const CHILD: &str = "KILN_HARDENING_CHILD";
+
+/// Re-runs the test `name` of this binary in a child process whose address space is limited to
+/// `kib` KiB (`ulimit -v`), and asserts it passed. Returns false in that child (go on with the
+/// test's body), true in the parent (the child ran it).
+fn ran_in_child_with_ulimit(name: &str, kib: u64) -> bool {
+    if std::env::var_os(CHILD).is_some() {
+        return false;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("ulimit -v {kib} && exec \"$0\" --exact {name} --nocapture --test-threads 1"))
+        .arg(&exe)
+        .env(CHILD, "1")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("{stdout}{stderr}");
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "the child under ulimit -v {kib} failed: {:?}\n{stdout}\n{stderr}",
+        out.status
+    );
+    true
+}
+
+// ---- item 4: nothing that is not a regular file is opened for reading -------------------------
+
+/// Item 4: a FIFO given as a calibration cache, in a calibration folder as `x.pgm`, or as a graph
+/// file, engine file, input or timing cache, is named at once (each used to block on open or
+/// read, waiting for a writer); so are a directory and a device.
+#[test]
+fn h04_fifos_directories_and_devices_are_named_without_blocking() {
+    let dir = tempdir("h04");
+    let fifo = dir.join("x.pgm");
+    mkfifo(&fifo);
+    let says = |e: Error, want: &str| {
+        let msg = e.to_string();
+        assert!(msg.contains(want) && msg.contains("x.pgm"), "`{msg}` should say `{want}`");
+        println!("{msg}");
+    };
+    let fifo_msg = "is not a regular file (a FIFO, socket or device)";
+    let f = fifo.clone();
+    says(within_10_s("CalibrationCache::load", move || CalibrationCache::load(&f)).unwrap_err(), fifo_msg);
+    let d = dir.clone();
+    let e = within_10_s("pnm::read_folder", move || kiln::pnm::read_folder(&d, 4, &[0.0; 3], &[1.0; 3], None)).unwrap_err();
+    assert!(matches!(&e, Error::Image { .. }), "{e:?}");
+    says(e, fifo_msg);
+    let f = fifo.clone();
+    says(within_10_s("graph_file::read", move || kiln::graph_file::read(&f)).unwrap_err(), fifo_msg);
+    let f = fifo.clone();
+    says(within_10_s("engine::file::read", move || kiln::engine::file::read(&f)).unwrap_err(), fifo_msg);
+    let f = fifo.clone();
+    let e = within_10_s("read_tensors", move || kiln::var_builder::read_tensors(&f, "input", |_| true));
+    says(e.unwrap_err(), fifo_msg);
+    let f = fifo.clone();
+    let mut tactics = kiln::engine::tactic::Tactics::default();
+    says(within_10_s("Tactics::load_cache", move || tactics.load_cache(&f)).unwrap_err(), fifo_msg);
+    // A directory named like an image, and a device, are named too.
+    let sub = dir.join("sub");
+    std::fs::create_dir_all(sub.join("x.pgm")).unwrap();
+    let e = kiln::pnm::read_folder(&sub, 4, &[0.0; 3], &[1.0; 3], None).unwrap_err();
+    says(e, "is a directory; give a binary PGM (P5) or PPM (P6) image");
+    let e = kiln::host::read_regular(Path::new("/dev/null"), "a file", |reason| Error::Image { path: "/dev/null".into(), reason });
+    assert!(e.unwrap_err().to_string().contains(fifo_msg));
+}

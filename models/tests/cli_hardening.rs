@@ -112,3 +112,26 @@ fn ch01_nan_input_gives_nan_through_the_fused_relu() {
     assert!(out.status.success(), "{stderr}");
     assert!(stdout.contains("y: [1, 1, 2, 2]") && stdout.contains("mean NaN"), "{stdout}");
 }
+
+/// Item 4: FIFOs as a calibration image (`x.pgm` in a `--data` folder), as a model file and as an
+/// `--input` are named at once; the first used to block `kiln calibrate` for good.
+#[test]
+fn ch04_fifos_are_named_without_blocking() {
+    let dir = temp_dir("ch04");
+    let folder = dir.join("data");
+    std::fs::create_dir_all(&folder).expect("folder");
+    mkfifo(&folder.join("x.pgm"));
+    let out = dir.join("c.json");
+    fails_with(
+        &["calibrate", "digits_resnet", "--data", folder.to_str().unwrap(), "-o", out.to_str().unwrap()],
+        &["error: cannot read image", "x.pgm: is not a regular file (a FIFO, socket or device)"],
+    );
+    for name in ["model.kiln.safetensors", "model.kiln"] {
+        let fifo = dir.join(name);
+        mkfifo(&fifo);
+        fails_with(&["run", fifo.to_str().unwrap(), "--cpu"], &["is not a regular file (a FIFO, socket or device)"]);
+    }
+    let fifo = dir.join("x.safetensors");
+    mkfifo(&fifo);
+    fails_with(&["run", "resnet18", "--cpu", "--input", fifo.to_str().unwrap()], &["is not a regular file (a FIFO, socket or device)"]);
+}

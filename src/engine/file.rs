@@ -237,6 +237,18 @@ pub fn validate(payload: &Payload, path: &str) -> Result<()> {
     Ok(())
 }
 
+/// The bytes of an engine file; a directory or FIFO is named, never read or waited on.
+fn read_bytes(path: &Path) -> Result<Vec<u8>> {
+    let shown = path.display().to_string();
+    crate::host::read_regular(path, "the path of a .kiln engine file", |reason| Error::EngineFile { path: shown, reason })
+}
+
+/// Reads and decodes an engine file without a GPU (its payload validated, nothing lowered).
+pub fn read(path: impl AsRef<Path>) -> Result<(Header, Payload)> {
+    let path = path.as_ref();
+    decode(&read_bytes(path)?, &path.display().to_string())
+}
+
 impl Engine {
     /// Writes the engine file.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
@@ -250,14 +262,7 @@ impl Engine {
     pub fn load(path: impl AsRef<Path>, gpu: &Arc<Gpu>) -> Result<Engine> {
         let path = path.as_ref();
         let shown = path.display().to_string();
-        // A directory or FIFO is named, not read (reading a FIFO would wait for a writer).
-        if let Ok(meta) = std::fs::metadata(path) {
-            if !meta.is_file() {
-                let what = if meta.is_dir() { "a directory" } else { "not a regular file (a FIFO, socket or device)" };
-                return Err(Error::EngineFile { path: shown, reason: format!("is {what}; give the path of a .kiln engine file") });
-            }
-        }
-        let bytes = std::fs::read(path).map_err(Error::io(path))?;
+        let bytes = read_bytes(path)?;
         let header = decode_header(&bytes, &shown)?;
         check_device(&header, &gpu.info, &shown)?;
         let (_, payload) = decode(&bytes, &shown)?;

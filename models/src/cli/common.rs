@@ -163,7 +163,9 @@ pub fn source(arg: &str) -> Result<Source> {
         return Err(Error::UnknownModel { name: arg.to_string(), known });
     }
     let mut magic = [0u8; 8];
-    let head = std::fs::File::open(&path).and_then(|mut f| std::io::Read::read(&mut f, &mut magic)).unwrap_or(0);
+    // Opened without blocking: a FIFO is left to the graph-file reader, which names it.
+    let opened = kiln::host::open_regular(&path, "a model file", |reason| Error::GraphFile { path: arg.to_string(), reason });
+    let head = opened.ok().and_then(|mut f| std::io::Read::read(&mut f, &mut magic).ok()).unwrap_or(0);
     if (head == 8 && magic == kiln::engine::file::MAGIC) || is_engine_name {
         return Ok(Source::EngineFile(path));
     }
@@ -342,8 +344,7 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
             return fixed(graph, shown, model, "graph file");
         }
         Source::EngineFile(path) => {
-            let bytes = std::fs::read(&path).map_err(Error::io(&path))?;
-            let (_, payload) = kiln::engine::file::decode(&bytes, &path.display().to_string())?;
+            let (_, payload) = kiln::engine::file::read(&path)?;
             if weights_path.is_some() {
                 return Err(Error::Flag {
                     flag: "--weights".into(),
