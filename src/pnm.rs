@@ -58,13 +58,25 @@ pub fn parse(bytes: &[u8], size: usize) -> std::result::Result<(usize, &[u8]), S
     Ok((channels, pixels))
 }
 
+/// Checks the per-channel normalisation: three finite means, three finite positive deviations.
+pub fn check_normalisation(mean: &[f32], std: &[f32]) -> Result<()> {
+    if mean.len() != 3 || mean.iter().any(|m| !m.is_finite()) {
+        return Err(Error::Flag { flag: "--mean".into(), reason: format!("must be three finite values (one per channel), got {mean:?}") });
+    }
+    if std.len() != 3 || std.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
+        return Err(Error::Flag {
+            flag: "--std".into(),
+            reason: format!("must be three finite, positive values (one per channel), got {std:?}"),
+        });
+    }
+    Ok(())
+}
+
 /// The images (`.pgm`, `.ppm`, `.pnm`) of `dir`, sorted by name, at most `limit` of them, as one
 /// `[N, 3, size, size]` batch: scaled to [0, 1], then `(x - mean[c]) / std[c]` per channel (a
 /// PGM's one channel is repeated over three).
 pub fn read_folder(dir: &Path, size: usize, mean: &[f32], std: &[f32], limit: Option<usize>) -> Result<HostTensor> {
-    if mean.len() != 3 || std.len() != 3 || std.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
-        return Err(Error::Flag { flag: "--mean/--std".into(), reason: "three values each, std positive".into() });
-    }
+    check_normalisation(mean, std)?;
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(Error::io(dir))?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -115,5 +127,14 @@ mod tests {
         assert!(parse(&img[..img.len() - 1], 2).is_err());
         assert!(parse(b"P3\n1 1\n255\n0 0 0", 1).is_err());
         assert!(parse(b"P6\n99999999999999999999 1\n255\n", 1).unwrap_err().contains("malformed"));
+    }
+
+    #[test]
+    fn normalisation_must_be_finite() {
+        check_normalisation(&[0.5; 3], &[0.25; 3]).unwrap();
+        let e = check_normalisation(&[f32::NAN; 3], &[0.25; 3]).unwrap_err().to_string();
+        assert!(e.starts_with("--mean must be three finite values") && e.contains("NaN"), "{e}");
+        let e = check_normalisation(&[0.5; 3], &[0.25, 0.0, 0.25]).unwrap_err().to_string();
+        assert!(e.starts_with("--std must be three finite, positive values"), "{e}");
     }
 }

@@ -132,6 +132,74 @@ fn ran_in_child_with_ulimit(name: &str, kib: u64) -> bool {
     true
 }
 
+// ---- item 3: calibration ----------------------------------------------------------------------
+
+/// input [N, 3, 4, 4] → conv 3→4 (+bias) → relu → conv 4→2: two 8-bit layers to calibrate.
+fn calibration_graph(first_weight: f32) -> Graph {
+    let mut g = Graph::default();
+    let x = g.push_unchecked(Op::Input { name: "input".into() }, vec![], vec![1, 3, 4, 4], "input".into());
+    let mut w1: Vec<f32> = (0..12).map(|i| (i as f32 - 5.5) / 8.0).collect();
+    w1[0] = first_weight;
+    let w1 = g.weight("c1.weight", Arc::new(HostTensor::new(vec![4, 3, 1, 1], w1)));
+    let b1 = g.weight("c1.bias", Arc::new(HostTensor::new(vec![4], vec![0.1, -0.1, 0.2, 0.0])));
+    let c1 = g.push(Op::Conv(ConvAttrs { bias: true, ..ConvAttrs::default() }), vec![x, w1, b1], "c1".into()).unwrap();
+    let r = g.push(Op::Unary(Unary::Relu), vec![c1], "relu".into()).unwrap();
+    let w2 = g.weight("c2.weight", Arc::new(HostTensor::new(vec![2, 4, 1, 1], (0..8).map(|i| i as f32 / 8.0).collect())));
+    let c2 = g.push(Op::Conv(ConvAttrs::default()), vec![r, w2], "c2".into()).unwrap();
+    g.inputs.push(x);
+    g.mark_output("y", c2);
+    g
+}
+
+fn calibration_error(r: kiln::Result<CalibrationCache>) -> String {
+    match r {
+        Err(e @ Error::Calibration { .. }) => e.to_string(),
+        Err(other) => panic!("expected a calibration error, got {other:?}"),
+        Ok(c) => panic!("a cache was made: {}", c.to_json()),
+    }
+}
+
+/// Item 3: infinity in the data no longer gives `"amax": null` (a cache its own loader refused),
+/// and NaN data, NaN weights and a NaN `--mean` no longer give a plausible cache: each is a typed
+/// error naming the data (the file `--data` gave), the tensor or the flag.
+#[test]
+fn h03_calibration_refuses_non_finite_data_weights_and_normalisation() {
+    let good = kiln::seeded::uniform_tensor(&[2, 3, 4, 4], 7);
+    let calibrator = Calibrator::new(&calibration_graph(0.5)).unwrap().with_source("calib.safetensors");
+    for method in [CalibrationMethod::Percentile(99.99), CalibrationMethod::MinMax, CalibrationMethod::Entropy] {
+        saves_and_loads_back(&calibrator.calibrate(std::slice::from_ref(&good), method).unwrap());
+        for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+            let mut x = good.clone();
+            x.data[3 * 16 + 5] = bad;
+            let e = calibration_error(calibrator.calibrate(&[good.clone(), x], method));
+            assert!(e.starts_with("calibration (calib.safetensors): image 3 holds"), "{e}");
+            assert!(e.contains("calibration data must be finite"), "{e}");
+        }
+    }
+    // NaN weights make NaN activations from finite data: named by the tensor.
+    let nan_weights = Calibrator::new(&calibration_graph(f32::NAN)).unwrap();
+    let e = calibration_error(nan_weights.calibrate(std::slice::from_ref(&good), CalibrationMethod::MinMax));
+    assert!(e.contains("(the calibration data)") && e.contains("tensor `c1`") && e.contains("NaN or infinite"), "{e}");
+    // A cache that holds a non-finite range is never written.
+    let dir = tempdir("h03");
+    let mut cache = calibrator.calibrate(std::slice::from_ref(&good), CalibrationMethod::MinMax).unwrap();
+    cache.tensors.values_mut().next().unwrap().amax = f32::INFINITY;
+    let path = dir.join("inf.json");
+    let e = cache.save(&path).unwrap_err().to_string();
+    assert!(e.contains("amax inf is not finite and non-negative"), "{e}");
+    assert!(!path.exists(), "nothing was written");
+    // --mean nan is named as a flag before any image is read.
+    let e = kiln::pnm::read_folder(&dir, 4, &[f32::NAN; 3], &[0.25; 3], None).unwrap_err().to_string();
+    assert!(e.starts_with("--mean must be three finite values"), "{e}");
+}
+
+/// A cache from finite data saves, and loads back equal.
+fn saves_and_loads_back(cache: &CalibrationCache) {
+    let path = tempdir("h03-ok").join(format!("{:?}.json", cache.method));
+    cache.save(&path).unwrap();
+    assert_eq!(&CalibrationCache::load(&path).unwrap(), cache);
+}
+
 // ---- item 4: nothing that is not a regular file is opened for reading -------------------------
 
 /// Item 4: a FIFO given as a calibration cache, in a calibration folder as `x.pgm`, or as a graph

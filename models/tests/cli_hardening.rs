@@ -113,6 +113,47 @@ fn ch01_nan_input_gives_nan_through_the_fused_relu() {
     assert!(stdout.contains("y: [1, 1, 2, 2]") && stdout.contains("mean NaN"), "{stdout}");
 }
 
+/// A calibration set of `n` digits-sized images [n, 3, 32, 32], with `bad` at one pixel of image 1.
+fn calibration_set(dir: &Path, name: &str, bad: f32) -> String {
+    let mut x = kiln::seeded::uniform_tensor(&[4, 3, 32, 32], 5);
+    x.data[3 * 32 * 32 + 17] = bad;
+    let path = dir.join(name);
+    kiln::var_builder::write_safetensors(&path, &BTreeMap::from([("input".to_string(), x)])).expect("write set");
+    path.to_str().expect("utf-8 path").to_string()
+}
+
+/// Item 3: `kiln calibrate` on data holding infinity wrote `"amax": null` (which its own loader
+/// refused), and on NaN data or with `--mean nan,nan,nan` a plausible cache: each is now an error
+/// naming the file or the flag, and nothing is written.
+#[test]
+fn ch03_calibration_names_non_finite_data_and_flags() {
+    let dir = temp_dir("ch03");
+    let out_path = dir.join("c.json");
+    let out = out_path.to_str().unwrap();
+    for (name, bad, method) in [("calib_inf.safetensors", f32::INFINITY, "percentile"), ("calib_nan.safetensors", f32::NAN, "minmax")] {
+        let data = calibration_set(&dir, name, bad);
+        fails_with(
+            &["calibrate", "digits_resnet", "--data", &data, "--method", method, "-o", out],
+            &[&format!("error: calibration ({data}): image 1 holds"), "calibration data must be finite"],
+        );
+        assert!(!out_path.exists(), "no cache is written");
+    }
+    let folder = dir.join("images");
+    std::fs::create_dir_all(&folder).expect("folder");
+    let mut img = b"P5\n32 32\n255\n".to_vec();
+    img.extend((0..32 * 32).map(|i| (i % 251) as u8));
+    std::fs::write(folder.join("a.pgm"), img).expect("image");
+    let data = folder.to_str().unwrap();
+    fails_with(
+        &["calibrate", "digits_resnet", "--data", data, "--mean", "nan,nan,nan", "-o", out],
+        &["error: --mean must be three finite values (one per channel), got [NaN, NaN, NaN]"],
+    );
+    // The same folder with sound flags calibrates, and the cache loads back.
+    let ok = kiln(&["calibrate", "digits_resnet", "--data", data, "-o", out]);
+    assert!(ok.status.success(), "{}", text(&ok).1);
+    kiln::calibrate::CalibrationCache::load(&out_path).expect("the written cache loads");
+}
+
 /// Item 4: FIFOs as a calibration image (`x.pgm` in a `--data` folder), as a model file and as an
 /// `--input` are named at once; the first used to block `kiln calibrate` for good.
 #[test]

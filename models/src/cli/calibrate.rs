@@ -68,7 +68,7 @@ pub fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             HostTensor::new(vec![end - start, 3, size, size], images.data[start * per..end * per].to_vec())
         })
         .collect();
-    let calibrator = Calibrator::new(&traced.graph)?;
+    let calibrator = Calibrator::new(&traced.graph)?.with_source(a.data.display().to_string());
     let cache = calibrator.calibrate(&batches, method)?;
     let out = a.output.unwrap_or_else(|| PathBuf::from(format!("{}.calib.json", traced.name)));
     cache.save(&out)?;
