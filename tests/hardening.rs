@@ -240,3 +240,26 @@ fn h04_fifos_directories_and_devices_are_named_without_blocking() {
     let e = kiln::host::read_regular(Path::new("/dev/null"), "a file", |reason| Error::Image { path: "/dev/null".into(), reason });
     assert!(e.unwrap_err().to_string().contains(fifo_msg));
 }
+
+// ---- item 5: the memory the CPU executor checks against -------------------------------------
+
+/// Item 5: under `ulimit -v 3000000` the memory available is at most that limit less what the
+/// process has mapped, and says so (only `MemAvailable` was read, so `kiln run --cpu --batch
+/// 1000` passed its check and aborted; the CLI row is models/tests/cli_hardening.rs).
+#[test]
+fn h05_memory_available_honours_the_address_space_limit() {
+    if ran_in_child_with_ulimit("h05_memory_available_honours_the_address_space_limit", 3_000_000) {
+        return;
+    }
+    std::env::remove_var("KILN_CPU_MEMORY_BYTES");
+    let a = kiln::host::memory_available().expect("limits are known on Linux");
+    println!("{a:?}");
+    assert_eq!(a.limit, "ulimit -v", "{a:?}");
+    assert!(a.bytes < 3_000_000 * 1024, "{a:?}");
+    // What is left is really allocatable, and a little more than it is not.
+    let mut v: Vec<u8> = Vec::new();
+    v.try_reserve_exact(a.bytes / 2).expect("half of what is available");
+    drop(v);
+    let mut w: Vec<u8> = Vec::new();
+    assert!(w.try_reserve_exact(a.bytes + (64 << 20)).is_err(), "more than the limit allows was allocated");
+}

@@ -176,3 +176,12 @@ fn ch04_fifos_are_named_without_blocking() {
     mkfifo(&fifo);
     fails_with(&["run", "resnet18", "--cpu", "--input", fifo.to_str().unwrap()], &["is not a regular file (a FIFO, socket or device)"]);
 }
+
+/// Item 5: under `ulimit -v 3000000` the CPU executor's memory check refuses batch 1000 with a
+/// typed error naming the limit; it checked `MemAvailable` only, and the run aborted (exit 134).
+#[test]
+fn ch05_the_address_space_limit_is_checked_before_running() {
+    let args = ["run", "resnet18", "--cpu", "--batch", "1000"];
+    let out = kiln_in("ulimit -v 3000000 &&", &args);
+    failed(&args, &out, &["error: out of memory: the CPU executor at --batch 1000", "bytes are available (ulimit -v)"]);
+}

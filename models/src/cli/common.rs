@@ -399,17 +399,6 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
     Ok(Traced { model: name.clone(), name, graph, hw, origin })
 }
 
-/// Bytes of memory the CPU executor may use: `KILN_CPU_MEMORY_BYTES`, else the kernel's
-/// `MemAvailable`; `None` when neither is known (then nothing is checked).
-fn available_memory() -> Option<usize> {
-    if let Some(v) = std::env::var("KILN_CPU_MEMORY_BYTES").ok().and_then(|v| v.parse().ok()) {
-        return Some(v);
-    }
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    line.split_whitespace().nth(1)?.parse::<usize>().ok()?.checked_mul(1024)
-}
-
 /// The CPU executor's peak activation memory for `graph`, in bytes: values live from the node that
 /// makes them to their last reader (as `kiln::cpu::run` frees them), doubled for scratch (im2col,
 /// allocator slack). Weights are already in memory and not counted.
@@ -442,9 +431,12 @@ pub fn cpu_peak_bytes(graph: &Graph) -> usize {
 pub fn check_cpu_memory(graph: &Graph, batch: usize, shape: &str) -> Result<()> {
     let traced_batch = graph.inputs.first().and_then(|&i| graph.nodes[i].shape.first().copied()).unwrap_or(1).max(1);
     let bytes = (cpu_peak_bytes(graph) / traced_batch).saturating_mul(batch);
-    match available_memory() {
-        Some(avail) if bytes > avail => Err(Error::OutOfMemory {
-            what: format!("the CPU executor at --batch {batch}, {shape} (only {avail} bytes are available; lower --batch or --size)"),
+    // The smallest of MemAvailable, `ulimit -v`/`-d` and the memory cgroup's limit.
+    match kiln::host::memory_available() {
+        Some(kiln::host::Available { bytes: avail, limit }) if bytes > avail => Err(Error::OutOfMemory {
+            what: format!(
+                "the CPU executor at --batch {batch}, {shape} (only {avail} bytes are available ({limit}); lower --batch or --size)"
+            ),
             bytes,
         }),
         _ => Ok(()),
