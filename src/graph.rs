@@ -475,7 +475,8 @@ impl Graph {
     /// Checks a graph that did not come from tracing (an engine file): every input of a node
     /// precedes it, every shape is re-inferred from its inputs with the op's own rule and equals
     /// the stored one, inputs and outputs name the right nodes, and every weight node has its
-    /// data with its shape. Passes and lowering may then index freely.
+    /// data with its shape, and a weight's 8-bit grid (`Op::Weight::quant`) is sound. Passes and
+    /// lowering may then index freely.
     pub fn validate(&self) -> Result<()> {
         let bad = |node: usize, reason: String| {
             let path = self.nodes.get(node).map_or(String::new(), |n| n.path.clone());
@@ -503,16 +504,22 @@ impl Graph {
                         format!("a {} node is declared {}; only graph inputs may have another type than f32", node.op.name(), node.dtype),
                     ));
                 }
-                Op::Weight { name, .. } => match self.weights.get(name) {
-                    None => return Err(bad(id, format!("weight `{name}` has no data"))),
-                    Some(w) if w.shape != node.shape => {
-                        return Err(bad(id, format!("weight `{name}` has shape {:?}, the node says {:?}", w.shape, node.shape)));
+                Op::Weight { name, quant } => {
+                    match self.weights.get(name) {
+                        None => return Err(bad(id, format!("weight `{name}` has no data"))),
+                        Some(w) if w.shape != node.shape => {
+                            return Err(bad(id, format!("weight `{name}` has shape {:?}, the node says {:?}", w.shape, node.shape)));
+                        }
+                        Some(w) if numel(&w.shape) != Some(w.data.len()) => {
+                            return Err(bad(id, format!("weight `{name}` holds {} values for shape {:?}", w.data.len(), w.shape)));
+                        }
+                        Some(_) => {}
                     }
-                    Some(w) if numel(&w.shape) != Some(w.data.len()) => {
-                        return Err(bad(id, format!("weight `{name}` holds {} values for shape {:?}", w.data.len(), w.shape)));
+                    // The grid 8-bit layers read the weight's codes and scales from.
+                    if let Some(q) = quant {
+                        q.check(&node.shape).map_err(|reason| bad(id, format!("weight `{name}`: its 8-bit grid: {reason}")))?;
                     }
-                    Some(_) => {}
-                },
+                }
                 op => {
                     let shapes: Vec<&[usize]> = node.inputs.iter().map(|&i| self.nodes[i].shape.as_slice()).collect();
                     let shape =
@@ -545,6 +552,26 @@ impl Graph {
             }
             if !names.insert(name.as_str()) {
                 return Err(bad(*id, format!("output `{name}` is listed twice")));
+            }
+        }
+        Ok(())
+    }
+
+    /// What a model read from a file must have beyond [`Graph::validate`]: at least one input and
+    /// one output, and every input a batch dim and no zero dim (graph and engine files alike).
+    /// `validate` must have passed (the input ids are in range).
+    pub fn check_bindings(&self) -> std::result::Result<(), String> {
+        if self.inputs.is_empty() || self.outputs.is_empty() {
+            return Err(format!(
+                "the graph has {} input(s) and {} output(s); a model needs at least one of each",
+                self.inputs.len(),
+                self.outputs.len()
+            ));
+        }
+        for &i in &self.inputs {
+            let shape = &self.nodes[i].shape;
+            if shape.is_empty() || shape.contains(&0) {
+                return Err(format!("input `{}` has shape {shape:?}; inputs need a batch dim and no zero dims", self.nodes[i].path));
             }
         }
         Ok(())

@@ -11,7 +11,7 @@
 //! have its tensor and every tensor a weight node, and `Graph::validate` re-infers every shape with
 //! its op's rule (input indices, arities, attributes) before anything runs the graph.
 
-use crate::graph::{numel, Graph, Op};
+use crate::graph::{Graph, Op};
 use crate::var_builder::{decode_safetensors, encode_safetensors};
 use crate::{Error, HostTensor, Result};
 use std::collections::BTreeMap;
@@ -90,19 +90,7 @@ pub fn decode(bytes: &[u8], path: &Path) -> Result<GraphFile> {
         return Err(err(format!("tensor `{extra}` is not a weight of the graph ({} such tensor(s))", tensors.len())));
     }
     graph.validate().map_err(|e| err(e.to_string()))?;
-    if graph.inputs.is_empty() || graph.outputs.is_empty() {
-        return Err(err(format!(
-            "the graph has {} input(s) and {} output(s); a model needs at least one of each",
-            graph.inputs.len(),
-            graph.outputs.len()
-        )));
-    }
-    for &i in &graph.inputs {
-        let shape = &graph.nodes[i].shape;
-        if shape.is_empty() || shape.contains(&0) || numel(shape).is_none() {
-            return Err(err(format!("input `{}` has shape {shape:?}; inputs need a batch dim and no zero dims", graph.nodes[i].path)));
-        }
-    }
+    graph.check_bindings().map_err(err)?;
     Ok(GraphFile { graph, metadata })
 }
 

@@ -263,3 +263,47 @@ fn h05_memory_available_honours_the_address_space_limit() {
     let mut w: Vec<u8> = Vec::new();
     assert!(w.try_reserve_exact(a.bytes + (64 << 20)).is_err(), "more than the limit allows was allocated");
 }
+
+// ---- item 8: quantisation settings of weights, and batch-0 inputs of engine files ------------
+
+/// Item 8: a weight node's 8-bit grid is checked when a file is loaded (scale 0, a negative or
+/// NaN scale, an empty int8 range, a count that does not match the channels were all accepted,
+/// and `f32::clamp` then panics on the empty range); an engine file's batch-0 input is refused as
+/// a graph file's is.
+#[test]
+fn h08_weight_grids_and_batch_0_inputs_are_validated_at_load() {
+    let with_quant = |quant: serde_json::Value| tiny_graph_file(move |json, _| json["nodes"][1]["op"]["Weight"]["quant"] = quant);
+    let grid = |scale: serde_json::Value, qmin: i32, qmax: i32| serde_json::json!({"format": "Int8", "scale": scale, "zero_point": [], "axis": null, "qmin": qmin, "qmax": qmax});
+    let sound = kiln::graph_file::decode(&with_quant(grid(serde_json::json!([0.5]), -127, 127)), Path::new("g.kiln.safetensors"));
+    sound.expect("a sound grid loads");
+    for (quant, want) in [
+        (grid(serde_json::json!([0.0]), -128, 127), "scales must be positive and finite, got 0"),
+        (grid(serde_json::json!([-0.5]), -128, 127), "scales must be positive and finite, got -0.5"),
+        (grid(serde_json::json!([0.5]), 127, -128), "int8 range [127, -128] is empty"),
+        (grid(serde_json::json!([0.5, 0.5]), -128, 127), "per-tensor quantisation needs 1 scale(s), got 2"),
+    ] {
+        let e = graph_file_err(&with_quant(quant));
+        println!("{e}");
+        assert!(e.contains("node %1 (`conv.weight`): weight `conv.weight`: its 8-bit grid: ") && e.contains(want), "{e}");
+    }
+    // JSON has no NaN: a graph built in memory carries it to `validate`.
+    let mut g = kiln::graph_file::decode(&tiny_graph_file(|_, _| {}), Path::new("g.kiln.safetensors")).unwrap().graph;
+    g.nodes[1].op = Op::Weight { name: "conv.weight".into(), quant: Some(kiln::ops::quant::QuantParams::int8(f32::NAN)) };
+    assert!(g.validate().unwrap_err().to_string().contains("scales must be positive and finite, got NaN"));
+
+    // An engine payload whose input has batch 0 (the fuzzer's `efuzz_small_input_batch0`).
+    let mut payload = kiln::engine::file::Payload {
+        config: kiln::engine::BuildConfig::default(),
+        graph: kiln::graph_file::decode(&tiny_graph_file(|_, _| {}), Path::new("g.kiln.safetensors")).unwrap().graph,
+        tactics: BTreeMap::new(),
+    };
+    payload.graph.nodes[0].shape[0] = 0;
+    payload.graph.nodes[2].shape[0] = 0;
+    payload.graph.nodes[3].shape[0] = 0;
+    payload.graph.validate().expect("a batch of 0 is a valid shape");
+    let header =
+        kiln::engine::file::Header { version: kiln::engine::file::FORMAT_VERSION, sm: 90, driver_version: 13000, cudnn_version: 91400 };
+    let bytes = kiln::engine::file::encode(&header, &payload).unwrap();
+    let e = kiln::engine::file::decode(&bytes, "batch0.kiln").unwrap_err().to_string();
+    assert_eq!(e, "engine file batch0.kiln: input `input` has shape [0, 3, 2, 2]; inputs need a batch dim and no zero dims");
+}

@@ -185,3 +185,32 @@ fn ch05_the_address_space_limit_is_checked_before_running() {
     let out = kiln_in("ulimit -v 3000000 &&", &args);
     failed(&args, &out, &["error: out of memory: the CPU executor at --batch 1000", "bytes are available (ulimit -v)"]);
 }
+
+/// Item 8: a weight's 8-bit grid with scale 0 and an empty int8 range ran; an engine file's
+/// batch-0 input was accepted by `kiln inspect`.
+#[test]
+fn ch08_weight_grids_and_batch_0_engine_inputs_are_refused_at_load() {
+    let dir = temp_dir("ch08");
+    let model = tiny_graph_file(&dir, "weight_quant_unchecked.kiln.safetensors", |json, _| {
+        json["nodes"][1]["op"]["Weight"]["quant"] =
+            serde_json::json!({"format": "Int8", "scale": [0.0], "zero_point": [], "axis": null, "qmin": 127, "qmax": -128});
+    });
+    fails_with(&["run", &model, "--cpu"], &["weight `conv.weight`: its 8-bit grid: scales must be positive and finite, got 0"]);
+
+    let graph = kiln::graph_file::read(tiny_graph_file(&dir, "g.kiln.safetensors", |json, _| {
+        for node in [0, 2, 3] {
+            json["nodes"][node]["shape"][0] = 0.into();
+        }
+    }));
+    assert!(graph.is_err(), "graph files refuse a batch-0 input");
+    let mut g = kiln::graph_file::read(tiny_graph_file(&dir, "ok.kiln.safetensors", |_, _| {})).expect("graph").graph;
+    for node in [0, 2, 3] {
+        g.nodes[node].shape[0] = 0;
+    }
+    let header =
+        kiln::engine::file::Header { version: kiln::engine::file::FORMAT_VERSION, sm: 90, driver_version: 13000, cudnn_version: 91400 };
+    let payload = kiln::engine::file::Payload { config: kiln::engine::BuildConfig::default(), graph: g, tactics: BTreeMap::new() };
+    let engine = dir.join("efuzz_small_input_batch0.kiln");
+    std::fs::write(&engine, kiln::engine::file::encode(&header, &payload).expect("encode")).expect("write");
+    fails_with(&["inspect", engine.to_str().unwrap()], &["input `input` has shape [0, 3, 2, 2]; inputs need a batch dim and no zero dims"]);
+}

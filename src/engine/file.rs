@@ -217,13 +217,7 @@ pub fn validate(payload: &Payload, path: &str) -> Result<()> {
     let g = &payload.graph;
     g.validate().map_err(|e| err(e.to_string()))?;
     payload.config.validate_profiles(g).map_err(|e| err(format!("build config: {e}")))?;
-    if g.inputs.is_empty() || g.outputs.is_empty() {
-        return Err(err(format!(
-            "the graph has {} input(s) and {} output(s); an engine needs at least one of each",
-            g.inputs.len(),
-            g.outputs.len()
-        )));
-    }
+    g.check_bindings().map_err(err)?;
     for &i in &g.inputs {
         let shape = &g.nodes[i].shape;
         let per_image = crate::graph::numel(shape.get(1..).unwrap_or(&[]));
