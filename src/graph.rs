@@ -478,6 +478,13 @@ impl Graph {
     /// data with its shape, and a weight's 8-bit grid (`Op::Weight::quant`) is sound. Passes and
     /// lowering may then index freely.
     pub fn validate(&self) -> Result<()> {
+        self.validate_with(|name| self.weights.get(name).map(|w| (w.shape.as_slice(), w.data.len())))
+    }
+
+    /// [`Graph::validate`] before the weights are decoded: `stored(name)` gives the shape and
+    /// element count a file declares for weight `name`, so a file's graph is checked against its
+    /// header before any tensor is decoded or allocated.
+    pub fn validate_with<'w>(&self, stored: impl Fn(&str) -> Option<(&'w [usize], usize)>) -> Result<()> {
         let bad = |node: usize, reason: String| {
             let path = self.nodes.get(node).map_or(String::new(), |n| n.path.clone());
             Error::InvalidGraph { node, path, reason }
@@ -505,13 +512,13 @@ impl Graph {
                     ));
                 }
                 Op::Weight { name, quant } => {
-                    match self.weights.get(name) {
+                    match stored(name) {
                         None => return Err(bad(id, format!("weight `{name}` has no data"))),
-                        Some(w) if w.shape != node.shape => {
-                            return Err(bad(id, format!("weight `{name}` has shape {:?}, the node says {:?}", w.shape, node.shape)));
+                        Some((shape, _)) if *shape != node.shape[..] => {
+                            return Err(bad(id, format!("weight `{name}` has shape {shape:?}, the node says {:?}", node.shape)));
                         }
-                        Some(w) if numel(&w.shape) != Some(w.data.len()) => {
-                            return Err(bad(id, format!("weight `{name}` holds {} values for shape {:?}", w.data.len(), w.shape)));
+                        Some((shape, len)) if numel(shape) != Some(len) => {
+                            return Err(bad(id, format!("weight `{name}` holds {len} values for shape {shape:?}")));
                         }
                         Some(_) => {}
                     }

@@ -227,7 +227,7 @@ fn h04_fifos_directories_and_devices_are_named_without_blocking() {
     let f = fifo.clone();
     says(within_10_s("engine::file::read", move || kiln::engine::file::read(&f)).unwrap_err(), fifo_msg);
     let f = fifo.clone();
-    let e = within_10_s("read_tensors", move || kiln::var_builder::read_tensors(&f, "input", |_| true));
+    let e = within_10_s("read_tensors_within", move || kiln::var_builder::read_tensors_within(&f, "input", |_| true, 1 << 31));
     says(e.unwrap_err(), fifo_msg);
     let f = fifo.clone();
     let mut tactics = kiln::engine::tactic::Tactics::default();
@@ -262,6 +262,62 @@ fn h05_memory_available_honours_the_address_space_limit() {
     drop(v);
     let mut w: Vec<u8> = Vec::new();
     assert!(w.try_reserve_exact(a.bytes + (64 << 20)).is_err(), "more than the limit allows was allocated");
+}
+
+// ---- item 6: sizes are checked before memory is spent ---------------------------------------
+
+/// Bytes this process has read through `read(2)` so far (`/proc/self/io`'s `rchar`).
+fn bytes_read() -> u64 {
+    let io = std::fs::read_to_string("/proc/self/io").unwrap();
+    io.lines().find_map(|l| l.strip_prefix("rchar:")).unwrap().trim().parse().unwrap()
+}
+
+/// `bytes` with `extra` bytes of holes appended (a sparse file: nothing on disk).
+fn sparse(path: &Path, bytes: &[u8], extra: u64) {
+    std::fs::write(path, bytes).unwrap();
+    std::fs::OpenOptions::new().write(true).open(path).unwrap().set_len(bytes.len() as u64 + extra).unwrap();
+}
+
+/// Item 6: a graph file whose tensor is larger than its weight node is refused from its header
+/// (the file used to be read whole and every tensor decoded first: 8.5 GB and 42 s for the
+/// issue's repro); an input's size limit is checked against its header before it is decoded.
+#[test]
+fn h06_graph_files_and_inputs_are_checked_before_their_data_is_read() {
+    let dir = tempdir("h06");
+    // `conv.weight` declared as 2^28 f32 (1 GiB of holes) while its node says [1, 3, 1, 1].
+    let n: u64 = 1 << 28;
+    let good = tiny_graph_file(|_, _| {});
+    let header_len = u64::from_le_bytes(good[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&good[8..8 + header_len]).unwrap();
+    header["conv.weight"] = serde_json::json!({"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]});
+    let header = header.to_string();
+    let mut head = (header.len() as u64).to_le_bytes().to_vec();
+    head.extend(header.as_bytes());
+    let path = dir.join("big.kiln.safetensors");
+    sparse(&path, &head, 4 * n);
+    let (read_before, start) = (bytes_read(), std::time::Instant::now());
+    let e = kiln::graph_file::read(&path).unwrap_err().to_string();
+    let (read, took) = (bytes_read() - read_before, start.elapsed());
+    println!("{e} ({read} bytes read, {took:?})");
+    assert!(e.contains("weight `conv.weight` has shape [268435456], the node says [1, 3, 1, 1]"), "{e}");
+    assert!(read < 16 << 20, "{read} bytes were read before the graph file was refused");
+    assert!(took.as_secs() < 2, "{took:?}");
+
+    // An input of 1 x 3 x 27000 x 27000 f32 (8.7 GB of holes), over a 2^31-element limit.
+    let m: u64 = 3 * 27000 * 27000;
+    let header = format!(r#"{{"input":{{"dtype":"F32","shape":[1,3,27000,27000],"data_offsets":[0,{}]}}}}"#, 4 * m);
+    let mut head = (header.len() as u64).to_le_bytes().to_vec();
+    head.extend(header.as_bytes());
+    let path = dir.join("x_big.safetensors");
+    sparse(&path, &head, 4 * m);
+    let start = std::time::Instant::now();
+    let e = kiln::var_builder::read_tensors_within(&path, "input", |_| true, 1 << 31).unwrap_err();
+    assert!(matches!(&e, Error::TooLarge { .. }), "{e:?}");
+    let e = e.to_string();
+    println!("{e}");
+    assert!(e.starts_with("input tensor `input` of shape [1, 3, 27000, 27000] in") && e.contains("x_big.safetensors"), "{e}");
+    assert!(e.ends_with("is too large: 2187000000 elements, more than the limit of 2147483648 (8 GiB as f32)"), "{e}");
+    assert!(start.elapsed().as_secs() < 2, "nothing was decoded");
 }
 
 // ---- item 8: quantisation settings of weights, and batch-0 inputs of engine files ------------

@@ -186,6 +186,67 @@ fn ch05_the_address_space_limit_is_checked_before_running() {
     failed(&args, &out, &["error: out of memory: the CPU executor at --batch 1000", "bytes are available (ulimit -v)"]);
 }
 
+/// Item 6: a graph file whose `fc.weight` is declared as 2^31 values (8.6 GB of holes; the graph
+/// says [1000, 512]) is refused from its header, and an `--input` of 2.19e9 values (8.7 GB of
+/// holes) from its header: both were read and decoded first (8.5 GB and 42 s; 17.1 GB and 24 s).
+#[test]
+fn ch06_graph_files_and_inputs_are_refused_before_their_data_is_read() {
+    let dir = temp_dir("ch06");
+    // The issue's make_sparse_repros.py, from a ResNet-18 graph file at 32x32.
+    let graph = kiln_models::trace("resnet18", kiln::VarBuilder::seeded(), 1, 32).expect("trace");
+    let r18 = dir.join("r18.kiln.safetensors");
+    kiln::graph_file::write(&graph, &r18, &BTreeMap::new()).expect("write");
+    let bytes = std::fs::read(&r18).expect("read");
+    let hl = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes[8..8 + hl]).expect("header");
+    let data = &bytes[8 + hl..];
+    let fc = header.remove("fc.weight").expect("fc.weight");
+    let (fs, fe) = (fc["data_offsets"][0].as_u64().unwrap() as usize, fc["data_offsets"][1].as_u64().unwrap() as usize);
+    let mut rest = data[..fs].to_vec();
+    rest.extend(&data[fe..]);
+    for v in header.values_mut().filter(|v| v.get("data_offsets").is_some()) {
+        for k in 0..2 {
+            let o = v["data_offsets"][k].as_u64().unwrap() as usize;
+            v["data_offsets"][k] = (if o >= fe { o - (fe - fs) } else { o }).into();
+        }
+    }
+    let n: u64 = 1 << 31;
+    header.insert(
+        "fc.weight".into(),
+        serde_json::json!({"dtype": "F32", "shape": [n], "data_offsets": [rest.len(), rest.len() as u64 + 4 * n]}),
+    );
+    let h = serde_json::Value::Object(header).to_string();
+    let path = dir.join("g_fc_2e31.kiln.safetensors");
+    let mut file = (h.len() as u64).to_le_bytes().to_vec();
+    file.extend(h.as_bytes());
+    file.extend(&rest);
+    std::fs::write(&path, &file).expect("write");
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(file.len() as u64 + 4 * n).unwrap();
+    let start = std::time::Instant::now();
+    fails_with(
+        &["run", path.to_str().unwrap(), "--cpu"],
+        &["(`fc.weight`): weight `fc.weight` has shape [2147483648], the node says [1000, 512]"],
+    );
+    assert!(start.elapsed().as_secs() < 20, "{:?}", start.elapsed());
+
+    let m: u64 = 3 * 27000 * 27000;
+    let h = format!(r#"{{"input":{{"dtype":"F32","shape":[1,3,27000,27000],"data_offsets":[0,{}]}}}}"#, 4 * m);
+    let x = dir.join("x_big.safetensors");
+    let mut file = (h.len() as u64).to_le_bytes().to_vec();
+    file.extend(h.as_bytes());
+    std::fs::write(&x, &file).expect("write");
+    std::fs::OpenOptions::new().write(true).open(&x).unwrap().set_len(file.len() as u64 + 4 * m).unwrap();
+    let start = std::time::Instant::now();
+    fails_with(
+        &["run", "resnet18", "--cpu", "--input", x.to_str().unwrap()],
+        &[
+            "error: input tensor `input` of shape [1, 3, 27000, 27000] in",
+            "is too large: 2187000000 elements, more than the limit of 2147483648",
+        ],
+    );
+    assert!(start.elapsed().as_secs() < 20, "{:?}", start.elapsed());
+}
+
 /// Item 8: a weight's 8-bit grid with scale 0 and an empty int8 range ran; an engine file's
 /// batch-0 input was accepted by `kiln inspect`.
 #[test]

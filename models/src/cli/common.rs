@@ -450,7 +450,7 @@ pub fn random_input(shape: &[usize], seed: u64) -> Result<HostTensor> {
 
 /// Reads an input tensor from a safetensors file: the tensor named `input`, or its only tensor.
 pub fn read_input(path: &Path) -> Result<HostTensor> {
-    let (mut tensors, _) = kiln::var_builder::read_tensors(path, "input", |_| true)?;
+    let (mut tensors, _) = kiln::var_builder::read_tensors_within(path, "input", |_| true, MAX_INPUT_ELEMENTS)?;
     if let Some(t) = tensors.remove("input") {
         return Ok(t);
     }
