@@ -583,4 +583,22 @@ impl Graph {
         }
         Ok(())
     }
+
+    /// The weights holding NaN or infinity, by name, with how many such values each.
+    pub fn non_finite_weights(&self) -> Vec<(String, usize)> {
+        self.weights
+            .iter()
+            .map(|(name, w)| (name.clone(), w.data.iter().filter(|v| !v.is_finite()).count()))
+            .filter(|(_, n)| *n > 0)
+            .collect()
+    }
+
+    /// Strict mode for a graph's own weights: an error naming the first weight that holds NaN or
+    /// infinity (`source_name`: the file they came from), as `VarBuilder::check_finite` does.
+    pub fn check_finite_weights(&self, source_name: &str) -> Result<()> {
+        match self.non_finite_weights().into_iter().next() {
+            Some((key, count)) => Err(Error::NonFinite { key, count, source_name: source_name.to_string() }),
+            None => Ok(()),
+        }
+    }
 }

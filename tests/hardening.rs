@@ -132,6 +132,27 @@ fn ran_in_child_with_ulimit(name: &str, kib: u64) -> bool {
     true
 }
 
+// ---- item 2: non-finite weights of a graph file ---------------------------------------------
+
+/// Item 2: a graph file's own NaN or infinite weights are reported by name (the CLI warns, and
+/// `--strict` fails: models/tests/cli_hardening.rs); nothing reported them before.
+#[test]
+fn h02_non_finite_weights_of_a_graph_file_are_named() {
+    let bytes = tiny_graph_file(|_, t| {
+        let w = t.get_mut("conv.weight").unwrap();
+        w.data[0] = f32::NAN;
+        w.data[2] = f32::INFINITY;
+    });
+    let g = kiln::graph_file::decode(&bytes, Path::new("nan.kiln.safetensors")).unwrap().graph;
+    assert_eq!(g.non_finite_weights(), vec![("conv.weight".to_string(), 2)]);
+    let e = g.check_finite_weights("nan.kiln.safetensors").unwrap_err();
+    assert!(matches!(&e, Error::NonFinite { key, count: 2, .. } if key == "conv.weight"), "{e:?}");
+    assert_eq!(e.to_string(), "weight `conv.weight` holds 2 non-finite value(s) (NaN or infinity) (in nan.kiln.safetensors)");
+    let fine = kiln::graph_file::decode(&tiny_graph_file(|_, _| {}), Path::new("g.kiln.safetensors")).unwrap().graph;
+    assert!(fine.non_finite_weights().is_empty());
+    fine.check_finite_weights("g.kiln.safetensors").unwrap();
+}
+
 // ---- item 3: calibration ----------------------------------------------------------------------
 
 /// input [N, 3, 4, 4] → conv 3→4 (+bias) → relu → conv 4→2: two 8-bit layers to calibrate.

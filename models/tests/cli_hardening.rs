@@ -113,6 +113,22 @@ fn ch01_nan_input_gives_nan_through_the_fused_relu() {
     assert!(stdout.contains("y: [1, 1, 2, 2]") && stdout.contains("mean NaN"), "{stdout}");
 }
 
+/// Item 2: a graph file's own NaN weight is warned about as `--weights` ones are, and `--strict`
+/// fails (exit 0 and no word before).
+#[test]
+fn ch02_nan_weights_of_a_graph_file_warn_and_fail_with_strict() {
+    let dir = temp_dir("ch02");
+    let model = tiny_graph_file(&dir, "nan_weight_tiny.kiln.safetensors", |_, w| w.data[1] = f32::NAN);
+    let out = kiln(&["run", &model, "--cpu"]);
+    let (_, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("warning: 1 weight(s) of") && stderr.contains("`conv.weight`: 1 value(s)); outputs will not be finite"),
+        "{stderr}"
+    );
+    fails_with(&["run", &model, "--cpu", "--strict"], &["error: weight `conv.weight` holds 1 non-finite value(s) (NaN or infinity) (in"]);
+}
+
 /// A calibration set of `n` digits-sized images [n, 3, 32, 32], with `bad` at one pixel of image 1.
 fn calibration_set(dir: &Path, name: &str, bad: f32) -> String {
     let mut x = kiln::seeded::uniform_tensor(&[4, 3, 32, 32], 5);

@@ -298,6 +298,26 @@ fn replace_weights(graph: &mut Graph, path: &Path, strict: bool) -> Result<()> {
     Ok(())
 }
 
+/// A graph or engine file's own weights: NaN or infinity fails `--strict`, else is a warning.
+fn check_own_weights(graph: &Graph, path: &Path, strict: bool) -> Result<()> {
+    let shown = path.display().to_string();
+    if strict {
+        return graph.check_finite_weights(&shown);
+    }
+    warn_non_finite(&graph.non_finite_weights(), &shown);
+    Ok(())
+}
+
+/// The warning for weights holding NaN or infinity (`bad`: key and count), from `source`.
+fn warn_non_finite(bad: &[(String, usize)], source: &str) {
+    if let Some((key, count)) = bad.first() {
+        tracing::warn!(
+            "warning: {} weight(s) of {source} hold NaN or infinity (e.g. `{key}`: {count} value(s)); outputs will not be finite; --strict makes this an error",
+            bad.len()
+        );
+    }
+}
+
 /// Loads the model `m` names at `batch` (a trace for bundled and user models; graph and engine
 /// files hold their graph, which the CPU executor runs at any batch), checking (with `--strict`)
 /// that every weight was used and that none holds NaN or infinity (without it, both are warnings).
@@ -336,8 +356,9 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
         Source::GraphFile(path) => {
             let file = kiln::graph_file::read(&path)?;
             let mut graph = file.graph;
-            if let Some(w) = weights_path {
-                replace_weights(&mut graph, w, strict)?;
+            match weights_path {
+                Some(w) => replace_weights(&mut graph, w, strict)?,
+                None => check_own_weights(&graph, &path, strict)?,
             }
             let shown = path.display().to_string();
             let model = file.metadata.get("model").cloned().unwrap_or_else(|| shown.clone());
@@ -351,6 +372,7 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
                     reason: format!("cannot change the folded weights of the engine file {model}"),
                 });
             }
+            check_own_weights(&payload.graph, &path, strict)?;
             tracing::info!("note: {model} is an engine file: its optimised graph (folded, fused) is used");
             let shown = path.display().to_string();
             return fixed(payload.graph, shown.clone(), shown, "engine file");
@@ -386,14 +408,7 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
                     unused[0]
                 );
             }
-            let bad = vb.non_finite();
-            if let Some((key, count)) = bad.first() {
-                tracing::warn!(
-                    "warning: {} weight(s) of {} hold NaN or infinity (e.g. `{key}`: {count} value(s)); outputs will not be finite; --strict makes this an error",
-                    bad.len(),
-                    p.display()
-                );
-            }
+            warn_non_finite(&vb.non_finite(), &p.display().to_string());
         }
     }
     Ok(Traced { model: name.clone(), name, graph, hw, origin })
