@@ -122,27 +122,40 @@ impl CalibrationCache {
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).expect("a calibration cache serialises") + "\n"
     }
+    /// Writes the cache, after the checks `load` makes (JSON has no NaN or infinity: such a range
+    /// would be written as `null`, which no loader reads back).
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
+        self.check_ranges().map_err(|reason| Error::Calibration { path: path.display().to_string(), reason })?;
         std::fs::write(path, self.to_json()).map_err(Error::io(path))
     }
-    /// Reads and checks a cache: its version, and every scale positive and finite.
+    /// Reads and checks a cache: only a regular file is opened (a FIFO is named, never waited
+    /// on), then its version, every amax finite and non-negative and every scale positive and
+    /// finite.
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let bad = |reason: String| Error::Calibration { path: path.display().to_string(), reason };
-        let text = std::fs::read_to_string(path).map_err(Error::io(path))?;
-        let cache: Self = serde_json::from_str(&text).map_err(|e| bad(format!("not a calibration cache: {e}")))?;
+        let bytes = crate::host::read_regular(path, "the path of a JSON calibration cache (`kiln calibrate -o`)", bad)?;
+        let cache: Self = serde_json::from_slice(&bytes).map_err(|e| bad(format!("not a calibration cache: {e}")))?;
         if cache.version != CACHE_VERSION {
             return Err(bad(format!("cache version {} (this Kiln reads version {CACHE_VERSION}); recalibrate", cache.version)));
         }
-        for (name, r) in &cache.tensors {
+        cache.check_ranges().map_err(bad)?;
+        Ok(cache)
+    }
+    /// Every amax finite and non-negative, every scale positive and finite.
+    fn check_ranges(&self) -> std::result::Result<(), String> {
+        for (name, r) in &self.tensors {
+            if !(r.amax.is_finite() && r.amax >= 0.0) {
+                return Err(format!("tensor `{name}`: amax {} is not finite and non-negative", r.amax));
+            }
             for (what, s) in [("int8_scale", r.int8_scale), ("fp8_scale", r.fp8_scale)] {
                 if !(s.is_finite() && s > 0.0) {
-                    return Err(bad(format!("tensor `{name}`: {what} {s} is not positive and finite")));
+                    return Err(format!("tensor `{name}`: {what} {s} is not positive and finite"));
                 }
             }
         }
-        Ok(cache)
+        Ok(())
     }
 }
 
@@ -362,9 +375,16 @@ pub struct Calibrator {
     graph: Graph,
     /// (tensor name, node) of each quantised activation, once each.
     tensors: Vec<(String, NodeId)>,
+    /// What the calibration set is, in errors (`--data`'s path).
+    source: String,
 }
 
 impl Calibrator {
+    /// Names the calibration set (its file or folder) in errors about its values.
+    pub fn with_source(self, source: impl Into<String>) -> Self {
+        Self { source: source.into(), ..self }
+    }
+
     pub fn new(graph: &Graph) -> Result<Self> {
         let graph = crate::passes::optimize(graph)?;
         let names = tensor_names(&graph);
@@ -374,7 +394,7 @@ impl Calibrator {
                 tensors.push((names[a].clone(), a));
             }
         }
-        Ok(Self { graph, tensors })
+        Ok(Self { graph, tensors, source: "the calibration data".into() })
     }
 
     /// The optimised graph calibration runs on.
@@ -399,15 +419,18 @@ impl Calibrator {
     }
 
     /// Records ranges over `batches` (each `[N, ...]` for the graph's one input): a first pass for
-    /// `max |x|`, a second for histograms over `[0, max]`.
+    /// `max |x|`, a second for histograms over `[0, max]`. NaN or infinity in the data, or in a
+    /// calibrated tensor (non-finite weights, or an overflow), is an error naming the image or the
+    /// tensor: no range could be drawn from it.
     pub fn collect(&self, batches: &[HostTensor]) -> Result<CalibrationStats> {
         if batches.is_empty() {
             return Err(Error::Config { reason: "calibration needs at least one batch".into() });
         }
+        self.check_data(batches)?;
         let mut amax: BTreeMap<String, f32> = self.tensors.iter().map(|(n, _)| (n.clone(), 0.0)).collect();
         for b in batches {
             for (name, t) in self.run(b)? {
-                let m = t.data.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let m = self.finite_amax(&name, &t.data)?;
                 let e = amax.entry(name).or_insert(0.0);
                 *e = e.max(m);
             }
@@ -423,6 +446,46 @@ impl Calibrator {
         let tensors = hists.into_iter().map(|(n, h)| (n.clone(), (amax[&n], h))).collect();
         let images = batches.iter().map(|b| b.shape.first().copied().unwrap_or(0)).sum();
         Ok(CalibrationStats { graph_hash: graph_hash(&self.graph), images, tensors })
+    }
+
+    /// Every value of the calibration set finite; else an error naming the first bad image.
+    fn check_data(&self, batches: &[HostTensor]) -> Result<()> {
+        let mut first_image = 0;
+        for b in batches {
+            let per = b.data.len() / b.shape.first().copied().unwrap_or(1).max(1);
+            if let Some(at) = b.data.iter().position(|v| !v.is_finite()) {
+                let bad = b.data.iter().filter(|v| !v.is_finite()).count();
+                return Err(Error::Calibration {
+                    path: self.source.clone(),
+                    reason: format!(
+                        "image {} holds {} (the first of {bad} NaN or infinite value(s) in its batch): calibration data must be finite",
+                        first_image + at / per.max(1),
+                        b.data[at]
+                    ),
+                });
+            }
+            first_image += b.shape.first().copied().unwrap_or(0);
+        }
+        Ok(())
+    }
+
+    /// `max |x|` of a calibrated tensor, which must be finite.
+    fn finite_amax(&self, name: &str, data: &[f32]) -> Result<f32> {
+        let mut m = 0f32;
+        for &v in data {
+            if !v.is_finite() {
+                let bad = data.iter().filter(|v| !v.is_finite()).count();
+                return Err(Error::Calibration {
+                    path: self.source.clone(),
+                    reason: format!(
+                        "tensor `{name}` holds {bad} NaN or infinite value(s) on finite data: the weights are not finite \
+                         (`kiln run --strict` names them) or the activations overflow f32"
+                    ),
+                });
+            }
+            m = m.max(v.abs());
+        }
+        Ok(m)
     }
 
     /// `collect` then one method's cache.

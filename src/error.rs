@@ -29,6 +29,9 @@ pub enum Error {
     #[error("PyTorch checkpoint {path} names `{global}`, which Kiln does not load: its unpickler runs no code and knows only what a state_dict's tensors need; save `model.state_dict()` alone")]
     CheckpointGlobal { path: PathBuf, global: String },
 
+    #[error("cannot read image {path}: {reason}")]
+    Image { path: PathBuf, reason: String },
+
     // ---- tracing -------------------------------------------------------------------------
     #[error("shape mismatch in `{path}` ({op}): {reason}; got input shapes {got:?}")]
     Shape { path: String, op: String, reason: String, got: Vec<Vec<usize>> },

@@ -481,8 +481,16 @@ impl Graph {
     /// Checks a graph that did not come from tracing (an engine file): every input of a node
     /// precedes it, every shape is re-inferred from its inputs with the op's own rule and equals
     /// the stored one, inputs and outputs name the right nodes, and every weight node has its
-    /// data with its shape. Passes and lowering may then index freely.
+    /// data with its shape, and a weight's 8-bit grid (`Op::Weight::quant`) is sound. Passes and
+    /// lowering may then index freely.
     pub fn validate(&self) -> Result<()> {
+        self.validate_with(|name| self.weights.get(name).map(|w| (w.shape.as_slice(), w.data.len())))
+    }
+
+    /// [`Graph::validate`] before the weights are decoded: `stored(name)` gives the shape and
+    /// element count a file declares for weight `name`, so a file's graph is checked against its
+    /// header before any tensor is decoded or allocated.
+    pub fn validate_with<'w>(&self, stored: impl Fn(&str) -> Option<(&'w [usize], usize)>) -> Result<()> {
         let bad = |node: usize, reason: String| {
             let path = self.nodes.get(node).map_or(String::new(), |n| n.path.clone());
             Error::InvalidGraph { node, path, reason }
@@ -509,16 +517,22 @@ impl Graph {
                         format!("a {} node is declared {}; only graph inputs may have another type than f32", node.op.name(), node.dtype),
                     ));
                 }
-                Op::Weight { name, .. } => match self.weights.get(name) {
-                    None => return Err(bad(id, format!("weight `{name}` has no data"))),
-                    Some(w) if w.shape != node.shape => {
-                        return Err(bad(id, format!("weight `{name}` has shape {:?}, the node says {:?}", w.shape, node.shape)));
+                Op::Weight { name, quant } => {
+                    match stored(name) {
+                        None => return Err(bad(id, format!("weight `{name}` has no data"))),
+                        Some((shape, _)) if *shape != node.shape[..] => {
+                            return Err(bad(id, format!("weight `{name}` has shape {shape:?}, the node says {:?}", node.shape)));
+                        }
+                        Some((shape, len)) if numel(shape) != Some(len) => {
+                            return Err(bad(id, format!("weight `{name}` holds {len} values for shape {shape:?}")));
+                        }
+                        Some(_) => {}
                     }
-                    Some(w) if numel(&w.shape) != Some(w.data.len()) => {
-                        return Err(bad(id, format!("weight `{name}` holds {} values for shape {:?}", w.data.len(), w.shape)));
+                    // The grid 8-bit layers read the weight's codes and scales from.
+                    if let Some(q) = quant {
+                        q.check(&node.shape).map_err(|reason| bad(id, format!("weight `{name}`: its 8-bit grid: {reason}")))?;
                     }
-                    Some(_) => {}
-                },
+                }
                 op => {
                     let shapes: Vec<&[usize]> = node.inputs.iter().map(|&i| self.nodes[i].shape.as_slice()).collect();
                     let shape =
@@ -556,10 +570,10 @@ impl Graph {
         Ok(())
     }
 
-    /// What a graph needs to run as a model, beyond `validate`: at least one input and one
-    /// output, and inputs with a batch dim, no zero dims, and room for `max_batch` images (`None`:
-    /// the batch each input declares). Graph files and engine files share it.
-    pub fn check_model_io(&self, max_batch: Option<usize>) -> std::result::Result<(), String> {
+    /// What a model read from a file must have beyond [`Graph::validate`]: at least one input and
+    /// one output, and every input a batch dim and no zero dim (graph and engine files alike).
+    /// `validate` must have passed (the input ids are in range).
+    pub fn check_bindings(&self) -> std::result::Result<(), String> {
         if self.inputs.is_empty() || self.outputs.is_empty() {
             return Err(format!(
                 "the graph has {} input(s) and {} output(s); a model needs at least one of each",
@@ -572,11 +586,25 @@ impl Graph {
             if shape.is_empty() || shape.contains(&0) {
                 return Err(format!("input `{}` has shape {shape:?}; inputs need a batch dim and no zero dims", self.nodes[i].path));
             }
-            let batch = max_batch.unwrap_or(shape[0]);
-            if numel(&shape[1..]).and_then(|n| n.checked_mul(batch)).is_none() {
-                return Err(format!("input `{}` has shape {shape:?}, too large for batch {batch}", self.nodes[i].path));
-            }
         }
         Ok(())
+    }
+
+    /// The weights holding NaN or infinity, by name, with how many such values each.
+    pub fn non_finite_weights(&self) -> Vec<(String, usize)> {
+        self.weights
+            .iter()
+            .map(|(name, w)| (name.clone(), w.data.iter().filter(|v| !v.is_finite()).count()))
+            .filter(|(_, n)| *n > 0)
+            .collect()
+    }
+
+    /// Strict mode for a graph's own weights: an error naming the first weight that holds NaN or
+    /// infinity (`source_name`: the file they came from), as `VarBuilder::check_finite` does.
+    pub fn check_finite_weights(&self, source_name: &str) -> Result<()> {
+        match self.non_finite_weights().into_iter().next() {
+            Some((key, count)) => Err(Error::NonFinite { key, count, source_name: source_name.to_string() }),
+            None => Ok(()),
+        }
     }
 }

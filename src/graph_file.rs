@@ -11,8 +11,8 @@
 //! have its tensor and every tensor a weight node, and `Graph::validate` re-infers every shape with
 //! its op's rule (input indices, arities, attributes) before anything runs the graph.
 
-use crate::graph::{Graph, Op};
-use crate::var_builder::{decode_safetensors, encode_safetensors};
+use crate::graph::{numel, Graph, Op};
+use crate::var_builder::{decode_entry, encode_safetensors, header_of, is_readable_dtype, Entry};
 use crate::{Error, HostTensor, Result};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -56,10 +56,15 @@ pub fn is_graph_metadata(metadata: &BTreeMap<String, String>) -> bool {
 }
 
 /// Decodes and validates a graph file already in memory; `path` names it in errors.
+///
+/// Everything is checked against the header before any tensor is decoded or allocated: the
+/// metadata, the graph (`Graph::validate_with` the header's shapes, so a tensor larger than its
+/// weight node is refused unread), one tensor per weight node of a readable dtype, and the
+/// graph's inputs and outputs.
 pub fn decode(bytes: &[u8], path: &Path) -> Result<GraphFile> {
     let shown = path.display().to_string();
     let err = |reason: String| Error::GraphFile { path: shown.clone(), reason };
-    let (mut tensors, mut metadata) = decode_safetensors(path, bytes, "graph file")?;
+    let (entries, mut metadata) = header_of(path, bytes)?;
     if !is_graph_metadata(&metadata) {
         return Err(err(format!(
             "is a safetensors file but not a Kiln graph file (its metadata has no `{KEY_FORMAT}: {FORMAT}`); \
@@ -76,37 +81,49 @@ pub fn decode(bytes: &[u8], path: &Path) -> Result<GraphFile> {
     if graph.nodes.len() > MAX_NODES {
         return Err(err(format!("{} nodes, more than the limit of {MAX_NODES}", graph.nodes.len())));
     }
+    let mut unused: BTreeMap<&str, &Entry> = entries.iter().map(|(k, e)| (k.as_str(), e)).collect();
+    let mut named: BTreeMap<&str, &Entry> = BTreeMap::new();
     for (id, node) in graph.nodes.iter().enumerate() {
         if let Op::Weight { name, .. } = &node.op {
-            let tensor = tensors
-                .remove(name)
-                .ok_or_else(|| err(format!("weight node %{id} (`{}`) names tensor `{name}`, which the file does not hold", node.path)))?;
-            if graph.weights.insert(name.clone(), Arc::new(tensor)).is_some() {
+            if named.contains_key(name.as_str()) {
                 return Err(err(format!("weight `{name}` is named by two weight nodes")));
+            }
+            let entry = unused
+                .remove(name.as_str())
+                .ok_or_else(|| err(format!("weight node %{id} (`{}`) names tensor `{name}`, which the file does not hold", node.path)))?;
+            named.insert(name, entry);
+            if !is_readable_dtype(&entry.dtype) {
+                return Err(Error::TensorDtype {
+                    what: "graph file".into(),
+                    key: name.clone(),
+                    got: entry.dtype.clone(),
+                    path: path.into(),
+                });
             }
         }
     }
-    if let Some(extra) = tensors.keys().next() {
-        return Err(err(format!("tensor `{extra}` is not a weight of the graph ({} such tensor(s))", tensors.len())));
+    if let Some(extra) = unused.keys().next() {
+        return Err(err(format!("tensor `{extra}` is not a weight of the graph ({} such tensor(s))", unused.len())));
     }
-    graph.validate().map_err(|e| err(e.to_string()))?;
-    graph.check_model_io(None).map_err(err)?;
+    // The header's shapes are checked against its byte ranges: their element counts exist.
+    graph
+        .validate_with(|name| named.get(name).map(|e| (e.shape.as_slice(), numel(&e.shape).unwrap_or(0))))
+        .map_err(|e| err(e.to_string()))?;
+    graph.check_bindings().map_err(err)?;
+    for (name, entry) in named {
+        let t = decode_entry(path, bytes, name, entry, "graph file")?;
+        graph.weights.insert(name.to_string(), Arc::new(t));
+    }
     Ok(GraphFile { graph, metadata })
 }
 
-/// Reads a graph file: the file is checked to be a regular file, then decoded and validated.
+/// Reads a graph file: only a regular file is opened (a directory or FIFO is named, never waited
+/// on), and it is mapped, so only its header is read before it is checked.
 pub fn read(path: impl AsRef<Path>) -> Result<GraphFile> {
     let path = path.as_ref();
-    if let Ok(meta) = std::fs::metadata(path) {
-        if !meta.is_file() {
-            let what = if meta.is_dir() { "a directory" } else { "not a regular file (a FIFO, socket or device)" };
-            return Err(Error::GraphFile {
-                path: path.display().to_string(),
-                reason: format!("is {what}; give the path of a {EXTENSION} graph file"),
-            });
-        }
-    }
-    let bytes = std::fs::read(path).map_err(Error::io(path))?;
+    let shown = path.display().to_string();
+    let give = format!("the path of a {EXTENSION} graph file");
+    let bytes = crate::host::map_regular(path, &give, |reason| Error::GraphFile { path: shown, reason })?;
     let file = decode(&bytes, path)?;
     tracing::debug!(path = %path.display(), nodes = file.graph.nodes.len(), weights = file.graph.weights.len(), "loaded graph file");
     Ok(file)

@@ -39,8 +39,8 @@ pub fn looks_like_checkpoint(bytes: &[u8]) -> bool {
 /// under `state_dict`, `model` or `model_state_dict`.
 pub fn read_pth(path: impl AsRef<Path>) -> Result<Checkpoint> {
     let path = path.as_ref();
-    crate::var_builder::check_regular_file(path)?;
-    let bytes = std::fs::read(path).map_err(Error::io(path))?;
+    let bytes =
+        crate::host::read_regular(path, "the path of a PyTorch checkpoint", |reason| Error::Checkpoint { path: path.into(), reason })?;
     decode_pth(path, &bytes)
 }
 

@@ -28,11 +28,13 @@ struct Store {
     non_finite: Mutex<BTreeMap<String, usize>>,
 }
 
-struct Entry {
+/// One tensor of a safetensors header, checked against the file but not decoded.
+pub(crate) struct Entry {
     file: usize,
     /// The safetensors dtype name (`F32`, `BF16`, `I64`, ...).
-    dtype: String,
-    shape: Vec<usize>,
+    pub(crate) dtype: String,
+    pub(crate) shape: Vec<usize>,
+    /// Its bytes in the file.
     range: (usize, usize),
 }
 
@@ -96,11 +98,7 @@ impl VarBuilder {
         let mut entries: BTreeMap<String, Entry> = BTreeMap::new();
         for (index, path) in paths.iter().enumerate() {
             let path = path.as_ref().to_path_buf();
-            check_regular_file(&path)?;
-            let file = std::fs::File::open(&path).map_err(Error::io(&path))?;
-            // SAFETY: the file is opened read-only; like every mmap user we assume nobody truncates
-            // it while the model loads.
-            let mmap = unsafe { Mmap::map(&file) }.map_err(Error::io(&path))?;
+            let mmap = map_safetensors(&path)?;
             for (name, entry) in parse_header(&path, &mmap, index)? {
                 if let Some(first) = entries.get(&name) {
                     let first: &Path = files.get(first.file).map_or(path.as_path(), |(p, _): &(PathBuf, Mmap)| p.as_path());
@@ -148,9 +146,10 @@ impl VarBuilder {
         let mut pth = Vec::new();
         for path in paths {
             let path = path.as_ref();
-            check_regular_file(path)?;
+            let mut file =
+                crate::host::open_regular(path, "the path of a weights file", |reason| Error::Safetensors { path: path.into(), reason })?;
             let mut head = [0u8; 4];
-            let n = std::fs::File::open(path).and_then(|mut f| std::io::Read::read(&mut f, &mut head)).map_err(Error::io(path))?;
+            let n = std::io::Read::read(&mut file, &mut head).map_err(Error::io(path))?;
             pth.push(crate::pth::looks_like_checkpoint(&head[..n]));
         }
         match (pth.iter().all(|&p| p), pth.iter().any(|&p| p)) {
@@ -281,18 +280,10 @@ impl VarBuilder {
 /// corrupt or hostile, never a convolutional network's weight or activation.
 pub const MAX_TENSOR_ELEMENTS: usize = 1 << 32;
 
-/// A directory, FIFO, socket or device is rejected by name before it is opened (opening a FIFO
-/// would wait for a writer forever). A missing file is left to `open`, whose error names it.
-pub(crate) fn check_regular_file(path: &Path) -> Result<()> {
-    let Ok(meta) = std::fs::metadata(path) else { return Ok(()) };
-    let what = if meta.is_dir() {
-        "a directory"
-    } else if meta.is_file() {
-        return Ok(());
-    } else {
-        "not a regular file (a FIFO, socket or device)"
-    };
-    Err(Error::Safetensors { path: path.into(), reason: format!("is {what}; give the path of a .safetensors file") })
+/// Maps a safetensors file: a directory, FIFO, socket or device is named as such, never opened
+/// for reading or waited on (`host::map_regular`).
+fn map_safetensors(path: &Path) -> Result<Mmap> {
+    crate::host::map_regular(path, "the path of a .safetensors file", |reason| Error::Safetensors { path: path.into(), reason })
 }
 
 const PTH_HINT: &str = "this looks like a PyTorch pickle (torch.save, .pth/.pt/.bin), which `from_safetensors` does not read: \
@@ -462,9 +453,30 @@ pub fn read_tensors(
     what: &str,
     keep: impl Fn(&str) -> bool,
 ) -> Result<(BTreeMap<String, HostTensor>, Vec<String>)> {
+    read_tensors_within(path, what, keep, MAX_TENSOR_ELEMENTS)
+}
+
+/// [`read_tensors`] with a tighter limit on each tensor's elements (an `--input`'s), checked
+/// against the header for every tensor kept before any is decoded or allocated.
+pub fn read_tensors_within(
+    path: impl AsRef<Path>,
+    what: &str,
+    keep: impl Fn(&str) -> bool,
+    max_elements: usize,
+) -> Result<(BTreeMap<String, HostTensor>, Vec<String>)> {
     let path = path.as_ref();
     let vb = VarBuilder::from_safetensors(&[path])?;
     let Source::Safetensors { entries, files } = &vb.store.source else { unreachable!("from_safetensors makes a safetensors source") };
+    for (key, e) in entries.iter().filter(|(k, _)| keep(k)) {
+        // The header's shapes were checked against the file's bytes: they cannot overflow.
+        let n = crate::graph::numel(&e.shape).unwrap_or(usize::MAX);
+        if n > max_elements {
+            return Err(Error::TooLarge {
+                what: format!("{what} tensor `{key}` of shape {:?} in {}", e.shape, path.display()),
+                reason: format!("{n} elements, more than the limit of {max_elements} ({} GiB as f32)", (max_elements as u128 * 4) >> 30),
+            });
+        }
+    }
     let mut out = BTreeMap::new();
     let mut skipped = Vec::new();
     for (key, e) in entries {
@@ -524,29 +536,44 @@ fn metadata_of(path: &Path, bytes: &[u8]) -> Result<BTreeMap<String, String>> {
 /// already in memory; `path` names it in errors and `what` names its role ("graph", "outputs").
 /// The header is checked as `VarBuilder::from_safetensors` checks it.
 pub fn decode_safetensors(path: &Path, bytes: &[u8], what: &str) -> Result<(BTreeMap<String, HostTensor>, BTreeMap<String, String>)> {
-    let entries = parse_header(path, bytes, 0)?;
-    let metadata = metadata_of(path, bytes)?;
+    let (entries, metadata) = header_of(path, bytes)?;
     let mut out = BTreeMap::new();
     for (key, e) in entries {
-        let data = decode(&e.dtype, &bytes[e.range.0..e.range.1], &key, path)?.ok_or_else(|| Error::TensorDtype {
-            what: what.to_string(),
-            key: key.clone(),
-            got: e.dtype.clone(),
-            path: path.to_path_buf(),
-        })?;
-        out.insert(key, HostTensor::try_new(e.shape, data)?);
+        let t = decode_entry(path, bytes, &key, &e, what)?;
+        out.insert(key, t);
     }
     Ok((out, metadata))
+}
+
+/// A safetensors header: its tensors by name (none decoded) and its `__metadata__`.
+pub(crate) type Header = (Vec<(String, Entry)>, BTreeMap<String, String>);
+
+/// The checked header of a safetensors file in memory.
+pub(crate) fn header_of(path: &Path, bytes: &[u8]) -> Result<Header> {
+    let entries = parse_header(path, bytes, 0)?;
+    Ok((entries, metadata_of(path, bytes)?))
+}
+
+/// Whether a tensor of this dtype decodes to f32 (f32, f16, bf16).
+pub(crate) fn is_readable_dtype(dtype: &str) -> bool {
+    matches!(dtype, "F32" | "F16" | "BF16")
+}
+
+/// Decodes one entry of `header_of(path, bytes)` as f32; `what` names the file's role in errors.
+pub(crate) fn decode_entry(path: &Path, bytes: &[u8], key: &str, e: &Entry, what: &str) -> Result<HostTensor> {
+    let data = decode(&e.dtype, &bytes[e.range.0..e.range.1], key, path)?.ok_or_else(|| Error::TensorDtype {
+        what: what.to_string(),
+        key: key.to_string(),
+        got: e.dtype.clone(),
+        path: path.to_path_buf(),
+    })?;
+    HostTensor::try_new(e.shape.clone(), data)
 }
 
 /// The `__metadata__` of a safetensors file (checked header, no tensor decoded).
 pub fn read_metadata(path: impl AsRef<Path>) -> Result<BTreeMap<String, String>> {
     let path = path.as_ref();
-    check_regular_file(path)?;
-    let file = std::fs::File::open(path).map_err(Error::io(path))?;
-    // SAFETY: the file is opened read-only; like every mmap user we assume nobody truncates it
-    // while it is read.
-    let mmap = unsafe { Mmap::map(&file) }.map_err(Error::io(path))?;
+    let mmap = map_safetensors(path)?;
     parse_header(path, &mmap, 0)?;
     metadata_of(path, &mmap)
 }

@@ -17,8 +17,8 @@
 
 use super::config::{node_precisions, BuildConfig};
 use super::eight_bit::{self, EightBitPlan};
-use crate::ops::conv::conv8;
 use crate::graph::{Graph, NodeId, Op};
+use crate::ops::conv::conv8;
 use crate::Result;
 use std::collections::{BTreeMap, HashSet};
 

@@ -20,8 +20,6 @@ use super::gpu::{Gpu, GpuInfo};
 use super::tactic::Tactics;
 use super::BuildConfig;
 use crate::graph::{Graph, HostTensor};
-/// Kiln's FNV-1a (`crate::hash`), as the engine's kernel cache keys (`engine::kernels`) read it.
-pub use crate::hash::{fnv1a_extend, FNV_OFFSET};
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -66,6 +64,14 @@ struct Meta {
     tactics: BTreeMap<String, String>,
     /// Weight names and shapes, in the order of the f32 data after the metadata.
     weights: Vec<(String, Vec<usize>)>,
+}
+
+/// FNV-1a's 64-bit offset basis: the hash of nothing.
+pub const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// Continues a 64-bit FNV-1a hash `h` over `bytes` (Kiln's one FNV-1a: checksums and cache keys).
+pub fn fnv1a_extend(h: u64, bytes: &[u8]) -> u64 {
+    bytes.iter().fold(h, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
 /// FNV-1a, 64 bit: detects any changed byte; this is integrity checking, not security.
@@ -157,6 +163,13 @@ pub fn decode(bytes: &[u8], path: &str) -> Result<(Header, Payload)> {
     if want != got {
         return Err(err(format!("checksum mismatch (header {want:016x}, payload {got:016x}): the file is corrupt")));
     }
+    Ok((header, decode_payload(body, path)?))
+}
+
+/// Decodes a payload whose checksum was verified. Its metadata, the weights' sizes and the graph
+/// (against the shapes the metadata declares) are checked before any weight is decoded.
+pub fn decode_payload(body: &[u8], path: &str) -> Result<Payload> {
+    let err = |reason: String| Error::EngineFile { path: path.to_string(), reason };
     if body.len() < 8 {
         return Err(err("payload has no metadata".into()));
     }
@@ -167,9 +180,10 @@ pub fn decode(bytes: &[u8], path: &str) -> Result<(Header, Payload)> {
         .ok_or_else(|| err(format!("metadata of {meta_len} bytes runs past the end of the file")))?;
     let meta: Meta = serde_json::from_slice(json).map_err(|e| err(format!("metadata: {e}")))?;
     let mut data = &body[8 + meta_len..];
-    let mut graph = meta.graph;
-    for (name, shape) in meta.weights {
-        let bytes = crate::graph::numel(&shape)
+    // Where each weight's bytes lie, checked against the file before anything is decoded.
+    let mut stored: BTreeMap<&str, (&[usize], &[u8])> = BTreeMap::new();
+    for (name, shape) in &meta.weights {
+        let bytes = crate::graph::numel(shape)
             .and_then(|n| n.checked_mul(4))
             .ok_or_else(|| err(format!("weight `{name}` has shape {shape:?}, whose size overflows (corrupt or hostile file)")))?;
         if data.len() < bytes {
@@ -178,21 +192,26 @@ pub fn decode(bytes: &[u8], path: &str) -> Result<(Header, Payload)> {
                 data.len()
             )));
         }
-        let mut values = Vec::new();
-        values.try_reserve_exact(bytes / 4).map_err(|_| Error::OutOfMemory { what: format!("weight `{name}` of {path}"), bytes })?;
-        values.extend(data[..bytes].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
-        data = &data[bytes..];
-        let tensor = HostTensor::try_new(shape, values).map_err(|e| err(format!("weight `{name}`: {e}")))?;
-        if graph.weights.insert(name.clone(), Arc::new(tensor)).is_some() {
+        if stored.insert(name, (shape, &data[..bytes])).is_some() {
             return Err(err(format!("weight `{name}` is stored twice")));
         }
+        data = &data[bytes..];
     }
     if !data.is_empty() {
         return Err(err(format!("{} unexpected bytes after the weights", data.len())));
     }
-    let payload = Payload { config: meta.config, graph, tactics: meta.tactics };
-    validate(&payload, path)?;
-    Ok((header, payload))
+    let mut graph = meta.graph;
+    check(&meta.config, &graph, |name| stored.get(name).map(|(shape, bytes)| (*shape, bytes.len() / 4)), path)?;
+    for (name, (shape, bytes)) in stored {
+        let mut values = Vec::new();
+        values
+            .try_reserve_exact(bytes.len() / 4)
+            .map_err(|_| Error::OutOfMemory { what: format!("weight `{name}` of {path}"), bytes: bytes.len() })?;
+        values.extend(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+        let tensor = HostTensor::try_new(shape.to_vec(), values).map_err(|e| err(format!("weight `{name}`: {e}")))?;
+        graph.weights.insert(name.to_string(), Arc::new(tensor));
+    }
+    Ok(Payload { config: meta.config, graph, tactics: meta.tactics })
 }
 
 /// The largest batch an engine file may declare: far above any real engine, low enough that
@@ -203,16 +222,41 @@ pub const MAX_BATCH: usize = 1 << 20;
 /// re-inferred by each op's rule, inputs, outputs, weights) and the build config. A checksum only
 /// proves the file is what was written, not that what was written is sound.
 pub fn validate(payload: &Payload, path: &str) -> Result<()> {
-    let err = |reason: String| Error::EngineFile { path: path.to_string(), reason };
-    payload.config.validate().map_err(|e| err(format!("build config: {e}")))?;
-    if payload.config.max_batch > MAX_BATCH {
-        return Err(err(format!("build config: max batch {} exceeds the limit of {MAX_BATCH}", payload.config.max_batch)));
-    }
     let g = &payload.graph;
-    g.validate().map_err(|e| err(e.to_string()))?;
-    payload.config.validate_profiles(g).map_err(|e| err(format!("build config: {e}")))?;
-    g.check_model_io(Some(payload.config.max_batch)).map_err(err)?;
+    check(&payload.config, g, |name| g.weights.get(name).map(|w| (w.shape.as_slice(), w.data.len())), path)
+}
+
+/// `validate` where `stored(name)` gives each weight's shape and element count (the metadata's,
+/// before the weights are decoded).
+fn check<'w>(config: &BuildConfig, g: &Graph, stored: impl Fn(&str) -> Option<(&'w [usize], usize)>, path: &str) -> Result<()> {
+    let err = |reason: String| Error::EngineFile { path: path.to_string(), reason };
+    config.validate().map_err(|e| err(format!("build config: {e}")))?;
+    if config.max_batch > MAX_BATCH {
+        return Err(err(format!("build config: max batch {} exceeds the limit of {MAX_BATCH}", config.max_batch)));
+    }
+    g.validate_with(stored).map_err(|e| err(e.to_string()))?;
+    config.validate_profiles(g).map_err(|e| err(format!("build config: {e}")))?;
+    g.check_bindings().map_err(err)?;
+    for &i in &g.inputs {
+        let shape = &g.nodes[i].shape;
+        let per_image = crate::graph::numel(shape.get(1..).unwrap_or(&[]));
+        if shape.is_empty() || per_image.and_then(|n| n.checked_mul(config.max_batch)).is_none() {
+            return Err(err(format!("input `{}` has shape {shape:?}, too large for max batch {}", g.nodes[i].path, config.max_batch)));
+        }
+    }
     Ok(())
+}
+
+/// The bytes of an engine file; a directory or FIFO is named, never read or waited on.
+fn read_bytes(path: &Path) -> Result<Vec<u8>> {
+    let shown = path.display().to_string();
+    crate::host::read_regular(path, "the path of a .kiln engine file", |reason| Error::EngineFile { path: shown, reason })
+}
+
+/// Reads and decodes an engine file without a GPU (its payload validated, nothing lowered).
+pub fn read(path: impl AsRef<Path>) -> Result<(Header, Payload)> {
+    let path = path.as_ref();
+    decode(&read_bytes(path)?, &path.display().to_string())
 }
 
 impl Engine {
@@ -228,14 +272,7 @@ impl Engine {
     pub fn load(path: impl AsRef<Path>, gpu: &Arc<Gpu>) -> Result<Engine> {
         let path = path.as_ref();
         let shown = path.display().to_string();
-        // A directory or FIFO is named, not read (reading a FIFO would wait for a writer).
-        if let Ok(meta) = std::fs::metadata(path) {
-            if !meta.is_file() {
-                let what = if meta.is_dir() { "a directory" } else { "not a regular file (a FIFO, socket or device)" };
-                return Err(Error::EngineFile { path: shown, reason: format!("is {what}; give the path of a .kiln engine file") });
-            }
-        }
-        let bytes = std::fs::read(path).map_err(Error::io(path))?;
+        let bytes = read_bytes(path)?;
         let header = decode_header(&bytes, &shown)?;
         check_device(&header, &gpu.info, &shown)?;
         let (_, payload) = decode(&bytes, &shown)?;

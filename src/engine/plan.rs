@@ -5,16 +5,16 @@
 
 use super::arena::{self, ArenaPlan, StepUse};
 use super::config::{node_precisions, BuildConfig, InputDims};
-use super::eight_bit::{self, EightBitPlan};
-use crate::ops::conv::conv8;
 use super::converters::is_structural;
+use super::eight_bit::FP8_GEMM;
+use super::eight_bit::{self, EightBitPlan};
 use super::gpu::{cuda_err, Gpu};
 use super::kernels::{self, Kernels};
 use super::layer::{BuildCtx, Elem, Layer, Layout, RunCtx, Storage, ValueDesc, ValueId, WeightStore, MAX_RANK};
 use super::precision::Precision;
-use super::eight_bit::FP8_GEMM;
 use super::tactic::{Tactics, TacticsMark};
 use crate::graph::{DType, Graph, NodeId, Op};
+use crate::ops::conv::conv8;
 use crate::ops::{LayoutPlan, OpDef};
 use crate::{Error, Result};
 use std::collections::HashMap;

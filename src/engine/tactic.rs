@@ -46,7 +46,8 @@ pub struct Tactics {
 impl Tactics {
     /// Reads a timing cache file; a missing file is an empty cache, a malformed one an error.
     pub fn load_cache(&mut self, path: &Path) -> Result<()> {
-        match std::fs::read(path) {
+        let not_a_file = |reason| Error::EngineFile { path: path.display().to_string(), reason };
+        match crate::host::read_regular(path, "the path of a JSON timing cache", not_a_file) {
             Ok(bytes) => {
                 self.cache = serde_json::from_slice(&bytes).map_err(|e| Error::EngineFile {
                     path: path.display().to_string(),
@@ -54,8 +55,8 @@ impl Tactics {
                 })?;
                 Ok(())
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(Error::io(path)(e)),
+            Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e),
         }
     }
 

@@ -54,7 +54,8 @@ pub fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             reason: format!("calibration reads square images; {} takes {}", traced.name, traced.hw_text()),
         });
     }
-    let images = if a.data.is_dir() { read_folder(&a.data, size, &a.mean, &a.std, a.images)? } else { read_batch(&a.data, size)? };
+    let images =
+        if a.data.is_dir() { kiln::pnm::read_folder(&a.data, size, &a.mean, &a.std, a.images)? } else { read_batch(&a.data, size)? };
     let n = a.images.unwrap_or(images.shape[0]).min(images.shape[0]);
     if n == 0 {
         return Err(Error::Flag { flag: "--data".into(), reason: format!("{} holds no images", a.data.display()) });
@@ -67,7 +68,7 @@ pub fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             HostTensor::new(vec![end - start, 3, size, size], images.data[start * per..end * per].to_vec())
         })
         .collect();
-    let calibrator = Calibrator::new(&traced.graph)?;
+    let calibrator = Calibrator::new(&traced.graph)?.with_source(a.data.display().to_string());
     let cache = calibrator.calibrate(&batches, method)?;
     let out = a.output.unwrap_or_else(|| PathBuf::from(format!("{}.calib.json", traced.name)));
     cache.save(&out)?;
@@ -93,85 +94,5 @@ fn read_batch(path: &Path, size: usize) -> Result<HostTensor> {
             name: "input".into(),
             reason: format!("{} holds shape {s:?}; the model takes [N, 3, {size}, {size}] (or [N, 1, {size}, {size}])", path.display()),
         }),
-    }
-}
-
-/// Binary PGM/PPM images of a folder, sorted by name, normalised per channel.
-fn read_folder(dir: &Path, size: usize, mean: &[f32], std: &[f32], limit: Option<usize>) -> Result<HostTensor> {
-    if mean.len() != 3 || std.len() != 3 || std.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
-        return Err(Error::Flag { flag: "--mean/--std".into(), reason: "three values each, std positive".into() });
-    }
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(Error::io(dir))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            p.extension().and_then(|e| e.to_str()).is_some_and(|e| matches!(e.to_ascii_lowercase().as_str(), "pgm" | "ppm" | "pnm"))
-        })
-        .collect();
-    files.sort();
-    files.truncate(limit.unwrap_or(usize::MAX));
-    let mut data = Vec::new();
-    for f in &files {
-        let bytes = std::fs::read(f).map_err(Error::io(f))?;
-        let (channels, pixels) = parse_pnm(&bytes, size).map_err(|reason| Error::Safetensors { path: f.clone(), reason })?;
-        for c in 0..3 {
-            let src = if channels == 1 { 0 } else { c };
-            data.extend(pixels.iter().skip(src).step_by(channels).map(|&p| (p as f32 / 255.0 - mean[c]) / std[c]));
-        }
-    }
-    Ok(HostTensor::new(vec![files.len(), 3, size, size], data))
-}
-
-/// A binary PGM (`P5`) or PPM (`P6`) of `size`×`size` 8-bit pixels: (channels, interleaved pixels).
-fn parse_pnm(bytes: &[u8], size: usize) -> std::result::Result<(usize, &[u8]), String> {
-    let channels = match bytes.get(..2) {
-        Some(b"P5") => 1,
-        Some(b"P6") => 3,
-        _ => return Err("not a binary PGM (P5) or PPM (P6) image".into()),
-    };
-    // Header: magic, width, height, maxval, separated by whitespace (with `#` comments), then one
-    // whitespace byte before the pixels.
-    let mut fields = Vec::new();
-    let mut i = 2;
-    while fields.len() < 3 {
-        while i < bytes.len() && (bytes[i].is_ascii_whitespace() || bytes[i] == b'#') {
-            if bytes[i] == b'#' {
-                while i < bytes.len() && bytes[i] != b'\n' {
-                    i += 1;
-                }
-            }
-            i += 1;
-        }
-        let start = i;
-        while i < bytes.len() && bytes[i].is_ascii_digit() {
-            i += 1;
-        }
-        let v: usize = std::str::from_utf8(&bytes[start..i]).ok().and_then(|s| s.parse().ok()).ok_or("a truncated or malformed header")?;
-        fields.push(v);
-    }
-    let (w, h, maxval) = (fields[0], fields[1], fields[2]);
-    if maxval != 255 {
-        return Err(format!("maxval {maxval}: only 8-bit images (255) are read"));
-    }
-    if (w, h) != (size, size) {
-        return Err(format!("{w}x{h} pixels; the model takes {size}x{size} (resize the calibration images first)"));
-    }
-    let n = w * h * channels;
-    let pixels = bytes.get(i + 1..i + 1 + n).ok_or_else(|| format!("{} pixel bytes, expected {n}", bytes.len().saturating_sub(i + 1)))?;
-    Ok((channels, pixels))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn pnm_headers_are_parsed_and_checked() {
-        let mut img = b"P5\n# a comment\n2 2\n255\n".to_vec();
-        img.extend([0u8, 64, 128, 255]);
-        assert_eq!(parse_pnm(&img, 2), Ok((1, &[0u8, 64, 128, 255][..])));
-        assert!(parse_pnm(&img, 3).unwrap_err().contains("2x2"));
-        assert!(parse_pnm(&img[..img.len() - 1], 2).is_err());
-        assert!(parse_pnm(b"P3\n1 1\n255\n0 0 0", 1).is_err());
     }
 }

@@ -163,7 +163,9 @@ pub fn source(arg: &str) -> Result<Source> {
         return Err(Error::UnknownModel { name: arg.to_string(), known });
     }
     let mut magic = [0u8; 8];
-    let head = std::fs::File::open(&path).and_then(|mut f| std::io::Read::read(&mut f, &mut magic)).unwrap_or(0);
+    // Opened without blocking: a FIFO is left to the graph-file reader, which names it.
+    let opened = kiln::host::open_regular(&path, "a model file", |reason| Error::GraphFile { path: arg.to_string(), reason });
+    let head = opened.ok().and_then(|mut f| std::io::Read::read(&mut f, &mut magic).ok()).unwrap_or(0);
     if (head == 8 && magic == kiln::engine::file::MAGIC) || is_engine_name {
         return Ok(Source::EngineFile(path));
     }
@@ -296,6 +298,26 @@ fn replace_weights(graph: &mut Graph, path: &Path, strict: bool) -> Result<()> {
     Ok(())
 }
 
+/// A graph or engine file's own weights: NaN or infinity fails `--strict`, else is a warning.
+fn check_own_weights(graph: &Graph, path: &Path, strict: bool) -> Result<()> {
+    let shown = path.display().to_string();
+    if strict {
+        return graph.check_finite_weights(&shown);
+    }
+    warn_non_finite(&graph.non_finite_weights(), &shown);
+    Ok(())
+}
+
+/// The warning for weights holding NaN or infinity (`bad`: key and count), from `source`.
+fn warn_non_finite(bad: &[(String, usize)], source: &str) {
+    if let Some((key, count)) = bad.first() {
+        tracing::warn!(
+            "warning: {} weight(s) of {source} hold NaN or infinity (e.g. `{key}`: {count} value(s)); outputs will not be finite; --strict makes this an error",
+            bad.len()
+        );
+    }
+}
+
 /// Loads the model `m` names at `batch` (a trace for bundled and user models; graph and engine
 /// files hold their graph, which the CPU executor runs at any batch), checking (with `--strict`)
 /// that every weight was used and that none holds NaN or infinity (without it, both are warnings).
@@ -334,22 +356,23 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
         Source::GraphFile(path) => {
             let file = kiln::graph_file::read(&path)?;
             let mut graph = file.graph;
-            if let Some(w) = weights_path {
-                replace_weights(&mut graph, w, strict)?;
+            match weights_path {
+                Some(w) => replace_weights(&mut graph, w, strict)?,
+                None => check_own_weights(&graph, &path, strict)?,
             }
             let shown = path.display().to_string();
             let model = file.metadata.get("model").cloned().unwrap_or_else(|| shown.clone());
             return fixed(graph, shown, model, "graph file");
         }
         Source::EngineFile(path) => {
-            let bytes = std::fs::read(&path).map_err(Error::io(&path))?;
-            let (_, payload) = kiln::engine::file::decode(&bytes, &path.display().to_string())?;
+            let (_, payload) = kiln::engine::file::read(&path)?;
             if weights_path.is_some() {
                 return Err(Error::Flag {
                     flag: "--weights".into(),
                     reason: format!("cannot change the folded weights of the engine file {model}"),
                 });
             }
+            check_own_weights(&payload.graph, &path, strict)?;
             tracing::info!("note: {model} is an engine file: its optimised graph (folded, fused) is used");
             let shown = path.display().to_string();
             return fixed(payload.graph, shown.clone(), shown, "engine file");
@@ -385,28 +408,10 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
                     unused[0]
                 );
             }
-            let bad = vb.non_finite();
-            if let Some((key, count)) = bad.first() {
-                tracing::warn!(
-                    "warning: {} weight(s) of {} hold NaN or infinity (e.g. `{key}`: {count} value(s)); outputs will not be finite; --strict makes this an error",
-                    bad.len(),
-                    p.display()
-                );
-            }
+            warn_non_finite(&vb.non_finite(), &p.display().to_string());
         }
     }
     Ok(Traced { model: name.clone(), name, graph, hw, origin })
-}
-
-/// Bytes of memory the CPU executor may use: `KILN_CPU_MEMORY_BYTES`, else the kernel's
-/// `MemAvailable`; `None` when neither is known (then nothing is checked).
-fn available_memory() -> Option<usize> {
-    if let Some(v) = std::env::var("KILN_CPU_MEMORY_BYTES").ok().and_then(|v| v.parse().ok()) {
-        return Some(v);
-    }
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    line.split_whitespace().nth(1)?.parse::<usize>().ok()?.checked_mul(1024)
 }
 
 /// The CPU executor's peak activation memory for `graph`, in bytes: values live from the node that
@@ -441,9 +446,12 @@ pub fn cpu_peak_bytes(graph: &Graph) -> usize {
 pub fn check_cpu_memory(graph: &Graph, batch: usize, shape: &str) -> Result<()> {
     let traced_batch = graph.inputs.first().and_then(|&i| graph.nodes[i].shape.first().copied()).unwrap_or(1).max(1);
     let bytes = (cpu_peak_bytes(graph) / traced_batch).saturating_mul(batch);
-    match available_memory() {
-        Some(avail) if bytes > avail => Err(Error::OutOfMemory {
-            what: format!("the CPU executor at --batch {batch}, {shape} (only {avail} bytes are available; lower --batch or --size)"),
+    // The smallest of MemAvailable, `ulimit -v`/`-d` and the memory cgroup's limit.
+    match kiln::host::memory_available() {
+        Some(kiln::host::Available { bytes: avail, limit }) if bytes > avail => Err(Error::OutOfMemory {
+            what: format!(
+                "the CPU executor at --batch {batch}, {shape} (only {avail} bytes are available ({limit}); lower --batch or --size)"
+            ),
             bytes,
         }),
         _ => Ok(()),
@@ -457,7 +465,7 @@ pub fn random_input(shape: &[usize], seed: u64) -> Result<HostTensor> {
 
 /// Reads an input tensor from a safetensors file: the tensor named `input`, or its only tensor.
 pub fn read_input(path: &Path) -> Result<HostTensor> {
-    let (mut tensors, _) = kiln::var_builder::read_tensors(path, "input", |_| true)?;
+    let (mut tensors, _) = kiln::var_builder::read_tensors_within(path, "input", |_| true, MAX_INPUT_ELEMENTS)?;
     if let Some(t) = tensors.remove("input") {
         return Ok(t);
     }

@@ -105,7 +105,7 @@ pub struct Report {
 
 /// SHA-256 of a file, hex (tools/export_reference.py writes the same of the weights it saves).
 pub fn sha256_file(path: &Path) -> Result<String> {
-    let bytes = std::fs::read(path).map_err(Error::io(path))?;
+    let bytes = kiln::host::read_regular(path, "a file", |reason| Error::Safetensors { path: path.into(), reason })?;
     Ok(Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect())
 }
 

@@ -353,7 +353,8 @@ fn shapes_of<'a>(inputs: &[&'a HostTensor]) -> Vec<&'a [usize]> {
 pub fn apply_activation(act: Activation, data: &mut [f32]) {
     match act {
         Activation::None => {}
-        Activation::Relu => data.iter_mut().for_each(|v| *v = v.max(0.0)),
+        // Unary::Relu keeps NaN, as PyTorch's relu does (`f32::max` would turn it into 0).
+        Activation::Relu => data.iter_mut().for_each(|v| *v = crate::ops::elementwise::Unary::Relu.apply(*v)),
     }
 }
 
