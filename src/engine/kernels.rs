@@ -19,7 +19,7 @@ use std::ffi::CString;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 
-pub use super::kernel_layers::reformat_layer;
+pub use super::reformat::reformat_layer;
 
 /// Prepended to every kernel source (Kiln's and users').
 pub const PRELUDE: &str = include_str!("../../kernels/common.cuh");

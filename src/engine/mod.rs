@@ -26,6 +26,7 @@ pub mod kernels;
 pub mod launch;
 pub mod layer;
 pub mod quant;
+pub mod reformat;
 pub mod stem;
 pub mod strided;
 pub mod strided_gemm;

@@ -27,8 +27,7 @@
 
 use crate::engine::arena::ALIGN;
 use crate::engine::gemm::{Batched, LtMatmul, GEMM_WORKSPACE};
-use crate::engine::kernel_layers::{launch, CudaFunction, KArg};
-use crate::engine::launch::{grid_for, BLOCK};
+use crate::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
 use crate::engine::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId};
 use crate::graph::{HostTensor, NodeId, Op};
 use crate::ops::{CpuArgs, OpDef};

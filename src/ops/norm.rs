@@ -438,7 +438,7 @@ pub fn batch_norm2d_cpu(eps: f32, mut x: HostTensor, params: [&HostTensor; 4]) -
 /// timing picks.
 fn gpu_batch_norm2d(ctx: &mut BuildCtx, node: NodeId, eps: f32) -> Result<Box<dyn Layer>> {
     use crate::engine::cudnn::{conv_candidates_with, ConvProblem};
-    use crate::engine::kernel_layers::bias_act;
+    use crate::ops::elementwise::bias_act;
     let params = [ctx.weight(node, 1)?, ctx.weight(node, 2)?, ctx.weight(node, 3)?, ctx.weight(node, 4)?];
     let (scale, shift) = batch_norm_scale_shift(&params[0].data, &params[1].data, &params[2].data, &params[3].data, eps);
     let c = scale.len();

@@ -6,8 +6,9 @@
 //! layout, a permute re-expressed as the permuted layout), and slice, pad and cat are strided
 //! copies (`kernels/shape.cu`) in whatever layout their input is in.
 
+use crate::engine::launch::{grid_for, launch, same_elem, to_i32, CudaFunction, KArg, BLOCK};
 use crate::engine::strided::{CopyDim, CopyKind, StridedCopy, StridedLayer};
-use crate::engine::{BuildCtx, Layer, Layout, ValueId};
+use crate::engine::{BuildCtx, Layer, Layout, RunCtx, ValueId};
 use crate::graph::{HostTensor, NodeId, Op};
 use crate::module::{Forward, Module};
 use crate::ops::{one_input, CpuArgs, LayoutPlan, OpDef};
@@ -478,7 +479,7 @@ fn gpu_cat(ctx: &mut BuildCtx, node: NodeId, dim: usize) -> Result<Box<dyn Layer
         d.layout.same_bytes(Layout::channels_last(d.dims.len()), &d.dims)
     };
     if k == 0 && matches!(dy.dims.len(), 1 | 3) && channels_last(y) && ins.iter().all(|&v| channels_last(v)) {
-        return crate::engine::kernel_layers::concat(ctx, node, dim);
+        return concat_channels(ctx, node, dim);
     }
     let ys = dy.layout.strides(&dy.dims);
     let mut copies = Vec::with_capacity(ins.len());
@@ -492,6 +493,82 @@ fn gpu_cat(ctx: &mut BuildCtx, node: NodeId, dim: usize) -> Result<Box<dyn Layer
         at += dx.dims[k];
     }
     Ok(strided_layer(ctx, node, "cat", copies))
+}
+
+/// `cat` along the channels of NHWC values: one `concat_channels` launch per input.
+struct ConcatLayer {
+    path: String,
+    f: CudaFunction,
+    /// Each input and its channel count, in output order.
+    inputs: Vec<(ValueId, usize)>,
+    y: ValueId,
+    rows_per_image: usize,
+    out_channels: usize,
+    sm_count: u32,
+}
+
+impl Layer for ConcatLayer {
+    fn path(&self) -> &str {
+        &self.path
+    }
+    fn kind(&self) -> String {
+        format!("kernel:concat_channels(x{})", self.inputs.len())
+    }
+    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        let rows = batch * self.rows_per_image;
+        let mut offset = 0;
+        for &(x, cin) in &self.inputs {
+            let args = [
+                KArg::Ptr(rt.ptr(x)),
+                KArg::Ptr(rt.ptr(self.y)),
+                KArg::I64(rows as i64),
+                KArg::I32(cin as i32),
+                KArg::I32(self.out_channels as i32),
+                KArg::I32(offset as i32),
+            ];
+            launch(rt, &self.f, grid_for(rows * cin / 4, self.sm_count), (BLOCK, 1, 1), 0, &args)?;
+            offset += cin;
+        }
+        Ok(())
+    }
+}
+
+/// `cat` along channels (dim 1 of NCHW, the innermost of NHWC). Other dims are rejected.
+fn concat_channels(ctx: &mut BuildCtx, node: NodeId, dim: usize) -> Result<Box<dyn Layer>> {
+    let n_in = ctx.node(node).inputs.len();
+    let y = ctx.output(node)?;
+    let ins: Vec<ValueId> = (0..n_in).map(|i| ctx.input(node, i)).collect::<Result<_>>()?;
+    let mut all = ins.clone();
+    all.push(y);
+    let elem = same_elem(ctx, node, &all)?;
+    let dy = ctx.value(y).clone();
+    let rank = dy.dims.len() + 1;
+    if dim != 1 {
+        return Err(
+            ctx.err(node, format!("the GPU engine concatenates along channels (dim 1) only, got dim {dim} of a rank-{rank} tensor"))
+        );
+    }
+    let (cout, h, w) = dy.chw().ok_or_else(|| ctx.err(node, format!("cannot concatenate values of dims {:?}", dy.dims)))?;
+    let mut inputs = Vec::with_capacity(n_in);
+    for v in ins {
+        let d = ctx.value(v);
+        let (c, hi, wi) = d.chw().ok_or_else(|| ctx.err(node, format!("cannot concatenate values of dims {:?}", d.dims)))?;
+        if (hi, wi) != (h, w) || !d.layout.same_bytes(Layout::channels_last(d.dims.len()), &d.dims) {
+            return Err(ctx.err(node, format!("input {:?} {:?} does not fit output {:?}", d.layout, d.dims, dy.dims)));
+        }
+        inputs.push((v, c));
+    }
+    to_i32(ctx, node, "channels", cout)?;
+    let f = ctx.kernels.get(&format!("concat_channels_{}", elem.suffix()))?;
+    Ok(Box::new(ConcatLayer {
+        path: ctx.node(node).path.clone(),
+        f,
+        inputs,
+        y,
+        rows_per_image: h * w,
+        out_channels: cout,
+        sm_count: ctx.kernels.sm_count(),
+    }))
 }
 
 /// A gather writing all of `y` (in its layout): output element at logical index `i` reads
