@@ -122,77 +122,8 @@ pub fn depthwise_candidate(ctx: &mut BuildCtx, node: NodeId, a: &crate::graph::C
     })))
 }
 
-/// Every kernel entry point the layers above may launch, for the NVRTC test to check.
-pub fn entry_points() -> Vec<String> {
-    let mut names = Vec::new();
-    for t in ["f32", "f16"] {
-        for k in [
-            "activation",
-            "binary",
-            "binary_bcast",
-            "bias_act",
-            "max_pool2d",
-            "avg_pool2d",
-            "adaptive_avg_pool2d",
-            "concat_channels",
-            "softmax",
-            "layer_norm",
-            "mean",
-            "matmul",
-            "shape_gather",
-            "shape_scatter",
-            "resize_nearest",
-            "resize_bilinear",
-            "depthwise_k3",
-            "depthwise_k5",
-            "depthwise_k7",
-            "global_avg_pool",
-            "shape_roll",
-            "attn_softmax",
-            "flash_attn_d32",
-            "flash_attn_d64",
-            "quant",
-            "to_e4m3",
-        ] {
-            names.push(format!("{k}_{t}"));
-        }
-        names.push(format!("shape_gather_v16_{t}"));
-        if t == "f16" {
-            names.extend(["flash_attn_tc_d32_f16".to_string(), "flash_attn_tc_d64_f16".to_string()]);
-        }
-        for u in ["f32", "f16"] {
-            for k in ["nchw_to_nhwc", "nhwc_to_nchw", "nchw_to_nhwc_small", "nhwc_to_nchw_small", "cast", "permute"] {
-                names.push(format!("{k}_{t}_{u}"));
-            }
-        }
-        // From a u8 input binding into the engine (`t` is the engine's type here).
-        for k in ["nchw_to_nhwc", "nchw_to_nhwc_small", "cast", "permute"] {
-            names.push(format!("{k}_u8_{t}"));
-        }
-    }
-    names.extend(["shape_scatter_v16".to_string(), "shape_roll_v16".to_string()]);
-    names
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::engine::kernels::FAMILIES;
-
-    #[test]
-    fn every_entry_point_is_named_in_its_family_source() {
-        let names = entry_points();
-        let unique: std::collections::BTreeSet<&String> = names.iter().collect();
-        assert_eq!(unique.len(), names.len(), "duplicate entry points");
-        for name in &names {
-            // Stamped by a macro: `activation_##S` with S = f32 (`cast_##S` with S = u8_f16), or a
-            // plain `decode_merge(`.
-            let mut stem = name.as_str();
-            while let Some(shorter) = ["_f32", "_f16", "_u8"].iter().find_map(|t| stem.strip_suffix(t)) {
-                stem = shorter;
-            }
-            let found = FAMILIES.iter().any(|(_, src)| src.contains(&format!(" {stem}_##S")) || src.contains(&format!(" {name}(")));
-            assert!(found, "no family defines `{name}`");
-        }
-    }
+/// The depthwise kernels (kernels/depthwise.cu): the convolution family's entry points until
+/// its lowering declares them itself (`OpDef::entry_points`); gathered by `ops::kernel_entry_points`.
+pub fn depthwise_entry_points() -> Vec<String> {
+    super::launch::typed_entry_points(&["depthwise_k3", "depthwise_k5", "depthwise_k7"])
 }

@@ -61,6 +61,9 @@ impl OpDef for Attention {
     fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
         attention_cpu(self.scale, self.bias, &args.all()?)
     }
+    fn entry_points(&self) -> Vec<String> {
+        entry_points()
+    }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         gpu_attention(ctx, node, *self)
     }
@@ -97,6 +100,9 @@ impl OpDef for QkvAttention {
     }
     fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
         qkv_attention_cpu(*self, &args.all()?)
+    }
+    fn entry_points(&self) -> Vec<String> {
+        entry_points()
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         gpu_qkv_attention(ctx, node, *self)
@@ -449,7 +455,7 @@ fn gpu_attention(ctx: &mut BuildCtx, node: NodeId, attrs: Attention) -> Result<B
 
     // (b), (c) the fused kernels, for the head dims they are stamped for: q, k, v and y are
     // `[Z, L, D]` blocks, i.e. one head per problem with rows D apart.
-    if dims.d == dims.dv && matches!(dims.d, 32 | 64) {
+    if dims.d == dims.dv && FUSED_HEAD_DIMS.contains(&dims.d) {
         let ld = long(ctx, node, "D", dims.d)?;
         let io = FusedIo { q: (q, 0), k: (k, 0), v: (v, 0), y, heads: 1, ldq: ld, ldkv: ld, ldy: ld };
         for kernel in FusedKernel::for_elem(elem) {
@@ -491,7 +497,7 @@ fn gpu_qkv_attention(ctx: &mut BuildCtx, node: NodeId, attrs: QkvAttention) -> R
 
     // (a), (b) the fused kernels read q, k and v in place: rows 3·H·D apart, k and v H·D and
     // 2·H·D elements after q; y's rows are H·D apart, head h at h·D.
-    if matches!(d, 32 | 64) {
+    if FUSED_HEAD_DIMS.contains(&d) {
         let (ld_in, ld_out) = (long(ctx, node, "3·H·D", 3 * hd)?, long(ctx, node, "H·D", hd)?);
         let heads = int(ctx, node, "heads", h)?;
         let io = FusedIo { q: (x, 0), k: (x, hd_bytes), v: (x, 2 * hd_bytes), y, heads, ldq: ld_in, ldkv: ld_in, ldy: ld_out };
@@ -759,6 +765,23 @@ enum FusedKernel {
     /// `flash_attn_tc_d{32,64}_f16`: tensor cores, FP16 only; rows and head offsets in multiples
     /// of 8 elements and 16-byte aligned pointers.
     TensorCores,
+}
+
+/// The head dims the fused kernels are stamped for (`flash_attn_d32_*`, `flash_attn_d64_*`).
+const FUSED_HEAD_DIMS: [usize; 2] = [32, 64];
+
+/// The kernels this family's layers launch (kernels/attention.cu): the GEMM path's softmax, and
+/// each fused kernel for every head dim and element type it runs on. (The GEMM path's repacking
+/// is the engine's permute.)
+fn entry_points() -> Vec<String> {
+    let mut names = Vec::new();
+    for elem in [Elem::F32, Elem::F16] {
+        names.push(format!("attn_softmax_{}", elem.suffix()));
+        for kernel in FusedKernel::for_elem(elem) {
+            names.extend(FUSED_HEAD_DIMS.map(|d| kernel.entry(d, elem)));
+        }
+    }
+    names
 }
 
 /// Query rows per block of the fused kernels (`ATTN_BQ` in kernels/attention.cu).

@@ -2,7 +2,7 @@
 //! NumPy/PyTorch broadcasting (`Binary`). Layers: `ReLU`, `ReLU6`, `LeakyReLU`, `Sigmoid`, `SiLU`,
 //! `Hardswish`, `Hardsigmoid`, `GELU`, `Tanh`, `Hardtanh`.
 
-use crate::engine::launch::{pack, same_elem, to_i32, Arg, KArg, KernelLayer};
+use crate::engine::launch::{pack, same_elem, to_i32, typed_entry_points, Arg, KArg, KernelLayer};
 use crate::engine::{BuildCtx, Layer, Layout, ValueId};
 use crate::graph::{HostTensor, NodeId, Op};
 use crate::module::{Forward, Module};
@@ -11,6 +11,7 @@ use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
 use crate::Result;
 use serde::{Deserialize, Serialize};
+use strum::IntoEnumIterator;
 
 /// One-input elementwise ops, with PyTorch's definitions. NaN propagates through every one of
 /// them, as in PyTorch.
@@ -115,20 +116,49 @@ impl Unary {
 
     /// `(code, p0, p1)` as the kernels take them (`ACT_*` in kernels/common.cuh).
     pub fn kernel_code(self) -> (i32, f32, f32) {
+        let (_, code, p0, p1) = self.kernel_op();
+        (code, p0, p1)
+    }
+
+    /// The op as kernels/common.cuh names it: its `ACT_*` define, that define's value, and the
+    /// two parameters the kernels take.
+    pub fn kernel_op(self) -> (&'static str, i32, f32, f32) {
         match self {
-            Unary::Relu => (1, 0.0, 0.0),
-            Unary::LeakyRelu { slope } => (2, slope, 0.0),
-            Unary::Sigmoid => (3, 0.0, 0.0),
-            Unary::Silu => (4, 0.0, 0.0),
-            Unary::Hardswish => (5, 0.0, 0.0),
-            Unary::Hardsigmoid => (6, 0.0, 0.0),
-            Unary::Gelu { tanh: false } => (7, 0.0, 0.0),
-            Unary::Gelu { tanh: true } => (8, 0.0, 0.0),
-            Unary::Tanh => (9, 0.0, 0.0),
-            Unary::Asinh => (10, 0.0, 0.0),
-            Unary::Clamp { min, max } => (11, min, max),
-            Unary::Affine { scale, shift } => (12, scale, shift),
+            Unary::Relu => ("ACT_RELU", 1, 0.0, 0.0),
+            Unary::LeakyRelu { slope } => ("ACT_LEAKY", 2, slope, 0.0),
+            Unary::Sigmoid => ("ACT_SIGMOID", 3, 0.0, 0.0),
+            Unary::Silu => ("ACT_SILU", 4, 0.0, 0.0),
+            Unary::Hardswish => ("ACT_HARDSWISH", 5, 0.0, 0.0),
+            Unary::Hardsigmoid => ("ACT_HARDSIGMOID", 6, 0.0, 0.0),
+            Unary::Gelu { tanh: false } => ("ACT_GELU", 7, 0.0, 0.0),
+            Unary::Gelu { tanh: true } => ("ACT_GELU_TANH", 8, 0.0, 0.0),
+            Unary::Tanh => ("ACT_TANH", 9, 0.0, 0.0),
+            Unary::Asinh => ("ACT_ASINH", 10, 0.0, 0.0),
+            Unary::Clamp { min, max } => ("ACT_CLAMP", 11, min, max),
+            Unary::Affine { scale, shift } => ("ACT_AFFINE", 12, scale, shift),
         }
+    }
+
+    /// Every variant, with parameters that exercise it (several where the kernel has several
+    /// paths): what the tests that cover every op run. A variant without an arm here comes in
+    /// at its default parameters.
+    #[doc(hidden)]
+    pub fn examples() -> Vec<Unary> {
+        Unary::iter()
+            .flat_map(|op| match op {
+                Unary::LeakyRelu { .. } => vec![Unary::LeakyRelu { slope: 0.2 }],
+                Unary::Gelu { .. } => vec![Unary::Gelu { tanh: false }, Unary::Gelu { tanh: true }],
+                Unary::Clamp { .. } => {
+                    vec![Unary::Clamp { min: 0.0, max: 6.0 }, Unary::Clamp { min: -2.0, max: 3.0 }, Unary::Clamp { min: -0.5, max: 0.7 }]
+                }
+                Unary::Affine { .. } => vec![
+                    Unary::Affine { scale: 0.5, shift: 3.0 },
+                    Unary::Affine { scale: -1.0, shift: 1.0 },
+                    Unary::Affine { scale: 1.0 / 6.0, shift: 0.0 },
+                ],
+                other => vec![other],
+            })
+            .collect()
     }
 }
 
@@ -160,6 +190,9 @@ impl OpDef for Unary {
     fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
         let keep = inputs.first().copied().flatten().unwrap_or(Layout::contiguous(out_rank));
         LayoutPlan::any_input(inputs, keep)
+    }
+    fn entry_points(&self) -> Vec<String> {
+        typed_entry_points(KERNELS)
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         activation(ctx, node, *self)
@@ -284,14 +317,19 @@ impl OpDef for Binary {
         let out = same_rank().find(|&l| l == native).or_else(|| same_rank().next()).unwrap_or(Layout::contiguous(out_rank));
         LayoutPlan::any_input(inputs, out)
     }
+    fn entry_points(&self) -> Vec<String> {
+        typed_entry_points(KERNELS)
+    }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         binary(ctx, node, *self)
     }
 }
 
 // ---- engine layers ----------------------------------------------------------------------------
-// Kernels: `activation`, `binary`, `binary_bcast` and `bias_act` in kernels/elementwise.cu, the
-// activation codes (`ACT_*`) in kernels/common.cuh.
+
+/// The kernels this family's layers launch (kernels/elementwise.cu; the activation codes, `ACT_*`,
+/// in kernels/common.cuh), stamped per element type.
+const KERNELS: &[&str] = &["activation", "binary", "binary_bcast", "bias_act"];
 
 /// The activation an epilogue applies, as the kernels take it: `(code, p0, p1)`.
 fn act_code(act: Option<Unary>) -> (i32, f32, f32) {
@@ -651,8 +689,8 @@ mod tests {
 
     #[test]
     fn nan_propagates_through_every_unary_op() {
-        // Every variant (at its default parameters), so a new op is covered by itself.
-        for op in <Unary as strum::IntoEnumIterator>::iter() {
+        // Every variant, so a new op is covered by itself.
+        for op in Unary::examples() {
             assert!(op.apply(f32::NAN).is_nan(), "{op:?} maps NaN to a number");
         }
     }
@@ -675,25 +713,14 @@ mod tests {
 
     #[test]
     fn op_codes_match_the_kernels() {
-        for (op, name) in [
-            (Unary::Relu, "ACT_RELU"),
-            (Unary::LeakyRelu { slope: 0.1 }, "ACT_LEAKY"),
-            (Unary::Sigmoid, "ACT_SIGMOID"),
-            (Unary::Silu, "ACT_SILU"),
-            (Unary::Hardswish, "ACT_HARDSWISH"),
-            (Unary::Hardsigmoid, "ACT_HARDSIGMOID"),
-            (Unary::Gelu { tanh: false }, "ACT_GELU"),
-            (Unary::Gelu { tanh: true }, "ACT_GELU_TANH"),
-            (Unary::Tanh, "ACT_TANH"),
-            (Unary::Asinh, "ACT_ASINH"),
-            (Unary::Clamp { min: 0.0, max: 6.0 }, "ACT_CLAMP"),
-            (Unary::Affine { scale: 1.0, shift: 0.0 }, "ACT_AFFINE"),
-        ] {
-            assert_eq!(Some(op.kernel_code().0), define(name), "{name}");
+        for op in Unary::examples() {
+            let (name, code, ..) = op.kernel_op();
+            assert_eq!(Some(code), define(name), "{op:?}: {name}");
         }
         assert_eq!(act_code(None).0, define("ACT_NONE").unwrap());
         let elementwise = FAMILIES.iter().find(|(n, _)| *n == "elementwise.cu").map(|(_, s)| *s).expect("elementwise.cu");
-        for (op, name) in [(Binary::Add, "BIN_ADD"), (Binary::Sub, "BIN_SUB"), (Binary::Mul, "BIN_MUL"), (Binary::Div, "BIN_DIV")] {
+        for op in Binary::iter() {
+            let name = format!("BIN_{}", op.name().to_uppercase());
             assert!(elementwise.contains(&format!("#define {name} {}", op.kernel_code())), "{name}");
         }
     }

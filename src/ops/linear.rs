@@ -44,6 +44,10 @@ impl OpDef for Gemm {
     fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
         LayoutPlan::all(inputs, Layout::contiguous(out_rank))
     }
+    fn entry_points(&self) -> Vec<String> {
+        // Batched matmuls of activations; the rest are cuBLASLt GEMMs.
+        crate::engine::launch::typed_entry_points(&["matmul"])
+    }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         match *self {
             Gemm::Linear { bias } => gpu_linear(ctx, node, bias),

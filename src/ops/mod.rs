@@ -70,6 +70,23 @@ pub trait OpDef {
     fn label(&self) -> String {
         self.name().to_string()
     }
+
+    /// The NVRTC entry points the layers of this op's family launch (`activation_f16`, ...), for
+    /// CI's NVRTC test to find each defined once ([`kernel_entry_points`] gathers them). Ops of
+    /// one family may return the same list.
+    fn entry_points(&self) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+/// Every NVRTC entry point Kiln's layers may launch: the engine's own (reformats, strided
+/// copies) and every op family's (`OpDef::entry_points` of [`builtin_ops`]), sorted, each once.
+pub fn kernel_entry_points() -> Vec<String> {
+    let mut names: std::collections::BTreeSet<String> = crate::engine::kernels::engine_entry_points().into_iter().collect();
+    names.extend(builtin_ops().iter().filter_map(Op::def).flat_map(|d| d.entry_points()));
+    // The convolution family's depthwise kernels, until `ConvAttrs` declares them itself.
+    names.extend(crate::engine::kernel_layers::depthwise_entry_points());
+    names.into_iter().collect()
 }
 
 /// The layouts a converter wants its inputs in (`None`: a weight, or any layout) and the layout
@@ -147,5 +164,29 @@ pub fn pair_label(tag: &str, v: [usize; 2], default: usize) -> String {
         [a, b] if a == b && a == default => String::new(),
         [a, b] if a == b => format!(" {tag}{a}"),
         [a, b] => format!(" {tag}{a},{b}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::kernels::FAMILIES;
+
+    #[test]
+    fn every_entry_point_is_named_in_its_family_source() {
+        let names = kernel_entry_points();
+        for some in ["cast_u8_f16", "shape_roll_v16", "activation_f16", "flash_attn_tc_d64_f16", "depthwise_k7_f32"] {
+            assert!(names.iter().any(|n| n == some), "the engine's and every family's entry points, {some} missing from {names:?}");
+        }
+        for name in &names {
+            // Stamped by a macro: `activation_##S` with S = f32 (`cast_##S` with S = u8_f16), or a
+            // plain `decode_merge(`.
+            let mut stem = name.as_str();
+            while let Some(shorter) = ["_f32", "_f16", "_u8"].iter().find_map(|t| stem.strip_suffix(t)) {
+                stem = shorter;
+            }
+            let found = FAMILIES.iter().any(|(_, src)| src.contains(&format!(" {stem}_##S")) || src.contains(&format!(" {name}(")));
+            assert!(found, "no family defines `{name}`");
+        }
     }
 }

@@ -75,6 +75,10 @@ impl OpDef for Norm {
             Norm::LayerNorm { dim, shape, .. } => rows_layout(inputs, out_rank, *dim, shape.len()),
         }
     }
+    fn entry_points(&self) -> Vec<String> {
+        // Softmax and LayerNorm; BatchNorm runs as cuDNN or the elementwise family's `bias_act`.
+        crate::engine::launch::typed_entry_points(&["softmax", "layer_norm"])
+    }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         match self {
             Norm::BatchNorm2d { eps } => gpu_batch_norm2d(ctx, node, *eps),

@@ -1,6 +1,6 @@
 //! Pooling: MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, and the mean over any dims (`Tensor::mean`).
 
-use crate::engine::launch::{grid_for, launch, nhwc, pack, same_elem, to_i32, CudaFunction, KArg, BLOCK};
+use crate::engine::launch::{grid_for, launch, nhwc, pack, same_elem, to_i32, typed_entry_points, CudaFunction, KArg, BLOCK};
 use crate::engine::{BuildCtx, Layer, Layout, RunCtx, ValueId};
 use crate::graph::{NodeId, Op};
 use crate::module::{Forward, Module};
@@ -74,6 +74,9 @@ impl OpDef for Pool {
             Pool::Mean { .. } => LayoutPlan::any_input(inputs, Layout::contiguous(out_rank)),
             _ => LayoutPlan::all(inputs, Layout::channels_last(out_rank)),
         }
+    }
+    fn entry_points(&self) -> Vec<String> {
+        typed_entry_points(KERNELS)
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         match self {
@@ -378,6 +381,9 @@ pub fn adaptive_avg_pool2d_cpu(output: [usize; 2], x: &HostTensor) -> Result<Hos
 // ---- GPU converter for the mean (kernels/norm.cu)
 
 // ---- engine layers (kernels/pool.cu) ----------------------------------------------------------
+
+/// The kernels this family's layers launch, stamped per element type.
+const KERNELS: &[&str] = &["max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "global_avg_pool", "mean"];
 
 /// Which pooling a `PoolLayer` runs.
 #[derive(Clone, Copy, Debug, PartialEq)]

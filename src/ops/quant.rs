@@ -278,6 +278,10 @@ impl OpDef for Quant {
         let keep = inputs.first().copied().flatten().unwrap_or(Layout::contiguous(out_rank));
         LayoutPlan::any_input(inputs, keep)
     }
+    fn entry_points(&self) -> Vec<String> {
+        // The quantisers (`engine::quant`), and the e4m3 conversion of the FP8 GEMMs' inputs.
+        crate::engine::launch::typed_entry_points(&["quant", "quant_tensor", "quant_codes", "to_e4m3"])
+    }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         crate::engine::quant::quant_layer(ctx, node, self)
     }

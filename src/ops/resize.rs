@@ -12,7 +12,7 @@
 //!
 //! The output size is `size`, or `floor(in * scale_factor)` (computed in f64, as PyTorch).
 
-use crate::engine::launch::{nhwc, pack, same_elem, to_i32, Arg, KArg, KernelLayer};
+use crate::engine::launch::{nhwc, pack, same_elem, to_i32, typed_entry_points, Arg, KArg, KernelLayer};
 use crate::engine::{BuildCtx, Layer, Layout};
 use crate::graph::{HostTensor, NodeId, Op};
 use crate::module::{Forward, Module};
@@ -181,6 +181,9 @@ impl OpDef for Resize {
     }
     fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
         LayoutPlan::all(inputs, Layout::channels_last(out_rank))
+    }
+    fn entry_points(&self) -> Vec<String> {
+        typed_entry_points(&["resize_nearest", "resize_bilinear"])
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         gpu_resize(ctx, node, self)

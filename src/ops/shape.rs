@@ -6,7 +6,7 @@
 //! layout, a permute re-expressed as the permuted layout), and slice, pad and cat are strided
 //! copies (`kernels/shape.cu`) in whatever layout their input is in.
 
-use crate::engine::launch::{grid_for, launch, same_elem, to_i32, CudaFunction, KArg, BLOCK};
+use crate::engine::launch::{grid_for, launch, same_elem, to_i32, typed_entry_points, CudaFunction, KArg, BLOCK};
 use crate::engine::strided::{CopyDim, CopyKind, StridedCopy, StridedLayer};
 use crate::engine::{BuildCtx, Layer, Layout, RunCtx, ValueId};
 use crate::graph::{HostTensor, NodeId, Op};
@@ -93,6 +93,10 @@ impl OpDef for ShapeOp {
                 LayoutPlan::any_input(inputs, first.unwrap_or(Layout::contiguous(out_rank)))
             }
         }
+    }
+    fn entry_points(&self) -> Vec<String> {
+        // The strided copies of the other shape ops are the engine's (`engine::strided`).
+        typed_entry_points(&["concat_channels"])
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         match self {
