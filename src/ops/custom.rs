@@ -55,6 +55,9 @@ impl OpDef for CustomCall {
     fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
         LayoutPlan { inputs: inputs.iter().map(|l| l.map(|l| Layout::native(l.rank()))).collect(), output: Layout::native(out_rank) }
     }
+    fn colour(&self) -> &'static str {
+        "#cdb4db"
+    }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         let path = ctx.node(node).path.clone();
         let conv =

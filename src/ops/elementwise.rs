@@ -194,6 +194,9 @@ impl OpDef for Unary {
     fn entry_points(&self) -> Vec<String> {
         typed_entry_points(KERNELS)
     }
+    fn colour(&self) -> &'static str {
+        "#e9ecef"
+    }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         activation(ctx, node, *self)
     }
@@ -319,6 +322,9 @@ impl OpDef for Binary {
     }
     fn entry_points(&self) -> Vec<String> {
         typed_entry_points(KERNELS)
+    }
+    fn colour(&self) -> &'static str {
+        "#dee2e6"
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         binary(ctx, node, *self)

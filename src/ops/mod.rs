@@ -71,6 +71,12 @@ pub trait OpDef {
         self.name().to_string()
     }
 
+    /// The fill colour of the node's box in Graphviz drawings. By default the colour of the
+    /// compute-heavy ops (convolutions, GEMMs, attention); the other families name their own.
+    fn colour(&self) -> &'static str {
+        "#8ecae6"
+    }
+
     /// The NVRTC entry points the layers of this op's family launch (`activation_f16`, ...), for
     /// CI's NVRTC test to find each defined once ([`kernel_entry_points`] gathers them). Ops of
     /// one family may return the same list.

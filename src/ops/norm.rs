@@ -79,6 +79,9 @@ impl OpDef for Norm {
         // Softmax and LayerNorm; BatchNorm runs as cuDNN or the elementwise family's `bias_act`.
         crate::engine::launch::typed_entry_points(&["softmax", "layer_norm"])
     }
+    fn colour(&self) -> &'static str {
+        "#ffe08a"
+    }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         match self {
             Norm::BatchNorm2d { eps } => gpu_batch_norm2d(ctx, node, *eps),

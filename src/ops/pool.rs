@@ -78,6 +78,9 @@ impl OpDef for Pool {
     fn entry_points(&self) -> Vec<String> {
         typed_entry_points(KERNELS)
     }
+    fn colour(&self) -> &'static str {
+        "#b7e4c7"
+    }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         match self {
             Pool::Max(a) => pool_layer(ctx, node, PoolKind::Max, a.window()),

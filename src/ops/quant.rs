@@ -282,6 +282,9 @@ impl OpDef for Quant {
         // The quantisers (`engine::quant`), and the e4m3 conversion of the FP8 GEMMs' inputs.
         crate::engine::launch::typed_entry_points(&["quant", "quant_tensor", "quant_codes", "to_e4m3"])
     }
+    fn colour(&self) -> &'static str {
+        "#ffc8dd"
+    }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         crate::engine::quant::quant_layer(ctx, node, self)
     }

@@ -185,6 +185,9 @@ impl OpDef for Resize {
     fn entry_points(&self) -> Vec<String> {
         typed_entry_points(&["resize_nearest", "resize_bilinear"])
     }
+    fn colour(&self) -> &'static str {
+        "#b7e4c7"
+    }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         gpu_resize(ctx, node, self)
     }

@@ -98,6 +98,9 @@ impl OpDef for ShapeOp {
         // The strided copies of the other shape ops are the engine's (`engine::strided`).
         typed_entry_points(&["concat_channels"])
     }
+    fn colour(&self) -> &'static str {
+        "#dee2e6"
+    }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         match self {
             ShapeOp::Flatten { .. } | ShapeOp::Reshape { .. } => gpu_reshape(ctx, node),
