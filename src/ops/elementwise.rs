@@ -586,10 +586,95 @@ pub fn bias_act(
 }
 
 impl Tensor {
+    /// `self + other`, broadcasting as PyTorch.
+    pub fn add(&self, other: &Tensor) -> Result<Tensor> {
+        Tensor::record_inline(Op::Binary(Binary::Add), &[self, other])
+    }
+    /// `self - other`, broadcasting.
+    pub fn sub(&self, other: &Tensor) -> Result<Tensor> {
+        Tensor::record_inline(Op::Binary(Binary::Sub), &[self, other])
+    }
+    /// `self * other`, broadcasting (a squeeze-excitation's `x * scale`).
+    pub fn mul(&self, other: &Tensor) -> Result<Tensor> {
+        Tensor::record_inline(Op::Binary(Binary::Mul), &[self, other])
+    }
+    /// `self / other`, broadcasting.
+    pub fn div(&self, other: &Tensor) -> Result<Tensor> {
+        Tensor::record_inline(Op::Binary(Binary::Div), &[self, other])
+    }
+    /// Applies a unary elementwise op inline (`x.unary(Unary::Silu)`).
+    pub fn unary(&self, op: Unary) -> Result<Tensor> {
+        Tensor::record_inline(Op::Unary(op), &[self])
+    }
+    pub fn relu(&self) -> Result<Tensor> {
+        self.unary(Unary::Relu)
+    }
+    pub fn leaky_relu(&self, slope: f32) -> Result<Tensor> {
+        self.unary(Unary::LeakyRelu { slope })
+    }
+    pub fn sigmoid(&self) -> Result<Tensor> {
+        self.unary(Unary::Sigmoid)
+    }
+    pub fn silu(&self) -> Result<Tensor> {
+        self.unary(Unary::Silu)
+    }
+    pub fn hardswish(&self) -> Result<Tensor> {
+        self.unary(Unary::Hardswish)
+    }
+    pub fn hardsigmoid(&self) -> Result<Tensor> {
+        self.unary(Unary::Hardsigmoid)
+    }
+    /// `nn.GELU`: exact, or with `approximate="tanh"` when `tanh`.
+    pub fn gelu(&self, tanh: bool) -> Result<Tensor> {
+        self.unary(Unary::Gelu { tanh })
+    }
+    pub fn tanh(&self) -> Result<Tensor> {
+        self.unary(Unary::Tanh)
+    }
+    pub fn asinh(&self) -> Result<Tensor> {
+        self.unary(Unary::Asinh)
+    }
+    /// `torch.clamp(x, min, max)` (use `f32::NEG_INFINITY` / `f32::INFINITY` for an open side).
+    pub fn clamp(&self, min: f32, max: f32) -> Result<Tensor> {
+        self.unary(Unary::Clamp { min, max })
+    }
+    /// `x * scale + shift` with Python scalars: `x.affine(1.0, 3.0)` is `x + 3`, `x.affine(1.0 / 6.0, 0.0)` is `x / 6`.
+    pub fn affine(&self, scale: f32, shift: f32) -> Result<Tensor> {
+        self.unary(Unary::Affine { scale, shift })
+    }
     /// `self op weight` with a constant second operand, broadcast as PyTorch (a `[C, 1, 1]` layer
     /// scale, a `[1, L, D]` position embedding), recorded as the layer at `path`.
     pub fn binary_weight(&self, path: &str, op: Binary, weight: &crate::tensor::Param) -> Result<Tensor> {
         Tensor::record(path, Op::Binary(op), &[self], &[weight])
+    }
+}
+
+/// `&a + &b` records an add; the result is a `Result` because shapes may not match.
+impl std::ops::Add for &Tensor {
+    type Output = Result<Tensor>;
+    fn add(self, rhs: &Tensor) -> Result<Tensor> {
+        Tensor::add(self, rhs)
+    }
+}
+
+impl std::ops::Mul for &Tensor {
+    type Output = Result<Tensor>;
+    fn mul(self, rhs: &Tensor) -> Result<Tensor> {
+        Tensor::mul(self, rhs)
+    }
+}
+
+impl std::ops::Sub for &Tensor {
+    type Output = Result<Tensor>;
+    fn sub(self, rhs: &Tensor) -> Result<Tensor> {
+        Tensor::sub(self, rhs)
+    }
+}
+
+impl std::ops::Div for &Tensor {
+    type Output = Result<Tensor>;
+    fn div(self, rhs: &Tensor) -> Result<Tensor> {
+        Tensor::div(self, rhs)
     }
 }
 

@@ -201,6 +201,10 @@ impl Forward for AdaptiveAvgPool2d {
 }
 
 impl Tensor {
+    /// `F.adaptive_avg_pool2d(x, output)`, inline.
+    pub fn adaptive_avg_pool2d(&self, output: [usize; 2]) -> Result<Tensor> {
+        Tensor::record_inline(Op::Pool(Pool::AdaptiveAvg { output }), &[self])
+    }
     /// `x.mean(dims, keepdim)` inline: the mean over `dims` (each >= 1: the batch is dim 0; the
     /// order does not matter), e.g. `x.mean(&[2, 3], false)` is global average pooling of NCHW.
     pub fn mean(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {

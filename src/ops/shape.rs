@@ -631,6 +631,14 @@ fn norm_dim(x: &Tensor, op: &str, d: isize) -> Result<usize> {
 }
 
 impl Tensor {
+    /// Flattens dimensions `start..` into one, as `torch.flatten(x, start)`.
+    pub fn flatten(&self, start: usize) -> Result<Tensor> {
+        Tensor::record_inline(Op::Shape(ShapeOp::Flatten { start }), &[self])
+    }
+    /// Concatenates along `dim`, as `torch.cat`.
+    pub fn cat(tensors: &[&Tensor], dim: usize) -> Result<Tensor> {
+        Tensor::record_inline(Op::Shape(ShapeOp::Cat { dim }), tensors)
+    }
     /// `x.reshape(shape)`, with at most one `-1` (inferred), as PyTorch. Dim 0 must stay the batch.
     pub fn reshape(&self, shape: &[isize]) -> Result<Tensor> {
         let x = self.shape();
