@@ -30,7 +30,7 @@ use crate::engine::gemm::{Batched, LtMatmul, GEMM_WORKSPACE};
 use crate::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
 use crate::engine::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId};
 use crate::graph::{HostTensor, NodeId, Op};
-use crate::ops::{CpuArgs, OpDef};
+use crate::ops::{CpuArgs, FixtureTwin, OpDef};
 use crate::tensor::{Param, Tensor};
 use crate::Result;
 use serde::{Deserialize, Serialize};
@@ -920,6 +920,32 @@ impl Layer for FusedAttention {
         launch(rt, &self.f, (z, self.tiles, 1), (self.kernel.threads(), 1, 1), 0, &args)
     }
 }
+
+/// Keys and values of the attention fixtures: `other[:, 0]` and `other[:, 1]`.
+fn fixture_kv(o: &Tensor) -> Result<(Tensor, Tensor)> {
+    let dims: Vec<isize> = std::iter::once(o.shape()[0]).chain(o.shape()[2..].iter().copied()).map(|d| d as isize).collect();
+    Ok((o.narrow(1, 0, 1)?.reshape(&dims)?, o.narrow(1, 1, 1)?.reshape(&dims)?))
+}
+
+/// The Kiln twins of this family's PyTorch op fixtures (`op_cases()` in tools/export_reference.py).
+#[doc(hidden)]
+pub const FIXTURE_TWINS: &[FixtureTwin] = &[
+    ("attention_vit", |f| {
+        let (k, v) = fixture_kv(f.other()?)?;
+        f.x.attention(&k, &v, None, None)
+    }),
+    ("attention_swin_bias", |f| {
+        let (k, v) = fixture_kv(f.other()?)?;
+        f.x.attention_weight(f.case, &k, &v, &f.vb.get(&[4, 3, 7, 7], "bias")?, Some(0.3))
+    }),
+    ("attention_bias_rows", |f| {
+        let (k, v) = fixture_kv(f.other()?)?;
+        f.x.attention_weight(f.case, &k, &v, &f.vb.get(&[5, 1], "bias")?, None)
+    }),
+    ("qkv_attention_vit", |f| f.x.qkv_attention(3, None, None)),
+    ("qkv_attention_swin_bias", |f| f.x.qkv_attention_weight(f.case, 3, &f.vb.get(&[4, 3, 7, 7], "bias")?, Some(0.3))),
+    ("qkv_attention_head_bias", |f| f.x.qkv_attention_weight(f.case, 2, &f.vb.get(&[2, 5, 5], "bias")?, None)),
+];
 
 #[cfg(test)]
 mod tests {

@@ -6,7 +6,7 @@ use crate::engine::launch::{pack, same_elem, to_i32, typed_entry_points, Arg, KA
 use crate::engine::{BuildCtx, Layer, Layout, ValueId};
 use crate::graph::{HostTensor, NodeId, Op};
 use crate::module::{Forward, Module};
-use crate::ops::{one_input, CpuArgs, LayoutPlan, OpDef};
+use crate::ops::{one_input, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
 use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
 use crate::Result;
@@ -763,6 +763,41 @@ impl Default for LeakyReLUConfig {
         Self { negative_slope: 0.01 }
     }
 }
+
+/// `b.abs() + 0.5` as `relu(b) + relu(-b) + 0.5`: a divisor away from zero.
+fn abs_plus_half(b: &Tensor) -> Result<Tensor> {
+    b.relu()?.add(&b.affine(-1.0, 0.0)?.relu()?)?.affine(1.0, 0.5)
+}
+
+/// The Kiln twins of this family's PyTorch op fixtures (`op_cases()` in tools/export_reference.py).
+#[doc(hidden)]
+pub const FIXTURE_TWINS: &[FixtureTwin] = &[
+    ("relu", |f| ReLU::load(f.vb, &())?.forward(f.x)),
+    ("leaky_relu", |f| LeakyReLU::load(f.vb, &LeakyReLUConfig { negative_slope: 0.2 })?.forward(f.x)),
+    ("sigmoid", |f| Sigmoid::load(f.vb, &())?.forward(f.x)),
+    ("silu", |f| SiLU::load(f.vb, &())?.forward(f.x)),
+    ("hardswish", |f| Hardswish::load(f.vb, &())?.forward(f.x)),
+    ("hardsigmoid", |f| Hardsigmoid::load(f.vb, &())?.forward(f.x)),
+    ("gelu_exact", |f| GELU::load(f.vb, &false)?.forward(f.x)),
+    ("gelu_tanh", |f| GELU::load(f.vb, &true)?.forward(f.x)),
+    ("tanh", |f| Tanh::load(f.vb, &())?.forward(f.x)),
+    ("asinh", |f| f.x.asinh()),
+    ("clamp_relu6", |f| ReLU6::load(f.vb, &())?.forward(f.x)),
+    ("clamp_hardtanh", |f| Hardtanh::load(f.vb, &(-2.0, 3.0))?.forward(f.x)),
+    ("clamp_tensor", |f| f.x.clamp(-0.5, 0.7)),
+    ("affine_mul_add", |f| f.x.affine(0.5, 3.0)),
+    ("affine_rsub", |f| f.x.affine(-1.0, 1.0)),
+    ("affine_div", |f| f.x.affine(1.0 / 6.0, 0.0)),
+    ("add", |f| f.x + f.other()?),
+    ("sub", |f| f.x - f.other()?),
+    ("mul", |f| f.x * f.other()?),
+    ("div", |f| f.x / &abs_plus_half(f.other()?)?),
+    ("mul_squeeze_excitation", |f| f.x * f.other()?),
+    ("sub_broadcast_rows", |f| f.x - f.other()?),
+    ("add_weight_c11", |f| f.x.binary_weight(f.vb.path(), Binary::Add, &f.vb.get(&[6, 1, 1], "scale")?)),
+    ("mul_weight_c11", |f| f.x.binary_weight(f.vb.path(), Binary::Mul, &f.vb.get(&[6, 1, 1], "gamma")?)),
+    ("add_position_embedding", |f| f.x.binary_weight(f.vb.path(), Binary::Add, &f.vb.get(&[1, 9, 8], "pos_embedding")?)),
+];
 
 #[cfg(test)]
 mod tests {

@@ -20,6 +20,8 @@ pub mod shape;
 
 use crate::engine::{BuildCtx, Layer, Layout};
 use crate::graph::{Binary, ConvAttrs, Gemm, HostTensor, NodeId, Norm, Op, Pool, Quant, Resize, ShapeOp, Unary};
+use crate::tensor::Tensor;
+use crate::var_builder::VarBuilder;
 use std::borrow::Cow;
 use strum::IntoEnumIterator;
 
@@ -93,6 +95,45 @@ pub fn kernel_entry_points() -> Vec<String> {
     // The convolution family's depthwise kernels, until `ConvAttrs` declares them itself.
     names.extend(crate::engine::kernel_layers::depthwise_entry_points());
     names.into_iter().collect()
+}
+
+/// What the Kiln twin of one PyTorch op fixture case gets (`op_cases()` in
+/// tools/export_reference.py, checked by tests/op_fixtures.rs): the case's name, its parameters
+/// (`<case>.weight`, ...), its input and its second input, if the case has one.
+#[doc(hidden)]
+pub struct Fixture<'a> {
+    pub case: &'a str,
+    pub vb: VarBuilder,
+    pub x: &'a Tensor,
+    pub other: Option<&'a Tensor>,
+}
+
+impl<'a> Fixture<'a> {
+    /// The case's second input, or an error naming the case.
+    pub fn other(&self) -> crate::Result<&'a Tensor> {
+        self.other.ok_or_else(|| crate::Error::MissingWeight { key: format!("{}.other", self.case), source_name: "the op fixtures".into() })
+    }
+}
+
+/// A fixture case's name and its Kiln twin. Each family lists its own beside its ops
+/// (`FIXTURE_TWINS`), so adding an op and its fixture touches no test.
+#[doc(hidden)]
+pub type FixtureTwin = (&'static str, fn(Fixture<'_>) -> crate::Result<Tensor>);
+
+/// Every family's fixture twins.
+#[doc(hidden)]
+pub fn fixture_twins() -> Vec<FixtureTwin> {
+    [
+        elementwise::FIXTURE_TWINS,
+        pool::FIXTURE_TWINS,
+        norm::FIXTURE_TWINS,
+        linear::FIXTURE_TWINS,
+        shape::FIXTURE_TWINS,
+        resize::FIXTURE_TWINS,
+        attention::FIXTURE_TWINS,
+        quant::FIXTURE_TWINS,
+    ]
+    .concat()
 }
 
 /// The layouts a converter wants its inputs in (`None`: a weight, or any layout) and the layout

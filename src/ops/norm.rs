@@ -5,7 +5,7 @@
 use crate::engine::{BuildCtx, Layer, Layout};
 use crate::graph::{NodeId, Op};
 use crate::module::{Forward, Module};
-use crate::ops::{CpuArgs, LayoutPlan, OpDef};
+use crate::ops::{CpuArgs, FixtureTwin, LayoutPlan, OpDef};
 use crate::tensor::{Param, Tensor};
 use crate::var_builder::VarBuilder;
 use crate::Result;
@@ -559,6 +559,20 @@ fn gpu_rows(ctx: &mut BuildCtx, node: NodeId, op: RowOp, dim: usize, count: usiz
     let path = ctx.node(node).path.clone();
     Ok(Box::new(RowsLayer { path, op, f, x, y, params, outer, len, inner, sm_count: ctx.kernels.sm_count() }))
 }
+
+/// The Kiln twins of this family's PyTorch op fixtures (`op_cases()` in tools/export_reference.py).
+#[doc(hidden)]
+pub const FIXTURE_TWINS: &[FixtureTwin] = &[
+    ("batch_norm2d_eps", |f| BatchNorm2d::load(f.vb, &BatchNorm2dConfig { num_features: 5, eps: 1e-3 })?.forward(f.x)),
+    ("softmax_dim1", |f| Softmax::load(f.vb, &1)?.forward(f.x)),
+    ("softmax_last", |f| f.x.affine(4.0, 0.0)?.softmax(-1)),
+    ("softmax_mid", |f| f.x.softmax(2)),
+    ("layer_norm_last", |f| LayerNorm::load(f.vb, &LayerNormConfig::new(&[24]))?.forward(f.x)),
+    ("layer_norm_convnext_nhwc", |f| LayerNorm::load(f.vb, &LayerNormConfig::new(&[8]).eps(1e-6))?.forward(f.x)),
+    ("layer_norm_2d_torchvision", |f| LayerNorm2d::load(f.vb, &LayerNormConfig::new(&[8]).eps(1e-6))?.forward(f.x)),
+    ("layer_norm_two_dims", |f| LayerNorm::load(f.vb, &LayerNormConfig::new(&[6, 7]).eps(1e-3))?.forward(f.x)),
+    ("layer_norm_no_affine", |f| LayerNorm::load(f.vb, &LayerNormConfig::new(&[10]).elementwise_affine(false))?.forward(f.x)),
+];
 
 #[cfg(test)]
 mod tests {

@@ -4,7 +4,7 @@ use crate::engine::launch::{grid_for, launch, nhwc, pack, same_elem, to_i32, typ
 use crate::engine::{BuildCtx, Layer, Layout, RunCtx, ValueId};
 use crate::graph::{NodeId, Op};
 use crate::module::{Forward, Module};
-use crate::ops::{one_input, pair_label, CpuArgs, LayoutPlan, OpDef};
+use crate::ops::{one_input, pair_label, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
 use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
 use crate::Result;
@@ -578,6 +578,24 @@ fn gpu_mean(ctx: &mut BuildCtx, node: NodeId, dims: &[usize]) -> Result<Box<dyn 
         sm_count: ctx.kernels.sm_count(),
     }))
 }
+
+/// The Kiln twins of this family's PyTorch op fixtures (`op_cases()` in tools/export_reference.py).
+#[doc(hidden)]
+pub const FIXTURE_TWINS: &[FixtureTwin] = &[
+    ("max_pool2d_ceil", |f| MaxPool2d::load(f.vb, &Pool2dConfig::new(3).stride(2).padding(1).ceil_mode(true))?.forward(f.x)),
+    ("max_pool2d_default", |f| MaxPool2d::load(f.vb, &Pool2dConfig::new(2))?.forward(f.x)),
+    ("avg_pool2d_pad", |f| AvgPool2d::load(f.vb, &Pool2dConfig::new(3).stride(2).padding(1))?.forward(f.x)),
+    ("avg_pool2d_pad_exclude", |f| {
+        let cfg = Pool2dConfig { count_include_pad: false, ..Pool2dConfig::new(3).stride(2).padding(1) };
+        AvgPool2d::load(f.vb, &cfg)?.forward(f.x)
+    }),
+    ("avg_pool2d_ceil", |f| AvgPool2d::load(f.vb, &Pool2dConfig::new(2).stride(2).ceil_mode(true))?.forward(f.x)),
+    ("adaptive_avg_pool2d_3x3", |f| AdaptiveAvgPool2d::load(f.vb, &[3, 3])?.forward(f.x)),
+    ("mean_hw", |f| f.x.mean(&[2, 3], false)),
+    ("mean_hw_keepdim", |f| f.x.mean(&[3, 2], true)),
+    ("mean_last", |f| f.x.mean(&[f.x.shape().len() - 1], false)),
+    ("mean_dim1_keepdim", |f| f.x.mean(&[1], true)),
+];
 
 #[cfg(test)]
 mod tests {

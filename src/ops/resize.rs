@@ -16,7 +16,7 @@ use crate::engine::launch::{nhwc, pack, same_elem, to_i32, typed_entry_points, A
 use crate::engine::{BuildCtx, Layer, Layout};
 use crate::graph::{HostTensor, NodeId, Op};
 use crate::module::{Forward, Module};
-use crate::ops::{one_input, CpuArgs, LayoutPlan, OpDef};
+use crate::ops::{one_input, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
 use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
 use crate::Result;
@@ -354,6 +354,26 @@ impl Tensor {
         Tensor::record_inline(resize_op(self, config, "interpolate")?, &[self])
     }
 }
+
+/// The Kiln twins of this family's PyTorch op fixtures (`op_cases()` in tools/export_reference.py):
+/// `nn.Upsample` modules and inline `F.interpolate` calls.
+#[doc(hidden)]
+pub const FIXTURE_TWINS: &[FixtureTwin] = &[
+    ("upsample_nearest2d_scale2", |f| Upsample::load(f.vb, &UpsampleConfig::scale(2.0))?.forward(f.x)),
+    ("upsample_nearest2d_scale1_5", |f| Upsample::load(f.vb, &UpsampleConfig::scale(1.5))?.forward(f.x)),
+    ("upsample_nearest2d_scale1_7", |f| f.x.interpolate(&UpsampleConfig::scale(1.7))),
+    ("upsample_nearest2d_recompute", |f| f.x.interpolate(&UpsampleConfig::scale(1.7).recompute_scale_factor(true))),
+    ("upsample_nearest2d_scale_hw", |f| Upsample::load(f.vb, &UpsampleConfig::scale2(2.0, 1.5))?.forward(f.x)),
+    ("upsample_nearest2d_scale_near1", |f| Upsample::load(f.vb, &UpsampleConfig::scale(1.05))?.forward(f.x)),
+    ("upsample_nearest2d_size", |f| Upsample::load(f.vb, &UpsampleConfig::size(11, 4))?.forward(f.x)),
+    ("upsample_bilinear2d_scale2", |f| Upsample::load(f.vb, &UpsampleConfig::scale(2.0).bilinear(false))?.forward(f.x)),
+    ("upsample_bilinear2d_scale2_align_corners", |f| Upsample::load(f.vb, &UpsampleConfig::scale(2.0).bilinear(true))?.forward(f.x)),
+    ("upsample_bilinear2d_scale1_5", |f| Upsample::load(f.vb, &UpsampleConfig::scale(1.5).bilinear(false))?.forward(f.x)),
+    ("upsample_bilinear2d_scale1_7", |f| f.x.interpolate(&UpsampleConfig::scale(1.7).bilinear(false))),
+    ("upsample_bilinear2d_down", |f| f.x.interpolate(&UpsampleConfig::scale(0.6).bilinear(false))),
+    ("upsample_bilinear2d_size", |f| Upsample::load(f.vb, &UpsampleConfig::size(9, 13).bilinear(false))?.forward(f.x)),
+    ("upsample_bilinear2d_size_align_corners", |f| Upsample::load(f.vb, &UpsampleConfig::size(9, 4).bilinear(true))?.forward(f.x)),
+];
 
 #[cfg(test)]
 mod tests {

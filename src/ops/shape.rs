@@ -11,7 +11,7 @@ use crate::engine::strided::{CopyDim, CopyKind, StridedCopy, StridedLayer};
 use crate::engine::{BuildCtx, Layer, Layout, RunCtx, ValueId};
 use crate::graph::{HostTensor, NodeId, Op};
 use crate::module::{Forward, Module};
-use crate::ops::{one_input, CpuArgs, LayoutPlan, OpDef};
+use crate::ops::{one_input, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
 use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
 use crate::{Error, Result};
@@ -815,6 +815,41 @@ impl Forward for ZeroPad2d {
         self.0.forward(x)
     }
 }
+
+/// `chunks` in reverse order, concatenated along `dim`: the slice fixtures' way of using every
+/// piece.
+fn cat_reversed(chunks: Vec<Tensor>, dim: usize) -> Result<Tensor> {
+    Tensor::cat(&chunks.iter().rev().collect::<Vec<_>>(), dim)
+}
+
+/// The Kiln twins of this family's PyTorch op fixtures (`op_cases()` in tools/export_reference.py).
+#[doc(hidden)]
+pub const FIXTURE_TWINS: &[FixtureTwin] = &[
+    ("cat", |f| Tensor::cat(&[f.x, f.other()?], 1)),
+    ("cat_dim2", |f| Tensor::cat(&[f.x, f.other()?], 2)),
+    ("cat_last", |f| Tensor::cat(&[f.x, f.other()?], 3)),
+    ("cat_rank2", |f| Tensor::cat(&[f.x, f.other()?], 1)),
+    ("flatten", |f| f.x.flatten(1)),
+    ("flatten_start2", |f| f.x.flatten(2)),
+    ("flatten_range_mid", |f| f.x.flatten_range(1, 2)),
+    ("reshape_infer", |f| f.x.reshape(&[3, 2, -1, 5])),
+    ("reshape_view_flat", |f| f.x.view(&[2, -1])),
+    ("reshape_channel_shuffle", |f| f.x.view(&[2, 3, 2, 5, 7])?.transpose(1, 2)?.contiguous()?.view(&[2, 6, 5, 7])),
+    ("permute_nhwc", |f| f.x.permute(&[0, 2, 3, 1])),
+    ("permute_rank5", |f| f.x.permute(&[0, 3, 1, 4, 2])),
+    ("permute_transpose_last", |f| f.x.transpose(-1, -2)),
+    ("slice_narrow", |f| f.x.narrow(2, 1, 3)),
+    ("slice_narrow_last", |f| f.x.narrow(-1, 2, 4)),
+    ("slice_chunk_reversed", |f| cat_reversed(f.x.chunk(3, 3)?, 3)),
+    ("slice_chunk_fewer", |f| cat_reversed(f.x.chunk(4, 1)?, 1)),
+    ("slice_split_sizes", |f| cat_reversed(f.x.split(&[2, 4, 1], 1)?, 1)),
+    ("pad_constant", |f| f.x.pad(&[1, 2, 0, 3], 0.5)),
+    ("pad_channels", |f| f.x.pad(&[1, 0, 0, 2, 2, 1], -2.0)),
+    ("pad_zero2d", |f| ZeroPad2d::load(f.vb, &[2, 1, 1, 0])?.forward(f.x)),
+    ("pad_constant2d", |f| ConstantPad2d::load(f.vb, &ConstantPad2dConfig { padding: [1, 1, 2, 2], value: -1.5 })?.forward(f.x)),
+    ("roll_swin_shift", |f| f.x.roll(&[-3, -3], &[1, 2])),
+    ("roll_mixed", |f| f.x.roll(&[11, -2], &[3, 1])),
+];
 
 #[cfg(test)]
 mod tests {
