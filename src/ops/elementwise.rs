@@ -1,6 +1,6 @@
 //! Elementwise ops: activations and scalar arithmetic (`Unary`), and `+ - * /` of two tensors with
 //! NumPy/PyTorch broadcasting (`Binary`). Layers: `ReLU`, `ReLU6`, `LeakyReLU`, `Sigmoid`, `SiLU`,
-//! `Hardswish`, `Hardsigmoid`, `GELU`, `Tanh`, `Hardtanh`.
+//! `Hardswish`, `Hardsigmoid`, `GELU`, `Tanh`, `Hardtanh`, `Softplus`.
 
 use crate::engine::launch::{pack, same_elem, to_i32, typed_entry_points, Arg, KArg, KernelLayer};
 use crate::engine::{BuildCtx, Layer, Layout, ValueId};
@@ -43,6 +43,12 @@ pub enum Unary {
     Affine {
         scale: f32,
         shift: f32,
+    },
+    /// `nn.Softplus(beta, threshold)`: `log1p(exp(beta * x)) / beta`, and `x` itself where
+    /// `beta * x > threshold` (PyTorch's switch to the linear function).
+    Softplus {
+        beta: f32,
+        threshold: f32,
     },
 }
 
@@ -111,6 +117,13 @@ impl Unary {
                 }
             }
             Unary::Affine { scale, shift } => v * scale + shift,
+            Unary::Softplus { beta, threshold } => {
+                if v * beta > threshold {
+                    v
+                } else {
+                    (v * beta).exp().ln_1p() / beta
+                }
+            }
         }
     }
 
@@ -136,6 +149,7 @@ impl Unary {
             Unary::Asinh => ("ACT_ASINH", 10, 0.0, 0.0),
             Unary::Clamp { min, max } => ("ACT_CLAMP", 11, min, max),
             Unary::Affine { scale, shift } => ("ACT_AFFINE", 12, scale, shift),
+            Unary::Softplus { beta, threshold } => ("ACT_SOFTPLUS", 13, beta, threshold),
         }
     }
 
@@ -156,6 +170,10 @@ impl Unary {
                     Unary::Affine { scale: -1.0, shift: 1.0 },
                     Unary::Affine { scale: 1.0 / 6.0, shift: 0.0 },
                 ],
+                // PyTorch's default, and a threshold the tests' inputs cross.
+                Unary::Softplus { .. } => {
+                    vec![Unary::Softplus { beta: 1.0, threshold: 20.0 }, Unary::Softplus { beta: 2.0, threshold: 1.5 }]
+                }
                 other => vec![other],
             })
             .collect()
@@ -176,6 +194,7 @@ impl OpDef for Unary {
             Unary::Asinh => "asinh",
             Unary::Clamp { .. } => "clamp",
             Unary::Affine { .. } => "affine",
+            Unary::Softplus { .. } => "softplus",
         }
     }
     fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
@@ -206,6 +225,7 @@ impl OpDef for Unary {
             Unary::Gelu { tanh: true } => "gelu tanh".into(),
             Unary::Clamp { min, max } => format!("clamp [{min}, {max}]"),
             Unary::Affine { scale, shift } => format!("x*{scale}+{shift}"),
+            Unary::Softplus { beta, threshold } => format!("softplus beta={beta} threshold={threshold}"),
             other => other.name().to_string(),
         }
     }
@@ -638,6 +658,10 @@ impl Tensor {
     pub fn clamp(&self, min: f32, max: f32) -> Result<Tensor> {
         self.unary(Unary::Clamp { min, max })
     }
+    /// `F.softplus(x, beta, threshold)` (PyTorch's defaults: 1 and 20).
+    pub fn softplus(&self, beta: f32, threshold: f32) -> Result<Tensor> {
+        self.unary(Unary::Softplus { beta, threshold })
+    }
     /// `x * scale + shift` with Python scalars: `x.affine(1.0, 3.0)` is `x + 3`, `x.affine(1.0 / 6.0, 0.0)` is `x / 6`.
     pub fn affine(&self, scale: f32, shift: f32) -> Result<Tensor> {
         self.unary(Unary::Affine { scale, shift })
@@ -764,6 +788,23 @@ impl Default for LeakyReLUConfig {
     }
 }
 
+activation_module!(
+    /// `torch.nn.Softplus(beta, threshold)`.
+    Softplus, SoftplusConfig, |c| Unary::Softplus { beta: c.beta, threshold: c.threshold }
+);
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SoftplusConfig {
+    pub beta: f32,
+    pub threshold: f32,
+}
+
+impl Default for SoftplusConfig {
+    fn default() -> Self {
+        Self { beta: 1.0, threshold: 20.0 }
+    }
+}
+
 /// `b.abs() + 0.5` as `relu(b) + relu(-b) + 0.5`: a divisor away from zero.
 fn abs_plus_half(b: &Tensor) -> Result<Tensor> {
     b.relu()?.add(&b.affine(-1.0, 0.0)?.relu()?)?.affine(1.0, 0.5)
@@ -796,6 +837,8 @@ pub const FIXTURE_TWINS: &[FixtureTwin] = &[
     ("sub_broadcast_rows", |f| f.x - f.other()?),
     ("add_weight_c11", |f| f.x.binary_weight(f.vb.path(), Binary::Add, &f.vb.get(&[6, 1, 1], "scale")?)),
     ("mul_weight_c11", |f| f.x.binary_weight(f.vb.path(), Binary::Mul, &f.vb.get(&[6, 1, 1], "gamma")?)),
+    ("softplus", |f| Softplus::load(f.vb, &SoftplusConfig::default())?.forward(f.x)),
+    ("softplus_beta2_threshold", |f| f.x.softplus(2.0, 1.5)),
     ("add_position_embedding", |f| f.x.binary_weight(f.vb.path(), Binary::Add, &f.vb.get(&[1, 9, 8], "pos_embedding")?)),
 ];
 
