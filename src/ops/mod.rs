@@ -1,11 +1,14 @@
 //! Every op, one family a file. Each family is an enum (or attribute struct) that implements
-//! [`OpDef`]: its name, shape rule, CPU reference, engine layouts, GPU converter and DOT label live
-//! together, and `Op::def` is the one place that dispatches from the graph's `Op` to them.
+//! [`OpDef`]: its name, shape rule, CPU reference, engine layouts, GPU converter, DOT label and
+//! colour and the kernels it launches live together, with its engine layers, modules, `Tensor`
+//! methods and fixture twins; `Op::def` is the one place that dispatches from the graph's `Op` to
+//! them.
 //!
 //! Adding an op: add a variant to its family's enum (or a family file and one `Op` variant), fill
 //! in the `OpDef` match arms the compiler then asks for, add a PyTorch fixture to
-//! `tools/export_reference.py`, and, when it needs one, a kernel in `kernels/`. Codegen needs
-//! nothing: it writes the op's serde form as Rust (see `codegen`).
+//! `tools/export_reference.py` and its Kiln twin to the family's `FIXTURE_TWINS`, and, when it
+//! needs one, a kernel in `kernels/`. Codegen needs nothing: it writes the op's serde form as Rust
+//! (see `codegen`).
 
 pub mod attention;
 pub mod conv;
