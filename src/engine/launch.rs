@@ -119,8 +119,13 @@ impl KernelLayer {
     /// `entry` launched for `node` with `args`, one work item per element of `per_image` (see
     /// [`KernelLayer::items`]); its kind is `kernel:<entry>` unless [`KernelLayer::kind`] names another.
     pub fn new(ctx: &BuildCtx, node: NodeId, entry: &str, args: Vec<Arg>, per_image: usize) -> Result<Self> {
+        Self::at(ctx, &ctx.node(node).path, entry, args, per_image)
+    }
+    /// [`KernelLayer::new`] for a layer at `path` rather than a node's (a reformat the builder
+    /// inserts).
+    pub fn at(ctx: &BuildCtx, path: &str, entry: &str, args: Vec<Arg>, per_image: usize) -> Result<Self> {
         Ok(Self {
-            path: ctx.node(node).path.clone(),
+            path: path.to_string(),
             kind: format!("kernel:{entry}"),
             f: ctx.kernels.get(entry)?,
             args,

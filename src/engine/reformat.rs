@@ -3,8 +3,8 @@
 //! element type (and at the engine's input and output bindings). `kernels/reformat.cu` and
 //! `kernels/permute.cu`.
 
-use super::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
-use super::layer::{BuildCtx, DeviceBuf, Layer, Layout, RunCtx, ValueDesc, ValueId};
+use super::launch::{grid_for, launch, Arg, CudaFunction, KArg, KernelLayer, BLOCK};
+use super::layer::{BuildCtx, Layer, Layout, RunCtx, ValueDesc, ValueId};
 use super::strided::{CopyDim, CopyKind, StridedCopy, StridedLayer};
 use crate::{Error, Result};
 
@@ -59,43 +59,9 @@ impl Layer for ReformatLayer {
 /// kernels/reformat.cu).
 const SMALL_CHANNELS: usize = 8;
 
-/// Copies a value into another memory order and element type: the general reformat.
-pub struct PermuteLayer {
-    path: String,
-    kind: String,
-    f: CudaFunction,
-    src: ValueId,
-    dst: ValueId,
-    /// Sizes (in `dst`'s physical order), `src` strides of those dims, `src`'s batch stride.
-    meta: DeviceBuf,
-    rank: i32,
-    per_image: usize,
-    sm_count: u32,
-}
-
-impl Layer for PermuteLayer {
-    fn path(&self) -> &str {
-        &self.path
-    }
-    fn kind(&self) -> String {
-        self.kind.clone()
-    }
-    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
-        let n = batch * self.per_image;
-        let args = [
-            KArg::Ptr(rt.ptr(self.src)),
-            KArg::Ptr(rt.ptr(self.dst)),
-            KArg::I64(n as i64),
-            KArg::Ptr(self.meta.ptr()),
-            KArg::I32(self.rank),
-        ];
-        launch(rt, &self.f, grid_for(n, self.sm_count), (BLOCK, 1, 1), 0, &args)
-    }
-}
-
-/// A [`PermuteLayer`] reading `src` (logical dims `dims`, in `src_layout`, with its own strides)
-/// into `dst`. `src_strides` are the element strides of each logical dim of the source view, and
-/// `src_offset` its first element (for slices); `batch_stride` is the source's per-image size.
+/// The general reformat: copies `src` into `dst`'s memory order and element type (`permute_*`,
+/// one thread an element). `src_strides` are the source's element strides of each logical dim
+/// (the dims of `dst`), and `batch_stride` is the source's per-image size.
 pub fn permute_layer(
     ctx: &mut BuildCtx,
     path: &str,
@@ -113,18 +79,9 @@ pub fn permute_layer(
     let bytes: Vec<u8> = meta.iter().flat_map(|v| v.to_le_bytes()).collect();
     let meta = ctx.upload_bytes(&bytes)?;
     let entry = format!("permute_{}_{}", s_elem.suffix(), d.elem.suffix());
-    let f = ctx.kernels.get(&entry)?;
-    Ok(Box::new(PermuteLayer {
-        path: path.to_string(),
-        kind: format!("kernel:{entry}"),
-        f,
-        src,
-        dst,
-        meta,
-        rank: order.len() as i32,
-        per_image: d.per_image_elems(),
-        sm_count: ctx.kernels.sm_count(),
-    }))
+    let per_image = d.per_image_elems();
+    let args = vec![Arg::Value(src), Arg::Value(dst), Arg::PerBatch(per_image), Arg::buf(meta), Arg::Const(KArg::I32(order.len() as i32))];
+    Ok(Box::new(KernelLayer::at(ctx, path, &entry, args, per_image)?))
 }
 
 /// A layer converting `src` to `dst` (the same logical dims, or `dst` with zero-padded channels
