@@ -58,7 +58,7 @@ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_c
 #define GRID_STRIDE(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)(n); i += (i64)blockDim.x * gridDim.x)
 
 // Unary op codes shared with src/ops/elementwise.rs (`Unary::kernel_code`); p0, p1 are its
-// parameters (slope; clamp bounds; affine scale and shift).
+// parameters (slope; clamp bounds; affine scale and shift; softplus beta and threshold).
 #define ACT_NONE 0
 #define ACT_RELU 1
 #define ACT_LEAKY 2
@@ -72,6 +72,7 @@ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_c
 #define ACT_ASINH 10
 #define ACT_CLAMP 11
 #define ACT_AFFINE 12
+#define ACT_SOFTPLUS 13
 
 __device__ __forceinline__ float relu6f(float v) { return v < 0.f ? 0.f : (v > 6.f ? 6.f : v); }
 
@@ -90,6 +91,7 @@ __device__ __forceinline__ float apply_act2(float v, int act, float p0, float p1
     case ACT_ASINH: return asinhf(v);
     case ACT_CLAMP: return v < p0 ? p0 : (v > p1 ? p1 : v);
     case ACT_AFFINE: return v * p0 + p1;
+    case ACT_SOFTPLUS: return v * p0 > p1 ? v : log1pf(expf(v * p0)) / p0;
     default: return v;
     }
 }

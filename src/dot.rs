@@ -87,16 +87,10 @@ fn quote(s: &str) -> String {
 }
 
 fn fill(node: &Node) -> &'static str {
-    match &node.op {
+    match node.op.def() {
         _ if is_fused(node) => "#f4a259",
-        Op::Conv(_) | Op::Gemm(_) | Op::Attention(_) | Op::QkvAttention(_) => "#8ecae6",
-        Op::Norm(_) => "#ffe08a",
-        Op::Pool(_) | Op::Resize(_) => "#b7e4c7",
-        Op::Unary(_) => "#e9ecef",
-        Op::Binary(_) | Op::Shape(_) => "#dee2e6",
-        Op::Custom(_) => "#cdb4db",
-        Op::Quant(_) => "#ffc8dd",
-        Op::Input { .. } | Op::Weight { .. } => "#ffffff",
+        Some(def) => def.colour(),
+        None => "#ffffff",
     }
 }
 
@@ -155,6 +149,10 @@ mod tests {
         assert!(dot.starts_with("digraph \"small\" {"));
         assert!(dot.contains("conv2d 3x3 s2 p1 +bias\\nstem.conv\\n[1, 4, 4, 4]\\nweights [4, 3, 3, 3] [4]"), "{dot}");
         assert!(dot.contains("stem.relu"), "{dot}");
+        // Each family's colour: the conv's (the default), the activation's, the input's.
+        for colour in ["#8ecae6", "#e9ecef", "#ffffff"] {
+            assert!(dot.contains(&format!("fillcolor=\"{colour}\"")), "{colour}:\n{dot}");
+        }
         assert!(!dot.contains("stem.conv.weight"), "weights are not drawn as nodes:\n{dot}");
         // The output name's quotes are escaped, so the file stays valid DOT.
         assert!(dot.contains("output `out \\\"quoted\\\"`"), "{dot}");

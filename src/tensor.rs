@@ -4,7 +4,7 @@
 //! (an `if` on a config value, a loop over blocks) is resolved while tracing and fixed in the graph.
 //! There is no data-dependent control flow, because symbolic tensors carry no data.
 
-use crate::graph::{Binary, CustomCall, DType, Graph, HostTensor, NodeId, Op, Pool, ShapeOp, Unary};
+use crate::graph::{DType, Graph, HostTensor, NodeId, Op};
 use crate::{Error, Result};
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -152,112 +152,8 @@ impl Tensor {
         Ok(t)
     }
 
-    /// `self + other`, broadcasting as PyTorch.
-    pub fn add(&self, other: &Tensor) -> Result<Tensor> {
-        Self::record_inline(Op::Binary(Binary::Add), &[self, other])
-    }
-    /// `self - other`, broadcasting.
-    pub fn sub(&self, other: &Tensor) -> Result<Tensor> {
-        Self::record_inline(Op::Binary(Binary::Sub), &[self, other])
-    }
-    /// `self * other`, broadcasting (a squeeze-excitation's `x * scale`).
-    pub fn mul(&self, other: &Tensor) -> Result<Tensor> {
-        Self::record_inline(Op::Binary(Binary::Mul), &[self, other])
-    }
-    /// `self / other`, broadcasting.
-    pub fn div(&self, other: &Tensor) -> Result<Tensor> {
-        Self::record_inline(Op::Binary(Binary::Div), &[self, other])
-    }
-    /// Applies a unary elementwise op inline (`x.unary(Unary::Silu)`).
-    pub fn unary(&self, op: Unary) -> Result<Tensor> {
-        Self::record_inline(Op::Unary(op), &[self])
-    }
-    pub fn relu(&self) -> Result<Tensor> {
-        self.unary(Unary::Relu)
-    }
-    pub fn leaky_relu(&self, slope: f32) -> Result<Tensor> {
-        self.unary(Unary::LeakyRelu { slope })
-    }
-    pub fn sigmoid(&self) -> Result<Tensor> {
-        self.unary(Unary::Sigmoid)
-    }
-    pub fn silu(&self) -> Result<Tensor> {
-        self.unary(Unary::Silu)
-    }
-    pub fn hardswish(&self) -> Result<Tensor> {
-        self.unary(Unary::Hardswish)
-    }
-    pub fn hardsigmoid(&self) -> Result<Tensor> {
-        self.unary(Unary::Hardsigmoid)
-    }
-    /// `nn.GELU`: exact, or with `approximate="tanh"` when `tanh`.
-    pub fn gelu(&self, tanh: bool) -> Result<Tensor> {
-        self.unary(Unary::Gelu { tanh })
-    }
-    pub fn tanh(&self) -> Result<Tensor> {
-        self.unary(Unary::Tanh)
-    }
-    pub fn asinh(&self) -> Result<Tensor> {
-        self.unary(Unary::Asinh)
-    }
-    /// `torch.clamp(x, min, max)` (use `f32::NEG_INFINITY` / `f32::INFINITY` for an open side).
-    pub fn clamp(&self, min: f32, max: f32) -> Result<Tensor> {
-        self.unary(Unary::Clamp { min, max })
-    }
-    /// `x * scale + shift` with Python scalars: `x.affine(1.0, 3.0)` is `x + 3`, `x.affine(1.0 / 6.0, 0.0)` is `x / 6`.
-    pub fn affine(&self, scale: f32, shift: f32) -> Result<Tensor> {
-        self.unary(Unary::Affine { scale, shift })
-    }
-    /// Flattens dimensions `start..` into one, as `torch.flatten(x, start)`.
-    pub fn flatten(&self, start: usize) -> Result<Tensor> {
-        Self::record_inline(Op::Shape(ShapeOp::Flatten { start }), &[self])
-    }
-    /// `F.adaptive_avg_pool2d(x, output)`, inline.
-    pub fn adaptive_avg_pool2d(&self, output: [usize; 2]) -> Result<Tensor> {
-        Self::record_inline(Op::Pool(Pool::AdaptiveAvg { output }), &[self])
-    }
-    /// Concatenates along `dim`, as `torch.cat`.
-    pub fn cat(tensors: &[&Tensor], dim: usize) -> Result<Tensor> {
-        Self::record_inline(Op::Shape(ShapeOp::Cat { dim }), tensors)
-    }
-    /// Applies a user-registered custom op (see `ops::custom`).
-    pub fn custom(&self, name: &str, attrs: &[(&str, f64)], others: &[&Tensor]) -> Result<Tensor> {
-        let attrs = attrs.iter().map(|(k, v)| (k.to_string(), *v)).collect();
-        let mut inputs = vec![self];
-        inputs.extend_from_slice(others);
-        Self::record_inline(Op::Custom(CustomCall { name: name.to_string(), attrs }), &inputs)
-    }
     /// Marks this tensor as a graph output named `name`.
     pub fn mark_output(&self, name: &str) {
         self.tracer.output(name, self);
-    }
-}
-
-/// `&a + &b` records an add; the result is a `Result` because shapes may not match.
-impl std::ops::Add for &Tensor {
-    type Output = Result<Tensor>;
-    fn add(self, rhs: &Tensor) -> Result<Tensor> {
-        Tensor::add(self, rhs)
-    }
-}
-
-impl std::ops::Mul for &Tensor {
-    type Output = Result<Tensor>;
-    fn mul(self, rhs: &Tensor) -> Result<Tensor> {
-        Tensor::mul(self, rhs)
-    }
-}
-
-impl std::ops::Sub for &Tensor {
-    type Output = Result<Tensor>;
-    fn sub(self, rhs: &Tensor) -> Result<Tensor> {
-        Tensor::sub(self, rhs)
-    }
-}
-
-impl std::ops::Div for &Tensor {
-    type Output = Result<Tensor>;
-    fn div(self, rhs: &Tensor) -> Result<Tensor> {
-        Tensor::div(self, rhs)
     }
 }

@@ -3,7 +3,7 @@
 //! (`CustomOp`), its CUDA kernel, and its GPU converter (`kiln::register_converter!`). Tracing,
 //! the CPU executor and the engine all pick it up by name. Without a GPU, the GPU half skips.
 
-use kiln::engine::kernel_layers::{grid_for, launch, KArg, BLOCK};
+use kiln::engine::launch::{grid_for, launch, KArg, BLOCK};
 use kiln::engine::{gpu_available, BuildConfig, BuildCtx, EngineBuilder, Gpu, Layer, Precision, RunCtx, ValueId};
 use kiln::ops::custom::{Attrs, CustomOp};
 use kiln::{Conv2d, Conv2dConfig, Forward, HostTensor, Module, NodeId, Tracer, VarBuilder};

@@ -25,26 +25,10 @@ fn param(name: &str, shape: &[usize]) -> Param {
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn unary_ops() {
-    let ops = [
-        Unary::Relu,
-        Unary::LeakyRelu { slope: 0.2 },
-        Unary::Sigmoid,
-        Unary::Silu,
-        Unary::Hardswish,
-        Unary::Hardsigmoid,
-        Unary::Gelu { tanh: false },
-        Unary::Gelu { tanh: true },
-        Unary::Tanh,
-        Unary::Asinh,
-        Unary::Clamp { min: 0.0, max: 6.0 },
-        Unary::Clamp { min: -2.0, max: 3.0 },
-        Unary::Clamp { min: -0.5, max: 0.7 },
-        Unary::Affine { scale: 0.5, shift: 3.0 },
-        Unary::Affine { scale: -1.0, shift: 1.0 },
-        Unary::Affine { scale: 1.0 / 6.0, shift: 0.0 },
-    ];
+    // Every variant, with the parameters its family lists (`Unary::examples`).
+    let ops = Unary::examples();
     for dims in [[7usize, 5, 9], [16, 6, 5]] {
-        for op in ops {
+        for &op in &ops {
             // Inputs span [-8, 8): past every op's kinks (ReLU6's 6, Hardswish's ±3).
             check(&format!("{op:?} {dims:?}"), &[("x", &dims)], |x| Ok(vec![x[0].affine(4.0, 0.0)?.unary(op)?]));
         }

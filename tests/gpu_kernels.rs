@@ -106,13 +106,13 @@ fn flatten_and_cat() {
 
 // ---- bias + activation (+ residual) epilogue ------------------------------------------------
 // No built-in op lowers to it alone (convolutions fuse their own epilogue), so a test op drives
-// `kernel_layers::bias_act` through the same converter mechanism a user's op would.
+// `ops::elementwise::bias_act` through the same converter mechanism a user's op would.
 
 mod bias_act_op {
-    use kiln::engine::kernel_layers::bias_act;
     use kiln::engine::{BuildCtx, Layer};
     use kiln::graph::{HostTensor, NodeId, Op};
     use kiln::ops::custom::{attr, Attrs, CustomOp};
+    use kiln::ops::elementwise::bias_act;
     use kiln::Unary;
 
     pub const NAME: &str = "test_bias_act";

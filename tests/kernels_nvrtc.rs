@@ -2,8 +2,8 @@
 //! machine without a GPU. CI installs NVRTC and sets `KILN_REQUIRE_NVRTC=1`, so a kernel that
 //! does not compile never lands; elsewhere, a missing NVRTC skips these tests with the reason.
 
-use kiln::engine::kernel_layers::entry_points;
 use kiln::engine::kernels::{self, cached_compile, compile_all_for, compile_source, image_has_symbol, FAMILIES, ON_DEMAND};
+use kiln::ops::kernel_entry_points;
 use kiln::Error;
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -77,7 +77,7 @@ fn every_entry_point_the_layers_launch_exists() {
     }
     let images: Vec<(&str, Vec<u8>)> =
         FAMILIES.iter().map(|(n, s)| (*n, compile_source(n, s, ARCH).unwrap_or_else(|e| panic!("{e}")))).collect();
-    for entry in entry_points() {
+    for entry in kernel_entry_points() {
         let homes: Vec<&str> = images.iter().filter(|(_, img)| image_has_symbol(img, &entry)).map(|(n, _)| *n).collect();
         assert_eq!(homes.len(), 1, "entry point `{entry}` should be defined by exactly one family, found in {homes:?}");
     }

@@ -318,7 +318,7 @@ mod tests {
 
 mod gpu {
     use super::k_attr;
-    use kiln::engine::kernel_layers::{launch, CudaFunction, KArg};
+    use kiln::engine::launch::{launch, CudaFunction, KArg};
     use kiln::engine::{BuildCtx, Elem, Layer, RunCtx, ValueId};
     use kiln::graph::{NodeId, Op};
     use kiln::Result;

@@ -204,7 +204,7 @@ mod tests {
 
 mod gpu {
     use super::{geometry, tap_table, taps};
-    use kiln::engine::kernel_layers::{grid_for, launch, CudaFunction, KArg};
+    use kiln::engine::launch::{grid_for, launch, CudaFunction, KArg};
     use kiln::engine::{BuildCtx, DeviceBuf, Layer, RunCtx, ValueId};
     use kiln::graph::{NodeId, Op};
     use kiln::Result;

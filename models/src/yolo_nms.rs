@@ -479,7 +479,7 @@ mod tests {
 
 mod gpu {
     use super::{f32_threshold, params, Params};
-    use kiln::engine::kernel_layers::{launch, CudaFunction, KArg};
+    use kiln::engine::launch::{launch, CudaFunction, KArg};
     use kiln::engine::{BuildCtx, Elem, Layer, RunCtx, ValueId};
     use kiln::graph::{NodeId, Op};
     use kiln::Result;

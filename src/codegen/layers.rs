@@ -303,7 +303,7 @@ fn activation(u: Unary) -> Option<LayerSpec> {
                 format!("LeakyReLUConfig {{ negative_slope: {} }}", s[0].text)
             })),
         },
-        Unary::Asinh | Unary::Affine { .. } => return None,
+        Unary::Asinh | Unary::Affine { .. } | Unary::Softplus { .. } => return None,
     })
 }
 
@@ -453,6 +453,11 @@ fn unary(u: Unary) -> Tpl {
         Unary::Affine { scale, shift } => Tpl::new(vec![slot("scale", Lit::F32(scale)), slot("shift", Lit::F32(shift))], |s, o| {
             format!("{}.affine({}, {})?", o.recv[0], s[0].text, s[1].text)
         }),
+        Unary::Softplus { beta, threshold } => {
+            Tpl::new(vec![slot("beta", Lit::F32(beta)), slot("threshold", Lit::F32(threshold))], |s, o| {
+                format!("{}.softplus({}, {})?", o.recv[0], s[0].text, s[1].text)
+            })
+        }
     }
 }
 

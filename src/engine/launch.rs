@@ -1,11 +1,12 @@
 //! The launch toolkit for Kiln's own kernels: typed arguments, one `launch` on a run's stream,
-//! grid sizes for the grid-stride kernels of `kernels/*.cu`, and the checks a layer builder makes
-//! of the values it launches on.
+//! grid sizes for the grid-stride kernels of `kernels/*.cu`, the checks a layer builder makes on
+//! the values it launches over, and [`KernelLayer`]: one entry point over a grid-stride grid, the
+//! op-agnostic layer most op families build their kernels' layers from.
 
 use super::gpu::cuda_err;
-use super::layer::{BuildCtx, Elem, Layout, RunCtx, ValueId};
+use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueId};
 use crate::graph::NodeId;
-use crate::Result;
+use crate::{Error, Result};
 pub use cudarc::driver::CudaFunction;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
@@ -45,6 +46,12 @@ pub fn grid_for(work: usize, sm_count: u32) -> (u32, u32, u32) {
     (blocks as u32, 1, 1)
 }
 
+/// Entry points stamped per element type by a family's macro: `activation` gives
+/// `activation_f32` and `activation_f16`.
+pub fn typed_entry_points(stems: &[&str]) -> Vec<String> {
+    ["f32", "f16"].iter().flat_map(|t| stems.iter().map(move |s| format!("{s}_{t}"))).collect()
+}
+
 /// Elements per 16-byte pack, the vector width the kernels use when channels allow.
 pub fn pack(elem: Elem) -> usize {
     16 / elem.size()
@@ -71,6 +78,102 @@ pub fn same_elem(ctx: &BuildCtx, node: NodeId, vs: &[ValueId]) -> Result<Elem> {
         return Err(ctx.err(node, format!("mixes element types {e:?} and {other:?}")));
     }
     Ok(e)
+}
+
+/// One argument of a [`KernelLayer`]'s launch, resolved each time the layer runs.
+pub enum Arg {
+    /// The device address of a value (arena, binding or scratch).
+    Value(ValueId),
+    /// The device address of a value, or null.
+    MaybeValue(Option<ValueId>),
+    /// The device address of a buffer the layer owns (a constant, an index table), or null.
+    Buf(Option<DeviceBuf>),
+    /// A value fixed at build time.
+    Const(KArg),
+    /// `batch * n` as an i64: the elements (or rows) of a run.
+    PerBatch(usize),
+    /// The batch as an i32 (an error past its range).
+    Batch,
+}
+
+impl Arg {
+    /// The device address of a buffer the layer owns.
+    pub fn buf(b: DeviceBuf) -> Self {
+        Arg::Buf(Some(b))
+    }
+}
+
+/// One kernel entry point launched over a 1-D grid-stride grid of `batch * per_image / per_item`
+/// work items, `BLOCK` threads a block: the layer of an elementwise op, an epilogue, a resize.
+pub struct KernelLayer {
+    path: String,
+    kind: String,
+    f: CudaFunction,
+    args: Vec<Arg>,
+    per_image: usize,
+    per_item: usize,
+    sm_count: u32,
+}
+
+impl KernelLayer {
+    /// `entry` launched for `node` with `args`, one work item per element of `per_image` (see
+    /// [`KernelLayer::items`]); its kind is `kernel:<entry>` unless [`KernelLayer::kind`] names another.
+    pub fn new(ctx: &BuildCtx, node: NodeId, entry: &str, args: Vec<Arg>, per_image: usize) -> Result<Self> {
+        Self::at(ctx, &ctx.node(node).path, entry, args, per_image)
+    }
+    /// [`KernelLayer::new`] for a layer at `path` rather than a node's (a reformat the builder
+    /// inserts).
+    pub fn at(ctx: &BuildCtx, path: &str, entry: &str, args: Vec<Arg>, per_image: usize) -> Result<Self> {
+        Ok(Self {
+            path: path.to_string(),
+            kind: format!("kernel:{entry}"),
+            f: ctx.kernels.get(entry)?,
+            args,
+            per_image,
+            per_item: 1,
+            sm_count: ctx.kernels.sm_count(),
+        })
+    }
+    /// The kind shown in layer listings and profiles.
+    pub fn kind(mut self, kind: String) -> Self {
+        self.kind = kind;
+        self
+    }
+    /// Each work item covers `per_item` elements (a vector of 4, a 16-byte pack).
+    pub fn items(mut self, per_item: usize) -> Self {
+        self.per_item = per_item.max(1);
+        self
+    }
+}
+
+impl Layer for KernelLayer {
+    fn path(&self) -> &str {
+        &self.path
+    }
+    fn kind(&self) -> String {
+        self.kind.clone()
+    }
+    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        let args = self
+            .args
+            .iter()
+            .map(|a| {
+                Ok(match a {
+                    Arg::Value(v) => KArg::Ptr(rt.ptr(*v)),
+                    Arg::MaybeValue(v) => KArg::Ptr(v.map_or(0, |v| rt.ptr(v))),
+                    Arg::Buf(b) => KArg::Ptr(b.as_ref().map_or(0, DeviceBuf::ptr)),
+                    Arg::Const(k) => *k,
+                    Arg::PerBatch(n) => KArg::I64((batch * n) as i64),
+                    Arg::Batch => KArg::I32(i32::try_from(batch).map_err(|_| Error::Binding {
+                        name: self.path.clone(),
+                        reason: format!("batch {batch} exceeds the range of {}", self.kind),
+                    })?),
+                })
+            })
+            .collect::<Result<Vec<KArg>>>()?;
+        let work = batch * self.per_image / self.per_item;
+        launch(rt, &self.f, grid_for(work, self.sm_count), (BLOCK, 1, 1), 0, &args)
+    }
 }
 
 #[cfg(test)]

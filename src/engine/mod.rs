@@ -23,13 +23,13 @@ pub mod exec;
 pub mod file;
 pub mod gemm;
 pub mod gpu;
-pub mod kernel_layers;
 pub mod kernels;
 pub mod launch;
 pub mod layer;
 mod plan;
 mod precision;
 mod prepare;
+pub mod reformat;
 pub mod strided;
 pub mod tactic;
 

@@ -160,6 +160,20 @@ fn entry(kind: &str, elem: Elem, unit: usize) -> String {
     }
 }
 
+/// Every entry point the strided copies launch (kernels/shape.cu): each kind, per element type,
+/// by element and by 16-byte unit.
+pub fn entry_points() -> Vec<String> {
+    let mut names = Vec::new();
+    for kind in ["shape_gather", "shape_scatter", "shape_roll"] {
+        for elem in [Elem::F32, Elem::F16] {
+            names.extend([1, 16 / elem.size()].map(|unit| entry(kind, elem, unit)));
+        }
+    }
+    names.sort();
+    names.dedup();
+    names
+}
+
 /// Checks that every meta value and the walked units fit the kernels' 32-bit arithmetic.
 fn check_u32(path: &str, op: &str, values: &[usize]) -> Result<()> {
     match values.iter().find(|&&v| u32::try_from(v).is_err()) {

@@ -27,11 +27,10 @@
 
 use crate::engine::arena::ALIGN;
 use crate::engine::gemm::{Batched, LtMatmul, GEMM_WORKSPACE};
-use crate::engine::kernel_layers::{launch, CudaFunction, KArg};
-use crate::engine::launch::{grid_for, BLOCK};
+use crate::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
 use crate::engine::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId};
 use crate::graph::{HostTensor, NodeId, Op};
-use crate::ops::{CpuArgs, OpDef};
+use crate::ops::{CpuArgs, FixtureTwin, OpDef};
 use crate::tensor::{Param, Tensor};
 use crate::Result;
 use serde::{Deserialize, Serialize};
@@ -61,6 +60,9 @@ impl OpDef for Attention {
     }
     fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
         attention_cpu(self.scale, self.bias, &args.all()?)
+    }
+    fn entry_points(&self) -> Vec<String> {
+        entry_points()
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         gpu_attention(ctx, node, *self)
@@ -98,6 +100,9 @@ impl OpDef for QkvAttention {
     }
     fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
         qkv_attention_cpu(*self, &args.all()?)
+    }
+    fn entry_points(&self) -> Vec<String> {
+        entry_points()
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         gpu_qkv_attention(ctx, node, *self)
@@ -450,7 +455,7 @@ fn gpu_attention(ctx: &mut BuildCtx, node: NodeId, attrs: Attention) -> Result<B
 
     // (b), (c) the fused kernels, for the head dims they are stamped for: q, k, v and y are
     // `[Z, L, D]` blocks, i.e. one head per problem with rows D apart.
-    if dims.d == dims.dv && matches!(dims.d, 32 | 64) {
+    if dims.d == dims.dv && FUSED_HEAD_DIMS.contains(&dims.d) {
         let ld = long(ctx, node, "D", dims.d)?;
         let io = FusedIo { q: (q, 0), k: (k, 0), v: (v, 0), y, heads: 1, ldq: ld, ldkv: ld, ldy: ld };
         for kernel in FusedKernel::for_elem(elem) {
@@ -492,7 +497,7 @@ fn gpu_qkv_attention(ctx: &mut BuildCtx, node: NodeId, attrs: QkvAttention) -> R
 
     // (a), (b) the fused kernels read q, k and v in place: rows 3·H·D apart, k and v H·D and
     // 2·H·D elements after q; y's rows are H·D apart, head h at h·D.
-    if matches!(d, 32 | 64) {
+    if FUSED_HEAD_DIMS.contains(&d) {
         let (ld_in, ld_out) = (long(ctx, node, "3·H·D", 3 * hd)?, long(ctx, node, "H·D", hd)?);
         let heads = int(ctx, node, "heads", h)?;
         let io = FusedIo { q: (x, 0), k: (x, hd_bytes), v: (x, 2 * hd_bytes), y, heads, ldq: ld_in, ldkv: ld_in, ldy: ld_out };
@@ -762,6 +767,23 @@ enum FusedKernel {
     TensorCores,
 }
 
+/// The head dims the fused kernels are stamped for (`flash_attn_d32_*`, `flash_attn_d64_*`).
+const FUSED_HEAD_DIMS: [usize; 2] = [32, 64];
+
+/// The kernels this family's layers launch (kernels/attention.cu): the GEMM path's softmax, and
+/// each fused kernel for every head dim and element type it runs on. (The GEMM path's repacking
+/// is the engine's permute.)
+fn entry_points() -> Vec<String> {
+    let mut names = Vec::new();
+    for elem in [Elem::F32, Elem::F16] {
+        names.push(format!("attn_softmax_{}", elem.suffix()));
+        for kernel in FusedKernel::for_elem(elem) {
+            names.extend(FUSED_HEAD_DIMS.map(|d| kernel.entry(d, elem)));
+        }
+    }
+    names
+}
+
 /// Query rows per block of the fused kernels (`ATTN_BQ` in kernels/attention.cu).
 const FUSED_ROWS: usize = 64;
 /// The most blocks along a grid's y (the query tiles).
@@ -898,6 +920,32 @@ impl Layer for FusedAttention {
         launch(rt, &self.f, (z, self.tiles, 1), (self.kernel.threads(), 1, 1), 0, &args)
     }
 }
+
+/// Keys and values of the attention fixtures: `other[:, 0]` and `other[:, 1]`.
+fn fixture_kv(o: &Tensor) -> Result<(Tensor, Tensor)> {
+    let dims: Vec<isize> = std::iter::once(o.shape()[0]).chain(o.shape()[2..].iter().copied()).map(|d| d as isize).collect();
+    Ok((o.narrow(1, 0, 1)?.reshape(&dims)?, o.narrow(1, 1, 1)?.reshape(&dims)?))
+}
+
+/// The Kiln twins of this family's PyTorch op fixtures (`op_cases()` in tools/export_reference.py).
+#[doc(hidden)]
+pub const FIXTURE_TWINS: &[FixtureTwin] = &[
+    ("attention_vit", |f| {
+        let (k, v) = fixture_kv(f.other()?)?;
+        f.x.attention(&k, &v, None, None)
+    }),
+    ("attention_swin_bias", |f| {
+        let (k, v) = fixture_kv(f.other()?)?;
+        f.x.attention_weight(f.case, &k, &v, &f.vb.get(&[4, 3, 7, 7], "bias")?, Some(0.3))
+    }),
+    ("attention_bias_rows", |f| {
+        let (k, v) = fixture_kv(f.other()?)?;
+        f.x.attention_weight(f.case, &k, &v, &f.vb.get(&[5, 1], "bias")?, None)
+    }),
+    ("qkv_attention_vit", |f| f.x.qkv_attention(3, None, None)),
+    ("qkv_attention_swin_bias", |f| f.x.qkv_attention_weight(f.case, 3, &f.vb.get(&[4, 3, 7, 7], "bias")?, Some(0.3))),
+    ("qkv_attention_head_bias", |f| f.x.qkv_attention_weight(f.case, 2, &f.vb.get(&[2, 5, 5], "bias")?, None)),
+];
 
 #[cfg(test)]
 mod tests {

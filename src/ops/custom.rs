@@ -6,6 +6,7 @@ use crate::engine::{BuildCtx, Layer, Layout};
 use crate::graph::{HostTensor, NodeId};
 use crate::ops::{CpuArgs, LayoutPlan, OpDef};
 use crate::registry::build_table;
+use crate::tensor::Tensor;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
@@ -23,6 +24,16 @@ pub struct CustomCall {
 impl CustomCall {
     fn registered(&self) -> std::result::Result<&'static CustomOp, String> {
         lookup(&self.name).ok_or_else(|| format!("custom op `{}` is not registered", self.name))
+    }
+}
+
+impl Tensor {
+    /// Applies a user-registered custom op (see `ops::custom`).
+    pub fn custom(&self, name: &str, attrs: &[(&str, f64)], others: &[&Tensor]) -> Result<Tensor> {
+        let attrs = attrs.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+        let mut inputs = vec![self];
+        inputs.extend_from_slice(others);
+        Tensor::record_inline(crate::graph::Op::Custom(CustomCall { name: name.to_string(), attrs }), &inputs)
     }
 }
 
@@ -54,6 +65,9 @@ impl OpDef for CustomCall {
     }
     fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
         LayoutPlan { inputs: inputs.iter().map(|l| l.map(|l| Layout::native(l.rank()))).collect(), output: Layout::native(out_rank) }
+    }
+    fn colour(&self) -> &'static str {
+        "#cdb4db"
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         let path = ctx.node(node).path.clone();

@@ -4,7 +4,7 @@
 use crate::engine::{BuildCtx, Layer, Layout};
 use crate::graph::{NodeId, Op};
 use crate::module::{Forward, Module};
-use crate::ops::{CpuArgs, LayoutPlan, OpDef};
+use crate::ops::{CpuArgs, FixtureTwin, LayoutPlan, OpDef};
 use crate::tensor::{Param, Tensor};
 use crate::var_builder::VarBuilder;
 use crate::Result;
@@ -43,6 +43,10 @@ impl OpDef for Gemm {
     }
     fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
         LayoutPlan::all(inputs, Layout::contiguous(out_rank))
+    }
+    fn entry_points(&self) -> Vec<String> {
+        // Batched matmuls of activations; the rest are cuBLASLt GEMMs.
+        crate::engine::launch::typed_entry_points(&["matmul"])
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         match *self {
@@ -425,6 +429,18 @@ impl Layer for MatmulLayer {
         launch(rt, &self.f, grid, (16, 16, 1), 0, &args)
     }
 }
+
+/// The Kiln twins of this family's PyTorch op fixtures (`op_cases()` in tools/export_reference.py).
+#[doc(hidden)]
+pub const FIXTURE_TWINS: &[FixtureTwin] = &[
+    ("linear", |f| Linear::load(f.vb, &LinearConfig::new(20, 7))?.forward(f.x)),
+    ("linear_rank3", |f| Linear::load(f.vb, &LinearConfig::new(12, 7))?.forward(f.x)),
+    ("linear_rank4_nobias", |f| Linear::load(f.vb, &LinearConfig { bias: false, ..LinearConfig::new(8, 3) })?.forward(f.x)),
+    ("matmul_bmm", |f| f.x.bmm(f.other()?)),
+    ("matmul_broadcast", |f| f.x.matmul(f.other()?)),
+    ("matmul_weight", |f| f.x.matmul_weight(f.case, &f.vb.get(&[9, 4], "weight")?)),
+    ("matmul_weight_batched", |f| f.x.matmul_weight(f.case, &f.vb.get(&[3, 6, 4], "weight")?)),
+];
 
 #[cfg(test)]
 mod tests {

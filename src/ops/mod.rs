@@ -1,11 +1,14 @@
 //! Every op, one family a file. Each family is an enum (or attribute struct) that implements
-//! [`OpDef`]: its name, shape rule, CPU reference, engine layouts, GPU converter and DOT label live
-//! together, and `Op::def` is the one place that dispatches from the graph's `Op` to them.
+//! [`OpDef`]: its name, shape rule, CPU reference, engine layouts, GPU converter, DOT label and
+//! colour and the kernels it launches live together, with its engine layers, modules, `Tensor`
+//! methods and fixture twins; `Op::def` is the one place that dispatches from the graph's `Op` to
+//! them.
 //!
 //! Adding an op: add a variant to its family's enum (or a family file and one `Op` variant), fill
 //! in the `OpDef` match arms the compiler then asks for, add a PyTorch fixture to
-//! `tools/export_reference.py`, and, when it needs one, a kernel in `kernels/`. Codegen needs
-//! nothing: it writes the op's serde form as Rust (see `codegen`).
+//! `tools/export_reference.py` and its Kiln twin to the family's `FIXTURE_TWINS`, and, when it
+//! needs one, a kernel in `kernels/`. Codegen needs nothing: it writes the op's serde form as Rust
+//! (see `codegen`).
 
 pub mod attention;
 pub mod conv;
@@ -20,6 +23,8 @@ pub mod shape;
 
 use crate::engine::{BuildCtx, Layer, Layout};
 use crate::graph::{Binary, ConvAttrs, Gemm, HostTensor, NodeId, Norm, Op, Pool, Quant, Resize, ShapeOp, Unary};
+use crate::tensor::Tensor;
+use crate::var_builder::VarBuilder;
 use std::borrow::Cow;
 use strum::IntoEnumIterator;
 
@@ -70,6 +75,68 @@ pub trait OpDef {
     fn label(&self) -> String {
         self.name().to_string()
     }
+
+    /// The fill colour of the node's box in Graphviz drawings. By default the colour of the
+    /// compute-heavy ops (convolutions, GEMMs, attention); the other families name their own.
+    fn colour(&self) -> &'static str {
+        "#8ecae6"
+    }
+
+    /// The NVRTC entry points the layers of this op's family launch (`activation_f16`, ...), for
+    /// CI's NVRTC test to find each defined once ([`kernel_entry_points`] gathers them). Ops of
+    /// one family may return the same list.
+    fn entry_points(&self) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+/// Every NVRTC entry point Kiln's layers may launch: the engine's own (reformats, strided
+/// copies) and every op family's (`OpDef::entry_points` of [`builtin_ops`]), sorted, each once.
+pub fn kernel_entry_points() -> Vec<String> {
+    let mut names: std::collections::BTreeSet<String> = crate::engine::kernels::engine_entry_points().into_iter().collect();
+    names.extend(builtin_ops().iter().filter_map(Op::def).flat_map(|d| d.entry_points()));
+    // The convolution family's depthwise kernels (its other kernels are compiled on demand).
+    names.extend(conv::depthwise::entry_points());
+    names.into_iter().collect()
+}
+
+/// What the Kiln twin of one PyTorch op fixture case gets (`op_cases()` in
+/// tools/export_reference.py, checked by tests/op_fixtures.rs): the case's name, its parameters
+/// (`<case>.weight`, ...), its input and its second input, if the case has one.
+#[doc(hidden)]
+pub struct Fixture<'a> {
+    pub case: &'a str,
+    pub vb: VarBuilder,
+    pub x: &'a Tensor,
+    pub other: Option<&'a Tensor>,
+}
+
+impl<'a> Fixture<'a> {
+    /// The case's second input, or an error naming the case.
+    pub fn other(&self) -> crate::Result<&'a Tensor> {
+        self.other.ok_or_else(|| crate::Error::MissingWeight { key: format!("{}.other", self.case), source_name: "the op fixtures".into() })
+    }
+}
+
+/// A fixture case's name and its Kiln twin. Each family lists its own beside its ops
+/// (`FIXTURE_TWINS`), so adding an op and its fixture touches no test.
+#[doc(hidden)]
+pub type FixtureTwin = (&'static str, fn(Fixture<'_>) -> crate::Result<Tensor>);
+
+/// Every family's fixture twins.
+#[doc(hidden)]
+pub fn fixture_twins() -> Vec<FixtureTwin> {
+    [
+        elementwise::FIXTURE_TWINS,
+        pool::FIXTURE_TWINS,
+        norm::FIXTURE_TWINS,
+        linear::FIXTURE_TWINS,
+        shape::FIXTURE_TWINS,
+        resize::FIXTURE_TWINS,
+        attention::FIXTURE_TWINS,
+        quant::FIXTURE_TWINS,
+    ]
+    .concat()
 }
 
 /// The layouts a converter wants its inputs in (`None`: a weight, or any layout) and the layout
@@ -147,5 +214,29 @@ pub fn pair_label(tag: &str, v: [usize; 2], default: usize) -> String {
         [a, b] if a == b && a == default => String::new(),
         [a, b] if a == b => format!(" {tag}{a}"),
         [a, b] => format!(" {tag}{a},{b}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::kernels::FAMILIES;
+
+    #[test]
+    fn every_entry_point_is_named_in_its_family_source() {
+        let names = kernel_entry_points();
+        for some in ["cast_u8_f16", "shape_roll_v16", "activation_f16", "flash_attn_tc_d64_f16", "depthwise_k7_f32"] {
+            assert!(names.iter().any(|n| n == some), "the engine's and every family's entry points, {some} missing from {names:?}");
+        }
+        for name in &names {
+            // Stamped by a macro: `activation_##S` with S = f32 (`cast_##S` with S = u8_f16), or a
+            // plain `decode_merge(`.
+            let mut stem = name.as_str();
+            while let Some(shorter) = ["_f32", "_f16", "_u8"].iter().find_map(|t| stem.strip_suffix(t)) {
+                stem = shorter;
+            }
+            let found = FAMILIES.iter().any(|(_, src)| src.contains(&format!(" {stem}_##S")) || src.contains(&format!(" {name}(")));
+            assert!(found, "no family defines `{name}`");
+        }
     }
 }

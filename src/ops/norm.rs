@@ -5,7 +5,7 @@
 use crate::engine::{BuildCtx, Layer, Layout};
 use crate::graph::{NodeId, Op};
 use crate::module::{Forward, Module};
-use crate::ops::{CpuArgs, LayoutPlan, OpDef};
+use crate::ops::{CpuArgs, FixtureTwin, LayoutPlan, OpDef};
 use crate::tensor::{Param, Tensor};
 use crate::var_builder::VarBuilder;
 use crate::Result;
@@ -74,6 +74,13 @@ impl OpDef for Norm {
             Norm::Softmax { dim } => rows_layout(inputs, out_rank, *dim, 1),
             Norm::LayerNorm { dim, shape, .. } => rows_layout(inputs, out_rank, *dim, shape.len()),
         }
+    }
+    fn entry_points(&self) -> Vec<String> {
+        // Softmax and LayerNorm; BatchNorm runs as cuDNN or the elementwise family's `bias_act`.
+        crate::engine::launch::typed_entry_points(&["softmax", "layer_norm"])
+    }
+    fn colour(&self) -> &'static str {
+        "#ffe08a"
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         match self {
@@ -438,7 +445,7 @@ pub fn batch_norm2d_cpu(eps: f32, mut x: HostTensor, params: [&HostTensor; 4]) -
 /// timing picks.
 fn gpu_batch_norm2d(ctx: &mut BuildCtx, node: NodeId, eps: f32) -> Result<Box<dyn Layer>> {
     use crate::engine::cudnn::{conv_candidates_with, ConvGeometry, ConvProblem, Epilogue};
-    use crate::engine::kernel_layers::bias_act;
+    use crate::ops::elementwise::bias_act;
     let params = [ctx.weight(node, 1)?, ctx.weight(node, 2)?, ctx.weight(node, 3)?, ctx.weight(node, 4)?];
     let (scale, shift) = batch_norm_scale_shift(&params[0].data, &params[1].data, &params[2].data, &params[3].data, eps);
     let c = scale.len();
@@ -552,6 +559,20 @@ fn gpu_rows(ctx: &mut BuildCtx, node: NodeId, op: RowOp, dim: usize, count: usiz
     let path = ctx.node(node).path.clone();
     Ok(Box::new(RowsLayer { path, op, f, x, y, params, outer, len, inner, sm_count: ctx.kernels.sm_count() }))
 }
+
+/// The Kiln twins of this family's PyTorch op fixtures (`op_cases()` in tools/export_reference.py).
+#[doc(hidden)]
+pub const FIXTURE_TWINS: &[FixtureTwin] = &[
+    ("batch_norm2d_eps", |f| BatchNorm2d::load(f.vb, &BatchNorm2dConfig { num_features: 5, eps: 1e-3 })?.forward(f.x)),
+    ("softmax_dim1", |f| Softmax::load(f.vb, &1)?.forward(f.x)),
+    ("softmax_last", |f| f.x.affine(4.0, 0.0)?.softmax(-1)),
+    ("softmax_mid", |f| f.x.softmax(2)),
+    ("layer_norm_last", |f| LayerNorm::load(f.vb, &LayerNormConfig::new(&[24]))?.forward(f.x)),
+    ("layer_norm_convnext_nhwc", |f| LayerNorm::load(f.vb, &LayerNormConfig::new(&[8]).eps(1e-6))?.forward(f.x)),
+    ("layer_norm_2d_torchvision", |f| LayerNorm2d::load(f.vb, &LayerNormConfig::new(&[8]).eps(1e-6))?.forward(f.x)),
+    ("layer_norm_two_dims", |f| LayerNorm::load(f.vb, &LayerNormConfig::new(&[6, 7]).eps(1e-3))?.forward(f.x)),
+    ("layer_norm_no_affine", |f| LayerNorm::load(f.vb, &LayerNormConfig::new(&[10]).elementwise_affine(false))?.forward(f.x)),
+];
 
 #[cfg(test)]
 mod tests {

@@ -1,10 +1,10 @@
 //! Pooling: MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, and the mean over any dims (`Tensor::mean`).
 
-use crate::engine::kernel_layers::{pool_layer, PoolKind};
-use crate::engine::{BuildCtx, Layer, Layout};
+use crate::engine::launch::{grid_for, launch, nhwc, pack, same_elem, to_i32, typed_entry_points, CudaFunction, KArg, BLOCK};
+use crate::engine::{BuildCtx, Layer, Layout, RunCtx, ValueId};
 use crate::graph::{NodeId, Op};
 use crate::module::{Forward, Module};
-use crate::ops::{one_input, pair_label, CpuArgs, LayoutPlan, OpDef};
+use crate::ops::{one_input, pair_label, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
 use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
 use crate::Result;
@@ -74,6 +74,12 @@ impl OpDef for Pool {
             Pool::Mean { .. } => LayoutPlan::any_input(inputs, Layout::contiguous(out_rank)),
             _ => LayoutPlan::all(inputs, Layout::channels_last(out_rank)),
         }
+    }
+    fn entry_points(&self) -> Vec<String> {
+        typed_entry_points(KERNELS)
+    }
+    fn colour(&self) -> &'static str {
+        "#b7e4c7"
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         match self {
@@ -195,6 +201,10 @@ impl Forward for AdaptiveAvgPool2d {
 }
 
 impl Tensor {
+    /// `F.adaptive_avg_pool2d(x, output)`, inline.
+    pub fn adaptive_avg_pool2d(&self, output: [usize; 2]) -> Result<Tensor> {
+        Tensor::record_inline(Op::Pool(Pool::AdaptiveAvg { output }), &[self])
+    }
     /// `x.mean(dims, keepdim)` inline: the mean over `dims` (each >= 1: the batch is dim 0; the
     /// order does not matter), e.g. `x.mean(&[2, 3], false)` is global average pooling of NCHW.
     pub fn mean(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
@@ -377,13 +387,128 @@ pub fn adaptive_avg_pool2d_cpu(output: [usize; 2], x: &HostTensor) -> Result<Hos
 
 // ---- GPU converter for the mean (kernels/norm.cu)
 
+// ---- engine layers (kernels/pool.cu) ----------------------------------------------------------
+
+/// The kernels this family's layers launch, stamped per element type.
+const KERNELS: &[&str] = &["max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "global_avg_pool", "mean"];
+
+/// Which pooling a `PoolLayer` runs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum PoolKind {
+    Max,
+    Avg { count_include_pad: bool },
+    Adaptive,
+}
+
+pub struct PoolLayer {
+    path: String,
+    kind: PoolKind,
+    f: CudaFunction,
+    x: ValueId,
+    y: ValueId,
+    /// H, W, C, OH, OW
+    dims: [i32; 5],
+    /// kh, kw, sh, sw, ph, pw (unused by adaptive pooling)
+    window: [i32; 6],
+    vec: usize,
+    sm_count: u32,
+}
+
+/// Rows of the global-average-pool kernel's blocks (`GAP_ROWS` in kernels/pool.cu).
+const GAP_ROWS: u32 = 8;
+
+impl PoolLayer {
+    /// Adaptive pooling to 1×1: a reduction over every pixel, with a kernel of its own.
+    fn is_global(&self) -> bool {
+        self.kind == PoolKind::Adaptive && self.dims[3] == 1 && self.dims[4] == 1
+    }
+}
+
+impl Layer for PoolLayer {
+    fn path(&self) -> &str {
+        &self.path
+    }
+    fn kind(&self) -> String {
+        match self.kind {
+            PoolKind::Max => "kernel:max_pool2d".into(),
+            PoolKind::Avg { .. } => "kernel:avg_pool2d".into(),
+            PoolKind::Adaptive if self.is_global() => "kernel:global_avg_pool".into(),
+            PoolKind::Adaptive => "kernel:adaptive_avg_pool2d".into(),
+        }
+    }
+    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        let [h, w, c, oh, ow] = self.dims;
+        if self.is_global() {
+            // One block per (image, 32 channel packs): `GAP_ROWS` rows of 32 lanes. A pack is 16
+            // bytes where C and both pointers allow it (the kernel makes the same choice).
+            let aligned = rt.ptr(self.x).is_multiple_of(16) && rt.ptr(self.y).is_multiple_of(16);
+            let vec = if aligned { self.vec } else { 1 };
+            let grid = (batch as u32, (c as u32).div_ceil(32 * vec as u32), 1);
+            let args = [KArg::Ptr(rt.ptr(self.x)), KArg::Ptr(rt.ptr(self.y)), KArg::I32(h * w), KArg::I32(c)];
+            return launch(rt, &self.f, grid, (32 * GAP_ROWS, 1, 1), 0, &args);
+        }
+        let mut args = vec![KArg::Ptr(rt.ptr(self.x)), KArg::Ptr(rt.ptr(self.y)), KArg::I32(batch as i32)];
+        args.extend([h, w, c, oh, ow].map(KArg::I32));
+        if self.kind != PoolKind::Adaptive {
+            args.extend(self.window.map(KArg::I32));
+        }
+        if let PoolKind::Avg { count_include_pad } = self.kind {
+            args.push(KArg::I32(count_include_pad as i32));
+        }
+        let work = batch * (oh * ow) as usize * c as usize / self.vec;
+        launch(rt, &self.f, grid_for(work, self.sm_count), (BLOCK, 1, 1), 0, &args)
+    }
+}
+
+/// A pooling layer over NHWC values; `window` = kh, kw, sh, sw, ph, pw (unused by adaptive pooling).
+pub fn pool_layer(ctx: &mut BuildCtx, node: NodeId, kind: PoolKind, window: [usize; 6]) -> Result<Box<dyn Layer>> {
+    let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
+    pool_layer_between(ctx, node, kind, window, x, y)
+}
+
+/// `pool_layer` from `x` to `y` rather than the node's input and output (a conv's fused max-pool
+/// reads the conv's output from scratch).
+pub fn pool_layer_between(
+    ctx: &mut BuildCtx,
+    node: NodeId,
+    kind: PoolKind,
+    window: [usize; 6],
+    x: ValueId,
+    y: ValueId,
+) -> Result<Box<dyn Layer>> {
+    let elem = same_elem(ctx, node, &[x, y])?;
+    let (c, h, w) = nhwc(ctx, node, x)?;
+    let (c2, oh, ow) = nhwc(ctx, node, y)?;
+    if c2 != c {
+        return Err(ctx.err(node, format!("pooling maps {c} channels to {c2}")));
+    }
+    // Launch arguments are 32-bit; the batch is checked when the layer runs.
+    let mut dims = [0i32; 5];
+    for (d, (name, v)) in dims.iter_mut().zip([("H", h), ("W", w), ("C", c), ("OH", oh), ("OW", ow)]) {
+        *d = to_i32(ctx, node, name, v)?;
+    }
+    let mut win = [0i32; 6];
+    for (d, v) in win.iter_mut().zip(window) {
+        *d = to_i32(ctx, node, "window", v)?;
+    }
+    let name = match kind {
+        PoolKind::Max => "max_pool2d",
+        PoolKind::Avg { .. } => "avg_pool2d",
+        PoolKind::Adaptive if (oh, ow) == (1, 1) => "global_avg_pool",
+        PoolKind::Adaptive => "adaptive_avg_pool2d",
+    };
+    let f = ctx.kernels.get(&format!("{name}_{}", elem.suffix()))?;
+    let vec = if c % pack(elem) == 0 { pack(elem) } else { 1 };
+    Ok(Box::new(PoolLayer { path: ctx.node(node).path.clone(), kind, f, x, y, dims, window: win, vec, sm_count: ctx.kernels.sm_count() }))
+}
+
 /// The mean over `dims` of a value in any layout: one thread (or warp, when the innermost reduced
 /// dim is contiguous and long) per output, writing the contiguous output.
 struct MeanLayer {
     path: String,
-    f: crate::engine::launch::CudaFunction,
-    x: crate::engine::ValueId,
-    y: crate::engine::ValueId,
+    f: CudaFunction,
+    x: ValueId,
+    y: ValueId,
     meta: crate::engine::DeviceBuf,
     kept: i32,
     red: i32,
@@ -400,8 +525,7 @@ impl Layer for MeanLayer {
     fn kind(&self) -> String {
         format!("kernel:mean{}", if self.warp { "_warp" } else { "" })
     }
-    fn enqueue(&self, rt: &crate::engine::RunCtx, batch: usize) -> Result<()> {
-        use crate::engine::launch::{grid_for, launch, KArg, BLOCK};
+    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let n = batch * self.per_image;
         let args = [
             KArg::Ptr(rt.ptr(self.x)),
@@ -454,6 +578,24 @@ fn gpu_mean(ctx: &mut BuildCtx, node: NodeId, dims: &[usize]) -> Result<Box<dyn 
         sm_count: ctx.kernels.sm_count(),
     }))
 }
+
+/// The Kiln twins of this family's PyTorch op fixtures (`op_cases()` in tools/export_reference.py).
+#[doc(hidden)]
+pub const FIXTURE_TWINS: &[FixtureTwin] = &[
+    ("max_pool2d_ceil", |f| MaxPool2d::load(f.vb, &Pool2dConfig::new(3).stride(2).padding(1).ceil_mode(true))?.forward(f.x)),
+    ("max_pool2d_default", |f| MaxPool2d::load(f.vb, &Pool2dConfig::new(2))?.forward(f.x)),
+    ("avg_pool2d_pad", |f| AvgPool2d::load(f.vb, &Pool2dConfig::new(3).stride(2).padding(1))?.forward(f.x)),
+    ("avg_pool2d_pad_exclude", |f| {
+        let cfg = Pool2dConfig { count_include_pad: false, ..Pool2dConfig::new(3).stride(2).padding(1) };
+        AvgPool2d::load(f.vb, &cfg)?.forward(f.x)
+    }),
+    ("avg_pool2d_ceil", |f| AvgPool2d::load(f.vb, &Pool2dConfig::new(2).stride(2).ceil_mode(true))?.forward(f.x)),
+    ("adaptive_avg_pool2d_3x3", |f| AdaptiveAvgPool2d::load(f.vb, &[3, 3])?.forward(f.x)),
+    ("mean_hw", |f| f.x.mean(&[2, 3], false)),
+    ("mean_hw_keepdim", |f| f.x.mean(&[3, 2], true)),
+    ("mean_last", |f| f.x.mean(&[f.x.shape().len() - 1], false)),
+    ("mean_dim1_keepdim", |f| f.x.mean(&[1], true)),
+];
 
 #[cfg(test)]
 mod tests {

@@ -12,10 +12,11 @@
 //!
 //! The output size is `size`, or `floor(in * scale_factor)` (computed in f64, as PyTorch).
 
+use crate::engine::launch::{nhwc, pack, same_elem, to_i32, typed_entry_points, Arg, KArg, KernelLayer};
 use crate::engine::{BuildCtx, Layer, Layout};
 use crate::graph::{HostTensor, NodeId, Op};
 use crate::module::{Forward, Module};
-use crate::ops::{one_input, CpuArgs, LayoutPlan, OpDef};
+use crate::ops::{one_input, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
 use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
 use crate::Result;
@@ -181,8 +182,14 @@ impl OpDef for Resize {
     fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
         LayoutPlan::all(inputs, Layout::channels_last(out_rank))
     }
+    fn entry_points(&self) -> Vec<String> {
+        typed_entry_points(&["resize_nearest", "resize_bilinear"])
+    }
+    fn colour(&self) -> &'static str {
+        "#b7e4c7"
+    }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
-        crate::engine::kernel_layers::resize(ctx, node, self)
+        gpu_resize(ctx, node, self)
     }
     fn label(&self) -> String {
         let (size, scale) = self.size_scale();
@@ -195,6 +202,52 @@ impl OpDef for Resize {
         let corners = if matches!(self, Resize::Bilinear { align_corners: true, .. }) { " align_corners" } else { "" };
         format!("{}{how}{corners}", self.name())
     }
+}
+
+/// Nearest or bilinear resizing of an NHWC image (`resize_nearest_*`, `resize_bilinear_*` in
+/// kernels/resize.cu) through per-axis index (and weight) tables, which come from the op's own
+/// index arithmetic, the one the CPU reference uses.
+fn gpu_resize(ctx: &mut BuildCtx, node: NodeId, op: &Resize) -> Result<Box<dyn Layer>> {
+    let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
+    let elem = same_elem(ctx, node, &[x, y])?;
+    let (c, h, w) = nhwc(ctx, node, x)?;
+    let (c2, oh, ow) = nhwc(ctx, node, y)?;
+    if c2 != c || op.output_hw([h, w]).map_err(|e| ctx.err(node, e))? != [oh, ow] {
+        return Err(ctx.err(node, format!("resize maps [{c}, {h}, {w}] to [{c2}, {oh}, {ow}]")));
+    }
+    let mut args = vec![Arg::Value(x), Arg::Value(y), Arg::Batch];
+    for (name, v) in [("H", h), ("W", w), ("C", c), ("OH", oh), ("OW", ow)] {
+        args.push(Arg::Const(KArg::I32(to_i32(ctx, node, name, v)?)));
+    }
+    let ints = |v: Vec<usize>| -> Vec<u8> { v.into_iter().flat_map(|i| (i as i32).to_le_bytes()).collect() };
+    let (kind, tab, lam) = match *op {
+        Resize::Nearest { scale, .. } => {
+            let mut t = Resize::nearest_indices(scale.map(|s| s[0]), h, oh);
+            t.extend(Resize::nearest_indices(scale.map(|s| s[1]), w, ow));
+            ("resize_nearest", ints(t), None)
+        }
+        Resize::Bilinear { scale, align_corners, .. } => {
+            let ty = Resize::linear_indices(scale.map(|s| s[0]), align_corners, h, oh);
+            let tx = Resize::linear_indices(scale.map(|s| s[1]), align_corners, w, ow);
+            let mut idx = Vec::with_capacity(2 * (oh + ow));
+            let mut lam = Vec::with_capacity(2 * (oh + ow));
+            for t in [&ty, &tx] {
+                idx.extend(t.iter().map(|e| e.0));
+                idx.extend(t.iter().map(|e| e.1));
+                lam.extend(t.iter().map(|e| e.2));
+                lam.extend(t.iter().map(|e| e.3));
+            }
+            ("resize_bilinear", ints(idx), Some(lam))
+        }
+    };
+    args.push(Arg::buf(ctx.upload_bytes(&tab)?));
+    if let Some(lam) = lam {
+        args.push(Arg::buf(ctx.upload_f32(&lam)?));
+    }
+    let vec = if c % pack(elem) == 0 { pack(elem) } else { 1 };
+    args.push(Arg::Const(KArg::I32((vec > 1) as i32)));
+    let layer = KernelLayer::new(ctx, node, &format!("{kind}_{}", elem.suffix()), args, oh * ow * c)?;
+    Ok(Box::new(layer.kind(format!("kernel:{kind}")).items(vec)))
 }
 
 /// `F.interpolate`'s modes that Kiln implements.
@@ -301,6 +354,26 @@ impl Tensor {
         Tensor::record_inline(resize_op(self, config, "interpolate")?, &[self])
     }
 }
+
+/// The Kiln twins of this family's PyTorch op fixtures (`op_cases()` in tools/export_reference.py):
+/// `nn.Upsample` modules and inline `F.interpolate` calls.
+#[doc(hidden)]
+pub const FIXTURE_TWINS: &[FixtureTwin] = &[
+    ("upsample_nearest2d_scale2", |f| Upsample::load(f.vb, &UpsampleConfig::scale(2.0))?.forward(f.x)),
+    ("upsample_nearest2d_scale1_5", |f| Upsample::load(f.vb, &UpsampleConfig::scale(1.5))?.forward(f.x)),
+    ("upsample_nearest2d_scale1_7", |f| f.x.interpolate(&UpsampleConfig::scale(1.7))),
+    ("upsample_nearest2d_recompute", |f| f.x.interpolate(&UpsampleConfig::scale(1.7).recompute_scale_factor(true))),
+    ("upsample_nearest2d_scale_hw", |f| Upsample::load(f.vb, &UpsampleConfig::scale2(2.0, 1.5))?.forward(f.x)),
+    ("upsample_nearest2d_scale_near1", |f| Upsample::load(f.vb, &UpsampleConfig::scale(1.05))?.forward(f.x)),
+    ("upsample_nearest2d_size", |f| Upsample::load(f.vb, &UpsampleConfig::size(11, 4))?.forward(f.x)),
+    ("upsample_bilinear2d_scale2", |f| Upsample::load(f.vb, &UpsampleConfig::scale(2.0).bilinear(false))?.forward(f.x)),
+    ("upsample_bilinear2d_scale2_align_corners", |f| Upsample::load(f.vb, &UpsampleConfig::scale(2.0).bilinear(true))?.forward(f.x)),
+    ("upsample_bilinear2d_scale1_5", |f| Upsample::load(f.vb, &UpsampleConfig::scale(1.5).bilinear(false))?.forward(f.x)),
+    ("upsample_bilinear2d_scale1_7", |f| f.x.interpolate(&UpsampleConfig::scale(1.7).bilinear(false))),
+    ("upsample_bilinear2d_down", |f| f.x.interpolate(&UpsampleConfig::scale(0.6).bilinear(false))),
+    ("upsample_bilinear2d_size", |f| Upsample::load(f.vb, &UpsampleConfig::size(9, 13).bilinear(false))?.forward(f.x)),
+    ("upsample_bilinear2d_size_align_corners", |f| Upsample::load(f.vb, &UpsampleConfig::size(9, 4).bilinear(true))?.forward(f.x)),
+];
 
 #[cfg(test)]
 mod tests {

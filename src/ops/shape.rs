@@ -6,11 +6,12 @@
 //! layout, a permute re-expressed as the permuted layout), and slice, pad and cat are strided
 //! copies (`kernels/shape.cu`) in whatever layout their input is in.
 
+use crate::engine::launch::{grid_for, launch, same_elem, to_i32, typed_entry_points, CudaFunction, KArg, BLOCK};
 use crate::engine::strided::{CopyDim, CopyKind, StridedCopy, StridedLayer};
-use crate::engine::{BuildCtx, Layer, Layout, ValueId};
+use crate::engine::{BuildCtx, Layer, Layout, RunCtx, ValueId};
 use crate::graph::{HostTensor, NodeId, Op};
 use crate::module::{Forward, Module};
-use crate::ops::{one_input, CpuArgs, LayoutPlan, OpDef};
+use crate::ops::{one_input, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
 use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
 use crate::{Error, Result};
@@ -92,6 +93,13 @@ impl OpDef for ShapeOp {
                 LayoutPlan::any_input(inputs, first.unwrap_or(Layout::contiguous(out_rank)))
             }
         }
+    }
+    fn entry_points(&self) -> Vec<String> {
+        // The strided copies of the other shape ops are the engine's (`engine::strided`).
+        typed_entry_points(&["concat_channels"])
+    }
+    fn colour(&self) -> &'static str {
+        "#dee2e6"
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         match self {
@@ -478,7 +486,7 @@ fn gpu_cat(ctx: &mut BuildCtx, node: NodeId, dim: usize) -> Result<Box<dyn Layer
         d.layout.same_bytes(Layout::channels_last(d.dims.len()), &d.dims)
     };
     if k == 0 && matches!(dy.dims.len(), 1 | 3) && channels_last(y) && ins.iter().all(|&v| channels_last(v)) {
-        return crate::engine::kernel_layers::concat(ctx, node, dim);
+        return concat_channels(ctx, node, dim);
     }
     let ys = dy.layout.strides(&dy.dims);
     let mut copies = Vec::with_capacity(ins.len());
@@ -492,6 +500,82 @@ fn gpu_cat(ctx: &mut BuildCtx, node: NodeId, dim: usize) -> Result<Box<dyn Layer
         at += dx.dims[k];
     }
     Ok(strided_layer(ctx, node, "cat", copies))
+}
+
+/// `cat` along the channels of NHWC values: one `concat_channels` launch per input.
+struct ConcatLayer {
+    path: String,
+    f: CudaFunction,
+    /// Each input and its channel count, in output order.
+    inputs: Vec<(ValueId, usize)>,
+    y: ValueId,
+    rows_per_image: usize,
+    out_channels: usize,
+    sm_count: u32,
+}
+
+impl Layer for ConcatLayer {
+    fn path(&self) -> &str {
+        &self.path
+    }
+    fn kind(&self) -> String {
+        format!("kernel:concat_channels(x{})", self.inputs.len())
+    }
+    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        let rows = batch * self.rows_per_image;
+        let mut offset = 0;
+        for &(x, cin) in &self.inputs {
+            let args = [
+                KArg::Ptr(rt.ptr(x)),
+                KArg::Ptr(rt.ptr(self.y)),
+                KArg::I64(rows as i64),
+                KArg::I32(cin as i32),
+                KArg::I32(self.out_channels as i32),
+                KArg::I32(offset as i32),
+            ];
+            launch(rt, &self.f, grid_for(rows * cin / 4, self.sm_count), (BLOCK, 1, 1), 0, &args)?;
+            offset += cin;
+        }
+        Ok(())
+    }
+}
+
+/// `cat` along channels (dim 1 of NCHW, the innermost of NHWC). Other dims are rejected.
+fn concat_channels(ctx: &mut BuildCtx, node: NodeId, dim: usize) -> Result<Box<dyn Layer>> {
+    let n_in = ctx.node(node).inputs.len();
+    let y = ctx.output(node)?;
+    let ins: Vec<ValueId> = (0..n_in).map(|i| ctx.input(node, i)).collect::<Result<_>>()?;
+    let mut all = ins.clone();
+    all.push(y);
+    let elem = same_elem(ctx, node, &all)?;
+    let dy = ctx.value(y).clone();
+    let rank = dy.dims.len() + 1;
+    if dim != 1 {
+        return Err(
+            ctx.err(node, format!("the GPU engine concatenates along channels (dim 1) only, got dim {dim} of a rank-{rank} tensor"))
+        );
+    }
+    let (cout, h, w) = dy.chw().ok_or_else(|| ctx.err(node, format!("cannot concatenate values of dims {:?}", dy.dims)))?;
+    let mut inputs = Vec::with_capacity(n_in);
+    for v in ins {
+        let d = ctx.value(v);
+        let (c, hi, wi) = d.chw().ok_or_else(|| ctx.err(node, format!("cannot concatenate values of dims {:?}", d.dims)))?;
+        if (hi, wi) != (h, w) || !d.layout.same_bytes(Layout::channels_last(d.dims.len()), &d.dims) {
+            return Err(ctx.err(node, format!("input {:?} {:?} does not fit output {:?}", d.layout, d.dims, dy.dims)));
+        }
+        inputs.push((v, c));
+    }
+    to_i32(ctx, node, "channels", cout)?;
+    let f = ctx.kernels.get(&format!("concat_channels_{}", elem.suffix()))?;
+    Ok(Box::new(ConcatLayer {
+        path: ctx.node(node).path.clone(),
+        f,
+        inputs,
+        y,
+        rows_per_image: h * w,
+        out_channels: cout,
+        sm_count: ctx.kernels.sm_count(),
+    }))
 }
 
 /// A gather writing all of `y` (in its layout): output element at logical index `i` reads
@@ -547,6 +631,14 @@ fn norm_dim(x: &Tensor, op: &str, d: isize) -> Result<usize> {
 }
 
 impl Tensor {
+    /// Flattens dimensions `start..` into one, as `torch.flatten(x, start)`.
+    pub fn flatten(&self, start: usize) -> Result<Tensor> {
+        Tensor::record_inline(Op::Shape(ShapeOp::Flatten { start }), &[self])
+    }
+    /// Concatenates along `dim`, as `torch.cat`.
+    pub fn cat(tensors: &[&Tensor], dim: usize) -> Result<Tensor> {
+        Tensor::record_inline(Op::Shape(ShapeOp::Cat { dim }), tensors)
+    }
     /// `x.reshape(shape)`, with at most one `-1` (inferred), as PyTorch. Dim 0 must stay the batch.
     pub fn reshape(&self, shape: &[isize]) -> Result<Tensor> {
         let x = self.shape();
@@ -723,6 +815,41 @@ impl Forward for ZeroPad2d {
         self.0.forward(x)
     }
 }
+
+/// `chunks` in reverse order, concatenated along `dim`: the slice fixtures' way of using every
+/// piece.
+fn cat_reversed(chunks: Vec<Tensor>, dim: usize) -> Result<Tensor> {
+    Tensor::cat(&chunks.iter().rev().collect::<Vec<_>>(), dim)
+}
+
+/// The Kiln twins of this family's PyTorch op fixtures (`op_cases()` in tools/export_reference.py).
+#[doc(hidden)]
+pub const FIXTURE_TWINS: &[FixtureTwin] = &[
+    ("cat", |f| Tensor::cat(&[f.x, f.other()?], 1)),
+    ("cat_dim2", |f| Tensor::cat(&[f.x, f.other()?], 2)),
+    ("cat_last", |f| Tensor::cat(&[f.x, f.other()?], 3)),
+    ("cat_rank2", |f| Tensor::cat(&[f.x, f.other()?], 1)),
+    ("flatten", |f| f.x.flatten(1)),
+    ("flatten_start2", |f| f.x.flatten(2)),
+    ("flatten_range_mid", |f| f.x.flatten_range(1, 2)),
+    ("reshape_infer", |f| f.x.reshape(&[3, 2, -1, 5])),
+    ("reshape_view_flat", |f| f.x.view(&[2, -1])),
+    ("reshape_channel_shuffle", |f| f.x.view(&[2, 3, 2, 5, 7])?.transpose(1, 2)?.contiguous()?.view(&[2, 6, 5, 7])),
+    ("permute_nhwc", |f| f.x.permute(&[0, 2, 3, 1])),
+    ("permute_rank5", |f| f.x.permute(&[0, 3, 1, 4, 2])),
+    ("permute_transpose_last", |f| f.x.transpose(-1, -2)),
+    ("slice_narrow", |f| f.x.narrow(2, 1, 3)),
+    ("slice_narrow_last", |f| f.x.narrow(-1, 2, 4)),
+    ("slice_chunk_reversed", |f| cat_reversed(f.x.chunk(3, 3)?, 3)),
+    ("slice_chunk_fewer", |f| cat_reversed(f.x.chunk(4, 1)?, 1)),
+    ("slice_split_sizes", |f| cat_reversed(f.x.split(&[2, 4, 1], 1)?, 1)),
+    ("pad_constant", |f| f.x.pad(&[1, 2, 0, 3], 0.5)),
+    ("pad_channels", |f| f.x.pad(&[1, 0, 0, 2, 2, 1], -2.0)),
+    ("pad_zero2d", |f| ZeroPad2d::load(f.vb, &[2, 1, 1, 0])?.forward(f.x)),
+    ("pad_constant2d", |f| ConstantPad2d::load(f.vb, &ConstantPad2dConfig { padding: [1, 1, 2, 2], value: -1.5 })?.forward(f.x)),
+    ("roll_swin_shift", |f| f.x.roll(&[-3, -3], &[1, 2])),
+    ("roll_mixed", |f| f.x.roll(&[11, -2], &[3, 1])),
+];
 
 #[cfg(test)]
 mod tests {

@@ -8,7 +8,7 @@
 
 use crate::op::{geometry, DeformAttrs, Geometry};
 use kiln::engine::gemm::LtMatmul;
-use kiln::engine::kernel_layers::{grid_for, launch, CudaFunction, KArg, BLOCK};
+use kiln::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
 use kiln::engine::{BuildCtx, DeviceBuf, Layer, Layout, RunCtx, ValueId};
 use kiln::graph::{NodeId, Op};
 use kiln::Result;

@@ -115,3 +115,9 @@ pub fn candidate(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, y: ValueId) ->
         sm_count: ctx.kernels.sm_count(),
     })))
 }
+
+/// The depthwise kernels' entry points (`kernels/depthwise.cu`), for the list every family's
+/// kernels are compiled and checked from.
+pub(crate) fn entry_points() -> Vec<String> {
+    crate::engine::launch::typed_entry_points(&["depthwise_k3", "depthwise_k5", "depthwise_k7"])
+}

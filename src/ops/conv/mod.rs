@@ -8,11 +8,11 @@ pub mod stem;
 pub mod strided_gemm;
 pub mod subpixel;
 
-use crate::engine::kernel_layers::PoolKind;
 use crate::engine::layer::Chain;
 use crate::engine::{BuildCtx, Layer, Layout, ValueId};
 use crate::graph::{NodeId, Op, PoolAttrs};
 use crate::module::{Forward, Module};
+use crate::ops::pool::PoolKind;
 use crate::ops::pool::{max_pool2d_cpu, pool2d_shape};
 use crate::ops::{pair_label, CpuArgs, LayoutPlan, OpDef};
 use crate::tensor::{Param, Tensor};
@@ -586,7 +586,7 @@ fn gpu_conv2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn 
     let mid = ctx.chain_scratch(conv_shape[1..].to_vec(), out.elem, x.layout);
     let inner = conv2d_candidates(ctx, node, ConvAttrs { pool: None, ..a }, mid)?;
     let conv = ctx.choose(&format!("{key} before its max-pool"), inner)?;
-    let pool_layer = crate::engine::kernel_layers::pool_layer_between(ctx, node, PoolKind::Max, pool.window(), mid, y)?;
+    let pool_layer = crate::ops::pool::pool_layer_between(ctx, node, PoolKind::Max, pool.window(), mid, y)?;
     let mut candidates: Vec<Box<dyn Layer>> = vec![Box::new(Chain { first: conv, second: pool_layer, mid })];
     candidates.extend(stem::candidates(ctx, node, &a, &pool, [conv_shape[2], conv_shape[3]])?);
     ctx.choose(&key, candidates)

@@ -164,7 +164,7 @@ fn layer(
         }
         Fp8Epilogue::Kernel => {
             let act = spec.relu.then_some(crate::ops::elementwise::Unary::Relu);
-            let kernel = crate::engine::kernel_layers::bias_act(ctx, node, spec.y, None, spec.bias, spec.residual, spec.y, act)?;
+            let kernel = crate::ops::elementwise::bias_act(ctx, node, spec.y, None, spec.bias, spec.residual, spec.y, act)?;
             (LtMatmul::new_fp8(&path, k, n, None, false, a_scale, b_scale)?, None, Some(kernel))
         }
     };

@@ -20,7 +20,7 @@ mod layers;
 use crate::engine::{BuildCtx, Layer, Layout};
 use crate::graph::{HostTensor, NodeId, Op};
 use crate::module::{Forward, Module};
-use crate::ops::{one_input, CpuArgs, LayoutPlan, OpDef};
+use crate::ops::{one_input, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
 use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
 use crate::Result;
@@ -281,6 +281,13 @@ impl OpDef for Quant {
         let keep = inputs.first().copied().flatten().unwrap_or(Layout::contiguous(out_rank));
         LayoutPlan::any_input(inputs, keep)
     }
+    fn entry_points(&self) -> Vec<String> {
+        // The quantisers (`engine::quant`), and the e4m3 conversion of the FP8 GEMMs' inputs.
+        crate::engine::launch::typed_entry_points(&["quant", "quant_tensor", "quant_codes", "to_e4m3"])
+    }
+    fn colour(&self) -> &'static str {
+        "#ffc8dd"
+    }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         layers::quant_layer(ctx, node, self)
     }
@@ -369,6 +376,28 @@ impl Forward for FakeQuantize {
         Tensor::record(&self.path, Op::Quant(Quant::FakeQuantize(self.params.clone())), &[x], &[])
     }
 }
+
+/// The Kiln twins of this family's PyTorch op fixtures (`op_cases()` in tools/export_reference.py).
+#[doc(hidden)]
+pub const FIXTURE_TWINS: &[FixtureTwin] = &[
+    ("fake_quantize_per_tensor_affine", |f| f.x.fake_quantize(QuantParams::int8(0.02))),
+    ("fake_quantize_per_tensor_zero_point", |f| f.x.fake_quantize(QuantParams::int8(0.03).zero_points(vec![10]).range(0, 255))),
+    ("fake_quantize_per_channel_affine", |f| f.x.fake_quantize(QuantParams::int8(1.0).per_channel(1, vec![0.01, 0.02, 0.05]))),
+    ("fake_quantize_per_channel_axis0", |f| {
+        f.x.fake_quantize(QuantParams::int8(1.0).range(-127, 127).per_channel(0, vec![0.004, 0.01, 0.02, 0.03]))
+    }),
+    ("fake_quantize_fp8_e4m3", |f| f.x.fake_quantize(QuantParams::fp8(0.005))),
+    ("fake_quantize_fp8_per_channel", |f| f.x.fake_quantize(QuantParams::fp8(1.0).per_channel(1, vec![0.001, 0.01, 0.1]))),
+    ("quantize_int8_per_tensor", |f| f.x.quantize(QuantParams::int8(0.02))),
+    ("quantize_int8_per_channel", |f| f.x.quantize(QuantParams::int8(1.0).per_channel(1, vec![0.01, 0.02, 0.05]))),
+    ("quantize_fp8", |f| f.x.quantize(QuantParams::fp8(0.02))),
+    ("dequantize_int8_per_tensor", |f| f.x.quantize(QuantParams::int8(0.03125))?.dequantize(QuantParams::int8(0.03125))),
+    ("dequantize_int8_per_channel", |f| {
+        let p = QuantParams::int8(1.0).per_channel(1, vec![0.01, 0.02, 0.05]);
+        f.x.quantize(p.clone())?.dequantize(p)
+    }),
+    ("dequantize_fp8", |f| f.x.quantize(QuantParams::fp8(0.03125))?.dequantize(QuantParams::fp8(0.03125))),
+];
 
 #[cfg(test)]
 mod tests {
