@@ -9,7 +9,7 @@ and, while the time budget lasts, torch.compile (reduce-overhead) at batch 64 an
 same `kiln bench` runs of the bundled flagships through an older build too (a regression check in
 the same run). Random weights on both sides; ratios, not absolute times, are what to quote.
 
-  here:    cargo build --release -p kiln-models --bin kiln && cp target/release/kiln .carry/bin/
+  here:    cargo build --release -p kiln-cli --bin kiln && cp target/release/kiln .carry/bin/
   device:  python3 .carry/tools/bench_zoo.py --kiln .carry/bin/kiln --out $OUT [--old .carry/bin/kiln-old]
   here:    python3 tools/bench_zoo.py --render <files_at>/zoo.json   (prints the markdown table)
 """

@@ -14,7 +14,6 @@
 pub mod alexnet;
 pub mod centernet;
 pub mod centernet_dcn;
-pub mod cli;
 pub mod convnext;
 pub mod densenet;
 pub mod digits;

@@ -6,14 +6,14 @@
 /// `kiln run ... | head -1` ends cleanly when the reader closes the pipe.
 macro_rules! say {
     ($($arg:tt)*) => {
-        $crate::cli::emit(format_args!("{}\n", format_args!($($arg)*)))?
+        $crate::emit(format_args!("{}\n", format_args!($($arg)*)))?
     };
 }
 
 /// `print!` counterpart of `say!`.
 macro_rules! say_raw {
     ($($arg:tt)*) => {
-        $crate::cli::emit(format_args!($($arg)*))?
+        $crate::emit(format_args!($($arg)*))?
     };
 }
 
@@ -59,7 +59,7 @@ pub const EXAMPLES: &[&str] = &[
 /// `kiln --help`'s epilogue; its list of models comes from `kiln_models::BUNDLED` and the
 /// program's own models.
 fn examples() -> String {
-    let models: Vec<String> = crate::BUNDLED.iter().map(|m| format!("{} ({}x{})", m.name, m.input_size, m.input_size)).collect();
+    let models: Vec<String> = kiln_models::BUNDLED.iter().map(|m| format!("{} ({}x{})", m.name, m.input_size, m.input_size)).collect();
     let lines: Vec<String> = EXAMPLES.iter().map(|e| format!("  {e}")).collect();
     format!(
         "\
@@ -79,7 +79,7 @@ Logging: diagnostics go to standard error (RUST_LOG=kiln=debug, -v, -q), results
 fn model_help() -> String {
     format!(
         "A bundled model ({}), a graph file (.kiln.safetensors, from `kiln trace`), or an engine file (.kiln, from `kiln build`)",
-        crate::bundled_names()
+        kiln_models::bundled_names()
     )
 }
 
@@ -492,7 +492,7 @@ pub fn main() -> ExitCode {
 ///     # let _ = (vb, batch, hw); unimplemented!()
 /// }
 /// fn main() -> std::process::ExitCode {
-///     kiln_models::cli::main_with(&[("mynet", mynet)])
+///     kiln_cli::main_with(&[("mynet", mynet)])
 /// }
 /// ```
 pub fn main_with(models: &[(&str, TraceFn)]) -> ExitCode {

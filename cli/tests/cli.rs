@@ -578,7 +578,7 @@ impl Forward for TinyNet {
     }
 }
 
-/// The `TraceFn` a program hands to `kiln_models::cli::main_with`; its own size is 24 x 32.
+/// The `TraceFn` a program hands to `kiln_cli::main_with`; its own size is 24 x 32.
 fn tinynet(vb: VarBuilder, batch: usize, hw: Option<[usize; 2]>) -> kiln::Result<Graph> {
     let [h, w] = hw.unwrap_or([24, 32]);
     let net = TinyNet::load(vb, &TinyConfig { classes: 10 })?;
@@ -595,7 +595,7 @@ fn arg(p: &std::path::Path) -> &str {
 /// Writes the tiny model's graph file with the embedded CLI (`kiln trace tinynet`, in process).
 fn tiny_graph_file(dir: &std::path::Path) -> PathBuf {
     let path = dir.join("tinynet.kiln.safetensors");
-    let code = kiln_models::cli::run_with(["kiln", "-q", "trace", "tinynet", "--batch", "2", "-o", arg(&path)], &[("tinynet", tinynet)]);
+    let code = kiln_cli::run_with(["kiln", "-q", "trace", "tinynet", "--batch", "2", "-o", arg(&path)], &[("tinynet", tinynet)]);
     assert_eq!(code, std::process::ExitCode::SUCCESS);
     path
 }
@@ -619,7 +619,7 @@ fn user_model_is_traced_by_the_embedded_cli_and_loads_back_equal() {
     direct.save(&again).expect("save");
     assert_eq!(Graph::load(&again).expect("load").nodes, direct.nodes);
     // A name the program did not register is an error listing what is known.
-    let code = kiln_models::cli::run_with(["kiln", "trace", "nosuchnet", "-o", arg(&dir.join("x"))], &[("tinynet", tinynet)]);
+    let code = kiln_cli::run_with(["kiln", "trace", "nosuchnet", "-o", arg(&dir.join("x"))], &[("tinynet", tinynet)]);
     assert_eq!(code, std::process::ExitCode::FAILURE);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -822,12 +822,12 @@ fn diagnostics_follow_quiet_verbose_and_rust_log() {
 fn help_examples_are_unwrapped_and_parse() {
     use clap::{CommandFactory, Parser};
     let help = text(&kiln(&["--help"])).0;
-    for example in kiln_models::cli::EXAMPLES {
+    for example in kiln_cli::EXAMPLES {
         assert!(help.lines().any(|l| l.trim() == *example), "`{example}` is one unwrapped line of --help:\n{help}");
         let words: Vec<&str> = example.split_whitespace().collect();
-        kiln_models::cli::Cli::try_parse_from(&words).unwrap_or_else(|e| panic!("`{example}`: {e}"));
+        kiln_cli::Cli::try_parse_from(&words).unwrap_or_else(|e| panic!("`{example}`: {e}"));
     }
-    let cli = kiln_models::cli::Cli::command();
+    let cli = kiln_cli::Cli::command();
     for sub in cli.get_subcommands() {
         let name = sub.get_name().to_string();
         let help = text(&kiln(&[&name, "--help"])).0;
@@ -835,7 +835,7 @@ fn help_examples_are_unwrapped_and_parse() {
         assert!(!examples.is_empty(), "{name} --help has examples");
         for line in examples {
             let words: Vec<&str> = line.split_whitespace().collect();
-            kiln_models::cli::Cli::try_parse_from(&words).unwrap_or_else(|e| panic!("{name} --help: `{line}`: {e}"));
+            kiln_cli::Cli::try_parse_from(&words).unwrap_or_else(|e| panic!("{name} --help: `{line}`: {e}"));
         }
         // `--batch` is documented wherever it exists.
         if let Some(batch) = sub.get_arguments().find(|a| a.get_id() == "batch") {
@@ -860,7 +860,7 @@ fn help_examples_are_unwrapped_and_parse() {
             "input:8x3x224x224",
         ],
     ] {
-        kiln_models::cli::Cli::try_parse_from(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+        kiln_cli::Cli::try_parse_from(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
     }
 }
 

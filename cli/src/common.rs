@@ -133,7 +133,7 @@ fn user_model(name: &str) -> Option<TraceFn> {
 #[derive(Clone, Debug)]
 pub enum Source {
     User(String, TraceFn),
-    Bundled(&'static crate::BundledModel),
+    Bundled(&'static kiln_models::BundledModel),
     GraphFile(PathBuf),
     EngineFile(PathBuf),
 }
@@ -145,7 +145,7 @@ pub fn source(arg: &str) -> Result<Source> {
     if let Some(f) = user_model(arg) {
         return Ok(Source::User(arg.to_string(), f));
     }
-    if let Ok(info) = crate::bundled(arg) {
+    if let Ok(info) = kiln_models::bundled(arg) {
         return Ok(Source::Bundled(info));
     }
     let path = PathBuf::from(arg);
@@ -155,7 +155,7 @@ pub fn source(arg: &str) -> Result<Source> {
         if is_engine_name || is_graph_name || arg.contains(std::path::MAIN_SEPARATOR) {
             return Err(Error::Io { path, source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file") });
         }
-        let mut known = crate::bundled_names();
+        let mut known = kiln_models::bundled_names();
         let users: Vec<String> = USER_MODELS.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(n, _)| n.clone()).collect();
         if !users.is_empty() {
             known = format!("{known}; this program's own: {}", users.join(", "));
@@ -358,7 +358,7 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
             let hw = hw.unwrap_or([info.input_size, info.input_size]);
             check_input_dims(batch, hw)?;
             let vb = weights(weights_path)?;
-            (info.name.to_string(), crate::trace_hw(info.name, vb.clone(), batch, hw)?, vb, "bundled")
+            (info.name.to_string(), kiln_models::trace_hw(info.name, vb.clone(), batch, hw)?, vb, "bundled")
         }
         Source::User(name, f) => {
             if let Some(hw) = hw {
