@@ -125,6 +125,11 @@ pub fn set_user_models(models: &[(&str, TraceFn)]) {
     *m = models.iter().map(|(n, f)| (n.to_string(), *f)).collect();
 }
 
+/// The names of the models a program added with `main_with`.
+pub fn user_model_names() -> Vec<String> {
+    USER_MODELS.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(n, _)| n.clone()).collect()
+}
+
 fn user_model(name: &str) -> Option<TraceFn> {
     USER_MODELS.lock().unwrap_or_else(|p| p.into_inner()).iter().find(|(n, _)| n == name).map(|(_, f)| *f)
 }
@@ -156,7 +161,7 @@ pub fn source(arg: &str) -> Result<Source> {
             return Err(Error::Io { path, source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file") });
         }
         let mut known = kiln_models::bundled_names();
-        let users: Vec<String> = USER_MODELS.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(n, _)| n.clone()).collect();
+        let users = user_model_names();
         if !users.is_empty() {
             known = format!("{known}; this program's own: {}", users.join(", "));
         }

@@ -22,6 +22,7 @@ mod calibrate;
 mod common;
 mod compare;
 mod inspect;
+mod models;
 mod run;
 pub mod shapes;
 
@@ -54,6 +55,7 @@ pub const EXAMPLES: &[&str] = &[
     "kiln compare resnet50 --fp16 --load-outputs fp32.safetensors --atol 1e-2 --rtol 1e-2 --report fp16.json",
     "kiln inspect resnet18 --dot before.dot --dot-optimized after.dot",
     "kiln codegen resnet18 -o resnet18_gen.rs",
+    "kiln models --json",
 ];
 
 /// `kiln --help`'s epilogue; its list of models comes from `kiln_models::BUNDLED` and the
@@ -169,6 +171,19 @@ pub enum Command {
         after_long_help = "Examples:\n  kiln calibrate digits_resnet --weights models/weights/digits_resnet.safetensors --data calib.safetensors --images 100\n  kiln build resnet50 --int8 --calibration-cache resnet50.calib.json -o rn50.int8.kiln"
     )]
     Calibrate(calibrate::CalibrateArgs),
+    /// List the bundled models (name, default input, outputs, what it is) and the program's own.
+    ///
+    /// `--json` writes them for scripts: the Python tools (tools/export_reference.py,
+    /// tools/bench_zoo.py) read the list from here, so `kiln_models::BUNDLED` is its one home.
+    #[command(after_long_help = "Examples:\n  kiln models\n  kiln models --json")]
+    Models(ModelsArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ModelsArgs {
+    /// Write the list as JSON: name, input_size, outputs, family, torchvision, description.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// A `--shapes`-style flag value: one or more `name:d0xd1x...`, comma-separated.
@@ -526,6 +541,7 @@ where
         Command::Inspect(a) => inspect::inspect(a),
         Command::Codegen(a) => inspect::codegen(a),
         Command::Calibrate(a) => calibrate::calibrate(a),
+        Command::Models(a) => models::models(a),
     };
     match result {
         Ok(code) => code,

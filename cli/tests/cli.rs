@@ -36,7 +36,7 @@ fn help_mentions_every_command_and_examples() {
     let out = kiln(&["--help"]);
     let (stdout, _) = text(&out);
     assert!(out.status.success());
-    for cmd in ["run", "build", "bench", "profile", "compare", "inspect", "codegen"] {
+    for cmd in ["run", "build", "bench", "profile", "compare", "inspect", "codegen", "calibrate", "models"] {
         assert!(stdout.contains(&format!("\n  {cmd} ")), "--help lists `{cmd}`:\n{stdout}");
     }
     assert!(stdout.contains("Examples:") && stdout.contains("kiln run resnet50"), "{stdout}");
@@ -52,6 +52,30 @@ fn help_mentions_every_command_and_examples() {
     let bench = text(&kiln(&["bench", "--help"])).0;
     for flag in ["--warmup", "--iterations", "--duration", "--json", "--batch"] {
         assert!(bench.contains(flag), "bench --help explains {flag}:\n{bench}");
+    }
+}
+
+/// `kiln models --json` is how the Python tools (tools/bundled.py) learn the list of models:
+/// it must be `kiln_models::BUNDLED`, in order, field by field.
+#[test]
+fn models_lists_bundled_for_people_and_as_json() {
+    let out = kiln(&["models", "--json"]);
+    assert!(out.status.success(), "{}", text(&out).1);
+    let list: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(list.len(), kiln_models::BUNDLED.len());
+    for (v, m) in list.iter().zip(kiln_models::BUNDLED) {
+        assert_eq!(v["name"], m.name);
+        assert_eq!(v["input_size"], m.input_size);
+        assert_eq!(v["outputs"], serde_json::json!(m.outputs), "{}", m.name);
+        assert_eq!(v["family"], m.family(), "{}", m.name);
+        assert_eq!(v["torchvision"], m.torchvision, "{}", m.name);
+        assert_eq!(v["description"], m.description);
+    }
+    let torchvision: Vec<&str> = kiln_models::BUNDLED.iter().filter(|m| m.torchvision).map(|m| m.name).collect();
+    assert_eq!(torchvision.len(), 22, "torchvision's classifiers: {torchvision:?}");
+    let (stdout, _) = text(&kiln(&["models"]));
+    for m in kiln_models::BUNDLED {
+        assert!(stdout.lines().any(|l| l.starts_with(&format!("{} ", m.name))), "`kiln models` lists {}:\n{stdout}", m.name);
     }
 }
 
