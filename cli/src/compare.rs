@@ -192,7 +192,8 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
     };
     let x = &against.input;
     let (batch, hw) = common::input_dims(x, a.reference.as_deref().unwrap_or(Path::new("the random input")))?;
-    let traced = common::load(&a.model.model, a.model.weights.as_deref(), a.model.strict, batch, Some(hw))?;
+    check_shapes_against_reference(&a, x)?;
+    let traced = common::load_args(&a.model, batch, Some(hw))?;
     if a.cpu {
         common::check_cpu_memory(&traced.graph, batch, &traced.hw_text())?;
     }
@@ -254,6 +255,19 @@ fn check_flags(a: &CompareArgs) -> Result<()> {
     check_tolerance("--l2-tol", a.l2_tol)
 }
 
+/// With a reference, its input decides the shape: `--shapes` may only repeat it.
+fn check_shapes_against_reference(a: &CompareArgs, x: &HostTensor) -> Result<()> {
+    let (Some(path), Some(shapes)) = (&a.reference, &a.model.shapes) else { return Ok(()) };
+    let text = |dims: &[usize]| super::shapes::dims_text(dims);
+    match shapes.0.iter().find(|s| s.dims != x.shape) {
+        Some(s) => Err(Error::Flag {
+            flag: "--shapes".into(),
+            reason: format!("{}:{} disagrees with the input of {}, {}", s.name, text(&s.dims), path.display(), text(&x.shape)),
+        }),
+        None => Ok(()),
+    }
+}
+
 /// A reference or saved-outputs file: only `input`, `output.*` and `intermediate.*` are the
 /// reference; anything else is left alone, with a note.
 fn read_reference(path: &Path) -> Result<Against> {
@@ -278,9 +292,10 @@ fn read_reference(path: &Path) -> Result<Against> {
 fn random_input(a: &CompareArgs) -> Result<Against> {
     let (batch, hw) = common::requested(&a.model, a.batch)?;
     let batch = batch.unwrap_or(1);
-    let probe = common::load(&a.model.model, a.model.weights.as_deref(), a.model.strict, batch, hw)?;
+    let probe = common::load_args(&a.model, batch, hw)?;
     let [h, w] = probe.nchw_hw("kiln compare")?;
-    let input = common::random_input(&[batch, 3, h, w], a.seed)?;
+    let channels = probe.graph.inputs.first().map_or(3, |&i| probe.graph.nodes[i].shape[1]);
+    let input = common::random_input(&[batch, channels, h, w], a.seed)?;
     Ok(Against { reference: BTreeMap::new(), meta: BTreeMap::new(), input, seed: Some(a.seed) })
 }
 

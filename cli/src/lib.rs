@@ -295,9 +295,9 @@ pub struct RunArgs {
 pub struct TraceArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// The batch to trace at (the CPU executor runs a graph file at any batch; engines take --min-batch/--max-batch).
-    #[arg(long, default_value_t = 1)]
-    pub batch: usize,
+    /// The batch to trace at (default 1, or --shapes's N; the CPU executor runs a graph file at any batch; engines take --min-batch/--max-batch).
+    #[arg(long)]
+    pub batch: Option<usize>,
     /// Where to write the graph file (`.kiln.safetensors` by convention).
     #[arg(short, long, value_name = "FILE")]
     pub output: PathBuf,
@@ -332,8 +332,10 @@ pub struct BuildArgs {
     pub max_shapes: Option<Shapes>,
 }
 
+/// What `bench` and `profile` run: a bundled model, a graph file or an engine file (also by
+/// `--loadEngine`), with its weights and input shape.
 #[derive(Args, Debug)]
-pub struct BenchArgs {
+pub struct TargetArgs {
     #[arg(help = model_help(), required_unless_present = "load_engine")]
     pub model: Option<String>,
     /// trtexec's way to name an engine file (the same as giving it as the model).
@@ -348,6 +350,12 @@ pub struct BenchArgs {
     /// The input's shape, `input:NxCxHxW`: its N is the batch (instead of --batch).
     #[arg(long, value_name = "NAME:DIMS", value_parser = shapes_parser, conflicts_with = "batch")]
     pub shapes: Option<Shapes>,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub target: TargetArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
     /// Batch sizes, comma-separated; a bundled model or graph file gets one engine per batch; an engine file runs each within its range.
@@ -384,20 +392,8 @@ pub struct BenchArgs {
 
 #[derive(Args, Debug)]
 pub struct ProfileArgs {
-    #[arg(help = model_help(), required_unless_present = "load_engine")]
-    pub model: Option<String>,
-    /// trtexec's way to name an engine file (the same as giving it as the model).
-    #[arg(long = "loadEngine", value_name = "FILE", conflicts_with = "model")]
-    pub load_engine: Option<PathBuf>,
-    /// Weights for a bundled model (default: seeded).
-    #[arg(long, value_name = "FILE")]
-    pub weights: Option<PathBuf>,
-    /// Input height and width for a bundled model.
-    #[arg(long, value_name = "PIXELS")]
-    pub size: Option<usize>,
-    /// The input's shape, `input:NxCxHxW`: its N is the batch (instead of --batch).
-    #[arg(long, value_name = "NAME:DIMS", value_parser = shapes_parser, conflicts_with = "batch")]
-    pub shapes: Option<Shapes>,
+    #[command(flatten)]
+    pub target: TargetArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
     /// Images in the batch profiled (an engine file: within its batch range).
@@ -461,9 +457,9 @@ pub struct InspectArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
-    /// Images in the batch the graph is traced at (and the engine built for).
-    #[arg(long, default_value_t = 1)]
-    pub batch: usize,
+    /// Images in the batch the graph is traced at (and the engine built for): default 1, or --shapes's N.
+    #[arg(long)]
+    pub batch: Option<usize>,
     /// Write the traced graph as Graphviz DOT to FILE.
     #[arg(long, value_name = "FILE")]
     pub dot: Option<PathBuf>,
