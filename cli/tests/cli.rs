@@ -914,11 +914,7 @@ fn build_checks_its_batch_flags_before_looking_for_a_gpu() {
 fn one_channel_graph_file(dir: &std::path::Path) -> PathBuf {
     let tracer = Tracer::new();
     let x = tracer.input("input", &[1, 1, 8, 8]);
-    let conv = Conv2d::load(VarBuilder::seeded().pp("conv"), &Conv2dConfig::new(1, 4, 3).padding(1)).expect("conv");
-    tracer.output("y", &conv.forward(&x).expect("conv"));
-    let path = dir.join("gray.kiln.safetensors");
-    tracer.graph().save(&path).expect("save");
-    path
+    conv_graph_file(&tracer, &x, 1, &dir.join("gray.kiln.safetensors"))
 }
 
 /// Issue 29, item 10: `--input` demanded 3 channels even for a 1-channel graph file, and a model
@@ -1092,11 +1088,15 @@ fn frame_graph_file(dir: &std::path::Path) -> PathBuf {
     let tracer = Tracer::new();
     let frame = kiln_models::yolo_letterbox::frame_input(&tracer, "frame", 1, [30, 40]);
     let x = kiln_models::yolo_letterbox::letterbox(&frame, [32, 32]).expect("letterbox");
-    let conv = Conv2d::load(VarBuilder::seeded().pp("conv"), &Conv2dConfig::new(3, 4, 3).padding(1)).expect("conv");
-    tracer.output("y", &conv.forward(&x).expect("conv"));
-    let path = dir.join("frame.kiln.safetensors");
-    tracer.graph().save(&path).expect("save");
-    path
+    conv_graph_file(&tracer, &x, 3, &dir.join("frame.kiln.safetensors"))
+}
+
+/// `x` (of `channels`) through a seeded 3x3 conv to 4 channels, the output `y`, saved at `path`.
+fn conv_graph_file(tracer: &Tracer, x: &Tensor, channels: usize, path: &std::path::Path) -> PathBuf {
+    let conv = Conv2d::load(VarBuilder::seeded().pp("conv"), &Conv2dConfig::new(channels, 4, 3).padding(1)).expect("conv");
+    tracer.output("y", &conv.forward(x).expect("conv"));
+    tracer.graph().save(path).expect("save");
+    path.to_path_buf()
 }
 
 #[test]
