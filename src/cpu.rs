@@ -118,9 +118,14 @@ fn bind_inputs<'a, 'n>(graph: &Graph, inputs: &[(&'n str, HostInput<'a>)]) -> Re
         let node = &graph.nodes[graph.inputs[pos]];
         let t = t.to_f32(name, node.dtype)?;
         let traced = &node.shape;
-        let fits = t.shape.len() == traced.len() && t.shape.first().is_some_and(|&b| b > 0) && t.shape[1..] == traced[1..];
-        if !fits {
-            return Err(bad(format!("expected shape {traced:?} (any positive batch), got {:?}", t.shape)));
+        // The traced batch (even a 0 from a file) is not a requirement: any positive batch runs.
+        let per_image: Vec<String> = traced.iter().skip(1).map(|d| d.to_string()).collect();
+        let want = format!("[N, {}] (N: any positive batch)", per_image.join(", "));
+        if t.shape.len() != traced.len() || t.shape.get(1..) != traced.get(1..) {
+            return Err(bad(format!("expected shape {want}, got {:?}", t.shape)));
+        }
+        if t.shape.first() == Some(&0) {
+            return Err(bad(format!("got shape {:?}: a batch of 0; the batch must be at least 1 (the input takes {want})", t.shape)));
         }
         bound.insert(name, t);
     }

@@ -138,6 +138,36 @@ pub fn write(graph: &Graph, path: impl AsRef<Path>, extra: &BTreeMap<String, Str
     Ok(())
 }
 
+/// What a model file holds, told by its content, never by its name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FileKind {
+    /// An engine file: it starts with `KILNENG` (`Engine::save`, `kiln build`).
+    Engine,
+    /// A graph file: a safetensors file whose metadata holds `kiln.graph` (`Graph::save`, `kiln trace`).
+    Graph,
+    /// Another safetensors file (a `state_dict`, a reference), or one whose header does not parse.
+    Safetensors,
+    /// Anything else, including what is not a regular file (never opened, so a FIFO cannot block).
+    Other,
+}
+
+/// Tells an engine file from a graph file by their first bytes: the engine magic, or a
+/// safetensors header (8-byte length, then JSON) whose metadata holds [`KEY_GRAPH`].
+pub fn kind(path: impl AsRef<Path>) -> FileKind {
+    let path = path.as_ref();
+    let mut head = [0u8; 9];
+    let regular = std::fs::metadata(path).is_ok_and(|m| m.is_file());
+    let read = regular.then(|| std::fs::File::open(path).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut head)));
+    match read {
+        Some(Ok(())) if head[..8] == crate::engine::file::MAGIC => FileKind::Engine,
+        Some(Ok(())) if head[8] == b'{' => match crate::var_builder::read_metadata(path) {
+            Ok(meta) if meta.contains_key(KEY_GRAPH) => FileKind::Graph,
+            _ => FileKind::Safetensors,
+        },
+        _ => FileKind::Other,
+    }
+}
+
 impl Graph {
     /// Writes the graph with its weights as one safetensors file (see [`crate::graph_file`]).
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
@@ -311,5 +341,31 @@ mod tests {
     fn g12_a_directory_is_named_as_a_directory() {
         let e = reason(read(std::env::temp_dir()).unwrap_err());
         assert!(e.contains("is a directory"), "{e}");
+    }
+
+    /// Issue 29, item 9: `kiln trace -o r18.graph` wrote a graph file that `kiln run r18.graph`
+    /// refused; the kind is now told by content, whatever the name.
+    #[test]
+    fn g14_graph_and_engine_files_are_told_apart_by_content_not_name() {
+        let dir = std::env::temp_dir().join(format!("kiln-kind-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let file = |name: &str, bytes: &[u8]| {
+            let p = dir.join(name);
+            std::fs::write(&p, bytes).expect("write");
+            p
+        };
+        let graph = file("r18.graph", &encode(&sample(), &BTreeMap::new()).expect("encodes"));
+        assert_eq!(kind(&graph), FileKind::Graph);
+        let mut engine = crate::engine::file::MAGIC.to_vec();
+        engine.extend([1, 2, 3]);
+        assert_eq!(kind(file("engine.safetensors", &engine)), FileKind::Engine);
+        let t = HostTensor::new(vec![2], vec![1.0, 2.0]);
+        let state_dict = encode_safetensors(&BTreeMap::from([("w".to_string(), &t)]), &BTreeMap::new()).expect("encodes");
+        assert_eq!(kind(file("w.kiln", &state_dict)), FileKind::Safetensors);
+        assert_eq!(kind(file("notes.kiln.safetensors", b"hello, world")), FileKind::Other);
+        assert_eq!(kind(file("short.kiln", b"KILN")), FileKind::Other);
+        assert_eq!(kind(&dir), FileKind::Other);
+        assert_eq!(kind(dir.join("missing")), FileKind::Other);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -901,8 +901,8 @@ fn resnet18_paths() -> &'static [String] {
 
 /// Parses flag strings as the CLI does; what parses is sound.
 fn check_flags(texts: &[String]) {
-    use kiln_models::cli::shapes::{dims_text, parse_shapes, profiles};
-    let parsed: Vec<Vec<kiln_models::cli::shapes::ShapeSpec>> = texts.iter().map(|t| parse_shapes(t).unwrap_or_default()).collect();
+    use kiln_cli::shapes::{dims_text, parse_shapes, profiles};
+    let parsed: Vec<Vec<kiln_cli::shapes::ShapeSpec>> = texts.iter().map(|t| parse_shapes(t).unwrap_or_default()).collect();
     for specs in &parsed {
         for s in specs {
             assert!(!s.dims.is_empty() && !s.dims.contains(&0) && kiln::graph::numel(&s.dims).is_some(), "{s:?}");
@@ -1193,7 +1193,7 @@ fn corpus_is_replayed() {
                 _ => {
                     let texts: Vec<String> = String::from_utf8_lossy(&bytes).lines().map(String::from).collect();
                     check_flags(&texts);
-                    kiln_models::cli::shapes::parse_shapes(texts.first().map_or("", |t| t.as_str()))
+                    kiln_cli::shapes::parse_shapes(texts.first().map_or("", |t| t.as_str()))
                         .map(|_| ())
                         .map_err(|reason| kiln::Error::Flag { flag: "--shapes".into(), reason })
                 }

@@ -66,228 +66,38 @@ fn check_optimized_classifier(model: &str) {
     assert_eq!(top1(&ours["logits"]), top1(&refs["output.logits"]), "{model} (optimised): top-1 differs from PyTorch");
 }
 
-/// The models added with torchvision's classifier table and issue 7's mobile and modern families
-/// (the ResNets 18 and 50 are checked by `tests/passes.rs`).
-const NEW_CLASSIFIERS: &[&str] = &[
-    "resnet34",
-    "resnet101",
-    "resnet152",
-    "resnext50_32x4d",
-    "wide_resnet50_2",
-    "alexnet",
-    "vgg16",
-    "vgg16_bn",
-    "squeezenet1_0",
-    "squeezenet1_1",
-    "densenet121",
-    "googlenet",
-    "mobilenet_v2",
-    "mobilenet_v3_large",
-    "efficientnet_b0",
-    "shufflenet_v2_x1_0",
-    "regnet_y_400mf",
-    "convnext_tiny",
-];
+/// The bundled classifiers (one `logits` output): `kiln_models::BUNDLED` is the list. The other
+/// models' outputs are checked below (CenterNet) and in tests/yolo.rs.
+fn classifiers() -> Vec<&'static str> {
+    let names: Vec<&str> = kiln_models::BUNDLED.iter().filter(|m| m.outputs == ["logits"]).map(|m| m.name).collect();
+    assert!(names.len() > 20, "{names:?}");
+    names
+}
 
+/// Every bundled classifier's traced graph against its committed reference.
 #[test]
-fn optimized_graphs_match_pytorch() {
-    for model in NEW_CLASSIFIERS {
-        check_optimized_classifier(model);
-    }
+fn every_classifier_matches_pytorch() {
+    classifiers().into_iter().for_each(check_classifier);
 }
 
-/// torchvision's Swin-T at 224 (seeded weights): roll, window partition, relative position bias
-/// and shifted-window mask, patch merging.
+/// Every bundled classifier's optimised graph (the one the engine builds from) against its
+/// committed reference; a test of its own, so that it runs beside the traced graphs'.
 #[test]
-fn swin_t_matches_pytorch() {
-    check_classifier("swin_t");
-    check_optimized_classifier("swin_t");
+fn every_optimized_classifier_matches_pytorch() {
+    classifiers().into_iter().for_each(check_optimized_classifier);
 }
 
-/// torchvision's ViT-B/16 at 224 (seeded weights): class token, position embedding, multi-head
-/// attention with `in_proj_weight`.
-#[test]
-fn vit_b_16_matches_pytorch() {
-    check_classifier("vit_b_16");
-}
-
-#[test]
-fn resnet18_matches_pytorch() {
-    check_classifier("resnet18");
-}
-
-#[test]
-fn resnet50_matches_pytorch() {
-    check_classifier("resnet50");
-}
-
-#[test]
-fn resnet34_matches_pytorch() {
-    check_classifier("resnet34");
-}
-
-#[test]
-fn resnet101_matches_pytorch() {
-    check_classifier("resnet101");
-}
-
-#[test]
-fn resnet152_matches_pytorch() {
-    check_classifier("resnet152");
-}
-
-#[test]
-fn resnext50_32x4d_matches_pytorch() {
-    check_classifier("resnext50_32x4d");
-}
-
-#[test]
-fn wide_resnet50_2_matches_pytorch() {
-    check_classifier("wide_resnet50_2");
-}
-
-#[test]
-fn alexnet_matches_pytorch() {
-    check_classifier("alexnet");
-}
-
-#[test]
-fn vgg16_matches_pytorch() {
-    check_classifier("vgg16");
-}
-
-#[test]
-fn vgg16_bn_matches_pytorch() {
-    check_classifier("vgg16_bn");
-}
-
-#[test]
-fn squeezenet1_0_matches_pytorch() {
-    check_classifier("squeezenet1_0");
-}
-
-#[test]
-fn squeezenet1_1_matches_pytorch() {
-    check_classifier("squeezenet1_1");
-}
-
-#[test]
-fn densenet121_matches_pytorch() {
-    check_classifier("densenet121");
-}
-
-#[test]
-fn googlenet_matches_pytorch() {
-    check_classifier("googlenet");
-}
-
-/// A classifier of issue 7's mobile and modern families: its parameters and `state_dict` keys are
-/// torchvision's (count of learnable values, count of entries without `num_batches_tracked`, and
-/// a few keys with their shapes), and its CPU run matches PyTorch.
-fn check_torchvision_classifier(model: &str, params: usize, entries: usize, keys: &[(&str, &[usize])]) {
-    let g = kiln_models::trace(model, VarBuilder::seeded(), 1, 64).expect("trace");
-    let ours: usize = g.weights.iter().filter(|(k, _)| !k.contains("running")).map(|(_, w)| w.numel()).sum();
-    println!("{model}: {ours} parameters in {} tensors", g.weights.len());
-    assert_eq!(ours, params, "{model}: torchvision's parameter count");
-    assert_eq!(g.weights.len(), entries, "{model}: torchvision's state_dict entries");
-    for (key, shape) in keys {
-        let w = g.weights.get(*key).unwrap_or_else(|| panic!("{model}: no `{key}`"));
-        assert_eq!(w.shape, *shape, "{model}: {key}");
-    }
-    check_classifier(model);
-}
-
-#[test]
-fn mobilenet_v2_matches_pytorch() {
-    let keys: &[(&str, &[usize])] = &[
-        ("features.0.0.weight", &[32, 3, 3, 3]),
-        ("features.1.conv.0.0.weight", &[32, 1, 3, 3]),
-        ("features.2.conv.1.0.weight", &[96, 1, 3, 3]),
-        ("features.9.conv.3.running_mean", &[64]),
-        ("features.18.1.running_var", &[1280]),
-        ("classifier.1.weight", &[1000, 1280]),
-    ];
-    check_torchvision_classifier("mobilenet_v2", 3_504_872, 262, keys);
-}
-
-#[test]
-fn mobilenet_v3_large_matches_pytorch() {
-    let keys: &[(&str, &[usize])] = &[
-        ("features.0.0.weight", &[16, 3, 3, 3]),
-        ("features.4.block.2.fc1.weight", &[24, 72, 1, 1]),
-        ("features.4.block.2.fc2.bias", &[72]),
-        ("features.9.block.0.1.running_mean", &[184]),
-        ("features.16.0.weight", &[960, 160, 1, 1]),
-        ("classifier.0.weight", &[1280, 960]),
-        ("classifier.3.weight", &[1000, 1280]),
-    ];
-    check_torchvision_classifier("mobilenet_v3_large", 5_483_032, 266, keys);
-}
-
-#[test]
-fn efficientnet_b0_matches_pytorch() {
-    let keys: &[(&str, &[usize])] = &[
-        ("features.1.0.block.0.0.weight", &[32, 1, 3, 3]),
-        ("features.1.0.block.1.fc1.weight", &[8, 32, 1, 1]),
-        ("features.5.0.block.1.0.weight", &[480, 1, 5, 5]),
-        ("features.6.3.block.2.fc2.weight", &[1152, 48, 1, 1]),
-        ("features.8.1.running_var", &[1280]),
-        ("classifier.1.weight", &[1000, 1280]),
-    ];
-    check_torchvision_classifier("efficientnet_b0", 5_288_548, 311, keys);
-}
-
-#[test]
-fn shufflenet_v2_x1_0_matches_pytorch() {
-    let keys: &[(&str, &[usize])] = &[
-        ("conv1.0.weight", &[24, 3, 3, 3]),
-        ("stage2.0.branch1.0.weight", &[24, 1, 3, 3]),
-        ("stage2.0.branch2.0.weight", &[58, 24, 1, 1]),
-        ("stage3.3.branch2.6.running_mean", &[116]),
-        ("conv5.1.running_var", &[1024]),
-        ("fc.weight", &[1000, 1024]),
-    ];
-    check_torchvision_classifier("shufflenet_v2_x1_0", 2_278_604, 282, keys);
-}
-
-#[test]
-fn regnet_y_400mf_matches_pytorch() {
-    let keys: &[(&str, &[usize])] = &[
-        ("stem.0.weight", &[32, 3, 3, 3]),
-        ("trunk_output.block1.block1-0.proj.0.weight", &[48, 32, 1, 1]),
-        ("trunk_output.block1.block1-0.f.se.fc1.weight", &[8, 48, 1, 1]),
-        ("trunk_output.block2.block2-1.f.b.0.weight", &[104, 8, 3, 3]),
-        ("trunk_output.block3.block3-3.f.se.fc2.weight", &[208, 52, 1, 1]),
-        ("trunk_output.block4.block4-5.f.c.1.running_var", &[440]),
-        ("fc.weight", &[1000, 440]),
-    ];
-    check_torchvision_classifier("regnet_y_400mf", 4_344_144, 331, keys);
-}
-
-#[test]
-fn convnext_tiny_matches_pytorch() {
-    let keys: &[(&str, &[usize])] = &[
-        ("features.0.0.weight", &[96, 3, 4, 4]),
-        ("features.0.1.weight", &[96]),
-        ("features.1.0.block.0.weight", &[96, 1, 7, 7]),
-        ("features.1.0.block.2.bias", &[96]),
-        ("features.2.0.weight", &[96]),
-        ("features.2.1.weight", &[192, 96, 2, 2]),
-        ("features.5.2.block.5.weight", &[384, 1536]),
-        ("features.5.3.layer_scale", &[384, 1, 1]),
-        ("classifier.0.bias", &[768]),
-        ("classifier.2.weight", &[1000, 768]),
-    ];
-    check_torchvision_classifier("convnext_tiny", 28_589_128, 182, keys);
-}
-
-/// Every bundled model has a committed reference holding only `input` and its outputs, and the
-/// export script knows it by the same name.
+/// Every bundled model has a committed reference holding only `input` and its outputs. The export
+/// script lists the models with `kiln models --json`; it builds torchvision's and the YOLOs by
+/// name, and the others with a builder of its own, which must exist.
 #[test]
 fn every_bundled_model_has_a_reference() {
     let script = std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tools/export_reference.py")).expect("script");
+    let builders = script.lines().find(|l| l.starts_with("OWN_BUILDERS = {")).expect("tools/export_reference.py has OWN_BUILDERS");
     for info in kiln_models::BUNDLED {
-        assert!(script.contains(&format!("\"{}\"", info.name)), "tools/export_reference.py does not list `{}`", info.name);
+        if !info.torchvision && info.family() != "yolo" {
+            assert!(builders.contains(&format!("\"{}\":", info.name)), "tools/export_reference.py has no builder for `{}`", info.name);
+        }
         let path = fixture(&format!("{}.reference.safetensors", info.name));
         let refs = read_safetensors(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let mut want: Vec<String> = info.outputs.iter().map(|o| format!("output.{o}")).collect();

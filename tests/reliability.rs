@@ -275,6 +275,25 @@ fn r23_random_input_of_overflowing_shape_is_too_large() {
     assert!(e.to_string().contains("overflows"), "{e}");
 }
 
+/// Issue 29, item 10: a batch-0 input (or a graph traced at batch 0, as an engine file may hold)
+/// read "expected [0, 3, 8, 8] (any positive batch), got [0, 3, 8, 8]". The message now says the
+/// batch is 0, and shows the traced batch as N.
+#[test]
+fn r24_a_batch_of_0_is_named_as_such_by_the_cpu_executor() {
+    let zero = HostTensor::new(vec![0, 3, 8, 8], vec![]);
+    let mut traced_at_0 = graph();
+    let x = traced_at_0.inputs[0];
+    traced_at_0.nodes[x].shape[0] = 0;
+    for g in [graph(), traced_at_0] {
+        let msg = kiln::cpu::run(&g, &[("x", &zero)]).unwrap_err().to_string();
+        assert!(msg.contains("a batch of 0; the batch must be at least 1") && msg.contains("[N, 3, 8, 8]"), "{msg}");
+        assert!(!msg.contains("expected shape [0"), "{msg}");
+    }
+    let wrong = HostTensor::new(vec![2, 1, 8, 8], vec![0.0; 128]);
+    let msg = kiln::cpu::run(&graph(), &[("x", &wrong)]).unwrap_err().to_string();
+    assert!(msg.contains("expected shape [N, 3, 8, 8] (N: any positive batch), got [2, 1, 8, 8]"), "{msg}");
+}
+
 // ---- engine files ---------------------------------------------------------------------------
 
 fn header() -> Header {

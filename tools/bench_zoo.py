@@ -9,7 +9,7 @@ and, while the time budget lasts, torch.compile (reduce-overhead) at batch 64 an
 same `kiln bench` runs of the bundled flagships through an older build too (a regression check in
 the same run). Random weights on both sides; ratios, not absolute times, are what to quote.
 
-  here:    cargo build --release -p kiln-models --bin kiln && cp target/release/kiln .carry/bin/
+  here:    cargo build --release -p kiln-cli --bin kiln && cp target/release/kiln .carry/bin/
   device:  python3 .carry/tools/bench_zoo.py --kiln .carry/bin/kiln --out $OUT [--old .carry/bin/kiln-old]
   here:    python3 tools/bench_zoo.py --render <files_at>/zoo.json   (prints the markdown table)
 """
@@ -21,14 +21,10 @@ import subprocess
 import sys
 import time
 
+import bundled
 from bench_torch import graphed  # tools/ is the script directory, so its modules import
 
 LIBS = "/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu:/usr/lib"
-ZOO = [
-    "resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d", "wide_resnet50_2", "alexnet", "vgg16",
-    "vgg16_bn", "squeezenet1_0", "squeezenet1_1", "densenet121", "googlenet", "mobilenet_v2", "mobilenet_v3_large", "efficientnet_b0",
-    "shufflenet_v2_x1_0", "regnet_y_400mf", "convnext_tiny", "swin_t", "vit_b_16",
-]
 # (model, batch) pairs the regression check times with the old and the new build, alternating.
 REGRESSION = [("resnet50", 1), ("resnet50", 256), ("centernet", 32)]
 
@@ -110,7 +106,9 @@ def device(args):
                     recs = kiln_bench(exe, model, [b], os.path.join(args.out, f"reg_{label}.json"), 2)
                     result["regression"] += [dict(r, build=label, round=rnd) for r in recs]
                     save()
-    models = [m for m in ZOO if not args.models or m in args.models.split(",")]
+    # The zoo: every bundled model whose twin is torchvision's, as the kiln binary lists them.
+    zoo = [m["name"] for m in bundled.models(args.kiln) if m["torchvision"]]
+    models = [m for m in zoo if not args.models or m in args.models.split(",")]
     for model in models:
         result["kiln"] += kiln_bench(args.kiln, model, [1, 64], os.path.join(args.out, "kiln.json"), 1)
         save()

@@ -8,7 +8,8 @@ loads seeded, torchvision-initialised or given weights, runs it in FP32 (TF32 of
 `--save-weights`, `<model>.weights.safetensors` (the state_dict, loadable by Kiln's VarBuilder).
 `--op-fixtures` writes `ops.reference.safetensors` instead, `--all-fixtures` every model's committed
 reference (at `FIXTURE_SIZES`). See docs/REFERENCES.md.
-Works with torch >= 2.0 / torchvision >= 0.15.
+The list of models is the `kiln` binary's (`kiln models --json`, tools/bundled.py): this script needs
+the binary (--kiln), not the Rust sources. Works with torch >= 2.0 / torchvision >= 0.15.
 """
 
 import argparse
@@ -26,44 +27,16 @@ import torchvision
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bundled  # noqa: E402
 import seeded  # noqa: E402
 
-# Every model of `kiln_models::BUNDLED` with its default input size (a test checks the names).
-CLASSIFIERS = [
-    "resnet18",
-    "resnet34",
-    "resnet50",
-    "resnet101",
-    "resnet152",
-    "resnext50_32x4d",
-    "wide_resnet50_2",
-    "alexnet",
-    "vgg16",
-    "vgg16_bn",
-    "squeezenet1_0",
-    "squeezenet1_1",
-    "densenet121",
-    "googlenet",
-    "mobilenet_v2",
-    "mobilenet_v3_large",
-    "efficientnet_b0",
-    "shufflenet_v2_x1_0",
-    "regnet_y_400mf",
-    "convnext_tiny",
-    "swin_t",
-    "vit_b_16",
-]
-# Ultralytics' detectors, built from the yaml packaged with `ultralytics` (see `build_yolo`).
-YOLO = {"yolov8n": "yolov8n.yaml", "yolo11n": "yolo11n.yaml"}
-# "digits_resnet": the small ResNet of tools/train_digits.py (trained weights in models/weights/).
-MODELS = {**{name: 224 for name in CLASSIFIERS}, "centernet": 512, "centernet_dcn": 512, **{name: 640 for name in YOLO}, "digits_resnet": 32}
-
-# The committed references in tests/fixtures: (batch, size). 112 keeps the CPU tests fast and the
-# files small, and is not a multiple of 32, so late stages see odd sizes: GoogLeNet's and
-# SqueezeNet's ceil-mode pools keep a partial window, and the adaptive pools of AlexNet (2x2 -> 6x6)
-# and VGG (3x3 -> 7x7) have overlapping bins.
+# The committed references in tests/fixtures: (batch, size) by family, and the models that differ.
+# 112 keeps the CPU tests fast and the files small, and is not a multiple of 32, so late stages see
+# odd sizes: GoogLeNet's and SqueezeNet's ceil-mode pools keep a partial window, and the adaptive
+# pools of AlexNet (2x2 -> 6x6) and VGG (3x3 -> 7x7) have overlapping bins. 160x160 keeps the YOLO
+# references small (525 anchors) and the CPU executor fast.
+FIXTURE_FAMILY_SIZES = {"classifier": (2, 112), "centernet": (1, 512), "yolo": (2, 160)}
 FIXTURE_SIZES = {
-    **{name: (2, 112) for name in CLASSIFIERS},
     "resnet18": (1, 224),
     "resnet50": (1, 224),
     # ConvNeXt and RegNet halve the resolution five times (ConvNeXt's 4x4 patchify, then 2x2
@@ -76,13 +49,30 @@ FIXTURE_SIZES = {
     # position embedding is built for the input size), batch 1 to keep the CPU test short.
     "swin_t": (1, 224),
     "vit_b_16": (1, 224),
-    "centernet": (1, 512),
     # CenterNet-R50-DCN: 128 keeps the CPU test fast (DCNs at 4x4, 8x8 and 16x16).
     "centernet_dcn": (1, 128),
-    # 160x160 keeps the YOLO references small (525 anchors) and the CPU executor fast.
-    **{name: (2, 160) for name in YOLO},
     "digits_resnet": (2, 32),
 }
+
+# The bundled models by name (`kiln models --json`), read once by `main` from the kiln binary.
+MODELS = {}
+
+
+def load_models(kiln=None):
+    MODELS.update({m["name"]: m for m in bundled.models(kiln)})
+
+
+def family(model):
+    return MODELS[model]["family"]
+
+
+def default_size(model):
+    return MODELS[model]["input_size"]
+
+
+def fixture_size(model):
+    return FIXTURE_SIZES.get(model) or FIXTURE_FAMILY_SIZES[family(model)]
+
 
 # torchvision's builders take these for Kiln's variant of the model: GoogLeNet's inference path
 # without the auxiliary classifiers (which only run in training) and without input re-scaling.
@@ -236,7 +226,7 @@ def calibrate_yolo_head(net, model, seed):
     images (some anchors pass 0.25, with distinct scores spread to ~0.8), and each box branch's so its
     DFL logits have mean 0 and std 2 (spread distributions, boxes of varied sizes). The calibration
     images are drawn like the references' inputs (seeded), under another name."""
-    size = MODELS[model]
+    size = default_size(model)
     head = net.model[-1]
     convs = [(head.cv2[i][-1], 0.0) for i in range(head.nl)] + [(head.cv3[i][-1], -7.0) for i in range(head.nl)]
     seen = {}
@@ -296,20 +286,26 @@ def export_yolo_nms_fixture(out_dir):
     print(f"wrote {path}: detections per setting {counts}")
 
 
-def build(model):
-    if model in CLASSIFIERS:
-        return getattr(torchvision.models, model)(weights=None, **BUILD_KWARGS.get(model, {}))
-    if model == "centernet":
-        return CenterNet(80)
-    if model == "centernet_dcn":
-        return CenterNetDCN(80)
-    if model in YOLO:
-        return build_yolo(YOLO[model])
-    if model == "digits_resnet":
-        from train_digits import DigitsResNet
+def digits_resnet():
+    from train_digits import DigitsResNet
 
-        return DigitsResNet()
-    raise SystemExit(f"unknown model `{model}` (expected one of {', '.join(MODELS)})")
+    return DigitsResNet()
+
+
+# The twins of the bundled models that are neither torchvision's nor Ultralytics' (a test checks
+# that every such model of `BUNDLED` has one here).
+OWN_BUILDERS = {"centernet": lambda: CenterNet(80), "centernet_dcn": lambda: CenterNetDCN(80), "digits_resnet": digits_resnet}
+
+
+def build(model):
+    if MODELS[model]["torchvision"]:
+        return getattr(torchvision.models, model)(weights=None, **BUILD_KWARGS.get(model, {}))
+    if family(model) == "yolo":
+        # Ultralytics packages the yaml of each of its models under the model's name.
+        return build_yolo(f"{model}.yaml")
+    if model in OWN_BUILDERS:
+        return OWN_BUILDERS[model]()
+    raise SystemExit(f"no PyTorch twin for `{model}`: add its builder to OWN_BUILDERS in tools/export_reference.py")
 
 
 def seeded_state_dict(module):
@@ -330,7 +326,7 @@ def randomise_batchnorm(net, model, seed):
     variance of each BatchNorm over a few random batches, then its weight and bias are drawn at
     random around 1 and 0."""
     g = torch.Generator().manual_seed(seed + 1)
-    size = MODELS[model]
+    size = default_size(model)
     for m in net.modules():
         if isinstance(m, nn.BatchNorm2d):
             m.reset_running_stats()
@@ -366,9 +362,9 @@ def load_weights(model, net, weights, seed):
         net = build(model)
         # The classifiers' BatchNorms get measured statistics; CenterNet keeps torchvision's
         # initialisation, whose top-100 detections are well separated for the FP16 check.
-        if model in CLASSIFIERS or model in YOLO:
+        if MODELS[model]["torchvision"] or family(model) == "yolo":
             randomise_batchnorm(net, model, seed)
-        if model in YOLO:
+        if family(model) == "yolo":
             calibrate_yolo_head(net, model, seed)
         if model == "vit_b_16":
             randomise_zero_head(net, seed)
@@ -378,14 +374,14 @@ def load_weights(model, net, weights, seed):
 
 
 def run_model(net, model, x):
-    if model in YOLO:
+    if family(model) == "yolo":
         predictions = net(x)[0]  # eval mode: (y, raw head outputs)
         # PyTorch's own FP16 run of the same model (as Ultralytics' predictor with half=True): the
         # share of FP32 detections it keeps is the baseline tests/gpu_yolo.rs holds Kiln's FP16 to.
         half = copy.deepcopy(net).half()
         fp16 = half(x.half())[0].float()
         return {"predictions": predictions, "detections": yolo_nms(predictions), "detections_fp16": yolo_nms(fp16)}
-    if model in ("centernet", "centernet_dcn"):
+    if family(model) == "centernet":
         hm, wh, reg = net(x)
         return {"hm": hm, "wh": wh, "reg": reg, "detections": centernet_decode(hm, wh, reg)}
     return {"logits": net(x)}
@@ -733,7 +729,8 @@ def export_deform_fixtures(out_dir):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=list(MODELS), help="bundled model to export")
+    p.add_argument("--model", help="bundled model to export (`kiln models` lists them)")
+    p.add_argument("--kiln", help="the kiln binary that lists the bundled models (default: $KILN_BIN, ../kiln/kiln or ../target/release/kiln beside this script, or kiln on the PATH)")
     p.add_argument("--weights", default="seeded", help="seeded | torchvision | PATH to a state_dict safetensors file")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--size", type=parse_size, help="input height = width, or HxW such as 384x512 (default: 224 for the classifiers, 512 for CenterNet)")
@@ -762,12 +759,16 @@ def main():
     if not args.model and not args.all_fixtures:
         p.error("--model is required (or --op-fixtures, --all-fixtures)")
 
+    load_models(args.kiln)
     if args.all_fixtures:
-        for model, (batch, size) in FIXTURE_SIZES.items():
+        for model in MODELS:
+            batch, size = fixture_size(model)
             export(args, model, batch, size)
         export_yolo_nms_fixture(args.out)
         return
-    export(args, args.model, args.batch, args.size or MODELS[args.model])
+    if args.model not in MODELS:
+        p.error(f"--model: unknown model `{args.model}` (the bundled models are {', '.join(MODELS)})")
+    export(args, args.model, args.batch, args.size or default_size(args.model))
 
 
 def parse_size(text):

@@ -27,7 +27,7 @@ for line in sys.stdin:
     strip ".carry/bin/$name"
   done
 # The CLI for tools/bench-all.sh, and the commit it was built from (for the benchmark write-up).
-cargo build --release -p kiln-models --bin kiln
+cargo build --release -p kiln-cli --bin kiln
 cp target/release/kiln .carry/kiln/kiln
 strip .carry/kiln/kiln
 echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!docs' || echo -dirty)" > .carry/kiln/COMMIT

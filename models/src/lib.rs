@@ -7,14 +7,15 @@
 //! Ultralytics' YOLOv8 and YOLO11 (`yolo`) come with their post-processing (`yolo_nms`) and
 //! preprocessing (`yolo_letterbox`) as custom ops registered the same way.
 //!
-//! `BUNDLED` is the one list of them: `trace`, the `kiln` CLI (its `--help`) and the README's table
-//! (checked by a test here) all read it. `tools/export_reference.py` builds the same models in
-//! PyTorch and writes references to compare against (docs/REFERENCES.md).
+//! `BUNDLED` is the one list of them: `trace`, the `kiln` CLI (its `--help` and `kiln models`), the
+//! README's table (checked by a test here) and the tests of every model all read it. The Python
+//! tools read it through `kiln models --json`: `tools/export_reference.py` builds the same models in
+//! PyTorch and writes references to compare against (docs/REFERENCES.md), `tools/bench_zoo.py`
+//! times torchvision's twins.
 
 pub mod alexnet;
 pub mod centernet;
 pub mod centernet_dcn;
-pub mod cli;
 pub mod convnext;
 pub mod densenet;
 pub mod digits;
@@ -66,7 +67,21 @@ pub struct BundledModel {
     pub input_size: usize,
     pub outputs: &'static [&'static str],
     pub description: &'static str,
+    /// `torchvision.models` has a builder of this name: the PyTorch twin the Python tools build.
+    pub torchvision: bool,
     load: Load,
+}
+
+impl BundledModel {
+    /// What kind of model it is, as `kiln models --json` says: `classifier` (one `logits`
+    /// output), `centernet` (CenterNet's maps and their decode) or `yolo` (predictions and NMS).
+    pub fn family(&self) -> &'static str {
+        match self.load {
+            Load::Classifier(_) => "classifier",
+            Load::CenterNet | Load::CenterNetDcn => "centernet",
+            Load::Yolo(_) => "yolo",
+        }
+    }
 }
 
 /// How `trace` builds a bundled model.
@@ -94,14 +109,15 @@ macro_rules! classifier {
             input_size: 224,
             outputs: &["logits"],
             description: $description,
+            torchvision: true,
             load: Load::Classifier(|vb| boxed($load(vb))),
         }
     };
 }
 
 /// Every bundled model, in the order `kiln --help` and the README list them. Adding one is a row
-/// here, its name in `tools/export_reference.py` and its reference in `tests/fixtures` (the tests
-/// check both).
+/// here and its reference in `tests/fixtures` (the tests check it); a model that is not one of
+/// torchvision's also needs its PyTorch twin's builder in `tools/export_reference.py`.
 pub const BUNDLED: &[BundledModel] = &[
     classifier!("resnet18", resnet18, "torchvision ResNet-18"),
     classifier!("resnet34", resnet34, "torchvision ResNet-34"),
@@ -130,6 +146,7 @@ pub const BUNDLED: &[BundledModel] = &[
         input_size: 32,
         outputs: &["logits"],
         description: "small ResNet trained on scikit-learn's digits (tools/train_digits.py; weights in models/weights/)",
+        torchvision: false,
         load: Load::Classifier(|vb| boxed(digits_resnet(vb))),
     },
     BundledModel {
@@ -137,6 +154,7 @@ pub const BUNDLED: &[BundledModel] = &[
         input_size: 512,
         outputs: &["hm", "wh", "reg", "detections"],
         description: "CenterNet-R50, 80 classes, maps at stride 4, top-100 decode",
+        torchvision: false,
         load: Load::CenterNet,
     },
     BundledModel {
@@ -144,6 +162,7 @@ pub const BUNDLED: &[BundledModel] = &[
         input_size: 512,
         outputs: &["hm", "wh", "reg", "detections"],
         description: "CenterNet-R50-DCN: deformable 3x3 convs (plugin op `deform_conv2d`) before the deconvs",
+        torchvision: false,
         load: Load::CenterNetDcn,
     },
     BundledModel {
@@ -151,6 +170,7 @@ pub const BUNDLED: &[BundledModel] = &[
         input_size: 640,
         outputs: &["predictions", "detections"],
         description: "Ultralytics YOLOv8n, 80 classes: [N, 84, anchors] (xywh + scores), class-aware NMS to 300",
+        torchvision: false,
         load: Load::Yolo(yolov8n),
     },
     BundledModel {
@@ -158,6 +178,7 @@ pub const BUNDLED: &[BundledModel] = &[
         input_size: 640,
         outputs: &["predictions", "detections"],
         description: "Ultralytics YOLO11n (C3k2, C2PSA attention), 80 classes, class-aware NMS to 300",
+        torchvision: false,
         load: Load::Yolo(yolo11n),
     },
 ];
@@ -361,6 +382,90 @@ mod tests {
                 ("inception3a.branch2.1.conv.weight", &[128, 96, 3, 3]),
                 ("inception5b.branch4.1.bn.weight", &[128]),
                 ("fc.weight", &[1000, 1024]),
+            ],
+        ),
+        (
+            "mobilenet_v2",
+            3_504_872,
+            262,
+            &[
+                ("features.0.0.weight", &[32, 3, 3, 3]),
+                ("features.1.conv.0.0.weight", &[32, 1, 3, 3]),
+                ("features.2.conv.1.0.weight", &[96, 1, 3, 3]),
+                ("features.9.conv.3.running_mean", &[64]),
+                ("features.18.1.running_var", &[1280]),
+                ("classifier.1.weight", &[1000, 1280]),
+            ],
+        ),
+        (
+            "mobilenet_v3_large",
+            5_483_032,
+            266,
+            &[
+                ("features.0.0.weight", &[16, 3, 3, 3]),
+                ("features.4.block.2.fc1.weight", &[24, 72, 1, 1]),
+                ("features.4.block.2.fc2.bias", &[72]),
+                ("features.9.block.0.1.running_mean", &[184]),
+                ("features.16.0.weight", &[960, 160, 1, 1]),
+                ("classifier.0.weight", &[1280, 960]),
+                ("classifier.3.weight", &[1000, 1280]),
+            ],
+        ),
+        (
+            "efficientnet_b0",
+            5_288_548,
+            311,
+            &[
+                ("features.1.0.block.0.0.weight", &[32, 1, 3, 3]),
+                ("features.1.0.block.1.fc1.weight", &[8, 32, 1, 1]),
+                ("features.5.0.block.1.0.weight", &[480, 1, 5, 5]),
+                ("features.6.3.block.2.fc2.weight", &[1152, 48, 1, 1]),
+                ("features.8.1.running_var", &[1280]),
+                ("classifier.1.weight", &[1000, 1280]),
+            ],
+        ),
+        (
+            "shufflenet_v2_x1_0",
+            2_278_604,
+            282,
+            &[
+                ("conv1.0.weight", &[24, 3, 3, 3]),
+                ("stage2.0.branch1.0.weight", &[24, 1, 3, 3]),
+                ("stage2.0.branch2.0.weight", &[58, 24, 1, 1]),
+                ("stage3.3.branch2.6.running_mean", &[116]),
+                ("conv5.1.running_var", &[1024]),
+                ("fc.weight", &[1000, 1024]),
+            ],
+        ),
+        (
+            "regnet_y_400mf",
+            4_344_144,
+            331,
+            &[
+                ("stem.0.weight", &[32, 3, 3, 3]),
+                ("trunk_output.block1.block1-0.proj.0.weight", &[48, 32, 1, 1]),
+                ("trunk_output.block1.block1-0.f.se.fc1.weight", &[8, 48, 1, 1]),
+                ("trunk_output.block2.block2-1.f.b.0.weight", &[104, 8, 3, 3]),
+                ("trunk_output.block3.block3-3.f.se.fc2.weight", &[208, 52, 1, 1]),
+                ("trunk_output.block4.block4-5.f.c.1.running_var", &[440]),
+                ("fc.weight", &[1000, 440]),
+            ],
+        ),
+        (
+            "convnext_tiny",
+            28_589_128,
+            182,
+            &[
+                ("features.0.0.weight", &[96, 3, 4, 4]),
+                ("features.0.1.weight", &[96]),
+                ("features.1.0.block.0.weight", &[96, 1, 7, 7]),
+                ("features.1.0.block.2.bias", &[96]),
+                ("features.2.0.weight", &[96]),
+                ("features.2.1.weight", &[192, 96, 2, 2]),
+                ("features.5.2.block.5.weight", &[384, 1536]),
+                ("features.5.3.layer_scale", &[384, 1, 1]),
+                ("classifier.0.bias", &[768]),
+                ("classifier.2.weight", &[1000, 768]),
             ],
         ),
     ];

@@ -6,14 +6,14 @@
 /// `kiln run ... | head -1` ends cleanly when the reader closes the pipe.
 macro_rules! say {
     ($($arg:tt)*) => {
-        $crate::cli::emit(format_args!("{}\n", format_args!($($arg)*)))?
+        $crate::emit(format_args!("{}\n", format_args!($($arg)*)))?
     };
 }
 
 /// `print!` counterpart of `say!`.
 macro_rules! say_raw {
     ($($arg:tt)*) => {
-        $crate::cli::emit(format_args!($($arg)*))?
+        $crate::emit(format_args!($($arg)*))?
     };
 }
 
@@ -22,6 +22,7 @@ mod calibrate;
 mod common;
 mod compare;
 mod inspect;
+mod models;
 mod run;
 pub mod shapes;
 
@@ -54,12 +55,13 @@ pub const EXAMPLES: &[&str] = &[
     "kiln compare resnet50 --fp16 --load-outputs fp32.safetensors --atol 1e-2 --rtol 1e-2 --report fp16.json",
     "kiln inspect resnet18 --dot before.dot --dot-optimized after.dot",
     "kiln codegen resnet18 -o resnet18_gen.rs",
+    "kiln models --json",
 ];
 
 /// `kiln --help`'s epilogue; its list of models comes from `kiln_models::BUNDLED` and the
 /// program's own models.
 fn examples() -> String {
-    let models: Vec<String> = crate::BUNDLED.iter().map(|m| format!("{} ({}x{})", m.name, m.input_size, m.input_size)).collect();
+    let models: Vec<String> = kiln_models::BUNDLED.iter().map(|m| format!("{} ({}x{})", m.name, m.input_size, m.input_size)).collect();
     let lines: Vec<String> = EXAMPLES.iter().map(|e| format!("  {e}")).collect();
     format!(
         "\
@@ -79,7 +81,7 @@ Logging: diagnostics go to standard error (RUST_LOG=kiln=debug, -v, -q), results
 fn model_help() -> String {
     format!(
         "A bundled model ({}), a graph file (.kiln.safetensors, from `kiln trace`), or an engine file (.kiln, from `kiln build`)",
-        crate::bundled_names()
+        kiln_models::bundled_names()
     )
 }
 
@@ -169,6 +171,19 @@ pub enum Command {
         after_long_help = "Examples:\n  kiln calibrate digits_resnet --weights models/weights/digits_resnet.safetensors --data calib.safetensors --images 100\n  kiln build resnet50 --int8 --calibration-cache resnet50.calib.json -o rn50.int8.kiln"
     )]
     Calibrate(calibrate::CalibrateArgs),
+    /// List the bundled models (name, default input, outputs, what it is) and the program's own.
+    ///
+    /// `--json` writes them for scripts: the Python tools (tools/export_reference.py,
+    /// tools/bench_zoo.py) read the list from here, so `kiln_models::BUNDLED` is its one home.
+    #[command(after_long_help = "Examples:\n  kiln models\n  kiln models --json")]
+    Models(ModelsArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ModelsArgs {
+    /// Write the list as JSON: name, input_size, outputs, family, torchvision, description.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// A `--shapes`-style flag value: one or more `name:d0xd1x...`, comma-separated.
@@ -280,9 +295,9 @@ pub struct RunArgs {
 pub struct TraceArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// The batch to trace at (the CPU executor runs a graph file at any batch; engines take --min-batch/--max-batch).
-    #[arg(long, default_value_t = 1)]
-    pub batch: usize,
+    /// The batch to trace at (default 1, or --shapes's N; the CPU executor runs a graph file at any batch; engines take --min-batch/--max-batch).
+    #[arg(long)]
+    pub batch: Option<usize>,
     /// Where to write the graph file (`.kiln.safetensors` by convention).
     #[arg(short, long, value_name = "FILE")]
     pub output: PathBuf,
@@ -317,8 +332,10 @@ pub struct BuildArgs {
     pub max_shapes: Option<Shapes>,
 }
 
+/// What `bench` and `profile` run: a bundled model, a graph file or an engine file (also by
+/// `--loadEngine`), with its weights and input shape.
 #[derive(Args, Debug)]
-pub struct BenchArgs {
+pub struct TargetArgs {
     #[arg(help = model_help(), required_unless_present = "load_engine")]
     pub model: Option<String>,
     /// trtexec's way to name an engine file (the same as giving it as the model).
@@ -333,6 +350,12 @@ pub struct BenchArgs {
     /// The input's shape, `input:NxCxHxW`: its N is the batch (instead of --batch).
     #[arg(long, value_name = "NAME:DIMS", value_parser = shapes_parser, conflicts_with = "batch")]
     pub shapes: Option<Shapes>,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub target: TargetArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
     /// Batch sizes, comma-separated; a bundled model or graph file gets one engine per batch; an engine file runs each within its range.
@@ -369,20 +392,8 @@ pub struct BenchArgs {
 
 #[derive(Args, Debug)]
 pub struct ProfileArgs {
-    #[arg(help = model_help(), required_unless_present = "load_engine")]
-    pub model: Option<String>,
-    /// trtexec's way to name an engine file (the same as giving it as the model).
-    #[arg(long = "loadEngine", value_name = "FILE", conflicts_with = "model")]
-    pub load_engine: Option<PathBuf>,
-    /// Weights for a bundled model (default: seeded).
-    #[arg(long, value_name = "FILE")]
-    pub weights: Option<PathBuf>,
-    /// Input height and width for a bundled model.
-    #[arg(long, value_name = "PIXELS")]
-    pub size: Option<usize>,
-    /// The input's shape, `input:NxCxHxW`: its N is the batch (instead of --batch).
-    #[arg(long, value_name = "NAME:DIMS", value_parser = shapes_parser, conflicts_with = "batch")]
-    pub shapes: Option<Shapes>,
+    #[command(flatten)]
+    pub target: TargetArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
     /// Images in the batch profiled (an engine file: within its batch range).
@@ -446,9 +457,9 @@ pub struct InspectArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
-    /// Images in the batch the graph is traced at (and the engine built for).
-    #[arg(long, default_value_t = 1)]
-    pub batch: usize,
+    /// Images in the batch the graph is traced at (and the engine built for): default 1, or --shapes's N.
+    #[arg(long)]
+    pub batch: Option<usize>,
     /// Write the traced graph as Graphviz DOT to FILE.
     #[arg(long, value_name = "FILE")]
     pub dot: Option<PathBuf>,
@@ -492,7 +503,7 @@ pub fn main() -> ExitCode {
 ///     # let _ = (vb, batch, hw); unimplemented!()
 /// }
 /// fn main() -> std::process::ExitCode {
-///     kiln_models::cli::main_with(&[("mynet", mynet)])
+///     kiln_cli::main_with(&[("mynet", mynet)])
 /// }
 /// ```
 pub fn main_with(models: &[(&str, TraceFn)]) -> ExitCode {
@@ -526,6 +537,7 @@ where
         Command::Inspect(a) => inspect::inspect(a),
         Command::Codegen(a) => inspect::codegen(a),
         Command::Calibrate(a) => calibrate::calibrate(a),
+        Command::Models(a) => models::models(a),
     };
     match result {
         Ok(code) => code,

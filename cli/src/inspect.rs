@@ -7,9 +7,10 @@ use kiln::{Error, Result};
 use std::process::ExitCode;
 
 pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
-    let traced = common::trace_args(&a.model, a.batch)?;
+    let batch = common::requested(&a.model, a.batch)?.0.unwrap_or(1);
+    let traced = common::trace_args(&a.model, Some(batch))?;
     let optimized = kiln::passes::optimize(&traced.graph)?;
-    say!("== traced graph: {} (batch {}, {}) ==", traced.name, a.batch, traced.hw_text());
+    say!("== traced graph: {} (batch {batch}, {}) ==", traced.name, traced.hw_text());
     say_raw!("{}", kiln::dot::to_text(&traced.graph));
     say!("");
     say!("== optimised graph (BatchNorm folded, conv+bias+add+ReLU(+max-pool) fused, dead nodes removed) ==");
@@ -29,10 +30,10 @@ pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
     }
     match kiln::engine::gpu_available() {
         Ok(()) => {
-            let config = a.engine.config(a.batch, a.batch, a.batch);
+            let config = a.engine.config(batch, batch, batch);
             let precision = config.precision.short_name();
             let engine = common::build_engine(&traced.graph, config, common::gpu()?, &traced.name)?;
-            say!("== engine layers ({precision}, batch {}) ==", a.batch);
+            say!("== engine layers ({precision}, batch {batch}) ==");
             say_raw!("{}", engine.describe());
             say_raw!("{}", engine.summary);
         }
@@ -61,11 +62,15 @@ pub fn codegen(a: CodegenArgs) -> Result<ExitCode> {
             reason: format!("must be a Rust identifier (letters, digits and `_`, not a keyword), got {:?}", a.fn_name),
         });
     }
-    let traced = common::trace_args(&a.model, 1)?;
+    // The generated function takes the batch as an argument: the batch traced at does not matter.
+    let traced = common::trace_args(&a.model, None)?;
     let mut command = format!("kiln codegen {}", traced.name);
-    match traced.hw {
-        Some([h, w]) if a.model.shapes.is_some() => command += &format!(" --shapes input:1x3x{h}x{w}"),
-        Some([h, _]) if a.model.size.is_some() => command += &format!(" --size {h}"),
+    match (&a.model.shapes, traced.hw) {
+        (Some(shapes), _) => {
+            let specs: Vec<String> = shapes.0.iter().map(|s| format!("{}:{}", s.name, super::shapes::dims_text(&s.dims))).collect();
+            command += &format!(" --shapes {}", specs.join(","));
+        }
+        (None, Some([h, _])) if a.model.size.is_some() => command += &format!(" --size {h}"),
         _ => {}
     }
     if a.max_width != 100 {

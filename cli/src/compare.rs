@@ -175,128 +175,179 @@ pub fn metadata_hints(meta: &BTreeMap<String, String>, traced: &Traced, a: &Comp
     Ok(hints)
 }
 
+/// What a comparison runs against: the reference's tensors (`output.*`, `intermediate.*`) and
+/// metadata, the input, and the seed that drew it when there is no reference.
+struct Against {
+    reference: BTreeMap<String, HostTensor>,
+    meta: BTreeMap<String, String>,
+    input: HostTensor,
+    seed: Option<u64>,
+}
+
 pub fn compare(a: CompareArgs) -> Result<ExitCode> {
+    check_flags(&a)?;
+    let against = match &a.reference {
+        Some(path) => read_reference(path)?,
+        None => random_input(&a)?,
+    };
+    let x = &against.input;
+    let (batch, hw) = common::input_dims(x, a.reference.as_deref().unwrap_or(Path::new("the random input")))?;
+    check_shapes_against_reference(&a, x)?;
+    let traced = common::load_args(&a.model, batch, Some(hw))?;
+    if a.cpu {
+        common::check_cpu_memory(&traced.graph, batch, &traced.hw_text())?;
+    }
+    let l2_tol = a.l2_tol.unwrap_or_else(|| default_l2_tol(&a));
+    let backend = if a.cpu { "CPU executor".to_string() } else { format!("GPU engine ({})", a.engine.precision().short_name()) };
+    let hints = metadata_hints(&against.meta, &traced, &a, x)?;
+    for h in &hints {
+        tracing::warn!("hint: {h}");
+    }
+    let shown = a.reference.as_ref().map(|p| p.display().to_string());
+    let what = shown.clone().unwrap_or_else(|| format!("nothing (random input, --seed {})", a.seed));
+    say!("{} on {backend} against {what} (batch {batch}, {}), l2-tol {l2_tol:.1e}", traced.name, traced.hw_text());
+    if a.layerwise {
+        return layerwise(&a, &traced, &against, l2_tol);
+    }
+
+    // The CPU executor runs the optimised graph, as the engine does.
+    let graph = if a.cpu { kiln::passes::optimize(&traced.graph)? } else { traced.graph.clone() };
+    let outputs = execute(&graph, x, &a)?;
+    if let Some(path) = &a.save_outputs {
+        save_outputs(path, &outputs, &run_metadata(&traced, &a, x, against.seed, &backend)?, x)?;
+    }
+    let rows = compare_outputs(&a, &outputs, &against.reference, l2_tol)?;
+    let pass = rows.iter().all(|r| r.pass);
+    if let Some(path) = &a.report {
+        let report = Report {
+            model: traced.name.clone(),
+            backend,
+            reference: shown,
+            input_shape: x.shape.clone(),
+            l2_tol,
+            outputs: rows.clone(),
+            hints: hints.clone(),
+            pass,
+        };
+        write_report(path, &report)?;
+    }
+    if rows.is_empty() {
+        say!("nothing compared (no reference); outputs of the random input, --seed {}:", a.seed);
+        say_raw!("{}", common::summarize(&outputs, 5, traced.hw.map(|[_, w]| w)));
+        return Ok(ExitCode::SUCCESS);
+    }
+    if !pass && !hints.is_empty() {
+        say!("FAIL (the reference may not match this run: {})", hints.join("; "));
+    } else {
+        say!("{}", if pass { "PASS" } else { "FAIL" });
+    }
+    Ok(if pass { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// Checks what can fail before any file is read: a GPU unless `--cpu`, and the tolerances.
+fn check_flags(a: &CompareArgs) -> Result<()> {
     if !a.cpu {
         // Fail before reading a large reference when the engine cannot be built anyway.
         kiln::engine::gpu_available().map_err(|r| Error::NoGpu(format!("{r}; pass --cpu to compare the CPU executor")))?;
     }
     check_tolerance("--rtol", a.rtol)?;
     check_tolerance("--atol", a.atol)?;
-    check_tolerance("--l2-tol", a.l2_tol)?;
-    let (reference, ref_meta, x, seed) = match &a.reference {
-        Some(path) => {
-            // Only `input`, `output.*` and `intermediate.*` are the reference; anything else is left alone.
-            let is_reference = |k: &str| k == "input" || k.starts_with("output.") || k.starts_with("intermediate.");
-            let (mut reference, ignored) = kiln::var_builder::read_tensors(path, "reference", is_reference)?;
-            if let Some(first) = ignored.first() {
-                tracing::info!(
-                    "note: {} tensor(s) of {} are not `input`, `output.*` or `intermediate.*` and were ignored (e.g. `{first}`)",
-                    ignored.len(),
-                    path.display()
-                );
-            }
-            let meta = kiln::var_builder::read_metadata(path)?;
-            let x = reference.remove("input").ok_or_else(|| Error::Safetensors {
-                path: path.clone(),
-                reason: "holds no tensor named `input` (write references with tools/export_reference.py)".into(),
-            })?;
-            (reference, meta, x, None)
+    check_tolerance("--l2-tol", a.l2_tol)
+}
+
+/// With a reference, its input decides the shape: `--shapes` may only repeat it.
+fn check_shapes_against_reference(a: &CompareArgs, x: &HostTensor) -> Result<()> {
+    let (Some(path), Some(shapes)) = (&a.reference, &a.model.shapes) else { return Ok(()) };
+    let text = |dims: &[usize]| super::shapes::dims_text(dims);
+    match shapes.0.iter().find(|s| s.dims != x.shape) {
+        Some(s) => Err(Error::Flag {
+            flag: "--shapes".into(),
+            reason: format!("{}:{} disagrees with the input of {}, {}", s.name, text(&s.dims), path.display(), text(&x.shape)),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// A reference or saved-outputs file: only `input`, `output.*` and `intermediate.*` are the
+/// reference; anything else is left alone, with a note.
+fn read_reference(path: &Path) -> Result<Against> {
+    let is_reference = |k: &str| k == "input" || k.starts_with("output.") || k.starts_with("intermediate.");
+    let (mut reference, ignored) = kiln::var_builder::read_tensors(path, "reference", is_reference)?;
+    if let Some(first) = ignored.first() {
+        tracing::info!(
+            "note: {} tensor(s) of {} are not `input`, `output.*` or `intermediate.*` and were ignored (e.g. `{first}`)",
+            ignored.len(),
+            path.display()
+        );
+    }
+    let meta = kiln::var_builder::read_metadata(path)?;
+    let input = reference.remove("input").ok_or_else(|| Error::Safetensors {
+        path: path.to_path_buf(),
+        reason: "holds no tensor named `input` (write references with tools/export_reference.py)".into(),
+    })?;
+    Ok(Against { reference, meta, input, seed: None })
+}
+
+/// No reference: a random NCHW input of `--seed` at the batch and size the flags ask for.
+fn random_input(a: &CompareArgs) -> Result<Against> {
+    let (batch, hw) = common::requested(&a.model, a.batch)?;
+    let batch = batch.unwrap_or(1);
+    let probe = common::load_args(&a.model, batch, hw)?;
+    let [h, w] = probe.nchw_hw("kiln compare")?;
+    let channels = probe.graph.inputs.first().map_or(3, |&i| probe.graph.nodes[i].shape[1]);
+    let input = common::random_input(&[batch, channels, h, w], a.seed)?;
+    Ok(Against { reference: BTreeMap::new(), meta: BTreeMap::new(), input, seed: Some(a.seed) })
+}
+
+/// `--layerwise`: every intermediate of the reference, and the first layer whose error jumps. An
+/// INT8/FP8 engine is compared on its own fused, quantised graph (kiln::layerwise::run_quantised).
+fn layerwise(a: &CompareArgs, traced: &Traced, against: &Against, l2_tol: f64) -> Result<ExitCode> {
+    let mut with_input = against.reference.clone();
+    with_input.insert("input".into(), against.input.clone());
+    let precision = a.engine.precision();
+    let run = |g: &Graph, input: &HostTensor| execute(g, input, a);
+    let report = match precision.quant_format().filter(|_| precision != Precision::Best) {
+        Some(format) => {
+            let cache = a.engine.calibration_cache.as_deref().map(kiln::calibrate::CalibrationCache::load).transpose()?;
+            kiln::layerwise::run_quantised(&traced.graph, cache.as_ref(), format, &with_input, l2_tol, run)?
         }
-        None => {
-            let (batch, hw) = common::requested(&a.model, a.batch)?;
-            let batch = batch.unwrap_or(1);
-            let probe = common::load(&a.model.model, a.model.weights.as_deref(), a.model.strict, batch, hw)?;
-            let [h, w] = probe.nchw_hw("kiln compare")?;
-            let x = common::random_input(&[batch, 3, h, w], a.seed)?;
-            (BTreeMap::new(), BTreeMap::new(), x, Some(a.seed))
-        }
+        None => kiln::layerwise::run(&traced.graph, &with_input, l2_tol, run)?,
     };
-    let shown = a.reference.as_ref().map(|p| p.display().to_string());
-    let (batch, hw) = common::input_dims(&x, a.reference.as_deref().unwrap_or(Path::new("the random input")))?;
-    let traced = common::load(&a.model.model, a.model.weights.as_deref(), a.model.strict, batch, Some(hw))?;
-    if a.cpu {
-        common::check_cpu_memory(&traced.graph, batch, &traced.hw_text())?;
-    }
-    let l2_tol = a.l2_tol.unwrap_or_else(|| default_l2_tol(&a));
-    let backend = if a.cpu { "CPU executor".to_string() } else { format!("GPU engine ({})", a.engine.precision().short_name()) };
-    let hints = metadata_hints(&ref_meta, &traced, &a, &x)?;
-    for h in &hints {
-        tracing::warn!("hint: {h}");
-    }
-    let against = shown.clone().unwrap_or_else(|| format!("nothing (random input, --seed {})", a.seed));
-    say!("{} on {backend} against {against} (batch {batch}, {}), l2-tol {l2_tol:.1e}", traced.name, traced.hw_text());
-
-    if a.layerwise {
-        let mut with_input = reference.clone();
-        with_input.insert("input".into(), x.clone());
-        // An INT8/FP8 engine is compared on its own fused, quantised graph (kiln::layerwise::run_quantised).
-        let precision = a.engine.precision();
-        let report = match precision.quant_format().filter(|_| precision != Precision::Best) {
-            Some(format) => {
-                let cache = a.engine.calibration_cache.as_deref().map(kiln::calibrate::CalibrationCache::load).transpose()?;
-                kiln::layerwise::run_quantised(&traced.graph, cache.as_ref(), format, &with_input, l2_tol, |g, input| {
-                    execute(g, input, &a)
-                })?
-            }
-            None => kiln::layerwise::run(&traced.graph, &with_input, l2_tol, |g, input| execute(g, input, &a))?,
-        };
-        if report.layers.is_empty() {
-            return Err(Error::Safetensors {
-                path: a.reference.clone().unwrap_or_default(),
-                reason: "holds no `intermediate.<module path>` tensors matching the model; export with --intermediates all".into(),
-            });
-        }
-        say!("{report}");
-        return Ok(if report.passes() { ExitCode::SUCCESS } else { ExitCode::FAILURE });
-    }
-
-    // The CPU executor runs the optimised graph, as the engine does.
-    let graph = if a.cpu { kiln::passes::optimize(&traced.graph)? } else { traced.graph.clone() };
-    let outputs = execute(&graph, &x, &a)?;
-    if let Some(path) = &a.save_outputs {
-        let mut tensors: BTreeMap<String, &HostTensor> = outputs.iter().map(|(k, v)| (format!("output.{k}"), v)).collect();
-        tensors.insert("input".into(), &x);
-        let meta = run_metadata(&traced, &a, &x, seed, &backend)?;
-        kiln::var_builder::write_safetensors_with_metadata(path, &tensors, &meta)?;
-        say!("wrote {} (input and {} output(s); compare against it with --load-outputs)", path.display(), outputs.len());
-    }
-    let elementwise_tol = (a.atol.is_some() || a.rtol.is_some()).then(|| (a.atol.unwrap_or(0.0), a.rtol.unwrap_or(0.0)));
-    let mut all_pass = true;
-    let mut rows = Vec::new();
-    for (name, got) in &outputs {
-        let Some(r) = reference.get(&format!("output.{name}")) else {
-            if a.reference.is_some() {
-                say!("{name}: no `output.{name}` in the reference, not compared");
-            }
-            continue;
-        };
-        let c = kiln::compare::compare(name, got, r);
-        let ew = elementwise_tol.filter(|_| c.shape_ok).map(|(atol, rtol)| elementwise(got, r, atol, rtol));
-        let pass = c.passes(l2_tol) && ew.as_ref().is_none_or(|e| e.failing == 0);
-        all_pass &= pass;
-        say!("{c}  {}", if pass { "pass" } else { "FAIL" });
-        if let Some(e) = &ew {
-            let worst = e.worst.map_or(String::new(), |(i, g, r)| format!("; worst at flat index {i}: {g} vs {r}"));
-            say!("  elementwise |out - ref| <= {} + {} * |ref|: {} of {} elements fail{worst}", e.atol, e.rtol, e.failing, e.total);
-        }
-        if name == "detections" && c.shape_ok {
-            let (matched, total) = matching_detections(got, r);
-            say!("  {matched} of {total} reference detections found with the same class and centre (within half a map cell)");
-        }
-        if name == "logits" && c.shape_ok {
-            let (ours, theirs) = (kiln::compare::top1(got), kiln::compare::top1(r));
-            let same = ours.iter().zip(&theirs).filter(|(a, b)| a == b).count();
-            say!("  top-1 class agrees on {same} of {} images", theirs.len());
-        }
-        rows.push(OutputReport {
-            name: name.clone(),
-            shape: got.shape.clone(),
-            shape_ok: c.shape_ok,
-            rel_l2: c.rel_l2,
-            max_abs: c.max_abs,
-            elementwise: ew,
-            pass,
+    if report.layers.is_empty() {
+        return Err(Error::Safetensors {
+            path: a.reference.clone().unwrap_or_default(),
+            reason: "holds no `intermediate.<module path>` tensors matching the model; export with --intermediates all".into(),
         });
+    }
+    say!("{report}");
+    Ok(if report.passes() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// `--save-outputs`: the input and this run's outputs in the reference format, with `meta`.
+fn save_outputs(path: &Path, outputs: &BTreeMap<String, HostTensor>, meta: &BTreeMap<String, String>, x: &HostTensor) -> Result<()> {
+    let mut tensors: BTreeMap<String, &HostTensor> = outputs.iter().map(|(k, v)| (format!("output.{k}"), v)).collect();
+    tensors.insert("input".into(), x);
+    kiln::var_builder::write_safetensors_with_metadata(path, &tensors, meta)?;
+    say!("wrote {} (input and {} output(s); compare against it with --load-outputs)", path.display(), outputs.len());
+    Ok(())
+}
+
+/// Compares every output that has an `output.<name>` in the reference, printing a line each;
+/// with a reference, none in common is an error.
+fn compare_outputs(
+    a: &CompareArgs,
+    outputs: &BTreeMap<String, HostTensor>,
+    reference: &BTreeMap<String, HostTensor>,
+    l2_tol: f64,
+) -> Result<Vec<OutputReport>> {
+    let elementwise_tol = (a.atol.is_some() || a.rtol.is_some()).then(|| (a.atol.unwrap_or(0.0), a.rtol.unwrap_or(0.0)));
+    let mut rows = Vec::new();
+    for (name, got) in outputs {
+        match reference.get(&format!("output.{name}")) {
+            Some(r) => rows.push(compare_output(name, got, r, l2_tol, elementwise_tol)?),
+            None if a.reference.is_some() => say!("{name}: no `output.{name}` in the reference, not compared"),
+            None => {}
+        }
     }
     if rows.is_empty() && a.reference.is_some() {
         return Err(Error::Safetensors {
@@ -304,33 +355,46 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
             reason: "holds no `output.<name>` tensor for any output of the model".into(),
         });
     }
-    if let Some(path) = &a.report {
-        let report = Report {
-            model: traced.name.clone(),
-            backend: backend.clone(),
-            reference: shown,
-            input_shape: x.shape.clone(),
-            l2_tol,
-            outputs: rows.clone(),
-            hints: hints.clone(),
-            pass: all_pass,
-        };
-        let text =
-            serde_json::to_string_pretty(&report).map_err(|e| Error::Serialize { what: "the report".into(), reason: e.to_string() })?;
-        std::fs::write(path, text + "\n").map_err(Error::io(path))?;
-        tracing::info!("wrote {} (the comparison as JSON)", path.display());
+    Ok(rows)
+}
+
+/// One output against its reference: relative L2, Polygraphy's elementwise rule when asked
+/// (`(atol, rtol)`), and for detections and logits how many agree; printed and returned.
+fn compare_output(name: &str, got: &HostTensor, r: &HostTensor, l2_tol: f64, tol: Option<(f64, f64)>) -> Result<OutputReport> {
+    let c = kiln::compare::compare(name, got, r);
+    let ew = tol.filter(|_| c.shape_ok).map(|(atol, rtol)| elementwise(got, r, atol, rtol));
+    let pass = c.passes(l2_tol) && ew.as_ref().is_none_or(|e| e.failing == 0);
+    say!("{c}  {}", if pass { "pass" } else { "FAIL" });
+    if let Some(e) = &ew {
+        let worst = e.worst.map_or(String::new(), |(i, g, r)| format!("; worst at flat index {i}: {g} vs {r}"));
+        say!("  elementwise |out - ref| <= {} + {} * |ref|: {} of {} elements fail{worst}", e.atol, e.rtol, e.failing, e.total);
     }
-    if rows.is_empty() {
-        say!("nothing compared (no reference); outputs of the random input, --seed {}:", a.seed);
-        say_raw!("{}", common::summarize(&outputs, 5, traced.hw.map(|[_, w]| w)));
-        return Ok(ExitCode::SUCCESS);
+    if name == "detections" && c.shape_ok {
+        let (matched, total) = matching_detections(got, r);
+        say!("  {matched} of {total} reference detections found with the same class and centre (within half a map cell)");
     }
-    if !all_pass && !hints.is_empty() {
-        say!("FAIL (the reference may not match this run: {})", hints.join("; "));
-    } else {
-        say!("{}", if all_pass { "PASS" } else { "FAIL" });
+    if name == "logits" && c.shape_ok {
+        let (ours, theirs) = (kiln::compare::top1(got), kiln::compare::top1(r));
+        let same = ours.iter().zip(&theirs).filter(|(a, b)| a == b).count();
+        say!("  top-1 class agrees on {same} of {} images", theirs.len());
     }
-    Ok(if all_pass { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(OutputReport {
+        name: name.to_string(),
+        shape: got.shape.clone(),
+        shape_ok: c.shape_ok,
+        rel_l2: c.rel_l2,
+        max_abs: c.max_abs,
+        elementwise: ew,
+        pass,
+    })
+}
+
+/// `--report`: the comparison as JSON.
+fn write_report(path: &Path, report: &Report) -> Result<()> {
+    let text = serde_json::to_string_pretty(report).map_err(|e| Error::Serialize { what: "the report".into(), reason: e.to_string() })?;
+    std::fs::write(path, text + "\n").map_err(Error::io(path))?;
+    tracing::info!("wrote {} (the comparison as JSON)", path.display());
+    Ok(())
 }
 
 /// Decoded detections ([N, k, 6] rows of x1, y1, x2, y2, score, class) of `got` that match one of

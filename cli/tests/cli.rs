@@ -36,7 +36,7 @@ fn help_mentions_every_command_and_examples() {
     let out = kiln(&["--help"]);
     let (stdout, _) = text(&out);
     assert!(out.status.success());
-    for cmd in ["run", "build", "bench", "profile", "compare", "inspect", "codegen"] {
+    for cmd in ["run", "build", "bench", "profile", "compare", "inspect", "codegen", "calibrate", "models"] {
         assert!(stdout.contains(&format!("\n  {cmd} ")), "--help lists `{cmd}`:\n{stdout}");
     }
     assert!(stdout.contains("Examples:") && stdout.contains("kiln run resnet50"), "{stdout}");
@@ -52,6 +52,30 @@ fn help_mentions_every_command_and_examples() {
     let bench = text(&kiln(&["bench", "--help"])).0;
     for flag in ["--warmup", "--iterations", "--duration", "--json", "--batch"] {
         assert!(bench.contains(flag), "bench --help explains {flag}:\n{bench}");
+    }
+}
+
+/// `kiln models --json` is how the Python tools (tools/bundled.py) learn the list of models:
+/// it must be `kiln_models::BUNDLED`, in order, field by field.
+#[test]
+fn models_lists_bundled_for_people_and_as_json() {
+    let out = kiln(&["models", "--json"]);
+    assert!(out.status.success(), "{}", text(&out).1);
+    let list: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(list.len(), kiln_models::BUNDLED.len());
+    for (v, m) in list.iter().zip(kiln_models::BUNDLED) {
+        assert_eq!(v["name"], m.name);
+        assert_eq!(v["input_size"], m.input_size);
+        assert_eq!(v["outputs"], serde_json::json!(m.outputs), "{}", m.name);
+        assert_eq!(v["family"], m.family(), "{}", m.name);
+        assert_eq!(v["torchvision"], m.torchvision, "{}", m.name);
+        assert_eq!(v["description"], m.description);
+    }
+    let torchvision: Vec<&str> = kiln_models::BUNDLED.iter().filter(|m| m.torchvision).map(|m| m.name).collect();
+    assert_eq!(torchvision.len(), 22, "torchvision's classifiers: {torchvision:?}");
+    let (stdout, _) = text(&kiln(&["models"]));
+    for m in kiln_models::BUNDLED {
+        assert!(stdout.lines().any(|l| l.starts_with(&format!("{} ", m.name))), "`kiln models` lists {}:\n{stdout}", m.name);
     }
 }
 
@@ -578,7 +602,7 @@ impl Forward for TinyNet {
     }
 }
 
-/// The `TraceFn` a program hands to `kiln_models::cli::main_with`; its own size is 24 x 32.
+/// The `TraceFn` a program hands to `kiln_cli::main_with`; its own size is 24 x 32.
 fn tinynet(vb: VarBuilder, batch: usize, hw: Option<[usize; 2]>) -> kiln::Result<Graph> {
     let [h, w] = hw.unwrap_or([24, 32]);
     let net = TinyNet::load(vb, &TinyConfig { classes: 10 })?;
@@ -595,7 +619,7 @@ fn arg(p: &std::path::Path) -> &str {
 /// Writes the tiny model's graph file with the embedded CLI (`kiln trace tinynet`, in process).
 fn tiny_graph_file(dir: &std::path::Path) -> PathBuf {
     let path = dir.join("tinynet.kiln.safetensors");
-    let code = kiln_models::cli::run_with(["kiln", "-q", "trace", "tinynet", "--batch", "2", "-o", arg(&path)], &[("tinynet", tinynet)]);
+    let code = kiln_cli::run_with(["kiln", "-q", "trace", "tinynet", "--batch", "2", "-o", arg(&path)], &[("tinynet", tinynet)]);
     assert_eq!(code, std::process::ExitCode::SUCCESS);
     path
 }
@@ -619,7 +643,7 @@ fn user_model_is_traced_by_the_embedded_cli_and_loads_back_equal() {
     direct.save(&again).expect("save");
     assert_eq!(Graph::load(&again).expect("load").nodes, direct.nodes);
     // A name the program did not register is an error listing what is known.
-    let code = kiln_models::cli::run_with(["kiln", "trace", "nosuchnet", "-o", arg(&dir.join("x"))], &[("tinynet", tinynet)]);
+    let code = kiln_cli::run_with(["kiln", "trace", "nosuchnet", "-o", arg(&dir.join("x"))], &[("tinynet", tinynet)]);
     assert_eq!(code, std::process::ExitCode::FAILURE);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -769,6 +793,24 @@ fn compare_checks_elementwise_saves_and_loads_outputs_and_writes_a_report() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Issue 29, item 9: `kiln trace -o r18.graph` wrote a graph file that `kiln run r18.graph` refused
+/// ("is neither a graph file nor an engine file"); a file's kind is now told by its content.
+#[test]
+fn model_files_are_told_apart_by_content_not_by_extension() {
+    let dir = temp_dir("kinds");
+    let graph = dir.join("r18.graph");
+    let out = kiln(&["trace", "resnet18", "--size", "32", "-o", arg(&graph)]);
+    assert!(out.status.success(), "{}", text(&out).1);
+    let (stdout, stderr) = text(&kiln(&["run", arg(&graph), "--cpu", "--seed", "1"]));
+    assert!(stdout.contains("image 0: top-5:"), "{stdout}{stderr}");
+    // Starts with the engine magic: read as an engine file (and rejected as one), whatever its name.
+    let engine = dir.join("model.kiln.safetensors");
+    std::fs::write(&engine, b"KILNENG\0 and then nothing an engine holds").expect("write");
+    let stderr = fails_with(&["inspect", arg(&engine), "--no-engine"], &["error: "]);
+    assert!(stderr.contains("engine") && !stderr.contains("graph file"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn files_that_are_neither_graphs_nor_engines_are_named() {
     let dir = temp_dir("not-a-model");
@@ -798,6 +840,115 @@ fn shapes_flags_pick_the_input_shape_and_disagreements_are_errors() {
     assert!(stderr.contains("every dim must be at least 1"), "{stderr}");
 }
 
+/// Issue 29, item 7: `--shapes` naming an input the model does not have, or another channel
+/// count, was ignored (`kiln run resnet18 --cpu --shapes other:1x7x32x32` exited 0). Every command
+/// that takes the flag now names the flag, the input and both shapes.
+#[test]
+fn shapes_of_an_unknown_input_or_other_channels_are_errors() {
+    let unknown = ["--shapes other:1x7x32x32: resnet18 has no input `other`", "its inputs: `input` Nx3x32x32"];
+    let channels = ["--shapes input:1x7x32x32: resnet18's input `input` is Nx3x32x32"];
+    fails_with(&["run", "resnet18", "--cpu", "--shapes", "other:1x7x32x32"], &unknown);
+    fails_with(&["run", "resnet18", "--cpu", "--shapes", "input:1x7x32x32"], &channels);
+    fails_with(&["trace", "resnet18", "--shapes", "input:1x7x32x32", "-o", "/tmp/kiln-never.kiln.safetensors"], &channels);
+    fails_with(&["inspect", "resnet18", "--no-engine", "--shapes", "other:1x7x32x32"], &unknown);
+    fails_with(&["codegen", "resnet18", "--shapes", "input:1x7x32x32"], &channels);
+    fails_with(&["compare", "resnet18", "--cpu", "--shapes", "other:1x7x32x32"], &unknown);
+    let bench = ["bench", "resnet18", "--cpu", "--shapes", "input:1x7x32x32", "--iterations", "1", "--duration", "0", "--warmUp", "0"];
+    fails_with(&bench, &channels);
+    assert!(!std::path::Path::new("/tmp/kiln-never.kiln.safetensors").exists());
+    // With a reference, its input decides the shape; --shapes may only repeat it.
+    let dir = temp_dir("shapes-reference");
+    let reference = resnet18_reference(&dir, "r.safetensors", &[]);
+    let compare = |shapes: &str| kiln(&["compare", "resnet18", "--cpu", "--reference", arg(&reference), "--shapes", shapes]);
+    assert!(compare("input:1x3x32x32").status.success());
+    let out = compare("input:2x3x32x32");
+    assert!(text(&out).1.contains("--shapes input:2x3x32x32 disagrees with the input of"), "{}", text(&out).1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 29, item 7: `trace`, `inspect`, `codegen` and `calibrate` took `--batch`'s default as
+/// typed, so `--shapes input:2x...` failed with "--batch 1 disagrees". A typed `--batch` still must
+/// agree.
+#[test]
+fn the_default_batch_does_not_contradict_shapes() {
+    let dir = temp_dir("default-batch");
+    let graph = dir.join("r18.kiln.safetensors");
+    let (stdout, stderr) = text(&kiln(&["trace", "resnet18", "--shapes", "input:2x3x32x32", "-o", arg(&graph)]));
+    assert!(stdout.contains("input 2x3x32x32"), "{stdout}{stderr}");
+    let (stdout, stderr) = text(&kiln(&["inspect", "resnet18", "--no-engine", "--shapes", "input:2x3x32x32"]));
+    assert!(stdout.contains("== traced graph: resnet18 (batch 2, 32x32) =="), "{stdout}{stderr}");
+    let (stdout, stderr) = text(&kiln(&["codegen", "resnet18", "--shapes", "input:2x3x32x32"]));
+    assert!(
+        stdout.contains("pub fn build(vb: &VarBuilder, batch: usize)") && stdout.contains("--shapes input:2x3x32x32"),
+        "{stdout}{stderr}"
+    );
+    let data = dir.join("calib.safetensors");
+    let images = kiln::seeded::uniform_tensor(&[2, 3, 32, 32], 3);
+    kiln::var_builder::write_safetensors(&data, &BTreeMap::from([("input".to_string(), images)])).expect("write");
+    let cache = dir.join("c.json");
+    let calibrate = ["calibrate", "digits_resnet", "--shapes", "input:2x3x32x32", "--data", arg(&data), "-o", arg(&cache)];
+    let out = kiln(&calibrate);
+    assert!(out.status.success(), "{}", text(&out).1);
+    fails_with(&["trace", "resnet18", "--batch", "1", "--shapes", "input:2x3x32x32", "-o", arg(&graph)], &["--batch 1 disagrees"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Issue 29, item 10: `build` looked for a GPU before it checked its batch flags, so a batch of 0
+/// or a range upside down said "no GPU available" on a machine without one.
+#[test]
+fn build_checks_its_batch_flags_before_looking_for_a_gpu() {
+    let out = "/tmp/kiln-never-batch.kiln";
+    fails_with(&["build", "resnet18", "--max-batch", "0", "-o", out], &["error: --max-batch must be at least 1"]);
+    fails_with(
+        &["build", "resnet18", "--min-batch", "4", "--max-batch", "2", "-o", out],
+        &["error: --min-batch 4 is more than --max-batch 2"],
+    );
+    fails_with(
+        &["build", "resnet18", "--opt-batch", "8", "--max-batch", "4", "-o", out],
+        &["--opt-batch 8 must lie within --min-batch 1 and --max-batch 4"],
+    );
+    assert!(!std::path::Path::new(out).exists());
+}
+
+/// A graph file of a 1-channel model (input [1, 1, 8, 8]).
+fn one_channel_graph_file(dir: &std::path::Path) -> PathBuf {
+    let tracer = Tracer::new();
+    let x = tracer.input("input", &[1, 1, 8, 8]);
+    conv_graph_file(&tracer, &x, 1, &dir.join("gray.kiln.safetensors"))
+}
+
+/// Issue 29, item 10: `--input` demanded 3 channels even for a 1-channel graph file, and a model
+/// whose input is u8 could not take a U8 input file. The file's tensor is now checked against the
+/// model's input: its dims after the batch, and its type.
+#[test]
+fn input_files_follow_the_models_channels_and_type() {
+    let dir = temp_dir("input-kinds");
+    let gray = one_channel_graph_file(&dir);
+    let x = kiln::seeded::uniform_tensor(&[2, 1, 8, 8], 4);
+    let input = dir.join("gray-input.safetensors");
+    kiln::var_builder::write_safetensors(&input, &BTreeMap::from([("input".to_string(), x)])).expect("write");
+    let (stdout, stderr) = text(&kiln(&["run", arg(&gray), "--cpu", "--input", arg(&input)]));
+    assert!(stdout.contains("batch 2, 8x8") && stdout.contains("y: [2, 4, 8, 8]"), "{stdout}{stderr}");
+    fails_with(
+        &["run", "resnet18", "--cpu", "--input", arg(&input)],
+        &["--input", "holds shape [2, 1, 8, 8]; resnet18's input `input` takes [N, 3, 8, 8]"],
+    );
+
+    let frame = frame_graph_file(&dir);
+    let bytes: Vec<u8> = (0..2 * 30 * 120).map(|i| (i * 7 % 256) as u8).collect();
+    let frames = dir.join("frames.safetensors");
+    std::fs::write(&frames, raw_safetensors(&[("frame", "U8", vec![2, 30, 120], bytes.clone())])).expect("write");
+    let (stdout, stderr) = text(&kiln(&["run", arg(&frame), "--cpu", "--input", arg(&frames)]));
+    let given = kiln::ByteTensor::new(vec![2, 30, 120], bytes).expect("bytes");
+    let graph = kiln::passes::optimize(&Graph::load(&frame).expect("load")).expect("optimize");
+    let y = kiln::cpu::run(&graph, &[("frame", &given)]).expect("run").remove("y").expect("y");
+    let mean = y.data.iter().map(|&v| v as f64).sum::<f64>() / y.numel() as f64;
+    assert!(stdout.contains("batch 2, frame 30x120 u8") && stdout.contains(&format!("mean {mean:.3}")), "{stdout}{stderr}");
+    // Bytes for an f32 input are still refused, naming the tensor's dtype.
+    fails_with(&["run", arg(&gray), "--cpu", "--input", arg(&frames)], &["input tensor `frame` has dtype U8"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn diagnostics_follow_quiet_verbose_and_rust_log() {
     let dir = temp_dir("logging");
@@ -822,12 +973,12 @@ fn diagnostics_follow_quiet_verbose_and_rust_log() {
 fn help_examples_are_unwrapped_and_parse() {
     use clap::{CommandFactory, Parser};
     let help = text(&kiln(&["--help"])).0;
-    for example in kiln_models::cli::EXAMPLES {
+    for example in kiln_cli::EXAMPLES {
         assert!(help.lines().any(|l| l.trim() == *example), "`{example}` is one unwrapped line of --help:\n{help}");
         let words: Vec<&str> = example.split_whitespace().collect();
-        kiln_models::cli::Cli::try_parse_from(&words).unwrap_or_else(|e| panic!("`{example}`: {e}"));
+        kiln_cli::Cli::try_parse_from(&words).unwrap_or_else(|e| panic!("`{example}`: {e}"));
     }
-    let cli = kiln_models::cli::Cli::command();
+    let cli = kiln_cli::Cli::command();
     for sub in cli.get_subcommands() {
         let name = sub.get_name().to_string();
         let help = text(&kiln(&[&name, "--help"])).0;
@@ -835,7 +986,7 @@ fn help_examples_are_unwrapped_and_parse() {
         assert!(!examples.is_empty(), "{name} --help has examples");
         for line in examples {
             let words: Vec<&str> = line.split_whitespace().collect();
-            kiln_models::cli::Cli::try_parse_from(&words).unwrap_or_else(|e| panic!("{name} --help: `{line}`: {e}"));
+            kiln_cli::Cli::try_parse_from(&words).unwrap_or_else(|e| panic!("{name} --help: `{line}`: {e}"));
         }
         // `--batch` is documented wherever it exists.
         if let Some(batch) = sub.get_arguments().find(|a| a.get_id() == "batch") {
@@ -860,7 +1011,7 @@ fn help_examples_are_unwrapped_and_parse() {
             "input:8x3x224x224",
         ],
     ] {
-        kiln_models::cli::Cli::try_parse_from(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+        kiln_cli::Cli::try_parse_from(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
     }
 }
 
@@ -937,11 +1088,15 @@ fn frame_graph_file(dir: &std::path::Path) -> PathBuf {
     let tracer = Tracer::new();
     let frame = kiln_models::yolo_letterbox::frame_input(&tracer, "frame", 1, [30, 40]);
     let x = kiln_models::yolo_letterbox::letterbox(&frame, [32, 32]).expect("letterbox");
-    let conv = Conv2d::load(VarBuilder::seeded().pp("conv"), &Conv2dConfig::new(3, 4, 3).padding(1)).expect("conv");
-    tracer.output("y", &conv.forward(&x).expect("conv"));
-    let path = dir.join("frame.kiln.safetensors");
-    tracer.graph().save(&path).expect("save");
-    path
+    conv_graph_file(&tracer, &x, 3, &dir.join("frame.kiln.safetensors"))
+}
+
+/// `x` (of `channels`) through a seeded 3x3 conv to 4 channels, the output `y`, saved at `path`.
+fn conv_graph_file(tracer: &Tracer, x: &Tensor, channels: usize, path: &std::path::Path) -> PathBuf {
+    let conv = Conv2d::load(VarBuilder::seeded().pp("conv"), &Conv2dConfig::new(channels, 4, 3).padding(1)).expect("conv");
+    tracer.output("y", &conv.forward(x).expect("conv"));
+    tracer.graph().save(path).expect("save");
+    path.to_path_buf()
 }
 
 #[test]

@@ -5,6 +5,7 @@
 use super::{EngineArgs, ModelArgs, TraceFn};
 use indicatif::{ProgressBar, ProgressStyle};
 use kiln::engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision};
+use kiln::graph_file::FileKind;
 use kiln::{ByteTensor, DType, Error, Graph, HostInput, HostTensor, Result, VarBuilder};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -125,6 +126,11 @@ pub fn set_user_models(models: &[(&str, TraceFn)]) {
     *m = models.iter().map(|(n, f)| (n.to_string(), *f)).collect();
 }
 
+/// The names of the models a program added with `main_with`.
+pub fn user_model_names() -> Vec<String> {
+    USER_MODELS.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(n, _)| n.clone()).collect()
+}
+
 fn user_model(name: &str) -> Option<TraceFn> {
     USER_MODELS.lock().unwrap_or_else(|p| p.into_inner()).iter().find(|(n, _)| n == name).map(|(_, f)| *f)
 }
@@ -133,50 +139,46 @@ fn user_model(name: &str) -> Option<TraceFn> {
 #[derive(Clone, Debug)]
 pub enum Source {
     User(String, TraceFn),
-    Bundled(&'static crate::BundledModel),
+    Bundled(&'static kiln_models::BundledModel),
     GraphFile(PathBuf),
     EngineFile(PathBuf),
 }
 
-/// Decides what `arg` names: a program's own model, a bundled model, then a file by its first
-/// bytes (an engine file starts with `KILNENG`) or extension (`.kiln` engine, `.safetensors` graph
-/// file); anything else is an error listing what is accepted.
+/// Decides what `arg` names: a program's own model, a bundled model, then a file by its content
+/// (`kiln::graph_file::kind`: the engine magic `KILNENG`, or a safetensors header holding the graph;
+/// its name does not matter); anything else is an error listing what is accepted.
 pub fn source(arg: &str) -> Result<Source> {
     if let Some(f) = user_model(arg) {
         return Ok(Source::User(arg.to_string(), f));
     }
-    if let Ok(info) = crate::bundled(arg) {
+    if let Ok(info) = kiln_models::bundled(arg) {
         return Ok(Source::Bundled(info));
     }
     let path = PathBuf::from(arg);
-    let is_engine_name = arg.ends_with(".kiln");
-    let is_graph_name = arg.ends_with(".safetensors");
     if !path.exists() {
-        if is_engine_name || is_graph_name || arg.contains(std::path::MAIN_SEPARATOR) {
+        if arg.ends_with(".kiln") || arg.ends_with(".safetensors") || arg.contains(std::path::MAIN_SEPARATOR) {
             return Err(Error::Io { path, source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file") });
         }
-        let mut known = crate::bundled_names();
-        let users: Vec<String> = USER_MODELS.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(n, _)| n.clone()).collect();
+        let mut known = kiln_models::bundled_names();
+        let users = user_model_names();
         if !users.is_empty() {
             known = format!("{known}; this program's own: {}", users.join(", "));
         }
         return Err(Error::UnknownModel { name: arg.to_string(), known });
     }
-    let mut magic = [0u8; 8];
-    // Opened without blocking: a FIFO is left to the graph-file reader, which names it.
-    let opened = kiln::host::open_regular(&path, "a model file", |reason| Error::GraphFile { path: arg.to_string(), reason });
-    let head = opened.ok().and_then(|mut f| std::io::Read::read(&mut f, &mut magic).ok()).unwrap_or(0);
-    if (head == 8 && magic == kiln::engine::file::MAGIC) || is_engine_name {
-        return Ok(Source::EngineFile(path));
+    match kiln::graph_file::kind(&path) {
+        FileKind::Engine => Ok(Source::EngineFile(path)),
+        // A safetensors file without a graph, a directory or a FIFO: the graph-file reader says
+        // what it is (a state_dict goes to --weights; only a regular file is read).
+        FileKind::Graph | FileKind::Safetensors => Ok(Source::GraphFile(path)),
+        FileKind::Other if !path.is_file() => Ok(Source::GraphFile(path)),
+        FileKind::Other => Err(Error::GraphFile {
+            path: arg.to_string(),
+            reason: "is neither a graph file (.kiln.safetensors by convention, from `kiln trace`: a safetensors file whose metadata holds `kiln.graph`) \
+                     nor an engine file (.kiln by convention, from `kiln build`: it starts with KILNENG)"
+                .into(),
+        }),
     }
-    if is_graph_name || path.is_dir() {
-        return Ok(Source::GraphFile(path));
-    }
-    Err(Error::GraphFile {
-        path: arg.to_string(),
-        reason: "is neither a graph file (.kiln.safetensors, from `kiln trace`) nor an engine file (.kiln, from `kiln build`, starting with KILNENG)"
-            .into(),
-    })
 }
 
 /// Whether a command's model argument names an engine file.
@@ -318,12 +320,49 @@ fn warn_non_finite(bad: &[(String, usize)], source: &str) {
     }
 }
 
-/// Loads the model `m` names at `batch` (a trace for bundled and user models; graph and engine
+/// Loads the model `m` names at the batch `--batch` gives (`batch`: `None` when the flag was not
+/// typed), else `--shapes`'s N, else 1 (a trace for bundled and user models; graph and engine
 /// files hold their graph, which the CPU executor runs at any batch), checking (with `--strict`)
 /// that every weight was used and that none holds NaN or infinity (without it, both are warnings).
-pub fn trace_args(m: &ModelArgs, batch: usize) -> Result<Traced> {
-    let (_, hw) = requested(m, Some(batch))?;
-    load(&m.model, m.weights.as_deref(), m.strict, batch, hw)
+pub fn trace_args(m: &ModelArgs, batch: Option<usize>) -> Result<Traced> {
+    let (batch, hw) = requested(m, batch)?;
+    load_args(m, batch.unwrap_or(1), hw)
+}
+
+/// `load` of the model, weights and strictness `m` names, at `batch` and `hw`, then
+/// `check_shapes` of its `--shapes`.
+pub fn load_args(m: &ModelArgs, batch: usize, hw: Option<[usize; 2]>) -> Result<Traced> {
+    let traced = load(&m.model, m.weights.as_deref(), m.strict, batch, hw)?;
+    check_shapes(m.shapes.as_ref(), &graph_inputs(&traced.graph), &traced.name)?;
+    Ok(traced)
+}
+
+/// `--shapes NAME:DIMS` against the model's inputs (per-image dims, as `graph_inputs` and
+/// `engine_inputs` give them): each name must be an input's, and its dims the input's, except the
+/// batch and an image's H x W, which the flag sets. An error names the flag, the input and both
+/// shapes.
+pub fn check_shapes(shapes: Option<&super::Shapes>, inputs: &[InputSpec], model: &str) -> Result<()> {
+    let Some(shapes) = shapes else { return Ok(()) };
+    let text = |dims: &[usize]| super::shapes::dims_text(dims);
+    for spec in &shapes.0 {
+        let given = format!("{}:{}", spec.name, text(&spec.dims));
+        let Some(input) = inputs.iter().find(|i| i.name == spec.name) else {
+            let have: Vec<String> = inputs.iter().map(|i| format!("`{}` Nx{}", i.name, text(&i.dims))).collect();
+            return Err(Error::Flag {
+                flag: "--shapes".into(),
+                reason: format!("{given}: {model} has no input `{}`; its inputs: {}", spec.name, have.join(", ")),
+            });
+        };
+        // An image's H and W are the flag's to set; every other dim is the model's.
+        let fixed = |dims: &[usize]| if dims.len() == 3 { dims[..1].to_vec() } else { dims.to_vec() };
+        if spec.dims.len() != input.dims.len() + 1 || fixed(&spec.dims[1..]) != fixed(&input.dims) {
+            return Err(Error::Flag {
+                flag: "--shapes".into(),
+                reason: format!("{given}: {model}'s input `{}` is Nx{}", input.name, text(&input.dims)),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// `trace_args` from the parts of the flags.
@@ -381,7 +420,7 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
             let hw = hw.unwrap_or([info.input_size, info.input_size]);
             check_input_dims(batch, hw)?;
             let vb = weights(weights_path)?;
-            (info.name.to_string(), crate::trace_hw(info.name, vb.clone(), batch, hw)?, vb, "bundled")
+            (info.name.to_string(), kiln_models::trace_hw(info.name, vb.clone(), batch, hw)?, vb, "bundled")
         }
         Source::User(name, f) => {
             if let Some(hw) = hw {
@@ -478,11 +517,63 @@ pub fn read_input(path: &Path) -> Result<HostTensor> {
     })
 }
 
-/// Checks an input is [N, 3, H, W] and returns (N, [H, W]).
+/// `--input`'s tensor as a command binds it: f32 values (from f32, f16 or bf16), or bytes where the
+/// file stores it as U8 (a decoded frame for a model whose input is declared u8). Returns its key
+/// in the file (`input`, or the file's only tensor) and its data.
+pub fn read_input_data(path: &Path) -> Result<(String, InputData)> {
+    match read_input(path) {
+        Ok(t) => Ok(("input".into(), InputData::F32(t))),
+        Err(Error::TensorDtype { got, key, what, path: p }) if got == "U8" => match read_u8_input(path)? {
+            Some((key, t)) => Ok((key, InputData::U8(t))),
+            None => Err(Error::TensorDtype { got, key, what, path: p }),
+        },
+        Err(e) => Err(e),
+    }
+}
+
+/// The U8 tensor `input`, or the file's only tensor, of a safetensors file (`None` when that
+/// tensor is not U8). The header is checked first, and the file's size is limited before it is read.
+fn read_u8_input(path: &Path) -> Result<Option<(String, ByteTensor)>> {
+    let bad = |reason: String| Error::Safetensors { path: path.to_path_buf(), reason };
+    kiln::var_builder::read_metadata(path)?;
+    let size = std::fs::metadata(path).map_err(Error::io(path))?.len();
+    // One byte per element, and room for a header.
+    if size > (MAX_INPUT_ELEMENTS as u64).saturating_add(1 << 24) {
+        return Err(Error::TooLarge {
+            what: format!("--input {}", path.display()),
+            reason: format!("{size} bytes, more than an input of {MAX_INPUT_ELEMENTS} elements"),
+        });
+    }
+    let bytes = std::fs::read(path).map_err(Error::io(path))?;
+    let file = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(format!("{e:?}")))?;
+    let names = file.names();
+    let key = match names.as_slice() {
+        _ if names.iter().any(|n| *n == "input") => "input".to_string(),
+        [only] => only.to_string(),
+        _ => return Err(bad(format!("holds no tensor named `input` and {} others", names.len()))),
+    };
+    let view = file.tensor(&key).map_err(|e| bad(format!("tensor `{key}`: {e:?}")))?;
+    if view.dtype() != safetensors::Dtype::U8 {
+        return Ok(None);
+    }
+    Ok(Some((key, ByteTensor::new(view.shape().to_vec(), view.data().to_vec())?)))
+}
+
+impl InputData {
+    pub fn shape(&self) -> &[usize] {
+        match self {
+            InputData::F32(t) => &t.shape,
+            InputData::U8(t) => &t.shape,
+        }
+    }
+}
+
+/// Checks an input is [N, C, H, W] with N at least 1 and returns (N, [H, W]); the model's own
+/// channel count is checked when the input is bound.
 pub fn input_dims(x: &HostTensor, what: &Path) -> Result<(usize, [usize; 2])> {
     match x.shape.as_slice() {
-        [n, 3, h, w] if *n > 0 => Ok((*n, [*h, *w])),
-        s => Err(Error::Binding { name: "input".into(), reason: format!("{} holds shape {s:?}; expected [N, 3, H, W]", what.display()) }),
+        [n, _, h, w] if *n > 0 => Ok((*n, [*h, *w])),
+        s => Err(Error::Binding { name: "input".into(), reason: format!("{} holds shape {s:?}; expected [N, C, H, W]", what.display()) }),
     }
 }
 

@@ -46,7 +46,8 @@ pub fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
     if a.batch == 0 {
         return Err(Error::Flag { flag: "--batch".into(), reason: "must be at least 1".into() });
     }
-    let traced = common::trace_args(&a.model, 1)?;
+    // `--batch` here is images per CPU run, not the model's: the graph runs at any batch.
+    let traced = common::trace_args(&a.model, None)?;
     let [size, width] = traced.nchw_hw("kiln calibrate")?;
     if size != width {
         return Err(Error::Flag {

@@ -1,57 +1,32 @@
 //! `kiln run` (the README's main job), `kiln trace` and `kiln build`.
 
-use super::common::{self, ms, InputData};
+use super::common::{self, ms, InputData, Traced};
 use super::shapes::{self, Profile};
 use super::{BuildArgs, RunArgs, TraceArgs};
 use kiln::engine::{gpu_available, DimsRange, ShapeProfile};
-use kiln::{Error, Result};
+use kiln::{DType, Error, HostInput, HostTensor, Result};
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 pub fn run(a: RunArgs) -> Result<ExitCode> {
     let (batch_flag, hw_flag) = common::requested(&a.model, a.batch)?;
-    let (input, origin) = match &a.input {
-        Some(path) => {
-            let x = common::read_input(path)?;
-            let (n, hw) = common::input_dims(&x, path)?;
-            let disagree = |flag: &str, given: String, have: String| Error::Flag {
-                flag: flag.into(),
-                reason: format!(
-                    "{given} disagrees with --input {}, whose shape {:?} decides it ({have}); drop {flag}",
-                    path.display(),
-                    x.shape
-                ),
-            };
-            match (batch_flag, hw_flag) {
-                (Some(b), _) if b != n => return Err(disagree("--batch", b.to_string(), n.to_string())),
-                (_, Some(want)) if want != hw => {
-                    let given = if want[0] == want[1] { want[0].to_string() } else { format!("{}x{}", want[0], want[1]) };
-                    let have = if hw[0] == hw[1] { hw[0].to_string() } else { format!("{}x{}", hw[0], hw[1]) };
-                    return Err(disagree(if a.model.shapes.is_some() { "--shapes" } else { "--size" }, given, have));
-                }
-                _ => {}
-            }
-            let origin = format!("input from {}", path.display());
-            (Some(x), origin)
-        }
-        None => (None, String::new()),
-    };
-    let (batch, hw) = match &input {
-        Some(x) => (x.shape[0], Some([x.shape[2], x.shape[3]])),
+    let given = a.input.as_deref().map(|path| GivenInput::read(path, &a, batch_flag, hw_flag)).transpose()?;
+    let (batch, hw) = match &given {
+        Some(g) => (g.batch(), g.hw()),
         None => (batch_flag.unwrap_or(1), hw_flag),
     };
-    let traced = common::load(&a.model.model, a.model.weights.as_deref(), a.model.strict, batch, hw)?;
+    let traced = common::load_args(&a.model, batch, hw)?;
     let gpu_reason = if a.cpu { Err("--cpu was given".to_string()) } else { gpu_available() };
     if gpu_reason.is_err() {
         common::check_cpu_memory(&traced.graph, batch, &traced.hw_text())?;
     }
-    let (inputs, origin) = match input {
-        // The file's image is the model's NCHW input (checked against it above).
-        Some(x) => {
-            let name = traced.graph.input_names().first().map_or("input".to_string(), |n| n.to_string());
-            (vec![(name, InputData::F32(x))], origin)
+    let (inputs, origin) = match given {
+        Some(g) => {
+            let origin = format!("input from {}", g.path.display());
+            (vec![g.bind(&traced)?], origin)
         }
         None => {
             let seed = a.seed.unwrap_or_else(kiln::seeded::fresh_seed);
@@ -69,25 +44,8 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         |p| format!("weights {}", p.display()),
     );
     say!("{}: batch {batch}, {}, {weights}, {origin}", traced.name, traced.hw_text());
-
     let (outputs, backend, elapsed) = match gpu_reason {
-        Ok(()) => {
-            let gpu = common::gpu()?;
-            let engine = if traced.origin == "engine file" {
-                common::engine_for(&a.model.model, None, None, &a.engine, (batch, batch, batch), gpu)?.1
-            } else {
-                common::build_engine(&traced.graph, a.engine.config(batch, batch, batch), gpu, &traced.name)?
-            };
-            let precision = engine.config.precision.short_name();
-            let engine = Arc::new(engine);
-            say!("engine: {} layers, built in {:.2} s", engine.summary.layers, engine.summary.build_seconds);
-            let mut ctx = engine.context()?;
-            // The first run captures the CUDA graph; the time shown is of the second.
-            ctx.run(&bound)?;
-            let t = Instant::now();
-            let out = ctx.run(&bound)?;
-            (out, format!("GPU engine ({precision})"), t.elapsed())
-        }
+        Ok(()) => run_on_gpu(&a, &traced, &bound, batch)?,
         Err(reason) => {
             if !a.cpu {
                 tracing::info!("note: no GPU ({reason}); running on the CPU reference executor instead");
@@ -104,11 +62,108 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The outputs of one engine run (the second: the first captures the CUDA graph), the backend's
+/// name and the time taken.
+fn run_on_gpu(
+    a: &RunArgs,
+    traced: &Traced,
+    bound: &[(&str, HostInput<'_>)],
+    batch: usize,
+) -> Result<(BTreeMap<String, HostTensor>, String, Duration)> {
+    let gpu = common::gpu()?;
+    let engine = if traced.origin == "engine file" {
+        common::engine_for(&a.model.model, None, None, &a.engine, (batch, batch, batch), gpu)?.1
+    } else {
+        common::build_engine(&traced.graph, a.engine.config(batch, batch, batch), gpu, &traced.name)?
+    };
+    let precision = engine.config.precision.short_name();
+    let engine = Arc::new(engine);
+    say!("engine: {} layers, built in {:.2} s", engine.summary.layers, engine.summary.build_seconds);
+    let mut ctx = engine.context()?;
+    ctx.run(bound)?;
+    let t = Instant::now();
+    let out = ctx.run(bound)?;
+    Ok((out, format!("GPU engine ({precision})"), t.elapsed()))
+}
+
+/// `--input`'s tensor, read before the model is loaded: its shape decides the batch (its first
+/// dim) and, for a 4-D tensor, the NCHW image's H x W.
+struct GivenInput {
+    path: PathBuf,
+    key: String,
+    data: InputData,
+}
+
+impl GivenInput {
+    /// Reads the file and checks it against `--batch`, `--size` and `--shapes` (which must agree).
+    fn read(path: &Path, a: &RunArgs, batch_flag: Option<usize>, hw_flag: Option<[usize; 2]>) -> Result<Self> {
+        let (key, data) = common::read_input_data(path)?;
+        let given = GivenInput { path: path.to_path_buf(), key, data };
+        let shape = given.data.shape().to_vec();
+        if shape.len() < 2 || shape[0] == 0 {
+            return Err(Error::Binding {
+                name: "input".into(),
+                reason: format!("{} holds shape {shape:?}; expected a batch of at least 1 and then the model's input dims", path.display()),
+            });
+        }
+        let disagree = |flag: &str, given: String, have: String| Error::Flag {
+            flag: flag.into(),
+            reason: format!("{given} disagrees with --input {}, whose shape {shape:?} decides it ({have}); drop {flag}", path.display()),
+        };
+        let hw_text = |[h, w]: [usize; 2]| if h == w { h.to_string() } else { format!("{h}x{w}") };
+        match (batch_flag, hw_flag) {
+            (Some(b), _) if b != given.batch() => Err(disagree("--batch", b.to_string(), given.batch().to_string())),
+            (_, Some(want)) if Some(want) != given.hw() => {
+                let have = given.hw().map_or("no H x W: it is not an NCHW image".to_string(), hw_text);
+                Err(disagree(if a.model.shapes.is_some() { "--shapes" } else { "--size" }, hw_text(want), have))
+            }
+            _ => Ok(given),
+        }
+    }
+
+    fn batch(&self) -> usize {
+        self.data.shape()[0]
+    }
+
+    /// H x W of a 4-D (NCHW) tensor.
+    fn hw(&self) -> Option<[usize; 2]> {
+        match self.data.shape() {
+            &[_, _, h, w] => Some([h, w]),
+            _ => None,
+        }
+    }
+
+    /// The tensor as the model's first input, once its type and its per-image dims (channels
+    /// included) are checked against that input's.
+    fn bind(self, traced: &Traced) -> Result<(String, InputData)> {
+        let input = common::graph_inputs(&traced.graph)
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::Binding { name: "input".into(), reason: format!("{} has no input to take --input", traced.name) })?;
+        if matches!(self.data, InputData::U8(_)) && input.dtype != DType::U8 {
+            // Bytes for an f32 input: the file's values are not what the model reads.
+            return Err(Error::TensorDtype { what: "input".into(), key: self.key, got: "U8".into(), path: self.path });
+        }
+        let shape = self.data.shape();
+        if shape[1..] != input.dims[..] {
+            return Err(Error::Binding {
+                name: input.name.clone(),
+                reason: format!(
+                    "--input {} holds shape {shape:?}; {}'s input `{}` takes [N, {}]",
+                    self.path.display(),
+                    traced.name,
+                    input.name,
+                    input.dims.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")
+                ),
+            });
+        }
+        Ok((input.name, self.data))
+    }
+}
+
 /// `kiln trace`: the model's graph and weights as one graph file, with metadata saying what it is.
 pub fn trace(a: TraceArgs) -> Result<ExitCode> {
-    let (batch, _) = common::requested(&a.model, Some(a.batch))?;
-    let batch = batch.unwrap_or(a.batch);
-    let traced = common::trace_args(&a.model, batch)?;
+    let traced = common::trace_args(&a.model, a.batch)?;
     let weights = a.model.weights.as_ref().map_or(
         if traced.origin == "bundled" || traced.origin == "user" { "seeded".to_string() } else { traced.origin.to_string() },
         |p| p.display().to_string(),
@@ -165,19 +220,36 @@ fn shape_range(a: &BuildArgs) -> Result<(Profile, Option<ShapeProfile>, Option<[
     let max = a.max_batch.unwrap_or(1);
     let min = a.min_batch.unwrap_or(1);
     let opt = a.opt_batch.unwrap_or(max);
+    check_batch_range(min, opt, max)?;
     Ok((Profile { min: vec![min], opt: vec![opt], max: vec![max] }, None, None))
+}
+
+/// `--min-batch`, `--opt-batch` and `--max-batch` (or their defaults): at least 1, and
+/// min <= opt <= max, checked before anything looks for a GPU or traces.
+fn check_batch_range(min: usize, opt: usize, max: usize) -> Result<()> {
+    let flag = |flag: &str, reason: String| Err(Error::Flag { flag: flag.into(), reason });
+    if let Some((name, _)) = [("--min-batch", min), ("--max-batch", max), ("--opt-batch", opt)].into_iter().find(|&(_, b)| b == 0) {
+        return flag(name, "must be at least 1".into());
+    }
+    if min > max {
+        return flag("--min-batch", format!("{min} is more than --max-batch {max}"));
+    }
+    if !(min..=max).contains(&opt) {
+        return flag("--opt-batch", format!("{opt} must lie within --min-batch {min} and --max-batch {max}"));
+    }
+    Ok(())
 }
 
 pub fn build(a: BuildArgs, verbose: bool) -> Result<ExitCode> {
     let (profile, spatial, hw) = shape_range(&a)?;
     let (min, opt, max) = profile.batch();
+    let hw = hw.or(common::requested(&a.model, None)?.1);
     let gpu = common::gpu()?;
     let mut config = a.engine.config(min, opt, max);
     if let Some(spatial) = spatial {
         config = config.profile(spatial);
     }
-    let hw = hw.or(common::requested(&a.model, None)?.1);
-    let traced = common::load(&a.model.model, a.model.weights.as_deref(), a.model.strict, opt, hw)?;
+    let traced = common::load_args(&a.model, opt, hw)?;
     let nodes = traced.graph.nodes.iter().filter(|n| !n.op.is_leaf()).count();
     say!("{}: traced {nodes} ops at {}", traced.name, traced.hw_text());
     let engine = common::build_engine(&traced.graph, config, gpu, &traced.name)?;

@@ -2,7 +2,7 @@
 //! device time by module path).
 
 use super::common::{self, ms, InputData};
-use super::{BenchArgs, ProfileArgs};
+use super::{BenchArgs, ProfileArgs, TargetArgs};
 use kiln::engine::{Engine, ExecutionContext};
 use kiln::{Error, Result};
 use serde::{Deserialize, Serialize};
@@ -95,19 +95,28 @@ pub struct Times {
     pub latency_ms: Vec<f64>,
 }
 
-/// Prints a record and keeps it, with its per-run times for `--export-times`.
-fn keep(r: Record, batch: usize, timed: Timed, records: &mut Vec<Record>, series: &mut Vec<Times>) -> Result<()> {
-    print_record(&r)?;
-    series.push(Times {
-        model: r.model.clone(),
-        batch,
-        precision: r.precision.clone(),
-        mode: r.mode.clone(),
-        start_ms: timed.starts,
-        latency_ms: timed.times,
-    });
-    records.push(r);
-    Ok(())
+/// What `bench` measured: a record per series (`--json`) and every run's time (`--export-times`).
+#[derive(Default)]
+struct Results {
+    records: Vec<Record>,
+    series: Vec<Times>,
+}
+
+impl Results {
+    /// Prints a record and keeps it, with its per-run times.
+    fn keep(&mut self, r: Record, batch: usize, timed: Timed) -> Result<()> {
+        print_record(&r)?;
+        self.series.push(Times {
+            model: r.model.clone(),
+            batch,
+            precision: r.precision.clone(),
+            mode: r.mode.clone(),
+            start_ms: timed.starts,
+            latency_ms: timed.times,
+        });
+        self.records.push(r);
+        Ok(())
+    }
 }
 
 /// Checks `--percentile` values: each within 0..=100.
@@ -206,23 +215,30 @@ fn engine_inputs(engine: &Engine, batch: usize, hw: Option<[usize; 2]>) -> Resul
     common::random_inputs(&inputs, batch, kiln::seeded::fresh_seed())
 }
 
-/// The model argument of bench/profile: the positional one or `--loadEngine`.
-fn model_arg(model: &Option<String>, load_engine: &Option<std::path::PathBuf>) -> String {
-    model.clone().or_else(|| load_engine.as_ref().map(|p| p.display().to_string())).unwrap_or_default()
-}
+impl TargetArgs {
+    /// The model argument: the positional one or `--loadEngine`.
+    fn name(&self) -> String {
+        self.model.clone().or_else(|| self.load_engine.as_ref().map(|p| p.display().to_string())).unwrap_or_default()
+    }
 
-/// `--shapes input:NxCxHxW` for bench/profile: (batch, H × W).
-fn shape_flag(shapes: &Option<super::Shapes>) -> Result<(Option<usize>, Option<[usize; 2]>)> {
-    match shapes.as_ref().map(|s| s.0.as_slice()) {
-        None => Ok((None, None)),
-        Some([one]) if one.dims.len() == 4 => Ok((Some(one.dims[0]), Some([one.dims[2], one.dims[3]]))),
-        Some(other) => Err(Error::Flag {
-            flag: "--shapes".into(),
-            reason: format!(
-                "expected one input `input:NxCxHxW`, got {}",
-                other.iter().map(|s| format!("{}:{}", s.name, super::shapes::dims_text(&s.dims))).collect::<Vec<_>>().join(",")
-            ),
-        }),
+    /// The batch and H × W that `--shapes input:NxCxHxW` and `--size` ask for (they must agree).
+    fn shape(&self) -> Result<(Option<usize>, Option<[usize; 2]>)> {
+        let (batch, hw) = match self.shapes.as_ref().map(|s| s.0.as_slice()) {
+            None => (None, None),
+            Some([one]) if one.dims.len() == 4 => (Some(one.dims[0]), Some([one.dims[2], one.dims[3]])),
+            Some(other) => {
+                let given: Vec<String> = other.iter().map(|s| format!("{}:{}", s.name, super::shapes::dims_text(&s.dims))).collect();
+                let reason = format!("expected one input `input:NxCxHxW`, got {}", given.join(","));
+                return Err(Error::Flag { flag: "--shapes".into(), reason });
+            }
+        };
+        match (hw, self.size) {
+            (Some(hw), Some(s)) if hw != [s, s] => {
+                Err(Error::Flag { flag: "--size".into(), reason: format!("{s} disagrees with --shapes ({}x{})", hw[0], hw[1]) })
+            }
+            (Some(hw), _) => Ok((batch, Some(hw))),
+            (None, s) => Ok((batch, s.map(|s| [s, s]))),
+        }
     }
 }
 
@@ -234,95 +250,100 @@ fn write_json<T: Serialize>(path: &std::path::Path, what: &str, value: &T) -> Re
 }
 
 pub fn bench(a: BenchArgs) -> Result<ExitCode> {
-    let model = model_arg(&a.model, &a.load_engine);
+    let model = a.target.name();
     let warmup = Duration::from_millis(a.warmup);
     let duration = Duration::try_from_secs_f64(a.duration).map_err(|_| Error::Flag {
         flag: "--duration".into(),
         reason: format!("must be a finite, non-negative number of seconds, got {}", a.duration),
     })?;
     check_percentiles(&a.percentile)?;
-    let (shape_batch, shape_hw) = shape_flag(&a.shapes)?;
-    let hw = match (shape_hw, a.size) {
-        (Some(hw), Some(s)) if hw != [s, s] => {
-            return Err(Error::Flag { flag: "--size".into(), reason: format!("{s} disagrees with --shapes ({}x{})", hw[0], hw[1]) })
-        }
-        (Some(hw), _) => Some(hw),
-        (None, s) => s.map(|s| [s, s]),
-    };
+    let (shape_batch, hw) = a.target.shape()?;
     let batches = match shape_batch {
         Some(b) => vec![b],
         None => a.batch.clone(),
     };
-    let mut records = Vec::new();
-    let mut series = Vec::new();
     if batches.is_empty() || batches.contains(&0) {
         return Err(Error::Binding { name: "batch".into(), reason: format!("batch sizes must be positive, got {batches:?}") });
     }
-    if a.cpu {
-        if common::is_engine_file(&model) {
-            return Err(Error::Flag {
-                flag: "--cpu".into(),
-                reason: format!("benchmarks a model or graph file, not the engine file {model}"),
-            });
-        }
-        for &batch in &batches {
-            let traced = common::load(&model, a.weights.as_deref(), false, batch, hw)?;
-            let graph = kiln::passes::optimize(&traced.graph)?;
-            common::check_cpu_memory(&graph, batch, &traced.hw_text())?;
-            let inputs = common::random_inputs(&common::graph_inputs(&graph), batch, kiln::seeded::fresh_seed())?;
-            let bound = common::bind(&inputs);
-            let timed = time_loop(warmup, a.iterations, duration, || kiln::cpu::run(&graph, &bound).map(|_| ()))?;
-            let size = traced.hw.map_or(0, |[_, w]| w);
-            let mut r = record(&traced.name, batch, size, "cpu-f32", "cpu", &timed, &a.percentile);
-            r.device = "CPU executor".into();
-            keep(r, batch, timed, &mut records, &mut series)?;
-        }
-    } else {
-        let gpu = common::gpu()?;
-        let modes: Vec<bool> = match (a.cuda_graphs_only, a.no_cuda_graphs) {
-            (true, _) => vec![true],
-            (_, true) => vec![false],
-            _ => vec![true, false],
-        };
-        let loaded = if common::is_engine_file(&model) {
-            let (min, max) = (batches.iter().min().copied().unwrap_or(1), batches.iter().max().copied().unwrap_or(1));
-            Some(Arc::new(common::engine_for(&model, None, hw, &a.engine, (min, max, max), gpu.clone())?.1))
-        } else {
-            None
-        };
-        for &batch in &batches {
-            let (name, engine) = match &loaded {
-                Some(e) => (model.clone(), e.clone()),
-                None => {
-                    let (name, e) = common::engine_for(&model, a.weights.as_ref(), hw, &a.engine, (batch, batch, batch), gpu.clone())?;
-                    (name, Arc::new(e))
-                }
-            };
-            let inputs = engine_inputs(&engine, batch, hw)?;
-            let mut ctx: ExecutionContext = engine.context()?;
-            ctx.run(&common::bind(&inputs))?;
-            for &graphs in &modes {
-                ctx.set_cuda_graphs(graphs);
-                let timed = time_loop(warmup, a.iterations, duration, || {
-                    ctx.execute(batch)?;
-                    ctx.synchronize()
-                })?;
-                let mode = if graphs { "cuda-graph" } else { "no-graph" };
-                let mut r = record(&name, batch, engine_size(&engine), engine.config.precision.short_name(), mode, &timed, &a.percentile);
-                let info = &engine.gpu().info;
-                (r.device, r.driver_version, r.cudnn_version) = (info.name.clone(), info.driver_version, info.cudnn_version);
-                r.build_seconds = engine.summary.build_seconds;
-                keep(r, batch, timed, &mut records, &mut series)?;
-            }
-        }
-    }
+    let timing = (warmup, a.iterations, duration);
+    let results = if a.cpu { bench_cpu(&a, &model, &batches, hw, timing)? } else { bench_gpu(&a, &model, &batches, hw, timing)? };
     if let Some(path) = &a.json {
-        write_json(path, "the results", &records)?;
+        write_json(path, "the results", &results.records)?;
     }
     if let Some(path) = &a.export_times {
-        write_json(path, "per-run times", &series)?;
+        write_json(path, "per-run times", &results.series)?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `(warm-up, at least this many runs, at least this long)`, as `time_loop` takes them.
+type Timing = (Duration, usize, Duration);
+
+/// `bench --cpu`: the CPU executor on the optimised graph, a trace per batch.
+fn bench_cpu(a: &BenchArgs, model: &str, batches: &[usize], hw: Option<[usize; 2]>, timing: Timing) -> Result<Results> {
+    if common::is_engine_file(model) {
+        return Err(Error::Flag { flag: "--cpu".into(), reason: format!("benchmarks a model or graph file, not the engine file {model}") });
+    }
+    let mut results = Results::default();
+    for &batch in batches {
+        let traced = common::load(model, a.target.weights.as_deref(), false, batch, hw)?;
+        common::check_shapes(a.target.shapes.as_ref(), &common::graph_inputs(&traced.graph), &traced.name)?;
+        let graph = kiln::passes::optimize(&traced.graph)?;
+        common::check_cpu_memory(&graph, batch, &traced.hw_text())?;
+        let inputs = common::random_inputs(&common::graph_inputs(&graph), batch, kiln::seeded::fresh_seed())?;
+        let bound = common::bind(&inputs);
+        let timed = time_loop(timing.0, timing.1, timing.2, || kiln::cpu::run(&graph, &bound).map(|_| ()))?;
+        let size = traced.hw.map_or(0, |[_, w]| w);
+        let mut r = record(&traced.name, batch, size, "cpu-f32", "cpu", &timed, &a.percentile);
+        r.device = "CPU executor".into();
+        results.keep(r, batch, timed)?;
+    }
+    Ok(results)
+}
+
+/// `bench` on the GPU: an engine file runs every batch within its range; a model or graph file
+/// gets an engine per batch. Each is timed with and without CUDA graphs, as asked.
+fn bench_gpu(a: &BenchArgs, model: &str, batches: &[usize], hw: Option<[usize; 2]>, timing: Timing) -> Result<Results> {
+    let gpu = common::gpu()?;
+    let modes: Vec<bool> = match (a.cuda_graphs_only, a.no_cuda_graphs) {
+        (true, _) => vec![true],
+        (_, true) => vec![false],
+        _ => vec![true, false],
+    };
+    let loaded = if common::is_engine_file(model) {
+        let (min, max) = (batches.iter().min().copied().unwrap_or(1), batches.iter().max().copied().unwrap_or(1));
+        Some(Arc::new(common::engine_for(model, None, hw, &a.engine, (min, max, max), gpu.clone())?.1))
+    } else {
+        None
+    };
+    let mut results = Results::default();
+    for &batch in batches {
+        let (name, engine) = match &loaded {
+            Some(e) => (model.to_string(), e.clone()),
+            None => {
+                let (name, e) = common::engine_for(model, a.target.weights.as_ref(), hw, &a.engine, (batch, batch, batch), gpu.clone())?;
+                (name, Arc::new(e))
+            }
+        };
+        common::check_shapes(a.target.shapes.as_ref(), &common::engine_inputs(&engine), &name)?;
+        let inputs = engine_inputs(&engine, batch, hw)?;
+        let mut ctx: ExecutionContext = engine.context()?;
+        ctx.run(&common::bind(&inputs))?;
+        for &graphs in &modes {
+            ctx.set_cuda_graphs(graphs);
+            let timed = time_loop(timing.0, timing.1, timing.2, || {
+                ctx.execute(batch)?;
+                ctx.synchronize()
+            })?;
+            let mode = if graphs { "cuda-graph" } else { "no-graph" };
+            let mut r = record(&name, batch, engine_size(&engine), engine.config.precision.short_name(), mode, &timed, &a.percentile);
+            let info = &engine.gpu().info;
+            (r.device, r.driver_version, r.cudnn_version) = (info.name.clone(), info.driver_version, info.cudnn_version);
+            r.build_seconds = engine.summary.build_seconds;
+            results.keep(r, batch, timed)?;
+        }
+    }
+    Ok(results)
 }
 
 /// One layer's time as `profile --json/--csv` write it.
@@ -348,15 +369,15 @@ pub fn layers_csv(rows: &[LayerTime]) -> String {
 }
 
 pub fn profile(a: ProfileArgs) -> Result<ExitCode> {
-    let model = model_arg(&a.model, &a.load_engine);
-    let (shape_batch, shape_hw) = shape_flag(&a.shapes)?;
-    let hw = shape_hw.or(a.size.map(|s| [s, s]));
+    let model = a.target.name();
+    let (shape_batch, hw) = a.target.shape()?;
     let batch = shape_batch.unwrap_or(a.batch);
     if batch == 0 {
         return Err(Error::Flag { flag: "--batch".into(), reason: "must be at least 1".into() });
     }
     let gpu = common::gpu()?;
-    let (name, engine) = common::engine_for(&model, a.weights.as_ref(), hw, &a.engine, (batch, batch, batch), gpu)?;
+    let (name, engine) = common::engine_for(&model, a.target.weights.as_ref(), hw, &a.engine, (batch, batch, batch), gpu)?;
+    common::check_shapes(a.target.shapes.as_ref(), &common::engine_inputs(&engine), &name)?;
     let engine = Arc::new(engine);
     let inputs = engine_inputs(&engine, batch, hw)?;
     let mut ctx = engine.context()?;
