@@ -89,9 +89,9 @@ triton_repo() {
 }
 triton_repo "$GRAPH" -o "$REPO" --name resnet18 --cpu --max-batch-size 8 --max-queue-delay-us 20000 \
   --backend-directory "$WORK/backends"
-triton_repo "$GRAPH" -o "$REPO" --name resnet18_dyn --cpu --max-batch-size 2 \
+triton_repo "$GRAPH" -o "$REPO" --name resnet18_dyn --cpu --max-batch-size 2 --backend-directory "$WORK/backends" \
   --min-shapes input:3x64x64 --opt-shapes input:3x96x96 --max-shapes input:3x160x160
-triton_repo "$GRAPH" -o "$REPO" --name broken --cpu --max-batch-size 8
+triton_repo "$GRAPH" -o "$REPO" --name broken --cpu --max-batch-size 8 --backend-directory "$WORK/backends"
 sed -i 's/dims: \[ 3, 224, 224 \]/dims: [ 3, 200, 200 ]/' "$REPO/broken/config.pbtxt"
 echo "---- $REPO/resnet18/config.pbtxt ----"
 cat "$REPO/resnet18/config.pbtxt"
@@ -110,7 +110,7 @@ PY
 say "starting tritonserver 2.51 on 127.0.0.1 (HTTP $HTTP_PORT, gRPC $GRPC_PORT, metrics $METRICS_PORT)"
 "$TRITONSERVER" --model-repository="$REPO" --backend-directory="$WORK/backends" \
   --model-control-mode=explicit --load-model=resnet18 --load-model=resnet18_dyn \
-  --strict-readiness=true --exit-on-error=false \
+  --strict-readiness=false --exit-on-error=false \
   --http-address=127.0.0.1 --http-port="$HTTP_PORT" \
   --grpc-address=127.0.0.1 --grpc-port="$GRPC_PORT" \
   --metrics-address=127.0.0.1 --metrics-port="$METRICS_PORT" \
@@ -123,6 +123,9 @@ for _ in $(seq 1 240); do
     exit 1
   fi
   code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$HTTP_PORT/v2/health/ready" || true)
+  for m in resnet18 resnet18_dyn; do
+    [[ "$code" == 200 ]] && code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$HTTP_PORT/v2/models/$m/ready" || true)
+  done
   if [[ "$code" == 200 ]]; then ready=1 && break; fi
   sleep 0.5
 done

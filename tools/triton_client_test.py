@@ -93,9 +93,12 @@ def compare_with_kiln(kiln_bin, model, x, logits, path, what):
     """`kiln compare <model> --cpu --reference` with Triton's answer as the reference."""
     write_safetensors(path, {"input": x, "output.logits": logits})
     r = kiln([kiln_bin, "compare", model, "--cpu", "--reference", path, "--l2-tol", "1e-5"])
-    m = re.search(r"rel(?:ative)?[ _]?L2[^0-9]*([0-9.eE+-]+)", r.stdout + r.stderr)
-    detail = f"rel L2 {m.group(1)}" if m else (r.stdout + r.stderr).strip().splitlines()[-1:]
-    return check(f"{what} matches `kiln compare {os.path.basename(model)} --cpu` (rel L2 <= 1e-5)", r.returncode == 0, str(detail)) or print(r.stdout, r.stderr)
+    m = re.search(r"rel_l2 (\S+) max_abs (\S+)", r.stdout)
+    detail = f"kiln: rel L2 {m.group(1)}, max abs {m.group(2)}" if m else (r.stdout + r.stderr).strip()[-300:]
+    ok = check(f"{what} match `kiln compare {os.path.basename(model)} --cpu` (rel L2 <= 1e-5)", r.returncode == 0 and m, detail)
+    if not ok:
+        print(r.stdout, r.stderr)
+    return ok
 
 
 def stats(url, model):
@@ -225,7 +228,10 @@ def main():
         httpclient.InferenceServerClient(url, network_timeout=TIMEOUT_S).load_model("broken")
 
     expect_error("loading `broken` (config dims 3x200x200, graph 3x224x224) fails naming both", load_broken, ["[3, 200, 200]", "[3, 224, 224]"])
-    check("  server and models ready after the failed load", still_up(url, served))
+    # (The server runs with --strict-readiness=false: with it on, one model that failed to load
+    # makes the whole server "not ready" in Triton's sense, though it serves the others.)
+    check("  server and the other models ready after the failed load", still_up(url, served))
+    check("  `broken` is not ready", not httpclient.InferenceServerClient(url, network_timeout=30).is_model_ready("broken"))
     y_again = http_infer(url, "resnet18", x)
     check("resnet18 still answers as before", rel_l2(y_again, y_http) <= 1e-6)
 
@@ -238,13 +244,16 @@ def main():
         found = re.findall(rf'^{name}{{[^}}]*model="{model}"[^}}]*}} ([0-9.e+]+)$', metrics, re.M)
         return sum(float(v) for v in found) if found else None
 
-    ok_count, fail_count = metric("nv_inference_request_success", "resnet18"), metric("nv_inference_request_failure", "resnet18")
+    ok_count = metric("nv_inference_request_success", "resnet18")
     exec_count, inf_count = metric("nv_inference_exec_count", "resnet18"), metric("nv_inference_count", "resnet18")
     check(
-        "metrics count resnet18's successes, failures and batched executions",
-        None not in (ok_count, fail_count, exec_count, inf_count) and ok_count >= 2 * n + 6 and fail_count >= 1 and exec_count < inf_count,
-        f"success {ok_count}, failure {fail_count}, inferences {inf_count}, executions {exec_count}",
+        "metrics count resnet18's successes and batched executions",
+        None not in (ok_count, exec_count, inf_count) and ok_count >= 2 * n + 6 and exec_count < inf_count,
+        f"success {ok_count:.0f}, inferences {inf_count:.0f}, executions {exec_count:.0f}",
     )
+    # Triton rejects most bad requests before the model; the profile check is the backend's own.
+    fail_dyn = metric("nv_inference_request_failure", "resnet18_dyn")
+    check("metrics count the backend's failed request on resnet18_dyn", (fail_dyn or 0) >= 1, f"failure {fail_dyn}")
 
     passed = sum(ok for _, ok in RESULTS)
     failed = len(RESULTS) - passed

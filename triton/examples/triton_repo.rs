@@ -1,16 +1,23 @@
 //! `write_repository` from the command line, until `kiln triton-repo` calls it:
 //! `cargo run --release -p kiln-triton --example triton_repo -- resnet18.kiln.safetensors -o repo --name resnet18 --cpu`
+//! `... --example triton_repo -- yolov8n --letterbox 720x1280 -o repo --name yolov8n` (a bundled model, taking frames)
 
 use clap::Parser;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use triton_kiln::config::{parse_shapes, ProfileShapes};
-use triton_kiln::{write_repository, InstanceKind, ModelSource, RepositoryOptions};
+use triton_kiln::{bundled_source, write_repository, InstanceKind, ModelSource, RepositoryOptions};
 
 #[derive(Parser)]
 struct Args {
-    /// A graph file (.kiln.safetensors) or an engine file (.kiln).
+    /// A bundled model (resnet50, yolov8n, ...), a graph file (.kiln.safetensors) or an engine file (.kiln).
     model: PathBuf,
+    /// A bundled model's weights (a safetensors state_dict; default: seeded).
+    #[arg(long)]
+    weights: Option<PathBuf>,
+    /// For a bundled YOLO: take decoded frames of this size (`720x1280`), letterboxed in the engine.
+    #[arg(long)]
+    letterbox: Option<String>,
     /// The repository folder to write.
     #[arg(short, long)]
     output: PathBuf,
@@ -82,7 +89,26 @@ fn main() -> ExitCode {
         max_queue_delay_us: a.max_queue_delay_us,
         backend_directory: a.backend_directory,
     };
-    match write_repository(&ModelSource::from_path(&a.model), &a.output, &options) {
+    let source = if a.model.is_file() {
+        ModelSource::from_path(&a.model)
+    } else {
+        let frame = match a.letterbox.as_deref().map(|s| s.split_once('x').and_then(|(h, w)| Some([h.parse().ok()?, w.parse().ok()?]))) {
+            Some(None) => {
+                eprintln!("error: --letterbox takes HxW, e.g. 720x1280");
+                return ExitCode::FAILURE;
+            }
+            Some(Some(hw)) => Some(hw),
+            None => None,
+        };
+        match bundled_source(&a.model.to_string_lossy(), a.weights.as_deref(), frame) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    };
+    match write_repository(&source, &a.output, &options) {
         Ok(w) => {
             println!("wrote {} ({})", w.model_dir.display(), w.model_file.display());
             println!("{}", w.serve_command);

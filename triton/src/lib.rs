@@ -15,6 +15,7 @@
 
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub mod bundled;
 pub mod config;
 pub mod copy;
 pub mod error;
@@ -30,6 +31,7 @@ pub mod triton;
 #[cfg(test)]
 mod tests;
 
+pub use bundled::bundled_source;
 pub use error::{BackendError, Result};
 pub use kiln_api::Precision;
 pub use repository::{write_repository, InstanceKind, ModelSource, RepositoryOptions, WrittenRepository};

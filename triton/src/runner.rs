@@ -196,8 +196,9 @@ impl Runner for GpuRunner {
 
     fn run(&mut self, model: &LoadedModel, dims: &InputDims, members: &[Member], total: usize) -> Result<()> {
         let what = || format!("model `{}` on GPU {}", model.name, self.device);
-        self.ctx.set_input_dims(dims).map_err(BackendError::kiln(what()))?;
+        // Triton runs an instance on a thread of its own, not the one that made the context.
         self.bind()?;
+        self.ctx.set_input_dims(dims).map_err(BackendError::kiln(what()))?;
         let stream = self.stream();
         for (index, b) in model.spec.inputs.iter().enumerate() {
             let per_image = self.per_image_bytes(&b.name, b.elem)?;
