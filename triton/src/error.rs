@@ -46,7 +46,7 @@ pub enum BackendError {
     Kiln {
         context: String,
         #[source]
-        source: KilnError,
+        source: Box<KilnError>,
     },
 
     /// A panic, caught before it could cross into Triton.
@@ -58,7 +58,7 @@ impl BackendError {
     /// A Kiln error with what the backend was doing.
     pub fn kiln(context: impl Into<String>) -> impl FnOnce(KilnError) -> BackendError {
         let context = context.into();
-        move |source| BackendError::Kiln { context, source }
+        move |source| BackendError::Kiln { context, source: Box::new(source) }
     }
 
     /// The Triton error code: the caller's mistakes are INVALID_ARG, a missing file NOT_FOUND,
@@ -71,7 +71,7 @@ impl BackendError {
             BackendError::ModelFile { .. } => code::NOT_FOUND,
             BackendError::Unsupported { .. } => code::UNSUPPORTED,
             BackendError::Triton { code, .. } => *code,
-            BackendError::Kiln { source, .. } => match source {
+            BackendError::Kiln { source, .. } => match source.as_ref() {
                 KilnError::Binding { .. } | KilnError::NotAByte { .. } | KilnError::TensorSize { .. } => code::INVALID_ARG,
                 KilnError::NoGpu(_) => code::UNAVAILABLE,
                 _ => code::INTERNAL,

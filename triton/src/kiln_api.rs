@@ -25,3 +25,5 @@ static PLUGIN_OPS: fn(&[f32], usize, usize, f32, f32) -> f32 = kiln_deform_conv:
 
 #[cfg(test)]
 pub use kiln::engine::file::{encode as encode_engine_file, Header, Payload, FORMAT_VERSION};
+#[cfg(test)]
+pub use kiln::engine::gpu_available;

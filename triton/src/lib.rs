@@ -17,16 +17,16 @@
 
 pub mod bundled;
 pub mod config;
-pub mod copy;
+mod copy;
 pub mod error;
-pub mod execute;
+mod execute;
 pub mod ffi;
 mod kiln_api;
 pub mod model;
 pub mod repository;
 pub mod request;
-pub mod runner;
-pub mod triton;
+mod runner;
+mod triton;
 
 #[cfg(test)]
 mod tests;
@@ -287,9 +287,12 @@ pub unsafe extern "C" fn TRITONBACKEND_ModelInstanceExecute(
     if state.is_null() || (requests.is_null() && request_count > 0) {
         return new_error(api, ffi::code::INTERNAL, "kiln backend: execute on an instance without state");
     }
-    // SAFETY: Triton passes `request_count` request pointers, valid for this call; we copy them out.
-    let requests: Vec<*mut ffi::Request> =
-        if request_count == 0 { Vec::new() } else { unsafe { std::slice::from_raw_parts(requests, request_count as usize) }.to_vec() };
+    let requests: Vec<*mut ffi::Request> = if request_count == 0 {
+        Vec::new()
+    } else {
+        // SAFETY: Triton passes `request_count` request pointers, valid for this call; we copy them out.
+        unsafe { std::slice::from_raw_parts(requests, request_count as usize) }.to_vec()
+    };
     // SAFETY: the state is the InstanceState box of ModelInstanceInitialize; Triton never runs one
     // instance's execute twice at once, so this is the only reference.
     let state = unsafe { &mut *state.cast::<InstanceState>() };

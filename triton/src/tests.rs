@@ -209,3 +209,87 @@ fn a_version_folder_with_no_or_two_model_files_is_refused() {
     assert!(e.contains("no model file"), "{e}");
     let _ = std::fs::remove_dir_all(out);
 }
+
+/// On the device (`cargo test --release -p kiln-triton -- --ignored`): the GPU runner as
+/// `execute` drives it, on a graph file built into an FP32 engine on GPU 0 (then loaded from the
+/// cache), with inputs and outputs in host and in device memory, at two sizes of a profile.
+#[test]
+#[ignore = "needs a GPU"]
+fn the_gpu_runner_matches_the_cpu_executor_from_host_and_device_memory() {
+    use crate::kiln_api::{gpu_available, Precision};
+    use crate::runner::GpuRunner;
+    use cudarc::driver::result as drv;
+    if let Err(reason) = gpu_available() {
+        eprintln!("skipped: {reason}");
+        return;
+    }
+    let out = temp_dir("gpu");
+    let profile = ProfileShapes {
+        min: BTreeMap::from([("input".into(), vec![3, 4, 4])]),
+        opt: None,
+        max: BTreeMap::from([("input".into(), vec![3, 16, 16])]),
+    };
+    let options = RepositoryOptions {
+        name: "tiny".into(),
+        kind: InstanceKind::Gpu,
+        max_batch_size: Some(4),
+        precision: Some(Precision::Fp32),
+        profile: Some(profile),
+        ..Default::default()
+    };
+    let w = write_repository(&ModelSource::Graph { graph: Box::new(tiny()), metadata: BTreeMap::new() }, &out, &options).unwrap();
+    let logged = std::sync::Mutex::new(Vec::<String>::new());
+    let log = |m: &str| logged.lock().unwrap().push(m.to_string());
+    let engine = load_written(&w).unwrap().engine(0, &log).unwrap();
+    drop(engine);
+    let model = load_written(&w).unwrap();
+    let engine = model.engine(0, &log).unwrap();
+    assert!(logged.lock().unwrap().iter().any(|m| m.contains("loaded the cached engine")), "{:?}", logged.lock().unwrap());
+    let mut runner = GpuRunner::new(engine.clone(), 0).unwrap();
+    for dims in [[3usize, 8, 8], [3, 12, 16]] {
+        let per_image: usize = dims.iter().product();
+        let x: Vec<f32> = (0..3 * per_image).map(|i| ((i * 37) % 101) as f32 / 10.0 - 4.0).collect();
+        let want = cpu::run(
+            &tiny().with_input_dims(&InputDims::from([("input".into(), dims.to_vec())])).unwrap(),
+            &[("input", &HostTensor::new(vec![3, dims[0], dims[1], dims[2]], x.clone()))],
+        )
+        .unwrap();
+        // Request 0 (one image) from the host; request 1 (two images) from device memory.
+        let a = f32_bytes(&x[..per_image]);
+        let b = f32_bytes(&x[per_image..]);
+        engine.gpu().ctx.bind_to_thread().unwrap();
+        // SAFETY: a fresh allocation of b's size, filled from `b` and freed at the end of the loop.
+        let dev_in = unsafe { drv::malloc_sync(b.len()) }.unwrap();
+        // SAFETY: `dev_in` holds `b.len()` bytes.
+        unsafe { drv::memcpy_htod_sync(dev_in, &b) }.unwrap();
+        let mut on_device = request("input", datatype::FP32, 2, &dims, &b);
+        on_device.inputs[0].buffers = vec![Buffer { ptr: dev_in as *const u8, len: b.len(), memory: memory::GPU, device: 0 }];
+        let reqs = [request("input", datatype::FP32, 1, &dims, &a), on_device];
+        let accepts = |d: &InputDims| model.accepts(d);
+        let accepted = || model.accepted_text();
+        let limits =
+            Limits { spec: &model.spec, max_batch: 4, declared_outputs: vec!["logits".into()], accepts: &accepts, accepted: &accepted };
+        let checked: Vec<_> = reqs.iter().map(|r| check_request(&limits, r).unwrap()).collect();
+        let members =
+            [Member { data: &reqs[0], checked: &checked[0], offset: 0 }, Member { data: &reqs[1], checked: &checked[1], offset: 1 }];
+        runner.run(&model, &checked[0].dims, &members, 3).unwrap();
+        // Output of request 0 to the host, of request 1 to device memory.
+        let mut first = [0f32; 3];
+        runner.write_output("logits", 0, 1, Dest { place: Place::host(first.as_mut_ptr().cast()), len: 12 }).unwrap();
+        // SAFETY: freed below, after the copy back.
+        let dev_out = unsafe { drv::malloc_sync(24) }.unwrap();
+        runner.write_output("logits", 1, 2, Dest { place: Place { ptr: dev_out, memory: memory::GPU, device: 0 }, len: 24 }).unwrap();
+        runner.finish().unwrap();
+        let mut rest = [0f32; 6];
+        // SAFETY: `dev_out` holds 24 bytes, written by the finished copy.
+        unsafe { drv::memcpy_dtoh_sync(&mut rest, dev_out) }.unwrap();
+        // SAFETY: neither allocation is used after this.
+        unsafe { drv::free_sync(dev_in) }.unwrap();
+        // SAFETY: as above.
+        unsafe { drv::free_sync(dev_out) }.unwrap();
+        let got: Vec<f32> = first.iter().chain(&rest).copied().collect();
+        let err = got.iter().zip(&want["logits"].data).map(|(g, w)| (g - w).abs() / w.abs().max(1e-6)).fold(0f32, f32::max);
+        assert!(err < 1e-5, "dims {dims:?}: {got:?} vs {:?}", want["logits"].data);
+    }
+    let _ = std::fs::remove_dir_all(out);
+}
