@@ -6,6 +6,9 @@
 #   tools/triton-bench.sh --fetch-wheels shared/wheels      # here (the device has no registry)
 #   tools/triton-bench.sh one|two|yolo|all                   # there; results under $OUT
 #
+# Each part takes about 3 to 6 minutes (engine builds, perf_analyzer's windows): give the device one
+# call per part (`one` on an H100/H200; `two`, which needs `one`'s $OUT, on a two-GPU machine).
+#
 #   one   ResNet-50 FP16 engine (batch 1..128): `kiln bench` at batch 1..128, then Triton with
 #         KIND_GPU on GPU 0 (2 instances, dynamic batching), perf_analyzer (gRPC, batch-1 requests) at
 #         concurrency 1, 8, 32, 128, plus 32 with inputs and outputs in CUDA shared memory (GPU-resident)
@@ -109,8 +112,11 @@ perf() { # model concurrency csv [extra perf_analyzer flags...]
   local model=$1 c=$2 csv=$3
   shift 3
   say "perf_analyzer $model concurrency $c $*"
-  timeout 300 "$PERF" -m "$model" -u "127.0.0.1:$GRPC" -i grpc -b 1 --concurrency-range "$c:$c" \
-    --measurement-interval 5000 --max-trials 10 --percentile 99 -f "$csv" "$@" 2>&1 | tail -n 12 | tee -a "$OUT/log.txt"
+  # Three 4 s windows within 20% of each other (p99 latency), at most 8 tries; no CSV when unstable.
+  timeout 240 "$PERF" -m "$model" -u "127.0.0.1:$GRPC" -i grpc -b 1 --concurrency-range "$c:$c" \
+    --measurement-interval 4000 --max-trials 8 --stability-percentage 20 --percentile 99 -f "$csv" "$@" 2>&1 |
+    tail -n 12 | tee -a "$OUT/log.txt" || true
+  [[ -f "$csv" ]] || say "no stable measurement for $model at concurrency $c $*"
 }
 metrics() { curl -s "http://127.0.0.1:$METRICS/metrics" >"$1"; }
 
