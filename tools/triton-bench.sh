@@ -7,7 +7,7 @@
 #   tools/triton-bench.sh one|two|yolo|all                   # there; results under $OUT
 #
 # Each part takes about 3 to 6 minutes (engine builds, perf_analyzer's windows): give the device one
-# call per part (`one` on an H100/H200; `two`, which needs `one`'s $OUT, on a two-GPU machine).
+# call per part (`one` and `yolo` on an H100/H200, `two` on a two-GPU machine).
 #
 #   one   ResNet-50 FP16 engine (batch 1..128): `kiln bench` at batch 1..128, then Triton with
 #         KIND_GPU on GPU 0 (2 instances, dynamic batching), perf_analyzer (gRPC, batch-1 requests) at
@@ -15,7 +15,8 @@
 #         and in system shared memory; 16 answers saved for `two`.
 #   two   the same engine on GPUs 0 and 1 (one instance group, gpus [0, 1]), perf_analyzer at 32, 128
 #         and 256, throughput against one GPU's; every answer of GPU 1 alone, and of both GPUs under
-#         load, compared bit for bit with GPU 0's (needs `one` first, in the same $OUT).
+#         load, compared bit for bit with GPU 0's (with `one`'s results when it ran in the same $OUT on
+#         this machine, else its own one-GPU baseline at 128 first).
 #   yolo  YOLOv8n FP16 on decoded 720x1280 frames (u8), letterbox and NMS inside the engine, built by
 #         the backend on first load from a graph file (and cached), perf_analyzer at 1, 8, 32, and
 #         `kiln bench` on the engine the backend built.
@@ -122,10 +123,7 @@ metrics() { curl -s "http://127.0.0.1:$METRICS/metrics" >"$1"; }
 
 ENGINE=$OUT/resnet50_fp16_b128.kiln
 one_gpu() {
-  if [[ ! -f "$ENGINE" ]]; then
-    say "kiln build resnet50 --fp16, batch 1..128"
-    "$KILN" build resnet50 --fp16 --min-batch 1 --opt-batch 128 --max-batch 128 -o "$ENGINE" 2>&1 | tail -n 3 | tee -a "$OUT/log.txt"
-  fi
+  build_engine
   say "kiln bench on the same engine"
   "$KILN" bench --loadEngine "$ENGINE" --batch 1,8,32,64,128 --json "$OUT/kiln_bench_resnet50.json" 2>&1 | tee -a "$OUT/log.txt"
   "$REPO_TOOL" "$ENGINE" -o "$WORK/repo1" --name resnet50 --count "$INSTANCES" --gpus 0 --max-queue-delay-us "$DELAY_US" \
@@ -143,8 +141,24 @@ one_gpu() {
     --title "ResNet-50 FP16, Triton on one GPU ($INSTANCES instances, dynamic batching, queue delay ${DELAY_US} us)" --append "$OUT/summary.md"
 }
 
+build_engine() {
+  if [[ ! -f "$ENGINE" ]]; then
+    say "kiln build resnet50 --fp16, batch 1..128"
+    "$KILN" build resnet50 --fp16 --min-batch 1 --opt-batch 128 --max-batch 128 -o "$ENGINE" 2>&1 | tail -n 3 | tee -a "$OUT/log.txt"
+  fi
+}
+
 two_gpus() {
-  [[ -f "$ENGINE" && -f "$OUT/answers_gpu0.json" ]] || { say "run 'one' first"; exit 1; }
+  build_engine
+  if [[ ! -f "$OUT/one_gpu/c128.csv" || ! -f "$OUT/answers_gpu0.json" ]]; then
+    # The one-GPU baseline on this machine, when `one` did not run here.
+    "$REPO_TOOL" "$ENGINE" -o "$WORK/repo1" --name resnet50 --count "$INSTANCES" --gpus 0 --max-queue-delay-us "$DELAY_US"
+    start_server "$WORK/repo1" "$OUT/server_one_gpu_baseline.log"
+    mkdir -p "$OUT/one_gpu"
+    perf resnet50 128 "$OUT/one_gpu/c128.csv"
+    $CLIENT outputs --url 127.0.0.1:$HTTP --model resnet50 --shape 1x3x224x224 --count 16 --out "$OUT/answers_gpu0.json"
+    stop_server
+  fi
   "$REPO_TOOL" "$ENGINE" -o "$WORK/repo2" --name resnet50 --count "$INSTANCES" --gpus 0,1 --max-queue-delay-us "$DELAY_US"
   "$REPO_TOOL" "$ENGINE" -o "$WORK/repo2" --name resnet50_gpu1 --count 1 --gpus 1
   cp "$WORK/repo2/resnet50/config.pbtxt" "$OUT/two_gpu_config.pbtxt"
