@@ -181,6 +181,8 @@ two_gpus() {
 import csv, sys, os
 out = sys.argv[1]
 def tput(path):
+    if not os.path.exists(path):
+        return float("nan")
     rows = list(csv.DictReader(open(path)))
     return float(rows[-1]["Inferences/Second"]) if rows else float("nan")
 one = tput(os.path.join(out, "one_gpu", "c128.csv"))
