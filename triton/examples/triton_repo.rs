@@ -21,9 +21,9 @@ struct Args {
     /// The repository folder to write.
     #[arg(short, long)]
     output: PathBuf,
-    /// The model's name in the repository.
-    #[arg(long, default_value = "model")]
-    name: String,
+    /// The model's name in the repository (default: the bundled model's, or the file's without its extension).
+    #[arg(long)]
+    name: Option<String>,
     /// Triton's max_batch_size (default: an engine's max batch, else 8).
     #[arg(long)]
     max_batch_size: Option<usize>,
@@ -78,7 +78,7 @@ fn main() -> ExitCode {
         None => None,
     };
     let options = RepositoryOptions {
-        name: a.name,
+        name: String::new(),
         max_batch_size: a.max_batch_size,
         kind: if a.cpu { InstanceKind::Cpu } else { InstanceKind::Gpu },
         count: a.count,
@@ -108,6 +108,7 @@ fn main() -> ExitCode {
             }
         }
     };
+    let options = RepositoryOptions { name: a.name.clone().unwrap_or_else(|| source.default_name()), ..options };
     match write_repository(&source, &a.output, &options) {
         Ok(w) => {
             println!("wrote {} ({})", w.model_dir.display(), w.model_file.display());

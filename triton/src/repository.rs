@@ -27,6 +27,19 @@ pub enum ModelSource {
 }
 
 impl ModelSource {
+    /// The name a repository gives the model when none is chosen: a traced model's `model`
+    /// metadata (`resnet18`), else the file's name without `.kiln.safetensors` / `.kiln`.
+    pub fn default_name(&self) -> String {
+        let stem = |p: &Path| {
+            let name = p.file_name().map_or_else(String::new, |f| f.to_string_lossy().into_owned());
+            name.trim_end_matches(GRAPH_FILE_EXTENSION).trim_end_matches(".kiln").to_string()
+        };
+        match self {
+            ModelSource::Graph { metadata, .. } => metadata.get("model").cloned().unwrap_or_else(|| "model".into()),
+            ModelSource::GraphFile(p) | ModelSource::EngineFile(p) => stem(p),
+        }
+    }
+
     /// A file by its name: `*.kiln.safetensors` is a graph file, anything else an engine file.
     pub fn from_path(path: impl Into<PathBuf>) -> Self {
         let path = path.into();

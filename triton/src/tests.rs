@@ -182,6 +182,8 @@ fn an_engine_files_batch_range_decides_max_batch_size() {
     let options = RepositoryOptions { max_batch_size: None, ..cpu_options("eng") };
     let w = write_repository(&ModelSource::from_path(&file), &out.join("repo"), &options).unwrap();
     assert!(w.model_file.ends_with("eng/1/model.kiln") && w.config_pbtxt.contains("max_batch_size: 4"), "{}", w.config_pbtxt);
+    assert_eq!(ModelSource::from_path(&file).default_name(), "tiny");
+    assert_eq!(ModelSource::from_path("x/resnet18.kiln.safetensors").default_name(), "resnet18");
     // The engine's graph runs on the CPU executor too.
     let model = load_written(&w).unwrap();
     assert_eq!(model.spec.batch, Some((1, 4)));
