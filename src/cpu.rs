@@ -120,7 +120,7 @@ fn bind_inputs<'a, 'n>(graph: &Graph, inputs: &[(&'n str, HostInput<'a>)]) -> Re
         let traced = &node.shape;
         // The traced batch (even a 0 from a file) is not a requirement: any positive batch runs.
         let per_image: Vec<String> = traced.iter().skip(1).map(|d| d.to_string()).collect();
-        let want = format!("[N, {}] (N: any positive batch)", per_image.join(", "));
+        let want = format!("[N, {}] (any positive batch N; traced at {traced:?})", per_image.join(", "));
         if t.shape.len() != traced.len() || t.shape.get(1..) != traced.get(1..) {
             return Err(bad(format!("expected shape {want}, got {:?}", t.shape)));
         }

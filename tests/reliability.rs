@@ -291,7 +291,7 @@ fn r24_a_batch_of_0_is_named_as_such_by_the_cpu_executor() {
     }
     let wrong = HostTensor::new(vec![2, 1, 8, 8], vec![0.0; 128]);
     let msg = kiln::cpu::run(&graph(), &[("x", &wrong)]).unwrap_err().to_string();
-    assert!(msg.contains("expected shape [N, 3, 8, 8] (N: any positive batch), got [2, 1, 8, 8]"), "{msg}");
+    assert!(msg.contains("expected shape [N, 3, 8, 8] (any positive batch N; traced at [1, 3, 8, 8]), got [2, 1, 8, 8]"), "{msg}");
 }
 
 // ---- engine files ---------------------------------------------------------------------------
