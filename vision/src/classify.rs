@@ -44,6 +44,12 @@ impl ClassifyPreset {
         center_crop(&resize_shorter(img, self.resize), self.crop, self.crop)
     }
 
+    /// The model input for the image files `paths`, decoded as `crate::load_rgb` does.
+    pub fn load(&self, paths: &[impl AsRef<std::path::Path>]) -> Result<HostTensor> {
+        let images = paths.iter().map(crate::load_rgb).collect::<Result<Vec<_>>>()?;
+        self.tensor(&images)
+    }
+
     /// The model input for `images`: `[N, 3, crop, crop]` f32.
     pub fn tensor(&self, images: &[RgbImage]) -> Result<HostTensor> {
         let crops: Vec<RgbImage> = images.iter().map(|img| self.crop(img)).collect();
@@ -152,6 +158,10 @@ mod tests {
         assert_eq!(at(1, 0), (1.0 - 0.485) / 0.229);
         assert_eq!(at(0, 1), (0.0 - 0.456) / 0.224);
         assert_eq!(at(0, 2), (128.0f32 / 255.0 - 0.406) / 0.225);
+        let path = std::env::temp_dir().join(format!("kiln-vision-preset-{}.png", std::process::id()));
+        crate::save_png(&RgbImage::from_pixel(12, 9, image::Rgb([255, 0, 128])), &path).expect("save");
+        assert_eq!(preset.load(&[&path, &path]).expect("load"), t);
+        std::fs::remove_file(&path).ok();
         let e = to_nchw(&[RgbImage::new(2, 2), RgbImage::new(3, 2)], [0.0; 3], [1.0; 3]).expect_err("mixed sizes");
         assert!(e.to_string().contains("2x2 and 3x2"), "{e}");
     }

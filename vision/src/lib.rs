@@ -1,7 +1,8 @@
 //! Images for Kiln: from a photo to a model's input, and from its output to names and boxes.
 //!
 //! - `load_rgb` / `decode_rgb`: JPEG, PNG, BMP, GIF, WebP, PNM and TIFF through the `image` crate,
-//!   as 8-bit RGB (grey is repeated, alpha dropped, as PIL's `convert("RGB")` does).
+//!   as 8-bit RGB (grey is repeated, alpha dropped, as PIL's `convert("RGB")` does);
+//!   `image_files` lists a folder's images (a calibration set) in a fixed order.
 //! - `classify`: torchvision's classification preset (`Resize(256)` with PIL's antialiased
 //!   bilinear filter, `CenterCrop(224)`, ImageNet mean/std) to an NCHW f32 `HostTensor`.
 //!   `resize` is PIL's `Image.resize(..., BILINEAR)`, bit for bit.
@@ -54,6 +55,26 @@ pub fn decode_rgb(bytes: &[u8], path: &Path) -> Result<RgbImage> {
     Ok(decoded.to_rgb8())
 }
 
+/// The file extensions `image_files` lists (compared without case).
+pub const IMAGE_EXTENSIONS: &[&str] = &["jpg", "jpeg", "png", "bmp", "gif", "webp", "ppm", "pgm", "pnm", "tif", "tiff"];
+
+/// The image files directly in `dir` (by extension, see `IMAGE_EXTENSIONS`), sorted by name, so
+/// a calibration folder is read in the same order everywhere.
+pub fn image_files(dir: impl AsRef<Path>) -> Result<Vec<PathBuf>> {
+    let dir = dir.as_ref();
+    let io = |e: std::io::Error| Error::Decode { path: dir.into(), reason: format!("cannot list the folder: {e}") };
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io)? {
+        let path = entry.map_err(io)?.path();
+        let ext = path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase);
+        if path.is_file() && ext.is_some_and(|e| IMAGE_EXTENSIONS.contains(&e.as_str())) {
+            files.push(path);
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
 /// Writes `img` as a PNG file.
 pub fn save_png(img: &RgbImage, path: impl AsRef<Path>) -> Result<()> {
     let path = path.as_ref();
@@ -93,6 +114,20 @@ mod tests {
         assert!(matches!(e, Error::Decode { .. }) && e.to_string().contains("cat.png"), "{e}");
         let e = load_rgb("/nonexistent/cat.jpg").expect_err("missing");
         assert!(e.to_string().contains("/nonexistent/cat.jpg"), "{e}");
+    }
+
+    #[test]
+    fn image_files_lists_images_sorted() {
+        let dir = std::env::temp_dir().join(format!("kiln-vision-files-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("sub.png")).expect("dir");
+        for name in ["b.JPG", "a.png", "notes.txt", "c.webp"] {
+            std::fs::write(dir.join(name), b"x").expect("write");
+        }
+        let names: Vec<String> =
+            image_files(&dir).expect("list").iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
+        assert_eq!(names, ["a.png", "b.JPG", "c.webp"]);
+        assert!(image_files(dir.join("missing")).expect_err("missing").to_string().contains("missing"));
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]
