@@ -427,7 +427,7 @@ impl Types<'_, '_, '_> {
             let optional = def.skipped.iter().any(|sk| sk[k]);
             let mut h: Vec<String> = rep_slots.iter().map(|sl| sl.hint.clone()).collect();
             if optional {
-                h.push(ident(&field));
+                h.push(self.field_hint(s, &field));
             }
             let mut per_member = Vec::new();
             for (m, &inst) in def.members.iter().enumerate() {
@@ -453,6 +453,20 @@ impl Types<'_, '_, '_> {
         def.knobs = knobs;
         def.slots = slots;
         Ok(())
+    }
+
+    /// A name for a child's field: its segment, or after its type when the segment is an index.
+    fn field_hint(&self, s: &Stmt, field: &str) -> String {
+        if !field.chars().all(|c| c.is_ascii_digit()) {
+            return ident(field);
+        }
+        match s {
+            Stmt::Call { child: Child::Layer(n), .. } => {
+                short_field(layer(self.tree.graph, *n, &self.child_path(*n)).map_or("layer", |l| l.ty))
+            }
+            Stmt::Call { child: Child::Module(c), .. } => snake(&self.defs[self.type_of(c).0].name),
+            Stmt::Op { .. } => ident(field),
+        }
     }
 
     /// Member `inst`'s statement that matches `rep`'s statement `k`.
@@ -739,8 +753,15 @@ impl Writer<'_, '_, '_, '_> {
         if def.knobs.is_empty() {
             return None;
         }
-        let fields: Vec<String> =
-            def.knobs.iter().zip(slots).map(|((k, _), r)| if *k == r.text { k.clone() } else { format!("{k}: {}", r.text) }).collect();
+        let fields: Vec<String> = def
+            .knobs
+            .iter()
+            .zip(slots)
+            .map(|((k, v), r)| match &r.literal {
+                Some(lit) => format!("{k}: {}", lit.value()),
+                None => format!("{k}: {}{}", r.text, if v[0].is_copy() { "" } else { ".clone()" }),
+            })
+            .collect();
         Some(format!("{} {{ {} }}", config_name(def), fields.join(", ")))
     }
 }
