@@ -266,6 +266,11 @@ def arith(cx, op, x, y, alpha=1):
         return _scalar_affine(cx, op, y, s, reverse=True)
     if not is_act(x) and op in ("Add", "Mul"):
         x, y = y, x
+    elif not is_act(x) and op == "Sub":
+        # c - y as (-y) + c: the same f32 result, with the activation first.
+        return cx.binary("Add", cx.node(affine(-1.0, 0.0), [y], "affine", tshape=y.tshape), x)
+    elif not is_act(x):
+        raise Unsupported("a constant divided by an activation (Kiln has no reciprocal op)")
     return cx.binary(op, x, y)
 
 

@@ -82,6 +82,17 @@ class Converters(unittest.TestCase):
         self.assertEqual(ins[0], x.id)
         self.assertEqual(b.graph.nodes[ins[1]]["op"], {"Weight": {"name": "layer_scale"}})
 
+    def test_a_constant_minus_an_activation_negates_then_adds(self):
+        # YOLO's `anchor_points - lt`: (-x) + c is c - x in f32, with the activation first.
+        b, x = builder([1, 2, 4], out=(1, 2, 4))
+        c = Const("anchors", np.ones([2, 4], np.float32))
+        y = ops.TABLE["aten.sub.Tensor"](b, {"self": c, "other": x, "alpha": 1})
+        add = b.graph.nodes[y.id]
+        self.assertEqual(add["op"], {"Binary": "Add"})
+        self.assertEqual(b.graph.nodes[add["inputs"][0]]["op"], {"Unary": {"Affine": {"scale": -1.0, "shift": 0.0}}})
+        with self.assertRaisesRegex(Unsupported, "reciprocal"):
+            ops.TABLE["aten.div.Tensor"](b, {"self": c, "other": x})
+
     def test_relu6_and_hardtanh_are_clamps(self):
         b, x = builder([1, 4])
         y = ops.TABLE["aten.hardtanh.default"](b, {"self": x, "min_val": 0.0, "max_val": 6.0})
