@@ -27,12 +27,15 @@ pub(super) struct TypeDef<'a> {
     /// Per member: which of the first member's statements it lacks (optional children).
     skipped: Vec<Vec<bool>>,
     /// The configuration: name and each member's value.
-    knobs: Vec<(String, Vec<Lit>)>,
+    knobs: Knobs,
     /// Per statement of the first member, per slot: a literal, or a knob's index.
     slots: Vec<Vec<SlotUse>>,
     /// An `nn.Sequential` of one struct: written as a `Vec` of it in the parent.
     vec_of: Option<usize>,
 }
+
+/// A struct's config fields: each knob's name and its value in each member.
+type Knobs = Vec<(String, Vec<Lit>)>;
 
 #[derive(Clone, Debug)]
 enum SlotUse {
@@ -73,6 +76,9 @@ fn type_name(class: &str, field: &str) -> String {
     };
     if base.is_empty() || base.starts_with(|c: char| c.is_ascii_digit()) {
         format!("Block{base}")
+    } else if base.len() > 1 && base.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit()) {
+        // Rust spells an acronym as a word (`ASPP` → `Aspp`, `MLP` → `Mlp`).
+        base[..1].to_string() + &base[1..].to_ascii_lowercase()
     } else {
         base
     }
@@ -506,7 +512,7 @@ fn knobs(
     members: usize,
     prefixes: &[String],
 ) -> (Vec<(String, Vec<Lit>)>, Vec<Vec<SlotUse>>) {
-    let mut knobs: Vec<(String, Vec<Lit>)> = Vec::new();
+    let mut knobs: Knobs = Vec::new();
     let mut uses = Vec::new();
     for (k, stmt_hints) in hints.iter().enumerate() {
         let mut row = Vec::new();

@@ -129,13 +129,13 @@ impl Convs {
 
 /// `torchvision.models.segmentation.deeplabv3.ASPP`: `classifier.0`.
 #[derive(Module)]
-pub struct ASPP {
+pub struct Aspp {
     convs: Convs,
     #[module(config = Backbone2Config { in_channels: 80 })]
     project: Backbone2,
 }
 
-impl Forward for ASPP {
+impl Forward for Aspp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (convs_0, convs_1, convs_2, convs_3, convs_4) = self.convs.forward(x)?;
         self.project.forward(&Tensor::cat(&[&convs_0, &convs_1, &convs_2, &convs_3, &convs_4], 1)?)
@@ -146,7 +146,7 @@ impl Forward for ASPP {
 #[derive(Module)]
 pub struct Classifier {
     #[module(name = "0")]
-    aspp: ASPP,
+    aspp: Aspp,
     #[module(name = "1", config = Conv2dConfig::new(16, 16, 3).padding(1).bias(false))]
     conv: Conv2d,
     #[module(name = "2", config = BatchNorm2dConfig::new(16))]

@@ -270,17 +270,17 @@ impl Forward for ShiftedWindowAttention4 {
     }
 }
 
-/// What differs between the calls of [`MLP`].
+/// What differs between the calls of [`Mlp`].
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct MLPConfig {
+pub struct MlpConfig {
     pub in_features: usize,
     pub out_features: usize,
 }
 
 /// `torchvision.ops.misc.MLP`: `features.1.0.mlp`, `features.1.1.mlp`, `features.3.0.mlp`, `features.3.1.mlp`.
 #[derive(Module)]
-#[module(config = MLPConfig)]
-pub struct MLP {
+#[module(config = MlpConfig)]
+pub struct Mlp {
     #[module(name = "0", config = LinearConfig::new(cfg.in_features, cfg.out_features))]
     linear: Linear,
     #[module(name = "1", config = false)]
@@ -289,7 +289,7 @@ pub struct MLP {
     linear_2: Linear,
 }
 
-impl Forward for MLP {
+impl Forward for Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.linear_2.forward(&self.gelu.forward(&self.linear.forward(x)?)?)
     }
@@ -303,8 +303,8 @@ pub struct SwinTransformerBlock {
     attn: ShiftedWindowAttention2,
     #[module(config = LayerNormConfig::new(&[16]))]
     norm2: LayerNorm,
-    #[module(config = MLPConfig { in_features: 16, out_features: 64 })]
-    mlp: MLP,
+    #[module(config = MlpConfig { in_features: 16, out_features: 64 })]
+    mlp: Mlp,
 }
 
 impl Forward for SwinTransformerBlock {
@@ -322,8 +322,8 @@ pub struct SwinTransformerBlock2 {
     attn: ShiftedWindowAttention,
     #[module(config = LayerNormConfig::new(&[16]))]
     norm2: LayerNorm,
-    #[module(config = MLPConfig { in_features: 16, out_features: 64 })]
-    mlp: MLP,
+    #[module(config = MlpConfig { in_features: 16, out_features: 64 })]
+    mlp: Mlp,
 }
 
 impl Forward for SwinTransformerBlock2 {
@@ -341,8 +341,8 @@ pub struct SwinTransformerBlock3 {
     attn: ShiftedWindowAttention3,
     #[module(config = LayerNormConfig::new(&[32]))]
     norm2: LayerNorm,
-    #[module(config = MLPConfig { in_features: 32, out_features: 128 })]
-    mlp: MLP,
+    #[module(config = MlpConfig { in_features: 32, out_features: 128 })]
+    mlp: Mlp,
 }
 
 impl Forward for SwinTransformerBlock3 {
@@ -360,8 +360,8 @@ pub struct SwinTransformerBlock4 {
     attn: ShiftedWindowAttention4,
     #[module(config = LayerNormConfig::new(&[32]))]
     norm2: LayerNorm,
-    #[module(config = MLPConfig { in_features: 32, out_features: 128 })]
-    mlp: MLP,
+    #[module(config = MlpConfig { in_features: 32, out_features: 128 })]
+    mlp: Mlp,
 }
 
 impl Forward for SwinTransformerBlock4 {
