@@ -233,6 +233,35 @@ class Modules(unittest.TestCase):
         self.assertEqual(node["op"], {"Norm": {"LayerNorm": {"dim": 1, "shape": [4], "eps": 1e-6, "affine": True}}})
         self.assertEqual(node["path"], "features.0.1")
 
+    def test_the_shifted_window_mask_separates_the_rolled_regions(self):
+        # A 4x4 map, windows of 2, shift 1: slicing assignment as torchvision builds it.
+        ph = pw = 4
+        w, s = 2, 1
+        img = np.zeros((ph, pw))
+        count = 0
+        for hs in (slice(0, -w), slice(-w, -s), slice(-s, None)):
+            for ws in (slice(0, -w), slice(-w, -s), slice(-s, None)):
+                img[hs, ws] = count
+                count += 1
+        win = img.reshape(2, w, 2, w).transpose(0, 2, 1, 3).reshape(4, w * w)
+        want = np.where(win[:, None, :] != win[:, :, None], -100.0, 0.0)
+        np.testing.assert_array_equal(ops.shifted_window_mask(ph, pw, w, s), want)
+        self.assertEqual(ops.shifted_window_mask(ph, pw, w, s)[0].sum(), 0, "the top-left window is one region")
+
+    def test_swin_window_attention_is_one_packed_attention_with_a_constant_bias(self):
+        b, x = builder([1, 4, 4, 8], scope="features.1.1.attn", out=(1, 4, 4, 8))
+        params = {"qkv.weight": Const("q.w", np.zeros([24, 8], np.float32)), "qkv.bias": Const("q.b", np.zeros([24], np.float32)),
+                  "proj.weight": Const("p.w", np.zeros([8, 8], np.float32)), "proj.bias": Const("p.b", np.zeros([8], np.float32))}
+        attrs = {"window_size": [2, 2], "shift_size": [1, 1], "num_heads": 2, "relative_position_bias": np.zeros([1, 2, 4, 4])}
+        (y,) = ops.MODULES["torchvision.models.swin_transformer.ShiftedWindowAttention"](b, attrs, [x], params)
+        kinds = [family(n)[0] for n in b.graph.nodes if family(n)[0] not in ("Input", "Weight")]
+        self.assertEqual(kinds.count("QkvAttention"), 1)
+        att = next(n for n in b.graph.nodes if family(n)[0] == "QkvAttention")
+        bias = b.graph.nodes[att["inputs"][1]]
+        self.assertEqual(bias["shape"], [4, 2, 4, 4], "[windows, heads, N, N]")
+        self.assertEqual(b.graph.nodes[y.id]["shape"], [1, 4, 4, 8])
+        self.assertFalse(any(n["shape"][0] != 1 for n in b.graph.nodes if family(n)[0] not in ("Weight",)), "the batch stays in front")
+
 
 if __name__ == "__main__":
     unittest.main()
