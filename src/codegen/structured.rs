@@ -506,12 +506,7 @@ fn prefixes(rep: &Instance) -> Vec<String> {
 /// The knobs of a struct from its statements' slot values: a slot equal in every member is a
 /// literal; the others are knobs, one per distinct column of values (absent values match any),
 /// named after the first slot's hint (prefixed with its field when the plain name is taken).
-fn knobs(
-    hints: &[Vec<String>],
-    values: &[Vec<Vec<Lit>>],
-    members: usize,
-    prefixes: &[String],
-) -> (Vec<(String, Vec<Lit>)>, Vec<Vec<SlotUse>>) {
+fn knobs(hints: &[Vec<String>], values: &[Vec<Vec<Lit>>], members: usize, prefixes: &[String]) -> (Knobs, Vec<Vec<SlotUse>>) {
     let mut knobs: Knobs = Vec::new();
     let mut uses = Vec::new();
     for (k, stmt_hints) in hints.iter().enumerate() {
