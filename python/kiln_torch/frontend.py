@@ -11,7 +11,7 @@ import torch
 
 from . import graph as kg
 from . import ops
-from .convert import Builder
+from .convert import Builder, merge_constant_adds
 from .graph import Act, Const
 from .ops import Unsupported
 from .report import Missing, UnsupportedOpsError, source_line
@@ -313,6 +313,7 @@ class Converter:
             elif node.op not in ("placeholder", "output"):
                 self.missing.append(Missing(node.op, "", self.root, None, f"an FX `{node.op}` node"))
         self.outputs(output_names)
+        merge_constant_adds(self.b.graph, self.b.cat_constant_adds)
         return self.b.graph
 
 

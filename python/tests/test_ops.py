@@ -160,6 +160,25 @@ class Converters(unittest.TestCase):
         np.testing.assert_array_equal(full[0, 0], [0, 1, 2, 3])
         np.testing.assert_array_equal(full[0, 1:], 0)
 
+    def test_a_constant_added_after_a_cat_with_constants_is_merged_into_one_add(self):
+        from kiln_torch.convert import merge_constant_adds
+
+        b, x = builder([1, 3, 4], out=(1, 4, 4))
+        token = Const("class_token", np.ones([1, 1, 4], np.float32))
+        y = ops.TABLE["aten.cat.default"](b, {"tensors": [token, x], "dim": 1})
+        b.begin("aten.add.Tensor", "add", "encoder", False, (1, 4, 4))
+        pos = Const("encoder.pos_embedding", np.full([1, 4, 4], 2.0, np.float32))
+        z = ops.TABLE["aten.add.Tensor"](b, {"self": y, "other": pos, "alpha": 1})
+        b.graph.mark_output("out", z.id)
+        merge_constant_adds(b.graph, b.cat_constant_adds)
+        adds = [n for n in b.graph.nodes if n["op"] == {"Binary": "Add"}]
+        self.assertEqual(len(adds), 1)
+        merged = b.graph.weights["encoder.pos_embedding+blk.node.cat_constants"]
+        np.testing.assert_array_equal(merged[0, 0], [3, 3, 3, 3])
+        np.testing.assert_array_equal(merged[0, 1:], 2)
+        self.assertNotIn("blk.node.cat_constants", b.graph.weights, "the unused constant is dropped")
+        self.assertEqual(b.graph.nodes[b.graph.outputs[0][1]]["path"], "encoder.add")
+
     def test_split_slices_only_the_parts_that_are_read(self):
         b, x = builder([1, 6, 2, 2])
         parts = ops.TABLE["aten.split.Tensor"](b, {"self": x, "split_size": 3, "dim": 1})
