@@ -607,6 +607,8 @@ impl<'t, 'g, 'a, 'w> Writer<'t, 'g, 'a, 'w> {
         for f in &mut fields {
             let base = if !f.name.is_empty() {
                 f.name.clone()
+            } else if f.segment.contains('.') {
+                ident(&f.segment)
             } else if f.segment.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_') && ident(&f.segment) == f.segment {
                 f.segment.clone()
             } else {
@@ -1013,7 +1015,9 @@ impl Writer<'_, '_, '_, '_> {
         }
         let fields = self.fields(t);
         let (params, knobs) = self.needs_state(t);
-        let manual = params || !knobs.is_empty();
+        // A list element called by its index (`cv2.1`) loads from a dotted path, which
+        // `#[module(name = ..)]` does not take.
+        let manual = params || !knobs.is_empty() || fields.iter().any(|f| f.segment.contains('.'));
         let mut s = self.config_struct(t) + &self.doc(t);
         if manual {
             s += &self.manual_struct(t, &fields, &knobs);
