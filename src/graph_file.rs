@@ -332,6 +332,18 @@ mod tests {
     }
 
     #[test]
+    fn module_classes_round_trip_and_files_without_them_read_as_empty() {
+        let mut g = sample();
+        g.modules = BTreeMap::from([(String::new(), "m.Net".to_string()), ("conv".to_string(), "torch.nn.Conv2d".to_string())]);
+        let f = decode(&encode(&g, &BTreeMap::new()).expect("encodes"), Path::new("g.kiln.safetensors")).expect("decodes");
+        assert_eq!(f.graph.modules, g.modules);
+        // `kiln trace` writes none, and files written before the field existed have none.
+        let json = serde_json::to_value(sample()).expect("json");
+        assert!(json.get("modules").is_none(), "an empty map is not written");
+        assert!(edited(|_, _, _| {}).expect("valid").graph.modules.is_empty());
+    }
+
+    #[test]
     fn g13_only_inputs_may_be_u8() {
         says(edited(|j, _, _| j["nodes"][2]["dtype"] = "U8".into()), "a conv2d node is declared u8; only graph inputs may");
         says(edited(|j, _, _| j["nodes"][0]["dtype"] = "F16".into()), "input `input` is declared f16; inputs are f32 or u8");

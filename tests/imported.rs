@@ -14,6 +14,8 @@ mod tiny_mobilenet_v2;
 mod tiny_resnet;
 #[path = "generated/imported/tiny_swin.rs"]
 mod tiny_swin;
+#[path = "generated/imported/tiny_swin_opwise.rs"]
+mod tiny_swin_opwise;
 #[path = "generated/imported/tiny_vit.rs"]
 mod tiny_vit;
 
@@ -36,6 +38,7 @@ const FIXTURES: &[(&str, Build)] = &[
     ("tiny_mobilenet_v2", tiny_mobilenet_v2::build),
     ("handwritten", handwritten::build),
     ("tiny_swin", tiny_swin::build),
+    ("tiny_swin_opwise", tiny_swin_opwise::build),
     ("tiny_vit", tiny_vit::build),
     ("tiny_deeplab", tiny_deeplab::build),
 ];

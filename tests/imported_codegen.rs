@@ -12,7 +12,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 /// The fixtures, as in tests/imported.rs.
-pub const FIXTURES: &[&str] = &["tiny_resnet", "tiny_mobilenet_v2", "handwritten", "tiny_swin", "tiny_vit", "tiny_deeplab"];
+pub const FIXTURES: &[&str] =
+    &["tiny_resnet", "tiny_mobilenet_v2", "handwritten", "tiny_swin", "tiny_swin_opwise", "tiny_vit", "tiny_deeplab"];
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -32,6 +32,8 @@ class Builder:
         self.target = ""
         self.out_shape: tuple = ()
         self._named = False
+        # `pad(x) + C` nodes of a cat with constants (see `merge_constant_adds`).
+        self.cat_constant_adds: set = set()
 
     # ---- context of the node being converted
 
@@ -205,7 +207,9 @@ class Builder:
             idx[d] = slice(offset, offset + c.tshape[d])
             full[tuple(idx)] = to_numpy(c.value)
             offset += c.tshape[d]
-        return self.binary("Add", padded, self.const_value(full, "cat_constants"), tshape=out)
+        y = self.binary("Add", padded, self.const_value(full, "cat_constants"), tshape=out)
+        self.cat_constant_adds.add(y.id)
+        return y
 
     def binary(self, op: str, x, y, tshape=None) -> Act:
         """`x op y` with broadcasting; `x` an activation, `y` an activation or a constant."""
@@ -221,6 +225,37 @@ class Builder:
         if x.lifted and rank_c > len(x.tshape):
             y = Const(f"{y.name}.unsqueezed", to_numpy(y.value).reshape((1,) + tuple(y.tshape)))
         return self.node(ops.binary(op), [x, y], op.lower(), out if tshape is None else tshape)
+
+
+def merge_constant_adds(graph: KilnGraph, cat_adds: set) -> None:
+    """`(pad(x) + C) + W` with `C` a cat's constants and `W` another constant (ViT's class token,
+    then its position embedding) as `pad(x) + (C + W)`: exact, as each element of `pad(x)` or of `C`
+    is 0, and one add fewer. The merged constant is named `<W>+<C>`."""
+    readers = graph.readers()
+    outputs = {i for _, i in graph.outputs}
+    for a in sorted(cat_adds):
+        node = graph.nodes[a]
+        if a in outputs or len(readers[a]) != 1:
+            continue
+        b = readers[a][0]
+        nb = graph.nodes[b]
+        if nb["op"] != {"Binary": "Add"} or nb["inputs"][0] != a:
+            continue
+        w = nb["inputs"][1]
+        if "Weight" not in graph.nodes[w]["op"] or len(readers[w]) != 1:
+            continue
+        c_name = graph.nodes[node["inputs"][1]]["op"]["Weight"]["name"]
+        w_name = graph.nodes[w]["op"]["Weight"]["name"]
+        merged = graph.weights[w_name] + graph.weights[c_name]
+        if merged.shape != graph.weights[c_name].shape:
+            continue
+        # The weight node of `W` (read only here, and before `b`) becomes the merged constant.
+        name = f"{w_name}+{c_name}"
+        graph.nodes[w].update(op={"Weight": {"name": name}}, path=name, shape=list(merged.shape))
+        del graph.weights[w_name], graph.weight_ids[w_name]
+        graph.weights[name], graph.weight_ids[name] = merged, w
+        nb["inputs"] = [node["inputs"][0], w]
+    graph.compact()
 
 
 def to_numpy(v) -> np.ndarray:

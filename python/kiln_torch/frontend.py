@@ -11,7 +11,7 @@ import torch
 
 from . import graph as kg
 from . import ops
-from .convert import Builder
+from .convert import Builder, merge_constant_adds
 from .graph import Act, Const
 from .ops import Unsupported
 from .report import Missing, UnsupportedOpsError, source_line
@@ -64,7 +64,7 @@ def _class_name(cls) -> str:
 class Converter:
     """Walks one exported program and builds the Kiln graph, collecting what it cannot convert."""
 
-    def __init__(self, ep, model, input_names, custom_ops):
+    def __init__(self, ep, model, input_names, custom_ops, whole_modules=True):
         self.ep = ep
         self.b = Builder()
         self.values: dict = {}
@@ -74,6 +74,7 @@ class Converter:
         self.root = _class_name(type(model))
         self.input_names = input_names
         self.model = model
+        self.whole_modules = whole_modules
         self.b.graph.modules[""] = self.root
 
     # ---- placeholders
@@ -272,10 +273,17 @@ class Converter:
         mod = self.model.get_submodule(path)
         attrs = {k: getattr(mod, k, None) for k in ("num_heads", "embed_dim", "batch_first", "add_zero_attn", "normalized_shape", "eps")}
         attrs["qkv_same_embed_dim"] = getattr(mod, "_qkv_same_embed_dim", True)
+        attrs.update({k: getattr(mod, k) for k in ("window_size", "shift_size") if hasattr(mod, k)})
+        if hasattr(mod, "get_relative_position_bias"):
+            with torch.no_grad():
+                attrs["relative_position_bias"] = mod.get_relative_position_bias().detach().float().numpy()
+        if isinstance(getattr(mod, "norm", None), torch.nn.LayerNorm):
+            attrs["norm_eps"] = mod.norm.eps
         attrs["bias_k"] = getattr(mod, "bias_k", None) is not None
         prefix = f"{path}." if path else ""
         params = {n: Const(prefix + n, p.detach()) for n, p in mod.named_parameters()}
-        self._scope(nodes[0])
+        for n in nodes:
+            self._scope(n)
         self.b.begin(cls, nodes[0].name, path, path not in self.has_children, self._out_shape(outs[0]))
         try:
             values = ops.MODULES[cls](self.b, attrs, ext, params)
@@ -288,7 +296,7 @@ class Converter:
 
     def run(self, output_names):
         self.placeholders()
-        calls = self._module_calls()
+        calls = self._module_calls() if self.whole_modules else {}
         skip = set()
         for node in self.ep.graph.nodes:
             if node.name in skip:
@@ -305,6 +313,7 @@ class Converter:
             elif node.op not in ("placeholder", "output"):
                 self.missing.append(Missing(node.op, "", self.root, None, f"an FX `{node.op}` node"))
         self.outputs(output_names)
+        merge_constant_adds(self.b.graph, self.b.cat_constant_adds)
         return self.b.graph
 
 
@@ -320,7 +329,7 @@ def _decompositions(missing) -> dict:
 
 
 def export(model, example_inputs, path=None, *, input_names=None, output_names=None, custom_ops=None, strict=False,
-           reference=None, metadata=None, model_name=None) -> Result:
+           reference=None, metadata=None, model_name=None, whole_modules=True) -> Result:
     """Exports `model` (an `nn.Module`) called on `example_inputs` to a Kiln graph file at `path`.
 
     - `input_names`, `output_names`: Kiln's names for the inputs and outputs (default: the forward
@@ -328,6 +337,8 @@ def export(model, example_inputs, path=None, *, input_names=None, output_names=N
     - `custom_ops`: `{op: kiln custom op}` for ops Kiln lacks (`{"mylib::swish": "swish"}`), see
       `ops.CustomOp`; `torchvision::deform_conv2d` maps to the kiln-deform-conv plugin by itself.
     - `reference`: also write PyTorch's outputs for `kiln compare --reference` (`input`, `output.<name>`).
+    - `whole_modules=False`: convert `nn.MultiheadAttention`, Swin's window attention and the like
+      op by op too (`ops.MODULES` converts them whole by default).
 
     Raises `UnsupportedOpsError` listing every node without a Kiln op, before writing anything.
     Export at batch 1 when the model merges the batch into other dims (window attention): the graph
@@ -350,7 +361,7 @@ def export(model, example_inputs, path=None, *, input_names=None, output_names=N
         ) from e
     ep = ep.run_decompositions({})
     for attempt in range(3):
-        conv = Converter(ep, model, input_names, custom_ops)
+        conv = Converter(ep, model, input_names, custom_ops, whole_modules)
         graph = conv.run([n for n, _ in named])
         if not conv.missing:
             break

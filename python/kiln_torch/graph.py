@@ -104,6 +104,31 @@ class KilnGraph:
             raise ValueError(f"two outputs are named `{name}`")
         self.outputs.append([name, node])
 
+    def readers(self) -> list:
+        out = [[] for _ in self.nodes]
+        for i, n in enumerate(self.nodes):
+            for j in n["inputs"]:
+                out[j].append(i)
+        return out
+
+    def compact(self) -> None:
+        """Drops the nodes no output depends on (and their weights), renumbering the rest."""
+        live = set(self.inputs) | {i for _, i in self.outputs}
+        for i in range(len(self.nodes) - 1, -1, -1):
+            if i in live:
+                live.update(self.nodes[i]["inputs"])
+        new = {}
+        nodes = []
+        for i, n in enumerate(self.nodes):
+            if i in live:
+                new[i] = len(nodes)
+                nodes.append(dict(n, inputs=[new[j] for j in n["inputs"]]))
+        self.nodes = nodes
+        self.inputs = [new[i] for i in self.inputs]
+        self.outputs = [[name, new[i]] for name, i in self.outputs]
+        self.weight_ids = {k: new[i] for k, i in self.weight_ids.items() if i in new}
+        self.weights = {k: v for k, v in self.weights.items() if k in self.weight_ids}
+
     def to_json(self) -> dict:
         g = {"nodes": self.nodes, "inputs": self.inputs, "outputs": self.outputs, "fp32_layers": []}
         if self.modules:

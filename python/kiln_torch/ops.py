@@ -266,6 +266,11 @@ def arith(cx, op, x, y, alpha=1):
         return _scalar_affine(cx, op, y, s, reverse=True)
     if not is_act(x) and op in ("Add", "Mul"):
         x, y = y, x
+    elif not is_act(x) and op == "Sub":
+        # c - y as (-y) + c: the same f32 result, with the activation first.
+        return cx.binary("Add", cx.node(affine(-1.0, 0.0), [y], "affine", tshape=y.tshape), x)
+    elif not is_act(x):
+        raise Unsupported("a constant divided by an activation (Kiln has no reciprocal op)")
     return cx.binary(op, x, y)
 
 
@@ -893,3 +898,86 @@ def layer_norm2d(cx, attrs, inputs, params):
     affine_ = w is not None
     op = {"Norm": {"LayerNorm": {"dim": 1, "shape": shape, "eps": float(attrs["eps"]), "affine": affine_}}}
     return [cx.node(op, [x] + ([w, b] if affine_ else []), "layer_norm", x.tshape)]
+
+
+def shifted_window_mask(ph: int, pw: int, w: int, shift: int) -> np.ndarray:
+    """torchvision's mask of shifted windows for a padded `ph`×`pw` map, `[windows, w², w²]`: 0
+    where two positions of a window come from the same region of the rolled map, -100 elsewhere.
+    The regions along an axis of size `s` are `[0, s - w)`, `[s - w, s - shift)`, `[s - shift, s)`."""
+    def region(x, size):
+        return (x >= size - w).astype(np.int64) + (x >= size - shift).astype(np.int64)
+
+    labels = region(np.arange(ph), ph)[:, None] * 3 + region(np.arange(pw), pw)[None, :]
+    windows = labels.reshape(ph // w, w, pw // w, w).transpose(0, 2, 1, 3).reshape(-1, w * w)
+    return np.where(windows[:, :, None] != windows[:, None, :], -100.0, 0.0).astype(np.float32)
+
+
+@module("torchvision.models.swin_transformer.ShiftedWindowAttention")
+def shifted_window_attention(cx, attrs, inputs, params):
+    """torchvision's Swin (V1) window attention on `[B, H, W, C]`: pad to whole windows, roll by
+    the shift, windows as `[B, windows, N, C]` (the batch stays in front), `qkv`, one packed
+    `qkv_attention` whose bias is the relative position bias plus the shifted-window mask (one
+    constant), `proj`, and back. Kiln's own Swin (models/src/swin.rs) is the same graph."""
+    ws, shifts, heads = list(attrs["window_size"]), list(attrs["shift_size"]), int(attrs["num_heads"])
+    rel = attrs.get("relative_position_bias")
+    if len(inputs) != 1 or not is_act(inputs[0]) or len(inputs[0].tshape) != 4 or ws[0] != ws[1] or rel is None:
+        raise Unsupported("a ShiftedWindowAttention other than square windows on [B, H, W, C]")
+    x = cx.batched(inputs[0], 4, "window attention")
+    b, h, w, c = x.tshape
+    win = ws[0]
+    pad_r, pad_b = (win - w % win) % win, (win - h % win) % win
+    ph, pw = h + pad_b, w + pad_r
+    shift = [0 if win >= ph else shifts[0], 0 if win >= pw else shifts[1]]
+    if shift[0] != shift[1]:
+        raise Unsupported(f"a shift along one axis only ({shift})")
+    if pad_r or pad_b:
+        x = cx.node(shape_op("Pad", pads=[0, 0, 0, pad_r, 0, pad_b], value=0.0), [x], "pad", (b, ph, pw, c))
+    if shift[0]:
+        x = cx.node(shape_op("Roll", shifts=[-shift[0], -shift[1]], dims=[1, 2]), [x], "roll", x.tshape)
+    nh, nw, n = ph // win, pw // win, win * win
+    x = cx.reshape(x, (b, nh, win, nw, win, c))
+    x = cx.permute(x, [0, 1, 3, 2, 4, 5])
+    x = cx.reshape(x, (b, nh * nw, n, c))
+    qw, qb, pwt, pb = params.get("qkv.weight"), params.get("qkv.bias"), params.get("proj.weight"), params.get("proj.bias")
+    qkv = cx.node({"Gemm": {"Linear": {"bias": qb is not None}}}, [x, qw] + ([qb] if qb is not None else []), "qkv", (b, nh * nw, n, 3 * c))
+    bias = np.asarray(rel, dtype=np.float32).reshape(heads, n, n)
+    name = "relative_position_bias"
+    if shift[0]:
+        bias = bias[None] + shifted_window_mask(ph, pw, win, shift[0])[:, None]
+        name += "+shifted_window_mask"
+    scale = float((c // heads) ** -0.5)
+    y = cx.node({"QkvAttention": {"heads": heads, "scale": scale, "bias": True}}, [qkv, Const(f"{cx.scope}.{name}", bias)], "attention",
+                (b, nh * nw, n, c))
+    y = cx.node({"Gemm": {"Linear": {"bias": pb is not None}}}, [y, pwt] + ([pb] if pb is not None else []), "proj", y.tshape)
+    y = cx.reshape(y, (b, nh, nw, win, win, c))
+    y = cx.permute(y, [0, 1, 3, 2, 4, 5])
+    y = cx.reshape(y, (b, ph, pw, c))
+    if shift[0]:
+        y = cx.node(shape_op("Roll", shifts=[shift[0], shift[1]], dims=[1, 2]), [y], "roll", y.tshape)
+    y = cx.slice(y, 1, 0, h)
+    y = cx.slice(y, 2, 0, w)
+    for child in ("qkv", "proj"):
+        cx.graph.modules[f"{cx.scope}.{child}"] = "torch.nn.modules.linear.Linear"
+    return [y]
+
+
+@module("torchvision.models.swin_transformer.PatchMerging")
+def patch_merging(cx, attrs, inputs, params):
+    """torchvision's `PatchMerging` (V1): the four 2×2 phases concatenated on the channels as one
+    view, permute and view (`[B, H/2, 2, W/2, 2, C]` → `[B, H/2, W/2, 2(col), 2(row), C]`: channel
+    block col·2 + row, torchvision's x0, x1, x2, x3), then `norm` and `reduction`."""
+    if len(inputs) != 1 or not is_act(inputs[0]) or len(inputs[0].tshape) != 4:
+        raise Unsupported("a PatchMerging other than on [B, H, W, C]")
+    x = cx.batched(inputs[0], 4, "patch merging")
+    b, h, w, c = x.tshape
+    if h % 2 or w % 2:
+        x = cx.node(shape_op("Pad", pads=[0, 0, 0, w % 2, 0, h % 2], value=0.0), [x], "pad", (b, h + h % 2, w + w % 2, c))
+    h2, w2 = -(-h // 2), -(-w // 2)
+    x = cx.reshape(x, (b, h2, 2, w2, 2, c))
+    x = cx.permute(x, [0, 1, 3, 4, 2, 5])
+    x = cx.reshape(x, (b, h2, w2, 4 * c))
+    nw, nb, rw, rb = params.get("norm.weight"), params.get("norm.bias"), params.get("reduction.weight"), params.get("reduction.bias")
+    op = {"Norm": {"LayerNorm": {"dim": 3, "shape": [4 * c], "eps": float(attrs["norm_eps"]), "affine": nw is not None}}}
+    x = cx.node(op, [x] + ([nw, nb] if nw is not None else []), "norm", x.tshape)
+    out = (b, h2, w2, int(rw.tshape[0]))
+    return [cx.node({"Gemm": {"Linear": {"bias": rb is not None}}}, [x, rw] + ([rb] if rb is not None else []), "reduction", out)]

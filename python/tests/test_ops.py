@@ -82,6 +82,17 @@ class Converters(unittest.TestCase):
         self.assertEqual(ins[0], x.id)
         self.assertEqual(b.graph.nodes[ins[1]]["op"], {"Weight": {"name": "layer_scale"}})
 
+    def test_a_constant_minus_an_activation_negates_then_adds(self):
+        # YOLO's `anchor_points - lt`: (-x) + c is c - x in f32, with the activation first.
+        b, x = builder([1, 2, 4], out=(1, 2, 4))
+        c = Const("anchors", np.ones([2, 4], np.float32))
+        y = ops.TABLE["aten.sub.Tensor"](b, {"self": c, "other": x, "alpha": 1})
+        add = b.graph.nodes[y.id]
+        self.assertEqual(add["op"], {"Binary": "Add"})
+        self.assertEqual(b.graph.nodes[add["inputs"][0]]["op"], {"Unary": {"Affine": {"scale": -1.0, "shift": 0.0}}})
+        with self.assertRaisesRegex(Unsupported, "reciprocal"):
+            ops.TABLE["aten.div.Tensor"](b, {"self": c, "other": x})
+
     def test_relu6_and_hardtanh_are_clamps(self):
         b, x = builder([1, 4])
         y = ops.TABLE["aten.hardtanh.default"](b, {"self": x, "min_val": 0.0, "max_val": 6.0})
@@ -148,6 +159,25 @@ class Converters(unittest.TestCase):
         self.assertEqual(full.shape, (1, 4, 4))
         np.testing.assert_array_equal(full[0, 0], [0, 1, 2, 3])
         np.testing.assert_array_equal(full[0, 1:], 0)
+
+    def test_a_constant_added_after_a_cat_with_constants_is_merged_into_one_add(self):
+        from kiln_torch.convert import merge_constant_adds
+
+        b, x = builder([1, 3, 4], out=(1, 4, 4))
+        token = Const("class_token", np.ones([1, 1, 4], np.float32))
+        y = ops.TABLE["aten.cat.default"](b, {"tensors": [token, x], "dim": 1})
+        b.begin("aten.add.Tensor", "add", "encoder", False, (1, 4, 4))
+        pos = Const("encoder.pos_embedding", np.full([1, 4, 4], 2.0, np.float32))
+        z = ops.TABLE["aten.add.Tensor"](b, {"self": y, "other": pos, "alpha": 1})
+        b.graph.mark_output("out", z.id)
+        merge_constant_adds(b.graph, b.cat_constant_adds)
+        adds = [n for n in b.graph.nodes if n["op"] == {"Binary": "Add"}]
+        self.assertEqual(len(adds), 1)
+        merged = b.graph.weights["encoder.pos_embedding+blk.node.cat_constants"]
+        np.testing.assert_array_equal(merged[0, 0], [3, 3, 3, 3])
+        np.testing.assert_array_equal(merged[0, 1:], 2)
+        self.assertNotIn("blk.node.cat_constants", b.graph.weights, "the unused constant is dropped")
+        self.assertEqual(b.graph.nodes[b.graph.outputs[0][1]]["path"], "encoder.add")
 
     def test_split_slices_only_the_parts_that_are_read(self):
         b, x = builder([1, 6, 2, 2])
@@ -221,6 +251,35 @@ class Modules(unittest.TestCase):
         node = b.graph.nodes[y.id]
         self.assertEqual(node["op"], {"Norm": {"LayerNorm": {"dim": 1, "shape": [4], "eps": 1e-6, "affine": True}}})
         self.assertEqual(node["path"], "features.0.1")
+
+    def test_the_shifted_window_mask_separates_the_rolled_regions(self):
+        # A 4x4 map, windows of 2, shift 1: slicing assignment as torchvision builds it.
+        ph = pw = 4
+        w, s = 2, 1
+        img = np.zeros((ph, pw))
+        count = 0
+        for hs in (slice(0, -w), slice(-w, -s), slice(-s, None)):
+            for ws in (slice(0, -w), slice(-w, -s), slice(-s, None)):
+                img[hs, ws] = count
+                count += 1
+        win = img.reshape(2, w, 2, w).transpose(0, 2, 1, 3).reshape(4, w * w)
+        want = np.where(win[:, None, :] != win[:, :, None], -100.0, 0.0)
+        np.testing.assert_array_equal(ops.shifted_window_mask(ph, pw, w, s), want)
+        self.assertEqual(ops.shifted_window_mask(ph, pw, w, s)[0].sum(), 0, "the top-left window is one region")
+
+    def test_swin_window_attention_is_one_packed_attention_with_a_constant_bias(self):
+        b, x = builder([1, 4, 4, 8], scope="features.1.1.attn", out=(1, 4, 4, 8))
+        params = {"qkv.weight": Const("q.w", np.zeros([24, 8], np.float32)), "qkv.bias": Const("q.b", np.zeros([24], np.float32)),
+                  "proj.weight": Const("p.w", np.zeros([8, 8], np.float32)), "proj.bias": Const("p.b", np.zeros([8], np.float32))}
+        attrs = {"window_size": [2, 2], "shift_size": [1, 1], "num_heads": 2, "relative_position_bias": np.zeros([1, 2, 4, 4])}
+        (y,) = ops.MODULES["torchvision.models.swin_transformer.ShiftedWindowAttention"](b, attrs, [x], params)
+        kinds = [family(n)[0] for n in b.graph.nodes if family(n)[0] not in ("Input", "Weight")]
+        self.assertEqual(kinds.count("QkvAttention"), 1)
+        att = next(n for n in b.graph.nodes if family(n)[0] == "QkvAttention")
+        bias = b.graph.nodes[att["inputs"][1]]
+        self.assertEqual(bias["shape"], [4, 2, 4, 4], "[windows, heads, N, N]")
+        self.assertEqual(b.graph.nodes[y.id]["shape"], [1, 4, 4, 8])
+        self.assertFalse(any(n["shape"][0] != 1 for n in b.graph.nodes if family(n)[0] not in ("Weight",)), "the batch stays in front")
 
 
 if __name__ == "__main__":

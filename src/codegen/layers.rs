@@ -203,34 +203,7 @@ pub(super) fn layer(g: &Graph, id: NodeId, path: &str) -> Option<LayerSpec> {
                 })),
             )
         }
-        Op::Norm(Norm::LayerNorm { dim, shape, eps, affine }) => {
-            let names: &[&str] = if *affine { &["weight", "bias"] } else { &[] };
-            let ty = if *dim + shape.len() == node.shape.len() {
-                "LayerNorm"
-            } else if *dim == 1 && shape.len() == 1 {
-                "LayerNorm2d"
-            } else {
-                return None;
-            };
-            if !weights_are(g, id, path, names) {
-                return None;
-            }
-            let slots =
-                vec![slot("normalized_shape", Lit::Usizes(shape.clone())), slot("eps", Lit::F32(*eps)), slot("affine", Lit::Bool(*affine))];
-            spec(
-                ty,
-                Some(Tpl::new(slots, |s, _| {
-                    let mut e = format!("LayerNormConfig::new(&{})", s[0].text);
-                    if !s[1].is(&Lit::F32(1e-5)) {
-                        e += &format!(".eps({})", s[1].text);
-                    }
-                    if !s[2].is(&Lit::Bool(true)) {
-                        e += &format!(".elementwise_affine({})", s[2].text);
-                    }
-                    e
-                })),
-            )
-        }
+        Op::Norm(Norm::LayerNorm { dim, shape, eps, affine }) => layer_norm(g, id, path, *dim, shape, *eps, *affine),
         _ if node.inputs.len() != 1 => None,
         Op::Unary(u) => activation(*u),
         Op::Pool(Pool::Max(a)) | Op::Pool(Pool::Avg(a)) => pool(&node.op, a),
@@ -243,6 +216,36 @@ pub(super) fn layer(g: &Graph, id: NodeId, path: &str) -> Option<LayerSpec> {
         Op::Resize(r) => spec("Upsample", Some(upsample(r))),
         _ => None,
     }
+}
+
+/// `LayerNorm` over the trailing dims, or torchvision's `LayerNorm2d` over the channels.
+fn layer_norm(g: &Graph, id: NodeId, path: &str, dim: usize, shape: &[usize], eps: f32, affine: bool) -> Option<LayerSpec> {
+    let node = &g.nodes[id];
+    let names: &[&str] = if affine { &["weight", "bias"] } else { &[] };
+    let ty = if dim + shape.len() == node.shape.len() {
+        "LayerNorm"
+    } else if dim == 1 && shape.len() == 1 {
+        "LayerNorm2d"
+    } else {
+        return None;
+    };
+    if !weights_are(g, id, path, names) {
+        return None;
+    }
+    let slots = vec![slot("normalized_shape", Lit::Usizes(shape.to_vec())), slot("eps", Lit::F32(eps)), slot("affine", Lit::Bool(affine))];
+    spec(
+        ty,
+        Some(Tpl::new(slots, |s, _| {
+            let mut e = format!("LayerNormConfig::new(&{})", s[0].text);
+            if !s[1].is(&Lit::F32(1e-5)) {
+                e += &format!(".eps({})", s[1].text);
+            }
+            if !s[2].is(&Lit::Bool(true)) {
+                e += &format!(".elementwise_affine({})", s[2].text);
+            }
+            e
+        })),
+    )
 }
 
 fn conv(g: &Graph, id: NodeId, path: &str, a: &ConvAttrs, w: &[usize]) -> Option<LayerSpec> {
@@ -416,19 +419,26 @@ pub(super) fn inline(op: &Op, n_args: usize, n_params: usize) -> Tpl {
                 format!("{x}.qkv_attention_weight(&{x}.scope_path(\"qkv_attention\"), {}, {p}, Some({}))?", s[0].text, s[1].text)
             })
         }
-        (Op::Attention(a), 3 | 4, 0) => Tpl::new(vec![slot("scale", Lit::F32(a.scale))], |s, o| {
-            let bias = o.by_ref.get(3).map_or("None".to_string(), |b| format!("Some({b})"));
-            format!("{}.attention({}, {}, {bias}, Some({}))?", o.recv[0], o.by_ref[1], o.by_ref[2], s[0].text)
-        }),
-        (Op::Attention(a), 3, 1) => Tpl::new(vec![slot("scale", Lit::F32(a.scale))], |s, o| {
-            let x = &o.recv[0];
-            format!(
-                "{x}.attention_weight(&{x}.scope_path(\"attention\"), {}, {}, {}, Some({}))?",
-                o.by_ref[1], o.by_ref[2], o.params[0], s[0].text
-            )
-        }),
+        (Op::Attention(a), _, _) if matches!((n_args, n_params), (3 | 4, 0) | (3, 1)) => attention(a.scale, n_params),
         _ => record(op, name),
     }
+}
+
+/// `q.attention(k, v, bias, scale)`, or `attention_weight` with a constant bias.
+fn attention(scale: f32, n_params: usize) -> Tpl {
+    if n_params == 0 {
+        return Tpl::new(vec![slot("scale", Lit::F32(scale))], |s, o| {
+            let bias = o.by_ref.get(3).map_or("None".to_string(), |b| format!("Some({b})"));
+            format!("{}.attention({}, {}, {bias}, Some({}))?", o.recv[0], o.by_ref[1], o.by_ref[2], s[0].text)
+        });
+    }
+    Tpl::new(vec![slot("scale", Lit::F32(scale))], |s, o| {
+        let x = &o.recv[0];
+        format!(
+            "{x}.attention_weight(&{x}.scope_path(\"attention\"), {}, {}, {}, Some({}))?",
+            o.by_ref[1], o.by_ref[2], o.params[0], s[0].text
+        )
+    })
 }
 
 fn unary(u: Unary) -> Tpl {

@@ -27,12 +27,15 @@ pub(super) struct TypeDef<'a> {
     /// Per member: which of the first member's statements it lacks (optional children).
     skipped: Vec<Vec<bool>>,
     /// The configuration: name and each member's value.
-    knobs: Vec<(String, Vec<Lit>)>,
+    knobs: Knobs,
     /// Per statement of the first member, per slot: a literal, or a knob's index.
     slots: Vec<Vec<SlotUse>>,
     /// An `nn.Sequential` of one struct: written as a `Vec` of it in the parent.
     vec_of: Option<usize>,
 }
+
+/// A struct's config fields: each knob's name and its value in each member.
+type Knobs = Vec<(String, Vec<Lit>)>;
 
 #[derive(Clone, Debug)]
 enum SlotUse {
@@ -73,6 +76,9 @@ fn type_name(class: &str, field: &str) -> String {
     };
     if base.is_empty() || base.starts_with(|c: char| c.is_ascii_digit()) {
         format!("Block{base}")
+    } else if base.len() > 1 && base.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit()) {
+        // Rust spells an acronym as a word (`ASPP` → `Aspp`, `MLP` → `Mlp`).
+        base[..1].to_string() + &base[1..].to_ascii_lowercase()
     } else {
         base
     }
@@ -427,7 +433,7 @@ impl Types<'_, '_, '_> {
             let optional = def.skipped.iter().any(|sk| sk[k]);
             let mut h: Vec<String> = rep_slots.iter().map(|sl| sl.hint.clone()).collect();
             if optional {
-                h.push(ident(&field));
+                h.push(self.field_hint(s, &field));
             }
             let mut per_member = Vec::new();
             for (m, &inst) in def.members.iter().enumerate() {
@@ -453,6 +459,20 @@ impl Types<'_, '_, '_> {
         def.knobs = knobs;
         def.slots = slots;
         Ok(())
+    }
+
+    /// A name for a child's field: its segment, or after its type when the segment is an index.
+    fn field_hint(&self, s: &Stmt, field: &str) -> String {
+        if !field.chars().all(|c| c.is_ascii_digit()) {
+            return ident(field);
+        }
+        match s {
+            Stmt::Call { child: Child::Layer(n), .. } => {
+                short_field(layer(self.tree.graph, *n, &self.child_path(*n)).map_or("layer", |l| l.ty))
+            }
+            Stmt::Call { child: Child::Module(c), .. } => snake(&self.defs[self.type_of(c).0].name),
+            Stmt::Op { .. } => ident(field),
+        }
     }
 
     /// Member `inst`'s statement that matches `rep`'s statement `k`.
@@ -486,13 +506,8 @@ fn prefixes(rep: &Instance) -> Vec<String> {
 /// The knobs of a struct from its statements' slot values: a slot equal in every member is a
 /// literal; the others are knobs, one per distinct column of values (absent values match any),
 /// named after the first slot's hint (prefixed with its field when the plain name is taken).
-fn knobs(
-    hints: &[Vec<String>],
-    values: &[Vec<Vec<Lit>>],
-    members: usize,
-    prefixes: &[String],
-) -> (Vec<(String, Vec<Lit>)>, Vec<Vec<SlotUse>>) {
-    let mut knobs: Vec<(String, Vec<Lit>)> = Vec::new();
+fn knobs(hints: &[Vec<String>], values: &[Vec<Vec<Lit>>], members: usize, prefixes: &[String]) -> (Knobs, Vec<Vec<SlotUse>>) {
+    let mut knobs: Knobs = Vec::new();
     let mut uses = Vec::new();
     for (k, stmt_hints) in hints.iter().enumerate() {
         let mut row = Vec::new();
@@ -592,6 +607,8 @@ impl<'t, 'g, 'a, 'w> Writer<'t, 'g, 'a, 'w> {
         for f in &mut fields {
             let base = if !f.name.is_empty() {
                 f.name.clone()
+            } else if f.segment.contains('.') {
+                ident(&f.segment)
             } else if f.segment.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_') && ident(&f.segment) == f.segment {
                 f.segment.clone()
             } else {
@@ -739,8 +756,15 @@ impl Writer<'_, '_, '_, '_> {
         if def.knobs.is_empty() {
             return None;
         }
-        let fields: Vec<String> =
-            def.knobs.iter().zip(slots).map(|((k, _), r)| if *k == r.text { k.clone() } else { format!("{k}: {}", r.text) }).collect();
+        let fields: Vec<String> = def
+            .knobs
+            .iter()
+            .zip(slots)
+            .map(|((k, v), r)| match &r.literal {
+                Some(lit) => format!("{k}: {}", lit.value()),
+                None => format!("{k}: {}{}", r.text, if v[0].is_copy() { "" } else { ".clone()" }),
+            })
+            .collect();
         Some(format!("{} {{ {} }}", config_name(def), fields.join(", ")))
     }
 }
@@ -991,7 +1015,9 @@ impl Writer<'_, '_, '_, '_> {
         }
         let fields = self.fields(t);
         let (params, knobs) = self.needs_state(t);
-        let manual = params || !knobs.is_empty();
+        // A list element called by its index (`cv2.1`) loads from a dotted path, which
+        // `#[module(name = ..)]` does not take.
+        let manual = params || !knobs.is_empty() || fields.iter().any(|f| f.segment.contains('.'));
         let mut s = self.config_struct(t) + &self.doc(t);
         if manual {
             s += &self.manual_struct(t, &fields, &knobs);

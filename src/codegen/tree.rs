@@ -115,14 +115,20 @@ impl<'g> Tree<'g> {
         !self.parents.contains(path)
     }
 
-    /// The direct child of `module` whose subtree holds the module `owner`, if it is not `module`.
+    /// The child of `module` whose subtree holds the module `owner`, if it is not `module`: a
+    /// direct child, or an element of a list `forward` never calls whole (`cv2.1` of an
+    /// `nn.ModuleList` indexed as `self.cv2[i](x)`), which the module then calls itself.
     fn child_toward<'a>(&self, module: &str, owner: &'a str) -> Option<&'a str> {
         if owner == module {
             return None;
         }
         let rest = if module.is_empty() { owner } else { &owner[module.len() + 1..] };
         let seg = rest.split('.').next().unwrap_or(rest);
-        Some(&owner[..owner.len() - rest.len() + seg.len()])
+        let child = &owner[..owner.len() - rest.len() + seg.len()];
+        match self.classes.get(child).map(String::as_str) {
+            Some(IMPLICIT_LIST) if child != owner => self.child_toward(child, owner),
+            _ => Some(child),
+        }
     }
 
     /// The model's call: every computing node, the graph's inputs in and outputs out.
@@ -178,7 +184,7 @@ impl<'g> Tree<'g> {
             inst.stmts.push(match group {
                 Group::Inline(n) => Stmt::Op { node: n, args: vargs, params: self.params(path, n) },
                 Group::Child(child, ns) => {
-                    let field = last(&child).to_string();
+                    let field = relative(&child, path).unwrap_or(last(&child)).to_string();
                     let child = if self.is_leaf(&child) && self.is_layer_call(&child, &ns) {
                         Child::Layer(ns[0])
                     } else {

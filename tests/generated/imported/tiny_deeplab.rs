@@ -101,44 +101,37 @@ impl Forward for ASPPPooling {
     }
 }
 
-/// `torch.nn.modules.container.ModuleList`: `classifier.0.convs`.
-#[derive(Module)]
-pub struct Convs {
-    #[module(name = "0", config = Backbone2Config { in_channels: 32 })]
-    backbone2: Backbone2,
-    #[module(name = "1", config = ASPPConvConfig { padding: 2 })]
-    asppconv: ASPPConv,
-    #[module(name = "2", config = ASPPConvConfig { padding: 4 })]
-    asppconv_2: ASPPConv,
-    #[module(name = "3", config = ASPPConvConfig { padding: 6 })]
-    asppconv_3: ASPPConv,
-    #[module(name = "4")]
-    aspppooling: ASPPPooling,
-}
-
-impl Convs {
-    pub fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor, Tensor, Tensor)> {
-        let x0 = self.backbone2.forward(x)?;
-        let x1 = self.asppconv.forward(x)?;
-        let x2 = self.asppconv_2.forward(x)?;
-        let x3 = self.asppconv_3.forward(x)?;
-        let x4 = self.aspppooling.forward(x)?;
-        Ok((x0, x1, x2, x3, x4))
-    }
-}
-
 /// `torchvision.models.segmentation.deeplabv3.ASPP`: `classifier.0`.
-#[derive(Module)]
-pub struct ASPP {
-    convs: Convs,
-    #[module(config = Backbone2Config { in_channels: 80 })]
+pub struct Aspp {
+    convs_0: Backbone2,
+    convs_1: ASPPConv,
+    convs_2: ASPPConv,
+    convs_3: ASPPConv,
+    convs_4: ASPPPooling,
     project: Backbone2,
 }
 
-impl Forward for ASPP {
+impl Module for Aspp {
+    type Config = ();
+    fn load(vb: VarBuilder, _cfg: &()) -> Result<Self> {
+        Ok(Self {
+            convs_0: Backbone2::load(vb.pp("convs.0"), &(Backbone2Config { in_channels: 32 }))?,
+            convs_1: ASPPConv::load(vb.pp("convs.1"), &(ASPPConvConfig { padding: 2 }))?,
+            convs_2: ASPPConv::load(vb.pp("convs.2"), &(ASPPConvConfig { padding: 4 }))?,
+            convs_3: ASPPConv::load(vb.pp("convs.3"), &(ASPPConvConfig { padding: 6 }))?,
+            convs_4: ASPPPooling::load(vb.pp("convs.4"), &Default::default())?,
+            project: Backbone2::load(vb.pp("project"), &(Backbone2Config { in_channels: 80 }))?,
+        })
+    }
+}
+
+impl Forward for Aspp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (convs_0, convs_1, convs_2, convs_3, convs_4) = self.convs.forward(x)?;
-        self.project.forward(&Tensor::cat(&[&convs_0, &convs_1, &convs_2, &convs_3, &convs_4], 1)?)
+        let convs_0 = self.convs_0.forward(x)?;
+        let convs_1 = self.convs_1.forward(x)?;
+        let convs_2 = self.convs_2.forward(x)?;
+        let convs_3 = self.convs_3.forward(x)?;
+        self.project.forward(&Tensor::cat(&[&convs_0, &convs_1, &convs_2, &convs_3, &self.convs_4.forward(x)?], 1)?)
     }
 }
 
@@ -146,7 +139,7 @@ impl Forward for ASPP {
 #[derive(Module)]
 pub struct Classifier {
     #[module(name = "0")]
-    aspp: ASPP,
+    aspp: Aspp,
     #[module(name = "1", config = Conv2dConfig::new(16, 16, 3).padding(1).bias(false))]
     conv: Conv2d,
     #[module(name = "2", config = BatchNorm2dConfig::new(16))]

@@ -5,8 +5,8 @@
 //! file holds them) and `check_all_used` for a strict check.
 
 use kiln::{
-    AdaptiveAvgPool2d, Binary, Conv2d, Conv2dConfig, Forward, Gemm, Graph, LayerNorm, LayerNormConfig, Linear, LinearConfig, Module, Op,
-    Param, Result, Tensor, Tracer, VarBuilder, GELU,
+    AdaptiveAvgPool2d, Conv2d, Conv2dConfig, Forward, Graph, LayerNorm, LayerNormConfig, Linear, LinearConfig, Module, Param, Result,
+    Tensor, Tracer, VarBuilder, GELU,
 };
 
 /// `torch.nn.modules.container.Sequential`: `features.0`.
@@ -35,42 +35,25 @@ pub struct PatchMerging {
 
 impl Forward for PatchMerging {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let reshape = x.reshape(&[-1, 4, 2, 8, 16])?.narrow(2, 0, 1)?.reshape(&[-1, 4, 8, 16])?;
-        let flatten = reshape.reshape(&[-1, 4, 4, 2, 16])?.narrow(3, 0, 1)?.flatten(3)?;
-        let reshape = x.narrow(1, 1, 7)?.pad(&[0, 0, 0, 0, 0, 1], 0.0)?.reshape(&[-1, 4, 2, 8, 16])?;
-        let reshape = reshape.narrow(2, 0, 1)?.reshape(&[-1, 4, 8, 16])?.reshape(&[-1, 4, 4, 2, 16])?;
-        let flatten_2 = reshape.narrow(3, 0, 1)?.flatten(3)?;
-        let reshape = x.reshape(&[-1, 4, 2, 8, 16])?.narrow(2, 0, 1)?.reshape(&[-1, 4, 8, 16])?;
-        let reshape = reshape.narrow(2, 1, 7)?.pad(&[0, 0, 0, 1], 0.0)?.reshape(&[-1, 4, 4, 2, 16])?;
-        let flatten_3 = reshape.narrow(3, 0, 1)?.flatten(3)?;
-        let reshape = x.narrow(1, 1, 7)?.pad(&[0, 0, 0, 0, 0, 1], 0.0)?.reshape(&[-1, 4, 2, 8, 16])?;
-        let slice = reshape.narrow(2, 0, 1)?.reshape(&[-1, 4, 8, 16])?.narrow(2, 1, 7)?;
-        let slice = slice.pad(&[0, 0, 0, 1], 0.0)?.reshape(&[-1, 4, 4, 2, 16])?.narrow(3, 0, 1)?;
-        let norm = self.norm.forward(&Tensor::cat(&[&flatten, &flatten_2, &flatten_3, &slice.flatten(3)?], 3)?)?;
-        self.reduction.forward(&norm)
+        let flatten = x.reshape(&[-1, 4, 2, 4, 2, 16])?.permute(&[0, 1, 3, 4, 2, 5])?.flatten(3)?;
+        self.reduction.forward(&self.norm.forward(&flatten)?)
     }
 }
 
 /// `torchvision.models.swin_transformer.ShiftedWindowAttention`: `features.1.1.attn`.
 pub struct ShiftedWindowAttention {
-    qkv_weight: Param,
-    qkv_bias: Param,
-    unsqueeze_1: Param,
-    unsqueeze_5: Param,
-    proj_weight: Param,
-    proj_bias: Param,
+    qkv: Linear,
+    relative_position_bias_shifted_window_mask: Param,
+    proj: Linear,
 }
 
 impl Module for ShiftedWindowAttention {
     type Config = ();
     fn load(vb: VarBuilder, _cfg: &()) -> Result<Self> {
         Ok(Self {
-            qkv_weight: vb.get(&[48, 16], "qkv.weight")?,
-            qkv_bias: vb.get(&[48], "qkv.bias")?,
-            unsqueeze_1: vb.get(&[1, 2, 16, 16], "unsqueeze_1")?,
-            unsqueeze_5: vb.get(&[1, 4, 1, 16, 16], "unsqueeze_5")?,
-            proj_weight: vb.get(&[16, 16], "proj.weight")?,
-            proj_bias: vb.get(&[16], "proj.bias")?,
+            qkv: Linear::load(vb.pp("qkv"), &(LinearConfig::new(16, 48)))?,
+            relative_position_bias_shifted_window_mask: vb.get(&[4, 2, 16, 16], "relative_position_bias+shifted_window_mask")?,
+            proj: Linear::load(vb.pp("proj"), &(LinearConfig::new(16, 16)))?,
         })
     }
 }
@@ -78,209 +61,89 @@ impl Module for ShiftedWindowAttention {
 impl Forward for ShiftedWindowAttention {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let permute = x.roll(&[-2, -2], &[1, 2])?.reshape(&[-1, 2, 4, 2, 4, 16])?.permute(&[0, 1, 3, 2, 4, 5])?;
-        let reshape = permute.reshape(&[-1, 1, 2, 2, 4, 4, 16])?.reshape(&[-1, 4, 16, 16])?;
-        let permute = Tensor::record(
-            &reshape.scope_path("linear"),
-            Op::Gemm(Gemm::Linear { bias: true }),
-            &[&reshape],
-            &[&self.qkv_weight, &self.qkv_bias],
-        )?
-        .reshape(&[-1, 4, 16, 3, 2, 8])?
-        .permute(&[0, 3, 1, 4, 2, 5])?;
-        let reshape = permute.narrow(1, 0, 1)?.reshape(&[-1, 4, 2, 16, 8])?;
-        let reshape_2 = permute.narrow(1, 1, 1)?.reshape(&[-1, 4, 2, 16, 8])?;
-        let reshape_3 = permute.narrow(1, 2, 1)?.reshape(&[-1, 4, 2, 16, 8])?;
-        let affine = reshape.affine(0.35355338, 0.0)?;
-        let matmul = affine.matmul(&reshape_2.permute(&[0, 1, 2, 4, 3])?)?;
-        let reshape = matmul.binary_weight(&matmul.scope_path("add"), Binary::Add, &self.unsqueeze_1)?.reshape(&[-1, 4, 2, 16, 16])?;
-        let reshape = reshape
-            .binary_weight(&reshape.scope_path("add"), Binary::Add, &self.unsqueeze_5)?
-            .reshape(&[-1, 1, 4, 2, 16, 16])?
-            .reshape(&[-1, 4, 2, 16, 16])?;
-        let permute = reshape.softmax(4)?.matmul(&reshape_3)?.permute(&[0, 1, 3, 2, 4])?;
-        let reshape = permute.reshape(&[-1, 4, 16, 16])?;
-        let permute = Tensor::record(
-            &reshape.scope_path("linear"),
-            Op::Gemm(Gemm::Linear { bias: true }),
-            &[&reshape],
-            &[&self.proj_weight, &self.proj_bias],
-        )?
-        .reshape(&[-1, 2, 2, 4, 4, 16])?
-        .permute(&[0, 1, 3, 2, 4, 5])?;
-        permute.reshape(&[-1, 8, 8, 16])?.roll(&[2, 2], &[1, 2])
+        let qkv = self.qkv.forward(&permute.reshape(&[-1, 4, 16, 16])?)?;
+        let reshape = self
+            .proj
+            .forward(&qkv.qkv_attention_weight(
+                &qkv.scope_path("qkv_attention"),
+                2,
+                &self.relative_position_bias_shifted_window_mask,
+                Some(0.35355338),
+            )?)?
+            .reshape(&[-1, 2, 2, 4, 4, 16])?;
+        reshape.permute(&[0, 1, 3, 2, 4, 5])?.reshape(&[-1, 8, 8, 16])?.roll(&[2, 2], &[1, 2])
     }
 }
 
-/// `torchvision.models.swin_transformer.ShiftedWindowAttention`: `features.1.0.attn`.
+/// What differs between the calls of [`ShiftedWindowAttention2`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct ShiftedWindowAttention2Config {
+    pub dims: Vec<isize>,
+    pub dims_2: Vec<isize>,
+    pub in_features: usize,
+    pub out_features: usize,
+    pub heads: usize,
+    pub relative_position_bias_shape: Vec<usize>,
+    pub dims_3: Vec<isize>,
+    pub dims_4: Vec<isize>,
+}
+
+/// `torchvision.models.swin_transformer.ShiftedWindowAttention`: `features.1.0.attn`, `features.3.0.attn`, `features.3.1.attn`.
 pub struct ShiftedWindowAttention2 {
-    qkv_weight: Param,
-    qkv_bias: Param,
-    unsqueeze: Param,
-    proj_weight: Param,
-    proj_bias: Param,
+    qkv: Linear,
+    relative_position_bias: Param,
+    proj: Linear,
+    dims: Vec<isize>,
+    dims_2: Vec<isize>,
+    heads: usize,
+    dims_3: Vec<isize>,
+    dims_4: Vec<isize>,
 }
 
 impl Module for ShiftedWindowAttention2 {
-    type Config = ();
-    fn load(vb: VarBuilder, _cfg: &()) -> Result<Self> {
+    type Config = ShiftedWindowAttention2Config;
+    fn load(vb: VarBuilder, cfg: &ShiftedWindowAttention2Config) -> Result<Self> {
         Ok(Self {
-            qkv_weight: vb.get(&[48, 16], "qkv.weight")?,
-            qkv_bias: vb.get(&[48], "qkv.bias")?,
-            unsqueeze: vb.get(&[1, 2, 16, 16], "unsqueeze")?,
-            proj_weight: vb.get(&[16, 16], "proj.weight")?,
-            proj_bias: vb.get(&[16], "proj.bias")?,
+            qkv: Linear::load(vb.pp("qkv"), &(LinearConfig::new(cfg.in_features, cfg.out_features)))?,
+            relative_position_bias: vb.get(&cfg.relative_position_bias_shape, "relative_position_bias")?,
+            proj: Linear::load(vb.pp("proj"), &(LinearConfig::new(cfg.in_features, cfg.in_features)))?,
+            dims: cfg.dims.clone(),
+            dims_2: cfg.dims_2.clone(),
+            heads: cfg.heads,
+            dims_3: cfg.dims_3.clone(),
+            dims_4: cfg.dims_4.clone(),
         })
     }
 }
 
 impl Forward for ShiftedWindowAttention2 {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let reshape = x.reshape(&[-1, 2, 4, 2, 4, 16])?.permute(&[0, 1, 3, 2, 4, 5])?.reshape(&[-1, 1, 2, 2, 4, 4, 16])?;
-        let reshape = reshape.reshape(&[-1, 4, 16, 16])?;
-        let permute = Tensor::record(
-            &reshape.scope_path("linear"),
-            Op::Gemm(Gemm::Linear { bias: true }),
-            &[&reshape],
-            &[&self.qkv_weight, &self.qkv_bias],
-        )?
-        .reshape(&[-1, 4, 16, 3, 2, 8])?
-        .permute(&[0, 3, 1, 4, 2, 5])?;
-        let reshape = permute.narrow(1, 0, 1)?.reshape(&[-1, 4, 2, 16, 8])?;
-        let reshape_2 = permute.narrow(1, 1, 1)?.reshape(&[-1, 4, 2, 16, 8])?;
-        let reshape_3 = permute.narrow(1, 2, 1)?.reshape(&[-1, 4, 2, 16, 8])?;
-        let affine = reshape.affine(0.35355338, 0.0)?;
-        let matmul = affine.matmul(&reshape_2.permute(&[0, 1, 2, 4, 3])?)?;
-        let matmul = matmul.binary_weight(&matmul.scope_path("add"), Binary::Add, &self.unsqueeze)?.softmax(4)?.matmul(&reshape_3)?;
-        let reshape = matmul.permute(&[0, 1, 3, 2, 4])?.reshape(&[-1, 4, 16, 16])?;
-        let permute = Tensor::record(
-            &reshape.scope_path("linear"),
-            Op::Gemm(Gemm::Linear { bias: true }),
-            &[&reshape],
-            &[&self.proj_weight, &self.proj_bias],
-        )?
-        .reshape(&[-1, 2, 2, 4, 4, 16])?
-        .permute(&[0, 1, 3, 2, 4, 5])?;
-        permute.reshape(&[-1, 8, 8, 16])
+        let reshape = x.reshape(&self.dims)?.permute(&[0, 1, 3, 2, 4, 5])?.reshape(&self.dims_2)?;
+        let qkv = self.qkv.forward(&reshape)?;
+        let reshape = self
+            .proj
+            .forward(&qkv.qkv_attention_weight(
+                &qkv.scope_path("qkv_attention"),
+                self.heads,
+                &self.relative_position_bias,
+                Some(0.35355338),
+            )?)?
+            .reshape(&self.dims_3)?;
+        reshape.permute(&[0, 1, 3, 2, 4, 5])?.reshape(&self.dims_4)
     }
 }
 
-/// `torchvision.models.swin_transformer.ShiftedWindowAttention`: `features.3.0.attn`.
-pub struct ShiftedWindowAttention3 {
-    qkv_weight: Param,
-    qkv_bias: Param,
-    unsqueeze_6: Param,
-    proj_weight: Param,
-    proj_bias: Param,
-}
-
-impl Module for ShiftedWindowAttention3 {
-    type Config = ();
-    fn load(vb: VarBuilder, _cfg: &()) -> Result<Self> {
-        Ok(Self {
-            qkv_weight: vb.get(&[96, 32], "qkv.weight")?,
-            qkv_bias: vb.get(&[96], "qkv.bias")?,
-            unsqueeze_6: vb.get(&[1, 4, 16, 16], "unsqueeze_6")?,
-            proj_weight: vb.get(&[32, 32], "proj.weight")?,
-            proj_bias: vb.get(&[32], "proj.bias")?,
-        })
-    }
-}
-
-impl Forward for ShiftedWindowAttention3 {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let reshape = x.reshape(&[-1, 1, 4, 1, 4, 32])?.permute(&[0, 1, 3, 2, 4, 5])?.reshape(&[-1, 16, 32])?;
-        let reshape = Tensor::record(
-            &reshape.scope_path("linear"),
-            Op::Gemm(Gemm::Linear { bias: true }),
-            &[&reshape],
-            &[&self.qkv_weight, &self.qkv_bias],
-        )?
-        .reshape(&[-1, 16, 3, 4, 8])?
-        .reshape(&[-1, 1, 16, 3, 4, 8])?;
-        let permute = reshape.permute(&[0, 3, 1, 4, 2, 5])?;
-        let reshape = permute.narrow(1, 0, 1)?.reshape(&[-1, 4, 16, 8])?;
-        let reshape_2 = permute.narrow(1, 1, 1)?.reshape(&[-1, 4, 16, 8])?;
-        let reshape_3 = permute.narrow(1, 2, 1)?.reshape(&[-1, 4, 16, 8])?;
-        let affine = reshape.affine(0.35355338, 0.0)?;
-        let matmul = affine.matmul(&reshape_2.permute(&[0, 1, 3, 2])?)?;
-        let matmul = matmul.binary_weight(&matmul.scope_path("add"), Binary::Add, &self.unsqueeze_6)?.softmax(3)?.matmul(&reshape_3)?;
-        let flatten = matmul.permute(&[0, 2, 1, 3])?.flatten(2)?;
-        let permute = Tensor::record(
-            &flatten.scope_path("linear"),
-            Op::Gemm(Gemm::Linear { bias: true }),
-            &[&flatten],
-            &[&self.proj_weight, &self.proj_bias],
-        )?
-        .reshape(&[-1, 1, 1, 4, 4, 32])?
-        .permute(&[0, 1, 3, 2, 4, 5])?;
-        permute.reshape(&[-1, 4, 4, 32])
-    }
-}
-
-/// `torchvision.models.swin_transformer.ShiftedWindowAttention`: `features.3.1.attn`.
-pub struct ShiftedWindowAttention4 {
-    qkv_weight: Param,
-    qkv_bias: Param,
-    unsqueeze_7: Param,
-    proj_weight: Param,
-    proj_bias: Param,
-}
-
-impl Module for ShiftedWindowAttention4 {
-    type Config = ();
-    fn load(vb: VarBuilder, _cfg: &()) -> Result<Self> {
-        Ok(Self {
-            qkv_weight: vb.get(&[96, 32], "qkv.weight")?,
-            qkv_bias: vb.get(&[96], "qkv.bias")?,
-            unsqueeze_7: vb.get(&[1, 4, 16, 16], "unsqueeze_7")?,
-            proj_weight: vb.get(&[32, 32], "proj.weight")?,
-            proj_bias: vb.get(&[32], "proj.bias")?,
-        })
-    }
-}
-
-impl Forward for ShiftedWindowAttention4 {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let reshape = x.reshape(&[-1, 1, 4, 1, 4, 32])?.permute(&[0, 1, 3, 2, 4, 5])?.reshape(&[-1, 16, 32])?;
-        let reshape = Tensor::record(
-            &reshape.scope_path("linear"),
-            Op::Gemm(Gemm::Linear { bias: true }),
-            &[&reshape],
-            &[&self.qkv_weight, &self.qkv_bias],
-        )?
-        .reshape(&[-1, 16, 3, 4, 8])?
-        .reshape(&[-1, 1, 16, 3, 4, 8])?;
-        let permute = reshape.permute(&[0, 3, 1, 4, 2, 5])?;
-        let reshape = permute.narrow(1, 0, 1)?.reshape(&[-1, 4, 16, 8])?;
-        let reshape_2 = permute.narrow(1, 1, 1)?.reshape(&[-1, 4, 16, 8])?;
-        let reshape_3 = permute.narrow(1, 2, 1)?.reshape(&[-1, 4, 16, 8])?;
-        let affine = reshape.affine(0.35355338, 0.0)?;
-        let matmul = affine.matmul(&reshape_2.permute(&[0, 1, 3, 2])?)?;
-        let matmul = matmul.binary_weight(&matmul.scope_path("add"), Binary::Add, &self.unsqueeze_7)?.softmax(3)?.matmul(&reshape_3)?;
-        let flatten = matmul.permute(&[0, 2, 1, 3])?.flatten(2)?;
-        let permute = Tensor::record(
-            &flatten.scope_path("linear"),
-            Op::Gemm(Gemm::Linear { bias: true }),
-            &[&flatten],
-            &[&self.proj_weight, &self.proj_bias],
-        )?
-        .reshape(&[-1, 1, 1, 4, 4, 32])?
-        .permute(&[0, 1, 3, 2, 4, 5])?;
-        permute.reshape(&[-1, 4, 4, 32])
-    }
-}
-
-/// What differs between the calls of [`MLP`].
+/// What differs between the calls of [`Mlp`].
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct MLPConfig {
+pub struct MlpConfig {
     pub in_features: usize,
     pub out_features: usize,
 }
 
 /// `torchvision.ops.misc.MLP`: `features.1.0.mlp`, `features.1.1.mlp`, `features.3.0.mlp`, `features.3.1.mlp`.
 #[derive(Module)]
-#[module(config = MLPConfig)]
-pub struct MLP {
+#[module(config = MlpConfig)]
+pub struct Mlp {
     #[module(name = "0", config = LinearConfig::new(cfg.in_features, cfg.out_features))]
     linear: Linear,
     #[module(name = "1", config = false)]
@@ -289,22 +152,39 @@ pub struct MLP {
     linear_2: Linear,
 }
 
-impl Forward for MLP {
+impl Forward for Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.linear_2.forward(&self.gelu.forward(&self.linear.forward(x)?)?)
     }
 }
 
-/// `torchvision.models.swin_transformer.SwinTransformerBlock`: `features.1.0`.
+/// What differs between the calls of [`SwinTransformerBlock`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct SwinTransformerBlockConfig {
+    pub normalized_shape: Vec<usize>,
+    pub dims: Vec<isize>,
+    pub dims_2: Vec<isize>,
+    pub in_features: usize,
+    pub out_features: usize,
+    pub heads: usize,
+    pub relative_position_bias_shape: Vec<usize>,
+    pub dims_3: Vec<isize>,
+    pub dims_4: Vec<isize>,
+    pub mlp_out_features: usize,
+}
+
+/// `torchvision.models.swin_transformer.SwinTransformerBlock`: `features.1.0`, `features.3.0`, `features.3.1`.
 #[derive(Module)]
+#[module(config = SwinTransformerBlockConfig)]
 pub struct SwinTransformerBlock {
-    #[module(config = LayerNormConfig::new(&[16]))]
+    #[module(config = LayerNormConfig::new(&cfg.normalized_shape))]
     norm1: LayerNorm,
+    #[module(config = ShiftedWindowAttention2Config { dims: cfg.dims.clone(), dims_2: cfg.dims_2.clone(), in_features: cfg.in_features, out_features: cfg.out_features, heads: cfg.heads, relative_position_bias_shape: cfg.relative_position_bias_shape.clone(), dims_3: cfg.dims_3.clone(), dims_4: cfg.dims_4.clone() })]
     attn: ShiftedWindowAttention2,
-    #[module(config = LayerNormConfig::new(&[16]))]
+    #[module(config = LayerNormConfig::new(&cfg.normalized_shape))]
     norm2: LayerNorm,
-    #[module(config = MLPConfig { in_features: 16, out_features: 64 })]
-    mlp: MLP,
+    #[module(config = MlpConfig { in_features: cfg.in_features, out_features: cfg.mlp_out_features })]
+    mlp: Mlp,
 }
 
 impl Forward for SwinTransformerBlock {
@@ -322,8 +202,8 @@ pub struct SwinTransformerBlock2 {
     attn: ShiftedWindowAttention,
     #[module(config = LayerNormConfig::new(&[16]))]
     norm2: LayerNorm,
-    #[module(config = MLPConfig { in_features: 16, out_features: 64 })]
-    mlp: MLP,
+    #[module(config = MlpConfig { in_features: 16, out_features: 64 })]
+    mlp: Mlp,
 }
 
 impl Forward for SwinTransformerBlock2 {
@@ -333,48 +213,10 @@ impl Forward for SwinTransformerBlock2 {
     }
 }
 
-/// `torchvision.models.swin_transformer.SwinTransformerBlock`: `features.3.0`.
-#[derive(Module)]
-pub struct SwinTransformerBlock3 {
-    #[module(config = LayerNormConfig::new(&[32]))]
-    norm1: LayerNorm,
-    attn: ShiftedWindowAttention3,
-    #[module(config = LayerNormConfig::new(&[32]))]
-    norm2: LayerNorm,
-    #[module(config = MLPConfig { in_features: 32, out_features: 128 })]
-    mlp: MLP,
-}
-
-impl Forward for SwinTransformerBlock3 {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let add = (x + &self.attn.forward(&self.norm1.forward(x)?)?)?;
-        &add + &self.mlp.forward(&self.norm2.forward(&add)?)?
-    }
-}
-
-/// `torchvision.models.swin_transformer.SwinTransformerBlock`: `features.3.1`.
-#[derive(Module)]
-pub struct SwinTransformerBlock4 {
-    #[module(config = LayerNormConfig::new(&[32]))]
-    norm1: LayerNorm,
-    attn: ShiftedWindowAttention4,
-    #[module(config = LayerNormConfig::new(&[32]))]
-    norm2: LayerNorm,
-    #[module(config = MLPConfig { in_features: 32, out_features: 128 })]
-    mlp: MLP,
-}
-
-impl Forward for SwinTransformerBlock4 {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let add = (x + &self.attn.forward(&self.norm1.forward(x)?)?)?;
-        &add + &self.mlp.forward(&self.norm2.forward(&add)?)?
-    }
-}
-
 /// `torch.nn.modules.container.Sequential`: `features.1`.
 #[derive(Module)]
 pub struct Block1 {
-    #[module(name = "0")]
+    #[module(name = "0", config = SwinTransformerBlockConfig { normalized_shape: vec![16], dims: vec![-1, 2, 4, 2, 4, 16], dims_2: vec![-1, 4, 16, 16], in_features: 16, out_features: 48, heads: 2, relative_position_bias_shape: vec![2, 16, 16], dims_3: vec![-1, 2, 2, 4, 4, 16], dims_4: vec![-1, 8, 8, 16], mlp_out_features: 64 })]
     swin_transformer_block: SwinTransformerBlock,
     #[module(name = "1")]
     swin_transformer_block2: SwinTransformerBlock2,
@@ -383,21 +225,6 @@ pub struct Block1 {
 impl Forward for Block1 {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.swin_transformer_block2.forward(&self.swin_transformer_block.forward(x)?)
-    }
-}
-
-/// `torch.nn.modules.container.Sequential`: `features.3`.
-#[derive(Module)]
-pub struct Block3 {
-    #[module(name = "0")]
-    swin_transformer_block3: SwinTransformerBlock3,
-    #[module(name = "1")]
-    swin_transformer_block4: SwinTransformerBlock4,
-}
-
-impl Forward for Block3 {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.swin_transformer_block4.forward(&self.swin_transformer_block3.forward(x)?)
     }
 }
 
@@ -410,14 +237,14 @@ pub struct Features {
     block1: Block1,
     #[module(name = "2")]
     patch_merging: PatchMerging,
-    #[module(name = "3")]
-    block3: Block3,
+    #[module(name = "3", len = 2, config = SwinTransformerBlockConfig { normalized_shape: vec![32], dims: vec![-1, 1, 4, 1, 4, 32], dims_2: vec![-1, 1, 16, 32], in_features: 32, out_features: 96, heads: 4, relative_position_bias_shape: vec![4, 16, 16], dims_3: vec![-1, 1, 1, 4, 4, 32], dims_4: vec![-1, 4, 4, 32], mlp_out_features: 128 })]
+    swin_transformer_block: Vec<SwinTransformerBlock>,
 }
 
 impl Forward for Features {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let x2 = self.patch_merging.forward(&self.block1.forward(&self.block0.forward(x)?)?)?;
-        self.block3.forward(&x2)
+        self.swin_transformer_block.iter().try_fold(x2.clone(), |x, m| m.forward(&x))
     }
 }
 

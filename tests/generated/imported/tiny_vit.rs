@@ -104,7 +104,7 @@ impl Forward for Layers {
 
 /// `torchvision.models.vision_transformer.Encoder`: `encoder`.
 pub struct Encoder {
-    pos_embedding: Param,
+    pos_embedding_cat_cat_constants: Param,
     layers: Layers,
     ln: LayerNorm,
 }
@@ -113,7 +113,7 @@ impl Module for Encoder {
     type Config = ();
     fn load(vb: VarBuilder, _cfg: &()) -> Result<Self> {
         Ok(Self {
-            pos_embedding: vb.get(&[1, 17, 32], "pos_embedding")?,
+            pos_embedding_cat_cat_constants: vb.get(&[1, 17, 32], "pos_embedding+cat.cat_constants")?,
             layers: Layers::load(vb.pp("layers"), &Default::default())?,
             ln: LayerNorm::load(vb.pp("ln"), &(LayerNormConfig::new(&[32]).eps(1e-6)))?,
         })
@@ -122,36 +122,27 @@ impl Module for Encoder {
 
 impl Forward for Encoder {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.ln.forward(&self.layers.forward(&x.binary_weight(&x.scope_path("add"), Binary::Add, &self.pos_embedding)?)?)
+        self.ln.forward(&self.layers.forward(&x.binary_weight(
+            &x.scope_path("add"),
+            Binary::Add,
+            &self.pos_embedding_cat_cat_constants,
+        )?)?)
     }
 }
 
 /// `torchvision.models.vision_transformer.VisionTransformer`: the model.
+#[derive(Module)]
 pub struct VisionTransformer {
+    #[module(config = Conv2dConfig::new(3, 32, 8).stride(8))]
     conv_proj: Conv2d,
-    cat_cat_constants: Param,
     encoder: Encoder,
     heads: Heads,
-}
-
-impl Module for VisionTransformer {
-    type Config = ();
-    fn load(vb: VarBuilder, _cfg: &()) -> Result<Self> {
-        Ok(Self {
-            conv_proj: Conv2d::load(vb.pp("conv_proj"), &(Conv2dConfig::new(3, 32, 8).stride(8)))?,
-            cat_cat_constants: vb.get(&[1, 17, 32], "cat.cat_constants")?,
-            encoder: Encoder::load(vb.pp("encoder"), &Default::default())?,
-            heads: Heads::load(vb.pp("heads"), &Default::default())?,
-        })
-    }
 }
 
 impl Forward for VisionTransformer {
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
         let permute = self.conv_proj.forward(input)?.flatten(2)?.permute(&[0, 2, 1])?;
-        let pad = permute.pad(&[0, 0, 1, 0], 0.0)?;
-        let slice =
-            self.encoder.forward(&pad.binary_weight(&pad.scope_path("add"), Binary::Add, &self.cat_cat_constants)?)?.narrow(1, 0, 1)?;
+        let slice = self.encoder.forward(&permute.pad(&[0, 0, 1, 0], 0.0)?)?.narrow(1, 0, 1)?;
         self.heads.forward(&slice.flatten(1)?)
     }
 }
