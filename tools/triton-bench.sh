@@ -75,15 +75,23 @@ for f in "$KILN" "$REPO_TOOL" "$BACKEND"; do
 done
 
 # The server and perf_analyzer, unzipped from their wheels.
-if ! ls "$WHEELS"/nvidia_pytriton-0.7.0-*.whl >/dev/null 2>&1 || ! ls "$WHEELS"/tritonclient-2.51.0-*manylinux1*.whl >/dev/null 2>&1; then
-  say "no wheels in $WHEELS: downloading them"
-  fetch_wheels "$WORK/wheels"
-  WHEELS=$WORK/wheels
-fi
-python3 -m zipfile -e "$WHEELS"/nvidia_pytriton-0.7.0-*.whl "$WORK/server"
-python3 -m zipfile -e "$WHEELS"/tritonclient-2.51.0-*manylinux1*.whl "$WORK/client"
-TRITONSERVER=$WORK/server/pytriton/tritonserver/bin/tritonserver
 PERF=$WORK/client/tritonclient-2.51.0.data/data/bin/perf_analyzer
+if [[ -n "${TRITON_SLIM:-}" ]]; then
+  # A slim copy (when the wheels exceed what can be carried): the server binary and its libraries
+  # as a tar.xz, and perf_analyzer as an xz file.
+  mkdir -p "$WORK/server" "$(dirname "$PERF")"
+  tar -xJf "$TRITON_SLIM" -C "$WORK/server"
+  xz -dc "${PERF_XZ:?PERF_XZ names perf_analyzer.xz}" >"$PERF"
+else
+  if ! ls "$WHEELS"/nvidia_pytriton-0.7.0-*.whl >/dev/null 2>&1 || ! ls "$WHEELS"/tritonclient-2.51.0-*manylinux1*.whl >/dev/null 2>&1; then
+    say "no wheels in $WHEELS: downloading them"
+    fetch_wheels "$WORK/wheels"
+    WHEELS=$WORK/wheels
+  fi
+  python3 -m zipfile -e "$WHEELS"/nvidia_pytriton-0.7.0-*.whl "$WORK/server"
+  python3 -m zipfile -e "$WHEELS"/tritonclient-2.51.0-*manylinux1*.whl "$WORK/client"
+fi
+TRITONSERVER=$WORK/server/pytriton/tritonserver/bin/tritonserver
 chmod +x "$TRITONSERVER" "$PERF"
 LIBS=$WORK/server/nvidia_pytriton.libs
 # perf_analyzer wants libb64 and CUDA 12's runtime by their plain names; the server's wheel has both.
