@@ -15,7 +15,7 @@
 //! ```
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kiln::engine::{gpu_available, BuildConfig, EngineBuilder, ExecutionContext, Gpu, Precision};
+use kiln::{engine::{gpu_available, BuildConfig, EngineBuilder, ExecutionContext, Gpu, Precision}};
 use kiln::{HostTensor, VarBuilder};
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,7 +24,7 @@ const PLANS: &[(&str, usize, &[usize])] =
     &[("resnet18", 224, &[1, 8, 64, 256]), ("resnet50", 224, &[1, 8, 64, 256]), ("centernet", 512, &[1, 8, 32])];
 
 fn input(batch: usize, size: usize) -> HostTensor {
-    kiln::seeded::weight("input.0", &[batch, 3, size, size])
+    kiln::internals::seeded::weight("input.0", &[batch, 3, size, size])
 }
 
 /// An execution context of an engine for exactly `batch`, inputs bound, its CUDA graph captured.
@@ -61,12 +61,12 @@ fn gpu_benches(c: &mut Criterion, gpu: &Arc<Gpu>) {
 }
 
 fn cpu_bench(c: &mut Criterion) {
-    let graph = kiln::passes::optimize(&kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 224).expect("trace")).expect("passes");
+    let graph = kiln::internals::passes::optimize(&kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 224).expect("trace")).expect("passes");
     let x = input(1, 224);
     let mut group = c.benchmark_group("cpu/resnet18");
     group.throughput(Throughput::Elements(1));
     group.sample_size(10).measurement_time(Duration::from_secs(8));
-    group.bench_function(BenchmarkId::from_parameter(1), |b| b.iter(|| kiln::cpu::run(&graph, &[("input", &x)]).expect("cpu run")));
+    group.bench_function(BenchmarkId::from_parameter(1), |b| b.iter(|| kiln::run_cpu(&graph, &[("input", &x)]).expect("cpu run")));
     group.finish();
 }
 

@@ -487,9 +487,49 @@ fn ident(path: &str) -> String {
 
 /// `use krate::{a, b};` as rustfmt writes it: on one line if it fits, else the names filled into
 /// indented lines (its "mixed" imports layout).
+/// The `use` lines for Kiln's `names`, each under its face: the root, `kiln::nn` (the layers) or
+/// `kiln::plugin` (the graph's op-level IR).
+pub(crate) fn kiln_uses(names: &[&str], width: usize) -> String {
+    const ROOT: &[&str] = &["Forward", "Graph", "HostTensor", "Module", "NodeId", "Param", "Result", "Tensor", "Tracer", "VarBuilder"];
+    const IR: &[&str] = &[
+        "Activation",
+        "Attention",
+        "Binary",
+        "ConvAttrs",
+        "CustomCall",
+        "Gemm",
+        "Node",
+        "Norm",
+        "Op",
+        "Pool",
+        "PoolAttrs",
+        "QkvAttention",
+        "Quant",
+        "QuantFormat",
+        "QuantParams",
+        "Resize",
+        "ShapeOp",
+        "Unary",
+    ];
+    let of = |face: &dyn Fn(&str) -> bool| names.iter().copied().filter(|n| face(n)).collect::<Vec<_>>();
+    let root = of(&|n| ROOT.contains(&n));
+    let nn = of(&|n| !ROOT.contains(&n) && !IR.contains(&n));
+    let ir = of(&|n| IR.contains(&n));
+    let mut src = String::new();
+    for (krate, names) in [("kiln::nn", nn), ("kiln::plugin", ir), ("kiln", root)] {
+        if !names.is_empty() {
+            src += &use_statement(krate, &names, width);
+        }
+    }
+    src + "\n"
+}
+
 fn use_statement(krate: &str, names: &[&str], width: usize) -> String {
-    let one = format!("use {krate}::{{{}}};\n\n", names.join(", "));
-    if one.len() - 2 <= width {
+    if let [name] = names {
+        return format!("use {krate}::{name};\n");
+    }
+    let one = format!("use {krate}::{{{}}};\n", names.join(", "));
+    if one.len() - 1 <= width {
         return one;
     }
     let mut lines = vec![String::from("   ")];
@@ -501,7 +541,7 @@ fn use_statement(krate: &str, names: &[&str], width: usize) -> String {
             *last += &format!(" {name},");
         }
     }
-    format!("use {krate}::{{\n{}\n}};\n\n", lines.join("\n"))
+    format!("use {krate}::{{\n{}\n}};\n", lines.join("\n"))
 }
 
 /// Rust source of a function `fn_name(vb: &VarBuilder, batch: usize) -> Result<Graph>` that traces
@@ -653,7 +693,7 @@ impl<'g> Flat<'g> {
         if self.used.contains("BTreeMap") {
             src += "use std::collections::BTreeMap;\n\n";
         }
-        src += &use_statement("kiln", &kiln, self.style.width);
+        src += &kiln_uses(&kiln, self.style.width);
         src += &format!("/// Traces {} for a batch of `batch` inputs and returns its graph.\n", opts.model);
         src += &format!("pub fn {}(vb: &VarBuilder, batch: usize) -> Result<Graph> {{\n", opts.fn_name);
         src += "    let tracer = Tracer::new();\n";
@@ -721,9 +761,9 @@ mod tests {
         let t = crate::Tracer::new();
         let x = t.input("input", &[1, 2]);
         // `a.relu` twice, then a module whose own path reads like the second one's name.
-        let a = crate::Tensor::record("a.relu", Op::Unary(crate::Unary::Relu), &[&x], &[]).expect("relu");
-        let b = crate::Tensor::record("a.relu", Op::Unary(crate::Unary::Relu), &[&a], &[]).expect("relu");
-        let c = crate::Tensor::record("a.relu.2", Op::Unary(crate::Unary::Sigmoid), &[&b], &[]).expect("sigmoid");
+        let a = crate::Tensor::record("a.relu", Op::Unary(crate::graph::Unary::Relu), &[&x], &[]).expect("relu");
+        let b = crate::Tensor::record("a.relu", Op::Unary(crate::graph::Unary::Relu), &[&a], &[]).expect("relu");
+        let c = crate::Tensor::record("a.relu.2", Op::Unary(crate::graph::Unary::Sigmoid), &[&b], &[]).expect("sigmoid");
         t.output("out", &c);
         let src = generate(&t.graph(), &CodegenOptions::default()).expect("generate");
         for name in ["let a_relu =", "let a_relu_2 =", "let a_relu_2_2 ="] {

@@ -130,7 +130,8 @@ pub fn to_dot(graph: &Graph, title: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Conv2d, Conv2dConfig, Forward, Module, Tracer, VarBuilder};
+    use crate::nn::{Conv2d, Conv2dConfig};
+    use crate::{Forward, Module, Tracer, VarBuilder};
 
     fn small() -> Graph {
         let vb = VarBuilder::seeded();

@@ -41,6 +41,11 @@ impl HostTensor {
             n => Err(Error::TensorSize { expected: n.map_or("more than usize::MAX".into(), |n| n.to_string()), got: data.len(), shape }),
         }
     }
+    /// Reproducible pseudo-random values drawn from `name`: what `VarBuilder::seeded` gives the
+    /// weight `name` (uniform in [-1, 1) for a name that is not a weight's), for example inputs.
+    pub fn seeded(name: &str, shape: &[usize]) -> Self {
+        crate::seeded::weight(name, shape)
+    }
     pub fn zeros(shape: Vec<usize>) -> Self {
         let n = shape.iter().product();
         Self { shape, data: vec![0.0; n] }

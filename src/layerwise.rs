@@ -349,9 +349,9 @@ mod tests {
         // input -> a.conv? no weights needed: relu, sigmoid, relu with a repeated path.
         let t = crate::Tracer::new();
         let x = t.input("input", &[1, 2]);
-        let a = crate::Tensor::record("block.relu", Op::Unary(crate::Unary::Relu), &[&x], &[]).expect("relu");
-        let b = crate::Tensor::record("block.act", Op::Unary(crate::Unary::Sigmoid), &[&a], &[]).expect("sigmoid");
-        let c = crate::Tensor::record("block.relu", Op::Unary(crate::Unary::Relu), &[&b], &[]).expect("relu");
+        let a = crate::Tensor::record("block.relu", Op::Unary(crate::graph::Unary::Relu), &[&x], &[]).expect("relu");
+        let b = crate::Tensor::record("block.act", Op::Unary(crate::graph::Unary::Sigmoid), &[&a], &[]).expect("sigmoid");
+        let c = crate::Tensor::record("block.relu", Op::Unary(crate::graph::Unary::Relu), &[&b], &[]).expect("relu");
         t.output("out", &c);
         t.graph()
     }

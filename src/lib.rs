@@ -1,48 +1,53 @@
-//! Kiln: define a convolutional network in Rust, load its PyTorch weights, trace it into a graph,
-//! and run it on the CPU (the reference) or compile it to a CUDA engine.
+//! Kiln: define a network in Rust, load its PyTorch weights, trace it into a graph, and run it on
+//! the CPU (the reference) or compile it to a CUDA engine.
 //!
 //! ```text
-//! Module structs ──forward(symbolic Tensor)──► Graph ──passes──► CPU executor | EngineBuilder ──► Engine
+//! Module structs ──forward(symbolic Tensor)──► Graph ──passes──► run_cpu | engine::EngineBuilder ──► Engine
 //! ```
+//!
+//! The crate shows four faces:
+//! - this root: tracing ([`Tensor`], [`Tracer`]), modules ([`Module`], [`Forward`]), weights
+//!   ([`VarBuilder`]), the traced [`Graph`], host tensors, the CPU reference ([`run_cpu`]) and the
+//!   comparison against reference outputs ([`compare`]);
+//! - [`nn`]: the layers and their configs, named as in `torch.nn`;
+//! - [`engine`]: compile a graph into an engine, run it, calibrate it for 8-bit precisions;
+//! - [`plugin`]: what a custom op needs: its registration, its GPU layer, kernel compilation and
+//!   launch.
 
 #![warn(clippy::undocumented_unsafe_blocks)]
 
-pub mod calibrate;
-pub mod codegen;
-pub mod compare;
-pub mod cpu;
-pub mod dot;
+mod calibrate;
+mod codegen;
+mod compare;
+mod cpu;
+mod dot;
 pub mod engine;
-pub mod error;
-pub mod graph;
-pub mod graph_file;
+mod error;
+mod graph;
+mod graph_file;
 mod hash;
-pub mod host;
-pub mod layerwise;
-pub mod module;
-pub mod ops;
-pub mod passes;
-pub mod pnm;
-pub mod pth;
-pub mod registry;
-pub mod seeded;
-pub mod tensor;
-pub mod var_builder;
+mod host;
+#[doc(hidden)]
+pub mod internals;
+mod layerwise;
+mod module;
+pub mod nn;
+mod ops;
+mod passes;
+pub mod plugin;
+mod pnm;
+mod pth;
+mod registry;
+mod seeded;
+mod tensor;
+mod var_builder;
 
+pub use compare::{compare, top1, Comparison};
+pub use cpu::run as run_cpu;
 pub use error::{Error, Result};
-pub use graph::{
-    Activation, Attention, Binary, ByteTensor, ConvAttrs, CustomCall, DType, Gemm, Graph, HostInput, HostTensor, Node, NodeId, Norm, Op,
-    Pool, PoolAttrs, QkvAttention, Resize, ShapeOp, Unary,
-};
+pub use graph::{ByteTensor, DType, Graph, HostInput, HostTensor, NodeId};
 pub use kiln_macros::Module;
-pub use module::{Dropout, Forward, Identity, Module, Sequential};
-pub use ops::conv::{Conv2d, Conv2dConfig, ConvTranspose2d};
-pub use ops::elementwise::{Hardsigmoid, Hardswish, Hardtanh, LeakyReLU, LeakyReLUConfig, ReLU, ReLU6, SiLU, Sigmoid, Tanh, GELU};
-pub use ops::linear::{Linear, LinearConfig};
-pub use ops::norm::{BatchNorm2d, BatchNorm2dConfig, LayerNorm, LayerNorm2d, LayerNormConfig, Softmax};
-pub use ops::pool::{AdaptiveAvgPool2d, AvgPool2d, MaxPool2d, Pool2dConfig};
-pub use ops::resize::{InterpolateMode, Upsample, UpsampleConfig};
-pub use ops::shape::{ConstantPad2d, ConstantPad2dConfig, ZeroPad2d};
+pub use module::{Forward, Module};
 pub use tensor::{Param, Tensor, Tracer};
 pub use var_builder::VarBuilder;
 

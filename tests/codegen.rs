@@ -8,9 +8,9 @@
 #[path = "generated/resnet18_gen.rs"]
 mod resnet18_gen;
 
-use kiln::codegen::{generate, CodegenOptions};
-use kiln::compare::compare;
-use kiln::engine::{gpu_available, BuildConfig, EngineBuilder, Gpu, Precision};
+use kiln::{internals::{codegen::{generate, CodegenOptions}}};
+use kiln::compare;
+use kiln::{engine::{gpu_available, BuildConfig, EngineBuilder, Gpu, Precision}};
 use kiln::{Graph, HostTensor, VarBuilder};
 use std::path::Path;
 use std::sync::Arc;
@@ -34,7 +34,7 @@ fn traced(batch: usize) -> Graph {
 }
 
 fn input(batch: usize) -> HostTensor {
-    kiln::seeded::weight("input.0", &[batch, 3, 224, 224])
+    kiln::internals::seeded::weight("input.0", &[batch, 3, 224, 224])
 }
 
 /// Same nodes (op, attributes, inputs, shape, path) in the same order, same bindings, same weights.
@@ -61,7 +61,7 @@ fn committed_fixture_is_what_codegen_emits() {
     let committed = std::fs::read_to_string(&path).expect("read fixture");
     assert!(committed == src, "{FIXTURE} is stale: regenerate it with `KILN_BLESS=1 cargo test --test codegen`");
     // One statement per op: every non-weight node but the input is one `Tensor::record`.
-    let ops = traced(1).nodes.iter().filter(|n| !matches!(n.op, kiln::Op::Weight { .. } | kiln::Op::Input { .. })).count();
+    let ops = traced(1).nodes.iter().filter(|n| !matches!(n.op, kiln::plugin::Op::Weight { .. } | kiln::plugin::Op::Input { .. })).count();
     assert_eq!(src.matches("Tensor::record(").count(), ops);
     assert!(src.contains("\"layer3.1.conv2.weight\""), "weights are read by their state_dict names");
 }
@@ -78,8 +78,8 @@ fn generated_code_rebuilds_the_traced_graph() {
 fn generated_graph_gives_equal_cpu_outputs() {
     let x = input(1);
     let generated = resnet18_gen::build(&VarBuilder::seeded(), 1).expect("generated build");
-    let a = kiln::cpu::run(&generated, &[("input", &x)]).expect("cpu generated");
-    let b = kiln::cpu::run(&traced(1), &[("input", &x)]).expect("cpu traced");
+    let a = kiln::run_cpu(&generated, &[("input", &x)]).expect("cpu generated");
+    let b = kiln::run_cpu(&traced(1), &[("input", &x)]).expect("cpu traced");
     let c = compare("logits", &a["logits"], &b["logits"]);
     println!("{c}");
     assert_eq!(a["logits"], b["logits"], "{c}");

@@ -1,15 +1,15 @@
 //! The CPU executor's ops against naive direct implementations written here, on small random
 //! shapes covering the non-default settings; and the executor's binding and error behaviour.
 
-use kiln::compare::compare;
-use kiln::graph::{Activation, Binary, ConvAttrs, CustomCall, Gemm, Graph, HostTensor, Norm, Op, Pool, PoolAttrs, ShapeOp, Unary};
-use kiln::{cpu, ByteTensor, DType, Error, HostInput};
+use kiln::compare;
+use kiln::{plugin::{Activation, Binary, ConvAttrs, CustomCall, Gemm, Norm, Op, Pool, PoolAttrs, ShapeOp, Unary}, Graph, HostTensor};
+use kiln::{internals::cpu, ByteTensor, DType, Error, HostInput};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// Fresh pseudo-random values in [-1, 1): a new stream per call and per process run.
 fn rand(shape: &[usize]) -> HostTensor {
-    kiln::seeded::uniform_tensor(shape, kiln::seeded::fresh_seed())
+    kiln::internals::seeded::uniform_tensor(shape, kiln::internals::seeded::fresh_seed())
 }
 
 /// Positive values in [0.5, 1.5) (variances).
@@ -288,10 +288,10 @@ fn fused_conv_transpose_applies_residual_and_relu() {
     let mut want = naive_conv_transpose2d(&x, &w, Some(&b), &plain);
     let r = rand(&want.shape);
     want.data.iter_mut().zip(&r.data).for_each(|(v, r)| *v = (*v + r).max(0.0));
-    let got = kiln::ops::conv::conv_transpose2d_cpu(&a, &[&x, &w, &b, &r]).expect("fused deconv");
+    let got = kiln::internals::ops::conv::conv_transpose2d_cpu(&a, &[&x, &w, &b, &r]).expect("fused deconv");
     assert_close("fused conv_transpose2d", &got, &want);
     let wrong = rand(&[1, 3, 5, 5]);
-    let err = kiln::ops::conv::conv_transpose2d_cpu(&a, &[&x, &w, &b, &wrong]).expect_err("residual shape is checked");
+    let err = kiln::internals::ops::conv::conv_transpose2d_cpu(&a, &[&x, &w, &b, &wrong]).expect_err("residual shape is checked");
     assert!(err.contains("residual"), "{err}");
 }
 
@@ -450,8 +450,8 @@ fn small_net(batch: usize) -> Graph {
 
 /// `small_net` with its input `x` declared `dtype`.
 fn small_net_typed(batch: usize, dtype: kiln::DType) -> Graph {
-    use kiln::{AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Forward, Linear, LinearConfig, MaxPool2d, Module};
-    use kiln::{Pool2dConfig, Tracer, VarBuilder};
+    use kiln::{nn::{AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Linear, LinearConfig, MaxPool2d}, Forward, Module};
+    use kiln::{nn::Pool2dConfig, Tracer, VarBuilder};
     let vb = VarBuilder::seeded();
     let conv = Conv2d::load(vb.pp("conv"), &Conv2dConfig::new(3, 8, 3).padding(1).stride(2)).expect("conv");
     let bn = BatchNorm2d::load(vb.pp("bn"), &BatchNorm2dConfig::new(8)).expect("bn");
@@ -593,21 +593,21 @@ fn mismatched_batches_fail_with_the_module_path() {
     }
 }
 
-fn scale_shape(_: &kiln::ops::custom::Attrs, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+fn scale_shape(_: &kiln::plugin::Attrs, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
     Ok(inputs[0].to_vec())
 }
 
-fn scale_cpu(attrs: &kiln::ops::custom::Attrs, inputs: &[&HostTensor]) -> kiln::Result<HostTensor> {
-    let k = kiln::ops::custom::attr(attrs, "cpu_ops_test_scale", "k")? as f32;
+fn scale_cpu(attrs: &kiln::plugin::Attrs, inputs: &[&HostTensor]) -> kiln::Result<HostTensor> {
+    let k = kiln::plugin::attr(attrs, "cpu_ops_test_scale", "k")? as f32;
     Ok(HostTensor::new(inputs[0].shape.clone(), inputs[0].data.iter().map(|v| v * k).collect()))
 }
 
-fn broken_cpu(_: &kiln::ops::custom::Attrs, inputs: &[&HostTensor]) -> kiln::Result<HostTensor> {
+fn broken_cpu(_: &kiln::plugin::Attrs, inputs: &[&HostTensor]) -> kiln::Result<HostTensor> {
     Ok(HostTensor::new(vec![inputs[0].numel()], inputs[0].data.clone()))
 }
 
-kiln::inventory::submit! { kiln::ops::custom::CustomOp { name: "cpu_ops_test_scale", infer_shape: scale_shape, cpu: scale_cpu } }
-kiln::inventory::submit! { kiln::ops::custom::CustomOp { name: "cpu_ops_test_broken", infer_shape: scale_shape, cpu: broken_cpu } }
+kiln::inventory::submit! { kiln::plugin::CustomOp { name: "cpu_ops_test_scale", infer_shape: scale_shape, cpu: scale_cpu } }
+kiln::inventory::submit! { kiln::plugin::CustomOp { name: "cpu_ops_test_broken", infer_shape: scale_shape, cpu: broken_cpu } }
 
 #[test]
 fn custom_ops_run_their_registered_reference() {

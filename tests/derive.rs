@@ -1,11 +1,8 @@
 //! A user-defined network written with `#[derive(Module)]`: loaded from the seeded generator and
 //! from a safetensors file, traced, and checked for module paths, shapes and parameter names.
 
-use kiln::var_builder::write_safetensors;
-use kiln::{
-    AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Error, Forward, Graph, HostTensor, Linear, LinearConfig,
-    Module, Op, ReLU, Tensor, Tracer, VarBuilder,
-};
+use kiln::internals::var_builder::write_safetensors;
+use kiln::{nn::{AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Linear, LinearConfig, ReLU}, Error, Forward, Graph, HostTensor, Module, plugin::Op, Tensor, Tracer, VarBuilder};
 use std::collections::{BTreeMap, BTreeSet};
 
 #[derive(Clone, Copy, Debug)]
@@ -181,8 +178,8 @@ fn seeded_weights_are_generated_by_key() {
     let net = Net::load(VarBuilder::seeded(), &config()).unwrap();
     let ds = net.layers[1].downsample.as_ref().unwrap();
     assert_eq!(ds.conv.weight.name, "layers.1.downsample.0.weight");
-    assert_eq!(*ds.conv.weight.value, kiln::seeded::weight("layers.1.downsample.0.weight", &[8, 4, 1, 1]));
-    assert_eq!(*net.layers[2].bn1.params[3].value, kiln::seeded::weight("layers.2.bn1.running_var", &[8]));
+    assert_eq!(*ds.conv.weight.value, kiln::internals::seeded::weight("layers.1.downsample.0.weight", &[8, 4, 1, 1]));
+    assert_eq!(*net.layers[2].bn1.params[3].value, kiln::internals::seeded::weight("layers.2.bn1.running_var", &[8]));
 }
 
 /// A `state_dict` whose every tensor is distinct: element `j` of the `k`-th key is `k + j / 1000`.
@@ -256,7 +253,7 @@ fn a_missing_entry_names_the_field_path() {
 struct Activations {
     relu: ReLU,
     #[module(name = "act")]
-    sigmoid: kiln::Sigmoid,
+    sigmoid: kiln::nn::Sigmoid,
 }
 
 #[test]

@@ -13,11 +13,11 @@
 //! `tests/fixtures/fuzz-corpus/` with a `.expect` file, it is replayed by every run
 //! (`corpus_is_replayed`).
 
-use kiln::calibrate::{CalibrationCache, CalibrationMethod, Calibrator};
-use kiln::engine::file::{checksum, decode, decode_payload, encode, Header, Payload, FORMAT_VERSION};
-use kiln::engine::{BuildConfig, LayerPrecision, Precision};
-use kiln::var_builder::{read_safetensors, read_tensors, write_safetensors};
-use kiln::{ConvAttrs, DType, Graph, HostTensor, Norm, Op, PoolAttrs, VarBuilder};
+use kiln::{internals::{calibrate::{CalibrationCache, CalibrationMethod, Calibrator}}};
+use kiln::{internals::{engine::{file::{checksum, decode, decode_payload, encode, Header, Payload, FORMAT_VERSION}}}};
+use kiln::{engine::{BuildConfig, LayerPrecision, Precision}};
+use kiln::{internals::{var_builder::{read_safetensors, read_tensors, write_safetensors}}};
+use kiln::{plugin::{ConvAttrs, Norm, Op, PoolAttrs}, DType, Graph, HostTensor, VarBuilder};
 use proptest::prelude::*;
 use proptest::test_runner::Config;
 use std::collections::BTreeMap;
@@ -82,7 +82,7 @@ fn cpu_inputs(g: &Graph, seed: u64, nan_at: Option<usize>) -> Vec<(String, HostT
                 Op::Input { name } => name.clone(),
                 _ => String::new(),
             };
-            let mut t = kiln::seeded::uniform_tensor(&node.shape, seed);
+            let mut t = kiln::internals::seeded::uniform_tensor(&node.shape, seed);
             if node.dtype == DType::U8 {
                 t.data.iter_mut().for_each(|v| *v = ((*v + 1.0) * 127.5).round());
             } else if let Some(at) = nan_at.take().filter(|_| !t.data.is_empty()) {
@@ -106,7 +106,7 @@ fn bounded(g: &Graph) -> bool {
         let params: Option<Vec<&Arc<HostTensor>>> = n.inputs.get(1..).unwrap_or(&[]).iter().map(|&i| g.weight_data(i)).collect();
         match params.as_deref() {
             Some([gamma, beta, mean, var]) => {
-                let (scale, shift) = kiln::ops::norm::batch_norm_scale_shift(&gamma.data, &beta.data, &mean.data, &var.data, eps);
+                let (scale, shift) = kiln::internals::ops::norm::batch_norm_scale_shift(&gamma.data, &beta.data, &mean.data, &var.data, eps);
                 scale.iter().chain(&shift).all(small)
             }
             _ => true,
@@ -119,18 +119,18 @@ fn bounded(g: &Graph) -> bool {
 /// large for the check, or that `optimize` refuses with a typed error, is skipped; where the
 /// original runs, the optimised graph must run too.
 fn optimize_agrees(g: &Graph, seed: u64, nan_at: Option<usize>) {
-    let Ok(opt) = kiln::passes::optimize(g) else { return };
+    let Ok(opt) = kiln::internals::passes::optimize(g) else { return };
     let small = |g: &Graph| {
-        g.nodes.iter().all(|n| matches!(n.op, Op::Weight { .. }) || kiln::graph::numel(&n.shape).is_some_and(|e| e <= CPU_MAX_ACTIVATION))
+        g.nodes.iter().all(|n| matches!(n.op, Op::Weight { .. }) || kiln::internals::graph::numel(&n.shape).is_some_and(|e| e <= CPU_MAX_ACTIVATION))
     };
     if !small(g) || !small(&opt) {
         return;
     }
     let inputs = cpu_inputs(g, seed, nan_at);
     let bound: Vec<(&str, &HostTensor)> = inputs.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    let Ok(before) = kiln::cpu::run(g, &bound) else { return };
+    let Ok(before) = kiln::run_cpu(g, &bound) else { return };
     let after =
-        kiln::cpu::run(&opt, &bound).unwrap_or_else(|e| panic!("the graph runs, its optimised form does not: {e}\n{}", opt.to_text()));
+        kiln::run_cpu(&opt, &bound).unwrap_or_else(|e| panic!("the graph runs, its optimised form does not: {e}\n{}", opt.to_text()));
     assert_eq!(before.keys().collect::<Vec<_>>(), after.keys().collect::<Vec<_>>(), "the outputs differ");
     let comparable = bounded(g);
     for (name, b) in &before {
@@ -150,7 +150,7 @@ fn optimize_agrees(g: &Graph, seed: u64, nan_at: Option<usize>) {
 /// Whether `a` and `b` compute the same (module paths and output names aside): the CPU check of
 /// a mutated file that decodes to the base's graph over the base's weights is the base's.
 fn same_computation(a: &Graph, b: &Graph) -> bool {
-    let same_node = |(x, y): (&kiln::Node, &kiln::Node)| x.op == y.op && x.inputs == y.inputs && x.shape == y.shape && x.dtype == y.dtype;
+    let same_node = |(x, y): (&kiln::plugin::Node, &kiln::plugin::Node)| x.op == y.op && x.inputs == y.inputs && x.shape == y.shape && x.dtype == y.dtype;
     a.inputs == b.inputs
         && a.outputs.iter().map(|o| o.1).eq(b.outputs.iter().map(|o| o.1))
         && a.nodes.len() == b.nodes.len()
@@ -354,7 +354,7 @@ fn load_everything(path: &Path) {
         let _ = vb.check_all_used();
     }
     let _ = read_safetensors(path);
-    if let Ok((tensors, _)) = kiln::var_builder::read_tensors_within(path, "input", |_| true, 4) {
+    if let Ok((tensors, _)) = kiln::internals::var_builder::read_tensors_within(path, "input", |_| true, 4) {
         assert!(tensors.values().all(|t| t.numel() <= 4), "the input limit holds");
     }
 }
@@ -407,15 +407,15 @@ fn sample_graph() -> Graph {
     let x = g.push_unchecked(Op::Input { name: "input".into() }, vec![], vec![1, 3, 8, 8], "input".into());
     let w = g.weight("conv.weight", Arc::new(HostTensor::new(vec![4, 3, 3, 3], vec![0.1; 108])));
     let b = g.weight("conv.bias", Arc::new(HostTensor::new(vec![4], vec![0.0; 4])));
-    let attrs = ConvAttrs { padding: [1, 1], bias: true, act: kiln::Activation::Relu, ..ConvAttrs::default() };
+    let attrs = ConvAttrs { padding: [1, 1], bias: true, act: kiln::plugin::Activation::Relu, ..ConvAttrs::default() };
     let c = g.push(Op::Conv(attrs), vec![x, w, b], "conv".into()).expect("conv");
     let pool = PoolAttrs { kernel: [2, 2], stride: [2, 2], padding: [0, 0], ceil_mode: false, count_include_pad: true };
-    let p = g.push(Op::Pool(kiln::Pool::Max(pool)), vec![c], "pool".into()).expect("pool");
-    let a = g.push(Op::Binary(kiln::Binary::Add), vec![p, p], "add".into()).expect("add");
-    let q = g.push(Op::Pool(kiln::Pool::AdaptiveAvg { output: [1, 1] }), vec![a], "avgpool".into()).expect("avgpool");
-    let f = g.push(Op::Shape(kiln::ShapeOp::Flatten { start: 1 }), vec![q], "flatten".into()).expect("flatten");
+    let p = g.push(Op::Pool(kiln::plugin::Pool::Max(pool)), vec![c], "pool".into()).expect("pool");
+    let a = g.push(Op::Binary(kiln::plugin::Binary::Add), vec![p, p], "add".into()).expect("add");
+    let q = g.push(Op::Pool(kiln::plugin::Pool::AdaptiveAvg { output: [1, 1] }), vec![a], "avgpool".into()).expect("avgpool");
+    let f = g.push(Op::Shape(kiln::plugin::ShapeOp::Flatten { start: 1 }), vec![q], "flatten".into()).expect("flatten");
     let fw = g.weight("fc.weight", Arc::new(HostTensor::new(vec![2, 4], vec![0.2; 8])));
-    let y = g.push(Op::Gemm(kiln::Gemm::Linear { bias: false }), vec![f, fw], "fc".into()).expect("fc");
+    let y = g.push(Op::Gemm(kiln::plugin::Gemm::Linear { bias: false }), vec![f, fw], "fc".into()).expect("fc");
     g.inputs.push(x);
     g.mark_output("logits", y);
     g
@@ -430,8 +430,8 @@ fn resnet18() -> &'static Graph {
 
 /// `g` as a graph file.
 fn graph_file(g: &Graph) -> Vec<u8> {
-    let bytes = kiln::graph_file::encode(g, &BTreeMap::new()).expect("encode");
-    kiln::graph_file::decode(&bytes, Path::new("valid.kiln.safetensors")).expect("the unmutated graph file is valid");
+    let bytes = kiln::internals::graph_file::encode(g, &BTreeMap::new()).expect("encode");
+    kiln::internals::graph_file::decode(&bytes, Path::new("valid.kiln.safetensors")).expect("the unmutated graph file is valid");
     bytes
 }
 
@@ -443,7 +443,7 @@ fn safetensors_head(bytes: &[u8]) -> usize {
 /// The engine payload of `g` (optimised first), for batch 1..=4.
 fn engine_file(g: &Graph) -> Vec<u8> {
     let header = Header { version: FORMAT_VERSION, sm: 90, driver_version: 13000, cudnn_version: 91400 };
-    let graph = kiln::passes::optimize(g).expect("optimize");
+    let graph = kiln::internals::passes::optimize(g).expect("optimize");
     let payload = Payload { config: BuildConfig::default().batch(1, 2, 4), graph, tactics: BTreeMap::new() };
     let bytes = encode(&header, &payload).expect("encode");
     decode(&bytes, "valid.kiln").expect("the unmutated engine is valid");
@@ -497,7 +497,7 @@ fn with_checksum(good: &[u8], body: &[u8]) -> Vec<u8> {
 /// A graph file decoded from mutated bytes: on the CPU before and after `optimize`, unless it
 /// computes what `base` (already checked) computes over the same weights.
 fn check_graph_file(bytes: &[u8], base: Option<&Graph>, data_touched: bool, seed: u64, nan: Option<usize>) {
-    if let Ok(file) = kiln::graph_file::decode(bytes, Path::new("fuzz.kiln.safetensors")) {
+    if let Ok(file) = kiln::internals::graph_file::decode(bytes, Path::new("fuzz.kiln.safetensors")) {
         if data_touched || nan.is_some() || !base.is_some_and(|b| same_computation(b, &file.graph)) {
             optimize_agrees(&file.graph, seed, nan);
         }
@@ -518,7 +518,7 @@ fn check_engine_payload(result: kiln::Result<Payload>, base: Option<&Graph>, dat
 fn resnet18_decoded() -> &'static (Graph, Graph) {
     static G: OnceLock<(Graph, Graph)> = OnceLock::new();
     G.get_or_init(|| {
-        let g = kiln::graph_file::decode(resnet18_graph_file(), Path::new("r18.kiln.safetensors")).expect("decodes").graph;
+        let g = kiln::internals::graph_file::decode(resnet18_graph_file(), Path::new("r18.kiln.safetensors")).expect("decodes").graph;
         let e = decode(resnet18_engine(), "r18.kiln").expect("decodes").1.graph;
         (g, e)
     })
@@ -565,7 +565,7 @@ fn resnet18_graph_parts() -> &'static ((String, String), serde_json::Value, Vec<
         let bytes = resnet18_graph_file();
         let head = safetensors_head(bytes);
         let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..head]).expect("header");
-        let slot = &mut header["__metadata__"][kiln::graph_file::KEY_GRAPH];
+        let slot = &mut header["__metadata__"][kiln::internals::graph_file::KEY_GRAPH];
         let graph = serde_json::from_str(slot.as_str().expect("graph JSON")).expect("graph");
         *slot = "@@graph@@".into();
         let text = header.to_string();
@@ -639,7 +639,7 @@ fn generated_graph(shape: [usize; 4], layers: &[Layer], special: Option<(usize, 
     let mut seed = 10;
     let mut weight = |g: &mut Graph, name: String, shape: Vec<usize>, positive: bool| {
         seed += 1;
-        let mut t = kiln::seeded::uniform_tensor(&shape, seed);
+        let mut t = kiln::internals::seeded::uniform_tensor(&shape, seed);
         if positive {
             t.data.iter_mut().for_each(|v| *v = v.abs() + 0.5);
         }
@@ -675,14 +675,14 @@ fn generated_graph(shape: [usize; 4], layers: &[Layer], special: Option<(usize, 
                     .collect();
                 Some((Op::Norm(Norm::BatchNorm2d { eps }), [vec![x], params].concat()))
             }
-            Layer::Relu => Some((Op::Unary(kiln::Unary::Relu), vec![x])),
+            Layer::Relu => Some((Op::Unary(kiln::plugin::Unary::Relu), vec![x])),
             Layer::Add { back } => {
                 let same: Vec<_> = activations.iter().copied().filter(|&a| a != x && g.nodes[a].shape == g.nodes[x].shape).collect();
-                same.get(back % same.len().max(1)).map(|&r| (Op::Binary(kiln::Binary::Add), vec![x, r]))
+                same.get(back % same.len().max(1)).map(|&r| (Op::Binary(kiln::plugin::Binary::Add), vec![x, r]))
             }
             Layer::MaxPool | Layer::AvgPool => {
                 let p = PoolAttrs { kernel: [2, 2], stride: [2, 2], padding: [0, 0], ceil_mode: false, count_include_pad: true };
-                Some((if matches!(l, Layer::MaxPool) { Op::Pool(kiln::Pool::Max(p)) } else { Op::Pool(kiln::Pool::Avg(p)) }, vec![x]))
+                Some((if matches!(l, Layer::MaxPool) { Op::Pool(kiln::plugin::Pool::Max(p)) } else { Op::Pool(kiln::plugin::Pool::Avg(p)) }, vec![x]))
             }
         };
         if let Some((op, inputs)) = op_inputs {
@@ -693,7 +693,7 @@ fn generated_graph(shape: [usize; 4], layers: &[Layer], special: Option<(usize, 
         }
     }
     g.mark_output("y", x);
-    let mut g = kiln::passes::remove_dead_nodes(&g).expect("dead weights go");
+    let mut g = kiln::internals::passes::remove_dead_nodes(&g).expect("dead weights go");
     if let Some((k, v)) = special {
         let total: usize = g.weights.values().map(|w| w.data.len()).sum();
         if total > 0 {
@@ -717,7 +717,7 @@ fn calibrated() -> &'static (Graph, CalibrationCache) {
     static C: OnceLock<(Graph, CalibrationCache)> = OnceLock::new();
     C.get_or_init(|| {
         let calibrator = Calibrator::new(&sample_graph()).expect("calibrator");
-        let x = kiln::seeded::uniform_tensor(&[2, 3, 8, 8], 3);
+        let x = kiln::internals::seeded::uniform_tensor(&[2, 3, 8, 8], 3);
         let cache = calibrator.calibrate(std::slice::from_ref(&x), CalibrationMethod::MinMax).expect("calibrate");
         (calibrator.graph().clone(), cache)
     })
@@ -731,12 +731,12 @@ fn check_calibration_cache(path: &Path) {
         assert!(r.amax.is_finite() && r.amax >= 0.0 && r.int8_scale > 0.0 && r.fp8_scale.is_finite(), "{r:?}");
     }
     let (graph, _) = calibrated();
-    for format in [kiln::graph::QuantFormat::Int8, kiln::graph::QuantFormat::Fp8E4m3] {
-        if let Ok(q) = kiln::calibrate::quantize_graph(graph, &cache, format) {
-            let x = kiln::seeded::uniform_tensor(&[1, 3, 8, 8], 4);
-            kiln::cpu::run(&q, &[("input", &x)]).expect("a quantised graph of a loaded cache runs");
-            if let Ok(folded) = kiln::calibrate::fold_constant_quant(&q) {
-                kiln::cpu::run(&folded, &[("input", &x)]).expect("its folded form runs");
+    for format in [kiln::plugin::QuantFormat::Int8, kiln::plugin::QuantFormat::Fp8E4m3] {
+        if let Ok(q) = kiln::internals::calibrate::quantize_graph(graph, &cache, format) {
+            let x = kiln::internals::seeded::uniform_tensor(&[1, 3, 8, 8], 4);
+            kiln::run_cpu(&q, &[("input", &x)]).expect("a quantised graph of a loaded cache runs");
+            if let Ok(folded) = kiln::internals::calibrate::fold_constant_quant(&q) {
+                kiln::run_cpu(&folded, &[("input", &x)]).expect("its folded form runs");
             }
         }
     }
@@ -822,7 +822,7 @@ fn write_folder(dir: &Path, entries: &[PnmEntry]) -> usize {
 /// Reads a folder: `Ok` holds one normalised, finite image per image file (at most `limit`), an
 /// error names a file of the folder or a flag.
 fn check_folder(dir: &Path, images: usize, size: usize, mean: &[f32], std: &[f32], limit: Option<usize>) {
-    match kiln::pnm::read_folder(dir, size, mean, std, limit) {
+    match kiln::internals::pnm::read_folder(dir, size, mean, std, limit) {
         Ok(t) => {
             assert_eq!(t.shape, [images.min(limit.unwrap_or(usize::MAX)), 3, size, size]);
             assert!(t.data.iter().all(|v| v.is_finite()), "normalised pixels are finite");
@@ -905,7 +905,7 @@ fn check_flags(texts: &[String]) {
     let parsed: Vec<Vec<kiln_cli::shapes::ShapeSpec>> = texts.iter().map(|t| parse_shapes(t).unwrap_or_default()).collect();
     for specs in &parsed {
         for s in specs {
-            assert!(!s.dims.is_empty() && !s.dims.contains(&0) && kiln::graph::numel(&s.dims).is_some(), "{s:?}");
+            assert!(!s.dims.is_empty() && !s.dims.contains(&0) && kiln::internals::graph::numel(&s.dims).is_some(), "{s:?}");
             let again = parse_shapes(&format!("{}:{}", s.name, dims_text(&s.dims))).expect("a parsed spec parses again");
             assert_eq!(again[0].dims, s.dims);
         }
@@ -924,7 +924,7 @@ fn check_flags(texts: &[String]) {
                 let pattern: Vec<char> = rule.pattern.chars().collect();
                 for path in resnet18_paths().iter().step_by(7) {
                     let text: Vec<char> = path.chars().collect();
-                    assert_eq!(kiln::engine::glob_match(&rule.pattern, path), naive_glob(&pattern, &text), "{} on {path}", rule.pattern);
+                    assert_eq!(kiln::internals::engine::precision::glob_match(&rule.pattern, path), naive_glob(&pattern, &text), "{} on {path}", rule.pattern);
                     let _ = rule.matches(path);
                 }
             }
@@ -979,9 +979,9 @@ proptest! {
         if let Ok((tensors, _)) = read_tensors(&path, "reference", is_reference) {
             let probe = HostTensor::new(vec![1], vec![0.5]);
             for (name, t) in &tensors {
-                let c = kiln::compare::compare(name, t, t);
+                let c = kiln::compare(name, t, t);
                 prop_assert!(c.shape_ok);
-                let _ = kiln::compare::compare(name, &probe, t).passes(1e-5);
+                let _ = kiln::compare(name, &probe, t).passes(1e-5);
             }
         }
     }
@@ -1022,12 +1022,12 @@ proptest! {
         let graph = sample_graph();
         let json = with_numbers(&serde_json::to_value(&graph).expect("json"), &picks);
         let meta = BTreeMap::from([
-            (kiln::graph_file::KEY_FORMAT.to_string(), kiln::graph_file::FORMAT.to_string()),
-            (kiln::graph_file::KEY_VERSION.to_string(), kiln::graph_file::VERSION.to_string()),
-            (kiln::graph_file::KEY_GRAPH.to_string(), json.to_string()),
+            (kiln::internals::graph_file::KEY_FORMAT.to_string(), kiln::internals::graph_file::FORMAT.to_string()),
+            (kiln::internals::graph_file::KEY_VERSION.to_string(), kiln::internals::graph_file::VERSION.to_string()),
+            (kiln::internals::graph_file::KEY_GRAPH.to_string(), json.to_string()),
         ]);
         let tensors: BTreeMap<String, &HostTensor> = graph.weights.iter().map(|(k, t)| (k.clone(), t.as_ref())).collect();
-        let bytes = kiln::var_builder::encode_safetensors(&tensors, &meta).expect("encode");
+        let bytes = kiln::internals::var_builder::encode_safetensors(&tensors, &meta).expect("encode");
         saving_failures("graph-mutated-numbers.kiln.safetensors", &bytes, || check_graph_file(&bytes, None, true, 3, nan));
     }
 
@@ -1041,7 +1041,7 @@ proptest! {
         let g = generated_graph([shape.0, shape.1, shape.2, shape.3], &layers, special);
         // As a graph file, it reads back as it was written.
         let bytes = graph_file(&g);
-        let back = kiln::graph_file::decode(&bytes, Path::new("generated.kiln.safetensors")).expect("decodes").graph;
+        let back = kiln::internals::graph_file::decode(&bytes, Path::new("generated.kiln.safetensors")).expect("decodes").graph;
         prop_assert!(same_computation(&g, &back));
         saving_failures("generated.kiln.safetensors", &bytes, || optimize_agrees(&g, 7, nan));
     }
@@ -1170,7 +1170,7 @@ fn corpus_is_replayed() {
             let expect = expect.trim();
             let bytes = std::fs::read(&path).expect("corpus file");
             let outcome: Result<(), String> = match kind {
-                "graph" => kiln::graph_file::decode(&bytes, &path).map(|f| {
+                "graph" => kiln::internals::graph_file::decode(&bytes, &path).map(|f| {
                     optimize_agrees(&f.graph, 1, None);
                     optimize_agrees(&f.graph, 1, Some(0));
                 }),
@@ -1188,7 +1188,7 @@ fn corpus_is_replayed() {
                 }
                 "pnm" => {
                     let size = expect.split_whitespace().find_map(|w| w.strip_prefix("size=")).map_or(2, |s| s.parse().expect("size"));
-                    kiln::pnm::parse(&bytes, size).map(|_| ()).map_err(|reason| kiln::Error::Image { path: path.clone(), reason })
+                    kiln::internals::pnm::parse(&bytes, size).map(|_| ()).map_err(|reason| kiln::Error::Image { path: path.clone(), reason })
                 }
                 _ => {
                     let texts: Vec<String> = String::from_utf8_lossy(&bytes).lines().map(String::from).collect();
@@ -1212,7 +1212,7 @@ fn corpus_is_replayed() {
     let dir = scratch("corpus-fifo-folder");
     let images = write_folder(&dir, &[PnmEntry::Fifo]);
     check_folder(&dir, images, 2, &[0.5; 3], &[0.25; 3], None);
-    assert!(kiln::pnm::read_folder(&dir, 2, &[0.5; 3], &[0.25; 3], None).unwrap_err().to_string().contains("FIFO"));
+    assert!(kiln::internals::pnm::read_folder(&dir, 2, &[0.5; 3], &[0.25; 3], None).unwrap_err().to_string().contains("FIFO"));
     assert!(replayed >= 10, "only {replayed} corpus files");
     println!("replayed {replayed} corpus files");
 }

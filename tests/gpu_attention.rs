@@ -11,7 +11,7 @@
 //!
 //! On the device: `cargo test --release --test gpu_attention -- --include-ignored --nocapture --test-threads 1`.
 
-use kiln::engine::{BuildConfig, EngineBuilder, Precision};
+use kiln::{engine::{BuildConfig, EngineBuilder, Precision}};
 use kiln::{Graph, HostTensor, Param, Tracer};
 use std::sync::Arc;
 
@@ -57,7 +57,7 @@ fn run_sources(name: &str, graph: &Graph, inputs: &[(&str, &[usize])], sources: 
                 let values: Vec<HostTensor> =
                     inputs.iter().enumerate().map(|(i, (_, s))| random(&[&[batch][..], s].concat(), seed + i as u64, 1.0)).collect();
                 let bound: Vec<(&str, &HostTensor)> = inputs.iter().map(|(n, _)| *n).zip(&values).collect();
-                let want = kiln::cpu::run(graph, &bound).expect("cpu");
+                let want = kiln::run_cpu(graph, &bound).expect("cpu");
                 let got = ctx.run(&bound).unwrap_or_else(|e| panic!("{name} {precision:?} batch {batch}: {e}"));
                 let (rel, max_abs) = rel_l2(&got["y"].data, &want["y"].data);
                 println!(
@@ -167,7 +167,7 @@ fn roll() {
     check("roll 11,-2 of [4, 5, 6]", &[("x", &[4, 5, 6])], |x| Ok(vec![x[0].roll(&[11, -2], &[3, 1])?]));
     check("roll of an NHWC conv output", &[("x", &[3, 8, 8])], |x| {
         use kiln::{Forward, Module};
-        let conv = kiln::Conv2d::load(kiln::VarBuilder::seeded().pp("conv"), &kiln::Conv2dConfig::new(3, 6, 3).padding(1))?;
+        let conv = kiln::nn::Conv2d::load(kiln::VarBuilder::seeded().pp("conv"), &kiln::nn::Conv2dConfig::new(3, 6, 3).padding(1))?;
         Ok(vec![conv.forward(&x[0])?.roll(&[2, -1], &[2, 3])?])
     });
 }
@@ -222,7 +222,7 @@ fn batched_matmul_candidates() {
                 let shape = |s: &[usize]| [&[batch][..], s].concat();
                 let (ha, hb) = (random(&shape(&a), 11 + batch as u64, 1.0), random(&shape(&b), 13 + batch as u64, 1.0));
                 let bound = [("a", &ha), ("b", &hb)];
-                let want = kiln::cpu::run(&graph, &bound).expect("cpu");
+                let want = kiln::run_cpu(&graph, &bound).expect("cpu");
                 let got = ctx.run(&bound).unwrap_or_else(|e| panic!("{source} {precision:?} batch {batch}: {e}"));
                 let (rel, max_abs) = rel_l2(&got["y"].data, &want["y"].data);
                 println!("matmul {a:?} @ {b:?} {source:<22} {precision:?} batch {batch}: rel L2 {rel:.2e}, max abs {max_abs:.2e}");

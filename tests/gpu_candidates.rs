@@ -8,10 +8,10 @@
 //!
 //! `#[ignore]`d (CI has no GPU); on the device: `bash tools/gpu-test.sh` (docs/ENGINE.md).
 
-use kiln::compare::compare;
-use kiln::engine::{BuildConfig, EngineBuilder, Precision};
-use kiln::module::{Forward, Module};
-use kiln::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, Tensor, Tracer, VarBuilder};
+use kiln::compare;
+use kiln::{engine::{BuildConfig, EngineBuilder, Precision}};
+use kiln::{internals::{module::{Forward, Module}}};
+use kiln::{nn::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d}, Tensor, Tracer, VarBuilder};
 
 mod common;
 use common::{gpu, random};
@@ -48,7 +48,7 @@ fn check_forced_in(
             let mut ctx = engine.context().expect("context");
             for batch in [1, 3] {
                 let input = random(&[&[batch][..], dims].concat(), batch as u64 * 17 + name.len() as u64, 1.0);
-                let want = kiln::cpu::run(&graph, &[("x", &input)]).expect("cpu run");
+                let want = kiln::run_cpu(&graph, &[("x", &input)]).expect("cpu run");
                 let got = ctx.run(&[("x", &input)]).unwrap_or_else(|e| panic!("{name} {precision:?} {source} batch {batch}: {e}"));
                 let c = compare(name, &got["y"], &want["y"]);
                 println!("{name:<44} {precision:?} {source:<22} batch {batch}: {c}  [{}]", kinds.join(", "));
@@ -114,7 +114,7 @@ fn candidates_stem_pool_matches_the_cpu() {
         move |x: &Tensor, vb: VarBuilder| {
             let y = Conv2d::load(vb.pp("conv1"), &Conv2dConfig::new(cin, 64, 7).stride(2).padding(3).bias(false))?.forward(x)?;
             let y = BatchNorm2d::load(vb.pp("bn1"), &BatchNorm2dConfig::new(64))?.forward(&y)?.relu()?;
-            kiln::MaxPool2d::load(vb.pp("maxpool"), &kiln::Pool2dConfig::new(3).stride(2).padding(1).ceil_mode(ceil))?.forward(&y)
+            kiln::nn::MaxPool2d::load(vb.pp("maxpool"), &kiln::nn::Pool2dConfig::new(3).stride(2).padding(1).ceil_mode(ceil))?.forward(&y)
         }
     };
     let fp16 = &[Precision::Fp16][..];
@@ -175,7 +175,7 @@ fn candidates_timed_at_the_issue_shapes() {
     let stem = |x: &Tensor, vb: VarBuilder| {
         let y = Conv2d::load(vb.pp("conv1"), &Conv2dConfig::new(3, 64, 7).stride(2).padding(3).bias(false))?.forward(x)?;
         let y = BatchNorm2d::load(vb.pp("bn1"), &BatchNorm2dConfig::new(64))?.forward(&y)?.relu()?;
-        kiln::MaxPool2d::load(vb.pp("maxpool"), &kiln::Pool2dConfig::new(3).stride(2).padding(1))?.forward(&y)
+        kiln::nn::MaxPool2d::load(vb.pp("maxpool"), &kiln::nn::Pool2dConfig::new(3).stride(2).padding(1))?.forward(&y)
     };
     time_candidates("resnet stem + maxpool", &[3, 224, 224], 256, stem);
     time_candidates("resnet stem + maxpool", &[3, 224, 224], 1, stem);

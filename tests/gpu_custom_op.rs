@@ -3,10 +3,10 @@
 //! (`CustomOp`), its CUDA kernel, and its GPU converter (`kiln::register_converter!`). Tracing,
 //! the CPU executor and the engine all pick it up by name. Without a GPU, the GPU half skips.
 
-use kiln::engine::launch::{grid_for, launch, KArg, BLOCK};
-use kiln::engine::{gpu_available, BuildConfig, BuildCtx, EngineBuilder, Gpu, Layer, Precision, RunCtx, ValueId};
-use kiln::ops::custom::{Attrs, CustomOp};
-use kiln::{Conv2d, Conv2dConfig, Forward, HostTensor, Module, NodeId, Tracer, VarBuilder};
+use kiln::{internals::{engine::{launch::{grid_for, launch, KArg, BLOCK}}}};
+use kiln::{engine::{gpu_available, BuildConfig, EngineBuilder, Gpu, Precision}, plugin::{BuildCtx, Layer, RunCtx, ValueId}};
+use kiln::{plugin::{Attrs, CustomOp}};
+use kiln::{nn::{Conv2d, Conv2dConfig}, Forward, HostTensor, Module, NodeId, Tracer, VarBuilder};
 use std::sync::Arc;
 
 // ---- the op: shape rule and CPU reference -------------------------------------------------
@@ -109,10 +109,10 @@ fn the_user_op_traces_and_runs_on_the_cpu() {
     let g = graph();
     assert!(g.nodes.iter().any(|n| n.op.name() == "soft_gate" && n.path.ends_with("soft_gate")), "{}", g.to_text());
     let x = input(2);
-    let y = &kiln::cpu::run(&g, &[("x", &x)]).expect("cpu")["y"];
+    let y = &kiln::run_cpu(&g, &[("x", &x)]).expect("cpu")["y"];
     assert_eq!(y.shape, vec![2, 16, 10, 12]);
     assert!(y.data.iter().all(|&v| v >= 0.0), "soft_gate is never negative");
-    kiln::engine::check_converters(&g).expect("the user's converter is registered");
+    kiln::plugin::check_converters(&g).expect("the user's converter is registered");
 }
 
 #[test]
@@ -132,9 +132,9 @@ fn the_user_op_runs_in_an_engine_and_matches_its_cpu_reference() {
         let mut ctx = engine.context().expect("context");
         for batch in [1, 4] {
             let x = input(batch);
-            let want = kiln::cpu::run(&g, &[("x", &x)]).expect("cpu");
+            let want = kiln::run_cpu(&g, &[("x", &x)]).expect("cpu");
             let got = ctx.run(&[("x", &x)]).expect("engine");
-            let c = kiln::compare::compare("soft_gate", &got["y"], &want["y"]);
+            let c = kiln::compare("soft_gate", &got["y"], &want["y"]);
             println!("user op soft_gate {precision:?} batch {batch}: {c}");
             assert!(c.passes(tol), "{c}");
         }

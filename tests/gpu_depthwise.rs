@@ -6,9 +6,9 @@
 //!
 //! On the device: `cargo test --release --test gpu_depthwise -- --include-ignored --nocapture`.
 
-use kiln::engine::{BuildConfig, EngineBuilder, Precision};
-use kiln::graph::HostTensor;
-use kiln::{Conv2d, Conv2dConfig, Forward, Module, Tensor, Tracer, VarBuilder};
+use kiln::{engine::{BuildConfig, EngineBuilder, Precision}};
+use kiln::HostTensor;
+use kiln::{nn::{Conv2d, Conv2dConfig}, Forward, Module, Tensor, Tracer, VarBuilder};
 
 mod common;
 use common::{check, gpu, random, rel_l2};
@@ -72,7 +72,7 @@ fn depthwise_kernel_forced() {
             let mut ctx = engine.context().expect("context");
             for batch in [1usize, 3] {
                 let input: HostTensor = random(&[batch, c, h, w], 11 + batch as u64, 2.0);
-                let want = kiln::cpu::run(&graph, &[("x", &input)]).expect("cpu");
+                let want = kiln::run_cpu(&graph, &[("x", &input)]).expect("cpu");
                 let got = ctx.run(&[("x", &input)]).expect("run");
                 let (rel, max_abs) = rel_l2(&got["y"].data, &want["y"].data);
                 println!("{:<70} {precision:?} batch {batch}: rel L2 {rel:.2e}, max abs {max_abs:.2e}", name(case));

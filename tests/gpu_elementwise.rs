@@ -5,7 +5,7 @@
 //!
 //! On the device: `cargo test --release --test gpu_elementwise -- --include-ignored --nocapture`.
 
-use kiln::{Binary, Conv2d, Conv2dConfig, Forward, Module, Param, Tensor, Unary, VarBuilder};
+use kiln::{plugin::{Binary, Unary}, nn::{Conv2d, Conv2dConfig}, Forward, Module, Param, Tensor, VarBuilder};
 use std::sync::Arc;
 
 mod common;
@@ -19,7 +19,7 @@ fn abs_plus_half(b: &Tensor) -> kiln::Result<Tensor> {
 /// A constant with seeded values in [-1, 1).
 fn param(name: &str, shape: &[usize]) -> Param {
     let seed = name.bytes().fold(17u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
-    Param { name: name.to_string(), value: Arc::new(kiln::seeded::uniform_tensor(shape, seed)) }
+    Param { name: name.to_string(), value: Arc::new(kiln::internals::seeded::uniform_tensor(shape, seed)) }
 }
 
 #[test]

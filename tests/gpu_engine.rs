@@ -10,14 +10,11 @@
 //!
 //! On the device: `bash tools/gpu-test.sh` (see docs/ENGINE.md).
 
-use kiln::compare::{compare, top1, Comparison};
-use kiln::engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision};
-use kiln::module::{Forward, Module};
-use kiln::var_builder::read_safetensors;
-use kiln::{
-    BatchNorm2d, BatchNorm2dConfig, ByteTensor, Conv2d, Conv2dConfig, ConvTranspose2d, DType, Graph, HostTensor, Linear, LinearConfig,
-    Tensor, Tracer, VarBuilder,
-};
+use kiln::{compare, top1, Comparison};
+use kiln::{engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision}};
+use kiln::{internals::{module::{Forward, Module}}};
+use kiln::internals::var_builder::read_safetensors;
+use kiln::{nn::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, Linear, LinearConfig}, ByteTensor, DType, Graph, HostTensor, Tensor, Tracer, VarBuilder};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -75,7 +72,7 @@ fn check_op(name: &str, dims: &[usize], sources: &[Option<&str>], f: impl Fn(&Te
             let mut ctx = engine.context().expect("context");
             for batch in [1, 3] {
                 let input = random(&[&[batch][..], dims].concat(), batch as u64 * 31 + dims.len() as u64, 1.0);
-                let want = kiln::cpu::run(&graph, &[("x", &input)]).expect("cpu run");
+                let want = kiln::run_cpu(&graph, &[("x", &input)]).expect("cpu run");
                 let got = ctx.run(&[("x", &input)]).unwrap_or_else(|e| panic!("{name} {precision:?} batch {batch}: {e}"));
                 let c = compare(name, &got["y"], &want["y"]);
                 println!("{name:<40} {precision:?} {:<12} batch {batch}: {c}  [{}]", source.unwrap_or("any"), kinds.join(", "));
@@ -147,7 +144,7 @@ fn u8_inputs_enter_through_the_image_reformats() {
                 let values = random(&[batch, dims[0], dims[1], dims[2]], batch as u64 * 7 + dims[0] as u64, 1.0);
                 let bytes =
                     ByteTensor::new(values.shape.clone(), values.data.iter().map(|v| ((v + 1.0) * 127.9) as u8).collect()).expect("bytes");
-                let want = kiln::cpu::run(&graph, &[("x", &bytes)]).expect("cpu run");
+                let want = kiln::run_cpu(&graph, &[("x", &bytes)]).expect("cpu run");
                 let got = ctx.run(&[("x", &bytes)]).unwrap_or_else(|e| panic!("{name} {precision:?} batch {batch}: {e}"));
                 let c = compare(name, &got["y"], &want["y"]);
                 println!("{name:<32} {precision:?} batch {batch}: {c}  [{entry}]");

@@ -5,8 +5,8 @@
 //!
 //! On the device: `cargo test --release --test gpu_kernels -- --nocapture --test-threads 1`.
 
-use kiln::engine::{BuildConfig, EngineBuilder, Gpu, Precision};
-use kiln::graph::{Graph, HostTensor, Op, Pool, PoolAttrs};
+use kiln::{engine::{BuildConfig, EngineBuilder, Gpu, Precision}};
+use kiln::{Graph, HostTensor, plugin::{Op, Pool, PoolAttrs}};
 use kiln::{Tensor, Tracer};
 
 mod common;
@@ -109,11 +109,11 @@ fn flatten_and_cat() {
 // `ops::elementwise::bias_act` through the same converter mechanism a user's op would.
 
 mod bias_act_op {
-    use kiln::engine::{BuildCtx, Layer};
-    use kiln::graph::{HostTensor, NodeId, Op};
-    use kiln::ops::custom::{attr, Attrs, CustomOp};
-    use kiln::ops::elementwise::bias_act;
-    use kiln::Unary;
+    use kiln::{plugin::{BuildCtx, Layer}};
+    use kiln::{HostTensor, NodeId, plugin::Op};
+    use kiln::{plugin::{attr, Attrs, CustomOp}};
+    use kiln::internals::ops::elementwise::bias_act;
+    use kiln::plugin::Unary;
 
     pub const NAME: &str = "test_bias_act";
 
@@ -163,7 +163,7 @@ mod bias_act_op {
     }
 
     fn convert(ctx: &mut BuildCtx, node: NodeId) -> kiln::Result<Box<dyn Layer>> {
-        let Op::Custom(kiln::CustomCall { attrs, .. }) = &ctx.node(node).op else { return Err(ctx.err(node, "not a custom op".into())) };
+        let Op::Custom(kiln::plugin::CustomCall { attrs, .. }) = &ctx.node(node).op else { return Err(ctx.err(node, "not a custom op".into())) };
         let (a, with_res) = (act(attrs)?, attr(attrs, NAME, "residual")? != 0.0);
         let (x, r, y) = (ctx.input(node, 0)?, ctx.input(node, 1)?, ctx.output(node)?);
         let c = ctx.value(y).dims[0];
@@ -182,7 +182,7 @@ fn bias_act_reference_is_right() {
     t.output("y", &x.custom(bias_act_op::NAME, &[("act", 1.0), ("residual", 1.0)], &[&r]).expect("trace"));
     let xs = HostTensor::new(vec![1, 2, 1, 2], vec![3.0, -1.0, 0.5, 2.0]);
     let rs = HostTensor::new(vec![1, 2, 1, 2], vec![0.5, 0.5, -3.0, 0.0]);
-    let y = &kiln::cpu::run(&t.graph(), &[("x", &xs), ("r", &rs)]).expect("cpu")["y"];
+    let y = &kiln::run_cpu(&t.graph(), &[("x", &xs), ("r", &rs)]).expect("cpu")["y"];
     // scale = [0.5, 0.61], bias = [-1.1, -0.73]: relu(3·0.5 - 1.1 + 0.5), relu(-1·0.5 - 1.1 + 0.5),
     // relu(0.5·0.61 - 0.73 - 3), relu(2·0.61 - 0.73)
     let want = [0.9f32, 0.0, 0.0, 0.49];
@@ -233,7 +233,7 @@ fn decode_agreement(gpu: &Arc<Gpu>, precision: Precision, hm: &HostTensor, wh: &
         Arc::new(EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph).unwrap_or_else(|e| panic!("build ({precision:?}): {e}")));
     let mut ctx = engine.context().expect("context");
     let bound = [("hm", hm), ("wh", wh), ("reg", reg)];
-    let want = &kiln::cpu::run(&graph, &bound).expect("cpu decode")["det"];
+    let want = &kiln::run_cpu(&graph, &bound).expect("cpu decode")["det"];
     let got = &ctx.run(&bound).expect("gpu decode")["det"];
     assert_eq!(got.shape, want.shape);
     // Detections are f32 in every precision; FP16's wh and reg are the same f16 values the CPU

@@ -8,9 +8,9 @@
 mod common;
 
 use common::{gpu, matching_detections, random, rel_l2};
-use kiln::engine::{BuildConfig, DimsRange, Engine, EngineBuilder, InputDims, Precision, ShapeProfile};
-use kiln::graph::{Graph, HostTensor};
-use kiln::var_builder::read_safetensors;
+use kiln::{engine::{BuildConfig, DimsRange, Engine, EngineBuilder, InputDims, Precision, ShapeProfile}};
+use kiln::{Graph, HostTensor};
+use kiln::internals::var_builder::read_safetensors;
 use kiln::VarBuilder;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -74,7 +74,7 @@ fn centernet_runs_three_shapes_from_one_build() {
                 None => {
                     let x = random(&[1, 3, h, w], (h * w) as u64, 1.0);
                     let at = graph.with_input_dims(&InputDims::from([("input".into(), vec![3, h, w])])).expect("re-inferred");
-                    let want = kiln::cpu::run(&at, &[("input", &x)]).expect("cpu");
+                    let want = kiln::run_cpu(&at, &[("input", &x)]).expect("cpu");
                     (x, want, "the CPU executor")
                 }
             };
@@ -119,7 +119,7 @@ fn resnet18_runs_non_square_shapes_and_saved_engines_keep_their_profiles() {
             let label = format!("resnet18 {precision:?} batch {batch} {h}x{w}");
             let x = random(&[batch, 3, h, w], (batch * h * w) as u64, 1.0);
             let at = graph.with_input_dims(&InputDims::from([("input".into(), vec![3, h, w])])).expect("re-inferred");
-            let want = kiln::cpu::run(&at, &[("input", &x)]).expect("cpu");
+            let want = kiln::run_cpu(&at, &[("input", &x)]).expect("cpu");
             let got = ctx.run(&[("input", &x)]).unwrap_or_else(|e| panic!("{label}: {e}"));
             check(&label, &got, &want, tol);
             let top = |t: &HostTensor| -> Vec<usize> {

@@ -6,11 +6,11 @@
 //! On the device:
 //! `cargo test --release --test gpu_quant -- --include-ignored --nocapture --test-threads 1`.
 
-use kiln::calibrate::{simulate, CalibrationCache, CalibrationMethod, Calibrator};
-use kiln::engine::{BuildConfig, EngineBuilder, Precision};
-use kiln::graph::{Graph, HostTensor, QuantFormat, QuantParams};
-use kiln::var_builder::read_safetensors;
-use kiln::{Error, Forward, MaxPool2d, Module, Pool2dConfig, VarBuilder};
+use kiln::{internals::{calibrate::{simulate, CalibrationCache, CalibrationMethod, Calibrator}}};
+use kiln::{engine::{BuildConfig, EngineBuilder, Precision}};
+use kiln::{Graph, HostTensor, plugin::{QuantFormat, QuantParams}};
+use kiln::internals::var_builder::read_safetensors;
+use kiln::{Error, Forward, nn::{MaxPool2d, Pool2dConfig}, Module, VarBuilder};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -47,7 +47,7 @@ fn check_quant(name: &str, dims: &[usize], f: impl Fn(&kiln::Tensor) -> kiln::Re
             let seed = name.bytes().fold(batch as u64 * 7919, |h, b| h.wrapping_mul(31).wrapping_add(b as u64));
             let input = common::random(&[&[batch][..], dims].concat(), seed, 6.0);
             let seen = if precision == Precision::Fp16 { common::to_f16(&input) } else { input.clone() };
-            let want = &kiln::cpu::run(&graph, &[("x", &seen)]).unwrap_or_else(|e| panic!("{name}: cpu: {e}"))["y"];
+            let want = &kiln::run_cpu(&graph, &[("x", &seen)]).unwrap_or_else(|e| panic!("{name}: cpu: {e}"))["y"];
             let got = &ctx.run(&[("x", &input)]).unwrap_or_else(|e| panic!("{name} {precision:?} batch {batch}: {e}"))["y"];
             assert_eq!(got.shape, want.shape, "{name}");
             let (rel, max_abs) = rel_l2(&got.data, &want.data);
@@ -125,7 +125,7 @@ fn digits_engines_int8_fp8_accuracy() {
     let Some(gpu) = gpu() else { return };
     let d = digits();
     let n = d.labels.len();
-    let cpu_fp32 = kiln::cpu::run(&d.graph, &[("input", &d.heldout)]).expect("cpu")["logits"].clone();
+    let cpu_fp32 = kiln::run_cpu(&d.graph, &[("input", &d.heldout)]).expect("cpu")["logits"].clone();
     let fp32_top1 = top1(&cpu_fp32, &d.labels);
     println!("held-out top-1 on {n} images: Kiln CPU FP32 {fp32_top1:.2}%");
     let dir = std::env::temp_dir().join(format!("kiln-gpu-quant-{}", std::process::id()));
@@ -170,7 +170,7 @@ fn digits_engines_int8_fp8_accuracy() {
             continue;
         }
         let got = run(precision, Some(&path));
-        let sim = kiln::cpu::run(&simulate(&d.graph, &cache, format).expect("simulate"), &[("input", &d.heldout)]).expect("cpu")["logits"]
+        let sim = kiln::run_cpu(&simulate(&d.graph, &cache, format).expect("simulate"), &[("input", &d.heldout)]).expect("cpu")["logits"]
             .clone();
         let (acc, sim_acc) = (top1(&got, &d.labels), top1(&sim, &d.labels));
         let (vs_sim, _) = rel_l2(&got.data, &sim.data);
@@ -220,7 +220,7 @@ fn fp8_gemm_configurations() {
     }
     let mut failures = vec![];
     for (m, k, n) in [(49, 32, 64), (196, 64, 32), (256, 256, 64), (3136, 64, 256)] {
-        for (label, outcome) in kiln::ops::quant::fp8_gemm::probe(&gpu, m, k, n).expect("probe") {
+        for (label, outcome) in kiln::internals::ops::quant::fp8_gemm::probe(&gpu, m, k, n).expect("probe") {
             match outcome {
                 Ok((rel, max_abs)) => {
                     println!("FP8 GEMM {label}: runs, rel L2 {rel:.2e}, max abs {max_abs:.2e}");
@@ -253,7 +253,7 @@ fn fp8_gemm_matches_the_simulation() {
         println!("skipped: sm_{} has no FP8", gpu.info.sm);
         return;
     }
-    use kiln::{Conv2d, Conv2dConfig};
+    use kiln::{nn::{Conv2d, Conv2dConfig}};
     let tracer = kiln::Tracer::new();
     let x = tracer.input("input", &[4, 32, 7, 7]);
     let vb = VarBuilder::seeded();
@@ -265,8 +265,8 @@ fn fp8_gemm_matches_the_simulation() {
     let graph = tracer.graph();
     let input = common::random(&[4, 32, 7, 7], 11, 2.0);
     let (cache, path) = min_max_cache(&graph, &input, "fp8-gemm");
-    let sim = kiln::cpu::run(&simulate(&graph, &cache, QuantFormat::Fp8E4m3).expect("simulate"), &[("input", &input)]).expect("cpu");
-    let fp32 = kiln::cpu::run(&graph, &[("input", &input)]).expect("cpu");
+    let sim = kiln::run_cpu(&simulate(&graph, &cache, QuantFormat::Fp8E4m3).expect("simulate"), &[("input", &input)]).expect("cpu");
+    let fp32 = kiln::run_cpu(&graph, &[("input", &input)]).expect("cpu");
     let mut failures = vec![];
     // An FP8 engine runs these convs on the 8-bit kernel (`conv8_matches_the_simulation`); the
     // FP8 GEMMs are Best's candidates, where they read unquantised FP16 values.
@@ -294,7 +294,7 @@ fn fp8_gemm_matches_the_simulation() {
         let (vs_fp32, _) = rel_l2(&got.data, &fp32["y"].data);
         println!("Best {source:?} batch 4: layers {kinds:?}; rel L2 {vs_sim:.2e} vs the FP8 simulation, {vs_fp32:.2e} vs FP32");
         // Best lowers a quantiser only to write the codes its INT8 convs read.
-        let int8 = engine.layers().any(|l| kiln::engine::eight_bit::precision_of_kind(&l.kind()).is_some());
+        let int8 = engine.layers().any(|l| kiln::internals::engine::eight_bit::precision_of_kind(&l.kind()).is_some());
         if engine.layers().any(|l| l.kind().contains("quant")) && (source.is_some() || !int8) {
             failures.push(format!("Best {source:?}: a quantiser was lowered as a layer without an INT8 conv: {kinds:?}"));
         }
@@ -325,7 +325,7 @@ fn fp8_gemm_matches_the_simulation() {
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn conv8_matches_the_simulation() {
     let Some(gpu) = gpu() else { return };
-    use kiln::{Conv2d, Conv2dConfig};
+    use kiln::{nn::{Conv2d, Conv2dConfig}};
     let tracer = kiln::Tracer::new();
     let x = tracer.input("input", &[5, 32, 9, 11]);
     let vb = VarBuilder::seeded();
@@ -356,7 +356,7 @@ fn conv8_matches_the_simulation() {
             continue;
         }
         let seen = common::to_f16(&input);
-        let sim = kiln::cpu::run(&simulate(&graph, &cache, format).expect("simulate"), &[("input", &seen)]).expect("cpu");
+        let sim = kiln::run_cpu(&simulate(&graph, &cache, format).expect("simulate"), &[("input", &seen)]).expect("cpu");
         let tiles =
             ["m128n64", "m128n128", "m64n64", "m64n64:split4", "m64n64:split8", "pw2", "pw3"].map(|t| format!("kernel:conv8_{code}_{t}"));
         // cuDNN's fused engines, forced: every conv cuDNN has an engine for takes one.
@@ -375,7 +375,7 @@ fn conv8_matches_the_simulation() {
             print!("{}{}", engine.describe(), engine.summary);
             let eight_bit: Vec<String> = engine
                 .layers()
-                .filter(|l| kiln::engine::eight_bit::precision_of_kind(&l.kind()).is_some())
+                .filter(|l| kiln::internals::engine::eight_bit::precision_of_kind(&l.kind()).is_some())
                 .map(|l| l.path().to_string())
                 .collect();
             let all = ["c1", "c2", "c3", "c5", "c6", "c7", "c8"];
@@ -444,7 +444,7 @@ fn conv8_matches_the_simulation() {
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn stem8_matches_the_simulation() {
     let Some(gpu) = gpu() else { return };
-    use kiln::{Conv2d, Conv2dConfig};
+    use kiln::{nn::{Conv2d, Conv2dConfig}};
     let dims = [3, 3, 45, 38];
     let input = common::random(&dims, 31, 2.0);
     let mut failures = vec![];
@@ -466,7 +466,7 @@ fn stem8_matches_the_simulation() {
                 println!("FP8 skipped: sm_{} has no FP8", gpu.info.sm);
                 continue;
             }
-            let sim = kiln::cpu::run(&simulate(&graph, &cache, format).expect("simulate"), &[("input", &sim_input)]).expect("cpu");
+            let sim = kiln::run_cpu(&simulate(&graph, &cache, format).expect("simulate"), &[("input", &sim_input)]).expect("cpu");
             let config = BuildConfig::default().precision(precision).batch(1, 3, 3).calibration_cache(&path);
             let engine = Arc::new(EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph).expect("build"));
             print!("{}{}", engine.describe(), engine.summary);
@@ -515,7 +515,7 @@ fn min_max_cache(graph: &Graph, input: &HostTensor, name: &str) -> (CalibrationC
 /// A reference as `tools/export_reference.py --intermediates all` writes it, made by the CPU
 /// executor in FP32 on `graph` (`input`, `output.<name>`, `intermediate.<path>`).
 fn reference_of(graph: &Graph, x: &HostTensor) -> std::collections::BTreeMap<String, HostTensor> {
-    let out = kiln::cpu::run(&kiln::layerwise::mark_all(graph), &[("input", x)]).expect("cpu reference");
+    let out = kiln::run_cpu(&kiln::internals::layerwise::mark_all(graph), &[("input", x)]).expect("cpu reference");
     let mut r: std::collections::BTreeMap<String, HostTensor> =
         out.into_iter().map(|(k, v)| if k.starts_with("intermediate.") { (k, v) } else { (format!("output.{k}"), v) }).collect();
     r.insert("input".into(), x.clone());
@@ -544,9 +544,9 @@ fn layerwise_on_quantised_engines() {
         }
         let cache = stats.cache(CalibrationMethod::Entropy);
         let run = |on_gpu: bool| {
-            kiln::layerwise::run_quantised(&d.graph, Some(&cache), format, &reference, 0.1, |g, input| {
+            kiln::internals::layerwise::run_quantised(&d.graph, Some(&cache), format, &reference, 0.1, |g, input| {
                 if !on_gpu {
-                    return kiln::cpu::run(g, &[("input", input)]);
+                    return kiln::run_cpu(g, &[("input", input)]);
                 }
                 let config = BuildConfig::default().precision(precision).batch(input.shape[0], input.shape[0], input.shape[0]);
                 let engine = Arc::new(EngineBuilder::new(config).with_gpu(gpu.clone()).build(g)?);
@@ -637,7 +637,7 @@ fn resnet50_int8_fp8_cosine_against_fp32() {
         let cos: Vec<f64> = got.data.chunks_exact(classes).zip(fp32.data.chunks_exact(classes)).map(|(a, b)| cosine(a, b)).collect();
         let (min, mean) = (cos.iter().copied().fold(f64::INFINITY, f64::min), cos.iter().sum::<f64>() / cos.len() as f64);
         let (rel, max_abs) = rel_l2(&got.data, &fp32.data);
-        let same_top1 = kiln::compare::top1(&got).iter().zip(kiln::compare::top1(&fp32)).filter(|(a, b)| *a == b).count();
+        let same_top1 = kiln::top1(&got).iter().zip(kiln::top1(&fp32)).filter(|(a, b)| *a == b).count();
         println!(
             "ResNet-50 {precision:?} vs FP32 on {n} random inputs: cosine min {min:.5}, mean {mean:.5}; rel L2 {rel:.2e}, max abs {max_abs:.2e}; top-1 agrees on {same_top1}/{n}"
         );

@@ -4,7 +4,7 @@
 //!
 //! On the device: `cargo test --release --test gpu_resize -- --include-ignored --nocapture`.
 
-use kiln::UpsampleConfig;
+use kiln::nn::UpsampleConfig;
 
 mod common;
 use common::check;

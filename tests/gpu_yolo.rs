@@ -8,9 +8,9 @@
 mod common;
 
 use common::{gpu, random, rel_l2};
-use kiln::engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision};
-use kiln::graph::{Graph, HostTensor};
-use kiln::var_builder::read_safetensors;
+use kiln::{engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision}};
+use kiln::{Graph, HostTensor};
+use kiln::internals::var_builder::read_safetensors;
 use kiln::{ByteTensor, DType, Tracer, VarBuilder};
 use kiln_models::yolo_nms::{detections, nms, NmsConfig};
 use std::path::PathBuf;
@@ -98,7 +98,7 @@ fn nms_layer_matches_the_cpu_reference_exactly() {
             let mut ctx = engine(&gpu, &graph, precision, 3).context().expect("context");
             for batch in [1, 3] {
                 let x = crowded(batch, 3, 700, 11 + batch as u64);
-                let want = kiln::cpu::run(&graph, &[("predictions", &x)]).expect("cpu")["detections"].clone();
+                let want = kiln::run_cpu(&graph, &[("predictions", &x)]).expect("cpu")["detections"].clone();
                 let got = ctx.run(&[("predictions", &x)]).expect("run")["detections"].clone();
                 let kept: Vec<usize> = (0..batch).map(|n| detections(&want, n).len()).collect();
                 let same = got.data == want.data;
@@ -113,7 +113,7 @@ fn nms_layer_matches_the_cpu_reference_exactly() {
     let x = &refs["input"];
     let graph = nms_graph(&[1, x.shape[1], x.shape[2]], &NmsConfig::default());
     let got = engine(&gpu, &graph, Precision::Fp32, 2).context().expect("context").run(&[("predictions", x)]).expect("run");
-    let want = kiln::cpu::run(&graph, &[("predictions", x)]).expect("cpu");
+    let want = kiln::run_cpu(&graph, &[("predictions", x)]).expect("cpu");
     assert_eq!(got["detections"].data, want["detections"].data, "the fixture's NMS differs from the CPU reference");
     println!("yolo_nms fixture (4922 candidates, cap 4096): identical to the CPU reference");
 }
@@ -131,7 +131,7 @@ fn letterbox_layer_matches_the_cpu_reference() {
             let mut ctx = engine(&gpu, &graph, precision, 2).context().expect("context");
             let mut frame = random(&[2, h, w * 3], (h * w) as u64, 1.0);
             frame.data.iter_mut().for_each(|v| *v = ((*v + 1.0) * 127.9).floor());
-            let want = kiln::cpu::run(&graph, &[("frame", &frame)]).expect("cpu")["input"].clone();
+            let want = kiln::run_cpu(&graph, &[("frame", &frame)]).expect("cpu")["input"].clone();
             let got = ctx.run(&[("frame", &frame)]).expect("run")["input"].clone();
             let (rel, max_abs) = rel_l2(&got.data, &want.data);
             println!("letterbox {h}x{w} -> {ih}x{iw} {precision:?}: rel L2 {rel:.2e}, max abs {max_abs:.2e}");
@@ -166,7 +166,7 @@ fn letterbox_from_u8_frames_matches_the_cpu_reference() {
                 let mut values = random(&[batch, h, w * 3], (h * w + batch) as u64, 1.0);
                 values.data.iter_mut().for_each(|v| *v = ((*v + 1.0) * 127.9).floor());
                 let bytes = ByteTensor::new(values.shape.clone(), values.data.iter().map(|&v| v as u8).collect()).expect("bytes");
-                let want = kiln::cpu::run(&graph, &[("frame", &bytes)]).expect("cpu")["input"].clone();
+                let want = kiln::run_cpu(&graph, &[("frame", &bytes)]).expect("cpu")["input"].clone();
                 let got = ctx.run(&[("frame", &bytes)]).expect("run from bytes")["input"].clone();
                 let (rel, max_abs) = rel_l2(&got.data, &want.data);
                 println!(
@@ -261,8 +261,8 @@ fn yolo_models_match_the_cpu_and_ultralytics() {
     let Some(gpu) = gpu() else { return };
     for model in ["yolov8n", "yolo11n"] {
         let graph = kiln_models::trace(model, VarBuilder::seeded(), 1, 640).expect("trace");
-        let x = kiln::seeded::weight("input.0", &[2, 3, 640, 640]);
-        let want = kiln::cpu::run(&graph, &[("input", &x)]).expect("cpu");
+        let x = kiln::internals::seeded::weight("input.0", &[2, 3, 640, 640]);
+        let want = kiln::run_cpu(&graph, &[("input", &x)]).expect("cpu");
         for (precision, tol, share) in [(Precision::Fp32, 1e-4, Some(0.98)), (Precision::Fp16, 1e-2, None)] {
             let label = format!("{model} seeded {precision:?}");
             let e = engine(&gpu, &graph, precision, 32);

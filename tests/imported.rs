@@ -19,8 +19,8 @@ mod tiny_swin_opwise;
 #[path = "generated/imported/tiny_vit.rs"]
 mod tiny_vit;
 
-use kiln::compare::compare;
-use kiln::var_builder::read_safetensors;
+use kiln::compare;
+use kiln::internals::var_builder::read_safetensors;
 use kiln::{Graph, HostTensor, Result, VarBuilder};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -76,7 +76,7 @@ fn imported_graphs_match_pytorch_on_the_cpu() {
         let (x, want) = reference(name);
         for batch in [1, 2] {
             let input = if batch == 1 { x.clone() } else { twice(&x) };
-            let got = kiln::cpu::run(&graph, &[("input", &input)]).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let got = kiln::run_cpu(&graph, &[("input", &input)]).unwrap_or_else(|e| panic!("{name}: {e}"));
             for (out, r) in &want {
                 let r = if batch == 1 { r.clone() } else { twice(r) };
                 let c = compare(&format!("{name}.{out} (batch {batch})"), &got[out], &r);
@@ -96,8 +96,8 @@ fn generated_modules_load_the_weights_and_reproduce_the_graph() {
         let generated = build(vb.clone(), 1).unwrap_or_else(|e| panic!("{name}: the generated code does not trace: {e}"));
         vb.check_all_used().unwrap_or_else(|e| panic!("{name}: {e}"));
         let (x, _) = reference(name);
-        let want = kiln::cpu::run(&file, &[("input", &x)]).expect("graph file on the CPU");
-        let got = kiln::cpu::run(&generated, &[("input", &x)]).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let want = kiln::run_cpu(&file, &[("input", &x)]).expect("graph file on the CPU");
+        let got = kiln::run_cpu(&generated, &[("input", &x)]).unwrap_or_else(|e| panic!("{name}: {e}"));
         for (out, w) in &want {
             let c = compare(&format!("{name}.{out} (generated)"), &got[out], w);
             println!("{c}");

@@ -3,7 +3,7 @@
 //! weights (in the export script's format: `input`, `output.<name>`, `intermediate.<path>`), and
 //! the report must name exactly that layer as the first whose error jumps.
 
-use kiln::layerwise::{mark_all, run, LayerwiseReport};
+use kiln::{internals::{layerwise::{mark_all, run, LayerwiseReport}}};
 use kiln::{Graph, HostTensor, VarBuilder};
 use std::collections::BTreeMap;
 
@@ -16,8 +16,8 @@ fn trace(vb: VarBuilder) -> Graph {
 
 /// A reference as tools/export_reference.py writes it, made by the CPU executor.
 fn reference() -> BTreeMap<String, HostTensor> {
-    let x = kiln::seeded::weight("input.0", &[1, 3, SIZE, SIZE]);
-    let out = kiln::cpu::run(&mark_all(&trace(VarBuilder::seeded())), &[("input", &x)]).expect("cpu reference");
+    let x = kiln::internals::seeded::weight("input.0", &[1, 3, SIZE, SIZE]);
+    let out = kiln::run_cpu(&mark_all(&trace(VarBuilder::seeded())), &[("input", &x)]).expect("cpu reference");
     let mut r: BTreeMap<String, HostTensor> =
         out.into_iter().map(|(k, v)| if k.starts_with("intermediate.") { (k, v) } else { (format!("output.{k}"), v) }).collect();
     r.insert("input".into(), x);
@@ -34,7 +34,7 @@ fn perturbed(key: &str, f: impl Fn(f32) -> f32) -> VarBuilder {
 }
 
 fn layerwise(vb: VarBuilder, reference: &BTreeMap<String, HostTensor>) -> LayerwiseReport {
-    run(&trace(vb), reference, 1e-5, |g, x| kiln::cpu::run(g, &[("input", x)])).expect("layerwise")
+    run(&trace(vb), reference, 1e-5, |g, x| kiln::run_cpu(g, &[("input", x)])).expect("layerwise")
 }
 
 #[test]
@@ -46,7 +46,7 @@ fn unperturbed_weights_pass_everywhere() {
     assert!(report.first_jump().is_none());
     // Every op of ResNet-18 was compared: each has a reference intermediate under its path.
     let ops =
-        trace(VarBuilder::seeded()).nodes.iter().filter(|n| !matches!(n.op, kiln::Op::Weight { .. } | kiln::Op::Input { .. })).count();
+        trace(VarBuilder::seeded()).nodes.iter().filter(|n| !matches!(n.op, kiln::plugin::Op::Weight { .. } | kiln::plugin::Op::Input { .. })).count();
     assert_eq!(report.layers.len(), ops);
     assert_eq!(report.outputs.len(), 1);
 }

@@ -5,8 +5,8 @@
 //! the ResNet-18/50 at 224 and CenterNet at 512 (batch 1), RegNetY-400MF and ConvNeXt-Tiny at 96x96
 //! and the other classifiers at 112x112, batch 2, to keep the CPU executor's time down. Each holds `input` and the outputs only.
 
-use kiln::compare::{compare, top1, Comparison};
-use kiln::var_builder::read_safetensors;
+use kiln::{compare, top1, Comparison};
+use kiln::internals::var_builder::read_safetensors;
 use kiln::{HostTensor, VarBuilder};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -26,11 +26,11 @@ fn run(model: &str) -> (BTreeMap<String, HostTensor>, BTreeMap<String, HostTenso
     let refs = read_safetensors(fixture(&format!("{model}.reference.safetensors"))).expect("reference file");
     let x = &refs["input"];
     // The exporter draws its input from the seeded generator, so both sides agree on it by name.
-    assert_eq!(*x, kiln::seeded::weight("input.0", &x.shape), "the reference input is not seeded `input.0`");
+    assert_eq!(*x, kiln::internals::seeded::weight("input.0", &x.shape), "the reference input is not seeded `input.0`");
     let (batch, size) = (x.shape[0], x.shape[2]);
     let vb = VarBuilder::seeded();
     let graph = kiln_models::trace(model, vb, batch, size).expect("trace");
-    let ours = kiln::cpu::run(&graph, &[("input", x)]).expect("cpu run");
+    let ours = kiln::run_cpu(&graph, &[("input", x)]).expect("cpu run");
     (ours, refs)
 }
 
@@ -59,8 +59,8 @@ fn check_optimized_classifier(model: &str) {
     let refs = read_safetensors(fixture(&format!("{model}.reference.safetensors"))).expect("reference file");
     let x = &refs["input"];
     let graph = kiln_models::trace(model, VarBuilder::seeded(), x.shape[0], x.shape[2]).expect("trace");
-    let optimized = kiln::passes::optimize(&graph).expect("passes");
-    let ours = kiln::cpu::run(&optimized, &[("input", x)]).expect("cpu run");
+    let optimized = kiln::internals::passes::optimize(&graph).expect("passes");
+    let ours = kiln::run_cpu(&optimized, &[("input", x)]).expect("cpu run");
     let c = check(&format!("{model} (optimised)"), "logits", &ours, &refs);
     assert!(c.passes(TOL), "{c} exceeds rel L2 {TOL}");
     assert_eq!(top1(&ours["logits"]), top1(&refs["output.logits"]), "{model} (optimised): top-1 differs from PyTorch");
@@ -164,7 +164,7 @@ fn exported_references_match() {
             let vb = if weights.exists() { VarBuilder::from_safetensors(&[&weights]).expect("weights") } else { VarBuilder::seeded() };
             let graph = kiln_models::trace(info.name, vb.clone(), x.shape[0], x.shape[2]).expect("trace");
             vb.check_all_used().expect("every state_dict key is a model parameter");
-            let ours = kiln::cpu::run(&graph, &[("input", x)]).expect("cpu run");
+            let ours = kiln::run_cpu(&graph, &[("input", x)]).expect("cpu run");
             for name in info.outputs.iter().filter(|n| **n != "detections") {
                 let c = check(info.name, name, &ours, &refs);
                 assert!(c.passes(TOL), "{c} exceeds rel L2 {TOL}");
@@ -195,8 +195,8 @@ fn centernet_dcn_matches_pytorch() {
     check_detections("centernet_dcn", &ours, &refs);
     let x = &refs["input"];
     let graph = kiln_models::trace("centernet_dcn", VarBuilder::seeded(), x.shape[0], x.shape[2]).expect("trace");
-    let optimized = kiln::passes::optimize(&graph).expect("passes");
-    let ours = kiln::cpu::run(&optimized, &[("input", x)]).expect("cpu run");
+    let optimized = kiln::internals::passes::optimize(&graph).expect("passes");
+    let ours = kiln::run_cpu(&optimized, &[("input", x)]).expect("cpu run");
     for head in ["hm", "wh", "reg"] {
         let c = check("centernet_dcn (optimised)", head, &ours, &refs);
         assert!(c.passes(TOL), "{c} exceeds rel L2 {TOL}");

@@ -2,14 +2,14 @@
 //! before and after (relative L2 ≤ 1e-5 on random inputs), and the rewritten graph has the
 //! expected structure.
 
-use kiln::compare::compare;
-use kiln::graph::{Activation, ConvAttrs, Graph, HostTensor, Op, Unary};
-use kiln::ops::OpDef;
-use kiln::{cpu, passes};
-use kiln::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, Forward, Module, Tensor, Tracer, VarBuilder};
+use kiln::compare;
+use kiln::{plugin::{Activation, ConvAttrs, Op, Unary}, Graph, HostTensor};
+use kiln::plugin::OpDef;
+use kiln::{internals::{cpu, passes}};
+use kiln::{nn::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d}, Forward, Module, Tensor, Tracer, VarBuilder};
 
 fn rand(shape: &[usize]) -> HostTensor {
-    kiln::seeded::uniform_tensor(shape, kiln::seeded::fresh_seed())
+    kiln::internals::seeded::uniform_tensor(shape, kiln::internals::seeded::fresh_seed())
 }
 
 /// Runs both graphs on the same random input (batch `batch`) and checks every output agrees.
@@ -409,7 +409,7 @@ fn resnet50_plans_its_arena_at_the_live_peak() {
     let graph = kiln_models::trace("resnet50", VarBuilder::seeded(), 1, 224).expect("trace");
     let g = passes::optimize(&graph).expect("optimize");
     let (batch, elem) = (64, 2);
-    let (p, step_of) = kiln::engine::estimate_arena(&g, elem, batch);
+    let (p, step_of) = kiln::internals::engine::plan::estimate_arena(&g, elem, batch);
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
     let at = step_of.iter().position(|&s| s == Some(p.peak_step)).map(|n| g.nodes[n].path.clone()).unwrap_or_default();
     println!("arena {:.2} MiB, live peak {:.2} MiB at `{at}`, {} convs in place", mib(p.bytes), mib(p.peak), p.in_place.len());
@@ -436,7 +436,7 @@ fn fuse_conv_max_pool_on_the_stem() {
         if tap {
             t.output("tap", &y);
         }
-        let pool = kiln::MaxPool2d::load(vb.pp("maxpool"), &kiln::Pool2dConfig::new(3).stride(2).padding(1)).expect("pool");
+        let pool = kiln::nn::MaxPool2d::load(vb.pp("maxpool"), &kiln::nn::Pool2dConfig::new(3).stride(2).padding(1)).expect("pool");
         t.output("y", &pool.forward(&y).expect("trace"));
         t.graph()
     };

@@ -3,14 +3,11 @@
 //! method) and FP8 engines; calibration determinism and the cache's round trip; explicit Q/DQ
 //! graphs built with exactly their `state_dict` scales.
 
-use kiln::calibrate::{
-    graph_hash, prepare_for_best, prepare_for_engine, quant_points, quantize_graph, simulate, CalibrationCache, CalibrationMethod,
-    Calibrator,
-};
-use kiln::graph::{Graph, HostTensor, Op, Quant, QuantFormat, QuantParams};
-use kiln::ops::quant::{FakeQuantize, FakeQuantizeConfig};
-use kiln::var_builder::read_safetensors;
-use kiln::{Conv2d, Conv2dConfig, Error, Forward, Module, Tracer, VarBuilder};
+use kiln::{internals::{calibrate::{graph_hash, prepare_for_best, prepare_for_engine, quant_points, quantize_graph, simulate, CalibrationCache, CalibrationMethod, Calibrator}}};
+use kiln::{Graph, HostTensor, plugin::{Op, Quant, QuantFormat, QuantParams}};
+use kiln::{internals::{ops::{quant::{FakeQuantize, FakeQuantizeConfig}}}};
+use kiln::internals::var_builder::read_safetensors;
+use kiln::{nn::{Conv2d, Conv2dConfig}, Error, Forward, Module, Tracer, VarBuilder};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -48,7 +45,7 @@ fn digits() -> Digits {
 }
 
 fn top1(graph: &Graph, x: &HostTensor, labels: &[usize]) -> (f64, Vec<f32>) {
-    let out = kiln::cpu::run(graph, &[("input", x)]).expect("cpu run");
+    let out = kiln::run_cpu(graph, &[("input", x)]).expect("cpu run");
     let logits = &out["logits"];
     let classes = logits.shape[1];
     let correct = logits
@@ -108,13 +105,13 @@ fn calibrating_twice_gives_the_same_cache_and_the_cache_round_trips() {
     assert_eq!(loaded, first);
 
     // A build from the file needs no data: it yields exactly the graph the in-memory cache does.
-    let optimized = kiln::passes::optimize(&d.graph).expect("optimize");
+    let optimized = kiln::internals::passes::optimize(&d.graph).expect("optimize");
     let from_file = prepare_for_engine(optimized.clone(), QuantFormat::Int8, Some(&path)).expect("from the cache file");
     let again = prepare_for_engine(optimized.clone(), QuantFormat::Int8, Some(&path)).expect("again");
     assert_eq!(from_file.nodes, again.nodes);
     let x = HostTensor::new(vec![4, 3, 32, 32], d.heldout.data[..4 * 3 * 1024].to_vec());
-    let a = kiln::cpu::run(&from_file, &[("input", &x)]).expect("run");
-    let b = kiln::cpu::run(&simulate(&d.graph, &first, QuantFormat::Int8).expect("simulate"), &[("input", &x)]).expect("run");
+    let a = kiln::run_cpu(&from_file, &[("input", &x)]).expect("run");
+    let b = kiln::run_cpu(&simulate(&d.graph, &first, QuantFormat::Int8).expect("simulate"), &[("input", &x)]).expect("run");
     assert_eq!(a["logits"], b["logits"], "folded weights compute what the weight fake-quantisers do");
     println!("cache: {} tensors, {} bytes; rebuilt graphs identical", loaded.tensors.len(), text.len());
 
@@ -143,7 +140,7 @@ fn simulation_quantises_exactly_the_documented_points() {
     // 9 convs (stem, 2 per block, 2 downsamples) and the fc.
     assert_eq!(points.len(), 10, "{}", optimized.to_text());
     let sim = quantize_graph(optimized, &cache, QuantFormat::Int8).expect("quantize");
-    let fq: Vec<&kiln::graph::Node> = sim.nodes.iter().filter(|n| matches!(n.op, Op::Quant(_))).collect();
+    let fq: Vec<&kiln::plugin::Node> = sim.nodes.iter().filter(|n| matches!(n.op, Op::Quant(_))).collect();
     let activations = fq.iter().filter(|n| n.path.ends_with(".quantizer")).count();
     let weights = fq.iter().filter(|n| n.path.ends_with(".weight_quantizer")).count();
     // Each block's input is read by its conv1, its downsample and (in a block without one) as the
@@ -229,8 +226,8 @@ fn explicit_qdq_graphs_build_with_exactly_their_state_dict_scales() {
     let mut sd = BTreeMap::new();
     sd.insert("quant.scale".to_string(), HostTensor::new(vec![1], vec![0.0123]));
     sd.insert("quant.zero_point".to_string(), HostTensor::new(vec![1], vec![0.0]));
-    sd.insert("conv.weight".to_string(), kiln::seeded::weight("conv.weight", &[4, 3, 3, 3]));
-    sd.insert("conv.bias".to_string(), kiln::seeded::weight("conv.bias", &[4]));
+    sd.insert("conv.weight".to_string(), kiln::internals::seeded::weight("conv.weight", &[4, 3, 3, 3]));
+    sd.insert("conv.bias".to_string(), kiln::internals::seeded::weight("conv.bias", &[4]));
     sd.insert("wq.scale".to_string(), HostTensor::new(vec![4], vec![0.002, 0.003, 0.004, 0.005]));
     let vb = VarBuilder::from_tensors(sd);
     let quant = FakeQuantize::load(vb.pp("quant"), &FakeQuantizeConfig::default()).expect("load");
@@ -244,22 +241,22 @@ fn explicit_qdq_graphs_build_with_exactly_their_state_dict_scales() {
     let y = wq.forward(&conv.forward(&quant.forward(&x).expect("q")).expect("conv")).expect("wq");
     y.mark_output("y");
     let graph = tracer.graph();
-    let engine_graph = prepare_for_engine(kiln::passes::optimize(&graph).expect("optimize"), QuantFormat::Int8, None).expect("explicit");
+    let engine_graph = prepare_for_engine(kiln::internals::passes::optimize(&graph).expect("optimize"), QuantFormat::Int8, None).expect("explicit");
     let scales: Vec<Vec<f32>> =
         engine_graph.nodes.iter().filter_map(|n| if let Op::Quant(q) = &n.op { Some(q.params().scale.clone()) } else { None }).collect();
     assert_eq!(scales, vec![vec![0.0123], vec![0.002, 0.003, 0.004, 0.005]], "the state_dict's scales, unchanged");
 
     // The CPU executor runs them: the same as quantising by hand.
-    let input = kiln::seeded::uniform_tensor(&[2, 3, 6, 6], 7);
-    let got = kiln::cpu::run(&engine_graph, &[("input", &input)]).expect("run");
+    let input = kiln::internals::seeded::uniform_tensor(&[2, 3, 6, 6], 7);
+    let got = kiln::run_cpu(&engine_graph, &[("input", &input)]).expect("run");
     let mut xq = input.clone();
     QuantParams::int8(0.0123).fake_quantize(&mut xq);
     let tracer = Tracer::new();
     let x = tracer.input("input", &[2, 3, 6, 6]);
     conv.forward(&x).expect("conv").mark_output("y");
-    let mut want = kiln::cpu::run(&tracer.graph(), &[("input", &xq)]).expect("run").remove("y").expect("y");
+    let mut want = kiln::run_cpu(&tracer.graph(), &[("input", &xq)]).expect("run").remove("y").expect("y");
     QuantParams::fp8(1.0).per_channel(1, vec![0.002, 0.003, 0.004, 0.005]).fake_quantize(&mut want);
-    let c = kiln::compare::compare("explicit Q/DQ", &got["y"], &want);
+    let c = kiln::compare("explicit Q/DQ", &got["y"], &want);
     println!("{c}");
     assert!(c.passes(1e-6), "{c}");
 }
@@ -276,7 +273,7 @@ fn fp8_on_the_cpu_and_bad_scales_in_a_state_dict() {
 /// A reference as `tools/export_reference.py --intermediates all` writes it (`input`,
 /// `output.<name>`, `intermediate.<path>`), made by the CPU executor in FP32 on `graph`.
 fn reference_of(graph: &Graph, x: &HostTensor) -> BTreeMap<String, HostTensor> {
-    let out = kiln::cpu::run(&kiln::layerwise::mark_all(graph), &[("input", x)]).expect("cpu reference");
+    let out = kiln::run_cpu(&kiln::internals::layerwise::mark_all(graph), &[("input", x)]).expect("cpu reference");
     let mut r: BTreeMap<String, HostTensor> =
         out.into_iter().map(|(k, v)| if k.starts_with("intermediate.") { (k, v) } else { (format!("output.{k}"), v) }).collect();
     r.insert("input".into(), x.clone());
@@ -290,17 +287,17 @@ fn reference_of(graph: &Graph, x: &HostTensor) -> BTreeMap<String, HostTensor> {
 #[test]
 fn fused_nodes_are_compared_with_the_value_they_compute() {
     let traced = kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 64).expect("trace");
-    let x = kiln::seeded::weight("input.0", &[1, 3, 64, 64]);
+    let x = kiln::internals::seeded::weight("input.0", &[1, 3, 64, 64]);
     let reference = reference_of(&traced, &x);
-    let optimized = kiln::passes::optimize(&traced).expect("optimize");
-    let keys = kiln::layerwise::fused_keys(&traced, &optimized);
-    let (marked, pairs) = kiln::layerwise::mark_intermediates(&optimized, &keys, &reference);
+    let optimized = kiln::internals::passes::optimize(&traced).expect("optimize");
+    let keys = kiln::internals::layerwise::fused_keys(&traced, &optimized);
+    let (marked, pairs) = kiln::internals::layerwise::mark_intermediates(&optimized, &keys, &reference);
     let computed = optimized.nodes.iter().filter(|n| !n.op.is_leaf()).count();
     assert_eq!(pairs.len(), computed, "every node of the optimised graph has a reference");
-    let got = kiln::cpu::run(&marked, &[("input", &x)]).expect("run");
+    let got = kiln::run_cpu(&marked, &[("input", &x)]).expect("run");
     let mut worst = (0.0, String::new());
     for (key, id) in &pairs {
-        let c = kiln::compare::compare(key, &got[key], &reference[key]);
+        let c = kiln::compare(key, &got[key], &reference[key]);
         if c.rel_l2 > worst.0 {
             worst = (c.rel_l2, format!("{} ({key})", optimized.nodes[*id].path));
         }
@@ -328,37 +325,37 @@ fn layerwise_runs_on_quantised_graphs() {
     for format in [QuantFormat::Int8, QuantFormat::Fp8E4m3] {
         let sim = simulate(&d.graph, &cache, format).expect("simulate");
         let mut ran = None;
-        let report = kiln::layerwise::run_quantised(&d.graph, Some(&cache), format, &reference, 0.25, |g, input| {
+        let report = kiln::internals::layerwise::run_quantised(&d.graph, Some(&cache), format, &reference, 0.25, |g, input| {
             ran = Some(g.clone());
-            kiln::cpu::run(g, &[("input", input)])
+            kiln::run_cpu(g, &[("input", input)])
         })
         .expect("layerwise");
         println!("{} simulation, layer by layer against FP32:\n{report}", format.name());
         let ran = ran.expect("executed");
-        assert!(kiln::calibrate::has_quant_nodes(&ran), "the executed graph is the Q/DQ graph");
+        assert!(kiln::internals::calibrate::has_quant_nodes(&ran), "the executed graph is the Q/DQ graph");
         let layers = sim.nodes.iter().filter(|n| !n.op.is_leaf() && !matches!(n.op, Op::Quant(_))).count();
         assert_eq!(report.layers.len(), layers, "every fused layer is compared");
         assert!(report.passes(), "quantisation error stays under 0.25 at every layer");
         let errors: Vec<f64> = report.layers.iter().map(|l| l.comparison.rel_l2).collect();
         assert!(errors.iter().all(|&e| e > 0.0), "every layer sees quantisation error: {errors:?}");
-        let want = kiln::cpu::run(&sim, &[("input", &x)]).expect("simulation");
-        let logits = kiln::compare::compare("logits", &kiln::cpu::run(&ran, &[("input", &x)]).expect("run")["logits"], &want["logits"]);
+        let want = kiln::run_cpu(&sim, &[("input", &x)]).expect("simulation");
+        let logits = kiln::compare("logits", &kiln::run_cpu(&ran, &[("input", &x)]).expect("run")["logits"], &want["logits"]);
         assert_eq!(logits.rel_l2, 0.0, "marking outputs changes nothing: {logits}");
     }
     // Without a cache (and no Q/DQ nodes in the graph) it is a clear error.
-    let err = kiln::layerwise::run_quantised(&d.graph, None, QuantFormat::Int8, &reference, 0.1, |_, _| Ok(BTreeMap::new()))
+    let err = kiln::internals::layerwise::run_quantised(&d.graph, None, QuantFormat::Int8, &reference, 0.1, |_, _| Ok(BTreeMap::new()))
         .expect_err("needs a cache");
     assert!(matches!(&err, Error::Config { reason } if reason.contains("--calibration-cache")), "{err}");
 }
 
 /// The graph an INT8 engine of the digits network is lowered from: optimised, quantised with a
 /// min-max cache of the calibration images, weights folded onto their grids.
-fn digits_int8_engine_graph(d: &Digits) -> kiln::graph::Graph {
+fn digits_int8_engine_graph(d: &Digits) -> kiln::Graph {
     let cache =
         Calibrator::new(&d.graph).and_then(|c| c.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::MinMax)).expect("calibrate");
     let path = std::env::temp_dir().join(format!("kiln-int8-{}-{:?}.json", std::process::id(), std::thread::current().id()));
     cache.save(&path).expect("save");
-    let g = prepare_for_engine(kiln::passes::optimize(&d.graph).expect("optimize"), QuantFormat::Int8, Some(&path)).expect("quantise");
+    let g = prepare_for_engine(kiln::internals::passes::optimize(&d.graph).expect("optimize"), QuantFormat::Int8, Some(&path)).expect("quantise");
     let _ = std::fs::remove_file(&path);
     g
 }
@@ -370,8 +367,8 @@ fn digits_int8_engine_graph(d: &Digits) -> kiln::graph::Graph {
 /// in FP16, nothing (or less) is 8-bit.
 #[test]
 fn eight_bit_plan_of_the_digits_network() {
-    use kiln::engine::{node_precisions, BuildConfig, Precision};
-    use kiln::ops::conv::conv8;
+    use kiln::{internals::engine::config::node_precisions, engine::{BuildConfig, Precision}};
+    use kiln::internals::ops::conv::conv8;
     let g = digits_int8_engine_graph(&digits());
     let plan_for = |config: &BuildConfig, sm: u32| conv8::plan(&g, config, &node_precisions(&g, config), sm);
     let names = |v: &[bool]| -> Vec<String> { v.iter().enumerate().filter(|(_, &b)| b).map(|(i, _)| g.nodes[i].path.clone()).collect() };
@@ -400,7 +397,7 @@ fn eight_bit_plan_of_the_digits_network() {
     assert!(requantising >= convs.len() - 2, "all but the last block's convs write 8-bit codes");
     assert_eq!(
         plan_for(&config, 75),
-        kiln::engine::eight_bit::EightBitPlan {
+        kiln::internals::engine::eight_bit::EightBitPlan {
             format: None,
             conv: vec![false; g.nodes.len()],
             stored: vec![false; g.nodes.len()],
@@ -422,15 +419,15 @@ fn eight_bit_plan_of_the_digits_network() {
 /// than the quantiser kernels the move would add cost.
 #[test]
 fn best_moves_convs_to_16_bits_only_where_it_pays() {
-    use kiln::engine::best::{choose, LayerTimes};
-    use kiln::engine::{node_precisions, BuildConfig, Precision};
-    use kiln::ops::conv::conv8;
+    use kiln::{internals::{engine::{best::{choose, LayerTimes}}}};
+    use kiln::{internals::engine::config::node_precisions, engine::{BuildConfig, Precision}};
+    use kiln::internals::ops::conv::conv8;
     let d = digits();
     let cache =
         Calibrator::new(&d.graph).and_then(|c| c.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::MinMax)).expect("calibrate");
     let path = std::env::temp_dir().join(format!("kiln-best-choose-{}.json", std::process::id()));
     cache.save(&path).expect("save");
-    let g = prepare_for_best(kiln::passes::optimize(&d.graph).expect("optimize"), Some(&path)).expect("best graph");
+    let g = prepare_for_best(kiln::internals::passes::optimize(&d.graph).expect("optimize"), Some(&path)).expect("best graph");
     let _ = std::fs::remove_file(&path);
     let config = BuildConfig::default().precision(Precision::Best);
     let all = conv8::plan(&g, &config, &node_precisions(&g, &config), 90);
@@ -464,15 +461,15 @@ fn best_moves_convs_to_16_bits_only_where_it_pays() {
 /// both quantisers to their own layers.
 #[test]
 fn eight_bit_plan_of_the_resnet_stem() {
-    use kiln::engine::{node_precisions, BuildConfig, Precision};
-    use kiln::ops::conv::conv8;
+    use kiln::{internals::engine::config::node_precisions, engine::{BuildConfig, Precision}};
+    use kiln::internals::ops::conv::conv8;
     let traced = kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 64).expect("trace");
-    let x = kiln::seeded::weight("input.0", &[2, 3, 64, 64]);
+    let x = kiln::internals::seeded::weight("input.0", &[2, 3, 64, 64]);
     let cache = Calibrator::new(&traced).and_then(|c| c.calibrate(std::slice::from_ref(&x), CalibrationMethod::MinMax)).expect("calibrate");
     let path = std::env::temp_dir().join(format!("kiln-stem8-{}.json", std::process::id()));
     cache.save(&path).expect("save");
     for (precision, format) in [(Precision::Int8, QuantFormat::Int8), (Precision::Fp8, QuantFormat::Fp8E4m3)] {
-        let g = prepare_for_engine(kiln::passes::optimize(&traced).expect("optimize"), format, Some(&path)).expect("quantise");
+        let g = prepare_for_engine(kiln::internals::passes::optimize(&traced).expect("optimize"), format, Some(&path)).expect("quantise");
         let id = |p: &str| g.nodes.iter().position(|n| n.path == p).unwrap_or_else(|| panic!("no node {p}"));
         let (stem, q_in) = (id("conv1"), id("input.quantizer"));
         assert_eq!(g.nodes[stem].inputs[0], q_in, "the stem reads the input's quantiser");
@@ -498,9 +495,9 @@ fn eight_bit_plan_of_the_resnet_stem() {
 /// engine plans the same 8-bit layers as the build did.
 #[test]
 fn weight_grids_survive_the_engine_file() {
-    use kiln::engine::file::{decode, encode, Header, Payload, FORMAT_VERSION};
-    use kiln::engine::{node_precisions, BuildConfig, Precision};
-    use kiln::ops::conv::conv8;
+    use kiln::{internals::{engine::{file::{decode, encode, Header, Payload, FORMAT_VERSION}}}};
+    use kiln::{internals::engine::config::node_precisions, engine::{BuildConfig, Precision}};
+    use kiln::internals::ops::conv::conv8;
     let g = digits_int8_engine_graph(&digits());
     let grids = g.nodes.iter().filter(|n| matches!(&n.op, Op::Weight { quant: Some(q), .. } if q.axis == Some(0))).count();
     assert_eq!(grids, 10, "every 8-bit layer's weight is on a per-channel int8 grid");
@@ -509,6 +506,6 @@ fn weight_grids_survive_the_engine_file() {
     let payload = Payload { config: config.clone(), graph: g.clone(), tactics: Default::default() };
     let (_, loaded) = decode(&encode(&header, &payload).expect("encode"), "digits.kiln").expect("decode");
     assert_eq!(loaded.graph.nodes, g.nodes, "ops, grids included, survive");
-    let plan = |g: &kiln::graph::Graph| conv8::plan(g, &config, &node_precisions(g, &config), 90);
+    let plan = |g: &kiln::Graph| conv8::plan(g, &config, &node_precisions(g, &config), 90);
     assert_eq!(plan(&loaded.graph), plan(&g));
 }

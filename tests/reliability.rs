@@ -2,10 +2,10 @@
 //! file, a tampered engine payload, an impossible size) and the typed error Kiln answers with. Each
 //! test asserts the variant and the words of the message the table quotes.
 
-use kiln::engine::file::{checksum, decode, encode, Header, Payload, FORMAT_VERSION};
+use kiln::{internals::{engine::{file::{checksum, decode, encode, Header, Payload, FORMAT_VERSION}}}};
 use kiln::engine::BuildConfig;
-use kiln::var_builder::{read_safetensors, read_tensors, write_safetensors};
-use kiln::{ConvAttrs, Error, Graph, HostTensor, Op, VarBuilder};
+use kiln::{internals::{var_builder::{read_safetensors, read_tensors, write_safetensors}}};
+use kiln::{plugin::{ConvAttrs, Op}, Error, Graph, HostTensor, VarBuilder};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -270,7 +270,7 @@ fn r22_host_tensor_with_too_few_values_is_an_error() {
 
 #[test]
 fn r23_random_input_of_overflowing_shape_is_too_large() {
-    let e = kiln::seeded::try_uniform_tensor(&[1 << 40, 3, 1 << 20, 1 << 20], 1).unwrap_err();
+    let e = kiln::internals::seeded::try_uniform_tensor(&[1 << 40, 3, 1 << 20, 1 << 20], 1).unwrap_err();
     assert!(matches!(&e, Error::TooLarge { .. }), "{e:?}");
     assert!(e.to_string().contains("overflows"), "{e}");
 }
@@ -285,12 +285,12 @@ fn r24_a_batch_of_0_is_named_as_such_by_the_cpu_executor() {
     let x = traced_at_0.inputs[0];
     traced_at_0.nodes[x].shape[0] = 0;
     for g in [graph(), traced_at_0] {
-        let msg = kiln::cpu::run(&g, &[("x", &zero)]).unwrap_err().to_string();
+        let msg = kiln::run_cpu(&g, &[("x", &zero)]).unwrap_err().to_string();
         assert!(msg.contains("a batch of 0; the batch must be at least 1") && msg.contains("[N, 3, 8, 8]"), "{msg}");
         assert!(!msg.contains("expected shape [0"), "{msg}");
     }
     let wrong = HostTensor::new(vec![2, 1, 8, 8], vec![0.0; 128]);
-    let msg = kiln::cpu::run(&graph(), &[("x", &wrong)]).unwrap_err().to_string();
+    let msg = kiln::run_cpu(&graph(), &[("x", &wrong)]).unwrap_err().to_string();
     assert!(msg.contains("expected shape [N, 3, 8, 8] (any positive batch N; traced at [1, 3, 8, 8]), got [2, 1, 8, 8]"), "{msg}");
 }
 
@@ -464,7 +464,7 @@ fn e15_weight_stored_twice_is_rejected() {
 #[test]
 fn e16_a_real_optimised_model_round_trips_through_validation() {
     let traced = kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 32).unwrap();
-    let optimized = kiln::passes::optimize(&traced).unwrap();
+    let optimized = kiln::internals::passes::optimize(&traced).unwrap();
     let bytes = encode(&header(), &payload(optimized.clone(), BuildConfig::default().batch(1, 2, 4))).unwrap();
     let (_, p) = decode(&bytes, "rn18.kiln").expect("a real engine payload is valid");
     assert_eq!(p.graph.nodes, optimized.nodes);

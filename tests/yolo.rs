@@ -7,9 +7,9 @@
 //! `yolo_nms.reference.safetensors` (synthetic crowded predictions and `batched_nms`' result).
 //! The letterbox's reference is `letterbox.reference.safetensors` (`tools/yolo_letterbox_reference.py`).
 
-use kiln::compare::compare;
-use kiln::ops::custom::{lookup, Attrs};
-use kiln::var_builder::read_safetensors;
+use kiln::compare;
+use kiln::{internals::ops::custom::lookup, plugin::Attrs};
+use kiln::internals::var_builder::read_safetensors;
 use kiln::{HostTensor, VarBuilder};
 use kiln_models::yolo_nms::detections;
 use std::collections::BTreeMap;
@@ -68,11 +68,11 @@ fn nms_matches_torchvision_batched_nms() {
 fn check_model(model: &str) {
     let refs = read_safetensors(fixture(&format!("{model}.reference.safetensors"))).expect("reference file");
     let x = &refs["input"];
-    assert_eq!(*x, kiln::seeded::weight("input.0", &x.shape), "the reference input is not seeded `input.0`");
+    assert_eq!(*x, kiln::internals::seeded::weight("input.0", &x.shape), "the reference input is not seeded `input.0`");
     let start = std::time::Instant::now();
     let graph = kiln_models::trace(model, VarBuilder::seeded(), x.shape[0], x.shape[2]).expect("trace");
-    for (name, g) in [("traced", graph.clone()), ("optimised", kiln::passes::optimize(&graph).expect("passes"))] {
-        let ours = kiln::cpu::run(&g, &[("input", x)]).expect("cpu run");
+    for (name, g) in [("traced", graph.clone()), ("optimised", kiln::internals::passes::optimize(&graph).expect("passes"))] {
+        let ours = kiln::run_cpu(&g, &[("input", x)]).expect("cpu run");
         let c = compare(&format!("{model} ({name}).predictions"), &ours["predictions"], &refs["output.predictions"]);
         println!("{c} ({:.2?})", start.elapsed());
         assert!(c.passes(TOL), "{c} exceeds rel L2 {TOL}");
@@ -200,8 +200,8 @@ fn a_u8_frame_runs_from_bytes_as_from_f32_values() {
         assert_eq!(graph.input_dtype("frame"), Some(kiln::DType::U8));
         let bytes = kiln::ByteTensor::new(frame.shape.clone(), frame.data.iter().map(|&v| v as u8).collect()).expect("bytes");
         assert_eq!(bytes.to_f32(), *frame, "the reference frames hold bytes");
-        let from_bytes = kiln::cpu::run(&graph, &[("frame", &bytes)]).expect("bytes")["input"].clone();
-        let from_values = kiln::cpu::run(&graph, &[("frame", frame)]).expect("f32 values")["input"].clone();
+        let from_bytes = kiln::run_cpu(&graph, &[("frame", &bytes)]).expect("bytes")["input"].clone();
+        let from_values = kiln::run_cpu(&graph, &[("frame", frame)]).expect("f32 values")["input"].clone();
         assert_eq!(from_bytes, *want, "letterbox {case} from bytes");
         assert_eq!(from_values, *want, "letterbox {case} from f32 values");
         let path = std::env::temp_dir().join(format!("kiln-u8-frame-{}-{case}.kiln.safetensors", std::process::id()));
@@ -216,9 +216,9 @@ fn a_u8_frame_runs_from_bytes_as_from_f32_values() {
 /// computes in FP32 and the branches' convolutions in FP16; a user's rule may override them.
 #[test]
 fn yolo_decode_and_nms_compute_in_fp32_in_fp16_engines() {
-    use kiln::engine::{node_precisions, BuildConfig, Precision};
+    use kiln::{internals::engine::config::node_precisions, engine::{BuildConfig, Precision}};
     for (model, head) in [("yolov8n", "model.22"), ("yolo11n", "model.23")] {
-        let graph = kiln::passes::optimize(&kiln_models::trace(model, kiln::VarBuilder::seeded(), 1, 160).expect("trace")).expect("passes");
+        let graph = kiln::internals::passes::optimize(&kiln_models::trace(model, kiln::VarBuilder::seeded(), 1, 160).expect("trace")).expect("passes");
         assert_eq!(graph.fp32_layers, [format!("{head}.decode"), format!("{head}.dfl"), format!("{head}.decode.yolo_nms")], "{model}");
         let check = |config: &BuildConfig, decode: Precision| {
             let p = node_precisions(&graph, config);

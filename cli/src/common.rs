@@ -4,8 +4,8 @@
 
 use super::{EngineArgs, ModelArgs, TraceFn};
 use indicatif::{ProgressBar, ProgressStyle};
-use kiln::engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision};
-use kiln::graph_file::FileKind;
+use kiln::{engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision}};
+use kiln::internals::graph_file::FileKind;
 use kiln::{ByteTensor, DType, Error, Graph, HostInput, HostTensor, Result, VarBuilder};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -145,7 +145,7 @@ pub enum Source {
 }
 
 /// Decides what `arg` names: a program's own model, a bundled model, then a file by its content
-/// (`kiln::graph_file::kind`: the engine magic `KILNENG`, or a safetensors header holding the graph;
+/// (`kiln::internals::graph_file::kind`: the engine magic `KILNENG`, or a safetensors header holding the graph;
 /// its name does not matter); anything else is an error listing what is accepted.
 pub fn source(arg: &str) -> Result<Source> {
     if let Some(f) = user_model(arg) {
@@ -166,7 +166,7 @@ pub fn source(arg: &str) -> Result<Source> {
         }
         return Err(Error::UnknownModel { name: arg.to_string(), known });
     }
-    match kiln::graph_file::kind(&path) {
+    match kiln::internals::graph_file::kind(&path) {
         FileKind::Engine => Ok(Source::EngineFile(path)),
         // A safetensors file without a graph, a directory or a FIFO: the graph-file reader says
         // what it is (a state_dict goes to --weights; only a regular file is read).
@@ -213,7 +213,7 @@ pub fn check_input_dims(batch: usize, hw: [usize; 2]) -> Result<()> {
     } else {
         format!("an input of --batch {batch} at {h}x{w} ({batch} x 3 x {h} x {w})")
     };
-    match kiln::graph::numel(&[batch, 3, h, w]) {
+    match kiln::internals::graph::numel(&[batch, 3, h, w]) {
         None => Err(Error::TooLarge { what, reason: "its element count overflows".into() }),
         Some(n) if n > MAX_INPUT_ELEMENTS => Err(Error::TooLarge {
             what,
@@ -393,7 +393,7 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
     };
     let (name, graph, vb, origin) = match source(model)? {
         Source::GraphFile(path) => {
-            let file = kiln::graph_file::read(&path)?;
+            let file = kiln::internals::graph_file::read(&path)?;
             let mut graph = file.graph;
             match weights_path {
                 Some(w) => replace_weights(&mut graph, w, strict)?,
@@ -404,7 +404,7 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
             return fixed(graph, shown, model, "graph file");
         }
         Source::EngineFile(path) => {
-            let (_, payload) = kiln::engine::file::read(&path)?;
+            let (_, payload) = kiln::internals::engine::file::read(&path)?;
             if weights_path.is_some() {
                 return Err(Error::Flag {
                     flag: "--weights".into(),
@@ -454,10 +454,10 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
 }
 
 /// The CPU executor's peak activation memory for `graph`, in bytes: values live from the node that
-/// makes them to their last reader (as `kiln::cpu::run` frees them), doubled for scratch (im2col,
+/// makes them to their last reader (as `kiln::run_cpu` frees them), doubled for scratch (im2col,
 /// allocator slack). Weights are already in memory and not counted.
 pub fn cpu_peak_bytes(graph: &Graph) -> usize {
-    let size = |id: usize| kiln::graph::numel(&graph.nodes[id].shape).map_or(usize::MAX, |n| n.saturating_mul(4));
+    let size = |id: usize| kiln::internals::graph::numel(&graph.nodes[id].shape).map_or(usize::MAX, |n| n.saturating_mul(4));
     let mut last = vec![0usize; graph.nodes.len()];
     for (i, n) in graph.nodes.iter().enumerate() {
         n.inputs.iter().for_each(|&j| last[j] = i);
@@ -465,13 +465,13 @@ pub fn cpu_peak_bytes(graph: &Graph) -> usize {
     graph.outputs.iter().for_each(|&(_, o)| last[o] = usize::MAX);
     let (mut live, mut peak) = (0usize, 0usize);
     for (i, n) in graph.nodes.iter().enumerate() {
-        if matches!(n.op, kiln::Op::Weight { .. }) {
+        if matches!(n.op, kiln::plugin::Op::Weight { .. }) {
             continue;
         }
         live = live.saturating_add(size(i));
         peak = peak.max(live);
         for &j in &n.inputs {
-            if last[j] == i && !matches!(graph.nodes[j].op, kiln::Op::Weight { .. }) {
+            if last[j] == i && !matches!(graph.nodes[j].op, kiln::plugin::Op::Weight { .. }) {
                 live = live.saturating_sub(size(j));
             }
         }
@@ -486,8 +486,8 @@ pub fn check_cpu_memory(graph: &Graph, batch: usize, shape: &str) -> Result<()> 
     let traced_batch = graph.inputs.first().and_then(|&i| graph.nodes[i].shape.first().copied()).unwrap_or(1).max(1);
     let bytes = (cpu_peak_bytes(graph) / traced_batch).saturating_mul(batch);
     // The smallest of MemAvailable, `ulimit -v`/`-d` and the memory cgroup's limit.
-    match kiln::host::memory_available() {
-        Some(kiln::host::Available { bytes: avail, limit }) if bytes > avail => Err(Error::OutOfMemory {
+    match kiln::internals::host::memory_available() {
+        Some(kiln::internals::host::Available { bytes: avail, limit }) if bytes > avail => Err(Error::OutOfMemory {
             what: format!(
                 "the CPU executor at --batch {batch}, {shape} (only {avail} bytes are available ({limit}); lower --batch or --size)"
             ),
@@ -499,12 +499,12 @@ pub fn check_cpu_memory(graph: &Graph, batch: usize, shape: &str) -> Result<()> 
 
 /// A random input of `shape` whose memory is requested with `try_reserve`.
 pub fn random_input(shape: &[usize], seed: u64) -> Result<HostTensor> {
-    kiln::seeded::try_uniform_tensor(shape, seed)
+    kiln::internals::seeded::try_uniform_tensor(shape, seed)
 }
 
 /// Reads an input tensor from a safetensors file: the tensor named `input`, or its only tensor.
 pub fn read_input(path: &Path) -> Result<HostTensor> {
-    let (mut tensors, _) = kiln::var_builder::read_tensors_within(path, "input", |_| true, MAX_INPUT_ELEMENTS)?;
+    let (mut tensors, _) = kiln::internals::var_builder::read_tensors_within(path, "input", |_| true, MAX_INPUT_ELEMENTS)?;
     if let Some(t) = tensors.remove("input") {
         return Ok(t);
     }
@@ -535,7 +535,7 @@ pub fn read_input_data(path: &Path) -> Result<(String, InputData)> {
 /// tensor is not U8). The header is checked first, and the file's size is limited before it is read.
 fn read_u8_input(path: &Path) -> Result<Option<(String, ByteTensor)>> {
     let bad = |reason: String| Error::Safetensors { path: path.to_path_buf(), reason };
-    kiln::var_builder::read_metadata(path)?;
+    kiln::internals::var_builder::read_metadata(path)?;
     let size = std::fs::metadata(path).map_err(Error::io(path))?.len();
     // One byte per element, and room for a header.
     if size > (MAX_INPUT_ELEMENTS as u64).saturating_add(1 << 24) {
@@ -775,9 +775,9 @@ mod tests {
 
     #[test]
     fn random_inputs_are_reproducible_by_seed() {
-        let (a, b) = (kiln::seeded::uniform_tensor(&[1, 3, 2, 2], 5), kiln::seeded::uniform_tensor(&[1, 3, 2, 2], 5));
+        let (a, b) = (kiln::internals::seeded::uniform_tensor(&[1, 3, 2, 2], 5), kiln::internals::seeded::uniform_tensor(&[1, 3, 2, 2], 5));
         assert_eq!(a, b);
-        assert_ne!(a, kiln::seeded::uniform_tensor(&[1, 3, 2, 2], 6));
+        assert_ne!(a, kiln::internals::seeded::uniform_tensor(&[1, 3, 2, 2], 6));
         assert!(a.data.iter().all(|v| (-1.0..1.0).contains(v)));
     }
 }

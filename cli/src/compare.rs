@@ -16,7 +16,7 @@ use std::sync::Arc;
 /// Runs `graph` on `x` on the CPU executor or through an engine built for exactly its batch.
 fn execute(graph: &Graph, x: &HostTensor, a: &CompareArgs) -> Result<BTreeMap<String, HostTensor>> {
     if a.cpu {
-        return kiln::cpu::run(graph, &[("input", x)]);
+        return kiln::run_cpu(graph, &[("input", x)]);
     }
     let gpu = common::gpu()?;
     let batch = x.shape[0];
@@ -105,7 +105,7 @@ pub struct Report {
 
 /// SHA-256 of a file, hex (tools/export_reference.py writes the same of the weights it saves).
 pub fn sha256_file(path: &Path) -> Result<String> {
-    let bytes = kiln::host::read_regular(path, "a file", |reason| Error::Safetensors { path: path.into(), reason })?;
+    let bytes = kiln::internals::host::read_regular(path, "a file", |reason| Error::Safetensors { path: path.into(), reason })?;
     Ok(Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect())
 }
 
@@ -211,7 +211,7 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
     }
 
     // The CPU executor runs the optimised graph, as the engine does.
-    let graph = if a.cpu { kiln::passes::optimize(&traced.graph)? } else { traced.graph.clone() };
+    let graph = if a.cpu { kiln::internals::passes::optimize(&traced.graph)? } else { traced.graph.clone() };
     let outputs = execute(&graph, x, &a)?;
     if let Some(path) = &a.save_outputs {
         save_outputs(path, &outputs, &run_metadata(&traced, &a, x, against.seed, &backend)?, x)?;
@@ -272,7 +272,7 @@ fn check_shapes_against_reference(a: &CompareArgs, x: &HostTensor) -> Result<()>
 /// reference; anything else is left alone, with a note.
 fn read_reference(path: &Path) -> Result<Against> {
     let is_reference = |k: &str| k == "input" || k.starts_with("output.") || k.starts_with("intermediate.");
-    let (mut reference, ignored) = kiln::var_builder::read_tensors(path, "reference", is_reference)?;
+    let (mut reference, ignored) = kiln::internals::var_builder::read_tensors(path, "reference", is_reference)?;
     if let Some(first) = ignored.first() {
         tracing::info!(
             "note: {} tensor(s) of {} are not `input`, `output.*` or `intermediate.*` and were ignored (e.g. `{first}`)",
@@ -280,7 +280,7 @@ fn read_reference(path: &Path) -> Result<Against> {
             path.display()
         );
     }
-    let meta = kiln::var_builder::read_metadata(path)?;
+    let meta = kiln::internals::var_builder::read_metadata(path)?;
     let input = reference.remove("input").ok_or_else(|| Error::Safetensors {
         path: path.to_path_buf(),
         reason: "holds no tensor named `input` (write references with tools/export_reference.py)".into(),
@@ -300,7 +300,7 @@ fn random_input(a: &CompareArgs) -> Result<Against> {
 }
 
 /// `--layerwise`: every intermediate of the reference, and the first layer whose error jumps. An
-/// INT8/FP8 engine is compared on its own fused, quantised graph (kiln::layerwise::run_quantised).
+/// INT8/FP8 engine is compared on its own fused, quantised graph (kiln::internals::layerwise::run_quantised).
 fn layerwise(a: &CompareArgs, traced: &Traced, against: &Against, l2_tol: f64) -> Result<ExitCode> {
     let mut with_input = against.reference.clone();
     with_input.insert("input".into(), against.input.clone());
@@ -308,10 +308,10 @@ fn layerwise(a: &CompareArgs, traced: &Traced, against: &Against, l2_tol: f64) -
     let run = |g: &Graph, input: &HostTensor| execute(g, input, a);
     let report = match precision.quant_format().filter(|_| precision != Precision::Best) {
         Some(format) => {
-            let cache = a.engine.calibration_cache.as_deref().map(kiln::calibrate::CalibrationCache::load).transpose()?;
-            kiln::layerwise::run_quantised(&traced.graph, cache.as_ref(), format, &with_input, l2_tol, run)?
+            let cache = a.engine.calibration_cache.as_deref().map(kiln::internals::calibrate::CalibrationCache::load).transpose()?;
+            kiln::internals::layerwise::run_quantised(&traced.graph, cache.as_ref(), format, &with_input, l2_tol, run)?
         }
-        None => kiln::layerwise::run(&traced.graph, &with_input, l2_tol, run)?,
+        None => kiln::internals::layerwise::run(&traced.graph, &with_input, l2_tol, run)?,
     };
     if report.layers.is_empty() {
         return Err(Error::Safetensors {
@@ -327,7 +327,7 @@ fn layerwise(a: &CompareArgs, traced: &Traced, against: &Against, l2_tol: f64) -
 fn save_outputs(path: &Path, outputs: &BTreeMap<String, HostTensor>, meta: &BTreeMap<String, String>, x: &HostTensor) -> Result<()> {
     let mut tensors: BTreeMap<String, &HostTensor> = outputs.iter().map(|(k, v)| (format!("output.{k}"), v)).collect();
     tensors.insert("input".into(), x);
-    kiln::var_builder::write_safetensors_with_metadata(path, &tensors, meta)?;
+    kiln::internals::var_builder::write_safetensors_with_metadata(path, &tensors, meta)?;
     say!("wrote {} (input and {} output(s); compare against it with --load-outputs)", path.display(), outputs.len());
     Ok(())
 }
@@ -361,7 +361,7 @@ fn compare_outputs(
 /// One output against its reference: relative L2, Polygraphy's elementwise rule when asked
 /// (`(atol, rtol)`), and for detections and logits how many agree; printed and returned.
 fn compare_output(name: &str, got: &HostTensor, r: &HostTensor, l2_tol: f64, tol: Option<(f64, f64)>) -> Result<OutputReport> {
-    let c = kiln::compare::compare(name, got, r);
+    let c = kiln::compare(name, got, r);
     let ew = tol.filter(|_| c.shape_ok).map(|(atol, rtol)| elementwise(got, r, atol, rtol));
     let pass = c.passes(l2_tol) && ew.as_ref().is_none_or(|e| e.failing == 0);
     say!("{c}  {}", if pass { "pass" } else { "FAIL" });
@@ -374,7 +374,7 @@ fn compare_output(name: &str, got: &HostTensor, r: &HostTensor, l2_tol: f64, tol
         say!("  {matched} of {total} reference detections found with the same class and centre (within half a map cell)");
     }
     if name == "logits" && c.shape_ok {
-        let (ours, theirs) = (kiln::compare::top1(got), kiln::compare::top1(r));
+        let (ours, theirs) = (kiln::top1(got), kiln::top1(r));
         let same = ours.iter().zip(&theirs).filter(|(a, b)| a == b).count();
         say!("  top-1 class agrees on {same} of {} images", theirs.len());
     }

@@ -2,24 +2,24 @@
 
 use super::common;
 use super::{CodegenArgs, InspectArgs};
-use kiln::codegen::{generate, CodegenOptions};
+use kiln::{internals::{codegen::{generate, CodegenOptions}}};
 use kiln::{Error, Result};
 use std::process::ExitCode;
 
 pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
     let batch = common::requested(&a.model, a.batch)?.0.unwrap_or(1);
     let traced = common::trace_args(&a.model, Some(batch))?;
-    let optimized = kiln::passes::optimize(&traced.graph)?;
+    let optimized = kiln::internals::passes::optimize(&traced.graph)?;
     say!("== traced graph: {} (batch {batch}, {}) ==", traced.name, traced.hw_text());
-    say_raw!("{}", kiln::dot::to_text(&traced.graph));
+    say_raw!("{}", kiln::internals::dot::to_text(&traced.graph));
     say!("");
     say!("== optimised graph (BatchNorm folded, conv+bias+add+ReLU(+max-pool) fused, dead nodes removed) ==");
-    say_raw!("{}", kiln::dot::to_text(&optimized));
-    let fused = optimized.nodes.iter().filter(|n| kiln::dot::is_fused(n)).count();
+    say_raw!("{}", kiln::internals::dot::to_text(&optimized));
+    let fused = optimized.nodes.iter().filter(|n| kiln::internals::dot::is_fused(n)).count();
     say!("{fused} fused convolutions");
     for (path, graph, title) in [(&a.dot, &traced.graph, "traced"), (&a.dot_optimized, &optimized, "optimised")] {
         if let Some(path) = path {
-            let dot = kiln::dot::to_dot(graph, &format!("{} ({title})", traced.name));
+            let dot = kiln::internals::dot::to_dot(graph, &format!("{} ({title})", traced.name));
             std::fs::write(path, dot).map_err(Error::io(path))?;
             say!("wrote {} ({title} graph; render with `dot -Tsvg {} -o graph.svg`)", path.display(), path.display());
         }
@@ -90,7 +90,7 @@ pub fn codegen(a: CodegenArgs) -> Result<ExitCode> {
     match &a.output {
         Some(path) if path.as_os_str() != "-" => {
             std::fs::write(path, &src).map_err(Error::io(path))?;
-            let ops = traced.graph.nodes.iter().filter(|n| !matches!(n.op, kiln::Op::Weight { .. } | kiln::Op::Input { .. })).count();
+            let ops = traced.graph.nodes.iter().filter(|n| !matches!(n.op, kiln::plugin::Op::Weight { .. } | kiln::plugin::Op::Input { .. })).count();
             tracing::info!(
                 "wrote {} ({ops} ops, {} lines): `{}(vb, batch)` rebuilds {}",
                 path.display(),

@@ -6,12 +6,9 @@
 //! Conv2d(64, C, 1)] with C = num_classes, 2, 2. A 512x512 input gives 128x128 maps.
 
 use crate::resnet::{ResNet50, ResNetConfig};
-use kiln::graph::HostTensor;
-use kiln::ops::custom::{Attrs, CustomOp};
-use kiln::{
-    BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, Error, Forward, Module, ReLU, Result, Sequential, Tensor,
-    VarBuilder,
-};
+use kiln::HostTensor;
+use kiln::{plugin::{Attrs, CustomOp}};
+use kiln::{nn::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, ReLU, Sequential}, Error, Forward, Module, Result, Tensor, VarBuilder};
 
 /// Detections kept per image by default.
 pub const DEFAULT_K: usize = 100;
@@ -308,7 +305,7 @@ mod tests {
 
     #[test]
     fn decode_is_registered() {
-        assert!(kiln::ops::custom::lookup("centernet_decode").is_some());
+        assert!(kiln::internals::ops::custom::lookup("centernet_decode").is_some());
     }
 }
 
@@ -318,9 +315,9 @@ mod tests {
 
 mod gpu {
     use super::k_attr;
-    use kiln::engine::launch::{launch, CudaFunction, KArg};
-    use kiln::engine::{BuildCtx, Elem, Layer, RunCtx, ValueId};
-    use kiln::graph::{NodeId, Op};
+    use kiln::{internals::{engine::{launch::{launch, CudaFunction, KArg}}}};
+    use kiln::{plugin::{BuildCtx, Elem, Layer, RunCtx, ValueId}};
+    use kiln::{NodeId, plugin::Op};
     use kiln::Result;
 
     /// Constants of decode.cu: histogram bins, sweep block size, candidate list per image, keys
@@ -416,7 +413,7 @@ mod gpu {
     }
 
     pub fn convert_decode(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
-        let Op::Custom(kiln::CustomCall { attrs, .. }) = &ctx.node(node).op else {
+        let Op::Custom(kiln::plugin::CustomCall { attrs, .. }) = &ctx.node(node).op else {
             return Err(ctx.err(node, "is not centernet_decode".into()));
         };
         let k = k_attr(attrs).map_err(|r| ctx.err(node, r))?;

@@ -245,7 +245,7 @@ pub fn trace_hw(model: &str, vb: VarBuilder, batch: usize, hw: [usize; 2]) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kiln::Op;
+    use kiln::plugin::Op;
 
     fn count(g: &Graph, op: &str) -> usize {
         g.nodes.iter().filter(|n| n.op.name() == op).count()
@@ -499,7 +499,7 @@ mod tests {
         let g = trace("googlenet", VarBuilder::seeded(), 1, 224).expect("trace");
         // 3 stem convs + 9 Inception modules x 6 convs, each with its BatchNorm (eps 0.001).
         assert_eq!(count(&g, "conv2d"), 3 + 9 * 6);
-        assert!(g.nodes.iter().all(|n| !matches!(n.op, Op::Norm(kiln::Norm::BatchNorm2d { eps }) if eps != 1e-3)));
+        assert!(g.nodes.iter().all(|n| !matches!(n.op, Op::Norm(kiln::plugin::Norm::BatchNorm2d { eps }) if eps != 1e-3)));
         assert_eq!(count(&g, "cat"), 9);
         assert_eq!(count(&g, "relu"), 3 + 9 * 6);
         let g = trace("densenet121", VarBuilder::seeded(), 1, 224).expect("trace");

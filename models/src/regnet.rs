@@ -10,7 +10,7 @@
 //! changes.
 
 use crate::misc::{make_divisible, Conv2dNormActivation, ConvNormConfig, SqueezeExcitation};
-use kiln::{AdaptiveAvgPool2d, Forward, Identity, Linear, LinearConfig, Module, ReLU, Result, Sigmoid, Tensor, VarBuilder};
+use kiln::{nn::{AdaptiveAvgPool2d, Identity, Linear, LinearConfig, ReLU, Sigmoid}, Forward, Module, Result, Tensor, VarBuilder};
 
 /// Per-stage settings, as torchvision's `BlockParams`.
 #[derive(Clone, Debug, PartialEq)]

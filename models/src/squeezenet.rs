@@ -6,7 +6,7 @@
 //! the logits are non-negative.
 
 use crate::sequential::SequentialLoader;
-use kiln::{AdaptiveAvgPool2d, Conv2d, Conv2dConfig, Dropout, Forward, MaxPool2d, Module, Pool2dConfig, ReLU, Result, Sequential};
+use kiln::{nn::{AdaptiveAvgPool2d, Conv2d, Conv2dConfig, Dropout, MaxPool2d, Pool2dConfig, ReLU, Sequential}, Forward, Module, Result};
 use kiln::{Tensor, VarBuilder};
 
 /// A Fire module's widths: input, squeeze, and each of the two expand branches.

@@ -8,10 +8,7 @@
 //! The position embedding is read at trace time for the traced input size (`[1, (size/16)² + 1,
 //! 768]`, torchvision's `image_size` argument). Dropout is the identity at inference.
 
-use kiln::{
-    Binary, Conv2d, Conv2dConfig, Forward, Gemm, HostTensor, LayerNorm, LayerNormConfig, Linear, LinearConfig, Module, Op, Param, Result,
-    Tensor, VarBuilder, GELU,
-};
+use kiln::{plugin::{Binary, Gemm, Op}, nn::{Conv2d, Conv2dConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig, GELU}, Forward, HostTensor, Module, Param, Result, Tensor, VarBuilder};
 use std::sync::Arc;
 
 /// `vit_b_16`'s hyper-parameters: patch 16, 12 layers, 12 heads, width 768, MLP 3072.
@@ -173,7 +170,7 @@ mod tests {
         assert_eq!(attention.len(), 12);
         let first = &g.nodes[attention[0]];
         assert_eq!(first.shape, [2, 197, 768], "[N, 1 + 14·14 tokens, 12 heads · 64]");
-        assert_eq!(first.op, Op::QkvAttention(kiln::QkvAttention { heads: 12, scale: 0.125, bias: false }));
+        assert_eq!(first.op, Op::QkvAttention(kiln::plugin::QkvAttention { heads: 12, scale: 0.125, bias: false }));
         // No copies around the attention: it reads in_proj's output and out_proj reads its own.
         let layer = "encoder.layers.encoder_layer_0.self_attention";
         assert_eq!(g.nodes[first.inputs[0]].path, format!("{layer}.in_proj"));

@@ -14,11 +14,8 @@
 //! BatchNorm uses Ultralytics' `eps = 1e-3` (its `initialize_weights`), and every `Conv` is
 //! conv (no bias) + BatchNorm + SiLU unless built with `act=False`.
 
-use kiln::graph::HostTensor;
-use kiln::{
-    BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Error, Forward, MaxPool2d, Module, Param, Pool2dConfig, Result, SiLU, Tensor,
-    Upsample, UpsampleConfig, VarBuilder,
-};
+use kiln::HostTensor;
+use kiln::{nn::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, MaxPool2d, Pool2dConfig, SiLU, Upsample, UpsampleConfig}, Error, Forward, Module, Param, Result, Tensor, VarBuilder};
 use std::sync::Arc;
 
 /// DFL bins per box side (`reg_max`).
@@ -538,14 +535,14 @@ impl Detect {
         let anchors = Param { name: format!("{}.anchors", self.path), value: Arc::new(anchors) };
         let strides = Param { name: format!("{}.strides", self.path), value: Arc::new(strides) };
         let [lt, rb] = <[Tensor; 2]>::try_from(dist.chunk(2, 1)?).expect("two halves");
-        let sub = kiln::graph::Binary::Sub;
-        let add = kiln::graph::Binary::Add;
+        let sub = kiln::plugin::Binary::Sub;
+        let add = kiln::plugin::Binary::Add;
         // anchor - lt, written lt - anchor negated (IEEE subtraction is sign-symmetric).
         let x1y1 = lt.binary_weight(&format!("{decode}.x1y1"), sub, &anchors)?.affine(-1.0, 0.0)?;
         let x2y2 = rb.binary_weight(&format!("{decode}.x2y2"), add, &anchors)?;
         let c_xy = (&x1y1 + &x2y2)?.affine(0.5, 0.0)?;
         let wh = (&x2y2 - &x1y1)?;
-        let dbox = Tensor::cat(&[&c_xy, &wh], 1)?.binary_weight(&format!("{decode}.stride"), kiln::graph::Binary::Mul, &strides)?;
+        let dbox = Tensor::cat(&[&c_xy, &wh], 1)?.binary_weight(&format!("{decode}.stride"), kiln::plugin::Binary::Mul, &strides)?;
         debug_assert_eq!(scores.shape()[1], self.nc);
         Tensor::cat(&[&dbox, &scores.sigmoid()?], 1)
     }

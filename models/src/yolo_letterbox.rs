@@ -22,8 +22,8 @@
 //!
 //! Map detections back with `yolo_nms`' `frame_h`/`frame_w`/`input_h`/`input_w` attributes.
 
-use kiln::graph::HostTensor;
-use kiln::ops::custom::{Attrs, CustomOp};
+use kiln::HostTensor;
+use kiln::{plugin::{Attrs, CustomOp}};
 use kiln::{DType, Error, Result, Tensor, Tracer};
 
 /// The padding value of Ultralytics' letterbox.
@@ -204,9 +204,9 @@ mod tests {
 
 mod gpu {
     use super::{geometry, tap_table, taps};
-    use kiln::engine::launch::{grid_for, launch, CudaFunction, KArg};
-    use kiln::engine::{BuildCtx, DeviceBuf, Layer, RunCtx, ValueId};
-    use kiln::graph::{NodeId, Op};
+    use kiln::{internals::{engine::{launch::{grid_for, launch, CudaFunction, KArg}}}};
+    use kiln::{plugin::{BuildCtx, DeviceBuf, Layer, RunCtx, ValueId}};
+    use kiln::{NodeId, plugin::Op};
     use kiln::Result;
 
     pub struct LetterboxLayer {
@@ -250,7 +250,7 @@ mod gpu {
     }
 
     pub fn convert_letterbox(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
-        let Op::Custom(kiln::CustomCall { attrs, .. }) = &ctx.node(node).op else {
+        let Op::Custom(kiln::plugin::CustomCall { attrs, .. }) = &ctx.node(node).op else {
             return Err(ctx.err(node, "is not yolo_letterbox".into()));
         };
         let (frame, out) = (ctx.input(node, 0)?, ctx.output(node)?);

@@ -21,8 +21,8 @@
 //! from the letterboxed model input to the frame (`scale_boxes`: minus the padding, divided by
 //! the gain, clipped to the frame), see `yolo_letterbox`.
 
-use kiln::graph::HostTensor;
-use kiln::ops::custom::{Attrs, CustomOp};
+use kiln::HostTensor;
+use kiln::{plugin::{Attrs, CustomOp}};
 use kiln::{Error, Result, Tensor};
 
 /// Candidates NMS looks at per image at most (`NMS_CAP` in nms.cu).
@@ -471,7 +471,7 @@ mod tests {
         assert!(nms_shape(&attrs(&[("conf", 1.5)]), &[&[2, 84, 8400]]).unwrap_err().contains("conf"));
         assert!(nms_shape(&attrs(&[("frame_h", 10.0)]), &[&[2, 84, 8400]]).unwrap_err().contains("together"));
         assert!(nms_shape(&Attrs::new(), &[&[2, 84, 8400], &[1]]).unwrap_err().contains("1 input"));
-        assert!(kiln::ops::custom::lookup("yolo_nms").is_some());
+        assert!(kiln::internals::ops::custom::lookup("yolo_nms").is_some());
     }
 }
 
@@ -479,9 +479,9 @@ mod tests {
 
 mod gpu {
     use super::{f32_threshold, params, Params};
-    use kiln::engine::launch::{launch, CudaFunction, KArg};
-    use kiln::engine::{BuildCtx, Elem, Layer, RunCtx, ValueId};
-    use kiln::graph::{NodeId, Op};
+    use kiln::{internals::{engine::{launch::{launch, CudaFunction, KArg}}}};
+    use kiln::{plugin::{BuildCtx, Elem, Layer, RunCtx, ValueId}};
+    use kiln::{NodeId, plugin::Op};
     use kiln::Result;
 
     const THREADS: u32 = 1024;
@@ -570,7 +570,7 @@ mod gpu {
     }
 
     pub fn convert_nms(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
-        let Op::Custom(kiln::CustomCall { attrs, .. }) = &ctx.node(node).op else {
+        let Op::Custom(kiln::plugin::CustomCall { attrs, .. }) = &ctx.node(node).op else {
             return Err(ctx.err(node, "is not yolo_nms".into()));
         };
         let p = params(attrs).map_err(|r| ctx.err(node, r))?;

@@ -1217,7 +1217,7 @@ pub fn generate(graph: &Graph, opts: &CodegenOptions) -> Result<String> {
     if used.contains("BTreeMap") {
         src += "use std::collections::BTreeMap;\n\n";
     }
-    src += &format!("use kiln::{{{}}};\n\n", kiln.join(", "));
+    src += &super::kiln_uses(&kiln, usize::MAX);
     Ok(src + &body)
 }
 

@@ -293,7 +293,8 @@ pub fn node_precisions(graph: &Graph, config: &BuildConfig) -> Vec<Precision> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Conv2d, Conv2dConfig, Forward, Module, Tracer, VarBuilder};
+    use crate::nn::{Conv2d, Conv2dConfig};
+    use crate::{Forward, Module, Tracer, VarBuilder};
 
     #[test]
     fn the_last_matching_rule_decides_and_overrides_the_graphs() {

@@ -20,12 +20,12 @@ inventory::collect!(Converter);
 
 /// Registers a GPU converter for `op` (the `Op::name()`, or a custom op's name):
 /// `kiln::register_converter!("asinh", convert_asinh);` with
-/// `fn convert_asinh(ctx: &mut kiln::engine::BuildCtx, node: kiln::NodeId) -> kiln::Result<Box<dyn kiln::engine::Layer>>`.
+/// `fn convert_asinh(ctx: &mut kiln::plugin::BuildCtx, node: kiln::NodeId) -> kiln::Result<Box<dyn kiln::plugin::Layer>>`.
 #[macro_export]
 macro_rules! register_converter {
     ($op:expr, $convert:path) => {
         $crate::inventory::submit! {
-            $crate::engine::Converter { op: $op, convert: $convert }
+            $crate::plugin::Converter { op: $op, convert: $convert }
         }
     };
 }

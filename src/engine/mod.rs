@@ -10,34 +10,38 @@
 //! lifetime. The user's inputs and outputs are NCHW f32 bindings (an input declared u8 is a
 //! binding of bytes); reformat layers convert at the edges.
 
-pub mod arena;
-pub mod best;
-pub mod builder;
-mod config;
-mod converters;
-pub mod cudnn;
-pub mod cudnn_graph;
-pub mod eight_bit;
-mod eight_bit_alloc;
-pub mod exec;
-pub mod file;
-pub mod gemm;
-pub mod gpu;
-pub mod kernels;
-pub mod launch;
-pub mod layer;
-mod plan;
-mod precision;
-mod prepare;
-pub mod reformat;
-pub mod strided;
-pub mod tactic;
+pub(crate) mod arena;
+pub(crate) mod best;
+pub(crate) mod builder;
+pub(crate) mod config;
+pub(crate) mod converters;
+pub(crate) mod cudnn;
+pub(crate) mod cudnn_graph;
+pub(crate) mod eight_bit;
+pub(crate) mod eight_bit_alloc;
+pub(crate) mod exec;
+pub(crate) mod file;
+pub(crate) mod gemm;
+pub(crate) mod gpu;
+pub(crate) mod kernels;
+pub(crate) mod launch;
+pub(crate) mod layer;
+pub(crate) mod plan;
+pub(crate) mod precision;
+pub(crate) mod prepare;
+pub(crate) mod reformat;
+pub(crate) mod strided;
+pub(crate) mod tactic;
 
+pub use crate::{{calibrate::{CalibrationCache, CalibrationMethod, CalibrationStats, Calibrator}}};
+pub use crate::plugin::QuantFormat;
 pub use builder::{Engine, EngineBuilder};
-pub use config::{node_precisions, BuildConfig, DimsRange, InputDims, ShapeProfile};
-pub use converters::{check_converters, converter, Converter};
+pub use config::{BuildConfig, DimsRange, InputDims, ShapeProfile};
 pub use exec::ExecutionContext;
 pub use gpu::{gpu_available, Gpu, GpuInfo};
-pub use layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId, MAX_RANK};
-pub use plan::{estimate_arena, BuildSummary, MemorySummary, Plan};
-pub use precision::{glob_match, LayerPrecision, Precision, LAYER_PRECISIONS_FLAG};
+pub use plan::{BuildSummary, MemorySummary, Plan};
+pub use precision::{LayerPrecision, Precision};
+
+// Crate-internal shorthands (the plugin face re-exports the layer API publicly).
+pub(crate) use converters::converter;
+pub(crate) use layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId};

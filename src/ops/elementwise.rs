@@ -13,6 +13,11 @@ use crate::Result;
 use serde::{Deserialize, Serialize};
 use strum::IntoEnumIterator;
 
+/// This family's layers, as `kiln::nn` shows them.
+pub mod nn {
+    pub use super::{Hardsigmoid, Hardswish, Hardtanh, LeakyReLU, LeakyReLUConfig, ReLU, ReLU6, SiLU, Sigmoid, Softplus, SoftplusConfig, Tanh, GELU};
+}
+
 /// One-input elementwise ops, with PyTorch's definitions. NaN propagates through every one of
 /// them, as in PyTorch.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize, strum::EnumIter)]

@@ -10,6 +10,11 @@ use crate::var_builder::VarBuilder;
 use crate::Result;
 use serde::{Deserialize, Serialize};
 
+/// This family's layers, as `kiln::nn` shows them.
+pub mod nn {
+    pub use super::{Linear, LinearConfig};
+}
+
 /// Matrix products. Inputs: Linear: x `[N, ..., in]`, weight `[out, in]`, bias? `[out]`;
 /// Matmul: a `[N, ..., M, K]`, b `[N, ..., K, P]` (an activation, or a constant `[..., K, P]`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, strum::EnumIter)]

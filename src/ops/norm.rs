@@ -11,6 +11,11 @@ use crate::var_builder::VarBuilder;
 use crate::Result;
 use serde::{Deserialize, Serialize};
 
+/// This family's layers, as `kiln::nn` shows them.
+pub mod nn {
+    pub use super::{BatchNorm2d, BatchNorm2dConfig, LayerNorm, LayerNorm2d, LayerNormConfig, Softmax};
+}
+
 /// Normalisations. Inputs: BatchNorm2d: x, weight, bias, running_mean, running_var; Softmax: x;
 /// LayerNorm: x, and weight, bias (both of `shape`) when `affine`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, strum::EnumIter)]

@@ -10,6 +10,11 @@ use crate::var_builder::VarBuilder;
 use crate::Result;
 use serde::{Deserialize, Serialize};
 
+/// This family's layers, as `kiln::nn` shows them.
+pub mod nn {
+    pub use super::{AdaptiveAvgPool2d, AvgPool2d, MaxPool2d, Pool2dConfig};
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct PoolAttrs {
     pub kernel: [usize; 2],

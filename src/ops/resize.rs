@@ -22,6 +22,11 @@ use crate::var_builder::VarBuilder;
 use crate::Result;
 use serde::{Deserialize, Serialize};
 
+/// This family's layers, as `kiln::nn` shows them.
+pub mod nn {
+    pub use super::{InterpolateMode, Upsample, UpsampleConfig};
+}
+
 /// Resizing ops of NCHW tensors: exactly one of `size` (the output's `[H, W]`) and `scale` (the
 /// `scale_factor` per spatial dim, which the index arithmetic then uses) is set.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, strum::EnumIter)]

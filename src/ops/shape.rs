@@ -17,6 +17,11 @@ use crate::var_builder::VarBuilder;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
+/// This family's layers, as `kiln::nn` shows them.
+pub mod nn {
+    pub use super::{ConstantPad2d, ConstantPad2dConfig, ZeroPad2d};
+}
+
 /// Data movement. Inputs: one tensor, except Cat (any number, equal except along `dim`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, strum::EnumIter)]
 pub enum ShapeOp {

@@ -3,8 +3,8 @@
 //! CPU executor.
 #![allow(dead_code)]
 
-use kiln::engine::{gpu_available, BuildConfig, Engine, EngineBuilder, Gpu, Precision};
-use kiln::graph::{Graph, HostTensor};
+use kiln::{engine::{gpu_available, BuildConfig, Engine, EngineBuilder, Gpu, Precision}};
+use kiln::{Graph, HostTensor};
 use kiln::{Tensor, Tracer};
 use std::sync::{Arc, OnceLock};
 
@@ -25,7 +25,7 @@ pub const BATCHES: [usize; 2] = [1, 3];
 
 /// Uniform inputs in [-scale, scale), fresh every run (`KILN_SEED` replays), one stream per `stream`.
 pub fn random(shape: &[usize], stream: u64, scale: f32) -> HostTensor {
-    let mut t = kiln::seeded::uniform_tensor(shape, kiln::seeded::run_seed().wrapping_add(stream));
+    let mut t = kiln::internals::seeded::uniform_tensor(shape, kiln::internals::seeded::run_seed().wrapping_add(stream));
     t.data.iter_mut().for_each(|v| *v *= scale);
     t
 }
@@ -69,7 +69,7 @@ pub fn check(name: &str, inputs: &[(&str, &[usize])], f: impl Fn(&[Tensor]) -> k
             let host: Vec<HostTensor> =
                 inputs.iter().enumerate().map(|(i, (_, s))| random(&[&[batch][..], s].concat(), seed + i as u64, 2.0)).collect();
             let bound: Vec<(&str, &HostTensor)> = inputs.iter().zip(&host).map(|((n, _), t)| (*n, t)).collect();
-            let want = kiln::cpu::run(&graph, &bound).unwrap_or_else(|e| panic!("{name}: cpu: {e}"));
+            let want = kiln::run_cpu(&graph, &bound).unwrap_or_else(|e| panic!("{name}: cpu: {e}"));
             let got = ctx.run(&bound).unwrap_or_else(|e| panic!("{name} {precision:?} batch {batch}: {e}"));
             for (out, w) in &want {
                 let g = &got[out];

@@ -3,7 +3,8 @@
 //! One statement per traced op (69 ops), in graph order; weights are read by their `state_dict`
 //! names through the `VarBuilder`. Edit freely: `Tensor::record` checks every shape as it traces.
 
-use kiln::{Binary, ConvAttrs, Gemm, Graph, Norm, Op, Pool, PoolAttrs, Result, ShapeOp, Tensor, Tracer, Unary, VarBuilder};
+use kiln::plugin::{Binary, ConvAttrs, Gemm, Norm, Op, Pool, PoolAttrs, ShapeOp, Unary};
+use kiln::{Graph, Result, Tensor, Tracer, VarBuilder};
 
 /// Traces resnet18 for a batch of `batch` inputs and returns its graph.
 pub fn build(vb: &VarBuilder, batch: usize) -> Result<Graph> {

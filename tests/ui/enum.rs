@@ -2,8 +2,8 @@ use kiln::Module;
 
 #[derive(Module)]
 enum Head {
-    Conv(kiln::Conv2d),
-    Linear(kiln::Linear),
+    Conv(kiln::nn::Conv2d),
+    Linear(kiln::nn::Linear),
 }
 
 fn main() {}

@@ -3,7 +3,7 @@ use kiln::Module;
 #[derive(Module)]
 struct Layer {
     #[module(len = 3)]
-    blocks: Option<kiln::ReLU>,
+    blocks: Option<kiln::nn::ReLU>,
 }
 
 fn main() {}

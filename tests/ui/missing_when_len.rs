@@ -2,8 +2,8 @@ use kiln::Module;
 
 #[derive(Module)]
 struct Layer {
-    downsample: Option<kiln::Conv2d>,
-    blocks: Vec<kiln::ReLU>,
+    downsample: Option<kiln::nn::Conv2d>,
+    blocks: Vec<kiln::nn::ReLU>,
 }
 
 fn main() {}

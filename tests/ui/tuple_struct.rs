@@ -1,6 +1,6 @@
 use kiln::Module;
 
 #[derive(Module)]
-struct Pair(kiln::Conv2d, kiln::ReLU);
+struct Pair(kiln::nn::Conv2d, kiln::nn::ReLU);
 
 fn main() {}

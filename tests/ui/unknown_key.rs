@@ -3,14 +3,14 @@ use kiln::Module;
 #[derive(Module)]
 #[module(config = usize)]
 struct Block {
-    #[module(config = kiln::Conv2dConfig::new(*cfg, *cfg, 3), padding = 1)]
-    conv: kiln::Conv2d,
+    #[module(config = kiln::nn::Conv2dConfig::new(*cfg, *cfg, 3), padding = 1)]
+    conv: kiln::nn::Conv2d,
 }
 
 #[derive(Module)]
 #[module(cfg = usize)]
 struct Other {
-    relu: kiln::ReLU,
+    relu: kiln::nn::ReLU,
 }
 
 fn main() {}

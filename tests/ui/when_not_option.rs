@@ -4,7 +4,7 @@ use kiln::Module;
 #[module(config = bool)]
 struct Block {
     #[module(when = *cfg)]
-    downsample: kiln::Conv2d,
+    downsample: kiln::nn::Conv2d,
 }
 
 fn main() {}

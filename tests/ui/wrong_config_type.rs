@@ -6,7 +6,7 @@ use kiln::Module;
 #[derive(Module)]
 struct Head {
     #[module(config = 3)]
-    fc: kiln::Linear,
+    fc: kiln::nn::Linear,
 }
 
 fn main() {}

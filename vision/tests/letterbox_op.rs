@@ -10,7 +10,7 @@ fn op_letterbox(frame: &ByteTensor, input: [usize; 2]) -> kiln::HostTensor {
     let tracer = Tracer::new();
     let x = yolo_letterbox::frame_input(&tracer, "frame", 1, [h, w3 / 3]);
     yolo_letterbox::letterbox(&x, input).expect("letterbox op").mark_output("input");
-    let mut out = kiln::cpu::run(&tracer.graph(), &[("frame", frame)]).expect("cpu run");
+    let mut out = kiln::run_cpu(&tracer.graph(), &[("frame", frame)]).expect("cpu run");
     out.remove("input").expect("output")
 }
 

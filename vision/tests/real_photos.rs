@@ -7,7 +7,7 @@
 //! `.ci/run` calls) into `$KILN_REAL_DATA`, by default `target/real-data` of the workspace. Without
 //! them the tests print why and pass, unless `KILN_REQUIRE_REAL_DATA=1` (as in CI).
 
-use kiln::compare::compare;
+use kiln::compare;
 use kiln::{Graph, HostTensor, VarBuilder};
 use kiln_vision::{imagenet_classes, load_rgb, top_k, ClassifyPreset};
 use sha2::{Digest, Sha256};
@@ -43,7 +43,7 @@ fn mobilenet_v2(dir: &Path, batch: usize) -> Graph {
 }
 
 fn logits(graph: &Graph, x: &HostTensor) -> HostTensor {
-    let mut out = kiln::cpu::run(graph, &[("input", x)]).expect("cpu run");
+    let mut out = kiln::run_cpu(graph, &[("input", x)]).expect("cpu run");
     out.remove("logits").expect("logits")
 }
 
@@ -69,7 +69,7 @@ struct Reference {
 fn reference() -> Reference {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/photos.reference.safetensors");
     let bytes = std::fs::read(&path).expect("reference fixture");
-    let (logits, meta) = kiln::var_builder::decode_safetensors(&path, &bytes, "reference").expect("reference");
+    let (logits, meta) = kiln::internals::var_builder::decode_safetensors(&path, &bytes, "reference").expect("reference");
     Reference { logits, meta }
 }
 
@@ -149,5 +149,5 @@ fn read_torchvision_inputs(dir: &Path) -> Option<BTreeMap<String, HostTensor>> {
         println!("(no {}: the preprocessing's share is not measured; tools/export_photo_reference.py writes it)", path.display());
         return None;
     }
-    Some(kiln::var_builder::read_safetensors(&path).expect("torchvision inputs"))
+    Some(kiln::internals::var_builder::read_safetensors(&path).expect("torchvision inputs"))
 }

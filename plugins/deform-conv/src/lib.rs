@@ -16,7 +16,7 @@
 //! let dcn = DeformConv2d::load(VarBuilder::seeded().pp("dcn"), &DeformConv2dConfig::new(8, 16, 3).padding(1)).unwrap();
 //! let y = dcn.forward(&x, &offset, None).unwrap();
 //! assert_eq!(y.shape(), [1, 16, 12, 12]);
-//! kiln::engine::check_converters(&tracer.graph()).expect("the GPU converter is registered");
+//! kiln::plugin::check_converters(&tracer.graph()).expect("the GPU converter is registered");
 //! ```
 //! The walkthrough is this crate's README.
 

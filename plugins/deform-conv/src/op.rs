@@ -14,8 +14,8 @@
 //! `groups` and `offset_groups` follow from the shapes, as in torchvision. The output is
 //! `[N, Cout, HO, WO]` with `HO = (H + 2 * pad_h - (dil_h * (KH - 1) + 1)) / stride_h + 1`.
 
-use kiln::graph::{CustomCall, HostTensor, Op};
-use kiln::ops::custom::{Attrs, CustomOp};
+use kiln::{plugin::{CustomCall, Op}, HostTensor};
+use kiln::{plugin::{Attrs, CustomOp}};
 use kiln::{Error, Module, Param, Result, Tensor, VarBuilder};
 
 /// The op's registered name (what `Tensor::custom` and the converter registry key on).
@@ -471,9 +471,9 @@ mod tests {
         let (n, cin, h, w, cout, k) = (2, 4, 6, 7, 6, 3);
         let a = DeformAttrs { stride: [1, 2], padding: [1, 1], dilation: [2, 1], mask: false, bias: true };
         let groups = 2;
-        let x = kiln::seeded::weight("t.x", &[n, cin, h, w]);
-        let wt = kiln::seeded::weight("t.weight", &[cout, cin / groups, k, k]);
-        let bias = kiln::seeded::weight("t.bias", &[cout]);
+        let x = kiln::internals::seeded::weight("t.x", &[n, cin, h, w]);
+        let wt = kiln::internals::seeded::weight("t.weight", &[cout, cin / groups, k, k]);
+        let bias = kiln::internals::seeded::weight("t.bias", &[cout]);
         let g = geometry(&a, &[&x.shape, &[n, 2 * k * k, 4, 4], &wt.shape, &bias.shape]).expect("geometry");
         let offset = HostTensor::zeros(vec![n, 2 * k * k, g.ho, g.wo]);
         let map: Attrs = a.to_attrs().into_iter().map(|(k, v)| (k.to_string(), v)).collect();

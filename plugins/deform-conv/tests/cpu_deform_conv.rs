@@ -3,8 +3,8 @@
 //! `python3 tools/export_reference.py --deform-conv-fixtures --out plugins/deform-conv/tests/fixtures`).
 //! Bad inputs are typed errors naming the op, its module path and the shapes.
 
-use kiln::compare::compare;
-use kiln::var_builder::read_safetensors;
+use kiln::compare;
+use kiln::internals::var_builder::read_safetensors;
 use kiln::{Error, HostTensor, Module, Tracer, VarBuilder};
 use kiln_deform_conv::{DeformConv2d, DeformConv2dConfig, OP};
 use std::collections::BTreeMap;
@@ -89,7 +89,7 @@ fn deform_conv2d_matches_torchvision() {
         assert!(graph.nodes.iter().any(|n| n.op.name() == OP && n.path == *case), "{case}: one `{OP}` node at the module's path");
         let mut bound: Vec<(&str, &HostTensor)> = vec![("x", x), ("offset", off)];
         bound.extend(t.get("mask").map(|m| ("mask", m)));
-        let got = kiln::cpu::run(&graph, &bound).unwrap_or_else(|e| panic!("{case}: cpu: {e}"));
+        let got = kiln::run_cpu(&graph, &bound).unwrap_or_else(|e| panic!("{case}: cpu: {e}"));
         let c = compare(case, &got["y"], &t["output"]);
         let outside = samples_outside(t);
         println!("{c}   ({outside} of {} samples outside)", off.data.len() / 2);
@@ -140,7 +140,7 @@ fn bad_shapes_are_typed_errors_with_the_module_path() {
 
 #[test]
 fn the_op_and_its_converter_are_registered() {
-    assert!(kiln::ops::custom::lookup(OP).is_some(), "CustomOp registered");
-    assert!(kiln::engine::converter(OP).expect("registry").is_some(), "GPU converter registered");
-    kiln::ops::custom::check_registry().expect("no duplicate op names");
+    assert!(kiln::internals::ops::custom::lookup(OP).is_some(), "CustomOp registered");
+    assert!(kiln::plugin::converter(OP).expect("registry").is_some(), "GPU converter registered");
+    kiln::internals::ops::custom::check_registry().expect("no duplicate op names");
 }

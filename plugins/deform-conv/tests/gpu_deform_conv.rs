@@ -10,10 +10,10 @@
 //!
 //! On the device: `bash tools/gpu-build.sh` here, then `MODELS=centernet_dcn TEST_FILTER=dcn bash tools/gpu-test.sh` there.
 
-use kiln::compare::compare;
-use kiln::engine::{BuildConfig, EngineBuilder, Precision};
-use kiln::var_builder::read_safetensors;
-use kiln::{Conv2d, Conv2dConfig, Forward, HostTensor, Module, Tensor, VarBuilder};
+use kiln::compare;
+use kiln::{engine::{BuildConfig, EngineBuilder, Precision}};
+use kiln::internals::var_builder::read_safetensors;
+use kiln::{nn::{Conv2d, Conv2dConfig}, Forward, HostTensor, Module, Tensor, VarBuilder};
 use kiln_deform_conv::{DeformConv2d, DeformConv2dConfig};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -65,7 +65,7 @@ fn dcn_block_with_predicted_offsets_matches_the_cpu_reference() {
         let om = Conv2d::load(vb.pp("conv_offset_mask"), &Conv2dConfig::new(32, 27, 3).padding(1))?.forward(&x)?;
         let (offset, mask) = (om.narrow(1, 0, 18)?.affine(3.0, 0.0)?, om.narrow(1, 18, 9)?.sigmoid()?);
         let y = DeformConv2d::load(vb, &DeformConv2dConfig::new(32, 64, 3).padding(1))?.forward(&x, &offset, Some(&mask))?;
-        let bn = kiln::BatchNorm2d::load(VarBuilder::seeded().pp("bn"), &kiln::BatchNorm2dConfig::new(64))?;
+        let bn = kiln::nn::BatchNorm2d::load(VarBuilder::seeded().pp("bn"), &kiln::nn::BatchNorm2dConfig::new(64))?;
         Ok(vec![bn.forward(&y)?.relu()?])
     };
     check("dcn block (conv offsets, bn, relu) [16, 16, 20]", &[("x", &[16, 16, 20])], block);
@@ -136,7 +136,7 @@ fn matching_detections(got: &HostTensor, want: &HostTensor, image: usize, min_sc
 /// The score of the best candidate just outside PyTorch's top 100 (its 101st), from the
 /// reference maps through the decode's CPU reference: what a reference detection must beat.
 fn first_excluded_score(refs: &BTreeMap<String, HostTensor>) -> f32 {
-    let decode = kiln::ops::custom::lookup("centernet_decode").expect("kiln-models registers centernet_decode");
+    let decode = kiln::internals::ops::custom::lookup("centernet_decode").expect("kiln-models registers centernet_decode");
     let attrs = [("k".to_string(), 101.0)].into_iter().collect();
     let maps = [&refs["output.hm"], &refs["output.wh"], &refs["output.reg"]];
     let out = (decode.cpu)(&attrs, &maps).expect("decode of the reference maps");

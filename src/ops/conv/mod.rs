@@ -20,6 +20,11 @@ use crate::var_builder::VarBuilder;
 use crate::Result;
 use serde::{Deserialize, Serialize};
 
+/// This family's layers, as `kiln::nn` shows them.
+pub mod nn {
+    pub use super::{Conv2d, Conv2dConfig, ConvTranspose2d};
+}
+
 /// The fused activation of a convolution.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub enum Activation {

@@ -26,6 +26,11 @@ use crate::var_builder::VarBuilder;
 use crate::Result;
 use serde::{Deserialize, Serialize};
 
+/// This family's layers, as `kiln::nn` shows them.
+pub mod nn {
+    pub use super::{FakeQuantize, FakeQuantizeConfig};
+}
+
 /// The 8-bit number format of a quantised value.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, Default)]
 pub enum QuantFormat {

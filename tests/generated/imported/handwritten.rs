@@ -4,7 +4,8 @@
 //! calls of a class is its config. Load the weights with `VarBuilder::from_safetensors` (the graph
 //! file holds them) and `check_all_used` for a strict check.
 
-use kiln::{Conv2d, Conv2dConfig, Forward, Graph, Linear, LinearConfig, Module, Result, Tensor, Tracer, UpsampleConfig, VarBuilder};
+use kiln::nn::{Conv2d, Conv2dConfig, Linear, LinearConfig, UpsampleConfig};
+use kiln::{Forward, Graph, Module, Result, Tensor, Tracer, VarBuilder};
 
 /// `import_check.Handwritten`: the model.
 #[derive(Module)]

@@ -4,10 +4,8 @@
 //! calls of a class is its config. Load the weights with `VarBuilder::from_safetensors` (the graph
 //! file holds them) and `check_all_used` for a strict check.
 
-use kiln::{
-    AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Forward, Graph, Hardswish, Module, ReLU, Result, Tensor,
-    Tracer, UpsampleConfig, VarBuilder,
-};
+use kiln::nn::{AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Hardswish, ReLU, UpsampleConfig};
+use kiln::{Forward, Graph, Module, Result, Tensor, Tracer, VarBuilder};
 
 /// `torch.nn.modules.container.Sequential`: `backbone`.
 #[derive(Module)]

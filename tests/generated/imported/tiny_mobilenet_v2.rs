@@ -4,10 +4,8 @@
 //! calls of a class is its config. Load the weights with `VarBuilder::from_safetensors` (the graph
 //! file holds them) and `check_all_used` for a strict check.
 
-use kiln::{
-    BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Forward, Graph, Linear, LinearConfig, Module, ReLU6, Result, Tensor, Tracer,
-    VarBuilder,
-};
+use kiln::nn::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Linear, LinearConfig, ReLU6};
+use kiln::{Forward, Graph, Module, Result, Tensor, Tracer, VarBuilder};
 
 /// `torch.nn.modules.container.Sequential`: `classifier`.
 #[derive(Module)]

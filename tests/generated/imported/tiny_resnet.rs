@@ -4,10 +4,10 @@
 //! calls of a class is its config. Load the weights with `VarBuilder::from_safetensors` (the graph
 //! file holds them) and `check_all_used` for a strict check.
 
-use kiln::{
-    AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Forward, Graph, Linear, LinearConfig, MaxPool2d, Module,
-    Pool2dConfig, ReLU, Result, Tensor, Tracer, VarBuilder,
+use kiln::nn::{
+    AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Linear, LinearConfig, MaxPool2d, Pool2dConfig, ReLU,
 };
+use kiln::{Forward, Graph, Module, Result, Tensor, Tracer, VarBuilder};
 
 /// `torch.nn.modules.container.Sequential`: `layer2.0.downsample`.
 #[derive(Module)]

@@ -4,10 +4,8 @@
 //! calls of a class is its config. Load the weights with `VarBuilder::from_safetensors` (the graph
 //! file holds them) and `check_all_used` for a strict check.
 
-use kiln::{
-    AdaptiveAvgPool2d, Conv2d, Conv2dConfig, Forward, Graph, LayerNorm, LayerNormConfig, Linear, LinearConfig, Module, Param, Result,
-    Tensor, Tracer, VarBuilder, GELU,
-};
+use kiln::nn::{AdaptiveAvgPool2d, Conv2d, Conv2dConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig, GELU};
+use kiln::{Forward, Graph, Module, Param, Result, Tensor, Tracer, VarBuilder};
 
 /// `torch.nn.modules.container.Sequential`: `features.0`.
 #[derive(Module)]

@@ -4,10 +4,9 @@
 //! calls of a class is its config. Load the weights with `VarBuilder::from_safetensors` (the graph
 //! file holds them) and `check_all_used` for a strict check.
 
-use kiln::{
-    Binary, Conv2d, Conv2dConfig, Forward, Gemm, Graph, LayerNorm, LayerNormConfig, Linear, LinearConfig, Module, Op, Param, Result,
-    Tensor, Tracer, VarBuilder, GELU,
-};
+use kiln::nn::{Conv2d, Conv2dConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig, GELU};
+use kiln::plugin::{Binary, Gemm, Op};
+use kiln::{Forward, Graph, Module, Param, Result, Tensor, Tracer, VarBuilder};
 
 /// `torch.nn.modules.activation.MultiheadAttention`: `encoder.layers.encoder_layer_0.self_attention`, `encoder.layers.encoder_layer_1.self_attention`.
 pub struct MultiheadAttention {

@@ -1,0 +1,20 @@
+//! What a custom op needs. Register the op (its name, shape rule and CPU reference) as a
+//! [`CustomOp`] with `kiln::inventory::submit!`, and its GPU converter with
+//! [`register_converter!`](crate::register_converter). The converter compiles its CUDA source
+//! through [`BuildCtx`]'s kernel cache and returns a [`Layer`] whose `enqueue` calls [`launch`].
+//! Built-in op families implement [`OpDef`] the same way.
+//!
+//! The graph's op-level IR is here too: [`Op`] and its families' attributes, which a converter
+//! reads from its [`Node`] and which `kiln codegen --flat` writes.
+
+pub use crate::engine::converters::{check_converters, converter, Converter};
+pub use crate::engine::gemm::LtMatmul;
+pub use crate::engine::kernels::{compile_source, Kernels};
+pub use crate::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
+pub use crate::engine::layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId, MAX_RANK};
+pub use crate::graph::{
+    Activation, Attention, Binary, ConvAttrs, Gemm, Node, Norm, Op, Pool, PoolAttrs, QkvAttention, Quant, QuantFormat, QuantParams, Resize,
+    ShapeOp, Unary,
+};
+pub use crate::ops::custom::{attr, Attrs, CustomCall, CustomOp, ShapeRule};
+pub use crate::ops::OpDef;
