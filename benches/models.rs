@@ -15,7 +15,7 @@
 //! ```
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kiln::{engine::{gpu_available, BuildConfig, EngineBuilder, ExecutionContext, Gpu, Precision}};
+use kiln::engine::{gpu_available, BuildConfig, EngineBuilder, ExecutionContext, Gpu, Precision};
 use kiln::{HostTensor, VarBuilder};
 use std::sync::Arc;
 use std::time::Duration;
@@ -61,7 +61,8 @@ fn gpu_benches(c: &mut Criterion, gpu: &Arc<Gpu>) {
 }
 
 fn cpu_bench(c: &mut Criterion) {
-    let graph = kiln::internals::passes::optimize(&kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 224).expect("trace")).expect("passes");
+    let graph =
+        kiln::internals::passes::optimize(&kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 224).expect("trace")).expect("passes");
     let x = input(1, 224);
     let mut group = c.benchmark_group("cpu/resnet18");
     group.throughput(Throughput::Elements(1));

@@ -27,6 +27,7 @@
 
 use crate::graph::{ConvAttrs, Gemm, Graph, HostTensor, NodeId, Op, Quant, QuantFormat, QuantParams};
 use crate::hash::{fnv1a_extend, FNV_OFFSET};
+pub use crate::number_format::symmetric_scale;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -93,15 +94,6 @@ impl TensorRange {
             QuantFormat::Int8 => self.int8_scale,
             QuantFormat::Fp8E4m3 => self.fp8_scale,
         }
-    }
-}
-
-/// `amax / max_abs(format)`; 1 for an all-zero range (any scale maps zeros to zero).
-pub fn symmetric_scale(amax: f32, format: QuantFormat) -> f32 {
-    if amax > 0.0 && amax.is_finite() {
-        amax / format.max_abs()
-    } else {
-        1.0
     }
 }
 

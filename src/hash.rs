@@ -9,6 +9,11 @@ pub fn fnv1a_extend(h: u64, bytes: &[u8]) -> u64 {
     bytes.iter().fold(h, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
+/// FNV-1a, 64 bit, of `bytes`: detects any changed byte; integrity checking, not security.
+pub fn checksum(bytes: &[u8]) -> u64 {
+    fnv1a_extend(FNV_OFFSET, bytes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

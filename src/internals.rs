@@ -70,9 +70,6 @@ pub mod engine {
     pub mod config {
         pub use crate::engine::config::*;
     }
-    pub mod converters {
-        pub use crate::engine::converters::*;
-    }
     pub mod cudnn {
         pub use crate::engine::cudnn::*;
     }

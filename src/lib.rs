@@ -32,6 +32,7 @@ pub mod internals;
 mod layerwise;
 mod module;
 pub mod nn;
+mod number_format;
 mod ops;
 mod passes;
 pub mod plugin;

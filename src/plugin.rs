@@ -7,7 +7,6 @@
 //! The graph's op-level IR is here too: [`Op`] and its families' attributes, which a converter
 //! reads from its [`Node`] and which `kiln codegen --flat` writes.
 
-pub use crate::engine::converters::{check_converters, converter, Converter};
 pub use crate::engine::gemm::LtMatmul;
 pub use crate::engine::kernels::{compile_source, Kernels};
 pub use crate::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
@@ -17,4 +16,5 @@ pub use crate::graph::{
     ShapeOp, Unary,
 };
 pub use crate::ops::custom::{attr, Attrs, CustomCall, CustomOp, ShapeRule};
+pub use crate::ops::custom::{check_converters, converter, Converter};
 pub use crate::ops::OpDef;

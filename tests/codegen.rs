@@ -8,9 +8,9 @@
 #[path = "generated/resnet18_gen.rs"]
 mod resnet18_gen;
 
-use kiln::{internals::{codegen::{generate, CodegenOptions}}};
 use kiln::compare;
-use kiln::{engine::{gpu_available, BuildConfig, EngineBuilder, Gpu, Precision}};
+use kiln::engine::{gpu_available, BuildConfig, EngineBuilder, Gpu, Precision};
+use kiln::internals::codegen::{generate, CodegenOptions};
 use kiln::{Graph, HostTensor, VarBuilder};
 use std::path::Path;
 use std::sync::Arc;

@@ -2,8 +2,11 @@
 //! shapes covering the non-default settings; and the executor's binding and error behaviour.
 
 use kiln::compare;
-use kiln::{plugin::{Activation, Binary, ConvAttrs, CustomCall, Gemm, Norm, Op, Pool, PoolAttrs, ShapeOp, Unary}, Graph, HostTensor};
 use kiln::{internals::cpu, ByteTensor, DType, Error, HostInput};
+use kiln::{
+    plugin::{Activation, Binary, ConvAttrs, CustomCall, Gemm, Norm, Op, Pool, PoolAttrs, ShapeOp, Unary},
+    Graph, HostTensor,
+};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -450,8 +453,11 @@ fn small_net(batch: usize) -> Graph {
 
 /// `small_net` with its input `x` declared `dtype`.
 fn small_net_typed(batch: usize, dtype: kiln::DType) -> Graph {
-    use kiln::{nn::{AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Linear, LinearConfig, MaxPool2d}, Forward, Module};
     use kiln::{nn::Pool2dConfig, Tracer, VarBuilder};
+    use kiln::{
+        nn::{AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Linear, LinearConfig, MaxPool2d},
+        Forward, Module,
+    };
     let vb = VarBuilder::seeded();
     let conv = Conv2d::load(vb.pp("conv"), &Conv2dConfig::new(3, 8, 3).padding(1).stride(2)).expect("conv");
     let bn = BatchNorm2d::load(vb.pp("bn"), &BatchNorm2dConfig::new(8)).expect("bn");

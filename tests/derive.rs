@@ -2,7 +2,11 @@
 //! from a safetensors file, traced, and checked for module paths, shapes and parameter names.
 
 use kiln::internals::var_builder::write_safetensors;
-use kiln::{nn::{AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Linear, LinearConfig, ReLU}, Error, Forward, Graph, HostTensor, Module, plugin::Op, Tensor, Tracer, VarBuilder};
+use kiln::{
+    nn::{AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Linear, LinearConfig, ReLU},
+    plugin::Op,
+    Error, Forward, Graph, HostTensor, Module, Tensor, Tracer, VarBuilder,
+};
 use std::collections::{BTreeMap, BTreeSet};
 
 #[derive(Clone, Copy, Debug)]

@@ -1,9 +1,18 @@
 //! Engine checks that need no GPU: the converter registry, the missing-converter error raised
 //! before any GPU work, batch-range validation, and a clean `NoGpu` where there is no GPU.
 
-use kiln::{plugin::{check_converters, converter}, engine::{gpu_available, BuildConfig, EngineBuilder, Gpu}};
-use kiln::{plugin::{CustomCall, Op}, Graph};
-use kiln::{nn::{Conv2d, Conv2dConfig}, Error, Forward, Module, Tracer, VarBuilder};
+use kiln::{
+    engine::{gpu_available, BuildConfig, EngineBuilder, Gpu},
+    plugin::{check_converters, converter},
+};
+use kiln::{
+    nn::{Conv2d, Conv2dConfig},
+    Error, Forward, Module, Tracer, VarBuilder,
+};
+use kiln::{
+    plugin::{CustomCall, Op},
+    Graph,
+};
 use std::collections::BTreeMap;
 
 /// conv → a custom op nobody registered a converter for → output.
@@ -78,7 +87,7 @@ fn without_a_gpu_opening_one_is_an_error_not_a_crash() {
 /// wherever NVRTC is installed (CI installs it; see .ci/run); needs no GPU.
 #[test]
 fn the_channel_padding_kernel_compiles_for_sm_90() {
-    use kiln::{internals::{engine::{kernels::{compile_source, image_has_symbol, nvrtc_available}}}};
+    use kiln::internals::engine::kernels::{compile_source, image_has_symbol, nvrtc_available};
     if let Err(why) = nvrtc_available() {
         println!("skipped: {why}");
         return;

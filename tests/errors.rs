@@ -2,7 +2,10 @@
 //! module path, both shapes, the file), never a panic.
 
 use kiln::internals::var_builder::write_safetensors;
-use kiln::{nn::{Conv2d, Conv2dConfig}, Error, Forward, HostTensor, Module, Tracer, VarBuilder};
+use kiln::{
+    nn::{Conv2d, Conv2dConfig},
+    Error, Forward, HostTensor, Module, Tracer, VarBuilder,
+};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -280,7 +283,10 @@ fn tensors_of_two_traces_cannot_be_mixed() {
 
 #[test]
 fn degenerate_layer_settings_are_shape_errors_naming_the_layer() {
-    use kiln::{nn::{ConvTranspose2d, MaxPool2d, Pool2dConfig}, Tensor};
+    use kiln::{
+        nn::{ConvTranspose2d, MaxPool2d, Pool2dConfig},
+        Tensor,
+    };
     let vb = VarBuilder::seeded();
     let tracer = Tracer::new();
     let x = tracer.input("x", &[1, 4, 8, 8]);

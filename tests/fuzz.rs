@@ -13,11 +13,14 @@
 //! `tests/fixtures/fuzz-corpus/` with a `.expect` file, it is replayed by every run
 //! (`corpus_is_replayed`).
 
-use kiln::{internals::{calibrate::{CalibrationCache, CalibrationMethod, Calibrator}}};
-use kiln::{internals::{engine::{file::{checksum, decode, decode_payload, encode, Header, Payload, FORMAT_VERSION}}}};
-use kiln::{engine::{BuildConfig, LayerPrecision, Precision}};
-use kiln::{internals::{var_builder::{read_safetensors, read_tensors, write_safetensors}}};
-use kiln::{plugin::{ConvAttrs, Norm, Op, PoolAttrs}, DType, Graph, HostTensor, VarBuilder};
+use kiln::engine::{BuildConfig, LayerPrecision, Precision};
+use kiln::internals::calibrate::{CalibrationCache, CalibrationMethod, Calibrator};
+use kiln::internals::engine::file::{checksum, decode, decode_payload, encode, Header, Payload, FORMAT_VERSION};
+use kiln::internals::var_builder::{read_safetensors, read_tensors, write_safetensors};
+use kiln::{
+    plugin::{ConvAttrs, Norm, Op, PoolAttrs},
+    DType, Graph, HostTensor, VarBuilder,
+};
 use proptest::prelude::*;
 use proptest::test_runner::Config;
 use std::collections::BTreeMap;
@@ -106,7 +109,8 @@ fn bounded(g: &Graph) -> bool {
         let params: Option<Vec<&Arc<HostTensor>>> = n.inputs.get(1..).unwrap_or(&[]).iter().map(|&i| g.weight_data(i)).collect();
         match params.as_deref() {
             Some([gamma, beta, mean, var]) => {
-                let (scale, shift) = kiln::internals::ops::norm::batch_norm_scale_shift(&gamma.data, &beta.data, &mean.data, &var.data, eps);
+                let (scale, shift) =
+                    kiln::internals::ops::norm::batch_norm_scale_shift(&gamma.data, &beta.data, &mean.data, &var.data, eps);
                 scale.iter().chain(&shift).all(small)
             }
             _ => true,
@@ -121,7 +125,9 @@ fn bounded(g: &Graph) -> bool {
 fn optimize_agrees(g: &Graph, seed: u64, nan_at: Option<usize>) {
     let Ok(opt) = kiln::internals::passes::optimize(g) else { return };
     let small = |g: &Graph| {
-        g.nodes.iter().all(|n| matches!(n.op, Op::Weight { .. }) || kiln::internals::graph::numel(&n.shape).is_some_and(|e| e <= CPU_MAX_ACTIVATION))
+        g.nodes
+            .iter()
+            .all(|n| matches!(n.op, Op::Weight { .. }) || kiln::internals::graph::numel(&n.shape).is_some_and(|e| e <= CPU_MAX_ACTIVATION))
     };
     if !small(g) || !small(&opt) {
         return;
@@ -150,7 +156,9 @@ fn optimize_agrees(g: &Graph, seed: u64, nan_at: Option<usize>) {
 /// Whether `a` and `b` compute the same (module paths and output names aside): the CPU check of
 /// a mutated file that decodes to the base's graph over the base's weights is the base's.
 fn same_computation(a: &Graph, b: &Graph) -> bool {
-    let same_node = |(x, y): (&kiln::plugin::Node, &kiln::plugin::Node)| x.op == y.op && x.inputs == y.inputs && x.shape == y.shape && x.dtype == y.dtype;
+    let same_node = |(x, y): (&kiln::plugin::Node, &kiln::plugin::Node)| {
+        x.op == y.op && x.inputs == y.inputs && x.shape == y.shape && x.dtype == y.dtype
+    };
     a.inputs == b.inputs
         && a.outputs.iter().map(|o| o.1).eq(b.outputs.iter().map(|o| o.1))
         && a.nodes.len() == b.nodes.len()
@@ -682,7 +690,10 @@ fn generated_graph(shape: [usize; 4], layers: &[Layer], special: Option<(usize, 
             }
             Layer::MaxPool | Layer::AvgPool => {
                 let p = PoolAttrs { kernel: [2, 2], stride: [2, 2], padding: [0, 0], ceil_mode: false, count_include_pad: true };
-                Some((if matches!(l, Layer::MaxPool) { Op::Pool(kiln::plugin::Pool::Max(p)) } else { Op::Pool(kiln::plugin::Pool::Avg(p)) }, vec![x]))
+                Some((
+                    if matches!(l, Layer::MaxPool) { Op::Pool(kiln::plugin::Pool::Max(p)) } else { Op::Pool(kiln::plugin::Pool::Avg(p)) },
+                    vec![x],
+                ))
             }
         };
         if let Some((op, inputs)) = op_inputs {
@@ -924,7 +935,12 @@ fn check_flags(texts: &[String]) {
                 let pattern: Vec<char> = rule.pattern.chars().collect();
                 for path in resnet18_paths().iter().step_by(7) {
                     let text: Vec<char> = path.chars().collect();
-                    assert_eq!(kiln::internals::engine::precision::glob_match(&rule.pattern, path), naive_glob(&pattern, &text), "{} on {path}", rule.pattern);
+                    assert_eq!(
+                        kiln::internals::engine::precision::glob_match(&rule.pattern, path),
+                        naive_glob(&pattern, &text),
+                        "{} on {path}",
+                        rule.pattern
+                    );
                     let _ = rule.matches(path);
                 }
             }
@@ -1188,7 +1204,9 @@ fn corpus_is_replayed() {
                 }
                 "pnm" => {
                     let size = expect.split_whitespace().find_map(|w| w.strip_prefix("size=")).map_or(2, |s| s.parse().expect("size"));
-                    kiln::internals::pnm::parse(&bytes, size).map(|_| ()).map_err(|reason| kiln::Error::Image { path: path.clone(), reason })
+                    kiln::internals::pnm::parse(&bytes, size)
+                        .map(|_| ())
+                        .map_err(|reason| kiln::Error::Image { path: path.clone(), reason })
                 }
                 _ => {
                     let texts: Vec<String> = String::from_utf8_lossy(&bytes).lines().map(String::from).collect();

@@ -11,7 +11,7 @@
 //!
 //! On the device: `cargo test --release --test gpu_attention -- --include-ignored --nocapture --test-threads 1`.
 
-use kiln::{engine::{BuildConfig, EngineBuilder, Precision}};
+use kiln::engine::{BuildConfig, EngineBuilder, Precision};
 use kiln::{Graph, HostTensor, Param, Tracer};
 use std::sync::Arc;
 

@@ -9,9 +9,12 @@
 //! `#[ignore]`d (CI has no GPU); on the device: `bash tools/gpu-test.sh` (docs/ENGINE.md).
 
 use kiln::compare;
-use kiln::{engine::{BuildConfig, EngineBuilder, Precision}};
-use kiln::{internals::{module::{Forward, Module}}};
-use kiln::{nn::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d}, Tensor, Tracer, VarBuilder};
+use kiln::engine::{BuildConfig, EngineBuilder, Precision};
+use kiln::internals::module::{Forward, Module};
+use kiln::{
+    nn::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d},
+    Tensor, Tracer, VarBuilder,
+};
 
 mod common;
 use common::{gpu, random};

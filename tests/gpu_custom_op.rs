@@ -3,10 +3,16 @@
 //! (`CustomOp`), its CUDA kernel, and its GPU converter (`kiln::register_converter!`). Tracing,
 //! the CPU executor and the engine all pick it up by name. Without a GPU, the GPU half skips.
 
-use kiln::{internals::{engine::{launch::{grid_for, launch, KArg, BLOCK}}}};
-use kiln::{engine::{gpu_available, BuildConfig, EngineBuilder, Gpu, Precision}, plugin::{BuildCtx, Layer, RunCtx, ValueId}};
-use kiln::{plugin::{Attrs, CustomOp}};
-use kiln::{nn::{Conv2d, Conv2dConfig}, Forward, HostTensor, Module, NodeId, Tracer, VarBuilder};
+use kiln::internals::engine::launch::{grid_for, launch, KArg, BLOCK};
+use kiln::plugin::{Attrs, CustomOp};
+use kiln::{
+    engine::{gpu_available, BuildConfig, EngineBuilder, Gpu, Precision},
+    plugin::{BuildCtx, Layer, RunCtx, ValueId},
+};
+use kiln::{
+    nn::{Conv2d, Conv2dConfig},
+    Forward, HostTensor, Module, NodeId, Tracer, VarBuilder,
+};
 use std::sync::Arc;
 
 // ---- the op: shape rule and CPU reference -------------------------------------------------

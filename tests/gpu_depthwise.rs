@@ -6,9 +6,12 @@
 //!
 //! On the device: `cargo test --release --test gpu_depthwise -- --include-ignored --nocapture`.
 
-use kiln::{engine::{BuildConfig, EngineBuilder, Precision}};
+use kiln::engine::{BuildConfig, EngineBuilder, Precision};
 use kiln::HostTensor;
-use kiln::{nn::{Conv2d, Conv2dConfig}, Forward, Module, Tensor, Tracer, VarBuilder};
+use kiln::{
+    nn::{Conv2d, Conv2dConfig},
+    Forward, Module, Tensor, Tracer, VarBuilder,
+};
 
 mod common;
 use common::{check, gpu, random, rel_l2};

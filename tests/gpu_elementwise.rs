@@ -5,7 +5,11 @@
 //!
 //! On the device: `cargo test --release --test gpu_elementwise -- --include-ignored --nocapture`.
 
-use kiln::{plugin::{Binary, Unary}, nn::{Conv2d, Conv2dConfig}, Forward, Module, Param, Tensor, VarBuilder};
+use kiln::{
+    nn::{Conv2d, Conv2dConfig},
+    plugin::{Binary, Unary},
+    Forward, Module, Param, Tensor, VarBuilder,
+};
 use std::sync::Arc;
 
 mod common;

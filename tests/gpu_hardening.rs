@@ -8,7 +8,7 @@
 //! Every test is `#[ignore]`d (CI has no GPU); `tools/gpu-test.sh` runs them on the device.
 //! `KILN_STRESS_SECONDS` (default 60) and `KILN_SOAK_RUNS` (default 1,000,000) scale the two long ones.
 
-use kiln::{engine::{BuildConfig, Engine, EngineBuilder, ExecutionContext, Gpu, Precision}};
+use kiln::engine::{BuildConfig, Engine, EngineBuilder, ExecutionContext, Gpu, Precision};
 use kiln::{Error, Graph, HostTensor, VarBuilder};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -218,7 +218,7 @@ fn r40_an_engine_path_that_is_a_directory_or_fifo_is_named() {
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn r41_a_tampered_engine_file_is_refused_before_lowering() {
-    use kiln::{internals::{engine::{file::{decode, encode}}}};
+    use kiln::internals::engine::file::{decode, encode};
     let Some(gpu) = gpu() else { return };
     let engine = build(&gpu, &graph("resnet18", 64), BuildConfig::default().precision(Precision::Fp16).batch(1, 1, 1)).expect("build");
     let path = std::env::temp_dir().join(format!("kiln-r41-{}.kiln", std::process::id()));

@@ -5,8 +5,11 @@
 //!
 //! On the device: `cargo test --release --test gpu_kernels -- --nocapture --test-threads 1`.
 
-use kiln::{engine::{BuildConfig, EngineBuilder, Gpu, Precision}};
-use kiln::{Graph, HostTensor, plugin::{Op, Pool, PoolAttrs}};
+use kiln::engine::{BuildConfig, EngineBuilder, Gpu, Precision};
+use kiln::{
+    plugin::{Op, Pool, PoolAttrs},
+    Graph, HostTensor,
+};
 use kiln::{Tensor, Tracer};
 
 mod common;
@@ -109,11 +112,11 @@ fn flatten_and_cat() {
 // `ops::elementwise::bias_act` through the same converter mechanism a user's op would.
 
 mod bias_act_op {
-    use kiln::{plugin::{BuildCtx, Layer}};
-    use kiln::{HostTensor, NodeId, plugin::Op};
-    use kiln::{plugin::{attr, Attrs, CustomOp}};
     use kiln::internals::ops::elementwise::bias_act;
     use kiln::plugin::Unary;
+    use kiln::plugin::{attr, Attrs, CustomOp};
+    use kiln::plugin::{BuildCtx, Layer};
+    use kiln::{plugin::Op, HostTensor, NodeId};
 
     pub const NAME: &str = "test_bias_act";
 
@@ -163,7 +166,9 @@ mod bias_act_op {
     }
 
     fn convert(ctx: &mut BuildCtx, node: NodeId) -> kiln::Result<Box<dyn Layer>> {
-        let Op::Custom(kiln::plugin::CustomCall { attrs, .. }) = &ctx.node(node).op else { return Err(ctx.err(node, "not a custom op".into())) };
+        let Op::Custom(kiln::plugin::CustomCall { attrs, .. }) = &ctx.node(node).op else {
+            return Err(ctx.err(node, "not a custom op".into()));
+        };
         let (a, with_res) = (act(attrs)?, attr(attrs, NAME, "residual")? != 0.0);
         let (x, r, y) = (ctx.input(node, 0)?, ctx.input(node, 1)?, ctx.output(node)?);
         let c = ctx.value(y).dims[0];

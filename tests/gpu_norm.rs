@@ -5,7 +5,10 @@
 //!
 //! On the device: `cargo test --release --test gpu_norm -- --include-ignored --nocapture --test-threads 1`.
 
-use kiln::{nn::{Conv2d, Conv2dConfig, LayerNorm, LayerNorm2d, LayerNormConfig, Linear, LinearConfig}, Forward, Module, Tensor, VarBuilder};
+use kiln::{
+    nn::{Conv2d, Conv2dConfig, LayerNorm, LayerNorm2d, LayerNormConfig, Linear, LinearConfig},
+    Forward, Module, Tensor, VarBuilder,
+};
 
 mod common;
 use common::check;

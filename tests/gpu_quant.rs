@@ -6,11 +6,17 @@
 //! On the device:
 //! `cargo test --release --test gpu_quant -- --include-ignored --nocapture --test-threads 1`.
 
-use kiln::{internals::{calibrate::{simulate, CalibrationCache, CalibrationMethod, Calibrator}}};
-use kiln::{engine::{BuildConfig, EngineBuilder, Precision}};
-use kiln::{Graph, HostTensor, plugin::{QuantFormat, QuantParams}};
+use kiln::engine::{BuildConfig, EngineBuilder, Precision};
+use kiln::internals::calibrate::{simulate, CalibrationCache, CalibrationMethod, Calibrator};
 use kiln::internals::var_builder::read_safetensors;
-use kiln::{Error, Forward, nn::{MaxPool2d, Pool2dConfig}, Module, VarBuilder};
+use kiln::{
+    nn::{MaxPool2d, Pool2dConfig},
+    Error, Forward, Module, VarBuilder,
+};
+use kiln::{
+    plugin::{QuantFormat, QuantParams},
+    Graph, HostTensor,
+};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -170,8 +176,8 @@ fn digits_engines_int8_fp8_accuracy() {
             continue;
         }
         let got = run(precision, Some(&path));
-        let sim = kiln::run_cpu(&simulate(&d.graph, &cache, format).expect("simulate"), &[("input", &d.heldout)]).expect("cpu")["logits"]
-            .clone();
+        let sim =
+            kiln::run_cpu(&simulate(&d.graph, &cache, format).expect("simulate"), &[("input", &d.heldout)]).expect("cpu")["logits"].clone();
         let (acc, sim_acc) = (top1(&got, &d.labels), top1(&sim, &d.labels));
         let (vs_sim, _) = rel_l2(&got.data, &sim.data);
         let (vs_fp32, _) = rel_l2(&got.data, &cpu_fp32.data);
@@ -253,7 +259,7 @@ fn fp8_gemm_matches_the_simulation() {
         println!("skipped: sm_{} has no FP8", gpu.info.sm);
         return;
     }
-    use kiln::{nn::{Conv2d, Conv2dConfig}};
+    use kiln::nn::{Conv2d, Conv2dConfig};
     let tracer = kiln::Tracer::new();
     let x = tracer.input("input", &[4, 32, 7, 7]);
     let vb = VarBuilder::seeded();
@@ -325,7 +331,7 @@ fn fp8_gemm_matches_the_simulation() {
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn conv8_matches_the_simulation() {
     let Some(gpu) = gpu() else { return };
-    use kiln::{nn::{Conv2d, Conv2dConfig}};
+    use kiln::nn::{Conv2d, Conv2dConfig};
     let tracer = kiln::Tracer::new();
     let x = tracer.input("input", &[5, 32, 9, 11]);
     let vb = VarBuilder::seeded();
@@ -444,7 +450,7 @@ fn conv8_matches_the_simulation() {
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn stem8_matches_the_simulation() {
     let Some(gpu) = gpu() else { return };
-    use kiln::{nn::{Conv2d, Conv2dConfig}};
+    use kiln::nn::{Conv2d, Conv2dConfig};
     let dims = [3, 3, 45, 38];
     let input = common::random(&dims, 31, 2.0);
     let mut failures = vec![];

@@ -8,7 +8,10 @@
 //!
 //! On the device: `cargo test --release --test gpu_shape -- --include-ignored --nocapture --test-threads 1`.
 
-use kiln::{nn::{ConstantPad2d, ConstantPad2dConfig, ZeroPad2d}, Forward, Module, Tensor, VarBuilder};
+use kiln::{
+    nn::{ConstantPad2d, ConstantPad2dConfig, ZeroPad2d},
+    Forward, Module, Tensor, VarBuilder,
+};
 
 mod common;
 use common::check;

@@ -8,10 +8,10 @@
 mod common;
 
 use common::{gpu, random, rel_l2};
-use kiln::{engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision}};
-use kiln::{Graph, HostTensor};
+use kiln::engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision};
 use kiln::internals::var_builder::read_safetensors;
 use kiln::{ByteTensor, DType, Tracer, VarBuilder};
+use kiln::{Graph, HostTensor};
 use kiln_models::yolo_nms::{detections, nms, NmsConfig};
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -2,7 +2,10 @@
 //! machine without a GPU. CI installs NVRTC and sets `KILN_REQUIRE_NVRTC=1`, so a kernel that
 //! does not compile never lands; elsewhere, a missing NVRTC skips these tests with the reason.
 
-use kiln::{internals::{engine::{kernels, kernels::{cached_compile, compile_all_for, compile_source, image_has_symbol, FAMILIES, ON_DEMAND}}}};
+use kiln::internals::engine::{
+    kernels,
+    kernels::{cached_compile, compile_all_for, compile_source, image_has_symbol, FAMILIES, ON_DEMAND},
+};
 use kiln::internals::ops::kernel_entry_points;
 use kiln::Error;
 use std::path::PathBuf;

@@ -3,7 +3,7 @@
 //! weights (in the export script's format: `input`, `output.<name>`, `intermediate.<path>`), and
 //! the report must name exactly that layer as the first whose error jumps.
 
-use kiln::{internals::{layerwise::{mark_all, run, LayerwiseReport}}};
+use kiln::internals::layerwise::{mark_all, run, LayerwiseReport};
 use kiln::{Graph, HostTensor, VarBuilder};
 use std::collections::BTreeMap;
 
@@ -45,8 +45,11 @@ fn unperturbed_weights_pass_everywhere() {
     assert!(report.passes());
     assert!(report.first_jump().is_none());
     // Every op of ResNet-18 was compared: each has a reference intermediate under its path.
-    let ops =
-        trace(VarBuilder::seeded()).nodes.iter().filter(|n| !matches!(n.op, kiln::plugin::Op::Weight { .. } | kiln::plugin::Op::Input { .. })).count();
+    let ops = trace(VarBuilder::seeded())
+        .nodes
+        .iter()
+        .filter(|n| !matches!(n.op, kiln::plugin::Op::Weight { .. } | kiln::plugin::Op::Input { .. }))
+        .count();
     assert_eq!(report.layers.len(), ops);
     assert_eq!(report.outputs.len(), 1);
 }

@@ -5,8 +5,8 @@
 //! the ResNet-18/50 at 224 and CenterNet at 512 (batch 1), RegNetY-400MF and ConvNeXt-Tiny at 96x96
 //! and the other classifiers at 112x112, batch 2, to keep the CPU executor's time down. Each holds `input` and the outputs only.
 
-use kiln::{compare, top1, Comparison};
 use kiln::internals::var_builder::read_safetensors;
+use kiln::{compare, top1, Comparison};
 use kiln::{HostTensor, VarBuilder};
 use std::collections::BTreeMap;
 use std::path::PathBuf;

@@ -5,9 +5,12 @@
 //! compared with PyTorch's output.
 
 use kiln::compare;
-use kiln::{internals::{ops::{Fixture, FixtureTwin}}};
+use kiln::internals::ops::{Fixture, FixtureTwin};
 use kiln::internals::var_builder::read_safetensors;
-use kiln::{nn::{Conv2d, Conv2dConfig, ConvTranspose2d}, Forward, Module, Tensor, Tracer, VarBuilder};
+use kiln::{
+    nn::{Conv2d, Conv2dConfig, ConvTranspose2d},
+    Forward, Module, Tensor, Tracer, VarBuilder,
+};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 

@@ -3,10 +3,16 @@
 //! expected structure.
 
 use kiln::compare;
-use kiln::{plugin::{Activation, ConvAttrs, Op, Unary}, Graph, HostTensor};
+use kiln::internals::{cpu, passes};
 use kiln::plugin::OpDef;
-use kiln::{internals::{cpu, passes}};
-use kiln::{nn::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d}, Forward, Module, Tensor, Tracer, VarBuilder};
+use kiln::{
+    nn::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d},
+    Forward, Module, Tensor, Tracer, VarBuilder,
+};
+use kiln::{
+    plugin::{Activation, ConvAttrs, Op, Unary},
+    Graph, HostTensor,
+};
 
 fn rand(shape: &[usize]) -> HostTensor {
     kiln::internals::seeded::uniform_tensor(shape, kiln::internals::seeded::fresh_seed())

@@ -3,11 +3,20 @@
 //! method) and FP8 engines; calibration determinism and the cache's round trip; explicit Q/DQ
 //! graphs built with exactly their `state_dict` scales.
 
-use kiln::{internals::{calibrate::{graph_hash, prepare_for_best, prepare_for_engine, quant_points, quantize_graph, simulate, CalibrationCache, CalibrationMethod, Calibrator}}};
-use kiln::{Graph, HostTensor, plugin::{Op, Quant, QuantFormat, QuantParams}};
-use kiln::{internals::{ops::{quant::{FakeQuantize, FakeQuantizeConfig}}}};
+use kiln::internals::calibrate::{
+    graph_hash, prepare_for_best, prepare_for_engine, quant_points, quantize_graph, simulate, CalibrationCache, CalibrationMethod,
+    Calibrator,
+};
+use kiln::internals::ops::quant::{FakeQuantize, FakeQuantizeConfig};
 use kiln::internals::var_builder::read_safetensors;
-use kiln::{nn::{Conv2d, Conv2dConfig}, Error, Forward, Module, Tracer, VarBuilder};
+use kiln::{
+    nn::{Conv2d, Conv2dConfig},
+    Error, Forward, Module, Tracer, VarBuilder,
+};
+use kiln::{
+    plugin::{Op, Quant, QuantFormat, QuantParams},
+    Graph, HostTensor,
+};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -241,7 +250,8 @@ fn explicit_qdq_graphs_build_with_exactly_their_state_dict_scales() {
     let y = wq.forward(&conv.forward(&quant.forward(&x).expect("q")).expect("conv")).expect("wq");
     y.mark_output("y");
     let graph = tracer.graph();
-    let engine_graph = prepare_for_engine(kiln::internals::passes::optimize(&graph).expect("optimize"), QuantFormat::Int8, None).expect("explicit");
+    let engine_graph =
+        prepare_for_engine(kiln::internals::passes::optimize(&graph).expect("optimize"), QuantFormat::Int8, None).expect("explicit");
     let scales: Vec<Vec<f32>> =
         engine_graph.nodes.iter().filter_map(|n| if let Op::Quant(q) = &n.op { Some(q.params().scale.clone()) } else { None }).collect();
     assert_eq!(scales, vec![vec![0.0123], vec![0.002, 0.003, 0.004, 0.005]], "the state_dict's scales, unchanged");
@@ -355,7 +365,8 @@ fn digits_int8_engine_graph(d: &Digits) -> kiln::Graph {
         Calibrator::new(&d.graph).and_then(|c| c.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::MinMax)).expect("calibrate");
     let path = std::env::temp_dir().join(format!("kiln-int8-{}-{:?}.json", std::process::id(), std::thread::current().id()));
     cache.save(&path).expect("save");
-    let g = prepare_for_engine(kiln::internals::passes::optimize(&d.graph).expect("optimize"), QuantFormat::Int8, Some(&path)).expect("quantise");
+    let g = prepare_for_engine(kiln::internals::passes::optimize(&d.graph).expect("optimize"), QuantFormat::Int8, Some(&path))
+        .expect("quantise");
     let _ = std::fs::remove_file(&path);
     g
 }
@@ -367,8 +378,11 @@ fn digits_int8_engine_graph(d: &Digits) -> kiln::Graph {
 /// in FP16, nothing (or less) is 8-bit.
 #[test]
 fn eight_bit_plan_of_the_digits_network() {
-    use kiln::{internals::engine::config::node_precisions, engine::{BuildConfig, Precision}};
     use kiln::internals::ops::conv::conv8;
+    use kiln::{
+        engine::{BuildConfig, Precision},
+        internals::engine::config::node_precisions,
+    };
     let g = digits_int8_engine_graph(&digits());
     let plan_for = |config: &BuildConfig, sm: u32| conv8::plan(&g, config, &node_precisions(&g, config), sm);
     let names = |v: &[bool]| -> Vec<String> { v.iter().enumerate().filter(|(_, &b)| b).map(|(i, _)| g.nodes[i].path.clone()).collect() };
@@ -419,9 +433,12 @@ fn eight_bit_plan_of_the_digits_network() {
 /// than the quantiser kernels the move would add cost.
 #[test]
 fn best_moves_convs_to_16_bits_only_where_it_pays() {
-    use kiln::{internals::{engine::{best::{choose, LayerTimes}}}};
-    use kiln::{internals::engine::config::node_precisions, engine::{BuildConfig, Precision}};
+    use kiln::internals::engine::best::{choose, LayerTimes};
     use kiln::internals::ops::conv::conv8;
+    use kiln::{
+        engine::{BuildConfig, Precision},
+        internals::engine::config::node_precisions,
+    };
     let d = digits();
     let cache =
         Calibrator::new(&d.graph).and_then(|c| c.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::MinMax)).expect("calibrate");
@@ -461,8 +478,11 @@ fn best_moves_convs_to_16_bits_only_where_it_pays() {
 /// both quantisers to their own layers.
 #[test]
 fn eight_bit_plan_of_the_resnet_stem() {
-    use kiln::{internals::engine::config::node_precisions, engine::{BuildConfig, Precision}};
     use kiln::internals::ops::conv::conv8;
+    use kiln::{
+        engine::{BuildConfig, Precision},
+        internals::engine::config::node_precisions,
+    };
     let traced = kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 64).expect("trace");
     let x = kiln::internals::seeded::weight("input.0", &[2, 3, 64, 64]);
     let cache = Calibrator::new(&traced).and_then(|c| c.calibrate(std::slice::from_ref(&x), CalibrationMethod::MinMax)).expect("calibrate");
@@ -495,9 +515,12 @@ fn eight_bit_plan_of_the_resnet_stem() {
 /// engine plans the same 8-bit layers as the build did.
 #[test]
 fn weight_grids_survive_the_engine_file() {
-    use kiln::{internals::{engine::{file::{decode, encode, Header, Payload, FORMAT_VERSION}}}};
-    use kiln::{internals::engine::config::node_precisions, engine::{BuildConfig, Precision}};
+    use kiln::internals::engine::file::{decode, encode, Header, Payload, FORMAT_VERSION};
     use kiln::internals::ops::conv::conv8;
+    use kiln::{
+        engine::{BuildConfig, Precision},
+        internals::engine::config::node_precisions,
+    };
     let g = digits_int8_engine_graph(&digits());
     let grids = g.nodes.iter().filter(|n| matches!(&n.op, Op::Weight { quant: Some(q), .. } if q.axis == Some(0))).count();
     assert_eq!(grids, 10, "every 8-bit layer's weight is on a per-channel int8 grid");

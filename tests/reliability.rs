@@ -2,10 +2,13 @@
 //! file, a tampered engine payload, an impossible size) and the typed error Kiln answers with. Each
 //! test asserts the variant and the words of the message the table quotes.
 
-use kiln::{internals::{engine::{file::{checksum, decode, encode, Header, Payload, FORMAT_VERSION}}}};
 use kiln::engine::BuildConfig;
-use kiln::{internals::{var_builder::{read_safetensors, read_tensors, write_safetensors}}};
-use kiln::{plugin::{ConvAttrs, Op}, Error, Graph, HostTensor, VarBuilder};
+use kiln::internals::engine::file::{checksum, decode, encode, Header, Payload, FORMAT_VERSION};
+use kiln::internals::var_builder::{read_safetensors, read_tensors, write_safetensors};
+use kiln::{
+    plugin::{ConvAttrs, Op},
+    Error, Graph, HostTensor, VarBuilder,
+};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -8,8 +8,8 @@
 //! The letterbox's reference is `letterbox.reference.safetensors` (`tools/yolo_letterbox_reference.py`).
 
 use kiln::compare;
-use kiln::{internals::ops::custom::lookup, plugin::Attrs};
 use kiln::internals::var_builder::read_safetensors;
+use kiln::{internals::ops::custom::lookup, plugin::Attrs};
 use kiln::{HostTensor, VarBuilder};
 use kiln_models::yolo_nms::detections;
 use std::collections::BTreeMap;
@@ -216,9 +216,13 @@ fn a_u8_frame_runs_from_bytes_as_from_f32_values() {
 /// computes in FP32 and the branches' convolutions in FP16; a user's rule may override them.
 #[test]
 fn yolo_decode_and_nms_compute_in_fp32_in_fp16_engines() {
-    use kiln::{internals::engine::config::node_precisions, engine::{BuildConfig, Precision}};
+    use kiln::{
+        engine::{BuildConfig, Precision},
+        internals::engine::config::node_precisions,
+    };
     for (model, head) in [("yolov8n", "model.22"), ("yolo11n", "model.23")] {
-        let graph = kiln::internals::passes::optimize(&kiln_models::trace(model, kiln::VarBuilder::seeded(), 1, 160).expect("trace")).expect("passes");
+        let graph = kiln::internals::passes::optimize(&kiln_models::trace(model, kiln::VarBuilder::seeded(), 1, 160).expect("trace"))
+            .expect("passes");
         assert_eq!(graph.fp32_layers, [format!("{head}.decode"), format!("{head}.dfl"), format!("{head}.decode.yolo_nms")], "{model}");
         let check = |config: &BuildConfig, decode: Precision| {
             let p = node_precisions(&graph, config);

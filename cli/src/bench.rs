@@ -3,7 +3,7 @@
 
 use super::common::{self, ms, InputData};
 use super::{BenchArgs, ProfileArgs, TargetArgs};
-use kiln::{engine::{Engine, ExecutionContext}};
+use kiln::engine::{Engine, ExecutionContext};
 use kiln::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::process::ExitCode;

@@ -9,7 +9,7 @@
 use super::common;
 use super::ModelArgs;
 use clap::Args;
-use kiln::{internals::{calibrate::{CalibrationMethod, Calibrator}}};
+use kiln::internals::calibrate::{CalibrationMethod, Calibrator};
 use kiln::{Error, HostTensor, Result};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -55,8 +55,11 @@ pub fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             reason: format!("calibration reads square images; {} takes {}", traced.name, traced.hw_text()),
         });
     }
-    let images =
-        if a.data.is_dir() { kiln::internals::pnm::read_folder(&a.data, size, &a.mean, &a.std, a.images)? } else { read_batch(&a.data, size)? };
+    let images = if a.data.is_dir() {
+        kiln::internals::pnm::read_folder(&a.data, size, &a.mean, &a.std, a.images)?
+    } else {
+        read_batch(&a.data, size)?
+    };
     let n = a.images.unwrap_or(images.shape[0]).min(images.shape[0]);
     if n == 0 {
         return Err(Error::Flag { flag: "--data".into(), reason: format!("{} holds no images", a.data.display()) });

@@ -4,7 +4,7 @@
 
 use super::{EngineArgs, ModelArgs, TraceFn};
 use indicatif::{ProgressBar, ProgressStyle};
-use kiln::{engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision}};
+use kiln::engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision};
 use kiln::internals::graph_file::FileKind;
 use kiln::{ByteTensor, DType, Error, Graph, HostInput, HostTensor, Result, VarBuilder};
 use std::collections::BTreeMap;

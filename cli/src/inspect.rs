@@ -2,7 +2,7 @@
 
 use super::common;
 use super::{CodegenArgs, InspectArgs};
-use kiln::{internals::{codegen::{generate, CodegenOptions}}};
+use kiln::internals::codegen::{generate, CodegenOptions};
 use kiln::{Error, Result};
 use std::process::ExitCode;
 
@@ -90,7 +90,12 @@ pub fn codegen(a: CodegenArgs) -> Result<ExitCode> {
     match &a.output {
         Some(path) if path.as_os_str() != "-" => {
             std::fs::write(path, &src).map_err(Error::io(path))?;
-            let ops = traced.graph.nodes.iter().filter(|n| !matches!(n.op, kiln::plugin::Op::Weight { .. } | kiln::plugin::Op::Input { .. })).count();
+            let ops = traced
+                .graph
+                .nodes
+                .iter()
+                .filter(|n| !matches!(n.op, kiln::plugin::Op::Weight { .. } | kiln::plugin::Op::Input { .. }))
+                .count();
             tracing::info!(
                 "wrote {} ({ops} ops, {} lines): `{}(vb, batch)` rebuilds {}",
                 path.display(),

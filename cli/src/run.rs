@@ -3,7 +3,7 @@
 use super::common::{self, ms, InputData, Traced};
 use super::shapes::{self, Profile};
 use super::{BuildArgs, RunArgs, TraceArgs};
-use kiln::{engine::{gpu_available, DimsRange, ShapeProfile}};
+use kiln::engine::{gpu_available, DimsRange, ShapeProfile};
 use kiln::{DType, Error, HostInput, HostTensor, Result};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -330,7 +330,8 @@ fn resnet18_weights(dir: &std::path::Path, name: &str, edit: impl FnOnce(&mut BT
 
 /// A CPU reference for ResNet-18 at 32x32 (`input`, `output.logits`) plus `extra` entries.
 fn resnet18_reference(dir: &std::path::Path, name: &str, extra: &[(&str, &str, Vec<usize>, Vec<u8>)]) -> PathBuf {
-    let graph = kiln::internals::passes::optimize(&kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 32).expect("trace")).expect("optimize");
+    let graph =
+        kiln::internals::passes::optimize(&kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 32).expect("trace")).expect("optimize");
     let x = kiln::internals::seeded::uniform_tensor(&[1, 3, 32, 32], 3);
     let logits = kiln::run_cpu(&graph, &[("input", &x)]).expect("cpu").remove("logits").expect("logits");
     let mut entries =
@@ -567,7 +568,10 @@ fn c22_inspect_batch_zero_is_a_clear_error() {
 
 // ---- A user's own model: definition -> graph file -> every command ------------------------------
 
-use kiln::{nn::{AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Linear, LinearConfig, ReLU}, Forward, Graph, Module, Tensor, Tracer};
+use kiln::{
+    nn::{AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Linear, LinearConfig, ReLU},
+    Forward, Graph, Module, Tensor, Tracer,
+};
 
 #[derive(Clone, Copy)]
 struct TinyConfig {

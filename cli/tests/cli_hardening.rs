@@ -2,7 +2,10 @@
 //! "Round two"): one test per item, `chNN_` after the item. Each failed before its fix. The
 //! library side of each item is tests/hardening.rs.
 
-use kiln::{plugin::{ConvAttrs, Op, Unary}, Graph, HostTensor};
+use kiln::{
+    plugin::{ConvAttrs, Op, Unary},
+    Graph, HostTensor,
+};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -284,9 +287,14 @@ fn ch08_weight_grids_and_batch_0_engine_inputs_are_refused_at_load() {
     for node in [0, 2, 3] {
         g.nodes[node].shape[0] = 0;
     }
-    let header =
-        kiln::internals::engine::file::Header { version: kiln::internals::engine::file::FORMAT_VERSION, sm: 90, driver_version: 13000, cudnn_version: 91400 };
-    let payload = kiln::internals::engine::file::Payload { config: kiln::engine::BuildConfig::default(), graph: g, tactics: BTreeMap::new() };
+    let header = kiln::internals::engine::file::Header {
+        version: kiln::internals::engine::file::FORMAT_VERSION,
+        sm: 90,
+        driver_version: 13000,
+        cudnn_version: 91400,
+    };
+    let payload =
+        kiln::internals::engine::file::Payload { config: kiln::engine::BuildConfig::default(), graph: g, tactics: BTreeMap::new() };
     let engine = dir.join("efuzz_small_input_batch0.kiln");
     std::fs::write(&engine, kiln::internals::engine::file::encode(&header, &payload).expect("encode")).expect("write");
     fails_with(&["inspect", engine.to_str().unwrap()], &["input `input` has shape [0, 3, 2, 2]; inputs need a batch dim and no zero dims"]);

@@ -5,8 +5,11 @@
 //! to 63x63 reach it with at least one pixel.
 
 use crate::sequential::SequentialLoader;
-use kiln::{nn::{AdaptiveAvgPool2d, Conv2d, Conv2dConfig, Dropout, Linear, LinearConfig, MaxPool2d, Pool2dConfig, ReLU}, Forward, Module};
-use kiln::{Result, nn::Sequential, Tensor, VarBuilder};
+use kiln::{nn::Sequential, Result, Tensor, VarBuilder};
+use kiln::{
+    nn::{AdaptiveAvgPool2d, Conv2d, Conv2dConfig, Dropout, Linear, LinearConfig, MaxPool2d, Pool2dConfig, ReLU},
+    Forward, Module,
+};
 
 #[derive(Clone, Copy, Debug)]
 pub struct AlexNetConfig {

@@ -6,9 +6,12 @@
 //! Conv2d(64, C, 1)] with C = num_classes, 2, 2. A 512x512 input gives 128x128 maps.
 
 use crate::resnet::{ResNet50, ResNetConfig};
+use kiln::plugin::{Attrs, CustomOp};
 use kiln::HostTensor;
-use kiln::{plugin::{Attrs, CustomOp}};
-use kiln::{nn::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, ReLU, Sequential}, Error, Forward, Module, Result, Tensor, VarBuilder};
+use kiln::{
+    nn::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, ReLU, Sequential},
+    Error, Forward, Module, Result, Tensor, VarBuilder,
+};
 
 /// Detections kept per image by default.
 pub const DEFAULT_K: usize = 100;
@@ -315,10 +318,10 @@ mod tests {
 
 mod gpu {
     use super::k_attr;
-    use kiln::{internals::{engine::{launch::{launch, CudaFunction, KArg}}}};
-    use kiln::{plugin::{BuildCtx, Elem, Layer, RunCtx, ValueId}};
-    use kiln::{NodeId, plugin::Op};
+    use kiln::internals::engine::launch::{launch, CudaFunction, KArg};
+    use kiln::plugin::{BuildCtx, Elem, Layer, RunCtx, ValueId};
     use kiln::Result;
+    use kiln::{plugin::Op, NodeId};
 
     /// Constants of decode.cu: histogram bins, sweep block size, candidate list per image, keys
     /// sorted in shared memory, threads of the per-image kernels.

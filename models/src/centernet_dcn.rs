@@ -12,7 +12,10 @@
 
 use crate::centernet::{CenterNetOutput, Head, Upsampler};
 use crate::resnet::{ResNet50, ResNetConfig};
-use kiln::{nn::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ReLU}, Forward, Module, Result, Tensor, VarBuilder};
+use kiln::{
+    nn::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ReLU},
+    Forward, Module, Result, Tensor, VarBuilder,
+};
 use kiln_deform_conv::{DeformConv2d, DeformConv2dConfig};
 
 /// Kernel taps of the 3×3 deformable conv; `conv_offset_mask` predicts 3 values per tap.

@@ -9,8 +9,15 @@
 //! permutes are parameter-free modules (`block.1`, `block.6`) in torchvision: inline ops here.
 
 use crate::sequential::SequentialLoader;
-use kiln::{nn::{AdaptiveAvgPool2d, Conv2d, Conv2dConfig, Identity, LayerNorm, LayerNorm2d, LayerNormConfig, Linear}, plugin::Binary, Forward};
-use kiln::{nn::{LinearConfig, Sequential, GELU}, Module, Param, Result, Tensor, VarBuilder};
+use kiln::{
+    nn::{AdaptiveAvgPool2d, Conv2d, Conv2dConfig, Identity, LayerNorm, LayerNorm2d, LayerNormConfig, Linear},
+    plugin::Binary,
+    Forward,
+};
+use kiln::{
+    nn::{LinearConfig, Sequential, GELU},
+    Module, Param, Result, Tensor, VarBuilder,
+};
 
 /// ConvNeXt's norm layers: LayerNorm (and LayerNorm2d) with eps 1e-6.
 fn norm(dim: usize) -> LayerNormConfig {

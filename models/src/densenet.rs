@@ -7,8 +7,14 @@
 //! and the resolution. Blocks and layers are named from 1 (`denseblock1`, `denselayer1`), so
 //! `features` and the blocks load by hand rather than through `#[derive(Module)]`'s 0-based `Vec`s.
 
-use kiln::{nn::{AvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Linear, LinearConfig, MaxPool2d}, Forward, Module};
-use kiln::{nn::{Pool2dConfig, ReLU}, Result, Tensor, VarBuilder};
+use kiln::{
+    nn::{AvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Linear, LinearConfig, MaxPool2d},
+    Forward, Module,
+};
+use kiln::{
+    nn::{Pool2dConfig, ReLU},
+    Result, Tensor, VarBuilder,
+};
 
 #[derive(Clone, Copy, Debug)]
 pub struct DenseNetConfig {

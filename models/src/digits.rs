@@ -4,7 +4,10 @@
 //! Its trained weights are `models/weights/digits_resnet.safetensors` (`DIGITS_WEIGHTS`).
 
 use crate::resnet::{BasicBlock, BlockConfig};
-use kiln::{nn::{AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Linear, LinearConfig, ReLU}, Forward, Module, Result, Tensor, VarBuilder};
+use kiln::{
+    nn::{AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Linear, LinearConfig, ReLU},
+    Forward, Module, Result, Tensor, VarBuilder,
+};
 
 /// The committed trained weights, relative to the workspace root.
 pub const DIGITS_WEIGHTS: &str = "models/weights/digits_resnet.safetensors";

@@ -9,7 +9,10 @@
 
 use crate::misc::{make_divisible, Conv2dNormActivation, ConvNormConfig, SqueezeExcitation};
 use crate::sequential::SequentialLoader;
-use kiln::{nn::{AdaptiveAvgPool2d, Dropout, Identity, Linear, LinearConfig, Sequential, SiLU, Sigmoid}, Forward, Module, Result};
+use kiln::{
+    nn::{AdaptiveAvgPool2d, Dropout, Identity, Linear, LinearConfig, Sequential, SiLU, Sigmoid},
+    Forward, Module, Result,
+};
 use kiln::{Tensor, VarBuilder};
 
 /// `MBConvConfig(expand_ratio, kernel, stride, input_channels, out_channels, num_layers)` at

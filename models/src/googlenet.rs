@@ -6,8 +6,14 @@
 //! training). torchvision's `BasicConv2d` uses BatchNorm eps = 0.001, and its "5x5" branch is a
 //! 3x3 conv (kept from the original port for its pretrained weights).
 
-use kiln::{nn::{AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Dropout, Linear, LinearConfig}, Forward};
-use kiln::{nn::{MaxPool2d, Pool2dConfig}, Module, Result, Tensor, VarBuilder};
+use kiln::{
+    nn::{AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Dropout, Linear, LinearConfig},
+    Forward,
+};
+use kiln::{
+    nn::{MaxPool2d, Pool2dConfig},
+    Module, Result, Tensor, VarBuilder,
+};
 
 /// Conv (no bias) + BatchNorm (eps 0.001) + ReLU; the ReLU is functional (`F.relu`), so it is the
 /// inline `<path>.bn.relu`.

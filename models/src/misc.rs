@@ -3,7 +3,10 @@
 //! activation `2`), `SqueezeExcitation` (`avgpool`, `fc1`, `fc2`, then a channel scale), and
 //! `_make_divisible`, which rounds every MobileNet / EfficientNet / RegNet width.
 
-use kiln::{nn::{AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig}, Forward, Module, Result, Tensor};
+use kiln::{
+    nn::{AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig},
+    Forward, Module, Result, Tensor,
+};
 
 /// torchvision's `_make_divisible(v, divisor)` (from the TF MobileNet code): the nearest multiple
 /// of `divisor`, at least `divisor`, and never more than 10% below `v`.

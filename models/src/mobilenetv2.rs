@@ -9,8 +9,11 @@
 
 use crate::misc::{make_divisible, Conv2dNormActivation, ConvNormConfig};
 use crate::sequential::SequentialLoader;
-use kiln::{nn::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Dropout, Linear, LinearConfig, ReLU6}, Forward, Module};
-use kiln::{Result, nn::Sequential, Tensor, VarBuilder};
+use kiln::{nn::Sequential, Result, Tensor, VarBuilder};
+use kiln::{
+    nn::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Dropout, Linear, LinearConfig, ReLU6},
+    Forward, Module,
+};
 
 /// Conv + BatchNorm + ReLU6, MobileNetV2's only activation.
 type ConvBNReLU6 = Conv2dNormActivation<ReLU6>;

@@ -8,8 +8,11 @@
 
 use crate::misc::{make_divisible, Conv2dNormActivation, ConvNormConfig, SqueezeExcitation};
 use crate::sequential::SequentialLoader;
-use kiln::{nn::{AdaptiveAvgPool2d, Dropout, Hardsigmoid, Hardswish, Identity, Linear, LinearConfig, ReLU}, Forward, Module, Result};
 use kiln::{nn::Sequential, Tensor, VarBuilder};
+use kiln::{
+    nn::{AdaptiveAvgPool2d, Dropout, Hardsigmoid, Hardswish, Identity, Linear, LinearConfig, ReLU},
+    Forward, Module, Result,
+};
 
 /// MobileNetV3's `norm_layer`: BatchNorm with eps 0.001.
 const EPS: f32 = 1e-3;

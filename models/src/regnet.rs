@@ -10,7 +10,10 @@
 //! changes.
 
 use crate::misc::{make_divisible, Conv2dNormActivation, ConvNormConfig, SqueezeExcitation};
-use kiln::{nn::{AdaptiveAvgPool2d, Identity, Linear, LinearConfig, ReLU, Sigmoid}, Forward, Module, Result, Tensor, VarBuilder};
+use kiln::{
+    nn::{AdaptiveAvgPool2d, Identity, Linear, LinearConfig, ReLU, Sigmoid},
+    Forward, Module, Result, Tensor, VarBuilder,
+};
 
 /// Per-stage settings, as torchvision's `BlockParams`.
 #[derive(Clone, Debug, PartialEq)]

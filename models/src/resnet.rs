@@ -7,7 +7,10 @@
 //! reused (one path, several nodes), the downsample branch runs after the last BatchNorm, and
 //! `out += identity` is the inline `layerX.Y.add`.
 
-use kiln::{nn::{AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Linear, LinearConfig, MaxPool2d, Pool2dConfig, ReLU}, Forward, Module, Result, Tensor, VarBuilder};
+use kiln::{
+    nn::{AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Linear, LinearConfig, MaxPool2d, Pool2dConfig, ReLU},
+    Forward, Module, Result, Tensor, VarBuilder,
+};
 
 /// A bias-free convolution with "same" padding, as torchvision's `conv1x1` / `conv3x3`.
 fn conv(cin: usize, cout: usize, k: usize, stride: usize) -> Conv2dConfig {

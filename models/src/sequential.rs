@@ -2,7 +2,7 @@
 //! `features` and `classifier`: each pushed layer loads from the next index (`features.0`,
 //! `features.1`, ...), parameter-free layers included, so the `state_dict` names line up.
 
-use kiln::{Forward, Module, Result, nn::Sequential, VarBuilder};
+use kiln::{nn::Sequential, Forward, Module, Result, VarBuilder};
 
 /// Builds a `Sequential` whose children load from `vb.pp(0)`, `vb.pp(1)`, ... in push order.
 pub struct SequentialLoader {

@@ -8,8 +8,11 @@
 //! transpose, view back).
 
 use crate::misc::{Conv2dNormActivation, ConvNormConfig};
-use kiln::{nn::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Linear, LinearConfig, MaxPool2d, Pool2dConfig}, Forward, Module};
 use kiln::{nn::ReLU, Result, Tensor, VarBuilder};
+use kiln::{
+    nn::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Linear, LinearConfig, MaxPool2d, Pool2dConfig},
+    Forward, Module,
+};
 
 /// `channel_shuffle(x, groups)`: channel `g * per_group + i` moves to `i * groups + g`.
 pub fn channel_shuffle(x: &Tensor, groups: usize) -> Result<Tensor> {

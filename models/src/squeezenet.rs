@@ -6,7 +6,10 @@
 //! the logits are non-negative.
 
 use crate::sequential::SequentialLoader;
-use kiln::{nn::{AdaptiveAvgPool2d, Conv2d, Conv2dConfig, Dropout, MaxPool2d, Pool2dConfig, ReLU, Sequential}, Forward, Module, Result};
+use kiln::{
+    nn::{AdaptiveAvgPool2d, Conv2d, Conv2dConfig, Dropout, MaxPool2d, Pool2dConfig, ReLU, Sequential},
+    Forward, Module, Result,
+};
 use kiln::{Tensor, VarBuilder};
 
 /// A Fire module's widths: input, squeeze, and each of the two expand branches.

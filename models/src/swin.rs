@@ -10,7 +10,10 @@
 //! `relative_position_index` is recomputed from the window size, not read (it is a constant
 //! buffer of the module). Stochastic depth and dropout are identities at inference.
 
-use kiln::{nn::{AdaptiveAvgPool2d, Conv2d, Conv2dConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig, GELU}, Forward, HostTensor, Module, Param, Result, Tensor, VarBuilder};
+use kiln::{
+    nn::{AdaptiveAvgPool2d, Conv2d, Conv2dConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig, GELU},
+    Forward, HostTensor, Module, Param, Result, Tensor, VarBuilder,
+};
 use std::sync::Arc;
 
 /// `swin_t`'s hyper-parameters: patch 4, embed 96, depths [2, 2, 6, 2], heads [3, 6, 12, 24], window 7.

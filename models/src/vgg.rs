@@ -5,8 +5,14 @@
 //! inserts a BatchNorm after each conv, which shifts the indices as in torchvision.
 
 use crate::sequential::SequentialLoader;
-use kiln::{nn::{AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Dropout, Linear, LinearConfig}, Forward};
-use kiln::{nn::{MaxPool2d, Pool2dConfig, ReLU, Sequential}, Module, Result, Tensor, VarBuilder};
+use kiln::{
+    nn::{AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Dropout, Linear, LinearConfig},
+    Forward,
+};
+use kiln::{
+    nn::{MaxPool2d, Pool2dConfig, ReLU, Sequential},
+    Module, Result, Tensor, VarBuilder,
+};
 
 /// One entry of a VGG configuration: a 3x3 conv to that many channels, or a 2x2 max-pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

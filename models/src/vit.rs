@@ -8,7 +8,11 @@
 //! The position embedding is read at trace time for the traced input size (`[1, (size/16)² + 1,
 //! 768]`, torchvision's `image_size` argument). Dropout is the identity at inference.
 
-use kiln::{plugin::{Binary, Gemm, Op}, nn::{Conv2d, Conv2dConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig, GELU}, Forward, HostTensor, Module, Param, Result, Tensor, VarBuilder};
+use kiln::{
+    nn::{Conv2d, Conv2dConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig, GELU},
+    plugin::{Binary, Gemm, Op},
+    Forward, HostTensor, Module, Param, Result, Tensor, VarBuilder,
+};
 use std::sync::Arc;
 
 /// `vit_b_16`'s hyper-parameters: patch 16, 12 layers, 12 heads, width 768, MLP 3072.

@@ -15,7 +15,10 @@
 //! conv (no bias) + BatchNorm + SiLU unless built with `act=False`.
 
 use kiln::HostTensor;
-use kiln::{nn::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, MaxPool2d, Pool2dConfig, SiLU, Upsample, UpsampleConfig}, Error, Forward, Module, Param, Result, Tensor, VarBuilder};
+use kiln::{
+    nn::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, MaxPool2d, Pool2dConfig, SiLU, Upsample, UpsampleConfig},
+    Error, Forward, Module, Param, Result, Tensor, VarBuilder,
+};
 use std::sync::Arc;
 
 /// DFL bins per box side (`reg_max`).

@@ -22,8 +22,8 @@
 //!
 //! Map detections back with `yolo_nms`' `frame_h`/`frame_w`/`input_h`/`input_w` attributes.
 
+use kiln::plugin::{Attrs, CustomOp};
 use kiln::HostTensor;
-use kiln::{plugin::{Attrs, CustomOp}};
 use kiln::{DType, Error, Result, Tensor, Tracer};
 
 /// The padding value of Ultralytics' letterbox.
@@ -204,10 +204,10 @@ mod tests {
 
 mod gpu {
     use super::{geometry, tap_table, taps};
-    use kiln::{internals::{engine::{launch::{grid_for, launch, CudaFunction, KArg}}}};
-    use kiln::{plugin::{BuildCtx, DeviceBuf, Layer, RunCtx, ValueId}};
-    use kiln::{NodeId, plugin::Op};
+    use kiln::internals::engine::launch::{grid_for, launch, CudaFunction, KArg};
+    use kiln::plugin::{BuildCtx, DeviceBuf, Layer, RunCtx, ValueId};
     use kiln::Result;
+    use kiln::{plugin::Op, NodeId};
 
     pub struct LetterboxLayer {
         path: String,

@@ -21,8 +21,8 @@
 //! from the letterboxed model input to the frame (`scale_boxes`: minus the padding, divided by
 //! the gain, clipped to the frame), see `yolo_letterbox`.
 
+use kiln::plugin::{Attrs, CustomOp};
 use kiln::HostTensor;
-use kiln::{plugin::{Attrs, CustomOp}};
 use kiln::{Error, Result, Tensor};
 
 /// Candidates NMS looks at per image at most (`NMS_CAP` in nms.cu).
@@ -479,10 +479,10 @@ mod tests {
 
 mod gpu {
     use super::{f32_threshold, params, Params};
-    use kiln::{internals::{engine::{launch::{launch, CudaFunction, KArg}}}};
-    use kiln::{plugin::{BuildCtx, Elem, Layer, RunCtx, ValueId}};
-    use kiln::{NodeId, plugin::Op};
+    use kiln::internals::engine::launch::{launch, CudaFunction, KArg};
+    use kiln::plugin::{BuildCtx, Elem, Layer, RunCtx, ValueId};
     use kiln::Result;
+    use kiln::{plugin::Op, NodeId};
 
     const THREADS: u32 = 1024;
 

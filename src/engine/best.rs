@@ -3,9 +3,9 @@
 //!
 //! FP16 and the FP8 GEMMs read and write FP16 values, so each layer's tactic timing already picks
 //! between them. An INT8 conv reads and writes 8-bit codes, so its choice is not its own: every
-//! reader of a stored tensor must be an 8-bit conv (`conv8::plan`). The build therefore lowers two
+//! reader of a stored tensor must be an 8-bit conv (`ops::eight_bit_plan`). The build therefore lowers two
 //! whole plans, every conv in 16 bits (FP16 or FP8 GEMM) and every conv that can on INT8, and
-//! profiles both layer by layer. It then searches the sets of INT8 convs that `conv8::plan`
+//! profiles both layer by layer. It then searches the sets of INT8 convs that `ops::eight_bit_plan`
 //! allows, starting from all of them and moving groups of convs that must agree (the readers of
 //! one stored tensor; the 8-bit stem with the convs reading its codes) to 16 bits while the
 //! modelled time falls. The model costs each node by its measured time in the plan where it ran
@@ -18,7 +18,6 @@
 use super::config::{node_precisions, BuildConfig};
 use super::eight_bit::{self, EightBitPlan};
 use crate::graph::{Graph, NodeId, Op};
-use crate::ops::conv::conv8;
 use crate::Result;
 use std::collections::{BTreeMap, HashSet};
 
@@ -39,7 +38,7 @@ pub(crate) const PROFILE_ITERS: usize = 20;
 /// the 8-bit kernels (Best keeps its 16-bit layers).
 pub(crate) fn int8_convs(graph: &Graph, config: &BuildConfig, sm: u32) -> Vec<String> {
     let precisions = node_precisions(graph, config);
-    let all = conv8::plan(graph, &BuildConfig { best_int8_layers: None, ..config.clone() }, &precisions, sm);
+    let all = crate::ops::eight_bit_plan(graph, &BuildConfig { best_int8_layers: None, ..config.clone() }, &precisions, sm);
     let allowed = config.tactic_sources.as_ref().is_none_or(|sources| {
         sources.iter().any(|s| [eight_bit::KIND, eight_bit::LIBRARY_KIND].iter().any(|k| k.starts_with(s.as_str()) || s.starts_with(k)))
     });
@@ -97,8 +96,9 @@ fn paths(graph: &Graph, which: &[bool]) -> Vec<String> {
 /// Empty when every conv is faster in 16 bits.
 pub fn choose(graph: &Graph, config: &BuildConfig, sm: u32, batch: usize, fp16: &LayerTimes, int8: &LayerTimes) -> Vec<String> {
     let precisions = node_precisions(graph, config);
-    let plan_of =
-        |layers: Option<Vec<String>>| conv8::plan(graph, &BuildConfig { best_int8_layers: layers, ..config.clone() }, &precisions, sm);
+    let plan_of = |layers: Option<Vec<String>>| {
+        crate::ops::eight_bit_plan(graph, &BuildConfig { best_int8_layers: layers, ..config.clone() }, &precisions, sm)
+    };
     let all = plan_of(None);
     let cost = |plan: &EightBitPlan| modelled_ms(graph, plan, &all, batch, fp16, int8);
     let groups = groups(graph, &all);

@@ -66,18 +66,7 @@ struct Meta {
     weights: Vec<(String, Vec<usize>)>,
 }
 
-/// FNV-1a's 64-bit offset basis: the hash of nothing.
-pub const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-
-/// Continues a 64-bit FNV-1a hash `h` over `bytes` (Kiln's one FNV-1a: checksums and cache keys).
-pub fn fnv1a_extend(h: u64, bytes: &[u8]) -> u64 {
-    bytes.iter().fold(h, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
-}
-
-/// FNV-1a, 64 bit: detects any changed byte; this is integrity checking, not security.
-pub fn checksum(bytes: &[u8]) -> u64 {
-    fnv1a_extend(FNV_OFFSET, bytes)
-}
+pub use crate::hash::checksum;
 
 /// Serialises an engine's payload behind a header.
 pub fn encode(header: &Header, payload: &Payload) -> Result<Vec<u8>> {

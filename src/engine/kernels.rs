@@ -9,8 +9,8 @@
 //! cudarc loads NVRTC dynamically and panics when the library is absent; everything here checks
 //! for it first and returns `Error::NoGpu` with the reason instead.
 
-use super::file::{fnv1a_extend, FNV_OFFSET};
 use super::gpu::{cuda_err, Gpu};
+use crate::hash::{fnv1a_extend, FNV_OFFSET};
 use crate::{Error, Result};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys, Ptx};

@@ -264,7 +264,7 @@ impl WeightStore {
         // Two independent 64-bit hashes and the length: a false match is not a practical risk.
         let mut sip = std::collections::hash_map::DefaultHasher::new();
         bytes.hash(&mut sip);
-        let key = (super::file::checksum(bytes), sip.finish(), bytes.len());
+        let key = (crate::hash::checksum(bytes), sip.finish(), bytes.len());
         // A panic elsewhere leaves the map consistent (entries are inserted whole).
         let mut map = self.by_content.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(alloc) = map.get(&key).and_then(std::sync::Weak::upgrade) {

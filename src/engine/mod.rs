@@ -14,7 +14,6 @@ pub(crate) mod arena;
 pub(crate) mod best;
 pub(crate) mod builder;
 pub(crate) mod config;
-pub(crate) mod converters;
 pub(crate) mod cudnn;
 pub(crate) mod cudnn_graph;
 pub(crate) mod eight_bit;
@@ -33,7 +32,7 @@ pub(crate) mod reformat;
 pub(crate) mod strided;
 pub(crate) mod tactic;
 
-pub use crate::{{calibrate::{CalibrationCache, CalibrationMethod, CalibrationStats, Calibrator}}};
+pub use crate::calibrate::{CalibrationCache, CalibrationMethod, CalibrationStats, Calibrator};
 pub use crate::plugin::QuantFormat;
 pub use builder::{Engine, EngineBuilder};
 pub use config::{BuildConfig, DimsRange, InputDims, ShapeProfile};
@@ -43,5 +42,5 @@ pub use plan::{BuildSummary, MemorySummary, Plan};
 pub use precision::{LayerPrecision, Precision};
 
 // Crate-internal shorthands (the plugin face re-exports the layer API publicly).
-pub(crate) use converters::converter;
+
 pub(crate) use layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId};

@@ -5,7 +5,7 @@
 
 use super::arena::{self, ArenaPlan, StepUse};
 use super::config::{node_precisions, BuildConfig, InputDims};
-use super::converters::is_structural;
+
 use super::eight_bit::FP8_GEMM;
 use super::eight_bit::{self, EightBitPlan};
 use super::gpu::{cuda_err, Gpu};
@@ -14,7 +14,6 @@ use super::layer::{BuildCtx, Elem, Layer, Layout, RunCtx, Storage, ValueDesc, Va
 use super::precision::Precision;
 use super::tactic::{Tactics, TacticsMark};
 use crate::graph::{DType, Graph, NodeId, Op};
-use crate::ops::conv::conv8;
 use crate::ops::{LayoutPlan, OpDef};
 use crate::{Error, Result};
 use std::collections::HashMap;
@@ -150,7 +149,7 @@ pub(crate) fn lower_plan(
     let precisions = node_precisions(graph, config);
     let (layouts, op_layouts) = plan_layouts(graph)?;
     let estimate = check_activations_fit(graph, config)?;
-    let eight_bit = conv8::plan(graph, config, &precisions, gpu.info.sm);
+    let eight_bit = crate::ops::eight_bit_plan(graph, config, &precisions, gpu.info.sm);
     let aliased = eight_bit.aliased(graph, config);
     let mut allocated = allocate(graph, &layouts, &precisions, &eight_bit, &aliased)?;
     let outputs = bind_outputs(graph, &mut allocated)?;
@@ -414,7 +413,7 @@ fn convert(
         lowered.push(layer, vec![internal]);
     }
     let graph = ctx.graph;
-    let to_lower = graph.nodes.iter().filter(|n| !is_structural(&n.op)).count();
+    let to_lower = graph.nodes.iter().filter(|n| !n.op.is_leaf()).count();
     let mut done = 0;
     let mut reformats = Reformats::default();
     for (id, node) in graph.nodes.iter().enumerate() {

@@ -5,10 +5,10 @@
 //! lowering, `engine::best`).
 
 use super::config::BuildConfig;
-use super::converters::check_converters;
 use super::precision::Precision;
 use crate::calibrate;
 use crate::graph::Graph;
+use crate::ops::custom::check_converters;
 use crate::Result;
 
 /// The graph an engine of `config` lowers, from the traced `graph`. Errors name the flag, the

@@ -71,8 +71,7 @@ impl OpDef for CustomCall {
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         let path = ctx.node(node).path.clone();
-        let conv =
-            crate::engine::converter(&self.name)?.ok_or_else(|| Error::NoConverter { backend: "GPU", op: self.name.clone(), path })?;
+        let conv = converter(&self.name)?.ok_or_else(|| Error::NoConverter { backend: "GPU", op: self.name.clone(), path })?;
         (conv.convert)(ctx, node)
     }
     fn label(&self) -> String {
@@ -120,4 +119,55 @@ pub fn check_registry() -> Result<()> {
 /// Reads a required attribute.
 pub fn attr(attrs: &Attrs, op: &str, key: &str) -> Result<f64> {
     attrs.get(key).copied().ok_or_else(|| Error::Attribute { op: op.to_string(), key: key.to_string() })
+}
+
+// ---- GPU converters of custom ops: registered by name, checked before any GPU work
+
+/// A custom op's GPU converter: lowers one node of the custom op `op` to an engine layer.
+/// Register with [`register_converter!`](crate::register_converter) next to the op's
+/// registration (built-in ops convert through `OpDef::convert`).
+pub struct Converter {
+    pub op: &'static str,
+    pub convert: fn(&mut BuildCtx<'_>, NodeId) -> Result<Box<dyn Layer>>,
+}
+
+inventory::collect!(Converter);
+
+/// Registers a GPU converter for `op` (the `Op::name()`, or a custom op's name):
+/// `kiln::register_converter!("asinh", convert_asinh);` with
+/// `fn convert_asinh(ctx: &mut kiln::plugin::BuildCtx, node: kiln::NodeId) -> kiln::Result<Box<dyn kiln::plugin::Layer>>`.
+#[macro_export]
+macro_rules! register_converter {
+    ($op:expr, $convert:path) => {
+        $crate::inventory::submit! {
+            $crate::plugin::Converter { op: $op, convert: $convert }
+        }
+    };
+}
+
+type ConverterTable = HashMap<&'static str, &'static Converter>;
+
+fn converter_table() -> &'static std::result::Result<ConverterTable, String> {
+    static TABLE: OnceLock<std::result::Result<ConverterTable, String>> = OnceLock::new();
+    TABLE.get_or_init(|| build_table(inventory::iter::<Converter>.into_iter(), |c| c.op))
+}
+
+/// The converter registered for `op`; a registry with a duplicate name is an error for every op.
+pub fn converter(op: &str) -> Result<Option<&'static Converter>> {
+    match converter_table() {
+        Ok(t) => Ok(t.get(op).copied()),
+        Err(dup) => Err(Error::DuplicateConverter { op: dup.clone() }),
+    }
+}
+
+/// Checks, before any GPU work, that every custom op has a converter (built-in ops always have
+/// one); the error names the op and the module path of the first node without one. Needs no GPU.
+pub fn check_converters(graph: &crate::graph::Graph) -> Result<()> {
+    for node in &graph.nodes {
+        let crate::graph::Op::Custom(call) = &node.op else { continue };
+        if converter(&call.name)?.is_none() {
+            return Err(Error::NoConverter { backend: "GPU", op: node.op.name().to_string(), path: node.path.clone() });
+        }
+    }
+    Ok(())
 }

@@ -15,7 +15,9 @@ use strum::IntoEnumIterator;
 
 /// This family's layers, as `kiln::nn` shows them.
 pub mod nn {
-    pub use super::{Hardsigmoid, Hardswish, Hardtanh, LeakyReLU, LeakyReLUConfig, ReLU, ReLU6, SiLU, Sigmoid, Softplus, SoftplusConfig, Tanh, GELU};
+    pub use super::{
+        Hardsigmoid, Hardswish, Hardtanh, LeakyReLU, LeakyReLUConfig, ReLU, ReLU6, SiLU, Sigmoid, Softplus, SoftplusConfig, Tanh, GELU,
+    };
 }
 
 /// One-input elementwise ops, with PyTorch's definitions. NaN propagates through every one of

@@ -90,6 +90,18 @@ pub trait OpDef {
     }
 }
 
+/// The 8-bit storage plan of `graph` for an engine of `config` whose nodes compute in
+/// `precisions`: which tensors live in 8 bits, decided by the ops that read and write them (the
+/// 8-bit convolutions, `conv::conv8::plan`). The builder asks here, not the conv family.
+pub fn eight_bit_plan(
+    graph: &crate::graph::Graph,
+    config: &crate::engine::BuildConfig,
+    precisions: &[crate::engine::Precision],
+    sm: u32,
+) -> crate::engine::eight_bit::EightBitPlan {
+    conv::conv8::plan(graph, config, precisions, sm)
+}
+
 /// Every NVRTC entry point Kiln's layers may launch: the engine's own (reformats, strided
 /// copies) and every op family's (`OpDef::entry_points` of [`builtin_ops`]), sorted, each once.
 pub fn kernel_entry_points() -> Vec<String> {

@@ -3,7 +3,7 @@
 //! CPU executor.
 #![allow(dead_code)]
 
-use kiln::{engine::{gpu_available, BuildConfig, Engine, EngineBuilder, Gpu, Precision}};
+use kiln::engine::{gpu_available, BuildConfig, Engine, EngineBuilder, Gpu, Precision};
 use kiln::{Graph, HostTensor};
 use kiln::{Tensor, Tracer};
 use std::sync::{Arc, OnceLock};

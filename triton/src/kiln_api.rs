@@ -1,11 +1,11 @@
 //! Every name this crate takes from Kiln, in one place: when Kiln's public modules move, only
 //! these paths change. The rest of the crate says `crate::kiln_api::…`.
 
+pub use kiln::engine::{BuildConfig, DimsRange, Engine, EngineBuilder, ExecutionContext, Gpu, InputDims, Precision, ShapeProfile};
 pub use kiln::internals::cpu;
-pub use kiln::{internals::{engine::{file::{checksum, decode as decode_engine_file}}}};
-pub use kiln::{engine::{BuildConfig, DimsRange, Engine, EngineBuilder, ExecutionContext, Gpu, InputDims, Precision, ShapeProfile}};
-pub use kiln::{internals::{graph_file, graph_file::EXTENSION as GRAPH_FILE_EXTENSION}};
+pub use kiln::internals::engine::file::{checksum, decode as decode_engine_file};
 pub use kiln::internals::passes::optimize;
+pub use kiln::internals::{graph_file, graph_file::EXTENSION as GRAPH_FILE_EXTENSION};
 pub use kiln::{ByteTensor, DType, Error as KilnError, Graph, HostInput, HostTensor, Result as KilnResult};
 pub use kiln::{Forward, Tracer, VarBuilder};
 pub use kiln_models::yolo_nms::NmsConfig;
@@ -24,6 +24,6 @@ static CUSTOM_OPS: [fn() -> Vec<String>; 3] = [
 static PLUGIN_OPS: fn(&[f32], usize, usize, f32, f32) -> f32 = kiln_deform_conv::op::bilinear;
 
 #[cfg(test)]
-pub use kiln::{internals::{engine::{file::{encode as encode_engine_file, Header, Payload, FORMAT_VERSION}}}};
-#[cfg(test)]
 pub use kiln::engine::gpu_available;
+#[cfg(test)]
+pub use kiln::internals::engine::file::{encode as encode_engine_file, Header, Payload, FORMAT_VERSION};

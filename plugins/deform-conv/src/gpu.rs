@@ -8,10 +8,10 @@
 
 use crate::op::{geometry, DeformAttrs, Geometry};
 use kiln::internals::engine::gemm::LtMatmul;
-use kiln::{internals::{engine::{launch::{grid_for, launch, CudaFunction, KArg, BLOCK}}}};
-use kiln::{plugin::{BuildCtx, DeviceBuf, Layer, Layout, RunCtx, ValueId}};
-use kiln::{NodeId, plugin::Op};
+use kiln::internals::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
+use kiln::plugin::{BuildCtx, DeviceBuf, Layer, Layout, RunCtx, ValueId};
 use kiln::Result;
+use kiln::{plugin::Op, NodeId};
 
 /// The kernels, compiled by Kiln's NVRTC cache the first time a layer of this op is built.
 pub const DEFORM_CONV_CU: &str = include_str!("../kernels/deform_conv.cu");
@@ -201,7 +201,8 @@ mod tests {
         let weight = kiln::internals::seeded::weight("t.weight", &[cout, cin / groups, kh, kw]);
         let bias = kiln::internals::seeded::weight("t.bias", &[cout]);
         let attrs = a.to_attrs().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
-        let want = (kiln::internals::ops::custom::lookup(OP).expect("registered").cpu)(&attrs, &[&x, &offset, &mask, &weight, &bias]).expect("cpu");
+        let want = (kiln::internals::ops::custom::lookup(OP).expect("registered").cpu)(&attrs, &[&x, &offset, &mask, &weight, &bias])
+            .expect("cpu");
 
         let (xs, offs, masks) = (nhwc(&x), nhwc(&offset), nhwc(&mask));
         let k_all = taps * cin;

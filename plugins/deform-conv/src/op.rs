@@ -14,8 +14,11 @@
 //! `groups` and `offset_groups` follow from the shapes, as in torchvision. The output is
 //! `[N, Cout, HO, WO]` with `HO = (H + 2 * pad_h - (dil_h * (KH - 1) + 1)) / stride_h + 1`.
 
-use kiln::{plugin::{CustomCall, Op}, HostTensor};
-use kiln::{plugin::{Attrs, CustomOp}};
+use kiln::plugin::{Attrs, CustomOp};
+use kiln::{
+    plugin::{CustomCall, Op},
+    HostTensor,
+};
 use kiln::{Error, Module, Param, Result, Tensor, VarBuilder};
 
 /// The op's registered name (what `Tensor::custom` and the converter registry key on).

@@ -11,9 +11,12 @@
 //! On the device: `bash tools/gpu-build.sh` here, then `MODELS=centernet_dcn TEST_FILTER=dcn bash tools/gpu-test.sh` there.
 
 use kiln::compare;
-use kiln::{engine::{BuildConfig, EngineBuilder, Precision}};
+use kiln::engine::{BuildConfig, EngineBuilder, Precision};
 use kiln::internals::var_builder::read_safetensors;
-use kiln::{nn::{Conv2d, Conv2dConfig}, Forward, HostTensor, Module, Tensor, VarBuilder};
+use kiln::{
+    nn::{Conv2d, Conv2dConfig},
+    Forward, HostTensor, Module, Tensor, VarBuilder,
+};
 use kiln_deform_conv::{DeformConv2d, DeformConv2dConfig};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -139,7 +139,7 @@ fn scale_slots(a: f32, b: f32) -> [f32; 8] {
 /// The e4m3 bytes of `w` and its per-tensor scale (`max|w| / 448`).
 fn e4m3_weight(w: &[f32]) -> (Vec<u8>, f32) {
     let amax = w.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let sw = crate::calibrate::symmetric_scale(amax, QuantFormat::Fp8E4m3);
+    let sw = crate::number_format::symmetric_scale(amax, QuantFormat::Fp8E4m3);
     (w.iter().map(|&v| encode_e4m3(round_e4m3((v * (1.0 / sw)).clamp(-E4M3_MAX, E4M3_MAX)))).collect(), sw)
 }
 
