@@ -68,7 +68,7 @@ pub enum Error {
     NotAByte { name: String, index: Vec<usize>, value: f32 },
 
     #[error("cannot lower `{path}` ({op}): {reason}")]
-    Lower { path: String, op: String, reason: String },
+    Lower { path: String, op: String, kind: LowerKind, reason: String },
 
     #[error("invalid build configuration: {reason}")]
     Config { reason: String },
@@ -124,6 +124,27 @@ pub enum Error {
 
     #[error("a tensor of shape {shape:?} holds {expected} values, but {got} were given")]
     TensorSize { shape: Vec<usize>, expected: String, got: usize },
+}
+
+/// Why a node could not be lowered to engine layers: what a caller matches on to act (run the
+/// node on the CPU, raise the workspace, try another device) while `reason` says it in words.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum LowerKind {
+    /// The GPU engine has no kernel for this op with these attributes or operand layouts (the CPU
+    /// executor may run it).
+    Unsupported,
+    /// A size exceeds what the kernels index (32-bit grids, 64-bit byte counts).
+    TooLarge,
+    /// The node's weights do not fit its op (shape, count, quantisation grid or scales).
+    Weights,
+    /// No algorithm or tactic runs the layer on this device, or a forced or recorded one is not
+    /// available here.
+    NoAlgorithm,
+    /// The layer needs more workspace than the build allows.
+    Workspace,
+    /// The operands disagree in shape, element type or layout with what the layer was planned for.
+    Operands,
 }
 
 impl Error {

@@ -45,7 +45,7 @@ mod var_builder;
 
 pub use compare::{compare, top1, Comparison};
 pub use cpu::run as run_cpu;
-pub use error::{Error, Result};
+pub use error::{Error, LowerKind, Result};
 pub use graph::{ByteTensor, DType, Graph, HostInput, HostTensor, NodeId};
 pub use kiln_macros::Module;
 pub use module::{Forward, Module};

@@ -139,7 +139,7 @@ fn an_engine_too_big_for_the_device_is_refused_then_a_smaller_one_builds() {
     let err = build(&gpu, &g, BuildConfig::default().precision(Precision::Fp16).batch(1, 8, 4096)).err().expect("batch 4096 built");
     println!("CenterNet FP16 batch 1..=4096: {err}");
     assert!(
-        matches!(&err, Error::Lower { path, reason, .. } if path == "backbone.conv1" && reason.contains("2^31 - 1") && reason.contains("lower the max batch")),
+        matches!(&err, Error::Lower { path, kind: kiln::LowerKind::TooLarge, reason, .. } if path == "backbone.conv1" && reason.contains("2^31 - 1") && reason.contains("lower the max batch")),
         "{err}"
     );
     // At batch 16384 the activations alone exceed the device: refused before any tactic is timed.

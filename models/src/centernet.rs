@@ -417,28 +417,46 @@ mod gpu {
 
     pub fn convert_decode(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         let Op::Custom(kiln::plugin::CustomCall { attrs, .. }) = &ctx.node(node).op else {
-            return Err(ctx.err(node, "is not centernet_decode".into()));
+            return Err(ctx.err(node, kiln::LowerKind::Unsupported, "is not centernet_decode".into()));
         };
-        let k = k_attr(attrs).map_err(|r| ctx.err(node, r))?;
+        let k = k_attr(attrs).map_err(|r| ctx.err(node, kiln::LowerKind::Operands, r))?;
         if k > SORT / 2 {
-            return Err(ctx.err(node, format!("the GPU decode keeps at most {} detections per image, asked for k = {k}", SORT / 2)));
+            return Err(ctx.err(
+                node,
+                kiln::LowerKind::Operands,
+                format!("the GPU decode keeps at most {} detections per image, asked for k = {k}", SORT / 2),
+            ));
         }
         let (hm, wh, reg, out) = (ctx.input(node, 0)?, ctx.input(node, 1)?, ctx.input(node, 2)?, ctx.output(node)?);
         let (dh, dwh, dreg) = (ctx.value(hm).clone(), ctx.value(wh).clone(), ctx.value(reg).clone());
-        let Some((c, h, w)) = dh.chw() else { return Err(ctx.err(node, format!("hm must be [C, H, W], got {:?}", dh.dims))) };
+        let Some((c, h, w)) = dh.chw() else {
+            return Err(ctx.err(node, kiln::LowerKind::Unsupported, format!("hm must be [C, H, W], got {:?}", dh.dims)));
+        };
         for (name, d) in [("hm", &dh), ("wh", &dwh), ("reg", &dreg)] {
             if !d.layout.is_channels_last() || d.elem != dh.elem {
-                return Err(ctx.err(node, format!("{name} must be an NHWC map of {:?}, got {:?} {:?}", dh.elem, d.layout, d.elem)));
+                return Err(ctx.err(
+                    node,
+                    kiln::LowerKind::Unsupported,
+                    format!("{name} must be an NHWC map of {:?}, got {:?} {:?}", dh.elem, d.layout, d.elem),
+                ));
             }
         }
         if dwh.dims != [2, h, w] || dreg.dims != [2, h, w] {
-            return Err(ctx.err(node, format!("wh and reg must be [2, {h}, {w}], got {:?} and {:?}", dwh.dims, dreg.dims)));
+            return Err(ctx.err(
+                node,
+                kiln::LowerKind::Unsupported,
+                format!("wh and reg must be [2, {h}, {w}], got {:?} and {:?}", dwh.dims, dreg.dims),
+            ));
         }
         if h * w * c >= i32::MAX as usize {
-            return Err(ctx.err(node, format!("{c}x{h}x{w} candidates exceed the decode's 31-bit indices")));
+            return Err(ctx.err(node, kiln::LowerKind::TooLarge, format!("{c}x{h}x{w} candidates exceed the decode's 31-bit indices")));
         }
         if h > 65535 {
-            return Err(ctx.err(node, format!("a heatmap of {h} rows exceeds the decode's grid limit of 65535")));
+            return Err(ctx.err(
+                node,
+                kiln::LowerKind::TooLarge,
+                format!("a heatmap of {h} rows exceeds the decode's grid limit of 65535"),
+            ));
         }
         // Detections stay f32 in every precision: f16 would round a coordinate of 100 to 1/16.
         ctx.set_output_elem(Elem::F32)?;

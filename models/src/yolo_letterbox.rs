@@ -251,18 +251,22 @@ mod gpu {
 
     pub fn convert_letterbox(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         let Op::Custom(kiln::plugin::CustomCall { attrs, .. }) = &ctx.node(node).op else {
-            return Err(ctx.err(node, "is not yolo_letterbox".into()));
+            return Err(ctx.err(node, kiln::LowerKind::Unsupported, "is not yolo_letterbox".into()));
         };
         let (frame, out) = (ctx.input(node, 0)?, ctx.output(node)?);
         let d = ctx.value(frame).clone();
         let per_image = [&[1][..], &d.dims].concat();
-        let ([h, w], [ih, iw]) = geometry(attrs, &[&per_image]).map_err(|r| ctx.err(node, r))?;
+        let ([h, w], [ih, iw]) = geometry(attrs, &[&per_image]).map_err(|r| ctx.err(node, kiln::LowerKind::Operands, r))?;
         if d.layout.order() != [0, 1] {
-            return Err(ctx.err(node, format!("the frame must be contiguous, got {:?}", d.layout)));
+            return Err(ctx.err(node, kiln::LowerKind::Unsupported, format!("the frame must be contiguous, got {:?}", d.layout)));
         }
         let o = ctx.value(out).clone();
         if o.elem != d.elem {
-            return Err(ctx.err(node, format!("frame and output must share an element type, got {:?} and {:?}", d.elem, o.elem)));
+            return Err(ctx.err(
+                node,
+                kiln::LowerKind::Unsupported,
+                format!("frame and output must share an element type, got {:?} and {:?}", d.elem, o.elem),
+            ));
         }
         let s = o.layout.strides(&o.dims);
         let (rows, cols) = taps([h, w], [ih, iw]);

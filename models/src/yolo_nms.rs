@@ -571,19 +571,19 @@ mod gpu {
 
     pub fn convert_nms(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         let Op::Custom(kiln::plugin::CustomCall { attrs, .. }) = &ctx.node(node).op else {
-            return Err(ctx.err(node, "is not yolo_nms".into()));
+            return Err(ctx.err(node, kiln::LowerKind::Unsupported, "is not yolo_nms".into()));
         };
-        let p = params(attrs).map_err(|r| ctx.err(node, r))?;
+        let p = params(attrs).map_err(|r| ctx.err(node, kiln::LowerKind::Operands, r))?;
         let (pred, out) = (ctx.input(node, 0)?, ctx.output(node)?);
         let d = ctx.value(pred).clone();
         let [rows, a] = d.dims[..] else {
-            return Err(ctx.err(node, format!("predictions must be [4 + C, A] per image, got {:?}", d.dims)));
+            return Err(ctx.err(node, kiln::LowerKind::Unsupported, format!("predictions must be [4 + C, A] per image, got {:?}", d.dims)));
         };
         if d.layout.order() != [0, 1] {
-            return Err(ctx.err(node, format!("predictions must be contiguous, got {:?}", d.layout)));
+            return Err(ctx.err(node, kiln::LowerKind::Unsupported, format!("predictions must be contiguous, got {:?}", d.layout)));
         }
         if p.k > i32::MAX as usize / 6 {
-            return Err(ctx.err(node, format!("k = {} is too large for the GPU layer", p.k)));
+            return Err(ctx.err(node, kiln::LowerKind::TooLarge, format!("k = {} is too large for the GPU layer", p.k)));
         }
         ctx.set_output_elem(Elem::F32)?;
         let e = d.elem.suffix();

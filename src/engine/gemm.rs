@@ -10,6 +10,7 @@ use super::gpu::cuda_err;
 use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, RunCtx, ValueId};
 use super::Precision;
 use crate::graph::NodeId;
+use crate::LowerKind;
 use crate::{Error, Result};
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
@@ -364,8 +365,16 @@ pub struct GemmSpec<'a> {
 
 impl GemmLayer {
     pub fn new(ctx: &mut BuildCtx, node: NodeId, spec: GemmSpec) -> Result<Self> {
-        let n_out = ctx.value(spec.y).chw().map(|(c, _, _)| c).ok_or_else(|| ctx.err(node, "output is not an image or vector".into()))?;
-        let k = ctx.value(spec.x).chw().map(|(c, _, _)| c).ok_or_else(|| ctx.err(node, "input is not an image or vector".into()))?;
+        let n_out = ctx
+            .value(spec.y)
+            .chw()
+            .map(|(c, _, _)| c)
+            .ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "output is not an image or vector".into()))?;
+        let k = ctx
+            .value(spec.x)
+            .chw()
+            .map(|(c, _, _)| c)
+            .ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "input is not an image or vector".into()))?;
         Self::with_dims(ctx, node, spec, k, n_out)
     }
 
@@ -379,20 +388,21 @@ impl GemmLayer {
             _ => {
                 return Err(ctx.err(
                     node,
+                    LowerKind::Unsupported,
                     format!("GEMM rows need contiguous values, got {:?} {:?} -> {:?} {:?}", dx.layout, dx.dims, dy.layout, dy.dims),
                 ))
             }
         };
         let rows = spec.rows_per_image;
         if rows.checked_mul(k) != Some(dx.per_image_elems()) || rows.checked_mul(n_out) != Some(dy.per_image_elems()) {
-            return Err(ctx.err(node, format!("{rows} rows per image do not fit {:?} -> {:?}", dx.dims, dy.dims)));
+            return Err(ctx.err(node, LowerKind::Operands, format!("{rows} rows per image do not fit {:?} -> {:?}", dx.dims, dy.dims)));
         }
         Self::with_dims(ctx, node, spec, k, n_out)
     }
 
     fn with_dims(ctx: &mut BuildCtx, node: NodeId, spec: GemmSpec, k: usize, n_out: usize) -> Result<Self> {
         if spec.weight.len() != n_out * k {
-            return Err(ctx.err(node, format!("weight has {} values for a {k} → {n_out} GEMM", spec.weight.len())));
+            return Err(ctx.err(node, LowerKind::Weights, format!("weight has {} values for a {k} → {n_out} GEMM", spec.weight.len())));
         }
         let elem = ctx.elem();
         let w = ctx.upload(spec.weight)?;
@@ -455,7 +465,7 @@ impl BatchedGemmLayer {
     ) -> Result<Self> {
         let elem = ctx.value(y).elem;
         if ctx.value(x).elem != elem || ctx.value(w).elem != elem {
-            return Err(ctx.err(node, "a batched GEMM needs one element type for its operands and output".into()));
+            return Err(ctx.err(node, LowerKind::Unsupported, "a batched GEMM needs one element type for its operands and output".into()));
         }
         let path = ctx.node(node).path.clone();
         let batched =

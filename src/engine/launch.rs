@@ -6,6 +6,7 @@
 use super::gpu::cuda_err;
 use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueId};
 use crate::graph::NodeId;
+use crate::LowerKind;
 use crate::{Error, Result};
 pub use cudarc::driver::CudaFunction;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -59,7 +60,7 @@ pub fn pack(elem: Elem) -> usize {
 
 /// `v` as a 32-bit kernel argument, or an error naming the node and what overflowed.
 pub fn to_i32(ctx: &BuildCtx, node: NodeId, what: &str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| ctx.err(node, format!("{what} = {v} exceeds the kernels' 32-bit range")))
+    i32::try_from(v).map_err(|_| ctx.err(node, LowerKind::TooLarge, format!("{what} = {v} exceeds the kernels' 32-bit range")))
 }
 
 /// The NHWC `(C, H, W)` of an activation, or an error naming the node.
@@ -67,7 +68,7 @@ pub fn nhwc(ctx: &BuildCtx, node: NodeId, v: ValueId) -> Result<(usize, usize, u
     let d = ctx.value(v);
     match d.dims.as_slice() {
         [c, h, w] if d.layout.same_bytes(Layout::channels_last(3), &d.dims) => Ok((*c, *h, *w)),
-        _ => Err(ctx.err(node, format!("expects an NHWC image activation, got {:?} {:?}", d.layout, d.dims))),
+        _ => Err(ctx.err(node, LowerKind::Operands, format!("expects an NHWC image activation, got {:?} {:?}", d.layout, d.dims))),
     }
 }
 
@@ -75,7 +76,7 @@ pub fn nhwc(ctx: &BuildCtx, node: NodeId, v: ValueId) -> Result<(usize, usize, u
 pub fn same_elem(ctx: &BuildCtx, node: NodeId, vs: &[ValueId]) -> Result<Elem> {
     let e = ctx.value(vs[0]).elem;
     if let Some(other) = vs.iter().map(|&v| ctx.value(v).elem).find(|&o| o != e) {
-        return Err(ctx.err(node, format!("mixes element types {e:?} and {other:?}")));
+        return Err(ctx.err(node, LowerKind::Operands, format!("mixes element types {e:?} and {other:?}")));
     }
     Ok(e)
 }

@@ -9,6 +9,7 @@ use super::kernels::Kernels;
 use super::tactic::Tactics;
 use super::{BuildConfig, Precision};
 use crate::graph::{HostTensor, Node, NodeId};
+use crate::LowerKind;
 use crate::{Error, Graph, Result};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use serde::{Deserialize, Serialize};
@@ -458,21 +459,23 @@ impl<'a> BuildCtx<'a> {
     /// For the node being converted, the value in the layout its op asked for.
     pub fn input(&self, node: NodeId, i: usize) -> Result<ValueId> {
         let n = self.node(node);
-        let src = *n.inputs.get(i).ok_or_else(|| self.err(node, format!("has no input {i}")))?;
+        let src = *n.inputs.get(i).ok_or_else(|| self.err(node, LowerKind::Operands, format!("has no input {i}")))?;
         let v = if node == self.current { self.current_inputs.get(i).copied().flatten() } else { self.node_values[src] };
-        v.ok_or_else(|| self.err(node, format!("input {i} is a weight, but an activation is expected here")))
+        v.ok_or_else(|| self.err(node, LowerKind::Weights, format!("input {i} is a weight, but an activation is expected here")))
     }
 
     /// The node's output value.
     pub fn output(&self, node: NodeId) -> Result<ValueId> {
-        self.node_values[node].ok_or_else(|| self.err(node, "has no output value".into()))
+        self.node_values[node].ok_or_else(|| self.err(node, LowerKind::Operands, "has no output value".into()))
     }
 
     /// The host data of a node's `i`-th input, which must be a weight.
     pub fn weight(&self, node: NodeId, i: usize) -> Result<&'a Arc<HostTensor>> {
         let n = self.node(node);
-        let src = *n.inputs.get(i).ok_or_else(|| self.err(node, format!("has no input {i}")))?;
-        self.graph.weight_data(src).ok_or_else(|| self.err(node, format!("input {i} must be a weight (constant), but it is computed")))
+        let src = *n.inputs.get(i).ok_or_else(|| self.err(node, LowerKind::Operands, format!("has no input {i}")))?;
+        self.graph
+            .weight_data(src)
+            .ok_or_else(|| self.err(node, LowerKind::Weights, format!("input {i} must be a weight (constant), but it is computed")))
     }
 
     /// Uploads host values converted to the engine's element type.
@@ -494,7 +497,7 @@ impl<'a> BuildCtx<'a> {
     pub fn alias(&mut self, out: ValueId, src: ValueId) -> Result<()> {
         let (a, b) = (self.value(out), self.value(src));
         if a.bytes(1) != b.bytes(1) || a.elem != b.elem {
-            return Err(self.err(self.current, format!("cannot alias {:?} to {:?}: sizes differ", a.dims, b.dims)));
+            return Err(self.err(self.current, LowerKind::Unsupported, format!("cannot alias {:?} to {:?}: sizes differ", a.dims, b.dims)));
         }
         self.values[out.0].storage = Storage::Alias(src);
         Ok(())
@@ -562,8 +565,8 @@ impl<'a> BuildCtx<'a> {
     }
 
     /// An error naming the node's op and module path.
-    pub fn err(&self, node: NodeId, reason: String) -> Error {
+    pub fn err(&self, node: NodeId, kind: LowerKind, reason: String) -> Error {
         let n = self.node(node);
-        Error::Lower { path: n.path.clone(), op: n.op.name().to_string(), reason }
+        Error::Lower { path: n.path.clone(), op: n.op.name().to_string(), kind, reason }
     }
 }

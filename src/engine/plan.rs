@@ -15,6 +15,7 @@ use super::precision::Precision;
 use super::tactic::{Tactics, TacticsMark};
 use crate::graph::{DType, Graph, NodeId, Op};
 use crate::ops::{LayoutPlan, OpDef};
+use crate::LowerKind;
 use crate::{Error, Result};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -231,6 +232,7 @@ fn plan_layouts(graph: &Graph) -> Result<(NodeLayouts, Vec<Option<LayoutPlan>>)>
         let rank = node.shape.len().checked_sub(1).filter(|&r| r <= MAX_RANK).ok_or_else(|| Error::Lower {
             path: node.path.clone(),
             op: node.op.name().to_string(),
+            kind: LowerKind::Unsupported,
             reason: format!("shape {:?}: the engine takes 1 to {MAX_RANK} dims after the batch", node.shape),
         })?;
         let Some(def) = node.op.def() else { continue };
@@ -347,6 +349,7 @@ fn input_binding(graph: &Graph, id: NodeId, name: &str, dims: &[usize]) -> Resul
             return Err(Error::Lower {
                 path: node.path.clone(),
                 op: "input".into(),
+                kind: LowerKind::Unsupported,
                 reason: format!("input `{name}` is declared {other}; engine inputs are f32 or u8"),
             })
         }

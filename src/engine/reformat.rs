@@ -6,6 +6,7 @@
 use super::launch::{grid_for, launch, Arg, CudaFunction, KArg, KernelLayer, BLOCK};
 use super::layer::{BuildCtx, Layer, Layout, RunCtx, ValueDesc, ValueId};
 use super::strided::{CopyDim, CopyKind, StridedCopy, StridedLayer};
+use crate::LowerKind;
 use crate::{Error, Result};
 
 /// A batched `[C, HW]` <-> `[HW, cs]` transpose with a precision change, or a plain cast.
@@ -92,6 +93,7 @@ pub fn reformat_layer(ctx: &mut BuildCtx, src: ValueId, dst: ValueId, path: &str
     let fail = |why: String| Error::Lower {
         path: path.to_string(),
         op: "reformat".into(),
+        kind: LowerKind::Unsupported,
         reason: format!("cannot reformat `{}` to `{}`: {why}", s.name, d.name),
     };
     let pair = format!("{}_{}", s.elem.suffix(), d.elem.suffix());

@@ -9,6 +9,7 @@
 
 use super::launch::{launch, KArg, BLOCK};
 use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, RunCtx, ValueId};
+use crate::LowerKind;
 use crate::{Error, Result};
 use cudarc::driver::CudaFunction;
 
@@ -181,6 +182,7 @@ fn check_u32(path: &str, op: &str, values: &[usize]) -> Result<()> {
         Some(v) => Err(Error::Lower {
             path: path.to_string(),
             op: op.to_string(),
+            kind: LowerKind::TooLarge,
             reason: format!("a copy of {v} elements per image exceeds the shape kernels' 32-bit index range"),
         }),
     }
@@ -205,6 +207,7 @@ impl StridedCopy {
             return Err(Error::Lower {
                 path: path.into(),
                 op: op.into(),
+                kind: LowerKind::Operands,
                 reason: format!("mixes element types {:?} and {:?}", dx.elem, dy.elem),
             });
         }
@@ -257,7 +260,7 @@ impl StridedCopy {
         let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
         if launch.rank > MAX_COPY_RANK {
             let reason = format!("a copy of {} dims exceeds the shape kernels' {MAX_COPY_RANK}", launch.rank);
-            return Err(Error::Lower { path: path.into(), op: op.into(), reason });
+            return Err(Error::Lower { path: path.into(), op: op.into(), kind: LowerKind::TooLarge, reason });
         }
         check_u32(path, op, &[&launch.meta[..], &[launch.walked, dx.per_image_elems(), dy.per_image_elems()]].concat())?;
         let entry = entry(launch.name, dx.elem, launch.unit);

@@ -7,6 +7,7 @@
 use super::config::BuildConfig;
 use super::gpu::cuda_err;
 use super::layer::{BuildCtx, DeviceBuf, Layer, RunCtx, ValueId};
+use crate::LowerKind;
 use crate::{Error, Result};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaEvent;
@@ -100,12 +101,13 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
     let key = problem_key(ctx, key);
     let rkey = format!("{}|{key}", ctx.node(node).path);
     if candidates.is_empty() {
-        return Err(ctx.err(node, format!("no candidate layer for {key}")));
+        return Err(ctx.err(node, LowerKind::NoAlgorithm, format!("no candidate layer for {key}")));
     }
     let mut candidates = restrict_to_sources(ctx.config, candidates);
     // A recorded choice (a loaded engine, or the same problem already lowered for another shape).
     if let Some(kind) = ctx.tactics.recorded.get(&rkey).cloned() {
-        return take(candidates, &kind).ok_or_else(|| ctx.err(node, format!("recorded tactic `{kind}` is not available on this device")));
+        return take(candidates, &kind)
+            .ok_or_else(|| ctx.err(node, LowerKind::NoAlgorithm, format!("recorded tactic `{kind}` is not available on this device")));
     }
     if candidates.len() == 1 {
         return only(ctx, rkey, candidates);
@@ -114,7 +116,7 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
         return Ok(layer);
     }
     if ctx.tactics.replay {
-        return Err(ctx.err(node, format!("the engine file records no tactic for {key}")));
+        return Err(ctx.err(node, LowerKind::NoAlgorithm, format!("the engine file records no tactic for {key}")));
     }
     let ckey = format!("{}|{key}", ctx.tactics.cache_prefix);
     if let Some(kind) = ctx.tactics.cache.get(&ckey).cloned() {
@@ -163,7 +165,11 @@ fn take(candidates: Vec<Box<dyn Layer>>, kind: &str) -> Option<Box<dyn Layer>> {
 fn only(ctx: &mut BuildCtx, rkey: String, candidates: Vec<Box<dyn Layer>>) -> Result<Box<dyn Layer>> {
     if ctx.config.tactic_sources.is_some() && !ctx.tactics.replay {
         if let [Err(reason)] = &time_candidates(ctx, &candidates, false)?[..] {
-            return Err(ctx.err(ctx.current, format!("the forced tactic `{}` does not run here: {reason}", candidates[0].kind())));
+            return Err(ctx.err(
+                ctx.current,
+                LowerKind::NoAlgorithm,
+                format!("the forced tactic `{}` does not run here: {reason}", candidates[0].kind()),
+            ));
         }
     }
     let only = candidates.into_iter().next().expect("one candidate");
@@ -211,7 +217,7 @@ fn fastest(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Layer>>) -> Re
         }
     }
     let Some((mut winner, _)) = best else {
-        return Err(ctx.err(ctx.current, format!("no candidate ran for {key}: {}", failures.join("; "))));
+        return Err(ctx.err(ctx.current, LowerKind::NoAlgorithm, format!("no candidate ran for {key}: {}", failures.join("; "))));
     };
     if let Some((i, ms, room)) = within_room(ctx, &candidates, &ran, winner) {
         log.push((format!("chosen: {} ({ms:.4} ms), the fastest within the arena's room of {room} bytes", candidates[i].kind()), ms));

@@ -32,6 +32,7 @@ use crate::engine::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc,
 use crate::graph::{HostTensor, NodeId, Op};
 use crate::ops::{CpuArgs, FixtureTwin, OpDef};
 use crate::tensor::{Param, Tensor};
+use crate::LowerKind;
 use crate::Result;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -400,8 +401,10 @@ fn host_bias(bias: &HostTensor, q: &[usize], dims: Dims) -> std::result::Result<
 
 /// The node's constant bias (input `index`) broadcast by `host_bias` and uploaded, when it has one.
 fn upload_bias(ctx: &mut BuildCtx, node: NodeId, index: usize, q: &[usize], dims: Dims) -> Result<Option<Arc<DeviceBuf>>> {
-    let b = ctx.weight(node, index).map_err(|_| ctx.err(node, "the GPU engine takes a constant attention bias only (a weight)".into()))?;
-    let host = host_bias(b, q, dims).map_err(|e| ctx.err(node, e))?;
+    let b = ctx
+        .weight(node, index)
+        .map_err(|_| ctx.err(node, LowerKind::Weights, "the GPU engine takes a constant attention bias only (a weight)".into()))?;
+    let host = host_bias(b, q, dims).map_err(|e| ctx.err(node, LowerKind::Operands, e))?;
     Ok(Some(Arc::new(ctx.upload_f32(&host)?)))
 }
 
@@ -411,17 +414,17 @@ fn is_contiguous(d: &ValueDesc) -> bool {
 
 /// `v` as a kernel's 32-bit argument, or an error naming what it is.
 fn int(ctx: &BuildCtx, node: NodeId, what: &str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| ctx.err(node, format!("{what} = {v} exceeds the kernels' 32-bit range")))
+    i32::try_from(v).map_err(|_| ctx.err(node, LowerKind::TooLarge, format!("{what} = {v} exceeds the kernels' 32-bit range")))
 }
 
 /// `v` as a kernel's 64-bit argument (row strides), or an error naming what it is.
 fn long(ctx: &BuildCtx, node: NodeId, what: &str, v: usize) -> Result<i64> {
-    i64::try_from(v).map_err(|_| ctx.err(node, format!("{what} = {v} exceeds the kernels' 64-bit range")))
+    i64::try_from(v).map_err(|_| ctx.err(node, LowerKind::TooLarge, format!("{what} = {v} exceeds the kernels' 64-bit range")))
 }
 
 /// `a · b`, or an error naming the product.
 fn mul(ctx: &BuildCtx, node: NodeId, what: &str, a: usize, b: usize) -> Result<usize> {
-    a.checked_mul(b).ok_or_else(|| ctx.err(node, format!("{what} ({a} × {b}) overflows")))
+    a.checked_mul(b).ok_or_else(|| ctx.err(node, LowerKind::TooLarge, format!("{what} ({a} × {b}) overflows")))
 }
 
 fn gpu_attention(ctx: &mut BuildCtx, node: NodeId, attrs: Attention) -> Result<Box<dyn Layer>> {
@@ -430,6 +433,7 @@ fn gpu_attention(ctx: &mut BuildCtx, node: NodeId, attrs: Attention) -> Result<B
     if ![&dq, &dk, &dvv, &dy].iter().all(|d| is_contiguous(d)) {
         return Err(ctx.err(
             node,
+            LowerKind::Operands,
             format!(
                 "attention reads contiguous q, k, v and writes a contiguous y, got {:?} {:?} {:?} {:?}",
                 dq.layout, dk.layout, dvv.layout, dy.layout
@@ -438,7 +442,11 @@ fn gpu_attention(ctx: &mut BuildCtx, node: NodeId, attrs: Attention) -> Result<B
     }
     let r = dq.dims.len();
     if r < 2 || dk.dims.len() != r || dvv.dims.len() != r {
-        return Err(ctx.err(node, format!("q {:?}, k {:?} and v {:?} need [.., L, D] per image", dq.dims, dk.dims, dvv.dims)));
+        return Err(ctx.err(
+            node,
+            LowerKind::Unsupported,
+            format!("q {:?}, k {:?} and v {:?} need [.., L, D] per image", dq.dims, dk.dims, dvv.dims),
+        ));
     }
     let dims =
         Dims { zimg: dq.dims[..r - 2].iter().product(), l: dq.dims[r - 2], s: dk.dims[r - 2], d: dq.dims[r - 1], dv: dvv.dims[r - 1] };
@@ -474,6 +482,7 @@ fn gpu_qkv_attention(ctx: &mut BuildCtx, node: NodeId, attrs: QkvAttention) -> R
     if !is_contiguous(&dx) || !is_contiguous(&dy) {
         return Err(ctx.err(
             node,
+            LowerKind::Operands,
             format!("qkv_attention reads a contiguous qkv and writes a contiguous y, got {:?} and {:?}", dx.layout, dy.layout),
         ));
     }
@@ -481,7 +490,11 @@ fn gpu_qkv_attention(ctx: &mut BuildCtx, node: NodeId, attrs: QkvAttention) -> R
     let h = attrs.heads;
     let packed = mul(ctx, node, "3 · heads", 3, h)?;
     if r < 2 || h == 0 || !dx.dims[r - 1].is_multiple_of(packed) || dy.dims.len() != r {
-        return Err(ctx.err(node, format!("qkv {:?} needs [.., L, 3·{h}·D] per image (output {:?})", dx.dims, dy.dims)));
+        return Err(ctx.err(
+            node,
+            LowerKind::Unsupported,
+            format!("qkv {:?} needs [.., L, 3·{h}·D] per image (output {:?})", dx.dims, dy.dims),
+        ));
     }
     let (groups, l, d) = (&dx.dims[..r - 2], dx.dims[r - 2], dx.dims[r - 1] / packed);
     let hd = h * d;
@@ -518,7 +531,9 @@ fn gpu_qkv_attention(ctx: &mut BuildCtx, node: NodeId, attrs: QkvAttention) -> R
         scores: mul(ctx, node, "scores bytes", core.scores_elems, Elem::F32.size())?,
         probs: mul(ctx, node, "probabilities bytes", core.scores_elems, elem.size())?,
     };
-    let per_image = regions.per_image().ok_or_else(|| ctx.err(node, format!("the scratch of {zimg} problems of {l}×{d} overflows")))?;
+    let per_image = regions
+        .per_image()
+        .ok_or_else(|| ctx.err(node, LowerKind::TooLarge, format!("the scratch of {zimg} problems of {l}×{d} overflows")))?;
     let scratch = ctx.prologue_scratch(per_image);
     let src_strides = Layout::contiguous(r).strides(&dx.dims);
     let g = groups.len();
@@ -670,8 +685,8 @@ struct Repack {
 
 impl Repack {
     fn new(ctx: &mut BuildCtx, node: NodeId, sizes: &[usize], src_strides: &[usize], batch_stride: usize, elem: Elem) -> Result<Self> {
-        let meta =
-            repack_meta(sizes, src_strides, batch_stride).ok_or_else(|| ctx.err(node, format!("{sizes:?} exceeds the 64-bit range")))?;
+        let meta = repack_meta(sizes, src_strides, batch_stride)
+            .ok_or_else(|| ctx.err(node, LowerKind::TooLarge, format!("{sizes:?} exceeds the 64-bit range")))?;
         let bytes: Vec<u8> = meta.iter().flat_map(|v| v.to_le_bytes()).collect();
         let meta = ctx.upload_bytes(&bytes)?;
         let f = ctx.kernels.get(&format!("permute_{0}_{0}", elem.suffix()))?;
@@ -874,8 +889,8 @@ impl FusedAttention {
         Ok(Some(Self { path, op, kernel, d: dims.d, f, io, bias, zimg: dims.zimg, li, si, tiles: tiles as u32, scale }))
     }
 
-    fn lower_err(&self, reason: String) -> crate::Error {
-        crate::Error::Lower { path: self.path.clone(), op: self.op.clone(), reason }
+    fn lower_err(&self, kind: LowerKind, reason: String) -> crate::Error {
+        crate::Error::Lower { path: self.path.clone(), op: self.op.clone(), kind, reason }
     }
 }
 
@@ -894,13 +909,14 @@ impl Layer for FusedAttention {
         let z = u32::try_from(problems)
             .ok()
             .filter(|&z| z <= i32::MAX as u32)
-            .ok_or_else(|| self.lower_err(format!("{problems} problems exceed the grid")))?;
+            .ok_or_else(|| self.lower_err(LowerKind::TooLarge, format!("{problems} problems exceed the grid")))?;
         let at = |(v, offset): (ValueId, u64)| rt.ptr(v) + offset;
         let (q, k, v, y) = (at(self.io.q), at(self.io.k), at(self.io.v), rt.ptr(self.io.y));
         if self.kernel == FusedKernel::TensorCores && [q, k, v, y].iter().any(|p| p % 16 != 0) {
-            return Err(
-                self.lower_err(format!("the tensor-core kernel needs 16-byte aligned q, k, v and y, got {q:#x} {k:#x} {v:#x} {y:#x}"))
-            );
+            return Err(self.lower_err(
+                LowerKind::Operands,
+                format!("the tensor-core kernel needs 16-byte aligned q, k, v and y, got {q:#x} {k:#x} {v:#x} {y:#x}"),
+            ));
         }
         let args = [
             KArg::Ptr(q),

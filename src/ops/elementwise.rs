@@ -9,6 +9,7 @@ use crate::module::{Forward, Module};
 use crate::ops::{one_input, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
 use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
+use crate::LowerKind;
 use crate::Result;
 use serde::{Deserialize, Serialize};
 use strum::IntoEnumIterator;
@@ -401,7 +402,7 @@ pub fn binary(ctx: &mut BuildCtx, node: NodeId, op: Binary) -> Result<Box<dyn La
     let y = ctx.output(node)?;
     let n_in = ctx.node(node).inputs.len();
     if n_in != 2 {
-        return Err(ctx.err(node, format!("expects 2 operands, got {n_in}")));
+        return Err(ctx.err(node, LowerKind::Operands, format!("expects 2 operands, got {n_in}")));
     }
     let is_weight = |ctx: &BuildCtx, i: usize| ctx.graph.weight_data(ctx.node(node).inputs[i]).is_some();
     let dy = ctx.value(y).clone();
@@ -434,7 +435,9 @@ pub fn binary(ctx: &mut BuildCtx, node: NodeId, op: Binary) -> Result<Box<dyn La
 /// batch stride: an activation of the output's rank in its own layout, or a constant weight
 /// (its own row-major shape, aligned to the output's dims from the right, batch stride 0).
 fn operand_strides(ctx: &BuildCtx, node: NodeId, i: usize, out: &[usize]) -> Result<(Vec<usize>, usize, Option<Vec<f32>>)> {
-    let bad = |what: String| ctx.err(node, format!("operand {i} {what} does not broadcast to the output {out:?} (per image)"));
+    let bad = |what: String| {
+        ctx.err(node, LowerKind::Operands, format!("operand {i} {what} does not broadcast to the output {out:?} (per image)"))
+    };
     let src = ctx.node(node).inputs[i];
     if let Some(w) = ctx.graph.weight_data(src) {
         // The weight's dims against the full output [batch, out...]: its leading dims beyond the
@@ -531,7 +534,7 @@ fn broadcast_binary(ctx: &mut BuildCtx, node: NodeId, op: Binary, y: ValueId) ->
             None => {
                 let v = ctx.input(node, i)?;
                 if ctx.value(v).elem != elem {
-                    return Err(ctx.err(node, format!("mixes element types {:?} and {elem:?}", ctx.value(v).elem)));
+                    return Err(ctx.err(node, LowerKind::Operands, format!("mixes element types {:?} and {elem:?}", ctx.value(v).elem)));
                 }
                 Arg::Value(v)
             }
@@ -541,7 +544,7 @@ fn broadcast_binary(ctx: &mut BuildCtx, node: NodeId, op: Binary, y: ValueId) ->
         *batch_stride = b;
     }
     if operands.iter().all(|o| matches!(o, Arg::Buf(_))) {
-        return Err(ctx.err(node, "both operands are constants (fold them before building)".into()));
+        return Err(ctx.err(node, LowerKind::Operands, "both operands are constants (fold them before building)".into()));
     }
     let (merged, vec) = broadcast_plan(&dy.dims, dy.layout, [&strides[0], &strides[1]], batch, pack(elem));
     let mut meta: Vec<i64> = merged.iter().map(|d| d[0] as i64).collect();
@@ -577,14 +580,16 @@ pub fn bias_act(
     let mut vals = vec![x, y];
     vals.extend(residual);
     let elem = same_elem(ctx, node, &vals)?;
-    let (c, h, w) =
-        ctx.value(y).chw().ok_or_else(|| ctx.err(node, format!("bias epilogue needs [C, H, W] or [F], got {:?}", ctx.value(y).dims)))?;
+    let (c, h, w) = ctx
+        .value(y)
+        .chw()
+        .ok_or_else(|| ctx.err(node, LowerKind::Weights, format!("bias epilogue needs [C, H, W] or [F], got {:?}", ctx.value(y).dims)))?;
     if !ctx.value(y).layout.same_bytes(Layout::channels_last(ctx.value(y).dims.len()), &ctx.value(y).dims) {
-        return Err(ctx.err(node, "bias epilogue runs on NHWC values".into()));
+        return Err(ctx.err(node, LowerKind::Weights, "bias epilogue runs on NHWC values".into()));
     }
     for (what, v) in [("scale", scale), ("bias", bias)] {
         if let Some(v) = v.filter(|v| v.len() != c) {
-            return Err(ctx.err(node, format!("{what} has {} values for {c} channels", v.len())));
+            return Err(ctx.err(node, LowerKind::Operands, format!("{what} has {} values for {c} channels", v.len())));
         }
     }
     let kind = format!(

@@ -7,6 +7,7 @@ use crate::module::{Forward, Module};
 use crate::ops::{CpuArgs, FixtureTwin, LayoutPlan, OpDef};
 use crate::tensor::{Param, Tensor};
 use crate::var_builder::VarBuilder;
+use crate::LowerKind;
 use crate::Result;
 use serde::{Deserialize, Serialize};
 
@@ -323,20 +324,32 @@ fn gpu_matmul(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         return Ok(Box::new(GemmLayer::new_matrix(ctx, node, spec)?));
     }
     if ro < 3 {
-        return Err(ctx.err(node, format!("a rank-2 activation multiplies a constant [K, P] only, got {:?}", ctx.node(node).shape)));
+        return Err(ctx.err(
+            node,
+            LowerKind::Unsupported,
+            format!("a rank-2 activation multiplies a constant [K, P] only, got {:?}", ctx.node(node).shape),
+        ));
     }
     let m = dy.dims[ro - 3];
     // Shapes with a batch of 1 at dim 0 (activations) to compute the broadcast strides; a weight
     // as it is (it has no batch; one of the output's full rank must broadcast it).
     let b_shape = match &weight {
         Some(w) if w.shape.len() == ro && w.shape[0] != 1 => {
-            return Err(ctx.err(node, format!("a constant operand {:?} of the output's rank would need the batch as its dim 0", w.shape)))
+            return Err(ctx.err(
+                node,
+                LowerKind::Unsupported,
+                format!("a constant operand {:?} of the output's rank would need the batch as its dim 0", w.shape),
+            ))
         }
         Some(w) => w.shape.clone(),
         None => {
             let db = ctx.value(ctx.input(node, 1)?).dims.clone();
             if db.len() + 1 != ro {
-                return Err(ctx.err(node, format!("activation operands must have the same rank, got {:?} and {db:?} (per image)", da.dims)));
+                return Err(ctx.err(
+                    node,
+                    LowerKind::Unsupported,
+                    format!("activation operands must have the same rank, got {:?} and {db:?} (per image)", da.dims),
+                ));
             }
             full(&db)
         }
@@ -353,7 +366,9 @@ fn gpu_matmul(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         Some(w) => MatmulB::Weight(ctx.upload(&w.data)?),
         None => MatmulB::Value(ctx.input(node, 1)?),
     };
-    let int = |what: &str, v: usize| i32::try_from(v).map_err(|_| ctx.err(node, format!("{what} = {v} exceeds the kernels' 32-bit range")));
+    let int = |what: &str, v: usize| {
+        i32::try_from(v).map_err(|_| ctx.err(node, LowerKind::TooLarge, format!("{what} = {v} exceeds the kernels' 32-bit range")))
+    };
     let mkp = [int("M", m)?, int("K", k)?, int("P", p)?];
     let f = ctx.kernels.get(&format!("matmul_{}", dy.elem.suffix()))?;
     let tiled = Box::new(MatmulLayer {

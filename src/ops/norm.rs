@@ -8,6 +8,7 @@ use crate::module::{Forward, Module};
 use crate::ops::{CpuArgs, FixtureTwin, LayoutPlan, OpDef};
 use crate::tensor::{Param, Tensor};
 use crate::var_builder::VarBuilder;
+use crate::LowerKind;
 use crate::Result;
 use serde::{Deserialize, Serialize};
 
@@ -540,14 +541,21 @@ fn gpu_rows(ctx: &mut BuildCtx, node: NodeId, op: RowOp, dim: usize, count: usiz
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
     if dx.elem != dy.elem || dx.layout != dy.layout || dx.dims != dy.dims {
-        return Err(ctx.err(node, format!("input {:?} {:?} and output {:?} {:?} differ", dx.layout, dx.dims, dy.layout, dy.dims)));
+        return Err(ctx.err(
+            node,
+            LowerKind::Operands,
+            format!("input {:?} {:?} and output {:?} {:?} differ", dx.layout, dx.dims, dy.layout, dy.dims),
+        ));
     }
-    let p = rows_position(dx.layout, dim, count)
-        .ok_or_else(|| ctx.err(node, format!("dims {dim}..{} are not stored together in {:?}", dim + count, dx.layout)))?;
+    let p = rows_position(dx.layout, dim, count).ok_or_else(|| {
+        ctx.err(node, LowerKind::Operands, format!("dims {dim}..{} are not stored together in {:?}", dim + count, dx.layout))
+    })?;
     let phys: Vec<usize> = dx.layout.order().iter().map(|&d| dx.dims[d]).collect();
     let prod = |s: &[usize]| s.iter().product::<usize>();
     let (outer, len, inner) = (prod(&phys[..p]), prod(&phys[p..p + count]), prod(&phys[p + count..]));
-    let int = |what: &str, v: usize| i32::try_from(v).map_err(|_| ctx.err(node, format!("{what} = {v} exceeds the kernels' 32-bit range")));
+    let int = |what: &str, v: usize| {
+        i32::try_from(v).map_err(|_| ctx.err(node, LowerKind::TooLarge, format!("{what} = {v} exceeds the kernels' 32-bit range")))
+    };
     let (len, inner) = (int("row length", len)?, int("inner size", inner)?);
     let params = match op {
         RowOp::LayerNorm { affine: true, .. } => {

@@ -7,6 +7,7 @@ use crate::module::{Forward, Module};
 use crate::ops::{one_input, pair_label, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
 use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
+use crate::LowerKind;
 use crate::Result;
 use serde::{Deserialize, Serialize};
 
@@ -485,7 +486,7 @@ pub fn pool_layer_between(
     let (c, h, w) = nhwc(ctx, node, x)?;
     let (c2, oh, ow) = nhwc(ctx, node, y)?;
     if c2 != c {
-        return Err(ctx.err(node, format!("pooling maps {c} channels to {c2}")));
+        return Err(ctx.err(node, LowerKind::Operands, format!("pooling maps {c} channels to {c2}")));
     }
     // Launch arguments are 32-bit; the batch is checked when the layer runs.
     let mut dims = [0i32; 5];
@@ -550,7 +551,11 @@ fn gpu_mean(ctx: &mut BuildCtx, node: NodeId, dims: &[usize]) -> Result<Box<dyn 
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
     if dx.elem != dy.elem || !dy.layout.same_bytes(Layout::contiguous(dy.dims.len()), &dy.dims) {
-        return Err(ctx.err(node, format!("expects a contiguous output of the input's type, got {:?} {:?}", dy.layout, dy.elem)));
+        return Err(ctx.err(
+            node,
+            LowerKind::Operands,
+            format!("expects a contiguous output of the input's type, got {:?} {:?}", dy.layout, dy.elem),
+        ));
     }
     let strides = dx.layout.strides(&dx.dims);
     // Per-image dims: logical dim d of the tensor is per-image dim d - 1.

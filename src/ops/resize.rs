@@ -19,6 +19,7 @@ use crate::module::{Forward, Module};
 use crate::ops::{one_input, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
 use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
+use crate::LowerKind;
 use crate::Result;
 use serde::{Deserialize, Serialize};
 
@@ -217,8 +218,8 @@ fn gpu_resize(ctx: &mut BuildCtx, node: NodeId, op: &Resize) -> Result<Box<dyn L
     let elem = same_elem(ctx, node, &[x, y])?;
     let (c, h, w) = nhwc(ctx, node, x)?;
     let (c2, oh, ow) = nhwc(ctx, node, y)?;
-    if c2 != c || op.output_hw([h, w]).map_err(|e| ctx.err(node, e))? != [oh, ow] {
-        return Err(ctx.err(node, format!("resize maps [{c}, {h}, {w}] to [{c2}, {oh}, {ow}]")));
+    if c2 != c || op.output_hw([h, w]).map_err(|e| ctx.err(node, LowerKind::Operands, e))? != [oh, ow] {
+        return Err(ctx.err(node, LowerKind::Operands, format!("resize maps [{c}, {h}, {w}] to [{c2}, {oh}, {ow}]")));
     }
     let mut args = vec![Arg::Value(x), Arg::Value(y), Arg::Batch];
     for (name, v) in [("H", h), ("W", w), ("C", c), ("OH", oh), ("OW", ow)] {

@@ -14,6 +14,7 @@ use crate::module::{Forward, Module};
 use crate::ops::{one_input, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
 use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
+use crate::LowerKind;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
@@ -410,7 +411,7 @@ fn gpu_reshape(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
     let contiguous = |l: Layout, dims: &[usize]| l.same_bytes(Layout::contiguous(dims.len()), dims);
     if !contiguous(dx.layout, &dx.dims) || !contiguous(dy.layout, &dy.dims) {
         let why = format!("reshapes contiguous values only, got {:?} {:?} -> {:?} {:?}", dx.layout, dx.dims, dy.layout, dy.dims);
-        return Err(ctx.err(node, why));
+        return Err(ctx.err(node, LowerKind::Operands, why));
     }
     ctx.alias(y, x)?;
     Ok(nop(ctx, node))
@@ -436,7 +437,10 @@ fn gpu_slice(ctx: &mut BuildCtx, node: NodeId, dim: usize, start: usize) -> Resu
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let dx = ctx.value(x).clone();
     let xs = dx.layout.strides(&dx.dims);
-    let k = dim.checked_sub(1).filter(|&k| k < xs.len()).ok_or_else(|| ctx.err(node, format!("cannot slice dim {dim}")))?;
+    let k = dim
+        .checked_sub(1)
+        .filter(|&k| k < xs.len())
+        .ok_or_else(|| ctx.err(node, LowerKind::Unsupported, format!("cannot slice dim {dim}")))?;
     let copy = gather_copy(ctx, node, x, y, &xs, &vec![0; xs.len()], &dx.dims, start * xs[k], 0.0)?;
     Ok(strided_layer(ctx, node, "slice", vec![copy]))
 }
@@ -457,9 +461,11 @@ fn gpu_roll(ctx: &mut BuildCtx, node: NodeId, shifts: &[i64], dims: &[usize]) ->
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
     if !dx.layout.same_bytes(dy.layout, &dy.dims) || dx.elem != dy.elem {
-        return Err(
-            ctx.err(node, format!("input {:?} {:?} and output {:?} {:?} must share a layout", dx.layout, dx.dims, dy.layout, dy.dims))
-        );
+        return Err(ctx.err(
+            node,
+            LowerKind::Unsupported,
+            format!("input {:?} {:?} and output {:?} {:?} must share a layout", dx.layout, dx.dims, dy.layout, dy.dims),
+        ));
     }
     // Per-image shifts (dims after the batch), then both lists in physical order.
     let full: Vec<usize> = [&[1usize][..], &dx.dims].concat();
@@ -480,9 +486,11 @@ fn gpu_cat(ctx: &mut BuildCtx, node: NodeId, dim: usize) -> Result<Box<dyn Layer
     let k = match dim.checked_sub(1) {
         Some(k) if k < dy.dims.len() => k,
         _ => {
-            return Err(
-                ctx.err(node, format!("the GPU engine concatenates along dims 1 to {} (the batch stays), got dim {dim}", dy.dims.len()))
-            )
+            return Err(ctx.err(
+                node,
+                LowerKind::Operands,
+                format!("the GPU engine concatenates along dims 1 to {} (the batch stays), got dim {dim}", dy.dims.len()),
+            ))
         }
     };
     let ins: Vec<ValueId> = (0..ctx.node(node).inputs.len()).map(|i| ctx.input(node, i)).collect::<Result<_>>()?;
@@ -499,7 +507,7 @@ fn gpu_cat(ctx: &mut BuildCtx, node: NodeId, dim: usize) -> Result<Box<dyn Layer
     for x in ins {
         let dx = ctx.value(x).clone();
         if dx.dims.len() != dy.dims.len() {
-            return Err(ctx.err(node, format!("input {:?} does not fit output {:?}", dx.dims, dy.dims)));
+            return Err(ctx.err(node, LowerKind::Operands, format!("input {:?} does not fit output {:?}", dx.dims, dy.dims)));
         }
         copies.push(scatter_copy(ctx, node, x, y, &ys, at * ys[k])?);
         at += dx.dims[k];
@@ -556,17 +564,21 @@ fn concat_channels(ctx: &mut BuildCtx, node: NodeId, dim: usize) -> Result<Box<d
     let dy = ctx.value(y).clone();
     let rank = dy.dims.len() + 1;
     if dim != 1 {
-        return Err(
-            ctx.err(node, format!("the GPU engine concatenates along channels (dim 1) only, got dim {dim} of a rank-{rank} tensor"))
-        );
+        return Err(ctx.err(
+            node,
+            LowerKind::Unsupported,
+            format!("the GPU engine concatenates along channels (dim 1) only, got dim {dim} of a rank-{rank} tensor"),
+        ));
     }
-    let (cout, h, w) = dy.chw().ok_or_else(|| ctx.err(node, format!("cannot concatenate values of dims {:?}", dy.dims)))?;
+    let (cout, h, w) =
+        dy.chw().ok_or_else(|| ctx.err(node, LowerKind::Unsupported, format!("cannot concatenate values of dims {:?}", dy.dims)))?;
     let mut inputs = Vec::with_capacity(n_in);
     for v in ins {
         let d = ctx.value(v);
-        let (c, hi, wi) = d.chw().ok_or_else(|| ctx.err(node, format!("cannot concatenate values of dims {:?}", d.dims)))?;
+        let (c, hi, wi) =
+            d.chw().ok_or_else(|| ctx.err(node, LowerKind::Unsupported, format!("cannot concatenate values of dims {:?}", d.dims)))?;
         if (hi, wi) != (h, w) || !d.layout.same_bytes(Layout::channels_last(d.dims.len()), &d.dims) {
-            return Err(ctx.err(node, format!("input {:?} {:?} does not fit output {:?}", d.layout, d.dims, dy.dims)));
+            return Err(ctx.err(node, LowerKind::Operands, format!("input {:?} {:?} does not fit output {:?}", d.layout, d.dims, dy.dims)));
         }
         inputs.push((v, c));
     }

@@ -93,10 +93,10 @@ pub fn column_weights(g: &Geometry, weight: &[f32], kp: usize) -> Vec<f32> {
 /// The converter registered for `deform_conv2d` (see `op.rs`).
 pub fn convert(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
     let n = ctx.node(node);
-    let Op::Custom(call) = &n.op else { return Err(ctx.err(node, "is not a deform_conv2d node".into())) };
-    let attrs = DeformAttrs::from_attrs(&call.attrs).map_err(|r| ctx.err(node, r))?;
+    let Op::Custom(call) = &n.op else { return Err(ctx.err(node, kiln::LowerKind::Unsupported, "is not a deform_conv2d node".into())) };
+    let attrs = DeformAttrs::from_attrs(&call.attrs).map_err(|r| ctx.err(node, kiln::LowerKind::Operands, r))?;
     let shapes: Vec<&[usize]> = n.inputs.iter().map(|&i| ctx.node(i).shape.as_slice()).collect();
-    let g = geometry(&attrs, &shapes).map_err(|r| ctx.err(node, r))?;
+    let g = geometry(&attrs, &shapes).map_err(|r| ctx.err(node, kiln::LowerKind::Operands, r))?;
     let (mask_at, weight_at, bias_at) = attrs.positions();
     let (x, offset, y) = (ctx.input(node, 0)?, ctx.input(node, 1)?, ctx.output(node)?);
     let mask = mask_at.map(|i| ctx.input(node, i)).transpose()?;
@@ -105,20 +105,25 @@ pub fn convert(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         let Some(v) = v else { continue };
         let d = ctx.value(v);
         if !d.layout.same_bytes(Layout::channels_last(3), &d.dims) || d.elem != elem {
-            return Err(ctx.err(node, format!("{name} must be an NHWC image of {elem:?}, got {:?} {:?} {:?}", d.dims, d.layout, d.elem)));
+            return Err(ctx.err(
+                node,
+                kiln::LowerKind::Unsupported,
+                format!("{name} must be an NHWC image of {elem:?}, got {:?} {:?} {:?}", d.dims, d.layout, d.elem),
+            ));
         }
     }
     let weight = ctx.weight(node, weight_at)?.clone();
     let bias = bias_at.map(|i| ctx.weight(node, i).cloned()).transpose()?;
 
-    let k = g.taps().checked_mul(g.cin).ok_or_else(|| ctx.err(node, "K = KH * KW * Cin overflows".into()))?;
+    let k = g.taps().checked_mul(g.cin).ok_or_else(|| ctx.err(node, kiln::LowerKind::TooLarge, "K = KH * KW * Cin overflows".into()))?;
     let kp = k.next_multiple_of(K_ALIGN);
     let rows_per_image = g.ho * g.wo;
     let col_bytes = rows_per_image
         .checked_mul(kp)
         .and_then(|v| v.checked_mul(elem.size()))
-        .ok_or_else(|| ctx.err(node, format!("the column matrix of {rows_per_image} x {kp} overflows")))?;
-    let int = |v: usize| i32::try_from(v).map_err(|_| ctx.err(node, format!("{v} exceeds the kernel's 32-bit sizes")));
+        .ok_or_else(|| ctx.err(node, kiln::LowerKind::TooLarge, format!("the column matrix of {rows_per_image} x {kp} overflows")))?;
+    let int =
+        |v: usize| i32::try_from(v).map_err(|_| ctx.err(node, kiln::LowerKind::TooLarge, format!("{v} exceeds the kernel's 32-bit sizes")));
     // The kernel indexes within an image with 32-bit ints.
     int(g.h * g.w * g.cin)?;
     int(rows_per_image * 2 * g.offset_groups * g.taps())?;

@@ -27,6 +27,7 @@ use crate::engine::{BuildConfig, Precision};
 use crate::graph::{Graph, NodeId, Op};
 use crate::ops::pool::PoolAttrs;
 use crate::ops::quant::{Quant, QuantFormat, QuantParams};
+use crate::LowerKind;
 use crate::{Error, Result};
 use cudarc::driver::sys::CUfunction_attribute;
 
@@ -296,7 +297,7 @@ const SPLITS: [usize; 2] = [4, 8];
 /// cuDNN's fused engines on the same conv and epilogue; the 8-bit stem for a conv carrying a pool.
 pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec<Box<dyn Layer>>> {
     let Some(format) = ctx.eight_bit.format else {
-        return Err(ctx.err(node, format!("a {:?} engine has no 8-bit convs", ctx.config.precision)));
+        return Err(ctx.err(node, LowerKind::Operands, format!("a {:?} engine has no 8-bit convs", ctx.config.precision)));
     };
     let (codes, w_scale) = weight_codes(ctx, node, format)?;
     if let Some(pool) = &a.pool {
@@ -312,7 +313,8 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec
 /// The activation quantiser `id` that conv `node` reads or writes as its `what`, or why it is not
 /// one of the engine's.
 fn quantiser<'a>(ctx: &BuildCtx<'a>, node: NodeId, id: NodeId, format: QuantFormat, what: &str) -> Result<&'a QuantParams> {
-    activation_quantiser(ctx.graph, id, format).ok_or_else(|| ctx.err(node, format!("its {what} is not an 8-bit activation quantiser")))
+    activation_quantiser(ctx.graph, id, format)
+        .ok_or_else(|| ctx.err(node, LowerKind::Weights, format!("its {what} is not an 8-bit activation quantiser")))
 }
 
 /// The 8-bit stem (`stem::eight_bit_candidates`) for a conv that carries its max-pool: it writes
@@ -326,10 +328,10 @@ fn stem_candidates(
 ) -> Result<Vec<Box<dyn Layer>>> {
     let (graph, n) = (ctx.graph, ctx.node(node));
     let Some(q) = ctx.eight_bit.requant[node] else {
-        return Err(ctx.err(node, "the 8-bit stem writes codes, and no stored quantiser reads its output".into()));
+        return Err(ctx.err(node, LowerKind::Weights, "the 8-bit stem writes codes, and no stored quantiser reads its output".into()));
     };
     let shapes: Vec<&[usize]> = n.inputs.iter().map(|&i| graph.nodes[i].shape.as_slice()).collect();
-    let conv = super::conv2d_shape(&ConvAttrs { pool: None, ..*a }, &shapes).map_err(|e| ctx.err(node, e))?;
+    let conv = super::conv2d_shape(&ConvAttrs { pool: None, ..*a }, &shapes).map_err(|e| ctx.err(node, LowerKind::Operands, e))?;
     let quantisers = (quantiser(ctx, node, n.inputs[0], format, "input")?, quantiser(ctx, node, q, format, "output")?);
     super::stem::eight_bit_candidates(ctx, node, (a, pool), [conv[2], conv[3]], quantisers, weight)
 }
@@ -367,13 +369,16 @@ impl Conv8Problem {
         let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
         let z = if a.residual { Some(ctx.input(node, n.inputs.len() - 1)?) } else { None };
         let w = ctx.weight(node, 1)?;
-        let [k, c, r, s] = w.shape[..] else { return Err(ctx.err(node, format!("weight shape {:?} is not [K, C, R, S]", w.shape))) };
+        let [k, c, r, s] = w.shape[..] else {
+            return Err(ctx.err(node, LowerKind::Weights, format!("weight shape {:?} is not [K, C, R, S]", w.shape)));
+        };
         let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
         let elem = EightBitPlan::elem(format);
         let nhwc = |d: &ValueDesc| d.dims.len() == 3 && d.layout.same_bytes(Layout::channels_last(3), &d.dims);
         if dx.elem != elem || !nhwc(&dx) || !nhwc(&dy) || dx.dims[0] != c || dy.dims[0] != k {
             return Err(ctx.err(
                 node,
+                LowerKind::Unsupported,
                 format!(
                     "the 8-bit conv reads {:?} {:?} {:?} and writes {:?} {:?}; it needs NHWC {elem:?} [{c}, H, W] in",
                     dx.elem, dx.dims, dx.layout, dy.elem, dy.dims
@@ -386,7 +391,7 @@ impl Conv8Problem {
         let (z_store, z_scale) = residual_store(ctx, node, format, z, &dy.dims)?;
         let (y_store, inv_y_scale, range) = output_store(ctx, node, format, dy.elem)?;
         let shapes: Vec<&[usize]> = n.inputs.iter().map(|&i| graph.nodes[i].shape.as_slice()).collect();
-        let out = super::conv2d_shape(a, &shapes).map_err(|e| ctx.err(node, e))?;
+        let out = super::conv2d_shape(a, &shapes).map_err(|e| ctx.err(node, LowerKind::Operands, e))?;
         let dims = [c, dx.dims[1], dx.dims[2], k, r, s, out[2], out[3]];
         let geo = kernel_geometry(ctx, node, a, dims)?;
         let relu = a.act == Activation::Relu;
@@ -494,7 +499,11 @@ fn residual_store(ctx: &BuildCtx, node: NodeId, format: QuantFormat, z: Option<V
     let Some(zv) = z else { return Ok((Store8::None, 0.0)) };
     let elem = EightBitPlan::elem(format);
     if ctx.value(zv).elem != elem || ctx.value(zv).dims != dims {
-        return Err(ctx.err(node, format!("its residual is {:?} {:?}, not {elem:?} {:?}", ctx.value(zv).elem, ctx.value(zv).dims, dims)));
+        return Err(ctx.err(
+            node,
+            LowerKind::Operands,
+            format!("its residual is {:?} {:?}, not {elem:?} {:?}", ctx.value(zv).elem, ctx.value(zv).dims, dims),
+        ));
     }
     let n = ctx.node(node);
     Ok((Store8::Codes, quantiser(ctx, node, *n.inputs.last().expect("residual"), format, "residual")?.scale[0]))
@@ -509,7 +518,7 @@ fn output_store(ctx: &BuildCtx, node: NodeId, format: QuantFormat, y_elem: Elem)
             Ok((Store8::Codes, 1.0 / p.scale[0], (p.qmin as f32, p.qmax as f32)))
         }
         (Elem::F16, None) => Ok((Store8::F16, 0.0, (0.0, 0.0))),
-        (e, _) => Err(ctx.err(node, format!("the 8-bit conv cannot write {e:?}"))),
+        (e, _) => Err(ctx.err(node, LowerKind::Unsupported, format!("the 8-bit conv cannot write {e:?}"))),
     }
 }
 
@@ -534,7 +543,8 @@ fn kernel_geometry(ctx: &BuildCtx, node: NodeId, a: &ConvAttrs, [c, h, wd, k, r,
         ("dilation", a.dilation[1]),
     ];
     for (g, (name, v)) in geo.iter_mut().zip(named) {
-        *g = i32::try_from(v).map_err(|_| ctx.err(node, format!("{name} = {v} exceeds the 8-bit kernel's 32-bit range")))?;
+        *g = i32::try_from(v)
+            .map_err(|_| ctx.err(node, LowerKind::TooLarge, format!("{name} = {v} exceeds the 8-bit kernel's 32-bit range")))?;
     }
     Ok(geo)
 }
@@ -562,7 +572,9 @@ fn kernel_candidates(ctx: &mut BuildCtx, node: NodeId, p: &Conv8Problem) -> Resu
         let limit = f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32);
         match limit {
             Err(_) if variant.pointwise() => continue,
-            Err(e) => return Err(ctx.err(node, format!("`{entry}` cannot have {smem} bytes of shared memory: {e:?}"))),
+            Err(e) => {
+                return Err(ctx.err(node, LowerKind::Unsupported, format!("`{entry}` cannot have {smem} bytes of shared memory: {e:?}")))
+            }
             Ok(()) => {}
         }
         out.push(Box::new(p.layer(ctx, (entry, variant, splits), f, finish)?));
@@ -600,17 +612,26 @@ fn library_candidates(ctx: &mut BuildCtx, p: &Conv8Problem) -> Result<Vec<Box<dy
 /// quantiser rounds (a folded weight's values already lie on the grid).
 fn weight_codes(ctx: &BuildCtx, node: NodeId, format: QuantFormat) -> Result<(Vec<f32>, Vec<f32>)> {
     let Op::Weight { quant: Some(wq), .. } = &ctx.graph.nodes[ctx.node(node).inputs[1]].op else {
-        return Err(ctx.err(node, "its weight is not on an 8-bit grid".into()));
+        return Err(ctx.err(node, LowerKind::Weights, "its weight is not on an 8-bit grid".into()));
     };
     let w = ctx.weight(node, 1)?;
-    let k = w.shape.first().copied().filter(|&k| k > 0).ok_or_else(|| ctx.err(node, format!("weight shape {:?}", w.shape)))?;
+    let k = w
+        .shape
+        .first()
+        .copied()
+        .filter(|&k| k > 0)
+        .ok_or_else(|| ctx.err(node, LowerKind::Weights, format!("weight shape {:?}", w.shape)))?;
     let w_scale = (0..k)
         .map(|kk| wq.scale.get(if wq.axis.is_some() { kk } else { 0 }).copied())
         .collect::<Option<Vec<f32>>>()
-        .ok_or_else(|| ctx.err(node, format!("{} weight scales for {k} output channels", wq.scale.len())))?;
+        .ok_or_else(|| ctx.err(node, LowerKind::Weights, format!("{} weight scales for {k} output channels", wq.scale.len())))?;
     let per_k = w.data.len() / k;
     if wq.format != format {
-        return Err(ctx.err(node, format!("its weight is on the {} grid, the engine's codes are {}", wq.format.name(), format.name())));
+        return Err(ctx.err(
+            node,
+            LowerKind::Weights,
+            format!("its weight is on the {} grid, the engine's codes are {}", wq.format.name(), format.name()),
+        ));
     }
     let channel = |i: usize| if wq.axis.is_some() { i / per_k } else { 0 };
     let codes = w.data.iter().enumerate().map(|(i, &v)| wq.quantize_value(v, channel(i))).collect();

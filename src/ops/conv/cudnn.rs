@@ -6,6 +6,7 @@ use super::{Activation, ConvAttrs};
 use crate::engine::cudnn::{ConvGeometry, ConvProblem, Epilogue};
 use crate::engine::{BuildCtx, ValueId};
 use crate::graph::{HostTensor, NodeId};
+use crate::LowerKind;
 use crate::Result;
 
 impl ConvAttrs {
@@ -35,10 +36,11 @@ pub(super) fn problem<'a>(
     zeros: &'a [f32],
     y: ValueId,
 ) -> Result<ConvProblem<'a>> {
-    let weight_shape: [usize; 4] = w.shape.as_slice().try_into().map_err(|_| ctx.err(node, format!("weight has shape {:?}", w.shape)))?;
+    let weight_shape: [usize; 4] =
+        w.shape.as_slice().try_into().map_err(|_| ctx.err(node, LowerKind::Weights, format!("weight has shape {:?}", w.shape)))?;
     let bias = if a.bias { ctx.weight(node, 2)?.data.as_slice() } else { zeros };
     if bias.len() != zeros.len() {
-        return Err(ctx.err(node, format!("bias has {} values for {} output channels", bias.len(), zeros.len())));
+        return Err(ctx.err(node, LowerKind::Weights, format!("bias has {} values for {} output channels", bias.len(), zeros.len())));
     }
     let residual = if a.residual { Some(ctx.input(node, if a.bias { 3 } else { 2 })?) } else { None };
     let (geometry, epilogue) = (a.geometry(), a.epilogue());

@@ -5,6 +5,7 @@ use super::{Activation, ConvAttrs};
 use crate::engine::launch::{grid_for, launch, nhwc, pack, same_elem, to_i32, CudaFunction, KArg, BLOCK};
 use crate::engine::layer::{BuildCtx, DeviceBuf, Layer, RunCtx, ValueId};
 use crate::graph::NodeId;
+use crate::LowerKind;
 use crate::{Error, Result};
 
 /// A depthwise K x K convolution of NHWC images (`kernels/depthwise.cu`), bias, residual and ReLU
@@ -86,7 +87,7 @@ pub fn candidate(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, y: ValueId) ->
     }
     let bias = if a.bias { Some(ctx.weight(node, 2)?.data.clone()) } else { None };
     if bias.as_ref().is_some_and(|b| b.len() != c) {
-        return Err(ctx.err(node, format!("bias has {} values for {c} channels", bias.as_ref().map_or(0, Vec::len))));
+        return Err(ctx.err(node, LowerKind::Weights, format!("bias has {} values for {c} channels", bias.as_ref().map_or(0, Vec::len))));
     }
     let relu = a.act == Activation::Relu;
     let mut dims = [0i32; 10];

@@ -13,6 +13,7 @@ use crate::engine::gemm::LtMatmul;
 use crate::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
 use crate::engine::layer::{BuildCtx, DeviceBuf, Elem, Layer, RunCtx, ValueId};
 use crate::graph::NodeId;
+use crate::LowerKind;
 use crate::Result;
 use std::sync::Arc;
 
@@ -68,8 +69,8 @@ pub fn candidates(
     y: ValueId,
     residual: bool,
 ) -> Result<Vec<Box<dyn Layer>>> {
-    let (cin, h, w) = ctx.value(x).chw().ok_or_else(|| ctx.err(node, "input is not an image".into()))?;
-    let (cout, ho, wo) = ctx.value(y).chw().ok_or_else(|| ctx.err(node, "output is not an image".into()))?;
+    let (cin, h, w) = ctx.value(x).chw().ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "input is not an image".into()))?;
+    let (cout, ho, wo) = ctx.value(y).chw().ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "output is not an image".into()))?;
     let [k_out, k_in, kh, kw] = shape4;
     let k = kh * kw * cin;
     let kp = k.next_multiple_of(8);
@@ -77,9 +78,15 @@ pub fn candidates(
         return Ok(Vec::new());
     }
     if weight.len() != cout * k || bias.len() != cout {
-        return Err(ctx.err(node, format!("weight {} / bias {} values for a {shape4:?} convolution", weight.len(), bias.len())));
+        return Err(ctx.err(
+            node,
+            LowerKind::Weights,
+            format!("weight {} / bias {} values for a {shape4:?} convolution", weight.len(), bias.len()),
+        ));
     }
-    let int = |v: usize| i32::try_from(v).map_err(|_| ctx.err(node, format!("{v} exceeds the im2col kernel's 32-bit range")));
+    let int = |v: usize| {
+        i32::try_from(v).map_err(|_| ctx.err(node, LowerKind::TooLarge, format!("{v} exceeds the im2col kernel's 32-bit range")))
+    };
     let dims = [
         int(h)?,
         int(w)?,
@@ -177,6 +184,7 @@ impl Layer for Im2colGemm {
             return Err(crate::Error::Lower {
                 path: s.path.clone(),
                 op: "conv2d".into(),
+                kind: LowerKind::Workspace,
                 reason: format!("im2col needs {col_bytes} bytes of workspace at batch {batch}, the run gives {}", rt.workspace_bytes),
             });
         }

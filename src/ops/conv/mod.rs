@@ -17,6 +17,7 @@ use crate::ops::pool::{max_pool2d_cpu, pool2d_shape};
 use crate::ops::{pair_label, CpuArgs, LayoutPlan, OpDef};
 use crate::tensor::{Param, Tensor};
 use crate::var_builder::VarBuilder;
+use crate::LowerKind;
 use crate::Result;
 use serde::{Deserialize, Serialize};
 
@@ -587,7 +588,7 @@ fn gpu_conv2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn 
     // (into scratch) followed by the pooling kernel.
     let (x, out) = (ctx.value(ctx.input(node, 0)?).clone(), ctx.value(y).clone());
     let shapes: Vec<&[usize]> = ctx.node(node).inputs.iter().map(|&i| ctx.node(i).shape.as_slice()).collect();
-    let conv_shape = conv2d_shape(&a, &shapes).map_err(|e| ctx.err(node, e))?;
+    let conv_shape = conv2d_shape(&a, &shapes).map_err(|e| ctx.err(node, LowerKind::Operands, e))?;
     let mid = ctx.chain_scratch(conv_shape[1..].to_vec(), out.elem, x.layout);
     let inner = conv2d_candidates(ctx, node, ConvAttrs { pool: None, ..a }, mid)?;
     let conv = ctx.choose(&format!("{key} before its max-pool"), inner)?;
@@ -608,7 +609,7 @@ fn conv2d_candidates(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs, y: ValueId)
     let pointwise = w.shape[2..] == [1, 1] && a.stride == [1, 1] && a.padding == [0, 0] && a.groups == 1;
     if pointwise {
         let x = ctx.input(node, 0)?;
-        let (_, h, wd) = ctx.value(y).chw().ok_or_else(|| ctx.err(node, "output is not an image".into()))?;
+        let (_, h, wd) = ctx.value(y).chw().ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "output is not an image".into()))?;
         let bias = if a.bias { Some(ctx.weight(node, 2)?.data.as_slice()) } else { None };
         let residual = if a.residual { Some(ctx.input(node, if a.bias { 3 } else { 2 })?) } else { None };
         let spec = GemmSpec { x, y, residual, rows_per_image: h * wd, weight: &w.data, bias, relu: a.act == Activation::Relu };

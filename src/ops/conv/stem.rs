@@ -15,6 +15,7 @@ use crate::engine::layer::{to_elem_bytes, BuildCtx, DeviceBuf, Elem, Layer, Layo
 use crate::graph::NodeId;
 use crate::ops::pool::PoolAttrs;
 use crate::ops::quant::QuantParams;
+use crate::LowerKind;
 use crate::{Error, Result};
 use cudarc::driver::sys::CUfunction_attribute;
 
@@ -146,12 +147,17 @@ fn geometry(
     }
     let ([c, h, wd], [cy, hp, wp]) = (dx.dims[..3].try_into().expect("rank 3"), dy.dims[..3].try_into().expect("rank 3"));
     if c != w.shape[1] || cy != COUT {
-        return Err(ctx.err(node, format!("the stem maps {c} channels to {cy}, its weight {:?} says {} to {COUT}", w.shape, w.shape[1])));
+        return Err(ctx.err(
+            node,
+            LowerKind::Weights,
+            format!("the stem maps {c} channels to {cy}, its weight {:?} says {} to {COUT}", w.shape, w.shape[1]),
+        ));
     }
     let [hc, wc] = conv_hw;
     let mut dims = [0i32; 7];
     for (d, (name, v)) in dims.iter_mut().zip([("H", h), ("W", wd), ("C", c), ("HC", hc), ("WC", wc), ("HP", hp), ("WP", wp)]) {
-        *d = i32::try_from(v).map_err(|_| ctx.err(node, format!("{name} = {v} exceeds the stem kernel's 32-bit range")))?;
+        *d = i32::try_from(v)
+            .map_err(|_| ctx.err(node, LowerKind::TooLarge, format!("{name} = {v} exceeds the stem kernel's 32-bit range")))?;
     }
     let tiles = hp.div_ceil(VARIANT.tile[0]) * wp.div_ceil(VARIANT.tile[1]);
     Ok(Some((dims, tiles, c)))
@@ -177,7 +183,7 @@ fn pack_rows(weight: &[f32], c: usize) -> Vec<f32> {
 fn bias_of(ctx: &BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec<f32>> {
     let bias = if a.bias { ctx.weight(node, 2)?.data.clone() } else { vec![0.0; COUT] };
     if bias.len() != COUT {
-        return Err(ctx.err(node, format!("bias has {} values for {COUT} channels", bias.len())));
+        return Err(ctx.err(node, LowerKind::Weights, format!("bias has {} values for {COUT} channels", bias.len())));
     }
     Ok(bias)
 }
@@ -188,7 +194,7 @@ fn function(ctx: &BuildCtx, node: NodeId, entry: &str, io: Io) -> Result<CudaFun
     let f = ctx.kernels.get(entry)?;
     let smem = VARIANT.smem_bytes(io);
     f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
-        .map_err(|e| ctx.err(node, format!("`{entry}` cannot have {smem} bytes of shared memory: {e:?}")))?;
+        .map_err(|e| ctx.err(node, LowerKind::Unsupported, format!("`{entry}` cannot have {smem} bytes of shared memory: {e:?}")))?;
     Ok(f)
 }
 
@@ -227,7 +233,11 @@ pub fn eight_bit_candidates(
     let elem = EightBitPlan::elem(input.format);
     let io = if ctx.value(ctx.input(node, 0)?).elem == Elem::F32 { Io::EightBitNchw } else { Io::EightBit };
     let Some((dims, tiles, c)) = geometry(ctx, node, (a, pool), conv_hw, (io, elem))? else {
-        return Err(ctx.err(node, "the 8-bit stem needs NHWC FP16 or NCHW f32 input and NHWC 8-bit output on sm_80 or newer".into()));
+        return Err(ctx.err(
+            node,
+            LowerKind::Unsupported,
+            "the 8-bit stem needs NHWC FP16 or NCHW f32 input and NHWC 8-bit output on sm_80 or newer".into(),
+        ));
     };
     let packed = pack_rows(codes, c);
     let alpha: Vec<f32> = w_scale.iter().map(|s| input.scale[0] * s).collect();

@@ -12,6 +12,7 @@ use super::{Activation, ConvAttrs};
 use crate::engine::gemm::{Batched, LtMatmul};
 use crate::engine::layer::{BuildCtx, DeviceBuf, Layer, RunCtx, ValueId};
 use crate::graph::NodeId;
+use crate::LowerKind;
 use crate::Result;
 
 /// The shape of the batched GEMM of a strided 1×1 convolution.
@@ -74,11 +75,11 @@ pub fn candidate(
     y: ValueId,
 ) -> Result<Option<Box<dyn Layer>>> {
     let x = ctx.input(node, 0)?;
-    let (cin, h, w) = ctx.value(x).chw().ok_or_else(|| ctx.err(node, "input is not an image".into()))?;
-    let (cout, ho, wo) = ctx.value(y).chw().ok_or_else(|| ctx.err(node, "output is not an image".into()))?;
+    let (cin, h, w) = ctx.value(x).chw().ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "input is not an image".into()))?;
+    let (cout, ho, wo) = ctx.value(y).chw().ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "output is not an image".into()))?;
     let Some(shape) = StridedGemm::new(a, shape4, [h, w], [ho, wo]) else { return Ok(None) };
     if shape4[..2] != [cout, cin] || weight.len() != cout * cin || bias.is_some_and(|b| b.len() != cout) {
-        return Err(ctx.err(node, format!("weight {shape4:?} / bias for a {cin} → {cout} 1×1 convolution")));
+        return Err(ctx.err(node, LowerKind::Weights, format!("weight {shape4:?} / bias for a {cin} → {cout} 1×1 convolution")));
     }
     let residual = if a.residual { Some(ctx.input(node, if a.bias { 3 } else { 2 })?) } else { None };
     let elem = ctx.elem();

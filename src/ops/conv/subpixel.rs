@@ -19,6 +19,7 @@ use crate::engine::cudnn::{conv_candidates_geom, ConvProblem};
 use crate::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
 use crate::engine::layer::{BuildCtx, Layer, RunCtx, ValueId};
 use crate::graph::NodeId;
+use crate::LowerKind;
 use crate::{Error, Result};
 use std::sync::Arc;
 
@@ -261,6 +262,7 @@ impl Layer for SubpixelDeconv {
             return Err(Error::Lower {
                 path: s.path.clone(),
                 op: "conv_transpose2d".into(),
+                kind: LowerKind::Workspace,
                 reason: format!("the sub-pixel scratch needs {scratch_bytes} bytes at batch {batch}, the run gives {}", rt.workspace_bytes),
             });
         }
@@ -302,11 +304,11 @@ pub fn candidates(
     bias: &[f32],
 ) -> Result<Vec<Box<dyn Layer>>> {
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
-    let (cin, h, w) = ctx.value(x).chw().ok_or_else(|| ctx.err(node, "input is not an image".into()))?;
-    let (cout, ho, wo) = ctx.value(y).chw().ok_or_else(|| ctx.err(node, "output is not an image".into()))?;
+    let (cin, h, w) = ctx.value(x).chw().ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "input is not an image".into()))?;
+    let (cout, ho, wo) = ctx.value(y).chw().ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "output is not an image".into()))?;
     let Some(plan) = SubpixelPlan::new(a, shape4, [h, w], [ho, wo]) else { return Ok(Vec::new()) };
     if shape4[0] != cin || shape4[1] != cout || bias.len() != cout {
-        return Err(ctx.err(node, format!("weight {shape4:?} / bias of {} for {cin} → {cout} channels", bias.len())));
+        return Err(ctx.err(node, LowerKind::Weights, format!("weight {shape4:?} / bias of {} for {cin} → {cout} channels", bias.len())));
     }
     let Some(dims) = plan.kernel_dims() else { return Ok(Vec::new()) };
     let wt = plan.conv_weight(weight);

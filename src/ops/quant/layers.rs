@@ -9,6 +9,7 @@ use crate::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
 use crate::engine::layer::{BuildCtx, DeviceBuf, Layer, RunCtx, ValueId};
 use crate::graph::NodeId;
 use crate::ops::OpDef;
+use crate::LowerKind;
 use crate::Result;
 
 /// One Q, DQ or Q/DQ node over a whole value.
@@ -86,21 +87,28 @@ pub fn quant_layer(ctx: &mut BuildCtx, node: NodeId, op: &Quant) -> Result<Box<d
         return codes_layer(ctx, node, op, x, y);
     }
     if ctx.value(y).elem != desc.elem || ctx.value(y).layout != desc.layout {
-        return Err(ctx.err(node, format!("input {:?} {:?} and output differ in type or layout", desc.elem, desc.layout)));
+        return Err(ctx.err(
+            node,
+            LowerKind::Operands,
+            format!("input {:?} {:?} and output differ in type or layout", desc.elem, desc.layout),
+        ));
     }
     let p = op.params();
     let (channels, inner) = match p.axis {
         None => (1, 1),
-        Some(0) => return Err(ctx.err(node, "per-channel quantisation along the batch dim has no engine layer".into())),
+        Some(0) => {
+            return Err(ctx.err(node, LowerKind::Operands, "per-channel quantisation along the batch dim has no engine layer".into()))
+        }
         Some(a) => {
             let strides = desc.layout.strides(&desc.dims);
             let (Some(&c), Some(&s)) = (desc.dims.get(a - 1), strides.get(a - 1)) else {
-                return Err(ctx.err(node, format!("axis {a} is out of range for per-image dims {:?}", desc.dims)));
+                return Err(ctx.err(node, LowerKind::TooLarge, format!("axis {a} is out of range for per-image dims {:?}", desc.dims)));
             };
             (c, s)
         }
     };
-    let channels = i32::try_from(channels).map_err(|_| ctx.err(node, format!("{channels} channels exceed 32 bits")))?;
+    let channels =
+        i32::try_from(channels).map_err(|_| ctx.err(node, LowerKind::TooLarge, format!("{channels} channels exceed 32 bits")))?;
     let zp: Vec<f32> = (0..p.scale.len()).map(|c| p.zero_point.get(c).copied().unwrap_or(0) as f32).collect();
     let scale = ctx.upload_f32(&p.scale)?;
     let zero_point = ctx.upload_f32(&zp)?;
@@ -146,10 +154,13 @@ pub struct QuantCodesLayer {
 fn codes_layer(ctx: &mut BuildCtx, node: NodeId, op: &Quant, x: ValueId, y: ValueId) -> Result<Box<dyn Layer>> {
     let p = op.params();
     let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
-    let [scale] = p.scale[..] else { return Err(ctx.err(node, format!("{} scales for a stored (per-tensor) quantiser", p.scale.len()))) };
+    let [scale] = p.scale[..] else {
+        return Err(ctx.err(node, LowerKind::Weights, format!("{} scales for a stored (per-tensor) quantiser", p.scale.len())));
+    };
     if dx.dims != dy.dims || !dx.layout.same_bytes(dy.layout, &dx.dims) {
         return Err(ctx.err(
             node,
+            LowerKind::Operands,
             format!("input {:?} {:?} and its codes {:?} {:?} differ in shape or layout", dx.dims, dx.layout, dy.dims, dy.layout),
         ));
     }
