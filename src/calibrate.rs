@@ -584,7 +584,7 @@ fn replace_weight_quantizers(graph: &Graph, fold: bool) -> Result<Graph> {
             .get(name)
             .cloned()
             .ok_or_else(|| Error::MissingWeight { key: name.clone(), source_name: "the graph's weights".into() })?;
-        p.check(&w.shape).map_err(|reason| Error::InvalidGraph { node: id, path: g.nodes[id].path.clone(), reason })?;
+        p.check(&w.shape).map_err(|reason| Error::InvalidGraph { node: id, path: g.nodes[id].path.clone(), reason: reason.to_string() })?;
         let (name, quant) = if fold {
             let mut w = w.as_ref().clone();
             p.fake_quantize(&mut w);

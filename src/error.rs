@@ -34,7 +34,7 @@ pub enum Error {
 
     // ---- tracing -------------------------------------------------------------------------
     #[error("shape mismatch in `{path}` ({op}): {reason}; got input shapes {got:?}")]
-    Shape { path: String, op: String, reason: String, got: Vec<Vec<usize>> },
+    Shape { path: String, op: String, reason: OpError, got: Vec<Vec<usize>> },
 
     #[error("tensors from different traces were combined in `{path}`")]
     MixedTraces { path: String },
@@ -124,6 +124,38 @@ pub enum Error {
 
     #[error("a tensor of shape {shape:?} holds {expected} values, but {got} were given")]
     TensorSize { shape: Vec<usize>, expected: String, got: usize },
+}
+
+/// Why an op refuses its inputs or attributes: the answer of its shape rule or CPU reference,
+/// which the caller wraps with the node's path and op name (`Error::Shape`).
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum OpError {
+    /// The op takes another number of inputs.
+    #[error("expected {expected} input(s), got {got}")]
+    Arity { expected: String, got: usize },
+    /// An attribute is outside what the op accepts (a zero stride, an unknown mode, a dim out of
+    /// range).
+    #[error("{0}")]
+    Attribute(String),
+    /// The input shapes do not fit the op's rule.
+    #[error("{0}")]
+    Shape(String),
+    /// A size overflows what the op can hold.
+    #[error("{0}")]
+    TooLarge(String),
+}
+
+impl From<String> for OpError {
+    fn from(reason: String) -> Self {
+        OpError::Shape(reason)
+    }
+}
+
+impl From<&str> for OpError {
+    fn from(reason: &str) -> Self {
+        OpError::Shape(reason.to_string())
+    }
 }
 
 /// Why a node could not be lowered to engine layers: what a caller matches on to act (run the

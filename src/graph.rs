@@ -2,6 +2,7 @@
 //!
 //! The graph knows nothing of CUDA. The CPU executor and the engine builder both consume it.
 
+use crate::error::OpError;
 pub use crate::ops::attention::{Attention, QkvAttention};
 pub use crate::ops::conv::{Activation, ConvAttrs};
 pub use crate::ops::custom::CustomCall;
@@ -284,7 +285,7 @@ impl Op {
     }
 
     /// Output shape from input shapes, or a reason the inputs do not fit.
-    pub fn infer_shape(&self, inputs: &[&[usize]]) -> std::result::Result<Vec<usize>, String> {
+    pub fn infer_shape(&self, inputs: &[&[usize]]) -> std::result::Result<Vec<usize>, OpError> {
         self.def().ok_or_else(|| "inputs and weights have no shape rule".to_string())?.infer_shape(inputs)
     }
 
@@ -446,14 +447,14 @@ impl Graph {
             let shape = node.op.infer_shape(&shapes).map_err(|reason| Error::Shape {
                 path: node.path.clone(),
                 op: node.op.name().to_string(),
-                reason: format!("{reason} (at input dims {dims:?}; the node's traced shape is {:?})", self.nodes[id].shape),
+                reason: format!("{reason} (at input dims {dims:?}; the node's traced shape is {:?})", self.nodes[id].shape).into(),
                 got: shapes.iter().map(|s| s.to_vec()).collect(),
             })?;
             if numel(&shape).is_none() {
                 return Err(Error::Shape {
                     path: node.path.clone(),
                     op: node.op.name().to_string(),
-                    reason: format!("output shape {shape:?} has more elements than fit in memory"),
+                    reason: OpError::TooLarge(format!("output shape {shape:?} has more elements than fit in memory")),
                     got: shapes.iter().map(|s| s.to_vec()).collect(),
                 });
             }
@@ -584,12 +585,13 @@ impl Graph {
                 "the graph has {} input(s) and {} output(s); a model needs at least one of each",
                 self.inputs.len(),
                 self.outputs.len()
-            ));
+            )
+            .into());
         }
         for &i in &self.inputs {
             let shape = &self.nodes[i].shape;
             if shape.is_empty() || shape.contains(&0) {
-                return Err(format!("input `{}` has shape {shape:?}; inputs need a batch dim and no zero dims", self.nodes[i].path));
+                return Err(format!("input `{}` has shape {shape:?}; inputs need a batch dim and no zero dims", self.nodes[i].path).into());
             }
         }
         Ok(())

@@ -11,6 +11,7 @@ pub use crate::engine::gemm::LtMatmul;
 pub use crate::engine::kernels::{compile_source, Kernels};
 pub use crate::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
 pub use crate::engine::layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId, MAX_RANK};
+pub use crate::error::OpError;
 pub use crate::graph::{
     Activation, Attention, Binary, ConvAttrs, Gemm, Node, Norm, Op, Pool, PoolAttrs, QkvAttention, Quant, QuantFormat, QuantParams, Resize,
     ShapeOp, Unary,

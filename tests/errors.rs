@@ -315,3 +315,22 @@ fn degenerate_layer_settings_are_shape_errors_naming_the_layer() {
     }
     assert!(matches!(Tensor::cat(&[], 0), Err(Error::NoTensorInput { .. })));
 }
+
+/// The errors a caller acts on are typed: an op given the wrong number of inputs says so as
+/// `OpError::Arity` (inside `Error::Shape`, which names the node), not only in words.
+#[test]
+fn an_op_with_the_wrong_number_of_inputs_is_a_typed_arity_error() {
+    use kiln::plugin::{Binary, Op, OpError};
+    let tracer = Tracer::new();
+    let _ = tracer.input("x", &[1, 3, 4, 4]);
+    let mut graph = tracer.graph();
+    let err = graph.push(Op::Binary(Binary::Add), vec![0], "block.add".into()).unwrap_err();
+    println!("{err}");
+    match &err {
+        Error::Shape { path, op, reason: OpError::Arity { expected, got }, .. } => {
+            assert_eq!((path.as_str(), op.as_str(), expected.as_str(), *got), ("block.add", "add", "2", 1));
+        }
+        other => panic!("expected a typed arity error, got {other:?}"),
+    }
+    assert!(err.to_string().contains("expected 2 input(s), got 1"), "{err}");
+}

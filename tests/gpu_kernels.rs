@@ -167,7 +167,7 @@ mod bias_act_op {
 
     fn convert(ctx: &mut BuildCtx, node: NodeId) -> kiln::Result<Box<dyn Layer>> {
         let Op::Custom(kiln::plugin::CustomCall { attrs, .. }) = &ctx.node(node).op else {
-            return Err(ctx.err(node, kiln::LowerKind::Unsupported, "not a custom op".into()));
+            return Err(ctx.err(node, kiln::LowerKind::Unsupported, "not a custom op"));
         };
         let (a, with_res) = (act(attrs)?, attr(attrs, NAME, "residual")? != 0.0);
         let (x, r, y) = (ctx.input(node, 0)?, ctx.input(node, 1)?, ctx.output(node)?);

@@ -196,7 +196,7 @@ fn decode_cpu(attrs: &Attrs, inputs: &[&HostTensor]) -> Result<HostTensor> {
     let out_shape = decode_shape(attrs, &shapes).map_err(|reason| Error::Shape {
         path: "centernet_decode".into(),
         op: "centernet_decode".into(),
-        reason,
+        reason: reason.into(),
         got: shapes.iter().map(|s| s.to_vec()).collect(),
     })?;
     let (hm, wh, reg) = (inputs[0], inputs[1], inputs[2]);
@@ -417,7 +417,7 @@ mod gpu {
 
     pub fn convert_decode(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         let Op::Custom(kiln::plugin::CustomCall { attrs, .. }) = &ctx.node(node).op else {
-            return Err(ctx.err(node, kiln::LowerKind::Unsupported, "is not centernet_decode".into()));
+            return Err(ctx.err(node, kiln::LowerKind::Unsupported, "is not centernet_decode"));
         };
         let k = k_attr(attrs).map_err(|r| ctx.err(node, kiln::LowerKind::Operands, r))?;
         if k > SORT / 2 {

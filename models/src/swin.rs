@@ -161,7 +161,7 @@ impl Forward for ShiftedWindowAttention {
             return Err(kiln::Error::Shape {
                 path: self.path.clone(),
                 op: "shifted_window_attention".into(),
-                reason: format!("a shift along one axis only ({shift:?}) is not supported"),
+                reason: kiln::plugin::OpError::Attribute(format!("a shift along one axis only ({shift:?}) is not supported")),
                 got: vec![x.shape().to_vec()],
             });
         }

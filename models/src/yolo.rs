@@ -685,7 +685,7 @@ impl Module for Yolo {
                         return Err(Error::Shape {
                             path: vb.path().to_string(),
                             op: "C2PSA".into(),
-                            reason: format!("C2PSA needs as many output channels as input channels, got {c1} in and {c2} out"),
+                            reason: format!("C2PSA needs as many output channels as input channels, got {c1} in and {c2} out").into(),
                             got: vec![vec![c1], vec![c2]],
                         });
                     }

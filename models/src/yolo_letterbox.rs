@@ -127,7 +127,7 @@ fn letterbox_cpu(attrs: &Attrs, inputs: &[&HostTensor]) -> Result<HostTensor> {
     let ([h, w], [ih, iw]) = geometry(attrs, &shapes).map_err(|reason| Error::Shape {
         path: "yolo_letterbox".into(),
         op: "yolo_letterbox".into(),
-        reason,
+        reason: reason.into(),
         got: shapes.iter().map(|s| s.to_vec()).collect(),
     })?;
     let (rows, cols) = taps([h, w], [ih, iw]);
@@ -251,7 +251,7 @@ mod gpu {
 
     pub fn convert_letterbox(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         let Op::Custom(kiln::plugin::CustomCall { attrs, .. }) = &ctx.node(node).op else {
-            return Err(ctx.err(node, kiln::LowerKind::Unsupported, "is not yolo_letterbox".into()));
+            return Err(ctx.err(node, kiln::LowerKind::Unsupported, "is not yolo_letterbox"));
         };
         let (frame, out) = (ctx.input(node, 0)?, ctx.output(node)?);
         let d = ctx.value(frame).clone();

@@ -160,8 +160,12 @@ pub(crate) fn iou_above(a: &[f32; 4], b: &[f32; 4], thr: f64) -> bool {
 /// The CPU reference of the module docs.
 fn nms_cpu(attrs: &Attrs, inputs: &[&HostTensor]) -> Result<HostTensor> {
     let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape.as_slice()).collect();
-    let shape_err =
-        |reason| Error::Shape { path: "yolo_nms".into(), op: "yolo_nms".into(), reason, got: shapes.iter().map(|s| s.to_vec()).collect() };
+    let shape_err = |reason: String| Error::Shape {
+        path: "yolo_nms".into(),
+        op: "yolo_nms".into(),
+        reason: reason.into(),
+        got: shapes.iter().map(|s| s.to_vec()).collect(),
+    };
     let out_shape = nms_shape(attrs, &shapes).map_err(shape_err)?;
     let p = params(attrs).map_err(shape_err)?;
     let x = inputs[0];
@@ -571,7 +575,7 @@ mod gpu {
 
     pub fn convert_nms(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         let Op::Custom(kiln::plugin::CustomCall { attrs, .. }) = &ctx.node(node).op else {
-            return Err(ctx.err(node, kiln::LowerKind::Unsupported, "is not yolo_nms".into()));
+            return Err(ctx.err(node, kiln::LowerKind::Unsupported, "is not yolo_nms"));
         };
         let p = params(attrs).map_err(|r| ctx.err(node, kiln::LowerKind::Operands, r))?;
         let (pred, out) = (ctx.input(node, 0)?, ctx.output(node)?);

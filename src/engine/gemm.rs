@@ -369,12 +369,12 @@ impl GemmLayer {
             .value(spec.y)
             .chw()
             .map(|(c, _, _)| c)
-            .ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "output is not an image or vector".into()))?;
+            .ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "output is not an image or vector"))?;
         let k = ctx
             .value(spec.x)
             .chw()
             .map(|(c, _, _)| c)
-            .ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "input is not an image or vector".into()))?;
+            .ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "input is not an image or vector"))?;
         Self::with_dims(ctx, node, spec, k, n_out)
     }
 
@@ -465,7 +465,7 @@ impl BatchedGemmLayer {
     ) -> Result<Self> {
         let elem = ctx.value(y).elem;
         if ctx.value(x).elem != elem || ctx.value(w).elem != elem {
-            return Err(ctx.err(node, LowerKind::Unsupported, "a batched GEMM needs one element type for its operands and output".into()));
+            return Err(ctx.err(node, LowerKind::Unsupported, "a batched GEMM needs one element type for its operands and output"));
         }
         let path = ctx.node(node).path.clone();
         let batched =

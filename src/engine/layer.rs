@@ -466,7 +466,7 @@ impl<'a> BuildCtx<'a> {
 
     /// The node's output value.
     pub fn output(&self, node: NodeId) -> Result<ValueId> {
-        self.node_values[node].ok_or_else(|| self.err(node, LowerKind::Operands, "has no output value".into()))
+        self.node_values[node].ok_or_else(|| self.err(node, LowerKind::Operands, "has no output value"))
     }
 
     /// The host data of a node's `i`-th input, which must be a weight.
@@ -565,8 +565,8 @@ impl<'a> BuildCtx<'a> {
     }
 
     /// An error naming the node's op and module path.
-    pub fn err(&self, node: NodeId, kind: LowerKind, reason: String) -> Error {
+    pub fn err(&self, node: NodeId, kind: LowerKind, reason: impl std::fmt::Display) -> Error {
         let n = self.node(node);
-        Error::Lower { path: n.path.clone(), op: n.op.name().to_string(), kind, reason }
+        Error::Lower { path: n.path.clone(), op: n.op.name().to_string(), kind, reason: reason.to_string() }
     }
 }

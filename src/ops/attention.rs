@@ -29,6 +29,7 @@ use crate::engine::arena::ALIGN;
 use crate::engine::gemm::{Batched, LtMatmul, GEMM_WORKSPACE};
 use crate::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
 use crate::engine::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId};
+use crate::error::OpError;
 use crate::graph::{HostTensor, NodeId, Op};
 use crate::ops::{CpuArgs, FixtureTwin, OpDef};
 use crate::tensor::{Param, Tensor};
@@ -56,10 +57,10 @@ impl OpDef for Attention {
     fn name(&self) -> &str {
         "attention"
     }
-    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
         attention_shape(self.bias, inputs)
     }
-    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
+    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, OpError> {
         attention_cpu(self.scale, self.bias, &args.all()?)
     }
     fn entry_points(&self) -> Vec<String> {
@@ -96,10 +97,10 @@ impl OpDef for QkvAttention {
     fn name(&self) -> &str {
         "qkv_attention"
     }
-    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
         qkv_attention_shape(self.heads, self.bias, inputs)
     }
-    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
+    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, OpError> {
         qkv_attention_cpu(*self, &args.all()?)
     }
     fn entry_points(&self) -> Vec<String> {
@@ -156,21 +157,21 @@ impl Tensor {
 }
 
 /// `inputs` = q, k, v (and the bias when `bias`): the output `[N, ..., L, Dv]`.
-pub fn attention_shape(bias: bool, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+pub fn attention_shape(bias: bool, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
     let want = 3 + bias as usize;
     if inputs.len() != want {
-        return Err(format!("attention expects {want} inputs (q, k, v{}), got {}", if bias { ", bias" } else { "" }, inputs.len()));
+        return Err(format!("attention expects {want} inputs (q, k, v{}), got {}", if bias { ", bias" } else { "" }, inputs.len()).into());
     }
     let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
     let r = q.len();
     if r < 3 || k.len() != r || v.len() != r {
-        return Err(format!("attention expects q, k, v of one rank >= 3 ([N, ..., L, D]), got {q:?}, {k:?}, {v:?}"));
+        return Err(format!("attention expects q, k, v of one rank >= 3 ([N, ..., L, D]), got {q:?}, {k:?}, {v:?}").into());
     }
     if q[..r - 2] != k[..r - 2] || q[..r - 2] != v[..r - 2] {
-        return Err(format!("q {q:?}, k {k:?} and v {v:?} must have the same leading dims"));
+        return Err(format!("q {q:?}, k {k:?} and v {v:?} must have the same leading dims").into());
     }
     if q[r - 1] != k[r - 1] || k[r - 2] != v[r - 2] {
-        return Err(format!("q {q:?}, k {k:?}, v {v:?}: q and k need one head dim, k and v one length"));
+        return Err(format!("q {q:?}, k {k:?}, v {v:?}: q and k need one head dim, k and v one length").into());
     }
     if bias {
         let scores: Vec<usize> = [&q[..r - 1], &[k[r - 2]][..]].concat();
@@ -181,9 +182,9 @@ pub fn attention_shape(bias: bool, inputs: &[&[usize]]) -> Result<Vec<usize>, St
 
 /// The element strides of `bias` broadcast (aligned right, as PyTorch) to `scores`, 0 where it
 /// broadcasts; an error naming both shapes where it does not fit.
-fn bias_strides(bias: &[usize], scores: &[usize]) -> Result<Vec<usize>, String> {
+fn bias_strides(bias: &[usize], scores: &[usize]) -> Result<Vec<usize>, OpError> {
     if bias.len() > scores.len() {
-        return Err(format!("the attention bias {bias:?} has more dims than the scores {scores:?}"));
+        return Err(format!("the attention bias {bias:?} has more dims than the scores {scores:?}").into());
     }
     let lead = scores.len() - bias.len();
     let mut strides = vec![0; scores.len()];
@@ -193,7 +194,7 @@ fn bias_strides(bias: &[usize], scores: &[usize]) -> Result<Vec<usize>, String> 
         if b == s && b != 1 {
             strides[lead + i] = stride;
         } else if b != 1 {
-            return Err(format!("the attention bias {bias:?} does not broadcast to the scores {scores:?}"));
+            return Err(format!("the attention bias {bias:?} does not broadcast to the scores {scores:?}").into());
         }
         stride = stride.checked_mul(b).ok_or_else(|| format!("the attention bias {bias:?} is too large"))?;
     }
@@ -201,25 +202,26 @@ fn bias_strides(bias: &[usize], scores: &[usize]) -> Result<Vec<usize>, String> 
 }
 
 /// `inputs` = qkv (and the bias when `bias`): the output `[N, G..., L, heads·D]`.
-pub fn qkv_attention_shape(heads: usize, bias: bool, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+pub fn qkv_attention_shape(heads: usize, bias: bool, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
     let want = 1 + bias as usize;
     if inputs.len() != want {
-        return Err(format!("qkv_attention expects {want} inputs (qkv{}), got {}", if bias { ", bias" } else { "" }, inputs.len()));
+        return Err(format!("qkv_attention expects {want} inputs (qkv{}), got {}", if bias { ", bias" } else { "" }, inputs.len()).into());
     }
     let qkv = inputs[0];
     let r = qkv.len();
     if r < 3 {
-        return Err(format!("qkv_attention expects qkv of rank >= 3 ([N, ..., L, 3·heads·D]), got {qkv:?}"));
+        return Err(format!("qkv_attention expects qkv of rank >= 3 ([N, ..., L, 3·heads·D]), got {qkv:?}").into());
     }
     if heads == 0 {
-        return Err(format!("qkv_attention needs at least one head (qkv {qkv:?})"));
+        return Err(format!("qkv_attention needs at least one head (qkv {qkv:?})").into());
     }
     let packed = heads.checked_mul(3).ok_or_else(|| format!("qkv_attention: {heads} heads is too many"))?;
     if !qkv[r - 1].is_multiple_of(packed) {
         return Err(format!(
             "the last dim of qkv {qkv:?} ({}) is not divisible by 3 · {heads} heads = {packed} (q, k and v of {heads} heads each)",
             qkv[r - 1]
-        ));
+        )
+        .into());
     }
     if bias {
         bias_strides(inputs[1], &packed_scores(qkv, heads))?;
@@ -238,7 +240,7 @@ fn packed_scores(qkv: &[usize], heads: usize) -> Vec<usize> {
 
 /// Per (image, head) problem: `scale · Q·Kᵀ` by one GEMM, the bias added, softmax in f32 with the
 /// row maximum subtracted (PyTorch's), then `P·V` by a second GEMM.
-pub fn attention_cpu(scale: f32, bias: bool, inputs: &[&HostTensor]) -> Result<HostTensor, String> {
+pub fn attention_cpu(scale: f32, bias: bool, inputs: &[&HostTensor]) -> Result<HostTensor, OpError> {
     let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape.as_slice()).collect();
     let out_shape = attention_shape(bias, &shapes)?;
     let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
@@ -327,7 +329,7 @@ pub fn attention_cpu(scale: f32, bias: bool, inputs: &[&HostTensor]) -> Result<H
 /// The packed op on the CPU: q, k and v copied out of the packed rows into `[N, G..., H, L, D]`,
 /// `attention_cpu` (so the arithmetic is exactly `attention`'s), the result's heads moved back
 /// into each row. The two copies cost nothing next to the GEMMs.
-pub fn qkv_attention_cpu(attrs: QkvAttention, inputs: &[&HostTensor]) -> Result<HostTensor, String> {
+pub fn qkv_attention_cpu(attrs: QkvAttention, inputs: &[&HostTensor]) -> Result<HostTensor, OpError> {
     let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape.as_slice()).collect();
     let out_shape = qkv_attention_shape(attrs.heads, attrs.bias, &shapes)?;
     let x = inputs[0];
@@ -379,7 +381,7 @@ struct Dims {
 
 /// Broadcasts a constant bias to f32 `[zimg, L, S]` (the same for every image): the layout every
 /// candidate reads. `q` is one image's q `[..., L, D]` (for the packed op, `[G..., H, L, D]`).
-fn host_bias(bias: &HostTensor, q: &[usize], dims: Dims) -> std::result::Result<Vec<f32>, String> {
+fn host_bias(bias: &HostTensor, q: &[usize], dims: Dims) -> std::result::Result<Vec<f32>, OpError> {
     // Full scores shape with a batch of 1: the bias must not vary along the batch.
     let scores: Vec<usize> = [&[1usize][..], &q[..q.len() - 1], &[dims.s][..]].concat();
     let st = bias_strides(&bias.shape, &scores)?;
@@ -403,7 +405,7 @@ fn host_bias(bias: &HostTensor, q: &[usize], dims: Dims) -> std::result::Result<
 fn upload_bias(ctx: &mut BuildCtx, node: NodeId, index: usize, q: &[usize], dims: Dims) -> Result<Option<Arc<DeviceBuf>>> {
     let b = ctx
         .weight(node, index)
-        .map_err(|_| ctx.err(node, LowerKind::Weights, "the GPU engine takes a constant attention bias only (a weight)".into()))?;
+        .map_err(|_| ctx.err(node, LowerKind::Weights, "the GPU engine takes a constant attention bias only (a weight)"))?;
     let host = host_bias(b, q, dims).map_err(|e| ctx.err(node, LowerKind::Operands, e))?;
     Ok(Some(Arc::new(ctx.upload_f32(&host)?)))
 }
@@ -971,8 +973,11 @@ mod tests {
     fn attention_shape_checks_heads_lengths_and_bias() {
         assert_eq!(attention_shape(false, &[&[2, 3, 5, 8], &[2, 3, 7, 8], &[2, 3, 7, 4]]), Ok(vec![2, 3, 5, 4]));
         assert_eq!(attention_shape(true, &[&[2, 3, 5, 8], &[2, 3, 7, 8], &[2, 3, 7, 8], &[3, 5, 7]]), Ok(vec![2, 3, 5, 8]));
-        assert!(attention_shape(true, &[&[2, 3, 5, 8], &[2, 3, 7, 8], &[2, 3, 7, 8], &[4, 5, 7]]).unwrap_err().contains("[4, 5, 7]"));
-        assert!(attention_shape(false, &[&[2, 3, 5, 8], &[2, 3, 7, 6], &[2, 3, 7, 8]]).unwrap_err().contains("[2, 3, 7, 6]"));
+        assert!(attention_shape(true, &[&[2, 3, 5, 8], &[2, 3, 7, 8], &[2, 3, 7, 8], &[4, 5, 7]])
+            .unwrap_err()
+            .to_string()
+            .contains("[4, 5, 7]"));
+        assert!(attention_shape(false, &[&[2, 3, 5, 8], &[2, 3, 7, 6], &[2, 3, 7, 8]]).unwrap_err().to_string().contains("[2, 3, 7, 6]"));
         assert!(attention_shape(false, &[&[2, 3, 5, 8], &[2, 4, 7, 8], &[2, 4, 7, 8]]).is_err());
         assert!(attention_shape(false, &[&[2, 3, 5, 8], &[2, 3, 7, 8]]).is_err());
     }
@@ -995,14 +1000,14 @@ mod tests {
         assert_eq!(qkv_attention_shape(3, true, &[&[2, 4, 49, 288], &[3, 49, 49]]), Ok(vec![2, 4, 49, 96]), "a bias per head only");
         assert_eq!(qkv_attention_shape(3, true, &[&[2, 4, 49, 288], &[1, 4, 3, 49, 49]]), Ok(vec![2, 4, 49, 96]), "a batch dim of 1");
         let e = qkv_attention_shape(12, false, &[&[2, 197, 2300]]).unwrap_err();
-        assert!(e.contains("[2, 197, 2300]") && e.contains("36"), "{e}");
+        assert!(e.to_string().contains("[2, 197, 2300]") && e.to_string().contains("36"), "{e}");
         let e = qkv_attention_shape(3, true, &[&[2, 4, 49, 288], &[4, 6, 49, 49]]).unwrap_err();
-        assert!(e.contains("[4, 6, 49, 49]") && e.contains("[1, 4, 3, 49, 49]"), "names both shapes: {e}");
+        assert!(e.to_string().contains("[4, 6, 49, 49]") && e.to_string().contains("[1, 4, 3, 49, 49]"), "names both shapes: {e}");
         let e = qkv_attention_shape(3, true, &[&[2, 4, 49, 288], &[2, 4, 3, 49, 49]]).unwrap_err();
-        assert!(e.contains("[2, 4, 3, 49, 49]"), "a bias that varies with the batch is not a constant one: {e}");
-        assert!(qkv_attention_shape(0, false, &[&[2, 5, 12]]).unwrap_err().contains("head"));
-        assert!(qkv_attention_shape(2, false, &[&[5, 12]]).unwrap_err().contains("[5, 12]"));
-        assert!(qkv_attention_shape(2, true, &[&[2, 5, 12]]).unwrap_err().contains("2 inputs"));
+        assert!(e.to_string().contains("[2, 4, 3, 49, 49]"), "a bias that varies with the batch is not a constant one: {e}");
+        assert!(qkv_attention_shape(0, false, &[&[2, 5, 12]]).unwrap_err().to_string().contains("head"));
+        assert!(qkv_attention_shape(2, false, &[&[5, 12]]).unwrap_err().to_string().contains("[5, 12]"));
+        assert!(qkv_attention_shape(2, true, &[&[2, 5, 12]]).unwrap_err().to_string().contains("2 inputs"));
         assert!(qkv_attention_shape(usize::MAX, false, &[&[2, 5, 12]]).is_err(), "no overflow");
     }
 

@@ -3,6 +3,7 @@
 //! touching Kiln. Tracing applies it with `Tensor::custom(name, attrs, others)`.
 
 use crate::engine::{BuildCtx, Layer, Layout};
+use crate::error::OpError;
 use crate::graph::{HostTensor, NodeId};
 use crate::ops::{CpuArgs, LayoutPlan, OpDef};
 use crate::registry::build_table;
@@ -22,8 +23,8 @@ pub struct CustomCall {
 }
 
 impl CustomCall {
-    fn registered(&self) -> std::result::Result<&'static CustomOp, String> {
-        lookup(&self.name).ok_or_else(|| format!("custom op `{}` is not registered", self.name))
+    fn registered(&self) -> std::result::Result<&'static CustomOp, OpError> {
+        lookup(&self.name).ok_or_else(|| OpError::Attribute(format!("custom op `{}` is not registered", self.name)))
     }
 }
 
@@ -45,10 +46,10 @@ impl OpDef for CustomCall {
     fn name(&self) -> &str {
         &self.name
     }
-    fn infer_shape(&self, inputs: &[&[usize]]) -> std::result::Result<Vec<usize>, String> {
+    fn infer_shape(&self, inputs: &[&[usize]]) -> std::result::Result<Vec<usize>, OpError> {
         self.registered()?.infer_shape(&self.attrs, inputs)
     }
-    fn cpu(&self, args: &mut CpuArgs) -> std::result::Result<HostTensor, String> {
+    fn cpu(&self, args: &mut CpuArgs) -> std::result::Result<HostTensor, OpError> {
         let op = self.registered()?;
         let inputs = args.all()?;
         let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape.as_slice()).collect();
@@ -59,7 +60,8 @@ impl OpDef for CustomCall {
                 "its CPU reference returned shape {:?} ({} values), but its shape rule says {expected:?}",
                 out.shape,
                 out.data.len()
-            ));
+            )
+            .into());
         }
         Ok(out)
     }
@@ -80,7 +82,8 @@ impl OpDef for CustomCall {
     }
 }
 
-/// A shape rule: output shape from the attributes and input shapes, or why they do not fit.
+/// A shape rule: output shape from the attributes and input shapes, or why they do not fit (in
+/// words: Kiln reports it as an `OpError::Shape` naming the node).
 pub type ShapeRule = fn(&Attrs, &[&[usize]]) -> Result<Vec<usize>, String>;
 
 /// A custom op's registration: its name, shape rule and CPU reference.
@@ -91,8 +94,8 @@ pub struct CustomOp {
 }
 
 impl CustomOp {
-    pub fn infer_shape(&self, attrs: &Attrs, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
-        (self.infer_shape)(attrs, inputs)
+    pub fn infer_shape(&self, attrs: &Attrs, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
+        (self.infer_shape)(attrs, inputs).map_err(OpError::Shape)
     }
 }
 

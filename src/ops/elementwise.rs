@@ -4,6 +4,7 @@
 
 use crate::engine::launch::{pack, same_elem, to_i32, typed_entry_points, Arg, KArg, KernelLayer};
 use crate::engine::{BuildCtx, Layer, Layout, ValueId};
+use crate::error::OpError;
 use crate::graph::{HostTensor, NodeId, Op};
 use crate::module::{Forward, Module};
 use crate::ops::{one_input, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
@@ -205,10 +206,10 @@ impl OpDef for Unary {
             Unary::Softplus { .. } => "softplus",
         }
     }
-    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
         one_input(inputs).map(<[usize]>::to_vec)
     }
-    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
+    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, OpError> {
         args.expect(1)?;
         let mut x = args.take(0)?;
         x.data.iter_mut().for_each(|v| *v = self.apply(*v));
@@ -270,14 +271,14 @@ impl Binary {
 }
 
 /// The broadcast of two shapes, as PyTorch: dims aligned from the right, each pair equal or 1.
-pub fn broadcast_shape(a: &[usize], b: &[usize]) -> Result<Vec<usize>, String> {
+pub fn broadcast_shape(a: &[usize], b: &[usize]) -> Result<Vec<usize>, OpError> {
     let rank = a.len().max(b.len());
     let dim = |s: &[usize], i: usize| if i < rank - s.len() { 1 } else { s[i - (rank - s.len())] };
     (0..rank)
         .map(|i| match (dim(a, i), dim(b, i)) {
             (x, y) if x == y || y == 1 => Ok(x),
             (1, y) => Ok(y),
-            (x, y) => Err(format!("shapes {a:?} and {b:?} do not broadcast: {x} against {y} at dim {i}")),
+            (x, y) => Err(format!("shapes {a:?} and {b:?} do not broadcast: {x} against {y} at dim {i}").into()),
         })
         .collect()
 }
@@ -303,13 +304,13 @@ impl OpDef for Binary {
             Binary::Div => "div",
         }
     }
-    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
         match inputs {
             [a, b] => broadcast_shape(a, b),
-            _ => Err(format!("expected 2 inputs, got {}", inputs.len())),
+            _ => Err(OpError::Arity { expected: "2".into(), got: inputs.len() }),
         }
     }
-    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
+    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, OpError> {
         args.expect(2)?;
         let out = self.infer_shape(&args.shapes()?)?;
         if args.get(0)?.shape == out && args.get(1)?.shape == out {
@@ -544,7 +545,7 @@ fn broadcast_binary(ctx: &mut BuildCtx, node: NodeId, op: Binary, y: ValueId) ->
         *batch_stride = b;
     }
     if operands.iter().all(|o| matches!(o, Arg::Buf(_))) {
-        return Err(ctx.err(node, LowerKind::Operands, "both operands are constants (fold them before building)".into()));
+        return Err(ctx.err(node, LowerKind::Operands, "both operands are constants (fold them before building)"));
     }
     let (merged, vec) = broadcast_plan(&dy.dims, dy.layout, [&strides[0], &strides[1]], batch, pack(elem));
     let mut meta: Vec<i64> = merged.iter().map(|d| d[0] as i64).collect();
@@ -585,7 +586,7 @@ pub fn bias_act(
         .chw()
         .ok_or_else(|| ctx.err(node, LowerKind::Weights, format!("bias epilogue needs [C, H, W] or [F], got {:?}", ctx.value(y).dims)))?;
     if !ctx.value(y).layout.same_bytes(Layout::channels_last(ctx.value(y).dims.len()), &ctx.value(y).dims) {
-        return Err(ctx.err(node, LowerKind::Weights, "bias epilogue runs on NHWC values".into()));
+        return Err(ctx.err(node, LowerKind::Weights, "bias epilogue runs on NHWC values"));
     }
     for (what, v) in [("scale", scale), ("bias", bias)] {
         if let Some(v) = v.filter(|v| v.len() != c) {
@@ -880,7 +881,7 @@ mod tests {
     fn broadcasting_follows_pytorch() {
         assert_eq!(broadcast_shape(&[2, 3, 4, 5], &[3, 1, 1]).unwrap(), [2, 3, 4, 5]);
         assert_eq!(broadcast_shape(&[2, 1, 4], &[5, 1]).unwrap(), [2, 5, 4]);
-        assert!(broadcast_shape(&[2, 3], &[4]).unwrap_err().contains("do not broadcast"));
+        assert!(broadcast_shape(&[2, 3], &[4]).unwrap_err().to_string().contains("do not broadcast"));
         assert_eq!(broadcast_strides(&[3, 1, 1], &[2, 3, 4, 5]), [0, 1, 0, 0]);
     }
 

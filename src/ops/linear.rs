@@ -2,6 +2,7 @@
 //! activations (or of an activation and a constant), broadcasting batch dims as PyTorch.
 
 use crate::engine::{BuildCtx, Layer, Layout};
+use crate::error::OpError;
 use crate::graph::{NodeId, Op};
 use crate::module::{Forward, Module};
 use crate::ops::{CpuArgs, FixtureTwin, LayoutPlan, OpDef};
@@ -35,13 +36,13 @@ impl OpDef for Gemm {
             Gemm::Matmul => "matmul",
         }
     }
-    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
         match *self {
             Gemm::Linear { bias } => linear_shape(bias, inputs),
             Gemm::Matmul => matmul_shape(inputs),
         }
     }
-    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
+    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, OpError> {
         match *self {
             Gemm::Linear { bias } => linear_cpu(bias, &args.all()?),
             Gemm::Matmul => matmul_cpu(&args.all()?),
@@ -112,20 +113,20 @@ impl Forward for Linear {
 }
 
 /// `inputs` = x `[N, ..., in]`, weight `[out, in]`, bias? `[out]`.
-pub fn linear_shape(bias: bool, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+pub fn linear_shape(bias: bool, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
     if inputs.len() != 2 + bias as usize {
-        return Err(format!("linear expects {} inputs, got {}", 2 + bias as usize, inputs.len()));
+        return Err(format!("linear expects {} inputs, got {}", 2 + bias as usize, inputs.len()).into());
     }
     let (x, w) = (inputs[0], inputs[1]);
     if x.len() < 2 || w.len() != 2 {
-        return Err(format!("linear expects an [N, ..., in] input and an [out, in] weight, got {x:?} and {w:?}"));
+        return Err(format!("linear expects an [N, ..., in] input and an [out, in] weight, got {x:?} and {w:?}").into());
     }
     let fin = x[x.len() - 1];
     if fin != w[1] {
-        return Err(format!("input {x:?} has {fin} features, but the weight {w:?} expects {}", w[1]));
+        return Err(format!("input {x:?} has {fin} features, but the weight {w:?} expects {}", w[1]).into());
     }
     if bias && inputs[2] != [w[0]] {
-        return Err(format!("bias must have shape [{}], got {:?}", w[0], inputs[2]));
+        return Err(format!("bias must have shape [{}], got {:?}", w[0], inputs[2]).into());
     }
     let mut out = x.to_vec();
     *out.last_mut().expect("rank >= 2") = w[0];
@@ -158,21 +159,22 @@ impl Tensor {
 }
 
 /// `inputs` = a `[..., M, K]`, b `[..., K, P]`: the broadcast batch dims, then `[M, P]`.
-pub fn matmul_shape(inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+pub fn matmul_shape(inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
     let [a, b] = inputs else {
-        return Err(format!("matmul expects 2 inputs, got {}", inputs.len()));
+        return Err(format!("matmul expects 2 inputs, got {}", inputs.len()).into());
     };
     let (ra, rb) = (a.len(), b.len());
     if ra < 2 || rb < 2 {
-        return Err(format!("matmul expects operands of rank >= 2, got {a:?} and {b:?}"));
+        return Err(format!("matmul expects operands of rank >= 2, got {a:?} and {b:?}").into());
     }
     if rb > ra {
         return Err(format!(
             "matmul of {a:?} and {b:?}: the second operand has more dims, which would move the batch (the engine keeps the batch as dim 0)"
-        ));
+        )
+        .into());
     }
     if a[ra - 1] != b[rb - 2] {
-        return Err(format!("matmul of {a:?} and {b:?}: {} columns against {} rows", a[ra - 1], b[rb - 2]));
+        return Err(format!("matmul of {a:?} and {b:?}: {} columns against {} rows", a[ra - 1], b[rb - 2]).into());
     }
     let mut out = a[..ra - 2].to_vec();
     for (i, &nb) in b[..rb - 2].iter().enumerate() {
@@ -180,7 +182,7 @@ pub fn matmul_shape(inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
         match (*o, nb) {
             (x, y) if x == y || y == 1 => {}
             (1, y) if ra - rb + i > 0 => *o = y,
-            _ => return Err(format!("matmul of {a:?} and {b:?}: batch dims do not broadcast")),
+            _ => return Err(format!("matmul of {a:?} and {b:?}: batch dims do not broadcast").into()),
         }
     }
     out.extend([a[ra - 2], b[rb - 1]]);
@@ -205,7 +207,7 @@ fn batch_strides(shape: &[usize], out_batch: &[usize]) -> Vec<usize> {
 use crate::graph::HostTensor;
 
 /// `x·Wᵀ + b` with `inputs` = x `[N, ..., in]` (rows: all but the last dim), weight `[out, in]`, bias? `[out]`: one GEMM onto the bias.
-pub fn linear_cpu(bias: bool, inputs: &[&HostTensor]) -> Result<HostTensor, String> {
+pub fn linear_cpu(bias: bool, inputs: &[&HostTensor]) -> Result<HostTensor, OpError> {
     let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape.as_slice()).collect();
     let out_shape = linear_shape(bias, &shapes)?;
     let (x, w) = (inputs[0], inputs[1]);
@@ -243,7 +245,7 @@ pub fn linear_cpu(bias: bool, inputs: &[&HostTensor]) -> Result<HostTensor, Stri
 }
 
 /// `torch.matmul` with `inputs` = a `[..., M, K]`, b `[..., K, P]`: one GEMM per output batch.
-pub fn matmul_cpu(inputs: &[&HostTensor]) -> Result<HostTensor, String> {
+pub fn matmul_cpu(inputs: &[&HostTensor]) -> Result<HostTensor, OpError> {
     let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape.as_slice()).collect();
     let out_shape = matmul_shape(&shapes)?;
     let (a, b) = (inputs[0], inputs[1]);
@@ -471,8 +473,8 @@ mod tests {
         assert_eq!(linear_shape(true, &[&[2, 5, 12], &[7, 12], &[7]]), Ok(vec![2, 5, 7]));
         assert_eq!(linear_shape(false, &[&[2, 12], &[7, 12]]), Ok(vec![2, 7]));
         assert!(linear_shape(false, &[&[12], &[7, 12]]).is_err());
-        assert!(linear_shape(false, &[&[2, 5, 11], &[7, 12]]).unwrap_err().contains("[2, 5, 11]"));
-        assert!(linear_shape(true, &[&[2, 12], &[7, 12], &[6]]).unwrap_err().contains("[6]"));
+        assert!(linear_shape(false, &[&[2, 5, 11], &[7, 12]]).unwrap_err().to_string().contains("[2, 5, 11]"));
+        assert!(linear_shape(true, &[&[2, 12], &[7, 12], &[6]]).unwrap_err().to_string().contains("[6]"));
     }
 
     #[test]
@@ -481,10 +483,10 @@ mod tests {
         assert_eq!(matmul_shape(&[&[2, 3, 4, 6], &[2, 1, 6, 5]]), Ok(vec![2, 3, 4, 5]));
         assert_eq!(matmul_shape(&[&[2, 3, 4, 6], &[6, 5]]), Ok(vec![2, 3, 4, 5]));
         assert_eq!(matmul_shape(&[&[2, 1, 4, 6], &[3, 6, 5]]), Ok(vec![2, 3, 4, 5]));
-        assert!(matmul_shape(&[&[2, 5, 7], &[2, 6, 3]]).unwrap_err().contains("[2, 6, 3]"));
-        assert!(matmul_shape(&[&[5, 7], &[2, 7, 3]]).unwrap_err().contains("batch"));
-        assert!(matmul_shape(&[&[2, 3, 4, 6], &[2, 2, 6, 5]]).unwrap_err().contains("broadcast"));
-        assert!(matmul_shape(&[&[2, 7], &[7]]).unwrap_err().contains("rank"));
+        assert!(matmul_shape(&[&[2, 5, 7], &[2, 6, 3]]).unwrap_err().to_string().contains("[2, 6, 3]"));
+        assert!(matmul_shape(&[&[5, 7], &[2, 7, 3]]).unwrap_err().to_string().contains("batch"));
+        assert!(matmul_shape(&[&[2, 3, 4, 6], &[2, 2, 6, 5]]).unwrap_err().to_string().contains("broadcast"));
+        assert!(matmul_shape(&[&[2, 7], &[7]]).unwrap_err().to_string().contains("rank"));
         assert!(matmul_shape(&[&[1, 5, 7], &[2, 7, 3]]).is_err(), "a's batch may not broadcast to b's");
         assert!(matmul_shape(&[&[2, 5, 7]]).is_err());
     }

@@ -22,6 +22,7 @@ pub mod resize;
 pub mod shape;
 
 use crate::engine::{BuildCtx, Layer, Layout};
+use crate::error::OpError;
 use crate::graph::{Binary, ConvAttrs, Gemm, HostTensor, NodeId, Norm, Op, Pool, Quant, Resize, ShapeOp, Unary};
 use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
@@ -52,12 +53,12 @@ pub trait OpDef {
     fn name(&self) -> &str;
 
     /// The output shape (NCHW, batch first) from the input shapes, or why they do not fit.
-    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String>;
+    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError>;
 
     /// The CPU reference in f32, with PyTorch's semantics, on the inputs' actual shapes (the batch
     /// may differ from the traced one). `args.take(0)` hands over the first input's buffer when
     /// this node is its last reader, for ops that can work in place.
-    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String>;
+    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, OpError>;
 
     /// The engine layouts this op's converter reads and writes. `inputs[i]` is the layout input
     /// `i` is in (`None` for weights); the plan says which layout each input must be given in and
@@ -187,36 +188,36 @@ impl<'a> CpuArgs<'a> {
         self.values.is_empty()
     }
     /// Input `i`; an error if the node has no such input or it was taken.
-    pub fn get(&self, i: usize) -> Result<&HostTensor, String> {
-        self.values.get(i).and_then(|v| v.as_deref()).ok_or_else(|| format!("input {i} is missing"))
+    pub fn get(&self, i: usize) -> Result<&HostTensor, OpError> {
+        self.values.get(i).and_then(|v| v.as_deref()).ok_or_else(|| OpError::Shape(format!("input {i} is missing")))
     }
     /// Input `i` by value: its buffer when this node is its last reader, a copy otherwise.
-    pub fn take(&mut self, i: usize) -> Result<HostTensor, String> {
-        self.values.get_mut(i).and_then(Option::take).map(Cow::into_owned).ok_or_else(|| format!("input {i} is missing"))
+    pub fn take(&mut self, i: usize) -> Result<HostTensor, OpError> {
+        self.values.get_mut(i).and_then(Option::take).map(Cow::into_owned).ok_or_else(|| OpError::Shape(format!("input {i} is missing")))
     }
     /// All inputs, borrowed.
-    pub fn all(&self) -> Result<Vec<&HostTensor>, String> {
+    pub fn all(&self) -> Result<Vec<&HostTensor>, OpError> {
         (0..self.len()).map(|i| self.get(i)).collect()
     }
     /// The inputs' shapes.
-    pub fn shapes(&self) -> Result<Vec<&[usize]>, String> {
+    pub fn shapes(&self) -> Result<Vec<&[usize]>, OpError> {
         (0..self.len()).map(|i| self.get(i).map(|t| t.shape.as_slice())).collect()
     }
     /// Exactly `n` inputs, or an error saying how many there are.
-    pub fn expect(&self, n: usize) -> Result<(), String> {
+    pub fn expect(&self, n: usize) -> Result<(), OpError> {
         if self.len() == n {
             Ok(())
         } else {
-            Err(format!("expected {n} inputs, got {}", self.len()))
+            Err(OpError::Arity { expected: n.to_string(), got: self.len() })
         }
     }
 }
 
 /// The ops of one input, for shape rules: `[x]` or an error naming the count.
-pub fn one_input<'a>(inputs: &[&'a [usize]]) -> Result<&'a [usize], String> {
+pub fn one_input<'a>(inputs: &[&'a [usize]]) -> Result<&'a [usize], OpError> {
     match inputs {
         [x] => Ok(x),
-        _ => Err(format!("expected 1 input, got {}", inputs.len())),
+        _ => Err(OpError::Arity { expected: "1".into(), got: inputs.len() }),
     }
 }
 

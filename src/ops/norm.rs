@@ -3,6 +3,7 @@
 //! and LayerNorm (our kernels in `kernels/norm.cu`, f32 statistics whatever the precision).
 
 use crate::engine::{BuildCtx, Layer, Layout};
+use crate::error::OpError;
 use crate::graph::{NodeId, Op};
 use crate::module::{Forward, Module};
 use crate::ops::{CpuArgs, FixtureTwin, LayoutPlan, OpDef};
@@ -47,14 +48,14 @@ impl OpDef for Norm {
             Norm::LayerNorm { .. } => "layer_norm",
         }
     }
-    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
         match self {
             Norm::BatchNorm2d { .. } => batch_norm2d_shape(inputs),
             Norm::Softmax { dim } => softmax_shape(*dim, inputs),
             Norm::LayerNorm { dim, shape, affine, .. } => layer_norm_shape(*dim, shape, *affine, inputs),
         }
     }
-    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
+    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, OpError> {
         match self {
             Norm::BatchNorm2d { eps } => {
                 args.expect(5)?;
@@ -220,7 +221,7 @@ impl Module for LayerNorm {
             return Err(crate::Error::Shape {
                 path: vb.path().to_string(),
                 op: "layer_norm".into(),
-                reason: format!("LayerNorm needs a non-empty positive normalized_shape, got {s:?}"),
+                reason: format!("LayerNorm needs a non-empty positive normalized_shape, got {s:?}").into(),
                 got: vec![],
             });
         }
@@ -242,7 +243,7 @@ impl Forward for LayerNorm {
         let dim = x.shape().len().checked_sub(self.shape.len()).ok_or_else(|| crate::Error::Shape {
             path: self.path.clone(),
             op: "layer_norm".into(),
-            reason: format!("normalized_shape {:?} has more dims than the input", self.shape),
+            reason: format!("normalized_shape {:?} has more dims than the input", self.shape).into(),
             got: vec![x.shape().to_vec()],
         })?;
         self.record(x, dim)
@@ -268,14 +269,14 @@ impl Forward for LayerNorm2d {
 }
 
 /// A PyTorch dim (negative counts from the end) as an index >= 1 of `shape`, or why not.
-pub fn resolve_dim(shape: &[usize], dim: isize) -> Result<usize, String> {
+pub fn resolve_dim(shape: &[usize], dim: isize) -> Result<usize, OpError> {
     let rank = shape.len() as isize;
     let d = if dim < 0 { dim + rank } else { dim };
     if d == 0 {
-        return Err(format!("dim {dim} of {shape:?} is the batch (the engine keeps the batch as dim 0)"));
+        return Err(format!("dim {dim} of {shape:?} is the batch (the engine keeps the batch as dim 0)").into());
     }
     if d < 1 || d >= rank {
-        return Err(format!("dim {dim} is out of range for shape {shape:?}"));
+        return Err(format!("dim {dim} is out of range for shape {shape:?}").into());
     }
     Ok(d as usize)
 }
@@ -301,49 +302,49 @@ impl Tensor {
 }
 
 /// `inputs` = x, weight, bias, running_mean, running_var.
-pub fn batch_norm2d_shape(inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+pub fn batch_norm2d_shape(inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
     if inputs.len() != 5 {
-        return Err(format!("batch_norm2d expects 5 inputs, got {}", inputs.len()));
+        return Err(format!("batch_norm2d expects 5 inputs, got {}", inputs.len()).into());
     }
     let x = inputs[0];
     if x.len() != 4 {
-        return Err(format!("input must be NCHW (rank 4), got {x:?}"));
+        return Err(format!("input must be NCHW (rank 4), got {x:?}").into());
     }
     if let Some(bad) = inputs[1..].iter().find(|p| **p != [x[1]]) {
-        return Err(format!("input has {} channels, but the layer has {bad:?} features", x[1]));
+        return Err(format!("input has {} channels, but the layer has {bad:?} features", x[1]).into());
     }
     Ok(x.to_vec())
 }
 
-pub fn softmax_shape(dim: usize, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+pub fn softmax_shape(dim: usize, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
     let x = crate::ops::one_input(inputs)?;
     if dim == 0 {
-        return Err(format!("softmax over dim 0 of {x:?}: the engine keeps the batch as dim 0"));
+        return Err(format!("softmax over dim 0 of {x:?}: the engine keeps the batch as dim 0").into());
     }
     if dim >= x.len() {
-        return Err(format!("softmax dim {dim} is out of range for shape {x:?}"));
+        return Err(format!("softmax dim {dim} is out of range for shape {x:?}").into());
     }
     Ok(x.to_vec())
 }
 
 /// `inputs` = x, and weight, bias (both `shape`) when `affine`.
-pub fn layer_norm_shape(dim: usize, shape: &[usize], affine: bool, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+pub fn layer_norm_shape(dim: usize, shape: &[usize], affine: bool, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
     let want = 1 + 2 * affine as usize;
     if inputs.len() != want {
-        return Err(format!("layer_norm expects {want} inputs, got {}", inputs.len()));
+        return Err(format!("layer_norm expects {want} inputs, got {}", inputs.len()).into());
     }
     let x = inputs[0];
     if shape.is_empty() || shape.contains(&0) {
-        return Err(format!("layer_norm needs a non-empty positive normalized_shape, got {shape:?}"));
+        return Err(format!("layer_norm needs a non-empty positive normalized_shape, got {shape:?}").into());
     }
     if dim == 0 {
-        return Err(format!("layer_norm over {shape:?} of {x:?} would include dim 0: the engine keeps the batch as dim 0"));
+        return Err(format!("layer_norm over {shape:?} of {x:?} would include dim 0: the engine keeps the batch as dim 0").into());
     }
     if x.get(dim..dim + shape.len()) != Some(shape) {
-        return Err(format!("layer_norm over {shape:?} from dim {dim}: input shape {x:?} does not end in it there"));
+        return Err(format!("layer_norm over {shape:?} from dim {dim}: input shape {x:?} does not end in it there").into());
     }
     if let Some(bad) = inputs[1..].iter().find(|p| **p != shape) {
-        return Err(format!("layer_norm weight and bias must have shape {shape:?}, got {bad:?}"));
+        return Err(format!("layer_norm weight and bias must have shape {shape:?}, got {bad:?}").into());
     }
     Ok(x.to_vec())
 }
@@ -360,7 +361,7 @@ pub fn split_dims(shape: &[usize], dim: usize, count: usize) -> (usize, usize, u
 use crate::graph::HostTensor;
 
 /// `torch.softmax` on `x` in place: max-subtracted, sums in f64.
-pub fn softmax_cpu(dim: usize, mut x: HostTensor) -> Result<HostTensor, String> {
+pub fn softmax_cpu(dim: usize, mut x: HostTensor) -> Result<HostTensor, OpError> {
     softmax_shape(dim, &[&x.shape])?;
     let (outer, len, inner) = split_dims(&x.shape, dim, 1);
     for o in 0..outer {
@@ -389,7 +390,7 @@ pub fn layer_norm_cpu(
     eps: f32,
     mut x: HostTensor,
     wb: Option<(&HostTensor, &HostTensor)>,
-) -> Result<HostTensor, String> {
+) -> Result<HostTensor, OpError> {
     let mut shapes: Vec<&[usize]> = vec![&x.shape];
     if let Some((w, b)) = wb {
         shapes.extend([w.shape.as_slice(), b.shape.as_slice()]);
@@ -430,7 +431,7 @@ pub fn batch_norm_scale_shift(gamma: &[f32], beta: &[f32], mean: &[f32], var: &[
 
 /// Inference BatchNorm on `x` (taken by value so the executor can reuse its buffer); `params` =
 /// weight, bias, running_mean, running_var.
-pub fn batch_norm2d_cpu(eps: f32, mut x: HostTensor, params: [&HostTensor; 4]) -> Result<HostTensor, String> {
+pub fn batch_norm2d_cpu(eps: f32, mut x: HostTensor, params: [&HostTensor; 4]) -> Result<HostTensor, OpError> {
     let shapes: Vec<&[usize]> = std::iter::once(x.shape.as_slice()).chain(params.iter().map(|p| p.shape.as_slice())).collect();
     batch_norm2d_shape(&shapes)?;
     let [gamma, beta, mean, var] = params;
@@ -597,8 +598,8 @@ mod tests {
 
     #[test]
     fn softmax_shape_errors_name_the_shape() {
-        assert!(softmax_shape(0, &[&[2, 3]]).unwrap_err().contains("batch"));
-        assert!(softmax_shape(2, &[&[2, 3]]).unwrap_err().contains("[2, 3]"));
+        assert!(softmax_shape(0, &[&[2, 3]]).unwrap_err().to_string().contains("batch"));
+        assert!(softmax_shape(2, &[&[2, 3]]).unwrap_err().to_string().contains("[2, 3]"));
         assert!(softmax_shape(1, &[&[2, 3], &[2, 3]]).is_err());
         assert_eq!(softmax_shape(1, &[&[2, 3]]), Ok(vec![2, 3]));
     }
@@ -607,7 +608,7 @@ mod tests {
     fn resolve_dim_counts_from_the_end_and_refuses_the_batch() {
         assert_eq!(resolve_dim(&[2, 3, 4], -1), Ok(2));
         assert_eq!(resolve_dim(&[2, 3, 4], 1), Ok(1));
-        assert!(resolve_dim(&[2, 3, 4], -3).unwrap_err().contains("batch"));
+        assert!(resolve_dim(&[2, 3, 4], -3).unwrap_err().to_string().contains("batch"));
         assert!(resolve_dim(&[2, 3, 4], 3).is_err());
         assert!(resolve_dim(&[2, 3, 4], -4).is_err());
     }
@@ -625,11 +626,11 @@ mod tests {
 
     #[test]
     fn layer_norm_shape_errors() {
-        assert!(layer_norm_shape(1, &[4], false, &[&[2, 3]]).unwrap_err().contains("[2, 3]"));
-        assert!(layer_norm_shape(0, &[2, 3], false, &[&[2, 3]]).unwrap_err().contains("batch"));
+        assert!(layer_norm_shape(1, &[4], false, &[&[2, 3]]).unwrap_err().to_string().contains("[2, 3]"));
+        assert!(layer_norm_shape(0, &[2, 3], false, &[&[2, 3]]).unwrap_err().to_string().contains("batch"));
         assert!(layer_norm_shape(1, &[], false, &[&[2, 3]]).is_err());
-        assert!(layer_norm_shape(1, &[3], true, &[&[2, 3]]).unwrap_err().contains("3 inputs"));
-        assert!(layer_norm_shape(1, &[3], true, &[&[2, 3], &[3], &[4]]).unwrap_err().contains("[4]"));
+        assert!(layer_norm_shape(1, &[3], true, &[&[2, 3]]).unwrap_err().to_string().contains("3 inputs"));
+        assert!(layer_norm_shape(1, &[3], true, &[&[2, 3], &[3], &[4]]).unwrap_err().to_string().contains("[4]"));
         assert!(layer_norm_shape(1, &[3, 4], false, &[&[2, 3]]).is_err(), "normalized dims past the end");
         assert_eq!(layer_norm_shape(1, &[3], true, &[&[2, 3, 5], &[3], &[3]]), Ok(vec![2, 3, 5]));
     }

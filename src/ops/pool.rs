@@ -2,6 +2,7 @@
 
 use crate::engine::launch::{grid_for, launch, nhwc, pack, same_elem, to_i32, typed_entry_points, CudaFunction, KArg, BLOCK};
 use crate::engine::{BuildCtx, Layer, Layout, RunCtx, ValueId};
+use crate::error::OpError;
 use crate::graph::{NodeId, Op};
 use crate::module::{Forward, Module};
 use crate::ops::{one_input, pair_label, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
@@ -57,14 +58,14 @@ impl OpDef for Pool {
             Pool::Mean { .. } => "mean",
         }
     }
-    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
         match self {
             Pool::Max(a) | Pool::Avg(a) => pool2d_shape(a, inputs),
             Pool::AdaptiveAvg { output } => adaptive_avg_pool2d_shape(*output, inputs),
             Pool::Mean { dims, keepdim } => mean_shape(dims, *keepdim, inputs),
         }
     }
-    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
+    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, OpError> {
         args.expect(1)?;
         let x = args.get(0)?;
         match self {
@@ -221,19 +222,19 @@ impl Tensor {
 }
 
 /// `inputs` = x; `dims` sorted and distinct, each in `1..rank`.
-pub fn mean_shape(dims: &[usize], keepdim: bool, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+pub fn mean_shape(dims: &[usize], keepdim: bool, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
     let x = one_input(inputs)?;
     if dims.is_empty() {
-        return Err(format!("mean over no dims of {x:?}: name the dims to reduce"));
+        return Err(format!("mean over no dims of {x:?}: name the dims to reduce").into());
     }
     if dims.contains(&0) {
-        return Err(format!("mean over dims {dims:?} of {x:?} includes dim 0: the engine keeps the batch as dim 0"));
+        return Err(format!("mean over dims {dims:?} of {x:?} includes dim 0: the engine keeps the batch as dim 0").into());
     }
     if let Some(d) = dims.iter().find(|&&d| d >= x.len()) {
-        return Err(format!("mean dim {d} is out of range for shape {x:?}"));
+        return Err(format!("mean dim {d} is out of range for shape {x:?}").into());
     }
     if dims.windows(2).any(|w| w[0] >= w[1]) {
-        return Err(format!("mean dims {dims:?} must be sorted and distinct (shape {x:?})"));
+        return Err(format!("mean dims {dims:?} must be sorted and distinct (shape {x:?})").into());
     }
     let out = x.iter().enumerate().filter_map(|(i, &n)| match dims.contains(&i) {
         true if keepdim => Some(1),
@@ -255,28 +256,28 @@ pub fn pooled_extent(input: usize, k: usize, s: usize, p: usize, ceil: bool) -> 
     Some(out)
 }
 
-pub fn pool2d_shape(a: &PoolAttrs, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+pub fn pool2d_shape(a: &PoolAttrs, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
     let x = one_input(inputs)?;
     if x.len() != 4 {
-        return Err(format!("input must be NCHW (rank 4), got {x:?}"));
+        return Err(format!("input must be NCHW (rank 4), got {x:?}").into());
     }
     if a.stride.contains(&0) || a.kernel.contains(&0) {
         return Err("kernel and stride must be positive".into());
     }
     if a.padding[0] > a.kernel[0] / 2 || a.padding[1] > a.kernel[1] / 2 {
-        return Err(format!("padding {:?} must be at most half the kernel {:?}", a.padding, a.kernel));
+        return Err(format!("padding {:?} must be at most half the kernel {:?}", a.padding, a.kernel).into());
     }
     let ext = |i: usize| pooled_extent(x[2 + i], a.kernel[i], a.stride[i], a.padding[i], a.ceil_mode);
     match (ext(0), ext(1)) {
         (Some(h), Some(w)) => Ok(vec![x[0], x[1], h, w]),
-        _ => Err(format!("kernel {:?} is larger than the padded input {:?}", a.kernel, &x[2..])),
+        _ => Err(format!("kernel {:?} is larger than the padded input {:?}", a.kernel, &x[2..]).into()),
     }
 }
 
-pub fn adaptive_avg_pool2d_shape(output: [usize; 2], inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+pub fn adaptive_avg_pool2d_shape(output: [usize; 2], inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
     let x = one_input(inputs)?;
     if x.len() != 4 || output.contains(&0) {
-        return Err(format!("expects an NCHW input and a positive output size, got {x:?} and {output:?}"));
+        return Err(format!("expects an NCHW input and a positive output size, got {x:?} and {output:?}").into());
     }
     Ok(vec![x[0], x[1], output[0], output[1]])
 }
@@ -306,7 +307,7 @@ fn per_plane(x: &HostTensor, out_shape: Vec<usize>, mut f: impl FnMut(&[f32], &m
 }
 
 /// `x.mean(dims, keepdim)`, summed in f64. Empty reductions give NaN, as in PyTorch.
-pub fn mean_cpu(dims: &[usize], keepdim: bool, x: &HostTensor) -> Result<HostTensor, String> {
+pub fn mean_cpu(dims: &[usize], keepdim: bool, x: &HostTensor) -> Result<HostTensor, OpError> {
     let out_shape = mean_shape(dims, keepdim, &[&x.shape])?;
     let strides: Vec<usize> = (0..x.shape.len()).map(|d| x.shape[d + 1..].iter().product()).collect();
     let kept: Vec<usize> = (0..x.shape.len()).filter(|d| !dims.contains(d)).collect();
@@ -331,7 +332,7 @@ pub fn mean_cpu(dims: &[usize], keepdim: bool, x: &HostTensor) -> Result<HostTen
 }
 
 /// `torch.nn.MaxPool2d`: padding counts as -inf; NaN propagates as in PyTorch.
-pub fn max_pool2d_cpu(a: &PoolAttrs, x: &HostTensor) -> Result<HostTensor, String> {
+pub fn max_pool2d_cpu(a: &PoolAttrs, x: &HostTensor) -> Result<HostTensor, OpError> {
     let out_shape = pool2d_shape(a, &[&x.shape])?;
     let ([h, w], [oh, ow]) = ([x.shape[2], x.shape[3]], [out_shape[2], out_shape[3]]);
     Ok(per_plane(x, out_shape, |src, dst| {
@@ -355,7 +356,7 @@ pub fn max_pool2d_cpu(a: &PoolAttrs, x: &HostTensor) -> Result<HostTensor, Strin
 
 /// `torch.nn.AvgPool2d` (no divisor override): the divisor is the window clipped to the padded
 /// input when `count_include_pad`, else the window clipped to the input itself.
-pub fn avg_pool2d_cpu(a: &PoolAttrs, x: &HostTensor) -> Result<HostTensor, String> {
+pub fn avg_pool2d_cpu(a: &PoolAttrs, x: &HostTensor) -> Result<HostTensor, OpError> {
     let out_shape = pool2d_shape(a, &[&x.shape])?;
     let ([h, w], [oh, ow]) = ([x.shape[2], x.shape[3]], [out_shape[2], out_shape[3]]);
     Ok(per_plane(x, out_shape, |src, dst| {
@@ -372,11 +373,11 @@ pub fn avg_pool2d_cpu(a: &PoolAttrs, x: &HostTensor) -> Result<HostTensor, Strin
 }
 
 /// `torch.nn.AdaptiveAvgPool2d`: output cell `i` averages input `floor(i·H/o) .. ceil((i+1)·H/o)`.
-pub fn adaptive_avg_pool2d_cpu(output: [usize; 2], x: &HostTensor) -> Result<HostTensor, String> {
+pub fn adaptive_avg_pool2d_cpu(output: [usize; 2], x: &HostTensor) -> Result<HostTensor, OpError> {
     let out_shape = adaptive_avg_pool2d_shape(output, &[&x.shape])?;
     let (h, w) = (x.shape[2], x.shape[3]);
     if h == 0 || w == 0 {
-        return Err(format!("cannot pool an empty {h}x{w} input"));
+        return Err(format!("cannot pool an empty {h}x{w} input").into());
     }
     let bounds = |i: usize, len: usize, o: usize| (i * len / o, ((i + 1) * len).div_ceil(o));
     Ok(per_plane(x, out_shape, |src, dst| {
@@ -626,10 +627,10 @@ mod tests {
     #[test]
     fn mean_shape_errors_name_the_shape() {
         let x: &[usize] = &[2, 3, 4, 5];
-        assert!(mean_shape(&[], false, &[x]).unwrap_err().contains("[2, 3, 4, 5]"));
-        assert!(mean_shape(&[0, 2], false, &[x]).unwrap_err().contains("batch"));
-        assert!(mean_shape(&[4], false, &[x]).unwrap_err().contains("out of range"));
-        assert!(mean_shape(&[2, 2], false, &[x]).unwrap_err().contains("distinct"));
+        assert!(mean_shape(&[], false, &[x]).unwrap_err().to_string().contains("[2, 3, 4, 5]"));
+        assert!(mean_shape(&[0, 2], false, &[x]).unwrap_err().to_string().contains("batch"));
+        assert!(mean_shape(&[4], false, &[x]).unwrap_err().to_string().contains("out of range"));
+        assert!(mean_shape(&[2, 2], false, &[x]).unwrap_err().to_string().contains("distinct"));
         assert!(mean_shape(&[2], false, &[x, x]).is_err());
         assert_eq!(mean_shape(&[2, 3], false, &[x]), Ok(vec![2, 3]));
         assert_eq!(mean_shape(&[2, 3], true, &[x]), Ok(vec![2, 3, 1, 1]));

@@ -14,6 +14,7 @@
 
 use crate::engine::launch::{nhwc, pack, same_elem, to_i32, typed_entry_points, Arg, KArg, KernelLayer};
 use crate::engine::{BuildCtx, Layer, Layout};
+use crate::error::OpError;
 use crate::graph::{HostTensor, NodeId, Op};
 use crate::module::{Forward, Module};
 use crate::ops::{one_input, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
@@ -49,7 +50,7 @@ impl Resize {
     }
 
     /// The output `[H, W]` for an input of `[H, W]`, or why there is none.
-    pub fn output_hw(&self, input: [usize; 2]) -> Result<[usize; 2], String> {
+    pub fn output_hw(&self, input: [usize; 2]) -> Result<[usize; 2], OpError> {
         let out = match self.size_scale() {
             (Some(size), None) => size,
             (None, Some(scale)) => {
@@ -57,23 +58,23 @@ impl Resize {
                 for i in 0..2 {
                     let s = scale[i];
                     if !(s.is_finite() && s > 0.0) {
-                        return Err(format!("scale_factor {scale:?} must be positive and finite"));
+                        return Err(format!("scale_factor {scale:?} must be positive and finite").into());
                     }
                     let o = (input[i] as f64 * s).floor();
                     if o > MAX_EXTENT as f64 {
-                        return Err(format!("scale_factor {scale:?} makes input {input:?} larger than {MAX_EXTENT}"));
+                        return Err(format!("scale_factor {scale:?} makes input {input:?} larger than {MAX_EXTENT}").into());
                     }
                     out[i] = o as usize;
                 }
                 out
             }
-            (size, scale) => return Err(format!("exactly one of size ({size:?}) and scale_factor ({scale:?}) must be given")),
+            (size, scale) => return Err(format!("exactly one of size ({size:?}) and scale_factor ({scale:?}) must be given").into()),
         };
         if out.contains(&0) || input.contains(&0) {
-            return Err(format!("input and output sizes should be greater than 0, got input {input:?} and output {out:?}"));
+            return Err(format!("input and output sizes should be greater than 0, got input {input:?} and output {out:?}").into());
         }
         if out.iter().any(|&o| o > MAX_EXTENT) {
-            return Err(format!("output size {out:?} exceeds {MAX_EXTENT}"));
+            return Err(format!("output size {out:?} exceeds {MAX_EXTENT}").into());
         }
         Ok(out)
     }
@@ -146,13 +147,13 @@ impl OpDef for Resize {
             Resize::Bilinear { .. } => "upsample_bilinear2d",
         }
     }
-    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
         let x = one_input(inputs)?;
         let [n, c, h, w] = <[usize; 4]>::try_from(x).map_err(|_| format!("{} expects an NCHW input (rank 4), got {x:?}", self.name()))?;
         let [oh, ow] = self.output_hw([h, w])?;
         Ok(vec![n, c, oh, ow])
     }
-    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
+    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, OpError> {
         args.expect(1)?;
         let x = args.get(0)?;
         let out = self.infer_shape(&[&x.shape])?;
@@ -303,7 +304,7 @@ impl UpsampleConfig {
     }
 
     /// The op for an input of `shape` (NCHW), or why these arguments do not fit it.
-    pub fn op(&self, shape: &[usize]) -> Result<Resize, String> {
+    pub fn op(&self, shape: &[usize]) -> Result<Resize, OpError> {
         let (mut size, mut scale) = (self.size, self.scale_factor);
         if self.recompute_scale_factor {
             if size.is_some() {
@@ -415,12 +416,12 @@ mod tests {
         assert_eq!(op.infer_shape(&[&[2, 3, 5, 7]]).unwrap(), [2, 3, 7, 10]);
         assert!(UpsampleConfig::scale(2.0).bilinear(true).recompute_scale_factor(true).op(&[1, 1, 3, 3]).is_ok());
         let nearest_corners = UpsampleConfig { align_corners: Some(true), ..UpsampleConfig::scale(2.0) };
-        assert!(nearest_corners.op(&[1, 1, 3, 3]).unwrap_err().contains("align_corners"));
+        assert!(nearest_corners.op(&[1, 1, 3, 3]).unwrap_err().to_string().contains("align_corners"));
         let none = Resize::Nearest { size: None, scale: None };
-        assert!(none.infer_shape(&[&[1, 1, 3, 3]]).unwrap_err().contains("exactly one"));
+        assert!(none.infer_shape(&[&[1, 1, 3, 3]]).unwrap_err().to_string().contains("exactly one"));
         let tiny = Resize::Nearest { size: None, scale: Some([0.2, 0.2]) };
-        assert!(tiny.infer_shape(&[&[1, 1, 3, 3]]).unwrap_err().contains("greater than 0"));
-        assert!(tiny.infer_shape(&[&[1, 3, 3]]).unwrap_err().contains("rank 4"));
+        assert!(tiny.infer_shape(&[&[1, 1, 3, 3]]).unwrap_err().to_string().contains("greater than 0"));
+        assert!(tiny.infer_shape(&[&[1, 3, 3]]).unwrap_err().to_string().contains("rank 4"));
         let huge = Resize::Nearest { size: None, scale: Some([1e30, 1.0]) };
         assert!(huge.infer_shape(&[&[1, 1, 3, 3]]).is_err());
         let nan = Resize::Nearest { size: None, scale: Some([f64::NAN, 1.0]) };

@@ -9,6 +9,7 @@
 use crate::engine::launch::{grid_for, launch, same_elem, to_i32, typed_entry_points, CudaFunction, KArg, BLOCK};
 use crate::engine::strided::{CopyDim, CopyKind, StridedCopy, StridedLayer};
 use crate::engine::{BuildCtx, Layer, Layout, RunCtx, ValueId};
+use crate::error::OpError;
 use crate::graph::{HostTensor, NodeId, Op};
 use crate::module::{Forward, Module};
 use crate::ops::{one_input, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
@@ -56,7 +57,7 @@ impl OpDef for ShapeOp {
             ShapeOp::Roll { .. } => "roll",
         }
     }
-    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
         match self {
             ShapeOp::Flatten { start } => flatten_shape(*start, inputs),
             ShapeOp::Cat { dim } => cat_shape(*dim, inputs),
@@ -67,7 +68,7 @@ impl OpDef for ShapeOp {
             ShapeOp::Roll { shifts, dims } => roll_shape(shifts, dims, one_input(inputs)?),
         }
     }
-    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
+    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, OpError> {
         if !matches!(self, ShapeOp::Cat { .. }) {
             args.expect(1)?;
         }
@@ -139,33 +140,35 @@ fn list(v: &[usize]) -> String {
 // ---- shape rules
 
 /// The product of `dims`, or an error naming them when it overflows.
-fn numel(dims: &[usize]) -> Result<usize, String> {
-    dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| format!("the element count of {dims:?} overflows"))
+fn numel(dims: &[usize]) -> Result<usize, OpError> {
+    dims.iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| OpError::TooLarge(format!("the element count of {dims:?} overflows")))
 }
 
-pub fn flatten_shape(start: usize, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+pub fn flatten_shape(start: usize, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
     let x = one_input(inputs)?;
     if start >= x.len() {
-        return Err(format!("start dim {start} is out of range for shape {x:?}"));
+        return Err(format!("start dim {start} is out of range for shape {x:?}").into());
     }
     if start == 0 && x.len() > 1 {
-        return Err(format!("flatten from dim 0 merges the batch of {x:?} into other dims: the engine keeps the batch as dim 0"));
+        return Err(format!("flatten from dim 0 merges the batch of {x:?} into other dims: the engine keeps the batch as dim 0").into());
     }
     let mut out = x[..start].to_vec();
     out.push(numel(&x[start..])?);
     Ok(out)
 }
 
-pub fn cat_shape(dim: usize, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+pub fn cat_shape(dim: usize, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
     let first = inputs.first().ok_or("cat needs at least one input")?;
     if dim >= first.len() {
-        return Err(format!("dim {dim} is out of range for shape {first:?}"));
+        return Err(format!("dim {dim} is out of range for shape {first:?}").into());
     }
     let mut out = first.to_vec();
     for s in &inputs[1..] {
         let same_rest = s.len() == first.len() && s.iter().zip(first.iter()).enumerate().all(|(i, (a, b))| i == dim || a == b);
         if !same_rest {
-            return Err(format!("shapes {first:?} and {s:?} differ outside dim {dim}"));
+            return Err(format!("shapes {first:?} and {s:?} differ outside dim {dim}").into());
         }
         out[dim] = out[dim].checked_add(s[dim]).ok_or_else(|| format!("the size of dim {dim} overflows"))?;
     }
@@ -173,45 +176,46 @@ pub fn cat_shape(dim: usize, inputs: &[&[usize]]) -> Result<Vec<usize>, String> 
 }
 
 /// `[N, *dims]` when `dims` holds as many elements as one image of `x`.
-pub fn reshape_shape(dims: &[usize], x: &[usize]) -> Result<Vec<usize>, String> {
+pub fn reshape_shape(dims: &[usize], x: &[usize]) -> Result<Vec<usize>, OpError> {
     let (&n, per_image) = x.split_first().ok_or("reshape needs an input with a batch dim")?;
     let (have, want) = (numel(per_image)?, numel(dims)?);
     if have != want {
         return Err(format!(
             "cannot reshape {x:?} to [N, {}]: {have} elements per image against {want} (the engine keeps the batch as dim 0)",
             list(dims)
-        ));
+        )
+        .into());
     }
     Ok([&[n][..], dims].concat())
 }
 
 /// Checks that `dims` permutes `0..x.len()` and keeps the batch first.
-pub fn permute_shape(dims: &[usize], x: &[usize]) -> Result<Vec<usize>, String> {
+pub fn permute_shape(dims: &[usize], x: &[usize]) -> Result<Vec<usize>, OpError> {
     if dims.len() != x.len() {
-        return Err(format!("permutation {dims:?} has {} dims, the input {x:?} has {}", dims.len(), x.len()));
+        return Err(format!("permutation {dims:?} has {} dims, the input {x:?} has {}", dims.len(), x.len()).into());
     }
     let mut seen = vec![false; x.len()];
     for &d in dims {
         if d >= x.len() || std::mem::replace(&mut seen[d], true) {
-            return Err(format!("{dims:?} is not a permutation of the dims of {x:?}"));
+            return Err(format!("{dims:?} is not a permutation of the dims of {x:?}").into());
         }
     }
     if dims.first() != Some(&0) {
-        return Err(format!("permutation {dims:?} of {x:?} moves the batch: the engine keeps the batch as dim 0"));
+        return Err(format!("permutation {dims:?} of {x:?} moves the batch: the engine keeps the batch as dim 0").into());
     }
     Ok(dims.iter().map(|&d| x[d]).collect())
 }
 
-pub fn slice_shape(dim: usize, start: usize, len: usize, x: &[usize]) -> Result<Vec<usize>, String> {
+pub fn slice_shape(dim: usize, start: usize, len: usize, x: &[usize]) -> Result<Vec<usize>, OpError> {
     if dim == 0 {
-        return Err(format!("slicing dim 0 of {x:?} changes the batch: the engine keeps the batch as dim 0"));
+        return Err(format!("slicing dim 0 of {x:?} changes the batch: the engine keeps the batch as dim 0").into());
     }
     let size = *x.get(dim).ok_or_else(|| format!("dim {dim} is out of range for shape {x:?}"))?;
     if len == 0 {
-        return Err(format!("an empty slice of dim {dim} of {x:?} (start {start}, length 0)"));
+        return Err(format!("an empty slice of dim {dim} of {x:?} (start {start}, length 0)").into());
     }
     if start.checked_add(len).is_none_or(|end| end > size) {
-        return Err(format!("slice [{start}, {start} + {len}) of dim {dim} is out of range for shape {x:?}"));
+        return Err(format!("slice [{start}, {start} + {len}) of dim {dim} is out of range for shape {x:?}").into());
     }
     let mut out = x.to_vec();
     out[dim] = len;
@@ -219,15 +223,16 @@ pub fn slice_shape(dim: usize, start: usize, len: usize, x: &[usize]) -> Result<
 }
 
 /// `x` grown by `pads` (last dim first, `(before, after)` pairs).
-pub fn pad_shape(pads: &[usize], x: &[usize]) -> Result<Vec<usize>, String> {
+pub fn pad_shape(pads: &[usize], x: &[usize]) -> Result<Vec<usize>, OpError> {
     if !pads.len().is_multiple_of(2) {
-        return Err(format!("pads {pads:?} must come in (before, after) pairs"));
+        return Err(format!("pads {pads:?} must come in (before, after) pairs").into());
     }
     if pads.len() / 2 >= x.len() {
         return Err(format!(
             "pads {pads:?} pad {} dims of {x:?}, which would pad the batch: the engine keeps the batch as dim 0",
             pads.len() / 2
-        ));
+        )
+        .into());
     }
     let mut out = x.to_vec();
     for (i, pair) in pads.chunks(2).enumerate() {
@@ -239,12 +244,12 @@ pub fn pad_shape(pads: &[usize], x: &[usize]) -> Result<Vec<usize>, String> {
 }
 
 /// Checks that `shifts` and `dims` pair up and that no dim is the batch or out of range.
-pub fn roll_shape(shifts: &[i64], dims: &[usize], x: &[usize]) -> Result<Vec<usize>, String> {
+pub fn roll_shape(shifts: &[i64], dims: &[usize], x: &[usize]) -> Result<Vec<usize>, OpError> {
     if shifts.len() != dims.len() || dims.is_empty() {
-        return Err(format!("roll needs one shift per dim, got shifts {shifts:?} and dims {dims:?}"));
+        return Err(format!("roll needs one shift per dim, got shifts {shifts:?} and dims {dims:?}").into());
     }
     if let Some(d) = dims.iter().find(|&&d| d == 0 || d >= x.len()) {
-        return Err(format!("roll dim {d} of {x:?} is the batch or out of range (the engine keeps the batch as dim 0)"));
+        return Err(format!("roll dim {d} of {x:?} is the batch or out of range (the engine keeps the batch as dim 0)").into());
     }
     Ok(x.to_vec())
 }
@@ -310,19 +315,19 @@ fn gather(x: &[f32], shape: Vec<usize>, strides: &[usize], base: usize) -> HostT
 }
 
 /// `torch.flatten(x, start)`: the data is already in that order, only the shape changes.
-pub fn flatten_cpu(start: usize, mut x: HostTensor) -> Result<HostTensor, String> {
+pub fn flatten_cpu(start: usize, mut x: HostTensor) -> Result<HostTensor, OpError> {
     x.shape = flatten_shape(start, &[&x.shape])?;
     Ok(x)
 }
 
 /// `x.reshape(N, *dims)`: the data is already in that order.
-pub fn reshape_cpu(dims: &[usize], mut x: HostTensor) -> Result<HostTensor, String> {
+pub fn reshape_cpu(dims: &[usize], mut x: HostTensor) -> Result<HostTensor, OpError> {
     x.shape = reshape_shape(dims, &x.shape)?;
     Ok(x)
 }
 
 /// `x.permute(*dims)`.
-pub fn permute_cpu(dims: &[usize], x: &HostTensor) -> Result<HostTensor, String> {
+pub fn permute_cpu(dims: &[usize], x: &HostTensor) -> Result<HostTensor, OpError> {
     let shape = permute_shape(dims, &x.shape)?;
     let xs = contiguous_strides(&x.shape);
     let strides: Vec<usize> = dims.iter().map(|&d| xs[d]).collect();
@@ -330,14 +335,14 @@ pub fn permute_cpu(dims: &[usize], x: &HostTensor) -> Result<HostTensor, String>
 }
 
 /// `x.narrow(dim, start, len)`.
-pub fn slice_cpu(dim: usize, start: usize, len: usize, x: &HostTensor) -> Result<HostTensor, String> {
+pub fn slice_cpu(dim: usize, start: usize, len: usize, x: &HostTensor) -> Result<HostTensor, OpError> {
     let shape = slice_shape(dim, start, len, &x.shape)?;
     let xs = contiguous_strides(&x.shape);
     Ok(gather(&x.data, shape, &xs, start * xs[dim]))
 }
 
 /// `F.pad(x, pads, value=value)`: `value` everywhere, `x` copied inside.
-pub fn pad_cpu(pads: &[usize], value: f32, x: &HostTensor) -> Result<HostTensor, String> {
+pub fn pad_cpu(pads: &[usize], value: f32, x: &HostTensor) -> Result<HostTensor, OpError> {
     let shape = pad_shape(pads, &x.shape)?;
     let ys = contiguous_strides(&shape);
     let base = pads_per_dim(pads, x.shape.len()).iter().zip(&ys).map(|((before, _), s)| before * s).sum();
@@ -348,7 +353,7 @@ pub fn pad_cpu(pads: &[usize], value: f32, x: &HostTensor) -> Result<HostTensor,
 
 /// `torch.roll(x, shifts, dims)`: output index `i` along each dim reads input index `i - shift`
 /// modulo the dim's size.
-pub fn roll_cpu(shifts: &[i64], dims: &[usize], x: &HostTensor) -> Result<HostTensor, String> {
+pub fn roll_cpu(shifts: &[i64], dims: &[usize], x: &HostTensor) -> Result<HostTensor, OpError> {
     let shape = roll_shape(shifts, dims, &x.shape)?;
     let per = roll_per_dim(shifts, dims, &shape);
     let xs = contiguous_strides(&shape);
@@ -369,7 +374,7 @@ pub fn roll_cpu(shifts: &[i64], dims: &[usize], x: &HostTensor) -> Result<HostTe
 
 /// `torch.cat(inputs, dim)`: for each index of the dims before `dim`, the inputs' contiguous blocks
 /// follow one another.
-pub fn cat_cpu(dim: usize, inputs: &[&HostTensor]) -> Result<HostTensor, String> {
+pub fn cat_cpu(dim: usize, inputs: &[&HostTensor]) -> Result<HostTensor, OpError> {
     let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape.as_slice()).collect();
     let out_shape = cat_shape(dim, &shapes)?;
     let outer: usize = out_shape[..dim].iter().product();
@@ -633,7 +638,7 @@ fn strided_layer(ctx: &BuildCtx, node: NodeId, what: &str, copies: Vec<StridedCo
 
 /// A trace-time error in the arguments of a shape method, naming the op and the input.
 fn arg_err(x: &Tensor, op: &str, reason: String) -> Error {
-    Error::Shape { path: x.scope_path(op), op: op.to_string(), reason, got: vec![x.shape().to_vec()] }
+    Error::Shape { path: x.scope_path(op), op: op.to_string(), reason: reason.into(), got: vec![x.shape().to_vec()] }
 }
 
 /// A PyTorch dim (negative counts from the end) of a rank-`rank` tensor.
@@ -881,26 +886,26 @@ mod tests {
     #[test]
     fn shape_rules_reject_moving_the_batch() {
         let x: &[usize] = &[2, 3, 4];
-        assert!(permute_shape(&[1, 0, 2], x).unwrap_err().contains("batch"));
-        assert!(permute_shape(&[0, 2], x).unwrap_err().contains("has 2 dims"));
-        assert!(permute_shape(&[0, 2, 2], x).unwrap_err().contains("not a permutation"));
-        assert!(permute_shape(&[0, 3, 1], x).unwrap_err().contains("not a permutation"));
+        assert!(permute_shape(&[1, 0, 2], x).unwrap_err().to_string().contains("batch"));
+        assert!(permute_shape(&[0, 2], x).unwrap_err().to_string().contains("has 2 dims"));
+        assert!(permute_shape(&[0, 2, 2], x).unwrap_err().to_string().contains("not a permutation"));
+        assert!(permute_shape(&[0, 3, 1], x).unwrap_err().to_string().contains("not a permutation"));
         assert_eq!(permute_shape(&[0, 2, 1], x).unwrap(), vec![2, 4, 3]);
-        assert!(slice_shape(0, 0, 1, x).unwrap_err().contains("batch"));
-        assert!(slice_shape(3, 0, 1, x).unwrap_err().contains("out of range"));
-        assert!(slice_shape(2, 3, 2, x).unwrap_err().contains("out of range"));
-        assert!(slice_shape(2, usize::MAX, 2, x).unwrap_err().contains("out of range"));
-        assert!(slice_shape(2, 1, 0, x).unwrap_err().contains("empty"));
-        assert!(flatten_shape(0, &[x]).unwrap_err().contains("batch"));
-        assert!(flatten_shape(3, &[x]).unwrap_err().contains("out of range"));
-        assert!(pad_shape(&[1, 1, 1, 1, 1, 1], x).unwrap_err().contains("batch"));
-        assert!(pad_shape(&[1], x).unwrap_err().contains("pairs"));
-        assert!(pad_shape(&[usize::MAX, 1], x).unwrap_err().contains("overflows"));
+        assert!(slice_shape(0, 0, 1, x).unwrap_err().to_string().contains("batch"));
+        assert!(slice_shape(3, 0, 1, x).unwrap_err().to_string().contains("out of range"));
+        assert!(slice_shape(2, 3, 2, x).unwrap_err().to_string().contains("out of range"));
+        assert!(slice_shape(2, usize::MAX, 2, x).unwrap_err().to_string().contains("out of range"));
+        assert!(slice_shape(2, 1, 0, x).unwrap_err().to_string().contains("empty"));
+        assert!(flatten_shape(0, &[x]).unwrap_err().to_string().contains("batch"));
+        assert!(flatten_shape(3, &[x]).unwrap_err().to_string().contains("out of range"));
+        assert!(pad_shape(&[1, 1, 1, 1, 1, 1], x).unwrap_err().to_string().contains("batch"));
+        assert!(pad_shape(&[1], x).unwrap_err().to_string().contains("pairs"));
+        assert!(pad_shape(&[usize::MAX, 1], x).unwrap_err().to_string().contains("overflows"));
         assert_eq!(pad_shape(&[1, 2, 0, 3], x).unwrap(), vec![2, 6, 7]);
-        assert!(reshape_shape(&[5, 2], x).unwrap_err().contains("12 elements per image against 10"));
-        assert!(reshape_shape(&[usize::MAX, 2], x).unwrap_err().contains("overflows"));
+        assert!(reshape_shape(&[5, 2], x).unwrap_err().to_string().contains("12 elements per image against 10"));
+        assert!(reshape_shape(&[usize::MAX, 2], x).unwrap_err().to_string().contains("overflows"));
         assert_eq!(reshape_shape(&[2, 2, 3], x).unwrap(), vec![2, 2, 2, 3]);
-        assert!(cat_shape(1, &[&[2, 3], &[2, usize::MAX]]).unwrap_err().contains("overflows"));
+        assert!(cat_shape(1, &[&[2, 3], &[2, usize::MAX]]).unwrap_err().to_string().contains("overflows"));
     }
 
     #[test]

@@ -93,7 +93,7 @@ pub fn column_weights(g: &Geometry, weight: &[f32], kp: usize) -> Vec<f32> {
 /// The converter registered for `deform_conv2d` (see `op.rs`).
 pub fn convert(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
     let n = ctx.node(node);
-    let Op::Custom(call) = &n.op else { return Err(ctx.err(node, kiln::LowerKind::Unsupported, "is not a deform_conv2d node".into())) };
+    let Op::Custom(call) = &n.op else { return Err(ctx.err(node, kiln::LowerKind::Unsupported, "is not a deform_conv2d node")) };
     let attrs = DeformAttrs::from_attrs(&call.attrs).map_err(|r| ctx.err(node, kiln::LowerKind::Operands, r))?;
     let shapes: Vec<&[usize]> = n.inputs.iter().map(|&i| ctx.node(i).shape.as_slice()).collect();
     let g = geometry(&attrs, &shapes).map_err(|r| ctx.err(node, kiln::LowerKind::Operands, r))?;
@@ -115,7 +115,7 @@ pub fn convert(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
     let weight = ctx.weight(node, weight_at)?.clone();
     let bias = bias_at.map(|i| ctx.weight(node, i).cloned()).transpose()?;
 
-    let k = g.taps().checked_mul(g.cin).ok_or_else(|| ctx.err(node, kiln::LowerKind::TooLarge, "K = KH * KW * Cin overflows".into()))?;
+    let k = g.taps().checked_mul(g.cin).ok_or_else(|| ctx.err(node, kiln::LowerKind::TooLarge, "K = KH * KW * Cin overflows"))?;
     let kp = k.next_multiple_of(K_ALIGN);
     let rows_per_image = g.ho * g.wo;
     let col_bytes = rows_per_image

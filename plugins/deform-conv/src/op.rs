@@ -231,7 +231,7 @@ fn cpu(attrs: &Attrs, inputs: &[&HostTensor]) -> Result<HostTensor> {
     let g = DeformAttrs::from_attrs(attrs).and_then(|a| geometry(&a, &shapes)).map_err(|reason| Error::Shape {
         path: OP.into(),
         op: OP.into(),
-        reason,
+        reason: reason.into(),
         got: shapes.iter().map(|s| s.to_vec()).collect(),
     })?;
     let (mask_at, weight_at, bias_at) = g.attrs.positions();

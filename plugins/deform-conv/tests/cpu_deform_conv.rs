@@ -122,7 +122,7 @@ fn bad_shapes_are_typed_errors_with_the_module_path() {
     match &err {
         Error::Shape { path, op, reason, got } => {
             assert_eq!((path.as_str(), op.as_str()), ("neck.dcn", OP));
-            assert!(reason.contains("offset must be [2, 18, 10, 12]"), "{reason}");
+            assert!(reason.to_string().contains("offset must be [2, 18, 10, 12]"), "{reason}");
             assert!(got.contains(&vec![2, 4, 10, 12]) && got.contains(&vec![2, 18, 10, 11]), "{got:?}");
         }
         other => panic!("expected a shape error, got {other}"),

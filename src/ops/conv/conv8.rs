@@ -328,7 +328,7 @@ fn stem_candidates(
 ) -> Result<Vec<Box<dyn Layer>>> {
     let (graph, n) = (ctx.graph, ctx.node(node));
     let Some(q) = ctx.eight_bit.requant[node] else {
-        return Err(ctx.err(node, LowerKind::Weights, "the 8-bit stem writes codes, and no stored quantiser reads its output".into()));
+        return Err(ctx.err(node, LowerKind::Weights, "the 8-bit stem writes codes, and no stored quantiser reads its output"));
     };
     let shapes: Vec<&[usize]> = n.inputs.iter().map(|&i| graph.nodes[i].shape.as_slice()).collect();
     let conv = super::conv2d_shape(&ConvAttrs { pool: None, ..*a }, &shapes).map_err(|e| ctx.err(node, LowerKind::Operands, e))?;
@@ -612,7 +612,7 @@ fn library_candidates(ctx: &mut BuildCtx, p: &Conv8Problem) -> Result<Vec<Box<dy
 /// quantiser rounds (a folded weight's values already lie on the grid).
 fn weight_codes(ctx: &BuildCtx, node: NodeId, format: QuantFormat) -> Result<(Vec<f32>, Vec<f32>)> {
     let Op::Weight { quant: Some(wq), .. } = &ctx.graph.nodes[ctx.node(node).inputs[1]].op else {
-        return Err(ctx.err(node, LowerKind::Weights, "its weight is not on an 8-bit grid".into()));
+        return Err(ctx.err(node, LowerKind::Weights, "its weight is not on an 8-bit grid"));
     };
     let w = ctx.weight(node, 1)?;
     let k = w

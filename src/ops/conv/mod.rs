@@ -10,6 +10,7 @@ pub mod subpixel;
 
 use crate::engine::layer::Chain;
 use crate::engine::{BuildCtx, Layer, Layout, ValueId};
+use crate::error::OpError;
 use crate::graph::{NodeId, Op, PoolAttrs};
 use crate::module::{Forward, Module};
 use crate::ops::pool::PoolKind;
@@ -84,17 +85,17 @@ impl OpDef for ConvAttrs {
             "conv2d"
         }
     }
-    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
         let conv = if self.transposed { conv_transpose2d_shape(self, inputs)? } else { conv2d_shape(self, inputs)? };
         if self.transposed && self.pool.is_some() {
             return Err("a max-pool is fused after a Conv2d only, not a ConvTranspose2d".into());
         }
         match &self.pool {
-            Some(p) => pool2d_shape(p, &[&conv]).map_err(|e| format!("the fused max-pool: {e}")),
+            Some(p) => pool2d_shape(p, &[&conv]).map_err(|e| format!("the fused max-pool: {e}").into()),
             None => Ok(conv),
         }
     }
-    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
+    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, OpError> {
         let inputs = args.all()?;
         let conv = if self.transposed { conv_transpose2d_cpu(self, &inputs)? } else { conv2d_cpu(self, &inputs)? };
         match &self.pool {
@@ -263,7 +264,7 @@ fn transposed_extent(input: usize, k: usize, s: usize, p: usize, d: usize, out_p
     (input - 1).checked_mul(s)?.checked_add(d.checked_mul(k - 1)?)?.checked_add(out_pad)?.checked_add(1)?.checked_sub(p.checked_mul(2)?)
 }
 
-fn check_common(a: &ConvAttrs, inputs: &[&[usize]], kind: &str) -> Result<(), String> {
+fn check_common(a: &ConvAttrs, inputs: &[&[usize]], kind: &str) -> Result<(), OpError> {
     let want = 2 + a.bias as usize + a.residual as usize;
     if inputs.len() != want {
         return Err(format!(
@@ -271,20 +272,21 @@ fn check_common(a: &ConvAttrs, inputs: &[&[usize]], kind: &str) -> Result<(), St
             if a.bias { ", bias" } else { "" },
             if a.residual { ", residual" } else { "" },
             inputs.len()
-        ));
+        )
+        .into());
     }
     if inputs[0].len() != 4 {
-        return Err(format!("input must be NCHW (rank 4), got {:?}", inputs[0]));
+        return Err(format!("input must be NCHW (rank 4), got {:?}", inputs[0]).into());
     }
     if inputs[1].len() != 4 {
-        return Err(format!("weight must be rank 4, got {:?}", inputs[1]));
+        return Err(format!("weight must be rank 4, got {:?}", inputs[1]).into());
     }
     if inputs[0][1..].contains(&0) {
-        return Err(format!("input {:?} is empty", inputs[0]));
+        return Err(format!("input {:?} is empty", inputs[0]).into());
     }
     // The extent rules subtract 1 from the kernel size.
     if inputs[1][2..].contains(&0) {
-        return Err(format!("kernel size must be positive, got weight {:?}", inputs[1]));
+        return Err(format!("kernel size must be positive, got weight {:?}", inputs[1]).into());
     }
     if a.groups == 0 || a.stride.contains(&0) || a.dilation.contains(&0) {
         return Err("groups, stride and dilation must be positive".into());
@@ -293,52 +295,53 @@ fn check_common(a: &ConvAttrs, inputs: &[&[usize]], kind: &str) -> Result<(), St
 }
 
 /// Output shape of a convolution with `inputs` = x, weight, bias?, residual?.
-pub fn conv2d_shape(a: &ConvAttrs, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+pub fn conv2d_shape(a: &ConvAttrs, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
     check_common(a, inputs, "conv2d")?;
     let (x, w) = (inputs[0], inputs[1]);
     if w[1].checked_mul(a.groups) != Some(x[1]) {
         let expects = w[1].checked_mul(a.groups).map_or("more than usize::MAX".into(), |c| c.to_string());
-        return Err(format!("input has {} channels, but the weight {:?} with groups={} expects {expects}", x[1], w, a.groups));
+        return Err(format!("input has {} channels, but the weight {:?} with groups={} expects {expects}", x[1], w, a.groups).into());
     }
     if w[0] % a.groups != 0 {
-        return Err(format!("{} output channels are not divisible by groups={}", w[0], a.groups));
+        return Err(format!("{} output channels are not divisible by groups={}", w[0], a.groups).into());
     }
     let ext = |i: usize| out_extent(x[2 + i], w[2 + i], a.stride[i], a.padding[i], a.dilation[i]);
     let (Some(h), Some(wd)) = (ext(0), ext(1)) else {
-        return Err(format!("kernel {:?} (dilation {:?}) is larger than the padded input {:?}", &w[2..], a.dilation, &x[2..]));
+        return Err(format!("kernel {:?} (dilation {:?}) is larger than the padded input {:?}", &w[2..], a.dilation, &x[2..]).into());
     };
     let out = vec![x[0], w[0], h, wd];
     if a.bias && inputs[2] != [w[0]] {
-        return Err(format!("bias must have shape [{}], got {:?}", w[0], inputs[2]));
+        return Err(format!("bias must have shape [{}], got {:?}", w[0], inputs[2]).into());
     }
     if a.residual && inputs[inputs.len() - 1] != out.as_slice() {
-        return Err(format!("residual must have the output's shape {out:?}, got {:?}", inputs[inputs.len() - 1]));
+        return Err(format!("residual must have the output's shape {out:?}, got {:?}", inputs[inputs.len() - 1]).into());
     }
     Ok(out)
 }
 
 /// Output shape of a transposed convolution with `inputs` = x, weight, bias?.
-pub fn conv_transpose2d_shape(a: &ConvAttrs, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+pub fn conv_transpose2d_shape(a: &ConvAttrs, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
     check_common(a, inputs, "conv_transpose2d")?;
     let (x, w) = (inputs[0], inputs[1]);
     if x[1] != w[0] {
-        return Err(format!("input has {} channels, but the weight {:?} expects {}", x[1], w, w[0]));
+        return Err(format!("input has {} channels, but the weight {:?} expects {}", x[1], w, w[0]).into());
     }
     for i in 0..2 {
         if a.output_padding[i] >= a.stride[i].max(a.dilation[i]) {
             return Err(format!(
                 "output_padding {:?} must be smaller than stride {:?} or dilation {:?}",
                 a.output_padding, a.stride, a.dilation
-            ));
+            )
+            .into());
         }
     }
     let ext = |i: usize| transposed_extent(x[2 + i], w[2 + i], a.stride[i], a.padding[i], a.dilation[i], a.output_padding[i]);
     let (Some(h), Some(wd)) = (ext(0), ext(1)) else {
-        return Err(format!("padding {:?} is larger than the output, or the output overflows", a.padding));
+        return Err(format!("padding {:?} is larger than the output, or the output overflows", a.padding).into());
     };
     let cout = w[1].checked_mul(a.groups).ok_or_else(|| format!("{} x {} groups output channels overflow", w[1], a.groups))?;
     if a.bias && inputs[2] != [cout] {
-        return Err(format!("bias must have shape [{cout}], got {:?}", inputs[2]));
+        return Err(format!("bias must have shape [{cout}], got {:?}", inputs[2]).into());
     }
     Ok(vec![x[0], cout, h, wd])
 }
@@ -468,7 +471,7 @@ fn init_output(out: &mut [f32], cout: usize, plane: usize, bias: Option<&HostTen
 
 /// `act(conv2d(x, w) + bias + residual)` with `inputs` = x, weight, bias?, residual?: im2col per image
 /// and group, then one GEMM accumulating onto the bias and residual.
-pub fn conv2d_cpu(a: &ConvAttrs, inputs: &[&HostTensor]) -> Result<HostTensor, String> {
+pub fn conv2d_cpu(a: &ConvAttrs, inputs: &[&HostTensor]) -> Result<HostTensor, OpError> {
     let out_shape = conv2d_shape(a, &shapes_of(inputs))?;
     let (x, w) = (inputs[0], inputs[1]);
     let bias = a.bias.then(|| inputs[2]);
@@ -504,12 +507,12 @@ pub fn conv2d_cpu(a: &ConvAttrs, inputs: &[&HostTensor]) -> Result<HostTensor, S
 
 /// `act(conv_transpose2d(x, w) + bias + residual)` with `inputs` = x, weight [Cin, Cout/g, kh, kw],
 /// bias?, residual?: per image and group one GEMM `Wᵀ·x` into columns, then col2im scatters them.
-pub fn conv_transpose2d_cpu(a: &ConvAttrs, inputs: &[&HostTensor]) -> Result<HostTensor, String> {
+pub fn conv_transpose2d_cpu(a: &ConvAttrs, inputs: &[&HostTensor]) -> Result<HostTensor, OpError> {
     let out_shape = conv_transpose2d_shape(a, &shapes_of(inputs))?;
     let residual = a.residual.then(|| inputs[inputs.len() - 1]);
     if let Some(r) = residual {
         if r.shape != out_shape {
-            return Err(format!("residual must have the output's shape {out_shape:?}, got {:?}", r.shape));
+            return Err(format!("residual must have the output's shape {out_shape:?}, got {:?}", r.shape).into());
         }
     }
     let (x, w) = (inputs[0], inputs[1]);
@@ -519,7 +522,7 @@ pub fn conv_transpose2d_cpu(a: &ConvAttrs, inputs: &[&HostTensor]) -> Result<Hos
     let [_, cout, oh, ow] = [out_shape[0], out_shape[1], out_shape[2], out_shape[3]];
     let g = a.groups;
     if cin % g != 0 {
-        return Err(format!("{cin} input channels are not divisible by groups={g}"));
+        return Err(format!("{cin} input channels are not divisible by groups={g}").into());
     }
     let (cin_g, in_plane, out_plane, krows) = (cin / g, h * wd, oh * ow, cout_g * kh * kw);
     let (s, p, d) = (a.stride, a.padding, a.dilation);
@@ -609,7 +612,7 @@ fn conv2d_candidates(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs, y: ValueId)
     let pointwise = w.shape[2..] == [1, 1] && a.stride == [1, 1] && a.padding == [0, 0] && a.groups == 1;
     if pointwise {
         let x = ctx.input(node, 0)?;
-        let (_, h, wd) = ctx.value(y).chw().ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "output is not an image".into()))?;
+        let (_, h, wd) = ctx.value(y).chw().ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "output is not an image"))?;
         let bias = if a.bias { Some(ctx.weight(node, 2)?.data.as_slice()) } else { None };
         let residual = if a.residual { Some(ctx.input(node, if a.bias { 3 } else { 2 })?) } else { None };
         let spec = GemmSpec { x, y, residual, rows_per_image: h * wd, weight: &w.data, bias, relu: a.act == Activation::Relu };

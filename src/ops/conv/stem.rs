@@ -236,7 +236,7 @@ pub fn eight_bit_candidates(
         return Err(ctx.err(
             node,
             LowerKind::Unsupported,
-            "the 8-bit stem needs NHWC FP16 or NCHW f32 input and NHWC 8-bit output on sm_80 or newer".into(),
+            "the 8-bit stem needs NHWC FP16 or NCHW f32 input and NHWC 8-bit output on sm_80 or newer",
         ));
     };
     let packed = pack_rows(codes, c);

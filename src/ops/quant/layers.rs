@@ -96,9 +96,7 @@ pub fn quant_layer(ctx: &mut BuildCtx, node: NodeId, op: &Quant) -> Result<Box<d
     let p = op.params();
     let (channels, inner) = match p.axis {
         None => (1, 1),
-        Some(0) => {
-            return Err(ctx.err(node, LowerKind::Operands, "per-channel quantisation along the batch dim has no engine layer".into()))
-        }
+        Some(0) => return Err(ctx.err(node, LowerKind::Operands, "per-channel quantisation along the batch dim has no engine layer")),
         Some(a) => {
             let strides = desc.layout.strides(&desc.dims);
             let (Some(&c), Some(&s)) = (desc.dims.get(a - 1), strides.get(a - 1)) else {

@@ -18,6 +18,7 @@ pub mod fp8_gemm;
 mod layers;
 
 use crate::engine::{BuildCtx, Layer, Layout};
+use crate::error::OpError;
 use crate::graph::{HostTensor, NodeId, Op};
 use crate::module::{Forward, Module};
 use crate::ops::{one_input, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
@@ -93,28 +94,28 @@ impl QuantParams {
 
     /// Checks the parameters against an input shape: scales positive and finite, one per tensor
     /// or one per index of `axis`, zero points inside the range.
-    pub fn check(&self, shape: &[usize]) -> Result<(), String> {
+    pub fn check(&self, shape: &[usize]) -> Result<(), OpError> {
         let want = match self.axis {
             None => 1,
             Some(a) => *shape.get(a).ok_or_else(|| format!("axis {a} is out of range for shape {shape:?}"))?,
         };
         if self.scale.len() != want {
             let what = self.axis.map_or("per-tensor".to_string(), |a| format!("per-channel along axis {a} of {shape:?}"));
-            return Err(format!("{what} quantisation needs {want} scale(s), got {}", self.scale.len()));
+            return Err(format!("{what} quantisation needs {want} scale(s), got {}", self.scale.len()).into());
         }
         if let Some(s) = self.scale.iter().find(|s| !(s.is_finite() && **s > 0.0)) {
-            return Err(format!("scales must be positive and finite, got {s}"));
+            return Err(format!("scales must be positive and finite, got {s}").into());
         }
         match self.format {
             QuantFormat::Int8 => {
                 if self.qmin >= self.qmax {
-                    return Err(format!("int8 range [{}, {}] is empty", self.qmin, self.qmax));
+                    return Err(format!("int8 range [{}, {}] is empty", self.qmin, self.qmax).into());
                 }
                 if !self.zero_point.is_empty() && self.zero_point.len() != want {
-                    return Err(format!("{} zero point(s) for {want} scale(s)", self.zero_point.len()));
+                    return Err(format!("{} zero point(s) for {want} scale(s)", self.zero_point.len()).into());
                 }
                 if let Some(z) = self.zero_point.iter().find(|&&z| z < self.qmin || z > self.qmax) {
-                    return Err(format!("zero point {z} is outside [{}, {}]", self.qmin, self.qmax));
+                    return Err(format!("zero point {z} is outside [{}, {}]", self.qmin, self.qmax).into());
                 }
             }
             QuantFormat::Fp8E4m3 if !self.is_symmetric() => return Err("fp8 takes no zero point".into()),
@@ -201,12 +202,12 @@ impl OpDef for Quant {
             Quant::FakeQuantize(_) => "fake_quantize",
         }
     }
-    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
+    fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
         let x = one_input(inputs)?;
         self.params().check(x)?;
         Ok(x.to_vec())
     }
-    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
+    fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, OpError> {
         args.expect(1)?;
         let mut x = args.take(0)?;
         let p = self.params();
@@ -399,7 +400,7 @@ mod tests {
     fn bad_params_are_errors() {
         assert!(QuantParams::int8(0.0).check(&[1, 3]).is_err());
         assert!(QuantParams::int8(f32::NAN).check(&[1, 3]).is_err());
-        assert!(QuantParams::int8(1.0).per_channel(1, vec![1.0; 2]).check(&[1, 3]).unwrap_err().contains("3 scale"));
+        assert!(QuantParams::int8(1.0).per_channel(1, vec![1.0; 2]).check(&[1, 3]).unwrap_err().to_string().contains("3 scale"));
         assert!(QuantParams::int8(1.0).per_channel(4, vec![1.0]).check(&[1, 3]).is_err());
         assert!(QuantParams::fp8(1.0).zero_points(vec![1]).check(&[1]).is_err());
         assert!(QuantParams::int8(1.0).zero_points(vec![300]).check(&[1]).is_err());
