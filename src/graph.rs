@@ -585,13 +585,12 @@ impl Graph {
                 "the graph has {} input(s) and {} output(s); a model needs at least one of each",
                 self.inputs.len(),
                 self.outputs.len()
-            )
-            .into());
+            ));
         }
         for &i in &self.inputs {
             let shape = &self.nodes[i].shape;
             if shape.is_empty() || shape.contains(&0) {
-                return Err(format!("input `{}` has shape {shape:?}; inputs need a batch dim and no zero dims", self.nodes[i].path).into());
+                return Err(format!("input `{}` has shape {shape:?}; inputs need a batch dim and no zero dims", self.nodes[i].path));
             }
         }
         Ok(())
