@@ -21,10 +21,12 @@ mod bench;
 mod calibrate;
 mod common;
 mod compare;
+mod images;
 mod inspect;
 mod models;
 mod run;
 pub mod shapes;
+mod triton;
 
 use clap::{ArgAction, Args, Parser, Subcommand};
 use kiln::{Error, Graph, VarBuilder};
@@ -55,6 +57,9 @@ pub const EXAMPLES: &[&str] = &[
     "kiln compare resnet50 --fp16 --load-outputs fp32.safetensors --atol 1e-2 --rtol 1e-2 --report fp16.json",
     "kiln inspect resnet18 --dot before.dot --dot-optimized after.dot",
     "kiln codegen resnet18 -o resnet18_gen.rs",
+    "kiln run mobilenet_v2 --weights mobilenet_v2-b0353104.pth --image cat.jpg",
+    "kiln run yolov8n --weights yolov8n.safetensors --image street.jpg --save boxes.png",
+    "kiln triton-repo resnet18 -o repo --cpu",
     "kiln models --json",
 ];
 
@@ -157,9 +162,12 @@ pub enum Command {
         after_long_help = "Examples:\n  kiln inspect resnet18\n  kiln inspect resnet50 --dot before.dot --dot-optimized after.dot\n  kiln inspect rn50.kiln"
     )]
     Inspect(InspectArgs),
-    /// Emit Rust source that rebuilds the traced network with Kiln's tracing API, weights by name.
+    /// Emit Rust source that rebuilds the network: Kiln modules, one `#[derive(Module)]` struct per
+    /// PyTorch class with fields named as the state_dict (a kiln-torch graph file), or with
+    /// --flat (and for graphs without module classes, such as the bundled models) the op list
+    /// on Kiln's tracing API, weights by name.
     #[command(
-        after_long_help = "Examples:\n  kiln codegen resnet18 -o resnet18_gen.rs\n  kiln codegen centernet --fn-name centernet_graph --max-width 140\n  kiln codegen mynet.kiln.safetensors -o mynet_gen.rs"
+        after_long_help = "Examples:\n  kiln codegen rn50.kiln.safetensors -o rn50.rs\n  kiln codegen rn50.kiln.safetensors --flat -o rn50_ops.rs\n  kiln codegen resnet18 -o resnet18_gen.rs\n  kiln codegen centernet --fn-name centernet_graph --max-width 140"
     )]
     Codegen(CodegenArgs),
     /// Record activation ranges over a calibration set (CPU) and write an INT8/FP8 calibration cache.
@@ -171,6 +179,14 @@ pub enum Command {
         after_long_help = "Examples:\n  kiln calibrate digits_resnet --weights models/weights/digits_resnet.safetensors --data calib.safetensors --images 100\n  kiln build resnet50 --int8 --calibration-cache resnet50.calib.json -o rn50.int8.kiln"
     )]
     Calibrate(calibrate::CalibrateArgs),
+    /// Write a ready Triton Inference Server model repository: the model file, a config.pbtxt
+    /// (inputs, outputs, dims, max batch, dynamic batching, instance group) and a README with the
+    /// server's command; served by Kiln's backend, libtriton_kiln.so (docs/SERVING.md).
+    #[command(
+        name = "triton-repo",
+        after_long_help = "Examples:\n  kiln triton-repo resnet18 -o repo --cpu\n  kiln triton-repo rn50.kiln -o repo --name resnet50 --gpus 0,1\n  kiln triton-repo yolov8n --letterbox 720x1280 -o repo --precision fp16 --max-batch-size 16"
+    )]
+    TritonRepo(triton::TritonRepoArgs),
     /// List the bundled models (name, default input, outputs, what it is) and the program's own.
     ///
     /// `--json` writes them for scripts: the Python tools (tools/export_reference.py,
@@ -278,8 +294,17 @@ pub struct RunArgs {
     #[arg(long)]
     pub batch: Option<usize>,
     /// A safetensors file holding the input as `input` (or as its only tensor), NCHW f32.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", conflicts_with = "image")]
     pub input: Option<PathBuf>,
+    /// An image file (JPEG, PNG, BMP, GIF, WebP, PNM, TIFF), once per image of the batch, made into
+    /// the input by the model's preprocessing (a classifier: torchvision's Resize, CenterCrop and
+    /// ImageNet normalisation; YOLO and CenterNet: a letterbox). Prints class names or labelled boxes.
+    #[arg(long, value_name = "FILE")]
+    pub image: Vec<PathBuf>,
+    /// Draw a detector's boxes (YOLO, CenterNet) on the --image and write it as PNG to FILE
+    /// (several images: FILE with _0, _1, ... before its extension).
+    #[arg(long, value_name = "FILE", requires = "image")]
+    pub save: Option<PathBuf>,
     /// Seed of the random input (default: from the clock, printed so a run can be repeated).
     #[arg(long)]
     pub seed: Option<u64>,
@@ -478,9 +503,12 @@ pub struct CodegenArgs {
     /// Where to write the Rust source (default: standard output).
     #[arg(short, long, value_name = "FILE")]
     pub output: Option<PathBuf>,
-    /// Name of the generated function `fn(vb: &VarBuilder, batch: usize) -> Result<Graph>`.
+    /// Name of the generated function, `fn(vb, batch: usize) -> Result<Graph>` (structured: `vb: VarBuilder`; flat: `&VarBuilder`).
     #[arg(long, default_value = "build")]
     pub fn_name: String,
+    /// The flat op list (`Tensor::record` calls) instead of Kiln modules.
+    #[arg(long)]
+    pub flat: bool,
     /// Line width to lay the code out for (rustfmt's max_width).
     #[arg(long, default_value_t = 100)]
     pub max_width: usize,
@@ -538,6 +566,7 @@ where
         Command::Codegen(a) => inspect::codegen(a),
         Command::Calibrate(a) => calibrate::calibrate(a),
         Command::Models(a) => models::models(a),
+        Command::TritonRepo(a) => triton::triton_repo(a),
     };
     match result {
         Ok(code) => code,
