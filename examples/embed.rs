@@ -92,6 +92,10 @@ fn main() -> Result<(), Box<dyn Error>> {
     if let Some(first) = answers.first() {
         println!("outputs: {:?}", first.outputs);
     }
-    println!("served {} requests in {wall:.3} s ({:.1}/s); per worker {per_worker:?}; median {median:.3} ms", answers.len(), answers.len() as f64 / wall);
+    println!(
+        "served {} requests in {wall:.3} s ({:.1}/s); per worker {per_worker:?}; median {median:.3} ms",
+        answers.len(),
+        answers.len() as f64 / wall
+    );
     Ok(())
 }

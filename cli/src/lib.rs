@@ -75,7 +75,7 @@ Examples:
 
 Bundled models: {}.
 A model argument is a bundled name, a graph file (.kiln.safetensors, from `kiln trace` or Graph::save) or an engine file (.kiln, from `kiln build`).
-Weights are seeded (deterministic, like tools/export_reference.py --weights seeded) unless --weights names a PyTorch state_dict saved with safetensors.torch.save_file.
+Weights are seeded (random but deterministic, like tools/export_reference.py --weights seeded; `kiln run` says its answers are then meaningless) unless --weights names a state_dict: a safetensors file or a PyTorch checkpoint (.pth/.pt). digits_resnet loads its trained weights (built in) by default.
 Logging: diagnostics go to standard error (RUST_LOG=kiln=debug, -v, -q), results to standard output.",
         lines.join("\n"),
         models.join(", ")
@@ -106,12 +106,12 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Run a model once on a random or given input and print its top classes or detections.
+    /// Run a model once on a random input, a given tensor or image files, and print its top classes or detections.
     ///
     /// Uses the GPU engine when a GPU is present, otherwise the CPU reference executor (with a
     /// note on standard error saying why). Prints the output summary and the time taken.
     #[command(
-        after_long_help = "Examples:\n  kiln run resnet50\n  kiln run centernet --batch 2 --fp32\n  kiln run resnet18 --cpu --input x.safetensors\n  kiln run mynet.kiln.safetensors --cpu --shapes input:2x3x32x32"
+        after_long_help = "Examples:\n  kiln run resnet50\n  kiln run mobilenet_v2 --weights mobilenet_v2-b0353104.pth --image cat.jpg --image cup.png --cpu\n  kiln run yolov8n --weights yolov8n.safetensors --image street.jpg --save boxes.png\n  kiln run centernet --batch 2 --fp32\n  kiln run resnet18 --cpu --input x.safetensors\n  kiln run mynet.kiln.safetensors --cpu --shapes input:2x3x32x32"
     )]
     Run(RunArgs),
     /// Trace a model and write it with its weights as a graph file (one safetensors file whose
@@ -176,7 +176,7 @@ pub enum Command {
     /// min-max. The cache is readable JSON; `--int8`/`--fp8` builds read it with
     /// --calibration-cache and need no data.
     #[command(
-        after_long_help = "Examples:\n  kiln calibrate digits_resnet --weights models/weights/digits_resnet.safetensors --data calib.safetensors --images 100\n  kiln build resnet50 --int8 --calibration-cache resnet50.calib.json -o rn50.int8.kiln"
+        after_long_help = "Examples:\n  kiln calibrate digits_resnet --data calib.safetensors --images 100\n  kiln calibrate resnet50 --weights resnet50.pth --data photos/ --images 100\n  kiln build resnet50 --int8 --calibration-cache resnet50.calib.json -o rn50.int8.kiln"
     )]
     Calibrate(calibrate::CalibrateArgs),
     /// Write a ready Triton Inference Server model repository: the model file, a config.pbtxt
@@ -215,7 +215,7 @@ fn shapes_parser(value: &str) -> Result<Shapes, String> {
 pub struct ModelArgs {
     #[arg(help = model_help())]
     pub model: String,
-    /// A safetensors state_dict (PyTorch names, f32/f16/bf16) instead of the seeded weights (for a graph file: replaces its weights by name).
+    /// A state_dict (PyTorch names, f32/f16/bf16) as safetensors or a PyTorch checkpoint (.pth/.pt), instead of the model's default weights: seeded random ones, or digits_resnet's trained ones (for a graph file: replaces its weights by name).
     #[arg(long, value_name = "FILE")]
     pub weights: Option<PathBuf>,
     /// Fail when the weight file holds keys the model never uses.
@@ -224,7 +224,7 @@ pub struct ModelArgs {
     /// Input height and width (default: the model's, listed in `kiln --help`).
     #[arg(long, value_name = "PIXELS")]
     pub size: Option<usize>,
-    /// The input's shape, trtexec-style: `input:NxCxHxW` (batch and H x W; H x W must be the graph's for a graph or engine file).
+    /// The input's shape, trtexec-style: `input:NxCxHxW` (batch and H x W; a graph file re-infers its shapes at another H x W, an engine file runs any H x W inside its profiles).
     #[arg(long, value_name = "NAME:DIMS", value_parser = shapes_parser)]
     pub shapes: Option<Shapes>,
 }
@@ -346,13 +346,13 @@ pub struct BuildArgs {
     /// Largest batch the engine accepts (default 1; activation memory is planned for it).
     #[arg(long)]
     pub max_batch: Option<usize>,
-    /// trtexec's name for the smallest shape, `input:NxCxHxW`: sets --min-batch (H x W must be the model's).
+    /// trtexec's name for the smallest shape, `input:NxCxHxW`: its N sets --min-batch; H and W may range up to --maxShapes (an optimization profile; C stays the model's).
     #[arg(long = "minShapes", value_name = "NAME:DIMS", value_parser = shapes_parser, requires_all = ["opt_shapes", "max_shapes"])]
     pub min_shapes: Option<Shapes>,
-    /// trtexec's name for the shape algorithms are timed at: sets --opt-batch.
+    /// trtexec's name for the shape algorithms are timed at (and the model is traced at): its N sets --opt-batch.
     #[arg(long = "optShapes", value_name = "NAME:DIMS", value_parser = shapes_parser, requires_all = ["min_shapes", "max_shapes"])]
     pub opt_shapes: Option<Shapes>,
-    /// trtexec's name for the largest shape: sets --max-batch.
+    /// trtexec's name for the largest shape: its N sets --max-batch (activation memory is planned for it).
     #[arg(long = "maxShapes", value_name = "NAME:DIMS", value_parser = shapes_parser, requires_all = ["min_shapes", "opt_shapes"])]
     pub max_shapes: Option<Shapes>,
 }
@@ -366,7 +366,7 @@ pub struct TargetArgs {
     /// trtexec's way to name an engine file (the same as giving it as the model).
     #[arg(long = "loadEngine", value_name = "FILE", conflicts_with = "model")]
     pub load_engine: Option<PathBuf>,
-    /// Weights for a bundled model (default: seeded).
+    /// Weights for a bundled model, safetensors or .pth (default: seeded; digits_resnet: its trained weights).
     #[arg(long, value_name = "FILE")]
     pub weights: Option<PathBuf>,
     /// Input height and width for a bundled model (default: the model's).
