@@ -13,13 +13,13 @@
 FROM rust:1.85-bookworm AS build
 WORKDIR /src
 COPY . .
-RUN cargo build --release -p kiln-triton --lib --example triton_repo && cargo build --release --bin kiln
+RUN cargo build --release -p kiln-triton --lib && cargo build --release --bin kiln
 ARG MODEL=resnet50
 ARG MAX_BATCH=64
 ARG PRECISION=fp16
 # A graph file on KIND_GPU: the backend builds the engine for the GPU it finds on first load and
 # caches it beside the graph file (mount /models on a volume, or pre-build, to skip that per pod).
-RUN target/release/examples/triton_repo ${MODEL} -o /models --name ${MODEL} --max-batch-size ${MAX_BATCH} \
+RUN target/release/kiln triton-repo ${MODEL} -o /models --name ${MODEL} --max-batch-size ${MAX_BATCH} \
       --precision ${PRECISION} --backend-directory /opt/tritonserver/backends
 
 # 2. The server: NVIDIA's Triton image of the release the backend was tested with (2.51 = 24.10).

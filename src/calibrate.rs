@@ -415,17 +415,26 @@ impl Calibrator {
     /// calibrated tensor (non-finite weights, or an overflow), is an error naming the image or the
     /// tensor: no range could be drawn from it.
     pub fn collect(&self, batches: &[HostTensor]) -> Result<CalibrationStats> {
+        self.collect_with_progress(batches, |_| {})
+    }
+
+    /// `collect`, calling `progress(done)` after each of its `2 * batches.len()` CPU runs (a
+    /// progress bar's position).
+    pub fn collect_with_progress(&self, batches: &[HostTensor], mut progress: impl FnMut(usize)) -> Result<CalibrationStats> {
         if batches.is_empty() {
             return Err(Error::Config { reason: "calibration needs at least one batch".into() });
         }
         self.check_data(batches)?;
         let mut amax: BTreeMap<String, f32> = self.tensors.iter().map(|(n, _)| (n.clone(), 0.0)).collect();
+        let mut done = 0;
         for b in batches {
             for (name, t) in self.run(b)? {
                 let m = self.finite_amax(&name, &t.data)?;
                 let e = amax.entry(name).or_insert(0.0);
                 *e = e.max(m);
             }
+            done += 1;
+            progress(done);
         }
         let mut hists: BTreeMap<String, Histogram> = amax.iter().map(|(n, &a)| (n.clone(), Histogram::new(a))).collect();
         for b in batches {
@@ -434,7 +443,10 @@ impl Calibrator {
                     h.add(&t.data);
                 }
             }
+            done += 1;
+            progress(done);
         }
+        tracing::debug!(batches = batches.len(), tensors = amax.len(), "calibration ranges and histograms recorded");
         let tensors = hists.into_iter().map(|(n, h)| (n.clone(), (amax[&n], h))).collect();
         let images = batches.iter().map(|b| b.shape.first().copied().unwrap_or(0)).sum();
         Ok(CalibrationStats { graph_hash: graph_hash(&self.graph), images, tensors })

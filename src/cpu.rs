@@ -19,6 +19,16 @@ use std::collections::{BTreeMap, BTreeSet};
 /// (`&ByteTensor`, computed with as their f32 values) or f32 values that are integers in 0..=255,
 /// as an engine does.
 pub fn run<'a, T: Into<HostInput<'a>> + Copy>(graph: &Graph, inputs: &[(&str, T)]) -> Result<BTreeMap<String, HostTensor>> {
+    run_with_progress(graph, inputs, |_, _, _| {})
+}
+
+/// `run`, calling `progress(done, total, module path)` before each op it computes (a progress
+/// bar over a long CPU run: `kiln compare --layerwise`).
+pub fn run_with_progress<'a, T: Into<HostInput<'a>> + Copy>(
+    graph: &Graph,
+    inputs: &[(&str, T)],
+    mut progress: impl FnMut(usize, usize, &str),
+) -> Result<BTreeMap<String, HostTensor>> {
     check_order(graph)?;
     let inputs: Vec<(&str, HostInput<'a>)> = inputs.iter().map(|&(name, t)| (name, t.into())).collect();
     let mut bound = bind_inputs(graph, &inputs)?;
@@ -41,9 +51,15 @@ pub fn run<'a, T: Into<HostInput<'a>> + Copy>(graph: &Graph, inputs: &[(&str, T)
     }
 
     let mut values: Vec<Option<Cow<HostTensor>>> = vec![None; graph.nodes.len()];
+    let total = graph.nodes.iter().enumerate().filter(|(i, n)| live[*i] && !n.op.is_leaf()).count();
+    let mut done = 0;
     for (id, node) in graph.nodes.iter().enumerate() {
         if !live[id] {
             continue;
+        }
+        if !node.op.is_leaf() {
+            progress(done, total, &node.path);
+            done += 1;
         }
         let value = match &node.op {
             // Each input node is visited once: its value moves out of the bindings.

@@ -5,6 +5,7 @@ issues 7, 8 and 12 ask for, within one device command (about 9 minutes on one H1
   here:    bash tools/gpu-build.sh                the kiln CLI (release, stripped) into .carry/kiln/
   device:  bash tools/bench-all.sh                carry [".carry", ".whl"], timeout_s 600
   here:    python3 tools/bench_all.py render <files_at>/results.json    rewrites the tables in docs/BENCHMARKS.md
+                                                                        and README's performance summary
   here:    python3 tools/bench_all.py device --cpu-smoke --out /tmp/smoke    every path on the CPU, tiny
 
 The plan (`plan`): the bundled flagships (ResNet-18/50 at batch 1 and 256, CenterNet-R50 at 512 at
@@ -619,6 +620,62 @@ def environment(result):
             f"{kiln}; {torch}. One run of `{result['command']}` ({timing}; budget {result['budget_s']:.0f} s).")
 
 
+MODEL_NAMES = {"resnet18": "ResNet-18", "resnet50": "ResNet-50", "centernet": "CenterNet-R50"}
+
+
+def readme_summary(result):
+    """README's performance summary: the flagships' Kiln FP16 figures beside the CUDA-graph and
+    torch.compile peers, and how often Kiln is ahead in the zoo; `None` when the run has neither."""
+    ix, parts = index(result), []
+    gpu = result.get("versions", {}).get("gpu", "?")
+    ok = lambda r: r is not None and r["status"] == "ok"  # noqa: E731
+    for u in units_of(result, "classifier", "centernet"):
+        if not u["flagship"]:
+            continue
+        name = MODEL_NAMES.get(u["model"], u["model"]) + (" at 512, decode included," if u["kind"] == "centernet" else "")
+        small, large = min(u["flagship"]), max(u["flagship"])
+        k1, kn = ix.get((u["model"], "kiln-fp16", small)), ix.get((u["model"], "kiln-fp16", large))
+        text = []
+        if ok(k1):
+            peers = [f"{PEER_LABELS[p]} {fmt_ms(r['ms'])} ms" for p in ("graph-fp16", "compile-ro") if ok(r := ix.get((u["model"], p, small)))]
+            text.append(f"{fmt_ms(k1['ms'])} ms at batch {small}" + (f" ({', '.join(peers)})" if peers else ""))
+        if ok(kn) and large != small:
+            peer = ix.get((u["model"], "graph-fp16", large))
+            x = ratio(peer, kn)
+            text.append(f"{fmt_rate(kn['img_s'])} images/s at batch {large}" + (f" ({x:.2f}× PyTorch FP16 + CUDA graph)" if x else ""))
+        if text:
+            parts.append(f"{name} {' and '.join(text)}")
+    lines = []
+    if parts:
+        lines.append(f"- FP16 on one {gpu}, CUDA graphs on, beside PyTorch in the same run: " + "; ".join(parts) + ".")
+    zoo = [u for u in units_of(result, "classifier") if u["model"] not in TRANSFORMERS and u.get("zoo")]
+    if zoo:
+        counts = {}
+        for u in zoo:
+            for b in u["zoo"]:
+                x = ratio(ix.get((u["model"], "graph-fp16", b)), ix.get((u["model"], "kiln-fp16", b)))
+                tally(counts, b, x)
+        said = [f"at batch {b} on {a} of {n}" for b, (a, n) in counts.items() if n]
+        if said:
+            lines.append(f"- The zoo beside torchvision's models with CUDA graphs (PyTorch FP16 + CUDA graph): Kiln ahead {' and '.join(said)}.")
+    if not lines:
+        return None
+    return "\n".join(lines + ["- Every table, with the command and the machine: [docs/BENCHMARKS.md](docs/BENCHMARKS.md)."])
+
+
+README = os.path.join(ROOT, "README.md")
+
+
+def render_readme(result, readme):
+    """`readme` with its `<!-- bench:summary -->` section rewritten, or as it is when the run has
+    nothing for it (a run of other tables keeps the summary of the last run that had them)."""
+    text = readme_summary(result)
+    pattern = re.compile(r"(<!-- bench:summary -->\n).*?(\n<!-- /bench:summary -->)", re.S)
+    if not pattern.search(readme):
+        sys.exit("README.md has no <!-- bench:summary --> ... <!-- /bench:summary --> markers")
+    return readme if text is None else pattern.sub(lambda m: m.group(1) + text + m.group(2), readme)
+
+
 TABLES = {
     "env": environment,
     "flagships": flagships_table,
@@ -646,6 +703,12 @@ def render_doc(args):
     with open(args.doc, "w") as f:
         f.write(doc)
     print(f"rewrote the tables of {args.doc} from {args.results} ({len(result['rows'])} rows)")
+    if args.readme:
+        readme = open(args.readme).read()
+        new = render_readme(result, readme)
+        with open(args.readme, "w") as f:
+            f.write(new)
+        print(f"rewrote the performance summary of {args.readme}" if new != readme else f"{args.readme}: no summary in this run, left as it is")
 
 
 def main():
@@ -667,6 +730,7 @@ def main():
     r = sub.add_parser("render", help="rewrite docs/BENCHMARKS.md's tables from a results.json")
     r.add_argument("results")
     r.add_argument("--doc", default=DOC)
+    r.add_argument("--readme", default=README, help="README whose <!-- bench:summary --> section is rewritten ('' for none)")
     r.set_defaults(fn=render_doc)
     args = p.parse_args()
     if args.step == "device":

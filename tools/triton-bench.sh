@@ -2,7 +2,7 @@
 # Triton serving Kiln engines on GPUs, beside `kiln bench` on the same engine (issue 30, item 6).
 # Run on the GPU machine from the repository root, with the binaries built beforehand:
 #
-#   cargo build --release --bin kiln && cargo build --release -p kiln-triton --lib --example triton_repo
+#   cargo build --release --bin kiln && cargo build --release -p kiln-triton --lib
 #   tools/triton-bench.sh --fetch-wheels shared/wheels      # here (the device has no registry)
 #   tools/triton-bench.sh one|two|yolo|all                   # there; results under $OUT
 #
@@ -21,7 +21,7 @@
 #         the backend on first load from a graph file (and cached), perf_analyzer at 1, 8, 32, and
 #         `kiln bench` on the engine the backend built.
 #
-# Environment: KILN, BACKEND, REPO_TOOL (default: target/release/{kiln,libtriton_kiln.so,examples/triton_repo}),
+# Environment: KILN, BACKEND (default: target/release/{kiln,libtriton_kiln.so}); repositories come from `kiln triton-repo`;
 # KILN_LD (where CUDA 13 and cuDNN 9 are), OUT (default ./triton-bench-out), KILN_TRITON_WHEELS (default shared/wheels): the
 # nvidia-pytriton 0.7.0 wheel (the server) and tritonclient 2.51.0's manylinux1 wheel (perf_analyzer);
 # without them the registry is asked. INSTANCES (default 2 per GPU), DELAY_US (queue delay, default 200).
@@ -33,7 +33,6 @@ WHEELS=${KILN_TRITON_WHEELS:-$ROOT/shared/wheels}
 INSTANCES=${INSTANCES:-2}
 DELAY_US=${DELAY_US:-200}
 KILN=${KILN:-$ROOT/target/release/kiln}
-REPO_TOOL=${REPO_TOOL:-$ROOT/target/release/examples/triton_repo}
 BACKEND=${BACKEND:-$ROOT/target/release/libtriton_kiln.so}
 # Kiln (in the server and in `kiln bench`) loads CUDA 13's cuBLASLt and NVRTC and cuDNN 9 at run time;
 # the server's own CUDA 12 runtime is bundled under other names, so both fit one path.
@@ -70,7 +69,7 @@ trap 'stop_server; rm -rf "$WORK"' EXIT
 trap 'exit 130' INT TERM
 say() { echo "[triton-bench] $*" | tee -a "$OUT/log.txt"; }
 
-for f in "$KILN" "$REPO_TOOL" "$BACKEND"; do
+for f in "$KILN" "$BACKEND"; do
   [[ -x "$f" || -f "$f" ]] || { echo "missing $f: build it first (see the top of this script)"; exit 1; }
 done
 
@@ -134,7 +133,7 @@ one_gpu() {
   build_engine
   say "kiln bench on the same engine"
   "$KILN" bench --loadEngine "$ENGINE" --batch 1,8,32,64,128 --json "$OUT/kiln_bench_resnet50.json" 2>&1 | tee -a "$OUT/log.txt"
-  "$REPO_TOOL" "$ENGINE" -o "$WORK/repo1" --name resnet50 --count "$INSTANCES" --gpus 0 --max-queue-delay-us "$DELAY_US" \
+  "$KILN" triton-repo "$ENGINE" -o "$WORK/repo1" --name resnet50 --count "$INSTANCES" --gpus 0 --max-queue-delay-us "$DELAY_US" \
     --backend-directory "$WORK/backends"
   cp "$WORK/repo1/resnet50/config.pbtxt" "$OUT/one_gpu_config.pbtxt"
   start_server "$WORK/repo1" "$OUT/server_one_gpu.log"
@@ -160,15 +159,15 @@ two_gpus() {
   build_engine
   if [[ ! -f "$OUT/one_gpu/c128.csv" || ! -f "$OUT/answers_gpu0.json" ]]; then
     # The one-GPU baseline on this machine, when `one` did not run here.
-    "$REPO_TOOL" "$ENGINE" -o "$WORK/repo1" --name resnet50 --count "$INSTANCES" --gpus 0 --max-queue-delay-us "$DELAY_US"
+    "$KILN" triton-repo "$ENGINE" -o "$WORK/repo1" --name resnet50 --count "$INSTANCES" --gpus 0 --max-queue-delay-us "$DELAY_US"
     start_server "$WORK/repo1" "$OUT/server_one_gpu_baseline.log"
     mkdir -p "$OUT/one_gpu"
     perf resnet50 128 "$OUT/one_gpu/c128.csv"
     $CLIENT outputs --url 127.0.0.1:$HTTP --model resnet50 --shape 1x3x224x224 --count 16 --out "$OUT/answers_gpu0.json"
     stop_server
   fi
-  "$REPO_TOOL" "$ENGINE" -o "$WORK/repo2" --name resnet50 --count "$INSTANCES" --gpus 0,1 --max-queue-delay-us "$DELAY_US"
-  "$REPO_TOOL" "$ENGINE" -o "$WORK/repo2" --name resnet50_gpu1 --count 1 --gpus 1
+  "$KILN" triton-repo "$ENGINE" -o "$WORK/repo2" --name resnet50 --count "$INSTANCES" --gpus 0,1 --max-queue-delay-us "$DELAY_US"
+  "$KILN" triton-repo "$ENGINE" -o "$WORK/repo2" --name resnet50_gpu1 --count 1 --gpus 1
   cp "$WORK/repo2/resnet50/config.pbtxt" "$OUT/two_gpu_config.pbtxt"
   start_server "$WORK/repo2" "$OUT/server_two_gpus.log"
   mkdir -p "$OUT/two_gpus"
@@ -203,7 +202,7 @@ PY
 }
 
 yolo() {
-  "$REPO_TOOL" yolov8n --letterbox 720x1280 -o "$WORK/repo3" --name yolov8n --precision fp16 --max-batch-size 16 \
+  "$KILN" triton-repo yolov8n --letterbox 720x1280 -o "$WORK/repo3" --name yolov8n --precision fp16 --max-batch-size 16 \
     --count "$INSTANCES" --gpus 0 --max-queue-delay-us "$DELAY_US"
   cp "$WORK/repo3/yolov8n/config.pbtxt" "$OUT/yolo_config.pbtxt"
   local t0=$SECONDS

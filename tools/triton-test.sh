@@ -70,7 +70,7 @@ export LD_LIBRARY_PATH="$SERVER_DIR/nvidia_pytriton.libs${LD_LIBRARY_PATH:+:$LD_
 
 # 2. The backend, the kiln binary and the model.
 say "cargo build --release: libtriton_kiln.so, kiln, the repository writer"
-cargo build --release --quiet -p kiln-triton --lib --example triton_repo
+cargo build --release --quiet -p kiln-triton --lib
 cargo build --release --quiet --bin kiln
 KILN="$ROOT/target/release/kiln"
 mkdir -p "$WORK/backends/kiln"
@@ -78,14 +78,10 @@ cp "$ROOT/target/release/libtriton_kiln.so" "$WORK/backends/kiln/"
 GRAPH="$WORK/resnet18.kiln.safetensors"
 "$KILN" trace resnet18 -o "$GRAPH"
 
-# 3. The repository: `kiln triton-repo` where the CLI has it, else the crate's example.
+# 3. The repository, written by `kiln triton-repo`.
 REPO="$WORK/models"
 triton_repo() {
-  if "$KILN" triton-repo --help >/dev/null 2>&1; then
-    "$KILN" triton-repo "$@"
-  else
-    "$ROOT/target/release/examples/triton_repo" "$@"
-  fi
+  "$KILN" triton-repo "$@"
 }
 triton_repo "$GRAPH" -o "$REPO" --name resnet18 --cpu --max-batch-size 8 --max-queue-delay-us 20000 \
   --backend-directory "$WORK/backends"

@@ -3,10 +3,13 @@
 //! (`--calibration-cache`), so later builds need no data.
 //!
 //! The set is a safetensors file (`input` `[N, 3, S, S]`, or its only tensor; `[N, 1, S, S]` is
-//! repeated over 3 channels) or a folder of binary PGM/PPM images (`P5`/`P6`, 8-bit, S×S, sorted
-//! by name), scaled to [0, 1] and normalised with `--mean` / `--std`.
+//! repeated over 3 channels) or a folder of images (JPEG, PNG, BMP, GIF, WebP, PGM/PPM, TIFF;
+//! sorted by name). An image of exactly S×S is scaled to [0, 1] and normalised with `--mean` /
+//! `--std`; any other size gets the model's preprocessing (`kiln run --image`'s): a classifier's
+//! Resize and CenterCrop (then `--mean` / `--std`), a detector's letterbox.
 
 use super::common;
+use super::images;
 use super::ModelArgs;
 use clap::Args;
 use kiln::internals::calibrate::{CalibrationMethod, Calibrator};
@@ -18,7 +21,7 @@ use std::process::ExitCode;
 pub struct CalibrateArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// The calibration set: a safetensors file or a folder of PGM/PPM images.
+    /// The calibration set: a safetensors file, or a folder of images (JPEG, PNG, PGM/PPM, ...).
     #[arg(long, value_name = "PATH")]
     pub data: PathBuf,
     /// Use the first N images of the set (default: all).
@@ -30,7 +33,7 @@ pub struct CalibrateArgs {
     /// entropy (TensorRT's KL-divergence default), percentile (99.99), percentile=P, or minmax.
     #[arg(long, default_value = "entropy")]
     pub method: String,
-    /// Per-channel mean subtracted from images read from a folder (after scaling to [0, 1]).
+    /// Per-channel mean subtracted from a classifier's images read from a folder (after scaling to [0, 1]).
     #[arg(long, value_delimiter = ',', default_value = "0.485,0.456,0.406")]
     pub mean: Vec<f32>,
     /// Per-channel standard deviation images read from a folder are divided by.
@@ -55,11 +58,7 @@ pub fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
             reason: format!("calibration reads square images; {} takes {}", traced.name, traced.hw_text()),
         });
     }
-    let images = if a.data.is_dir() {
-        kiln::internals::pnm::read_folder(&a.data, size, &a.mean, &a.std, a.images)?
-    } else {
-        read_batch(&a.data, size)?
-    };
+    let images = if a.data.is_dir() { read_folder(&a, &traced, size)? } else { read_batch(&a.data, size)? };
     let n = a.images.unwrap_or(images.shape[0]).min(images.shape[0]);
     if n == 0 {
         return Err(Error::Flag { flag: "--data".into(), reason: format!("{} holds no images", a.data.display()) });
@@ -73,7 +72,11 @@ pub fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
         })
         .collect();
     let calibrator = Calibrator::new(&traced.graph)?.with_source(a.data.display().to_string());
-    let cache = calibrator.calibrate(&batches, method)?;
+    // Two passes over the set (ranges, then histograms), one CPU run per batch each.
+    let bar = common::progress_bar(2 * batches.len(), &format!("calibrating {} on {n} image(s)", traced.name));
+    let stats = calibrator.collect_with_progress(&batches, |done| bar.set_position(done as u64));
+    bar.finish_and_clear();
+    let cache = stats?.cache(method);
     let out = a.output.unwrap_or_else(|| PathBuf::from(format!("{}.calib.json", traced.name)));
     cache.save(&out)?;
     say!("calibrated {} ({method:?}) on {n} image(s) of {}: {} tensors", traced.name, a.data.display(), cache.tensors.len());
@@ -82,6 +85,40 @@ pub fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
     }
     say!("wrote {} (graph {}); build with --int8 or --fp8 --calibration-cache {}", out.display(), cache.graph_hash, out.display());
     Ok(ExitCode::SUCCESS)
+}
+
+/// `[N, 3, S, S]` from a folder of images: each at S×S as it is (normalised by `--mean` / `--std`),
+/// else through the model's preprocessing.
+fn read_folder(a: &CalibrateArgs, traced: &common::Traced, size: usize) -> Result<HostTensor> {
+    kiln::internals::pnm::check_normalisation(&a.mean, &a.std)?;
+    let (mean, std) = ([a.mean[0], a.mean[1], a.mean[2]], [a.std[0], a.std[1], a.std[2]]);
+    let files = images::folder_images(&a.data, a.images)?;
+    let mut prep = None;
+    let mut data = Vec::new();
+    for f in &files {
+        let img = images::read_image(f)?;
+        let x = if img.dimensions() == (size as u32, size as u32) {
+            kiln_vision::to_nchw(&[img], mean, std).map_err(|e| Error::Image { path: f.clone(), reason: e.to_string() })?
+        } else {
+            if prep.is_none() {
+                let mut p = images::Preprocess::of(traced, "--data")?;
+                p.classify.mean = mean;
+                p.classify.std = std;
+                prep = Some(p);
+            }
+            let p = prep.as_ref().expect("set above");
+            p.image(&img)
+                .map_err(|e| match e {
+                    Error::Image { reason, .. } => Error::Image { path: f.clone(), reason },
+                    e => e,
+                })?
+                .0
+        };
+        data.try_reserve(x.data.len())
+            .map_err(|_| Error::OutOfMemory { what: format!("{} images of {}", files.len(), a.data.display()), bytes: data.len() * 8 })?;
+        data.extend_from_slice(&x.data);
+    }
+    HostTensor::try_new(vec![files.len(), 3, size, size], data)
 }
 
 /// `[N, 3, S, S]` from a safetensors file (`[N, 1, S, S]` repeated over 3 channels).

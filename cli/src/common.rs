@@ -23,6 +23,11 @@ pub struct Traced {
     pub hw: Option<[usize; 2]>,
     /// Where it came from, for messages and metadata (`bundled`, `user`, `graph file`, `engine file`).
     pub origin: &'static str,
+    /// Its weights, as metadata and messages name them: `seeded`, a `--weights` file, the
+    /// built-in trained weights of `digits_resnet`, or the graph or engine file's own.
+    pub weights: String,
+    /// The weights are the seeded generator's: random, so the model's answers mean nothing.
+    pub seeded: bool,
 }
 
 impl Traced {
@@ -186,11 +191,25 @@ pub fn is_engine_file(arg: &str) -> bool {
     matches!(source(arg), Ok(Source::EngineFile(_)))
 }
 
-/// The weights a command asked for: a safetensors file or the seeded generator.
-pub fn weights(path: Option<&Path>) -> Result<VarBuilder> {
+/// `digits_resnet`'s trained weights (`kiln_models::DIGITS_WEIGHTS`, built into the binary, so
+/// `kiln` finds them wherever it runs), the default of that model.
+const DIGITS_TRAINED: &[u8] = include_bytes!("../../models/weights/digits_resnet.safetensors");
+
+/// How `DIGITS_TRAINED` is named in messages and metadata.
+pub const DIGITS_TRAINED_LABEL: &str = "trained weights (models/weights/digits_resnet.safetensors, built in)";
+
+/// The weights a command asked for (a safetensors file or a PyTorch checkpoint, `.pth`/`.pt`,
+/// told apart by their bytes), else the model's default: `digits_resnet`'s trained weights, or
+/// the seeded generator. Returns them with their label and whether they are seeded.
+pub fn weights(path: Option<&Path>, model: &str) -> Result<(VarBuilder, String, bool)> {
     match path {
-        Some(p) => VarBuilder::from_safetensors(&[p]),
-        None => Ok(VarBuilder::seeded()),
+        Some(p) => Ok((VarBuilder::from_files(&[p])?, p.display().to_string(), false)),
+        None if model == "digits_resnet" => {
+            let shown = Path::new(kiln_models::DIGITS_WEIGHTS);
+            let (tensors, _) = kiln::internals::var_builder::decode_safetensors(shown, DIGITS_TRAINED, "weight")?;
+            Ok((VarBuilder::from_tensors(tensors), DIGITS_TRAINED_LABEL.to_string(), false))
+        }
+        None => Ok((VarBuilder::seeded(), "seeded".to_string(), true)),
     }
 }
 
@@ -289,7 +308,7 @@ fn check_graph_inputs(batch: usize, graph: &Graph, name: &str) -> Result<()> {
 
 /// Replaces a loaded graph's weights with those of `--weights`, by name, each checked for shape.
 fn replace_weights(graph: &mut Graph, path: &Path, strict: bool) -> Result<()> {
-    let vb = VarBuilder::from_safetensors(&[path])?;
+    let vb = VarBuilder::from_files(&[path])?;
     for (name, t) in graph.weights.iter_mut() {
         *t = vb.get(&t.shape, name)?.value;
     }
@@ -370,7 +389,7 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
     // Graph and engine files hold a graph traced at one size: another H x W re-infers every
     // shape (an op that fixed a size makes that a typed error naming it). An engine runs it only
     // inside one of its profiles; that is checked when it runs.
-    let fixed = |graph: Graph, name: String, model: String, origin: &'static str| -> Result<Traced> {
+    let fixed = |graph: Graph, name: String, model: String, origin: &'static str, weights: String, seeded: bool| -> Result<Traced> {
         let graph = match (hw, graph_hw(&graph)) {
             (Some([h, w]), Some(have)) if [h, w] != have => {
                 let c = graph.inputs.first().map_or(3, |&i| graph.nodes[i].shape[1]);
@@ -389,9 +408,9 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
             _ => graph,
         };
         check_graph_inputs(batch, &graph, &name)?;
-        Ok(Traced { name, model, hw: graph_hw(&graph), graph, origin })
+        Ok(Traced { name, model, hw: graph_hw(&graph), graph, origin, weights, seeded })
     };
-    let (name, graph, vb, origin) = match source(model)? {
+    let (name, graph, vb, origin, (label, seeded)) = match source(model)? {
         Source::GraphFile(path) => {
             let file = kiln::internals::graph_file::read(&path)?;
             let mut graph = file.graph;
@@ -401,7 +420,12 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
             }
             let shown = path.display().to_string();
             let model = file.metadata.get("model").cloned().unwrap_or_else(|| shown.clone());
-            return fixed(graph, shown, model, "graph file");
+            // `kiln trace` records the weights it traced with.
+            let (weights, seeded) = match weights_path {
+                Some(w) => (w.display().to_string(), false),
+                None => ("graph file".to_string(), file.metadata.get("weights").is_some_and(|w| w == "seeded")),
+            };
+            return fixed(graph, shown, model, "graph file", weights, seeded);
         }
         Source::EngineFile(path) => {
             let (_, payload) = kiln::internals::engine::file::read(&path)?;
@@ -414,21 +438,24 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
             check_own_weights(&payload.graph, &path, strict)?;
             tracing::info!("note: {model} is an engine file: its optimised graph (folded, fused) is used");
             let shown = path.display().to_string();
-            return fixed(payload.graph, shown.clone(), shown, "engine file");
+            return fixed(payload.graph, shown.clone(), shown, "engine file", "engine file".into(), false);
         }
         Source::Bundled(info) => {
             let hw = hw.unwrap_or([info.input_size, info.input_size]);
             check_input_dims(batch, hw)?;
-            let vb = weights(weights_path)?;
-            (info.name.to_string(), kiln_models::trace_hw(info.name, vb.clone(), batch, hw)?, vb, "bundled")
+            let (vb, label, seeded) = weights(weights_path, info.name)?;
+            if !seeded && weights_path.is_none() {
+                tracing::info!("note: {} loads its {label}", info.name);
+            }
+            (info.name.to_string(), kiln_models::trace_hw(info.name, vb.clone(), batch, hw)?, vb, "bundled", (label, seeded))
         }
         Source::User(name, f) => {
             if let Some(hw) = hw {
                 check_input_dims(batch, hw)?;
             }
-            let vb = weights(weights_path)?;
+            let (vb, label, seeded) = weights(weights_path, "")?;
             let graph = f(vb.clone(), batch, hw)?;
-            (name, graph, vb, "user")
+            (name, graph, vb, "user", (label, seeded))
         }
     };
     check_graph_inputs(batch, &graph, &name)?;
@@ -450,7 +477,7 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
             warn_non_finite(&vb.non_finite(), &p.display().to_string());
         }
     }
-    Ok(Traced { model: name.clone(), name, graph, hw, origin })
+    Ok(Traced { model: name.clone(), name, graph, hw, origin, weights: label, seeded })
 }
 
 /// The CPU executor's peak activation memory for `graph`, in bytes: values live from the node that
@@ -618,18 +645,23 @@ pub fn gpu() -> Result<Arc<Gpu>> {
     Gpu::new(0)
 }
 
-/// Builds an engine, with a progress bar over the graph's nodes while their algorithms are timed.
-pub fn build_engine(graph: &Graph, config: BuildConfig, gpu: Arc<Gpu>, what: &str) -> Result<Engine> {
-    let bar = ProgressBar::new(0);
+/// A progress bar over `len` steps of long CPU work, on standard error (hidden when it is not a
+/// terminal, as in tests and pipes).
+pub fn progress_bar(len: usize, prefix: &str) -> ProgressBar {
+    let bar = ProgressBar::new(len as u64);
     let style = ProgressStyle::with_template("{prefix} [{elapsed}] {wide_bar} {pos}/{len} {msg}").map(|s| s.progress_chars("=> "));
     bar.set_style(style.unwrap_or_else(|_| ProgressStyle::default_bar()));
-    bar.set_prefix(format!(
-        "building {what} ({}, batch {}..={}): timing",
-        config.precision.short_name(),
-        config.min_batch,
-        config.max_batch
-    ));
+    bar.set_prefix(prefix.to_string());
     bar.enable_steady_tick(Duration::from_millis(200));
+    bar
+}
+
+/// Builds an engine, with a progress bar over the graph's nodes while their algorithms are timed.
+pub fn build_engine(graph: &Graph, config: BuildConfig, gpu: Arc<Gpu>, what: &str) -> Result<Engine> {
+    let bar = progress_bar(
+        0,
+        &format!("building {what} ({}, batch {}..={}): timing", config.precision.short_name(), config.min_batch, config.max_batch),
+    );
     let shown = bar.clone();
     let engine = EngineBuilder::new(config)
         .with_gpu(gpu)

@@ -16,7 +16,18 @@ use std::sync::Arc;
 /// Runs `graph` on `x` on the CPU executor or through an engine built for exactly its batch.
 fn execute(graph: &Graph, x: &HostTensor, a: &CompareArgs) -> Result<BTreeMap<String, HostTensor>> {
     if a.cpu {
-        return kiln::run_cpu(graph, &[("input", x)]);
+        if !a.layerwise {
+            return kiln::run_cpu(graph, &[("input", x)]);
+        }
+        // Every intermediate is kept: a long run, shown op by op.
+        let bar = common::progress_bar(0, "comparing layer by layer (CPU executor)");
+        let out = kiln::internals::cpu::run_with_progress(graph, &[("input", x)], |done, total, path| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+            bar.set_message(path.to_string());
+        });
+        bar.finish_and_clear();
+        return out;
     }
     let gpu = common::gpu()?;
     let batch = x.shape[0];
@@ -128,11 +139,8 @@ pub fn run_metadata(
             m.insert("weights".into(), p.display().to_string());
             m.insert("weights_sha256".into(), sha256_file(p)?);
         }
-        None if traced.origin == "bundled" || traced.origin == "user" => {
-            m.insert("weights".into(), "seeded".into());
-        }
         None => {
-            m.insert("weights".into(), traced.origin.into());
+            m.insert("weights".into(), traced.weights.clone());
         }
     }
     if let Some(seed) = seed {
@@ -163,8 +171,8 @@ pub fn metadata_hints(meta: &BTreeMap<String, String>, traced: &Traced, a: &Comp
             }
         }
         (None, _) if traced.origin == "bundled" || traced.origin == "user" => {
-            if let Some(w) = meta.get("weights").filter(|w| *w != "seeded") {
-                hints.push(format!("the reference used the weights `{w}`, this run the seeded weights (pass --weights)"));
+            if let Some(w) = meta.get("weights").filter(|w| **w != traced.weights) {
+                hints.push(format!("the reference used the weights `{w}`, this run the {} weights (pass --weights)", traced.weights));
             }
         }
         _ => {}

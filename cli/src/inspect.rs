@@ -2,7 +2,7 @@
 
 use super::common;
 use super::{CodegenArgs, InspectArgs};
-use kiln::internals::codegen::{generate, CodegenOptions};
+use kiln::internals::codegen::{generate, generate_structured, CodegenOptions};
 use kiln::{Error, Result};
 use std::process::ExitCode;
 
@@ -79,6 +79,9 @@ pub fn codegen(a: CodegenArgs) -> Result<ExitCode> {
     if a.small_heuristics_max {
         command += " --small-heuristics-max";
     }
+    if a.flat {
+        command += " --flat";
+    }
     let opts = CodegenOptions {
         fn_name: a.fn_name.clone(),
         model: traced.name.clone(),
@@ -86,7 +89,15 @@ pub fn codegen(a: CodegenArgs) -> Result<ExitCode> {
         small_heuristics_max: a.small_heuristics_max,
         command,
     };
-    let src = generate(&traced.graph, &opts)?;
+    // Structured codegen needs the module classes a kiln-torch export records.
+    let flat = a.flat || traced.graph.modules.is_empty();
+    if flat && !a.flat {
+        tracing::info!(
+            "note: {} records no module classes (a graph traced in Rust, not exported by kiln-torch): writing the flat op list, as --flat does",
+            traced.name
+        );
+    }
+    let src = if flat { generate(&traced.graph, &opts)? } else { generate_structured(&traced.graph, &opts)? };
     match &a.output {
         Some(path) if path.as_os_str() != "-" => {
             std::fs::write(path, &src).map_err(Error::io(path))?;

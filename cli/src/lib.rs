@@ -21,10 +21,12 @@ mod bench;
 mod calibrate;
 mod common;
 mod compare;
+mod images;
 mod inspect;
 mod models;
 mod run;
 pub mod shapes;
+mod triton;
 
 use clap::{ArgAction, Args, Parser, Subcommand};
 use kiln::{Error, Graph, VarBuilder};
@@ -55,6 +57,9 @@ pub const EXAMPLES: &[&str] = &[
     "kiln compare resnet50 --fp16 --load-outputs fp32.safetensors --atol 1e-2 --rtol 1e-2 --report fp16.json",
     "kiln inspect resnet18 --dot before.dot --dot-optimized after.dot",
     "kiln codegen resnet18 -o resnet18_gen.rs",
+    "kiln run mobilenet_v2 --weights mobilenet_v2-b0353104.pth --image cat.jpg",
+    "kiln run yolov8n --weights yolov8n.safetensors --image street.jpg --save boxes.png",
+    "kiln triton-repo resnet18 -o repo --cpu",
     "kiln models --json",
 ];
 
@@ -70,7 +75,7 @@ Examples:
 
 Bundled models: {}.
 A model argument is a bundled name, a graph file (.kiln.safetensors, from `kiln trace` or Graph::save) or an engine file (.kiln, from `kiln build`).
-Weights are seeded (deterministic, like tools/export_reference.py --weights seeded) unless --weights names a PyTorch state_dict saved with safetensors.torch.save_file.
+Weights are seeded (random but deterministic, like tools/export_reference.py --weights seeded; `kiln run` says its answers are then meaningless) unless --weights names a state_dict: a safetensors file or a PyTorch checkpoint (.pth/.pt). digits_resnet loads its trained weights (built in) by default.
 Logging: diagnostics go to standard error (RUST_LOG=kiln=debug, -v, -q), results to standard output.",
         lines.join("\n"),
         models.join(", ")
@@ -101,12 +106,12 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Run a model once on a random or given input and print its top classes or detections.
+    /// Run a model once on a random input, a given tensor or image files, and print its top classes or detections.
     ///
     /// Uses the GPU engine when a GPU is present, otherwise the CPU reference executor (with a
     /// note on standard error saying why). Prints the output summary and the time taken.
     #[command(
-        after_long_help = "Examples:\n  kiln run resnet50\n  kiln run centernet --batch 2 --fp32\n  kiln run resnet18 --cpu --input x.safetensors\n  kiln run mynet.kiln.safetensors --cpu --shapes input:2x3x32x32"
+        after_long_help = "Examples:\n  kiln run resnet50\n  kiln run mobilenet_v2 --weights mobilenet_v2-b0353104.pth --image cat.jpg --image cup.png --cpu\n  kiln run yolov8n --weights yolov8n.safetensors --image street.jpg --save boxes.png\n  kiln run centernet --batch 2 --fp32\n  kiln run resnet18 --cpu --input x.safetensors\n  kiln run mynet.kiln.safetensors --cpu --shapes input:2x3x32x32"
     )]
     Run(RunArgs),
     /// Trace a model and write it with its weights as a graph file (one safetensors file whose
@@ -157,9 +162,12 @@ pub enum Command {
         after_long_help = "Examples:\n  kiln inspect resnet18\n  kiln inspect resnet50 --dot before.dot --dot-optimized after.dot\n  kiln inspect rn50.kiln"
     )]
     Inspect(InspectArgs),
-    /// Emit Rust source that rebuilds the traced network with Kiln's tracing API, weights by name.
+    /// Emit Rust source that rebuilds the network: Kiln modules, one `#[derive(Module)]` struct per
+    /// PyTorch class with fields named as the state_dict (a kiln-torch graph file), or with
+    /// --flat (and for graphs without module classes, such as the bundled models) the op list
+    /// on Kiln's tracing API, weights by name.
     #[command(
-        after_long_help = "Examples:\n  kiln codegen resnet18 -o resnet18_gen.rs\n  kiln codegen centernet --fn-name centernet_graph --max-width 140\n  kiln codegen mynet.kiln.safetensors -o mynet_gen.rs"
+        after_long_help = "Examples:\n  kiln codegen rn50.kiln.safetensors -o rn50.rs\n  kiln codegen rn50.kiln.safetensors --flat -o rn50_ops.rs\n  kiln codegen resnet18 -o resnet18_gen.rs\n  kiln codegen centernet --fn-name centernet_graph --max-width 140"
     )]
     Codegen(CodegenArgs),
     /// Record activation ranges over a calibration set (CPU) and write an INT8/FP8 calibration cache.
@@ -168,9 +176,17 @@ pub enum Command {
     /// min-max. The cache is readable JSON; `--int8`/`--fp8` builds read it with
     /// --calibration-cache and need no data.
     #[command(
-        after_long_help = "Examples:\n  kiln calibrate digits_resnet --weights models/weights/digits_resnet.safetensors --data calib.safetensors --images 100\n  kiln build resnet50 --int8 --calibration-cache resnet50.calib.json -o rn50.int8.kiln"
+        after_long_help = "Examples:\n  kiln calibrate digits_resnet --data calib.safetensors --images 100\n  kiln calibrate resnet50 --weights resnet50.pth --data photos/ --images 100\n  kiln build resnet50 --int8 --calibration-cache resnet50.calib.json -o rn50.int8.kiln"
     )]
     Calibrate(calibrate::CalibrateArgs),
+    /// Write a ready Triton Inference Server model repository: the model file, a config.pbtxt
+    /// (inputs, outputs, dims, max batch, dynamic batching, instance group) and a README with the
+    /// server's command; served by Kiln's backend, libtriton_kiln.so (docs/SERVING.md).
+    #[command(
+        name = "triton-repo",
+        after_long_help = "Examples:\n  kiln triton-repo resnet18 -o repo --cpu\n  kiln triton-repo rn50.kiln -o repo --name resnet50 --gpus 0,1\n  kiln triton-repo yolov8n --letterbox 720x1280 -o repo --precision fp16 --max-batch-size 16"
+    )]
+    TritonRepo(triton::TritonRepoArgs),
     /// List the bundled models (name, default input, outputs, what it is) and the program's own.
     ///
     /// `--json` writes them for scripts: the Python tools (tools/export_reference.py,
@@ -199,7 +215,7 @@ fn shapes_parser(value: &str) -> Result<Shapes, String> {
 pub struct ModelArgs {
     #[arg(help = model_help())]
     pub model: String,
-    /// A safetensors state_dict (PyTorch names, f32/f16/bf16) instead of the seeded weights (for a graph file: replaces its weights by name).
+    /// A state_dict (PyTorch names, f32/f16/bf16) as safetensors or a PyTorch checkpoint (.pth/.pt), instead of the model's default weights: seeded random ones, or digits_resnet's trained ones (for a graph file: replaces its weights by name).
     #[arg(long, value_name = "FILE")]
     pub weights: Option<PathBuf>,
     /// Fail when the weight file holds keys the model never uses.
@@ -208,7 +224,7 @@ pub struct ModelArgs {
     /// Input height and width (default: the model's, listed in `kiln --help`).
     #[arg(long, value_name = "PIXELS")]
     pub size: Option<usize>,
-    /// The input's shape, trtexec-style: `input:NxCxHxW` (batch and H x W; H x W must be the graph's for a graph or engine file).
+    /// The input's shape, trtexec-style: `input:NxCxHxW` (batch and H x W; a graph file re-infers its shapes at another H x W, an engine file runs any H x W inside its profiles).
     #[arg(long, value_name = "NAME:DIMS", value_parser = shapes_parser)]
     pub shapes: Option<Shapes>,
 }
@@ -278,8 +294,17 @@ pub struct RunArgs {
     #[arg(long)]
     pub batch: Option<usize>,
     /// A safetensors file holding the input as `input` (or as its only tensor), NCHW f32.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", conflicts_with = "image")]
     pub input: Option<PathBuf>,
+    /// An image file (JPEG, PNG, BMP, GIF, WebP, PNM, TIFF), once per image of the batch, made into
+    /// the input by the model's preprocessing (a classifier: torchvision's Resize, CenterCrop and
+    /// ImageNet normalisation; YOLO and CenterNet: a letterbox). Prints class names or labelled boxes.
+    #[arg(long, value_name = "FILE")]
+    pub image: Vec<PathBuf>,
+    /// Draw a detector's boxes (YOLO, CenterNet) on the --image and write it as PNG to FILE
+    /// (several images: FILE with _0, _1, ... before its extension).
+    #[arg(long, value_name = "FILE", requires = "image")]
+    pub save: Option<PathBuf>,
     /// Seed of the random input (default: from the clock, printed so a run can be repeated).
     #[arg(long)]
     pub seed: Option<u64>,
@@ -321,13 +346,13 @@ pub struct BuildArgs {
     /// Largest batch the engine accepts (default 1; activation memory is planned for it).
     #[arg(long)]
     pub max_batch: Option<usize>,
-    /// trtexec's name for the smallest shape, `input:NxCxHxW`: sets --min-batch (H x W must be the model's).
+    /// trtexec's name for the smallest shape, `input:NxCxHxW`: its N sets --min-batch; H and W may range up to --maxShapes (an optimization profile; C stays the model's).
     #[arg(long = "minShapes", value_name = "NAME:DIMS", value_parser = shapes_parser, requires_all = ["opt_shapes", "max_shapes"])]
     pub min_shapes: Option<Shapes>,
-    /// trtexec's name for the shape algorithms are timed at: sets --opt-batch.
+    /// trtexec's name for the shape algorithms are timed at (and the model is traced at): its N sets --opt-batch.
     #[arg(long = "optShapes", value_name = "NAME:DIMS", value_parser = shapes_parser, requires_all = ["min_shapes", "max_shapes"])]
     pub opt_shapes: Option<Shapes>,
-    /// trtexec's name for the largest shape: sets --max-batch.
+    /// trtexec's name for the largest shape: its N sets --max-batch (activation memory is planned for it).
     #[arg(long = "maxShapes", value_name = "NAME:DIMS", value_parser = shapes_parser, requires_all = ["min_shapes", "opt_shapes"])]
     pub max_shapes: Option<Shapes>,
 }
@@ -341,7 +366,7 @@ pub struct TargetArgs {
     /// trtexec's way to name an engine file (the same as giving it as the model).
     #[arg(long = "loadEngine", value_name = "FILE", conflicts_with = "model")]
     pub load_engine: Option<PathBuf>,
-    /// Weights for a bundled model (default: seeded).
+    /// Weights for a bundled model, safetensors or .pth (default: seeded; digits_resnet: its trained weights).
     #[arg(long, value_name = "FILE")]
     pub weights: Option<PathBuf>,
     /// Input height and width for a bundled model (default: the model's).
@@ -478,9 +503,12 @@ pub struct CodegenArgs {
     /// Where to write the Rust source (default: standard output).
     #[arg(short, long, value_name = "FILE")]
     pub output: Option<PathBuf>,
-    /// Name of the generated function `fn(vb: &VarBuilder, batch: usize) -> Result<Graph>`.
+    /// Name of the generated function, `fn(vb, batch: usize) -> Result<Graph>` (structured: `vb: VarBuilder`; flat: `&VarBuilder`).
     #[arg(long, default_value = "build")]
     pub fn_name: String,
+    /// The flat op list (`Tensor::record` calls) instead of Kiln modules.
+    #[arg(long)]
+    pub flat: bool,
     /// Line width to lay the code out for (rustfmt's max_width).
     #[arg(long, default_value_t = 100)]
     pub max_width: usize,
@@ -538,6 +566,7 @@ where
         Command::Codegen(a) => inspect::codegen(a),
         Command::Calibrate(a) => calibrate::calibrate(a),
         Command::Models(a) => models::models(a),
+        Command::TritonRepo(a) => triton::triton_repo(a),
     };
     match result {
         Ok(code) => code,

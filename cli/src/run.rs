@@ -1,6 +1,7 @@
 //! `kiln run` (the README's main job), `kiln trace` and `kiln build`.
 
 use super::common::{self, ms, InputData, Traced};
+use super::images;
 use super::shapes::{self, Profile};
 use super::{BuildArgs, RunArgs, TraceArgs};
 use kiln::engine::{gpu_available, DimsRange, ShapeProfile};
@@ -16,6 +17,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     let given = a.input.as_deref().map(|path| GivenInput::read(path, &a, batch_flag, hw_flag)).transpose()?;
     let (batch, hw) = match &given {
         Some(g) => (g.batch(), g.hw()),
+        None if !a.image.is_empty() => (images_batch(a.image.len(), batch_flag)?, hw_flag),
         None => (batch_flag.unwrap_or(1), hw_flag),
     };
     let traced = common::load_args(&a.model, batch, hw)?;
@@ -23,10 +25,19 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     if gpu_reason.is_err() {
         common::check_cpu_memory(&traced.graph, batch, &traced.hw_text())?;
     }
+    let mut photos = None;
     let (inputs, origin) = match given {
         Some(g) => {
             let origin = format!("input from {}", g.path.display());
             (vec![g.bind(&traced)?], origin)
+        }
+        None if !a.image.is_empty() => {
+            let prep = images::Preprocess::of(&traced, "--image")?;
+            let (x, loaded) = images::batch(&prep, &a.image)?;
+            let name = traced.graph.input_names().first().map_or("input".to_string(), |n| n.to_string());
+            let origin = format!("{} image(s) ({:?} preprocessing)", loaded.len(), prep.family);
+            photos = Some((prep, loaded));
+            (vec![(name, InputData::F32(x))], origin)
         }
         None => {
             let seed = a.seed.unwrap_or_else(kiln::internals::seeded::fresh_seed);
@@ -34,16 +45,23 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             (common::random_inputs(&common::graph_inputs(&traced.graph), batch, seed)?, format!("random {what}, --seed {seed}"))
         }
     };
+    if a.save.is_some() && photos.as_ref().is_some_and(|(p, _)| p.family == images::Family::Classifier) {
+        return Err(Error::Flag { flag: "--save".into(), reason: format!("draws a detector's boxes; {} is a classifier", traced.name) });
+    }
     let bound = common::bind(&inputs);
-    let weights = a.model.weights.as_ref().map_or(
-        if traced.origin == "bundled" || traced.origin == "user" {
-            "seeded weights".to_string()
-        } else {
-            format!("{}'s weights", traced.origin)
-        },
-        |p| format!("weights {}", p.display()),
-    );
+    let weights = match (&a.model.weights, traced.origin) {
+        (Some(p), _) => format!("weights {}", p.display()),
+        (None, "graph file" | "engine file") => format!("{}'s weights", traced.origin),
+        (None, _) if traced.seeded => "seeded weights".to_string(),
+        (None, _) => traced.weights.clone(),
+    };
     say!("{}: batch {batch}, {}, {weights}, {origin}", traced.name, traced.hw_text());
+    if traced.seeded {
+        say!(
+            "random weights: {}'s answers below are meaningless; --weights FILE (safetensors or PyTorch .pth) loads trained ones",
+            traced.name
+        );
+    }
     let (outputs, backend, elapsed) = match gpu_reason {
         Ok(()) => run_on_gpu(&a, &traced, &bound, batch)?,
         Err(reason) => {
@@ -56,10 +74,31 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             (out, "CPU executor (f32)".to_string(), t.elapsed())
         }
     };
-    say_raw!("{}", common::summarize(&outputs, a.top, traced.hw.map(|[_, w]| w)));
+    match &photos {
+        Some((prep, loaded)) => {
+            say_raw!("{}", images::report(prep, &traced.model, loaded, &outputs, a.top)?);
+            if let Some(path) = &a.save {
+                for written in images::save(prep, &outputs, loaded, path)? {
+                    say!("wrote {} (boxes with score >= {})", written.display(), images::MIN_SCORE);
+                }
+            }
+        }
+        None => say_raw!("{}", common::summarize(&outputs, a.top, traced.hw.map(|[_, w]| w))),
+    }
     let secs = elapsed.as_secs_f64();
     say!("{backend}: {} for batch {batch} ({:.1} images/s)", ms(secs * 1e3), batch as f64 / secs.max(1e-12));
     Ok(ExitCode::SUCCESS)
+}
+
+/// The batch of `--image`: one per file; `--batch` or `--shapes`, if given, must agree.
+fn images_batch(images: usize, flag: Option<usize>) -> Result<usize> {
+    match flag {
+        Some(b) if b != images => Err(Error::Flag {
+            flag: "--batch".into(),
+            reason: format!("{b} disagrees with the {images} --image file(s), which make the batch; drop --batch"),
+        }),
+        _ => Ok(images),
+    }
 }
 
 /// The outputs of one engine run (the second: the first captures the CUDA graph), the backend's
@@ -164,10 +203,7 @@ impl GivenInput {
 /// `kiln trace`: the model's graph and weights as one graph file, with metadata saying what it is.
 pub fn trace(a: TraceArgs) -> Result<ExitCode> {
     let traced = common::trace_args(&a.model, a.batch)?;
-    let weights = a.model.weights.as_ref().map_or(
-        if traced.origin == "bundled" || traced.origin == "user" { "seeded".to_string() } else { traced.origin.to_string() },
-        |p| p.display().to_string(),
-    );
+    let weights = traced.weights.clone();
     // Every input's full shape (`2x3x224x224`), comma-separated where there are several.
     let input_shape = traced.graph.inputs.iter().map(|&i| shapes::dims_text(&traced.graph.nodes[i].shape)).collect::<Vec<_>>().join(",");
     let meta = BTreeMap::from([

@@ -36,7 +36,7 @@ fn help_mentions_every_command_and_examples() {
     let out = kiln(&["--help"]);
     let (stdout, _) = text(&out);
     assert!(out.status.success());
-    for cmd in ["run", "build", "bench", "profile", "compare", "inspect", "codegen", "calibrate", "models"] {
+    for cmd in ["run", "build", "bench", "profile", "compare", "inspect", "codegen", "calibrate", "triton-repo", "models"] {
         assert!(stdout.contains(&format!("\n  {cmd} ")), "--help lists `{cmd}`:\n{stdout}");
     }
     assert!(stdout.contains("Examples:") && stdout.contains("kiln run resnet50"), "{stdout}");
@@ -405,10 +405,7 @@ fn c08_closed_stdout_pipe_is_a_clean_exit() {
 #[test]
 fn c09_directory_as_weights_says_it_is_a_directory() {
     let dir = temp_dir("c09");
-    fails_with(
-        &["run", "resnet18", "--cpu", "--weights", dir.to_str().unwrap()],
-        &["is a directory", "give the path of a .safetensors file"],
-    );
+    fails_with(&["run", "resnet18", "--cpu", "--weights", dir.to_str().unwrap()], &["is a directory", "give the path of a weights file"]);
 }
 
 #[cfg(unix)]
@@ -480,14 +477,15 @@ fn c14_size_that_disagrees_with_input_is_an_error() {
     fails_with(&["run", "resnet18", "--cpu", "--input", input.to_str().unwrap(), "--batch", "2"], &["--batch 2 disagrees with --input"]);
 }
 
+/// `--weights` reads PyTorch checkpoints (`.pth`) directly; a broken one is an error naming it
+/// as a checkpoint (it used to get a hint to convert it to safetensors).
 #[test]
-fn c15_pth_weights_get_a_conversion_hint() {
+fn c15_pth_weights_are_read_as_checkpoints() {
     let path = temp_dir("c15").join("resnet18.pth");
     std::fs::write(&path, b"PK\x03\x04\x14\x00\x00\x00\x08\x00archive/data.pkl").unwrap();
-    fails_with(
-        &["run", "resnet18", "--cpu", "--weights", path.to_str().unwrap()],
-        &["resnet18.pth", "PyTorch pickle", "safetensors.torch.save_file(model.state_dict()"],
-    );
+    let stderr =
+        fails_with(&["run", "resnet18", "--cpu", "--weights", path.to_str().unwrap()], &["cannot read PyTorch checkpoint", "resnet18.pth"]);
+    assert!(!stderr.contains("safetensors.torch.save_file"), "no conversion hint: {stderr}");
 }
 
 #[test]
@@ -1165,5 +1163,201 @@ fn gpu_a_u8_frame_model_runs_builds_and_benches() {
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "{stderr}");
     assert!(stdout.contains("input `frame`: 30x120 u8") && stdout.contains("kernel:cast_u8_f16"), "{stdout}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+// ---- issue 27: photos in, labelled answers out ------------------------------------------------
+
+/// The real data of `tools/fetch_real_data.py` (torchvision's MobileNetV2 checkpoint and
+/// scikit-image's photos), or `None` with the reason printed; `KILN_REQUIRE_REAL_DATA` (CI) makes
+/// its absence a failure, as in vision/tests/real_photos.rs.
+fn real_data() -> Option<PathBuf> {
+    let dir = std::env::var_os("KILN_REAL_DATA")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/real-data"));
+    if dir.join("mobilenet_v2-b0353104.pth").is_file() && dir.join("photos/chelsea.png").is_file() {
+        return Some(dir);
+    }
+    let reason = format!("no checkpoint and photos in {} (run `python3 tools/fetch_real_data.py`)", dir.display());
+    assert!(std::env::var_os("KILN_REQUIRE_REAL_DATA").is_none(), "KILN_REQUIRE_REAL_DATA is set, but there is {reason}");
+    println!("SKIPPED: {reason}");
+    None
+}
+
+/// The class numbers of `kiln run --image`'s lines (`    p 0.717  Egyptian cat (class 285)`), in order.
+fn printed_classes(stdout: &str) -> Vec<usize> {
+    stdout.lines().filter_map(|l| l.trim_end().strip_suffix(')')?.rsplit_once("(class ")?.1.parse().ok()).collect()
+}
+
+#[test]
+fn run_names_chelsea_a_cat_with_torchvisions_checkpoint() {
+    let Some(dir) = real_data() else { return };
+    let (pth, photos) = (dir.join("mobilenet_v2-b0353104.pth"), dir.join("photos"));
+    let (cat, coffee) = (photos.join("chelsea.png"), photos.join("coffee.png"));
+    let out = kiln(&["run", "mobilenet_v2", "--cpu", "--weights", arg(&pth), "--image", arg(&cat), "--image", arg(&coffee)]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("batch 2, 224x224, weights ") && !stdout.contains("random weights"), "{stdout}");
+    let classes = printed_classes(&stdout);
+    assert_eq!(classes.len(), 10, "top-5 of each photo:\n{stdout}");
+    assert!((281..=285).contains(&classes[0]), "chelsea.png is a cat first:\n{stdout}");
+    assert_eq!(classes[5], 967, "coffee.png is an espresso first:\n{stdout}");
+    assert!(stdout.contains("chelsea.png: top-5:") && stdout.contains("espresso (class 967)"), "{stdout}");
+    // The probabilities are softmax values: torchvision gives chelsea.png's top class p 0.717.
+    let first = stdout.lines().find(|l| l.contains("(class ")).expect("a class line");
+    let p: f64 = first.trim().strip_prefix("p ").and_then(|r| r.split_whitespace().next()).and_then(|v| v.parse().ok()).expect("p");
+    assert!((0.6..0.85).contains(&p), "{first}");
+}
+
+#[test]
+fn random_weights_are_said_plainly_and_digits_resnet_runs_trained() {
+    let out = kiln(&["run", "resnet18", "--cpu", "--size", "32", "--seed", "1"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("random weights: resnet18's answers below are meaningless"), "{stdout}");
+
+    let out = kiln(&["run", "digits_resnet", "--cpu", "--seed", "1"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("trained weights (models/weights/digits_resnet.safetensors, built in)"), "{stdout}");
+    assert!(!stdout.contains("random weights"), "{stdout}");
+    // Those are the committed weights: the CLI's logits equal the library's with that file.
+    let dir = temp_dir("digits");
+    let x = kiln::internals::seeded::uniform_tensor(&[1, 3, 32, 32], 4);
+    let input = dir.join("x.safetensors");
+    kiln::internals::var_builder::write_safetensors(&input, &BTreeMap::from([("input".to_string(), x.clone())])).expect("input");
+    let stdout = text(&kiln(&["run", "digits_resnet", "--cpu", "--input", arg(&input), "--top", "1"])).0;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let vb = VarBuilder::from_safetensors(&[root.join(kiln_models::DIGITS_WEIGHTS)]).expect("weights");
+    let graph = kiln_models::trace("digits_resnet", vb, 1, 32).expect("trace");
+    let logits = &kiln::run_cpu(&graph, &[("input", &x)]).expect("run")["logits"];
+    let best = kiln::top1(logits)[0];
+    assert!(stdout.contains(&format!("class {best:>4}")), "top-1 {best}:\n{stdout}");
+}
+
+/// A 40x30 test card: a bright square on a dark ground.
+fn test_card(path: &std::path::Path) {
+    let img = kiln_vision::RgbImage::from_fn(40, 30, |x, y| {
+        let inside = (10..30).contains(&x) && (5..25).contains(&y);
+        kiln_vision::image::Rgb(if inside { [230, 200, 40] } else { [20, 30, 60 + y as u8] })
+    });
+    kiln_vision::save_png(&img, path).expect("png");
+}
+
+#[test]
+fn run_images_follows_the_models_preprocessing() {
+    let dir = temp_dir("images");
+    let card = dir.join("card.png");
+    test_card(&card);
+    // A classifier: its input is torchvision's preset of the file, so its answer equals the
+    // library's on kiln_vision::ClassifyPreset (here at 64x64: Resize(73), CenterCrop(64)).
+    let out = kiln(&["run", "resnet18", "--cpu", "--size", "64", "--image", arg(&card), "--top", "3"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("batch 1, 64x64, seeded weights, 1 image(s) (Classifier preprocessing)"), "{stdout}");
+    let x = kiln_vision::ClassifyPreset::for_input(64).load(&[&card]).expect("preset");
+    let graph =
+        kiln::internals::passes::optimize(&kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 64).expect("trace")).expect("optimize");
+    let logits = &kiln::run_cpu(&graph, &[("input", &x)]).expect("run")["logits"];
+    let want: Vec<usize> = kiln_vision::top_k(&logits.data, 3).iter().map(|p| p.class).collect();
+    assert_eq!(printed_classes(&stdout), want, "{stdout}");
+    fails_with(
+        &["run", "resnet18", "--cpu", "--size", "32", "--image", arg(&card), "--save", "x.png"],
+        &["--save draws a detector's boxes"],
+    );
+    fails_with(&["run", "resnet18", "--cpu", "--image", arg(&card), "--batch", "2"], &["--batch 2 disagrees with the 1 --image file(s)"]);
+    let garbage = dir.join("garbage.jpg");
+    std::fs::write(&garbage, b"not a jpeg").unwrap();
+    fails_with(&["run", "resnet18", "--cpu", "--image", arg(&garbage)], &["cannot read image", "garbage.jpg", "cannot decode it"]);
+
+    // A detector: letterboxed, its boxes printed in the photo's pixels and drawn by --save.
+    let saved = dir.join("boxes.png");
+    let out = kiln(&["run", "yolov8n", "--cpu", "--size", "96", "--image", arg(&card), "--image", arg(&card), "--save", arg(&saved)]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("card.png: ") && stdout.contains("detections (score >= 0.25), boxes in image pixels"), "{stdout}");
+    for n in 0..2 {
+        let written = dir.join(format!("boxes_{n}.png"));
+        assert!(stdout.contains(&format!("wrote {}", written.display())), "{stdout}");
+        assert_eq!(kiln_vision::load_rgb(&written).expect("saved png").dimensions(), (40, 30), "drawn on the photo itself");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `kiln calibrate --data` reads a folder of any images: one at the input size as it is, another
+/// through the model's preprocessing; the cache equals one made from the same tensor in a file.
+#[test]
+fn calibrate_reads_a_folder_of_any_images() {
+    let dir = temp_dir("calib-images");
+    let folder = dir.join("photos");
+    std::fs::create_dir_all(&folder).expect("folder");
+    test_card(&folder.join("a.png"));
+    let exact = kiln_vision::RgbImage::from_fn(32, 32, |x, y| kiln_vision::image::Rgb([(x * 8) as u8, (y * 8) as u8, 128]));
+    exact.save_with_format(folder.join("b.bmp"), kiln_vision::image::ImageFormat::Bmp).expect("bmp");
+    std::fs::write(folder.join("notes.txt"), b"not an image").unwrap();
+    let (from_folder, from_file) = (dir.join("folder.json"), dir.join("file.json"));
+    let out = kiln(&["calibrate", "resnet18", "--size", "32", "--data", arg(&folder), "--method", "minmax", "-o", arg(&from_folder)]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("on 2 image(s)"), "{stdout}");
+
+    let preset = kiln_vision::ClassifyPreset::for_input(32);
+    let a = preset.load(&[folder.join("a.png")]).expect("preset");
+    let b = kiln_vision::to_nchw(&[exact], preset.mean, preset.std).expect("as it is");
+    let data = dir.join("set.safetensors");
+    let both = HostTensor::new(vec![2, 3, 32, 32], a.data.iter().chain(&b.data).copied().collect());
+    kiln::internals::var_builder::write_safetensors(&data, &BTreeMap::from([("input".to_string(), both)])).expect("set");
+    let out = kiln(&["calibrate", "resnet18", "--size", "32", "--data", arg(&data), "--method", "minmax", "-o", arg(&from_file)]);
+    assert!(out.status.success(), "{}", text(&out).1);
+    let (x, y) = (
+        kiln::internals::calibrate::CalibrationCache::load(&from_folder).expect("cache"),
+        kiln::internals::calibrate::CalibrationCache::load(&from_file).expect("cache"),
+    );
+    assert_eq!(x.tensors.len(), y.tensors.len());
+    for (name, r) in &x.tensors {
+        assert_eq!(r.amax, y.tensors[name].amax, "{name}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn codegen_is_structured_for_imported_graphs_and_flat_on_request() {
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/imported/tiny_resnet.kiln.safetensors");
+    let out = kiln(&["codegen", arg(&fixture)]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("#[derive(Module)]") && stdout.contains("impl Forward for"), "{stdout}");
+    assert!(stdout.contains("pub fn build(vb: VarBuilder, batch: usize) -> Result<Graph>"), "{stdout}");
+    let flat = kiln(&["codegen", arg(&fixture), "--flat"]);
+    let (stdout, stderr) = text(&flat);
+    assert!(flat.status.success(), "{stderr}");
+    assert!(!stdout.contains("#[derive(Module)]") && stdout.contains("pub fn build(vb: &VarBuilder, batch: usize)"), "{stdout}");
+    assert!(stdout.contains("--flat"), "the command is quoted: {stdout}");
+    // A graph traced in Rust has no module classes: flat, with a note saying why.
+    let (stdout, stderr) = text(&kiln(&["codegen", "resnet18"]));
+    assert!(stderr.contains("records no module classes") && stderr.contains("flat op list"), "{stderr}");
+    assert!(stdout.contains("vb.get("), "{stdout}");
+}
+
+#[test]
+fn triton_repo_writes_a_repository_the_backend_accepts() {
+    let dir = temp_dir("triton-repo");
+    let graph = tiny_graph_file(&dir);
+    let repo = dir.join("repo");
+    let out = kiln(&["triton-repo", arg(&graph), "-o", arg(&repo), "--name", "tiny", "--cpu", "--max-batch-size", "4"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("tritonserver") && stdout.contains("--model-repository"), "{stdout}");
+    let config = std::fs::read_to_string(repo.join("tiny/config.pbtxt")).expect("config.pbtxt");
+    for want in ["backend: \"kiln\"", "max_batch_size: 4", "KIND_CPU", "dynamic_batching", "name: \"input\"", "name: \"logits\""] {
+        assert!(config.contains(want), "{want}:\n{config}");
+    }
+    let copied = repo.join("tiny/1/model.kiln.safetensors");
+    assert_eq!(std::fs::read(&copied).expect("model file"), std::fs::read(&graph).expect("graph file"), "the graph file is copied");
+    fails_with(
+        &["triton-repo", "resnet18", "-o", arg(&repo), "--letterbox", "720x1280"],
+        &["a letterbox in front of resnet18", "only the YOLO detectors take frames"],
+    );
+    fails_with(&["triton-repo", arg(&graph), "-o", arg(&repo), "--precision", "fp64"], &["--precision", "fp64"]);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -198,8 +198,13 @@ impl EngineBuilder {
     /// before touching the GPU), lowers and plans it. Errors name the op and module path.
     pub fn build(&self, graph: &Graph) -> Result<Engine> {
         let start = Instant::now();
+        let c = &self.config;
+        tracing::debug!(nodes = graph.nodes.len(), precision = c.precision.short_name(), batch = ?(c.min_batch, c.opt_batch, c.max_batch), "build: preparing the graph (checks, passes, quantisers)");
         let prepared = prepare(graph, &self.config)?;
+        let ops = prepared.nodes.iter().filter(|n| !n.op.is_leaf()).count();
+        tracing::debug!(ops, ms = start.elapsed().as_secs_f64() * 1e3, "build: graph prepared");
         let gpu = self.open_gpu()?;
+        tracing::debug!(gpu = %gpu.info.name, sm = gpu.info.sm, "build: lowering and timing each layer's candidates");
         let mut tactics = Tactics { cache_prefix: cache_prefix(&gpu, &self.config), progress: self.progress.clone(), ..Default::default() };
         if let Some(path) = &self.config.timing_cache {
             tactics.load_cache(path)?;
@@ -212,6 +217,13 @@ impl EngineBuilder {
             tactics.save_cache(path)?;
         }
         engine.summary.build_seconds = start.elapsed().as_secs_f64();
+        tracing::debug!(
+            seconds = engine.summary.build_seconds,
+            timed = tactics.timed,
+            from_timing_cache = tactics.cached,
+            plans = engine.plans().len(),
+            "build: done"
+        );
         Ok(engine)
     }
 
@@ -265,7 +277,12 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
             _ => BTreeMap::new(),
         };
         let before = tactics.chosen.len();
+        let shown = tracing::enabled!(tracing::Level::DEBUG).then(|| format!("{dims:?}"));
         let (plan, plan_summary) = lower_plan(&gpu, &kernels, &at_shape, dims, &config, tactics, &weights)?;
+        if let Some(dims) = shown {
+            let arena_mib = plan.memory.arena as f64 / (1 << 20) as f64;
+            tracing::debug!(input = %dims, arena_mib, timed = is_opt || profile.is_none(), "plan for this input shape");
+        }
         if let (Some(p), true) = (profile, is_opt) {
             follow[p].extend(tactics.chosen[before..].iter().cloned());
         }

@@ -261,15 +261,19 @@ impl Engine {
     pub fn load(path: impl AsRef<Path>, gpu: &Arc<Gpu>) -> Result<Engine> {
         let path = path.as_ref();
         let shown = path.display().to_string();
+        let read = std::time::Instant::now();
         let bytes = read_bytes(path)?;
         let header = decode_header(&bytes, &shown)?;
         check_device(&header, &gpu.info, &shown)?;
         let (_, payload) = decode(&bytes, &shown)?;
+        tracing::debug!(path = %shown, bytes = bytes.len(), ms = read.elapsed().as_secs_f64() * 1e3, "load: engine file read and decoded");
         let mut tactics =
             Tactics { recorded: payload.tactics, replay: true, cache_prefix: cache_prefix(gpu, &payload.config), ..Default::default() };
         let start = std::time::Instant::now();
         let mut engine = lower(gpu.clone(), payload.graph, payload.config, &mut tactics)?;
         engine.summary.build_seconds = start.elapsed().as_secs_f64();
+        // Lowering includes the kernels' NVRTC compilation (or their cache) and the weights' upload.
+        tracing::debug!(path = %shown, ms = engine.summary.build_seconds * 1e3, layers = engine.summary.layers, "load: plans lowered (kernels, weights, arena)");
         Ok(engine)
     }
 }

@@ -121,6 +121,7 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
     let ckey = format!("{}|{key}", ctx.tactics.cache_prefix);
     if let Some(kind) = ctx.tactics.cache.get(&ckey).cloned() {
         if candidates.iter().any(|c| c.kind() == kind) {
+            tracing::debug!(path = %ctx.node(node).path, problem = %key, chosen = %kind, "tactic from the timing cache");
             ctx.tactics.cached += 1;
             ctx.tactics.recorded.insert(rkey, kind.clone());
             return Ok(take(candidates, &kind).expect("present"));
@@ -222,6 +223,14 @@ fn fastest(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Layer>>) -> Re
     if let Some((i, ms, room)) = within_room(ctx, &candidates, &ran, winner) {
         log.push((format!("chosen: {} ({ms:.4} ms), the fastest within the arena's room of {room} bytes", candidates[i].kind()), ms));
         winner = i;
+    }
+    if tracing::enabled!(tracing::Level::DEBUG) {
+        let path = &ctx.node(ctx.current).path;
+        for (kind, ms) in &log {
+            tracing::trace!(%path, problem = %key, candidate = %kind, ms, "timed");
+        }
+        let ms = ran.iter().find(|&&(i, _)| i == winner).map_or(f32::NAN, |&(_, ms)| ms);
+        tracing::debug!(%path, problem = %key, chosen = %candidates[winner].kind(), ms, of = ran.len(), failed = failures.len(), "tactic");
     }
     let layer = candidates.into_iter().nth(winner).expect("winner index");
     ctx.tactics.timed += 1;

@@ -15,7 +15,7 @@ use std::path::Path;
 pub fn bundled_source(name: &str, weights: Option<&Path>, frame: Option<[usize; 2]>) -> Result<ModelSource> {
     let info = bundled(name).map_err(BackendError::kiln("choosing the model"))?;
     let vb = || match weights {
-        Some(p) => VarBuilder::from_safetensors(&[p]).map_err(BackendError::kiln(format!("reading {}", p.display()))),
+        Some(p) => VarBuilder::from_files(&[p]).map_err(BackendError::kiln(format!("reading {}", p.display()))),
         None => Ok(VarBuilder::seeded()),
     };
     let what = format!("tracing {name}");
