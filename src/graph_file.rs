@@ -178,6 +178,19 @@ impl Graph {
     pub fn load(path: impl AsRef<Path>) -> Result<Graph> {
         read(path).map(|f| f.graph)
     }
+
+    /// [`Graph::save`] with string metadata beside the graph's own (a model's name, its source).
+    pub fn save_with_metadata(&self, path: impl AsRef<Path>, metadata: &BTreeMap<String, String>) -> Result<()> {
+        write(self, path, metadata)
+    }
+
+    /// A graph file's bytes, read from `source` (named in errors), validated as [`Graph::load`] does.
+    pub fn from_file_bytes(bytes: &[u8], source: &Path) -> Result<Graph> {
+        decode(bytes, source).map(|f| f.graph)
+    }
+
+    /// How a graph file's name ends: `.kiln.safetensors`.
+    pub const FILE_EXTENSION: &'static str = EXTENSION;
 }
 
 #[cfg(test)]

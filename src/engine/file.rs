@@ -257,6 +257,12 @@ impl Engine {
         std::fs::write(path, bytes).map_err(Error::io(path))
     }
 
+    /// An engine file's optimised graph and build config, read without a GPU: the header, the
+    /// checksum and the payload are checked; the device check waits for [`Engine::load`].
+    pub fn read_contents(bytes: &[u8], source: &str) -> Result<(Graph, BuildConfig)> {
+        decode(bytes, source).map(|(_, p)| (p.graph, p.config))
+    }
+
     /// Loads an engine file onto `gpu`: header checked against the device, no passes, no timing.
     pub fn load(path: impl AsRef<Path>, gpu: &Arc<Gpu>) -> Result<Engine> {
         let path = path.as_ref();

@@ -33,7 +33,12 @@ pub(crate) mod strided;
 pub(crate) mod tactic;
 
 pub use crate::calibrate::{CalibrationCache, CalibrationMethod, CalibrationStats, Calibrator};
-pub use crate::plugin::QuantFormat;
+/// FNV-1a (64 bit) of bytes: the engine file's checksum, and a content key for caches of engines.
+pub use crate::hash::checksum;
+pub use crate::number_format::QuantFormat;
+/// The graph passes the builder runs first (BatchNorm folding, conv fusion, dead nodes): what the
+/// CPU executor runs to match an engine layer for layer.
+pub use crate::passes::optimize;
 pub use builder::{Engine, EngineBuilder};
 pub use config::{BuildConfig, DimsRange, InputDims, ShapeProfile};
 pub use exec::ExecutionContext;

@@ -1,11 +1,10 @@
 //! Every name this crate takes from Kiln, in one place: when Kiln's public modules move, only
 //! these paths change. The rest of the crate says `crate::kiln_api::…`.
 
-pub use kiln::engine::{BuildConfig, DimsRange, Engine, EngineBuilder, ExecutionContext, Gpu, InputDims, Precision, ShapeProfile};
-pub use kiln::internals::cpu;
-pub use kiln::internals::engine::file::{checksum, decode as decode_engine_file};
-pub use kiln::internals::passes::optimize;
-pub use kiln::internals::{graph_file, graph_file::EXTENSION as GRAPH_FILE_EXTENSION};
+pub use kiln::engine::{
+    checksum, optimize, BuildConfig, DimsRange, Engine, EngineBuilder, ExecutionContext, Gpu, InputDims, Precision, ShapeProfile,
+};
+pub use kiln::run_cpu;
 pub use kiln::{ByteTensor, DType, Error as KilnError, Graph, HostInput, HostTensor, Result as KilnResult};
 pub use kiln::{Forward, Tracer, VarBuilder};
 pub use kiln_models::yolo_nms::NmsConfig;

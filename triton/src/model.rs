@@ -3,10 +3,7 @@
 
 use crate::config::{self, Binding, ElemType, KilnParameters, ModelConfig, ModelSpec};
 use crate::error::{BackendError, Result};
-use crate::kiln_api::{
-    checksum, decode_engine_file, graph_file, optimize, BuildConfig, DType, Engine, EngineBuilder, Gpu, Graph, InputDims,
-    GRAPH_FILE_EXTENSION,
-};
+use crate::kiln_api::{checksum, optimize, BuildConfig, DType, Engine, EngineBuilder, Gpu, Graph, InputDims};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -47,7 +44,7 @@ pub struct LoadedModel {
 /// else `model.kiln` or `model.kiln.safetensors` (not both).
 pub fn find_model_file(model: &str, version_dir: &Path, default_name: &str) -> Result<(PathBuf, SourceKind)> {
     let err = |reason: String| BackendError::ModelFile { model: model.into(), dir: version_dir.to_path_buf(), reason };
-    let kind_of = |name: &str| if name.ends_with(GRAPH_FILE_EXTENSION) { SourceKind::Graph } else { SourceKind::Engine };
+    let kind_of = |name: &str| if name.ends_with(Graph::FILE_EXTENSION) { SourceKind::Graph } else { SourceKind::Engine };
     if !default_name.is_empty() {
         let path = version_dir.join(default_name);
         if !path.is_file() {
@@ -77,7 +74,7 @@ impl LoadedModel {
         let file_name = file.file_name().map_or_else(|| file.display().to_string(), |f| f.to_string_lossy().into_owned());
         let (graph, build) = match kind {
             SourceKind::Graph => {
-                let graph = graph_file::decode(&bytes, &file).map_err(BackendError::kiln(format!("model `{name}`")))?.graph;
+                let graph = Graph::from_file_bytes(&bytes, &file).map_err(BackendError::kiln(format!("model `{name}`")))?;
                 let profile =
                     params.profile.as_ref().map(|p| config::shape_profile(p, &traced_dims(&graph))).transpose().map_err(|reason| {
                         BackendError::Config { model: name.clone(), field: "parameters[\"min_shapes\"/\"max_shapes\"]".into(), reason }
@@ -92,9 +89,7 @@ impl LoadedModel {
                         reason: format!("set build options, but {file_name} is an engine file, built already with its own; remove them, or serve a graph file"),
                     });
                 }
-                let (_, payload) =
-                    decode_engine_file(&bytes, &file.display().to_string()).map_err(BackendError::kiln(format!("model `{name}`")))?;
-                (payload.graph, payload.config)
+                Engine::read_contents(&bytes, &file.display().to_string()).map_err(BackendError::kiln(format!("model `{name}`")))?
             }
         };
         let spec =

@@ -10,7 +10,7 @@
 
 use crate::config::{self, Binding, KilnParameters, ModelConfig, ModelSpec, Parameter, ProfileShapes, TensorConfig};
 use crate::error::{BackendError, Result};
-use crate::kiln_api::{decode_engine_file, graph_file, Graph, Precision, GRAPH_FILE_EXTENSION};
+use crate::kiln_api::{Engine, Graph, Precision};
 use crate::model::{self, model_spec, traced_dims, ENGINE_FILE, GRAPH_FILE};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -32,7 +32,7 @@ impl ModelSource {
     pub fn default_name(&self) -> String {
         let stem = |p: &Path| {
             let name = p.file_name().map_or_else(String::new, |f| f.to_string_lossy().into_owned());
-            name.trim_end_matches(GRAPH_FILE_EXTENSION).trim_end_matches(".kiln").to_string()
+            name.trim_end_matches(Graph::FILE_EXTENSION).trim_end_matches(".kiln").to_string()
         };
         match self {
             ModelSource::Graph { metadata, .. } => metadata.get("model").cloned().unwrap_or_else(|| "model".into()),
@@ -43,7 +43,7 @@ impl ModelSource {
     /// A file by its name: `*.kiln.safetensors` is a graph file, anything else an engine file.
     pub fn from_path(path: impl Into<PathBuf>) -> Self {
         let path = path.into();
-        if path.to_string_lossy().ends_with(GRAPH_FILE_EXTENSION) {
+        if path.to_string_lossy().ends_with(Graph::FILE_EXTENSION) {
             ModelSource::GraphFile(path)
         } else {
             ModelSource::EngineFile(path)
@@ -124,7 +124,7 @@ pub fn write_repository(source: &ModelSource, out: &Path, options: &RepositoryOp
     let (graph, engine_build, file_name) = match source {
         ModelSource::Graph { graph, .. } => ((**graph).clone(), None, GRAPH_FILE),
         ModelSource::GraphFile(path) => {
-            (graph_file::read(path).map_err(BackendError::kiln(format!("reading {}", path.display())))?.graph, None, GRAPH_FILE)
+            (Graph::load(path).map_err(BackendError::kiln(format!("reading {}", path.display())))?, None, GRAPH_FILE)
         }
         ModelSource::EngineFile(path) => {
             let bytes = std::fs::read(path).map_err(|e| BackendError::ModelFile {
@@ -132,9 +132,9 @@ pub fn write_repository(source: &ModelSource, out: &Path, options: &RepositoryOp
                 dir: path.clone(),
                 reason: format!("cannot read it: {e}"),
             })?;
-            let (_, payload) = decode_engine_file(&bytes, &path.display().to_string())
+            let (graph, config) = Engine::read_contents(&bytes, &path.display().to_string())
                 .map_err(BackendError::kiln(format!("reading {}", path.display())))?;
-            (payload.graph, Some(payload.config), ENGINE_FILE)
+            (graph, Some(config), ENGINE_FILE)
         }
     };
     if engine_build.is_some() && (options.precision.is_some() || options.profile.is_some()) {
@@ -196,7 +196,7 @@ pub fn write_repository(source: &ModelSource, out: &Path, options: &RepositoryOp
     let model_file = version_dir.join(file_name);
     match source {
         ModelSource::Graph { graph, metadata } => {
-            graph_file::write(graph, &model_file, metadata).map_err(BackendError::kiln(format!("writing {}", model_file.display())))?
+            graph.save_with_metadata(&model_file, metadata).map_err(BackendError::kiln(format!("writing {}", model_file.display())))?
         }
         ModelSource::GraphFile(path) | ModelSource::EngineFile(path) => {
             std::fs::copy(path, &model_file).map_err(io(&model_file))?;

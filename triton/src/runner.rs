@@ -6,7 +6,7 @@ use crate::config::ElemType;
 use crate::copy::{copy, Place};
 use crate::error::{BackendError, Result};
 use crate::ffi::memory;
-use crate::kiln_api::{cpu, ByteTensor, Engine, ExecutionContext, HostInput, HostTensor, InputDims};
+use crate::kiln_api::{run_cpu, ByteTensor, Engine, ExecutionContext, HostInput, HostTensor, InputDims};
 use crate::model::LoadedModel;
 use crate::request::{Checked, RequestData};
 use std::collections::BTreeMap;
@@ -129,7 +129,7 @@ impl Runner for CpuRunner {
                 )
             })
             .collect();
-        self.outputs = cpu::run(&graph, &inputs).map_err(BackendError::kiln(format!("model `{}` on the CPU executor", model.name)))?;
+        self.outputs = run_cpu(&graph, &inputs).map_err(BackendError::kiln(format!("model `{}` on the CPU executor", model.name)))?;
         Ok(())
     }
 

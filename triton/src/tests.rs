@@ -4,7 +4,9 @@
 use crate::config::{ElemType, ProfileShapes};
 use crate::copy::Place;
 use crate::ffi::{datatype, memory};
-use crate::kiln_api::{cpu, encode_engine_file, BuildConfig, DType, Graph, Header, HostTensor, InputDims, Payload, Tracer, FORMAT_VERSION};
+use crate::kiln_api::{
+    encode_engine_file, run_cpu, BuildConfig, DType, Graph, Header, HostTensor, InputDims, Payload, Tracer, FORMAT_VERSION,
+};
 use crate::repository::{load_written, write_repository, InstanceKind, ModelSource, RepositoryOptions};
 use crate::request::{check_request, Buffer, InputData, Limits, RequestData};
 use crate::runner::{CpuRunner, Dest, Member, Runner};
@@ -133,7 +135,7 @@ fn requests_of_one_batch_run_together_on_the_cpu_and_each_gets_its_own_rows() {
     let mut second = vec![0f32; 6];
     let dst = Dest { place: Place::host(second.as_mut_ptr().cast()), len: 24 };
     runner.write_output("logits", 1, 2, dst).unwrap();
-    let expected = cpu::run(&tiny(), &[("input", &HostTensor::new(vec![3, 3, 8, 8], x))]).unwrap();
+    let expected = run_cpu(&tiny(), &[("input", &HostTensor::new(vec![3, 3, 8, 8], x))]).unwrap();
     assert_eq!(second, expected["logits"].data[3..]);
     let small = Dest { place: Place::host(second.as_mut_ptr().cast()), len: 8 };
     assert!(runner.write_output("logits", 1, 2, small).unwrap_err().to_string().contains("Triton gave 8 bytes for 24"));
@@ -251,7 +253,7 @@ fn the_gpu_runner_matches_the_cpu_executor_from_host_and_device_memory() {
     for dims in [[3usize, 8, 8], [3, 12, 16]] {
         let per_image: usize = dims.iter().product();
         let x: Vec<f32> = (0..3 * per_image).map(|i| ((i * 37) % 101) as f32 / 10.0 - 4.0).collect();
-        let want = cpu::run(
+        let want = run_cpu(
             &tiny().with_input_dims(&InputDims::from([("input".into(), dims.to_vec())])).unwrap(),
             &[("input", &HostTensor::new(vec![3, dims[0], dims[1], dims[2]], x.clone()))],
         )
