@@ -169,7 +169,7 @@ pub fn kind(path: impl AsRef<Path>) -> FileKind {
 }
 
 impl Graph {
-    /// Writes the graph with its weights as one safetensors file (see [`crate::graph_file`]).
+    /// Writes the graph with its weights as one safetensors file: a graph file (`.kiln.safetensors`).
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         write(self, path, &BTreeMap::new())
     }
