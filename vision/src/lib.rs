@@ -81,23 +81,36 @@ pub fn load_rgb(path: impl AsRef<Path>) -> Result<RgbImage> {
 /// refused before anything is allocated for its pixels.
 pub fn decode_rgb(bytes: &[u8], path: &Path) -> Result<RgbImage> {
     let bad = |reason: String| Error::Decode { path: path.into(), reason };
-    let reader = || -> Result<image::ImageReader<std::io::Cursor<&[u8]>>> {
+    let limited = |e: image::ImageError| match e {
+        image::ImageError::Limits(l) => {
+            bad(format!("decoding it needs more memory than the limit of {} MiB for one image ({l})", MAX_DECODED_BYTES >> 20))
+        }
+        other => bad(other.to_string()),
+    };
+    // The dims from the header alone (the decoder's memory limit applies already), then the
+    // pixels with every limit.
+    let reader = |sides: bool| -> Result<image::ImageReader<std::io::Cursor<&[u8]>>> {
         let mut reader = image::ImageReader::new(std::io::Cursor::new(bytes)).with_guessed_format().map_err(|e| bad(e.to_string()))?;
         if reader.format().is_none() {
             return Err(bad("is not an image this build reads (JPEG, PNG, BMP, GIF, WebP, PNM or TIFF)".into()));
         }
         let mut limits = image::Limits::default();
-        limits.max_image_width = Some(MAX_IMAGE_SIDE);
-        limits.max_image_height = Some(MAX_IMAGE_SIDE);
+        if sides {
+            limits.max_image_width = Some(MAX_IMAGE_SIDE);
+            limits.max_image_height = Some(MAX_IMAGE_SIDE);
+        }
         limits.max_alloc = Some(MAX_DECODED_BYTES);
         reader.limits(limits);
         Ok(reader)
     };
-    let (width, height) = reader()?.into_dimensions().map_err(|e| bad(format!("its header: {e}")))?;
+    let (width, height) = reader(false)?.into_dimensions().map_err(|e| match e {
+        image::ImageError::Limits(_) => limited(e),
+        other => bad(format!("its header: {other}")),
+    })?;
     if width == 0 || height == 0 || width > MAX_IMAGE_SIDE || height > MAX_IMAGE_SIDE {
-        return Err(bad(format!("is {width}x{height}; an image must be 1 to {MAX_IMAGE_SIDE} pixels on each side")));
+        return Err(bad(format!("is {width}x{height} pixels; an image must be 1 to {MAX_IMAGE_SIDE} pixels on each side")));
     }
-    let decoded = reader()?.decode().map_err(|e| bad(e.to_string()))?;
+    let decoded = reader(true)?.decode().map_err(limited)?;
     Ok(decoded.to_rgb8())
 }
 
