@@ -501,3 +501,20 @@ fn image_files_are_checked_before_decoding() {
     assert!(e.contains("folder.png") && e.contains("is a directory"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A `.pth` path that is a FIFO or a directory is named without waiting for a writer.
+#[test]
+fn pth_paths_that_are_fifos_or_directories_are_named() {
+    let dir = std::env::temp_dir().join(format!("kiln-fuzz-pth-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("folder.pth")).expect("dir");
+    let fifo = dir.join("pipe.pth");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().expect("mkfifo").success());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let f = fifo.clone();
+    std::thread::spawn(move || tx.send(kiln::pth::read_pth(&f).map(|_| ()).map_err(|e| e.to_string())));
+    let e = rx.recv_timeout(std::time::Duration::from_secs(10)).expect("read_pth waited on a FIFO").unwrap_err();
+    assert!(e.contains("pipe.pth") && e.contains("is not a regular file"), "{e}");
+    let e = kiln::pth::read_pth(dir.join("folder.pth")).unwrap_err().to_string();
+    assert!(e.contains("folder.pth") && e.contains("is a directory"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
