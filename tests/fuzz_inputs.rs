@@ -45,7 +45,7 @@ fn edit(fragments: Vec<&'static [u8]>) -> impl Strategy<Value = Edit> {
 fn apply(bytes: &[u8], edits: &[Edit]) -> Vec<u8> {
     let mut out = bytes.to_vec();
     for e in edits {
-        let place = |at: usize, len: usize| if at % 4 == 0 { (at / 4) % len } else { (at / 4) % len.min(64) };
+        let place = |at: usize, len: usize| if at.is_multiple_of(4) { (at / 4) % len } else { (at / 4) % len.min(64) };
         match e {
             Edit::Set(at, b) if !out.is_empty() => {
                 let at = place(*at, out.len());
