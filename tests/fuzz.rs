@@ -589,6 +589,135 @@ thread_local! {
     static R18_ENGINE_NUMBERS: std::cell::RefCell<Option<PaddedHeader>> = const { std::cell::RefCell::new(None) };
 }
 
+// ---- graph files written by kiln-torch ------------------------------------------------------------
+
+/// Graph files that kiln-torch (python/) wrote from PyTorch models: its own metadata (`kiln.tool`,
+/// `model`, `torch`, `input_shape`), each module's class by path (`modules`), torchvision's module
+/// paths (`features.0.1`), and ops a trace of Kiln's own models never has.
+const KILN_TORCH_FILES: [&str; 6] = ["handwritten", "tiny_resnet", "tiny_deeplab", "tiny_mobilenet_v2", "tiny_vit", "tiny_swin"];
+
+/// The file's bytes, its graph, its header (the `kiln.graph` string taken out) and graph JSON, and
+/// its tensor data; checked once on the CPU.
+struct TorchFile {
+    bytes: Vec<u8>,
+    graph: Graph,
+    header: serde_json::Value,
+    graph_json: serde_json::Value,
+    data: Vec<u8>,
+}
+
+fn kiln_torch_file(i: usize) -> &'static TorchFile {
+    static F: OnceLock<Vec<TorchFile>> = OnceLock::new();
+    &F.get_or_init(|| {
+        KILN_TORCH_FILES
+            .iter()
+            .map(|name| {
+                let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/fixtures/imported/{name}.kiln.safetensors"));
+                let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                let graph = kiln::internals::graph_file::decode(&bytes, &path).unwrap_or_else(|e| panic!("{e}")).graph;
+                optimize_agrees(&graph, 1, None);
+                let head = safetensors_head(&bytes);
+                let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..head]).expect("header");
+                let slot = header["__metadata__"][kiln::internals::graph_file::KEY_GRAPH].take();
+                let graph_json = serde_json::from_str(slot.as_str().expect("graph JSON")).expect("graph");
+                let data = bytes[head..].to_vec();
+                TorchFile { bytes, graph, header, graph_json, data }
+            })
+            .collect::<Vec<_>>()
+    })[i]
+}
+
+/// A decoded kiln-torch file as a build reads it: the precision of each node by its module path
+/// (the file's `fp32_layers` and a config's rules), its text form, then the CPU check.
+fn check_kiln_torch_file(bytes: &[u8], base: &Graph, data_touched: bool, nan: Option<usize>) {
+    let Ok(file) = kiln::internals::graph_file::decode(bytes, Path::new("torch.kiln.safetensors")) else { return };
+    let g = &file.graph;
+    let rules = LayerPrecision::parse_list("features.*:fp32,head:fp16,*.1:tf32").expect("rules");
+    let config = BuildConfig::default().precision(Precision::Fp16).layer_precisions(rules);
+    assert_eq!(kiln::internals::engine::config::node_precisions(g, &config).len(), g.nodes.len());
+    let _ = g.to_text();
+    if data_touched || nan.is_some() || !same_computation(base, g) {
+        optimize_agrees(g, 9, nan);
+    }
+}
+
+/// Strings that stress names and module paths: empty, dots, globs, another node's name, control
+/// and non-ASCII characters, a long one, and names of ops and activations.
+fn string() -> impl Strategy<Value = serde_json::Value> {
+    let named = prop::sample::select(vec![
+        "",
+        ".",
+        "..",
+        "a..b",
+        "*",
+        "**",
+        "features.*",
+        "input",
+        "logits",
+        "fc.weight",
+        "conv1.weight",
+        "\u{0}",
+        "\n",
+        "é∂",
+        "None",
+        "Relu",
+        "Sigmoid",
+        "Bogus",
+        "F16",
+        "U8",
+        "F32",
+        "torch.nn.modules.conv.Conv2d",
+        "os.system",
+        "kiln-graph",
+        "input:1x3x32x32",
+        "input:0x3x32x32",
+        "input:1x3x99999999999x1",
+    ]);
+    prop_oneof![
+        20 => named.prop_map(serde_json::Value::from),
+        1 => Just(serde_json::Value::from("x".repeat(300))),
+    ]
+}
+
+fn count_strings(v: &serde_json::Value) -> usize {
+    match v {
+        serde_json::Value::String(_) => 1,
+        serde_json::Value::Array(a) => a.iter().map(count_strings).sum(),
+        serde_json::Value::Object(o) => o.values().map(count_strings).sum(),
+        _ => 0,
+    }
+}
+
+/// Replaces the `n`-th string value (in `count_strings`' order) with `value`.
+fn set_nth_string(v: &mut serde_json::Value, n: &mut usize, value: &serde_json::Value) -> bool {
+    match v {
+        serde_json::Value::String(_) => {
+            if *n == 0 {
+                *v = value.clone();
+                return true;
+            }
+            *n -= 1;
+            false
+        }
+        serde_json::Value::Array(a) => a.iter_mut().any(|x| set_nth_string(x, n, value)),
+        serde_json::Value::Object(o) => o.values_mut().any(|x| set_nth_string(x, n, value)),
+        _ => false,
+    }
+}
+
+fn with_strings(json: &mut serde_json::Value, picks: &[(prop::sample::Index, serde_json::Value)]) {
+    for (index, value) in picks {
+        let count = count_strings(json);
+        if count > 0 {
+            set_nth_string(json, &mut index.index(count), value);
+        }
+    }
+}
+
+thread_local! {
+    static TORCH_BYTES: std::cell::RefCell<Vec<Option<InPlace>>> = std::cell::RefCell::new((0..KILN_TORCH_FILES.len()).map(|_| None).collect());
+}
+
 // ---- generated graphs ---------------------------------------------------------------------------
 
 /// One layer of a generated graph: the patterns `optimize` rewrites (conv → BatchNorm, conv → ReLU,
@@ -1048,6 +1177,41 @@ proptest! {
     }
 
     #[test]
+    fn kiln_torch_graph_files_with_mutated_bytes_agree_before_and_after_optimize(
+        which in 0..KILN_TORCH_FILES.len(),
+        edits in prop::collection::vec(edit(), 1..6),
+        nan in prop::option::weighted(0.05, any::<usize>()),
+    ) {
+        TORCH_BYTES.with_borrow_mut(|slots| {
+            let base = kiln_torch_file(which);
+            let file = slots[which].get_or_insert_with(|| InPlace::new(&base.bytes, safetensors_head(&base.bytes)));
+            file.with(&edits, |b, data_touched| {
+                saving_failures("kiln-torch-mutated-bytes.kiln.safetensors", b, || check_kiln_torch_file(b, &base.graph, data_touched, nan))
+            })
+        });
+    }
+
+    #[test]
+    fn kiln_torch_graph_files_with_mutated_names_and_numbers_agree_before_and_after_optimize(
+        which in 0..KILN_TORCH_FILES.len(),
+        graph_strings in prop::collection::vec((any::<prop::sample::Index>(), string()), 0..3),
+        meta_strings in prop::collection::vec((any::<prop::sample::Index>(), string()), 0..2),
+        numbers in prop::collection::vec((any::<prop::sample::Index>(), number()), 0..2),
+    ) {
+        let base = kiln_torch_file(which);
+        let mut graph = with_numbers(&base.graph_json, &numbers);
+        with_strings(&mut graph, &graph_strings);
+        let mut header = base.header.clone();
+        with_strings(&mut header["__metadata__"], &meta_strings);
+        header["__metadata__"][kiln::internals::graph_file::KEY_GRAPH] = graph.to_string().into();
+        let text = header.to_string();
+        let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
+        bytes.extend(text.as_bytes());
+        bytes.extend(&base.data);
+        saving_failures("kiln-torch-mutated-names.kiln.safetensors", &bytes, || check_kiln_torch_file(&bytes, &base.graph, false, None));
+    }
+
+    #[test]
     fn generated_graphs_agree_before_and_after_optimize(
         shape in (1usize..3, 1usize..5, 1usize..10, 1usize..10),
         layers in prop::collection::vec(layer(), 1..9),
@@ -1173,7 +1337,7 @@ proptest! {
 fn corpus_is_replayed() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/fuzz-corpus");
     let mut replayed = 0;
-    for kind in ["graph", "engine", "safetensors", "calibration", "pnm", "flags"] {
+    for kind in ["graph", "engine", "safetensors", "calibration", "pnm", "flags", "pth", "image", "triton"] {
         let mut files: Vec<PathBuf> = std::fs::read_dir(root.join(kind))
             .unwrap_or_else(|e| panic!("{}: {e}", root.join(kind).display()))
             .map(|e| e.expect("entry").path())
@@ -1208,6 +1372,15 @@ fn corpus_is_replayed() {
                         .map(|_| ())
                         .map_err(|reason| kiln::Error::Image { path: path.clone(), reason })
                 }
+                "pth" => kiln::internals::pth::decode_pth(&path, &bytes).map(|c| {
+                    for t in c.tensors.values() {
+                        assert_eq!(kiln::internals::graph::numel(&t.shape), Some(t.data.len()));
+                    }
+                }),
+                "image" => kiln_vision::decode_rgb(&bytes, &path)
+                    .map(|_| ())
+                    .map_err(|e| kiln::Error::Image { path: path.clone(), reason: e.to_string() }),
+                "triton" => triton_config(&bytes).map_err(|reason| kiln::Error::Flag { flag: "config.pbtxt".into(), reason }),
                 _ => {
                     let texts: Vec<String> = String::from_utf8_lossy(&bytes).lines().map(String::from).collect();
                     check_flags(&texts);
@@ -1233,6 +1406,21 @@ fn corpus_is_replayed() {
     assert!(kiln::internals::pnm::read_folder(&dir, 2, &[0.5; 3], &[0.25; 3], None).unwrap_err().to_string().contains("FIFO"));
     assert!(replayed >= 10, "only {replayed} corpus files");
     println!("replayed {replayed} corpus files");
+}
+
+/// A Triton model config (Triton's JSON) read as the backend reads it, without a model file: its
+/// Kiln parameters, and its profile against a model whose input `input` is 3x32x32 (each range is
+/// then asked whether it holds those dims, as a CPU instance asks of each request).
+fn triton_config(bytes: &[u8]) -> Result<(), String> {
+    let c = triton_kiln::config::ModelConfig::from_json(&String::from_utf8_lossy(bytes)).map_err(|e| e.to_string())?;
+    let params = c.kiln_parameters().map_err(|e| e.to_string())?;
+    let traced = BTreeMap::from([("input".to_string(), vec![3usize, 32, 32])]);
+    if let Some(p) = &params.profile {
+        for (name, range) in triton_kiln::config::shape_profile(p, &traced)? {
+            let _ = range.contains(&traced[&name]);
+        }
+    }
+    Ok(())
 }
 
 /// The writer's own files load back: the fuzzed readers accept what Kiln writes.

@@ -5,10 +5,12 @@ use super::builder::{Engine, Plan};
 use super::gpu::{cuda_err, Handles};
 use super::layer::{DeviceBuf, Elem, RunCtx, Storage};
 use super::InputDims;
-use crate::graph::{DType, HostInput, HostTensor};
+use crate::graph::{ByteTensor, DType, HostInput, HostTensor};
 use crate::{Error, Result};
+use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{result as drv, CudaGraph, CudaStream};
+use cudarc::driver::{result as drv, CudaContext, CudaEvent, CudaGraph, CudaStream};
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
@@ -26,6 +28,10 @@ pub struct ExecutionContext {
     /// The plan the next run uses (chosen by the inputs' dims).
     current: usize,
     use_graphs: bool,
+    /// Page-locked host memory that `run` copies inputs from and outputs to (grown on demand).
+    staging: Option<Pinned>,
+    /// Recorded after `run`'s last copy and waited on, once a run, by sleeping (blocking sync).
+    done: CudaEvent,
 }
 
 struct ContextPlan {
@@ -52,6 +58,7 @@ impl ExecutionContext {
         let stream = gpu.ctx.new_stream().map_err(cuda_err("creating a stream"))?;
         let handles = Handles::new(&stream)?;
         let arena = DeviceBuf::zeros(&stream, 1)?;
+        let done = gpu.ctx.new_event(Some(CUevent_flags::CU_EVENT_BLOCKING_SYNC)).map_err(cuda_err("creating a run's event"))?;
         let mut ctx = Self {
             engine: engine.clone(),
             stream,
@@ -61,6 +68,8 @@ impl ExecutionContext {
             plans: Vec::new(),
             current: 0,
             use_graphs: engine.config.cuda_graphs,
+            staging: None,
+            done,
         };
         let plans = engine.plans();
         ctx.reserve(&plans)?;
@@ -261,29 +270,47 @@ impl ExecutionContext {
     /// `&HostTensor`s (f32 values), or [`HostInput`]s where some are bytes: an input declared u8
     /// is uploaded one byte per element from a `&ByteTensor` as it is, or from f32 values that
     /// are integers in 0..=255 (anything else is `Error::NotAByte`, naming the first).
+    ///
+    /// Many contexts run at once, one a thread, and each gets its share (issue 29, item 11). The
+    /// copies go through this context's own page-locked staging buffer, so they are asynchronous
+    /// DMA on its stream. Pageable copies went through the driver's staging memory, which every
+    /// context of the process shares, and a pageable copy to the host returns only once it is
+    /// done, so each run held that memory while it waited for its whole graph; 16 threads queued
+    /// on it in no order, and one completed 3 runs while another completed 36,672. A run now waits
+    /// once, on an event made with `CU_EVENT_BLOCKING_SYNC`: the thread sleeps until its copies
+    /// are done instead of spinning on a core that the other threads need to stage their inputs.
     pub fn run<'a, T: Into<HostInput<'a>> + Copy>(&mut self, inputs: &[(&str, T)]) -> Result<BTreeMap<String, HostTensor>> {
         let inputs: Vec<(&str, HostInput<'a>)> = inputs.iter().map(|&(name, t)| (name, t.into())).collect();
-        let batch = self.bind_host_inputs(&inputs)?;
+        let (batch, mut offset) = self.bind_host_inputs(&inputs)?;
         self.execute(batch)?;
-        let mut out = BTreeMap::new();
         let cp = &self.plans[self.current];
+        let staging = self.staging.as_mut().expect("bind_host_inputs leaves a staging buffer");
+        let mut outputs = Vec::with_capacity(cp.plan.outputs.len());
         for (name, v) in &cp.plan.outputs {
-            let desc = &cp.plan.values[v.0];
-            let mut shape = vec![batch];
-            shape.extend(&desc.dims);
-            let mut data = vec![0f32; batch * desc.per_image_elems()];
-            // SAFETY: `data` holds `batch` images of the binding, which the device pointer holds too; the
-            // stream is synchronised before `data` is read or dropped.
-            unsafe { drv::memcpy_dtoh_async(&mut data, cp.ptrs[v.0], self.stream.cu_stream()) }
+            let elems = batch * cp.plan.values[v.0].per_image_elems();
+            // SAFETY: the binding holds `batch` images of this output as f32 (`reserve` sized it for
+            // the max batch), and `bind_host_inputs` sized the staging buffer for them from `offset`
+            // on; the event below is waited on before this range is read, written again or freed.
+            unsafe { drv::memcpy_dtoh_async(staging.bytes_mut(offset, elems * 4), cp.ptrs[v.0], self.stream.cu_stream()) }
                 .map_err(cuda_err("copying an output to the host"))?;
-            self.stream.synchronize().map_err(cuda_err("running the engine"))?;
-            out.insert(name.clone(), HostTensor::new(shape, data));
+            outputs.push((name.clone(), offset, elems, &cp.plan.values[v.0].dims));
+            offset += aligned(elems * 4);
         }
-        self.stream.synchronize().map_err(cuda_err("running the engine"))?;
+        self.done.record(&self.stream).map_err(cuda_err("recording the end of a run"))?;
+        self.done.synchronize().map_err(cuda_err("running the engine"))?;
+        let mut out = BTreeMap::new();
+        for (name, offset, elems, dims) in outputs {
+            let mut shape = vec![batch];
+            shape.extend(dims);
+            out.insert(name, HostTensor::new(shape, staging.read_f32(offset, elems)));
+        }
         Ok(out)
     }
 
-    fn bind_host_inputs(&mut self, inputs: &[(&str, HostInput)]) -> Result<usize> {
+    /// Checks the inputs, selects their plan, stages them in the page-locked buffer (grown to hold
+    /// them and the outputs at this batch) and enqueues their copies to the bindings. Returns the
+    /// batch and the staging offset where the outputs go.
+    fn bind_host_inputs(&mut self, inputs: &[(&str, HostInput)]) -> Result<(usize, usize)> {
         self.engine.gpu.ctx.bind_to_thread().map_err(cuda_err("binding the CUDA context"))?;
         let names: Vec<String> = self.plan().inputs.iter().map(|(n, _)| n.clone()).collect();
         if inputs.len() != names.len() {
@@ -313,9 +340,10 @@ impl ExecutionContext {
                 other => other,
             })?;
         }
+        // Every input checked and in the type its binding takes (bytes for a u8 input, f32
+        // otherwise) before anything is staged.
         let mut batch = None;
-        // Bytes converted from f32 values live until the copies are done.
-        let mut staged = Vec::new();
+        let mut staged: Vec<(u64, Staged)> = Vec::with_capacity(inputs.len());
         for (name, t) in inputs {
             let v = self.binding(name, true)?;
             let b = t.shape()[0];
@@ -325,32 +353,42 @@ impl ExecutionContext {
             self.check_batch(b)?;
             t.check_len(name)?;
             let ptr = self.plans[self.current].ptrs[v.0];
-            let copied = cuda_err("copying an input to the device");
-            // The binding's type decides what is uploaded: bytes for a u8 input, f32 otherwise.
-            match self.plan().values[v.0].elem {
-                Elem::U8 => {
-                    let bytes = t.to_u8(name)?;
-                    // The binding's device buffer holds `max_batch` images of these dims, one byte per
-                    // element, and `bytes` holds `b` of them (its length was checked against its shape,
-                    // whose per-image dims are the plan's).
-                    // SAFETY: `bytes` fits the binding, and the stream is synchronised below, before `staged` drops.
-                    unsafe { drv::memcpy_htod_async(ptr, &bytes.data, self.stream.cu_stream()) }.map_err(copied)?;
-                    staged.push(bytes);
-                }
-                _ => {
-                    let values = t.to_f32(name, DType::F32)?;
-                    // The binding's device buffer holds `max_batch` images of these dims as f32, and
-                    // `values` holds `b` of them (checked as above).
-                    // SAFETY: `values` fits the binding, and the stream is synchronised below, before the caller's tensors drop.
-                    unsafe { drv::memcpy_htod_async(ptr, &values.data, self.stream.cu_stream()) }.map_err(copied)?;
-                }
-            }
+            staged.push(match self.plan().values[v.0].elem {
+                Elem::U8 => (ptr, Staged::U8(t.to_u8(name)?)),
+                _ => (ptr, Staged::F32(t.to_f32(name, DType::F32)?)),
+            });
         }
-        // Pageable copies may read the host data after returning; the caller's tensors must stay
-        // valid until then, so wait here rather than hand the caller a hidden borrow.
-        self.stream.synchronize().map_err(cuda_err("copying inputs to the device"))?;
-        drop(staged);
-        batch.ok_or_else(|| Error::Binding { name: "inputs".into(), reason: "the engine has no inputs".into() })
+        let batch = batch.ok_or_else(|| Error::Binding { name: "inputs".into(), reason: "the engine has no inputs".into() })?;
+        let plan = self.plan();
+        let in_bytes: usize = staged.iter().map(|(_, s)| aligned(s.bytes().len())).sum();
+        let out_bytes: usize = plan.outputs.iter().map(|(_, v)| aligned(batch * plan.values[v.0].per_image_elems() * 4)).sum();
+        let stream = self.stream.cu_stream();
+        let staging = self.staging_of(in_bytes + out_bytes)?;
+        let mut offset = 0;
+        for (ptr, s) in &staged {
+            let bytes = s.bytes();
+            let range = staging.bytes_mut(offset, bytes.len());
+            range.copy_from_slice(bytes);
+            // The binding's device buffer holds `max_batch` images of these dims (one byte an
+            // element for a u8 input, four otherwise), and `bytes` holds `batch` of them (its
+            // length was checked against its shape, whose per-image dims are the plan's).
+            // SAFETY: `range` fits the binding; it is page-locked memory of this context, not
+            // written again or freed before `run` waits for the stream.
+            unsafe { drv::memcpy_htod_async(*ptr, range, stream) }.map_err(cuda_err("copying an input to the device"))?;
+            offset += aligned(bytes.len());
+        }
+        Ok((batch, offset))
+    }
+
+    /// The staging buffer, grown to at least `bytes`. Growing waits for the stream first: a copy
+    /// of an earlier run that failed part way may still read the old buffer.
+    fn staging_of(&mut self, bytes: usize) -> Result<&mut Pinned> {
+        if self.staging.as_ref().is_none_or(|p| p.len < bytes) {
+            self.stream.synchronize().map_err(cuda_err("synchronising before growing the staging buffer"))?;
+            self.staging = None;
+            self.staging = Some(Pinned::new(&self.engine.gpu.ctx, bytes)?);
+        }
+        Ok(self.staging.as_mut().expect("set above"))
     }
 
     /// Asynchronous run from device memory on the context's stream: copies each input (`batch`
@@ -428,7 +466,6 @@ impl ExecutionContext {
     /// two events: its time is the mean replay. Layers that enqueue nothing take 0. The replays
     /// overwrite the context's outputs; run again before reading them.
     pub fn profile_layers(&mut self, batch: usize, iters: usize) -> Result<Vec<f64>> {
-        use cudarc::driver::sys::CUevent_flags;
         self.check_batch(batch)?;
         let ctx = &self.engine.gpu.ctx;
         ctx.bind_to_thread().map_err(cuda_err("binding the CUDA context"))?;
@@ -452,5 +489,82 @@ impl ExecutionContext {
             times.push(ms as f64 / iters as f64);
         }
         Ok(times)
+    }
+}
+
+/// An input of `run` in the type its binding takes.
+enum Staged<'a> {
+    F32(Cow<'a, HostTensor>),
+    U8(Cow<'a, ByteTensor>),
+}
+
+impl Staged<'_> {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            // SAFETY: any f32 is four initialised bytes, and u8 has no alignment to keep.
+            Staged::F32(t) => unsafe { std::slice::from_raw_parts(t.data.as_ptr().cast::<u8>(), t.data.len() * 4) },
+            Staged::U8(t) => &t.data,
+        }
+    }
+}
+
+/// Offsets in the staging buffer start at multiples of 256 bytes (whole DMA lines).
+fn aligned(bytes: usize) -> usize {
+    bytes.div_ceil(256) * 256
+}
+
+/// Page-locked host memory (`cuMemHostAlloc`, cached: outputs are read back from it, which
+/// write-combined memory makes slow), zeroed.
+struct Pinned {
+    ctx: Arc<CudaContext>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Pinned {
+    fn new(ctx: &Arc<CudaContext>, len: usize) -> Result<Self> {
+        ctx.bind_to_thread().map_err(cuda_err("binding the CUDA context"))?;
+        // Allocating and freeing page-locked memory may synchronise the device, which would
+        // invalidate another thread's capture: hold the capture gate alone, as handles do.
+        let _alone = super::gpu::CAPTURE_GATE.write().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: asks the driver for `len` (at least 1) bytes; they are zeroed below before any read.
+        let ptr = unsafe { drv::malloc_host(len.max(1), 0) }.map_err(|e| match e.0 {
+            cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                Error::OutOfMemory { what: "page-locked host memory for an execution context's inputs and outputs".into(), bytes: len }
+            }
+            _ => cuda_err("allocating page-locked host memory")(e),
+        })?;
+        let ptr = ptr.cast::<u8>();
+        // SAFETY: `ptr` holds `len.max(1)` writable bytes.
+        unsafe { std::ptr::write_bytes(ptr, 0, len.max(1)) };
+        Ok(Self { ctx: ctx.clone(), ptr, len })
+    }
+
+    /// Bytes `offset..offset + n` (panics past the end, as slicing does).
+    fn bytes_mut(&mut self, offset: usize, n: usize) -> &mut [u8] {
+        assert!(offset.checked_add(n).is_some_and(|end| end <= self.len), "staging range {offset}+{n} past {}", self.len);
+        // SAFETY: the range lies within the `len` initialised bytes this value owns, borrowed mutably.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(offset), n) }
+    }
+
+    /// `n` f32 values from `offset`.
+    fn read_f32(&mut self, offset: usize, n: usize) -> Vec<f32> {
+        let bytes = self.bytes_mut(offset, n * 4);
+        let mut values = vec![0f32; n];
+        // SAFETY: `values` holds `n * 4` bytes, `bytes` as many, and the two do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), values.as_mut_ptr().cast::<u8>(), n * 4) };
+        values
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // Errors on teardown cannot be acted on; the memory is the driver's either way. Whoever
+        // drops it has waited for the copies that use it (`run`, `staging_of`) or is dropping the
+        // whole context.
+        let _ = self.ctx.bind_to_thread();
+        let _alone = super::gpu::CAPTURE_GATE.write().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: `ptr` came from `malloc_host` and is freed once, here.
+        let _ = unsafe { drv::free_host(self.ptr.cast()) };
     }
 }

@@ -121,13 +121,17 @@ impl ModelConfig {
                 return Err(self.err("parameters", "an optimization profile needs both min_shapes and max_shapes (opt_shapes is optional)"))
             }
         };
-        Ok(KilnParameters {
-            precision,
-            opt_batch,
-            cuda_graphs,
-            calibration_cache: self.parameter("calibration_cache").filter(|s| !s.is_empty()).map(str::to_string),
-            profile,
-        })
+        let calibration_cache = self.parameter("calibration_cache").filter(|s| !s.is_empty()).map(str::to_string);
+        if let Some(cache) = &calibration_cache {
+            let inside = std::path::Path::new(cache).components().all(|c| matches!(c, std::path::Component::Normal(_)));
+            if !inside {
+                return Err(self.err(
+                    "parameters[\"calibration_cache\"]",
+                    format!("`{cache}` must be a path inside the model's version folder (no `..`, not absolute)"),
+                ));
+            }
+        }
+        Ok(KilnParameters { precision, opt_batch, cuda_graphs, calibration_cache, profile })
     }
 }
 
@@ -253,6 +257,26 @@ pub fn shape_profile(p: &ProfileShapes, traced: &BTreeMap<String, Vec<usize>>) -
             return Err(format!("input `{name}` needs both min_shapes and max_shapes"));
         };
         let opt = p.opt.as_ref().and_then(|o| o.get(name)).unwrap_or(t);
+        // Checked here, not only when an engine is built: a CPU instance asks the ranges whether
+        // they hold a request's dims, dim by dim.
+        if [min, opt, max].iter().any(|d| d.len() != t.len()) {
+            return Err(format!(
+                "input `{name}`: min {} opt {} max {} must each give its {} per-image dims (traced: {})",
+                dims_text(min),
+                dims_text(opt),
+                dims_text(max),
+                t.len(),
+                dims_text(t)
+            ));
+        }
+        if (0..t.len()).any(|d| !(min[d] <= opt[d] && opt[d] <= max[d])) {
+            return Err(format!(
+                "input `{name}`: each dim must satisfy min <= opt <= max, got min {} opt {} max {}",
+                dims_text(min),
+                dims_text(opt),
+                dims_text(max)
+            ));
+        }
         profile.insert(name.clone(), DimsRange::new(min, opt, max));
     }
     Ok(profile)
@@ -474,5 +498,12 @@ mod tests {
         let mut bad = p.clone();
         bad.min.insert("mask".into(), vec![1]);
         assert!(shape_profile(&bad, &traced).unwrap_err().contains("names input `mask`"));
+        // Ranks and order are checked (a range of fewer dims than the input would fail later).
+        let mut short = p.clone();
+        short.max.insert("input".into(), vec![3, 320]);
+        assert!(shape_profile(&short, &traced).unwrap_err().contains("must each give its 3 per-image dims"));
+        let mut upside_down = p.clone();
+        upside_down.max.insert("input".into(), vec![3, 100, 320]);
+        assert!(shape_profile(&upside_down, &traced).unwrap_err().contains("min <= opt <= max"));
     }
 }

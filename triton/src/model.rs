@@ -46,6 +46,13 @@ pub fn find_model_file(model: &str, version_dir: &Path, default_name: &str) -> R
     let err = |reason: String| BackendError::ModelFile { model: model.into(), dir: version_dir.to_path_buf(), reason };
     let kind_of = |name: &str| if name.ends_with(Graph::FILE_EXTENSION) { SourceKind::Graph } else { SourceKind::Engine };
     if !default_name.is_empty() {
+        // A file of the version folder: not a path out of it (`../`, `/etc/...`).
+        let plain = Path::new(default_name).components().all(|c| matches!(c, std::path::Component::Normal(_)));
+        if !plain {
+            return Err(err(format!(
+                "default_model_filename `{default_name}` must name a file in the version folder, not a path out of it"
+            )));
+        }
         let path = version_dir.join(default_name);
         if !path.is_file() {
             return Err(err(format!("default_model_filename `{default_name}` does not exist")));

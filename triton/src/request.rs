@@ -150,7 +150,8 @@ pub fn check_request(limits: &Limits, req: &RequestData) -> Result<Checked> {
         }
         let per_image: Vec<usize> = i.shape[1..].iter().map(|&d| d as usize).collect();
         let bytes = per_image.iter().try_fold(n * b.elem.size(), |acc, &d| acc.checked_mul(d));
-        let held: usize = i.buffers.iter().map(|b| b.len).sum();
+        // Saturating: buffer lengths come from the request, and their sum must not wrap to a match.
+        let held = i.buffers.iter().fold(0usize, |sum, b| sum.saturating_add(b.len));
         if bytes != Some(i.byte_size as usize) || held != i.byte_size as usize {
             return Err(bad(format!(
                 "holds {} bytes in {} buffer(s), but shape {:?} of {} needs {}",

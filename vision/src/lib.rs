@@ -40,18 +40,76 @@ pub enum Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Decodes the image file at `path` (format from its bytes) as 8-bit RGB.
+/// The largest width or height `decode_rgb` reads (checked in the file's header, before decoding).
+pub const MAX_IMAGE_SIDE: u32 = 32_768;
+
+/// The most memory a decoder may hold for one image (the decoded pixels included), 512 MiB.
+pub const MAX_DECODED_BYTES: u64 = 512 << 20;
+
+/// The largest image file `load_rgb` reads, 1 GiB.
+pub const MAX_FILE_BYTES: u64 = 1 << 30;
+
+/// Decodes the image file at `path` (format from its bytes) as 8-bit RGB. The path must be a
+/// regular file (a FIFO or a directory is named as such, without waiting for a writer) of at
+/// most [`MAX_FILE_BYTES`].
 pub fn load_rgb(path: impl AsRef<Path>) -> Result<RgbImage> {
     let path = path.as_ref();
-    let bytes = std::fs::read(path).map_err(|e| Error::Decode { path: path.into(), reason: e.to_string() })?;
+    let decode_err = |reason: String| Error::Decode { path: path.into(), reason };
+    let file = kiln::internals::host::open_regular(path, "an image file (JPEG, PNG, BMP, GIF, WebP, PNM or TIFF)", |reason| {
+        kiln::Error::Image { path: path.into(), reason }
+    })
+    .map_err(|e| match e {
+        kiln::Error::Image { reason, .. } => decode_err(reason),
+        other => decode_err(other.to_string()),
+    })?;
+    let len = file.metadata().map_err(|e| decode_err(e.to_string()))?.len();
+    if len > MAX_FILE_BYTES {
+        return Err(decode_err(format!("the file holds {len} bytes, more than the limit of {MAX_FILE_BYTES} for an image")));
+    }
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut std::io::Read::take(file, MAX_FILE_BYTES), &mut bytes).map_err(|e| decode_err(e.to_string()))?;
     decode_rgb(&bytes, path)
 }
 
 /// Decodes an image file already in memory as 8-bit RGB; `path` names it in errors. Grey images
 /// repeat their level over R, G and B; alpha is dropped (not composited), as PIL's
 /// `convert("RGB")` does; 16-bit channels keep their high byte.
+///
+/// The dims are read from the header and checked first: each side at most [`MAX_IMAGE_SIDE`], and
+/// the decoder may hold at most [`MAX_DECODED_BYTES`], so a small file claiming a huge image is
+/// refused before anything is allocated for its pixels.
 pub fn decode_rgb(bytes: &[u8], path: &Path) -> Result<RgbImage> {
-    let decoded = image::load_from_memory(bytes).map_err(|e| Error::Decode { path: path.into(), reason: e.to_string() })?;
+    let bad = |reason: String| Error::Decode { path: path.into(), reason };
+    let limited = |e: image::ImageError| match e {
+        image::ImageError::Limits(l) => {
+            bad(format!("decoding it needs more memory than the limit of {} MiB for one image ({l})", MAX_DECODED_BYTES >> 20))
+        }
+        other => bad(other.to_string()),
+    };
+    // The dims from the header alone (the decoder's memory limit applies already), then the
+    // pixels with every limit.
+    let reader = |sides: bool| -> Result<image::ImageReader<std::io::Cursor<&[u8]>>> {
+        let mut reader = image::ImageReader::new(std::io::Cursor::new(bytes)).with_guessed_format().map_err(|e| bad(e.to_string()))?;
+        if reader.format().is_none() {
+            return Err(bad("is not an image this build reads (JPEG, PNG, BMP, GIF, WebP, PNM or TIFF)".into()));
+        }
+        let mut limits = image::Limits::default();
+        if sides {
+            limits.max_image_width = Some(MAX_IMAGE_SIDE);
+            limits.max_image_height = Some(MAX_IMAGE_SIDE);
+        }
+        limits.max_alloc = Some(MAX_DECODED_BYTES);
+        reader.limits(limits);
+        Ok(reader)
+    };
+    let (width, height) = reader(false)?.into_dimensions().map_err(|e| match e {
+        image::ImageError::Limits(_) => limited(e),
+        other => bad(format!("its header: {other}")),
+    })?;
+    if width == 0 || height == 0 || width > MAX_IMAGE_SIDE || height > MAX_IMAGE_SIDE {
+        return Err(bad(format!("is {width}x{height} pixels; an image must be 1 to {MAX_IMAGE_SIDE} pixels on each side")));
+    }
+    let decoded = reader(true)?.decode().map_err(limited)?;
     Ok(decoded.to_rgb8())
 }
 
