@@ -6,6 +6,7 @@
 //!   OH odd), bias, residual, ReLU, maps smaller than the kernel;
 //! - LayerNorm with the row in registers (`layer_norm_packed`, kernels/norm.cu): ConvNeXt's and
 //!   ViT's widths, rows not a multiple of the rows a warp takes, channels-last after a conv.
+//!
 //! Then ConvNeXt-style and ViT-style blocks as timing picks, through the shared harness.
 //!
 //! On the device: `.carry/bin/gpu_speed --include-ignored --nocapture --test-threads 1`.

@@ -592,7 +592,7 @@ const LN_PACKS: usize = 4;
 /// `LN_PACKS` 16-byte packs each; `None` where the row is strided, not whole packs or too long.
 fn packed_lanes(len: usize, inner: usize, elem_size: usize) -> Option<i32> {
     let per_pack = 16 / elem_size;
-    if inner != 1 || len == 0 || len % per_pack != 0 {
+    if inner != 1 || len == 0 || !len.is_multiple_of(per_pack) {
         return None;
     }
     let packs = len / per_pack;
