@@ -40,7 +40,8 @@ def export(model, size, seed, out):
     fp16 = er.run_model(half, model, x.cuda().half())["logits"].float().cpu()
     rel = rel_l2(fp16, fp32)
     wpath = os.path.join(out, f"{model}.weights.safetensors")
-    save_file({k: v.detach().float().cpu().contiguous() for k, v in net.state_dict().items() if v.is_floating_point()}, wpath)
+    # As export_reference.py writes it (integer buffers such as Swin's relative_position_index too).
+    save_file({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, wpath)
     meta = {"model": model, "weights": "torchvision", "seed": str(seed), "input_shape": f"1x3x{h}x{w}", "fp16_rel_l2.logits": f"{rel:.6e}"}
     tensors = {"input": x, "output.logits": fp32, "fp16.logits": fp16}
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, f"{model}.reference.safetensors"), metadata=meta)
