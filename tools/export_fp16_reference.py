@@ -30,14 +30,14 @@ def rel_l2(got, want):
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
-def export(model, size, seed, out):
+def export(model, size, seed, out, device="cuda"):
     net = er.load_weights(model, er.build(model), "torchvision", seed).eval().float()
     h, w = size or (er.default_size(model),) * 2
     x = torch.from_numpy(seeded.weight(f"input.{seed}", [1, 3, h, w]))
-    net = net.cuda()
-    fp32 = er.run_model(net, model, x.cuda())["logits"].float().cpu()
+    net = net.to(device)
+    fp32 = er.run_model(net, model, x.to(device))["logits"].float().cpu()
     half = copy.deepcopy(net).half()
-    fp16 = er.run_model(half, model, x.cuda().half())["logits"].float().cpu()
+    fp16 = er.run_model(half, model, x.to(device).half())["logits"].float().cpu()
     rel = rel_l2(fp16, fp32)
     wpath = os.path.join(out, f"{model}.weights.safetensors")
     # As export_reference.py writes it (integer buffers such as Swin's relative_position_index too).
@@ -54,6 +54,7 @@ def main():
     p.add_argument("--models", default="", help="comma-separated; default: every bundled classifier")
     p.add_argument("--size", type=er.parse_size, help="HxW (default: each model's input size)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda", help="cuda (the reference), or cpu for a smoke run")
     p.add_argument("--kiln", help="the kiln binary that lists the bundled models (as export_reference.py)")
     args = p.parse_args()
     torch.backends.cudnn.allow_tf32 = False
@@ -65,7 +66,7 @@ def main():
     failed = []
     for m in models:
         try:
-            export(m, args.size, args.seed, args.out)
+            export(m, args.size, args.seed, args.out, args.device)
         except Exception as e:  # one model's failure must not hide the others' references
             print(f"EXPORT FAILED: {m}: {e}")
             failed.append(m)
