@@ -201,15 +201,19 @@ __device__ void depthwise_tile(const T* x, const float* w, const float* bias, co
         int relu
 #define DW_TILE_PASS x, w, bias, residual, y, N, H, W, C, OH, OW, ph, pw, relu
 // dw_tile_k{K}_s{S}_h{TH}_{type}: 8 output columns a tile at stride 1, 4 at stride 2.
-#define DW_TILE(T, S_, K)                                                                                                               \
-    extern "C" __global__ void dw_tile_k##K##_s1_h1_##S_(DW_TILE_ARGS(T)) { depthwise_tile<T, K, 1, 1, 8>(DW_TILE_PASS); }            \
-    extern "C" __global__ void dw_tile_k##K##_s1_h2_##S_(DW_TILE_ARGS(T)) { depthwise_tile<T, K, 1, 2, 8>(DW_TILE_PASS); }            \
-    extern "C" __global__ void dw_tile_k##K##_s2_h1_##S_(DW_TILE_ARGS(T)) { depthwise_tile<T, K, 2, 1, 4>(DW_TILE_PASS); }            \
-    extern "C" __global__ void dw_tile_k##K##_s2_h2_##S_(DW_TILE_ARGS(T)) { depthwise_tile<T, K, 2, 2, 4>(DW_TILE_PASS); }
+#define DW_TILE(T, S) \
+    extern "C" __global__ void dw_tile_k3_s1_h1_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 3, 1, 1, 8>(DW_TILE_PASS); } \
+    extern "C" __global__ void dw_tile_k3_s1_h2_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 3, 1, 2, 8>(DW_TILE_PASS); } \
+    extern "C" __global__ void dw_tile_k3_s2_h1_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 3, 2, 1, 4>(DW_TILE_PASS); } \
+    extern "C" __global__ void dw_tile_k3_s2_h2_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 3, 2, 2, 4>(DW_TILE_PASS); } \
+    extern "C" __global__ void dw_tile_k5_s1_h1_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 5, 1, 1, 8>(DW_TILE_PASS); } \
+    extern "C" __global__ void dw_tile_k5_s1_h2_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 5, 1, 2, 8>(DW_TILE_PASS); } \
+    extern "C" __global__ void dw_tile_k5_s2_h1_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 5, 2, 1, 4>(DW_TILE_PASS); } \
+    extern "C" __global__ void dw_tile_k5_s2_h2_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 5, 2, 2, 4>(DW_TILE_PASS); } \
+    extern "C" __global__ void dw_tile_k7_s1_h1_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 7, 1, 1, 8>(DW_TILE_PASS); } \
+    extern "C" __global__ void dw_tile_k7_s1_h2_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 7, 1, 2, 8>(DW_TILE_PASS); } \
+    extern "C" __global__ void dw_tile_k7_s2_h1_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 7, 2, 1, 4>(DW_TILE_PASS); } \
+    extern "C" __global__ void dw_tile_k7_s2_h2_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 7, 2, 2, 4>(DW_TILE_PASS); }
 
-DW_TILE(float, f32, 3)
-DW_TILE(float, f32, 5)
-DW_TILE(float, f32, 7)
-DW_TILE(f16, f16, 3)
-DW_TILE(f16, f16, 5)
-DW_TILE(f16, f16, 7)
+DW_TILE(float, f32)
+DW_TILE(f16, f16)
