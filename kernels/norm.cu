@@ -104,6 +104,76 @@ template <typename T> __device__ void layer_norm(const T* x, T* y, const float* 
     }
 }
 
+// LayerNorm over contiguous rows held in registers: one read and one write of each element
+// (layer_norm's row path above reads a row three times, in 2- or 4-byte loads). A group of G lanes
+// (a power of two, G <= 32) takes a row of `len` elements as len / 16-byte packs, pack p in lane
+// p % G, at most LN_PACKS packs a lane; the warp takes 32 / G rows at a time, so ConvNeXt's
+// 96-channel rows keep every lane busy (G = 4, three packs each). Mean, then the biased variance
+// of x - mean, from the registers, in f32. The host offers it where len is a multiple of the pack
+// and len / pack <= 32 * LN_PACKS; rows must start 16-byte aligned (else the row path runs).
+#define LN_PACKS 4
+template <typename T>
+__device__ void layer_norm_packed(const T* x, T* y, const float* w, const float* b, float eps, i64 rows, int len, int G) {
+    typedef Pack<T> P;
+    const int packs = len / P::N;
+    if (!aligned16(x) || !aligned16(y) || packs * P::N != len || packs > G * LN_PACKS) {
+        layer_norm<T>(x, y, w, b, eps, rows, len, 1);
+        return;
+    }
+    const int lane = threadIdx.x & 31, sub = lane / G, g = lane % G, per_warp = 32 / G;
+    const float inv_len = 1.f / len;
+    const i64 warp0 = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5, warps = ((i64)blockDim.x * gridDim.x) >> 5;
+    // Uniform per warp: every lane shuffles, rows past the end compute on zeros and store nothing.
+    for (i64 base = warp0 * per_warp; base < rows; base += warps * per_warp) {
+        const i64 r = base + sub;
+        const bool live = r < rows;
+        float v[LN_PACKS][P::N];
+        float s = 0.f;
+#pragma unroll
+        for (int k = 0; k < LN_PACKS; ++k) {
+            const int p = g + k * G;
+            P q;
+            q.u = make_uint4(0, 0, 0, 0);
+            if (live && p < packs) q = load_pack(x + r * len + p * P::N);
+#pragma unroll
+            for (int e = 0; e < P::N; ++e) {
+                v[k][e] = to_f32(q.e[e]);
+                s += v[k][e];
+            }
+        }
+        for (int o = G / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        const float mean = s * inv_len;
+        float q2 = 0.f;
+#pragma unroll
+        for (int k = 0; k < LN_PACKS; ++k) {
+            if (g + k * G < packs) {
+#pragma unroll
+                for (int e = 0; e < P::N; ++e) {
+                    const float d = v[k][e] - mean;
+                    q2 += d * d;
+                }
+            }
+        }
+        for (int o = G / 2; o > 0; o >>= 1) q2 += __shfl_xor_sync(0xffffffffu, q2, o);
+        const float rstd = rsqrtf(q2 * inv_len + eps);
+        if (!live) continue;
+#pragma unroll
+        for (int k = 0; k < LN_PACKS; ++k) {
+            const int p = g + k * G;
+            if (p >= packs) continue;
+            const int j0 = p * P::N;
+            P out;
+#pragma unroll
+            for (int e = 0; e < P::N; ++e) {
+                float t = (v[k][e] - mean) * rstd;
+                if (w) t = t * w[j0 + e] + b[j0 + e];
+                out.e[e] = from_f32<T>(t);
+            }
+            store_pack(y + r * len + j0, out);
+        }
+    }
+}
+
 // meta: kept sizes [kept], kept strides in x [kept], reduced sizes [red], reduced strides [red],
 // x's batch stride. Outputs are enumerated in the kept dims' order (innermost last), then the
 // batch. The last reduced dim is the innermost loop (the converter puts the smallest stride last).
@@ -177,6 +247,10 @@ __device__ void matmul(const T* a, const T* b, T* y, int M, int K, int P, i64 nb
     extern "C" __global__ void layer_norm_##S(const T* x, T* y, const float* w, const float* b, float eps, i64 outer, int len,       \
                                               int inner) {                                                                          \
         layer_norm<T>(x, y, w, b, eps, outer, len, inner);                                                                          \
+    }                                                                                                                               \
+    extern "C" __global__ void layer_norm_packed_##S(const T* x, T* y, const float* w, const float* b, float eps, i64 rows, int len,  \
+                                                     int G) {                                                                       \
+        layer_norm_packed<T>(x, y, w, b, eps, rows, len, G);                                                                        \
     }                                                                                                                               \
     extern "C" __global__ void mean_##S(const T* x, T* y, i64 n_out, const i64* meta, int kept, int red, float scale, int warp) {    \
         mean<T>(x, y, n_out, meta, kept, red, scale, warp);                                                                         \

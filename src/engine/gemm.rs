@@ -72,6 +72,16 @@ unsafe fn set_attr<T>(d: sys::cublasLtMatmulDesc_t, attr: sys::cublasLtMatmulDes
         .map_err(cuda_err("cublasLtMatmulDescSetAttribute"))
 }
 
+/// The reduction schemes a GEMM with output type `d` may use: for f16, split-K sums in f32 only
+/// (`COMPUTE_TYPE`; unsplit algorithms have no reduction and always pass), unless
+/// `KILN_GEMM_REDUCED_PRECISION_REDUCTION=1` restores cuBLASLt's default (any scheme, as PyTorch's
+/// `allow_fp16_reduced_precision_reduction`), for A/B measurements. `None`: no mask.
+fn f16_reduction_mask(d: sys::cudaDataType) -> Option<u32> {
+    let reduced = std::env::var("KILN_GEMM_REDUCED_PRECISION_REDUCTION").is_ok_and(|v| v == "1");
+    (d == sys::cudaDataType::CUDA_R_16F && !reduced)
+        .then_some(sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32)
+}
+
 struct Plan {
     a: MatLayout,
     b: MatLayout,
@@ -247,13 +257,15 @@ impl LtMatmul {
         };
         let ld = |ld: usize, dense: usize| if ld == 0 { dense } else { ld };
         let b = layout(self.ab_type, self.k, m, ld(bt.map_or(0, |b| b.ld_x), self.k), bt.map(|b| b.stride_x))?;
-        let c = layout(bt.map_or(t, |b| cuda_type(b.out_elem)), self.n, m, ld(bt.map_or(0, |b| b.ld_y), self.n), bt.map(|b| b.stride_y))?;
+        let c_type = bt.map_or(t, |b| cuda_type(b.out_elem));
+        let c = layout(c_type, self.n, m, ld(bt.map_or(0, |b| b.ld_y), self.n), bt.map(|b| b.stride_y))?;
         let pref = lt::create_matmul_pref().map_err(cuda_err("cublasLtMatmulPreferenceCreate"))?;
         // Plans are made with one workspace limit wherever they are made (build, timing or run),
         // so an engine and its reload choose alike; the arena then holds what the plan needs.
         let ws = GEMM_WORKSPACE;
-        // SAFETY: `pref`, the descriptor and the layouts are live; `ws` outlives the call; `pref`
-        // is destroyed once, after its last use.
+        // SAFETY: `pref`, the descriptor and the layouts are live; `ws` and the reduction masks
+        // (u32, the type REDUCTION_SCHEME_MASK takes) outlive the calls; `pref` is destroyed
+        // once, after its last use.
         let heuristic = unsafe {
             let set = lt::set_matmul_pref_attribute(
                 pref,
@@ -261,7 +273,29 @@ impl LtMatmul {
                 &ws as *const usize as *const c_void,
                 size_of::<usize>(),
             );
-            let h = set.and_then(|_| lt::get_matmul_algo_heuristic(rt.handles.lt, self.desc.0, a.0, b.0, c.0, c.0, pref));
+            // Split-K partial sums of an f16 output in f32, not f16 (the OUTPUT_TYPE and INPLACE
+            // schemes add parts up in the output type): a K = 960 row split four ways rounds
+            // three more times in f16 (issue 28, item 5). The mask is dropped again only if no
+            // algorithm passes it.
+            let masked = f16_reduction_mask(c_type).map(|mask| {
+                lt::set_matmul_pref_attribute(
+                    pref,
+                    sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                    &mask as *const u32 as *const c_void,
+                    size_of::<u32>(),
+                )
+            });
+            let mut h = set.and_then(|_| lt::get_matmul_algo_heuristic(rt.handles.lt, self.desc.0, a.0, b.0, c.0, c.0, pref));
+            if h.is_err() && matches!(masked, Some(Ok(()))) {
+                let all = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_MASK as u32;
+                h = lt::set_matmul_pref_attribute(
+                    pref,
+                    sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                    &all as *const u32 as *const c_void,
+                    size_of::<u32>(),
+                )
+                .and_then(|_| lt::get_matmul_algo_heuristic(rt.handles.lt, self.desc.0, a.0, b.0, c.0, c.0, pref));
+            }
             let _ = lt::destroy_matmul_pref(pref);
             h.map_err(|e| Error::Cuda {
                 context: format!("cuBLASLt has no algorithm for `{}` with {m} rows", self.path),

@@ -84,7 +84,7 @@ impl OpDef for Norm {
     }
     fn entry_points(&self) -> Vec<String> {
         // Softmax and LayerNorm; BatchNorm runs as cuDNN or the elementwise family's `bias_act`.
-        crate::engine::launch::typed_entry_points(&["softmax", "layer_norm"])
+        crate::engine::launch::typed_entry_points(&["softmax", "layer_norm", "layer_norm_packed"])
     }
     fn colour(&self) -> &'static str {
         "#ffe08a"
@@ -510,6 +510,8 @@ struct RowsLayer {
     outer: usize,
     len: i32,
     inner: i32,
+    /// `layer_norm_packed`'s lanes per row (the row held in registers); `None`: the row kernel.
+    packed_lanes: Option<i32>,
     sm_count: u32,
 }
 
@@ -522,18 +524,25 @@ impl Layer for RowsLayer {
             RowOp::Softmax => "softmax",
             RowOp::LayerNorm { .. } => "layer_norm",
         };
-        format!("kernel:{what}{}", if self.inner == 1 { "_rows" } else { "_cols" })
+        match self.packed_lanes {
+            Some(_) => format!("kernel:{what}_packed"),
+            None => format!("kernel:{what}{}", if self.inner == 1 { "_rows" } else { "_cols" }),
+        }
     }
     fn enqueue(&self, rt: &crate::engine::RunCtx, batch: usize) -> Result<()> {
         use crate::engine::launch::{grid_for, launch, KArg, BLOCK};
         let outer = batch * self.outer;
-        let threads = if self.inner == 1 { outer * 32 } else { outer * self.inner as usize };
+        let threads = match self.packed_lanes {
+            Some(g) => outer * g as usize,
+            None if self.inner == 1 => outer * 32,
+            None => outer * self.inner as usize,
+        };
         let mut args = vec![KArg::Ptr(rt.ptr(self.x)), KArg::Ptr(rt.ptr(self.y))];
         if let RowOp::LayerNorm { eps, .. } = self.op {
             let (w, b) = self.params.as_ref().map_or((0, 0), |(w, b)| (w.ptr(), b.ptr()));
             args.extend([KArg::Ptr(w), KArg::Ptr(b), KArg::F32(eps)]);
         }
-        args.extend([KArg::I64(outer as i64), KArg::I32(self.len), KArg::I32(self.inner)]);
+        args.extend([KArg::I64(outer as i64), KArg::I32(self.len), KArg::I32(self.packed_lanes.unwrap_or(self.inner))]);
         launch(rt, &self.f, grid_for(threads, self.sm_count), (BLOCK, 1, 1), 0, &args)
     }
 }
@@ -558,12 +567,12 @@ fn gpu_rows(ctx: &mut BuildCtx, node: NodeId, op: RowOp, dim: usize, count: usiz
         i32::try_from(v).map_err(|_| ctx.err(node, LowerKind::TooLarge, format!("{what} = {v} exceeds the kernels' 32-bit range")))
     };
     let (len, inner) = (int("row length", len)?, int("inner size", inner)?);
-    let params = match op {
+    let upload_params = |ctx: &mut BuildCtx| match op {
         RowOp::LayerNorm { affine: true, .. } => {
             let (w, b) = (ctx.weight(node, 1)?.clone(), ctx.weight(node, 2)?.clone());
-            Some((ctx.upload_f32(&w.data)?, ctx.upload_f32(&b.data)?))
+            Ok::<_, crate::Error>(Some((ctx.upload_f32(&w.data)?, ctx.upload_f32(&b.data)?)))
         }
-        _ => None,
+        _ => Ok(None),
     };
     let name = match op {
         RowOp::Softmax => "softmax",
@@ -571,7 +580,37 @@ fn gpu_rows(ctx: &mut BuildCtx, node: NodeId, op: RowOp, dim: usize, count: usiz
     };
     let f = ctx.kernels.get(&format!("{name}_{}", dx.elem.suffix()))?;
     let path = ctx.node(node).path.clone();
-    Ok(Box::new(RowsLayer { path, op, f, x, y, params, outer, len, inner, sm_count: ctx.kernels.sm_count() }))
+    let sm_count = ctx.kernels.sm_count();
+    let params = upload_params(ctx)?;
+    let rows = RowsLayer { path: path.clone(), op, f, x, y, params, outer, len, inner, packed_lanes: None, sm_count };
+    let lanes = packed_lanes(len as usize, inner as usize, dx.elem.size());
+    match (op, lanes) {
+        (RowOp::LayerNorm { .. }, Some(g)) => {
+            // The register-held row kernel beside the row kernel: timing picks (a tactic, so the
+            // slower cannot be chosen, and `tactic_sources` can force either).
+            let f = ctx.kernels.get(&format!("layer_norm_packed_{}", dx.elem.suffix()))?;
+            let params = upload_params(ctx)?;
+            let packed = RowsLayer { path, op, f, x, y, params, outer, len, inner, packed_lanes: Some(g), sm_count };
+            let key = ctx.problem_key(node);
+            ctx.choose(&key, vec![Box::new(rows), Box::new(packed)])
+        }
+        _ => Ok(Box::new(rows)),
+    }
+}
+
+/// Packs of 16 bytes a lane holds at most in `layer_norm_packed` (`LN_PACKS` in kernels/norm.cu).
+const LN_PACKS: usize = 4;
+
+/// The lanes per row `layer_norm_packed` takes for contiguous rows of `len` elements of
+/// `elem_size` bytes: the fewest (a power of two up to a warp) that hold the row in at most
+/// `LN_PACKS` 16-byte packs each; `None` where the row is strided, not whole packs or too long.
+fn packed_lanes(len: usize, inner: usize, elem_size: usize) -> Option<i32> {
+    let per_pack = 16 / elem_size;
+    if inner != 1 || len == 0 || !len.is_multiple_of(per_pack) {
+        return None;
+    }
+    let packs = len / per_pack;
+    [1i32, 2, 4, 8, 16, 32].into_iter().find(|&g| g as usize * LN_PACKS >= packs)
 }
 
 /// The Kiln twins of this family's PyTorch op fixtures (`op_cases()` in tools/export_reference.py).
@@ -643,6 +682,21 @@ mod tests {
         let (w, b) = (t(&[2], vec![2.0, 3.0]), t(&[2], vec![0.5, -0.5]));
         let y = layer_norm_cpu(1, &[2], 0.0, t(&[1, 2, 2], vec![1.0, 2.0, 3.0, 6.0]), Some((&w, &b))).unwrap();
         assert_eq!(y.data, vec![-1.5, -1.5, 2.5, 2.5]);
+    }
+
+    #[test]
+    fn packed_layer_norm_lanes_hold_the_row_in_at_most_four_packs() {
+        // ConvNeXt's widths in f16 (8 halves a pack): 12, 24, 48, 96 packs -> 3 packs a lane.
+        assert_eq!(packed_lanes(96, 1, 2), Some(4));
+        assert_eq!(packed_lanes(192, 1, 2), Some(8));
+        assert_eq!(packed_lanes(384, 1, 2), Some(16));
+        assert_eq!(packed_lanes(768, 1, 2), Some(32));
+        assert_eq!(packed_lanes(8, 1, 2), Some(1));
+        assert_eq!(packed_lanes(768, 1, 4), None, "192 f32 packs exceed 32 lanes x 4");
+        assert_eq!(packed_lanes(24, 1, 4), Some(2));
+        assert_eq!(packed_lanes(20, 1, 2), None, "not whole packs");
+        assert_eq!(packed_lanes(96, 5, 2), None, "strided rows");
+        assert_eq!(packed_lanes(1032, 1, 2), None);
     }
 
     #[test]

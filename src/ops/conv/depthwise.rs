@@ -1,5 +1,7 @@
-//! Kiln's depthwise convolution kernel (`kernels/depthwise.cu`): a tactic candidate beside
-//! cuDNN's for `groups == channels` convolutions.
+//! Kiln's depthwise convolution kernels (`kernels/depthwise.cu`): tactic candidates beside
+//! cuDNN's for `groups == channels` convolutions. The simple kernel (a thread per output pixel and
+//! 16-byte pack) and the register-tiled one (`dw_tile_*`: a thread per 1x8 or 2x8 output tile and
+//! 8-byte pack, each input row loaded once per tile) are timed against each other and cuDNN.
 
 use super::{Activation, ConvAttrs};
 use crate::engine::launch::{grid_for, launch, nhwc, pack, same_elem, to_i32, CudaFunction, KArg, BLOCK};
@@ -22,6 +24,8 @@ pub struct DepthwiseLayer {
     /// H, W, C, OH, OW, sh, sw, ph, pw, relu
     dims: [i32; 10],
     vec: usize,
+    /// The tiled kernel's (rows, columns) of output pixels a thread; `None`: the simple kernel.
+    tile: Option<(usize, usize)>,
     sm_count: u32,
 }
 
@@ -45,27 +49,39 @@ impl Layer for DepthwiseLayer {
             KArg::Ptr(rt.ptr(self.y)),
             KArg::I32(n),
         ];
-        args.extend(self.dims.map(KArg::I32));
-        args.push(KArg::I32((self.vec > 1) as i32));
-        let [_, _, c, oh, ow, ..] = self.dims;
-        let work = batch * (oh as usize) * (ow as usize) * (c as usize) / self.vec;
+        let [h, w, c, oh, ow, _sh, _sw, ph, pw, relu] = self.dims;
+        let (c, oh, ow) = (c as usize, oh as usize, ow as usize);
+        let work = match self.tile {
+            None => {
+                args.extend(self.dims.map(KArg::I32));
+                args.push(KArg::I32((self.vec > 1) as i32));
+                batch * oh * ow * c / self.vec
+            }
+            Some((th, tw)) => {
+                // The tiled kernel's stride is in its entry point's name.
+                args.extend([h, w, c as i32, oh as i32, ow as i32, ph, pw, relu].map(KArg::I32));
+                batch * oh.div_ceil(th) * ow.div_ceil(tw) * (c / self.vec)
+            }
+        };
         launch(rt, &self.f, grid_for(work, self.sm_count), (BLOCK, 1, 1), 0, &args)
     }
 }
 
-/// The [`DepthwiseLayer`] candidate for a Conv2d node, or `None` where it does not apply: not
-/// transposed, `groups == Cin == Cout`, a square 3x3 or 5x5 kernel, dilation 1, stride 1 or 2.
-/// Inputs as the conv converter reads them: x, weight `[C, 1, K, K]`, bias?, residual?.
-pub fn candidate(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, y: ValueId) -> Result<Option<Box<dyn Layer>>> {
+/// The [`DepthwiseLayer`] candidates for a Conv2d node, none where they do not apply: not
+/// transposed, `groups == Cin == Cout`, a square 3x3, 5x5 or 7x7 kernel, dilation 1, stride 1 or
+/// 2. The simple kernel always; the tiled kernel in 1- and 2-row tiles where C is a multiple of
+/// its 8-byte pack. Inputs as the conv converter reads them: x, weight `[C, 1, K, K]`, bias?,
+/// residual?.
+pub fn candidate(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, y: ValueId) -> Result<Vec<Box<dyn Layer>>> {
     let w = ctx.weight(node, 1)?;
     let k = match w.shape[..] {
         [_, 1, k, k2] if k == k2 && matches!(k, 3 | 5 | 7) => k,
-        _ => return Ok(None),
+        _ => return Ok(Vec::new()),
     };
     let c = w.shape[0];
     let fits = !a.transposed && a.groups == c && a.dilation == [1, 1] && a.stride.iter().all(|s| (1..=2).contains(s));
     if !fits {
-        return Ok(None);
+        return Ok(Vec::new());
     }
     let x = ctx.input(node, 0)?;
     let residual = if a.residual { Some(ctx.input(node, if a.bias { 3 } else { 2 })?) } else { None };
@@ -75,7 +91,7 @@ pub fn candidate(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, y: ValueId) ->
     let (cx, h, wd) = nhwc(ctx, node, x)?;
     let (cy, oh, ow) = nhwc(ctx, node, y)?;
     if cx != c || cy != c {
-        return Ok(None);
+        return Ok(Vec::new());
     }
     // [C, 1, K, K] -> [K*K, C]: tap-major, channels innermost.
     let taps = k * k;
@@ -97,28 +113,34 @@ pub fn candidate(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, y: ValueId) ->
     {
         *d = to_i32(ctx, node, name, v)?;
     }
-    let w = ctx.upload_f32(&wt)?;
-    let bias = bias.map(|b| ctx.upload_f32(&b)).transpose()?;
-    let entry = format!("depthwise_k{k}_{}", elem.suffix());
-    let f = ctx.kernels.get(&entry)?;
-    let vec = if c % pack(elem) == 0 { pack(elem) } else { 1 };
-    Ok(Some(Box::new(DepthwiseLayer {
-        path: ctx.node(node).path.clone(),
-        kind: format!("kernel:{entry}"),
-        f,
-        x,
-        residual,
-        y,
-        w,
-        bias,
-        dims,
-        vec,
-        sm_count: ctx.kernels.sm_count(),
-    })))
+    let path = ctx.node(node).path.clone();
+    let sm_count = ctx.kernels.sm_count();
+    // The simple kernel: 16-byte packs where C allows, else one channel a thread.
+    let mut variants = vec![(format!("depthwise_k{k}_{}", elem.suffix()), if c % pack(elem) == 0 { pack(elem) } else { 1 }, None)];
+    // The tiled kernel: 8-byte packs, 8 output columns a thread at stride 1, 4 at stride 2.
+    let (v8, s) = (8 / elem.size(), a.stride[0]);
+    if c % v8 == 0 && a.stride[0] == a.stride[1] {
+        let tw = if s == 1 { 8 } else { 4 };
+        variants.extend([1, 2].map(|th| (format!("dw_tile_k{k}_s{s}_h{th}_{}", elem.suffix()), v8, Some((th, tw)))));
+    }
+    let mut out: Vec<Box<dyn Layer>> = Vec::new();
+    for (entry, vec, tile) in variants {
+        // Uploads of the same bytes share one buffer (the engine's weight store).
+        let w = ctx.upload_f32(&wt)?;
+        let bias = bias.as_ref().map(|b| ctx.upload_f32(b)).transpose()?;
+        let f = ctx.kernels.get(&entry)?;
+        let kind = format!("kernel:{entry}");
+        out.push(Box::new(DepthwiseLayer { path: path.clone(), kind, f, x, residual, y, w, bias, dims, vec, tile, sm_count }));
+    }
+    Ok(out)
 }
 
 /// The depthwise kernels' entry points (`kernels/depthwise.cu`), for the list every family's
 /// kernels are compiled and checked from.
 pub(crate) fn entry_points() -> Vec<String> {
-    crate::engine::launch::typed_entry_points(&["depthwise_k3", "depthwise_k5", "depthwise_k7"])
+    let tiled: Vec<String> =
+        [3, 5, 7].iter().flat_map(|k| [1, 2].iter().flat_map(move |s| [1, 2].map(|h| format!("dw_tile_k{k}_s{s}_h{h}")))).collect();
+    let mut stems = vec!["depthwise_k3", "depthwise_k5", "depthwise_k7"];
+    stems.extend(tiled.iter().map(String::as_str));
+    crate::engine::launch::typed_entry_points(&stems)
 }
