@@ -468,6 +468,8 @@ class ParamOp(nn.Module):
 
 # Op fixtures whose input spans [-4, 4] (or more) rather than [-1, 1], to reach every branch.
 WIDE_INPUTS = {"sigmoid": 4.0, "silu": 4.0, "hardswish": 4.0, "hardsigmoid": 4.0, "gelu_exact": 4.0, "gelu_tanh": 4.0, "tanh": 4.0}
+WIDE_INPUTS.update({"exp": 4.0, "log": 4.0, "sqrt": 4.0, "rsqrt": 4.0, "erf": 4.0, "elu": 4.0, "elu_alpha": 4.0, "mish": 8.0})
+WIDE_INPUTS.update({"pow_square": 3.0, "pow_cube": 3.0, "pow_sqrt": 3.0, "abs": 2.0})
 WIDE_INPUTS.update({"asinh": 4.0, "clamp_relu6": 8.0, "clamp_hardtanh": 4.0, "softplus": 4.0, "softplus_beta2_threshold": 4.0})
 # Quantisation cases span the saturation range of their scales.
 WIDE_INPUTS.update({k: 4.0 for k in ["fake_quantize_per_tensor_affine", "fake_quantize_per_tensor_zero_point", "fake_quantize_per_channel_affine", "fake_quantize_fp8_e4m3", "fake_quantize_fp8_per_channel", "quantize_int8_per_tensor", "quantize_int8_per_channel", "quantize_fp8", "dequantize_int8_per_tensor", "dequantize_int8_per_channel", "dequantize_fp8"]})
@@ -570,6 +572,22 @@ def op_cases():
     c.append(("affine_div", lambda a: a / 6, [[2, 3, 5, 6]]))
     c.append(("softplus", nn.Softplus(), [[2, 3, 5, 6]]))
     c.append(("softplus_beta2_threshold", nn.Softplus(beta=2.0, threshold=1.5), [[2, 3, 5, 6]]))
+    # Issue 26's unary ops: math functions, ELU, Mish, pow with a number exponent.
+    c.append(("exp", torch.exp, [[2, 3, 5, 6]]))
+    c.append(("log", lambda a: torch.log(a.abs()), [[2, 3, 5, 6]]))
+    c.append(("sqrt", lambda a: torch.sqrt(a.abs()), [[2, 3, 5, 6]]))
+    c.append(("rsqrt", lambda a: torch.rsqrt(a.abs() + 0.1), [[2, 3, 5, 6]]))
+    c.append(("reciprocal", lambda a: torch.reciprocal(a.abs() + 0.5), [[2, 3, 5, 6]]))
+    c.append(("reciprocal_signed", lambda a: 1.0 / a, [[2, 3, 5, 6]]))
+    c.append(("abs", torch.abs, [[2, 3, 5, 6]]))
+    c.append(("erf", torch.erf, [[2, 3, 5, 6]]))
+    c.append(("elu", nn.ELU(), [[2, 3, 5, 6]]))
+    c.append(("elu_alpha", lambda a: F.elu(a, alpha=0.5), [[2, 3, 5, 6]]))
+    c.append(("mish", nn.Mish(), [[2, 3, 5, 6]]))
+    c.append(("pow_square", lambda a: a ** 2, [[2, 3, 5, 6]]))
+    c.append(("pow_cube", lambda a: torch.pow(a, 3), [[2, 3, 5, 6]]))
+    c.append(("pow_sqrt", lambda a: a.abs() ** 0.5, [[2, 3, 5, 6]]))
+    c.append(("pow_minus2", lambda a: (a.abs() + 0.5) ** -2, [[2, 3, 5, 6]]))
     # Binary ops with broadcasting; constants as module parameters (seeded as `<case>.<name>`).
     c.append(("sub", lambda a, b: a - b, [[2, 3, 4, 5], [2, 3, 4, 5]]))
     c.append(("div", lambda a, b: a / (b.abs() + 0.5), [[2, 3, 4, 5], [2, 3, 4, 5]]))
