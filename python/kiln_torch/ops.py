@@ -188,6 +188,14 @@ SIMPLE_UNARY = {
     "aten.hardsigmoid.default": "Hardsigmoid",
     "aten.tanh.default": "Tanh",
     "aten.asinh.default": "Asinh",
+    "aten.exp.default": "Exp",
+    "aten.log.default": "Log",
+    "aten.sqrt.default": "Sqrt",
+    "aten.rsqrt.default": "Rsqrt",
+    "aten.reciprocal.default": "Reciprocal",
+    "aten.abs.default": "Abs",
+    "aten.erf.default": "Erf",
+    "aten.mish.default": "Mish",
 }
 
 
@@ -227,6 +235,28 @@ def clamp_op(cx, a):
     return cx.node(clamp(lo, hi), [act(a["self"])], "clamp")
 
 
+@aten("aten.elu.default")
+def elu(cx, a):
+    """`F.elu`, and SELU / CELU as PyTorch writes them: `scale * elu(input_scale * x, alpha)`."""
+    x = act(a["self"])
+    scale, input_scale = float(a.get("scale", 1.0)), float(a.get("input_scale", 1.0))
+    if input_scale != 1.0:
+        x = cx.node(affine(input_scale, 0.0), [x], "affine", tshape=x.tshape)
+    y = cx.node(unary("Elu", alpha=float(a.get("alpha", 1.0))), [x], "elu", tshape=x.tshape)
+    return y if scale == 1.0 else cx.node(affine(scale, 0.0), [y], "affine")
+
+
+@aten("aten.pow.Tensor_Scalar")
+def pow_scalar(cx, a):
+    e = scalar_of(a["exponent"])
+    if e is None:
+        raise Unsupported("pow with a tensor exponent (Kiln's pow takes a number)")
+    x = act(a["self"])
+    if e == 1.0:
+        return x
+    return cx.node(unary("Pow", exponent=float(e)), [x], "pow")
+
+
 @aten("aten.neg.default")
 def neg(cx, a):
     return cx.node(affine(-1.0, 0.0), [act(a["self"])], "affine")
@@ -237,6 +267,8 @@ def neg(cx, a):
 
 def _scalar_affine(cx, op, x, s, reverse=False):
     """`x op s` (or `s op x`) with a number `s`, as one `x * scale + shift`."""
+    if not reverse and ((op in ("Add", "Sub") and s == 0.0) or (op in ("Mul", "Div") and s == 1.0)):
+        return x  # exact: PyTorch's `1.0 / x` is `reciprocal(x) * 1.0`
     if op == "Add":
         return cx.node(affine(1.0, s), [x], "affine")
     if op == "Sub":
@@ -244,7 +276,9 @@ def _scalar_affine(cx, op, x, s, reverse=False):
     if op == "Mul":
         return cx.node(affine(s, 0.0), [x], "affine")
     if reverse:
-        raise Unsupported(f"{s} / x: Kiln has no reciprocal op")
+        # s / x as reciprocal(x) * s (one rounding more than PyTorch's division when s is not 1).
+        r = cx.node(unary("Reciprocal"), [x], "reciprocal", tshape=x.tshape)
+        return r if s == 1.0 else cx.node(affine(s, 0.0), [r], "affine")
     return cx.node(affine(1.0 / s, 0.0), [x], "affine")
 
 
@@ -270,7 +304,8 @@ def arith(cx, op, x, y, alpha=1):
         # c - y as (-y) + c: the same f32 result, with the activation first.
         return cx.binary("Add", cx.node(affine(-1.0, 0.0), [y], "affine", tshape=y.tshape), x)
     elif not is_act(x):
-        raise Unsupported("a constant divided by an activation (Kiln has no reciprocal op)")
+        # c / y as reciprocal(y) * c, the constant a weight.
+        return cx.binary("Mul", cx.node(unary("Reciprocal"), [y], "reciprocal", tshape=y.tshape), x)
     return cx.binary(op, x, y)
 
 

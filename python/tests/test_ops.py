@@ -33,7 +33,7 @@ class OpTable(unittest.TestCase):
                      "aten.relu.default", "aten.add.Tensor", "aten.view.default", "aten.cat.default", "aten.split.Tensor",
                      "aten.scaled_dot_product_attention.default", "aten.upsample_bilinear2d.vec", "torchvision.deform_conv2d.default"]:
             self.assertIsNotNone(ops.lookup(name), name)
-        self.assertIsNone(ops.lookup("aten.erf.default"))
+        self.assertIsNone(ops.lookup("aten.cumsum.default"))
 
     def test_a_user_table_comes_first_and_matches_every_overload(self):
         user = ops.custom_table({"mylib::swish": "swish", "aten.erf.default": ops.CustomOp("erf")})
@@ -90,8 +90,44 @@ class Converters(unittest.TestCase):
         add = b.graph.nodes[y.id]
         self.assertEqual(add["op"], {"Binary": "Add"})
         self.assertEqual(b.graph.nodes[add["inputs"][0]]["op"], {"Unary": {"Affine": {"scale": -1.0, "shift": 0.0}}})
-        with self.assertRaisesRegex(Unsupported, "reciprocal"):
-            ops.TABLE["aten.div.Tensor"](b, {"self": c, "other": x})
+        # c / x: a reciprocal, then the constant as a weight.
+        y = ops.TABLE["aten.div.Tensor"](b, {"self": c, "other": x})
+        mul = b.graph.nodes[y.id]
+        self.assertEqual(mul["op"], {"Binary": "Mul"})
+        self.assertEqual(b.graph.nodes[mul["inputs"][0]]["op"], {"Unary": "Reciprocal"})
+        self.assertEqual(b.graph.nodes[mul["inputs"][1]]["op"], {"Weight": {"name": "anchors"}})
+
+    def test_math_functions_are_unary_ops(self):
+        b, x = builder([1, 4])
+        for target, kind in [("aten.exp.default", "Exp"), ("aten.log.default", "Log"), ("aten.sqrt.default", "Sqrt"),
+                             ("aten.rsqrt.default", "Rsqrt"), ("aten.reciprocal.default", "Reciprocal"), ("aten.abs.default", "Abs"),
+                             ("aten.erf.default", "Erf"), ("aten.mish.default", "Mish")]:
+            y = ops.TABLE[target](b, {"self": x})
+            self.assertEqual(b.graph.nodes[y.id]["op"], {"Unary": kind}, target)
+        y = ops.TABLE["aten.pow.Tensor_Scalar"](b, {"self": x, "exponent": 2})
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Unary": {"Pow": {"exponent": 2.0}}})
+        self.assertIs(ops.TABLE["aten.pow.Tensor_Scalar"](b, {"self": x, "exponent": 1}), x)
+        with self.assertRaisesRegex(Unsupported, "tensor exponent"):
+            ops.TABLE["aten.pow.Tensor_Scalar"](b, {"self": x, "exponent": Const("e", np.ones([4], np.float32))})
+
+    def test_a_number_over_an_activation_is_a_reciprocal_and_an_affine(self):
+        b, x = builder([1, 4])
+        y = ops.TABLE["aten.div.Tensor"](b, {"self": 2.0, "other": x})
+        node = b.graph.nodes[y.id]
+        self.assertEqual(node["op"], {"Unary": {"Affine": {"scale": 2.0, "shift": 0.0}}})
+        self.assertEqual(b.graph.nodes[node["inputs"][0]]["op"], {"Unary": "Reciprocal"})
+        y = ops.TABLE["aten.reciprocal.default"](b, {"self": x})
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Unary": "Reciprocal"})
+
+    def test_elu_and_selu(self):
+        b, x = builder([1, 4])
+        y = ops.TABLE["aten.elu.default"](b, {"self": x, "alpha": 0.5, "scale": 1, "input_scale": 1})
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Unary": {"Elu": {"alpha": 0.5}}})
+        # SELU: scale * elu(x, alpha).
+        y = ops.TABLE["aten.elu.default"](b, {"self": x, "alpha": 1.6732632423543772, "scale": 1.0507009873554805, "input_scale": 1})
+        node = b.graph.nodes[y.id]
+        self.assertEqual(node["op"], {"Unary": {"Affine": {"scale": 1.0507009873554805, "shift": 0.0}}})
+        self.assertIn("Elu", b.graph.nodes[node["inputs"][0]]["op"]["Unary"])
 
     def test_relu6_and_hardtanh_are_clamps(self):
         b, x = builder([1, 4])
