@@ -495,6 +495,8 @@ def op_cases():
     c.append(("avg_pool2d_pad_exclude", nn.AvgPool2d(3, stride=2, padding=1, count_include_pad=False), [[1, 3, 9, 12]]))
     c.append(("avg_pool2d_ceil", nn.AvgPool2d(2, stride=2, ceil_mode=True), [[2, 2, 7, 9]]))
     c.append(("adaptive_avg_pool2d_3x3", nn.AdaptiveAvgPool2d(3), [[2, 4, 7, 10]]))
+    c.append(("adaptive_max_pool2d_3x3", nn.AdaptiveMaxPool2d(3), [[2, 4, 7, 10]]))
+    c.append(("adaptive_max_pool2d_1x1", lambda a: F.adaptive_max_pool2d(a, 1), [[2, 8, 5, 6]]))
     c.append(("conv_transpose2d_outpad_groups", nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1, groups=2), [[1, 4, 5, 7]]))
     c.append(("conv_transpose2d_k4s2", nn.ConvTranspose2d(6, 4, 4, stride=2, padding=1, bias=False), [[2, 6, 5, 5]]))
     c.append(("batch_norm2d_eps", nn.BatchNorm2d(5, eps=1e-3), [[2, 5, 4, 6]]))

@@ -540,6 +540,13 @@ def adaptive_avg_pool2d(cx, a):
     return cx.node({"Pool": {"AdaptiveAvg": {"output": out}}}, [x], "adaptive_avg_pool2d")
 
 
+@aten("aten.adaptive_max_pool2d.default")
+def adaptive_max_pool2d(cx, a):
+    x = cx.batched(act(a["self"]), 4, "adaptive max pooling")
+    out = pair(a["output_size"], "output_size")
+    return (cx.node({"Pool": {"AdaptiveMax": {"output": out}}}, [x], "adaptive_max_pool2d"), None)
+
+
 def _mean(cx, x, dims, keepdim):
     x = act(x)
     rank = len(x.tshape)

@@ -119,6 +119,12 @@ class Converters(unittest.TestCase):
         y = ops.TABLE["aten.reciprocal.default"](b, {"self": x})
         self.assertEqual(b.graph.nodes[y.id]["op"], {"Unary": "Reciprocal"})
 
+    def test_adaptive_max_pooling_gives_its_values(self):
+        b, x = builder([1, 3, 8, 8], out=(1, 3, 2, 2))
+        y, indices = ops.TABLE["aten.adaptive_max_pool2d.default"](b, {"self": x, "output_size": [2, 2]})
+        self.assertIsNone(indices)
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Pool": {"AdaptiveMax": {"output": [2, 2]}}})
+
     def test_elu_and_selu(self):
         b, x = builder([1, 4])
         y = ops.TABLE["aten.elu.default"](b, {"self": x, "alpha": 0.5, "scale": 1, "input_scale": 1})

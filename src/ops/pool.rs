@@ -1,4 +1,4 @@
-//! Pooling: MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, and the mean over any dims (`Tensor::mean`).
+//! Pooling: MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, adaptive max pooling, and the mean over any dims (`Tensor::mean`).
 
 use crate::engine::launch::{grid_for, launch, nhwc, pack, same_elem, to_i32, typed_entry_points, CudaFunction, KArg, BLOCK};
 use crate::engine::{BuildCtx, Layer, Layout, RunCtx, ValueId};
@@ -35,6 +35,10 @@ pub enum Pool {
     AdaptiveAvg {
         output: [usize; 2],
     },
+    /// `nn.AdaptiveMaxPool2d(output)` (its values; the indices are not computed).
+    AdaptiveMax {
+        output: [usize; 2],
+    },
     /// `x.mean(dims, keepdim)`: `dims` sorted, distinct, >= 1 (the batch is dim 0).
     Mean {
         dims: Vec<usize>,
@@ -48,13 +52,14 @@ impl OpDef for Pool {
             Pool::Max(_) => "max_pool2d",
             Pool::Avg(_) => "avg_pool2d",
             Pool::AdaptiveAvg { .. } => "adaptive_avg_pool2d",
+            Pool::AdaptiveMax { .. } => "adaptive_max_pool2d",
             Pool::Mean { .. } => "mean",
         }
     }
     fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
         match self {
             Pool::Max(a) | Pool::Avg(a) => pool2d_shape(a, inputs),
-            Pool::AdaptiveAvg { output } => adaptive_avg_pool2d_shape(*output, inputs),
+            Pool::AdaptiveAvg { output } | Pool::AdaptiveMax { output } => adaptive_avg_pool2d_shape(*output, inputs),
             Pool::Mean { dims, keepdim } => mean_shape(dims, *keepdim, inputs),
         }
     }
@@ -65,6 +70,7 @@ impl OpDef for Pool {
             Pool::Max(a) => max_pool2d_cpu(a, x),
             Pool::Avg(a) => avg_pool2d_cpu(a, x),
             Pool::AdaptiveAvg { output } => adaptive_avg_pool2d_cpu(*output, x),
+            Pool::AdaptiveMax { output } => adaptive_max_pool2d_cpu(*output, x),
             Pool::Mean { dims, keepdim } => mean_cpu(dims, *keepdim, x),
         }
     }
@@ -86,6 +92,7 @@ impl OpDef for Pool {
             Pool::Max(a) => pool_layer(ctx, node, PoolKind::Max, a.window()),
             Pool::Avg(a) => pool_layer(ctx, node, PoolKind::Avg { count_include_pad: a.count_include_pad }, a.window()),
             Pool::AdaptiveAvg { .. } => pool_layer(ctx, node, PoolKind::Adaptive, [0; 6]),
+            Pool::AdaptiveMax { .. } => pool_layer(ctx, node, PoolKind::AdaptiveMax, [0; 6]),
             Pool::Mean { dims, .. } => gpu_mean(ctx, node, dims),
         }
     }
@@ -100,7 +107,7 @@ impl OpDef for Pool {
                 }
                 s
             }
-            Pool::AdaptiveAvg { output } => format!("adaptive_avg_pool2d -> {}x{}", output[0], output[1]),
+            Pool::AdaptiveAvg { output } | Pool::AdaptiveMax { output } => format!("{} -> {}x{}", self.name(), output[0], output[1]),
             Pool::Mean { dims, keepdim } => format!("mean {dims:?}{}", if *keepdim { " keepdim" } else { "" }),
         }
     }
@@ -204,6 +211,10 @@ impl Tensor {
     /// `F.adaptive_avg_pool2d(x, output)`, inline.
     pub fn adaptive_avg_pool2d(&self, output: [usize; 2]) -> Result<Tensor> {
         Tensor::record_inline(Op::Pool(Pool::AdaptiveAvg { output }), &[self])
+    }
+    /// `F.adaptive_max_pool2d(x, output)` (its values), inline.
+    pub fn adaptive_max_pool2d(&self, output: [usize; 2]) -> Result<Tensor> {
+        Tensor::record_inline(Op::Pool(Pool::AdaptiveMax { output }), &[self])
     }
     /// `x.mean(dims, keepdim)` inline: the mean over `dims` (each >= 1: the batch is dim 0; the
     /// order does not matter), e.g. `x.mean(&[2, 3], false)` is global average pooling of NCHW.
@@ -365,6 +376,32 @@ pub fn avg_pool2d_cpu(a: &PoolAttrs, x: &HostTensor) -> Result<HostTensor, Strin
     }))
 }
 
+/// `torch.nn.AdaptiveMaxPool2d`: output cell `i` is the maximum of the cells
+/// `adaptive_avg_pool2d_cpu` averages; NaN wins, as in PyTorch.
+pub fn adaptive_max_pool2d_cpu(output: [usize; 2], x: &HostTensor) -> Result<HostTensor, String> {
+    let out_shape = adaptive_avg_pool2d_shape(output, &[&x.shape])?;
+    let (h, w) = (x.shape[2], x.shape[3]);
+    if h == 0 || w == 0 {
+        return Err(format!("cannot pool an empty {h}x{w} input"));
+    }
+    let bounds = |i: usize, len: usize, o: usize| (i * len / o, ((i + 1) * len).div_ceil(o));
+    Ok(per_plane(x, out_shape, |src, dst| {
+        for oy in 0..output[0] {
+            let (y0, y1) = bounds(oy, h, output[0]);
+            for ox in 0..output[1] {
+                let (x0, x1) = bounds(ox, w, output[1]);
+                let mut m = f32::NEG_INFINITY;
+                for &v in src[y0 * w..y1 * w].chunks_exact(w).flat_map(|row| &row[x0..x1]) {
+                    if v > m || v.is_nan() {
+                        m = v;
+                    }
+                }
+                dst[oy * output[1] + ox] = m;
+            }
+        }
+    }))
+}
+
 /// `torch.nn.AdaptiveAvgPool2d`: output cell `i` averages input `floor(i·H/o) .. ceil((i+1)·H/o)`.
 pub fn adaptive_avg_pool2d_cpu(output: [usize; 2], x: &HostTensor) -> Result<HostTensor, String> {
     let out_shape = adaptive_avg_pool2d_shape(output, &[&x.shape])?;
@@ -390,7 +427,7 @@ pub fn adaptive_avg_pool2d_cpu(output: [usize; 2], x: &HostTensor) -> Result<Hos
 // ---- engine layers (kernels/pool.cu) ----------------------------------------------------------
 
 /// The kernels this family's layers launch, stamped per element type.
-const KERNELS: &[&str] = &["max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "global_avg_pool", "mean"];
+const KERNELS: &[&str] = &["max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "global_avg_pool", "mean"];
 
 /// Which pooling a `PoolLayer` runs.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -398,6 +435,7 @@ pub enum PoolKind {
     Max,
     Avg { count_include_pad: bool },
     Adaptive,
+    AdaptiveMax,
 }
 
 pub struct PoolLayer {
@@ -434,6 +472,7 @@ impl Layer for PoolLayer {
             PoolKind::Avg { .. } => "kernel:avg_pool2d".into(),
             PoolKind::Adaptive if self.is_global() => "kernel:global_avg_pool".into(),
             PoolKind::Adaptive => "kernel:adaptive_avg_pool2d".into(),
+            PoolKind::AdaptiveMax => "kernel:adaptive_max_pool2d".into(),
         }
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
@@ -449,7 +488,7 @@ impl Layer for PoolLayer {
         }
         let mut args = vec![KArg::Ptr(rt.ptr(self.x)), KArg::Ptr(rt.ptr(self.y)), KArg::I32(batch as i32)];
         args.extend([h, w, c, oh, ow].map(KArg::I32));
-        if self.kind != PoolKind::Adaptive {
+        if !matches!(self.kind, PoolKind::Adaptive | PoolKind::AdaptiveMax) {
             args.extend(self.window.map(KArg::I32));
         }
         if let PoolKind::Avg { count_include_pad } = self.kind {
@@ -496,6 +535,7 @@ pub fn pool_layer_between(
         PoolKind::Avg { .. } => "avg_pool2d",
         PoolKind::Adaptive if (oh, ow) == (1, 1) => "global_avg_pool",
         PoolKind::Adaptive => "adaptive_avg_pool2d",
+        PoolKind::AdaptiveMax => "adaptive_max_pool2d",
     };
     let f = ctx.kernels.get(&format!("{name}_{}", elem.suffix()))?;
     let vec = if c % pack(elem) == 0 { pack(elem) } else { 1 };
@@ -591,6 +631,8 @@ pub const FIXTURE_TWINS: &[FixtureTwin] = &[
     }),
     ("avg_pool2d_ceil", |f| AvgPool2d::load(f.vb, &Pool2dConfig::new(2).stride(2).ceil_mode(true))?.forward(f.x)),
     ("adaptive_avg_pool2d_3x3", |f| AdaptiveAvgPool2d::load(f.vb, &[3, 3])?.forward(f.x)),
+    ("adaptive_max_pool2d_3x3", |f| f.x.adaptive_max_pool2d([3, 3])),
+    ("adaptive_max_pool2d_1x1", |f| f.x.adaptive_max_pool2d([1, 1])),
     ("mean_hw", |f| f.x.mean(&[2, 3], false)),
     ("mean_hw_keepdim", |f| f.x.mean(&[3, 2], true)),
     ("mean_last", |f| f.x.mean(&[f.x.shape().len() - 1], false)),
