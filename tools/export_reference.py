@@ -558,6 +558,10 @@ def op_cases():
     c.append(("pad_channels", lambda a: F.pad(a, (1, 0, 0, 2, 2, 1), value=-2.0), [[2, 3, 4, 5]]))
     c.append(("pad_zero2d", nn.ZeroPad2d((2, 1, 1, 0)), [[3, 2, 5, 4]]))
     c.append(("pad_constant2d", nn.ConstantPad2d((1, 1, 2, 2), -1.5), [[1, 3, 4, 6]]))
+    c.append(("reflection_pad_2d", lambda a: F.pad(a, (2, 1, 3, 1), mode="reflect"), [[2, 3, 5, 4]]))
+    c.append(("reflection_pad_1d_rank3", nn.ReflectionPad1d((3, 2)), [[2, 3, 6]]))
+    c.append(("replication_pad_2d", nn.ReplicationPad2d((1, 3, 2, 0)), [[2, 3, 4, 5]]))
+    c.append(("replication_pad_3d", lambda a: F.pad(a, (1, 1, 0, 2, 1, 0), mode="replicate"), [[1, 2, 3, 4, 3]]))
     # Unary ops (inputs scaled by WIDE_INPUTS so every branch of each op is exercised).
     c.append(("silu", nn.SiLU(), [[2, 3, 5, 6]]))
     c.append(("hardswish", nn.Hardswish(), [[2, 3, 5, 6]]))

@@ -769,12 +769,40 @@ class _Reshaped:
         return self.value
 
 
+EDGE_PADS = {"reflect": "ReflectPad", "replicate": "ReplicatePad"}
+
+
+def _edge_pad(cx, x, pads, mode):
+    """Reflect or replicate padding of the trailing dims (`pads` last dim first)."""
+    if mode not in EDGE_PADS:
+        raise Unsupported(f"padding mode {mode!r} (Kiln pads with a constant, by reflection or by replication)")
+    pads = [int(p) for p in pads]
+    if any(p < 0 for p in pads):
+        raise Unsupported(f"negative padding {pads}")
+    if not any(pads):
+        return x
+    if len(pads) // 2 >= len(x.tshape) and not x.lifted:
+        x = cx.lift(x)
+    name = "reflection_pad" if mode == "reflect" else "replication_pad"
+    return cx.node(shape_op(EDGE_PADS[mode], pads=pads), [x], name)
+
+
+@aten("aten.reflection_pad1d.default", "aten.reflection_pad2d.default", "aten.reflection_pad3d.default")
+def reflection_pad(cx, a):
+    return _edge_pad(cx, act(a["self"]), a["padding"], "reflect")
+
+
+@aten("aten.replication_pad1d.default", "aten.replication_pad2d.default", "aten.replication_pad3d.default")
+def replication_pad(cx, a):
+    return _edge_pad(cx, act(a["self"]), a["padding"], "replicate")
+
+
 @aten("aten.constant_pad_nd.default", "aten.pad.default")
 def pad(cx, a):
     x = act(a["self"])
     mode = a.get("mode", "constant")
     if mode != "constant":
-        raise Unsupported(f"padding mode {mode!r} (Kiln pads with a constant)")
+        return _edge_pad(cx, x, a["pad"], mode)
     pads = [int(p) for p in a["pad"]]
     value = a.get("value")
     value = 0.0 if value is None else float(value)

@@ -125,6 +125,14 @@ class Converters(unittest.TestCase):
         self.assertIsNone(indices)
         self.assertEqual(b.graph.nodes[y.id]["op"], {"Pool": {"AdaptiveMax": {"output": [2, 2]}}})
 
+    def test_reflect_and_replicate_pads(self):
+        b, x = builder([1, 3, 8, 8], out=(1, 3, 10, 10))
+        y = ops.TABLE["aten.pad.default"](b, {"self": x, "pad": [1, 1, 1, 1], "mode": "reflect", "value": None})
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Shape": {"ReflectPad": {"pads": [1, 1, 1, 1]}}})
+        y = ops.TABLE["aten.replication_pad2d.default"](b, {"self": x, "padding": [2, 0, 1, 1]})
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Shape": {"ReplicatePad": {"pads": [2, 0, 1, 1]}}})
+        self.assertEqual(b.graph.nodes[y.id]["path"], "blk.replication_pad")
+
     def test_elu_and_selu(self):
         b, x = builder([1, 4])
         y = ops.TABLE["aten.elu.default"](b, {"self": x, "alpha": 0.5, "scale": 1, "input_scale": 1})
@@ -237,8 +245,8 @@ class Converters(unittest.TestCase):
 
     def test_unsupported_arguments_say_why(self):
         b, x = builder([1, 3, 8, 8])
-        with self.assertRaisesRegex(Unsupported, "padding mode 'reflect'"):
-            ops.TABLE["aten.pad.default"](b, {"self": x, "pad": [1, 1, 1, 1], "mode": "reflect", "value": None})
+        with self.assertRaisesRegex(Unsupported, "padding mode 'circular'"):
+            ops.TABLE["aten.pad.default"](b, {"self": x, "pad": [1, 1, 1, 1], "mode": "circular", "value": None})
         with self.assertRaisesRegex(Unsupported, "computed weight"):
             ops.TABLE["aten.linear.default"](b, {"input": x, "weight": x, "bias": None})
 

@@ -523,6 +523,12 @@ fn shape(s: &ShapeOp, n_args: usize) -> Option<Tpl> {
         ShapeOp::Roll { shifts, dims } => Tpl::new(vec![slot("shifts", Lit::I64s(shifts.clone())), slot("dims", isizes(dims))], |s, o| {
             format!("{}.roll(&{}, &{})?", o.recv[0], s[0].text, s[1].text)
         }),
+        ShapeOp::ReflectPad { pads } => {
+            Tpl::new(vec![slot("pads", Lit::Usizes(pads.clone()))], |s, o| format!("{}.reflection_pad(&{})?", o.recv[0], s[0].text))
+        }
+        ShapeOp::ReplicatePad { pads } => {
+            Tpl::new(vec![slot("pads", Lit::Usizes(pads.clone()))], |s, o| format!("{}.replication_pad(&{})?", o.recv[0], s[0].text))
+        }
     })
 }
 
