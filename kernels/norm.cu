@@ -172,12 +172,58 @@ __device__ void matmul(const T* a, const T* b, T* y, int M, int K, int P, i64 nb
     }
 }
 
+// The sum of v over the block (every thread gets it); every thread of the block must call it.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float part[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // part[] may still be read by the previous call
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    v = threadIdx.x < warps ? part[threadIdx.x] : 0.f;
+    if (warp == 0) v = warp_sum(v);
+    if (threadIdx.x == 0) part[0] = v;
+    __syncthreads();
+    return part[0];
+}
+
+// GroupNorm on NCHW: row r (image r / G, group r % G) is cpg·hw contiguous elements; one block
+// a row (the loop is uniform per block), mean then biased variance in f32; w, b: C values or null.
+template <typename T>
+__device__ void group_norm(const T* x, T* y, const float* w, const float* b, float eps, i64 rows, int groups, int cpg, int hw) {
+    const int len = cpg * hw;
+    const float inv_len = 1.f / len;
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* px = x + r * len;
+        T* py = y + r * len;
+        float s = 0.f;
+        for (int j = threadIdx.x; j < len; j += blockDim.x) s += to_f32(px[j]);
+        const float mean = block_sum(s) * inv_len;
+        float q = 0.f;
+        for (int j = threadIdx.x; j < len; j += blockDim.x) {
+            const float d = to_f32(px[j]) - mean;
+            q += d * d;
+        }
+        const float rstd = 1.f / sqrtf(block_sum(q) * inv_len + eps);
+        const int c0 = (int)(r % groups) * cpg;
+        for (int j = threadIdx.x; j < len; j += blockDim.x) {
+            float v = (to_f32(px[j]) - mean) * rstd;
+            if (w) v = v * w[c0 + j / hw] + b[c0 + j / hw];
+            py[j] = from_f32<T>(v);
+        }
+    }
+}
+
 #define NORM(T, S)                                                                                                                    \
     extern "C" __global__ void softmax_##S(const T* x, T* y, i64 outer, int len, int inner) { softmax<T>(x, y, outer, len, inner); } \
     extern "C" __global__ void layer_norm_##S(const T* x, T* y, const float* w, const float* b, float eps, i64 outer, int len,       \
                                               int inner) {                                                                          \
         layer_norm<T>(x, y, w, b, eps, outer, len, inner);                                                                          \
     }                                                                                                                               \
+    extern "C" __global__ void group_norm_##S(const T* x, T* y, const float* w, const float* b, float eps, i64 rows, int groups, int cpg,  \
+                                              int hw) {                                                                                    \
+        group_norm<T>(x, y, w, b, eps, rows, groups, cpg, hw);                                                                             \
+    }                                                                                                                                     \
     extern "C" __global__ void mean_##S(const T* x, T* y, i64 n_out, const i64* meta, int kept, int red, float scale, int warp) {    \
         mean<T>(x, y, n_out, meta, kept, red, scale, warp);                                                                         \
     }                                                                                                                               \

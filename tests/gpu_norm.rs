@@ -48,6 +48,20 @@ fn layer_norm() {
 
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn group_norm() {
+    use kiln::ops::norm::{GroupNorm, GroupNormConfig};
+    let gn = |x: &Tensor, c: GroupNormConfig| GroupNorm::load(vb("gn"), &c)?.forward(x);
+    check("group_norm 2 groups [6, 5, 7]", &[("x", &[6, 5, 7])], |x| Ok(vec![gn(&x[0], GroupNormConfig::new(2, 6))?]));
+    check("group_norm 32 groups of an NHWC conv [3, 9, 10]", &[("x", &[3, 9, 10])], |x| {
+        Ok(vec![gn(&conv(&x[0], 3, 64)?, GroupNormConfig::new(32, 64))?])
+    });
+    check("instance_norm affine [4, 6, 5]", &[("x", &[4, 6, 5])], |x| Ok(vec![gn(&x[0], GroupNormConfig::new(4, 4))?]));
+    check("instance_norm [5, 33, 40] (rows longer than a block)", &[("x", &[5, 33, 40])], |x| Ok(vec![x[0].group_norm(5, 1e-5)?]));
+    check("group_norm rank 3 [6, 11]", &[("x", &[6, 11])], |x| Ok(vec![x[0].group_norm(3, 1e-3)?]));
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn mean() {
     check("mean (2, 3) [6, 5, 7]", &[("x", &[6, 5, 7])], |x| Ok(vec![x[0].mean(&[2, 3], false)?]));
     check("mean (2, 3) keepdim [4, 3, 5]", &[("x", &[4, 3, 5])], |x| Ok(vec![x[0].mean(&[2, 3], true)?]));

@@ -447,6 +447,38 @@ def native_layer_norm(cx, a):
     return (layer_norm(cx, dict(a, eps=a["eps"])), None, None)
 
 
+def _group_norm(cx, x, groups, w, b, eps):
+    x = act(x)
+    if len(x.tshape) < 2:
+        raise Unsupported(f"group norm of a {len(x.tshape)}-D value")
+    x = cx.unlift(x)
+    c = x.tshape[1]
+    affine_ = w is not None or b is not None
+    params = [_norm_param(cx, w, c, 1.0, "weight"), _norm_param(cx, b, c, 0.0, "bias")] if affine_ else []
+    op = {"Norm": {"GroupNorm": {"groups": int(groups), "eps": float(eps), "affine": affine_}}}
+    return cx.node(op, [x] + params, "group_norm", tshape=x.tshape)
+
+
+@aten("aten.group_norm.default")
+def group_norm(cx, a):
+    return _group_norm(cx, a["input"], a["num_groups"], a.get("weight"), a.get("bias"), a.get("eps", 1e-5))
+
+
+@aten("aten.native_group_norm.default")
+def native_group_norm(cx, a):
+    return (_group_norm(cx, a["input"], a["group"], a.get("weight"), a.get("bias"), a["eps"]), None, None)
+
+
+@aten("aten.instance_norm.default")
+def instance_norm(cx, a):
+    """`nn.InstanceNorm*d`: with the input's statistics (the default) a GroupNorm of one channel a
+    group; with running statistics (`track_running_stats=True`, eval) a BatchNorm."""
+    x = act(a["input"])
+    if not a.get("use_input_stats", True):
+        return _batch_norm(cx, x, a.get("weight"), a.get("bias"), a["running_mean"], a["running_var"], a["eps"])
+    return _group_norm(cx, x, x.tshape[1], a.get("weight"), a.get("bias"), a["eps"])
+
+
 @aten("aten.linear.default")
 def linear(cx, a):
     x, w, b = act(a["input"]), a["weight"], a.get("bias")

@@ -133,6 +133,18 @@ class Converters(unittest.TestCase):
         self.assertEqual(b.graph.nodes[y.id]["op"], {"Shape": {"ReplicatePad": {"pads": [2, 0, 1, 1]}}})
         self.assertEqual(b.graph.nodes[y.id]["path"], "blk.replication_pad")
 
+    def test_group_norm_and_instance_norm(self):
+        b, x = builder([1, 8, 4, 4])
+        w = Const("gn.weight", np.ones([8], np.float32))
+        bias = Const("gn.bias", np.zeros([8], np.float32))
+        y = ops.TABLE["aten.group_norm.default"](b, {"input": x, "num_groups": 4, "weight": w, "bias": bias, "eps": 1e-5})
+        node = b.graph.nodes[y.id]
+        self.assertEqual(node["op"], {"Norm": {"GroupNorm": {"groups": 4, "eps": 1e-5, "affine": True}}})
+        self.assertEqual(len(node["inputs"]), 3)
+        y = ops.TABLE["aten.instance_norm.default"](b, {"input": x, "weight": None, "bias": None, "running_mean": None,
+                                                        "running_var": None, "use_input_stats": True, "momentum": 0.1, "eps": 1e-5})
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Norm": {"GroupNorm": {"groups": 8, "eps": 1e-5, "affine": False}}})
+
     def test_elu_and_selu(self):
         b, x = builder([1, 4])
         y = ops.TABLE["aten.elu.default"](b, {"self": x, "alpha": 0.5, "scale": 1, "input_scale": 1})
