@@ -138,6 +138,63 @@ template <typename T> __device__ void mean(const T* x, T* y, i64 n_out, const i6
     }
 }
 
+// The maximum over the reduced dims (`mean`'s meta and walk), or with `arg` its flat index in the
+// walk (the index along the one reduced dim of argmax): the first maximum, NaN counting as the
+// largest (the first NaN), as PyTorch's amax and argmax.
+__device__ __forceinline__ bool better(float v, i64 k, float best, i64 at) {
+    if (v != v) return best == best || k < at;
+    return v > best || (v == best && k < at);
+}
+
+template <typename T> __device__ void reduce_max(const T* x, T* y, i64 n_out, const i64* meta, int kept, int red, int arg, int warp) {
+    const i64* rsize = meta + 2 * kept;
+    const i64* rstride = rsize + red;
+    const i64 batch_stride = rstride[red];
+    const i64 last = red > 0 ? rsize[red - 1] : 1, last_stride = red > 0 ? rstride[red - 1] : 0;
+    i64 outer = 1;
+    for (int d = 0; d + 1 < red; ++d) outer *= rsize[d];
+    const int lane = warp ? (threadIdx.x & 31) : 0, step = warp ? 32 : 1;
+    const i64 first = warp ? ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5 : (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const i64 stride = warp ? ((i64)blockDim.x * gridDim.x) >> 5 : (i64)blockDim.x * gridDim.x;
+    for (i64 i = first; i < n_out; i += stride) {
+        i64 rem = i, base = 0;
+        for (int d = kept - 1; d >= 0; --d) {
+            base += (rem % meta[d]) * meta[kept + d];
+            rem /= meta[d];
+        }
+        base += rem * batch_stride;
+        float best = neg_inf();
+        i64 at = 0x7fffffffffffffffLL;
+        for (i64 ro = 0; ro < outer; ++ro) {
+            i64 r = ro, off = base;
+            for (int d = red - 2; d >= 0; --d) {
+                off += (r % rsize[d]) * rstride[d];
+                r /= rsize[d];
+            }
+            for (i64 j = lane; j < last; j += step) {
+                const float v = to_f32(x[off + j * last_stride]);
+                if (better(v, ro * last + j, best, at)) {
+                    best = v;
+                    at = ro * last + j;
+                }
+            }
+        }
+        if (warp) {
+            for (int o = 16; o > 0; o >>= 1) {
+                const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+                const i64 oa = __shfl_xor_sync(0xffffffffu, at, o);
+                if (better(ov, oa, best, at)) {
+                    best = ov;
+                    at = oa;
+                }
+            }
+        }
+        // No element beat -inf: every one is -inf, the first is the answer.
+        if (at == 0x7fffffffffffffffLL) at = 0;
+        if (lane == 0) y[i] = from_f32<T>(arg ? (float)at : best);
+    }
+}
+
 // y[z] = a[z] @ b[z] for z < nbatch: a is [M, K], b is [K, P], y is [M, P], all row-major.
 // meta: the batch dims' sizes [nb] (per image, outermost first), a's strides [nb], b's strides
 // [nb] (0 where it broadcasts); z decomposes over them, what remains is the image, whose strides
@@ -224,6 +281,9 @@ __device__ void group_norm(const T* x, T* y, const float* w, const float* b, flo
                                               int hw) {                                                                                    \
         group_norm<T>(x, y, w, b, eps, rows, groups, cpg, hw);                                                                             \
     }                                                                                                                                     \
+    extern "C" __global__ void reduce_max_##S(const T* x, T* y, i64 n_out, const i64* meta, int kept, int red, int arg, int warp) { \
+        reduce_max<T>(x, y, n_out, meta, kept, red, arg, warp);                                                                     \
+    }                                                                                                                               \
     extern "C" __global__ void mean_##S(const T* x, T* y, i64 n_out, const i64* meta, int kept, int red, float scale, int warp) {    \
         mean<T>(x, y, n_out, meta, kept, red, scale, warp);                                                                         \
     }                                                                                                                               \

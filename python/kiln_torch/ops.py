@@ -594,6 +594,50 @@ def mean(cx, a):
     return _mean(cx, a["self"], a.get("dim"), a.get("keepdim", False))
 
 
+def _reduce(cx, kind, x, dims, keepdim, what):
+    """`Pool::Amax` over `dims` or `Pool::Argmax` along one dim; the batch stays."""
+    x = act(x)
+    rank = len(x.tshape)
+    dims = sorted({norm_dim(d, rank) for d in (dims if dims not in (None, []) else range(rank))})
+    if kind == "Argmax" and len(dims) != 1:
+        raise Unsupported("argmax over the flattened tensor (give dim)")
+    if 0 in dims and not x.lifted:
+        x = cx.lift(x)
+    kd = [d + x.offset for d in dims]
+    if kind == "Argmax":
+        return cx.node({"Pool": {"Argmax": {"dim": kd[0], "keepdim": bool(keepdim)}}}, [x], what)
+    return cx.node({"Pool": {"Amax": {"dims": kd, "keepdim": bool(keepdim)}}}, [x], what)
+
+
+@aten("aten.amax.default")
+def amax(cx, a):
+    return _reduce(cx, "Amax", a["self"], a.get("dim"), a.get("keepdim", False), "amax")
+
+
+@aten("aten.argmax.default")
+def argmax(cx, a):
+    return _reduce(cx, "Argmax", a["self"], None if a.get("dim") is None else [a["dim"]], a.get("keepdim", False), "argmax")
+
+
+@aten("aten.max.dim")
+def max_dim(cx, a):
+    """`x.max(dim)`: the values and the indices (as f32), each made only when read."""
+    x, d, keep = a["self"], [a["dim"]], a.get("keepdim", False)
+    return (_Lazy(lambda: _reduce(cx, "Amax", x, d, keep, "amax")), _Lazy(lambda: _reduce(cx, "Argmax", x, d, keep, "argmax")))
+
+
+class _Lazy:
+    """An output of a multi-output op, converted when first read (`getitem`)."""
+
+    def __init__(self, make):
+        self.make, self.value = make, None
+
+    def __call__(self):
+        if self.value is None:
+            self.value = self.make()
+        return self.value
+
+
 @aten("aten.sum.dim_IntList")
 def sum_dims(cx, a):
     x = act(a["self"])

@@ -145,6 +145,19 @@ class Converters(unittest.TestCase):
                                                         "running_var": None, "use_input_stats": True, "momentum": 0.1, "eps": 1e-5})
         self.assertEqual(b.graph.nodes[y.id]["op"], {"Norm": {"GroupNorm": {"groups": 8, "eps": 1e-5, "affine": False}}})
 
+    def test_amax_argmax_and_max_dim(self):
+        b, x = builder([1, 21, 4, 4], out=(1, 4, 4))
+        y = ops.TABLE["aten.argmax.default"](b, {"self": x, "dim": 1, "keepdim": False})
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Pool": {"Argmax": {"dim": 1, "keepdim": False}}})
+        y = ops.TABLE["aten.amax.default"](b, {"self": x, "dim": [-1, 2], "keepdim": True})
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Pool": {"Amax": {"dims": [2, 3], "keepdim": True}}})
+        with self.assertRaisesRegex(Unsupported, "flattened"):
+            ops.TABLE["aten.argmax.default"](b, {"self": x, "dim": None})
+        values, indices = ops.TABLE["aten.max.dim"](b, {"self": x, "dim": 1})
+        n = len(b.graph.nodes)
+        self.assertEqual(b.graph.nodes[indices().id]["op"], {"Pool": {"Argmax": {"dim": 1, "keepdim": False}}})
+        self.assertEqual(len(b.graph.nodes), n + 1, "only the part read is converted")
+
     def test_elu_and_selu(self):
         b, x = builder([1, 4])
         y = ops.TABLE["aten.elu.default"](b, {"self": x, "alpha": 0.5, "scale": 1, "input_scale": 1})

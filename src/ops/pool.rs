@@ -44,6 +44,17 @@ pub enum Pool {
         dims: Vec<usize>,
         keepdim: bool,
     },
+    /// `x.amax(dims, keepdim)`: the maximum over `dims` (as `Mean`'s); NaN wins, as in PyTorch.
+    Amax {
+        dims: Vec<usize>,
+        keepdim: bool,
+    },
+    /// `x.argmax(dim, keepdim)` (`dim` >= 1): the index of the first maximum (of the first NaN),
+    /// as an f32 value (exact below 2^24; an FP16 engine stores it exactly below 2049).
+    Argmax {
+        dim: usize,
+        keepdim: bool,
+    },
 }
 
 impl OpDef for Pool {
@@ -54,13 +65,16 @@ impl OpDef for Pool {
             Pool::AdaptiveAvg { .. } => "adaptive_avg_pool2d",
             Pool::AdaptiveMax { .. } => "adaptive_max_pool2d",
             Pool::Mean { .. } => "mean",
+            Pool::Amax { .. } => "amax",
+            Pool::Argmax { .. } => "argmax",
         }
     }
     fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, String> {
         match self {
             Pool::Max(a) | Pool::Avg(a) => pool2d_shape(a, inputs),
             Pool::AdaptiveAvg { output } | Pool::AdaptiveMax { output } => adaptive_avg_pool2d_shape(*output, inputs),
-            Pool::Mean { dims, keepdim } => mean_shape(dims, *keepdim, inputs),
+            Pool::Mean { dims, keepdim } | Pool::Amax { dims, keepdim } => mean_shape(dims, *keepdim, inputs),
+            Pool::Argmax { dim, keepdim } => mean_shape(&[*dim], *keepdim, inputs),
         }
     }
     fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, String> {
@@ -72,12 +86,14 @@ impl OpDef for Pool {
             Pool::AdaptiveAvg { output } => adaptive_avg_pool2d_cpu(*output, x),
             Pool::AdaptiveMax { output } => adaptive_max_pool2d_cpu(*output, x),
             Pool::Mean { dims, keepdim } => mean_cpu(dims, *keepdim, x),
+            Pool::Amax { dims, keepdim } => reduce_cpu(dims, *keepdim, x, Reduce::Amax),
+            Pool::Argmax { dim, keepdim } => reduce_cpu(&[*dim], *keepdim, x, Reduce::Argmax),
         }
     }
     fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
         match self {
             // The reduction reads any layout through its strides.
-            Pool::Mean { .. } => LayoutPlan::any_input(inputs, Layout::contiguous(out_rank)),
+            Pool::Mean { .. } | Pool::Amax { .. } | Pool::Argmax { .. } => LayoutPlan::any_input(inputs, Layout::contiguous(out_rank)),
             _ => LayoutPlan::all(inputs, Layout::channels_last(out_rank)),
         }
     }
@@ -93,7 +109,9 @@ impl OpDef for Pool {
             Pool::Avg(a) => pool_layer(ctx, node, PoolKind::Avg { count_include_pad: a.count_include_pad }, a.window()),
             Pool::AdaptiveAvg { .. } => pool_layer(ctx, node, PoolKind::Adaptive, [0; 6]),
             Pool::AdaptiveMax { .. } => pool_layer(ctx, node, PoolKind::AdaptiveMax, [0; 6]),
-            Pool::Mean { dims, .. } => gpu_mean(ctx, node, dims),
+            Pool::Mean { dims, .. } => gpu_reduce(ctx, node, dims, Reduce::Mean),
+            Pool::Amax { dims, .. } => gpu_reduce(ctx, node, dims, Reduce::Amax),
+            Pool::Argmax { dim, .. } => gpu_reduce(ctx, node, &[*dim], Reduce::Argmax),
         }
     }
     fn label(&self) -> String {
@@ -108,7 +126,10 @@ impl OpDef for Pool {
                 s
             }
             Pool::AdaptiveAvg { output } | Pool::AdaptiveMax { output } => format!("{} -> {}x{}", self.name(), output[0], output[1]),
-            Pool::Mean { dims, keepdim } => format!("mean {dims:?}{}", if *keepdim { " keepdim" } else { "" }),
+            Pool::Mean { dims, keepdim } | Pool::Amax { dims, keepdim } => {
+                format!("{} {dims:?}{}", self.name(), if *keepdim { " keepdim" } else { "" })
+            }
+            Pool::Argmax { dim, keepdim } => format!("argmax {dim}{}", if *keepdim { " keepdim" } else { "" }),
         }
     }
 }
@@ -212,6 +233,17 @@ impl Tensor {
     pub fn adaptive_avg_pool2d(&self, output: [usize; 2]) -> Result<Tensor> {
         Tensor::record_inline(Op::Pool(Pool::AdaptiveAvg { output }), &[self])
     }
+    /// `x.amax(dims, keepdim)` inline (dims >= 1, in any order).
+    pub fn amax(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+        let mut dims = dims.to_vec();
+        dims.sort_unstable();
+        dims.dedup();
+        Tensor::record_inline(Op::Pool(Pool::Amax { dims, keepdim }), &[self])
+    }
+    /// `x.argmax(dim, keepdim)` inline (`dim` >= 1): the index of the first maximum, as f32.
+    pub fn argmax(&self, dim: usize, keepdim: bool) -> Result<Tensor> {
+        Tensor::record_inline(Op::Pool(Pool::Argmax { dim, keepdim }), &[self])
+    }
     /// `F.adaptive_max_pool2d(x, output)` (its values), inline.
     pub fn adaptive_max_pool2d(&self, output: [usize; 2]) -> Result<Tensor> {
         Tensor::record_inline(Op::Pool(Pool::AdaptiveMax { output }), &[self])
@@ -312,6 +344,12 @@ fn per_plane(x: &HostTensor, out_shape: Vec<usize>, mut f: impl FnMut(&[f32], &m
 
 /// `x.mean(dims, keepdim)`, summed in f64. Empty reductions give NaN, as in PyTorch.
 pub fn mean_cpu(dims: &[usize], keepdim: bool, x: &HostTensor) -> Result<HostTensor, String> {
+    reduce_cpu(dims, keepdim, x, Reduce::Mean)
+}
+
+/// A reduction over `dims` (`Mean`'s rules): the mean in f64, the maximum, or the index along the
+/// one dim of the first maximum (NaN counts as the largest, as in PyTorch).
+pub fn reduce_cpu(dims: &[usize], keepdim: bool, x: &HostTensor, how: Reduce) -> Result<HostTensor, String> {
     let out_shape = mean_shape(dims, keepdim, &[&x.shape])?;
     let strides: Vec<usize> = (0..x.shape.len()).map(|d| x.shape[d + 1..].iter().product()).collect();
     let kept: Vec<usize> = (0..x.shape.len()).filter(|d| !dims.contains(d)).collect();
@@ -329,7 +367,23 @@ pub fn mean_cpu(dims: &[usize], keepdim: bool, x: &HostTensor) -> Result<HostTen
     let out = (0..n_out)
         .map(|i| {
             let base = offsets(&kept, i);
-            (reduced.iter().map(|&r| x.data[base + r] as f64).sum::<f64>() / count as f64) as f32
+            let values = reduced.iter().map(|&r| x.data[base + r]);
+            match how {
+                Reduce::Mean => (values.map(f64::from).sum::<f64>() / count as f64) as f32,
+                Reduce::Amax | Reduce::Argmax => {
+                    let (mut best, mut at) = (f32::NEG_INFINITY, 0);
+                    for (k, v) in values.enumerate() {
+                        if v > best || (v.is_nan() && !best.is_nan()) {
+                            (best, at) = (v, k);
+                        }
+                    }
+                    if how == Reduce::Amax {
+                        best
+                    } else {
+                        at as f32
+                    }
+                }
+            }
         })
         .collect();
     Ok(HostTensor::new(out_shape, out))
@@ -427,7 +481,7 @@ pub fn adaptive_avg_pool2d_cpu(output: [usize; 2], x: &HostTensor) -> Result<Hos
 // ---- engine layers (kernels/pool.cu) ----------------------------------------------------------
 
 /// The kernels this family's layers launch, stamped per element type.
-const KERNELS: &[&str] = &["max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "global_avg_pool", "mean"];
+const KERNELS: &[&str] = &["max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "global_avg_pool", "mean", "reduce_max"];
 
 /// Which pooling a `PoolLayer` runs.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -542,10 +596,11 @@ pub fn pool_layer_between(
     Ok(Box::new(PoolLayer { path: ctx.node(node).path.clone(), kind, f, x, y, dims, window: win, vec, sm_count: ctx.kernels.sm_count() }))
 }
 
-/// The mean over `dims` of a value in any layout: one thread (or warp, when the innermost reduced
-/// dim is contiguous and long) per output, writing the contiguous output.
+/// The mean, maximum or argmax over `dims` of a value in any layout: one thread (or warp, when the
+/// innermost reduced dim is contiguous and long) per output, writing the contiguous output.
 struct MeanLayer {
     path: String,
+    how: Reduce,
     f: CudaFunction,
     x: ValueId,
     y: ValueId,
@@ -558,12 +613,25 @@ struct MeanLayer {
     sm_count: u32,
 }
 
+/// What a reduction layer computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reduce {
+    Mean,
+    Amax,
+    Argmax,
+}
+
 impl Layer for MeanLayer {
     fn path(&self) -> &str {
         &self.path
     }
     fn kind(&self) -> String {
-        format!("kernel:mean{}", if self.warp { "_warp" } else { "" })
+        let name = match self.how {
+            Reduce::Mean => "mean",
+            Reduce::Amax => "amax",
+            Reduce::Argmax => "argmax",
+        };
+        format!("kernel:{name}{}", if self.warp { "_warp" } else { "" })
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let n = batch * self.per_image;
@@ -574,14 +642,15 @@ impl Layer for MeanLayer {
             KArg::Ptr(self.meta.ptr()),
             KArg::I32(self.kept),
             KArg::I32(self.red),
-            KArg::F32(self.scale),
+            // `mean` scales the sum; `reduce_max` writes the maximum or its index.
+            if self.how == Reduce::Mean { KArg::F32(self.scale) } else { KArg::I32((self.how == Reduce::Argmax) as i32) },
             KArg::I32(self.warp as i32),
         ];
         launch(rt, &self.f, grid_for(if self.warp { n * 32 } else { n }, self.sm_count), (BLOCK, 1, 1), 0, &args)
     }
 }
 
-fn gpu_mean(ctx: &mut BuildCtx, node: NodeId, dims: &[usize]) -> Result<Box<dyn Layer>> {
+fn gpu_reduce(ctx: &mut BuildCtx, node: NodeId, dims: &[usize], how: Reduce) -> Result<Box<dyn Layer>> {
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
     if dx.elem != dy.elem || !dy.layout.same_bytes(Layout::contiguous(dy.dims.len()), &dy.dims) {
@@ -603,8 +672,10 @@ fn gpu_mean(ctx: &mut BuildCtx, node: NodeId, dims: &[usize]) -> Result<Box<dyn 
     let warp = red.last().is_some_and(|&d| strides[d] == 1 && dx.dims[d] >= 32);
     let bytes: Vec<u8> = meta.iter().flat_map(|v| v.to_le_bytes()).collect();
     let meta = ctx.upload_bytes(&bytes)?;
-    let f = ctx.kernels.get(&format!("mean_{}", dx.elem.suffix()))?;
+    let name = if how == Reduce::Mean { "mean" } else { "reduce_max" };
+    let f = ctx.kernels.get(&format!("{name}_{}", dx.elem.suffix()))?;
     Ok(Box::new(MeanLayer {
+        how,
         path: ctx.node(node).path.clone(),
         f,
         x,
@@ -637,6 +708,10 @@ pub const FIXTURE_TWINS: &[FixtureTwin] = &[
     ("mean_hw_keepdim", |f| f.x.mean(&[3, 2], true)),
     ("mean_last", |f| f.x.mean(&[f.x.shape().len() - 1], false)),
     ("mean_dim1_keepdim", |f| f.x.mean(&[1], true)),
+    ("amax_hw", |f| f.x.amax(&[2, 3], false)),
+    ("amax_dim1_keepdim", |f| f.x.amax(&[1], true)),
+    ("argmax_dim1", |f| f.x.argmax(1, false)),
+    ("argmax_last_keepdim", |f| f.x.argmax(2, true)),
 ];
 
 #[cfg(test)]
