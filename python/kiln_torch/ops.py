@@ -17,6 +17,12 @@ import numpy as np
 from .graph import Act, Const
 
 
+def to_numpy_(v):
+    from .convert import to_numpy
+
+    return to_numpy(v)
+
+
 class Unsupported(Exception):
     """This node cannot become Kiln ops; the message says why (shown in the export report)."""
 
@@ -345,8 +351,10 @@ def div_mode(cx, a):
 
 
 def _conv(cx, x, w, b, stride, padding, dilation, groups, transposed=False, output_padding=(0, 0)):
-    x = cx.batched(act(x), 4, "a 2-D convolution")
     w = const(w, "weight")
+    if w.value.ndim == 3:
+        return _conv1d(cx, x, w, b, stride, padding, dilation, groups, transposed, output_padding)
+    x = cx.batched(act(x), 4, "a 2-D convolution")
     if w.value.ndim != 4:
         raise Unsupported(f"a {w.value.ndim - 2}-D convolution (Kiln's are 2-D)")
     if isinstance(padding, str):
@@ -355,6 +363,30 @@ def _conv(cx, x, w, b, stride, padding, dilation, groups, transposed=False, outp
     op = conv(pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation"), groups, b is not None, transposed,
               pair(output_padding, "output_padding"))
     return cx.node(op, inputs, "conv_transpose2d" if transposed else "conv2d")
+
+
+def _one(v):
+    """A 1-D convolution's int-or-[int] argument as an int."""
+    return int(v if isinstance(v, (int, float)) else list(v)[0])
+
+
+def _conv1d(cx, x, w, b, stride, padding, dilation, groups, transposed, output_padding):
+    """A 1-D convolution as a 2-D one over `[N, C, 1, L]` with a `[O, C/g, 1, K]` kernel (stored
+    under the weight's own name, in that shape): exact, the same products and sums."""
+    x = cx.batched(act(x), 3, "a 1-D convolution")
+    n, c, length = x.tshape
+    if isinstance(padding, str):
+        padding = _same_padding(padding, w.value.shape[2:], [_one(dilation)], [_one(stride)])
+    w4 = Const(w.name, np.asarray(to_numpy_(w.value), dtype=np.float32)[:, :, None, :])
+    x4 = cx.reshape(x, (n, c, 1, length))
+    out = tuple(cx.out_shape)
+    cx.out_shape = (out[0], out[1], 1, out[2])
+    try:
+        y = _conv(cx, x4, w4, b, [1, _one(stride)], [0, _one(padding)], [1, _one(dilation)], groups, transposed,
+                  [0, _one(output_padding)])
+    finally:
+        cx.out_shape = out
+    return cx.reshape(y, out)
 
 
 def _same_padding(mode, kernel, dilation, stride):
@@ -379,6 +411,20 @@ def conv2d(cx, a):
 def convolution(cx, a):
     return _conv(cx, a["input"], a["weight"], a.get("bias"), a["stride"], a["padding"], a["dilation"], a["groups"],
                  a["transposed"], a["output_padding"])
+
+
+@aten("aten.conv1d.default", "aten.conv1d.padding")
+def conv1d(cx, a):
+    return _conv(cx, a["input"], a["weight"], a.get("bias"), a.get("stride", 1), a.get("padding", 0), a.get("dilation", 1),
+                 a.get("groups", 1))
+
+
+@aten("aten.conv_transpose1d.default")
+def conv_transpose1d(cx, a):
+    if _one(a.get("dilation", 1)) != 1:
+        raise Unsupported("a dilated transposed convolution")
+    return _conv(cx, a["input"], a["weight"], a.get("bias"), a.get("stride", 1), a.get("padding", 0), 1, a.get("groups", 1),
+                 True, a.get("output_padding", 0))
 
 
 @aten("aten.conv_transpose2d.input")

@@ -158,6 +158,19 @@ class Converters(unittest.TestCase):
         self.assertEqual(b.graph.nodes[indices().id]["op"], {"Pool": {"Argmax": {"dim": 1, "keepdim": False}}})
         self.assertEqual(len(b.graph.nodes), n + 1, "only the part read is converted")
 
+    def test_conv1d_is_a_conv2d_over_one_row(self):
+        b, x = builder([1, 4, 16], out=(1, 6, 8))
+        w = Const("conv.weight", np.ones([6, 2, 3], np.float32))
+        y = ops.TABLE["aten.conv1d.default"](b, {"input": x, "weight": w, "bias": None, "stride": [2], "padding": [1],
+                                                 "dilation": [1], "groups": 2})
+        self.assertEqual(y.tshape, (1, 6, 8))
+        reshape = b.graph.nodes[y.id]
+        conv = b.graph.nodes[reshape["inputs"][0]]
+        name, attrs = family(conv)
+        self.assertEqual((name, attrs["stride"], attrs["padding"], attrs["groups"]), ("Conv", [1, 2], [0, 1], 2))
+        self.assertEqual(conv["shape"], [1, 6, 1, 8])
+        self.assertEqual(b.graph.weights["conv.weight"].shape, (6, 2, 1, 3))
+
     def test_elu_and_selu(self):
         b, x = builder([1, 4])
         y = ops.TABLE["aten.elu.default"](b, {"self": x, "alpha": 0.5, "scale": 1, "input_scale": 1})
