@@ -176,6 +176,12 @@ def identity(cx, a):
     return a.get("self", a.get("input"))
 
 
+@aten("aten._assert_tensor_metadata.default")
+def assert_tensor_metadata(cx, a):
+    """A check torch.export writes before a cast (`argmax(..).float()`); it computes nothing."""
+    return None
+
+
 @aten("aten._to_copy.default", "aten.to.dtype", "aten.type_as.default")
 def to_copy(cx, a):
     dtype = a.get("dtype")
@@ -378,7 +384,8 @@ def _conv1d(cx, x, w, b, stride, padding, dilation, groups, transposed, output_p
     if isinstance(padding, str):
         padding = _same_padding(padding, w.value.shape[2:], [_one(dilation)], [_one(stride)])
     w4 = Const(w.name, np.asarray(to_numpy_(w.value), dtype=np.float32)[:, :, None, :])
-    x4 = cx.reshape(x, (n, c, 1, length))
+    # A helper: the convolution keeps the module's path (`c1`, not `c1.conv2d`).
+    x4 = cx.node(shape_op("Reshape", dims=[c, 1, length]), [x], "reshape", (n, c, 1, length), helper=True)
     out = tuple(cx.out_shape)
     cx.out_shape = (out[0], out[1], 1, out[2])
     try:
