@@ -481,7 +481,8 @@ pub fn adaptive_avg_pool2d_cpu(output: [usize; 2], x: &HostTensor) -> Result<Hos
 // ---- engine layers (kernels/pool.cu) ----------------------------------------------------------
 
 /// The kernels this family's layers launch, stamped per element type.
-const KERNELS: &[&str] = &["max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "global_avg_pool", "mean", "reduce_max"];
+const KERNELS: &[&str] =
+    &["max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "global_avg_pool", "mean", "reduce_max"];
 
 /// Which pooling a `PoolLayer` runs.
 #[derive(Clone, Copy, Debug, PartialEq)]
