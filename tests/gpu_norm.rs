@@ -74,7 +74,8 @@ fn amax() {
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn argmax() {
     let Some(gpu) = common::gpu() else { return };
-    let cases: [(&str, &[usize], fn(&Tensor) -> kiln::Result<Tensor>); 3] = [
+    type Case = (&'static str, &'static [usize], fn(&Tensor) -> kiln::Result<Tensor>);
+    let cases: [Case; 3] = [
         ("argmax 1 of [21, 6, 7]", &[21, 6, 7], |x| x.argmax(1, false)),
         ("argmax 1 of an NHWC conv [3, 9, 8]", &[3, 9, 8], |x| conv(x, 3, 21)?.argmax(1, true)),
         ("argmax -1 of [4, 300] (a warp a row)", &[4, 300], |x| x.argmax(2, false)),
