@@ -107,31 +107,52 @@ template <typename T> __device__ void layer_norm(const T* x, T* y, const float* 
 // meta: kept sizes [kept], kept strides in x [kept], reduced sizes [red], reduced strides [red],
 // x's batch stride. Outputs are enumerated in the kept dims' order (innermost last), then the
 // batch. The last reduced dim is the innermost loop (the converter puts the smallest stride last).
-template <typename T> __device__ void mean(const T* x, T* y, i64 n_out, const i64* meta, int kept, int red, float scale, int warp) {
-    const i64* rsize = meta + 2 * kept;
-    const i64* rstride = rsize + red;
-    const i64 batch_stride = rstride[red];
-    const i64 last = red > 0 ? rsize[red - 1] : 1, last_stride = red > 0 ? rstride[red - 1] : 0;
-    i64 outer = 1;
-    for (int d = 0; d + 1 < red; ++d) outer *= rsize[d];
-    const int lane = warp ? (threadIdx.x & 31) : 0, step = warp ? 32 : 1;
-    const i64 first = warp ? ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5 : (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    const i64 stride = warp ? ((i64)blockDim.x * gridDim.x) >> 5 : (i64)blockDim.x * gridDim.x;
-    for (i64 i = first; i < n_out; i += stride) {
-        i64 rem = i, base = 0;
+// The walk of `mean` and `reduce_max`: output i's first element, and the reduced elements as
+// `outer` runs of `last` (the last reduced dim, innermost); a warp shares an output when `warp`.
+struct ReduceWalk {
+    const i64 *meta, *rsize, *rstride;
+    int kept, red;
+    i64 batch_stride, last, last_stride, outer;
+    __device__ ReduceWalk(const i64* m, int k, int r) : meta(m), rsize(m + 2 * k), rstride(m + 2 * k + r), kept(k), red(r) {
+        batch_stride = rstride[red];
+        last = red > 0 ? rsize[red - 1] : 1;
+        last_stride = red > 0 ? rstride[red - 1] : 0;
+        outer = 1;
+        for (int d = 0; d + 1 < red; ++d) outer *= rsize[d];
+    }
+    // Output i's offset in x (kept dims, then the batch).
+    __device__ i64 base(i64 i) const {
+        i64 off = 0;
         for (int d = kept - 1; d >= 0; --d) {
-            base += (rem % meta[d]) * meta[kept + d];
-            rem /= meta[d];
+            off += (i % meta[d]) * meta[kept + d];
+            i /= meta[d];
         }
-        base += rem * batch_stride;
+        return off + i * batch_stride;
+    }
+    // The offset of run ro (over the reduced dims but the last) from `base`.
+    __device__ i64 run(i64 base, i64 ro) const {
+        for (int d = red - 2; d >= 0; --d) {
+            base += (ro % rsize[d]) * rstride[d];
+            ro /= rsize[d];
+        }
+        return base;
+    }
+};
+
+// The outputs this thread (or its warp) takes: first, stride; and its lane and step in a run.
+#define REDUCE_OUTPUTS(i, n_out, warp, lane, step)                                                                                       \
+    const int lane = warp ? (threadIdx.x & 31) : 0, step = warp ? 32 : 1;                                                             \
+    for (i64 i = warp ? ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5 : (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n_out;    \
+         i += warp ? ((i64)blockDim.x * gridDim.x) >> 5 : (i64)blockDim.x * gridDim.x)
+
+template <typename T> __device__ void mean(const T* x, T* y, i64 n_out, const i64* meta, int kept, int red, float scale, int warp) {
+    const ReduceWalk w(meta, kept, red);
+    REDUCE_OUTPUTS(i, n_out, warp, lane, step) {
+        const i64 base = w.base(i);
         float acc = 0.f;
-        for (i64 ro = 0; ro < outer; ++ro) {
-            i64 r = ro, off = base;
-            for (int d = red - 2; d >= 0; --d) {
-                off += (r % rsize[d]) * rstride[d];
-                r /= rsize[d];
-            }
-            for (i64 j = lane; j < last; j += step) acc += to_f32(x[off + j * last_stride]);
+        for (i64 ro = 0; ro < w.outer; ++ro) {
+            const i64 off = w.run(base, ro);
+            for (i64 j = lane; j < w.last; j += step) acc += to_f32(x[off + j * w.last_stride]);
         }
         if (warp) acc = warp_sum(acc);
         if (lane == 0) y[i] = from_f32<T>(acc * scale);
@@ -147,35 +168,18 @@ __device__ __forceinline__ bool better(float v, i64 k, float best, i64 at) {
 }
 
 template <typename T> __device__ void reduce_max(const T* x, T* y, i64 n_out, const i64* meta, int kept, int red, int arg, int warp) {
-    const i64* rsize = meta + 2 * kept;
-    const i64* rstride = rsize + red;
-    const i64 batch_stride = rstride[red];
-    const i64 last = red > 0 ? rsize[red - 1] : 1, last_stride = red > 0 ? rstride[red - 1] : 0;
-    i64 outer = 1;
-    for (int d = 0; d + 1 < red; ++d) outer *= rsize[d];
-    const int lane = warp ? (threadIdx.x & 31) : 0, step = warp ? 32 : 1;
-    const i64 first = warp ? ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5 : (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    const i64 stride = warp ? ((i64)blockDim.x * gridDim.x) >> 5 : (i64)blockDim.x * gridDim.x;
-    for (i64 i = first; i < n_out; i += stride) {
-        i64 rem = i, base = 0;
-        for (int d = kept - 1; d >= 0; --d) {
-            base += (rem % meta[d]) * meta[kept + d];
-            rem /= meta[d];
-        }
-        base += rem * batch_stride;
+    const ReduceWalk w(meta, kept, red);
+    REDUCE_OUTPUTS(i, n_out, warp, lane, step) {
+        const i64 base = w.base(i);
         float best = neg_inf();
         i64 at = 0x7fffffffffffffffLL;
-        for (i64 ro = 0; ro < outer; ++ro) {
-            i64 r = ro, off = base;
-            for (int d = red - 2; d >= 0; --d) {
-                off += (r % rsize[d]) * rstride[d];
-                r /= rsize[d];
-            }
-            for (i64 j = lane; j < last; j += step) {
-                const float v = to_f32(x[off + j * last_stride]);
-                if (better(v, ro * last + j, best, at)) {
+        for (i64 ro = 0; ro < w.outer; ++ro) {
+            const i64 off = w.run(base, ro);
+            for (i64 j = lane; j < w.last; j += step) {
+                const float v = to_f32(x[off + j * w.last_stride]);
+                if (better(v, ro * w.last + j, best, at)) {
                     best = v;
-                    at = ro * last + j;
+                    at = ro * w.last + j;
                 }
             }
         }
@@ -189,8 +193,6 @@ template <typename T> __device__ void reduce_max(const T* x, T* y, i64 n_out, co
                 }
             }
         }
-        // No element beat -inf: every one is -inf, the first is the answer.
-        if (at == 0x7fffffffffffffffLL) at = 0;
         if (lane == 0) y[i] = from_f32<T>(arg ? (float)at : best);
     }
 }

@@ -433,31 +433,21 @@ pub fn avg_pool2d_cpu(a: &PoolAttrs, x: &HostTensor) -> Result<HostTensor, Strin
 /// `torch.nn.AdaptiveMaxPool2d`: output cell `i` is the maximum of the cells
 /// `adaptive_avg_pool2d_cpu` averages; NaN wins, as in PyTorch.
 pub fn adaptive_max_pool2d_cpu(output: [usize; 2], x: &HostTensor) -> Result<HostTensor, String> {
-    let out_shape = adaptive_avg_pool2d_shape(output, &[&x.shape])?;
-    let (h, w) = (x.shape[2], x.shape[3]);
-    if h == 0 || w == 0 {
-        return Err(format!("cannot pool an empty {h}x{w} input"));
-    }
-    let bounds = |i: usize, len: usize, o: usize| (i * len / o, ((i + 1) * len).div_ceil(o));
-    Ok(per_plane(x, out_shape, |src, dst| {
-        for oy in 0..output[0] {
-            let (y0, y1) = bounds(oy, h, output[0]);
-            for ox in 0..output[1] {
-                let (x0, x1) = bounds(ox, w, output[1]);
-                let mut m = f32::NEG_INFINITY;
-                for &v in src[y0 * w..y1 * w].chunks_exact(w).flat_map(|row| &row[x0..x1]) {
-                    if v > m || v.is_nan() {
-                        m = v;
-                    }
-                }
-                dst[oy * output[1] + ox] = m;
-            }
-        }
-    }))
+    adaptive_pool2d_cpu(output, x, |rows, _| rows.flatten().fold(f32::NEG_INFINITY, |m, &v| if v > m || v.is_nan() { v } else { m }))
 }
 
 /// `torch.nn.AdaptiveAvgPool2d`: output cell `i` averages input `floor(i·H/o) .. ceil((i+1)·H/o)`.
 pub fn adaptive_avg_pool2d_cpu(output: [usize; 2], x: &HostTensor) -> Result<HostTensor, String> {
+    adaptive_pool2d_cpu(output, x, |rows, n| rows.map(|row| row.iter().sum::<f32>()).sum::<f32>() / n as f32)
+}
+
+/// Adaptive pooling: `reduce(rows, count)` of each output cell, whose input rows are
+/// `floor(i·H/o) .. ceil((i+1)·H/o)` and columns alike.
+fn adaptive_pool2d_cpu(
+    output: [usize; 2],
+    x: &HostTensor,
+    reduce: impl Fn(&mut dyn Iterator<Item = &[f32]>, usize) -> f32,
+) -> Result<HostTensor, String> {
     let out_shape = adaptive_avg_pool2d_shape(output, &[&x.shape])?;
     let (h, w) = (x.shape[2], x.shape[3]);
     if h == 0 || w == 0 {
@@ -469,8 +459,8 @@ pub fn adaptive_avg_pool2d_cpu(output: [usize; 2], x: &HostTensor) -> Result<Hos
             let (y0, y1) = bounds(oy, h, output[0]);
             for ox in 0..output[1] {
                 let (x0, x1) = bounds(ox, w, output[1]);
-                let sum: f32 = src[y0 * w..y1 * w].chunks_exact(w).map(|row| row[x0..x1].iter().sum::<f32>()).sum();
-                dst[oy * output[1] + ox] = sum / ((y1 - y0) * (x1 - x0)) as f32;
+                let mut rows = src[y0 * w..y1 * w].chunks_exact(w).map(|row| &row[x0..x1]);
+                dst[oy * output[1] + ox] = reduce(&mut rows, (y1 - y0) * (x1 - x0));
             }
         }
     }))
