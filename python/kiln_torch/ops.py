@@ -408,8 +408,9 @@ def _same_padding(mode, kernel, dilation, stride):
     return pads
 
 
-@aten("aten.conv2d.default", "aten.conv2d.padding")
+@aten("aten.conv2d.default", "aten.conv2d.padding", "aten.conv1d.default", "aten.conv1d.padding")
 def conv2d(cx, a):
+    """`F.conv2d`, and `F.conv1d` (by its 3-D weight, `_conv1d`)."""
     return _conv(cx, a["input"], a["weight"], a.get("bias"), a.get("stride", 1), a.get("padding", 0), a.get("dilation", 1),
                  a.get("groups", 1))
 
@@ -418,12 +419,6 @@ def conv2d(cx, a):
 def convolution(cx, a):
     return _conv(cx, a["input"], a["weight"], a.get("bias"), a["stride"], a["padding"], a["dilation"], a["groups"],
                  a["transposed"], a["output_padding"])
-
-
-@aten("aten.conv1d.default", "aten.conv1d.padding")
-def conv1d(cx, a):
-    return _conv(cx, a["input"], a["weight"], a.get("bias"), a.get("stride", 1), a.get("padding", 0), a.get("dilation", 1),
-                 a.get("groups", 1))
 
 
 @aten("aten.conv_transpose1d.default")
