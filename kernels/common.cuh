@@ -58,7 +58,8 @@ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_c
 #define GRID_STRIDE(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)(n); i += (i64)blockDim.x * gridDim.x)
 
 // Unary op codes shared with src/ops/elementwise.rs (`Unary::kernel_code`); p0, p1 are its
-// parameters (slope; clamp bounds; affine scale and shift; softplus beta and threshold).
+// parameters (slope; clamp bounds; affine scale and shift; softplus beta and threshold; elu alpha;
+// pow exponent).
 #define ACT_NONE 0
 #define ACT_RELU 1
 #define ACT_LEAKY 2
@@ -73,6 +74,16 @@ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_c
 #define ACT_CLAMP 11
 #define ACT_AFFINE 12
 #define ACT_SOFTPLUS 13
+#define ACT_EXP 14
+#define ACT_LOG 15
+#define ACT_SQRT 16
+#define ACT_RSQRT 17
+#define ACT_RECIPROCAL 18
+#define ACT_ABS 19
+#define ACT_ERF 20
+#define ACT_ELU 21
+#define ACT_MISH 22
+#define ACT_POW 23
 
 __device__ __forceinline__ float relu6f(float v) { return v < 0.f ? 0.f : (v > 6.f ? 6.f : v); }
 
@@ -92,6 +103,17 @@ __device__ __forceinline__ float apply_act2(float v, int act, float p0, float p1
     case ACT_CLAMP: return v < p0 ? p0 : (v > p1 ? p1 : v);
     case ACT_AFFINE: return v * p0 + p1;
     case ACT_SOFTPLUS: return v * p0 > p1 ? v : log1pf(expf(v * p0)) / p0;
+    case ACT_EXP: return expf(v);
+    case ACT_LOG: return logf(v);
+    case ACT_SQRT: return sqrtf(v);
+    // 1 / sqrtf rather than rsqrtf: rsqrtf is 2 ulp, PyTorch divides.
+    case ACT_RSQRT: return 1.f / sqrtf(v);
+    case ACT_RECIPROCAL: return 1.f / v;
+    case ACT_ABS: return fabsf(v);
+    case ACT_ERF: return erff(v);
+    case ACT_ELU: return v > 0.f ? v : p0 * expm1f(v);
+    case ACT_MISH: return v * tanhf(log1pf(expf(v)));
+    case ACT_POW: return powf(v, p0);
     default: return v;
     }
 }

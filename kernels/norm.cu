@@ -177,34 +177,93 @@ __device__ void layer_norm_packed(const T* x, T* y, const float* w, const float*
 // meta: kept sizes [kept], kept strides in x [kept], reduced sizes [red], reduced strides [red],
 // x's batch stride. Outputs are enumerated in the kept dims' order (innermost last), then the
 // batch. The last reduced dim is the innermost loop (the converter puts the smallest stride last).
-template <typename T> __device__ void mean(const T* x, T* y, i64 n_out, const i64* meta, int kept, int red, float scale, int warp) {
-    const i64* rsize = meta + 2 * kept;
-    const i64* rstride = rsize + red;
-    const i64 batch_stride = rstride[red];
-    const i64 last = red > 0 ? rsize[red - 1] : 1, last_stride = red > 0 ? rstride[red - 1] : 0;
-    i64 outer = 1;
-    for (int d = 0; d + 1 < red; ++d) outer *= rsize[d];
-    const int lane = warp ? (threadIdx.x & 31) : 0, step = warp ? 32 : 1;
-    const i64 first = warp ? ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5 : (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    const i64 stride = warp ? ((i64)blockDim.x * gridDim.x) >> 5 : (i64)blockDim.x * gridDim.x;
-    for (i64 i = first; i < n_out; i += stride) {
-        i64 rem = i, base = 0;
+// The walk of `mean` and `reduce_max`: output i's first element, and the reduced elements as
+// `outer` runs of `last` (the last reduced dim, innermost); a warp shares an output when `warp`.
+struct ReduceWalk {
+    const i64 *meta, *rsize, *rstride;
+    int kept, red;
+    i64 batch_stride, last, last_stride, outer;
+    __device__ ReduceWalk(const i64* m, int k, int r) : meta(m), rsize(m + 2 * k), rstride(m + 2 * k + r), kept(k), red(r) {
+        batch_stride = rstride[red];
+        last = red > 0 ? rsize[red - 1] : 1;
+        last_stride = red > 0 ? rstride[red - 1] : 0;
+        outer = 1;
+        for (int d = 0; d + 1 < red; ++d) outer *= rsize[d];
+    }
+    // Output i's offset in x (kept dims, then the batch).
+    __device__ i64 base(i64 i) const {
+        i64 off = 0;
         for (int d = kept - 1; d >= 0; --d) {
-            base += (rem % meta[d]) * meta[kept + d];
-            rem /= meta[d];
+            off += (i % meta[d]) * meta[kept + d];
+            i /= meta[d];
         }
-        base += rem * batch_stride;
+        return off + i * batch_stride;
+    }
+    // The offset of run ro (over the reduced dims but the last) from `base`.
+    __device__ i64 run(i64 base, i64 ro) const {
+        for (int d = red - 2; d >= 0; --d) {
+            base += (ro % rsize[d]) * rstride[d];
+            ro /= rsize[d];
+        }
+        return base;
+    }
+};
+
+// The outputs this thread (or its warp) takes: first, stride; and its lane and step in a run.
+#define REDUCE_OUTPUTS(i, n_out, warp, lane, step)                                                                                       \
+    const int lane = warp ? (threadIdx.x & 31) : 0, step = warp ? 32 : 1;                                                             \
+    for (i64 i = warp ? ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5 : (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n_out;    \
+         i += warp ? ((i64)blockDim.x * gridDim.x) >> 5 : (i64)blockDim.x * gridDim.x)
+
+template <typename T> __device__ void mean(const T* x, T* y, i64 n_out, const i64* meta, int kept, int red, float scale, int warp) {
+    const ReduceWalk w(meta, kept, red);
+    REDUCE_OUTPUTS(i, n_out, warp, lane, step) {
+        const i64 base = w.base(i);
         float acc = 0.f;
-        for (i64 ro = 0; ro < outer; ++ro) {
-            i64 r = ro, off = base;
-            for (int d = red - 2; d >= 0; --d) {
-                off += (r % rsize[d]) * rstride[d];
-                r /= rsize[d];
-            }
-            for (i64 j = lane; j < last; j += step) acc += to_f32(x[off + j * last_stride]);
+        for (i64 ro = 0; ro < w.outer; ++ro) {
+            const i64 off = w.run(base, ro);
+            for (i64 j = lane; j < w.last; j += step) acc += to_f32(x[off + j * w.last_stride]);
         }
         if (warp) acc = warp_sum(acc);
         if (lane == 0) y[i] = from_f32<T>(acc * scale);
+    }
+}
+
+// The maximum over the reduced dims (`mean`'s meta and walk), or with `arg` its flat index in the
+// walk (the index along the one reduced dim of argmax): the first maximum, NaN counting as the
+// largest (the first NaN), as PyTorch's amax and argmax.
+__device__ __forceinline__ bool better(float v, i64 k, float best, i64 at) {
+    if (v != v) return best == best || k < at;
+    return v > best || (v == best && k < at);
+}
+
+template <typename T> __device__ void reduce_max(const T* x, T* y, i64 n_out, const i64* meta, int kept, int red, int arg, int warp) {
+    const ReduceWalk w(meta, kept, red);
+    REDUCE_OUTPUTS(i, n_out, warp, lane, step) {
+        const i64 base = w.base(i);
+        float best = neg_inf();
+        i64 at = 0x7fffffffffffffffLL;
+        for (i64 ro = 0; ro < w.outer; ++ro) {
+            const i64 off = w.run(base, ro);
+            for (i64 j = lane; j < w.last; j += step) {
+                const float v = to_f32(x[off + j * w.last_stride]);
+                if (better(v, ro * w.last + j, best, at)) {
+                    best = v;
+                    at = ro * w.last + j;
+                }
+            }
+        }
+        if (warp) {
+            for (int o = 16; o > 0; o >>= 1) {
+                const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+                const i64 oa = __shfl_xor_sync(0xffffffffu, at, o);
+                if (better(ov, oa, best, at)) {
+                    best = ov;
+                    at = oa;
+                }
+            }
+        }
+        if (lane == 0) y[i] = from_f32<T>(arg ? (float)at : best);
     }
 }
 
@@ -242,6 +301,48 @@ __device__ void matmul(const T* a, const T* b, T* y, int M, int K, int P, i64 nb
     }
 }
 
+// The sum of v over the block (every thread gets it); every thread of the block must call it.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float part[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // part[] may still be read by the previous call
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    v = threadIdx.x < warps ? part[threadIdx.x] : 0.f;
+    if (warp == 0) v = warp_sum(v);
+    if (threadIdx.x == 0) part[0] = v;
+    __syncthreads();
+    return part[0];
+}
+
+// GroupNorm on NCHW: row r (image r / G, group r % G) is cpg·hw contiguous elements; one block
+// a row (the loop is uniform per block), mean then biased variance in f32; w, b: C values or null.
+template <typename T>
+__device__ void group_norm(const T* x, T* y, const float* w, const float* b, float eps, i64 rows, int groups, int cpg, int hw) {
+    const int len = cpg * hw;
+    const float inv_len = 1.f / len;
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* px = x + r * len;
+        T* py = y + r * len;
+        float s = 0.f;
+        for (int j = threadIdx.x; j < len; j += blockDim.x) s += to_f32(px[j]);
+        const float mean = block_sum(s) * inv_len;
+        float q = 0.f;
+        for (int j = threadIdx.x; j < len; j += blockDim.x) {
+            const float d = to_f32(px[j]) - mean;
+            q += d * d;
+        }
+        const float rstd = 1.f / sqrtf(block_sum(q) * inv_len + eps);
+        const int c0 = (int)(r % groups) * cpg;
+        for (int j = threadIdx.x; j < len; j += blockDim.x) {
+            float v = (to_f32(px[j]) - mean) * rstd;
+            if (w) v = v * w[c0 + j / hw] + b[c0 + j / hw];
+            py[j] = from_f32<T>(v);
+        }
+    }
+}
+
 #define NORM(T, S)                                                                                                                    \
     extern "C" __global__ void softmax_##S(const T* x, T* y, i64 outer, int len, int inner) { softmax<T>(x, y, outer, len, inner); } \
     extern "C" __global__ void layer_norm_##S(const T* x, T* y, const float* w, const float* b, float eps, i64 outer, int len,       \
@@ -251,6 +352,13 @@ __device__ void matmul(const T* a, const T* b, T* y, int M, int K, int P, i64 nb
     extern "C" __global__ void layer_norm_packed_##S(const T* x, T* y, const float* w, const float* b, float eps, i64 rows, int len,  \
                                                      int G) {                                                                       \
         layer_norm_packed<T>(x, y, w, b, eps, rows, len, G);                                                                        \
+    }                                                                                                                               \
+    extern "C" __global__ void group_norm_##S(const T* x, T* y, const float* w, const float* b, float eps, i64 rows, int groups, int cpg,  \
+                                              int hw) {                                                                                    \
+        group_norm<T>(x, y, w, b, eps, rows, groups, cpg, hw);                                                                             \
+    }                                                                                                                                     \
+    extern "C" __global__ void reduce_max_##S(const T* x, T* y, i64 n_out, const i64* meta, int kept, int red, int arg, int warp) { \
+        reduce_max<T>(x, y, n_out, meta, kept, red, arg, warp);                                                                     \
     }                                                                                                                               \
     extern "C" __global__ void mean_##S(const T* x, T* y, i64 n_out, const i64* meta, int kept, int red, float scale, int warp) {    \
         mean<T>(x, y, n_out, meta, kept, red, scale, warp);                                                                         \

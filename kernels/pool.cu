@@ -102,6 +102,17 @@ template <typename T> __device__ void adaptive_avg_pool2d(const T* x, T* y, int 
     });
 }
 
+// The maximum over adaptive_avg_pool2d's cells (NaN wins, as in PyTorch).
+template <typename T> __device__ void adaptive_max_pool2d(const T* x, T* y, int N, int H, int W, int C, int OH, int OW) {
+    for_each_output(x, y, N, OH, OW, C, [&](int n, int oh, int ow, int c0, int lanes) {
+        const int hs = oh * H / OH, he = ((oh + 1) * H + OH - 1) / OH;
+        const int ws = ow * W / OW, we = ((ow + 1) * W + OW - 1) / OW;
+        float acc[Pack<T>::N];
+        reduce_window<T, true>(x, n, H, W, C, hs, he, ws, we, c0, lanes, acc);
+        store_lanes(y + (((i64)n * OH + oh) * OW + ow) * C + c0, lanes, acc, 1.f);
+    });
+}
+
 // Global average pooling of NHWC maps (adaptive pooling to 1x1, squeeze-excitation's pool): one
 // block of 32 x GAP_ROWS threads per (image, 32 channel packs). A lane owns one pack (16 bytes
 // of channels where C and the pointers allow, else one channel), so a warp reads 512 contiguous
@@ -155,6 +166,9 @@ template <typename T> __device__ void global_avg_pool(const T* x, T* y, int HW, 
     }                                                                                                                                       \
     extern "C" __global__ void adaptive_avg_pool2d_##S(const T* x, T* y, int N, int H, int W, int C, int OH, int OW) {                        \
         adaptive_avg_pool2d<T>(x, y, N, H, W, C, OH, OW);                                                                                   \
+    }                                                                                                                                       \
+    extern "C" __global__ void adaptive_max_pool2d_##S(const T* x, T* y, int N, int H, int W, int C, int OH, int OW) {                        \
+        adaptive_max_pool2d<T>(x, y, N, H, W, C, OH, OW);                                                                                   \
     }                                                                                                                                       \
     extern "C" __global__ void global_avg_pool_##S(const T* x, T* y, int HW, int C) { global_avg_pool<T>(x, y, HW, C); }
 

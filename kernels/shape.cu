@@ -80,6 +80,28 @@ template <typename T> __device__ void shape_roll(const T* x, T* y, unsigned n, c
     }
 }
 
+// Reflect or replicate padding (F.pad's modes) over contiguous per-image dims; n is the output's
+// elements in all (every image). `meta`: the output's sizes, the input's sizes, the pads before,
+// the input's strides (rank values each), then the output's and the input's elements per image.
+template <typename T> __device__ void shape_pad_edge(const T* x, T* y, i64 n, const i64* meta, int rank, int reflect) {
+    const i64 *ys = meta, *xs = meta + rank, *before = meta + 2 * rank, *stride = meta + 3 * rank;
+    const i64 per_y = meta[4 * rank], per_x = meta[4 * rank + 1];
+    GRID_STRIDE(i, n) {
+        const i64 img = i / per_y;
+        i64 rem = i - img * per_y, off = img * per_x;
+        for (int d = rank - 1; d >= 0; --d) {
+            const i64 q = rem / ys[d];
+            i64 j = rem - q * ys[d] - before[d];
+            rem = q;
+            const i64 last = xs[d] - 1;
+            if (j < 0) j = reflect ? -j : 0;
+            else if (j > last) j = reflect ? 2 * last - j : last;
+            off += j * stride[d];
+        }
+        y[i] = x[off];
+    }
+}
+
 #define SHAPE(T, S)                                                                                                  \
     extern "C" __global__ void shape_gather_##S(const T* x, T* y, unsigned n, const i64* meta, int rank, float fill) { \
         shape_gather<T>(x, y, n, meta, rank, from_f32<T>(fill));                                                     \
@@ -95,6 +117,9 @@ template <typename T> __device__ void shape_roll(const T* x, T* y, unsigned n, c
     }                                                                                                                \
     extern "C" __global__ void shape_roll_##S(const T* x, T* y, unsigned n, const i64* meta, int rank) {             \
         shape_roll<T>(x, y, n, meta, rank);                                                                          \
+    }                                                                                                                \
+    extern "C" __global__ void shape_pad_edge_##S(const T* x, T* y, i64 n, const i64* meta, int rank, int reflect) { \
+        shape_pad_edge<T>(x, y, n, meta, rank, reflect);                                                             \
     }
 
 SHAPE(float, f32)

@@ -33,8 +33,14 @@ fn unary_ops() {
     let ops = Unary::examples();
     for dims in [[7usize, 5, 9], [16, 6, 5]] {
         for &op in &ops {
-            // Inputs span [-8, 8): past every op's kinks (ReLU6's 6, Hardswish's ±3).
-            check(&format!("{op:?} {dims:?}"), &[("x", &dims)], |x| Ok(vec![x[0].affine(4.0, 0.0)?.unary(op)?]));
+            // Inputs span [-8, 8): past every op's kinks (ReLU6's 6, Hardswish's ±3); ops defined
+            // for positive inputs only get [0.5, 8.5).
+            let positive = matches!(op, Unary::Log | Unary::Sqrt | Unary::Rsqrt | Unary::Reciprocal)
+                || matches!(op, Unary::Pow { exponent } if exponent.fract() != 0.0 || exponent < 0.0);
+            check(&format!("{op:?} {dims:?}"), &[("x", &dims)], |x| {
+                let x = if positive { x[0].abs()?.affine(8.0, 0.5)? } else { x[0].affine(4.0, 0.0)? };
+                Ok(vec![x.unary(op)?])
+            });
         }
     }
     // On a flat [N, F] value and a [N, L, D] one.
@@ -105,5 +111,15 @@ fn squeeze_excitation_block() {
             let scale = fc2.forward(&fc1.forward(&x[0].adaptive_avg_pool2d([1, 1])?)?.relu()?)?.sigmoid()?;
             Ok(vec![x[0].mul(&scale)?])
         });
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn adaptive_max_pooling() {
+    // Odd channels (scalar path) and multiples of 8 (packs); cells of unequal sizes; 1x1.
+    for c in [5usize, 16] {
+        check(&format!("adaptive_max_pool2d 3x3 [{c}, 7, 10]"), &[("x", &[c, 7, 10])], |x| Ok(vec![x[0].adaptive_max_pool2d([3, 3])?]));
+        check(&format!("adaptive_max_pool2d 1x1 [{c}, 5, 6]"), &[("x", &[c, 5, 6])], |x| Ok(vec![x[0].adaptive_max_pool2d([1, 1])?]));
     }
 }

@@ -51,6 +51,58 @@ fn layer_norm() {
 
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn group_norm() {
+    use kiln::internals::ops::norm::{GroupNorm, GroupNormConfig};
+    let gn = |x: &Tensor, c: GroupNormConfig| GroupNorm::load(vb("gn"), &c)?.forward(x);
+    check("group_norm 2 groups [6, 5, 7]", &[("x", &[6, 5, 7])], |x| Ok(vec![gn(&x[0], GroupNormConfig::new(2, 6))?]));
+    check("group_norm 32 groups of an NHWC conv [3, 9, 10]", &[("x", &[3, 9, 10])], |x| {
+        Ok(vec![gn(&conv(&x[0], 3, 64)?, GroupNormConfig::new(32, 64))?])
+    });
+    check("instance_norm affine [4, 6, 5]", &[("x", &[4, 6, 5])], |x| Ok(vec![gn(&x[0], GroupNormConfig::new(4, 4))?]));
+    check("instance_norm [5, 33, 40] (rows longer than a block)", &[("x", &[5, 33, 40])], |x| Ok(vec![x[0].group_norm(5, 1e-5)?]));
+    check("group_norm rank 3 [6, 11]", &[("x", &[6, 11])], |x| Ok(vec![x[0].group_norm(3, 1e-3)?]));
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn amax() {
+    check("amax (2, 3) [6, 5, 7]", &[("x", &[6, 5, 7])], |x| Ok(vec![x[0].amax(&[2, 3], false)?]));
+    check("amax 1 keepdim of an NHWC conv [3, 7, 6]", &[("x", &[3, 7, 6])], |x| Ok(vec![conv(&x[0], 3, 16)?.amax(&[1], true)?]));
+    check("amax -1 [4, 300] (a warp a row)", &[("x", &[4, 300])], |x| Ok(vec![x[0].amax(&[2], false)?]));
+}
+
+/// Argmax in an FP32 engine, exactly as the CPU executor (an FP16 engine rounds near-equal
+/// maxima together, so its indices may differ where PyTorch's would too).
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn argmax() {
+    let Some(gpu) = common::gpu() else { return };
+    type Case = (&'static str, &'static [usize], fn(&Tensor) -> kiln::Result<Tensor>);
+    let cases: [Case; 3] = [
+        ("argmax 1 of [21, 6, 7]", &[21, 6, 7], |x| x.argmax(1, false)),
+        ("argmax 1 of an NHWC conv [3, 9, 8]", &[3, 9, 8], |x| conv(x, 3, 21)?.argmax(1, true)),
+        ("argmax -1 of [4, 300] (a warp a row)", &[4, 300], |x| x.argmax(2, false)),
+    ];
+    for (name, dims, f) in cases {
+        let tracer = kiln::Tracer::new();
+        let x = tracer.input("x", &[&[1][..], dims].concat());
+        tracer.output("y", &f(&x).expect("trace"));
+        let graph = tracer.graph();
+        let engine = common::build(&gpu, &graph, kiln::engine::Precision::Fp32);
+        let mut ctx = engine.context().expect("context");
+        for batch in common::BATCHES {
+            let host = common::random(&[&[batch][..], dims].concat(), batch as u64, 2.0);
+            let want = kiln::run_cpu(&graph, &[("x", &host)]).expect("cpu");
+            let got = ctx.run(&[("x", &host)]).expect("run");
+            let same = got["y"].data.iter().zip(&want["y"].data).filter(|(a, b)| a == b).count();
+            println!("{name} batch {batch}: {same} of {} indices agree", want["y"].data.len());
+            assert_eq!(got["y"].data, want["y"].data, "{name} batch {batch}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn mean() {
     check("mean (2, 3) [6, 5, 7]", &[("x", &[6, 5, 7])], |x| Ok(vec![x[0].mean(&[2, 3], false)?]));
     check("mean (2, 3) keepdim [4, 3, 5]", &[("x", &[4, 3, 5])], |x| Ok(vec![x[0].mean(&[2, 3], true)?]));

@@ -124,3 +124,16 @@ fn pad() {
         Ok(vec![c.forward(&nhwc(&z.forward(&x[0])?)?)?])
     });
 }
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn reflect_and_replicate_pads() {
+    check("reflection_pad (2, 1, 3, 1) [3, 5, 4]", &[("x", &[3, 5, 4])], |x| Ok(vec![x[0].reflection_pad(&[2, 1, 3, 1])?]));
+    // From an NHWC producer: the builder gives the kernel the contiguous layout.
+    check("reflection_pad of nhwc (1, 1, 1, 1) [6, 4, 5]", &[("x", &[6, 4, 5])], |x| Ok(vec![nhwc(&x[0])?.reflection_pad(&[1, 1, 1, 1])?]));
+    check("reflection_pad 1-D (3, 2) [4, 6]", &[("x", &[4, 6])], |x| Ok(vec![x[0].reflection_pad(&[3, 2])?]));
+    check("replication_pad (1, 3, 2, 0) [3, 4, 5]", &[("x", &[3, 4, 5])], |x| Ok(vec![x[0].replication_pad(&[1, 3, 2, 0])?]));
+    check("replication_pad channels too (1, 1, 0, 2, 1, 0) [2, 3, 4]", &[("x", &[2, 3, 4])], |x| {
+        Ok(vec![x[0].replication_pad(&[1, 1, 0, 2, 1, 0])?])
+    });
+}

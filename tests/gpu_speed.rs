@@ -12,8 +12,11 @@
 //! On the device: `.carry/bin/gpu_speed --include-ignored --nocapture --test-threads 1`.
 
 use kiln::engine::{BuildConfig, EngineBuilder, Precision};
-use kiln::graph::{Graph, HostTensor};
-use kiln::{Conv2d, Conv2dConfig, Forward, LayerNorm, LayerNorm2d, LayerNormConfig, Module, Tensor, Tracer, VarBuilder};
+use kiln::{
+    nn::{Conv2d, Conv2dConfig, LayerNorm, LayerNorm2d, LayerNormConfig},
+    Forward, Module, Tensor, Tracer, VarBuilder,
+};
+use kiln::{Graph, HostTensor};
 
 mod common;
 use common::{check, gpu, random, rel_l2};
@@ -40,7 +43,7 @@ fn forced(name: &str, graph: &Graph, dims: &[usize], source: &str) {
         for batch in [1usize, 3] {
             let shape: Vec<usize> = [&[batch][..], dims].concat();
             let input: HostTensor = random(&shape, 17 + batch as u64, 2.0);
-            let want = kiln::cpu::run(graph, &[("x", &input)]).expect("cpu");
+            let want = kiln::run_cpu(graph, &[("x", &input)]).expect("cpu");
             let got = ctx.run(&[("x", &input)]).expect("run");
             let (rel, max_abs) = rel_l2(&got["y"].data, &want["y"].data);
             println!("{name:<64} {precision:?} batch {batch}: rel L2 {rel:.2e}, max abs {max_abs:.2e}");
@@ -128,7 +131,7 @@ fn layer_norm_packed_forced() {
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/speed-check.sh)"]
 fn blocks_as_timed() {
-    use kiln::{Linear, LinearConfig, GELU};
+    use kiln::nn::{Linear, LinearConfig, GELU};
     let vb = VarBuilder::seeded();
     check("convnext block [96, 14, 14]", &[("x", &[96, 14, 14])], |x| {
         let c = 96;
@@ -140,7 +143,7 @@ fn blocks_as_timed() {
         let t = Linear::load(vb.pp("fc2"), &LinearConfig::new(4 * c, c))?.forward(&t)?;
         let t = t.permute(&[0, 3, 1, 2])?;
         let scale = vb.get(&[c, 1, 1], "layer_scale")?;
-        let t = t.binary_weight("layer_scale", kiln::Binary::Mul, &scale)?;
+        let t = t.binary_weight("layer_scale", kiln::plugin::Binary::Mul, &scale)?;
         Ok(vec![(&t + &x[0])?])
     });
     check("vit mlp half-block [197, 768]", &[("x", &[197, 768])], |x| {

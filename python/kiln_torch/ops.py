@@ -17,6 +17,12 @@ import numpy as np
 from .graph import Act, Const
 
 
+def to_numpy_(v):
+    from .convert import to_numpy
+
+    return to_numpy(v)
+
+
 class Unsupported(Exception):
     """This node cannot become Kiln ops; the message says why (shown in the export report)."""
 
@@ -170,6 +176,12 @@ def identity(cx, a):
     return a.get("self", a.get("input"))
 
 
+@aten("aten._assert_tensor_metadata.default")
+def assert_tensor_metadata(cx, a):
+    """A check torch.export writes before a cast (`argmax(..).float()`); it computes nothing."""
+    return None
+
+
 @aten("aten._to_copy.default", "aten.to.dtype", "aten.type_as.default")
 def to_copy(cx, a):
     dtype = a.get("dtype")
@@ -188,6 +200,14 @@ SIMPLE_UNARY = {
     "aten.hardsigmoid.default": "Hardsigmoid",
     "aten.tanh.default": "Tanh",
     "aten.asinh.default": "Asinh",
+    "aten.exp.default": "Exp",
+    "aten.log.default": "Log",
+    "aten.sqrt.default": "Sqrt",
+    "aten.rsqrt.default": "Rsqrt",
+    "aten.reciprocal.default": "Reciprocal",
+    "aten.abs.default": "Abs",
+    "aten.erf.default": "Erf",
+    "aten.mish.default": "Mish",
 }
 
 
@@ -227,6 +247,28 @@ def clamp_op(cx, a):
     return cx.node(clamp(lo, hi), [act(a["self"])], "clamp")
 
 
+@aten("aten.elu.default")
+def elu(cx, a):
+    """`F.elu`, and SELU / CELU as PyTorch writes them: `scale * elu(input_scale * x, alpha)`."""
+    x = act(a["self"])
+    scale, input_scale = float(a.get("scale", 1.0)), float(a.get("input_scale", 1.0))
+    if input_scale != 1.0:
+        x = cx.node(affine(input_scale, 0.0), [x], "affine", tshape=x.tshape)
+    y = cx.node(unary("Elu", alpha=float(a.get("alpha", 1.0))), [x], "elu", tshape=x.tshape)
+    return y if scale == 1.0 else cx.node(affine(scale, 0.0), [y], "affine")
+
+
+@aten("aten.pow.Tensor_Scalar")
+def pow_scalar(cx, a):
+    e = scalar_of(a["exponent"])
+    if e is None:
+        raise Unsupported("pow with a tensor exponent (Kiln's pow takes a number)")
+    x = act(a["self"])
+    if e == 1.0:
+        return x
+    return cx.node(unary("Pow", exponent=float(e)), [x], "pow")
+
+
 @aten("aten.neg.default")
 def neg(cx, a):
     return cx.node(affine(-1.0, 0.0), [act(a["self"])], "affine")
@@ -237,6 +279,8 @@ def neg(cx, a):
 
 def _scalar_affine(cx, op, x, s, reverse=False):
     """`x op s` (or `s op x`) with a number `s`, as one `x * scale + shift`."""
+    if not reverse and ((op in ("Add", "Sub") and s == 0.0) or (op in ("Mul", "Div") and s == 1.0)):
+        return x  # exact: PyTorch's `1.0 / x` is `reciprocal(x) * 1.0`
     if op == "Add":
         return cx.node(affine(1.0, s), [x], "affine")
     if op == "Sub":
@@ -244,7 +288,9 @@ def _scalar_affine(cx, op, x, s, reverse=False):
     if op == "Mul":
         return cx.node(affine(s, 0.0), [x], "affine")
     if reverse:
-        raise Unsupported(f"{s} / x: Kiln has no reciprocal op")
+        # s / x as reciprocal(x) * s (one rounding more than PyTorch's division when s is not 1).
+        r = cx.node(unary("Reciprocal"), [x], "reciprocal", tshape=x.tshape)
+        return r if s == 1.0 else cx.node(affine(s, 0.0), [r], "affine")
     return cx.node(affine(1.0 / s, 0.0), [x], "affine")
 
 
@@ -270,7 +316,8 @@ def arith(cx, op, x, y, alpha=1):
         # c - y as (-y) + c: the same f32 result, with the activation first.
         return cx.binary("Add", cx.node(affine(-1.0, 0.0), [y], "affine", tshape=y.tshape), x)
     elif not is_act(x):
-        raise Unsupported("a constant divided by an activation (Kiln has no reciprocal op)")
+        # c / y as reciprocal(y) * c, the constant a weight.
+        return cx.binary("Mul", cx.node(unary("Reciprocal"), [y], "reciprocal", tshape=y.tshape), x)
     return cx.binary(op, x, y)
 
 
@@ -310,8 +357,10 @@ def div_mode(cx, a):
 
 
 def _conv(cx, x, w, b, stride, padding, dilation, groups, transposed=False, output_padding=(0, 0)):
-    x = cx.batched(act(x), 4, "a 2-D convolution")
     w = const(w, "weight")
+    if w.value.ndim == 3:
+        return _conv1d(cx, x, w, b, stride, padding, dilation, groups, transposed, output_padding)
+    x = cx.batched(act(x), 4, "a 2-D convolution")
     if w.value.ndim != 4:
         raise Unsupported(f"a {w.value.ndim - 2}-D convolution (Kiln's are 2-D)")
     if isinstance(padding, str):
@@ -320,6 +369,31 @@ def _conv(cx, x, w, b, stride, padding, dilation, groups, transposed=False, outp
     op = conv(pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation"), groups, b is not None, transposed,
               pair(output_padding, "output_padding"))
     return cx.node(op, inputs, "conv_transpose2d" if transposed else "conv2d")
+
+
+def _one(v):
+    """A 1-D convolution's int-or-[int] argument as an int."""
+    return int(v if isinstance(v, (int, float)) else list(v)[0])
+
+
+def _conv1d(cx, x, w, b, stride, padding, dilation, groups, transposed, output_padding):
+    """A 1-D convolution as a 2-D one over `[N, C, 1, L]` with a `[O, C/g, 1, K]` kernel (stored
+    under the weight's own name, in that shape): exact, the same products and sums."""
+    x = cx.batched(act(x), 3, "a 1-D convolution")
+    n, c, length = x.tshape
+    if isinstance(padding, str):
+        padding = _same_padding(padding, w.value.shape[2:], [_one(dilation)], [_one(stride)])
+    w4 = Const(w.name, np.asarray(to_numpy_(w.value), dtype=np.float32)[:, :, None, :])
+    # A helper: the convolution keeps the module's path (`c1`, not `c1.conv2d`).
+    x4 = cx.node(shape_op("Reshape", dims=[c, 1, length]), [x], "reshape", (n, c, 1, length), helper=True)
+    out = tuple(cx.out_shape)
+    cx.out_shape = (out[0], out[1], 1, out[2])
+    try:
+        y = _conv(cx, x4, w4, b, [1, _one(stride)], [0, _one(padding)], [1, _one(dilation)], groups, transposed,
+                  [0, _one(output_padding)])
+    finally:
+        cx.out_shape = out
+    return cx.reshape(y, out)
 
 
 def _same_padding(mode, kernel, dilation, stride):
@@ -334,8 +408,9 @@ def _same_padding(mode, kernel, dilation, stride):
     return pads
 
 
-@aten("aten.conv2d.default", "aten.conv2d.padding")
+@aten("aten.conv2d.default", "aten.conv2d.padding", "aten.conv1d.default", "aten.conv1d.padding")
 def conv2d(cx, a):
+    """`F.conv2d`, and `F.conv1d` (by its 3-D weight, `_conv1d`)."""
     return _conv(cx, a["input"], a["weight"], a.get("bias"), a.get("stride", 1), a.get("padding", 0), a.get("dilation", 1),
                  a.get("groups", 1))
 
@@ -344,6 +419,14 @@ def conv2d(cx, a):
 def convolution(cx, a):
     return _conv(cx, a["input"], a["weight"], a.get("bias"), a["stride"], a["padding"], a["dilation"], a["groups"],
                  a["transposed"], a["output_padding"])
+
+
+@aten("aten.conv_transpose1d.default")
+def conv_transpose1d(cx, a):
+    if _one(a.get("dilation", 1)) != 1:
+        raise Unsupported("a dilated transposed convolution")
+    return _conv(cx, a["input"], a["weight"], a.get("bias"), a.get("stride", 1), a.get("padding", 0), 1, a.get("groups", 1),
+                 True, a.get("output_padding", 0))
 
 
 @aten("aten.conv_transpose2d.input")
@@ -410,6 +493,38 @@ def layer_norm(cx, a):
 @aten("aten.native_layer_norm.default")
 def native_layer_norm(cx, a):
     return (layer_norm(cx, dict(a, eps=a["eps"])), None, None)
+
+
+def _group_norm(cx, x, groups, w, b, eps):
+    x = act(x)
+    if len(x.tshape) < 2:
+        raise Unsupported(f"group norm of a {len(x.tshape)}-D value")
+    x = cx.unlift(x)
+    c = x.tshape[1]
+    affine_ = w is not None or b is not None
+    params = [_norm_param(cx, w, c, 1.0, "weight"), _norm_param(cx, b, c, 0.0, "bias")] if affine_ else []
+    op = {"Norm": {"GroupNorm": {"groups": int(groups), "eps": float(eps), "affine": affine_}}}
+    return cx.node(op, [x] + params, "group_norm", tshape=x.tshape)
+
+
+@aten("aten.group_norm.default")
+def group_norm(cx, a):
+    return _group_norm(cx, a["input"], a["num_groups"], a.get("weight"), a.get("bias"), a.get("eps", 1e-5))
+
+
+@aten("aten.native_group_norm.default")
+def native_group_norm(cx, a):
+    return (_group_norm(cx, a["input"], a["group"], a.get("weight"), a.get("bias"), a["eps"]), None, None)
+
+
+@aten("aten.instance_norm.default")
+def instance_norm(cx, a):
+    """`nn.InstanceNorm*d`: with the input's statistics (the default) a GroupNorm of one channel a
+    group; with running statistics (`track_running_stats=True`, eval) a BatchNorm."""
+    x = act(a["input"])
+    if not a.get("use_input_stats", True):
+        return _batch_norm(cx, x, a.get("weight"), a.get("bias"), a["running_mean"], a["running_var"], a["eps"])
+    return _group_norm(cx, x, x.tshape[1], a.get("weight"), a.get("bias"), a["eps"])
 
 
 @aten("aten.linear.default")
@@ -505,6 +620,13 @@ def adaptive_avg_pool2d(cx, a):
     return cx.node({"Pool": {"AdaptiveAvg": {"output": out}}}, [x], "adaptive_avg_pool2d")
 
 
+@aten("aten.adaptive_max_pool2d.default")
+def adaptive_max_pool2d(cx, a):
+    x = cx.batched(act(a["self"]), 4, "adaptive max pooling")
+    out = pair(a["output_size"], "output_size")
+    return (cx.node({"Pool": {"AdaptiveMax": {"output": out}}}, [x], "adaptive_max_pool2d"), None)
+
+
 def _mean(cx, x, dims, keepdim):
     x = act(x)
     rank = len(x.tshape)
@@ -518,6 +640,50 @@ def _mean(cx, x, dims, keepdim):
 @aten("aten.mean.dim", "aten.mean.default")
 def mean(cx, a):
     return _mean(cx, a["self"], a.get("dim"), a.get("keepdim", False))
+
+
+def _reduce(cx, kind, x, dims, keepdim, what):
+    """`Pool::Amax` over `dims` or `Pool::Argmax` along one dim; the batch stays."""
+    x = act(x)
+    rank = len(x.tshape)
+    dims = sorted({norm_dim(d, rank) for d in (dims if dims not in (None, []) else range(rank))})
+    if kind == "Argmax" and len(dims) != 1:
+        raise Unsupported("argmax over the flattened tensor (give dim)")
+    if 0 in dims and not x.lifted:
+        x = cx.lift(x)
+    kd = [d + x.offset for d in dims]
+    if kind == "Argmax":
+        return cx.node({"Pool": {"Argmax": {"dim": kd[0], "keepdim": bool(keepdim)}}}, [x], what)
+    return cx.node({"Pool": {"Amax": {"dims": kd, "keepdim": bool(keepdim)}}}, [x], what)
+
+
+@aten("aten.amax.default")
+def amax(cx, a):
+    return _reduce(cx, "Amax", a["self"], a.get("dim"), a.get("keepdim", False), "amax")
+
+
+@aten("aten.argmax.default")
+def argmax(cx, a):
+    return _reduce(cx, "Argmax", a["self"], None if a.get("dim") is None else [a["dim"]], a.get("keepdim", False), "argmax")
+
+
+@aten("aten.max.dim")
+def max_dim(cx, a):
+    """`x.max(dim)`: the values and the indices (as f32), each made only when read."""
+    x, d, keep = a["self"], [a["dim"]], a.get("keepdim", False)
+    return (_Lazy(lambda: _reduce(cx, "Amax", x, d, keep, "amax")), _Lazy(lambda: _reduce(cx, "Argmax", x, d, keep, "argmax")))
+
+
+class _Lazy:
+    """An output of a multi-output op, converted when first read (`getitem`)."""
+
+    def __init__(self, make):
+        self.make, self.value = make, None
+
+    def __call__(self):
+        if self.value is None:
+            self.value = self.make()
+        return self.value
 
 
 @aten("aten.sum.dim_IntList")
@@ -727,12 +893,40 @@ class _Reshaped:
         return self.value
 
 
+EDGE_PADS = {"reflect": "ReflectPad", "replicate": "ReplicatePad"}
+
+
+def _edge_pad(cx, x, pads, mode):
+    """Reflect or replicate padding of the trailing dims (`pads` last dim first)."""
+    if mode not in EDGE_PADS:
+        raise Unsupported(f"padding mode {mode!r} (Kiln pads with a constant, by reflection or by replication)")
+    pads = [int(p) for p in pads]
+    if any(p < 0 for p in pads):
+        raise Unsupported(f"negative padding {pads}")
+    if not any(pads):
+        return x
+    if len(pads) // 2 >= len(x.tshape) and not x.lifted:
+        x = cx.lift(x)
+    name = "reflection_pad" if mode == "reflect" else "replication_pad"
+    return cx.node(shape_op(EDGE_PADS[mode], pads=pads), [x], name)
+
+
+@aten("aten.reflection_pad1d.default", "aten.reflection_pad2d.default", "aten.reflection_pad3d.default")
+def reflection_pad(cx, a):
+    return _edge_pad(cx, act(a["self"]), a["padding"], "reflect")
+
+
+@aten("aten.replication_pad1d.default", "aten.replication_pad2d.default", "aten.replication_pad3d.default")
+def replication_pad(cx, a):
+    return _edge_pad(cx, act(a["self"]), a["padding"], "replicate")
+
+
 @aten("aten.constant_pad_nd.default", "aten.pad.default")
 def pad(cx, a):
     x = act(a["self"])
     mode = a.get("mode", "constant")
     if mode != "constant":
-        raise Unsupported(f"padding mode {mode!r} (Kiln pads with a constant)")
+        return _edge_pad(cx, x, a["pad"], mode)
     pads = [int(p) for p in a["pad"]]
     value = a.get("value")
     value = 0.0 if value is None else float(value)

@@ -33,7 +33,7 @@ class OpTable(unittest.TestCase):
                      "aten.relu.default", "aten.add.Tensor", "aten.view.default", "aten.cat.default", "aten.split.Tensor",
                      "aten.scaled_dot_product_attention.default", "aten.upsample_bilinear2d.vec", "torchvision.deform_conv2d.default"]:
             self.assertIsNotNone(ops.lookup(name), name)
-        self.assertIsNone(ops.lookup("aten.erf.default"))
+        self.assertIsNone(ops.lookup("aten.cumsum.default"))
 
     def test_a_user_table_comes_first_and_matches_every_overload(self):
         user = ops.custom_table({"mylib::swish": "swish", "aten.erf.default": ops.CustomOp("erf")})
@@ -90,8 +90,96 @@ class Converters(unittest.TestCase):
         add = b.graph.nodes[y.id]
         self.assertEqual(add["op"], {"Binary": "Add"})
         self.assertEqual(b.graph.nodes[add["inputs"][0]]["op"], {"Unary": {"Affine": {"scale": -1.0, "shift": 0.0}}})
-        with self.assertRaisesRegex(Unsupported, "reciprocal"):
-            ops.TABLE["aten.div.Tensor"](b, {"self": c, "other": x})
+        # c / x: a reciprocal, then the constant as a weight.
+        y = ops.TABLE["aten.div.Tensor"](b, {"self": c, "other": x})
+        mul = b.graph.nodes[y.id]
+        self.assertEqual(mul["op"], {"Binary": "Mul"})
+        self.assertEqual(b.graph.nodes[mul["inputs"][0]]["op"], {"Unary": "Reciprocal"})
+        self.assertEqual(b.graph.nodes[mul["inputs"][1]]["op"], {"Weight": {"name": "anchors"}})
+
+    def test_math_functions_are_unary_ops(self):
+        b, x = builder([1, 4])
+        for target, kind in [("aten.exp.default", "Exp"), ("aten.log.default", "Log"), ("aten.sqrt.default", "Sqrt"),
+                             ("aten.rsqrt.default", "Rsqrt"), ("aten.reciprocal.default", "Reciprocal"), ("aten.abs.default", "Abs"),
+                             ("aten.erf.default", "Erf"), ("aten.mish.default", "Mish")]:
+            y = ops.TABLE[target](b, {"self": x})
+            self.assertEqual(b.graph.nodes[y.id]["op"], {"Unary": kind}, target)
+        y = ops.TABLE["aten.pow.Tensor_Scalar"](b, {"self": x, "exponent": 2})
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Unary": {"Pow": {"exponent": 2.0}}})
+        self.assertIs(ops.TABLE["aten.pow.Tensor_Scalar"](b, {"self": x, "exponent": 1}), x)
+        with self.assertRaisesRegex(Unsupported, "tensor exponent"):
+            ops.TABLE["aten.pow.Tensor_Scalar"](b, {"self": x, "exponent": Const("e", np.ones([4], np.float32))})
+
+    def test_a_number_over_an_activation_is_a_reciprocal_and_an_affine(self):
+        b, x = builder([1, 4])
+        y = ops.TABLE["aten.div.Tensor"](b, {"self": 2.0, "other": x})
+        node = b.graph.nodes[y.id]
+        self.assertEqual(node["op"], {"Unary": {"Affine": {"scale": 2.0, "shift": 0.0}}})
+        self.assertEqual(b.graph.nodes[node["inputs"][0]]["op"], {"Unary": "Reciprocal"})
+        y = ops.TABLE["aten.reciprocal.default"](b, {"self": x})
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Unary": "Reciprocal"})
+
+    def test_adaptive_max_pooling_gives_its_values(self):
+        b, x = builder([1, 3, 8, 8], out=(1, 3, 2, 2))
+        y, indices = ops.TABLE["aten.adaptive_max_pool2d.default"](b, {"self": x, "output_size": [2, 2]})
+        self.assertIsNone(indices)
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Pool": {"AdaptiveMax": {"output": [2, 2]}}})
+
+    def test_reflect_and_replicate_pads(self):
+        b, x = builder([1, 3, 8, 8], out=(1, 3, 10, 10))
+        y = ops.TABLE["aten.pad.default"](b, {"self": x, "pad": [1, 1, 1, 1], "mode": "reflect", "value": None})
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Shape": {"ReflectPad": {"pads": [1, 1, 1, 1]}}})
+        y = ops.TABLE["aten.replication_pad2d.default"](b, {"self": x, "padding": [2, 0, 1, 1]})
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Shape": {"ReplicatePad": {"pads": [2, 0, 1, 1]}}})
+        self.assertEqual(b.graph.nodes[y.id]["path"], "blk.replication_pad")
+
+    def test_group_norm_and_instance_norm(self):
+        b, x = builder([1, 8, 4, 4])
+        w = Const("gn.weight", np.ones([8], np.float32))
+        bias = Const("gn.bias", np.zeros([8], np.float32))
+        y = ops.TABLE["aten.group_norm.default"](b, {"input": x, "num_groups": 4, "weight": w, "bias": bias, "eps": 1e-5})
+        node = b.graph.nodes[y.id]
+        self.assertEqual(node["op"], {"Norm": {"GroupNorm": {"groups": 4, "eps": 1e-5, "affine": True}}})
+        self.assertEqual(len(node["inputs"]), 3)
+        y = ops.TABLE["aten.instance_norm.default"](b, {"input": x, "weight": None, "bias": None, "running_mean": None,
+                                                        "running_var": None, "use_input_stats": True, "momentum": 0.1, "eps": 1e-5})
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Norm": {"GroupNorm": {"groups": 8, "eps": 1e-5, "affine": False}}})
+
+    def test_amax_argmax_and_max_dim(self):
+        b, x = builder([1, 21, 4, 4], out=(1, 4, 4))
+        y = ops.TABLE["aten.argmax.default"](b, {"self": x, "dim": 1, "keepdim": False})
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Pool": {"Argmax": {"dim": 1, "keepdim": False}}})
+        y = ops.TABLE["aten.amax.default"](b, {"self": x, "dim": [-1, 2], "keepdim": True})
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Pool": {"Amax": {"dims": [2, 3], "keepdim": True}}})
+        with self.assertRaisesRegex(Unsupported, "flattened"):
+            ops.TABLE["aten.argmax.default"](b, {"self": x, "dim": None})
+        values, indices = ops.TABLE["aten.max.dim"](b, {"self": x, "dim": 1})
+        n = len(b.graph.nodes)
+        self.assertEqual(b.graph.nodes[indices().id]["op"], {"Pool": {"Argmax": {"dim": 1, "keepdim": False}}})
+        self.assertEqual(len(b.graph.nodes), n + 1, "only the part read is converted")
+
+    def test_conv1d_is_a_conv2d_over_one_row(self):
+        b, x = builder([1, 4, 16], out=(1, 6, 8))
+        w = Const("conv.weight", np.ones([6, 2, 3], np.float32))
+        y = ops.TABLE["aten.conv1d.default"](b, {"input": x, "weight": w, "bias": None, "stride": [2], "padding": [1],
+                                                 "dilation": [1], "groups": 2})
+        self.assertEqual(y.tshape, (1, 6, 8))
+        reshape = b.graph.nodes[y.id]
+        conv = b.graph.nodes[reshape["inputs"][0]]
+        name, attrs = family(conv)
+        self.assertEqual((name, attrs["stride"], attrs["padding"], attrs["groups"]), ("Conv", [1, 2], [0, 1], 2))
+        self.assertEqual(conv["shape"], [1, 6, 1, 8])
+        self.assertEqual(b.graph.weights["conv.weight"].shape, (6, 2, 1, 3))
+
+    def test_elu_and_selu(self):
+        b, x = builder([1, 4])
+        y = ops.TABLE["aten.elu.default"](b, {"self": x, "alpha": 0.5, "scale": 1, "input_scale": 1})
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Unary": {"Elu": {"alpha": 0.5}}})
+        # SELU: scale * elu(x, alpha).
+        y = ops.TABLE["aten.elu.default"](b, {"self": x, "alpha": 1.6732632423543772, "scale": 1.0507009873554805, "input_scale": 1})
+        node = b.graph.nodes[y.id]
+        self.assertEqual(node["op"], {"Unary": {"Affine": {"scale": 1.0507009873554805, "shift": 0.0}}})
+        self.assertIn("Elu", b.graph.nodes[node["inputs"][0]]["op"]["Unary"])
 
     def test_relu6_and_hardtanh_are_clamps(self):
         b, x = builder([1, 4])
@@ -195,8 +283,8 @@ class Converters(unittest.TestCase):
 
     def test_unsupported_arguments_say_why(self):
         b, x = builder([1, 3, 8, 8])
-        with self.assertRaisesRegex(Unsupported, "padding mode 'reflect'"):
-            ops.TABLE["aten.pad.default"](b, {"self": x, "pad": [1, 1, 1, 1], "mode": "reflect", "value": None})
+        with self.assertRaisesRegex(Unsupported, "padding mode 'circular'"):
+            ops.TABLE["aten.pad.default"](b, {"self": x, "pad": [1, 1, 1, 1], "mode": "circular", "value": None})
         with self.assertRaisesRegex(Unsupported, "computed weight"):
             ops.TABLE["aten.linear.default"](b, {"input": x, "weight": x, "bias": None})
 

@@ -306,7 +306,20 @@ fn activation(u: Unary) -> Option<LayerSpec> {
                 format!("LeakyReLUConfig {{ negative_slope: {} }}", s[0].text)
             })),
         },
-        Unary::Asinh | Unary::Affine { .. } | Unary::Softplus { .. } => return None,
+        // Written inline (`x.elu(1.0)?`, `x.exp()?`): no layer type in the generated code's imports.
+        Unary::Asinh
+        | Unary::Affine { .. }
+        | Unary::Softplus { .. }
+        | Unary::Exp
+        | Unary::Log
+        | Unary::Sqrt
+        | Unary::Rsqrt
+        | Unary::Reciprocal
+        | Unary::Abs
+        | Unary::Erf
+        | Unary::Pow { .. }
+        | Unary::Elu { .. }
+        | Unary::Mish => return None,
     })
 }
 
@@ -451,6 +464,18 @@ fn unary(u: Unary) -> Tpl {
         Unary::Hardsigmoid => plain("hardsigmoid"),
         Unary::Tanh => plain("tanh"),
         Unary::Asinh => plain("asinh"),
+        Unary::Exp => plain("exp"),
+        Unary::Log => plain("log"),
+        Unary::Sqrt => plain("sqrt"),
+        Unary::Rsqrt => plain("rsqrt"),
+        Unary::Reciprocal => plain("reciprocal"),
+        Unary::Abs => plain("abs"),
+        Unary::Erf => plain("erf"),
+        Unary::Mish => plain("mish"),
+        Unary::Elu { alpha } => Tpl::new(vec![slot("alpha", Lit::F32(alpha))], |s, o| format!("{}.elu({})?", o.recv[0], s[0].text)),
+        Unary::Pow { exponent } => {
+            Tpl::new(vec![slot("exponent", Lit::F32(exponent))], |s, o| format!("{}.pow({})?", o.recv[0], s[0].text))
+        }
         Unary::Gelu { tanh } => {
             Tpl::new(vec![slot("approximate_tanh", Lit::Bool(tanh))], |s, o| format!("{}.gelu({})?", o.recv[0], s[0].text))
         }
@@ -498,6 +523,12 @@ fn shape(s: &ShapeOp, n_args: usize) -> Option<Tpl> {
         ShapeOp::Roll { shifts, dims } => Tpl::new(vec![slot("shifts", Lit::I64s(shifts.clone())), slot("dims", isizes(dims))], |s, o| {
             format!("{}.roll(&{}, &{})?", o.recv[0], s[0].text, s[1].text)
         }),
+        ShapeOp::ReflectPad { pads } => {
+            Tpl::new(vec![slot("pads", Lit::Usizes(pads.clone()))], |s, o| format!("{}.reflection_pad(&{})?", o.recv[0], s[0].text))
+        }
+        ShapeOp::ReplicatePad { pads } => {
+            Tpl::new(vec![slot("pads", Lit::Usizes(pads.clone()))], |s, o| format!("{}.replication_pad(&{})?", o.recv[0], s[0].text))
+        }
     })
 }
 

@@ -1,6 +1,6 @@
 //! Elementwise ops: activations and scalar arithmetic (`Unary`), and `+ - * /` of two tensors with
 //! NumPy/PyTorch broadcasting (`Binary`). Layers: `ReLU`, `ReLU6`, `LeakyReLU`, `Sigmoid`, `SiLU`,
-//! `Hardswish`, `Hardsigmoid`, `GELU`, `Tanh`, `Hardtanh`, `Softplus`.
+//! `Hardswish`, `Hardsigmoid`, `GELU`, `Tanh`, `Hardtanh`, `Softplus`, `ELU`, `Mish`.
 
 use crate::engine::launch::{pack, same_elem, to_i32, typed_entry_points, Arg, KArg, KernelLayer};
 use crate::engine::{BuildCtx, Layer, Layout, ValueId};
@@ -58,6 +58,26 @@ pub enum Unary {
     Softplus {
         beta: f32,
         threshold: f32,
+    },
+    Exp,
+    /// The natural logarithm (`-inf` at 0, NaN below).
+    Log,
+    Sqrt,
+    /// `1 / sqrt(x)`.
+    Rsqrt,
+    /// `1 / x` (a number divided by an activation is this and an affine).
+    Reciprocal,
+    Abs,
+    Erf,
+    /// `nn.ELU(alpha)`: `x` where `x > 0`, else `alpha * (exp(x) - 1)`.
+    Elu {
+        alpha: f32,
+    },
+    /// `nn.Mish`: `x * tanh(softplus(x))`.
+    Mish,
+    /// `x ** exponent` with a number exponent (`torch.pow(x, 2)`, `x ** 0.5`).
+    Pow {
+        exponent: f32,
     },
 }
 
@@ -133,6 +153,23 @@ impl Unary {
                     (v * beta).exp().ln_1p() / beta
                 }
             }
+            Unary::Exp => v.exp(),
+            Unary::Log => v.ln(),
+            Unary::Sqrt => v.sqrt(),
+            Unary::Rsqrt => 1.0 / v.sqrt(),
+            Unary::Reciprocal => 1.0 / v,
+            Unary::Abs => v.abs(),
+            Unary::Erf => erf(v as f64) as f32,
+            Unary::Elu { alpha } => {
+                if v > 0.0 {
+                    v
+                } else {
+                    alpha * v.exp_m1()
+                }
+            }
+            Unary::Mish => v * v.exp().ln_1p().tanh(),
+            // powf(NaN, 0) is 1, as torch.pow's.
+            Unary::Pow { exponent } => v.powf(exponent),
         }
     }
 
@@ -159,6 +196,16 @@ impl Unary {
             Unary::Clamp { min, max } => ("ACT_CLAMP", 11, min, max),
             Unary::Affine { scale, shift } => ("ACT_AFFINE", 12, scale, shift),
             Unary::Softplus { beta, threshold } => ("ACT_SOFTPLUS", 13, beta, threshold),
+            Unary::Exp => ("ACT_EXP", 14, 0.0, 0.0),
+            Unary::Log => ("ACT_LOG", 15, 0.0, 0.0),
+            Unary::Sqrt => ("ACT_SQRT", 16, 0.0, 0.0),
+            Unary::Rsqrt => ("ACT_RSQRT", 17, 0.0, 0.0),
+            Unary::Reciprocal => ("ACT_RECIPROCAL", 18, 0.0, 0.0),
+            Unary::Abs => ("ACT_ABS", 19, 0.0, 0.0),
+            Unary::Erf => ("ACT_ERF", 20, 0.0, 0.0),
+            Unary::Elu { alpha } => ("ACT_ELU", 21, alpha, 0.0),
+            Unary::Mish => ("ACT_MISH", 22, 0.0, 0.0),
+            Unary::Pow { exponent } => ("ACT_POW", 23, exponent, 0.0),
         }
     }
 
@@ -183,6 +230,9 @@ impl Unary {
                 Unary::Softplus { .. } => {
                     vec![Unary::Softplus { beta: 1.0, threshold: 20.0 }, Unary::Softplus { beta: 2.0, threshold: 1.5 }]
                 }
+                Unary::Elu { .. } => vec![Unary::Elu { alpha: 1.0 }, Unary::Elu { alpha: 0.5 }],
+                // Squares, roots, odd powers of negatives and a reciprocal square.
+                Unary::Pow { .. } => [2.0, 0.5, 3.0, -2.0, 1.5].map(|exponent| Unary::Pow { exponent }).to_vec(),
                 other => vec![other],
             })
             .collect()
@@ -204,6 +254,16 @@ impl OpDef for Unary {
             Unary::Clamp { .. } => "clamp",
             Unary::Affine { .. } => "affine",
             Unary::Softplus { .. } => "softplus",
+            Unary::Exp => "exp",
+            Unary::Log => "log",
+            Unary::Sqrt => "sqrt",
+            Unary::Rsqrt => "rsqrt",
+            Unary::Reciprocal => "reciprocal",
+            Unary::Abs => "abs",
+            Unary::Erf => "erf",
+            Unary::Elu { .. } => "elu",
+            Unary::Mish => "mish",
+            Unary::Pow { .. } => "pow",
         }
     }
     fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
@@ -235,6 +295,8 @@ impl OpDef for Unary {
             Unary::Clamp { min, max } => format!("clamp [{min}, {max}]"),
             Unary::Affine { scale, shift } => format!("x*{scale}+{shift}"),
             Unary::Softplus { beta, threshold } => format!("softplus beta={beta} threshold={threshold}"),
+            Unary::Elu { alpha } => format!("elu alpha={alpha}"),
+            Unary::Pow { exponent } => format!("pow {exponent}"),
             other => other.name().to_string(),
         }
     }
@@ -675,6 +737,41 @@ impl Tensor {
     pub fn softplus(&self, beta: f32, threshold: f32) -> Result<Tensor> {
         self.unary(Unary::Softplus { beta, threshold })
     }
+    pub fn exp(&self) -> Result<Tensor> {
+        self.unary(Unary::Exp)
+    }
+    /// The natural logarithm, `torch.log`.
+    pub fn log(&self) -> Result<Tensor> {
+        self.unary(Unary::Log)
+    }
+    pub fn sqrt(&self) -> Result<Tensor> {
+        self.unary(Unary::Sqrt)
+    }
+    /// `torch.rsqrt`: `1 / sqrt(x)`.
+    pub fn rsqrt(&self) -> Result<Tensor> {
+        self.unary(Unary::Rsqrt)
+    }
+    /// `torch.reciprocal`: `1 / x`.
+    pub fn reciprocal(&self) -> Result<Tensor> {
+        self.unary(Unary::Reciprocal)
+    }
+    pub fn abs(&self) -> Result<Tensor> {
+        self.unary(Unary::Abs)
+    }
+    pub fn erf(&self) -> Result<Tensor> {
+        self.unary(Unary::Erf)
+    }
+    /// `F.elu(x, alpha)` (PyTorch's default alpha is 1).
+    pub fn elu(&self, alpha: f32) -> Result<Tensor> {
+        self.unary(Unary::Elu { alpha })
+    }
+    pub fn mish(&self) -> Result<Tensor> {
+        self.unary(Unary::Mish)
+    }
+    /// `x ** exponent` with a number exponent.
+    pub fn pow(&self, exponent: f32) -> Result<Tensor> {
+        self.unary(Unary::Pow { exponent })
+    }
     /// `x * scale + shift` with Python scalars: `x.affine(1.0, 3.0)` is `x + 3`, `x.affine(1.0 / 6.0, 0.0)` is `x / 6`.
     pub fn affine(&self, scale: f32, shift: f32) -> Result<Tensor> {
         self.unary(Unary::Affine { scale, shift })
@@ -802,6 +899,15 @@ impl Default for LeakyReLUConfig {
 }
 
 activation_module!(
+    /// `torch.nn.ELU(alpha)`: the config is `alpha`.
+    ELU, f32, |c| Unary::Elu { alpha: *c }
+);
+activation_module!(
+    /// `torch.nn.Mish`.
+    Mish, (), |_c| Unary::Mish
+);
+
+activation_module!(
     /// `torch.nn.Softplus(beta, threshold)`.
     Softplus, SoftplusConfig, |c| Unary::Softplus { beta: c.beta, threshold: c.threshold }
 );
@@ -818,9 +924,9 @@ impl Default for SoftplusConfig {
     }
 }
 
-/// `b.abs() + 0.5` as `relu(b) + relu(-b) + 0.5`: a divisor away from zero.
+/// `b.abs() + 0.5`: a divisor away from zero.
 fn abs_plus_half(b: &Tensor) -> Result<Tensor> {
-    b.relu()?.add(&b.affine(-1.0, 0.0)?.relu()?)?.affine(1.0, 0.5)
+    b.abs()?.affine(1.0, 0.5)
 }
 
 /// The Kiln twins of this family's PyTorch op fixtures (`op_cases()` in tools/export_reference.py).
@@ -852,6 +958,21 @@ pub const FIXTURE_TWINS: &[FixtureTwin] = &[
     ("mul_weight_c11", |f| f.x.binary_weight(f.vb.path(), Binary::Mul, &f.vb.get(&[6, 1, 1], "gamma")?)),
     ("softplus", |f| Softplus::load(f.vb, &SoftplusConfig::default())?.forward(f.x)),
     ("softplus_beta2_threshold", |f| f.x.softplus(2.0, 1.5)),
+    ("exp", |f| f.x.exp()),
+    ("log", |f| f.x.abs()?.log()),
+    ("sqrt", |f| f.x.abs()?.sqrt()),
+    ("rsqrt", |f| f.x.abs()?.affine(1.0, 0.1)?.rsqrt()),
+    ("reciprocal", |f| abs_plus_half(f.x)?.reciprocal()),
+    ("reciprocal_signed", |f| f.x.reciprocal()),
+    ("abs", |f| f.x.abs()),
+    ("erf", |f| f.x.erf()),
+    ("elu", |f| ELU::load(f.vb, &1.0)?.forward(f.x)),
+    ("elu_alpha", |f| f.x.elu(0.5)),
+    ("mish", |f| Mish::load(f.vb, &())?.forward(f.x)),
+    ("pow_square", |f| f.x.pow(2.0)),
+    ("pow_cube", |f| f.x.pow(3.0)),
+    ("pow_sqrt", |f| f.x.abs()?.pow(0.5)),
+    ("pow_minus2", |f| abs_plus_half(f.x)?.pow(-2.0)),
     ("add_position_embedding", |f| f.x.binary_weight(f.vb.path(), Binary::Add, &f.vb.get(&[1, 9, 8], "pos_embedding")?)),
 ];
 

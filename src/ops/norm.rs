@@ -1,6 +1,7 @@
 //! Normalisations along some dims: BatchNorm2d (inference: running statistics; folded into the
 //! preceding conv by `passes::fold_batchnorm`, a per-channel scale and shift otherwise), softmax
-//! and LayerNorm (our kernels in `kernels/norm.cu`, f32 statistics whatever the precision).
+//! LayerNorm and GroupNorm / InstanceNorm (our kernels in `kernels/norm.cu`, f32 statistics
+//! whatever the precision).
 
 use crate::engine::{BuildCtx, Layer, Layout};
 use crate::error::OpError;
@@ -38,6 +39,15 @@ pub enum Norm {
         eps: f32,
         affine: bool,
     },
+    /// `F.group_norm(x, groups)` on `[N, C, *]`: each image's channels in `groups` groups of
+    /// consecutive channels, each group normalised over its channels and positions (biased
+    /// variance), then `x * weight[c] + bias[c]` when `affine`. `InstanceNorm2d` (no running
+    /// statistics) is the case `groups = C`.
+    GroupNorm {
+        groups: usize,
+        eps: f32,
+        affine: bool,
+    },
 }
 
 impl OpDef for Norm {
@@ -46,6 +56,7 @@ impl OpDef for Norm {
             Norm::BatchNorm2d { .. } => "batch_norm2d",
             Norm::Softmax { .. } => "softmax",
             Norm::LayerNorm { .. } => "layer_norm",
+            Norm::GroupNorm { .. } => "group_norm",
         }
     }
     fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
@@ -53,6 +64,7 @@ impl OpDef for Norm {
             Norm::BatchNorm2d { .. } => batch_norm2d_shape(inputs),
             Norm::Softmax { dim } => softmax_shape(*dim, inputs),
             Norm::LayerNorm { dim, shape, affine, .. } => layer_norm_shape(*dim, shape, *affine, inputs),
+            Norm::GroupNorm { groups, affine, .. } => group_norm_shape(*groups, *affine, inputs),
         }
     }
     fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, OpError> {
@@ -73,6 +85,12 @@ impl OpDef for Norm {
                 let wb = if *affine { Some((args.get(1)?, args.get(2)?)) } else { None };
                 layer_norm_cpu(*dim, shape, *eps, x, wb)
             }
+            Norm::GroupNorm { groups, eps, affine } => {
+                args.expect(1 + 2 * *affine as usize)?;
+                let x = args.take(0)?;
+                let wb = if *affine { Some((args.get(1)?, args.get(2)?)) } else { None };
+                group_norm_cpu(*groups, *eps, x, wb)
+            }
         }
     }
     fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
@@ -80,11 +98,13 @@ impl OpDef for Norm {
             Norm::BatchNorm2d { .. } => LayoutPlan::all(inputs, Layout::channels_last(out_rank)),
             Norm::Softmax { dim } => rows_layout(inputs, out_rank, *dim, 1),
             Norm::LayerNorm { dim, shape, .. } => rows_layout(inputs, out_rank, *dim, shape.len()),
+            // A group's channels and positions are one contiguous row of NCHW.
+            Norm::GroupNorm { .. } => LayoutPlan::all(inputs, Layout::contiguous(out_rank)),
         }
     }
     fn entry_points(&self) -> Vec<String> {
         // Softmax and LayerNorm; BatchNorm runs as cuDNN or the elementwise family's `bias_act`.
-        crate::engine::launch::typed_entry_points(&["softmax", "layer_norm", "layer_norm_packed"])
+        crate::engine::launch::typed_entry_points(&["softmax", "layer_norm", "layer_norm_packed", "group_norm"])
     }
     fn colour(&self) -> &'static str {
         "#ffe08a"
@@ -96,6 +116,7 @@ impl OpDef for Norm {
             Norm::LayerNorm { dim, shape, eps, affine } => {
                 gpu_rows(ctx, node, RowOp::LayerNorm { eps: *eps, affine: *affine }, *dim, shape.len())
             }
+            Norm::GroupNorm { groups, eps, affine } => gpu_group_norm(ctx, node, *groups, *eps, *affine),
         }
     }
     fn label(&self) -> String {
@@ -104,6 +125,9 @@ impl OpDef for Norm {
             Norm::Softmax { dim } => format!("softmax dim={dim}"),
             Norm::LayerNorm { dim, shape, eps, affine } => {
                 format!("layer_norm {shape:?} dim={dim} eps={eps}{}", if *affine { "" } else { " no-affine" })
+            }
+            Norm::GroupNorm { groups, eps, affine } => {
+                format!("group_norm groups={groups} eps={eps}{}", if *affine { "" } else { " no-affine" })
             }
         }
     }
@@ -268,6 +292,54 @@ impl Forward for LayerNorm2d {
     }
 }
 
+/// Options of `nn.GroupNorm(num_groups, num_channels)` with PyTorch's defaults (eps 1e-5,
+/// affine); `InstanceNorm2d(C, affine=True)` is `GroupNormConfig::new(C, C)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GroupNormConfig {
+    pub num_groups: usize,
+    pub num_channels: usize,
+    pub eps: f32,
+    pub affine: bool,
+}
+
+impl GroupNormConfig {
+    pub fn new(num_groups: usize, num_channels: usize) -> Self {
+        Self { num_groups, num_channels, eps: 1e-5, affine: true }
+    }
+}
+
+impl Default for GroupNormConfig {
+    fn default() -> Self {
+        Self::new(1, 1)
+    }
+}
+
+/// `torch.nn.GroupNorm`: `weight`, `bias` of `[C]` when `affine`.
+#[derive(Clone, Debug)]
+pub struct GroupNorm {
+    pub path: String,
+    pub groups: usize,
+    pub eps: f32,
+    pub params: Option<[Param; 2]>,
+}
+
+impl Module for GroupNorm {
+    type Config = GroupNormConfig;
+    fn load(vb: VarBuilder, c: &GroupNormConfig) -> Result<Self> {
+        let n = [c.num_channels];
+        let params = if c.affine { Some([vb.get(&n, "weight")?, vb.get(&n, "bias")?]) } else { None };
+        Ok(Self { path: vb.path().to_string(), groups: c.num_groups, eps: c.eps, params })
+    }
+}
+
+impl Forward for GroupNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let op = Op::Norm(Norm::GroupNorm { groups: self.groups, eps: self.eps, affine: self.params.is_some() });
+        let params: Vec<&Param> = self.params.iter().flatten().collect();
+        Tensor::record(&self.path, op, &[x], &params)
+    }
+}
+
 /// A PyTorch dim (negative counts from the end) as an index >= 1 of `shape`, or why not.
 pub fn resolve_dim(shape: &[usize], dim: isize) -> Result<usize, OpError> {
     let rank = shape.len() as isize;
@@ -291,6 +363,12 @@ impl Tensor {
             got: vec![self.shape().to_vec()],
         })?;
         Tensor::record_inline(Op::Norm(Norm::Softmax { dim: d }), &[self])
+    }
+
+    /// `F.group_norm(x, groups, eps=eps)` inline, without weight and bias (`groups` = C is
+    /// `F.instance_norm` without running statistics).
+    pub fn group_norm(&self, groups: usize, eps: f32) -> Result<Tensor> {
+        Tensor::record_inline(Op::Norm(Norm::GroupNorm { groups, eps, affine: false }), &[self])
     }
 
     /// `F.layer_norm(x, normalized_shape, eps=eps)` inline, without weight and bias.
@@ -345,6 +423,23 @@ pub fn layer_norm_shape(dim: usize, shape: &[usize], affine: bool, inputs: &[&[u
     }
     if let Some(bad) = inputs[1..].iter().find(|p| **p != shape) {
         return Err(format!("layer_norm weight and bias must have shape {shape:?}, got {bad:?}").into());
+    }
+    Ok(x.to_vec())
+}
+
+/// `inputs` = x `[N, C, *]`, and weight, bias (both `[C]`) when `affine`; `groups` divides C.
+pub fn group_norm_shape(groups: usize, affine: bool, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
+    let want = 1 + 2 * affine as usize;
+    if inputs.len() != want {
+        return Err(format!("group_norm expects {want} inputs, got {}", inputs.len()).into());
+    }
+    let x = inputs[0];
+    let c = *x.get(1).ok_or_else(|| format!("group_norm needs [N, C, *], got {x:?}"))?;
+    if groups == 0 || !c.is_multiple_of(groups) {
+        return Err(format!("group_norm of {c} channels in {groups} groups: the groups must divide the channels").into());
+    }
+    if let Some(bad) = inputs[1..].iter().find(|p| **p != [c]) {
+        return Err(format!("group_norm weight and bias must have shape [{c}], got {bad:?}").into());
     }
     Ok(x.to_vec())
 }
@@ -415,6 +510,32 @@ pub fn layer_norm_cpu(
     Ok(x)
 }
 
+/// `F.group_norm` on `x` in place: per image and group, the mean and biased variance of its
+/// channels and positions in f64, then the per-channel affine.
+pub fn group_norm_cpu(groups: usize, eps: f32, mut x: HostTensor, wb: Option<(&HostTensor, &HostTensor)>) -> Result<HostTensor, OpError> {
+    let mut shapes: Vec<&[usize]> = vec![&x.shape];
+    if let Some((w, b)) = wb {
+        shapes.extend([w.shape.as_slice(), b.shape.as_slice()]);
+    }
+    group_norm_shape(groups, wb.is_some(), &shapes)?;
+    let (c, spatial) = (x.shape[1], x.shape[2..].iter().product::<usize>());
+    let len = c / groups * spatial;
+    for (r, row) in x.data.chunks_exact_mut(len.max(1)).enumerate() {
+        let mean = row.iter().map(|&v| v as f64).sum::<f64>() / len as f64;
+        let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / len as f64;
+        let rstd = 1.0 / (var + eps as f64).sqrt();
+        for (j, v) in row.iter_mut().enumerate() {
+            let mut y = (*v as f64 - mean) * rstd;
+            if let Some((w, b)) = wb {
+                let ch = (r % groups) * (c / groups) + j / spatial;
+                y = y * w.data[ch] as f64 + b.data[ch] as f64;
+            }
+            *v = y as f32;
+        }
+    }
+    Ok(x)
+}
+
 /// Per-channel `(scale, shift)` of an inference BatchNorm: `y = x·scale + shift`, computed in f64.
 /// Shared by the CPU reference and `passes::fold_batchnorm`.
 pub fn batch_norm_scale_shift(gamma: &[f32], beta: &[f32], mean: &[f32], var: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>) {
@@ -463,6 +584,42 @@ fn gpu_batch_norm2d(ctx: &mut BuildCtx, node: NodeId, eps: f32) -> Result<Box<dy
     let mut candidates = conv_candidates_with(ctx, node, problem)?;
     candidates.push(bias_act(ctx, node, x, Some(&scale), Some(&shift), None, y, None)?);
     ctx.choose(&key, candidates)
+}
+
+/// GroupNorm on NCHW: `group_norm_*`, one block per (image, group) row of `C / groups · HW`
+/// contiguous elements (statistics in f32, two passes), the per-channel affine applied on the
+/// way out.
+fn gpu_group_norm(ctx: &mut BuildCtx, node: NodeId, groups: usize, eps: f32, affine: bool) -> Result<Box<dyn Layer>> {
+    use crate::engine::launch::{Arg, KArg, KernelLayer, BLOCK};
+    let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
+    let dx = ctx.value(x).clone();
+    let c = dx.dims[0];
+    let spatial: usize = dx.dims[1..].iter().product();
+    let (w, b) = if affine {
+        let (w, b) = (ctx.weight(node, 1)?.clone(), ctx.weight(node, 2)?.clone());
+        (Some(ctx.upload_f32(&w.data)?), Some(ctx.upload_f32(&b.data)?))
+    } else {
+        (None, None)
+    };
+    let int = |what: &str, v: usize| {
+        i32::try_from(v).map_err(|_| ctx.err(node, LowerKind::TooLarge, format!("{what} = {v} exceeds the kernels' 32-bit range")))
+    };
+    let (g, cpg, hw) = (int("groups", groups)?, int("channels per group", c / groups.max(1))?, int("positions", spatial)?);
+    int("row length", c / groups.max(1) * spatial)?;
+    let args = vec![
+        Arg::Value(x),
+        Arg::Value(y),
+        Arg::Buf(w),
+        Arg::Buf(b),
+        Arg::Const(KArg::F32(eps)),
+        Arg::PerBatch(groups),
+        Arg::Const(KArg::I32(g)),
+        Arg::Const(KArg::I32(cpg)),
+        Arg::Const(KArg::I32(hw)),
+    ];
+    // A block a row: `groups · BLOCK` work items per image.
+    let layer = KernelLayer::new(ctx, node, &format!("group_norm_{}", dx.elem.suffix()), args, groups * BLOCK as usize)?;
+    Ok(Box::new(layer.kind("kernel:group_norm".into())))
 }
 
 // ---- GPU converters for softmax and LayerNorm (kernels/norm.cu)
@@ -624,6 +781,10 @@ pub const FIXTURE_TWINS: &[FixtureTwin] = &[
     ("layer_norm_convnext_nhwc", |f| LayerNorm::load(f.vb, &LayerNormConfig::new(&[8]).eps(1e-6))?.forward(f.x)),
     ("layer_norm_2d_torchvision", |f| LayerNorm2d::load(f.vb, &LayerNormConfig::new(&[8]).eps(1e-6))?.forward(f.x)),
     ("layer_norm_two_dims", |f| LayerNorm::load(f.vb, &LayerNormConfig::new(&[6, 7]).eps(1e-3))?.forward(f.x)),
+    ("group_norm", |f| GroupNorm::load(f.vb, &GroupNormConfig::new(2, 6))?.forward(f.x)),
+    ("group_norm_eps_rank3", |f| GroupNorm::load(f.vb, &GroupNormConfig { eps: 1e-3, ..GroupNormConfig::new(3, 6) })?.forward(f.x)),
+    ("group_norm_instance_norm_affine", |f| GroupNorm::load(f.vb, &GroupNormConfig::new(4, 4))?.forward(f.x)),
+    ("group_norm_instance_norm", |f| f.x.group_norm(5, 1e-5)),
     ("layer_norm_no_affine", |f| LayerNorm::load(f.vb, &LayerNormConfig::new(&[10]).elementwise_affine(false))?.forward(f.x)),
 ];
 

@@ -1,4 +1,4 @@
-//! Pooling: MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, and the mean over any dims (`Tensor::mean`).
+//! Pooling: MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, adaptive max pooling, and the mean over any dims (`Tensor::mean`).
 
 use crate::engine::launch::{grid_for, launch, nhwc, pack, same_elem, to_i32, typed_entry_points, CudaFunction, KArg, BLOCK};
 use crate::engine::{BuildCtx, Layer, Layout, RunCtx, ValueId};
@@ -42,9 +42,24 @@ pub enum Pool {
     AdaptiveAvg {
         output: [usize; 2],
     },
+    /// `nn.AdaptiveMaxPool2d(output)` (its values; the indices are not computed).
+    AdaptiveMax {
+        output: [usize; 2],
+    },
     /// `x.mean(dims, keepdim)`: `dims` sorted, distinct, >= 1 (the batch is dim 0).
     Mean {
         dims: Vec<usize>,
+        keepdim: bool,
+    },
+    /// `x.amax(dims, keepdim)`: the maximum over `dims` (as `Mean`'s); NaN wins, as in PyTorch.
+    Amax {
+        dims: Vec<usize>,
+        keepdim: bool,
+    },
+    /// `x.argmax(dim, keepdim)` (`dim` >= 1): the index of the first maximum (of the first NaN),
+    /// as an f32 value (exact below 2^24; an FP16 engine stores it exactly below 2049).
+    Argmax {
+        dim: usize,
         keepdim: bool,
     },
 }
@@ -55,14 +70,18 @@ impl OpDef for Pool {
             Pool::Max(_) => "max_pool2d",
             Pool::Avg(_) => "avg_pool2d",
             Pool::AdaptiveAvg { .. } => "adaptive_avg_pool2d",
+            Pool::AdaptiveMax { .. } => "adaptive_max_pool2d",
             Pool::Mean { .. } => "mean",
+            Pool::Amax { .. } => "amax",
+            Pool::Argmax { .. } => "argmax",
         }
     }
     fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
         match self {
             Pool::Max(a) | Pool::Avg(a) => pool2d_shape(a, inputs),
-            Pool::AdaptiveAvg { output } => adaptive_avg_pool2d_shape(*output, inputs),
-            Pool::Mean { dims, keepdim } => mean_shape(dims, *keepdim, inputs),
+            Pool::AdaptiveAvg { output } | Pool::AdaptiveMax { output } => adaptive_avg_pool2d_shape(*output, inputs),
+            Pool::Mean { dims, keepdim } | Pool::Amax { dims, keepdim } => mean_shape(dims, *keepdim, inputs),
+            Pool::Argmax { dim, keepdim } => mean_shape(&[*dim], *keepdim, inputs),
         }
     }
     fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, OpError> {
@@ -72,13 +91,16 @@ impl OpDef for Pool {
             Pool::Max(a) => max_pool2d_cpu(a, x),
             Pool::Avg(a) => avg_pool2d_cpu(a, x),
             Pool::AdaptiveAvg { output } => adaptive_avg_pool2d_cpu(*output, x),
+            Pool::AdaptiveMax { output } => adaptive_max_pool2d_cpu(*output, x),
             Pool::Mean { dims, keepdim } => mean_cpu(dims, *keepdim, x),
+            Pool::Amax { dims, keepdim } => reduce_cpu(dims, *keepdim, x, Reduce::Amax),
+            Pool::Argmax { dim, keepdim } => reduce_cpu(&[*dim], *keepdim, x, Reduce::Argmax),
         }
     }
     fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
         match self {
             // The reduction reads any layout through its strides.
-            Pool::Mean { .. } => LayoutPlan::any_input(inputs, Layout::contiguous(out_rank)),
+            Pool::Mean { .. } | Pool::Amax { .. } | Pool::Argmax { .. } => LayoutPlan::any_input(inputs, Layout::contiguous(out_rank)),
             _ => LayoutPlan::all(inputs, Layout::channels_last(out_rank)),
         }
     }
@@ -93,7 +115,10 @@ impl OpDef for Pool {
             Pool::Max(a) => pool_layer(ctx, node, PoolKind::Max, a.window()),
             Pool::Avg(a) => pool_layer(ctx, node, PoolKind::Avg { count_include_pad: a.count_include_pad }, a.window()),
             Pool::AdaptiveAvg { .. } => pool_layer(ctx, node, PoolKind::Adaptive, [0; 6]),
-            Pool::Mean { dims, .. } => gpu_mean(ctx, node, dims),
+            Pool::AdaptiveMax { .. } => pool_layer(ctx, node, PoolKind::AdaptiveMax, [0; 6]),
+            Pool::Mean { dims, .. } => gpu_reduce(ctx, node, dims, Reduce::Mean),
+            Pool::Amax { dims, .. } => gpu_reduce(ctx, node, dims, Reduce::Amax),
+            Pool::Argmax { dim, .. } => gpu_reduce(ctx, node, &[*dim], Reduce::Argmax),
         }
     }
     fn label(&self) -> String {
@@ -107,8 +132,11 @@ impl OpDef for Pool {
                 }
                 s
             }
-            Pool::AdaptiveAvg { output } => format!("adaptive_avg_pool2d -> {}x{}", output[0], output[1]),
-            Pool::Mean { dims, keepdim } => format!("mean {dims:?}{}", if *keepdim { " keepdim" } else { "" }),
+            Pool::AdaptiveAvg { output } | Pool::AdaptiveMax { output } => format!("{} -> {}x{}", self.name(), output[0], output[1]),
+            Pool::Mean { dims, keepdim } | Pool::Amax { dims, keepdim } => {
+                format!("{} {dims:?}{}", self.name(), if *keepdim { " keepdim" } else { "" })
+            }
+            Pool::Argmax { dim, keepdim } => format!("argmax {dim}{}", if *keepdim { " keepdim" } else { "" }),
         }
     }
 }
@@ -212,6 +240,21 @@ impl Tensor {
     pub fn adaptive_avg_pool2d(&self, output: [usize; 2]) -> Result<Tensor> {
         Tensor::record_inline(Op::Pool(Pool::AdaptiveAvg { output }), &[self])
     }
+    /// `x.amax(dims, keepdim)` inline (dims >= 1, in any order).
+    pub fn amax(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+        let mut dims = dims.to_vec();
+        dims.sort_unstable();
+        dims.dedup();
+        Tensor::record_inline(Op::Pool(Pool::Amax { dims, keepdim }), &[self])
+    }
+    /// `x.argmax(dim, keepdim)` inline (`dim` >= 1): the index of the first maximum, as f32.
+    pub fn argmax(&self, dim: usize, keepdim: bool) -> Result<Tensor> {
+        Tensor::record_inline(Op::Pool(Pool::Argmax { dim, keepdim }), &[self])
+    }
+    /// `F.adaptive_max_pool2d(x, output)` (its values), inline.
+    pub fn adaptive_max_pool2d(&self, output: [usize; 2]) -> Result<Tensor> {
+        Tensor::record_inline(Op::Pool(Pool::AdaptiveMax { output }), &[self])
+    }
     /// `x.mean(dims, keepdim)` inline: the mean over `dims` (each >= 1: the batch is dim 0; the
     /// order does not matter), e.g. `x.mean(&[2, 3], false)` is global average pooling of NCHW.
     pub fn mean(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
@@ -308,6 +351,12 @@ fn per_plane(x: &HostTensor, out_shape: Vec<usize>, mut f: impl FnMut(&[f32], &m
 
 /// `x.mean(dims, keepdim)`, summed in f64. Empty reductions give NaN, as in PyTorch.
 pub fn mean_cpu(dims: &[usize], keepdim: bool, x: &HostTensor) -> Result<HostTensor, OpError> {
+    reduce_cpu(dims, keepdim, x, Reduce::Mean)
+}
+
+/// A reduction over `dims` (`Mean`'s rules): the mean in f64, the maximum, or the index along the
+/// one dim of the first maximum (NaN counts as the largest, as in PyTorch).
+pub fn reduce_cpu(dims: &[usize], keepdim: bool, x: &HostTensor, how: Reduce) -> Result<HostTensor, OpError> {
     let out_shape = mean_shape(dims, keepdim, &[&x.shape])?;
     let strides: Vec<usize> = (0..x.shape.len()).map(|d| x.shape[d + 1..].iter().product()).collect();
     let kept: Vec<usize> = (0..x.shape.len()).filter(|d| !dims.contains(d)).collect();
@@ -325,7 +374,23 @@ pub fn mean_cpu(dims: &[usize], keepdim: bool, x: &HostTensor) -> Result<HostTen
     let out = (0..n_out)
         .map(|i| {
             let base = offsets(&kept, i);
-            (reduced.iter().map(|&r| x.data[base + r] as f64).sum::<f64>() / count as f64) as f32
+            let values = reduced.iter().map(|&r| x.data[base + r]);
+            match how {
+                Reduce::Mean => (values.map(f64::from).sum::<f64>() / count as f64) as f32,
+                Reduce::Amax | Reduce::Argmax => {
+                    let (mut best, mut at) = (f32::NEG_INFINITY, 0);
+                    for (k, v) in values.enumerate() {
+                        if v > best || (v.is_nan() && !best.is_nan()) {
+                            (best, at) = (v, k);
+                        }
+                    }
+                    if how == Reduce::Amax {
+                        best
+                    } else {
+                        at as f32
+                    }
+                }
+            }
         })
         .collect();
     Ok(HostTensor::new(out_shape, out))
@@ -372,8 +437,24 @@ pub fn avg_pool2d_cpu(a: &PoolAttrs, x: &HostTensor) -> Result<HostTensor, OpErr
     }))
 }
 
+/// `torch.nn.AdaptiveMaxPool2d`: output cell `i` is the maximum of the cells
+/// `adaptive_avg_pool2d_cpu` averages; NaN wins, as in PyTorch.
+pub fn adaptive_max_pool2d_cpu(output: [usize; 2], x: &HostTensor) -> Result<HostTensor, OpError> {
+    adaptive_pool2d_cpu(output, x, |rows, _| rows.flatten().fold(f32::NEG_INFINITY, |m, &v| if v > m || v.is_nan() { v } else { m }))
+}
+
 /// `torch.nn.AdaptiveAvgPool2d`: output cell `i` averages input `floor(i·H/o) .. ceil((i+1)·H/o)`.
 pub fn adaptive_avg_pool2d_cpu(output: [usize; 2], x: &HostTensor) -> Result<HostTensor, OpError> {
+    adaptive_pool2d_cpu(output, x, |rows, n| rows.map(|row| row.iter().sum::<f32>()).sum::<f32>() / n as f32)
+}
+
+/// Adaptive pooling: `reduce(rows, count)` of each output cell, whose input rows are
+/// `floor(i·H/o) .. ceil((i+1)·H/o)` and columns alike.
+fn adaptive_pool2d_cpu(
+    output: [usize; 2],
+    x: &HostTensor,
+    reduce: impl Fn(&mut dyn Iterator<Item = &[f32]>, usize) -> f32,
+) -> Result<HostTensor, OpError> {
     let out_shape = adaptive_avg_pool2d_shape(output, &[&x.shape])?;
     let (h, w) = (x.shape[2], x.shape[3]);
     if h == 0 || w == 0 {
@@ -385,8 +466,8 @@ pub fn adaptive_avg_pool2d_cpu(output: [usize; 2], x: &HostTensor) -> Result<Hos
             let (y0, y1) = bounds(oy, h, output[0]);
             for ox in 0..output[1] {
                 let (x0, x1) = bounds(ox, w, output[1]);
-                let sum: f32 = src[y0 * w..y1 * w].chunks_exact(w).map(|row| row[x0..x1].iter().sum::<f32>()).sum();
-                dst[oy * output[1] + ox] = sum / ((y1 - y0) * (x1 - x0)) as f32;
+                let mut rows = src[y0 * w..y1 * w].chunks_exact(w).map(|row| &row[x0..x1]);
+                dst[oy * output[1] + ox] = reduce(&mut rows, (y1 - y0) * (x1 - x0));
             }
         }
     }))
@@ -397,7 +478,8 @@ pub fn adaptive_avg_pool2d_cpu(output: [usize; 2], x: &HostTensor) -> Result<Hos
 // ---- engine layers (kernels/pool.cu) ----------------------------------------------------------
 
 /// The kernels this family's layers launch, stamped per element type.
-const KERNELS: &[&str] = &["max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "global_avg_pool", "mean"];
+const KERNELS: &[&str] =
+    &["max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "adaptive_max_pool2d", "global_avg_pool", "mean", "reduce_max"];
 
 /// Which pooling a `PoolLayer` runs.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -405,6 +487,7 @@ pub enum PoolKind {
     Max,
     Avg { count_include_pad: bool },
     Adaptive,
+    AdaptiveMax,
 }
 
 pub struct PoolLayer {
@@ -441,6 +524,7 @@ impl Layer for PoolLayer {
             PoolKind::Avg { .. } => "kernel:avg_pool2d".into(),
             PoolKind::Adaptive if self.is_global() => "kernel:global_avg_pool".into(),
             PoolKind::Adaptive => "kernel:adaptive_avg_pool2d".into(),
+            PoolKind::AdaptiveMax => "kernel:adaptive_max_pool2d".into(),
         }
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
@@ -456,7 +540,7 @@ impl Layer for PoolLayer {
         }
         let mut args = vec![KArg::Ptr(rt.ptr(self.x)), KArg::Ptr(rt.ptr(self.y)), KArg::I32(batch as i32)];
         args.extend([h, w, c, oh, ow].map(KArg::I32));
-        if self.kind != PoolKind::Adaptive {
+        if !matches!(self.kind, PoolKind::Adaptive | PoolKind::AdaptiveMax) {
             args.extend(self.window.map(KArg::I32));
         }
         if let PoolKind::Avg { count_include_pad } = self.kind {
@@ -503,16 +587,18 @@ pub fn pool_layer_between(
         PoolKind::Avg { .. } => "avg_pool2d",
         PoolKind::Adaptive if (oh, ow) == (1, 1) => "global_avg_pool",
         PoolKind::Adaptive => "adaptive_avg_pool2d",
+        PoolKind::AdaptiveMax => "adaptive_max_pool2d",
     };
     let f = ctx.kernels.get(&format!("{name}_{}", elem.suffix()))?;
     let vec = if c % pack(elem) == 0 { pack(elem) } else { 1 };
     Ok(Box::new(PoolLayer { path: ctx.node(node).path.clone(), kind, f, x, y, dims, window: win, vec, sm_count: ctx.kernels.sm_count() }))
 }
 
-/// The mean over `dims` of a value in any layout: one thread (or warp, when the innermost reduced
-/// dim is contiguous and long) per output, writing the contiguous output.
+/// The mean, maximum or argmax over `dims` of a value in any layout: one thread (or warp, when the
+/// innermost reduced dim is contiguous and long) per output, writing the contiguous output.
 struct MeanLayer {
     path: String,
+    how: Reduce,
     f: CudaFunction,
     x: ValueId,
     y: ValueId,
@@ -525,12 +611,25 @@ struct MeanLayer {
     sm_count: u32,
 }
 
+/// What a reduction layer computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reduce {
+    Mean,
+    Amax,
+    Argmax,
+}
+
 impl Layer for MeanLayer {
     fn path(&self) -> &str {
         &self.path
     }
     fn kind(&self) -> String {
-        format!("kernel:mean{}", if self.warp { "_warp" } else { "" })
+        let name = match self.how {
+            Reduce::Mean => "mean",
+            Reduce::Amax => "amax",
+            Reduce::Argmax => "argmax",
+        };
+        format!("kernel:{name}{}", if self.warp { "_warp" } else { "" })
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let n = batch * self.per_image;
@@ -541,14 +640,15 @@ impl Layer for MeanLayer {
             KArg::Ptr(self.meta.ptr()),
             KArg::I32(self.kept),
             KArg::I32(self.red),
-            KArg::F32(self.scale),
+            // `mean` scales the sum; `reduce_max` writes the maximum or its index.
+            if self.how == Reduce::Mean { KArg::F32(self.scale) } else { KArg::I32((self.how == Reduce::Argmax) as i32) },
             KArg::I32(self.warp as i32),
         ];
         launch(rt, &self.f, grid_for(if self.warp { n * 32 } else { n }, self.sm_count), (BLOCK, 1, 1), 0, &args)
     }
 }
 
-fn gpu_mean(ctx: &mut BuildCtx, node: NodeId, dims: &[usize]) -> Result<Box<dyn Layer>> {
+fn gpu_reduce(ctx: &mut BuildCtx, node: NodeId, dims: &[usize], how: Reduce) -> Result<Box<dyn Layer>> {
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
     if dx.elem != dy.elem || !dy.layout.same_bytes(Layout::contiguous(dy.dims.len()), &dy.dims) {
@@ -574,8 +674,10 @@ fn gpu_mean(ctx: &mut BuildCtx, node: NodeId, dims: &[usize]) -> Result<Box<dyn 
     let warp = red.last().is_some_and(|&d| strides[d] == 1 && dx.dims[d] >= 32);
     let bytes: Vec<u8> = meta.iter().flat_map(|v| v.to_le_bytes()).collect();
     let meta = ctx.upload_bytes(&bytes)?;
-    let f = ctx.kernels.get(&format!("mean_{}", dx.elem.suffix()))?;
+    let name = if how == Reduce::Mean { "mean" } else { "reduce_max" };
+    let f = ctx.kernels.get(&format!("{name}_{}", dx.elem.suffix()))?;
     Ok(Box::new(MeanLayer {
+        how,
         path: ctx.node(node).path.clone(),
         f,
         x,
@@ -602,10 +704,16 @@ pub const FIXTURE_TWINS: &[FixtureTwin] = &[
     }),
     ("avg_pool2d_ceil", |f| AvgPool2d::load(f.vb, &Pool2dConfig::new(2).stride(2).ceil_mode(true))?.forward(f.x)),
     ("adaptive_avg_pool2d_3x3", |f| AdaptiveAvgPool2d::load(f.vb, &[3, 3])?.forward(f.x)),
+    ("adaptive_max_pool2d_3x3", |f| f.x.adaptive_max_pool2d([3, 3])),
+    ("adaptive_max_pool2d_1x1", |f| f.x.adaptive_max_pool2d([1, 1])),
     ("mean_hw", |f| f.x.mean(&[2, 3], false)),
     ("mean_hw_keepdim", |f| f.x.mean(&[3, 2], true)),
     ("mean_last", |f| f.x.mean(&[f.x.shape().len() - 1], false)),
     ("mean_dim1_keepdim", |f| f.x.mean(&[1], true)),
+    ("amax_hw", |f| f.x.amax(&[2, 3], false)),
+    ("amax_dim1_keepdim", |f| f.x.amax(&[1], true)),
+    ("argmax_dim1", |f| f.x.argmax(1, false)),
+    ("argmax_last_keepdim", |f| f.x.argmax(2, true)),
 ];
 
 #[cfg(test)]

@@ -1,4 +1,5 @@
-//! Ops that move data without arithmetic: flatten, reshape, permute, cat, slice and constant pad.
+//! Ops that move data without arithmetic: flatten, reshape, permute, cat, slice, roll and pad
+//! (constant, reflect, replicate).
 //!
 //! The engine keeps the batch as dim 0 of every value, so these ops never move, merge or split
 //! dim 0: their shape rules reject it, naming the op and the shapes. On the GPU, reshape, flatten
@@ -6,7 +7,7 @@
 //! layout, a permute re-expressed as the permuted layout), and slice, pad and cat are strided
 //! copies (`kernels/shape.cu`) in whatever layout their input is in.
 
-use crate::engine::launch::{grid_for, launch, same_elem, to_i32, typed_entry_points, CudaFunction, KArg, BLOCK};
+use crate::engine::launch::{grid_for, launch, same_elem, to_i32, typed_entry_points, Arg, CudaFunction, KArg, KernelLayer, BLOCK};
 use crate::engine::strided::{CopyDim, CopyKind, StridedCopy, StridedLayer};
 use crate::engine::{BuildCtx, Layer, Layout, RunCtx, ValueId};
 use crate::error::OpError;
@@ -43,6 +44,11 @@ pub enum ShapeOp {
     Pad { pads: Vec<usize>, value: f32 },
     /// `torch.roll(x, shifts, dims)` (`dims >= 1`; a shift may be negative or exceed the size).
     Roll { shifts: Vec<i64>, dims: Vec<usize> },
+    /// `F.pad(x, pads, mode="reflect")` (`nn.ReflectionPad2d`): the border mirrored, without
+    /// repeating the edge; each pad is below its dim's size.
+    ReflectPad { pads: Vec<usize> },
+    /// `F.pad(x, pads, mode="replicate")` (`nn.ReplicationPad2d`): the edge repeated.
+    ReplicatePad { pads: Vec<usize> },
 }
 
 impl OpDef for ShapeOp {
@@ -55,6 +61,8 @@ impl OpDef for ShapeOp {
             ShapeOp::Slice { .. } => "slice",
             ShapeOp::Pad { .. } => "pad",
             ShapeOp::Roll { .. } => "roll",
+            ShapeOp::ReflectPad { .. } => "reflection_pad",
+            ShapeOp::ReplicatePad { .. } => "replication_pad",
         }
     }
     fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
@@ -66,6 +74,8 @@ impl OpDef for ShapeOp {
             ShapeOp::Slice { dim, start, len } => slice_shape(*dim, *start, *len, one_input(inputs)?),
             ShapeOp::Pad { pads, .. } => pad_shape(pads, one_input(inputs)?),
             ShapeOp::Roll { shifts, dims } => roll_shape(shifts, dims, one_input(inputs)?),
+            ShapeOp::ReflectPad { pads } => edge_pad_shape(pads, true, one_input(inputs)?),
+            ShapeOp::ReplicatePad { pads } => edge_pad_shape(pads, false, one_input(inputs)?),
         }
     }
     fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, OpError> {
@@ -80,6 +90,8 @@ impl OpDef for ShapeOp {
             ShapeOp::Slice { dim, start, len } => slice_cpu(*dim, *start, *len, args.get(0)?),
             ShapeOp::Pad { pads, value } => pad_cpu(pads, *value, args.get(0)?),
             ShapeOp::Roll { shifts, dims } => roll_cpu(shifts, dims, args.get(0)?),
+            ShapeOp::ReflectPad { pads } => edge_pad_cpu(pads, true, args.get(0)?),
+            ShapeOp::ReplicatePad { pads } => edge_pad_cpu(pads, false, args.get(0)?),
         }
     }
     fn layouts(&self, inputs: &[Option<Layout>], out_rank: usize) -> LayoutPlan {
@@ -99,11 +111,13 @@ impl OpDef for ShapeOp {
             ShapeOp::Slice { .. } | ShapeOp::Pad { .. } | ShapeOp::Roll { .. } => {
                 LayoutPlan::any_input(inputs, first.unwrap_or(Layout::contiguous(out_rank)))
             }
+            // One gather kernel over contiguous per-image dims.
+            ShapeOp::ReflectPad { .. } | ShapeOp::ReplicatePad { .. } => LayoutPlan::all(inputs, Layout::contiguous(out_rank)),
         }
     }
     fn entry_points(&self) -> Vec<String> {
         // The strided copies of the other shape ops are the engine's (`engine::strided`).
-        typed_entry_points(&["concat_channels"])
+        typed_entry_points(&["concat_channels", "shape_pad_edge"])
     }
     fn colour(&self) -> &'static str {
         "#dee2e6"
@@ -116,6 +130,8 @@ impl OpDef for ShapeOp {
             ShapeOp::Slice { dim, start, .. } => gpu_slice(ctx, node, *dim, *start),
             ShapeOp::Pad { pads, value } => gpu_pad(ctx, node, pads, *value),
             ShapeOp::Roll { shifts, dims } => gpu_roll(ctx, node, shifts, dims),
+            ShapeOp::ReflectPad { pads } => gpu_edge_pad(ctx, node, pads, true),
+            ShapeOp::ReplicatePad { pads } => gpu_edge_pad(ctx, node, pads, false),
         }
     }
     fn label(&self) -> String {
@@ -129,6 +145,7 @@ impl OpDef for ShapeOp {
             ShapeOp::Roll { shifts, dims } => {
                 format!("roll {} dims={}", shifts.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(","), list(dims))
             }
+            ShapeOp::ReflectPad { pads } | ShapeOp::ReplicatePad { pads } => format!("{} {}", self.name(), list(pads)),
         }
     }
 }
@@ -267,6 +284,59 @@ fn roll_per_dim(shifts: &[i64], dims: &[usize], shape: &[usize]) -> Vec<usize> {
 }
 
 /// The `(before, after)` padding of each dim of a rank-`rank` tensor.
+/// The shape of a reflect (`reflect`) or replicate pad: as a constant pad's, and each padded dim
+/// must hold an element (replicate) or more than its pads (reflect), as PyTorch requires.
+pub fn edge_pad_shape(pads: &[usize], reflect: bool, x: &[usize]) -> Result<Vec<usize>, OpError> {
+    let out = pad_shape(pads, x)?;
+    for (d, &(before, after)) in pads_per_dim(pads, x.len()).iter().enumerate() {
+        if before == 0 && after == 0 {
+            continue;
+        }
+        if x[d] == 0 || (reflect && (before >= x[d] || after >= x[d])) {
+            let mode = if reflect { "reflect" } else { "replicate" };
+            return Err(format!("{mode} padding ({before}, {after}) of dim {d} of {x:?}: each pad must be below the dim's size").into());
+        }
+    }
+    Ok(out)
+}
+
+/// The input index an output index `i` of a dim padded by `before` reads, for an input of `n`
+/// (`n > 0`; reflect: the pads are below `n`).
+fn edge_source(i: usize, before: usize, n: usize, reflect: bool) -> usize {
+    let j = i as isize - before as isize;
+    let last = n as isize - 1;
+    let k = match (j < 0, j > last, reflect) {
+        (true, _, true) => -j,
+        (true, _, false) => 0,
+        (_, true, true) => 2 * last - j,
+        (_, true, false) => last,
+        _ => j,
+    };
+    k as usize
+}
+
+/// `F.pad(x, pads, mode="reflect" | "replicate")`.
+pub fn edge_pad_cpu(pads: &[usize], reflect: bool, x: &HostTensor) -> Result<HostTensor, OpError> {
+    let shape = edge_pad_shape(pads, reflect, &x.shape)?;
+    let per = pads_per_dim(pads, x.shape.len());
+    let xs = contiguous_strides(&x.shape);
+    let n = numel(&shape)?;
+    let mut out = Vec::with_capacity(n);
+    let mut idx = vec![0usize; shape.len()];
+    for _ in 0..n {
+        let off: usize = (0..shape.len()).map(|k| edge_source(idx[k], per[k].0, x.shape[k], reflect) * xs[k]).sum();
+        out.push(x.data[off]);
+        for k in (0..shape.len()).rev() {
+            idx[k] += 1;
+            if idx[k] < shape[k] {
+                break;
+            }
+            idx[k] = 0;
+        }
+    }
+    Ok(HostTensor::new(shape, out))
+}
+
 fn pads_per_dim(pads: &[usize], rank: usize) -> Vec<(usize, usize)> {
     let mut per = vec![(0, 0); rank];
     for (i, pair) in pads.chunks(2).enumerate() {
@@ -459,6 +529,36 @@ fn gpu_pad(ctx: &mut BuildCtx, node: NodeId, pads: &[usize], value: f32) -> Resu
     let before: Vec<usize> = pads_per_dim(pads, dx.dims.len() + 1)[1..].iter().map(|p| p.0).collect();
     let copy = gather_copy(ctx, node, x, y, &xs, &before, &dx.dims, 0, value)?;
     Ok(strided_layer(ctx, node, "pad", vec![copy]))
+}
+
+/// Reflect or replicate padding: `shape_pad_edge_*` over contiguous per-image dims, one thread an
+/// output element. Its meta, per dim: the output's size, the input's size, the padding before
+/// and the input's stride; then the elements per image of the output and of the input.
+fn gpu_edge_pad(ctx: &mut BuildCtx, node: NodeId, pads: &[usize], reflect: bool) -> Result<Box<dyn Layer>> {
+    let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
+    let elem = same_elem(ctx, node, &[x, y])?;
+    let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
+    let before: Vec<usize> = pads_per_dim(pads, dx.dims.len() + 1)[1..].iter().map(|p| p.0).collect();
+    let xs = contiguous_strides(&dx.dims);
+    let meta: Vec<i64> = [&dy.dims[..], &dx.dims[..], &before[..], &xs[..], &[dy.per_image_elems(), dx.per_image_elems()][..]]
+        .concat()
+        .into_iter()
+        .map(|v| v as i64)
+        .collect();
+    let bytes: Vec<u8> = meta.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let meta = ctx.upload_bytes(&bytes)?;
+    let rank = to_i32(ctx, node, "rank", dx.dims.len())?;
+    let args = vec![
+        Arg::Value(x),
+        Arg::Value(y),
+        Arg::PerBatch(dy.per_image_elems()),
+        Arg::buf(meta),
+        Arg::Const(KArg::I32(rank)),
+        Arg::Const(KArg::I32(reflect as i32)),
+    ];
+    let layer = KernelLayer::new(ctx, node, &format!("shape_pad_edge_{}", elem.suffix()), args, dy.per_image_elems())?;
+    let name = if reflect { "reflection_pad" } else { "replication_pad" };
+    Ok(Box::new(layer.kind(format!("kernel:{name}"))))
 }
 
 /// Roll: one gather (`shape_roll_*`) in the input's layout, which the output shares.
@@ -781,6 +881,15 @@ impl Tensor {
         let dims = dims.iter().map(|&d| norm_dim(self, "roll", d)).collect::<Result<Vec<_>>>()?;
         Tensor::record_inline(Op::Shape(ShapeOp::Roll { shifts: shifts.to_vec(), dims }), &[self])
     }
+    /// `F.pad(x, pads, mode="reflect")`: `pads` last dim first, `(before, after)` pairs, each
+    /// below its dim's size.
+    pub fn reflection_pad(&self, pads: &[usize]) -> Result<Tensor> {
+        Tensor::record_inline(Op::Shape(ShapeOp::ReflectPad { pads: pads.to_vec() }), &[self])
+    }
+    /// `F.pad(x, pads, mode="replicate")`: `pads` last dim first, `(before, after)` pairs.
+    pub fn replication_pad(&self, pads: &[usize]) -> Result<Tensor> {
+        Tensor::record_inline(Op::Shape(ShapeOp::ReplicatePad { pads: pads.to_vec() }), &[self])
+    }
     /// `F.pad(x, pads, value=value)` in constant mode: `pads` last dim first, `(before, after)`
     /// pairs, non-negative (PyTorch's negative pads crop: use `narrow`).
     pub fn pad(&self, pads: &[isize], value: f32) -> Result<Tensor> {
@@ -868,6 +977,10 @@ pub const FIXTURE_TWINS: &[FixtureTwin] = &[
     ("pad_constant", |f| f.x.pad(&[1, 2, 0, 3], 0.5)),
     ("pad_channels", |f| f.x.pad(&[1, 0, 0, 2, 2, 1], -2.0)),
     ("pad_zero2d", |f| ZeroPad2d::load(f.vb, &[2, 1, 1, 0])?.forward(f.x)),
+    ("reflection_pad_2d", |f| f.x.reflection_pad(&[2, 1, 3, 1])),
+    ("reflection_pad_1d_rank3", |f| f.x.reflection_pad(&[3, 2])),
+    ("replication_pad_2d", |f| f.x.replication_pad(&[1, 3, 2, 0])),
+    ("replication_pad_3d", |f| f.x.replication_pad(&[1, 1, 0, 2, 1, 0])),
     ("pad_constant2d", |f| ConstantPad2d::load(f.vb, &ConstantPad2dConfig { padding: [1, 1, 2, 2], value: -1.5 })?.forward(f.x)),
     ("roll_swin_shift", |f| f.x.roll(&[-3, -3], &[1, 2])),
     ("roll_mixed", |f| f.x.roll(&[11, -2], &[3, 1])),
