@@ -567,7 +567,7 @@ fn fwd_layers(ctx: &BuildCtx, shared: &Arc<ConvShared>, pad: Option<Arc<PadStep>
     let mut out: Vec<Box<dyn Layer>> = Vec::new();
     let limit = ctx.config.workspace_bytes;
     let strict = ctx.precision() == Precision::Fp32;
-    let room = ctx.workspace_budget;
+    let room = ctx.workspace_budget.max(super::tactic::WORKSPACE_FLOOR);
     for algo in FWD_ALGOS {
         // Workspace sizes at the max batch bound every batch the engine runs.
         let Some(ws) = fwd_workspace(ctx.gpu.handles.cudnn, shared, algo, ctx.config.max_batch)? else { continue };

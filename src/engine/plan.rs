@@ -269,9 +269,9 @@ struct ActivationEstimate {
 
 impl ActivationEstimate {
     /// The workspace node `id`'s tactics may take without growing the arena past the activations'
-    /// own peak, or past `tactic::ARENA_FLOOR` where that is more.
+    /// own peak.
     fn room_at(&self, id: NodeId) -> usize {
-        self.step_of[id].map_or(0, |s| super::tactic::room(self.plan.peak, self.plan.live[s]))
+        self.step_of[id].map_or(0, |s| self.plan.peak.saturating_sub(self.plan.live[s]))
     }
 }
 

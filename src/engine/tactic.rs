@@ -89,22 +89,9 @@ pub(crate) struct TacticsMark {
 /// Per timed choice: its key and the (kind, ms) of each candidate that ran.
 pub type TimingLog = Vec<(String, Vec<(String, f32)>)>;
 
-/// The arena any engine may have, whatever its activations need: in small engines (batch 1) the
-/// room the activations leave would otherwise rule out algorithms that need a few MiB of workspace,
-/// which cost nothing in absolute terms.
-///
-/// It floors the arena, not each workspace (issue 29, item 12): a workspace floor let every layer
-/// take 8 MiB beyond the activations' peak, so a 2.6 MiB cuDNN workspace at ResNet-50's peak layer
-/// grew the FP16 batch-64 arena past its 210 MiB bar (210.6 MiB on the H200). An engine whose
-/// activations peak above the floor now keeps that peak: at its peak layer a tactic's workspace
-/// must fit the room left, which is none.
-pub const ARENA_FLOOR: usize = 8 << 20;
-
-/// The workspace a layer's tactics may take where `live` bytes of the activations' arena, whose
-/// peak is `peak` bytes, are live: what the arena (at least [`ARENA_FLOOR`]) holds beyond them.
-pub(crate) fn room(peak: usize, live: usize) -> usize {
-    peak.max(ARENA_FLOOR).saturating_sub(live)
-}
+/// Workspace any layer may have whatever the arena's room at it: small engines (batch 1) would
+/// otherwise rule out algorithms over a few MiB that cost nothing in absolute terms.
+pub const WORKSPACE_FLOOR: usize = 8 << 20;
 
 /// The layer for one problem (`key`) of the node being converted, from its candidates: recorded,
 /// the only one, followed from a profile's opt shape, cached, or the fastest by timing (in that
@@ -253,10 +240,10 @@ fn fastest(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Layer>>) -> Re
 
 /// Memory beyond the room the arena has at this layer (a workspace, or a candidate's scratch)
 /// would grow every context's arena. Where the fastest candidate (`winner`) needs more than the
-/// room (see [`room`]), the fastest of those that ran (`ran`: index and ms) that
+/// room (at least `WORKSPACE_FLOOR`), the fastest of those that ran (`ran`: index and ms) that
 /// fits, and the room; `None` where the winner fits, none does, or `fastest_tactics` is on.
 fn within_room(ctx: &BuildCtx, candidates: &[Box<dyn Layer>], ran: &[(usize, f32)], winner: usize) -> Option<(usize, f32, usize)> {
-    let room = ctx.workspace_budget;
+    let room = ctx.workspace_budget.max(WORKSPACE_FLOOR);
     let need = |i: usize| {
         let c = &candidates[i];
         let scratch: usize = c
@@ -403,26 +390,7 @@ fn capture(stream: &std::sync::Arc<cudarc::driver::CudaStream>, enqueue: impl Fn
 
 #[cfg(test)]
 mod tests {
-    use super::{room, unsliced, ARENA_FLOOR};
-
-    /// Issue 29, item 12: the floor is the arena's, so an engine whose activations peak above it
-    /// leaves no workspace at its peak layer (a workspace floor gave 8 MiB there, and ResNet-50's
-    /// FP16 batch-64 arena grew 2.6 MiB past its peak), while a small engine's layers still have
-    /// the floor less what is live.
-    #[test]
-    fn the_room_floors_the_arena_not_each_workspace() {
-        const MIB: usize = 1 << 20;
-        let peak = 150 * MIB;
-        assert_eq!(room(peak, peak), 0, "nothing beyond the peak at the peak layer");
-        assert_eq!(room(peak, 140 * MIB), 10 * MIB);
-        assert_eq!(room(peak, 149 * MIB), MIB, "a layer near the peak gets what is left, not the floor");
-        assert_eq!(room(2 * MIB, 2 * MIB), ARENA_FLOOR - 2 * MIB, "a batch-1 engine keeps the floor");
-        assert_eq!(room(2 * MIB, MIB / 2), ARENA_FLOOR - MIB / 2);
-        assert_eq!(room(0, 0), ARENA_FLOOR);
-        for (peak, live) in [(peak, 3 * MIB), (2 * MIB, MIB), (ARENA_FLOOR, ARENA_FLOOR)] {
-            assert!(live + room(peak, live) <= peak.max(ARENA_FLOOR), "the arena never grows past max(peak, floor)");
-        }
-    }
+    use super::unsliced;
 
     #[test]
     fn unsliced_kinds_drop_only_the_batch_slicing() {

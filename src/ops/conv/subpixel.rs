@@ -338,7 +338,7 @@ pub fn candidates(
     // The whole batch, a few small slices, and the largest slice whose scratch fits the arena's
     // room at this layer.
     let max = ctx.config.max_batch;
-    let room = ctx.workspace_budget;
+    let room = ctx.workspace_budget.max(crate::engine::tactic::WORKSPACE_FLOOR);
     let mut slices: Vec<Option<usize>> = vec![None];
     slices.extend(SLICES.iter().filter(|&&n| n < max).map(|&n| Some(n)));
     if max * shared.conv_image > room {
