@@ -10,7 +10,7 @@
 
 use crate::config::{self, Binding, KilnParameters, ModelConfig, ModelSpec, Parameter, ProfileShapes, TensorConfig};
 use crate::error::{BackendError, Result};
-use crate::kiln_api::{Engine, Graph, Precision};
+use crate::kiln_api::{BuildConfig, Engine, Graph, Precision};
 use crate::model::{self, model_spec, traced_dims, ENGINE_FILE, GRAPH_FILE};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -121,22 +121,7 @@ pub fn write_repository(source: &ModelSource, out: &Path, options: &RepositoryOp
     if name.is_empty() || name.contains(['/', '\\']) || name.starts_with('.') {
         return Err(invalid(name, "name", "must be a plain folder name".into()));
     }
-    let (graph, engine_build, file_name) = match source {
-        ModelSource::Graph { graph, .. } => ((**graph).clone(), None, GRAPH_FILE),
-        ModelSource::GraphFile(path) => {
-            (Graph::load(path).map_err(BackendError::kiln(format!("reading {}", path.display())))?, None, GRAPH_FILE)
-        }
-        ModelSource::EngineFile(path) => {
-            let bytes = std::fs::read(path).map_err(|e| BackendError::ModelFile {
-                model: name.into(),
-                dir: path.clone(),
-                reason: format!("cannot read it: {e}"),
-            })?;
-            let (graph, config) = Engine::read_contents(&bytes, &path.display().to_string())
-                .map_err(BackendError::kiln(format!("reading {}", path.display())))?;
-            (graph, Some(config), ENGINE_FILE)
-        }
-    };
+    let (graph, engine_build, file_name) = read_source(source, name)?;
     if engine_build.is_some() && (options.precision.is_some() || options.profile.is_some()) {
         return Err(invalid(
             name,
@@ -211,7 +196,34 @@ pub fn write_repository(source: &ModelSource, out: &Path, options: &RepositoryOp
         options.backend_directory.as_ref().map_or("<dir holding kiln/libtriton_kiln.so>".to_string(), |d| d.display().to_string());
     let serve_command = format!("tritonserver --model-repository={} --backend-directory={backends}", repo.display());
     let readme_path = out.join("README.md");
-    let readme = format!(
+    std::fs::write(&readme_path, readme(name, &model_file, max_batch, options, &serve_command)).map_err(io(&readme_path))?;
+    Ok(WrittenRepository { model_dir, model_file, config_pbtxt: pbtxt, serve_command })
+}
+
+/// The model's graph, the build config an engine file was made with, and the file name it takes
+/// in the version folder.
+fn read_source(source: &ModelSource, name: &str) -> Result<(Graph, Option<BuildConfig>, &'static str)> {
+    Ok(match source {
+        ModelSource::Graph { graph, .. } => ((**graph).clone(), None, GRAPH_FILE),
+        ModelSource::GraphFile(path) => {
+            (Graph::load(path).map_err(BackendError::kiln(format!("reading {}", path.display())))?, None, GRAPH_FILE)
+        }
+        ModelSource::EngineFile(path) => {
+            let bytes = std::fs::read(path).map_err(|e| BackendError::ModelFile {
+                model: name.into(),
+                dir: path.clone(),
+                reason: format!("cannot read it: {e}"),
+            })?;
+            let (graph, config) = Engine::read_contents(&bytes, &path.display().to_string())
+                .map_err(BackendError::kiln(format!("reading {}", path.display())))?;
+            (graph, Some(config), ENGINE_FILE)
+        }
+    })
+}
+
+/// The repository's README: what was written and the command that serves it.
+fn readme(name: &str, model_file: &Path, max_batch: usize, options: &RepositoryOptions, serve_command: &str) -> String {
+    format!(
         "# Triton model repository written by kiln triton-repo\n\n\
          Model `{name}` ({}, max_batch_size {max_batch}, {} instances, dynamic batching {}).\n\n\
          Start the server (the Kiln backend is `<backend-directory>/kiln/libtriton_kiln.so`):\n\n    {serve_command}\n",
@@ -221,9 +233,7 @@ pub fn write_repository(source: &ModelSource, out: &Path, options: &RepositoryOp
             InstanceKind::Gpu => "KIND_GPU",
         },
         if options.dynamic_batching { "on" } else { "off" },
-    );
-    std::fs::write(&readme_path, readme).map_err(io(&readme_path))?;
-    Ok(WrittenRepository { model_dir, model_file, config_pbtxt: pbtxt, serve_command })
+    )
 }
 
 /// config.pbtxt's text (protobuf text format).
