@@ -8,16 +8,12 @@
 
 use kiln::engine::{BuildConfig, EngineBuilder, Precision};
 use kiln::HostTensor;
-use kiln::{
-    nn::{Conv2d, Conv2dConfig},
-    Forward, Module, Tensor, Tracer, VarBuilder,
-};
+use kiln::Tracer;
 
 mod common;
-use common::{check, gpu, random, rel_l2};
+use common::{check, depthwise_block, gpu, random, rel_l2};
 
-/// (channels, H, W, kernel, stride, padding, bias, relu, residual)
-type Case = (usize, usize, usize, usize, usize, usize, bool, bool, bool);
+type Case = common::DepthwiseCase;
 
 const CASES: [Case; 10] = [
     (16, 14, 14, 3, 1, 1, true, false, false),
@@ -33,19 +29,6 @@ const CASES: [Case; 10] = [
     (8, 2, 3, 7, 1, 3, true, false, true),
 ];
 
-fn block(x: &Tensor, case: Case) -> kiln::Result<Tensor> {
-    let (c, _, _, k, stride, padding, bias, relu, residual) = case;
-    let cfg = Conv2dConfig::new(c, c, k).stride(stride).padding(padding).groups(c).bias(bias);
-    let mut y = Conv2d::load(VarBuilder::seeded().pp("dw"), &cfg)?.forward(x)?;
-    if residual {
-        y = y.add(x)?;
-    }
-    if relu {
-        y = y.relu()?;
-    }
-    Ok(y)
-}
-
 fn name(case: Case) -> String {
     let (c, h, w, k, s, p, bias, relu, residual) = case;
     format!("depthwise {k}x{k} s{s} p{p} [{c}, {h}, {w}] bias={bias} relu={relu} residual={residual}")
@@ -60,7 +43,7 @@ fn depthwise_kernel_forced() {
         let (c, h, w, ..) = case;
         let tracer = Tracer::new();
         let x = tracer.input("x", &[1, c, h, w]);
-        tracer.output("y", &block(&x, case).expect("trace"));
+        tracer.output("y", &depthwise_block(&x, case).expect("trace"));
         let graph = tracer.graph();
         for (precision, tol) in [(Precision::Fp32, 1e-5), (Precision::Fp16, 1e-2)] {
             let config =
@@ -91,6 +74,6 @@ fn depthwise_kernel_forced() {
 fn depthwise_as_timed() {
     for case in CASES {
         let (c, h, w, ..) = case;
-        check(&name(case), &[("x", &[c, h, w])], |x| Ok(vec![block(&x[0], case)?]));
+        check(&name(case), &[("x", &[c, h, w])], |x| Ok(vec![depthwise_block(&x[0], case)?]));
     }
 }

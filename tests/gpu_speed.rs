@@ -19,7 +19,7 @@ use kiln::{
 use kiln::{Graph, HostTensor};
 
 mod common;
-use common::{check, gpu, random, rel_l2};
+use common::{check, depthwise_block, gpu, random, rel_l2};
 
 /// Builds `graph` with only the tactics whose kind starts with `source` (for the layers that offer
 /// one), checks that one was chosen, and compares with the CPU executor at batch 1 and 3.
@@ -59,8 +59,7 @@ fn trace(dims: &[usize], f: impl Fn(&Tensor) -> kiln::Result<Tensor>) -> Graph {
     tracer.graph()
 }
 
-/// (channels, H, W, kernel, stride, padding, bias, relu, residual)
-type Case = (usize, usize, usize, usize, usize, usize, bool, bool, bool);
+type Case = common::DepthwiseCase;
 
 const DEPTHWISE: [Case; 9] = [
     // ConvNeXt's 7x7 at stage-1 width, a ragged strip (W = 13) and odd rows.
@@ -76,19 +75,6 @@ const DEPTHWISE: [Case; 9] = [
     // MobileNetV3-like: 72 channels (f16: 18 packs of 4), 5x5 stride 2 on an odd map.
     (72, 17, 19, 5, 2, 2, true, false, false),
 ];
-
-fn depthwise_block(x: &Tensor, case: Case) -> kiln::Result<Tensor> {
-    let (c, _, _, k, stride, padding, bias, relu, residual) = case;
-    let cfg = Conv2dConfig::new(c, c, k).stride(stride).padding(padding).groups(c).bias(bias);
-    let mut y = Conv2d::load(VarBuilder::seeded().pp("dw"), &cfg)?.forward(x)?;
-    if residual {
-        y = y.add(x)?;
-    }
-    if relu {
-        y = y.relu()?;
-    }
-    Ok(y)
-}
 
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/speed-check.sh)"]

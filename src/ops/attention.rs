@@ -1161,11 +1161,12 @@ mod tests {
         assert_eq!(back.nodes, g.nodes);
         let input = crate::seeded::weight("x", &[1, 5, 30]);
         assert_eq!(crate::cpu::run(&back, &[("x", &input)]).expect("cpu")["y"], crate::cpu::run(&g, &[("x", &input)]).expect("cpu")["y"]);
-        // Codegen writes the op's serde form; its type is importable from the crate root.
+        // Codegen writes the op's serde form; its type is importable from the plugin face.
         let src = crate::codegen::generate(&g, &Default::default()).expect("codegen");
         let flat: String = src.split_whitespace().collect::<Vec<_>>().join(" ");
         assert!(flat.contains("Op::QkvAttention(QkvAttention { heads: 2, scale: 0.5, bias: true, })"), "{src}");
-        assert!(flat.contains("use kiln::{Graph, Op, QkvAttention, Result,"), "{src}");
+        assert!(flat.contains("use kiln::plugin::{Op, QkvAttention};"), "{src}");
+        assert!(flat.contains("use kiln::{Graph, Result,"), "{src}");
         // DOT: the bias's rank 4 is not read as a kernel size.
         let id = g.nodes.iter().position(|n| n.path == "blk.attention").expect("node");
         assert_eq!(crate::dot::describe_op(&g, &g.nodes[id]), "qkv_attention heads=2 scale=0.5 +bias");

@@ -100,3 +100,23 @@ pub fn matching_detections(got: &HostTensor, want: &HostTensor, image: usize) ->
         })
         .count()
 }
+
+/// A depthwise conv case: (channels, H, W, kernel, stride, padding, bias, relu, residual).
+pub type DepthwiseCase = (usize, usize, usize, usize, usize, usize, bool, bool, bool);
+
+/// The block a depthwise case traces: the conv (seeded weights), then the residual add and the
+/// ReLU where the case asks for them.
+pub fn depthwise_block(x: &Tensor, case: DepthwiseCase) -> kiln::Result<Tensor> {
+    use kiln::nn::{Conv2d, Conv2dConfig};
+    use kiln::{Forward, Module, VarBuilder};
+    let (c, _, _, k, stride, padding, bias, relu, residual) = case;
+    let cfg = Conv2dConfig::new(c, c, k).stride(stride).padding(padding).groups(c).bias(bias);
+    let mut y = Conv2d::load(VarBuilder::seeded().pp("dw"), &cfg)?.forward(x)?;
+    if residual {
+        y = y.add(x)?;
+    }
+    if relu {
+        y = y.relu()?;
+    }
+    Ok(y)
+}
