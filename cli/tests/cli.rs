@@ -1284,6 +1284,43 @@ fn run_images_follows_the_models_preprocessing() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// CenterNet's `--image` path: the photo letterboxed to the input, every printed box mapped back
+/// into the photo's pixels, and `--save` drawing on the photo itself. (Seeded weights predict some
+/// negative sizes, which CenterNet's decode keeps, as PyTorch's does: corners are not ordered.)
+#[test]
+fn run_images_maps_centernet_boxes_into_the_photo() {
+    let dir = temp_dir("images-centernet");
+    let card = dir.join("card.png");
+    test_card(&card);
+    let saved = dir.join("centernet.png");
+    let out = kiln(&["run", "centernet", "--cpu", "--size", "128", "--image", arg(&card), "--top", "100", "--save", arg(&saved)]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("card.png: ") && stdout.contains("boxes in image pixels"), "{stdout}");
+    let boxes: Vec<[f32; 4]> = stdout
+        .lines()
+        .filter_map(|l| {
+            let (_, rest) = l.split_once("  (")?;
+            let nums: Vec<f32> =
+                rest.split(|c: char| !(c.is_ascii_digit() || c == '.' || c == '-')).filter_map(|t| t.parse().ok()).collect();
+            Some([nums[0], nums[1], *nums.get(2)?, *nums.get(3)?])
+        })
+        .collect();
+    println!("{} boxes printed", boxes.len());
+    assert!(!boxes.is_empty(), "no boxes printed:\n{stdout}");
+    // Boxes left in the 128-pixel input's coordinates would mostly clamp to the photo's edges: at
+    // most half of the x corners may sit there.
+    let on_edge = boxes.iter().flat_map(|b| [b[0], b[2]]).filter(|&x| x <= 0.0 || x >= 40.0).count();
+    assert!(on_edge < boxes.len(), "{on_edge} of {} x corners on the photo's edges:\n{stdout}", 2 * boxes.len());
+    for &[x1, y1, x2, y2] in &boxes {
+        assert!((0.0..=40.0).contains(&x1) && (0.0..=40.0).contains(&x2), "x outside the 40-pixel photo: {x1} {x2}\n{stdout}");
+        assert!((0.0..=30.0).contains(&y1) && (0.0..=30.0).contains(&y2), "y outside the 30-pixel photo: {y1} {y2}\n{stdout}");
+    }
+    assert!(stdout.contains(&format!("wrote {}", saved.display())), "{stdout}");
+    assert_eq!(kiln_vision::load_rgb(&saved).expect("saved png").dimensions(), (40, 30), "drawn on the photo itself");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `kiln calibrate --data` reads a folder of any images: one at the input size as it is, another
 /// through the model's preprocessing; the cache equals one made from the same tensor in a file.
 #[test]
