@@ -498,7 +498,7 @@ pub struct ConvProblem<'a> {
 }
 
 pub fn conv_candidates_with(ctx: &mut BuildCtx, node: NodeId, p: ConvProblem) -> Result<Vec<Box<dyn Layer>>> {
-    let out = ctx.value(p.y).chw().ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "output is not an image"))?;
+    let out = ctx.chw(node, p.y, "output")?;
     conv_candidates_geom(ctx, node, p, out, true)
 }
 
@@ -515,7 +515,7 @@ pub fn conv_candidates_geom(
     pad_variants: bool,
 ) -> Result<Vec<Box<dyn Layer>>> {
     let (x, y, z, shape4) = (p.x, p.y, p.z, p.weight_shape);
-    let (cin, h, wd) = ctx.value(x).chw().ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "input is not an image"))?;
+    let (cin, h, wd) = ctx.chw(node, x, "input")?;
     let elem = ctx.elem();
     let path = ctx.node(node).path.clone();
     let geom = Geom { cin, h, w: wd, cout, ho, wo };
@@ -700,8 +700,8 @@ pub fn deconv_candidates(ctx: &mut BuildCtx, node: NodeId, p: ConvProblem) -> Re
         return Err(ctx.err(node, LowerKind::Unsupported, "a transposed convolution cannot take a fused residual"));
     }
     let path = ctx.node(node).path.clone();
-    let (cin, h, wd) = ctx.value(x).chw().ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "input is not an image"))?;
-    let (cout, ho, wo) = ctx.value(y).chw().ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "output is not an image"))?;
+    let (cin, h, wd) = ctx.chw(node, x, "input")?;
+    let (cout, ho, wo) = ctx.chw(node, y, "output")?;
     let shape4 = p.weight_shape;
     // The filter of the forward convolution that maps the deconv's output (Cout) to its input
     // (Cin) is the deconv weight itself: K = Cin, C = Cout/g. In the forward view x is the

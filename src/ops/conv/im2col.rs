@@ -69,8 +69,8 @@ pub fn candidates(
     y: ValueId,
     residual: bool,
 ) -> Result<Vec<Box<dyn Layer>>> {
-    let (cin, h, w) = ctx.value(x).chw().ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "input is not an image"))?;
-    let (cout, ho, wo) = ctx.value(y).chw().ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "output is not an image"))?;
+    let (cin, h, w) = ctx.chw(node, x, "input")?;
+    let (cout, ho, wo) = ctx.chw(node, y, "output")?;
     let [k_out, k_in, kh, kw] = shape4;
     let k = kh * kw * cin;
     let kp = k.next_multiple_of(8);

@@ -75,8 +75,8 @@ pub fn candidate(
     y: ValueId,
 ) -> Result<Option<Box<dyn Layer>>> {
     let x = ctx.input(node, 0)?;
-    let (cin, h, w) = ctx.value(x).chw().ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "input is not an image"))?;
-    let (cout, ho, wo) = ctx.value(y).chw().ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "output is not an image"))?;
+    let (cin, h, w) = ctx.chw(node, x, "input")?;
+    let (cout, ho, wo) = ctx.chw(node, y, "output")?;
     let Some(shape) = StridedGemm::new(a, shape4, [h, w], [ho, wo]) else { return Ok(None) };
     if shape4[..2] != [cout, cin] || weight.len() != cout * cin || bias.is_some_and(|b| b.len() != cout) {
         return Err(ctx.err(node, LowerKind::Weights, format!("weight {shape4:?} / bias for a {cin} → {cout} 1×1 convolution")));
