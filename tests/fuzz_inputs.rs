@@ -15,30 +15,14 @@ use std::sync::OnceLock;
 use triton_kiln::config::{check, parse_shapes, shape_profile, Binding, ElemType, ModelConfig, ModelSpec};
 use triton_kiln::request::{check_request, plan_runs, Buffer, InputData, Limits, RequestData};
 
+mod byte_edits;
+use byte_edits::{edit, Edit};
+
 const CASES: u32 = 10_000;
 
 fn config() -> Config {
     let cases = std::env::var("KILN_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(CASES);
     Config { cases, failure_persistence: None, ..Config::default() }
-}
-
-/// Byte-level mutations of a small file.
-#[derive(Debug, Clone)]
-enum Edit {
-    Set(usize, u8),
-    Truncate(usize),
-    Append(Vec<u8>),
-    /// Overwrite with bytes that headers are made of (sizes, magic numbers, text).
-    Splice(usize, &'static [u8]),
-}
-
-fn edit(fragments: Vec<&'static [u8]>) -> impl Strategy<Value = Edit> {
-    prop_oneof![
-        4 => (any::<usize>(), any::<u8>()).prop_map(|(at, b)| Edit::Set(at, b)),
-        1 => any::<usize>().prop_map(Edit::Truncate),
-        1 => prop::collection::vec(any::<u8>(), 1..16).prop_map(Edit::Append),
-        3 => (any::<usize>(), prop::sample::select(fragments)).prop_map(|(at, s)| Edit::Splice(at, s)),
-    ]
 }
 
 /// `bytes` with `edits` applied; edits land in the first 64 bytes (the headers) three times in four.
