@@ -54,6 +54,22 @@ pub struct ArenaPlan {
     pub live: Vec<usize>,
     /// The steps that write their output over an input.
     pub in_place: Vec<usize>,
+    /// Each step's idle region: the offset and length of the largest value region that is live
+    /// across the step but not touched by it ((0, 0): none). Values fill their regions in
+    /// proportion to the batch, so below the planned batch its tail ([`idle_tail`]) is free while
+    /// the step runs.
+    pub idle: Vec<(usize, usize)>,
+}
+
+/// The free tail of an idle region (`(offset, len)`, planned at `max_batch`) while the engine runs
+/// `batch`: its value fills at most `len * batch / max_batch` bytes (rounded up, then aligned).
+pub fn idle_tail((offset, len): (usize, usize), batch: usize, max_batch: usize) -> (usize, usize) {
+    if max_batch == 0 || batch >= max_batch {
+        return (offset, 0);
+    }
+    let used = ((len as u128 * batch as u128).div_ceil(max_batch as u128)) as usize;
+    let start = aligned(used).min(len);
+    (offset + start, len - start)
 }
 
 /// Plans the arena for `steps` over values of `value_bytes` bytes each.
@@ -110,6 +126,19 @@ pub fn plan_steps(value_bytes: &[usize], steps: &[StepUse]) -> ArenaPlan {
     let live: Vec<usize> =
         (0..steps.len()).map(|s| intervals.iter().filter(|i| i.first <= s && s <= i.last).map(|i| aligned(i.bytes)).sum()).collect();
     let peak = live.iter().enumerate().fold((0, 0), |best, (s, &l)| if l > best.0 { (l, s) } else { best });
+    let idle = steps
+        .iter()
+        .enumerate()
+        .map(|(s, step)| {
+            let touched: Vec<usize> = step.values.iter().map(|&v| find(&group, v)).collect();
+            (0..n)
+                .filter(|&g| interval_of[g] != usize::MAX && !touched.contains(&g))
+                .map(|g| (intervals[interval_of[g]], offsets[interval_of[g]]))
+                .filter(|(i, _)| i.first <= s && s <= i.last)
+                .max_by_key(|(i, _)| i.bytes)
+                .map_or((0, 0), |(i, offset)| (offset, i.bytes))
+        })
+        .collect();
     ArenaPlan {
         offsets: (0..n).map(|v| interval_of.get(find(&group, v)).filter(|&&i| i != usize::MAX).map(|&i| offsets[i])).collect(),
         workspace: (0..steps.len())
@@ -120,6 +149,7 @@ pub fn plan_steps(value_bytes: &[usize], steps: &[StepUse]) -> ArenaPlan {
         peak_step: peak.1,
         live,
         in_place,
+        idle,
     }
 }
 
@@ -327,6 +357,50 @@ mod tests {
             let p = plan_steps(&bytes, &steps);
             check_plan(&bytes, &steps, &p);
             assert!(p.peak <= p.bytes, "the peak is a lower bound: {p:?}");
+            check_idle(&bytes, &steps, &p);
         }
+    }
+
+    /// A step's idle region overlaps neither the values it touches nor its own workspace, and
+    /// belongs to a value live across the step.
+    fn check_idle(bytes: &[usize], steps: &[StepUse], p: &ArenaPlan) {
+        let overlaps = |a: (usize, usize), b: (usize, usize)| a.1 > 0 && b.1 > 0 && a.0 < b.0 + b.1 && b.0 < a.0 + a.1;
+        for (s, step) in steps.iter().enumerate() {
+            let idle = p.idle[s];
+            if idle.1 == 0 {
+                continue;
+            }
+            assert!(!overlaps(idle, p.workspace[s]), "step {s}: idle {idle:?} meets its workspace {:?}", p.workspace[s]);
+            for &v in &step.values {
+                let region = (p.offsets[v].expect("a touched value has an offset"), bytes[v]);
+                assert!(!overlaps(idle, region), "step {s}: idle {idle:?} meets touched value {v} at {region:?}");
+            }
+            // The region's value (or in-place group) is touched before and after the step.
+            let here: Vec<usize> = (0..bytes.len()).filter(|&v| p.offsets[v] == Some(idle.0) && bytes[v] <= idle.1).collect();
+            let touched_at =
+                |v: usize, keep: &dyn Fn(usize) -> bool| steps.iter().enumerate().any(|(t, u)| keep(t) && u.values.contains(&v));
+            let live_across = here.iter().any(|&v| touched_at(v, &|t| t < s)) && here.iter().any(|&v| touched_at(v, &|t| t > s));
+            assert!(live_across, "step {s}: idle {idle:?} is no value live across the step");
+        }
+    }
+
+    /// ResNet's downsample shape: the block input `x` waits while conv1 and conv2 run, so their
+    /// steps may borrow its tail below the planned batch.
+    #[test]
+    fn a_waiting_residual_is_the_idle_region_of_the_steps_between() {
+        let bytes = [64_000, 32_000, 8_000, 16_000];
+        // x=0 read by step 0 (conv1 -> 1), step 1 (conv2: 1 -> 2), step 2 (downsample + add: 0, 2 -> 3).
+        let steps = vec![step(&[0, 1], 0, None), step(&[1, 2], 5000, None), step(&[0, 2, 3], 0, None)];
+        let p = plan_steps(&bytes, &steps);
+        check_plan(&bytes, &steps, &p);
+        check_idle(&bytes, &steps, &p);
+        assert_eq!(p.idle[1], (p.offsets[0].unwrap(), 64_000), "x is idle during conv2");
+        assert_eq!(p.idle[0].1, 0, "nothing waits during conv1: it reads x");
+        // At batch 16 of 64 x fills its first quarter; the rest is free.
+        let (at, len) = idle_tail(p.idle[1], 16, 64);
+        assert_eq!(at, p.offsets[0].unwrap() + 16_128, "a quarter of x, aligned up");
+        assert_eq!(len, 64_000 - 16_128);
+        assert_eq!(idle_tail(p.idle[1], 64, 64).1, 0, "nothing is free at the planned batch");
+        assert_eq!(idle_tail((0, 0), 1, 64), (0, 0));
     }
 }

@@ -136,9 +136,9 @@ impl Engine {
             } else {
                 crate::calibrate::layer_precision(&self.graph, l.path(), elem)
             };
-            let ws = match self.plan.workspaces.get(i) {
-                Some(&(_, bytes)) if bytes >= 1 << 20 => format!("  [workspace {:.2} MiB]", bytes as f64 / (1 << 20) as f64),
-                Some(&(_, bytes)) if bytes > 0 => format!("  [workspace {:.1} KiB]", bytes as f64 / 1024.0),
+            let ws = match self.plan.workspaces.get(i).map(|w| w.slot) {
+                Some((_, bytes)) if bytes >= 1 << 20 => format!("  [workspace {:.2} MiB]", bytes as f64 / (1 << 20) as f64),
+                Some((_, bytes)) if bytes > 0 => format!("  [workspace {:.1} KiB]", bytes as f64 / 1024.0),
                 _ => String::new(),
             };
             out.push_str(&format!("{i:>4} {p:<22} {}{ws}\n", l.describe()));

@@ -225,11 +225,11 @@ impl ExecutionContext {
         Ok(graph)
     }
 
-    /// What layer `i` of the current plan sees when it is enqueued: its workspace is its own part
-    /// of the arena.
-    fn run_ctx(&self, i: usize) -> RunCtx<'_> {
+    /// What layer `i` of the current plan sees when it is enqueued at `batch`: its workspace is its
+    /// own part of the arena (`Workspace::at`).
+    fn run_ctx(&self, i: usize, batch: usize) -> RunCtx<'_> {
         let cp = &self.plans[self.current];
-        let (offset, bytes) = cp.plan.workspaces[i];
+        let (offset, bytes) = cp.plan.workspaces[i].at(batch, cp.plan.layers[i].workspace_bytes(batch));
         RunCtx {
             stream: &self.stream,
             handles: &self.handles,
@@ -241,7 +241,7 @@ impl ExecutionContext {
 
     fn enqueue_layers(&self, batch: usize) -> Result<()> {
         for (i, layer) in self.plan().layers.iter().enumerate() {
-            layer.enqueue(&self.run_ctx(i), batch).map_err(|e| match e {
+            layer.enqueue(&self.run_ctx(i, batch), batch).map_err(|e| match e {
                 Error::Cuda { context, reason } => {
                     Error::Cuda { context: format!("{context} (layer `{}`, {}, batch {batch})", layer.path(), layer.kind()), reason }
                 }
@@ -475,7 +475,7 @@ impl ExecutionContext {
         let plan = self.plan().clone();
         let mut times = Vec::with_capacity(plan.layers.len());
         for (i, layer) in plan.layers.iter().enumerate() {
-            let Some(graph) = self.capture(|| layer.enqueue(&self.run_ctx(i), batch))? else {
+            let Some(graph) = self.capture(|| layer.enqueue(&self.run_ctx(i, batch), batch))? else {
                 times.push(0.0);
                 continue;
             };

@@ -112,8 +112,8 @@ pub struct Plan {
     /// Arena offset of each arena value (aliases resolved), `usize::MAX` for bindings.
     pub(crate) offsets: Vec<usize>,
     pub(crate) arena_bytes: usize,
-    /// Each layer's workspace in the arena: offset and length.
-    pub(crate) workspaces: Vec<(usize, usize)>,
+    /// Each layer's workspace in the arena.
+    pub(crate) workspaces: Vec<Workspace>,
     pub(crate) inputs: Vec<(String, ValueId)>,
     pub(crate) outputs: Vec<(String, ValueId)>,
     pub memory: MemorySummary,
@@ -174,9 +174,9 @@ pub(crate) fn lower_plan(
     let lowered = convert(&mut ctx, &op_layouts, &aliased, &estimate, &allocated.inputs, &outputs)?;
     let weight_bytes = weights.bytes();
     let values = ctx.values;
-    let workspaces = workspaces(gpu, config, &lowered.layers)?;
-    let arena = lifetimes(&values, &lowered, &workspaces, config.max_batch);
-    let memory = memory(&values, &arena, &workspaces, weight_bytes, config.max_batch);
+    let needs = workspace_needs(gpu, config, &lowered.layers)?;
+    let arena = lifetimes(&values, &lowered, &needs, config);
+    let memory = memory(&values, &arena, &needs, weight_bytes, config.max_batch);
     let summary = summarise(graph, config, tactics, mark, &lowered, memory.clone());
     let plan = Plan {
         dims,
@@ -510,20 +510,57 @@ impl Reformats {
     }
 }
 
-/// Workspaces: each layer's largest over the batch range. cuBLASLt plans are made for every batch
-/// of the range first, so the sizes are exact.
-fn workspaces(gpu: &Gpu, config: &BuildConfig, layers: &[Box<dyn Layer>]) -> Result<Vec<usize>> {
+/// Each layer's workspace at every batch of the range (index `batch - min_batch`). cuBLASLt plans
+/// are made for every batch first, so the sizes are exact.
+fn workspace_needs(gpu: &Gpu, config: &BuildConfig, layers: &[Box<dyn Layer>]) -> Result<Vec<Vec<usize>>> {
     let rt = RunCtx { stream: &gpu.stream, handles: &gpu.handles, ptrs: &[], workspace: 0, workspace_bytes: super::gemm::GEMM_WORKSPACE };
-    let mut workspaces = Vec::with_capacity(layers.len());
+    let mut needs = Vec::with_capacity(layers.len());
     for layer in layers {
-        let mut need = 0;
+        let mut by_batch = Vec::with_capacity(config.max_batch - config.min_batch + 1);
         for b in config.min_batch..=config.max_batch {
             layer.prepare(&rt, b)?;
-            need = need.max(layer.workspace_bytes(b));
+            by_batch.push(layer.workspace_bytes(b));
         }
-        workspaces.push(need);
+        needs.push(by_batch);
     }
-    Ok(workspaces)
+    Ok(needs)
+}
+
+/// Where a layer's workspace lives in the arena. Its slot holds the workspace at the max batch,
+/// which tactics chose within the arena's room. An algorithm may need more at a smaller batch
+/// (cuDNN's implicit-precomp GEMM takes 2.6 MiB at some batches of ResNet-50's `layer2.0.conv2`
+/// and 643 bytes at 64); there the values are smaller too, so it borrows the free tail of the step's
+/// idle region (`arena::idle_tail`) rather than growing the arena. A batch whose workspace fits
+/// neither makes the slot that large.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Workspace {
+    /// Offset and length of the layer's own slot.
+    pub slot: (usize, usize),
+    /// The step's idle region (offset, length at the max batch), `(0, 0)` for none.
+    pub idle: (usize, usize),
+    pub max_batch: usize,
+}
+
+impl Workspace {
+    /// Offset and length of the workspace the layer gets at `batch`, where it needs `need` bytes.
+    pub fn at(&self, batch: usize, need: usize) -> (usize, usize) {
+        let tail = super::arena::idle_tail(self.idle, batch, self.max_batch);
+        if need > self.slot.1 && need <= tail.1 {
+            tail
+        } else {
+            self.slot
+        }
+    }
+
+    /// The slot a layer needs, given its workspace at each batch from `min_batch` (`by_batch`) and
+    /// the idle region its step has: the max batch's workspace, or more where a smaller batch's
+    /// does not fit the idle tail.
+    fn slot_bytes(by_batch: &[usize], min_batch: usize, idle: (usize, usize)) -> usize {
+        let max_batch = min_batch + by_batch.len().saturating_sub(1);
+        let at_max = by_batch.last().copied().unwrap_or(0);
+        let spilled = |(i, &need): (usize, &usize)| need > super::arena::idle_tail(idle, min_batch + i, max_batch).1;
+        by_batch.iter().enumerate().filter(|&(i, need)| *need > at_max && spilled((i, need))).map(|(_, &n)| n).fold(at_max, usize::max)
+    }
 }
 
 /// Where a plan's values and workspaces live in its arena.
@@ -531,15 +568,16 @@ struct ArenaLayout {
     plan: ArenaPlan,
     /// Each value's offset (an alias's is its root's).
     offsets: Vec<usize>,
-    /// Each layer's workspace: offset and length.
-    workspaces: Vec<(usize, usize)>,
+    /// Each layer's workspace.
+    workspaces: Vec<Workspace>,
     /// The module path of the layer where the live bytes peak.
     peak_at: String,
 }
 
 /// Lifetimes: the arena, planned over the storage roots each layer touches (an alias keeps its
 /// root alive), one step per layer, two for a layer with a prologue (its copy, then its main work).
-fn lifetimes(values: &[ValueDesc], lowered: &Lowered, workspaces: &[usize], max_batch: usize) -> ArenaLayout {
+fn lifetimes(values: &[ValueDesc], lowered: &Lowered, needs: &[Vec<usize>], config: &BuildConfig) -> ArenaLayout {
+    let max_batch = config.max_batch;
     let root = |mut v: ValueId| {
         while let Storage::Alias(src) = values[v.0].storage {
             v = src;
@@ -554,7 +592,8 @@ fn lifetimes(values: &[ValueDesc], lowered: &Lowered, workspaces: &[usize], max_
         .collect();
     let mut steps: Vec<StepUse> = Vec::with_capacity(lowered.layers.len());
     let mut step_of_layer = Vec::with_capacity(lowered.layers.len());
-    for ((vs, layer), &workspace) in lowered.touches.iter().zip(&lowered.layers).zip(workspaces) {
+    for ((vs, layer), by_batch) in lowered.touches.iter().zip(&lowered.layers).zip(needs) {
+        let workspace = by_batch.last().copied().unwrap_or(0);
         let mut values: Vec<usize> = vs.iter().filter(|&&v| in_arena(v)).map(|&v| root(v).0).collect();
         if let Some((src, dst)) = layer.prologue().filter(|&(s, d)| in_arena(s) && in_arena(d)) {
             let (src, dst) = (root(src).0, root(dst).0);
@@ -565,23 +604,33 @@ fn lifetimes(values: &[ValueDesc], lowered: &Lowered, workspaces: &[usize], max_
         let overwrite = layer.overwrites().filter(|&(o, i)| in_arena(o) && in_arena(i)).map(|(o, i)| (root(o).0, root(i).0));
         steps.push(StepUse { values, workspace, overwrite });
     }
-    let plan = arena::plan_steps(&value_bytes, &steps);
+    // Idle regions depend on lifetimes alone, so slots grown for a smaller batch keep them.
+    let mut plan = arena::plan_steps(&value_bytes, &steps);
+    let mut grown = false;
+    for (l, &s) in step_of_layer.iter().enumerate() {
+        let slot = Workspace::slot_bytes(&needs[l], config.min_batch, plan.idle[s]);
+        grown |= slot != steps[s].workspace;
+        steps[s].workspace = slot;
+    }
+    if grown {
+        plan = arena::plan_steps(&value_bytes, &steps);
+    }
     ArenaLayout {
         offsets: (0..values.len()).map(|v| plan.offsets[root(ValueId(v)).0].unwrap_or(0)).collect(),
-        workspaces: step_of_layer.iter().map(|&s| plan.workspace[s]).collect(),
+        workspaces: step_of_layer.iter().map(|&s| Workspace { slot: plan.workspace[s], idle: plan.idle[s], max_batch }).collect(),
         peak_at: step_of_layer.iter().position(|&s| s >= plan.peak_step).map(|l| lowered.layers[l].path().to_string()).unwrap_or_default(),
         plan,
     }
 }
 
 /// The plan's device memory: `weight_bytes` of weights, its arena, and its bindings at `max_batch`.
-fn memory(values: &[ValueDesc], arena: &ArenaLayout, workspaces: &[usize], weight_bytes: usize, max_batch: usize) -> MemorySummary {
+fn memory(values: &[ValueDesc], arena: &ArenaLayout, needs: &[Vec<usize>], weight_bytes: usize, max_batch: usize) -> MemorySummary {
     MemorySummary {
         weights: weight_bytes,
         arena: arena.plan.bytes,
         peak_live: arena.plan.peak,
         peak_at: arena.peak_at.clone(),
-        largest_workspace: workspaces.iter().copied().max().unwrap_or(0),
+        largest_workspace: needs.iter().flatten().copied().max().unwrap_or(0),
         in_place: arena.plan.in_place.len(),
         bindings: values.iter().filter(|d| d.storage == Storage::Binding).map(|d| d.bytes(max_batch)).sum(),
     }
@@ -623,5 +672,33 @@ fn quantised(graph: &Graph, config: &BuildConfig, layers: &[Box<dyn Layer>]) -> 
             ))
         }
         _ => crate::calibrate::quant_summary(graph, int8),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Workspace;
+
+    /// Issue 29, item 12: cuDNN asks 2.6 MiB at some batches below 64 and 643 bytes at 64 for
+    /// ResNet-50's `layer2.0.conv2`, whose block input (98 MiB at 64) waits beside it. The slot
+    /// keeps the max batch's workspace; the smaller batches borrow the input's free tail.
+    #[test]
+    fn a_smaller_batchs_larger_workspace_borrows_the_idle_tail() {
+        const MIB: usize = 1 << 20;
+        let idle = (4096, 98 * MIB);
+        let mut by_batch = vec![643; 64];
+        by_batch[7] = 2_760_000; // batch 8
+        by_batch[62] = 2_760_000; // batch 63: x fills all but 1.5 MiB of its region
+        assert_eq!(Workspace::slot_bytes(&by_batch, 1, idle), 2_760_000, "batch 63's tail is too short, so the slot grows");
+        by_batch[62] = 643;
+        assert_eq!(Workspace::slot_bytes(&by_batch, 1, idle), 643, "batch 8 fits the idle tail");
+        let ws = Workspace { slot: (1 << 30, 643), idle, max_batch: 64 };
+        let (at, len) = ws.at(8, 2_760_000);
+        assert!(at >= idle.0 + 98 * MIB / 8 && at + len <= idle.0 + idle.1, "batch 8 uses x's last seven eighths: {at} + {len}");
+        assert!(len >= 2_760_000);
+        assert_eq!(ws.at(64, 643), (1 << 30, 643), "the max batch uses the slot");
+        assert_eq!(ws.at(8, 600), (1 << 30, 643), "a workspace that fits the slot stays there");
+        assert_eq!(Workspace::slot_bytes(&[0, 5000, 100], 1, (0, 0)), 5000, "no idle region: the slot is the largest");
+        assert_eq!(Workspace::slot_bytes(&[], 1, idle), 0);
     }
 }

@@ -226,8 +226,9 @@ fn fastest(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Layer>>) -> Re
     }
     if tracing::enabled!(tracing::Level::DEBUG) {
         let path = &ctx.node(ctx.current).path;
-        for (kind, ms) in &log {
-            tracing::trace!(%path, problem = %key, candidate = %kind, ms, "timed");
+        for &(i, ms) in &ran {
+            let memory = memory_need(ctx, candidates[i].as_ref());
+            tracing::trace!(%path, problem = %key, candidate = %candidates[i].kind(), ms, memory, room = ctx.workspace_budget, "timed");
         }
         let ms = ran.iter().find(|&&(i, _)| i == winner).map_or(f32::NAN, |&(_, ms)| ms);
         tracing::debug!(%path, problem = %key, chosen = %candidates[winner].kind(), ms, of = ran.len(), failed = failures.len(), "tactic");
@@ -244,20 +245,19 @@ fn fastest(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Layer>>) -> Re
 /// fits, and the room; `None` where the winner fits, none does, or `fastest_tactics` is on.
 fn within_room(ctx: &BuildCtx, candidates: &[Box<dyn Layer>], ran: &[(usize, f32)], winner: usize) -> Option<(usize, f32, usize)> {
     let room = ctx.workspace_budget.max(WORKSPACE_FLOOR);
-    let need = |i: usize| {
-        let c = &candidates[i];
-        let scratch: usize = c
-            .own_scratch()
-            .into_iter()
-            .filter(|d| ctx.candidate_scratch.contains(d))
-            .map(|d| ctx.value(d).bytes(ctx.config.max_batch))
-            .sum();
-        c.workspace_bytes(ctx.config.max_batch) + scratch
-    };
+    let need = |i: usize| memory_need(ctx, candidates[i].as_ref());
     if need(winner) <= room || ctx.config.fastest_tactics {
         return None;
     }
     ran.iter().filter(|&&(i, _)| need(i) <= room).min_by(|a, b| a.1.total_cmp(&b.1)).map(|&(i, ms)| (i, ms, room))
+}
+
+/// The memory a candidate needs beyond the values the node reads and writes, at the max batch: its
+/// workspace plus the scratch only it uses (a prologue's copy, a chain's intermediate).
+fn memory_need(ctx: &BuildCtx, c: &dyn Layer) -> usize {
+    let scratch: usize =
+        c.own_scratch().into_iter().filter(|d| ctx.candidate_scratch.contains(d)).map(|d| ctx.value(d).bytes(ctx.config.max_batch)).sum();
+    c.workspace_bytes(ctx.config.max_batch) + scratch
 }
 
 /// A layer kind without its batch slicing (`:by8`): the algorithm it runs.
