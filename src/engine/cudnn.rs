@@ -12,7 +12,7 @@ use crate::graph::NodeId;
 use crate::LowerKind;
 use crate::{Error, Result};
 use cudarc::cudnn::sys as dnn;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -295,6 +295,9 @@ pub struct ConvLayer {
     /// The workspace of the largest need seen: at the max batch when made, then at every batch
     /// `prepare` saw (cuDNN's need is not monotonic in the batch).
     workspace: AtomicUsize,
+    /// The need at each batch `prepare` saw, so the arena reserves the max batch's and lends a
+    /// smaller batch's larger need from its idle bytes (`plan::Workspace`).
+    by_batch: Mutex<BTreeMap<usize, usize>>,
     pad: Option<Arc<PadStep>>,
     /// Runs the batch in slices of at most this many images, so the workspace (which grows with
     /// the batch) fits the arena's room at this layer.
@@ -345,13 +348,15 @@ impl Layer for ConvLayer {
         let split = self.split.map(|n| format!(":by{n}")).unwrap_or_default();
         format!("{pad}{m}:{}{split}", algo_name(self.algo))
     }
-    fn workspace_bytes(&self, _batch: usize) -> usize {
-        self.workspace.load(Ordering::Relaxed)
+    fn workspace_bytes(&self, batch: usize) -> usize {
+        let seen = self.by_batch.lock().unwrap_or_else(|p| p.into_inner()).get(&batch).copied();
+        seen.unwrap_or_else(|| self.workspace.load(Ordering::Relaxed))
     }
     fn prepare(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let slice = self.split.unwrap_or(batch).min(batch).max(1);
         if let Some(ws) = fwd_workspace(rt.handles.cudnn, &self.shared, self.algo, slice)? {
             self.workspace.fetch_max(ws, Ordering::Relaxed);
+            self.by_batch.lock().unwrap_or_else(|p| p.into_inner()).insert(batch, ws);
         }
         Ok(())
     }
@@ -569,7 +574,8 @@ fn fwd_layers(ctx: &BuildCtx, shared: &Arc<ConvShared>, pad: Option<Arc<PadStep>
     let strict = ctx.precision() == Precision::Fp32;
     let room = ctx.workspace_budget.max(super::tactic::WORKSPACE_FLOOR);
     for algo in FWD_ALGOS {
-        // Workspace sizes at the max batch bound every batch the engine runs.
+        // The max batch's workspace is what the arena's room must hold; a smaller batch that needs
+        // more (cuDNN's need is not monotonic in the batch) borrows idle bytes (`plan::Workspace`).
         let Some(ws) = fwd_workspace(ctx.gpu.handles.cudnn, shared, algo, ctx.config.max_batch)? else { continue };
         if ws > limit || (strict && !exact_algo(algo)) {
             continue;
@@ -579,10 +585,27 @@ fn fwd_layers(ctx: &BuildCtx, shared: &Arc<ConvShared>, pad: Option<Arc<PadStep>
         let mut add = |workspace: usize, split: Option<usize>| {
             if fused_ok {
                 let workspace = AtomicUsize::new(workspace);
-                out.push(Box::new(ConvLayer { shared: shared.clone(), algo, mode: Mode::Fused, workspace, pad: pad.clone(), split }));
+                let by_batch = Mutex::default();
+                out.push(Box::new(ConvLayer {
+                    shared: shared.clone(),
+                    algo,
+                    mode: Mode::Fused,
+                    workspace,
+                    by_batch,
+                    pad: pad.clone(),
+                    split,
+                }));
             }
-            let workspace = AtomicUsize::new(workspace);
-            out.push(Box::new(ConvLayer { shared: shared.clone(), algo, mode: Mode::Separate, workspace, pad: pad.clone(), split }));
+            let (workspace, by_batch) = (AtomicUsize::new(workspace), Mutex::default());
+            out.push(Box::new(ConvLayer {
+                shared: shared.clone(),
+                algo,
+                mode: Mode::Separate,
+                workspace,
+                by_batch,
+                pad: pad.clone(),
+                split,
+            }));
         };
         add(ws, None);
         // A workspace that outgrows the arena's room at this layer also runs in batch slices
