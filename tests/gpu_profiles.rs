@@ -122,10 +122,22 @@ fn resnet18_runs_non_square_shapes_and_saved_engines_keep_their_profiles() {
             let want = kiln::run_cpu(&at, &[("input", &x)]).expect("cpu");
             let got = ctx.run(&[("input", &x)]).unwrap_or_else(|e| panic!("{label}: {e}"));
             check(&label, &got, &want, tol);
-            let top = |t: &HostTensor| -> Vec<usize> {
-                t.data.chunks(t.shape[1]).map(|r| (0..r.len()).max_by(|&a, &b| r[a].total_cmp(&r[b])).unwrap_or(0)).collect()
-            };
-            assert_eq!(top(&got["logits"]), top(&want["logits"]), "{label}: top-1");
+            // Seeded random weights give near ties: an image whose reference top-2 gap is inside
+            // twice the engine's max abs error may swap them, which no tolerance rules out.
+            let (g, w) = (&got["logits"], &want["logits"]);
+            let max_abs = g.data.iter().zip(&w.data).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            for (i, (gr, wr)) in g.data.chunks(g.shape[1]).zip(w.data.chunks(w.shape[1])).enumerate() {
+                let top = |r: &[f32]| (0..r.len()).max_by(|&a, &b| r[a].total_cmp(&r[b])).unwrap_or(0);
+                let (gt, wt) = (top(gr), top(wr));
+                let mut sorted = wr.to_vec();
+                sorted.sort_by(|a, b| b.total_cmp(a));
+                let gap = sorted[0] - sorted[1];
+                if gt != wt && gap <= 2.0 * max_abs {
+                    println!("  {label} image {i}: top-1 {gt} against {wt}, a near tie (gap {gap:.2e}, max abs error {max_abs:.2e})");
+                    continue;
+                }
+                assert_eq!(gt, wt, "{label} image {i}: top-1 (reference gap {gap:.2e}, max abs error {max_abs:.2e})");
+            }
             let from_file = loaded_ctx.run(&[("input", &x)]).unwrap_or_else(|e| panic!("{label} (loaded): {e}"));
             let (rel, _) = rel_l2(&from_file["logits"].data, &got["logits"].data);
             println!("  {label}: the loaded engine differs from the built one by rel L2 {rel:.2e}");
