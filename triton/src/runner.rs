@@ -49,19 +49,13 @@ pub trait Runner: Send {
     fn finish(&mut self) -> Result<u64>;
 }
 
-/// Copies each member's buffers of input `index` (model order) to `base`, one image after
-/// another: `per_image` bytes an image.
+/// Copies each member's buffers of input `index` (model order) to host memory at `base`, one
+/// image after another: `per_image` bytes an image (the CPU executor's batch).
 ///
 /// # Safety
 /// `base` holds `total * per_image` bytes (writable); members' buffers are alive and checked to
 /// hold their batch's bytes.
-unsafe fn gather(
-    base: Place,
-    members: &[Member],
-    index: usize,
-    per_image: usize,
-    stream: Option<cudarc::driver::sys::CUstream>,
-) -> Result<()> {
+unsafe fn gather(base: Place, members: &[Member], index: usize, per_image: usize) -> Result<()> {
     for m in members {
         let input = &m.data.inputs[m.checked.inputs[index]];
         let mut at = base.ptr + (m.offset * per_image) as u64;
@@ -69,7 +63,7 @@ unsafe fn gather(
             let src = Place { ptr: b.ptr as u64, memory: b.memory, device: b.device };
             // SAFETY: the request's buffers hold exactly `batch * per_image` bytes in all (checked),
             // which land inside the member's part of `base` (the caller's contract).
-            unsafe { copy(Place { ptr: at, ..base }, src, b.len, stream) }?;
+            unsafe { copy(Place { ptr: at, ..base }, src, b.len, None) }?;
             at += b.len as u64;
         }
     }
@@ -116,13 +110,13 @@ impl Runner for CpuRunner {
                 ElemType::F32 => {
                     let mut data = vec![0f32; total * per_image];
                     // SAFETY: `data` holds `total` images of f32; the members' buffers were checked.
-                    unsafe { gather(Place::host(data.as_mut_ptr().cast()), members, index, per_image * 4, None) }?;
+                    unsafe { gather(Place::host(data.as_mut_ptr().cast()), members, index, per_image * 4) }?;
                     Gathered::F32(HostTensor::new(shape, data))
                 }
                 ElemType::U8 => {
                     let mut data = vec![0u8; total * per_image];
                     // SAFETY: as above, one byte an element.
-                    unsafe { gather(Place::host(data.as_mut_ptr()), members, index, per_image, None) }?;
+                    unsafe { gather(Place::host(data.as_mut_ptr()), members, index, per_image) }?;
                     Gathered::U8(ByteTensor::new(shape, data).map_err(BackendError::kiln("gathering a batch"))?)
                 }
             };
@@ -255,7 +249,14 @@ impl GpuRunner {
             let lens: Vec<Vec<usize>> = buffers.iter().map(|bs| bs.iter().map(|b| b.len).collect()).collect();
             let parts: Vec<Part> =
                 members.iter().zip(&lens).map(|(m, lens)| Part { offset: m.offset, batch: m.checked.batch, buffers: lens }).collect();
-            let segments = plan_input(&parts, per_image, room).map_err(|e| match e {
+            // The batch's part of the binding, which is also the size of its staging region.
+            let bytes = checked_bytes(total, per_image)?;
+            if bytes > room {
+                return Err(BackendError::Request {
+                    reason: format!("batch {total} ({bytes} bytes) does not fit the binding of `{}` ({room} bytes)", b.name),
+                });
+            }
+            let segments = plan_input(&parts, per_image, bytes).map_err(|e| match e {
                 BackendError::Request { reason } => BackendError::Input { name: b.name.clone(), reason },
                 other => other,
             })?;
@@ -269,7 +270,7 @@ impl GpuRunner {
                 }
             }
             let host = spans(&segments, |s| buffers[s.member][s.buffer].memory == memory::CPU);
-            let staged = if host.is_empty() { 0 } else { checked_bytes(total, per_image)? };
+            let staged = if host.is_empty() { 0 } else { bytes };
             inputs.push((base, segments, host, buffers, staged));
         }
         let mut outputs = Vec::new();
@@ -293,12 +294,12 @@ impl GpuRunner {
                 if src.memory == memory::CPU {
                     // SAFETY: the request's buffer holds `s.len` bytes (checked against its shape);
                     // the staging region for this input holds `total * per_image` bytes, and
-                    // `s.at + s.len` lies within them (`plan_input`).
+                    // `s.at + s.len` lies within them (`plan_input` was given that bound).
                     unsafe { std::ptr::copy_nonoverlapping(src.ptr, (staging as usize + at + s.at) as *mut u8, s.len) };
                 } else {
                     let from = Place { ptr: src.ptr as u64, memory: src.memory, device: src.device };
-                    // SAFETY: `s.at + s.len` lies within the binding (`plan_input` checked it against
-                    // its size); the request buffer stays alive until `finish` (or the failure path
+                    // SAFETY: `s.at + s.len` lies within the batch's part of the binding (`plan_input`
+                    // checked it); the request buffer stays alive until `finish` (or the failure path
                     // of `run`) has waited for the stream.
                     unsafe { copy_async(self.on_gpu(base + s.at as u64), from, s.len, own, stream) }?;
                 }
@@ -345,12 +346,12 @@ impl GpuRunner {
     }
 }
 
-/// The per-image dims of binding `name` among `list`.
+/// The per-image dims of input binding `name` among `list`.
 fn binding_dims<'a>(list: &[(&str, &'a [usize])], name: &str) -> Result<&'a [usize]> {
     list.iter()
         .find(|(n, _)| *n == name)
         .map(|(_, d)| *d)
-        .ok_or_else(|| BackendError::Output { name: name.into(), reason: "is not a binding of the engine".into() })
+        .ok_or_else(|| BackendError::Input { name: name.into(), reason: "is not an input binding of the engine".into() })
 }
 
 /// `images * per_image` bytes, or a request error when that overflows.
