@@ -163,10 +163,12 @@ impl Runner for CpuRunner {
 
 /// An engine's execution context on the instance's GPU. A batch costs one wait: the requests'
 /// inputs are copied straight into the engine's input bindings on the context's stream (device to
-/// device on the GPU; peer copies from another GPU; host inputs through the context's page-locked
-/// staging memory with one host-to-device copy for all), the engine runs, each response's outputs
-/// are copied from the output bindings (straight into GPU buffers; host buffers from one
-/// device-to-host copy of each output), and the thread sleeps until the stream is done.
+/// device on the GPU; peer copies from another GPU; page-locked host buffers directly; pageable
+/// host inputs through the context's page-locked staging memory with one host-to-device copy for
+/// all), the engine runs, each response's outputs are copied from the output bindings (straight
+/// into GPU and page-locked buffers; pageable host buffers from one device-to-host copy of each
+/// output into staging, split after the wait: a copy to pageable memory would make the driver
+/// stage it and return only when done), and the thread sleeps until the stream is done.
 pub struct GpuRunner {
     ctx: ExecutionContext,
     device: usize,
@@ -400,7 +402,8 @@ impl Runner for GpuRunner {
         if dst.len < range.len() {
             return Err(BackendError::Output { name: name.into(), reason: format!("Triton gave {} bytes for {}", dst.len, range.len()) });
         }
-        if dst.place.is_gpu() {
+        if dst.place.is_gpu() || dst.place.memory == memory::CPU_PINNED {
+            // GPU memory (on any GPU), or page-locked host memory: a copy on the stream, no staging.
             let src = Place { ptr: o.binding + range.start as u64, memory: memory::GPU, device: own };
             // SAFETY: the range lies within the batch's images of the binding; `dst` holds at least
             // as many bytes (checked) and stays alive until `finish` has waited for the stream.
