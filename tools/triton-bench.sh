@@ -4,19 +4,29 @@
 #
 #   cargo build --release --bin kiln && cargo build --release -p kiln-triton --lib
 #   tools/triton-bench.sh --fetch-wheels shared/wheels      # here (the device has no registry)
-#   tools/triton-bench.sh one|two|yolo|all                   # there; results under $OUT
+#   tools/triton-bench.sh build|one|two|yolo|all             # there; results under $OUT
 #
-# Each part takes about 3 to 6 minutes (engine builds, perf_analyzer's windows): give the device one
-# call per part (`one` and `yolo` on an H100/H200, `two` on a two-GPU machine).
+# Each part takes about 3 to 7 minutes (engine builds, perf_analyzer's windows): give the device one
+# call per part (`one` and `yolo` on an H100/H200, `two` on a two-GPU machine). With ENGINE_DIR on a
+# folder the machine keeps between calls (e.g. target/triton-bench), `build` makes the engine and its
+# `kiln bench` once, and `one` and `two` reuse both.
 #
-#   one   ResNet-50 FP16 engine (batch 1..128): `kiln bench` at batch 1..128, then Triton with
-#         KIND_GPU on GPU 0 (2 instances, dynamic batching), perf_analyzer (gRPC, batch-1 requests) at
-#         concurrency 1, 8, 32, 128, plus 32 with inputs and outputs in CUDA shared memory (GPU-resident)
-#         and in system shared memory; 16 answers saved for `two`.
-#   two   the same engine on GPUs 0 and 1 (one instance group, gpus [0, 1]), perf_analyzer at 32, 128
-#         and 256, throughput against one GPU's; every answer of GPU 1 alone, and of both GPUs under
-#         load, compared bit for bit with GPU 0's (with `one`'s results when it ran in the same $OUT on
-#         this machine, else its own one-GPU baseline at 128 first).
+#   build ResNet-50 FP16 engine (batch 1..$MAX_BATCH, opt $MAX_BATCH) and `kiln bench` on it, both kept in
+#         $ENGINE_DIR (`one` and `two` do this first when they find neither).
+#   one   ResNet-50 FP16 engine (batch 1..$MAX_BATCH, opt $MAX_BATCH): `kiln bench` at batch 1..$MAX_BATCH (CUDA
+#         graphs, as the backend runs it), then Triton with KIND_GPU on GPU 0 ($INSTANCES instances, dynamic
+#         batching) and perf_analyzer: gRPC payloads with batch-1 requests at concurrency 1, 8, 32, 128
+#         (600 KB of FP32 pixels a request through gRPC); inputs and outputs in CUDA shared memory
+#         (GPU-resident) with batch-1 requests at 32 and 256, and with batch-$REQ_BATCH requests at 32 and 64
+#         (512 and 1024 images in flight: what lets the batcher form the engine's best batch). Each run
+#         also reports the batch Triton formed on average (its statistics); 16 answers saved for `two`.
+#   two   the same engine on GPUs 0 and 1 (one instance group, gpus [0, 1]): gRPC at 128 and 256, CUDA
+#         shared memory with batch-1 requests at 256 and 512 and batch-$REQ_BATCH requests at 64 and 128,
+#         throughput against one GPU's (its own one-GPU baseline first, on this machine, unless `one`
+#         ran in the same $OUT); every answer of GPU 1 alone, and of both GPUs under load, compared
+#         bit for bit with GPU 0's. perf_analyzer puts its CUDA shared memory on GPU 0: GPU 1's
+#         instances read the inputs and write the outputs there by peer copies (the server log names
+#         the GPUs each instance reaches directly).
 #   yolo  YOLOv8n FP16 on decoded 720x1280 frames (u8), letterbox and NMS inside the engine, built by
 #         the backend on first load from a graph file (and cached), perf_analyzer at 1, 8, 32, and
 #         `kiln bench` on the engine the backend built.
@@ -24,7 +34,9 @@
 # Environment: KILN, BACKEND (default: target/release/{kiln,libtriton_kiln.so}); repositories come from `kiln triton-repo`;
 # KILN_LD (where CUDA 13 and cuDNN 9 are), OUT (default ./triton-bench-out), KILN_TRITON_WHEELS (default shared/wheels): the
 # nvidia-pytriton 0.7.0 wheel (the server) and tritonclient 2.51.0's manylinux1 wheel (perf_analyzer);
-# without them the registry is asked. INSTANCES (default 2 per GPU), DELAY_US (queue delay, default 200).
+# without them the registry is asked. INSTANCES (default 2 per GPU), DELAY_US (queue delay, default 200),
+# MAX_BATCH (the engine's max and opt batch, default 256), REQ_BATCH (images a batched request, default 16),
+# ENGINE_DIR (where the engine is built and reused, default $OUT; a folder kept between calls saves the build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -32,6 +44,9 @@ OUT=${OUT:-$ROOT/triton-bench-out}
 WHEELS=${KILN_TRITON_WHEELS:-$ROOT/shared/wheels}
 INSTANCES=${INSTANCES:-2}
 DELAY_US=${DELAY_US:-200}
+MAX_BATCH=${MAX_BATCH:-256}
+REQ_BATCH=${REQ_BATCH:-16}
+ENGINE_DIR=${ENGINE_DIR:-$OUT}
 KILN=${KILN:-$ROOT/target/release/kiln}
 BACKEND=${BACKEND:-$ROOT/target/release/libtriton_kiln.so}
 # Kiln (in the server and in `kiln bench`) loads CUDA 13's cuBLASLt and NVRTC and cuDNN 9 at run time;
@@ -116,35 +131,61 @@ start_server() { # repo log
   say "tritonserver not ready after 600 s; see $2"
   exit 1
 }
-perf() { # model concurrency csv [extra perf_analyzer flags...]
-  local model=$1 c=$2 csv=$3
-  shift 3
-  say "perf_analyzer $model concurrency $c $*"
+perf() { # model request-batch concurrency csv [extra perf_analyzer flags...]
+  local model=$1 b=$2 c=$3 csv=$4
+  shift 4
+  say "perf_analyzer $model batch-$b requests, concurrency $c $*"
+  curl -s "http://127.0.0.1:$HTTP/v2/models/$model/stats" >"$WORK/stats_before.json" || true
   # Three 4 s windows within 20% of each other (p99 latency), at most 8 tries; no CSV when unstable.
-  timeout 240 "$PERF" -m "$model" -u "127.0.0.1:$GRPC" -i grpc -b 1 --concurrency-range "$c:$c" \
+  timeout 240 "$PERF" -m "$model" -u "127.0.0.1:$GRPC" -i grpc -b "$b" --concurrency-range "$c:$c" \
     --measurement-interval 4000 --max-trials 8 --stability-percentage 20 --percentile 99 -f "$csv" "$@" 2>&1 |
     tail -n 12 | tee -a "$OUT/log.txt" || true
+  curl -s "http://127.0.0.1:$HTTP/v2/models/$model/stats" >"$WORK/stats_after.json" || true
+  # The batches Triton formed over the whole run (warm-up included), beside the CSV.
+  $CLIENT batches "$WORK/stats_before.json" "$WORK/stats_after.json" --out "${csv%.csv}.batches.json" | tee -a "$OUT/log.txt" || true
   [[ -f "$csv" ]] || say "no stable measurement for $model at concurrency $c $*"
+}
+shm() { # request-batch: perf_analyzer's flags for inputs and outputs in CUDA shared memory (ResNet-50's 1000 logits)
+  echo "--shared-memory=cuda --output-shared-memory-size=$((4000 * $1))"
 }
 metrics() { curl -s "http://127.0.0.1:$METRICS/metrics" >"$1"; }
 
-ENGINE=$OUT/resnet50_fp16_b128.kiln
+mkdir -p "$ENGINE_DIR"
+ENGINE=$ENGINE_DIR/resnet50_fp16_b$MAX_BATCH.kiln
+BENCH_BATCHES=$(python3 -c "import sys; m=int(sys.argv[1]); print(','.join(str(b) for b in [1,8,16,32,64,128,256,512] if b < m) + f',{m}')" "$MAX_BATCH")
+# `kiln bench` on the engine, once per engine: kept beside it in $ENGINE_DIR and copied to $OUT.
+kiln_bench() {
+  local json=$ENGINE_DIR/kiln_bench_resnet50_b$MAX_BATCH.json
+  if [[ ! -f "$json" || "$ENGINE" -nt "$json" ]]; then
+    say "kiln bench on the same engine, batch $BENCH_BATCHES (CUDA graphs, as the backend runs it)"
+    "$KILN" bench --loadEngine "$ENGINE" --batch "$BENCH_BATCHES" --cuda-graphs-only --json "$json" 2>&1 | tee -a "$OUT/log.txt"
+  else
+    say "kiln bench of this engine from $json"
+  fi
+  [[ "$json" -ef "$OUT/kiln_bench_resnet50.json" ]] || cp "$json" "$OUT/kiln_bench_resnet50.json"
+}
+
 one_gpu() {
   build_engine
-  say "kiln bench on the same engine"
-  "$KILN" bench --loadEngine "$ENGINE" --batch 1,8,32,64,128 --json "$OUT/kiln_bench_resnet50.json" 2>&1 | tee -a "$OUT/log.txt"
+  kiln_bench
   "$KILN" triton-repo "$ENGINE" -o "$WORK/repo1" --name resnet50 --count "$INSTANCES" --gpus 0 --max-queue-delay-us "$DELAY_US" \
     --backend-directory "$WORK/backends"
   cp "$WORK/repo1/resnet50/config.pbtxt" "$OUT/one_gpu_config.pbtxt"
   start_server "$WORK/repo1" "$OUT/server_one_gpu.log"
   mkdir -p "$OUT/one_gpu"
-  for c in 1 8 32 128; do perf resnet50 $c "$OUT/one_gpu/c$(printf %03d $c).csv"; done
+  for c in 1 8 32 128; do perf resnet50 1 $c "$OUT/one_gpu/c$(printf %03d $c)_b1_grpc.csv"; done
   # Inputs already on the GPU (CUDA shared memory): what the server and the backend cost, without
-  # 600 KB of FP32 pixels a request through gRPC (which caps the runs above at a few GB/s).
-  for c in 32 128 256; do
-    perf resnet50 $c "$OUT/one_gpu/c$(printf %03d $c)_cuda_shm.csv" --shared-memory=cuda --output-shared-memory-size=4000
+  # 600 KB of FP32 pixels a request through gRPC (which caps the runs above at a few GB/s). Batch-1
+  # requests at concurrency 32 can never form a batch over 32; batched requests can form the
+  # engine's best.
+  for c in 32 256; do
+    # shellcheck disable=SC2046
+    perf resnet50 1 $c "$OUT/one_gpu/c$(printf %03d $c)_b1_cuda_shm.csv" $(shm 1)
   done
-  perf resnet50 32 "$OUT/one_gpu/c032_system_shm.csv" --shared-memory=system --output-shared-memory-size=4000
+  for c in 32 64; do
+    # shellcheck disable=SC2046
+    perf resnet50 "$REQ_BATCH" $c "$OUT/one_gpu/c$(printf %03d $c)_b${REQ_BATCH}_cuda_shm.csv" $(shm "$REQ_BATCH")
+  done
   $CLIENT outputs --url 127.0.0.1:$HTTP --model resnet50 --shape 1x3x224x224 --count 16 --out "$OUT/answers_gpu0.json"
   metrics "$OUT/metrics_one_gpu.txt"
   stop_server
@@ -154,20 +195,25 @@ one_gpu() {
 
 build_engine() {
   if [[ ! -f "$ENGINE" ]]; then
-    say "kiln build resnet50 --fp16, batch 1..128"
-    "$KILN" build resnet50 --fp16 --min-batch 1 --opt-batch 128 --max-batch 128 -o "$ENGINE" 2>&1 | tail -n 3 | tee -a "$OUT/log.txt"
+    say "kiln build resnet50 --fp16, batch 1..$MAX_BATCH (opt $MAX_BATCH)"
+    "$KILN" build resnet50 --fp16 --min-batch 1 --opt-batch "$MAX_BATCH" --max-batch "$MAX_BATCH" -o "$ENGINE" 2>&1 | tail -n 3 | tee -a "$OUT/log.txt"
   fi
 }
 
 two_gpus() {
   build_engine
-  if [[ ! -f "$OUT/one_gpu/c128.csv" || ! -f "$OUT/one_gpu/c256_cuda_shm.csv" || ! -f "$OUT/answers_gpu0.json" ]]; then
+  kiln_bench
+  local b1=$OUT/one_gpu/c128_b1_grpc.csv s1=$OUT/one_gpu/c256_b1_cuda_shm.csv sb=$OUT/one_gpu/c064_b${REQ_BATCH}_cuda_shm.csv
+  if [[ ! -f "$b1" || ! -f "$s1" || ! -f "$sb" || ! -f "$OUT/answers_gpu0.json" ]]; then
     # The one-GPU baseline on this machine, when `one` did not run here.
     "$KILN" triton-repo "$ENGINE" -o "$WORK/repo1" --name resnet50 --count "$INSTANCES" --gpus 0 --max-queue-delay-us "$DELAY_US"
     start_server "$WORK/repo1" "$OUT/server_one_gpu_baseline.log"
     mkdir -p "$OUT/one_gpu"
-    perf resnet50 128 "$OUT/one_gpu/c128.csv"
-    perf resnet50 256 "$OUT/one_gpu/c256_cuda_shm.csv" --shared-memory=cuda --output-shared-memory-size=4000
+    perf resnet50 1 128 "$b1"
+    # shellcheck disable=SC2046
+    perf resnet50 1 256 "$s1" $(shm 1)
+    # shellcheck disable=SC2046
+    perf resnet50 "$REQ_BATCH" 64 "$sb" $(shm "$REQ_BATCH")
     $CLIENT outputs --url 127.0.0.1:$HTTP --model resnet50 --shape 1x3x224x224 --count 16 --out "$OUT/answers_gpu0.json"
     stop_server
   fi
@@ -175,10 +221,18 @@ two_gpus() {
   "$KILN" triton-repo "$ENGINE" -o "$WORK/repo2" --name resnet50_gpu1 --count 1 --gpus 1
   cp "$WORK/repo2/resnet50/config.pbtxt" "$OUT/two_gpu_config.pbtxt"
   start_server "$WORK/repo2" "$OUT/server_two_gpus.log"
+  say "perf_analyzer's CUDA shared memory lives on GPU 0; GPU 1's instances copy from and to it by peer copies:"
+  grep -h "peer access" "$OUT/server_two_gpus.log" | sed 's/^/    /' | tee -a "$OUT/log.txt" ||
+    say "no instance reports peer access: GPU 1's copies from GPU 0 are staged by the driver (slow)"
   mkdir -p "$OUT/two_gpus"
-  for c in 32 128 256; do perf resnet50 $c "$OUT/two_gpus/c$(printf %03d $c).csv"; done
+  for c in 128 256; do perf resnet50 1 $c "$OUT/two_gpus/c$(printf %03d $c)_b1_grpc.csv"; done
   for c in 256 512; do
-    perf resnet50 $c "$OUT/two_gpus/c$(printf %03d $c)_cuda_shm.csv" --shared-memory=cuda --output-shared-memory-size=4000
+    # shellcheck disable=SC2046
+    perf resnet50 1 $c "$OUT/two_gpus/c$(printf %03d $c)_b1_cuda_shm.csv" $(shm 1)
+  done
+  for c in 64 128; do
+    # shellcheck disable=SC2046
+    perf resnet50 "$REQ_BATCH" $c "$OUT/two_gpus/c$(printf %03d $c)_b${REQ_BATCH}_cuda_shm.csv" $(shm "$REQ_BATCH")
   done
   $CLIENT outputs --url 127.0.0.1:$HTTP --model resnet50_gpu1 --shape 1x3x224x224 --count 16 --out "$OUT/answers_gpu1.json"
   $CLIENT outputs --url 127.0.0.1:$HTTP --model resnet50 --shape 1x3x224x224 --count 16 --concurrency 16 --out "$OUT/answers_two_gpus.json"
@@ -192,25 +246,8 @@ two_gpus() {
   } | tee "$OUT/two_gpus_outputs.txt"
   $CLIENT summary --dir "$OUT/two_gpus" --kiln-bench "$OUT/kiln_bench_resnet50.json" \
     --title "ResNet-50 FP16, Triton on two GPUs (instance group gpus [0, 1], $INSTANCES instances each)" --append "$OUT/summary.md"
-  python3 - "$OUT" <<'PY' | tee -a "$OUT/summary.md"
-import csv, sys, os
-out = sys.argv[1]
-def tput(path):
-    if not os.path.exists(path):
-        return float("nan")
-    rows = list(csv.DictReader(open(path)))
-    return float(rows[-1]["Inferences/Second"]) if rows else float("nan")
-one = tput(os.path.join(out, "one_gpu", "c128.csv"))
-for c in (128, 256):
-    two = tput(os.path.join(out, "two_gpus", f"c{c:03d}.csv"))
-    print(f"- gRPC payloads, two GPUs at concurrency {c}: {two:.0f} images/s = {two / one:.2f}x one GPU's {one:.0f} at 128")
-one_shm = tput(os.path.join(out, "one_gpu", "c256_cuda_shm.csv"))
-for c in (256, 512):
-    two = tput(os.path.join(out, "two_gpus", f"c{c:03d}_cuda_shm.csv"))
-    print(f"- inputs in CUDA shared memory, two GPUs at concurrency {c}: {two:.0f} images/s = {two / one_shm:.2f}x one GPU's {one_shm:.0f} at 256 (target >= 1.8x)")
-print()
-PY
-  cat "$OUT/two_gpus_outputs.txt" | sed 's/^/    /' >>"$OUT/summary.md"
+  $CLIENT ratios --one "$OUT/one_gpu" --two "$OUT/two_gpus" --req-batch "$REQ_BATCH" | tee -a "$OUT/summary.md"
+  sed 's/^/    /' "$OUT/two_gpus_outputs.txt" >>"$OUT/summary.md"
 }
 
 yolo() {
@@ -221,7 +258,7 @@ yolo() {
   start_server "$WORK/repo3" "$OUT/server_yolo.log"
   say "yolov8n loaded (engine built by the backend) in $((SECONDS - t0)) s"
   mkdir -p "$OUT/yolo"
-  for c in 1 8 32; do perf yolov8n $c "$OUT/yolo/c$(printf %03d $c).csv"; done
+  for c in 1 8 32; do perf yolov8n 1 $c "$OUT/yolo/c$(printf %03d $c)_b1_grpc.csv"; done
   $CLIENT outputs --url 127.0.0.1:$HTTP --model yolov8n --input frame --shape 1x720x3840 --dtype UINT8 --count 2 --out "$OUT/answers_yolo.json"
   stop_server
   local cached
@@ -233,10 +270,11 @@ yolo() {
 }
 
 case "$WHAT" in
+  build) build_engine; kiln_bench ;;
   one) one_gpu ;;
   two) two_gpus ;;
   yolo) yolo ;;
   all) one_gpu; two_gpus; yolo ;;
-  *) echo "usage: $0 one|two|yolo|all  |  $0 --fetch-wheels DIR"; exit 2 ;;
+  *) echo "usage: $0 build|one|two|yolo|all  |  $0 --fetch-wheels DIR"; exit 2 ;;
 esac
 say "results in $OUT (summary.md)"

@@ -391,6 +391,18 @@ impl ExecutionContext {
         Ok(self.staging.as_mut().expect("set above"))
     }
 
+    /// This context's page-locked host memory, grown to at least `bytes` (zeroed when grown): the
+    /// buffer [`ExecutionContext::run`] stages through, lent to callers that enqueue their own
+    /// copies on [`ExecutionContext::stream`] (a server gathering many requests into the bindings,
+    /// one host-to-device copy for all). Growing waits for the stream first and allocates as
+    /// `run` does; the memory stays where it is until a later call (this or `run`) needs more.
+    /// Wait for the stream before writing what a copy still reads, or reading what it writes.
+    pub fn staging(&mut self, bytes: usize) -> Result<&mut [u8]> {
+        let staging = self.staging_of(bytes)?;
+        let len = staging.len;
+        Ok(staging.bytes_mut(0, len))
+    }
+
     /// Asynchronous run from device memory on the context's stream: copies each input (`batch`
     /// images of the current plan's dims at a device address, f32 values, or bytes for an input
     /// declared u8) into the bindings, runs,

@@ -111,8 +111,9 @@ fn run_batch(api: &Api, model: &LoadedModel, runner: &mut dyn Runner, slots: &mu
     }
     let dims = members[0].checked.dims.clone();
     let compute_start = now_ns();
+    // On a GPU this only enqueues the batch: the responses' buffers are asked for below while it
+    // runs, their copies queue behind it, and `finish` waits once for all of it.
     runner.run(model, &dims, &members, offset)?;
-    let compute_end = now_ns();
     drop(members);
 
     let (memory, device) = runner.preferred();
@@ -162,7 +163,7 @@ fn run_batch(api: &Api, model: &LoadedModel, runner: &mut dyn Runner, slots: &mu
         }
         offset += batch;
     }
-    runner.finish()?;
+    let compute_end = runner.finish()?;
     let exec_end = now_ns();
     for &i in run {
         slots[i].times = [exec_start, compute_start, compute_end, exec_end];

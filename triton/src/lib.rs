@@ -21,6 +21,7 @@ mod copy;
 pub mod error;
 mod execute;
 pub mod ffi;
+mod gather;
 mod kiln_api;
 pub mod model;
 pub mod repository;
@@ -215,7 +216,14 @@ pub unsafe extern "C" fn TRITONBACKEND_ModelInstanceInitialize(instance: *mut ff
                     .map_err(|_| BackendError::Unsupported { what: format!("GPU id {device}"), reason: "not a device ordinal".into() })?;
                 let say = |m: &str| log(api, ffi::log_level::INFO, &format!("kiln backend: {m}"));
                 let engine = loaded.engine(ordinal, &say)?;
-                Box::new(GpuRunner::new(engine, ordinal)?)
+                let runner = GpuRunner::new(engine, ordinal)?;
+                if !runner.peers().is_empty() {
+                    say(&format!(
+                        "instance `{name}` on GPU {device} copies requests held on GPU(s) {:?} directly (peer access)",
+                        runner.peers()
+                    ));
+                }
+                Box::new(runner)
             }
             other => {
                 let kind = match other {

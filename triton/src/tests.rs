@@ -220,6 +220,24 @@ fn a_version_folder_with_no_or_two_model_files_is_refused() {
 #[test]
 #[ignore = "needs a GPU"]
 fn the_gpu_runner_matches_the_cpu_executor_from_host_and_device_memory() {
+    gpu_runner_case("gpu", 0, 0);
+}
+
+/// On a two-GPU device: an instance on GPU 1 serves requests whose input and output buffers live
+/// on GPU 0 (where perf_analyzer's CUDA shared memory sits): peer copies both ways.
+#[test]
+#[ignore = "needs two GPUs"]
+fn an_instance_on_gpu_1_reads_and_writes_buffers_on_gpu_0() {
+    if crate::kiln_api::gpu_available().is_ok() && cudarc::driver::CudaContext::device_count().unwrap_or(0) < 2 {
+        eprintln!("skipped: one GPU");
+        return;
+    }
+    gpu_runner_case("peer", 1, 0);
+}
+
+/// Runs the tiny model on GPU `on` with request 0 in host memory and request 1 (input and output)
+/// in device memory of GPU `data`, against the CPU executor.
+fn gpu_runner_case(name: &str, on: usize, data: usize) {
     use crate::kiln_api::{gpu_available, Precision};
     use crate::runner::GpuRunner;
     use cudarc::driver::result as drv;
@@ -227,7 +245,7 @@ fn the_gpu_runner_matches_the_cpu_executor_from_host_and_device_memory() {
         eprintln!("skipped: {reason}");
         return;
     }
-    let out = temp_dir("gpu");
+    let out = temp_dir(name);
     let profile = ProfileShapes {
         min: BTreeMap::from([("input".into(), vec![3, 4, 4])]),
         opt: None,
@@ -244,12 +262,16 @@ fn the_gpu_runner_matches_the_cpu_executor_from_host_and_device_memory() {
     let w = write_repository(&ModelSource::Graph { graph: Box::new(tiny()), metadata: BTreeMap::new() }, &out, &options).unwrap();
     let logged = std::sync::Mutex::new(Vec::<String>::new());
     let log = |m: &str| logged.lock().unwrap().push(m.to_string());
-    let engine = load_written(&w).unwrap().engine(0, &log).unwrap();
+    let engine = load_written(&w).unwrap().engine(on, &log).unwrap();
     drop(engine);
     let model = load_written(&w).unwrap();
-    let engine = model.engine(0, &log).unwrap();
+    let engine = model.engine(on, &log).unwrap();
     assert!(logged.lock().unwrap().iter().any(|m| m.contains("loaded the cached engine")), "{:?}", logged.lock().unwrap());
-    let mut runner = GpuRunner::new(engine.clone(), 0).unwrap();
+    let mut runner = GpuRunner::new(engine.clone(), on).unwrap();
+    if on != data {
+        assert!(runner.peers().contains(&data), "GPU {on} has no peer access to GPU {data}: {:?}", runner.peers());
+    }
+    let data_ctx = cudarc::driver::CudaContext::new(data).unwrap();
     for dims in [[3usize, 8, 8], [3, 12, 16]] {
         let per_image: usize = dims.iter().product();
         let x: Vec<f32> = (0..3 * per_image).map(|i| ((i * 37) % 101) as f32 / 10.0 - 4.0).collect();
@@ -261,13 +283,15 @@ fn the_gpu_runner_matches_the_cpu_executor_from_host_and_device_memory() {
         // Request 0 (one image) from the host; request 1 (two images) from device memory.
         let a = f32_bytes(&x[..per_image]);
         let b = f32_bytes(&x[per_image..]);
-        engine.gpu().ctx.bind_to_thread().unwrap();
+        data_ctx.bind_to_thread().unwrap();
         // SAFETY: a fresh allocation of b's size, filled from `b` and freed at the end of the loop.
         let dev_in = unsafe { drv::malloc_sync(b.len()) }.unwrap();
         // SAFETY: `dev_in` holds `b.len()` bytes.
         unsafe { drv::memcpy_htod_sync(dev_in, &b) }.unwrap();
+        // SAFETY: freed below, after the copy back.
+        let dev_out = unsafe { drv::malloc_sync(24) }.unwrap();
         let mut on_device = request("input", datatype::FP32, 2, &dims, &b);
-        on_device.inputs[0].buffers = vec![Buffer { ptr: dev_in as *const u8, len: b.len(), memory: memory::GPU, device: 0 }];
+        on_device.inputs[0].buffers = vec![Buffer { ptr: dev_in as *const u8, len: b.len(), memory: memory::GPU, device: data as i64 }];
         let reqs = [request("input", datatype::FP32, 1, &dims, &a), on_device];
         let accepts = |d: &InputDims| model.accepts(d);
         let accepted = || model.accepted_text();
@@ -277,14 +301,18 @@ fn the_gpu_runner_matches_the_cpu_executor_from_host_and_device_memory() {
         let members =
             [Member { data: &reqs[0], checked: &checked[0], offset: 0 }, Member { data: &reqs[1], checked: &checked[1], offset: 1 }];
         runner.run(&model, &checked[0].dims, &members, 3).unwrap();
-        // Output of request 0 to the host, of request 1 to device memory.
+        assert_eq!(runner.output_dims("logits").unwrap(), vec![3]);
+        // Output of request 0 to the host, of request 1 to device memory; neither is written before `finish`.
         let mut first = [0f32; 3];
         runner.write_output("logits", 0, 1, Dest { place: Place::host(first.as_mut_ptr().cast()), len: 12 }).unwrap();
-        // SAFETY: freed below, after the copy back.
-        let dev_out = unsafe { drv::malloc_sync(24) }.unwrap();
-        runner.write_output("logits", 1, 2, Dest { place: Place { ptr: dev_out, memory: memory::GPU, device: 0 }, len: 24 }).unwrap();
+        let small = Dest { place: Place { ptr: dev_out, memory: memory::GPU, device: data as i64 }, len: 20 };
+        assert!(runner.write_output("logits", 1, 2, small).unwrap_err().to_string().contains("Triton gave 20 bytes for 24"));
+        runner
+            .write_output("logits", 1, 2, Dest { place: Place { ptr: dev_out, memory: memory::GPU, device: data as i64 }, len: 24 })
+            .unwrap();
         runner.finish().unwrap();
         let mut rest = [0f32; 6];
+        data_ctx.bind_to_thread().unwrap();
         // SAFETY: `dev_out` holds 24 bytes, written by the finished copy.
         unsafe { drv::memcpy_dtoh_sync(&mut rest, dev_out) }.unwrap();
         // SAFETY: neither allocation is used after this.
