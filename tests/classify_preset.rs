@@ -69,3 +69,21 @@ fn the_library_preset_equals_the_op() {
         assert_eq!(run_op(&frame, &Preset::for_input(size)), library, "{w}x{h} at {size}");
     }
 }
+
+/// `trace_frames` puts a classifier behind the op: on the CPU executor its logits from a u8
+/// frame equal the plain model's on kiln-vision's preset of the same pixels.
+#[test]
+fn trace_frames_puts_a_classifier_behind_the_preset() {
+    let (h, w) = (60usize, 90usize);
+    let img = RgbImage::from_fn(w as u32, h as u32, |x, y| kiln_vision::image::Rgb([(x * 3) as u8, (y * 4) as u8, ((x + y) * 2) as u8]));
+    let frame = ByteTensor { shape: vec![1, h, w * 3], data: img.as_raw().clone() };
+    let vb = kiln::VarBuilder::seeded();
+    let behind = kiln_models::trace_frames("mobilenet_v2", vb.clone(), 1, [h, w], ChannelOrder::Rgb).expect("trace_frames");
+    assert_eq!(behind.input_dtype("frame"), Some(kiln::DType::U8));
+    let got = kiln::run_cpu(&behind, &[("frame", &frame)]).expect("cpu")["logits"].clone();
+    let plain = kiln_models::trace("mobilenet_v2", vb, 1, 224).expect("trace");
+    let x = ClassifyPreset::IMAGENET.tensor(&[img]).expect("preset");
+    assert_eq!(got, kiln::run_cpu(&plain, &[("input", &x)]).expect("cpu")["logits"]);
+    let e = kiln_models::trace_frames("centernet", kiln::VarBuilder::seeded(), 1, [h, w], ChannelOrder::Rgb).expect_err("centernet");
+    assert!(e.to_string().contains("centernet takes no frames"), "{e}");
+}

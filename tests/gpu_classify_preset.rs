@@ -15,6 +15,7 @@ use common::{gpu, random, rel_l2};
 use kiln::engine::{BuildConfig, EngineBuilder, Precision};
 use kiln::{ByteTensor, DType, Tracer, VarBuilder};
 use kiln_models::classify_preset::{classify_preset, frame_input, ChannelOrder, Preset};
+use std::sync::Arc;
 
 /// Random frame bytes of `[batch, h, w * 3]`, fresh every run (`KILN_SEED` replays).
 fn frame_bytes(batch: usize, h: usize, w: usize, stream: u64) -> ByteTensor {
@@ -47,7 +48,7 @@ fn classify_preset_layer_matches_the_cpu_reference() {
         let graph = tracer.graph();
         for (precision, tol) in [(Precision::Fp32, 0.0), (Precision::Fp16, 1e-3)] {
             let config = BuildConfig::default().precision(precision).batch(1, max_batch, max_batch);
-            let engine = EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph).unwrap_or_else(|e| panic!("build: {e}"));
+            let engine = Arc::new(EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph).unwrap_or_else(|e| panic!("build: {e}")));
             assert_eq!(engine.input_dtype("frame"), Some(DType::U8));
             let mut ctx = engine.context().expect("context");
             for batch in [1, max_batch] {
@@ -77,7 +78,7 @@ fn a_classifier_behind_the_stage_matches_the_cpu_executor() {
     let want = kiln::run_cpu(&graph, &[("frame", &frame)]).expect("cpu")["logits"].clone();
     for (precision, tol) in [(Precision::Fp32, 1e-4), (Precision::Fp16, 3e-2)] {
         let config = BuildConfig::default().precision(precision);
-        let engine = EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph).unwrap_or_else(|e| panic!("build: {e}"));
+        let engine = Arc::new(EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph).unwrap_or_else(|e| panic!("build: {e}")));
         assert!(engine.layers().any(|l| l.kind().starts_with("kernel:classify_preset")), "the entry stage runs on the GPU");
         let got = engine.context().expect("context").run(&[("frame", &frame)]).expect("run")["logits"].clone();
         let (rel, max_abs) = rel_l2(&got.data, &want.data);
