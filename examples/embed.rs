@@ -6,6 +6,10 @@
 //! cargo run --release -- build resnet50 --fp16 --max-batch 8 -o rn50.kiln
 //! cargo run --release --example embed -- rn50.kiln --threads 4 --requests 256
 //! ```
+//!
+//! An engine whose input is u8 frames (a model behind its GPU entry stage, `kiln build
+//! mobilenet_v2 --frames 480x640 -o mnv2-frames.kiln`) is served the same way; its requests are
+//! random byte levels.
 
 use kiln::engine::{Engine, Gpu};
 use kiln::HostTensor;
@@ -74,8 +78,12 @@ fn main() -> Result<(), Box<dyn Error>> {
         .collect();
     let t = Instant::now();
     let (reply, answers) = channel();
+    let bytes = engine.input_dtype(name) == Some(kiln::DType::U8);
     for r in 0..requests {
-        let input = kiln::internals::seeded::uniform_tensor(&shape, r as u64);
+        let mut input = kiln::internals::seeded::uniform_tensor(&shape, r as u64);
+        if bytes {
+            input.data.iter_mut().for_each(|v| *v = ((*v + 1.0) * 127.9).floor());
+        }
         send.send(Request { input, reply: reply.clone() })?;
     }
     drop((send, reply));

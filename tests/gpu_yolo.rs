@@ -1,4 +1,4 @@
-//! YOLO on the GPU: the `yolo_nms` and `yolo_letterbox` layers against their CPU references,
+//! YOLO on the GPU: the `yolo_nms` and `yolo_letterbox` (BGR and RGB frames) layers against their CPU references,
 //! and YOLOv8n / YOLO11n engines (FP32, FP16) against the CPU executor (which matches
 //! Ultralytics to rel L2 1e-8 in `tests/yolo.rs`) and, where `KILN_REFERENCE_DIR` holds
 //! `<model>.reference.safetensors` exported on the device, against Ultralytics itself.
@@ -12,6 +12,7 @@ use kiln::engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision};
 use kiln::internals::var_builder::read_safetensors;
 use kiln::{ByteTensor, DType, Tracer, VarBuilder};
 use kiln::{Graph, HostTensor};
+use kiln_models::yolo_letterbox::ChannelOrder;
 use kiln_models::yolo_nms::{detections, nms, NmsConfig};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -123,19 +124,26 @@ fn nms_layer_matches_the_cpu_reference_exactly() {
 fn letterbox_layer_matches_the_cpu_reference() {
     let Some(gpu) = gpu() else { return };
     for (h, w, ih, iw) in [(37, 53, 64, 64), (50, 30, 64, 96), (64, 64, 64, 64), (720, 1280, 640, 640), (480, 640, 320, 320)] {
-        let tracer = Tracer::new();
-        let x = tracer.input("frame", &[1, h, w * 3]);
-        tracer.output("input", &kiln_models::yolo_letterbox::letterbox(&x, [ih, iw]).expect("letterbox"));
-        let graph = tracer.graph();
+        let mut frame = random(&[2, h, w * 3], (h * w) as u64, 1.0);
+        frame.data.iter_mut().for_each(|v| *v = ((*v + 1.0) * 127.9).floor());
+        // The same pixels stored R, G, B: an RGB letterbox of them is the BGR letterbox of `frame`.
+        let swapped = HostTensor::new(frame.shape.clone(), frame.data.chunks(3).flat_map(|p| [p[2], p[1], p[0]]).collect());
         for (precision, tol) in [(Precision::Fp32, 0.0), (Precision::Fp16, 2.5e-4)] {
-            let mut ctx = engine(&gpu, &graph, precision, 2).context().expect("context");
-            let mut frame = random(&[2, h, w * 3], (h * w) as u64, 1.0);
-            frame.data.iter_mut().for_each(|v| *v = ((*v + 1.0) * 127.9).floor());
-            let want = kiln::run_cpu(&graph, &[("frame", &frame)]).expect("cpu")["input"].clone();
-            let got = ctx.run(&[("frame", &frame)]).expect("run")["input"].clone();
-            let (rel, max_abs) = rel_l2(&got.data, &want.data);
-            println!("letterbox {h}x{w} -> {ih}x{iw} {precision:?}: rel L2 {rel:.2e}, max abs {max_abs:.2e}");
-            assert!(max_abs <= tol, "letterbox {h}x{w} {precision:?}: max abs {max_abs} > {tol}");
+            let mut outputs = Vec::new();
+            for (order, frame) in [(ChannelOrder::Bgr, &frame), (ChannelOrder::Rgb, &swapped)] {
+                let tracer = Tracer::new();
+                let x = tracer.input("frame", &[1, h, w * 3]);
+                tracer.output("input", &kiln_models::yolo_letterbox::letterbox_with(&x, [ih, iw], order).expect("letterbox"));
+                let graph = tracer.graph();
+                let mut ctx = engine(&gpu, &graph, precision, 2).context().expect("context");
+                let want = kiln::run_cpu(&graph, &[("frame", frame)]).expect("cpu")["input"].clone();
+                let got = ctx.run(&[("frame", frame)]).expect("run")["input"].clone();
+                let (rel, max_abs) = rel_l2(&got.data, &want.data);
+                println!("letterbox {h}x{w} {order:?} -> {ih}x{iw} {precision:?}: rel L2 {rel:.2e}, max abs {max_abs:.2e}");
+                assert!(max_abs <= tol, "letterbox {h}x{w} {order:?} {precision:?}: max abs {max_abs} > {tol}");
+                outputs.push(got);
+            }
+            assert_eq!(outputs[0], outputs[1], "letterbox {h}x{w} {precision:?}: RGB of the swapped frame = BGR of the frame");
         }
     }
 }
@@ -149,10 +157,11 @@ fn letterbox_layer_matches_the_cpu_reference() {
 fn letterbox_from_u8_frames_matches_the_cpu_reference() {
     let Some(gpu) = gpu() else { return };
     let max_batch = 2;
-    for (h, w, ih, iw) in [(37, 53, 64, 64), (50, 30, 64, 96), (64, 64, 64, 64), (720, 1280, 640, 640), (480, 640, 320, 320)] {
+    let cases = [(37, 53, 64, 64), (50, 30, 64, 96), (64, 64, 64, 64), (720, 1280, 640, 640), (480, 640, 320, 320)];
+    for ((h, w, ih, iw), order) in cases.into_iter().flat_map(|c| [(c, ChannelOrder::Bgr), (c, ChannelOrder::Rgb)]) {
         let tracer = Tracer::new();
         let x = kiln_models::yolo_letterbox::frame_input(&tracer, "frame", 1, [h, w]);
-        tracer.output("input", &kiln_models::yolo_letterbox::letterbox(&x, [ih, iw]).expect("letterbox"));
+        tracer.output("input", &kiln_models::yolo_letterbox::letterbox_with(&x, [ih, iw], order).expect("letterbox"));
         let graph = tracer.graph();
         for (precision, tol) in [(Precision::Fp32, 0.0), (Precision::Fp16, 2.5e-4)] {
             let engine = engine(&gpu, &graph, precision, max_batch);
@@ -170,7 +179,7 @@ fn letterbox_from_u8_frames_matches_the_cpu_reference() {
                 let got = ctx.run(&[("frame", &bytes)]).expect("run from bytes")["input"].clone();
                 let (rel, max_abs) = rel_l2(&got.data, &want.data);
                 println!(
-                    "letterbox u8 {h}x{w} -> {ih}x{iw} {precision:?} batch {batch}: rel L2 {rel:.2e}, max abs {max_abs:.2e}; frame binding {bytes_held} bytes"
+                    "letterbox u8 {h}x{w} {order:?} -> {ih}x{iw} {precision:?} batch {batch}: rel L2 {rel:.2e}, max abs {max_abs:.2e}; frame binding {bytes_held} bytes"
                 );
                 assert!(max_abs <= tol, "letterbox u8 {h}x{w} {precision:?} batch {batch}: max abs {max_abs} > {tol}");
                 let from_values = ctx.run(&[("frame", &values)]).expect("run from f32 byte values")["input"].clone();

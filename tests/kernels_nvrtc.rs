@@ -165,13 +165,18 @@ fn compiled_kernels_are_cached_on_disk() {
 }
 
 #[test]
-fn yolo_nms_and_letterbox_kernels_compile_with_every_entry_point() {
+fn yolo_nms_letterbox_and_classify_preset_kernels_compile_with_every_entry_point() {
     if !require_nvrtc() {
         return;
     }
     let sources = [
         ("nms.cu", kiln_models::yolo_nms::NMS_CU, kiln_models::yolo_nms::nms_entry_points()),
         ("letterbox.cu", kiln_models::yolo_letterbox::LETTERBOX_CU, kiln_models::yolo_letterbox::letterbox_entry_points()),
+        (
+            "classify_preset.cu",
+            kiln_models::classify_preset::CLASSIFY_PRESET_CU,
+            kiln_models::classify_preset::classify_preset_entry_points(),
+        ),
     ];
     for (name, source, entries) in sources {
         let image = compile_source(name, source, ARCH).unwrap_or_else(|e| panic!("{e}"));

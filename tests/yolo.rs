@@ -5,12 +5,14 @@
 //! `yolov8n` / `yolo11n.reference.safetensors` (Ultralytics' `DetectionModel`, batch 2 at
 //! 160x160: `input`, `output.predictions` [2, 84, 525], `output.detections` [2, 300, 6]) and
 //! `yolo_nms.reference.safetensors` (synthetic crowded predictions and `batched_nms`' result).
-//! The letterbox's reference is `letterbox.reference.safetensors` (`tools/yolo_letterbox_reference.py`).
+//! The letterbox's reference is `letterbox.reference.safetensors` (`tools/yolo_letterbox_reference.py`; its `rgb_`
+//! cases hold RGB frames, read with `bgr` = 0).
 
 use kiln::compare;
 use kiln::internals::var_builder::read_safetensors;
 use kiln::{internals::ops::custom::lookup, plugin::Attrs};
 use kiln::{HostTensor, VarBuilder};
+use kiln_models::yolo_letterbox::ChannelOrder;
 use kiln_models::yolo_nms::detections;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -174,7 +176,10 @@ fn letterbox_matches_the_python_reference() {
         let case = &key["output.".len()..];
         let frame = &refs[&format!("frame.{case}")];
         let size = want.shape[2..].to_vec();
-        let attrs: Attrs = [("input_h".to_string(), size[0] as f64), ("input_w".to_string(), size[1] as f64)].into_iter().collect();
+        let mut attrs: Attrs = [("input_h".to_string(), size[0] as f64), ("input_w".to_string(), size[1] as f64)].into_iter().collect();
+        if case.starts_with("rgb_") {
+            attrs.insert("bgr".into(), ChannelOrder::Rgb.bgr_attr());
+        }
         let got = (lookup("yolo_letterbox").expect("registered").cpu)(&attrs, &[frame]).expect("letterbox");
         let c = compare(&format!("letterbox {case}"), &got, want);
         println!("{c}");
@@ -194,7 +199,8 @@ fn a_u8_frame_runs_from_bytes_as_from_f32_values() {
         let [n, h, w3] = frame.shape[..] else { panic!("frame {case}: {:?}", frame.shape) };
         let tracer = kiln::Tracer::new();
         let x = kiln_models::yolo_letterbox::frame_input(&tracer, "frame", n, [h, w3 / 3]);
-        let input = kiln_models::yolo_letterbox::letterbox(&x, [want.shape[2], want.shape[3]]).expect("letterbox");
+        let order = if case.starts_with("rgb_") { ChannelOrder::Rgb } else { ChannelOrder::Bgr };
+        let input = kiln_models::yolo_letterbox::letterbox_with(&x, [want.shape[2], want.shape[3]], order).expect("letterbox");
         tracer.output("input", &input);
         let graph = tracer.graph();
         assert_eq!(graph.input_dtype("frame"), Some(kiln::DType::U8));

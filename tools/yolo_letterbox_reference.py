@@ -10,7 +10,8 @@ rule (half-pixel centres, source coordinate clamped at the edges) computed with 
 rounded to an integer level; OpenCV itself uses 11-bit fixed-point weights, so it may differ by
 one level per pixel. Where OpenCV is installed (`--cv2`), that difference is measured and printed.
 
-Keys: `frame.<case>` [N, H, W * 3] (BGR byte values as f32) and `output.<case>` [N, 3, h1, w1].
+Keys: `frame.<case>` [N, H, W * 3] (BGR byte values as f32; RGB for the `rgb_` cases, which
+the op reads with `bgr` = 0) and `output.<case>` [N, 3, h1, w1].
 """
 
 import argparse
@@ -28,6 +29,9 @@ CASES = {
     "up": (1, 20, 24, 64, 64),
     "down": (1, 150, 100, 64, 64),
     "odd_pad": (1, 45, 64, 64, 64),
+    # RGB frames (the op's `bgr` = 0): the same letterbox, the frame stored R, G, B.
+    "rgb_tall_nonsquare": (2, 50, 30, 64, 96),
+    "rgb_up": (1, 20, 24, 64, 64),
 }
 
 
@@ -113,7 +117,8 @@ def main():
             if args.cv2:
                 diff = np.abs(cv2_letterbox(img, (mh, mw)) - out).max() * 255
                 print(f"{name}: max difference to OpenCV {diff:.0f} level(s)")
-        tensors[f"frame.{name}"] = torch.from_numpy(frames.reshape(n, h, w * 3).astype(np.float32))
+        stored = frames[..., ::-1] if name.startswith("rgb_") else frames
+        tensors[f"frame.{name}"] = torch.from_numpy(np.ascontiguousarray(stored).reshape(n, h, w * 3).astype(np.float32))
         tensors[f"output.{name}"] = torch.from_numpy(np.stack(outs))
         print(f"{name}: frame {h}x{w} -> {mh}x{mw}, resized to {geom[0]}x{geom[1]}, padding top {geom[2]} left {geom[3]}")
     path = os.path.join(args.out, "letterbox.reference.safetensors")

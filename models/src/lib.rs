@@ -5,7 +5,9 @@
 //! (`centernet_decode`) registered the way a user crate registers its own; CenterNet-R50-DCN
 //! (`centernet_dcn`), whose deformable convs come from the `kiln-deform-conv` plugin crate.
 //! Ultralytics' YOLOv8 and YOLO11 (`yolo`) come with their post-processing (`yolo_nms`) and
-//! preprocessing (`yolo_letterbox`) as custom ops registered the same way.
+//! preprocessing (`yolo_letterbox`) as custom ops registered the same way; `classify_preset` is
+//! torchvision's classification preset as such an op, and `trace_frames` puts a bundled model
+//! behind its entry op, so that its engine takes decoded u8 frames.
 //!
 //! `BUNDLED` is the one list of them: `trace`, the `kiln` CLI (its `--help` and `kiln models`), the
 //! README's table (checked by a test here) and the tests of every model all read it. The Python
@@ -15,6 +17,7 @@
 
 pub mod alexnet;
 pub mod centernet;
+pub mod classify_preset;
 pub mod centernet_dcn;
 pub mod convnext;
 pub mod densenet;
@@ -237,6 +240,37 @@ pub fn trace_hw(model: &str, vb: VarBuilder, batch: usize, hw: [usize; 2]) -> Re
             let detections = yolo_nms::nms(&predictions, &yolo_nms::NmsConfig::default())?;
             predictions.mark_output("predictions");
             detections.mark_output("detections");
+        }
+    }
+    Ok(tracer.graph())
+}
+
+/// A bundled model behind its entry op, on a u8 input named `frame`: `[batch, h, w * 3]`
+/// decoded frames of (h, w) `frame`, their pixels in `order`. A classifier reads them through
+/// `classify_preset` (torchvision's ImageNet preset for its input size: `Resize(256)`,
+/// `CenterCrop(224)` at 224), a YOLO detector through `yolo_letterbox` (its `detections` in the
+/// frame's pixels); the outputs are `trace`'s. CenterNet has no entry op: an error says so.
+pub fn trace_frames(model: &str, vb: VarBuilder, batch: usize, frame: [usize; 2], order: classify_preset::ChannelOrder) -> Result<Graph> {
+    let info = bundled(model)?;
+    let tracer = Tracer::new();
+    let x = classify_preset::frame_input(&tracer, "frame", batch, frame);
+    let input = [info.input_size, info.input_size];
+    match info.load {
+        Load::Classifier(load) => {
+            let preset = classify_preset::Preset { order, ..classify_preset::Preset::for_input(info.input_size) };
+            load(vb)?.forward(&classify_preset::classify_preset(&x, &preset)?)?.mark_output("logits")
+        }
+        Load::Yolo(load) => {
+            let predictions = load(vb)?.forward(&yolo_letterbox::letterbox_with(&x, input, order)?)?;
+            let config = yolo_nms::NmsConfig { frame: Some((frame, input)), ..Default::default() };
+            let detections = yolo_nms::nms(&predictions, &config)?;
+            predictions.mark_output("predictions");
+            detections.mark_output("detections");
+        }
+        Load::CenterNet | Load::CenterNetDcn => {
+            return Err(Error::Config {
+                reason: format!("{model} takes no frames: only the classifiers (classify_preset) and the YOLO detectors (yolo_letterbox) have an entry op"),
+            })
         }
     }
     Ok(tracer.graph())

@@ -1,9 +1,13 @@
 //! YOLO preprocessing as a custom op, `yolo_letterbox`: a decoded frame in, the model's input out.
 //!
-//! Input `frame`: `[N, H, W * 3]`, each row a frame row of interleaved B, G, R bytes (the `uint8`
-//! HWC image OpenCV decodes). Output `[N, 3, input_h, input_w]`: Ultralytics' `LetterBox(new_shape,
+//! Input `frame`: `[N, H, W * 3]`, each row a frame row of interleaved bytes, B, G, R (the `uint8`
+//! HWC image OpenCV decodes) or, with the attribute `bgr` = 0 (`letterbox_with(..,
+//! ChannelOrder::Rgb)`), R, G, B (the `image` crate's and PIL's); without it the frame is BGR, as
+//! it always was. Output `[N, 3, input_h, input_w]`: Ultralytics' `LetterBox(new_shape,
 //! auto=False, scaleup=True, center=True)` (resize keeping the aspect ratio to `round(w * r) x
-//! round(h * r)`, pad with 114, `round(dw -/+ 0.1)` on each side), BGR to RGB, divided by 255.
+//! round(h * r)`, pad with 114, `round(dw -/+ 0.1)` on each side), RGB planes divided by 255.
+//! The geometry and the per-level arithmetic are `kiln::internals::ops::image`'s, which
+//! kiln-vision's CPU `letterbox` uses too.
 //!
 //! The frame is a u8 input (`frame_input`, `Tracer::input_typed(.., DType::U8)`): an engine
 //! uploads it one byte per element (a 1080p frame: 6 MB, where f32 values took 25 MB) and its
@@ -22,12 +26,14 @@
 //!
 //! Map detections back with `yolo_nms`' `frame_h`/`frame_w`/`input_h`/`input_w` attributes.
 
+use kiln::internals::ops::image::{letterbox_level, Letterbox, Tap, LETTERBOX_PAD};
+pub use kiln::internals::ops::image::ChannelOrder;
 use kiln::plugin::{Attrs, CustomOp};
 use kiln::HostTensor;
 use kiln::{DType, Error, Result, Tensor, Tracer};
 
 /// The padding value of Ultralytics' letterbox.
-pub const PAD: f32 = 114.0;
+pub const PAD: f32 = LETTERBOX_PAD as f32;
 
 /// The letterbox's kernels (`models/kernels/letterbox.cu`).
 pub const LETTERBOX_CU: &str = include_str!("../kernels/letterbox.cu");
@@ -36,63 +42,26 @@ pub fn letterbox_entry_points() -> Vec<String> {
     vec!["letterbox_f32".into(), "letterbox_f16".into()]
 }
 
-/// The frame input of a letterboxed model: `[batch, h, w * 3]` B, G, R bytes, declared u8 so an
-/// engine uploads the decoded frame as it is.
+/// The frame input of a letterboxed model: `[batch, h, w * 3]` interleaved bytes (B, G, R unless
+/// the op is told RGB), declared u8 so an engine uploads the decoded frame as it is.
 pub fn frame_input(tracer: &Tracer, name: &str, batch: usize, [h, w]: [usize; 2]) -> Tensor {
     tracer.input_typed(name, &[batch, h, w * 3], DType::U8)
 }
 
-/// Applies `yolo_letterbox` to `frame` `[N, H, W * 3]` for a model input of `input` (h, w).
+/// Applies `yolo_letterbox` to a BGR `frame` `[N, H, W * 3]` for a model input of `input` (h, w).
 pub fn letterbox(frame: &Tensor, input: [usize; 2]) -> Result<Tensor> {
     frame.custom("yolo_letterbox", &[("input_h", input[0] as f64), ("input_w", input[1] as f64)], &[])
 }
 
-/// One output row or column: the two source taps and their weights, or `None` in the padding.
-pub type Tap = Option<(usize, usize, f32, f32)>;
-
-/// LetterBox's geometry along one axis: `src` pixels resized to `new` and padded to `dst`,
-/// `before` pixels of padding first. Returns the taps of every output position.
-fn axis_taps(src: usize, new: usize, dst: usize, before: usize) -> Vec<Tap> {
-    // OpenCV: inv_scale = dsize / ssize, scale = 1 / inv_scale, in double.
-    let scale = 1.0 / (new as f64 / src as f64);
-    (0..dst)
-        .map(|o| {
-            let d = o.checked_sub(before).filter(|&d| d < new)?;
-            if new == src {
-                return Some((d, d, 1.0, 0.0));
-            }
-            let f = ((d as f64 + 0.5) * scale - 0.5) as f32;
-            let s = f.floor();
-            let (mut s0, mut w1) = (s as i64, f - s);
-            if s0 < 0 {
-                (s0, w1) = (0, 0.0);
-            }
-            if s0 >= src as i64 - 1 {
-                (s0, w1) = (src as i64 - 1, 0.0);
-            }
-            let s0 = s0 as usize;
-            Some((s0, (s0 + 1).min(src - 1), 1.0 - w1, w1))
-        })
-        .collect()
+/// Applies `yolo_letterbox` to a `frame` `[N, H, W * 3]` whose pixels are in `order`.
+pub fn letterbox_with(frame: &Tensor, input: [usize; 2], order: ChannelOrder) -> Result<Tensor> {
+    let attrs = [("input_h", input[0] as f64), ("input_w", input[1] as f64), ("bgr", order.bgr_attr())];
+    frame.custom("yolo_letterbox", &attrs, &[])
 }
 
 /// (row taps, column taps) of a `frame` (h, w) letterboxed to `input` (h, w).
 pub fn taps(frame: [usize; 2], input: [usize; 2]) -> (Vec<Tap>, Vec<Tap>) {
-    let [h, w] = frame;
-    let [ih, iw] = input;
-    let r = (ih as f64 / h as f64).min(iw as f64 / w as f64);
-    let (nw, nh) = ((w as f64 * r).round_ties_even() as usize, (h as f64 * r).round_ties_even() as usize);
-    let (nw, nh) = (nw.clamp(1, iw), nh.clamp(1, ih));
-    let top = ((ih - nh) as f64 / 2.0 - 0.1).round_ties_even() as usize;
-    let left = ((iw - nw) as f64 / 2.0 - 0.1).round_ties_even() as usize;
-    (axis_taps(h, nh, ih, top), axis_taps(w, nw, iw, left))
-}
-
-/// One output level from the four source values and the taps' weights, in the GPU's order.
-fn blend(p: [f32; 4], wx: (f32, f32), wy: (f32, f32)) -> f32 {
-    let top = p[0] * wx.0 + p[1] * wx.1;
-    let bottom = p[2] * wx.0 + p[3] * wx.1;
-    (top * wy.0 + bottom * wy.1).round_ties_even().clamp(0.0, 255.0)
+    Letterbox::new(frame, input).taps()
 }
 
 fn size_attr(attrs: &Attrs, key: &str) -> std::result::Result<usize, String> {
@@ -103,28 +72,30 @@ fn size_attr(attrs: &Attrs, key: &str) -> std::result::Result<usize, String> {
     Ok(v as usize)
 }
 
-fn geometry(attrs: &Attrs, inputs: &[&[usize]]) -> std::result::Result<([usize; 2], [usize; 2]), String> {
+/// The frame's (h, w), the input's (h, w) and the frame's channel order, or why they do not fit.
+fn geometry(attrs: &Attrs, inputs: &[&[usize]]) -> std::result::Result<([usize; 2], [usize; 2], ChannelOrder), String> {
     let input = [size_attr(attrs, "input_h")?, size_attr(attrs, "input_w")?];
+    let order = ChannelOrder::from_bgr_attr(attrs.get("bgr").copied(), ChannelOrder::Bgr)?;
     let [x] = inputs else {
         return Err(format!("yolo_letterbox expects 1 input (the frame), got {}", inputs.len()));
     };
     if x.len() != 3 || x[2] % 3 != 0 || x[1] == 0 || x[2] == 0 {
-        return Err(format!("the frame must be [N, H, W * 3] (interleaved BGR rows), got {x:?}"));
+        return Err(format!("the frame must be [N, H, W * 3] (interleaved {order:?} rows), got {x:?}"));
     }
     if x[1] > 1 << 16 || x[2] / 3 > 1 << 16 {
         return Err(format!("the frame {x:?} exceeds 65536 pixels on a side"));
     }
-    Ok(([x[1], x[2] / 3], input))
+    Ok(([x[1], x[2] / 3], input, order))
 }
 
 fn letterbox_shape(attrs: &Attrs, inputs: &[&[usize]]) -> std::result::Result<Vec<usize>, String> {
-    let (_, [ih, iw]) = geometry(attrs, inputs)?;
+    let (_, [ih, iw], _) = geometry(attrs, inputs)?;
     Ok(vec![inputs[0][0], 3, ih, iw])
 }
 
 fn letterbox_cpu(attrs: &Attrs, inputs: &[&HostTensor]) -> Result<HostTensor> {
     let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape.as_slice()).collect();
-    let ([h, w], [ih, iw]) = geometry(attrs, &shapes).map_err(|reason| Error::Shape {
+    let ([h, w], [ih, iw], order) = geometry(attrs, &shapes).map_err(|reason| Error::Shape {
         path: "yolo_letterbox".into(),
         op: "yolo_letterbox".into(),
         reason: reason.into(),
@@ -140,9 +111,8 @@ fn letterbox_cpu(attrs: &Attrs, inputs: &[&HostTensor]) -> Result<HostTensor> {
                 for c in 0..3 {
                     let v = match (ty, tx) {
                         (Some((y0, y1, wy0, wy1)), Some((x0, x1, wx0, wx1))) => {
-                            // Output channel c (RGB) is frame channel 2 - c (BGR).
-                            let at = |yy: usize, xx: usize| f[(yy * w + xx) * 3 + 2 - c];
-                            blend([at(*y0, *x0), at(*y0, *x1), at(*y1, *x0), at(*y1, *x1)], (*wx0, *wx1), (*wy0, *wy1))
+                            let at = |yy: usize, xx: usize| f[(yy * w + xx) * 3 + order.source_channel(c)];
+                            letterbox_level([at(*y0, *x0), at(*y0, *x1), at(*y1, *x0), at(*y1, *x1)], (*wx0, *wx1), (*wy0, *wy1))
                         }
                         _ => PAD,
                     };
@@ -172,24 +142,21 @@ mod tests {
     }
 
     #[test]
-    fn pads_keep_the_aspect_and_centre() {
-        // 40 x 80 frame into 64 x 64: r = 0.8, 32 x 64 resized, 16 rows of padding each side.
-        let (rows, cols) = taps([40, 80], [64, 64]);
-        assert_eq!(rows.iter().filter(|t| t.is_none()).count(), 32);
-        assert!(rows[..16].iter().all(Option::is_none) && rows[48..].iter().all(Option::is_none));
-        assert!(cols.iter().all(Option::is_some));
-        // Odd padding: 64 - 45 = 19 rows: 9 above, 10 below (round(9.5 -/+ 0.1)).
-        let (rows, _) = taps([45, 64], [64, 64]);
-        assert!(rows[..9].iter().all(Option::is_none) && rows[9].is_some() && rows[53].is_some() && rows[54].is_none());
-    }
-
-    #[test]
     fn a_same_size_frame_is_copied_with_channels_swapped() {
         let frame = HostTensor::new(vec![1, 2, 2 * 3], (0..12).map(|v| (v * 20) as f32).collect());
         let out = letterbox_cpu(&attrs(2, 2), &[&frame]).expect("letterbox");
         // Pixel (0, 0) is B=0, G=20, R=40: RGB planes start with 40, 20, 0.
         assert_eq!([out.data[0], out.data[4], out.data[8]], [40.0 / 255.0, 20.0 / 255.0, 0.0]);
         assert_eq!(out.data[3] * 255.0, 220.0, "R of pixel (1, 1)");
+        // Told RGB, the same bytes are R=0, G=20, B=40; BGR said explicitly is the default.
+        let mut rgb = attrs(2, 2);
+        rgb.insert("bgr".into(), ChannelOrder::Rgb.bgr_attr());
+        let out_rgb = letterbox_cpu(&rgb, &[&frame]).expect("rgb");
+        assert_eq!([out_rgb.data[0], out_rgb.data[4], out_rgb.data[8]], [0.0, 20.0 / 255.0, 40.0 / 255.0]);
+        rgb.insert("bgr".into(), ChannelOrder::Bgr.bgr_attr());
+        assert_eq!(letterbox_cpu(&rgb, &[&frame]).expect("bgr"), out);
+        rgb.insert("bgr".into(), 2.0);
+        assert!(letterbox_cpu(&rgb, &[&frame]).unwrap_err().to_string().contains("bgr"));
     }
 
     #[test]
@@ -218,6 +185,8 @@ mod gpu {
         cols: DeviceBuf,
         /// H, W of the frame; input h, w; output strides (c, y, x) per image.
         dims: [usize; 4],
+        /// The frame is B, G, R (else R, G, B).
+        bgr: bool,
         strides: [usize; 3],
         sm_count: u32,
     }
@@ -227,7 +196,8 @@ mod gpu {
             &self.path
         }
         fn kind(&self) -> String {
-            format!("kernel:yolo_letterbox({}x{} -> {}x{})", self.dims[0], self.dims[1], self.dims[2], self.dims[3])
+            let order = if self.bgr { "BGR" } else { "RGB" };
+            format!("kernel:yolo_letterbox({}x{} {order} -> {}x{})", self.dims[0], self.dims[1], self.dims[2], self.dims[3])
         }
         fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
             let [h, w, ih, iw] = self.dims;
@@ -243,6 +213,7 @@ mod gpu {
                 KArg::I64(self.strides[0] as i64),
                 KArg::I64(self.strides[1] as i64),
                 KArg::I64(self.strides[2] as i64),
+                KArg::I32(i32::from(self.bgr)),
                 KArg::Ptr(rt.ptr(self.out)),
             ];
             launch(rt, &self.f, grid_for(batch * ih * iw, self.sm_count), (256, 1, 1), 0, &args)
@@ -256,7 +227,7 @@ mod gpu {
         let (frame, out) = (ctx.input(node, 0)?, ctx.output(node)?);
         let d = ctx.value(frame).clone();
         let per_image = [&[1][..], &d.dims].concat();
-        let ([h, w], [ih, iw]) = geometry(attrs, &[&per_image]).map_err(|r| ctx.err(node, kiln::LowerKind::Operands, r))?;
+        let ([h, w], [ih, iw], order) = geometry(attrs, &[&per_image]).map_err(|r| ctx.err(node, kiln::LowerKind::Operands, r))?;
         if d.layout.order() != [0, 1] {
             return Err(ctx.err(node, kiln::LowerKind::Unsupported, format!("the frame must be contiguous, got {:?}", d.layout)));
         }
@@ -282,6 +253,7 @@ mod gpu {
             rows,
             cols,
             dims: [h, w, ih, iw],
+            bgr: order == super::ChannelOrder::Bgr,
             strides: [s[0], s[1], s[2]],
             sm_count: ctx.kernels.sm_count(),
         }))

@@ -14,6 +14,7 @@ pub mod attention;
 pub mod conv;
 pub mod custom;
 pub mod elementwise;
+pub mod image;
 pub mod linear;
 pub mod norm;
 pub mod pool;

@@ -12,6 +12,7 @@
 use crate::resize::resize_bilinear;
 use crate::{Error, Result};
 use image::RgbImage;
+use kiln::internals::ops::image::{center_crop_axis, shorter_side_to};
 use kiln::HostTensor;
 
 /// A classifier's preprocessing: shorter side to `resize`, centre crop of `crop`, then
@@ -62,34 +63,22 @@ impl ClassifyPreset {
 /// An image whose size would not change is returned as it is, as torchvision does.
 pub fn resize_shorter(img: &RgbImage, size: u32) -> RgbImage {
     let (w, h) = img.dimensions();
-    if w == 0 || h == 0 {
+    let [nh, nw] = shorter_side_to([h as usize, w as usize], size as usize);
+    if [nh, nw] == [h as usize, w as usize] {
         return img.clone();
     }
-    let (short, long) = if w <= h { (w, h) } else { (h, w) };
-    let new_long = (f64::from(size) * f64::from(long) / f64::from(short)) as u32;
-    let (nw, nh) = if w <= h { (size, new_long) } else { (new_long, size) };
-    if (nw, nh) == (w, h) {
-        return img.clone();
-    }
-    resize_bilinear(img, nw, nh)
+    resize_bilinear(img, nw as u32, nh as u32)
 }
 
 /// torchvision's `CenterCrop((height, width))`: the offsets are `round((size - crop) / 2)` with
 /// Python's round half to even; an image smaller than the crop is first padded with zeros
 /// (`(crop - size) // 2` before, the rest after).
 pub fn center_crop(img: &RgbImage, width: u32, height: u32) -> RgbImage {
-    let (w, h) = img.dimensions();
-    let (pad_left, pad_top) = (width.saturating_sub(w) / 2, height.saturating_sub(h) / 2);
-    let (pw, ph) = (w.max(width), h.max(height));
-    let left = ((f64::from(pw) - f64::from(width)) / 2.0).round_ties_even() as u32;
-    let top = ((f64::from(ph) - f64::from(height)) / 2.0).round_ties_even() as u32;
-    RgbImage::from_fn(width, height, |x, y| {
-        // In the padded image's coordinates, then back to the source's.
-        let (px, py) = (x + left, y + top);
-        match (px.checked_sub(pad_left).filter(|&sx| sx < w), py.checked_sub(pad_top).filter(|&sy| sy < h)) {
-            (Some(sx), Some(sy)) => *img.get_pixel(sx, sy),
-            _ => image::Rgb([0, 0, 0]),
-        }
+    let cols = center_crop_axis(img.width() as usize, width as usize);
+    let rows = center_crop_axis(img.height() as usize, height as usize);
+    RgbImage::from_fn(width, height, |x, y| match (cols[x as usize], rows[y as usize]) {
+        (Some(sx), Some(sy)) => *img.get_pixel(sx as u32, sy as u32),
+        _ => image::Rgb([0, 0, 0]),
     })
 }
 

@@ -5,65 +5,12 @@
 //! reduction averages every source pixel under it (antialiasing) while an enlargement is plain
 //! bilinear interpolation. Weights are computed in f64, normalised to sum 1, then converted to
 //! fixed point with 22 fractional bits; each output is `(sum + 2^21) >> 22`, clamped to 0..=255.
-//! torchvision's `Resize(antialias=True)` on a PIL image calls exactly this.
+//! torchvision's `Resize(antialias=True)` on a PIL image calls exactly this. The taps are
+//! `kiln::internals::ops::image::pil_bilinear_taps`, which kiln-models' GPU `classify_preset`
+//! reads too.
 
 use image::RgbImage;
-
-/// PIL's fixed-point precision for 8-bit channels: 32 bits less 8 for the value, less 2 spare.
-const PRECISION_BITS: u32 = 32 - 8 - 2;
-
-/// The triangle filter of PIL's BILINEAR, support 1.
-fn triangle(x: f64) -> f64 {
-    let x = x.abs();
-    if x < 1.0 {
-        1.0 - x
-    } else {
-        0.0
-    }
-}
-
-/// One output position's taps: the first source index and its fixed-point weights.
-#[derive(Clone, Debug, PartialEq)]
-struct Taps {
-    first: usize,
-    weights: Vec<i32>,
-}
-
-/// The taps of every output position along one axis, `src` pixels to `dst`, as PIL's
-/// `precompute_coeffs` and `normalize_coeffs_8bpc` compute them.
-fn taps(src: usize, dst: usize) -> Vec<Taps> {
-    let scale = src as f64 / dst as f64;
-    let filterscale = scale.max(1.0);
-    let support = filterscale; // the triangle's support (1) times the scale
-    let ss = 1.0 / filterscale;
-    (0..dst)
-        .map(|xx| {
-            let center = (xx as f64 + 0.5) * scale;
-            // C's (int) casts truncate toward zero, as `as i64` does.
-            let xmin = ((center - support + 0.5) as i64).max(0);
-            let xmax = ((center + support + 0.5) as i64).min(src as i64);
-            let w: Vec<f64> = (xmin..xmax).map(|x| triangle((x as f64 - center + 0.5) * ss)).collect();
-            let total: f64 = w.iter().sum();
-            let weights = w
-                .iter()
-                .map(|&k| {
-                    let k = if total != 0.0 { k / total } else { k };
-                    let fixed = k * f64::from(1u32 << PRECISION_BITS);
-                    (if k < 0.0 { fixed - 0.5 } else { fixed + 0.5 }) as i32
-                })
-                .collect();
-            Taps { first: xmin as usize, weights }
-        })
-        .collect()
-}
-
-/// `(sum + 2^21) >> 22`, clamped to a byte (PIL's `clip8`).
-fn clip8(sum: i64) -> u8 {
-    (sum >> PRECISION_BITS).clamp(0, 255) as u8
-}
-
-/// PIL's rounding start: half of one unit of the fixed point.
-const HALF: i64 = 1 << (PRECISION_BITS - 1);
+use kiln::internals::ops::image::{pil_bilinear_taps as taps, pil_clip8};
 
 /// Resizes `img` to `width` x `height` as PIL's `Image.resize((width, height), Image.BILINEAR)`
 /// does on an RGB image: the same pixels, bit for bit. An axis whose size does not change is
@@ -86,7 +33,7 @@ pub fn resize_bilinear(img: &RgbImage, width: u32, height: u32) -> RgbImage {
             for (x, t) in cols.iter().enumerate() {
                 for c in 0..3 {
                     let sum = t.weights.iter().enumerate().map(|(i, &k)| i64::from(row[(t.first + i) * 3 + c]) * i64::from(k)).sum::<i64>();
-                    out[(y * nw + x) * 3 + c] = clip8(HALF + sum);
+                    out[(y * nw + x) * 3 + c] = pil_clip8(sum);
                 }
             }
         }
@@ -106,7 +53,7 @@ pub fn resize_bilinear(img: &RgbImage, width: u32, height: u32) -> RgbImage {
                     .enumerate()
                     .map(|(j, &k)| i64::from(horizontal[(t.first + j) * nw * 3 + i]) * i64::from(k))
                     .sum::<i64>();
-                out[y * nw * 3 + i] = clip8(HALF + sum);
+                out[y * nw * 3 + i] = pil_clip8(sum);
             }
         }
         out
@@ -117,24 +64,6 @@ pub fn resize_bilinear(img: &RgbImage, width: u32, height: u32) -> RgbImage {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn weights_sum_to_one_and_widen_when_shrinking() {
-        for (src, dst) in [(10, 3), (451, 256), (300, 256), (7, 20), (5, 5)] {
-            for t in taps(src, dst) {
-                let sum: i32 = t.weights.iter().sum();
-                assert!((sum - (1 << PRECISION_BITS)).abs() <= t.weights.len() as i32, "{src}->{dst}: {sum}");
-                assert!(t.first + t.weights.len() <= src);
-            }
-        }
-        // Halving: the triangle spans 4 source pixels, weighted 1, 3, 3, 1 (/ 8).
-        let t = &taps(8, 4)[1];
-        assert_eq!(t.first, 1);
-        let one = 1i32 << PRECISION_BITS;
-        assert_eq!(t.weights, [one / 8, 3 * one / 8, 3 * one / 8, one / 8]);
-        // Enlarging keeps two taps (bilinear), never more.
-        assert!(taps(4, 9).iter().all(|t| t.weights.iter().filter(|&&k| k != 0).count() <= 2));
-    }
 
     #[test]
     fn flat_images_stay_flat_and_identity_is_a_copy() {
