@@ -534,7 +534,7 @@ def main() -> int:
         pass
     versions.update({"kiln_cudnn": r["cudnn"] for r in bench_rows if r.get("cudnn")})
     command = "bash tools/torch-engine-check.sh" + ("" if not a.models else " " + " ".join(a.models))
-    result = dict(command=command, budget_s=420, versions=versions, phases=phases, units=units, rows=bench_rows, check=check_rows,
+    result = dict(command=command, tables=["segmentation"], budget_s=420, versions=versions, phases=phases, units=units, rows=bench_rows, check=check_rows,
                   wall_s=phases["total_s"])
     (out / "results.json").write_text(json.dumps(result, indent=1))
     (out / "results.md").write_text("\n".join(lines) + "\n")
