@@ -224,7 +224,22 @@ def compare(kiln: Kiln, work: str, name: str, precision: str, argmax_agree: floa
     r["pass"] = worst <= BOUNDS[precision] and (precision != "fp16" or agree >= need)
     if not r["pass"]:
         r["error"] = f"{precision}: rel L2 {worst:.1e} (bound {BOUNDS[precision]:.0e}), agreement {100 * agree:.2f}%"
+        if k == "classifier" and agree < 1.0:
+            r["error"] += f" ({margins(got, want)})"
     return r
+
+
+def margins(got: dict, want: dict) -> str:
+    """For the images whose top-1 differs: PyTorch's gap between its top two logits, as a share of
+    the logits' standard deviation (random weights can leave two classes nearly tied)."""
+    text = []
+    for key, w in want.items():
+        if not key.startswith("output.") or w.ndim != 2:
+            continue
+        for i in np.nonzero(np.argmax(got[key], axis=1) != np.argmax(w, axis=1))[0]:
+            top = np.sort(w[i])[::-1]
+            text.append(f"image {i}: PyTorch's top-2 gap {100 * (top[0] - top[1]) / max(float(np.std(w[i])), 1e-30):.2g}% of the logits' std")
+    return "; ".join(text)
 
 
 def gpu_steps(kiln: Kiln, work: str, name: str, a) -> dict:
@@ -269,20 +284,30 @@ def bench_kiln(kiln: Kiln, work: str, name: str, batches, seconds) -> tuple[list
     return json.load(open(js)), ""
 
 
-def bench_torch(name: str, size: int, batches, seconds) -> dict:
-    """PyTorch FP16, channels_last, in a CUDA graph: {batch: (median ms, runs) or an error}."""
+def bench_torch(name: str, work: str, export_size: int | None, size: int, batches, seconds) -> tuple[dict, dict]:
+    """PyTorch FP16, channels_last: its own error on the exported model's reference (the same
+    weights, at the exported size: what FP16 costs PyTorch itself, beside Kiln's FP16 row), and in
+    a CUDA graph at `size`, {batch: (median ms, runs) or an error}."""
     import torch
-    import torchvision
 
     import bench_torch as bt
 
     torch.backends.cudnn.benchmark = True
-    torch.manual_seed(0)  # speed does not depend on the weights: torchvision's own init
-    m = getattr(torchvision.models.segmentation, name)(weights=None, weights_backbone=None).eval()
+    model, _ = build(name, export_size)
+    fidelity = {}
     try:
-        m = m.half().cuda().to(memory_format=torch.channels_last)
+        m = model.half().cuda().to(memory_format=torch.channels_last)
     except (RuntimeError, AssertionError) as e:  # no GPU for PyTorch: every row says why
-        return {b: f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}" for b in batches}
+        return {}, {b: f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}" for b in batches}
+    try:
+        ref = read(f"{work}/{name}.reference.safetensors")
+        x = torch.from_numpy(ref["input"]).cuda().half().to(memory_format=torch.channels_last)
+        with torch.no_grad():
+            got = m(x)["out"].float().cpu().numpy()
+        want = ref["output.out"]
+        fidelity = {"rel_l2": rel_l2(got, want), "agree": agreement(got, want)}
+    except Exception as e:  # noqa: BLE001 - the timing still runs
+        fidelity = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
     times = {}
     for b in batches:
         try:
@@ -294,14 +319,15 @@ def bench_torch(name: str, size: int, batches, seconds) -> dict:
         except Exception as e:  # noqa: BLE001 - one batch's failure must not stop the others
             times[b] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         torch.cuda.empty_cache()
-    del m
+    del m, model
     torch.cuda.empty_cache()
-    return times
+    return fidelity, times
 
 
-def benchmark(kiln: Kiln, work: str, names, a) -> tuple[list, list]:
-    """bench_all.py's units and rows for the segmentation models (kind `segmentation`)."""
-    units, rows = [], []
+def benchmark(kiln: Kiln, work: str, names, a) -> tuple[list, list, dict]:
+    """bench_all.py's units and rows for the segmentation models (kind `segmentation`), and
+    PyTorch FP16's own error per model."""
+    units, rows, fidelity = [], [], {}
     for name in names:
         size = int(a.bench_size)
         units.append(dict(name=name, model=name, kind="segmentation", size=size, kiln_batches=list(a.bench_batches),
@@ -313,14 +339,22 @@ def benchmark(kiln: Kiln, work: str, names, a) -> tuple[list, list]:
             rows.append(dict(model=name, peer="kiln-fp16", batch=r["batch"], status="ok", ms=r["median_ms"], img_s=r["batch"] / r["median_ms"] * 1e3,
                              p99_ms=r.get("p99_ms"), runs=r.get("iterations"), build_s=r.get("build_seconds"), cudnn=r.get("cudnn_version")))
         rows += [dict(model=name, peer="kiln-fp16", batch=b, status=f"failed: {error}") for b in a.bench_batches if b not in seen]
-        for b, t in bench_torch(name, size, a.bench_batches, a.bench_s).items():
+        fidelity[name], times = bench_torch(name, work, a.size, size, a.bench_batches, a.bench_s)
+        for b, t in times.items():
             if isinstance(t, str):
                 rows.append(dict(model=name, peer="graph-fp16", batch=b, status=t))
             else:
                 rows.append(dict(model=name, peer="graph-fp16", batch=b, status="ok", ms=t[0], img_s=b / t[0] * 1e3, runs=t[1]))
         for r in rows[-2 * len(a.bench_batches):]:
             print(f"bench {r['model']:30s} {r['peer']:10s} b={r['batch']:<3d} " + (f"{r['ms']:8.3f} ms" if r["status"] == "ok" else r["status"]), flush=True)
-    return units, rows
+        print(f"PyTorch FP16 {name}: {fidelity_text(fidelity[name])}", flush=True)
+    return units, rows, fidelity
+
+
+def fidelity_text(f: dict) -> str:
+    if "rel_l2" not in f:
+        return f.get("error", "not measured")
+    return f"rel L2 {f['rel_l2']:.1e}, argmax {100 * f['agree']:.4g}%"
 
 
 # ---- the table ----------------------------------------------------------------------------------
@@ -360,9 +394,11 @@ def table(rows: list[dict], precisions) -> list[str]:
             ms = r.get("bench", {}).get("ms")
             cells.append(" / ".join(marks) + (f" ({ms:.3f})" if ms else ""))
         cells.append("pass" if r.get("pass") else "FAIL")
-        notes = [v["error"] for k, v in r.items() if isinstance(v, dict) and v.get("error")]
+        notes = [v["error"] for k, v in r.items() if isinstance(v, dict) and v.get("error") and k != "torch_fp16"]
         if r["kind"] == "detection" and "fp16" in r:
             notes.append("FP16 judged by rel L2 (random weights tie the class scores)")
+        if r.get("torch_fp16"):
+            notes.append(f"PyTorch's own FP16: {fidelity_text(r['torch_fp16'])}")
         cells.append("; ".join(notes).replace("|", "/"))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -510,16 +546,18 @@ def main() -> int:
     phases["check_s"] = round(time.time() - t0, 1)
 
     check_rows = [rows[n] for n in names]
-    lines = [f"kiln-torch device check on {device} ({info['date']}, kiln {info.get('kiln_commit', '?')}): {len(names)} models, "
-             f"{sum(1 for r in check_rows if r.get('pass'))} pass", ""] + table(check_rows, precisions)
     units, bench_rows = [], []
     if a.bench and gpu:
         seg = [n for n in names if kind(n) == "segmentation" and "error" not in rows[n].get("export", {})]
         tb = time.time()
-        units, bench_rows = benchmark(kiln, work, seg, a)
+        units, bench_rows, fidelity = benchmark(kiln, work, seg, a)
+        for n, f in fidelity.items():
+            rows[n]["torch_fp16"] = f
         phases["bench_s"] = round(time.time() - tb, 1)
-        if units:
-            lines += [""] + bench_table(units, bench_rows, device)
+    lines = [f"kiln-torch device check on {device} ({info['date']}, kiln {info.get('kiln_commit', '?')}): {len(names)} models, "
+             f"{sum(1 for r in check_rows if r.get('pass'))} pass", ""] + table(check_rows, precisions)
+    if units:
+        lines += [""] + bench_table(units, bench_rows, device)
     phases["total_s"] = round(time.time() - t0, 1)
     lines += ["", "Seconds: " + ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.0f}" for k, v in phases.items())]
     versions = dict(info)
