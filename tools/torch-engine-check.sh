@@ -21,7 +21,8 @@ cd "$(dirname "$0")/.."
 export KILN_LD=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu:/usr/lib
 # PyTorch bundles its own cuDNN and refuses an older one first on the path: only kiln gets KILN_LD.
 unset LD_LIBRARY_PATH
-export PYTHONUNBUFFERED=1 YOLO_OFFLINE=1 YOLO_CONFIG_DIR=/tmp/kiln-torch-ultralytics
+# torch.export warns of its own deprecations once per export: not ours to act on.
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore::FutureWarning YOLO_OFFLINE=1 YOLO_CONFIG_DIR=/tmp/kiln-torch-ultralytics
 export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-$(mktemp -d)}
 KILN=${KILN:-.carry/kiln/kiln}
