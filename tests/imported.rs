@@ -8,8 +8,14 @@
 mod handwritten;
 #[path = "generated/imported/tiny_deeplab.rs"]
 mod tiny_deeplab;
+#[path = "generated/imported/tiny_efficientnet_v2.rs"]
+mod tiny_efficientnet_v2;
+#[path = "generated/imported/tiny_lraspp.rs"]
+mod tiny_lraspp;
 #[path = "generated/imported/tiny_mobilenet_v2.rs"]
 mod tiny_mobilenet_v2;
+#[path = "generated/imported/tiny_regnet.rs"]
+mod tiny_regnet;
 #[path = "generated/imported/tiny_resnet.rs"]
 mod tiny_resnet;
 #[path = "generated/imported/tiny_swin.rs"]
@@ -18,6 +24,8 @@ mod tiny_swin;
 mod tiny_swin_opwise;
 #[path = "generated/imported/tiny_vit.rs"]
 mod tiny_vit;
+#[path = "generated/imported/tiny_yolov8.rs"]
+mod tiny_yolov8;
 
 use kiln::compare;
 use kiln::internals::var_builder::read_safetensors;
@@ -41,6 +49,10 @@ const FIXTURES: &[(&str, Build)] = &[
     ("tiny_swin_opwise", tiny_swin_opwise::build),
     ("tiny_vit", tiny_vit::build),
     ("tiny_deeplab", tiny_deeplab::build),
+    ("tiny_lraspp", tiny_lraspp::build),
+    ("tiny_efficientnet_v2", tiny_efficientnet_v2::build),
+    ("tiny_regnet", tiny_regnet::build),
+    ("tiny_yolov8", tiny_yolov8::build),
 ];
 
 fn fixture(name: &str) -> PathBuf {

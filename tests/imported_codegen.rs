@@ -12,8 +12,19 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 /// The fixtures, as in tests/imported.rs.
-pub const FIXTURES: &[&str] =
-    &["tiny_resnet", "tiny_mobilenet_v2", "handwritten", "tiny_swin", "tiny_swin_opwise", "tiny_vit", "tiny_deeplab"];
+pub const FIXTURES: &[&str] = &[
+    "tiny_resnet",
+    "tiny_mobilenet_v2",
+    "handwritten",
+    "tiny_swin",
+    "tiny_swin_opwise",
+    "tiny_vit",
+    "tiny_deeplab",
+    "tiny_lraspp",
+    "tiny_efficientnet_v2",
+    "tiny_regnet",
+    "tiny_yolov8",
+];
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

@@ -610,6 +610,27 @@ def yolo_table(result):
     return "\n".join(lines) + "\n\n" + summary(counts, "rows (NMS on both sides)")
 
 
+def segmentation_table(result):
+    """torchvision's segmentation models exported with kiln-torch (tools/torch-engine-check.sh):
+    Kiln FP16 beside PyTorch FP16 + CUDA graph; `None` (the table stays) when the run has none."""
+    units = units_of(result, "segmentation")
+    if not units:
+        return None
+    ix, counts = index(result), {}
+    lines = ["| model | batch | Kiln FP16 (CUDA graphs) | PyTorch FP16 + CUDA graph | ratio |", "|---|---|---|---|---|"]
+    for u in units:
+        for b in u["kiln_batches"]:
+            show = lambda r: f"{fmt_ms(r['ms'])} ms" + (f" ({r['img_s']:,.0f} img/s)" if b > 1 else "")  # noqa: E731
+            k, r = ix.get((u["model"], "kiln-fp16", b)), ix.get((u["model"], "graph-fp16", b))
+            x = ratio(r, k)
+            tally(counts, "graph-fp16", x)
+            lines.append(f"| {u['model']} | {b} | {cell(k, show)} | {cell(r, show)} | {f'{x:.2f}×' if x else '–'} |")
+    v, size = result.get("versions", {}), units[0]["size"]
+    source = (f"{size}×{size} input. One run of `{result['command']}` on one {v.get('gpu', '?')} ({v.get('date', '?')}), Kiln "
+              f"{v.get('kiln_commit', '?')}, PyTorch {v.get('torch', '?')}, torchvision {v.get('torchvision', '?')}.")
+    return "\n".join(lines) + "\n\n" + summary(counts, "rows") + "\n" + source
+
+
 def environment(result):
     v, ph = result["versions"], result.get("phases", {})
     kiln = f"Kiln {v.get('kiln_commit', '?')} (cuDNN {v.get('kiln_cudnn', '?')} as loaded by the engine)"
@@ -683,17 +704,21 @@ TABLES = {
     "zoo": lambda r: zoo_table(r, [u for u in units_of(r, "classifier") if u["model"] not in TRANSFORMERS]),
     "transformers": lambda r: zoo_table(r, [u for u in units_of(r, "classifier") if u["model"] in TRANSFORMERS]),
     "yolo": yolo_table,
+    "segmentation": segmentation_table,
 }
 
 
 def render(result, doc):
     """`doc` with the text between each `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` replaced
-    by that table."""
+    by that table: every table, or those the run names in `tables` (tools/torch_engine_check.py's
+    run has the segmentation table alone); a table that has nothing from the run stays as it is."""
     for name, table in TABLES.items():
         pattern = re.compile(rf"(<!-- bench:{name} -->\n).*?(\n<!-- /bench:{name} -->)", re.S)
         if not pattern.search(doc):
             sys.exit(f"docs/BENCHMARKS.md has no <!-- bench:{name} --> ... <!-- /bench:{name} --> markers")
-        doc = pattern.sub(lambda m: m.group(1) + table(result) + m.group(2), doc)
+        if name not in result.get("tables", TABLES) or (text := table(result)) is None:
+            continue
+        doc = pattern.sub(lambda m: m.group(1) + text + m.group(2), doc)
     return doc
 
 

@@ -1,8 +1,8 @@
 """Writes the CI fixtures of kiln-torch: small models built from torchvision's own classes (and one
 written with functional calls), exported to Kiln graph files with their PyTorch outputs.
 
-    pip install ./python
-    python3 tools/export_imported_fixtures.py --out tests/fixtures/imported
+    pip install ./python ultralytics       # Ultralytics for tiny_yolov8 alone
+    YOLO_OFFLINE=1 python3 tools/export_imported_fixtures.py --out tests/fixtures/imported [NAME...]
 
 `tests/imported.rs` runs each graph file on the CPU executor against PyTorch, generates structured
 code for it (committed in tests/generated/imported/) and runs that code against the graph file.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -95,6 +96,67 @@ def tiny_deeplab():
     return TinyDeepLab(), [1, 3, 40, 40]
 
 
+def tiny_lraspp():
+    """torchvision's LR-ASPP head (a sigmoid gate from image pooling, two bilinear upsamplings) on
+    MobileNetV3 blocks (squeeze-excitation with hardsigmoid, hardswish)."""
+    from torchvision.models.mobilenetv3 import InvertedResidual, InvertedResidualConfig
+    from torchvision.models.segmentation.lraspp import LRASPPHead
+    from torchvision.ops.misc import Conv2dNormActivation
+
+    norm = partial(nn.BatchNorm2d, eps=0.001, momentum=0.01)
+    cfg = partial(InvertedResidualConfig, width_mult=1.0)
+
+    class TinyLRASPP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = Conv2dNormActivation(3, 8, 3, stride=2, norm_layer=norm, activation_layer=nn.Hardswish)
+            self.low = nn.Sequential(InvertedResidual(cfg(8, 3, 16, 8, True, "RE", 2, 1), norm))
+            self.high = nn.Sequential(InvertedResidual(cfg(8, 5, 24, 16, True, "HS", 2, 1), norm),
+                                      InvertedResidual(cfg(16, 3, 32, 16, True, "HS", 1, 2), norm))
+            self.head = LRASPPHead(8, 16, 3, 16)
+
+        def forward(self, x):
+            low = self.low(self.stem(x))
+            out = self.head({"low": low, "high": self.high(low)})
+            return {"out": F.interpolate(out, size=x.shape[-2:], mode="bilinear", align_corners=False)}
+
+    return TinyLRASPP(), [1, 3, 48, 48]
+
+
+def tiny_efficientnet_v2():
+    """torchvision's EfficientNetV2 blocks: FusedMBConv (with and without expansion), MBConv with
+    squeeze-excitation, SiLU, stochastic depth (the identity in eval)."""
+    from torchvision.models.efficientnet import EfficientNet, FusedMBConvConfig, MBConvConfig
+
+    setting = [FusedMBConvConfig(1, 3, 1, 8, 8, 1), FusedMBConvConfig(4, 3, 2, 8, 16, 1), MBConvConfig(4, 3, 2, 16, 24, 2)]
+    return EfficientNet(setting, dropout=0.2, last_channel=32, num_classes=10), [1, 3, 32, 32]
+
+
+def tiny_regnet():
+    """torchvision's RegNet-Y blocks: grouped 3x3 convs, squeeze-excitation with ReLU and sigmoid."""
+    from torchvision.models.regnet import BlockParams, RegNet
+
+    params = BlockParams.from_init_params(depth=3, w_0=8, w_a=8.0, w_m=2.0, group_width=8, se_ratio=0.25)
+    return RegNet(params, stem_width=8, num_classes=10), [1, 3, 32, 32]
+
+
+def tiny_yolov8():
+    """Ultralytics' YOLOv8 (needs `ultralytics`): C2f's chunk and cat, SPPF, nearest upsampling,
+    Detect's DFL softmax and box decoding, at 1/32 of yolov8n's width, 2 classes, reg_max 4."""
+    from ultralytics.nn.tasks import DetectionModel, yaml_model_load
+
+    from import_check import YoloPredictions
+
+    cfg = yaml_model_load("yolov8n.yaml")
+    cfg.update(scales={"n": [0.33, 0.03125, 1024]}, scale="n", nc=2, reg_max=4)
+    model = DetectionModel(cfg, nc=2, verbose=False)
+    # Ultralytics' class bias puts every score near 1e-5 (its prior): at 0 the scores spread around
+    # 0.5 and weigh in the comparison beside the boxes' pixels.
+    for branch in model.model[-1].cv3:
+        nn.init.zeros_(branch[-1].bias)
+    return YoloPredictions(model), [1, 3, 64, 64]
+
+
 def tiny_swin_opwise():
     """`tiny_swin` converted op by op (no whole-module converters): windows merged into the batch
     (lifted values), patch merging's strided slices, folded masks; it runs at any batch."""
@@ -111,6 +173,10 @@ MODELS = {
     "tiny_swin_opwise": tiny_swin_opwise,
     "tiny_vit": tiny_vit,
     "tiny_deeplab": tiny_deeplab,
+    "tiny_lraspp": tiny_lraspp,
+    "tiny_efficientnet_v2": tiny_efficientnet_v2,
+    "tiny_regnet": tiny_regnet,
+    "tiny_yolov8": tiny_yolov8,
 }
 
 
