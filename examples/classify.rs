@@ -94,9 +94,11 @@ fn main() -> Result<(), Box<dyn Error>> {
     let where_ = if a.cpu || gpu_available().is_err() { "CPU executor" } else { "GPU" };
     print_top5(&format!("{} (preset in the engine: classify_preset on the {where_}, {h}x{w} u8 frame)", a.photo), &on_entry);
     print_top5(&format!("{} (kiln-vision's CPU preset)", a.photo), &on_cpu_preset);
-    let (num, den) = on_entry.data.iter().zip(&on_cpu_preset.data).fold((0f64, 0f64), |(n, d), (&g, &c)| {
-        (n + f64::from(g - c).powi(2), d + f64::from(c).powi(2))
-    });
+    let (num, den) = on_entry
+        .data
+        .iter()
+        .zip(&on_cpu_preset.data)
+        .fold((0f64, 0f64), |(n, d), (&g, &c)| (n + f64::from(g - c).powi(2), d + f64::from(c).powi(2)));
     let same = top_k(&on_entry.data, 5).iter().map(|p| p.class).eq(top_k(&on_cpu_preset.data, 5).iter().map(|p| p.class));
     println!("logits rel L2 {:.2e}; top-5 {}", (num / den.max(f64::MIN_POSITIVE)).sqrt(), if same { "identical" } else { "differ" });
     Ok(())

@@ -18,6 +18,15 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// Custom ops register themselves in the crate that defines them: naming a function of each
+/// keeps kiln-models' entry stages and NMS linked in, so engine files that use them load here.
+#[used]
+static CUSTOM_OPS: [fn() -> Vec<String>; 3] = [
+    kiln_models::classify_preset::classify_preset_entry_points,
+    kiln_models::yolo_letterbox::letterbox_entry_points,
+    kiln_models::yolo_nms::nms_entry_points,
+];
+
 /// One request: an input, and where its answer goes.
 struct Request {
     input: HostTensor,

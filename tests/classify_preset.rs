@@ -64,7 +64,7 @@ fn the_op_matches_torchvision_exactly() {
 fn the_library_preset_equals_the_op() {
     for (w, h, size) in [(61u32, 37u32, 32usize), (40, 90, 24), (224, 224, 224), (13, 7, 16), (300, 451, 224)] {
         let img = RgbImage::from_fn(w, h, |x, y| kiln_vision::image::Rgb([(x * 7 + y * 3) as u8, (x * y) as u8, (255 - x * 2) as u8]));
-        let library = ClassifyPreset::for_input(size as u32).tensor(&[img.clone()]).expect("library preset");
+        let library = ClassifyPreset::for_input(size as u32).tensor(std::slice::from_ref(&img)).expect("library preset");
         let frame = ByteTensor { shape: vec![1, h as usize, w as usize * 3], data: img.as_raw().clone() };
         assert_eq!(run_op(&frame, &Preset::for_input(size)), library, "{w}x{h} at {size}");
     }

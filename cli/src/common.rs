@@ -351,9 +351,42 @@ pub fn trace_args(m: &ModelArgs, batch: Option<usize>) -> Result<Traced> {
 /// `load` of the model, weights and strictness `m` names, at `batch` and `hw`, then
 /// `check_shapes` of its `--shapes`.
 pub fn load_args(m: &ModelArgs, batch: usize, hw: Option<[usize; 2]>) -> Result<Traced> {
+    if let Some(frames) = &m.frames {
+        return load_frames(m, batch, frames);
+    }
     let traced = load(&m.model, m.weights.as_deref(), m.strict, batch, hw)?;
     check_shapes(m.shapes.as_ref(), &graph_inputs(&traced.graph), &traced.name)?;
     Ok(traced)
+}
+
+/// `--frames HxW[:rgb|:bgr]`: the bundled model `m` names behind its entry op
+/// (`kiln_models::trace_frames`), its input `frame` `[batch, H, W * 3]` u8.
+fn load_frames(m: &ModelArgs, batch: usize, text: &str) -> Result<Traced> {
+    use kiln_models::classify_preset::ChannelOrder;
+    let bad = |reason: String| Error::Flag { flag: "--frames".into(), reason };
+    let (dims, order) = match text.rsplit_once(':') {
+        None => (text, ChannelOrder::Rgb),
+        Some((dims, "rgb")) => (dims, ChannelOrder::Rgb),
+        Some((dims, "bgr")) => (dims, ChannelOrder::Bgr),
+        Some((_, other)) => return Err(bad(format!("`{other}` is not a channel order; write HxW (RGB) or HxW:bgr"))),
+    };
+    let hw = dims.split_once('x').and_then(|(h, w)| Some([h.parse::<usize>().ok()?, w.parse::<usize>().ok()?]));
+    let hw = hw.filter(|hw| hw.iter().all(|&v| (1..=1 << 16).contains(&v)));
+    let hw = hw.ok_or_else(|| bad(format!("takes HxW with sides of 1 to 65536 pixels, e.g. 480x640 or 720x1280:bgr; got `{text}`")))?;
+    let Source::Bundled(info) = source(&m.model)? else {
+        return Err(bad(format!("puts a bundled classifier or YOLO behind its entry stage; {} is not a bundled model", m.model)));
+    };
+    if !matches!(info.family(), "classifier" | "yolo") {
+        return Err(bad(format!("{} has no entry stage; the classifiers and the YOLO detectors have one", info.name)));
+    }
+    let (vb, label, seeded) = weights(m.weights.as_deref(), info.name)?;
+    let graph = kiln_models::trace_frames(info.name, vb.clone(), batch, hw, order)?;
+    if m.strict && m.weights.is_some() {
+        vb.check_all_used()?;
+        vb.check_finite()?;
+    }
+    check_graph_inputs(batch, &graph, info.name)?;
+    Ok(Traced { name: info.name.into(), model: info.name.into(), graph, hw: None, origin: "bundled", weights: label, seeded })
 }
 
 /// `--shapes NAME:DIMS` against the model's inputs (per-image dims, as `graph_inputs` and

@@ -227,6 +227,9 @@ pub struct ModelArgs {
     /// The input's shape, trtexec-style: `input:NxCxHxW` (batch and H x W; a graph file re-infers its shapes at another H x W, an engine file runs any H x W inside its profiles).
     #[arg(long, value_name = "NAME:DIMS", value_parser = shapes_parser)]
     pub shapes: Option<Shapes>,
+    /// A bundled classifier or YOLO behind its GPU entry stage: its input `frame` is decoded u8 frames of this size, `HxW` (RGB) or `HxW:bgr` (e.g. 480x640), resized, cropped and normalised (classifiers: torchvision's preset) or letterboxed (YOLO) inside the model.
+    #[arg(long, value_name = "HxW[:bgr]", conflicts_with_all = ["size", "shapes"])]
+    pub frames: Option<String>,
 }
 
 /// Engine build settings shared by every command that builds one.

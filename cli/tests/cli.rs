@@ -1098,6 +1098,33 @@ fn conv_graph_file(tracer: &Tracer, x: &Tensor, channels: usize, path: &std::pat
     path.to_path_buf()
 }
 
+/// `--frames HxW[:bgr]` traces a bundled classifier behind `classify_preset` and a YOLO behind
+/// `yolo_letterbox`, their input `frame` u8 in the order asked; other models and orders are
+/// flag errors.
+#[test]
+fn frames_put_a_bundled_model_behind_its_entry_stage() {
+    let dir = temp_dir("frames");
+    for (model, frames, op, bgr) in [("mobilenet_v2", "48x64", "classify_preset", 0.0), ("yolov8n", "48x64:bgr", "yolo_letterbox", 1.0)] {
+        let path = dir.join(format!("{model}.kiln.safetensors"));
+        let out = kiln(&["trace", model, "--frames", frames, "-o", arg(&path)]);
+        assert!(out.status.success(), "{}", text(&out).1);
+        let graph = Graph::load(&path).expect("load");
+        assert_eq!(graph.input_dtype("frame"), Some(kiln::DType::U8));
+        let entry = graph.nodes.iter().find(|n| n.op.name() == op).unwrap_or_else(|| panic!("{model}: no {op}"));
+        let kiln::plugin::Op::Custom(call) = &entry.op else { panic!("{op} is a custom op") };
+        assert_eq!(call.attrs.get("bgr"), Some(&bgr), "{model} {frames}");
+    }
+    for (args, says) in [
+        (["centernet", "--frames", "48x64"], "centernet has no entry stage"),
+        (["mobilenet_v2", "--frames", "48x64:yuv"], "`yuv` is not a channel order"),
+        (["mobilenet_v2", "--frames", "48"], "takes HxW"),
+    ] {
+        let out = kiln(&[&["trace"], &args[..], &["-o", arg(&dir.join("x.kiln.safetensors"))]].concat());
+        let stderr = text(&out).1;
+        assert!(!out.status.success() && stderr.contains("--frames") && stderr.contains(says), "{args:?}: {stderr}");
+    }
+}
+
 #[test]
 fn a_u8_frame_model_runs_benches_inspects_and_codegens_on_the_cpu() {
     let dir = temp_dir("u8-frame");

@@ -26,8 +26,8 @@
 //! to 0..=255 first.
 
 use crate::yolo_letterbox::frame_input as letterbox_frame_input;
-use kiln::internals::ops::image::{center_crop_axis, pil_bilinear_taps, pil_clip8, shorter_side_to, PilTaps};
 pub use kiln::internals::ops::image::ChannelOrder;
+use kiln::internals::ops::image::{center_crop_axis, pil_bilinear_taps, pil_clip8, shorter_side_to, PilTaps};
 use kiln::plugin::{Attrs, CustomOp};
 use kiln::{Error, HostTensor, Result, Tensor, Tracer};
 

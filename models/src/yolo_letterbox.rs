@@ -26,8 +26,8 @@
 //!
 //! Map detections back with `yolo_nms`' `frame_h`/`frame_w`/`input_h`/`input_w` attributes.
 
-use kiln::internals::ops::image::{letterbox_level, Letterbox, Tap, LETTERBOX_PAD};
 pub use kiln::internals::ops::image::ChannelOrder;
+use kiln::internals::ops::image::{letterbox_level, Letterbox, Tap, LETTERBOX_PAD};
 use kiln::plugin::{Attrs, CustomOp};
 use kiln::HostTensor;
 use kiln::{DType, Error, Result, Tensor, Tracer};

@@ -36,8 +36,8 @@ impl ChannelOrder {
     pub fn from_bgr_attr(value: Option<f64>, default: ChannelOrder) -> Result<ChannelOrder, String> {
         match value {
             None => Ok(default),
-            Some(v) if v == 0.0 => Ok(ChannelOrder::Rgb),
-            Some(v) if v == 1.0 => Ok(ChannelOrder::Bgr),
+            Some(0.0) => Ok(ChannelOrder::Rgb),
+            Some(1.0) => Ok(ChannelOrder::Bgr),
             Some(v) => Err(format!("attribute bgr must be 0 (RGB frames) or 1 (BGR frames), got {v}")),
         }
     }

@@ -12,10 +12,12 @@ pub use kiln_models::{bundled, trace_hw as trace_bundled, yolo11n, yolo11s, yolo
 
 /// Custom ops register themselves (inventory) in the crate that defines them. Referencing a function
 /// of each of those modules keeps their registrations linked into `libtriton_kiln.so`, so graph
-/// files with YOLO's letterbox and NMS, CenterNet's decode or deformable convs run here too.
+/// files with YOLO's letterbox and NMS, the classifier preset, CenterNet's decode or deformable convs
+/// run here too.
 #[used]
-static CUSTOM_OPS: [fn() -> Vec<String>; 3] = [
+static CUSTOM_OPS: [fn() -> Vec<String>; 4] = [
     kiln_models::yolo_letterbox::letterbox_entry_points,
+    kiln_models::classify_preset::classify_preset_entry_points,
     kiln_models::yolo_nms::nms_entry_points,
     kiln_models::centernet::decode_entry_points,
 ];
