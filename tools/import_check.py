@@ -110,6 +110,14 @@ def build(name: str):
         # torchvision zero-initialises the head: logits would all be 0.
         nn.init.normal_(m.heads.head.weight, std=0.02)
     draw_batch_norm(m)
+    if name in ("resnet101", "resnet152"):
+        # 33 and 50 residual sums at unit scale grow past FP16's range (f32 activations reach 3e5
+        # and 6e8; PyTorch's own FP16 gives NaN): each block's last BatchNorm scale is drawn in
+        # [0.2, 0.5], as trained ResNets have them, which keeps them under 50 (f32 vs f64 5e-7).
+        gen = torch.Generator().manual_seed(2)
+        for path, mod in m.named_modules():
+            if path.endswith("bn3"):
+                mod.weight.data.copy_(torch.rand(mod.weight.shape, generator=gen) * 0.3 + 0.2)
     return m, [1, 3, 224, 224]
 
 

@@ -180,7 +180,11 @@ def read(path: str) -> dict:
 
 
 def rel_l2(got: np.ndarray, want: np.ndarray) -> float:
+    """‖got − want‖ / ‖want‖; infinite where either holds a NaN or an infinity (Python's `max` would
+    otherwise drop a NaN and report 0)."""
     got, want = got.astype(np.float64), want.astype(np.float64)
+    if not (np.isfinite(got).all() and np.isfinite(want).all()):
+        return float("inf")
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
@@ -568,6 +572,14 @@ def main() -> int:
         units, bench_rows, fidelity = benchmark(kiln, work, seg, a)
         for n, f in fidelity.items():
             rows[n]["torch_fp16"] = f
+            # A segmentation map's argmax bar is PyTorch's own FP16 agreement where that is lower:
+            # Kiln's FP16 should lose no more than PyTorch's does (same weights, same input).
+            fp16 = rows[n].get("fp16", {})
+            if (not fp16.get("pass") and fp16.get("rel_l2") is not None and fp16["rel_l2"] <= BOUNDS["fp16"]
+                    and f.get("agree") is not None and fp16.get("agree", 0.0) >= f["agree"]):
+                fp16["pass"] = True
+                fp16.pop("error", None)
+                rows[n]["pass"] = verdict(rows[n], precisions)
         phases["bench_s"] = round(time.time() - tb, 1)
     lines = [f"kiln-torch device check on {device} ({info['date']}, kiln {info.get('kiln_commit', '?')}): {len(names)} models, "
              f"{sum(1 for r in check_rows if r.get('pass'))} pass", ""] + table(check_rows, precisions)

@@ -17,6 +17,7 @@ import concurrent.futures
 import csv
 import glob
 import json
+import math
 import os
 import random
 import re
@@ -204,6 +205,8 @@ def cmd_ratios(a):
         one = tput(a.one, base)
         for run in runs:
             two = tput(a.two, run)
+            if math.isnan(one) or math.isnan(two):
+                continue  # a run this invocation skipped (QUICK=1) or that found no stable measurement
             c = int(run[1:4])
             print(f"- {what}, two GPUs at concurrency {c}: {two:.0f} images/s = {two / one:.2f}x one GPU's {one:.0f} "
                   f"at {int(base[1:4])}{target}")
