@@ -267,11 +267,13 @@ pub fn trace_frames(model: &str, vb: VarBuilder, batch: usize, frame: [usize; 2]
             predictions.mark_output("predictions");
             detections.mark_output("detections");
         }
-        Load::CenterNet | Load::CenterNetDcn => return Err(Error::Config {
-            reason: format!(
+        Load::CenterNet | Load::CenterNetDcn => {
+            return Err(Error::Config {
+                reason: format!(
                 "{model} takes no frames: only the classifiers (classify_preset) and the YOLO detectors (yolo_letterbox) have an entry op"
             ),
-        }),
+            })
+        }
     }
     Ok(tracer.graph())
 }
