@@ -23,8 +23,9 @@ OUT=${OUT:-entry-check-out}
 KILN=${KILN:-target/release/kiln}
 EXAMPLES=${EXAMPLES:-target/release/examples}
 # The twelve photos the CPU tests compare with torchvision (PHOTO_LIST="a.png b.jpg" picks others).
-read -ra EVAL <<<"${PHOTO_LIST:-chelsea.png coffee.png astronaut.png rocket.jpg motorcycle_left.png motorcycle_right.png
-  hubble_deep_field.jpg retina.jpg ihc.png color.png camera.png horse.png}"
+# (One line: `read` stops at the first newline.)
+DEFAULT_PHOTOS="chelsea.png coffee.png astronaut.png rocket.jpg motorcycle_left.png motorcycle_right.png hubble_deep_field.jpg retina.jpg ihc.png color.png camera.png horse.png"
+read -ra EVAL <<<"${PHOTO_LIST:-$DEFAULT_PHOTOS}"
 [[ -f $PTH ]] || { echo "PTH=$PTH: no such checkpoint (tools/fetch_real_data.py)" >&2; exit 2; }
 [[ -d $PHOTOS ]] || { echo "PHOTOS=$PHOTOS: no such folder" >&2; exit 2; }
 mkdir -p "$OUT"
