@@ -126,9 +126,8 @@ fn resnet18_runs_non_square_shapes_and_saved_engines_keep_their_profiles() {
             // twice the engine's max abs error may swap them, which no tolerance rules out.
             let (g, w) = (&got["logits"], &want["logits"]);
             let max_abs = g.data.iter().zip(&w.data).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-            for (i, (gr, wr)) in g.data.chunks(g.shape[1]).zip(w.data.chunks(w.shape[1])).enumerate() {
-                let top = |r: &[f32]| (0..r.len()).max_by(|&a, &b| r[a].total_cmp(&r[b])).unwrap_or(0);
-                let (gt, wt) = (top(gr), top(wr));
+            let tops = kiln::top1(g).into_iter().zip(kiln::top1(w));
+            for (i, ((gt, wt), wr)) in tops.zip(w.data.chunks(w.shape[1])).enumerate() {
                 let mut sorted = wr.to_vec();
                 sorted.sort_by(|a, b| b.total_cmp(a));
                 let gap = sorted[0] - sorted[1];
