@@ -34,7 +34,7 @@
 # Environment: KILN, BACKEND (default: target/release/{kiln,libtriton_kiln.so}); repositories come from `kiln triton-repo`;
 # KILN_LD (where CUDA 13 and cuDNN 9 are), OUT (default ./triton-bench-out), KILN_TRITON_WHEELS (default shared/wheels): the
 # nvidia-pytriton 0.7.0 wheel (the server) and tritonclient 2.51.0's manylinux1 wheel (perf_analyzer);
-# without them the registry is asked. INSTANCES (default 2 per GPU), DELAY_US (queue delay, default 200),
+# without them the registry is asked. INSTANCES (default 3 per GPU: see docs/SERVING.md), DELAY_US (queue delay, default 200),
 # MAX_BATCH (the engine's max and opt batch, default 256), REQ_BATCH (images a batched request, default 16),
 # ENGINE_DIR (where the engine is built and reused, default $OUT; a folder kept between calls saves the build),
 # QUICK=1 (only the CUDA-shared-memory runs that bound the server: batch-1 at 256, batch-$REQ_BATCH at 64 on
@@ -44,7 +44,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:-$ROOT/triton-bench-out}
 WHEELS=${KILN_TRITON_WHEELS:-$ROOT/shared/wheels}
-INSTANCES=${INSTANCES:-2}
+INSTANCES=${INSTANCES:-3}
 DELAY_US=${DELAY_US:-200}
 MAX_BATCH=${MAX_BATCH:-256}
 REQ_BATCH=${REQ_BATCH:-16}
