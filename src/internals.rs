@@ -109,6 +109,9 @@ pub mod engine {
     pub mod reformat {
         pub use crate::engine::reformat::*;
     }
+    pub mod resolve {
+        pub use crate::engine::resolve::*;
+    }
     pub mod strided {
         pub use crate::engine::strided::*;
     }

@@ -10,7 +10,7 @@
 pub use crate::engine::gemm::LtMatmul;
 pub use crate::engine::kernels::{compile_source, Kernels};
 pub use crate::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
-pub use crate::engine::layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId, MAX_RANK};
+pub use crate::engine::layer::{DeviceBuf, Elem, Layer, LayerCtx, Layout, RunCtx, ValueDesc, ValueId, MAX_RANK};
 pub use crate::error::OpError;
 pub use crate::graph::{
     Activation, Attention, Binary, ConvAttrs, Gemm, Node, Norm, Op, Pool, PoolAttrs, QkvAttention, Quant, QuantFormat, QuantParams, Resize,
@@ -18,4 +18,4 @@ pub use crate::graph::{
 };
 pub use crate::ops::custom::{attr, Attrs, CustomCall, CustomOp, ShapeRule};
 pub use crate::ops::custom::{check_converters, converter, Converter};
-pub use crate::ops::OpDef;
+pub use crate::ops::{BuildCtx, OpDef};

@@ -29,6 +29,7 @@ pub(crate) mod plan;
 pub(crate) mod precision;
 pub(crate) mod prepare;
 pub(crate) mod reformat;
+pub(crate) mod resolve;
 pub(crate) mod strided;
 pub(crate) mod tactic;
 
@@ -48,4 +49,4 @@ pub use precision::{LayerPrecision, Precision};
 
 // Crate-internal shorthands (the plugin face re-exports the layer API publicly).
 
-pub(crate) use layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId};
+pub(crate) use layer::{DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId};

@@ -59,13 +59,13 @@ impl Precision {
     }
 
     /// The 8-bit format this precision quantises to (`None`: not a quantised precision).
-    pub fn quant_format(self) -> Option<crate::graph::QuantFormat> {
+    pub fn quant_format(self) -> Option<crate::number_format::QuantFormat> {
         match self {
-            Precision::Int8 => Some(crate::graph::QuantFormat::Int8),
-            Precision::Fp8 => Some(crate::graph::QuantFormat::Fp8E4m3),
+            Precision::Int8 => Some(crate::number_format::QuantFormat::Int8),
+            Precision::Fp8 => Some(crate::number_format::QuantFormat::Fp8E4m3),
             // Best's 8-bit chains are INT8 (as fast as FP8 on the same tensor cores, and closer to
             // FP32); its FP8 GEMMs clip at the same ranges (`engine::quant`).
-            Precision::Best => Some(crate::graph::QuantFormat::Int8),
+            Precision::Best => Some(crate::number_format::QuantFormat::Int8),
             Precision::Fp32 | Precision::Tf32 | Precision::Fp16 => None,
         }
     }

@@ -16,17 +16,19 @@ pub mod custom;
 pub mod elementwise;
 pub mod image;
 pub mod linear;
+pub mod lower;
 pub mod norm;
 pub mod pool;
 pub mod quant;
 pub mod resize;
 pub mod shape;
 
-use crate::engine::{BuildCtx, Layer, Layout};
+use crate::engine::{Layer, Layout};
 use crate::error::OpError;
 use crate::graph::{Binary, ConvAttrs, Gemm, HostTensor, NodeId, Norm, Op, Pool, Quant, Resize, ShapeOp, Unary};
 use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
+pub use lower::BuildCtx;
 use std::borrow::Cow;
 use strum::IntoEnumIterator;
 
@@ -46,6 +48,13 @@ pub fn builtin_ops() -> Vec<Op> {
         .chain([Op::Attention(attention::Attention::default()), Op::QkvAttention(attention::QkvAttention::default())])
         .chain(Quant::iter().map(Op::Quant))
         .collect()
+}
+
+/// Checks that every node of `graph` has a GPU converter, before any GPU work: built-in ops
+/// always do (each family's `OpDef::convert`); a custom op needs a registered one
+/// (`custom::check_converters`). The error names the op and its module path.
+pub fn check_converters(graph: &crate::graph::Graph) -> crate::Result<()> {
+    custom::check_converters(graph)
 }
 
 /// What every op provides. Implemented by each op family; reached through `Op::def`.
