@@ -67,6 +67,9 @@ pub mod engine {
     pub mod builder {
         pub use crate::engine::builder::*;
     }
+    pub mod choices {
+        pub use crate::engine::choices::*;
+    }
     pub mod config {
         pub use crate::engine::config::*;
     }

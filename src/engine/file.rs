@@ -17,7 +17,7 @@
 
 use super::builder::{cache_prefix, lower, Engine};
 use super::gpu::{Gpu, GpuInfo};
-use super::tactic::Tactics;
+use super::choices::Tactics;
 use super::BuildConfig;
 use crate::graph::{Graph, HostTensor};
 use crate::{Error, Result};

@@ -8,7 +8,8 @@
 
 use super::gpu::{cuda_err, Gpu, Handles};
 use super::kernels::Kernels;
-use super::tactic::Tactics;
+use super::choices::Tactics;
+pub use super::precision::Elem;
 use super::{BuildConfig, Precision};
 use crate::LowerKind;
 use crate::{Error, Result};
@@ -21,40 +22,6 @@ use std::sync::Arc;
 /// layer's scratch buffer. Index into the engine's value table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct ValueId(pub usize);
-
-/// Element type in device memory. Every value a layer reads or writes is `F32` or `F16` (its
-/// node's precision), except in an 8-bit engine: an activation quantiser's value that only 8-bit
-/// convs read is stored as its codes, `I8` or `E4m3` (`engine::eight_bit::EightBitPlan`), with the
-/// scale of the quantiser node that defines it. `U8` is only ever the type of an input binding
-/// declared u8 (`DType::U8`), which the builder's entry reformat converts to its reader's type.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum Elem {
-    F32,
-    F16,
-    U8,
-    I8,
-    E4m3,
-}
-
-impl Elem {
-    pub fn size(self) -> usize {
-        match self {
-            Elem::F32 => 4,
-            Elem::F16 => 2,
-            Elem::U8 | Elem::I8 | Elem::E4m3 => 1,
-        }
-    }
-    /// The suffix of kernel entry points stamped out per type (`relu_f16`, `cast_u8_f16`).
-    pub fn suffix(self) -> &'static str {
-        match self {
-            Elem::F32 => "f32",
-            Elem::F16 => "f16",
-            Elem::U8 => "u8",
-            Elem::I8 => "i8",
-            Elem::E4m3 => "e4m3",
-        }
-    }
-}
 
 /// The most per-image dims a value of the engine may have.
 pub const MAX_RANK: usize = 7;
@@ -552,16 +519,6 @@ impl<'a> LayerCtx<'a> {
         let dims = vec![bytes_per_image.div_ceil(4)];
         self.values.push(ValueDesc { name, dims, elem: Elem::F32, layout: Layout::contiguous(1), storage: Storage::Arena });
         id
-    }
-
-    /// Picks the fastest of `candidates` (TensorRT's tactics): recorded choices (engine being
-    /// loaded, timing cache) are reused, otherwise each candidate is timed on the device at the
-    /// opt batch. Candidates that fail to run are skipped; if none runs the error lists why.
-    /// `key` names the problem (shapes, attributes), not the node: equal keys share a timing.
-    pub fn choose(&mut self, key: &str, candidates: Vec<Box<dyn Layer>>) -> Result<Box<dyn Layer>> {
-        let layer = super::tactic::choose(self, key, candidates)?;
-        self.tactics.chosen.push((self.path.clone(), layer.kind()));
-        Ok(layer)
     }
 
     /// An error naming the layer's op and module path.

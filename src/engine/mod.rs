@@ -13,6 +13,7 @@
 pub(crate) mod arena;
 pub(crate) mod best;
 pub(crate) mod builder;
+pub(crate) mod choices;
 pub(crate) mod config;
 pub(crate) mod cudnn;
 pub(crate) mod cudnn_graph;

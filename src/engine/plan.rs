@@ -9,11 +9,12 @@ use super::config::{BuildConfig, InputDims};
 use super::eight_bit::FP8_GEMM;
 use super::eight_bit::{self, EightBitPlan};
 use super::gpu::{cuda_err, Gpu};
-use super::kernels::{self, Kernels};
+use super::kernels::Kernels;
 use super::layer::{Elem, Layer, LayerCtx, Layout, RunCtx, Storage, ValueDesc, ValueId, WeightStore, MAX_RANK};
 use super::precision::Precision;
+use super::reformat::reformat_layer;
 use super::resolve::node_precisions;
-use super::tactic::{Tactics, TacticsMark};
+use super::choices::{Tactics, TacticsMark};
 use crate::graph::{DType, Graph, NodeId, Op};
 use crate::ops::{BuildCtx, LayoutPlan, OpDef};
 use crate::LowerKind;
@@ -404,7 +405,7 @@ fn convert(
         if internal == *binding {
             continue;
         }
-        let layer = kernels::reformat_layer(ctx, *binding, internal, name)?;
+        let layer = reformat_layer(ctx, *binding, internal, name)?;
         lowered.push(layer, vec![internal]);
     }
     let graph = ctx.graph;
@@ -426,7 +427,7 @@ fn convert(
     }
     for out in outputs {
         ctx.set_current(out.node);
-        let layer = kernels::reformat_layer(ctx, out.src, out.binding, &out.name)?;
+        let layer = reformat_layer(ctx, out.src, out.binding, &out.name)?;
         lowered.push(layer, vec![out.src]);
     }
     Ok(lowered)
@@ -494,7 +495,7 @@ impl Reformats {
         let name = if desc.elem == elem { format!("{}.{want:?}", desc.name) } else { format!("{}.{want:?}.{elem:?}", desc.name) };
         ctx.values.push(ValueDesc { name, layout: want, elem, storage: Storage::Arena, ..desc.clone() });
         let path = ctx.path().to_string();
-        let layer = kernels::reformat_layer(ctx, v, copy, &path)?;
+        let layer = reformat_layer(ctx, v, copy, &path)?;
         lowered.push(layer, vec![v, copy]);
         self.copies.insert((v, want, elem), copy);
         self.origin.insert(copy, v);

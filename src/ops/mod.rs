@@ -116,7 +116,8 @@ pub fn eight_bit_plan(
 /// Every NVRTC entry point Kiln's layers may launch: the engine's own (reformats, strided
 /// copies) and every op family's (`OpDef::entry_points` of [`builtin_ops`]), sorted, each once.
 pub fn kernel_entry_points() -> Vec<String> {
-    let mut names: std::collections::BTreeSet<String> = crate::engine::kernels::engine_entry_points().into_iter().collect();
+    let mut names: std::collections::BTreeSet<String> = crate::engine::reformat::entry_points().into_iter().collect();
+    names.extend(crate::engine::strided::entry_points());
     names.extend(builtin_ops().iter().filter_map(Op::def).flat_map(|d| d.entry_points()));
     // The convolution family's depthwise kernels (its other kernels are compiled on demand).
     names.extend(conv::depthwise::entry_points());
