@@ -4,13 +4,13 @@
 //! Loading an engine file runs the same lowering with recorded tactics and no passes.
 
 use super::best::{self, LayerTimes};
+use super::choices::Tactics;
 use super::gpu::Gpu;
 use super::kernels::Kernels;
 use super::layer::{Layer, WeightStore};
 use super::plan::lower_plan;
 pub use super::plan::{BuildSummary, MemorySummary, Plan};
 use super::prepare::prepare;
-use super::choices::Tactics;
 use super::{BuildConfig, InputDims, Precision};
 use crate::graph::{DType, Graph};
 use crate::{Error, Result};

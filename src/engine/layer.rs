@@ -6,9 +6,9 @@
 //! sees a `RunCtx`: the stream, the context's library handles and the device address of every
 //! value.
 
+use super::choices::Tactics;
 use super::gpu::{cuda_err, Gpu, Handles};
 use super::kernels::Kernels;
-use super::choices::Tactics;
 pub use super::precision::Elem;
 use super::{BuildConfig, Precision};
 use crate::LowerKind;

@@ -6,6 +6,7 @@
 use super::arena::{self, ArenaPlan, StepUse};
 use super::config::{BuildConfig, InputDims};
 
+use super::choices::{Tactics, TacticsMark};
 use super::eight_bit::FP8_GEMM;
 use super::eight_bit::{self, EightBitPlan};
 use super::gpu::{cuda_err, Gpu};
@@ -14,7 +15,6 @@ use super::layer::{Elem, Layer, LayerCtx, Layout, RunCtx, Storage, ValueDesc, Va
 use super::precision::Precision;
 use super::reformat::reformat_layer;
 use super::resolve::node_precisions;
-use super::choices::{Tactics, TacticsMark};
 use crate::graph::{DType, Graph, NodeId, Op};
 use crate::ops::{BuildCtx, LayoutPlan, OpDef};
 use crate::LowerKind;
