@@ -1,7 +1,9 @@
 //! What a custom op needs. Register the op (its name, shape rule and CPU reference) as a
 //! [`CustomOp`] with `kiln::inventory::submit!`, and its GPU converter with
-//! [`register_converter!`](crate::register_converter). The converter compiles its CUDA source
-//! through [`BuildCtx`]'s kernel cache and returns a [`Layer`] whose `enqueue` calls [`launch`].
+//! [`register_converter!`](crate::register_converter). The converter reads its node through
+//! [`BuildCtx`], compiles its CUDA source through the kernel cache of the [`LayerCtx`] it derefs to
+//! (which also uploads weights, plans scratch and chooses among candidates), and returns a
+//! [`Layer`] whose `enqueue` calls [`launch`].
 //! Built-in op families implement [`OpDef`] the same way.
 //!
 //! The graph's op-level IR is here too: [`Op`] and its families' attributes, which a converter

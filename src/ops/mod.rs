@@ -113,6 +113,18 @@ pub fn eight_bit_plan(
     conv::conv8::plan(graph, config, precisions, sm)
 }
 
+/// Whether each node of `graph` is an activation quantiser: a fake-quantize of a computed value,
+/// not of a weight. A `Best` engine lowers those it does not store as 8-bit codes as aliases of
+/// their input (`EightBitPlan::aliased`).
+pub fn activation_quantisers(graph: &crate::graph::Graph) -> Vec<bool> {
+    let is_weight = |i: NodeId| matches!(graph.nodes[i].op, Op::Weight { .. });
+    graph
+        .nodes
+        .iter()
+        .map(|n| matches!(n.op, Op::Quant(Quant::FakeQuantize(_))) && n.inputs.first().is_some_and(|&i| !is_weight(i)))
+        .collect()
+}
+
 /// Every NVRTC entry point Kiln's layers may launch: the engine's own (reformats, strided
 /// copies) and every op family's (`OpDef::entry_points` of [`builtin_ops`]), sorted, each once.
 pub fn kernel_entry_points() -> Vec<String> {
