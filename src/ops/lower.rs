@@ -22,7 +22,7 @@ pub struct BuildCtx<'a> {
     pub(crate) node_values: Vec<Option<ValueId>>,
     /// The node being converted.
     pub(crate) current: NodeId,
-    /// Each node's precision (`engine::node_precisions`): the engine's unless a per-layer rule says otherwise.
+    /// Each node's precision (`engine::resolve::node_precisions`): the engine's unless a per-layer rule says otherwise.
     pub(crate) precisions: Vec<Precision>,
     /// An 8-bit engine's 8-bit convs and stored quantisers (empty plan otherwise).
     pub eight_bit: EightBitPlan,
