@@ -1,7 +1,7 @@
 //! The one comparison harness: every number a user sees about an error against a reference
 //! (tests, `kiln compare`, GPU checks) is computed here.
 
-use crate::graph::HostTensor;
+use crate::host_tensor::HostTensor;
 use std::fmt;
 
 /// How far `got` is from a reference tensor.

@@ -67,6 +67,9 @@ pub mod engine {
     pub mod builder {
         pub use crate::engine::builder::*;
     }
+    pub mod choices {
+        pub use crate::engine::choices::*;
+    }
     pub mod config {
         pub use crate::engine::config::*;
     }
@@ -108,6 +111,9 @@ pub mod engine {
     }
     pub mod reformat {
         pub use crate::engine::reformat::*;
+    }
+    pub mod resolve {
+        pub use crate::engine::resolve::*;
     }
     pub mod strided {
         pub use crate::engine::strided::*;

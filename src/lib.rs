@@ -27,6 +27,7 @@ mod graph;
 mod graph_file;
 mod hash;
 mod host;
+mod host_tensor;
 #[doc(hidden)]
 pub mod internals;
 mod layerwise;

@@ -1,7 +1,9 @@
 //! What a custom op needs. Register the op (its name, shape rule and CPU reference) as a
 //! [`CustomOp`] with `kiln::inventory::submit!`, and its GPU converter with
-//! [`register_converter!`](crate::register_converter). The converter compiles its CUDA source
-//! through [`BuildCtx`]'s kernel cache and returns a [`Layer`] whose `enqueue` calls [`launch`].
+//! [`register_converter!`](crate::register_converter). The converter reads its node through
+//! [`BuildCtx`], compiles its CUDA source through the kernel cache of the [`LayerCtx`] it derefs to
+//! (which also uploads weights, plans scratch and chooses among candidates), and returns a
+//! [`Layer`] whose `enqueue` calls [`launch`].
 //! Built-in op families implement [`OpDef`] the same way.
 //!
 //! The graph's op-level IR is here too: [`Op`] and its families' attributes, which a converter
@@ -10,7 +12,7 @@
 pub use crate::engine::gemm::LtMatmul;
 pub use crate::engine::kernels::{compile_source, Kernels};
 pub use crate::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
-pub use crate::engine::layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId, MAX_RANK};
+pub use crate::engine::layer::{DeviceBuf, Elem, Layer, LayerCtx, Layout, RunCtx, ValueDesc, ValueId, MAX_RANK};
 pub use crate::error::OpError;
 pub use crate::graph::{
     Activation, Attention, Binary, ConvAttrs, Gemm, Node, Norm, Op, Pool, PoolAttrs, QkvAttention, Quant, QuantFormat, QuantParams, Resize,
@@ -18,4 +20,4 @@ pub use crate::graph::{
 };
 pub use crate::ops::custom::{attr, Attrs, CustomCall, CustomOp, ShapeRule};
 pub use crate::ops::custom::{check_converters, converter, Converter};
-pub use crate::ops::OpDef;
+pub use crate::ops::{BuildCtx, OpDef};

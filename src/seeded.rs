@@ -19,7 +19,7 @@
 //! in ResNet-50 and 15 in CenterNet-R50, far from FP16's limit (`tools/export_reference.py --stats`);
 //! `tests/seeded.rs` and `tools/test_seeded.py` pin the same golden values.
 
-use crate::graph::HostTensor;
+use crate::host_tensor::{numel, HostTensor};
 
 const PHI: u64 = 0x9E37_79B9_7F4A_7C15;
 
@@ -36,6 +36,14 @@ pub fn mix(mut z: u64) -> u64 {
 /// The i-th uniform draw in [0, 1) of the stream named `name`.
 pub fn uniform(seed: u64, i: u64) -> f64 {
     (mix(seed.wrapping_add((i + 1).wrapping_mul(PHI))) >> 11) as f64 / (1u64 << 53) as f64
+}
+
+impl HostTensor {
+    /// Reproducible pseudo-random values drawn from `name`: what `VarBuilder::seeded` gives the
+    /// weight `name` (uniform in [-1, 1) for a name that is not a weight's), for example inputs.
+    pub fn seeded(name: &str, shape: &[usize]) -> Self {
+        weight(name, shape)
+    }
 }
 
 /// The seeded value of the tensor `name` with `shape`.
@@ -68,8 +76,7 @@ pub fn uniform_tensor(shape: &[usize], seed: u64) -> HostTensor {
 /// had is an error (`TooLarge`, `OutOfMemory`), not an abort.
 pub fn try_uniform_tensor(shape: &[usize], seed: u64) -> crate::Result<HostTensor> {
     let what = || format!("an input of shape {shape:?}");
-    let n =
-        crate::graph::numel(shape).ok_or_else(|| crate::Error::TooLarge { what: what(), reason: "its element count overflows".into() })?;
+    let n = numel(shape).ok_or_else(|| crate::Error::TooLarge { what: what(), reason: "its element count overflows".into() })?;
     let mut data = Vec::new();
     data.try_reserve_exact(n).map_err(|_| crate::Error::OutOfMemory { what: what(), bytes: n.saturating_mul(4) })?;
     data.extend((0..n as u64).map(|i| (2.0 * uniform(seed, i) - 1.0) as f32));

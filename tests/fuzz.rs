@@ -634,7 +634,7 @@ fn check_kiln_torch_file(bytes: &[u8], base: &Graph, data_touched: bool, nan: Op
     let g = &file.graph;
     let rules = LayerPrecision::parse_list("features.*:fp32,head:fp16,*.1:tf32").expect("rules");
     let config = BuildConfig::default().precision(Precision::Fp16).layer_precisions(rules);
-    assert_eq!(kiln::internals::engine::config::node_precisions(g, &config).len(), g.nodes.len());
+    assert_eq!(kiln::internals::engine::resolve::node_precisions(g, &config).len(), g.nodes.len());
     let _ = g.to_text();
     if data_touched || nan.is_some() || !same_computation(base, g) {
         optimize_agrees(g, 9, nan);

@@ -254,7 +254,7 @@ fn h04_fifos_directories_and_devices_are_named_without_blocking() {
     let e = within_10_s("read_tensors_within", move || kiln::internals::var_builder::read_tensors_within(&f, "input", |_| true, 1 << 31));
     says(e.unwrap_err(), fifo_msg);
     let f = fifo.clone();
-    let mut tactics = kiln::internals::engine::tactic::Tactics::default();
+    let mut tactics = kiln::internals::engine::choices::Tactics::default();
     says(within_10_s("Tactics::load_cache", move || tactics.load_cache(&f)).unwrap_err(), fifo_msg);
     // A directory named like an image, and a device, are named too.
     let sub = dir.join("sub");

@@ -381,7 +381,7 @@ fn eight_bit_plan_of_the_digits_network() {
     use kiln::internals::ops::conv::conv8;
     use kiln::{
         engine::{BuildConfig, Precision},
-        internals::engine::config::node_precisions,
+        internals::engine::resolve::node_precisions,
     };
     let g = digits_int8_engine_graph(&digits());
     let plan_for = |config: &BuildConfig, sm: u32| conv8::plan(&g, config, &node_precisions(&g, config), sm);
@@ -437,7 +437,7 @@ fn best_moves_convs_to_16_bits_only_where_it_pays() {
     use kiln::internals::ops::conv::conv8;
     use kiln::{
         engine::{BuildConfig, Precision},
-        internals::engine::config::node_precisions,
+        internals::engine::resolve::node_precisions,
     };
     let d = digits();
     let cache =
@@ -481,7 +481,7 @@ fn eight_bit_plan_of_the_resnet_stem() {
     use kiln::internals::ops::conv::conv8;
     use kiln::{
         engine::{BuildConfig, Precision},
-        internals::engine::config::node_precisions,
+        internals::engine::resolve::node_precisions,
     };
     let traced = kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 64).expect("trace");
     let x = kiln::internals::seeded::weight("input.0", &[2, 3, 64, 64]);
@@ -519,7 +519,7 @@ fn weight_grids_survive_the_engine_file() {
     use kiln::internals::ops::conv::conv8;
     use kiln::{
         engine::{BuildConfig, Precision},
-        internals::engine::config::node_precisions,
+        internals::engine::resolve::node_precisions,
     };
     let g = digits_int8_engine_graph(&digits());
     let grids = g.nodes.iter().filter(|n| matches!(&n.op, Op::Weight { quant: Some(q), .. } if q.axis == Some(0))).count();

@@ -224,7 +224,7 @@ fn a_u8_frame_runs_from_bytes_as_from_f32_values() {
 fn yolo_decode_and_nms_compute_in_fp32_in_fp16_engines() {
     use kiln::{
         engine::{BuildConfig, Precision},
-        internals::engine::config::node_precisions,
+        internals::engine::resolve::node_precisions,
     };
     for (model, head) in [("yolov8n", "model.22"), ("yolo11n", "model.23")] {
         let graph = kiln::internals::passes::optimize(&kiln_models::trace(model, kiln::VarBuilder::seeded(), 1, 160).expect("trace"))

@@ -15,8 +15,9 @@
 //! fastest of the measured plans is the engine. Its INT8 convs are recorded in the engine's
 //! `BuildConfig::best_int8_layers`, so a loaded engine lowers the same plan without searching.
 
-use super::config::{node_precisions, BuildConfig};
+use super::config::BuildConfig;
 use super::eight_bit::{self, EightBitPlan};
+use super::resolve::node_precisions;
 use crate::graph::{Graph, NodeId, Op};
 use crate::Result;
 use std::collections::{BTreeMap, HashSet};

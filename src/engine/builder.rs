@@ -4,13 +4,13 @@
 //! Loading an engine file runs the same lowering with recorded tactics and no passes.
 
 use super::best::{self, LayerTimes};
+use super::choices::Tactics;
 use super::gpu::Gpu;
 use super::kernels::Kernels;
 use super::layer::{Layer, WeightStore};
 use super::plan::lower_plan;
 pub use super::plan::{BuildSummary, MemorySummary, Plan};
 use super::prepare::prepare;
-use super::tactic::Tactics;
 use super::{BuildConfig, InputDims, Precision};
 use crate::graph::{DType, Graph};
 use crate::{Error, Result};
@@ -22,7 +22,7 @@ use std::time::Instant;
 pub struct EngineBuilder {
     pub config: BuildConfig,
     gpu: Option<Arc<Gpu>>,
-    progress: Option<super::tactic::Progress>,
+    progress: Option<super::choices::Progress>,
 }
 
 /// A built engine: its plans (one per input shape it runs: layers over one planned arena),

@@ -6,9 +6,8 @@
 //! keeps them; the algorithm is chosen once at the opt batch (a tactic).
 
 use super::gpu::cuda_err;
-use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, RunCtx, ValueId};
+use super::layer::{DeviceBuf, Elem, Layer, LayerCtx, RunCtx, ValueId};
 use super::Precision;
-use crate::graph::NodeId;
 use crate::LowerKind;
 use crate::{Error, Result};
 use cudarc::cudnn::sys as dnn;
@@ -217,7 +216,7 @@ struct ConvSetup<'a> {
 impl ConvShared {
     /// Uploads the weights and bias and creates the descriptors of one convolution (shared by
     /// forward convolutions, their channel-padded variant and transposed convolutions).
-    fn new(ctx: &mut BuildCtx, path: &str, s: ConvSetup) -> Result<Self> {
+    fn new(ctx: &mut LayerCtx, path: &str, s: ConvSetup) -> Result<Self> {
         // cuDNN's tensor descriptors count elements in 32 bits.
         let g = s.geom;
         let max = ctx.config.max_batch;
@@ -502,9 +501,9 @@ pub struct ConvProblem<'a> {
     pub z: Option<ValueId>,
 }
 
-pub fn conv_candidates_with(ctx: &mut BuildCtx, node: NodeId, p: ConvProblem) -> Result<Vec<Box<dyn Layer>>> {
-    let out = ctx.chw(node, p.y, "output")?;
-    conv_candidates_geom(ctx, node, p, out, true)
+pub fn conv_candidates_with(ctx: &mut LayerCtx, p: ConvProblem) -> Result<Vec<Box<dyn Layer>>> {
+    let out = ctx.chw(p.y, "output")?;
+    conv_candidates_geom(ctx, p, out, true)
 }
 
 /// The forward-convolution candidates with the output's `(C, H, W)` given rather than read from
@@ -513,16 +512,15 @@ pub fn conv_candidates_with(ctx: &mut BuildCtx, node: NodeId, p: ConvProblem) ->
 /// when it enqueues. `pad_variants`: also the channel-padded FP16 variants (which need a
 /// prologue scratch of their own).
 pub fn conv_candidates_geom(
-    ctx: &mut BuildCtx,
-    node: NodeId,
+    ctx: &mut LayerCtx,
     p: ConvProblem,
     (cout, ho, wo): (usize, usize, usize),
     pad_variants: bool,
 ) -> Result<Vec<Box<dyn Layer>>> {
     let (x, y, z, shape4) = (p.x, p.y, p.z, p.weight_shape);
-    let (cin, h, wd) = ctx.chw(node, x, "input")?;
+    let (cin, h, wd) = ctx.chw(x, "input")?;
     let elem = ctx.elem();
-    let path = ctx.node(node).path.clone();
+    let path = ctx.path().to_string();
     let geom = Geom { cin, h, w: wd, cout, ho, wo };
     let setup = ConvSetup { geom, x, y, z, conv: p.geometry, epilogue: p.epilogue, weight: p.weight, shape: shape4, bias: p.bias };
     let shared = Arc::new(ConvShared::new(ctx, &path, setup)?);
@@ -568,7 +566,7 @@ pub fn conv_candidates_geom(
 }
 
 /// One candidate per usable algorithm (fused where cuDNN allows it, and separate calls).
-fn fwd_layers(ctx: &BuildCtx, shared: &Arc<ConvShared>, pad: Option<Arc<PadStep>>) -> Result<Vec<Box<dyn Layer>>> {
+fn fwd_layers(ctx: &LayerCtx, shared: &Arc<ConvShared>, pad: Option<Arc<PadStep>>) -> Result<Vec<Box<dyn Layer>>> {
     let mut out: Vec<Box<dyn Layer>> = Vec::new();
     let limit = ctx.config.workspace_bytes;
     let strict = ctx.precision() == Precision::Fp32;
@@ -717,14 +715,14 @@ impl Layer for DeconvLayer {
 }
 
 /// The cuDNN candidates for a ConvTranspose2d node (weight `[Cin, Cout/g, kh, kw]`).
-pub fn deconv_candidates(ctx: &mut BuildCtx, node: NodeId, p: ConvProblem) -> Result<Vec<Box<dyn Layer>>> {
+pub fn deconv_candidates(ctx: &mut LayerCtx, p: ConvProblem) -> Result<Vec<Box<dyn Layer>>> {
     let (x, y) = (p.x, p.y);
     if p.z.is_some() {
-        return Err(ctx.err(node, LowerKind::Unsupported, "a transposed convolution cannot take a fused residual"));
+        return Err(ctx.err(LowerKind::Unsupported, "a transposed convolution cannot take a fused residual"));
     }
-    let path = ctx.node(node).path.clone();
-    let (cin, h, wd) = ctx.chw(node, x, "input")?;
-    let (cout, ho, wo) = ctx.chw(node, y, "output")?;
+    let path = ctx.path().to_string();
+    let (cin, h, wd) = ctx.chw(x, "input")?;
+    let (cout, ho, wo) = ctx.chw(y, "output")?;
     let shape4 = p.weight_shape;
     // The filter of the forward convolution that maps the deconv's output (Cout) to its input
     // (Cin) is the deconv weight itself: K = Cin, C = Cout/g. In the forward view x is the

@@ -7,9 +7,10 @@
 
 use super::layer::Elem;
 use super::Precision;
-use crate::graph::{NodeId, QuantFormat};
+use crate::number_format::QuantFormat;
 
-/// Where the 8-bit plan puts each node of an 8-bit engine's graph.
+/// Where the 8-bit plan puts each node of an 8-bit engine's graph (indexed by node id, as
+/// `graph::NodeId`: a plain index here, so the engine's side needs no graph).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct EightBitPlan {
     /// The format of the codes (`None`: nothing is 8-bit).
@@ -20,7 +21,7 @@ pub struct EightBitPlan {
     pub stored: Vec<bool>,
     /// For an 8-bit conv whose only reader is a stored quantiser: that quantiser, whose codes the
     /// conv writes (the quantiser itself is not lowered).
-    pub requant: Vec<Option<NodeId>>,
+    pub requant: Vec<Option<usize>>,
     /// Activation quantisers whose only reader is the 8-bit stem: the stem quantises its FP16
     /// input as it loads it, so the quantiser is not lowered (its value is its input's).
     pub folded: Vec<bool>,

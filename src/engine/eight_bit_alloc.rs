@@ -6,7 +6,7 @@ use super::config::BuildConfig;
 use super::eight_bit::EightBitPlan;
 use super::layer::Elem;
 use super::precision::Precision;
-use crate::graph::{Graph, NodeId, Op, Quant};
+use crate::graph::{Graph, NodeId};
 
 /// What a computed node's value is: its name, its storage type, and the quantiser whose codes it
 /// holds when its producer requantises in its epilogue.
@@ -40,17 +40,8 @@ impl EightBitPlan {
     /// carry scales for the FP8 candidates of the layers that read them and compute nothing
     /// themselves. None in other precisions.
     fn best_aliases(&self, graph: &Graph, config: &BuildConfig) -> Vec<bool> {
-        graph
-            .nodes
-            .iter()
-            .zip(&self.stored)
-            .map(|(n, &stored)| {
-                config.precision == Precision::Best
-                    && !stored
-                    && matches!(n.op, Op::Quant(Quant::FakeQuantize(_)))
-                    && n.inputs.first().is_some_and(|&i| !matches!(graph.nodes[i].op, Op::Weight { .. }))
-            })
-            .collect()
+        let best = config.precision == Precision::Best;
+        crate::ops::activation_quantisers(graph).into_iter().zip(&self.stored).map(|(q, &stored)| best && !stored && q).collect()
     }
 
     /// Node `id`'s value, where it computes in `computed`: a conv that requantises writes its

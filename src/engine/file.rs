@@ -16,8 +16,8 @@
 //! Header and payload logic is pure (no GPU), so it is tested everywhere.
 
 use super::builder::{cache_prefix, lower, Engine};
+use super::choices::Tactics;
 use super::gpu::{Gpu, GpuInfo};
-use super::tactic::Tactics;
 use super::BuildConfig;
 use crate::graph::{Graph, HostTensor};
 use crate::{Error, Result};

@@ -7,9 +7,8 @@
 //! row-major `[Cout, Cin]` storage, B = X as stored, D = Y as stored; the bias runs along D's rows.
 
 use super::gpu::cuda_err;
-use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, RunCtx, ValueId};
+use super::layer::{DeviceBuf, Elem, Layer, LayerCtx, RunCtx, ValueId};
 use super::Precision;
-use crate::graph::NodeId;
 use crate::LowerKind;
 use crate::{Error, Result};
 use cudarc::cublaslt::result as lt;
@@ -398,30 +397,26 @@ pub struct GemmSpec<'a> {
 }
 
 impl GemmLayer {
-    pub fn new(ctx: &mut BuildCtx, node: NodeId, spec: GemmSpec) -> Result<Self> {
+    pub fn new(ctx: &mut LayerCtx, spec: GemmSpec) -> Result<Self> {
         let n_out = ctx
             .value(spec.y)
             .chw()
             .map(|(c, _, _)| c)
-            .ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "output is not an image or vector"))?;
-        let k = ctx
-            .value(spec.x)
-            .chw()
-            .map(|(c, _, _)| c)
-            .ok_or_else(|| ctx.err(node, LowerKind::Unsupported, "input is not an image or vector"))?;
-        Self::with_dims(ctx, node, spec, k, n_out)
+            .ok_or_else(|| ctx.err(LowerKind::Unsupported, "output is not an image or vector"))?;
+        let k =
+            ctx.value(spec.x).chw().map(|(c, _, _)| c).ok_or_else(|| ctx.err(LowerKind::Unsupported, "input is not an image or vector"))?;
+        Self::with_dims(ctx, spec, k, n_out)
     }
 
     /// A GEMM over the rows of contiguous values `[..., K]` -> `[..., N]` (Linear on `[N, L, in]`,
     /// `x @ W`): K and N are the last dims, `spec.rows_per_image` the product of the others.
-    pub fn new_matrix(ctx: &mut BuildCtx, node: NodeId, spec: GemmSpec) -> Result<Self> {
+    pub fn new_matrix(ctx: &mut LayerCtx, spec: GemmSpec) -> Result<Self> {
         let (dx, dy) = (ctx.value(spec.x).clone(), ctx.value(spec.y).clone());
         let contiguous = |d: &super::layer::ValueDesc| d.layout.same_bytes(super::layer::Layout::contiguous(d.dims.len()), &d.dims);
         let (k, n_out) = match (dx.dims.last(), dy.dims.last()) {
             (Some(&k), Some(&n)) if contiguous(&dx) && contiguous(&dy) => (k, n),
             _ => {
                 return Err(ctx.err(
-                    node,
                     LowerKind::Unsupported,
                     format!("GEMM rows need contiguous values, got {:?} {:?} -> {:?} {:?}", dx.layout, dx.dims, dy.layout, dy.dims),
                 ))
@@ -429,14 +424,14 @@ impl GemmLayer {
         };
         let rows = spec.rows_per_image;
         if rows.checked_mul(k) != Some(dx.per_image_elems()) || rows.checked_mul(n_out) != Some(dy.per_image_elems()) {
-            return Err(ctx.err(node, LowerKind::Operands, format!("{rows} rows per image do not fit {:?} -> {:?}", dx.dims, dy.dims)));
+            return Err(ctx.err(LowerKind::Operands, format!("{rows} rows per image do not fit {:?} -> {:?}", dx.dims, dy.dims)));
         }
-        Self::with_dims(ctx, node, spec, k, n_out)
+        Self::with_dims(ctx, spec, k, n_out)
     }
 
-    fn with_dims(ctx: &mut BuildCtx, node: NodeId, spec: GemmSpec, k: usize, n_out: usize) -> Result<Self> {
+    fn with_dims(ctx: &mut LayerCtx, spec: GemmSpec, k: usize, n_out: usize) -> Result<Self> {
         if spec.weight.len() != n_out * k {
-            return Err(ctx.err(node, LowerKind::Weights, format!("weight has {} values for a {k} → {n_out} GEMM", spec.weight.len())));
+            return Err(ctx.err(LowerKind::Weights, format!("weight has {} values for a {k} → {n_out} GEMM", spec.weight.len())));
         }
         let elem = ctx.elem();
         let w = ctx.upload(spec.weight)?;
@@ -444,7 +439,7 @@ impl GemmLayer {
             Some(b) => Some(ctx.upload(b)?),
             None => None,
         };
-        let path = ctx.node(node).path.clone();
+        let path = ctx.path().to_string();
         let matmul = LtMatmul::new(&path, ctx.precision(), elem, k, n_out, b.as_ref(), spec.relu)?;
         Ok(Self { path, x: spec.x, y: spec.y, z: spec.residual, rows_per_image: spec.rows_per_image, w_ptr: w.ptr(), _w: w, _b: b, matmul })
     }
@@ -488,20 +483,12 @@ pub struct BatchedGemmLayer {
 impl BatchedGemmLayer {
     /// X `[count, m, k]`, W `[count, k, n]`, Y `[count, m, n]` per image, all contiguous.
     #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        ctx: &BuildCtx,
-        node: NodeId,
-        x: ValueId,
-        w: ValueId,
-        y: ValueId,
-        [m, k, n]: [usize; 3],
-        count_per_image: usize,
-    ) -> Result<Self> {
+    pub fn new(ctx: &LayerCtx, x: ValueId, w: ValueId, y: ValueId, [m, k, n]: [usize; 3], count_per_image: usize) -> Result<Self> {
         let elem = ctx.value(y).elem;
         if ctx.value(x).elem != elem || ctx.value(w).elem != elem {
-            return Err(ctx.err(node, LowerKind::Unsupported, "a batched GEMM needs one element type for its operands and output"));
+            return Err(ctx.err(LowerKind::Unsupported, "a batched GEMM needs one element type for its operands and output"));
         }
-        let path = ctx.node(node).path.clone();
+        let path = ctx.path().to_string();
         let batched =
             Batched { w_kn: true, stride_x: m * k, stride_w: k * n, stride_y: m * n, alpha: 1.0, out_elem: elem, ld_x: 0, ld_y: 0 };
         let matmul = LtMatmul::new_batched(&path, ctx.precision(), elem, k, n, batched)?;

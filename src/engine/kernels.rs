@@ -19,8 +19,6 @@ use std::ffi::CString;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 
-pub use super::reformat::reformat_layer;
-
 /// Prepended to every kernel source (Kiln's and users').
 pub const PRELUDE: &str = include_str!("../../kernels/common.cuh");
 
@@ -51,15 +49,6 @@ pub const ON_DEMAND: &[(&str, &str)] = &[
     ("stem.cu", concat!(include_str!("../../kernels/eight_bit.cuh"), include_str!("../../kernels/stem.cu"))),
     ("conv8.cu", concat!(include_str!("../../kernels/eight_bit.cuh"), include_str!("../../kernels/conv8.cu"))),
 ];
-
-/// The entry points the engine's own layers launch: the reformats and the strided copies. Each op
-/// family declares those of its layers (`OpDef::entry_points`); `ops::kernel_entry_points`
-/// gathers both for CI's NVRTC test.
-pub fn engine_entry_points() -> Vec<String> {
-    let mut names = super::reformat::entry_points();
-    names.extend(super::strided::entry_points());
-    names
-}
 
 /// Loads NVRTC from an explicit path (a file, or a folder holding `libnvrtc.so*`) and keeps it
 /// loaded, so that cudarc's later lookup by name finds it even when its folder is not on

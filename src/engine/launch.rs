@@ -4,8 +4,7 @@
 //! op-agnostic layer most op families build their kernels' layers from.
 
 use super::gpu::cuda_err;
-use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueId};
-use crate::graph::NodeId;
+use super::layer::{DeviceBuf, Elem, Layer, LayerCtx, Layout, RunCtx, ValueId};
 use crate::LowerKind;
 use crate::{Error, Result};
 pub use cudarc::driver::CudaFunction;
@@ -58,25 +57,25 @@ pub fn pack(elem: Elem) -> usize {
     16 / elem.size()
 }
 
-/// `v` as a 32-bit kernel argument, or an error naming the node and what overflowed.
-pub fn to_i32(ctx: &BuildCtx, node: NodeId, what: &str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| ctx.err(node, LowerKind::TooLarge, format!("{what} = {v} exceeds the kernels' 32-bit range")))
+/// `v` as a 32-bit kernel argument, or an error naming the layer and what overflowed.
+pub fn to_i32(ctx: &LayerCtx, what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| ctx.err(LowerKind::TooLarge, format!("{what} = {v} exceeds the kernels' 32-bit range")))
 }
 
-/// The NHWC `(C, H, W)` of an activation, or an error naming the node.
-pub fn nhwc(ctx: &BuildCtx, node: NodeId, v: ValueId) -> Result<(usize, usize, usize)> {
+/// The NHWC `(C, H, W)` of an activation, or an error naming the layer.
+pub fn nhwc(ctx: &LayerCtx, v: ValueId) -> Result<(usize, usize, usize)> {
     let d = ctx.value(v);
     match d.dims.as_slice() {
         [c, h, w] if d.layout.same_bytes(Layout::channels_last(3), &d.dims) => Ok((*c, *h, *w)),
-        _ => Err(ctx.err(node, LowerKind::Operands, format!("expects an NHWC image activation, got {:?} {:?}", d.layout, d.dims))),
+        _ => Err(ctx.err(LowerKind::Operands, format!("expects an NHWC image activation, got {:?} {:?}", d.layout, d.dims))),
     }
 }
 
-/// The element type all of `vs` share, or an error naming the node and the two types it mixes.
-pub fn same_elem(ctx: &BuildCtx, node: NodeId, vs: &[ValueId]) -> Result<Elem> {
+/// The element type all of `vs` share, or an error naming the layer and the two types it mixes.
+pub fn same_elem(ctx: &LayerCtx, vs: &[ValueId]) -> Result<Elem> {
     let e = ctx.value(vs[0]).elem;
     if let Some(other) = vs.iter().map(|&v| ctx.value(v).elem).find(|&o| o != e) {
-        return Err(ctx.err(node, LowerKind::Operands, format!("mixes element types {e:?} and {other:?}")));
+        return Err(ctx.err(LowerKind::Operands, format!("mixes element types {e:?} and {other:?}")));
     }
     Ok(e)
 }
@@ -117,14 +116,15 @@ pub struct KernelLayer {
 }
 
 impl KernelLayer {
-    /// `entry` launched for `node` with `args`, one work item per element of `per_image` (see
-    /// [`KernelLayer::items`]); its kind is `kernel:<entry>` unless [`KernelLayer::kind`] names another.
-    pub fn new(ctx: &BuildCtx, node: NodeId, entry: &str, args: Vec<Arg>, per_image: usize) -> Result<Self> {
-        Self::at(ctx, &ctx.node(node).path, entry, args, per_image)
+    /// `entry` launched at the module path of the layer being built with `args`, one work item
+    /// per element of `per_image` (see [`KernelLayer::items`]); its kind is `kernel:<entry>`
+    /// unless [`KernelLayer::kind`] names another.
+    pub fn new(ctx: &LayerCtx, entry: &str, args: Vec<Arg>, per_image: usize) -> Result<Self> {
+        Self::at(ctx, ctx.path(), entry, args, per_image)
     }
-    /// [`KernelLayer::new`] for a layer at `path` rather than a node's (a reformat the builder
-    /// inserts).
-    pub fn at(ctx: &BuildCtx, path: &str, entry: &str, args: Vec<Arg>, per_image: usize) -> Result<Self> {
+    /// [`KernelLayer::new`] for a layer at `path` rather than the current one (a reformat the
+    /// builder inserts).
+    pub fn at(ctx: &LayerCtx, path: &str, entry: &str, args: Vec<Arg>, per_image: usize) -> Result<Self> {
         Ok(Self {
             path: path.to_string(),
             kind: format!("kernel:{entry}"),

@@ -1,16 +1,18 @@
 //! What converters produce and what execution runs: `Layer`s over value handles.
 //!
-//! A converter sees a `BuildCtx` (the node, its value handles, its weights, the GPU, the kernels,
-//! the tactic helper) and returns one `Layer`. At run time a layer sees a `RunCtx`: the stream, the
-//! context's library handles and the device address of every value.
+//! A layer is built with a `LayerCtx` (the GPU, the kernels, the engine's values, the tactic
+//! helper, and the module path, op name and precision of the node it is for); a converter sees it
+//! through `ops::BuildCtx`, which adds the node, and returns one `Layer`. At run time a layer
+//! sees a `RunCtx`: the stream, the context's library handles and the device address of every
+//! value.
 
+use super::choices::Tactics;
 use super::gpu::{cuda_err, Gpu, Handles};
 use super::kernels::Kernels;
-use super::tactic::Tactics;
+pub use super::precision::Elem;
 use super::{BuildConfig, Precision};
-use crate::graph::{HostTensor, Node, NodeId};
 use crate::LowerKind;
-use crate::{Error, Graph, Result};
+use crate::{Error, Result};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -20,40 +22,6 @@ use std::sync::Arc;
 /// layer's scratch buffer. Index into the engine's value table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct ValueId(pub usize);
-
-/// Element type in device memory. Every value a layer reads or writes is `F32` or `F16` (its
-/// node's precision), except in an 8-bit engine: an activation quantiser's value that only 8-bit
-/// convs read is stored as its codes, `I8` or `E4m3` (`engine::eight_bit::EightBitPlan`), with the
-/// scale of the quantiser node that defines it. `U8` is only ever the type of an input binding
-/// declared u8 (`DType::U8`), which the builder's entry reformat converts to its reader's type.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum Elem {
-    F32,
-    F16,
-    U8,
-    I8,
-    E4m3,
-}
-
-impl Elem {
-    pub fn size(self) -> usize {
-        match self {
-            Elem::F32 => 4,
-            Elem::F16 => 2,
-            Elem::U8 | Elem::I8 | Elem::E4m3 => 1,
-        }
-    }
-    /// The suffix of kernel entry points stamped out per type (`relu_f16`, `cast_u8_f16`).
-    pub fn suffix(self) -> &'static str {
-        match self {
-            Elem::F32 => "f32",
-            Elem::F16 => "f16",
-            Elem::U8 => "u8",
-            Elem::I8 => "i8",
-            Elem::E4m3 => "e4m3",
-        }
-    }
-}
 
 /// The most per-image dims a value of the engine may have.
 pub const MAX_RANK: usize = 7;
@@ -290,7 +258,7 @@ pub fn to_elem_bytes(data: &[f32], elem: Elem) -> Vec<u8> {
         Elem::U8 => data.iter().map(|&v| v as u8).collect(),
         // 8-bit weights: their codes as values (integers, or values on the e4m3 grid), as bytes.
         Elem::I8 => data.iter().map(|&v| v as i8 as u8).collect(),
-        Elem::E4m3 => data.iter().map(|&v| crate::ops::quant::encode_e4m3(v)).collect(),
+        Elem::E4m3 => data.iter().map(|&v| crate::number_format::encode_e4m3(v)).collect(),
     }
 }
 
@@ -341,7 +309,7 @@ pub trait Layer: Send + Sync {
     fn prologue(&self) -> Option<(ValueId, ValueId)> {
         None
     }
-    /// The candidate scratch values (`BuildCtx::prologue_scratch`, `BuildCtx::chain_scratch`) this
+    /// The candidate scratch values (`LayerCtx::prologue_scratch`, `LayerCtx::chain_scratch`) this
     /// layer uses: the arena holds those of the chosen layer for its step.
     fn own_scratch(&self) -> Vec<ValueId> {
         self.prologue().map(|(_, dst)| dst).into_iter().collect()
@@ -369,7 +337,7 @@ impl Layer for Nop {
     }
 }
 
-/// Two layers as one candidate: `first` writes `mid` (a `BuildCtx::chain_scratch`), `second`
+/// Two layers as one candidate: `first` writes `mid` (a `LayerCtx::chain_scratch`), `second`
 /// reads it. A conv and the max-pool fused after it, where no single kernel does both.
 pub struct Chain {
     pub first: Box<dyn Layer>,
@@ -406,76 +374,83 @@ impl Layer for Chain {
     }
 }
 
-/// What a converter sees.
-pub struct BuildCtx<'a> {
+/// What an engine layer is built with: the GPU, the config, the kernels, the engine's values,
+/// the tactic helper and the weight store, and who the layer is for (the module path and op name
+/// that errors and scratch names carry, and the precision it computes in). It knows no graph: the
+/// op side's converter context (`ops::BuildCtx`) wraps it and adds the node.
+pub struct LayerCtx<'a> {
     pub gpu: &'a Arc<Gpu>,
     pub config: &'a BuildConfig,
-    /// The optimised graph being lowered.
-    pub graph: &'a Graph,
     pub kernels: &'a Kernels,
     pub(crate) values: Vec<ValueDesc>,
-    /// The value of each node (None for weights).
-    pub(crate) node_values: Vec<Option<ValueId>>,
-    /// The values the node being converted reads, in the layouts its op asked for (None for weights).
-    pub(crate) current_inputs: Vec<Option<ValueId>>,
-    /// Scratch values requested by the node being converted: held by whichever candidate wins.
+    /// The values the layer being built reads, in the layouts its op asked for (None for weights).
+    pub(crate) reads: Vec<Option<ValueId>>,
+    /// The value the layer being built writes, if any.
+    pub(crate) writes: Option<ValueId>,
+    /// Scratch values requested by the layer being built: held by whichever candidate wins.
     pub(crate) scratch: Vec<ValueId>,
     /// Scratch values only some candidates use (a prologue's copy, a chain's intermediate): held
     /// only if the winner names one in `Layer::own_scratch`.
     pub(crate) candidate_scratch: Vec<ValueId>,
-    pub(crate) current: NodeId,
     pub(crate) tactics: &'a mut Tactics,
-    /// Workspace the node being converted may use without growing the arena past its activation
-    /// peak (see `builder::estimate_arena`).
+    /// Workspace the layer being built may use without growing the arena past its activation
+    /// peak (see `plan::estimate_arena`).
     pub(crate) workspace_budget: usize,
     /// The engine's uploaded weights, shared by its plans (losing tactic candidates free theirs).
     pub(crate) weights: &'a WeightStore,
-    /// Each node's precision (`engine::node_precisions`): the engine's unless a per-layer rule says otherwise.
-    pub(crate) precisions: Vec<Precision>,
-    /// An 8-bit engine's 8-bit convs and stored quantisers (empty plan otherwise).
-    pub eight_bit: super::eight_bit::EightBitPlan,
+    /// The module path of the node the layer is for (`layer3.1.conv2`).
+    pub(crate) path: String,
+    /// The name of that node's op (`conv2d`), for errors.
+    pub(crate) op: String,
+    /// That node's precision: the engine's, or its per-layer rule's.
+    pub(crate) precision: Precision,
 }
 
-impl<'a> BuildCtx<'a> {
-    /// The precision of the node being converted: the engine's, or its per-layer rule's.
-    pub fn precision(&self) -> Precision {
-        self.precisions.get(self.current).copied().unwrap_or(self.config.precision)
+impl<'a> LayerCtx<'a> {
+    /// A context for layers of an engine of `config`, with `values` allocated; no layer yet.
+    pub(crate) fn new(
+        gpu: &'a Arc<Gpu>,
+        config: &'a BuildConfig,
+        kernels: &'a Kernels,
+        tactics: &'a mut Tactics,
+        weights: &'a WeightStore,
+        values: Vec<ValueDesc>,
+    ) -> Self {
+        Self {
+            gpu,
+            config,
+            kernels,
+            values,
+            reads: Vec::new(),
+            writes: None,
+            scratch: Vec::new(),
+            candidate_scratch: Vec::new(),
+            tactics,
+            workspace_budget: 0,
+            weights,
+            path: String::new(),
+            op: String::new(),
+            precision: config.precision,
+        }
     }
-    /// The element type of the node being converted's activations and weights.
+
+    /// The precision of the layer being built: the engine's, or its node's per-layer rule's.
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+    /// The element type of the layer being built's activations and weights.
     pub fn elem(&self) -> Elem {
         self.precision().elem()
     }
-    pub fn node(&self, id: NodeId) -> &'a Node {
-        &self.graph.nodes[id]
+    /// The module path of the node the layer is for.
+    pub fn path(&self) -> &str {
+        &self.path
     }
     pub fn value(&self, v: ValueId) -> &ValueDesc {
         &self.values[v.0]
     }
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.gpu.stream
-    }
-
-    /// The value of a node's `i`-th input, which must be an activation (not a weight).
-    /// For the node being converted, the value in the layout its op asked for.
-    pub fn input(&self, node: NodeId, i: usize) -> Result<ValueId> {
-        let n = self.node(node);
-        let src = *n.inputs.get(i).ok_or_else(|| self.err(node, LowerKind::Operands, format!("has no input {i}")))?;
-        let v = if node == self.current { self.current_inputs.get(i).copied().flatten() } else { self.node_values[src] };
-        v.ok_or_else(|| self.err(node, LowerKind::Weights, format!("input {i} is a weight, but an activation is expected here")))
-    }
-
-    /// The node's output value.
-    pub fn output(&self, node: NodeId) -> Result<ValueId> {
-        self.node_values[node].ok_or_else(|| self.err(node, LowerKind::Operands, "has no output value"))
-    }
-
-    /// The host data of a node's `i`-th input, which must be a weight.
-    pub fn weight(&self, node: NodeId, i: usize) -> Result<&'a Arc<HostTensor>> {
-        let n = self.node(node);
-        let src = *n.inputs.get(i).ok_or_else(|| self.err(node, LowerKind::Operands, format!("has no input {i}")))?;
-        self.graph
-            .weight_data(src)
-            .ok_or_else(|| self.err(node, LowerKind::Weights, format!("input {i} must be a weight (constant), but it is computed")))
     }
 
     /// Uploads host values converted to the engine's element type.
@@ -497,17 +472,17 @@ impl<'a> BuildCtx<'a> {
     pub fn alias(&mut self, out: ValueId, src: ValueId) -> Result<()> {
         let (a, b) = (self.value(out), self.value(src));
         if a.bytes(1) != b.bytes(1) || a.elem != b.elem {
-            return Err(self.err(self.current, LowerKind::Unsupported, format!("cannot alias {:?} to {:?}: sizes differ", a.dims, b.dims)));
+            return Err(self.err(LowerKind::Unsupported, format!("cannot alias {:?} to {:?}: sizes differ", a.dims, b.dims)));
         }
         self.values[out.0].storage = Storage::Alias(src);
         Ok(())
     }
 
-    /// Stores the node being converted's output in `elem` rather than the engine's precision
+    /// Stores the layer being built's output in `elem` rather than the engine's precision
     /// (e.g. detections whose coordinates f16 would round). Only the node's own converter may
     /// call it: later layers and the output reformat read the new type, earlier ones never saw it.
     pub fn set_output_elem(&mut self, elem: Elem) -> Result<()> {
-        let out = self.output(self.current)?;
+        let out = self.writes.ok_or_else(|| self.err(LowerKind::Operands, "has no output value"))?;
         self.values[out.0].elem = elem;
         Ok(())
     }
@@ -539,40 +514,21 @@ impl<'a> BuildCtx<'a> {
 
     fn new_scratch(&mut self, bytes_per_image: usize) -> ValueId {
         let id = ValueId(self.values.len());
-        let name = format!("{}.scratch{}", self.node(self.current).path, self.scratch.len() + self.candidate_scratch.len());
+        let name = format!("{}.scratch{}", self.path, self.scratch.len() + self.candidate_scratch.len());
         // Scratch is typed f32 so its size in bytes rounds up to whole words.
         let dims = vec![bytes_per_image.div_ceil(4)];
         self.values.push(ValueDesc { name, dims, elem: Elem::F32, layout: Layout::contiguous(1), storage: Storage::Arena });
         id
     }
 
-    /// Picks the fastest of `candidates` (TensorRT's tactics): recorded choices (engine being
-    /// loaded, timing cache) are reused, otherwise each candidate is timed on the device at the
-    /// opt batch. Candidates that fail to run are skipped; if none runs the error lists why.
-    /// `key` names the problem (shapes, attributes), not the node: equal keys share a timing.
-    pub fn choose(&mut self, key: &str, candidates: Vec<Box<dyn Layer>>) -> Result<Box<dyn Layer>> {
-        let layer = super::tactic::choose(self, key, candidates)?;
-        self.tactics.chosen.push((self.node(self.current).path.clone(), layer.kind()));
-        Ok(layer)
-    }
-
-    /// A tactic key for the node's problem: its op with attributes, its inputs' and its output's
-    /// per-image dims. Equal keys share a timing (and a timing-cache entry).
-    pub fn problem_key(&self, node: NodeId) -> String {
-        let n = self.node(node);
-        let ins: Vec<String> = n.inputs.iter().map(|&i| format!("{:?}", self.node(i).shape[1..].to_vec())).collect();
-        format!("{} {:?} in {} out {:?}", n.op.name(), n.op, ins.join(","), &n.shape[1..])
-    }
-
-    /// An error naming the node's op and module path.
-    pub fn err(&self, node: NodeId, kind: LowerKind, reason: impl std::fmt::Display) -> Error {
-        let n = self.node(node);
-        Error::Lower { path: n.path.clone(), op: n.op.name().to_string(), kind, reason: reason.to_string() }
+    /// An error naming the layer's op and module path.
+    pub fn err(&self, kind: LowerKind, reason: impl std::fmt::Display) -> Error {
+        Error::Lower { path: self.path.clone(), op: self.op.clone(), kind, reason: reason.to_string() }
     }
 
     /// `v`'s `(C, H, W)` (a vector `[F]` as `(F, 1, 1)`), or an `Unsupported` error naming the
-    /// node and `role` (`"input"`, `"output"`): what the image layers (convolutions) read.
-    pub fn chw(&self, node: NodeId, v: ValueId, role: &str) -> Result<(usize, usize, usize)> {
-        self.value(v).chw().ok_or_else(|| self.err(node, LowerKind::Unsupported, format!("{role} is not an image")))
+    /// layer and `role` (`"input"`, `"output"`): what the image layers (convolutions) read.
+    pub fn chw(&self, v: ValueId, role: &str) -> Result<(usize, usize, usize)> {
+        self.value(v).chw().ok_or_else(|| self.err(LowerKind::Unsupported, format!("{role} is not an image")))
     }
 }

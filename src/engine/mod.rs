@@ -13,6 +13,7 @@
 pub(crate) mod arena;
 pub(crate) mod best;
 pub(crate) mod builder;
+pub(crate) mod choices;
 pub(crate) mod config;
 pub(crate) mod cudnn;
 pub(crate) mod cudnn_graph;
@@ -29,6 +30,7 @@ pub(crate) mod plan;
 pub(crate) mod precision;
 pub(crate) mod prepare;
 pub(crate) mod reformat;
+pub(crate) mod resolve;
 pub(crate) mod strided;
 pub(crate) mod tactic;
 
@@ -48,4 +50,4 @@ pub use precision::{LayerPrecision, Precision};
 
 // Crate-internal shorthands (the plugin face re-exports the layer API publicly).
 
-pub(crate) use layer::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId};
+pub(crate) use layer::{DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId};

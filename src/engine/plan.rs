@@ -4,17 +4,19 @@
 //! arena) and summarise.
 
 use super::arena::{self, ArenaPlan, StepUse};
-use super::config::{node_precisions, BuildConfig, InputDims};
+use super::config::{BuildConfig, InputDims};
 
+use super::choices::{Tactics, TacticsMark};
 use super::eight_bit::FP8_GEMM;
 use super::eight_bit::{self, EightBitPlan};
 use super::gpu::{cuda_err, Gpu};
-use super::kernels::{self, Kernels};
-use super::layer::{BuildCtx, Elem, Layer, Layout, RunCtx, Storage, ValueDesc, ValueId, WeightStore, MAX_RANK};
+use super::kernels::Kernels;
+use super::layer::{Elem, Layer, LayerCtx, Layout, RunCtx, Storage, ValueDesc, ValueId, WeightStore, MAX_RANK};
 use super::precision::Precision;
-use super::tactic::{Tactics, TacticsMark};
+use super::reformat::reformat_layer;
+use super::resolve::node_precisions;
 use crate::graph::{DType, Graph, NodeId, Op};
-use crate::ops::{LayoutPlan, OpDef};
+use crate::ops::{BuildCtx, LayoutPlan, OpDef};
 use crate::LowerKind;
 use crate::{Error, Result};
 use std::collections::HashMap;
@@ -155,25 +157,16 @@ pub(crate) fn lower_plan(
     let mut allocated = allocate(graph, &layouts, &precisions, &eight_bit, &aliased)?;
     let outputs = bind_outputs(graph, &mut allocated)?;
     let mut ctx = BuildCtx {
-        gpu,
-        config,
+        layer: LayerCtx::new(gpu, config, kernels, tactics, weights, allocated.values),
         graph,
-        kernels,
-        values: allocated.values,
         node_values: allocated.node_values,
-        current_inputs: Vec::new(),
-        scratch: Vec::new(),
-        candidate_scratch: Vec::new(),
         current: 0,
-        tactics,
-        weights,
-        workspace_budget: 0,
         precisions,
         eight_bit,
     };
     let lowered = convert(&mut ctx, &op_layouts, &aliased, &estimate, &allocated.inputs, &outputs)?;
     let weight_bytes = weights.bytes();
-    let values = ctx.values;
+    let values = ctx.layer.values;
     let needs = workspace_needs(gpu, config, &lowered.layers)?;
     let arena = lifetimes(&values, &lowered, &needs, config);
     let memory = memory(&values, &arena, &needs, weight_bytes, config.max_batch);
@@ -407,12 +400,12 @@ fn convert(
 ) -> Result<Lowered> {
     let mut lowered = Lowered::default();
     for (name, id, binding) in inputs {
-        ctx.current = *id;
+        ctx.set_current(*id);
         let internal = ctx.node_values[*id].expect("inputs have values");
         if internal == *binding {
             continue;
         }
-        let layer = kernels::reformat_layer(ctx, *binding, internal, name)?;
+        let layer = reformat_layer(ctx, *binding, internal, name)?;
         lowered.push(layer, vec![internal]);
     }
     let graph = ctx.graph;
@@ -428,13 +421,13 @@ fn convert(
             progress(done, to_lower, &node.path);
         }
         done += 1;
-        ctx.current = id;
+        ctx.set_current(id);
         ctx.workspace_budget = estimate.room_at(id);
         convert_node(ctx, def, layouts, &mut reformats, &mut lowered)?;
     }
     for out in outputs {
-        ctx.current = out.node;
-        let layer = kernels::reformat_layer(ctx, out.src, out.binding, &out.name)?;
+        ctx.set_current(out.node);
+        let layer = reformat_layer(ctx, out.src, out.binding, &out.name)?;
         lowered.push(layer, vec![out.src]);
     }
     Ok(lowered)
@@ -461,9 +454,9 @@ fn convert_node(ctx: &mut BuildCtx, def: &dyn OpDef, layouts: &LayoutPlan, refor
             None => None,
         });
     }
-    ctx.current_inputs = inputs;
+    ctx.reads = inputs;
     let layer = def.convert(ctx, id)?;
-    let mut touched: Vec<ValueId> = ctx.current_inputs.iter().flatten().copied().collect();
+    let mut touched: Vec<ValueId> = ctx.reads.iter().flatten().copied().collect();
     touched.extend(ctx.node_values[id]);
     touched.extend(ctx.scratch.iter().copied());
     // A candidate's own scratch (a prologue's copy, a chain's intermediate) is held only if
@@ -501,8 +494,8 @@ impl Reformats {
         let copy = ValueId(ctx.values.len());
         let name = if desc.elem == elem { format!("{}.{want:?}", desc.name) } else { format!("{}.{want:?}.{elem:?}", desc.name) };
         ctx.values.push(ValueDesc { name, layout: want, elem, storage: Storage::Arena, ..desc.clone() });
-        let path = ctx.node(ctx.current).path.clone();
-        let layer = kernels::reformat_layer(ctx, v, copy, &path)?;
+        let path = ctx.path().to_string();
+        let layer = reformat_layer(ctx, v, copy, &path)?;
         lowered.push(layer, vec![v, copy]);
         self.copies.insert((v, want, elem), copy);
         self.origin.insert(copy, v);

@@ -1,9 +1,43 @@
-//! The arithmetic of an engine ([`Precision`]) and the per-layer rules that override it
-//! ([`LayerPrecision`], TensorRT's `--layerPrecisions`).
+//! The arithmetic of an engine ([`Precision`]), the per-layer rules that override it
+//! ([`LayerPrecision`], TensorRT's `--layerPrecisions`), and the element types values are stored
+//! in ([`Elem`]).
 
-use super::layer::Elem;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
+
+/// Element type in device memory. Every value a layer reads or writes is `F32` or `F16` (its
+/// node's precision), except in an 8-bit engine: an activation quantiser's value that only 8-bit
+/// convs read is stored as its codes, `I8` or `E4m3` (`engine::eight_bit::EightBitPlan`), with the
+/// scale of the quantiser node that defines it. `U8` is only ever the type of an input binding
+/// declared u8 (`DType::U8`), which the builder's entry reformat converts to its reader's type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Elem {
+    F32,
+    F16,
+    U8,
+    I8,
+    E4m3,
+}
+
+impl Elem {
+    pub fn size(self) -> usize {
+        match self {
+            Elem::F32 => 4,
+            Elem::F16 => 2,
+            Elem::U8 | Elem::I8 | Elem::E4m3 => 1,
+        }
+    }
+    /// The suffix of kernel entry points stamped out per type (`relu_f16`, `cast_u8_f16`).
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Elem::F32 => "f32",
+            Elem::F16 => "f16",
+            Elem::U8 => "u8",
+            Elem::I8 => "i8",
+            Elem::E4m3 => "e4m3",
+        }
+    }
+}
 
 /// Arithmetic of an engine. `Fp32` forbids TF32 (cuDNN FMA math, cuBLASLt `COMPUTE_32F`); `Tf32`
 /// keeps f32 storage and lets tensor cores round inputs to TF32; `Fp16` stores activations and
@@ -59,13 +93,13 @@ impl Precision {
     }
 
     /// The 8-bit format this precision quantises to (`None`: not a quantised precision).
-    pub fn quant_format(self) -> Option<crate::graph::QuantFormat> {
+    pub fn quant_format(self) -> Option<crate::number_format::QuantFormat> {
         match self {
-            Precision::Int8 => Some(crate::graph::QuantFormat::Int8),
-            Precision::Fp8 => Some(crate::graph::QuantFormat::Fp8E4m3),
+            Precision::Int8 => Some(crate::number_format::QuantFormat::Int8),
+            Precision::Fp8 => Some(crate::number_format::QuantFormat::Fp8E4m3),
             // Best's 8-bit chains are INT8 (as fast as FP8 on the same tensor cores, and closer to
             // FP32); its FP8 GEMMs clip at the same ranges (`engine::quant`).
-            Precision::Best => Some(crate::graph::QuantFormat::Int8),
+            Precision::Best => Some(crate::number_format::QuantFormat::Int8),
             Precision::Fp32 | Precision::Tf32 | Precision::Fp16 => None,
         }
     }

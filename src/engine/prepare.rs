@@ -8,7 +8,6 @@ use super::config::BuildConfig;
 use super::precision::Precision;
 use crate::calibrate;
 use crate::graph::Graph;
-use crate::ops::custom::check_converters;
 use crate::Result;
 
 /// The graph an engine of `config` lowers, from the traced `graph`. Errors name the flag, the
@@ -16,9 +15,9 @@ use crate::Result;
 pub(crate) fn prepare(graph: &Graph, config: &BuildConfig) -> Result<Graph> {
     config.validate()?;
     config.validate_profiles(graph)?;
-    check_converters(graph)?;
+    crate::ops::check_converters(graph)?;
     let optimized = crate::passes::optimize(graph)?;
-    check_converters(&optimized)?;
+    crate::ops::check_converters(&optimized)?;
     with_precision(optimized, config)
 }
 

@@ -4,7 +4,7 @@
 //! `kernels/permute.cu`.
 
 use super::launch::{grid_for, launch, Arg, CudaFunction, KArg, KernelLayer, BLOCK};
-use super::layer::{BuildCtx, Layer, Layout, RunCtx, ValueDesc, ValueId};
+use super::layer::{Layer, LayerCtx, Layout, RunCtx, ValueDesc, ValueId};
 use super::strided::{CopyDim, CopyKind, StridedCopy, StridedLayer};
 use crate::LowerKind;
 use crate::{Error, Result};
@@ -64,7 +64,7 @@ const SMALL_CHANNELS: usize = 8;
 /// one thread an element). `src_strides` are the source's element strides of each logical dim
 /// (the dims of `dst`), and `batch_stride` is the source's per-image size.
 pub fn permute_layer(
-    ctx: &mut BuildCtx,
+    ctx: &mut LayerCtx,
     path: &str,
     src: ValueId,
     src_strides: &[usize],
@@ -88,7 +88,7 @@ pub fn permute_layer(
 /// A layer converting `src` to `dst` (the same logical dims, or `dst` with zero-padded channels
 /// at the engine's input), deciding from their descriptions: a precision cast where the layouts
 /// are the same bytes; the tiled NCHW <-> NHWC transposes for images; the general permute otherwise.
-pub fn reformat_layer(ctx: &mut BuildCtx, src: ValueId, dst: ValueId, path: &str) -> Result<Box<dyn Layer>> {
+pub fn reformat_layer(ctx: &mut LayerCtx, src: ValueId, dst: ValueId, path: &str) -> Result<Box<dyn Layer>> {
     let (s, d) = (ctx.value(src).clone(), ctx.value(dst).clone());
     let fail = |why: String| Error::Lower {
         path: path.to_string(),

@@ -8,7 +8,7 @@
 //! (a typed error otherwise). The launch covers images on the grid's y axis.
 
 use super::launch::{launch, KArg, BLOCK};
-use super::layer::{BuildCtx, DeviceBuf, Elem, Layer, RunCtx, ValueId};
+use super::layer::{DeviceBuf, Elem, Layer, LayerCtx, RunCtx, ValueId};
 use crate::LowerKind;
 use crate::{Error, Result};
 use cudarc::driver::CudaFunction;
@@ -193,7 +193,7 @@ impl StridedCopy {
     /// dims in its physical order, with the other side's strides).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
-        ctx: &mut BuildCtx,
+        ctx: &mut LayerCtx,
         path: &str,
         op: &str,
         kind: CopyKind,
@@ -225,7 +225,7 @@ impl StridedCopy {
     }
 
     /// `torch.roll` of `x` into `y` (one layout): `dims` sizes and shifts in physical order.
-    pub fn roll(ctx: &mut BuildCtx, path: &str, x: ValueId, y: ValueId, sizes: &[usize], shifts: &[usize]) -> Result<Self> {
+    pub fn roll(ctx: &mut LayerCtx, path: &str, x: ValueId, y: ValueId, sizes: &[usize], shifts: &[usize]) -> Result<Self> {
         let d = ctx.value(y).clone();
         // Unshifted inner dims move as one; 16-byte units where that run allows.
         let mut sizes = sizes.to_vec();
@@ -256,7 +256,7 @@ impl StridedCopy {
 
     /// The checks and the upload every copy ends with: its dims fit the kernels' meta, every
     /// size and offset fits their 32-bit arithmetic, and the entry point exists.
-    fn finish(ctx: &mut BuildCtx, path: &str, op: &str, x: ValueId, y: ValueId, launch: Launch) -> Result<Self> {
+    fn finish(ctx: &mut LayerCtx, path: &str, op: &str, x: ValueId, y: ValueId, launch: Launch) -> Result<Self> {
         let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
         if launch.rank > MAX_COPY_RANK {
             let reason = format!("a copy of {} dims exceeds the shape kernels' {MAX_COPY_RANK}", launch.rank);
@@ -314,7 +314,7 @@ pub struct StridedLayer {
 
 impl StridedLayer {
     /// `what` names the op in the layer's kind (`kernel:slice:shape_gather_v16_f16`).
-    pub fn new(ctx: &BuildCtx, path: &str, what: &str, copies: Vec<StridedCopy>) -> Self {
+    pub fn new(ctx: &LayerCtx, path: &str, what: &str, copies: Vec<StridedCopy>) -> Self {
         let entry = copies.first().map_or(String::new(), |c| c.entry.clone());
         Self { path: path.to_string(), kind: format!("kernel:{what}:{entry}"), copies, sm_count: ctx.kernels.sm_count() }
     }

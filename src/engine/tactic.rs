@@ -2,112 +2,47 @@
 //!
 //! A choice is recorded twice: in the engine (keyed by module path and problem, so loading an
 //! engine file replays it without timing) and in the timing cache (keyed by device, precision, opt
-//! batch and problem, so rebuilding any engine with the same layers times nothing).
+//! batch and problem, so rebuilding any engine with the same layers times nothing); both live in
+//! [`Tactics`](super::choices::Tactics).
 
 use super::config::BuildConfig;
 use super::gpu::cuda_err;
-use super::layer::{BuildCtx, DeviceBuf, Layer, RunCtx, ValueId};
+use super::layer::{DeviceBuf, Layer, LayerCtx, RunCtx, ValueId};
 use crate::LowerKind;
-use crate::{Error, Result};
+use crate::Result;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaEvent;
-use std::collections::BTreeMap;
-use std::path::Path;
-
-/// Called as each graph node is about to be lowered (its tactics timed) with (nodes done, nodes in
-/// all, its module path): what the CLI's progress bar shows during a build.
-pub type Progress = std::sync::Arc<dyn Fn(usize, usize, &str) + Send + Sync>;
-
-#[derive(Default)]
-pub struct Tactics {
-    /// Choices of this engine: `"{path}|{key}"` → winning layer kind.
-    pub recorded: BTreeMap<String, String>,
-    /// Loading an engine: every choice must come from `recorded`; nothing is timed.
-    pub replay: bool,
-    /// Lowering a plan for another input shape of a profile: module path → the kind chosen at the
-    /// profile's opt shape. Nothing is timed (TensorRT's rule: tactics are timed at opt): that kind
-    /// if it runs at this shape, else the same algorithm in another batch slicing, else the first
-    /// candidate that runs.
-    pub follow: BTreeMap<String, String>,
-    /// Timing cache entries: `"{device}|{precision}|b{opt}|{key}"` → kind.
-    pub cache: BTreeMap<String, String>,
-    pub cache_prefix: String,
-    /// How many choices were timed, and how many came from the cache.
-    pub timed: usize,
-    pub cached: usize,
-    /// Per timed choice: key and (kind, ms) of each candidate that ran, for the build log.
-    pub log: TimingLog,
-    /// Every choice made, in order: (module path, kind), whether timed, cached, recorded or
-    /// followed (the builder takes a profile's opt choices from it).
-    pub chosen: Vec<(String, String)>,
-    /// Build progress callback (see [`Progress`]).
-    pub progress: Option<Progress>,
-}
-
-impl Tactics {
-    /// Reads a timing cache file; a missing file is an empty cache, a malformed one an error.
-    pub fn load_cache(&mut self, path: &Path) -> Result<()> {
-        let not_a_file = |reason| Error::EngineFile { path: path.display().to_string(), reason };
-        match crate::host::read_regular(path, "the path of a JSON timing cache", not_a_file) {
-            Ok(bytes) => {
-                self.cache = serde_json::from_slice(&bytes).map_err(|e| Error::EngineFile {
-                    path: path.display().to_string(),
-                    reason: format!("timing cache is not valid JSON: {e}"),
-                })?;
-                Ok(())
-            }
-            Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(e),
-        }
-    }
-
-    pub fn save_cache(&self, path: &Path) -> Result<()> {
-        let json = serde_json::to_vec_pretty(&self.cache)
-            .map_err(|e| Error::Serialize { what: "the timing cache".into(), reason: e.to_string() })?;
-        std::fs::write(path, json).map_err(Error::io(path))
-    }
-
-    /// The counters now, so that a summary can count what comes after (`since`).
-    pub(crate) fn mark(&self) -> TacticsMark {
-        TacticsMark { timed: self.timed, cached: self.cached, log: self.log.len() }
-    }
-
-    /// Since `mark`: how many choices were timed, how many came from the cache, and the timing log.
-    pub(crate) fn since(&self, mark: TacticsMark) -> (usize, usize, TimingLog) {
-        (self.timed - mark.timed, self.cached - mark.cached, self.log[mark.log..].to_vec())
-    }
-}
-
-/// A [`Tactics`]' counters at one moment ([`Tactics::mark`]).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct TacticsMark {
-    timed: usize,
-    cached: usize,
-    log: usize,
-}
-
-/// Per timed choice: its key and the (kind, ms) of each candidate that ran.
-pub type TimingLog = Vec<(String, Vec<(String, f32)>)>;
 
 /// Workspace any layer may have whatever the arena's room at it: small engines (batch 1) would
 /// otherwise rule out algorithms over a few MiB that cost nothing in absolute terms.
 pub const WORKSPACE_FLOOR: usize = 8 << 20;
 
+impl LayerCtx<'_> {
+    /// Picks the fastest of `candidates` (TensorRT's tactics): recorded choices (engine being
+    /// loaded, timing cache) are reused, otherwise each candidate is timed on the device at the
+    /// opt batch. Candidates that fail to run are skipped; if none runs the error lists why.
+    /// `key` names the problem (shapes, attributes), not the node: equal keys share a timing.
+    pub fn choose(&mut self, key: &str, candidates: Vec<Box<dyn Layer>>) -> Result<Box<dyn Layer>> {
+        let layer = choose(self, key, candidates)?;
+        self.tactics.chosen.push((self.path.clone(), layer.kind()));
+        Ok(layer)
+    }
+}
+
 /// The layer for one problem (`key`) of the node being converted, from its candidates: recorded,
 /// the only one, followed from a profile's opt shape, cached, or the fastest by timing (in that
 /// order). The choice is recorded in the engine, and a timed one in the timing cache.
-pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Layer>>) -> Result<Box<dyn Layer>> {
-    let node = ctx.current;
+fn choose(ctx: &mut LayerCtx, key: &str, candidates: Vec<Box<dyn Layer>>) -> Result<Box<dyn Layer>> {
     let key = problem_key(ctx, key);
-    let rkey = format!("{}|{key}", ctx.node(node).path);
+    let rkey = format!("{}|{key}", ctx.path);
     if candidates.is_empty() {
-        return Err(ctx.err(node, LowerKind::NoAlgorithm, format!("no candidate layer for {key}")));
+        return Err(ctx.err(LowerKind::NoAlgorithm, format!("no candidate layer for {key}")));
     }
     let mut candidates = restrict_to_sources(ctx.config, candidates);
     // A recorded choice (a loaded engine, or the same problem already lowered for another shape).
     if let Some(kind) = ctx.tactics.recorded.get(&rkey).cloned() {
         return take(candidates, &kind)
-            .ok_or_else(|| ctx.err(node, LowerKind::NoAlgorithm, format!("recorded tactic `{kind}` is not available on this device")));
+            .ok_or_else(|| ctx.err(LowerKind::NoAlgorithm, format!("recorded tactic `{kind}` is not available on this device")));
     }
     if candidates.len() == 1 {
         return only(ctx, rkey, candidates);
@@ -116,12 +51,12 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
         return Ok(layer);
     }
     if ctx.tactics.replay {
-        return Err(ctx.err(node, LowerKind::NoAlgorithm, format!("the engine file records no tactic for {key}")));
+        return Err(ctx.err(LowerKind::NoAlgorithm, format!("the engine file records no tactic for {key}")));
     }
     let ckey = format!("{}|{key}", ctx.tactics.cache_prefix);
     if let Some(kind) = ctx.tactics.cache.get(&ckey).cloned() {
         if candidates.iter().any(|c| c.kind() == kind) {
-            tracing::debug!(path = %ctx.node(node).path, problem = %key, chosen = %kind, "tactic from the timing cache");
+            tracing::debug!(path = %ctx.path, problem = %key, chosen = %kind, "tactic from the timing cache");
             ctx.tactics.cached += 1;
             ctx.tactics.recorded.insert(rkey, kind.clone());
             return Ok(take(candidates, &kind).expect("present"));
@@ -135,7 +70,7 @@ pub(crate) fn choose(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Laye
 
 /// The problem as the engine and the timing cache know it: a layer in another precision than the
 /// engine's (a per-layer rule) is another problem, with its own timings and cache entry.
-fn problem_key(ctx: &BuildCtx, key: &str) -> String {
+fn problem_key(ctx: &LayerCtx, key: &str) -> String {
     if ctx.precision() != ctx.config.precision {
         format!("{key} @{}", ctx.precision().short_name())
     } else {
@@ -163,14 +98,12 @@ fn take(candidates: Vec<Box<dyn Layer>>, kind: &str) -> Option<Box<dyn Layer>> {
 /// The one candidate. One left alone by `tactic_sources` is the user's choice, not the only way
 /// to lower the node: it is run once here, so a configuration the device refuses is a build error
 /// naming it rather than a failure at the first run.
-fn only(ctx: &mut BuildCtx, rkey: String, candidates: Vec<Box<dyn Layer>>) -> Result<Box<dyn Layer>> {
+fn only(ctx: &mut LayerCtx, rkey: String, candidates: Vec<Box<dyn Layer>>) -> Result<Box<dyn Layer>> {
     if ctx.config.tactic_sources.is_some() && !ctx.tactics.replay {
         if let [Err(reason)] = &time_candidates(ctx, &candidates, false)?[..] {
-            return Err(ctx.err(
-                ctx.current,
-                LowerKind::NoAlgorithm,
-                format!("the forced tactic `{}` does not run here: {reason}", candidates[0].kind()),
-            ));
+            return Err(
+                ctx.err(LowerKind::NoAlgorithm, format!("the forced tactic `{}` does not run here: {reason}", candidates[0].kind()))
+            );
         }
     }
     let only = candidates.into_iter().next().expect("one candidate");
@@ -182,8 +115,8 @@ fn only(ctx: &mut BuildCtx, rkey: String, candidates: Vec<Box<dyn Layer>>) -> Re
 /// sliced differently (the arena's room differs between shapes), else the first candidate that
 /// runs here. Never timed, so a built engine and its reload lower the same shape alike. `None`
 /// where the node follows nothing, or no candidate runs.
-fn followed(ctx: &mut BuildCtx, rkey: &str, candidates: &mut Vec<Box<dyn Layer>>) -> Result<Option<Box<dyn Layer>>> {
-    let Some(kind) = ctx.tactics.follow.get(&ctx.node(ctx.current).path).cloned() else { return Ok(None) };
+fn followed(ctx: &mut LayerCtx, rkey: &str, candidates: &mut Vec<Box<dyn Layer>>) -> Result<Option<Box<dyn Layer>>> {
+    let Some(kind) = ctx.tactics.follow.get(&ctx.path).cloned() else { return Ok(None) };
     let kinds: Vec<String> = candidates.iter().map(|c| c.kind()).collect();
     let mut order: Vec<usize> = (0..kinds.len()).filter(|&i| kinds[i] == kind).collect();
     order.extend((0..kinds.len()).filter(|&i| kinds[i] != kind && unsliced(&kinds[i]) == unsliced(&kind)));
@@ -199,7 +132,7 @@ fn followed(ctx: &mut BuildCtx, rkey: &str, candidates: &mut Vec<Box<dyn Layer>>
 
 /// Times every candidate and takes the fastest, or the fastest within the arena's room
 /// (`within_room`); logs the times. An error lists why each failed when none ran.
-fn fastest(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Layer>>) -> Result<Box<dyn Layer>> {
+fn fastest(ctx: &mut LayerCtx, key: &str, candidates: Vec<Box<dyn Layer>>) -> Result<Box<dyn Layer>> {
     let times = time_candidates(ctx, &candidates, true)?;
     let mut best: Option<(usize, f32)> = None;
     let mut failures = Vec::new();
@@ -218,14 +151,14 @@ fn fastest(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Layer>>) -> Re
         }
     }
     let Some((mut winner, _)) = best else {
-        return Err(ctx.err(ctx.current, LowerKind::NoAlgorithm, format!("no candidate ran for {key}: {}", failures.join("; "))));
+        return Err(ctx.err(LowerKind::NoAlgorithm, format!("no candidate ran for {key}: {}", failures.join("; "))));
     };
     if let Some((i, ms, room)) = within_room(ctx, &candidates, &ran, winner) {
         log.push((format!("chosen: {} ({ms:.4} ms), the fastest within the arena's room of {room} bytes", candidates[i].kind()), ms));
         winner = i;
     }
     if tracing::enabled!(tracing::Level::DEBUG) {
-        let path = &ctx.node(ctx.current).path;
+        let path = &ctx.path;
         for &(i, ms) in &ran {
             let memory = memory_need(ctx, candidates[i].as_ref());
             tracing::trace!(%path, problem = %key, candidate = %candidates[i].kind(), ms, memory, room = ctx.workspace_budget, "timed");
@@ -243,7 +176,7 @@ fn fastest(ctx: &mut BuildCtx, key: &str, candidates: Vec<Box<dyn Layer>>) -> Re
 /// would grow every context's arena. Where the fastest candidate (`winner`) needs more than the
 /// room (at least `WORKSPACE_FLOOR`), the fastest of those that ran (`ran`: index and ms) that
 /// fits, and the room; `None` where the winner fits, none does, or `fastest_tactics` is on.
-fn within_room(ctx: &BuildCtx, candidates: &[Box<dyn Layer>], ran: &[(usize, f32)], winner: usize) -> Option<(usize, f32, usize)> {
+fn within_room(ctx: &LayerCtx, candidates: &[Box<dyn Layer>], ran: &[(usize, f32)], winner: usize) -> Option<(usize, f32, usize)> {
     let room = ctx.workspace_budget.max(WORKSPACE_FLOOR);
     let need = |i: usize| memory_need(ctx, candidates[i].as_ref());
     if need(winner) <= room || ctx.config.fastest_tactics {
@@ -254,7 +187,7 @@ fn within_room(ctx: &BuildCtx, candidates: &[Box<dyn Layer>], ran: &[(usize, f32
 
 /// The memory a candidate needs beyond the values the node reads and writes, at the max batch: its
 /// workspace plus the scratch only it uses (a prologue's copy, a chain's intermediate).
-fn memory_need(ctx: &BuildCtx, c: &dyn Layer) -> usize {
+fn memory_need(ctx: &LayerCtx, c: &dyn Layer) -> usize {
     let scratch: usize =
         c.own_scratch().into_iter().filter(|d| ctx.candidate_scratch.contains(d)).map(|d| ctx.value(d).bytes(ctx.config.max_batch)).sum();
     c.workspace_bytes(ctx.config.max_batch) + scratch
@@ -279,7 +212,7 @@ fn unsliced(kind: &str) -> String {
 /// so does one that fails at the smallest or largest batch of the range (some cuDNN algorithms
 /// accept a batch of 8 and reject a batch of 1). With `timed` false, candidates are only run
 /// (time 0): whether they work here.
-fn time_candidates(ctx: &BuildCtx, candidates: &[Box<dyn Layer>], timed: bool) -> Result<Vec<std::result::Result<f32, String>>> {
+fn time_candidates(ctx: &LayerCtx, candidates: &[Box<dyn Layer>], timed: bool) -> Result<Vec<std::result::Result<f32, String>>> {
     let batch = ctx.config.opt_batch;
     let mut batches = vec![ctx.config.min_batch, batch, ctx.config.max_batch];
     batches.dedup();
@@ -310,9 +243,9 @@ fn time_candidates(ctx: &BuildCtx, candidates: &[Box<dyn Layer>], timed: bool) -
 /// Zeroed device buffers for the values the node being converted touches (its inputs in the
 /// layouts its converter asked for, its output, its scratch), and each value's address (0 for
 /// the others).
-fn value_buffers(ctx: &BuildCtx) -> Result<(Vec<u64>, Vec<DeviceBuf>)> {
-    let mut touched: Vec<ValueId> = ctx.current_inputs.iter().flatten().copied().collect();
-    touched.extend(ctx.node_values[ctx.current]);
+fn value_buffers(ctx: &LayerCtx) -> Result<(Vec<u64>, Vec<DeviceBuf>)> {
+    let mut touched: Vec<ValueId> = ctx.reads.iter().flatten().copied().collect();
+    touched.extend(ctx.writes);
     touched.extend(ctx.scratch.iter().chain(&ctx.candidate_scratch).copied());
     let mut ptrs = vec![0u64; ctx.values.len()];
     let mut bufs = Vec::new();
@@ -326,16 +259,10 @@ fn value_buffers(ctx: &BuildCtx) -> Result<(Vec<u64>, Vec<DeviceBuf>)> {
 }
 
 /// What an out-of-memory error names: `what`, of the layer being converted, for tactic timing.
-fn for_timing<'a>(ctx: &'a BuildCtx, what: String) -> impl FnOnce() -> String + 'a {
+fn for_timing<'a>(ctx: &'a LayerCtx, what: String) -> impl FnOnce() -> String + 'a {
     let c = ctx.config;
     move || {
-        format!(
-            "{what} of layer `{}` for tactic timing (engine for batch {}..={}, {:?})",
-            ctx.node(ctx.current).path,
-            c.min_batch,
-            c.max_batch,
-            c.precision
-        )
+        format!("{what} of layer `{}` for tactic timing (engine for batch {}..={}, {:?})", ctx.path, c.min_batch, c.max_batch, c.precision)
     }
 }
 

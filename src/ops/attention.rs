@@ -28,9 +28,10 @@
 use crate::engine::arena::ALIGN;
 use crate::engine::gemm::{Batched, LtMatmul, GEMM_WORKSPACE};
 use crate::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
-use crate::engine::{BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId};
+use crate::engine::{DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId};
 use crate::error::OpError;
 use crate::graph::{HostTensor, NodeId, Op};
+use crate::ops::BuildCtx;
 use crate::ops::{CpuArgs, FixtureTwin, OpDef};
 use crate::tensor::{Param, Tensor};
 use crate::LowerKind;
@@ -459,8 +460,9 @@ fn gpu_attention(ctx: &mut BuildCtx, node: NodeId, attrs: Attention) -> Result<B
 
     // (a) cuBLASLt: scores (f32) = scale · Q·Kᵀ, softmax kernel, Y = P·V.
     let core = GemmCore::new(ctx, node, dims, attrs.scale, bias.clone())?;
-    let scores = ctx.scratch(mul(ctx, node, "scores", core.scores_elems, Elem::F32.size())?);
-    let probs = ctx.scratch(mul(ctx, node, "probabilities", core.scores_elems, elem.size())?);
+    let (scores_bytes, probs_bytes) =
+        (mul(ctx, node, "scores", core.scores_elems, Elem::F32.size())?, mul(ctx, node, "probabilities", core.scores_elems, elem.size())?);
+    let (scores, probs) = (ctx.scratch(scores_bytes), ctx.scratch(probs_bytes));
     candidates.push(Box::new(GemmAttention { path: path.clone(), core, io: [q, k, v, y], scores, probs }));
 
     // (b), (c) the fused kernels, for the head dims they are stamped for: q, k, v and y are

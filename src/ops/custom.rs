@@ -2,9 +2,10 @@
 //! `inventory::submit!`, and a GPU converter under the same name (see `engine`), without
 //! touching Kiln. Tracing applies it with `Tensor::custom(name, attrs, others)`.
 
-use crate::engine::{BuildCtx, Layer, Layout};
+use crate::engine::{Layer, Layout};
 use crate::error::OpError;
 use crate::graph::{HostTensor, NodeId};
+use crate::ops::BuildCtx;
 use crate::ops::{CpuArgs, LayoutPlan, OpDef};
 use crate::registry::build_table;
 use crate::tensor::Tensor;

@@ -3,10 +3,11 @@
 //! `Hardswish`, `Hardsigmoid`, `GELU`, `Tanh`, `Hardtanh`, `Softplus`, `ELU`, `Mish`.
 
 use crate::engine::launch::{pack, same_elem, to_i32, typed_entry_points, Arg, KArg, KernelLayer};
-use crate::engine::{BuildCtx, Layer, Layout, ValueId};
+use crate::engine::{Layer, Layout, ValueId};
 use crate::error::OpError;
 use crate::graph::{HostTensor, NodeId, Op};
 use crate::module::{Forward, Module};
+use crate::ops::BuildCtx;
 use crate::ops::{one_input, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
 use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
@@ -441,11 +442,11 @@ fn act_suffix(act: Option<Unary>) -> String {
 /// value, four elements a work item.
 pub fn activation(ctx: &mut BuildCtx, node: NodeId, op: Unary) -> Result<Box<dyn Layer>> {
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
-    let elem = same_elem(ctx, node, &[x, y])?;
+    let elem = same_elem(ctx, &[x, y])?;
     let (code, p0, p1) = op.kernel_code();
     let per_image = ctx.value(y).per_image_elems();
     let args = vec![Arg::Value(x), Arg::Value(y), Arg::PerBatch(per_image), i32_arg(code), f32_arg(p0), f32_arg(p1)];
-    let layer = KernelLayer::new(ctx, node, &format!("activation_{}", elem.suffix()), args, per_image)?;
+    let layer = KernelLayer::new(ctx, &format!("activation_{}", elem.suffix()), args, per_image)?;
     Ok(Box::new(layer.kind(format!("kernel:{}", op.name())).items(4)))
 }
 
@@ -471,7 +472,7 @@ pub fn binary(ctx: &mut BuildCtx, node: NodeId, op: Binary) -> Result<Box<dyn La
     let dy = ctx.value(y).clone();
     if !is_weight(ctx, 0) && !is_weight(ctx, 1) {
         let (a, b) = (ctx.input(node, 0)?, ctx.input(node, 1)?);
-        let elem = same_elem(ctx, node, &[a, b, y])?;
+        let elem = same_elem(ctx, &[a, b, y])?;
         let same = |v: ValueId| {
             let d = ctx.value(v);
             d.dims == dy.dims && d.layout.same_bytes(dy.layout, &dy.dims)
@@ -487,7 +488,7 @@ pub fn binary(ctx: &mut BuildCtx, node: NodeId, op: Binary) -> Result<Box<dyn La
                 i32_arg(0),
                 f32_arg(0.0),
             ];
-            let layer = KernelLayer::new(ctx, node, &format!("binary_{}", elem.suffix()), args, per_image)?;
+            let layer = KernelLayer::new(ctx, &format!("binary_{}", elem.suffix()), args, per_image)?;
             return Ok(Box::new(layer.kind(format!("kernel:{}", op.name())).items(4)));
         }
     }
@@ -620,7 +621,7 @@ fn broadcast_binary(ctx: &mut BuildCtx, node: NodeId, op: Binary, y: ValueId) ->
     let mut args = operands;
     args.extend([Arg::Value(y), Arg::PerBatch(per_image), Arg::buf(meta)]);
     args.extend([merged.len() as i32, op.kernel_code(), vec as i32].map(i32_arg));
-    let layer = KernelLayer::new(ctx, node, &format!("binary_bcast_{}", elem.suffix()), args, per_image)?;
+    let layer = KernelLayer::new(ctx, &format!("binary_bcast_{}", elem.suffix()), args, per_image)?;
     Ok(Box::new(layer.kind(format!("kernel:{}_broadcast", op.name())).items(if vec { 4 } else { 1 })))
 }
 
@@ -642,7 +643,7 @@ pub fn bias_act(
 ) -> Result<Box<dyn Layer>> {
     let mut vals = vec![x, y];
     vals.extend(residual);
-    let elem = same_elem(ctx, node, &vals)?;
+    let elem = same_elem(ctx, &vals)?;
     let (c, h, w) = ctx
         .value(y)
         .chw()
@@ -663,7 +664,7 @@ pub fn bias_act(
     );
     let scale = scale.map(|s| ctx.upload_f32(s)).transpose()?;
     let bias = bias.map(|b| ctx.upload_f32(b)).transpose()?;
-    let channels = to_i32(ctx, node, "channels", c)?;
+    let channels = to_i32(ctx, "channels", c)?;
     let (code, slope, _) = act_code(act);
     let args = vec![
         Arg::Value(x),
@@ -676,7 +677,7 @@ pub fn bias_act(
         i32_arg(code),
         f32_arg(slope),
     ];
-    let layer = KernelLayer::new(ctx, node, &format!("bias_act_{}", elem.suffix()), args, h * w * c)?;
+    let layer = KernelLayer::new(ctx, &format!("bias_act_{}", elem.suffix()), args, h * w * c)?;
     Ok(Box::new(layer.kind(kind).items(4)))
 }
 

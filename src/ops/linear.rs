@@ -1,10 +1,11 @@
 //! Linear (fully connected): `y = x Wᵀ + b` over the last dim, and `matmul` / `bmm` of two
 //! activations (or of an activation and a constant), broadcasting batch dims as PyTorch.
 
-use crate::engine::{BuildCtx, Layer, Layout};
+use crate::engine::{Layer, Layout};
 use crate::error::OpError;
 use crate::graph::{NodeId, Op};
 use crate::module::{Forward, Module};
+use crate::ops::BuildCtx;
 use crate::ops::{CpuArgs, FixtureTwin, LayoutPlan, OpDef};
 use crate::tensor::{Param, Tensor};
 use crate::var_builder::VarBuilder;
@@ -301,7 +302,7 @@ fn gpu_linear(ctx: &mut BuildCtx, node: NodeId, bias: bool) -> Result<Box<dyn La
     let b = if bias { Some(ctx.weight(node, 2)?.data.as_slice()) } else { None };
     let rows_per_image = ctx.value(y).per_image_elems() / w.shape[0].max(1);
     let spec = GemmSpec { x, y, residual: None, rows_per_image, weight: &w.data, bias: b, relu: false };
-    Ok(Box::new(GemmLayer::new_matrix(ctx, node, spec)?))
+    Ok(Box::new(GemmLayer::new_matrix(ctx, spec)?))
 }
 
 /// `a @ W` with a constant rank-2 `W` is one cuBLASLt GEMM over a's rows (W transposed on the
@@ -323,7 +324,7 @@ fn gpu_matmul(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         }
         let spec =
             GemmSpec { x: a, y, residual: None, rows_per_image: dy.per_image_elems() / p.max(1), weight: &wt, bias: None, relu: false };
-        return Ok(Box::new(GemmLayer::new_matrix(ctx, node, spec)?));
+        return Ok(Box::new(GemmLayer::new_matrix(ctx, spec)?));
     }
     if ro < 3 {
         return Err(ctx.err(
@@ -391,7 +392,7 @@ fn gpu_matmul(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
     if let MatmulB::Value(bv) = tiled.b {
         if ctx.value(bv).dims[..ro - 3] == da.dims[..ro - 3] {
             let count: usize = dy.dims[..ro - 3].iter().product();
-            let lt = crate::engine::gemm::BatchedGemmLayer::new(ctx, node, a, bv, y, [m, k, p], count)?;
+            let lt = crate::engine::gemm::BatchedGemmLayer::new(ctx, a, bv, y, [m, k, p], count)?;
             let key = ctx.problem_key(node);
             return ctx.choose(&key, vec![tiled, Box::new(lt)]);
         }

@@ -16,17 +16,19 @@ pub mod custom;
 pub mod elementwise;
 pub mod image;
 pub mod linear;
+pub mod lower;
 pub mod norm;
 pub mod pool;
 pub mod quant;
 pub mod resize;
 pub mod shape;
 
-use crate::engine::{BuildCtx, Layer, Layout};
+use crate::engine::{Layer, Layout};
 use crate::error::OpError;
 use crate::graph::{Binary, ConvAttrs, Gemm, HostTensor, NodeId, Norm, Op, Pool, Quant, Resize, ShapeOp, Unary};
 use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
+pub use lower::BuildCtx;
 use std::borrow::Cow;
 use strum::IntoEnumIterator;
 
@@ -46,6 +48,13 @@ pub fn builtin_ops() -> Vec<Op> {
         .chain([Op::Attention(attention::Attention::default()), Op::QkvAttention(attention::QkvAttention::default())])
         .chain(Quant::iter().map(Op::Quant))
         .collect()
+}
+
+/// Checks that every node of `graph` has a GPU converter, before any GPU work: built-in ops
+/// always do (each family's `OpDef::convert`); a custom op needs a registered one
+/// (`custom::check_converters`). The error names the op and its module path.
+pub fn check_converters(graph: &crate::graph::Graph) -> crate::Result<()> {
+    custom::check_converters(graph)
 }
 
 /// What every op provides. Implemented by each op family; reached through `Op::def`.
@@ -104,10 +113,23 @@ pub fn eight_bit_plan(
     conv::conv8::plan(graph, config, precisions, sm)
 }
 
+/// Whether each node of `graph` is an activation quantiser: a fake-quantize of a computed value,
+/// not of a weight. A `Best` engine lowers those it does not store as 8-bit codes as aliases of
+/// their input (`EightBitPlan::aliased`).
+pub fn activation_quantisers(graph: &crate::graph::Graph) -> Vec<bool> {
+    let is_weight = |i: NodeId| matches!(graph.nodes[i].op, Op::Weight { .. });
+    graph
+        .nodes
+        .iter()
+        .map(|n| matches!(n.op, Op::Quant(Quant::FakeQuantize(_))) && n.inputs.first().is_some_and(|&i| !is_weight(i)))
+        .collect()
+}
+
 /// Every NVRTC entry point Kiln's layers may launch: the engine's own (reformats, strided
 /// copies) and every op family's (`OpDef::entry_points` of [`builtin_ops`]), sorted, each once.
 pub fn kernel_entry_points() -> Vec<String> {
-    let mut names: std::collections::BTreeSet<String> = crate::engine::kernels::engine_entry_points().into_iter().collect();
+    let mut names: std::collections::BTreeSet<String> = crate::engine::reformat::entry_points().into_iter().collect();
+    names.extend(crate::engine::strided::entry_points());
     names.extend(builtin_ops().iter().filter_map(Op::def).flat_map(|d| d.entry_points()));
     // The convolution family's depthwise kernels (its other kernels are compiled on demand).
     names.extend(conv::depthwise::entry_points());

@@ -3,10 +3,11 @@
 //! LayerNorm and GroupNorm / InstanceNorm (our kernels in `kernels/norm.cu`, f32 statistics
 //! whatever the precision).
 
-use crate::engine::{BuildCtx, Layer, Layout};
+use crate::engine::{Layer, Layout};
 use crate::error::OpError;
 use crate::graph::{NodeId, Op};
 use crate::module::{Forward, Module};
+use crate::ops::BuildCtx;
 use crate::ops::{CpuArgs, FixtureTwin, LayoutPlan, OpDef};
 use crate::tensor::{Param, Tensor};
 use crate::var_builder::VarBuilder;
@@ -581,7 +582,7 @@ fn gpu_batch_norm2d(ctx: &mut BuildCtx, node: NodeId, eps: f32) -> Result<Box<dy
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let problem = ConvProblem { geometry, epilogue, weight: &scale, weight_shape: [c, 1, 1, 1], bias: &shift, x, y, z: None };
     let key = ctx.problem_key(node);
-    let mut candidates = conv_candidates_with(ctx, node, problem)?;
+    let mut candidates = conv_candidates_with(ctx, problem)?;
     candidates.push(bias_act(ctx, node, x, Some(&scale), Some(&shift), None, y, None)?);
     ctx.choose(&key, candidates)
 }
@@ -618,7 +619,7 @@ fn gpu_group_norm(ctx: &mut BuildCtx, node: NodeId, groups: usize, eps: f32, aff
         Arg::Const(KArg::I32(hw)),
     ];
     // A block a row: `groups · BLOCK` work items per image.
-    let layer = KernelLayer::new(ctx, node, &format!("group_norm_{}", dx.elem.suffix()), args, groups * BLOCK as usize)?;
+    let layer = KernelLayer::new(ctx, &format!("group_norm_{}", dx.elem.suffix()), args, groups * BLOCK as usize)?;
     Ok(Box::new(layer.kind("kernel:group_norm".into())))
 }
 

@@ -1,10 +1,11 @@
 //! Pooling: MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, adaptive max pooling, and the mean over any dims (`Tensor::mean`).
 
 use crate::engine::launch::{grid_for, launch, nhwc, pack, same_elem, to_i32, typed_entry_points, CudaFunction, KArg, BLOCK};
-use crate::engine::{BuildCtx, Layer, Layout, RunCtx, ValueId};
+use crate::engine::{Layer, Layout, RunCtx, ValueId};
 use crate::error::OpError;
 use crate::graph::{NodeId, Op};
 use crate::module::{Forward, Module};
+use crate::ops::BuildCtx;
 use crate::ops::{one_input, pair_label, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
 use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
@@ -567,20 +568,20 @@ pub fn pool_layer_between(
     x: ValueId,
     y: ValueId,
 ) -> Result<Box<dyn Layer>> {
-    let elem = same_elem(ctx, node, &[x, y])?;
-    let (c, h, w) = nhwc(ctx, node, x)?;
-    let (c2, oh, ow) = nhwc(ctx, node, y)?;
+    let elem = same_elem(ctx, &[x, y])?;
+    let (c, h, w) = nhwc(ctx, x)?;
+    let (c2, oh, ow) = nhwc(ctx, y)?;
     if c2 != c {
         return Err(ctx.err(node, LowerKind::Operands, format!("pooling maps {c} channels to {c2}")));
     }
     // Launch arguments are 32-bit; the batch is checked when the layer runs.
     let mut dims = [0i32; 5];
     for (d, (name, v)) in dims.iter_mut().zip([("H", h), ("W", w), ("C", c), ("OH", oh), ("OW", ow)]) {
-        *d = to_i32(ctx, node, name, v)?;
+        *d = to_i32(ctx, name, v)?;
     }
     let mut win = [0i32; 6];
     for (d, v) in win.iter_mut().zip(window) {
-        *d = to_i32(ctx, node, "window", v)?;
+        *d = to_i32(ctx, "window", v)?;
     }
     let name = match kind {
         PoolKind::Max => "max_pool2d",

@@ -13,10 +13,11 @@
 //! The output size is `size`, or `floor(in * scale_factor)` (computed in f64, as PyTorch).
 
 use crate::engine::launch::{nhwc, pack, same_elem, to_i32, typed_entry_points, Arg, KArg, KernelLayer};
-use crate::engine::{BuildCtx, Layer, Layout};
+use crate::engine::{Layer, Layout};
 use crate::error::OpError;
 use crate::graph::{HostTensor, NodeId, Op};
 use crate::module::{Forward, Module};
+use crate::ops::BuildCtx;
 use crate::ops::{one_input, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
 use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
@@ -216,15 +217,15 @@ impl OpDef for Resize {
 /// index arithmetic, the one the CPU reference uses.
 fn gpu_resize(ctx: &mut BuildCtx, node: NodeId, op: &Resize) -> Result<Box<dyn Layer>> {
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
-    let elem = same_elem(ctx, node, &[x, y])?;
-    let (c, h, w) = nhwc(ctx, node, x)?;
-    let (c2, oh, ow) = nhwc(ctx, node, y)?;
+    let elem = same_elem(ctx, &[x, y])?;
+    let (c, h, w) = nhwc(ctx, x)?;
+    let (c2, oh, ow) = nhwc(ctx, y)?;
     if c2 != c || op.output_hw([h, w]).map_err(|e| ctx.err(node, LowerKind::Operands, e))? != [oh, ow] {
         return Err(ctx.err(node, LowerKind::Operands, format!("resize maps [{c}, {h}, {w}] to [{c2}, {oh}, {ow}]")));
     }
     let mut args = vec![Arg::Value(x), Arg::Value(y), Arg::Batch];
     for (name, v) in [("H", h), ("W", w), ("C", c), ("OH", oh), ("OW", ow)] {
-        args.push(Arg::Const(KArg::I32(to_i32(ctx, node, name, v)?)));
+        args.push(Arg::Const(KArg::I32(to_i32(ctx, name, v)?)));
     }
     let ints = |v: Vec<usize>| -> Vec<u8> { v.into_iter().flat_map(|i| (i as i32).to_le_bytes()).collect() };
     let (kind, tab, lam) = match *op {
@@ -253,7 +254,7 @@ fn gpu_resize(ctx: &mut BuildCtx, node: NodeId, op: &Resize) -> Result<Box<dyn L
     }
     let vec = if c % pack(elem) == 0 { pack(elem) } else { 1 };
     args.push(Arg::Const(KArg::I32((vec > 1) as i32)));
-    let layer = KernelLayer::new(ctx, node, &format!("{kind}_{}", elem.suffix()), args, oh * ow * c)?;
+    let layer = KernelLayer::new(ctx, &format!("{kind}_{}", elem.suffix()), args, oh * ow * c)?;
     Ok(Box::new(layer.kind(format!("kernel:{kind}")).items(vec)))
 }
 

@@ -9,10 +9,11 @@
 
 use crate::engine::launch::{grid_for, launch, same_elem, to_i32, typed_entry_points, Arg, CudaFunction, KArg, KernelLayer, BLOCK};
 use crate::engine::strided::{CopyDim, CopyKind, StridedCopy, StridedLayer};
-use crate::engine::{BuildCtx, Layer, Layout, RunCtx, ValueId};
+use crate::engine::{Layer, Layout, RunCtx, ValueId};
 use crate::error::OpError;
 use crate::graph::{HostTensor, NodeId, Op};
 use crate::module::{Forward, Module};
+use crate::ops::BuildCtx;
 use crate::ops::{one_input, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
 use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
@@ -536,7 +537,7 @@ fn gpu_pad(ctx: &mut BuildCtx, node: NodeId, pads: &[usize], value: f32) -> Resu
 /// and the input's stride; then the elements per image of the output and of the input.
 fn gpu_edge_pad(ctx: &mut BuildCtx, node: NodeId, pads: &[usize], reflect: bool) -> Result<Box<dyn Layer>> {
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
-    let elem = same_elem(ctx, node, &[x, y])?;
+    let elem = same_elem(ctx, &[x, y])?;
     let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
     let before: Vec<usize> = pads_per_dim(pads, dx.dims.len() + 1)[1..].iter().map(|p| p.0).collect();
     let xs = contiguous_strides(&dx.dims);
@@ -547,7 +548,7 @@ fn gpu_edge_pad(ctx: &mut BuildCtx, node: NodeId, pads: &[usize], reflect: bool)
         .collect();
     let bytes: Vec<u8> = meta.iter().flat_map(|v| v.to_le_bytes()).collect();
     let meta = ctx.upload_bytes(&bytes)?;
-    let rank = to_i32(ctx, node, "rank", dx.dims.len())?;
+    let rank = to_i32(ctx, "rank", dx.dims.len())?;
     let args = vec![
         Arg::Value(x),
         Arg::Value(y),
@@ -556,7 +557,7 @@ fn gpu_edge_pad(ctx: &mut BuildCtx, node: NodeId, pads: &[usize], reflect: bool)
         Arg::Const(KArg::I32(rank)),
         Arg::Const(KArg::I32(reflect as i32)),
     ];
-    let layer = KernelLayer::new(ctx, node, &format!("shape_pad_edge_{}", elem.suffix()), args, dy.per_image_elems())?;
+    let layer = KernelLayer::new(ctx, &format!("shape_pad_edge_{}", elem.suffix()), args, dy.per_image_elems())?;
     let name = if reflect { "reflection_pad" } else { "replication_pad" };
     Ok(Box::new(layer.kind(format!("kernel:{name}"))))
 }
@@ -665,7 +666,7 @@ fn concat_channels(ctx: &mut BuildCtx, node: NodeId, dim: usize) -> Result<Box<d
     let ins: Vec<ValueId> = (0..n_in).map(|i| ctx.input(node, i)).collect::<Result<_>>()?;
     let mut all = ins.clone();
     all.push(y);
-    let elem = same_elem(ctx, node, &all)?;
+    let elem = same_elem(ctx, &all)?;
     let dy = ctx.value(y).clone();
     let rank = dy.dims.len() + 1;
     if dim != 1 {
@@ -687,7 +688,7 @@ fn concat_channels(ctx: &mut BuildCtx, node: NodeId, dim: usize) -> Result<Box<d
         }
         inputs.push((v, c));
     }
-    to_i32(ctx, node, "channels", cout)?;
+    to_i32(ctx, "channels", cout)?;
     let f = ctx.kernels.get(&format!("concat_channels_{}", elem.suffix()))?;
     Ok(Box::new(ConcatLayer {
         path: ctx.node(node).path.clone(),

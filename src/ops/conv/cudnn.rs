@@ -4,8 +4,9 @@
 
 use super::{Activation, ConvAttrs};
 use crate::engine::cudnn::{ConvGeometry, ConvProblem, Epilogue};
-use crate::engine::{BuildCtx, ValueId};
+use crate::engine::ValueId;
 use crate::graph::{HostTensor, NodeId};
+use crate::ops::BuildCtx;
 use crate::LowerKind;
 use crate::Result;
 

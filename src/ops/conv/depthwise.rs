@@ -5,8 +5,9 @@
 
 use super::{Activation, ConvAttrs};
 use crate::engine::launch::{grid_for, launch, nhwc, pack, same_elem, to_i32, CudaFunction, KArg, BLOCK};
-use crate::engine::layer::{BuildCtx, DeviceBuf, Layer, RunCtx, ValueId};
+use crate::engine::layer::{DeviceBuf, Layer, RunCtx, ValueId};
 use crate::graph::NodeId;
+use crate::ops::BuildCtx;
 use crate::LowerKind;
 use crate::{Error, Result};
 
@@ -87,9 +88,9 @@ pub fn candidate(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, y: ValueId) ->
     let residual = if a.residual { Some(ctx.input(node, if a.bias { 3 } else { 2 })?) } else { None };
     let mut vals = vec![x, y];
     vals.extend(residual);
-    let elem = same_elem(ctx, node, &vals)?;
-    let (cx, h, wd) = nhwc(ctx, node, x)?;
-    let (cy, oh, ow) = nhwc(ctx, node, y)?;
+    let elem = same_elem(ctx, &vals)?;
+    let (cx, h, wd) = nhwc(ctx, x)?;
+    let (cy, oh, ow) = nhwc(ctx, y)?;
     if cx != c || cy != c {
         return Ok(Vec::new());
     }
@@ -111,7 +112,7 @@ pub fn candidate(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, y: ValueId) ->
     for (d, (name, v)) in
         dims.iter_mut().zip(named.into_iter().chain([("padding", a.padding[0]), ("padding", a.padding[1]), ("relu", relu as usize)]))
     {
-        *d = to_i32(ctx, node, name, v)?;
+        *d = to_i32(ctx, name, v)?;
     }
     let path = ctx.node(node).path.clone();
     let sm_count = ctx.kernels.sm_count();

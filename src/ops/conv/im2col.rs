@@ -11,8 +11,9 @@
 use super::{Activation, ConvAttrs};
 use crate::engine::gemm::LtMatmul;
 use crate::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
-use crate::engine::layer::{BuildCtx, DeviceBuf, Elem, Layer, RunCtx, ValueId};
+use crate::engine::layer::{DeviceBuf, Elem, Layer, RunCtx, ValueId};
 use crate::graph::NodeId;
+use crate::ops::BuildCtx;
 use crate::LowerKind;
 use crate::Result;
 use std::sync::Arc;

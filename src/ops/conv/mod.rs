@@ -9,12 +9,13 @@ pub mod strided_gemm;
 pub mod subpixel;
 
 use crate::engine::layer::Chain;
-use crate::engine::{BuildCtx, Layer, Layout, ValueId};
+use crate::engine::{Layer, Layout, ValueId};
 use crate::error::OpError;
 use crate::graph::{NodeId, Op, PoolAttrs};
 use crate::module::{Forward, Module};
 use crate::ops::pool::PoolKind;
 use crate::ops::pool::{max_pool2d_cpu, pool2d_shape};
+use crate::ops::BuildCtx;
 use crate::ops::{pair_label, CpuArgs, LayoutPlan, OpDef};
 use crate::tensor::{Param, Tensor};
 use crate::var_builder::VarBuilder;
@@ -608,7 +609,7 @@ fn conv2d_candidates(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs, y: ValueId)
     use crate::engine::gemm::{GemmLayer, GemmSpec};
     let (zeros, w) = (cudnn::zero_bias(ctx, node)?, ctx.weight(node, 1)?);
     let problem = cudnn::problem(ctx, node, &a, w, &zeros, y)?;
-    let mut candidates = crate::engine::cudnn::conv_candidates_with(ctx, node, problem)?;
+    let mut candidates = crate::engine::cudnn::conv_candidates_with(ctx, problem)?;
     let pointwise = w.shape[2..] == [1, 1] && a.stride == [1, 1] && a.padding == [0, 0] && a.groups == 1;
     if pointwise {
         let x = ctx.input(node, 0)?;
@@ -616,7 +617,7 @@ fn conv2d_candidates(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs, y: ValueId)
         let bias = if a.bias { Some(ctx.weight(node, 2)?.data.as_slice()) } else { None };
         let residual = if a.residual { Some(ctx.input(node, if a.bias { 3 } else { 2 })?) } else { None };
         let spec = GemmSpec { x, y, residual, rows_per_image: h * wd, weight: &w.data, bias, relu: a.act == Activation::Relu };
-        candidates.push(Box::new(GemmLayer::new(ctx, node, spec)?));
+        candidates.push(Box::new(GemmLayer::new(ctx, spec)?));
         // An FP8 engine's quantised 1×1 conv also runs on e4m3 tensor cores (`ops::quant::fp8_gemm`).
         candidates.extend(crate::ops::quant::fp8_gemm::candidates(ctx, node, spec)?);
     }
@@ -650,7 +651,7 @@ fn gpu_conv_transpose2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Resul
     let problem = cudnn::problem(ctx, node, &a, w, &zeros, ctx.output(node)?)?;
     let (weight_shape, bias) = (problem.weight_shape, problem.bias);
     let mut candidates = subpixel::candidates(ctx, node, &a, &w.data, weight_shape, bias)?;
-    candidates.extend(crate::engine::cudnn::deconv_candidates(ctx, node, problem)?);
+    candidates.extend(crate::engine::cudnn::deconv_candidates(ctx, problem)?);
     ctx.choose(&key, candidates)
 }
 

@@ -11,10 +11,11 @@
 use super::{Activation, ConvAttrs};
 use crate::engine::eight_bit::EightBitPlan;
 use crate::engine::launch::{launch, CudaFunction, KArg};
-use crate::engine::layer::{to_elem_bytes, BuildCtx, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId};
+use crate::engine::layer::{to_elem_bytes, DeviceBuf, Elem, Layer, Layout, RunCtx, ValueDesc, ValueId};
 use crate::graph::NodeId;
 use crate::ops::pool::PoolAttrs;
 use crate::ops::quant::QuantParams;
+use crate::ops::BuildCtx;
 use crate::LowerKind;
 use crate::{Error, Result};
 use cudarc::driver::sys::CUfunction_attribute;

@@ -10,8 +10,9 @@
 
 use super::{Activation, ConvAttrs};
 use crate::engine::gemm::{Batched, LtMatmul};
-use crate::engine::layer::{BuildCtx, DeviceBuf, Layer, RunCtx, ValueId};
+use crate::engine::layer::{DeviceBuf, Layer, RunCtx, ValueId};
 use crate::graph::NodeId;
+use crate::ops::BuildCtx;
 use crate::LowerKind;
 use crate::Result;
 

@@ -17,8 +17,9 @@
 use super::ConvAttrs;
 use crate::engine::cudnn::{conv_candidates_geom, ConvProblem};
 use crate::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
-use crate::engine::layer::{BuildCtx, Layer, RunCtx, ValueId};
+use crate::engine::layer::{Layer, RunCtx, ValueId};
 use crate::graph::NodeId;
+use crate::ops::BuildCtx;
 use crate::LowerKind;
 use crate::{Error, Result};
 use std::sync::Arc;
@@ -316,7 +317,7 @@ pub fn candidates(
     let attrs = plan.conv_attrs(a);
     let (geometry, epilogue) = (attrs.geometry(), attrs.epilogue());
     let problem = ConvProblem { geometry, epilogue, weight: &wt, weight_shape: plan.conv_weight_shape(), bias: &bt, x, y, z: None };
-    let convs = conv_candidates_geom(ctx, node, problem, plan.conv_out_chw(), false)?;
+    let convs = conv_candidates_geom(ctx, problem, plan.conv_out_chw(), false)?;
     if convs.is_empty() {
         return Ok(Vec::new());
     }

@@ -6,9 +6,10 @@ use crate::engine::eight_bit::FP8_GEMM;
 use crate::engine::gemm::{GemmSpec, LtMatmul, GEMM_WORKSPACE};
 use crate::engine::gpu::cuda_err;
 use crate::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
-use crate::engine::layer::{to_elem_bytes, BuildCtx, DeviceBuf, Elem, Layer, RunCtx, ValueId};
+use crate::engine::layer::{to_elem_bytes, DeviceBuf, Elem, Layer, RunCtx, ValueId};
 use crate::engine::{Gpu, Precision};
 use crate::graph::{HostTensor, NodeId, Op};
+use crate::ops::BuildCtx;
 use crate::Result;
 
 /// Where an FP8 GEMM applies its bias, residual and ReLU.

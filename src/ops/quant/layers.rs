@@ -6,8 +6,9 @@
 use super::Quant;
 use crate::engine::eight_bit::QUANT_CODES;
 use crate::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
-use crate::engine::layer::{BuildCtx, DeviceBuf, Layer, RunCtx, ValueId};
+use crate::engine::layer::{DeviceBuf, Layer, RunCtx, ValueId};
 use crate::graph::NodeId;
+use crate::ops::BuildCtx;
 use crate::ops::OpDef;
 use crate::LowerKind;
 use crate::Result;

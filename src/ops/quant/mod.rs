@@ -17,10 +17,11 @@
 pub mod fp8_gemm;
 mod layers;
 
-use crate::engine::{BuildCtx, Layer, Layout};
+use crate::engine::{Layer, Layout};
 use crate::error::OpError;
 use crate::graph::{HostTensor, NodeId, Op};
 use crate::module::{Forward, Module};
+use crate::ops::BuildCtx;
 use crate::ops::{one_input, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
 use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
