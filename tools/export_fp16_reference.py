@@ -2,7 +2,8 @@
 """FP32 references with PyTorch's own FP16 beside them, for tests/gpu_fidelity.rs (issue 28, item 5).
 
 For each classifier of the zoo (or --models): torchvision's own module with its random init and
-measured BatchNorm statistics (export_reference.load_weights, as the zoo test), the seeded input
+BatchNorm statistics measured through its drawn affine parameters (export_reference.load_weights
+with `consistent_batchnorm`: every BatchNorm normalises its input, as after training), the seeded input
 at the model's default size (or --size HxW), run on CUDA in FP32 with TF32 off, then the same
 module in FP16 (`.half()`, the input cast to f16, as PyTorch's FP16 peers run). Writes to --out:
 - <model>.reference.safetensors: `input`, `output.logits` (FP32), `fp16.logits` (PyTorch's FP16
@@ -31,7 +32,8 @@ def rel_l2(got, want):
 
 
 def export(model, size, seed, out, device="cuda"):
-    net = er.load_weights(model, er.build(model), "torchvision", seed).eval().float()
+    # BatchNorm statistics measured through the drawn affine parameters (see randomise_batchnorm).
+    net = er.load_weights(model, er.build(model), "torchvision", seed, consistent_batchnorm=True).eval().float()
     h, w = size or (er.default_size(model),) * 2
     x = torch.from_numpy(seeded.weight(f"input.{seed}", [1, 3, h, w]))
     net = net.to(device)
@@ -42,7 +44,7 @@ def export(model, size, seed, out, device="cuda"):
     wpath = os.path.join(out, f"{model}.weights.safetensors")
     # As export_reference.py writes it (integer buffers such as Swin's relative_position_index too).
     save_file({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, wpath)
-    meta = {"model": model, "weights": "torchvision", "seed": str(seed), "input_shape": f"1x3x{h}x{w}", "fp16_rel_l2.logits": f"{rel:.6e}"}
+    meta = {"model": model, "weights": "torchvision, consistent BatchNorm statistics", "seed": str(seed), "input_shape": f"1x3x{h}x{w}", "fp16_rel_l2.logits": f"{rel:.6e}"}
     tensors = {"input": x, "output.logits": fp32, "fp16.logits": fp16}
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, f"{model}.reference.safetensors"), metadata=meta)
     print(f"{model}: input {h}x{w}, PyTorch FP16 rel L2 against FP32 {rel:.3e}")

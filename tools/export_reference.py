@@ -319,27 +319,41 @@ def seeded_state_dict(module):
     return out
 
 
-def randomise_batchnorm(net, model, seed):
+def randomise_batchnorm(net, model, seed, consistent=False):
     """torchvision initialises BatchNorm to the identity (mean 0, var 1, weight 1, bias 0), which
     would hide a folding bug, and with those statistics a deep random network's activations grow
-    past FP16's range. So the statistics are measured, as training would: the running mean and
-    variance of each BatchNorm over a few random batches, then its weight and bias are drawn at
-    random around 1 and 0."""
+    past FP16's range. So each BatchNorm's weight and bias are drawn at random around 1 and 0 and
+    its running mean and variance are measured over a few random batches.
+
+    By default the statistics are measured first (every BatchNorm still the identity) and the
+    affine parameters drawn after, so a layer's statistics do not match what its input becomes
+    once the layers before it scale and shift: activations drift with depth. The model tests'
+    bounds were set on these networks. `consistent=True` draws the affine parameters first and
+    measures the statistics through them, as training leaves a network: every BatchNorm then
+    normalises its input. tools/export_fp16_reference.py uses it, because in a drifting network
+    (RegNetY-400MF: activations' std grows to 57 in its last stage) FP16's error depends on which
+    way a handful of weights round, for PyTorch and Kiln alike, rather than on the mechanism."""
     g = torch.Generator().manual_seed(seed + 1)
     size = default_size(model)
-    for m in net.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            m.reset_running_stats()
-            m.momentum = None  # a cumulative average over the calibration batches
+    norms = [m for m in net.modules() if isinstance(m, nn.BatchNorm2d)]
+
+    def draw_affine():
+        for m in norms:
+            m.weight.copy_(torch.rand(m.weight.shape, generator=g) + 0.5)
+            m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
+
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None  # a cumulative average over the calibration batches
     net.train()
     with torch.no_grad():
+        if consistent:
+            draw_affine()
         for _ in range(2):
             x = torch.randn(4, 3, size, size, generator=g)
             net(x)
-        for m in net.modules():
-            if isinstance(m, nn.BatchNorm2d):
-                m.weight.copy_(torch.rand(m.weight.shape, generator=g) + 0.5)
-                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
+        if not consistent:
+            draw_affine()
     net.eval()
 
 
@@ -353,7 +367,7 @@ def randomise_zero_head(net, seed):
         head.bias.copy_(torch.randn(head.bias.shape, generator=g) * 0.02)
 
 
-def load_weights(model, net, weights, seed):
+def load_weights(model, net, weights, seed, consistent_batchnorm=False):
     if weights == "seeded":
         net.load_state_dict(seeded_state_dict(net))
     elif weights == "torchvision":
@@ -363,7 +377,7 @@ def load_weights(model, net, weights, seed):
         # The classifiers' BatchNorms get measured statistics; CenterNet keeps torchvision's
         # initialisation, whose top-100 detections are well separated for the FP16 check.
         if MODELS[model]["torchvision"] or family(model) == "yolo":
-            randomise_batchnorm(net, model, seed)
+            randomise_batchnorm(net, model, seed, consistent_batchnorm)
         if family(model) == "yolo":
             calibrate_yolo_head(net, model, seed)
         if model == "vit_b_16":

@@ -6,6 +6,9 @@ measured BatchNorm statistics, YOLO's calibrated head), BatchNorm is folded into
 as Kiln's passes do, and every leaf module not kept in FP32 computes from f16-rounded weights and
 inputs and stores an f16-rounded output (f32 accumulation). `--fp32` takes module-path patterns as
 `--layer-precisions` does (a pattern covers the path and what is under it; `*`, `?`).
+`--consistent-batchnorm` measures the BatchNorm statistics through the drawn affine parameters, as
+tools/export_fp16_reference.py does (export_reference.randomise_batchnorm says why); `--torch-half`
+also prints PyTorch's own `.half()` run on the CPU, the figure tests/gpu_fidelity.rs compares with.
 
   python3 tools/fp16_emulate.py --model regnet_y_400mf --fp32 stem,trunk_output.block1,trunk_output.block2
   PYTHONPATH=/tmp/ulsite YOLO_OFFLINE=1 python3 tools/fp16_emulate.py --model yolov8n
@@ -91,16 +94,19 @@ def yolo_decode(head, raw, rd):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    er.load_models()
     p.add_argument("--model", required=True, choices=list(er.MODELS))
     p.add_argument("--fp32", default="", help="comma-separated module-path patterns kept in FP32")
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--consistent-batchnorm", action="store_true", help="BatchNorm statistics measured through the drawn affine parameters")
+    p.add_argument("--torch-half", action="store_true", help="also PyTorch's own FP16 (.half()) on the CPU")
     args = p.parse_args()
     torch.set_grad_enabled(False)
     fp32 = [s for s in args.fp32.split(",") if s]
-    net = er.load_weights(args.model, er.build(args.model), "torchvision", 0).eval().float()
-    size = er.MODELS[args.model]
+    net = er.load_weights(args.model, er.build(args.model), "torchvision", 0, args.consistent_batchnorm).eval().float()
+    size = er.default_size(args.model)
     x = torch.from_numpy(seeded.weight("input.0", [args.batch, 3, size, size]))
-    if args.model in er.YOLO:
+    if er.family(args.model) == "yolo":
         want = net(x)[0]
         fused = copy.deepcopy(net).fuse()
         head = fused.model[-1]
@@ -115,6 +121,9 @@ def main():
     want = net(x).double()
     got = emulate(fold_batchnorm(net), fp32)(x if covered("stem", fp32) else r16(x)).double()
     print(f"{args.model} FP16 (fp32: {fp32}): logits rel L2 {((got - want).norm() / want.norm()).item():.3e}")
+    if args.torch_half:
+        half = copy.deepcopy(net).half()(x.half()).double()
+        print(f"{args.model} PyTorch's own FP16 (.half() on the CPU): logits rel L2 {((half - want).norm() / want.norm()).item():.3e}")
 
 
 if __name__ == "__main__":
