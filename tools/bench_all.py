@@ -122,23 +122,27 @@ def plan(args, work):
     sys.path.insert(0, TOOLS)
     import export_reference as er
 
+    er.load_models(args.kiln)
+    os.environ.setdefault("KILN_BIN", os.path.abspath(args.kiln))  # for bench_torch.py's processes
+    classifiers = [m for m in er.MODELS if er.family(m) == "classifier"]
+    yolos = [m for m in er.MODELS if er.family(m) == "yolo"]
     if args.cpu_smoke:  # batch 1 stays, larger batches become 2, inputs 64 pixels (ViT's must be 224)
         b = lambda bs: sorted({1 if x == 1 else 2 for x in bs})  # noqa: E731
         size = lambda m: 224 if m == "vit_b_16" else 64  # noqa: E731
     else:
-        b, size = list, er.MODELS.get
+        b, size = list, er.default_size
     wanted = lambda m: not args.models or m in args.models.split(",")  # noqa: E731
     ma = [(m, int(batch)) for m, batch in (c.split(":") for c in args.max_autotune.split(",") if c)]
     units = []
     for model, fb in FLAGSHIPS.items():
         if not wanted(model):
             continue
-        zoo = b(ZOO_BATCHES) if model in er.CLASSIFIERS else []
+        zoo = b(ZOO_BATCHES) if model in classifiers else []
         units.append(classifier_unit(model, size(model), b(fb), zoo))
         for mb in sorted({b([batch])[0] for m, batch in ma if m == model}):
             units.append(unit(f"{model}-max-autotune-b{mb}", model, "max-autotune", size(model), [("compile-ma", mb)]))
-    units += [yolo_unit(m, size(m), work, b(YOLO_BATCHES)) for m in er.YOLO if wanted(m)]
-    rest = TRANSFORMERS + [m for m in er.CLASSIFIERS if m not in TRANSFORMERS and m not in FLAGSHIPS]
+    units += [yolo_unit(m, size(m), work, b(YOLO_BATCHES)) for m in yolos if wanted(m)]
+    rest = TRANSFORMERS + [m for m in classifiers if m not in TRANSFORMERS and m not in FLAGSHIPS]
     units += [classifier_unit(m, size(m), [], b(ZOO_BATCHES)) for m in rest if wanted(m)]
     if args.kiln_only:  # the flagships' Kiln rows (FP16 and the 8-bit precisions) alone
         units = [dict(u, cases=[], kiln_batches=u["flagship"]) for u in units if u["flagship"] and u["kind"] != "max-autotune"]

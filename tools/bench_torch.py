@@ -122,7 +122,9 @@ def build(unit):
     calibrated random weights (saved for Kiln first, then fused as Ultralytics' predictor does)."""
     model = unit["model"]
     torch.manual_seed(0)
-    if model not in er.YOLO:
+    if not er.MODELS:
+        er.load_models()  # the kiln binary named by $KILN_BIN (bench_all.py sets it)
+    if er.family(model) != "yolo":
         return er.build(model).eval()
     net = er.load_weights(model, er.build(model), "torchvision", 0).eval()
     save_file({k: v.detach().contiguous() for k, v in net.state_dict().items()}, unit["weights_out"])
@@ -135,7 +137,9 @@ class Peers:
 
     def __init__(self, unit):
         self.unit = unit
-        self.yolo = unit["model"] in er.YOLO
+        if not er.MODELS:
+            er.load_models()
+        self.yolo = er.family(unit["model"]) == "yolo"
         self.dev = unit["device"]
         self.half = torch.float16 if self.dev == "cuda" else torch.float32
         self.layout = torch.contiguous_format if self.yolo else torch.channels_last
