@@ -3,7 +3,8 @@
 //! [`register_converter!`](crate::register_converter). The converter reads its node through
 //! [`BuildCtx`], compiles its CUDA source through the kernel cache of the [`LayerCtx`] it derefs to
 //! (which also uploads weights, plans scratch and chooses among candidates), and returns a
-//! [`Layer`] whose `enqueue` calls [`launch`].
+//! [`Layer`]: a [`KernelLayer`] when one entry point over a grid-stride grid does the work (its
+//! [`Arg`]s are resolved at each run), or a layer of its own whose `enqueue` calls [`launch`].
 //! Built-in op families implement [`OpDef`] the same way.
 //!
 //! The graph's op-level IR is here too: [`Op`] and its families' attributes, which a converter
@@ -11,7 +12,7 @@
 
 pub use crate::engine::gemm::LtMatmul;
 pub use crate::engine::kernels::{compile_source, Kernels};
-pub use crate::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
+pub use crate::engine::launch::{grid_for, launch, Arg, CudaFunction, KArg, KernelLayer, BLOCK};
 pub use crate::engine::layer::{DeviceBuf, Elem, Layer, LayerCtx, Layout, RunCtx, ValueDesc, ValueId, MAX_RANK};
 pub use crate::error::OpError;
 pub use crate::graph::{

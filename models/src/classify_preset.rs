@@ -279,102 +279,24 @@ mod tests {
 // ---- GPU converter (kernels/classify_preset.cu) ------------------------------------------------
 
 mod gpu {
-    use super::{geometry, Plan, Preset};
-    use kiln::internals::engine::launch::{grid_for, launch, CudaFunction, KArg};
-    use kiln::plugin::{BuildCtx, DeviceBuf, Layer, Op, RunCtx, ValueId};
+    use super::{geometry, Plan};
+    use crate::frame_stage::frame_stage;
+    use kiln::plugin::{BuildCtx, KArg, Layer};
     use kiln::{NodeId, Result};
 
-    pub struct PresetLayer {
-        path: String,
-        f: CudaFunction,
-        frame: ValueId,
-        out: ValueId,
-        rows: DeviceBuf,
-        cols: DeviceBuf,
-        /// H, W of the frame; crop h, w; the row lengths of the two tables.
-        dims: [usize; 6],
-        preset: Preset,
-        /// Output strides (c, y, x) per image.
-        strides: [usize; 3],
-        sm_count: u32,
-    }
-
-    impl Layer for PresetLayer {
-        fn path(&self) -> &str {
-            &self.path
-        }
-        fn kind(&self) -> String {
-            let [h, w, ch, cw, ..] = self.dims;
-            format!("kernel:classify_preset({h}x{w} {:?} -> {} -> {ch}x{cw})", self.preset.order, self.preset.resize)
-        }
-        fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
-            let [h, w, ch, cw, rs, cs] = self.dims;
-            let (m, s) = (self.preset.mean, self.preset.std);
-            let args = [
-                KArg::Ptr(rt.ptr(self.frame)),
-                KArg::Ptr(self.rows.ptr()),
-                KArg::Ptr(self.cols.ptr()),
-                KArg::I32(batch as i32),
-                KArg::I32(h as i32),
-                KArg::I32(w as i32),
-                KArg::I32(ch as i32),
-                KArg::I32(cw as i32),
-                KArg::I32(rs as i32),
-                KArg::I32(cs as i32),
-                KArg::I32(i32::from(self.preset.order == super::ChannelOrder::Bgr)),
-                KArg::F32(m[0]),
-                KArg::F32(m[1]),
-                KArg::F32(m[2]),
-                KArg::F32(s[0]),
-                KArg::F32(s[1]),
-                KArg::F32(s[2]),
-                KArg::I64(self.strides[0] as i64),
-                KArg::I64(self.strides[1] as i64),
-                KArg::I64(self.strides[2] as i64),
-                KArg::Ptr(rt.ptr(self.out)),
-            ];
-            launch(rt, &self.f, grid_for(batch * ch * cw, self.sm_count), (256, 1, 1), 0, &args)
-        }
-    }
-
     pub fn convert_preset(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
-        let Op::Custom(kiln::plugin::CustomCall { attrs, .. }) = &ctx.node(node).op else {
-            return Err(ctx.err(node, kiln::LowerKind::Unsupported, "is not classify_preset"));
-        };
-        let (frame, out) = (ctx.input(node, 0)?, ctx.output(node)?);
-        let d = ctx.value(frame).clone();
-        let per_image = [&[1][..], &d.dims].concat();
-        let ([h, w], preset) = geometry(attrs, &[&per_image]).map_err(|r| ctx.err(node, kiln::LowerKind::Operands, r))?;
-        if d.layout.order() != [0, 1] {
-            return Err(ctx.err(node, kiln::LowerKind::Unsupported, format!("the frame must be contiguous, got {:?}", d.layout)));
-        }
-        let o = ctx.value(out).clone();
-        if o.elem != d.elem {
-            return Err(ctx.err(
-                node,
-                kiln::LowerKind::Unsupported,
-                format!("frame and output must share an element type, got {:?} and {:?}", d.elem, o.elem),
-            ));
-        }
-        let s = o.layout.strides(&o.dims);
+        let stage = frame_stage(ctx, node, "classify_preset")?;
+        let ([h, w], preset) = geometry(stage.attrs, &[&stage.per_image]).map_err(|r| ctx.err(node, kiln::LowerKind::Operands, r))?;
         let plan = Plan::new([h, w], &preset);
         let ((rows, rs), (cols, cs)) = (Plan::table(&plan.rows), Plan::table(&plan.cols));
-        let rows = ctx.upload_f32(&rows)?;
-        let cols = ctx.upload_f32(&cols)?;
-        ctx.kernels.add_source("classify_preset.cu", super::CLASSIFY_PRESET_CU)?;
-        let f = ctx.kernels.get(&format!("classify_preset_{}", d.elem.suffix()))?;
-        Ok(Box::new(PresetLayer {
-            path: ctx.node(node).path.clone(),
-            f,
-            frame,
-            out,
-            rows,
-            cols,
-            dims: [h, w, preset.crop[0], preset.crop[1], rs, cs],
-            preset,
-            strides: [s[0], s[1], s[2]],
-            sm_count: ctx.kernels.sm_count(),
-        }))
+        let [ch, cw] = preset.crop;
+        let mut dims: Vec<KArg> = [h, w, ch, cw, rs, cs].map(|v| KArg::I32(v as i32)).to_vec();
+        dims.push(KArg::I32(i32::from(preset.order == super::ChannelOrder::Bgr)));
+        dims.extend(preset.mean.iter().chain(&preset.std).map(|&v| KArg::F32(v)));
+        dims.extend(stage.strides());
+        let kind = format!("kernel:classify_preset({h}x{w} {:?} -> {} -> {ch}x{cw})", preset.order, preset.resize);
+        let source = ("classify_preset.cu", super::CLASSIFY_PRESET_CU);
+        stage.layer(ctx, source, [&rows, &cols], dims, ch * cw, kind)
     }
 }
 

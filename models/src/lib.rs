@@ -23,6 +23,7 @@ pub mod convnext;
 pub mod densenet;
 pub mod digits;
 pub mod efficientnet;
+mod frame_stage;
 pub mod googlenet;
 pub mod misc;
 pub mod mobilenetv2;

@@ -171,92 +171,22 @@ mod tests {
 
 mod gpu {
     use super::{geometry, tap_table, taps};
-    use kiln::internals::engine::launch::{grid_for, launch, CudaFunction, KArg};
-    use kiln::plugin::{BuildCtx, DeviceBuf, Layer, RunCtx, ValueId};
-    use kiln::Result;
-    use kiln::{plugin::Op, NodeId};
-
-    pub struct LetterboxLayer {
-        path: String,
-        f: CudaFunction,
-        frame: ValueId,
-        out: ValueId,
-        rows: DeviceBuf,
-        cols: DeviceBuf,
-        /// H, W of the frame; input h, w; output strides (c, y, x) per image.
-        dims: [usize; 4],
-        /// The frame is B, G, R (else R, G, B).
-        bgr: bool,
-        strides: [usize; 3],
-        sm_count: u32,
-    }
-
-    impl Layer for LetterboxLayer {
-        fn path(&self) -> &str {
-            &self.path
-        }
-        fn kind(&self) -> String {
-            let order = if self.bgr { "BGR" } else { "RGB" };
-            format!("kernel:yolo_letterbox({}x{} {order} -> {}x{})", self.dims[0], self.dims[1], self.dims[2], self.dims[3])
-        }
-        fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
-            let [h, w, ih, iw] = self.dims;
-            let args = [
-                KArg::Ptr(rt.ptr(self.frame)),
-                KArg::Ptr(self.rows.ptr()),
-                KArg::Ptr(self.cols.ptr()),
-                KArg::I32(batch as i32),
-                KArg::I32(h as i32),
-                KArg::I32(w as i32),
-                KArg::I32(ih as i32),
-                KArg::I32(iw as i32),
-                KArg::I64(self.strides[0] as i64),
-                KArg::I64(self.strides[1] as i64),
-                KArg::I64(self.strides[2] as i64),
-                KArg::I32(i32::from(self.bgr)),
-                KArg::Ptr(rt.ptr(self.out)),
-            ];
-            launch(rt, &self.f, grid_for(batch * ih * iw, self.sm_count), (256, 1, 1), 0, &args)
-        }
-    }
+    use crate::frame_stage::frame_stage;
+    use kiln::plugin::{BuildCtx, KArg, Layer};
+    use kiln::{NodeId, Result};
 
     pub fn convert_letterbox(ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
-        let Op::Custom(kiln::plugin::CustomCall { attrs, .. }) = &ctx.node(node).op else {
-            return Err(ctx.err(node, kiln::LowerKind::Unsupported, "is not yolo_letterbox"));
-        };
-        let (frame, out) = (ctx.input(node, 0)?, ctx.output(node)?);
-        let d = ctx.value(frame).clone();
-        let per_image = [&[1][..], &d.dims].concat();
-        let ([h, w], [ih, iw], order) = geometry(attrs, &[&per_image]).map_err(|r| ctx.err(node, kiln::LowerKind::Operands, r))?;
-        if d.layout.order() != [0, 1] {
-            return Err(ctx.err(node, kiln::LowerKind::Unsupported, format!("the frame must be contiguous, got {:?}", d.layout)));
-        }
-        let o = ctx.value(out).clone();
-        if o.elem != d.elem {
-            return Err(ctx.err(
-                node,
-                kiln::LowerKind::Unsupported,
-                format!("frame and output must share an element type, got {:?} and {:?}", d.elem, o.elem),
-            ));
-        }
-        let s = o.layout.strides(&o.dims);
+        let stage = frame_stage(ctx, node, "yolo_letterbox")?;
+        let ([h, w], [ih, iw], order) =
+            geometry(stage.attrs, &[&stage.per_image]).map_err(|r| ctx.err(node, kiln::LowerKind::Operands, r))?;
         let (rows, cols) = taps([h, w], [ih, iw]);
-        let rows = ctx.upload_f32(&tap_table(&rows))?;
-        let cols = ctx.upload_f32(&tap_table(&cols))?;
-        ctx.kernels.add_source("letterbox.cu", super::LETTERBOX_CU)?;
-        let f = ctx.kernels.get(&format!("letterbox_{}", d.elem.suffix()))?;
-        Ok(Box::new(LetterboxLayer {
-            path: ctx.node(node).path.clone(),
-            f,
-            frame,
-            out,
-            rows,
-            cols,
-            dims: [h, w, ih, iw],
-            bgr: order == super::ChannelOrder::Bgr,
-            strides: [s[0], s[1], s[2]],
-            sm_count: ctx.kernels.sm_count(),
-        }))
+        let bgr = order == super::ChannelOrder::Bgr;
+        let mut dims: Vec<KArg> = [h, w, ih, iw].map(|v| KArg::I32(v as i32)).to_vec();
+        dims.extend(stage.strides());
+        dims.push(KArg::I32(i32::from(bgr)));
+        let kind = format!("kernel:yolo_letterbox({h}x{w} {} -> {ih}x{iw})", if bgr { "BGR" } else { "RGB" });
+        let source = ("letterbox.cu", super::LETTERBOX_CU);
+        stage.layer(ctx, source, [&tap_table(&rows), &tap_table(&cols)], dims, ih * iw, kind)
     }
 }
 
