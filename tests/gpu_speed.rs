@@ -4,6 +4,9 @@
 //! - the register-tiled depthwise convolution (`dw_tile_k{K}_s{S}_h{TH}`, kernels/depthwise.cu):
 //!   3x3, 5x5, 7x7, stride 1 and 2, ragged tiles (OW not a multiple of the tile's 8 or 4 columns,
 //!   OH odd), bias, residual, ReLU, maps smaller than the kernel;
+//! - the shared-memory depthwise convolution (`dw_smem_k{K}`, kernels/depthwise.cu): stride 1,
+//!   channels a multiple of 32, tiles ragged in both directions, several channel blocks, maps
+//!   smaller than the kernel;
 //! - LayerNorm with the row in registers (`layer_norm_packed`, kernels/norm.cu): ConvNeXt's and
 //!   ViT's widths, rows not a multiple of the rows a warp takes, channels-last after a conv.
 //!
@@ -86,6 +89,29 @@ fn depthwise_tiled_forced() {
             let name = format!("dw_tile h{th} {k}x{k} s{s} p{p} [{c}, {h}, {w}] bias={bias} relu={relu} res={residual}");
             forced(&name, &graph, &[c, h, w], &format!("kernel:dw_tile_k{k}_s{s}_h{th}"));
         }
+    }
+}
+
+/// The shared-memory kernel's cases: stride 1 and channels a multiple of its 32.
+const DEPTHWISE_SMEM: [Case; 5] = [
+    // ConvNeXt's 7x7, one tile ragged in both directions.
+    (96, 15, 13, 7, 1, 3, true, false, false),
+    // Three tiles down and across, both ragged, two channel blocks, a residual.
+    (64, 19, 35, 7, 1, 3, true, false, true),
+    (32, 12, 11, 5, 1, 2, true, true, false),
+    (64, 9, 17, 3, 1, 1, true, true, true),
+    // A map smaller than the kernel, no bias.
+    (32, 2, 3, 7, 1, 3, false, false, true),
+];
+
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/speed-check.sh)"]
+fn depthwise_shared_forced() {
+    for case in DEPTHWISE_SMEM {
+        let (c, h, w, k, _, p, bias, relu, residual) = case;
+        let graph = trace(&[c, h, w], |x| depthwise_block(x, case));
+        let name = format!("dw_smem {k}x{k} p{p} [{c}, {h}, {w}] bias={bias} relu={relu} res={residual}");
+        forced(&name, &graph, &[c, h, w], &format!("kernel:dw_smem_k{k}"));
     }
 }
 

@@ -1,7 +1,9 @@
 //! Kiln's depthwise convolution kernels (`kernels/depthwise.cu`): tactic candidates beside
 //! cuDNN's for `groups == channels` convolutions. The simple kernel (a thread per output pixel and
-//! 16-byte pack) and the register-tiled one (`dw_tile_*`: a thread per 1x8 or 2x8 output tile and
-//! 8-byte pack, each input row loaded once per tile) are timed against each other and cuDNN.
+//! 16-byte pack), the register-tiled one (`dw_tile_*`: a thread per 1x8 or 2x8 output tile and
+//! 8-byte pack, each input row loaded once per tile) and the shared-memory one (`dw_smem_*`: a
+//! block per 8x16 output tile and 32 channels, its input staged once in shared memory) are timed
+//! against each other and cuDNN.
 
 use super::{Activation, ConvAttrs};
 use crate::engine::launch::{grid_for, launch, nhwc, pack, same_elem, to_i32, CudaFunction, KArg, BLOCK};
@@ -25,10 +27,25 @@ pub struct DepthwiseLayer {
     /// H, W, C, OH, OW, sh, sw, ph, pw, relu
     dims: [i32; 10],
     vec: usize,
-    /// The tiled kernel's (rows, columns) of output pixels a thread; `None`: the simple kernel.
-    tile: Option<(usize, usize)>,
+    kernel: Kernel,
     sm_count: u32,
 }
+
+/// Which of `kernels/depthwise.cu`'s kernels a [`DepthwiseLayer`] launches.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kernel {
+    /// `depthwise_k*`: a thread per output pixel and `vec` channels.
+    Simple,
+    /// `dw_tile_*`: a thread per `rows x cols` output pixels and `vec` channels.
+    Tiled { rows: usize, cols: usize },
+    /// `dw_smem_*`: a block per [`SMEM_TILE`] output pixels and [`SMEM_CHANNELS`] channels.
+    Shared,
+}
+
+/// The output rows and columns of a `dw_smem_*` block's tile (`DWS_TH`, `DWS_TW` in the kernel).
+const SMEM_TILE: (usize, usize) = (8, 16);
+/// The channels of a `dw_smem_*` block (`DWS_CB`), one a lane.
+const SMEM_CHANNELS: usize = 32;
 
 impl Layer for DepthwiseLayer {
     fn path(&self) -> &str {
@@ -52,16 +69,23 @@ impl Layer for DepthwiseLayer {
         ];
         let [h, w, c, oh, ow, _sh, _sw, ph, pw, relu] = self.dims;
         let (c, oh, ow) = (c as usize, oh as usize, ow as usize);
-        let work = match self.tile {
-            None => {
+        // The tiled kernels' stride is in their entry point's name.
+        let tiled_args = [h, w, c as i32, oh as i32, ow as i32, ph, pw, relu].map(KArg::I32);
+        let work = match self.kernel {
+            Kernel::Simple => {
                 args.extend(self.dims.map(KArg::I32));
                 args.push(KArg::I32((self.vec > 1) as i32));
                 batch * oh * ow * c / self.vec
             }
-            Some((th, tw)) => {
-                // The tiled kernel's stride is in its entry point's name.
-                args.extend([h, w, c as i32, oh as i32, ow as i32, ph, pw, relu].map(KArg::I32));
-                batch * oh.div_ceil(th) * ow.div_ceil(tw) * (c / self.vec)
+            Kernel::Tiled { rows, cols } => {
+                args.extend(tiled_args);
+                batch * oh.div_ceil(rows) * ow.div_ceil(cols) * (c / self.vec)
+            }
+            Kernel::Shared => {
+                args.extend(tiled_args);
+                // One block of BLOCK threads a tile; the grid is capped and the blocks stride.
+                let tiles = batch * oh.div_ceil(SMEM_TILE.0) * ow.div_ceil(SMEM_TILE.1) * (c / SMEM_CHANNELS);
+                tiles * BLOCK as usize
             }
         };
         launch(rt, &self.f, grid_for(work, self.sm_count), (BLOCK, 1, 1), 0, &args)
@@ -71,7 +95,7 @@ impl Layer for DepthwiseLayer {
 /// The [`DepthwiseLayer`] candidates for a Conv2d node, none where they do not apply: not
 /// transposed, `groups == Cin == Cout`, a square 3x3, 5x5 or 7x7 kernel, dilation 1, stride 1 or
 /// 2. The simple kernel always; the tiled kernel in 1- and 2-row tiles where C is a multiple of
-/// its 8-byte pack. Inputs as the conv converter reads them: x, weight `[C, 1, K, K]`, bias?,
+/// its 8-byte pack; the shared-memory kernel at stride 1 where C is a multiple of 32. Inputs as the conv converter reads them: x, weight `[C, 1, K, K]`, bias?,
 /// residual?.
 pub fn candidate(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, y: ValueId) -> Result<Vec<Box<dyn Layer>>> {
     let w = ctx.weight(node, 1)?;
@@ -117,21 +141,25 @@ pub fn candidate(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, y: ValueId) ->
     let path = ctx.node(node).path.clone();
     let sm_count = ctx.kernels.sm_count();
     // The simple kernel: 16-byte packs where C allows, else one channel a thread.
-    let mut variants = vec![(format!("depthwise_k{k}_{}", elem.suffix()), if c % pack(elem) == 0 { pack(elem) } else { 1 }, None)];
+    let mut variants =
+        vec![(format!("depthwise_k{k}_{}", elem.suffix()), if c % pack(elem) == 0 { pack(elem) } else { 1 }, Kernel::Simple)];
     // The tiled kernel: 8-byte packs, 8 output columns a thread at stride 1, 4 at stride 2.
     let (v8, s) = (8 / elem.size(), a.stride[0]);
     if c % v8 == 0 && a.stride[0] == a.stride[1] {
         let tw = if s == 1 { 8 } else { 4 };
-        variants.extend([1, 2].map(|th| (format!("dw_tile_k{k}_s{s}_h{th}_{}", elem.suffix()), v8, Some((th, tw)))));
+        variants.extend([1, 2].map(|th| (format!("dw_tile_k{k}_s{s}_h{th}_{}", elem.suffix()), v8, Kernel::Tiled { rows: th, cols: tw })));
+    }
+    if c % SMEM_CHANNELS == 0 && a.stride == [1, 1] {
+        variants.push((format!("dw_smem_k{k}_{}", elem.suffix()), 1, Kernel::Shared));
     }
     let mut out: Vec<Box<dyn Layer>> = Vec::new();
-    for (entry, vec, tile) in variants {
+    for (entry, vec, kernel) in variants {
         // Uploads of the same bytes share one buffer (the engine's weight store).
         let w = ctx.upload_f32(&wt)?;
         let bias = bias.as_ref().map(|b| ctx.upload_f32(b)).transpose()?;
         let f = ctx.kernels.get(&entry)?;
         let kind = format!("kernel:{entry}");
-        out.push(Box::new(DepthwiseLayer { path: path.clone(), kind, f, x, residual, y, w, bias, dims, vec, tile, sm_count }));
+        out.push(Box::new(DepthwiseLayer { path: path.clone(), kind, f, x, residual, y, w, bias, dims, vec, kernel, sm_count }));
     }
     Ok(out)
 }
@@ -141,7 +169,7 @@ pub fn candidate(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs, y: ValueId) ->
 pub(crate) fn entry_points() -> Vec<String> {
     let tiled: Vec<String> =
         [3, 5, 7].iter().flat_map(|k| [1, 2].iter().flat_map(move |s| [1, 2].map(|h| format!("dw_tile_k{k}_s{s}_h{h}")))).collect();
-    let mut stems = vec!["depthwise_k3", "depthwise_k5", "depthwise_k7"];
+    let mut stems = vec!["depthwise_k3", "depthwise_k5", "depthwise_k7", "dw_smem_k3", "dw_smem_k5", "dw_smem_k7"];
     stems.extend(tiled.iter().map(String::as_str));
     crate::engine::launch::typed_entry_points(&stems)
 }
