@@ -4,7 +4,10 @@
 // written by the same thread.
 
 // y = act(x)
-template <typename T> __device__ void activation(const T* x, T* y, i64 n, int act, float p0, float p1) {
+// The loop over `n` values with the op `act`; `activation` calls it with `act` a compile-time
+// constant for the common ops, so their switch folds away and only their function is inlined
+// (a switch inside the loop costs a branch per value and stops the compiler interleaving values).
+template <typename T> __device__ __forceinline__ void activation_loop(const T* x, T* y, i64 n, int act, float p0, float p1) {
     typedef Pack<T> P;
     i64 head = 0;
     if (aligned16(x) && aligned16(y)) {
@@ -17,6 +20,22 @@ template <typename T> __device__ void activation(const T* x, T* y, i64 n, int ac
         }
     }
     GRID_STRIDE(i, n - head) { y[head + i] = from_f32<T>(apply_act2(to_f32(x[head + i]), act, p0, p1)); }
+}
+
+template <typename T> __device__ void activation(const T* x, T* y, i64 n, int act, float p0, float p1) {
+    switch (act) {
+#define ACTIVATION_FIXED(A) \
+    case A: activation_loop<T>(x, y, n, A, p0, p1); return;
+        ACTIVATION_FIXED(ACT_RELU)
+        ACTIVATION_FIXED(ACT_SIGMOID)
+        ACTIVATION_FIXED(ACT_SILU)
+        ACTIVATION_FIXED(ACT_HARDSWISH)
+        ACTIVATION_FIXED(ACT_HARDSIGMOID)
+        ACTIVATION_FIXED(ACT_GELU)
+        ACTIVATION_FIXED(ACT_GELU_TANH)
+#undef ACTIVATION_FIXED
+    default: activation_loop<T>(x, y, n, act, p0, p1);
+    }
 }
 
 // Binary op codes shared with src/ops/elementwise.rs (`Binary::kernel_code`).
