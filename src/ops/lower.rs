@@ -93,10 +93,4 @@ impl<'a> BuildCtx<'a> {
         let n = self.node(node);
         Error::Lower { path: n.path.clone(), op: n.op.name().to_string(), kind, reason: reason.to_string() }
     }
-
-    /// `v`'s `(C, H, W)` (a vector `[F]` as `(F, 1, 1)`), or an `Unsupported` error naming the
-    /// node and `role` (`"input"`, `"output"`): what the image layers (convolutions) read.
-    pub fn chw(&self, node: NodeId, v: ValueId, role: &str) -> Result<(usize, usize, usize)> {
-        self.value(v).chw().ok_or_else(|| self.err(node, LowerKind::Unsupported, format!("{role} is not an image")))
-    }
 }

@@ -70,8 +70,8 @@ pub fn candidates(
     y: ValueId,
     residual: bool,
 ) -> Result<Vec<Box<dyn Layer>>> {
-    let (cin, h, w) = ctx.chw(node, x, "input")?;
-    let (cout, ho, wo) = ctx.chw(node, y, "output")?;
+    let (cin, h, w) = ctx.chw(x, "input")?;
+    let (cout, ho, wo) = ctx.chw(y, "output")?;
     let [k_out, k_in, kh, kw] = shape4;
     let k = kh * kw * cin;
     let kp = k.next_multiple_of(8);

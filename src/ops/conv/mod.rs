@@ -613,7 +613,7 @@ fn conv2d_candidates(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs, y: ValueId)
     let pointwise = w.shape[2..] == [1, 1] && a.stride == [1, 1] && a.padding == [0, 0] && a.groups == 1;
     if pointwise {
         let x = ctx.input(node, 0)?;
-        let (_, h, wd) = ctx.chw(node, y, "output")?;
+        let (_, h, wd) = ctx.chw(y, "output")?;
         let bias = if a.bias { Some(ctx.weight(node, 2)?.data.as_slice()) } else { None };
         let residual = if a.residual { Some(ctx.input(node, if a.bias { 3 } else { 2 })?) } else { None };
         let spec = GemmSpec { x, y, residual, rows_per_image: h * wd, weight: &w.data, bias, relu: a.act == Activation::Relu };

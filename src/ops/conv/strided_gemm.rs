@@ -76,8 +76,8 @@ pub fn candidate(
     y: ValueId,
 ) -> Result<Option<Box<dyn Layer>>> {
     let x = ctx.input(node, 0)?;
-    let (cin, h, w) = ctx.chw(node, x, "input")?;
-    let (cout, ho, wo) = ctx.chw(node, y, "output")?;
+    let (cin, h, w) = ctx.chw(x, "input")?;
+    let (cout, ho, wo) = ctx.chw(y, "output")?;
     let Some(shape) = StridedGemm::new(a, shape4, [h, w], [ho, wo]) else { return Ok(None) };
     if shape4[..2] != [cout, cin] || weight.len() != cout * cin || bias.is_some_and(|b| b.len() != cout) {
         return Err(ctx.err(node, LowerKind::Weights, format!("weight {shape4:?} / bias for a {cin} → {cout} 1×1 convolution")));

@@ -305,8 +305,8 @@ pub fn candidates(
     bias: &[f32],
 ) -> Result<Vec<Box<dyn Layer>>> {
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
-    let (cin, h, w) = ctx.chw(node, x, "input")?;
-    let (cout, ho, wo) = ctx.chw(node, y, "output")?;
+    let (cin, h, w) = ctx.chw(x, "input")?;
+    let (cout, ho, wo) = ctx.chw(y, "output")?;
     let Some(plan) = SubpixelPlan::new(a, shape4, [h, w], [ho, wo]) else { return Ok(Vec::new()) };
     if shape4[0] != cin || shape4[1] != cout || bias.len() != cout {
         return Err(ctx.err(node, LowerKind::Weights, format!("weight {shape4:?} / bias of {} for {cin} → {cout} channels", bias.len())));
