@@ -151,6 +151,19 @@ shm() { # request-batch: perf_analyzer's flags for inputs and outputs in CUDA sh
   echo "--shared-memory=cuda --output-shared-memory-size=$((4000 * $1))"
 }
 metrics() { curl -s "http://127.0.0.1:$METRICS/metrics" >"$1"; }
+# perf_analyzer over resnet50 into DIR, one run per concurrency of each space-separated list (an
+# empty list runs nothing): gRPC payloads with batch-1 requests; CUDA shared memory with batch-1
+# requests; CUDA shared memory with batch-$REQ_BATCH requests. Each CSV is named
+# c<concurrency>_b<request batch>_<grpc|cuda_shm>.csv.
+sweep() { # dir grpc-concurrencies shm-batch-1-concurrencies shm-batched-concurrencies
+  local dir=$1 c
+  mkdir -p "$dir"
+  for c in $2; do perf resnet50 1 "$c" "$dir/c$(printf %03d "$c")_b1_grpc.csv"; done
+  # shellcheck disable=SC2046
+  for c in $3; do perf resnet50 1 "$c" "$dir/c$(printf %03d "$c")_b1_cuda_shm.csv" $(shm 1); done
+  # shellcheck disable=SC2046
+  for c in $4; do perf resnet50 "$REQ_BATCH" "$c" "$dir/c$(printf %03d "$c")_b${REQ_BATCH}_cuda_shm.csv" $(shm "$REQ_BATCH"); done
+}
 
 mkdir -p "$ENGINE_DIR"
 ENGINE=$ENGINE_DIR/resnet50_fp16_b$MAX_BATCH.kiln
@@ -174,24 +187,12 @@ one_gpu() {
     --backend-directory "$WORK/backends"
   cp "$WORK/repo1/resnet50/config.pbtxt" "$OUT/one_gpu_config.pbtxt"
   start_server "$WORK/repo1" "$OUT/server_one_gpu.log"
-  mkdir -p "$OUT/one_gpu"
   # QUICK=1: only the two runs that bound the server's cost (CUDA shared memory, batch-1 requests at
-  # 256 and batch-$REQ_BATCH requests at 64), for a short device call.
-  local grpc_cs="1 8 32 128" shm1_cs="32 256" shmb_cs="32 64"
-  [[ ${QUICK:-0} == 1 ]] && { grpc_cs=""; shm1_cs="256"; shmb_cs="64"; }
-  for c in $grpc_cs; do perf resnet50 1 $c "$OUT/one_gpu/c$(printf %03d $c)_b1_grpc.csv"; done
-  # Inputs already on the GPU (CUDA shared memory): what the server and the backend cost, without
-  # 600 KB of FP32 pixels a request through gRPC (which caps the runs above at a few GB/s). Batch-1
-  # requests at concurrency 32 can never form a batch over 32; batched requests can form the
-  # engine's best.
-  for c in $shm1_cs; do
-    # shellcheck disable=SC2046
-    perf resnet50 1 $c "$OUT/one_gpu/c$(printf %03d $c)_b1_cuda_shm.csv" $(shm 1)
-  done
-  for c in $shmb_cs; do
-    # shellcheck disable=SC2046
-    perf resnet50 "$REQ_BATCH" $c "$OUT/one_gpu/c$(printf %03d $c)_b${REQ_BATCH}_cuda_shm.csv" $(shm "$REQ_BATCH")
-  done
+  # 256 and batch-$REQ_BATCH requests at 64), for a short device call. CUDA shared memory keeps the
+  # inputs on the GPU: what the server and the backend cost, without 600 KB of FP32 pixels a request
+  # through gRPC (which caps the gRPC runs at a few GB/s). Batch-1 requests at concurrency 32 can
+  # never form a batch over 32; batched requests can form the engine's best.
+  if [[ ${QUICK:-0} == 1 ]]; then sweep "$OUT/one_gpu" "" "256" "64"; else sweep "$OUT/one_gpu" "1 8 32 128" "32 256" "32 64"; fi
   $CLIENT outputs --url 127.0.0.1:$HTTP --model resnet50 --shape 1x3x224x224 --count 16 --out "$OUT/answers_gpu0.json"
   metrics "$OUT/metrics_one_gpu.txt"
   stop_server
@@ -214,14 +215,7 @@ two_gpus() {
     # The one-GPU baseline on this machine, when `one` did not run here.
     "$KILN" triton-repo "$ENGINE" -o "$WORK/repo1" --name resnet50 --count "$INSTANCES" --gpus 0 --max-queue-delay-us "$DELAY_US"
     start_server "$WORK/repo1" "$OUT/server_one_gpu_baseline.log"
-    mkdir -p "$OUT/one_gpu"
-    if [[ ${QUICK:-0} != 1 ]]; then
-      perf resnet50 1 128 "$b1"
-      # shellcheck disable=SC2046
-      perf resnet50 1 256 "$s1" $(shm 1)
-    fi
-    # shellcheck disable=SC2046
-    perf resnet50 "$REQ_BATCH" 64 "$sb" $(shm "$REQ_BATCH")
+    if [[ ${QUICK:-0} == 1 ]]; then sweep "$OUT/one_gpu" "" "" "64"; else sweep "$OUT/one_gpu" "128" "256" "64"; fi
     $CLIENT outputs --url 127.0.0.1:$HTTP --model resnet50 --shape 1x3x224x224 --count 16 --out "$OUT/answers_gpu0.json"
     stop_server
   fi
@@ -232,18 +226,7 @@ two_gpus() {
   say "perf_analyzer's CUDA shared memory lives on GPU 0; GPU 1's instances copy from and to it by peer copies:"
   grep -h "peer access" "$OUT/server_two_gpus.log" | sed 's/^/    /' | tee -a "$OUT/log.txt" ||
     say "no instance reports peer access: GPU 1's copies from GPU 0 are staged by the driver (slow)"
-  mkdir -p "$OUT/two_gpus"
-  local grpc_cs="128 256" shm1_cs="256 512" shmb_cs="64 128"
-  [[ ${QUICK:-0} == 1 ]] && { grpc_cs=""; shm1_cs=""; shmb_cs="128"; }
-  for c in $grpc_cs; do perf resnet50 1 $c "$OUT/two_gpus/c$(printf %03d $c)_b1_grpc.csv"; done
-  for c in $shm1_cs; do
-    # shellcheck disable=SC2046
-    perf resnet50 1 $c "$OUT/two_gpus/c$(printf %03d $c)_b1_cuda_shm.csv" $(shm 1)
-  done
-  for c in $shmb_cs; do
-    # shellcheck disable=SC2046
-    perf resnet50 "$REQ_BATCH" $c "$OUT/two_gpus/c$(printf %03d $c)_b${REQ_BATCH}_cuda_shm.csv" $(shm "$REQ_BATCH")
-  done
+  if [[ ${QUICK:-0} == 1 ]]; then sweep "$OUT/two_gpus" "" "" "128"; else sweep "$OUT/two_gpus" "128 256" "256 512" "64 128"; fi
   $CLIENT outputs --url 127.0.0.1:$HTTP --model resnet50_gpu1 --shape 1x3x224x224 --count 16 --out "$OUT/answers_gpu1.json"
   $CLIENT outputs --url 127.0.0.1:$HTTP --model resnet50 --shape 1x3x224x224 --count 16 --concurrency 16 --out "$OUT/answers_two_gpus.json"
   metrics "$OUT/metrics_two_gpus.txt"
