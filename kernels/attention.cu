@@ -109,74 +109,67 @@ __device__ void attn_fused(const T* q, const T* k, const T* v, const float* bias
     }
 }
 
-// ---- The tensor-core fused candidate (f16; flash-attention 2's structure)
+// ---- The tensor-core fused candidates (f16; flash-attention 2's structure)
 //
-// A block of 4 warps takes 64 query rows, 16 per warp; K and V stream through shared memory in
-// tiles of 64 keys. Per tile each warp computes its 16×64 scores with mma.m16n8k16 (f16 in, f32
-// accumulate), applies the scale, bias and key mask, updates the online softmax in registers, and
-// multiplies the probabilities (rounded to f16, as any f16 P·V GEMM does) by V with the score
-// fragments reused directly as the A operand. Statistics and the output accumulator stay f32.
-// Requires ldq, ldkv, ldy and h·D multiples of 8 (16-byte rows) and 16-byte aligned pointers.
+// A block of 4 warps takes 64 query rows, 16 per warp. Per key tile each warp computes its 16×NK
+// scores with mma.m16n8k16 (f16 in, f32 accumulate), applies the scale, bias and key mask,
+// updates the online softmax in registers, and multiplies the probabilities (rounded to f16, as
+// any f16 P·V GEMM does) by V with the score fragments reused directly as the A operand.
+// Statistics and the output accumulator stay f32. Two kernels share that step (`tc_step`):
+// - `flash_attn_tc_*` streams K and V through shared memory in tiles of 64 keys, with a barrier
+//   before and after each tile;
+// - `flash_attn_tcs_*` copies all S keys and values of its problem into shared memory at once
+//   (cp.async, one barrier), and its warps then run through them with no further barrier: tiles
+//   of 64 keys while 64 remain, then tiles of 16, only the last one masked. Dynamic shared memory:
+//   2 · S16 · (D + 8) halves, S16 = S rounded up to 16.
+// Both require ldq, ldkv, ldy and h·D multiples of 8 (16-byte rows) and 16-byte aligned pointers.
 #define TC_BQ 64
 #define TC_BK 64
 
+// One warp's state over the key tiles: its two query rows, Q as A fragments, the accumulator and
+// the online-softmax statistics (max in log2 units, sum).
 template <int D>
-__device__ void attn_tc(const f16* q, const f16* k, const f16* v, const float* bias, f16* y, int L, int S, int heads, i64 ldq, i64 ldkv,
-                        i64 ldy, i64 zimg, float scale) {
-    // Rows padded by 8 halves (16 bytes): the 8 rows a fragment load touches fall in distinct banks.
-    constexpr int LDS = D + 8;
-    __shared__ __align__(16) unsigned short ks[TC_BK * LDS];
-    __shared__ __align__(16) unsigned short vs[TC_BK * LDS];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int r = lane >> 2, c2 = (lane & 3) * 2;
-    const i64 z = blockIdx.x;
-    const i64 g = z / heads, hd = (z % heads) * D;
-    const int q0 = blockIdx.y * TC_BQ + warp * 16;
-    // This thread's two query rows (fragment rows r and r + 8), clamped for loads.
-    const int rows[2] = {q0 + r, q0 + r + 8};
-
-    // Q as A fragments, one per 16-wide slice of D (row-major 16×16: a0 = (r, c2..), a1 = (r + 8,
-    // c2..), a2 = (r, c2 + 8..), a3 = (r + 8, c2 + 8..)).
+struct TcRows {
+    int rows[2];
+    int r, c2, lane;
     unsigned qa[D / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = rows[half];
-            const unsigned* p = reinterpret_cast<const unsigned*>(q + (g * L + (row < L ? row : 0)) * ldq + hd + kk * 16 + c2);
-            qa[kk][half] = row < L ? p[0] : 0u;
-            qa[kk][half + 2] = row < L ? p[4] : 0u;  // 8 halves on
-        }
-    }
-    // Scores in log2 units: exp2(x·scale·log2 e) = exp(x·scale).
-    const float qk_scale = scale * 1.4426950408889634f;
-    const float* bias_z = bias ? bias + (z % zimg) * (i64)L * S : nullptr;
-
     float o[D / 8][4];
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-    float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
+    float m[2], l[2];
 
-    const f16* kz = k + g * S * ldkv + hd;
-    const f16* vz = v + g * S * ldkv + hd;
-    for (int s0 = 0; s0 < S; s0 += TC_BK) {
-        // K and V tiles, 16 bytes a thread a step; keys past S are zeros (masked below).
-        for (int e = threadIdx.x; e < TC_BK * (D / 8); e += blockDim.x) {
-            const int j = e / (D / 8), c = (e % (D / 8)) * 8;
-            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-            if (s0 + j < S) {
-                kv = *reinterpret_cast<const uint4*>(kz + (i64)(s0 + j) * ldkv + c);
-                vv = *reinterpret_cast<const uint4*>(vz + (i64)(s0 + j) * ldkv + c);
+    __device__ void load(const f16* q, i64 g, i64 hd, int L, i64 ldq, int q0) {
+        lane = threadIdx.x & 31;
+        r = lane >> 2;
+        c2 = (lane & 3) * 2;
+        rows[0] = q0 + r;
+        rows[1] = q0 + r + 8;
+        // Row-major 16×16 A fragments: a0 = (r, c2..), a1 = (r + 8, c2..), a2 = (r, c2 + 8..),
+        // a3 = (r + 8, c2 + 8..); rows past L are zeros.
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = rows[half];
+                const unsigned* p = reinterpret_cast<const unsigned*>(q + (g * L + (row < L ? row : 0)) * ldq + hd + kk * 16 + c2);
+                qa[kk][half] = row < L ? p[0] : 0u;
+                qa[kk][half + 2] = row < L ? p[4] : 0u;  // 8 halves on
             }
-            *reinterpret_cast<uint4*>(&ks[j * LDS + c]) = kv;
-            *reinterpret_cast<uint4*>(&vs[j * LDS + c]) = vv;
         }
-        __syncthreads();
-
-        // S = Q·Kᵀ: 8 tiles of 8 keys. B (k = d, n = key) is K's row `key`: two halves at (key, d).
-        float s[TC_BK / 8][4];
 #pragma unroll
-        for (int j = 0; j < TC_BK / 8; ++j) {
+        for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+        m[0] = m[1] = neg_inf();
+        l[0] = l[1] = 0.f;
+    }
+
+    // Keys s0 .. s0 + NK - 1, whose K and V rows are `ks` and `vs` (rows LDS halves apart). MASK:
+    // keys at or past S score -inf (their K and V rows must be zeros, not garbage).
+    template <int NK, bool MASK>
+    __device__ __forceinline__ void step(const unsigned short* ks, const unsigned short* vs, int s0, int S, int L, const float* bias_z,
+                                         float qk_scale) {
+        constexpr int LDS = D + 8;
+        // S = Q·Kᵀ: NK/8 tiles of 8 keys. B (k = d, n = key) is K's row `key`: two halves at (key, d).
+        float s[NK / 8][4];
+#pragma unroll
+        for (int j = 0; j < NK / 8; ++j) {
             s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
             const unsigned short* kr = &ks[(j * 8 + r) * LDS + c2];
 #pragma unroll
@@ -189,14 +182,14 @@ __device__ void attn_tc(const f16* q, const f16* k, const f16* v, const float* b
         // Scale, bias, mask; row maxima (fragment element e: row rows[e / 2], key j·8 + c2 + e % 2).
         float mx[2] = {m[0], m[1]};
 #pragma unroll
-        for (int j = 0; j < TC_BK / 8; ++j) {
+        for (int j = 0; j < NK / 8; ++j) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = s0 + j * 8 + c2 + (e & 1);
                 const int row = rows[e >> 1];
                 float x = s[j][e] * qk_scale;
-                if (bias_z && row < L && key < S) x += bias_z[(i64)row * S + key] * 1.4426950408889634f;
-                x = key < S ? x : neg_inf();
+                if (bias_z && row < L && (!MASK || key < S)) x += bias_z[(i64)row * S + key] * 1.4426950408889634f;
+                if (MASK) x = key < S ? x : neg_inf();
                 s[j][e] = x;
                 mx[e >> 1] = fmaxf(mx[e >> 1], x);
             }
@@ -221,9 +214,9 @@ __device__ void attn_tc(const f16* q, const f16* k, const f16* v, const float* b
             o[n][3] *= corr[1];
         }
         // P = exp2(S - max), row sums (this thread's share; the row's 4 threads add up at the end).
-        unsigned pa[TC_BK / 16][4];
+        unsigned pa[NK / 16][4];
 #pragma unroll
-        for (int j = 0; j < TC_BK / 8; ++j) {
+        for (int j = 0; j < NK / 8; ++j) {
             float p[4];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -237,7 +230,7 @@ __device__ void attn_tc(const f16* q, const f16* k, const f16* v, const float* b
         }
         // O += P·V: B (k = key, n = d) from V's rows with ldmatrix.trans (V is [key][d] in shared).
 #pragma unroll
-        for (int t = 0; t < TC_BK / 16; ++t) {
+        for (int t = 0; t < NK / 16; ++t) {
             // ldmatrix .x2: lanes 0-15 give the addresses of keys 16t .. 16t + 15.
             const unsigned short* vr = &vs[(t * 16 + (lane & 15)) * LDS];
 #pragma unroll
@@ -249,22 +242,99 @@ __device__ void attn_tc(const f16* q, const f16* k, const f16* v, const float* b
                 mma_16816(o[n], pa[t], b0, b1);
             }
         }
+    }
+
+    // y rows = O / l (rows past L are not written).
+    __device__ void store(f16* y, i64 g, i64 hd, int L, i64 ldy) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+            l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = rows[h];
+            if (row >= L) continue;
+            const float inv = 1.f / l[h];
+            unsigned* yp = reinterpret_cast<unsigned*>(y + (g * L + row) * ldy + hd + c2);
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) yp[n * 4] = pack_f16x2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+        }
+    }
+};
+
+// Scores in log2 units: exp2(x·scale·log2 e) = exp(x·scale).
+#define TC_LOG2E 1.4426950408889634f
+
+template <int D>
+__device__ void attn_tc(const f16* q, const f16* k, const f16* v, const float* bias, f16* y, int L, int S, int heads, i64 ldq, i64 ldkv,
+                        i64 ldy, i64 zimg, float scale) {
+    // Rows padded by 8 halves (16 bytes): the 8 rows a fragment load touches fall in distinct banks.
+    constexpr int LDS = D + 8;
+    __shared__ __align__(16) unsigned short ks[TC_BK * LDS];
+    __shared__ __align__(16) unsigned short vs[TC_BK * LDS];
+    const i64 z = blockIdx.x;
+    const i64 g = z / heads, hd = (z % heads) * D;
+    TcRows<D> w;
+    w.load(q, g, hd, L, ldq, blockIdx.y * TC_BQ + (threadIdx.x >> 5) * 16);
+    const float* bias_z = bias ? bias + (z % zimg) * (i64)L * S : nullptr;
+    const f16* kz = k + g * S * ldkv + hd;
+    const f16* vz = v + g * S * ldkv + hd;
+    for (int s0 = 0; s0 < S; s0 += TC_BK) {
+        // K and V tiles, 16 bytes a thread a step; keys past S are zeros (masked).
+        for (int e = threadIdx.x; e < TC_BK * (D / 8); e += blockDim.x) {
+            const int j = e / (D / 8), c = (e % (D / 8)) * 8;
+            uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+            if (s0 + j < S) {
+                kv = *reinterpret_cast<const uint4*>(kz + (i64)(s0 + j) * ldkv + c);
+                vv = *reinterpret_cast<const uint4*>(vz + (i64)(s0 + j) * ldkv + c);
+            }
+            *reinterpret_cast<uint4*>(&ks[j * LDS + c]) = kv;
+            *reinterpret_cast<uint4*>(&vs[j * LDS + c]) = vv;
+        }
+        __syncthreads();
+        w.template step<TC_BK, true>(ks, vs, s0, S, L, bias_z, scale * TC_LOG2E);
         __syncthreads();
     }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    w.store(y, g, hd, L, ldy);
+}
+
+template <int D>
+__device__ void attn_tcs(const f16* q, const f16* k, const f16* v, const float* bias, f16* y, int L, int S, int heads, i64 ldq, i64 ldkv,
+                         i64 ldy, i64 zimg, float scale) {
+    constexpr int LDS = D + 8;
+    extern __shared__ __align__(16) unsigned short kv_resident[];
+    const int s16 = (S + 15) & ~15;
+    unsigned short* ks = kv_resident;
+    unsigned short* vs = kv_resident + (i64)s16 * LDS;
+    const i64 z = blockIdx.x;
+    const i64 g = z / heads, hd = (z % heads) * D;
+    const f16* kz = k + g * S * ldkv + hd;
+    const f16* vz = v + g * S * ldkv + hd;
+    // Every key's K and V row in one cp.async group (rows S .. s16 - 1 zero-filled), Q's fragments
+    // loaded from global memory meanwhile.
+    for (int e = threadIdx.x; e < s16 * (D / 8); e += blockDim.x) {
+        const int j = e / (D / 8), c = (e % (D / 8)) * 8;
+        const bool in = j < S;
+        const i64 off = (i64)(in ? j : 0) * ldkv + c;
+        cp_async16(smem_u32(&ks[j * LDS + c]), kz + off, in);
+        cp_async16(smem_u32(&vs[j * LDS + c]), vz + off, in);
     }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int row = rows[h];
-        if (row >= L) continue;
-        const float inv = 1.f / l[h];
-        unsigned* yp = reinterpret_cast<unsigned*>(y + (g * L + row) * ldy + hd + c2);
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) yp[n * 4] = pack_f16x2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
-    }
+    cp_async_commit();
+    const int q0 = blockIdx.y * TC_BQ + (threadIdx.x >> 5) * 16;
+    TcRows<D> w;
+    w.load(q, g, hd, L, ldq, q0);
+    const float* bias_z = bias ? bias + (z % zimg) * (i64)L * S : nullptr;
+    cp_async_wait<0>();
+    __syncthreads();
+    // No barrier follows: a warp whose rows all lie past L is done.
+    if (q0 >= L) return;
+    const float qk_scale = scale * TC_LOG2E;
+    int s0 = 0;
+    for (; s0 + 64 <= S; s0 += 64) w.template step<64, false>(ks + s0 * LDS, vs + s0 * LDS, s0, S, L, bias_z, qk_scale);
+    for (; s0 + 16 <= S; s0 += 16) w.template step<16, false>(ks + s0 * LDS, vs + s0 * LDS, s0, S, L, bias_z, qk_scale);
+    if (s0 < S) w.template step<16, true>(ks + s0 * LDS, vs + s0 * LDS, s0, S, L, bias_z, qk_scale);
+    w.store(y, g, hd, L, ldy);
 }
 
 #define ATTENTION(T, S)                                                                                                          \
@@ -286,13 +356,14 @@ __device__ void attn_tc(const f16* q, const f16* k, const f16* v, const float* b
 ATTENTION(float, f32)
 ATTENTION(f16, f16)
 
-extern "C" __global__ void __launch_bounds__(128) flash_attn_tc_d32_f16(const f16* q, const f16* k, const f16* v, const float* bias, f16* y,
-                                                                       int L, int Sk, int heads, i64 ldq, i64 ldkv, i64 ldy, i64 zimg,
-                                                                       float scale) {
-    attn_tc<32>(q, k, v, bias, y, L, Sk, heads, ldq, ldkv, ldy, zimg, scale);
-}
-extern "C" __global__ void __launch_bounds__(128) flash_attn_tc_d64_f16(const f16* q, const f16* k, const f16* v, const float* bias, f16* y,
-                                                                       int L, int Sk, int heads, i64 ldq, i64 ldkv, i64 ldy, i64 zimg,
-                                                                       float scale) {
-    attn_tc<64>(q, k, v, bias, y, L, Sk, heads, ldq, ldkv, ldy, zimg, scale);
-}
+#define ATTENTION_TC(NAME, D)                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) flash_attn_##NAME##_d##D##_f16(const f16* q, const f16* k, const f16* v,        \
+                                                                                    const float* bias, f16* y, int L, int Sk, int heads, \
+                                                                                    i64 ldq, i64 ldkv, i64 ldy, i64 zimg, float scale) {  \
+        attn_##NAME<D>(q, k, v, bias, y, L, Sk, heads, ldq, ldkv, ldy, zimg, scale);                                                   \
+    }
+
+ATTENTION_TC(tc, 32)
+ATTENTION_TC(tc, 64)
+ATTENTION_TC(tcs, 32)
+ATTENTION_TC(tcs, 64)

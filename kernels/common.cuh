@@ -141,6 +141,15 @@ __device__ __forceinline__ void mma_16816(float* c, const unsigned* a, unsigned 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// 16 bytes global → shared without L1 (`.cg`), zero-filled where !valid (`src` must still be a
+// mapped address); `cp_async_commit` closes a group, `cp_async_wait<N>` waits until at most N
+// groups are in flight.
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
 // Four 8×8 b16 matrices from shared memory: lanes 8i .. 8i + 7 give the row addresses of matrix i
 // (16-byte aligned); thread T receives row T / 4, columns 2·(T % 4) and + 1 of each in r[i].
 __device__ __forceinline__ void ldmatrix_x4(unsigned* r, unsigned addr) {

@@ -25,20 +25,15 @@ __device__ __forceinline__ void mma_8bit(float* c, const unsigned* a, unsigned b
 #endif
 }
 
-// 16 (4) bytes global → shared, zero-filled where !valid. The activation goes through L1 (`.ca`): a
-// k×k conv reads each input pixel for several taps and neighbouring output rows; the weights,
-// read once per block, bypass it (`.cg`).
+// 16 (4) bytes global → shared through L1 (`.ca`), zero-filled where !valid: a k×k conv reads
+// each input pixel for several taps and neighbouring output rows (the weights, read once per
+// block, take common.cuh's `cp_async16`, which bypasses L1).
 __device__ __forceinline__ void cp_async16_ca(unsigned dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void cp_async4_ca(unsigned dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
 }
-template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
 // Conversions without the conversion unit (the pointwise conv's epilogue). sm_80 and sm_90 convert 16 values per clock per SM
 // between integers and floats, an eighth of their FP32 rate, and an 8-bit epilogue converts two or

@@ -3,7 +3,7 @@
 //! tokens, Swin's 49-position windows), with and without a constant bias (Swin's relative position
 //! bias + shifted-window mask).
 //! - `attention` (q, k, v apart): cuBLASLt batched GEMMs + our softmax kernel, our fused kernel on
-//!   CUDA cores, and (FP16) its tensor-core twin;
+//!   CUDA cores, and (FP16) its tensor-core twins (K and V streamed in tiles, or resident);
 //! - `qkv_attention` (packed `[.., L, 3·H·D]`, heads concatenated out): the two fused kernels
 //!   reading q, k and v in place, and the unpacked cuBLASLt fallback (any head dim).
 //!
@@ -22,11 +22,12 @@ use common::{check, gpu, random, rel_l2, BATCHES};
 type Source = (Option<&'static str>, bool);
 
 /// The sources of an attention layer: the timed choice, the cuBLASLt path (`gemm`, the kind's
-/// prefix), and the fused kernels where the head dim has them (the tensor-core one in FP16 only).
+/// prefix), and the fused kernels where the head dim has them (the tensor-core ones, K and V
+/// streamed or resident, in FP16 only).
 fn sources(gemm: &'static str, fused: bool) -> Vec<Source> {
     let mut s = vec![(None, false), (Some(gemm), false)];
     if fused {
-        s.extend([(Some("kernel:flash_attn_d"), false), (Some("kernel:flash_attn_tc"), true)]);
+        s.extend([(Some("kernel:flash_attn_d"), false), (Some("kernel:flash_attn_tc_"), true), (Some("kernel:flash_attn_tcs_"), true)]);
     }
     s
 }
@@ -121,6 +122,8 @@ fn swin_bias(heads: usize) -> Param {
 fn vit_attention_197_tokens() {
     check_candidates("vit 12 heads L197 d64", &[12, 197, 64], &[12, 197, 64], None, true);
     check_candidates("cross L17 S33 d32", &[3, 17, 32], &[3, 33, 32], None, true);
+    // 80 keys: a tile of 64 and one of 16, neither masked (in the resident kernel).
+    check_candidates("cross L20 S80 d64", &[2, 20, 64], &[2, 80, 64], None, true);
     check_candidates("head dim 40 (cuBLASLt only)", &[2, 19, 40], &[2, 19, 40], None, false);
 }
 

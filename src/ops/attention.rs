@@ -19,7 +19,10 @@
 //!   the packed rows into scratch and a copy of the result back (any head dim);
 //! - `kernel:flash_attn_d{32,64}`: our flash-attention-style kernel on CUDA cores
 //!   (`kernels/attention.cu`: online softmax, K/V tiles in shared memory, f32 accumulators);
-//! - `kernel:flash_attn_tc_d{32,64}`: its tensor-core twin, FP16 engines only.
+//! - `kernel:flash_attn_tc_d{32,64}`: its tensor-core twin, FP16 engines only;
+//! - `kernel:flash_attn_tcs_d{32,64}`: the tensor-core kernel with all of a problem's keys and
+//!   values resident in shared memory (one copy, one barrier, no masking but on the last keys),
+//!   where they fit the GPU's shared memory per block.
 //!
 //! Both fused kernels take row strides and a head count, so one signature serves both ops: problem
 //! `z` of a batch is head `z % heads` of row block `z / heads`, whose q rows are `ldq` elements
@@ -36,6 +39,7 @@ use crate::ops::{CpuArgs, FixtureTwin, OpDef};
 use crate::tensor::{Param, Tensor};
 use crate::LowerKind;
 use crate::Result;
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
@@ -784,6 +788,9 @@ enum FusedKernel {
     /// `flash_attn_tc_d{32,64}_f16`: tensor cores, FP16 only; rows and head offsets in multiples
     /// of 8 elements and 16-byte aligned pointers.
     TensorCores,
+    /// `flash_attn_tcs_d{32,64}_f16`: `TensorCores` with K and V resident in dynamic shared
+    /// memory ([`FusedKernel::shared_bytes`]); the same requirements.
+    Resident,
 }
 
 /// The head dims the fused kernels are stamped for (`flash_attn_d32_*`, `flash_attn_d64_*`).
@@ -812,7 +819,7 @@ impl FusedKernel {
     /// The kernels an engine of `elem` can run.
     fn for_elem(elem: Elem) -> Vec<Self> {
         match elem {
-            Elem::F16 => vec![Self::CudaCores, Self::TensorCores],
+            Elem::F16 => vec![Self::CudaCores, Self::TensorCores, Self::Resident],
             Elem::F32 => vec![Self::CudaCores],
             // A binding, or 8-bit codes only 8-bit convs read: no attention runs on bytes.
             Elem::U8 | Elem::I8 | Elem::E4m3 => vec![],
@@ -822,18 +829,33 @@ impl FusedKernel {
         match self {
             Self::CudaCores => format!("flash_attn_d{d}_{}", elem.suffix()),
             Self::TensorCores => format!("flash_attn_tc_d{d}_f16"),
+            Self::Resident => format!("flash_attn_tcs_d{d}_f16"),
         }
     }
     fn kind(self, d: usize) -> String {
         match self {
             Self::CudaCores => format!("kernel:flash_attn_d{d}"),
             Self::TensorCores => format!("kernel:flash_attn_tc_d{d}"),
+            Self::Resident => format!("kernel:flash_attn_tcs_d{d}"),
         }
     }
     fn threads(self) -> u32 {
         match self {
             Self::CudaCores => 64,
-            Self::TensorCores => 128,
+            Self::TensorCores | Self::Resident => 128,
+        }
+    }
+    /// Whether the kernel runs on tensor cores (16-byte rows and pointers).
+    fn tensor_cores(self) -> bool {
+        matches!(self, Self::TensorCores | Self::Resident)
+    }
+    /// The dynamic shared memory of a launch with `s` keys of head dim `d`: `Resident` holds K
+    /// and V, `s` rounded up to 16 rows of `d + 8` halves each (`attn_tcs` in
+    /// kernels/attention.cu); the others use static shared memory only.
+    fn shared_bytes(self, s: usize, d: usize) -> Option<usize> {
+        match self {
+            Self::Resident => s.checked_next_multiple_of(16)?.checked_mul(d + 8)?.checked_mul(2 * 2),
+            Self::CudaCores | Self::TensorCores => Some(0),
         }
     }
 }
@@ -867,12 +889,15 @@ struct FusedAttention {
     li: i32,
     si: i32,
     tiles: u32,
+    /// Dynamic shared memory of a launch (bytes).
+    shared: u32,
     scale: f32,
 }
 
 impl FusedAttention {
     /// The candidate, or `None` where the kernel cannot take the problem (more query tiles than a
-    /// grid holds; for tensor cores, rows or head offsets off 8 elements).
+    /// grid holds; for tensor cores, rows or head offsets off 8 elements; for `Resident`, more
+    /// keys than the GPU's shared memory per block holds).
     fn new(
         ctx: &BuildCtx,
         node: NodeId,
@@ -884,13 +909,28 @@ impl FusedAttention {
     ) -> Result<Option<Self>> {
         let tiles = dims.l.div_ceil(FUSED_ROWS).max(1);
         let rows8 = [io.ldq, io.ldkv, io.ldy].iter().all(|ld| ld % 8 == 0) && dims.d.is_multiple_of(8);
-        if tiles > MAX_GRID_Y || (kernel == FusedKernel::TensorCores && !rows8) {
+        if tiles > MAX_GRID_Y || (kernel.tensor_cores() && !rows8) {
             return Ok(None);
         }
         let f = ctx.kernels.get(&kernel.entry(dims.d, ctx.elem()))?;
+        let shared = match kernel.shared_bytes(dims.s, dims.d) {
+            Some(0) => 0,
+            Some(bytes) => {
+                // The limit belongs to the function, which every layer shares, so it is set to
+                // the GPU's most (the same for every layer) and this launch checked against it.
+                let most = ctx.gpu.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).unwrap_or(0);
+                if bytes > most.max(0) as usize
+                    || f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, most).is_err()
+                {
+                    return Ok(None);
+                }
+                bytes as u32
+            }
+            None => return Ok(None),
+        };
         let (li, si) = (int(ctx, node, "L", dims.l)?, int(ctx, node, "S", dims.s)?);
         let (path, op) = (ctx.node(node).path.clone(), ctx.node(node).op.name().to_string());
-        Ok(Some(Self { path, op, kernel, d: dims.d, f, io, bias, zimg: dims.zimg, li, si, tiles: tiles as u32, scale }))
+        Ok(Some(Self { path, op, kernel, d: dims.d, f, io, bias, zimg: dims.zimg, li, si, tiles: tiles as u32, shared, scale }))
     }
 
     fn lower_err(&self, kind: LowerKind, reason: String) -> crate::Error {
@@ -916,7 +956,7 @@ impl Layer for FusedAttention {
             .ok_or_else(|| self.lower_err(LowerKind::TooLarge, format!("{problems} problems exceed the grid")))?;
         let at = |(v, offset): (ValueId, u64)| rt.ptr(v) + offset;
         let (q, k, v, y) = (at(self.io.q), at(self.io.k), at(self.io.v), rt.ptr(self.io.y));
-        if self.kernel == FusedKernel::TensorCores && [q, k, v, y].iter().any(|p| p % 16 != 0) {
+        if self.kernel.tensor_cores() && [q, k, v, y].iter().any(|p| p % 16 != 0) {
             return Err(self.lower_err(
                 LowerKind::Operands,
                 format!("the tensor-core kernel needs 16-byte aligned q, k, v and y, got {q:#x} {k:#x} {v:#x} {y:#x}"),
@@ -937,7 +977,7 @@ impl Layer for FusedAttention {
             KArg::I64(self.zimg.max(1) as i64),
             KArg::F32(self.scale),
         ];
-        launch(rt, &self.f, (z, self.tiles, 1), (self.kernel.threads(), 1, 1), 0, &args)
+        launch(rt, &self.f, (z, self.tiles, 1), (self.kernel.threads(), 1, 1), self.shared, &args)
     }
 }
 
