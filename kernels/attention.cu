@@ -119,9 +119,10 @@ __device__ void attn_fused(const T* q, const T* k, const T* v, const float* bias
 // - `flash_attn_tc_*` streams K and V through shared memory in tiles of 64 keys, with a barrier
 //   before and after each tile;
 // - `flash_attn_tcs_*` copies all S keys and values of its problem into shared memory at once
-//   (cp.async, one barrier), and its warps then run through them with no further barrier: tiles
+//   (cp.async, two barriers), and its warps then run through them with no further barrier: tiles
 //   of 64 keys while 64 remain, then tiles of 16, only the last one masked. Dynamic shared memory:
-//   2 · S16 · (D + 8) halves, S16 = S rounded up to 16.
+//   2 · S16 · (D + 8) halves, S16 = S rounded up to 16. A warp may take several query tiles
+//   (`tiles_per_warp`), so that a block reads its problem's K and V once for all its rows.
 // Both require ldq, ldkv, ldy and h·D multiples of 8 (16-byte rows) and 16-byte aligned pointers.
 #define TC_BQ 64
 #define TC_BK 64
@@ -299,9 +300,13 @@ __device__ void attn_tc(const f16* q, const f16* k, const f16* v, const float* b
     w.store(y, g, hd, L, ldy);
 }
 
+// `rows_per_warp` tiles of 16 query rows a warp: warp w of block y takes tiles
+// (y · rows_per_warp + i) · 4 + w, so one block can cover every query row of its problem and read
+// its K and V once. The first 64 keys arrive in their own cp.async group and are used while the
+// rest are in flight.
 template <int D>
 __device__ void attn_tcs(const f16* q, const f16* k, const f16* v, const float* bias, f16* y, int L, int S, int heads, i64 ldq, i64 ldkv,
-                         i64 ldy, i64 zimg, float scale) {
+                         i64 ldy, i64 zimg, float scale, int tiles_per_warp) {
     constexpr int LDS = D + 8;
     extern __shared__ __align__(16) unsigned short kv_resident[];
     const int s16 = (S + 15) & ~15;
@@ -311,30 +316,42 @@ __device__ void attn_tcs(const f16* q, const f16* k, const f16* v, const float* 
     const i64 g = z / heads, hd = (z % heads) * D;
     const f16* kz = k + g * S * ldkv + hd;
     const f16* vz = v + g * S * ldkv + hd;
-    // Every key's K and V row in one cp.async group (rows S .. s16 - 1 zero-filled), Q's fragments
-    // loaded from global memory meanwhile.
-    for (int e = threadIdx.x; e < s16 * (D / 8); e += blockDim.x) {
-        const int j = e / (D / 8), c = (e % (D / 8)) * 8;
-        const bool in = j < S;
-        const i64 off = (i64)(in ? j : 0) * ldkv + c;
-        cp_async16(smem_u32(&ks[j * LDS + c]), kz + off, in);
-        cp_async16(smem_u32(&vs[j * LDS + c]), vz + off, in);
+    // Key rows [0, first) in one group, [first, s16) in the next; rows S .. s16 - 1 zero-filled.
+    const int first = min(s16, 64);
+    for (int part = 0; part < 2; ++part) {
+        const int lo = part == 0 ? 0 : first, hi = part == 0 ? first : s16;
+        for (int e = lo * (D / 8) + threadIdx.x; e < hi * (D / 8); e += blockDim.x) {
+            const int j = e / (D / 8), c = (e % (D / 8)) * 8;
+            const bool in = j < S;
+            const i64 off = (i64)(in ? j : 0) * ldkv + c;
+            cp_async16(smem_u32(&ks[j * LDS + c]), kz + off, in);
+            cp_async16(smem_u32(&vs[j * LDS + c]), vz + off, in);
+        }
+        cp_async_commit();
     }
-    cp_async_commit();
-    const int q0 = blockIdx.y * TC_BQ + (threadIdx.x >> 5) * 16;
+    const int tile0 = blockIdx.y * tiles_per_warp * 4 + (threadIdx.x >> 5);
     TcRows<D> w;
-    w.load(q, g, hd, L, ldq, q0);
+    w.load(q, g, hd, L, ldq, tile0 * 16);
     const float* bias_z = bias ? bias + (z % zimg) * (i64)L * S : nullptr;
+    const float qk_scale = scale * TC_LOG2E;
+    // The first 64 keys (when S has that many), while the others arrive.
+    const bool early = S >= 64;
+    cp_async_wait<1>();
+    __syncthreads();
+    if (early && tile0 * 16 < L) w.template step<64, false>(ks, vs, 0, S, L, bias_z, qk_scale);
     cp_async_wait<0>();
     __syncthreads();
-    // No barrier follows: a warp whose rows all lie past L is done.
-    if (q0 >= L) return;
-    const float qk_scale = scale * TC_LOG2E;
-    int s0 = 0;
-    for (; s0 + 64 <= S; s0 += 64) w.template step<64, false>(ks + s0 * LDS, vs + s0 * LDS, s0, S, L, bias_z, qk_scale);
-    for (; s0 + 16 <= S; s0 += 16) w.template step<16, false>(ks + s0 * LDS, vs + s0 * LDS, s0, S, L, bias_z, qk_scale);
-    if (s0 < S) w.template step<16, true>(ks + s0 * LDS, vs + s0 * LDS, s0, S, L, bias_z, qk_scale);
-    w.store(y, g, hd, L, ldy);
+    // No barrier follows.
+    for (int i = 0; i < tiles_per_warp; ++i) {
+        const int q0 = (tile0 + 4 * i) * 16;
+        if (q0 >= L) break;
+        if (i > 0) w.load(q, g, hd, L, ldq, q0);
+        int s0 = i == 0 && early ? 64 : 0;
+        for (; s0 + 64 <= S; s0 += 64) w.template step<64, false>(ks + s0 * LDS, vs + s0 * LDS, s0, S, L, bias_z, qk_scale);
+        for (; s0 + 16 <= S; s0 += 16) w.template step<16, false>(ks + s0 * LDS, vs + s0 * LDS, s0, S, L, bias_z, qk_scale);
+        if (s0 < S) w.template step<16, true>(ks + s0 * LDS, vs + s0 * LDS, s0, S, L, bias_z, qk_scale);
+        w.store(y, g, hd, L, ldy);
+    }
 }
 
 #define ATTENTION(T, S)                                                                                                          \
@@ -356,14 +373,17 @@ __device__ void attn_tcs(const f16* q, const f16* k, const f16* v, const float* 
 ATTENTION(float, f32)
 ATTENTION(f16, f16)
 
-#define ATTENTION_TC(NAME, D)                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) flash_attn_##NAME##_d##D##_f16(const f16* q, const f16* k, const f16* v,        \
-                                                                                    const float* bias, f16* y, int L, int Sk, int heads, \
-                                                                                    i64 ldq, i64 ldkv, i64 ldy, i64 zimg, float scale) {  \
-        attn_##NAME<D>(q, k, v, bias, y, L, Sk, heads, ldq, ldkv, ldy, zimg, scale);                                                   \
+#define ATTENTION_TC(D)                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128) flash_attn_tc_d##D##_f16(const f16* q, const f16* k, const f16* v, const float* bias, \
+                                                                               f16* y, int L, int Sk, int heads, i64 ldq, i64 ldkv,     \
+                                                                               i64 ldy, i64 zimg, float scale) {                        \
+        attn_tc<D>(q, k, v, bias, y, L, Sk, heads, ldq, ldkv, ldy, zimg, scale);                                                       \
+    }                                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128)                                                                                  \
+        flash_attn_tcs_d##D##_f16(const f16* q, const f16* k, const f16* v, const float* bias, f16* y, int L, int Sk, int heads,       \
+                                  i64 ldq, i64 ldkv, i64 ldy, i64 zimg, float scale, int tiles_per_warp) {                             \
+        attn_tcs<D>(q, k, v, bias, y, L, Sk, heads, ldq, ldkv, ldy, zimg, scale, tiles_per_warp);                                      \
     }
 
-ATTENTION_TC(tc, 32)
-ATTENTION_TC(tc, 64)
-ATTENTION_TC(tcs, 32)
-ATTENTION_TC(tcs, 64)
+ATTENTION_TC(32)
+ATTENTION_TC(64)

@@ -23,11 +23,15 @@ type Source = (Option<&'static str>, bool);
 
 /// The sources of an attention layer: the timed choice, the cuBLASLt path (`gemm`, the kind's
 /// prefix), and the fused kernels where the head dim has them (the tensor-core ones, K and V
-/// streamed or resident, in FP16 only).
-fn sources(gemm: &'static str, fused: bool) -> Vec<Source> {
+/// streamed or resident, in FP16 only; a block over all `l` query rows where they exceed 64).
+fn sources(gemm: &'static str, fused: bool, l: usize) -> Vec<Source> {
     let mut s = vec![(None, false), (Some(gemm), false)];
     if fused {
-        s.extend([(Some("kernel:flash_attn_d"), false), (Some("kernel:flash_attn_tc_"), true), (Some("kernel:flash_attn_tcs_"), true)]);
+        s.extend([(Some("kernel:flash_attn_d"), false), (Some("kernel:flash_attn_tc_"), true)]);
+        s.push((Some("kernel:flash_attn_tcs_q64"), true));
+        if l > 64 {
+            s.push((Some("kernel:flash_attn_tcs_qall"), true));
+        }
     }
     s
 }
@@ -84,7 +88,7 @@ fn check_candidates(name: &str, q: &[usize], kv: &[usize], bias: Option<&Param>,
     }
     .expect("trace");
     tracer.output("y", &y);
-    run_sources(name, &tracer.graph(), &[("q", q), ("k", kv), ("v", kv)], &sources("cublaslt-attention", fused), 1e-5);
+    run_sources(name, &tracer.graph(), &[("q", q), ("k", kv), ("v", kv)], &sources("cublaslt-attention", fused, q[q.len() - 2]), 1e-5);
 }
 
 /// `qkv_attention` over a packed input `[1, ..qkv]` with `heads` heads, optionally with a constant
@@ -100,7 +104,7 @@ fn check_packed(name: &str, qkv: &[usize], heads: usize, bias: Option<&Param>) {
     tracer.output("y", &y);
     let d = qkv[qkv.len() - 1] / (3 * heads);
     let fused = matches!(d, 32 | 64);
-    run_sources(name, &tracer.graph(), &[("qkv", qkv)], &sources("cublaslt-attention:unpacked", fused), 1e-4);
+    run_sources(name, &tracer.graph(), &[("qkv", qkv)], &sources("cublaslt-attention:unpacked", fused, qkv[qkv.len() - 2]), 1e-4);
 }
 
 /// Swin's stage-1 bias for 4 windows of a 14×14 map: a random relative position bias per head
@@ -124,6 +128,8 @@ fn vit_attention_197_tokens() {
     check_candidates("cross L17 S33 d32", &[3, 17, 32], &[3, 33, 32], None, true);
     // 80 keys: a tile of 64 and one of 16, neither masked (in the resident kernel).
     check_candidates("cross L20 S80 d64", &[2, 20, 64], &[2, 80, 64], None, true);
+    // 300 query rows: a block over all of them gives each warp 5 tiles, the last partly past L.
+    check_candidates("cross L300 S45 d32", &[2, 300, 32], &[2, 45, 32], None, true);
     check_candidates("head dim 40 (cuBLASLt only)", &[2, 19, 40], &[2, 19, 40], None, false);
 }
 

@@ -36,7 +36,7 @@ fn a_graph_that_fixed_its_size_says_where() {
     let e = g.with_input_dims(&dims(3, 256, 256)).unwrap_err().to_string();
     println!("{e}");
     // The patch grid is flattened to the traced 196 patches: the reshape names both shapes.
-    assert!(e.contains("reshape") && e.contains("[1, 768, 16, 16]") && e.contains("traced shape is [1, 768, 196]"), "{e}");
+    assert!(e.contains("reshape") && e.contains("[1, 16, 16, 768]") && e.contains("traced shape is [1, 196, 768]"), "{e}");
     let e = g.with_input_dims(&InputDims::from([("image".to_string(), vec![3, 8, 8])])).unwrap_err().to_string();
     assert!(e.contains("image") && e.contains("no such input"), "{e}");
     let e = g.with_input_dims(&InputDims::from([("input".to_string(), vec![8, 8])])).unwrap_err().to_string();

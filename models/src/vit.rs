@@ -144,7 +144,10 @@ impl Forward for VisionTransformer {
         let e = self.config.hidden;
         let x = self.conv_proj.forward(x)?;
         let (n, tokens) = (x.shape()[0] as isize, x.shape()[2] * x.shape()[3]);
-        let x = x.reshape(&[n, e as isize, tokens as isize])?.permute(&[0, 2, 1])?;
+        // torchvision reshapes to [N, E, h·w] and permutes to [N, h·w, E]; permuting to [N, h, w, E]
+        // first and then merging h and w is the same tensor, and both steps alias the NHWC
+        // convolution's output instead of copying it to NCHW and back.
+        let x = x.permute(&[0, 2, 3, 1])?.reshape(&[n, tokens as isize, e as isize])?;
         // cat([class_token, x], 1) + pos_embedding == pad(x, one token in front) + (pos_embedding
         // with class_token added to row 0).
         let pos = self.encoder.get(&[1, tokens + 1, e], "pos_embedding")?;

@@ -695,3 +695,35 @@ mod tests {
         assert_eq!(Workspace::slot_bytes(&[], 1, idle), 0);
     }
 }
+
+#[cfg(test)]
+mod layout_tests {
+    use super::plan_layouts;
+    use crate::engine::Layout;
+    use crate::nn::{Conv2d, Conv2dConfig};
+    use crate::{Forward, Module, Tracer, VarBuilder};
+
+    /// ViT's patch embedding: a convolution (NHWC) to `[N, E, h, w]`, permuted to `[N, h, w, E]`
+    /// and flattened to `[N, h·w, E]`. The permute is the NHWC output read as it lies, so both it
+    /// and the reshape stay contiguous and alias the convolution's output.
+    #[test]
+    fn a_channels_last_permute_then_flatten_needs_no_copy() {
+        let tracer = Tracer::new();
+        let x = tracer.input("x", &[1, 3, 32, 32]);
+        let conv = Conv2d::load(VarBuilder::seeded().pp("conv_proj"), &Conv2dConfig::new(3, 16, 16).stride(16)).unwrap();
+        let y = conv.forward(&x).unwrap().permute(&[0, 2, 3, 1]).unwrap().reshape(&[1, 4, 16]).unwrap();
+        tracer.output("y", &y);
+        let g = tracer.graph();
+        let (layouts, _) = plan_layouts(&g).unwrap();
+        let at = |path: &str| {
+            let id = g.nodes.iter().position(|n| n.path == path).unwrap_or_else(|| panic!("{path}"));
+            (layouts[id].unwrap(), g.nodes[id].shape[1..].to_vec())
+        };
+        let (conv_layout, conv_dims) = at("conv_proj");
+        assert!(!conv_layout.same_bytes(Layout::contiguous(3), &conv_dims), "the conv writes NHWC: {conv_layout:?}");
+        for path in ["permute", "reshape"] {
+            let (layout, dims) = at(path);
+            assert!(layout.same_bytes(Layout::contiguous(dims.len()), &dims), "{path}: {layout:?} {dims:?}");
+        }
+    }
+}

@@ -20,9 +20,10 @@
 //! - `kernel:flash_attn_d{32,64}`: our flash-attention-style kernel on CUDA cores
 //!   (`kernels/attention.cu`: online softmax, K/V tiles in shared memory, f32 accumulators);
 //! - `kernel:flash_attn_tc_d{32,64}`: its tensor-core twin, FP16 engines only;
-//! - `kernel:flash_attn_tcs_d{32,64}`: the tensor-core kernel with all of a problem's keys and
-//!   values resident in shared memory (one copy, one barrier, no masking but on the last keys),
-//!   where they fit the GPU's shared memory per block.
+//! - `kernel:flash_attn_tcs_q64_d{32,64}` and `kernel:flash_attn_tcs_qall_d{32,64}`: the
+//!   tensor-core kernel with all of a problem's keys and values resident in shared memory (one
+//!   copy, no masking but on the last keys), where they fit the GPU's shared memory per block; a
+//!   block takes 64 query rows, or every query row of its problem (K and V read once).
 //!
 //! Both fused kernels take row strides and a head count, so one signature serves both ops: problem
 //! `z` of a batch is head `z % heads` of row block `z / heads`, whose q rows are `ldq` elements
@@ -789,8 +790,9 @@ enum FusedKernel {
     /// of 8 elements and 16-byte aligned pointers.
     TensorCores,
     /// `flash_attn_tcs_d{32,64}_f16`: `TensorCores` with K and V resident in dynamic shared
-    /// memory ([`FusedKernel::shared_bytes`]); the same requirements.
-    Resident,
+    /// memory ([`FusedKernel::shared_bytes`]); the same requirements. A block takes 64 query rows,
+    /// or with `all_rows` every query row of its problem.
+    Resident { all_rows: bool },
 }
 
 /// The head dims the fused kernels are stamped for (`flash_attn_d32_*`, `flash_attn_d64_*`).
@@ -819,7 +821,7 @@ impl FusedKernel {
     /// The kernels an engine of `elem` can run.
     fn for_elem(elem: Elem) -> Vec<Self> {
         match elem {
-            Elem::F16 => vec![Self::CudaCores, Self::TensorCores, Self::Resident],
+            Elem::F16 => vec![Self::CudaCores, Self::TensorCores, Self::Resident { all_rows: false }, Self::Resident { all_rows: true }],
             Elem::F32 => vec![Self::CudaCores],
             // A binding, or 8-bit codes only 8-bit convs read: no attention runs on bytes.
             Elem::U8 | Elem::I8 | Elem::E4m3 => vec![],
@@ -829,32 +831,32 @@ impl FusedKernel {
         match self {
             Self::CudaCores => format!("flash_attn_d{d}_{}", elem.suffix()),
             Self::TensorCores => format!("flash_attn_tc_d{d}_f16"),
-            Self::Resident => format!("flash_attn_tcs_d{d}_f16"),
+            Self::Resident { .. } => format!("flash_attn_tcs_d{d}_f16"),
         }
     }
     fn kind(self, d: usize) -> String {
         match self {
             Self::CudaCores => format!("kernel:flash_attn_d{d}"),
             Self::TensorCores => format!("kernel:flash_attn_tc_d{d}"),
-            Self::Resident => format!("kernel:flash_attn_tcs_d{d}"),
+            Self::Resident { all_rows } => format!("kernel:flash_attn_tcs_{}_d{d}", if all_rows { "qall" } else { "q64" }),
         }
     }
     fn threads(self) -> u32 {
         match self {
             Self::CudaCores => 64,
-            Self::TensorCores | Self::Resident => 128,
+            Self::TensorCores | Self::Resident { .. } => 128,
         }
     }
     /// Whether the kernel runs on tensor cores (16-byte rows and pointers).
     fn tensor_cores(self) -> bool {
-        matches!(self, Self::TensorCores | Self::Resident)
+        matches!(self, Self::TensorCores | Self::Resident { .. })
     }
     /// The dynamic shared memory of a launch with `s` keys of head dim `d`: `Resident` holds K
     /// and V, `s` rounded up to 16 rows of `d + 8` halves each (`attn_tcs` in
     /// kernels/attention.cu); the others use static shared memory only.
     fn shared_bytes(self, s: usize, d: usize) -> Option<usize> {
         match self {
-            Self::Resident => s.checked_next_multiple_of(16)?.checked_mul(d + 8)?.checked_mul(2 * 2),
+            Self::Resident { .. } => s.checked_next_multiple_of(16)?.checked_mul(d + 8)?.checked_mul(2 * 2),
             Self::CudaCores | Self::TensorCores => Some(0),
         }
     }
@@ -874,7 +876,8 @@ struct FusedIo {
     ldy: i64,
 }
 
-/// Attention as one launch of a fused kernel: grid (problems, query tiles of 64 rows).
+/// Attention as one launch of a fused kernel: grid (problems, blocks of query rows: tiles of 64,
+/// or one for `Resident { all_rows }`).
 struct FusedAttention {
     path: String,
     /// The op's name, for errors.
@@ -889,6 +892,8 @@ struct FusedAttention {
     li: i32,
     si: i32,
     tiles: u32,
+    /// `Resident`'s 16-row query tiles a warp takes (its last argument).
+    tiles_per_warp: i32,
     /// Dynamic shared memory of a launch (bytes).
     shared: u32,
     scale: f32,
@@ -907,7 +912,13 @@ impl FusedAttention {
         scale: f32,
         bias: Option<Arc<DeviceBuf>>,
     ) -> Result<Option<Self>> {
-        let tiles = dims.l.div_ceil(FUSED_ROWS).max(1);
+        let mut tiles = dims.l.div_ceil(FUSED_ROWS).max(1);
+        // A block of 4 warps covers 64 rows per tile each warp takes.
+        let tiles_per_warp = match kernel {
+            FusedKernel::Resident { all_rows: true } if tiles == 1 => return Ok(None), // the same as 64 rows a block
+            FusedKernel::Resident { all_rows: true } => std::mem::replace(&mut tiles, 1),
+            _ => 1,
+        };
         let rows8 = [io.ldq, io.ldkv, io.ldy].iter().all(|ld| ld % 8 == 0) && dims.d.is_multiple_of(8);
         if tiles > MAX_GRID_Y || (kernel.tensor_cores() && !rows8) {
             return Ok(None);
@@ -930,7 +941,23 @@ impl FusedAttention {
         };
         let (li, si) = (int(ctx, node, "L", dims.l)?, int(ctx, node, "S", dims.s)?);
         let (path, op) = (ctx.node(node).path.clone(), ctx.node(node).op.name().to_string());
-        Ok(Some(Self { path, op, kernel, d: dims.d, f, io, bias, zimg: dims.zimg, li, si, tiles: tiles as u32, shared, scale }))
+        let tiles_per_warp = int(ctx, node, "query tiles per warp", tiles_per_warp)?;
+        Ok(Some(Self {
+            path,
+            op,
+            kernel,
+            d: dims.d,
+            f,
+            io,
+            bias,
+            zimg: dims.zimg,
+            li,
+            si,
+            tiles: tiles as u32,
+            tiles_per_warp,
+            shared,
+            scale,
+        }))
     }
 
     fn lower_err(&self, kind: LowerKind, reason: String) -> crate::Error {
@@ -962,7 +989,7 @@ impl Layer for FusedAttention {
                 format!("the tensor-core kernel needs 16-byte aligned q, k, v and y, got {q:#x} {k:#x} {v:#x} {y:#x}"),
             ));
         }
-        let args = [
+        let mut args = vec![
             KArg::Ptr(q),
             KArg::Ptr(k),
             KArg::Ptr(v),
@@ -977,6 +1004,9 @@ impl Layer for FusedAttention {
             KArg::I64(self.zimg.max(1) as i64),
             KArg::F32(self.scale),
         ];
+        if matches!(self.kernel, FusedKernel::Resident { .. }) {
+            args.push(KArg::I32(self.tiles_per_warp));
+        }
         launch(rt, &self.f, (z, self.tiles, 1), (self.kernel.threads(), 1, 1), self.shared, &args)
     }
 }
