@@ -239,3 +239,31 @@ fn bundled_transformers_fuse_their_residual_adds() {
         assert_eq!((residual_linears(&o), count(&o, "add"), count(&o, "mul")), (fused, adds_left, muls_left), "{model}");
     }
 }
+
+/// `layerwise::fused_keys` (quantised layerwise comparisons) compares a residual Linear with the
+/// traced Add it absorbed, the permute back after ConvNeXt's `pwconv2` with its Add, and gives
+/// the NHWC `pwconv2` (scaled, with the residual) no reference.
+#[test]
+fn layerwise_keys_follow_the_fused_linears() {
+    let key_of = |traced: &Graph, optimized: &Graph, pick: &dyn Fn(&kiln::internals::graph::Node) -> bool| {
+        let keys = kiln::internals::layerwise::fused_keys(traced, optimized);
+        let id = optimized.nodes.iter().position(pick).expect("node");
+        keys.into_iter().find(|(i, _)| *i == id).map(|(_, k)| k).unwrap_or_default()
+    };
+    let add_keys = |g: &Graph| -> Vec<Vec<String>> {
+        let keys = kiln::internals::layerwise::intermediate_keys(g);
+        g.nodes.iter().enumerate().filter(|(_, n)| n.op.name() == "add").map(|(i, _)| keys.iter().find(|(k, _)| *k == i).unwrap().1.clone()).collect()
+    };
+    let g = vit_like();
+    let o = passes::optimize(&g).expect("optimize");
+    let adds = add_keys(&g);
+    assert_eq!(key_of(&g, &o, &|n| n.path == "out_proj"), adds[0]);
+    assert_eq!(key_of(&g, &o, &|n| n.path == "fc2"), adds[1]);
+    assert_eq!(key_of(&g, &o, &|n| n.path == "fc1"), ["intermediate.fc1"]);
+    let g = convnext_like(&[4, 1, 1]);
+    let o = passes::optimize(&g).expect("optimize");
+    assert!(key_of(&g, &o, &|n| n.path == "pwconv2").is_empty());
+    let back = o.outputs[0].1;
+    assert_eq!(key_of(&g, &o, &|n| std::ptr::eq(n, &o.nodes[back])), add_keys(&g)[0]);
+    assert!(key_of(&g, &o, &|n| n.path == "pwconv2.residual").is_empty());
+}
