@@ -299,7 +299,9 @@ pub fn fused_keys(traced: &Graph, optimized: &Graph) -> Vec<(NodeId, Vec<String>
                     }
                 }
             }
-            Op::Shape(crate::graph::ShapeOp::Permute { .. }) if n.inputs.first().is_some_and(|&i| optimized.nodes[i].op.name() == "linear") => {
+            Op::Shape(crate::graph::ShapeOp::Permute { .. })
+                if n.inputs.first().is_some_and(|&i| optimized.nodes[i].op.name() == "linear") =>
+            {
                 t = folded_mul(t).unwrap_or(t);
                 if residual_linear(n.inputs[0]) {
                     t = only_reader(t, &|op| matches!(op, Op::Binary(Binary::Add))).unwrap_or(t);

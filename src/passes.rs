@@ -228,7 +228,8 @@ pub fn fold_linear_scale(graph: &Graph) -> Result<Graph> {
         let Some(fdim) = feature_dim(&g, lin, permute) else { continue };
         let Some(factors) = per_feature(&scale.shape, &scale.data, &g.nodes[tail].shape, fdim) else { continue };
         let Op::Gemm(Gemm::Linear { bias, .. }) = g.nodes[lin].op else { unreachable!("checked by linear_chain") };
-        let (Some(w), b) = (g.weight_data(g.nodes[lin].inputs[1]).cloned(), bias.then(|| g.weight_data(g.nodes[lin].inputs[2]).cloned()).flatten())
+        let (Some(w), b) =
+            (g.weight_data(g.nodes[lin].inputs[1]).cloned(), bias.then(|| g.weight_data(g.nodes[lin].inputs[2]).cloned()).flatten())
         else {
             continue;
         };

@@ -252,7 +252,12 @@ fn layerwise_keys_follow_the_fused_linears() {
     };
     let add_keys = |g: &Graph| -> Vec<Vec<String>> {
         let keys = kiln::internals::layerwise::intermediate_keys(g);
-        g.nodes.iter().enumerate().filter(|(_, n)| n.op.name() == "add").map(|(i, _)| keys.iter().find(|(k, _)| *k == i).unwrap().1.clone()).collect()
+        g.nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| n.op.name() == "add")
+            .map(|(i, _)| keys.iter().find(|(k, _)| *k == i).unwrap().1.clone())
+            .collect()
     };
     let g = vit_like();
     let o = passes::optimize(&g).expect("optimize");
