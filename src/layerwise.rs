@@ -239,7 +239,9 @@ pub fn run_quantised(
 /// same module path and op (the k-th such for the k-th), and for a conv that absorbed nodes the
 /// last of them: its BatchNorm (when that BatchNorm's path is gone from `optimized`), then the
 /// residual add (`residual`), the ReLU (`act`) and the max-pool (`pool`), in the order `passes`
-/// fuses them. Nodes with no traced counterpart (quantisers) get none.
+/// fuses them; for a Linear (or the permute back after it) its folded layer scale, then its
+/// residual add. Nodes with no traced counterpart (quantisers, a Linear whose permute took its
+/// scale or add) get none.
 pub fn fused_keys(traced: &Graph, optimized: &Graph) -> Vec<(NodeId, Vec<String>)> {
     use crate::graph::{Activation, Binary, Norm, Unary};
     let traced_keys: HashMap<NodeId, Vec<String>> = intermediate_keys(traced).into_iter().collect();
@@ -278,7 +280,36 @@ pub fn fused_keys(traced: &Graph, optimized: &Graph) -> Vec<(NodeId, Vec<String>
                 t = only_reader(t, &|op| matches!(op, Op::Pool(crate::graph::Pool::Max(_)))).unwrap_or(t);
             }
         }
-        keys.push((id, traced_keys.get(&t).cloned().unwrap_or_default()));
+        // `passes::fold_linear_scale` and `fuse_linear_add`: a Linear (or the permute after it)
+        // that absorbed a constant Mul (gone from `optimized`) and an Add computes the Add's value;
+        // a Linear whose permute took them computes none the trace has (scaled, in NHWC).
+        let is_mul = |op: &Op| matches!(op, Op::Binary(Binary::Mul));
+        let folded_mul = |t: NodeId| only_reader(t, &is_mul).filter(|&m| !remaining.contains(traced.nodes[m].path.as_str()));
+        let residual_linear = |i: NodeId| matches!(optimized.nodes[i].op, Op::Gemm(crate::graph::Gemm::Linear { residual: true, .. }));
+        let is_permute = |op: &Op| matches!(op, Op::Shape(crate::graph::ShapeOp::Permute { .. }));
+        let mut keyless = false;
+        match &n.op {
+            Op::Gemm(crate::graph::Gemm::Linear { residual, .. }) => {
+                if let Some(p) = only_reader(t, &is_permute) {
+                    keyless = *residual || folded_mul(p).is_some();
+                } else {
+                    t = folded_mul(t).unwrap_or(t);
+                    if *residual {
+                        t = only_reader(t, &|op| matches!(op, Op::Binary(Binary::Add))).unwrap_or(t);
+                    }
+                }
+            }
+            Op::Shape(crate::graph::ShapeOp::Permute { .. })
+                if n.inputs.first().is_some_and(|&i| optimized.nodes[i].op.name() == "linear") =>
+            {
+                t = folded_mul(t).unwrap_or(t);
+                if residual_linear(n.inputs[0]) {
+                    t = only_reader(t, &|op| matches!(op, Op::Binary(Binary::Add))).unwrap_or(t);
+                }
+            }
+            _ => {}
+        }
+        keys.push((id, if keyless { Vec::new() } else { traced_keys.get(&t).cloned().unwrap_or_default() }));
     }
     keys
 }

@@ -4,7 +4,7 @@
 //! A value marked as a graph output stays observable: a node read by an output is never absorbed
 //! into another node (the output would lose its value), though it may absorb the nodes after it.
 
-use crate::graph::{Activation, Binary, ConvAttrs, Graph, HostTensor, NodeId, Norm, Op, Pool, Unary};
+use crate::graph::{Activation, Binary, ConvAttrs, Gemm, Graph, HostTensor, NodeId, Norm, Op, Pool, ShapeOp, Unary};
 use crate::{Error, Result};
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -12,7 +12,9 @@ use std::sync::Arc;
 /// Every pass, in the order the engine builder wants them.
 pub fn optimize(graph: &Graph) -> Result<Graph> {
     let g = fold_batchnorm(graph)?;
+    let g = fold_linear_scale(&g)?;
     let g = fuse_conv_activation(&g)?;
+    let g = fuse_linear_add(&g)?;
     let g = fuse_conv_max_pool(&g)?;
     remove_dead_nodes(&g)
 }
@@ -167,6 +169,157 @@ fn next_fusable_conv(g: &Graph, removed: &[bool]) -> Option<NodeId> {
         };
         pattern && !removed[id] && uses[id] == 1 && users[id].len() == 1
     })
+}
+
+/// A plain Linear (no residual; constant weight and bias) read only by the next op, or only by
+/// a Permute read only by the next op: `(linear, permute, next)`. Neither may be a graph output.
+fn linear_chain(g: &Graph, users: &[Vec<NodeId>], uses: &[usize], lin: NodeId) -> Option<(NodeId, Option<NodeId>, NodeId)> {
+    let node = &g.nodes[lin];
+    let Op::Gemm(Gemm::Linear { bias, residual: false }) = node.op else { return None };
+    let constant = |i: usize| node.inputs.get(i).is_some_and(|&w| matches!(g.nodes[w].op, Op::Weight { quant: None, .. }));
+    if !constant(1) || (bias && !constant(2)) {
+        return None;
+    }
+    let only_reader = |id: NodeId| match users[id][..] {
+        [r] if uses[id] == 1 => Some(r),
+        _ => None,
+    };
+    let next = only_reader(lin)?;
+    if let Op::Shape(ShapeOp::Permute { .. }) = g.nodes[next].op {
+        return Some((lin, Some(next), only_reader(next)?));
+    }
+    Some((lin, None, next))
+}
+
+/// The dim of `tail` (the Linear's output, or its permute) that holds the Linear's output
+/// features: the last one, or where the permute moved it.
+fn feature_dim(g: &Graph, lin: NodeId, permute: Option<NodeId>) -> Option<usize> {
+    let last = g.nodes[lin].shape.len().checked_sub(1)?;
+    match permute.map(|p| &g.nodes[p].op) {
+        None => Some(last),
+        Some(Op::Shape(ShapeOp::Permute { dims })) => dims.iter().position(|&d| d == last),
+        Some(_) => None,
+    }
+}
+
+/// Linear → (Permute →) Mul by a constant that scales each output feature (ConvNeXt's layer
+/// scale, `[C, 1, 1]` after the permute back to NCHW; `[C]` or a scalar directly after the Linear)
+/// → one Linear with its weight rows and bias scaled in f32, the Mul dropped (its readers read the
+/// permute, or the Linear). The scaled tensors get new names (`<linear path>.weight.scaled`,
+/// `<linear path>.bias.scaled`); the old ones go when nothing else reads them.
+pub fn fold_linear_scale(graph: &Graph) -> Result<Graph> {
+    let mut g = graph.clone();
+    let mut removed = vec![false; g.nodes.len()];
+    let users = g.readers();
+    let uses = g.use_counts();
+    for lin in 0..g.nodes.len() {
+        let Some((lin, permute, mul)) = linear_chain(&g, &users, &uses, lin) else { continue };
+        let tail = permute.unwrap_or(lin);
+        let Op::Binary(Binary::Mul) = g.nodes[mul].op else { continue };
+        let [a, b] = g.nodes[mul].inputs[..] else { continue };
+        let scale_node = if a == tail { b } else { a };
+        if (a == tail) == (b == tail) || g.nodes[mul].shape != g.nodes[tail].shape {
+            continue;
+        }
+        let Some(scale) = g.weight_data(scale_node).filter(|_| matches!(g.nodes[scale_node].op, Op::Weight { quant: None, .. })).cloned()
+        else {
+            continue;
+        };
+        let Some(fdim) = feature_dim(&g, lin, permute) else { continue };
+        let Some(factors) = per_feature(&scale.shape, &scale.data, &g.nodes[tail].shape, fdim) else { continue };
+        let Op::Gemm(Gemm::Linear { bias, .. }) = g.nodes[lin].op else { unreachable!("checked by linear_chain") };
+        let (Some(w), b) =
+            (g.weight_data(g.nodes[lin].inputs[1]).cloned(), bias.then(|| g.weight_data(g.nodes[lin].inputs[2]).cloned()).flatten())
+        else {
+            continue;
+        };
+        let mut w = w.as_ref().clone();
+        let fin = w.shape[1];
+        for (row, s) in w.data.chunks_exact_mut(fin.max(1)).zip(&factors) {
+            row.iter_mut().for_each(|v| *v *= s);
+        }
+        let path = g.nodes[lin].path.clone();
+        let w_name = fresh_weight_name(&g, &format!("{path}.weight.scaled"));
+        let w_id = g.weight(&w_name, Arc::new(w));
+        g.nodes[lin].inputs[1] = w_id;
+        if let Some(b) = b {
+            let scaled = HostTensor::new(b.shape.clone(), b.data.iter().zip(&factors).map(|(v, s)| v * s).collect());
+            let b_name = fresh_weight_name(&g, &format!("{path}.bias.scaled"));
+            let b_id = g.weight(&b_name, Arc::new(scaled));
+            g.nodes[lin].inputs[2] = b_id;
+        }
+        redirect(&mut g, mul, tail);
+        removed.resize(g.nodes.len(), false);
+        removed[mul] = true;
+        g.nodes[mul].inputs.clear();
+    }
+    let uses = g.use_counts();
+    removed.resize(g.nodes.len(), false);
+    rebuild(&g, |id, node| !removed[id] && (uses[id] > 0 || !matches!(node.op, Op::Weight { .. })))
+}
+
+/// The factor of each of `out[fdim]` features when a tensor of `shape` (values `data`) multiplies
+/// one of shape `out`, or `None` unless it is one factor per feature (or one for all) that
+/// broadcasts along every other dim and does not widen `out`.
+fn per_feature(shape: &[usize], data: &[f32], out: &[usize], fdim: usize) -> Option<Vec<f32>> {
+    let features = *out.get(fdim)?;
+    let lead = out.len().checked_sub(shape.len())?;
+    let mut per = false;
+    for (i, &s) in shape.iter().enumerate() {
+        match (lead + i == fdim, s) {
+            (_, 1) => {}
+            (true, s) if s == features => per = true,
+            _ => return None,
+        }
+    }
+    Some((0..features).map(|c| data[if per { c } else { 0 }]).collect())
+}
+
+/// Linear → Add of a tensor of the same shape (no broadcast) → one Linear with `residual: true`
+/// and that tensor as its last input (cuBLASLt's C on the GPU); the Add's readers read the
+/// Linear. Through a Permute as well (ConvNeXt's block: Linear over NHWC, permute back to NCHW,
+/// add the block input): the other operand is permuted the other way into the Linear's layout
+/// (a new Permute, `<linear path>.residual`; the engine aliases it where the operand is stored
+/// channels-last) and the Add's readers read the permute back. The Linear and its permute must be
+/// read only by the next node and not be outputs; the other operand may not be a constant, a graph
+/// input or the Linear itself. The fused node keeps the Linear's module path.
+pub fn fuse_linear_add(graph: &Graph) -> Result<Graph> {
+    let mut g = graph.clone();
+    let mut removed = vec![false; g.nodes.len()];
+    let users = g.readers();
+    let uses = g.use_counts();
+    for lin in 0..g.nodes.len() {
+        let Some((lin, permute, add)) = linear_chain(&g, &users, &uses, lin) else { continue };
+        let tail = permute.unwrap_or(lin);
+        let Op::Binary(Binary::Add) = g.nodes[add].op else { continue };
+        let [a, b] = g.nodes[add].inputs[..] else { continue };
+        if (a == tail) == (b == tail) {
+            continue;
+        }
+        let other = if a == tail { b } else { a };
+        let o = &g.nodes[other];
+        if o.shape != g.nodes[tail].shape || o.dtype != g.nodes[lin].dtype || o.op.is_leaf() || g.inputs.contains(&other) {
+            continue;
+        }
+        let residual = match permute.map(|p| &g.nodes[p].op) {
+            Some(Op::Shape(ShapeOp::Permute { dims })) => {
+                let mut inverse = vec![0; dims.len()];
+                dims.iter().enumerate().for_each(|(i, &d)| inverse[d] = i);
+                let path = format!("{}.residual", g.nodes[lin].path);
+                g.push_unchecked(Op::Shape(ShapeOp::Permute { dims: inverse }), vec![other], g.nodes[lin].shape.clone(), path)
+            }
+            _ => other,
+        };
+        let Op::Gemm(Gemm::Linear { bias, .. }) = g.nodes[lin].op else { unreachable!("checked by linear_chain") };
+        g.nodes[lin].op = Op::Gemm(Gemm::Linear { bias, residual: true });
+        g.nodes[lin].inputs.push(residual);
+        redirect(&mut g, add, tail);
+        removed.resize(g.nodes.len(), false);
+        removed[add] = true;
+        g.nodes[add].inputs.clear();
+    }
+    removed.resize(g.nodes.len(), false);
+    rebuild(&g, |id, _| !removed[id])
 }
 
 /// Conv2d with ReLU read only by a MaxPool2d → one conv carrying the pool (`ConvAttrs::pool`), so

@@ -395,10 +395,18 @@ fn batchnorm_linear_and_elementwise() {
             ((0..7).map(|k| xl.data[n * 7 + k] as f64 * w.data[o * 7 + k] as f64).sum::<f64>() + bias.data[o] as f64) as f32
         })
         .collect();
-    assert_close("linear", &run_op(Op::Gemm(Gemm::Linear { bias: true }), &xl, &[], &[&w, &bias]), &HostTensor::new(vec![3, 5], want));
+    assert_close(
+        "linear",
+        &run_op(Op::Gemm(Gemm::Linear { bias: true, residual: false }), &xl, &[], &[&w, &bias]),
+        &HostTensor::new(vec![3, 5], want),
+    );
     let want_nb: Vec<f32> =
         (0..15).map(|i| (0..7).map(|k| xl.data[(i / 5) * 7 + k] as f64 * w.data[(i % 5) * 7 + k] as f64).sum::<f64>() as f32).collect();
-    assert_close("linear no bias", &run_op(Op::Gemm(Gemm::Linear { bias: false }), &xl, &[], &[&w]), &HostTensor::new(vec![3, 5], want_nb));
+    assert_close(
+        "linear no bias",
+        &run_op(Op::Gemm(Gemm::Linear { bias: false, residual: false }), &xl, &[], &[&w]),
+        &HostTensor::new(vec![3, 5], want_nb),
+    );
 
     let map = |f: &dyn Fn(f32) -> f32| HostTensor::new(x.shape.clone(), x.data.iter().map(|&v| f(v)).collect());
     assert_close("relu", &run_op(Op::Unary(Unary::Relu), &x, &[], &[]), &map(&|v| if v > 0.0 { v } else { 0.0 }));

@@ -423,7 +423,7 @@ fn sample_graph() -> Graph {
     let q = g.push(Op::Pool(kiln::plugin::Pool::AdaptiveAvg { output: [1, 1] }), vec![a], "avgpool".into()).expect("avgpool");
     let f = g.push(Op::Shape(kiln::plugin::ShapeOp::Flatten { start: 1 }), vec![q], "flatten".into()).expect("flatten");
     let fw = g.weight("fc.weight", Arc::new(HostTensor::new(vec![2, 4], vec![0.2; 8])));
-    let y = g.push(Op::Gemm(kiln::plugin::Gemm::Linear { bias: false }), vec![f, fw], "fc".into()).expect("fc");
+    let y = g.push(Op::Gemm(kiln::plugin::Gemm::Linear { bias: false, residual: false }), vec![f, fw], "fc".into()).expect("fc");
     g.inputs.push(x);
     g.mark_output("logits", y);
     g

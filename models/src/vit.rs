@@ -65,7 +65,7 @@ impl Forward for MultiheadAttention {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let qkv = Tensor::record(
             &format!("{}.in_proj", self.path),
-            Op::Gemm(Gemm::Linear { bias: true }),
+            Op::Gemm(Gemm::Linear { bias: true, residual: false }),
             &[x],
             &[&self.in_proj_weight, &self.in_proj_bias],
         )?;

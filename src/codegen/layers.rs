@@ -191,7 +191,9 @@ pub(super) fn layer(g: &Graph, id: NodeId, path: &str) -> Option<LayerSpec> {
                 })),
             )
         }
-        Op::Gemm(Gemm::Linear { bias }) if weights_are(g, id, path, if *bias { &["weight", "bias"] } else { &["weight"] }) => {
+        Op::Gemm(Gemm::Linear { bias, residual: false })
+            if weights_are(g, id, path, if *bias { &["weight", "bias"] } else { &["weight"] }) =>
+        {
             let ws = w(1)?;
             let slots =
                 vec![slot("in_features", Lit::Usize(ws[1])), slot("out_features", Lit::Usize(ws[0])), slot("bias", Lit::Bool(*bias))];

@@ -18,12 +18,17 @@ pub mod nn {
     pub use super::{Linear, LinearConfig};
 }
 
-/// Matrix products. Inputs: Linear: x `[N, ..., in]`, weight `[out, in]`, bias? `[out]`;
-/// Matmul: a `[N, ..., M, K]`, b `[N, ..., K, P]` (an activation, or a constant `[..., K, P]`).
+/// Matrix products. Inputs: Linear: x `[N, ..., in]`, weight `[out, in]`, bias? `[out]`,
+/// residual? (the output's shape); Matmul: a `[N, ..., M, K]`, b `[N, ..., K, P]` (an activation,
+/// or a constant `[..., K, P]`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, strum::EnumIter)]
 pub enum Gemm {
     Linear {
         bias: bool,
+        /// `x Wᵀ + b + residual`: an Add fused by `passes::fuse_linear_add` (cuBLASLt's C with
+        /// beta = 1 on the GPU). Graph files written before it have no such field: false.
+        #[serde(default)]
+        residual: bool,
     },
     /// `torch.matmul(a, b)` with both of rank >= 2: the batch dims broadcast; `a` sets the
     /// output's rank (its dim 0 is the batch).
@@ -39,13 +44,13 @@ impl OpDef for Gemm {
     }
     fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
         match *self {
-            Gemm::Linear { bias } => linear_shape(bias, inputs),
+            Gemm::Linear { bias, residual } => linear_residual_shape(bias, residual, inputs),
             Gemm::Matmul => matmul_shape(inputs),
         }
     }
     fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, OpError> {
         match *self {
-            Gemm::Linear { bias } => linear_cpu(bias, &args.all()?),
+            Gemm::Linear { bias, residual } => linear_residual_cpu(bias, residual, &args.all()?),
             Gemm::Matmul => matmul_cpu(&args.all()?),
         }
     }
@@ -58,13 +63,15 @@ impl OpDef for Gemm {
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         match *self {
-            Gemm::Linear { bias } => gpu_linear(ctx, node, bias),
+            Gemm::Linear { bias, residual } => gpu_linear(ctx, node, bias, residual),
             Gemm::Matmul => gpu_matmul(ctx, node),
         }
     }
     fn label(&self) -> String {
         match self {
-            Gemm::Linear { bias } => format!("linear{}", if *bias { " +bias" } else { "" }),
+            Gemm::Linear { bias, residual } => {
+                format!("linear{}{}", if *bias { " +bias" } else { "" }, if *residual { " +residual" } else { "" })
+            }
             Gemm::Matmul => "matmul".into(),
         }
     }
@@ -109,7 +116,7 @@ impl Module for Linear {
 impl Forward for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let params: Vec<&Param> = std::iter::once(&self.weight).chain(&self.bias).collect();
-        Tensor::record(&self.path, Op::Gemm(Gemm::Linear { bias: self.bias.is_some() }), &[x], &params)
+        Tensor::record(&self.path, Op::Gemm(Gemm::Linear { bias: self.bias.is_some(), residual: false }), &[x], &params)
     }
 }
 
@@ -131,6 +138,22 @@ pub fn linear_shape(bias: bool, inputs: &[&[usize]]) -> Result<Vec<usize>, OpErr
     }
     let mut out = x.to_vec();
     *out.last_mut().expect("rank >= 2") = w[0];
+    Ok(out)
+}
+
+/// `inputs` = x `[N, ..., in]`, weight `[out, in]`, bias? `[out]`, then with `residual` a tensor
+/// of the output's shape, added to it.
+pub fn linear_residual_shape(bias: bool, residual: bool, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
+    if !residual {
+        return linear_shape(bias, inputs);
+    }
+    let Some((r, rest)) = inputs.split_last().filter(|_| inputs.len() == 3 + bias as usize) else {
+        return Err(format!("linear with a residual expects {} inputs, got {}", 3 + bias as usize, inputs.len()).into());
+    };
+    let out = linear_shape(bias, rest)?;
+    if *r != out.as_slice() {
+        return Err(format!("the residual {r:?} must have the linear's output shape {out:?}").into());
+    }
     Ok(out)
 }
 
@@ -245,6 +268,20 @@ pub fn linear_cpu(bias: bool, inputs: &[&HostTensor]) -> Result<HostTensor, OpEr
     Ok(HostTensor::new(out_shape, out))
 }
 
+/// `linear_cpu`, then with `residual` the last input added element by element: the same f32
+/// sums as the separate Add it replaces, so a fused graph's CPU outputs are bit-identical.
+pub fn linear_residual_cpu(bias: bool, residual: bool, inputs: &[&HostTensor]) -> Result<HostTensor, OpError> {
+    if !residual {
+        return linear_cpu(bias, inputs);
+    }
+    let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape.as_slice()).collect();
+    linear_residual_shape(bias, true, &shapes)?;
+    let (r, rest) = inputs.split_last().expect("the shape rule checked the arity");
+    let mut out = linear_cpu(bias, rest)?;
+    out.data.iter_mut().zip(&r.data).for_each(|(y, r)| *y += r);
+    Ok(out)
+}
+
 /// `torch.matmul` with `inputs` = a `[..., M, K]`, b `[..., K, P]`: one GEMM per output batch.
 pub fn matmul_cpu(inputs: &[&HostTensor]) -> Result<HostTensor, OpError> {
     let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape.as_slice()).collect();
@@ -294,14 +331,27 @@ pub fn matmul_cpu(inputs: &[&HostTensor]) -> Result<HostTensor, OpError> {
 
 // ---- GPU converter (engine::gemm)
 
-/// Linear as one cuBLASLt GEMM with the bias in its epilogue.
-fn gpu_linear(ctx: &mut BuildCtx, node: NodeId, bias: bool) -> Result<Box<dyn Layer>> {
+/// Linear as one cuBLASLt GEMM with the bias in its epilogue and a residual as C (beta = 1).
+fn gpu_linear(ctx: &mut BuildCtx, node: NodeId, bias: bool, residual: bool) -> Result<Box<dyn Layer>> {
     use crate::engine::gemm::{GemmLayer, GemmSpec};
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let w = ctx.weight(node, 1)?;
     let b = if bias { Some(ctx.weight(node, 2)?.data.as_slice()) } else { None };
+    let residual = if residual { Some(ctx.input(node, 2 + bias as usize)?) } else { None };
+    if let Some(r) = residual {
+        // cuBLASLt reads C with D's layout and type: the layout plan asks for every input
+        // contiguous, as Y is, and the builder casts inputs to the layer's type.
+        let (dr, dy) = (ctx.value(r), ctx.value(y));
+        if dr.dims != dy.dims || dr.elem != dy.elem || !dr.layout.same_bytes(dy.layout, &dy.dims) {
+            let why = format!(
+                "the residual ({:?} {:?} {:?}) must be stored as the output ({:?} {:?} {:?})",
+                dr.elem, dr.layout, dr.dims, dy.elem, dy.layout, dy.dims
+            );
+            return Err(ctx.err(node, LowerKind::Operands, why));
+        }
+    }
     let rows_per_image = ctx.value(y).per_image_elems() / w.shape[0].max(1);
-    let spec = GemmSpec { x, y, residual: None, rows_per_image, weight: &w.data, bias: b, relu: false };
+    let spec = GemmSpec { x, y, residual, rows_per_image, weight: &w.data, bias: b, relu: false };
     Ok(Box::new(GemmLayer::new_matrix(ctx, spec)?))
 }
 

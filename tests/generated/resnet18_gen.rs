@@ -385,7 +385,7 @@ pub fn build(vb: &VarBuilder, batch: usize) -> Result<Graph> {
     let flatten = Tensor::record("flatten", Op::Shape(ShapeOp::Flatten { start: 1 }), &[&avgpool], &[])?;
     let fc = Tensor::record(
         "fc",
-        Op::Gemm(Gemm::Linear { bias: true }),
+        Op::Gemm(Gemm::Linear { bias: true, residual: false }),
         &[&flatten],
         &[&vb.get(&[1000, 512], "fc.weight")?, &vb.get(&[1000], "fc.bias")?],
     )?;

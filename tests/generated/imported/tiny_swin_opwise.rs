@@ -80,7 +80,7 @@ impl Forward for ShiftedWindowAttention {
         let reshape = permute.reshape(&[-1, 1, 2, 2, 4, 4, 16])?.reshape(&[-1, 4, 16, 16])?;
         let permute = Tensor::record(
             &reshape.scope_path("linear"),
-            Op::Gemm(Gemm::Linear { bias: true }),
+            Op::Gemm(Gemm::Linear { bias: true, residual: false }),
             &[&reshape],
             &[&self.qkv_weight, &self.qkv_bias],
         )?
@@ -100,7 +100,7 @@ impl Forward for ShiftedWindowAttention {
         let reshape = permute.reshape(&[-1, 4, 16, 16])?;
         let permute = Tensor::record(
             &reshape.scope_path("linear"),
-            Op::Gemm(Gemm::Linear { bias: true }),
+            Op::Gemm(Gemm::Linear { bias: true, residual: false }),
             &[&reshape],
             &[&self.proj_weight, &self.proj_bias],
         )?
@@ -138,7 +138,7 @@ impl Forward for ShiftedWindowAttention2 {
         let reshape = reshape.reshape(&[-1, 4, 16, 16])?;
         let permute = Tensor::record(
             &reshape.scope_path("linear"),
-            Op::Gemm(Gemm::Linear { bias: true }),
+            Op::Gemm(Gemm::Linear { bias: true, residual: false }),
             &[&reshape],
             &[&self.qkv_weight, &self.qkv_bias],
         )?
@@ -153,7 +153,7 @@ impl Forward for ShiftedWindowAttention2 {
         let reshape = matmul.permute(&[0, 1, 3, 2, 4])?.reshape(&[-1, 4, 16, 16])?;
         let permute = Tensor::record(
             &reshape.scope_path("linear"),
-            Op::Gemm(Gemm::Linear { bias: true }),
+            Op::Gemm(Gemm::Linear { bias: true, residual: false }),
             &[&reshape],
             &[&self.proj_weight, &self.proj_bias],
         )?
@@ -190,7 +190,7 @@ impl Forward for ShiftedWindowAttention3 {
         let reshape = x.reshape(&[-1, 1, 4, 1, 4, 32])?.permute(&[0, 1, 3, 2, 4, 5])?.reshape(&[-1, 16, 32])?;
         let reshape = Tensor::record(
             &reshape.scope_path("linear"),
-            Op::Gemm(Gemm::Linear { bias: true }),
+            Op::Gemm(Gemm::Linear { bias: true, residual: false }),
             &[&reshape],
             &[&self.qkv_weight, &self.qkv_bias],
         )?
@@ -206,7 +206,7 @@ impl Forward for ShiftedWindowAttention3 {
         let flatten = matmul.permute(&[0, 2, 1, 3])?.flatten(2)?;
         let permute = Tensor::record(
             &flatten.scope_path("linear"),
-            Op::Gemm(Gemm::Linear { bias: true }),
+            Op::Gemm(Gemm::Linear { bias: true, residual: false }),
             &[&flatten],
             &[&self.proj_weight, &self.proj_bias],
         )?
@@ -243,7 +243,7 @@ impl Forward for ShiftedWindowAttention4 {
         let reshape = x.reshape(&[-1, 1, 4, 1, 4, 32])?.permute(&[0, 1, 3, 2, 4, 5])?.reshape(&[-1, 16, 32])?;
         let reshape = Tensor::record(
             &reshape.scope_path("linear"),
-            Op::Gemm(Gemm::Linear { bias: true }),
+            Op::Gemm(Gemm::Linear { bias: true, residual: false }),
             &[&reshape],
             &[&self.qkv_weight, &self.qkv_bias],
         )?
@@ -259,7 +259,7 @@ impl Forward for ShiftedWindowAttention4 {
         let flatten = matmul.permute(&[0, 2, 1, 3])?.flatten(2)?;
         let permute = Tensor::record(
             &flatten.scope_path("linear"),
-            Op::Gemm(Gemm::Linear { bias: true }),
+            Op::Gemm(Gemm::Linear { bias: true, residual: false }),
             &[&flatten],
             &[&self.proj_weight, &self.proj_bias],
         )?

@@ -31,7 +31,7 @@ impl Forward for MultiheadAttention {
         self.out_proj.forward(
             &Tensor::record(
                 &x.scope_path("linear"),
-                Op::Gemm(Gemm::Linear { bias: true }),
+                Op::Gemm(Gemm::Linear { bias: true, residual: false }),
                 &[x],
                 &[&self.in_proj_weight, &self.in_proj_bias],
             )?
