@@ -302,7 +302,7 @@ fn gpu_linear(ctx: &mut BuildCtx, node: NodeId, bias: bool) -> Result<Box<dyn La
     let b = if bias { Some(ctx.weight(node, 2)?.data.as_slice()) } else { None };
     let rows_per_image = ctx.value(y).per_image_elems() / w.shape[0].max(1);
     let spec = GemmSpec { x, y, residual: None, rows_per_image, weight: &w.data, bias: b, relu: false };
-    Ok(Box::new(GemmLayer::new_matrix(ctx, spec)?))
+    crate::ops::quant::fp8_gemm::or_fp16(ctx, node, spec, GemmLayer::new_matrix)
 }
 
 /// `a @ W` with a constant rank-2 `W` is one cuBLASLt GEMM over a's rows (W transposed on the
