@@ -161,7 +161,8 @@ pub fn problem(graph: &Graph, node: NodeId, precision: Precision) -> Option<Fp8P
     aligned.then_some(Fp8Problem { sx, k, n: out, rows_per_image, channels_last })
 }
 
-/// The FP8 GEMM candidates of `node` (one per [`Fp8Epilogue`]) where [`problem`] applies on a GPU
+/// The FP8 GEMM candidates of `node` (one per [`Fp8Epilogue`]; a Linear over tokens, whose output
+/// is not an image or a vector, only the fused form) where [`problem`] applies on a GPU
 /// with FP8 tensor cores (sm_89+), its values f16 and laid out as GEMM rows (channels-last for a
 /// conv, contiguous for a Linear) and `spec` agreeing with the problem; none otherwise. The
 /// weight is quantised to e4m3 with one per-tensor scale (a folded FP8 weight's values are their
@@ -184,7 +185,11 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, spec: GemmSpec) -> Result<Ve
     }
     // The e4m3 copy of the input, held by the arena only where an FP8 candidate wins.
     let xq = ctx.chain_scratch(vec![p.rows_per_image * p.k], Elem::E4m3, Layout::contiguous(1));
-    [Fp8Epilogue::Fused, Fp8Epilogue::Kernel].into_iter().map(|e| layer(ctx, node, spec, p.sx, xq, [p.k, p.n], e)).collect()
+    // `bias_act` (the `Kernel` form's epilogue) reads `[C, H, W]` channels-last or `[F]`: a
+    // Linear over tokens (`[L, n]`) has the fused form only.
+    let forms: &[Fp8Epilogue] =
+        if p.channels_last || dy.dims.len() == 1 { &[Fp8Epilogue::Fused, Fp8Epilogue::Kernel] } else { &[Fp8Epilogue::Fused] };
+    forms.iter().map(|&e| layer(ctx, node, spec, p.sx, xq, [p.k, p.n], e)).collect()
 }
 
 /// The layer of a Linear: its 16-bit GEMM (`fp16` makes it; in an FP8 engine it computes the same
