@@ -562,7 +562,7 @@ fn fp8_gemm_candidates_go_to_aligned_linears_and_pointwise_convs() {
         let input_range = |g: &Graph, path: &str| {
             let node = g.nodes.iter().find(|n| n.path == path && !matches!(n.op, Op::Quant(_))).expect("node");
             let q = &g.nodes[node.inputs[0]];
-            cache.tensors[q.path.trim_end_matches(".quantizer")].clone()
+            cache.tensors[q.path.trim_end_matches(".quantizer")]
         };
         assert!(problems(&optimized, Precision::Fp16).is_empty(), "{what}: an FP16 graph has no quantisers");
         assert!(problems(&fp8, Precision::Fp16).is_empty() && problems(&int8, Precision::Int8).is_empty(), "{what}");
