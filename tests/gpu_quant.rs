@@ -220,11 +220,7 @@ fn quantised_builds_without_scales_are_refused() {
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn fp8_gemm_configurations() {
-    let Some(gpu) = gpu() else { return };
-    if gpu.info.sm < 89 {
-        println!("skipped: sm_{} has no FP8", gpu.info.sm);
-        return;
-    }
+    let Some(gpu) = fp8_gpu() else { return };
     let mut failures = vec![];
     for (m, k, n) in [(49, 32, 64), (196, 64, 32), (256, 256, 64), (3136, 64, 256)] {
         for (label, outcome) in kiln::internals::ops::quant::fp8_gemm::probe(&gpu, m, k, n).expect("probe") {
@@ -255,11 +251,7 @@ fn fp8_gemm_configurations() {
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn fp8_gemm_matches_the_simulation() {
-    let Some(gpu) = gpu() else { return };
-    if gpu.info.sm < 89 {
-        println!("skipped: sm_{} has no FP8", gpu.info.sm);
-        return;
-    }
+    let Some(gpu) = fp8_gpu() else { return };
     use kiln::nn::{Conv2d, Conv2dConfig};
     let tracer = kiln::Tracer::new();
     let x = tracer.input("input", &[4, 32, 7, 7]);
@@ -283,17 +275,8 @@ fn fp8_gemm_matches_the_simulation() {
     // conv takes FP8, FP16 or INT8 (`engine::best`), and the error stays within FP8's.
     let (fp8_vs_fp32, _) = rel_l2(&sim["y"].data, &fp32["y"].data);
     for source in [Some("cublaslt-gemm-fp8"), None] {
-        let mut config = BuildConfig::default().precision(Precision::Best).batch(1, 4, 4).calibration_cache(&path);
-        if let Some(s) = source {
-            config = config.tactic_sources(&[s]);
-        }
-        let engine = match EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph) {
-            Ok(e) => Arc::new(e),
-            Err(e) => {
-                failures.push(format!("Best {source:?} must build: {e}"));
-                continue;
-            }
-        };
+        let config = BuildConfig::default().precision(Precision::Best).batch(1, 4, 4).calibration_cache(&path);
+        let Some(engine) = build_forced(&gpu, &graph, config, source, &format!("Best {source:?}"), &mut failures) else { continue };
         print!("{}{}", engine.describe(), engine.summary);
         let kinds: Vec<String> = engine.layers().map(|l| l.kind()).filter(|k| !k.starts_with("reformat")).collect();
         let got = engine.context().expect("context").run(&[("input", &input)]).expect("run").remove("y").expect("y");
@@ -330,11 +313,7 @@ fn fp8_gemm_matches_the_simulation() {
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn fp8_gemm_on_linear_layers_matches_the_simulation() {
-    let Some(gpu) = gpu() else { return };
-    if gpu.info.sm < 89 {
-        println!("skipped: sm_{} has no FP8", gpu.info.sm);
-        return;
-    }
+    let Some(gpu) = fp8_gpu() else { return };
     use kiln::internals::engine::eight_bit::FP8_GEMM;
     let graph = quant_graphs::transformer_like(5);
     let calib = common::random(&[5, 8, 64], 21, 2.0);
@@ -350,17 +329,8 @@ fn fp8_gemm_on_linear_layers_matches_the_simulation() {
     ];
     for (precision, source, bound) in cases {
         let what = format!("{precision:?} {}", source.unwrap_or("timed"));
-        let mut config = BuildConfig::default().precision(precision).batch(1, 5, 5).calibration_cache(&path);
-        if let Some(s) = source {
-            config = config.tactic_sources(&[s]);
-        }
-        let engine = match EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph) {
-            Ok(e) => Arc::new(e),
-            Err(e) => {
-                failures.push(format!("{what} must build: {e}"));
-                continue;
-            }
-        };
+        let config = BuildConfig::default().precision(precision).batch(1, 5, 5).calibration_cache(&path);
+        let Some(engine) = build_forced(&gpu, &graph, config, source, &what, &mut failures) else { continue };
         print!("{what}:\n{}{}", engine.describe(), engine.summary);
         let fp8: std::collections::BTreeMap<String, String> =
             engine.layers().filter(|l| l.kind().starts_with(FP8_GEMM)).map(|l| (l.path().to_string(), l.kind())).collect();
@@ -590,6 +560,38 @@ fn stem8_matches_the_simulation() {
         let _ = std::fs::remove_file(&path);
     }
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// `graph` built with `config`, its tactics restricted to `source` where given; a build error is
+/// noted in `failures` as `what` (every such build must succeed).
+fn build_forced(
+    gpu: &Arc<kiln::engine::Gpu>,
+    graph: &Graph,
+    config: BuildConfig,
+    source: Option<&str>,
+    what: &str,
+    failures: &mut Vec<String>,
+) -> Option<Arc<kiln::engine::Engine>> {
+    let config = match source {
+        Some(s) => config.tactic_sources(&[s]),
+        None => config,
+    };
+    EngineBuilder::new(config)
+        .with_gpu(gpu.clone())
+        .build(graph)
+        .map(Arc::new)
+        .map_err(|e| failures.push(format!("{what} must build: {e}")))
+        .ok()
+}
+
+/// The GPU where it has FP8 tensor cores (sm_89+); `None`, with the reason printed, elsewhere.
+fn fp8_gpu() -> Option<Arc<kiln::engine::Gpu>> {
+    let gpu = gpu()?;
+    if gpu.info.sm < 89 {
+        println!("skipped: sm_{} has no FP8", gpu.info.sm);
+        return None;
+    }
+    Some(gpu)
 }
 
 /// A min-max calibration cache of `graph` over `input`, saved to a temporary file named after
