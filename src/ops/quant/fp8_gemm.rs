@@ -116,7 +116,7 @@ pub struct Fp8Problem {
 
 /// Where an FP8 GEMM candidate applies, from the graph alone (the values' checks are
 /// [`candidates`]'): a node of an `Fp8` or `Best` layer (`precision`) that is
-/// - a stride-1 1×1 convolution (not grouped or transposed, no padding, no pool): `[C, H, W] →
+/// - a stride-1 1×1 convolution (not grouped or transposed, no padding): `[C, H, W] →
 ///   [K, H, W]`, H·W rows per image;
 /// - or a Linear (`Gemm::Linear`): `[.., k] → [.., n]`, the product of the dims between the batch
 ///   and the last rows per image;
@@ -144,7 +144,8 @@ pub fn problem(graph: &Graph, node: NodeId, precision: Precision) -> Option<Fp8P
     };
     let (k, out, rows_per_image, channels_last) = match &n.op {
         Op::Conv(a) => {
-            let pointwise = !a.transposed && a.groups == 1 && a.stride == [1, 1] && a.padding == [0, 0] && a.pool.is_none();
+            // A fused max-pool after it is a layer of its own (`Chain`): the candidate is the conv's.
+            let pointwise = !a.transposed && a.groups == 1 && a.stride == [1, 1] && a.padding == [0, 0];
             let weight = &graph.nodes[*n.inputs.get(1)?].shape;
             match (&x.shape[..], &n.shape[..]) {
                 ([_, c, h, w], [_, k, ..]) if pointwise && weight.get(2..) == Some(&[1, 1][..]) => (*c, *k, h * w, true),
