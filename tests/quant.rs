@@ -20,6 +20,9 @@ use kiln::{
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+mod quant_graphs;
+use quant_graphs::transformer_like;
+
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
@@ -531,4 +534,66 @@ fn weight_grids_survive_the_engine_file() {
     assert_eq!(loaded.graph.nodes, g.nodes, "ops, grids included, survive");
     let plan = |g: &kiln::Graph| conv8::plan(g, &config, &node_precisions(g, &config), 90);
     assert_eq!(plan(&loaded.graph), plan(&g));
+}
+
+/// Where FP8 and Best engines offer the FP8 GEMM (`fp8_gemm::problem`, the planning half of the
+/// candidate, no GPU): on the transformer-like graph, the Linears whose k and n are multiples of
+/// 16 (rows per image: the 8 tokens, 1 after the flatten), each with its input quantiser's scale
+/// (Best's INT8 range read as e4m3: scale × 127 / 448); none in FP16 or INT8 engines. On a block
+/// of 1×1 convs and a 3×3 conv, the 1×1 convs (H·W rows per image) and not the 3×3.
+#[test]
+fn fp8_gemm_candidates_go_to_aligned_linears_and_pointwise_convs() {
+    use kiln::engine::Precision;
+    use kiln::internals::ops::quant::fp8_gemm::{problem, Fp8Problem};
+    let plan = |graph: &Graph, input: &HostTensor, what: &str| {
+        let optimized = kiln::internals::passes::optimize(graph).expect("optimize");
+        let cache =
+            Calibrator::new(graph).and_then(|c| c.calibrate(std::slice::from_ref(input), CalibrationMethod::MinMax)).expect("calibrate");
+        let path = std::env::temp_dir().join(format!("kiln-fp8-plan-{what}-{}.json", std::process::id()));
+        cache.save(&path).expect("save");
+        let fp8 = prepare_for_engine(optimized.clone(), QuantFormat::Fp8E4m3, Some(&path)).expect("fp8");
+        let int8 = prepare_for_engine(optimized.clone(), QuantFormat::Int8, Some(&path)).expect("int8");
+        let best = prepare_for_best(optimized.clone(), Some(&path)).expect("best");
+        let _ = std::fs::remove_file(&path);
+        let problems = |g: &Graph, p: Precision| -> BTreeMap<String, Fp8Problem> {
+            (0..g.nodes.len()).filter_map(|id| problem(g, id, p).map(|f| (g.nodes[id].path.clone(), f))).collect()
+        };
+        // Each candidate's scale is its input quantiser's: the cache's fp8 scale of the tensor.
+        let input_range = |g: &Graph, path: &str| {
+            let node = g.nodes.iter().find(|n| n.path == path && !matches!(n.op, Op::Quant(_))).expect("node");
+            let q = &g.nodes[node.inputs[0]];
+            cache.tensors[q.path.trim_end_matches(".quantizer")]
+        };
+        assert!(problems(&optimized, Precision::Fp16).is_empty(), "{what}: an FP16 graph has no quantisers");
+        assert!(problems(&fp8, Precision::Fp16).is_empty() && problems(&int8, Precision::Int8).is_empty(), "{what}");
+        let (on_fp8, on_best) = (problems(&fp8, Precision::Fp8), problems(&best, Precision::Best));
+        for (path, p) in &on_fp8 {
+            let range = input_range(&fp8, path);
+            assert_eq!(p.sx, range.fp8_scale, "{what} {path}");
+            assert_eq!(on_best[path].sx, range.int8_scale * 127.0 / 448.0, "{what} {path}: Best clips at the INT8 range");
+            assert_eq!(Fp8Problem { sx: p.sx, ..on_best[path] }, *p, "{what} {path}: the same GEMM in Best");
+        }
+        assert_eq!(on_fp8.len(), on_best.len(), "{what}");
+        on_fp8.into_iter().map(|(path, p)| (path, [p.k, p.n, p.rows_per_image], p.channels_last)).collect::<Vec<_>>()
+    };
+    let graph = transformer_like(2);
+    let input = kiln::internals::seeded::uniform_tensor(&[2, 8, 64], 3);
+    let linears = plan(&graph, &input, "transformer");
+    println!("transformer-like: {linears:?}");
+    assert_eq!(
+        linears,
+        [("cls".to_string(), [512, 32, 1], false), ("fc1".to_string(), [64, 128, 8], false), ("fc2".to_string(), [128, 64, 8], false)]
+    );
+
+    let tracer = Tracer::new();
+    let x = tracer.input("input", &[2, 32, 7, 5]);
+    let vb = VarBuilder::seeded();
+    let conv = |name: &str, cfg: Conv2dConfig, t: &kiln::Tensor| Conv2d::load(vb.pp(name), &cfg)?.forward(t);
+    let h = conv("c1", Conv2dConfig::new(32, 64, 1), &x).and_then(|h| h.relu()).expect("c1");
+    let y = conv("c2", Conv2dConfig::new(64, 32, 1), &h).and_then(|y| y.add(&x)).and_then(|y| y.relu()).expect("c2");
+    conv("c3", Conv2dConfig::new(32, 32, 3).padding(1), &y).expect("c3").mark_output("y");
+    let graph = tracer.graph();
+    let convs = plan(&graph, &kiln::internals::seeded::uniform_tensor(&[2, 32, 7, 5], 5), "convs");
+    println!("convs: {convs:?}");
+    assert_eq!(convs, [("c1".to_string(), [32, 64, 35], true), ("c2".to_string(), [64, 32, 35], true)]);
 }

@@ -352,7 +352,7 @@ fn gpu_linear(ctx: &mut BuildCtx, node: NodeId, bias: bool, residual: bool) -> R
     }
     let rows_per_image = ctx.value(y).per_image_elems() / w.shape[0].max(1);
     let spec = GemmSpec { x, y, residual, rows_per_image, weight: &w.data, bias: b, relu: false };
-    Ok(Box::new(GemmLayer::new_matrix(ctx, spec)?))
+    crate::ops::quant::fp8_gemm::or_fp16(ctx, node, spec, GemmLayer::new_matrix)
 }
 
 /// `a @ W` with a constant rank-2 `W` is one cuBLASLt GEMM over a's rows (W transposed on the

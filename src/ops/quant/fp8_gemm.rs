@@ -1,14 +1,17 @@
-//! FP8 GEMMs: a quantised stride-1 1×1 convolution of an FP8 (or `Best`) engine on cuBLASLt's
-//! e4m3 tensor cores, its activation re-encoded from the `fake_quantize` before it.
+//! FP8 GEMMs: a quantised Linear or stride-1 1×1 convolution of an FP8 (or `Best`) engine on
+//! cuBLASLt's e4m3 tensor cores, its activation re-encoded from the `fake_quantize` before it. One
+//! home for both: [`problem`] says where the candidate applies, [`candidates`] makes it (the conv
+//! family times it beside its other candidates), [`or_fp16`] times it against a Linear's 16-bit GEMM.
 
 use super::{encode_e4m3, round_e4m3, Quant, QuantFormat, E4M3_MAX};
 use crate::engine::eight_bit::FP8_GEMM;
-use crate::engine::gemm::{GemmSpec, LtMatmul, GEMM_WORKSPACE};
+use crate::engine::gemm::{GemmLayer, GemmSpec, LtMatmul, GEMM_WORKSPACE};
 use crate::engine::gpu::cuda_err;
 use crate::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
-use crate::engine::layer::{to_elem_bytes, DeviceBuf, Elem, Layer, RunCtx, ValueId};
-use crate::engine::{Gpu, Precision};
-use crate::graph::{HostTensor, NodeId, Op};
+use crate::engine::layer::{to_elem_bytes, DeviceBuf, Elem, Layer, LayerCtx, RunCtx, ValueDesc, ValueId};
+use crate::engine::{Gpu, Layout, Precision};
+use crate::graph::{Graph, HostTensor, NodeId, Op};
+use crate::ops::linear::Gemm;
 use crate::ops::BuildCtx;
 use crate::Result;
 
@@ -30,7 +33,8 @@ pub enum Fp8Epilogue {
     Kernel,
 }
 
-/// A stride-1 1×1 convolution of an FP8 engine on cuBLASLt's e4m3 tensor cores: the activation
+/// A Linear or stride-1 1×1 convolution of an FP8 engine on cuBLASLt's e4m3 tensor cores (a
+/// Linear's row-major `[m, k] × [n, k]ᵀ` is the 1×1 conv's GEMM over NHWC pixels): the activation
 /// (already fake-quantised by its `fake_quantize` node, per tensor) is re-encoded as e4m3 bytes
 /// with the same scale (exact: its values lie on the grid), the weight is stored as e4m3 with its
 /// per-tensor scale, and one `LtMatmul` computes `act(s_w·s_x·Wq·Xq + bias + residual)` in f16
@@ -76,6 +80,9 @@ impl Layer for Fp8GemmLayer {
         // cuBLASLt writes D over C in place; the epilogue kernel needs the residual after the GEMM.
         self.z.filter(|_| self.epilogue.is_none()).map(|z| (self.y, z))
     }
+    fn own_scratch(&self) -> Vec<ValueId> {
+        vec![self.xq]
+    }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let m = batch * self.rows_per_image;
         let n = m * self.k;
@@ -94,33 +101,120 @@ impl Layer for Fp8GemmLayer {
     }
 }
 
-/// The FP8 GEMM candidates of `node` (one per [`Fp8Epilogue`]), when they apply: an `Fp8` or
-/// `Best` engine, the node's input produced by a per-tensor fp8 `fake_quantize` (or Best's int8
-/// one, whose range it clips at), f16 values, and channel counts that are multiples of 16
-/// (cuBLASLt's FP8 alignment). None otherwise. The weight is quantised to e4m3 with one
-/// per-tensor scale (a folded FP8 weight's values are their own codes).
+/// The GEMM an FP8 candidate runs for a node: the activation's per-tensor scale (one e4m3 step
+/// of 1 is `sx`), `[k] → [n]` per row, and the rows per image.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Fp8Problem {
+    pub sx: f32,
+    pub k: usize,
+    pub n: usize,
+    pub rows_per_image: usize,
+    /// A 1×1 conv's image, read channels-last (`[C, H, W]` stored H, W, C); else a Linear's
+    /// contiguous rows (`[.., k]`).
+    pub channels_last: bool,
+}
+
+/// Where an FP8 GEMM candidate applies, from the graph alone (the values' checks are
+/// [`candidates`]'): a node of an `Fp8` or `Best` layer (`precision`) that is
+/// - a stride-1 1×1 convolution (not grouped or transposed, no padding): `[C, H, W] →
+///   [K, H, W]`, H·W rows per image;
+/// - or a Linear (`Gemm::Linear`): `[.., k] → [.., n]`, the product of the dims between the batch
+///   and the last rows per image;
+///
+/// whose input is a per-tensor, symmetric fp8 `fake_quantize` (or Best's int8 one, whose range the
+/// FP8 GEMM clips at: its scale × qmax / 448), with k and n multiples of 16 (cuBLASLt's FP8
+/// alignment). The bias, a fused ReLU and a residual (a conv's or a Linear's last input) go to the
+/// GEMM's epilogue ([`Fp8Epilogue`]). A Linear's residual is not quantised (`calibrate::quant_points`).
+pub fn problem(graph: &Graph, node: NodeId, precision: Precision) -> Option<Fp8Problem> {
+    if !matches!(precision, Precision::Fp8 | Precision::Best) {
+        return None;
+    }
+    let n = &graph.nodes[node];
+    let x = &graph.nodes[*n.inputs.first()?];
+    let sx = match &x.op {
+        Op::Quant(Quant::FakeQuantize(p)) if p.axis.is_none() && p.scale.len() == 1 && p.zero_point.iter().all(|&z| z == 0) => {
+            match p.format {
+                QuantFormat::Fp8E4m3 => p.scale[0],
+                // Best's quantisers are INT8's: the FP8 GEMM clips at the same range.
+                QuantFormat::Int8 if precision == Precision::Best => p.scale[0] * p.qmax as f32 / E4M3_MAX,
+                QuantFormat::Int8 => return None,
+            }
+        }
+        _ => return None,
+    };
+    let (k, out, rows_per_image, channels_last) = match &n.op {
+        Op::Conv(a) => {
+            // A fused max-pool after it is a layer of its own (`Chain`): the candidate is the conv's.
+            let pointwise = !a.transposed && a.groups == 1 && a.stride == [1, 1] && a.padding == [0, 0];
+            let weight = &graph.nodes[*n.inputs.get(1)?].shape;
+            match (&x.shape[..], &n.shape[..]) {
+                ([_, c, h, w], [_, k, ..]) if pointwise && weight.get(2..) == Some(&[1, 1][..]) => (*c, *k, h * w, true),
+                _ => return None,
+            }
+        }
+        Op::Gemm(Gemm::Linear { .. }) => {
+            let rows = n.shape.get(1..n.shape.len().checked_sub(1)?)?.iter().product();
+            (*x.shape.last()?, *n.shape.last()?, rows, false)
+        }
+        _ => return None,
+    };
+    let aligned = k > 0 && out > 0 && k % 16 == 0 && out % 16 == 0;
+    aligned.then_some(Fp8Problem { sx, k, n: out, rows_per_image, channels_last })
+}
+
+/// The FP8 GEMM candidates of `node` (one per [`Fp8Epilogue`]; a Linear over tokens, whose output
+/// is not an image or a vector, only the fused form) where [`problem`] applies on a GPU
+/// with FP8 tensor cores (sm_89+), its values f16 and laid out as GEMM rows (channels-last for a
+/// conv, contiguous for a Linear) and `spec` agreeing with the problem; none otherwise. The
+/// weight is quantised to e4m3 with one per-tensor scale (a folded FP8 weight's values are their
+/// own codes).
 pub fn candidates(ctx: &mut BuildCtx, node: NodeId, spec: GemmSpec) -> Result<Vec<Box<dyn Layer>>> {
     // Best on a GPU without FP8 tensor cores is FP16: it offers no 8-bit candidate.
-    if !matches!(ctx.precision(), Precision::Fp8 | Precision::Best) || ctx.gpu.info.sm < 89 {
+    if ctx.gpu.info.sm < 89 {
         return Ok(vec![]);
     }
-    let src = ctx.node(node).inputs[0];
-    let sx = match &ctx.graph.nodes[src].op {
-        Op::Quant(Quant::FakeQuantize(p)) if p.axis.is_none() && p.scale.len() == 1 => match p.format {
-            QuantFormat::Fp8E4m3 => p.scale[0],
-            // Best's quantisers are INT8's: the FP8 GEMM clips at the same range.
-            QuantFormat::Int8 if ctx.config.precision == Precision::Best => p.scale[0] * p.qmax as f32 / E4M3_MAX,
-            QuantFormat::Int8 => return Ok(vec![]),
-        },
-        _ => return Ok(vec![]),
+    let Some(p) = problem(ctx.graph, node, ctx.precision()) else { return Ok(vec![]) };
+    let rows = |d: &ValueDesc, width: usize| {
+        let layout = if p.channels_last { Layout::channels_last(d.dims.len()) } else { Layout::contiguous(d.dims.len()) };
+        let last = if p.channels_last { d.chw().map(|(c, _, _)| c) } else { d.dims.last().copied() };
+        last == Some(width) && d.per_image_elems() == p.rows_per_image * width && d.layout.same_bytes(layout, &d.dims)
     };
     let (dx, dy) = (ctx.value(spec.x).clone(), ctx.value(spec.y).clone());
-    let (Some((k, _, _)), Some((n, _, _))) = (dx.chw(), dy.chw()) else { return Ok(vec![]) };
-    if dx.elem != Elem::F16 || k % 16 != 0 || n % 16 != 0 || spec.weight.len() != n * k {
+    let agrees = spec.rows_per_image == p.rows_per_image && spec.weight.len() == p.n * p.k;
+    if dx.elem != Elem::F16 || !rows(&dx, p.k) || !rows(&dy, p.n) || !agrees {
         return Ok(vec![]);
     }
-    let xq = ctx.scratch(spec.rows_per_image * k);
-    [Fp8Epilogue::Fused, Fp8Epilogue::Kernel].into_iter().map(|e| layer(ctx, node, spec, sx, xq, [k, n], e)).collect()
+    // The e4m3 copy of the input, held by the arena only where an FP8 candidate wins.
+    let xq = ctx.chain_scratch(vec![p.rows_per_image * p.k], Elem::E4m3, Layout::contiguous(1));
+    // `bias_act` (the `Kernel` form's epilogue) reads `[C, H, W]` channels-last or `[F]`: a
+    // Linear over tokens (`[L, n]`) has the fused form only.
+    let forms: &[Fp8Epilogue] =
+        if p.channels_last || dy.dims.len() == 1 { &[Fp8Epilogue::Fused, Fp8Epilogue::Kernel] } else { &[Fp8Epilogue::Fused] };
+    forms.iter().map(|&e| layer(ctx, node, spec, p.sx, xq, [p.k, p.n], e)).collect()
+}
+
+/// The layer of a Linear: its 16-bit GEMM (`fp16` makes it; in an FP8 engine it computes the same
+/// numbers on the Q/DQ values) timed against its FP8 GEMM candidates where [`candidates`] offers
+/// any, the fastest kept; the 16-bit GEMM alone elsewhere (no tactic recorded, as before).
+pub fn or_fp16(
+    ctx: &mut BuildCtx,
+    node: NodeId,
+    spec: GemmSpec,
+    fp16: impl FnOnce(&mut LayerCtx, GemmSpec) -> Result<GemmLayer>,
+) -> Result<Box<dyn Layer>> {
+    let fp16: Box<dyn Layer> = Box::new(fp16(ctx, spec)?);
+    // An engine file written before Linears had FP8 candidates records no tactic for them: it ran
+    // the 16-bit GEMM, and loads as it was built.
+    let path = format!("{}|", ctx.path());
+    if ctx.tactics.replay && !ctx.tactics.recorded.keys().any(|k| k.starts_with(&path)) {
+        return Ok(fp16);
+    }
+    let fp8 = candidates(ctx, node, spec)?;
+    if fp8.is_empty() {
+        return Ok(fp16);
+    }
+    let key = ctx.problem_key(node);
+    ctx.choose(&key, std::iter::once(fp16).chain(fp8).collect())
 }
 
 /// Bytes between the A and B scales of an FP8 GEMM in their device buffer. cuBLASLt refuses
