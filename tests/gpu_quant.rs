@@ -303,10 +303,15 @@ fn fp8_gemm_matches_the_simulation() {
 /// The FP8 GEMM on a transformer's Linear layers (`quant_graphs::transformer_like`: LayerNorm,
 /// Linear, GELU, Linear, residual, LayerNorm, two Linears with 24 channels, one after a flatten).
 /// FP8 engines with the FP8 GEMM forced (`tactic_sources`: each epilogue form alone, both timed)
-/// or left to timing, and Best with it forced, at batch 1 and 5 against the CPU simulation of the
-/// FP8 engine (which reads the f16-rounded input, as the engine's first quantiser does): rel L2 <
-/// 1e-2 for FP8 (the Q/DQ values are the GEMM's e4m3 operands; what differs is f16 storage and
-/// accumulation order), < 3e-2 for Best (its 16-bit Linears read unquantised values). Forced, the
+/// or left to timing, and Best with it forced, at batch 1 and 5, against FP32 and against the CPU
+/// simulation of the FP8 engine (which reads the f16-rounded input, as the engine's first quantiser
+/// does). Each engine's rel L2 against FP32 is at most 1.2× the simulation's own (+1e-3): the engine
+/// is as accurate as the arithmetic it implements. Against the simulation it is < 0.1, not tighter:
+/// e4m3 codes are 1/16 to 1/8 apart, and where an f16-rounded LayerNorm or GELU output lies near a
+/// code boundary the engine and the simulation quantise it to neighbouring codes, so whole codes
+/// differ in places (on an H200: 6e-3 to 3.6e-2 for FP8, up to 6.5e-2 for Best, whose 16-bit
+/// Linears read unquantised values; the same with the FP16 GEMMs timed in, so not the FP8 GEMM's
+/// doing), while a wrong scale or operand layout is off by O(1). Forced, the
 /// FP8 GEMMs are exactly fc1, fc2 and cls (the bias-kernel form: cls alone), the Linears the CPU test
 /// `fp8_gemm_candidates_go_to_aligned_linears_and_pointwise_convs` plans them for. Prints rel L2
 /// and max abs against the simulation and against FP32.
@@ -320,14 +325,14 @@ fn fp8_gemm_on_linear_layers_matches_the_simulation() {
     let (cache, path) = min_max_cache(&graph, &calib, "fp8-linear");
     let sim_graph = simulate(&graph, &cache, QuantFormat::Fp8E4m3).expect("simulate");
     let mut failures = vec![];
-    let cases: [(Precision, Option<&str>, f64); 5] = [
-        (Precision::Fp8, Some("cublaslt-gemm-fp8:fused"), 1e-2),
-        (Precision::Fp8, Some("cublaslt-gemm-fp8:bias-kernel"), 1e-2),
-        (Precision::Fp8, Some(FP8_GEMM), 1e-2),
-        (Precision::Fp8, None, 1e-2),
-        (Precision::Best, Some(FP8_GEMM), 3e-2),
+    let cases: [(Precision, Option<&str>); 5] = [
+        (Precision::Fp8, Some("cublaslt-gemm-fp8:fused")),
+        (Precision::Fp8, Some("cublaslt-gemm-fp8:bias-kernel")),
+        (Precision::Fp8, Some(FP8_GEMM)),
+        (Precision::Fp8, None),
+        (Precision::Best, Some(FP8_GEMM)),
     ];
-    for (precision, source, bound) in cases {
+    for (precision, source) in cases {
         let what = format!("{precision:?} {}", source.unwrap_or("timed"));
         let config = BuildConfig::default().precision(precision).batch(1, 5, 5).calibration_cache(&path);
         let Some(engine) = build_forced(&gpu, &graph, config, source, &what, &mut failures) else { continue };
@@ -359,9 +364,11 @@ fn fp8_gemm_on_linear_layers_matches_the_simulation() {
                 println!(
                     "{what} batch {batch} {out}: rel L2 {vs_sim:.2e} (max abs {max_abs:.2e}) vs the FP8 simulation; {vs_fp32:.2e} (max abs {max_abs32:.2e}) vs FP32, where the simulation is {sim_vs_fp32:.2e}"
                 );
-                if vs_sim.is_nan() || vs_sim >= bound {
-                    failures
-                        .push(format!("{what} batch {batch} {out}: rel L2 {vs_sim:.2e} against the FP8 simulation (bound {bound:.0e})"));
+                let bound32 = 1.2 * sim_vs_fp32 + 1e-3;
+                if vs_fp32.is_nan() || vs_fp32 > bound32 || vs_sim.is_nan() || vs_sim >= 0.1 {
+                    failures.push(format!(
+                        "{what} batch {batch} {out}: rel L2 {vs_fp32:.2e} against FP32 (bound {bound32:.2e}), {vs_sim:.2e} against the FP8 simulation (bound 0.1)"
+                    ));
                 }
             }
         }
