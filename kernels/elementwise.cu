@@ -3,11 +3,12 @@
 // Every entry point may run in place (y == x or y == a); each element is read before it is
 // written by the same thread.
 
-// y = act(x)
-// The loop over `n` values with the op `act`; `activation` calls it with `act` a compile-time
-// constant for the common ops, so their switch folds away and only their function is inlined
-// (a switch inside the loop costs a branch per value and stops the compiler interleaving values).
-template <typename T> __device__ __forceinline__ void activation_loop(const T* x, T* y, i64 n, int act, float p0, float p1) {
+// y = act(x) over `n` values. `activation_*` takes the op at run time (a switch per value);
+// the common ops also have their own small entry points, `activation_<op>_*`, with the op a
+// compile-time constant, so the switch folds away and only its function is inlined (a switch per
+// value costs a branch and stops the compiler interleaving values; one kernel holding a loop per
+// op was slower to launch than either, on small tensors).
+template <typename T> __device__ __forceinline__ void activation(const T* x, T* y, i64 n, int act, float p0, float p1) {
     typedef Pack<T> P;
     i64 head = 0;
     if (aligned16(x) && aligned16(y)) {
@@ -20,22 +21,6 @@ template <typename T> __device__ __forceinline__ void activation_loop(const T* x
         }
     }
     GRID_STRIDE(i, n - head) { y[head + i] = from_f32<T>(apply_act2(to_f32(x[head + i]), act, p0, p1)); }
-}
-
-template <typename T> __device__ void activation(const T* x, T* y, i64 n, int act, float p0, float p1) {
-    switch (act) {
-#define ACTIVATION_FIXED(A) \
-    case A: activation_loop<T>(x, y, n, A, p0, p1); return;
-        ACTIVATION_FIXED(ACT_RELU)
-        ACTIVATION_FIXED(ACT_SIGMOID)
-        ACTIVATION_FIXED(ACT_SILU)
-        ACTIVATION_FIXED(ACT_HARDSWISH)
-        ACTIVATION_FIXED(ACT_HARDSIGMOID)
-        ACTIVATION_FIXED(ACT_GELU)
-        ACTIVATION_FIXED(ACT_GELU_TANH)
-#undef ACTIVATION_FIXED
-    default: activation_loop<T>(x, y, n, act, p0, p1);
-    }
 }
 
 // Binary op codes shared with src/ops/elementwise.rs (`Binary::kernel_code`).
@@ -159,6 +144,24 @@ __device__ void bias_act(const T* x, const float* scale, const float* bias, cons
 
 #define ELEMENTWISE(T, S)                                                                                                                    \
     extern "C" __global__ void activation_##S(const T* x, T* y, i64 n, int act, float p0, float p1) { activation<T>(x, y, n, act, p0, p1); }   \
+    extern "C" __global__ void activation_relu_##S(const T* x, T* y, i64 n, int, float p0, float p1) { activation<T>(x, y, n, ACT_RELU, p0, p1); } \
+    extern "C" __global__ void activation_sigmoid_##S(const T* x, T* y, i64 n, int, float p0, float p1) {                                     \
+        activation<T>(x, y, n, ACT_SIGMOID, p0, p1);                                                                                         \
+    }                                                                                                                                        \
+    extern "C" __global__ void activation_silu_##S(const T* x, T* y, i64 n, int, float p0, float p1) { activation<T>(x, y, n, ACT_SILU, p0, p1); } \
+    extern "C" __global__ void activation_hardswish_##S(const T* x, T* y, i64 n, int, float p0, float p1) {                                   \
+        activation<T>(x, y, n, ACT_HARDSWISH, p0, p1);                                                                                       \
+    }                                                                                                                                        \
+    extern "C" __global__ void activation_hardsigmoid_##S(const T* x, T* y, i64 n, int, float p0, float p1) {                                 \
+        activation<T>(x, y, n, ACT_HARDSIGMOID, p0, p1);                                                                                     \
+    }                                                                                                                                        \
+    extern "C" __global__ void activation_gelu_##S(const T* x, T* y, i64 n, int, float p0, float p1) { activation<T>(x, y, n, ACT_GELU, p0, p1); } \
+    extern "C" __global__ void activation_gelu_tanh_##S(const T* x, T* y, i64 n, int, float p0, float p1) {                                   \
+        activation<T>(x, y, n, ACT_GELU_TANH, p0, p1);                                                                                       \
+    }                                                                                                                                        \
+    extern "C" __global__ void activation_clamp_##S(const T* x, T* y, i64 n, int, float p0, float p1) {                                       \
+        activation<T>(x, y, n, ACT_CLAMP, p0, p1);                                                                                           \
+    }                                                                                                                                        \
     extern "C" __global__ void binary_##S(const T* a, const T* b, T* y, i64 n, int op, int act, float slope) {                                 \
         binary<T>(a, b, y, n, op, act, slope);                                                                                               \
     }                                                                                                                                        \

@@ -427,7 +427,40 @@ impl OpDef for Binary {
 
 /// The kernels this family's layers launch (kernels/elementwise.cu; the activation codes, `ACT_*`,
 /// in kernels/common.cuh), stamped per element type.
-const KERNELS: &[&str] = &["activation", "binary", "binary_bcast", "bias_act"];
+const KERNELS: &[&str] = &[
+    "activation",
+    "activation_relu",
+    "activation_sigmoid",
+    "activation_silu",
+    "activation_hardswish",
+    "activation_hardsigmoid",
+    "activation_gelu",
+    "activation_gelu_tanh",
+    "activation_clamp",
+    "binary",
+    "binary_bcast",
+    "bias_act",
+];
+
+/// The activation kernel of `op`: its own entry point for the common ops (the op compiled in),
+/// else the one that takes the op at run time (kernels/elementwise.cu).
+fn activation_entry(op: Unary, elem: crate::engine::Elem) -> String {
+    let own = match op {
+        Unary::Relu => Some("relu"),
+        Unary::Sigmoid => Some("sigmoid"),
+        Unary::Silu => Some("silu"),
+        Unary::Hardswish => Some("hardswish"),
+        Unary::Hardsigmoid => Some("hardsigmoid"),
+        Unary::Gelu { tanh: false } => Some("gelu"),
+        Unary::Gelu { tanh: true } => Some("gelu_tanh"),
+        Unary::Clamp { .. } => Some("clamp"),
+        _ => None,
+    };
+    match own {
+        Some(name) => format!("activation_{name}_{}", elem.suffix()),
+        None => format!("activation_{}", elem.suffix()),
+    }
+}
 
 /// The activation an epilogue applies, as the kernels take it: `(code, p0, p1)`.
 fn act_code(act: Option<Unary>) -> (i32, f32, f32) {
@@ -446,7 +479,7 @@ pub fn activation(ctx: &mut BuildCtx, node: NodeId, op: Unary) -> Result<Box<dyn
     let (code, p0, p1) = op.kernel_code();
     let per_image = ctx.value(y).per_image_elems();
     let args = vec![Arg::Value(x), Arg::Value(y), Arg::PerBatch(per_image), i32_arg(code), f32_arg(p0), f32_arg(p1)];
-    let layer = KernelLayer::new(ctx, &format!("activation_{}", elem.suffix()), args, per_image)?;
+    let layer = KernelLayer::new(ctx, &activation_entry(op, elem), args, per_image)?;
     Ok(Box::new(layer.kind(format!("kernel:{}", op.name())).items(4)))
 }
 
