@@ -171,6 +171,33 @@ fn next_fusable_conv(g: &Graph, removed: &[bool]) -> Option<NodeId> {
     })
 }
 
+/// A plain Linear, maybe permuted, then a binary op with one other operand.
+struct LinearThenBinary {
+    linear: NodeId,
+    permute: Option<NodeId>,
+    /// The value the binary op reads: the permute, or the Linear.
+    tail: NodeId,
+    binary: NodeId,
+    /// The binary op's other operand.
+    other: NodeId,
+}
+
+/// A plain Linear (no residual; constant weight and bias) read only by a `op` node, or only by a
+/// Permute read only by one, whose other operand is not the Linear (or its permute) too. Neither
+/// the Linear nor the permute may be a graph output.
+fn linear_then(g: &Graph, users: &[Vec<NodeId>], uses: &[usize], lin: NodeId, op: Binary) -> Option<LinearThenBinary> {
+    let (linear, permute, binary) = linear_chain(g, users, uses, lin)?;
+    let tail = permute.unwrap_or(linear);
+    if g.nodes[binary].op != Op::Binary(op) {
+        return None;
+    }
+    let [a, b] = g.nodes[binary].inputs[..] else { return None };
+    if (a == tail) == (b == tail) {
+        return None;
+    }
+    Some(LinearThenBinary { linear, permute, tail, binary, other: if a == tail { b } else { a } })
+}
+
 /// A plain Linear (no residual; constant weight and bias) read only by the next op, or only by
 /// a Permute read only by the next op: `(linear, permute, next)`. Neither may be a graph output.
 fn linear_chain(g: &Graph, users: &[Vec<NodeId>], uses: &[usize], lin: NodeId) -> Option<(NodeId, Option<NodeId>, NodeId)> {
@@ -213,12 +240,12 @@ pub fn fold_linear_scale(graph: &Graph) -> Result<Graph> {
     let users = g.readers();
     let uses = g.use_counts();
     for lin in 0..g.nodes.len() {
-        let Some((lin, permute, mul)) = linear_chain(&g, &users, &uses, lin) else { continue };
-        let tail = permute.unwrap_or(lin);
-        let Op::Binary(Binary::Mul) = g.nodes[mul].op else { continue };
-        let [a, b] = g.nodes[mul].inputs[..] else { continue };
-        let scale_node = if a == tail { b } else { a };
-        if (a == tail) == (b == tail) || g.nodes[mul].shape != g.nodes[tail].shape {
+        let Some(LinearThenBinary { linear: lin, permute, tail, binary: mul, other: scale_node }) =
+            linear_then(&g, &users, &uses, lin, Binary::Mul)
+        else {
+            continue;
+        };
+        if g.nodes[mul].shape != g.nodes[tail].shape {
             continue;
         }
         let Some(scale) = g.weight_data(scale_node).filter(|_| matches!(g.nodes[scale_node].op, Op::Weight { quant: None, .. })).cloned()
@@ -289,14 +316,10 @@ pub fn fuse_linear_add(graph: &Graph) -> Result<Graph> {
     let users = g.readers();
     let uses = g.use_counts();
     for lin in 0..g.nodes.len() {
-        let Some((lin, permute, add)) = linear_chain(&g, &users, &uses, lin) else { continue };
-        let tail = permute.unwrap_or(lin);
-        let Op::Binary(Binary::Add) = g.nodes[add].op else { continue };
-        let [a, b] = g.nodes[add].inputs[..] else { continue };
-        if (a == tail) == (b == tail) {
+        let Some(LinearThenBinary { linear: lin, permute, tail, binary: add, other }) = linear_then(&g, &users, &uses, lin, Binary::Add)
+        else {
             continue;
-        }
-        let other = if a == tail { b } else { a };
+        };
         let o = &g.nodes[other];
         if o.shape != g.nodes[tail].shape || o.dtype != g.nodes[lin].dtype || o.op.is_leaf() || g.inputs.contains(&other) {
             continue;
