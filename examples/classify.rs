@@ -19,7 +19,7 @@
 
 use kiln::engine::{gpu_available, BuildConfig, EngineBuilder, Precision};
 use kiln::{ByteTensor, HostInput, HostTensor, VarBuilder};
-use kiln_models::classify_preset::ChannelOrder;
+use kiln::image::ChannelOrder;
 use kiln_vision::{imagenet_classes, load_rgb, top_k, ClassifyPreset};
 use std::error::Error;
 use std::sync::Arc;
@@ -56,7 +56,7 @@ fn logits(graph: &kiln::Graph, name: &str, x: HostInput<'_>, cpu: bool) -> kiln:
             let engine = Arc::new(EngineBuilder::new(BuildConfig::default().precision(Precision::Fp16)).build(graph)?);
             engine.context()?.run(&[(name, x)])?
         }
-        _ => kiln::run_cpu(&kiln::internals::passes::optimize(graph)?, &[(name, x)])?,
+        _ => kiln::run_cpu(&kiln::engine::optimize(graph)?, &[(name, x)])?,
     };
     Ok(out.remove("logits").expect("a classifier's output is `logits`"))
 }

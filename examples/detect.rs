@@ -14,7 +14,7 @@
 
 use kiln::engine::{gpu_available, BuildConfig, EngineBuilder, Precision};
 use kiln::{ByteTensor, HostInput, HostTensor, VarBuilder};
-use kiln_models::yolo_letterbox::ChannelOrder;
+use kiln::image::ChannelOrder;
 use kiln_vision::{coco_classes, detections, draw_detections, letterbox, load_rgb, save_png};
 use std::collections::BTreeMap;
 use std::error::Error;
@@ -31,7 +31,7 @@ fn run(graph: &kiln::Graph, name: &str, x: HostInput<'_>, cpu: bool) -> kiln::Re
             let engine = Arc::new(EngineBuilder::new(BuildConfig::default().precision(Precision::Fp16)).build(graph)?);
             engine.context()?.run(&[(name, x)])
         }
-        _ => kiln::run_cpu(&kiln::internals::passes::optimize(graph)?, &[(name, x)]),
+        _ => kiln::run_cpu(&kiln::engine::optimize(graph)?, &[(name, x)]),
     }
 }
 

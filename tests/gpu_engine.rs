@@ -11,8 +11,8 @@
 //! On the device: `bash tools/gpu-test.sh` (see docs/ENGINE.md).
 
 use kiln::engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision};
-use kiln::internals::module::{Forward, Module};
-use kiln::internals::var_builder::read_safetensors;
+use kiln::{Forward, Module};
+use kiln::files::read_safetensors;
 use kiln::{compare, top1, Comparison};
 use kiln::{
     nn::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, Linear, LinearConfig},

@@ -5,7 +5,7 @@
 //! After a deliberate change to the generator or the fixtures, refresh the files with
 //! `KILN_BLESS=1 cargo test --test imported_codegen`.
 
-use kiln::internals::codegen::{generate_structured, CodegenOptions};
+use kiln::dev::codegen::{generate_structured, CodegenOptions};
 use kiln::Graph;
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -5,7 +5,7 @@
 use super::{EngineArgs, ModelArgs, TraceFn};
 use indicatif::{ProgressBar, ProgressStyle};
 use kiln::engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision};
-use kiln::internals::graph_file::FileKind;
+use kiln::files::FileKind;
 use kiln::{ByteTensor, DType, Error, Graph, HostInput, HostTensor, Result, VarBuilder};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -150,7 +150,7 @@ pub enum Source {
 }
 
 /// Decides what `arg` names: a program's own model, a bundled model, then a file by its content
-/// (`kiln::internals::graph_file::kind`: the engine magic `KILNENG`, or a safetensors header holding the graph;
+/// (`kiln::files::kind`: the engine magic `KILNENG`, or a safetensors header holding the graph;
 /// its name does not matter); anything else is an error listing what is accepted.
 pub fn source(arg: &str) -> Result<Source> {
     if let Some(f) = user_model(arg) {
@@ -171,7 +171,7 @@ pub fn source(arg: &str) -> Result<Source> {
         }
         return Err(Error::UnknownModel { name: arg.to_string(), known });
     }
-    match kiln::internals::graph_file::kind(&path) {
+    match kiln::files::kind(&path) {
         FileKind::Engine => Ok(Source::EngineFile(path)),
         // A safetensors file without a graph, a directory or a FIFO: the graph-file reader says
         // what it is (a state_dict goes to --weights; only a regular file is read).
@@ -206,7 +206,7 @@ pub fn weights(path: Option<&Path>, model: &str) -> Result<(VarBuilder, String, 
         Some(p) => Ok((VarBuilder::from_files(&[p])?, p.display().to_string(), false)),
         None if model == "digits_resnet" => {
             let shown = Path::new(kiln_models::DIGITS_WEIGHTS);
-            let (tensors, _) = kiln::internals::var_builder::decode_safetensors(shown, DIGITS_TRAINED, "weight")?;
+            let (tensors, _) = kiln::files::decode_safetensors(shown, DIGITS_TRAINED, "weight")?;
             Ok((VarBuilder::from_tensors(tensors), DIGITS_TRAINED_LABEL.to_string(), false))
         }
         None => Ok((VarBuilder::seeded(), "seeded".to_string(), true)),
@@ -232,7 +232,7 @@ pub fn check_input_dims(batch: usize, hw: [usize; 2]) -> Result<()> {
     } else {
         format!("an input of --batch {batch} at {h}x{w} ({batch} x 3 x {h} x {w})")
     };
-    match kiln::internals::graph::numel(&[batch, 3, h, w]) {
+    match kiln::dev::numel(&[batch, 3, h, w]) {
         None => Err(Error::TooLarge { what, reason: "its element count overflows".into() }),
         Some(n) if n > MAX_INPUT_ELEMENTS => Err(Error::TooLarge {
             what,
@@ -362,7 +362,7 @@ pub fn load_args(m: &ModelArgs, batch: usize, hw: Option<[usize; 2]>) -> Result<
 /// `--frames HxW[:rgb|:bgr]`: the bundled model `m` names behind its entry op
 /// (`kiln_models::trace_frames`), its input `frame` `[batch, H, W * 3]` u8.
 fn load_frames(m: &ModelArgs, batch: usize, text: &str) -> Result<Traced> {
-    use kiln_models::classify_preset::ChannelOrder;
+    use kiln::image::ChannelOrder;
     let bad = |reason: String| Error::Flag { flag: "--frames".into(), reason };
     let (dims, order) = match text.rsplit_once(':') {
         None => (text, ChannelOrder::Rgb),
@@ -445,7 +445,7 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
     };
     let (name, graph, vb, origin, (label, seeded)) = match source(model)? {
         Source::GraphFile(path) => {
-            let file = kiln::internals::graph_file::read(&path)?;
+            let file = kiln::files::graph::read(&path)?;
             let mut graph = file.graph;
             match weights_path {
                 Some(w) => replace_weights(&mut graph, w, strict)?,
@@ -461,7 +461,7 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
             return fixed(graph, shown, model, "graph file", weights, seeded);
         }
         Source::EngineFile(path) => {
-            let (_, payload) = kiln::internals::engine::file::read(&path)?;
+            let (_, payload) = kiln::files::engine::read(&path)?;
             if weights_path.is_some() {
                 return Err(Error::Flag {
                     flag: "--weights".into(),
@@ -517,7 +517,7 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
 /// makes them to their last reader (as `kiln::run_cpu` frees them), doubled for scratch (im2col,
 /// allocator slack). Weights are already in memory and not counted.
 pub fn cpu_peak_bytes(graph: &Graph) -> usize {
-    let size = |id: usize| kiln::internals::graph::numel(&graph.nodes[id].shape).map_or(usize::MAX, |n| n.saturating_mul(4));
+    let size = |id: usize| kiln::dev::numel(&graph.nodes[id].shape).map_or(usize::MAX, |n| n.saturating_mul(4));
     let mut last = vec![0usize; graph.nodes.len()];
     for (i, n) in graph.nodes.iter().enumerate() {
         n.inputs.iter().for_each(|&j| last[j] = i);
@@ -546,8 +546,8 @@ pub fn check_cpu_memory(graph: &Graph, batch: usize, shape: &str) -> Result<()> 
     let traced_batch = graph.inputs.first().and_then(|&i| graph.nodes[i].shape.first().copied()).unwrap_or(1).max(1);
     let bytes = (cpu_peak_bytes(graph) / traced_batch).saturating_mul(batch);
     // The smallest of MemAvailable, `ulimit -v`/`-d` and the memory cgroup's limit.
-    match kiln::internals::host::memory_available() {
-        Some(kiln::internals::host::Available { bytes: avail, limit }) if bytes > avail => Err(Error::OutOfMemory {
+    match kiln::dev::memory_available() {
+        Some(kiln::dev::Available { bytes: avail, limit }) if bytes > avail => Err(Error::OutOfMemory {
             what: format!(
                 "the CPU executor at --batch {batch}, {shape} (only {avail} bytes are available ({limit}); lower --batch or --size)"
             ),
@@ -559,12 +559,12 @@ pub fn check_cpu_memory(graph: &Graph, batch: usize, shape: &str) -> Result<()> 
 
 /// A random input of `shape` whose memory is requested with `try_reserve`.
 pub fn random_input(shape: &[usize], seed: u64) -> Result<HostTensor> {
-    kiln::internals::seeded::try_uniform_tensor(shape, seed)
+    kiln::dev::try_uniform_tensor(shape, seed)
 }
 
 /// Reads an input tensor from a safetensors file: the tensor named `input`, or its only tensor.
 pub fn read_input(path: &Path) -> Result<HostTensor> {
-    let (mut tensors, _) = kiln::internals::var_builder::read_tensors_within(path, "input", |_| true, MAX_INPUT_ELEMENTS)?;
+    let (mut tensors, _) = kiln::files::read_tensors_within(path, "input", |_| true, MAX_INPUT_ELEMENTS)?;
     if let Some(t) = tensors.remove("input") {
         return Ok(t);
     }
@@ -595,7 +595,7 @@ pub fn read_input_data(path: &Path) -> Result<(String, InputData)> {
 /// tensor is not U8). The header is checked first, and the file's size is limited before it is read.
 fn read_u8_input(path: &Path) -> Result<Option<(String, ByteTensor)>> {
     let bad = |reason: String| Error::Safetensors { path: path.to_path_buf(), reason };
-    kiln::internals::var_builder::read_metadata(path)?;
+    kiln::files::read_metadata(path)?;
     let size = std::fs::metadata(path).map_err(Error::io(path))?.len();
     // One byte per element, and room for a header.
     if size > (MAX_INPUT_ELEMENTS as u64).saturating_add(1 << 24) {
@@ -840,9 +840,9 @@ mod tests {
 
     #[test]
     fn random_inputs_are_reproducible_by_seed() {
-        let (a, b) = (kiln::internals::seeded::uniform_tensor(&[1, 3, 2, 2], 5), kiln::internals::seeded::uniform_tensor(&[1, 3, 2, 2], 5));
+        let (a, b) = (kiln::dev::uniform_tensor(&[1, 3, 2, 2], 5), kiln::dev::uniform_tensor(&[1, 3, 2, 2], 5));
         assert_eq!(a, b);
-        assert_ne!(a, kiln::internals::seeded::uniform_tensor(&[1, 3, 2, 2], 6));
+        assert_ne!(a, kiln::dev::uniform_tensor(&[1, 3, 2, 2], 6));
         assert!(a.data.iter().all(|v| (-1.0..1.0).contains(v)));
     }
 }

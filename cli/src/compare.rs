@@ -21,7 +21,7 @@ fn execute(graph: &Graph, x: &HostTensor, a: &CompareArgs) -> Result<BTreeMap<St
         }
         // Every intermediate is kept: a long run, shown op by op.
         let bar = common::progress_bar(0, "comparing layer by layer (CPU executor)");
-        let out = kiln::internals::cpu::run_with_progress(graph, &[("input", x)], |done, total, path| {
+        let out = kiln::dev::run_with_progress(graph, &[("input", x)], |done, total, path| {
             bar.set_length(total as u64);
             bar.set_position(done as u64);
             bar.set_message(path.to_string());
@@ -116,7 +116,7 @@ pub struct Report {
 
 /// SHA-256 of a file, hex (tools/export_reference.py writes the same of the weights it saves).
 pub fn sha256_file(path: &Path) -> Result<String> {
-    let bytes = kiln::internals::host::read_regular(path, "a file", |reason| Error::Safetensors { path: path.into(), reason })?;
+    let bytes = kiln::files::read_regular(path, "a file", |reason| Error::Safetensors { path: path.into(), reason })?;
     Ok(Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect())
 }
 
@@ -219,7 +219,7 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
     }
 
     // The CPU executor runs the optimised graph, as the engine does.
-    let graph = if a.cpu { kiln::internals::passes::optimize(&traced.graph)? } else { traced.graph.clone() };
+    let graph = if a.cpu { kiln::engine::optimize(&traced.graph)? } else { traced.graph.clone() };
     let outputs = execute(&graph, x, &a)?;
     if let Some(path) = &a.save_outputs {
         save_outputs(path, &outputs, &run_metadata(&traced, &a, x, against.seed, &backend)?, x)?;
@@ -280,7 +280,7 @@ fn check_shapes_against_reference(a: &CompareArgs, x: &HostTensor) -> Result<()>
 /// reference; anything else is left alone, with a note.
 fn read_reference(path: &Path) -> Result<Against> {
     let is_reference = |k: &str| k == "input" || k.starts_with("output.") || k.starts_with("intermediate.");
-    let (mut reference, ignored) = kiln::internals::var_builder::read_tensors(path, "reference", is_reference)?;
+    let (mut reference, ignored) = kiln::files::read_tensors(path, "reference", is_reference)?;
     if let Some(first) = ignored.first() {
         tracing::info!(
             "note: {} tensor(s) of {} are not `input`, `output.*` or `intermediate.*` and were ignored (e.g. `{first}`)",
@@ -288,7 +288,7 @@ fn read_reference(path: &Path) -> Result<Against> {
             path.display()
         );
     }
-    let meta = kiln::internals::var_builder::read_metadata(path)?;
+    let meta = kiln::files::read_metadata(path)?;
     let input = reference.remove("input").ok_or_else(|| Error::Safetensors {
         path: path.to_path_buf(),
         reason: "holds no tensor named `input` (write references with tools/export_reference.py)".into(),
@@ -308,7 +308,7 @@ fn random_input(a: &CompareArgs) -> Result<Against> {
 }
 
 /// `--layerwise`: every intermediate of the reference, and the first layer whose error jumps. An
-/// INT8/FP8 engine is compared on its own fused, quantised graph (kiln::internals::layerwise::run_quantised).
+/// INT8/FP8 engine is compared on its own fused, quantised graph (kiln::dev::layerwise::run_quantised).
 fn layerwise(a: &CompareArgs, traced: &Traced, against: &Against, l2_tol: f64) -> Result<ExitCode> {
     let mut with_input = against.reference.clone();
     with_input.insert("input".into(), against.input.clone());
@@ -316,10 +316,10 @@ fn layerwise(a: &CompareArgs, traced: &Traced, against: &Against, l2_tol: f64) -
     let run = |g: &Graph, input: &HostTensor| execute(g, input, a);
     let report = match precision.quant_format().filter(|_| precision != Precision::Best) {
         Some(format) => {
-            let cache = a.engine.calibration_cache.as_deref().map(kiln::internals::calibrate::CalibrationCache::load).transpose()?;
-            kiln::internals::layerwise::run_quantised(&traced.graph, cache.as_ref(), format, &with_input, l2_tol, run)?
+            let cache = a.engine.calibration_cache.as_deref().map(kiln::engine::CalibrationCache::load).transpose()?;
+            kiln::dev::layerwise::run_quantised(&traced.graph, cache.as_ref(), format, &with_input, l2_tol, run)?
         }
-        None => kiln::internals::layerwise::run(&traced.graph, &with_input, l2_tol, run)?,
+        None => kiln::dev::layerwise::run(&traced.graph, &with_input, l2_tol, run)?,
     };
     if report.layers.is_empty() {
         return Err(Error::Safetensors {
@@ -335,7 +335,7 @@ fn layerwise(a: &CompareArgs, traced: &Traced, against: &Against, l2_tol: f64) -
 fn save_outputs(path: &Path, outputs: &BTreeMap<String, HostTensor>, meta: &BTreeMap<String, String>, x: &HostTensor) -> Result<()> {
     let mut tensors: BTreeMap<String, &HostTensor> = outputs.iter().map(|(k, v)| (format!("output.{k}"), v)).collect();
     tensors.insert("input".into(), x);
-    kiln::internals::var_builder::write_safetensors_with_metadata(path, &tensors, meta)?;
+    kiln::files::write_safetensors_with_metadata(path, &tensors, meta)?;
     say!("wrote {} (input and {} output(s); compare against it with --load-outputs)", path.display(), outputs.len());
     Ok(())
 }

@@ -9,7 +9,8 @@
 
 use super::common::Traced;
 use kiln::{Error, HostTensor, Result};
-use kiln_vision::{ChannelOrder, ClassifyPreset, Letterbox, RgbImage};
+use kiln::image::{ChannelOrder, Letterbox};
+use kiln_vision::{ClassifyPreset, RgbImage};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -164,7 +165,7 @@ const MAX_IMAGE_BYTES: u64 = 512 << 20;
 pub fn read_image(path: &Path) -> Result<RgbImage> {
     use std::io::Read;
     let bad = |reason: String| Error::Image { path: path.into(), reason };
-    let file = kiln::internals::host::open_regular(path, "an image file (JPEG, PNG, BMP, GIF, WebP, PNM or TIFF)", bad)?;
+    let file = kiln::files::open_regular(path, "an image file (JPEG, PNG, BMP, GIF, WebP, PNM or TIFF)", bad)?;
     let mut bytes = Vec::new();
     file.take(MAX_IMAGE_BYTES + 1).read_to_end(&mut bytes).map_err(Error::io(path))?;
     if bytes.len() as u64 > MAX_IMAGE_BYTES {

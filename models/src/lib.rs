@@ -251,7 +251,7 @@ pub fn trace_hw(model: &str, vb: VarBuilder, batch: usize, hw: [usize; 2]) -> Re
 /// `classify_preset` (torchvision's ImageNet preset for its input size: `Resize(256)`,
 /// `CenterCrop(224)` at 224), a YOLO detector through `yolo_letterbox` (its `detections` in the
 /// frame's pixels); the outputs are `trace`'s. CenterNet has no entry op: an error says so.
-pub fn trace_frames(model: &str, vb: VarBuilder, batch: usize, frame: [usize; 2], order: classify_preset::ChannelOrder) -> Result<Graph> {
+pub fn trace_frames(model: &str, vb: VarBuilder, batch: usize, frame: [usize; 2], order: kiln::image::ChannelOrder) -> Result<Graph> {
     let info = bundled(model)?;
     let tracer = Tracer::new();
     let x = classify_preset::frame_input(&tracer, "frame", batch, frame);

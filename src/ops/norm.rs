@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 /// This family's layers, as `kiln::nn` shows them.
 pub mod nn {
-    pub use super::{BatchNorm2d, BatchNorm2dConfig, LayerNorm, LayerNorm2d, LayerNormConfig, Softmax};
+    pub use super::{BatchNorm2d, BatchNorm2dConfig, GroupNorm, GroupNormConfig, LayerNorm, LayerNorm2d, LayerNormConfig, Softmax};
 }
 
 /// Normalisations. Inputs: BatchNorm2d: x, weight, bias, running_mean, running_var; Softmax: x;

@@ -69,7 +69,7 @@ struct Reference {
 fn reference() -> Reference {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/photos.reference.safetensors");
     let bytes = std::fs::read(&path).expect("reference fixture");
-    let (logits, meta) = kiln::internals::var_builder::decode_safetensors(&path, &bytes, "reference").expect("reference");
+    let (logits, meta) = kiln::files::decode_safetensors(&path, &bytes, "reference").expect("reference");
     Reference { logits, meta }
 }
 
@@ -149,5 +149,5 @@ fn read_torchvision_inputs(dir: &Path) -> Option<BTreeMap<String, HostTensor>> {
         println!("(no {}: the preprocessing's share is not measured; tools/export_photo_reference.py writes it)", path.display());
         return None;
     }
-    Some(kiln::internals::var_builder::read_safetensors(&path).expect("torchvision inputs"))
+    Some(kiln::files::read_safetensors(&path).expect("torchvision inputs"))
 }
