@@ -61,8 +61,7 @@ fn gpu_benches(c: &mut Criterion, gpu: &Arc<Gpu>) {
 }
 
 fn cpu_bench(c: &mut Criterion) {
-    let graph =
-        kiln::engine::optimize(&kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 224).expect("trace")).expect("passes");
+    let graph = kiln::engine::optimize(&kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 224).expect("trace")).expect("passes");
     let x = input(1, 224);
     let mut group = c.benchmark_group("cpu/resnet18");
     group.throughput(Throughput::Elements(1));

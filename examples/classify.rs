@@ -18,8 +18,8 @@
 //! arithmetic).
 
 use kiln::engine::{gpu_available, BuildConfig, EngineBuilder, Precision};
-use kiln::{ByteTensor, HostInput, HostTensor, VarBuilder};
 use kiln::image::ChannelOrder;
+use kiln::{ByteTensor, HostInput, HostTensor, VarBuilder};
 use kiln_vision::{imagenet_classes, load_rgb, top_k, ClassifyPreset};
 use std::error::Error;
 use std::sync::Arc;

@@ -13,8 +13,8 @@
 //! the NMS mapping boxes onto the frame): the engine takes the photo's decoded bytes as they are.
 
 use kiln::engine::{gpu_available, BuildConfig, EngineBuilder, Precision};
-use kiln::{ByteTensor, HostInput, HostTensor, VarBuilder};
 use kiln::image::ChannelOrder;
+use kiln::{ByteTensor, HostInput, HostTensor, VarBuilder};
 use kiln_vision::{coco_classes, detections, draw_detections, letterbox, load_rgb, save_png};
 use std::collections::BTreeMap;
 use std::error::Error;

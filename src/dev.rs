@@ -27,15 +27,18 @@ pub use crate::seeded::{fnv1a64, fresh_seed, mix, run_seed, try_uniform_tensor, 
 /// against FP32.
 pub mod quant {
     pub use crate::calibrate::{
-        fold_constant_quant, graph_hash, has_quant_nodes, layer_precision, prepare_for_best, prepare_for_engine, quant_points, quantised_layers,
-        quantizable, quantize_graph, simulate, symmetric_scale, tensor_names, weight_scales, Histogram, QuantPoint, TensorRange,
+        fold_constant_quant, graph_hash, has_quant_nodes, layer_precision, prepare_for_best, prepare_for_engine, quant_points,
+        quantised_layers, quantizable, quantize_graph, simulate, symmetric_scale, tensor_names, weight_scales, Histogram, QuantPoint,
+        TensorRange,
     };
 }
 
 /// Layer-by-layer comparison: every intermediate tensor of a graph marked as an output, run, and
 /// compared against a reference's tensors under the same module paths.
 pub mod layerwise {
-    pub use crate::layerwise::{fused_keys, intermediate_keys, mark_all, mark_intermediates, run, run_quantised, LayerError, LayerwiseReport};
+    pub use crate::layerwise::{
+        fused_keys, intermediate_keys, mark_all, mark_intermediates, run, run_quantised, LayerError, LayerwiseReport,
+    };
 }
 
 /// A graph as text (one node a line) or Graphviz DOT, as `kiln inspect` prints it.
@@ -53,7 +56,8 @@ pub mod codegen {
 pub mod passes {
     pub use crate::ops::norm::batch_norm_scale_shift;
     pub use crate::passes::{
-        fold_batchnorm, fold_linear_scale, fuse_conv_activation, fuse_conv_max_pool, fuse_linear_add, optimize, remove_dead_nodes, topological_order,
+        fold_batchnorm, fold_linear_scale, fuse_conv_activation, fuse_conv_max_pool, fuse_linear_add, optimize, remove_dead_nodes,
+        topological_order,
     };
 }
 
@@ -62,9 +66,9 @@ pub mod plan {
     use crate::engine::{BuildConfig, Precision};
     use crate::Graph;
 
+    pub use crate::engine::arena::ArenaPlan;
     pub use crate::engine::best::LayerTimes;
     pub use crate::engine::eight_bit::{precision_of_kind, EightBitPlan, FP8_GEMM};
-    pub use crate::engine::arena::ArenaPlan;
     pub use crate::engine::plan::estimate_arena;
     pub use crate::engine::precision::glob_match;
     pub use crate::engine::resolve::node_precisions;
@@ -78,7 +82,14 @@ pub mod plan {
 
     /// The layers `Precision::Best` keeps on INT8, given each layer's measured time in 16 bits and
     /// in INT8 (the search the builder runs after timing both).
-    pub fn best_int8_layers(graph: &Graph, config: &BuildConfig, sm: u32, batch: usize, fp16: &LayerTimes, int8: &LayerTimes) -> Vec<String> {
+    pub fn best_int8_layers(
+        graph: &Graph,
+        config: &BuildConfig,
+        sm: u32,
+        batch: usize,
+        fp16: &LayerTimes,
+        int8: &LayerTimes,
+    ) -> Vec<String> {
         debug_assert!(matches!(config.precision, Precision::Best));
         crate::engine::best::choose(graph, config, sm, batch, fp16, int8)
     }

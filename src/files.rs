@@ -25,7 +25,8 @@ pub use crate::var_builder::{
 /// (JSON under [`KEY_GRAPH`]), its format name and version.
 pub mod graph {
     pub use crate::graph_file::{
-        decode, encode, is_graph_metadata, read, write, GraphFile, EXTENSION, FORMAT, KEY_FORMAT, KEY_GRAPH, KEY_VERSION, MAX_NODES, VERSION,
+        decode, encode, is_graph_metadata, read, write, GraphFile, EXTENSION, FORMAT, KEY_FORMAT, KEY_GRAPH, KEY_VERSION, MAX_NODES,
+        VERSION,
     };
 }
 
@@ -33,6 +34,8 @@ pub mod graph {
 /// payload length and checksum), then the payload (optimised graph, folded weights, recorded
 /// tactics, build config). Reading and checking them needs no GPU.
 pub mod engine {
-    pub use crate::engine::file::{check_device, decode, decode_header, decode_payload, encode, read, validate, Header, Payload, FORMAT_VERSION, MAGIC};
+    pub use crate::engine::file::{
+        check_device, decode, decode_header, decode_payload, encode, read, validate, Header, Payload, FORMAT_VERSION, MAGIC,
+    };
     pub use crate::hash::checksum;
 }

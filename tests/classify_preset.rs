@@ -8,8 +8,8 @@
 //! The GPU layer is checked against this reference in `tests/gpu_classify_preset.rs`.
 
 use kiln::files::read_safetensors;
-use kiln::{compare, ByteTensor, HostTensor, Tracer};
 use kiln::image::ChannelOrder;
+use kiln::{compare, ByteTensor, HostTensor, Tracer};
 use kiln_models::classify_preset::{classify_preset, frame_input, Preset};
 use kiln_vision::{ClassifyPreset, RgbImage};
 use std::collections::BTreeMap;

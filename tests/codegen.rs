@@ -9,8 +9,8 @@
 mod resnet18_gen;
 
 use kiln::compare;
-use kiln::engine::{gpu_available, BuildConfig, EngineBuilder, Gpu, Precision};
 use kiln::dev::codegen::{generate, CodegenOptions};
+use kiln::engine::{gpu_available, BuildConfig, EngineBuilder, Gpu, Precision};
 use kiln::{Graph, HostTensor, VarBuilder};
 use std::path::Path;
 use std::sync::Arc;

@@ -2,11 +2,11 @@
 //! shapes covering the non-default settings; and the executor's binding and error behaviour.
 
 use kiln::compare;
-use kiln::{ByteTensor, DType, Error, HostInput};
 use kiln::{
     plugin::{Activation, Binary, ConvAttrs, CustomCall, Gemm, Norm, Op, Pool, PoolAttrs, ShapeOp, Unary},
     Graph, HostTensor,
 };
+use kiln::{ByteTensor, DType, Error, HostInput};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 

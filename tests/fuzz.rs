@@ -109,8 +109,7 @@ fn bounded(g: &Graph) -> bool {
         let params: Option<Vec<&Arc<HostTensor>>> = n.inputs.get(1..).unwrap_or(&[]).iter().map(|&i| g.weight_data(i)).collect();
         match params.as_deref() {
             Some([gamma, beta, mean, var]) => {
-                let (scale, shift) =
-                    kiln::dev::passes::batch_norm_scale_shift(&gamma.data, &beta.data, &mean.data, &var.data, eps);
+                let (scale, shift) = kiln::dev::passes::batch_norm_scale_shift(&gamma.data, &beta.data, &mean.data, &var.data, eps);
                 scale.iter().chain(&shift).all(small)
             }
             _ => true,
@@ -125,9 +124,7 @@ fn bounded(g: &Graph) -> bool {
 fn optimize_agrees(g: &Graph, seed: u64, nan_at: Option<usize>) {
     let Ok(opt) = kiln::engine::optimize(g) else { return };
     let small = |g: &Graph| {
-        g.nodes
-            .iter()
-            .all(|n| matches!(n.op, Op::Weight { .. }) || kiln::dev::numel(&n.shape).is_some_and(|e| e <= CPU_MAX_ACTIVATION))
+        g.nodes.iter().all(|n| matches!(n.op, Op::Weight { .. }) || kiln::dev::numel(&n.shape).is_some_and(|e| e <= CPU_MAX_ACTIVATION))
     };
     if !small(g) || !small(&opt) {
         return;
@@ -1064,12 +1061,7 @@ fn check_flags(texts: &[String]) {
                 let pattern: Vec<char> = rule.pattern.chars().collect();
                 for path in resnet18_paths().iter().step_by(7) {
                     let text: Vec<char> = path.chars().collect();
-                    assert_eq!(
-                        kiln::dev::plan::glob_match(&rule.pattern, path),
-                        naive_glob(&pattern, &text),
-                        "{} on {path}",
-                        rule.pattern
-                    );
+                    assert_eq!(kiln::dev::plan::glob_match(&rule.pattern, path), naive_glob(&pattern, &text), "{} on {path}", rule.pattern);
                     let _ = rule.matches(path);
                 }
             }
@@ -1368,9 +1360,7 @@ fn corpus_is_replayed() {
                 }
                 "pnm" => {
                     let size = expect.split_whitespace().find_map(|w| w.strip_prefix("size=")).map_or(2, |s| s.parse().expect("size"));
-                    kiln::image::pnm::parse(&bytes, size)
-                        .map(|_| ())
-                        .map_err(|reason| kiln::Error::Image { path: path.clone(), reason })
+                    kiln::image::pnm::parse(&bytes, size).map(|_| ()).map_err(|reason| kiln::Error::Image { path: path.clone(), reason })
                 }
                 "pth" => kiln::files::decode_pth(&path, &bytes).map(|c| {
                     for t in c.tensors.values() {

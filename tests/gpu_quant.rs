@@ -6,8 +6,8 @@
 //! On the device:
 //! `cargo test --release --test gpu_quant -- --include-ignored --nocapture --test-threads 1`.
 
-use kiln::engine::{BuildConfig, EngineBuilder, Precision};
 use kiln::dev::quant::simulate;
+use kiln::engine::{BuildConfig, EngineBuilder, Precision};
 use kiln::engine::{CalibrationCache, CalibrationMethod, Calibrator};
 use kiln::files::read_safetensors;
 use kiln::{
@@ -441,11 +441,8 @@ fn conv8_matches_the_simulation() {
                 }
             };
             print!("{}{}", engine.describe(), engine.summary);
-            let eight_bit: Vec<String> = engine
-                .layers()
-                .filter(|l| kiln::dev::plan::precision_of_kind(&l.kind()).is_some())
-                .map(|l| l.path().to_string())
-                .collect();
+            let eight_bit: Vec<String> =
+                engine.layers().filter(|l| kiln::dev::plan::precision_of_kind(&l.kind()).is_some()).map(|l| l.path().to_string()).collect();
             let all = ["c1", "c2", "c3", "c5", "c6", "c7", "c8"];
             if eight_bit != all {
                 failures.push(format!("`{source}`: 8-bit layers {eight_bit:?}, expected {all:?}"));

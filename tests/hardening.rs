@@ -261,8 +261,7 @@ fn h04_fifos_directories_and_devices_are_named_without_blocking() {
     std::fs::create_dir_all(sub.join("x.pgm")).unwrap();
     let e = kiln::image::pnm::read_folder(&sub, 4, &[0.0; 3], &[1.0; 3], None).unwrap_err();
     says(e, "is a directory; give a binary PGM (P5) or PPM (P6) image");
-    let e =
-        kiln::files::read_regular(Path::new("/dev/null"), "a file", |reason| Error::Image { path: "/dev/null".into(), reason });
+    let e = kiln::files::read_regular(Path::new("/dev/null"), "a file", |reason| Error::Image { path: "/dev/null".into(), reason });
     assert!(e.unwrap_err().to_string().contains(fifo_msg));
 }
 
@@ -355,8 +354,7 @@ fn h06_graph_files_and_inputs_are_checked_before_their_data_is_read() {
 fn h08_weight_grids_and_batch_0_inputs_are_validated_at_load() {
     let with_quant = |quant: serde_json::Value| tiny_graph_file(move |json, _| json["nodes"][1]["op"]["Weight"]["quant"] = quant);
     let grid = |scale: serde_json::Value, qmin: i32, qmax: i32| serde_json::json!({"format": "Int8", "scale": scale, "zero_point": [], "axis": null, "qmin": qmin, "qmax": qmax});
-    let sound =
-        kiln::files::graph::decode(&with_quant(grid(serde_json::json!([0.5]), -127, 127)), Path::new("g.kiln.safetensors"));
+    let sound = kiln::files::graph::decode(&with_quant(grid(serde_json::json!([0.5]), -127, 127)), Path::new("g.kiln.safetensors"));
     sound.expect("a sound grid loads");
     for (quant, want) in [
         (grid(serde_json::json!([0.0]), -128, 127), "scales must be positive and finite, got 0"),
@@ -383,12 +381,8 @@ fn h08_weight_grids_and_batch_0_inputs_are_validated_at_load() {
     payload.graph.nodes[2].shape[0] = 0;
     payload.graph.nodes[3].shape[0] = 0;
     payload.graph.validate().expect("a batch of 0 is a valid shape");
-    let header = kiln::files::engine::Header {
-        version: kiln::files::engine::FORMAT_VERSION,
-        sm: 90,
-        driver_version: 13000,
-        cudnn_version: 91400,
-    };
+    let header =
+        kiln::files::engine::Header { version: kiln::files::engine::FORMAT_VERSION, sm: 90, driver_version: 13000, cudnn_version: 91400 };
     let bytes = kiln::files::engine::encode(&header, &payload).unwrap();
     let e = kiln::files::engine::decode(&bytes, "batch0.kiln").unwrap_err().to_string();
     assert_eq!(e, "engine file batch0.kiln: input `input` has shape [0, 3, 2, 2]; inputs need a batch dim and no zero dims");

@@ -2,9 +2,9 @@
 //! machine without a GPU. CI installs NVRTC and sets `KILN_REQUIRE_NVRTC=1`, so a kernel that
 //! does not compile never lands; elsewhere, a missing NVRTC skips these tests with the reason.
 
+use kiln::dev::kernels::kernel_entry_points;
 use kiln::dev::kernels::{self, cached_compile, compile_all_for, FAMILIES, ON_DEMAND};
 use kiln::plugin::{compile_source, image_has_symbol};
-use kiln::dev::kernels::kernel_entry_points;
 use kiln::Error;
 use std::path::PathBuf;
 use std::sync::OnceLock;

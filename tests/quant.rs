@@ -5,8 +5,8 @@
 
 use kiln::dev::quant::{graph_hash, prepare_for_best, prepare_for_engine, quant_points, quantize_graph, simulate};
 use kiln::engine::{CalibrationCache, CalibrationMethod, Calibrator};
-use kiln::nn::{FakeQuantize, FakeQuantizeConfig};
 use kiln::files::read_safetensors;
+use kiln::nn::{FakeQuantize, FakeQuantizeConfig};
 use kiln::{
     nn::{Conv2d, Conv2dConfig},
     Error, Forward, Module, Tracer, VarBuilder,
@@ -251,8 +251,7 @@ fn explicit_qdq_graphs_build_with_exactly_their_state_dict_scales() {
     let y = wq.forward(&conv.forward(&quant.forward(&x).expect("q")).expect("conv")).expect("wq");
     y.mark_output("y");
     let graph = tracer.graph();
-    let engine_graph =
-        prepare_for_engine(kiln::engine::optimize(&graph).expect("optimize"), QuantFormat::Int8, None).expect("explicit");
+    let engine_graph = prepare_for_engine(kiln::engine::optimize(&graph).expect("optimize"), QuantFormat::Int8, None).expect("explicit");
     let scales: Vec<Vec<f32>> =
         engine_graph.nodes.iter().filter_map(|n| if let Op::Quant(q) = &n.op { Some(q.params().scale.clone()) } else { None }).collect();
     assert_eq!(scales, vec![vec![0.0123], vec![0.002, 0.003, 0.004, 0.005]], "the state_dict's scales, unchanged");
@@ -366,8 +365,7 @@ fn digits_int8_engine_graph(d: &Digits) -> kiln::Graph {
         Calibrator::new(&d.graph).and_then(|c| c.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::MinMax)).expect("calibrate");
     let path = std::env::temp_dir().join(format!("kiln-int8-{}-{:?}.json", std::process::id(), std::thread::current().id()));
     cache.save(&path).expect("save");
-    let g = prepare_for_engine(kiln::engine::optimize(&d.graph).expect("optimize"), QuantFormat::Int8, Some(&path))
-        .expect("quantise");
+    let g = prepare_for_engine(kiln::engine::optimize(&d.graph).expect("optimize"), QuantFormat::Int8, Some(&path)).expect("quantise");
     let _ = std::fs::remove_file(&path);
     g
 }
@@ -380,8 +378,8 @@ fn digits_int8_engine_graph(d: &Digits) -> kiln::Graph {
 #[test]
 fn eight_bit_plan_of_the_digits_network() {
     use kiln::{
-        engine::{BuildConfig, Precision},
         dev::plan::eight_bit_plan,
+        engine::{BuildConfig, Precision},
     };
     let g = digits_int8_engine_graph(&digits());
     let plan_for = |config: &BuildConfig, sm: u32| eight_bit_plan(&g, config, sm);
@@ -435,8 +433,8 @@ fn eight_bit_plan_of_the_digits_network() {
 fn best_moves_convs_to_16_bits_only_where_it_pays() {
     use kiln::dev::plan::{best_int8_layers as choose, LayerTimes};
     use kiln::{
-        engine::{BuildConfig, Precision},
         dev::plan::eight_bit_plan,
+        engine::{BuildConfig, Precision},
     };
     let d = digits();
     let cache =
@@ -478,8 +476,8 @@ fn best_moves_convs_to_16_bits_only_where_it_pays() {
 #[test]
 fn eight_bit_plan_of_the_resnet_stem() {
     use kiln::{
-        engine::{BuildConfig, Precision},
         dev::plan::eight_bit_plan,
+        engine::{BuildConfig, Precision},
     };
     let traced = kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 64).expect("trace");
     let x = kiln::dev::weight("input.0", &[2, 3, 64, 64]);
@@ -515,8 +513,8 @@ fn eight_bit_plan_of_the_resnet_stem() {
 fn weight_grids_survive_the_engine_file() {
     use kiln::files::engine::{decode, encode, Header, Payload, FORMAT_VERSION};
     use kiln::{
-        engine::{BuildConfig, Precision},
         dev::plan::eight_bit_plan,
+        engine::{BuildConfig, Precision},
     };
     let g = digits_int8_engine_graph(&digits());
     let grids = g.nodes.iter().filter(|n| matches!(&n.op, Op::Weight { quant: Some(q), .. } if q.axis == Some(0))).count();
@@ -537,8 +535,8 @@ fn weight_grids_survive_the_engine_file() {
 /// of 1×1 convs and a 3×3 conv, the 1×1 convs (H·W rows per image) and not the 3×3.
 #[test]
 fn fp8_gemm_candidates_go_to_aligned_linears_and_pointwise_convs() {
-    use kiln::engine::Precision;
     use kiln::dev::plan::{fp8_gemm_problem as problem, Fp8Problem};
+    use kiln::engine::Precision;
     let plan = |graph: &Graph, input: &HostTensor, what: &str| {
         let optimized = kiln::engine::optimize(graph).expect("optimize");
         let cache =

@@ -10,9 +10,9 @@
 
 use kiln::compare;
 use kiln::files::read_safetensors;
+use kiln::image::ChannelOrder;
 use kiln::{plugin::lookup, plugin::Attrs};
 use kiln::{HostTensor, VarBuilder};
-use kiln::image::ChannelOrder;
 use kiln_models::yolo_nms::detections;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -223,12 +223,11 @@ fn a_u8_frame_runs_from_bytes_as_from_f32_values() {
 #[test]
 fn yolo_decode_and_nms_compute_in_fp32_in_fp16_engines() {
     use kiln::{
-        engine::{BuildConfig, Precision},
         dev::plan::node_precisions,
+        engine::{BuildConfig, Precision},
     };
     for (model, head) in [("yolov8n", "model.22"), ("yolo11n", "model.23")] {
-        let graph = kiln::engine::optimize(&kiln_models::trace(model, kiln::VarBuilder::seeded(), 1, 160).expect("trace"))
-            .expect("passes");
+        let graph = kiln::engine::optimize(&kiln_models::trace(model, kiln::VarBuilder::seeded(), 1, 160).expect("trace")).expect("passes");
         assert_eq!(graph.fp32_layers, [format!("{head}.decode"), format!("{head}.dfl"), format!("{head}.decode.yolo_nms")], "{model}");
         let check = |config: &BuildConfig, decode: Precision| {
             let p = node_precisions(&graph, config);

@@ -8,8 +8,8 @@
 //! std (padded with level 114 where CenterNet's affine warp pads zeros).
 
 use super::common::Traced;
-use kiln::{Error, HostTensor, Result};
 use kiln::image::{ChannelOrder, Letterbox};
+use kiln::{Error, HostTensor, Result};
 use kiln_vision::{ClassifyPreset, RgbImage};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -330,8 +330,7 @@ fn resnet18_weights(dir: &std::path::Path, name: &str, edit: impl FnOnce(&mut BT
 
 /// A CPU reference for ResNet-18 at 32x32 (`input`, `output.logits`) plus `extra` entries.
 fn resnet18_reference(dir: &std::path::Path, name: &str, extra: &[(&str, &str, Vec<usize>, Vec<u8>)]) -> PathBuf {
-    let graph =
-        kiln::engine::optimize(&kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 32).expect("trace")).expect("optimize");
+    let graph = kiln::engine::optimize(&kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 32).expect("trace")).expect("optimize");
     let x = kiln::dev::uniform_tensor(&[1, 3, 32, 32], 3);
     let logits = kiln::run_cpu(&graph, &[("input", &x)]).expect("cpu").remove("logits").expect("logits");
     let mut entries =
@@ -817,8 +816,7 @@ fn files_that_are_neither_graphs_nor_engines_are_named() {
     std::fs::write(&notes, "hello").expect("write");
     fails_with(&["run", arg(&notes), "--cpu"], &["is neither a graph file (.kiln.safetensors", "nor an engine file (.kiln"]);
     let weights = dir.join("weights.safetensors");
-    kiln::files::write_safetensors(&weights, &BTreeMap::from([("w".to_string(), HostTensor::new(vec![1], vec![0.5]))]))
-        .expect("write");
+    kiln::files::write_safetensors(&weights, &BTreeMap::from([("w".to_string(), HostTensor::new(vec![1], vec![0.5]))])).expect("write");
     fails_with(&["run", arg(&weights), "--cpu"], &["is a safetensors file but not a Kiln graph file", "--weights"]);
     fails_with(&["run", "/nonexistent/model.kiln.safetensors", "--cpu"], &["/nonexistent/model.kiln.safetensors", "no such file"]);
     let _ = std::fs::remove_dir_all(&dir);
@@ -1283,8 +1281,7 @@ fn run_images_follows_the_models_preprocessing() {
     assert!(out.status.success(), "{stderr}");
     assert!(stdout.contains("batch 1, 64x64, seeded weights, 1 image(s) (Classifier preprocessing)"), "{stdout}");
     let x = kiln_vision::ClassifyPreset::for_input(64).load(&[&card]).expect("preset");
-    let graph =
-        kiln::engine::optimize(&kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 64).expect("trace")).expect("optimize");
+    let graph = kiln::engine::optimize(&kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 64).expect("trace")).expect("optimize");
     let logits = &kiln::run_cpu(&graph, &[("input", &x)]).expect("run")["logits"];
     let want: Vec<usize> = kiln_vision::top_k(&logits.data, 3).iter().map(|p| p.class).collect();
     assert_eq!(printed_classes(&stdout), want, "{stdout}");

@@ -287,14 +287,9 @@ fn ch08_weight_grids_and_batch_0_engine_inputs_are_refused_at_load() {
     for node in [0, 2, 3] {
         g.nodes[node].shape[0] = 0;
     }
-    let header = kiln::files::engine::Header {
-        version: kiln::files::engine::FORMAT_VERSION,
-        sm: 90,
-        driver_version: 13000,
-        cudnn_version: 91400,
-    };
-    let payload =
-        kiln::files::engine::Payload { config: kiln::engine::BuildConfig::default(), graph: g, tactics: BTreeMap::new() };
+    let header =
+        kiln::files::engine::Header { version: kiln::files::engine::FORMAT_VERSION, sm: 90, driver_version: 13000, cudnn_version: 91400 };
+    let payload = kiln::files::engine::Payload { config: kiln::engine::BuildConfig::default(), graph: g, tactics: BTreeMap::new() };
     let engine = dir.join("efuzz_small_input_batch0.kiln");
     std::fs::write(&engine, kiln::files::engine::encode(&header, &payload).expect("encode")).expect("write");
     fails_with(&["inspect", engine.to_str().unwrap()], &["input `input` has shape [0, 3, 2, 2]; inputs need a batch dim and no zero dims"]);

@@ -3,8 +3,10 @@
 //! <message>`, then ` --> <file>:<line>:<column>` and a `^^^` underline of the token).
 //!
 //! The derive runs here on the case's own tokens, with real line and column spans (proc-macro2's
-//! `span-locations`), so the check takes milliseconds and needs no compiler run. After changing a
-//! message on purpose, edit the `.stderr` file beside its case.
+//! `span-locations`), so the check takes milliseconds and needs no compiler run. A case whose
+//! recorded error is rustc's own (`error[E0308]`, a config expression of the wrong type) must expand,
+//! and the expansion must carry the recorded token with its own span, which is where rustc then
+//! points. After changing a message on purpose, edit the `.stderr` file beside its case.
 
 use crate::module::expand;
 use std::path::Path;
@@ -19,11 +21,13 @@ struct Reported {
     width: usize,
 }
 
-/// The errors the derive reports for every `#[derive(Module)]` item of a case, in source order.
-fn derive_errors(source: &str) -> Vec<Reported> {
+/// The errors the derive reports for every `#[derive(Module)]` item of a case, in source order,
+/// and the tokens of the expansions (with their spans) where the derive accepted the item.
+fn derive_errors(source: &str) -> (Vec<Reported>, Vec<Reported>) {
     let file = syn::parse_file(source).expect("the case parses as Rust");
-    let derives = |attrs: &[syn::Attribute]| attrs.iter().any(|a| a.path().is_ident("derive") && quote::quote!(#a).to_string().contains("Module"));
-    let mut out = Vec::new();
+    let derives =
+        |attrs: &[syn::Attribute]| attrs.iter().any(|a| a.path().is_ident("derive") && quote::quote!(#a).to_string().contains("Module"));
+    let (mut out, mut expanded) = (Vec::new(), Vec::new());
     for item in file.items {
         let tokens = match &item {
             syn::Item::Struct(s) if derives(&s.attrs) => quote::quote!(#s),
@@ -32,23 +36,42 @@ fn derive_errors(source: &str) -> Vec<Reported> {
             _ => continue,
         };
         let input: syn::DeriveInput = syn::parse2(tokens).expect("a derive input");
-        let Err(errors) = expand(&input) else { continue };
-        for e in errors {
-            let (start, end) = (e.span().start(), e.span().end());
-            let width = if end.line == start.line { end.column - start.column } else { usize::MAX };
-            out.push(Reported { message: e.to_string(), line: start.line, column: start.column + 1, width });
+        match expand(&input) {
+            Ok(tokens) => tokens_of(tokens, &mut expanded),
+            Err(errors) => out.extend(errors.into_iter().map(|e| at(e.to_string(), e.span()))),
         }
     }
-    out
+    (out, expanded)
 }
 
-/// The errors a `.stderr` file records: each `error: ` line, its ` --> ` location and the number of
-/// `^` under the token.
+fn at(message: String, span: proc_macro2::Span) -> Reported {
+    let (start, end) = (span.start(), span.end());
+    let width = if end.line == start.line { end.column - start.column } else { usize::MAX };
+    Reported { message, line: start.line, column: start.column + 1, width }
+}
+
+/// Every token of an expansion, as its text and span.
+fn tokens_of(tokens: proc_macro2::TokenStream, out: &mut Vec<Reported>) {
+    for t in tokens {
+        match t {
+            proc_macro2::TokenTree::Group(g) => tokens_of(g.stream(), out),
+            t => out.push(at(t.to_string(), t.span())),
+        }
+    }
+}
+
+/// The errors a `.stderr` file records: each `error: ` line (the derive's) or `error[E…]: ` line
+/// (rustc's, recorded with an empty message), its ` --> ` location and the number of `^` under the
+/// token.
 fn recorded_errors(stderr: &str, case: &str) -> Vec<Reported> {
     let mut out = Vec::new();
     let mut lines = stderr.lines().peekable();
     while let Some(l) = lines.next() {
-        let Some(message) = l.strip_prefix("error: ") else { continue };
+        let message = match l.strip_prefix("error") {
+            Some(m) if m.starts_with(": ") => &m[2..],
+            Some(m) if m.starts_with('[') => "",
+            _ => continue,
+        };
         let at = lines.next().and_then(|l| l.trim_start().strip_prefix("--> ")).unwrap_or_else(|| panic!("{case}: no `-->` after `{l}`"));
         let mut parts = at.rsplitn(3, ':');
         let column = parts.next().and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("{case}: column in `{at}`"));
@@ -70,9 +93,14 @@ fn derive_module_misuse_is_reported_at_the_right_token() {
         let name = case.file_name().expect("name").to_string_lossy().into_owned();
         let source = std::fs::read_to_string(case).expect("case");
         let stderr = std::fs::read_to_string(case.with_extension("stderr")).unwrap_or_else(|_| panic!("{name} has no .stderr"));
-        let (got, want) = (derive_errors(&source), recorded_errors(&stderr, &name));
-        println!("{name}: {} error(s), each at its recorded token", want.len());
-        assert!(!want.is_empty(), "{name}: its .stderr records no error");
-        assert_eq!(got, want, "{name}");
+        let ((got, expanded), recorded) = (derive_errors(&source), recorded_errors(&stderr, &name));
+        assert!(!recorded.is_empty(), "{name}: its .stderr records no error");
+        let (rustc, derive): (Vec<Reported>, Vec<Reported>) = recorded.into_iter().partition(|r| r.message.is_empty());
+        assert_eq!(got, derive, "{name}: the derive's errors");
+        for r in &rustc {
+            let carried = expanded.iter().any(|t| (t.line, t.column, t.width) == (r.line, r.column, r.width));
+            assert!(carried, "{name}: rustc's error at {}:{} needs a token there in the expansion", r.line, r.column);
+        }
+        println!("{name}: {} error(s) of the derive and {} of rustc, each at its recorded token", derive.len(), rustc.len());
     }
 }

@@ -55,8 +55,9 @@ pub const MAX_FILE_BYTES: u64 = 1 << 30;
 pub fn load_rgb(path: impl AsRef<Path>) -> Result<RgbImage> {
     let path = path.as_ref();
     let decode_err = |reason: String| Error::Decode { path: path.into(), reason };
-    let file = kiln::files::open_regular(path, "an image file (JPEG, PNG, BMP, GIF, WebP, PNM or TIFF)", |reason| {
-        kiln::Error::Image { path: path.into(), reason }
+    let file = kiln::files::open_regular(path, "an image file (JPEG, PNG, BMP, GIF, WebP, PNM or TIFF)", |reason| kiln::Error::Image {
+        path: path.into(),
+        reason,
     })
     .map_err(|e| match e {
         kiln::Error::Image { reason, .. } => decode_err(reason),

@@ -206,8 +206,7 @@ mod tests {
         let weight = kiln::dev::weight("t.weight", &[cout, cin / groups, kh, kw]);
         let bias = kiln::dev::weight("t.bias", &[cout]);
         let attrs = a.to_attrs().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
-        let want = (kiln::plugin::lookup(OP).expect("registered").cpu)(&attrs, &[&x, &offset, &mask, &weight, &bias])
-            .expect("cpu");
+        let want = (kiln::plugin::lookup(OP).expect("registered").cpu)(&attrs, &[&x, &offset, &mask, &weight, &bias]).expect("cpu");
 
         let (xs, offs, masks) = (nhwc(&x), nhwc(&offset), nhwc(&mask));
         let k_all = taps * cin;
