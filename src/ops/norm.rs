@@ -8,7 +8,7 @@ use crate::error::OpError;
 use crate::graph::{NodeId, Op};
 use crate::module::{Forward, Module};
 use crate::ops::BuildCtx;
-use crate::ops::{CpuArgs, FixtureTwin, LayoutPlan, OpDef};
+use crate::ops::{AtenImport, CpuArgs, FixtureTwin, LayoutPlan, NnLayer, OpDef};
 use crate::tensor::{Param, Tensor};
 use crate::var_builder::VarBuilder;
 use crate::LowerKind;
@@ -770,6 +770,26 @@ fn packed_lanes(len: usize, inner: usize, elem_size: usize) -> Option<i32> {
     let packs = len / per_pack;
     [1i32, 2, 4, 8, 16, 32].into_iter().find(|&g| g as usize * LN_PACKS >= packs)
 }
+
+/// This family's `kiln::nn` layers, each traced on an input (for `ops::completeness`).
+#[doc(hidden)]
+pub const NN_LAYERS: &[NnLayer] = &[
+    ("BatchNorm2d", |vb, t| nn::BatchNorm2d::load(vb, &nn::BatchNorm2dConfig::new(4))?.forward(&t.input("x", &[1, 4, 3, 3]))),
+    ("Softmax", |vb, t| nn::Softmax::load(vb, &1)?.forward(&t.input("x", &[2, 5]))),
+    ("LayerNorm", |vb, t| nn::LayerNorm::load(vb, &nn::LayerNormConfig::new(&[5]))?.forward(&t.input("x", &[2, 3, 5]))),
+    ("LayerNorm2d", |vb, t| nn::LayerNorm2d::load(vb, &nn::LayerNormConfig::new(&[4]))?.forward(&t.input("x", &[1, 4, 3, 3]))),
+    ("GroupNorm", |vb, t| nn::GroupNorm::load(vb, &nn::GroupNormConfig::new(2, 4))?.forward(&t.input("x", &[1, 4, 3, 3]))),
+];
+
+/// The ATen ops (and modules) kiln-torch imports as this family's ops; `nn.InstanceNorm2d` is a
+/// GroupNorm of one channel a group, or with running statistics a BatchNorm.
+#[doc(hidden)]
+pub const ATEN: &[AtenImport] = &[
+    ("batch_norm2d", &["aten._native_batch_norm_legit_no_training.default", "aten.batch_norm.default", "aten.instance_norm.default"]),
+    ("softmax", &["aten.softmax.int", "aten._softmax.default"]),
+    ("layer_norm", &["aten.layer_norm.default", "aten.native_layer_norm.default", "torchvision.models.convnext.LayerNorm2d"]),
+    ("group_norm", &["aten.group_norm.default", "aten.native_group_norm.default", "aten.instance_norm.default"]),
+];
 
 /// The Kiln twins of this family's PyTorch op fixtures (`op_cases()` in tools/export_reference.py).
 #[doc(hidden)]

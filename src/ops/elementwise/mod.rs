@@ -2,27 +2,31 @@
 //! NumPy/PyTorch broadcasting (`Binary`). Layers: `ReLU`, `ReLU6`, `LeakyReLU`, `Sigmoid`, `SiLU`,
 //! `Hardswish`, `Hardsigmoid`, `GELU`, `Tanh`, `Hardtanh`, `Softplus`, `ELU`, `Mish`.
 //!
-//! `unary.rs` holds the one-input ops and their layers, `binary.rs` the broadcasting arithmetic,
-//! `modules.rs` the `Tensor` methods and the layers; the fixture twins are here.
+//! `unary.rs` holds the one-input ops and their layers, `forms.rs` how each is written outside
+//! the graph (its method, `kiln::nn` layer and ATen ops), `binary.rs` the broadcasting
+//! arithmetic, `modules.rs` the `Tensor` methods and the layers; the fixture twins are here.
 
 mod binary;
+mod forms;
 mod modules;
 mod unary;
 
 pub use binary::{binary, broadcast_shape, broadcast_strides, Binary};
+pub use forms::{ConfigForm, FormArg, LayerForm, UnaryForm};
 pub use modules::*;
 pub use unary::{activation, bias_act, Unary};
 
 use crate::engine::launch::{Arg, KArg};
 use crate::module::{Forward, Module};
-use crate::ops::FixtureTwin;
+use crate::ops::{AtenImport, FixtureTwin, NnLayer};
 use crate::tensor::Tensor;
 use crate::Result;
 
 /// This family's layers, as `kiln::nn` shows them.
 pub mod nn {
     pub use super::{
-        Hardsigmoid, Hardswish, Hardtanh, LeakyReLU, LeakyReLUConfig, ReLU, ReLU6, SiLU, Sigmoid, Softplus, SoftplusConfig, Tanh, GELU,
+        ELUConfig, Hardsigmoid, Hardswish, Hardtanh, LeakyReLU, LeakyReLUConfig, Mish, ReLU, ReLU6, SiLU, Sigmoid, Softplus,
+        SoftplusConfig, Tanh, ELU, GELU,
     };
 }
 
@@ -93,7 +97,7 @@ pub const FIXTURE_TWINS: &[FixtureTwin] = &[
     ("reciprocal_signed", |f| f.x.reciprocal()),
     ("abs", |f| f.x.abs()),
     ("erf", |f| f.x.erf()),
-    ("elu", |f| ELU::load(f.vb, &1.0)?.forward(f.x)),
+    ("elu", |f| ELU::load(f.vb, &ELUConfig::default())?.forward(f.x)),
     ("elu_alpha", |f| f.x.elu(0.5)),
     ("mish", |f| Mish::load(f.vb, &())?.forward(f.x)),
     ("pow_square", |f| f.x.pow(2.0)),
@@ -101,6 +105,35 @@ pub const FIXTURE_TWINS: &[FixtureTwin] = &[
     ("pow_sqrt", |f| f.x.abs()?.pow(0.5)),
     ("pow_minus2", |f| abs_plus_half(f.x)?.pow(-2.0)),
     ("add_position_embedding", |f| f.x.binary_weight(f.vb.path(), Binary::Add, &f.vb.get(&[1, 9, 8], "pos_embedding")?)),
+];
+
+/// The ATen ops kiln-torch imports as this family's binary ops (the unary ops' are in their
+/// forms, `Unary::form`).
+#[doc(hidden)]
+pub const ATEN: &[AtenImport] = &[
+    // `expand` is an add of zeros.
+    ("add", &["aten.add.Tensor", "aten.expand.default"]),
+    ("sub", &["aten.sub.Tensor", "aten.rsub.Tensor"]),
+    ("mul", &["aten.mul.Tensor"]),
+    ("div", &["aten.div.Tensor", "aten.div.Tensor_mode"]),
+];
+
+/// This family's `kiln::nn` layers, each traced on an input (for `ops::completeness`).
+#[doc(hidden)]
+pub const NN_LAYERS: &[NnLayer] = &[
+    ("ReLU", |vb, t| nn::ReLU::load(vb, &())?.forward(&t.input("x", &[2, 3, 4]))),
+    ("ReLU6", |vb, t| nn::ReLU6::load(vb, &())?.forward(&t.input("x", &[2, 3, 4]))),
+    ("Hardtanh", |vb, t| nn::Hardtanh::load(vb, &(-1.0, 1.0))?.forward(&t.input("x", &[2, 3, 4]))),
+    ("LeakyReLU", |vb, t| nn::LeakyReLU::load(vb, &nn::LeakyReLUConfig::default())?.forward(&t.input("x", &[2, 3, 4]))),
+    ("Sigmoid", |vb, t| nn::Sigmoid::load(vb, &())?.forward(&t.input("x", &[2, 3, 4]))),
+    ("SiLU", |vb, t| nn::SiLU::load(vb, &())?.forward(&t.input("x", &[2, 3, 4]))),
+    ("Hardswish", |vb, t| nn::Hardswish::load(vb, &())?.forward(&t.input("x", &[2, 3, 4]))),
+    ("Hardsigmoid", |vb, t| nn::Hardsigmoid::load(vb, &())?.forward(&t.input("x", &[2, 3, 4]))),
+    ("GELU", |vb, t| nn::GELU::load(vb, &false)?.forward(&t.input("x", &[2, 3, 4]))),
+    ("Tanh", |vb, t| nn::Tanh::load(vb, &())?.forward(&t.input("x", &[2, 3, 4]))),
+    ("Softplus", |vb, t| nn::Softplus::load(vb, &nn::SoftplusConfig::default())?.forward(&t.input("x", &[2, 3, 4]))),
+    ("ELU", |vb, t| nn::ELU::load(vb, &nn::ELUConfig::default())?.forward(&t.input("x", &[2, 3, 4]))),
+    ("Mish", |vb, t| nn::Mish::load(vb, &())?.forward(&t.input("x", &[2, 3, 4]))),
 ];
 
 #[cfg(test)]

@@ -227,9 +227,20 @@ impl Default for LeakyReLUConfig {
 }
 
 activation_module!(
-    /// `torch.nn.ELU(alpha)`: the config is `alpha`.
-    ELU, f32, |c| Unary::Elu { alpha: *c }
+    /// `torch.nn.ELU(alpha)`: `x` where `x > 0`, else `alpha * (exp(x) - 1)`.
+    ELU, ELUConfig, |c| Unary::Elu { alpha: c.alpha }
 );
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ELUConfig {
+    pub alpha: f32,
+}
+
+impl Default for ELUConfig {
+    fn default() -> Self {
+        Self { alpha: 1.0 }
+    }
+}
 activation_module!(
     /// `torch.nn.Mish`.
     Mish, (), |_c| Unary::Mish
