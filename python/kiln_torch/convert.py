@@ -11,12 +11,40 @@ so it runs at any batch.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import ops
 from .graph import Act, Const, KilnGraph
 from .ops import Unsupported
+
+
+@dataclass
+class Unknown:
+    """A value that could not be converted (its node is in the report); its readers are skipped."""
+
+    tshape: tuple
+
+
+def plan(values, converter, has_schema: bool = True) -> str:
+    """What the exporter does with a node, given its (converted) input values and the converter
+    its op has (`None`: Kiln has no such op):
+
+    - `missing`: Kiln has no such op, and the report lists it, even when an input is itself
+      `Unknown` (downstream of another unsupported node: the report is every node at once);
+    - `skip`: an input is `Unknown`, but the op is supported: the node upstream is reported;
+    - `fold`: no input is an activation, so PyTorch computes it once, as a constant;
+    - `convert`: the converter makes its Kiln nodes.
+    """
+    values = list(values)
+    if not any(isinstance(v, (Act, Unknown)) for v in values):
+        return "fold"
+    if converter is None or not has_schema:
+        return "missing"
+    if any(isinstance(v, Unknown) for v in values):
+        return "skip"
+    return "convert"
 
 
 def broadcast(a, b):

@@ -191,6 +191,15 @@ def decode_safetensors(data: bytes):
     return tensors, metadata
 
 
+def encode_reference(inputs: dict, outputs: dict, metadata: dict | None = None) -> bytes:
+    """A reference file for `kiln compare --reference`: every input under `input.<name>` (its
+    name in the graph, so any names and several inputs bind), every output under
+    `output.<name>`. (Files of older versions hold one input as `input`; Kiln reads both.)"""
+    tensors = {f"input.{n}": v for n, v in inputs.items()}
+    tensors.update({f"output.{n}": v for n, v in outputs.items()})
+    return encode_safetensors(tensors, dict(metadata or {}))
+
+
 def encode(graph: KilnGraph, extra: dict | None = None) -> bytes:
     """The bytes of a Kiln graph file: the weights under their names, the graph JSON in the metadata."""
     metadata = dict(extra or {})

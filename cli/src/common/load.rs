@@ -187,10 +187,10 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
             }
             let shown = path.display().to_string();
             let model = file.metadata.get("model").cloned().unwrap_or_else(|| shown.clone());
-            // `kiln trace` records the weights it traced with.
+            // `kiln trace` and kiln-torch record the weights they traced with.
             let (weights, seeded) = match weights_path {
                 Some(w) => (w.display().to_string(), false),
-                None => ("graph file".to_string(), file.metadata.get("weights").is_some_and(|w| w == "seeded")),
+                None => ("graph file".to_string(), kiln::files::graph::has_random_weights(&file.metadata)),
             };
             return fixed(graph, shown, model, "graph file", weights, seeded);
         }
