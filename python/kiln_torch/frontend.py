@@ -90,8 +90,10 @@ class Converter:
                 if val.dtype != torch.float32:
                     raise ExportError(f"input `{name}` is {val.dtype}; export with float32 inputs")
                 kname = self.input_names[user] if self.input_names and user < len(self.input_names) else name
-                user += 1
                 shape = tuple(int(d) for d in val.shape)
+                if user == 0 and shape:
+                    self.b.batch = shape[0]
+                user += 1
                 self.values[name] = Act(self.b.graph.input(kname, shape), shape)
             elif spec.kind in (kinds.PARAMETER, kinds.BUFFER, kinds.CONSTANT_TENSOR):
                 self.values[name] = Const(spec.target, self._tensor_of(spec).detach())
@@ -342,8 +344,10 @@ def export(model, example_inputs, path=None, *, input_names=None, output_names=N
       op by op too (`ops.MODULES` converts them whole by default).
 
     Raises `UnsupportedOpsError` listing every node without a Kiln op, before writing anything.
-    Export at batch 1 when the model merges the batch into other dims (window attention): the graph
-    then runs at any batch.
+    The graph runs at any batch. At an example batch above 1, the batch may move to another dim
+    and back (`torch.stack(list).sum(0)`, ViT's `qkv.permute(2, 0, 3, 1, 4)`), and constants
+    expanded to the batch (a class token) are read per image; a model that merges the batch into
+    another dim (window attention) is exported at batch 1.
     """
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
