@@ -42,6 +42,10 @@ fn args() -> Result<Args, String> {
             "--weights" => weights = Some(it.next().ok_or(usage)?),
             "--cpu" => cpu = true,
             "--gpu-entry" => gpu_entry = true,
+            "-h" | "--help" => {
+                println!("{usage}");
+                std::process::exit(0);
+            }
             _ if a.starts_with('-') || photo.is_some() => return Err(format!("unexpected `{a}`; {usage}")),
             _ => photo = Some(a),
         }

@@ -45,6 +45,10 @@ fn main() -> Result<(), Box<dyn Error>> {
             "-o" | "--output" => out = it.next().ok_or(usage)?,
             "--cpu" => cpu = true,
             "--gpu-entry" => gpu_entry = true,
+            "-h" | "--help" => {
+                println!("{usage}");
+                std::process::exit(0);
+            }
             _ if a.starts_with('-') || photo.is_some() => return Err(format!("unexpected `{a}`; {usage}").into()),
             _ => photo = Some(a),
         }

@@ -65,6 +65,10 @@ fn main() -> Result<(), Box<dyn Error>> {
         match a.as_str() {
             "--threads" => threads = it.next().ok_or(usage)?.parse()?,
             "--requests" => requests = it.next().ok_or(usage)?.parse()?,
+            "-h" | "--help" => {
+                println!("{usage}");
+                std::process::exit(0);
+            }
             _ if a.starts_with('-') || path.is_some() => return Err(format!("unexpected `{a}`; {usage}").into()),
             _ => path = Some(a),
         }

@@ -25,8 +25,8 @@ pub use crate::var_builder::{
 /// (JSON under [`KEY_GRAPH`]), its format name and version.
 pub mod graph {
     pub use crate::graph_file::{
-        decode, encode, is_graph_metadata, read, write, GraphFile, EXTENSION, FORMAT, KEY_FORMAT, KEY_GRAPH, KEY_VERSION, MAX_NODES,
-        VERSION,
+        decode, encode, has_random_weights, is_graph_metadata, read, write, GraphFile, EXTENSION, FORMAT, KEY_FORMAT, KEY_GRAPH,
+        KEY_RANDOM_WEIGHTS, KEY_VERSION, MAX_NODES, VERSION,
     };
 }
 

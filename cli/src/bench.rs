@@ -304,7 +304,10 @@ fn bench_cpu(a: &BenchArgs, model: &str, batches: &[usize], hw: Option<[usize; 2
 /// `bench` on the GPU: an engine file runs every batch within its range; a model or graph file
 /// gets an engine per batch. Each is timed with and without CUDA graphs, as asked.
 fn bench_gpu(a: &BenchArgs, model: &str, batches: &[usize], hw: Option<[usize; 2]>, timing: Timing) -> Result<Results> {
-    let gpu = common::gpu()?;
+    let gpu = common::gpu().map_err(|e| match e {
+        Error::NoGpu(reason) => Error::NoGpu(format!("{reason}; `kiln bench --cpu` times the CPU reference executor instead")),
+        e => e,
+    })?;
     let modes: Vec<bool> = match (a.cuda_graphs_only, a.no_cuda_graphs) {
         (true, _) => vec![true],
         (_, true) => vec![false],

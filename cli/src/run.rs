@@ -206,12 +206,15 @@ pub fn trace(a: TraceArgs) -> Result<ExitCode> {
     let weights = traced.weights.clone();
     // Every input's full shape (`2x3x224x224`), comma-separated where there are several.
     let input_shape = traced.graph.inputs.iter().map(|&i| shapes::dims_text(&traced.graph.nodes[i].shape)).collect::<Vec<_>>().join(",");
-    let meta = BTreeMap::from([
+    let mut meta = BTreeMap::from([
         ("model".to_string(), traced.name.clone()),
         ("weights".to_string(), weights),
         ("input_shape".to_string(), input_shape.clone()),
         ("kiln.tool".to_string(), format!("kiln trace {}", env!("CARGO_PKG_VERSION"))),
     ]);
+    if traced.seeded {
+        meta.insert(kiln::files::graph::KEY_RANDOM_WEIGHTS.to_string(), "true".to_string());
+    }
     kiln::files::graph::write(&traced.graph, &a.output, &meta)?;
     let ops = traced.graph.nodes.iter().filter(|n| !n.op.is_leaf()).count();
     say!("wrote {}: {} ({ops} ops, {} weights, input {})", a.output.display(), traced.name, traced.graph.weights.len(), input_shape);

@@ -638,10 +638,10 @@ def _mean(cx, x, dims, keepdim):
     x = act(x)
     rank = len(x.tshape)
     dims = sorted({norm_dim(d, rank) for d in (dims if dims else range(rank))})
-    if 0 in dims and not x.lifted:
+    if x.bdim in dims and not x.lifted:
         x = cx.lift(x)
-    kd = [d + x.offset for d in dims]
-    return cx.node({"Pool": {"Mean": {"dims": kd, "keepdim": bool(keepdim)}}}, [x], "mean")
+    kd = [x.kdim(d) for d in dims]
+    return cx.node({"Pool": {"Mean": {"dims": kd, "keepdim": bool(keepdim)}}}, [x], "mean", bdim=cx.reduced_bdim(x, dims, keepdim))
 
 
 @aten("aten.mean.dim", "aten.mean.default")
@@ -656,12 +656,13 @@ def _reduce(cx, kind, x, dims, keepdim, what):
     dims = sorted({norm_dim(d, rank) for d in (dims if dims not in (None, []) else range(rank))})
     if kind == "Argmax" and len(dims) != 1:
         raise Unsupported("argmax over the flattened tensor (give dim)")
-    if 0 in dims and not x.lifted:
+    if x.bdim in dims and not x.lifted:
         x = cx.lift(x)
-    kd = [d + x.offset for d in dims]
+    kd = [x.kdim(d) for d in dims]
+    bdim = cx.reduced_bdim(x, dims, keepdim)
     if kind == "Argmax":
-        return cx.node({"Pool": {"Argmax": {"dim": kd[0], "keepdim": bool(keepdim)}}}, [x], what)
-    return cx.node({"Pool": {"Amax": {"dims": kd, "keepdim": bool(keepdim)}}}, [x], what)
+        return cx.node({"Pool": {"Argmax": {"dim": kd[0], "keepdim": bool(keepdim)}}}, [x], what, bdim=bdim)
+    return cx.node({"Pool": {"Amax": {"dims": kd, "keepdim": bool(keepdim)}}}, [x], what, bdim=bdim)
 
 
 @aten("aten.amax.default")
@@ -701,13 +702,42 @@ def sum_dims(cx, a):
     return cx.node(affine(float(n), 0.0), [_mean(cx, x, a.get("dim"), a.get("keepdim", False))], "affine")
 
 
+@aten("aten.linalg_vector_norm.default")
+def linalg_vector_norm(cx, a):
+    """`torch.linalg.vector_norm` (and `torch.norm(x, p, dim)`, ConvNeXt-V2's Global Response
+    Norm) over `dim` from Kiln's reductions: ord 2 is sqrt(sum(x * x)), 1 sum(|x|), inf max(|x|),
+    another positive p (sum(|x| ^ p)) ^ (1 / p)."""
+    x = act(a["self"])
+    order = float(a.get("ord", 2))
+    dims, keepdim = a.get("dim"), bool(a.get("keepdim", False))
+    rank = len(x.tshape)
+    reduced = sorted({norm_dim(d, rank) for d in (dims if dims else range(rank))})
+    if not math.isfinite(order) and order > 0:
+        return _reduce(cx, "Amax", cx.node(unary("Abs"), [x], "abs", x.tshape), reduced, keepdim, "amax")
+    if not (order > 0 and math.isfinite(order)):
+        raise Unsupported(f"a vector norm of ord {order} (Kiln's are of a positive, finite ord or inf)")
+    n = int(np.prod([x.tshape[d] for d in reduced]))
+    if order == 2:
+        powered = cx.binary("Mul", x, x, tshape=x.tshape)
+    else:
+        powered = cx.node(unary("Abs"), [x], "abs", x.tshape)
+        if order != 1:
+            powered = cx.node(unary("Pow", exponent=order), [powered], "pow", x.tshape)
+    total = cx.node(affine(float(n), 0.0), [_mean(cx, powered, reduced, keepdim)], "affine")
+    if order == 1:
+        return total
+    if order == 2:
+        return cx.node(unary("Sqrt"), [total], "sqrt")
+    return cx.node(unary("Pow", exponent=1.0 / order), [total], "pow")
+
+
 @aten("aten.softmax.int", "aten._softmax.default")
 def softmax(cx, a):
     x = act(a["self"])
     d = norm_dim(a["dim"], len(x.tshape))
-    if d == 0 and not x.lifted:
+    if d == x.bdim and not x.lifted:
         x = cx.lift(x)
-    return cx.node({"Norm": {"Softmax": {"dim": d + x.offset}}}, [x], "softmax")
+    return cx.node({"Norm": {"Softmax": {"dim": x.kdim(d)}}}, [x], "softmax", bdim=None if x.lifted else x.bdim)
 
 
 # -- resizing

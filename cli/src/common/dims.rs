@@ -117,11 +117,46 @@ pub fn check_shapes(shapes: Option<&crate::Shapes>, inputs: &[InputSpec], model:
         // An image's H and W are the flag's to set; every other dim is the model's.
         let fixed = |dims: &[usize]| if dims.len() == 3 { dims[..1].to_vec() } else { dims.to_vec() };
         if spec.dims.len() != input.dims.len() + 1 || fixed(&spec.dims[1..]) != fixed(&input.dims) {
-            return Err(Error::Flag {
-                flag: "--shapes".into(),
-                reason: format!("{given}: {model}'s input `{}` is Nx{}", input.name, text(&input.dims)),
-            });
+            return Err(Error::Flag { flag: "--shapes".into(), reason: format!("{given}: {}", expected_shape(&spec.dims, input, model)) });
         }
     }
     Ok(())
+}
+
+/// What `--shapes` should have given for `input`: its per-image dims, where an image's H and W
+/// are the flag's to set (so they are written `HxW`, not the size the model was traced at), and
+/// for a channels-last NxHxWxC image the NCHW shape meant.
+fn expected_shape(given: &[usize], input: &InputSpec, model: &str) -> String {
+    let text = |dims: &[usize]| crate::shapes::dims_text(dims);
+    match (input.dims.as_slice(), given) {
+        (&[c, _, _], &[n, h, w, last]) if last == c => format!(
+            "{model}'s input `{}` is NxCxHxW with C = {c} (channels first); for a {h}x{w} image write {}:{}",
+            input.name,
+            input.name,
+            text(&[n, c, h, w])
+        ),
+        (&[c, _, _], _) => format!("{model}'s input `{}` is Nx{c}xHxW (channels first; N, H and W are yours to set)", input.name),
+        (dims, _) => format!("{model}'s input `{}` is Nx{}", input.name, text(dims)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn image_input() -> InputSpec {
+        InputSpec { name: "input".into(), dims: vec![3, 224, 3], dtype: kiln::DType::F32 }
+    }
+
+    #[test]
+    fn a_channels_last_shape_is_answered_with_the_nchw_one() {
+        // Traced at the flag's 224x3 (its H x W read from NxCxHxW), the model's input is [3, 224, 3].
+        let text = expected_shape(&[1, 224, 224, 3], &image_input(), "resnet50");
+        assert!(text.contains("for a 224x224 image write input:1x3x224x224"), "{text}");
+        assert!(!text.contains("224x3"), "the traced size is not the expected shape: {text}");
+        let text = expected_shape(&[1, 4, 224, 224], &image_input(), "resnet50");
+        assert_eq!(text, "resnet50's input `input` is Nx3xHxW (channels first; N, H and W are yours to set)");
+        let tokens = InputSpec { name: "ids".into(), dims: vec![16], dtype: kiln::DType::F32 };
+        assert_eq!(expected_shape(&[1, 8], &tokens, "m"), "m's input `ids` is Nx16");
+    }
 }

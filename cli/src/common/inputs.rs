@@ -88,7 +88,7 @@ pub fn random_inputs(inputs: &[InputSpec], batch: usize, seed: u64) -> Result<Ve
 }
 
 /// A random input of `shape` whose memory is requested with `try_reserve`.
-pub fn random_input(shape: &[usize], seed: u64) -> Result<HostTensor> {
+fn random_input(shape: &[usize], seed: u64) -> Result<HostTensor> {
     kiln::dev::try_uniform_tensor(shape, seed)
 }
 
@@ -147,15 +147,6 @@ fn read_u8_input(path: &Path) -> Result<Option<(String, ByteTensor)>> {
         return Ok(None);
     }
     Ok(Some((key, ByteTensor::new(view.shape().to_vec(), view.data().to_vec())?)))
-}
-
-/// Checks an input is [N, C, H, W] with N at least 1 and returns (N, [H, W]); the model's own
-/// channel count is checked when the input is bound.
-pub fn input_dims(x: &HostTensor, what: &Path) -> Result<(usize, [usize; 2])> {
-    match x.shape.as_slice() {
-        [n, _, h, w] if *n > 0 => Ok((*n, [*h, *w])),
-        s => Err(Error::Binding { name: "input".into(), reason: format!("{} holds shape {s:?}; expected [N, C, H, W]", what.display()) }),
-    }
 }
 
 #[cfg(test)]

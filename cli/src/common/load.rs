@@ -151,6 +151,13 @@ fn load_frames(m: &ModelArgs, batch: usize, text: &str) -> Result<Traced> {
     Ok(Traced { name: info.name.into(), model: info.name.into(), graph, hw: None, origin: "bundled", weights: label, seeded })
 }
 
+/// The `-v` line of a model traced since `start`.
+fn traced_event(model: &str, graph: &Graph, start: std::time::Instant) {
+    let ops = graph.nodes.iter().filter(|n| !n.op.is_leaf()).count();
+    let weights = graph.weights.len();
+    tracing::debug!(model, ops, weights, ms = start.elapsed().as_secs_f64() * 1e3, "trace: graph recorded");
+}
+
 /// `trace_args` from the parts of the flags.
 pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize, hw: Option<[usize; 2]>) -> Result<Traced> {
     // Graph and engine files hold a graph traced at one size: another H x W re-infers every
@@ -187,10 +194,10 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
             }
             let shown = path.display().to_string();
             let model = file.metadata.get("model").cloned().unwrap_or_else(|| shown.clone());
-            // `kiln trace` records the weights it traced with.
+            // `kiln trace` and kiln-torch record the weights they traced with.
             let (weights, seeded) = match weights_path {
                 Some(w) => (w.display().to_string(), false),
-                None => ("graph file".to_string(), file.metadata.get("weights").is_some_and(|w| w == "seeded")),
+                None => ("graph file".to_string(), kiln::files::graph::has_random_weights(&file.metadata)),
             };
             return fixed(graph, shown, model, "graph file", weights, seeded);
         }
@@ -214,14 +221,19 @@ pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize
             if !seeded && weights_path.is_none() {
                 tracing::info!("note: {} loads its {label}", info.name);
             }
-            (info.name.to_string(), kiln_models::trace_hw(info.name, vb.clone(), batch, hw)?, vb, "bundled", (label, seeded))
+            let start = std::time::Instant::now();
+            let graph = kiln_models::trace_hw(info.name, vb.clone(), batch, hw)?;
+            traced_event(info.name, &graph, start);
+            (info.name.to_string(), graph, vb, "bundled", (label, seeded))
         }
         Source::User(name, f) => {
             if let Some(hw) = hw {
                 check_input_dims(batch, hw)?;
             }
             let (vb, label, seeded) = weights(weights_path, "")?;
+            let start = std::time::Instant::now();
             let graph = f(vb.clone(), batch, hw)?;
+            traced_event(&name, &graph, start);
             (name, graph, vb, "user", (label, seeded))
         }
     };

@@ -20,8 +20,8 @@ mod summary;
 
 pub use dims::{check_shapes, requested};
 pub use engine::{build_engine, engine_for, gpu, progress_bar};
-pub use inputs::{bind, engine_inputs, graph_inputs, input_dims, random_input, random_inputs, read_input, read_input_data, InputData};
+pub use inputs::{bind, engine_inputs, graph_inputs, random_inputs, read_input, read_input_data, InputData};
 pub use load::{load, load_args, trace_args, Traced};
 pub use memory::check_cpu_memory;
 pub use source::{is_engine_file, set_user_models, source, user_model_names, Source};
-pub use summary::{ms, summarize};
+pub use summary::{class_scores_output, ms, summarize};

@@ -4,7 +4,7 @@
 use crate::TraceFn;
 use kiln::files::FileKind;
 use kiln::{Error, Result};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 /// The models a program added with `main_with`, by name.
@@ -45,15 +45,21 @@ pub fn source(arg: &str) -> Result<Source> {
     }
     let path = PathBuf::from(arg);
     if !path.exists() {
-        if arg.ends_with(".kiln") || arg.ends_with(".safetensors") || arg.contains(std::path::MAIN_SEPARATOR) {
-            return Err(Error::Io { path, source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file") });
+        if looks_like_a_file(arg) {
+            return Err(Error::Io {
+                path: path.clone(),
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, missing_file_text(&path)),
+            });
         }
         let mut known = kiln_models::bundled_names();
         let users = user_model_names();
         if !users.is_empty() {
             known = format!("{known}; this program's own: {}", users.join(", "));
         }
-        return Err(Error::UnknownModel { name: arg.to_string(), known });
+        let names = kiln_models::BUNDLED.iter().map(|m| m.name.to_string()).chain(users);
+        let names: Vec<String> = names.collect();
+        let suggestion = kiln_models::closest_name(arg, names.iter().map(String::as_str)).map(str::to_string);
+        return Err(Error::UnknownModel { name: arg.to_string(), suggestion, known });
     }
     match kiln::files::kind(&path) {
         FileKind::Engine => Ok(Source::EngineFile(path)),
@@ -67,6 +73,36 @@ pub fn source(arg: &str) -> Result<Source> {
                      nor an engine file (.kiln by convention, from `kiln build`: it starts with KILNENG)"
                 .into(),
         }),
+    }
+}
+
+/// Whether a model argument that names nothing was meant as a file: it has a path separator or
+/// a file-like extension (`rn50.kiln.safetensor`: a dot, then letters or digits). No model name
+/// has a dot.
+fn looks_like_a_file(arg: &str) -> bool {
+    let separator = arg.contains('/') || arg.contains(std::path::MAIN_SEPARATOR);
+    let extension = arg
+        .rsplit_once('.')
+        .is_some_and(|(stem, ext)| !stem.is_empty() && !ext.is_empty() && ext.chars().all(|c| c.is_ascii_alphanumeric()));
+    separator || extension
+}
+
+/// The most entries of a folder looked through for a near file name.
+const MAX_LISTED: usize = 10_000;
+
+/// "no such file", with the nearest file name of its folder when one is near (a typo).
+fn missing_file_text(path: &Path) -> String {
+    let folder = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let Some(name) = path.file_name().and_then(|n| n.to_str()) else { return "no such file".into() };
+    let files: Vec<String> = std::fs::read_dir(&folder)
+        .map(|entries| entries.take(MAX_LISTED).filter_map(|e| e.ok()?.file_name().into_string().ok()).collect())
+        .unwrap_or_default();
+    match kiln_models::closest_name(name, files.iter().map(String::as_str)) {
+        Some(near) => format!("no such file; did you mean {}?", folder.join(near).display()),
+        None => "no such file".into(),
     }
 }
 

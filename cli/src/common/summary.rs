@@ -15,17 +15,49 @@ fn softmax(row: &[f32]) -> Vec<f32> {
 /// How many images' summaries to print at most.
 const SHOWN_IMAGES: usize = 4;
 
+/// ImageNet's class count: a `[N, 1000]` output is read as ImageNet class scores.
+pub const IMAGENET_CLASSES: usize = 1000;
+
+/// The output that holds a classifier's class scores, among `(name, shape)` pairs: the one named
+/// `logits` (Kiln's name, the bundled models'), else the only `[N, 1000]` output (an imported
+/// torchvision or timm classifier, whose one output kiln-torch names `output`). `None` when
+/// neither is there, or when several `[N, 1000]` outputs make the choice ambiguous.
+pub fn class_scores_output<'a>(outputs: impl IntoIterator<Item = (&'a str, &'a [usize])>) -> Option<&'a str> {
+    let mut imagenet = Vec::new();
+    for (name, shape) in outputs {
+        if name == "logits" {
+            return Some(name);
+        }
+        if let &[_, IMAGENET_CLASSES] = shape {
+            imagenet.push(name);
+        }
+    }
+    match imagenet.as_slice() {
+        [only] => Some(only),
+        _ => None,
+    }
+}
+
 /// People-readable outputs: top-k classes for logits, top-k detections for CenterNet, shapes and
 /// ranges for anything else. `input_width` (of an NCHW input) scales CenterNet's boxes to pixels.
 pub fn summarize(outputs: &BTreeMap<String, HostTensor>, top: usize, input_width: Option<usize>) -> String {
     let mut s = String::new();
-    if let Some(logits) = outputs.get("logits").filter(|t| t.shape.len() == 2) {
+    let scores = class_scores_output(outputs.iter().map(|(n, t)| (n.as_str(), t.shape.as_slice())));
+    if let Some(logits) = scores.and_then(|n| outputs.get(n)).filter(|t| t.shape.len() == 2) {
         let (n, classes) = (logits.shape[0], logits.shape[1]);
         for (img, row) in logits.data.chunks_exact(classes.max(1)).enumerate().take(SHOWN_IMAGES) {
             let p = softmax(row);
             let mut idx: Vec<usize> = (0..classes).collect();
             idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
-            let best: Vec<String> = idx.iter().take(top).map(|&c| format!("class {c:>4} (logit {:>7.3}, p {:.3})", row[c], p[c])).collect();
+            let names = if classes == IMAGENET_CLASSES { kiln_vision::imagenet_classes() } else { &[] };
+            let best: Vec<String> = idx
+                .iter()
+                .take(top)
+                .map(|&c| {
+                    let name = names.get(c).map_or(String::new(), |n| format!("  {n}"));
+                    format!("class {c:>4} (logit {:>7.3}, p {:.3}){name}", row[c], p[c])
+                })
+                .collect();
             s += &format!("image {img}: top-{}:\n    {}\n", best.len(), best.join("\n    "));
         }
         if n > SHOWN_IMAGES {
@@ -55,7 +87,7 @@ pub fn summarize(outputs: &BTreeMap<String, HostTensor>, top: usize, input_width
         }
     }
     for (name, t) in outputs {
-        if name == "logits" || name == "detections" {
+        if Some(name.as_str()) == scores || name == "detections" {
             continue;
         }
         let (lo, hi) = t.data.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| (lo.min(v), hi.max(v)));
@@ -85,6 +117,21 @@ mod tests {
         let classes: Vec<&str> = s.lines().filter(|l| l.contains("class")).map(|l| l.split_whitespace().nth(1).unwrap_or("")).collect();
         assert_eq!(classes, ["1", "4", "3"], "{s}");
         assert!(s.starts_with("image 0: top-3:"), "{s}");
+    }
+
+    #[test]
+    fn an_imagenet_output_of_any_name_is_read_as_class_scores() {
+        let shapes: [(&str, &[usize]); 2] = [("aux", &[2, 10]), ("output", &[2, 1000])];
+        assert_eq!(class_scores_output(shapes), Some("output"));
+        assert_eq!(class_scores_output([("logits", &[2, 10][..]), ("output", &[2, 1000][..])]), Some("logits"), "`logits` comes first");
+        assert_eq!(class_scores_output([("a", &[1, 1000][..]), ("b", &[1, 1000][..])]), None, "two candidates: ambiguous");
+        assert_eq!(class_scores_output([("output", &[1, 1000, 1][..])]), None);
+        let mut row = vec![0.0; 1000];
+        row[281] = 9.0;
+        let s = summarize(&BTreeMap::from([("output".to_string(), HostTensor::new(vec![1, 1000], row))]), 1, Some(224));
+        assert!(s.starts_with("image 0: top-1:\n    class  281 (logit   9.000, p 0."), "{s}");
+        assert!(s.contains(&format!("  {}", kiln_vision::imagenet_classes()[281])), "the class is named:\n{s}");
+        assert!(!s.contains("min"), "the scores are not summarised as a range too:\n{s}");
     }
 
     #[test]
