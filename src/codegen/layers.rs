@@ -304,12 +304,6 @@ fn activation(u: Unary) -> Option<LayerSpec> {
     Some(LayerSpec { ty: layer.ty, config })
 }
 
-/// The Kiln names an activation layer's code may use, from every activation's form: what
-/// structured codegen imports from `kiln::nn` when used, and never names a struct of its own.
-pub(super) fn activation_layer_names() -> Vec<&'static str> {
-    Unary::layer_names()
-}
-
 fn form_lit(v: FormArg) -> Lit {
     match v {
         FormArg::F32(v) => Lit::F32(v),
@@ -543,7 +537,7 @@ mod tests {
             let layer = activation(op).map(|l| (l.ty, l.config.as_ref().map_or("()".to_string(), written)));
             assert_eq!(layer, layer_form.map(|(ty, config)| (ty, config.to_string())), "{op:?}");
         }
-        let names = activation_layer_names();
+        let names = Unary::layer_names();
         for name in ["ELU", "ELUConfig", "Mish", "Softplus", "SoftplusConfig", "ReLU", "LeakyReLUConfig"] {
             assert!(names.contains(&name), "{name} is not among the names generated code may import: {names:?}");
         }

@@ -2,7 +2,8 @@
 //! bodies agree (some of them perhaps lacking optional children, as `downsample`) are one struct,
 //! children before parents, each named after its class.
 
-use crate::codegen::layers::{activation_layer_names, layer, Lit};
+use crate::codegen::layers::{layer, Lit};
+use crate::graph::Unary;
 use crate::codegen::tree::{last, Child, Instance, Stmt, Tree, Val, IMPLICIT_LIST};
 use crate::graph::Op;
 use crate::Result;
@@ -204,7 +205,7 @@ impl<'t, 'g, 'a> Types<'t, 'g, 'a> {
     fn name_types(&mut self, first: usize) {
         for t in first..self.defs.len() {
             let base = self.defs[t].name.clone();
-            let reserved = RESERVED.contains(&base.as_str()) || activation_layer_names().contains(&base.as_str());
+            let reserved = RESERVED.contains(&base.as_str()) || Unary::layer_names().contains(&base.as_str());
             let base = if reserved { format!("{base}Block") } else { base };
             let mut name = base.clone();
             let mut n = 1;
