@@ -106,8 +106,9 @@ pub mod kernels {
     pub use crate::ops::kernel_entry_points;
 }
 
-/// Every built-in op, and the PyTorch fixture cases each op family is checked against.
+/// Every built-in op, the PyTorch fixture cases each op family is checked against, each family's
+/// `kiln::nn` layers and the ATen ops kiln-torch imports as each op.
 pub mod ops {
     pub use crate::ops::conv::conv_transpose2d_cpu;
-    pub use crate::ops::{builtin_ops, fixture_twins, Fixture, FixtureTwin};
+    pub use crate::ops::{aten_imports, builtin_ops, fixture_twins, nn_layers, AtenImport, Fixture, FixtureTwin, NnLayer};
 }

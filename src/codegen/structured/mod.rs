@@ -22,9 +22,9 @@ mod structs;
 mod types;
 
 use super::layers::R;
-use crate::graph::Unary;
 use super::tree::Tree;
 use super::{ident, CodegenOptions};
+use crate::graph::Unary;
 use crate::graph::{Graph, Op};
 use crate::{Error, Result};
 use std::collections::BTreeSet;

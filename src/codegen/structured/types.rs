@@ -3,9 +3,9 @@
 //! children before parents, each named after its class.
 
 use crate::codegen::layers::{layer, Lit};
-use crate::graph::Unary;
 use crate::codegen::tree::{last, Child, Instance, Stmt, Tree, Val, IMPLICIT_LIST};
 use crate::graph::Op;
+use crate::graph::Unary;
 use crate::Result;
 use std::collections::{BTreeMap, HashMap};
 

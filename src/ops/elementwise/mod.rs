@@ -11,10 +11,10 @@ mod forms;
 mod modules;
 mod unary;
 
-pub use binary::{binary, broadcast_shape, broadcast_strides, Binary};
-pub use forms::{ConfigForm, FormArg, LayerForm, UnaryForm};
+pub use binary::Binary;
+pub use forms::{ConfigForm, FormArg};
 pub use modules::*;
-pub use unary::{activation, bias_act, Unary};
+pub use unary::{bias_act, Unary};
 
 use crate::engine::launch::{Arg, KArg};
 use crate::module::{Forward, Module};
