@@ -299,7 +299,15 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
         Some(path) => {
             let (reference, meta, inputs) = read_reference(path)?;
             let (batch, hw) = reference_dims(&inputs, path)?;
-            let traced = common::load_args(&a.model, batch, hw)?;
+            let traced = match common::load_args(&a.model, batch, hw) {
+                Ok(traced) => traced,
+                // The first input's H x W may not be the model's because the reference is another
+                // model's: then which inputs it lacks is the error to show.
+                Err(e) => match hw.and_then(|_| common::load_args(&a.model, batch, None).ok()) {
+                    Some(at_own_size) => return Err(inputs.bind(&at_own_size, path).err().unwrap_or(e)),
+                    None => return Err(e),
+                },
+            };
             let inputs = inputs.bind(&traced, path)?;
             check_shapes_against_reference(&a, path, &inputs)?;
             (traced, Against { reference, meta, inputs, seed: None })
