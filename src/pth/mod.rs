@@ -12,7 +12,9 @@
 //! numel[, view])`. The unpickler here knows only the globals such a state_dict needs (the
 //! rebuild functions, the storage types, `collections.OrderedDict`); any other global is an
 //! `Error::CheckpointGlobal` naming it, raised as soon as the pickle names it. Sizes from the file
-//! are checked before anything is allocated, and every read is bounds-checked.
+//! are checked before anything is allocated, and every read is bounds-checked. The pickle machine
+//! itself is bounded (opcodes, stack, memo, open marks, nesting: `pickle::Bounds`, sized for
+//! torch.save's state_dicts); passing a bound is an `Error::PickleLimit` naming the byte offset.
 
 mod legacy;
 mod pickle;
@@ -139,6 +141,9 @@ struct TensorRef {
     shape: Vec<usize>,
     stride: Vec<usize>,
 }
+
+#[cfg(test)]
+mod bounds_tests;
 
 #[cfg(test)]
 mod tests {

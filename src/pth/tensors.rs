@@ -19,7 +19,7 @@ pub(super) fn state_dict(u: &Unpickler, root: Value) -> Result<BTreeMap<String, 
         let mut out = BTreeMap::new();
         for &(k, v) in pairs {
             match (u.str_of(k), u.obj(v)) {
-                (Some(k), Some(Obj::Tensor(t))) => out.insert(k.to_string(), t.clone()),
+                (Some(k), Some(Obj::Tensor(t))) => out.insert(k.to_string(), (**t).clone()),
                 _ => return None,
             };
         }
