@@ -23,6 +23,9 @@ pub enum Error {
     #[error("cannot read safetensors file {path}: {reason}")]
     Safetensors { path: PathBuf, reason: String },
 
+    #[error("cannot read weights file {path}: {reason}")]
+    WeightsFile { path: PathBuf, reason: String },
+
     #[error("cannot read PyTorch checkpoint {path}: {reason}")]
     Checkpoint { path: PathBuf, reason: String },
 
