@@ -24,7 +24,7 @@ const PLANS: &[(&str, usize, &[usize])] =
     &[("resnet18", 224, &[1, 8, 64, 256]), ("resnet50", 224, &[1, 8, 64, 256]), ("centernet", 512, &[1, 8, 32])];
 
 fn input(batch: usize, size: usize) -> HostTensor {
-    kiln::internals::seeded::weight("input.0", &[batch, 3, size, size])
+    kiln::dev::weight("input.0", &[batch, 3, size, size])
 }
 
 /// An execution context of an engine for exactly `batch`, inputs bound, its CUDA graph captured.
@@ -61,8 +61,7 @@ fn gpu_benches(c: &mut Criterion, gpu: &Arc<Gpu>) {
 }
 
 fn cpu_bench(c: &mut Criterion) {
-    let graph =
-        kiln::internals::passes::optimize(&kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 224).expect("trace")).expect("passes");
+    let graph = kiln::engine::optimize(&kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 224).expect("trace")).expect("passes");
     let x = input(1, 224);
     let mut group = c.benchmark_group("cpu/resnet18");
     group.throughput(Throughput::Elements(1));

@@ -18,8 +18,8 @@
 //! arithmetic).
 
 use kiln::engine::{gpu_available, BuildConfig, EngineBuilder, Precision};
+use kiln::image::ChannelOrder;
 use kiln::{ByteTensor, HostInput, HostTensor, VarBuilder};
-use kiln_models::classify_preset::ChannelOrder;
 use kiln_vision::{imagenet_classes, load_rgb, top_k, ClassifyPreset};
 use std::error::Error;
 use std::sync::Arc;
@@ -42,6 +42,10 @@ fn args() -> Result<Args, String> {
             "--weights" => weights = Some(it.next().ok_or(usage)?),
             "--cpu" => cpu = true,
             "--gpu-entry" => gpu_entry = true,
+            "-h" | "--help" => {
+                println!("{usage}");
+                std::process::exit(0);
+            }
             _ if a.starts_with('-') || photo.is_some() => return Err(format!("unexpected `{a}`; {usage}")),
             _ => photo = Some(a),
         }
@@ -56,7 +60,7 @@ fn logits(graph: &kiln::Graph, name: &str, x: HostInput<'_>, cpu: bool) -> kiln:
             let engine = Arc::new(EngineBuilder::new(BuildConfig::default().precision(Precision::Fp16)).build(graph)?);
             engine.context()?.run(&[(name, x)])?
         }
-        _ => kiln::run_cpu(&kiln::internals::passes::optimize(graph)?, &[(name, x)])?,
+        _ => kiln::run_cpu(&kiln::engine::optimize(graph)?, &[(name, x)])?,
     };
     Ok(out.remove("logits").expect("a classifier's output is `logits`"))
 }

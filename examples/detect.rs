@@ -13,8 +13,8 @@
 //! the NMS mapping boxes onto the frame): the engine takes the photo's decoded bytes as they are.
 
 use kiln::engine::{gpu_available, BuildConfig, EngineBuilder, Precision};
+use kiln::image::ChannelOrder;
 use kiln::{ByteTensor, HostInput, HostTensor, VarBuilder};
-use kiln_models::yolo_letterbox::ChannelOrder;
 use kiln_vision::{coco_classes, detections, draw_detections, letterbox, load_rgb, save_png};
 use std::collections::BTreeMap;
 use std::error::Error;
@@ -31,7 +31,7 @@ fn run(graph: &kiln::Graph, name: &str, x: HostInput<'_>, cpu: bool) -> kiln::Re
             let engine = Arc::new(EngineBuilder::new(BuildConfig::default().precision(Precision::Fp16)).build(graph)?);
             engine.context()?.run(&[(name, x)])
         }
-        _ => kiln::run_cpu(&kiln::internals::passes::optimize(graph)?, &[(name, x)]),
+        _ => kiln::run_cpu(&kiln::engine::optimize(graph)?, &[(name, x)]),
     }
 }
 
@@ -45,6 +45,10 @@ fn main() -> Result<(), Box<dyn Error>> {
             "-o" | "--output" => out = it.next().ok_or(usage)?,
             "--cpu" => cpu = true,
             "--gpu-entry" => gpu_entry = true,
+            "-h" | "--help" => {
+                println!("{usage}");
+                std::process::exit(0);
+            }
             _ if a.starts_with('-') || photo.is_some() => return Err(format!("unexpected `{a}`; {usage}").into()),
             _ => photo = Some(a),
         }

@@ -65,6 +65,10 @@ fn main() -> Result<(), Box<dyn Error>> {
         match a.as_str() {
             "--threads" => threads = it.next().ok_or(usage)?.parse()?,
             "--requests" => requests = it.next().ok_or(usage)?.parse()?,
+            "-h" | "--help" => {
+                println!("{usage}");
+                std::process::exit(0);
+            }
             _ if a.starts_with('-') || path.is_some() => return Err(format!("unexpected `{a}`; {usage}").into()),
             _ => path = Some(a),
         }
@@ -89,10 +93,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     let (reply, answers) = channel();
     let bytes = engine.input_dtype(name) == Some(kiln::DType::U8);
     for r in 0..requests {
-        let mut input = kiln::internals::seeded::uniform_tensor(&shape, r as u64);
-        if bytes {
-            input.data.iter_mut().for_each(|v| *v = ((*v + 1.0) * 127.9).floor());
-        }
+        let input = request_input(&shape, r, bytes);
         send.send(Request { input, reply: reply.clone() })?;
     }
     drop((send, reply));
@@ -115,4 +116,21 @@ fn main() -> Result<(), Box<dyn Error>> {
         answers.len() as f64 / wall
     );
     Ok(())
+}
+
+/// A stand-in for request `r`'s payload: values spread over [-1, 1) that differ per request (pixel
+/// levels 0..=255 for an input declared u8), so that each answer is checked against its own input.
+fn request_input(shape: &[usize], r: usize, bytes: bool) -> kiln::HostTensor {
+    let n: usize = shape.iter().product();
+    let data = (0..n)
+        .map(|i| {
+            let v = ((i.wrapping_mul(2_654_435_761) ^ r.wrapping_mul(40_503)) % 2048) as f32 / 1024.0 - 1.0;
+            if bytes {
+                ((v + 1.0) * 127.9).floor()
+            } else {
+                v
+            }
+        })
+        .collect();
+    kiln::HostTensor::new(shape.to_vec(), data)
 }

@@ -472,6 +472,38 @@ const KEYWORDS: &[&str] = &[
     "typeof", "unsized", "virtual", "vb", "tracer", "batch",
 ];
 
+/// The op-level IR's types, which generated code imports from `kiln::plugin`: every type an op's
+/// serde form names must be one of them.
+const IR: &[&str] = &[
+    "Activation",
+    "Attention",
+    "Binary",
+    "ConvAttrs",
+    "CustomCall",
+    "Gemm",
+    "Node",
+    "Norm",
+    "Op",
+    "Pool",
+    "PoolAttrs",
+    "QkvAttention",
+    "Quant",
+    "QuantFormat",
+    "QuantParams",
+    "Resize",
+    "ShapeOp",
+    "Unary",
+];
+
+/// The Rust expression codegen writes for `op` in its serde form, or why it cannot; and the types
+/// it names that generated code could not import (not in `IR`). For the op-completeness test.
+#[cfg(test)]
+pub(crate) fn serde_form(op: &Op) -> Result<(String, Vec<&'static str>)> {
+    let mut used = BTreeSet::new();
+    let expr = op_expr(op, &mut used)?.flat();
+    Ok((expr, used.into_iter().filter(|t| !IR.contains(t) && *t != "BTreeMap").collect()))
+}
+
 /// A Rust identifier for a module path: `layer1.0.conv1` → `layer1_0_conv1`.
 fn ident(path: &str) -> String {
     let mut s: String = path.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' }).collect();
@@ -491,26 +523,6 @@ fn ident(path: &str) -> String {
 /// `kiln::plugin` (the graph's op-level IR).
 pub(crate) fn kiln_uses(names: &[&str], width: usize) -> String {
     const ROOT: &[&str] = &["Forward", "Graph", "HostTensor", "Module", "NodeId", "Param", "Result", "Tensor", "Tracer", "VarBuilder"];
-    const IR: &[&str] = &[
-        "Activation",
-        "Attention",
-        "Binary",
-        "ConvAttrs",
-        "CustomCall",
-        "Gemm",
-        "Node",
-        "Norm",
-        "Op",
-        "Pool",
-        "PoolAttrs",
-        "QkvAttention",
-        "Quant",
-        "QuantFormat",
-        "QuantParams",
-        "Resize",
-        "ShapeOp",
-        "Unary",
-    ];
     let of = |face: &dyn Fn(&str) -> bool| names.iter().copied().filter(|n| face(n)).collect::<Vec<_>>();
     let root = of(&|n| ROOT.contains(&n));
     let nn = of(&|n| !ROOT.contains(&n) && !IR.contains(&n));

@@ -52,6 +52,10 @@ pub fn run_with_progress<'a, T: Into<HostInput<'a>> + Copy>(
 
     let mut values: Vec<Option<Cow<HostTensor>>> = vec![None; graph.nodes.len()];
     let total = graph.nodes.iter().enumerate().filter(|(i, n)| live[*i] && !n.op.is_leaf()).count();
+    let batch = inputs.first().map(|(_, x)| x.shape().first().copied().unwrap_or(0));
+    tracing::debug!(ops = total, inputs = inputs.len(), batch, "run: CPU executor starts");
+    let start = std::time::Instant::now();
+    let op_timing = tracing::enabled!(tracing::Level::TRACE);
     let mut done = 0;
     for (id, node) in graph.nodes.iter().enumerate() {
         if !live[id] {
@@ -74,6 +78,13 @@ pub fn run_with_progress<'a, T: Into<HostInput<'a>> + Copy>(
                     .map(|w| w.as_ref())
                     .ok_or_else(|| Error::MissingWeight { key: name.clone(), source_name: "the graph's weights".into() })?,
             ),
+            _ if op_timing => {
+                let t = std::time::Instant::now();
+                let value = eval_node(graph, id, &mut values, &pending, &is_output)?;
+                let ms = t.elapsed().as_secs_f64() * 1e3;
+                tracing::trace!(node = id, path = %node.path, op = node.op.name(), shape = ?value.shape, ms, "run: op");
+                Cow::Owned(value)
+            }
             _ => Cow::Owned(eval_node(graph, id, &mut values, &pending, &is_output)?),
         };
         for &j in &node.inputs {
@@ -93,6 +104,7 @@ pub fn run_with_progress<'a, T: Into<HostInput<'a>> + Copy>(
         let v = v.ok_or_else(|| Error::Binding { name: name.clone(), reason: format!("the output (%{id}) was not computed") })?;
         out.insert(name.clone(), v.into_owned());
     }
+    tracing::debug!(ops = total, outputs = out.len(), ms = start.elapsed().as_secs_f64() * 1e3, "run: CPU executor done");
     Ok(out)
 }
 

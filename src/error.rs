@@ -57,8 +57,8 @@ pub enum Error {
     #[error("calibration ({path}): {reason}")]
     Calibration { path: String, reason: String },
 
-    #[error("unknown model `{name}`; the bundled models are: {known}")]
-    UnknownModel { name: String, known: String },
+    #[error("{}", unknown_model_text(name, suggestion.as_deref(), known))]
+    UnknownModel { name: String, suggestion: Option<String>, known: String },
 
     // ---- compiling and running -----------------------------------------------------------
     #[error("no {backend} converter for op `{op}` (at `{path}`); register one with `kiln::register_converter!`")]
@@ -69,6 +69,9 @@ pub enum Error {
 
     #[error("input `{name}`: {reason}")]
     Binding { name: String, reason: String },
+
+    #[error("output `{name}`: {model} has no such output to read (its outputs: {outputs:?}){hint}")]
+    NoSuchOutput { name: String, model: String, outputs: Vec<String>, hint: String },
 
     #[error("input `{name}` is declared u8, but its element {index:?} is {value}, not an integer in 0..=255")]
     NotAByte { name: String, index: Vec<usize>, value: f32 },
@@ -183,6 +186,14 @@ pub enum LowerKind {
     Workspace,
     /// The operands disagree in shape, element type or layout with what the layer was planned for.
     Operands,
+}
+
+/// `UnknownModel`'s message: the closest known name when one is near (a typo), else every name.
+fn unknown_model_text(name: &str, suggestion: Option<&str>, known: &str) -> String {
+    match suggestion {
+        Some(s) => format!("unknown model `{name}`; did you mean `{s}`? (`kiln models` lists every model)"),
+        None => format!("unknown model `{name}`; the bundled models are: {known}"),
+    }
 }
 
 impl Error {

@@ -26,6 +26,16 @@ pub const VERSION: u32 = 1;
 pub const KEY_FORMAT: &str = "format";
 pub const KEY_VERSION: &str = "kiln.version";
 pub const KEY_GRAPH: &str = "kiln.graph";
+/// Metadata key (`"true"`) of a graph whose weights are random (seeded or PyTorch's
+/// initialisation, as kiln-torch exports without `--weights`): `kiln run` warns its answers are
+/// meaningless.
+pub const KEY_RANDOM_WEIGHTS: &str = "kiln.random_weights";
+
+/// Whether a graph file's metadata says its weights are random: `KEY_RANDOM_WEIGHTS` is `true`,
+/// or `weights` is `seeded` (as `kiln trace` writes it).
+pub fn has_random_weights(metadata: &BTreeMap<String, String>) -> bool {
+    metadata.get(KEY_RANDOM_WEIGHTS).is_some_and(|v| v == "true") || metadata.get("weights").is_some_and(|w| w == "seeded")
+}
 /// The extension `kiln trace` suggests: `model.kiln.safetensors`.
 pub const EXTENSION: &str = ".kiln.safetensors";
 /// The most nodes a graph file may hold: far above any real network, low enough to bound work.

@@ -329,8 +329,12 @@ fn run_keyed(
     let mut by_node: HashMap<NodeId, f64> = HashMap::new();
     let mut layers = Vec::new();
     for (key, id) in &pairs {
-        let value =
-            got.get(key).ok_or_else(|| Error::Binding { name: key.to_string(), reason: "the run returned no such output".into() })?;
+        let value = got.get(key).ok_or_else(|| Error::NoSuchOutput {
+            name: key.to_string(),
+            model: "the run".into(),
+            outputs: got.keys().cloned().collect(),
+            hint: String::new(),
+        })?;
         let comparison = compare(key, value, &reference[key]);
         // A shape mismatch has infinite error; it still ranks as the culprit.
         by_node.insert(*id, comparison.rel_l2);

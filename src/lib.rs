@@ -5,14 +5,20 @@
 //! Module structs ──forward(symbolic Tensor)──► Graph ──passes──► run_cpu | engine::EngineBuilder ──► Engine
 //! ```
 //!
-//! The crate shows four faces:
+//! The crate shows seven faces, each for one audience:
 //! - this root: tracing ([`Tensor`], [`Tracer`]), modules ([`Module`], [`Forward`]), weights
 //!   ([`VarBuilder`]), the traced [`Graph`], host tensors, the CPU reference ([`run_cpu`]) and the
 //!   comparison against reference outputs ([`compare`]);
 //! - [`nn`]: the layers and their configs, named as in `torch.nn`;
 //! - [`engine`]: compile a graph into an engine, run it, calibrate it for 8-bit precisions;
+//! - [`files`]: safetensors and PyTorch checkpoints into [`HostTensor`]s, graph files, engine files;
+//! - [`image`]: the image geometry of the entry presets (letterbox, torchvision's resize and crop);
 //! - [`plugin`]: what a custom op needs: its registration, its GPU layer, kernel compilation and
-//!   launch.
+//!   launch;
+//! - [`dev`]: for tools and test suites: seeded tensors, the CPU simulation of 8-bit engines,
+//!   layer-by-layer comparison, DOT and code generation, the build's planning decisions.
+//!
+//! Every other module is private.
 
 #![warn(clippy::undocumented_unsafe_blocks)]
 
@@ -20,16 +26,17 @@ mod calibrate;
 mod codegen;
 mod compare;
 mod cpu;
+pub mod dev;
 mod dot;
 pub mod engine;
 mod error;
+pub mod files;
 mod graph;
 mod graph_file;
 mod hash;
 mod host;
 mod host_tensor;
-#[doc(hidden)]
-pub mod internals;
+pub mod image;
 mod layerwise;
 mod module;
 pub mod nn;

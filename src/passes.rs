@@ -11,12 +11,20 @@ use std::sync::Arc;
 
 /// Every pass, in the order the engine builder wants them.
 pub fn optimize(graph: &Graph) -> Result<Graph> {
-    let g = fold_batchnorm(graph)?;
-    let g = fold_linear_scale(&g)?;
-    let g = fuse_conv_activation(&g)?;
-    let g = fuse_linear_add(&g)?;
-    let g = fuse_conv_max_pool(&g)?;
-    remove_dead_nodes(&g)
+    let start = std::time::Instant::now();
+    let ops = |g: &Graph| g.nodes.iter().filter(|n| !n.op.is_leaf()).count();
+    let step = |name: &str, g: Graph| {
+        tracing::trace!(pass = name, ops = ops(&g), "optimise: pass done");
+        g
+    };
+    let g = step("fold_batchnorm", fold_batchnorm(graph)?);
+    let g = step("fold_linear_scale", fold_linear_scale(&g)?);
+    let g = step("fuse_conv_activation", fuse_conv_activation(&g)?);
+    let g = step("fuse_linear_add", fuse_linear_add(&g)?);
+    let g = step("fuse_conv_max_pool", fuse_conv_max_pool(&g)?);
+    let g = remove_dead_nodes(&g)?;
+    tracing::debug!(before = ops(graph), after = ops(&g), ms = start.elapsed().as_secs_f64() * 1e3, "optimise: folded and fused");
+    Ok(g)
 }
 
 /// Conv2d / ConvTranspose2d read only by a BatchNorm2d → one conv with folded weights and bias.

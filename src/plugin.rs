@@ -11,7 +11,7 @@
 //! reads from its [`Node`] and which `kiln codegen --flat` writes.
 
 pub use crate::engine::gemm::LtMatmul;
-pub use crate::engine::kernels::{compile_source, Kernels};
+pub use crate::engine::kernels::{compile_source, image_has_symbol, nvrtc_available, Kernels};
 pub use crate::engine::launch::{grid_for, launch, Arg, CudaFunction, KArg, KernelLayer, BLOCK};
 pub use crate::engine::layer::{DeviceBuf, Elem, Layer, LayerCtx, Layout, RunCtx, ValueDesc, ValueId, MAX_RANK};
 pub use crate::error::OpError;
@@ -20,5 +20,6 @@ pub use crate::graph::{
     ShapeOp, Unary,
 };
 pub use crate::ops::custom::{attr, Attrs, CustomCall, CustomOp, ShapeRule};
-pub use crate::ops::custom::{check_converters, converter, Converter};
+pub use crate::ops::custom::{check_converters, check_registry, converter, lookup, Converter};
+pub use crate::ops::elementwise::bias_act;
 pub use crate::ops::{BuildCtx, OpDef};

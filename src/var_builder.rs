@@ -160,14 +160,20 @@ impl VarBuilder {
             }
             pth.push(crate::pth::looks_like_checkpoint(head));
         }
-        match (pth.iter().all(|&p| p), pth.iter().any(|&p| p)) {
-            (true, true) => Self::from_pth(paths),
-            (_, false) => Self::from_safetensors(paths),
-            _ => Err(Error::Checkpoint {
-                path: paths[pth.iter().position(|&p| p).unwrap_or(0)].as_ref().into(),
-                reason: "is a PyTorch checkpoint, given with safetensors files: give weights files of one kind".into(),
-            }),
-        }
+        let start = std::time::Instant::now();
+        let (vb, kind) = match (pth.iter().all(|&p| p), pth.iter().any(|&p| p)) {
+            (true, true) => (Self::from_pth(paths)?, "PyTorch checkpoint"),
+            (_, false) => (Self::from_safetensors(paths)?, "safetensors"),
+            _ => {
+                return Err(Error::Checkpoint {
+                    path: paths[pth.iter().position(|&p| p).unwrap_or(0)].as_ref().into(),
+                    reason: "is a PyTorch checkpoint, given with safetensors files: give weights files of one kind".into(),
+                })
+            }
+        };
+        let files: Vec<String> = paths.iter().map(|p| p.as_ref().display().to_string()).collect();
+        tracing::debug!(?files, kind, ms = start.elapsed().as_secs_f64() * 1e3, "load: weights opened");
+        Ok(vb)
     }
 
     /// Weights from tensors already in memory.

@@ -7,9 +7,10 @@
 //! 1/255) and against kiln-vision's `ClassifyPreset`, from u8 frames in either channel order.
 //! The GPU layer is checked against this reference in `tests/gpu_classify_preset.rs`.
 
-use kiln::internals::var_builder::read_safetensors;
+use kiln::files::read_safetensors;
+use kiln::image::ChannelOrder;
 use kiln::{compare, ByteTensor, HostTensor, Tracer};
-use kiln_models::classify_preset::{classify_preset, frame_input, ChannelOrder, Preset};
+use kiln_models::classify_preset::{classify_preset, frame_input, Preset};
 use kiln_vision::{ClassifyPreset, RgbImage};
 use std::collections::BTreeMap;
 use std::path::PathBuf;

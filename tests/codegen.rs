@@ -9,8 +9,8 @@
 mod resnet18_gen;
 
 use kiln::compare;
+use kiln::dev::codegen::{generate, CodegenOptions};
 use kiln::engine::{gpu_available, BuildConfig, EngineBuilder, Gpu, Precision};
-use kiln::internals::codegen::{generate, CodegenOptions};
 use kiln::{Graph, HostTensor, VarBuilder};
 use std::path::Path;
 use std::sync::Arc;
@@ -34,7 +34,7 @@ fn traced(batch: usize) -> Graph {
 }
 
 fn input(batch: usize) -> HostTensor {
-    kiln::internals::seeded::weight("input.0", &[batch, 3, 224, 224])
+    kiln::dev::weight("input.0", &[batch, 3, 224, 224])
 }
 
 /// Same nodes (op, attributes, inputs, shape, path) in the same order, same bindings, same weights.

@@ -2,17 +2,17 @@
 //! shapes covering the non-default settings; and the executor's binding and error behaviour.
 
 use kiln::compare;
-use kiln::{internals::cpu, ByteTensor, DType, Error, HostInput};
 use kiln::{
     plugin::{Activation, Binary, ConvAttrs, CustomCall, Gemm, Norm, Op, Pool, PoolAttrs, ShapeOp, Unary},
     Graph, HostTensor,
 };
+use kiln::{ByteTensor, DType, Error, HostInput};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// Fresh pseudo-random values in [-1, 1): a new stream per call and per process run.
 fn rand(shape: &[usize]) -> HostTensor {
-    kiln::internals::seeded::uniform_tensor(shape, kiln::internals::seeded::fresh_seed())
+    kiln::dev::uniform_tensor(shape, kiln::dev::fresh_seed())
 }
 
 /// Positive values in [0.5, 1.5) (variances).
@@ -40,7 +40,7 @@ fn run_op(op: Op, x: &HostTensor, others: &[&HostTensor], weights: &[&HostTensor
     }
     let y = g.push(op, ids, "op".into()).expect("shape rule accepts the test case");
     g.mark_output("y", y);
-    cpu::run(&g, &bindings).expect("cpu run").remove("y").expect("output y")
+    kiln::run_cpu(&g, &bindings).expect("cpu run").remove("y").expect("output y")
 }
 
 fn assert_close(name: &str, got: &HostTensor, want: &HostTensor) {
@@ -235,7 +235,7 @@ fn conv_case(x: [usize; 4], cout: usize, k: [usize; 2], a: ConvAttrs) {
     }
     let y = g.push(Op::Conv(a), ids, "conv".into()).expect("conv shape");
     g.mark_output("y", y);
-    let got = cpu::run(&g, &bindings).expect("cpu run").remove("y").expect("y");
+    let got = kiln::run_cpu(&g, &bindings).expect("cpu run").remove("y").expect("y");
     assert_close(&format!("conv2d {x:?} k{k:?} {a:?}"), &got, &want);
 }
 
@@ -291,10 +291,10 @@ fn fused_conv_transpose_applies_residual_and_relu() {
     let mut want = naive_conv_transpose2d(&x, &w, Some(&b), &plain);
     let r = rand(&want.shape);
     want.data.iter_mut().zip(&r.data).for_each(|(v, r)| *v = (*v + r).max(0.0));
-    let got = kiln::internals::ops::conv::conv_transpose2d_cpu(&a, &[&x, &w, &b, &r]).expect("fused deconv");
+    let got = kiln::dev::ops::conv_transpose2d_cpu(&a, &[&x, &w, &b, &r]).expect("fused deconv");
     assert_close("fused conv_transpose2d", &got, &want);
     let wrong = rand(&[1, 3, 5, 5]);
-    let err = kiln::internals::ops::conv::conv_transpose2d_cpu(&a, &[&x, &w, &b, &wrong]).expect_err("residual shape is checked");
+    let err = kiln::dev::ops::conv_transpose2d_cpu(&a, &[&x, &w, &b, &wrong]).expect_err("residual shape is checked");
     assert!(err.to_string().contains("residual"), "{err}");
 }
 
@@ -484,12 +484,12 @@ fn small_net_typed(batch: usize, dtype: kiln::DType) -> Graph {
 fn batch_may_differ_from_the_traced_one() {
     let g = small_net(1);
     let x = rand(&[3, 3, 16, 12]);
-    let out = cpu::run(&g, &[("x", &x)]).expect("batch 3 on a batch-1 trace");
+    let out = kiln::run_cpu(&g, &[("x", &x)]).expect("batch 3 on a batch-1 trace");
     assert_eq!(out["logits"].shape, vec![3, 5]);
     // Each image's row equals that image run alone.
     for i in 0..3 {
         let one = HostTensor::new(vec![1, 3, 16, 12], x.data[i * 576..(i + 1) * 576].to_vec());
-        let alone = cpu::run(&g, &[("x", &one)]).expect("batch 1")["logits"].clone();
+        let alone = kiln::run_cpu(&g, &[("x", &one)]).expect("batch 1")["logits"].clone();
         let row = HostTensor::new(vec![1, 5], out["logits"].data[i * 5..(i + 1) * 5].to_vec());
         assert_close(&format!("image {i}"), &row, &alone);
     }
@@ -503,18 +503,18 @@ fn bad_bindings_are_typed_errors_naming_the_input() {
         Err(Error::Binding { name, reason }) => (name, reason),
         other => panic!("expected a binding error, got {other:?}"),
     };
-    let (name, reason) = binding(cpu::run::<&HostTensor>(&g, &[]));
+    let (name, reason) = binding(kiln::run_cpu::<&HostTensor>(&g, &[]));
     assert_eq!((name.as_str(), reason.as_str()), ("x", "not given"));
-    let (name, reason) = binding(cpu::run(&g, &[("x", &x), ("image", &x)]));
+    let (name, reason) = binding(kiln::run_cpu(&g, &[("x", &x), ("image", &x)]));
     assert_eq!(name, "image");
     assert!(reason.contains("no such input"), "{reason}");
-    let (name, _) = binding(cpu::run(&g, &[("x", &x), ("x", &x)]));
+    let (name, _) = binding(kiln::run_cpu(&g, &[("x", &x), ("x", &x)]));
     assert_eq!(name, "x");
-    let (_, reason) = binding(cpu::run(&g, &[("x", &rand(&[2, 4, 16, 12]))]));
+    let (_, reason) = binding(kiln::run_cpu(&g, &[("x", &rand(&[2, 4, 16, 12]))]));
     assert!(reason.contains("[2, 3, 16, 12]"), "{reason}");
-    binding(cpu::run(&g, &[("x", &rand(&[2, 3, 12, 16]))]));
-    binding(cpu::run(&g, &[("x", &HostTensor { shape: vec![0, 3, 16, 12], data: vec![] })]));
-    binding(cpu::run(&g, &[("x", &HostTensor { shape: vec![2, 3, 16, 12], data: vec![0.5; 7] })]));
+    binding(kiln::run_cpu(&g, &[("x", &rand(&[2, 3, 12, 16]))]));
+    binding(kiln::run_cpu(&g, &[("x", &HostTensor { shape: vec![0, 3, 16, 12], data: vec![] })]));
+    binding(kiln::run_cpu(&g, &[("x", &HostTensor { shape: vec![2, 3, 16, 12], data: vec![0.5; 7] })]));
 }
 
 /// Random bytes, and the same values as f32.
@@ -530,14 +530,14 @@ fn a_u8_input_takes_bytes_or_byte_valued_f32_and_computes_in_f32() {
     let (g8, g32) = (small_net_typed(2, DType::U8), small_net(2));
     assert_eq!(g8.input_dtype("x"), Some(DType::U8));
     let (bytes, values) = rand_bytes(&[2, 3, 16, 12]);
-    let want = cpu::run(&g32, &[("x", &values)]).expect("f32 input");
+    let want = kiln::run_cpu(&g32, &[("x", &values)]).expect("f32 input");
     // Bytes are their f32 values: the outputs are the f32 graph's, bit for bit.
-    assert_eq!(cpu::run(&g8, &[("x", &bytes)]).expect("bytes"), want);
-    assert_eq!(cpu::run(&g8, &[("x", &values)]).expect("byte-valued f32"), want);
-    assert_eq!(cpu::run(&g8, &[("x", HostInput::from(&bytes))]).expect("a HostInput list"), want);
+    assert_eq!(kiln::run_cpu(&g8, &[("x", &bytes)]).expect("bytes"), want);
+    assert_eq!(kiln::run_cpu(&g8, &[("x", &values)]).expect("byte-valued f32"), want);
+    assert_eq!(kiln::run_cpu(&g8, &[("x", HostInput::from(&bytes))]).expect("a HostInput list"), want);
     // A batch other than the traced one, as for f32 inputs.
     let (three, values3) = rand_bytes(&[3, 3, 16, 12]);
-    assert_eq!(cpu::run(&g8, &[("x", &three)]).expect("batch 3"), cpu::run(&g32, &[("x", &values3)]).expect("f32 batch 3"));
+    assert_eq!(kiln::run_cpu(&g8, &[("x", &three)]).expect("batch 3"), kiln::run_cpu(&g32, &[("x", &values3)]).expect("f32 batch 3"));
 }
 
 #[test]
@@ -557,7 +557,7 @@ fn values_a_u8_input_cannot_hold_are_typed_errors_naming_the_first() {
         x.data[at] = bad;
         // A later bad value too: the first is named.
         x.data[1151] = 0.5;
-        match cpu::run(&g, &[("x", &x)]) {
+        match kiln::run_cpu(&g, &[("x", &x)]) {
             Err(e @ Error::NotAByte { .. }) => {
                 let text = e.to_string();
                 let Error::NotAByte { name, index, value } = e else { unreachable!() };
@@ -574,7 +574,7 @@ fn values_a_u8_input_cannot_hold_are_typed_errors_naming_the_first() {
     }
     // Bytes for an input declared f32 are refused, naming the input and both types.
     let (bytes, _) = rand_bytes(&[2, 3, 16, 12]);
-    match cpu::run(&small_net(2), &[("x", &bytes)]) {
+    match kiln::run_cpu(&small_net(2), &[("x", &bytes)]) {
         Err(Error::Binding { name, reason }) => {
             assert!(name == "x" && reason.contains("declared f32") && reason.contains("u8"), "{reason}")
         }
@@ -584,7 +584,7 @@ fn values_a_u8_input_cannot_hold_are_typed_errors_naming_the_first() {
     assert!(matches!(ByteTensor::new(vec![2, 3], vec![0; 5]), Err(Error::TensorSize { .. })));
     assert!(matches!(ByteTensor::new(vec![usize::MAX, 2], vec![]), Err(Error::TensorSize { .. })));
     let short = ByteTensor { shape: vec![2, 3, 16, 12], data: vec![1; 7] };
-    match cpu::run(&g, &[("x", &short)]) {
+    match kiln::run_cpu(&g, &[("x", &short)]) {
         Err(Error::Binding { name, reason }) => assert!(name == "x" && reason.contains("does not match its 7 values"), "{reason}"),
         other => panic!("expected a binding error, got {other:?}"),
     }
@@ -599,7 +599,7 @@ fn mismatched_batches_fail_with_the_module_path() {
     t.output("s", &s);
     let g = t.graph();
     let (x1, x2) = (rand(&[2, 2, 3, 3]), rand(&[1, 2, 3, 3]));
-    match cpu::run(&g, &[("a", &x1), ("b", &x2)]) {
+    match kiln::run_cpu(&g, &[("a", &x1), ("b", &x2)]) {
         Err(Error::Binding { name, reason }) => {
             assert!(name == "b" && reason.contains("batch 1") && reason.contains("batch 2"), "{reason}")
         }
@@ -633,11 +633,11 @@ fn custom_ops_run_their_registered_reference() {
     let broken = x.custom("cpu_ops_test_broken", &[], &[]).expect("trace");
     let mut g = t.graph();
     let xt = rand(&[2, 2, 3, 3]);
-    let out = cpu::run(&g, &[("x", &xt)]).expect("custom op runs; the unmarked broken op is dead and skipped");
+    let out = kiln::run_cpu(&g, &[("x", &xt)]).expect("custom op runs; the unmarked broken op is dead and skipped");
     assert_eq!(out["y"].data, xt.data.iter().map(|v| v * 2.5).collect::<Vec<_>>());
 
     g.mark_output("broken", broken.id());
-    match cpu::run(&g, &[("x", &xt)]) {
+    match kiln::run_cpu(&g, &[("x", &xt)]) {
         Err(Error::Shape { op, reason, .. }) => {
             assert!(op == "cpu_ops_test_broken" && reason.to_string().contains("shape rule"), "{reason}")
         }
@@ -652,7 +652,7 @@ fn custom_ops_run_their_registered_reference() {
         "head.mystery".into(),
     );
     g.mark_output("m", missing);
-    match cpu::run(&g, &[("x", &xt)]) {
+    match kiln::run_cpu(&g, &[("x", &xt)]) {
         Err(Error::NoConverter { op, path, .. }) => assert_eq!((op.as_str(), path.as_str()), ("not_registered", "head.mystery")),
         other => panic!("expected a missing-op error, got {other:?}"),
     }
@@ -670,7 +670,7 @@ fn an_intermediate_marked_as_output_keeps_its_value() {
     t.output("m", &m);
     t.output("s_again", &s);
     let xt = rand(&[1, 2, 4, 4]);
-    let out = cpu::run(&t.graph(), &[("x", &xt)]).expect("run");
+    let out = kiln::run_cpu(&t.graph(), &[("x", &xt)]).expect("run");
     assert_eq!(out["s"], out["s_again"]);
     let sig: Vec<f32> = xt.data.iter().map(|&v| 1.0 / (1.0 + (-v).exp())).collect();
     assert_close("s", &out["s"], &HostTensor::new(xt.shape.clone(), sig.clone()));
@@ -683,14 +683,14 @@ fn malformed_graphs_are_errors() {
     let x = rand(&[1, 3, 16, 12]);
     let key = "conv.weight";
     g.weights.remove(key);
-    match cpu::run(&g, &[("x", &x)]) {
+    match kiln::run_cpu(&g, &[("x", &x)]) {
         Err(Error::MissingWeight { key: k, .. }) => assert_eq!(k, key),
         other => panic!("expected a missing-weight error, got {other:?}"),
     }
     let mut g = small_net(1);
     let conv = g.nodes.iter().position(|n| n.path == "conv" && n.op.name() == "conv2d").expect("conv");
     g.nodes[conv].inputs[0] = g.nodes.len() - 1;
-    match cpu::run(&g, &[("x", &x)]) {
+    match kiln::run_cpu(&g, &[("x", &x)]) {
         Err(Error::InvalidGraph { path, reason, .. }) => assert!(path == "conv" && reason.contains("does not precede"), "{reason}"),
         other => panic!("expected a graph-order error, got {other:?}"),
     }

@@ -1,7 +1,7 @@
 //! A user-defined network written with `#[derive(Module)]`: loaded from the seeded generator and
 //! from a safetensors file, traced, and checked for module paths, shapes and parameter names.
 
-use kiln::internals::var_builder::write_safetensors;
+use kiln::files::write_safetensors;
 use kiln::{
     nn::{AdaptiveAvgPool2d, BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, Linear, LinearConfig, ReLU},
     plugin::Op,
@@ -182,8 +182,8 @@ fn seeded_weights_are_generated_by_key() {
     let net = Net::load(VarBuilder::seeded(), &config()).unwrap();
     let ds = net.layers[1].downsample.as_ref().unwrap();
     assert_eq!(ds.conv.weight.name, "layers.1.downsample.0.weight");
-    assert_eq!(*ds.conv.weight.value, kiln::internals::seeded::weight("layers.1.downsample.0.weight", &[8, 4, 1, 1]));
-    assert_eq!(*net.layers[2].bn1.params[3].value, kiln::internals::seeded::weight("layers.2.bn1.running_var", &[8]));
+    assert_eq!(*ds.conv.weight.value, kiln::dev::weight("layers.1.downsample.0.weight", &[8, 4, 1, 1]));
+    assert_eq!(*net.layers[2].bn1.params[3].value, kiln::dev::weight("layers.2.bn1.running_var", &[8]));
 }
 
 /// A `state_dict` whose every tensor is distinct: element `j` of the `k`-th key is `k + j / 1000`.

@@ -87,12 +87,12 @@ fn without_a_gpu_opening_one_is_an_error_not_a_crash() {
 /// wherever NVRTC is installed (CI installs it; see .ci/run); needs no GPU.
 #[test]
 fn the_channel_padding_kernel_compiles_for_sm_90() {
-    use kiln::internals::engine::kernels::{compile_source, image_has_symbol, nvrtc_available};
+    use kiln::plugin::{compile_source, image_has_symbol, nvrtc_available};
     if let Err(why) = nvrtc_available() {
         println!("skipped: {why}");
         return;
     }
-    let cubin = compile_source("pad.cu", kiln::internals::engine::cudnn::PAD_CU, "sm_90").unwrap_or_else(|e| panic!("{e}"));
+    let cubin = compile_source("pad.cu", kiln::dev::kernels::PAD_CU, "sm_90").unwrap_or_else(|e| panic!("{e}"));
     for entry in ["pad_channels_f16", "pad_channels_f32"] {
         assert!(image_has_symbol(&cubin, entry), "{entry} missing from the compiled pad.cu");
     }

@@ -1,7 +1,7 @@
 //! Bad input gives a typed `kiln::Error` whose message names what the user must fix (the key, the
 //! module path, both shapes, the file), never a panic.
 
-use kiln::internals::var_builder::write_safetensors;
+use kiln::files::write_safetensors;
 use kiln::{
     nn::{Conv2d, Conv2dConfig},
     Error, Forward, HostTensor, Module, Tracer, VarBuilder,

@@ -14,9 +14,9 @@
 //! (`corpus_is_replayed`).
 
 use kiln::engine::{BuildConfig, LayerPrecision, Precision};
-use kiln::internals::calibrate::{CalibrationCache, CalibrationMethod, Calibrator};
-use kiln::internals::engine::file::{checksum, decode, decode_payload, encode, Header, Payload, FORMAT_VERSION};
-use kiln::internals::var_builder::{read_safetensors, read_tensors, write_safetensors};
+use kiln::engine::{CalibrationCache, CalibrationMethod, Calibrator};
+use kiln::files::engine::{checksum, decode, decode_payload, encode, Header, Payload, FORMAT_VERSION};
+use kiln::files::{read_safetensors, read_tensors, write_safetensors};
 use kiln::{
     plugin::{ConvAttrs, Norm, Op, PoolAttrs},
     DType, Graph, HostTensor, VarBuilder,
@@ -85,7 +85,7 @@ fn cpu_inputs(g: &Graph, seed: u64, nan_at: Option<usize>) -> Vec<(String, HostT
                 Op::Input { name } => name.clone(),
                 _ => String::new(),
             };
-            let mut t = kiln::internals::seeded::uniform_tensor(&node.shape, seed);
+            let mut t = kiln::dev::uniform_tensor(&node.shape, seed);
             if node.dtype == DType::U8 {
                 t.data.iter_mut().for_each(|v| *v = ((*v + 1.0) * 127.5).round());
             } else if let Some(at) = nan_at.take().filter(|_| !t.data.is_empty()) {
@@ -109,8 +109,7 @@ fn bounded(g: &Graph) -> bool {
         let params: Option<Vec<&Arc<HostTensor>>> = n.inputs.get(1..).unwrap_or(&[]).iter().map(|&i| g.weight_data(i)).collect();
         match params.as_deref() {
             Some([gamma, beta, mean, var]) => {
-                let (scale, shift) =
-                    kiln::internals::ops::norm::batch_norm_scale_shift(&gamma.data, &beta.data, &mean.data, &var.data, eps);
+                let (scale, shift) = kiln::dev::passes::batch_norm_scale_shift(&gamma.data, &beta.data, &mean.data, &var.data, eps);
                 scale.iter().chain(&shift).all(small)
             }
             _ => true,
@@ -123,11 +122,9 @@ fn bounded(g: &Graph) -> bool {
 /// large for the check, or that `optimize` refuses with a typed error, is skipped; where the
 /// original runs, the optimised graph must run too.
 fn optimize_agrees(g: &Graph, seed: u64, nan_at: Option<usize>) {
-    let Ok(opt) = kiln::internals::passes::optimize(g) else { return };
+    let Ok(opt) = kiln::engine::optimize(g) else { return };
     let small = |g: &Graph| {
-        g.nodes
-            .iter()
-            .all(|n| matches!(n.op, Op::Weight { .. }) || kiln::internals::graph::numel(&n.shape).is_some_and(|e| e <= CPU_MAX_ACTIVATION))
+        g.nodes.iter().all(|n| matches!(n.op, Op::Weight { .. }) || kiln::dev::numel(&n.shape).is_some_and(|e| e <= CPU_MAX_ACTIVATION))
     };
     if !small(g) || !small(&opt) {
         return;
@@ -362,7 +359,7 @@ fn load_everything(path: &Path) {
         let _ = vb.check_all_used();
     }
     let _ = read_safetensors(path);
-    if let Ok((tensors, _)) = kiln::internals::var_builder::read_tensors_within(path, "input", |_| true, 4) {
+    if let Ok((tensors, _)) = kiln::files::read_tensors_within(path, "input", |_| true, 4) {
         assert!(tensors.values().all(|t| t.numel() <= 4), "the input limit holds");
     }
 }
@@ -438,8 +435,8 @@ fn resnet18() -> &'static Graph {
 
 /// `g` as a graph file.
 fn graph_file(g: &Graph) -> Vec<u8> {
-    let bytes = kiln::internals::graph_file::encode(g, &BTreeMap::new()).expect("encode");
-    kiln::internals::graph_file::decode(&bytes, Path::new("valid.kiln.safetensors")).expect("the unmutated graph file is valid");
+    let bytes = kiln::files::graph::encode(g, &BTreeMap::new()).expect("encode");
+    kiln::files::graph::decode(&bytes, Path::new("valid.kiln.safetensors")).expect("the unmutated graph file is valid");
     bytes
 }
 
@@ -451,7 +448,7 @@ fn safetensors_head(bytes: &[u8]) -> usize {
 /// The engine payload of `g` (optimised first), for batch 1..=4.
 fn engine_file(g: &Graph) -> Vec<u8> {
     let header = Header { version: FORMAT_VERSION, sm: 90, driver_version: 13000, cudnn_version: 91400 };
-    let graph = kiln::internals::passes::optimize(g).expect("optimize");
+    let graph = kiln::engine::optimize(g).expect("optimize");
     let payload = Payload { config: BuildConfig::default().batch(1, 2, 4), graph, tactics: BTreeMap::new() };
     let bytes = encode(&header, &payload).expect("encode");
     decode(&bytes, "valid.kiln").expect("the unmutated engine is valid");
@@ -505,7 +502,7 @@ fn with_checksum(good: &[u8], body: &[u8]) -> Vec<u8> {
 /// A graph file decoded from mutated bytes: on the CPU before and after `optimize`, unless it
 /// computes what `base` (already checked) computes over the same weights.
 fn check_graph_file(bytes: &[u8], base: Option<&Graph>, data_touched: bool, seed: u64, nan: Option<usize>) {
-    if let Ok(file) = kiln::internals::graph_file::decode(bytes, Path::new("fuzz.kiln.safetensors")) {
+    if let Ok(file) = kiln::files::graph::decode(bytes, Path::new("fuzz.kiln.safetensors")) {
         if data_touched || nan.is_some() || !base.is_some_and(|b| same_computation(b, &file.graph)) {
             optimize_agrees(&file.graph, seed, nan);
         }
@@ -526,7 +523,7 @@ fn check_engine_payload(result: kiln::Result<Payload>, base: Option<&Graph>, dat
 fn resnet18_decoded() -> &'static (Graph, Graph) {
     static G: OnceLock<(Graph, Graph)> = OnceLock::new();
     G.get_or_init(|| {
-        let g = kiln::internals::graph_file::decode(resnet18_graph_file(), Path::new("r18.kiln.safetensors")).expect("decodes").graph;
+        let g = kiln::files::graph::decode(resnet18_graph_file(), Path::new("r18.kiln.safetensors")).expect("decodes").graph;
         let e = decode(resnet18_engine(), "r18.kiln").expect("decodes").1.graph;
         (g, e)
     })
@@ -573,7 +570,7 @@ fn resnet18_graph_parts() -> &'static ((String, String), serde_json::Value, Vec<
         let bytes = resnet18_graph_file();
         let head = safetensors_head(bytes);
         let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..head]).expect("header");
-        let slot = &mut header["__metadata__"][kiln::internals::graph_file::KEY_GRAPH];
+        let slot = &mut header["__metadata__"][kiln::files::graph::KEY_GRAPH];
         let graph = serde_json::from_str(slot.as_str().expect("graph JSON")).expect("graph");
         *slot = "@@graph@@".into();
         let text = header.to_string();
@@ -614,11 +611,11 @@ fn kiln_torch_file(i: usize) -> &'static TorchFile {
             .map(|name| {
                 let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/fixtures/imported/{name}.kiln.safetensors"));
                 let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-                let graph = kiln::internals::graph_file::decode(&bytes, &path).unwrap_or_else(|e| panic!("{e}")).graph;
+                let graph = kiln::files::graph::decode(&bytes, &path).unwrap_or_else(|e| panic!("{e}")).graph;
                 optimize_agrees(&graph, 1, None);
                 let head = safetensors_head(&bytes);
                 let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..head]).expect("header");
-                let slot = header["__metadata__"][kiln::internals::graph_file::KEY_GRAPH].take();
+                let slot = header["__metadata__"][kiln::files::graph::KEY_GRAPH].take();
                 let graph_json = serde_json::from_str(slot.as_str().expect("graph JSON")).expect("graph");
                 let data = bytes[head..].to_vec();
                 TorchFile { bytes, graph, header, graph_json, data }
@@ -630,11 +627,11 @@ fn kiln_torch_file(i: usize) -> &'static TorchFile {
 /// A decoded kiln-torch file as a build reads it: the precision of each node by its module path
 /// (the file's `fp32_layers` and a config's rules), its text form, then the CPU check.
 fn check_kiln_torch_file(bytes: &[u8], base: &Graph, data_touched: bool, nan: Option<usize>) {
-    let Ok(file) = kiln::internals::graph_file::decode(bytes, Path::new("torch.kiln.safetensors")) else { return };
+    let Ok(file) = kiln::files::graph::decode(bytes, Path::new("torch.kiln.safetensors")) else { return };
     let g = &file.graph;
     let rules = LayerPrecision::parse_list("features.*:fp32,head:fp16,*.1:tf32").expect("rules");
     let config = BuildConfig::default().precision(Precision::Fp16).layer_precisions(rules);
-    assert_eq!(kiln::internals::engine::resolve::node_precisions(g, &config).len(), g.nodes.len());
+    assert_eq!(kiln::dev::plan::node_precisions(g, &config).len(), g.nodes.len());
     let _ = g.to_text();
     if data_touched || nan.is_some() || !same_computation(base, g) {
         optimize_agrees(g, 9, nan);
@@ -776,7 +773,7 @@ fn generated_graph(shape: [usize; 4], layers: &[Layer], special: Option<(usize, 
     let mut seed = 10;
     let mut weight = |g: &mut Graph, name: String, shape: Vec<usize>, positive: bool| {
         seed += 1;
-        let mut t = kiln::internals::seeded::uniform_tensor(&shape, seed);
+        let mut t = kiln::dev::uniform_tensor(&shape, seed);
         if positive {
             t.data.iter_mut().for_each(|v| *v = v.abs() + 0.5);
         }
@@ -833,7 +830,7 @@ fn generated_graph(shape: [usize; 4], layers: &[Layer], special: Option<(usize, 
         }
     }
     g.mark_output("y", x);
-    let mut g = kiln::internals::passes::remove_dead_nodes(&g).expect("dead weights go");
+    let mut g = kiln::dev::passes::remove_dead_nodes(&g).expect("dead weights go");
     if let Some((k, v)) = special {
         let total: usize = g.weights.values().map(|w| w.data.len()).sum();
         if total > 0 {
@@ -857,7 +854,7 @@ fn calibrated() -> &'static (Graph, CalibrationCache) {
     static C: OnceLock<(Graph, CalibrationCache)> = OnceLock::new();
     C.get_or_init(|| {
         let calibrator = Calibrator::new(&sample_graph()).expect("calibrator");
-        let x = kiln::internals::seeded::uniform_tensor(&[2, 3, 8, 8], 3);
+        let x = kiln::dev::uniform_tensor(&[2, 3, 8, 8], 3);
         let cache = calibrator.calibrate(std::slice::from_ref(&x), CalibrationMethod::MinMax).expect("calibrate");
         (calibrator.graph().clone(), cache)
     })
@@ -872,10 +869,10 @@ fn check_calibration_cache(path: &Path) {
     }
     let (graph, _) = calibrated();
     for format in [kiln::plugin::QuantFormat::Int8, kiln::plugin::QuantFormat::Fp8E4m3] {
-        if let Ok(q) = kiln::internals::calibrate::quantize_graph(graph, &cache, format) {
-            let x = kiln::internals::seeded::uniform_tensor(&[1, 3, 8, 8], 4);
+        if let Ok(q) = kiln::dev::quant::quantize_graph(graph, &cache, format) {
+            let x = kiln::dev::uniform_tensor(&[1, 3, 8, 8], 4);
             kiln::run_cpu(&q, &[("input", &x)]).expect("a quantised graph of a loaded cache runs");
-            if let Ok(folded) = kiln::internals::calibrate::fold_constant_quant(&q) {
+            if let Ok(folded) = kiln::dev::quant::fold_constant_quant(&q) {
                 kiln::run_cpu(&folded, &[("input", &x)]).expect("its folded form runs");
             }
         }
@@ -962,7 +959,7 @@ fn write_folder(dir: &Path, entries: &[PnmEntry]) -> usize {
 /// Reads a folder: `Ok` holds one normalised, finite image per image file (at most `limit`), an
 /// error names a file of the folder or a flag.
 fn check_folder(dir: &Path, images: usize, size: usize, mean: &[f32], std: &[f32], limit: Option<usize>) {
-    match kiln::internals::pnm::read_folder(dir, size, mean, std, limit) {
+    match kiln::image::pnm::read_folder(dir, size, mean, std, limit) {
         Ok(t) => {
             assert_eq!(t.shape, [images.min(limit.unwrap_or(usize::MAX)), 3, size, size]);
             assert!(t.data.iter().all(|v| v.is_finite()), "normalised pixels are finite");
@@ -1045,7 +1042,7 @@ fn check_flags(texts: &[String]) {
     let parsed: Vec<Vec<kiln_cli::shapes::ShapeSpec>> = texts.iter().map(|t| parse_shapes(t).unwrap_or_default()).collect();
     for specs in &parsed {
         for s in specs {
-            assert!(!s.dims.is_empty() && !s.dims.contains(&0) && kiln::internals::graph::numel(&s.dims).is_some(), "{s:?}");
+            assert!(!s.dims.is_empty() && !s.dims.contains(&0) && kiln::dev::numel(&s.dims).is_some(), "{s:?}");
             let again = parse_shapes(&format!("{}:{}", s.name, dims_text(&s.dims))).expect("a parsed spec parses again");
             assert_eq!(again[0].dims, s.dims);
         }
@@ -1064,12 +1061,7 @@ fn check_flags(texts: &[String]) {
                 let pattern: Vec<char> = rule.pattern.chars().collect();
                 for path in resnet18_paths().iter().step_by(7) {
                     let text: Vec<char> = path.chars().collect();
-                    assert_eq!(
-                        kiln::internals::engine::precision::glob_match(&rule.pattern, path),
-                        naive_glob(&pattern, &text),
-                        "{} on {path}",
-                        rule.pattern
-                    );
+                    assert_eq!(kiln::dev::plan::glob_match(&rule.pattern, path), naive_glob(&pattern, &text), "{} on {path}", rule.pattern);
                     let _ = rule.matches(path);
                 }
             }
@@ -1167,12 +1159,12 @@ proptest! {
         let graph = sample_graph();
         let json = with_numbers(&serde_json::to_value(&graph).expect("json"), &picks);
         let meta = BTreeMap::from([
-            (kiln::internals::graph_file::KEY_FORMAT.to_string(), kiln::internals::graph_file::FORMAT.to_string()),
-            (kiln::internals::graph_file::KEY_VERSION.to_string(), kiln::internals::graph_file::VERSION.to_string()),
-            (kiln::internals::graph_file::KEY_GRAPH.to_string(), json.to_string()),
+            (kiln::files::graph::KEY_FORMAT.to_string(), kiln::files::graph::FORMAT.to_string()),
+            (kiln::files::graph::KEY_VERSION.to_string(), kiln::files::graph::VERSION.to_string()),
+            (kiln::files::graph::KEY_GRAPH.to_string(), json.to_string()),
         ]);
         let tensors: BTreeMap<String, &HostTensor> = graph.weights.iter().map(|(k, t)| (k.clone(), t.as_ref())).collect();
-        let bytes = kiln::internals::var_builder::encode_safetensors(&tensors, &meta).expect("encode");
+        let bytes = kiln::files::encode_safetensors(&tensors, &meta).expect("encode");
         saving_failures("graph-mutated-numbers.kiln.safetensors", &bytes, || check_graph_file(&bytes, None, true, 3, nan));
     }
 
@@ -1203,7 +1195,7 @@ proptest! {
         with_strings(&mut graph, &graph_strings);
         let mut header = base.header.clone();
         with_strings(&mut header["__metadata__"], &meta_strings);
-        header["__metadata__"][kiln::internals::graph_file::KEY_GRAPH] = graph.to_string().into();
+        header["__metadata__"][kiln::files::graph::KEY_GRAPH] = graph.to_string().into();
         let text = header.to_string();
         let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
         bytes.extend(text.as_bytes());
@@ -1221,7 +1213,7 @@ proptest! {
         let g = generated_graph([shape.0, shape.1, shape.2, shape.3], &layers, special);
         // As a graph file, it reads back as it was written.
         let bytes = graph_file(&g);
-        let back = kiln::internals::graph_file::decode(&bytes, Path::new("generated.kiln.safetensors")).expect("decodes").graph;
+        let back = kiln::files::graph::decode(&bytes, Path::new("generated.kiln.safetensors")).expect("decodes").graph;
         prop_assert!(same_computation(&g, &back));
         saving_failures("generated.kiln.safetensors", &bytes, || optimize_agrees(&g, 7, nan));
     }
@@ -1350,7 +1342,7 @@ fn corpus_is_replayed() {
             let expect = expect.trim();
             let bytes = std::fs::read(&path).expect("corpus file");
             let outcome: Result<(), String> = match kind {
-                "graph" => kiln::internals::graph_file::decode(&bytes, &path).map(|f| {
+                "graph" => kiln::files::graph::decode(&bytes, &path).map(|f| {
                     optimize_agrees(&f.graph, 1, None);
                     optimize_agrees(&f.graph, 1, Some(0));
                 }),
@@ -1368,13 +1360,11 @@ fn corpus_is_replayed() {
                 }
                 "pnm" => {
                     let size = expect.split_whitespace().find_map(|w| w.strip_prefix("size=")).map_or(2, |s| s.parse().expect("size"));
-                    kiln::internals::pnm::parse(&bytes, size)
-                        .map(|_| ())
-                        .map_err(|reason| kiln::Error::Image { path: path.clone(), reason })
+                    kiln::image::pnm::parse(&bytes, size).map(|_| ()).map_err(|reason| kiln::Error::Image { path: path.clone(), reason })
                 }
-                "pth" => kiln::internals::pth::decode_pth(&path, &bytes).map(|c| {
+                "pth" => kiln::files::decode_pth(&path, &bytes).map(|c| {
                     for t in c.tensors.values() {
-                        assert_eq!(kiln::internals::graph::numel(&t.shape), Some(t.data.len()));
+                        assert_eq!(kiln::dev::numel(&t.shape), Some(t.data.len()));
                     }
                 }),
                 "image" => kiln_vision::decode_rgb(&bytes, &path)
@@ -1403,7 +1393,7 @@ fn corpus_is_replayed() {
     let dir = scratch("corpus-fifo-folder");
     let images = write_folder(&dir, &[PnmEntry::Fifo]);
     check_folder(&dir, images, 2, &[0.5; 3], &[0.25; 3], None);
-    assert!(kiln::internals::pnm::read_folder(&dir, 2, &[0.5; 3], &[0.25; 3], None).unwrap_err().to_string().contains("FIFO"));
+    assert!(kiln::image::pnm::read_folder(&dir, 2, &[0.5; 3], &[0.25; 3], None).unwrap_err().to_string().contains("FIFO"));
     assert!(replayed >= 10, "only {replayed} corpus files");
     println!("replayed {replayed} corpus files");
 }

@@ -495,10 +495,10 @@ fn pth_paths_that_are_fifos_or_directories_are_named() {
     assert!(std::process::Command::new("mkfifo").arg(&fifo).status().expect("mkfifo").success());
     let (tx, rx) = std::sync::mpsc::channel();
     let f = fifo.clone();
-    std::thread::spawn(move || tx.send(kiln::internals::pth::read_pth(&f).map(|_| ()).map_err(|e| e.to_string())));
+    std::thread::spawn(move || tx.send(kiln::files::read_pth(&f).map(|_| ()).map_err(|e| e.to_string())));
     let e = rx.recv_timeout(std::time::Duration::from_secs(10)).expect("read_pth waited on a FIFO").unwrap_err();
     assert!(e.contains("pipe.pth") && e.contains("is not a regular file"), "{e}");
-    let e = kiln::internals::pth::read_pth(dir.join("folder.pth")).unwrap_err().to_string();
+    let e = kiln::files::read_pth(dir.join("folder.pth")).unwrap_err().to_string();
     assert!(e.contains("folder.pth") && e.contains("is a directory"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,9 +1,9 @@
-//! Property tests over the PyTorch checkpoint reader (`kiln::internals::pth`), as tests/fuzz.rs does for the
+//! Property tests over the PyTorch checkpoint reader (`kiln::files::read_pth`), as tests/fuzz.rs does for the
 //! other file decoders: mutated bytes of both formats, pickles generated from opcode fragments,
 //! and tensors with generated sizes, strides and offsets. Every case must give `Ok` or a typed
 //! `Err`; a panic (or an abort from an allocation) fails the test.
 
-use kiln::internals::pth::decode_pth;
+use kiln::files::decode_pth;
 use kiln::Error;
 use proptest::prelude::*;
 use proptest::test_runner::Config;
@@ -194,7 +194,7 @@ fn check(bytes: &[u8]) {
     match decode_pth(&path(), bytes) {
         Ok(c) => {
             for t in c.tensors.values() {
-                assert_eq!(kiln::internals::graph::numel(&t.shape), Some(t.data.len()));
+                assert_eq!(kiln::dev::numel(&t.shape), Some(t.data.len()));
             }
         }
         Err(Error::CheckpointGlobal { global, .. }) => assert!(global == "os.system" || global.contains('.'), "{global}"),

@@ -10,11 +10,11 @@
 
 use kiln::compare;
 use kiln::engine::{BuildConfig, EngineBuilder, Precision};
-use kiln::internals::module::{Forward, Module};
 use kiln::{
     nn::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d},
     Tensor, Tracer, VarBuilder,
 };
+use kiln::{Forward, Module};
 
 mod common;
 use common::{gpu, random};

@@ -13,8 +13,9 @@ mod common;
 
 use common::{gpu, random, rel_l2};
 use kiln::engine::{BuildConfig, EngineBuilder, Precision};
+use kiln::image::ChannelOrder;
 use kiln::{ByteTensor, DType, Tracer, VarBuilder};
-use kiln_models::classify_preset::{classify_preset, frame_input, ChannelOrder, Preset};
+use kiln_models::classify_preset::{classify_preset, frame_input, Preset};
 use std::sync::Arc;
 
 /// Random frame bytes of `[batch, h, w * 3]`, fresh every run (`KILN_SEED` replays).

@@ -3,7 +3,7 @@
 //! (`CustomOp`), its CUDA kernel, and its GPU converter (`kiln::register_converter!`). Tracing,
 //! the CPU executor and the engine all pick it up by name. Without a GPU, the GPU half skips.
 
-use kiln::internals::engine::launch::{grid_for, launch, KArg, BLOCK};
+use kiln::plugin::{grid_for, launch, KArg, BLOCK};
 use kiln::plugin::{Attrs, CustomOp};
 use kiln::{
     engine::{gpu_available, BuildConfig, EngineBuilder, Gpu, Precision},

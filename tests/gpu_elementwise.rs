@@ -23,7 +23,7 @@ fn abs_plus_half(b: &Tensor) -> kiln::Result<Tensor> {
 /// A constant with seeded values in [-1, 1).
 fn param(name: &str, shape: &[usize]) -> Param {
     let seed = name.bytes().fold(17u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
-    Param { name: name.to_string(), value: Arc::new(kiln::internals::seeded::uniform_tensor(shape, seed)) }
+    Param { name: name.to_string(), value: Arc::new(kiln::dev::uniform_tensor(shape, seed)) }
 }
 
 #[test]

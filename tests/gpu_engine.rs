@@ -11,13 +11,13 @@
 //! On the device: `bash tools/gpu-test.sh` (see docs/ENGINE.md).
 
 use kiln::engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision};
-use kiln::internals::module::{Forward, Module};
-use kiln::internals::var_builder::read_safetensors;
+use kiln::files::read_safetensors;
 use kiln::{compare, top1, Comparison};
 use kiln::{
     nn::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d, Linear, LinearConfig},
     ByteTensor, DType, Graph, HostTensor, Tensor, Tracer, VarBuilder,
 };
+use kiln::{Forward, Module};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -12,7 +12,7 @@
 //! On the device: `.carry/bin/gpu_fidelity --include-ignored --nocapture --test-threads 1`.
 
 use kiln::engine::{BuildConfig, EngineBuilder, Precision};
-use kiln::internals::var_builder::read_safetensors;
+use kiln::files::read_safetensors;
 use kiln::VarBuilder;
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -219,8 +219,8 @@ fn resnet50_fp16_memory_against_its_floor() {
     let g = graph("resnet50", 224);
     let engine = build(&gpu, &g, BuildConfig::default().precision(Precision::Fp16).batch(1, 64, 64)).expect("build");
     let m = &engine.summary.memory;
-    let optimized = kiln::internals::passes::optimize(&g).expect("optimize");
-    let (floor, _) = kiln::internals::engine::plan::estimate_arena(&optimized, 2, 64);
+    let optimized = kiln::engine::optimize(&g).expect("optimize");
+    let (floor, _) = kiln::dev::plan::estimate_arena(&optimized, 2, 64);
     println!("MEMORY resnet50 FP16 batch 1..=64: {m}");
     println!("MEMORY activation floor {:.1} MiB; total {:.1} MiB against the 210 MiB target", mib(floor.peak), mib(m.total()));
     for (problem, candidates) in
@@ -268,7 +268,7 @@ fn r40_an_engine_path_that_is_a_directory_or_fifo_is_named() {
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn r41_a_tampered_engine_file_is_refused_before_lowering() {
-    use kiln::internals::engine::file::{decode, encode};
+    use kiln::files::engine::{decode, encode};
     let Some(gpu) = gpu() else { return };
     let engine = build(&gpu, &graph("resnet18", 64), BuildConfig::default().precision(Precision::Fp16).batch(1, 1, 1)).expect("build");
     let path = std::env::temp_dir().join(format!("kiln-r41-{}.kiln", std::process::id()));

@@ -112,7 +112,7 @@ fn flatten_and_cat() {
 // `ops::elementwise::bias_act` through the same converter mechanism a user's op would.
 
 mod bias_act_op {
-    use kiln::internals::ops::elementwise::bias_act;
+    use kiln::plugin::bias_act;
     use kiln::plugin::Unary;
     use kiln::plugin::{attr, Attrs, CustomOp};
     use kiln::plugin::{BuildCtx, Layer};

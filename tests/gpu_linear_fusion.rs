@@ -5,7 +5,7 @@
 //!
 //! On the device: `cargo test --release --test gpu_linear_fusion -- --include-ignored --nocapture --test-threads 1`.
 
-use kiln::internals::passes;
+use kiln::dev::passes;
 use kiln::nn::{Conv2d, Conv2dConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use kiln::plugin::{Binary, Gemm, Op};
 use kiln::{Forward, Graph, Module, Tensor, Tracer, VarBuilder};

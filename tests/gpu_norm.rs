@@ -52,7 +52,7 @@ fn layer_norm() {
 #[test]
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn group_norm() {
-    use kiln::internals::ops::norm::{GroupNorm, GroupNormConfig};
+    use kiln::nn::{GroupNorm, GroupNormConfig};
     let gn = |x: &Tensor, c: GroupNormConfig| GroupNorm::load(vb("gn"), &c)?.forward(x);
     check("group_norm 2 groups [6, 5, 7]", &[("x", &[6, 5, 7])], |x| Ok(vec![gn(&x[0], GroupNormConfig::new(2, 6))?]));
     check("group_norm 32 groups of an NHWC conv [3, 9, 10]", &[("x", &[3, 9, 10])], |x| {

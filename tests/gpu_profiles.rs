@@ -9,7 +9,7 @@ mod common;
 
 use common::{gpu, matching_detections, random, rel_l2};
 use kiln::engine::{BuildConfig, DimsRange, Engine, EngineBuilder, InputDims, Precision, ShapeProfile};
-use kiln::internals::var_builder::read_safetensors;
+use kiln::files::read_safetensors;
 use kiln::VarBuilder;
 use kiln::{Graph, HostTensor};
 use std::collections::BTreeMap;

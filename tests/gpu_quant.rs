@@ -6,9 +6,10 @@
 //! On the device:
 //! `cargo test --release --test gpu_quant -- --include-ignored --nocapture --test-threads 1`.
 
+use kiln::dev::quant::simulate;
 use kiln::engine::{BuildConfig, EngineBuilder, Precision};
-use kiln::internals::calibrate::{simulate, CalibrationCache, CalibrationMethod, Calibrator};
-use kiln::internals::var_builder::read_safetensors;
+use kiln::engine::{CalibrationCache, CalibrationMethod, Calibrator};
+use kiln::files::read_safetensors;
 use kiln::{
     nn::{MaxPool2d, Pool2dConfig},
     Error, Forward, Module, VarBuilder,
@@ -223,7 +224,7 @@ fn fp8_gemm_configurations() {
     let Some(gpu) = fp8_gpu() else { return };
     let mut failures = vec![];
     for (m, k, n) in [(49, 32, 64), (196, 64, 32), (256, 256, 64), (3136, 64, 256)] {
-        for (label, outcome) in kiln::internals::ops::quant::fp8_gemm::probe(&gpu, m, k, n).expect("probe") {
+        for (label, outcome) in kiln::dev::plan::probe_fp8_gemm(&gpu, m, k, n).expect("probe") {
             match outcome {
                 Ok((rel, max_abs)) => {
                     println!("FP8 GEMM {label}: runs, rel L2 {rel:.2e}, max abs {max_abs:.2e}");
@@ -284,7 +285,7 @@ fn fp8_gemm_matches_the_simulation() {
         let (vs_fp32, _) = rel_l2(&got.data, &fp32["y"].data);
         println!("Best {source:?} batch 4: layers {kinds:?}; rel L2 {vs_sim:.2e} vs the FP8 simulation, {vs_fp32:.2e} vs FP32");
         // Best lowers a quantiser only to write the codes its INT8 convs read.
-        let int8 = engine.layers().any(|l| kiln::internals::engine::eight_bit::precision_of_kind(&l.kind()).is_some());
+        let int8 = engine.layers().any(|l| kiln::dev::plan::precision_of_kind(&l.kind()).is_some());
         if engine.layers().any(|l| l.kind().contains("quant")) && (source.is_some() || !int8) {
             failures.push(format!("Best {source:?}: a quantiser was lowered as a layer without an INT8 conv: {kinds:?}"));
         }
@@ -319,7 +320,7 @@ fn fp8_gemm_matches_the_simulation() {
 #[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn fp8_gemm_on_linear_layers_matches_the_simulation() {
     let Some(gpu) = fp8_gpu() else { return };
-    use kiln::internals::engine::eight_bit::FP8_GEMM;
+    use kiln::dev::plan::FP8_GEMM;
     let graph = quant_graphs::transformer_like(5);
     let calib = common::random(&[5, 8, 64], 21, 2.0);
     let (cache, path) = min_max_cache(&graph, &calib, "fp8-linear");
@@ -440,11 +441,8 @@ fn conv8_matches_the_simulation() {
                 }
             };
             print!("{}{}", engine.describe(), engine.summary);
-            let eight_bit: Vec<String> = engine
-                .layers()
-                .filter(|l| kiln::internals::engine::eight_bit::precision_of_kind(&l.kind()).is_some())
-                .map(|l| l.path().to_string())
-                .collect();
+            let eight_bit: Vec<String> =
+                engine.layers().filter(|l| kiln::dev::plan::precision_of_kind(&l.kind()).is_some()).map(|l| l.path().to_string()).collect();
             let all = ["c1", "c2", "c3", "c5", "c6", "c7", "c8"];
             if eight_bit != all {
                 failures.push(format!("`{source}`: 8-bit layers {eight_bit:?}, expected {all:?}"));
@@ -614,7 +612,7 @@ fn min_max_cache(graph: &Graph, input: &HostTensor, name: &str) -> (CalibrationC
 /// A reference as `tools/export_reference.py --intermediates all` writes it, made by the CPU
 /// executor in FP32 on `graph` (`input`, `output.<name>`, `intermediate.<path>`).
 fn reference_of(graph: &Graph, x: &HostTensor) -> std::collections::BTreeMap<String, HostTensor> {
-    let out = kiln::run_cpu(&kiln::internals::layerwise::mark_all(graph), &[("input", x)]).expect("cpu reference");
+    let out = kiln::run_cpu(&kiln::dev::layerwise::mark_all(graph), &[("input", x)]).expect("cpu reference");
     let mut r: std::collections::BTreeMap<String, HostTensor> =
         out.into_iter().map(|(k, v)| if k.starts_with("intermediate.") { (k, v) } else { (format!("output.{k}"), v) }).collect();
     r.insert("input".into(), x.clone());
@@ -643,7 +641,7 @@ fn layerwise_on_quantised_engines() {
         }
         let cache = stats.cache(CalibrationMethod::Entropy);
         let run = |on_gpu: bool| {
-            kiln::internals::layerwise::run_quantised(&d.graph, Some(&cache), format, &reference, 0.1, |g, input| {
+            kiln::dev::layerwise::run_quantised(&d.graph, Some(&cache), format, &reference, 0.1, |g, input| {
                 if !on_gpu {
                     return kiln::run_cpu(g, &[("input", input)]);
                 }

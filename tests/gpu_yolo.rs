@@ -9,10 +9,10 @@ mod common;
 
 use common::{gpu, random, rel_l2};
 use kiln::engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision};
-use kiln::internals::var_builder::read_safetensors;
+use kiln::files::read_safetensors;
+use kiln::image::ChannelOrder;
 use kiln::{ByteTensor, DType, Tracer, VarBuilder};
 use kiln::{Graph, HostTensor};
-use kiln_models::yolo_letterbox::ChannelOrder;
 use kiln_models::yolo_nms::{detections, nms, NmsConfig};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -270,7 +270,7 @@ fn yolo_models_match_the_cpu_and_ultralytics() {
     let Some(gpu) = gpu() else { return };
     for model in ["yolov8n", "yolo11n"] {
         let graph = kiln_models::trace(model, VarBuilder::seeded(), 1, 640).expect("trace");
-        let x = kiln::internals::seeded::weight("input.0", &[2, 3, 640, 640]);
+        let x = kiln::dev::weight("input.0", &[2, 3, 640, 640]);
         let want = kiln::run_cpu(&graph, &[("input", &x)]).expect("cpu");
         for (precision, tol, share) in [(Precision::Fp32, 1e-4, Some(0.98)), (Precision::Fp16, 1e-2, None)] {
             let label = format!("{model} seeded {precision:?}");

@@ -1,7 +1,7 @@
 //! Hardening, round two (docs/RELIABILITY.md, "Round two"): one test per library item, named
 //! `hNN_` after the item it checks. Each failed before its fix.
 
-use kiln::internals::calibrate::{CalibrationCache, CalibrationMethod, Calibrator};
+use kiln::engine::{CalibrationCache, CalibrationMethod, Calibrator};
 use kiln::{
     plugin::{Activation, Binary, ConvAttrs, Op, Unary},
     Error, Graph, HostTensor,
@@ -50,7 +50,7 @@ fn h01_nan_survives_fused_conv_epilogues_on_the_cpu() {
     x.data[5] = f32::NAN;
     for (weight, input) in [(1.0, &x), (f32::NAN, &HostTensor::new(vec![1, 2, 4, 4], vec![0.5; 32]))] {
         let g = fusable_graph(weight);
-        let opt = kiln::internals::passes::optimize(&g).unwrap();
+        let opt = kiln::engine::optimize(&g).unwrap();
         let fused = opt.nodes.iter().filter(|n| matches!(&n.op, Op::Conv(a) if a.act == Activation::Relu)).count();
         assert_eq!(fused, 2, "both ReLUs are fused:\n{}", opt.to_text());
         let before = kiln::run_cpu(&g, &[("input", input)]).unwrap().remove("y").unwrap();
@@ -76,16 +76,16 @@ fn tiny_graph_file(edit: impl FnOnce(&mut serde_json::Value, &mut BTreeMap<Strin
     let mut tensors: BTreeMap<String, HostTensor> = g.weights.iter().map(|(k, t)| (k.clone(), HostTensor::clone(t))).collect();
     edit(&mut json, &mut tensors);
     let meta = BTreeMap::from([
-        (kiln::internals::graph_file::KEY_FORMAT.to_string(), kiln::internals::graph_file::FORMAT.to_string()),
-        (kiln::internals::graph_file::KEY_VERSION.to_string(), kiln::internals::graph_file::VERSION.to_string()),
-        (kiln::internals::graph_file::KEY_GRAPH.to_string(), json.to_string()),
+        (kiln::files::graph::KEY_FORMAT.to_string(), kiln::files::graph::FORMAT.to_string()),
+        (kiln::files::graph::KEY_VERSION.to_string(), kiln::files::graph::VERSION.to_string()),
+        (kiln::files::graph::KEY_GRAPH.to_string(), json.to_string()),
     ]);
     let refs: BTreeMap<String, &HostTensor> = tensors.iter().map(|(k, t)| (k.clone(), t)).collect();
-    kiln::internals::var_builder::encode_safetensors(&refs, &meta).unwrap()
+    kiln::files::encode_safetensors(&refs, &meta).unwrap()
 }
 
 fn graph_file_err(bytes: &[u8]) -> String {
-    match kiln::internals::graph_file::decode(bytes, Path::new("g.kiln.safetensors")) {
+    match kiln::files::graph::decode(bytes, Path::new("g.kiln.safetensors")) {
         Err(e @ Error::GraphFile { .. }) => e.to_string(),
         Err(other) => panic!("expected a graph-file error, got {other:?}"),
         Ok(_) => panic!("accepted"),
@@ -146,12 +146,12 @@ fn h02_non_finite_weights_of_a_graph_file_are_named() {
         w.data[0] = f32::NAN;
         w.data[2] = f32::INFINITY;
     });
-    let g = kiln::internals::graph_file::decode(&bytes, Path::new("nan.kiln.safetensors")).unwrap().graph;
+    let g = kiln::files::graph::decode(&bytes, Path::new("nan.kiln.safetensors")).unwrap().graph;
     assert_eq!(g.non_finite_weights(), vec![("conv.weight".to_string(), 2)]);
     let e = g.check_finite_weights("nan.kiln.safetensors").unwrap_err();
     assert!(matches!(&e, Error::NonFinite { key, count: 2, .. } if key == "conv.weight"), "{e:?}");
     assert_eq!(e.to_string(), "weight `conv.weight` holds 2 non-finite value(s) (NaN or infinity) (in nan.kiln.safetensors)");
-    let fine = kiln::internals::graph_file::decode(&tiny_graph_file(|_, _| {}), Path::new("g.kiln.safetensors")).unwrap().graph;
+    let fine = kiln::files::graph::decode(&tiny_graph_file(|_, _| {}), Path::new("g.kiln.safetensors")).unwrap().graph;
     assert!(fine.non_finite_weights().is_empty());
     fine.check_finite_weights("g.kiln.safetensors").unwrap();
 }
@@ -188,7 +188,7 @@ fn calibration_error(r: kiln::Result<CalibrationCache>) -> String {
 /// error naming the data (the file `--data` gave), the tensor or the flag.
 #[test]
 fn h03_calibration_refuses_non_finite_data_weights_and_normalisation() {
-    let good = kiln::internals::seeded::uniform_tensor(&[2, 3, 4, 4], 7);
+    let good = kiln::dev::uniform_tensor(&[2, 3, 4, 4], 7);
     let calibrator = Calibrator::new(&calibration_graph(0.5)).unwrap().with_source("calib.safetensors");
     for method in [CalibrationMethod::Percentile(99.99), CalibrationMethod::MinMax, CalibrationMethod::Entropy] {
         saves_and_loads_back(&calibrator.calibrate(std::slice::from_ref(&good), method).unwrap());
@@ -213,7 +213,7 @@ fn h03_calibration_refuses_non_finite_data_weights_and_normalisation() {
     assert!(e.contains("amax inf is not finite and non-negative"), "{e}");
     assert!(!path.exists(), "nothing was written");
     // --mean nan is named as a flag before any image is read.
-    let e = kiln::internals::pnm::read_folder(&dir, 4, &[f32::NAN; 3], &[0.25; 3], None).unwrap_err().to_string();
+    let e = kiln::image::pnm::read_folder(&dir, 4, &[f32::NAN; 3], &[0.25; 3], None).unwrap_err().to_string();
     assert!(e.starts_with("--mean must be three finite values"), "{e}");
 }
 
@@ -243,26 +243,25 @@ fn h04_fifos_directories_and_devices_are_named_without_blocking() {
     let f = fifo.clone();
     says(within_10_s("CalibrationCache::load", move || CalibrationCache::load(&f)).unwrap_err(), fifo_msg);
     let d = dir.clone();
-    let e = within_10_s("pnm::read_folder", move || kiln::internals::pnm::read_folder(&d, 4, &[0.0; 3], &[1.0; 3], None)).unwrap_err();
+    let e = within_10_s("pnm::read_folder", move || kiln::image::pnm::read_folder(&d, 4, &[0.0; 3], &[1.0; 3], None)).unwrap_err();
     assert!(matches!(&e, Error::Image { .. }), "{e:?}");
     says(e, fifo_msg);
     let f = fifo.clone();
-    says(within_10_s("graph_file::read", move || kiln::internals::graph_file::read(&f)).unwrap_err(), fifo_msg);
+    says(within_10_s("graph_file::read", move || kiln::files::graph::read(&f)).unwrap_err(), fifo_msg);
     let f = fifo.clone();
-    says(within_10_s("engine::file::read", move || kiln::internals::engine::file::read(&f)).unwrap_err(), fifo_msg);
+    says(within_10_s("engine::file::read", move || kiln::files::engine::read(&f)).unwrap_err(), fifo_msg);
     let f = fifo.clone();
-    let e = within_10_s("read_tensors_within", move || kiln::internals::var_builder::read_tensors_within(&f, "input", |_| true, 1 << 31));
+    let e = within_10_s("read_tensors_within", move || kiln::files::read_tensors_within(&f, "input", |_| true, 1 << 31));
     says(e.unwrap_err(), fifo_msg);
     let f = fifo.clone();
-    let mut tactics = kiln::internals::engine::choices::Tactics::default();
+    let mut tactics = kiln::files::Tactics::default();
     says(within_10_s("Tactics::load_cache", move || tactics.load_cache(&f)).unwrap_err(), fifo_msg);
     // A directory named like an image, and a device, are named too.
     let sub = dir.join("sub");
     std::fs::create_dir_all(sub.join("x.pgm")).unwrap();
-    let e = kiln::internals::pnm::read_folder(&sub, 4, &[0.0; 3], &[1.0; 3], None).unwrap_err();
+    let e = kiln::image::pnm::read_folder(&sub, 4, &[0.0; 3], &[1.0; 3], None).unwrap_err();
     says(e, "is a directory; give a binary PGM (P5) or PPM (P6) image");
-    let e =
-        kiln::internals::host::read_regular(Path::new("/dev/null"), "a file", |reason| Error::Image { path: "/dev/null".into(), reason });
+    let e = kiln::files::read_regular(Path::new("/dev/null"), "a file", |reason| Error::Image { path: "/dev/null".into(), reason });
     assert!(e.unwrap_err().to_string().contains(fifo_msg));
 }
 
@@ -277,7 +276,7 @@ fn h05_memory_available_honours_the_address_space_limit() {
         return;
     }
     std::env::remove_var("KILN_CPU_MEMORY_BYTES");
-    let a = kiln::internals::host::memory_available().expect("limits are known on Linux");
+    let a = kiln::dev::memory_available().expect("limits are known on Linux");
     println!("{a:?}");
     assert_eq!(a.limit, "ulimit -v", "{a:?}");
     assert!(a.bytes < 3_000_000 * 1024, "{a:?}");
@@ -321,7 +320,7 @@ fn h06_graph_files_and_inputs_are_checked_before_their_data_is_read() {
     let path = dir.join("big.kiln.safetensors");
     sparse(&path, &head, 4 * n);
     let (read_before, start) = (bytes_read(), std::time::Instant::now());
-    let e = kiln::internals::graph_file::read(&path).unwrap_err().to_string();
+    let e = kiln::files::graph::read(&path).unwrap_err().to_string();
     let (read, took) = (bytes_read() - read_before, start.elapsed());
     println!("{e} ({read} bytes read, {took:?})");
     assert!(e.contains("weight `conv.weight` has shape [268435456], the node says [1, 3, 1, 1]"), "{e}");
@@ -336,7 +335,7 @@ fn h06_graph_files_and_inputs_are_checked_before_their_data_is_read() {
     let path = dir.join("x_big.safetensors");
     sparse(&path, &head, 4 * m);
     let start = std::time::Instant::now();
-    let e = kiln::internals::var_builder::read_tensors_within(&path, "input", |_| true, 1 << 31).unwrap_err();
+    let e = kiln::files::read_tensors_within(&path, "input", |_| true, 1 << 31).unwrap_err();
     assert!(matches!(&e, Error::TooLarge { .. }), "{e:?}");
     let e = e.to_string();
     println!("{e}");
@@ -355,8 +354,7 @@ fn h06_graph_files_and_inputs_are_checked_before_their_data_is_read() {
 fn h08_weight_grids_and_batch_0_inputs_are_validated_at_load() {
     let with_quant = |quant: serde_json::Value| tiny_graph_file(move |json, _| json["nodes"][1]["op"]["Weight"]["quant"] = quant);
     let grid = |scale: serde_json::Value, qmin: i32, qmax: i32| serde_json::json!({"format": "Int8", "scale": scale, "zero_point": [], "axis": null, "qmin": qmin, "qmax": qmax});
-    let sound =
-        kiln::internals::graph_file::decode(&with_quant(grid(serde_json::json!([0.5]), -127, 127)), Path::new("g.kiln.safetensors"));
+    let sound = kiln::files::graph::decode(&with_quant(grid(serde_json::json!([0.5]), -127, 127)), Path::new("g.kiln.safetensors"));
     sound.expect("a sound grid loads");
     for (quant, want) in [
         (grid(serde_json::json!([0.0]), -128, 127), "scales must be positive and finite, got 0"),
@@ -369,27 +367,23 @@ fn h08_weight_grids_and_batch_0_inputs_are_validated_at_load() {
         assert!(e.contains("node %1 (`conv.weight`): weight `conv.weight`: its 8-bit grid: ") && e.contains(want), "{e}");
     }
     // JSON has no NaN: a graph built in memory carries it to `validate`.
-    let mut g = kiln::internals::graph_file::decode(&tiny_graph_file(|_, _| {}), Path::new("g.kiln.safetensors")).unwrap().graph;
-    g.nodes[1].op = Op::Weight { name: "conv.weight".into(), quant: Some(kiln::internals::ops::quant::QuantParams::int8(f32::NAN)) };
+    let mut g = kiln::files::graph::decode(&tiny_graph_file(|_, _| {}), Path::new("g.kiln.safetensors")).unwrap().graph;
+    g.nodes[1].op = Op::Weight { name: "conv.weight".into(), quant: Some(kiln::plugin::QuantParams::int8(f32::NAN)) };
     assert!(g.validate().unwrap_err().to_string().contains("scales must be positive and finite, got NaN"));
 
     // An engine payload whose input has batch 0 (the fuzzer's `efuzz_small_input_batch0`).
-    let mut payload = kiln::internals::engine::file::Payload {
+    let mut payload = kiln::files::engine::Payload {
         config: kiln::engine::BuildConfig::default(),
-        graph: kiln::internals::graph_file::decode(&tiny_graph_file(|_, _| {}), Path::new("g.kiln.safetensors")).unwrap().graph,
+        graph: kiln::files::graph::decode(&tiny_graph_file(|_, _| {}), Path::new("g.kiln.safetensors")).unwrap().graph,
         tactics: BTreeMap::new(),
     };
     payload.graph.nodes[0].shape[0] = 0;
     payload.graph.nodes[2].shape[0] = 0;
     payload.graph.nodes[3].shape[0] = 0;
     payload.graph.validate().expect("a batch of 0 is a valid shape");
-    let header = kiln::internals::engine::file::Header {
-        version: kiln::internals::engine::file::FORMAT_VERSION,
-        sm: 90,
-        driver_version: 13000,
-        cudnn_version: 91400,
-    };
-    let bytes = kiln::internals::engine::file::encode(&header, &payload).unwrap();
-    let e = kiln::internals::engine::file::decode(&bytes, "batch0.kiln").unwrap_err().to_string();
+    let header =
+        kiln::files::engine::Header { version: kiln::files::engine::FORMAT_VERSION, sm: 90, driver_version: 13000, cudnn_version: 91400 };
+    let bytes = kiln::files::engine::encode(&header, &payload).unwrap();
+    let e = kiln::files::engine::decode(&bytes, "batch0.kiln").unwrap_err().to_string();
     assert_eq!(e, "engine file batch0.kiln: input `input` has shape [0, 3, 2, 2]; inputs need a batch dim and no zero dims");
 }

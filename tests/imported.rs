@@ -28,7 +28,7 @@ mod tiny_vit;
 mod tiny_yolov8;
 
 use kiln::compare;
-use kiln::internals::var_builder::read_safetensors;
+use kiln::files::read_safetensors;
 use kiln::{Graph, HostTensor, Result, VarBuilder};
 use std::collections::BTreeMap;
 use std::path::PathBuf;

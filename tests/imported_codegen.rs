@@ -2,11 +2,20 @@
 //! each one gives is committed in tests/generated/imported/ (compiled and run by tests/imported.rs),
 //! and regenerating it must give the committed file, laid out by rustfmt with Kiln's rustfmt.toml.
 //!
+//! Every activation (`Unary::examples()`) as kiln-torch would export it, as a `torch.nn` module
+//! where its form (`Unary::form`) names a layer and inline in every case, gives
+//! tests/generated/every_activation.rs: compiled here, it must trace the same ops again, so every
+//! method and layer an activation's form names exists and takes the arguments codegen writes.
+//!
 //! After a deliberate change to the generator or the fixtures, refresh the files with
 //! `KILN_BLESS=1 cargo test --test imported_codegen`.
 
-use kiln::internals::codegen::{generate_structured, CodegenOptions};
-use kiln::Graph;
+#[path = "generated/every_activation.rs"]
+mod every_activation;
+
+use kiln::dev::codegen::{generate_structured, CodegenOptions};
+use kiln::plugin::{Op, ShapeOp, Unary};
+use kiln::{Graph, Tensor, Tracer, VarBuilder};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -85,4 +94,61 @@ fn a_graph_without_module_classes_is_refused_with_the_reason() {
     let graph = kiln_models::trace("resnet18", kiln::VarBuilder::seeded(), 1, 64).expect("trace");
     let err = generate_structured(&graph, &options("resnet18")).unwrap_err().to_string();
     assert!(err.contains("kiln-torch") && err.contains("flat"), "{err}");
+}
+
+/// Each activation on the input: as a leaf module `layer_<i>` of its `torch.nn` class where its
+/// form names a layer, and inline (`<op>_<i>`, in the model's own scope) in every case; the
+/// results concatenated along the channels.
+fn every_activation(batch: usize) -> Graph {
+    let tracer = Tracer::new();
+    let x = tracer.input("input", &[batch, 2, 3]);
+    let mut classes = std::collections::BTreeMap::new();
+    let mut ys = Vec::new();
+    for (i, op) in Unary::examples().into_iter().enumerate() {
+        let form = op.form();
+        if let Some(layer) = &form.layer {
+            let path = format!("layer_{i}");
+            ys.push(Tensor::record(&path, Op::Unary(op), &[&x], &[]).expect("layer"));
+            classes.insert(path, format!("torch.nn.modules.activation.{}", layer.ty));
+        }
+        ys.push(Tensor::record(&format!("{}_{i}", form.method), Op::Unary(op), &[&x], &[]).expect("inline"));
+    }
+    let cat = Tensor::record("cat", Op::Shape(ShapeOp::Cat { dim: 1 }), &ys.iter().collect::<Vec<_>>(), &[]).expect("cat");
+    tracer.output("output", &cat);
+    let mut graph = tracer.graph();
+    graph.modules = classes;
+    graph
+}
+
+#[test]
+fn every_activations_form_compiles_and_traces_the_same_ops() {
+    let graph = every_activation(1);
+    let opts = CodegenOptions {
+        fn_name: "build".into(),
+        model: "every_activation".into(),
+        command: "tests/imported_codegen.rs".into(),
+        ..CodegenOptions::default()
+    };
+    let src = generate_structured(&graph, &opts).expect("generate");
+    let Some(src) = rustfmt(&src) else {
+        println!("skipped: rustfmt is not installed");
+        return;
+    };
+    let path = root().join("tests/generated/every_activation.rs");
+    if std::env::var_os("KILN_BLESS").is_some() {
+        std::fs::write(&path, &src).expect("write");
+    }
+    let committed = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        committed == src,
+        "tests/generated/every_activation.rs is stale; regenerate with `KILN_BLESS=1 cargo test --test imported_codegen`"
+    );
+    for ty in ["Softplus", "SoftplusConfig", "ELU", "ELUConfig", "Mish", "Hardtanh", "ReLU6"] {
+        assert!(src.contains(&format!(" {ty}")), "{ty} is not written:\n{src}");
+    }
+    let ops = |g: &Graph| g.nodes.iter().filter(|n| !n.op.is_leaf()).map(|n| n.op.clone()).collect::<Vec<_>>();
+    for batch in [1, 2] {
+        let generated = every_activation::build(VarBuilder::seeded(), batch).expect("the generated code traces");
+        assert_eq!(ops(&generated), ops(&every_activation(batch)), "batch {batch}");
+    }
 }

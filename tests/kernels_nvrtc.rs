@@ -2,11 +2,9 @@
 //! machine without a GPU. CI installs NVRTC and sets `KILN_REQUIRE_NVRTC=1`, so a kernel that
 //! does not compile never lands; elsewhere, a missing NVRTC skips these tests with the reason.
 
-use kiln::internals::engine::{
-    kernels,
-    kernels::{cached_compile, compile_all_for, compile_source, image_has_symbol, FAMILIES, ON_DEMAND},
-};
-use kiln::internals::ops::kernel_entry_points;
+use kiln::dev::kernels::kernel_entry_points;
+use kiln::dev::kernels::{self, cached_compile, compile_all_for, FAMILIES, ON_DEMAND};
+use kiln::plugin::{compile_source, image_has_symbol};
 use kiln::Error;
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -91,8 +89,8 @@ fn the_8_bit_conv_kernels_compile_with_every_entry_point() {
     if !require_nvrtc() {
         return;
     }
-    let image = compile_source("conv8.cu", kiln::internals::ops::conv::conv8::CONV8_CU, ARCH).unwrap_or_else(|e| panic!("{e}"));
-    let entries = kiln::internals::ops::conv::conv8::entry_points();
+    let image = compile_source("conv8.cu", kiln::dev::kernels::CONV8_CU, ARCH).unwrap_or_else(|e| panic!("{e}"));
+    let entries = kiln::dev::kernels::conv8_entry_points();
     assert_eq!(entries.len(), 12, "3 tile shapes, the pointwise kernel's 2 and a finishing kernel per format: {entries:?}");
     for entry in entries {
         assert!(image_has_symbol(&image, &entry), "conv8.cu defines no `{entry}`");

@@ -3,7 +3,7 @@
 //! weights (in the export script's format: `input`, `output.<name>`, `intermediate.<path>`), and
 //! the report must name exactly that layer as the first whose error jumps.
 
-use kiln::internals::layerwise::{mark_all, run, LayerwiseReport};
+use kiln::dev::layerwise::{mark_all, run, LayerwiseReport};
 use kiln::{Graph, HostTensor, VarBuilder};
 use std::collections::BTreeMap;
 
@@ -16,7 +16,7 @@ fn trace(vb: VarBuilder) -> Graph {
 
 /// A reference as tools/export_reference.py writes it, made by the CPU executor.
 fn reference() -> BTreeMap<String, HostTensor> {
-    let x = kiln::internals::seeded::weight("input.0", &[1, 3, SIZE, SIZE]);
+    let x = kiln::dev::weight("input.0", &[1, 3, SIZE, SIZE]);
     let out = kiln::run_cpu(&mark_all(&trace(VarBuilder::seeded())), &[("input", &x)]).expect("cpu reference");
     let mut r: BTreeMap<String, HostTensor> =
         out.into_iter().map(|(k, v)| if k.starts_with("intermediate.") { (k, v) } else { (format!("output.{k}"), v) }).collect();

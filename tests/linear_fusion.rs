@@ -3,14 +3,14 @@
 //! the CPU: which graphs fuse and which must not, outputs before and after, the new attribute in
 //! graph files, and what the bundled transformers (ViT-B/16, Swin-T, ConvNeXt-T) fuse.
 
-use kiln::internals::{cpu, passes};
+use kiln::dev::passes;
 use kiln::nn::{Linear, LinearConfig};
 use kiln::plugin::{Binary, Gemm, Op, ShapeOp};
 use kiln::{compare, Forward, Graph, HostTensor, Module, Tracer, VarBuilder};
 use std::sync::Arc;
 
 fn rand(shape: &[usize]) -> HostTensor {
-    kiln::internals::seeded::uniform_tensor(shape, kiln::internals::seeded::fresh_seed())
+    kiln::dev::uniform_tensor(shape, kiln::dev::fresh_seed())
 }
 
 fn linear(vb: &VarBuilder, path: &str, fin: usize, fout: usize) -> Linear {
@@ -19,7 +19,7 @@ fn linear(vb: &VarBuilder, path: &str, fin: usize, fout: usize) -> Linear {
 
 fn outputs(g: &Graph, x: &HostTensor) -> std::collections::BTreeMap<String, HostTensor> {
     let name = g.input_names()[0].to_string();
-    cpu::run(g, &[(&name, x)]).expect("cpu run")
+    kiln::run_cpu(g, &[(&name, x)]).expect("cpu run")
 }
 
 fn count(g: &Graph, op: &str) -> usize {
@@ -245,13 +245,13 @@ fn bundled_transformers_fuse_their_residual_adds() {
 /// the NHWC `pwconv2` (scaled, with the residual) no reference.
 #[test]
 fn layerwise_keys_follow_the_fused_linears() {
-    let key_of = |traced: &Graph, optimized: &Graph, pick: &dyn Fn(&kiln::internals::graph::Node) -> bool| {
-        let keys = kiln::internals::layerwise::fused_keys(traced, optimized);
+    let key_of = |traced: &Graph, optimized: &Graph, pick: &dyn Fn(&kiln::plugin::Node) -> bool| {
+        let keys = kiln::dev::layerwise::fused_keys(traced, optimized);
         let id = optimized.nodes.iter().position(pick).expect("node");
         keys.into_iter().find(|(i, _)| *i == id).map(|(_, k)| k).unwrap_or_default()
     };
     let add_keys = |g: &Graph| -> Vec<Vec<String>> {
-        let keys = kiln::internals::layerwise::intermediate_keys(g);
+        let keys = kiln::dev::layerwise::intermediate_keys(g);
         g.nodes
             .iter()
             .enumerate()

@@ -5,7 +5,7 @@
 //! the ResNet-18/50 at 224 and CenterNet at 512 (batch 1), RegNetY-400MF and ConvNeXt-Tiny at 96x96
 //! and the other classifiers at 112x112, batch 2, to keep the CPU executor's time down. Each holds `input` and the outputs only.
 
-use kiln::internals::var_builder::read_safetensors;
+use kiln::files::read_safetensors;
 use kiln::{compare, top1, Comparison};
 use kiln::{HostTensor, VarBuilder};
 use std::collections::BTreeMap;
@@ -26,7 +26,7 @@ fn run(model: &str) -> (BTreeMap<String, HostTensor>, BTreeMap<String, HostTenso
     let refs = read_safetensors(fixture(&format!("{model}.reference.safetensors"))).expect("reference file");
     let x = &refs["input"];
     // The exporter draws its input from the seeded generator, so both sides agree on it by name.
-    assert_eq!(*x, kiln::internals::seeded::weight("input.0", &x.shape), "the reference input is not seeded `input.0`");
+    assert_eq!(*x, kiln::dev::weight("input.0", &x.shape), "the reference input is not seeded `input.0`");
     let (batch, size) = (x.shape[0], x.shape[2]);
     let vb = VarBuilder::seeded();
     let graph = kiln_models::trace(model, vb, batch, size).expect("trace");
@@ -59,7 +59,7 @@ fn check_optimized_classifier(model: &str) {
     let refs = read_safetensors(fixture(&format!("{model}.reference.safetensors"))).expect("reference file");
     let x = &refs["input"];
     let graph = kiln_models::trace(model, VarBuilder::seeded(), x.shape[0], x.shape[2]).expect("trace");
-    let optimized = kiln::internals::passes::optimize(&graph).expect("passes");
+    let optimized = kiln::engine::optimize(&graph).expect("passes");
     let ours = kiln::run_cpu(&optimized, &[("input", x)]).expect("cpu run");
     let c = check(&format!("{model} (optimised)"), "logits", &ours, &refs);
     assert!(c.passes(TOL), "{c} exceeds rel L2 {TOL}");
@@ -195,7 +195,7 @@ fn centernet_dcn_matches_pytorch() {
     check_detections("centernet_dcn", &ours, &refs);
     let x = &refs["input"];
     let graph = kiln_models::trace("centernet_dcn", VarBuilder::seeded(), x.shape[0], x.shape[2]).expect("trace");
-    let optimized = kiln::internals::passes::optimize(&graph).expect("passes");
+    let optimized = kiln::engine::optimize(&graph).expect("passes");
     let ours = kiln::run_cpu(&optimized, &[("input", x)]).expect("cpu run");
     for head in ["hm", "wh", "reg"] {
         let c = check("centernet_dcn (optimised)", head, &ours, &refs);

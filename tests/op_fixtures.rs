@@ -5,8 +5,8 @@
 //! compared with PyTorch's output.
 
 use kiln::compare;
-use kiln::internals::ops::{Fixture, FixtureTwin};
-use kiln::internals::var_builder::read_safetensors;
+use kiln::dev::ops::{Fixture, FixtureTwin};
+use kiln::files::read_safetensors;
 use kiln::{
     nn::{Conv2d, Conv2dConfig, ConvTranspose2d},
     Forward, Module, Tensor, Tracer, VarBuilder,
@@ -41,9 +41,9 @@ const CONV_TWINS: &[FixtureTwin] = &[
 ];
 
 /// The Kiln twin of each PyTorch case in `op_cases()` of the export script, by case: each op
-/// family's (`kiln::internals::ops::fixture_twins`), and the convolutions'. A case named twice is an error.
+/// family's (`kiln::dev::ops::fixture_twins`), and the convolutions'. A case named twice is an error.
 fn twins() -> BTreeMap<&'static str, FixtureTwin> {
-    let all: Vec<FixtureTwin> = kiln::internals::ops::fixture_twins().into_iter().chain(CONV_TWINS.iter().copied()).collect();
+    let all: Vec<FixtureTwin> = kiln::dev::ops::fixture_twins().into_iter().chain(CONV_TWINS.iter().copied()).collect();
     let by_case: BTreeMap<&'static str, FixtureTwin> = all.iter().map(|t| (t.0, *t)).collect();
     assert_eq!(by_case.len(), all.len(), "a fixture case has two twins");
     by_case
@@ -96,7 +96,7 @@ fn every_op_fixture_matches_pytorch() {
 }
 
 /// No op can be half-added: every built-in op (one of each variant of every family, from
-/// `kiln::internals::ops::builtin_ops`) has at least one PyTorch fixture case named after it (`<op>` or
+/// `kiln::dev::ops::builtin_ops`) has at least one PyTorch fixture case named after it (`<op>` or
 /// `<op>_<variant>`), which `every_op_fixture_matches_pytorch` runs through its CPU reference.
 /// Its shape rule, CPU reference and converter are methods of `OpDef`, which the compiler asks
 /// every family to implement for every variant.
@@ -104,7 +104,7 @@ fn every_op_fixture_matches_pytorch() {
 fn every_builtin_op_has_a_pytorch_fixture() {
     let tensors = read_safetensors(fixture()).expect("op fixtures");
     let cases = cases(&tensors);
-    let names: std::collections::BTreeSet<String> = kiln::internals::ops::builtin_ops().iter().map(|op| op.name().to_string()).collect();
+    let names: std::collections::BTreeSet<String> = kiln::dev::ops::builtin_ops().iter().map(|op| op.name().to_string()).collect();
     println!("{} built-in ops: {names:?}", names.len());
     let missing: Vec<&String> = names.iter().filter(|n| !cases.iter().any(|c| c == n || c.starts_with(&format!("{n}_")))).collect();
     assert!(missing.is_empty(), "built-in ops without a PyTorch fixture in ops.reference.safetensors: {missing:?}");

@@ -3,7 +3,7 @@
 //! expected structure.
 
 use kiln::compare;
-use kiln::internals::{cpu, passes};
+use kiln::dev::passes;
 use kiln::plugin::OpDef;
 use kiln::{
     nn::{BatchNorm2d, BatchNorm2dConfig, Conv2d, Conv2dConfig, ConvTranspose2d},
@@ -15,7 +15,7 @@ use kiln::{
 };
 
 fn rand(shape: &[usize]) -> HostTensor {
-    kiln::internals::seeded::uniform_tensor(shape, kiln::internals::seeded::fresh_seed())
+    kiln::dev::uniform_tensor(shape, kiln::dev::fresh_seed())
 }
 
 /// Runs both graphs on the same random input (batch `batch`) and checks every output agrees.
@@ -25,8 +25,8 @@ fn assert_same_outputs(before: &Graph, after: &Graph, batch: usize) {
     shape[0] = batch;
     let x = rand(&shape);
     let name = before.input_names()[0].to_string();
-    let want = cpu::run(before, &[(&name, &x)]).expect("run before");
-    let got = cpu::run(after, &[(&name, &x)]).expect("run after");
+    let want = kiln::run_cpu(before, &[(&name, &x)]).expect("run before");
+    let got = kiln::run_cpu(after, &[(&name, &x)]).expect("run after");
     assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>());
     for (k, w) in &want {
         let c = compare(k, &got[k], w);
@@ -323,7 +323,7 @@ fn a_module_applied_twice_folds_under_distinct_names() {
     let want = ["shared.conv.bias.folded", "shared.conv.bias.folded.1", "shared.conv.weight.folded", "shared.conv.weight.folded.1"];
     assert_eq!(names, want);
     let (xa, xb) = (rand(&[1, 3, 5, 5]), rand(&[1, 3, 5, 5]));
-    let run = |g: &Graph| cpu::run(g, &[("a", &xa), ("b", &xb)]).expect("run").remove("y").expect("y");
+    let run = |g: &Graph| kiln::run_cpu(g, &[("a", &xa), ("b", &xb)]).expect("run").remove("y").expect("y");
     let c = compare("y", &run(&o), &run(&g));
     assert!(c.passes(1e-5), "{c}");
 }
@@ -380,7 +380,7 @@ fn time_models_cpu() {
             let mut times = vec![];
             for _ in 0..3 {
                 let start = std::time::Instant::now();
-                cpu::run(graph, &[("input", &x)]).expect("run");
+                kiln::run_cpu(graph, &[("input", &x)]).expect("run");
                 times.push(format!("{:.3}", start.elapsed().as_secs_f64()));
             }
             println!("{model} {size}x{size} batch 1, {name} graph: {} s", times.join(", "));
@@ -415,7 +415,7 @@ fn resnet50_plans_its_arena_at_the_live_peak() {
     let graph = kiln_models::trace("resnet50", VarBuilder::seeded(), 1, 224).expect("trace");
     let g = passes::optimize(&graph).expect("optimize");
     let (batch, elem) = (64, 2);
-    let (p, step_of) = kiln::internals::engine::plan::estimate_arena(&g, elem, batch);
+    let (p, step_of) = kiln::dev::plan::estimate_arena(&g, elem, batch);
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
     let at = step_of.iter().position(|&s| s == Some(p.peak_step)).map(|n| g.nodes[n].path.clone()).unwrap_or_default();
     println!("arena {:.2} MiB, live peak {:.2} MiB at `{at}`, {} convs in place", mib(p.bytes), mib(p.peak), p.in_place.len());

@@ -22,8 +22,7 @@ fn a_graph_at_new_input_dims_equals_one_traced_there() {
         let moved = g.with_input_dims(&dims(3, other[0], other[1])).expect("re-inferred");
         assert_eq!(shapes(&moved), shapes(&there), "{model} at {other:?}");
         // The optimised graph (what an engine holds) moves the same way.
-        let (opt, opt_there) =
-            (kiln::internals::passes::optimize(&g).expect("passes"), kiln::internals::passes::optimize(&there).expect("passes"));
+        let (opt, opt_there) = (kiln::engine::optimize(&g).expect("passes"), kiln::engine::optimize(&there).expect("passes"));
         assert_eq!(shapes(&opt.with_input_dims(&dims(3, other[0], other[1])).expect("re-inferred")), shapes(&opt_there));
         println!("{model}: {} nodes re-inferred at {other:?}", moved.nodes.len());
     }

@@ -3,12 +3,10 @@
 //! method) and FP8 engines; calibration determinism and the cache's round trip; explicit Q/DQ
 //! graphs built with exactly their `state_dict` scales.
 
-use kiln::internals::calibrate::{
-    graph_hash, prepare_for_best, prepare_for_engine, quant_points, quantize_graph, simulate, CalibrationCache, CalibrationMethod,
-    Calibrator,
-};
-use kiln::internals::ops::quant::{FakeQuantize, FakeQuantizeConfig};
-use kiln::internals::var_builder::read_safetensors;
+use kiln::dev::quant::{graph_hash, prepare_for_best, prepare_for_engine, quant_points, quantize_graph, simulate};
+use kiln::engine::{CalibrationCache, CalibrationMethod, Calibrator};
+use kiln::files::read_safetensors;
+use kiln::nn::{FakeQuantize, FakeQuantizeConfig};
 use kiln::{
     nn::{Conv2d, Conv2dConfig},
     Error, Forward, Module, Tracer, VarBuilder,
@@ -117,7 +115,7 @@ fn calibrating_twice_gives_the_same_cache_and_the_cache_round_trips() {
     assert_eq!(loaded, first);
 
     // A build from the file needs no data: it yields exactly the graph the in-memory cache does.
-    let optimized = kiln::internals::passes::optimize(&d.graph).expect("optimize");
+    let optimized = kiln::engine::optimize(&d.graph).expect("optimize");
     let from_file = prepare_for_engine(optimized.clone(), QuantFormat::Int8, Some(&path)).expect("from the cache file");
     let again = prepare_for_engine(optimized.clone(), QuantFormat::Int8, Some(&path)).expect("again");
     assert_eq!(from_file.nodes, again.nodes);
@@ -238,8 +236,8 @@ fn explicit_qdq_graphs_build_with_exactly_their_state_dict_scales() {
     let mut sd = BTreeMap::new();
     sd.insert("quant.scale".to_string(), HostTensor::new(vec![1], vec![0.0123]));
     sd.insert("quant.zero_point".to_string(), HostTensor::new(vec![1], vec![0.0]));
-    sd.insert("conv.weight".to_string(), kiln::internals::seeded::weight("conv.weight", &[4, 3, 3, 3]));
-    sd.insert("conv.bias".to_string(), kiln::internals::seeded::weight("conv.bias", &[4]));
+    sd.insert("conv.weight".to_string(), kiln::dev::weight("conv.weight", &[4, 3, 3, 3]));
+    sd.insert("conv.bias".to_string(), kiln::dev::weight("conv.bias", &[4]));
     sd.insert("wq.scale".to_string(), HostTensor::new(vec![4], vec![0.002, 0.003, 0.004, 0.005]));
     let vb = VarBuilder::from_tensors(sd);
     let quant = FakeQuantize::load(vb.pp("quant"), &FakeQuantizeConfig::default()).expect("load");
@@ -253,14 +251,13 @@ fn explicit_qdq_graphs_build_with_exactly_their_state_dict_scales() {
     let y = wq.forward(&conv.forward(&quant.forward(&x).expect("q")).expect("conv")).expect("wq");
     y.mark_output("y");
     let graph = tracer.graph();
-    let engine_graph =
-        prepare_for_engine(kiln::internals::passes::optimize(&graph).expect("optimize"), QuantFormat::Int8, None).expect("explicit");
+    let engine_graph = prepare_for_engine(kiln::engine::optimize(&graph).expect("optimize"), QuantFormat::Int8, None).expect("explicit");
     let scales: Vec<Vec<f32>> =
         engine_graph.nodes.iter().filter_map(|n| if let Op::Quant(q) = &n.op { Some(q.params().scale.clone()) } else { None }).collect();
     assert_eq!(scales, vec![vec![0.0123], vec![0.002, 0.003, 0.004, 0.005]], "the state_dict's scales, unchanged");
 
     // The CPU executor runs them: the same as quantising by hand.
-    let input = kiln::internals::seeded::uniform_tensor(&[2, 3, 6, 6], 7);
+    let input = kiln::dev::uniform_tensor(&[2, 3, 6, 6], 7);
     let got = kiln::run_cpu(&engine_graph, &[("input", &input)]).expect("run");
     let mut xq = input.clone();
     QuantParams::int8(0.0123).fake_quantize(&mut xq);
@@ -286,7 +283,7 @@ fn fp8_on_the_cpu_and_bad_scales_in_a_state_dict() {
 /// A reference as `tools/export_reference.py --intermediates all` writes it (`input`,
 /// `output.<name>`, `intermediate.<path>`), made by the CPU executor in FP32 on `graph`.
 fn reference_of(graph: &Graph, x: &HostTensor) -> BTreeMap<String, HostTensor> {
-    let out = kiln::run_cpu(&kiln::internals::layerwise::mark_all(graph), &[("input", x)]).expect("cpu reference");
+    let out = kiln::run_cpu(&kiln::dev::layerwise::mark_all(graph), &[("input", x)]).expect("cpu reference");
     let mut r: BTreeMap<String, HostTensor> =
         out.into_iter().map(|(k, v)| if k.starts_with("intermediate.") { (k, v) } else { (format!("output.{k}"), v) }).collect();
     r.insert("input".into(), x.clone());
@@ -300,11 +297,11 @@ fn reference_of(graph: &Graph, x: &HostTensor) -> BTreeMap<String, HostTensor> {
 #[test]
 fn fused_nodes_are_compared_with_the_value_they_compute() {
     let traced = kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 64).expect("trace");
-    let x = kiln::internals::seeded::weight("input.0", &[1, 3, 64, 64]);
+    let x = kiln::dev::weight("input.0", &[1, 3, 64, 64]);
     let reference = reference_of(&traced, &x);
-    let optimized = kiln::internals::passes::optimize(&traced).expect("optimize");
-    let keys = kiln::internals::layerwise::fused_keys(&traced, &optimized);
-    let (marked, pairs) = kiln::internals::layerwise::mark_intermediates(&optimized, &keys, &reference);
+    let optimized = kiln::engine::optimize(&traced).expect("optimize");
+    let keys = kiln::dev::layerwise::fused_keys(&traced, &optimized);
+    let (marked, pairs) = kiln::dev::layerwise::mark_intermediates(&optimized, &keys, &reference);
     let computed = optimized.nodes.iter().filter(|n| !n.op.is_leaf()).count();
     assert_eq!(pairs.len(), computed, "every node of the optimised graph has a reference");
     let got = kiln::run_cpu(&marked, &[("input", &x)]).expect("run");
@@ -338,14 +335,14 @@ fn layerwise_runs_on_quantised_graphs() {
     for format in [QuantFormat::Int8, QuantFormat::Fp8E4m3] {
         let sim = simulate(&d.graph, &cache, format).expect("simulate");
         let mut ran = None;
-        let report = kiln::internals::layerwise::run_quantised(&d.graph, Some(&cache), format, &reference, 0.25, |g, input| {
+        let report = kiln::dev::layerwise::run_quantised(&d.graph, Some(&cache), format, &reference, 0.25, |g, input| {
             ran = Some(g.clone());
             kiln::run_cpu(g, &[("input", input)])
         })
         .expect("layerwise");
         println!("{} simulation, layer by layer against FP32:\n{report}", format.name());
         let ran = ran.expect("executed");
-        assert!(kiln::internals::calibrate::has_quant_nodes(&ran), "the executed graph is the Q/DQ graph");
+        assert!(kiln::dev::quant::has_quant_nodes(&ran), "the executed graph is the Q/DQ graph");
         let layers = sim.nodes.iter().filter(|n| !n.op.is_leaf() && !matches!(n.op, Op::Quant(_))).count();
         assert_eq!(report.layers.len(), layers, "every fused layer is compared");
         assert!(report.passes(), "quantisation error stays under 0.25 at every layer");
@@ -356,7 +353,7 @@ fn layerwise_runs_on_quantised_graphs() {
         assert_eq!(logits.rel_l2, 0.0, "marking outputs changes nothing: {logits}");
     }
     // Without a cache (and no Q/DQ nodes in the graph) it is a clear error.
-    let err = kiln::internals::layerwise::run_quantised(&d.graph, None, QuantFormat::Int8, &reference, 0.1, |_, _| Ok(BTreeMap::new()))
+    let err = kiln::dev::layerwise::run_quantised(&d.graph, None, QuantFormat::Int8, &reference, 0.1, |_, _| Ok(BTreeMap::new()))
         .expect_err("needs a cache");
     assert!(matches!(&err, Error::Config { reason } if reason.contains("--calibration-cache")), "{err}");
 }
@@ -368,26 +365,24 @@ fn digits_int8_engine_graph(d: &Digits) -> kiln::Graph {
         Calibrator::new(&d.graph).and_then(|c| c.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::MinMax)).expect("calibrate");
     let path = std::env::temp_dir().join(format!("kiln-int8-{}-{:?}.json", std::process::id(), std::thread::current().id()));
     cache.save(&path).expect("save");
-    let g = prepare_for_engine(kiln::internals::passes::optimize(&d.graph).expect("optimize"), QuantFormat::Int8, Some(&path))
-        .expect("quantise");
+    let g = prepare_for_engine(kiln::engine::optimize(&d.graph).expect("optimize"), QuantFormat::Int8, Some(&path)).expect("quantise");
     let _ = std::fs::remove_file(&path);
     g
 }
 
-/// Which values an INT8 engine of the digits network keeps in 8 bits (`ops::conv::conv8::plan`, no
+/// Which values an INT8 engine of the digits network keeps in 8 bits (`kiln::dev::plan::eight_bit_plan`, no
 /// GPU): every conv but the 3-channel stem runs on the 8-bit kernel; each block's input is one
 /// stored tensor read by its convs (and as the skip connection); convs whose only reader is a
 /// stored quantiser requantise into it. Below sm_80, in FP16, or for a conv a per-layer rule keeps
 /// in FP16, nothing (or less) is 8-bit.
 #[test]
 fn eight_bit_plan_of_the_digits_network() {
-    use kiln::internals::ops::conv::conv8;
     use kiln::{
+        dev::plan::eight_bit_plan,
         engine::{BuildConfig, Precision},
-        internals::engine::resolve::node_precisions,
     };
     let g = digits_int8_engine_graph(&digits());
-    let plan_for = |config: &BuildConfig, sm: u32| conv8::plan(&g, config, &node_precisions(&g, config), sm);
+    let plan_for = |config: &BuildConfig, sm: u32| eight_bit_plan(&g, config, sm);
     let names = |v: &[bool]| -> Vec<String> { v.iter().enumerate().filter(|(_, &b)| b).map(|(i, _)| g.nodes[i].path.clone()).collect() };
     let config = BuildConfig::default().precision(Precision::Int8);
     let plan = plan_for(&config, 90);
@@ -414,7 +409,7 @@ fn eight_bit_plan_of_the_digits_network() {
     assert!(requantising >= convs.len() - 2, "all but the last block's convs write 8-bit codes");
     assert_eq!(
         plan_for(&config, 75),
-        kiln::internals::engine::eight_bit::EightBitPlan {
+        kiln::dev::plan::EightBitPlan {
             format: None,
             conv: vec![false; g.nodes.len()],
             stored: vec![false; g.nodes.len()],
@@ -436,21 +431,20 @@ fn eight_bit_plan_of_the_digits_network() {
 /// than the quantiser kernels the move would add cost.
 #[test]
 fn best_moves_convs_to_16_bits_only_where_it_pays() {
-    use kiln::internals::engine::best::{choose, LayerTimes};
-    use kiln::internals::ops::conv::conv8;
+    use kiln::dev::plan::{best_int8_layers as choose, LayerTimes};
     use kiln::{
+        dev::plan::eight_bit_plan,
         engine::{BuildConfig, Precision},
-        internals::engine::resolve::node_precisions,
     };
     let d = digits();
     let cache =
         Calibrator::new(&d.graph).and_then(|c| c.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::MinMax)).expect("calibrate");
     let path = std::env::temp_dir().join(format!("kiln-best-choose-{}.json", std::process::id()));
     cache.save(&path).expect("save");
-    let g = prepare_for_best(kiln::internals::passes::optimize(&d.graph).expect("optimize"), Some(&path)).expect("best graph");
+    let g = prepare_for_best(kiln::engine::optimize(&d.graph).expect("optimize"), Some(&path)).expect("best graph");
     let _ = std::fs::remove_file(&path);
     let config = BuildConfig::default().precision(Precision::Best);
-    let all = conv8::plan(&g, &config, &node_precisions(&g, &config), 90);
+    let all = eight_bit_plan(&g, &config, 90);
     let int8: Vec<String> = g.nodes.iter().zip(&all.conv).filter(|(_, &c)| c).map(|(n, _)| n.path.clone()).collect();
     let block = "layer2.0.";
     let in_block = int8.iter().filter(|p| p.starts_with(block)).count();
@@ -469,35 +463,34 @@ fn best_moves_convs_to_16_bits_only_where_it_pays() {
     // A per-layer choice already made is the plan's: only those convs are INT8.
     let mut kept = config.clone();
     kept.best_int8_layers = Some(rest.clone());
-    let plan = conv8::plan(&g, &kept, &node_precisions(&g, &kept), 90);
+    let plan = eight_bit_plan(&g, &kept, 90);
     let planned: Vec<String> = g.nodes.iter().zip(&plan.conv).filter(|(_, &c)| c).map(|(n, _)| n.path.clone()).collect();
     assert_eq!(planned, rest);
 }
 
-/// The ResNet stem in an 8-bit engine (`ops::conv::conv8::plan`, no GPU): the 7×7 conv + ReLU +
+/// The ResNet stem in an 8-bit engine (`kiln::dev::plan::eight_bit_plan`, no GPU): the 7×7 conv + ReLU +
 /// max-pool runs on the 8-bit stem, which folds in the quantiser of its input (that quantiser is
 /// neither lowered nor stored: the stem reads the FP16 input) and writes the codes of the
 /// quantiser after it, which layer1's convs read. A per-layer rule keeping the stem in FP16 leaves
 /// both quantisers to their own layers.
 #[test]
 fn eight_bit_plan_of_the_resnet_stem() {
-    use kiln::internals::ops::conv::conv8;
     use kiln::{
+        dev::plan::eight_bit_plan,
         engine::{BuildConfig, Precision},
-        internals::engine::resolve::node_precisions,
     };
     let traced = kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 64).expect("trace");
-    let x = kiln::internals::seeded::weight("input.0", &[2, 3, 64, 64]);
+    let x = kiln::dev::weight("input.0", &[2, 3, 64, 64]);
     let cache = Calibrator::new(&traced).and_then(|c| c.calibrate(std::slice::from_ref(&x), CalibrationMethod::MinMax)).expect("calibrate");
     let path = std::env::temp_dir().join(format!("kiln-stem8-{}.json", std::process::id()));
     cache.save(&path).expect("save");
     for (precision, format) in [(Precision::Int8, QuantFormat::Int8), (Precision::Fp8, QuantFormat::Fp8E4m3)] {
-        let g = prepare_for_engine(kiln::internals::passes::optimize(&traced).expect("optimize"), format, Some(&path)).expect("quantise");
+        let g = prepare_for_engine(kiln::engine::optimize(&traced).expect("optimize"), format, Some(&path)).expect("quantise");
         let id = |p: &str| g.nodes.iter().position(|n| n.path == p).unwrap_or_else(|| panic!("no node {p}"));
         let (stem, q_in) = (id("conv1"), id("input.quantizer"));
         assert_eq!(g.nodes[stem].inputs[0], q_in, "the stem reads the input's quantiser");
         let config = BuildConfig::default().precision(precision);
-        let plan = conv8::plan(&g, &config, &node_precisions(&g, &config), 90);
+        let plan = eight_bit_plan(&g, &config, 90);
         let q_out = plan.requant[stem].unwrap_or_else(|| panic!("{precision:?}: the stem writes the codes of the quantiser after it"));
         println!("{precision:?}: conv1 writes {}, folds {}", g.nodes[q_out].path, g.nodes[q_in].path);
         assert!(plan.conv[stem] && plan.stored[q_out], "{precision:?}");
@@ -507,7 +500,7 @@ fn eight_bit_plan_of_the_resnet_stem() {
             assert!(plan.conv[r], "{} reads the stem's codes on an 8-bit kernel", g.nodes[r].path);
         }
         let kept = config.clone().layer_precision("conv1", Precision::Fp16);
-        let plan = conv8::plan(&g, &kept, &node_precisions(&g, &kept), 90);
+        let plan = eight_bit_plan(&g, &kept, 90);
         assert!(!plan.conv[stem] && !plan.folded[q_in] && plan.requant[stem].is_none(), "{precision:?}: an FP16 stem");
     }
     let _ = std::fs::remove_file(&path);
@@ -518,11 +511,10 @@ fn eight_bit_plan_of_the_resnet_stem() {
 /// engine plans the same 8-bit layers as the build did.
 #[test]
 fn weight_grids_survive_the_engine_file() {
-    use kiln::internals::engine::file::{decode, encode, Header, Payload, FORMAT_VERSION};
-    use kiln::internals::ops::conv::conv8;
+    use kiln::files::engine::{decode, encode, Header, Payload, FORMAT_VERSION};
     use kiln::{
+        dev::plan::eight_bit_plan,
         engine::{BuildConfig, Precision},
-        internals::engine::resolve::node_precisions,
     };
     let g = digits_int8_engine_graph(&digits());
     let grids = g.nodes.iter().filter(|n| matches!(&n.op, Op::Weight { quant: Some(q), .. } if q.axis == Some(0))).count();
@@ -532,7 +524,7 @@ fn weight_grids_survive_the_engine_file() {
     let payload = Payload { config: config.clone(), graph: g.clone(), tactics: Default::default() };
     let (_, loaded) = decode(&encode(&header, &payload).expect("encode"), "digits.kiln").expect("decode");
     assert_eq!(loaded.graph.nodes, g.nodes, "ops, grids included, survive");
-    let plan = |g: &kiln::Graph| conv8::plan(g, &config, &node_precisions(g, &config), 90);
+    let plan = |g: &kiln::Graph| eight_bit_plan(g, &config, 90);
     assert_eq!(plan(&loaded.graph), plan(&g));
 }
 
@@ -543,10 +535,10 @@ fn weight_grids_survive_the_engine_file() {
 /// of 1×1 convs and a 3×3 conv, the 1×1 convs (H·W rows per image) and not the 3×3.
 #[test]
 fn fp8_gemm_candidates_go_to_aligned_linears_and_pointwise_convs() {
+    use kiln::dev::plan::{fp8_gemm_problem as problem, Fp8Problem};
     use kiln::engine::Precision;
-    use kiln::internals::ops::quant::fp8_gemm::{problem, Fp8Problem};
     let plan = |graph: &Graph, input: &HostTensor, what: &str| {
-        let optimized = kiln::internals::passes::optimize(graph).expect("optimize");
+        let optimized = kiln::engine::optimize(graph).expect("optimize");
         let cache =
             Calibrator::new(graph).and_then(|c| c.calibrate(std::slice::from_ref(input), CalibrationMethod::MinMax)).expect("calibrate");
         let path = std::env::temp_dir().join(format!("kiln-fp8-plan-{what}-{}.json", std::process::id()));
@@ -577,7 +569,7 @@ fn fp8_gemm_candidates_go_to_aligned_linears_and_pointwise_convs() {
         on_fp8.into_iter().map(|(path, p)| (path, [p.k, p.n, p.rows_per_image], p.channels_last)).collect::<Vec<_>>()
     };
     let graph = transformer_like(2);
-    let input = kiln::internals::seeded::uniform_tensor(&[2, 8, 64], 3);
+    let input = kiln::dev::uniform_tensor(&[2, 8, 64], 3);
     let linears = plan(&graph, &input, "transformer");
     println!("transformer-like: {linears:?}");
     assert_eq!(
@@ -593,7 +585,7 @@ fn fp8_gemm_candidates_go_to_aligned_linears_and_pointwise_convs() {
     let y = conv("c2", Conv2dConfig::new(64, 32, 1), &h).and_then(|y| y.add(&x)).and_then(|y| y.relu()).expect("c2");
     conv("c3", Conv2dConfig::new(32, 32, 3).padding(1), &y).expect("c3").mark_output("y");
     let graph = tracer.graph();
-    let convs = plan(&graph, &kiln::internals::seeded::uniform_tensor(&[2, 32, 7, 5], 5), "convs");
+    let convs = plan(&graph, &kiln::dev::uniform_tensor(&[2, 32, 7, 5], 5), "convs");
     println!("convs: {convs:?}");
     assert_eq!(convs, [("c1".to_string(), [32, 64, 35], true), ("c2".to_string(), [64, 32, 35], true)]);
 }

@@ -3,8 +3,8 @@
 //! test asserts the variant and the words of the message the table quotes.
 
 use kiln::engine::BuildConfig;
-use kiln::internals::engine::file::{checksum, decode, encode, Header, Payload, FORMAT_VERSION};
-use kiln::internals::var_builder::{read_safetensors, read_tensors, write_safetensors};
+use kiln::files::engine::{checksum, decode, encode, Header, Payload, FORMAT_VERSION};
+use kiln::files::{read_safetensors, read_tensors, write_safetensors};
 use kiln::{
     plugin::{ConvAttrs, Op},
     Error, Graph, HostTensor, VarBuilder,
@@ -273,7 +273,7 @@ fn r22_host_tensor_with_too_few_values_is_an_error() {
 
 #[test]
 fn r23_random_input_of_overflowing_shape_is_too_large() {
-    let e = kiln::internals::seeded::try_uniform_tensor(&[1 << 40, 3, 1 << 20, 1 << 20], 1).unwrap_err();
+    let e = kiln::dev::try_uniform_tensor(&[1 << 40, 3, 1 << 20, 1 << 20], 1).unwrap_err();
     assert!(matches!(&e, Error::TooLarge { .. }), "{e:?}");
     assert!(e.to_string().contains("overflows"), "{e}");
 }
@@ -467,7 +467,7 @@ fn e15_weight_stored_twice_is_rejected() {
 #[test]
 fn e16_a_real_optimised_model_round_trips_through_validation() {
     let traced = kiln_models::trace("resnet18", VarBuilder::seeded(), 1, 32).unwrap();
-    let optimized = kiln::internals::passes::optimize(&traced).unwrap();
+    let optimized = kiln::engine::optimize(&traced).unwrap();
     let bytes = encode(&header(), &payload(optimized.clone(), BuildConfig::default().batch(1, 2, 4))).unwrap();
     let (_, p) = decode(&bytes, "rn18.kiln").expect("a real engine payload is valid");
     assert_eq!(p.graph.nodes, optimized.nodes);

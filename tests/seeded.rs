@@ -2,7 +2,7 @@
 //! same literals against the NumPy implementation the export script uses, so the fixtures and Kiln
 //! agree on every weight bit for bit.
 
-use kiln::internals::seeded::{fnv1a64, mix, uniform, weight};
+use kiln::dev::{fnv1a64, mix, uniform, weight};
 
 /// (name, shape, flat index, f32 bit pattern): one per row of the scaling table.
 const GOLDEN: &[(&str, &[usize], usize, u32)] = &[

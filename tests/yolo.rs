@@ -9,10 +9,10 @@
 //! cases hold RGB frames, read with `bgr` = 0).
 
 use kiln::compare;
-use kiln::internals::var_builder::read_safetensors;
-use kiln::{internals::ops::custom::lookup, plugin::Attrs};
+use kiln::files::read_safetensors;
+use kiln::image::ChannelOrder;
+use kiln::{plugin::lookup, plugin::Attrs};
 use kiln::{HostTensor, VarBuilder};
-use kiln_models::yolo_letterbox::ChannelOrder;
 use kiln_models::yolo_nms::detections;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -70,10 +70,10 @@ fn nms_matches_torchvision_batched_nms() {
 fn check_model(model: &str) {
     let refs = read_safetensors(fixture(&format!("{model}.reference.safetensors"))).expect("reference file");
     let x = &refs["input"];
-    assert_eq!(*x, kiln::internals::seeded::weight("input.0", &x.shape), "the reference input is not seeded `input.0`");
+    assert_eq!(*x, kiln::dev::weight("input.0", &x.shape), "the reference input is not seeded `input.0`");
     let start = std::time::Instant::now();
     let graph = kiln_models::trace(model, VarBuilder::seeded(), x.shape[0], x.shape[2]).expect("trace");
-    for (name, g) in [("traced", graph.clone()), ("optimised", kiln::internals::passes::optimize(&graph).expect("passes"))] {
+    for (name, g) in [("traced", graph.clone()), ("optimised", kiln::engine::optimize(&graph).expect("passes"))] {
         let ours = kiln::run_cpu(&g, &[("input", x)]).expect("cpu run");
         let c = compare(&format!("{model} ({name}).predictions"), &ours["predictions"], &refs["output.predictions"]);
         println!("{c} ({:.2?})", start.elapsed());
@@ -223,12 +223,11 @@ fn a_u8_frame_runs_from_bytes_as_from_f32_values() {
 #[test]
 fn yolo_decode_and_nms_compute_in_fp32_in_fp16_engines() {
     use kiln::{
+        dev::plan::node_precisions,
         engine::{BuildConfig, Precision},
-        internals::engine::resolve::node_precisions,
     };
     for (model, head) in [("yolov8n", "model.22"), ("yolo11n", "model.23")] {
-        let graph = kiln::internals::passes::optimize(&kiln_models::trace(model, kiln::VarBuilder::seeded(), 1, 160).expect("trace"))
-            .expect("passes");
+        let graph = kiln::engine::optimize(&kiln_models::trace(model, kiln::VarBuilder::seeded(), 1, 160).expect("trace")).expect("passes");
         assert_eq!(graph.fp32_layers, [format!("{head}.decode"), format!("{head}.dfl"), format!("{head}.decode.yolo_nms")], "{model}");
         let check = |config: &BuildConfig, decode: Precision| {
             let p = node_precisions(&graph, config);

@@ -212,7 +212,7 @@ fn engine_inputs(engine: &Engine, batch: usize, hw: Option<[usize; 2]>) -> Resul
     if let (Some(hw), 3) = (hw, inputs[0].dims.len()) {
         inputs[0].dims[1..].copy_from_slice(&hw);
     }
-    common::random_inputs(&inputs, batch, kiln::internals::seeded::fresh_seed())
+    common::random_inputs(&inputs, batch, kiln::dev::fresh_seed())
 }
 
 impl TargetArgs {
@@ -288,9 +288,9 @@ fn bench_cpu(a: &BenchArgs, model: &str, batches: &[usize], hw: Option<[usize; 2
     for &batch in batches {
         let traced = common::load(model, a.target.weights.as_deref(), false, batch, hw)?;
         common::check_shapes(a.target.shapes.as_ref(), &common::graph_inputs(&traced.graph), &traced.name)?;
-        let graph = kiln::internals::passes::optimize(&traced.graph)?;
+        let graph = kiln::engine::optimize(&traced.graph)?;
         common::check_cpu_memory(&graph, batch, &traced.hw_text())?;
-        let inputs = common::random_inputs(&common::graph_inputs(&graph), batch, kiln::internals::seeded::fresh_seed())?;
+        let inputs = common::random_inputs(&common::graph_inputs(&graph), batch, kiln::dev::fresh_seed())?;
         let bound = common::bind(&inputs);
         let timed = time_loop(timing.0, timing.1, timing.2, || kiln::run_cpu(&graph, &bound).map(|_| ()))?;
         let size = traced.hw.map_or(0, |[_, w]| w);
@@ -304,7 +304,10 @@ fn bench_cpu(a: &BenchArgs, model: &str, batches: &[usize], hw: Option<[usize; 2
 /// `bench` on the GPU: an engine file runs every batch within its range; a model or graph file
 /// gets an engine per batch. Each is timed with and without CUDA graphs, as asked.
 fn bench_gpu(a: &BenchArgs, model: &str, batches: &[usize], hw: Option<[usize; 2]>, timing: Timing) -> Result<Results> {
-    let gpu = common::gpu()?;
+    let gpu = common::gpu().map_err(|e| match e {
+        Error::NoGpu(reason) => Error::NoGpu(format!("{reason}; `kiln bench --cpu` times the CPU reference executor instead")),
+        e => e,
+    })?;
     let modes: Vec<bool> = match (a.cuda_graphs_only, a.no_cuda_graphs) {
         (true, _) => vec![true],
         (_, true) => vec![false],

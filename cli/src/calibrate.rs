@@ -12,7 +12,7 @@ use super::common;
 use super::images;
 use super::ModelArgs;
 use clap::Args;
-use kiln::internals::calibrate::{CalibrationMethod, Calibrator};
+use kiln::engine::{CalibrationMethod, Calibrator};
 use kiln::{Error, HostTensor, Result};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -90,7 +90,7 @@ pub fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
 /// `[N, 3, S, S]` from a folder of images: each at S×S as it is (normalised by `--mean` / `--std`),
 /// else through the model's preprocessing.
 fn read_folder(a: &CalibrateArgs, traced: &common::Traced, size: usize) -> Result<HostTensor> {
-    kiln::internals::pnm::check_normalisation(&a.mean, &a.std)?;
+    kiln::image::pnm::check_normalisation(&a.mean, &a.std)?;
     let (mean, std) = ([a.mean[0], a.mean[1], a.mean[2]], [a.std[0], a.std[1], a.std[2]]);
     let files = images::folder_images(&a.data, a.images)?;
     let mut prep = None;

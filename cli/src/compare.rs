@@ -2,10 +2,10 @@
 //! or outputs saved by an earlier run (Polygraphy's `--save-outputs`/`--load-outputs`): relative
 //! L2 per output, and with `--atol`/`--rtol` Polygraphy's elementwise rule; a JSON report.
 
-use super::common::{self, Traced};
+use super::common::{self, InputData, Traced};
 use super::CompareArgs;
 use kiln::engine::Precision;
-use kiln::{Error, Graph, HostTensor, Result};
+use kiln::{Error, Graph, HostInput, HostTensor, Result};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
@@ -13,15 +13,16 @@ use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-/// Runs `graph` on `x` on the CPU executor or through an engine built for exactly its batch.
-fn execute(graph: &Graph, x: &HostTensor, a: &CompareArgs) -> Result<BTreeMap<String, HostTensor>> {
+/// Runs `graph` on `inputs` (by name) on the CPU executor or through an engine built for exactly
+/// their batch.
+fn execute(graph: &Graph, inputs: &[(&str, HostInput<'_>)], batch: usize, a: &CompareArgs) -> Result<BTreeMap<String, HostTensor>> {
     if a.cpu {
         if !a.layerwise {
-            return kiln::run_cpu(graph, &[("input", x)]);
+            return kiln::run_cpu(graph, inputs);
         }
         // Every intermediate is kept: a long run, shown op by op.
         let bar = common::progress_bar(0, "comparing layer by layer (CPU executor)");
-        let out = kiln::internals::cpu::run_with_progress(graph, &[("input", x)], |done, total, path| {
+        let out = kiln::dev::run_with_progress(graph, inputs, |done, total, path| {
             bar.set_length(total as u64);
             bar.set_position(done as u64);
             bar.set_message(path.to_string());
@@ -30,14 +31,13 @@ fn execute(graph: &Graph, x: &HostTensor, a: &CompareArgs) -> Result<BTreeMap<St
         return out;
     }
     let gpu = common::gpu()?;
-    let batch = x.shape[0];
     let engine = if common::is_engine_file(&a.model.model) {
         common::engine_for(&a.model.model, None, None, &a.engine, (batch, batch, batch), gpu)?.1
     } else {
         common::build_engine(graph, a.engine.config(batch, batch, batch), gpu, &a.model.model)?
     };
     let mut ctx = Arc::new(engine).context()?;
-    ctx.run(&[("input", x)])
+    ctx.run(inputs)
 }
 
 fn default_l2_tol(a: &CompareArgs) -> f64 {
@@ -116,21 +116,29 @@ pub struct Report {
 
 /// SHA-256 of a file, hex (tools/export_reference.py writes the same of the weights it saves).
 pub fn sha256_file(path: &Path) -> Result<String> {
-    let bytes = kiln::internals::host::read_regular(path, "a file", |reason| Error::Safetensors { path: path.into(), reason })?;
+    let bytes = kiln::files::read_regular(path, "a file", |reason| Error::Safetensors { path: path.into(), reason })?;
     Ok(Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// The inputs' shapes as metadata holds them: `2x3x224x224` for one input, `x:2x16,y:2x4` for several.
+fn inputs_shape_text(inputs: &[(String, InputData)]) -> String {
+    match inputs {
+        [(_, only)] => super::shapes::dims_text(only.shape()),
+        more => more.iter().map(|(n, d)| format!("{n}:{}", super::shapes::dims_text(d.shape()))).collect::<Vec<_>>().join(","),
+    }
 }
 
 /// The metadata a reference or saved-outputs file carries: what produced it.
 pub fn run_metadata(
     traced: &Traced,
     a: &CompareArgs,
-    input: &HostTensor,
+    inputs: &[(String, InputData)],
     seed: Option<u64>,
     backend: &str,
 ) -> Result<BTreeMap<String, String>> {
     let mut m = BTreeMap::from([
         ("model".to_string(), traced.model.clone()),
-        ("input_shape".to_string(), super::shapes::dims_text(&input.shape)),
+        ("input_shape".to_string(), inputs_shape_text(inputs)),
         ("backend".to_string(), backend.to_string()),
         ("producer".to_string(), format!("kiln compare {}", env!("CARGO_PKG_VERSION"))),
     ]);
@@ -150,7 +158,12 @@ pub fn run_metadata(
 }
 
 /// Where a reference's metadata disagrees with this run: each a hint for the reader of a FAIL.
-pub fn metadata_hints(meta: &BTreeMap<String, String>, traced: &Traced, a: &CompareArgs, input: &HostTensor) -> Result<Vec<String>> {
+pub fn metadata_hints(
+    meta: &BTreeMap<String, String>,
+    traced: &Traced,
+    a: &CompareArgs,
+    inputs: &[(String, InputData)],
+) -> Result<Vec<String>> {
     let mut hints = Vec::new();
     if meta.is_empty() {
         return Ok(hints);
@@ -177,37 +190,129 @@ pub fn metadata_hints(meta: &BTreeMap<String, String>, traced: &Traced, a: &Comp
         }
         _ => {}
     }
-    if let Some(shape) = meta.get("input_shape").filter(|s| **s != super::shapes::dims_text(&input.shape)) {
-        hints.push(format!("the metadata says input {shape}, the file's `input` is {}", super::shapes::dims_text(&input.shape)));
+    let have = inputs_shape_text(inputs);
+    if let Some(shape) = meta.get("input_shape").filter(|s| **s != have) {
+        hints.push(format!("the metadata says input {shape}, the file's input is {have}"));
     }
     Ok(hints)
 }
 
+/// The inputs of a reference file: `input.<name>` for each (kiln-torch, `--save-outputs`), or one
+/// unnamed `input` (older files, tools/export_reference.py), which binds to a one-input model
+/// whatever its input is called.
+#[derive(Debug)]
+enum ReferenceInputs {
+    Named(BTreeMap<String, HostTensor>),
+    Unnamed(HostTensor),
+}
+
+impl ReferenceInputs {
+    /// Every input tensor, for the batch and size checks made before the model is loaded.
+    fn tensors(&self) -> Vec<&HostTensor> {
+        match self {
+            ReferenceInputs::Named(m) => m.values().collect(),
+            ReferenceInputs::Unnamed(t) => vec![t],
+        }
+    }
+
+    /// The tensors bound to `traced`'s inputs by name, in its binding order: each input needs its
+    /// `input.<name>`, and a name the model lacks is an error too (a reference of another model).
+    fn bind(self, traced: &Traced, path: &Path) -> Result<Vec<(String, InputData)>> {
+        let names: Vec<String> = traced.graph.input_names().iter().map(|n| n.to_string()).collect();
+        let no_such = |name: &str, reason: String| Error::Binding { name: name.into(), reason };
+        match self {
+            ReferenceInputs::Unnamed(t) => match names.as_slice() {
+                [only] => Ok(vec![(only.clone(), InputData::F32(t))]),
+                _ => Err(no_such(
+                    "input",
+                    format!(
+                        "{} holds one unnamed `input`; {} has {} inputs {names:?}: store each as `input.<name>`",
+                        path.display(),
+                        traced.name,
+                        names.len()
+                    ),
+                )),
+            },
+            ReferenceInputs::Named(mut m) => {
+                let held: Vec<String> = m.keys().cloned().collect();
+                if let Some(extra) = held.iter().find(|k| !names.contains(k)) {
+                    return Err(no_such(
+                        extra,
+                        format!(
+                            "{} holds `input.{extra}`, but {} has no such input (its inputs are {names:?})",
+                            path.display(),
+                            traced.name
+                        ),
+                    ));
+                }
+                names
+                    .iter()
+                    .map(|n| match m.remove(n) {
+                        Some(t) => Ok((n.clone(), InputData::F32(t))),
+                        None => Err(no_such(
+                            n,
+                            format!(
+                                "{} holds no `input.{n}` (it holds the inputs {held:?}) for {}'s input `{n}`",
+                                path.display(),
+                                traced.name
+                            ),
+                        )),
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
 /// What a comparison runs against: the reference's tensors (`output.*`, `intermediate.*`) and
-/// metadata, the input, and the seed that drew it when there is no reference.
+/// metadata, its inputs, and the seed that drew them when there is no reference.
 struct Against {
     reference: BTreeMap<String, HostTensor>,
     meta: BTreeMap<String, String>,
-    input: HostTensor,
+    inputs: Vec<(String, InputData)>,
     seed: Option<u64>,
+}
+
+/// The batch (dim 0, the same for every input) and, for an NCHW first input, H x W of the
+/// reference's inputs.
+fn reference_dims(inputs: &ReferenceInputs, path: &Path) -> Result<(usize, Option<[usize; 2]>)> {
+    let tensors = inputs.tensors();
+    let bad = |reason: String| Error::Safetensors { path: path.to_path_buf(), reason };
+    let Some(first) = tensors.first() else { return Err(bad("holds no input".into())) };
+    let batch = match first.shape.first() {
+        Some(&n) if n > 0 => n,
+        _ => return Err(bad(format!("holds an input of shape {:?}; expected a batch of at least 1 first", first.shape))),
+    };
+    if let Some(t) = tensors.iter().find(|t| t.shape.first() != Some(&batch)) {
+        return Err(bad(format!("holds inputs of batch {batch} and of shape {:?}: every input needs the same batch", t.shape)));
+    }
+    let hw = match first.shape.as_slice() {
+        &[_, _, h, w] => Some([h, w]),
+        _ => None,
+    };
+    Ok((batch, hw))
 }
 
 pub fn compare(a: CompareArgs) -> Result<ExitCode> {
     check_flags(&a)?;
-    let against = match &a.reference {
-        Some(path) => read_reference(path)?,
-        None => random_input(&a)?,
+    let (traced, against) = match &a.reference {
+        Some(path) => {
+            let (reference, meta, inputs) = read_reference(path)?;
+            let (batch, hw) = reference_dims(&inputs, path)?;
+            let traced = common::load_args(&a.model, batch, hw)?;
+            let inputs = inputs.bind(&traced, path)?;
+            check_shapes_against_reference(&a, path, &inputs)?;
+            (traced, Against { reference, meta, inputs, seed: None })
+        }
+        None => random_inputs(&a)?,
     };
-    let x = &against.input;
-    let (batch, hw) = common::input_dims(x, a.reference.as_deref().unwrap_or(Path::new("the random input")))?;
-    check_shapes_against_reference(&a, x)?;
-    let traced = common::load_args(&a.model, batch, Some(hw))?;
+    let batch = against.inputs.first().map_or(1, |(_, d)| d.shape()[0]);
     if a.cpu {
         common::check_cpu_memory(&traced.graph, batch, &traced.hw_text())?;
     }
     let l2_tol = a.l2_tol.unwrap_or_else(|| default_l2_tol(&a));
     let backend = if a.cpu { "CPU executor".to_string() } else { format!("GPU engine ({})", a.engine.precision().short_name()) };
-    let hints = metadata_hints(&against.meta, &traced, &a, x)?;
+    let hints = metadata_hints(&against.meta, &traced, &a, &against.inputs)?;
     for h in &hints {
         tracing::warn!("hint: {h}");
     }
@@ -219,10 +324,10 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
     }
 
     // The CPU executor runs the optimised graph, as the engine does.
-    let graph = if a.cpu { kiln::internals::passes::optimize(&traced.graph)? } else { traced.graph.clone() };
-    let outputs = execute(&graph, x, &a)?;
+    let graph = if a.cpu { kiln::engine::optimize(&traced.graph)? } else { traced.graph.clone() };
+    let outputs = execute(&graph, &common::bind(&against.inputs), batch, &a)?;
     if let Some(path) = &a.save_outputs {
-        save_outputs(path, &outputs, &run_metadata(&traced, &a, x, against.seed, &backend)?, x)?;
+        save_outputs(path, &outputs, &run_metadata(&traced, &a, &against.inputs, against.seed, &backend)?, &against.inputs)?;
     }
     let rows = compare_outputs(&a, &outputs, &against.reference, l2_tol)?;
     let pass = rows.iter().all(|r| r.pass);
@@ -231,7 +336,7 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
             model: traced.name.clone(),
             backend,
             reference: shown,
-            input_shape: x.shape.clone(),
+            input_shape: against.inputs.first().map(|(_, d)| d.shape().to_vec()).unwrap_or_default(),
             l2_tol,
             outputs: rows.clone(),
             hints: hints.clone(),
@@ -263,63 +368,96 @@ fn check_flags(a: &CompareArgs) -> Result<()> {
     check_tolerance("--l2-tol", a.l2_tol)
 }
 
-/// With a reference, its input decides the shape: `--shapes` may only repeat it.
-fn check_shapes_against_reference(a: &CompareArgs, x: &HostTensor) -> Result<()> {
-    let (Some(path), Some(shapes)) = (&a.reference, &a.model.shapes) else { return Ok(()) };
+/// With a reference, its inputs decide the shapes: `--shapes` may only repeat them.
+fn check_shapes_against_reference(a: &CompareArgs, path: &Path, inputs: &[(String, InputData)]) -> Result<()> {
+    let Some(shapes) = &a.model.shapes else { return Ok(()) };
     let text = |dims: &[usize]| super::shapes::dims_text(dims);
-    match shapes.0.iter().find(|s| s.dims != x.shape) {
-        Some(s) => Err(Error::Flag {
-            flag: "--shapes".into(),
-            reason: format!("{}:{} disagrees with the input of {}, {}", s.name, text(&s.dims), path.display(), text(&x.shape)),
-        }),
-        None => Ok(()),
+    for s in &shapes.0 {
+        match inputs.iter().find(|(n, _)| *n == s.name) {
+            Some((_, d)) if d.shape() != s.dims.as_slice() => {
+                return Err(Error::Flag {
+                    flag: "--shapes".into(),
+                    reason: format!("{}:{} disagrees with the input of {}, {}", s.name, text(&s.dims), path.display(), text(d.shape())),
+                })
+            }
+            _ => {}
+        }
     }
+    Ok(())
 }
 
-/// A reference or saved-outputs file: only `input`, `output.*` and `intermediate.*` are the
-/// reference; anything else is left alone, with a note.
-fn read_reference(path: &Path) -> Result<Against> {
-    let is_reference = |k: &str| k == "input" || k.starts_with("output.") || k.starts_with("intermediate.");
-    let (mut reference, ignored) = kiln::internals::var_builder::read_tensors(path, "reference", is_reference)?;
+/// A reference or saved-outputs file: only `input`, `input.*`, `output.*` and `intermediate.*`
+/// are the reference; anything else is left alone, with a note. Returns the reference's
+/// tensors, its metadata and its inputs.
+fn read_reference(path: &Path) -> Result<(BTreeMap<String, HostTensor>, BTreeMap<String, String>, ReferenceInputs)> {
+    let is_reference = |k: &str| k == "input" || k.starts_with("input.") || k.starts_with("output.") || k.starts_with("intermediate.");
+    let (mut reference, ignored) = kiln::files::read_tensors(path, "reference", is_reference)?;
     if let Some(first) = ignored.first() {
         tracing::info!(
-            "note: {} tensor(s) of {} are not `input`, `output.*` or `intermediate.*` and were ignored (e.g. `{first}`)",
+            "note: {} tensor(s) of {} are not `input`, `input.*`, `output.*` or `intermediate.*` and were ignored (e.g. `{first}`)",
             ignored.len(),
             path.display()
         );
     }
-    let meta = kiln::internals::var_builder::read_metadata(path)?;
-    let input = reference.remove("input").ok_or_else(|| Error::Safetensors {
-        path: path.to_path_buf(),
-        reason: "holds no tensor named `input` (write references with tools/export_reference.py)".into(),
-    })?;
-    Ok(Against { reference, meta, input, seed: None })
+    let meta = kiln::files::read_metadata(path)?;
+    let named: BTreeMap<String, HostTensor> = reference
+        .keys()
+        .filter_map(|k| k.strip_prefix("input.").map(|n| (k.clone(), n.to_string())))
+        .collect::<Vec<_>>()
+        .into_iter()
+        .filter_map(|(key, name)| reference.remove(&key).map(|t| (name, t)))
+        .collect();
+    let inputs = match (reference.remove("input"), named.is_empty()) {
+        (Some(t), true) => ReferenceInputs::Unnamed(t),
+        (None, false) => ReferenceInputs::Named(named),
+        (Some(_), false) => {
+            return Err(Error::Safetensors {
+                path: path.to_path_buf(),
+                reason: format!("holds both an unnamed `input` and named inputs {:?}; keep one form", named.keys().collect::<Vec<_>>()),
+            })
+        }
+        (None, true) => {
+            return Err(Error::Safetensors {
+                path: path.to_path_buf(),
+                reason: "holds no input: neither `input.<name>` tensors (kiln-torch --reference, kiln compare --save-outputs) nor `input` (tools/export_reference.py)".into(),
+            })
+        }
+    };
+    Ok((reference, meta, inputs))
 }
 
-/// No reference: a random NCHW input of `--seed` at the batch and size the flags ask for.
-fn random_input(a: &CompareArgs) -> Result<Against> {
+/// No reference: random inputs of `--seed` (for every input of the model, at the batch and size
+/// the flags ask for), with the model loaded for them.
+fn random_inputs(a: &CompareArgs) -> Result<(Traced, Against)> {
     let (batch, hw) = common::requested(&a.model, a.batch)?;
     let batch = batch.unwrap_or(1);
-    let probe = common::load_args(&a.model, batch, hw)?;
-    let [h, w] = probe.nchw_hw("kiln compare")?;
-    let channels = probe.graph.inputs.first().map_or(3, |&i| probe.graph.nodes[i].shape[1]);
-    let input = common::random_input(&[batch, channels, h, w], a.seed)?;
-    Ok(Against { reference: BTreeMap::new(), meta: BTreeMap::new(), input, seed: Some(a.seed) })
+    let traced = common::load_args(&a.model, batch, hw)?;
+    let inputs = common::random_inputs(&common::graph_inputs(&traced.graph), batch, a.seed)?;
+    Ok((traced, Against { reference: BTreeMap::new(), meta: BTreeMap::new(), inputs, seed: Some(a.seed) }))
 }
 
 /// `--layerwise`: every intermediate of the reference, and the first layer whose error jumps. An
-/// INT8/FP8 engine is compared on its own fused, quantised graph (kiln::internals::layerwise::run_quantised).
+/// INT8/FP8 engine is compared on its own fused, quantised graph (kiln::dev::layerwise::run_quantised).
 fn layerwise(a: &CompareArgs, traced: &Traced, against: &Against, l2_tol: f64) -> Result<ExitCode> {
+    let (name, input) = match against.inputs.as_slice() {
+        [(name, InputData::F32(t))] => (name.as_str(), t),
+        _ => {
+            return Err(Error::Flag {
+                flag: "--layerwise".into(),
+                reason: format!("compares a model of one f32 input; {} takes {}", traced.name, traced.hw_text()),
+            })
+        }
+    };
     let mut with_input = against.reference.clone();
-    with_input.insert("input".into(), against.input.clone());
+    with_input.insert("input".into(), input.clone());
     let precision = a.engine.precision();
-    let run = |g: &Graph, input: &HostTensor| execute(g, input, a);
+    let run = |g: &Graph, input: &HostTensor| execute(g, &[(name, HostInput::F32(input))], input.shape[0], a);
     let report = match precision.quant_format().filter(|_| precision != Precision::Best) {
         Some(format) => {
-            let cache = a.engine.calibration_cache.as_deref().map(kiln::internals::calibrate::CalibrationCache::load).transpose()?;
-            kiln::internals::layerwise::run_quantised(&traced.graph, cache.as_ref(), format, &with_input, l2_tol, run)?
+            let cache = a.engine.calibration_cache.as_deref().map(kiln::engine::CalibrationCache::load).transpose()?;
+            kiln::dev::layerwise::run_quantised(&traced.graph, cache.as_ref(), format, &with_input, l2_tol, run)?
         }
-        None => kiln::internals::layerwise::run(&traced.graph, &with_input, l2_tol, run)?,
+        None => kiln::dev::layerwise::run(&traced.graph, &with_input, l2_tol, run)?,
     };
     if report.layers.is_empty() {
         return Err(Error::Safetensors {
@@ -331,12 +469,27 @@ fn layerwise(a: &CompareArgs, traced: &Traced, against: &Against, l2_tol: f64) -
     Ok(if report.passes() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
-/// `--save-outputs`: the input and this run's outputs in the reference format, with `meta`.
-fn save_outputs(path: &Path, outputs: &BTreeMap<String, HostTensor>, meta: &BTreeMap<String, String>, x: &HostTensor) -> Result<()> {
+/// `--save-outputs`: the inputs (`input.<name>`) and this run's outputs (`output.<name>`) in the
+/// reference format, with `meta`. A u8 input is stored as its f32 values, as the model reads it.
+fn save_outputs(
+    path: &Path,
+    outputs: &BTreeMap<String, HostTensor>,
+    meta: &BTreeMap<String, String>,
+    inputs: &[(String, InputData)],
+) -> Result<()> {
+    let as_f32: Vec<(String, HostTensor)> = inputs
+        .iter()
+        .map(|(n, d)| match d {
+            InputData::F32(t) => Ok((format!("input.{n}"), t.clone())),
+            InputData::U8(b) => {
+                Ok((format!("input.{n}"), HostTensor::try_new(b.shape.clone(), b.data.iter().map(|&v| f32::from(v)).collect())?))
+            }
+        })
+        .collect::<Result<_>>()?;
     let mut tensors: BTreeMap<String, &HostTensor> = outputs.iter().map(|(k, v)| (format!("output.{k}"), v)).collect();
-    tensors.insert("input".into(), x);
-    kiln::internals::var_builder::write_safetensors_with_metadata(path, &tensors, meta)?;
-    say!("wrote {} (input and {} output(s); compare against it with --load-outputs)", path.display(), outputs.len());
+    tensors.extend(as_f32.iter().map(|(k, t)| (k.clone(), t)));
+    kiln::files::write_safetensors_with_metadata(path, &tensors, meta)?;
+    say!("wrote {} ({} input(s) and {} output(s); compare against it with --load-outputs)", path.display(), inputs.len(), outputs.len());
     Ok(())
 }
 

@@ -8,8 +8,9 @@
 //! std (padded with level 114 where CenterNet's affine warp pads zeros).
 
 use super::common::Traced;
+use kiln::image::{ChannelOrder, Letterbox};
 use kiln::{Error, HostTensor, Result};
-use kiln_vision::{ChannelOrder, ClassifyPreset, Letterbox, RgbImage};
+use kiln_vision::{ClassifyPreset, RgbImage};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -30,7 +31,8 @@ pub enum Family {
 
 impl Family {
     /// A bundled model's family (also for a graph file traced from one), else one read from the
-    /// output names: `logits`, `predictions` + `detections`, or `hm` + `detections`.
+    /// outputs: class scores (`logits`, or one `[N, 1000]` output: `common::class_scores_output`),
+    /// `predictions` + `detections`, or `hm` + `detections`.
     pub fn of(traced: &Traced) -> Option<Family> {
         let from_name = |name: &str| match name {
             "classifier" => Some(Family::Classifier),
@@ -42,7 +44,8 @@ impl Family {
             return Some(f);
         }
         let has = |o: &str| traced.graph.outputs.iter().any(|(n, _)| n == o);
-        if has("logits") {
+        let shapes = traced.graph.outputs.iter().map(|(n, id)| (n.as_str(), traced.graph.nodes[*id].shape.as_slice()));
+        if crate::common::class_scores_output(shapes).is_some() {
             Some(Family::Classifier)
         } else if has("detections") && has("predictions") {
             Some(Family::Yolo)
@@ -70,7 +73,7 @@ impl Preprocess {
         let bad = |reason: String| Error::Flag { flag: flag.into(), reason };
         let family = Family::of(traced).ok_or_else(|| {
             bad(format!(
-                "reads images for classifiers (a `logits` output) and detectors (YOLO, CenterNet); {} has outputs {:?}",
+                "reads images for classifiers (a `logits` or one [N, 1000] output) and detectors (YOLO, CenterNet); {} has outputs {:?}",
                 traced.name,
                 traced.graph.outputs.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>()
             ))
@@ -164,7 +167,7 @@ const MAX_IMAGE_BYTES: u64 = 512 << 20;
 pub fn read_image(path: &Path) -> Result<RgbImage> {
     use std::io::Read;
     let bad = |reason: String| Error::Image { path: path.into(), reason };
-    let file = kiln::internals::host::open_regular(path, "an image file (JPEG, PNG, BMP, GIF, WebP, PNM or TIFF)", bad)?;
+    let file = kiln::files::open_regular(path, "an image file (JPEG, PNG, BMP, GIF, WebP, PNM or TIFF)", bad)?;
     let mut bytes = Vec::new();
     file.take(MAX_IMAGE_BYTES + 1).read_to_end(&mut bytes).map_err(Error::io(path))?;
     if bytes.len() as u64 > MAX_IMAGE_BYTES {
@@ -196,10 +199,16 @@ pub fn folder_images(dir: &Path, limit: Option<usize>) -> Result<Vec<PathBuf>> {
 /// probabilities, a detector's labelled boxes in the photo's pixels.
 pub fn report(prep: &Preprocess, model: &str, photos: &[Photo], outputs: &BTreeMap<String, HostTensor>, top: usize) -> Result<String> {
     let mut s = String::new();
-    let missing = |name: &str| Error::Binding { name: name.into(), reason: format!("{model} gave no `{name}` output to read") };
     match prep.family {
         Family::Classifier => {
-            let logits = outputs.get("logits").ok_or_else(|| missing("logits"))?;
+            let shapes = outputs.iter().map(|(n, t)| (n.as_str(), t.shape.as_slice()));
+            let logits = crate::common::class_scores_output(shapes).and_then(|n| outputs.get(n)).ok_or_else(|| Error::NoSuchOutput {
+                name: "logits".into(),
+                model: model.into(),
+                outputs: outputs.keys().cloned().collect(),
+                hint: "; a classifier's scores are read from `logits` or from its one [N, 1000] output (kiln-torch export --output-name logits names it)"
+                    .into(),
+            })?;
             let names = prep.class_names(model, logits.shape.last().copied().unwrap_or(0));
             for (photo, best) in photos.iter().zip(kiln_vision::top_k_batch(logits, top)) {
                 s += &format!("{}: top-{}:\n", photo.path.display(), best.len());
@@ -235,9 +244,12 @@ pub fn detections(
     n: usize,
     photo: &Photo,
 ) -> Result<Vec<kiln_vision::Detection>> {
-    let det = outputs
-        .get("detections")
-        .ok_or_else(|| Error::Binding { name: "detections".into(), reason: "the detector gave no `detections` output".into() })?;
+    let det = outputs.get("detections").ok_or_else(|| Error::NoSuchOutput {
+        name: "detections".into(),
+        model: "the detector".into(),
+        outputs: outputs.keys().cloned().collect(),
+        hint: String::new(),
+    })?;
     let stride = match (prep.family, outputs.get("hm").and_then(|hm| hm.shape.get(3))) {
         (Family::CenterNet, Some(&w)) if w > 0 => prep.hw[1] as f32 / w as f32,
         _ => 1.0,

@@ -2,24 +2,24 @@
 
 use super::common;
 use super::{CodegenArgs, InspectArgs};
-use kiln::internals::codegen::{generate, generate_structured, CodegenOptions};
+use kiln::dev::codegen::{generate, generate_structured, CodegenOptions};
 use kiln::{Error, Result};
 use std::process::ExitCode;
 
 pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
     let batch = common::requested(&a.model, a.batch)?.0.unwrap_or(1);
     let traced = common::trace_args(&a.model, Some(batch))?;
-    let optimized = kiln::internals::passes::optimize(&traced.graph)?;
+    let optimized = kiln::engine::optimize(&traced.graph)?;
     say!("== traced graph: {} (batch {batch}, {}) ==", traced.name, traced.hw_text());
-    say_raw!("{}", kiln::internals::dot::to_text(&traced.graph));
+    say_raw!("{}", kiln::dev::dot::to_text(&traced.graph));
     say!("");
     say!("== optimised graph (BatchNorm folded, conv+bias+add+ReLU(+max-pool) fused, dead nodes removed) ==");
-    say_raw!("{}", kiln::internals::dot::to_text(&optimized));
-    let fused = optimized.nodes.iter().filter(|n| kiln::internals::dot::is_fused(n)).count();
+    say_raw!("{}", kiln::dev::dot::to_text(&optimized));
+    let fused = optimized.nodes.iter().filter(|n| kiln::dev::dot::is_fused(n)).count();
     say!("{fused} fused convolutions");
     for (path, graph, title) in [(&a.dot, &traced.graph, "traced"), (&a.dot_optimized, &optimized, "optimised")] {
         if let Some(path) = path {
-            let dot = kiln::internals::dot::to_dot(graph, &format!("{} ({title})", traced.name));
+            let dot = kiln::dev::dot::to_dot(graph, &format!("{} ({title})", traced.name));
             std::fs::write(path, dot).map_err(Error::io(path))?;
             say!("wrote {} ({title} graph; render with `dot -Tsvg {} -o graph.svg`)", path.display(), path.display());
         }

@@ -40,7 +40,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             (vec![(name, InputData::F32(x))], origin)
         }
         None => {
-            let seed = a.seed.unwrap_or_else(kiln::internals::seeded::fresh_seed);
+            let seed = a.seed.unwrap_or_else(kiln::dev::fresh_seed);
             let what = if traced.graph.inputs.len() == 1 { "input" } else { "inputs" };
             (common::random_inputs(&common::graph_inputs(&traced.graph), batch, seed)?, format!("random {what}, --seed {seed}"))
         }
@@ -68,7 +68,7 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
             if !a.cpu {
                 tracing::info!("note: no GPU ({reason}); running on the CPU reference executor instead");
             }
-            let optimized = kiln::internals::passes::optimize(&traced.graph)?;
+            let optimized = kiln::engine::optimize(&traced.graph)?;
             let t = Instant::now();
             let out = kiln::run_cpu(&optimized, &bound)?;
             (out, "CPU executor (f32)".to_string(), t.elapsed())
@@ -206,13 +206,16 @@ pub fn trace(a: TraceArgs) -> Result<ExitCode> {
     let weights = traced.weights.clone();
     // Every input's full shape (`2x3x224x224`), comma-separated where there are several.
     let input_shape = traced.graph.inputs.iter().map(|&i| shapes::dims_text(&traced.graph.nodes[i].shape)).collect::<Vec<_>>().join(",");
-    let meta = BTreeMap::from([
+    let mut meta = BTreeMap::from([
         ("model".to_string(), traced.name.clone()),
         ("weights".to_string(), weights),
         ("input_shape".to_string(), input_shape.clone()),
         ("kiln.tool".to_string(), format!("kiln trace {}", env!("CARGO_PKG_VERSION"))),
     ]);
-    kiln::internals::graph_file::write(&traced.graph, &a.output, &meta)?;
+    if traced.seeded {
+        meta.insert(kiln::files::graph::KEY_RANDOM_WEIGHTS.to_string(), "true".to_string());
+    }
+    kiln::files::graph::write(&traced.graph, &a.output, &meta)?;
     let ops = traced.graph.nodes.iter().filter(|n| !n.op.is_leaf()).count();
     say!("wrote {}: {} ({ops} ops, {} weights, input {})", a.output.display(), traced.name, traced.graph.weights.len(), input_shape);
     Ok(ExitCode::SUCCESS)

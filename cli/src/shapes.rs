@@ -38,7 +38,7 @@ pub fn parse_shapes(value: &str) -> std::result::Result<Vec<ShapeSpec>, String> 
             if dims.contains(&0) {
                 return Err(format!("`{item}`: every dim must be at least 1"));
             }
-            if kiln::internals::graph::numel(&dims).is_none() {
+            if kiln::dev::numel(&dims).is_none() {
                 return Err(format!("`{item}`: the element count overflows"));
             }
             Ok(ShapeSpec { name: name.to_string(), dims })
@@ -119,7 +119,7 @@ pub fn profiles(shapes: &[ShapeSpec], min: &[ShapeSpec], opt: &[ShapeSpec], max:
 }
 
 /// Formats dims as trtexec does: `1x3x224x224`.
-pub use kiln::internals::engine::builder::dims_text;
+pub use kiln::engine::dims_text;
 
 #[cfg(test)]
 mod tests {

@@ -107,7 +107,7 @@ pub fn triton_repo(a: TritonRepoArgs) -> Result<ExitCode> {
     }
     let precision = match a.precision.as_deref() {
         Some(p) => Some(
-            triton_kiln::Precision::parse(p)
+            kiln::engine::Precision::parse(p)
                 .ok_or_else(|| flag("--precision", format!("`{p}` is not one of fp32, tf32, fp16, int8, fp8")))?,
         ),
         None => None,

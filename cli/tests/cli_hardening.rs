@@ -83,12 +83,12 @@ fn tiny_graph_file(dir: &Path, name: &str, edit: impl FnOnce(&mut serde_json::Va
     let mut weight = HostTensor::clone(&g.weights["conv.weight"]);
     edit(&mut json, &mut weight);
     let meta = BTreeMap::from([
-        (kiln::internals::graph_file::KEY_FORMAT.to_string(), kiln::internals::graph_file::FORMAT.to_string()),
-        (kiln::internals::graph_file::KEY_VERSION.to_string(), kiln::internals::graph_file::VERSION.to_string()),
-        (kiln::internals::graph_file::KEY_GRAPH.to_string(), json.to_string()),
+        (kiln::files::graph::KEY_FORMAT.to_string(), kiln::files::graph::FORMAT.to_string()),
+        (kiln::files::graph::KEY_VERSION.to_string(), kiln::files::graph::VERSION.to_string()),
+        (kiln::files::graph::KEY_GRAPH.to_string(), json.to_string()),
     ]);
     let path = dir.join(name);
-    kiln::internals::var_builder::write_safetensors_with_metadata(&path, &BTreeMap::from([("conv.weight".to_string(), &weight)]), &meta)
+    kiln::files::write_safetensors_with_metadata(&path, &BTreeMap::from([("conv.weight".to_string(), &weight)]), &meta)
         .expect("write graph file");
     path.to_str().expect("utf-8 path").to_string()
 }
@@ -108,7 +108,7 @@ fn ch01_nan_input_gives_nan_through_the_fused_relu() {
     let mut x = HostTensor::new(vec![1, 3, 2, 2], vec![0.5; 12]);
     x.data[0] = f32::NAN;
     let input = dir.join("nan_input.safetensors");
-    kiln::internals::var_builder::write_safetensors(&input, &BTreeMap::from([("input".to_string(), x)])).expect("write input");
+    kiln::files::write_safetensors(&input, &BTreeMap::from([("input".to_string(), x)])).expect("write input");
     let args = ["run", &model, "--cpu", "--input", input.to_str().unwrap()];
     let out = kiln(&args);
     let (stdout, stderr) = text(&out);
@@ -134,10 +134,10 @@ fn ch02_nan_weights_of_a_graph_file_warn_and_fail_with_strict() {
 
 /// A calibration set of `n` digits-sized images [n, 3, 32, 32], with `bad` at one pixel of image 1.
 fn calibration_set(dir: &Path, name: &str, bad: f32) -> String {
-    let mut x = kiln::internals::seeded::uniform_tensor(&[4, 3, 32, 32], 5);
+    let mut x = kiln::dev::uniform_tensor(&[4, 3, 32, 32], 5);
     x.data[3 * 32 * 32 + 17] = bad;
     let path = dir.join(name);
-    kiln::internals::var_builder::write_safetensors(&path, &BTreeMap::from([("input".to_string(), x)])).expect("write set");
+    kiln::files::write_safetensors(&path, &BTreeMap::from([("input".to_string(), x)])).expect("write set");
     path.to_str().expect("utf-8 path").to_string()
 }
 
@@ -170,7 +170,7 @@ fn ch03_calibration_names_non_finite_data_and_flags() {
     // The same folder with sound flags calibrates, and the cache loads back.
     let ok = kiln(&["calibrate", "digits_resnet", "--data", data, "-o", out]);
     assert!(ok.status.success(), "{}", text(&ok).1);
-    kiln::internals::calibrate::CalibrationCache::load(&out_path).expect("the written cache loads");
+    kiln::engine::CalibrationCache::load(&out_path).expect("the written cache loads");
 }
 
 /// Item 4: FIFOs as a calibration image (`x.pgm` in a `--data` folder), as a model file and as an
@@ -214,7 +214,7 @@ fn ch06_graph_files_and_inputs_are_refused_before_their_data_is_read() {
     // The make_sparse_repros.py, from a ResNet-18 graph file at 32x32.
     let graph = kiln_models::trace("resnet18", kiln::VarBuilder::seeded(), 1, 32).expect("trace");
     let r18 = dir.join("r18.kiln.safetensors");
-    kiln::internals::graph_file::write(&graph, &r18, &BTreeMap::new()).expect("write");
+    kiln::files::graph::write(&graph, &r18, &BTreeMap::new()).expect("write");
     let bytes = std::fs::read(&r18).expect("read");
     let hl = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let mut header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes[8..8 + hl]).expect("header");
@@ -277,25 +277,20 @@ fn ch08_weight_grids_and_batch_0_engine_inputs_are_refused_at_load() {
     });
     fails_with(&["run", &model, "--cpu"], &["weight `conv.weight`: its 8-bit grid: scales must be positive and finite, got 0"]);
 
-    let graph = kiln::internals::graph_file::read(tiny_graph_file(&dir, "g.kiln.safetensors", |json, _| {
+    let graph = kiln::files::graph::read(tiny_graph_file(&dir, "g.kiln.safetensors", |json, _| {
         for node in [0, 2, 3] {
             json["nodes"][node]["shape"][0] = 0.into();
         }
     }));
     assert!(graph.is_err(), "graph files refuse a batch-0 input");
-    let mut g = kiln::internals::graph_file::read(tiny_graph_file(&dir, "ok.kiln.safetensors", |_, _| {})).expect("graph").graph;
+    let mut g = kiln::files::graph::read(tiny_graph_file(&dir, "ok.kiln.safetensors", |_, _| {})).expect("graph").graph;
     for node in [0, 2, 3] {
         g.nodes[node].shape[0] = 0;
     }
-    let header = kiln::internals::engine::file::Header {
-        version: kiln::internals::engine::file::FORMAT_VERSION,
-        sm: 90,
-        driver_version: 13000,
-        cudnn_version: 91400,
-    };
-    let payload =
-        kiln::internals::engine::file::Payload { config: kiln::engine::BuildConfig::default(), graph: g, tactics: BTreeMap::new() };
+    let header =
+        kiln::files::engine::Header { version: kiln::files::engine::FORMAT_VERSION, sm: 90, driver_version: 13000, cudnn_version: 91400 };
+    let payload = kiln::files::engine::Payload { config: kiln::engine::BuildConfig::default(), graph: g, tactics: BTreeMap::new() };
     let engine = dir.join("efuzz_small_input_batch0.kiln");
-    std::fs::write(&engine, kiln::internals::engine::file::encode(&header, &payload).expect("encode")).expect("write");
+    std::fs::write(&engine, kiln::files::engine::encode(&header, &payload).expect("encode")).expect("write");
     fails_with(&["inspect", engine.to_str().unwrap()], &["input `input` has shape [0, 3, 2, 2]; inputs need a batch dim and no zero dims"]);
 }

@@ -1,12 +1,14 @@
 //! Derive macros for Kiln. Thin entry points only; each derive lives in its own module.
 //!
-//! Misuse is reported as a compile error pointing at the offending token (tested by the
-//! compile-fail cases in `tests/ui`, run from `tests/derive_ui.rs`).
+//! Misuse is reported as a compile error pointing at the offending token (the cases in `tests/ui`,
+//! each with the message and location rustc shows, are checked by `ui_cases`).
 
 use proc_macro::TokenStream;
 use syn::{parse_macro_input, DeriveInput};
 
 mod module;
+#[cfg(test)]
+mod ui_cases;
 
 /// Implements `kiln::Module` for a struct of modules: each field loads from `vb.pp("<field>")`.
 ///

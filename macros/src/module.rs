@@ -289,7 +289,7 @@ fn binds_tighter_than_ref(e: &Expr) -> bool {
 #[cfg(test)]
 mod tests {
     //! Expansion and error messages, checked on token streams (fast; the spans shown to users are
-    //! checked by the compile-fail cases in `tests/ui`).
+    //! checked against the compile-fail cases in `tests/ui` by `ui_cases`).
     use super::*;
 
     fn expand_str(src: &str) -> Result<String, String> {

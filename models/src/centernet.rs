@@ -308,7 +308,7 @@ mod tests {
 
     #[test]
     fn decode_is_registered() {
-        assert!(kiln::internals::ops::custom::lookup("centernet_decode").is_some());
+        assert!(kiln::plugin::lookup("centernet_decode").is_some());
     }
 }
 
@@ -318,7 +318,7 @@ mod tests {
 
 mod gpu {
     use super::k_attr;
-    use kiln::internals::engine::launch::{launch, CudaFunction, KArg};
+    use kiln::plugin::{launch, CudaFunction, KArg};
     use kiln::plugin::{BuildCtx, Elem, Layer, RunCtx, ValueId};
     use kiln::Result;
     use kiln::{plugin::Op, NodeId};

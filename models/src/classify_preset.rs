@@ -16,7 +16,7 @@
 //! which is what `weights.transforms()` of a torchvision classifier does to a PIL image, and what
 //! kiln-vision's `ClassifyPreset` does on the CPU: PIL's antialiased bilinear filter with its
 //! 22-bit fixed-point weights, horizontal pass first, each pass rounded to a level. The geometry
-//! (`shorter_side_to`, `pil_bilinear_taps`, `center_crop_axis`) is `kiln::internals::ops::image`'s,
+//! (`shorter_side_to`, `pil_bilinear_taps`, `center_crop_axis`) is `kiln::image`'s,
 //! shared with kiln-vision. The arithmetic is integer until the normalisation, and that is the
 //! same f32 operations on the GPU (never contracted), so the GPU layer matches this CPU reference
 //! exactly in FP32 and to f16 rounding (half an ulp, at most 2^-10 for |x| < 4) in FP16.
@@ -26,8 +26,8 @@
 //! to 0..=255 first.
 
 use crate::yolo_letterbox::frame_input as letterbox_frame_input;
-pub use kiln::internals::ops::image::ChannelOrder;
-use kiln::internals::ops::image::{center_crop_axis, pil_bilinear_taps, pil_clip8, shorter_side_to, PilTaps};
+use kiln::image::ChannelOrder;
+use kiln::image::{center_crop_axis, pil_bilinear_taps, pil_clip8, shorter_side_to, PilTaps};
 use kiln::plugin::{Attrs, CustomOp};
 use kiln::{Error, HostTensor, Result, Tensor, Tracer};
 

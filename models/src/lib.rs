@@ -189,7 +189,45 @@ pub const BUNDLED: &[BundledModel] = &[
 
 /// The bundled model called `name`.
 pub fn bundled(name: &str) -> Result<&'static BundledModel> {
-    BUNDLED.iter().find(|m| m.name == name).ok_or_else(|| Error::UnknownModel { name: name.to_string(), known: bundled_names() })
+    BUNDLED.iter().find(|m| m.name == name).ok_or_else(|| Error::UnknownModel {
+        name: name.to_string(),
+        suggestion: closest_name(name, BUNDLED.iter().map(|m| m.name)).map(str::to_string),
+        known: bundled_names(),
+    })
+}
+
+/// The name among `known` nearest to `name` by edit distance (insertions, deletions,
+/// substitutions and swaps of neighbours, case ignored), when it is near enough to be a typo: at
+/// most one edit per three characters (and at least one). Ties go to the first.
+pub fn closest_name<'a>(name: &str, known: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+    let limit = (name.chars().count() / 3).max(1);
+    let mut best: Option<(usize, &str)> = None;
+    for k in known {
+        let d = edit_distance(&name.to_lowercase(), &k.to_lowercase());
+        if d <= limit && best.is_none_or(|(b, _)| d < b) {
+            best = Some((d, k));
+        }
+    }
+    best.map(|(_, k)| k)
+}
+
+/// Optimal string alignment distance: Levenshtein's, with a swap of two neighbours as one edit.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
+    // rows[i][j]: the distance between a[..i] and b[..j]; three rows are live at a time.
+    let mut rows = vec![(0..=b.len()).collect::<Vec<usize>>()];
+    for i in 1..=a.len() {
+        let mut row = vec![i; b.len() + 1];
+        for j in 1..=b.len() {
+            let cost = usize::from(a[i - 1] != b[j - 1]);
+            row[j] = (rows[i - 1][j] + 1).min(row[j - 1] + 1).min(rows[i - 1][j - 1] + cost);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                row[j] = row[j].min(rows[i - 2][j - 2] + 1);
+            }
+        }
+        rows.push(row);
+    }
+    rows[a.len()][b.len()]
 }
 
 /// The bundled models' names, comma-separated, in `BUNDLED`'s order.
@@ -251,7 +289,7 @@ pub fn trace_hw(model: &str, vb: VarBuilder, batch: usize, hw: [usize; 2]) -> Re
 /// `classify_preset` (torchvision's ImageNet preset for its input size: `Resize(256)`,
 /// `CenterCrop(224)` at 224), a YOLO detector through `yolo_letterbox` (its `detections` in the
 /// frame's pixels); the outputs are `trace`'s. CenterNet has no entry op: an error says so.
-pub fn trace_frames(model: &str, vb: VarBuilder, batch: usize, frame: [usize; 2], order: classify_preset::ChannelOrder) -> Result<Graph> {
+pub fn trace_frames(model: &str, vb: VarBuilder, batch: usize, frame: [usize; 2], order: kiln::image::ChannelOrder) -> Result<Graph> {
     let info = bundled(model)?;
     let tracer = Tracer::new();
     let x = classify_preset::frame_input(&tracer, "frame", batch, frame);
@@ -566,7 +604,22 @@ mod tests {
     #[test]
     fn unknown_model_is_a_typed_error() {
         let err = trace("inception_v3", VarBuilder::seeded(), 1, 224).unwrap_err();
-        assert!(matches!(&err, Error::UnknownModel { name, known } if name == "inception_v3" && known.contains("vgg16_bn")), "{err}");
+        assert!(
+            matches!(&err, Error::UnknownModel { name, known, suggestion: None } if name == "inception_v3" && known.contains("vgg16_bn")),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_mistyped_model_name_gets_the_nearest_bundled_one() {
+        let err = bundled("resnt50").unwrap_err();
+        assert!(matches!(&err, Error::UnknownModel { suggestion: Some(s), .. } if s == "resnet50"), "{err}");
+        assert!(err.to_string().contains("did you mean `resnet50`?"), "{err}");
+        assert_eq!(closest_name("Mobilenet_V2", BUNDLED.iter().map(|m| m.name)), Some("mobilenet_v2"), "case is ignored");
+        assert_eq!(closest_name("vgg61", BUNDLED.iter().map(|m| m.name)), Some("vgg16"), "a swap is one edit");
+        assert_eq!(closest_name("transformer", BUNDLED.iter().map(|m| m.name)), None, "nothing near");
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        assert_eq!(edit_distance("", "abc"), 3);
     }
 
     #[test]

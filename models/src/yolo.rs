@@ -60,6 +60,7 @@ impl YoloConfig {
             _ => {
                 return Err(Error::UnknownModel {
                     name: format!("{version:?} scale `{scale}`"),
+                    suggestion: None,
                     known: "yolov8n, yolov8s, yolo11n, yolo11s".into(),
                 })
             }

@@ -6,7 +6,7 @@
 //! it always was. Output `[N, 3, input_h, input_w]`: Ultralytics' `LetterBox(new_shape,
 //! auto=False, scaleup=True, center=True)` (resize keeping the aspect ratio to `round(w * r) x
 //! round(h * r)`, pad with 114, `round(dw -/+ 0.1)` on each side), RGB planes divided by 255.
-//! The geometry and the per-level arithmetic are `kiln::internals::ops::image`'s, which
+//! The geometry and the per-level arithmetic are `kiln::image`'s, which
 //! kiln-vision's CPU `letterbox` uses too.
 //!
 //! The frame is a u8 input (`frame_input`, `Tracer::input_typed(.., DType::U8)`): an engine
@@ -26,8 +26,8 @@
 //!
 //! Map detections back with `yolo_nms`' `frame_h`/`frame_w`/`input_h`/`input_w` attributes.
 
-pub use kiln::internals::ops::image::ChannelOrder;
-use kiln::internals::ops::image::{letterbox_level, Letterbox, Tap, LETTERBOX_PAD};
+use kiln::image::ChannelOrder;
+use kiln::image::{letterbox_level, Letterbox, Tap, LETTERBOX_PAD};
 use kiln::plugin::{Attrs, CustomOp};
 use kiln::HostTensor;
 use kiln::{DType, Error, Result, Tensor, Tracer};

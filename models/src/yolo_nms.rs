@@ -475,7 +475,7 @@ mod tests {
         assert!(nms_shape(&attrs(&[("conf", 1.5)]), &[&[2, 84, 8400]]).unwrap_err().contains("conf"));
         assert!(nms_shape(&attrs(&[("frame_h", 10.0)]), &[&[2, 84, 8400]]).unwrap_err().contains("together"));
         assert!(nms_shape(&Attrs::new(), &[&[2, 84, 8400], &[1]]).unwrap_err().contains("1 input"));
-        assert!(kiln::internals::ops::custom::lookup("yolo_nms").is_some());
+        assert!(kiln::plugin::lookup("yolo_nms").is_some());
     }
 }
 
@@ -483,7 +483,7 @@ mod tests {
 
 mod gpu {
     use super::{f32_threshold, params, Params};
-    use kiln::internals::engine::launch::{launch, CudaFunction, KArg};
+    use kiln::plugin::{launch, CudaFunction, KArg};
     use kiln::plugin::{BuildCtx, Elem, Layer, RunCtx, ValueId};
     use kiln::Result;
     use kiln::{plugin::Op, NodeId};

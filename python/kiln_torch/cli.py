@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from . import builders
+
 EXAMPLES = """examples:
   kiln-torch export torchvision.models:resnet50 --input input:1x3x224x224 -o rn50.kiln.safetensors
   kiln-torch export torchvision.models.segmentation:fcn_resnet50 --input input:1x3x520x520 --kwargs aux_loss=False
@@ -47,7 +49,8 @@ def parse_kwargs(items):
 
 def load_model(spec: str, kwargs: dict):
     """`module:attr` → the `nn.Module` it names or builds (a class or function is called with
-    `kwargs`; torchvision's builders get `weights=None` unless given)."""
+    `kwargs`, and every weight argument it takes, `weights`, `weights_backbone`, `pretrained`,
+    `encoder_weights`..., set to download nothing unless given: `builders.build`)."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not attr:
         raise SystemExit(f"kiln-torch: model {spec!r}: expected MODULE:FUNCTION, e.g. torchvision.models:resnet50")
@@ -60,12 +63,19 @@ def load_model(spec: str, kwargs: dict):
 
     if isinstance(obj, torch.nn.Module):
         return obj
-    if module_name.startswith("torchvision.models") and "weights" not in kwargs:
-        kwargs = dict(kwargs, weights=None)
-    model = obj(**kwargs)
+    model = builders.build(obj, kwargs, module_name, what=spec)
     if not isinstance(model, torch.nn.Module):
         raise SystemExit(f"kiln-torch: {spec} returned a {type(model).__name__}, not an nn.Module")
     return model
+
+
+def weights_metadata(weights, seed: int) -> dict:
+    """The graph file's metadata about its weights: the `--weights` file, or PyTorch's random
+    initialisation, marked `kiln.random_weights` so that `kiln run` warns its answers are
+    meaningless."""
+    if weights:
+        return {"weights": str(weights)}
+    return {"weights": f"random (torch init, seed {seed})", "kiln.random_weights": "true"}
 
 
 def main(argv=None) -> int:
@@ -93,7 +103,11 @@ def main(argv=None) -> int:
     from .report import UnsupportedOpsError
 
     torch.manual_seed(args.seed)
-    model = load_model(args.model, parse_kwargs(args.kwargs))
+    try:
+        model = load_model(args.model, parse_kwargs(args.kwargs))
+    except builders.DownloadError as e:
+        print(f"kiln-torch: {e}", file=sys.stderr)
+        return 1
     if args.weights:
         frontend.load_weights(model, args.weights)
     gen = torch.Generator().manual_seed(args.seed)
@@ -109,7 +123,7 @@ def main(argv=None) -> int:
     try:
         result = frontend.export(model, inputs, out, input_names=[n for n, _ in args.input], output_names=args.output_name,
                                  custom_ops=custom, reference=args.reference, model_name=name,
-                                 metadata={"weights": args.weights or f"torch init (seed {args.seed})"})
+                                 metadata=weights_metadata(args.weights, args.seed))
     except UnsupportedOpsError as e:
         print(e, file=sys.stderr)
         return 2

@@ -11,12 +11,40 @@ so it runs at any batch.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import ops
 from .graph import Act, Const, KilnGraph
 from .ops import Unsupported
+
+
+@dataclass
+class Unknown:
+    """A value that could not be converted (its node is in the report); its readers are skipped."""
+
+    tshape: tuple
+
+
+def plan(values, converter, has_schema: bool = True) -> str:
+    """What the exporter does with a node, given its (converted) input values and the converter
+    its op has (`None`: Kiln has no such op):
+
+    - `missing`: Kiln has no such op, and the report lists it, even when an input is itself
+      `Unknown` (downstream of another unsupported node: the report is every node at once);
+    - `skip`: an input is `Unknown`, but the op is supported: the node upstream is reported;
+    - `fold`: no input is an activation, so PyTorch computes it once, as a constant;
+    - `convert`: the converter makes its Kiln nodes.
+    """
+    values = list(values)
+    if not any(isinstance(v, (Act, Unknown)) for v in values):
+        return "fold"
+    if converter is None or not has_schema:
+        return "missing"
+    if any(isinstance(v, Unknown) for v in values):
+        return "skip"
+    return "convert"
 
 
 def broadcast(a, b):
@@ -34,6 +62,9 @@ class Builder:
         self._named = False
         # `pad(x) + C` nodes of a cat with constants (see `merge_constant_adds`).
         self.cat_constant_adds: set = set()
+        # The example batch (dim 0 of the first input): above 1, values whose batch PyTorch moved
+        # are held with `Act.bdim` (see `graph.Act`) instead of lifted.
+        self.batch = 1
 
     # ---- context of the node being converted
 
@@ -58,14 +89,37 @@ class Builder:
             return self.graph.weight(v.name, to_numpy(v.value))
         raise Unsupported(f"an input of Kiln op is {v!r}")
 
-    def node(self, op, inputs, name, tshape=None, lifted=None, helper=False) -> Act:
+    def node(self, op, inputs, name, tshape=None, lifted=None, helper=False, bdim=None) -> Act:
+        """A Kiln node of `op` on `inputs`, holding the PyTorch value of shape `tshape` (default:
+        the node's). `bdim`: where its batch is when PyTorch moved it (see `graph.Act`); only the
+        callers that map dims through `Act.kdim` give it, and an elementwise op (`Unary`) keeps
+        its input's; any other op on such a value is refused here rather than computed wrong."""
         acts = [v for v in inputs if isinstance(v, Act)]
         if lifted is None:
             lifted = bool(acts) and acts[0].lifted
         tshape = self.out_shape if tshape is None else tuple(tshape)
-        kshape = ([1] if lifted else []) + list(tshape)
-        nid = self.graph.push(op, [self._id(v) for v in inputs], kshape, self.path(name, helper))
-        return Act(nid, tuple(int(d) for d in tshape), lifted)
+        moved = [v for v in acts if v.moved]
+        if bdim is None:
+            bdim = 0
+            if moved:
+                if "Unary" in op and len(acts) == 1:
+                    bdim = moved[0].bdim
+                else:
+                    raise Unsupported(
+                        f"it reads a value of shape {list(moved[0].tshape)} whose batch (exported at {self.batch}) PyTorch "
+                        f"moved to dim {moved[0].bdim}, and Kiln cannot follow the batch through {op_family(op)}; "
+                        "export at batch 1 (the graph then runs at any batch)"
+                    )
+        out = Act(-1, tuple(int(d) for d in tshape), lifted, 0 if lifted else bdim)
+        nid = self.graph.push(op, [self._id(v) for v in inputs], out.kshape, self.path(name, helper))
+        out.id = nid
+        return out
+
+    def reduced_bdim(self, x: Act, dims, keepdim: bool) -> int:
+        """The batch's dim after reducing `dims` (which must not hold it) of `x`."""
+        if x.lifted or keepdim:
+            return 0 if x.lifted else x.bdim
+        return x.bdim - sum(1 for d in dims if d < x.bdim)
 
     def const_value(self, value, suffix: str) -> Const:
         base = f"{self.scope}.{self.fx_name}" if self.scope else self.fx_name
@@ -78,7 +132,7 @@ class Builder:
         """`x` as a lifted value `[1, *shape]` (for ops that touch PyTorch's dim 0)."""
         if x.lifted:
             return x
-        if not x.tshape or x.tshape[0] != 1:
+        if x.moved or not x.tshape or x.tshape[0] != 1:
             raise Unsupported(
                 f"it moves or merges dim 0 of a value of shape {list(x.tshape)}, the batch: Kiln keeps the batch as dim 0; "
                 "export at batch 1 (the graph then runs at any batch)"
@@ -87,6 +141,11 @@ class Builder:
 
     def unlift(self, x: Act) -> Act:
         """`x` with PyTorch's dim 0 as the batch again (its dim 0 must be 1)."""
+        if x.moved:
+            raise Unsupported(
+                f"it needs the batch as dim 0, but its input of shape {list(x.tshape)} has the batch in dim {x.bdim} "
+                "(exported at a batch above 1); export at batch 1 (the graph then runs at any batch)"
+            )
         if not x.lifted:
             return x
         if not x.tshape or x.tshape[0] != 1:
@@ -107,6 +166,11 @@ class Builder:
         tshape = tuple(int(d) for d in tshape)
         if tshape == tuple(x.tshape):
             return x
+        if self.batch > 1 and not x.lifted:
+            nb = reshaped_bdim(x.tshape, x.bdim, tshape)
+            if nb is not None and (x.moved or nb != 0):
+                dims = list(tshape[:nb]) + list(tshape[nb + 1 :])
+                return self.node(ops.shape_op("Reshape", dims=dims), [x], "reshape", tshape, bdim=nb)
         if not x.lifted and x.tshape and tshape and tshape[0] == x.tshape[0]:
             start = len(tshape) - 1
             if start >= 1 and tshape[:start] == tuple(x.tshape[:start]) and tshape[-1] == math.prod(x.tshape[start:]):
@@ -123,6 +187,13 @@ class Builder:
         if dims == list(range(len(dims))):
             return x
         out = tuple(x.tshape[d] for d in dims)
+        if not x.lifted and (self.batch > 1 or x.moved):
+            # The batch stays Kiln's dim 0 and goes to PyTorch's dim `nb`; the other dims follow.
+            nb = dims.index(x.bdim)
+            perm = [0] + [x.kdim(dims[j]) for j in range(len(dims)) if j != nb]
+            if perm == list(range(len(perm))):
+                return Act(x.id, out, False, nb)
+            return self.node(ops.shape_op("Permute", dims=perm), [x], "permute", out, bdim=nb)
         if not x.lifted and dims[0] == 0:
             return self.node(ops.shape_op("Permute", dims=dims), [x], "permute", out)
         x = self.lift(x)
@@ -134,7 +205,7 @@ class Builder:
             raise Unsupported(f"a slice with step {step}")
         if start == 0 and end >= n and step == 1:
             return x
-        if d == 0 and not x.lifted:
+        if d == x.bdim and not x.lifted:
             x = self.lift(x)
         if step == 1:
             return self._narrow(x, d, start, end - start)
@@ -149,10 +220,10 @@ class Builder:
             x = self._narrow(x, d, start, n - start)
             extra = start + span - n
             rank = len(x.kshape)
-            kd = d + x.offset
+            kd = x.kdim(d)
             pads = [0, 0] * (rank - 1 - kd) + [0, extra]
             shape[d] = span
-            x = self.node(ops.shape_op("Pad", pads=pads, value=0.0), [x], "pad", shape, helper=True)
+            x = self.node(ops.shape_op("Pad", pads=pads, value=0.0), [x], "pad", shape, helper=True, bdim=x.bdim)
         split = list(x.tshape[:d]) + [count, step] + list(x.tshape[d + 1 :])
         x = self.reshape(x, split)
         x = self._narrow(x, d + 1, 0, 1)
@@ -163,7 +234,7 @@ class Builder:
             return x
         shape = list(x.tshape)
         shape[d] = length
-        return self.node(ops.shape_op("Slice", dim=d + x.offset, start=int(start), len=int(length)), [x], "slice", shape)
+        return self.node(ops.shape_op("Slice", dim=x.kdim(d), start=int(start), len=int(length)), [x], "slice", shape, bdim=x.bdim)
 
     def cat(self, parts, d: int) -> Act:
         acts = [i for i, p in enumerate(parts) if isinstance(p, Act)]
@@ -172,11 +243,15 @@ class Builder:
         if acts != list(range(acts[0], acts[-1] + 1)):
             raise Unsupported("cat of activations with constants between them")
         run = [parts[i] for i in acts]
-        if len({p.lifted for p in run}) > 1 or (d == 0 and not run[0].lifted):
+        if len({p.bdim for p in run if not p.lifted}) > 1:
+            raise Unsupported(f"cat of values whose batch is in different dims {[p.bdim for p in run]}; export at batch 1")
+        if len({p.lifted for p in run}) > 1 or (d == run[0].bdim and not run[0].lifted):
             run = [self.lift(p) for p in run]
         out = list(run[0].tshape)
         out[d] = sum(p.tshape[d] for p in run)
-        y = run[0] if len(run) == 1 else self.node(ops.shape_op("Cat", dim=d + run[0].offset), run, "cat", out)
+        y = run[0]
+        if len(run) > 1:
+            y = self.node(ops.shape_op("Cat", dim=run[0].kdim(d)), run, "cat", out, bdim=run[0].bdim)
         before, after = parts[: acts[0]], parts[acts[-1] + 1 :]
         if not before and not after:
             return y
@@ -188,6 +263,9 @@ class Builder:
         class token). Unlike a cat with a constant, it broadcasts over the batch."""
         if d == 0:
             raise Unsupported("cat of a constant along dim 0, the batch")
+        if y.moved:
+            raise Unsupported(f"cat of a constant with a value whose batch is in dim {y.bdim}; export at batch 1")
+        before, after = [self.per_image(c) for c in before], [self.per_image(c) for c in after]
         lo, hi = sum(c.tshape[d] for c in before), sum(c.tshape[d] for c in after)
         out = list(y.tshape)
         out[d] += lo + hi
@@ -211,13 +289,30 @@ class Builder:
         self.cat_constant_adds.add(y.id)
         return y
 
+    def per_image(self, c: Const) -> Const:
+        """A constant of the example batch's size in dim 0 whose rows are all equal (a class token
+        or a mask `expand`ed to the batch, computed while exporting) as its one row, so that it
+        broadcasts over any batch; any other constant as it is."""
+        v = to_numpy(c.value)
+        if self.batch > 1 and v.ndim >= 1 and v.shape[0] == self.batch and np.array_equal(v, np.broadcast_to(v[:1], v.shape)):
+            return Const(f"{c.name}.per_image", v[:1])
+        return c
+
     def binary(self, op: str, x, y, tshape=None) -> Act:
         """`x op y` with broadcasting; `x` an activation, `y` an activation or a constant."""
         out = broadcast(x.tshape, y.tshape)
         if isinstance(y, Act):
+            if x.moved or y.moved:
+                if x.lifted or y.lifted or x.bdim != y.bdim or len(x.tshape) != len(y.tshape):
+                    raise Unsupported(f"{op.lower()} of values whose batch is in different dims; export at batch 1")
+                return self.node(ops.binary(op), [x, y], op.lower(), out if tshape is None else tshape, bdim=x.bdim)
             if x.lifted != y.lifted or len(x.tshape) != len(y.tshape):
                 x, y = self.lift(x), self.lift(y)
             return self.node(ops.binary(op), [x, y], op.lower(), out if tshape is None else tshape)
+        if len(y.tshape) == len(x.tshape) and not x.moved:
+            y = self.per_image(y)
+        if x.moved:
+            return self._binary_moved(op, x, y, out if tshape is None else tshape)
         rank_c = len(y.tshape)
         needs_lift = rank_c > len(x.tshape) or (rank_c == len(x.tshape) and not x.lifted and y.tshape and y.tshape[0] != 1)
         if needs_lift:
@@ -225,6 +320,48 @@ class Builder:
         if x.lifted and rank_c > len(x.tshape):
             y = Const(f"{y.name}.unsqueezed", to_numpy(y.value).reshape((1,) + tuple(y.tshape)))
         return self.node(ops.binary(op), [x, y], op.lower(), out if tshape is None else tshape)
+
+
+    def _binary_moved(self, op: str, x: Act, c: Const, tshape) -> Act:
+        """`x op c` for `x` whose batch PyTorch moved to dim `bdim`: `c` broadcast to `x`'s rank
+        with that dim moved to the front, as Kiln holds `x`; it must not vary along the batch."""
+        v = to_numpy(c.value)
+        rank = len(x.tshape)
+        if v.ndim > rank:
+            raise Unsupported(f"{op.lower()} with a constant of more dims than the value it broadcasts to")
+        v = v.reshape((1,) * (rank - v.ndim) + v.shape)
+        if v.shape[x.bdim] != 1:
+            first = np.take(v, [0], axis=x.bdim)
+            if not np.array_equal(v, np.broadcast_to(first, v.shape)):
+                raise Unsupported(f"{op.lower()} with a constant that differs along the batch (dim {x.bdim}); export at batch 1")
+            v = first
+        moved = Const(f"{c.name}.batch_first", np.moveaxis(v, x.bdim, 0))
+        return self.node(ops.binary(op), [x, moved], op.lower(), tshape, bdim=x.bdim)
+
+
+def reshaped_bdim(old, bdim: int, new):
+    """Where the batch (PyTorch dim `bdim` of a value of shape `old`) is after a reshape to `new`
+    that keeps it a dim of its own, or `None` when the reshape merges or splits it:
+    - the dims before it are kept, and so is its size (what follows it is reshaped among itself);
+    - or only dims of size 1 come or go (`unsqueeze(0)` of a batch: `torch.stack`)."""
+    old, new = tuple(old), tuple(new)
+    if len(new) > bdim and new[: bdim + 1] == old[: bdim + 1]:
+        return bdim
+    keep_old = [i for i, s in enumerate(old) if s != 1]
+    keep_new = [i for i, s in enumerate(new) if s != 1]
+    if [old[i] for i in keep_old] == [new[i] for i in keep_new] and bdim in keep_old:
+        return keep_new[keep_old.index(bdim)]
+    return None
+
+
+def op_family(op) -> str:
+    """`Conv`, `Norm.LayerNorm`, ... of an op's serde form, for messages."""
+    if isinstance(op, dict) and len(op) == 1:
+        (family, body), = op.items()
+        if isinstance(body, dict) and len(body) == 1:
+            return f"{family}.{next(iter(body))}"
+        return family
+    return str(op)
 
 
 def merge_constant_adds(graph: KilnGraph, cat_adds: set) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from . import graph as kg
 from . import ops
-from .convert import Builder, merge_constant_adds
+from .convert import Builder, Unknown, merge_constant_adds, plan
 from .graph import Act, Const
 from .ops import Unsupported
 from .report import Missing, UnsupportedOpsError, source_line
@@ -21,13 +21,6 @@ VERSION = "0.1.0"
 
 class ExportError(Exception):
     """torch.export could not capture the model (data-dependent control flow, unsupported Python)."""
-
-
-@dataclass
-class Unknown:
-    """A value that could not be converted (its node is in the report); its readers are skipped."""
-
-    tshape: tuple
 
 
 @dataclass
@@ -97,8 +90,10 @@ class Converter:
                 if val.dtype != torch.float32:
                     raise ExportError(f"input `{name}` is {val.dtype}; export with float32 inputs")
                 kname = self.input_names[user] if self.input_names and user < len(self.input_names) else name
-                user += 1
                 shape = tuple(int(d) for d in val.shape)
+                if user == 0 and shape:
+                    self.b.batch = shape[0]
+                user += 1
                 self.values[name] = Act(self.b.graph.input(kname, shape), shape)
             elif spec.kind in (kinds.PARAMETER, kinds.BUFFER, kinds.CONSTANT_TENSOR):
                 self.values[name] = Const(spec.target, self._tensor_of(spec).detach())
@@ -204,21 +199,28 @@ class Converter:
         scope, cls, leaf = self._scope(node)
         args, kwargs = self._map(node.args), self._map(node.kwargs)
         flat = list(self._flat((args, kwargs)))
-        if any(isinstance(v, Unknown) for v in flat):
-            self.values[node.name] = self._unknown(node)
-            return
-        if not any(isinstance(v, Act) for v in flat):
-            self.values[node.name] = self._fold(node, args, kwargs, scope)
-            return
         name = str(node.target)
         conv = ops.find(name, self.user)
+        step = plan(flat, conv, hasattr(node.target, "_schema"))
+        if step == "fold":
+            try:
+                self.values[node.name] = self._fold(node, args, kwargs, scope)
+            except Exception as e:  # noqa: BLE001 -- PyTorch refused the constants: reported with the node
+                self.missing.append(Missing(name, scope, cls, source_line(node.meta.get("stack_trace")),
+                                            f"computing it from constants failed: {type(e).__name__}: {e}"))
+                self.values[node.name] = self._unknown(node)
+            return
+        if step == "skip":
+            self.values[node.name] = self._unknown(node)
+            return
         try:
-            if conv is None or not hasattr(node.target, "_schema"):
+            if step == "missing":
                 raise Unsupported("Kiln has no such op")
             self.b.begin(name, node.name, scope, leaf, self._out_shape(node))
             self.values[node.name] = conv(self.b, self._named_args(node, args, kwargs))
-        except Unsupported as e:
-            self.missing.append(Missing(name, scope, cls, source_line(node.meta.get("stack_trace")), str(e)))
+        except Exception as e:  # noqa: BLE001 -- a converter's failure is a line of the report, never a traceback
+            reason = str(e) if isinstance(e, Unsupported) else f"the converter failed: {type(e).__name__}: {e}"
+            self.missing.append(Missing(name, scope, cls, source_line(node.meta.get("stack_trace")), reason))
             self.values[node.name] = self._unknown(node)
 
     def outputs(self, names) -> None:
@@ -287,7 +289,7 @@ class Converter:
         self.b.begin(cls, nodes[0].name, path, path not in self.has_children, self._out_shape(outs[0]))
         try:
             values = ops.MODULES[cls](self.b, attrs, ext, params)
-        except Unsupported:
+        except Exception:  # noqa: BLE001 -- Unsupported or not, the module is then converted op by op
             return False
         self.values[outs[0].name] = values[0]
         for n in nodes:
@@ -336,22 +338,28 @@ def export(model, example_inputs, path=None, *, input_names=None, output_names=N
       arguments' names; `output`, the keys of a returned dict, or `output0`, `output1`, ...).
     - `custom_ops`: `{op: kiln custom op}` for ops Kiln lacks (`{"mylib::swish": "swish"}`), see
       `ops.CustomOp`; `torchvision::deform_conv2d` maps to the kiln-deform-conv plugin by itself.
-    - `reference`: also write PyTorch's outputs for `kiln compare --reference` (`input`, `output.<name>`).
+    - `reference`: also write PyTorch's outputs for `kiln compare --reference` (`input.<name>` per
+      input, `output.<name>` per output).
     - `whole_modules=False`: convert `nn.MultiheadAttention`, Swin's window attention and the like
       op by op too (`ops.MODULES` converts them whole by default).
 
     Raises `UnsupportedOpsError` listing every node without a Kiln op, before writing anything.
-    Export at batch 1 when the model merges the batch into other dims (window attention): the graph
-    then runs at any batch.
+    The graph runs at any batch. At an example batch above 1, the batch may move to another dim
+    and back (`torch.stack(list).sum(0)`, ViT's `qkv.permute(2, 0, 3, 1, 4)`), and constants
+    expanded to the batch (a class token) are read per image; a model that merges the batch into
+    another dim (window attention) is exported at batch 1.
     """
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
     model = model.eval()
     model_name = model_name or type(model).__name__
-    with torch.no_grad():
-        eager = model(*example_inputs)
-    named = _named_outputs(eager, output_names)
+    try:
+        with torch.no_grad():
+            eager = model(*example_inputs)
+        named = _named_outputs(eager, output_names)
+    except Exception as e:  # noqa: BLE001 -- the model itself failed on the example inputs
+        raise ExportError(f"{model_name} failed on the example inputs: {type(e).__name__}: {e}") from e
     try:
         ep = torch.export.export(model, example_inputs, strict=strict)
     except Exception as e:  # torch raises many types here; the message is what helps
@@ -362,7 +370,12 @@ def export(model, example_inputs, path=None, *, input_names=None, output_names=N
     ep = ep.run_decompositions({})
     for attempt in range(3):
         conv = Converter(ep, model, input_names, custom_ops, whole_modules)
-        graph = conv.run([n for n, _ in named])
+        try:
+            graph = conv.run([n for n, _ in named])
+        except (ExportError, UnsupportedOpsError):
+            raise
+        except Exception as e:  # noqa: BLE001 -- no Python exception escapes the exporter unexplained
+            raise ExportError(f"converting {model_name} failed outside any one node: {type(e).__name__}: {e}") from e
         if not conv.missing:
             break
         table = _decompositions(conv.missing) if attempt < 2 else {}
@@ -388,17 +401,10 @@ def export(model, example_inputs, path=None, *, input_names=None, output_names=N
 
 
 def write_reference(result: Result, path) -> None:
-    """PyTorch's outputs for `kiln compare --reference`: `input` (or `input.<name>` when there are
-    several), `output.<name>`."""
-    tensors = {}
-    if len(result.inputs) == 1:
-        tensors["input"] = next(iter(result.inputs.values()))
-    else:
-        tensors.update({f"input.{n}": v for n, v in result.inputs.items()})
-    tensors.update({f"output.{n}": v for n, v in result.outputs.items()})
-    meta = {"model": result.metadata.get("model", ""), "kiln.tool": result.metadata.get("kiln.tool", "")}
+    """PyTorch's outputs for `kiln compare --reference`, see `graph.encode_reference`."""
+    meta = {k: result.metadata[k] for k in ("model", "kiln.tool", "weights") if k in result.metadata}
     with open(path, "wb") as f:
-        f.write(kg.encode_safetensors(tensors, meta))
+        f.write(kg.encode_reference(result.inputs, result.outputs, meta))
 
 
 def load_weights(model, path, strict=True) -> None:

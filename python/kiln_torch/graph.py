@@ -27,20 +27,42 @@ class Act:
     Swin window batch `[64, 49, C]` made by merging the batch of 1 with the windows) is held
     *lifted*: its Kiln shape is `[1, *tshape]`, so the batch stays in front and every op sees the
     PyTorch dims shifted by one.
+
+    Exported at a batch above 1, a value whose batch PyTorch moved to another dim (ViT's
+    `qkv.permute(2, 0, 3, 1, 4)`, `torch.stack(list)`) is held with the batch still first in Kiln:
+    `bdim` is the PyTorch dim that holds it, and the Kiln shape is `tshape` with that dim moved to
+    the front. (At batch 1 the same values are lifted.)
     """
 
     id: int
     tshape: tuple
     lifted: bool = False
+    bdim: int = 0
 
     @property
     def kshape(self) -> list:
-        return ([1] if self.lifted else []) + list(self.tshape)
+        if self.lifted:
+            return [1] + list(self.tshape)
+        t = list(self.tshape)
+        return t[self.bdim : self.bdim + 1] + t[: self.bdim] + t[self.bdim + 1 :]
 
     @property
     def offset(self) -> int:
-        """Kiln's dim for PyTorch's dim 0."""
+        """Kiln's dim for PyTorch's dim 0 (of a value whose batch is dim 0 or is lifted)."""
         return 1 if self.lifted else 0
+
+    @property
+    def moved(self) -> bool:
+        """The batch is in PyTorch's dim `bdim`, not 0."""
+        return not self.lifted and self.bdim != 0
+
+    def kdim(self, d: int) -> int:
+        """Kiln's dim for PyTorch's dim `d`."""
+        if self.lifted:
+            return d + 1
+        if d == self.bdim:
+            return 0
+        return d + 1 if d < self.bdim else d
 
 
 @dataclass
@@ -189,6 +211,15 @@ def decode_safetensors(data: bytes):
         start, end = info["data_offsets"]
         tensors[name] = np.frombuffer(data[base + start : base + end], dtype="<f4").reshape(info["shape"])
     return tensors, metadata
+
+
+def encode_reference(inputs: dict, outputs: dict, metadata: dict | None = None) -> bytes:
+    """A reference file for `kiln compare --reference`: every input under `input.<name>` (its
+    name in the graph, so any names and several inputs bind), every output under
+    `output.<name>`. (Files of older versions hold one input as `input`; Kiln reads both.)"""
+    tensors = {f"input.{n}": v for n, v in inputs.items()}
+    tensors.update({f"output.{n}": v for n, v in outputs.items()})
+    return encode_safetensors(tensors, dict(metadata or {}))
 
 
 def encode(graph: KilnGraph, extra: dict | None = None) -> bytes:

@@ -258,6 +258,13 @@ def elu(cx, a):
     return y if scale == 1.0 else cx.node(affine(scale, 0.0), [y], "affine")
 
 
+@aten("aten.softplus.default")
+def softplus(cx, a):
+    """`F.softplus(x, beta, threshold)`: `log1p(exp(beta * x)) / beta`, and `x` where `beta * x > threshold`."""
+    attrs = {"beta": float(a.get("beta", 1.0)), "threshold": float(a.get("threshold", 20.0))}
+    return cx.node(unary("Softplus", **attrs), [act(a["self"])], "softplus")
+
+
 @aten("aten.pow.Tensor_Scalar")
 def pow_scalar(cx, a):
     e = scalar_of(a["exponent"])
@@ -631,10 +638,10 @@ def _mean(cx, x, dims, keepdim):
     x = act(x)
     rank = len(x.tshape)
     dims = sorted({norm_dim(d, rank) for d in (dims if dims else range(rank))})
-    if 0 in dims and not x.lifted:
+    if x.bdim in dims and not x.lifted:
         x = cx.lift(x)
-    kd = [d + x.offset for d in dims]
-    return cx.node({"Pool": {"Mean": {"dims": kd, "keepdim": bool(keepdim)}}}, [x], "mean")
+    kd = [x.kdim(d) for d in dims]
+    return cx.node({"Pool": {"Mean": {"dims": kd, "keepdim": bool(keepdim)}}}, [x], "mean", bdim=cx.reduced_bdim(x, dims, keepdim))
 
 
 @aten("aten.mean.dim", "aten.mean.default")
@@ -649,12 +656,13 @@ def _reduce(cx, kind, x, dims, keepdim, what):
     dims = sorted({norm_dim(d, rank) for d in (dims if dims not in (None, []) else range(rank))})
     if kind == "Argmax" and len(dims) != 1:
         raise Unsupported("argmax over the flattened tensor (give dim)")
-    if 0 in dims and not x.lifted:
+    if x.bdim in dims and not x.lifted:
         x = cx.lift(x)
-    kd = [d + x.offset for d in dims]
+    kd = [x.kdim(d) for d in dims]
+    bdim = cx.reduced_bdim(x, dims, keepdim)
     if kind == "Argmax":
-        return cx.node({"Pool": {"Argmax": {"dim": kd[0], "keepdim": bool(keepdim)}}}, [x], what)
-    return cx.node({"Pool": {"Amax": {"dims": kd, "keepdim": bool(keepdim)}}}, [x], what)
+        return cx.node({"Pool": {"Argmax": {"dim": kd[0], "keepdim": bool(keepdim)}}}, [x], what, bdim=bdim)
+    return cx.node({"Pool": {"Amax": {"dims": kd, "keepdim": bool(keepdim)}}}, [x], what, bdim=bdim)
 
 
 @aten("aten.amax.default")
@@ -694,13 +702,42 @@ def sum_dims(cx, a):
     return cx.node(affine(float(n), 0.0), [_mean(cx, x, a.get("dim"), a.get("keepdim", False))], "affine")
 
 
+@aten("aten.linalg_vector_norm.default")
+def linalg_vector_norm(cx, a):
+    """`torch.linalg.vector_norm` (and `torch.norm(x, p, dim)`, ConvNeXt-V2's Global Response
+    Norm) over `dim` from Kiln's reductions: ord 2 is sqrt(sum(x * x)), 1 sum(|x|), inf max(|x|),
+    another positive p (sum(|x| ^ p)) ^ (1 / p)."""
+    x = act(a["self"])
+    order = float(a.get("ord", 2))
+    dims, keepdim = a.get("dim"), bool(a.get("keepdim", False))
+    rank = len(x.tshape)
+    reduced = sorted({norm_dim(d, rank) for d in (dims if dims else range(rank))})
+    if not math.isfinite(order) and order > 0:
+        return _reduce(cx, "Amax", cx.node(unary("Abs"), [x], "abs", x.tshape), reduced, keepdim, "amax")
+    if not (order > 0 and math.isfinite(order)):
+        raise Unsupported(f"a vector norm of ord {order} (Kiln's are of a positive, finite ord or inf)")
+    n = int(np.prod([x.tshape[d] for d in reduced]))
+    if order == 2:
+        powered = cx.binary("Mul", x, x, tshape=x.tshape)
+    else:
+        powered = cx.node(unary("Abs"), [x], "abs", x.tshape)
+        if order != 1:
+            powered = cx.node(unary("Pow", exponent=order), [powered], "pow", x.tshape)
+    total = cx.node(affine(float(n), 0.0), [_mean(cx, powered, reduced, keepdim)], "affine")
+    if order == 1:
+        return total
+    if order == 2:
+        return cx.node(unary("Sqrt"), [total], "sqrt")
+    return cx.node(unary("Pow", exponent=1.0 / order), [total], "pow")
+
+
 @aten("aten.softmax.int", "aten._softmax.default")
 def softmax(cx, a):
     x = act(a["self"])
     d = norm_dim(a["dim"], len(x.tshape))
-    if d == 0 and not x.lifted:
+    if d == x.bdim and not x.lifted:
         x = cx.lift(x)
-    return cx.node({"Norm": {"Softmax": {"dim": d + x.offset}}}, [x], "softmax")
+    return cx.node({"Norm": {"Softmax": {"dim": x.kdim(d)}}}, [x], "softmax", bdim=None if x.lifted else x.bdim)
 
 
 # -- resizing
@@ -949,6 +986,80 @@ def roll(cx, a):
     if 0 in dims and not x.lifted:
         x = cx.lift(x)
     return cx.node(shape_op("Roll", shifts=[int(s) for s in a["shifts"]], dims=[d + x.offset for d in dims]), [x], "roll")
+
+
+# -- quantisation
+
+
+def _qvalues(v, what, n=None):
+    """A quantisation parameter (a number, or a constant of one or `n` values) as a list."""
+    if (s := scalar_of(v)) is not None and n is None:
+        return [s]
+    if not isinstance(v, Const):
+        raise Unsupported(f"its {what} is {'computed from the input' if is_act(v) else repr(v)}; Kiln needs constant quantisation parameters")
+    values = np.asarray(to_numpy_(v.value), dtype=np.float64).reshape(-1)
+    if n is not None and values.size != n:
+        raise Unsupported(f"{values.size} {what} values for {n} channels")
+    return values.tolist()
+
+
+def _quant(cx, kind, x, scale, zero_point, qmin, qmax, axis=None, what="quantize"):
+    """`Quant::<kind>` of int8 parameters (`qmin..=qmax`, a zero point per scale), per tensor or
+    along `axis` of the PyTorch value (a dim of Kiln's full shape: the batch is dim 0)."""
+    x = act(x)
+    n = None
+    if axis is not None:
+        rank = len(x.tshape)
+        axis = norm_dim(axis, rank)
+        if axis == 0 and not x.lifted:
+            x = cx.lift(x)
+        n = x.tshape[axis]
+        axis += x.offset
+    scales = [float(s) for s in _qvalues(scale, "scale", n)]
+    zps = [int(round(z)) for z in _qvalues(zero_point, "zero point", len(scales) if n is not None else None)]
+    if len(zps) != len(scales):
+        raise Unsupported(f"{len(zps)} zero points for {len(scales)} scales")
+    if not all(math.isfinite(s) and s > 0 for s in scales):
+        raise Unsupported(f"scales must be positive and finite, got {scales}")
+    qmin, qmax = int(qmin), int(qmax)
+    if qmin < -128 or qmax > 255 or qmin >= qmax:
+        raise Unsupported(f"an integer range [{qmin}, {qmax}] that is not 8-bit")
+    params = {"format": "Int8", "scale": scales, "zero_point": zps, "axis": axis, "qmin": qmin, "qmax": qmax}
+    return cx.node({"Quant": {kind: params}}, [x], what)
+
+
+@aten("aten.fake_quantize_per_tensor_affine.default", "aten.fake_quantize_per_tensor_affine.tensor_qparams")
+def fake_quantize_per_tensor(cx, a):
+    """`torch.fake_quantize_per_tensor_affine` (a QAT model's activation and weight quantisers)."""
+    return _quant(cx, "FakeQuantize", a["self"], a["scale"], a["zero_point"], a["quant_min"], a["quant_max"], what="fake_quantize")
+
+
+@aten("aten.fake_quantize_per_channel_affine.default")
+def fake_quantize_per_channel(cx, a):
+    return _quant(cx, "FakeQuantize", a["self"], a["scale"], a["zero_point"], a["quant_min"], a["quant_max"], a["axis"],
+                  "fake_quantize")
+
+
+def _decomposed(kind, per_channel):
+    """`quantized_decomposed.(de)quantize_per_tensor` / `_per_channel` (PT2E): the integer codes as
+    values, as Kiln's `Quant` ops hold them."""
+    def convert(cx, a):
+        if kind == "Dequantize" and a.get("out_dtype") not in (None, "float32", "torch.float32"):
+            raise Unsupported(f"a dequantize to {a['out_dtype']}: Kiln computes in f32")
+        scale, zp = (a["scales"], a["zero_points"]) if per_channel else (a["scale"], a["zero_point"])
+        axis = a["axis"] if per_channel else None
+        return _quant(cx, kind, a["input"], scale, zp, a["quant_min"], a["quant_max"], axis, kind.lower())
+
+    return convert
+
+
+for _name, _kind, _per_channel in [
+    ("quantized_decomposed.quantize_per_tensor.default", "Quantize", False),
+    ("quantized_decomposed.quantize_per_channel.default", "Quantize", True),
+    ("quantized_decomposed.dequantize_per_tensor.default", "Dequantize", False),
+    ("quantized_decomposed.dequantize_per_channel.default", "Dequantize", True),
+]:
+    aten(_name)(_decomposed(_kind, _per_channel))
 
 
 # -- torchvision ops

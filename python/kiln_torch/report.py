@@ -59,7 +59,7 @@ def format_report(missing: list, model: str = "the model") -> str:
     lines += [
         "",
         "To import an op Kiln lacks, register it as a Kiln custom op and map it when exporting:",
-        "  1. In Rust, submit a `kiln::ops::custom::CustomOp` (name, shape rule, CPU reference) with",
+        "  1. In Rust, submit a `kiln::plugin::CustomOp` (name, shape rule, CPU reference) with",
         "     `kiln::inventory::submit!`, and its GPU converter with `kiln::register_converter!`",
         "     (plugins/deform-conv is a complete example).",
         "  2. Map the op to it when exporting; its tensors become the node's inputs, its numbers attributes:",

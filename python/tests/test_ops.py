@@ -31,7 +31,8 @@ class OpTable(unittest.TestCase):
     def test_every_op_kiln_imports_has_a_converter(self):
         for name in ["aten.conv2d.default", "aten.linear.default", "aten._native_batch_norm_legit_no_training.default",
                      "aten.relu.default", "aten.add.Tensor", "aten.view.default", "aten.cat.default", "aten.split.Tensor",
-                     "aten.scaled_dot_product_attention.default", "aten.upsample_bilinear2d.vec", "torchvision.deform_conv2d.default"]:
+                     "aten.scaled_dot_product_attention.default", "aten.upsample_bilinear2d.vec", "torchvision.deform_conv2d.default",
+                     "aten.softplus.default", "aten.fake_quantize_per_channel_affine.default"]:
             self.assertIsNotNone(ops.lookup(name), name)
         self.assertIsNone(ops.lookup("aten.cumsum.default"))
 
@@ -180,6 +181,63 @@ class Converters(unittest.TestCase):
         node = b.graph.nodes[y.id]
         self.assertEqual(node["op"], {"Unary": {"Affine": {"scale": 1.0507009873554805, "shift": 0.0}}})
         self.assertIn("Elu", b.graph.nodes[node["inputs"][0]]["op"]["Unary"])
+
+    def test_softplus_keeps_beta_and_threshold(self):
+        b, x = builder([1, 4])
+        y = ops.TABLE["aten.softplus.default"](b, {"self": x, "beta": 2, "threshold": 1.5})
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Unary": {"Softplus": {"beta": 2.0, "threshold": 1.5}}})
+        self.assertEqual(b.graph.nodes[y.id]["path"], "blk.softplus")
+        # PyTorch's defaults, when the export leaves them out.
+        y = ops.TABLE["aten.softplus.default"](b, {"self": x})
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Unary": {"Softplus": {"beta": 1.0, "threshold": 20.0}}})
+
+    def test_fake_quantize_per_tensor_and_per_channel(self):
+        b, x = builder([1, 3, 4, 4])
+        y = ops.TABLE["aten.fake_quantize_per_tensor_affine.default"](
+            b, {"self": x, "scale": 0.02, "zero_point": 10, "quant_min": 0, "quant_max": 255})
+        params = {"format": "Int8", "scale": [0.02], "zero_point": [10], "axis": None, "qmin": 0, "qmax": 255}
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Quant": {"FakeQuantize": params}})
+        # QAT's FakeQuantize modules pass their scale and zero point as tensors.
+        qparams = {"self": x, "scale": Const("fq.scale", np.array([0.5], np.float32)),
+                   "zero_point": Const("fq.zero_point", np.array([0], np.int32)), "quant_min": -128, "quant_max": 127}
+        y = ops.TABLE["aten.fake_quantize_per_tensor_affine.tensor_qparams"](b, qparams)
+        self.assertEqual(b.graph.nodes[y.id]["op"]["Quant"]["FakeQuantize"]["scale"], [0.5])
+        scales = Const("fq.scales", np.array([0.5, 0.25, 0.125], np.float32))
+        zeros = Const("fq.zeros", np.zeros(3, np.int32))
+        y = ops.TABLE["aten.fake_quantize_per_channel_affine.default"](
+            b, {"self": x, "scale": scales, "zero_point": zeros, "axis": 1, "quant_min": -128, "quant_max": 127})
+        q = b.graph.nodes[y.id]["op"]["Quant"]["FakeQuantize"]
+        self.assertEqual((q["scale"], q["zero_point"], q["axis"]), ([0.5, 0.25, 0.125], [0, 0, 0], 1))
+
+    def test_pt2e_quantize_and_dequantize_hold_the_codes(self):
+        b, x = builder([1, 3, 4, 4])
+        common = {"input": x, "scale": 0.1, "zero_point": -3, "quant_min": -128, "quant_max": 127, "dtype": "torch.int8"}
+        q = ops.TABLE["quantized_decomposed.quantize_per_tensor.default"](b, common)
+        self.assertEqual(list(b.graph.nodes[q.id]["op"]["Quant"]), ["Quantize"])
+        d = ops.TABLE["quantized_decomposed.dequantize_per_tensor.default"](b, dict(common, input=q))
+        node = b.graph.nodes[d.id]
+        self.assertEqual(node["op"]["Quant"]["Dequantize"]["zero_point"], [-3])
+        self.assertEqual(node["inputs"], [q.id])
+        scales = Const("w.scales", np.array([0.1, 0.2, 0.3], np.float32))
+        zps = Const("w.zps", np.zeros(3, np.int64))
+        per_channel = {"input": x, "scales": scales, "zero_points": zps, "axis": -3, "quant_min": -127, "quant_max": 127,
+                       "dtype": "torch.int8"}
+        y = ops.TABLE["quantized_decomposed.quantize_per_channel.default"](b, per_channel)
+        self.assertEqual(b.graph.nodes[y.id]["op"]["Quant"]["Quantize"]["axis"], 1)
+
+    def test_quantisation_parameters_must_be_constant_and_fit(self):
+        b, x = builder([1, 3, 4, 4])
+        fq = ops.TABLE["aten.fake_quantize_per_tensor_affine.tensor_qparams"]
+        with self.assertRaisesRegex(Unsupported, "computed from the input"):
+            fq(b, {"self": x, "scale": x, "zero_point": 0, "quant_min": -128, "quant_max": 127})
+        with self.assertRaisesRegex(Unsupported, "positive"):
+            fq(b, {"self": x, "scale": -0.5, "zero_point": 0, "quant_min": -128, "quant_max": 127})
+        with self.assertRaisesRegex(Unsupported, "not 8-bit"):
+            fq(b, {"self": x, "scale": 0.5, "zero_point": 0, "quant_min": 0, "quant_max": 65535})
+        with self.assertRaisesRegex(Unsupported, "2 scale values for 3 channels"):
+            ops.TABLE["aten.fake_quantize_per_channel_affine.default"](
+                b, {"self": x, "scale": Const("s", np.ones(2, np.float32)), "zero_point": Const("z", np.zeros(2, np.int32)),
+                    "axis": 1, "quant_min": -128, "quant_max": 127})
 
     def test_relu6_and_hardtanh_are_clamps(self):
         b, x = builder([1, 4])

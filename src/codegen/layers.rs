@@ -5,6 +5,7 @@
 
 use super::{f32_lit, float_lit, op_expr};
 use crate::graph::{Activation, Binary, ConvAttrs, Gemm, Graph, NodeId, Norm, Op, Pool, Resize, ShapeOp, Unary};
+use crate::ops::elementwise::{ConfigForm, FormArg};
 use std::collections::BTreeSet;
 
 /// A literal value of a slot.
@@ -284,45 +285,34 @@ fn conv(g: &Graph, id: NodeId, path: &str, a: &ConvAttrs, w: &[usize]) -> Option
     spec(if a.transposed { "ConvTranspose2d" } else { "Conv2d" }, Some(Tpl::new(slots, render)))
 }
 
+/// The layer of an activation, as its family's form of it says (`Unary::form`).
 fn activation(u: Unary) -> Option<LayerSpec> {
-    Some(match u {
-        Unary::Relu => LayerSpec { ty: "ReLU", config: None },
-        Unary::Sigmoid => LayerSpec { ty: "Sigmoid", config: None },
-        Unary::Silu => LayerSpec { ty: "SiLU", config: None },
-        Unary::Hardswish => LayerSpec { ty: "Hardswish", config: None },
-        Unary::Hardsigmoid => LayerSpec { ty: "Hardsigmoid", config: None },
-        Unary::Tanh => LayerSpec { ty: "Tanh", config: None },
-        Unary::Clamp { min, max } if min == 0.0 && max == 6.0 => LayerSpec { ty: "ReLU6", config: None },
-        Unary::Clamp { min, max } => LayerSpec {
-            ty: "Hardtanh",
-            config: Some(Tpl::new(vec![slot("min_val", Lit::F32(min)), slot("max_val", Lit::F32(max))], |s, _| {
-                format!("({}, {})", s[0].text, s[1].text)
-            })),
-        },
-        Unary::Gelu { tanh } => {
-            LayerSpec { ty: "GELU", config: Some(Tpl::new(vec![slot("approximate_tanh", Lit::Bool(tanh))], |s, _| s[0].text.clone())) }
+    let layer = u.form().layer?;
+    let slots: Vec<Slot> = layer.args.iter().map(|&(name, v)| slot(name, form_lit(v))).collect();
+    let config = match layer.config {
+        ConfigForm::Unit => None,
+        ConfigForm::Value => Some(Tpl::new(slots, |s, _| s[0].text.clone())),
+        ConfigForm::Tuple => Some(Tpl::new(slots, |s, _| format!("({})", texts(s).join(", ")))),
+        ConfigForm::Struct(ty) => {
+            let names: Vec<&'static str> = layer.args.iter().map(|(name, _)| *name).collect();
+            Some(Tpl::new(slots, move |s, _| {
+                let fields: Vec<String> = names.iter().zip(texts(s)).map(|(n, v)| format!("{n}: {v}")).collect();
+                format!("{ty} {{ {} }}", fields.join(", "))
+            }))
         }
-        Unary::LeakyRelu { slope } => LayerSpec {
-            ty: "LeakyReLU",
-            config: Some(Tpl::new(vec![slot("negative_slope", Lit::F32(slope))], |s, _| {
-                format!("LeakyReLUConfig {{ negative_slope: {} }}", s[0].text)
-            })),
-        },
-        // Written inline (`x.elu(1.0)?`, `x.exp()?`): no layer type in the generated code's imports.
-        Unary::Asinh
-        | Unary::Affine { .. }
-        | Unary::Softplus { .. }
-        | Unary::Exp
-        | Unary::Log
-        | Unary::Sqrt
-        | Unary::Rsqrt
-        | Unary::Reciprocal
-        | Unary::Abs
-        | Unary::Erf
-        | Unary::Pow { .. }
-        | Unary::Elu { .. }
-        | Unary::Mish => return None,
-    })
+    };
+    Some(LayerSpec { ty: layer.ty, config })
+}
+
+fn form_lit(v: FormArg) -> Lit {
+    match v {
+        FormArg::F32(v) => Lit::F32(v),
+        FormArg::Bool(v) => Lit::Bool(v),
+    }
+}
+
+fn texts(s: &[R]) -> Vec<&str> {
+    s.iter().map(|r| r.text.as_str()).collect()
 }
 
 fn pool(op: &Op, a: &crate::graph::PoolAttrs) -> Option<LayerSpec> {
@@ -456,46 +446,12 @@ fn attention(scale: f32, n_params: usize) -> Tpl {
     })
 }
 
+/// `x.<method>(args)?`, as the activation's family's form of it says (`Unary::form`).
 fn unary(u: Unary) -> Tpl {
-    let plain = |m: &'static str| Tpl::new(vec![], move |_, o| format!("{}.{m}()?", o.recv[0]));
-    match u {
-        Unary::Relu => plain("relu"),
-        Unary::Sigmoid => plain("sigmoid"),
-        Unary::Silu => plain("silu"),
-        Unary::Hardswish => plain("hardswish"),
-        Unary::Hardsigmoid => plain("hardsigmoid"),
-        Unary::Tanh => plain("tanh"),
-        Unary::Asinh => plain("asinh"),
-        Unary::Exp => plain("exp"),
-        Unary::Log => plain("log"),
-        Unary::Sqrt => plain("sqrt"),
-        Unary::Rsqrt => plain("rsqrt"),
-        Unary::Reciprocal => plain("reciprocal"),
-        Unary::Abs => plain("abs"),
-        Unary::Erf => plain("erf"),
-        Unary::Mish => plain("mish"),
-        Unary::Elu { alpha } => Tpl::new(vec![slot("alpha", Lit::F32(alpha))], |s, o| format!("{}.elu({})?", o.recv[0], s[0].text)),
-        Unary::Pow { exponent } => {
-            Tpl::new(vec![slot("exponent", Lit::F32(exponent))], |s, o| format!("{}.pow({})?", o.recv[0], s[0].text))
-        }
-        Unary::Gelu { tanh } => {
-            Tpl::new(vec![slot("approximate_tanh", Lit::Bool(tanh))], |s, o| format!("{}.gelu({})?", o.recv[0], s[0].text))
-        }
-        Unary::LeakyRelu { slope } => {
-            Tpl::new(vec![slot("negative_slope", Lit::F32(slope))], |s, o| format!("{}.leaky_relu({})?", o.recv[0], s[0].text))
-        }
-        Unary::Clamp { min, max } => Tpl::new(vec![slot("min", Lit::F32(min)), slot("max", Lit::F32(max))], |s, o| {
-            format!("{}.clamp({}, {})?", o.recv[0], s[0].text, s[1].text)
-        }),
-        Unary::Affine { scale, shift } => Tpl::new(vec![slot("scale", Lit::F32(scale)), slot("shift", Lit::F32(shift))], |s, o| {
-            format!("{}.affine({}, {})?", o.recv[0], s[0].text, s[1].text)
-        }),
-        Unary::Softplus { beta, threshold } => {
-            Tpl::new(vec![slot("beta", Lit::F32(beta)), slot("threshold", Lit::F32(threshold))], |s, o| {
-                format!("{}.softplus({}, {})?", o.recv[0], s[0].text, s[1].text)
-            })
-        }
-    }
+    let form = u.form();
+    let slots = form.args.iter().map(|&(name, v)| slot(name, form_lit(v))).collect();
+    let method = form.method;
+    Tpl::new(slots, move |s, o| format!("{}.{method}({})?", o.recv[0], texts(s).join(", ")))
 }
 
 fn shape(s: &ShapeOp, n_args: usize) -> Option<Tpl> {
@@ -546,4 +502,44 @@ fn record(op: &Op, name: String) -> Tpl {
             o.params.join(", ")
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `t` written with its slots as literals, on the operand `x`.
+    fn written(t: &Tpl) -> String {
+        let slots: Vec<R> = t.slots.iter().map(|s| R { text: s.lit.expr(), literal: Some(s.lit.clone()) }).collect();
+        let operands = Operands { recv: vec!["x".into()], by_ref: vec!["&x".into()], params: vec![] };
+        (t.render)(&slots, &operands)
+    }
+
+    #[test]
+    fn activations_are_written_as_their_forms_say() {
+        let cases = [
+            (
+                Unary::Softplus { beta: 2.0, threshold: 1.5 },
+                "x.softplus(2.0, 1.5)?",
+                Some(("Softplus", "SoftplusConfig { beta: 2.0, threshold: 1.5 }")),
+            ),
+            (Unary::Elu { alpha: 0.5 }, "x.elu(0.5)?", Some(("ELU", "ELUConfig { alpha: 0.5 }"))),
+            (Unary::Mish, "x.mish()?", Some(("Mish", "()"))),
+            (Unary::Clamp { min: 0.0, max: 6.0 }, "x.clamp(0.0, 6.0)?", Some(("ReLU6", "()"))),
+            (Unary::Clamp { min: -2.0, max: 3.0 }, "x.clamp(-2.0, 3.0)?", Some(("Hardtanh", "(-2.0, 3.0)"))),
+            (Unary::Gelu { tanh: true }, "x.gelu(true)?", Some(("GELU", "true"))),
+            (Unary::LeakyRelu { slope: 0.25 }, "x.leaky_relu(0.25)?", Some(("LeakyReLU", "LeakyReLUConfig { negative_slope: 0.25 }"))),
+            (Unary::Pow { exponent: 2.0 }, "x.pow(2.0)?", None),
+            (Unary::Exp, "x.exp()?", None),
+        ];
+        for (op, inline_form, layer_form) in cases {
+            assert_eq!(written(&unary(op)), inline_form, "{op:?}");
+            let layer = activation(op).map(|l| (l.ty, l.config.as_ref().map_or("()".to_string(), written)));
+            assert_eq!(layer, layer_form.map(|(ty, config)| (ty, config.to_string())), "{op:?}");
+        }
+        let names = Unary::layer_names();
+        for name in ["ELU", "ELUConfig", "Mish", "Softplus", "SoftplusConfig", "ReLU", "LeakyReLUConfig"] {
+            assert!(names.contains(&name), "{name} is not among the names generated code may import: {names:?}");
+        }
+    }
 }

@@ -9,7 +9,7 @@ use super::gpu::Gpu;
 use super::kernels::Kernels;
 use super::layer::{Layer, WeightStore};
 use super::plan::lower_plan;
-pub use super::plan::{BuildSummary, MemorySummary, Plan};
+pub use super::plan::{BuildSummary, Plan};
 use super::prepare::prepare;
 use super::{BuildConfig, InputDims, Precision};
 use crate::graph::{DType, Graph};

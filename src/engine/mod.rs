@@ -41,7 +41,7 @@ pub use crate::number_format::QuantFormat;
 /// The graph passes the builder runs first (BatchNorm folding, conv fusion, dead nodes): what the
 /// CPU executor runs to match an engine layer for layer.
 pub use crate::passes::optimize;
-pub use builder::{Engine, EngineBuilder};
+pub use builder::{dims_text, Engine, EngineBuilder};
 pub use config::{BuildConfig, DimsRange, InputDims, ShapeProfile};
 pub use exec::ExecutionContext;
 pub use gpu::{gpu_available, Gpu, GpuInfo};

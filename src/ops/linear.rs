@@ -6,7 +6,7 @@ use crate::error::OpError;
 use crate::graph::{NodeId, Op};
 use crate::module::{Forward, Module};
 use crate::ops::BuildCtx;
-use crate::ops::{CpuArgs, FixtureTwin, LayoutPlan, OpDef};
+use crate::ops::{AtenImport, CpuArgs, FixtureTwin, LayoutPlan, NnLayer, OpDef};
 use crate::tensor::{Param, Tensor};
 use crate::var_builder::VarBuilder;
 use crate::LowerKind;
@@ -502,6 +502,16 @@ impl Layer for MatmulLayer {
         launch(rt, &self.f, grid, (16, 16, 1), 0, &args)
     }
 }
+
+/// This family's `kiln::nn` layers, each traced on an input (for `ops::completeness`).
+#[doc(hidden)]
+pub const NN_LAYERS: &[NnLayer] =
+    &[("Linear", |vb, t| nn::Linear::load(vb, &nn::LinearConfig::new(5, 3))?.forward(&t.input("x", &[2, 5])))];
+
+/// The ATen ops kiln-torch imports as this family's ops.
+#[doc(hidden)]
+pub const ATEN: &[AtenImport] =
+    &[("linear", &["aten.linear.default"]), ("matmul", &["aten.matmul.default", "aten.bmm.default", "aten.mm.default"])];
 
 /// The Kiln twins of this family's PyTorch op fixtures (`op_cases()` in tools/export_reference.py).
 #[doc(hidden)]

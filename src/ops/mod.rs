@@ -6,9 +6,12 @@
 //!
 //! Adding an op: add a variant to its family's enum (or a family file and one `Op` variant), fill
 //! in the `OpDef` match arms the compiler then asks for, add a PyTorch fixture to
-//! `tools/export_reference.py` and its Kiln twin to the family's `FIXTURE_TWINS`, and, when it
-//! needs one, a kernel in `kernels/`. Codegen needs nothing: it writes the op's serde form as Rust
-//! (see `codegen`).
+//! `tools/export_reference.py` and its Kiln twin to the family's `FIXTURE_TWINS`, its `torch.nn`
+//! layer (in the family's `pub mod nn` and `NN_LAYERS`), the ATen ops kiln-torch imports as it (the
+//! family's `ATEN`, an activation's `Unary::form`) and their converter in
+//! python/kiln_torch/ops.py, and, when it needs one, a kernel in `kernels/`. Codegen needs nothing:
+//! it writes the op's serde form as Rust, or the method and layer of an activation's form (see
+//! `codegen`). The op-completeness test (`completeness.rs`) names any part that is missing.
 
 pub mod attention;
 pub mod conv;
@@ -23,10 +26,13 @@ pub mod quant;
 pub mod resize;
 pub mod shape;
 
+#[cfg(test)]
+mod completeness;
+
 use crate::engine::{Layer, Layout};
 use crate::error::OpError;
 use crate::graph::{Binary, ConvAttrs, Gemm, HostTensor, NodeId, Norm, Op, Pool, Quant, Resize, ShapeOp, Unary};
-use crate::tensor::Tensor;
+use crate::tensor::{Tensor, Tracer};
 use crate::var_builder::VarBuilder;
 pub use lower::BuildCtx;
 use std::borrow::Cow;
@@ -173,6 +179,56 @@ pub fn fixture_twins() -> Vec<FixtureTwin> {
         quant::FIXTURE_TWINS,
     ]
     .concat()
+}
+
+/// One `kiln::nn` layer and a trace of it on an input of its choosing, for the op-completeness
+/// test to see which op it records. Each family lists its own (`NN_LAYERS`) beside its layers.
+#[doc(hidden)]
+pub type NnLayer = (&'static str, fn(VarBuilder, &Tracer) -> crate::Result<Tensor>);
+
+/// Every family's `kiln::nn` layers.
+#[doc(hidden)]
+pub fn nn_layers() -> Vec<NnLayer> {
+    [
+        conv::NN_LAYERS,
+        elementwise::NN_LAYERS,
+        linear::NN_LAYERS,
+        norm::NN_LAYERS,
+        pool::NN_LAYERS,
+        quant::NN_LAYERS,
+        resize::NN_LAYERS,
+        shape::NN_LAYERS,
+    ]
+    .concat()
+}
+
+/// An op (by name) and the ATen ops, or whole PyTorch modules, that kiln-torch
+/// (python/kiln_torch/ops.py) imports as it. Each family lists its own (`ATEN`); the activations
+/// name theirs in their forms (`Unary::form`).
+#[doc(hidden)]
+pub type AtenImport = (&'static str, &'static [&'static str]);
+
+/// Every op's ATen imports, by op name (an op named in several rows gets them all).
+#[doc(hidden)]
+pub fn aten_imports() -> std::collections::BTreeMap<String, Vec<&'static str>> {
+    // The attention family's, until ops/attention.rs (being split into a folder) can hold them.
+    const ATTENTION: &[AtenImport] = &[
+        ("attention", &["aten.scaled_dot_product_attention.default"]),
+        (
+            "qkv_attention",
+            &["torch.nn.modules.activation.MultiheadAttention", "torchvision.models.swin_transformer.ShiftedWindowAttention"],
+        ),
+    ];
+    let unary = Unary::examples().into_iter().map(|op| (op.name().to_string(), op.form().aten));
+    let families = [conv::ATEN, elementwise::ATEN, linear::ATEN, norm::ATEN, pool::ATEN, quant::ATEN, resize::ATEN, shape::ATEN, ATTENTION];
+    let rows = unary.chain(families.concat().into_iter().map(|(op, aten)| (op.to_string(), aten)));
+    let mut by_op: std::collections::BTreeMap<String, Vec<&'static str>> = Default::default();
+    for (op, aten) in rows {
+        let names = by_op.entry(op).or_default();
+        let new: Vec<&'static str> = aten.iter().copied().filter(|a| !names.contains(a)).collect();
+        names.extend(new);
+    }
+    by_op
 }
 
 /// The layouts a converter wants its inputs in (`None`: a weight, or any layout) and the layout

@@ -6,7 +6,7 @@ use crate::error::OpError;
 use crate::graph::{NodeId, Op};
 use crate::module::{Forward, Module};
 use crate::ops::BuildCtx;
-use crate::ops::{one_input, pair_label, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
+use crate::ops::{one_input, pair_label, AtenImport, CpuArgs, FixtureTwin, LayoutPlan, NnLayer, OpDef};
 use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
 use crate::LowerKind;
@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 
 /// This family's layers, as `kiln::nn` shows them.
 pub mod nn {
-    pub use super::{AdaptiveAvgPool2d, AvgPool2d, MaxPool2d, Pool2dConfig};
+    pub use super::{AdaptiveAvgPool2d, AdaptiveMaxPool2d, AvgPool2d, MaxPool2d, Pool2dConfig};
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -233,6 +233,26 @@ impl Module for AdaptiveAvgPool2d {
 impl Forward for AdaptiveAvgPool2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Tensor::record(&self.path, Op::Pool(Pool::AdaptiveAvg { output: self.output }), &[x], &[])
+    }
+}
+
+/// `torch.nn.AdaptiveMaxPool2d(output_size)` (`return_indices=False`: the values only).
+#[derive(Clone, Debug)]
+pub struct AdaptiveMaxPool2d {
+    pub path: String,
+    pub output: [usize; 2],
+}
+
+impl Module for AdaptiveMaxPool2d {
+    type Config = [usize; 2];
+    fn load(vb: VarBuilder, output: &[usize; 2]) -> Result<Self> {
+        Ok(Self { path: vb.path().to_string(), output: *output })
+    }
+}
+
+impl Forward for AdaptiveMaxPool2d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Tensor::record(&self.path, Op::Pool(Pool::AdaptiveMax { output: self.output }), &[x], &[])
     }
 }
 
@@ -693,6 +713,27 @@ fn gpu_reduce(ctx: &mut BuildCtx, node: NodeId, dims: &[usize], how: Reduce) -> 
     }))
 }
 
+/// This family's `kiln::nn` layers, each traced on an input (for `ops::completeness`).
+#[doc(hidden)]
+pub const NN_LAYERS: &[NnLayer] = &[
+    ("MaxPool2d", |vb, t| nn::MaxPool2d::load(vb, &nn::Pool2dConfig::new(2))?.forward(&t.input("x", &[1, 3, 4, 4]))),
+    ("AvgPool2d", |vb, t| nn::AvgPool2d::load(vb, &nn::Pool2dConfig::new(2))?.forward(&t.input("x", &[1, 3, 4, 4]))),
+    ("AdaptiveAvgPool2d", |vb, t| nn::AdaptiveAvgPool2d::load(vb, &[1, 1])?.forward(&t.input("x", &[1, 3, 4, 4]))),
+    ("AdaptiveMaxPool2d", |vb, t| nn::AdaptiveMaxPool2d::load(vb, &[2, 2])?.forward(&t.input("x", &[1, 3, 4, 4]))),
+];
+
+/// The ATen ops kiln-torch imports as this family's ops (a sum is a mean and an affine).
+#[doc(hidden)]
+pub const ATEN: &[AtenImport] = &[
+    ("max_pool2d", &["aten.max_pool2d.default", "aten.max_pool2d_with_indices.default"]),
+    ("avg_pool2d", &["aten.avg_pool2d.default"]),
+    ("adaptive_avg_pool2d", &["aten.adaptive_avg_pool2d.default", "aten._adaptive_avg_pool2d.default"]),
+    ("adaptive_max_pool2d", &["aten.adaptive_max_pool2d.default"]),
+    ("mean", &["aten.mean.dim", "aten.mean.default", "aten.sum.dim_IntList"]),
+    ("amax", &["aten.amax.default", "aten.max.dim"]),
+    ("argmax", &["aten.argmax.default", "aten.max.dim"]),
+];
+
 /// The Kiln twins of this family's PyTorch op fixtures (`op_cases()` in tools/export_reference.py).
 #[doc(hidden)]
 pub const FIXTURE_TWINS: &[FixtureTwin] = &[
@@ -705,7 +746,7 @@ pub const FIXTURE_TWINS: &[FixtureTwin] = &[
     }),
     ("avg_pool2d_ceil", |f| AvgPool2d::load(f.vb, &Pool2dConfig::new(2).stride(2).ceil_mode(true))?.forward(f.x)),
     ("adaptive_avg_pool2d_3x3", |f| AdaptiveAvgPool2d::load(f.vb, &[3, 3])?.forward(f.x)),
-    ("adaptive_max_pool2d_3x3", |f| f.x.adaptive_max_pool2d([3, 3])),
+    ("adaptive_max_pool2d_3x3", |f| AdaptiveMaxPool2d::load(f.vb, &[3, 3])?.forward(f.x)),
     ("adaptive_max_pool2d_1x1", |f| f.x.adaptive_max_pool2d([1, 1])),
     ("mean_hw", |f| f.x.mean(&[2, 3], false)),
     ("mean_hw_keepdim", |f| f.x.mean(&[3, 2], true)),

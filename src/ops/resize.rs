@@ -18,7 +18,7 @@ use crate::error::OpError;
 use crate::graph::{HostTensor, NodeId, Op};
 use crate::module::{Forward, Module};
 use crate::ops::BuildCtx;
-use crate::ops::{one_input, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
+use crate::ops::{one_input, AtenImport, CpuArgs, FixtureTwin, LayoutPlan, NnLayer, OpDef};
 use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
 use crate::LowerKind;
@@ -362,6 +362,20 @@ impl Tensor {
         Tensor::record_inline(resize_op(self, config, "interpolate")?, &[self])
     }
 }
+
+/// This family's `kiln::nn` layers, each traced on an input (for `ops::completeness`).
+#[doc(hidden)]
+pub const NN_LAYERS: &[NnLayer] = &[
+    ("Upsample", |vb, t| nn::Upsample::load(vb, &nn::UpsampleConfig::scale(2.0))?.forward(&t.input("x", &[1, 3, 4, 4]))),
+    ("Upsample", |vb, t| nn::Upsample::load(vb, &nn::UpsampleConfig::size(6, 6).bilinear(false))?.forward(&t.input("x", &[1, 3, 4, 4]))),
+];
+
+/// The ATen ops kiln-torch imports as this family's ops.
+#[doc(hidden)]
+pub const ATEN: &[AtenImport] = &[
+    ("upsample_nearest2d", &["aten.upsample_nearest2d.vec", "aten.upsample_nearest2d.default"]),
+    ("upsample_bilinear2d", &["aten.upsample_bilinear2d.vec", "aten.upsample_bilinear2d.default"]),
+];
 
 /// The Kiln twins of this family's PyTorch op fixtures (`op_cases()` in tools/export_reference.py):
 /// `nn.Upsample` modules and inline `F.interpolate` calls.

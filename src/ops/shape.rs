@@ -21,9 +21,12 @@ use crate::LowerKind;
 use crate::{Error, Result};
 use serde::{Deserialize, Serialize};
 
+mod modules;
+pub use modules::{Flatten, FlattenConfig, ReflectionPad2d, ReplicationPad2d, ATEN, NN_LAYERS};
+
 /// This family's layers, as `kiln::nn` shows them.
 pub mod nn {
-    pub use super::{ConstantPad2d, ConstantPad2dConfig, ZeroPad2d};
+    pub use super::{ConstantPad2d, ConstantPad2dConfig, Flatten, FlattenConfig, ReflectionPad2d, ReplicationPad2d, ZeroPad2d};
 }
 
 /// Data movement. Inputs: one tensor, except Cat (any number, equal except along `dim`).

@@ -25,7 +25,7 @@ pub const BATCHES: [usize; 2] = [1, 3];
 
 /// Uniform inputs in [-scale, scale), fresh every run (`KILN_SEED` replays), one stream per `stream`.
 pub fn random(shape: &[usize], stream: u64, scale: f32) -> HostTensor {
-    let mut t = kiln::internals::seeded::uniform_tensor(shape, kiln::internals::seeded::run_seed().wrapping_add(stream));
+    let mut t = kiln::dev::uniform_tensor(shape, kiln::dev::run_seed().wrapping_add(stream));
     t.data.iter_mut().for_each(|v| *v *= scale);
     t
 }

@@ -27,4 +27,4 @@ static PLUGIN_OPS: fn(&[f32], usize, usize, f32, f32) -> f32 = kiln_deform_conv:
 #[cfg(test)]
 pub use kiln::engine::gpu_available;
 #[cfg(test)]
-pub use kiln::internals::engine::file::{encode as encode_engine_file, Header, Payload, FORMAT_VERSION};
+pub use kiln::files::engine::{encode as encode_engine_file, Header, Payload, FORMAT_VERSION};

@@ -34,7 +34,6 @@ mod tests;
 
 pub use bundled::bundled_source;
 pub use error::{BackendError, Result};
-pub use kiln_api::Precision;
 pub use repository::{write_repository, InstanceKind, ModelSource, RepositoryOptions, WrittenRepository};
 
 use error::catch;

@@ -12,7 +12,7 @@
 use crate::resize::resize_bilinear;
 use crate::{Error, Result};
 use image::RgbImage;
-use kiln::internals::ops::image::{center_crop_axis, shorter_side_to};
+use kiln::image::{center_crop_axis, shorter_side_to};
 use kiln::HostTensor;
 
 /// A classifier's preprocessing: shorter side to `resize`, centre crop of `crop`, then

@@ -7,12 +7,12 @@
 //! the `image` crate RGB, and the model wants RGB. The resize is bilinear with half-pixel
 //! centres (OpenCV's `INTER_LINEAR`), each level rounded to an integer as OpenCV's `uint8` result
 //! is, with the geometry and arithmetic of kiln-models' `yolo_letterbox` op (both from
-//! `kiln::internals::ops::image`), so both give the same tensor.
+//! `kiln::image`), so both give the same tensor.
 
 use crate::{Error, Result};
 use image::RgbImage;
-use kiln::internals::ops::image::{letterbox_level, LETTERBOX_PAD};
-pub use kiln::internals::ops::image::{ChannelOrder, Letterbox};
+use kiln::image::{letterbox_level, LETTERBOX_PAD};
+use kiln::image::{ChannelOrder, Letterbox};
 use kiln::{ByteTensor, HostTensor};
 
 /// Ultralytics' padding level.

@@ -20,7 +20,7 @@ pub use classify::{center_crop, resize_shorter, to_nchw, ClassifyPreset};
 pub use draw::{detections, draw_detections, Detection};
 pub use image::{self, RgbImage};
 pub use labels::{coco_classes, imagenet_classes, softmax, top_k, top_k_batch, Prediction};
-pub use letterbox::{frame_bytes, letterbox, letterbox_pixels, ChannelOrder, Letterbox};
+pub use letterbox::{frame_bytes, letterbox, letterbox_pixels};
 pub use resize::resize_bilinear;
 
 use std::path::{Path, PathBuf};
@@ -55,8 +55,9 @@ pub const MAX_FILE_BYTES: u64 = 1 << 30;
 pub fn load_rgb(path: impl AsRef<Path>) -> Result<RgbImage> {
     let path = path.as_ref();
     let decode_err = |reason: String| Error::Decode { path: path.into(), reason };
-    let file = kiln::internals::host::open_regular(path, "an image file (JPEG, PNG, BMP, GIF, WebP, PNM or TIFF)", |reason| {
-        kiln::Error::Image { path: path.into(), reason }
+    let file = kiln::files::open_regular(path, "an image file (JPEG, PNG, BMP, GIF, WebP, PNM or TIFF)", |reason| kiln::Error::Image {
+        path: path.into(),
+        reason,
     })
     .map_err(|e| match e {
         kiln::Error::Image { reason, .. } => decode_err(reason),

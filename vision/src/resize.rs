@@ -6,11 +6,11 @@
 //! bilinear interpolation. Weights are computed in f64, normalised to sum 1, then converted to
 //! fixed point with 22 fractional bits; each output is `(sum + 2^21) >> 22`, clamped to 0..=255.
 //! torchvision's `Resize(antialias=True)` on a PIL image calls exactly this. The taps are
-//! `kiln::internals::ops::image::pil_bilinear_taps`, which kiln-models' GPU `classify_preset`
+//! `kiln::image::pil_bilinear_taps`, which kiln-models' GPU `classify_preset`
 //! reads too.
 
 use image::RgbImage;
-use kiln::internals::ops::image::{pil_bilinear_taps as taps, pil_clip8};
+use kiln::image::{pil_bilinear_taps as taps, pil_clip8};
 
 /// Resizes `img` to `width` x `height` as PIL's `Image.resize((width, height), Image.BILINEAR)`
 /// does on an RGB image: the same pixels, bit for bit. An axis whose size does not change is

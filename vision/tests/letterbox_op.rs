@@ -2,9 +2,10 @@
 //! for YOLO, which reads BGR frames unless told RGB) give the same model input for the same
 //! photo-like frame, in either channel order.
 
+use kiln::image::ChannelOrder;
 use kiln::{ByteTensor, Tracer};
 use kiln_models::yolo_letterbox;
-use kiln_vision::{frame_bytes, letterbox, ChannelOrder, RgbImage};
+use kiln_vision::{frame_bytes, letterbox, RgbImage};
 
 fn op_letterbox(frame: &ByteTensor, input: [usize; 2], order: Option<ChannelOrder>) -> kiln::HostTensor {
     let [_, h, w3] = frame.shape[..] else { panic!("frame shape") };

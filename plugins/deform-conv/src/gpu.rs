@@ -7,8 +7,8 @@
 //! reformat around the layer. Weights are constants of the graph, rearranged here once.
 
 use crate::op::{geometry, DeformAttrs, Geometry};
-use kiln::internals::engine::gemm::LtMatmul;
-use kiln::internals::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
+use kiln::plugin::LtMatmul;
+use kiln::plugin::{grid_for, launch, CudaFunction, KArg, BLOCK};
 use kiln::plugin::{BuildCtx, DeviceBuf, Layer, Layout, RunCtx, ValueId};
 use kiln::Result;
 use kiln::{plugin::Op, NodeId};
@@ -196,18 +196,17 @@ mod tests {
     fn the_kernels_index_maths_reproduce_the_cpu_reference() {
         let a = DeformAttrs { stride: [1, 2], padding: [1, 0], dilation: [2, 1], mask: true, bias: true };
         let (n, cin, h, w, cout, kh, kw, og, groups) = (2, 6, 7, 9, 4, 3, 2, 3, 2);
-        let x = kiln::internals::seeded::weight("t.input", &[n, cin, h, w]);
+        let x = kiln::dev::weight("t.input", &[n, cin, h, w]);
         let g = geometry(&a, &[&x.shape, &[n, 2 * og * kh * kw, 5, 4], &[n, og * kh * kw, 5, 4], &[cout, cin / groups, kh, kw], &[cout]])
             .expect("geometry");
         let (ho, wo, taps) = (g.ho, g.wo, g.taps());
-        let mut offset = kiln::internals::seeded::weight("t.offset", &[n, 2 * og * taps, ho, wo]);
+        let mut offset = kiln::dev::weight("t.offset", &[n, 2 * og * taps, ho, wo]);
         offset.data.iter_mut().for_each(|v| *v *= 3.0);
-        let mask = kiln::internals::seeded::weight("t.mask", &[n, og * taps, ho, wo]);
-        let weight = kiln::internals::seeded::weight("t.weight", &[cout, cin / groups, kh, kw]);
-        let bias = kiln::internals::seeded::weight("t.bias", &[cout]);
+        let mask = kiln::dev::weight("t.mask", &[n, og * taps, ho, wo]);
+        let weight = kiln::dev::weight("t.weight", &[cout, cin / groups, kh, kw]);
+        let bias = kiln::dev::weight("t.bias", &[cout]);
         let attrs = a.to_attrs().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
-        let want = (kiln::internals::ops::custom::lookup(OP).expect("registered").cpu)(&attrs, &[&x, &offset, &mask, &weight, &bias])
-            .expect("cpu");
+        let want = (kiln::plugin::lookup(OP).expect("registered").cpu)(&attrs, &[&x, &offset, &mask, &weight, &bias]).expect("cpu");
 
         let (xs, offs, masks) = (nhwc(&x), nhwc(&offset), nhwc(&mask));
         let k_all = taps * cin;
@@ -256,7 +255,7 @@ mod tests {
         let a = DeformAttrs { padding: [1, 1], ..Default::default() };
         let (n, cin, cout, groups, kh, kw) = (1, 6, 4, 2, 2, 3);
         let g = geometry(&a, &[&[n, cin, 5, 5], &[n, 2 * kh * kw, 6, 5], &[cout, cin / groups, kh, kw]]).expect("geometry");
-        let w = kiln::internals::seeded::weight("w", &[cout, cin / groups, kh, kw]);
+        let w = kiln::dev::weight("w", &[cout, cin / groups, kh, kw]);
         let taps = kh * kw;
         let kp = (taps * cin).next_multiple_of(K_ALIGN);
         assert_eq!(kp, 40);

@@ -474,9 +474,9 @@ mod tests {
         let (n, cin, h, w, cout, k) = (2, 4, 6, 7, 6, 3);
         let a = DeformAttrs { stride: [1, 2], padding: [1, 1], dilation: [2, 1], mask: false, bias: true };
         let groups = 2;
-        let x = kiln::internals::seeded::weight("t.x", &[n, cin, h, w]);
-        let wt = kiln::internals::seeded::weight("t.weight", &[cout, cin / groups, k, k]);
-        let bias = kiln::internals::seeded::weight("t.bias", &[cout]);
+        let x = kiln::dev::weight("t.x", &[n, cin, h, w]);
+        let wt = kiln::dev::weight("t.weight", &[cout, cin / groups, k, k]);
+        let bias = kiln::dev::weight("t.bias", &[cout]);
         let g = geometry(&a, &[&x.shape, &[n, 2 * k * k, 4, 4], &wt.shape, &bias.shape]).expect("geometry");
         let offset = HostTensor::zeros(vec![n, 2 * k * k, g.ho, g.wo]);
         let map: Attrs = a.to_attrs().into_iter().map(|(k, v)| (k.to_string(), v)).collect();

@@ -4,7 +4,7 @@
 //! Bad inputs are typed errors naming the op, its module path and the shapes.
 
 use kiln::compare;
-use kiln::internals::var_builder::read_safetensors;
+use kiln::files::read_safetensors;
 use kiln::{Error, HostTensor, Module, Tracer, VarBuilder};
 use kiln_deform_conv::{DeformConv2d, DeformConv2dConfig, OP};
 use std::collections::BTreeMap;
@@ -140,7 +140,7 @@ fn bad_shapes_are_typed_errors_with_the_module_path() {
 
 #[test]
 fn the_op_and_its_converter_are_registered() {
-    assert!(kiln::internals::ops::custom::lookup(OP).is_some(), "CustomOp registered");
+    assert!(kiln::plugin::lookup(OP).is_some(), "CustomOp registered");
     assert!(kiln::plugin::converter(OP).expect("registry").is_some(), "GPU converter registered");
-    kiln::internals::ops::custom::check_registry().expect("no duplicate op names");
+    kiln::plugin::check_registry().expect("no duplicate op names");
 }

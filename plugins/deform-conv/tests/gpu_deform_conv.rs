@@ -12,7 +12,7 @@
 
 use kiln::compare;
 use kiln::engine::{BuildConfig, EngineBuilder, Precision};
-use kiln::internals::var_builder::read_safetensors;
+use kiln::files::read_safetensors;
 use kiln::{
     nn::{Conv2d, Conv2dConfig},
     Forward, HostTensor, Module, Tensor, VarBuilder,
@@ -139,7 +139,7 @@ fn matching_detections(got: &HostTensor, want: &HostTensor, image: usize, min_sc
 /// The score of the best candidate just outside PyTorch's top 100 (its 101st), from the
 /// reference maps through the decode's CPU reference: what a reference detection must beat.
 fn first_excluded_score(refs: &BTreeMap<String, HostTensor>) -> f32 {
-    let decode = kiln::internals::ops::custom::lookup("centernet_decode").expect("kiln-models registers centernet_decode");
+    let decode = kiln::plugin::lookup("centernet_decode").expect("kiln-models registers centernet_decode");
     let attrs = [("k".to_string(), 101.0)].into_iter().collect();
     let maps = [&refs["output.hm"], &refs["output.wh"], &refs["output.reg"]];
     let out = (decode.cpu)(&attrs, &maps).expect("decode of the reference maps");

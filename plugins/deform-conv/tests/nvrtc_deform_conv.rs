@@ -3,7 +3,7 @@
 //! layer launches. Needs NVRTC, not a GPU: CI sets `KILN_REQUIRE_NVRTC=1` (with NVRTC on
 //! `LD_LIBRARY_PATH`); elsewhere a missing NVRTC skips with the reason.
 
-use kiln::internals::engine::kernels::{compile_source, image_has_symbol, nvrtc_available};
+use kiln::plugin::{compile_source, image_has_symbol, nvrtc_available};
 use kiln_deform_conv::gpu::{entry_points, DEFORM_CONV_CU};
 
 #[test]

@@ -16,7 +16,7 @@ use crate::module::{Forward, Module};
 use crate::ops::pool::PoolKind;
 use crate::ops::pool::{max_pool2d_cpu, pool2d_shape};
 use crate::ops::BuildCtx;
-use crate::ops::{pair_label, CpuArgs, LayoutPlan, OpDef};
+use crate::ops::{pair_label, AtenImport, CpuArgs, LayoutPlan, NnLayer, OpDef};
 use crate::tensor::{Param, Tensor};
 use crate::var_builder::VarBuilder;
 use crate::LowerKind;
@@ -252,6 +252,20 @@ impl Forward for ConvTranspose2d {
         Tensor::record(&self.path, Op::Conv(self.attrs), &[x], &params)
     }
 }
+
+/// This family's `kiln::nn` layers, each traced on an input (for `ops::completeness`).
+#[doc(hidden)]
+pub const NN_LAYERS: &[NnLayer] = &[
+    ("Conv2d", |vb, t| nn::Conv2d::load(vb, &nn::Conv2dConfig::new(3, 4, 3))?.forward(&t.input("x", &[1, 3, 8, 8]))),
+    ("ConvTranspose2d", |vb, t| nn::ConvTranspose2d::load(vb, &nn::Conv2dConfig::new(3, 4, 3))?.forward(&t.input("x", &[1, 3, 8, 8]))),
+];
+
+/// The ATen ops kiln-torch imports as this family's ops (1-D convolutions as 2-D ones of height 1).
+#[doc(hidden)]
+pub const ATEN: &[AtenImport] = &[
+    ("conv2d", &["aten.conv2d.default", "aten.conv2d.padding", "aten.conv1d.default", "aten.conv1d.padding", "aten.convolution.default"]),
+    ("conv_transpose2d", &["aten.conv_transpose2d.input", "aten.conv_transpose1d.default", "aten.convolution.default"]),
+];
 
 /// Sizes come from files: every step is checked, and `None` covers overflow as well as a kernel
 /// larger than the padded input.

@@ -42,10 +42,13 @@ impl StridedGemm {
         Some(Self { m: wo, count_per_image: ho, ld_x: s1 * cin, stride_x: s0 * w * cin, stride_y: wo * cout })
     }
 
-    /// Element offset of X's row `j` of matrix `b` (`b` counts `n·Ho + i`), and of Y's.
+    /// Element offset of X's row `j` of matrix `b` (`b` counts `n·Ho + i`), and of Y's (the CPU
+    /// check of the addressing).
+    #[cfg(test)]
     pub fn x_offset(&self, b: usize, j: usize) -> usize {
         b * self.stride_x + j * self.ld_x
     }
+    #[cfg(test)]
     pub fn y_offset(&self, b: usize, j: usize, cout: usize) -> usize {
         b * self.stride_y + j * cout
     }

@@ -82,6 +82,7 @@ impl AxisPlan {
     }
 
     /// `(phase, conv pixel)` that output index `o` is read from.
+    #[cfg(test)]
     pub fn source(&self, o: usize) -> (usize, usize) {
         let (m, a) = (o / self.s, o % self.s);
         (a, m + (a + self.pm) / self.s + self.shift)
@@ -173,6 +174,7 @@ impl SubpixelPlan {
 
     /// The depth-to-space on NCHW host tensors (the GPU kernel's index arithmetic, for tests):
     /// `conv` is `[n, s0·s1·Cout, TH, TW]`, the result `[n, Cout, ho, wo]`.
+    #[cfg(test)]
     pub fn depth_to_space(&self, conv: &[f32], n: usize) -> Vec<f32> {
         let [ay, ax] = self.axes;
         let (cc, th, tw) = self.conv_out_chw();

@@ -22,7 +22,7 @@ use crate::error::OpError;
 use crate::graph::{HostTensor, NodeId, Op};
 use crate::module::{Forward, Module};
 use crate::ops::BuildCtx;
-use crate::ops::{one_input, CpuArgs, FixtureTwin, LayoutPlan, OpDef};
+use crate::ops::{one_input, AtenImport, CpuArgs, FixtureTwin, LayoutPlan, NnLayer, OpDef};
 use crate::tensor::Tensor;
 use crate::var_builder::VarBuilder;
 use crate::Result;
@@ -325,6 +325,31 @@ impl Forward for FakeQuantize {
         Tensor::record(&self.path, Op::Quant(Quant::FakeQuantize(self.params.clone())), &[x], &[])
     }
 }
+
+/// This family's `kiln::nn` layers, each traced on an input (for `ops::completeness`).
+#[doc(hidden)]
+pub const NN_LAYERS: &[NnLayer] = &[("FakeQuantize", |vb, t| {
+    // A scale and zero point of its own: a seeded scale may be negative.
+    let qparams = [("scale", 0.05), ("zero_point", 0.0)].map(|(k, v)| (vb.pp(k).path().to_string(), HostTensor::new(vec![1], vec![v])));
+    let vb = VarBuilder::from_tensors(qparams.into_iter().collect()).pp(vb.path());
+    nn::FakeQuantize::load(vb, &nn::FakeQuantizeConfig::default())?.forward(&t.input("x", &[1, 3, 4, 4]))
+})];
+
+/// The ATen ops kiln-torch imports as this family's ops: PyTorch's fake-quantisers (a QAT model)
+/// and the quantize / dequantize pairs of a PT2E-quantised one.
+#[doc(hidden)]
+pub const ATEN: &[AtenImport] = &[
+    (
+        "fake_quantize",
+        &[
+            "aten.fake_quantize_per_tensor_affine.default",
+            "aten.fake_quantize_per_tensor_affine.tensor_qparams",
+            "aten.fake_quantize_per_channel_affine.default",
+        ],
+    ),
+    ("quantize", &["quantized_decomposed.quantize_per_tensor.default", "quantized_decomposed.quantize_per_channel.default"]),
+    ("dequantize", &["quantized_decomposed.dequantize_per_tensor.default", "quantized_decomposed.dequantize_per_channel.default"]),
+];
 
 /// The Kiln twins of this family's PyTorch op fixtures (`op_cases()` in tools/export_reference.py).
 #[doc(hidden)]

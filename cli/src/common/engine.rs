@@ -1,0 +1,119 @@
+//! Building or loading an engine: the precision and build config of the engine flags, the GPU, and
+//! a progress bar while the builder times its tactics.
+
+use super::load::load;
+use super::source::{source, Source};
+use crate::EngineArgs;
+use indicatif::{ProgressBar, ProgressStyle};
+use kiln::engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision};
+use kiln::{Error, Graph, Result};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+impl EngineArgs {
+    pub fn precision(&self) -> Precision {
+        if self.fp32 {
+            Precision::Fp32
+        } else if self.tf32 {
+            Precision::Tf32
+        } else if self.int8 {
+            Precision::Int8
+        } else if self.fp8 {
+            Precision::Fp8
+        } else if self.best {
+            Precision::Best
+        } else {
+            Precision::Fp16
+        }
+    }
+
+    pub fn config(&self, min: usize, opt: usize, max: usize) -> BuildConfig {
+        let mut c = BuildConfig::default().precision(self.precision()).batch(min, opt, max);
+        // MiB from a flag: saturate rather than wrap (the builder treats it as a limit).
+        c.workspace_bytes = self.workspace.saturating_mul(1 << 20);
+        c.fastest_tactics = self.fastest;
+        if let Some(tc) = &self.timing_cache {
+            c = c.timing_cache(tc.clone());
+        }
+        if let Some(cal) = &self.calibration_cache {
+            c = c.calibration_cache(cal.clone());
+        }
+        if let Some(rules) = &self.layer_precisions {
+            c = c.layer_precisions(rules.0.iter().cloned());
+        }
+        c
+    }
+}
+
+/// The GPU, or `Error::NoGpu` with the reason (commands that need one stop here).
+pub fn gpu() -> Result<Arc<Gpu>> {
+    kiln::engine::gpu_available().map_err(Error::NoGpu)?;
+    Gpu::new(0)
+}
+
+/// A progress bar over `len` steps of long CPU work, on standard error (hidden when it is not a
+/// terminal, as in tests and pipes).
+pub fn progress_bar(len: usize, prefix: &str) -> ProgressBar {
+    let bar = ProgressBar::new(len as u64);
+    let style = ProgressStyle::with_template("{prefix} [{elapsed}] {wide_bar} {pos}/{len} {msg}").map(|s| s.progress_chars("=> "));
+    bar.set_style(style.unwrap_or_else(|_| ProgressStyle::default_bar()));
+    bar.set_prefix(prefix.to_string());
+    bar.enable_steady_tick(Duration::from_millis(200));
+    bar
+}
+
+/// Builds an engine, with a progress bar over the graph's nodes while their algorithms are timed.
+pub fn build_engine(graph: &Graph, config: BuildConfig, gpu: Arc<Gpu>, what: &str) -> Result<Engine> {
+    let bar = progress_bar(
+        0,
+        &format!("building {what} ({}, batch {}..={}): timing", config.precision.short_name(), config.min_batch, config.max_batch),
+    );
+    let shown = bar.clone();
+    let engine = EngineBuilder::new(config)
+        .with_gpu(gpu)
+        .on_progress(move |done, total, path| {
+            shown.set_length(total as u64);
+            shown.set_position(done as u64);
+            shown.set_message(path.to_string());
+        })
+        .build(graph);
+    bar.finish_and_clear();
+    engine
+}
+
+/// An engine for `model` (a bundled or user model or graph file, built here; or an engine file,
+/// loaded and checked to accept the batch range).
+pub fn engine_for(
+    model: &str,
+    weights: Option<&PathBuf>,
+    hw: Option<[usize; 2]>,
+    args: &EngineArgs,
+    batch: (usize, usize, usize),
+    gpu: Arc<Gpu>,
+) -> Result<(String, Engine)> {
+    if let Source::EngineFile(path) = source(model)? {
+        let engine = Engine::load(&path, &gpu)?;
+        let c = &engine.config;
+        if batch.0 < c.min_batch || batch.2 > c.max_batch {
+            return Err(Error::Binding {
+                name: "batch".into(),
+                reason: format!("{model} was built for batch {}..={}, asked for {}..={}", c.min_batch, c.max_batch, batch.0, batch.2),
+            });
+        }
+        if let Some([h, w]) = hw {
+            // The plan for that size: made now if it lies inside one of the engine's profiles.
+            let mut dims = engine.plan().dims.clone();
+            if let Some(d) = dims.get_mut("input").filter(|d| d.len() == 3) {
+                d[1..].copy_from_slice(&[h, w]);
+            }
+            engine
+                .plan_for(&dims)
+                .map_err(|e| Error::Binding { name: "input".into(), reason: format!("{model}, asked for {h}x{w}: {e}") })?;
+        }
+        return Ok((model.to_string(), engine));
+    }
+    let traced = load(model, weights.map(|p| p.as_path()), false, batch.1, hw)?;
+    let engine = build_engine(&traced.graph, args.config(batch.0, batch.1, batch.2), gpu, &traced.name)?;
+    Ok((traced.name, engine))
+}

@@ -1,0 +1,200 @@
+"""A graph exported at batch 2 runs at any batch (issue 42), without torch: the converters are called
+as the exporter calls them on the ATen nodes of the batch-moving patterns, and the Kiln graph they
+build is run by a small NumPy model of the Kiln ops involved at batch 2 and at batch 5, against
+the PyTorch semantics written in NumPy. `KILN_BLESS=1` rewrites the fixtures tests/any_batch.rs
+runs on Kiln's own CPU executor."""
+
+import json
+import os
+import sys
+import unittest
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from kiln_torch import graph as kg  # noqa: E402
+from kiln_torch import ops  # noqa: E402
+from kiln_torch.convert import Builder, merge_constant_adds, reshaped_bdim  # noqa: E402
+from kiln_torch.graph import Act, Const  # noqa: E402
+from kiln_torch.ops import Unsupported  # noqa: E402
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures")
+
+
+def call(b, target, out, **args):
+    """One ATen node through its converter, as `frontend.Converter.call` does."""
+    b.begin(target, target.split(".")[1], "blk", False, out)
+    return ops.TABLE[target](b, args)
+
+
+def run_kiln(graph, weights, feeds):
+    """The Kiln graph on NumPy inputs: the ops these patterns use, with Kiln's semantics (a
+    Reshape's dims leave out the batch; every other attribute counts it)."""
+    values = []
+    for node in graph["nodes"]:
+        (family, body), = node["op"].items()
+        xs = [values[i] for i in node["inputs"]]
+        if family == "Input":
+            v = feeds[body["name"]]
+        elif family == "Weight":
+            v = weights[body["name"]]
+        elif family == "Unary":
+            simple = {"Relu": lambda x: np.maximum(x, 0), "Abs": np.abs, "Sqrt": np.sqrt}
+            if isinstance(body, str) and body in simple:
+                v = simple[body](xs[0])
+            elif "Pow" in body:
+                v = xs[0] ** body["Pow"]["exponent"]
+            else:
+                v = xs[0] * body["Affine"]["scale"] + body["Affine"]["shift"]
+        elif family == "Binary":
+            v = {"Add": np.add, "Mul": np.multiply}[body](xs[0], xs[1])
+        elif family == "Pool":
+            (kind, m), = body.items()
+            reduce = {"Mean": np.mean, "Amax": np.max}[kind]
+            v = reduce(xs[0].astype(np.float64), axis=tuple(m["dims"]), keepdims=m["keepdim"])
+        else:
+            (kind, a), = body.items()
+            x = xs[0]
+            if kind == "Reshape":
+                v = x.reshape([x.shape[0]] + a["dims"])
+            elif kind == "Permute":
+                v = x.transpose(a["dims"])
+            elif kind == "Cat":
+                v = np.concatenate(xs, axis=a["dim"])
+            elif kind == "Slice":
+                v = np.take(x, range(a["start"], a["start"] + a["len"]), axis=a["dim"])
+            elif kind == "Pad":
+                pads = a["pads"]
+                width = [(0, 0)] * (x.ndim - len(pads) // 2) + [(pads[i], pads[i + 1]) for i in range(len(pads) - 2, -1, -2)]
+                v = np.pad(x, width, constant_values=a["value"])
+            else:
+                raise AssertionError(f"the model has no {kind}")
+        values.append(np.asarray(v, np.float32))
+    return {name: values[i] for name, i in graph["outputs"]}
+
+
+def stack_sum(batch=2):
+    """`torch.stack([x, relu(x), 2 * x]).sum(0)`: segmentation_models_pytorch's FPN merge."""
+    b = Builder()
+    b.batch = batch
+    shape = (batch, 4, 3, 3)
+    x = Act(b.graph.input("x", shape), shape)
+    parts = [x, call(b, "aten.relu.default", shape, self=x), call(b, "aten.mul.Tensor", shape, self=x, other=2)]
+    # torch.export decomposes stack into unsqueeze(0) and cat(0).
+    lifted = [call(b, "aten.unsqueeze.default", (1,) + shape, self=p, dim=0) for p in parts]
+    stacked = call(b, "aten.cat.default", (3,) + shape, tensors=lifted, dim=0)
+    y = call(b, "aten.sum.dim_IntList", shape, self=stacked, dim=[0], keepdim=False)
+    b.graph.mark_output("output", b.unlift(y).id)
+    return b.graph
+
+
+def stack_sum_reference(x):
+    return x + np.maximum(x, 0) + 2 * x
+
+
+CLS = np.arange(6, dtype=np.float32).reshape(1, 1, 6) / 10
+
+
+def token_qkv(batch=2):
+    """ViT's first steps: the class token `expand`ed to the batch (folded to a constant of the
+    example batch) and cat in front, then `qkv.reshape(B, N, 3, D).permute(2, 0, 1, 3).unbind(0)`
+    (the batch moves to dim 1 and back), `q * k + v`."""
+    b = Builder()
+    b.batch = batch
+    x = Act(b.graph.input("x", (batch, 4, 6)), (batch, 4, 6))
+    cls = Const("cls_token.expand", np.broadcast_to(CLS, (batch, 1, 6)).copy())
+    t = call(b, "aten.cat.default", (batch, 5, 6), tensors=[cls, x], dim=1)
+    t = call(b, "aten.view.default", (batch, 5, 3, 2), self=t, size=[batch, 5, 3, 2])
+    t = call(b, "aten.permute.default", (3, batch, 5, 2), self=t, dims=[2, 0, 1, 3])
+    q, k, v = (p() for p in call(b, "aten.unbind.int", (batch, 5, 2), self=t, dim=0))
+    y = call(b, "aten.mul.Tensor", (batch, 5, 2), self=q, other=k)
+    y = call(b, "aten.add.Tensor", (batch, 5, 2), self=y, other=v, alpha=1)
+    b.graph.mark_output("output", b.unlift(y).id)
+    merge_constant_adds(b.graph, b.cat_constant_adds)
+    return b.graph
+
+
+def token_qkv_reference(x):
+    t = np.concatenate([np.broadcast_to(CLS, (x.shape[0], 1, 6)), x], axis=1).reshape(x.shape[0], 5, 3, 2)
+    q, k, v = t[:, :, 0], t[:, :, 1], t[:, :, 2]
+    return q * k + v
+
+
+PATTERNS = {"stack_sum": (stack_sum, stack_sum_reference, (4, 3, 3)), "token_qkv": (token_qkv, token_qkv_reference, (4, 6))}
+
+
+class AnyBatch(unittest.TestCase):
+    def test_each_pattern_exported_at_batch_2_runs_at_batch_2_and_5(self):
+        for name, (build, reference, dims) in PATTERNS.items():
+            g = build(2)
+            graph = g.to_json()
+            for n in graph["nodes"]:
+                if "Weight" not in n["op"]:
+                    self.assertEqual(n["shape"][0], 2, f"{name}: Kiln's dim 0 is the batch in {n}")
+            for batch in (2, 5):
+                x = np.random.default_rng(batch).uniform(-1, 1, (batch,) + dims).astype(np.float32)
+                got = run_kiln(graph, g.weights, {"x": x})["output"]
+                np.testing.assert_allclose(got, reference(x), rtol=1e-6, atol=1e-6, err_msg=f"{name} at batch {batch}")
+
+    def test_the_fixtures_of_tests_any_batch_rs_are_these_graphs(self):
+        for name, (build, reference, dims) in PATTERNS.items():
+            g = build(2)
+            x = np.random.default_rng(0).uniform(-1, 1, (3,) + dims).astype(np.float32)
+            data = kg.encode(g, {"model": name, "kiln.tool": "tests/test_any_batch.py"})
+            ref = kg.encode_reference({"x": x}, {"output": reference(x)}, {"model": name})
+            paths = [os.path.join(FIXTURES, f"any_batch_{name}{ext}") for ext in (".kiln.safetensors", ".reference.safetensors")]
+            if os.environ.get("KILN_BLESS"):
+                for path, content in zip(paths, (data, ref)):
+                    with open(path, "wb") as f:
+                        f.write(content)
+            for path, content in zip(paths, (data, ref)):
+                with open(path, "rb") as f:
+                    self.assertEqual(f.read(), content, f"{path} is stale: KILN_BLESS=1 python3 -m unittest discover -s python/tests")
+
+    def test_the_batch_moves_with_permute_and_reshape_and_comes_back(self):
+        b = Builder()
+        b.batch = 2
+        x = Act(b.graph.input("x", (2, 5, 3, 4)), (2, 5, 3, 4))
+        y = b.permute(x, [2, 0, 1, 3])
+        self.assertEqual((y.tshape, y.bdim, y.kshape), ((3, 2, 5, 4), 1, [2, 3, 5, 4]))
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Shape": {"Permute": {"dims": [0, 2, 1, 3]}}})
+        self.assertEqual([y.kdim(d) for d in range(4)], [1, 0, 2, 3])
+        z = b.permute(y, [1, 0, 2, 3])
+        self.assertEqual((z.tshape, z.bdim), ((2, 3, 5, 4), 0))
+        self.assertEqual(reshaped_bdim((3, 2, 5, 4), 1, (3, 2, 20)), 1, "what follows the batch reshapes freely")
+        self.assertEqual(reshaped_bdim((2, 4), 0, (1, 2, 4)), 1, "unsqueeze(0)")
+        self.assertEqual(reshaped_bdim((1, 2, 1, 4), 1, (2, 4)), 0, "squeeze")
+        self.assertIsNone(reshaped_bdim((3, 2, 5), 1, (6, 5)), "merged with another dim")
+
+    def test_what_cannot_follow_a_moved_batch_is_a_report_line_not_a_wrong_graph(self):
+        b = Builder()
+        b.batch = 2
+        x = Act(b.graph.input("x", (2, 3, 4)), (2, 3, 4))
+        y = b.permute(x, [1, 0, 2])
+        with self.assertRaisesRegex(Unsupported, "moved to dim 1"):
+            call(b, "aten.layer_norm.default", (3, 2, 4), input=y, normalized_shape=[4], weight=None, bias=None, eps=1e-5)
+        with self.assertRaisesRegex(Unsupported, "the batch"):
+            call(b, "aten.sum.dim_IntList", (3, 4), self=y, dim=[1], keepdim=False)
+        with self.assertRaisesRegex(Unsupported, "batch in dim 1"):
+            b.unlift(y)
+        with self.assertRaisesRegex(Unsupported, "differs along the batch"):
+            b.binary("Add", y, Const("c", np.arange(8, dtype=np.float32).reshape(1, 2, 4)))
+        # Window attention merges the batch into another dim: still batch 1 only, said so.
+        with self.assertRaisesRegex(Unsupported, "export at batch 1"):
+            call(b, "aten.view.default", (6, 4), self=x, size=[6, 4])
+
+    def test_a_constant_expanded_to_the_batch_is_read_per_image(self):
+        b = Builder()
+        b.batch = 2
+        x = Act(b.graph.input("x", (2, 4)), (2, 4))
+        mask = Const("mask", np.array([[1, 0, 1, 0]] * 2, np.float32))
+        y = b.binary("Mul", x, mask)
+        w = b.graph.nodes[b.graph.nodes[y.id]["inputs"][1]]
+        self.assertEqual((w["op"], w["shape"]), ({"Weight": {"name": "mask.per_image"}}, [1, 4]))
+        with self.assertRaisesRegex(Unsupported, "moves or merges dim 0"):
+            b.binary("Mul", x, Const("per_row", np.array([[1, 0, 1, 0], [0, 1, 0, 1]], np.float32)))
+
+
+if __name__ == "__main__":
+    unittest.main()
