@@ -23,8 +23,14 @@ pub enum Error {
     #[error("cannot read safetensors file {path}: {reason}")]
     Safetensors { path: PathBuf, reason: String },
 
+    #[error("cannot read weights file {path}: {reason}")]
+    WeightsFile { path: PathBuf, reason: String },
+
     #[error("cannot read PyTorch checkpoint {path}: {reason}")]
     Checkpoint { path: PathBuf, reason: String },
+
+    #[error("PyTorch checkpoint {path}: its pickle passes the limit of {limit} {bound} at byte {offset}; a state_dict saved by torch.save stays far below it (corrupt or hostile file)")]
+    PickleLimit { path: PathBuf, offset: usize, bound: &'static str, limit: usize },
 
     #[error("PyTorch checkpoint {path} names `{global}`, which Kiln does not load: its unpickler runs no code and knows only what a state_dict's tensors need; save `model.state_dict()` alone")]
     CheckpointGlobal { path: PathBuf, global: String },

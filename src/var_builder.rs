@@ -121,9 +121,11 @@ impl VarBuilder {
         let mut tensors = BTreeMap::new();
         let mut other = BTreeMap::new();
         let mut first: BTreeMap<String, PathBuf> = BTreeMap::new();
+        let mut names = Vec::new();
         for path in paths {
             let path = path.as_ref();
             let c = crate::pth::read_pth(path)?;
+            names.push(c.source_name(path));
             for key in c.tensors.keys().chain(c.other.keys()) {
                 if let Some(was) = first.insert(key.clone(), path.to_path_buf()) {
                     return Err(Error::DuplicateTensor {
@@ -136,8 +138,7 @@ impl VarBuilder {
             tensors.extend(c.tensors);
             other.extend(c.other);
         }
-        let name = paths.iter().map(|p| p.as_ref().display().to_string()).collect::<Vec<_>>().join(", ");
-        Ok(Self::with_source(Source::Checkpoint { name, tensors, other }))
+        Ok(Self::with_source(Source::Checkpoint { name: names.join(", "), tensors, other }))
     }
 
     /// Weights files of either kind: PyTorch checkpoints (recognised by their first bytes) go to
@@ -148,9 +149,16 @@ impl VarBuilder {
             let path = path.as_ref();
             let mut file =
                 crate::host::open_regular(path, "the path of a weights file", |reason| Error::Safetensors { path: path.into(), reason })?;
-            let mut head = [0u8; 4];
+            let mut head = [0u8; 16];
             let n = std::io::Read::read(&mut file, &mut head).map_err(Error::io(path))?;
-            pth.push(crate::pth::looks_like_checkpoint(&head[..n]));
+            let head = &head[..n];
+            if let Some(kind) = foreign_format(head) {
+                return Err(Error::WeightsFile {
+                    path: path.into(),
+                    reason: format!("is {kind}, neither a safetensors file nor a PyTorch checkpoint (torch.save's zip archive or pickle)"),
+                });
+            }
+            pth.push(crate::pth::looks_like_checkpoint(head));
         }
         let start = std::time::Instant::now();
         let (vb, kind) = match (pth.iter().all(|&p| p), pth.iter().any(|&p| p)) {
@@ -608,4 +616,69 @@ pub fn encode_safetensors(tensors: &BTreeMap<String, &HostTensor>, metadata: &BT
     let meta: std::collections::HashMap<String, String> = metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
     let meta = if meta.is_empty() { None } else { Some(meta) };
     safetensors::serialize(views, &meta).map_err(|e| format!("{e:?}"))
+}
+
+/// What the first bytes of a weights file say it is, when that is neither safetensors nor a
+/// checkpoint: an image, an archive, or text (a safetensors file's first 8 bytes are its header
+/// length, which as text would claim exabytes).
+fn foreign_format(head: &[u8]) -> Option<&'static str> {
+    // A safetensors header (its length, then `{`) is never taken for anything else.
+    if head.get(8) == Some(&b'{') {
+        return None;
+    }
+    const MAGIC: [(&[u8], &str); 7] = [
+        (b"\x89PNG", "a PNG image"),
+        (b"\xff\xd8\xff", "a JPEG image"),
+        (b"GIF8", "a GIF image"),
+        (b"BM", "a BMP image"),
+        (b"\x1f\x8b", "a gzip file"),
+        (b"KILNENG", "a Kiln engine file (give it as the model, not as --weights)"),
+        (b"\x93NUMPY", "a NumPy array (.npy)"),
+    ];
+    if let Some((_, kind)) = MAGIC.iter().find(|(m, _)| head.starts_with(m)) {
+        return Some(kind);
+    }
+    if head.len() >= 12 && head.starts_with(b"RIFF") && &head[8..12] == b"WEBP" {
+        return Some("a WebP image");
+    }
+    if head.starts_with(b"PK") && !crate::pth::looks_like_checkpoint(head) {
+        return Some("a zip archive of an unknown kind");
+    }
+    let text = |b: &u8| b.is_ascii_graphic() || b.is_ascii_whitespace();
+    if head.len() >= 8 && head[..8].iter().all(text) {
+        return Some("a text file");
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file that is neither safetensors nor a checkpoint is named for what it is, not called a
+    /// broken safetensors file; an empty zip goes to the checkpoint reader.
+    #[test]
+    fn weights_files_of_other_kinds_are_named() {
+        let dir = std::env::temp_dir().join(format!("kiln-vb-kinds-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let png = [&b"\x89PNG\r\n\x1a\n\x00\x00\x00\x0dIHDR"[..], &[0u8; 16]].concat();
+        for (name, bytes, says) in [
+            ("notes.txt", b"hello, these are not weights\n".to_vec(), "cannot read weights file"),
+            ("cat.png", png, "is a PNG image, neither a safetensors file nor a PyTorch checkpoint"),
+            ("empty.zip", [&b"PK\x05\x06"[..], &[0u8; 18]].concat(), "cannot read PyTorch checkpoint"),
+        ] {
+            let path = dir.join(name);
+            std::fs::write(&path, bytes).expect("write");
+            let e = VarBuilder::from_files(&[&path]).err().unwrap_or_else(|| panic!("{name} read as weights"));
+            assert!(e.to_string().contains(says), "{name}: {e}");
+            assert!(!e.to_string().contains("cannot read safetensors"), "{name}: {e}");
+        }
+        let e = VarBuilder::from_files(&[dir.join("notes.txt")]).err().expect("text");
+        assert!(
+            e.to_string()
+                .ends_with("is a text file, neither a safetensors file nor a PyTorch checkpoint (torch.save's zip archive or pickle)"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
 }

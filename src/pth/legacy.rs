@@ -37,7 +37,7 @@ pub(super) fn decode_legacy(path: &Path, bytes: &[u8]) -> Result<Checkpoint> {
     // 4. The object.
     let mut main = Unpickler::new(path, bytes, u.pos);
     let value = main.run(&mut storages)?;
-    let tensors = state_dict(&main, value)?;
+    let found = state_dict(&main, value)?;
     // 5. The storage keys, then each storage: an i64 element count and the raw bytes.
     let mut u = Unpickler::new(path, bytes, main.pos);
     let keys = u.run(&mut BTreeMap::new())?;
@@ -66,7 +66,7 @@ pub(super) fn decode_legacy(path: &Path, bytes: &[u8]) -> Result<Checkpoint> {
         ranges.insert(key, (start, end));
         at = end;
     }
-    materialise(path, bytes.len(), tensors, |s| {
+    materialise(path, bytes.len(), found, |s| {
         let &(start, end) = ranges.get(&s.key).ok_or_else(|| bad(path, format!("storage `{}` is not in the file", s.key)))?;
         Ok(&bytes[start..end])
     })

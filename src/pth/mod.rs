@@ -12,7 +12,9 @@
 //! numel[, view])`. The unpickler here knows only the globals such a state_dict needs (the
 //! rebuild functions, the storage types, `collections.OrderedDict`); any other global is an
 //! `Error::CheckpointGlobal` naming it, raised as soon as the pickle names it. Sizes from the file
-//! are checked before anything is allocated, and every read is bounds-checked.
+//! are checked before anything is allocated, and every read is bounds-checked. The pickle machine
+//! itself is bounded (opcodes, stack, memo, open marks, nesting: `pickle::Bounds`, sized for
+//! torch.save's state_dicts); passing a bound is an `Error::PickleLimit` naming the byte offset.
 
 mod legacy;
 mod pickle;
@@ -31,11 +33,39 @@ pub struct Checkpoint {
     pub tensors: BTreeMap<String, HostTensor>,
     /// Tensors of other dtypes (`num_batches_tracked` is int64), with their dtype's name (`I64`).
     pub other: BTreeMap<String, String>,
+    /// The key of the checkpoint's dict the state_dict was read from (`state_dict`, `model`,
+    /// `model_state_dict`), `None` for a bare state_dict.
+    pub under: Option<String>,
+    /// Other keys of those that hold different tensors, not read.
+    pub unread: Vec<String>,
+}
+
+impl Checkpoint {
+    /// How errors name these weights: the file, and the key they were read from when nested
+    /// (`ckpt.pth's `state_dict` (`model` holds other tensors, not read)`).
+    pub fn source_name(&self, path: &Path) -> String {
+        let file = path.display();
+        match (&self.under, self.unread.as_slice()) {
+            (None, _) => file.to_string(),
+            (Some(key), []) => format!("{file}'s `{key}`"),
+            (Some(key), unread) => format!(
+                "{file}'s `{key}` ({} also hold(s) tensors, not read: Kiln reads the first of {}; save the one you mean alone)",
+                unread.iter().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", "),
+                tensors::NESTED.map(|k| format!("`{k}`")).join(", "),
+            ),
+        }
+    }
 }
 
 /// Whether `bytes` start like `torch.save` output: a zip archive or a pickle (protocol ≥ 2).
 pub fn looks_like_checkpoint(bytes: &[u8]) -> bool {
-    bytes.starts_with(b"PK\x03\x04") || bytes.first() == Some(&0x80)
+    is_zip(bytes) || bytes.first() == Some(&0x80)
+}
+
+/// Whether `bytes` start like a zip archive: a member's local header, or the end record alone
+/// (an empty archive).
+fn is_zip(bytes: &[u8]) -> bool {
+    bytes.starts_with(b"PK\x03\x04") || bytes.starts_with(b"PK\x05\x06")
 }
 
 /// Reads the state_dict of the checkpoint at `path`: a bare state_dict, or a dict holding one
@@ -49,7 +79,7 @@ pub fn read_pth(path: impl AsRef<Path>) -> Result<Checkpoint> {
 
 /// `read_pth` on a checkpoint already in memory; `path` names it in errors.
 pub fn decode_pth(path: &Path, bytes: &[u8]) -> Result<Checkpoint> {
-    if bytes.starts_with(b"PK\x03\x04") {
+    if is_zip(bytes) {
         self::zip::decode_zip(path, bytes)
     } else {
         legacy::decode_legacy(path, bytes)
@@ -132,13 +162,16 @@ struct StorageRef {
     view: Option<(usize, usize)>,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 struct TensorRef {
     storage: StorageRef,
     offset: usize,
     shape: Vec<usize>,
     stride: Vec<usize>,
 }
+
+#[cfg(test)]
+mod bounds_tests;
 
 #[cfg(test)]
 mod tests {
@@ -252,5 +285,92 @@ mod tests {
         fixed[at] = 0;
         let c = decode_zipless(&fixed).expect("in range");
         assert_eq!(c.tensors["w"].data, [1.0, 2.0]);
+    }
+
+    /// `{"state_dict": {"w": T}, "model": {"v": T}}` as the object pickle of a legacy stream,
+    /// with T a 2-element tensor, then the storage list and the storage.
+    fn two_state_dicts() -> Vec<u8> {
+        let tensor: &[u8] = b"ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x02NtQK\x00K\x02\x85K\x01\x85\x89ccollections\nOrderedDict\n)RtR";
+        let mut object = b"\x80\x02}(X\x0a\x00\x00\x00state_dict}X\x01\x00\x00\x00w".to_vec();
+        object.extend_from_slice(tensor);
+        object.extend_from_slice(b"sX\x05\x00\x00\x00model}X\x01\x00\x00\x00v");
+        object.extend_from_slice(tensor);
+        object.extend_from_slice(b"su.\x80\x02]X\x01\x00\x00\x000a.");
+        object.extend(2u64.to_le_bytes());
+        object.extend([1.0f32, 2.0].iter().flat_map(|v| v.to_le_bytes()));
+        object
+    }
+
+    /// A checkpoint holding a state_dict under both `state_dict` and `model` reads the first,
+    /// and every error about its weights says which it read and that the other was not.
+    #[test]
+    fn a_second_state_dict_is_named_in_the_weights_source() {
+        let c = decode_zipless(&two_state_dicts()).expect("two state_dicts");
+        assert_eq!(c.tensors.keys().collect::<Vec<_>>(), ["w"]);
+        assert_eq!((c.under.as_deref(), c.unread.as_slice()), (Some("state_dict"), &["model".to_string()][..]));
+        let name = c.source_name(Path::new("both.pth"));
+        assert!(name.starts_with("both.pth's `state_dict` (`model` also hold(s) tensors, not read"), "{name}");
+        // Through a VarBuilder: the missing weight's message carries it.
+        let path = std::env::temp_dir().join(format!("kiln-pth-both-{}.pth", std::process::id()));
+        let legacy = std::fs::read(fixture("tiny.legacy.pth")).expect("fixture");
+        let mut u = Unpickler::new(Path::new("x"), &legacy, 0);
+        for _ in 0..3 {
+            u.run(&mut BTreeMap::new()).expect("header pickles");
+            u = Unpickler::new(Path::new("x"), &legacy, u.pos);
+        }
+        std::fs::write(&path, [&legacy[..u.pos], &two_state_dicts()[..]].concat()).expect("write");
+        let vb = VarBuilder::from_files(&[&path]).expect("reads");
+        let e = vb.get(&[2], "v").expect_err("v is under `model`");
+        assert!(e.to_string().contains("`model` also hold(s) tensors, not read"), "{e}");
+        std::fs::remove_file(&path).ok();
+    }
+
+    /// The zip reader keeps the last of two members of one name; torch.save never writes two,
+    /// so an archive naming one twice is refused.
+    #[test]
+    fn a_zip_naming_one_member_twice_is_refused() {
+        let bytes = std::fs::read(fixture("tiny.zip.pth")).expect("fixture");
+        decode_pth(Path::new("tiny.zip.pth"), &bytes).expect("the fixture reads");
+        let twice = replace_all(&bytes, b"tiny.zip/data/2", b"tiny.zip/data/1");
+        let e = decode_pth(Path::new("twice.pth"), &twice).expect_err("data/1 twice");
+        assert!(e.to_string().contains("names one member twice"), "{e}");
+    }
+
+    fn replace_all(bytes: &[u8], from: &[u8], to: &[u8]) -> Vec<u8> {
+        let mut out = bytes.to_vec();
+        let mut at = 0;
+        while let Some(i) = out[at..].windows(from.len()).position(|w| w == from) {
+            out[at + i..at + i + to.len()].copy_from_slice(to);
+            at += i + from.len();
+        }
+        out
+    }
+
+    /// A member whose two declared sizes agree but pass the archive's own size is named as such
+    /// (the message used to read "claims 4294967294 bytes but stores 4294967294").
+    #[test]
+    fn a_member_larger_than_its_archive_is_named_as_such() {
+        let mut bytes = std::fs::read(fixture("tiny.zip.pth")).expect("fixture");
+        let name = b"tiny.zip/data.pkl";
+        let central = bytes
+            .windows(4)
+            .enumerate()
+            .filter(|(_, w)| *w == b"PK\x01\x02")
+            .map(|(i, _)| i)
+            .find(|&i| bytes[i + 46..].starts_with(name))
+            .expect("data.pkl's central header");
+        for field in [20, 24] {
+            bytes[central + field..central + field + 4].copy_from_slice(&0xffff_fffeu32.to_le_bytes());
+        }
+        let e = decode_pth(Path::new("big.pth"), &bytes).expect_err("sizes past the archive");
+        assert!(e.to_string().contains("claims 4294967294 bytes, more than the whole archive's"), "{e}");
+    }
+
+    #[test]
+    fn an_empty_zip_is_named_as_one() {
+        let empty = [&b"PK\x05\x06"[..], &[0u8; 18]].concat();
+        assert!(looks_like_checkpoint(&empty));
+        let e = decode_pth(Path::new("empty.pth"), &empty).expect_err("no members");
+        assert!(e.to_string().contains("empty.pth: is an empty zip archive"), "{e}");
     }
 }

@@ -1,4 +1,5 @@
-//! The pickle machine: only the opcodes and globals a state_dict needs, no code run.
+//! The pickle machine: only the opcodes and globals a state_dict needs, no code run, and bounds
+//! on everything a pickle can make it hold (see [`Bounds`]).
 
 use super::{bad, Elem, StorageRef, TensorRef};
 use crate::{Error, Result};
@@ -29,8 +30,9 @@ pub(super) enum Obj {
     Dict(Vec<(Value, Value)>),
     Set,
     Global(Global),
-    Storage(StorageRef),
-    Tensor(TensorRef),
+    // Boxed: they are rare, and an object is then 32 bytes.
+    Storage(Box<StorageRef>),
+    Tensor(Box<TensorRef>),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -116,20 +118,98 @@ mod op {
     pub const BYTEARRAY8: u8 = 0x96;
 }
 
-/// One pickle's machine: a stack, the marks, the memo and the arena.
+/// The bounds of one pickle's machine. `torch.save` writes a state_dict's pickle with about 37
+/// opcodes, 9 memo entries and 10 objects per tensor (MobileNetV2: 11,462 opcodes for 314
+/// tensors), nesting under 10, and fills its containers in batches of 1,000 items; each bound is
+/// far above that, and together they keep what a pickle can make the machine hold (at most one
+/// object, one stored value or one memo entry per opcode, 16 to 32 bytes each) under 1 GiB.
+pub(super) struct Bounds;
+
+impl Bounds {
+    /// Opcodes in one pickle: about 450,000 tensors' worth.
+    pub(super) const OPCODES: usize = 1 << 24;
+    /// Values on the stack at once (16 bytes each).
+    pub(super) const STACK: usize = 1 << 20;
+    /// Memo entries.
+    pub(super) const MEMO: usize = 1 << 21;
+    /// Marks open at once (MARK inside MARK).
+    pub(super) const MARKS: usize = 64;
+    /// Containers inside containers (a state_dict nested in a checkpoint's dict is 2 or 3).
+    pub(super) const NESTING: usize = 32;
+}
+
+/// One pickle's machine: a stack, the marks, the memo and the arena (each object's nesting depth
+/// beside it).
 pub(super) struct Unpickler<'a> {
     pub(super) path: &'a Path,
     bytes: &'a [u8],
     pub(super) pos: usize,
+    /// Where the opcode being run starts.
+    at: usize,
+    opcodes: usize,
     stack: Vec<Value>,
     marks: Vec<usize>,
     memo: HashMap<u64, Value>,
     arena: Vec<Obj>,
+    depth: Vec<u8>,
 }
 
 impl<'a> Unpickler<'a> {
     pub(super) fn new(path: &'a Path, bytes: &'a [u8], pos: usize) -> Self {
-        Self { path, bytes, pos, stack: Vec::new(), marks: Vec::new(), memo: HashMap::new(), arena: Vec::new() }
+        Self {
+            path,
+            bytes,
+            pos,
+            at: pos,
+            opcodes: 0,
+            stack: Vec::new(),
+            marks: Vec::new(),
+            memo: HashMap::new(),
+            arena: Vec::new(),
+            depth: Vec::new(),
+        }
+    }
+
+    /// The error for passing bound `bound` of `limit`, at the opcode being run.
+    fn limit(&self, bound: &'static str, limit: usize) -> Error {
+        Error::PickleLimit { path: self.path.to_path_buf(), offset: self.at, bound, limit }
+    }
+
+    fn push(&mut self, v: Value) -> Result<()> {
+        if self.stack.len() >= Bounds::STACK {
+            return Err(self.limit("values on the stack", Bounds::STACK));
+        }
+        self.stack.push(v);
+        Ok(())
+    }
+
+    /// The nesting depth of `v`: 0 for a scalar, a string or a tensor, 1 + its deepest item's
+    /// for a container.
+    fn depth_of(&self, v: Value) -> usize {
+        match v {
+            Value::Obj(i) => self.depth.get(i).copied().map_or(0, usize::from),
+            _ => 0,
+        }
+    }
+
+    /// 1 + the deepest of `items`, checked against [`Bounds::NESTING`].
+    fn container_depth(&self, items: impl Iterator<Item = Value>) -> Result<u8> {
+        let d = 1 + items.map(|v| self.depth_of(v)).max().unwrap_or(0);
+        if d > Bounds::NESTING {
+            return Err(self.limit("levels of nesting", Bounds::NESTING));
+        }
+        Ok(d as u8)
+    }
+
+    /// Raises container `v`'s depth for the `items` put into it.
+    fn deepen(&mut self, v: Value, items: impl Iterator<Item = Value>) -> Result<()> {
+        let d = self.container_depth(items)?;
+        if let Value::Obj(i) = v {
+            if let Some(slot) = self.depth.get_mut(i) {
+                *slot = (*slot).max(d);
+            }
+        }
+        Ok(())
     }
 
     fn err(&self, reason: impl std::fmt::Display) -> Error {
@@ -167,9 +247,16 @@ impl<'a> Unpickler<'a> {
         std::str::from_utf8(&line[..n]).map_err(|_| self.err("a text line is not UTF-8"))
     }
 
-    fn alloc(&mut self, obj: Obj) -> Value {
+    /// Stores `obj` in the arena (at most one object per opcode, so the opcode bound bounds it).
+    fn alloc(&mut self, obj: Obj) -> Result<Value> {
+        let depth = match &obj {
+            Obj::Tuple(items) | Obj::List(items) => self.container_depth(items.iter().copied())?,
+            Obj::Dict(pairs) => self.container_depth(pairs.iter().flat_map(|&(k, v)| [k, v]))?,
+            _ => 0,
+        };
         self.arena.push(obj);
-        Value::Obj(self.arena.len() - 1)
+        self.depth.push(depth);
+        Ok(Value::Obj(self.arena.len() - 1))
     }
 
     fn arena_mut(&mut self, v: Value) -> Option<&mut Obj> {
@@ -209,7 +296,7 @@ impl<'a> Unpickler<'a> {
 
     fn string(&mut self, bytes: &[u8]) -> Result<Value> {
         let s = std::str::from_utf8(bytes).map_err(|_| self.err("a string is not UTF-8"))?.to_string();
-        Ok(self.alloc(Obj::Str(s)))
+        self.alloc(Obj::Str(s))
     }
 
     pub(super) fn str_of(&self, v: Value) -> Option<&str> {
@@ -221,7 +308,7 @@ impl<'a> Unpickler<'a> {
 
     fn global(&mut self, module: &str, name: &str) -> Result<Value> {
         match allowed_global(module, name) {
-            Some(g) => Ok(self.alloc(Obj::Global(g))),
+            Some(g) => self.alloc(Obj::Global(g)),
             None => Err(Error::CheckpointGlobal { path: self.path.to_path_buf(), global: format!("{module}.{name}") }),
         }
     }
@@ -230,12 +317,17 @@ impl<'a> Unpickler<'a> {
     /// persistent ids are recorded in `storages`.
     pub(super) fn run(&mut self, storages: &mut BTreeMap<String, StorageRef>) -> Result<Value> {
         loop {
+            self.at = self.pos;
+            self.opcodes += 1;
+            if self.opcodes > Bounds::OPCODES {
+                return Err(self.limit("opcodes", Bounds::OPCODES));
+            }
             let [code] = self.array::<1>()?;
             if code == op::STOP {
                 return self.pop();
             }
             if let Some(v) = self.scalar(code)? {
-                self.stack.push(v);
+                self.push(v)?;
             } else if !(self.stack_op(code)? || self.container(code)? || self.memo(code)? || self.call(code, storages)?) {
                 return Err(self.err(format!(
                     "opcode 0x{code:02x} is not one a state_dict needs (objects, extensions and out-of-band buffers are refused)"
@@ -264,7 +356,7 @@ impl<'a> Unpickler<'a> {
             op::LONG1 | op::LONG4 => {
                 let n = self.length(code)?;
                 let b = self.take_len(n)?;
-                self.long(b)
+                self.long(b)?
             }
             op::BINFLOAT => {
                 self.take(8)?;
@@ -279,7 +371,7 @@ impl<'a> Unpickler<'a> {
             op::SHORT_BINBYTES | op::BINBYTES | op::BINBYTES8 | op::BYTEARRAY8 => {
                 let n = self.length(code)?;
                 self.take_len(n)?;
-                self.alloc(Obj::Bytes)
+                self.alloc(Obj::Bytes)?
             }
             _ => return Ok(None),
         }))
@@ -307,7 +399,12 @@ impl<'a> Unpickler<'a> {
             op::FRAME => {
                 self.take(8)?;
             }
-            op::MARK => self.marks.push(self.stack.len()),
+            op::MARK => {
+                if self.marks.len() >= Bounds::MARKS {
+                    return Err(self.limit("marks open at once", Bounds::MARKS));
+                }
+                self.marks.push(self.stack.len());
+            }
             op::POP => {
                 self.pop()?;
             }
@@ -316,7 +413,7 @@ impl<'a> Unpickler<'a> {
             }
             op::DUP => {
                 let v = self.top()?;
-                self.stack.push(v);
+                self.push(v)?;
             }
             _ => return Ok(false),
         }
@@ -349,6 +446,7 @@ impl<'a> Unpickler<'a> {
             op::APPEND | op::APPENDS => {
                 let items = if code == op::APPEND { vec![self.pop()?] } else { self.pop_mark()? };
                 let list = self.top()?;
+                self.deepen(list, items.iter().copied())?;
                 match self.arena_mut(list) {
                     Some(Obj::List(l)) => l.extend(items),
                     _ => return Err(self.err("APPEND to something not a list (corrupt pickle)")),
@@ -365,6 +463,7 @@ impl<'a> Unpickler<'a> {
                 };
                 let pairs = self.pairs(items)?;
                 let dict = self.top()?;
+                self.deepen(dict, pairs.iter().flat_map(|&(k, v)| [k, v]))?;
                 match self.arena_mut(dict) {
                     Some(Obj::Dict(d)) => d.extend(pairs),
                     _ => return Err(self.err("SETITEM on something not a dict (corrupt pickle)")),
@@ -380,8 +479,8 @@ impl<'a> Unpickler<'a> {
             }
             _ => return Ok(false),
         };
-        let v = self.alloc(obj);
-        self.stack.push(v);
+        let v = self.alloc(obj)?;
+        self.push(v)?;
         Ok(true)
     }
 
@@ -400,6 +499,9 @@ impl<'a> Unpickler<'a> {
                     _ => self.memo.len() as u64,
                 };
                 let v = self.top()?;
+                if self.memo.len() >= Bounds::MEMO && !self.memo.contains_key(&i) {
+                    return Err(self.limit("memo entries", Bounds::MEMO));
+                }
                 self.memo.insert(i, v);
             }
             op::BINGET | op::LONG_BINGET | op::GET => {
@@ -409,7 +511,7 @@ impl<'a> Unpickler<'a> {
                     _ => text_index(self)?,
                 };
                 let v = *self.memo.get(&i).ok_or_else(|| self.err(format!("memo entry {i} was never stored (corrupt pickle)")))?;
-                self.stack.push(v);
+                self.push(v)?;
             }
             _ => return Ok(false),
         }
@@ -452,17 +554,17 @@ impl<'a> Unpickler<'a> {
             }
             _ => return Ok(false),
         };
-        self.stack.push(v);
+        self.push(v)?;
         Ok(true)
     }
 
     /// LONG1/LONG4's little-endian two's complement: an `Int` when it fits, else a `BigInt`.
-    fn long(&mut self, b: &[u8]) -> Value {
+    fn long(&mut self, b: &[u8]) -> Result<Value> {
         if b.len() <= 8 {
             let fill = if b.last().is_some_and(|&x| x & 0x80 != 0) { 0xff } else { 0 };
             let mut full = [fill; 8];
             full[..b.len()].copy_from_slice(b);
-            Value::Int(i64::from_le_bytes(full))
+            Ok(Value::Int(i64::from_le_bytes(full)))
         } else {
             self.alloc(Obj::BigInt(b.to_vec()))
         }
@@ -533,7 +635,7 @@ impl<'a> Unpickler<'a> {
                 storages.insert(key, root);
             }
         }
-        Ok(self.alloc(Obj::Storage(storage)))
+        self.alloc(Obj::Storage(Box::new(storage)))
     }
 
     fn reduce(&mut self, callable: Value, args: Value) -> Result<Value> {
@@ -559,14 +661,14 @@ impl<'a> Unpickler<'a> {
                     }
                     _ => return Err(self.err("OrderedDict takes at most one argument")),
                 };
-                Ok(self.alloc(Obj::Dict(pairs)))
+                self.alloc(Obj::Dict(pairs))
             }
             Global::RebuildTensor | Global::RebuildTensorV2 => {
                 let [storage, offset, size, stride, ..] = args.as_slice() else {
                     return Err(self.err("_rebuild_tensor has fewer than 4 arguments"));
                 };
                 let storage = match self.obj(*storage) {
-                    Some(Obj::Storage(s)) => s.clone(),
+                    Some(Obj::Storage(s)) => (**s).clone(),
                     _ => return Err(self.err("_rebuild_tensor's first argument is not a storage")),
                 };
                 let offset = self.usize_of(*offset, "a tensor's storage offset")?;
@@ -575,7 +677,7 @@ impl<'a> Unpickler<'a> {
                 if shape.len() != stride.len() {
                     return Err(self.err(format!("a tensor's size {shape:?} and stride {stride:?} differ in length")));
                 }
-                Ok(self.alloc(Obj::Tensor(TensorRef { storage, offset, shape, stride })))
+                self.alloc(Obj::Tensor(Box::new(TensorRef { storage, offset, shape, stride })))
             }
             Global::RebuildParameter | Global::RebuildParameterWithState => match args.first() {
                 Some(&data) if matches!(self.obj(data), Some(Obj::Tensor(_))) => Ok(data),

@@ -10,16 +10,24 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 /// The keys under which training scripts nest a state_dict, in the order they are tried.
-const NESTED: [&str; 3] = ["state_dict", "model", "model_state_dict"];
+pub(super) const NESTED: [&str; 3] = ["state_dict", "model", "model_state_dict"];
 
-/// The tensors of `root`'s state_dict by key (later duplicates win, as Python's dict does).
-pub(super) fn state_dict(u: &Unpickler, root: Value) -> Result<BTreeMap<String, TensorRef>> {
+/// A state_dict found in a checkpoint: its tensors by key (later duplicates win, as Python's dict
+/// does), the key of `NESTED` it was under, and the other keys of `NESTED` holding other tensors.
+pub(super) struct Found {
+    pub(super) tensors: BTreeMap<String, TensorRef>,
+    pub(super) under: Option<String>,
+    pub(super) unread: Vec<String>,
+}
+
+/// The state_dict of `root`: under the first key of `NESTED` that holds one, else `root` itself.
+pub(super) fn state_dict(u: &Unpickler, root: Value) -> Result<Found> {
     let as_tensors = |v: Value| -> Option<BTreeMap<String, TensorRef>> {
         let Some(Obj::Dict(pairs)) = u.obj(v) else { return None };
         let mut out = BTreeMap::new();
         for &(k, v) in pairs {
             match (u.str_of(k), u.obj(v)) {
-                (Some(k), Some(Obj::Tensor(t))) => out.insert(k.to_string(), t.clone()),
+                (Some(k), Some(Obj::Tensor(t))) => out.insert(k.to_string(), (**t).clone()),
                 _ => return None,
             };
         }
@@ -28,14 +36,18 @@ pub(super) fn state_dict(u: &Unpickler, root: Value) -> Result<BTreeMap<String, 
     let Some(Obj::Dict(pairs)) = u.obj(root) else {
         return Err(bad(u.path, "the checkpoint is not a dict, so it holds no state_dict"));
     };
-    for name in NESTED {
-        if let Some(&(_, v)) = pairs.iter().rev().find(|(k, _)| u.str_of(*k) == Some(name)) {
-            if let Some(sd) = as_tensors(v) {
-                return Ok(sd);
-            }
-        }
+    let nested: Vec<(&str, BTreeMap<String, TensorRef>)> = NESTED
+        .iter()
+        .filter_map(|&name| {
+            let &(_, v) = pairs.iter().rev().find(|(k, _)| u.str_of(*k) == Some(name))?;
+            Some((name, as_tensors(v)?))
+        })
+        .collect();
+    if let Some(((name, tensors), rest)) = nested.split_first() {
+        let unread = rest.iter().filter(|(_, t)| t != tensors).map(|(n, _)| n.to_string()).collect();
+        return Ok(Found { tensors: tensors.clone(), under: Some(name.to_string()), unread });
     }
-    as_tensors(root).ok_or_else(|| {
+    let tensors = as_tensors(root).ok_or_else(|| {
         let keys: Vec<String> =
             pairs.iter().take(12).map(|(k, _)| u.str_of(*k).map_or("(not a string)".into(), |s| format!("`{s}`"))).collect();
         bad(
@@ -46,7 +58,8 @@ pub(super) fn state_dict(u: &Unpickler, root: Value) -> Result<BTreeMap<String, 
                 keys.join(", ")
             ),
         )
-    })
+    })?;
+    Ok(Found { tensors, under: None, unread: Vec::new() })
 }
 
 /// Materialises every tensor from its storage's bytes (`storage(key)` gives a root storage's
@@ -56,13 +69,13 @@ pub(super) fn state_dict(u: &Unpickler, root: Value) -> Result<BTreeMap<String, 
 pub(super) fn materialise<'b>(
     path: &Path,
     file_len: usize,
-    tensors: BTreeMap<String, TensorRef>,
+    found: Found,
     mut storage: impl FnMut(&StorageRef) -> Result<&'b [u8]>,
 ) -> Result<Checkpoint> {
-    let mut out = Checkpoint::default();
+    let mut out = Checkpoint { under: found.under, unread: found.unread, ..Checkpoint::default() };
     let budget = file_len.saturating_mul(DECODED_PER_BYTE).saturating_add(1 << 20);
     let mut decoded = 0usize;
-    for (key, t) in tensors {
+    for (key, t) in found.tensors {
         let elem = t.storage.elem;
         if !elem.is_float() {
             out.other.insert(key, elem.name().to_string());

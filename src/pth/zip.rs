@@ -13,6 +13,17 @@ type Archive<'a> = ::zip::ZipArchive<std::io::Cursor<&'a [u8]>>;
 pub(super) fn decode_zip(path: &Path, bytes: &[u8]) -> Result<Checkpoint> {
     let zip_err = |e: ::zip::result::ZipError| bad(path, format!("not a readable zip archive: {e}"));
     let mut archive = ::zip::ZipArchive::new(std::io::Cursor::new(bytes)).map_err(zip_err)?;
+    if archive.is_empty() {
+        return Err(bad(path, "is an empty zip archive (not a torch.save checkpoint)"));
+    }
+    // The zip reader keeps the last of two members of one name: a second data.pkl or storage
+    // would silently replace the first. torch.save never writes one name twice.
+    if archive.has_duplicate_names() {
+        return Err(bad(
+            path,
+            "the zip archive names one member twice in its central directory (torch.save never does; the archive was edited or is hostile)",
+        ));
+    }
     let pkl = archive
         .file_names()
         .filter_map(|n| n.ok())
@@ -31,9 +42,9 @@ pub(super) fn decode_zip(path: &Path, bytes: &[u8]) -> Result<Checkpoint> {
     let mut storages = BTreeMap::new();
     let mut u = Unpickler::new(path, &pickle, 0);
     let value = u.run(&mut storages)?;
-    let tensors = state_dict(&u, value)?;
+    let found = state_dict(&u, value)?;
     // Only the storages of tensors Kiln decodes are read.
-    let wanted: BTreeSet<&str> = tensors.values().filter(|t| t.storage.elem.is_float()).map(|t| t.storage.key.as_str()).collect();
+    let wanted: BTreeSet<&str> = found.tensors.values().filter(|t| t.storage.elem.is_float()).map(|t| t.storage.key.as_str()).collect();
     let mut loaded: BTreeMap<String, Vec<u8>> = BTreeMap::new();
     for (key, s) in &storages {
         if !wanted.contains(key.as_str()) {
@@ -43,7 +54,7 @@ pub(super) fn decode_zip(path: &Path, bytes: &[u8]) -> Result<Checkpoint> {
         let data = read_entry(path, &mut archive, bytes.len(), &format!("{root}data/{key}"), Some(need))?;
         loaded.insert(key.clone(), data);
     }
-    materialise(path, bytes.len(), tensors, |s| {
+    materialise(path, bytes.len(), found, |s| {
         loaded.get(&s.key).map(Vec::as_slice).ok_or_else(|| bad(path, format!("storage `{}` was not read", s.key)))
     })
 }
@@ -57,7 +68,13 @@ fn read_entry(path: &Path, archive: &mut Archive, archive_len: usize, name: &str
     if file.compression() != ::zip::CompressionMethod::Stored {
         return Err(bad(path, format!("entry `{name}` is compressed ({}); torch.save stores entries uncompressed", file.compression())));
     }
-    if size > file.compressed_size() || size > archive_len as u64 {
+    if size > archive_len as u64 {
+        return Err(bad(
+            path,
+            format!("entry `{name}` claims {size} bytes, more than the whole archive's {archive_len} (corrupt archive)"),
+        ));
+    }
+    if size > file.compressed_size() {
         return Err(bad(path, format!("entry `{name}` claims {size} bytes but stores {} (corrupt archive)", file.compressed_size())));
     }
     let want = match need {
