@@ -478,10 +478,22 @@ pub fn read_tensors_within(
     keep: impl Fn(&str) -> bool,
     max_elements: usize,
 ) -> Result<(BTreeMap<String, HostTensor>, Vec<String>)> {
+    read_tensors_limited(path, what, |key| keep(key).then_some(max_elements))
+}
+
+/// [`read_tensors`] with a limit per key: `limit(key)` is the most elements tensor `key` may
+/// hold, `None` to leave it out (a reference's inputs are bounded as an `--input` is, its outputs
+/// as any tensor). Every limit is checked against the header before any tensor is decoded.
+pub fn read_tensors_limited(
+    path: impl AsRef<Path>,
+    what: &str,
+    limit: impl Fn(&str) -> Option<usize>,
+) -> Result<(BTreeMap<String, HostTensor>, Vec<String>)> {
     let path = path.as_ref();
+    let keep = |key: &str| limit(key).is_some();
     let vb = VarBuilder::from_safetensors(&[path])?;
     let Source::Safetensors { entries, files } = &vb.store.source else { unreachable!("from_safetensors makes a safetensors source") };
-    for (key, e) in entries.iter().filter(|(k, _)| keep(k)) {
+    for (key, e, max_elements) in entries.iter().filter_map(|(k, e)| Some((k, e, limit(k)?))) {
         // The header's shapes were checked against the file's bytes: they cannot overflow.
         let n = crate::graph::numel(&e.shape).unwrap_or(usize::MAX);
         if n > max_elements {

@@ -390,8 +390,16 @@ fn check_shapes_against_reference(a: &CompareArgs, path: &Path, inputs: &[(Strin
 /// are the reference; anything else is left alone, with a note. Returns the reference's
 /// tensors, its metadata and its inputs.
 fn read_reference(path: &Path) -> Result<(BTreeMap<String, HostTensor>, BTreeMap<String, String>, ReferenceInputs)> {
-    let is_reference = |k: &str| k == "input" || k.starts_with("input.") || k.starts_with("output.") || k.starts_with("intermediate.");
-    let (mut reference, ignored) = kiln::files::read_tensors(path, "reference", is_reference)?;
+    // Inputs are bounded as `--input` is, from the header before anything is decoded (a 8.7 GB
+    // reference input was decoded, then refused); outputs and intermediates by the readers' own
+    // limit on any tensor.
+    let limit = |k: &str| match k {
+        "input" => Some(common::MAX_INPUT_ELEMENTS),
+        _ if k.starts_with("input.") => Some(common::MAX_INPUT_ELEMENTS),
+        _ if k.starts_with("output.") || k.starts_with("intermediate.") => Some(usize::MAX),
+        _ => None,
+    };
+    let (mut reference, ignored) = kiln::files::read_tensors_limited(path, "reference", limit)?;
     if let Some(first) = ignored.first() {
         tracing::info!(
             "note: {} tensor(s) of {} are not `input`, `input.*`, `output.*` or `intermediate.*` and were ignored (e.g. `{first}`)",

@@ -105,6 +105,21 @@ pub fn triton_repo(a: TritonRepoArgs) -> Result<ExitCode> {
     if a.count == 0 {
         return Err(flag("--count", "must be at least 1".into()));
     }
+    // Triton's max_batch_size is an int32, and Kiln's engines take at most MAX_BATCH.
+    let most = kiln::files::engine::MAX_BATCH;
+    match a.max_batch_size {
+        Some(0) => return Err(flag("--max-batch-size", "must be at least 1".into())),
+        Some(n) if n > most => {
+            return Err(flag("--max-batch-size", format!("must be at most {most} (Kiln's largest engine batch), got {n}")))
+        }
+        _ => {}
+    }
+    // The server command is printed and written into the README: a newline would split it.
+    for (name, path) in [("--output", Some(&a.output)), ("--backend-directory", a.backend_directory.as_ref())] {
+        if let Some(p) = path.filter(|p| p.to_string_lossy().chars().any(char::is_control)) {
+            return Err(flag(name, format!("{p:?} holds a control character (a newline would split the server command)")));
+        }
+    }
     let precision = match a.precision.as_deref() {
         Some(p) => Some(
             kiln::engine::Precision::parse(p)

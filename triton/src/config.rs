@@ -312,6 +312,14 @@ pub fn check(config: &ModelConfig, spec: &ModelSpec) -> Result<()> {
             format!("is {mbs}: Kiln models take the batch as their first dim, so set max_batch_size to at least 1{most}"),
         ));
     }
+    // Triton's field is an int32 (a larger value is written, and the server cannot load the
+    // repository); Kiln's engines take batches up to `MAX_BATCH`, which fits it.
+    if mbs > crate::kiln_api::MAX_BATCH as i64 {
+        return Err(config.err(
+            "max_batch_size",
+            format!("is {mbs}, more than the {} batches Kiln's engines take (Triton's field is an int32)", crate::kiln_api::MAX_BATCH),
+        ));
+    }
     if let Some((min, max)) = spec.batch {
         if mbs as usize > max || min > 1 {
             return Err(config.err(

@@ -325,3 +325,45 @@ fn gpu_runner_case(name: &str, on: usize, data: usize) {
     }
     let _ = std::fs::remove_dir_all(out);
 }
+
+/// `--max-batch-size 1099511627776` was written to config.pbtxt, which Triton (an int32 field)
+/// cannot load; past Kiln's batch limit it is refused, naming the field.
+#[test]
+fn a_max_batch_size_past_kilns_limit_is_refused() {
+    let out = temp_dir("max-batch");
+    let source = ModelSource::Graph { graph: Box::new(tiny()), metadata: BTreeMap::new() };
+    for huge in [1usize << 40, crate::kiln_api::MAX_BATCH + 1, usize::MAX] {
+        let options = RepositoryOptions { max_batch_size: Some(huge), ..cpu_options("big") };
+        let e = write_repository(&source, &out, &options).expect_err("too large").to_string();
+        assert!(e.contains("max_batch_size") && e.contains(&format!("is {}", i64::try_from(huge).unwrap_or(i64::MAX))), "{e}");
+        assert!(!out.join("big").exists(), "nothing is written");
+    }
+    let options = RepositoryOptions { max_batch_size: Some(crate::kiln_api::MAX_BATCH), ..cpu_options("big") };
+    write_repository(&source, &out, &options).expect("the limit itself");
+    let _ = std::fs::remove_dir_all(out);
+}
+
+/// The server command (printed, and in the README) quotes what a shell would split: `-o "my
+/// repo"` gave a broken command; a control character (a newline would start a second command
+/// line in the README) is refused.
+#[test]
+fn the_server_command_quotes_its_paths_and_refuses_control_characters() {
+    let out = temp_dir("quoted").join("my repo");
+    let source = ModelSource::Graph { graph: Box::new(tiny()), metadata: BTreeMap::new() };
+    let options = RepositoryOptions { backend_directory: Some("/opt/it's here".into()), ..cpu_options("tiny") };
+    let w = write_repository(&source, &out, &options).expect("written");
+    let repo = std::path::absolute(&out).expect("absolute");
+    assert_eq!(w.serve_command, format!("tritonserver --model-repository='{}' --backend-directory='/opt/it'\\''s here'", repo.display()));
+    let readme = std::fs::read_to_string(out.join("README.md")).expect("readme");
+    assert!(readme.contains(&w.serve_command), "{readme}");
+    // A plain path stays as it is.
+    let plain = RepositoryOptions { backend_directory: Some("/opt/tritonserver/backends".into()), ..cpu_options("tiny") };
+    let w = write_repository(&source, &out, &plain).expect("written");
+    assert!(w.serve_command.ends_with(" --backend-directory=/opt/tritonserver/backends"), "{}", w.serve_command);
+    let newline = RepositoryOptions { backend_directory: Some("/opt\nrm -rf /".into()), ..cpu_options("tiny") };
+    let e = write_repository(&source, &out, &newline).expect_err("newline").to_string();
+    assert!(e.contains("backend_directory") && e.contains("control character"), "{e}");
+    let e = write_repository(&source, &out.join("a\nb"), &cpu_options("tiny")).expect_err("newline").to_string();
+    assert!(e.contains("output") && e.contains("control character"), "{e}");
+    let _ = std::fs::remove_dir_all(out.parent().expect("temp dir"));
+}
