@@ -367,3 +367,51 @@ fn the_server_command_quotes_its_paths_and_refuses_control_characters() {
     assert!(e.contains("output") && e.contains("control character"), "{e}");
     let _ = std::fs::remove_dir_all(out.parent().expect("temp dir"));
 }
+
+/// A field of /proc/self/status in kB (`VmRSS`, `VmHWM`).
+fn status_kb(field: &str) -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status.lines().find_map(|l| l.strip_prefix(field)?.trim_start_matches(':').trim().strip_suffix("kB")?.trim().parse().ok()).unwrap_or(0)
+}
+
+/// Where a CPU instance's memory goes (docs/SERVING.md): ResNet-18 at 224x224 with seeded
+/// weights, loaded as the backend loads it, then 30 rounds of 12 requests of batch 1 to 4 through
+/// the CPU runner; the resident size after each round. `cargo test --release -p kiln-triton --lib
+/// -- --ignored --nocapture cpu_instance_memory_levels_off`.
+#[test]
+#[ignore = "a measurement (about a minute on two cores)"]
+fn cpu_instance_memory_levels_off() {
+    let start = status_kb("VmRSS");
+    let out = temp_dir("memory");
+    let source = crate::bundled_source("resnet18", None, None).expect("traced");
+    let w = write_repository(&source, &out, &RepositoryOptions { max_batch_size: Some(4), ..cpu_options("rn18") }).expect("written");
+    drop(source);
+    let model = load_written(&w).expect("loaded");
+    let loaded = status_kb("VmRSS");
+    let per_image = 3 * 224 * 224;
+    let images: Vec<Vec<u8>> =
+        (1..=4).map(|b| f32_bytes(&(0..b * per_image).map(|i| ((i * 31) % 97) as f32 / 50.0 - 1.0).collect::<Vec<_>>())).collect();
+    let accepts = |d: &InputDims| model.accepts(d);
+    let accepted = || model.accepted_text();
+    let limits =
+        Limits { spec: &model.spec, max_batch: 4, declared_outputs: vec!["logits".into()], accepts: &accepts, accepted: &accepted };
+    let mut runner = CpuRunner::new();
+    let mut rounds = Vec::new();
+    for _ in 0..30 {
+        for i in 0..12 {
+            let batch = 1 + i % 4;
+            let req = request("input", datatype::FP32, batch, &[3, 224, 224], &images[batch - 1]);
+            let checked = check_request(&limits, &req).expect("valid");
+            runner.run(&model, &checked.dims, &[Member { data: &req, checked: &checked, offset: 0 }], batch).expect("ran");
+            let mut logits = vec![0f32; batch * 1000];
+            let dst = Dest { place: Place::host(logits.as_mut_ptr().cast()), len: logits.len() * 4 };
+            runner.write_output("logits", 0, batch, dst).expect("written");
+            assert!(logits.iter().all(|v| v.is_finite()));
+        }
+        rounds.push(status_kb("VmRSS"));
+    }
+    println!("CPU instance memory (kB): before {start}, loaded {loaded}, after each round {rounds:?}, peak {}", status_kb("VmHWM"));
+    // Levels off: the last twenty rounds hold no more than the tenth did, give or take 8 MiB.
+    assert!(rounds[10..].iter().all(|&r| r <= rounds[9] + 8192), "{rounds:?}");
+    let _ = std::fs::remove_dir_all(out);
+}
