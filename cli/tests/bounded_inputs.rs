@@ -255,3 +255,21 @@ fn save_into_a_directory_is_the_flags_mistake() {
     refused(&args, &kiln(&dir, &args), &["--save out is a directory; give the path of the PNG file to write (e.g. out/boxes.png)"]);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A file read whole (an engine file, a calibration cache) larger than the memory left was read
+/// until the allocation aborted; its size is checked first. A sparse 64 GB "engine file".
+#[test]
+fn a_file_read_whole_is_checked_against_the_memory_left() {
+    let dir = temp_dir("whole");
+    let path = dir.join("huge.kiln");
+    std::fs::write(&path, b"KILNENG\0").expect("write");
+    std::fs::OpenOptions::new().write(true).open(&path).expect("open").set_len(64 << 30).expect("sparse");
+    let args = ["run", "huge.kiln", "--cpu"];
+    let out = Command::new(kiln_exe()).args(args).current_dir(&dir).env("KILN_CPU_MEMORY_BYTES", "100000000").output().expect("run");
+    refused(
+        &args,
+        &out,
+        &["out of memory: reading huge.kiln (only 100000000 bytes are available (KILN_CPU_MEMORY_BYTES)) needs 68719476736 bytes"],
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
