@@ -57,6 +57,9 @@ pub struct TritonRepoArgs {
     /// Where kiln/libtriton_kiln.so lives, for the README's server command (default: a placeholder).
     #[arg(long, value_name = "DIR")]
     pub backend_directory: Option<PathBuf>,
+    /// Refuse requests whose FP32 inputs hold NaN or infinity (HTTP 400) instead of answering NaN.
+    #[arg(long)]
+    pub refuse_non_finite: bool,
 }
 
 fn flag(flag: &str, reason: String) -> Error {
@@ -139,6 +142,7 @@ pub fn triton_repo(a: TritonRepoArgs) -> Result<ExitCode> {
         dynamic_batching: true,
         max_queue_delay_us: a.max_queue_delay_us,
         backend_directory: a.backend_directory.clone(),
+        refuse_non_finite: a.refuse_non_finite,
     };
     let written = write_repository(&source, &a.output, &options).map_err(|e| Error::Config { reason: e.to_string() })?;
     say!("wrote {} ({})", written.model_dir.display(), written.model_file.display());

@@ -81,6 +81,8 @@ pub struct RepositoryOptions {
     pub max_queue_delay_us: u64,
     /// Where `kiln/libtriton_kiln.so` is, for the README's command (a placeholder when unknown).
     pub backend_directory: Option<PathBuf>,
+    /// `parameters["refuse_non_finite"]`: refuse requests whose FP32 inputs hold NaN or infinity.
+    pub refuse_non_finite: bool,
 }
 
 impl Default for RepositoryOptions {
@@ -96,6 +98,7 @@ impl Default for RepositoryOptions {
             dynamic_batching: true,
             max_queue_delay_us: 1000,
             backend_directory: None,
+            refuse_non_finite: false,
         }
     }
 }
@@ -139,6 +142,9 @@ pub fn write_repository(source: &ModelSource, out: &Path, options: &RepositoryOp
     }
     if let Some(p) = options.precision {
         config.parameters.insert("precision".into(), Parameter { string_value: p.short_name().into() });
+    }
+    if options.refuse_non_finite {
+        config.parameters.insert("refuse_non_finite".into(), Parameter { string_value: "true".into() });
     }
     if let Some(p) = &options.profile {
         let text =
