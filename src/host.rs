@@ -66,7 +66,18 @@ pub fn map_regular(path: &Path, give: &str, wrong_kind: impl FnOnce(String) -> E
     let file = open_regular(path, give, wrong_kind)?;
     // SAFETY: the file is opened read-only; like every mmap user we assume nobody truncates it
     // while it is read.
-    unsafe { memmap2::Mmap::map(&file) }.map_err(Error::io(path))
+    unsafe { memmap2::Mmap::map(&file) }.map_err(|e| match e.raw_os_error() {
+        // A file larger than the address space left (`ulimit -v`) cannot be mapped at all.
+        Some(libc::ENOMEM) => Error::OutOfMemory {
+            what: format!(
+                "mapping {}{}",
+                path.display(),
+                memory_available().map_or(String::new(), |a| format!(" (only {} bytes are available ({}))", a.bytes, a.limit))
+            ),
+            bytes: file.metadata().map_or(usize::MAX, |m| usize::try_from(m.len()).unwrap_or(usize::MAX)),
+        },
+        _ => Error::io(path)(e),
+    })
 }
 
 /// How much memory this process may still allocate, and which limit says so.

@@ -106,7 +106,7 @@ fn a_thin_image_is_classified_within_bounds() {
 
 /// A reference whose `input` declares [1, 3, 27000, 27000] (a sparse 8.7 GB file) was decoded
 /// (17.1 GB, up to 32 s) before its limit applied; its header decides now, as `run --input`'s
-/// does. No address-space limit here: the file is mapped, not read.
+/// does (with no address-space limit: the file is mapped, not read).
 #[test]
 fn a_reference_input_over_the_limit_is_refused_from_its_header() {
     let dir = temp_dir("bigref");
@@ -127,6 +127,9 @@ fn a_reference_input_over_the_limit_is_refused_from_its_header() {
         );
         assert!(started.elapsed() < Duration::from_secs(2), "{flag}: {:?}", started.elapsed());
     }
+    // Within 2 GB of address space the file cannot even be mapped: named as such.
+    let args = ["compare", "resnet18", "--cpu", "--reference", "x_big.safetensors"];
+    refused(&args, &kiln(&dir, &args), &["out of memory: mapping x_big.safetensors (only ", "(ulimit -v)) needs "]);
     std::fs::remove_dir_all(&dir).ok();
 }
 
