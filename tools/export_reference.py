@@ -559,7 +559,7 @@ def op_cases():
     c.append(("matmul_weight_batched", MatmulWeight([3, 6, 4]), [[2, 3, 5, 6]]))
     c.append(("linear_rank3", nn.Linear(12, 7), [[2, 5, 12]]))
     c.append(("linear_rank4_nobias", nn.Linear(8, 3, bias=False), [[2, 3, 4, 8]]))
-    # Shape ops (src/ops/shape.rs): reshape, permute, flatten ranges, slices, cat on any dim, pad.
+    # Shape ops (src/ops/shape/): reshape, permute, flatten ranges, slices, cat on any dim, pad.
     c.append(("reshape_infer", lambda a: a.reshape(3, 2, -1, 5), [[3, 4, 3, 5]]))
     c.append(("reshape_view_flat", lambda a: a.view(2, -1), [[2, 3, 5, 7]]))
     c.append(("reshape_channel_shuffle", lambda a: a.view(2, 3, 2, 5, 7).transpose(1, 2).contiguous().view(2, 6, 5, 7), [[2, 6, 5, 7]]))
@@ -641,7 +641,7 @@ def op_cases():
     c.append(("upsample_bilinear2d_down", lambda a: F.interpolate(a, scale_factor=0.6, mode="bilinear"), [[1, 2, 10, 9]]))
     c.append(("upsample_bilinear2d_size", up(size=(9, 13), mode="bilinear"), [[3, 2, 5, 7]]))
     c.append(("upsample_bilinear2d_size_align_corners", up(size=(9, 4), mode="bilinear", align_corners=True), [[2, 3, 5, 7]]))
-    # Roll (Swin's cyclic shift) and attention (src/ops/attention.rs): q is the input, k and v
+    # Roll (Swin's cyclic shift) and attention (src/ops/attention/): q is the input, k and v
     # are `other[:, 0]` and `other[:, 1]`; odd lengths, batch > 1, a bias that broadcasts.
     c.append(("roll_swin_shift", lambda a: torch.roll(a, shifts=(-3, -3), dims=(1, 2)), [[2, 7, 9, 5]]))
     c.append(("roll_mixed", lambda a: torch.roll(a, shifts=(11, -2), dims=(3, 1)), [[3, 4, 5, 6]]))

@@ -19,7 +19,10 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 export KILN_FIXTURES=$PWD/tests/fixtures
-REF=$(mktemp -d)
+# A reference folder kept between calls on one machine (REF=/tmp/kiln-ref) is exported once: the
+# second call of a suite split in two skips the exports.
+REF=${REF:-$(mktemp -d)}
+mkdir -p "$REF"
 export KILN_REFERENCE_DIR=$REF
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
@@ -29,6 +32,7 @@ export KILN_REFERENCE_DIR=$REF
 
 # References: the models' PyTorch twins on this machine, FP32 with TF32 off.
 t0=$(date +%s)
+if [ -f "$REF/.exported" ]; then MODELS=" " ZOO=" " SHAPES=" "; echo "references already in $REF" | tee "$OUT/export.log"; fi
 for w in ${WEIGHTS:-seeded torchvision}; do
   for m in ${MODELS:-resnet18 resnet50 centernet}; do
     python3 .carry/tools/export_reference.py --model "$m" --weights "$w" --seed 0 --save-weights --out "$REF/$w" || echo "EXPORT FAILED: $m $w"
@@ -43,6 +47,7 @@ for s in ${SHAPES:-384x512 512x512 640x480}; do
   python3 .carry/tools/export_reference.py --model centernet --weights seeded --seed 0 --size "$s" --out "$REF/shapes/$s" || echo "EXPORT FAILED: centernet $s"
 done 2>&1 | tee -a "$OUT/export.log"
 echo "references exported in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/export.log"
+touch "$REF/.exported"
 
 status=0
 for t in .carry/bin/*; do

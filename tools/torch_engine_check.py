@@ -308,7 +308,7 @@ def bench_torch(name: str, work: str, export_size: int | None, size: int, batche
         return {}, {b: f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}" for b in batches}
     try:
         ref = read(f"{work}/{name}.reference.safetensors")
-        x = torch.from_numpy(ref["input"]).cuda().half().to(memory_format=torch.channels_last)
+        x = torch.from_numpy(ref["input.input"] if "input.input" in ref else ref["input"]).cuda().half().to(memory_format=torch.channels_last)
         with torch.no_grad():
             got = m(x)["out"].float().cpu().numpy()
         want = ref["output.out"]

@@ -297,9 +297,17 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
     check_flags(&a)?;
     let (traced, against) = match &a.reference {
         Some(path) => {
-            let (reference, meta, inputs) = read_reference(path)?;
+            let ReferenceFile { tensors: reference, meta, inputs } = read_reference(path)?;
             let (batch, hw) = reference_dims(&inputs, path)?;
-            let traced = common::load_args(&a.model, batch, hw)?;
+            let traced = match common::load_args(&a.model, batch, hw) {
+                Ok(traced) => traced,
+                // The first input's H x W may not be the model's because the reference is another
+                // model's: then which inputs it lacks is the error to show.
+                Err(e) => match hw.and_then(|_| common::load_args(&a.model, batch, None).ok()) {
+                    Some(at_own_size) => return Err(inputs.bind(&at_own_size, path).err().unwrap_or(e)),
+                    None => return Err(e),
+                },
+            };
             let inputs = inputs.bind(&traced, path)?;
             check_shapes_against_reference(&a, path, &inputs)?;
             (traced, Against { reference, meta, inputs, seed: None })
@@ -386,10 +394,16 @@ fn check_shapes_against_reference(a: &CompareArgs, path: &Path, inputs: &[(Strin
     Ok(())
 }
 
+/// A reference file as read: its tensors (`output.*`, `intermediate.*`), metadata and inputs.
+struct ReferenceFile {
+    tensors: BTreeMap<String, HostTensor>,
+    meta: BTreeMap<String, String>,
+    inputs: ReferenceInputs,
+}
+
 /// A reference or saved-outputs file: only `input`, `input.*`, `output.*` and `intermediate.*`
-/// are the reference; anything else is left alone, with a note. Returns the reference's
-/// tensors, its metadata and its inputs.
-fn read_reference(path: &Path) -> Result<(BTreeMap<String, HostTensor>, BTreeMap<String, String>, ReferenceInputs)> {
+/// are the reference; anything else is left alone, with a note.
+fn read_reference(path: &Path) -> Result<ReferenceFile> {
     // Inputs are bounded as `--input` is, from the header before anything is decoded (a 8.7 GB
     // reference input was decoded, then refused); outputs and intermediates by the readers' own
     // limit on any tensor.
@@ -431,7 +445,7 @@ fn read_reference(path: &Path) -> Result<(BTreeMap<String, HostTensor>, BTreeMap
             })
         }
     };
-    Ok((reference, meta, inputs))
+    Ok(ReferenceFile { tensors: reference, meta, inputs })
 }
 
 /// No reference: random inputs of `--seed` (for every input of the model, at the batch and size

@@ -137,7 +137,9 @@ fn unknown_model_is_a_clear_error() {
     let out = kiln(&["run", "resnet19"]);
     let (_, stderr) = text(&out);
     assert!(!out.status.success());
-    assert_eq!(stderr.trim(), format!("error: unknown model `resnet19`; the bundled models are: {}", kiln_models::bundled_names()));
+    assert_eq!(stderr.trim(), "error: unknown model `resnet19`; did you mean `resnet18`? (`kiln models` lists every model)");
+    let (_, stderr) = text(&kiln(&["run", "transformer"]));
+    assert_eq!(stderr.trim(), format!("error: unknown model `transformer`; the bundled models are: {}", kiln_models::bundled_names()));
 }
 
 #[test]

@@ -123,9 +123,9 @@ pub fn check_shapes(shapes: Option<&crate::Shapes>, inputs: &[InputSpec], model:
     Ok(())
 }
 
-/// What `--shapes` should have given for `input`: its per-image dims, where an image's H and W
-/// are the flag's to set (so they are written `HxW`, not the size the model was traced at), and
-/// for a channels-last NxHxWxC image the NCHW shape meant.
+/// What `--shapes` should have given for `input`: its per-image dims (traced at the flag's H x W),
+/// and for a channels-last NxHxWxC image, whose H x W were read from the wrong dims, the NCHW
+/// shape meant instead.
 fn expected_shape(given: &[usize], input: &InputSpec, model: &str) -> String {
     let text = |dims: &[usize]| crate::shapes::dims_text(dims);
     match (input.dims.as_slice(), given) {
@@ -135,7 +135,6 @@ fn expected_shape(given: &[usize], input: &InputSpec, model: &str) -> String {
             input.name,
             text(&[n, c, h, w])
         ),
-        (&[c, _, _], _) => format!("{model}'s input `{}` is Nx{c}xHxW (channels first; N, H and W are yours to set)", input.name),
         (dims, _) => format!("{model}'s input `{}` is Nx{}", input.name, text(dims)),
     }
 }
@@ -154,8 +153,9 @@ mod tests {
         let text = expected_shape(&[1, 224, 224, 3], &image_input(), "resnet50");
         assert!(text.contains("for a 224x224 image write input:1x3x224x224"), "{text}");
         assert!(!text.contains("224x3"), "the traced size is not the expected shape: {text}");
-        let text = expected_shape(&[1, 4, 224, 224], &image_input(), "resnet50");
-        assert_eq!(text, "resnet50's input `input` is Nx3xHxW (channels first; N, H and W are yours to set)");
+        let traced = InputSpec { dims: vec![3, 224, 224], ..image_input() };
+        let text = expected_shape(&[1, 4, 224, 224], &traced, "resnet50");
+        assert_eq!(text, "resnet50's input `input` is Nx3x224x224");
         let tokens = InputSpec { name: "ids".into(), dims: vec![16], dtype: kiln::DType::F32 };
         assert_eq!(expected_shape(&[1, 8], &tokens, "m"), "m's input `ids` is Nx16");
     }

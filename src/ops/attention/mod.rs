@@ -38,8 +38,6 @@ mod fused;
 mod gemm;
 mod gpu;
 
-pub use cpu::{attention_cpu, qkv_attention_cpu};
-
 use crate::engine::Layer;
 use crate::error::OpError;
 use crate::graph::{HostTensor, NodeId, Op};
@@ -47,6 +45,7 @@ use crate::ops::BuildCtx;
 use crate::ops::{CpuArgs, FixtureTwin, OpDef};
 use crate::tensor::{Param, Tensor};
 use crate::Result;
+use cpu::{attention_cpu, qkv_attention_cpu};
 use gpu::{entry_points, gpu_attention, gpu_qkv_attention};
 use serde::{Deserialize, Serialize};
 
