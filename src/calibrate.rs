@@ -135,16 +135,19 @@ impl CalibrationCache {
         cache.check_ranges().map_err(bad)?;
         Ok(cache)
     }
-    /// Every amax finite and non-negative, every scale positive and finite.
+    /// Every amax finite and non-negative, every scale positive and finite, and within what a
+    /// quantiser takes (`number_format::check_scale`).
     fn check_ranges(&self) -> std::result::Result<(), String> {
         for (name, r) in &self.tensors {
             if !(r.amax.is_finite() && r.amax >= 0.0) {
                 return Err(format!("tensor `{name}`: amax {} is not finite and non-negative", r.amax));
             }
-            for (what, s) in [("int8_scale", r.int8_scale), ("fp8_scale", r.fp8_scale)] {
+            for (what, s, format) in [("int8_scale", r.int8_scale, QuantFormat::Int8), ("fp8_scale", r.fp8_scale, QuantFormat::Fp8E4m3)] {
                 if !(s.is_finite() && s > 0.0) {
                     return Err(format!("tensor `{name}`: {what} {s} is not positive and finite"));
                 }
+                // A subnormal scale (1e-45) has an infinite reciprocal: its simulation is NaN.
+                crate::number_format::check_scale(s, format).map_err(|reason| format!("tensor `{name}`: {what}: {reason}"))?;
             }
         }
         Ok(())
@@ -746,6 +749,35 @@ mod tests {
         assert_eq!(layer_precision(&g, &g.nodes[q.id()].path, "fp16"), "int8");
         assert_eq!(layer_precision(&g, "conv.relu", "fp16"), "fp16");
         assert!(quant_summary(&g, 0).unwrap().contains("1 conv/linear"));
+    }
+
+    /// A cache with `int8_scale` 1e-45 (a subnormal: its reciprocal is infinite) loaded and
+    /// simulated as all NaN; scales outside what a quantiser takes are refused at load, and the
+    /// scales `from_amax` gives are always inside.
+    #[test]
+    fn a_cache_scale_a_quantiser_cannot_take_is_refused() {
+        let path = std::env::temp_dir().join(format!("kiln-calib-scales-{}.json", std::process::id()));
+        let cache = |r: TensorRange| CalibrationCache {
+            version: CACHE_VERSION,
+            method: CalibrationMethod::MinMax,
+            graph_hash: "ab".into(),
+            images: 1,
+            tensors: BTreeMap::from([("conv1".to_string(), r)]),
+        };
+        for (int8_scale, says) in [(1e-45, "int8_scale: a scale must be positive, finite and within"), (3e37, "got 3e37")] {
+            let r = TensorRange { int8_scale, ..TensorRange::from_amax(1.0) };
+            std::fs::write(&path, cache(r).to_json()).expect("write");
+            let e = CalibrationCache::load(&path).expect_err("refused");
+            assert!(matches!(e, Error::Calibration { .. }) && e.to_string().contains(says), "{e}");
+            assert!(cache(r).save(&path).is_err(), "save checks as load does");
+        }
+        for amax in [0.0, 1e-45, 1e-30, 1.0, 3e38, f32::MAX] {
+            let r = TensorRange::from_amax(amax);
+            for (s, format) in [(r.int8_scale, QuantFormat::Int8), (r.fp8_scale, QuantFormat::Fp8E4m3)] {
+                crate::number_format::check_scale(s, format).unwrap_or_else(|e| panic!("amax {amax}: {e}"));
+            }
+        }
+        std::fs::remove_file(&path).ok();
     }
 
     #[test]

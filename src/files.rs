@@ -17,8 +17,8 @@ pub use crate::graph_file::{kind, FileKind};
 pub use crate::host::{map_regular, open_regular, read_regular};
 pub use crate::pth::{decode_pth, looks_like_checkpoint, read_pth, Checkpoint};
 pub use crate::var_builder::{
-    decode_safetensors, encode_safetensors, read_metadata, read_safetensors, read_tensors, read_tensors_within, write_safetensors,
-    write_safetensors_with_metadata,
+    decode_safetensors, encode_safetensors, read_metadata, read_safetensors, read_tensors, read_tensors_limited, read_tensors_within,
+    write_safetensors, write_safetensors_with_metadata,
 };
 
 /// Graph files: a safetensors file of the graph's weights whose metadata holds the graph itself
@@ -35,7 +35,7 @@ pub mod graph {
 /// tactics, build config). Reading and checking them needs no GPU.
 pub mod engine {
     pub use crate::engine::file::{
-        check_device, decode, decode_header, decode_payload, encode, read, validate, Header, Payload, FORMAT_VERSION, MAGIC,
+        check_device, decode, decode_header, decode_payload, encode, read, validate, Header, Payload, FORMAT_VERSION, MAGIC, MAX_BATCH,
     };
     pub use crate::hash::checksum;
 }

@@ -35,11 +35,28 @@ pub fn open_regular(path: &Path, give: &str, wrong_kind: impl FnOnce(String) -> 
     }
 }
 
-/// The whole of a regular file (see [`open_regular`]).
+/// The whole of a regular file (see [`open_regular`]). Its size (from `fstat`) is checked against
+/// the memory this process may still use and requested with `try_reserve` before anything is
+/// read, so a file larger than memory is an `Error::OutOfMemory` naming it, not an abort.
 pub fn read_regular(path: &Path, give: &str, wrong_kind: impl FnOnce(String) -> Error) -> Result<Vec<u8>> {
-    let mut file = open_regular(path, give, wrong_kind)?;
+    let file = open_regular(path, give, wrong_kind)?;
+    let len = file.metadata().map_err(Error::io(path))?.len();
+    let too_large = |available: Option<Available>| Error::OutOfMemory {
+        what: format!(
+            "reading {}{}",
+            path.display(),
+            available.map_or(String::new(), |a| format!(" (only {} bytes are available ({}))", a.bytes, a.limit))
+        ),
+        bytes: usize::try_from(len).unwrap_or(usize::MAX),
+    };
+    let n = usize::try_from(len).map_err(|_| too_large(None))?;
+    if let Some(a) = memory_available().filter(|a| a.bytes < n) {
+        return Err(too_large(Some(a)));
+    }
     let mut bytes = Vec::new();
-    std::io::Read::read_to_end(&mut file, &mut bytes).map_err(Error::io(path))?;
+    bytes.try_reserve_exact(n).map_err(|_| too_large(None))?;
+    // No more than `fstat` said: a file that grows while it is read does not grow the buffer.
+    std::io::Read::read_to_end(&mut std::io::Read::take(file, len), &mut bytes).map_err(Error::io(path))?;
     Ok(bytes)
 }
 
@@ -49,7 +66,18 @@ pub fn map_regular(path: &Path, give: &str, wrong_kind: impl FnOnce(String) -> E
     let file = open_regular(path, give, wrong_kind)?;
     // SAFETY: the file is opened read-only; like every mmap user we assume nobody truncates it
     // while it is read.
-    unsafe { memmap2::Mmap::map(&file) }.map_err(Error::io(path))
+    unsafe { memmap2::Mmap::map(&file) }.map_err(|e| match e.raw_os_error() {
+        // A file larger than the address space left (`ulimit -v`) cannot be mapped at all.
+        Some(libc::ENOMEM) => Error::OutOfMemory {
+            what: format!(
+                "mapping {}{}",
+                path.display(),
+                memory_available().map_or(String::new(), |a| format!(" (only {} bytes are available ({}))", a.bytes, a.limit))
+            ),
+            bytes: file.metadata().map_or(usize::MAX, |m| usize::try_from(m.len()).unwrap_or(usize::MAX)),
+        },
+        _ => Error::io(path)(e),
+    })
 }
 
 /// How much memory this process may still allocate, and which limit says so.

@@ -33,12 +33,33 @@ impl QuantFormat {
     }
 }
 
-/// `amax / max_abs(format)`; 1 for an all-zero range (any scale maps zeros to zero).
+/// `amax / max_abs(format)`, at least [`MIN_SCALE`]; 1 for an all-zero range (any scale maps
+/// zeros to zero).
 pub fn symmetric_scale(amax: f32, format: QuantFormat) -> f32 {
     if amax > 0.0 && amax.is_finite() {
-        amax / format.max_abs()
+        (amax / format.max_abs()).max(MIN_SCALE)
     } else {
         1.0
+    }
+}
+
+/// The smallest scale a quantiser takes: f32's smallest normal, 2^-126, so that `1 / scale`, by
+/// which the quantisers multiply, is finite (a subnormal scale such as 1e-45 gives infinity, and
+/// zeros times it NaN).
+pub const MIN_SCALE: f32 = f32::MIN_POSITIVE;
+
+/// Why `scale` cannot be a quantisation scale in `format`, or `Ok`: it must be at least
+/// [`MIN_SCALE`], and the largest code times it (127 for int8, 448 for e4m3) must be finite, so a
+/// symmetric scale of any finite range fits (NaN does not).
+pub fn check_scale(scale: f32, format: QuantFormat) -> Result<(), String> {
+    let max = f32::MAX / format.max_abs();
+    if (MIN_SCALE..=max).contains(&scale) {
+        Ok(())
+    } else {
+        Err(format!(
+            "a scale must be positive, finite and within {MIN_SCALE:e} and {max:e} (its reciprocal and {} times it finite), got {scale:e}",
+            format.max_abs()
+        ))
     }
 }
 

@@ -321,6 +321,10 @@ fn dtype_size(dtype: &str) -> Option<usize> {
     })
 }
 
+/// The largest safetensors header read, 100 MB: the safetensors crate's own limit (a header
+/// names each tensor in about 100 bytes, so a million tensors fit).
+pub const MAX_HEADER_BYTES: usize = 100_000_000;
+
 /// A JSON object's members in file order, duplicates kept (serde_json's maps keep the last).
 struct Members(Vec<(String, serde_json::Value)>);
 
@@ -369,6 +373,11 @@ fn parse_header(path: &Path, bytes: &[u8], file: usize) -> Result<Vec<(String, E
     }
     let len = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
     let rest = bytes.len() - 8;
+    if len > MAX_HEADER_BYTES as u64 && len <= rest as u64 {
+        // JSON parsed into values takes several times its text: bounded as the safetensors
+        // crate bounds it (no file it writes or reads has a larger header).
+        return Err(bad(format!("the header is {len} bytes, more than the limit of {MAX_HEADER_BYTES} (corrupt or hostile file)")));
+    }
     let header = match usize::try_from(len) {
         Ok(n) if n <= rest => &bytes[8..8 + n],
         _ => {
@@ -478,10 +487,22 @@ pub fn read_tensors_within(
     keep: impl Fn(&str) -> bool,
     max_elements: usize,
 ) -> Result<(BTreeMap<String, HostTensor>, Vec<String>)> {
+    read_tensors_limited(path, what, |key| keep(key).then_some(max_elements))
+}
+
+/// [`read_tensors`] with a limit per key: `limit(key)` is the most elements tensor `key` may
+/// hold, `None` to leave it out (a reference's inputs are bounded as an `--input` is, its outputs
+/// as any tensor). Every limit is checked against the header before any tensor is decoded.
+pub fn read_tensors_limited(
+    path: impl AsRef<Path>,
+    what: &str,
+    limit: impl Fn(&str) -> Option<usize>,
+) -> Result<(BTreeMap<String, HostTensor>, Vec<String>)> {
     let path = path.as_ref();
+    let keep = |key: &str| limit(key).is_some();
     let vb = VarBuilder::from_safetensors(&[path])?;
     let Source::Safetensors { entries, files } = &vb.store.source else { unreachable!("from_safetensors makes a safetensors source") };
-    for (key, e) in entries.iter().filter(|(k, _)| keep(k)) {
+    for (key, e, max_elements) in entries.iter().filter_map(|(k, e)| Some((k, e, limit(k)?))) {
         // The header's shapes were checked against the file's bytes: they cannot overflow.
         let n = crate::graph::numel(&e.shape).unwrap_or(usize::MAX);
         if n > max_elements {
@@ -654,6 +675,16 @@ fn foreign_format(head: &[u8]) -> Option<&'static str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A header over 100 MB is refused from its length, before the JSON is parsed.
+    #[test]
+    fn a_header_over_the_limit_is_refused_from_its_length() {
+        let len = MAX_HEADER_BYTES + 1;
+        let mut bytes = (len as u64).to_le_bytes().to_vec();
+        bytes.resize(8 + len, b' ');
+        let e = parse_header(Path::new("big.safetensors"), &bytes, 0).err().expect("too long");
+        assert!(e.to_string().contains("the header is 100000001 bytes, more than the limit of 100000000"), "{e}");
+    }
 
     /// A file that is neither safetensors nor a checkpoint is named for what it is, not called a
     /// broken safetensors file; an empty zip goes to the checkpoint reader.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes the small PyTorch checkpoints that test Kiln's checkpoint reader (src/pth.rs), in both of
+"""Writes the small PyTorch checkpoints that test Kiln's checkpoint reader (src/pth/), in both of
 torch.save's formats, and the values they hold.
 
 Writes tests/fixtures/pth/ (a few KB in all):

@@ -5,10 +5,12 @@
 #   1. installs tritonclient[all] and unzips the server from the nvidia-pytriton 0.7.0 wheel
 #      (Triton 2.51.0; pytriton itself is not imported);
 #   2. builds libtriton_kiln.so and the kiln binary, traces ResNet-18 into a graph file;
-#   3. writes a model repository (KIND_CPU): resnet18, resnet18_dyn (an H x W profile) and
-#      broken (config dims that disagree with the graph, loaded by the client test: must fail);
+#   3. writes a model repository (KIND_CPU): resnet18, resnet18_dyn (an H x W profile),
+#      resnet18_finite (the same, refusing NaN and infinity) and broken (config dims that disagree
+#      with the graph, loaded by the client test: must fail);
 #   4. starts tritonserver on 127.0.0.1 (free ports) with --backend-directory, runs the client
-#      test, and always stops the server (trap).
+#      test, then a bounded storm (tools/triton_storm.py: 320 requests from 16 clients, about 30%
+#      malformed, every valid answer checked, at most 300 s), and always stops the server (trap).
 # Prints PASS/FAIL per check and a summary; exits non-zero on any failure.
 #
 # Environment: KILN_TRITON_CACHE (default ~/.cache/kiln-triton) keeps the wheel and the unzipped
@@ -87,6 +89,8 @@ triton_repo "$GRAPH" -o "$REPO" --name resnet18 --cpu --max-batch-size 8 --max-q
   --backend-directory "$WORK/backends"
 triton_repo "$GRAPH" -o "$REPO" --name resnet18_dyn --cpu --max-batch-size 2 --backend-directory "$WORK/backends" \
   --min-shapes input:3x64x64 --opt-shapes input:3x96x96 --max-shapes input:3x160x160
+triton_repo "$GRAPH" -o "$REPO" --name resnet18_finite --cpu --max-batch-size 2 --backend-directory "$WORK/backends" \
+  --min-shapes input:3x64x64 --opt-shapes input:3x96x96 --max-shapes input:3x160x160 --refuse-non-finite
 triton_repo "$GRAPH" -o "$REPO" --name broken --cpu --max-batch-size 8 --backend-directory "$WORK/backends"
 sed -i 's/dims: \[ 3, 224, 224 \]/dims: [ 3, 200, 200 ]/' "$REPO/broken/config.pbtxt"
 echo "---- $REPO/resnet18/config.pbtxt ----"
@@ -105,7 +109,7 @@ PY
 )
 say "starting tritonserver 2.51 on 127.0.0.1 (HTTP $HTTP_PORT, gRPC $GRPC_PORT, metrics $METRICS_PORT)"
 "$TRITONSERVER" --model-repository="$REPO" --backend-directory="$WORK/backends" \
-  --model-control-mode=explicit --load-model=resnet18 --load-model=resnet18_dyn \
+  --model-control-mode=explicit --load-model=resnet18 --load-model=resnet18_dyn --load-model=resnet18_finite \
   --strict-readiness=false --exit-on-error=false \
   --http-address=127.0.0.1 --http-port="$HTTP_PORT" \
   --grpc-address=127.0.0.1 --grpc-port="$GRPC_PORT" \
@@ -119,7 +123,7 @@ for _ in $(seq 1 240); do
     exit 1
   fi
   code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$HTTP_PORT/v2/health/ready" || true)
-  for m in resnet18 resnet18_dyn; do
+  for m in resnet18 resnet18_dyn resnet18_finite; do
     [[ "$code" == 200 ]] && code=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$HTTP_PORT/v2/models/$m/ready" || true)
   done
   if [[ "$code" == 200 ]]; then ready=1 && break; fi
@@ -136,6 +140,9 @@ set +e
 timeout 600 python3 "$ROOT/tools/triton_client_test.py" --http "127.0.0.1:$HTTP_PORT" --grpc "127.0.0.1:$GRPC_PORT" \
   --metrics "127.0.0.1:$METRICS_PORT" --kiln "$KILN" --graph "$GRAPH" --work "$WORK"
 rc=$?
+say "the storm (tools/triton_storm.py)"
+timeout 420 python3 "$ROOT/tools/triton_storm.py" --http "127.0.0.1:$HTTP_PORT" --grpc "127.0.0.1:$GRPC_PORT" \
+  --metrics "127.0.0.1:$METRICS_PORT" --requests 320 --clients 16 --seconds 300 || rc=1
 set -e
 if ! kill -0 "$SERVER_PID" 2>/dev/null; then
   echo "FAIL  tritonserver is no longer running after the tests"

@@ -16,7 +16,8 @@ Checks, each printed as PASS or FAIL, then one closing line `triton: N passed, M
   - each bad request (wrong dtype, wrong shape, missing input, unknown input, batch over the max,
     size outside the profile) gets an error, and the server and both models stay ready;
   - the broken model fails to load with a message naming both dims, and the others stay ready;
-  - Triton's metrics count the model's successes, failures and executions.
+  - Triton's metrics count the model's successes and executions, and no backend failure for the
+    backend's refusals of client mistakes.
 Every client call is bounded in time; the script never waits on the server forever.
 """
 
@@ -251,9 +252,11 @@ def main():
         None not in (ok_count, exec_count, inf_count) and ok_count >= 2 * n + 6 and exec_count < inf_count,
         f"success {ok_count:.0f}, inferences {inf_count:.0f}, executions {exec_count:.0f}",
     )
-    # Triton rejects most bad requests before the model; the profile check is the backend's own.
+    # Triton rejects most bad requests before the model; the profile check is the backend's own,
+    # an invalid argument (HTTP 400) that the backend leaves out of the failure counter, as
+    # Triton leaves out the mistakes it refuses itself (docs/SERVING.md).
     fail_dyn = metric("nv_inference_request_failure", "resnet18_dyn")
-    check("metrics count the backend's failed request on resnet18_dyn", (fail_dyn or 0) >= 1, f"failure {fail_dyn}")
+    check("metrics count no backend failure for resnet18_dyn's refused sizes (client mistakes)", (fail_dyn or 0) == 0, f"failure {fail_dyn}")
 
     passed = sum(ok for _, ok in RESULTS)
     failed = len(RESULTS) - passed

@@ -42,6 +42,10 @@ pub struct CalibrateArgs {
     /// Where to write the cache (default: <model>.calib.json).
     #[arg(short, long, value_name = "FILE")]
     pub output: Option<PathBuf>,
+    /// Read a truncated JPEG of a --data folder as it is, with a warning (its missing rows come
+    /// out grey), instead of refusing it.
+    #[arg(long)]
+    pub accept_truncated_images: bool,
 }
 
 pub fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
@@ -96,7 +100,8 @@ fn read_folder(a: &CalibrateArgs, traced: &common::Traced, size: usize) -> Resul
     let mut prep = None;
     let mut data = Vec::new();
     for f in &files {
-        let img = images::read_image(f)?;
+        let truncated = if a.accept_truncated_images { kiln_vision::Truncated::Accept } else { kiln_vision::Truncated::Refuse };
+        let img = images::read_image(f, truncated)?;
         let x = if img.dimensions() == (size as u32, size as u32) {
             kiln_vision::to_nchw(&[img], mean, std).map_err(|e| Error::Image { path: f.clone(), reason: e.to_string() })?
         } else {

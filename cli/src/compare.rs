@@ -404,8 +404,16 @@ struct ReferenceFile {
 /// A reference or saved-outputs file: only `input`, `input.*`, `output.*` and `intermediate.*`
 /// are the reference; anything else is left alone, with a note.
 fn read_reference(path: &Path) -> Result<ReferenceFile> {
-    let is_reference = |k: &str| k == "input" || k.starts_with("input.") || k.starts_with("output.") || k.starts_with("intermediate.");
-    let (mut reference, ignored) = kiln::files::read_tensors(path, "reference", is_reference)?;
+    // Inputs are bounded as `--input` is, from the header before anything is decoded (a 8.7 GB
+    // reference input was decoded, then refused); outputs and intermediates by the readers' own
+    // limit on any tensor.
+    let limit = |k: &str| match k {
+        "input" => Some(common::MAX_INPUT_ELEMENTS),
+        _ if k.starts_with("input.") => Some(common::MAX_INPUT_ELEMENTS),
+        _ if k.starts_with("output.") || k.starts_with("intermediate.") => Some(usize::MAX),
+        _ => None,
+    };
+    let (mut reference, ignored) = kiln::files::read_tensors_limited(path, "reference", limit)?;
     if let Some(first) = ignored.first() {
         tracing::info!(
             "note: {} tensor(s) of {} are not `input`, `input.*`, `output.*` or `intermediate.*` and were ignored (e.g. `{first}`)",

@@ -10,7 +10,7 @@
 use super::common::Traced;
 use kiln::image::{ChannelOrder, Letterbox};
 use kiln::{Error, HostTensor, Result};
-use kiln_vision::{ClassifyPreset, RgbImage};
+use kiln_vision::{ClassifyPreset, RgbImage, Truncated};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -138,12 +138,13 @@ pub struct Photo {
     pub letterbox: Option<Letterbox>,
 }
 
-/// Decodes the image files `paths` (JPEG, PNG, BMP, GIF, WebP, PNM, TIFF) and makes one batch.
-pub fn batch(prep: &Preprocess, paths: &[PathBuf]) -> Result<(HostTensor, Vec<Photo>)> {
+/// Decodes the image files `paths` (JPEG, PNG, BMP, GIF, WebP, PNM, TIFF) and makes one batch;
+/// `truncated` says what a truncated file gives.
+pub fn batch(prep: &Preprocess, paths: &[PathBuf], truncated: Truncated) -> Result<(HostTensor, Vec<Photo>)> {
     let mut data = Vec::new();
     let mut photos = Vec::with_capacity(paths.len());
     for path in paths {
-        let image = read_image(path)?;
+        let image = read_image(path, truncated)?;
         let (x, letterbox) = prep.image(&image).map_err(|e| with_path(e, path))?;
         data.extend_from_slice(&x.data);
         photos.push(Photo { path: path.clone(), image, letterbox });
@@ -163,8 +164,9 @@ fn with_path(e: Error, path: &Path) -> Error {
 /// The largest image file read (a photo of 100 megapixels as PNG is well under it).
 const MAX_IMAGE_BYTES: u64 = 512 << 20;
 
-/// Decodes an image file as RGB; a FIFO or directory is refused before it is read.
-pub fn read_image(path: &Path) -> Result<RgbImage> {
+/// Decodes an image file as RGB; a FIFO or directory is refused before it is read. A truncated
+/// file is refused, or with `Truncated::Accept` decoded with a warning.
+pub fn read_image(path: &Path, truncated: Truncated) -> Result<RgbImage> {
     use std::io::Read;
     let bad = |reason: String| Error::Image { path: path.into(), reason };
     let file = kiln::files::open_regular(path, "an image file (JPEG, PNG, BMP, GIF, WebP, PNM or TIFF)", bad)?;
@@ -173,10 +175,21 @@ pub fn read_image(path: &Path) -> Result<RgbImage> {
     if bytes.len() as u64 > MAX_IMAGE_BYTES {
         return Err(bad(format!("is larger than {} MiB", MAX_IMAGE_BYTES >> 20)));
     }
-    kiln_vision::decode_rgb(&bytes, path).map_err(|e| match e {
+    let (image, cut) = kiln_vision::decode_rgb_with(&bytes, path, truncated).map_err(|e| match e {
         kiln_vision::Error::Decode { reason, .. } => bad(format!("cannot decode it: {reason}")),
+        kiln_vision::Error::Truncated { reason, .. } => bad(format!(
+            "it is truncated ({reason}); its missing part would decode as grey and change the answer; \
+             --accept-truncated-images decodes it anyway"
+        )),
         e => bad(e.to_string()),
-    })
+    })?;
+    if let Some(reason) = cut {
+        tracing::warn!(
+            "warning: {} is truncated ({reason}); decoded as it is, its missing part grey (--accept-truncated-images)",
+            path.display()
+        );
+    }
+    Ok(image)
 }
 
 /// The image files of a calibration folder: every entry with an image extension (a FIFO among them
@@ -269,7 +282,8 @@ pub fn save(prep: &Preprocess, outputs: &BTreeMap<String, HostTensor>, photos: &
         let out = if photos.len() == 1 { path.to_path_buf() } else { numbered(path, n) };
         let mut img = photo.image.clone();
         kiln_vision::draw_detections(&mut img, &detections(prep, outputs, n, photo)?, kiln_vision::coco_classes());
-        kiln_vision::save_png(&img, &out).map_err(|e| Error::Image { path: out.clone(), reason: e.to_string() })?;
+        // Writing, not reading: the error is the flag's, not an image's ("cannot read image").
+        kiln_vision::save_png(&img, &out).map_err(|e| Error::Flag { flag: "--save".into(), reason: e.to_string() })?;
         written.push(out);
     }
     Ok(written)

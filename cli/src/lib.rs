@@ -308,6 +308,10 @@ pub struct RunArgs {
     /// (several images: FILE with _0, _1, ... before its extension).
     #[arg(long, value_name = "FILE", requires = "image")]
     pub save: Option<PathBuf>,
+    /// Decode a truncated JPEG as it is, with a warning (its missing rows come out grey and
+    /// change the answer), instead of refusing it.
+    #[arg(long, requires = "image")]
+    pub accept_truncated_images: bool,
     /// Seed of the random input (default: from the clock, printed so a run can be repeated).
     #[arg(long)]
     pub seed: Option<u64>,

@@ -33,7 +33,8 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         }
         None if !a.image.is_empty() => {
             let prep = images::Preprocess::of(&traced, "--image")?;
-            let (x, loaded) = images::batch(&prep, &a.image)?;
+            let truncated = if a.accept_truncated_images { kiln_vision::Truncated::Accept } else { kiln_vision::Truncated::Refuse };
+            let (x, loaded) = images::batch(&prep, &a.image, truncated)?;
             let name = traced.graph.input_names().first().map_or("input".to_string(), |n| n.to_string());
             let origin = format!("{} image(s) ({:?} preprocessing)", loaded.len(), prep.family);
             photos = Some((prep, loaded));
@@ -47,6 +48,16 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
     };
     if a.save.is_some() && photos.as_ref().is_some_and(|(p, _)| p.family == images::Family::Classifier) {
         return Err(Error::Flag { flag: "--save".into(), reason: format!("draws a detector's boxes; {} is a classifier", traced.name) });
+    }
+    if let Some(dir) = a.save.as_ref().filter(|p| p.is_dir()) {
+        return Err(Error::Flag {
+            flag: "--save".into(),
+            reason: format!(
+                "{} is a directory; give the path of the PNG file to write (e.g. {})",
+                dir.display(),
+                dir.join("boxes.png").display()
+            ),
+        });
     }
     let bound = common::bind(&inputs);
     let weights = match (&a.model.weights, traced.origin) {

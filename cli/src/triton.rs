@@ -57,6 +57,9 @@ pub struct TritonRepoArgs {
     /// Where kiln/libtriton_kiln.so lives, for the README's server command (default: a placeholder).
     #[arg(long, value_name = "DIR")]
     pub backend_directory: Option<PathBuf>,
+    /// Refuse requests whose FP32 inputs hold NaN or infinity (HTTP 400) instead of answering NaN.
+    #[arg(long)]
+    pub refuse_non_finite: bool,
 }
 
 fn flag(flag: &str, reason: String) -> Error {
@@ -105,6 +108,21 @@ pub fn triton_repo(a: TritonRepoArgs) -> Result<ExitCode> {
     if a.count == 0 {
         return Err(flag("--count", "must be at least 1".into()));
     }
+    // Triton's max_batch_size is an int32, and Kiln's engines take at most MAX_BATCH.
+    let most = kiln::files::engine::MAX_BATCH;
+    match a.max_batch_size {
+        Some(0) => return Err(flag("--max-batch-size", "must be at least 1".into())),
+        Some(n) if n > most => {
+            return Err(flag("--max-batch-size", format!("must be at most {most} (Kiln's largest engine batch), got {n}")))
+        }
+        _ => {}
+    }
+    // The server command is printed and written into the README: a newline would split it.
+    for (name, path) in [("--output", Some(&a.output)), ("--backend-directory", a.backend_directory.as_ref())] {
+        if let Some(p) = path.filter(|p| p.to_string_lossy().chars().any(char::is_control)) {
+            return Err(flag(name, format!("{p:?} holds a control character (a newline would split the server command)")));
+        }
+    }
     let precision = match a.precision.as_deref() {
         Some(p) => Some(
             kiln::engine::Precision::parse(p)
@@ -124,6 +142,7 @@ pub fn triton_repo(a: TritonRepoArgs) -> Result<ExitCode> {
         dynamic_batching: true,
         max_queue_delay_us: a.max_queue_delay_us,
         backend_directory: a.backend_directory.clone(),
+        refuse_non_finite: a.refuse_non_finite,
     };
     let written = write_repository(&source, &a.output, &options).map_err(|e| Error::Config { reason: e.to_string() })?;
     say!("wrote {} ({})", written.model_dir.display(), written.model_file.display());

@@ -16,7 +16,7 @@
 //! which is what `weights.transforms()` of a torchvision classifier does to a PIL image, and what
 //! kiln-vision's `ClassifyPreset` does on the CPU: PIL's antialiased bilinear filter with its
 //! 22-bit fixed-point weights, horizontal pass first, each pass rounded to a level. The geometry
-//! (`shorter_side_to`, `pil_bilinear_taps`, `center_crop_axis`) is `kiln::image`'s,
+//! (`shorter_side_to`, `pil_resize_crop_taps`: PIL's taps at the crop's positions) is `kiln::image`'s,
 //! shared with kiln-vision. The arithmetic is integer until the normalisation, and that is the
 //! same f32 operations on the GPU (never contracted), so the GPU layer matches this CPU reference
 //! exactly in FP32 and to f16 rounding (half an ulp, at most 2^-10 for |x| < 4) in FP16.
@@ -27,7 +27,7 @@
 
 use crate::yolo_letterbox::frame_input as letterbox_frame_input;
 use kiln::image::ChannelOrder;
-use kiln::image::{center_crop_axis, pil_bilinear_taps, pil_clip8, shorter_side_to, PilTaps};
+use kiln::image::{pil_clip8, pil_resize_crop_taps, shorter_side_to, PilTaps};
 use kiln::plugin::{Attrs, CustomOp};
 use kiln::{Error, HostTensor, Result, Tensor, Tracer};
 
@@ -134,11 +134,8 @@ impl Plan {
     /// The taps of a `frame` (h, w) through `preset`.
     pub fn new(frame: [usize; 2], preset: &Preset) -> Self {
         let [nh, nw] = shorter_side_to(frame, preset.resize);
-        let axis = |src: usize, new: usize, crop: usize| {
-            let taps = pil_bilinear_taps(src, new);
-            center_crop_axis(new, crop).into_iter().map(|p| p.map(|p| taps[p].clone())).collect()
-        };
-        Self { frame, rows: axis(frame[0], nh, preset.crop[0]), cols: axis(frame[1], nw, preset.crop[1]) }
+        // Only the cropped positions' taps: a thin frame's longer side may resize to millions.
+        Self { frame, rows: pil_resize_crop_taps(frame[0], nh, preset.crop[0]), cols: pil_resize_crop_taps(frame[1], nw, preset.crop[1]) }
     }
 
     /// The level of output pixel (`y`, `x`) from source levels `at(row, column)`: the horizontal

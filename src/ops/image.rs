@@ -163,29 +163,39 @@ fn triangle(x: f64) -> f64 {
 /// normalised to sum 1, then fixed point with [`PIL_PRECISION_BITS`] fractional bits. A same-size
 /// axis gets one weight of 1 per position (a copy).
 pub fn pil_bilinear_taps(src: usize, dst: usize) -> Vec<PilTaps> {
+    (0..dst).map(|xx| pil_bilinear_tap(src, dst, xx)).collect()
+}
+
+/// The taps of output position `xx` alone of [`pil_bilinear_taps`]`(src, dst)`: the same
+/// numbers, without the `dst` taps of a whole axis.
+pub fn pil_bilinear_tap(src: usize, dst: usize, xx: usize) -> PilTaps {
     let scale = src as f64 / dst as f64;
     let filterscale = scale.max(1.0);
     let support = filterscale; // the triangle's support (1) times the scale
     let ss = 1.0 / filterscale;
-    (0..dst)
-        .map(|xx| {
-            let center = (xx as f64 + 0.5) * scale;
-            // C's (int) casts truncate toward zero, as `as i64` does.
-            let xmin = ((center - support + 0.5) as i64).max(0);
-            let xmax = ((center + support + 0.5) as i64).min(src as i64);
-            let w: Vec<f64> = (xmin..xmax).map(|x| triangle((x as f64 - center + 0.5) * ss)).collect();
-            let total: f64 = w.iter().sum();
-            let weights = w
-                .iter()
-                .map(|&k| {
-                    let k = if total != 0.0 { k / total } else { k };
-                    let fixed = k * f64::from(1u32 << PIL_PRECISION_BITS);
-                    (if k < 0.0 { fixed - 0.5 } else { fixed + 0.5 }) as i32
-                })
-                .collect();
-            PilTaps { first: xmin as usize, weights }
+    let center = (xx as f64 + 0.5) * scale;
+    // C's (int) casts truncate toward zero, as `as i64` does.
+    let xmin = ((center - support + 0.5) as i64).max(0);
+    let xmax = ((center + support + 0.5) as i64).min(src as i64);
+    let w: Vec<f64> = (xmin..xmax).map(|x| triangle((x as f64 - center + 0.5) * ss)).collect();
+    let total: f64 = w.iter().sum();
+    let weights = w
+        .iter()
+        .map(|&k| {
+            let k = if total != 0.0 { k / total } else { k };
+            let fixed = k * f64::from(1u32 << PIL_PRECISION_BITS);
+            (if k < 0.0 { fixed - 0.5 } else { fixed + 0.5 }) as i32
         })
-        .collect()
+        .collect();
+    PilTaps { first: xmin as usize, weights }
+}
+
+/// torchvision's `Resize` then `CenterCrop` along one axis of `src` pixels, resized to
+/// `resized` and cropped to `crop`: per crop position, the PIL taps of its resized position, or
+/// `None` where the crop pads. Only the `crop` taps are computed, so a thin image whose longer
+/// side would be resized to millions of pixels costs what its crop does.
+pub fn pil_resize_crop_taps(src: usize, resized: usize, crop: usize) -> Vec<Option<PilTaps>> {
+    center_crop_axis(resized, crop).into_iter().map(|p| p.map(|p| pil_bilinear_tap(src, resized, p))).collect()
 }
 
 /// `(sum + 2^21) >> 22`, clamped to a level (PIL's `clip8`); `sum` excludes the half.
@@ -261,6 +271,22 @@ mod tests {
             assert!(t.weights[1..].iter().all(|&k| k == 0));
             assert_eq!(pil_clip8(i64::from(t.weights[0]) * 200), 200);
         }
+    }
+
+    /// The taps of a resize-then-crop are the whole axis's taps at the cropped positions.
+    #[test]
+    fn resize_crop_taps_are_the_cropped_positions_of_the_whole_axis() {
+        for (src, resized, crop) in [(451, 384, 224), (300, 256, 224), (7, 20, 9), (100, 30, 40), (1, 256, 224)] {
+            let whole = pil_bilinear_taps(src, resized);
+            let want: Vec<Option<PilTaps>> = center_crop_axis(resized, crop).into_iter().map(|p| p.map(|p| whole[p].clone())).collect();
+            assert_eq!(pil_resize_crop_taps(src, resized, crop), want, "{src} -> {resized} -> {crop}");
+        }
+        // 32768x1 to Resize(256): the long side would be 8,388,608 pixels; 224 taps are made.
+        let [h, w] = shorter_side_to([1, 32768], 256);
+        assert_eq!([h, w], [256, 8_388_608]);
+        let cols = pil_resize_crop_taps(32768, w, 224);
+        assert_eq!(cols.len(), 224);
+        assert!(cols.iter().all(|t| t.as_ref().is_some_and(|t| t.first < 32768 && t.weights.len() <= 2)));
     }
 
     #[test]

@@ -63,6 +63,13 @@ impl OpDef for Norm {
         }
     }
     fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
+        // A zero or negative eps divides by zero or takes the root of a negative variance: NaN
+        // outputs from a graph that validated. PyTorch's layers default to 1e-5.
+        if let Norm::BatchNorm2d { eps } | Norm::LayerNorm { eps, .. } | Norm::GroupNorm { eps, .. } = self {
+            if !(eps.is_finite() && *eps > 0.0) {
+                return Err(OpError::Attribute(format!("eps must be positive and finite, got {eps}")));
+            }
+        }
         match self {
             Norm::BatchNorm2d { .. } => batch_norm2d_shape(inputs),
             Norm::Softmax { dim } => softmax_shape(*dim, inputs),
@@ -600,6 +607,37 @@ mod tests {
 
     fn t(shape: &[usize], data: Vec<f32>) -> HostTensor {
         HostTensor::new(shape.to_vec(), data)
+    }
+
+    /// A graph file's BatchNorm with eps -1 passed `Graph::validate` and gave NaN logits; eps
+    /// must be positive and finite, for every norm that has one, at trace time and in `validate`.
+    #[test]
+    fn a_norm_whose_eps_is_not_positive_is_refused() {
+        use crate::graph::Graph;
+        use std::sync::Arc;
+        let mut g = Graph::default();
+        let x = g.push_unchecked(Op::Input { name: "input".into() }, vec![], vec![1, 3, 4, 4], "input".into());
+        let params: Vec<NodeId> =
+            ["weight", "bias", "running_mean", "running_var"].map(|n| g.weight(&format!("bn.{n}"), Arc::new(t(&[3], vec![1.0; 3])))).into();
+        let inputs = [vec![x], params].concat();
+        for eps in [-1.0, 0.0, f32::NAN, f32::INFINITY] {
+            let e = g.push(Op::Norm(Norm::BatchNorm2d { eps }), inputs.clone(), "bn".into()).expect_err("traced");
+            assert!(e.to_string().contains(&format!("eps must be positive and finite, got {eps}")), "{e}");
+        }
+        for norm in
+            [Norm::LayerNorm { dim: 1, shape: vec![3], eps: -1.0, affine: false }, Norm::GroupNorm { groups: 3, eps: 0.0, affine: false }]
+        {
+            assert!(norm.infer_shape(&[&[1, 3, 4, 4]]).is_err(), "{norm:?}");
+        }
+        // A file's graph: the node is stored as it is, and validation refuses it.
+        let bn = g.push_unchecked(Op::Norm(Norm::BatchNorm2d { eps: -1.0 }), inputs.clone(), vec![1, 3, 4, 4], "bn".into());
+        g.inputs.push(x);
+        g.mark_output("y", bn);
+        let e = g.validate().expect_err("eps -1");
+        assert!(matches!(e, crate::Error::InvalidGraph { node, .. } if node == bn), "{e}");
+        assert!(e.to_string().contains("eps must be positive and finite, got -1"), "{e}");
+        g.nodes[bn].op = Op::Norm(Norm::BatchNorm2d { eps: 1e-5 });
+        g.validate().expect("eps 1e-5");
     }
 
     #[test]

@@ -72,8 +72,10 @@ fn is_zip(bytes: &[u8]) -> bool {
 /// under `state_dict`, `model` or `model_state_dict`.
 pub fn read_pth(path: impl AsRef<Path>) -> Result<Checkpoint> {
     let path = path.as_ref();
+    // Mapped, not read: only the pickle and the storages of the tensors decoded are touched, and a
+    // checkpoint larger than memory costs no more than its tensors.
     let bytes =
-        crate::host::read_regular(path, "the path of a PyTorch checkpoint", |reason| Error::Checkpoint { path: path.into(), reason })?;
+        crate::host::map_regular(path, "the path of a PyTorch checkpoint", |reason| Error::Checkpoint { path: path.into(), reason })?;
     decode_pth(path, &bytes)
 }
 

@@ -9,7 +9,10 @@
 //! - `min_shapes`, `opt_shapes`, `max_shapes`: an optimization profile over the per-image dims
 //!   of a graph file's inputs, trtexec-style without the batch (`input:3x128x128`, several
 //!   separated by commas); `opt_shapes` defaults to the traced dims. An engine file brings its own;
-//! - `cuda_graphs`: `true` (default) or `false`.
+//! - `cuda_graphs`: `true` (default) or `false`;
+//! - `refuse_non_finite`: `true` refuses a request whose FP32 input holds NaN or infinity, as an
+//!   invalid argument (HTTP 400), naming the input, image and element; `false` (default) runs it,
+//!   and NaN in gives NaN out (docs/SERVING.md). An engine file takes it too: it changes no build.
 
 use crate::error::{BackendError, Result};
 use crate::kiln_api::{BuildConfig, DimsRange, Precision, ShapeProfile};
@@ -85,7 +88,8 @@ impl ModelConfig {
     /// The Kiln parameters (see the module doc); unknown keys are an error, so that a typo is not
     /// silently ignored.
     pub fn kiln_parameters(&self) -> Result<KilnParameters> {
-        const KNOWN: [&str; 7] = ["precision", "calibration_cache", "opt_batch", "min_shapes", "opt_shapes", "max_shapes", "cuda_graphs"];
+        const KNOWN: [&str; 8] =
+            ["precision", "calibration_cache", "opt_batch", "min_shapes", "opt_shapes", "max_shapes", "cuda_graphs", "refuse_non_finite"];
         if let Some(unknown) = self.parameters.keys().find(|k| !KNOWN.contains(&k.as_str())) {
             return Err(
                 self.err(format!("parameters[\"{unknown}\"]"), format!("is not a Kiln parameter; the backend reads {}", KNOWN.join(", ")))
@@ -106,6 +110,11 @@ impl ModelConfig {
             None | Some("") | Some("true") => true,
             Some("false") => false,
             Some(v) => return Err(self.err("parameters[\"cuda_graphs\"]", format!("`{v}` is not true or false"))),
+        };
+        let refuse_non_finite = match self.parameter("refuse_non_finite") {
+            None | Some("") | Some("false") => false,
+            Some("true") => true,
+            Some(v) => return Err(self.err("parameters[\"refuse_non_finite\"]", format!("`{v}` is not true or false"))),
         };
         let shapes = |key: &str| -> Result<Option<BTreeMap<String, Vec<usize>>>> {
             match self.parameter(key) {
@@ -131,7 +140,7 @@ impl ModelConfig {
                 ));
             }
         }
-        Ok(KilnParameters { precision, opt_batch, cuda_graphs, calibration_cache, profile })
+        Ok(KilnParameters { precision, opt_batch, cuda_graphs, calibration_cache, profile, refuse_non_finite })
     }
 }
 
@@ -150,6 +159,8 @@ pub struct KilnParameters {
     pub cuda_graphs: bool,
     pub calibration_cache: Option<String>,
     pub profile: Option<ProfileShapes>,
+    /// Refuse requests whose FP32 inputs hold NaN or infinity (a serving option: no build reads it).
+    pub refuse_non_finite: bool,
 }
 
 /// Reads `input:3x128x128[,name:dims...]` (per-image dims, no batch).
@@ -310,6 +321,14 @@ pub fn check(config: &ModelConfig, spec: &ModelSpec) -> Result<()> {
         return Err(config.err(
             "max_batch_size",
             format!("is {mbs}: Kiln models take the batch as their first dim, so set max_batch_size to at least 1{most}"),
+        ));
+    }
+    // Triton's field is an int32 (a larger value is written, and the server cannot load the
+    // repository); Kiln's engines take batches up to `MAX_BATCH`, which fits it.
+    if mbs > crate::kiln_api::MAX_BATCH as i64 {
+        return Err(config.err(
+            "max_batch_size",
+            format!("is {mbs}, more than the {} batches Kiln's engines take (Triton's field is an int32)", crate::kiln_api::MAX_BATCH),
         ));
     }
     if let Some((min, max)) = spec.batch {

@@ -65,7 +65,16 @@ pub unsafe fn execute(api: &Api, instance: *mut ffi::ModelInstance, state: &mut 
         accepted: &accepted,
     };
     for slot in slots.iter_mut().filter(|s| s.error.is_none()) {
-        match catch("checking a request", || request::check_request(&limits, &slot.data)) {
+        let checked = catch("checking a request", || {
+            let c = request::check_request(&limits, &slot.data)?;
+            if model.refuse_non_finite {
+                // SAFETY: the request's buffers are live until it is released, and were checked
+                // to hold the bytes its shape needs.
+                unsafe { request::check_finite(&model.spec, &slot.data, &c) }?;
+            }
+            Ok(c)
+        });
+        match checked {
             Ok(c) => slot.checked = Some(c),
             Err(e) => slot.error = Some(Failure::from(&e)),
         }
@@ -171,6 +180,20 @@ fn run_batch(api: &Api, model: &LoadedModel, runner: &mut dyn Runner, slots: &mu
     Ok(())
 }
 
+/// What a request's statistics report says: `Some(true)` for a request that ran, `Some(false)` for
+/// one that failed in the backend (Triton counts it in `nv_inference_request_failure` with
+/// `reason="BACKEND"`), and `None` (no report) for one refused as the caller's mistake
+/// (INVALID_ARG, HTTP 400): Triton counts every failure a backend reports as the backend's, and
+/// does not count the mistakes it refuses itself (a wrong datatype or shape for the config), so
+/// Kiln's refusals are left out as Triton's own are.
+fn statistics_outcome(error: Option<&Failure>, ran: bool) -> Option<bool> {
+    match error {
+        Some(e) if e.code == ffi::code::INVALID_ARG => None,
+        Some(_) => Some(false),
+        None => Some(ran),
+    }
+}
+
 /// Sends a request's response (its error, if any), reports its statistics and releases it.
 fn respond(api: &Api, instance: *mut ffi::ModelInstance, name: &str, slot: Slot) {
     let Slot { request, response, error, times, .. } = slot;
@@ -190,16 +213,34 @@ fn respond(api: &Api, instance: *mut ffi::ModelInstance, name: &str, slot: Slot)
     if let Some(e) = &error {
         log(api, ffi::log_level::VERBOSE, &format!("{name}: request failed: {}", e.message));
     }
-    let ok = error.is_none() && times[0] != 0;
-    // SAFETY: the request is live until released below; failed requests' times are ignored.
-    let reported =
-        unsafe { (api.TRITONBACKEND_ModelInstanceReportStatistics)(instance, request, ok, times[0], times[1], times[2], times[3]) };
-    if let Err(e) = check(api, "TRITONBACKEND_ModelInstanceReportStatistics", reported) {
-        log(api, ffi::log_level::WARN, &format!("{name}: {e}"));
+    if let Some(ok) = statistics_outcome(error.as_ref(), times[0] != 0) {
+        // SAFETY: the request is live until released below; failed requests' times are ignored.
+        let reported =
+            unsafe { (api.TRITONBACKEND_ModelInstanceReportStatistics)(instance, request, ok, times[0], times[1], times[2], times[3]) };
+        if let Err(e) = check(api, "TRITONBACKEND_ModelInstanceReportStatistics", reported) {
+            log(api, ffi::log_level::WARN, &format!("{name}: {e}"));
+        }
     }
     // SAFETY: we own the request and nothing reads it after this.
     let released = unsafe { (api.TRITONBACKEND_RequestRelease)(request, ffi::REQUEST_RELEASE_ALL) };
     if let Err(e) = check(api, "TRITONBACKEND_RequestRelease", released) {
         log(api, ffi::log_level::ERROR, &format!("{name}: {e}"));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A request refused as the caller's mistake is not reported, so Triton's failure counter
+    /// (`reason="BACKEND"`) counts only the backend's own failures.
+    #[test]
+    fn client_mistakes_are_not_counted_as_backend_failures() {
+        let mistake = Failure { code: ffi::code::INVALID_ARG, message: "input `input`: per-image dims ...".into() };
+        let failure = Failure { code: ffi::code::INTERNAL, message: "CUDA ...".into() };
+        assert_eq!(statistics_outcome(Some(&mistake), false), None);
+        assert_eq!(statistics_outcome(Some(&failure), true), Some(false));
+        assert_eq!(statistics_outcome(None, true), Some(true));
+        assert_eq!(statistics_outcome(None, false), Some(false), "a request that never ran is not a success");
     }
 }

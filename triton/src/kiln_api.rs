@@ -4,6 +4,8 @@
 pub use kiln::engine::{
     checksum, optimize, BuildConfig, DimsRange, Engine, EngineBuilder, ExecutionContext, Gpu, InputDims, Precision, ShapeProfile,
 };
+/// The largest batch an engine takes, which Triton's `max_batch_size` may not pass.
+pub use kiln::files::engine::MAX_BATCH;
 pub use kiln::run_cpu;
 pub use kiln::{ByteTensor, DType, Error as KilnError, Graph, HostInput, HostTensor, Result as KilnResult};
 pub use kiln::{Forward, Tracer, VarBuilder};

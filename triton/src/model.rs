@@ -31,6 +31,8 @@ pub struct LoadedModel {
     pub build: BuildConfig,
     /// The graph as traced (a graph file) or as the engine holds it (already optimised).
     pub graph: Graph,
+    /// `parameters["refuse_non_finite"]`: requests with NaN or infinity in an FP32 input are refused.
+    pub refuse_non_finite: bool,
     /// Identifies the graph file's bytes, for the engine cache's name.
     content_hash: u64,
     /// The graph the CPU executor runs, per input dims (optimised once, re-inferred per size).
@@ -89,7 +91,8 @@ impl LoadedModel {
                 (graph, config::build_config(&config, &params, profile, version_dir))
             }
             SourceKind::Engine => {
-                if params != engine_defaults() {
+                // `refuse_non_finite` is checked per request, not built in: an engine takes it.
+                if (KilnParameters { refuse_non_finite: false, ..params.clone() }) != engine_defaults() {
                     return Err(BackendError::Config {
                         model: name.clone(),
                         field: "parameters".into(),
@@ -111,6 +114,7 @@ impl LoadedModel {
             spec,
             build,
             graph,
+            refuse_non_finite: params.refuse_non_finite,
             content_hash: checksum(&bytes),
             cpu_graphs: Mutex::new(HashMap::new()),
             cpu_base: OnceLock::new(),
@@ -259,6 +263,7 @@ fn engine_defaults() -> KilnParameters {
         cuda_graphs: true,
         calibration_cache: None,
         profile: None,
+        refuse_non_finite: false,
     }
 }
 

@@ -81,6 +81,8 @@ pub struct RepositoryOptions {
     pub max_queue_delay_us: u64,
     /// Where `kiln/libtriton_kiln.so` is, for the README's command (a placeholder when unknown).
     pub backend_directory: Option<PathBuf>,
+    /// `parameters["refuse_non_finite"]`: refuse requests whose FP32 inputs hold NaN or infinity.
+    pub refuse_non_finite: bool,
 }
 
 impl Default for RepositoryOptions {
@@ -96,6 +98,7 @@ impl Default for RepositoryOptions {
             dynamic_batching: true,
             max_queue_delay_us: 1000,
             backend_directory: None,
+            refuse_non_finite: false,
         }
     }
 }
@@ -130,9 +133,18 @@ pub fn write_repository(source: &ModelSource, out: &Path, options: &RepositoryOp
         ));
     }
     let max_batch = options.max_batch_size.unwrap_or_else(|| engine_build.as_ref().map_or(8, |b| b.max_batch));
-    let mut config = ModelConfig { name: name.into(), max_batch_size: max_batch as i64, ..Default::default() };
+    // Saturating: `config::check` refuses anything past Kiln's batch limit, which fits an int32.
+    let mut config = ModelConfig { name: name.into(), max_batch_size: i64::try_from(max_batch).unwrap_or(i64::MAX), ..Default::default() };
+    for (field, path) in [("output", Some(out)), ("backend_directory", options.backend_directory.as_deref())] {
+        if let Some(p) = path.filter(|p| p.to_string_lossy().chars().any(char::is_control)) {
+            return Err(invalid(name, field, format!("{p:?} holds a control character (a newline would split the server command)")));
+        }
+    }
     if let Some(p) = options.precision {
         config.parameters.insert("precision".into(), Parameter { string_value: p.short_name().into() });
+    }
+    if options.refuse_non_finite {
+        config.parameters.insert("refuse_non_finite".into(), Parameter { string_value: "true".into() });
     }
     if let Some(p) = &options.profile {
         let text =
@@ -192,12 +204,26 @@ pub fn write_repository(source: &ModelSource, out: &Path, options: &RepositoryOp
     std::fs::write(&config_path, &pbtxt).map_err(io(&config_path))?;
 
     let repo = std::path::absolute(out).unwrap_or_else(|_| out.to_path_buf());
-    let backends =
-        options.backend_directory.as_ref().map_or("<dir holding kiln/libtriton_kiln.so>".to_string(), |d| d.display().to_string());
-    let serve_command = format!("tritonserver --model-repository={} --backend-directory={backends}", repo.display());
+    let backends = options
+        .backend_directory
+        .as_ref()
+        .map_or("<dir holding kiln/libtriton_kiln.so>".to_string(), |d| shell_quote(&d.display().to_string()));
+    let serve_command =
+        format!("tritonserver --model-repository={} --backend-directory={backends}", shell_quote(&repo.display().to_string()));
     let readme_path = out.join("README.md");
     std::fs::write(&readme_path, readme(name, &model_file, max_batch, options, &serve_command)).map_err(io(&readme_path))?;
     Ok(WrittenRepository { model_dir, model_file, config_pbtxt: pbtxt, serve_command })
+}
+
+/// `s` as one word of a POSIX shell command: as it is when it holds only characters no shell
+/// treats specially, else in single quotes (a `'` written `'\''`).
+fn shell_quote(s: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "_-./=:@%+,".contains(c);
+    if !s.is_empty() && s.chars().all(plain) {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
 }
 
 /// The model's graph, the build config an engine file was made with, and the file name it takes

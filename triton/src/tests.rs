@@ -325,3 +325,93 @@ fn gpu_runner_case(name: &str, on: usize, data: usize) {
     }
     let _ = std::fs::remove_dir_all(out);
 }
+
+/// `--max-batch-size 1099511627776` was written to config.pbtxt, which Triton (an int32 field)
+/// cannot load; past Kiln's batch limit it is refused, naming the field.
+#[test]
+fn a_max_batch_size_past_kilns_limit_is_refused() {
+    let out = temp_dir("max-batch");
+    let source = ModelSource::Graph { graph: Box::new(tiny()), metadata: BTreeMap::new() };
+    for huge in [1usize << 40, crate::kiln_api::MAX_BATCH + 1, usize::MAX] {
+        let options = RepositoryOptions { max_batch_size: Some(huge), ..cpu_options("big") };
+        let e = write_repository(&source, &out, &options).expect_err("too large").to_string();
+        assert!(e.contains("max_batch_size") && e.contains(&format!("is {}", i64::try_from(huge).unwrap_or(i64::MAX))), "{e}");
+        assert!(!out.join("big").exists(), "nothing is written");
+    }
+    let options = RepositoryOptions { max_batch_size: Some(crate::kiln_api::MAX_BATCH), ..cpu_options("big") };
+    write_repository(&source, &out, &options).expect("the limit itself");
+    let _ = std::fs::remove_dir_all(out);
+}
+
+/// The server command (printed, and in the README) quotes what a shell would split: `-o "my
+/// repo"` gave a broken command; a control character (a newline would start a second command
+/// line in the README) is refused.
+#[test]
+fn the_server_command_quotes_its_paths_and_refuses_control_characters() {
+    let out = temp_dir("quoted").join("my repo");
+    let source = ModelSource::Graph { graph: Box::new(tiny()), metadata: BTreeMap::new() };
+    let options = RepositoryOptions { backend_directory: Some("/opt/it's here".into()), ..cpu_options("tiny") };
+    let w = write_repository(&source, &out, &options).expect("written");
+    let repo = std::path::absolute(&out).expect("absolute");
+    assert_eq!(w.serve_command, format!("tritonserver --model-repository='{}' --backend-directory='/opt/it'\\''s here'", repo.display()));
+    let readme = std::fs::read_to_string(out.join("README.md")).expect("readme");
+    assert!(readme.contains(&w.serve_command), "{readme}");
+    // A plain path stays as it is.
+    let plain = RepositoryOptions { backend_directory: Some("/opt/tritonserver/backends".into()), ..cpu_options("tiny") };
+    let w = write_repository(&source, &out, &plain).expect("written");
+    assert!(w.serve_command.ends_with(" --backend-directory=/opt/tritonserver/backends"), "{}", w.serve_command);
+    let newline = RepositoryOptions { backend_directory: Some("/opt\nrm -rf /".into()), ..cpu_options("tiny") };
+    let e = write_repository(&source, &out, &newline).expect_err("newline").to_string();
+    assert!(e.contains("backend_directory") && e.contains("control character"), "{e}");
+    let e = write_repository(&source, &out.join("a\nb"), &cpu_options("tiny")).expect_err("newline").to_string();
+    assert!(e.contains("output") && e.contains("control character"), "{e}");
+    let _ = std::fs::remove_dir_all(out.parent().expect("temp dir"));
+}
+
+/// A field of /proc/self/status in kB (`VmRSS`, `VmHWM`).
+fn status_kb(field: &str) -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status.lines().find_map(|l| l.strip_prefix(field)?.trim_start_matches(':').trim().strip_suffix("kB")?.trim().parse().ok()).unwrap_or(0)
+}
+
+/// Where a CPU instance's memory goes (docs/SERVING.md): ResNet-18 at 224x224 with seeded
+/// weights, loaded as the backend loads it, then 30 rounds of 12 requests of batch 1 to 4 through
+/// the CPU runner; the resident size after each round. `cargo test --release -p kiln-triton --lib
+/// -- --ignored --nocapture cpu_instance_memory_levels_off`.
+#[test]
+#[ignore = "a measurement (about a minute on two cores)"]
+fn cpu_instance_memory_levels_off() {
+    let start = status_kb("VmRSS");
+    let out = temp_dir("memory");
+    let source = crate::bundled_source("resnet18", None, None).expect("traced");
+    let w = write_repository(&source, &out, &RepositoryOptions { max_batch_size: Some(4), ..cpu_options("rn18") }).expect("written");
+    drop(source);
+    let model = load_written(&w).expect("loaded");
+    let loaded = status_kb("VmRSS");
+    let per_image = 3 * 224 * 224;
+    let images: Vec<Vec<u8>> =
+        (1..=4).map(|b| f32_bytes(&(0..b * per_image).map(|i| ((i * 31) % 97) as f32 / 50.0 - 1.0).collect::<Vec<_>>())).collect();
+    let accepts = |d: &InputDims| model.accepts(d);
+    let accepted = || model.accepted_text();
+    let limits =
+        Limits { spec: &model.spec, max_batch: 4, declared_outputs: vec!["logits".into()], accepts: &accepts, accepted: &accepted };
+    let mut runner = CpuRunner::new();
+    let mut rounds = Vec::new();
+    for _ in 0..30 {
+        for i in 0..12 {
+            let batch = 1 + i % 4;
+            let req = request("input", datatype::FP32, batch, &[3, 224, 224], &images[batch - 1]);
+            let checked = check_request(&limits, &req).expect("valid");
+            runner.run(&model, &checked.dims, &[Member { data: &req, checked: &checked, offset: 0 }], batch).expect("ran");
+            let mut logits = vec![0f32; batch * 1000];
+            let dst = Dest { place: Place::host(logits.as_mut_ptr().cast()), len: logits.len() * 4 };
+            runner.write_output("logits", 0, batch, dst).expect("written");
+            assert!(logits.iter().all(|v| v.is_finite()));
+        }
+        rounds.push(status_kb("VmRSS"));
+    }
+    println!("CPU instance memory (kB): before {start}, loaded {loaded}, after each round {rounds:?}, peak {}", status_kb("VmHWM"));
+    // Levels off: the last twenty rounds hold no more than the tenth did, give or take 8 MiB.
+    assert!(rounds[10..].iter().all(|&r| r <= rounds[9] + 8192), "{rounds:?}");
+    let _ = std::fs::remove_dir_all(out);
+}

@@ -12,7 +12,7 @@
 use crate::resize::resize_bilinear;
 use crate::{Error, Result};
 use image::RgbImage;
-use kiln::image::{center_crop_axis, shorter_side_to};
+use kiln::image::{center_crop_axis, pil_clip8, pil_resize_crop_taps, shorter_side_to, PilTaps};
 use kiln::HostTensor;
 
 /// A classifier's preprocessing: shorter side to `resize`, centre crop of `crop`, then
@@ -40,9 +40,11 @@ impl ClassifyPreset {
         Self { resize: size * 256 / 224, crop: size, ..Self::IMAGENET }
     }
 
-    /// The resized and cropped image (`crop` x `crop`), before normalisation.
+    /// The resized and cropped image (`crop` x `crop`), before normalisation: the pixels of
+    /// `center_crop(&resize_shorter(img, resize), crop, crop)`, computed for the crop alone
+    /// ([`resize_shorter_then_crop`]).
     pub fn crop(&self, img: &RgbImage) -> RgbImage {
-        center_crop(&resize_shorter(img, self.resize), self.crop, self.crop)
+        resize_shorter_then_crop(img, self.resize, self.crop, self.crop)
     }
 
     /// The model input for the image files `paths`, decoded as `crate::load_rgb` does.
@@ -60,7 +62,10 @@ impl ClassifyPreset {
 
 /// torchvision's `Resize(size)` with one number: the shorter side becomes `size`, the longer
 /// `int(size * long / short)` (Python's float division, truncated), with PIL's bilinear filter.
-/// An image whose size would not change is returned as it is, as torchvision does.
+/// An image whose size would not change is returned as it is, as torchvision does. The whole
+/// resized image is made: a thin image's longer side grows with its aspect ratio (32768x1 to
+/// `Resize(256)` is 8,388,608x256 pixels), so a preprocessing that crops next should call
+/// [`resize_shorter_then_crop`].
 pub fn resize_shorter(img: &RgbImage, size: u32) -> RgbImage {
     let (w, h) = img.dimensions();
     let [nh, nw] = shorter_side_to([h as usize, w as usize], size as usize);
@@ -68,6 +73,42 @@ pub fn resize_shorter(img: &RgbImage, size: u32) -> RgbImage {
         return img.clone();
     }
     resize_bilinear(img, nw as u32, nh as u32)
+}
+
+/// `center_crop(&resize_shorter(img, size), width, height)`, the same pixels bit for bit, with
+/// only the cropped pixels resampled: PIL's horizontal pass (rounded to a level) for the source
+/// rows the crop's rows read and the crop's columns, then the vertical pass for the crop's rows.
+/// Its memory and time follow the source's height and the crop, whatever the aspect ratio.
+pub fn resize_shorter_then_crop(img: &RgbImage, size: u32, width: u32, height: u32) -> RgbImage {
+    let (w, h) = (img.width() as usize, img.height() as usize);
+    let [nh, nw] = shorter_side_to([h, w], size as usize);
+    let cols = pil_resize_crop_taps(w, nw, width as usize);
+    let rows = pil_resize_crop_taps(h, nh, height as usize);
+    let src = img.as_raw();
+    // The source rows the vertical pass reads.
+    let first = rows.iter().flatten().map(|t| t.first).min().unwrap_or(0);
+    let end = rows.iter().flatten().map(|t| t.first + t.weights.len()).max().unwrap_or(0);
+    let crop_w = width as usize;
+    let mut horizontal = vec![0u8; end.saturating_sub(first) * crop_w * 3];
+    for y in first..end {
+        let row = &src[y * w * 3..(y + 1) * w * 3];
+        for (x, t) in cols.iter().enumerate() {
+            let Some(t) = t else { continue };
+            for c in 0..3 {
+                let sum = t.weights.iter().enumerate().map(|(i, &k)| i64::from(row[(t.first + i) * 3 + c]) * i64::from(k)).sum();
+                horizontal[((y - first) * crop_w + x) * 3 + c] = pil_clip8(sum);
+            }
+        }
+    }
+    let level = |t: &PilTaps, x: usize, c: usize| {
+        let sum =
+            t.weights.iter().enumerate().map(|(j, &k)| i64::from(horizontal[((t.first + j - first) * crop_w + x) * 3 + c]) * i64::from(k));
+        pil_clip8(sum.sum())
+    };
+    RgbImage::from_fn(width, height, |x, y| match (&cols[x as usize], &rows[y as usize]) {
+        (Some(_), Some(t)) => image::Rgb([0, 1, 2].map(|c| level(t, x as usize, c))),
+        _ => image::Rgb([0, 0, 0]),
+    })
 }
 
 /// torchvision's `CenterCrop((height, width))`: the offsets are `round((size - crop) / 2)` with
@@ -118,6 +159,42 @@ mod tests {
         // 741x500 (motorcycle_left.png): 256 * 741 / 500 = 379.39 -> 379.
         assert_eq!(resize_shorter(&RgbImage::new(741, 500), 256).dimensions(), (379, 256));
         assert_eq!(resize_shorter(&RgbImage::new(256, 256), 256).dimensions(), (256, 256));
+    }
+
+    /// The crop-only resize gives the pixels of the whole resize then the crop, bit for bit,
+    /// shrinking, enlarging, padding and at one size.
+    #[test]
+    fn resize_then_crop_equals_the_crop_of_the_whole_resize() {
+        let img =
+            |w: u32, h: u32| RgbImage::from_fn(w, h, |x, y| image::Rgb([(x * 37 + y * 11) as u8, (x * y) as u8, (255 - x * 3 - y) as u8]));
+        for (w, h, size, crop) in [
+            (451, 300, 256, 224),
+            (300, 451, 256, 224),
+            (60, 40, 73, 64),
+            (9, 14, 9, 8),
+            (50, 50, 20, 32),
+            (7, 3, 9, 8),
+            (256, 256, 256, 224),
+        ] {
+            let src = img(w, h);
+            let want = center_crop(&resize_shorter(&src, size), crop, crop);
+            assert_eq!(resize_shorter_then_crop(&src, size, crop, crop), want, "{w}x{h} to {size}, crop {crop}");
+        }
+    }
+
+    /// A 32768x1 image, which `Resize(256)` makes 8,388,608x256 (6.4 GB), is cropped at the cost
+    /// of its crop: each column of the crop repeats its one source row's resampled level.
+    #[test]
+    fn a_thin_image_is_cropped_without_its_whole_resize() {
+        let thin = RgbImage::from_fn(32768, 1, |x, _| image::Rgb([(x % 251) as u8, 128, 7]));
+        let started = std::time::Instant::now();
+        let out = ClassifyPreset::IMAGENET.crop(&thin);
+        assert!(started.elapsed().as_secs_f64() < 1.0, "{:?}", started.elapsed());
+        assert_eq!(out.dimensions(), (224, 224));
+        // One source row: every output row is that row enlarged, the same levels.
+        assert!((0..224).all(|y| out.get_pixel(10, y) == out.get_pixel(10, 0)));
+        // Columns: the centre of 8,388,608 is source pixel 16384 (level 16384 % 251 = 69), enlarged 256 times.
+        assert_eq!(out.get_pixel(112, 0).0[1..], [128, 7]);
     }
 
     #[test]

@@ -16,7 +16,7 @@ pub mod labels;
 pub mod letterbox;
 pub mod resize;
 
-pub use classify::{center_crop, resize_shorter, to_nchw, ClassifyPreset};
+pub use classify::{center_crop, resize_shorter, resize_shorter_then_crop, to_nchw, ClassifyPreset};
 pub use draw::{detections, draw_detections, Detection};
 pub use image::{self, RgbImage};
 pub use labels::{coco_classes, imagenet_classes, softmax, top_k, top_k_batch, Prediction};
@@ -30,6 +30,9 @@ use std::path::{Path, PathBuf};
 pub enum Error {
     #[error("cannot decode image {path}: {reason}")]
     Decode { path: PathBuf, reason: String },
+
+    #[error("cannot decode image {path}: it is truncated ({reason}); what is missing would decode as grey and change the answer")]
+    Truncated { path: PathBuf, reason: String },
 
     #[error("cannot write image {path}: {reason}")]
     Encode { path: PathBuf, reason: String },
@@ -49,10 +52,27 @@ pub const MAX_DECODED_BYTES: u64 = 512 << 20;
 /// The largest image file `load_rgb` reads, 1 GiB.
 pub const MAX_FILE_BYTES: u64 = 1 << 30;
 
+/// What decoding does with a truncated file: a JPEG cut short decodes without an error (its
+/// missing rows come out grey), so the decoder's answer alone does not tell.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Truncated {
+    /// Refuse it with [`Error::Truncated`], as PIL does.
+    #[default]
+    Refuse,
+    /// Decode what it holds, and say why it is truncated beside the image.
+    Accept,
+}
+
 /// Decodes the image file at `path` (format from its bytes) as 8-bit RGB. The path must be a
 /// regular file (a FIFO or a directory is named as such, without waiting for a writer) of at
-/// most [`MAX_FILE_BYTES`].
+/// most [`MAX_FILE_BYTES`]. A truncated file is refused ([`Error::Truncated`]).
 pub fn load_rgb(path: impl AsRef<Path>) -> Result<RgbImage> {
+    load_rgb_with(path, Truncated::Refuse).map(|(img, _)| img)
+}
+
+/// [`load_rgb`], with `truncated` deciding what a truncated file gives; the second value says
+/// why the image is truncated when it was accepted.
+pub fn load_rgb_with(path: impl AsRef<Path>, truncated: Truncated) -> Result<(RgbImage, Option<String>)> {
     let path = path.as_ref();
     let decode_err = |reason: String| Error::Decode { path: path.into(), reason };
     let file = kiln::files::open_regular(path, "an image file (JPEG, PNG, BMP, GIF, WebP, PNM or TIFF)", |reason| kiln::Error::Image {
@@ -69,7 +89,7 @@ pub fn load_rgb(path: impl AsRef<Path>) -> Result<RgbImage> {
     }
     let mut bytes = Vec::new();
     std::io::Read::read_to_end(&mut std::io::Read::take(file, MAX_FILE_BYTES), &mut bytes).map_err(|e| decode_err(e.to_string()))?;
-    decode_rgb(&bytes, path)
+    decode_rgb_with(&bytes, path, truncated)
 }
 
 /// Decodes an image file already in memory as 8-bit RGB; `path` names it in errors. Grey images
@@ -78,8 +98,15 @@ pub fn load_rgb(path: impl AsRef<Path>) -> Result<RgbImage> {
 ///
 /// The dims are read from the header and checked first: each side at most [`MAX_IMAGE_SIDE`], and
 /// the decoder may hold at most [`MAX_DECODED_BYTES`], so a small file claiming a huge image is
-/// refused before anything is allocated for its pixels.
+/// refused before anything is allocated for its pixels. A truncated file is refused
+/// ([`Error::Truncated`]).
 pub fn decode_rgb(bytes: &[u8], path: &Path) -> Result<RgbImage> {
+    decode_rgb_with(bytes, path, Truncated::Refuse).map(|(img, _)| img)
+}
+
+/// [`decode_rgb`], with `truncated` deciding what a truncated file gives; the second value says
+/// why the image is truncated when it was accepted.
+pub fn decode_rgb_with(bytes: &[u8], path: &Path, truncated: Truncated) -> Result<(RgbImage, Option<String>)> {
     let bad = |reason: String| Error::Decode { path: path.into(), reason };
     let limited = |e: image::ImageError| match e {
         image::ImageError::Limits(l) => {
@@ -110,8 +137,38 @@ pub fn decode_rgb(bytes: &[u8], path: &Path) -> Result<RgbImage> {
     if width == 0 || height == 0 || width > MAX_IMAGE_SIDE || height > MAX_IMAGE_SIDE {
         return Err(bad(format!("is {width}x{height} pixels; an image must be 1 to {MAX_IMAGE_SIDE} pixels on each side")));
     }
-    let decoded = reader(true)?.decode().map_err(limited)?;
-    Ok(decoded.to_rgb8())
+    let reader = reader(true)?;
+    let cut = match reader.format() {
+        Some(image::ImageFormat::Jpeg) => jpeg_truncation(bytes),
+        _ => None,
+    };
+    if let (Some(reason), Truncated::Refuse) = (&cut, truncated) {
+        return Err(Error::Truncated { path: path.into(), reason: reason.clone() });
+    }
+    let decoded = reader.decode().map_err(limited)?;
+    Ok((decoded.to_rgb8(), cut))
+}
+
+/// Why the JPEG `bytes` are truncated, or `None` when they are whole. The image crate decodes a
+/// JPEG whose data stops early without an error, filling the rest with grey (as browsers do).
+/// A whole file's last scan ends at a marker (its end-of-image, FF D9, which entropy-coded data
+/// cannot hold); when none follows the last start-of-scan (FF DA), the file is decoded again
+/// strictly, which fails where data is missing and passes a file that lacks only its 2-byte end
+/// marker.
+fn jpeg_truncation(bytes: &[u8]) -> Option<String> {
+    let last_scan = bytes.windows(2).rposition(|w| w == [0xff, 0xda])?;
+    if bytes[last_scan..].windows(2).any(|w| w == [0xff, 0xd9]) {
+        return None;
+    }
+    let options = zune_core::options::DecoderOptions::default()
+        .set_strict_mode(true)
+        .set_max_width(MAX_IMAGE_SIDE as usize)
+        .set_max_height(MAX_IMAGE_SIDE as usize);
+    let mut strict = zune_jpeg::JpegDecoder::new_with_options(zune_core::bytestream::ZCursor::new(bytes), options);
+    match strict.decode() {
+        Ok(_) => None,
+        Err(e) => Some(format!("its last scan stops after {} of its bytes: {e}", bytes.len() - last_scan)),
+    }
 }
 
 /// The file extensions `image_files` lists (compared without case).
@@ -165,6 +222,46 @@ mod tests {
         let rgba = image::DynamicImage::ImageRgba8(image::RgbaImage::from_pixel(2, 2, image::Rgba([10, 20, 30, 0])));
         let out = decode_rgb(&encoded(&rgba, image::ImageFormat::Png), Path::new("a.png")).expect("rgba");
         assert_eq!(out.get_pixel(0, 0).0, [10, 20, 30], "alpha dropped, not composited");
+    }
+
+    fn photo_like(w: u32, h: u32) -> image::DynamicImage {
+        image::DynamicImage::ImageRgb8(RgbImage::from_fn(w, h, |x, y| {
+            image::Rgb([(x * 255 / w) as u8, (y * 255 / h) as u8, ((x * 7 + y * 13) % 256) as u8])
+        }))
+    }
+
+    /// A JPEG cut in half decoded without an error, its lower half grey; it is refused now, or
+    /// decoded with the reason beside it when accepted. A JPEG missing only its end marker is
+    /// whole and decodes as before.
+    #[test]
+    fn a_truncated_jpeg_is_refused_unless_accepted() {
+        let jpeg = encoded(&photo_like(96, 64), image::ImageFormat::Jpeg);
+        let whole = decode_rgb(&jpeg, Path::new("cat.jpg")).expect("whole");
+        assert_eq!(&jpeg[jpeg.len() - 2..], [0xff, 0xd9]);
+        let no_end = decode_rgb(&jpeg[..jpeg.len() - 2], Path::new("no_end.jpg")).expect("only the end marker is missing");
+        assert_eq!(no_end, whole);
+        let half = &jpeg[..jpeg.len() / 2];
+        let e = decode_rgb(half, Path::new("half.jpg")).expect_err("half a JPEG");
+        assert!(matches!(e, Error::Truncated { .. }), "{e}");
+        assert!(e.to_string().starts_with("cannot decode image half.jpg: it is truncated ("), "{e}");
+        let (img, why) = decode_rgb_with(half, Path::new("half.jpg"), Truncated::Accept).expect("accepted");
+        assert_eq!(img.dimensions(), (96, 64));
+        assert!(why.is_some_and(|w| w.contains("its last scan stops")));
+        assert_ne!(img, whole, "the missing rows are not the photo's");
+        // A whole file accepted is whole: no reason beside it.
+        assert_eq!(decode_rgb_with(&jpeg, Path::new("cat.jpg"), Truncated::Accept).expect("whole").1, None);
+    }
+
+    /// Every other format this build reads refuses a file cut in half (the decoders' own errors).
+    #[test]
+    fn other_formats_cut_in_half_are_refused() {
+        use image::ImageFormat::*;
+        for format in [Png, Bmp, Gif, WebP, Tiff, Pnm] {
+            let bytes = encoded(&photo_like(96, 64), format);
+            decode_rgb(&bytes, Path::new("whole")).unwrap_or_else(|e| panic!("{format:?}: {e}"));
+            let cut = &bytes[..bytes.len() / 2];
+            assert!(decode_rgb(cut, Path::new("half")).is_err(), "{format:?} cut in half decoded");
+        }
     }
 
     #[test]

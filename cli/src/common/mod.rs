@@ -18,7 +18,7 @@ mod memory;
 mod source;
 mod summary;
 
-pub use dims::{check_shapes, requested};
+pub use dims::{check_shapes, requested, MAX_INPUT_ELEMENTS};
 pub use engine::{build_engine, engine_for, gpu, progress_bar};
 pub use inputs::{bind, engine_inputs, graph_inputs, random_inputs, read_input, read_input_data, InputData};
 pub use load::{load, load_args, trace_args, Traced};

@@ -19,13 +19,15 @@ const SHOWN_IMAGES: usize = 4;
 pub const IMAGENET_CLASSES: usize = 1000;
 
 /// The output that holds a classifier's class scores, among `(name, shape)` pairs: the one named
-/// `logits` (Kiln's name, the bundled models'), else the only `[N, 1000]` output (an imported
-/// torchvision or timm classifier, whose one output kiln-torch names `output`). `None` when
-/// neither is there, or when several `[N, 1000]` outputs make the choice ambiguous.
+/// `logits` (Kiln's name, the bundled models') when it is `[N, classes]`, else the only
+/// `[N, 1000]` output (an imported torchvision or timm classifier, whose one output kiln-torch
+/// names `output`). `None` when neither is there, or when several `[N, 1000]` outputs make the
+/// choice ambiguous. A `logits` of another rank (a segmentation model's `[N, C, H, W]`, as
+/// Hugging Face names it) is not class scores.
 pub fn class_scores_output<'a>(outputs: impl IntoIterator<Item = (&'a str, &'a [usize])>) -> Option<&'a str> {
     let mut imagenet = Vec::new();
     for (name, shape) in outputs {
-        if name == "logits" {
+        if name == "logits" && shape.len() == 2 {
             return Some(name);
         }
         if let &[_, IMAGENET_CLASSES] = shape {
@@ -43,7 +45,7 @@ pub fn class_scores_output<'a>(outputs: impl IntoIterator<Item = (&'a str, &'a [
 pub fn summarize(outputs: &BTreeMap<String, HostTensor>, top: usize, input_width: Option<usize>) -> String {
     let mut s = String::new();
     let scores = class_scores_output(outputs.iter().map(|(n, t)| (n.as_str(), t.shape.as_slice())));
-    if let Some(logits) = scores.and_then(|n| outputs.get(n)).filter(|t| t.shape.len() == 2) {
+    if let Some(logits) = scores.and_then(|n| outputs.get(n)) {
         let (n, classes) = (logits.shape[0], logits.shape[1]);
         for (img, row) in logits.data.chunks_exact(classes.max(1)).enumerate().take(SHOWN_IMAGES) {
             let p = softmax(row);
@@ -64,7 +66,8 @@ pub fn summarize(outputs: &BTreeMap<String, HostTensor>, top: usize, input_width
             s += &format!("({} more images)\n", n - SHOWN_IMAGES);
         }
     }
-    if let Some(det) = outputs.get("detections").filter(|t| t.shape.len() == 3 && t.shape[2] == 6) {
+    let detections = outputs.get("detections").filter(|t| t.shape.len() == 3 && t.shape[2] == 6);
+    if let Some(det) = detections {
         let (n, k) = (det.shape[0], det.shape[1]);
         // Boxes are in output-map coordinates; the maps are at stride input/map.
         let stride = match (outputs.get("hm").and_then(|hm| hm.shape.get(3)), input_width) {
@@ -87,7 +90,8 @@ pub fn summarize(outputs: &BTreeMap<String, HostTensor>, top: usize, input_width
         }
     }
     for (name, t) in outputs {
-        if Some(name.as_str()) == scores || name == "detections" {
+        // Every output is shown: as class scores, as detections, or as its shape and range.
+        if Some(name.as_str()) == scores || (name == "detections" && detections.is_some()) {
             continue;
         }
         let (lo, hi) = t.data.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| (lo.min(v), hi.max(v)));
@@ -132,6 +136,20 @@ mod tests {
         assert!(s.starts_with("image 0: top-1:\n    class  281 (logit   9.000, p 0."), "{s}");
         assert!(s.contains(&format!("  {}", kiln_vision::imagenet_classes()[281])), "the class is named:\n{s}");
         assert!(!s.contains("min"), "the scores are not summarised as a range too:\n{s}");
+    }
+
+    /// An output named `logits` that is not `[N, classes]` (a segmentation model's
+    /// `[N, C, H, W]`) printed nothing at all; it is shown as its shape and range, as is a
+    /// `detections` of another shape.
+    #[test]
+    fn outputs_named_logits_or_detections_of_other_shapes_are_still_shown() {
+        let seg = HostTensor::new(vec![1, 2, 2, 2], vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]);
+        assert_eq!(class_scores_output([("logits", &[1, 2, 2, 2][..])]), None);
+        let s = summarize(&BTreeMap::from([("logits".to_string(), seg)]), 5, Some(224));
+        assert_eq!(s, "logits: [1, 2, 2, 2], min 0.000, max 7.000, mean 3.500\n");
+        let det = HostTensor::new(vec![1, 3], vec![1.0, 2.0, 3.0]);
+        let s = summarize(&BTreeMap::from([("detections".to_string(), det)]), 5, Some(224));
+        assert_eq!(s, "detections: [1, 3], min 1.000, max 3.000, mean 2.000\n");
     }
 
     #[test]

@@ -107,10 +107,20 @@ impl QuantParams {
         if let Some(s) = self.scale.iter().find(|s| !(s.is_finite() && **s > 0.0)) {
             return Err(format!("scales must be positive and finite, got {s}").into());
         }
+        if let Some(Err(reason)) = self.scale.iter().map(|&s| crate::number_format::check_scale(s, self.format)).find(|r| r.is_err()) {
+            return Err(OpError::Attribute(reason));
+        }
         match self.format {
             QuantFormat::Int8 => {
                 if self.qmin >= self.qmax {
                     return Err(format!("int8 range [{}, {}] is empty", self.qmin, self.qmax).into());
+                }
+                // 8 bits: [-128, 127] (qint8), [0, 255] (quint8) or a narrower range inside them.
+                if self.qmin < -128 || self.qmax > 255 || self.qmax - self.qmin > 255 {
+                    return Err(OpError::Attribute(format!(
+                        "int8 range [{}, {}] is not 8 bits: it must lie within [-128, 127] or [0, 255]",
+                        self.qmin, self.qmax
+                    )));
                 }
                 if !self.zero_point.is_empty() && self.zero_point.len() != want {
                     return Err(format!("{} zero point(s) for {want} scale(s)", self.zero_point.len()).into());
@@ -385,6 +395,30 @@ mod tests {
             v.push(if e == 0 { m / 8.0 * 2f32.powi(-6) } else { (1.0 + m / 8.0) * 2f32.powi(e - 7) });
         }
         v
+    }
+
+    /// An "int8" range of ±2^31 was accepted; a range must be 8 bits, and a scale one whose
+    /// reciprocal is finite (1e-45 made every value NaN).
+    #[test]
+    fn int8_ranges_are_8_bits_and_scales_have_finite_reciprocals() {
+        let shape = [1, 3, 2, 2];
+        let e = QuantParams::int8(0.1).range(i32::MIN, i32::MAX).check(&shape).expect_err("2^32 codes");
+        assert!(e.to_string().contains("int8 range [-2147483648, 2147483647] is not 8 bits"), "{e}");
+        for (qmin, qmax) in [(-129, 127), (0, 256), (-128, 255)] {
+            assert!(QuantParams::int8(0.1).range(qmin, qmax).check(&shape).is_err(), "[{qmin}, {qmax}]");
+        }
+        for (qmin, qmax) in [(-128, 127), (0, 255), (-127, 127), (-8, 7)] {
+            QuantParams::int8(0.1).range(qmin, qmax).check(&shape).unwrap_or_else(|e| panic!("[{qmin}, {qmax}]: {e}"));
+        }
+        for scale in [1e-45, f32::MAX] {
+            let e = QuantParams::int8(scale).check(&shape).expect_err("scale");
+            assert!(e.to_string().contains("a scale must be positive, finite and within"), "{e}");
+            assert!(QuantParams::fp8(scale).check(&shape).is_err());
+        }
+        // Through the DSL: the op is refused where it is traced.
+        let tracer = crate::Tracer::new();
+        let x = tracer.input("input", &shape);
+        assert!(x.fake_quantize(QuantParams::int8(0.1).range(i32::MIN, i32::MAX)).is_err());
     }
 
     #[test]
