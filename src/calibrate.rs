@@ -927,10 +927,12 @@ mod tests {
             }
             assert!(exact_squared_error(&data, h.range, format) > 1.05 * at || t > 0.9 * h.range, "{}: {t}", format.name());
         }
-        // INT8's even grid clips a long tail (the Laplace's max is ~12 b here); e4m3's logarithmic
-        // grid keeps small values precise at any scale, so it clips less.
+        // INT8's even grid clips a long tail: at 8 bits the least-MSE clip of a Laplace(b) is
+        // 9.89 b (Banner et al., "Post training 4-bit quantization of convolutional networks", 2019), below this sample's
+        // max of 12.9 b. e4m3's logarithmic grid keeps small values precise at any scale, so it
+        // clips less.
         let (int8, fp8) = (h.mse_threshold(QuantFormat::Int8), h.mse_threshold(QuantFormat::Fp8E4m3));
-        assert!(int8 < 0.7 * h.range, "int8 threshold {int8} of {}", h.range);
+        assert!((int8 - 9.89).abs() < 0.5, "int8 threshold {int8} of {}", h.range);
         assert!(fp8 > int8, "fp8 threshold {fp8}, int8 {int8}");
     }
 
