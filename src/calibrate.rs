@@ -369,7 +369,7 @@ impl Histogram {
     /// error of a grid finer than the bins is not lost to aliasing at the bins' centres; exact
     /// zeros cost nothing at any threshold. The smallest candidate wins a tie.
     pub fn mse_threshold(&self, format: QuantFormat) -> f32 {
-        if self.bins.iter().all(|&c| c == 0) || !(self.range > 0.0) {
+        if self.bins.iter().all(|&c| c == 0) || self.range.is_nan() || self.range <= 0.0 {
             return self.range.max(0.0);
         }
         let width = self.bin_width();

@@ -144,9 +144,9 @@ fn fold_stats(data: &Data) -> [kiln::engine::CalibrationStats; 2] {
 /// Runs `method` × `format` with each fold's cache on the other fold: (centre crops, all views).
 fn judge(data: &Data, caches: &[CalibrationCache; 2], format: QuantFormat, fp32: &[(HostTensor, HostTensor); 2]) -> (Agreement, Agreement) {
     let (mut centre, mut all) = (Agreement::default(), Agreement::default());
-    for f in 0..2 {
+    for (f, cache) in caches.iter().enumerate() {
         let judged = 1 - f;
-        let sim = simulate(&data.graph, &caches[f], format).expect("simulation graph");
+        let sim = simulate(&data.graph, cache, format).expect("simulation graph");
         let got = logits(&sim, &batch(data, fold(judged), VIEWS));
         all.add(&got, &fp32[judged].1);
         let per = 1000 * VIEWS;
@@ -253,10 +253,10 @@ fn fp8_layer_by_layer() {
     let mut rows: Vec<(String, [f64; NAMES.len()])> = vec![];
     let mut agreement = [Agreement::default(); NAMES.len()];
     let weight = |q: &kiln::plugin::Node| q.path.ends_with(".weight_quantizer");
-    for f in 0..2 {
+    for (f, stats) in stats.iter().enumerate() {
         let x = batch(&data, fold(1 - f), 1);
         let reference = kiln::run_cpu(&mark_all(&data.graph), &[("input", &x)]).expect("fp32 run");
-        let cache = stats[f].cache(method);
+        let cache = stats.cache(method);
         let fp8 = simulate(&data.graph, &cache, QuantFormat::Fp8E4m3).expect("fp8");
         let int8 = simulate(&data.graph, &cache, QuantFormat::Int8).expect("int8");
         // INT8 activations with FP8 weights: INT8's graph with each weight quantiser swapped for FP8's.
@@ -353,7 +353,8 @@ fn fp8_layer_sensitivity() {
     println!("  nothing: {}", agreement(&|_| false).text());
     let project = |p: &str| p.ends_with("conv.2") || p == "features.1.conv.1";
     let expand = |p: &str| p.ends_with("conv.0.0") && p != "features.1.conv.0.0";
-    let kinds: [(&str, &dyn Fn(&str) -> bool); 5] = [
+    type Keep<'a> = &'a dyn Fn(&str) -> bool;
+    let kinds: [(&str, Keep); 5] = [
         ("the first conv", &|p| p == "features.0.0"),
         ("the last conv and the classifier", &|p| p == "features.18.0" || p == "classifier.1"),
         ("the project (linear bottleneck) convs", &project),
