@@ -1,21 +1,27 @@
-//! Post-training quantisation: calibration (TensorRT's entropy, percentile and min-max methods),
+//! Post-training quantisation: calibration (TensorRT's entropy, percentile and min-max methods, and
+//! Model Optimizer's MSE search),
 //! the JSON calibration cache, and the pass that turns a calibrated graph into an explicit Q/DQ
 //! graph, which both the CPU fake-quant simulation and the 8-bit engines run.
 //!
 //! **What is quantised** (the same points for the CPU simulation and the engine):
 //! - the activation input of every `conv2d` with `groups == 1` (not transposed) and every
 //!   `linear`: one scale per tensor, from the calibration cache (`amax / 127` for int8,
-//!   `amax / 448` for fp8). A value read by several such layers gets one fake-quantiser, shared,
-//!   named after the value;
+//!   `amax / 448` for fp8; the MSE method picks each format's own amax). A value read by several
+//!   such layers gets one fake-quantiser, shared, named after the value;
 //! - their weights, symmetric, computed at build time from the (BatchNorm-folded) weights: int8
 //!   per output channel (`max |w[c]| / 127`, range ±127 as TensorRT), fp8 per tensor
-//!   (`max |w| / 448`: e4m3's relative precision does not depend on the scale, and Hopper's FP8
+//!   (`max |w| / 448`: within its normal range e4m3's relative precision does not depend on the
+//!   scale, so per-channel scales change nothing measurable, docs/QUANT.md; and Hopper's FP8
 //!   GEMMs take one scale per operand);
 //! - the residual a conv adds in its epilogue (the skip connection of a ResNet block), with that
 //!   value's own scale: so a block's input and output are one 8-bit tensor each, which the engine
 //!   keeps in 8 bits between its 8-bit convs (TensorRT's QAT recipe quantises the same input);
 //! - nothing else: biases are added in f32 in the layer's epilogue; grouped and depthwise convs,
-//!   transposed convs, pooling, matmul and elementwise layers run in FP16.
+//!   transposed convs, pooling, matmul and elementwise layers run in FP16;
+//! - in FP8, only the layers an FP8 kernel runs and whose input is not a clamp's (ReLU6) output
+//!   ([`fp8_point`]): the others compute in FP16 either way, and a ReLU6 output crowds where
+//!   e4m3's step is an eighth of the value; both cost MobileNetV2 its answers (docs/QUANT.md,
+//!   "Why FP8 lost MobileNetV2's answers").
 //!
 //! Because every 8-bit reader of a value quantises it with that value's one scale, an engine that
 //! keeps the value in 8 bits between 8-bit layers (the producer requantises in its epilogue) and
@@ -42,27 +48,41 @@ pub const HIST_BINS: usize = 2048;
 pub const ENTROPY_LEVELS: usize = 128;
 
 /// How a tensor's range is chosen from its recorded values.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CalibrationMethod {
     /// TensorRT's default: the threshold minimising the KL divergence between the histogram
     /// clipped there and its 128-level quantisation.
-    #[default]
     Entropy,
-    /// The given percentile of `|x|` (TensorRT uses 99.99).
+    /// The given percentile of `|x|` (TensorRT uses 99.99). Kiln's default, 99.99, for both
+    /// formats: the least error against FP32 of the four methods on held-out photos, INT8 and FP8
+    /// alike (docs/QUANT.md's table).
     Percentile(f64),
     /// `max |x|`.
     MinMax,
+    /// The threshold minimising the mean squared error between the recorded values and their
+    /// quantised copies, searched over candidates up to `max |x|`, for each format apart (NVIDIA
+    /// Model Optimizer's `mse` calibrator; here on the histogram, see
+    /// [`Histogram::mse_threshold`]).
+    Mse,
+}
+
+impl Default for CalibrationMethod {
+    /// Percentile 99.99 (see [`CalibrationMethod::Percentile`]).
+    fn default() -> Self {
+        Self::Percentile(99.99)
+    }
 }
 
 impl CalibrationMethod {
-    /// `entropy`, `percentile` (99.99), `percentile=99.9`, `minmax`/`max` (CLI flags).
+    /// `entropy`, `percentile` (99.99), `percentile=99.9`, `minmax`/`max`, `mse` (CLI flags).
     pub fn parse(s: &str) -> Result<Self> {
         let bad = |reason: String| Error::Flag { flag: "--method".into(), reason };
         Ok(match s {
             "entropy" => Self::Entropy,
             "percentile" => Self::Percentile(99.99),
             "minmax" | "min-max" | "max" => Self::MinMax,
+            "mse" => Self::Mse,
             _ => match s.strip_prefix("percentile=") {
                 Some(p) => {
                     let p: f64 = p.parse().map_err(|_| bad(format!("`{s}`: the percentile is not a number")))?;
@@ -71,7 +91,7 @@ impl CalibrationMethod {
                     }
                     Self::Percentile(p)
                 }
-                None => return Err(bad(format!("unknown method `{s}`: entropy, percentile, percentile=P or minmax"))),
+                None => return Err(bad(format!("unknown method `{s}`: entropy, percentile, percentile=P, minmax or mse"))),
             },
         })
     }
@@ -80,14 +100,25 @@ impl CalibrationMethod {
 /// One tensor's calibrated range and the scales it gives.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TensorRange {
+    /// The clipping threshold of INT8 (`int8_scale × 127`). FP8's is `fp8_scale × 448`: the
+    /// same for every method but MSE, which chooses each format's own.
     pub amax: f32,
     pub int8_scale: f32,
     pub fp8_scale: f32,
 }
 
 impl TensorRange {
+    /// One threshold for both formats.
     pub fn from_amax(amax: f32) -> Self {
-        Self { amax, int8_scale: symmetric_scale(amax, QuantFormat::Int8), fp8_scale: symmetric_scale(amax, QuantFormat::Fp8E4m3) }
+        Self::per_format(amax, amax)
+    }
+    /// A threshold per format.
+    pub fn per_format(int8_amax: f32, fp8_amax: f32) -> Self {
+        Self {
+            amax: int8_amax,
+            int8_scale: symmetric_scale(int8_amax, QuantFormat::Int8),
+            fp8_scale: symmetric_scale(fp8_amax, QuantFormat::Fp8E4m3),
+        }
     }
     pub fn scale(&self, format: QuantFormat) -> f32 {
         match format {
@@ -333,6 +364,69 @@ impl Histogram {
         }
         (best.1 as f64 * self.bin_width()) as f32
     }
+
+    /// The MSE method's threshold for `format`: of the candidates at every `MSE_STRIDE`-th bin
+    /// edge from `MSE_FIRST_BIN` up to the range, the one whose symmetric quantisation (rounded
+    /// and clipped as the engine does) has the least squared error summed over the histogram.
+    /// Each bin's values are taken as spread evenly over it (`MSE_SAMPLES` points a bin), so the
+    /// error of a grid finer than the bins is not lost to aliasing at the bins' centres; exact
+    /// zeros cost nothing at any threshold. The smallest candidate wins a tie.
+    pub fn mse_threshold(&self, format: QuantFormat) -> f32 {
+        if self.bins.iter().all(|&c| c == 0) || self.range.is_nan() || self.range <= 0.0 {
+            return self.range.max(0.0);
+        }
+        let width = self.bin_width();
+        let candidates = (MSE_FIRST_BIN..HIST_BINS).step_by(MSE_STRIDE).chain(std::iter::once(HIST_BINS));
+        let mut best = (f64::INFINITY, HIST_BINS);
+        for edge in candidates {
+            let amax = edge as f64 * width;
+            let error = self.squared_error(amax, format);
+            if error < best.0 {
+                best = (error, edge);
+            }
+        }
+        (best.1 as f64 * width) as f32
+    }
+
+    /// The summed squared quantisation error of the histogram's values at threshold `amax`.
+    fn squared_error(&self, amax: f64, format: QuantFormat) -> f64 {
+        let width = self.bin_width();
+        let scale = f64::from(symmetric_scale(amax as f32, format));
+        let mut total = 0.0;
+        for (b, &count) in self.bins.iter().enumerate() {
+            if count == 0 {
+                continue;
+            }
+            let mut bin = 0.0;
+            for j in 0..MSE_SAMPLES {
+                let x = (b as f64 + (j as f64 + 0.5) / MSE_SAMPLES as f64) * width;
+                let d = x - quantise_magnitude(x, scale, format);
+                bin += d * d;
+            }
+            total += count as f64 * bin / MSE_SAMPLES as f64;
+        }
+        total
+    }
+}
+
+/// The MSE method's smallest candidate threshold, in bins (1/128 of the recorded range, where
+/// INT8's step is already finer than a bin and the histogram cannot judge finer grids).
+pub const MSE_FIRST_BIN: usize = 16;
+/// Bins between the MSE method's candidate thresholds.
+pub const MSE_STRIDE: usize = 8;
+/// Points of each bin the MSE method quantises.
+pub const MSE_SAMPLES: usize = 4;
+
+/// `x >= 0` symmetrically quantised with `scale` and back, as the fake-quantisers round: INT8 to
+/// the nearest integer step (ties to even), clipped at 127 steps; FP8 to the nearest e4m3 value of
+/// `x / scale`, saturating at 448.
+fn quantise_magnitude(x: f64, scale: f64, format: QuantFormat) -> f64 {
+    let v = (x / scale) as f32;
+    let q = match format {
+        QuantFormat::Int8 => v.round_ties_even().min(127.0),
+        QuantFormat::Fp8E4m3 => crate::number_format::round_e4m3(v.min(crate::number_format::E4M3_MAX)),
+    };
+    f64::from(q) * scale
 }
 
 /// Per-tensor statistics recorded over a calibration set, from which any method's cache is made.
@@ -351,12 +445,15 @@ impl CalibrationStats {
             .tensors
             .iter()
             .map(|(name, (amax, hist))| {
-                let a = match method {
-                    CalibrationMethod::MinMax => *amax,
-                    CalibrationMethod::Percentile(p) => hist.percentile(p),
-                    CalibrationMethod::Entropy => hist.entropy_threshold(),
+                let range = match method {
+                    CalibrationMethod::MinMax => TensorRange::from_amax(*amax),
+                    CalibrationMethod::Percentile(p) => TensorRange::from_amax(hist.percentile(p)),
+                    CalibrationMethod::Entropy => TensorRange::from_amax(hist.entropy_threshold()),
+                    CalibrationMethod::Mse => {
+                        TensorRange::per_format(hist.mse_threshold(QuantFormat::Int8), hist.mse_threshold(QuantFormat::Fp8E4m3))
+                    }
                 };
-                (name.clone(), TensorRange::from_amax(a))
+                (name.clone(), range)
             })
             .collect();
         CalibrationCache { version: CACHE_VERSION, method, graph_hash: self.graph_hash.clone(), images: self.images, tensors }
@@ -508,9 +605,49 @@ pub fn weight_scales(w: &HostTensor, format: QuantFormat) -> Vec<f32> {
     w.data.chunks(per.max(1)).map(|c| symmetric_scale(c.iter().fold(0f32, |m, v| m.max(v.abs())), format)).collect()
 }
 
+/// The weight quantiser of an 8-bit layer: int8 per output channel over ±127 (TensorRT's), fp8
+/// per tensor (see the module docs).
+fn weight_quantiser(w: &HostTensor, format: QuantFormat) -> QuantParams {
+    match format {
+        QuantFormat::Int8 => QuantParams::int8(1.0).range(-127, 127).per_channel(0, weight_scales(w, format)),
+        QuantFormat::Fp8E4m3 => QuantParams::fp8(symmetric_scale(w.data.iter().fold(0f32, |m, v| m.max(v.abs())), QuantFormat::Fp8E4m3)),
+    }
+}
+
+/// Whether an FP8 graph quantises point `p`: its layer has an FP8 kernel ([`has_fp8_kernel`]),
+/// and its input is not a clamp's output (ReLU6, Hardtanh). A clamp's values crowd up to its
+/// bound, where e4m3's step is an eighth of the value: with ReLU6's 6 at 448, every value in
+/// [3.4, 6) rounds to a step of 0.43, INT8's is 0.047. On MobileNetV2 the convs reading ReLU6
+/// outputs (the linear bottlenecks) kept in 16 bits took the FP8 simulation's logits from rel L2
+/// 0.18 to 0.07 against FP32, and its top-1 on the held-out photos from 10 to 12 of 12
+/// (docs/QUANT.md).
+fn fp8_point(graph: &Graph, p: &QuantPoint) -> bool {
+    let clamped = matches!(graph.nodes[p.activation].op, Op::Unary(crate::graph::Unary::Clamp { .. }));
+    has_fp8_kernel(graph, p.node) && !clamped
+}
+
+/// Whether an FP8 engine runs layer `id` on FP8 tensor cores: a conv the 8-bit kernels take
+/// (`conv8::has_kernel`: channels in multiples of 16, or the 8-bit stem), a Linear whose in and
+/// out features are multiples of 16 (cuBLASLt's FP8 GEMM). Any other 8-bit point computes in FP16
+/// on its Q/DQ values, and e4m3's 3-bit mantissa there only costs accuracy: MobileNetV2's first
+/// conv (3 input channels, 27 products an output) alone took its logits' rel L2 against FP32 from
+/// 0.21 to 0.26 (docs/QUANT.md). So an FP8 graph quantises only these layers.
+fn has_fp8_kernel(graph: &Graph, id: NodeId) -> bool {
+    let n = &graph.nodes[id];
+    match &n.op {
+        Op::Conv(_) => crate::ops::conv::conv8::has_kernel(graph, id),
+        Op::Gemm(Gemm::Linear { .. }) => {
+            let k = n.inputs.first().and_then(|&x| graph.nodes[x].shape.last().copied());
+            let out = n.shape.last().copied();
+            matches!((k, out), (Some(k), Some(o)) if k % 16 == 0 && o % 16 == 0 && k > 0 && o > 0)
+        }
+        _ => false,
+    }
+}
+
 /// The explicit Q/DQ form of an optimised graph: a `fake_quantize` (per tensor, the cache's
-/// scale) on the activation input of every 8-bit layer and one (per output channel) on its
-/// weight. `graph` must be the optimised graph the cache was recorded on (its hash is checked).
+/// scale) on the activation input of every 8-bit layer (in FP8, those of [`fp8_point`]) and one
+/// on its weight ([`weight_quantiser`]). `graph` must be the optimised graph the cache was recorded on (its hash is checked).
 pub fn quantize_graph(graph: &Graph, cache: &CalibrationCache, format: QuantFormat) -> Result<Graph> {
     let hash = graph_hash(graph);
     if cache.graph_hash != hash {
@@ -523,7 +660,8 @@ pub fn quantize_graph(graph: &Graph, cache: &CalibrationCache, format: QuantForm
         });
     }
     let names = tensor_names(graph);
-    let points = quant_points(graph);
+    let points: Vec<QuantPoint> =
+        quant_points(graph).into_iter().filter(|p| format != QuantFormat::Fp8E4m3 || fp8_point(graph, p)).collect();
     let mut out = Graph { weights: graph.weights.clone(), fp32_layers: graph.fp32_layers.clone(), ..Default::default() };
     let mut map: Vec<NodeId> = Vec::with_capacity(graph.nodes.len());
     // The fake-quantised copy of each value already made (shared by all its 8-bit readers).
@@ -556,14 +694,7 @@ pub fn quantize_graph(graph: &Graph, cache: &CalibrationCache, format: QuantForm
                 path: node.path.clone(),
                 reason: "an 8-bit layer's weight has no data".into(),
             })?;
-            // Int8 weights per output channel; fp8 per tensor (e4m3's relative precision does not
-            // depend on the scale, and Hopper's FP8 GEMMs take one scale per operand).
-            let params = match format {
-                QuantFormat::Int8 => QuantParams::int8(1.0).range(-127, 127).per_channel(0, weight_scales(w, format)),
-                QuantFormat::Fp8E4m3 => {
-                    QuantParams::fp8(symmetric_scale(w.data.iter().fold(0f32, |m, v| m.max(v.abs())), QuantFormat::Fp8E4m3))
-                }
-            };
+            let params = weight_quantiser(w, format);
             inputs[1] = out.push(Op::Quant(Quant::FakeQuantize(params)), vec![inputs[1]], format!("{}.weight_quantizer", node.path))?;
         }
         let new = match &node.op {
@@ -780,8 +911,134 @@ mod tests {
         std::fs::remove_file(&path).ok();
     }
 
+    /// `n` values of `|x|` for x Laplace-distributed with scale `b` (a long-tailed activation),
+    /// by the inverse CDF over an even grid of quantiles.
+    fn laplace(n: usize, b: f64) -> Vec<f32> {
+        (0..n).map(|i| (-b * (1.0 - (i as f64 + 0.5) / n as f64).ln()) as f32).collect()
+    }
+
+    fn histogram_of(data: &[f32]) -> Histogram {
+        let mut h = Histogram::new(data.iter().fold(0f32, |m, v| m.max(v.abs())));
+        h.add(data);
+        h
+    }
+
+    /// The squared error of fake-quantising `data` with the op the simulation runs.
+    fn exact_squared_error(data: &[f32], amax: f32, format: QuantFormat) -> f64 {
+        let mut q = HostTensor::new(vec![data.len()], data.to_vec());
+        QuantParams::symmetric(format, symmetric_scale(amax, format)).fake_quantize(&mut q);
+        data.iter().zip(&q.data).map(|(&x, &y)| (f64::from(x) - f64::from(y)).powi(2)).sum()
+    }
+
+    #[test]
+    fn mse_error_on_the_histogram_matches_the_quantiser_on_the_data() {
+        let data = laplace(200_000, 1.0);
+        let h = histogram_of(&data);
+        for format in [QuantFormat::Int8, QuantFormat::Fp8E4m3] {
+            for fraction in [0.1f32, 0.3, 0.6, 1.0] {
+                let amax = h.range * fraction;
+                let (approx, exact) = (h.squared_error(f64::from(amax), format), exact_squared_error(&data, amax, format));
+                let off = (approx - exact).abs() / exact;
+                assert!(off < 0.05, "{} at {fraction} of the range: histogram {approx:.4e}, data {exact:.4e} ({off:.3})", format.name());
+            }
+        }
+    }
+
+    #[test]
+    fn mse_picks_the_threshold_of_least_error() {
+        let data = laplace(200_000, 1.0);
+        let h = histogram_of(&data);
+        for format in [QuantFormat::Int8, QuantFormat::Fp8E4m3] {
+            let t = h.mse_threshold(format);
+            let at = exact_squared_error(&data, t, format);
+            // No candidate of the grid the search walks is better by more than the histogram's
+            // approximation; a threshold clipping far less or far more is clearly worse.
+            for edge in (MSE_FIRST_BIN..=HIST_BINS).step_by(MSE_STRIDE) {
+                let other = exact_squared_error(&data, (edge as f64 * h.bin_width()) as f32, format);
+                assert!(other > 0.95 * at, "{}: threshold {t} errs {at:.4e}, {edge} bins {other:.4e}", format.name());
+            }
+            assert!(exact_squared_error(&data, h.range, format) > 1.05 * at || t > 0.9 * h.range, "{}: {t}", format.name());
+        }
+        // INT8's even grid clips a long tail: at 8 bits the least-MSE clip of a Laplace(b) is
+        // 9.89 b (Banner et al., "Post training 4-bit quantization of convolutional networks", 2019), below this sample's
+        // max of 12.9 b. e4m3's logarithmic grid keeps small values precise at any scale, so it
+        // clips less.
+        let (int8, fp8) = (h.mse_threshold(QuantFormat::Int8), h.mse_threshold(QuantFormat::Fp8E4m3));
+        assert!((int8 - 9.89).abs() < 0.5, "int8 threshold {int8} of {}", h.range);
+        assert!(fp8 > int8, "fp8 threshold {fp8}, int8 {int8}");
+    }
+
+    #[test]
+    fn mse_keeps_the_range_of_an_even_spread() {
+        // Values spread evenly over [0, 1]: clipping any of them costs more than the step it saves.
+        let data: Vec<f32> = (0..100_000).map(|i| (i as f32 + 0.5) / 100_000.0).collect();
+        let h = histogram_of(&data);
+        for format in [QuantFormat::Int8, QuantFormat::Fp8E4m3] {
+            let t = h.mse_threshold(format);
+            assert!(t > 0.95 * h.range, "{}: {t}", format.name());
+        }
+    }
+
+    #[test]
+    fn an_mse_cache_holds_each_formats_own_threshold() {
+        let data = laplace(50_000, 0.5);
+        let stats = CalibrationStats {
+            graph_hash: "ab".into(),
+            images: 1,
+            tensors: BTreeMap::from([("x".to_string(), (h_range(&data), histogram_of(&data)))]),
+        };
+        let r = stats.cache(CalibrationMethod::Mse).tensors["x"];
+        let h = histogram_of(&data);
+        assert_eq!(r.amax, h.mse_threshold(QuantFormat::Int8));
+        assert_eq!(r.int8_scale, symmetric_scale(h.mse_threshold(QuantFormat::Int8), QuantFormat::Int8));
+        assert_eq!(r.fp8_scale, symmetric_scale(h.mse_threshold(QuantFormat::Fp8E4m3), QuantFormat::Fp8E4m3));
+        assert_ne!(r.int8_scale * 127.0, r.fp8_scale * 448.0, "the two formats' thresholds differ on a long tail");
+        let minmax = stats.cache(CalibrationMethod::MinMax).tensors["x"];
+        assert_eq!(minmax.int8_scale * 127.0, minmax.fp8_scale * 448.0);
+    }
+
+    fn h_range(data: &[f32]) -> f32 {
+        data.iter().fold(0f32, |m, v| m.max(v.abs()))
+    }
+
+    /// FP8 quantises the conv an FP8 kernel runs on an unclamped input, and no other; INT8 every
+    /// 8-bit point.
+    #[test]
+    fn fp8_leaves_convs_without_a_kernel_or_reading_a_clamp_in_16_bits() {
+        let tracer = crate::Tracer::new();
+        let x = tracer.input("input", &[1, 3, 4, 4]);
+        let conv = |name: &str, x: &crate::tensor::Tensor, cin: usize, cout: usize| {
+            let w = crate::tensor::Param {
+                name: format!("{name}.weight"),
+                value: Arc::new(HostTensor::new(vec![cout, cin, 1, 1], (0..cout * cin).map(|i| (i % 7) as f32 * 0.1 - 0.3).collect())),
+            };
+            crate::tensor::Tensor::record(name, Op::Conv(ConvAttrs::default()), &[x], &[&w]).unwrap()
+        };
+        let c1 = conv("stem", &x, 3, 16);
+        let c2 = conv("after_clamp", &c1.clamp(0.0, 6.0).unwrap(), 16, 32);
+        conv("plain", &c2, 32, 32).mark_output("y");
+        let g = tracer.graph();
+        let tensors = tensor_names(&g).into_iter().map(|n| (n, TensorRange::from_amax(1.0))).collect();
+        let cache =
+            CalibrationCache { version: CACHE_VERSION, method: CalibrationMethod::MinMax, graph_hash: graph_hash(&g), images: 1, tensors };
+        let quantised = |format| {
+            let q = quantize_graph(&g, &cache, format).unwrap();
+            let mut paths: Vec<String> = q
+                .nodes
+                .iter()
+                .filter(|n| quantizable(&n.op) && matches!(n.inputs.first().map(|&i| &q.nodes[i].op), Some(Op::Quant(_))))
+                .map(|n| n.path.clone())
+                .collect();
+            paths.sort();
+            paths
+        };
+        assert_eq!(quantised(QuantFormat::Int8), ["after_clamp", "plain", "stem"]);
+        assert_eq!(quantised(QuantFormat::Fp8E4m3), ["plain"]);
+    }
+
     #[test]
     fn methods_parse() {
+        assert_eq!(CalibrationMethod::parse("mse").unwrap(), CalibrationMethod::Mse);
         assert_eq!(CalibrationMethod::parse("percentile").unwrap(), CalibrationMethod::Percentile(99.99));
         assert_eq!(CalibrationMethod::parse("percentile=99.9").unwrap(), CalibrationMethod::Percentile(99.9));
         assert!(CalibrationMethod::parse("percentile=120").is_err());

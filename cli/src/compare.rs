@@ -41,10 +41,13 @@ fn execute(graph: &Graph, inputs: &[(&str, HostInput<'_>)], batch: usize, a: &Co
 }
 
 fn default_l2_tol(a: &CompareArgs) -> f64 {
-    if a.cpu {
+    let precision = a.engine.precision();
+    // The CPU executor in f32 computes what PyTorch does; its simulation of an 8-bit engine, what
+    // the engine does.
+    if a.cpu && precision.quant_format().is_none() {
         return 1e-5;
     }
-    match a.engine.precision() {
+    match precision {
         Precision::Fp32 => 1e-4,
         Precision::Tf32 => 2e-3,
         Precision::Fp16 => 1e-2,
@@ -319,7 +322,13 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
         common::check_cpu_memory(&traced.graph, batch, &traced.hw_text())?;
     }
     let l2_tol = a.l2_tol.unwrap_or_else(|| default_l2_tol(&a));
-    let backend = if a.cpu { "CPU executor".to_string() } else { format!("GPU engine ({})", a.engine.precision().short_name()) };
+    // On the CPU: the optimised graph in f32, or the simulation of an 8-bit engine, decided (and a
+    // precision with no simulation refused) before anything runs.
+    let cpu = a.cpu.then(|| a.engine.cpu_graph(&traced.graph)).transpose()?;
+    let backend = match &cpu {
+        Some((_, backend)) => backend.clone(),
+        None => format!("GPU engine ({})", a.engine.precision().short_name()),
+    };
     let hints = metadata_hints(&against.meta, &traced, &a, &against.inputs)?;
     for h in &hints {
         tracing::warn!("hint: {h}");
@@ -332,7 +341,10 @@ pub fn compare(a: CompareArgs) -> Result<ExitCode> {
     }
 
     // The CPU executor runs the optimised graph, as the engine does.
-    let graph = if a.cpu { kiln::engine::optimize(&traced.graph)? } else { traced.graph.clone() };
+    let graph = match cpu {
+        Some((graph, _)) => graph,
+        None => traced.graph.clone(),
+    };
     let outputs = execute(&graph, &common::bind(&against.inputs), batch, &a)?;
     if let Some(path) = &a.save_outputs {
         save_outputs(path, &outputs, &run_metadata(&traced, &a, &against.inputs, against.seed, &backend)?, &against.inputs)?;

@@ -172,8 +172,9 @@ pub enum Command {
     Codegen(CodegenArgs),
     /// Record activation ranges over a calibration set (CPU) and write an INT8/FP8 calibration cache.
     ///
-    /// Methods are TensorRT's: entropy (KL divergence, the default), percentile (99.99) and
-    /// min-max. The cache is readable JSON; `--int8`/`--fp8` builds read it with
+    /// Methods: percentile (99.99, the default), TensorRT's entropy (KL divergence) and min-max,
+    /// and mse (Model Optimizer's least squared error, a threshold per format). The cache is
+    /// readable JSON; `--int8`/`--fp8` builds (and `--cpu` runs, which simulate them) read it with
     /// --calibration-cache and need no data.
     #[command(
         after_long_help = "Examples:\n  kiln calibrate digits_resnet --data calib.safetensors --images 100\n  kiln calibrate resnet50 --weights resnet50.pth --data photos/ --images 100\n  kiln build resnet50 --int8 --calibration-cache resnet50.calib.json -o rn50.int8.kiln"

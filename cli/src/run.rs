@@ -66,23 +66,26 @@ pub fn run(a: RunArgs) -> Result<ExitCode> {
         (None, _) if traced.seeded => "seeded weights".to_string(),
         (None, _) => traced.weights.clone(),
     };
-    say!("{}: batch {batch}, {}, {weights}, {origin}", traced.name, traced.hw_text());
+    // On the CPU, what runs (f32, or the simulation of an 8-bit engine) is decided, and a
+    // precision it cannot run refused, before anything runs; the header names it.
+    let cpu = gpu_reason.is_err().then(|| a.engine.cpu_graph(&traced.graph)).transpose()?;
+    let on = cpu.as_ref().map(|(_, backend)| format!(", on the {backend}")).unwrap_or_default();
+    say!("{}: batch {batch}, {}, {weights}, {origin}{on}", traced.name, traced.hw_text());
     if traced.seeded {
         say!(
             "random weights: {}'s answers below are meaningless; --weights FILE (safetensors or PyTorch .pth) loads trained ones",
             traced.name
         );
     }
-    let (outputs, backend, elapsed) = match gpu_reason {
-        Ok(()) => run_on_gpu(&a, &traced, &bound, batch)?,
-        Err(reason) => {
-            if !a.cpu {
+    let (outputs, backend, elapsed) = match cpu {
+        None => run_on_gpu(&a, &traced, &bound, batch)?,
+        Some((graph, backend)) => {
+            if let (Err(reason), false) = (&gpu_reason, a.cpu) {
                 tracing::info!("note: no GPU ({reason}); running on the CPU reference executor instead");
             }
-            let optimized = kiln::engine::optimize(&traced.graph)?;
             let t = Instant::now();
-            let out = kiln::run_cpu(&optimized, &bound)?;
-            (out, "CPU executor (f32)".to_string(), t.elapsed())
+            let out = kiln::run_cpu(&graph, &bound)?;
+            (out, backend, t.elapsed())
         }
     };
     match &photos {

@@ -28,6 +28,53 @@ impl EngineArgs {
         }
     }
 
+    /// What `--cpu` runs for the precision flags, and its name for the header: the optimised
+    /// graph in f32 (no precision flag, or `--fp32`), or for `--int8`/`--fp8` the CPU simulation
+    /// of that engine (`kiln::dev::quant`: the graph's own Q/DQ nodes, else `--calibration-cache`'s
+    /// scales, with the weights folded onto their 8-bit grids as the builder folds them). Any
+    /// other precision, or an 8-bit one with no scales, is an error: the CPU executor never
+    /// runs f32 in its place.
+    pub fn cpu_graph(&self, traced: &Graph) -> Result<(Graph, String)> {
+        let optimized = kiln::engine::optimize(traced)?;
+        let precision = self.precision();
+        let unsimulated = |flag: &str, what: &str| {
+            Error::Flag {
+            flag: flag.into(),
+            reason: format!(
+                "the CPU executor computes in f32 and simulates INT8 and FP8 engines only; {what} has no CPU simulation: drop {flag} to run in f32, or drop --cpu to build the engine"
+            ),
+        }
+        };
+        let format = match precision {
+            Precision::Fp32 => return Ok((optimized, "CPU executor (f32)".into())),
+            // The default precision, not asked for: the CPU run is f32, as it always was.
+            Precision::Fp16 if !self.fp16 => return Ok((optimized, "CPU executor (f32)".into())),
+            Precision::Fp16 => return Err(unsimulated("--fp16", "FP16")),
+            Precision::Tf32 => return Err(unsimulated("--tf32", "TF32")),
+            Precision::Best => return Err(unsimulated("--best", "--best (its layers' precisions are chosen by timing on the GPU)")),
+            Precision::Int8 | Precision::Fp8 => precision.quant_format().expect("an 8-bit precision has a format"),
+        };
+        let flag = format!("--{}", format.name());
+        let name = format.name().to_uppercase();
+        let source = if kiln::dev::quant::has_quant_nodes(&optimized) {
+            "the graph's Q/DQ nodes".to_string()
+        } else {
+            match &self.calibration_cache {
+                Some(path) => format!("calibration cache {}", path.display()),
+                None => {
+                    return Err(Error::Flag {
+                        flag: "--calibration-cache".into(),
+                        reason: format!(
+                            "{flag} --cpu runs the CPU simulation of the {name} engine, which needs its scales: a calibration cache (`kiln calibrate`) or a graph with quantize/dequantize nodes"
+                        ),
+                    })
+                }
+            }
+        };
+        let graph = kiln::dev::quant::prepare_for_engine(optimized, format, self.calibration_cache.as_deref())?;
+        Ok((graph, format!("CPU simulation of the {name} engine ({source})")))
+    }
+
     pub fn config(&self, min: usize, opt: usize, max: usize) -> BuildConfig {
         let mut c = BuildConfig::default().precision(self.precision()).batch(min, opt, max);
         // MiB from a flag: saturate rather than wrap (the builder treats it as a limit).

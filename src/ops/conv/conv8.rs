@@ -66,11 +66,30 @@ fn weight_on_grid(graph: &Graph, id: NodeId, format: QuantFormat) -> bool {
 /// no pool) conv with ReLU or no activation, input and output channels multiples of 16 (16-byte
 /// vectors of codes), and a weight on the 8-bit grid.
 fn kernel_fits(graph: &Graph, id: NodeId, format: QuantFormat) -> bool {
+    tile_shape_fits(graph, id) && weight_on_grid(graph, id, format)
+}
+
+/// A conv the 8-bit tile kernels take by its shape and attributes: plain (not transposed or
+/// grouped, no pool), ReLU or no activation, input and output channels multiples of 16.
+fn tile_shape_fits(graph: &Graph, id: NodeId) -> bool {
     let n = &graph.nodes[id];
     let Op::Conv(a) = &n.op else { return false };
     let plain = !a.transposed && a.groups == 1 && a.pool.is_none() && matches!(a.act, Activation::None | Activation::Relu);
-    let fits = n.inputs.get(1).is_some_and(|&w| matches!(graph.nodes[w].shape[..], [k, c, _, _] if c % 16 == 0 && k % 16 == 0));
-    plain && fits && weight_on_grid(graph, id, format)
+    plain && n.inputs.get(1).is_some_and(|&w| matches!(graph.nodes[w].shape[..], [k, c, _, _] if c % 16 == 0 && k % 16 == 0))
+}
+
+/// Whether conv `id` of an unquantised graph has an 8-bit kernel at all, by its shape: the tile
+/// kernels' (`tile_shape_fits`) or the 8-bit stem's. A conv without one computes in 16 bits in an
+/// 8-bit engine whatever its quantisers; `calibrate::quantize_graph` leaves such a conv
+/// unquantised in FP8 engines, where e4m3 rounding of its inputs costs answers and buys no speed.
+pub fn has_kernel(graph: &Graph, id: NodeId) -> bool {
+    let n = &graph.nodes[id];
+    let Op::Conv(a) = &n.op else { return false };
+    let stem = match (a.pool, n.inputs.get(1)) {
+        (Some(pool), Some(&w)) => super::stem::fits(a, &pool, &graph.nodes[w].shape),
+        _ => false,
+    };
+    stem || tile_shape_fits(graph, id)
 }
 
 /// A conv the 8-bit stem runs (`stem::fits`: ResNet's 7×7/2 conv, ReLU and 3×3/2

@@ -1,0 +1,133 @@
+//! `kiln run --cpu` and `kiln compare --cpu` with `--int8`/`--fp8` (issue 38, item 3): with a
+//! calibration cache they run the CPU simulation of that engine and say so; a precision with no
+//! CPU simulation, or an 8-bit one with no scales, stops with an error instead of running f32.
+
+use kiln::HostTensor;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// The `kiln` binary: cargo's, or `KILN_BIN` where the tests run on another machine.
+fn kiln_exe() -> PathBuf {
+    std::env::var_os("KILN_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_kiln")), PathBuf::from)
+}
+
+fn kiln(args: &[&str]) -> Output {
+    Command::new(kiln_exe()).args(args).output().expect("run the kiln binary")
+}
+
+fn text(out: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+fn arg(p: &Path) -> &str {
+    p.to_str().expect("a UTF-8 temp path")
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kiln-cli-quant-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+fn fails_with(args: &[&str], says: &[&str]) {
+    let out = kiln(args);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(1), "kiln {args:?}: expected exit 1\nstdout: {stdout}\nstderr: {stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    for s in says {
+        assert!(stderr.contains(s), "kiln {args:?}: expected `{s}` in stderr: {stderr}");
+    }
+    assert!(!stdout.contains("top-"), "kiln {args:?} printed results: {stdout}");
+}
+
+/// A calibration cache of resnet18 at 32×32 (seeded weights) over 4 smooth images.
+fn calibration_cache(dir: &Path) -> PathBuf {
+    let data = dir.join("calib.safetensors");
+    let n = 4 * 3 * 32 * 32;
+    let x = HostTensor::new(vec![4, 3, 32, 32], (0..n).map(|i| ((i as f32) * 0.37).sin() * 1.5).collect());
+    kiln::files::write_safetensors(&data, &BTreeMap::from([("input".to_string(), x)])).expect("calibration set");
+    let cache = dir.join("resnet18.calib.json");
+    let out = kiln(&["calibrate", "resnet18", "--size", "32", "--data", arg(&data), "-o", arg(&cache)]);
+    assert!(out.status.success(), "{}", text(&out).1);
+    cache
+}
+
+/// The printed outputs of a run (every line after the header, the backend's timing line left out).
+fn answers(stdout: &str) -> String {
+    stdout.lines().skip(1).filter(|l| !l.contains(" for batch ")).collect::<Vec<_>>().join("\n")
+}
+
+#[test]
+fn run_cpu_simulates_int8_and_fp8_engines() {
+    let dir = temp_dir("run");
+    let cache = calibration_cache(&dir);
+    let base = ["run", "resnet18", "--cpu", "--size", "32", "--seed", "7", "--top", "3"];
+    let f32_run = kiln(&base);
+    let (f32_out, stderr) = text(&f32_run);
+    assert!(f32_run.status.success(), "{stderr}");
+    assert!(f32_out.contains("CPU executor (f32)"), "{f32_out}");
+    for (flag, name) in [("--int8", "INT8"), ("--fp8", "FP8")] {
+        let out = kiln(&[&base[..], &[flag, "--calibration-cache", arg(&cache)]].concat());
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{stderr}");
+        let header = stdout.lines().next().unwrap_or_default();
+        assert!(header.contains(&format!("on the CPU simulation of the {name} engine (calibration cache")), "{stdout}");
+        assert!(stdout.contains(&format!("CPU simulation of the {name} engine")), "{stdout}");
+        // Quantised numbers, not FP32's.
+        assert_ne!(answers(&stdout), answers(&f32_out), "{flag} printed FP32's outputs:\n{stdout}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn compare_cpu_simulates_the_8_bit_engine_it_names() {
+    let dir = temp_dir("compare");
+    let cache = calibration_cache(&dir);
+    let saved = dir.join("fp32.safetensors");
+    let out = kiln(&["compare", "resnet18", "--cpu", "--size", "32", "--seed", "3", "--save-outputs", arg(&saved)]);
+    assert!(out.status.success(), "{}", text(&out).1);
+    // Against FP32's outputs the FP8 simulation differs (by quantisation), within the 8-bit
+    // default tolerance; the header names what ran.
+    let out = kiln(&["compare", "resnet18", "--cpu", "--fp8", "--calibration-cache", arg(&cache), "--load-outputs", arg(&saved)]);
+    let (stdout, stderr) = text(&out);
+    assert!(stdout.contains("on CPU simulation of the FP8 engine (calibration cache"), "{stdout}\n{stderr}");
+    assert!(stdout.contains("l2-tol 1.0e-1"), "8-bit tolerance: {stdout}");
+    let exact = kiln(&[
+        "compare",
+        "resnet18",
+        "--cpu",
+        "--int8",
+        "--calibration-cache",
+        arg(&cache),
+        "--load-outputs",
+        arg(&saved),
+        "--l2-tol",
+        "0",
+    ]);
+    let (stdout, _) = text(&exact);
+    assert!(stdout.contains("FAIL"), "the INT8 simulation is not FP32: {stdout}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn cpu_runs_stop_where_nothing_simulates_the_precision() {
+    let dir = temp_dir("refuse");
+    let cache = calibration_cache(&dir);
+    let base = ["run", "resnet18", "--cpu", "--size", "32", "--seed", "1"];
+    for flag in ["--int8", "--fp8"] {
+        fails_with(&[&base[..], &[flag]].concat(), &["--calibration-cache", "CPU simulation", "quantize/dequantize nodes"]);
+    }
+    for flag in ["--fp16", "--tf32"] {
+        fails_with(&[&base[..], &[flag]].concat(), &[flag, "has no CPU simulation", "drop --cpu"]);
+    }
+    fails_with(&[&base[..], &["--best", "--calibration-cache", arg(&cache)]].concat(), &["--best", "has no CPU simulation"]);
+    fails_with(&["compare", "resnet18", "--cpu", "--size", "32", "--fp16"], &["--fp16", "has no CPU simulation"]);
+    fails_with(&["compare", "resnet18", "--cpu", "--size", "32", "--int8"], &["--calibration-cache", "CPU simulation"]);
+    // A cache of another graph is named, not ignored.
+    fails_with(
+        &["run", "resnet18", "--cpu", "--size", "64", "--seed", "1", "--int8", "--calibration-cache", arg(&cache)],
+        &["resnet18.calib.json", "recalibrate"],
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
