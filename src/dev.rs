@@ -100,10 +100,17 @@ pub mod plan {
 pub mod kernels {
     pub use crate::engine::cudnn::PAD_CU;
     pub use crate::engine::kernels::{
-        cache_dir, cached_compile, compile_all_for, nvrtc_available, nvrtc_version, preload_nvrtc, FAMILIES, ON_DEMAND, PRELUDE,
+        cache_dir, cached_compile, compile_all_for, compile_hopper, hopper_arch, nvrtc_available, nvrtc_version, preload_nvrtc, FAMILIES,
+        HOPPER, ON_DEMAND, PRELUDE,
     };
     pub use crate::ops::conv::conv8::{entry_points as conv8_entry_points, CONV8_CU};
     pub use crate::ops::kernel_entry_points;
+}
+
+/// The Hopper-native (sm_90a) wgmma GEMM as an engine-level call: what `tests/gpu_hopper_gemm.rs`
+/// runs directly against a CPU reference and times against cuBLASLt.
+pub mod hopper {
+    pub use crate::engine::hopper_gemm::{supports, HopperAct, HopperGemm, HopperTile};
 }
 
 /// Every built-in op, the PyTorch fixture cases each op family is checked against, each family's

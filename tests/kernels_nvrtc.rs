@@ -3,7 +3,7 @@
 //! does not compile never lands; elsewhere, a missing NVRTC skips these tests with the reason.
 
 use kiln::dev::kernels::kernel_entry_points;
-use kiln::dev::kernels::{self, cached_compile, compile_all_for, FAMILIES, ON_DEMAND};
+use kiln::dev::kernels::{self, cached_compile, compile_all_for, compile_hopper, FAMILIES, HOPPER, ON_DEMAND};
 use kiln::plugin::{compile_source, image_has_symbol};
 use kiln::Error;
 use std::path::PathBuf;
@@ -69,6 +69,31 @@ fn every_kernel_family_compiles_for_sm_90() {
         println!("  {name:<16} {bytes:>8} bytes of CUBIN");
         assert!(*bytes > 1000, "{name} compiled to a suspiciously small image");
     }
+}
+
+/// The Hopper-native families compile for the architecture-specific target `sm_90a` (wgmma and
+/// setmaxnreg exist only there), through NVRTC's `--gpu-architecture=sm_90a`, with the entry
+/// points the wgmma GEMM layer launches.
+#[test]
+fn hopper_families_compile_for_sm_90a() {
+    if !require_nvrtc() {
+        return;
+    }
+    let t = Instant::now();
+    let compiled = compile_hopper().unwrap_or_else(|e| panic!("{e}"));
+    println!("{} Hopper families for sm_90a in {:.2?}", compiled.len(), t.elapsed());
+    assert_eq!(compiled.len(), HOPPER.len());
+    for (name, image) in &compiled {
+        println!("  {name:<16} {:>8} bytes of CUBIN", image.len());
+        for bn in [128, 256] {
+            let entry = format!("hopper_gemm_f16_n{bn}_s4");
+            assert!(image_has_symbol(image, &entry), "{name} lacks {entry}");
+        }
+    }
+    // The plain sm_90 target rejects wgmma: the family must never be compiled for it.
+    let (name, src) = HOPPER[0];
+    let err = compile_source(name, src, ARCH).expect_err("wgmma compiled for plain sm_90");
+    assert!(err.to_string().contains("wgmma") || err.to_string().contains("sm_90a"), "{err}");
 }
 
 #[test]

@@ -50,6 +50,24 @@ pub const ON_DEMAND: &[(&str, &str)] = &[
     ("conv8.cu", concat!(include_str!("../../kernels/eight_bit.cuh"), include_str!("../../kernels/conv8.cu"))),
 ];
 
+/// Hopper-native families (TMA, wgmma, setmaxnreg): compiled for the architecture-specific target
+/// `sm_90a` ([`hopper_arch`]) on demand, with `kernels/hopper.cuh`'s building blocks prepended.
+pub const HOPPER: &[(&str, &str)] =
+    &[("hopper_gemm.cu", concat!(include_str!("../../kernels/hopper.cuh"), include_str!("../../kernels/hopper_gemm.cu")))];
+
+/// The architecture-specific target the Hopper families need on a device of architecture `arch`
+/// (`sm_90` → `sm_90a`: wgmma and setmaxnreg exist only there), or `None` where they do not run.
+/// The `a` target's code runs on sm_90 devices alone, so it is never the engine's general target.
+pub fn hopper_arch(arch: &str) -> Option<String> {
+    (arch == "sm_90").then(|| "sm_90a".to_string())
+}
+
+/// Compiles every Hopper family for `sm_90a` (no cache): what CI runs, beside
+/// [`compile_all_for`]. Each family's name and CUBIN.
+pub fn compile_hopper() -> Result<Vec<(String, Vec<u8>)>> {
+    HOPPER.iter().map(|(name, src)| Ok((name.to_string(), compile_source(name, src, "sm_90a")?))).collect()
+}
+
 /// Loads NVRTC from an explicit path (a file, or a folder holding `libnvrtc.so*`) and keeps it
 /// loaded, so that cudarc's later lookup by name finds it even when its folder is not on
 /// `LD_LIBRARY_PATH` (the dynamic loader matches already-loaded libraries by soname).
@@ -298,10 +316,17 @@ impl Kernels {
     /// resolve through [`Kernels::get`]. The source sees `kernels/common.cuh` (types `f16`,
     /// `Pack`, `to_f32`/`from_f32`, `GRID_STRIDE`). Adding the same name again is a no-op.
     pub fn add_source(&self, name: &str, source: &str) -> Result<()> {
+        let arch = self.arch.clone();
+        self.add_source_for(name, source, &arch)
+    }
+
+    /// [`Kernels::add_source`] for another architecture target than the device's own (a Hopper
+    /// family's `sm_90a`, see [`hopper_arch`]). Adding the same name again is a no-op.
+    pub fn add_source_for(&self, name: &str, source: &str, arch: &str) -> Result<()> {
         if self.modules.lock().unwrap_or_else(|p| p.into_inner()).iter().any(|(n, _)| n == name) {
             return Ok(());
         }
-        let cubin = cached_compile(name, source, &self.arch)?;
+        let cubin = cached_compile(name, source, arch)?;
         let module = self
             .ctx
             .load_module(Ptx::from_binary(cubin.as_ref().clone()))

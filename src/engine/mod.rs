@@ -23,6 +23,7 @@ pub(crate) mod exec;
 pub(crate) mod file;
 pub(crate) mod gemm;
 pub(crate) mod gpu;
+pub(crate) mod hopper_gemm;
 pub(crate) mod kernels;
 pub(crate) mod launch;
 pub(crate) mod layer;

@@ -1,6 +1,7 @@
 //! Linear (fully connected): `y = x Wᵀ + b` over the last dim, and `matmul` / `bmm` of two
 //! activations (or of an activation and a constant), broadcasting batch dims as PyTorch.
 
+use crate::engine::hopper_gemm::HopperAct;
 use crate::engine::{Layer, Layout};
 use crate::error::OpError;
 use crate::graph::{NodeId, Op};
@@ -352,7 +353,38 @@ fn gpu_linear(ctx: &mut BuildCtx, node: NodeId, bias: bool, residual: bool) -> R
     }
     let rows_per_image = ctx.value(y).per_image_elems() / w.shape[0].max(1);
     let spec = GemmSpec { x, y, residual, rows_per_image, weight: &w.data, bias: b, relu: false };
-    crate::ops::quant::fp8_gemm::or_fp16(ctx, node, spec, GemmLayer::new_matrix)
+    let mut fp16: Vec<Box<dyn Layer>> = vec![Box::new(GemmLayer::new_matrix(ctx, spec)?)];
+    fp16.extend(wgmma_candidates(ctx, spec, HopperAct::None));
+    crate::ops::quant::fp8_gemm::or_fp16(ctx, node, spec, fp16)
+}
+
+/// The wgmma GEMM's tiles for a Linear where the device (sm_90), the precision (FP16) and the
+/// shape (K a multiple of 8) allow it, each a candidate timed against cuBLASLt; none elsewhere. A
+/// tile that cannot be built here (its kernel failed to compile or load) is left out with a
+/// warning rather than failing the build: cuBLASLt still runs the layer.
+fn wgmma_candidates(ctx: &mut BuildCtx, spec: crate::engine::gemm::GemmSpec, act: HopperAct) -> Vec<Box<dyn Layer>> {
+    use crate::engine::hopper_gemm::{supports, HopperGemmLayer, HopperGemmSpec, HopperTile};
+    let (k, n) = (ctx.value(spec.x).dims.last().copied().unwrap_or(0), ctx.value(spec.y).dims.last().copied().unwrap_or(0));
+    if supports(ctx.kernels.arch(), ctx.elem(), k, n).is_err() {
+        return Vec::new();
+    }
+    let hs = HopperGemmSpec {
+        x: spec.x,
+        y: spec.y,
+        residual: spec.residual,
+        rows_per_image: spec.rows_per_image,
+        weight: spec.weight,
+        bias: spec.bias,
+        act,
+    };
+    let mut out: Vec<Box<dyn Layer>> = Vec::new();
+    for tile in HopperTile::ALL {
+        match HopperGemmLayer::new(ctx, hs, tile) {
+            Ok(layer) => out.push(Box::new(layer)),
+            Err(e) => tracing::warn!(path = %ctx.path(), tile = ?tile, error = %e, "wgmma GEMM candidate left out"),
+        }
+    }
+    out
 }
 
 /// `a @ W` with a constant rank-2 `W` is one cuBLASLt GEMM over a's rows (W transposed on the

@@ -5,10 +5,10 @@
 
 use super::{encode_e4m3, round_e4m3, Quant, QuantFormat, E4M3_MAX};
 use crate::engine::eight_bit::FP8_GEMM;
-use crate::engine::gemm::{GemmLayer, GemmSpec, LtMatmul, GEMM_WORKSPACE};
+use crate::engine::gemm::{GemmSpec, LtMatmul, GEMM_WORKSPACE};
 use crate::engine::gpu::cuda_err;
 use crate::engine::launch::{grid_for, launch, CudaFunction, KArg, BLOCK};
-use crate::engine::layer::{to_elem_bytes, DeviceBuf, Elem, Layer, LayerCtx, RunCtx, ValueDesc, ValueId};
+use crate::engine::layer::{to_elem_bytes, DeviceBuf, Elem, Layer, RunCtx, ValueDesc, ValueId};
 use crate::engine::{Gpu, Layout, Precision};
 use crate::graph::{Graph, HostTensor, NodeId, Op};
 use crate::ops::linear::Gemm;
@@ -193,28 +193,28 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, spec: GemmSpec) -> Result<Ve
     forms.iter().map(|&e| layer(ctx, node, spec, p.sx, xq, [p.k, p.n], e)).collect()
 }
 
-/// The layer of a Linear: its 16-bit GEMM (`fp16` makes it; in an FP8 engine it computes the same
-/// numbers on the Q/DQ values) timed against its FP8 GEMM candidates where [`candidates`] offers
-/// any, the fastest kept; the 16-bit GEMM alone elsewhere (no tactic recorded, as before).
-pub fn or_fp16(
-    ctx: &mut BuildCtx,
-    node: NodeId,
-    spec: GemmSpec,
-    fp16: impl FnOnce(&mut LayerCtx, GemmSpec) -> Result<GemmLayer>,
-) -> Result<Box<dyn Layer>> {
-    let fp16: Box<dyn Layer> = Box::new(fp16(ctx, spec)?);
-    // An engine file written before Linears had FP8 candidates records no tactic for them: it ran
-    // the 16-bit GEMM, and loads as it was built.
+/// The layer of a Linear: its 16-bit GEMMs (`fp16`, cuBLASLt's first, then the wgmma GEMM's tiles
+/// on sm_90; in an FP8 engine they compute the same numbers on the Q/DQ values) timed against its
+/// FP8 GEMM candidates where [`candidates`] offers any, the fastest kept; a lone candidate is
+/// taken without a tactic recorded, as before.
+pub fn or_fp16(ctx: &mut BuildCtx, node: NodeId, spec: GemmSpec, fp16: Vec<Box<dyn Layer>>) -> Result<Box<dyn Layer>> {
+    let mut fp16 = fp16.into_iter();
+    let Some(first) = fp16.next() else {
+        return Err(ctx.err(node, crate::LowerKind::NoAlgorithm, "no 16-bit GEMM candidate"));
+    };
+    // An engine file written before Linears had several candidates records no tactic for them:
+    // it ran the first (cuBLASLt's) GEMM, and loads as it was built.
     let path = format!("{}|", ctx.path());
     if ctx.tactics.replay && !ctx.tactics.recorded.keys().any(|k| k.starts_with(&path)) {
-        return Ok(fp16);
+        return Ok(first);
     }
-    let fp8 = candidates(ctx, node, spec)?;
-    if fp8.is_empty() {
-        return Ok(fp16);
+    let mut all: Vec<Box<dyn Layer>> = std::iter::once(first).chain(fp16).collect();
+    all.extend(candidates(ctx, node, spec)?);
+    if all.len() == 1 {
+        return Ok(all.pop().expect("one candidate"));
     }
     let key = ctx.problem_key(node);
-    ctx.choose(&key, std::iter::once(fp16).chain(fp8).collect())
+    ctx.choose(&key, all)
 }
 
 /// Bytes between the A and B scales of an FP8 GEMM in their device buffer. cuBLASLt refuses
