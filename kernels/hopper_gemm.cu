@@ -9,27 +9,14 @@
 //   convention), and the warpgroup gives most of its registers to the others (setmaxnreg);
 // - warpgroups 1 and 2, the consumers: each multiplies its 64 rows of the A stage by the whole
 //   B stage with four m64nBNk16 wgmmas per stage, keeps one stage's MMAs in flight while the
-//   next is issued, frees the stage before, and finally runs the epilogue from registers
-//   (bias, residual, activation, f16 stores guarded at the M and N edges).
+//   next is issued, frees the stage before, and finally runs the epilogue (`hg_epilogue`:
+//   bias, residual, activation, f16 stores guarded at the M and N edges) through its own
+//   staging rows of shared memory.
 // TMA fills rows past M or N and columns past K with zeros, so any M, N and K work; K must be a
 // multiple of 8 (the tensor map's row pitch must be a multiple of 16 bytes; the host checks it).
 
 #define HG_BM 128
 #define HG_BK 64
-// 0 none, 1 ReLU, 2 erf-GELU, 3 tanh-GELU, 4 SiLU: `HopperAct` in src/engine/hopper_gemm.rs.
-#define HG_NONE 0
-#define HG_RELU 1
-#define HG_GELU 2
-#define HG_GELU_TANH 3
-#define HG_SILU 4
-
-template <int ACT> __device__ __forceinline__ float hg_act(float v) {
-    if (ACT == HG_RELU) return apply_act(v, ACT_RELU, 0.f);
-    if (ACT == HG_GELU) return apply_act(v, ACT_GELU, 0.f);
-    if (ACT == HG_GELU_TANH) return apply_act(v, ACT_GELU_TANH, 0.f);
-    if (ACT == HG_SILU) return apply_act(v, ACT_SILU, 0.f);
-    return v;
-}
 
 template <int BN> __device__ __forceinline__ void hg_mma(float* acc, u64 da, u64 db) {
     if (BN == 128) {
@@ -39,35 +26,60 @@ template <int BN> __device__ __forceinline__ void hg_mma(float* acc, u64 da, u64
     }
 }
 
-// The consumer's 64 × BN accumulators → D, rows from `row0`, columns from `col0`.
-template <int BN, int ACT>
-__device__ __forceinline__ void hg_epilogue(const float* acc, int t, int row0, int col0, f16* d, const float* bias, const f16* res, int m,
-                                            int n) {
-    const bool pairs = (n & 1) == 0; // f16x2 stores need even rows of D
+// Bytes per row of a consumer's staging tile: BN halves plus 16, so that the eight rows one
+// warp's accumulator stores touch start four banks apart (no conflicts).
+template <int BN> struct HgStage {
+    static const int PITCH = BN * 2 + 16;
+    static const int BYTES = 64 * PITCH;
+};
+
+// The epilogue of one consumer warpgroup (64 rows from `row0`, BN columns from `col0`), in two
+// steps so that its code stays small (an unrolled per-element epilogue with bounds checks and
+// five activations came to ~380 KB of SASS and ran from a thrashing instruction cache):
+// 1. accumulators + bias → f16 in the warpgroup's staging rows (unrolled, no branches but the
+//    bias's edge);
+// 2. a loop over 16-byte chunks of those rows, coalesced along them: + residual, activation
+//    (`act`: common.cuh's ACT_* code), stores guarded at the M and N edges (8 halves at a time
+//    where N is a multiple of 8, one at a time otherwise).
+template <int BN>
+__device__ __forceinline__ void hg_epilogue(const float* acc, unsigned char* stage, int t, int half, int row0, int col0, f16* d,
+                                            const float* bias, const f16* res, int m, int n, int act) {
+    const int pitch = HgStage<BN>::PITCH;
 #pragma unroll
     for (int i = 0; i < BN / 2; i += 2) {
-        int row = row0 + wgmma_acc_row(t, i), col = col0 + wgmma_acc_col(t, i);
-        if (row >= m || col >= n) continue;
-        float v0 = acc[i], v1 = acc[i + 1];
-        bool two = col + 1 < n;
+        int r = wgmma_acc_row(t, i), c = wgmma_acc_col(t, i);
+        float b0 = 0.f, b1 = 0.f;
         if (bias) {
-            v0 += bias[col];
-            if (two) v1 += bias[col + 1];
+            int gc = col0 + c;
+            b0 = gc < n ? bias[gc] : 0.f;
+            b1 = gc + 1 < n ? bias[gc + 1] : 0.f;
         }
-        i64 at = (i64)row * n + col;
-        if (pairs && two) {
-            if (res) {
-                unsigned r = *reinterpret_cast<const unsigned*>(res + at);
-                v0 += to_f32(f16{(unsigned short)(r & 0xffff)});
-                v1 += to_f32(f16{(unsigned short)(r >> 16)});
+        *reinterpret_cast<unsigned*>(stage + r * pitch + c * 2) = pack_f16x2(acc[i] + b0, acc[i + 1] + b1);
+    }
+    asm volatile("bar.sync %0, 128;" ::"r"(1 + half) : "memory"); // this warpgroup's 128 threads
+    const int rows = min(64, m - row0), cols = min(BN, n - col0);
+    const bool vec = (n & 7) == 0;
+    for (int idx = t; idx < 64 * (BN / 8); idx += 128) {
+        int r = idx / (BN / 8), c = (idx % (BN / 8)) * 8;
+        if (r >= rows || c >= cols) continue;
+        const f16* staged = reinterpret_cast<const f16*>(stage + r * pitch + c * 2);
+        i64 at = (i64)(row0 + r) * n + col0 + c;
+        if (vec) {
+            Pack<f16> v = load_pack(staged);
+            Pack<f16> rv;
+            if (res) rv = load_pack(res + at);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                float x = to_f32(v.e[e]);
+                if (res) x += to_f32(rv.e[e]);
+                v.e[e] = from_f32<f16>(apply_act(x, act, 0.f));
             }
-            *reinterpret_cast<unsigned*>(d + at) = pack_f16x2(hg_act<ACT>(v0), hg_act<ACT>(v1));
+            store_pack(d + at, v);
         } else {
-            if (res) v0 += to_f32(res[at]);
-            d[at] = from_f32<f16>(hg_act<ACT>(v0));
-            if (two) {
-                if (res) v1 += to_f32(res[at + 1]);
-                d[at + 1] = from_f32<f16>(hg_act<ACT>(v1));
+            for (int e = 0; e < 8 && c + e < cols; ++e) {
+                float x = to_f32(staged[e]);
+                if (res) x += to_f32(res[at + e]);
+                d[at + e] = from_f32<f16>(apply_act(x, act, 0.f));
             }
         }
     }
@@ -83,6 +95,7 @@ __device__ __forceinline__ void hopper_gemm(const TensorMap* map_a, const Tensor
     unsigned char* base = hg_dynamic + ((1024 - (smem_u32(hg_dynamic) & 1023)) & 1023);
     unsigned char* smem_a = base;
     unsigned char* smem_b = base + STAGES * A_BYTES;
+    unsigned char* smem_stage = smem_b + STAGES * B_BYTES; // two consumers' HgStage tiles
 
     const int warpgroup = threadIdx.x / 128, t = threadIdx.x % 128;
     const int row0 = blockIdx.y * HG_BM, col0 = blockIdx.x * BN;
@@ -137,19 +150,13 @@ __device__ __forceinline__ void hopper_gemm(const TensorMap* map_a, const Tensor
         wgmma_wait<0>();
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) wgmma_fence_operand(acc[i]);
-        int r0 = row0 + half * 64;
-        switch (act) {
-        case HG_RELU: hg_epilogue<BN, HG_RELU>(acc, t, r0, col0, d, bias, res, m, n); break;
-        case HG_GELU: hg_epilogue<BN, HG_GELU>(acc, t, r0, col0, d, bias, res, m, n); break;
-        case HG_GELU_TANH: hg_epilogue<BN, HG_GELU_TANH>(acc, t, r0, col0, d, bias, res, m, n); break;
-        case HG_SILU: hg_epilogue<BN, HG_SILU>(acc, t, r0, col0, d, bias, res, m, n); break;
-        default: hg_epilogue<BN, HG_NONE>(acc, t, r0, col0, d, bias, res, m, n); break;
-        }
+        hg_epilogue<BN>(acc, smem_stage + half * HgStage<BN>::BYTES, t, half, row0 + half * 64, col0, d, bias, res, m, n, act);
     }
 }
 
 // Entry points: hopper_gemm_f16_n<BN>_s<STAGES>. Grid (ceil(N / BN), ceil(M / 128)), 384
-// threads, STAGES · (128 + BN) · 128 + 1024 bytes of dynamic shared memory.
+// threads, STAGES · (128 + BN) · 128 + 128 · (2 · BN + 16) + 1024 bytes of dynamic shared
+// memory; `act` is an ACT_* code of common.cuh (none, ReLU, GELU, tanh-GELU, SiLU).
 #define HOPPER_GEMM_ENTRY(BN, STAGES)                                                                                                      \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                                                   \
         hopper_gemm_f16_n##BN##_s##STAGES(const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b, f16* d,      \
@@ -158,4 +165,4 @@ __device__ __forceinline__ void hopper_gemm(const TensorMap* map_a, const Tensor
     }
 
 HOPPER_GEMM_ENTRY(128, 4)
-HOPPER_GEMM_ENTRY(256, 4)
+HOPPER_GEMM_ENTRY(256, 3)

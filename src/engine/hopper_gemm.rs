@@ -25,7 +25,7 @@ const BK: usize = 64;
 /// Threads per block: a producer warpgroup and two consumer warpgroups.
 const THREADS: u32 = 384;
 
-/// The activation fused into the epilogue (`HG_*` codes of kernels/hopper_gemm.cu).
+/// The activation fused into the epilogue (passed as kernels/common.cuh's `ACT_*` code).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum HopperAct {
     None,
@@ -44,14 +44,15 @@ impl HopperAct {
         match self {
             HopperAct::None => 0,
             HopperAct::Relu => 1,
-            HopperAct::Gelu => 2,
-            HopperAct::GeluTanh => 3,
             HopperAct::Silu => 4,
+            HopperAct::Gelu => 7,
+            HopperAct::GeluTanh => 8,
         }
     }
 }
 
-/// A block's tile shape: 128 rows by `bn` columns, four pipeline stages.
+/// A block's tile shape: 128 rows by `bn` columns, with as many pipeline stages as fit beside the
+/// epilogue's staging rows (4 for 128 columns, 3 for 256).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum HopperTile {
     N128,
@@ -68,14 +69,18 @@ impl HopperTile {
         }
     }
     fn stages(self) -> usize {
-        4
+        match self {
+            HopperTile::N128 => 4,
+            HopperTile::N256 => 3,
+        }
     }
     fn entry(self) -> String {
         format!("hopper_gemm_f16_n{}_s{}", self.bn(), self.stages())
     }
-    /// Dynamic shared memory: the ring of A and B stages, plus 1 KiB to align it to 1024 bytes.
+    /// Dynamic shared memory: the ring of A and B stages, the two consumers' staging rows
+    /// (`HgStage`: 64 rows of `bn` halves + 16 bytes each), 1 KiB to align the ring to 1024 bytes.
     fn shared_bytes(self) -> usize {
-        self.stages() * (BM + self.bn()) * BK * 2 + 1024
+        self.stages() * (BM + self.bn()) * BK * 2 + 2 * 64 * (2 * self.bn() + 16) + 1024
     }
     /// The layer kind (`wgmma-gemm:128x256`), what tactics record.
     pub fn kind(self) -> String {
