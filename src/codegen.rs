@@ -481,6 +481,7 @@ const IR: &[&str] = &[
     "ConvAttrs",
     "CustomCall",
     "Gemm",
+    "GemmAct",
     "Node",
     "Norm",
     "Op",

@@ -7,7 +7,7 @@ pub use crate::ops::attention::{Attention, QkvAttention};
 pub use crate::ops::conv::{Activation, ConvAttrs};
 pub use crate::ops::custom::CustomCall;
 pub use crate::ops::elementwise::{Binary, Unary};
-pub use crate::ops::linear::Gemm;
+pub use crate::ops::linear::{Gemm, GemmAct};
 pub use crate::ops::norm::Norm;
 pub use crate::ops::pool::{Pool, PoolAttrs};
 pub use crate::ops::quant::{Quant, QuantFormat, QuantParams};

@@ -4,7 +4,7 @@
 //! A value marked as a graph output stays observable: a node read by an output is never absorbed
 //! into another node (the output would lose its value), though it may absorb the nodes after it.
 
-use crate::graph::{Activation, Binary, ConvAttrs, Gemm, Graph, HostTensor, NodeId, Norm, Op, Pool, ShapeOp, Unary};
+use crate::graph::{Activation, Binary, ConvAttrs, Gemm, GemmAct, Graph, HostTensor, NodeId, Norm, Op, Pool, ShapeOp, Unary};
 use crate::{Error, Result};
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -21,6 +21,7 @@ pub fn optimize(graph: &Graph) -> Result<Graph> {
     let g = step("fold_linear_scale", fold_linear_scale(&g)?);
     let g = step("fuse_conv_activation", fuse_conv_activation(&g)?);
     let g = step("fuse_linear_add", fuse_linear_add(&g)?);
+    let g = step("fuse_linear_activation", fuse_linear_activation(&g)?);
     let g = step("fuse_conv_max_pool", fuse_conv_max_pool(&g)?);
     let g = remove_dead_nodes(&g)?;
     tracing::debug!(before = ops(graph), after = ops(&g), ms = start.elapsed().as_secs_f64() * 1e3, "optimise: folded and fused");
@@ -350,6 +351,32 @@ pub fn fuse_linear_add(graph: &Graph) -> Result<Graph> {
         g.nodes[add].inputs.clear();
     }
     removed.resize(g.nodes.len(), false);
+    rebuild(&g, |id, _| !removed[id])
+}
+
+/// A plain Linear (no residual, constant weights, not fed by a fake-quantiser: 8-bit GEMMs have no
+/// such epilogue) read only by a ReLU, GELU (erf or tanh) or SiLU → one `Gemm::LinearAct`: on
+/// sm_90 the wgmma GEMM's epilogue applies it (cuBLASLt has no erf-GELU epilogue), elsewhere an
+/// in-place kernel after cuBLASLt's GEMM; the CPU applies the same unary op, so outputs are
+/// bit-identical to the unfused graph's. The fused node keeps the Linear's module path.
+pub fn fuse_linear_activation(graph: &Graph) -> Result<Graph> {
+    let mut g = graph.clone();
+    let mut removed = vec![false; g.nodes.len()];
+    let users = g.readers();
+    let uses = g.use_counts();
+    for lin in 0..g.nodes.len() {
+        let Some((lin, None, next)) = linear_chain(&g, &users, &uses, lin) else { continue };
+        let Op::Unary(op) = g.nodes[next].op else { continue };
+        let Some(act) = GemmAct::of(op) else { continue };
+        if matches!(g.nodes[g.nodes[lin].inputs[0]].op, Op::Quant(_)) {
+            continue;
+        }
+        let Op::Gemm(Gemm::Linear { bias, .. }) = g.nodes[lin].op else { unreachable!("checked by linear_chain") };
+        g.nodes[lin].op = Op::Gemm(Gemm::LinearAct { bias, act });
+        redirect(&mut g, next, lin);
+        removed[next] = true;
+        g.nodes[next].inputs.clear();
+    }
     rebuild(&g, |id, _| !removed[id])
 }
 

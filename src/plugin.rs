@@ -16,8 +16,8 @@ pub use crate::engine::launch::{grid_for, launch, Arg, CudaFunction, KArg, Kerne
 pub use crate::engine::layer::{DeviceBuf, Elem, Layer, LayerCtx, Layout, RunCtx, ValueDesc, ValueId, MAX_RANK};
 pub use crate::error::OpError;
 pub use crate::graph::{
-    Activation, Attention, Binary, ConvAttrs, Gemm, Node, Norm, Op, Pool, PoolAttrs, QkvAttention, Quant, QuantFormat, QuantParams, Resize,
-    ShapeOp, Unary,
+    Activation, Attention, Binary, ConvAttrs, Gemm, GemmAct, Node, Norm, Op, Pool, PoolAttrs, QkvAttention, Quant, QuantFormat,
+    QuantParams, Resize, ShapeOp, Unary,
 };
 pub use crate::ops::custom::{attr, Attrs, CustomCall, CustomOp, ShapeRule};
 pub use crate::ops::custom::{check_converters, check_registry, converter, lookup, Converter};

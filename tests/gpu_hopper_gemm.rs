@@ -258,19 +258,22 @@ fn linear_engines_on_the_wgmma_gemm_match_the_cpu() {
     let Some(gpu) = hopper_gpu() else { return };
     for (tokens, k, n, gelu, residual) in [(197, 768, 3072, true, false), (50, 136, 200, false, true), (7, 64, 24, true, true)] {
         let g = linear_graph(tokens, k, n, gelu, residual);
-        let config = BuildConfig::default().precision(Precision::Fp16).batch(1, 3, 3).cuda_graphs(false).tactic_sources(&["wgmma-gemm"]);
-        let engine = Arc::new(EngineBuilder::new(config).with_gpu(gpu.clone()).build(&g).unwrap_or_else(|e| panic!("build: {e}")));
-        let kinds: Vec<String> = engine.layers().map(|l| l.kind()).filter(|k| k.contains("gemm")).collect();
-        println!("linear {tokens}x{k}->{n} gelu {gelu} residual {residual}: {kinds:?}");
-        assert!(!kinds.is_empty() && kinds.iter().all(|l| l.starts_with("wgmma-gemm")), "every GEMM on the wgmma kernel: {kinds:?}");
-        let mut ctx = engine.context().expect("context");
-        for batch in [1, 3] {
-            let x = random(&[batch, tokens, k], batch as u64, 1.0);
-            let want = kiln::run_cpu(&g, &[("x", &x)]).expect("cpu");
-            let got = ctx.run(&[("x", &x)]).expect("run");
-            let c = kiln::compare("y", &got["y"], &want["y"]);
-            println!("  batch {batch}: rel L2 {:.2e}, max-abs {:.2e}", c.rel_l2, c.max_abs);
-            assert!(c.rel_l2 < REL_L2_BOUND, "batch {batch}: rel L2 {}", c.rel_l2);
+        // The wgmma GEMM, then cuBLASLt (with the fused GELU as an in-place kernel after it).
+        for source in ["wgmma-gemm", "cublaslt"] {
+            let config = BuildConfig::default().precision(Precision::Fp16).batch(1, 3, 3).cuda_graphs(false).tactic_sources(&[source]);
+            let engine = Arc::new(EngineBuilder::new(config).with_gpu(gpu.clone()).build(&g).unwrap_or_else(|e| panic!("build: {e}")));
+            let kinds: Vec<String> = engine.layers().map(|l| l.kind()).filter(|k| k.contains("gemm")).collect();
+            println!("linear {tokens}x{k}->{n} gelu {gelu} residual {residual} on {source}: {kinds:?}");
+            assert!(!kinds.is_empty() && kinds.iter().all(|l| l.starts_with(source)), "every GEMM on {source}: {kinds:?}");
+            let mut ctx = engine.context().expect("context");
+            for batch in [1, 3] {
+                let x = random(&[batch, tokens, k], batch as u64, 1.0);
+                let want = kiln::run_cpu(&g, &[("x", &x)]).expect("cpu");
+                let got = ctx.run(&[("x", &x)]).expect("run");
+                let c = kiln::compare("y", &got["y"], &want["y"]);
+                println!("  batch {batch}: rel L2 {:.2e}, max-abs {:.2e}", c.rel_l2, c.max_abs);
+                assert!(c.rel_l2 < REL_L2_BOUND, "{source} batch {batch}: rel L2 {}", c.rel_l2);
+            }
         }
     }
 }

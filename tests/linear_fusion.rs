@@ -5,7 +5,7 @@
 
 use kiln::dev::passes;
 use kiln::nn::{Linear, LinearConfig};
-use kiln::plugin::{Binary, Gemm, Op, ShapeOp};
+use kiln::plugin::{Binary, Gemm, GemmAct, Op, ShapeOp};
 use kiln::{compare, Forward, Graph, HostTensor, Module, Tracer, VarBuilder};
 use std::sync::Arc;
 
@@ -271,4 +271,68 @@ fn layerwise_keys_follow_the_fused_linears() {
     let back = o.outputs[0].1;
     assert_eq!(key_of(&g, &o, &|n| std::ptr::eq(n, &o.nodes[back])), add_keys(&g)[0]);
     assert!(key_of(&g, &o, &|n| n.path == "pwconv2.residual").is_empty());
+}
+
+/// `(bias, act)` of the fused Linear + activation at `path`, if it is one.
+fn linear_act(g: &Graph, path: &str) -> Option<(bool, GemmAct)> {
+    g.nodes.iter().find(|n| n.path == path).and_then(|n| match n.op {
+        Op::Gemm(Gemm::LinearAct { bias, act }) => Some((bias, act)),
+        _ => None,
+    })
+}
+
+#[test]
+fn linear_then_gelu_becomes_one_node_with_equal_outputs() {
+    let g = vit_like();
+    let o = passes::optimize(&g).expect("optimize");
+    assert_eq!(count(&g, "gelu"), 1);
+    assert_eq!(count(&o, "gelu"), 0, "{}", o.to_text());
+    assert_eq!(linear_act(&o, "fc1"), Some((true, GemmAct::Gelu)));
+    assert_eq!(linear_attrs(&o, "fc2"), (true, true), "the add after still fuses");
+    // The CPU applies the same unary op to the same f32 sums: bit-identical.
+    for batch in [1, 3] {
+        let x = rand(&[batch, 5, 8]);
+        assert_eq!(outputs(&g, &x), outputs(&o, &x), "batch {batch}");
+    }
+    // Every activation with a fused form, and one without (sigmoid stays a node).
+    let vb = VarBuilder::seeded();
+    for (name, want) in
+        [("relu", Some(GemmAct::Relu)), ("gelu_tanh", Some(GemmAct::GeluTanh)), ("silu", Some(GemmAct::Silu)), ("sigmoid", None)]
+    {
+        let t = Tracer::new();
+        let x = t.input("x", &[1, 3, 8]);
+        let h = linear(&vb, "fc", 8, 16).forward(&x).expect("trace");
+        let y = match name {
+            "relu" => h.relu(),
+            "gelu_tanh" => h.gelu(true),
+            "silu" => h.silu(),
+            _ => h.sigmoid(),
+        }
+        .expect("trace");
+        t.output("y", &y);
+        let g = t.graph();
+        let o = passes::fuse_linear_activation(&g).expect("fuse");
+        assert_eq!(linear_act(&o, "fc").map(|(_, a)| a), want, "{name}");
+        let x = rand(&[2, 3, 8]);
+        assert_eq!(outputs(&g, &x), outputs(&o, &x), "{name}");
+    }
+}
+
+#[test]
+fn a_linear_read_twice_or_an_output_keeps_its_activation_apart() {
+    let vb = VarBuilder::seeded();
+    let t = Tracer::new();
+    let x = t.input("x", &[1, 3, 8]);
+    let h = linear(&vb, "fc", 8, 8).forward(&x).expect("trace");
+    let y = (&h.gelu(false).expect("trace") + &h).expect("trace");
+    t.output("y", &y);
+    let o = passes::fuse_linear_activation(&t.graph()).expect("fuse");
+    assert_eq!(linear_act(&o, "fc"), None, "the Linear's value is read by the add too");
+    let t = Tracer::new();
+    let x = t.input("x", &[1, 3, 8]);
+    let h = linear(&vb, "fc", 8, 8).forward(&x).expect("trace");
+    t.output("h", &h);
+    t.output("y", &h.gelu(false).expect("trace"));
+    let o = passes::fuse_linear_activation(&t.graph()).expect("fuse");
+    assert_eq!(linear_act(&o, "fc"), None, "the Linear is a graph output");
 }

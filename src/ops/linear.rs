@@ -2,10 +2,12 @@
 //! activations (or of an activation and a constant), broadcasting batch dims as PyTorch.
 
 use crate::engine::hopper_gemm::HopperAct;
+use crate::engine::layer::Then;
 use crate::engine::{Layer, Layout};
 use crate::error::OpError;
 use crate::graph::{NodeId, Op};
 use crate::module::{Forward, Module};
+use crate::ops::elementwise::{activation_in_place, Unary};
 use crate::ops::BuildCtx;
 use crate::ops::{AtenImport, CpuArgs, FixtureTwin, LayoutPlan, NnLayer, OpDef};
 use crate::tensor::{Param, Tensor};
@@ -31,27 +33,82 @@ pub enum Gemm {
         #[serde(default)]
         residual: bool,
     },
+    /// `act(x Wᵀ + b)`: a Linear and the activation that alone reads it, fused by
+    /// `passes::fuse_linear_activation` (the wgmma GEMM's epilogue on sm_90; elsewhere cuBLASLt's
+    /// GEMM and an in-place activation kernel). Inputs as Linear's without a residual.
+    LinearAct { bias: bool, act: GemmAct },
     /// `torch.matmul(a, b)` with both of rank >= 2: the batch dims broadcast; `a` sets the
     /// output's rank (its dim 0 is the batch).
     Matmul,
 }
 
+/// The activation a fused Linear applies (`Gemm::LinearAct`): the ones both the wgmma GEMM's
+/// epilogue and the elementwise kernels run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GemmAct {
+    #[default]
+    Relu,
+    /// erf-GELU (`nn.GELU()`), which cuBLASLt's epilogues lack.
+    Gelu,
+    /// tanh-GELU (`nn.GELU(approximate="tanh")`).
+    GeluTanh,
+    Silu,
+}
+
+impl GemmAct {
+    /// The unary op it stands for (the CPU applies exactly that op, so a fused graph's outputs
+    /// are bit-identical to the unfused one's).
+    pub fn unary(self) -> Unary {
+        match self {
+            GemmAct::Relu => Unary::Relu,
+            GemmAct::Gelu => Unary::Gelu { tanh: false },
+            GemmAct::GeluTanh => Unary::Gelu { tanh: true },
+            GemmAct::Silu => Unary::Silu,
+        }
+    }
+    /// The activation that fuses as `op`, if any.
+    pub fn of(op: Unary) -> Option<Self> {
+        match op {
+            Unary::Relu => Some(GemmAct::Relu),
+            Unary::Gelu { tanh: false } => Some(GemmAct::Gelu),
+            Unary::Gelu { tanh: true } => Some(GemmAct::GeluTanh),
+            Unary::Silu => Some(GemmAct::Silu),
+            _ => None,
+        }
+    }
+    fn hopper(self) -> HopperAct {
+        match self {
+            GemmAct::Relu => HopperAct::Relu,
+            GemmAct::Gelu => HopperAct::Gelu,
+            GemmAct::GeluTanh => HopperAct::GeluTanh,
+            GemmAct::Silu => HopperAct::Silu,
+        }
+    }
+}
+
 impl OpDef for Gemm {
     fn name(&self) -> &str {
         match self {
-            Gemm::Linear { .. } => "linear",
+            Gemm::Linear { .. } | Gemm::LinearAct { .. } => "linear",
             Gemm::Matmul => "matmul",
         }
     }
     fn infer_shape(&self, inputs: &[&[usize]]) -> Result<Vec<usize>, OpError> {
         match *self {
             Gemm::Linear { bias, residual } => linear_residual_shape(bias, residual, inputs),
+            Gemm::LinearAct { bias, .. } => linear_shape(bias, inputs),
             Gemm::Matmul => matmul_shape(inputs),
         }
     }
     fn cpu(&self, args: &mut CpuArgs) -> Result<HostTensor, OpError> {
         match *self {
             Gemm::Linear { bias, residual } => linear_residual_cpu(bias, residual, &args.all()?),
+            Gemm::LinearAct { bias, act } => {
+                let mut y = linear_cpu(bias, &args.all()?)?;
+                let op = act.unary();
+                y.data.iter_mut().for_each(|v| *v = op.apply(*v));
+                Ok(y)
+            }
             Gemm::Matmul => matmul_cpu(&args.all()?),
         }
     }
@@ -64,7 +121,8 @@ impl OpDef for Gemm {
     }
     fn convert(&self, ctx: &mut BuildCtx, node: NodeId) -> Result<Box<dyn Layer>> {
         match *self {
-            Gemm::Linear { bias, residual } => gpu_linear(ctx, node, bias, residual),
+            Gemm::Linear { bias, residual } => gpu_linear(ctx, node, bias, residual, None),
+            Gemm::LinearAct { bias, act } => gpu_linear(ctx, node, bias, false, Some(act)),
             Gemm::Matmul => gpu_matmul(ctx, node),
         }
     }
@@ -73,6 +131,7 @@ impl OpDef for Gemm {
             Gemm::Linear { bias, residual } => {
                 format!("linear{}{}", if *bias { " +bias" } else { "" }, if *residual { " +residual" } else { "" })
             }
+            Gemm::LinearAct { bias, act } => format!("linear{} +{}", if *bias { " +bias" } else { "" }, act.unary().name()),
             Gemm::Matmul => "matmul".into(),
         }
     }
@@ -332,8 +391,11 @@ pub fn matmul_cpu(inputs: &[&HostTensor]) -> Result<HostTensor, OpError> {
 
 // ---- GPU converter (engine::gemm)
 
-/// Linear as one cuBLASLt GEMM with the bias in its epilogue and a residual as C (beta = 1).
-fn gpu_linear(ctx: &mut BuildCtx, node: NodeId, bias: bool, residual: bool) -> Result<Box<dyn Layer>> {
+/// Linear as one cuBLASLt GEMM with the bias in its epilogue and a residual as C (beta = 1),
+/// timed against the wgmma GEMM on sm_90 (and FP8 GEMMs in FP8 engines). A fused activation
+/// (`act`) is ReLU in cuBLASLt's epilogue or an in-place activation kernel after it, and the
+/// wgmma GEMM's own epilogue.
+fn gpu_linear(ctx: &mut BuildCtx, node: NodeId, bias: bool, residual: bool, act: Option<GemmAct>) -> Result<Box<dyn Layer>> {
     use crate::engine::gemm::{GemmLayer, GemmSpec};
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let w = ctx.weight(node, 1)?;
@@ -352,10 +414,24 @@ fn gpu_linear(ctx: &mut BuildCtx, node: NodeId, bias: bool, residual: bool) -> R
         }
     }
     let rows_per_image = ctx.value(y).per_image_elems() / w.shape[0].max(1);
-    let spec = GemmSpec { x, y, residual, rows_per_image, weight: &w.data, bias: b, relu: false };
-    let mut fp16: Vec<Box<dyn Layer>> = vec![Box::new(GemmLayer::new_matrix(ctx, spec)?)];
-    fp16.extend(wgmma_candidates(ctx, spec, HopperAct::None));
-    crate::ops::quant::fp8_gemm::or_fp16(ctx, node, spec, fp16)
+    let relu = act == Some(GemmAct::Relu);
+    let spec = GemmSpec { x, y, residual, rows_per_image, weight: &w.data, bias: b, relu };
+    let lt: Box<dyn Layer> = Box::new(GemmLayer::new_matrix(ctx, spec)?);
+    let lt = match act.filter(|_| !relu) {
+        Some(a) => Box::new(Then { first: lt, second: Box::new(activation_in_place(ctx, y, a.unary())?) }),
+        None => lt,
+    };
+    let mut fp16 = vec![lt];
+    fp16.extend(wgmma_candidates(ctx, spec, act.map_or(HopperAct::None, GemmAct::hopper)));
+    if act.is_none() {
+        return crate::ops::quant::fp8_gemm::or_fp16(ctx, node, spec, fp16);
+    }
+    // The fused activation has no FP8 form (the fusion pass leaves quantised Linears alone).
+    if fp16.len() == 1 {
+        return Ok(fp16.pop().expect("one candidate"));
+    }
+    let key = ctx.problem_key(node);
+    ctx.choose(&key, fp16)
 }
 
 /// The wgmma GEMM's tiles for a Linear where the device (sm_90), the precision (FP16) and the

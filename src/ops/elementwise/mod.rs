@@ -14,6 +14,7 @@ mod unary;
 pub use binary::Binary;
 pub use forms::{ConfigForm, FormArg};
 pub use modules::*;
+pub(crate) use unary::activation_in_place;
 pub use unary::{bias_act, Unary};
 
 use crate::engine::launch::{Arg, KArg};

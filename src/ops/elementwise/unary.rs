@@ -337,6 +337,16 @@ pub fn activation(ctx: &mut BuildCtx, node: NodeId, op: Unary) -> Result<Box<dyn
     Ok(Box::new(layer.kind(format!("kernel:{}", op.name())).items(4)))
 }
 
+/// `op` applied in place to every element of `v` (any layout): the activation of a fused Linear
+/// whose GEMM cannot apply it (`Gemm::LinearAct` on cuBLASLt).
+pub(crate) fn activation_in_place(ctx: &crate::engine::layer::LayerCtx, v: ValueId, op: Unary) -> Result<KernelLayer> {
+    let elem = ctx.value(v).elem;
+    let (code, p0, p1) = op.kernel_code();
+    let per_image = ctx.value(v).per_image_elems();
+    let args = vec![Arg::Value(v), Arg::Value(v), Arg::PerBatch(per_image), i32_arg(code), f32_arg(p0), f32_arg(p1)];
+    Ok(KernelLayer::new(ctx, &activation_entry(op, elem), args, per_image)?.kind(format!("kernel:{}", op.name())).items(4))
+}
+
 /// `y = act(x * scale + bias + residual)` for `node`, reading `x` and writing `y` (which may be
 /// `x`: in place), over NHWC (or `[N, F]`) values: the epilogue of layers whose library call
 /// cannot fuse it (a deconvolution's bias, a GEMM without the epilogue, an unfolded BatchNorm with
