@@ -21,7 +21,6 @@ pub fn optimize(graph: &Graph) -> Result<Graph> {
     let g = step("fold_linear_scale", fold_linear_scale(&g)?);
     let g = step("fuse_conv_activation", fuse_conv_activation(&g)?);
     let g = step("fuse_linear_add", fuse_linear_add(&g)?);
-    let g = step("fuse_linear_activation", fuse_linear_activation(&g)?);
     let g = step("fuse_conv_max_pool", fuse_conv_max_pool(&g)?);
     let g = remove_dead_nodes(&g)?;
     tracing::debug!(before = ops(graph), after = ops(&g), ms = start.elapsed().as_secs_f64() * 1e3, "optimise: folded and fused");
@@ -359,6 +358,10 @@ pub fn fuse_linear_add(graph: &Graph) -> Result<Graph> {
 /// sm_90 the wgmma GEMM's epilogue applies it (cuBLASLt has no erf-GELU epilogue), elsewhere an
 /// in-place kernel after cuBLASLt's GEMM; the CPU applies the same unary op, so outputs are
 /// bit-identical to the unfused graph's. The fused node keeps the Linear's module path.
+///
+/// Not one of [`optimize`]'s passes: the builder runs it after them, for FP16 engines without
+/// Q/DQ nodes only (`engine::prepare`), so the optimised graph that calibration caches are keyed
+/// by and that quantisation rewrites (its Linears, `calibrate::quantizable`) stays as it was.
 pub fn fuse_linear_activation(graph: &Graph) -> Result<Graph> {
     let mut g = graph.clone();
     let mut removed = vec![false; g.nodes.len()];

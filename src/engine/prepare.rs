@@ -2,7 +2,8 @@
 //! config and every op's converter are checked, the passes run, and the graph gets its precision's
 //! quantisers (`calibrate`): an 8-bit engine's from the calibration cache or the graph's own Q/DQ
 //! nodes, `Best`'s INT8 ranges with the weights unfolded (its search picks the INT8 convs while
-//! lowering, `engine::best`).
+//! lowering, `engine::best`); an FP16 engine's Linears take their activations
+//! (`passes::fuse_linear_activation`).
 
 use super::config::BuildConfig;
 use super::precision::Precision;
@@ -30,6 +31,9 @@ fn with_precision(optimized: Graph, config: &BuildConfig) -> Result<Graph> {
             Some(format) => calibrate::prepare_for_engine(optimized, format, cache),
             // A Q/DQ graph in FP16/FP32 runs its quantisers as they are; weights' are folded.
             None if calibrate::has_quant_nodes(&optimized) => calibrate::fold_constant_quant(&optimized),
+            // FP16 engines: a Linear's activation joins its GEMM's epilogue (both of the fused
+            // node's layer forms, wgmma and cuBLASLt + kernel, ran on an H200; FP32's did not yet).
+            None if config.precision == Precision::Fp16 => crate::passes::fuse_linear_activation(&optimized),
             None => Ok(optimized),
         },
     }
