@@ -96,7 +96,7 @@ pub fn supports(arch: &str, elem: Elem, k: usize, n: usize) -> std::result::Resu
     if elem != Elem::F16 {
         return Err(format!("runs FP16 only, not {elem:?}"));
     }
-    if k == 0 || n == 0 || k % 8 != 0 {
+    if k == 0 || n == 0 || !k.is_multiple_of(8) {
         return Err(format!("needs K a non-zero multiple of 8 (TMA's 16-byte row pitch), got K = {k}, N = {n}"));
     }
     if k >= 1 << 31 || n >= 1 << 31 {
@@ -108,7 +108,7 @@ pub fn supports(arch: &str, elem: Elem, k: usize, n: usize) -> std::result::Resu
 /// A row-major `[rows, k]` f16 matrix at `ptr` as a TMA tensor map with `box_rows × 64` boxes,
 /// 128-byte swizzled (the layout `wgmma_desc_k128` reads), zero-filled outside the matrix.
 fn tensor_map(ptr: u64, rows: usize, k: usize, box_rows: usize) -> std::result::Result<sys::CUtensorMap, String> {
-    if ptr % 16 != 0 {
+    if !ptr.is_multiple_of(16) {
         return Err(format!("the matrix at {ptr:#x} is not 16-byte aligned"));
     }
     let dims = [k as u64, rows as u64];
@@ -191,7 +191,7 @@ impl HopperGemm {
         if blocks_m > 65535 || m >= 1 << 31 {
             return Err(fail(format!("{m} rows exceed the grid's range of {} rows", 65535 * BM)));
         }
-        if y % 4 != 0 || residual % 4 != 0 {
+        if !y.is_multiple_of(4) || !residual.is_multiple_of(4) {
             return Err(fail("the output and residual must be 4-byte aligned".into()));
         }
         let x_map = tensor_map(x, m, self.k, BM).map_err(fail)?;
