@@ -22,6 +22,7 @@ use dnn::cudnnBackendAttributeType_t as Ty;
 use dnn::cudnnBackendDescriptorType_t as Kind;
 use std::collections::BTreeMap;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// One backend descriptor, destroyed with its owner.
@@ -321,7 +322,24 @@ struct Plan {
     _made_from: (OpGraph, Desc, Vec<Desc>, Desc),
 }
 
+/// Plans built in this process, and the nanoseconds they took (runtime fusion compiles a kernel
+/// per plan): what the build summary's time line reports (`plans_built`).
+static PLANS_BUILT: (AtomicU64, AtomicU64) = (AtomicU64::new(0), AtomicU64::new(0));
+
+/// How many fused plans this process has built, and the seconds they took.
+pub(crate) fn plans_built() -> (u64, f64) {
+    (PLANS_BUILT.0.load(Ordering::Relaxed), PLANS_BUILT.1.load(Ordering::Relaxed) as f64 * 1e-9)
+}
+
 fn make_plan(handle: dnn::cudnnHandle_t, conv: &FusedConv, cfg: &EngineConfig, batch: usize) -> Result<Plan> {
+    let start = std::time::Instant::now();
+    let plan = make_plan_untimed(handle, conv, cfg, batch);
+    PLANS_BUILT.0.fetch_add(1, Ordering::Relaxed);
+    PLANS_BUILT.1.fetch_add(u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
+    plan
+}
+
+fn make_plan_untimed(handle: dnn::cudnnHandle_t, conv: &FusedConv, cfg: &EngineConfig, batch: usize) -> Result<Plan> {
     let og = conv.op_graph(handle, batch)?;
     let engine = Desc::new(Kind::CUDNN_BACKEND_ENGINE_DESCRIPTOR)?;
     engine.set_descs(Attr::CUDNN_ATTR_ENGINE_OPERATION_GRAPH, &[&og.graph])?;

@@ -23,7 +23,10 @@ impl LayerCtx<'_> {
     /// opt batch. Candidates that fail to run are skipped; if none runs the error lists why.
     /// `key` names the problem (shapes, attributes), not the node: equal keys share a timing.
     pub fn choose(&mut self, key: &str, candidates: Vec<Box<dyn Layer>>) -> Result<Box<dyn Layer>> {
-        let layer = choose(self, key, candidates)?;
+        let start = std::time::Instant::now();
+        let layer = choose(self, key, candidates);
+        self.tactics.build_time.choosing += start.elapsed().as_secs_f64();
+        let layer = layer?;
         self.tactics.chosen.push((self.path.clone(), layer.kind()));
         Ok(layer)
     }
