@@ -40,7 +40,7 @@ for m in ${MODELS:-resnet50 mobilenet_v2}; do
     for cache in cold warm; do
       [[ $cache == cold ]] && rm -f "$WORK/$m.$p.tc.json"
       t0=$(date +%s.%N)
-      "$KILN" build "$m" --"$p" --calibration-cache "$WORK/$m.calib.json" --batch "$big" \
+      "$KILN" build "$m" --"$p" --calibration-cache "$WORK/$m.calib.json" --opt-batch "$big" --max-batch "$big" \
         --timing-cache "$WORK/$m.$p.tc.json" -o "$WORK/$m.$p.kiln" >"$WORK/build.txt" 2>&1
       rc=$?
       t1=$(date +%s.%N)
