@@ -8,9 +8,9 @@ cd "$(dirname "$0")/.."
 exclude=$(git rev-parse --git-path info/exclude)
 for d in /.carry/ /.whl/; do grep -qx "$d" "$exclude" 2>/dev/null || echo "$d" >> "$exclude"; done
 rm -rf .carry && mkdir -p .carry/bin .carry/tools .carry/kiln
-# Every test binary of the kiln crate and of the plugin crates whose name starts with gpu_ (and
+# Every test binary of the kiln crate, kiln-vision and the plugin crates whose name starts with gpu_ (and
 # engine-level no-GPU tests).
-cargo test --release -p kiln -p kiln-deform-conv --no-run --message-format=json 2>/dev/null \
+cargo test --release -p kiln -p kiln-deform-conv -p kiln-vision --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, sys
 for line in sys.stdin:

@@ -198,14 +198,17 @@ impl EngineBuilder {
     /// before touching the GPU), lowers and plans it. Errors name the op and module path.
     pub fn build(&self, graph: &Graph) -> Result<Engine> {
         let start = Instant::now();
+        let plans_before = super::cudnn_graph::plans_built();
         let c = &self.config;
         tracing::debug!(nodes = graph.nodes.len(), precision = c.precision.short_name(), batch = ?(c.min_batch, c.opt_batch, c.max_batch), "build: preparing the graph (checks, passes, quantisers)");
         let prepared = prepare(graph, &self.config)?;
+        let prepare_seconds = start.elapsed().as_secs_f64();
         let ops = prepared.nodes.iter().filter(|n| !n.op.is_leaf()).count();
         tracing::debug!(ops, ms = start.elapsed().as_secs_f64() * 1e3, "build: graph prepared");
         let gpu = self.open_gpu()?;
         tracing::debug!(gpu = %gpu.info.name, sm = gpu.info.sm, "build: lowering and timing each layer's candidates");
         let mut tactics = Tactics { cache_prefix: cache_prefix(&gpu, &self.config), progress: self.progress.clone(), ..Default::default() };
+        tactics.build_time.prepare = prepare_seconds;
         if let Some(path) = &self.config.timing_cache {
             tactics.load_cache(path)?;
         }
@@ -217,6 +220,9 @@ impl EngineBuilder {
             tactics.save_cache(path)?;
         }
         engine.summary.build_seconds = start.elapsed().as_secs_f64();
+        engine.summary.build_time = std::mem::take(&mut tactics.build_time);
+        let plans_after = super::cudnn_graph::plans_built();
+        engine.summary.build_time.fused_plans = (plans_after.0 - plans_before.0, plans_after.1 - plans_before.1);
         tracing::debug!(
             seconds = engine.summary.build_seconds,
             timed = tactics.timed,
@@ -259,7 +265,10 @@ pub(crate) fn lower(gpu: Arc<Gpu>, graph: Graph, config: BuildConfig, tactics: &
     let kernels = {
         let _one_build = gpu.build_lock.lock().unwrap_or_else(|p| p.into_inner());
         gpu.ctx.bind_to_thread().map_err(super::gpu::cuda_err("binding the CUDA context"))?;
-        Arc::new(Kernels::new(&gpu)?)
+        let start = std::time::Instant::now();
+        let kernels = Arc::new(Kernels::new(&gpu)?);
+        tactics.build_time.kernels += start.elapsed().as_secs_f64();
+        kernels
     };
     let weights = WeightStore::default();
     let shapes = config.build_shapes(&graph);

@@ -33,6 +33,8 @@ pub struct Tactics {
     pub chosen: Vec<(String, String)>,
     /// Build progress callback (see [`Progress`]).
     pub progress: Option<Progress>,
+    /// Where the build's seconds went, added up as it goes.
+    pub build_time: super::plan::BuildTime,
 }
 
 impl Tactics {

@@ -22,7 +22,9 @@ use dnn::cudnnBackendAttributeType_t as Ty;
 use dnn::cudnnBackendDescriptorType_t as Kind;
 use std::collections::BTreeMap;
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 /// One backend descriptor, destroyed with its owner.
 struct Desc(dnn::cudnnBackendDescriptor_t);
@@ -321,7 +323,47 @@ struct Plan {
     _made_from: (OpGraph, Desc, Vec<Desc>, Desc),
 }
 
+/// The plan of `conv` on `cfg` at `batch` images for `handle`: one already built for the same
+/// problem while any layer holds it, else a new one. A finalized plan is immutable and bound to
+/// no buffer (a run passes its pointers), so layers of one problem (ResNet's repeated blocks) and
+/// the candidates of one timed problem share plans instead of compiling each again: runtime
+/// fusion compiles a kernel per plan, most of an 8-bit build's time.
+fn shared_plan(handle: dnn::cudnnHandle_t, conv: &FusedConv, cfg: &EngineConfig, batch: usize) -> Result<Arc<Plan>> {
+    type Plans = Mutex<HashMap<(usize, String), Weak<Plan>>>;
+    static PLANS: OnceLock<Plans> = OnceLock::new();
+    let plans = PLANS.get_or_init(Plans::default);
+    // A plan alive keeps its layer's GPU, and with it the handle, alive: a handle's address is
+    // not reused while a plan made with it can be found here.
+    let key = (handle as usize, format!("{conv:?}|{}|{batch}", cfg.name()));
+    let lock = || plans.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(plan) = lock().get(&key).and_then(Weak::upgrade) {
+        return Ok(plan);
+    }
+    let plan = Arc::new(make_plan(handle, conv, cfg, batch)?);
+    let mut plans = lock();
+    plans.retain(|_, p| p.strong_count() > 0);
+    plans.insert(key, Arc::downgrade(&plan));
+    Ok(plan)
+}
+
+/// Plans built in this process, and the nanoseconds they took (runtime fusion compiles a kernel
+/// per plan): what the build summary's time line reports (`plans_built`).
+static PLANS_BUILT: (AtomicU64, AtomicU64) = (AtomicU64::new(0), AtomicU64::new(0));
+
+/// How many fused plans this process has built, and the seconds they took.
+pub(crate) fn plans_built() -> (u64, f64) {
+    (PLANS_BUILT.0.load(Ordering::Relaxed), PLANS_BUILT.1.load(Ordering::Relaxed) as f64 * 1e-9)
+}
+
 fn make_plan(handle: dnn::cudnnHandle_t, conv: &FusedConv, cfg: &EngineConfig, batch: usize) -> Result<Plan> {
+    let start = std::time::Instant::now();
+    let plan = make_plan_untimed(handle, conv, cfg, batch);
+    PLANS_BUILT.0.fetch_add(1, Ordering::Relaxed);
+    PLANS_BUILT.1.fetch_add(u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
+    plan
+}
+
+fn make_plan_untimed(handle: dnn::cudnnHandle_t, conv: &FusedConv, cfg: &EngineConfig, batch: usize) -> Result<Plan> {
     let og = conv.op_graph(handle, batch)?;
     let engine = Desc::new(Kind::CUDNN_BACKEND_ENGINE_DESCRIPTOR)?;
     engine.set_descs(Attr::CUDNN_ATTR_ENGINE_OPERATION_GRAPH, &[&og.graph])?;
@@ -414,7 +456,7 @@ impl FusedConvLayer {
         if let Some(p) = self.plans.lock().map_err(|_| poisoned())?.get(&size) {
             return Ok(p.clone());
         }
-        let p = Arc::new(make_plan(self.gpu.handles.cudnn, &self.conv, &self.cfg, size)?);
+        let p = shared_plan(self.gpu.handles.cudnn, &self.conv, &self.cfg, size)?;
         self.plans.lock().map_err(|_| poisoned())?.insert(size, p.clone());
         Ok(p)
     }

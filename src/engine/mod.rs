@@ -46,7 +46,7 @@ pub use builder::{dims_text, Engine, EngineBuilder};
 pub use config::{BuildConfig, DimsRange, InputDims, ShapeProfile};
 pub use exec::ExecutionContext;
 pub use gpu::{gpu_available, Gpu, GpuInfo};
-pub use plan::{BuildSummary, MemorySummary, Plan};
+pub use plan::{BuildSummary, BuildTime, MemorySummary, Plan};
 pub use precision::{LayerPrecision, Precision};
 
 // Crate-internal shorthands (the plugin face re-exports the layer API publicly).

@@ -36,6 +36,35 @@ pub struct BuildSummary {
     pub tactic_log: Vec<(String, Vec<(String, f32)>)>,
     /// For an INT8/FP8 engine: which layers are quantised (`calibrate::quant_summary`).
     pub quantised: Option<String>,
+    /// Where the build's seconds went.
+    pub build_time: BuildTime,
+}
+
+/// Where a build's seconds went: the graph's preparation, the kernels' compilation (or their
+/// on-disk cache), and the layers: their converters (which make each candidate: cuDNN plans,
+/// weights laid out) and, within that, choosing among the candidates (timing them, or a
+/// recorded, cached or followed choice). A `Best` build adds up every plan it lowered.
+#[derive(Clone, Debug, Default)]
+pub struct BuildTime {
+    pub prepare: f64,
+    pub kernels: f64,
+    pub layers: f64,
+    pub choosing: f64,
+    /// cuDNN fused-conv plans built (runtime fusion compiles one kernel each), and their seconds:
+    /// part of making candidates and of choosing (plans are built on first run).
+    pub fused_plans: (u64, f64),
+    /// Module path and seconds (converting and choosing) of each lowered node, in build order.
+    pub per_layer: Vec<(String, f64)>,
+}
+
+impl BuildTime {
+    /// The `n` slowest nodes to lower, slowest first.
+    pub fn slowest(&self, n: usize) -> Vec<(String, f64)> {
+        let mut all = self.per_layer.clone();
+        all.sort_by(|a, b| b.1.total_cmp(&a.1));
+        all.truncate(n);
+        all
+    }
 }
 
 /// Device memory of an engine, in bytes.
@@ -95,6 +124,23 @@ impl std::fmt::Display for BuildSummary {
             self.build_seconds
         )?;
         writeln!(f, "{}", self.memory)?;
+        let t = &self.build_time;
+        if t.layers > 0.0 {
+            let slowest: Vec<String> = t.slowest(3).iter().map(|(p, s)| format!("`{p}` {s:.2} s")).collect();
+            writeln!(
+                f,
+                "build time: graph prepared {:.2} s, kernels {:.2} s, layers lowered {:.2} s (choosing tactics {:.2} s, making candidates {:.2} s; {} cuDNN fused plans built in {:.2} s), other {:.2} s; slowest layers: {}",
+                t.prepare,
+                t.kernels,
+                t.layers,
+                t.choosing,
+                (t.layers - t.choosing).max(0.0),
+                t.fused_plans.0,
+                t.fused_plans.1,
+                (self.build_seconds - t.prepare - t.kernels - t.layers).max(0.0),
+                slowest.join(", ")
+            )?;
+        }
         for line in &self.fused {
             writeln!(f, "  fused: {line}")?;
         }
@@ -423,7 +469,11 @@ fn convert(
         done += 1;
         ctx.set_current(id);
         ctx.workspace_budget = estimate.room_at(id);
+        let start = std::time::Instant::now();
         convert_node(ctx, def, layouts, &mut reformats, &mut lowered)?;
+        let seconds = start.elapsed().as_secs_f64();
+        ctx.tactics.build_time.layers += seconds;
+        ctx.tactics.build_time.per_layer.push((node.path.clone(), seconds));
     }
     for out in outputs {
         ctx.set_current(out.node);
@@ -648,6 +698,7 @@ fn summarise(
         build_seconds: 0.0,
         tactic_log,
         quantised: quantised(graph, config, &lowered.layers),
+        build_time: BuildTime::default(),
     }
 }
 

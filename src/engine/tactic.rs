@@ -23,7 +23,10 @@ impl LayerCtx<'_> {
     /// opt batch. Candidates that fail to run are skipped; if none runs the error lists why.
     /// `key` names the problem (shapes, attributes), not the node: equal keys share a timing.
     pub fn choose(&mut self, key: &str, candidates: Vec<Box<dyn Layer>>) -> Result<Box<dyn Layer>> {
-        let layer = choose(self, key, candidates)?;
+        let start = std::time::Instant::now();
+        let layer = choose(self, key, candidates);
+        self.tactics.build_time.choosing += start.elapsed().as_secs_f64();
+        let layer = layer?;
         self.tactics.chosen.push((self.path.clone(), layer.kind()));
         Ok(layer)
     }
@@ -150,12 +153,21 @@ fn fastest(ctx: &mut LayerCtx, key: &str, candidates: Vec<Box<dyn Layer>>) -> Re
             Err(reason) => failures.push(format!("{}: {reason}", candidates[i].kind())),
         }
     }
-    let Some((mut winner, _)) = best else {
-        return Err(ctx.err(LowerKind::NoAlgorithm, format!("no candidate ran for {key}: {}", failures.join("; "))));
-    };
+    let no_candidate = |failures: &[String]| ctx.err(LowerKind::NoAlgorithm, format!("no candidate ran for {key}: {}", failures.join("; ")));
+    let Some((mut winner, _)) = best else { return Err(no_candidate(&failures)) };
     if let Some((i, ms, room)) = within_room(ctx, &candidates, &ran, winner) {
         log.push((format!("chosen: {} ({ms:.4} ms), the fastest within the arena's room of {room} bytes", candidates[i].kind()), ms));
         winner = i;
+    }
+    // Candidates were timed at the opt batch alone: the winner must also run at the range's
+    // ends (some cuDNN algorithms take a batch of 8 and refuse a batch of 1), else the next.
+    if range(ctx.config) != [ctx.config.opt_batch] {
+        while let [Err(reason)] = &time_candidates(ctx, &candidates[winner..=winner], false)?[..] {
+            failures.push(format!("{}: {reason}", candidates[winner].kind()));
+            ran.retain(|&(i, _)| i != winner);
+            let Some(&(next, _)) = ran.iter().min_by(|a, b| a.1.total_cmp(&b.1)) else { return Err(no_candidate(&failures)) };
+            winner = next;
+        }
     }
     if tracing::enabled!(tracing::Level::DEBUG) {
         let path = &ctx.path;
@@ -208,14 +220,15 @@ fn unsliced(kind: &str) -> String {
 }
 
 /// Times each candidate at the opt batch on scratch buffers for the node's values. A candidate
-/// that fails (unsupported algorithm, workspace over the limit) gets its reason instead of a time;
-/// so does one that fails at the smallest or largest batch of the range (some cuDNN algorithms
-/// accept a batch of 8 and reject a batch of 1). With `timed` false, candidates are only run
-/// (time 0): whether they work here.
+/// that fails (unsupported algorithm, workspace over the limit) gets its reason instead of a time.
+/// With `timed` false, candidates are only run (time 0), at each batch of `range`: whether they
+/// work here, at the smallest and largest batch too (some cuDNN algorithms accept a batch of 8
+/// and reject a batch of 1).
 fn time_candidates(ctx: &LayerCtx, candidates: &[Box<dyn Layer>], timed: bool) -> Result<Vec<std::result::Result<f32, String>>> {
     let batch = ctx.config.opt_batch;
-    let mut batches = vec![ctx.config.min_batch, batch, ctx.config.max_batch];
-    batches.dedup();
+    // Timed, each runs at the opt batch alone, so that the losers' plans for other batches are
+    // never built (`fastest` checks the winner over the range); otherwise over the range.
+    let batches = if timed { vec![batch] } else { range(ctx.config) };
     let stream = &ctx.gpu.stream;
     let (ptrs, _values) = value_buffers(ctx)?;
     let limit = ctx.config.workspace_bytes;
@@ -238,6 +251,13 @@ fn time_candidates(ctx: &LayerCtx, candidates: &[Box<dyn Layer>], timed: bool) -
         out.push(run_candidate(c.as_ref(), &rt, &batches, batch, timed.then_some(&events))?);
     }
     Ok(out)
+}
+
+/// The batches every chosen layer must run: the range's ends and the opt batch.
+fn range(config: &BuildConfig) -> Vec<usize> {
+    let mut batches = vec![config.min_batch, config.opt_batch, config.max_batch];
+    batches.dedup();
+    batches
 }
 
 /// Zeroed device buffers for the values the node being converted touches (its inputs in the
