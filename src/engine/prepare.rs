@@ -2,8 +2,7 @@
 //! config and every op's converter are checked, the passes run, and the graph gets its precision's
 //! quantisers (`calibrate`): an 8-bit engine's from the calibration cache or the graph's own Q/DQ
 //! nodes, `Best`'s INT8 ranges with the weights unfolded (its search picks the INT8 convs while
-//! lowering, `engine::best`); an FP16 engine's Linears take their activations
-//! (`passes::fuse_linear_activation`).
+//! lowering, `engine::best`).
 
 use super::config::BuildConfig;
 use super::precision::Precision;
@@ -31,9 +30,11 @@ fn with_precision(optimized: Graph, config: &BuildConfig) -> Result<Graph> {
             Some(format) => calibrate::prepare_for_engine(optimized, format, cache),
             // A Q/DQ graph in FP16/FP32 runs its quantisers as they are; weights' are folded.
             None if calibrate::has_quant_nodes(&optimized) => calibrate::fold_constant_quant(&optimized),
-            // FP16 engines: a Linear's activation joins its GEMM's epilogue (both of the fused
-            // node's layer forms, wgmma and cuBLASLt + kernel, ran on an H200; FP32's did not yet).
-            None if config.precision == Precision::Fp16 => crate::passes::fuse_linear_activation(&optimized),
+            // `passes::fuse_linear_activation` (a Linear's activation in its GEMM's epilogue) is
+            // not applied yet: its only gain is the wgmma GEMM's, which loses to cuBLASLt on every
+            // ViT-B/16 shape (docs/PERFORMANCE.md, step 11), and the fused graph has not been
+            // measured on the bundled transformers' engines. Both layer forms of the fused node
+            // ran on an H200 (`tests/gpu_hopper_gemm.rs`).
             None => Ok(optimized),
         },
     }
