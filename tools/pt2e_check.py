@@ -42,6 +42,9 @@ import kiln_torch  # noqa: E402
 from kiln_torch import graph as kg  # noqa: E402
 
 REAL_DATA = Path(os.environ.get("KILN_REAL_DATA", "/work/main/target/real-data"))
+# The library path kiln runs with on the device (tools/pt2e-gpu-check.sh): PyTorch, in this
+# process, keeps its own cuDNN.
+KILN_ENV = dict(os.environ, LD_LIBRARY_PATH=os.environ["KILN_LD"]) if os.environ.get("KILN_LD") else None
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
 
@@ -223,21 +226,26 @@ def rel_l2(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def kiln_compare(kiln, graph, ref, out_dir, name):
-    saved = out_dir / f"{name}.kiln_outputs.safetensors"
-    cmd = [str(kiln), "compare", str(graph), "--cpu", "--int8", "--reference", str(ref), "--save-outputs", str(saved)]
+def kiln_compare(kiln, graph, ref, out_dir, name, engine=False):
+    """Kiln's outputs on the reference's inputs: the CPU simulation of the INT8 engine, or with
+    `engine` the INT8 engine itself (built on the GPU from the graph's Q/DQ nodes)."""
+    saved = out_dir / f"{name}.{'engine' if engine else 'simulation'}_outputs.safetensors"
+    cmd = [str(kiln), "compare", str(graph), "--int8", "--reference", str(ref), "--save-outputs", str(saved)]
+    if not engine:
+        cmd.insert(3, "--cpu")
     t = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=KILN_ENV)
     if not saved.exists():
         sys.exit(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     tensors, _ = kg.decode_safetensors(saved.read_bytes())
-    header = next((line for line in p.stdout.splitlines() if "simulation" in line), "")
+    header = next((line for line in p.stdout.splitlines() if " against " in line), "")
     return tensors["output.output"], header.strip(), time.time() - t
 
 
 def kiln_build(kiln, graph, out_dir, name):
     """`kiln build <graph> --int8`: its first error line (no GPU here: the build stops where it needs one)."""
-    p = subprocess.run([str(kiln), "build", str(graph), "--int8", "-o", str(out_dir / f"{name}.int8.kiln")], capture_output=True, text=True)
+    p = subprocess.run([str(kiln), "build", str(graph), "--int8", "-o", str(out_dir / f"{name}.int8.kiln")], capture_output=True, text=True,
+                       env=KILN_ENV)
     lines = [line for line in (p.stdout + p.stderr).splitlines() if line.strip()]
     return p.returncode, lines
 
@@ -245,7 +253,7 @@ def kiln_build(kiln, graph, out_dir, name):
 # ---- the checks
 
 
-def check(kiln, out_dir, name, model, calib, judged, what):
+def check(kiln, out_dir, name, model, calib, judged, what, engine=False):
     """PT2E-quantises `model` (or takes a fake-quant model as it is), exports it, runs Kiln's CPU
     simulation on `judged` and returns the table row."""
     example = judged[:1]
@@ -269,6 +277,12 @@ def check(kiln, out_dir, name, model, calib, judged, what):
     out, header, t_kiln = kiln_compare(kiln, graph, refs, out_dir, name)
     fq, lone, grid = graph_counts(graph)
     rc, build = kiln_build(kiln, graph, out_dir, name)
+    eng = {}
+    if engine:
+        e, e_header, t_engine = kiln_compare(kiln, graph, refs, out_dir, name, engine=True)
+        eng = {"engine_rel_l2": rel_l2(e, ref), "engine_max_abs": float(np.abs(e - ref).max()), "engine_top1": int((e.argmax(1) == ref.argmax(1)).sum()),
+               "engine_vs_sim_rel_l2": rel_l2(e, out), "engine_vs_sim_top1": int((e.argmax(1) == out.argmax(1)).sum()),
+               "engine_header": e_header, "engine_seconds": round(t_engine, 1)}
     row = {
         "model": name,
         "what": what,
@@ -290,6 +304,7 @@ def check(kiln, out_dir, name, model, calib, judged, what):
         "seconds": {"quantise": round(t_quant, 1), "kiln_cpu": round(t_kiln, 1)},
         "graph": str(graph),
         "reference": str(refs),
+        **eng,
     }
     assert not result.metadata.get("missing"), result.metadata
     return row
@@ -332,6 +347,12 @@ def table(rows):
             f"| {r['top1']}/{r['images']} | {r['floor_rel_l2']:.2e} | {r['floor_max_abs']:.2e} | {r['floor_top1']}/{r['images']} "
             f"| {q32} | {r['fake_quantizers']} / {r['lone_q_dq']} / {r['weights_on_grid']} |"
         )
+    engines = [r for r in rows if "engine_rel_l2" in r]
+    if engines:
+        lines += ["", "| model | INT8 engine rel L2 against PyTorch | max-abs | top-1 = PyTorch | engine against the simulation: rel L2 | top-1 |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['engine_rel_l2']:.2e} | {r['engine_max_abs']:.2e} | {r['engine_top1']}/{r['images']} "
+                  f"| {r['engine_vs_sim_rel_l2']:.2e} | {r['engine_vs_sim_top1']}/{r['images']} |" for r in engines]
     return "\n".join(lines)
 
 
@@ -342,6 +363,7 @@ def main():
     ap.add_argument("--models", default="resnet18,mobilenet_v2,mobilenet_v2:trained,fake_quant_net")
     ap.add_argument("--affine", action="store_true", help="also the trained MobileNetV2 with XNNPACK's affine activations")
     ap.add_argument("--fixtures", help="write the CI fixtures to this folder and stop")
+    ap.add_argument("--engine", action="store_true", help="also build and run the INT8 engines (needs a GPU)")
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -360,7 +382,7 @@ def main():
             small = [torch.nn.functional.interpolate(x[None], size=32, mode="area")[0] for x in calib]
             judged_small = torch.nn.functional.interpolate(judged, size=32, mode="area")
             model, what = fake_quant_net(small), "FakeQuantize modules (eager QAT form)"
-            row = check(a.kiln, out, "fake_quant_net", model, small, judged_small, what)
+            row = check(a.kiln, out, "fake_quant_net", model, small, judged_small, what, a.engine)
         else:
             trained = "trained" in parts
             model, what = torchvision_model(parts[0], trained)
@@ -368,9 +390,10 @@ def main():
                 print(f"{spec}: no checkpoint under {REAL_DATA}; skipped")
                 continue
             name = "_".join(parts)
-            row = check(a.kiln, out, name, model, calib, judged, what + (", affine activations" if "affine" in parts else ""))
+            row = check(a.kiln, out, name, model, calib, judged, what + (", affine activations" if "affine" in parts else ""), a.engine)
         rows.append(row)
-        print(json.dumps({k: row[k] for k in ("model", "rel_l2", "max_abs", "top1", "q_vs_fp32_top1", "header", "build", "seconds")}))
+        keys = ("model", "rel_l2", "max_abs", "top1", "floor_rel_l2", "floor_top1", "q_vs_fp32_top1", "header", "build", "seconds")
+        print(json.dumps({k: row[k] for k in keys + tuple(k for k in row if k.startswith("engine"))}), flush=True)
     print()
     print(f"torch {torch.__version__}, torchao {__import__('torchao').__version__}")
     print(table(rows))

@@ -80,9 +80,9 @@ impl EngineArgs {
                 return Err(Error::Flag {
                     flag: flag.clone(),
                     reason: format!(
-                        "the graph's quantize/dequantize nodes are {} ({} of them), none {}: its scales are for a {} engine; use --{}",
-                        other.name(),
+                        "does not fit this graph: its {} quantize/dequantize nodes are {} (none {}), so its scales are for an {} engine: use --{}",
                         formats.len(),
+                        other.name(),
                         format.name(),
                         other.name().to_uppercase(),
                         other.name()
