@@ -5,6 +5,10 @@
 //!   pool, Linear) quantised with PyTorch's PT2E flow (torchao's `prepare_pt2e`/`convert_pt2e`,
 //!   XNNPACKQuantizer's per-channel config with symmetric activations): its quantize/dequantize
 //!   pairs became `fake_quantize` nodes, its int8 weights f32 weights carrying their grid;
+//! - `tiny_resnet_qat_pt2e`: the same ResNet prepared for quantisation-aware training
+//!   (`prepare_qat_pt2e`: torchao's fake-quant modules in the exported graph, its BatchNorms kept
+//!   apart from the fake-quantised weights), a few training-mode passes, then eval with the
+//!   observers off;
 //! - `fake_quant_net`: eager QAT's `torch.ao.quantization.FakeQuantize` modules on activations
 //!   and weights (observers off).
 //!
@@ -20,7 +24,7 @@ use kiln::plugin::{Op, Quant};
 use kiln::{Graph, HostTensor};
 use std::path::PathBuf;
 
-/// Both fixtures match PyTorch exactly on these inputs (rel L2 0 and 6e-8): every quantiser
+/// The fixtures match PyTorch exactly on these inputs (rel L2 0, 0 and 6e-8): every quantiser
 /// rounds the same values to the same codes. A difference in the order of a sum can move a value
 /// near a rounding boundary to the neighbouring code (tools/pt2e_check.py measures how far that
 /// goes on ResNet-18 and MobileNetV2), so this is a bound, not a demand for bits.
@@ -54,7 +58,7 @@ fn count(g: &Graph, f: impl Fn(&Op) -> bool) -> usize {
 
 #[test]
 fn pytorch_quantised_models_match_pytorch_on_the_cpu_simulation() {
-    for (name, quantisers, on_grid) in [("tiny_resnet_pt2e", 13, 7), ("fake_quant_net", 3, 3)] {
+    for (name, quantisers, on_grid) in [("tiny_resnet_pt2e", 13, 7), ("tiny_resnet_qat_pt2e", 13, 7), ("fake_quant_net", 3, 3)] {
         let (graph, x, want) = load(name);
         // What kiln-torch made of PyTorch's quantisation: fake-quantisers only (no lone
         // quantize/dequantize), and every conv and Linear weight on its per-channel int8 grid.

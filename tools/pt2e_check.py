@@ -103,6 +103,23 @@ class FakeQuantNet(nn.Module):
         return f.linear(x, self.w_fc(self.fc.weight), self.fc.bias)
 
 
+def pt2e_qat(model, example, steps):
+    """PT2E's quantisation-aware form: `prepare_qat_pt2e` (fake-quant modules in the exported
+    graph), a few forward passes in training mode standing in for training, then eval with the
+    observers off: what kiln-torch exports is the fake-quantised model as it is."""
+    from torchao.quantization.pt2e import disable_observer, move_exported_model_to_eval
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_qat_pt2e
+    from torchao.testing.pt2e._xnnpack_quantizer import XNNPACKQuantizer, get_symmetric_quantization_config
+
+    gm = torch.export.export(model.train(), (example,)).module()
+    gm = prepare_qat_pt2e(gm, XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True, is_qat=True)))
+    for x in steps:
+        gm(x[None])
+    gm = move_exported_model_to_eval(gm)
+    gm.apply(disable_observer)
+    return gm
+
+
 def fake_quant_net(calibration):
     torch.manual_seed(0)
     m = FakeQuantNet()
@@ -311,8 +328,9 @@ def check(kiln, out_dir, name, model, calib, judged, what, engine=False):
 
 
 def write_fixtures(out: Path):
-    """The CI fixtures (tests/pt2e.rs): a PT2E-quantised tiny ResNet and the fake-quant network,
-    each with 4 random inputs and PyTorch's quantised outputs on them."""
+    """The CI fixtures (tests/pt2e.rs): a PT2E-quantised tiny ResNet, the same prepared for QAT
+    (`prepare_qat_pt2e`) and the eager fake-quant network, each with 4 random inputs and PyTorch's
+    quantised outputs on them."""
     out.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(7)
     # 28x28: the global average pool reads 7x7. Over a power-of-two window the mean of values on a
@@ -323,6 +341,8 @@ def write_fixtures(out: Path):
     torch.manual_seed(0)
     tiny = randomise_bn(TinyResNet(), 2).eval()
     models = {"tiny_resnet_pt2e": pt2e_quantise(tiny, x[:1], calib), "fake_quant_net": fake_quant_net(calib)}
+    torch.manual_seed(0)
+    models["tiny_resnet_qat_pt2e"] = pt2e_qat(randomise_bn(TinyResNet(), 2), x[:1], calib[:4])
     for name, q in models.items():
         with torch.no_grad():
             ref = torch.cat([q(xi[None]) for xi in x]).numpy()

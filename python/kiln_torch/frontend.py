@@ -356,7 +356,7 @@ def _exportable_fake_quant(model):
             if int(fq.observer_enabled[0]) == 1:
                 raise ExportError(
                     f"fake-quant module `{path}` ({_class_name(type(fq))}) still has its observer on, so its scales change with "
-                    "every input; call `model.apply(torch.ao.quantization.disable_observer)` before exporting"
+                    "every input; call `model.apply(disable_observer)` (torch.ao.quantization's, or torchao.quantization.pt2e's) before exporting"
                 )
             on = int(fq.fake_quant_enabled[0]) == 1
             obs = fq.activation_post_process
