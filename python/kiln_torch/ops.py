@@ -1105,7 +1105,8 @@ def _decomposed_dequantize(per_channel):
         scale, zp, axis = _decomposed_args(a, per_channel)
         q, params = _prepare(cx, act(a["input"], "input (codes)"), scale, zp, a["quant_min"], a["quant_max"], axis, a.get("dtype"))
         x, qparams = cx.quantized.get(q.id, (None, None))
-        if qparams != params:
+        # (The node is checked too: a whole-module conversion that gave up may have reused the id.)
+        if qparams != params or cx.graph.nodes[q.id]["op"] != {"Quant": {"Quantize": qparams}}:
             # Codes from elsewhere, or dequantised with other parameters: computed as written.
             return cx.node({"Quant": {"Dequantize": params}}, [q], "dequantize")
         key = (x.id, repr(params))
