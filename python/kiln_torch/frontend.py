@@ -146,8 +146,13 @@ class Converter:
         with torch.no_grad():
             out = node.target(*real(args), **{k: real(v) for k, v in kwargs.items()})
         base = f"{scope}.{node.name}" if scope else node.name
-        # A weight dequantised from its codes (PT2E) keeps the grid it lies on.
+        # A weight dequantised from its codes (PT2E) keeps the grid it lies on, and is named after
+        # the module that reads it as Kiln names a weight folded onto its grid
+        # (`layer1.0.conv1.weight.int8`; PT2E's codes are `_frozen_param<n>`).
         grid = ops.weight_grid(str(node.target), self._named_args(node, args, kwargs)) if hasattr(node.target, "_schema") else None
+        if grid is not None and len(node.users) == 1:
+            reader = self._scope(next(iter(node.users)))[0]
+            base = f"{reader}.weight.{grid['format'].lower()}" if reader else base
 
         def wrap(v, i=None):
             if isinstance(v, torch.Tensor):
