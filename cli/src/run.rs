@@ -297,7 +297,6 @@ pub fn build(a: BuildArgs, verbose: bool) -> Result<ExitCode> {
     let (profile, spatial, hw) = shape_range(&a)?;
     let (min, opt, max) = profile.batch();
     let hw = hw.or(common::requested(&a.model, None)?.1);
-    let gpu = common::gpu()?;
     let mut config = a.engine.config(min, opt, max);
     if let Some(spatial) = spatial {
         config = config.profile(spatial);
@@ -305,6 +304,14 @@ pub fn build(a: BuildArgs, verbose: bool) -> Result<ExitCode> {
     let traced = common::load_args(&a.model, opt, hw)?;
     let nodes = traced.graph.nodes.iter().filter(|n| !n.op.is_leaf()).count();
     say!("{}: traced {nodes} ops at {}", traced.name, traced.hw_text());
+    // The 8-bit graph is made before the GPU is needed: missing scales, or Q/DQ nodes the
+    // builder refuses, are reported on any machine.
+    if let Some(format) = config.precision.quant_format() {
+        let (graph, source) = a.engine.eight_bit_graph(kiln::engine::optimize(&traced.graph)?, format)?;
+        let on_grid = graph.nodes.iter().filter(|n| matches!(&n.op, kiln::plugin::Op::Weight { quant: Some(_), .. })).count();
+        say!("{}: {} engine, scales from {source}, {on_grid} weights on their 8-bit grid", traced.name, format.name().to_uppercase());
+    }
+    let gpu = common::gpu()?;
     let engine = common::build_engine(&traced.graph, config, gpu, &traced.name)?;
     engine.save(&a.output)?;
     let c = &engine.config;

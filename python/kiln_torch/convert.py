@@ -65,6 +65,10 @@ class Builder:
         # The example batch (dim 0 of the first input): above 1, values whose batch PyTorch moved
         # are held with `Act.bdim` (see `graph.Act`) instead of lifted.
         self.batch = 1
+        # PT2E's `quantize` nodes (id → (its input, its params)) and the fake-quantisers their
+        # dequantizes became ((input id, params) → Act), see `ops._decomposed_dequantize`.
+        self.quantized: dict = {}
+        self.fake_quantized: dict = {}
 
     # ---- context of the node being converted
 
@@ -86,7 +90,7 @@ class Builder:
         if isinstance(v, Act):
             return v.id
         if isinstance(v, Const):
-            return self.graph.weight(v.name, to_numpy(v.value))
+            return self.graph.weight(v.name, to_numpy(v.value), v.quant)
         raise Unsupported(f"an input of Kiln op is {v!r}")
 
     def node(self, op, inputs, name, tshape=None, lifted=None, helper=False, bdim=None) -> Act:

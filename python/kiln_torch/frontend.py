@@ -4,6 +4,7 @@ is a Kiln graph file. Needs torch."""
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass, field
 
@@ -145,10 +146,17 @@ class Converter:
         with torch.no_grad():
             out = node.target(*real(args), **{k: real(v) for k, v in kwargs.items()})
         base = f"{scope}.{node.name}" if scope else node.name
+        # A weight dequantised from its codes (PT2E) keeps the grid it lies on, and is named after
+        # the module that reads it as Kiln names a weight folded onto its grid
+        # (`layer1.0.conv1.weight.int8`; PT2E's codes are `_frozen_param<n>`).
+        grid = ops.weight_grid(str(node.target), self._named_args(node, args, kwargs)) if hasattr(node.target, "_schema") else None
+        if grid is not None and len(node.users) == 1:
+            reader = self._scope(next(iter(node.users)))[0]
+            base = f"{reader}.weight.{grid['format'].lower()}" if reader else base
 
         def wrap(v, i=None):
             if isinstance(v, torch.Tensor):
-                return Const(base if i is None else f"{base}.{i}", v.detach())
+                return Const(base if i is None else f"{base}.{i}", v.detach(), grid)
             if isinstance(v, (list, tuple)):
                 return tuple(wrap(x, j) for j, x in enumerate(v))
             return v
@@ -330,6 +338,58 @@ def _decompositions(missing) -> dict:
     return found
 
 
+def _fake_quant_modules(model) -> list:
+    """(path, module) of each fake-quant module (`torch.ao.quantization.FakeQuantize` and its
+    kin, torchao's too: anything with their buffers and flags)."""
+    keys = ("fake_quant_enabled", "observer_enabled", "scale", "zero_point", "is_per_channel", "activation_post_process")
+    return [(p, m) for p, m in model.named_modules() if all(hasattr(m, k) for k in keys)]
+
+
+@contextlib.contextmanager
+def _exportable_fake_quant(model):
+    """Fake-quant modules traced as the fake-quantiser they apply at inference.
+
+    Their `forward` branches on their `observer_enabled` / `fake_quant_enabled` buffers, which
+    `torch.export` cannot follow (a data-dependent guard); the flags are read here instead, once:
+    a module with its fake-quant off is the identity, one with it on is
+    `torch.fake_quantize_per_tensor_affine` / `..._per_channel_affine` of its `scale` and
+    `zero_point` buffers (what `FusedMovingAvgObsFakeQuantize` computes with its observer off). A
+    module whose observer is still on is refused: its scales would change with every input."""
+    patched = []
+    try:
+        for path, fq in _fake_quant_modules(model):
+            if int(fq.observer_enabled[0]) == 1:
+                raise ExportError(
+                    f"fake-quant module `{path}` ({_class_name(type(fq))}) still has its observer on, so its scales change with "
+                    "every input; call `model.apply(disable_observer)` (torch.ao.quantization's, or torchao.quantization.pt2e's) before exporting"
+                )
+            on = int(fq.fake_quant_enabled[0]) == 1
+            obs = fq.activation_post_process
+            qmin, qmax = int(getattr(obs, "quant_min", fq.quant_min)), int(getattr(obs, "quant_max", fq.quant_max))
+
+            def forward(x, fq=fq, on=on, qmin=qmin, qmax=qmax):
+                if not on:
+                    return x
+                if fq.is_per_channel:
+                    return torch.fake_quantize_per_channel_affine(x, fq.scale, fq.zero_point, fq.ch_axis, qmin, qmax)
+                return torch.fake_quantize_per_tensor_affine(x, fq.scale, fq.zero_point, qmin, qmax)
+
+            fq.forward = forward
+            patched.append(fq)
+        yield
+    finally:
+        for fq in patched:
+            del fq.forward
+
+
+def _eval(model):
+    """`model.eval()`; a model `torch.export` made (PT2E's) refuses train/eval switches and needs none."""
+    try:
+        return model.eval()
+    except NotImplementedError:
+        return model
+
+
 def export(model, example_inputs, path=None, *, input_names=None, output_names=None, custom_ops=None, strict=False,
            reference=None, metadata=None, model_name=None, whole_modules=True) -> Result:
     """Exports `model` (an `nn.Module`) called on `example_inputs` to a Kiln graph file at `path`.
@@ -352,7 +412,7 @@ def export(model, example_inputs, path=None, *, input_names=None, output_names=N
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
-    model = model.eval()
+    model = _eval(model)
     model_name = model_name or type(model).__name__
     try:
         with torch.no_grad():
@@ -361,7 +421,10 @@ def export(model, example_inputs, path=None, *, input_names=None, output_names=N
     except Exception as e:  # noqa: BLE001 -- the model itself failed on the example inputs
         raise ExportError(f"{model_name} failed on the example inputs: {type(e).__name__}: {e}") from e
     try:
-        ep = torch.export.export(model, example_inputs, strict=strict)
+        with _exportable_fake_quant(model):
+            ep = torch.export.export(model, example_inputs, strict=strict)
+    except ExportError:
+        raise
     except Exception as e:  # torch raises many types here; the message is what helps
         raise ExportError(
             f"torch.export could not capture {model_name}: {type(e).__name__}: {e}\n"

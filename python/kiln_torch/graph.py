@@ -72,6 +72,9 @@ class Const:
 
     name: str
     value: np.ndarray
+    # The 8-bit grid its values lie on (Kiln's `QuantParams`, serde form), for a weight PyTorch
+    # dequantised from int8 codes (PT2E): its node is `Op::Weight` with `quant`.
+    quant: dict | None = None
 
     @property
     def tshape(self) -> tuple:
@@ -101,16 +104,20 @@ class KilnGraph:
         self.inputs.append(i)
         return i
 
-    def weight(self, name: str, value: np.ndarray) -> int:
-        """The weight node of `name` (one per name, as Kiln's `Graph::weight`)."""
+    def weight(self, name: str, value: np.ndarray, quant: dict | None = None) -> int:
+        """The weight node of `name` (one per name, as Kiln's `Graph::weight`), with the 8-bit grid
+        its values lie on, if any (`Op::Weight::quant`)."""
         value = np.ascontiguousarray(value, dtype=np.float32)
+        op = {"Weight": {"name": name, "quant": quant} if quant is not None else {"name": name}}
         if name in self.weight_ids:
             have = self.weights[name]
             if have.shape != value.shape or not np.array_equal(have, value, equal_nan=True):
                 raise ValueError(f"two different constants are named `{name}`")
+            if self.nodes[self.weight_ids[name]]["op"] != op:
+                raise ValueError(f"constant `{name}` is read on two different 8-bit grids")
             return self.weight_ids[name]
         self.weights[name] = value
-        i = self.push({"Weight": {"name": name}}, [], value.shape, name)
+        i = self.push(op, [], value.shape, name)
         self.weight_ids[name] = i
         return i
 

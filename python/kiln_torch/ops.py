@@ -989,6 +989,20 @@ def roll(cx, a):
 
 
 # -- quantisation
+#
+# PyTorch writes quantisation three ways, all onto Kiln's `Quant` ops (src/ops/quant/), whose
+# engine builds them with exactly these scales:
+# - QAT's fake-quantisers (`aten.fake_quantize_per_*_affine`) → `Quant::FakeQuantize`;
+# - PT2E's activations, a `quantized_decomposed.quantize_per_tensor` read by one
+#   `dequantize_per_tensor` per reader (the same parameters) → one `FakeQuantize` of the value
+#   (`dequantize`): TensorRT's Q/DQ pair, the form Kiln's 8-bit layers read. The `Quantize` node
+#   is then read by no one and dropped;
+# - PT2E's weights, int8 constants with a `dequantize_per_channel` after them, computed once by
+#   PyTorch as constants (`frontend`'s fold) → the f32 weight, carrying its grid
+#   (`Op::Weight::quant`, `weight_grid`): 8-bit layers read their codes from it.
+
+# Integer dtypes of `quantized_decomposed` ops and the range each holds.
+INT_DTYPES = {"int8": (-128, 127), "uint8": (0, 255)}
 
 
 def _qvalues(v, what, n=None):
@@ -1003,9 +1017,33 @@ def _qvalues(v, what, n=None):
     return values.tolist()
 
 
-def _quant(cx, kind, x, scale, zero_point, qmin, qmax, axis=None, what="quantize"):
-    """`Quant::<kind>` of int8 parameters (`qmin..=qmax`, a zero point per scale), per tensor or
-    along `axis` of the PyTorch value (a dim of Kiln's full shape: the batch is dim 0)."""
+def quant_params(scale, zero_point, qmin, qmax, axis=None, n=None, dtype=None):
+    """Kiln's `QuantParams` (serde form) of int8 parameters: `qmin..=qmax`, a zero point per scale,
+    per tensor (`axis=None`) or `n` values along Kiln dim `axis`. `dtype` (PT2E's integer type)
+    must hold the range."""
+    if dtype is not None:
+        dtype = str(dtype).replace("torch.", "")
+        if dtype not in INT_DTYPES:
+            raise Unsupported(f"quantisation to {dtype}: Kiln's 8-bit formats are int8 and uint8 (and fp8 e4m3)")
+    scales = [float(s) for s in _qvalues(scale, "scale", n)]
+    zps = [int(round(z)) for z in _qvalues(zero_point, "zero point", len(scales) if n is not None else None)]
+    if len(zps) != len(scales):
+        raise Unsupported(f"{len(zps)} zero points for {len(scales)} scales")
+    if not all(math.isfinite(s) and s > 0 for s in scales):
+        raise Unsupported(f"scales must be positive and finite, got {scales}")
+    qmin, qmax = int(qmin), int(qmax)
+    if qmin < -128 or qmax > 255 or qmin >= qmax or qmax - qmin > 255:
+        raise Unsupported(f"an integer range [{qmin}, {qmax}] that is not 8-bit")
+    if dtype is not None and not INT_DTYPES[dtype][0] <= qmin < qmax <= INT_DTYPES[dtype][1]:
+        raise Unsupported(f"the range [{qmin}, {qmax}] does not fit {dtype}")
+    if any(not qmin <= z <= qmax for z in zps):
+        raise Unsupported(f"zero points {zps} outside [{qmin}, {qmax}]")
+    return {"format": "Int8", "scale": scales, "zero_point": zps, "axis": axis, "qmin": qmin, "qmax": qmax}
+
+
+def _prepare(cx, x, scale, zero_point, qmin, qmax, axis=None, dtype=None):
+    """`(x, params)`: int8 parameters of a quantisation of `x` per tensor or along `axis` of the
+    PyTorch value, made a dim of Kiln's full shape (the batch is dim 0; `x` is lifted for axis 0)."""
     x = act(x)
     n = None
     if axis is not None:
@@ -1015,51 +1053,101 @@ def _quant(cx, kind, x, scale, zero_point, qmin, qmax, axis=None, what="quantize
             x = cx.lift(x)
         n = x.tshape[axis]
         axis += x.offset
-    scales = [float(s) for s in _qvalues(scale, "scale", n)]
-    zps = [int(round(z)) for z in _qvalues(zero_point, "zero point", len(scales) if n is not None else None)]
-    if len(zps) != len(scales):
-        raise Unsupported(f"{len(zps)} zero points for {len(scales)} scales")
-    if not all(math.isfinite(s) and s > 0 for s in scales):
-        raise Unsupported(f"scales must be positive and finite, got {scales}")
-    qmin, qmax = int(qmin), int(qmax)
-    if qmin < -128 or qmax > 255 or qmin >= qmax:
-        raise Unsupported(f"an integer range [{qmin}, {qmax}] that is not 8-bit")
-    params = {"format": "Int8", "scale": scales, "zero_point": zps, "axis": axis, "qmin": qmin, "qmax": qmax}
-    return cx.node({"Quant": {kind: params}}, [x], what)
+    return x, quant_params(scale, zero_point, qmin, qmax, axis, n, dtype)
+
+
+def _quant(cx, kind, x, scale, zero_point, qmin, qmax, axis=None, what="quantize", dtype=None):
+    """`Quant::<kind>` of int8 parameters (see `_prepare`); returns its `Act` and the parameters."""
+    x, params = _prepare(cx, x, scale, zero_point, qmin, qmax, axis, dtype)
+    return cx.node({"Quant": {kind: params}}, [x], what), params
 
 
 @aten("aten.fake_quantize_per_tensor_affine.default", "aten.fake_quantize_per_tensor_affine.tensor_qparams")
 def fake_quantize_per_tensor(cx, a):
     """`torch.fake_quantize_per_tensor_affine` (a QAT model's activation and weight quantisers)."""
-    return _quant(cx, "FakeQuantize", a["self"], a["scale"], a["zero_point"], a["quant_min"], a["quant_max"], what="fake_quantize")
+    return _quant(cx, "FakeQuantize", a["self"], a["scale"], a["zero_point"], a["quant_min"], a["quant_max"], what="fake_quantize")[0]
 
 
 @aten("aten.fake_quantize_per_channel_affine.default")
 def fake_quantize_per_channel(cx, a):
     return _quant(cx, "FakeQuantize", a["self"], a["scale"], a["zero_point"], a["quant_min"], a["quant_max"], a["axis"],
-                  "fake_quantize")
+                  "fake_quantize")[0]
 
 
-def _decomposed(kind, per_channel):
-    """`quantized_decomposed.(de)quantize_per_tensor` / `_per_channel` (PT2E): the integer codes as
-    values, as Kiln's `Quant` ops hold them."""
+def _decomposed_args(a, per_channel):
+    if per_channel:
+        return a["scales"], a["zero_points"], a["axis"]
+    return a["scale"], a["zero_point"], None
+
+
+def _decomposed_quantize(per_channel):
+    """`quantized_decomposed.quantize_per_tensor` / `_per_channel` (PT2E): a `Quantize` node (the
+    integer codes as values), remembered so that its dequantizes become one fake-quantiser."""
     def convert(cx, a):
-        if kind == "Dequantize" and a.get("out_dtype") not in (None, "float32", "torch.float32"):
-            raise Unsupported(f"a dequantize to {a['out_dtype']}: Kiln computes in f32")
-        scale, zp = (a["scales"], a["zero_points"]) if per_channel else (a["scale"], a["zero_point"])
-        axis = a["axis"] if per_channel else None
-        return _quant(cx, kind, a["input"], scale, zp, a["quant_min"], a["quant_max"], axis, kind.lower())
+        scale, zp, axis = _decomposed_args(a, per_channel)
+        x = act(a["input"])
+        q, params = _quant(cx, "Quantize", x, scale, zp, a["quant_min"], a["quant_max"], axis, "quantize", a.get("dtype"))
+        cx.quantized[q.id] = (x, params)
+        return q
 
     return convert
 
 
-for _name, _kind, _per_channel in [
-    ("quantized_decomposed.quantize_per_tensor.default", "Quantize", False),
-    ("quantized_decomposed.quantize_per_channel.default", "Quantize", True),
-    ("quantized_decomposed.dequantize_per_tensor.default", "Dequantize", False),
-    ("quantized_decomposed.dequantize_per_channel.default", "Dequantize", True),
-]:
-    aten(_name)(_decomposed(_kind, _per_channel))
+def _decomposed_dequantize(per_channel):
+    """`quantized_decomposed.dequantize_per_tensor` / `_per_channel` (PT2E). Of a `quantize` with
+    the same parameters: the `FakeQuantize` of that quantize's input (one per value and
+    parameters, however many readers PT2E gave their own dequantize). Of other codes: a
+    `Dequantize` node."""
+    def convert(cx, a):
+        out_dtype = a.get("out_dtype")
+        if out_dtype is not None and str(out_dtype).replace("torch.", "") != "float32":
+            raise Unsupported(f"a dequantize to {out_dtype}: Kiln computes in f32")
+        scale, zp, axis = _decomposed_args(a, per_channel)
+        q, params = _prepare(cx, act(a["input"], "input (codes)"), scale, zp, a["quant_min"], a["quant_max"], axis, a.get("dtype"))
+        x, qparams = cx.quantized.get(q.id, (None, None))
+        # (The node is checked too: a whole-module conversion that gave up may have reused the id.)
+        if qparams != params or cx.graph.nodes[q.id]["op"] != {"Quant": {"Quantize": qparams}}:
+            # Codes from elsewhere, or dequantised with other parameters: computed as written.
+            return cx.node({"Quant": {"Dequantize": params}}, [q], "dequantize")
+        key = (x.id, repr(params))
+        if key not in cx.fake_quantized:
+            # Named after the value it quantises (PT2E's quantize nodes belong to no module).
+            path = f"{cx.graph.nodes[x.id]['path']}.quantizer"
+            node = cx.graph.push({"Quant": {"FakeQuantize": params}}, [x.id], x.kshape, path)
+            cx.fake_quantized[key] = Act(node, x.tshape, x.lifted, x.bdim)
+        return cx.fake_quantized[key]
+
+    return convert
+
+
+aten("quantized_decomposed.quantize_per_tensor.default", "quantized_decomposed.quantize_per_tensor.tensor")(
+    _decomposed_quantize(False))
+aten("quantized_decomposed.quantize_per_channel.default")(_decomposed_quantize(True))
+aten("quantized_decomposed.dequantize_per_tensor.default", "quantized_decomposed.dequantize_per_tensor.tensor")(
+    _decomposed_dequantize(False))
+aten("quantized_decomposed.dequantize_per_channel.default")(_decomposed_dequantize(True))
+
+
+def weight_grid(target, a):
+    """The 8-bit grid of a constant that PyTorch quantised while exporting, as Kiln's
+    `QuantParams` (serde form) for `Op::Weight::quant`: a PT2E weight (int8 codes, then
+    `dequantize_per_channel`) or a QAT weight (`fake_quantize_per_channel_affine` of the weight).
+    `None` for every other folded op. The axis is the weight's own dim (a weight has no batch dim)."""
+    if target.startswith("quantized_decomposed.dequantize_per_"):
+        scale, zp, axis = _decomposed_args(a, "per_channel" in target)
+        codes, qmin, qmax, dtype = a["input"], a["quant_min"], a["quant_max"], a.get("dtype")
+    elif target.startswith("aten.fake_quantize_per_"):
+        scale, zp, axis = a["scale"], a["zero_point"], a.get("axis")
+        codes, qmin, qmax, dtype = a["self"], a["quant_min"], a["quant_max"], None
+    else:
+        return None
+    if not isinstance(codes, Const):
+        return None
+    n = None
+    if axis is not None:
+        axis = norm_dim(axis, codes.value.ndim)
+        n = codes.tshape[axis]
+    return quant_params(scale, zp, qmin, qmax, axis, n, dtype)
 
 
 # -- torchvision ops

@@ -209,22 +209,6 @@ class Converters(unittest.TestCase):
         q = b.graph.nodes[y.id]["op"]["Quant"]["FakeQuantize"]
         self.assertEqual((q["scale"], q["zero_point"], q["axis"]), ([0.5, 0.25, 0.125], [0, 0, 0], 1))
 
-    def test_pt2e_quantize_and_dequantize_hold_the_codes(self):
-        b, x = builder([1, 3, 4, 4])
-        common = {"input": x, "scale": 0.1, "zero_point": -3, "quant_min": -128, "quant_max": 127, "dtype": "torch.int8"}
-        q = ops.TABLE["quantized_decomposed.quantize_per_tensor.default"](b, common)
-        self.assertEqual(list(b.graph.nodes[q.id]["op"]["Quant"]), ["Quantize"])
-        d = ops.TABLE["quantized_decomposed.dequantize_per_tensor.default"](b, dict(common, input=q))
-        node = b.graph.nodes[d.id]
-        self.assertEqual(node["op"]["Quant"]["Dequantize"]["zero_point"], [-3])
-        self.assertEqual(node["inputs"], [q.id])
-        scales = Const("w.scales", np.array([0.1, 0.2, 0.3], np.float32))
-        zps = Const("w.zps", np.zeros(3, np.int64))
-        per_channel = {"input": x, "scales": scales, "zero_points": zps, "axis": -3, "quant_min": -127, "quant_max": 127,
-                       "dtype": "torch.int8"}
-        y = ops.TABLE["quantized_decomposed.quantize_per_channel.default"](b, per_channel)
-        self.assertEqual(b.graph.nodes[y.id]["op"]["Quant"]["Quantize"]["axis"], 1)
-
     def test_quantisation_parameters_must_be_constant_and_fit(self):
         b, x = builder([1, 3, 4, 4])
         fq = ops.TABLE["aten.fake_quantize_per_tensor_affine.tensor_qparams"]

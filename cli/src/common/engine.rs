@@ -5,7 +5,7 @@ use super::load::load;
 use super::source::{source, Source};
 use crate::EngineArgs;
 use indicatif::{ProgressBar, ProgressStyle};
-use kiln::engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision};
+use kiln::engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision, QuantFormat};
 use kiln::{Error, Graph, Result};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -54,10 +54,43 @@ impl EngineArgs {
             Precision::Best => return Err(unsimulated("--best", "--best (its layers' precisions are chosen by timing on the GPU)")),
             Precision::Int8 | Precision::Fp8 => precision.quant_format().expect("an 8-bit precision has a format"),
         };
+        let (graph, source) = self.eight_bit_graph(optimized, format)?;
+        Ok((graph, format!("CPU simulation of the {} engine ({source})", format.name().to_uppercase())))
+    }
+
+    /// The graph an 8-bit (`format`) engine lowers, from the optimised graph, and where its scales
+    /// come from: the graph's own Q/DQ nodes (a model quantised in PyTorch, kiln-torch's), else
+    /// `--calibration-cache`. No scales is an error naming the flag. Needs no GPU: `build` runs it
+    /// first, so a graph the builder would refuse is refused on any machine.
+    pub fn eight_bit_graph(&self, optimized: Graph, format: QuantFormat) -> Result<(Graph, String)> {
         let flag = format!("--{}", format.name());
         let name = format.name().to_uppercase();
         let source = if kiln::dev::quant::has_quant_nodes(&optimized) {
-            "the graph's Q/DQ nodes".to_string()
+            // Explicit quantisation: the graph's formats are the engine's, so the flag must name one.
+            let formats: Vec<QuantFormat> = optimized
+                .nodes
+                .iter()
+                .filter_map(|n| match &n.op {
+                    kiln::plugin::Op::Quant(q) => Some(q.params().format),
+                    _ => None,
+                })
+                .collect();
+            if !formats.contains(&format) {
+                let other = formats[0];
+                return Err(Error::Flag {
+                    flag: flag.clone(),
+                    reason: format!(
+                        "does not fit this graph: its {} quantize/dequantize nodes are {} (none {}), so its scales are for an {} engine: use --{}",
+                        formats.len(),
+                        other.name(),
+                        format.name(),
+                        other.name().to_uppercase(),
+                        other.name()
+                    ),
+                });
+            }
+            let n = formats.iter().filter(|&&f| f == format).count();
+            format!("the graph's {n} {} Q/DQ nodes", format.name())
         } else {
             match &self.calibration_cache {
                 Some(path) => format!("calibration cache {}", path.display()),
@@ -65,14 +98,14 @@ impl EngineArgs {
                     return Err(Error::Flag {
                         flag: "--calibration-cache".into(),
                         reason: format!(
-                            "{flag} --cpu runs the CPU simulation of the {name} engine, which needs its scales: a calibration cache (`kiln calibrate`) or a graph with quantize/dequantize nodes"
+                            "{flag} (the {name} engine, or its CPU simulation with --cpu) needs its scales: a calibration cache (`kiln calibrate`) or a graph with quantize/dequantize nodes"
                         ),
                     })
                 }
             }
         };
         let graph = kiln::dev::quant::prepare_for_engine(optimized, format, self.calibration_cache.as_deref())?;
-        Ok((graph, format!("CPU simulation of the {name} engine ({source})")))
+        Ok((graph, source))
     }
 
     pub fn config(&self, min: usize, opt: usize, max: usize) -> BuildConfig {

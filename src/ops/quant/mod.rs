@@ -357,8 +357,23 @@ pub const ATEN: &[AtenImport] = &[
             "aten.fake_quantize_per_channel_affine.default",
         ],
     ),
-    ("quantize", &["quantized_decomposed.quantize_per_tensor.default", "quantized_decomposed.quantize_per_channel.default"]),
-    ("dequantize", &["quantized_decomposed.dequantize_per_tensor.default", "quantized_decomposed.dequantize_per_channel.default"]),
+    // A PT2E quantize read by its dequantizes (the same parameters) becomes one fake_quantize.
+    (
+        "quantize",
+        &[
+            "quantized_decomposed.quantize_per_tensor.default",
+            "quantized_decomposed.quantize_per_tensor.tensor",
+            "quantized_decomposed.quantize_per_channel.default",
+        ],
+    ),
+    (
+        "dequantize",
+        &[
+            "quantized_decomposed.dequantize_per_tensor.default",
+            "quantized_decomposed.dequantize_per_tensor.tensor",
+            "quantized_decomposed.dequantize_per_channel.default",
+        ],
+    ),
 ];
 
 /// The Kiln twins of this family's PyTorch op fixtures (`op_cases()` in tools/export_reference.py).
