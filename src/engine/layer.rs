@@ -337,47 +337,15 @@ impl Layer for Nop {
     }
 }
 
-/// Two layers as one candidate, `second` working in place on what `first` wrote (a GEMM, then the
-/// activation its library cannot fuse): no intermediate, so `first`'s in-place claims stand.
-pub struct Then {
-    pub first: Box<dyn Layer>,
-    pub second: Box<dyn Layer>,
-}
-
-impl Layer for Then {
-    fn path(&self) -> &str {
-        self.first.path()
-    }
-    fn kind(&self) -> String {
-        format!("{}+{}", self.first.kind(), self.second.kind())
-    }
-    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
-        self.first.enqueue(rt, batch)?;
-        self.second.enqueue(rt, batch)
-    }
-    fn workspace_bytes(&self, batch: usize) -> usize {
-        self.first.workspace_bytes(batch).max(self.second.workspace_bytes(batch))
-    }
-    fn prepare(&self, rt: &RunCtx, batch: usize) -> Result<()> {
-        self.first.prepare(rt, batch)?;
-        self.second.prepare(rt, batch)
-    }
-    fn overwrites(&self) -> Option<(ValueId, ValueId)> {
-        self.first.overwrites()
-    }
-    fn own_scratch(&self) -> Vec<ValueId> {
-        let mut own = self.first.own_scratch();
-        own.extend(self.second.own_scratch());
-        own
-    }
-}
-
-/// Two layers as one candidate: `first` writes `mid` (a `LayerCtx::chain_scratch`), `second`
-/// reads it. A conv and the max-pool fused after it, where no single kernel does both.
+/// Two layers as one candidate, `second` after `first`. With `mid`, `first` writes it (a
+/// `LayerCtx::chain_scratch`) and `second` reads it: a conv and the max-pool fused after it,
+/// where no single kernel does both. Without, `second` works in place on what `first` wrote (a
+/// GEMM, then the activation its library cannot fuse): no intermediate, so `first`'s in-place
+/// claims stand.
 pub struct Chain {
     pub first: Box<dyn Layer>,
     pub second: Box<dyn Layer>,
-    pub mid: ValueId,
+    pub mid: Option<ValueId>,
 }
 
 impl Layer for Chain {
@@ -401,10 +369,13 @@ impl Layer for Chain {
     fn prologue(&self) -> Option<(ValueId, ValueId)> {
         self.first.prologue()
     }
+    fn overwrites(&self) -> Option<(ValueId, ValueId)> {
+        self.mid.is_none().then(|| self.first.overwrites()).flatten()
+    }
     fn own_scratch(&self) -> Vec<ValueId> {
         let mut own = self.first.own_scratch();
         own.extend(self.second.own_scratch());
-        own.push(self.mid);
+        own.extend(self.mid);
         own
     }
 }

@@ -2,7 +2,7 @@
 //! activations (or of an activation and a constant), broadcasting batch dims as PyTorch.
 
 use crate::engine::hopper_gemm::HopperAct;
-use crate::engine::layer::Then;
+use crate::engine::layer::Chain;
 use crate::engine::{Layer, Layout};
 use crate::error::OpError;
 use crate::graph::{NodeId, Op};
@@ -418,7 +418,7 @@ fn gpu_linear(ctx: &mut BuildCtx, node: NodeId, bias: bool, residual: bool, act:
     let spec = GemmSpec { x, y, residual, rows_per_image, weight: &w.data, bias: b, relu };
     let lt: Box<dyn Layer> = Box::new(GemmLayer::new_matrix(ctx, spec)?);
     let lt = match act.filter(|_| !relu) {
-        Some(a) => Box::new(Then { first: lt, second: Box::new(activation_in_place(ctx, y, a.unary())?) }),
+        Some(a) => Box::new(Chain { first: lt, second: Box::new(activation_in_place(ctx, y, a.unary())?), mid: None }),
         None => lt,
     };
     let mut fp16 = vec![lt];

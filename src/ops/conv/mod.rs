@@ -611,7 +611,7 @@ fn gpu_conv2d(ctx: &mut BuildCtx, node: NodeId, a: ConvAttrs) -> Result<Box<dyn 
     let inner = conv2d_candidates(ctx, node, ConvAttrs { pool: None, ..a }, mid)?;
     let conv = ctx.choose(&format!("{key} before its max-pool"), inner)?;
     let pool_layer = crate::ops::pool::pool_layer_between(ctx, node, PoolKind::Max, pool.window(), mid, y)?;
-    let mut candidates: Vec<Box<dyn Layer>> = vec![Box::new(Chain { first: conv, second: pool_layer, mid })];
+    let mut candidates: Vec<Box<dyn Layer>> = vec![Box::new(Chain { first: conv, second: pool_layer, mid: Some(mid) })];
     candidates.extend(stem::candidates(ctx, node, &a, &pool, [conv_shape[2], conv_shape[3]])?);
     ctx.choose(&key, candidates)
 }
