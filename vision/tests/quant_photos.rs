@@ -18,7 +18,7 @@ mod photos;
 
 use kiln::dev::quant::simulate;
 use kiln::engine::{CalibrationMethod, QuantFormat};
-use kiln::{Graph, HostTensor};
+use kiln::Graph;
 use photos::*;
 
 #[test]
