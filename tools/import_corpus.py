@@ -90,17 +90,12 @@ TIMM = [
     ("beit_base_patch16_224", 64, {"img_size": 64}),
     ("eva02_tiny_patch14_224", 224, {}),
     ("vit_relpos_small_patch16_224", 64, {"img_size": 64}),
-    ("flexivit_small", 96, {"img_size": 96}),
     ("cait_xxs24_224", 64, {"img_size": 64}),
     ("xcit_nano_12_p16_224", 64, {"img_size": 64}),
-    ("convit_tiny", 224, {}),
     ("pit_ti_224", 224, {}),
-    ("crossvit_tiny_240", 240, {}),
     ("levit_128s", 224, {}),
     ("tiny_vit_5m_224", 224, {}),
     ("efficientformer_l1", 224, {}),
-    ("efficientformerv2_s0", 224, {}),
-    ("visformer_tiny", 224, {}),
     # windows and hierarchies
     ("swin_tiny_patch4_window7_224", 224, {}),
     ("swinv2_tiny_window8_256", 256, {}),
@@ -108,11 +103,6 @@ TIMM = [
     ("coatnet_nano_rw_224", 224, {}),
     ("twins_pcpvt_small", 224, {}),
     ("pvt_v2_b0", 224, {}),
-    ("mvitv2_tiny", 224, {}),
-    ("gcvit_xxtiny", 224, {}),
-    ("nest_tiny", 224, {}),
-    ("davit_tiny", 224, {}),
-    ("focalnet_tiny_srf", 224, {}),
     ("coat_lite_tiny", 224, {}),
     ("efficientvit_b0", 224, {}),
     ("efficientvit_m0", 224, {}),
@@ -132,15 +122,12 @@ TIMM = [
     ("efficientnetv2_rw_t", None, {}),
     ("tf_efficientnetv2_b0", None, {}),
     ("mixnet_s", None, {}),
-    ("tinynet_a", None, {}),
     ("mobilenetv3_small_050", None, {}),
     ("mobilenetv4_conv_small", None, {}),
     ("lcnet_050", None, {}),
     ("ghostnet_100", None, {}),
     ("ghostnetv2_100", None, {}),
     ("rexnet_100", None, {}),
-    ("fbnetc_100", None, {}),
-    ("hardcorenas_a", None, {}),
     ("mobileone_s0", None, {}),
     ("repvgg_a0", None, {}),
     ("regnetx_002", None, {}),
@@ -155,10 +142,7 @@ TIMM = [
     ("res2net50_26w_4s", None, {}),
     ("skresnet18", None, {}),
     ("resnetv2_50", None, {}),
-    ("tresnet_m", None, {}),
-    ("gernet_s", None, {}),
     ("ese_vovnet19b_dw", None, {}),
-    ("selecsls42b", None, {}),
     ("dpn68", None, {}),
     ("dla34", None, {}),
     ("hrnet_w18_small", None, {}),
@@ -166,15 +150,10 @@ TIMM = [
     ("cs3darknet_s", None, {}),
     ("legacy_xception", None, {}),
     ("inception_v3", 96, {}),
-    ("dm_nfnet_f0", None, {}),
     ("eca_nfnet_l0", None, {}),
     ("hgnet_tiny", None, {}),
     ("botnet26t_256", 256, {}),
-    ("halonet26t", 256, {}),
-    ("lambda_resnet26t", 256, {}),
     ("starnet_s1", None, {}),
-    ("rdnet_tiny", None, {}),
-    ("mambaout_femto", None, {}),
 ]
 
 SUBSETS = {
@@ -327,12 +306,21 @@ def write_reference_at(model, result, x, path: Path) -> None:
     path.write_bytes(kg.encode_reference(inputs, outputs, {"model": result.metadata.get("model", "")}))
 
 
+def checkout_commit() -> str:
+    """The commit the exporter and this tool run at (`-dirty` when python/ or tools/ differ from it)."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + ("-dirty" if git("status", "--porcelain", "--", "python", "tools") else "")
+
+
 def check(entry: Entry, a, out: Path) -> dict:
     import torch
 
     import kiln_torch
 
-    row = {"model": entry.name, "source": entry.source, "size": entry.size, "status": "error"}
+    row = {"model": entry.name, "source": entry.source, "size": entry.size, "status": "error", "commit": a.commit}
     start = time.time()
     stem = entry.name.replace("/", "_")
     path, ref2, ref3 = out / f"{stem}.kiln.safetensors", out / f"{stem}.b{EXPORT_BATCH}.ref.safetensors", out / f"{stem}.b{OTHER_BATCH}.ref.safetensors"
@@ -465,6 +453,10 @@ def render(rows: list, gpu: bool) -> str:
         f"Corpus: {passed} of {len(rows)} models import and match.",
         "",
     ]
+    commits = {}
+    for r in rows:
+        commits[r.get("commit", "unknown")] = commits.get(r.get("commit", "unknown"), 0) + 1
+    lines += ["Run at " + ", ".join(f"{c} ({n} models)" for c, n in commits.items()) + ".", ""]
     by_source = {}
     for r in rows:
         by_source.setdefault(r["source"], []).append(r)
@@ -546,6 +538,7 @@ def main() -> int:
 
     if a.threads:
         torch.set_num_threads(a.threads)
+    a.commit = checkout_commit()
     entries = corpus()
     if a.list:
         for e in entries:

@@ -485,8 +485,7 @@ def layer_norm(cx, a):
     shape = [int(d) for d in a["normalized_shape"]]
     w, b = a.get("weight"), a.get("bias")
     affine_ = w is not None or b is not None
-    if len(shape) >= len(x.tshape) and not x.lifted:
-        x = cx.lift(x)
+    x = cx.along(x, range(len(x.tshape) - len(shape), len(x.tshape)), "a layer norm")
     if affine_:
         params = [const(w, "weight") if w is not None else cx.const_value(np.ones(shape, np.float32), "weight"),
                   const(b, "bias") if b is not None else cx.const_value(np.zeros(shape, np.float32), "bias")]
@@ -638,8 +637,7 @@ def _mean(cx, x, dims, keepdim):
     x = act(x)
     rank = len(x.tshape)
     dims = sorted({norm_dim(d, rank) for d in (dims if dims else range(rank))})
-    if x.bdim in dims and not x.lifted:
-        x = cx.lift(x)
+    x = cx.along(x, dims, "a mean")
     kd = [x.kdim(d) for d in dims]
     return cx.node({"Pool": {"Mean": {"dims": kd, "keepdim": bool(keepdim)}}}, [x], "mean", bdim=cx.reduced_bdim(x, dims, keepdim))
 
@@ -656,8 +654,7 @@ def _reduce(cx, kind, x, dims, keepdim, what):
     dims = sorted({norm_dim(d, rank) for d in (dims if dims not in (None, []) else range(rank))})
     if kind == "Argmax" and len(dims) != 1:
         raise Unsupported("argmax over the flattened tensor (give dim)")
-    if x.bdim in dims and not x.lifted:
-        x = cx.lift(x)
+    x = cx.along(x, dims, f"an {what}")
     kd = [x.kdim(d) for d in dims]
     bdim = cx.reduced_bdim(x, dims, keepdim)
     if kind == "Argmax":
@@ -735,9 +732,8 @@ def linalg_vector_norm(cx, a):
 def softmax(cx, a):
     x = act(a["self"])
     d = norm_dim(a["dim"], len(x.tshape))
-    if d == x.bdim and not x.lifted:
-        x = cx.lift(x)
-    return cx.node({"Norm": {"Softmax": {"dim": x.kdim(d)}}}, [x], "softmax", bdim=None if x.lifted else x.bdim)
+    x = cx.along(x, [d], "a softmax")
+    return cx.node({"Norm": {"Softmax": {"dim": x.kdim(d)}}}, [x], "softmax", bdim=x.bdim)
 
 
 # -- resizing
@@ -942,8 +938,7 @@ def _edge_pad(cx, x, pads, mode):
         raise Unsupported(f"negative padding {pads}")
     if not any(pads):
         return x
-    if len(pads) // 2 >= len(x.tshape) and not x.lifted:
-        x = cx.lift(x)
+    x, pads = _pads_per_image(cx, x, pads)
     name = "reflection_pad" if mode == "reflect" else "replication_pad"
     return cx.node(shape_op(EDGE_PADS[mode], pads=pads), [x], name)
 
@@ -971,9 +966,22 @@ def pad(cx, a):
         raise Unsupported(f"negative padding {pads}")
     if not any(pads):
         return x
-    if len(pads) // 2 >= len(x.tshape) and not x.lifted:
-        x = cx.lift(x)
+    x, pads = _pads_per_image(cx, x, pads)
     return cx.node(shape_op("Pad", pads=pads, value=value), [x], "pad")
+
+
+def _pads_per_image(cx, x, pads):
+    """`x` and `pads` (PyTorch's, last dim first) for a Kiln pad of its trailing dims: pads that
+    reach dim 0 with zeros there are cut to the other dims; nonzero ones pad the batch, so `x`
+    is lifted (at batch 1) or refused (`Builder.along`)."""
+    rank = len(x.tshape)
+    if len(pads) // 2 < rank:
+        return x, pads
+    if not any(pads[2 * (rank - 1) :]):
+        return x, pads[: 2 * (rank - 1)]
+    if x.lifted and cx.batch == 1:
+        return x, pads
+    return cx.along(x, [0], "a pad"), pads
 
 
 @aten("aten.roll.default")
@@ -983,9 +991,8 @@ def roll(cx, a):
     dims = [norm_dim(d, rank) for d in a.get("dims", [])]
     if not dims:
         raise Unsupported("roll over the flattened tensor (give dims)")
-    if 0 in dims and not x.lifted:
-        x = cx.lift(x)
-    return cx.node(shape_op("Roll", shifts=[int(s) for s in a["shifts"]], dims=[d + x.offset for d in dims]), [x], "roll")
+    x = cx.along(x, dims, "a roll")
+    return cx.node(shape_op("Roll", shifts=[int(s) for s in a["shifts"]], dims=[x.kdim(d) for d in dims]), [x], "roll", bdim=x.bdim)
 
 
 # -- quantisation
@@ -1011,10 +1018,9 @@ def _quant(cx, kind, x, scale, zero_point, qmin, qmax, axis=None, what="quantize
     if axis is not None:
         rank = len(x.tshape)
         axis = norm_dim(axis, rank)
-        if axis == 0 and not x.lifted:
-            x = cx.lift(x)
+        x = cx.along(x, [axis], "a per-channel quantiser")
         n = x.tshape[axis]
-        axis += x.offset
+        axis = x.kdim(axis)
     scales = [float(s) for s in _qvalues(scale, "scale", n)]
     zps = [int(round(z)) for z in _qvalues(zero_point, "zero point", len(scales) if n is not None else None)]
     if len(zps) != len(scales):

@@ -272,9 +272,10 @@ class Converters(unittest.TestCase):
         self.assertEqual(b.graph.nodes[y.id]["op"], {"Shape": {"Permute": {"dims": [0, 2, 1, 3]}}})
         self.assertEqual(y.kshape, [1, 5, 1, 6])
 
-    def test_lifting_needs_batch_1(self):
+    def test_lifting_needs_the_batch_in_dim_0(self):
+        # At batch 1 a value [2, 5, 6] holds something else than the batch in dim 0.
         b, x = builder([2, 5, 6])
-        with self.assertRaisesRegex(Unsupported, "export at batch 1"):
+        with self.assertRaisesRegex(Unsupported, "moves or merges dim 0"):
             b.permute(x, [1, 0, 2])
 
     def test_a_strided_slice_is_a_view_and_a_narrow(self):
