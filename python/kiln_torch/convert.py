@@ -215,7 +215,7 @@ class Builder:
                 return self.node(ops.shape_op("Reshape", dims=dims), [x], "reshape", tshape, bdim=nb)
         if not x.lifted and x.tshape and tshape and tshape[0] == x.tshape[0]:
             start = len(tshape) - 1
-            if start >= 1 and tshape[:start] == tuple(x.tshape[:start]) and tshape[-1] == math.prod(x.tshape[start:]):
+            if 1 <= start < len(x.tshape) and tshape[:start] == tuple(x.tshape[:start]) and tshape[-1] == math.prod(x.tshape[start:]):
                 return self.node(ops.shape_op("Flatten", start=start), [x], "flatten", tshape)
             return self.node(ops.shape_op("Reshape", dims=list(tshape[1:])), [x], "reshape", tshape)
         if not x.lifted:

@@ -457,6 +457,8 @@ def _batch_norm(cx, x, w, b, mean, var, eps):
     c = x.tshape[1]
     params = [_norm_param(cx, w, c, 1.0, "weight"), _norm_param(cx, b, c, 0.0, "bias"), const(mean, "running_mean"),
               const(var, "running_var")]
+    if x.lifted or x.moved:
+        return _batch_norm_affine(cx, x, params, eps)
     op = {"Norm": {"BatchNorm2d": {"eps": float(eps)}}}
     if len(x.tshape) == 4:
         return cx.node(op, [cx.batched(x, 4, "batch norm")] + params, "batch_norm2d")
@@ -464,6 +466,19 @@ def _batch_norm(cx, x, w, b, mean, var, eps):
     shape4 = tuple(x.tshape) + (1,) * (4 - len(x.tshape))
     y = cx.node(op, [cx.reshape(cx.batched(x, len(x.tshape), "batch norm"), shape4)] + params, "batch_norm2d", tshape=shape4)
     return cx.reshape(y, x.tshape)
+
+
+def _batch_norm_affine(cx, x, params, eps):
+    """Batch norm (eval) of a value whose dim 0 is not the batch (LeViT's BatchNorm1d of
+    `x.flatten(0, 1)`, tokens of every image as rows) as what it is, a per-channel `x * scale +
+    shift` of dim 1: two elementwise ops with the scale and shift folded from the statistics,
+    which follow the batch wherever it is."""
+    w, b, mean, var = (np.asarray(to_numpy_(p.value), dtype=np.float64) for p in params)
+    scale = w / np.sqrt(var + float(eps))
+    shift = b - mean * scale
+    per_channel = (len(scale),) + (1,) * (len(x.tshape) - 2)
+    y = cx.binary("Mul", x, cx.const_value(scale.astype(np.float32).reshape(per_channel), "scale"), tshape=x.tshape)
+    return cx.binary("Add", y, cx.const_value(shift.astype(np.float32).reshape(per_channel), "shift"), tshape=x.tshape)
 
 
 @aten("aten._native_batch_norm_legit_no_training.default")

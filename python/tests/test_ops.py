@@ -254,6 +254,30 @@ class Converters(unittest.TestCase):
         self.assertEqual(b.graph.nodes[w.id]["op"], {"Shape": {"Reshape": {"dims": [4, 2, 16]}}})
         self.assertFalse(w.lifted)
 
+    def test_an_unsqueeze_of_the_last_dim_is_a_reshape_not_a_flatten(self):
+        # [1, 3, 4] → [1, 3, 4, 1] (RoPE's `x.unsqueeze(-1)`): no flatten from dim 3 of a 3-D value.
+        b, x = builder([1, 3, 4])
+        y = b.reshape(x, (1, 3, 4, 1))
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Shape": {"Reshape": {"dims": [3, 4, 1]}}})
+
+    def test_batch_norm_of_tokens_merged_with_the_batch_is_a_per_channel_affine(self):
+        # LeViT's BatchNorm1d of `x.flatten(0, 1)`: [B·N, C] rows are tokens of every image.
+        b, x = builder([1, 4, 3])
+        rows = b.reshape(x, (4, 3))
+        self.assertTrue(rows.lifted)
+        w, bias = np.array([1.0, 2.0, 0.5], np.float32), np.array([0.0, 1.0, -1.0], np.float32)
+        mean, var = np.array([0.5, -0.5, 0.0], np.float32), np.array([1.0, 4.0, 0.25], np.float32)
+        y = ops.TABLE["aten._native_batch_norm_legit_no_training.default"](b, {
+            "input": rows, "weight": Const("bn.weight", w), "bias": Const("bn.bias", bias), "running_mean": Const("bn.running_mean", mean),
+            "running_var": Const("bn.running_var", var), "momentum": 0.1, "eps": 0.0})[0]
+        mul, add = b.graph.nodes[-3], b.graph.nodes[-1]
+        self.assertEqual((mul["op"], add["op"]), ({"Binary": "Mul"}, {"Binary": "Add"}))
+        scale = b.graph.weights[b.graph.nodes[mul["inputs"][1]]["op"]["Weight"]["name"]]
+        shift = b.graph.weights[b.graph.nodes[add["inputs"][1]]["op"]["Weight"]["name"]]
+        np.testing.assert_allclose(scale, w / np.sqrt(var))
+        np.testing.assert_allclose(shift, bias - mean * w / np.sqrt(var))
+        self.assertEqual((y.lifted, y.tshape), (True, (4, 3)))
+
     def test_merging_the_batch_lifts_the_value_and_unmerging_drops_the_lift(self):
         # Swin: [1, 56, 56, 96] → [64 windows, 49, 96] → back to [1, 56, 56, 96].
         b, x = builder([1, 8, 8, 4])
