@@ -367,7 +367,10 @@ def _conv(cx, x, w, b, stride, padding, dilation, groups, transposed=False, outp
     w = const(w, "weight")
     if w.value.ndim == 3:
         return _conv1d(cx, x, w, b, stride, padding, dilation, groups, transposed, output_padding)
-    x = cx.batched(act(x), 4, "a 2-D convolution")
+    x = act(x)
+    if x.lifted and x.bdim == 0 and len(x.tshape) == 4 and x.tshape[0] != cx.batch and w.value.ndim == 4:
+        return _conv_of_rows(cx, x, w, b, stride, padding, dilation, groups, transposed, output_padding)
+    x = cx.batched(x, 4, "a 2-D convolution")
     if w.value.ndim != 4:
         raise Unsupported(f"a {w.value.ndim - 2}-D convolution (Kiln's are 2-D)")
     if isinstance(padding, str):
@@ -376,6 +379,35 @@ def _conv(cx, x, w, b, stride, padding, dilation, groups, transposed=False, outp
     op = conv(pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation"), groups, b is not None, transposed,
               pair(output_padding, "output_padding"))
     return cx.node(op, inputs, "conv_transpose2d" if transposed else "conv2d")
+
+
+# The most weight elements a convolution of rows may repeat (`_conv_of_rows`): 16 Mi f32, 64 MiB.
+MAX_REPEATED_WEIGHTS = 1 << 24
+
+
+def _conv_of_rows(cx, x, w, b, stride, padding, dilation, groups, transposed, output_padding):
+    """A convolution of images merged with other rows, `[B·m, C, H, W]` (EfficientViT-M's
+    convolutions per window), as one grouped convolution of Kiln's `[B, m·C, H, W]`: the weight
+    repeated for each of the `m` rows, `m` times the groups. Exact: each row's sums are the same."""
+    if transposed:
+        raise Unsupported("a transposed convolution of rows merged with the batch")
+    m = x.tshape[0] // cx.batch
+    _, c, h, wd = x.tshape
+    kernel = np.asarray(to_numpy_(w.value), dtype=np.float32)
+    if kernel.size * m > MAX_REPEATED_WEIGHTS:
+        raise Unsupported(f"a convolution of {m} rows per image (the batch merged into dim 0): its weight repeated {m} times "
+                          f"would hold {kernel.size * m} values")
+    if isinstance(padding, str):
+        padding = _same_padding(padding, kernel.shape[2:], pair(dilation, "dilation"), pair(stride, "stride"))
+    out = tuple(cx.out_shape)
+    o, oh, ow = out[1:]
+    rows = cx.node(shape_op("Reshape", dims=[m * c, h, wd]), [x], "reshape", (cx.batch, m * c, h, wd), lifted=False, helper=True)
+    inputs = [rows, Const(f"{w.name}.repeated_{m}", np.tile(kernel, (m, 1, 1, 1)))]
+    if b is not None:
+        inputs.append(Const(f"{const(b, 'bias').name}.repeated_{m}", np.tile(np.asarray(to_numpy_(b.value), dtype=np.float32), m)))
+    op = conv(pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation"), int(groups) * m, b is not None)
+    y = cx.node(op, inputs, "conv2d", (cx.batch, m * o, oh, ow))
+    return cx.node(shape_op("Reshape", dims=[m, o, oh, ow]), [y], "reshape", out, lifted=True, helper=True, bdim=0)
 
 
 def _one(v):

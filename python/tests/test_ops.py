@@ -364,6 +364,38 @@ class Converters(unittest.TestCase):
         with self.assertRaisesRegex(Unsupported, "batch merged"):
             b.unlift(windows)
 
+    def test_a_conv_of_rows_merged_with_the_batch_is_one_grouped_conv(self):
+        # EfficientViT-M: a conv per window of [B·4, 2, 3, 3] at batch 2, Kiln's [2, 4, 2, 3, 3].
+        b = Builder()
+        b.batch = 2
+        x = Act(b.graph.input("x", (2, 4, 2, 3, 3)), (2, 4, 2, 3, 3))
+        rows = b.reshape(x, (8, 2, 3, 3))
+        self.assertEqual((rows.lifted, rows.kshape), (True, [2, 4, 2, 3, 3]))
+        rng = np.random.default_rng(0)
+        w, bias = rng.standard_normal((5, 2, 3, 3)).astype(np.float32), rng.standard_normal(5).astype(np.float32)
+        b.begin("aten.convolution.default", "conv", "attn.conv", True, (8, 5, 3, 3))
+        y = ops.TABLE["aten.convolution.default"](b, {
+            "input": rows, "weight": Const("attn.conv.weight", w), "bias": Const("attn.conv.bias", bias), "stride": [1, 1],
+            "padding": [1, 1], "dilation": [1, 1], "transposed": False, "output_padding": [0, 0], "groups": 1})
+        self.assertEqual((y.lifted, y.tshape, y.kshape), (True, (8, 5, 3, 3), [2, 4, 5, 3, 3]))
+        flat, conv, back = b.graph.nodes[-5], b.graph.nodes[-2], b.graph.nodes[-1]
+        self.assertEqual(flat["op"], {"Shape": {"Reshape": {"dims": [8, 3, 3]}}})
+        self.assertEqual((conv["op"]["Conv"]["groups"], conv["path"], conv["shape"]), (4, "attn.conv", [2, 20, 3, 3]))
+        self.assertEqual(back["op"], {"Shape": {"Reshape": {"dims": [4, 5, 3, 3]}}})
+        tiled = b.graph.weights["attn.conv.weight.repeated_4"]
+        self.assertEqual(tiled.shape, (20, 2, 3, 3))
+        # The grouped conv of the rows side by side is each row's conv.
+        image = rng.standard_normal((4, 2, 3, 3)).astype(np.float32)
+        padded = np.pad(image.reshape(8, 3, 3), ((0, 0), (1, 1), (1, 1)))
+        grouped = np.stack([
+            (padded[2 * (o // 5) : 2 * (o // 5) + 2, i : i + 3, j : j + 3] * tiled[o]).sum()
+            for o in range(20) for i in range(3) for j in range(3)]).reshape(20, 3, 3)
+        grouped += np.tile(bias, 4)[:, None, None]
+        padded_rows = np.pad(image, ((0, 0), (0, 0), (1, 1), (1, 1)))
+        per_row = np.stack([[[[(padded_rows[r, :, i : i + 3, j : j + 3] * w[o]).sum() + bias[o] for j in range(3)] for i in range(3)]
+                             for o in range(5)] for r in range(4)])
+        np.testing.assert_allclose(grouped.reshape(4, 5, 3, 3), per_row, rtol=1e-5, atol=1e-5)
+
     def test_unsupported_arguments_say_why(self):
         b, x = builder([1, 3, 8, 8])
         with self.assertRaisesRegex(Unsupported, "padding mode 'circular'"):
