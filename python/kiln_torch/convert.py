@@ -3,9 +3,10 @@
 It names nodes after their module (a leaf module's op is named by the module's path, an op written
 inline in a `forward` is `<module path>.<op>`, Kiln's convention), turns constants into weight
 nodes under their names, and keeps Kiln's one rule about shapes: the batch is dim 0 of every value.
-A PyTorch value whose dim 0 is not the batch (the batch merged with other dims, or moved) is held
-*lifted*, `[1, *shape]` (see `graph.Act`): exported at batch 1, the graph then computes per image,
-so it runs at any batch.
+A PyTorch value whose batch is merged with other rows (window attention's `[B·64, 49, C]`) is held
+*lifted*, `[B, 64, 49, C]`, and one whose batch PyTorch moved to another dim is held with the batch
+still first (`Act.bdim`), so the graph runs at any batch whatever the example batch (see
+`graph.Act`). An op across the images is refused (`Builder.along`), never computed wrong.
 """
 
 from __future__ import annotations
