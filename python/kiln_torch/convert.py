@@ -214,6 +214,9 @@ class Builder:
             if nb is not None and (x.moved or nb != 0):
                 dims = list(tshape[:nb]) + list(tshape[nb + 1 :])
                 return self.node(ops.shape_op("Reshape", dims=dims), [x], "reshape", tshape, bdim=nb)
+            if nb is None and x.moved:
+                # The moved batch merges with the dims after it (an einsum's batched matmul).
+                return self._reshape_lifted(self.lift(x), tshape)
         if not x.lifted and x.tshape and tshape and tshape[0] == x.tshape[0]:
             start = len(tshape) - 1
             if 1 <= start < len(x.tshape) and tshape[:start] == tuple(x.tshape[:start]) and tshape[-1] == math.prod(x.tshape[start:]):
@@ -225,17 +228,17 @@ class Builder:
 
     def _reshape_lifted(self, x: Act, tshape) -> Act:
         """A reshape of a lifted value. At batch 1 any reshape (the images are 1). Above, the
-        images stay whole: with the merged batch in dim 0 (images outermost, so each image's
-        rows are one block before and after) a reshape whose dim 0 is whole images; in another
-        dim, one that keeps the dims up to it or only adds or drops dims of size 1."""
-        B = self.batch
-        if B == 1 or x.bdim == 0:
-            if tshape and tshape[0] == B:
+        images stay whole: one that keeps the dims before the merged batch's and whose dim there
+        is whole images (the images are outermost in it, so for each index of the dims before,
+        each image's rows are one block before and after), or one that only adds or drops dims
+        of size 1."""
+        B, d = self.batch, x.bdim
+        if B == 1:
+            if tshape and tshape[0] == 1:
                 return self.node(ops.shape_op("Reshape", dims=list(tshape[1:])), [x], "reshape", tshape, lifted=False)
-            if B == 1 or (tshape and tshape[0] % B == 0):
-                dims = [tshape[0] // B] + list(tshape[1:])
-                return self.node(ops.shape_op("Reshape", dims=dims), [x], "reshape", tshape, lifted=True, bdim=0)
-            nb = None
+            return self.node(ops.shape_op("Reshape", dims=list(tshape)), [x], "reshape", tshape, lifted=True)
+        if len(tshape) > d and tuple(tshape[:d]) == tuple(x.tshape[:d]) and tshape[d] % B == 0:
+            nb = d
         else:
             nb = reshaped_bdim(x.tshape, x.bdim, tshape)
         if nb is None or tshape[nb] % B:

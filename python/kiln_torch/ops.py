@@ -821,6 +821,58 @@ def upsample_bilinear(cx, a):
                    a.get("align_corners", False))
 
 
+def bicubic_matrix(n_in: int, n_out: int, align_corners: bool, scale=None) -> np.ndarray:
+    """`[n_out, n_in]`: PyTorch's bicubic interpolation along one axis (`upsample_bicubic2d`: Keys'
+    cubic with A = -0.75, the four taps clamped to the border), so that a resize is `M_h @ x @ M_wᵀ`.
+    `scale` is the given scale factor (PyTorch then maps by 1 / scale, not n_in / n_out)."""
+    a = -0.75
+
+    def near(t):  # |t| <= 1
+        return ((a + 2) * t - (a + 3)) * t * t + 1
+
+    def far(t):  # 1 < |t| < 2
+        return ((a * t - 5 * a) * t + 8 * a) * t - 4 * a
+
+    if align_corners:
+        step = (n_in - 1) / (n_out - 1) if n_out > 1 else 0.0
+    else:
+        step = 1.0 / scale if scale else n_in / n_out
+    m = np.zeros((n_out, n_in), np.float64)
+    for o in range(n_out):
+        real = step * o if align_corners else step * (o + 0.5) - 0.5
+        base = math.floor(real)
+        t = real - base
+        for k, c in enumerate((far(t + 1), near(t), near(1 - t), far(2 - t))):
+            m[o, min(max(base - 1 + k, 0), n_in - 1)] += c
+    return m
+
+
+def _bicubic(cx, x, scales, align_corners):
+    """`F.interpolate(mode="bicubic")` as two matmuls with constant interpolation matrices, along
+    W then along H (a permute either side): each output is the same weighted sum of 4×4 taps,
+    the zeros of the matrices adding exact zeros."""
+    x = cx.batched(act(x), 4, "interpolation")
+    n, c, h, w = x.tshape
+    oh, ow = (int(d) for d in cx.out_shape[2:])
+    sh, sw = (None, None) if scales is None else (list(scales) + [None, None])[:2]
+    mw = cx.const_value(bicubic_matrix(w, ow, bool(align_corners), sw).T.astype(np.float32), "bicubic_w")
+    mh = cx.const_value(bicubic_matrix(h, oh, bool(align_corners), sh).T.astype(np.float32), "bicubic_h")
+    y = cx.node({"Gemm": "Matmul"}, [x, mw], "matmul", (n, c, h, ow))
+    y = cx.permute(y, [0, 1, 3, 2])
+    y = cx.node({"Gemm": "Matmul"}, [y, mh], "matmul", (n, c, ow, oh))
+    return cx.permute(y, [0, 1, 3, 2])
+
+
+@aten("aten.upsample_bicubic2d.vec")
+def upsample_bicubic_vec(cx, a):
+    return _bicubic(cx, a["input"], a.get("scale_factors"), a.get("align_corners", False))
+
+
+@aten("aten.upsample_bicubic2d.default")
+def upsample_bicubic(cx, a):
+    return _bicubic(cx, a["self"], [a.get("scales_h"), a.get("scales_w")], a.get("align_corners", False))
+
+
 # -- data movement
 
 

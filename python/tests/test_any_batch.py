@@ -49,6 +49,8 @@ def run_kiln(graph, weights, feeds):
                 v = xs[0] * body["Affine"]["scale"] + body["Affine"]["shift"]
         elif family == "Binary":
             v = {"Add": np.add, "Mul": np.multiply}[body](xs[0], xs[1])
+        elif family == "Gemm" and body == "Matmul":
+            v = np.matmul(xs[0], xs[1])
         elif family == "Pool":
             (kind, m), = body.items()
             reduce = {"Mean": np.mean, "Amax": np.max}[kind]
@@ -160,7 +162,31 @@ def windows_reference(x):
     return t.reshape(n, 2, 2, 2, 2, 4).transpose(0, 1, 3, 2, 4, 5).reshape(n, 4, 4, 4)
 
 
+REL_H = (np.arange(3 * 4 * 5, dtype=np.float32).reshape(3, 4, 5) % 7 - 3) / 10  # [H, C, K]
+
+
+def einsum_rows(batch=2):
+    """MViTv2's relative positions, `torch.einsum("bhwc,hck->bhwk", q, rel_h)` as torch.export
+    writes it: the batch moved behind `h` and merged with `w` for one batched matmul with the
+    constant (`[H, B·W, C] @ [H, C, K]`), then split off and moved back."""
+    b = Builder()
+    b.batch = batch
+    x = Act(b.graph.input("x", (batch, 3, 2, 4)), (batch, 3, 2, 4))
+    t = call(b, "aten.permute.default", (3, batch, 2, 4), self=x, dims=[1, 0, 2, 3])
+    t = call(b, "aten.view.default", (3, batch * 2, 4), self=t, size=[3, batch * 2, 4])
+    t = call(b, "aten.bmm.default", (3, batch * 2, 5), self=t, mat2=Const("rel_h", REL_H))
+    t = call(b, "aten.view.default", (3, batch, 2, 5), self=t, size=[3, batch, 2, 5])
+    y = call(b, "aten.permute.default", (batch, 3, 2, 5), self=t, dims=[1, 0, 2, 3])
+    b.graph.mark_output("output", b.unlift(y).id)
+    return b.graph
+
+
+def einsum_rows_reference(x):
+    return np.einsum("bhwc,hck->bhwk", x, REL_H)
+
+
 PATTERNS = {
+    "einsum_rows": (einsum_rows, einsum_rows_reference, (3, 2, 4)),
     "stack_sum": (stack_sum, stack_sum_reference, (4, 3, 3)),
     "token_qkv": (token_qkv, token_qkv_reference, (4, 6)),
     "windows": (windows, windows_reference, (4, 4, 4)),

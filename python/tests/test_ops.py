@@ -396,6 +396,23 @@ class Converters(unittest.TestCase):
                              for o in range(5)] for r in range(4)])
         np.testing.assert_allclose(grouped.reshape(4, 5, 3, 3), per_row, rtol=1e-5, atol=1e-5)
 
+    def test_bicubic_interpolation_is_two_matmuls_with_pytorchs_weights(self):
+        # The first rows of a 4 → 8 bicubic resize, as PyTorch 2.15 gives them (the taps clamped at the border).
+        m = ops.bicubic_matrix(4, 8, align_corners=False)
+        np.testing.assert_allclose(m[:2], [[1.10546875, -0.10546875, 0, 0], [0.7734375, 0.26171875, -0.03515625, 0]], atol=1e-12)
+        np.testing.assert_allclose(m.sum(1), np.ones(8), atol=1e-12)
+        np.testing.assert_allclose(ops.bicubic_matrix(5, 5, False), np.eye(5), atol=1e-12)
+        ramp = ops.bicubic_matrix(6, 11, align_corners=True) @ np.arange(6.0)
+        np.testing.assert_allclose(ramp[2:-2], np.arange(11.0)[2:-2] / 2, atol=1e-12, err_msg="cubic keeps a ramp")
+        b, x = builder([1, 3, 4, 6], out=(1, 3, 8, 12))
+        y = ops.TABLE["aten.upsample_bicubic2d.vec"](b, {"input": x, "output_size": [8, 12], "align_corners": False,
+                                                         "scale_factors": None})
+        self.assertEqual(y.tshape, (1, 3, 8, 12))
+        kinds = [n["op"] for n in b.graph.nodes if "Weight" not in n["op"] and "Input" not in n["op"]]
+        self.assertEqual(kinds, [{"Gemm": "Matmul"}, {"Shape": {"Permute": {"dims": [0, 1, 3, 2]}}}, {"Gemm": "Matmul"},
+                                 {"Shape": {"Permute": {"dims": [0, 1, 3, 2]}}}])
+        self.assertEqual(b.graph.weights["blk.node.bicubic_w"].shape, (6, 12))
+
     def test_unsupported_arguments_say_why(self):
         b, x = builder([1, 3, 8, 8])
         with self.assertRaisesRegex(Unsupported, "padding mode 'circular'"):
