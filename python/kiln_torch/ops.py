@@ -1025,6 +1025,30 @@ class _Reshaped:
         return self.value
 
 
+# The most windows `Tensor.unfold` may take along its dim (each is a slice, a permute and a cat input).
+MAX_UNFOLD_WINDOWS = 64
+
+
+@aten("aten.unfold.default")
+def unfold(cx, a):
+    """`x.unfold(dim, size, step)` (HaloNet's blocked attention): the `n` windows `x[.., i·step :
+    i·step + size, ..]` along `dim`, each with that dim moved last, side by side in `dim`. Exact:
+    slices and copies."""
+    x = act(a["self"])
+    rank = len(x.tshape)
+    d, size, step = norm_dim(a["dimension"], max(rank, 1)), int(a["size"]), int(a["step"])
+    n = (x.tshape[d] - size) // step + 1
+    if n > MAX_UNFOLD_WINDOWS:
+        raise Unsupported(f"an unfold into {n} windows (Kiln slices each; at most {MAX_UNFOLD_WINDOWS})")
+    order = [i for i in range(rank) if i != d] + [d]
+    windows = []
+    for i in range(n):
+        w = cx.permute(cx.slice(x, d, i * step, i * step + size), order)
+        shape = list(w.tshape)
+        windows.append(cx.reshape(w, shape[:d] + [1] + shape[d:]))
+    return windows[0] if n == 1 else cx.cat(windows, d)
+
+
 EDGE_PADS = {"reflect": "ReflectPad", "replicate": "ReplicatePad"}
 
 

@@ -252,6 +252,19 @@ class AnyBatch(unittest.TestCase):
         with self.assertRaisesRegex(Unsupported, "mixes the images"):
             call(b, "aten.softmax.int", (3, 2, 4), self=y, dim=1, half_to_float=False)
 
+    def test_unfold_is_its_windows_side_by_side(self):
+        # `x.unfold(2, 6, 4)` of [B, 3, 10, 4]: windows 0..5 and 4..9 of dim 2, each moved last.
+        for batch in (1, 2):
+            b = Builder()
+            b.batch = batch
+            x = Act(b.graph.input("x", (batch, 3, 10, 4)), (batch, 3, 10, 4))
+            y = call(b, "aten.unfold.default", (batch, 3, 2, 4, 6), self=x, dimension=2, size=6, step=4)
+            b.graph.mark_output("output", b.unlift(y).id)
+            xv = np.random.default_rng(batch).uniform(-1, 1, (batch, 3, 10, 4)).astype(np.float32)
+            got = run_kiln(b.graph.to_json(), b.graph.weights, {"x": xv})["output"]
+            want = np.stack([xv[:, :, 4 * i : 4 * i + 6].transpose(0, 1, 3, 2) for i in range(2)], axis=2)
+            np.testing.assert_array_equal(got, want)
+
     def test_a_batch_merged_with_windows_is_held_image_by_image(self):
         b = Builder()
         b.batch = 2
