@@ -940,6 +940,23 @@ def cat(cx, a):
     return cx.cat(parts, d)
 
 
+@aten("aten.stack.default")
+def stack(cx, a):
+    """`torch.stack(tensors, dim)` as the cat of each unsqueezed at `dim` (CrossViT's mean of its
+    heads, `torch.stack(list).sum(0)`): the batch of each moves past the new dim and back."""
+    parts = [p for p in a["tensors"]]
+    if not any(is_act(p) for p in parts):
+        raise Unsupported("stack of constants only (it should have been folded)")
+    d = norm_dim(a.get("dim", 0), len(parts[0].tshape) + 1)
+    unsqueezed = []
+    for p in parts:
+        shape = list(p.tshape)
+        shape.insert(d, 1)
+        unsqueezed.append(cx.reshape(p, shape) if is_act(p) else Const(f"{const(p, 'tensor').name}.unsqueezed",
+                                                                       np.asarray(to_numpy_(p.value)).reshape(shape)))
+    return cx.cat(unsqueezed, d)
+
+
 @aten("aten.slice.Tensor")
 def slice_(cx, a):
     x = act(a["self"])

@@ -252,6 +252,21 @@ class AnyBatch(unittest.TestCase):
         with self.assertRaisesRegex(Unsupported, "mixes the images"):
             call(b, "aten.softmax.int", (3, 2, 4), self=y, dim=1, half_to_float=False)
 
+    def test_stack_exported_at_batch_2_is_the_cat_of_unsqueezed_values(self):
+        # `torch.stack([x, relu(x)]).mean(0)` as aten.stack (CrossViT's heads): the batch moves to dim 1 and back.
+        b = Builder()
+        b.batch = 2
+        x = Act(b.graph.input("x", (2, 4)), (2, 4))
+        r = call(b, "aten.relu.default", (2, 4), self=x)
+        s = call(b, "aten.stack.default", (2, 2, 4), tensors=[x, r], dim=0)
+        self.assertEqual((s.tshape, s.bdim, s.kshape), ((2, 2, 4), 1, [2, 2, 4]))
+        y = call(b, "aten.mean.dim", (2, 4), self=s, dim=[0], keepdim=False)
+        b.graph.mark_output("output", b.unlift(y).id)
+        for batch in (2, 5):
+            xv = np.random.default_rng(batch).uniform(-1, 1, (batch, 4)).astype(np.float32)
+            got = run_kiln(b.graph.to_json(), b.graph.weights, {"x": xv})["output"]
+            np.testing.assert_allclose(got, (xv + np.maximum(xv, 0)) / 2, rtol=1e-6, atol=1e-7)
+
     def test_unfold_is_its_windows_side_by_side(self):
         # `x.unfold(2, 6, 4)` of [B, 3, 10, 4]: windows 0..5 and 4..9 of dim 2, each moved last.
         for batch in (1, 2):
