@@ -27,6 +27,12 @@ JSON alone). One model at a time, each under `--timeout` seconds.
     python3 tools/import_corpus.py resnet18 timm/convnext_atto --out /tmp/corpus
     python3 tools/import_corpus.py --gpu --kiln .carry/kiln/kiln   # on the device
     python3 tools/import_corpus.py --render             # the table from the JSON alone
+
+On the device, where each call gets a fresh machine, `--shard K/N` runs every N-th model (from the
+K-th) end to end into OUT/results.json, and `--merge` joins the shards' results into one table:
+
+    python3 tools/import_corpus.py --gpu --shard 1/4 --out $OUT/corpus   # one device call each
+    python3 tools/import_corpus.py --merge shard1/results.json shard2/results.json ...
 """
 
 from __future__ import annotations
@@ -547,10 +553,13 @@ def main() -> int:
     p.add_argument("--render", action="store_true", help="only rewrite the table from the JSON")
     p.add_argument("--list", action="store_true", help="print the corpus and exit")
     p.add_argument("--threads", type=int, default=0, help="torch's CPU threads (0: its default)")
+    p.add_argument("--shard", metavar="K/N", help="only every N-th model of the corpus, from the K-th (1-based)")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="join these results (a later file's row wins) into the results "
+                   "and the table, in corpus order")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    whole = not a.models and not a.subset
+    whole = not a.models and not a.subset and not a.shard
     results = Path(a.results) if a.results else (RESULTS if whole else out / "results.json")
     table = Path(a.table) if a.table else (TABLE if whole else out / "IMPORT_CORPUS.md")
     if a.render:
@@ -564,11 +573,16 @@ def main() -> int:
         torch.set_num_threads(a.threads)
     a.commit = checkout_commit()
     entries = corpus()
+    if a.merge:
+        return merge(a.merge, entries, results, table)
     if a.list:
         for e in entries:
             print(f"{e.name}\t{e.source}\t{e.size}")
         print(f"{len(entries)} models")
         return 0
+    if a.shard:
+        k, n = shard_of(a.shard)
+        entries = entries[k - 1 :: n]
     names = SUBSETS[a.subset] if a.subset else a.models
     if names:
         known = {e.name: e for e in entries}
@@ -600,6 +614,36 @@ def main() -> int:
     passed = sum(1 for r in shown if r["status"] == "pass")
     print(f"Corpus: {passed} of {len(shown)} models import and match; wrote {table} and {results}")
     return 0 if passed == len(shown) else 1
+
+
+def shard_of(text: str):
+    """`K/N` → (K, N), 1 <= K <= N."""
+    try:
+        k, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise SystemExit(f"import_corpus: --shard {text!r}: expected K/N, e.g. 2/4") from None
+    if not 1 <= k <= n:
+        raise SystemExit(f"import_corpus: --shard {text!r}: K must be 1 to N")
+    return k, n
+
+
+def merge(paths, entries, results: Path, table: Path) -> int:
+    """The rows of several results files as one (a later file's row of a model wins), in corpus order."""
+    by_model, gpu = {}, False
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        gpu = gpu or data.get("gpu", False)
+        for r in data["models"]:
+            by_model[r["model"]] = r
+    order = {e.name: i for i, e in enumerate(entries)}
+    rows = sorted(by_model.values(), key=lambda r: order.get(r["model"], len(order)))
+    save_rows(results, rows, gpu)
+    table.write_text(render(rows, gpu))
+    missing = [e.name for e in entries if e.name not in by_model]
+    passed = sum(1 for r in rows if r["status"] == "pass")
+    print(f"Corpus: {passed} of {len(rows)} models import and match; wrote {table} and {results}"
+          + (f"; not in any file: {', '.join(missing)}" if missing else ""))
+    return 0
 
 
 def corpus_order(entries, rows):
