@@ -486,7 +486,9 @@ def render(rows: list, gpu: bool) -> str:
     commits = {}
     for r in rows:
         commits[r.get("commit", "unknown")] = commits.get(r.get("commit", "unknown"), 0) + 1
-    lines += ["Run at " + ", ".join(f"{c} ({n} models)" for c, n in commits.items()) + ".", ""]
+    total = sum(r.get("time_s", 0) for r in rows)
+    lines += ["Run at " + ", ".join(f"{c} ({n} models)" for c, n in commits.items())
+              + f"; {total / 60:.0f} minutes in all, one model at a time.", ""]
     by_source = {}
     for r in rows:
         by_source.setdefault(r["source"], []).append(r)
