@@ -3,7 +3,11 @@
 //! writes them, with NumPy's answer at batch 3, into tests/fixtures/any_batch_*):
 //! - `stack_sum`: `torch.stack([x, relu(x), 2 * x]).sum(0)` (segmentation_models_pytorch's FPN);
 //! - `token_qkv`: ViT's class token expanded to the batch and cat in front, then
-//!   `qkv.reshape(B, N, 3, D).permute(2, 0, 1, 3).unbind(0)` and `q * k + v`.
+//!   `qkv.reshape(B, N, 3, D).permute(2, 0, 1, 3).unbind(0)` and `q * k + v`;
+//! - `windows`: window attention's batch merge (timm's Swin): `[B, H, W, C]` partitioned into
+//!   windows as `[B·windows, N, C]`, a per-window constant, a softmax within each window, and back;
+//! - `einsum_rows`: MViTv2's `einsum("bhwc,hck->bhwk")`, the batch moved behind `h` and merged
+//!   with `w` for one batched matmul with a constant, then split off and moved back.
 
 use kiln::{Graph, HostTensor};
 use std::path::PathBuf;
@@ -36,7 +40,7 @@ fn run_both(graph: &Graph, x: &HostTensor) -> [HostTensor; 2] {
 
 #[test]
 fn graphs_exported_at_batch_2_run_at_batch_1_2_and_3() {
-    for name in ["stack_sum", "token_qkv"] {
+    for name in ["stack_sum", "token_qkv", "windows", "einsum_rows"] {
         let (graph, x, want) = pattern(name);
         let traced = graph.inputs.first().map(|&i| graph.nodes[i].shape[0]);
         assert_eq!(traced, Some(2), "{name} was exported at batch 2");

@@ -3,9 +3,10 @@
 It names nodes after their module (a leaf module's op is named by the module's path, an op written
 inline in a `forward` is `<module path>.<op>`, Kiln's convention), turns constants into weight
 nodes under their names, and keeps Kiln's one rule about shapes: the batch is dim 0 of every value.
-A PyTorch value whose dim 0 is not the batch (the batch merged with other dims, or moved) is held
-*lifted*, `[1, *shape]` (see `graph.Act`): exported at batch 1, the graph then computes per image,
-so it runs at any batch.
+A PyTorch value whose batch is merged with other rows (window attention's `[B·64, 49, C]`) is held
+*lifted*, `[B, 64, 49, C]`, and one whose batch PyTorch moved to another dim is held with the batch
+still first (`Act.bdim`), so the graph runs at any batch whatever the example batch (see
+`graph.Act`). An op across the images is refused (`Builder.along`), never computed wrong.
 """
 
 from __future__ import annotations
@@ -103,7 +104,9 @@ class Builder:
             lifted = bool(acts) and acts[0].lifted
         tshape = self.out_shape if tshape is None else tuple(tshape)
         moved = [v for v in acts if v.moved]
-        if bdim is None:
+        if lifted:
+            bdim = self._lifted_bdim(op, acts, tshape, bdim)
+        elif bdim is None:
             bdim = 0
             if moved:
                 if "Unary" in op and len(acts) == 1:
@@ -114,16 +117,53 @@ class Builder:
                         f"moved to dim {moved[0].bdim}, and Kiln cannot follow the batch through {op_family(op)}; "
                         "export at batch 1 (the graph then runs at any batch)"
                     )
-        out = Act(-1, tuple(int(d) for d in tshape), lifted, 0 if lifted else bdim)
+        out = Act(-1, tuple(int(d) for d in tshape), lifted, bdim, self.batch if lifted else 1)
         nid = self.graph.push(op, [self._id(v) for v in inputs], out.kshape, self.path(name, helper))
         out.id = nid
         return out
 
+    def _lifted_bdim(self, op, acts, tshape, bdim) -> int:
+        """The merged batch's dim of a lifted node's value (see `graph.Act`). At batch 1 it is 0:
+        a lifted value is `[1, *tshape]` whatever PyTorch did with the batch of 1. Above, the
+        lifted inputs must hold it in the same dim (`bdim`, when the caller mapped it, is where
+        it goes), and it must divide into whole images."""
+        if self.batch == 1:
+            return 0
+        lifted = [v for v in acts if v.lifted]
+        if bdim is None:
+            dims = {v.bdim for v in lifted}
+            ranks = {len(v.tshape) for v in lifted}
+            if len(dims) > 1 or len(ranks) > 1 or any(not v.lifted for v in acts):
+                raise Unsupported(
+                    f"it reads values whose batch (exported at {self.batch}) is merged into different dims {sorted(dims)} "
+                    f"(shapes {[list(v.tshape) for v in acts]}), and Kiln cannot follow the batch through {op_family(op)}"
+                )
+            bdim = dims.pop() if dims else 0
+            if bdim and len(tshape) != len(lifted[0].tshape):
+                raise Unsupported(f"{op_family(op)} changes the rank of a value whose batch is merged into dim {bdim}")
+        if not 0 <= bdim < len(tshape) or tshape[bdim] % self.batch:
+            raise Unsupported(f"its value of shape {list(tshape)} does not hold the {self.batch} images of the batch whole in dim {bdim}")
+        return bdim
+
     def reduced_bdim(self, x: Act, dims, keepdim: bool) -> int:
         """The batch's dim after reducing `dims` (which must not hold it) of `x`."""
-        if x.lifted or keepdim:
-            return 0 if x.lifted else x.bdim
+        if keepdim or (x.lifted and self.batch == 1):
+            return x.bdim
         return x.bdim - sum(1 for d in dims if d < x.bdim)
+
+    def along(self, x: Act, dims, what: str) -> Act:
+        """`x` ready for an op along PyTorch dims `dims` (a reduction, a softmax, a slice, a cat,
+        a roll). When they hold the batch: at batch 1 `x` is lifted, so that the op runs per
+        image, as Kiln runs every op; above 1 the op would mix the images, and it is refused."""
+        if x.bdim not in dims:
+            return x
+        if self.batch == 1:
+            return self.lift(x)
+        merged = " merged with other rows" if x.lifted and x.tshape[x.bdim] != self.batch else ""
+        raise Unsupported(
+            f"{what} along dim {x.bdim} of a value of shape {list(x.tshape)}, which holds the batch{merged} (exported at "
+            f"batch {self.batch}): the op mixes the images, and Kiln computes each image on its own"
+        )
 
     def const_value(self, value, suffix: str) -> Const:
         base = f"{self.scope}.{self.fx_name}" if self.scope else self.fx_name
@@ -133,15 +173,18 @@ class Builder:
     # ---- the batch stays dim 0
 
     def lift(self, x: Act) -> Act:
-        """`x` as a lifted value `[1, *shape]` (for ops that touch PyTorch's dim 0)."""
+        """`x` as a lifted value (`graph.Act`): `[1, *shape]` at batch 1, for ops that touch
+        PyTorch's dim 0; above, the batch's dim `bdim` as a merged dim of one row per image, so
+        that a reshape may then merge it with other dims (window attention)."""
         if x.lifted:
             return x
-        if x.moved or not x.tshape or x.tshape[0] != 1:
+        if not x.tshape or x.tshape[x.bdim] != self.batch:
             raise Unsupported(
-                f"it moves or merges dim 0 of a value of shape {list(x.tshape)}, the batch: Kiln keeps the batch as dim 0; "
-                "export at batch 1 (the graph then runs at any batch)"
+                f"it moves or merges dim 0 of a value of shape {list(x.tshape)}, the batch: Kiln keeps the batch as dim 0"
             )
-        return self.node(ops.shape_op("Reshape", dims=list(x.tshape)), [x], "reshape", x.tshape, lifted=True, helper=True)
+        dims = list(x.tshape)
+        dims[x.bdim] = 1
+        return self.node(ops.shape_op("Reshape", dims=dims), [x], "reshape", x.tshape, lifted=True, helper=True, bdim=x.bdim)
 
     def unlift(self, x: Act) -> Act:
         """`x` with PyTorch's dim 0 as the batch again (its dim 0 must be 1)."""
@@ -152,7 +195,7 @@ class Builder:
             )
         if not x.lifted:
             return x
-        if not x.tshape or x.tshape[0] != 1:
+        if not x.tshape or x.bdim != 0 or x.tshape[0] != self.batch:
             raise Unsupported(
                 f"it needs the batch as dim 0, but its input of shape {list(x.tshape)} has the batch merged into dim 0 "
                 "(Kiln runs images, not windows or tokens, as the batch)"
@@ -175,16 +218,43 @@ class Builder:
             if nb is not None and (x.moved or nb != 0):
                 dims = list(tshape[:nb]) + list(tshape[nb + 1 :])
                 return self.node(ops.shape_op("Reshape", dims=dims), [x], "reshape", tshape, bdim=nb)
+            if nb is None and x.moved:
+                # The moved batch merges with the dims after it (an einsum's batched matmul).
+                return self._reshape_lifted(self.lift(x), tshape)
         if not x.lifted and x.tshape and tshape and tshape[0] == x.tshape[0]:
             start = len(tshape) - 1
-            if start >= 1 and tshape[:start] == tuple(x.tshape[:start]) and tshape[-1] == math.prod(x.tshape[start:]):
+            if 1 <= start < len(x.tshape) and tshape[:start] == tuple(x.tshape[:start]) and tshape[-1] == math.prod(x.tshape[start:]):
                 return self.node(ops.shape_op("Flatten", start=start), [x], "flatten", tshape)
             return self.node(ops.shape_op("Reshape", dims=list(tshape[1:])), [x], "reshape", tshape)
         if not x.lifted:
             x = self.lift(x)
-        if tshape and tshape[0] == 1:
+        return self._reshape_lifted(x, tshape)
+
+    def _reshape_lifted(self, x: Act, tshape) -> Act:
+        """A reshape of a lifted value. At batch 1 any reshape (the images are 1). Above, the
+        images stay whole: one that keeps the dims before the merged batch's and whose dim there
+        is whole images (the images are outermost in it, so for each index of the dims before,
+        each image's rows are one block before and after), or one that only adds or drops dims
+        of size 1."""
+        B, d = self.batch, x.bdim
+        if B == 1:
+            if tshape and tshape[0] == 1:
+                return self.node(ops.shape_op("Reshape", dims=list(tshape[1:])), [x], "reshape", tshape, lifted=False)
+            return self.node(ops.shape_op("Reshape", dims=list(tshape)), [x], "reshape", tshape, lifted=True)
+        if len(tshape) > d and tuple(tshape[:d]) == tuple(x.tshape[:d]) and tshape[d] % B == 0:
+            nb = d
+        else:
+            nb = reshaped_bdim(x.tshape, x.bdim, tshape)
+        if nb is None or tshape[nb] % B:
+            raise Unsupported(
+                f"a reshape of {list(x.tshape)} to {list(tshape)} splits the images of the batch (exported at {B}, "
+                f"merged into dim {x.bdim}): Kiln computes each image on its own"
+            )
+        if nb == 0 and tshape[0] == B:
             return self.node(ops.shape_op("Reshape", dims=list(tshape[1:])), [x], "reshape", tshape, lifted=False)
-        return self.node(ops.shape_op("Reshape", dims=list(tshape)), [x], "reshape", tshape, lifted=True)
+        dims = list(tshape)
+        dims[nb] //= B
+        return self.node(ops.shape_op("Reshape", dims=dims), [x], "reshape", tshape, lifted=True, bdim=nb)
 
     def permute(self, x: Act, dims) -> Act:
         dims = [int(d) for d in dims]
@@ -201,7 +271,7 @@ class Builder:
         if not x.lifted and dims[0] == 0:
             return self.node(ops.shape_op("Permute", dims=dims), [x], "permute", out)
         x = self.lift(x)
-        return self.node(ops.shape_op("Permute", dims=[0] + [d + 1 for d in dims]), [x], "permute", out)
+        return self.node(ops.shape_op("Permute", dims=[0] + [d + 1 for d in dims]), [x], "permute", out, bdim=dims.index(x.bdim))
 
     def slice(self, x: Act, d: int, start: int, end: int, step: int = 1) -> Act:
         n = x.tshape[d]
@@ -209,8 +279,7 @@ class Builder:
             raise Unsupported(f"a slice with step {step}")
         if start == 0 and end >= n and step == 1:
             return x
-        if d == x.bdim and not x.lifted:
-            x = self.lift(x)
+        x = self.along(x, [d], "a slice")
         if step == 1:
             return self._narrow(x, d, start, end - start)
         # x[start:end:step] along d: narrow (or pad) to count·step, view as [.., count, step, ..], keep
@@ -247,10 +316,12 @@ class Builder:
         if acts != list(range(acts[0], acts[-1] + 1)):
             raise Unsupported("cat of activations with constants between them")
         run = [parts[i] for i in acts]
-        if len({p.bdim for p in run if not p.lifted}) > 1:
-            raise Unsupported(f"cat of values whose batch is in different dims {[p.bdim for p in run]}; export at batch 1")
-        if len({p.lifted for p in run}) > 1 or (d == run[0].bdim and not run[0].lifted):
-            run = [self.lift(p) for p in run]
+        if len(run) > 1:
+            run = [self.along(p, [d], "a cat") for p in run]
+            if len({p.lifted for p in run}) > 1:
+                run = [self.lift(p) for p in run]
+            if len({p.bdim for p in run}) > 1:
+                raise Unsupported(f"cat of values whose batch is in different dims {[p.bdim for p in run]}")
         out = list(run[0].tshape)
         out[d] = sum(p.tshape[d] for p in run)
         y = run[0]
@@ -306,6 +377,10 @@ class Builder:
         """`x op y` with broadcasting; `x` an activation, `y` an activation or a constant."""
         out = broadcast(x.tshape, y.tshape)
         if isinstance(y, Act):
+            if self.batch > 1 and (x.lifted or y.lifted):
+                # Both with the batch merged into the same dim (checked by `node`).
+                x, y = self.lift(x), self.lift(y)
+                return self.node(ops.binary(op), [x, y], op.lower(), out if tshape is None else tshape)
             if x.moved or y.moved:
                 if x.lifted or y.lifted or x.bdim != y.bdim or len(x.tshape) != len(y.tshape):
                     raise Unsupported(f"{op.lower()} of values whose batch is in different dims; export at batch 1")
@@ -313,18 +388,41 @@ class Builder:
             if x.lifted != y.lifted or len(x.tshape) != len(y.tshape):
                 x, y = self.lift(x), self.lift(y)
             return self.node(ops.binary(op), [x, y], op.lower(), out if tshape is None else tshape)
-        if len(y.tshape) == len(x.tshape) and not x.moved:
+        if x.lifted and self.batch > 1:
+            y = self._per_image_merged(x, y)
+        elif len(y.tshape) == len(x.tshape) and not x.moved:
             y = self.per_image(y)
         if x.moved:
             return self._binary_moved(op, x, y, out if tshape is None else tshape)
         rank_c = len(y.tshape)
         needs_lift = rank_c > len(x.tshape) or (rank_c == len(x.tshape) and not x.lifted and y.tshape and y.tshape[0] != 1)
+        if needs_lift and self.batch > 1:
+            raise Unsupported(
+                f"{op.lower()} of a value of shape {list(x.tshape)} with a constant of shape {list(y.tshape)} that differs "
+                f"between the images of the batch (exported at {self.batch}), or broadcasts the batch into another dim"
+            )
         if needs_lift:
             x = self.lift(x)
         if x.lifted and rank_c > len(x.tshape):
             y = Const(f"{y.name}.unsqueezed", to_numpy(y.value).reshape((1,) + tuple(y.tshape)))
         return self.node(ops.binary(op), [x, y], op.lower(), out if tshape is None else tshape)
 
+
+    def _per_image_merged(self, x: Act, c: Const) -> Const:
+        """The constant operand of a lifted `x` whose dim `bdim` merges the images (exported at a
+        batch above 1) as the block of one image along that dim, so that it broadcasts over
+        Kiln's `[batch, ..., rows of one image, ...]`: a mask `expand`ed to every window of every
+        image. A constant whose blocks differ would make the graph hold one batch size: refused."""
+        v = to_numpy(c.value)
+        axis = x.bdim - (len(x.tshape) - v.ndim)
+        if v.ndim > len(x.tshape):
+            raise Unsupported(f"a constant of shape {list(v.shape)} of more dims than the value {list(x.tshape)} it broadcasts to")
+        if axis < 0 or v.shape[axis] == 1:
+            return c
+        blocks = np.split(v, self.batch, axis=axis)
+        if any(not np.array_equal(b, blocks[0]) for b in blocks[1:]):
+            raise Unsupported(f"a constant of shape {list(v.shape)} that differs between the images of the batch (dim {x.bdim})")
+        return Const(f"{c.name}.per_image", blocks[0])
 
     def _binary_moved(self, op: str, x: Act, c: Const, tshape) -> Act:
         """`x op c` for `x` whose batch PyTorch moved to dim `bdim`: `c` broadcast to `x`'s rank

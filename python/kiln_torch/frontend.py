@@ -404,10 +404,10 @@ def export(model, example_inputs, path=None, *, input_names=None, output_names=N
       op by op too (`ops.MODULES` converts them whole by default).
 
     Raises `UnsupportedOpsError` listing every node without a Kiln op, before writing anything.
-    The graph runs at any batch. At an example batch above 1, the batch may move to another dim
-    and back (`torch.stack(list).sum(0)`, ViT's `qkv.permute(2, 0, 3, 1, 4)`), and constants
-    expanded to the batch (a class token) are read per image; a model that merges the batch into
-    another dim (window attention) is exported at batch 1.
+    The graph runs at any batch, whatever the example batch: the batch may move to another dim
+    and back (`torch.stack(list).sum(0)`, ViT's `qkv.permute(2, 0, 3, 1, 4)`) or merge with other
+    rows, images outermost (window attention's `[B·64, 49, C]`), and constants expanded to the
+    batch (a class token, a window mask) are read per image. An op across the images is reported.
     """
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)

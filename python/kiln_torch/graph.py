@@ -32,18 +32,26 @@ class Act:
     `qkv.permute(2, 0, 3, 1, 4)`, `torch.stack(list)`) is held with the batch still first in Kiln:
     `bdim` is the PyTorch dim that holds it, and the Kiln shape is `tshape` with that dim moved to
     the front. (At batch 1 the same values are lifted.)
+
+    A value whose PyTorch dim `bdim` merges the `batch` images with other rows, images outermost
+    (window attention's `[B·64, 49, C]`, exported at batch `B`), is lifted too: its Kiln shape is
+    `[batch, *tshape]` with dim `bdim` divided by `batch`, so each image's rows stay its own
+    (`[B, 64, 49, C]`). At batch 1 that is `[1, *tshape]`, as above.
     """
 
     id: int
     tshape: tuple
     lifted: bool = False
     bdim: int = 0
+    batch: int = 1
 
     @property
     def kshape(self) -> list:
-        if self.lifted:
-            return [1] + list(self.tshape)
         t = list(self.tshape)
+        if self.lifted:
+            if self.batch > 1:
+                t[self.bdim] //= self.batch
+            return [self.batch] + t
         return t[self.bdim : self.bdim + 1] + t[: self.bdim] + t[self.bdim + 1 :]
 
     @property

@@ -367,7 +367,10 @@ def _conv(cx, x, w, b, stride, padding, dilation, groups, transposed=False, outp
     w = const(w, "weight")
     if w.value.ndim == 3:
         return _conv1d(cx, x, w, b, stride, padding, dilation, groups, transposed, output_padding)
-    x = cx.batched(act(x), 4, "a 2-D convolution")
+    x = act(x)
+    if x.lifted and x.bdim == 0 and len(x.tshape) == 4 and x.tshape[0] != cx.batch and w.value.ndim == 4:
+        return _conv_of_rows(cx, x, w, b, stride, padding, dilation, groups, transposed, output_padding)
+    x = cx.batched(x, 4, "a 2-D convolution")
     if w.value.ndim != 4:
         raise Unsupported(f"a {w.value.ndim - 2}-D convolution (Kiln's are 2-D)")
     if isinstance(padding, str):
@@ -376,6 +379,35 @@ def _conv(cx, x, w, b, stride, padding, dilation, groups, transposed=False, outp
     op = conv(pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation"), groups, b is not None, transposed,
               pair(output_padding, "output_padding"))
     return cx.node(op, inputs, "conv_transpose2d" if transposed else "conv2d")
+
+
+# The most weight elements a convolution of rows may repeat (`_conv_of_rows`): 16 Mi f32, 64 MiB.
+MAX_REPEATED_WEIGHTS = 1 << 24
+
+
+def _conv_of_rows(cx, x, w, b, stride, padding, dilation, groups, transposed, output_padding):
+    """A convolution of images merged with other rows, `[B·m, C, H, W]` (EfficientViT-M's
+    convolutions per window), as one grouped convolution of Kiln's `[B, m·C, H, W]`: the weight
+    repeated for each of the `m` rows, `m` times the groups. Exact: each row's sums are the same."""
+    if transposed:
+        raise Unsupported("a transposed convolution of rows merged with the batch")
+    m = x.tshape[0] // cx.batch
+    _, c, h, wd = x.tshape
+    kernel = np.asarray(to_numpy_(w.value), dtype=np.float32)
+    if kernel.size * m > MAX_REPEATED_WEIGHTS:
+        raise Unsupported(f"a convolution of {m} rows per image (the batch merged into dim 0): its weight repeated {m} times "
+                          f"would hold {kernel.size * m} values")
+    if isinstance(padding, str):
+        padding = _same_padding(padding, kernel.shape[2:], pair(dilation, "dilation"), pair(stride, "stride"))
+    out = tuple(cx.out_shape)
+    o, oh, ow = out[1:]
+    rows = cx.node(shape_op("Reshape", dims=[m * c, h, wd]), [x], "reshape", (cx.batch, m * c, h, wd), lifted=False, helper=True)
+    inputs = [rows, Const(f"{w.name}.repeated_{m}", np.tile(kernel, (m, 1, 1, 1)))]
+    if b is not None:
+        inputs.append(Const(f"{const(b, 'bias').name}.repeated_{m}", np.tile(np.asarray(to_numpy_(b.value), dtype=np.float32), m)))
+    op = conv(pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation"), int(groups) * m, b is not None)
+    y = cx.node(op, inputs, "conv2d", (cx.batch, m * o, oh, ow))
+    return cx.node(shape_op("Reshape", dims=[m, o, oh, ow]), [y], "reshape", out, lifted=True, helper=True, bdim=0)
 
 
 def _one(v):
@@ -457,6 +489,8 @@ def _batch_norm(cx, x, w, b, mean, var, eps):
     c = x.tshape[1]
     params = [_norm_param(cx, w, c, 1.0, "weight"), _norm_param(cx, b, c, 0.0, "bias"), const(mean, "running_mean"),
               const(var, "running_var")]
+    if x.lifted or x.moved:
+        return _batch_norm_affine(cx, x, params, eps)
     op = {"Norm": {"BatchNorm2d": {"eps": float(eps)}}}
     if len(x.tshape) == 4:
         return cx.node(op, [cx.batched(x, 4, "batch norm")] + params, "batch_norm2d")
@@ -464,6 +498,19 @@ def _batch_norm(cx, x, w, b, mean, var, eps):
     shape4 = tuple(x.tshape) + (1,) * (4 - len(x.tshape))
     y = cx.node(op, [cx.reshape(cx.batched(x, len(x.tshape), "batch norm"), shape4)] + params, "batch_norm2d", tshape=shape4)
     return cx.reshape(y, x.tshape)
+
+
+def _batch_norm_affine(cx, x, params, eps):
+    """Batch norm (eval) of a value whose dim 0 is not the batch (LeViT's BatchNorm1d of
+    `x.flatten(0, 1)`, tokens of every image as rows) as what it is, a per-channel `x * scale +
+    shift` of dim 1: two elementwise ops with the scale and shift folded from the statistics,
+    which follow the batch wherever it is."""
+    w, b, mean, var = (np.asarray(to_numpy_(p.value), dtype=np.float64) for p in params)
+    scale = w / np.sqrt(var + float(eps))
+    shift = b - mean * scale
+    per_channel = (len(scale),) + (1,) * (len(x.tshape) - 2)
+    y = cx.binary("Mul", x, cx.const_value(scale.astype(np.float32).reshape(per_channel), "scale"), tshape=x.tshape)
+    return cx.binary("Add", y, cx.const_value(shift.astype(np.float32).reshape(per_channel), "shift"), tshape=x.tshape)
 
 
 @aten("aten._native_batch_norm_legit_no_training.default")
@@ -485,8 +532,7 @@ def layer_norm(cx, a):
     shape = [int(d) for d in a["normalized_shape"]]
     w, b = a.get("weight"), a.get("bias")
     affine_ = w is not None or b is not None
-    if len(shape) >= len(x.tshape) and not x.lifted:
-        x = cx.lift(x)
+    x = cx.along(x, range(len(x.tshape) - len(shape), len(x.tshape)), "a layer norm")
     if affine_:
         params = [const(w, "weight") if w is not None else cx.const_value(np.ones(shape, np.float32), "weight"),
                   const(b, "bias") if b is not None else cx.const_value(np.zeros(shape, np.float32), "bias")]
@@ -638,8 +684,7 @@ def _mean(cx, x, dims, keepdim):
     x = act(x)
     rank = len(x.tshape)
     dims = sorted({norm_dim(d, rank) for d in (dims if dims else range(rank))})
-    if x.bdim in dims and not x.lifted:
-        x = cx.lift(x)
+    x = cx.along(x, dims, "a mean")
     kd = [x.kdim(d) for d in dims]
     return cx.node({"Pool": {"Mean": {"dims": kd, "keepdim": bool(keepdim)}}}, [x], "mean", bdim=cx.reduced_bdim(x, dims, keepdim))
 
@@ -656,8 +701,7 @@ def _reduce(cx, kind, x, dims, keepdim, what):
     dims = sorted({norm_dim(d, rank) for d in (dims if dims not in (None, []) else range(rank))})
     if kind == "Argmax" and len(dims) != 1:
         raise Unsupported("argmax over the flattened tensor (give dim)")
-    if x.bdim in dims and not x.lifted:
-        x = cx.lift(x)
+    x = cx.along(x, dims, f"an {what}")
     kd = [x.kdim(d) for d in dims]
     bdim = cx.reduced_bdim(x, dims, keepdim)
     if kind == "Argmax":
@@ -735,9 +779,8 @@ def linalg_vector_norm(cx, a):
 def softmax(cx, a):
     x = act(a["self"])
     d = norm_dim(a["dim"], len(x.tshape))
-    if d == x.bdim and not x.lifted:
-        x = cx.lift(x)
-    return cx.node({"Norm": {"Softmax": {"dim": x.kdim(d)}}}, [x], "softmax", bdim=None if x.lifted else x.bdim)
+    x = cx.along(x, [d], "a softmax")
+    return cx.node({"Norm": {"Softmax": {"dim": x.kdim(d)}}}, [x], "softmax", bdim=x.bdim)
 
 
 # -- resizing
@@ -776,6 +819,58 @@ def upsample_bilinear_vec(cx, a):
 def upsample_bilinear(cx, a):
     return _resize(cx, "Bilinear", a["self"], a.get("output_size"), [a.get("scales_h"), a.get("scales_w")],
                    a.get("align_corners", False))
+
+
+def bicubic_matrix(n_in: int, n_out: int, align_corners: bool, scale=None) -> np.ndarray:
+    """`[n_out, n_in]`: PyTorch's bicubic interpolation along one axis (`upsample_bicubic2d`: Keys'
+    cubic with A = -0.75, the four taps clamped to the border), so that a resize is `M_h @ x @ M_wᵀ`.
+    `scale` is the given scale factor (PyTorch then maps by 1 / scale, not n_in / n_out)."""
+    a = -0.75
+
+    def near(t):  # |t| <= 1
+        return ((a + 2) * t - (a + 3)) * t * t + 1
+
+    def far(t):  # 1 < |t| < 2
+        return ((a * t - 5 * a) * t + 8 * a) * t - 4 * a
+
+    if align_corners:
+        step = (n_in - 1) / (n_out - 1) if n_out > 1 else 0.0
+    else:
+        step = 1.0 / scale if scale else n_in / n_out
+    m = np.zeros((n_out, n_in), np.float64)
+    for o in range(n_out):
+        real = step * o if align_corners else step * (o + 0.5) - 0.5
+        base = math.floor(real)
+        t = real - base
+        for k, c in enumerate((far(t + 1), near(t), near(1 - t), far(2 - t))):
+            m[o, min(max(base - 1 + k, 0), n_in - 1)] += c
+    return m
+
+
+def _bicubic(cx, x, scales, align_corners):
+    """`F.interpolate(mode="bicubic")` as two matmuls with constant interpolation matrices, along
+    W then along H (a permute either side): each output is the same weighted sum of 4×4 taps,
+    the zeros of the matrices adding exact zeros."""
+    x = cx.batched(act(x), 4, "interpolation")
+    n, c, h, w = x.tshape
+    oh, ow = (int(d) for d in cx.out_shape[2:])
+    sh, sw = (None, None) if scales is None else (list(scales) + [None, None])[:2]
+    mw = cx.const_value(bicubic_matrix(w, ow, bool(align_corners), sw).T.astype(np.float32), "bicubic_w")
+    mh = cx.const_value(bicubic_matrix(h, oh, bool(align_corners), sh).T.astype(np.float32), "bicubic_h")
+    y = cx.node({"Gemm": "Matmul"}, [x, mw], "matmul", (n, c, h, ow))
+    y = cx.permute(y, [0, 1, 3, 2])
+    y = cx.node({"Gemm": "Matmul"}, [y, mh], "matmul", (n, c, ow, oh))
+    return cx.permute(y, [0, 1, 3, 2])
+
+
+@aten("aten.upsample_bicubic2d.vec")
+def upsample_bicubic_vec(cx, a):
+    return _bicubic(cx, a["input"], a.get("scale_factors"), a.get("align_corners", False))
+
+
+@aten("aten.upsample_bicubic2d.default")
+def upsample_bicubic(cx, a):
+    return _bicubic(cx, a["self"], [a.get("scales_h"), a.get("scales_w")], a.get("align_corners", False))
 
 
 # -- data movement
@@ -843,6 +938,23 @@ def cat(cx, a):
     rank = len(parts[0].tshape)
     d = norm_dim(a.get("dim", 0), rank)
     return cx.cat(parts, d)
+
+
+@aten("aten.stack.default")
+def stack(cx, a):
+    """`torch.stack(tensors, dim)` as the cat of each unsqueezed at `dim` (CrossViT's mean of its
+    heads, `torch.stack(list).sum(0)`): the batch of each moves past the new dim and back."""
+    parts = [p for p in a["tensors"]]
+    if not any(is_act(p) for p in parts):
+        raise Unsupported("stack of constants only (it should have been folded)")
+    d = norm_dim(a.get("dim", 0), len(parts[0].tshape) + 1)
+    unsqueezed = []
+    for p in parts:
+        shape = list(p.tshape)
+        shape.insert(d, 1)
+        unsqueezed.append(cx.reshape(p, shape) if is_act(p) else Const(f"{const(p, 'tensor').name}.unsqueezed",
+                                                                       np.asarray(to_numpy_(p.value)).reshape(shape)))
+    return cx.cat(unsqueezed, d)
 
 
 @aten("aten.slice.Tensor")
@@ -930,6 +1042,30 @@ class _Reshaped:
         return self.value
 
 
+# The most windows `Tensor.unfold` may take along its dim (each is a slice, a permute and a cat input).
+MAX_UNFOLD_WINDOWS = 64
+
+
+@aten("aten.unfold.default")
+def unfold(cx, a):
+    """`x.unfold(dim, size, step)` (HaloNet's blocked attention): the `n` windows `x[.., i·step :
+    i·step + size, ..]` along `dim`, each with that dim moved last, side by side in `dim`. Exact:
+    slices and copies."""
+    x = act(a["self"])
+    rank = len(x.tshape)
+    d, size, step = norm_dim(a["dimension"], max(rank, 1)), int(a["size"]), int(a["step"])
+    n = (x.tshape[d] - size) // step + 1
+    if n > MAX_UNFOLD_WINDOWS:
+        raise Unsupported(f"an unfold into {n} windows (Kiln slices each; at most {MAX_UNFOLD_WINDOWS})")
+    order = [i for i in range(rank) if i != d] + [d]
+    windows = []
+    for i in range(n):
+        w = cx.permute(cx.slice(x, d, i * step, i * step + size), order)
+        shape = list(w.tshape)
+        windows.append(cx.reshape(w, shape[:d] + [1] + shape[d:]))
+    return windows[0] if n == 1 else cx.cat(windows, d)
+
+
 EDGE_PADS = {"reflect": "ReflectPad", "replicate": "ReplicatePad"}
 
 
@@ -942,8 +1078,7 @@ def _edge_pad(cx, x, pads, mode):
         raise Unsupported(f"negative padding {pads}")
     if not any(pads):
         return x
-    if len(pads) // 2 >= len(x.tshape) and not x.lifted:
-        x = cx.lift(x)
+    x, pads = _pads_per_image(cx, x, pads)
     name = "reflection_pad" if mode == "reflect" else "replication_pad"
     return cx.node(shape_op(EDGE_PADS[mode], pads=pads), [x], name)
 
@@ -971,9 +1106,22 @@ def pad(cx, a):
         raise Unsupported(f"negative padding {pads}")
     if not any(pads):
         return x
-    if len(pads) // 2 >= len(x.tshape) and not x.lifted:
-        x = cx.lift(x)
+    x, pads = _pads_per_image(cx, x, pads)
     return cx.node(shape_op("Pad", pads=pads, value=value), [x], "pad")
+
+
+def _pads_per_image(cx, x, pads):
+    """`x` and `pads` (PyTorch's, last dim first) for a Kiln pad of its trailing dims: pads that
+    reach dim 0 with zeros there are cut to the other dims; nonzero ones pad the batch, so `x`
+    is lifted (at batch 1) or refused (`Builder.along`)."""
+    rank = len(x.tshape)
+    if len(pads) // 2 < rank:
+        return x, pads
+    if not any(pads[2 * (rank - 1) :]):
+        return x, pads[: 2 * (rank - 1)]
+    if x.lifted and cx.batch == 1:
+        return x, pads
+    return cx.along(x, [0], "a pad"), pads
 
 
 @aten("aten.roll.default")
@@ -983,9 +1131,8 @@ def roll(cx, a):
     dims = [norm_dim(d, rank) for d in a.get("dims", [])]
     if not dims:
         raise Unsupported("roll over the flattened tensor (give dims)")
-    if 0 in dims and not x.lifted:
-        x = cx.lift(x)
-    return cx.node(shape_op("Roll", shifts=[int(s) for s in a["shifts"]], dims=[d + x.offset for d in dims]), [x], "roll")
+    x = cx.along(x, dims, "a roll")
+    return cx.node(shape_op("Roll", shifts=[int(s) for s in a["shifts"]], dims=[x.kdim(d) for d in dims]), [x], "roll", bdim=x.bdim)
 
 
 # -- quantisation
@@ -1049,10 +1196,9 @@ def _prepare(cx, x, scale, zero_point, qmin, qmax, axis=None, dtype=None):
     if axis is not None:
         rank = len(x.tshape)
         axis = norm_dim(axis, rank)
-        if axis == 0 and not x.lifted:
-            x = cx.lift(x)
+        x = cx.along(x, [axis], "a per-channel quantiser")
         n = x.tshape[axis]
-        axis += x.offset
+        axis = x.kdim(axis)
     return x, quant_params(scale, zero_point, qmin, qmax, axis, n, dtype)
 
 

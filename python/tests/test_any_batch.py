@@ -49,6 +49,8 @@ def run_kiln(graph, weights, feeds):
                 v = xs[0] * body["Affine"]["scale"] + body["Affine"]["shift"]
         elif family == "Binary":
             v = {"Add": np.add, "Mul": np.multiply}[body](xs[0], xs[1])
+        elif family == "Gemm" and body == "Matmul":
+            v = np.matmul(xs[0], xs[1])
         elif family == "Pool":
             (kind, m), = body.items()
             reduce = {"Mean": np.mean, "Amax": np.max}[kind]
@@ -68,6 +70,9 @@ def run_kiln(graph, weights, feeds):
                 pads = a["pads"]
                 width = [(0, 0)] * (x.ndim - len(pads) // 2) + [(pads[i], pads[i + 1]) for i in range(len(pads) - 2, -1, -2)]
                 v = np.pad(x, width, constant_values=a["value"])
+            elif kind == "Softmax":
+                e = np.exp(x - x.max(axis=a["dim"], keepdims=True))
+                v = e / e.sum(axis=a["dim"], keepdims=True)
             else:
                 raise AssertionError(f"the model has no {kind}")
         values.append(np.asarray(v, np.float32))
@@ -121,7 +126,71 @@ def token_qkv_reference(x):
     return q * k + v
 
 
-PATTERNS = {"stack_sum": (stack_sum, stack_sum_reference, (4, 3, 3)), "token_qkv": (token_qkv, token_qkv_reference, (4, 6))}
+WINDOW_BIAS = (np.arange(4 * 4, dtype=np.float32).reshape(4, 1, 4) % 5) / 10  # [windows, 1, C]
+ROW_SCALE = np.array([1.0, 0.5, 2.0, -1.0], np.float32).reshape(4, 1, 1)  # per window, expanded to every image
+
+
+def windows(batch=2):
+    """Window attention's batch merge (timm's Swin): `[B, 4, 4, C]` partitioned into 2×2 windows
+    as `[B·4, 4, C]` (the batch merged with the windows), a per-window constant `expand`ed to
+    every image (folded to `[B·4, 1, 1]`), a softmax within each window, the windows viewed as
+    `[B, 4, 4, C]` for a bias per window, and the partition reversed."""
+    b = Builder()
+    b.batch = batch
+    x = Act(b.graph.input("x", (batch, 4, 4, 4)), (batch, 4, 4, 4))
+    t = call(b, "aten.view.default", (batch, 2, 2, 2, 2, 4), self=x, size=[batch, 2, 2, 2, 2, 4])
+    t = call(b, "aten.permute.default", (batch, 2, 2, 2, 2, 4), self=t, dims=[0, 1, 3, 2, 4, 5])
+    t = call(b, "aten.view.default", (batch * 4, 4, 4), self=t, size=[-1, 4, 4])
+    scale = Const("row_scale.expand", np.tile(ROW_SCALE, (batch, 1, 1)))
+    t = call(b, "aten.mul.Tensor", (batch * 4, 4, 4), self=t, other=scale)
+    t = call(b, "aten.softmax.int", (batch * 4, 4, 4), self=t, dim=1, half_to_float=False)
+    t = call(b, "aten.view.default", (batch, 4, 4, 4), self=t, size=[-1, 4, 4, 4])
+    t = call(b, "aten.add.Tensor", (batch, 4, 4, 4), self=t, other=Const("window_bias", WINDOW_BIAS[None]), alpha=1)
+    t = call(b, "aten.view.default", (batch, 2, 2, 2, 2, 4), self=t, size=[batch, 2, 2, 2, 2, 4])
+    t = call(b, "aten.permute.default", (batch, 2, 2, 2, 2, 4), self=t, dims=[0, 1, 3, 2, 4, 5])
+    y = call(b, "aten.view.default", (batch, 4, 4, 4), self=t, size=[batch, 4, 4, 4])
+    b.graph.mark_output("output", b.unlift(y).id)
+    return b.graph
+
+
+def windows_reference(x):
+    n = x.shape[0]
+    t = x.reshape(n, 2, 2, 2, 2, 4).transpose(0, 1, 3, 2, 4, 5).reshape(n * 4, 4, 4)
+    t = t * np.tile(ROW_SCALE, (n, 1, 1))
+    e = np.exp(t - t.max(axis=1, keepdims=True))
+    t = (e / e.sum(axis=1, keepdims=True)).reshape(n, 4, 4, 4) + WINDOW_BIAS[None]
+    return t.reshape(n, 2, 2, 2, 2, 4).transpose(0, 1, 3, 2, 4, 5).reshape(n, 4, 4, 4)
+
+
+REL_H = (np.arange(3 * 4 * 5, dtype=np.float32).reshape(3, 4, 5) % 7 - 3) / 10  # [H, C, K]
+
+
+def einsum_rows(batch=2):
+    """MViTv2's relative positions, `torch.einsum("bhwc,hck->bhwk", q, rel_h)` as torch.export
+    writes it: the batch moved behind `h` and merged with `w` for one batched matmul with the
+    constant (`[H, B·W, C] @ [H, C, K]`), then split off and moved back."""
+    b = Builder()
+    b.batch = batch
+    x = Act(b.graph.input("x", (batch, 3, 2, 4)), (batch, 3, 2, 4))
+    t = call(b, "aten.permute.default", (3, batch, 2, 4), self=x, dims=[1, 0, 2, 3])
+    t = call(b, "aten.view.default", (3, batch * 2, 4), self=t, size=[3, batch * 2, 4])
+    t = call(b, "aten.bmm.default", (3, batch * 2, 5), self=t, mat2=Const("rel_h", REL_H))
+    t = call(b, "aten.view.default", (3, batch, 2, 5), self=t, size=[3, batch, 2, 5])
+    y = call(b, "aten.permute.default", (batch, 3, 2, 5), self=t, dims=[1, 0, 2, 3])
+    b.graph.mark_output("output", b.unlift(y).id)
+    return b.graph
+
+
+def einsum_rows_reference(x):
+    return np.einsum("bhwc,hck->bhwk", x, REL_H)
+
+
+PATTERNS = {
+    "einsum_rows": (einsum_rows, einsum_rows_reference, (3, 2, 4)),
+    "stack_sum": (stack_sum, stack_sum_reference, (4, 3, 3)),
+    "token_qkv": (token_qkv, token_qkv_reference, (4, 6)),
+    "windows": (windows, windows_reference, (4, 4, 4)),
+}
 
 
 class AnyBatch(unittest.TestCase):
@@ -180,9 +249,52 @@ class AnyBatch(unittest.TestCase):
             b.unlift(y)
         with self.assertRaisesRegex(Unsupported, "differs along the batch"):
             b.binary("Add", y, Const("c", np.arange(8, dtype=np.float32).reshape(1, 2, 4)))
-        # Window attention merges the batch into another dim: still batch 1 only, said so.
-        with self.assertRaisesRegex(Unsupported, "export at batch 1"):
-            call(b, "aten.view.default", (6, 4), self=x, size=[6, 4])
+        with self.assertRaisesRegex(Unsupported, "mixes the images"):
+            call(b, "aten.softmax.int", (3, 2, 4), self=y, dim=1, half_to_float=False)
+
+    def test_stack_exported_at_batch_2_is_the_cat_of_unsqueezed_values(self):
+        # `torch.stack([x, relu(x)]).mean(0)` as aten.stack (CrossViT's heads): the batch moves to dim 1 and back.
+        b = Builder()
+        b.batch = 2
+        x = Act(b.graph.input("x", (2, 4)), (2, 4))
+        r = call(b, "aten.relu.default", (2, 4), self=x)
+        s = call(b, "aten.stack.default", (2, 2, 4), tensors=[x, r], dim=0)
+        self.assertEqual((s.tshape, s.bdim, s.kshape), ((2, 2, 4), 1, [2, 2, 4]))
+        y = call(b, "aten.mean.dim", (2, 4), self=s, dim=[0], keepdim=False)
+        b.graph.mark_output("output", b.unlift(y).id)
+        for batch in (2, 5):
+            xv = np.random.default_rng(batch).uniform(-1, 1, (batch, 4)).astype(np.float32)
+            got = run_kiln(b.graph.to_json(), b.graph.weights, {"x": xv})["output"]
+            np.testing.assert_allclose(got, (xv + np.maximum(xv, 0)) / 2, rtol=1e-6, atol=1e-7)
+
+    def test_unfold_is_its_windows_side_by_side(self):
+        # `x.unfold(2, 6, 4)` of [B, 3, 10, 4]: windows 0..5 and 4..9 of dim 2, each moved last.
+        for batch in (1, 2):
+            b = Builder()
+            b.batch = batch
+            x = Act(b.graph.input("x", (batch, 3, 10, 4)), (batch, 3, 10, 4))
+            y = call(b, "aten.unfold.default", (batch, 3, 2, 4, 6), self=x, dimension=2, size=6, step=4)
+            b.graph.mark_output("output", b.unlift(y).id)
+            xv = np.random.default_rng(batch).uniform(-1, 1, (batch, 3, 10, 4)).astype(np.float32)
+            got = run_kiln(b.graph.to_json(), b.graph.weights, {"x": xv})["output"]
+            want = np.stack([xv[:, :, 4 * i : 4 * i + 6].transpose(0, 1, 3, 2) for i in range(2)], axis=2)
+            np.testing.assert_array_equal(got, want)
+
+    def test_a_batch_merged_with_windows_is_held_image_by_image(self):
+        b = Builder()
+        b.batch = 2
+        x = Act(b.graph.input("x", (2, 3, 4)), (2, 3, 4))
+        w = call(b, "aten.view.default", (6, 4), self=x, size=[6, 4])
+        self.assertEqual((w.lifted, w.bdim, w.kshape), (True, 0, [2, 3, 4]))
+        self.assertEqual(b.graph.nodes[w.id]["op"], {"Shape": {"Reshape": {"dims": [3, 4]}}})
+        with self.assertRaisesRegex(Unsupported, "mixes the images"):
+            call(b, "aten.sum.dim_IntList", (4,), self=w, dim=[0], keepdim=False)
+        with self.assertRaisesRegex(Unsupported, "splits the images"):
+            call(b, "aten.view.default", (3, 8), self=w, size=[3, 8])
+        with self.assertRaisesRegex(Unsupported, "differs between the images"):
+            b.binary("Add", w, Const("c", np.arange(6, dtype=np.float32).reshape(6, 1)))
+        back = call(b, "aten.view.default", (2, 12), self=w, size=[2, 12])
+        self.assertEqual((back.lifted, back.kshape), (False, [2, 12]))
 
     def test_a_constant_expanded_to_the_batch_is_read_per_image(self):
         b = Builder()
@@ -192,7 +304,7 @@ class AnyBatch(unittest.TestCase):
         y = b.binary("Mul", x, mask)
         w = b.graph.nodes[b.graph.nodes[y.id]["inputs"][1]]
         self.assertEqual((w["op"], w["shape"]), ({"Weight": {"name": "mask.per_image"}}, [1, 4]))
-        with self.assertRaisesRegex(Unsupported, "moves or merges dim 0"):
+        with self.assertRaisesRegex(Unsupported, "differs between the images"):
             b.binary("Mul", x, Const("per_row", np.array([[1, 0, 1, 0], [0, 1, 0, 1]], np.float32)))
 
 

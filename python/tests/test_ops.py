@@ -238,6 +238,30 @@ class Converters(unittest.TestCase):
         self.assertEqual(b.graph.nodes[w.id]["op"], {"Shape": {"Reshape": {"dims": [4, 2, 16]}}})
         self.assertFalse(w.lifted)
 
+    def test_an_unsqueeze_of_the_last_dim_is_a_reshape_not_a_flatten(self):
+        # [1, 3, 4] → [1, 3, 4, 1] (RoPE's `x.unsqueeze(-1)`): no flatten from dim 3 of a 3-D value.
+        b, x = builder([1, 3, 4])
+        y = b.reshape(x, (1, 3, 4, 1))
+        self.assertEqual(b.graph.nodes[y.id]["op"], {"Shape": {"Reshape": {"dims": [3, 4, 1]}}})
+
+    def test_batch_norm_of_tokens_merged_with_the_batch_is_a_per_channel_affine(self):
+        # LeViT's BatchNorm1d of `x.flatten(0, 1)`: [B·N, C] rows are tokens of every image.
+        b, x = builder([1, 4, 3])
+        rows = b.reshape(x, (4, 3))
+        self.assertTrue(rows.lifted)
+        w, bias = np.array([1.0, 2.0, 0.5], np.float32), np.array([0.0, 1.0, -1.0], np.float32)
+        mean, var = np.array([0.5, -0.5, 0.0], np.float32), np.array([1.0, 4.0, 0.25], np.float32)
+        y = ops.TABLE["aten._native_batch_norm_legit_no_training.default"](b, {
+            "input": rows, "weight": Const("bn.weight", w), "bias": Const("bn.bias", bias), "running_mean": Const("bn.running_mean", mean),
+            "running_var": Const("bn.running_var", var), "momentum": 0.1, "eps": 0.0})[0]
+        mul, add = b.graph.nodes[-3], b.graph.nodes[-1]
+        self.assertEqual((mul["op"], add["op"]), ({"Binary": "Mul"}, {"Binary": "Add"}))
+        scale = b.graph.weights[b.graph.nodes[mul["inputs"][1]]["op"]["Weight"]["name"]]
+        shift = b.graph.weights[b.graph.nodes[add["inputs"][1]]["op"]["Weight"]["name"]]
+        np.testing.assert_allclose(scale, w / np.sqrt(var))
+        np.testing.assert_allclose(shift, bias - mean * w / np.sqrt(var))
+        self.assertEqual((y.lifted, y.tshape), (True, (4, 3)))
+
     def test_merging_the_batch_lifts_the_value_and_unmerging_drops_the_lift(self):
         # Swin: [1, 56, 56, 96] → [64 windows, 49, 96] → back to [1, 56, 56, 96].
         b, x = builder([1, 8, 8, 4])
@@ -256,9 +280,10 @@ class Converters(unittest.TestCase):
         self.assertEqual(b.graph.nodes[y.id]["op"], {"Shape": {"Permute": {"dims": [0, 2, 1, 3]}}})
         self.assertEqual(y.kshape, [1, 5, 1, 6])
 
-    def test_lifting_needs_batch_1(self):
+    def test_lifting_needs_the_batch_in_dim_0(self):
+        # At batch 1 a value [2, 5, 6] holds something else than the batch in dim 0.
         b, x = builder([2, 5, 6])
-        with self.assertRaisesRegex(Unsupported, "export at batch 1"):
+        with self.assertRaisesRegex(Unsupported, "moves or merges dim 0"):
             b.permute(x, [1, 0, 2])
 
     def test_a_strided_slice_is_a_view_and_a_narrow(self):
@@ -322,6 +347,55 @@ class Converters(unittest.TestCase):
         windows = b.reshape(x, (4, 16, 4))
         with self.assertRaisesRegex(Unsupported, "batch merged"):
             b.unlift(windows)
+
+    def test_a_conv_of_rows_merged_with_the_batch_is_one_grouped_conv(self):
+        # EfficientViT-M: a conv per window of [B·4, 2, 3, 3] at batch 2, Kiln's [2, 4, 2, 3, 3].
+        b = Builder()
+        b.batch = 2
+        x = Act(b.graph.input("x", (2, 4, 2, 3, 3)), (2, 4, 2, 3, 3))
+        rows = b.reshape(x, (8, 2, 3, 3))
+        self.assertEqual((rows.lifted, rows.kshape), (True, [2, 4, 2, 3, 3]))
+        rng = np.random.default_rng(0)
+        w, bias = rng.standard_normal((5, 2, 3, 3)).astype(np.float32), rng.standard_normal(5).astype(np.float32)
+        b.begin("aten.convolution.default", "conv", "attn.conv", True, (8, 5, 3, 3))
+        y = ops.TABLE["aten.convolution.default"](b, {
+            "input": rows, "weight": Const("attn.conv.weight", w), "bias": Const("attn.conv.bias", bias), "stride": [1, 1],
+            "padding": [1, 1], "dilation": [1, 1], "transposed": False, "output_padding": [0, 0], "groups": 1})
+        self.assertEqual((y.lifted, y.tshape, y.kshape), (True, (8, 5, 3, 3), [2, 4, 5, 3, 3]))
+        flat, conv, back = b.graph.nodes[-5], b.graph.nodes[-2], b.graph.nodes[-1]
+        self.assertEqual(flat["op"], {"Shape": {"Reshape": {"dims": [8, 3, 3]}}})
+        self.assertEqual((conv["op"]["Conv"]["groups"], conv["path"], conv["shape"]), (4, "attn.conv", [2, 20, 3, 3]))
+        self.assertEqual(back["op"], {"Shape": {"Reshape": {"dims": [4, 5, 3, 3]}}})
+        tiled = b.graph.weights["attn.conv.weight.repeated_4"]
+        self.assertEqual(tiled.shape, (20, 2, 3, 3))
+        # The grouped conv of the rows side by side is each row's conv.
+        image = rng.standard_normal((4, 2, 3, 3)).astype(np.float32)
+        padded = np.pad(image.reshape(8, 3, 3), ((0, 0), (1, 1), (1, 1)))
+        grouped = np.stack([
+            (padded[2 * (o // 5) : 2 * (o // 5) + 2, i : i + 3, j : j + 3] * tiled[o]).sum()
+            for o in range(20) for i in range(3) for j in range(3)]).reshape(20, 3, 3)
+        grouped += np.tile(bias, 4)[:, None, None]
+        padded_rows = np.pad(image, ((0, 0), (0, 0), (1, 1), (1, 1)))
+        per_row = np.stack([[[[(padded_rows[r, :, i : i + 3, j : j + 3] * w[o]).sum() + bias[o] for j in range(3)] for i in range(3)]
+                             for o in range(5)] for r in range(4)])
+        np.testing.assert_allclose(grouped.reshape(4, 5, 3, 3), per_row, rtol=1e-5, atol=1e-5)
+
+    def test_bicubic_interpolation_is_two_matmuls_with_pytorchs_weights(self):
+        # The first rows of a 4 → 8 bicubic resize, as PyTorch 2.15 gives them (the taps clamped at the border).
+        m = ops.bicubic_matrix(4, 8, align_corners=False)
+        np.testing.assert_allclose(m[:2], [[1.10546875, -0.10546875, 0, 0], [0.7734375, 0.26171875, -0.03515625, 0]], atol=1e-12)
+        np.testing.assert_allclose(m.sum(1), np.ones(8), atol=1e-12)
+        np.testing.assert_allclose(ops.bicubic_matrix(5, 5, False), np.eye(5), atol=1e-12)
+        ramp = ops.bicubic_matrix(6, 11, align_corners=True) @ np.arange(6.0)
+        np.testing.assert_allclose(ramp[2:-2], np.arange(11.0)[2:-2] / 2, atol=1e-12, err_msg="cubic keeps a ramp")
+        b, x = builder([1, 3, 4, 6], out=(1, 3, 8, 12))
+        y = ops.TABLE["aten.upsample_bicubic2d.vec"](b, {"input": x, "output_size": [8, 12], "align_corners": False,
+                                                         "scale_factors": None})
+        self.assertEqual(y.tshape, (1, 3, 8, 12))
+        kinds = [n["op"] for n in b.graph.nodes if "Weight" not in n["op"] and "Input" not in n["op"]]
+        self.assertEqual(kinds, [{"Gemm": "Matmul"}, {"Shape": {"Permute": {"dims": [0, 1, 3, 2]}}}, {"Gemm": "Matmul"},
+                                 {"Shape": {"Permute": {"dims": [0, 1, 3, 2]}}}])
+        self.assertEqual(b.graph.weights["blk.node.bicubic_w"].shape, (6, 12))
 
     def test_unsupported_arguments_say_why(self):
         b, x = builder([1, 3, 8, 8])
