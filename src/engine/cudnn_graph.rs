@@ -21,8 +21,8 @@ use dnn::cudnnBackendAttributeName_t as Attr;
 use dnn::cudnnBackendAttributeType_t as Ty;
 use dnn::cudnnBackendDescriptorType_t as Kind;
 use std::collections::BTreeMap;
-use std::ffi::c_void;
 use std::collections::HashMap;
+use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 

@@ -153,7 +153,8 @@ fn fastest(ctx: &mut LayerCtx, key: &str, candidates: Vec<Box<dyn Layer>>) -> Re
             Err(reason) => failures.push(format!("{}: {reason}", candidates[i].kind())),
         }
     }
-    let no_candidate = |failures: &[String]| ctx.err(LowerKind::NoAlgorithm, format!("no candidate ran for {key}: {}", failures.join("; ")));
+    let no_candidate =
+        |failures: &[String]| ctx.err(LowerKind::NoAlgorithm, format!("no candidate ran for {key}: {}", failures.join("; ")));
     let Some((mut winner, _)) = best else { return Err(no_candidate(&failures)) };
     if let Some((i, ms, room)) = within_room(ctx, &candidates, &ran, winner) {
         log.push((format!("chosen: {} ({ms:.4} ms), the fastest within the arena's room of {room} bytes", candidates[i].kind()), ms));

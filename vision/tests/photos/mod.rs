@@ -3,8 +3,8 @@
 //! and how a quantised run agrees with FP32.
 #![allow(dead_code)]
 
-use kiln::engine::{CalibrationCache, Calibrator, QuantFormat};
 use kiln::dev::quant::simulate;
+use kiln::engine::{CalibrationCache, Calibrator, QuantFormat};
 use kiln::{Graph, HostTensor, VarBuilder};
 use kiln_vision::image::imageops;
 use kiln_vision::{center_crop, load_rgb, resize_shorter, top_k, ClassifyPreset, RgbImage};
@@ -131,7 +131,12 @@ pub fn fold_stats(data: &Data) -> [kiln::engine::CalibrationStats; 2] {
 }
 
 /// Runs `method` × `format` with each fold's cache on the other fold: (centre crops, all views).
-pub fn judge(data: &Data, caches: &[CalibrationCache; 2], format: QuantFormat, fp32: &[(HostTensor, HostTensor); 2]) -> (Agreement, Agreement) {
+pub fn judge(
+    data: &Data,
+    caches: &[CalibrationCache; 2],
+    format: QuantFormat,
+    fp32: &[(HostTensor, HostTensor); 2],
+) -> (Agreement, Agreement) {
     let (mut centre, mut all) = (Agreement::default(), Agreement::default());
     for (f, cache) in caches.iter().enumerate() {
         let judged = 1 - f;
@@ -153,4 +158,3 @@ pub fn fp32_logits(data: &Data) -> [(HostTensor, HostTensor); 2] {
         (HostTensor::new(vec![centre.len() / 1000, 1000], centre), all)
     })
 }
-
