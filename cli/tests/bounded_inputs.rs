@@ -3,23 +3,16 @@
 //! runs the command within 2 GB of address space and 10 s, and checks the typed error (exit 1, no
 //! panic) or the correct answer.
 
+mod common;
+
+use common::*;
+
 use kiln::plugin::{ConvAttrs, Norm, Op};
 use kiln::{Graph, HostTensor};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// The `kiln` binary: cargo's, or `KILN_BIN` where the tests run on another machine.
-fn kiln_exe() -> PathBuf {
-    std::env::var_os("KILN_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_kiln")), PathBuf::from)
-}
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-cli-bounded-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
-}
 
 /// The address space every run gets, in kB (`ulimit -v`): 2 GB.
 const ADDRESS_SPACE_KB: u64 = 2_000_000;

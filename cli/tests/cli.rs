@@ -2,33 +2,17 @@
 //! present, `run` uses it and the GPU-only commands are exercised by the device scripts instead,
 //! or by the `#[ignore]`d `gpu_*` tests at the end (`--include-ignored` on the device).
 
+mod common;
+
+use common::*;
+
 use kiln::{HostTensor, VarBuilder};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::process::{Command, Output};
-
-/// The `kiln` binary: cargo's, or `KILN_BIN` where the test binary was carried to another machine
-/// (the device, which has no cargo) with the CLI beside it.
-fn kiln_exe() -> PathBuf {
-    std::env::var_os("KILN_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_kiln")), PathBuf::from)
-}
-
-fn kiln(args: &[&str]) -> Output {
-    Command::new(kiln_exe()).args(args).output().expect("run the kiln binary")
-}
-
-fn text(out: &Output) -> (String, String) {
-    (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
-}
+use std::process::Command;
 
 fn no_gpu() -> bool {
     kiln::engine::gpu_available().is_err()
-}
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-cli-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
 }
 
 #[test]
@@ -275,28 +259,6 @@ fn codegen_writes_rust_that_names_the_weights() {
 }
 
 // ---- docs/RELIABILITY.md: one test per CLI row ------------------------------------------------
-
-/// Runs `kiln` with extra environment variables.
-fn kiln_env(args: &[&str], env: &[(&str, &str)]) -> Output {
-    Command::new(kiln_exe()).args(args).envs(env.iter().copied()).output().expect("run the kiln binary")
-}
-
-/// Asserts `kiln args` fails with exit status 1 (an error, not a panic's 101 or an abort's 134)
-/// and that its stderr contains every one of `says`; returns stderr.
-fn fails_with(args: &[&str], says: &[&str]) -> String {
-    fails_with_env(args, &[], says)
-}
-
-fn fails_with_env(args: &[&str], env: &[(&str, &str)], says: &[&str]) -> String {
-    let out = kiln_env(args, env);
-    let (stdout, stderr) = text(&out);
-    assert_eq!(out.status.code(), Some(1), "kiln {args:?}: expected exit 1\nstdout: {stdout}\nstderr: {stderr}");
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    for s in says {
-        assert!(stderr.contains(s), "kiln {args:?}: expected `{s}` in stderr: {stderr}");
-    }
-    stderr
-}
 
 /// A safetensors file from (name, dtype, shape, bytes) entries.
 fn raw_safetensors(entries: &[(&str, &str, Vec<usize>, Vec<u8>)]) -> Vec<u8> {
@@ -610,10 +572,6 @@ fn tinynet(vb: VarBuilder, batch: usize, hw: Option<[usize; 2]>) -> kiln::Result
     let x = tracer.input("input", &[batch, 3, h, w]);
     tracer.output("logits", &net.forward(&x)?);
     Ok(tracer.graph())
-}
-
-fn arg(p: &std::path::Path) -> &str {
-    p.to_str().expect("utf-8 path")
 }
 
 /// Writes the tiny model's graph file with the embedded CLI (`kiln trace tinynet`, in process).

@@ -2,25 +2,18 @@
 //! "Round two"): one test per item, `chNN_` after the item. Each failed before its fix. The
 //! library side of each item is tests/hardening.rs.
 
+mod common;
+
+use common::*;
+
 use kiln::{
     plugin::{ConvAttrs, Op, Unary},
     Graph, HostTensor,
 };
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
-
-/// The `kiln` binary: cargo's, or `KILN_BIN` where the tests run on another machine.
-fn kiln_exe() -> PathBuf {
-    std::env::var_os("KILN_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_kiln")), PathBuf::from)
-}
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-cli-hardening-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
-}
 
 /// Runs `kiln args` (through `sh -c` with `prefix` first, e.g. a `ulimit`), killing it after
 /// 60 s: a hang is a failure, not a stuck test run.

@@ -2,44 +2,13 @@
 //! calibration cache they run the CPU simulation of that engine and say so; a precision with no
 //! CPU simulation, or an 8-bit one with no scales, stops with an error instead of running f32.
 
+mod common;
+
+use common::*;
+
 use kiln::HostTensor;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-/// The `kiln` binary: cargo's, or `KILN_BIN` where the tests run on another machine.
-fn kiln_exe() -> PathBuf {
-    std::env::var_os("KILN_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_kiln")), PathBuf::from)
-}
-
-fn kiln(args: &[&str]) -> Output {
-    Command::new(kiln_exe()).args(args).output().expect("run the kiln binary")
-}
-
-fn text(out: &Output) -> (String, String) {
-    (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
-}
-
-fn arg(p: &Path) -> &str {
-    p.to_str().expect("a UTF-8 temp path")
-}
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-cli-quant-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
-}
-
-fn fails_with(args: &[&str], says: &[&str]) {
-    let out = kiln(args);
-    let (stdout, stderr) = text(&out);
-    assert_eq!(out.status.code(), Some(1), "kiln {args:?}: expected exit 1\nstdout: {stdout}\nstderr: {stderr}");
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    for s in says {
-        assert!(stderr.contains(s), "kiln {args:?}: expected `{s}` in stderr: {stderr}");
-    }
-    assert!(!stdout.contains("top-"), "kiln {args:?} printed results: {stdout}");
-}
 
 /// A calibration cache of resnet18 at 32×32 (seeded weights) over 4 smooth images.
 fn calibration_cache(dir: &Path) -> PathBuf {

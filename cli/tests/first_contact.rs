@@ -2,54 +2,14 @@
 //! as kiln-torch writes it (inputs named after `forward`'s arguments, one output called `output`,
 //! random weights marked in the metadata). One test per problem, `pN_` after its number.
 
+mod common;
+
+use common::*;
+
 use kiln::nn::{AdaptiveAvgPool2d, Conv2d, Conv2dConfig, Linear, LinearConfig};
 use kiln::{Forward, Graph, HostTensor, Module, Tracer, VarBuilder};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-fn kiln_exe() -> PathBuf {
-    std::env::var_os("KILN_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_kiln")), PathBuf::from)
-}
-
-fn kiln_env(env: &[(&str, &str)], args: &[&str]) -> Output {
-    let mut cmd = Command::new(kiln_exe());
-    cmd.env_remove("RUST_LOG");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.args(args).output().expect("run the kiln binary")
-}
-
-fn kiln(args: &[&str]) -> Output {
-    kiln_env(&[], args)
-}
-
-fn text(out: &Output) -> (String, String) {
-    (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
-}
-
-/// Asserts a clean failure (exit 1, no panic) whose stderr says each of `says`; returns stderr.
-fn fails_with(args: &[&str], says: &[&str]) -> String {
-    let out = kiln(args);
-    let (stdout, stderr) = text(&out);
-    assert_eq!(out.status.code(), Some(1), "kiln {args:?}: expected exit 1\nstdout: {stdout}\nstderr: {stderr}");
-    assert!(!stderr.contains("panicked"), "{stderr}");
-    for s in says {
-        assert!(stderr.contains(s), "kiln {args:?}: expected `{s}` in stderr: {stderr}");
-    }
-    stderr
-}
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kiln-first-contact-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
-}
-
-fn arg(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
+use std::path::Path;
 
 /// Writes `graph` as kiln-torch does: model `model`, random weights marked as such.
 fn write_as_kiln_torch(graph: &Graph, path: &Path, model: &str) {
@@ -205,7 +165,7 @@ fn p6_verbosity_shows_the_steps_of_a_cpu_run() {
     assert!(!debug.contains("run: op"), "per-op lines are -vv's:\n{debug}");
     let trace = text(&kiln(&["-vv", "run", arg(&model), "--cpu", "--seed", "1"])).1;
     assert!(trace.contains("run: op") && trace.contains("path=fc"), "-vv shows each op with its module path:\n{trace}");
-    let env = text(&kiln_env(&[("RUST_LOG", "trace")], &["run", "resnet18", "--cpu", "--seed", "1", "--size", "32"])).1;
+    let env = text(&kiln_env(&["run", "resnet18", "--cpu", "--seed", "1", "--size", "32"], &[("RUST_LOG", "trace")])).1;
     for step in ["trace: graph recorded", "optimise: pass done", "run: op"] {
         assert!(env.contains(step), "RUST_LOG=trace shows `{step}`:\n{env}");
     }
