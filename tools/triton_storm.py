@@ -35,21 +35,11 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
+# The PASS/FAIL lines and their tally, and rel L2, as the client test prints and computes them.
+from triton_client_test import RESULTS, check, rel_l2
 
 TIMEOUT_S = 60
-RESULTS = []
 DYN, FINITE = "resnet18_dyn", "resnet18_finite"
-
-
-def check(name, ok, detail=""):
-    RESULTS.append((name, bool(ok)))
-    print(f"{'PASS' if ok else 'FAIL'}  {name}" + (f": {detail}" if detail else ""), flush=True)
-    return ok
-
-
-def rel_l2(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 class Clients:
