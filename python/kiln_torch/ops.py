@@ -1066,6 +1066,26 @@ def unfold(cx, a):
     return windows[0] if n == 1 else cx.cat(windows, d)
 
 
+# The longest dim `aten.flip` reverses (one slice an element).
+MAX_FLIP_LENGTH = 256
+
+
+@aten("aten.flip.default")
+def flip(cx, a):
+    """`x.flip(dims)` (Sequencer's bidirectional LSTM) as each reversed dim's one-element slices
+    in reverse order, side by side. Exact: slices and copies. The batch dim is not reversed (it
+    would mix the images)."""
+    x = act(a["self"])
+    rank = len(x.tshape)
+    for d in sorted({norm_dim(d, max(rank, 1)) for d in a["dims"]}):
+        n = x.tshape[d]
+        if n > MAX_FLIP_LENGTH:
+            raise Unsupported(f"a flip of a dim of {n} (Kiln slices each element; at most {MAX_FLIP_LENGTH})")
+        if n > 1:
+            x = cx.cat([cx.slice(x, d, i, i + 1, 1) for i in reversed(range(n))], d)
+    return x
+
+
 EDGE_PADS = {"reflect": "ReflectPad", "replicate": "ReplicatePad"}
 
 

@@ -280,6 +280,22 @@ class AnyBatch(unittest.TestCase):
             want = np.stack([xv[:, :, 4 * i : 4 * i + 6].transpose(0, 1, 3, 2) for i in range(2)], axis=2)
             np.testing.assert_array_equal(got, want)
 
+    def test_flip_reverses_each_dim_and_refuses_the_batch(self):
+        for batch in (1, 2):
+            b = Builder()
+            b.batch = batch
+            x = Act(b.graph.input("x", (batch, 3, 5, 4)), (batch, 3, 5, 4))
+            y = call(b, "aten.flip.default", (batch, 3, 5, 4), self=x, dims=[-1, 2])
+            b.graph.mark_output("output", b.unlift(y).id)
+            xv = np.random.default_rng(batch).uniform(-1, 1, (batch, 3, 5, 4)).astype(np.float32)
+            got = run_kiln(b.graph.to_json(), b.graph.weights, {"x": xv})["output"]
+            np.testing.assert_array_equal(got, xv[:, :, ::-1, ::-1])
+        b = Builder()
+        b.batch = 2
+        x = Act(b.graph.input("x", (2, 3)), (2, 3))
+        with self.assertRaises(Unsupported):
+            call(b, "aten.flip.default", (2, 3), self=x, dims=[0])
+
     def test_a_batch_merged_with_windows_is_held_image_by_image(self):
         b = Builder()
         b.batch = 2
