@@ -908,6 +908,17 @@ def expand(cx, a):
     return cx.binary("Add", x, cx.const_value(np.zeros(zeros, np.float32), "expand"))
 
 
+@aten("aten.copy.default")
+def copy(cx, a):
+    """`aten.copy(self, src)`, what torch.export makes of `self.copy_(src)` (MViTv2's
+    `attn[:, :, 0:, 0:] = ...`): the values of `src` in the shape of `self`, broadcast as
+    `expand` does; `self` is only its shape."""
+    src = a["src"]
+    if not is_act(src):
+        raise Unsupported("a copy of a constant (it should have been folded)")
+    return expand(cx, {"self": src})
+
+
 @aten("aten.permute.default")
 def permute(cx, a):
     x = act(a["self"])

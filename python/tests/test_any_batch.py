@@ -280,6 +280,22 @@ class AnyBatch(unittest.TestCase):
             want = np.stack([xv[:, :, 4 * i : 4 * i + 6].transpose(0, 1, 3, 2) for i in range(2)], axis=2)
             np.testing.assert_array_equal(got, want)
 
+    def test_copy_is_its_source_broadcast_to_the_destination(self):
+        # `z.copy_(src)` of a [B, 1, 3, 4] source into a [B, 2, 3, 4] value; a same-shape copy
+        # (a slice assignment over the whole tensor) is the source itself.
+        for batch in (1, 2):
+            b = Builder()
+            b.batch = batch
+            x = Act(b.graph.input("x", (batch, 2, 3, 4)), (batch, 2, 3, 4))
+            src = Act(b.graph.input("s", (batch, 1, 3, 4)), (batch, 1, 3, 4))
+            self.assertIs(call(b, "aten.copy.default", (batch, 2, 3, 4), self=x, src=x), x)
+            y = call(b, "aten.copy.default", (batch, 2, 3, 4), self=x, src=src)
+            b.graph.mark_output("output", b.unlift(y).id)
+            rng = np.random.default_rng(batch)
+            xv, sv = (rng.uniform(-1, 1, s).astype(np.float32) for s in ((batch, 2, 3, 4), (batch, 1, 3, 4)))
+            got = run_kiln(b.graph.to_json(), b.graph.weights, {"x": xv, "s": sv})["output"]
+            np.testing.assert_array_equal(got, np.broadcast_to(sv, xv.shape))
+
     def test_flip_reverses_each_dim_and_refuses_the_batch(self):
         for batch in (1, 2):
             b = Builder()
