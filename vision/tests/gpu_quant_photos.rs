@@ -11,7 +11,6 @@ mod photos;
 
 use kiln::dev::quant::simulate;
 use kiln::engine::{gpu_available, BuildConfig, CalibrationMethod, EngineBuilder, Gpu, Precision, QuantFormat};
-use kiln::HostTensor;
 use kiln_vision::top_k;
 use photos::*;
 use std::sync::Arc;
@@ -25,15 +24,6 @@ fn gpu() -> Option<Arc<Gpu>> {
             None
         }
     }
-}
-
-/// Per image of `[n, 1000]` logits: the rel L2 of `got` against `want`.
-fn rel_l2_per_image(got: &HostTensor, want: &HostTensor) -> Vec<f64> {
-    got.data
-        .chunks(1000)
-        .zip(want.data.chunks(1000))
-        .map(|(g, w)| kiln::compare("logits", &HostTensor::new(vec![1000], g.to_vec()), &HostTensor::new(vec![1000], w.to_vec())).rel_l2)
-        .collect()
 }
 
 #[test]

@@ -55,6 +55,11 @@ fn quant_table() {
     }
 }
 
+/// The diagnoses' calibration method: `$KILN_METHOD`, else the default.
+fn method_from_env() -> CalibrationMethod {
+    std::env::var("KILN_METHOD").ok().map_or(CalibrationMethod::default(), |m| CalibrationMethod::parse(&m).expect("KILN_METHOD"))
+}
+
 /// The FP8 simulation graph with each conv's per-tensor e4m3 weight grid replaced by one grid per
 /// output channel (`max |w[c]| / 448`).
 fn per_channel_fp8_weights(sim: &Graph) -> Graph {
@@ -104,7 +109,7 @@ fn fp8_layer_by_layer() {
     let Some(dir) = real_data() else { return };
     let data = load(&dir);
     let stats = fold_stats(&data);
-    let method = std::env::var("KILN_METHOD").ok().map_or(CalibrationMethod::default(), |m| CalibrationMethod::parse(&m).expect("method"));
+    let method = method_from_env();
     let optimized = kiln::engine::optimize(&data.graph).expect("optimize");
     let mut rows: Vec<(String, [f64; NAMES.len()])> = vec![];
     let mut agreement = [Agreement::default(); NAMES.len()];
@@ -188,7 +193,7 @@ fn fp8_layer_sensitivity() {
     let data = load(&dir);
     let stats = fold_stats(&data);
     let fp32 = fp32_logits(&data);
-    let method = std::env::var("KILN_METHOD").ok().map_or(CalibrationMethod::default(), |m| CalibrationMethod::parse(&m).expect("method"));
+    let method = method_from_env();
     let sims: Vec<Graph> = (0..2).map(|f| simulate(&data.graph, &stats[f].cache(method), QuantFormat::Fp8E4m3).expect("fp8")).collect();
     let layers: Vec<String> = sims[0]
         .nodes

@@ -99,16 +99,25 @@ pub struct Agreement {
     pub sum_rel_l2: f64,
 }
 
+/// Per image of `[n, 1000]` logits: the rel L2 of `got` against `want`.
+pub fn rel_l2_per_image(got: &HostTensor, want: &HostTensor) -> Vec<f64> {
+    got.data
+        .chunks(1000)
+        .zip(want.data.chunks(1000))
+        .map(|(g, w)| kiln::compare("logits", &HostTensor::new(vec![1000], g.to_vec()), &HostTensor::new(vec![1000], w.to_vec())).rel_l2)
+        .collect()
+}
+
 impl Agreement {
     pub fn add(&mut self, got: &HostTensor, fp32: &HostTensor) {
-        for (g, r) in got.data.chunks(1000).zip(fp32.data.chunks(1000)) {
+        let rel_l2 = rel_l2_per_image(got, fp32);
+        for ((g, r), e) in got.data.chunks(1000).zip(fp32.data.chunks(1000)).zip(rel_l2) {
             let (gk, rk) = (top_k(g, 5), top_k(r, 5));
             self.images += 1;
             self.top1 += usize::from(gk[0].class == rk[0].class);
             self.top5 += gk.iter().filter(|p| rk.iter().any(|q| q.class == p.class)).count();
-            let c = kiln::compare("logits", &HostTensor::new(vec![1000], g.to_vec()), &HostTensor::new(vec![1000], r.to_vec()));
-            self.worst_rel_l2 = self.worst_rel_l2.max(c.rel_l2);
-            self.sum_rel_l2 += c.rel_l2;
+            self.worst_rel_l2 = self.worst_rel_l2.max(e);
+            self.sum_rel_l2 += e;
         }
     }
     pub fn text(&self) -> String {
