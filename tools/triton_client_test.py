@@ -47,6 +47,14 @@ def check(name, ok, detail=""):
     return ok
 
 
+def report(what):
+    """Prints `<what>: N passed, M failed` over every check so far; the exit status (0: all passed)."""
+    passed = sum(ok for _, ok in RESULTS)
+    failed = len(RESULTS) - passed
+    print(f"{what}: {passed} passed, {failed} failed", flush=True)
+    return 0 if failed == 0 else 1
+
+
 def rel_l2(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -258,10 +266,7 @@ def main():
     fail_dyn = metric("nv_inference_request_failure", "resnet18_dyn")
     check("metrics count no backend failure for resnet18_dyn's refused sizes (client mistakes)", (fail_dyn or 0) == 0, f"failure {fail_dyn}")
 
-    passed = sum(ok for _, ok in RESULTS)
-    failed = len(RESULTS) - passed
-    print(f"triton: {passed} passed, {failed} failed", flush=True)
-    return 0 if failed == 0 else 1
+    return report("triton")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import tritonclient.http as httpclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 # The PASS/FAIL lines and their tally, and rel L2, as the client test prints and computes them.
-from triton_client_test import RESULTS, check, rel_l2
+from triton_client_test import check, rel_l2, report
 
 TIMEOUT_S = 60
 DYN, FINITE = "resnet18_dyn", "resnet18_finite"
@@ -286,10 +286,7 @@ def main():
     again = valid(clients, DYN, pool[0], "http")
     check("the first valid input still gives its answer", rel_l2(again, refs[0]) <= 1e-5)
 
-    passed = sum(ok for _, ok in RESULTS)
-    failed = len(RESULTS) - passed
-    print(f"storm: {passed} passed, {failed} failed", flush=True)
-    return 0 if failed == 0 else 1
+    return report("storm")
 
 
 if __name__ == "__main__":
