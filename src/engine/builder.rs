@@ -204,7 +204,7 @@ impl EngineBuilder {
         let prepared = prepare(graph, &self.config)?;
         let prepare_seconds = start.elapsed().as_secs_f64();
         let ops = prepared.nodes.iter().filter(|n| !n.op.is_leaf()).count();
-        tracing::debug!(ops, ms = start.elapsed().as_secs_f64() * 1e3, "build: graph prepared");
+        tracing::debug!(ops, ms = prepare_seconds * 1e3, "build: graph prepared");
         let gpu = self.open_gpu()?;
         tracing::debug!(gpu = %gpu.info.name, sm = gpu.info.sm, "build: lowering and timing each layer's candidates");
         let mut tactics = Tactics { cache_prefix: cache_prefix(&gpu, &self.config), progress: self.progress.clone(), ..Default::default() };
