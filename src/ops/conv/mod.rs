@@ -471,6 +471,14 @@ fn gemm_acc(m: usize, k: usize, n: usize, a: &[f32], (rsa, csa): (usize, usize),
     }
 }
 
+/// A zeroed f32 buffer of `dims`' element count; `what` of that many elements is an error where
+/// its bytes overflow (a graph whose numbers were tampered with), not an allocator's panic.
+fn zeroed(what: &str, dims: &[usize]) -> Result<Vec<f32>, OpError> {
+    let fits = crate::host_tensor::numel(dims).filter(|n| n.checked_mul(4).is_some_and(|b| b <= isize::MAX as usize));
+    let n = fits.ok_or_else(|| OpError::from(format!("{what} of {dims:?} elements has more bytes than fit in memory")))?;
+    Ok(vec![0.0; n])
+}
+
 /// Fills `out` [n, cout, plane] with the bias (per channel) plus the residual, the GEMM's starting value.
 fn init_output(out: &mut [f32], cout: usize, plane: usize, bias: Option<&HostTensor>, residual: Option<&HostTensor>) {
     if let Some(r) = residual {
@@ -497,11 +505,11 @@ pub fn conv2d_cpu(a: &ConvAttrs, inputs: &[&HostTensor]) -> Result<HostTensor, O
     let (g, plane) = (a.groups, oh * ow);
     let (cout_g, krows) = (cout / g, cin_g * kh * kw);
 
-    let mut out = vec![0.0f32; n * cout * plane];
+    let mut out = zeroed("the output", &out_shape)?;
     init_output(&mut out, cout, plane, bias, residual);
     // A 1×1 stride-1 unpadded conv reads the input itself as the GEMM's right operand.
     let direct = kh == 1 && kw == 1 && a.stride == [1, 1] && a.padding == [0, 0];
-    let mut col = if direct { Vec::new() } else { vec![0.0f32; krows * plane] };
+    let mut col = if direct { Vec::new() } else { zeroed("the im2col columns", &[cin_g, kh, kw, oh, ow])? };
     for b in 0..n {
         for gi in 0..g {
             let xg = &x.data[(b * cin + gi * cin_g) * h * wd..][..cin_g * h * wd];
@@ -542,9 +550,9 @@ pub fn conv_transpose2d_cpu(a: &ConvAttrs, inputs: &[&HostTensor]) -> Result<Hos
     let (cin_g, in_plane, out_plane, krows) = (cin / g, h * wd, oh * ow, cout_g * kh * kw);
     let (s, p, d) = (a.stride, a.padding, a.dilation);
 
-    let mut out = vec![0.0f32; n * cout * out_plane];
+    let mut out = zeroed("the output", &out_shape)?;
     init_output(&mut out, cout, out_plane, bias, residual);
-    let mut col = vec![0.0f32; krows * in_plane];
+    let mut col = zeroed("the columns", &[cout_g, kh, kw, h, wd])?;
     for b in 0..n {
         for gi in 0..g {
             let xg = &x.data[(b * cin + gi * cin_g) * in_plane..][..cin_g * in_plane];
