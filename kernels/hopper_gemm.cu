@@ -18,11 +18,13 @@
 #define HG_BM 128
 #define HG_BK 64
 
-template <int BN> __device__ __forceinline__ void hg_mma(float* acc, u64 da, u64 db) {
+// `accumulate` 0 (a tile's first MMA) overwrites the accumulators: zeroing them with ordinary
+// instructions instead makes ptxas serialize every wgmma of the pipeline (C7515).
+template <int BN> __device__ __forceinline__ void hg_mma(float* acc, u64 da, u64 db, int accumulate) {
     if (BN == 128) {
-        wgmma_m64n128k16_f16(acc, da, db, 1);
+        wgmma_m64n128k16_f16(acc, da, db, accumulate);
     } else {
-        wgmma_m64n256k16_f16(acc, da, db, 1);
+        wgmma_m64n256k16_f16(acc, da, db, accumulate);
     }
 }
 
@@ -45,6 +47,8 @@ template <int BN>
 __device__ __forceinline__ void hg_epilogue(const float* acc, unsigned char* stage, int t, int half, int row0, int col0, f16* d,
                                             const float* bias, const f16* res, int m, int n, int act) {
     const int pitch = HgStage<BN>::PITCH;
+    // The staging rows may still be read by the previous tile's second step (other threads).
+    asm volatile("bar.sync %0, 128;" ::"r"(1 + half) : "memory");
 #pragma unroll
     for (int i = 0; i < BN / 2; i += 2) {
         int r = wgmma_acc_row(t, i), c = wgmma_acc_col(t, i);
@@ -98,7 +102,7 @@ __device__ __forceinline__ void hopper_gemm(const TensorMap* map_a, const Tensor
     unsigned char* smem_stage = smem_b + STAGES * B_BYTES; // two consumers' HgStage tiles
 
     const int warpgroup = threadIdx.x / 128, t = threadIdx.x % 128;
-    const int row0 = blockIdx.y * HG_BM, col0 = blockIdx.x * BN;
+    const int tiles_n = (n + BN - 1) / BN, tiles = tiles_n * ((m + HG_BM - 1) / HG_BM);
     const int k_tiles = (k + HG_BK - 1) / HG_BK;
 
     if (threadIdx.x == 0) {
@@ -112,50 +116,62 @@ __device__ __forceinline__ void hopper_gemm(const TensorMap* map_a, const Tensor
     }
     __syncthreads();
 
+    // Tiles `blockIdx.x`, `+ gridDim.x`, ...: one per block when the grid covers them all, a
+    // persistent loop when the grid is one block per SM (the producer then loads the next tile's
+    // stages while the consumers run the last one's epilogue). `it` counts stages across tiles in
+    // both roles alike, so ring slots and barrier phases agree.
     if (warpgroup == 0) {
         setmaxnreg_dec<40>();
         if (t == 0) {
-            for (int kt = 0; kt < k_tiles; ++kt) {
-                int s = kt % STAGES;
-                unsigned phase = (kt / STAGES) & 1;
-                mbar_wait(&empty[s], phase ^ 1);
-                mbar_arrive_expect_tx(&full[s], A_BYTES + B_BYTES);
-                tma_load_2d(smem_a + s * A_BYTES, map_a, &full[s], kt * HG_BK, row0);
-                tma_load_2d(smem_b + s * B_BYTES, map_b, &full[s], kt * HG_BK, col0);
+            int it = 0;
+            for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+                const int row0 = (tile / tiles_n) * HG_BM, col0 = (tile % tiles_n) * BN;
+                for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+                    int s = it % STAGES;
+                    mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
+                    mbar_arrive_expect_tx(&full[s], A_BYTES + B_BYTES);
+                    tma_load_2d(smem_a + s * A_BYTES, map_a, &full[s], kt * HG_BK, row0);
+                    tma_load_2d(smem_b + s * B_BYTES, map_b, &full[s], kt * HG_BK, col0);
+                }
             }
         }
     } else {
         setmaxnreg_inc<232>();
-        const int half = warpgroup - 1; // rows 64·half .. 64·half + 63 of the block's tile
+        const int half = warpgroup - 1; // rows 64·half .. 64·half + 63 of each tile
+        const bool signals = (t & 31) == 0; // one arrival per warp on `empty`
         float acc[BN / 2];
+        int it = 0;
+        for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+            const int row0 = (tile / tiles_n) * HG_BM, col0 = (tile % tiles_n) * BN;
+            for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+                int s = it % STAGES;
+                mbar_wait(&full[s], (it / STAGES) & 1);
+                u64 da = wgmma_desc_k128(smem_a + s * A_BYTES + half * (64 * 128));
+                u64 db = wgmma_desc_k128(smem_b + s * B_BYTES);
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-        for (int kt = 0; kt < k_tiles; ++kt) {
-            int s = kt % STAGES;
-            mbar_wait(&full[s], (kt / STAGES) & 1);
-            u64 da = wgmma_desc_k128(smem_a + s * A_BYTES + half * (64 * 128));
-            u64 db = wgmma_desc_k128(smem_b + s * B_BYTES);
+                for (int i = 0; i < BN / 2; ++i) wgmma_fence_operand(acc[i]);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < HG_BK / 16; ++kk)
+                    hg_mma<BN>(acc, wgmma_desc_advance(da, kk * 32), wgmma_desc_advance(db, kk * 32), kt > 0 || kk > 0);
+                wgmma_commit();
+#pragma unroll
+                for (int i = 0; i < BN / 2; ++i) wgmma_fence_operand(acc[i]);
+                // The previous stage's MMAs are done once at most this stage's group runs: free it.
+                wgmma_wait<1>();
+                if (kt > 0 && signals) mbar_arrive(&empty[(it - 1) % STAGES]);
+            }
+            wgmma_wait<0>();
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) wgmma_fence_operand(acc[i]);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < HG_BK / 16; ++kk) hg_mma<BN>(acc, wgmma_desc_advance(da, kk * 32), wgmma_desc_advance(db, kk * 32));
-            wgmma_commit();
-#pragma unroll
-            for (int i = 0; i < BN / 2; ++i) wgmma_fence_operand(acc[i]);
-            // The previous stage's MMAs are done once at most this stage's group runs: free it.
-            wgmma_wait<1>();
-            if (kt > 0 && (t & 31) == 0) mbar_arrive(&empty[(kt - 1) % STAGES]);
+            if (signals) mbar_arrive(&empty[(it - 1) % STAGES]); // the tile's last stage
+            hg_epilogue<BN>(acc, smem_stage + half * HgStage<BN>::BYTES, t, half, row0 + half * 64, col0, d, bias, res, m, n, act);
         }
-        wgmma_wait<0>();
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) wgmma_fence_operand(acc[i]);
-        hg_epilogue<BN>(acc, smem_stage + half * HgStage<BN>::BYTES, t, half, row0 + half * 64, col0, d, bias, res, m, n, act);
     }
 }
 
-// Entry points: hopper_gemm_f16_n<BN>_s<STAGES>. Grid (ceil(N / BN), ceil(M / 128)), 384
-// threads, STAGES · (128 + BN) · 128 + 128 · (2 · BN + 16) + 1024 bytes of dynamic shared
+// Entry points: hopper_gemm_f16_n<BN>_s<STAGES>. A 1-D grid of up to ceil(M / 128) · ceil(N / BN)
+// blocks (tile t at rows 128·(t / tiles_n), columns BN·(t % tiles_n)), 384 threads, STAGES · (128 + BN) · 128 + 128 · (2 · BN + 16) + 1024 bytes of dynamic shared
 // memory; `act` is an ACT_* code of common.cuh (none, ReLU, GELU, tanh-GELU, SiLU).
 #define HOPPER_GEMM_ENTRY(BN, STAGES)                                                                                                      \
     extern "C" __global__ void __launch_bounds__(384, 1)                                                                                   \

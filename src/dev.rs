@@ -110,7 +110,7 @@ pub mod kernels {
 /// The Hopper-native (sm_90a) wgmma GEMM as an engine-level call: what `tests/gpu_hopper_gemm.rs`
 /// runs directly against a CPU reference and times against cuBLASLt.
 pub mod hopper {
-    pub use crate::engine::hopper_gemm::{supports, HopperAct, HopperGemm, HopperTile};
+    pub use crate::engine::hopper_gemm::{supports, HopperAct, HopperGemm, HopperGrid, HopperTile};
 }
 
 /// Every built-in op, the PyTorch fixture cases each op family is checked against, each family's

@@ -6,7 +6,7 @@
 //!
 //! On the device: `gpu_hopper_gemm --include-ignored --nocapture --test-threads 1`.
 
-use kiln::dev::hopper::{HopperAct, HopperGemm, HopperTile};
+use kiln::dev::hopper::{HopperAct, HopperGemm, HopperGrid, HopperTile};
 use kiln::engine::{BuildConfig, EngineBuilder, Gpu, Precision};
 use kiln::plugin::{DeviceBuf, Elem, Kernels, LtMatmul, RunCtx};
 use kiln::{Graph, Tensor, Tracer};
@@ -109,13 +109,13 @@ impl Problem {
 /// small problems) against the f32 reference.
 fn check_problem(gpu: &Gpu, kernels: &Kernels, p: &Problem, rows: &[usize]) {
     let products = reference_products(&p.x, &p.w, p.k, p.n, rows);
-    for tile in HopperTile::ALL {
+    for (tile, grid) in HopperTile::ALL.into_iter().flat_map(|t| [(t, HopperGrid::PerTile), (t, HopperGrid::Persistent)]) {
         for act in HopperAct::ALL {
             for (with_bias, with_res) in [(false, false), (true, false), (true, true)] {
                 // The residual is copied into Y and read there: the in-place form the layer uses.
                 let y =
                     if with_res { DeviceBuf::from_bytes(&gpu.stream, &f16_bytes(&p.res)).expect("copy") } else { p.dy.clone_zeroed(gpu) };
-                let gemm = HopperGemm::new("test", kernels, tile, p.k, p.n, p.dw.ptr(), act).unwrap_or_else(|e| panic!("{e}"));
+                let gemm = HopperGemm::new("test", kernels, tile, grid, p.k, p.n, p.dw.ptr(), act).unwrap_or_else(|e| panic!("{e}"));
                 let bias = if with_bias { p.dbias.ptr() } else { 0 };
                 let res = if with_res { y.ptr() } else { 0 };
                 gemm.enqueue(&gpu.stream, p.m, p.dx.ptr(), bias, res, y.ptr()).unwrap_or_else(|e| panic!("{e}"));
@@ -136,11 +136,11 @@ fn check_problem(gpu: &Gpu, kernels: &Kernels, p: &Problem, rows: &[usize]) {
                 }
                 let (rel, max_abs) = rel_l2(&got, &want);
                 println!(
-                    "wgmma {:>4}x{:<4}x{:<4} tile {:>3} {:<9} bias {:<5} residual {:<5}: rel L2 {rel:.2e}, max-abs {max_abs:.2e} ({} rows checked)",
+                    "wgmma {:>4}x{:<4}x{:<4} {:<31} {:<9} bias {:<5} residual {:<5}: rel L2 {rel:.2e}, max-abs {max_abs:.2e} ({} rows checked)",
                     p.m,
                     p.n,
                     p.k,
-                    tile.bn(),
+                    tile.kind(grid),
                     format!("{act:?}"),
                     with_bias,
                     with_res,
@@ -220,15 +220,11 @@ fn wgmma_gemm_speed_against_cublaslt() {
         lt.prepare(&rt, m, 1).expect("plan");
         let ms = time_ms(&gpu, || lt.enqueue(&rt, m, p.dx.ptr(), p.dw.ptr(), 0, p.dy.ptr()).expect("cuBLASLt"));
         println!("TIMING gemm {name} {m}x{n}x{k}: cublaslt+bias {ms:.4} ms, {:.0} TFLOP/s", flops / ms / 1e9);
-        for tile in HopperTile::ALL {
+        for (tile, grid) in HopperTile::ALL.into_iter().flat_map(|t| [(t, HopperGrid::PerTile), (t, HopperGrid::Persistent)]) {
             for act in [HopperAct::None, HopperAct::Gelu] {
-                let g = HopperGemm::new("t", &kernels, tile, k, n, p.dw.ptr(), act).expect("wgmma");
+                let g = HopperGemm::new("t", &kernels, tile, grid, k, n, p.dw.ptr(), act).expect("wgmma");
                 let ms = time_ms(&gpu, || g.enqueue(&gpu.stream, m, p.dx.ptr(), p.dbias.ptr(), 0, p.dy.ptr()).expect("wgmma"));
-                println!(
-                    "TIMING gemm {name} {m}x{n}x{k}: wgmma 128x{} bias+{act:?} {ms:.4} ms, {:.0} TFLOP/s",
-                    tile.bn(),
-                    flops / ms / 1e9
-                );
+                println!("TIMING gemm {name} {m}x{n}x{k}: {} bias+{act:?} {ms:.4} ms, {:.0} TFLOP/s", tile.kind(grid), flops / ms / 1e9);
             }
         }
     }

@@ -23,10 +23,8 @@ Every client call is bounded in time; the script never waits on the server forev
 
 import argparse
 import concurrent.futures
-import json
 import os
 import re
-import struct
 import subprocess
 import sys
 import time
@@ -36,49 +34,10 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
+# The PASS/FAIL lines and their tally, rel L2 and safetensors files, shared with the storms.
+from triton_checks import check, rel_l2, report, write_safetensors  # noqa: F401 (the storm imports them from here too)
 
 TIMEOUT_S = 120
-RESULTS = []
-
-
-def check(name, ok, detail=""):
-    RESULTS.append((name, bool(ok)))
-    print(f"{'PASS' if ok else 'FAIL'}  {name}" + (f": {detail}" if detail else ""), flush=True)
-    return ok
-
-
-def report(what):
-    """Prints `<what>: N passed, M failed` over every check so far; the exit status (0: all passed)."""
-    passed = sum(ok for _, ok in RESULTS)
-    failed = len(RESULTS) - passed
-    print(f"{what}: {passed} passed, {failed} failed", flush=True)
-    return 0 if failed == 0 else 1
-
-
-def rel_l2(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def write_safetensors(path, tensors, metadata=None):
-    """A safetensors file of f32 tensors (the format: u64 header length, JSON header, raw data)."""
-    header, blobs, offset = {}, [], 0
-    for name, arr in tensors.items():
-        data = np.ascontiguousarray(arr, dtype="<f4").tobytes()
-        header[name] = {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    if metadata:
-        header["__metadata__"] = metadata
-    text = json.dumps(header).encode()
-    text += b" " * ((8 - len(text) % 8) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for b in blobs:
-            f.write(b)
-
-
 def http_infer(url, model, x, dtype="FP32", name="input", client=None):
     c = client or httpclient.InferenceServerClient(url, connection_timeout=TIMEOUT_S, network_timeout=TIMEOUT_S)
     inp = httpclient.InferInput(name, list(x.shape), dtype)

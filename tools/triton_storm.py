@@ -22,7 +22,6 @@ and `storm: N passed, M failed`; exits non-zero on any failure.
 import argparse
 import collections
 import concurrent.futures
-import http.client
 import json
 import re
 import sys
@@ -36,7 +35,8 @@ import tritonclient.http as httpclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 # The PASS/FAIL lines and their tally, and rel L2, as the client test prints and computes them.
-from triton_client_test import check, rel_l2, report
+from triton_checks import check, rel_l2, report
+from triton_checks import raw_http as raw_post
 
 TIMEOUT_S = 60
 DYN, FINITE = "resnet18_dyn", "resnet18_finite"
@@ -83,14 +83,8 @@ def valid(clients, model, x, how):
 
 def raw_http(host, path, body, headers):
     """A POST with exactly these bytes and headers: (status, reply text)."""
-    h, p = host.rsplit(":", 1)
-    conn = http.client.HTTPConnection(h, int(p), timeout=TIMEOUT_S)
-    try:
-        conn.request("POST", path, body=body, headers=headers)
-        r = conn.getresponse()
-        return r.status, r.read().decode(errors="replace")
-    finally:
-        conn.close()
+    status, _, reply = raw_post(host, path, body, headers, TIMEOUT_S)
+    return status, reply.decode(errors="replace")
 
 
 def json_body(model_input):

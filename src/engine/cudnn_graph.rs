@@ -323,26 +323,32 @@ struct Plan {
     _made_from: (OpGraph, Desc, Vec<Desc>, Desc),
 }
 
-/// The plan of `conv` on `cfg` at `batch` images for `handle`: one already built for the same
-/// problem while any layer holds it, else a new one. A finalized plan is immutable and bound to
-/// no buffer (a run passes its pointers), so layers of one problem (ResNet's repeated blocks) and
-/// the candidates of one timed problem share plans instead of compiling each again: runtime
-/// fusion compiles a kernel per plan, most of an 8-bit build's time.
-fn shared_plan(handle: dnn::cudnnHandle_t, conv: &FusedConv, cfg: &EngineConfig, batch: usize) -> Result<Arc<Plan>> {
-    type Plans = Mutex<HashMap<(usize, String), Weak<Plan>>>;
-    static PLANS: OnceLock<Plans> = OnceLock::new();
-    let plans = PLANS.get_or_init(Plans::default);
-    // A plan alive keeps its layer's GPU, and with it the handle, alive: a handle's address is
-    // not reused while a plan made with it can be found here.
-    let key = (handle as usize, format!("{conv:?}|{}|{batch}", cfg.name()));
-    let lock = || plans.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(plan) = lock().get(&key).and_then(Weak::upgrade) {
+/// The plan of `conv` on `cfg` at `batch` images on `gpu`, made with `handle` (one of the GPU's;
+/// one thread's at a time): one already built for the same problem while any layer holds it, else
+/// a new one. A finalized plan is immutable and bound to no buffer (a run passes its pointers), so
+/// layers of one problem (ResNet's repeated blocks) and the candidates of one timed problem share
+/// plans instead of compiling each again: runtime fusion compiles a kernel per plan, most of an
+/// 8-bit build's time. Threads preparing a build in parallel (`plan::prepare_all`) wait for each
+/// other only on one problem: its slot is locked while it compiles.
+fn shared_plan(gpu: &Gpu, handle: dnn::cudnnHandle_t, conv: &FusedConv, cfg: &EngineConfig, batch: usize) -> Result<Arc<Plan>> {
+    type Slot = Arc<Mutex<Weak<Plan>>>;
+    static PLANS: OnceLock<Mutex<HashMap<(usize, String), Slot>>> = OnceLock::new();
+    let plans = PLANS.get_or_init(Default::default);
+    // A plan alive keeps its layer's GPU alive, and with it the context: a context's address is
+    // not reused while a plan made in it can be found here.
+    let key = (gpu.ctx.cu_ctx() as usize, format!("{conv:?}|{}|{batch}", cfg.name()));
+    let slot = {
+        let mut plans = plans.lock().unwrap_or_else(|p| p.into_inner());
+        // A slot being filled is locked and kept; a free one whose plan is gone is dropped.
+        plans.retain(|_, s| s.try_lock().map_or(true, |p| p.strong_count() > 0));
+        plans.entry(key).or_default().clone()
+    };
+    let mut held = slot.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(plan) = held.upgrade() {
         return Ok(plan);
     }
     let plan = Arc::new(make_plan(handle, conv, cfg, batch)?);
-    let mut plans = lock();
-    plans.retain(|_, p| p.strong_count() > 0);
-    plans.insert(key, Arc::downgrade(&plan));
+    *held = Arc::downgrade(&plan);
     Ok(plan)
 }
 
@@ -451,12 +457,13 @@ impl FusedConvLayer {
         Self { gpu: gpu.clone(), path: path.to_string(), kind, conv, cfg, x, y, z, w, constants, sizes, plans: Mutex::new(BTreeMap::new()) }
     }
 
-    fn plan(&self, size: usize) -> Result<Arc<Plan>> {
+    /// The plan at `size` images, made with `handle` where it is not made yet.
+    fn plan(&self, handle: dnn::cudnnHandle_t, size: usize) -> Result<Arc<Plan>> {
         let poisoned = || Error::Poisoned { path: self.path.clone(), what: "cuDNN plan".into() };
         if let Some(p) = self.plans.lock().map_err(|_| poisoned())?.get(&size) {
             return Ok(p.clone());
         }
-        let p = shared_plan(self.gpu.handles.cudnn, &self.conv, &self.cfg, size)?;
+        let p = shared_plan(&self.gpu, handle, &self.conv, &self.cfg, size)?;
         self.plans.lock().map_err(|_| poisoned())?.insert(size, p.clone());
         Ok(p)
     }
@@ -471,10 +478,15 @@ impl Layer for FusedConvLayer {
     }
     fn workspace_bytes(&self, batch: usize) -> usize {
         // A plan that does not build needs nothing: `enqueue` reports why it does not run.
-        slices(&self.sizes, batch).into_iter().filter_map(|s| self.plan(s).ok()).map(|p| p.workspace).max().unwrap_or(0)
+        slices(&self.sizes, batch)
+            .into_iter()
+            .filter_map(|s| self.plan(self.gpu.handles.cudnn, s).ok())
+            .map(|p| p.workspace)
+            .max()
+            .unwrap_or(0)
     }
-    fn prepare(&self, _rt: &RunCtx, batch: usize) -> Result<()> {
-        slices(&self.sizes, batch).into_iter().try_for_each(|s| self.plan(s).map(|_| ()))
+    fn prepare(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        slices(&self.sizes, batch).into_iter().try_for_each(|s| self.plan(rt.handles.cudnn, s).map(|_| ()))
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let [c, h, w, k, _, _, p, q] = self.conv.dims;
@@ -485,7 +497,7 @@ impl Layer for FusedConvLayer {
         let z_image = self.conv.z.map_or(0, |e| image(e, [k, p, q]));
         let mut first = 0u64;
         for size in slices(&self.sizes, batch) {
-            let plan = self.plan(size)?;
+            let plan = self.plan(rt.handles.cudnn, size)?;
             if plan.workspace > rt.workspace_bytes {
                 return Err(Error::Binding {
                     name: self.path.clone(),

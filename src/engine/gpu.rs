@@ -93,6 +93,16 @@ pub struct Gpu {
     pub info: GpuInfo,
     /// Builds use the stream and handles above: one build at a time per `Gpu`.
     pub(crate) build_lock: std::sync::Mutex<()>,
+    /// Streams and handles of the build's helper threads (`Gpu::helper`), kept for the GPU's
+    /// life: plans a helper made (cuDNN's name their handle) outlive its thread.
+    helpers: std::sync::Mutex<Vec<Helper>>,
+}
+
+/// A stream and handles for one thread of a build that prepares layers in parallel.
+pub(crate) struct Helper {
+    // Declared first, so dropped before the stream they are bound to.
+    pub handles: Handles,
+    pub stream: Arc<CudaStream>,
 }
 
 /// Maps any displayable library error to `Error::Cuda` naming the call.
@@ -156,6 +166,21 @@ impl Gpu {
             driver_version: driver as u32,
             cudnn_version: cudarc::cudnn::result::get_version() as u32,
         };
-        Ok(Arc::new(Gpu { ctx, stream, handles, info, build_lock: std::sync::Mutex::new(()) }))
+        Ok(Arc::new(Gpu { ctx, stream, handles, info, build_lock: std::sync::Mutex::new(()), helpers: Default::default() }))
+    }
+
+    /// A helper's stream and handles for the calling thread (the context bound to it): one kept
+    /// from an earlier build, else a new one. Give it back with `Gpu::give_back`.
+    pub(crate) fn helper(&self) -> Result<Helper> {
+        self.ctx.bind_to_thread().map_err(cuda_err("binding the CUDA context"))?;
+        if let Some(h) = self.helpers.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+            return Ok(h);
+        }
+        let stream = self.ctx.new_stream().map_err(cuda_err("creating a stream"))?;
+        Ok(Helper { handles: Handles::new(&stream)?, stream })
+    }
+
+    pub(crate) fn give_back(&self, helper: Helper) {
+        self.helpers.lock().unwrap_or_else(|p| p.into_inner()).push(helper);
     }
 }

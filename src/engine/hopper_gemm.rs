@@ -51,6 +51,14 @@ impl HopperAct {
     }
 }
 
+/// How the grid covers the tiles: one block per tile, or one block per SM looping over them
+/// (persistent: the next tile's loads overlap the last one's epilogue).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum HopperGrid {
+    PerTile,
+    Persistent,
+}
+
 /// A block's tile shape: 128 rows by `bn` columns, with as many pipeline stages as fit beside the
 /// epilogue's staging rows (4 for 128 columns, 3 for 256).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -82,9 +90,10 @@ impl HopperTile {
     fn shared_bytes(self) -> usize {
         self.stages() * (BM + self.bn()) * BK * 2 + 2 * 64 * (2 * self.bn() + 16) + 1024
     }
-    /// The layer kind (`wgmma-gemm:128x256`), what tactics record.
-    pub fn kind(self) -> String {
-        format!("wgmma-gemm:{BM}x{}", self.bn())
+    /// The layer kind (`wgmma-gemm:128x256`, `wgmma-gemm:128x256:persistent`), what tactics record.
+    pub fn kind(self, grid: HopperGrid) -> String {
+        let persistent = if grid == HopperGrid::Persistent { ":persistent" } else { "" };
+        format!("wgmma-gemm:{BM}x{}{persistent}", self.bn())
     }
 }
 
@@ -145,6 +154,8 @@ pub struct HopperGemm {
     path: String,
     f: CudaFunction,
     tile: HopperTile,
+    grid: HopperGrid,
+    sm_count: u32,
     k: usize,
     n: usize,
     act: HopperAct,
@@ -161,7 +172,17 @@ impl HopperGemm {
     /// The GEMM over the `[n, k]` f16 weight at `w` (device memory that outlives it), compiling
     /// and loading `kernels/hopper_gemm.cu` for `sm_90a` on first use. `Error::Lower`
     /// (`Unsupported`) where the device or the problem does not fit ([`supports`]).
-    pub fn new(path: &str, kernels: &Kernels, tile: HopperTile, k: usize, n: usize, w: u64, act: HopperAct) -> Result<Self> {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        path: &str,
+        kernels: &Kernels,
+        tile: HopperTile,
+        grid: HopperGrid,
+        k: usize,
+        n: usize,
+        w: u64,
+        act: HopperAct,
+    ) -> Result<Self> {
         let unsupported =
             |reason: String| Error::Lower { path: path.to_string(), op: "wgmma-gemm".into(), kind: LowerKind::Unsupported, reason };
         supports(kernels.arch(), Elem::F16, k, n).map_err(unsupported)?;
@@ -172,11 +193,12 @@ impl HopperGemm {
         f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, tile.shared_bytes() as i32)
             .map_err(cuda_err("raising the wgmma GEMM's dynamic shared memory limit"))?;
         let w_map = tensor_map(w, n, k, tile.bn()).map_err(unsupported)?;
-        Ok(Self { path: path.to_string(), f, tile, k, n, act, w_map })
+        Ok(Self { path: path.to_string(), f, tile, grid, sm_count: kernels.sm_count(), k, n, act, w_map })
     }
 
-    pub fn tile(&self) -> HopperTile {
-        self.tile
+    /// The layer kind of this tile and grid.
+    pub fn kind(&self) -> String {
+        self.tile.kind(self.grid)
     }
 
     /// Enqueues `Y[m, n] = act(X[m, k] · Wᵀ + bias + R)` on `stream` (`bias`: f32 `[n]`, 0 for
@@ -187,16 +209,20 @@ impl HopperGemm {
             return Ok(());
         }
         let fail = |reason: String| Error::Cuda { context: format!("wgmma GEMM `{}` with {m} rows", self.path), reason };
-        let blocks_m = m.div_ceil(BM);
-        if blocks_m > 65535 || m >= 1 << 31 {
-            return Err(fail(format!("{m} rows exceed the grid's range of {} rows", 65535 * BM)));
+        let tiles = m.div_ceil(BM) * self.n.div_ceil(self.tile.bn());
+        if tiles >= 1 << 31 || m >= 1 << 31 {
+            return Err(fail(format!("{m} rows of {} columns exceed the kernel's 32-bit tile index", self.n)));
         }
+        let blocks = match self.grid {
+            HopperGrid::PerTile => tiles,
+            HopperGrid::Persistent => tiles.min(self.sm_count as usize),
+        };
         if !y.is_multiple_of(4) || !residual.is_multiple_of(4) {
             return Err(fail("the output and residual must be 4-byte aligned".into()));
         }
         let x_map = tensor_map(x, m, self.k, BM).map_err(fail)?;
-        let grid = (self.n.div_ceil(self.tile.bn()) as u32, blocks_m as u32, 1);
-        let cfg = LaunchConfig { grid_dim: grid, block_dim: (THREADS, 1, 1), shared_mem_bytes: self.tile.shared_bytes() as u32 };
+        let cfg =
+            LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: self.tile.shared_bytes() as u32 };
         let (mi, ni, ki, act) = (m as i32, self.n as i32, self.k as i32, self.act.code());
         let mut lb = stream.launch_builder(&self.f);
         lb.arg(&x_map.opaque).arg(&self.w_map.opaque).arg(&y).arg(&bias).arg(&residual).arg(&mi).arg(&ni).arg(&ki).arg(&act);
@@ -238,7 +264,7 @@ pub struct HopperGemmSpec<'a> {
 impl HopperGemmLayer {
     /// The layer for `spec` with `tile`; `Unsupported` where the device, the precision or the
     /// operands do not fit (the Linear converter then keeps its other candidates).
-    pub fn new(ctx: &mut LayerCtx, spec: HopperGemmSpec, tile: HopperTile) -> Result<Self> {
+    pub fn new(ctx: &mut LayerCtx, spec: HopperGemmSpec, tile: HopperTile, grid: HopperGrid) -> Result<Self> {
         let (dx, dy) = (ctx.value(spec.x).clone(), ctx.value(spec.y).clone());
         let contiguous = |d: &ValueDesc| d.layout.same_bytes(super::layer::Layout::contiguous(d.dims.len()), &d.dims);
         let (k, n) = match (dx.dims.last(), dy.dims.last()) {
@@ -267,7 +293,7 @@ impl HopperGemmLayer {
         let w = ctx.upload_bytes(&super::layer::to_elem_bytes(spec.weight, Elem::F16))?;
         let bias = spec.bias.map(|b| ctx.upload_f32(b)).transpose()?;
         let path = ctx.path().to_string();
-        let gemm = HopperGemm::new(&path, ctx.kernels, tile, k, n, w.ptr(), spec.act)?;
+        let gemm = HopperGemm::new(&path, ctx.kernels, tile, grid, k, n, w.ptr(), spec.act)?;
         Ok(Self { path, x: spec.x, y: spec.y, z: spec.residual, rows_per_image: rows, _w: w, bias, gemm })
     }
 }
@@ -277,7 +303,7 @@ impl Layer for HopperGemmLayer {
         &self.path
     }
     fn kind(&self) -> String {
-        self.gemm.tile().kind()
+        self.gemm.kind()
     }
     fn overwrites(&self) -> Option<(ValueId, ValueId)> {
         // Each thread reads a residual element just before it writes the same output element.

@@ -553,21 +553,67 @@ impl Reformats {
     }
 }
 
-/// Each layer's workspace at every batch of the range (index `batch - min_batch`). cuBLASLt plans
-/// are made for every batch first, so the sizes are exact.
+/// Each layer's workspace at every batch of the range (index `batch - min_batch`). Every layer is
+/// prepared for every batch first (cuBLASLt and cuDNN plans made), so the sizes are exact.
 fn workspace_needs(gpu: &Gpu, config: &BuildConfig, layers: &[Box<dyn Layer>]) -> Result<Vec<Vec<usize>>> {
-    let rt = RunCtx { stream: &gpu.stream, handles: &gpu.handles, ptrs: &[], workspace: 0, workspace_bytes: super::gemm::GEMM_WORKSPACE };
-    let mut needs = Vec::with_capacity(layers.len());
-    for layer in layers {
-        let mut by_batch = Vec::with_capacity(config.max_batch - config.min_batch + 1);
-        for b in config.min_batch..=config.max_batch {
-            layer.prepare(&rt, b)?;
-            by_batch.push(layer.workspace_bytes(b));
-        }
-        needs.push(by_batch);
-    }
-    Ok(needs)
+    let batches: Vec<usize> = (config.min_batch..=config.max_batch).collect();
+    // The first failing layer's error, in layer order, is the build's.
+    prepare_in_parallel(gpu, layers, &batches)?.into_iter().collect::<Result<()>>()?;
+    Ok(layers.iter().map(|layer| batches.iter().map(|&b| layer.workspace_bytes(b)).collect()).collect())
 }
+
+/// Prepares each layer at each of `batches` on several threads, and says for each layer whether
+/// that worked. An 8-bit build's fused convs compile a kernel per plan in cuDNN (runtime fusion):
+/// CPU work that took most of ResNet-50 INT8's build on one thread. Each thread takes the next
+/// unprepared layer and prepares it with its own stream and handles (`Gpu::helper`). Used for a
+/// plan's layers (`workspace_needs`) and for a tactic's candidates before they are timed one by
+/// one (`tactic::time_candidates`). The outer error is a thread's own failure (no helper).
+pub(super) fn prepare_in_parallel(gpu: &Gpu, layers: &[Box<dyn Layer>], batches: &[usize]) -> Result<Vec<Result<()>>> {
+    let prepare = |rt: &RunCtx, layer: &dyn Layer| batches.iter().try_for_each(|&b| layer.prepare(rt, b));
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(PREPARE_THREADS).min(layers.len());
+    if threads <= 1 {
+        let rt =
+            RunCtx { stream: &gpu.stream, handles: &gpu.handles, ptrs: &[], workspace: 0, workspace_bytes: super::gemm::GEMM_WORKSPACE };
+        return Ok(layers.iter().map(|layer| prepare(&rt, layer.as_ref())).collect());
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: std::sync::Mutex<Vec<Option<Result<()>>>> = std::sync::Mutex::new((0..layers.len()).map(|_| None).collect());
+    let work = || -> Result<()> {
+        let helper = gpu.helper()?;
+        let rt = RunCtx {
+            stream: &helper.stream,
+            handles: &helper.handles,
+            ptrs: &[],
+            workspace: 0,
+            workspace_bytes: super::gemm::GEMM_WORKSPACE,
+        };
+        loop {
+            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let Some(layer) = layers.get(i) else { break };
+            let r = prepare(&rt, layer.as_ref());
+            results.lock().unwrap_or_else(|p| p.into_inner())[i] = Some(r);
+        }
+        helper.stream.synchronize().map_err(cuda_err("synchronising a build helper's stream"))?;
+        gpu.give_back(helper);
+        Ok(())
+    };
+    let threads: Vec<Result<()>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads).map(|_| s.spawn(work)).collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(Error::Poisoned { path: String::new(), what: "a build helper thread".into() })))
+            .collect()
+    });
+    threads.into_iter().collect::<Result<()>>()?;
+    let results = results.into_inner().unwrap_or_else(|p| p.into_inner());
+    Ok(results
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(Error::Poisoned { path: String::new(), what: "a layer no helper prepared".into() })))
+        .collect())
+}
+
+/// At most this many threads prepare layers: cuDNN's runtime-fusion compiles scale with cores.
+const PREPARE_THREADS: usize = 16;
 
 /// Where a layer's workspace lives in the arena. Its slot holds the workspace at the max batch,
 /// which tactics chose within the arena's room. An algorithm may need more at a smaller batch

@@ -231,6 +231,11 @@ fn time_candidates(ctx: &LayerCtx, candidates: &[Box<dyn Layer>], timed: bool) -
     // never built (`fastest` checks the winner over the range); otherwise over the range.
     let batches = if timed { vec![batch] } else { range(ctx.config) };
     let stream = &ctx.gpu.stream;
+    // Plans made on several threads first (cuDNN's runtime fusion compiles each); a candidate
+    // that cannot be prepared fails again below, with its reason, when it runs.
+    if candidates.len() > 1 {
+        super::plan::prepare_in_parallel(&ctx.gpu, candidates, &batches)?;
+    }
     let (ptrs, _values) = value_buffers(ctx)?;
     let limit = ctx.config.workspace_bytes;
     let need = |c: &dyn Layer| batches.iter().map(|&b| c.workspace_bytes(b)).max().unwrap_or(0);

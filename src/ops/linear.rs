@@ -439,7 +439,7 @@ fn gpu_linear(ctx: &mut BuildCtx, node: NodeId, bias: bool, residual: bool, act:
 /// tile that cannot be built here (its kernel failed to compile or load) is left out with a
 /// warning rather than failing the build: cuBLASLt still runs the layer.
 fn wgmma_candidates(ctx: &mut BuildCtx, spec: crate::engine::gemm::GemmSpec, act: HopperAct) -> Vec<Box<dyn Layer>> {
-    use crate::engine::hopper_gemm::{supports, HopperGemmLayer, HopperGemmSpec, HopperTile};
+    use crate::engine::hopper_gemm::{supports, HopperGemmLayer, HopperGemmSpec, HopperGrid, HopperTile};
     let (k, n) = (ctx.value(spec.x).dims.last().copied().unwrap_or(0), ctx.value(spec.y).dims.last().copied().unwrap_or(0));
     if supports(ctx.kernels.arch(), ctx.elem(), k, n).is_err() {
         return Vec::new();
@@ -455,9 +455,11 @@ fn wgmma_candidates(ctx: &mut BuildCtx, spec: crate::engine::gemm::GemmSpec, act
     };
     let mut out: Vec<Box<dyn Layer>> = Vec::new();
     for tile in HopperTile::ALL {
-        match HopperGemmLayer::new(ctx, hs, tile) {
-            Ok(layer) => out.push(Box::new(layer)),
-            Err(e) => tracing::warn!(path = %ctx.path(), tile = ?tile, error = %e, "wgmma GEMM candidate left out"),
+        for grid in [HopperGrid::PerTile, HopperGrid::Persistent] {
+            match HopperGemmLayer::new(ctx, hs, tile, grid) {
+                Ok(layer) => out.push(Box::new(layer)),
+                Err(e) => tracing::warn!(path = %ctx.path(), tile = ?tile, error = %e, "wgmma GEMM candidate left out"),
+            }
         }
     }
     out

@@ -1,0 +1,76 @@
+"""What Kiln's Triton tools share: PASS/FAIL lines and their tally, rel L2, safetensors files of f32
+tensors, and raw HTTP. Needs numpy only (no tritonclient), so that it runs wherever the server does."""
+
+import http.client
+import json
+import struct
+
+import numpy as np
+
+RESULTS = []
+
+
+def check(name, ok, detail=""):
+    RESULTS.append((name, bool(ok)))
+    print(f"{'PASS' if ok else 'FAIL'}  {name}" + (f": {detail}" if detail else ""), flush=True)
+    return ok
+
+
+def report(what):
+    """Prints `<what>: N passed, M failed` over every check so far; the exit status (0: all passed)."""
+    passed = sum(ok for _, ok in RESULTS)
+    failed = len(RESULTS) - passed
+    print(f"{what}: {passed} passed, {failed} failed", flush=True)
+    return 0 if failed == 0 else 1
+
+
+def rel_l2(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def write_safetensors(path, tensors, metadata=None):
+    """A safetensors file of f32 tensors (the format: u64 header length, JSON header, raw data)."""
+    header, blobs, offset = {}, [], 0
+    for name, arr in tensors.items():
+        data = np.ascontiguousarray(arr, dtype="<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    if metadata:
+        header["__metadata__"] = metadata
+    text = json.dumps(header).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for b in blobs:
+            f.write(b)
+
+
+def read_safetensors(path):
+    """The f32 tensors of a safetensors file, by name, and its metadata."""
+    with open(path, "rb") as f:
+        data = f.read()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    meta = header.pop("__metadata__", {})
+    out = {}
+    for name, t in header.items():
+        if t["dtype"] != "F32":
+            raise ValueError(f"{path}: tensor {name} is {t['dtype']}, not F32")
+        start, end = t["data_offsets"]
+        out[name] = np.frombuffer(data[8 + n + start : 8 + n + end], dtype="<f4").reshape(t["shape"])
+    return out, meta
+
+
+def raw_http(host, path, body, headers, timeout=60):
+    """A POST with exactly these bytes and headers: (status, reply headers, reply bytes)."""
+    h, p = host.rsplit(":", 1)
+    conn = http.client.HTTPConnection(h, int(p), timeout=timeout)
+    try:
+        conn.request("POST", path, body=body, headers=headers)
+        r = conn.getresponse()
+        return r.status, dict(r.getheaders()), r.read()
+    finally:
+        conn.close()
