@@ -746,10 +746,103 @@ fn replace_weight_quantizers(graph: &Graph, fold: bool) -> Result<Graph> {
     crate::passes::remove_dead_nodes(&g)
 }
 
-/// The graph the CPU executor runs to simulate a `format` engine built with `cache`: the
-/// optimised graph with Q/DQ nodes at the engine's quantisation points.
+/// The graph the CPU executor runs to simulate a `format` engine built with `cache`: the graph
+/// the builder lowers ([`prepare_for_engine`]: optimised, Q/DQ nodes at the engine's quantisation
+/// points, weights folded onto their grids), with each value stored as the engine stores it
+/// ([`simulation`]).
 pub fn simulate(graph: &Graph, cache: &CalibrationCache, format: QuantFormat) -> Result<Graph> {
-    quantize_graph(&crate::passes::optimize(graph)?, cache, format)
+    simulation(&fold_constant_quant(&quantize_graph(&crate::passes::optimize(graph)?, cache, format)?)?, format)
+}
+
+/// The GPU whose 8-bit plan a simulation follows: one with both formats' 8-bit kernels (FP8's
+/// need sm_89; INT8's plan is the same from sm_80 on).
+const SIMULATED_SM: u32 = 90;
+
+/// The CPU simulation of the `format` engine the builder lowers from `prepared` (the graph of
+/// [`prepare_for_engine`]): the same nodes, each value marked with the type the engine stores it
+/// in, which the CPU executor rounds to (`Node::dtype` F16: IEEE half, nearest even,
+/// `number_format::round_f16`). Everything is computed in f32 as before; only storage is
+/// simulated, boundary by boundary, by the engine's own plan (`node_precisions`,
+/// `ops::eight_bit_plan` for an sm_90 GPU):
+/// - **graph inputs** read by FP16 layers: the entry reformat (f32 → NHWC f16) rounds them, here
+///   an identity reshape marked f16 after the input. Not where the 8-bit stem reads the f32
+///   binding itself (`EightBitPlan::folded`: it quantises the f32 values);
+/// - **8-bit codes** (a stored quantiser, a conv that requantises into one, a quantiser folded
+///   into the stem): not rounded. The 8-bit kernels dequantise codes in f32 (`acc · s_x · s_w[k]
+///   + bias`, f32 bias, residual `code · s_r`) and requantise `rint(v · (1/s))` saturated,
+///   ties to even (int8, `cvt.rni` + `cvt.pack.sat`) or `cvt.rn.satfinite.e4m3x2` (fp8): the
+///   arithmetic of `fake_quantize` in f32 (`kernels/conv8.cu`, `kernels/eight_bit.cuh`);
+/// - **every other value of an FP16 node** is f16 (the layer computes in f32 and writes f16):
+///   the output of a conv on the 8-bit kernel that does not requantise, of the FP16 layers
+///   (depthwise convs, convs without an 8-bit kernel, Linears, pooling, elementwise), of a
+///   non-stored quantiser (`quant_tensor_f16` writes the Q/DQ value `q · s` rounded to f16), the
+///   logits before the exit reformat. A node kept in FP32 (`Graph::fp32_layers`) stays f32;
+/// - **weights**: the weight and bias of an FP16 conv (but a depthwise one) or Linear are
+///   uploaded as f16 (cuDNN, cuBLASLt, im2col), so they are marked f16; a depthwise conv's (Kiln's
+///   depthwise kernel takes f32 weights and bias) and the 8-bit kernels' (codes, f32 scales and
+///   bias) stay f32. The wgmma GEMM also takes an f32 bias: where it wins a Linear's timing, its
+///   bias is finer than here.
+///
+/// What is not simulated: the order of f32 sums (the engine's tensor-core and split-K
+/// reductions round differently from the CPU's loops, ~1e-7 relative), and any reduced
+/// accumulation precision of the FP8 tensor cores.
+pub fn simulation(prepared: &Graph, format: QuantFormat) -> Result<Graph> {
+    use crate::engine::{layer::Elem, BuildConfig, Precision};
+    let precision = match format {
+        QuantFormat::Int8 => Precision::Int8,
+        QuantFormat::Fp8E4m3 => Precision::Fp8,
+    };
+    let config = BuildConfig::default().precision(precision);
+    let precisions = crate::engine::resolve::node_precisions(prepared, &config);
+    let plan = crate::ops::eight_bit_plan(prepared, &config, &precisions, SIMULATED_SM);
+    let readers = prepared.readers();
+    let fp16 = |id: NodeId| precisions[id].elem() == Elem::F16;
+    let codes = |id: NodeId| plan.stored[id] || plan.requant[id].is_some() || plan.folded[id];
+    // A layer that uploads its weight and bias in the engine's type (16-bit library layers).
+    let f16_weights = |r: NodeId| {
+        fp16(r)
+            && !plan.conv[r]
+            && match &prepared.nodes[r].op {
+                Op::Conv(a) => a.groups == 1 || a.transposed,
+                Op::Gemm(Gemm::Linear { .. }) => true,
+                _ => false,
+            }
+    };
+    let mut out = prepared.clone();
+    out.nodes.clear();
+    // Each node's copy, and the value its readers read (an input's entry reformat, if any).
+    let (mut own, mut map): (Vec<NodeId>, Vec<NodeId>) = (Vec::new(), Vec::new());
+    for (id, node) in prepared.nodes.iter().enumerate() {
+        let inputs = node.inputs.iter().map(|&j| map[j]).collect();
+        let new = out.push_unchecked(node.op.clone(), inputs, node.shape.clone(), node.path.clone());
+        own.push(new);
+        out.nodes[new].dtype = match &node.op {
+            Op::Input { .. } => node.dtype,
+            Op::Weight { .. } if !readers[id].is_empty() && readers[id].iter().all(|&r| f16_weights(r)) => crate::graph::DType::F16,
+            Op::Weight { .. } => node.dtype,
+            _ if fp16(id) && !codes(id) => crate::graph::DType::F16,
+            _ => node.dtype,
+        };
+        let entry =
+            matches!(node.op, Op::Input { .. }) && node.dtype == crate::graph::DType::F32 && fp16(id) && !plan.reads_binding(&readers, id);
+        map.push(match entry {
+            true => {
+                let dims = node.shape[1..].to_vec();
+                let r = out.push_unchecked(
+                    Op::Shape(crate::graph::ShapeOp::Reshape { dims }),
+                    vec![new],
+                    node.shape.clone(),
+                    format!("{}.f16", node.path),
+                );
+                out.nodes[r].dtype = crate::graph::DType::F16;
+                r
+            }
+            false => new,
+        });
+    }
+    out.inputs = prepared.inputs.iter().map(|&i| own[i]).collect();
+    out.outputs = prepared.outputs.iter().map(|(n, i)| (n.clone(), map[*i])).collect();
+    Ok(out)
 }
 
 /// What the engine builder lowers for an 8-bit precision: an optimised graph that already has
@@ -1043,5 +1136,71 @@ mod tests {
         assert_eq!(CalibrationMethod::parse("percentile=99.9").unwrap(), CalibrationMethod::Percentile(99.9));
         assert!(CalibrationMethod::parse("percentile=120").is_err());
         assert!(CalibrationMethod::parse("kl").is_err());
+    }
+
+    /// FP16 storage changes an 8-bit code: 0.5 + 2^-12 is a tie in f16 and rounds to 0.5, which
+    /// int8 at scale 1 rounds (ties to even) to 0; in f32 it rounds to 1. The engine stores the
+    /// input as f16 (the entry reformat) before its quantiser, so the simulation must give 0, and
+    /// the conv computing in FP16 on the Q/DQ value gets an f16 weight (1 + 2^-12 is 1 in f16).
+    #[test]
+    fn simulation_rounds_to_f16_before_quantising_as_the_engine_stores() {
+        assert_eq!(crate::number_format::round_f16(0.5 + 2f32.powi(-12)), 0.5);
+        assert_eq!(crate::number_format::round_f16(1.0 + 3.0 * 2f32.powi(-11)), 1.0 + 2f32.powi(-9), "ties to even, upwards");
+        let tracer = crate::Tracer::new();
+        let x = tracer.input("input", &[1, 3, 1, 1]);
+        let q = x.fake_quantize(QuantParams::int8(1.0)).unwrap();
+        let w = HostTensor::new(vec![1, 3, 1, 1], vec![1.0 + 2f32.powi(-12), 0.0, 0.0]);
+        let w = crate::tensor::Param { name: "w".into(), value: Arc::new(w) };
+        crate::tensor::Tensor::record("conv", Op::Conv(ConvAttrs::default()), &[&q], &[&w]).unwrap().mark_output("y");
+        let prepared = prepare_for_engine(crate::passes::optimize(&tracer.graph()).unwrap(), QuantFormat::Int8, None).unwrap();
+        let sim = simulation(&prepared, QuantFormat::Int8).unwrap();
+        let y = |g: &Graph, v: f32| {
+            let input = HostTensor::new(vec![1, 3, 1, 1], vec![v, 0.0, 0.0]);
+            crate::cpu::run(g, &[("input", &input)]).unwrap()["y"].data[0]
+        };
+        let tie = 0.5 + 2f32.powi(-12);
+        assert_eq!(y(&prepared, tie), 1.0 + 2f32.powi(-12), "in f32 the tie quantises to 1");
+        assert_eq!(y(&sim, tie), 0.0, "stored as f16 first, it quantises to 0");
+        assert_eq!(y(&sim, 3.0), 3.0, "the FP16 conv's weight is 1 in f16");
+        // An f16 output: 3 · (1 + 2^-12) = 3.000732 is 3.0 + 0.375 of a step, rounded down; the
+        // weight alone (f32, unmarked) would give it.
+        let mut unrounded_weight = sim.clone();
+        unrounded_weight.nodes.iter_mut().filter(|n| matches!(n.op, Op::Weight { .. })).for_each(|n| n.dtype = crate::graph::DType::F32);
+        assert_eq!(y(&unrounded_weight, 3.0), 3.0, "the output is stored as f16");
+        assert_eq!(y(&prepared, 3.0), 3.0 * (1.0 + 2f32.powi(-12)));
+    }
+
+    /// Between 8-bit convs the engine keeps codes, which are not rounded to f16; the input (read
+    /// by a stored quantiser's kernel) and an 8-bit conv's FP16 output (here the graph output)
+    /// are; the 8-bit convs' weights stay on their grid in f32.
+    #[test]
+    fn simulation_keeps_8_bit_codes_and_rounds_fp16_values() {
+        use crate::nn::{Conv2d, Conv2dConfig};
+        use crate::{Forward, Module, VarBuilder};
+        let tracer = crate::Tracer::new();
+        let x = tracer.input("input", &[1, 16, 4, 4]);
+        let vb = VarBuilder::seeded();
+        let c1 = Conv2d::load(vb.pp("c1"), &Conv2dConfig::new(16, 16, 1)).and_then(|c| c.forward(&x)).unwrap().relu().unwrap();
+        Conv2d::load(vb.pp("c2"), &Conv2dConfig::new(16, 16, 1)).and_then(|c| c.forward(&c1)).unwrap().mark_output("y");
+        let g = tracer.graph();
+        let data = HostTensor::new(vec![1, 16, 4, 4], (0..256).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect());
+        let cache = Calibrator::new(&g).unwrap().calibrate(std::slice::from_ref(&data), CalibrationMethod::MinMax).unwrap();
+        let sim = simulate(&g, &cache, QuantFormat::Int8).unwrap();
+        let f16 = |path: &str, op: &str| {
+            let n = sim.nodes.iter().rev().find(|n| n.path == path && n.op.name() == op).unwrap_or_else(|| panic!("{path} {op}"));
+            n.dtype == crate::graph::DType::F16
+        };
+        assert!(f16("input.f16", "reshape"), "the entry reformat");
+        assert!(!f16("input.quantizer", "fake_quantize"), "stored codes");
+        assert!(!f16("c1", "conv2d"), "requantises into c2's input codes");
+        assert!(!f16("c1.quantizer", "fake_quantize"), "stored codes");
+        assert!(f16("c2", "conv2d"), "an 8-bit conv's f16 output");
+        assert!(sim.nodes.iter().filter(|n| matches!(n.op, Op::Weight { .. })).all(|n| n.dtype == crate::graph::DType::F32));
+        let y = &crate::cpu::run(&sim, &[("input", &data)]).unwrap()["y"];
+        assert!(y.data.iter().all(|&v| crate::number_format::round_f16(v) == v));
+        let f32_sim =
+            fold_constant_quant(&quantize_graph(&crate::passes::optimize(&g).unwrap(), &cache, QuantFormat::Int8).unwrap()).unwrap();
+        let z = &crate::cpu::run(&f32_sim, &[("input", &data)]).unwrap()["y"];
+        assert_ne!(y.data, z.data, "f16 storage changes the logits");
     }
 }

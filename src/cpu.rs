@@ -4,9 +4,11 @@
 //! Every op is computed from its actual input shapes (the batch may differ from the traced one),
 //! nodes no output depends on are skipped, and each value is freed after its last read; an op
 //! that maps its input to an output of the same shape (activations, BatchNorm, Add) reuses the
-//! input's buffer when it is that buffer's last reader.
+//! input's buffer when it is that buffer's last reader. A node marked f16 (`Node::dtype`: only
+//! the CPU simulation of an 8-bit engine marks them, `calibrate::simulation`) has its value, or
+//! a weight's, rounded to IEEE half as the engine stores it.
 
-use crate::graph::{Graph, HostInput, HostTensor, NodeId, Op};
+use crate::graph::{DType, Graph, HostInput, HostTensor, NodeId, Op};
 use crate::ops::CpuArgs;
 use crate::{Error, Result};
 use std::borrow::Cow;
@@ -71,13 +73,17 @@ pub fn run_with_progress<'a, T: Into<HostInput<'a>> + Copy>(
                 name: name.clone(),
                 reason: format!("node %{id} is an input node missing from the graph's input list"),
             })?,
-            Op::Weight { name, .. } => Cow::Borrowed(
-                graph
+            Op::Weight { name, .. } => {
+                let w = graph
                     .weights
                     .get(name)
                     .map(|w| w.as_ref())
-                    .ok_or_else(|| Error::MissingWeight { key: name.clone(), source_name: "the graph's weights".into() })?,
-            ),
+                    .ok_or_else(|| Error::MissingWeight { key: name.clone(), source_name: "the graph's weights".into() })?;
+                match node.dtype {
+                    DType::F16 => Cow::Owned(stored_f16(w.clone())),
+                    _ => Cow::Borrowed(w),
+                }
+            }
             _ if op_timing => {
                 let t = std::time::Instant::now();
                 let value = eval_node(graph, id, &mut values, &pending, &is_output)?;
@@ -86,6 +92,10 @@ pub fn run_with_progress<'a, T: Into<HostInput<'a>> + Copy>(
                 Cow::Owned(value)
             }
             _ => Cow::Owned(eval_node(graph, id, &mut values, &pending, &is_output)?),
+        };
+        let value = match (node.dtype, value) {
+            (DType::F16, Cow::Owned(v)) if !node.op.is_leaf() => Cow::Owned(stored_f16(v)),
+            (_, v) => v,
         };
         for &j in &node.inputs {
             pending[j] -= 1;
@@ -106,6 +116,13 @@ pub fn run_with_progress<'a, T: Into<HostInput<'a>> + Copy>(
     }
     tracing::debug!(ops = total, outputs = out.len(), ms = start.elapsed().as_secs_f64() * 1e3, "run: CPU executor done");
     Ok(out)
+}
+
+/// A value a graph marks f16 (the CPU simulation of an engine's FP16 storage,
+/// `calibrate::simulation`), rounded as the engine stores it.
+fn stored_f16(mut t: HostTensor) -> HostTensor {
+    t.data.iter_mut().for_each(|v| *v = crate::number_format::round_f16(*v));
+    t
 }
 
 /// Every node reads only nodes before it, and every output names a node: what the executor's

@@ -113,8 +113,9 @@ pub struct Node {
     pub op: Op,
     pub inputs: Vec<NodeId>,
     pub shape: Vec<usize>,
-    /// F32 for every node but a graph input declared u8. Files written before inputs had types
-    /// may lack it.
+    /// F32 for every node but a graph input declared u8, and the values and weights the CPU
+    /// simulation of an 8-bit engine marks F16 (stored in FP16 by the engine: the CPU executor
+    /// rounds them, `calibrate::simulation`). Files written before inputs had types may lack it.
     #[serde(default)]
     pub dtype: DType,
     /// The module path the node was traced in (`layer3.1.conv2`), for errors, profiles and names.
@@ -325,10 +326,15 @@ impl Graph {
                     return Err(bad(id, format!("input `{name}` is declared {}; inputs are f32 or u8", node.dtype)));
                 }
                 Op::Input { .. } => {}
-                _ if node.dtype != DType::F32 => {
+                // f16: a simulation's FP16 storage (`calibrate::simulation`), computed in f32 and rounded.
+                _ if !matches!(node.dtype, DType::F32 | DType::F16) => {
                     return Err(bad(
                         id,
-                        format!("a {} node is declared {}; only graph inputs may have another type than f32", node.op.name(), node.dtype),
+                        format!(
+                            "a {} node is declared {}; only graph inputs may have another type than f32 (or f16, a simulated FP16 value)",
+                            node.op.name(),
+                            node.dtype
+                        ),
                     ));
                 }
                 Op::Weight { name, quant } => {

@@ -63,6 +63,14 @@ pub fn check_scale(scale: f32, format: QuantFormat) -> Result<(), String> {
     }
 }
 
+/// `v` rounded to the nearest IEEE half (ties to even, subnormals kept, overflow to ±inf): what
+/// an engine's FP16 storage keeps of an f32 value (`cvt.rn.f16.f32`, kernels/common.cuh's
+/// `from_f32`; the f16 uploads of weights, `to_elem_bytes`). The CPU executor applies it to every
+/// value a simulation graph marks f16 (`calibrate::simulation`).
+pub fn round_f16(v: f32) -> f32 {
+    half::f16::from_f32(v).to_f32()
+}
+
 /// `v` rounded to the nearest `float8_e4m3fn` value (ties to even, subnormals kept), for
 /// `|v| <= 448`; larger magnitudes are clamped to 448 first by the callers. NaN stays NaN.
 pub fn round_e4m3(v: f32) -> f32 {

@@ -45,9 +45,17 @@ fn quant_table() {
     let stats = fold_stats(&data);
     println!("| format | method | top-1 (12 centre crops) | top-5 of 60 | mean rel L2 | worst rel L2 | top-1 (48 views) | top-5 of 240 | mean rel L2 | worst rel L2 |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
+    // `$KILN_METHODS` (comma-separated, `kiln calibrate --method` names) judges other methods or
+    // settings, e.g. `percentile=99.9,percentile=99.999`.
+    let methods: Vec<CalibrationMethod> = match std::env::var("KILN_METHODS") {
+        Ok(m) => m.split(',').map(|m| CalibrationMethod::parse(m).expect("KILN_METHODS")).collect(),
+        Err(_) => vec![CalibrationMethod::Entropy, CalibrationMethod::Percentile(99.99), CalibrationMethod::MinMax, CalibrationMethod::Mse],
+    };
     for format in [QuantFormat::Int8, QuantFormat::Fp8E4m3] {
-        for method in [CalibrationMethod::Entropy, CalibrationMethod::Percentile(99.99), CalibrationMethod::MinMax, CalibrationMethod::Mse]
-        {
+        if std::env::var("KILN_FORMAT").is_ok_and(|f| f != format.name()) {
+            continue;
+        }
+        for &method in &methods {
             let caches = [stats[0].cache(method), stats[1].cache(method)];
             let (centre, all) = judge(&data, &caches, format, &fp32);
             println!("| {} | {method:?} | {} | {} |", format.name(), centre.text(), all.text());

@@ -31,7 +31,8 @@ impl EngineArgs {
     /// What `--cpu` runs for the precision flags, and its name for the header: the optimised
     /// graph in f32 (no precision flag, or `--fp32`), or for `--int8`/`--fp8` the CPU simulation
     /// of that engine (`kiln::dev::quant`: the graph's own Q/DQ nodes, else `--calibration-cache`'s
-    /// scales, with the weights folded onto their 8-bit grids as the builder folds them). Any
+    /// scales, with the weights folded onto their 8-bit grids as the builder folds them, and each
+    /// value rounded to FP16 where the engine stores it in FP16: `simulation`). Any
     /// other precision, or an 8-bit one with no scales, is an error: the CPU executor never
     /// runs f32 in its place.
     pub fn cpu_graph(&self, traced: &Graph) -> Result<(Graph, String)> {
@@ -55,6 +56,7 @@ impl EngineArgs {
             Precision::Int8 | Precision::Fp8 => precision.quant_format().expect("an 8-bit precision has a format"),
         };
         let (graph, source) = self.eight_bit_graph(optimized, format)?;
+        let graph = kiln::dev::quant::simulation(&graph, format)?;
         Ok((graph, format!("CPU simulation of the {} engine ({source})", format.name().to_uppercase())))
     }
 
