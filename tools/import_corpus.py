@@ -186,6 +186,19 @@ TIMM = [
     ("mambaout_femto", None, {}),
 ]
 
+# segmentation_models_pytorch: each architecture with a ResNet and a mobile encoder (`encoder_weights=None`:
+# nothing is downloaded), a few with a second one; 128² (every architecture's output stride of 32
+# divides it), 3 classes.
+SMP_SIZE = 128
+SMP_ARCHS = ["Unet", "UnetPlusPlus", "FPN", "PSPNet", "DeepLabV3", "DeepLabV3Plus", "Linknet", "MAnet", "PAN", "UPerNet", "Segformer"]
+SMP = [(arch, enc) for arch in SMP_ARCHS for enc in ("resnet18", "mobilenet_v2")] + [
+    ("Unet", "resnet34"),
+    ("FPN", "resnet34"),
+    ("Unet", "tu-mobilenetv3_large_100"),
+    ("DeepLabV3Plus", "tu-mobilenetv3_large_100"),
+    ("Segformer", "mit_b0"),
+]
+
 SUBSETS = {
     # One of each kind the corpus holds, about a minute on the CPU.
     "smoke": ["resnet18", "timm/convnext_atto", "timm/vit_tiny_patch16_224", "fcn_resnet50"],
@@ -194,10 +207,11 @@ SUBSETS = {
 
 @dataclass
 class Entry:
-    name: str  # the corpus name: torchvision's, or `timm/<name>`
-    source: str  # torchvision, torchvision.segmentation, torchvision.detection, timm
+    name: str  # the corpus name: torchvision's, `timm/<name>` or `smp/<architecture>.<encoder>`
+    source: str  # torchvision, torchvision.segmentation, torchvision.detection, timm, smp
     size: int  # input H = W
     build: object = field(repr=False, default=None)  # () -> nn.Module
+    family: str | None = None  # default: the model class's module
 
 
 def torchvision_entries():
@@ -248,8 +262,24 @@ def _timm_builder(timm, name, kwargs):
     return lambda: timm.create_model(name, pretrained=False, **kwargs)
 
 
+def smp_entries():
+    out = []
+    for arch, enc in SMP:
+        out.append(Entry(f"smp/{arch}.{enc}", "smp", SMP_SIZE, _smp_builder(arch, enc), family=arch.lower()))
+    return out
+
+
+def _smp_builder(arch, enc):
+    def build():
+        import segmentation_models_pytorch as smp
+
+        return getattr(smp, arch)(encoder_name=enc, encoder_weights=None, classes=3)
+
+    return build
+
+
 def corpus() -> list:
-    return torchvision_entries() + timm_entries()
+    return torchvision_entries() + timm_entries() + smp_entries()
 
 
 # ---- one model
@@ -359,7 +389,7 @@ def check(entry: Entry, a, out: Path) -> dict:
     try:
         torch.manual_seed(0)
         model = entry.build().eval()
-        row["family"] = type(model).__module__.split(".")[-1]
+        row["family"] = entry.family or type(model).__module__.split(".")[-1]
         row["class"] = type(model).__name__
         row["params"] = sum(p.numel() for p in model.parameters())
         randomise(model)
