@@ -380,6 +380,12 @@ class Builder:
     def binary(self, op: str, x, y, tshape=None) -> Act:
         """`x op y` with broadcasting; `x` an activation, `y` an activation or a constant."""
         out = broadcast(x.tshape, y.tshape)
+        if self.batch > 1 and isinstance(y, Act) and len(x.tshape) != len(y.tshape):
+            # Of two ranks (an LSTM step's `[B·W, 4H]` and the `[1, B·W, 4H]` of its state): the
+            # lower takes leading dims of size 1 (see the constant's case below), then both must
+            # hold the batch in the same dim.
+            rank = max(len(x.tshape), len(y.tshape))
+            x, y = (self.reshape(v, (1,) * (rank - len(v.tshape)) + tuple(v.tshape)) for v in (x, y))
         if isinstance(y, Act):
             if self.batch > 1 and (x.lifted or y.lifted):
                 # Both with the batch merged into the same dim (checked by `node`).

@@ -104,14 +104,16 @@ STATE_BIAS = (np.arange(6, dtype=np.float32) % 4 - 1.5) / 10  # one row, the sam
 def rnn_state(batch=2):
     """An LSTM step of timm's Sequencer2d: the images' rows `[B, 3, 6]` as `[B·3, 6]` sequences (the
     batch merged with the rows), plus the folded `h0 @ W_hh + b` of the zero initial state, a
-    constant `[1, B·3, 6]` of more dims than the step (its rows equal: one per sequence), then a
-    second, per-row constant `[1, 1, 6]`, and the sequences viewed as images again."""
+    constant `[1, B·3, 6]` of more dims than the step (its rows equal: one per sequence), the step
+    added again (values of two ranks), a per-row constant `[1, 1, 6]`, and the sequences viewed as
+    images again."""
     b = Builder()
     b.batch = batch
     x = Act(b.graph.input("x", (batch, 3, 6)), (batch, 3, 6))
     t = call(b, "aten.view.default", (batch * 3, 6), self=x, size=[batch * 3, 6])
     h0 = Const("rnn.h0_gates", np.broadcast_to(STATE_BIAS, (1, batch * 3, 6)).copy())
-    t = call(b, "aten.add.Tensor", (1, batch * 3, 6), self=t, other=h0, alpha=1)
+    g = call(b, "aten.add.Tensor", (1, batch * 3, 6), self=t, other=h0, alpha=1)
+    t = call(b, "aten.add.Tensor", (1, batch * 3, 6), self=g, other=t, alpha=1)
     t = call(b, "aten.mul.Tensor", (1, batch * 3, 6), self=t, other=Const("rnn.scale", np.full((1, 1, 6), 2.0, np.float32)))
     y = call(b, "aten.view.default", (batch, 3, 6), self=t, size=[batch, 3, 6])
     b.graph.mark_output("output", b.unlift(y).id)
@@ -119,7 +121,7 @@ def rnn_state(batch=2):
 
 
 def rnn_state_reference(x):
-    return (x + STATE_BIAS) * 2.0
+    return (2 * x + STATE_BIAS) * 2.0
 
 
 CLS = np.arange(6, dtype=np.float32).reshape(1, 1, 6) / 10
