@@ -164,7 +164,7 @@ fn p5_a_graph_file_of_any_input_name_runs_at_another_size_and_answers_a_channels
         assert!(run.status.success(), "{flags:?}: {stdout}{stderr}");
     }
     let stderr = fails_with(&["run", arg(&model), "--cpu", "--shapes", "x:1x24x20x3"], &["write x:1x3x24x20"]);
-    assert!(!stderr.contains("has no such input") && !stderr.contains("20x3"), "{stderr}");
+    assert!(!stderr.contains("has no such input") && !stderr.contains("run at 20x3"), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
