@@ -7,7 +7,9 @@
 //! - `windows`: window attention's batch merge (timm's Swin): `[B, H, W, C]` partitioned into
 //!   windows as `[B·windows, N, C]`, a per-window constant, a softmax within each window, and back;
 //! - `einsum_rows`: MViTv2's `einsum("bhwc,hck->bhwk")`, the batch moved behind `h` and merged
-//!   with `w` for one batched matmul with a constant, then split off and moved back.
+//!   with `w` for one batched matmul with a constant, then split off and moved back;
+//! - `rnn_state`: an LSTM step of timm's Sequencer2d, the images' rows as `[B·rows, C]` sequences
+//!   plus the folded initial state's `[1, B·rows, C]`, a constant of more dims than the step.
 
 use kiln::{Graph, HostTensor};
 use std::path::PathBuf;
@@ -40,7 +42,7 @@ fn run_both(graph: &Graph, x: &HostTensor) -> [HostTensor; 2] {
 
 #[test]
 fn graphs_exported_at_batch_2_run_at_batch_1_2_and_3() {
-    for name in ["stack_sum", "token_qkv", "windows", "einsum_rows"] {
+    for name in ["stack_sum", "token_qkv", "windows", "einsum_rows", "rnn_state"] {
         let (graph, x, want) = pattern(name);
         let traced = graph.inputs.first().map(|&i| graph.nodes[i].shape[0]);
         assert_eq!(traced, Some(2), "{name} was exported at batch 2");

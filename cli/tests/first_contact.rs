@@ -152,6 +152,23 @@ fn p5_a_channels_last_shape_is_answered_with_the_nchw_one() {
 }
 
 #[test]
+fn p5_a_graph_file_of_any_input_name_runs_at_another_size_and_answers_a_channels_last_shape() {
+    // kiln-torch names the input after `forward`'s argument (`x`): the shapes are re-inferred for
+    // it at another H x W, and a channels-last shape is answered before any re-inference.
+    let dir = temp_dir("p5");
+    let model = dir.join("net.kiln.safetensors");
+    write_as_kiln_torch(&classifier(5, "output"), &model, "Net");
+    for flags in [&["--shapes", "x:2x3x24x20"][..], &["--size", "32"][..]] {
+        let run = kiln(&[&["run", arg(&model), "--cpu", "--seed", "1"][..], flags].concat());
+        let (stdout, stderr) = text(&run);
+        assert!(run.status.success(), "{flags:?}: {stdout}{stderr}");
+    }
+    let stderr = fails_with(&["run", arg(&model), "--cpu", "--shapes", "x:1x24x20x3"], &["write x:1x3x24x20"]);
+    assert!(!stderr.contains("has no such input") && !stderr.contains("run at 20x3"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn p6_verbosity_shows_the_steps_of_a_cpu_run() {
     let dir = temp_dir("p6");
     let model = dir.join("net.kiln.safetensors");

@@ -243,6 +243,10 @@ class Builder:
             return self.node(ops.shape_op("Reshape", dims=list(tshape)), [x], "reshape", tshape, lifted=True)
         if len(tshape) > d and tuple(tshape[:d]) == tuple(x.tshape[:d]) and tshape[d] % B == 0:
             nb = d
+        elif d and all(s == 1 for s in x.tshape[:d]) and tshape and tshape[0] % B == 0:
+            # Only dims of size 1 before the merged batch: its images are the outermost blocks of
+            # the whole value, and so they are of the new dim 0 (`[1, B·W, C]` back to `[B, W, C]`).
+            nb = 0
         else:
             nb = reshaped_bdim(x.tshape, x.bdim, tshape)
         if nb is None or tshape[nb] % B:
@@ -376,6 +380,12 @@ class Builder:
     def binary(self, op: str, x, y, tshape=None) -> Act:
         """`x op y` with broadcasting; `x` an activation, `y` an activation or a constant."""
         out = broadcast(x.tshape, y.tshape)
+        if self.batch > 1 and isinstance(y, Act) and len(x.tshape) != len(y.tshape):
+            # Of two ranks (an LSTM step's `[B·W, 4H]` and the `[1, B·W, 4H]` of its state): the
+            # lower takes leading dims of size 1 (see the constant's case below), then both must
+            # hold the batch in the same dim.
+            rank = max(len(x.tshape), len(y.tshape))
+            x, y = (self.reshape(v, (1,) * (rank - len(v.tshape)) + tuple(v.tshape)) for v in (x, y))
         if isinstance(y, Act):
             if self.batch > 1 and (x.lifted or y.lifted):
                 # Both with the batch merged into the same dim (checked by `node`).
@@ -388,6 +398,12 @@ class Builder:
             if x.lifted != y.lifted or len(x.tshape) != len(y.tshape):
                 x, y = self.lift(x), self.lift(y)
             return self.node(ops.binary(op), [x, y], op.lower(), out if tshape is None else tshape)
+        if self.batch > 1 and len(y.tshape) > len(x.tshape):
+            # A constant of more dims than the value (an LSTM's folded `h0 @ W_hh + b`, `[1, B·W,
+            # 4H]`, added to a step's `[B·W, 4H]`): the value first takes its leading dims as dims
+            # of size 1, a reshape that keeps the images whole wherever the batch is (merged,
+            # moved or first), then the constant is read per image as for one of equal rank.
+            x = self.reshape(x, (1,) * (len(y.tshape) - len(x.tshape)) + tuple(x.tshape))
         if x.lifted and self.batch > 1:
             y = self._per_image_merged(x, y)
         elif len(y.tshape) == len(x.tshape) and not x.moved:

@@ -367,6 +367,8 @@ def _conv(cx, x, w, b, stride, padding, dilation, groups, transposed=False, outp
     w = const(w, "weight")
     if w.value.ndim == 3:
         return _conv1d(cx, x, w, b, stride, padding, dilation, groups, transposed, output_padding)
+    if w.value.ndim == 5:
+        return _conv3d_of_planes(cx, x, w, b, stride, padding, dilation, groups, transposed)
     x = act(x)
     if x.lifted and x.bdim == 0 and len(x.tshape) == 4 and x.tshape[0] != cx.batch and w.value.ndim == 4:
         return _conv_of_rows(cx, x, w, b, stride, padding, dilation, groups, transposed, output_padding)
@@ -408,6 +410,72 @@ def _conv_of_rows(cx, x, w, b, stride, padding, dilation, groups, transposed, ou
     op = conv(pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation"), int(groups) * m, b is not None)
     y = cx.node(op, inputs, "conv2d", (cx.batch, m * o, oh, ow))
     return cx.node(shape_op("Reshape", dims=[m, o, oh, ow]), [y], "reshape", out, lifted=True, helper=True, bdim=0)
+
+
+def _triple(v, what):
+    v = [int(v)] * 3 if isinstance(v, (int, float)) else [int(d) for d in v]
+    if len(v) == 1:
+        v = v * 3
+    if len(v) != 3:
+        raise Unsupported(f"a 3-D convolution's {what} {v}")
+    return v
+
+
+def _conv3d_of_planes(cx, x, w, b, stride, padding, dilation, groups, transposed):
+    """A 3-D convolution whose kernel is 1 along a spatial dim (stride 1, no padding there: timm's
+    LambdaLayer, `Conv3d(1, K, (r, r, 1))` over `[B, 1, H, W, V]`) as one grouped 2-D convolution:
+    the planes along that dim (`V` of them) moved beside the channels, `[B, V·C, H, W]`, the kernel
+    repeated for each plane and `V` times the groups, then moved back. Exact: each plane's sums are
+    the 2-D convolution's. A 3-D convolution over all three dims is not one of Kiln's."""
+    if transposed:
+        raise Unsupported("a transposed 3-D convolution (Kiln's convolutions are 2-D)")
+    if isinstance(padding, str):
+        padding = [0, 0, 0] if padding == "valid" else None
+        if padding is None:
+            raise Unsupported("a 3-D convolution with padding='same'")
+    stride, padding, dilation = _triple(stride, "stride"), _triple(padding, "padding"), _triple(dilation, "dilation")
+    kernel = np.asarray(to_numpy_(w.value), dtype=np.float32)
+    axes = [d for d in range(3) if kernel.shape[2 + d] == 1 and stride[d] == 1 and padding[d] == 0]
+    if not axes:
+        raise Unsupported(f"a 3-D convolution with kernel {list(kernel.shape[2:])} (Kiln's convolutions are 2-D; one of "
+                          "size 1 along a dim, stride 1 and no padding there, is a grouped 2-D convolution)")
+    d = axes[-1]
+    x = act(x)
+    if len(x.tshape) != 5:
+        raise Unsupported(f"a 3-D convolution of a {len(x.tshape)}-D value of shape {list(x.tshape)}")
+    n, c = x.tshape[:2]
+    planes = x.tshape[2 + d]
+    if kernel.size * planes > MAX_REPEATED_WEIGHTS:
+        raise Unsupported(f"a 3-D convolution of {planes} planes: its weight repeated {planes} times would hold "
+                          f"{kernel.size * planes} values")
+    keep = [k for k in range(3) if k != d]
+    out = tuple(cx.out_shape)
+    o = out[1]
+    # [N, C, S0, S1, S2] -> [N, planes, C, Sa, Sb] -> [N, planes·C, Sa, Sb]; the data movement is
+    # named after the convolution, which keeps the module's path.
+    claimed, cx._named = cx._named, True
+    t = cx.permute(x, [0, 2 + d, 1] + [2 + k for k in keep])
+    t = cx.reshape(t, (n, planes * c) + tuple(x.tshape[2 + k] for k in keep))
+    cx._named = claimed
+    w4 = np.tile(kernel.reshape(kernel.shape[:2] + tuple(kernel.shape[2 + k] for k in keep)), (planes, 1, 1, 1))
+    inputs = [t, Const(f"{w.name}.planes_{planes}", w4)]
+    if b is not None:
+        inputs.append(Const(f"{const(b, 'bias').name}.planes_{planes}", np.tile(np.asarray(to_numpy_(b.value), dtype=np.float32), planes)))
+    sa, sb = (out[2 + k] for k in keep)
+    op = conv([stride[k] for k in keep], [padding[k] for k in keep], [dilation[k] for k in keep], int(groups) * planes, b is not None)
+    saved = cx.out_shape
+    cx.out_shape = (n, planes * o, sa, sb)
+    try:
+        y = cx.node(op, [cx.unlift(inputs[0])] + inputs[1:], "conv2d")
+    finally:
+        cx.out_shape = saved
+        cx._named = True
+    # [N, planes·O, Sa, Sb] -> [N, planes, O, Sa, Sb] -> [N, O, S0, S1, S2]
+    y = cx.reshape(y, (n, planes, o, sa, sb))
+    back = [0, 2]
+    for k in range(3):
+        back.append(1 if k == d else 3 + keep.index(k))
+    return cx.permute(y, back)
 
 
 def _one(v):

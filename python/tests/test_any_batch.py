@@ -98,6 +98,32 @@ def stack_sum_reference(x):
     return x + np.maximum(x, 0) + 2 * x
 
 
+STATE_BIAS = (np.arange(6, dtype=np.float32) % 4 - 1.5) / 10  # one row, the same for every sequence
+
+
+def rnn_state(batch=2):
+    """An LSTM step of timm's Sequencer2d: the images' rows `[B, 3, 6]` as `[B·3, 6]` sequences (the
+    batch merged with the rows), plus the folded `h0 @ W_hh + b` of the zero initial state, a
+    constant `[1, B·3, 6]` of more dims than the step (its rows equal: one per sequence), the step
+    added again (values of two ranks), a per-row constant `[1, 1, 6]`, and the sequences viewed as
+    images again."""
+    b = Builder()
+    b.batch = batch
+    x = Act(b.graph.input("x", (batch, 3, 6)), (batch, 3, 6))
+    t = call(b, "aten.view.default", (batch * 3, 6), self=x, size=[batch * 3, 6])
+    h0 = Const("rnn.h0_gates", np.broadcast_to(STATE_BIAS, (1, batch * 3, 6)).copy())
+    g = call(b, "aten.add.Tensor", (1, batch * 3, 6), self=t, other=h0, alpha=1)
+    t = call(b, "aten.add.Tensor", (1, batch * 3, 6), self=g, other=t, alpha=1)
+    t = call(b, "aten.mul.Tensor", (1, batch * 3, 6), self=t, other=Const("rnn.scale", np.full((1, 1, 6), 2.0, np.float32)))
+    y = call(b, "aten.view.default", (batch, 3, 6), self=t, size=[batch, 3, 6])
+    b.graph.mark_output("output", b.unlift(y).id)
+    return b.graph
+
+
+def rnn_state_reference(x):
+    return (2 * x + STATE_BIAS) * 2.0
+
+
 CLS = np.arange(6, dtype=np.float32).reshape(1, 1, 6) / 10
 
 
@@ -187,6 +213,7 @@ def einsum_rows_reference(x):
 
 PATTERNS = {
     "einsum_rows": (einsum_rows, einsum_rows_reference, (3, 2, 4)),
+    "rnn_state": (rnn_state, rnn_state_reference, (3, 6)),
     "stack_sum": (stack_sum, stack_sum_reference, (4, 3, 3)),
     "token_qkv": (token_qkv, token_qkv_reference, (4, 6)),
     "windows": (windows, windows_reference, (4, 4, 4)),
@@ -338,6 +365,25 @@ class AnyBatch(unittest.TestCase):
         self.assertEqual((w["op"], w["shape"]), ({"Weight": {"name": "mask.per_image"}}, [1, 4]))
         with self.assertRaisesRegex(Unsupported, "differs between the images"):
             b.binary("Mul", x, Const("per_row", np.array([[1, 0, 1, 0], [0, 1, 0, 1]], np.float32)))
+
+    def test_a_constant_of_more_dims_than_the_value_broadcasts_per_image(self):
+        # Lifted (the batch merged with rows): the value takes the constant's leading dim of 1.
+        b = Builder()
+        b.batch = 2
+        x = Act(b.graph.input("x", (2, 3, 4)), (2, 3, 4))
+        w = call(b, "aten.view.default", (6, 4), self=x, size=[6, 4])
+        y = b.binary("Add", w, Const("h0", np.ones((1, 6, 4), np.float32)))
+        self.assertEqual((y.tshape, y.lifted, y.bdim, y.kshape), ((1, 6, 4), True, 1, [2, 1, 3, 4]))
+        with self.assertRaisesRegex(Unsupported, "differs between the images"):
+            b.binary("Add", w, Const("h0", np.arange(24, dtype=np.float32).reshape(1, 6, 4)))
+        # The batch first: after the constant's leading dims, it is a moved batch.
+        b = Builder()
+        b.batch = 2
+        x = Act(b.graph.input("x", (2, 4)), (2, 4))
+        y = b.binary("Mul", x, Const("c", np.full((3, 2, 4), 0.5, np.float32)))
+        self.assertEqual((y.tshape, y.bdim, y.kshape), ((3, 2, 4), 1, [2, 3, 4]))
+        with self.assertRaisesRegex(Unsupported, "differs along the batch"):
+            b.binary("Mul", x, Const("c", np.arange(24, dtype=np.float32).reshape(3, 2, 4)))
 
 
 if __name__ == "__main__":

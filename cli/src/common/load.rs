@@ -116,7 +116,7 @@ pub fn load_args(m: &ModelArgs, batch: usize, hw: Option<[usize; 2]>) -> Result<
     if let Some(frames) = &m.frames {
         return load_frames(m, batch, frames);
     }
-    let traced = load(&m.model, m.weights.as_deref(), m.strict, batch, hw)?;
+    let traced = load_checked(&m.model, m.weights.as_deref(), m.strict, batch, hw, m.shapes.as_ref())?;
     check_shapes(m.shapes.as_ref(), &graph_inputs(&traced.graph), &traced.name)?;
     Ok(traced)
 }
@@ -160,14 +160,32 @@ fn traced_event(model: &str, graph: &Graph, start: std::time::Instant) {
 
 /// `trace_args` from the parts of the flags.
 pub fn load(model: &str, weights_path: Option<&Path>, strict: bool, batch: usize, hw: Option<[usize; 2]>) -> Result<Traced> {
+    load_checked(model, weights_path, strict, batch, hw, None)
+}
+
+/// `load`, with a graph or engine file's `--shapes` checked against its traced inputs before its
+/// shapes are re-inferred at the flag's H x W (so that a channels-last `x:1x224x224x3` gets the
+/// NCHW shape meant, not a re-inference at 224x3).
+fn load_checked(
+    model: &str,
+    weights_path: Option<&Path>,
+    strict: bool,
+    batch: usize,
+    hw: Option<[usize; 2]>,
+    shapes: Option<&crate::Shapes>,
+) -> Result<Traced> {
     // Graph and engine files hold a graph traced at one size: another H x W re-infers every
     // shape (an op that fixed a size makes that a typed error naming it). An engine runs it only
     // inside one of its profiles; that is checked when it runs.
     let fixed = |graph: Graph, name: String, model: String, origin: &'static str, weights: String, seeded: bool| -> Result<Traced> {
         let graph = match (hw, graph_hw(&graph)) {
             (Some([h, w]), Some(have)) if [h, w] != have => {
+                check_shapes(shapes, &graph_inputs(&graph), &name)?;
+                // The image input (the graph's first, whatever its name: kiln-torch names it
+                // after `forward`'s argument).
                 let c = graph.inputs.first().map_or(3, |&i| graph.nodes[i].shape[1]);
-                let dims = kiln::engine::InputDims::from([("input".to_string(), vec![c, h, w])]);
+                let input = graph.input_names().first().map_or("input", |n| n).to_string();
+                let dims = kiln::engine::InputDims::from([(input, vec![c, h, w])]);
                 graph.with_input_dims(&dims).map_err(|e| Error::Flag {
                     flag: "--size/--shapes".into(),
                     reason: format!("{name} was traced at {}x{} and does not run at {h}x{w}: {e}", have[0], have[1]),

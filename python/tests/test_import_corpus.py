@@ -1,0 +1,91 @@
+"""tools/import_corpus.py's own logic, without torch: the device's rows merged into the CPU ones,
+what passes, where torch.compile is timed, argmax agreement, and a run's budget."""
+
+import json
+import os
+import sys
+import tempfile
+import unittest
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+
+import import_corpus as ic  # noqa: E402
+
+
+def cpu_row(model, status="pass"):
+    return {"model": model, "source": "timm", "size": 64, "status": status, "commit": "abc", "cpu_b2": [1e-7, 1e-8],
+            "cpu_b3": [1e-7, 1e-8], "time_s": 3}
+
+
+def gpu_row(model, status="pass", kiln=1.0, torch=1.5, transformer=False):
+    return {"model": model, "source": "timm", "size": 64, "status": status, "commit": "def",
+            "gpu": {"status": status, "fp32": [1e-6, 1e-7], "fp16": 1e-3, "torch_fp16": 1e-3, "fp16_agree": 1.0,
+                    "torch_fp16_agree": 1.0, "kiln_ms": {"1": kiln, "16": kiln * 4}, "torch_graph_ms": {"1": torch, "16": torch * 4},
+                    "transformer": transformer, "device": "NVIDIA H200", "commit": "def"}}
+
+
+class ImportCorpus(unittest.TestCase):
+    def test_device_rows_join_the_cpu_rows_and_count_only_when_both_pass(self):
+        with tempfile.TemporaryDirectory() as d:
+            d = Path(d)
+            (d / "cpu.json").write_text(json.dumps({"gpu": False, "models": [cpu_row("timm/a"), cpu_row("timm/b"), cpu_row("timm/c")]}))
+            (d / "dev.json").write_text(json.dumps({"gpu": True, "models": [
+                gpu_row("timm/a"), gpu_row("timm/b", status="fail"),
+                {"model": "timm/c", "source": "timm", "size": 64, "status": "unsupported", "reason": "aten.x at m: why"}]}))
+            (d / "comp.json").write_text(json.dumps({"gpu": True, "models": [
+                {"model": "timm/a", "source": "timm", "size": 64, "compile": {"status": "pass", "compile_ms": {"1": 0.9, "16": 3.0}}}]}))
+            doc = d / "IMPORT.md"
+            doc.write_text(f"before\n{ic.SUMMARY_BEGIN}\nold\n{ic.SUMMARY_END}\nafter\n")
+            entries = [ic.Entry(m, "timm", 64) for m in ("timm/a", "timm/b", "timm/c")]
+            old = ic.write_summary.__defaults__
+            ic.write_summary.__defaults__ = (doc,)
+            try:
+                ic.merge([d / "cpu.json", d / "dev.json", d / "comp.json"], entries, d / "out.json", d / "out.md")
+                # A later CPU run keeps the device's results.
+                (d / "cpu2.json").write_text(json.dumps({"gpu": False, "models": [cpu_row("timm/a")]}))
+                ic.merge([d / "out.json", d / "cpu2.json"], entries, d / "out2.json", d / "out2.md")
+            finally:
+                ic.write_summary.__defaults__ = old
+            rows = {r["model"]: r for r in json.loads((d / "out2.json").read_text())["models"]}
+            self.assertEqual(rows["timm/a"]["gpu"]["status"], "pass")
+            self.assertEqual(rows["timm/a"]["compile"]["compile_ms"]["1"], 0.9)
+            self.assertEqual(rows["timm/b"]["gpu"]["status"], "fail")
+            self.assertIn("export on the device", rows["timm/c"]["gpu"]["reason"])
+            table = (d / "out2.md").read_text()
+            self.assertIn("Corpus: 1 of 3 models import and match.", table)
+            self.assertIn("| 0.900 / 3.000 |", table)
+            text = doc.read_text()
+            self.assertTrue(text.startswith("before\n") and text.endswith("after\n") and "old" not in text)
+            self.assertIn("Corpus: 1 of 3 models import and match.", text)
+
+    def test_torch_compile_is_timed_for_transformers_and_leads_under_1_2(self):
+        self.assertTrue(ic.needs_compile(gpu_row("m", kiln=1.0, torch=1.1)["gpu"]))
+        self.assertFalse(ic.needs_compile(gpu_row("m", kiln=1.0, torch=1.5)["gpu"]))
+        self.assertTrue(ic.needs_compile(gpu_row("m", kiln=1.0, torch=1.5, transformer=True)["gpu"]))
+        self.assertFalse(ic.needs_compile({}))
+
+    def test_argmax_agreement_of_images_and_of_a_segmentation_models_pixels(self):
+        want = {"logits": np.array([[0.0, 1.0], [1.0, 0.0]]), "mask": np.zeros((1, 3, 2, 2)), "feat": np.zeros((1, 8, 2, 2))}
+        want["mask"][0, 1] = 1.0
+        got = {"logits": np.array([[0.0, 1.0], [0.0, 1.0]]), "mask": want["mask"].copy(), "feat": np.ones((1, 8, 2, 2))}
+        got["mask"][0, 2, 0, 0] = 5.0
+        seg = lambda d: {k: v for k, v in d.items() if k != "feat"}  # noqa: E731
+        self.assertAlmostEqual(ic.argmax_agreement(seg(got), seg(want), "smp"), (1 + 3) / (2 + 4))
+        self.assertAlmostEqual(ic.argmax_agreement(got, want, "timm"), 1 / 2)
+        self.assertIsNone(ic.argmax_agreement({"feat": got["feat"]}, {"feat": want["feat"]}, "torchvision.detection"))
+
+    def test_results_are_replaced_whole(self):
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "results.json"
+            ic.save_rows(path, [cpu_row("timm/a")], True, stopped=["timm/b"])
+            data = json.loads(path.read_text())
+            self.assertEqual((data["not_run"], len(data["models"])), (["timm/b"], 1))
+            self.assertEqual(os.listdir(d), ["results.json"])
+
+
+if __name__ == "__main__":
+    unittest.main()
