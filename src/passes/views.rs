@@ -397,7 +397,7 @@ pub fn commute_reshape_permute(graph: &Graph) -> Result<Graph> {
 mod tests {
     use super::*;
     use crate::graph::HostTensor;
-    use crate::{Tracer, VarBuilder};
+    use crate::{Module, Tracer, VarBuilder};
     use std::collections::BTreeMap;
 
     fn count(g: &Graph, op: &str) -> usize {
