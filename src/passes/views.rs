@@ -145,7 +145,7 @@ pub(crate) fn chain_view(g: &Graph, id: NodeId, slices: bool) -> Option<(NodeId,
 fn scaled(g: &Graph, id: NodeId) -> Option<(NodeId, f32)> {
     let node = &g.nodes[id];
     match node.op {
-        Op::Unary(Unary::Affine { scale, shift }) if shift == 0.0 => Some((node.inputs[0], scale)),
+        Op::Unary(Unary::Affine { scale, shift: 0.0 }) => Some((node.inputs[0], scale)),
         Op::Binary(Binary::Mul) => {
             let [a, b] = node.inputs[..] else { return None };
             let scalar = |c: NodeId| g.weight_data(c).filter(|t| t.data.len() == 1).map(|t| t.data[0]);
