@@ -34,7 +34,8 @@ fn int8_fp8_engines_keep_fp32_answers_and_match_their_simulation() {
     let data = load(&dir);
     let fp32 = fp32_logits(&data);
     let stats = fold_stats(&data);
-    let method = CalibrationMethod::default();
+    let method = method_from_env();
+    println!("calibration: {method:?}");
     let tmp = std::env::temp_dir().join(format!("kiln-gpu-quant-photos-{}", std::process::id()));
     std::fs::create_dir_all(&tmp).expect("temp dir");
     let mut failures = vec![];

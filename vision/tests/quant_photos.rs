@@ -63,11 +63,6 @@ fn quant_table() {
     }
 }
 
-/// The diagnoses' calibration method: `$KILN_METHOD`, else the default.
-fn method_from_env() -> CalibrationMethod {
-    std::env::var("KILN_METHOD").ok().map_or(CalibrationMethod::default(), |m| CalibrationMethod::parse(&m).expect("KILN_METHOD"))
-}
-
 /// The FP8 simulation graph with each conv's per-tensor e4m3 weight grid replaced by one grid per
 /// output channel (`max |w[c]| / 448`).
 fn per_channel_fp8_weights(sim: &Graph) -> Graph {

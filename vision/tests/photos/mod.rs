@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use kiln::dev::quant::simulate;
-use kiln::engine::{CalibrationCache, Calibrator, QuantFormat};
+use kiln::engine::{CalibrationCache, CalibrationMethod, Calibrator, QuantFormat};
 use kiln::{Graph, HostTensor, VarBuilder};
 use kiln_vision::image::imageops;
 use kiln_vision::{center_crop, load_rgb, resize_shorter, top_k, ClassifyPreset, RgbImage};
@@ -28,6 +28,11 @@ pub const PHOTOS: [&str; 12] = [
 ];
 /// Views of each photo: the first is the judged centre crop.
 pub const VIEWS: usize = 4;
+
+/// The calibration method: `$KILN_METHOD` (a `--method` value), else the default.
+pub fn method_from_env() -> CalibrationMethod {
+    std::env::var("KILN_METHOD").ok().map_or(CalibrationMethod::default(), |m| CalibrationMethod::parse(&m).expect("KILN_METHOD"))
+}
 
 pub fn real_data() -> Option<PathBuf> {
     let dir = std::env::var_os("KILN_REAL_DATA")
