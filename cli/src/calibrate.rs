@@ -30,8 +30,8 @@ pub struct CalibrateArgs {
     /// Images per CPU run.
     #[arg(long, default_value_t = 32)]
     pub batch: usize,
-    /// percentile (99.99, the default: the least error of the four on held-out photos, docs/QUANT.md), percentile=P, entropy (TensorRT's KL-divergence default), minmax, or mse (the least squared error per format).
-    #[arg(long, default_value = "percentile")]
+    /// mse (the default: the least squared error per format, Model Optimizer's; chosen on held-out photos, docs/QUANT.md), percentile (99.99), percentile=P, entropy (TensorRT's KL divergence), or minmax.
+    #[arg(long, default_value = "mse")]
     pub method: String,
     /// Per-channel mean subtracted from a classifier's images read from a folder (after scaling to [0, 1]).
     #[arg(long, value_delimiter = ',', default_value = "0.485,0.456,0.406")]

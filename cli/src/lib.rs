@@ -172,8 +172,8 @@ pub enum Command {
     Codegen(CodegenArgs),
     /// Record activation ranges over a calibration set (CPU) and write an INT8/FP8 calibration cache.
     ///
-    /// Methods: percentile (99.99, the default), TensorRT's entropy (KL divergence) and min-max,
-    /// and mse (Model Optimizer's least squared error, a threshold per format). The cache is
+    /// Methods: mse (the default: Model Optimizer's least squared error, a threshold per format),
+    /// percentile (99.99), TensorRT's entropy (KL divergence) and min-max. The cache is
     /// readable JSON; `--int8`/`--fp8` builds (and `--cpu` runs, which simulate them) read it with
     /// --calibration-cache and need no data.
     #[command(
