@@ -106,14 +106,7 @@ for s in 1x3x224x224 2x3x224x224 4x3x224x224; do
 done
 ls "$WORK/refs" | wc -l
 
-read -r HTTP_PORT GRPC_PORT METRICS_PORT < <(python3 - <<'PY'
-import socket
-socks = [socket.socket() for _ in range(3)]
-for s in socks:
-    s.bind(("127.0.0.1", 0))
-print(*[s.getsockname()[1] for s in socks])
-PY
-)
+read -r HTTP_PORT GRPC_PORT METRICS_PORT < <(python3 "$ROOT/tools/triton_checks.py" --free-ports 3)
 say "the storm, the restart and the soak (tools/triton_gpu_storm.py)"
 # shellcheck disable=SC2086
 timeout 900 python3 "$ROOT/tools/triton_gpu_storm.py" --server "$WORK/server/pytriton/tritonserver/bin/tritonserver" \

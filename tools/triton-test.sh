@@ -99,14 +99,7 @@ echo "---- $REPO/README.md ----"
 cat "$REPO/README.md"
 
 # 4. The server, on 127.0.0.1 only, with three free ports.
-read -r HTTP_PORT GRPC_PORT METRICS_PORT < <(python3 - <<'PY'
-import socket
-socks = [socket.socket() for _ in range(3)]
-for s in socks:
-    s.bind(("127.0.0.1", 0))
-print(*[s.getsockname()[1] for s in socks])
-PY
-)
+read -r HTTP_PORT GRPC_PORT METRICS_PORT < <(python3 "$ROOT/tools/triton_checks.py" --free-ports 3)
 say "starting tritonserver 2.51 on 127.0.0.1 (HTTP $HTTP_PORT, gRPC $GRPC_PORT, metrics $METRICS_PORT)"
 "$TRITONSERVER" --model-repository="$REPO" --backend-directory="$WORK/backends" \
   --model-control-mode=explicit --load-model=resnet18 --load-model=resnet18_dyn --load-model=resnet18_finite \

@@ -3,7 +3,11 @@ tensors, and raw HTTP. Needs numpy only (no tritonclient), so that it runs where
 
 import http.client
 import json
+import re
+import socket
 import struct
+import sys
+import urllib.request
 
 import numpy as np
 
@@ -74,3 +78,42 @@ def raw_http(host, path, body, headers, timeout=60):
         return r.status, dict(r.getheaders()), r.read()
     finally:
         conn.close()
+
+
+def metric(url, name, model, label=""):
+    """The sum of Triton's Prometheus metric `name` over the series of `model` (and `label`)."""
+    with urllib.request.urlopen(f"http://{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    found = re.findall(rf'^{name}{{([^}}]*)}} ([0-9.e+]+)$', text, re.M)
+    return sum(float(v) for labels, v in found if f'model="{model}"' in labels and label in labels)
+
+
+def storm_plan(rng, requests, kinds, valid):
+    """A fixed, seeded sequence of `requests`, about 30% malformed: ("bad", kind index) or
+    ("ok", valid(i)); every one of the `kinds` at least once."""
+    plan = []
+    for i in range(requests):
+        if rng.random() < 0.3:
+            plan.append(("bad", int(rng.integers(len(kinds)))))
+        else:
+            plan.append(("ok", valid(i)))
+    for k in range(len(kinds)):
+        plan[(k * 7) % len(plan)] = ("bad", k)
+    return plan
+
+
+def free_ports(n):
+    """`n` TCP ports free on 127.0.0.1 now."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+if __name__ == "__main__":
+    # `python3 tools/triton_checks.py --free-ports N`: the ports, on one line (for the shell scripts).
+    if sys.argv[1:2] == ["--free-ports"]:
+        print(*free_ports(int(sys.argv[2])))

@@ -50,7 +50,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from triton_checks import check, raw_http, read_safetensors, rel_l2, report
+from triton_checks import check, metric, raw_http, read_safetensors, rel_l2, report, storm_plan
 
 TIMEOUT_S = 60
 DYN, FINITE, MNV2 = "resnet18_dyn", "resnet18_finite", "mobilenet_v2"
@@ -311,13 +311,6 @@ def malformed(a, clients, rng):
     ]
 
 
-def metric(url, name, model, label=""):
-    with urllib.request.urlopen(f"http://{url}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    found = re.findall(rf'^{name}{{([^}}]*)}} ([0-9.e+]+)$', text, re.M)
-    return sum(float(v) for labels, v in found if f'model="{model}"' in labels and label in labels)
-
-
 def backend_failures(a):
     return sum(metric(a.metrics, "nv_inference_request_failure", m, 'reason="BACKEND"') for m in MODELS)
 
@@ -332,14 +325,7 @@ def storm(a, clients, pool, rng, summary):
     kinds = malformed(a, clients, rng)
     before = backend_failures(a)
     hows = ["http", "json", "grpc", "cudashm"]
-    plan = []
-    for i in range(a.requests):
-        if rng.random() < 0.3:
-            plan.append(("bad", int(rng.integers(len(kinds)))))
-        else:
-            plan.append(("ok", (int(rng.integers(len(pool))), hows[i % 4])))
-    for k in range(len(kinds)):
-        plan[(k * 7) % len(plan)] = ("bad", k)
+    plan = storm_plan(rng, a.requests, kinds, lambda i: (int(rng.integers(len(pool))), hows[i % 4]))
     deadline = time.time() + a.storm_s
 
     def one(item):

@@ -23,11 +23,9 @@ import argparse
 import collections
 import concurrent.futures
 import json
-import re
 import sys
 import threading
 import time
-import urllib.request
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -35,7 +33,7 @@ import tritonclient.http as httpclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 # The PASS/FAIL lines and their tally, and rel L2, as the client test prints and computes them.
-from triton_checks import check, rel_l2, report
+from triton_checks import check, metric, rel_l2, report, storm_plan
 from triton_checks import raw_http as raw_post
 
 TIMEOUT_S = 60
@@ -162,13 +160,6 @@ def malformed_kinds(http_url, clients, rng):
     ]
 
 
-def metric(metrics_url, name, model, label=""):
-    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    found = re.findall(rf'^{name}{{([^}}]*)}} ([0-9.e+]+)$', text, re.M)
-    return sum(float(v) for labels, v in found if f'model="{model}"' in labels and label in labels)
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--http", required=True)
@@ -198,15 +189,7 @@ def main():
     )
 
     # The plan: a fixed, seeded sequence of requests, about 30% malformed.
-    plan = []
-    for i in range(a.requests):
-        if rng.random() < 0.3:
-            plan.append(("bad", int(rng.integers(len(kinds)))))
-        else:
-            plan.append(("ok", (int(rng.integers(len(pool))), ["http", "json", "grpc"][i % 3], [DYN, FINITE][i % 5 == 0])))
-    # Every malformed kind at least once.
-    for k in range(len(kinds)):
-        plan[(k * 7) % len(plan)] = ("bad", k)
+    plan = storm_plan(rng, a.requests, kinds, lambda i: (int(rng.integers(len(pool))), ["http", "json", "grpc"][i % 3], [DYN, FINITE][i % 5 == 0]))
 
     deadline = time.time() + a.seconds
 
