@@ -10,7 +10,7 @@
 mod photos;
 
 use kiln::dev::quant::simulate;
-use kiln::engine::{gpu_available, BuildConfig, CalibrationMethod, EngineBuilder, Gpu, Precision, QuantFormat};
+use kiln::engine::{gpu_available, BuildConfig, EngineBuilder, Gpu, Precision, QuantFormat};
 use kiln_vision::top_k;
 use photos::*;
 use std::sync::Arc;
