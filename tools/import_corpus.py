@@ -391,8 +391,14 @@ def write_reference_at(model, result, x, path: Path) -> None:
     path.write_bytes(kg.encode_reference(inputs, outputs, {"model": result.metadata.get("model", "")}))
 
 
-def checkout_commit() -> str:
-    """The commit the exporter and this tool run at (`-dirty` when python/ or tools/ differ from it)."""
+def checkout_commit(kiln=None) -> str:
+    """The commit the exporter and this tool run at (`-dirty` when python/ or tools/ differ from it).
+    A `COMMIT` file beside the kiln binary (tools/gpu-build.sh writes it) wins: a copy of the tree
+    on another machine may carry another checkout's git metadata."""
+    stamp = Path(kiln).parent / "COMMIT" if kiln else None
+    if stamp and stamp.is_file():
+        return stamp.read_text().strip() or "unknown"
+
     def git(*args):
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True).stdout.strip()
 
@@ -970,7 +976,7 @@ def main() -> int:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    a.commit = checkout_commit()
+    a.commit = checkout_commit(a.kiln)
     entries = corpus()
     if a.merge:
         return merge(a.merge, entries, results, table)
