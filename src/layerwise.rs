@@ -230,8 +230,11 @@ pub fn run_quantised(
             })
         }
     };
-    let keys = fused_keys(traced, &quantised);
-    run_keyed(&quantised, &keys, reference, rtol, execute)
+    // The graph the CPU simulation runs: weights folded onto their grids and FP16 stored where
+    // the engine stores it (`calibrate::simulation`), so that its logits are `simulate`'s.
+    let simulated = crate::calibrate::simulation(&crate::calibrate::fold_constant_quant(&quantised)?, format)?;
+    let keys = fused_keys(traced, &simulated);
+    run_keyed(&simulated, &keys, reference, rtol, execute)
 }
 
 /// For each node of `optimized` (`traced` after `passes::optimize`, possibly with Q/DQ nodes
