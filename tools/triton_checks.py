@@ -1,12 +1,14 @@
 """What Kiln's Triton tools share: PASS/FAIL lines and their tally, rel L2, safetensors files of f32
 tensors, and raw HTTP. Needs numpy only (no tritonclient), so that it runs wherever the server does."""
 
+import concurrent.futures
 import http.client
 import json
 import re
 import socket
 import struct
 import sys
+import time
 import urllib.request
 
 import numpy as np
@@ -100,6 +102,33 @@ def storm_plan(rng, requests, kinds, valid):
     for k in range(len(kinds)):
         plan[(k * 7) % len(plan)] = ("bad", k)
     return plan
+
+
+def run_storm(plan, valid, kinds, clients, seconds, timeout):
+    """Sends `plan` (`storm_plan`'s) from `clients` threads within `seconds`: `valid(arg)` for an
+    ("ok", arg) item, the kind's call for a ("bad", k) one. Each outcome: ("ok", valid's result),
+    ("bad", (k, the call's (status, message))), ("wrong", (item, why)) for an AssertionError,
+    ("error", (item, what)) for any other exception, ("skipped", None) past the deadline; and the
+    seconds it took."""
+    deadline = time.time() + seconds
+
+    def one(item):
+        if time.time() > deadline:
+            return ("skipped", None)
+        what, arg = item
+        try:
+            if what == "ok":
+                return ("ok", valid(arg))
+            return ("bad", (arg, kinds[arg][2]()))
+        except AssertionError as e:
+            return ("wrong", (item, str(e)))
+        except Exception as e:
+            return ("error", (item, f"{type(e).__name__}: {e}"))
+
+    t = time.time()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=clients) as ex:
+        outcomes = list(ex.map(one, plan, timeout=seconds + timeout))
+    return outcomes, time.time() - t
 
 
 def free_ports(n):

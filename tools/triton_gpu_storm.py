@@ -33,7 +33,6 @@ Prints PASS/FAIL lines and `gpu storm: N passed, M failed`; writes summary.json 
 import argparse
 import base64
 import collections
-import concurrent.futures
 import ctypes
 import glob
 import json
@@ -50,7 +49,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from triton_checks import check, metric, raw_http, read_safetensors, rel_l2, report, storm_plan
+from triton_checks import check, metric, raw_http, read_safetensors, rel_l2, report, run_storm, storm_plan
 
 TIMEOUT_S = 60
 DYN, FINITE, MNV2 = "resnet18_dyn", "resnet18_finite", "mobilenet_v2"
@@ -326,25 +325,7 @@ def storm(a, clients, pool, rng, summary):
     before = backend_failures(a)
     hows = ["http", "json", "grpc", "cudashm"]
     plan = storm_plan(rng, a.requests, kinds, lambda i: (int(rng.integers(len(pool))), hows[i % 4]))
-    deadline = time.time() + a.storm_s
-
-    def one(item):
-        if time.time() > deadline:
-            return ("skipped", None)
-        what, arg = item
-        try:
-            if what == "ok":
-                return ("ok", (arg[1], *run_valid(clients, pool, *arg)))
-            return ("bad", (arg, kinds[arg][2]()))
-        except AssertionError as e:
-            return ("wrong", (item, str(e)))
-        except Exception as e:
-            return ("error", (item, f"{type(e).__name__}: {e}"))
-
-    t = time.time()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=a.clients) as ex:
-        outcomes = list(ex.map(one, plan, timeout=a.storm_s + TIMEOUT_S))
-    took = time.time() - t
+    outcomes, took = run_storm(plan, lambda arg: (arg[1], *run_valid(clients, pool, *arg)), kinds, a.clients, a.storm_s, TIMEOUT_S)
     answers = [o[1] for o in outcomes if o[0] == "ok"]
     worst = max((r for _, r, _ in answers), default=float("inf"))
     exact = sum(e for _, _, e in answers)

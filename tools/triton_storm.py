@@ -21,7 +21,6 @@ and `storm: N passed, M failed`; exits non-zero on any failure.
 
 import argparse
 import collections
-import concurrent.futures
 import json
 import sys
 import threading
@@ -33,7 +32,7 @@ import tritonclient.http as httpclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 # The PASS/FAIL lines and their tally, and rel L2, as the client test prints and computes them.
-from triton_checks import check, metric, rel_l2, report, storm_plan
+from triton_checks import check, metric, rel_l2, report, run_storm, storm_plan
 from triton_checks import raw_http as raw_post
 
 TIMEOUT_S = 60
@@ -191,28 +190,11 @@ def main():
     # The plan: a fixed, seeded sequence of requests, about 30% malformed.
     plan = storm_plan(rng, a.requests, kinds, lambda i: (int(rng.integers(len(pool))), ["http", "json", "grpc"][i % 3], [DYN, FINITE][i % 5 == 0]))
 
-    deadline = time.time() + a.seconds
+    def ok(arg):
+        idx, how, model = arg
+        return (idx, how, valid(clients, model, pool[idx], how))
 
-    def one(item):
-        if time.time() > deadline:
-            return ("skipped", None)
-        what, arg = item
-        try:
-            if what == "ok":
-                idx, how, model = arg
-                y = valid(clients, model, pool[idx], how)
-                return ("ok", (idx, how, y))
-            name, who, call = kinds[arg]
-            return ("bad", (arg, call()))
-        except AssertionError as e:
-            return ("wrong", (item, str(e)))
-        except Exception as e:
-            return ("error", (item, f"{type(e).__name__}: {e}"))
-
-    t = time.time()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=a.clients) as ex:
-        outcomes = list(ex.map(one, plan, timeout=a.seconds + TIMEOUT_S))
-    took = time.time() - t
+    outcomes, took = run_storm(plan, ok, kinds, a.clients, a.seconds, TIMEOUT_S)
 
     # Valid answers.
     answers = [o[1] for o in outcomes if o[0] == "ok"]

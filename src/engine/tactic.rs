@@ -234,7 +234,7 @@ fn time_candidates(ctx: &LayerCtx, candidates: &[Box<dyn Layer>], timed: bool) -
     // Plans made on several threads first (cuDNN's runtime fusion compiles each); a candidate
     // that cannot be prepared fails again below, with its reason, when it runs.
     if candidates.len() > 1 {
-        super::plan::prepare_in_parallel(&ctx.gpu, candidates, &batches)?;
+        super::plan::prepare_in_parallel(ctx.gpu, candidates, &batches)?;
     }
     let (ptrs, _values) = value_buffers(ctx)?;
     let limit = ctx.config.workspace_bytes;
