@@ -2,7 +2,7 @@
 # Builds the GPU test binaries and the kiln CLI here (the device has no Rust toolchain) and stages
 # them, with the Python tools, in .carry/ for `bash tools/gpu-test.sh` and `bash tools/bench-all.sh`
 # on the device (docs/ENGINE.md, docs/BENCHMARKS.md). .carry/ is git-ignored and must stay under the
-# device tool's 64 MiB limit, so binaries are stripped.
+# device tool's 64 MiB limit, so binaries are stripped (and with XZ=1 compressed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exclude=$(git rev-parse --git-path info/exclude)
@@ -33,5 +33,10 @@ strip .carry/kiln/kiln
 echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!docs' || echo -dirty)" > .carry/kiln/COMMIT
 cp tools/*.py .carry/tools/
 [ -f ../shared/bench/torch_peer.py ] && cp ../shared/bench/torch_peer.py .carry/tools/
+# XZ=1: binaries compressed (about a quarter of their size), so that the staged folder and the
+# tree fit a 64 MiB upload; tools/carry-unpack.sh (sourced by the GPU-side scripts) restores them.
+if [ "${XZ:-0}" = 1 ]; then
+  xz -f -T0 -6 .carry/bin/* .carry/kiln/kiln
+fi
 ls -la .carry/bin .carry/kiln
 du -sh .carry

@@ -11,6 +11,8 @@
 # and the other binaries with SKIP_BINS set to the same list. Exports not needed can be cut with
 # MODELS=..., WEIGHTS=..., SHAPES=... (gpu_quant needs `resnet50` with `torchvision` weights).
 set -uo pipefail
+# Binaries staged compressed (tools/gpu-build.sh XZ=1) are decompressed first.
+[ -f tools/carry-unpack.sh ] && source tools/carry-unpack.sh
 # Kiln's binaries need the system cuDNN 9.14 and CUDA 13 libraries; PyTorch must not see them (it
 # bundles cuDNN 9.19 and refuses an older one first on the path), so only the binaries get this.
 KILN_LD=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu:/usr/lib

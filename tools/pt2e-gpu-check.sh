@@ -16,6 +16,8 @@
 # Results in $OUT/pt2e: check.log (the tables), rows.json, device.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# Binaries staged compressed (tools/gpu-build.sh XZ=1) are decompressed first.
+[ -f tools/carry-unpack.sh ] && source tools/carry-unpack.sh
 export KILN_LD=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu:/usr/lib
 # PyTorch bundles its own cuDNN and refuses an older one first on the path: only kiln gets KILN_LD.
 unset LD_LIBRARY_PATH

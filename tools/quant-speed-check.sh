@@ -10,6 +10,8 @@
 # MODELS (default "resnet50 mobilenet_v2"), BATCHES (default "1 256"), PRECISIONS (default
 # "int8 fp8"). Results under $OUT: build.log, bench.log and one JSON record per bench.
 set -uo pipefail
+# Binaries staged compressed (tools/gpu-build.sh XZ=1) are decompressed first.
+[ -f tools/carry-unpack.sh ] && source tools/carry-unpack.sh
 KILN=${KILN:-target/release/kiln}
 OLD=${OLD:-}
 OUT=${OUT:-$(mktemp -d)}
