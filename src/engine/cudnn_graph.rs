@@ -328,7 +328,7 @@ struct Plan {
 /// a new one. A finalized plan is immutable and bound to no buffer (a run passes its pointers), so
 /// layers of one problem (ResNet's repeated blocks) and the candidates of one timed problem share
 /// plans instead of compiling each again: runtime fusion compiles a kernel per plan, most of an
-/// 8-bit build's time. Threads preparing a build in parallel (`plan::prepare_all`) wait for each
+/// 8-bit build's time. Threads preparing layers in parallel (`plan::prepare_in_parallel`) wait for each
 /// other only on one problem: its slot is locked while it compiles.
 fn shared_plan(gpu: &Gpu, handle: dnn::cudnnHandle_t, conv: &FusedConv, cfg: &EngineConfig, batch: usize) -> Result<Arc<Plan>> {
     type Slot = Arc<Mutex<Weak<Plan>>>;

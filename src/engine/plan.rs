@@ -572,21 +572,14 @@ pub(super) fn prepare_in_parallel(gpu: &Gpu, layers: &[Box<dyn Layer>], batches:
     let prepare = |rt: &RunCtx, layer: &dyn Layer| batches.iter().try_for_each(|&b| layer.prepare(rt, b));
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(PREPARE_THREADS).min(layers.len());
     if threads <= 1 {
-        let rt =
-            RunCtx { stream: &gpu.stream, handles: &gpu.handles, ptrs: &[], workspace: 0, workspace_bytes: super::gemm::GEMM_WORKSPACE };
+        let rt = unbound(&gpu.stream, &gpu.handles);
         return Ok(layers.iter().map(|layer| prepare(&rt, layer.as_ref())).collect());
     }
     let next = std::sync::atomic::AtomicUsize::new(0);
     let results: std::sync::Mutex<Vec<Option<Result<()>>>> = std::sync::Mutex::new((0..layers.len()).map(|_| None).collect());
     let work = || -> Result<()> {
         let helper = gpu.helper()?;
-        let rt = RunCtx {
-            stream: &helper.stream,
-            handles: &helper.handles,
-            ptrs: &[],
-            workspace: 0,
-            workspace_bytes: super::gemm::GEMM_WORKSPACE,
-        };
+        let rt = unbound(&helper.stream, &helper.handles);
         loop {
             let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let Some(layer) = layers.get(i) else { break };
@@ -610,6 +603,12 @@ pub(super) fn prepare_in_parallel(gpu: &Gpu, layers: &[Box<dyn Layer>], batches:
         .into_iter()
         .map(|r| r.unwrap_or_else(|| Err(Error::Poisoned { path: String::new(), what: "a layer no helper prepared".into() })))
         .collect())
+}
+
+/// The run context a layer is prepared with: a stream and handles, no buffer (no value addresses,
+/// no workspace).
+fn unbound<'a>(stream: &'a Arc<cudarc::driver::CudaStream>, handles: &'a super::gpu::Handles) -> RunCtx<'a> {
+    RunCtx { stream, handles, ptrs: &[], workspace: 0, workspace_bytes: super::gemm::GEMM_WORKSPACE }
 }
 
 /// At most this many threads prepare layers: cuDNN's runtime-fusion compiles scale with cores.

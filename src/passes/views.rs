@@ -19,6 +19,7 @@
 use super::{redirect, remove_dead_nodes};
 use crate::graph::{Binary, Gemm, Graph, NodeId, Norm, Op, ShapeOp, Unary};
 use crate::ops::attention::{qkv_attention_shape, Attention, QkvAttention};
+use crate::ops::shape::contiguous_strides;
 use crate::Result;
 
 /// A strided view of one image of a source tensor stored contiguously: element `i` of the view
@@ -28,15 +29,6 @@ pub(crate) struct View {
     pub offset: usize,
     pub sizes: Vec<usize>,
     pub strides: Vec<usize>,
-}
-
-/// Row-major strides of `sizes`.
-fn contiguous_strides(sizes: &[usize]) -> Vec<usize> {
-    let mut strides = vec![1; sizes.len()];
-    for d in (0..sizes.len().saturating_sub(1)).rev() {
-        strides[d] = strides[d + 1] * sizes[d + 1];
-    }
-    strides
 }
 
 impl View {

@@ -7,7 +7,8 @@ use super::rules::{
 use crate::error::OpError;
 use crate::graph::HostTensor;
 
-pub(super) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+/// Row-major strides of `shape` (in elements): what a contiguous tensor of that shape has.
+pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
     let mut strides = vec![1; shape.len()];
     for k in (0..shape.len().saturating_sub(1)).rev() {
         strides[k] = strides[k + 1] * shape[k + 1];

@@ -16,6 +16,7 @@ mod gpu;
 mod modules;
 mod rules;
 
+pub(crate) use cpu::contiguous_strides;
 pub use modules::{Flatten, FlattenConfig, ReflectionPad2d, ReplicationPad2d, ATEN, NN_LAYERS};
 
 use crate::engine::launch::typed_entry_points;
