@@ -366,111 +366,101 @@ def connection_error(e):
     return isinstance(e, (ConnectionError, OSError)) or any(w in text for w in ("UNAVAILABLE", "Connection refused", "Socket closed", "RemoteDisconnected"))
 
 
+class Load:
+    """Valid requests from `n` threads until `stop()`: thread `i` sends the pool entry and protocol
+    `choose(rng, i)` gives, and each answer is checked against its reference. After an error a
+    thread waits 50 ms (a server that is down is not hammered)."""
+
+    def __init__(self, clients, pool, n, seed, choose):
+        self.answered = collections.Counter()  # by protocol
+        self.worst = 0.0
+        self.wrong = []  # (model, protocol, rel L2) over TOL
+        self.errors = []  # (time, "connection refused" or "refused otherwise", protocol, what)
+        self.lock, self.done = threading.Lock(), threading.Event()
+
+        def worker(i):
+            rng = np.random.default_rng(seed + i)
+            while not self.done.is_set():
+                idx, how = choose(rng, i)
+                try:
+                    r, _ = run_valid(clients, pool, idx, how)
+                    with self.lock:
+                        self.answered[how] += 1
+                        self.worst = max(self.worst, r)
+                        if r > TOL:
+                            self.wrong.append((pool[idx][0], how, r))
+                except Exception as e:
+                    with self.lock:
+                        kind = "connection refused" if connection_error(e) else "refused otherwise"
+                        self.errors.append((time.time(), kind, how, f"{type(e).__name__}: {str(e)[:160]}"))
+                    time.sleep(0.05)
+
+        self.threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def count(self):
+        with self.lock:
+            return sum(self.answered.values())
+
+    def stop(self):
+        self.done.set()
+        for t in self.threads:
+            t.join(timeout=TIMEOUT_S)
+
+
 def restart(a, server, clients, pool, summary):
     """Valid requests from --clients threads while the server stops and starts again."""
-    stop = threading.Event()
-    lock = threading.Lock()
-    tally = collections.Counter()
-    worst = [0.0]
-    wrong, errors = [], []
-
-    def worker(i):
-        rng = np.random.default_rng(1000 + i)
-        while not stop.is_set():
-            idx = int(rng.integers(len(pool)))
-            how = ["http", "grpc"][i % 2]
-            try:
-                r, _ = run_valid(clients, pool, idx, how)
-                with lock:
-                    tally["answered"] += 1
-                    worst[0] = max(worst[0], r)
-                    if r > TOL:
-                        wrong.append((pool[idx][0], how, r))
-            except Exception as e:
-                with lock:
-                    kind = "connection refused" if connection_error(e) else "refused otherwise"
-                    tally[kind] += 1
-                    errors.append((time.time(), kind, how, f"{type(e).__name__}: {str(e)[:160]}"))
-                time.sleep(0.05)
-
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(a.clients)]
-    for t in threads:
-        t.start()
+    load = Load(clients, pool, a.clients, 1000, lambda rng, i: (int(rng.integers(len(pool))), ["http", "grpc"][i % 2]))
     time.sleep(a.restart_s / 3)
-    answered_before = tally["answered"]
+    answered_before = load.count()
     stopped_at = time.time()
     rc, stop_s = server.stop()
     crashed = server.crashed_in_log()
     start_s = server.start()
     ready_at = time.time()
     time.sleep(a.restart_s * 2 / 3)
-    stop.set()
-    for t in threads:
-        t.join(timeout=TIMEOUT_S)
+    load.stop()
+    errors, wrong, worst = load.errors, load.wrong, load.worst
+    tally = {"answered": load.count(), **collections.Counter(e[1] for e in errors)}
     after = tally["answered"] - answered_before
     # While it stops, Triton unloads the models (gRPC answers NOT_FOUND "unknown model") and then
     # refuses connections; clients reconnect within a few seconds of it being ready again (gRPC's
     # backoff). Any error outside that window is a failure.
     late = [e for e in errors if e[0] < stopped_at or e[0] > ready_at + 10]
-    kinds_down = dict(collections.Counter(e[3].split(":")[0] + ": " + re.sub(r"'[^']*'", "'…'", e[3])[:90] for e in errors))
+    kinds_down = dict(collections.Counter(re.sub(r"'[^']*'", "'…'", e[3])[:90] for e in errors))
     check("restart: the server stopped under load cleanly (SIGTERM, exit 0, no crash in its log)", rc == 0 and not crashed, f"exit {rc} in {stop_s:.1f} s {crashed or ''}")
     check("restart: the server started again and every model is ready", start_s is not None, f"ready in {start_s:.1f} s" if start_s else "not ready within 300 s")
     check(f"restart: every answer matches `kiln compare --fp32` (rel L2 <= {TOL:g})", not wrong and after > 0,
-          f"{dict(tally)}, worst rel L2 {worst[0]:.1e}; {answered_before} answers before the stop, {after} after; " + "; ".join(map(str, wrong[:3])))
+          f"{tally}, worst rel L2 {worst:.1e}; {answered_before} answers before the stop, {after} after; " + "; ".join(map(str, wrong[:3])))
     check("restart: requests are refused only while the server stops and starts (and 10 s after)", not late,
           f"{len(errors)} refused, {len(late)} outside the window; " + "; ".join(str(e[1:]) for e in late[:3]))
     print(f"      what the clients got while it was down: {kinds_down}", flush=True)
-    summary["restart"] = {**dict(tally), "while_down": kinds_down, "worst_rel_l2": worst[0], "exit_code": rc, "stop_s": stop_s, "start_s": start_s, "answers_after": after}
+    summary["restart"] = {**tally, "while_down": kinds_down, "worst_rel_l2": worst, "exit_code": rc, "stop_s": stop_s, "start_s": start_s, "answers_after": after}
 
 
 def soak(a, server, clients, pool, summary):
     pool224 = [i for i, (m, _, _) in enumerate(pool) if m == MNV2]
-    stop = threading.Event()
-    lock = threading.Lock()
-    tally = collections.Counter()
-    worst = [0.0]
-    wrong = []
-
-    def worker(i):
-        rng = np.random.default_rng(2000 + i)
-        while not stop.is_set():
-            idx = pool224[int(rng.integers(len(pool224)))]
-            how = ["http", "grpc", "cudashm"][i % 3]
-            try:
-                r, _ = run_valid(clients, pool, idx, how)
-                with lock:
-                    tally[how] += 1
-                    worst[0] = max(worst[0], r)
-                    if r > TOL:
-                        wrong.append((how, r))
-            except Exception as e:
-                with lock:
-                    tally["failed"] += 1
-                    wrong.append((how, f"{type(e).__name__}: {str(e)[:160]}"))
-
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(a.soak_clients)]
+    how = ["http", "grpc", "cudashm"]
+    load = Load(clients, pool, a.soak_clients, 2000, lambda rng, i: (pool224[int(rng.integers(len(pool224)))], how[i % 3]))
     t0 = time.time()
     rows = []
-    for t in threads:
-        t.start()
     with open(os.path.join(a.out, "soak.csv"), "w") as f:
         f.write("seconds,requests,rss_mib,server_device_mib,gpu_used_mib\n")
         while time.time() - t0 < a.soak_s:
             time.sleep(a.sample_s)
-            with lock:
-                n = sum(v for k, v in tally.items() if k != "failed")
             own, used = server.device_mib()
-            row = (time.time() - t0, n, server.rss_mib(), own, used)
+            row = (time.time() - t0, load.count(), server.rss_mib(), own, used)
             rows.append(row)
             f.write("%.1f,%d,%.1f,%.0f,%.0f\n" % row)
             f.flush()
-    stop.set()
-    for t in threads:
-        t.join(timeout=TIMEOUT_S)
+    load.stop()
     took = time.time() - t0
-    total = sum(v for k, v in tally.items() if k != "failed")
-    check(f"soak: every answer matches `kiln compare --fp32` (rel L2 <= {TOL:g})", not wrong and total > 0,
-          f"{total} answers in {took:.0f} s ({total / took:.0f}/s), {dict(tally)}, worst rel L2 {worst[0]:.1e}; " + "; ".join(map(str, wrong[:3])))
+    total = load.count()
+    failures = load.wrong + [e[2:] for e in load.errors]
+    check(f"soak: every answer matches `kiln compare --fp32` (rel L2 <= {TOL:g})", not failures and total > 0,
+          f"{total} answers in {took:.0f} s ({total / took:.0f}/s), {dict(load.answered)}, {len(load.errors)} failed, worst rel L2 {load.worst:.1e}; "
+          + "; ".join(map(str, failures[:3])))
     thirds = [rows[len(rows) * k // 3 : len(rows) * (k + 1) // 3] for k in range(3)]
     if all(thirds):
         peak = [max(r[2] for r in part) for part in thirds]
@@ -484,7 +474,7 @@ def soak(a, server, clients, pool, summary):
     print("      soak curve (seconds, answers, RSS MiB, server device MiB, GPU used MiB):", flush=True)
     for r in rows[:: max(1, len(rows) // 12)] + rows[-1:]:
         print("        %7.1f %8d %8.1f %8.0f %8.0f" % r, flush=True)
-    summary["soak"] = {"seconds": took, "answers": total, "by_protocol": dict(tally), "worst_rel_l2": worst[0], "curve": rows}
+    summary["soak"] = {"seconds": took, "answers": total, "by_protocol": dict(load.answered), "failed": len(load.errors), "worst_rel_l2": load.worst, "curve": rows}
 
 
 def main():
