@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
 # The import corpus on the device (tools/import_corpus.py --gpu, docs/IMPORT.md "The import corpus"):
-# one process per GPU, each on its own shard of the models not yet run there (by the carried
-# docs/import_corpus.json), all stopping cleanly before BUDGET seconds so that a 10-minute call
-# keeps every row. Each model is exported at batch 2 on the device (no graph file is uploaded).
+# WORKERS processes per GPU share the models not yet run there (by the carried
+# docs/import_corpus.json; each takes the next one no other has claimed). Their checks run side by
+# side; each timing (kiln bench, PyTorch's CUDA graph, torch.compile) has its GPU alone. All stop
+# cleanly before BUDGET seconds so that a 10-minute call keeps every row. Each model is exported at
+# batch 2 on the device (no graph file is uploaded), and torch.compile is timed in the same pass
+# where the issue's rule asks for it (COMPILE=0 leaves it out).
 #
 #   here:    bash tools/gpu-build.sh                          stages the kiln CLI in .carry/kiln/
 #            wheels in .whl-corpus/ (docs/IMPORT.md lists them; pip download, never committed)
 #   device:  bash tools/import-corpus-gpu.sh                  carry [".carry", ".whl-corpus"], timeout_s 600
-#            COMPILE=1 bash tools/import-corpus-gpu.sh        the torch.compile run instead (its own calls)
+#            COMPILE=only bash tools/import-corpus-gpu.sh     torch.compile alone, for rows that lack it
 #   here:    python3 tools/import_corpus.py --merge docs/import_corpus.json <files_at>/corpus-*/results.json
 #
 # Environment: BUDGET (seconds for the call, default 510), GPUS (default: every GPU nvidia-smi lists),
+# WORKERS (per GPU, default 6),
 # KILN (default .carry/kiln/kiln), WHEELS (default .whl-corpus). Extra arguments go to import_corpus.py
 # (e.g. model names, --dry-run to run the plumbing on the CPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${OUT:-$(mktemp -d)}
+[ -f tools/carry-unpack.sh ] && source tools/carry-unpack.sh
 BUDGET=${BUDGET:-510}
 KILN=${KILN:-.carry/kiln/kiln}
 WHEELS=${WHEELS:-.whl-corpus}
@@ -41,22 +46,29 @@ else
   GPUS=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 fi
 ((GPUS >= 1)) || GPUS=1
-THREADS=$(($(nproc) / GPUS))
+WORKERS=${WORKERS:-6}
+((WORKERS >= 1)) || WORKERS=1
+N=$((GPUS * WORKERS))
+THREADS=$(($(nproc) / N))
 ((THREADS >= 1)) || THREADS=1
-MODE=(--gpu)
-[ -n "${COMPILE:-}" ] && MODE=(--compile)
+MODE=(--gpu --and-compile)
+[ "${COMPILE:-1}" = 0 ] && MODE=(--gpu)
+[ "${COMPILE:-1}" = only ] && MODE=(--compile)
+STATE=$(mktemp -d)  # the workers' claims on models, and each GPU's turns
 pids=()
-for ((k = 1; k <= GPUS; k++)); do
+for ((k = 1; k <= N; k++)); do
+  g=$(((k - 1) % GPUS))
   mkdir -p "$OUT/corpus-$k"
-  CUDA_VISIBLE_DEVICES=$((k - 1)) python3 tools/import_corpus.py "${MODE[@]}" --kiln "$KILN" --shard "$k/$GPUS" \
-    --budget "$BUDGET" --threads "$THREADS" --resume-from docs/import_corpus.json --out "$OUT/corpus-$k" "$@" \
-    >"$OUT/corpus-$k/log" 2>&1 &
+  # A hard stop a little after the budget, should a step ignore its own limit.
+  CUDA_VISIBLE_DEVICES=$g timeout -k 5 $((${BUDGET%.*} + 40)) python3 tools/import_corpus.py "${MODE[@]}" --kiln "$KILN" \
+    --claims "$STATE/claims" --turns "$STATE/turns-gpu$g" --budget "$BUDGET" --threads "$THREADS" \
+    --resume-from docs/import_corpus.json --out "$OUT/corpus-$k" "$@" >"$OUT/corpus-$k/log" 2>&1 &
   pids+=($!)
 done
 rc=0
 for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
-for ((k = 1; k <= GPUS; k++)); do
-  echo "== shard $k/$GPUS"
+for ((k = 1; k <= N; k++)); do
+  echo "== worker $k/$N (GPU $(((k - 1) % GPUS)))"
   grep -E '^\[|^Corpus|^torch.compile|^import_corpus' "$OUT/corpus-$k/log" | tail -40
   rm -f "$OUT/corpus-$k"/*.safetensors "$OUT/corpus-$k"/*.json.tmp
 done

@@ -56,6 +56,8 @@ a CPU row; a device row adds its results to the model's row.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import math
 import os
@@ -347,6 +349,61 @@ def _alarm(signum, frame):
 KILN_ENV = None
 
 
+class GpuTurns:
+    """Several workers on one GPU (`--turns DIR`, one folder per GPU): the checks share it, a timing
+    has it alone, so that no timing (`kiln bench`'s tactic choices and runs, PyTorch's replays) sees
+    another process's kernels. A fair readers-writer lock over two files with flock: a timing takes
+    the gate before it waits for the GPU, so no new check starts while it waits. Without a folder,
+    both are no-ops. `waited` adds up the seconds spent waiting for a turn."""
+
+    def __init__(self, folder=None):
+        self.files = None
+        self.waited = 0.0
+        if folder:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            self.files = tuple(open(Path(folder) / name, "a+") for name in ("gate", "gpu"))
+
+    @contextlib.contextmanager
+    def _turn(self, mode):
+        if self.files is None:
+            yield
+            return
+        gate, gpu = self.files
+        t = time.time()
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(gpu, mode)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        self.waited += time.time() - t
+        try:
+            yield
+        finally:
+            fcntl.flock(gpu, fcntl.LOCK_UN)
+
+    def shared(self):
+        return self._turn(fcntl.LOCK_SH)
+
+    def alone(self):
+        return self._turn(fcntl.LOCK_EX)
+
+
+TURNS = GpuTurns()
+
+
+def claim(folder, name: str) -> bool:
+    """Whether this worker takes `name` (`--claims DIR`: the first worker to create its file; the
+    workers of a call share the folder, so each model runs once and the fast ones take more)."""
+    if not folder:
+        return True
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(Path(folder) / name.replace("/", "_"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
 def kiln_compare(kiln: str, path: Path, ref: Path, flags: list, tol: float, report: Path, timeout: float, save=None) -> dict:
     """`kiln compare` of `path` against `ref`: {ok, outputs: {name: (rel_l2, max_abs)}, error}."""
     cmd = [kiln, "compare", str(path), "--reference", str(ref), *flags, "--l2-tol", str(tol), "--report", str(report)]
@@ -447,9 +504,11 @@ def check(entry: Entry, a, out: Path) -> dict:
         row["export_s"] = round(time.time() - t, 1)
         if a.gpu:
             # The device's row: the engines and the timings (the CPU checks are this tool's run
-            # without --gpu; `--merge` joins the two).
-            signal.alarm(0)
+            # without --gpu; `--merge` joins the two). The alarm stays set: its Timeout ends a
+            # subprocess or a torch.compile that would cross the model's limit.
             row["gpu"] = gpu_check(a, entry, model, result, x2, path, ref2, out, stem, start + timeout)
+            if "compile" in row["gpu"]:
+                row["compile"] = row["gpu"].pop("compile")
             row["status"] = row["gpu"]["status"]
             if row["gpu"].get("reason"):
                 row["reason"] = row["gpu"]["reason"]
@@ -647,8 +706,19 @@ def gpu_check(a, entry: Entry, model, result, x, path: Path, ref: Path, out: Pat
     errors = []
     left = lambda: deadline - time.time()  # noqa: E731
     want = reference_outputs(ref)
+    steps = row["steps_s"] = {}
+    waited = TURNS.waited
+
+    @contextlib.contextmanager
+    def step(name, turn):
+        t = time.time()
+        with turn():
+            yield
+        steps[name] = round(time.time() - t, 1)
+
     # 1. FP32
-    c = kiln_compare(a.kiln, path, ref, ["--cpu"] if dry else ["--fp32"], FP32_TOL, out / f"{stem}.report.json", left())
+    with step("fp32", TURNS.shared):
+        c = kiln_compare(a.kiln, path, ref, ["--cpu"] if dry else ["--fp32"], FP32_TOL, out / f"{stem}.report.json", left())
     row["fp32"] = _worst(c.get("outputs"))
     if not c["ok"]:
         errors.append(f"FP32 engine: {c['error']}")
@@ -656,11 +726,13 @@ def gpu_check(a, entry: Entry, model, result, x, path: Path, ref: Path, out: Pat
     half = copy.deepcopy(model).to(device=device, dtype=torch.float32 if dry else torch.float16)
     half = channels_last(half).eval()
     dtype = torch.float32 if dry else torch.float16
-    theirs = torch_outputs(half, result, x, dtype, device)
+    with step("torch_fp16", TURNS.shared):
+        theirs = torch_outputs(half, result, x, dtype, device)
     row["torch_fp16"] = max((rel_l2(theirs[k], want[k]) for k in want if k in theirs), default=None)
     row["torch_fp16_agree"] = argmax_agreement(theirs, want, entry.source)
     saved = out / f"{stem}.fp16.safetensors"
-    c = kiln_compare(a.kiln, path, ref, ["--cpu"] if dry else ["--fp16"], 1e9, out / f"{stem}.report.json", left(), save=saved)
+    with step("fp16", TURNS.shared):
+        c = kiln_compare(a.kiln, path, ref, ["--cpu"] if dry else ["--fp16"], 1e9, out / f"{stem}.report.json", left(), save=saved)
     if c.get("outputs") is None or not saved.exists():
         errors.append(f"FP16 engine: {c['error']}")
     else:
@@ -681,10 +753,19 @@ def gpu_check(a, entry: Entry, model, result, x, path: Path, ref: Path, out: Pat
                           f"PyTorch FP16 on {theirs_agree:.4f}")
     # 3. timings
     if c.get("outputs") is not None:  # the FP16 engine builds: timed even when a check failed
-        row["kiln_ms"], err = kiln_bench(a, path, out, stem, batches, deadline)
+        with step("kiln_bench", TURNS.alone):
+            row["kiln_ms"], err = kiln_bench(a, path, out, stem, batches, deadline)
         if err:
             errors.append(err)
-        row["torch_graph_ms"] = torch_timings(half, entry.size, batches, dtype, device, a.torch_seconds, deadline)
+        with step("torch_graph", TURNS.alone):
+            row["torch_graph_ms"] = torch_timings(half, entry.size, batches, dtype, device, a.torch_seconds, deadline)
+        # 4. torch.compile (`--and-compile`), where the issue asks for it: compiled and warmed up
+        # beside the other workers' checks, timed alone.
+        if a.and_compile and needs_compile(row):
+            t = time.time()
+            row["compile"] = compile_timings(a, half, entry.size, dtype, device, deadline)
+            steps["compile"] = round(time.time() - t, 1)
+    row["waited_s"] = round(TURNS.waited - waited, 1)
     del half
     if not dry:
         torch.cuda.empty_cache()
@@ -718,26 +799,48 @@ def compile_check(a, entry: Entry, out: Path) -> dict:
     dry = a.dry_run
     device = "cpu" if dry else "cuda"
     dtype = torch.float32 if dry else torch.float16
-    info = {"status": "pass", "commit": a.commit, "mode": a.compile_mode, "dry_run": dry}
     try:
         torch.manual_seed(0)
         model = entry.build().eval()
         randomise(model)
         model = channels_last(model.to(device=device, dtype=dtype))
+        info = compile_timings(a, model, entry.size, dtype, device, deadline)
+    except Exception as e:  # noqa: BLE001 -- a model that fails to build is its row
+        info = {"status": "error", "commit": a.commit, "mode": a.compile_mode, "reason": _one_line(f"{type(e).__name__}: {e}")}
+    info["time_s"] = round(time.time() - start, 1)
+    row["compile"] = info
+    return row
+
+
+def compile_timings(a, model, size: int, dtype, device, deadline: float) -> dict:
+    """torch.compile (`--compile-mode`) of `model` (FP16 channels_last) timed at GPU_BATCHES: compiled
+    and warmed up at each batch in a shared turn (the compile is CPU work), then timed alone."""
+    import torch
+
+    dry = a.dry_run
+    batches = DRY_BATCHES if dry else GPU_BATCHES
+    info = {"status": "pass", "commit": a.commit, "mode": a.compile_mode, "dry_run": dry}
+    try:
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="eager") if dry else torch.compile(model, mode=a.compile_mode)
-        info["compile_ms"] = torch_timings(compiled, entry.size, DRY_BATCHES if dry else GPU_BATCHES, dtype, device,
-                                           a.torch_seconds, deadline, graph=False)
-        if len(info["compile_ms"]) < len(GPU_BATCHES if not dry else DRY_BATCHES):
+        with TURNS.shared(), torch.no_grad():
+            for b in batches:
+                x = torch.rand([b, 3, size, size], device=device, dtype=dtype).contiguous(memory_format=torch.channels_last)
+                for _ in range(3):  # reduce-overhead records its CUDA graph on a later call than the first
+                    compiled(x)
+            if not dry:
+                torch.cuda.synchronize()
+        with TURNS.alone():
+            info["compile_ms"] = torch_timings(compiled, size, batches, dtype, device, a.torch_seconds, deadline, graph=False)
+        if len(info["compile_ms"]) < len(batches):
             info.update(status="timeout", reason=f"torch.compile timed {len(info['compile_ms'])} of the batches in the time left")
     except Exception as e:  # noqa: BLE001 -- a model torch.compile fails on is its row
         info.update(status="error", reason=_one_line(f"{type(e).__name__}: {e}"))
     finally:
+        torch._dynamo.reset()
         if not dry:
             torch.cuda.empty_cache()
-    info["time_s"] = round(time.time() - start, 1)
-    row["compile"] = info
-    return row
+    return info
 
 
 def _one_line(text: str, limit: int = 300) -> str:
@@ -933,7 +1036,14 @@ def main() -> int:
     p.add_argument("--compile", action="store_true", help="the device's torch.compile run (slow, so a shard of its own): every "
                    "transformer and every model where Kiln leads PyTorch's CUDA graph by < 1.2x, read from --resume-from's "
                    "device rows")
-    p.add_argument("--compile-mode", default="max-autotune", help="torch.compile's mode (default max-autotune)")
+    p.add_argument("--compile-mode", default="reduce-overhead", help="torch.compile's mode (default reduce-overhead, "
+                   "the peer of the benchmark tables)")
+    p.add_argument("--and-compile", action="store_true", help="with --gpu: time torch.compile too, in the same pass, "
+                   "for every transformer and every model where Kiln leads PyTorch's CUDA graph by < 1.2x")
+    p.add_argument("--turns", metavar="DIR", help="with --gpu: workers sharing a GPU take turns through lock files in DIR "
+                   "(the checks together, each timing alone); tools/import-corpus-gpu.sh gives one per GPU")
+    p.add_argument("--claims", metavar="DIR", help="workers of one run share the models: each runs the ones it is first "
+                   "to claim in DIR (instead of --shard's fixed split)")
     p.add_argument("--kiln-libs", default=os.environ.get("KILN_LIBS", DEVICE_LIBS),
                    help="LD_LIBRARY_PATH of the kiln subprocesses with --gpu (the system cuDNN; PyTorch keeps its own)")
     p.add_argument("--bench-duration", type=float, default=1.0, help="kiln bench --duration at each batch (--gpu)")
@@ -946,6 +1056,8 @@ def main() -> int:
     p.add_argument("--merge", nargs="+", metavar="JSON", help="join these results (a later file's row wins) into the results "
                    "and the table, in corpus order")
     a = p.parse_args()
+    global TURNS
+    TURNS = GpuTurns(a.turns)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     a.start = time.time()
@@ -1023,10 +1135,12 @@ def main() -> int:
     for n, e in enumerate(todo):
         left = a.stop_at - time.time()
         if left < max(a.reserve, longest):
-            stopped = [t.name for t in todo[n:]]
+            stopped = [t.name for t in todo[n:] if not a.claims or not (Path(a.claims) / t.name.replace("/", "_")).exists()]
             print(f"import_corpus: {left:.0f} s of the budget left, under the {max(a.reserve, longest):.0f} s a model may take: "
                   f"stopping before {len(stopped)} models ({', '.join(stopped[:5])}{', ...' if len(stopped) > 5 else ''})", flush=True)
             break
+        if not claim(a.claims, e.name):
+            continue
         print(f"[{n + 1}/{len(todo)}] {e.name} ...", end=" ", flush=True)
         row = compile_check(a, e, out) if a.compile else check(e, a, out)
         longest = max(longest, row.get("time_s", 0) or row.get("compile", {}).get("time_s", 0))
@@ -1089,9 +1203,9 @@ def merge(paths, entries, results: Path, table: Path) -> int:
                 continue
             if "compile" in r:
                 base["compile"] = r["compile"]
-            elif "gpu" in r:
+            if "gpu" in r:
                 base["gpu"] = r["gpu"]
-            else:
+            elif "compile" not in r:
                 base["gpu"] = {"status": r["status"], "reason": f"export on the device: {r.get('reason', '')}", "commit": r.get("commit")}
     order = {e.name: i for i, e in enumerate(entries)}
     rows = sorted(by_model.values(), key=lambda r: order.get(r["model"], len(order)))

@@ -86,6 +86,79 @@ class ImportCorpus(unittest.TestCase):
             self.assertEqual((data["not_run"], len(data["models"])), (["timm/b"], 1))
             self.assertEqual(os.listdir(d), ["results.json"])
 
+    def test_a_device_row_with_torch_compile_adds_both(self):
+        with tempfile.TemporaryDirectory() as d:
+            d = Path(d)
+            (d / "cpu.json").write_text(json.dumps({"gpu": False, "models": [cpu_row("timm/a")]}))
+            row = dict(gpu_row("timm/a", transformer=True), compile={"status": "pass", "compile_ms": {"1": 0.7, "16": 2.0}})
+            (d / "dev.json").write_text(json.dumps({"gpu": True, "models": [row]}))
+            doc = d / "IMPORT.md"
+            doc.write_text(f"{ic.SUMMARY_BEGIN}\n{ic.SUMMARY_END}\n")
+            old = ic.write_summary.__defaults__
+            ic.write_summary.__defaults__ = (doc,)
+            try:
+                ic.merge([d / "cpu.json", d / "dev.json"], [ic.Entry("timm/a", "timm", 64)], d / "out.json", d / "out.md")
+            finally:
+                ic.write_summary.__defaults__ = old
+            merged = json.loads((d / "out.json").read_text())["models"][0]
+            self.assertEqual(merged["gpu"]["status"], "pass")
+            self.assertEqual(merged["compile"]["compile_ms"]["16"], 2.0)
+            self.assertEqual(merged["cpu_b2"], [1e-7, 1e-8])
+
+    def test_each_model_is_claimed_by_one_worker(self):
+        with tempfile.TemporaryDirectory() as d:
+            claims = Path(d) / "claims"
+            self.assertTrue(ic.claim(claims, "timm/vit_tiny"))
+            self.assertFalse(ic.claim(claims, "timm/vit_tiny"))
+            self.assertTrue(ic.claim(claims, "resnet18"))
+            self.assertTrue(ic.claim(None, "resnet18"))  # no folder: one worker runs everything
+
+    def test_a_timing_waits_for_the_checks_and_blocks_new_ones(self):
+        import multiprocessing as mp
+
+        with tempfile.TemporaryDirectory() as d:
+            events = mp.Queue()
+            # A check holds the GPU for 0.4 s; a timing asks for it at 0.1 s, a second check at
+            # 0.2 s: the timing runs once the first check ends, and the second check after it.
+            procs = [mp.Process(target=_turn, args=(d, kind, delay, hold, events))
+                     for kind, delay, hold in (("check1", 0.0, 0.4), ("timing", 0.1, 0.3), ("check2", 0.2, 0.1))]
+            for proc in procs:
+                proc.start()
+            for proc in procs:
+                proc.join(10)
+            log = []
+            while not events.empty():
+                log.append(events.get())
+            log.sort(key=lambda e: e[2])
+            order = [f"{what} {kind}" for kind, what, _ in log]
+            self.assertEqual(order, ["start check1", "end check1", "start timing", "end timing", "start check2", "end check2"])
+
+    def test_checks_share_the_gpu(self):
+        import multiprocessing as mp
+
+        with tempfile.TemporaryDirectory() as d:
+            events = mp.Queue()
+            procs = [mp.Process(target=_turn, args=(d, f"check{i}", 0.0, 0.3, events)) for i in range(2)]
+            for proc in procs:
+                proc.start()
+            for proc in procs:
+                proc.join(10)
+            log = sorted((events.get() for _ in range(4)), key=lambda e: e[2])
+            self.assertEqual([what for _, what, _ in log], ["start", "start", "end", "end"])
+
+
+def _turn(folder, kind, delay, hold, events):
+    """A worker of the turns tests: waits `delay`, takes a turn (a timing alone, a check shared),
+    holds it for `hold` seconds and reports when it started and ended."""
+    import time
+
+    time.sleep(delay)
+    turns = ic.GpuTurns(folder)
+    with (turns.alone() if kind == "timing" else turns.shared()):
+        events.put((kind, "start", time.time()))
+        time.sleep(hold)
+        events.put((kind, "end", time.time()))
+
 
 if __name__ == "__main__":
     unittest.main()
