@@ -14,7 +14,8 @@
 #   here:    python3 tools/import_corpus.py --merge docs/import_corpus.json <files_at>/corpus-*/results.json
 #
 # Environment: BUDGET (seconds for the call, default 510), GPUS (default: every GPU nvidia-smi lists),
-# WORKERS (per GPU, default 6),
+# WORKERS (per GPU, default 3), CHECKS=alone (the checks take the GPU alone too).
+# $OUT gets results.json (every worker's rows) and log; the scratch stays on the machine.
 # KILN (default .carry/kiln/kiln), WHEELS (default .whl-corpus). Extra arguments go to import_corpus.py
 # (e.g. model names, --dry-run to run the plumbing on the CPU).
 set -uo pipefail
@@ -46,30 +47,38 @@ else
   GPUS=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 fi
 ((GPUS >= 1)) || GPUS=1
-WORKERS=${WORKERS:-6}
+WORKERS=${WORKERS:-3}
 ((WORKERS >= 1)) || WORKERS=1
 N=$((GPUS * WORKERS))
 THREADS=$(($(nproc) / N))
 ((THREADS >= 1)) || THREADS=1
 MODE=(--gpu --and-compile)
+[ "${CHECKS:-}" = alone ] && MODE+=(--checks-alone)
 [ "${COMPILE:-1}" = 0 ] && MODE=(--gpu)
 [ "${COMPILE:-1}" = only ] && MODE=(--compile)
 STATE=$(mktemp -d)  # the workers' claims on models, and each GPU's turns
 pids=()
 for ((k = 1; k <= N; k++)); do
   g=$(((k - 1) % GPUS))
-  mkdir -p "$OUT/corpus-$k"
+  mkdir -p "$STATE/corpus-$k"
   # A hard stop a little after the budget, should a step ignore its own limit.
   CUDA_VISIBLE_DEVICES=$g timeout -k 5 $((${BUDGET%.*} + 40)) python3 tools/import_corpus.py "${MODE[@]}" --kiln "$KILN" \
     --claims "$STATE/claims" --turns "$STATE/turns-gpu$g" --budget "$BUDGET" --threads "$THREADS" \
-    --resume-from docs/import_corpus.json --out "$OUT/corpus-$k" "$@" >"$OUT/corpus-$k/log" 2>&1 &
+    --resume-from docs/import_corpus.json --out "$STATE/corpus-$k" "$@" >"$STATE/corpus-$k/log" 2>&1 &
   pids+=($!)
 done
 rc=0
 for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
 for ((k = 1; k <= N; k++)); do
-  echo "== worker $k/$N (GPU $(((k - 1) % GPUS)))"
-  grep -E '^\[|^Corpus|^torch.compile|^import_corpus' "$OUT/corpus-$k/log" | tail -40
-  rm -f "$OUT/corpus-$k"/*.safetensors "$OUT/corpus-$k"/*.json.tmp
+  echo "== worker $k/$N (GPU $(((k - 1) % GPUS)))" | tee -a "$OUT/log"
+  grep -E '^\[|^Corpus|^torch.compile|^import_corpus' "$STATE/corpus-$k/log" | tail -40
+  grep -v FutureWarning "$STATE/corpus-$k/log" >>"$OUT/log"
 done
+# One results file for all the workers (the call brings back few files): `--merge` takes it.
+python3 - "$OUT/results.json" "$STATE"/corpus-*/results.json <<'PY'
+import json, sys
+rows = [r for path in sys.argv[2:] for r in json.load(open(path))["models"]]
+json.dump({"gpu": True, "models": rows}, open(sys.argv[1], "w"), indent=1)
+print(f"{len(rows)} rows in {sys.argv[1]}")
+PY
 exit $rc

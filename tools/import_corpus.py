@@ -356,8 +356,9 @@ class GpuTurns:
     the gate before it waits for the GPU, so no new check starts while it waits. Without a folder,
     both are no-ops. `waited` adds up the seconds spent waiting for a turn."""
 
-    def __init__(self, folder=None):
+    def __init__(self, folder=None, checks_alone=False):
         self.files = None
+        self.checks_alone = checks_alone
         self.waited = 0.0
         if folder:
             Path(folder).mkdir(parents=True, exist_ok=True)
@@ -382,7 +383,7 @@ class GpuTurns:
             fcntl.flock(gpu, fcntl.LOCK_UN)
 
     def shared(self):
-        return self._turn(fcntl.LOCK_SH)
+        return self._turn(fcntl.LOCK_EX if self.checks_alone else fcntl.LOCK_SH)
 
     def alone(self):
         return self._turn(fcntl.LOCK_EX)
@@ -814,7 +815,8 @@ def compile_check(a, entry: Entry, out: Path) -> dict:
 
 def compile_timings(a, model, size: int, dtype, device, deadline: float) -> dict:
     """torch.compile (`--compile-mode`) of `model` (FP16 channels_last) timed at GPU_BATCHES: compiled
-    and warmed up at each batch in a shared turn (the compile is CPU work), then timed alone."""
+    and warmed up at each batch outside the turns (tracing and code generation are CPU work; the
+    few forward passes are short bursts beside the other workers), then timed alone."""
     import torch
 
     dry = a.dry_run
@@ -823,7 +825,7 @@ def compile_timings(a, model, size: int, dtype, device, deadline: float) -> dict
     try:
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="eager") if dry else torch.compile(model, mode=a.compile_mode)
-        with TURNS.shared(), torch.no_grad():
+        with torch.no_grad():
             for b in batches:
                 x = torch.rand([b, 3, size, size], device=device, dtype=dtype).contiguous(memory_format=torch.channels_last)
                 for _ in range(3):  # reduce-overhead records its CUDA graph on a later call than the first
@@ -1024,7 +1026,8 @@ def main() -> int:
     p.add_argument("--budget", type=float, default=None, help="seconds for the whole run: no model starts when less than "
                    "--reserve is left, and each model's limit ends by then (a device call never loses its rows)")
     p.add_argument("--reserve", type=float, default=45, help="seconds a model needs at least to be started (with --budget); "
-                   "the longest model so far counts when longer")
+                   "the median model so far counts when longer. A model the budget's end cuts short leaves no row "
+                   "(the next call runs it)")
     p.add_argument("--resume", action="store_true", help="keep the results already in the JSON and run only the other models")
     p.add_argument("--resume-from", nargs="+", metavar="JSON", default=[], help="skip the models these results files hold "
                    "a row for of this run's kind (--gpu: a device row; --compile: a torch.compile row), e.g. the merged "
@@ -1042,12 +1045,16 @@ def main() -> int:
                    "for every transformer and every model where Kiln leads PyTorch's CUDA graph by < 1.2x")
     p.add_argument("--turns", metavar="DIR", help="with --gpu: workers sharing a GPU take turns through lock files in DIR "
                    "(the checks together, each timing alone); tools/import-corpus-gpu.sh gives one per GPU")
+    p.add_argument("--checks-alone", action="store_true", help="with --turns: the checks (engine builds and runs) take the "
+                   "GPU alone too, as the timings do: CUDA time-slices processes, so tactic timing beside another "
+                   "process's work crawls")
     p.add_argument("--claims", metavar="DIR", help="workers of one run share the models: each runs the ones it is first "
                    "to claim in DIR (instead of --shard's fixed split)")
     p.add_argument("--kiln-libs", default=os.environ.get("KILN_LIBS", DEVICE_LIBS),
                    help="LD_LIBRARY_PATH of the kiln subprocesses with --gpu (the system cuDNN; PyTorch keeps its own)")
-    p.add_argument("--bench-duration", type=float, default=1.0, help="kiln bench --duration at each batch (--gpu)")
-    p.add_argument("--torch-seconds", type=float, default=1.0, help="seconds of PyTorch timing at each batch (--gpu)")
+    p.add_argument("--bench-duration", type=float, default=0.3, help="kiln bench --duration at each batch (--gpu; "
+                   "a few hundred CUDA-graph replays of a small model)")
+    p.add_argument("--torch-seconds", type=float, default=0.3, help="seconds of PyTorch timing at each batch (--gpu)")
     p.add_argument("--keep", action="store_true", help="keep the graph files and references")
     p.add_argument("--render", action="store_true", help="only rewrite the table from the JSON")
     p.add_argument("--list", action="store_true", help="print the corpus and exit")
@@ -1057,7 +1064,7 @@ def main() -> int:
                    "and the table, in corpus order")
     a = p.parse_args()
     global TURNS
-    TURNS = GpuTurns(a.turns)
+    TURNS = GpuTurns(a.turns, checks_alone=a.checks_alone)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     a.start = time.time()
@@ -1131,29 +1138,37 @@ def main() -> int:
     done |= {m for m, r in carried.items() if kind and r.get(kind)}
     order = {e.name: i for i, e in enumerate(corpus_order(entries, rows))}
     todo = [e for e in entries if e.name not in done]
-    longest, stopped = 0.0, []
+    times, stopped, cut = [], [], []
     for n, e in enumerate(todo):
         left = a.stop_at - time.time()
-        if left < max(a.reserve, longest):
+        typical = sorted(times)[len(times) // 2] if times else 0.0
+        if left < max(a.reserve, typical):
             stopped = [t.name for t in todo[n:] if not a.claims or not (Path(a.claims) / t.name.replace("/", "_")).exists()]
-            print(f"import_corpus: {left:.0f} s of the budget left, under the {max(a.reserve, longest):.0f} s a model may take: "
+            print(f"import_corpus: {left:.0f} s of the budget left, under the {max(a.reserve, typical):.0f} s a model may take: "
                   f"stopping before {len(stopped)} models ({', '.join(stopped[:5])}{', ...' if len(stopped) > 5 else ''})", flush=True)
             break
         if not claim(a.claims, e.name):
             continue
         print(f"[{n + 1}/{len(todo)}] {e.name} ...", end=" ", flush=True)
         row = compile_check(a, e, out) if a.compile else check(e, a, out)
-        longest = max(longest, row.get("time_s", 0) or row.get("compile", {}).get("time_s", 0))
+        if cut_by_budget(a, row):
+            cut.append(e.name)
+            print(f"cut short by the budget's end ({row.get('reason') or row.get('compile', {}).get('reason', '')}): no row, "
+                  "the next call runs it", flush=True)
+            continue
+        if a.gpu and cut_by_budget(a, {"status": (row.get("compile") or {}).get("status", "pass"), "time_s": 0}):
+            row.pop("compile")  # the engines' checks stand; torch.compile is timed by a later call
+        times.append(row.get("time_s", 0) or row.get("compile", {}).get("time_s", 0))
         rows = [r for r in rows if r["model"] != e.name] + [row]
         rows.sort(key=lambda r: order.get(r["model"], len(order)))
         save_rows(results, rows, a.gpu or a.compile, stopped=None)
         status = row["compile"]["status"] if a.compile else row["status"]
         reason = row["compile"].get("reason", "") if a.compile else row.get("reason", "")
         b2 = row.get(f"cpu_b{EXPORT_BATCH}") or [None]
-        print(f"{status} ({longest if a.compile else row['time_s']:.0f} s){'' if status == 'pass' else ': ' + reason}"
+        print(f"{status} ({row['compile']['time_s'] if a.compile else row['time_s']:.0f} s){'' if status == 'pass' else ': ' + reason}"
               + (f" rel L2 {b2[0]:.1e}" if b2[0] is not None else "") + (f" {_gpu_line(row['gpu'])}" if row.get("gpu") else ""),
               flush=True)
-    save_rows(results, rows, a.gpu or a.compile, stopped=stopped)
+    save_rows(results, rows, a.gpu or a.compile, stopped=cut + stopped)
     if a.compile:
         print(f"torch.compile: {sum(1 for r in rows if r.get('compile', {}).get('status') == 'pass')} of {len(rows)} models timed; "
               f"wrote {results}")
@@ -1165,6 +1180,13 @@ def main() -> int:
     passed = sum(1 for r in shown if r["status"] == "pass")
     print(f"Corpus: {passed} of {len(shown)} models import and match; wrote {table} and {results}")
     return 0 if passed == len(shown) else 1
+
+
+def cut_by_budget(a, row: dict) -> bool:
+    """Whether a model that did not pass was ended by the run's budget rather than by its own
+    limit or a fault of its own: it ended within 10 s of the budget's end, before `--timeout`."""
+    status = row["compile"]["status"] if a.compile else row["status"]
+    return status != "pass" and a.stop_at - time.time() < 10 and (row.get("time_s") or 0) < a.timeout
 
 
 def _gpu_line(g: dict) -> str:
