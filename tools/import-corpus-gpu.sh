@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
 # The import corpus on the device (tools/import_corpus.py --gpu, docs/IMPORT.md "The import corpus"):
 # WORKERS processes per GPU share the models not yet run there (by the carried
-# docs/import_corpus.json; each takes the next one no other has claimed). Their checks run side by
-# side; each timing (kiln bench, PyTorch's CUDA graph, torch.compile) has its GPU alone. All stop
-# cleanly before BUDGET seconds so that a 10-minute call keeps every row. Each model is exported at
-# batch 2 on the device (no graph file is uploaded), and torch.compile is timed in the same pass
-# where the issue's rule asks for it (COMPILE=0 leaves it out).
+# docs/import_corpus.json; each takes the next one no other has claimed). Every GPU step takes its
+# GPU alone (CHECKS=shared lets the checks run side by side); the workers overlap what needs no GPU:
+# exports, references and torch.compile's code generation. All stop cleanly before BUDGET seconds
+# so that a 10-minute call keeps every row. Each model is exported at batch 2 on the device (no
+# graph file is uploaded), and torch.compile is timed in the same pass for every transformer and
+# every model Kiln leads by less than 1.2x (COMPILE=0 leaves it out).
 #
 #   here:    bash tools/gpu-build.sh                          stages the kiln CLI in .carry/kiln/
 #            wheels in .whl-corpus/ (docs/IMPORT.md lists them; pip download, never committed)
 #   device:  bash tools/import-corpus-gpu.sh                  carry [".carry", ".whl-corpus"], timeout_s 600
 #            COMPILE=only bash tools/import-corpus-gpu.sh     torch.compile alone, for rows that lack it
-#   here:    python3 tools/import_corpus.py --merge docs/import_corpus.json <files_at>/corpus-*/results.json
+#   here:    python3 tools/import_corpus.py --merge docs/import_corpus.json <files_at>/results.json
 #
 # Environment: BUDGET (seconds for the call, default 510), GPUS (default: every GPU nvidia-smi lists),
-# WORKERS (per GPU, default 3), CHECKS=alone (the checks take the GPU alone too).
+# WORKERS (per GPU, default 5), CHECKS (default alone: every GPU step takes the GPU alone, since
+# CUDA time-slices processes and a build's tactic timing crawls beside another's; shared: the
+# checks run side by side). The workers overlap what needs no GPU: exports, references and
+# torch.compile's code generation.
 # $OUT gets results.json (every worker's rows) and log; the scratch stays on the machine.
 # KILN (default .carry/kiln/kiln), WHEELS (default .whl-corpus). Extra arguments go to import_corpus.py
 # (e.g. model names, --dry-run to run the plumbing on the CPU).
@@ -47,15 +51,15 @@ else
   GPUS=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 fi
 ((GPUS >= 1)) || GPUS=1
-WORKERS=${WORKERS:-3}
+WORKERS=${WORKERS:-5}
 ((WORKERS >= 1)) || WORKERS=1
 N=$((GPUS * WORKERS))
 THREADS=$(($(nproc) / N))
 ((THREADS >= 1)) || THREADS=1
 MODE=(--gpu --and-compile)
-[ "${CHECKS:-}" = alone ] && MODE+=(--checks-alone)
 [ "${COMPILE:-1}" = 0 ] && MODE=(--gpu)
 [ "${COMPILE:-1}" = only ] && MODE=(--compile)
+[ "${CHECKS:-alone}" = alone ] && MODE+=(--checks-alone)
 STATE=$(mktemp -d)  # the workers' claims on models, and each GPU's turns
 pids=()
 for ((k = 1; k <= N; k++)); do

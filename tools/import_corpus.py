@@ -607,7 +607,10 @@ def torch_outputs(model, result, x, dtype, device) -> dict:
     PyTorch's fast FP16 runs), as f32 NumPy under the export's output names."""
     import torch
 
-    with torch.no_grad():
+    # No algorithm search for one run (cuDNN's benchmark mode times every conv's algorithms on a
+    # shape's first call: seconds of GPU time a model, and the answer is the same); the timings
+    # keep it.
+    with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, benchmark=False):
         out = model(x.to(device=device, dtype=dtype).contiguous(memory_format=torch.channels_last))
     tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
     return {n: t.detach().float().cpu().numpy() for n, t in zip(result.outputs, tensors)}
@@ -1047,7 +1050,7 @@ def main() -> int:
                    "(the checks together, each timing alone); tools/import-corpus-gpu.sh gives one per GPU")
     p.add_argument("--checks-alone", action="store_true", help="with --turns: the checks (engine builds and runs) take the "
                    "GPU alone too, as the timings do: CUDA time-slices processes, so tactic timing beside another "
-                   "process's work crawls")
+                   "process's work crawls (on an H200, six workers sharing the checks ran one model in 50-300 s)")
     p.add_argument("--claims", metavar="DIR", help="workers of one run share the models: each runs the ones it is first "
                    "to claim in DIR (instead of --shard's fixed split)")
     p.add_argument("--kiln-libs", default=os.environ.get("KILN_LIBS", DEVICE_LIBS),
