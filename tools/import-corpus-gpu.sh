@@ -31,7 +31,8 @@ BUDGET=${BUDGET:-510}
 KILN=${KILN:-.carry/kiln/kiln}
 WHEELS=${WHEELS:-.whl-corpus}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=1 TORCHINDUCTOR_FREEZING=1
+# torch.compile's code generation on a few threads a worker (a DenseNet took 200 s on one).
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=${COMPILE_THREADS:-3} TORCHINDUCTOR_FREEZING=1
 # Kiln's subprocesses get the system cuDNN (import_corpus.py --kiln-libs); PyTorch must not see it.
 unset LD_LIBRARY_PATH
 # timm and segmentation_models_pytorch (and, where the image lacks them, their needs) from the

@@ -803,14 +803,20 @@ def compile_check(a, entry: Entry, out: Path) -> dict:
     dry = a.dry_run
     device = "cpu" if dry else "cuda"
     dtype = torch.float32 if dry else torch.float16
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(max(int(deadline - start), 1))  # a compile that would cross the limit ends in a Timeout
     try:
         torch.manual_seed(0)
         model = entry.build().eval()
         randomise(model)
         model = channels_last(model.to(device=device, dtype=dtype))
         info = compile_timings(a, model, entry.size, dtype, device, deadline)
+    except Timeout:
+        info = {"status": "timeout", "commit": a.commit, "mode": a.compile_mode, "reason": "over the model's time"}
     except Exception as e:  # noqa: BLE001 -- a model that fails to build is its row
         info = {"status": "error", "commit": a.commit, "mode": a.compile_mode, "reason": _one_line(f"{type(e).__name__}: {e}")}
+    finally:
+        signal.alarm(0)
     info["time_s"] = round(time.time() - start, 1)
     row["compile"] = info
     return row
@@ -839,6 +845,8 @@ def compile_timings(a, model, size: int, dtype, device, deadline: float) -> dict
             info["compile_ms"] = torch_timings(compiled, size, batches, dtype, device, a.torch_seconds, deadline, graph=False)
         if len(info["compile_ms"]) < len(batches):
             info.update(status="timeout", reason=f"torch.compile timed {len(info['compile_ms'])} of the batches in the time left")
+    except Timeout:  # the model's limit ended the compile: a later `--compile` run tries again
+        info.update(status="timeout", reason="torch.compile ran past the model's time")
     except Exception as e:  # noqa: BLE001 -- a model torch.compile fails on is its row
         info.update(status="error", reason=_one_line(f"{type(e).__name__}: {e}"))
     finally:
@@ -1138,7 +1146,7 @@ def main() -> int:
         entries = [e for e in entries if needs_compile(carried.get(e.name, {}).get("gpu") or {})]
     rows = load_rows(results) if (a.resume or not whole) else []
     done = {r["model"] for r in rows} if a.resume else set()
-    done |= {m for m, r in carried.items() if kind and r.get(kind)}
+    done |= {m for m, r in carried.items() if kind and settled(r.get(kind))}
     order = {e.name: i for i, e in enumerate(corpus_order(entries, rows))}
     todo = [e for e in entries if e.name not in done]
     times, stopped, cut = [], [], []
@@ -1183,6 +1191,12 @@ def main() -> int:
     passed = sum(1 for r in shown if r["status"] == "pass")
     print(f"Corpus: {passed} of {len(shown)} models import and match; wrote {table} and {results}")
     return 0 if passed == len(shown) else 1
+
+
+def settled(result) -> bool:
+    """Whether a device (`gpu`) or torch.compile result needs no further run: any result but a
+    torch.compile that ran out of time (a `--compile` run gives it a model's whole limit)."""
+    return bool(result) and result.get("status") != "timeout"
 
 
 def cut_by_budget(a, row: dict) -> bool:
