@@ -146,6 +146,13 @@ class ImportCorpus(unittest.TestCase):
             log = sorted((events.get() for _ in range(4)), key=lambda e: e[2])
             self.assertEqual([what for _, what, _ in log], ["start", "start", "end", "end"])
 
+    def test_only_a_compile_that_ran_out_of_time_runs_again(self):
+        self.assertFalse(ic.settled(None))
+        self.assertFalse(ic.settled({"status": "timeout", "reason": "torch.compile ran past the model's time"}))
+        self.assertTrue(ic.settled({"status": "error", "reason": "BackendCompilerFailed: ..."}))
+        self.assertTrue(ic.settled({"status": "pass"}))
+        self.assertTrue(ic.settled({"status": "fail", "reason": "FP16 engine: ..."}))
+
 
 def _turn(folder, kind, delay, hold, events):
     """A worker of the turns tests: waits `delay`, takes a turn (a timing alone, a check shared),
