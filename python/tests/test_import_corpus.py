@@ -118,10 +118,10 @@ class ImportCorpus(unittest.TestCase):
 
         with tempfile.TemporaryDirectory() as d:
             events = mp.Queue()
-            # A check holds the GPU for 0.4 s; a timing asks for it at 0.1 s, a second check at
-            # 0.2 s: the timing runs once the first check ends, and the second check after it.
+            # A check holds the GPU for 1.2 s; a timing asks for it at 0.3 s, a second check at
+            # 0.6 s: the timing runs once the first check ends, and the second check after it.
             procs = [mp.Process(target=_turn, args=(d, kind, delay, hold, events))
-                     for kind, delay, hold in (("check1", 0.0, 0.4), ("timing", 0.1, 0.3), ("check2", 0.2, 0.1))]
+                     for kind, delay, hold in (("check1", 0.0, 1.2), ("timing", 0.3, 0.4), ("check2", 0.6, 0.1))]
             for proc in procs:
                 proc.start()
             for proc in procs:
