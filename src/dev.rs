@@ -58,7 +58,7 @@ pub mod passes {
     pub use crate::passes::{
         attention_from_matmuls, collapse_view_chains, commute_reshape_permute, fold_batchnorm, fold_linear_scale, fuse_conv_activation,
         fuse_conv_max_pool, fuse_linear_activation, fuse_linear_add, optimize, packed_attention_from_views, remove_dead_nodes,
-        topological_order,
+        split_before_permute, topological_order,
     };
 }
 
@@ -70,7 +70,7 @@ pub mod plan {
     pub use crate::engine::arena::ArenaPlan;
     pub use crate::engine::best::LayerTimes;
     pub use crate::engine::eight_bit::{precision_of_kind, EightBitPlan, FP8_GEMM};
-    pub use crate::engine::plan::estimate_arena;
+    pub use crate::engine::plan::{estimate_arena, layout_copies};
     pub use crate::engine::precision::glob_match;
     pub use crate::engine::resolve::node_precisions;
     pub use crate::ops::quant::fp8_gemm::{probe as probe_fp8_gemm, problem as fp8_gemm_problem, Fp8ProbeResult, Fp8Problem};

@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 mod views;
-pub use views::{attention_from_matmuls, collapse_view_chains, commute_reshape_permute, packed_attention_from_views};
+pub use views::{attention_from_matmuls, collapse_view_chains, commute_reshape_permute, packed_attention_from_views, split_before_permute};
 
 /// Every pass, in the order the engine builder wants them.
 pub fn optimize(graph: &Graph) -> Result<Graph> {
@@ -22,12 +22,13 @@ pub fn optimize(graph: &Graph) -> Result<Graph> {
     };
     let g = step("fold_batchnorm", fold_batchnorm(graph)?);
     // Imported forms of the bundled models' ops (issue 41, item 3; `views`): attention written
-    // as matmuls, q/k/v split from a packed projection by views, view chains that cancel, and a
-    // conv's flatten → transpose.
+    // as matmuls, q/k/v split from a packed projection by views, view chains that cancel, a
+    // conv's flatten → transpose, and tokens transposed and split into a conv's image.
     let g = step("attention_from_matmuls", attention_from_matmuls(&g)?);
     let g = step("packed_attention_from_views", packed_attention_from_views(&g)?);
     let g = step("collapse_view_chains", collapse_view_chains(&g)?);
     let g = step("commute_reshape_permute", commute_reshape_permute(&g)?);
+    let g = step("split_before_permute", split_before_permute(&g)?);
     let g = step("fold_linear_scale", fold_linear_scale(&g)?);
     let g = step("fuse_conv_activation", fuse_conv_activation(&g)?);
     let g = step("fuse_linear_add", fuse_linear_add(&g)?);

@@ -17,6 +17,15 @@ pub fn inspect(a: InspectArgs) -> Result<ExitCode> {
     say_raw!("{}", kiln::dev::dot::to_text(&optimized));
     let fused = optimized.nodes.iter().filter(|n| kiln::dev::dot::is_fused(n)).count();
     say!("{fused} fused convolutions");
+    let copies = kiln::dev::plan::layout_copies(&optimized)?;
+    say!(
+        "{} layout copies planned (a value read in another layout than it is stored in){}",
+        copies.len(),
+        if copies.is_empty() { "" } else { ":" }
+    );
+    for (reader, value) in &copies {
+        say!("  {reader} <- {value}");
+    }
     for (path, graph, title) in [(&a.dot, &traced.graph, "traced"), (&a.dot_optimized, &optimized, "optimised")] {
         if let Some(path) = path {
             let dot = kiln::dev::dot::to_dot(graph, &format!("{} ({title})", traced.name));

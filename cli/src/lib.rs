@@ -156,8 +156,9 @@ pub enum Command {
         after_long_help = "Examples:\n  python tools/export_reference.py --model resnet50 --intermediates all --save-weights\n  kiln compare resnet50 --reference resnet50.reference.safetensors --weights resnet50.weights.safetensors\n  kiln compare resnet50 --reference resnet50.reference.safetensors --cpu --layerwise\n  kiln compare resnet50 --fp32 --save-outputs fp32.safetensors\n  kiln compare resnet50 --fp16 --load-outputs fp32.safetensors --atol 1e-2 --rtol 1e-2 --report fp16.json"
     )]
     Compare(CompareArgs),
-    /// Print the traced graph and the optimised graph (and the engine's layers when a GPU is
-    /// present); write Graphviz DOT before and after fusion.
+    /// Print the traced graph, the optimised graph and the layout copies the builder will plan
+    /// (each value read in another layout than it is stored in), and the engine's layers when a
+    /// GPU is present; write Graphviz DOT before and after fusion.
     #[command(
         after_long_help = "Examples:\n  kiln inspect resnet18\n  kiln inspect resnet50 --dot before.dot --dot-optimized after.dot\n  kiln inspect rn50.kiln"
     )]

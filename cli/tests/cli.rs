@@ -78,11 +78,27 @@ fn inspect_prints_both_graphs_with_module_paths_and_writes_dot() {
     let optimized = stdout.split("== optimised graph").nth(1).expect("optimised section");
     assert!(!optimized.contains("batch_norm2d"), "BatchNorms are folded in the optimised graph");
     assert!(optimized.contains("+add +relu"), "residual add and ReLU fused into convs:\n{optimized}");
+    assert!(optimized.contains("0 layout copies planned"), "a CNN's convs read each other's NHWC bytes:\n{optimized}");
     let (b, a) = (std::fs::read_to_string(&before).expect("before.dot"), std::fs::read_to_string(&after).expect("after.dot"));
     assert!(b.starts_with("digraph") && a.starts_with("digraph"));
     assert!(b.contains("layer1.0.bn1") && !a.contains("batch_norm2d"));
     assert!(a.contains("+relu\\nlayer1.0.conv1"), "fused convs are labelled as such");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Swin's window partition and reverse are copies today: `inspect` names each, reader and value.
+#[test]
+fn inspect_lists_the_layout_copies_the_engine_will_make() {
+    let out = kiln(&["inspect", "swin_t", "--no-engine"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    let line = stdout.lines().find(|l| l.contains("layout copies planned")).unwrap_or_else(|| panic!("{stdout}"));
+    let n: usize = line.split_whitespace().next().and_then(|w| w.parse().ok()).unwrap_or_else(|| panic!("{line}"));
+    assert!(n > 0, "{line}");
+    let listed: Vec<&str> =
+        stdout.lines().skip_while(|l| !l.contains("layout copies planned")).skip(1).take_while(|l| l.starts_with("  ")).collect();
+    assert_eq!(listed.len(), n, "{stdout}");
+    assert!(listed.iter().all(|l| l.contains(" <- ") && l.trim_start().starts_with("features.")), "{listed:?}");
 }
 
 #[test]

@@ -300,6 +300,24 @@ fn plan_layouts(graph: &Graph) -> Result<(NodeLayouts, Vec<Option<LayoutPlan>>)>
     Ok((layout, plans))
 }
 
+/// The reformats the engine will make of `graph` (an optimised graph): `(reader, value)` module
+/// paths wherever a node asks for an input in another layout than the one its producer stores
+/// (`OpDef::layouts`), so the builder copies it (`kiln inspect` prints them; no GPU needed).
+pub fn layout_copies(graph: &Graph) -> Result<Vec<(String, String)>> {
+    let (layouts, plans) = plan_layouts(graph)?;
+    let mut copies = Vec::new();
+    for (id, node) in graph.nodes.iter().enumerate() {
+        let Some(plan) = &plans[id] else { continue };
+        for (k, &j) in node.inputs.iter().enumerate() {
+            let (Some(want), Some(has)) = (plan.inputs.get(k).copied().flatten(), layouts[j]) else { continue };
+            if !want.same_bytes(has, &graph.nodes[j].shape[1..]) {
+                copies.push((node.path.clone(), graph.nodes[j].path.clone()));
+            }
+        }
+    }
+    Ok(copies)
+}
+
 /// The activations' arena as estimated before lowering (`estimate_arena`), with each node's step.
 struct ActivationEstimate {
     plan: ArenaPlan,
@@ -796,8 +814,33 @@ mod tests {
 mod layout_tests {
     use super::plan_layouts;
     use crate::engine::Layout;
-    use crate::nn::{Conv2d, Conv2dConfig};
+    use crate::graph::Graph;
+    use crate::nn::{Conv2d, Conv2dConfig, Linear, LinearConfig};
     use crate::{Forward, Module, Tracer, VarBuilder};
+
+    fn reformats(g: &Graph) -> Vec<(String, String)> {
+        super::layout_copies(g).unwrap()
+    }
+
+    /// SegFormer's tokens into a depthwise conv (`fc1` → `transpose(1, 2)` → `reshape(n, c, h,
+    /// w)` → conv): after `optimize` the conv reads the Linear's bytes as its NHWC image, with no
+    /// copy to NCHW and no reformat back (two copies of the tokens before `split_before_permute`).
+    #[test]
+    fn tokens_split_into_an_image_reach_a_conv_without_a_copy() {
+        let vb = VarBuilder::seeded();
+        let tracer = Tracer::new();
+        let x = tracer.input("x", &[1, 24, 16]);
+        let fc1 = Linear::load(vb.pp("fc1"), &LinearConfig::new(16, 32)).unwrap();
+        let conv = Conv2d::load(vb.pp("dwconv"), &Conv2dConfig::new(32, 32, 3).padding(1).groups(32)).unwrap();
+        let image = fc1.forward(&x).unwrap().transpose(1, 2).unwrap().reshape(&[1, 32, 4, 6]).unwrap();
+        let y = conv.forward(&image).unwrap().relu().unwrap();
+        tracer.output("y", &y);
+        let g = tracer.graph();
+        let before = crate::passes::commute_reshape_permute(&crate::passes::collapse_view_chains(&g).unwrap()).unwrap();
+        assert_eq!(reformats(&before).len(), 2, "without the pass: {:?}", reformats(&before));
+        let after = crate::passes::optimize(&g).unwrap();
+        assert_eq!(reformats(&after), vec![], "{}", after.to_text());
+    }
 
     /// ViT's patch embedding: a convolution (NHWC) to `[N, E, h, w]`, permuted to `[N, h, w, E]`
     /// and flattened to `[N, h·w, E]`. The permute is the NHWC output read as it lies, so both it

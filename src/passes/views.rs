@@ -14,7 +14,11 @@
 //! - [`commute_reshape_permute`]: a reshape that merges dims then a permute of the merged groups
 //!   → the permute first, then the reshape, where the source is stored in the permuted order (a
 //!   conv's channels-last output: ViT's `flatten(2).transpose(1, 2)` patch embedding), so the
-//!   engine's reshape reads the conv's bytes in place instead of a copy to NCHW.
+//!   engine's reshape reads the conv's bytes in place instead of a copy to NCHW;
+//! - [`split_before_permute`]: a permute then a reshape that splits the permuted dims → the
+//!   split first, then the permute, where the source is stored contiguously (a Linear's tokens:
+//!   SegFormer's `x.transpose(1, 2).reshape(n, c, h, w)` before its convs), so the conv reads the
+//!   tokens as its channels-last image instead of a copy to NCHW and a reformat back.
 
 use super::{redirect, remove_dead_nodes};
 use crate::graph::{Binary, Gemm, Graph, NodeId, Norm, Op, ShapeOp, Unary};
@@ -385,6 +389,80 @@ pub fn commute_reshape_permute(graph: &Graph) -> Result<Graph> {
     remove_dead_nodes(&g)
 }
 
+/// A permute read only by a reshape that splits its dims (each permuted dim into a run of the
+/// reshape's dims) → the reshape of the permute's input (each of its dims split as its permuted
+/// dim is), then the permute of the runs, where the input's producer stores its output
+/// contiguously (`OpDef::layouts`: a Linear's or a LayerNorm's tokens). The reshape is then an
+/// alias of those bytes, and the permute an alias in the layout they already have, which a
+/// channels-last reader (a conv) takes as it is. Before, the reshape wanted its input contiguous,
+/// so the engine copied the permuted tokens to NCHW, and the conv's input reformat copied them
+/// back to NHWC. The new reshape takes the old reshape's module path, the permute its own.
+pub fn split_before_permute(graph: &Graph) -> Result<Graph> {
+    let mut g = graph.clone();
+    let users = g.readers();
+    for (p, readers) in users.iter().enumerate() {
+        let Op::Shape(ShapeOp::Permute { dims }) = &g.nodes[p].op else { continue };
+        let dims = dims.clone();
+        let [r] = readers[..] else { continue };
+        if !matches!(g.nodes[r].op, Op::Shape(ShapeOp::Reshape { .. })) || dims.first() != Some(&0) {
+            continue;
+        }
+        let x = g.nodes[p].inputs[0];
+        let (ps, ys) = (g.nodes[p].shape[1..].to_vec(), g.nodes[r].shape[1..].to_vec());
+        if ps.contains(&1) || ys.contains(&1) {
+            continue;
+        }
+        // The run of reshape dims each permuted dim splits into.
+        let mut runs: Vec<Vec<usize>> = Vec::new();
+        let mut i = 0;
+        for &size in &ps {
+            let mut run = Vec::new();
+            let mut prod = 1;
+            while prod < size && i < ys.len() {
+                prod *= ys[i];
+                run.push(ys[i]);
+                i += 1;
+            }
+            if prod != size {
+                break;
+            }
+            runs.push(run);
+        }
+        if runs.len() != ps.len() || i != ys.len() || runs.iter().all(|run| run.len() == 1) {
+            continue;
+        }
+        let Some(def) = g.nodes[x].op.def() else { continue };
+        let stored = def.layouts(&vec![None; g.nodes[x].inputs.len()], ps.len()).output.order();
+        if stored.windows(2).any(|w| w[0] > w[1]) {
+            continue;
+        }
+        // Permuted dim j is the input's dim q[j]; the input's dim d is split as its permuted dim.
+        let q: Vec<usize> = dims[1..].iter().map(|&d| d - 1).collect();
+        let mut of_input = vec![0; q.len()];
+        for (j, &d) in q.iter().enumerate() {
+            of_input[d] = j;
+        }
+        let split: Vec<usize> = of_input.iter().flat_map(|&j| runs[j].iter().copied()).collect();
+        let mut start = vec![0; q.len()];
+        for d in 1..q.len() {
+            start[d] = start[d - 1] + runs[of_input[d - 1]].len();
+        }
+        let mut full = vec![0];
+        full.extend(q.iter().enumerate().flat_map(|(j, &d)| (start[d]..start[d] + runs[j].len()).map(|k| k + 1)));
+        let mut shape = vec![g.nodes[x].shape[0]];
+        shape.extend(&split);
+        let (reshape_path, permute_path) = (g.nodes[r].path.clone(), g.nodes[p].path.clone());
+        let reshaped = g.push_unchecked(Op::Shape(ShapeOp::Reshape { dims: split }), vec![x], shape, reshape_path);
+        let out = g.nodes[r].shape.clone();
+        let permuted = g.push_unchecked(Op::Shape(ShapeOp::Permute { dims: full }), vec![reshaped], out, permute_path);
+        redirect(&mut g, r, permuted);
+        g.nodes[r].inputs.clear();
+        g.nodes[p].inputs.clear();
+    }
+    let g = super::rebuild(&g, |_, _| true)?;
+    remove_dead_nodes(&g)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -563,5 +641,41 @@ mod tests {
         assert_eq!(count(&o, "flatten"), 1, "the graph input's flatten stays: {}", o.to_text());
         assert_eq!(count(&o, "reshape"), 1, "{}", o.to_text());
         same_outputs(&g, &o, 2, "flatten → transpose as permute → reshape");
+    }
+
+    /// SegFormer's Mix-FFN as segmentation_models_pytorch writes it: `fc1` → `transpose(1, 2)` →
+    /// `reshape(n, c, h, w)` → depthwise 3×3 conv → `flatten(2).transpose(1, 2)` → GELU → `fc2`.
+    #[test]
+    fn tokens_transposed_then_split_become_split_then_permute() {
+        let vb = VarBuilder::seeded();
+        let t = Tracer::new();
+        let (h, w, c, hidden) = (4, 6, 16, 32);
+        let x = t.input("x", &[1, h * w, c]);
+        let linear =
+            |name: &str, fin, fout| crate::nn::Linear::load(vb.pp(name), &crate::nn::LinearConfig::new(fin, fout)).expect("linear");
+        let conv = crate::nn::Conv2d::load(vb.pp("dwconv"), &crate::nn::Conv2dConfig::new(hidden, hidden, 3).padding(1).groups(hidden))
+            .expect("dwconv");
+        let tokens = crate::Forward::forward(&linear("fc1", c, hidden), &x).expect("fc1");
+        let image = tokens.transpose(1, 2).and_then(|y| y.reshape(&[1, hidden as isize, h as isize, w as isize])).expect("image");
+        let y = crate::Forward::forward(&conv, &image).expect("dwconv");
+        let y = y.flatten(2).and_then(|y| y.transpose(1, 2)).and_then(|y| y.gelu(false)).expect("tokens");
+        let y = crate::Forward::forward(&linear("fc2", hidden, c), &y).expect("fc2");
+        t.output("y", &y);
+        // A transpose whose reshape merges dims, and one of a graph input, stay.
+        let v = t.input("v", &[1, 6, 8]);
+        let merged = v.transpose(1, 2).and_then(|y| y.reshape(&[1, 48])).expect("merged");
+        t.output("merged", &merged);
+        let g = t.graph();
+        let o = split_before_permute(&g).expect("pass");
+        let at = |path: &str| o.nodes.iter().position(|n| n.path == path).unwrap_or_else(|| panic!("{path}: {}", o.to_text()));
+        let fc1 = at("fc1");
+        let reader = o.nodes.iter().position(|n| n.inputs == [fc1]).expect("fc1's reader");
+        assert_eq!(o.nodes[reader].op, Op::Shape(ShapeOp::Reshape { dims: vec![h, w, hidden] }), "{}", o.to_text());
+        let permute = o.nodes.iter().position(|n| n.inputs == [reader]).expect("the reshape's reader");
+        assert_eq!(o.nodes[permute].op, Op::Shape(ShapeOp::Permute { dims: vec![0, 3, 1, 2] }), "{}", o.to_text());
+        assert_eq!(o.nodes[permute].shape, vec![1, hidden, h, w]);
+        assert_eq!(count(&o, "permute"), count(&g, "permute"), "the graph input's transpose stays: {}", o.to_text());
+        same_outputs(&g, &o, 2, "transpose → split as split → permute");
+        same_outputs(&g, &o, 3, "transpose → split as split → permute");
     }
 }
