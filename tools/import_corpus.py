@@ -385,6 +385,11 @@ class GpuTurns:
     def shared(self):
         return self._turn(fcntl.LOCK_EX if self.checks_alone else fcntl.LOCK_SH)
 
+    def close(self):
+        for f in self.files or ():
+            f.close()
+        self.files = None
+
     def alone(self):
         return self._turn(fcntl.LOCK_EX)
 

@@ -2,6 +2,7 @@
 --no-engine`'s "optimised graph", the output of `kiln::engine::optimize`) for a bundled model and
 its import (docs/PERFORMANCE.md, step 12).
 
+The last row is the number of layout copies the builder will plan (`kiln inspect`'s list).
 A kind is the op's name with its fused parts (`linear +bias +residual`, `qkv_attention +bias`).
 `flatten` counts as `reshape` (both lower to the same reshape, `ops::shape::gpu_reshape`) unless
 `--raw`. `--diff` also prints the ops that differ, in graph order (a unified diff of the op
@@ -23,8 +24,12 @@ import sys
 ROW = re.compile(r"%\d+\s+(.*?)\s+\[([\d, ]*)\]\s+(\S+)")
 
 
-def optimised(kiln: str, model: str) -> list[tuple[str, str]]:
-    """(description, shape) of each node of the optimised graph, in order."""
+COPIES = re.compile(r"^(\d+) layout copies planned", re.M)
+
+
+def optimised(kiln: str, model: str) -> tuple[list[tuple[str, str]], int | None]:
+    """(description, shape) of each node of the optimised graph, in order, and the number of
+    layout copies `kiln inspect` says the builder will plan."""
     p = subprocess.run([kiln, "inspect", model, "--no-engine"], capture_output=True, text=True)
     text = p.stdout
     if "== optimised graph" not in text:
@@ -36,7 +41,8 @@ def optimised(kiln: str, model: str) -> list[tuple[str, str]]:
         m = ROW.match(line)
         if m:
             rows.append((m.group(1), m.group(2)))
-    return rows
+    copies = COPIES.search(text)
+    return rows, int(copies.group(1)) if copies else None
 
 
 def kind(desc: str, raw: bool) -> str:
@@ -54,7 +60,8 @@ def main() -> int:
     p.add_argument("--raw", action="store_true", help="count flatten apart from reshape")
     p.add_argument("--diff", action="store_true", help="also print the ops that differ from the first model, in order")
     a = p.parse_args()
-    graphs = {m: optimised(a.kiln, m) for m in a.models}
+    seen = {m: optimised(a.kiln, m) for m in a.models}
+    graphs = {m: rows for m, (rows, _) in seen.items()}
     counts = {m: collections.Counter(kind(d, a.raw) for d, _ in rows) for m, rows in graphs.items()}
     kinds = sorted(set().union(*counts.values()))
     names = [m.rsplit("/", 1)[-1] for m in a.models]
@@ -65,6 +72,7 @@ def main() -> int:
         mark = "" if len(set(vals)) == 1 else " **≠**"
         print(f"| {k}{mark} | " + " | ".join(str(v) for v in vals) + " |")
     print("| **all** | " + " | ".join(str(len(graphs[m])) for m in a.models) + " |")
+    print("| layout copies planned | " + " | ".join(str(seen[m][1]) for m in a.models) + " |")
     if a.diff:
         base = [f"{d} [{s}]" for d, s in graphs[a.models[0]]]
         for m in a.models[1:]:

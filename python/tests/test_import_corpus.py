@@ -165,6 +165,7 @@ def _turn(folder, kind, delay, hold, events):
         events.put((kind, "start", time.time()))
         time.sleep(hold)
         events.put((kind, "end", time.time()))
+    turns.close()
 
 
 if __name__ == "__main__":
