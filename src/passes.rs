@@ -30,6 +30,7 @@ pub fn optimize(graph: &Graph) -> Result<Graph> {
     let g = step("commute_reshape_permute", commute_reshape_permute(&g)?);
     let g = step("split_before_permute", split_before_permute(&g)?);
     let g = step("fold_linear_scale", fold_linear_scale(&g)?);
+    let g = step("fold_linear_shift", fold_linear_shift(&g)?);
     let g = step("fuse_conv_activation", fuse_conv_activation(&g)?);
     let g = step("fuse_linear_add", fuse_linear_add(&g)?);
     let g = step("fuse_conv_max_pool", fuse_conv_max_pool(&g)?);
@@ -298,6 +299,58 @@ pub fn fold_linear_scale(graph: &Graph) -> Result<Graph> {
         removed.resize(g.nodes.len(), false);
         removed[mul] = true;
         g.nodes[mul].inputs.clear();
+    }
+    let uses = g.use_counts();
+    removed.resize(g.nodes.len(), false);
+    rebuild(&g, |id, node| !removed[id] && (uses[id] > 0 || !matches!(node.op, Op::Weight { .. })))
+}
+
+/// Linear → (Permute →) Add of a constant per output feature (or one for all) → one Linear whose
+/// bias holds it, the Add dropped (its readers read the permute, or the Linear). This is a
+/// BatchNorm1d after a Linear once `fold_linear_scale` took its scale (LeViT's `Linear →
+/// BatchNorm1d` blocks, as kiln-torch imports them: mul then add), or a bias written as an add.
+/// A Linear without a bias gets one. The new bias is `<linear path>.bias.shifted`.
+pub fn fold_linear_shift(graph: &Graph) -> Result<Graph> {
+    let mut g = graph.clone();
+    let mut removed = vec![false; g.nodes.len()];
+    let users = g.readers();
+    let uses = g.use_counts();
+    for lin in 0..g.nodes.len() {
+        let Some(LinearThenBinary { linear: lin, permute, tail, binary: add, other: shift_node }) =
+            linear_then(&g, &users, &uses, lin, Binary::Add)
+        else {
+            continue;
+        };
+        if g.nodes[add].shape != g.nodes[tail].shape {
+            continue;
+        }
+        let Some(shift) = g.weight_data(shift_node).filter(|_| matches!(g.nodes[shift_node].op, Op::Weight { quant: None, .. })).cloned()
+        else {
+            continue;
+        };
+        let Some(fdim) = feature_dim(&g, lin, permute) else { continue };
+        let Some(shifts) = per_feature(&shift.shape, &shift.data, &g.nodes[tail].shape, fdim) else { continue };
+        let Op::Gemm(Gemm::Linear { bias, .. }) = g.nodes[lin].op else { unreachable!("checked by linear_chain") };
+        let old = if bias {
+            let Some(b) = g.weight_data(g.nodes[lin].inputs[2]).cloned() else { continue };
+            b.data.clone()
+        } else {
+            vec![0.0; shifts.len()]
+        };
+        let path = g.nodes[lin].path.clone();
+        let shifted = HostTensor::new(vec![shifts.len()], old.iter().zip(&shifts).map(|(b, t)| b + t).collect());
+        let b_name = fresh_weight_name(&g, &format!("{path}.bias.shifted"));
+        let b_id = g.weight(&b_name, Arc::new(shifted));
+        if bias {
+            g.nodes[lin].inputs[2] = b_id;
+        } else {
+            g.nodes[lin].op = Op::Gemm(Gemm::Linear { bias: true, residual: false });
+            g.nodes[lin].inputs.push(b_id);
+        }
+        redirect(&mut g, add, tail);
+        removed.resize(g.nodes.len(), false);
+        removed[add] = true;
+        g.nodes[add].inputs.clear();
     }
     let uses = g.use_counts();
     removed.resize(g.nodes.len(), false);

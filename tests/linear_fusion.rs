@@ -1,6 +1,6 @@
 //! Linear → Add as one Linear with a residual input (`passes::fuse_linear_add`, cuBLASLt's C on
-//! the GPU) and ConvNeXt's layer scale folded into its Linear (`passes::fold_linear_scale`), on
-//! the CPU: which graphs fuse and which must not, outputs before and after, the new attribute in
+//! the GPU), ConvNeXt's layer scale folded into its Linear (`passes::fold_linear_scale`) and a
+//! BatchNorm1d's shift into its bias (`passes::fold_linear_shift`), on the CPU: which graphs fuse and which must not, outputs before and after, the new attribute in
 //! graph files, and what the bundled transformers (ViT-B/16, Swin-T, ConvNeXt-T) fuse.
 
 use kiln::dev::passes;
@@ -172,6 +172,44 @@ fn a_scale_that_is_not_per_feature_stays_a_mul() {
     let g = t.graph();
     let o = passes::optimize(&g).expect("optimize");
     assert_eq!((count(&o, "mul"), linear_attrs(&o, "l")), (1, (true, false)));
+}
+
+/// LeViT's `Linear(bias=False) → BatchNorm1d` on tokens, as kiln-torch imports it (a mul by the
+/// BatchNorm's scale, then an add of its shift), and the same through a permute to NCHW.
+#[test]
+fn a_batchnorm_after_a_linear_becomes_its_weights_and_bias() {
+    let vb = VarBuilder::seeded();
+    let t = Tracer::new();
+    let x = t.input("x", &[1, 6, 8]).relu().expect("trace");
+    let plain = Linear::load(vb.pp("qkv.linear"), &LinearConfig { bias: false, ..LinearConfig::new(8, 12) }).expect("linear");
+    let (s, b) = (vb.get(&[12], "qkv.bn.scale").expect("scale"), vb.get(&[12], "qkv.bn.shift").expect("shift"));
+    let y = plain.forward(&x).and_then(|h| h.binary_weight("qkv.bn", Binary::Mul, &s)).expect("trace");
+    let y = y.binary_weight("qkv.bn.add", Binary::Add, &b).expect("trace");
+    t.output("tokens", &y.relu().expect("trace"));
+    // Through a permute back to NCHW, on a Linear with a bias: the shift per channel, `[C, 1, 1]`.
+    let img = t.input("img", &[1, 4, 3, 5]).relu().expect("trace");
+    let h = linear(&vb, "pw", 4, 4).forward(&img.permute(&[0, 2, 3, 1]).expect("trace")).expect("trace");
+    let shift = vb.get(&[4, 1, 1], "pw.shift").expect("shift");
+    let z = h.permute(&[0, 3, 1, 2]).and_then(|h| h.binary_weight("pw.add", Binary::Add, &shift)).expect("trace");
+    t.output("image", &z.relu().expect("trace"));
+    // A constant that is not one value per feature stays an add.
+    let other = linear(&vb, "other", 8, 12).forward(&x).expect("trace");
+    let grid = vb.get(&[6, 12], "other.grid").expect("grid");
+    t.output("grid", &other.binary_weight("other.add", Binary::Add, &grid).expect("trace"));
+    let g = t.graph();
+    let o = passes::optimize(&g).expect("optimize");
+    assert_eq!((count(&o, "mul"), count(&o, "add")), (0, 1), "{}", o.to_text());
+    assert_eq!(linear_attrs(&o, "qkv.linear"), (true, false), "the bias-less Linear got the shift as its bias");
+    assert_eq!(linear_attrs(&o, "pw"), (true, false));
+    assert!(o.weights.contains_key("qkv.linear.bias.shifted") && o.weights.contains_key("pw.bias.shifted"), "{:?}", o.weights.keys());
+    let inputs = [("x", rand(&[2, 6, 8])), ("img", rand(&[2, 4, 3, 5]))];
+    let refs: Vec<(&str, &HostTensor)> = inputs.iter().map(|(n, t)| (*n, t)).collect();
+    let (want, got) = (kiln::run_cpu(&g, &refs).expect("before"), kiln::run_cpu(&o, &refs).expect("after"));
+    for name in ["tokens", "image", "grid"] {
+        let c = compare(name, &got[name], &want[name]);
+        println!("{name}: {c}");
+        assert!(c.passes(1e-6), "{c}");
+    }
 }
 
 #[test]
