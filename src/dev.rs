@@ -56,9 +56,9 @@ pub mod codegen {
 pub mod passes {
     pub use crate::ops::norm::batch_norm_scale_shift;
     pub use crate::passes::{
-        attention_from_matmuls, collapse_view_chains, commute_reshape_permute, fold_batchnorm, fold_linear_scale, fold_linear_shift,
-        fuse_conv_activation, fuse_conv_max_pool, fuse_linear_activation, fuse_linear_add, optimize, packed_attention_from_views,
-        remove_dead_nodes, split_before_permute, topological_order,
+        attention_from_matmuls, collapse_view_chains, commute_reshape_permute, fold_batchnorm, fold_conv_affine, fold_linear_scale,
+        fold_linear_shift, fuse_conv_activation, fuse_conv_max_pool, fuse_linear_activation, fuse_linear_add, optimize,
+        packed_attention_from_views, remove_dead_nodes, split_before_permute, topological_order,
     };
 }
 

@@ -21,6 +21,7 @@ pub fn optimize(graph: &Graph) -> Result<Graph> {
         g
     };
     let g = step("fold_batchnorm", fold_batchnorm(graph)?);
+    let g = step("fold_conv_affine", fold_conv_affine(&g)?);
     // Imported forms of the bundled models' ops (issue 41, item 3; `views`): attention written
     // as matmuls, q/k/v split from a packed projection by views, view chains that cancel, a
     // conv's flatten → transpose, and tokens transposed and split into a conv's image.
@@ -75,6 +76,62 @@ pub fn fold_batchnorm(graph: &Graph) -> Result<Graph> {
         g.nodes[bn].inputs.clear();
     }
     // The replaced weights and the BatchNorm parameters go unless something else reads them.
+    let uses = g.use_counts();
+    removed.resize(g.nodes.len(), false);
+    rebuild(&g, |id, node| !removed[id] && (uses[id] > 0 || !matches!(node.op, Op::Weight { .. })))
+}
+
+/// Conv → Mul or Add of a constant per output channel (or one for all; `[C, 1, 1]`, `[1, C, 1,
+/// 1]`, a scalar) → one conv with folded weights and bias, as a BatchNorm folds: a layer scale
+/// after a conv (PoolFormer's and MetaFormer's MLPs as 1×1 convs, EfficientFormer), a shift written
+/// as an add. The conv must be plain and read only by that node; chains (a mul, then an add) fold
+/// one after the other. The folded tensors are `<conv path>.weight.folded`/`.bias.folded` (with a
+/// suffix where the name is taken).
+pub fn fold_conv_affine(graph: &Graph) -> Result<Graph> {
+    let mut g = graph.clone();
+    let mut uses = g.use_counts();
+    let mut removed = vec![false; g.nodes.len()];
+    for op in 0..g.nodes.len() {
+        let binary = match g.nodes[op].op {
+            Op::Binary(b @ (Binary::Mul | Binary::Add)) => b,
+            _ => continue,
+        };
+        let [a, b] = g.nodes[op].inputs[..] else { continue };
+        let is_conv = |id: NodeId| matches!(g.nodes[id].op, Op::Conv(_));
+        let (conv, other) = match (is_conv(a), is_conv(b)) {
+            (true, false) => (a, b),
+            (false, true) => (b, a),
+            _ => continue,
+        };
+        if uses[conv] != 1 || g.nodes[conv].shape != g.nodes[op].shape || g.nodes[op].shape.len() != 4 {
+            continue;
+        }
+        let Some(constant) = g.weight_data(other).filter(|_| matches!(g.nodes[other].op, Op::Weight { quant: None, .. })).cloned() else {
+            continue;
+        };
+        let Some(per_channel) = per_feature(&constant.shape, &constant.data, &g.nodes[op].shape, 1) else { continue };
+        let Some((attrs, weight, bias)) = foldable_conv(&g, conv) else { continue };
+        let (scale, shift) = match binary {
+            Binary::Mul => (per_channel, vec![0.0; g.nodes[op].shape[1]]),
+            _ => (vec![1.0; g.nodes[op].shape[1]], per_channel),
+        };
+        let (w, b) = fold_into_conv(&weight, bias.as_deref(), &scale, &shift, attrs.transposed, attrs.groups);
+        let path = g.nodes[conv].path.clone();
+        let w_name = fresh_weight_name(&g, &format!("{path}.weight.folded"));
+        let w_id = g.weight(&w_name, Arc::new(w));
+        let b_name = fresh_weight_name(&g, &format!("{path}.bias.folded"));
+        let b_id = g.weight(&b_name, Arc::new(b));
+        let x = g.nodes[conv].inputs[0];
+        let node = &mut g.nodes[conv];
+        node.inputs = vec![x, w_id, b_id];
+        node.op = Op::Conv(ConvAttrs { bias: true, ..attrs });
+        redirect(&mut g, op, conv);
+        uses.resize(g.nodes.len(), 0);
+        uses[conv] = uses[op];
+        removed.resize(g.nodes.len(), false);
+        removed[op] = true;
+        g.nodes[op].inputs.clear();
+    }
     let uses = g.use_counts();
     removed.resize(g.nodes.len(), false);
     rebuild(&g, |id, node| !removed[id] && (uses[id] > 0 || !matches!(node.op, Op::Weight { .. })))

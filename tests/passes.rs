@@ -122,6 +122,43 @@ fn fold_batchnorm_on_resnet_blocks() {
     assert_eq!(count(&g, "batch_norm2d"), 5);
 }
 
+/// A PoolFormer block's MLP as 1×1 convs with a layer scale, `x + scale·fc2(gelu(fc1(x)))`, a
+/// shift written as an add after a transposed conv, and a mul by a constant that is not per
+/// channel: the per-channel ones fold into their convs (and the residual then fuses), the other stays.
+#[test]
+fn a_per_channel_scale_or_shift_after_a_conv_folds_into_it() {
+    use kiln::plugin::Binary;
+    let vb = VarBuilder::seeded();
+    let t = Tracer::new();
+    let x = t.input("x", &[1, 8, 5, 6]).relu().expect("trace");
+    let fc1 = Conv2d::load(vb.pp("mlp.fc1"), &Conv2dConfig::new(8, 16, 1)).expect("fc1");
+    let fc2 = Conv2d::load(vb.pp("mlp.fc2"), &Conv2dConfig::new(16, 8, 1)).expect("fc2");
+    let h = fc1.forward(&x).and_then(|h| h.gelu(false)).and_then(|h| fc2.forward(&h)).expect("mlp");
+    let scale = vb.get(&[8, 1, 1], "layer_scale2").expect("scale");
+    let y = (&x + &h.binary_weight("layer_scale2", Binary::Mul, &scale).expect("scale")).expect("residual");
+    let up = ConvTranspose2d::load(vb.pp("up"), &Conv2dConfig::new(8, 4, 2).stride(2)).expect("up");
+    let shift = vb.get(&[1, 4, 1, 1], "up.shift").expect("shift");
+    let z = up.forward(&y).and_then(|z| z.binary_weight("up.add", Binary::Add, &shift)).expect("shift");
+    let grid = vb.get(&[10, 12], "grid").expect("grid");
+    let conv = Conv2d::load(vb.pp("last"), &Conv2dConfig::new(4, 4, 3).padding(1)).expect("last");
+    let w = conv.forward(&z).and_then(|w| w.binary_weight("grid", Binary::Mul, &grid)).expect("grid");
+    t.output("y", &w);
+    let g = t.graph();
+    let folded = passes::fold_conv_affine(&g).expect("fold");
+    assert_well_formed(&folded);
+    assert_same_outputs(&g, &folded, 2);
+    assert_eq!((count(&g, "mul"), count(&folded, "mul")), (2, 1), "{}", folded.to_text());
+    assert_eq!((count(&g, "add"), count(&folded, "add")), (2, 1), "the residual add stays: {}", folded.to_text());
+    for path in ["mlp.fc2", "up"] {
+        let n = folded.nodes.iter().find(|n| n.path == path).expect("conv");
+        let names: Vec<&str> = n.inputs[1..].iter().map(|&i| folded.nodes[i].path.as_str()).collect();
+        assert_eq!(names, [format!("{path}.weight.folded"), format!("{path}.bias.folded")]);
+    }
+    let optimized = passes::optimize(&g).expect("optimize");
+    assert_same_outputs(&g, &optimized, 3);
+    assert!(conv_attrs(&optimized, "mlp.fc2").residual, "the block's add is fc2's residual once the scale is folded");
+}
+
 #[test]
 fn fuse_conv_add_relu_on_resnet_blocks() {
     let g = passes::fold_batchnorm(&two_blocks()).expect("fold");
