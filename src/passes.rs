@@ -110,6 +110,10 @@ pub fn fold_conv_affine(graph: &Graph) -> Result<Graph> {
             continue;
         };
         let Some(per_channel) = per_feature(&constant.shape, &constant.data, &g.nodes[op].shape, 1) else { continue };
+        // A weight on an 8-bit grid (a model quantised in PyTorch) keeps its codes.
+        if !matches!(g.nodes[g.nodes[conv].inputs[1]].op, Op::Weight { quant: None, .. }) {
+            continue;
+        }
         let Some((attrs, weight, bias)) = foldable_conv(&g, conv) else { continue };
         let (scale, shift) = match binary {
             Binary::Mul => (per_channel, vec![0.0; g.nodes[op].shape[1]]),
