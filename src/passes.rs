@@ -279,6 +279,20 @@ fn linear_then(g: &Graph, users: &[Vec<NodeId>], uses: &[usize], lin: NodeId, op
     Some(LinearThenBinary { linear, permute, tail, binary, other: if a == tail { b } else { a } })
 }
 
+/// [`linear_then`] `op` where the other operand is a constant (not on an 8-bit grid) of one value
+/// per output feature, or one for all, that does not widen the Linear's output: the pattern and
+/// each feature's value.
+fn linear_then_constant(g: &Graph, users: &[Vec<NodeId>], uses: &[usize], lin: NodeId, op: Binary) -> Option<(LinearThenBinary, Vec<f32>)> {
+    let found = linear_then(g, users, uses, lin, op)?;
+    if g.nodes[found.binary].shape != g.nodes[found.tail].shape || !matches!(g.nodes[found.other].op, Op::Weight { quant: None, .. }) {
+        return None;
+    }
+    let constant = g.weight_data(found.other)?;
+    let fdim = feature_dim(g, found.linear, found.permute)?;
+    let values = per_feature(&constant.shape, &constant.data, &g.nodes[found.tail].shape, fdim)?;
+    Some((found, values))
+}
+
 /// A plain Linear (no residual; constant weight and bias) read only by the next op, or only by
 /// a Permute read only by the next op: `(linear, permute, next)`. Neither may be a graph output.
 fn linear_chain(g: &Graph, users: &[Vec<NodeId>], uses: &[usize], lin: NodeId) -> Option<(NodeId, Option<NodeId>, NodeId)> {
@@ -321,20 +335,11 @@ pub fn fold_linear_scale(graph: &Graph) -> Result<Graph> {
     let users = g.readers();
     let uses = g.use_counts();
     for lin in 0..g.nodes.len() {
-        let Some(LinearThenBinary { linear: lin, permute, tail, binary: mul, other: scale_node }) =
-            linear_then(&g, &users, &uses, lin, Binary::Mul)
+        let Some((LinearThenBinary { linear: lin, tail, binary: mul, .. }, factors)) =
+            linear_then_constant(&g, &users, &uses, lin, Binary::Mul)
         else {
             continue;
         };
-        if g.nodes[mul].shape != g.nodes[tail].shape {
-            continue;
-        }
-        let Some(scale) = g.weight_data(scale_node).filter(|_| matches!(g.nodes[scale_node].op, Op::Weight { quant: None, .. })).cloned()
-        else {
-            continue;
-        };
-        let Some(fdim) = feature_dim(&g, lin, permute) else { continue };
-        let Some(factors) = per_feature(&scale.shape, &scale.data, &g.nodes[tail].shape, fdim) else { continue };
         let Op::Gemm(Gemm::Linear { bias, .. }) = g.nodes[lin].op else { unreachable!("checked by linear_chain") };
         let (Some(w), b) =
             (g.weight_data(g.nodes[lin].inputs[1]).cloned(), bias.then(|| g.weight_data(g.nodes[lin].inputs[2]).cloned()).flatten())
@@ -377,20 +382,11 @@ pub fn fold_linear_shift(graph: &Graph) -> Result<Graph> {
     let users = g.readers();
     let uses = g.use_counts();
     for lin in 0..g.nodes.len() {
-        let Some(LinearThenBinary { linear: lin, permute, tail, binary: add, other: shift_node }) =
-            linear_then(&g, &users, &uses, lin, Binary::Add)
+        let Some((LinearThenBinary { linear: lin, tail, binary: add, .. }, shifts)) =
+            linear_then_constant(&g, &users, &uses, lin, Binary::Add)
         else {
             continue;
         };
-        if g.nodes[add].shape != g.nodes[tail].shape {
-            continue;
-        }
-        let Some(shift) = g.weight_data(shift_node).filter(|_| matches!(g.nodes[shift_node].op, Op::Weight { quant: None, .. })).cloned()
-        else {
-            continue;
-        };
-        let Some(fdim) = feature_dim(&g, lin, permute) else { continue };
-        let Some(shifts) = per_feature(&shift.shape, &shift.data, &g.nodes[tail].shape, fdim) else { continue };
         let Op::Gemm(Gemm::Linear { bias, .. }) = g.nodes[lin].op else { unreachable!("checked by linear_chain") };
         let old = if bias {
             let Some(b) = g.weight_data(g.nodes[lin].inputs[2]).cloned() else { continue };
