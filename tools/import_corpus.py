@@ -350,8 +350,8 @@ KILN_ENV = None
 
 
 class GpuTurns:
-    """Several workers on one GPU (`--turns DIR`, one folder per GPU): the checks share it, a timing
-    has it alone, so that no timing (`kiln bench`'s tactic choices and runs, PyTorch's replays) sees
+    """Several workers on one GPU (`--turns DIR`, one folder per GPU): the checks share it (or,
+    with `checks_alone`, have it alone too), a timing has it alone, so that no timing (`kiln bench`'s tactic choices and runs, PyTorch's replays) sees
     another process's kernels. A fair readers-writer lock over two files with flock: a timing takes
     the gate before it waits for the GPU, so no new check starts while it waits. Without a folder,
     both are no-ops. `waited` adds up the seconds spent waiting for a turn."""
@@ -397,6 +397,11 @@ class GpuTurns:
 TURNS = GpuTurns()
 
 
+def claim_file(folder, name: str) -> Path:
+    """The file in `--claims DIR` that says a worker took `name`."""
+    return Path(folder) / name.replace("/", "_")
+
+
 def claim(folder, name: str) -> bool:
     """Whether this worker takes `name` (`--claims DIR`: the first worker to create its file; the
     workers of a call share the folder, so each model runs once and the fast ones take more)."""
@@ -404,7 +409,7 @@ def claim(folder, name: str) -> bool:
         return True
     Path(folder).mkdir(parents=True, exist_ok=True)
     try:
-        os.close(os.open(Path(folder) / name.replace("/", "_"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        os.close(os.open(claim_file(folder, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         return True
     except FileExistsError:
         return False
@@ -1159,7 +1164,7 @@ def main() -> int:
         left = a.stop_at - time.time()
         typical = sorted(times)[len(times) // 2] if times else 0.0
         if left < max(a.reserve, typical):
-            stopped = [t.name for t in todo[n:] if not a.claims or not (Path(a.claims) / t.name.replace("/", "_")).exists()]
+            stopped = [t.name for t in todo[n:] if not a.claims or not claim_file(a.claims, t.name).exists()]
             print(f"import_corpus: {left:.0f} s of the budget left, under the {max(a.reserve, typical):.0f} s a model may take: "
                   f"stopping before {len(stopped)} models ({', '.join(stopped[:5])}{', ...' if len(stopped) > 5 else ''})", flush=True)
             break
@@ -1167,18 +1172,18 @@ def main() -> int:
             continue
         print(f"[{n + 1}/{len(todo)}] {e.name} ...", end=" ", flush=True)
         row = compile_check(a, e, out) if a.compile else check(e, a, out)
-        if cut_by_budget(a, row):
+        status = row["compile"]["status"] if a.compile else row["status"]
+        if ended_by_budget(a, status, row.get("time_s") or 0):
             cut.append(e.name)
             print(f"cut short by the budget's end ({row.get('reason') or row.get('compile', {}).get('reason', '')}): no row, "
                   "the next call runs it", flush=True)
             continue
-        if a.gpu and cut_by_budget(a, {"status": (row.get("compile") or {}).get("status", "pass"), "time_s": 0}):
+        if a.gpu and ended_by_budget(a, (row.get("compile") or {}).get("status", "pass"), 0):
             row.pop("compile")  # the engines' checks stand; torch.compile is timed by a later call
         times.append(row.get("time_s", 0) or row.get("compile", {}).get("time_s", 0))
         rows = [r for r in rows if r["model"] != e.name] + [row]
         rows.sort(key=lambda r: order.get(r["model"], len(order)))
         save_rows(results, rows, a.gpu or a.compile, stopped=None)
-        status = row["compile"]["status"] if a.compile else row["status"]
         reason = row["compile"].get("reason", "") if a.compile else row.get("reason", "")
         b2 = row.get(f"cpu_b{EXPORT_BATCH}") or [None]
         print(f"{status} ({row['compile']['time_s'] if a.compile else row['time_s']:.0f} s){'' if status == 'pass' else ': ' + reason}"
@@ -1204,11 +1209,11 @@ def settled(result) -> bool:
     return bool(result) and result.get("status") != "timeout"
 
 
-def cut_by_budget(a, row: dict) -> bool:
-    """Whether a model that did not pass was ended by the run's budget rather than by its own
-    limit or a fault of its own: it ended within 10 s of the budget's end, before `--timeout`."""
-    status = row["compile"]["status"] if a.compile else row["status"]
-    return status != "pass" and a.stop_at - time.time() < 10 and (row.get("time_s") or 0) < a.timeout
+def ended_by_budget(a, status: str, seconds: float) -> bool:
+    """Whether a step that did not pass (`status`, after `seconds`) was ended by the run's budget
+    rather than by its own limit or a fault of its own: it ended within 10 s of the budget's end,
+    before `--timeout`."""
+    return status != "pass" and a.stop_at - time.time() < 10 and seconds < a.timeout
 
 
 def _gpu_line(g: dict) -> str:

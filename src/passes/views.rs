@@ -346,24 +346,7 @@ pub fn commute_reshape_permute(graph: &Graph) -> Result<Graph> {
             continue;
         }
         // The run of input dims each output dim merges.
-        let mut runs: Vec<Vec<usize>> = Vec::new();
-        let mut i = 0;
-        for &y in ys {
-            let mut run = Vec::new();
-            let mut prod = 1;
-            while prod < y && i < xs.len() {
-                prod *= xs[i];
-                run.push(i);
-                i += 1;
-            }
-            if prod != y {
-                break;
-            }
-            runs.push(run);
-        }
-        if runs.len() != ys.len() || i != xs.len() {
-            continue;
-        }
+        let Some(runs) = runs_of(xs, ys) else { continue };
         let order: Vec<usize> = dims[1..].iter().flat_map(|&d| runs[d - 1].iter().copied()).collect();
         if order.windows(2).all(|w| w[0] < w[1]) {
             continue;
@@ -389,6 +372,27 @@ pub fn commute_reshape_permute(graph: &Graph) -> Result<Graph> {
     remove_dead_nodes(&g)
 }
 
+/// The dims of `fine` (their indices) that each dim of `coarse` is the product of, in order, or
+/// `None` unless `coarse` only merges runs of `fine`'s dims (every dim used once, none split).
+fn runs_of(fine: &[usize], coarse: &[usize]) -> Option<Vec<Vec<usize>>> {
+    let mut runs = Vec::with_capacity(coarse.len());
+    let mut i = 0;
+    for &size in coarse {
+        let mut run = Vec::new();
+        let mut prod = 1;
+        while prod < size && i < fine.len() {
+            prod *= fine[i];
+            run.push(i);
+            i += 1;
+        }
+        if prod != size {
+            return None;
+        }
+        runs.push(run);
+    }
+    (i == fine.len()).then_some(runs)
+}
+
 /// A permute read only by a reshape that splits its dims (each permuted dim into a run of the
 /// reshape's dims) → the reshape of the permute's input (each of its dims split as its permuted
 /// dim is), then the permute of the runs, where the input's producer stores its output
@@ -412,23 +416,10 @@ pub fn split_before_permute(graph: &Graph) -> Result<Graph> {
         if ps.contains(&1) || ys.contains(&1) {
             continue;
         }
-        // The run of reshape dims each permuted dim splits into.
-        let mut runs: Vec<Vec<usize>> = Vec::new();
-        let mut i = 0;
-        for &size in &ps {
-            let mut run = Vec::new();
-            let mut prod = 1;
-            while prod < size && i < ys.len() {
-                prod *= ys[i];
-                run.push(ys[i]);
-                i += 1;
-            }
-            if prod != size {
-                break;
-            }
-            runs.push(run);
-        }
-        if runs.len() != ps.len() || i != ys.len() || runs.iter().all(|run| run.len() == 1) {
+        // The run of reshape dims each permuted dim splits into (their sizes).
+        let Some(runs) = runs_of(&ys, &ps) else { continue };
+        let runs: Vec<Vec<usize>> = runs.iter().map(|run| run.iter().map(|&k| ys[k]).collect()).collect();
+        if runs.iter().all(|run| run.len() == 1) {
             continue;
         }
         let Some(def) = g.nodes[x].op.def() else { continue };
