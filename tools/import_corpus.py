@@ -30,7 +30,7 @@ exported there at batch 2 (no graph file is uploaded) and, from that one graph f
 PyTorch's CUDA graph by less than 1.2x, as the device rows carried in `--resume-from` say.
 `--budget S` stops before a model that might not finish in the S seconds left (and cuts each
 model's limit to them), so a device call never loses its rows; `--resume-from JSON` skips the
-models that file already has device (or torch.compile) results for. A model that fails is its row's
+models that file already has device (or torch.compile) results for from the same kiln commit. A model that fails is its row's
 reason, and the run goes on. `--dry-run` runs the device's steps on the CPU (the CPU executor for
 both engines, PyTorch FP32, eager timings at batch 1 and 2) to test them without CUDA.
 
@@ -1156,7 +1156,9 @@ def main() -> int:
         entries = [e for e in entries if needs_compile(carried.get(e.name, {}).get("gpu") or {})]
     rows = load_rows(results) if (a.resume or not whole) else []
     done = {r["model"] for r in rows} if a.resume else set()
-    done |= {m for m, r in carried.items() if kind and settled(r.get(kind))}
+    # A device row counts only at the kiln CLI's own commit: the corpus's device rows all come from
+    # one commit, so a row from an older binary is run again.
+    done |= {m for m, r in carried.items() if kind and settled(r.get(kind), a.commit)}
     order = {e.name: i for i, e in enumerate(corpus_order(entries, rows))}
     todo = [e for e in entries if e.name not in done]
     times, stopped, cut = [], [], []
@@ -1203,10 +1205,11 @@ def main() -> int:
     return 0 if passed == len(shown) else 1
 
 
-def settled(result) -> bool:
-    """Whether a device (`gpu`) or torch.compile result needs no further run: any result but a
-    torch.compile that ran out of time (a `--compile` run gives it a model's whole limit)."""
-    return bool(result) and result.get("status") != "timeout"
+def settled(result, commit: str) -> bool:
+    """Whether a device (`gpu`) or torch.compile result needs no further run at `commit`: any
+    result from that commit but a torch.compile that ran out of time (a `--compile` run gives it a
+    model's whole limit)."""
+    return bool(result) and result.get("commit") == commit and result.get("status") != "timeout"
 
 
 def ended_by_budget(a, status: str, seconds: float) -> bool:

@@ -147,12 +147,16 @@ class ImportCorpus(unittest.TestCase):
             self.assertEqual([what for _, what, _ in log], ["start", "start", "end", "end"])
 
     def test_only_a_compile_that_ran_out_of_time_runs_again(self):
-        self.assertFalse(ic.settled(None))
-        self.assertFalse(ic.settled({"status": "timeout", "reason": "torch.compile ran past the model's time"}))
-        self.assertTrue(ic.settled({"status": "error", "reason": "BackendCompilerFailed: ..."}))
-        self.assertTrue(ic.settled({"status": "pass"}))
-        self.assertTrue(ic.settled({"status": "fail", "reason": "FP16 engine: ..."}))
+        at = "abc1234"
+        self.assertFalse(ic.settled(None, at))
+        self.assertFalse(ic.settled({"status": "timeout", "commit": at, "reason": "torch.compile ran past the model's time"}, at))
+        self.assertTrue(ic.settled({"status": "error", "commit": at, "reason": "BackendCompilerFailed: ..."}, at))
+        self.assertTrue(ic.settled({"status": "pass", "commit": at}, at))
+        self.assertTrue(ic.settled({"status": "fail", "commit": at, "reason": "FP16 engine: ..."}, at))
 
+    def test_a_row_from_another_commit_runs_again(self):
+        self.assertFalse(ic.settled({"status": "pass", "commit": "0ld0ld0"}, "abc1234"))
+        self.assertFalse(ic.settled({"status": "pass"}, "abc1234"))
 
 def _turn(folder, kind, delay, hold, events):
     """A worker of the turns tests: waits `delay`, takes a turn (a timing alone, a check shared),
