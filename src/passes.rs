@@ -120,6 +120,9 @@ pub fn fold_conv_affine(graph: &Graph) -> Result<Graph> {
             _ => (vec![1.0; g.nodes[op].shape[1]], per_channel),
         };
         let (w, b) = fold_into_conv(&weight, bias.as_deref(), &scale, &shift, attrs.transposed, attrs.groups);
+        if !scaled_weights_keep_fp16(&weight.data, &w.data) {
+            continue;
+        }
         let path = g.nodes[conv].path.clone();
         let w_name = fresh_weight_name(&g, &format!("{path}.weight.folded"));
         let w_id = g.weight(&w_name, Arc::new(w));
@@ -139,6 +142,29 @@ pub fn fold_conv_affine(graph: &Graph) -> Result<Graph> {
     let uses = g.use_counts();
     removed.resize(g.nodes.len(), false);
     rebuild(&g, |id, node| !removed[id] && (uses[id] > 0 || !matches!(node.op, Op::Weight { .. })))
+}
+
+/// Whether weights scaled by a fold (`before` → `after`, element by element) keep the precision an
+/// FP16 engine stores them with: of the weights FP16 holds as normal numbers, no more than one in a
+/// hundred may fall below 2^-16 (FP16's subnormals keep fewer than 9 bits there, and none below
+/// 2^-24), and none may overflow. A scale that small stays a multiply after the layer, as PyTorch
+/// runs it: DeiT-III's layer scale of 1e-6 folded into weights of about 0.02 would leave FP16
+/// zeros, and its class token, which only such branches feed, would lose its answer.
+fn scaled_weights_keep_fp16(before: &[f32], after: &[f32]) -> bool {
+    const SMALLEST_NORMAL: f32 = 6.103_515_6e-5; // 2^-14
+    const FEW_BITS: f32 = 1.525_878_9e-5; // 2^-16
+    const LARGEST: f32 = 65504.0;
+    let (mut normal, mut lost) = (0usize, 0usize);
+    for (&b, &a) in before.iter().zip(after) {
+        if b.abs() >= SMALLEST_NORMAL && b.abs() <= LARGEST {
+            normal += 1;
+            if a.abs() > LARGEST {
+                return false;
+            }
+            lost += usize::from(a.abs() < FEW_BITS);
+        }
+    }
+    lost.saturating_mul(100) <= normal
 }
 
 /// A conv whose output may be rescaled per output channel: plain (nothing fused yet) and with
@@ -346,10 +372,14 @@ pub fn fold_linear_scale(graph: &Graph) -> Result<Graph> {
         else {
             continue;
         };
-        let mut w = w.as_ref().clone();
+        let before = w;
+        let mut w = before.as_ref().clone();
         let fin = w.shape[1];
         for (row, s) in w.data.chunks_exact_mut(fin.max(1)).zip(&factors) {
             row.iter_mut().for_each(|v| *v *= s);
+        }
+        if !scaled_weights_keep_fp16(&before.data, &w.data) {
+            continue;
         }
         let path = g.nodes[lin].path.clone();
         let w_name = fresh_weight_name(&g, &format!("{path}.weight.scaled"));

@@ -43,6 +43,13 @@ fn unary_ops() {
             });
         }
     }
+    // F.normalize of a zero row (SwinV2's keys where a window is padded): clamp(‖x‖, min=1e-12)
+    // must not store 0 in FP16, or the division gives NaN where PyTorch's FP32 gives 0.
+    check("x + 0 / clamp(norm(0), 1e-12) [4, 6, 32]", &[("x", &[4, 6, 32])], |x| {
+        let zero = x[0].affine(0.0, 0.0)?;
+        let norm = zero.mul(&zero)?.mean(&[3], true)?.unary(Unary::Sqrt)?.clamp(1e-12, f32::MAX)?;
+        Ok(vec![x[0].add(&zero.div(&norm)?)?])
+    });
     // On a flat [N, F] value and a [N, L, D] one.
     check("silu [21]", &[("x", &[21])], |x| Ok(vec![x[0].silu()?]));
     check("gelu [5, 12]", &[("x", &[5, 12])], |x| Ok(vec![x[0].gelu(false)?]));

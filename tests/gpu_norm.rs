@@ -30,6 +30,9 @@ fn softmax() {
     }
     check("softmax(dim 1) of an NHWC conv [4, 6, 5]", &[("x", &[4, 6, 5])], |x| Ok(vec![conv(&x[0], 4, 6)?.softmax(1)?]));
     check("softmax(dim -1) of an NHWC conv [4, 6, 5]", &[("x", &[4, 6, 5])], |x| Ok(vec![conv(&x[0], 4, 6)?.softmax(-1)?]));
+    // One output channel: the NHWC conv output has the bytes of NCHW, so the softmax reads it as it
+    // is (MobileViTv2's context scores).
+    check("softmax(dim -1) of a one-channel NHWC conv [4, 4, 33]", &[("x", &[4, 4, 33])], |x| Ok(vec![conv(&x[0], 4, 1)?.softmax(-1)?]));
 }
 
 #[test]

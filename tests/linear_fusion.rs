@@ -174,6 +174,34 @@ fn a_scale_that_is_not_per_feature_stays_a_mul() {
     assert_eq!((count(&o, "mul"), linear_attrs(&o, "l")), (1, (true, false)));
 }
 
+/// DeiT-III's layer scale of 1e-6: folded into weights of about 0.1 it would leave weights FP16
+/// holds with a few bits at most (under 2^-16), so it stays a multiply after the Linear, as
+/// PyTorch runs it. A scale of 0.1 beside it still folds.
+#[test]
+fn a_layer_scale_too_small_for_fp16_weights_stays_a_mul() {
+    let vb = VarBuilder::seeded();
+    let t = Tracer::new();
+    let x = t.input("x", &[1, 5, 8]).relu().expect("trace");
+    let scaled = |path: &str, value: f32| {
+        let h = linear(&vb, path, 8, 8).forward(&x).expect("trace");
+        let gamma = kiln::Param { name: format!("{path}.gamma"), value: Arc::new(HostTensor::new(vec![8], vec![value; 8])) };
+        h.binary_weight(&format!("{path}.ls"), Binary::Mul, &gamma).expect("trace")
+    };
+    t.output("tiny", &scaled("tiny", 1e-6));
+    t.output("small", &scaled("small", 0.1));
+    let g = t.graph();
+    let o = passes::fold_linear_scale(&g).expect("fold");
+    assert_eq!(count(&o, "mul"), 1, "{}", o.to_text());
+    assert!(o.weights.contains_key("small.weight.scaled") && !o.weights.contains_key("tiny.weight.scaled"), "{:?}", o.weights.keys());
+    let x = rand(&[2, 5, 8]);
+    let (want, got) = (outputs(&g, &x), outputs(&o, &x));
+    for out in ["tiny", "small"] {
+        let c = compare(out, &got[out], &want[out]);
+        println!("{out}: {c}");
+        assert!(c.passes(1e-6), "{c}");
+    }
+}
+
 /// LeViT's `Linear(bias=False) → BatchNorm1d` on tokens, as kiln-torch imports it (a mul by the
 /// BatchNorm's scale, then an add of its shift), and the same through a permute to NCHW.
 #[test]

@@ -159,6 +159,24 @@ fn a_per_channel_scale_or_shift_after_a_conv_folds_into_it() {
     assert!(conv_attrs(&optimized, "mlp.fc2").residual, "the block's add is fc2's residual once the scale is folded");
 }
 
+/// A conv's layer scale of 1e-6 (ConvNeXt's and PoolFormer's initial value) would fold into
+/// weights FP16 cannot hold: it stays a multiply, as PyTorch runs it.
+#[test]
+fn a_scale_too_small_for_fp16_weights_stays_after_the_conv() {
+    use kiln::plugin::Binary;
+    let vb = VarBuilder::seeded();
+    let t = Tracer::new();
+    let x = t.input("x", &[1, 8, 5, 6]).relu().expect("trace");
+    let fc = Conv2d::load(vb.pp("fc"), &Conv2dConfig::new(8, 8, 1)).expect("fc");
+    let gamma = kiln::Param { name: "gamma".into(), value: std::sync::Arc::new(kiln::HostTensor::new(vec![8, 1, 1], vec![1e-6; 8])) };
+    let y = fc.forward(&x).and_then(|h| h.binary_weight("ls", Binary::Mul, &gamma)).expect("scale");
+    t.output("y", &(&x + &y).expect("residual"));
+    let g = t.graph();
+    let folded = passes::fold_conv_affine(&g).expect("fold");
+    assert_eq!(count(&folded, "mul"), 1, "{}", folded.to_text());
+    assert_same_outputs(&g, &folded, 2);
+}
+
 #[test]
 fn fuse_conv_add_relu_on_resnet_blocks() {
     let g = passes::fold_batchnorm(&two_blocks()).expect("fold");

@@ -19,7 +19,8 @@
 # CUDA time-slices processes and a build's tactic timing crawls beside another's; shared: the
 # checks run side by side). The workers overlap what needs no GPU: exports, references and
 # torch.compile's code generation.
-# $OUT gets results.json (every worker's rows) and log; the scratch stays on the machine.
+# $OUT gets results.json (every worker's rows), log and caches.tar.xz (the compiled kernels, for the
+# next call: carry it as CACHES, default .carry/caches.tar.xz); the scratch stays on the machine.
 # KILN (default .carry/kiln/kiln), WHEELS (default .whl-corpus). Extra arguments go to import_corpus.py
 # (e.g. model names, --dry-run to run the plumbing on the CPU).
 set -uo pipefail
@@ -31,6 +32,11 @@ BUDGET=${BUDGET:-510}
 KILN=${KILN:-.carry/kiln/kiln}
 WHEELS=${WHEELS:-.whl-corpus}
 mkdir -p "$OUT"
+# The compiled-kernel caches of an earlier call (Kiln's NVRTC kernels and cuDNN's runtime-fusion
+# kernels in the driver's cache): a fresh machine otherwise compiles them inside the first models'
+# GPU turns, about a minute and a half of a call. The call's own caches go back in $OUT.
+CACHES=${CACHES:-.carry/caches.tar.xz}
+[ -f "$CACHES" ] && tar -xJf "$CACHES" -C ~ && echo "compiled-kernel caches from $CACHES"
 # torch.compile's code generation on a few threads a worker (a DenseNet took 200 s on one).
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=${COMPILE_THREADS:-3} TORCHINDUCTOR_FREEZING=1
 # Kiln's subprocesses get the system cuDNN (import_corpus.py --kiln-libs); PyTorch must not see it.
@@ -86,4 +92,5 @@ rows = [r for path in sys.argv[2:] for r in json.load(open(path))["models"]]
 json.dump({"gpu": True, "models": rows}, open(sys.argv[1], "w"), indent=1)
 print(f"{len(rows)} rows in {sys.argv[1]}")
 PY
+tar -cJf "$OUT/caches.tar.xz" -C ~ .cache/kiln .nv/ComputeCache 2>/dev/null || true
 exit $rc

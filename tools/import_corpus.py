@@ -560,6 +560,7 @@ DRY_BATCHES = (1, 2)  # `--dry-run`: the same plumbing on the CPU, at batches th
 FP16_ERROR_RATIO = 1.2  # Kiln's FP16 rel L2 <= this × PyTorch's own FP16 rel L2 (both against FP32)
 FP16_FALLBACK_TOL = 1e-2  # where PyTorch's FP16 output is not finite (kiln compare --fp16's default)
 COMPILE_LEAD = 1.2  # torch.compile is timed for every transformer and where Kiln leads by less
+COMPILE_MIN_S = 60  # `--and-compile` starts no torch.compile with less of the model's time left
 SEGMENTATION_SOURCES = ("torchvision.segmentation", "smp")
 # Module classes that make a model a transformer (torch.compile is timed for each).
 ATTENTION = re.compile(r"Attention|Attn|Transformer|LambdaLayer", re.I)
@@ -772,10 +773,18 @@ def gpu_check(a, entry: Entry, model, result, x, path: Path, ref: Path, out: Pat
         if err:
             errors.append(err)
         with step("torch_graph", TURNS.alone):
-            row["torch_graph_ms"] = torch_timings(half, entry.size, batches, dtype, device, a.torch_seconds, deadline)
+            try:
+                row["torch_graph_ms"] = torch_timings(half, entry.size, batches, dtype, device, a.torch_seconds, deadline)
+            except RuntimeError as e:
+                # A model whose forward PyTorch cannot capture in a CUDA graph (a host-to-device copy
+                # in it): its eager time stands in, and torch.compile is timed as the peer.
+                row["torch_graph_error"] = _one_line(f"{type(e).__name__}: {e}")
+                if not dry:
+                    torch.cuda.synchronize()
+                row["torch_eager_ms"] = torch_timings(half, entry.size, batches, dtype, device, a.torch_seconds, deadline, graph=False)
         # 4. torch.compile (`--and-compile`), where the issue asks for it: compiled and warmed up
         # beside the other workers' checks, timed alone.
-        if a.and_compile and needs_compile(row):
+        if a.and_compile and needs_compile(row) and left() > COMPILE_MIN_S:
             t = time.time()
             row["compile"] = compile_timings(a, half, entry.size, dtype, device, deadline)
             steps["compile"] = round(time.time() - t, 1)
@@ -796,10 +805,10 @@ def kiln_lead(gpu: dict):
 
 
 def needs_compile(gpu: dict) -> bool:
-    """torch.compile is timed for every transformer and any model where Kiln leads PyTorch's CUDA
-    graph by less than COMPILE_LEAD (issue 42)."""
+    """torch.compile is timed for every transformer, any model where Kiln leads PyTorch's CUDA
+    graph by less than COMPILE_LEAD, and any model PyTorch cannot capture in a CUDA graph."""
     lead = kiln_lead(gpu)
-    return bool(gpu.get("transformer")) or (lead is not None and lead < COMPILE_LEAD)
+    return bool(gpu.get("transformer")) or (lead is not None and lead < COMPILE_LEAD) or "torch_graph_error" in gpu
 
 
 def compile_check(a, entry: Entry, out: Path) -> dict:
@@ -909,7 +918,9 @@ def gpu_cells(r: dict) -> list:
     lead = kiln_lead(g)
     return [_num((g.get("fp32") or [None])[0]), f"{_num(g.get('fp16'))} / {_num(g.get('torch_fp16'))}",
             f"{_share(g.get('fp16_agree'))} / {_share(g.get('torch_fp16_agree'))}",
-            " / ".join(_ms(k, b) for b in GPU_BATCHES), " / ".join(_ms(t, b) for b in GPU_BATCHES),
+            " / ".join(_ms(k, b) for b in GPU_BATCHES),
+            " / ".join(_ms(t, b) for b in GPU_BATCHES) if t or "torch_eager_ms" not in g
+            else "eager " + " / ".join(_ms(g["torch_eager_ms"], b) for b in GPU_BATCHES) + " (no CUDA graph)",
             " / ".join(_ms(c, b) for b in GPU_BATCHES) if c else "-", "-" if lead is None else f"{lead:.2f}×",
             g.get("status", "-") if g.get("status") == "pass" else f"**{g.get('status')}**: {g.get('reason', '')}"]
 
@@ -1182,7 +1193,10 @@ def main() -> int:
             continue
         if a.gpu and ended_by_budget(a, (row.get("compile") or {}).get("status", "pass"), 0):
             row.pop("compile")  # the engines' checks stand; torch.compile is timed by a later call
-        times.append(row.get("time_s", 0) or row.get("compile", {}).get("time_s", 0))
+        # What a model takes, without torch.compile: a compile cut short by the budget's end leaves
+        # the row (a `--compile` run times it), so the next model needs only the checks' time.
+        spent = row.get("time_s", 0) - ((row.get("gpu") or {}).get("steps_s") or {}).get("compile", 0)
+        times.append(spent or row.get("compile", {}).get("time_s", 0))
         rows = [r for r in rows if r["model"] != e.name] + [row]
         rows.sort(key=lambda r: order.get(r["model"], len(order)))
         save_rows(results, rows, a.gpu or a.compile, stopped=None)

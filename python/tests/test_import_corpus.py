@@ -68,6 +68,18 @@ class ImportCorpus(unittest.TestCase):
         self.assertTrue(ic.needs_compile(gpu_row("m", kiln=1.0, torch=1.5, transformer=True)["gpu"]))
         self.assertFalse(ic.needs_compile({}))
 
+    def test_a_model_pytorch_cannot_graph_is_timed_eagerly_and_compiled(self):
+        row = gpu_row("m", kiln=1.0, torch=1.5)
+        g = row["gpu"]
+        del g["torch_graph_ms"]
+        g.update(torch_graph_error="RuntimeError: Cannot copy between CPU and CUDA tensors during CUDA graph capture",
+                 torch_eager_ms={"1": 2.5, "16": 3.0})
+        self.assertIsNone(ic.kiln_lead(g))
+        self.assertTrue(ic.needs_compile(g))
+        cells = ic.gpu_cells(row)
+        self.assertIn("eager 2.500 / 3.000 (no CUDA graph)", cells)
+        self.assertEqual(cells[-1], "pass")
+
     def test_argmax_agreement_of_images_and_of_a_segmentation_models_pixels(self):
         want = {"logits": np.array([[0.0, 1.0], [1.0, 0.0]]), "mask": np.zeros((1, 3, 2, 2)), "feat": np.zeros((1, 8, 2, 2))}
         want["mask"][0, 1] = 1.0

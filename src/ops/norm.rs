@@ -510,17 +510,20 @@ impl Layer for RowsLayer {
 fn gpu_rows(ctx: &mut BuildCtx, node: NodeId, op: RowOp, dim: usize, count: usize) -> Result<Box<dyn Layer>> {
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
-    if dx.elem != dy.elem || dx.layout != dy.layout || dx.dims != dy.dims {
+    // The input may be stored in another layout than the output when the two have the same bytes
+    // (a reformat between them is skipped): e.g. a one-channel conv output, NHWC, read by a softmax
+    // over W that the plan gave NCHW. The rows are then the output layout's.
+    if dx.elem != dy.elem || dx.dims != dy.dims || !dx.layout.same_bytes(dy.layout, &dx.dims) {
         return Err(ctx.err(
             node,
             LowerKind::Operands,
             format!("input {:?} {:?} and output {:?} {:?} differ", dx.layout, dx.dims, dy.layout, dy.dims),
         ));
     }
-    let p = rows_position(dx.layout, dim, count).ok_or_else(|| {
-        ctx.err(node, LowerKind::Operands, format!("dims {dim}..{} are not stored together in {:?}", dim + count, dx.layout))
+    let p = rows_position(dy.layout, dim, count).ok_or_else(|| {
+        ctx.err(node, LowerKind::Operands, format!("dims {dim}..{} are not stored together in {:?}", dim + count, dy.layout))
     })?;
-    let phys: Vec<usize> = dx.layout.order().iter().map(|&d| dx.dims[d]).collect();
+    let phys: Vec<usize> = dy.layout.order().iter().map(|&d| dy.dims[d]).collect();
     let prod = |s: &[usize]| s.iter().product::<usize>();
     let (outer, len, inner) = (prod(&phys[..p]), prod(&phys[p..p + count]), prod(&phys[p + count..]));
     let int = |what: &str, v: usize| {

@@ -4,7 +4,7 @@
 
 use super::{f32_arg, i32_arg, KERNELS};
 use crate::engine::launch::{same_elem, to_i32, typed_entry_points, Arg, KernelLayer};
-use crate::engine::{Layer, Layout, ValueId};
+use crate::engine::{Elem, Layer, Layout, ValueId};
 use crate::error::OpError;
 use crate::graph::{HostTensor, NodeId};
 use crate::ops::BuildCtx;
@@ -165,6 +165,23 @@ impl Unary {
         }
     }
 
+    /// The op as a layer that stores `elem` runs it: a clamp's finite bounds rounded into `elem`
+    /// towards the inside, so that what it stores stays within them. `F.normalize`'s
+    /// `clamp(norm, min=1e-12)` would otherwise store 0 in FP16 (its smallest step is 2^-24), and
+    /// the division after it give NaN where PyTorch's FP32 gives 0.
+    pub fn stored_as(self, elem: Elem) -> Self {
+        let Unary::Clamp { min, max } = self else { return self };
+        if elem != Elem::F16 {
+            return self;
+        }
+        let (lo, hi) = (f16_inside(min, true), f16_inside(max, false));
+        // Bounds that cross once rounded keep their f32 values: the kernel still computes in f32.
+        if lo > hi {
+            return self;
+        }
+        Unary::Clamp { min: lo, max: hi }
+    }
+
     /// `(code, p0, p1)` as the kernels take them (`ACT_*` in kernels/common.cuh).
     pub fn kernel_code(self) -> (i32, f32, f32) {
         let (_, code, p0, p1) = self.kernel_op();
@@ -316,6 +333,26 @@ fn activation_entry(op: Unary, elem: crate::engine::Elem) -> String {
     }
 }
 
+/// The FP16 value nearest `bound` on its inside: at or above it for a lower bound (`up`), at or
+/// below it for an upper one. A bound FP16 holds exactly, or that is past FP16's range, is kept.
+fn f16_inside(bound: f32, up: bool) -> f32 {
+    let h = half::f16::from_f32(bound);
+    let v = h.to_f32();
+    if !h.is_finite() || v == bound || (v > bound) == up {
+        return if h.is_finite() { v } else { bound };
+    }
+    // One FP16 step further towards the inside: within a sign, FP16 bits are ordered like integers.
+    let bits = h.to_bits();
+    let positive = bits & 0x8000 == 0 && bits != 0;
+    let next = match (v == 0.0, up, positive) {
+        (true, true, _) => 0x0001,
+        (true, false, _) => 0x8001,
+        (false, true, true) | (false, false, false) => bits + 1,
+        (false, true, false) | (false, false, true) => bits - 1,
+    };
+    half::f16::from_bits(next).to_f32()
+}
+
 /// The activation an epilogue applies, as the kernels take it: `(code, p0, p1)`.
 pub(super) fn act_code(act: Option<Unary>) -> (i32, f32, f32) {
     act.map_or((0, 0.0, 0.0), Unary::kernel_code)
@@ -330,7 +367,7 @@ fn act_suffix(act: Option<Unary>) -> String {
 pub fn activation(ctx: &mut BuildCtx, node: NodeId, op: Unary) -> Result<Box<dyn Layer>> {
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let elem = same_elem(ctx, &[x, y])?;
-    let (code, p0, p1) = op.kernel_code();
+    let (code, p0, p1) = op.stored_as(elem).kernel_code();
     let per_image = ctx.value(y).per_image_elems();
     let args = vec![Arg::Value(x), Arg::Value(y), Arg::PerBatch(per_image), i32_arg(code), f32_arg(p0), f32_arg(p1)];
     let layer = KernelLayer::new(ctx, &activation_entry(op, elem), args, per_image)?;
@@ -341,7 +378,7 @@ pub fn activation(ctx: &mut BuildCtx, node: NodeId, op: Unary) -> Result<Box<dyn
 /// whose GEMM cannot apply it (`Gemm::LinearAct` on cuBLASLt).
 pub(crate) fn activation_in_place(ctx: &crate::engine::layer::LayerCtx, v: ValueId, op: Unary) -> Result<KernelLayer> {
     let elem = ctx.value(v).elem;
-    let (code, p0, p1) = op.kernel_code();
+    let (code, p0, p1) = op.stored_as(elem).kernel_code();
     let per_image = ctx.value(v).per_image_elems();
     let args = vec![Arg::Value(v), Arg::Value(v), Arg::PerBatch(per_image), i32_arg(code), f32_arg(p0), f32_arg(p1)];
     Ok(KernelLayer::new(ctx, &activation_entry(op, elem), args, per_image)?.kind(format!("kernel:{}", op.name())).items(4))
@@ -406,6 +443,27 @@ pub fn bias_act(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_clamp_stored_in_fp16_keeps_its_bounds_inside() {
+        let tiny = 2f32.powi(-24); // FP16's smallest positive value
+        let clamp = |min, max| Unary::Clamp { min, max };
+        // F.normalize's eps: 0 in FP16, so the smallest positive FP16 instead.
+        assert_eq!(clamp(1e-12, f32::MAX).stored_as(Elem::F16), clamp(tiny, f32::MAX));
+        assert_eq!(clamp(f32::MIN, -1e-12).stored_as(Elem::F16), clamp(f32::MIN, -tiny));
+        // Bounds FP16 holds exactly, and other storage, are unchanged.
+        assert_eq!(clamp(0.0, 6.0).stored_as(Elem::F16), clamp(0.0, 6.0));
+        assert_eq!(clamp(1e-12, 1.0).stored_as(Elem::F32), clamp(1e-12, 1.0));
+        // Inexact bounds round inwards: 0.1 is between two FP16 values.
+        let Unary::Clamp { min, max } = clamp(0.1, 0.1 + 1e-3).stored_as(Elem::F16) else { unreachable!() };
+        assert!(min >= 0.1 && half::f16::from_f32(min).to_f32() == min, "{min}");
+        assert!(max <= 0.101 && half::f16::from_f32(max).to_f32() == max, "{max}");
+        assert!(min < max);
+        // Bounds that would cross keep their f32 values.
+        assert_eq!(clamp(0.1, 0.1 + 1e-6).stored_as(Elem::F16), clamp(0.1, 0.1 + 1e-6));
+        // Other ops are unchanged.
+        assert_eq!(Unary::Relu.stored_as(Elem::F16), Unary::Relu);
+    }
 
     #[test]
     fn erf_is_accurate_to_f32() {
