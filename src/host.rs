@@ -60,6 +60,21 @@ pub fn read_regular(path: &Path, give: &str, wrong_kind: impl FnOnce(String) -> 
     Ok(bytes)
 }
 
+/// Writes `bytes` to `path` through a temporary file beside it and a rename, so that a reader,
+/// or another process writing the same file, never sees half of it.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".tmp{}", std::process::id()));
+    let tmp = PathBuf::from(tmp);
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
+}
+
 /// A regular file mapped read-only (see [`open_regular`]): only the pages read are loaded, so a
 /// header can be checked before a large file's data is touched.
 pub fn map_regular(path: &Path, give: &str, wrong_kind: impl FnOnce(String) -> Error) -> Result<memmap2::Mmap> {

@@ -32,9 +32,10 @@ BUDGET=${BUDGET:-510}
 KILN=${KILN:-.carry/kiln/kiln}
 WHEELS=${WHEELS:-.whl-corpus}
 mkdir -p "$OUT"
-# The compiled-kernel caches of an earlier call (Kiln's NVRTC kernels and cuDNN's runtime-fusion
-# kernels in the driver's cache): a fresh machine otherwise compiles them inside the first models'
-# GPU turns, about a minute and a half of a call. The call's own caches go back in $OUT.
+# The caches of an earlier call (Kiln's NVRTC kernels, cuDNN's runtime-fusion kernels in the
+# driver's cache, and the workers' shared timing cache): a fresh machine otherwise compiles the
+# kernels inside the first models' GPU turns, about a minute and a half of a call, and times every
+# layer again. The call's own caches go back in $OUT.
 CACHES=${CACHES:-.carry/caches.tar.xz}
 [ -f "$CACHES" ] && tar -xJf "$CACHES" -C ~ && echo "compiled-kernel caches from $CACHES"
 # torch.compile's code generation on a few threads a worker (a DenseNet took 200 s on one).
@@ -75,6 +76,7 @@ for ((k = 1; k <= N; k++)); do
   # A hard stop a little after the budget, should a step ignore its own limit.
   CUDA_VISIBLE_DEVICES=$g timeout -k 5 $((${BUDGET%.*} + 40)) python3 tools/import_corpus.py "${MODE[@]}" --kiln "$KILN" \
     --claims "$STATE/claims" --turns "$STATE/turns-gpu$g" --budget "$BUDGET" --threads "$THREADS" \
+    --timing-cache ~/.cache/kiln/corpus-timing-gpu$g.json \
     --resume-from docs/import_corpus.json --out "$STATE/corpus-$k" "$@" >"$STATE/corpus-$k/log" 2>&1 &
   pids+=($!)
 done

@@ -676,6 +676,13 @@ def torch_timings(model, size: int, batches, dtype, device, seconds: float, dead
     return times
 
 
+def timing_cache(a) -> list:
+    """`--timing-cache FILE` for the engine builds (`--timing-cache`): the workers of a GPU share one,
+    so a layer another model timed at the same shape, precision and batch is not timed again (the
+    builds' merge-and-rename writes let them share it)."""
+    return ["--timing-cache", str(a.timing_cache)] if a.timing_cache else []
+
+
 def kiln_bench(a, path: Path, out: Path, stem: str, batches, deadline: float):
     """`kiln bench` of the graph file at `batches` (FP16 engines, CUDA graphs, short runs): median
     ms by batch, and the error's last line when it failed."""
@@ -684,7 +691,7 @@ def kiln_bench(a, path: Path, out: Path, stem: str, batches, deadline: float):
     if a.dry_run:
         mode = ["--cpu", "--iterations", "2", "--duration", "0", "--warmup", "0"]
     else:
-        mode = ["--fp16", "--cuda-graphs-only", "--duration", str(a.bench_duration), "--warmup", "100"]
+        mode = ["--fp16", "--cuda-graphs-only", "--duration", str(a.bench_duration), "--warmup", "100", *timing_cache(a)]
     cmd = [a.kiln, "bench", str(path), *mode, "--batch", ",".join(map(str, batches)), "--json", str(report)]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(deadline - time.time() - 5, 1), env=KILN_ENV)
@@ -733,7 +740,7 @@ def gpu_check(a, entry: Entry, model, result, x, path: Path, ref: Path, out: Pat
 
     # 1. FP32
     with step("fp32", TURNS.shared):
-        c = kiln_compare(a.kiln, path, ref, ["--cpu"] if dry else ["--fp32"], FP32_TOL, out / f"{stem}.report.json", left())
+        c = kiln_compare(a.kiln, path, ref, ["--cpu"] if dry else ["--fp32", *timing_cache(a)], FP32_TOL, out / f"{stem}.report.json", left())
     row["fp32"] = _worst(c.get("outputs"))
     if not c["ok"]:
         errors.append(f"FP32 engine: {c['error']}")
@@ -747,7 +754,8 @@ def gpu_check(a, entry: Entry, model, result, x, path: Path, ref: Path, out: Pat
     row["torch_fp16_agree"] = argmax_agreement(theirs, want, entry.source)
     saved = out / f"{stem}.fp16.safetensors"
     with step("fp16", TURNS.shared):
-        c = kiln_compare(a.kiln, path, ref, ["--cpu"] if dry else ["--fp16"], 1e9, out / f"{stem}.report.json", left(), save=saved)
+        c = kiln_compare(a.kiln, path, ref, ["--cpu"] if dry else ["--fp16", *timing_cache(a)], 1e9, out / f"{stem}.report.json", left(),
+                         save=saved)
     if c.get("outputs") is None or not saved.exists():
         errors.append(f"FP16 engine: {c['error']}")
     else:
@@ -1082,6 +1090,8 @@ def main() -> int:
                    "process's work crawls (on an H200, six workers sharing the checks ran one model in 50-300 s)")
     p.add_argument("--claims", metavar="DIR", help="workers of one run share the models: each runs the ones it is first "
                    "to claim in DIR (instead of --shard's fixed split)")
+    p.add_argument("--timing-cache", metavar="FILE", help="with --gpu: the engine builds' timing cache (kiln --timing-cache), "
+                   "shared by the workers of a GPU")
     p.add_argument("--kiln-libs", default=os.environ.get("KILN_LIBS", DEVICE_LIBS),
                    help="LD_LIBRARY_PATH of the kiln subprocesses with --gpu (the system cuDNN; PyTorch keeps its own)")
     p.add_argument("--bench-duration", type=float, default=0.3, help="kiln bench --duration at each batch (--gpu; "

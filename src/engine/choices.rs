@@ -54,10 +54,17 @@ impl Tactics {
         }
     }
 
+    /// Writes the timing cache to `path`, with the entries another build wrote there since this
+    /// one read it (this build's win where both timed a choice), through a temporary file and a
+    /// rename: builds running side by side on one cache file never leave half a file.
     pub fn save_cache(&self, path: &Path) -> Result<()> {
-        let json = serde_json::to_vec_pretty(&self.cache)
+        let mut merged = Tactics::default();
+        // A file that is missing or no longer valid JSON is written afresh.
+        let _ = merged.load_cache(path);
+        merged.cache.extend(self.cache.iter().map(|(k, v)| (k.clone(), v.clone())));
+        let json = serde_json::to_vec_pretty(&merged.cache)
             .map_err(|e| Error::Serialize { what: "the timing cache".into(), reason: e.to_string() })?;
-        std::fs::write(path, json).map_err(Error::io(path))
+        crate::host::write_atomically(path, &json).map_err(Error::io(path))
     }
 
     /// The counters now, so that a summary can count what comes after (`since`).
@@ -81,3 +88,37 @@ pub(crate) struct TacticsMark {
 
 /// Per timed choice: its key and the (kind, ms) of each candidate that ran.
 pub type TimingLog = Vec<(String, Vec<(String, f32)>)>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tactics(entries: &[(&str, &str)]) -> Tactics {
+        Tactics { cache: entries.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(), ..Default::default() }
+    }
+
+    #[test]
+    fn builds_sharing_a_timing_cache_keep_each_others_entries() {
+        let dir = std::env::temp_dir().join(format!("kiln-timing-cache-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("timing.json");
+        tactics(&[("h200|fp16|b1|conv a", "cudnn:1"), ("h200|fp16|b1|conv b", "cudnn:2")]).save_cache(&path).unwrap();
+        // A second build that read the file before the first wrote it: its entries win where both timed.
+        tactics(&[("h200|fp16|b1|conv b", "kernel:x"), ("h200|fp16|b1|conv c", "cublaslt:3")]).save_cache(&path).unwrap();
+        let mut read = Tactics::default();
+        read.load_cache(&path).unwrap();
+        let want = tactics(&[("h200|fp16|b1|conv a", "cudnn:1"), ("h200|fp16|b1|conv b", "kernel:x"), ("h200|fp16|b1|conv c", "cublaslt:3")]);
+        assert_eq!(read.cache, want.cache);
+        // No temporary file is left beside it.
+        let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, ["timing.json"]);
+        // A file that is not JSON is refused when read, and replaced when written.
+        std::fs::write(&path, b"{ half").unwrap();
+        assert!(Tactics::default().load_cache(&path).is_err());
+        tactics(&[("k", "v")]).save_cache(&path).unwrap();
+        let mut read = Tactics::default();
+        read.load_cache(&path).unwrap();
+        assert_eq!(read.cache, tactics(&[("k", "v")]).cache);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -245,23 +245,13 @@ pub fn cached_compile(name: &str, source: &str, arch: &str) -> Result<Arc<Vec<u8
         Ok(bytes) if bytes.starts_with(b"\x7fELF") => bytes,
         _ => {
             let bytes = compile_source(name, source, arch)?;
-            let _ = write_atomically(&path, &bytes);
+            let _ = crate::host::write_atomically(&path, &bytes);
             bytes
         }
     };
     let cubin = Arc::new(cubin);
     memory.lock().unwrap_or_else(|p| p.into_inner()).insert(path, cubin.clone());
     Ok(cubin)
-}
-
-/// Writes through a temporary file and a rename, so concurrent builds never read half a file.
-fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, path)
 }
 
 /// The loaded kernels of one device: Kiln's families, plus any source a user added
