@@ -15,7 +15,7 @@
 #   here:    python3 tools/import_corpus.py --merge docs/import_corpus.json <files_at>/results.json
 #
 # Environment: BUDGET (seconds for the call, default 510), GPUS (default: every GPU nvidia-smi lists),
-# WORKERS (per GPU, default 5), CHECKS (default alone: every GPU step takes the GPU alone, since
+# WORKERS (per GPU, default 8), CHECKS (default alone: every GPU step takes the GPU alone, since
 # CUDA time-slices processes and a build's tactic timing crawls beside another's; shared: the
 # checks run side by side). The workers overlap what needs no GPU: exports, references and
 # torch.compile's code generation.
@@ -39,7 +39,7 @@ mkdir -p "$OUT"
 CACHES=${CACHES:-.carry/caches.tar.xz}
 [ -f "$CACHES" ] && tar -xJf "$CACHES" -C ~ && echo "compiled-kernel caches from $CACHES"
 # torch.compile's code generation on a few threads a worker (a DenseNet took 200 s on one).
-export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=${COMPILE_THREADS:-3} TORCHINDUCTOR_FREEZING=1
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=${COMPILE_THREADS:-2} TORCHINDUCTOR_FREEZING=1
 # Kiln's subprocesses get the system cuDNN (import_corpus.py --kiln-libs); PyTorch must not see it.
 unset LD_LIBRARY_PATH
 # timm and segmentation_models_pytorch (and, where the image lacks them, their needs) from the
@@ -59,7 +59,7 @@ else
   GPUS=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 fi
 ((GPUS >= 1)) || GPUS=1
-WORKERS=${WORKERS:-5}
+WORKERS=${WORKERS:-8}
 ((WORKERS >= 1)) || WORKERS=1
 N=$((GPUS * WORKERS))
 THREADS=$(($(nproc) / N))
