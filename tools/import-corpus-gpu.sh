@@ -22,7 +22,8 @@
 # $OUT gets results.json (every worker's rows), log and caches.tar.xz (the compiled kernels, for the
 # next call: carry it as CACHES, default .carry/caches.tar.xz); the scratch stays on the machine.
 # KILN (default .carry/kiln/kiln), WHEELS (default .whl-corpus). Extra arguments go to import_corpus.py
-# (e.g. model names, --dry-run to run the plumbing on the CPU).
+# (e.g. model names, --dry-run to run the plumbing on the CPU). Every model Kiln trails PyTorch's
+# CUDA graph on is profiled at batch 1 (`--profile-below 0` leaves it out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

@@ -705,6 +705,42 @@ def kiln_bench(a, path: Path, out: Path, stem: str, batches, deadline: float):
     return {str(r["batch"]): round(r["median_ms"], 4) for r in records}, None
 
 
+def kiln_profile(a, path: Path, out: Path, stem: str, deadline: float):
+    """`kiln profile` of the graph file's FP16 engine at batch 1: where the time goes, summed by
+    layer kind (the `KIND_TOP` largest) and the `LAYER_TOP` slowest layers; the error's last line
+    when it failed."""
+    report = out / f"{stem}.profile.json"
+    report.unlink(missing_ok=True)
+    cmd = [a.kiln, "profile", str(path), "--fp16", "--batch", "1", "--iterations", "20", "--json", str(report), *timing_cache(a)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(deadline - time.time() - 5, 1), env=KILN_ENV)
+    except subprocess.TimeoutExpired:
+        return None, "kiln profile ran past the model's time"
+    if p.returncode != 0 or not report.exists():
+        lines = [line for line in (p.stderr + p.stdout).strip().splitlines() if line.strip()]
+        return None, "kiln profile: " + (lines[-1].strip() if lines else f"exit {p.returncode}")
+    return profile_summary(json.loads(report.read_text())), None
+
+
+KIND_TOP, LAYER_TOP = 8, 5
+
+
+def profile_summary(layers: list) -> dict:
+    """`kiln profile --json`'s layers as a row keeps them: the sum, the time by kind (its first two
+    `:` parts without parentheses: `kernel:layer_norm_rows`, `kernel:gemm_x` of `kernel:gemm_x:split2`)
+    and the slowest layers."""
+    by_kind = {}
+    for layer in layers:
+        kind = re.sub(r"\(.*?\)", "", ":".join(layer["kind"].split(":")[:2]))
+        n, ms = by_kind.get(kind, (0, 0.0))
+        by_kind[kind] = (n + 1, ms + layer["time_ms"])
+    kinds = sorted(by_kind.items(), key=lambda kv: -kv[1][1])[:KIND_TOP]
+    slowest = sorted(layers, key=lambda l: -l["time_ms"])[:LAYER_TOP]
+    return {"sum_ms": round(sum(l["time_ms"] for l in layers), 4), "layers": len(layers),
+            "by_kind": [{"kind": k, "layers": n, "ms": round(ms, 4)} for k, (n, ms) in kinds],
+            "slowest": [{"path": l["path"], "kind": l["kind"], "ms": round(l["time_ms"], 4)} for l in slowest]}
+
+
 def gpu_check(a, entry: Entry, model, result, x, path: Path, ref: Path, out: Path, stem: str, deadline: float) -> dict:
     """The device's checks of one exported model (`ref`: PyTorch's FP32 outputs at the export
     batch, from the export on the CPU):
@@ -790,6 +826,13 @@ def gpu_check(a, entry: Entry, model, result, x, path: Path, ref: Path, out: Pat
                 if not dry:
                     torch.cuda.synchronize()
                 row["torch_eager_ms"] = torch_timings(half, entry.size, batches, dtype, device, a.torch_seconds, deadline, graph=False)
+        # Where Kiln trails PyTorch's CUDA graph (`--profile-below`): its layers' times at batch 1.
+        lead = kiln_lead(row)
+        if a.profile_below and not dry and lead is not None and lead < a.profile_below:
+            with step("kiln_profile", TURNS.alone):
+                row["profile_b1"], err = kiln_profile(a, path, out, stem, deadline)
+            if err:
+                row["profile_error"] = err
         # 4. torch.compile (`--and-compile`), where the issue asks for it: compiled and warmed up
         # beside the other workers' checks, timed alone.
         if a.and_compile and needs_compile(row) and left() > COMPILE_MIN_S:
@@ -1011,6 +1054,18 @@ def render(rows: list, gpu: bool) -> str:
             cells += [f"{r.get('time_s', 0):.0f}", result]
             lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
         lines.append("")
+    profiled = [r for r in rows if (r.get("gpu") or {}).get("profile_b1")]
+    if profiled:
+        lines += ["## Where Kiln trails PyTorch's CUDA graph", "",
+                  "`kiln profile` at batch 1 (each layer alone in a CUDA graph): the sum of the layers and the largest kinds.", "",
+                  "| model | lead | sum of layers (ms) | layers | time by kind (ms, layers) | slowest layers |", "|---|---|---|---|---|---|"]
+        for r in sorted(profiled, key=lambda r: kiln_lead(r["gpu"]) or 0):
+            p = r["gpu"]["profile_b1"]
+            kinds = ", ".join(f"{k['kind']} {k['ms']:.3f} ({k['layers']})" for k in p["by_kind"])
+            slow = ", ".join(f"{l['path']} {l['ms']:.3f}" for l in p["slowest"])
+            lines.append("| " + " | ".join(_cell(c) for c in [r["model"], f"{kiln_lead(r['gpu']):.2f}×", f"{p['sum_ms']:.3f}",
+                                                               str(p["layers"]), kinds, slow]) + " |")
+        lines.append("")
     skipped = ", ".join(f"{n} ({why})" for n, why in TORCHVISION_SKIPPED.items())
     lines += [f"Not in the corpus (too large for the CPU time box): {skipped}.", ""]
     return "\n".join(lines)
@@ -1090,6 +1145,9 @@ def main() -> int:
                    "process's work crawls (on an H200, six workers sharing the checks ran one model in 50-300 s)")
     p.add_argument("--claims", metavar="DIR", help="workers of one run share the models: each runs the ones it is first "
                    "to claim in DIR (instead of --shard's fixed split)")
+    p.add_argument("--profile-below", type=float, default=1.0, metavar="LEAD",
+                   help="with --gpu: `kiln profile` (batch 1) of each model Kiln leads PyTorch's CUDA graph by less than "
+                   "LEAD (0: none); the row keeps the time by layer kind and the slowest layers")
     p.add_argument("--timing-cache", metavar="FILE", help="with --gpu: the engine builds' timing cache (kiln --timing-cache), "
                    "shared by the workers of a GPU")
     p.add_argument("--kiln-libs", default=os.environ.get("KILN_LIBS", DEVICE_LIBS),

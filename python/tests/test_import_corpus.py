@@ -68,6 +68,19 @@ class ImportCorpus(unittest.TestCase):
         self.assertTrue(ic.needs_compile(gpu_row("m", kiln=1.0, torch=1.5, transformer=True)["gpu"]))
         self.assertFalse(ic.needs_compile({}))
 
+    def test_a_profile_is_kept_by_kind_and_slowest_layers(self):
+        layers = [{"index": i, "path": f"blocks.{i}", "kind": kind, "time_ms": ms, "share": 0.0}
+                  for i, (kind, ms) in enumerate([("kernel:layer_norm_rows", 0.01), ("kernel:gemm_x:split2", 0.03),
+                                                  ("kernel:concat_channels(x3)", 0.02), ("kernel:layer_norm_rows", 0.02),
+                                                  ("cublaslt-gemm", 0.05), ("kernel:gemm_x:split4", 0.01)])]
+        p = ic.profile_summary(layers)
+        self.assertAlmostEqual(p["sum_ms"], 0.14)
+        self.assertEqual(p["layers"], 6)
+        self.assertEqual([(k["kind"], k["layers"], k["ms"]) for k in p["by_kind"]],
+                         [("cublaslt-gemm", 1, 0.05), ("kernel:gemm_x", 2, 0.04), ("kernel:layer_norm_rows", 2, 0.03),
+                          ("kernel:concat_channels", 1, 0.02)])
+        self.assertEqual([l["path"] for l in p["slowest"]], ["blocks.4", "blocks.1", "blocks.2", "blocks.3", "blocks.0"])
+
     def test_a_model_pytorch_cannot_graph_is_timed_eagerly_and_compiled(self):
         row = gpu_row("m", kiln=1.0, torch=1.5)
         g = row["gpu"]
