@@ -107,7 +107,8 @@ mod tests {
         tactics(&[("h200|fp16|b1|conv b", "kernel:x"), ("h200|fp16|b1|conv c", "cublaslt:3")]).save_cache(&path).unwrap();
         let mut read = Tactics::default();
         read.load_cache(&path).unwrap();
-        let want = tactics(&[("h200|fp16|b1|conv a", "cudnn:1"), ("h200|fp16|b1|conv b", "kernel:x"), ("h200|fp16|b1|conv c", "cublaslt:3")]);
+        let want =
+            tactics(&[("h200|fp16|b1|conv a", "cudnn:1"), ("h200|fp16|b1|conv b", "kernel:x"), ("h200|fp16|b1|conv c", "cublaslt:3")]);
         assert_eq!(read.cache, want.cache);
         // No temporary file is left beside it.
         let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
