@@ -683,24 +683,33 @@ def timing_cache(a) -> list:
     return ["--timing-cache", str(a.timing_cache)] if a.timing_cache else []
 
 
+def run_kiln_report(cmd: list, report: Path, deadline: float):
+    """Runs a `kiln` command that writes its results as JSON to `report`, within the model's
+    `deadline`: the report's contents, or `None` and the error (its output's last line)."""
+    what = f"kiln {cmd[1]}"
+    report.unlink(missing_ok=True)
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(deadline - time.time() - 5, 1), env=KILN_ENV)
+    except subprocess.TimeoutExpired:
+        return None, f"{what} ran past the model's time"
+    if p.returncode != 0 or not report.exists():
+        lines = [line for line in (p.stderr + p.stdout).strip().splitlines() if line.strip()]
+        return None, f"{what}: " + (lines[-1].strip() if lines else f"exit {p.returncode}")
+    return json.loads(report.read_text()), None
+
+
 def kiln_bench(a, path: Path, out: Path, stem: str, batches, deadline: float):
     """`kiln bench` of the graph file at `batches` (FP16 engines, CUDA graphs, short runs): median
     ms by batch, and the error's last line when it failed."""
     report = out / f"{stem}.bench.json"
-    report.unlink(missing_ok=True)
     if a.dry_run:
         mode = ["--cpu", "--iterations", "2", "--duration", "0", "--warmup", "0"]
     else:
         mode = ["--fp16", "--cuda-graphs-only", "--duration", str(a.bench_duration), "--warmup", "100", *timing_cache(a)]
     cmd = [a.kiln, "bench", str(path), *mode, "--batch", ",".join(map(str, batches)), "--json", str(report)]
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(deadline - time.time() - 5, 1), env=KILN_ENV)
-    except subprocess.TimeoutExpired:
-        return {}, "kiln bench ran past the model's time"
-    if p.returncode != 0 or not report.exists():
-        lines = [line for line in (p.stderr + p.stdout).strip().splitlines() if line.strip()]
-        return {}, "kiln bench: " + (lines[-1].strip() if lines else f"exit {p.returncode}")
-    records = json.loads(report.read_text())
+    records, err = run_kiln_report(cmd, report, deadline)
+    if err:
+        return {}, err
     records = records if isinstance(records, list) else records.get("records", [])
     return {str(r["batch"]): round(r["median_ms"], 4) for r in records}, None
 
@@ -710,16 +719,9 @@ def kiln_profile(a, path: Path, out: Path, stem: str, deadline: float):
     layer kind (the `KIND_TOP` largest) and the `LAYER_TOP` slowest layers; the error's last line
     when it failed."""
     report = out / f"{stem}.profile.json"
-    report.unlink(missing_ok=True)
     cmd = [a.kiln, "profile", str(path), "--fp16", "--batch", "1", "--iterations", "20", "--json", str(report), *timing_cache(a)]
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(deadline - time.time() - 5, 1), env=KILN_ENV)
-    except subprocess.TimeoutExpired:
-        return None, "kiln profile ran past the model's time"
-    if p.returncode != 0 or not report.exists():
-        lines = [line for line in (p.stderr + p.stdout).strip().splitlines() if line.strip()]
-        return None, "kiln profile: " + (lines[-1].strip() if lines else f"exit {p.returncode}")
-    return profile_summary(json.loads(report.read_text())), None
+    layers, err = run_kiln_report(cmd, report, deadline)
+    return (None, err) if err else (profile_summary(layers), None)
 
 
 KIND_TOP, LAYER_TOP = 8, 5

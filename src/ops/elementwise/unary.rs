@@ -342,13 +342,13 @@ fn f16_inside(bound: f32, up: bool) -> f32 {
         return if h.is_finite() { v } else { bound };
     }
     // One FP16 step further towards the inside: within a sign, FP16 bits are ordered like integers.
+    // Up from a positive value, or down from a negative one, the magnitude grows by one step.
     let bits = h.to_bits();
-    let positive = bits & 0x8000 == 0 && bits != 0;
-    let next = match (v == 0.0, up, positive) {
-        (true, true, _) => 0x0001,
-        (true, false, _) => 0x8001,
-        (false, true, true) | (false, false, false) => bits + 1,
-        (false, true, false) | (false, false, true) => bits - 1,
+    let next = match (v == 0.0, up) {
+        (true, true) => 0x0001,
+        (true, false) => 0x8001,
+        (false, _) if (v > 0.0) == up => bits + 1,
+        (false, _) => bits - 1,
     };
     half::f16::from_bits(next).to_f32()
 }
@@ -458,6 +458,11 @@ mod tests {
         let Unary::Clamp { min, max } = clamp(0.1, 0.1 + 1e-3).stored_as(Elem::F16) else { unreachable!() };
         assert!(min >= 0.1 && half::f16::from_f32(min).to_f32() == min, "{min}");
         assert!(max <= 0.101 && half::f16::from_f32(max).to_f32() == max, "{max}");
+        assert!(min < max);
+        // And on the negative side.
+        let Unary::Clamp { min, max } = clamp(-0.1 - 1e-3, -0.1).stored_as(Elem::F16) else { unreachable!() };
+        assert!(min >= -0.101 && half::f16::from_f32(min).to_f32() == min, "{min}");
+        assert!(max <= -0.1 && half::f16::from_f32(max).to_f32() == max, "{max}");
         assert!(min < max);
         // Bounds that would cross keep their f32 values.
         assert_eq!(clamp(0.1, 0.1 + 1e-6).stored_as(Elem::F16), clamp(0.1, 0.1 + 1e-6));
