@@ -35,16 +35,21 @@ class ImportCorpus(unittest.TestCase):
             (d / "cpu.json").write_text(json.dumps({"gpu": False, "models": [cpu_row("timm/a"), cpu_row("timm/b"), cpu_row("timm/c")]}))
             (d / "dev.json").write_text(json.dumps({"gpu": True, "models": [
                 gpu_row("timm/a"), gpu_row("timm/b", status="fail"),
-                {"model": "timm/c", "source": "timm", "size": 64, "status": "unsupported", "reason": "aten.x at m: why"}]}))
+                {"model": "timm/c", "source": "timm", "size": 64, "status": "unsupported", "reason": "aten.x at m: why",
+                 "commit": "def"}]}))
+            # A device row from an older build stays in the table but not in the count.
+            old_row = gpu_row("timm/d")
+            old_row["gpu"]["commit"] = "abc"
+            (d / "old.json").write_text(json.dumps({"gpu": True, "models": [cpu_row("timm/d"), old_row]}))
             (d / "comp.json").write_text(json.dumps({"gpu": True, "models": [
                 {"model": "timm/a", "source": "timm", "size": 64, "compile": {"status": "pass", "compile_ms": {"1": 0.9, "16": 3.0}}}]}))
             doc = d / "IMPORT.md"
             doc.write_text(f"before\n{ic.SUMMARY_BEGIN}\nold\n{ic.SUMMARY_END}\nafter\n")
-            entries = [ic.Entry(m, "timm", 64) for m in ("timm/a", "timm/b", "timm/c")]
+            entries = [ic.Entry(m, "timm", 64) for m in ("timm/a", "timm/b", "timm/c", "timm/d")]
             old = ic.write_summary.__defaults__
             ic.write_summary.__defaults__ = (doc,)
             try:
-                ic.merge([d / "cpu.json", d / "dev.json", d / "comp.json"], entries, d / "out.json", d / "out.md")
+                ic.merge([d / "cpu.json", d / "dev.json", d / "old.json", d / "comp.json"], entries, d / "out.json", d / "out.md")
                 # A later CPU run keeps the device's results.
                 (d / "cpu2.json").write_text(json.dumps({"gpu": False, "models": [cpu_row("timm/a")]}))
                 ic.merge([d / "out.json", d / "cpu2.json"], entries, d / "out2.json", d / "out2.md")
@@ -57,6 +62,8 @@ class ImportCorpus(unittest.TestCase):
             self.assertIn("export on the device", rows["timm/c"]["gpu"]["reason"])
             table = (d / "out2.md").read_text()
             self.assertIn("Corpus: 1 of 3 models import and match.", table)
+            self.assertIn("Not yet checked on the device at def (1, left out of the count): timm/d.", table)
+            self.assertIn("The CPU alone: 4 of 4.", table)
             self.assertIn("| 0.900 / 3.000 |", table)
             text = doc.read_text()
             self.assertTrue(text.startswith("before\n") and text.endswith("after\n") and "old" not in text)
