@@ -988,11 +988,23 @@ def corpus_commit(rows: list):
     return max(counts, key=counts.get) if counts else None
 
 
-def render(rows: list, gpu: bool) -> str:
+def counted_rows(rows: list, gpu: bool):
+    """The rows the `Corpus:` line counts (with device rows: those at `corpus_commit`), and that
+    commit."""
     gpu = gpu and any(r.get("gpu") for r in rows)
     commit = corpus_commit(rows) if gpu else None
-    counted = [r for r in rows if (r.get("gpu") or {}).get("commit") == commit] if gpu else rows
-    passed = sum(1 for r in counted if passes(r, gpu))
+    return ([r for r in rows if (r.get("gpu") or {}).get("commit") == commit] if gpu else rows), commit
+
+
+def corpus_line(rows: list, gpu: bool) -> str:
+    counted, _ = counted_rows(rows, gpu)
+    gpu = gpu and any(r.get("gpu") for r in rows)
+    return f"Corpus: {sum(1 for r in counted if passes(r, gpu))} of {len(counted)} models import and match"
+
+
+def render(rows: list, gpu: bool) -> str:
+    gpu = gpu and any(r.get("gpu") for r in rows)
+    counted, commit = counted_rows(rows, gpu)
     lines = [
         "# The import corpus",
         "",
@@ -1007,7 +1019,7 @@ def render(rows: list, gpu: bool) -> str:
            "time over Kiln's, the smaller of the batches), torch.compile for transformers and leads under "
            f"{COMPILE_LEAD}×." if gpu else ""),
         "",
-        f"Corpus: {passed} of {len(counted)} models import and match.",
+        corpus_line(rows, gpu) + ".",
         "",
     ]
     if gpu:
@@ -1299,7 +1311,7 @@ def main() -> int:
     if whole:
         write_summary(shown, a.gpu)
     passed = sum(1 for r in shown if r["status"] == "pass")
-    print(f"Corpus: {passed} of {len(shown)} models import and match; wrote {table} and {results}")
+    print(f"{corpus_line(shown, a.gpu)}; wrote {table} and {results}")
     return 0 if passed == len(shown) else 1
 
 
@@ -1363,8 +1375,7 @@ def merge(paths, entries, results: Path, table: Path) -> int:
     table.write_text(render(rows, gpu))
     write_summary(rows, gpu)
     missing = [e.name for e in entries if e.name not in by_model]
-    passed = sum(1 for r in rows if passes(r, gpu and any(r.get("gpu") for r in rows)))
-    print(f"Corpus: {passed} of {len(rows)} models import and match; wrote {table} and {results}"
+    print(f"{corpus_line(rows, gpu)}; wrote {table} and {results}"
           + (f"; not in any file: {', '.join(missing)}" if missing else ""))
     return 0
 
