@@ -434,6 +434,21 @@ def kiln_compare(kiln: str, path: Path, ref: Path, flags: list, tol: float, repo
     return {"ok": bool(r["pass"]), "outputs": outs, "error": None if r["pass"] else f"rel L2 above {tol:.0e}"}
 
 
+LAYOUT_COPIES = re.compile(r"^(\d+) layout copies planned", re.M)
+
+
+def layout_copies(kiln: str, path: Path, timeout: float):
+    """The layout copies an engine of the graph file would make (`kiln inspect --no-engine`: the
+    values read in another layout than they are stored in, from the builder's own layout rules;
+    no GPU needed), or None when inspect fails."""
+    try:
+        p = subprocess.run([kiln, "inspect", "--no-engine", str(path)], capture_output=True, text=True, timeout=max(timeout, 1), env=KILN_ENV)
+    except subprocess.TimeoutExpired:
+        return None
+    m = LAYOUT_COPIES.search(p.stdout) if p.returncode == 0 else None
+    return int(m.group(1)) if m else None
+
+
 def _worst(outputs: dict):
     """(rel L2, max-abs) of the worst output."""
     if not outputs:
@@ -536,6 +551,7 @@ def check(entry: Entry, a, out: Path) -> dict:
                 row.update(status="fail", reason=f"CPU, batch {batch}: {c['error']}")
                 return row
         row["cpu_s"] = round(time.time() - t, 1)
+        row["layout_copies"] = layout_copies(a.kiln, path, timeout - (time.time() - start))
         row["status"] = "pass"
         return row
     except Timeout:
@@ -1011,7 +1027,8 @@ def render(rows: list, gpu: bool) -> str:
         "Written by `python3 tools/import_corpus.py` (docs/IMPORT.md, \"The import corpus\"); do not edit by hand.",
         "Each model is exported with kiln-torch at batch 2 (random weights, BatchNorm statistics drawn) and the one",
         f"graph file is run on Kiln's CPU executor at batch {EXPORT_BATCH} and {OTHER_BATCH} against PyTorch on fresh random",
-        f"inputs: rel L2 <= {CPU_TOL:.0e} at both (the worst output's rel L2 and max-abs shown)."
+        f"inputs: rel L2 <= {CPU_TOL:.0e} at both (the worst output's rel L2 and max-abs shown). Layout copies: the values an "
+        "engine of the graph would read in another layout than they are stored in (`kiln inspect --no-engine`)."
         + (f" On the device (`--gpu`, exported there at batch {EXPORT_BATCH}): an FP32 engine (no TF32) <= {FP32_TOL:.0e}, an FP16 "
            f"engine's rel L2 <= {FP16_ERROR_RATIO}× PyTorch's own FP16 error (both against PyTorch FP32) with argmax agreement "
            "(images, or pixels of a segmentation model) at least PyTorch FP16's; `kiln bench` (FP16, CUDA graphs) and PyTorch "
@@ -1060,8 +1077,8 @@ def render(rows: list, gpu: bool) -> str:
         for key, models in sorted(reasons.items(), key=lambda kv: -len(kv[1])):
             lines.append(f"- {_cell(key)} ({len(models)}): {', '.join(models)}")
         lines.append("")
-    head = "| model | family | params | input | export | unsupported ops | rel L2 / max-abs, batch 2 | batch 3 |"
-    rule = "|---|---|---|---|---|---|---|---|"
+    head = "| model | family | params | input | export | unsupported ops | rel L2 / max-abs, batch 2 | batch 3 | layout copies |"
+    rule = "|---|---|---|---|---|---|---|---|---|"
     if gpu:
         head += (" FP32 | FP16 / PyTorch FP16 | argmax FP16 / PyTorch | Kiln ms b1 / b16 | PyTorch graph ms | torch.compile ms |"
                  " lead | device |")
@@ -1075,7 +1092,8 @@ def render(rows: list, gpu: bool) -> str:
             b2, b3 = r.get(f"cpu_b{EXPORT_BATCH}"), r.get(f"cpu_b{OTHER_BATCH}")
             cells = [r["model"], r.get("family", "-"), _params(r.get("params")), f"{r['size']}²", r.get("export", "-"), unsup,
                      f"{_num(b2[0])} / {_num(b2[1])}" if b2 and b2[0] is not None else "-",
-                     f"{_num(b3[0])} / {_num(b3[1])}" if b3 and b3[0] is not None else "-"]
+                     f"{_num(b3[0])} / {_num(b3[1])}" if b3 and b3[0] is not None else "-",
+                     "-" if r.get("layout_copies") is None else str(r["layout_copies"])]
             if gpu:
                 cells += gpu_cells(r)
             result = "pass" if r["status"] == "pass" else f"**{r['status']}**: {r.get('reason', '')}"

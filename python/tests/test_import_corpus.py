@@ -69,6 +69,20 @@ class ImportCorpus(unittest.TestCase):
             self.assertTrue(text.startswith("before\n") and text.endswith("after\n") and "old" not in text)
             self.assertIn("Corpus: 1 of 3 models import and match.", text)
 
+    def test_the_layout_copies_are_read_from_kiln_inspect_and_shown(self):
+        text = "graph: 12 nodes\n48 layout copies planned (a value read in another layout than it is stored in):\n  a <- b\n"
+        self.assertEqual(ic.LAYOUT_COPIES.search(text).group(1), "48")
+        self.assertIsNone(ic.LAYOUT_COPIES.search("no engine"))
+        with tempfile.TemporaryDirectory() as d:
+            fake = Path(d) / "kiln"
+            fake.write_text("#!/bin/sh\necho '0 layout copies planned (a value read in another layout than it is stored in)'\n")
+            fake.chmod(0o755)
+            self.assertEqual(ic.layout_copies(str(fake), Path(d) / "m.kiln.safetensors", 10), 0)
+            fake.write_text("#!/bin/sh\necho 'error: no such file' >&2\nexit 1\n")
+            self.assertIsNone(ic.layout_copies(str(fake), Path(d) / "m.kiln.safetensors", 10))
+        row = dict(cpu_row("timm/a"), layout_copies=24)
+        self.assertIn("| 24 |", ic.render([row], False))
+
     def test_torch_compile_is_timed_for_transformers_and_leads_under_1_2(self):
         self.assertTrue(ic.needs_compile(gpu_row("m", kiln=1.0, torch=1.1)["gpu"]))
         self.assertFalse(ic.needs_compile(gpu_row("m", kiln=1.0, torch=1.5)["gpu"]))
