@@ -741,6 +741,7 @@ def kiln_profile(a, path: Path, out: Path, stem: str, deadline: float):
 
 
 KIND_TOP, LAYER_TOP = 8, 5
+COPIES_TOP = 25  # models listed under "The most layout copies"
 
 
 def profile_summary(layers: list) -> dict:
@@ -1100,6 +1101,13 @@ def render(rows: list, gpu: bool) -> str:
             cells += [f"{r.get('time_s', 0):.0f}", result]
             lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
         lines.append("")
+    copies = sorted((r for r in rows if r.get("layout_copies")), key=lambda r: -r["layout_copies"])
+    if copies:
+        none = sum(1 for r in rows if r.get("layout_copies") == 0)
+        lines += ["## The most layout copies", "",
+                  f"{none} of {len(rows)} models plan none; the {min(len(copies), COPIES_TOP)} with the most (each a value read in another "
+                  "layout than it is stored in: `kiln inspect --no-engine` lists them):", "",
+                  ", ".join(f"{r['model']} {r['layout_copies']}" for r in copies[:COPIES_TOP]) + ".", ""]
     profiled = [r for r in rows if (r.get("gpu") or {}).get("profile_b1")]
     if profiled:
         lines += ["## Where Kiln trails PyTorch's CUDA graph", "",

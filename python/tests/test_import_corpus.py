@@ -80,8 +80,11 @@ class ImportCorpus(unittest.TestCase):
             self.assertEqual(ic.layout_copies(str(fake), Path(d) / "m.kiln.safetensors", 10), 0)
             fake.write_text("#!/bin/sh\necho 'error: no such file' >&2\nexit 1\n")
             self.assertIsNone(ic.layout_copies(str(fake), Path(d) / "m.kiln.safetensors", 10))
-        row = dict(cpu_row("timm/a"), layout_copies=24)
-        self.assertIn("| 24 |", ic.render([row], False))
+        rows = [dict(cpu_row("timm/a"), layout_copies=24), dict(cpu_row("timm/b"), layout_copies=0), dict(cpu_row("timm/c"), layout_copies=96)]
+        table = ic.render(rows, False)
+        self.assertIn("| 24 |", table)
+        self.assertIn("1 of 3 models plan none; the 2 with the most", table)
+        self.assertIn("timm/c 96, timm/a 24.", table)
 
     def test_torch_compile_is_timed_for_transformers_and_leads_under_1_2(self):
         self.assertTrue(ic.needs_compile(gpu_row("m", kiln=1.0, torch=1.1)["gpu"]))
