@@ -67,6 +67,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -995,33 +996,24 @@ def gpu_cells(r: dict) -> list:
             g.get("status", "-") if g.get("status") == "pass" else f"**{g.get('status')}**: {g.get('reason', '')}"]
 
 
-def corpus_commit(rows: list):
-    """The commit most device rows were checked at: the `Corpus:` line counts those rows alone, so
-    that it speaks for one build of Kiln (rows from other commits stay in the table)."""
-    counts = {}
-    for r in rows:
-        if r.get("gpu"):
-            counts[r["gpu"].get("commit")] = counts.get(r["gpu"].get("commit"), 0) + 1
-    return max(counts, key=counts.get) if counts else None
-
-
-def counted_rows(rows: list, gpu: bool):
-    """The rows the `Corpus:` line counts (with device rows: those at `corpus_commit`), and that
-    commit."""
+def corpus_count(rows: list, gpu: bool):
+    """What the `Corpus:` line counts: with device rows, only those of the commit most of them were
+    checked at, so that it speaks for one build of Kiln (rows from other commits stay in the
+    table). `(gpu, commit, counted, passed)`: whether the table has device rows, that commit, the
+    rows counted and how many of them pass."""
     gpu = gpu and any(r.get("gpu") for r in rows)
-    commit = corpus_commit(rows) if gpu else None
-    return ([r for r in rows if (r.get("gpu") or {}).get("commit") == commit] if gpu else rows), commit
+    commits = Counter(r["gpu"].get("commit") for r in rows if r.get("gpu"))
+    commit = commits.most_common(1)[0][0] if gpu else None
+    counted = [r for r in rows if (r.get("gpu") or {}).get("commit") == commit] if gpu else rows
+    return gpu, commit, counted, sum(1 for r in counted if passes(r, gpu))
 
 
-def corpus_line(rows: list, gpu: bool) -> str:
-    counted, _ = counted_rows(rows, gpu)
-    gpu = gpu and any(r.get("gpu") for r in rows)
-    return f"Corpus: {sum(1 for r in counted if passes(r, gpu))} of {len(counted)} models import and match"
+def corpus_line(counted: list, passed: int) -> str:
+    return f"Corpus: {passed} of {len(counted)} models import and match"
 
 
 def render(rows: list, gpu: bool) -> str:
-    gpu = gpu and any(r.get("gpu") for r in rows)
-    counted, commit = counted_rows(rows, gpu)
+    gpu, commit, counted, passed = corpus_count(rows, gpu)
     later = [r["model"] for r in rows if (r.get("gpu") or {}).get("commit") != commit] if gpu else []
     lines = [
         "# The import corpus",
@@ -1038,7 +1030,7 @@ def render(rows: list, gpu: bool) -> str:
            "time over Kiln's, the smaller of the batches), torch.compile for transformers and leads under "
            f"{COMPILE_LEAD}×." if gpu else ""),
         "",
-        corpus_line(rows, gpu) + ".",
+        corpus_line(counted, passed) + ".",
         "",
     ]
     if gpu:
@@ -1343,7 +1335,7 @@ def main() -> int:
         # (`--results`) reaches it through `--merge`, which keeps the device rows.
         write_summary(shown, a.gpu)
     passed = sum(1 for r in shown if r["status"] == "pass")
-    print(f"{corpus_line(shown, a.gpu)}; wrote {table} and {results}")
+    print(f"{corpus_line(*corpus_count(shown, a.gpu)[2:])}; wrote {table} and {results}")
     return 0 if passed == len(shown) else 1
 
 
@@ -1407,7 +1399,7 @@ def merge(paths, entries, results: Path, table: Path) -> int:
     table.write_text(render(rows, gpu))
     write_summary(rows, gpu)
     missing = [e.name for e in entries if e.name not in by_model]
-    print(f"{corpus_line(rows, gpu)}; wrote {table} and {results}"
+    print(f"{corpus_line(*corpus_count(rows, gpu)[2:])}; wrote {table} and {results}"
           + (f"; not in any file: {', '.join(missing)}" if missing else ""))
     return 0
 
