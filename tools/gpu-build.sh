@@ -27,16 +27,13 @@ for line in sys.stdin:
     strip ".carry/bin/$name"
   done
 # The CLI for tools/bench-all.sh, and the commit it was built from (for the benchmark write-up).
-cargo build --release -p kiln-cli --bin kiln
-cp target/release/kiln .carry/kiln/kiln
-strip .carry/kiln/kiln
-echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!docs' || echo -dirty)" > .carry/kiln/COMMIT
+XZ=${XZ:-0} bash tools/stage-cli.sh
 cp tools/*.py .carry/tools/
 [ -f ../shared/bench/torch_peer.py ] && cp ../shared/bench/torch_peer.py .carry/tools/
 # XZ=1: binaries compressed (about a quarter of their size), so that the staged folder and the
 # tree fit a 64 MiB upload; tools/carry-unpack.sh (sourced by the GPU-side scripts) restores them.
 if [ "${XZ:-0}" = 1 ]; then
-  xz -f -T0 -6 .carry/bin/* .carry/kiln/kiln
+  xz -f -T0 -6 .carry/bin/*
 fi
 ls -la .carry/bin .carry/kiln
 du -sh .carry

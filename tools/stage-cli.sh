@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the kiln CLI at COMMIT (default: the working tree) and stages it for the GPU machine,
-# which has no cargo: .carry/kiln/kiln.xz (stripped and compressed; tools/carry-unpack.sh restores
-# it there) and .carry/kiln/COMMIT, the commit that rows and records written with it carry. A
+# which has no cargo: .carry/kiln/kiln, stripped (XZ=1, the default: compressed to kiln.xz, which
+# tools/carry-unpack.sh restores there; XZ=0 leaves it as it is, for the GPU-side scripts that do
+# not unpack), and .carry/kiln/COMMIT, the commit that rows and records written with it carry. A
 # commit is built in a temporary worktree with this checkout's target dir (so only Kiln's own
 # crates compile again, and target/release/kiln is then that commit's): the import corpus keeps
 # all its device rows at one commit while main moves on (docs/IMPORT.md, "The import corpus").
@@ -27,6 +28,8 @@ mkdir -p .carry/kiln
 rm -f .carry/kiln/kiln .carry/kiln/kiln.xz
 cp "$target/release/kiln" .carry/kiln/kiln
 strip .carry/kiln/kiln
-xz -T0 -6 .carry/kiln/kiln
+if [ "${XZ:-1}" = 1 ]; then
+  xz -T0 -6 .carry/kiln/kiln
+fi
 echo "$stamp" > .carry/kiln/COMMIT
-echo "staged the kiln CLI of $stamp in .carry/kiln ($(du -h .carry/kiln/kiln.xz | cut -f1))"
+echo "staged the kiln CLI of $stamp in .carry/kiln ($(du -h .carry/kiln/kiln* | cut -f1))"
