@@ -1012,6 +1012,11 @@ def corpus_line(counted: list, passed: int) -> str:
     return f"Corpus: {passed} of {len(counted)} models import and match"
 
 
+
+def _models(n: int) -> str:
+    """`n` models, in words: "1 model", "104 models"."""
+    return f"{n} model" if n == 1 else f"{n} models"
+
 def render(rows: list, gpu: bool) -> str:
     gpu, commit, counted, passed = corpus_count(rows, gpu)
     later = [r["model"] for r in rows if (r.get("gpu") or {}).get("commit") != commit] if gpu else []
@@ -1045,7 +1050,7 @@ def render(rows: list, gpu: bool) -> str:
     for r in rows:
         commits[r.get("commit", "unknown")] = commits.get(r.get("commit", "unknown"), 0) + 1
     total = sum(r.get("time_s", 0) for r in rows)
-    lines += ["Run at " + ", ".join(f"{c} ({n} models)" for c, n in commits.items())
+    lines += ["Run at " + ", ".join(f"{c} ({_models(n)})" for c, n in commits.items())
               + f"; {total / 60:.0f} minutes in all, one model at a time.", ""]
     if gpu:
         dev = {}
@@ -1053,7 +1058,7 @@ def render(rows: list, gpu: bool) -> str:
             if r.get("gpu"):
                 key = (r["gpu"].get("commit", "unknown"), r["gpu"].get("device") or ("the CPU (--dry-run)" if r["gpu"].get("dry_run") else "?"))
                 dev[key] = dev.get(key, 0) + 1
-        lines += ["On the device at " + ", ".join(f"{c} on {d} ({n} models)" for (c, d), n in dev.items()) + ".", ""]
+        lines += ["On the device at " + ", ".join(f"{c} on {d} ({_models(n)})" for (c, d), n in dev.items()) + ".", ""]
     by_source = {}
     for r in rows:
         by_source.setdefault(r["source"], []).append(r)
