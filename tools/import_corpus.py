@@ -1012,10 +1012,10 @@ def corpus_line(counted: list, passed: int) -> str:
     return f"Corpus: {passed} of {len(counted)} models import and match"
 
 
-
 def _models(n: int) -> str:
     """`n` models, in words: "1 model", "104 models"."""
     return f"{n} model" if n == 1 else f"{n} models"
+
 
 def render(rows: list, gpu: bool) -> str:
     gpu, commit, counted, passed = corpus_count(rows, gpu)
