@@ -11,7 +11,7 @@ use kiln::{
 };
 
 mod common;
-use common::check;
+use common::{check, check_forced};
 
 fn vb(path: &str) -> VarBuilder {
     VarBuilder::seeded().pp(path)
@@ -33,6 +33,14 @@ fn softmax() {
     // One output channel: the NHWC conv output has the bytes of NCHW, so the softmax reads it as it
     // is (MobileViTv2's context scores).
     check("softmax(dim -1) of a one-channel NHWC conv [4, 4, 33]", &[("x", &[4, 4, 33])], |x| Ok(vec![conv(&x[0], 4, 1)?.softmax(-1)?]));
+    // Few long columns: CoaT's factorised attention, a softmax over the tokens of each of a head's
+    // channels, [heads, tokens, channels], tokens not a multiple of the block's groups; and over
+    // a conv's columns. Timing picks, then the split kernel forced.
+    for kind in [None, Some("kernel:softmax_split")] {
+        check_forced("softmax(dim 2) of [8, 3137, 8]", kind, &[("x", &[8, 3137, 8])], |x| Ok(vec![x[0].softmax(2)?]));
+        check_forced("softmax(dim 2) of [3, 70, 45]", kind, &[("x", &[3, 70, 45])], |x| Ok(vec![x[0].softmax(2)?]));
+        check_forced("softmax(dim 2) of a conv [3, 70, 6]", kind, &[("x", &[3, 70, 6])], |x| Ok(vec![conv(&x[0], 3, 80)?.softmax(2)?]));
+    }
 }
 
 #[test]
@@ -72,6 +80,14 @@ fn amax() {
     check("amax (2, 3) [6, 5, 7]", &[("x", &[6, 5, 7])], |x| Ok(vec![x[0].amax(&[2, 3], false)?]));
     check("amax 1 keepdim of an NHWC conv [3, 7, 6]", &[("x", &[3, 7, 6])], |x| Ok(vec![conv(&x[0], 3, 16)?.amax(&[1], true)?]));
     check("amax -1 [4, 300] (a warp a row)", &[("x", &[4, 300])], |x| Ok(vec![x[0].amax(&[2], false)?]));
+    // Few outputs over long strided reductions, split over a block's groups: timing picks, then
+    // the split kernel forced.
+    for kind in [None, Some("kernel:amax_split")] {
+        check_forced("amax (2, 3) of an NHWC conv [3, 61, 67]", kind, &[("x", &[3, 61, 67])], |x| {
+            Ok(vec![conv(&x[0], 3, 40)?.amax(&[2, 3], true)?])
+        });
+        check_forced("amax 1 of [200, 70]", kind, &[("x", &[200, 70])], |x| Ok(vec![x[0].amax(&[1], false)?]));
+    }
 }
 
 /// Argmax in an FP32 engine, exactly as the CPU executor (an FP16 engine rounds near-equal
@@ -81,17 +97,28 @@ fn amax() {
 fn argmax() {
     let Some(gpu) = common::gpu() else { return };
     type Case = (&'static str, &'static [usize], fn(&Tensor) -> kiln::Result<Tensor>);
-    let cases: [Case; 3] = [
-        ("argmax 1 of [21, 6, 7]", &[21, 6, 7], |x| x.argmax(1, false)),
-        ("argmax 1 of an NHWC conv [3, 9, 8]", &[3, 9, 8], |x| conv(x, 3, 21)?.argmax(1, true)),
-        ("argmax -1 of [4, 300] (a warp a row)", &[4, 300], |x| x.argmax(2, false)),
+    // The split kernel (few outputs, long reductions) forced on the last two; in the last every
+    // element is 0 (inputs within ±2, less 3, through ReLU), so each group's first maximum ties
+    // and the first index must win.
+    let cases: [(Case, Option<&[&str]>); 5] = [
+        (("argmax 1 of [21, 6, 7]", &[21, 6, 7], |x| x.argmax(1, false)), None),
+        (("argmax 1 of an NHWC conv [3, 9, 8]", &[3, 9, 8], |x| conv(x, 3, 21)?.argmax(1, true)), None),
+        (("argmax -1 of [4, 300] (a warp a row)", &[4, 300], |x| x.argmax(2, false)), None),
+        (("argmax 1 of [500, 24] (split)", &[500, 24], |x| x.argmax(1, false)), Some(&["kernel:argmax_split"])),
+        (
+            ("argmax 1 of relu(x - 3) [300, 16] (split, all tied)", &[300, 16], |x| x.affine(1.0, -3.0)?.relu()?.argmax(1, false)),
+            Some(&["kernel:argmax_split"]),
+        ),
     ];
-    for (name, dims, f) in cases {
+    for ((name, dims, f), sources) in cases {
         let tracer = kiln::Tracer::new();
         let x = tracer.input("x", &[&[1][..], dims].concat());
         tracer.output("y", &f(&x).expect("trace"));
         let graph = tracer.graph();
-        let engine = common::build(&gpu, &graph, kiln::engine::Precision::Fp32);
+        let engine = common::build_with(&gpu, &graph, kiln::engine::Precision::Fp32, sources);
+        if let Some(kind) = sources {
+            assert!(engine.layers().any(|l| l.kind() == kind[0]), "{name}: no {} layer", kind[0]);
+        }
         let mut ctx = engine.context().expect("context");
         for batch in common::BATCHES {
             let host = common::random(&[&[batch][..], dims].concat(), batch as u64, 2.0);
@@ -114,6 +141,18 @@ fn mean() {
     check("mean -1 [4, 9]", &[("x", &[4, 9])], |x| Ok(vec![x[0].mean(&[2], false)?]));
     check("mean 1 keepdim [5, 3, 4]", &[("x", &[5, 3, 4])], |x| Ok(vec![x[0].mean(&[1], true)?]));
     check("mean (1, 3) [5, 3, 4]", &[("x", &[5, 3, 4])], |x| Ok(vec![x[0].mean(&[1, 3], false)?]));
+    // Few outputs over long strided reductions: a squeeze-excitation mean of a channels-last image
+    // (more runs than the block's groups, and fewer: 5 rows of 300), and a mean over channels.
+    // Timing picks, then the split kernel forced.
+    for kind in [None, Some("kernel:mean_split")] {
+        check_forced("mean (2, 3) of an NHWC conv [3, 112, 97]", kind, &[("x", &[3, 112, 97])], |x| {
+            Ok(vec![conv(&x[0], 3, 64)?.mean(&[2, 3], true)?])
+        });
+        check_forced("mean (2, 3) of an NHWC conv [3, 5, 300]", kind, &[("x", &[3, 5, 300])], |x| {
+            Ok(vec![conv(&x[0], 3, 33)?.mean(&[2, 3], false)?])
+        });
+        check_forced("mean 1 of [300, 40]", kind, &[("x", &[300, 40])], |x| Ok(vec![x[0].mean(&[1], true)?]));
+    }
 }
 
 #[test]

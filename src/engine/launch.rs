@@ -46,6 +46,17 @@ pub fn grid_for(work: usize, sm_count: u32) -> (u32, u32, u32) {
     (blocks as u32, 1, 1)
 }
 
+/// Outputs a block of a split reduction takes (`SPLIT_LANES` in kernels/norm.cu), and its threads
+/// (`SPLIT_BLOCK`): its groups of `SPLIT_LANES` threads share each output's reduction.
+pub const SPLIT_LANES: usize = 32;
+pub const SPLIT_BLOCK: u32 = 1024;
+
+/// The grid of a split reduction over `outputs`: a block per `SPLIT_LANES` of them, at most two
+/// blocks an SM (the blocks stride over the rest).
+pub fn split_grid(outputs: usize, sm_count: u32) -> (u32, u32, u32) {
+    (outputs.div_ceil(SPLIT_LANES).clamp(1, sm_count as usize * 2) as u32, 1, 1)
+}
+
 /// Entry points stamped per element type by a family's macro: `activation` gives
 /// `activation_f32` and `activation_f16`.
 pub fn typed_entry_points(stems: &[&str]) -> Vec<String> {

@@ -114,7 +114,7 @@ impl OpDef for Norm {
     }
     fn entry_points(&self) -> Vec<String> {
         // Softmax and LayerNorm; BatchNorm runs as cuDNN or the elementwise family's `bias_act`.
-        crate::engine::launch::typed_entry_points(&["softmax", "layer_norm", "layer_norm_packed", "group_norm"])
+        crate::engine::launch::typed_entry_points(&["softmax", "softmax_split", "layer_norm", "layer_norm_packed", "group_norm"])
     }
     fn colour(&self) -> &'static str {
         "#ffe08a"
@@ -458,7 +458,8 @@ enum RowOp {
 }
 
 /// A softmax or LayerNorm over `(outer, len, inner)` in physical order: one warp per row when
-/// the row is contiguous (`inner == 1`), one thread per column otherwise.
+/// the row is contiguous (`inner == 1`), one thread per column otherwise, or (`split`, a softmax)
+/// a block per 32 columns whose thread groups share each column.
 struct RowsLayer {
     path: String,
     op: RowOp,
@@ -472,6 +473,8 @@ struct RowsLayer {
     inner: i32,
     /// `layer_norm_packed`'s lanes per row (the row held in registers); `None`: the row kernel.
     packed_lanes: Option<i32>,
+    /// `softmax_split`: columns (`inner > 1`) too few to fill the GPU one thread each.
+    split: bool,
     sm_count: u32,
 }
 
@@ -486,11 +489,12 @@ impl Layer for RowsLayer {
         };
         match self.packed_lanes {
             Some(_) => format!("kernel:{what}_packed"),
+            None if self.split => format!("kernel:{what}_split"),
             None => format!("kernel:{what}{}", if self.inner == 1 { "_rows" } else { "_cols" }),
         }
     }
     fn enqueue(&self, rt: &crate::engine::RunCtx, batch: usize) -> Result<()> {
-        use crate::engine::launch::{grid_for, launch, KArg, BLOCK};
+        use crate::engine::launch::{grid_for, launch, split_grid, KArg, BLOCK, SPLIT_BLOCK};
         let outer = batch * self.outer;
         let threads = match self.packed_lanes {
             Some(g) => outer * g as usize,
@@ -503,6 +507,9 @@ impl Layer for RowsLayer {
             args.extend([KArg::Ptr(w), KArg::Ptr(b), KArg::F32(eps)]);
         }
         args.extend([KArg::I64(outer as i64), KArg::I32(self.len), KArg::I32(self.packed_lanes.unwrap_or(self.inner))]);
+        if self.split {
+            return launch(rt, &self.f, split_grid(threads, self.sm_count), (SPLIT_BLOCK, 1, 1), 0, &args);
+        }
         launch(rt, &self.f, grid_for(threads, self.sm_count), (BLOCK, 1, 1), 0, &args)
     }
 }
@@ -545,21 +552,32 @@ fn gpu_rows(ctx: &mut BuildCtx, node: NodeId, op: RowOp, dim: usize, count: usiz
     let path = ctx.node(node).path.clone();
     let sm_count = ctx.kernels.sm_count();
     let params = upload_params(ctx)?;
-    let rows = RowsLayer { path: path.clone(), op, f, x, y, params, outer, len, inner, packed_lanes: None, sm_count };
+    let rows = RowsLayer { path: path.clone(), op, f, x, y, params, outer, len, inner, packed_lanes: None, split: false, sm_count };
     let lanes = packed_lanes(len as usize, inner as usize, dx.elem.size());
     match (op, lanes) {
+        (RowOp::Softmax, _) if inner > 1 && len as usize >= SPLIT_MIN_LEN => {
+            // Few long columns (a softmax over the tokens of each channel, CoaT's factorised
+            // attention) want the split kernel, many short ones a thread each: timing picks.
+            let f = ctx.kernels.get(&format!("softmax_split_{}", dx.elem.suffix()))?;
+            let split = RowsLayer { path, op, f, x, y, params: None, outer, len, inner, packed_lanes: None, split: true, sm_count };
+            let key = ctx.problem_key(node);
+            ctx.choose(&key, vec![Box::new(rows), Box::new(split)])
+        }
         (RowOp::LayerNorm { .. }, Some(g)) => {
             // The register-held row kernel beside the row kernel: timing picks (a tactic, so the
             // slower cannot be chosen, and `tactic_sources` can force either).
             let f = ctx.kernels.get(&format!("layer_norm_packed_{}", dx.elem.suffix()))?;
             let params = upload_params(ctx)?;
-            let packed = RowsLayer { path, op, f, x, y, params, outer, len, inner, packed_lanes: Some(g), sm_count };
+            let packed = RowsLayer { path, op, f, x, y, params, outer, len, inner, packed_lanes: Some(g), split: false, sm_count };
             let key = ctx.problem_key(node);
             ctx.choose(&key, vec![Box::new(rows), Box::new(packed)])
         }
         _ => Ok(Box::new(rows)),
     }
 }
+
+/// Softmax columns at least this long get `softmax_split` as a timed candidate.
+const SPLIT_MIN_LEN: usize = 64;
 
 /// Packs of 16 bytes a lane holds at most in `layer_norm_packed` (`LN_PACKS` in kernels/norm.cu).
 const LN_PACKS: usize = 4;

@@ -1,6 +1,8 @@
 //! Pooling: MaxPool2d, AvgPool2d, AdaptiveAvgPool2d, adaptive max pooling, and the mean over any dims (`Tensor::mean`).
 
-use crate::engine::launch::{grid_for, launch, nhwc, pack, same_elem, to_i32, typed_entry_points, CudaFunction, KArg, BLOCK};
+use crate::engine::launch::{
+    grid_for, launch, nhwc, pack, same_elem, split_grid, to_i32, typed_entry_points, CudaFunction, KArg, BLOCK, SPLIT_BLOCK,
+};
 use crate::engine::{Layer, Layout, RunCtx, ValueId};
 use crate::error::OpError;
 use crate::graph::{NodeId, Op};
@@ -615,8 +617,8 @@ pub fn pool_layer_between(
     Ok(Box::new(PoolLayer { path: ctx.node(node).path.clone(), kind, f, x, y, dims, window: win, vec, sm_count: ctx.kernels.sm_count() }))
 }
 
-/// The mean, maximum or argmax over `dims` of a value in any layout: one thread (or warp, when the
-/// innermost reduced dim is contiguous and long) per output, writing the contiguous output.
+/// The mean, maximum or argmax over `dims` of a value in any layout, writing the contiguous output
+/// (`mode`: how the threads share the outputs).
 struct MeanLayer {
     path: String,
     how: Reduce,
@@ -628,9 +630,26 @@ struct MeanLayer {
     red: i32,
     scale: f32,
     per_image: usize,
-    warp: bool,
+    mode: ReduceMode,
     sm_count: u32,
 }
+
+/// How a reduction's threads share its outputs (`REDUCE_*` in kernels/norm.cu).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ReduceMode {
+    /// One thread an output.
+    Thread = 0,
+    /// One warp an output: the innermost reduced dim is contiguous and at least a warp long.
+    Warp = 1,
+    /// A block of `SPLIT_BLOCK` threads takes `SPLIT_LANES` neighbouring outputs and splits each
+    /// one's reduction over its groups: few outputs over long reductions (a squeeze-excitation
+    /// mean of a channels-last image at batch 1).
+    Split = 2,
+}
+
+/// Reductions at least this long get the split kernel as a timed candidate beside one thread an
+/// output.
+const SPLIT_MIN_LEN: usize = 64;
 
 /// What a reduction layer computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -650,7 +669,12 @@ impl Layer for MeanLayer {
             Reduce::Amax => "amax",
             Reduce::Argmax => "argmax",
         };
-        format!("kernel:{name}{}", if self.warp { "_warp" } else { "" })
+        let mode = match self.mode {
+            ReduceMode::Thread => "",
+            ReduceMode::Warp => "_warp",
+            ReduceMode::Split => "_split",
+        };
+        format!("kernel:{name}{mode}")
     }
     fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
         let n = batch * self.per_image;
@@ -663,9 +687,13 @@ impl Layer for MeanLayer {
             KArg::I32(self.red),
             // `mean` scales the sum; `reduce_max` writes the maximum or its index.
             if self.how == Reduce::Mean { KArg::F32(self.scale) } else { KArg::I32((self.how == Reduce::Argmax) as i32) },
-            KArg::I32(self.warp as i32),
+            KArg::I32(self.mode as i32),
         ];
-        launch(rt, &self.f, grid_for(if self.warp { n * 32 } else { n }, self.sm_count), (BLOCK, 1, 1), 0, &args)
+        match self.mode {
+            ReduceMode::Thread => launch(rt, &self.f, grid_for(n, self.sm_count), (BLOCK, 1, 1), 0, &args),
+            ReduceMode::Warp => launch(rt, &self.f, grid_for(n * 32, self.sm_count), (BLOCK, 1, 1), 0, &args),
+            ReduceMode::Split => launch(rt, &self.f, split_grid(n, self.sm_count), (SPLIT_BLOCK, 1, 1), 0, &args),
+        }
     }
 }
 
@@ -694,23 +722,36 @@ fn gpu_reduce(ctx: &mut BuildCtx, node: NodeId, dims: &[usize], how: Reduce) -> 
     let count: usize = red.iter().map(|&d| dx.dims[d]).product();
     let warp = red.last().is_some_and(|&d| strides[d] == 1 && dx.dims[d] >= 32);
     let bytes: Vec<u8> = meta.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let meta = ctx.upload_bytes(&bytes)?;
     let name = if how == Reduce::Mean { "mean" } else { "reduce_max" };
     let f = ctx.kernels.get(&format!("{name}_{}", dx.elem.suffix()))?;
-    Ok(Box::new(MeanLayer {
-        how,
-        path: ctx.node(node).path.clone(),
-        f,
-        x,
-        y,
-        meta,
-        kept: kept.len() as i32,
-        red: red.len() as i32,
-        scale: if count == 0 { f32::NAN } else { 1.0 / count as f32 },
-        per_image: dy.per_image_elems(),
-        warp,
-        sm_count: ctx.kernels.sm_count(),
-    }))
+    let path = ctx.node(node).path.clone();
+    let layer = |ctx: &mut BuildCtx, mode| -> Result<Box<dyn Layer>> {
+        Ok(Box::new(MeanLayer {
+            how,
+            path: path.clone(),
+            f: f.clone(),
+            x,
+            y,
+            meta: ctx.upload_bytes(&bytes)?,
+            kept: kept.len() as i32,
+            red: red.len() as i32,
+            scale: if count == 0 { f32::NAN } else { 1.0 / count as f32 },
+            per_image: dy.per_image_elems(),
+            mode,
+            sm_count: ctx.kernels.sm_count(),
+        }))
+    };
+    if warp {
+        return layer(ctx, ReduceMode::Warp);
+    }
+    if count < SPLIT_MIN_LEN {
+        return layer(ctx, ReduceMode::Thread);
+    }
+    // Few outputs over a long strided reduction want the split kernel, many outputs one thread
+    // each: timing picks, at the batch the engine is built for.
+    let candidates = vec![layer(ctx, ReduceMode::Thread)?, layer(ctx, ReduceMode::Split)?];
+    let key = ctx.problem_key(node);
+    ctx.choose(&key, candidates)
 }
 
 /// This family's `kiln::nn` layers, each traced on an input (for `ops::completeness`).

@@ -47,13 +47,27 @@ pub fn rel_l2(got: &[f32], want: &[f32]) -> (f64, f64) {
 }
 
 pub fn build(gpu: &Arc<Gpu>, graph: &Graph, precision: Precision) -> Arc<Engine> {
-    let config = BuildConfig::default().precision(precision).batch(1, 3, 3).cuda_graphs(false);
+    build_with(gpu, graph, precision, None)
+}
+
+/// [`build`], its layers' candidates restricted to `sources` (kind prefixes) where a layer has one.
+pub fn build_with(gpu: &Arc<Gpu>, graph: &Graph, precision: Precision, sources: Option<&[&str]>) -> Arc<Engine> {
+    let mut config = BuildConfig::default().precision(precision).batch(1, 3, 3).cuda_graphs(false);
+    if let Some(sources) = sources {
+        config = config.tactic_sources(sources);
+    }
     Arc::new(EngineBuilder::new(config).with_gpu(gpu.clone()).build(graph).unwrap_or_else(|e| panic!("build ({precision:?}): {e}")))
 }
 
 /// Traces `f` over inputs of the given per-image shapes (batch 1), then for each precision and
 /// batch runs the engine and the CPU executor on fresh random inputs and compares every output.
 pub fn check(name: &str, inputs: &[(&str, &[usize])], f: impl Fn(&[Tensor]) -> kiln::Result<Vec<Tensor>>) {
+    check_forced(name, None, inputs, f)
+}
+
+/// [`check`] with the engines' candidates restricted to `kind` (a kind prefix) where a layer has
+/// one, and a layer of that kind asserted to be in each engine.
+pub fn check_forced(name: &str, kind: Option<&str>, inputs: &[(&str, &[usize])], f: impl Fn(&[Tensor]) -> kiln::Result<Vec<Tensor>>) {
     let Some(gpu) = gpu() else { return };
     let tracer = Tracer::new();
     let xs: Vec<Tensor> = inputs.iter().map(|(n, s)| tracer.input(n, &[&[1][..], s].concat())).collect();
@@ -62,7 +76,11 @@ pub fn check(name: &str, inputs: &[(&str, &[usize])], f: impl Fn(&[Tensor]) -> k
     }
     let graph = tracer.graph();
     for (precision, tol) in [(Precision::Fp32, 1e-5), (Precision::Fp16, 1e-2)] {
-        let engine = build(&gpu, &graph, precision);
+        let sources = kind.map(|k| [k]);
+        let engine = build_with(&gpu, &graph, precision, sources.as_ref().map(|s| &s[..]));
+        if let Some(kind) = kind {
+            assert!(engine.layers().any(|l| l.kind().starts_with(kind)), "{name} {precision:?}: no {kind} layer");
+        }
         let mut ctx = engine.context().expect("context");
         for (k, batch) in BATCHES.into_iter().enumerate() {
             let seed = name.bytes().fold(k as u64 * 7919, |h, b| h.wrapping_mul(31).wrapping_add(b as u64));
