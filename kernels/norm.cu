@@ -16,6 +16,10 @@
 // neighbouring outputs (the lanes: neighbouring channels in NHWC, so the loads coalesce), and its
 // groups share each output's reduction, combined through shared memory.
 //
+// group_norm takes a (image, group) row a block, on NCHW or NHWC; for few rows (batch 1, one
+// group) group_norm_partial + group_norm_split cut each row into chunks over many blocks: partial
+// (count, mean, M2) per chunk into a workspace, then Chan's merge and the normalisation per chunk.
+//
 // matmul is a batched, broadcasting [M, K] x [K, P] product in 16x16 shared-memory tiles.
 
 __device__ __forceinline__ float nan_max(float a, float b) { return (b > a || b != b) ? b : a; }
@@ -442,30 +446,130 @@ __device__ __forceinline__ float block_sum(float v) {
     return part[0];
 }
 
-// GroupNorm on NCHW: row r (image r / G, group r % G) is cpg·hw contiguous elements; one block
-// a row (the loop is uniform per block), mean then biased variance in f32; w, b: C values or null.
+// GroupNorm: row r is image r / groups, group r % groups: cpg channels x hw positions, len =
+// cpg·hw elements. NCHW (nhwc = 0): the row is contiguous, element j at r·len + j (channel
+// j / hw). NHWC (nhwc = 1): element j = p·cpg + k (position p, channel g·cpg + k) at
+// n·C·hw + p·C + g·cpg + k, so a group is cpg consecutive channels of every pixel, and with
+// groups = 1 the whole image is contiguous again. Statistics in f32: mean, then the biased
+// variance of x - mean, then the per-channel affine on the way out.
+struct GnRow {
+    i64 base;
+    int cpg, hw, C, c0, nhwc;
+    __device__ GnRow(i64 r, int groups, int cpg_, int hw_, int nhwc_) : cpg(cpg_), hw(hw_), nhwc(nhwc_) {
+        C = groups * cpg;
+        c0 = (int)(r % groups) * cpg;
+        base = nhwc ? (r / groups) * (i64)C * hw + c0 : r * (i64)cpg * hw;
+    }
+    __device__ __forceinline__ i64 at(int j) const { return base + (nhwc ? (i64)(j / cpg) * C + j % cpg : (i64)j); }
+    __device__ __forceinline__ int channel(int j) const { return c0 + (nhwc ? j % cpg : j / hw); }
+};
+
+// One block a row (the loop is uniform per block); w, b: C values or null.
 template <typename T>
-__device__ void group_norm(const T* x, T* y, const float* w, const float* b, float eps, i64 rows, int groups, int cpg, int hw) {
+__device__ void group_norm(const T* x, T* y, const float* w, const float* b, float eps, i64 rows, int groups, int cpg, int hw, int nhwc) {
     const int len = cpg * hw;
     const float inv_len = 1.f / len;
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
-        const T* px = x + r * len;
-        T* py = y + r * len;
+        const GnRow row(r, groups, cpg, hw, nhwc);
         float s = 0.f;
-        for (int j = threadIdx.x; j < len; j += blockDim.x) s += to_f32(px[j]);
+        for (int j = threadIdx.x; j < len; j += blockDim.x) s += to_f32(x[row.at(j)]);
         const float mean = block_sum(s) * inv_len;
         float q = 0.f;
         for (int j = threadIdx.x; j < len; j += blockDim.x) {
-            const float d = to_f32(px[j]) - mean;
+            const float d = to_f32(x[row.at(j)]) - mean;
             q += d * d;
         }
         const float rstd = 1.f / sqrtf(block_sum(q) * inv_len + eps);
-        const int c0 = (int)(r % groups) * cpg;
         for (int j = threadIdx.x; j < len; j += blockDim.x) {
-            float v = (to_f32(px[j]) - mean) * rstd;
-            if (w) v = v * w[c0 + j / hw] + b[c0 + j / hw];
-            py[j] = from_f32<T>(v);
+            const i64 o = row.at(j);
+            float v = (to_f32(x[o]) - mean) * rstd;
+            if (w) {
+                const int c = row.channel(j);
+                v = v * w[c] + b[c];
+            }
+            y[o] = from_f32<T>(v);
         }
+    }
+}
+
+// The split GroupNorm, for few rows (batch 1, groups = 1: one block would do a whole image):
+// each row is cut into `parts` chunks of ceil(len / parts) consecutive elements of the row, and a
+// tile t = r·parts + s is chunk s of row r. group_norm_partial gives each tile a block that takes
+// its chunk's count, mean and M2 (the sum of squared deviations from that mean: two passes over
+// the chunk, the second from L1/L2) into part[3t ..]. group_norm_split then gives each tile a
+// block again: its first warp merges the row's `parts` partials by Chan's formula (lanes merge a
+// strided share, then a shuffle tree), which loses nothing to the cancellation of a sum of
+// squares, and the block normalises and applies the affine to its chunk.
+__device__ __forceinline__ void chan_merge(float& n, float& m, float& q, float nb, float mb, float qb) {
+    if (nb == 0.f) return;
+    const float t = n + nb, d = mb - m;
+    m += d * (nb / t);
+    q += qb + d * d * (n * (nb / t));
+    n = t;
+}
+
+template <typename T>
+__device__ void group_norm_partial(const T* x, float* part, i64 rows, int groups, int cpg, int hw, int nhwc, int parts) {
+    const int len = cpg * hw, chunk = (len + parts - 1) / parts;
+    for (i64 t = blockIdx.x; t < rows * parts; t += gridDim.x) {
+        const i64 r = t / parts;
+        const int j0 = (int)(t % parts) * chunk, j1 = min(len, j0 + chunk);
+        const int n = max(0, j1 - j0);
+        const GnRow row(r, groups, cpg, hw, nhwc);
+        float s = 0.f;
+        for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) s += to_f32(x[row.at(j)]);
+        s = block_sum(s);
+        const float mean = n ? s / n : 0.f;
+        float q = 0.f;
+        for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
+            const float d = to_f32(x[row.at(j)]) - mean;
+            q += d * d;
+        }
+        q = block_sum(q);
+        if (threadIdx.x == 0) {
+            part[3 * t] = (float)n;
+            part[3 * t + 1] = mean;
+            part[3 * t + 2] = q;
+        }
+    }
+}
+
+template <typename T>
+__device__ void group_norm_split(const T* x, T* y, const float* w, const float* b, const float* part, float eps, i64 rows, int groups,
+                                 int cpg, int hw, int nhwc, int parts) {
+    __shared__ float stats[2];
+    const int len = cpg * hw, chunk = (len + parts - 1) / parts;
+    for (i64 t = blockIdx.x; t < rows * parts; t += gridDim.x) {
+        const i64 r = t / parts;
+        if (threadIdx.x < 32) {
+            const float* pr = part + 3 * r * parts;
+            float n = 0.f, m = 0.f, q = 0.f;
+            for (int s = threadIdx.x; s < parts; s += 32) chan_merge(n, m, q, pr[3 * s], pr[3 * s + 1], pr[3 * s + 2]);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const float nb = __shfl_xor_sync(0xffffffffu, n, o), mb = __shfl_xor_sync(0xffffffffu, m, o),
+                            qb = __shfl_xor_sync(0xffffffffu, q, o);
+                chan_merge(n, m, q, nb, mb, qb);
+            }
+            if (threadIdx.x == 0) {
+                stats[0] = m;
+                stats[1] = 1.f / sqrtf(q / len + eps);
+            }
+        }
+        __syncthreads();
+        const float mean = stats[0], rstd = stats[1];
+        const GnRow row(r, groups, cpg, hw, nhwc);
+        const int j0 = (int)(t % parts) * chunk, j1 = min(len, j0 + chunk);
+        for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
+            const i64 o = row.at(j);
+            float v = (to_f32(x[o]) - mean) * rstd;
+            if (w) {
+                const int c = row.channel(j);
+                v = v * w[c] + b[c];
+            }
+            y[o] = from_f32<T>(v);
+        }
+        __syncthreads();  // stats[] is rewritten by the next tile
     }
 }
 
@@ -483,8 +587,16 @@ __device__ void group_norm(const T* x, T* y, const float* w, const float* b, flo
         layer_norm_packed<T>(x, y, w, b, eps, rows, len, G);                                                                        \
     }                                                                                                                               \
     extern "C" __global__ void group_norm_##S(const T* x, T* y, const float* w, const float* b, float eps, i64 rows, int groups, int cpg,  \
-                                              int hw) {                                                                                    \
-        group_norm<T>(x, y, w, b, eps, rows, groups, cpg, hw);                                                                             \
+                                              int hw, int nhwc) {                                                                          \
+        group_norm<T>(x, y, w, b, eps, rows, groups, cpg, hw, nhwc);                                                                       \
+    }                                                                                                                                     \
+    extern "C" __global__ void group_norm_partial_##S(const T* x, float* part, i64 rows, int groups, int cpg, int hw, int nhwc,           \
+                                                      int parts) {                                                                        \
+        group_norm_partial<T>(x, part, rows, groups, cpg, hw, nhwc, parts);                                                                \
+    }                                                                                                                                     \
+    extern "C" __global__ void group_norm_split_##S(const T* x, T* y, const float* w, const float* b, const float* part, float eps,       \
+                                                    i64 rows, int groups, int cpg, int hw, int nhwc, int parts) {                         \
+        group_norm_split<T>(x, y, w, b, part, eps, rows, groups, cpg, hw, nhwc, parts);                                                    \
     }                                                                                                                                     \
     extern "C" __global__ void __launch_bounds__(SPLIT_BLOCK) reduce_max_##S(const T* x, T* y, i64 n_out, const i64* meta, int kept, int red, int arg, int mode) { \
         reduce_max<T>(x, y, n_out, meta, kept, red, arg, mode);                                                                     \
