@@ -114,7 +114,15 @@ impl OpDef for Norm {
     }
     fn entry_points(&self) -> Vec<String> {
         // Softmax and LayerNorm; BatchNorm runs as cuDNN or the elementwise family's `bias_act`.
-        crate::engine::launch::typed_entry_points(&["softmax", "softmax_split", "layer_norm", "layer_norm_packed", "group_norm"])
+        crate::engine::launch::typed_entry_points(&[
+            "softmax",
+            "softmax_split",
+            "layer_norm",
+            "layer_norm_packed",
+            "group_norm",
+            "group_norm_partial",
+            "group_norm_split",
+        ])
     }
     fn colour(&self) -> &'static str {
         "#ffe08a"
@@ -419,6 +427,8 @@ fn gpu_group_norm(ctx: &mut BuildCtx, node: NodeId, groups: usize, eps: f32, aff
         Arg::Const(KArg::I32(g)),
         Arg::Const(KArg::I32(cpg)),
         Arg::Const(KArg::I32(hw)),
+        // NCHW: the layout plan gives GroupNorm contiguous values (the NHWC path is not wired yet).
+        Arg::Const(KArg::I32(0)),
     ];
     // A block a row: `groups · BLOCK` work items per image.
     let layer = KernelLayer::new(ctx, &format!("group_norm_{}", dx.elem.suffix()), args, groups * BLOCK as usize)?;
