@@ -72,6 +72,18 @@ fn group_norm() {
     check("instance_norm affine [4, 6, 5]", &[("x", &[4, 6, 5])], |x| Ok(vec![gn(&x[0], GroupNormConfig::new(4, 4))?]));
     check("instance_norm [5, 33, 40] (rows longer than a block)", &[("x", &[5, 33, 40])], |x| Ok(vec![x[0].group_norm(5, 1e-5)?]));
     check("group_norm rank 3 [6, 11]", &[("x", &[6, 11])], |x| Ok(vec![x[0].group_norm(3, 1e-3)?]));
+    // Channels-last in and out: a conv's output read as it is (PoolFormer, MobileViTv2: one group
+    // over the whole image), and long rows split over many blocks: timing picks, then the split
+    // kernels forced (chunks that do not divide the row, a group's channels inside a pixel).
+    for kind in [None, Some("kernel:group_norm_split")] {
+        check_forced("group_norm 1 group of an NHWC conv [3, 61, 67]", kind, &[("x", &[3, 61, 67])], |x| {
+            Ok(vec![gn(&conv(&x[0], 3, 24)?, GroupNormConfig::new(1, 24))?])
+        });
+        check_forced("group_norm 4 groups of an NHWC conv [3, 50, 45]", kind, &[("x", &[3, 50, 45])], |x| {
+            Ok(vec![gn(&conv(&x[0], 3, 40)?, GroupNormConfig::new(4, 40))?])
+        });
+        check_forced("group_norm 2 groups no affine [6, 97, 89]", kind, &[("x", &[6, 97, 89])], |x| Ok(vec![x[0].group_norm(2, 1e-5)?]));
+    }
 }
 
 #[test]

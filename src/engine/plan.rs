@@ -822,6 +822,32 @@ mod layout_tests {
         super::layout_copies(g).unwrap()
     }
 
+    /// PoolFormer's token mixer on a conv's channels-last output: GroupNorm(1) → avg-pool − x →
+    /// residual add → GroupNorm(1) → 1×1 conv. GroupNorm reads and writes NHWC as it comes, so
+    /// nothing is copied (two copies a GroupNorm while it read NCHW only).
+    #[test]
+    fn group_norms_of_a_channels_last_stream_plan_no_copy() {
+        use crate::nn::{AvgPool2d, GroupNorm, GroupNormConfig, Pool2dConfig};
+        let vb = VarBuilder::seeded();
+        let tracer = Tracer::new();
+        let x = tracer.input("x", &[1, 3, 16, 16]);
+        let stem = Conv2d::load(vb.pp("stem"), &Conv2dConfig::new(3, 16, 3).padding(1)).unwrap();
+        let norm1 = GroupNorm::load(vb.pp("norm1"), &GroupNormConfig::new(1, 16)).unwrap();
+        let norm2 = GroupNorm::load(vb.pp("norm2"), &GroupNormConfig::new(4, 16)).unwrap();
+        let pool = AvgPool2d::load(vb.pp("pool"), &Pool2dConfig::new(3).stride(1).padding(1)).unwrap();
+        let fc = Conv2d::load(vb.pp("fc"), &Conv2dConfig::new(16, 16, 1)).unwrap();
+        let h = stem.forward(&x).unwrap();
+        let n = norm1.forward(&h).unwrap();
+        let h = h.add(&pool.forward(&n).unwrap().sub(&n).unwrap()).unwrap();
+        let y = fc.forward(&norm2.forward(&h).unwrap()).unwrap();
+        tracer.output("y", &y);
+        let g = tracer.graph();
+        assert_eq!(reformats(&g), vec![], "{}", g.to_text());
+        let (layouts, _) = plan_layouts(&g).unwrap();
+        let at = |path: &str| layouts[g.nodes.iter().position(|n| n.path == path).unwrap_or_else(|| panic!("{path}"))].unwrap();
+        assert!(at("norm1").is_channels_last() && at("norm2").is_channels_last());
+    }
+
     /// SegFormer's tokens into a depthwise conv (`fc1` → `transpose(1, 2)` → `reshape(n, c, h,
     /// w)` → conv): after `optimize` the conv reads the Linear's bytes as its NHWC image, with no
     /// copy to NCHW and no reformat back (two copies of the tokens before `split_before_permute`).

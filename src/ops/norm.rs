@@ -3,7 +3,7 @@
 //! LayerNorm and GroupNorm / InstanceNorm (our kernels in `kernels/norm.cu`, f32 statistics
 //! whatever the precision). The layers (`BatchNorm2d`, `LayerNorm`, ...) are in `norm/modules.rs`.
 
-use crate::engine::{Layer, Layout};
+use crate::engine::{DeviceBuf, Layer, Layout};
 use crate::error::OpError;
 use crate::graph::{NodeId, Op};
 use crate::module::{Forward, Module};
@@ -108,8 +108,16 @@ impl OpDef for Norm {
             Norm::BatchNorm2d { .. } => LayoutPlan::all(inputs, Layout::channels_last(out_rank)),
             Norm::Softmax { dim } => rows_layout(inputs, out_rank, *dim, 1),
             Norm::LayerNorm { dim, shape, .. } => rows_layout(inputs, out_rank, *dim, shape.len()),
-            // A group's channels and positions are one contiguous row of NCHW.
-            Norm::GroupNorm { .. } => LayoutPlan::all(inputs, Layout::contiguous(out_rank)),
+            // A group's channels and positions: one contiguous row of NCHW, or the same `C /
+            // groups` channels of every pixel of NHWC; a channels-last input (a conv's output,
+            // PoolFormer's residual stream) is read as it is, with no copy either side.
+            Norm::GroupNorm { .. } => {
+                let chosen = match inputs.first().copied().flatten() {
+                    Some(l) if l.rank() == out_rank && l.is_channels_last() => l,
+                    _ => Layout::contiguous(out_rank),
+                };
+                LayoutPlan::all(inputs, chosen)
+            }
         }
     }
     fn entry_points(&self) -> Vec<String> {
@@ -397,26 +405,44 @@ fn gpu_batch_norm2d(ctx: &mut BuildCtx, node: NodeId, eps: f32) -> Result<Box<dy
     ctx.choose(&key, candidates)
 }
 
-/// GroupNorm on NCHW: `group_norm_*`, one block per (image, group) row of `C / groups · HW`
-/// contiguous elements (statistics in f32, two passes), the per-channel affine applied on the
-/// way out.
+/// GroupNorm on NCHW or NHWC: `group_norm_*`, one block per (image, group) row of `C / groups · HW`
+/// elements (statistics in f32, two passes), the per-channel affine applied on the way out; and,
+/// timed beside it for long rows, the split form ([`GroupNormSplit`]) for few rows.
 fn gpu_group_norm(ctx: &mut BuildCtx, node: NodeId, groups: usize, eps: f32, affine: bool) -> Result<Box<dyn Layer>> {
     use crate::engine::launch::{Arg, KArg, KernelLayer, BLOCK};
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
-    let dx = ctx.value(x).clone();
+    let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
+    // The input may be stored in another layout with the same bytes (a reformat between them is
+    // skipped); both are then addressed as the output's.
+    if dx.elem != dy.elem || dx.dims != dy.dims || !dx.layout.same_bytes(dy.layout, &dx.dims) {
+        return Err(ctx.err(
+            node,
+            LowerKind::Operands,
+            format!("input {:?} {:?} and output {:?} {:?} differ", dx.layout, dx.dims, dy.layout, dy.dims),
+        ));
+    }
+    let nhwc = if dy.layout.is_channels_last() {
+        1
+    } else if dy.layout == Layout::contiguous(dy.dims.len()) {
+        0
+    } else {
+        return Err(ctx.err(node, LowerKind::Operands, format!("reads NCHW or NHWC, got {:?}", dy.layout)));
+    };
     let c = dx.dims[0];
     let spatial: usize = dx.dims[1..].iter().product();
-    let (w, b) = if affine {
+    let upload_affine = |ctx: &mut BuildCtx| -> Result<(Option<DeviceBuf>, Option<DeviceBuf>)> {
+        if !affine {
+            return Ok((None, None));
+        }
         let (w, b) = (ctx.weight(node, 1)?.clone(), ctx.weight(node, 2)?.clone());
-        (Some(ctx.upload_f32(&w.data)?), Some(ctx.upload_f32(&b.data)?))
-    } else {
-        (None, None)
+        Ok((Some(ctx.upload_f32(&w.data)?), Some(ctx.upload_f32(&b.data)?)))
     };
     let int = |what: &str, v: usize| {
         i32::try_from(v).map_err(|_| ctx.err(node, LowerKind::TooLarge, format!("{what} = {v} exceeds the kernels' 32-bit range")))
     };
     let (g, cpg, hw) = (int("groups", groups)?, int("channels per group", c / groups.max(1))?, int("positions", spatial)?);
-    int("row length", c / groups.max(1) * spatial)?;
+    let len = int("row length", c / groups.max(1) * spatial)?;
+    let (w, b) = upload_affine(ctx)?;
     let args = vec![
         Arg::Value(x),
         Arg::Value(y),
@@ -427,12 +453,104 @@ fn gpu_group_norm(ctx: &mut BuildCtx, node: NodeId, groups: usize, eps: f32, aff
         Arg::Const(KArg::I32(g)),
         Arg::Const(KArg::I32(cpg)),
         Arg::Const(KArg::I32(hw)),
-        // NCHW: the layout plan gives GroupNorm contiguous values (the NHWC path is not wired yet).
-        Arg::Const(KArg::I32(0)),
+        Arg::Const(KArg::I32(nhwc)),
     ];
     // A block a row: `groups · BLOCK` work items per image.
     let layer = KernelLayer::new(ctx, &format!("group_norm_{}", dx.elem.suffix()), args, groups * BLOCK as usize)?;
-    Ok(Box::new(layer.kind("kernel:group_norm".into())))
+    let row = Box::new(layer.kind("kernel:group_norm".into()));
+    if (len as usize) < GROUP_NORM_SPLIT_MIN_LEN {
+        return Ok(row);
+    }
+    let (w, b) = upload_affine(ctx)?;
+    let split = GroupNormSplit {
+        path: ctx.node(node).path.clone(),
+        partial: ctx.kernels.get(&format!("group_norm_partial_{}", dx.elem.suffix()))?,
+        normalise: ctx.kernels.get(&format!("group_norm_split_{}", dx.elem.suffix()))?,
+        x,
+        y,
+        w,
+        b,
+        eps,
+        groups: g,
+        cpg,
+        hw,
+        nhwc,
+        sm_count: ctx.kernels.sm_count(),
+    };
+    let key = ctx.problem_key(node);
+    ctx.choose(&key, vec![row, Box::new(split)])
+}
+
+/// Rows at least this long get the split GroupNorm as a timed candidate.
+const GROUP_NORM_SPLIT_MIN_LEN: usize = 8192;
+/// The fewest elements a chunk of the split GroupNorm takes.
+const GROUP_NORM_MIN_CHUNK: usize = 2048;
+
+/// GroupNorm for few long rows (batch 1, one group: MobileViTv2, PoolFormer): each row is cut into
+/// `parts` chunks over as many blocks; `group_norm_partial` writes each chunk's count, mean and sum
+/// of squared deviations to the workspace, `group_norm_split` merges a row's (Chan's formula) and
+/// normalises its chunk.
+struct GroupNormSplit {
+    path: String,
+    partial: crate::engine::launch::CudaFunction,
+    normalise: crate::engine::launch::CudaFunction,
+    x: crate::engine::ValueId,
+    y: crate::engine::ValueId,
+    w: Option<DeviceBuf>,
+    b: Option<DeviceBuf>,
+    eps: f32,
+    groups: i32,
+    cpg: i32,
+    hw: i32,
+    nhwc: i32,
+    sm_count: u32,
+}
+
+impl GroupNormSplit {
+    fn rows(&self, batch: usize) -> usize {
+        batch * self.groups as usize
+    }
+    /// Chunks a row: enough blocks for two an SM over all rows, chunks of at least
+    /// `GROUP_NORM_MIN_CHUNK` elements.
+    fn parts(&self, batch: usize) -> usize {
+        let len = self.cpg as usize * self.hw as usize;
+        let rows = self.rows(batch).max(1);
+        (2 * self.sm_count as usize).div_ceil(rows).min(len.div_ceil(GROUP_NORM_MIN_CHUNK)).max(1)
+    }
+}
+
+impl Layer for GroupNormSplit {
+    fn path(&self) -> &str {
+        &self.path
+    }
+    fn kind(&self) -> String {
+        "kernel:group_norm_split".into()
+    }
+    fn workspace_bytes(&self, batch: usize) -> usize {
+        // (count, mean, M2) in f32 per chunk.
+        self.rows(batch) * self.parts(batch) * 3 * 4
+    }
+    fn enqueue(&self, rt: &crate::engine::RunCtx, batch: usize) -> Result<()> {
+        use crate::engine::launch::{launch, KArg, BLOCK};
+        let (rows, parts) = (self.rows(batch), self.parts(batch));
+        let tiles = (rows * parts).clamp(1, self.sm_count as usize * 16) as u32;
+        let (w, b) = (self.w.as_ref().map_or(0, |w| w.ptr()), self.b.as_ref().map_or(0, |b| b.ptr()));
+        let shape = [KArg::I32(self.groups), KArg::I32(self.cpg), KArg::I32(self.hw), KArg::I32(self.nhwc), KArg::I32(parts as i32)];
+        let mut args = vec![KArg::Ptr(rt.ptr(self.x)), KArg::Ptr(rt.workspace), KArg::I64(rows as i64)];
+        args.extend(shape);
+        launch(rt, &self.partial, (tiles, 1, 1), (BLOCK, 1, 1), 0, &args)?;
+        let mut args = vec![
+            KArg::Ptr(rt.ptr(self.x)),
+            KArg::Ptr(rt.ptr(self.y)),
+            KArg::Ptr(w),
+            KArg::Ptr(b),
+            KArg::Ptr(rt.workspace),
+            KArg::F32(self.eps),
+            KArg::I64(rows as i64),
+        ];
+        args.extend(shape);
+        launch(rt, &self.normalise, (tiles, 1, 1), (BLOCK, 1, 1), 0, &args)
+    }
 }
 
 // ---- GPU converters for softmax and LayerNorm (kernels/norm.cu)
