@@ -38,6 +38,11 @@ pub struct Record {
     pub driver_version: u32,
     pub cudnn_version: u32,
     pub build_seconds: f64,
+    /// Median device time of the same runs, between two CUDA events on the stream (trtexec's "GPU
+    /// Compute Time"): what PyTorch peers timed with CUDA events are compared with. `None` on the
+    /// CPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_median_ms: Option<f64>,
 }
 
 /// Latency statistics of a list of per-run times (ms).
@@ -154,8 +159,9 @@ fn time_loop(warmup: Duration, iterations: usize, duration: Duration, mut once: 
 
 fn print_record(r: &Record) -> Result<()> {
     let extra: String = r.percentiles_ms.iter().map(|(p, v)| format!("  p{p} {:>10}", ms(*v))).collect();
+    let device = r.gpu_median_ms.map(|gpu| format!("  GPU compute median {:>10}", ms(gpu))).unwrap_or_default();
     say!(
-        "{:<10} batch {:<4} {:<7} {:<10} median {:>10}  p90 {:>10}  p99 {:>10}{extra}  max {:>10}  std {:>10}  {:>10.1} images/s  ({} runs)",
+        "{:<10} batch {:<4} {:<7} {:<10} median {:>10}  p90 {:>10}  p99 {:>10}{extra}  max {:>10}  std {:>10}{device}  {:>10.1} images/s  ({} runs)",
         r.model,
         r.batch,
         r.precision,
@@ -194,6 +200,7 @@ fn record(model: &str, batch: usize, size: usize, precision: &str, mode: &str, t
         driver_version: 0,
         cudnn_version: 0,
         build_seconds: 0.0,
+        gpu_median_ms: None,
     }
 }
 
@@ -334,12 +341,17 @@ fn bench_gpu(a: &BenchArgs, model: &str, batches: &[usize], hw: Option<[usize; 2
         ctx.run(&common::bind(&inputs))?;
         for &graphs in &modes {
             ctx.set_cuda_graphs(graphs);
+            // Each run between two events on the stream: the host's latency (the wall clock around
+            // the call) and the device's time (the events) of the same runs.
+            let mut device_ms = Vec::new();
             let timed = time_loop(timing.0, timing.1, timing.2, || {
-                ctx.execute(batch)?;
-                ctx.synchronize()
+                device_ms.push(ctx.execute_timed(batch)?);
+                Ok(())
             })?;
+            let mut device_ms = device_ms.split_off(device_ms.len().saturating_sub(timed.times.len()));
             let mode = if graphs { "cuda-graph" } else { "no-graph" };
             let mut r = record(&name, batch, engine_size(&engine), engine.config.precision.short_name(), mode, &timed, &a.percentile);
+            r.gpu_median_ms = Some(stats(&mut device_ms).median);
             let info = &engine.gpu().info;
             (r.device, r.driver_version, r.cudnn_version) = (info.name.clone(), info.driver_version, info.cudnn_version);
             r.build_seconds = engine.summary.build_seconds;

@@ -32,6 +32,8 @@ pub struct ExecutionContext {
     staging: Option<Pinned>,
     /// Recorded after `run`'s last copy and waited on, once a run, by sleeping (blocking sync).
     done: CudaEvent,
+    /// `execute_timed`'s pair, made on first use.
+    timing: Option<(CudaEvent, CudaEvent)>,
 }
 
 struct ContextPlan {
@@ -68,6 +70,7 @@ impl ExecutionContext {
             plans: Vec::new(),
             current: 0,
             use_graphs: engine.config.cuda_graphs,
+            timing: None,
             staging: None,
             done,
         };
@@ -206,6 +209,28 @@ impl ExecutionContext {
             self.plans[self.current].graphs.insert(batch, graph);
         }
         self.plans[self.current].graphs[&batch].launch().map_err(cuda_err("launching a CUDA graph"))
+    }
+
+    /// [`execute`](Self::execute) between two events on the context's stream, waited for: the
+    /// run's device time in milliseconds (trtexec's "GPU Compute Time"), which leaves out the
+    /// host's launch and wake-up latency that a wall-clock time around the same call includes.
+    pub fn execute_timed(&mut self, batch: usize) -> Result<f64> {
+        self.engine.gpu.ctx.bind_to_thread().map_err(cuda_err("binding the CUDA context"))?;
+        let (start, end) = match self.timing.take() {
+            Some(pair) => pair,
+            None => {
+                let event =
+                    || self.engine.gpu.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(cuda_err("creating a timing event"));
+                (event()?, event()?)
+            }
+        };
+        start.record(&self.stream).map_err(cuda_err("recording a timing event"))?;
+        self.execute(batch)?;
+        end.record(&self.stream).map_err(cuda_err("recording a timing event"))?;
+        end.synchronize().map_err(cuda_err("running the engine"))?;
+        let ms = start.elapsed_ms(&end).map_err(cuda_err("reading a timing event"))?;
+        self.timing = Some((start, end));
+        Ok(ms as f64)
     }
 
     /// Captures what `enqueue` puts on the context's stream into an uploaded CUDA graph (`None`
