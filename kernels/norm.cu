@@ -464,6 +464,18 @@ struct GnRow {
     __device__ __forceinline__ int channel(int j) const { return c0 + (nhwc ? j % cpg : j / hw); }
 };
 
+// Element j of a row normalised, with the per-channel affine (w, b: C values or null).
+template <typename T>
+__device__ __forceinline__ void gn_write(const T* x, T* y, const float* w, const float* b, const GnRow& row, int j, float mean, float rstd) {
+    const i64 o = row.at(j);
+    float v = (to_f32(x[o]) - mean) * rstd;
+    if (w) {
+        const int c = row.channel(j);
+        v = v * w[c] + b[c];
+    }
+    y[o] = from_f32<T>(v);
+}
+
 // One block a row (the loop is uniform per block); w, b: C values or null.
 template <typename T>
 __device__ void group_norm(const T* x, T* y, const float* w, const float* b, float eps, i64 rows, int groups, int cpg, int hw, int nhwc) {
@@ -480,15 +492,7 @@ __device__ void group_norm(const T* x, T* y, const float* w, const float* b, flo
             q += d * d;
         }
         const float rstd = 1.f / sqrtf(block_sum(q) * inv_len + eps);
-        for (int j = threadIdx.x; j < len; j += blockDim.x) {
-            const i64 o = row.at(j);
-            float v = (to_f32(x[o]) - mean) * rstd;
-            if (w) {
-                const int c = row.channel(j);
-                v = v * w[c] + b[c];
-            }
-            y[o] = from_f32<T>(v);
-        }
+        for (int j = threadIdx.x; j < len; j += blockDim.x) gn_write(x, y, w, b, row, j, mean, rstd);
     }
 }
 
@@ -560,15 +564,7 @@ __device__ void group_norm_split(const T* x, T* y, const float* w, const float* 
         const float mean = stats[0], rstd = stats[1];
         const GnRow row(r, groups, cpg, hw, nhwc);
         const int j0 = (int)(t % parts) * chunk, j1 = min(len, j0 + chunk);
-        for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) {
-            const i64 o = row.at(j);
-            float v = (to_f32(x[o]) - mean) * rstd;
-            if (w) {
-                const int c = row.channel(j);
-                v = v * w[c] + b[c];
-            }
-            y[o] = from_f32<T>(v);
-        }
+        for (int j = j0 + threadIdx.x; j < j1; j += blockDim.x) gn_write(x, y, w, b, row, j, mean, rstd);
         __syncthreads();  // stats[] is rewritten by the next tile
     }
 }

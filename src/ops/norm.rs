@@ -3,7 +3,7 @@
 //! LayerNorm and GroupNorm / InstanceNorm (our kernels in `kernels/norm.cu`, f32 statistics
 //! whatever the precision). The layers (`BatchNorm2d`, `LayerNorm`, ...) are in `norm/modules.rs`.
 
-use crate::engine::{DeviceBuf, Layer, Layout};
+use crate::engine::{DeviceBuf, Layer, Layout, ValueDesc, ValueId};
 use crate::error::OpError;
 use crate::graph::{NodeId, Op};
 use crate::module::{Forward, Module};
@@ -405,15 +405,13 @@ fn gpu_batch_norm2d(ctx: &mut BuildCtx, node: NodeId, eps: f32) -> Result<Box<dy
     ctx.choose(&key, candidates)
 }
 
-/// GroupNorm on NCHW or NHWC: `group_norm_*`, one block per (image, group) row of `C / groups · HW`
-/// elements (statistics in f32, two passes), the per-channel affine applied on the way out; and,
-/// timed beside it for long rows, the split form ([`GroupNormSplit`]) for few rows.
-fn gpu_group_norm(ctx: &mut BuildCtx, node: NodeId, groups: usize, eps: f32, affine: bool) -> Result<Box<dyn Layer>> {
-    use crate::engine::launch::{Arg, KArg, KernelLayer, BLOCK};
+/// The input and output of a norm that writes its input's shape and type, and their values. The
+/// input may be stored in another layout than the output when the two have the same bytes (a
+/// reformat between them is skipped: a one-channel conv output, NHWC, read by a softmax over W
+/// that the plan gave NCHW); the kernels then address both as the output's.
+fn same_bytes_operands(ctx: &BuildCtx, node: NodeId) -> Result<(ValueId, ValueId, ValueDesc, ValueDesc)> {
     let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
     let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
-    // The input may be stored in another layout with the same bytes (a reformat between them is
-    // skipped); both are then addressed as the output's.
     if dx.elem != dy.elem || dx.dims != dy.dims || !dx.layout.same_bytes(dy.layout, &dx.dims) {
         return Err(ctx.err(
             node,
@@ -421,6 +419,15 @@ fn gpu_group_norm(ctx: &mut BuildCtx, node: NodeId, groups: usize, eps: f32, aff
             format!("input {:?} {:?} and output {:?} {:?} differ", dx.layout, dx.dims, dy.layout, dy.dims),
         ));
     }
+    Ok((x, y, dx, dy))
+}
+
+/// GroupNorm on NCHW or NHWC: `group_norm_*`, one block per (image, group) row of `C / groups · HW`
+/// elements (statistics in f32, two passes), the per-channel affine applied on the way out; and,
+/// timed beside it for long rows, the split form ([`GroupNormSplit`]) for few rows.
+fn gpu_group_norm(ctx: &mut BuildCtx, node: NodeId, groups: usize, eps: f32, affine: bool) -> Result<Box<dyn Layer>> {
+    use crate::engine::launch::{Arg, KArg, KernelLayer, BLOCK};
+    let (x, y, dx, dy) = same_bytes_operands(ctx, node)?;
     let nhwc = if dy.layout.is_channels_last() {
         1
     } else if dy.layout == Layout::contiguous(dy.dims.len()) {
@@ -494,8 +501,8 @@ struct GroupNormSplit {
     path: String,
     partial: crate::engine::launch::CudaFunction,
     normalise: crate::engine::launch::CudaFunction,
-    x: crate::engine::ValueId,
-    y: crate::engine::ValueId,
+    x: ValueId,
+    y: ValueId,
     w: Option<DeviceBuf>,
     b: Option<DeviceBuf>,
     eps: f32,
@@ -592,8 +599,8 @@ struct RowsLayer {
     path: String,
     op: RowOp,
     f: crate::engine::launch::CudaFunction,
-    x: crate::engine::ValueId,
-    y: crate::engine::ValueId,
+    x: ValueId,
+    y: ValueId,
     params: Option<(crate::engine::DeviceBuf, crate::engine::DeviceBuf)>,
     /// Per image.
     outer: usize,
@@ -643,18 +650,9 @@ impl Layer for RowsLayer {
 }
 
 fn gpu_rows(ctx: &mut BuildCtx, node: NodeId, op: RowOp, dim: usize, count: usize) -> Result<Box<dyn Layer>> {
-    let (x, y) = (ctx.input(node, 0)?, ctx.output(node)?);
-    let (dx, dy) = (ctx.value(x).clone(), ctx.value(y).clone());
-    // The input may be stored in another layout than the output when the two have the same bytes
-    // (a reformat between them is skipped): e.g. a one-channel conv output, NHWC, read by a softmax
-    // over W that the plan gave NCHW. The rows are then the output layout's.
-    if dx.elem != dy.elem || dx.dims != dy.dims || !dx.layout.same_bytes(dy.layout, &dx.dims) {
-        return Err(ctx.err(
-            node,
-            LowerKind::Operands,
-            format!("input {:?} {:?} and output {:?} {:?} differ", dx.layout, dx.dims, dy.layout, dy.dims),
-        ));
-    }
+    // The rows are the output layout's (an input with the same bytes in another layout is read
+    // as the output's).
+    let (x, y, dx, dy) = same_bytes_operands(ctx, node)?;
     let p = rows_position(dy.layout, dim, count).ok_or_else(|| {
         ctx.err(node, LowerKind::Operands, format!("dims {dim}..{} are not stored together in {:?}", dim + count, dy.layout))
     })?;
