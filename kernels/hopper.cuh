@@ -2,8 +2,8 @@
 // family (`engine::kernels::HOPPER`, compiled for `sm_90a`): mbarriers, the tensor-memory
 // accelerator's tiled loads (TMA), wgmma's shared-memory descriptors and its asynchronous MMAs,
 // the async-proxy fence and register reallocation between warpgroups. Written for the GEMM in
-// hopper_gemm.cu and meant for the implicit-GEMM convolutions too (their 8-bit MMAs add
-// `wgmma_*_s8`/`_e4m3` wrappers beside the f16 ones here).
+// hopper_gemm.cu and used by the 8-bit implicit-GEMM convolution (conv8_hopper.cu) too, whose
+// 8-bit MMAs are the `wgmma_m64n*k32_s8` / `_e4m3` wrappers at the end.
 //
 // Pipeline convention (what hopper_gemm.cu does, and what a new kernel should copy):
 // - a ring of STAGES shared-memory stages, each guarded by a `full` barrier (count 1, plus the
@@ -70,6 +70,23 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap* map, u64
                  : "memory");
 }
 
+// The same for a 3-D (4-D) tensor map: the box whose first element is at (c0, c1, c2[, c3]), c0
+// the contiguous dim. Coordinates may be negative or past the end: what lies outside is zeros.
+// A map encoded with traversal strides (`elementStrides`) takes every stride-th element of its
+// box along that dim, so the box brings box / stride elements there.
+__device__ __forceinline__ void tma_load_3d(void* dst, const TensorMap* map, u64* bar, int c0, int c1, int c2) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(
+                     smem_u32(dst)),
+                 "l"(reinterpret_cast<u64>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2)
+                 : "memory");
+}
+__device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap* map, u64* bar, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];" ::"r"(
+                     smem_u32(dst)),
+                 "l"(reinterpret_cast<u64>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+                 : "memory");
+}
+
 // ---- Proxies and registers
 
 // Orders this thread's ordinary shared-memory writes before later async-proxy reads (wgmma
@@ -93,6 +110,16 @@ __device__ __forceinline__ u64 wgmma_desc_k128(const void* tile) {
     u64 addr = (smem_u32(tile) & 0x3FFFF) >> 4;
     return addr | (1ull << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
 }
+// The same for rows of ROW_BYTES (128 or 64) bytes swizzled over as many bytes (what TMA writes
+// with CU_TENSOR_MAP_SWIZZLE_128B / _64B from a box ROW_BYTES wide): swizzle mode 1 (128 B) or 2
+// (64 B), stride-byte offset eight rows (one swizzle atom). `tile` must be aligned to the atom
+// (1024 or 512 bytes); slices along K advance by bytes within the row, as above.
+template <int ROW_BYTES> __device__ __forceinline__ u64 wgmma_desc_k(const void* tile) {
+    static_assert(ROW_BYTES == 128 || ROW_BYTES == 64, "128- or 64-byte swizzled rows");
+    if (ROW_BYTES == 128) return wgmma_desc_k128(tile);
+    u64 addr = (smem_u32(tile) & 0x3FFFF) >> 4;
+    return addr | (1ull << 16) | ((u64)((8 * 64) >> 4) << 32) | (2ull << 62);
+}
 __device__ __forceinline__ u64 wgmma_desc_advance(u64 desc, int bytes) { return desc + (u64)(bytes >> 4); }
 
 // Before the first wgmma of a group, and between ordinary register accesses to the accumulators
@@ -102,6 +129,7 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 // Pins an accumulator register around the asynchronous MMAs, so the compiler neither moves its
 // ordinary reads and writes across them nor copies it elsewhere while they run.
 __device__ __forceinline__ void wgmma_fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void wgmma_fence_operand(int& r) { asm volatile("" : "+r"(r)::"memory"); }
 // Waits until at most `N` committed groups of this warpgroup are still running.
 template <int N> __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
 
@@ -165,3 +193,79 @@ __device__ __forceinline__ void wgmma_m64n256k16_f16(float* d, u64 desc_a, u64 d
                    "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
                  : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
+
+// ---- 8-bit wgmma (k32: 32 bytes of the reduction per MMA, K-major operands from shared memory)
+
+// The accumulator operands of an m64nN wgmma: `WG_D<n>` writes the n registers' numbers as PTX
+// operands (%0 .. %n-1), `WG_ACC<n>(C, d)` binds d[0 .. n) with the constraint macro C (`WG_S32`:
+// "+r", `WG_F32`: "+f"). An m64nN wgmma has N / 2 accumulators per thread.
+#define WG_S32(x) "+r"(x)
+#define WG_F32(x) "+f"(x)
+#define WG_D32 \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define WG_ACC32(C, d) \
+    C(d[0]), C(d[1]), C(d[2]), C(d[3]), C(d[4]), C(d[5]), C(d[6]), C(d[7]), \
+    C(d[8]), C(d[9]), C(d[10]), C(d[11]), C(d[12]), C(d[13]), C(d[14]), C(d[15]), \
+    C(d[16]), C(d[17]), C(d[18]), C(d[19]), C(d[20]), C(d[21]), C(d[22]), C(d[23]), \
+    C(d[24]), C(d[25]), C(d[26]), C(d[27]), C(d[28]), C(d[29]), C(d[30]), C(d[31])
+#define WG_D64 \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define WG_ACC64(C, d) \
+    C(d[0]), C(d[1]), C(d[2]), C(d[3]), C(d[4]), C(d[5]), C(d[6]), C(d[7]), \
+    C(d[8]), C(d[9]), C(d[10]), C(d[11]), C(d[12]), C(d[13]), C(d[14]), C(d[15]), \
+    C(d[16]), C(d[17]), C(d[18]), C(d[19]), C(d[20]), C(d[21]), C(d[22]), C(d[23]), \
+    C(d[24]), C(d[25]), C(d[26]), C(d[27]), C(d[28]), C(d[29]), C(d[30]), C(d[31]), \
+    C(d[32]), C(d[33]), C(d[34]), C(d[35]), C(d[36]), C(d[37]), C(d[38]), C(d[39]), \
+    C(d[40]), C(d[41]), C(d[42]), C(d[43]), C(d[44]), C(d[45]), C(d[46]), C(d[47]), \
+    C(d[48]), C(d[49]), C(d[50]), C(d[51]), C(d[52]), C(d[53]), C(d[54]), C(d[55]), \
+    C(d[56]), C(d[57]), C(d[58]), C(d[59]), C(d[60]), C(d[61]), C(d[62]), C(d[63])
+#define WG_D128 \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define WG_ACC128(C, d) \
+    C(d[0]), C(d[1]), C(d[2]), C(d[3]), C(d[4]), C(d[5]), C(d[6]), C(d[7]), \
+    C(d[8]), C(d[9]), C(d[10]), C(d[11]), C(d[12]), C(d[13]), C(d[14]), C(d[15]), \
+    C(d[16]), C(d[17]), C(d[18]), C(d[19]), C(d[20]), C(d[21]), C(d[22]), C(d[23]), \
+    C(d[24]), C(d[25]), C(d[26]), C(d[27]), C(d[28]), C(d[29]), C(d[30]), C(d[31]), \
+    C(d[32]), C(d[33]), C(d[34]), C(d[35]), C(d[36]), C(d[37]), C(d[38]), C(d[39]), \
+    C(d[40]), C(d[41]), C(d[42]), C(d[43]), C(d[44]), C(d[45]), C(d[46]), C(d[47]), \
+    C(d[48]), C(d[49]), C(d[50]), C(d[51]), C(d[52]), C(d[53]), C(d[54]), C(d[55]), \
+    C(d[56]), C(d[57]), C(d[58]), C(d[59]), C(d[60]), C(d[61]), C(d[62]), C(d[63]), \
+    C(d[64]), C(d[65]), C(d[66]), C(d[67]), C(d[68]), C(d[69]), C(d[70]), C(d[71]), \
+    C(d[72]), C(d[73]), C(d[74]), C(d[75]), C(d[76]), C(d[77]), C(d[78]), C(d[79]), \
+    C(d[80]), C(d[81]), C(d[82]), C(d[83]), C(d[84]), C(d[85]), C(d[86]), C(d[87]), \
+    C(d[88]), C(d[89]), C(d[90]), C(d[91]), C(d[92]), C(d[93]), C(d[94]), C(d[95]), \
+    C(d[96]), C(d[97]), C(d[98]), C(d[99]), C(d[100]), C(d[101]), C(d[102]), C(d[103]), \
+    C(d[104]), C(d[105]), C(d[106]), C(d[107]), C(d[108]), C(d[109]), C(d[110]), C(d[111]), \
+    C(d[112]), C(d[113]), C(d[114]), C(d[115]), C(d[116]), C(d[117]), C(d[118]), C(d[119]), \
+    C(d[120]), C(d[121]), C(d[122]), C(d[123]), C(d[124]), C(d[125]), C(d[126]), C(d[127])
+
+// D[64×N] (+)= A[64×32]·B[32×N] on 8-bit codes, A and B through K-major descriptors; `accumulate`
+// 0 overwrites D. `_s8`: int8 × int8 into exact s32 accumulators (no saturation: a conv's
+// reduction of R·S·C < 2^17 products of at most 2^14 cannot overflow); `_e4m3`: e4m3 × e4m3 into
+// f32. Accumulator layout as the f16 wgmmas' (`wgmma_acc_row/col`).
+#define WGMMA_K32(N, NACC, DA, DB, P, SUFFIX, TYPES, T, C, TAIL)                                                                   \
+    __device__ __forceinline__ void wgmma_m64n##N##k32_##SUFFIX(T* d, u64 desc_a, u64 desc_b, int accumulate) {                   \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #P ", 0;\n"                                                           \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k32." TYPES " {" WG_D##NACC "}, %" #DA ", %" #DB ", p" TAIL ";\n}\n" \
+                     : WG_ACC##NACC(C, d)                                                                                         \
+                     : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                                               \
+    }
+// (NACC accumulators are operands 0 .. NACC-1; the descriptors and the flag follow them.) The
+// integer form takes no scale or transpose immediates; e4m3's takes the scales (1: no negation).
+WGMMA_K32(64, 32, 32, 33, 34, s8, "s32.s8.s8", int, WG_S32, "")
+WGMMA_K32(128, 64, 64, 65, 66, s8, "s32.s8.s8", int, WG_S32, "")
+WGMMA_K32(256, 128, 128, 129, 130, s8, "s32.s8.s8", int, WG_S32, "")
+WGMMA_K32(64, 32, 32, 33, 34, e4m3, "f32.e4m3.e4m3", float, WG_F32, ", 1, 1")
+WGMMA_K32(128, 64, 64, 65, 66, e4m3, "f32.e4m3.e4m3", float, WG_F32, ", 1, 1")
+WGMMA_K32(256, 128, 128, 129, 130, e4m3, "f32.e4m3.e4m3", float, WG_F32, ", 1, 1")

@@ -47,13 +47,31 @@ pub const ON_DEMAND: &[(&str, &str)] = &[
     ("im2col.cu", include_str!("../../kernels/im2col.cu")),
     ("subpixel.cu", include_str!("../../kernels/subpixel.cu")),
     ("stem.cu", concat!(include_str!("../../kernels/eight_bit.cuh"), include_str!("../../kernels/stem.cu"))),
-    ("conv8.cu", concat!(include_str!("../../kernels/eight_bit.cuh"), include_str!("../../kernels/conv8.cu"))),
+    (
+        "conv8.cu",
+        concat!(
+            include_str!("../../kernels/eight_bit.cuh"),
+            include_str!("../../kernels/conv8_epilogue.cuh"),
+            include_str!("../../kernels/conv8.cu")
+        ),
+    ),
 ];
 
 /// Hopper-native families (TMA, wgmma, setmaxnreg): compiled for the architecture-specific target
-/// `sm_90a` ([`hopper_arch`]) on demand, with `kernels/hopper.cuh`'s building blocks prepended.
-pub const HOPPER: &[(&str, &str)] =
-    &[("hopper_gemm.cu", concat!(include_str!("../../kernels/hopper.cuh"), include_str!("../../kernels/hopper_gemm.cu")))];
+/// `sm_90a` ([`hopper_arch`]) on demand, with `kernels/hopper.cuh`'s building blocks prepended: the
+/// FP16 GEMM, and the 8-bit conv (which also takes the 8-bit helpers and conv8's epilogue).
+pub const HOPPER: &[(&str, &str)] = &[
+    ("hopper_gemm.cu", concat!(include_str!("../../kernels/hopper.cuh"), include_str!("../../kernels/hopper_gemm.cu"))),
+    (
+        "conv8_hopper.cu",
+        concat!(
+            include_str!("../../kernels/hopper.cuh"),
+            include_str!("../../kernels/eight_bit.cuh"),
+            include_str!("../../kernels/conv8_epilogue.cuh"),
+            include_str!("../../kernels/conv8_hopper.cu")
+        ),
+    ),
+];
 
 /// The architecture-specific target the Hopper families need on a device of architecture `arch`
 /// (`sm_90` → `sm_90a`: wgmma and setmaxnreg exist only there), or `None` where they do not run.
