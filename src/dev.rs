@@ -104,6 +104,7 @@ pub mod kernels {
         cache_dir, cached_compile, compile_all_for, compile_hopper, hopper_arch, nvrtc_available, nvrtc_version, preload_nvrtc, FAMILIES,
         HOPPER, ON_DEMAND, PRELUDE,
     };
+    pub use crate::ops::conv::conv8::hopper::entry_points as conv8_hopper_entry_points;
     pub use crate::ops::conv::conv8::{entry_points as conv8_entry_points, CONV8_CU};
     pub use crate::ops::kernel_entry_points;
 }

@@ -10,12 +10,12 @@
 //! them.
 
 use super::gpu::cuda_err;
-use super::kernels::{hopper_arch, Kernels, HOPPER};
+use super::kernels::{hopper_arch, Kernels, HOPPER_GEMM};
 use super::layer::{DeviceBuf, Elem, Layer, LayerCtx, RunCtx, ValueDesc, ValueId};
+use super::tma::{TiledMap, TmaElem, TmaSwizzle};
 use crate::{Error, LowerKind, Result};
 use cudarc::driver::sys;
 use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
-use std::ffi::c_void;
 use std::sync::Arc;
 
 /// Rows of a block's tile (two consumer warpgroups of 64).
@@ -117,36 +117,17 @@ pub fn supports(arch: &str, elem: Elem, k: usize, n: usize) -> std::result::Resu
 /// A row-major `[rows, k]` f16 matrix at `ptr` as a TMA tensor map with `box_rows × 64` boxes,
 /// 128-byte swizzled (the layout `wgmma_desc_k128` reads), zero-filled outside the matrix.
 fn tensor_map(ptr: u64, rows: usize, k: usize, box_rows: usize) -> std::result::Result<sys::CUtensorMap, String> {
-    if !ptr.is_multiple_of(16) {
-        return Err(format!("the matrix at {ptr:#x} is not 16-byte aligned"));
+    TiledMap {
+        elem: TmaElem::F16,
+        address: ptr,
+        dims: vec![k as u64, rows as u64],
+        strides: vec![(k * 2) as u64],
+        boxes: vec![BK as u32, box_rows as u32],
+        element_strides: vec![1, 1],
+        swizzle: TmaSwizzle::B128,
     }
-    let dims = [k as u64, rows as u64];
-    let strides = [(k * 2) as u64];
-    let boxes = [BK as u32, box_rows as u32];
-    let element_strides = [1u32, 1];
-    let mut map = sys::CUtensorMap { opaque: [0; 16] };
-    // SAFETY: every pointer argument points at a live local array of the length the rank (2)
-    // implies (dims, boxes and element strides of 2, strides of 1); `map` is written in place.
-    // The global address is only recorded, not dereferenced, by the encoding.
-    unsafe {
-        sys::cuTensorMapEncodeTiled(
-            &mut map,
-            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-            2,
-            ptr as *mut c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            element_strides.as_ptr(),
-            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    }
-    .result()
-    .map_err(|e| format!("cuTensorMapEncodeTiled({rows} × {k} rows, box {box_rows} × {BK}): {e:?}"))?;
-    Ok(map)
+    .encode()
+    .map_err(|e| format!("{rows} × {k} rows, box {box_rows} × {BK}: {e}"))
 }
 
 /// One wgmma GEMM problem: `k → n` with a fixed weight, any number of rows per call.
@@ -187,7 +168,7 @@ impl HopperGemm {
             |reason: String| Error::Lower { path: path.to_string(), op: "wgmma-gemm".into(), kind: LowerKind::Unsupported, reason };
         supports(kernels.arch(), Elem::F16, k, n).map_err(unsupported)?;
         let arch = hopper_arch(kernels.arch()).expect("checked by supports");
-        let (name, source) = HOPPER[0];
+        let (name, source) = HOPPER_GEMM;
         kernels.add_source_for(name, source, &arch)?;
         let f = kernels.get(&tile.entry())?;
         f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, tile.shared_bytes() as i32)

@@ -73,6 +73,11 @@ pub const HOPPER: &[(&str, &str)] = &[
     ),
 ];
 
+/// `kernels/hopper_gemm.cu` (with hopper.cuh) and `kernels/conv8_hopper.cu` (with hopper.cuh,
+/// eight_bit.cuh and conv8_epilogue.cuh), as their layers compile them.
+pub const HOPPER_GEMM: (&str, &str) = HOPPER[0];
+pub const CONV8_HOPPER: (&str, &str) = HOPPER[1];
+
 /// The architecture-specific target the Hopper families need on a device of architecture `arch`
 /// (`sm_90` → `sm_90a`: wgmma and setmaxnreg exist only there), or `None` where they do not run.
 /// The `a` target's code runs on sm_90 devices alone, so it is never the engine's general target.

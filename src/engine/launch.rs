@@ -17,6 +17,9 @@ pub enum KArg {
     I32(i32),
     I64(i64),
     F32(f32),
+    /// A TMA descriptor (`CUtensorMap`'s 128 opaque bytes, `engine::tma`), passed by value to a
+    /// `const __grid_constant__ TensorMap` parameter.
+    TensorMap([u64; 16]),
 }
 
 /// Enqueues `f` on the run's stream.
@@ -28,6 +31,7 @@ pub fn launch(rt: &RunCtx, f: &CudaFunction, grid: (u32, u32, u32), block: (u32,
             KArg::I32(v) => lb.arg(v),
             KArg::I64(v) => lb.arg(v),
             KArg::F32(v) => lb.arg(v),
+            KArg::TensorMap(m) => lb.arg(m),
         };
     }
     let cfg = LaunchConfig { grid_dim: grid, block_dim: block, shared_mem_bytes: shared };

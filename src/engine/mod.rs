@@ -34,6 +34,7 @@ pub(crate) mod reformat;
 pub(crate) mod resolve;
 pub(crate) mod strided;
 pub(crate) mod tactic;
+pub(crate) mod tma;
 
 pub use crate::calibrate::{CalibrationCache, CalibrationMethod, CalibrationStats, Calibrator};
 /// FNV-1a (64 bit) of bytes: the engine file's checksum, and a content key for caches of engines.

@@ -32,6 +32,8 @@ use crate::LowerKind;
 use crate::{Error, Result};
 use cudarc::driver::sys::CUfunction_attribute;
 
+pub mod hopper;
+
 /// `kernels/conv8.cu`, compiled with NVRTC on first use.
 pub const CONV8_CU: &str = crate::engine::kernels::ON_DEMAND[4].1;
 
@@ -313,8 +315,9 @@ pub struct Conv8Layer {
 /// 64-byte k-blocks (a small batch's deep layers: one tile per block leaves most SMs idle).
 const SPLITS: [usize; 2] = [4, 8];
 
-/// The 8-bit kernel's candidates for conv `node` of the plan (one per tile shape, timed), and
-/// cuDNN's fused engines on the same conv and epilogue; the 8-bit stem for a conv carrying a pool.
+/// The 8-bit kernel's candidates for conv `node` of the plan (one per tile shape, timed), the
+/// wgmma kernel's on sm_90 (`hopper`), and cuDNN's fused engines on the same conv and epilogue;
+/// the 8-bit stem for a conv carrying a pool.
 pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec<Box<dyn Layer>>> {
     let Some(format) = ctx.eight_bit.format else {
         return Err(ctx.err(node, LowerKind::Operands, format!("a {:?} engine has no 8-bit convs", ctx.config.precision)));
@@ -326,6 +329,7 @@ pub fn candidates(ctx: &mut BuildCtx, node: NodeId, a: &ConvAttrs) -> Result<Vec
     let problem = Conv8Problem::new(ctx, node, a, format, (&codes, &w_scale))?;
     ctx.kernels.add_source("conv8.cu", CONV8_CU)?;
     let mut out = kernel_candidates(ctx, node, &problem)?;
+    out.extend(hopper::candidates(ctx, node, &problem)?);
     out.extend(library_candidates(ctx, &problem)?);
     Ok(out)
 }
@@ -658,6 +662,26 @@ fn weight_codes(ctx: &BuildCtx, node: NodeId, format: QuantFormat) -> Result<(Ve
     Ok((codes, w_scale))
 }
 
+/// The arguments every 8-bit conv entry point takes (`CONV8_PARAMS`, kernels/conv8_epilogue.cuh),
+/// in order: the pointers (input, weight codes, alpha, bias, residual, output; 0 for none), the
+/// epilogue's scalars, the batch, the geometry, and split-K's workspace and splits (1: none).
+fn kernel_args(pointers: [u64; 6], e: &Epilogue8, geo: &[i32; 14], batch: i32, (workspace, splits): (u64, usize)) -> Vec<KArg> {
+    let mut args: Vec<KArg> = pointers.into_iter().map(KArg::Ptr).collect();
+    args.extend([
+        KArg::F32(e.z_scale),
+        KArg::F32(e.inv_y_scale),
+        KArg::F32(e.range.0),
+        KArg::F32(e.range.1),
+        KArg::I32(e.z_store as i32),
+        KArg::I32(e.y_store as i32),
+        KArg::I32(e.relu as i32),
+        KArg::I32(batch),
+    ]);
+    args.extend(geo.map(KArg::I32));
+    args.extend([KArg::Ptr(workspace), KArg::I32(splits as i32)]);
+    args
+}
+
 impl Layer for Conv8Layer {
     fn path(&self) -> &str {
         &self.path
@@ -693,31 +717,16 @@ impl Layer for Conv8Layer {
             reason: format!("batch {batch} needs {blocks} blocks of the 8-bit conv"),
         })?;
         let grid = (blocks, 1, 1);
-        let (e, ptr) = (self.epilogue, |v: Option<ValueId>| v.map_or(0, |v| rt.ptr(v)));
-        let mut args = vec![
-            KArg::Ptr(rt.ptr(self.x)),
-            KArg::Ptr(self.w.ptr()),
-            KArg::Ptr(self.alpha.ptr()),
-            KArg::Ptr(self.bias.as_ref().map_or(0, |b| b.ptr())),
-            KArg::Ptr(ptr(self.z)),
-            KArg::Ptr(rt.ptr(self.y)),
-            KArg::F32(e.z_scale),
-            KArg::F32(e.inv_y_scale),
-            KArg::F32(e.range.0),
-            KArg::F32(e.range.1),
-            KArg::I32(e.z_store as i32),
-            KArg::I32(e.y_store as i32),
-            KArg::I32(e.relu as i32),
-            KArg::I32(batch as i32),
-        ];
-        args.extend(self.geo.map(KArg::I32));
         if self.splits > 1 && rt.workspace_bytes < self.workspace_bytes(batch) {
             return Err(Error::Binding {
                 name: self.path.clone(),
                 reason: format!("split-K needs {} bytes of workspace, the run has {}", self.workspace_bytes(batch), rt.workspace_bytes),
             });
         }
-        args.extend([KArg::Ptr(rt.workspace), KArg::I32(self.splits as i32)]);
+        let ptr = |v: Option<ValueId>| v.map_or(0, |v| rt.ptr(v));
+        let pointers =
+            [rt.ptr(self.x), self.w.ptr(), self.alpha.ptr(), self.bias.as_ref().map_or(0, |b| b.ptr()), ptr(self.z), rt.ptr(self.y)];
+        let args = kernel_args(pointers, &self.epilogue, &self.geo, batch as i32, (rt.workspace, self.splits));
         launch(rt, &self.f, grid, (self.variant.threads(), 1, 1), self.variant.smem_bytes(c), &args)?;
         match &self.finish {
             Some(f) => launch(rt, f, grid_for(rows * k / 16, self.sm_count), (BLOCK, 1, 1), 0, &args),

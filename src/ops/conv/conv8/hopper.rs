@@ -1,0 +1,418 @@
+//! The 8-bit conv on Hopper's wgmma (`kernels/conv8_hopper.cu`, compiled for `sm_90a`): one more
+//! candidate of the conv8 family on sm_90 devices, timed against the mma.sync tiles and cuDNN's
+//! fused engines; it computes the same conv and epilogue (its layer takes `Conv8Layer`'s
+//! arguments, plus two TMA tensor maps and the patch shape).
+//!
+//! What the host decides ([`plan`]): GEMM mode for a 1×1 stride-1 conv without padding (the
+//! activation is the matrix `[N·H·W, C]`), patch mode otherwise (a block's 128 output pixels are a
+//! `patch_h × patch_w` patch of one image, each filter tap's input a 4-D TMA box with traversal
+//! strides), with the patch shape that computes the fewest pixels past the output's edges. A conv
+//! it cannot run (another device, stride above 8) gets no candidate, and the reason is logged.
+//! The weight's map is encoded once per layer; the activation's at every enqueue (its address
+//! and batch change), as the wgmma GEMM does.
+
+use super::{kernel_args, Conv8Problem, Epilogue8};
+use crate::engine::eight_bit::EightBitPlan;
+use crate::engine::kernels::{hopper_arch, CONV8_HOPPER};
+use crate::engine::launch::{launch, CudaFunction, KArg};
+use crate::engine::layer::{DeviceBuf, Layer, RunCtx, ValueId};
+use crate::engine::tma::{TiledMap, TmaElem, TmaSwizzle};
+use crate::graph::NodeId;
+use crate::ops::quant::QuantFormat;
+use crate::ops::BuildCtx;
+use crate::{Error, LowerKind, Result};
+use cudarc::driver::sys::CUfunction_attribute;
+
+/// Output pixels per block: two consumer warpgroups of 64.
+const BM: usize = 128;
+/// A producer warpgroup and two consumer warpgroups.
+const THREADS: u32 = 384;
+/// TMA's limits on a box's extent and on traversal strides.
+const MAX_BOX: usize = 256;
+const MAX_TRAVERSAL_STRIDE: usize = 8;
+
+/// One compiled tile: `bn` output channels per block, `bk` codes of the reduction per stage (one
+/// swizzled shared-memory row), `stages` in the ring (`CONV8_HOPPER` in the kernel).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct HopperVariant {
+    bn: usize,
+    bk: usize,
+    stages: usize,
+}
+
+impl HopperVariant {
+    /// 64-code stages suit C = 64 (a 128-code stage would be half zeros), 128-code ones deeper
+    /// channels; 64 to 256 output channels per block.
+    const ALL: [HopperVariant; 4] = [
+        HopperVariant { bn: 64, bk: 64, stages: 8 },
+        HopperVariant { bn: 128, bk: 64, stages: 8 },
+        HopperVariant { bn: 128, bk: 128, stages: 6 },
+        HopperVariant { bn: 256, bk: 128, stages: 4 },
+    ];
+
+    fn entry(self, format: QuantFormat) -> String {
+        format!("conv8_{}_wgmma_n{}_bk{}_s{}", EightBitPlan::elem(format).suffix(), self.bn, self.bk, self.stages)
+    }
+    fn swizzle(self) -> TmaSwizzle {
+        if self.bk == 128 {
+            TmaSwizzle::B128
+        } else {
+            TmaSwizzle::B64
+        }
+    }
+    /// Dynamic shared memory: the ring of (A, B) stages, or the epilogue's f32 staging tile (rows
+    /// of `bn` + 4 floats) that reuses it, whichever is larger, and 1 KiB to align the ring.
+    fn shared_bytes(self) -> usize {
+        (self.stages * (BM + self.bn) * self.bk).max(BM * (self.bn + 4) * 4) + 1024
+    }
+}
+
+/// How a block's 128 output pixels cover the output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Tiling {
+    /// Rows of the `[N·P·Q, C]` matrix (1×1 stride-1 convs without padding).
+    Gemm,
+    /// `h` rows × `w` columns of output pixels of one image (`w · h` = 128).
+    Patch { w: usize, h: usize },
+}
+
+impl Tiling {
+    /// The kernel's `patch_w`, `patch_h` (0, 0: GEMM mode).
+    fn kernel_args(self) -> [i32; 2] {
+        match self {
+            Tiling::Gemm => [0, 0],
+            Tiling::Patch { w, h } => [w as i32, h as i32],
+        }
+    }
+    /// Pixel tiles of a batch of `batch` images of `p × q` output pixels.
+    fn pixel_tiles(self, batch: usize, p: usize, q: usize) -> Option<usize> {
+        match self {
+            Tiling::Gemm => Some(batch.checked_mul(p)?.checked_mul(q)?.div_ceil(BM)),
+            Tiling::Patch { w, h } => batch.checked_mul(p.div_ceil(h))?.checked_mul(q.div_ceil(w)),
+        }
+    }
+}
+
+/// The conv as the kernel sees it: `[n][h][w][c]` codes in, `[k][r][s][c]` codes of weight,
+/// `p × q` output pixels per image.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Geometry {
+    c: usize,
+    h: usize,
+    w: usize,
+    k: usize,
+    r: usize,
+    s: usize,
+    p: usize,
+    q: usize,
+    stride: [usize; 2],
+    padding: [usize; 2],
+}
+
+impl Geometry {
+    fn of(p: &Conv8Problem) -> Self {
+        let [c, h, w, k, r, s, pp, q] = p.dims;
+        Geometry { c, h, w, k, r, s, p: pp, q, stride: p.stride, padding: p.padding }
+    }
+}
+
+/// How the kernel covers conv `g` on a device of architecture `arch`, or why it cannot.
+fn plan(arch: &str, g: &Geometry) -> std::result::Result<Tiling, String> {
+    if hopper_arch(arch).is_none() {
+        return Err(format!("needs an sm_90 device (this one is {arch})"));
+    }
+    if !g.c.is_multiple_of(16) || !g.k.is_multiple_of(16) {
+        return Err(format!("needs C and K multiples of 16 (TMA's 16-byte strides, 16-channel epilogue), got C = {}, K = {}", g.c, g.k));
+    }
+    if [g.r, g.s] == [1, 1] && g.stride == [1, 1] && g.padding == [0, 0] {
+        return Ok(Tiling::Gemm);
+    }
+    let [sh, sw] = g.stride;
+    if !(1..=MAX_TRAVERSAL_STRIDE).contains(&sh) || !(1..=MAX_TRAVERSAL_STRIDE).contains(&sw) {
+        return Err(format!("stride {sh}×{sw} is beyond TMA's traversal strides (1 to {MAX_TRAVERSAL_STRIDE})"));
+    }
+    // Patches of 128 pixels whose input boxes (patch · stride) TMA can take: the one computing the
+    // fewest pixels; on a tie the squarer (the taps' boxes overlap most, so L2 serves more of
+    // them), then the wider (longer contiguous rows per box).
+    (0..=BM.trailing_zeros())
+        .map(|e| 1usize << e)
+        .map(|w| (w, BM / w))
+        .filter(|&(w, h)| w * sw <= MAX_BOX && h * sh <= MAX_BOX)
+        .filter_map(|(w, h)| Some((g.p.div_ceil(h).checked_mul(h)?.checked_mul(g.q.div_ceil(w).checked_mul(w)?)?, w, h)))
+        .min_by_key(|&(computed, w, h)| (computed, w + h, std::cmp::Reverse(w)))
+        .map(|(_, w, h)| Tiling::Patch { w, h })
+        .ok_or_else(|| format!("no 128-pixel patch fits TMA's {MAX_BOX}-element boxes at stride {sh}×{sw}"))
+}
+
+/// The activation's map for `batch` images at `x`: the `[N·H·W][C]` matrix in 128-row boxes (GEMM
+/// mode), or the 4-D `[N][H][W][C]` tensor whose box is a patch's input pixels, every stride-th.
+/// Boxes are `bk` codes wide, swizzled as the variant's wgmma descriptor reads them.
+fn activation_map(tiling: Tiling, v: HopperVariant, x: u64, batch: usize, g: &Geometry) -> TiledMap {
+    let (c, h, w, n) = (g.c as u64, g.h as u64, g.w as u64, batch as u64);
+    let (dims, strides, boxes, element_strides) = match tiling {
+        Tiling::Gemm => (vec![c, n * h * w], vec![c], vec![v.bk as u32, BM as u32], vec![1, 1]),
+        Tiling::Patch { w: pw, h: ph } => {
+            let [sh, sw] = g.stride;
+            (
+                vec![c, w, h, n],
+                vec![c, w * c, h * w * c],
+                vec![v.bk as u32, (pw * sw) as u32, (ph * sh) as u32, 1],
+                vec![1, sw as u32, sh as u32, 1],
+            )
+        }
+    };
+    TiledMap { elem: TmaElem::U8, address: x, dims, strides, boxes, element_strides, swizzle: v.swizzle() }
+}
+
+/// The weight's map: `[K][R·S][C]` codes at `w`, boxes of `bn` channels × `bk` codes of one tap.
+fn weight_map(v: HopperVariant, w: u64, g: &Geometry) -> TiledMap {
+    let (c, taps, k) = (g.c as u64, (g.r * g.s) as u64, g.k as u64);
+    TiledMap {
+        elem: TmaElem::U8,
+        address: w,
+        dims: vec![c, taps, k],
+        strides: vec![c, taps * c],
+        boxes: vec![v.bk as u32, 1, v.bn as u32],
+        element_strides: vec![1, 1, 1],
+        swizzle: v.swizzle(),
+    }
+}
+
+/// The wgmma candidates of conv `node` (one per [`HopperVariant`]); none where [`plan`] refuses
+/// it (the reason is logged) or the device cannot give a variant its shared memory.
+pub(super) fn candidates(ctx: &mut BuildCtx, node: NodeId, p: &Conv8Problem) -> Result<Vec<Box<dyn Layer>>> {
+    let g = Geometry::of(p);
+    let tiling = match plan(ctx.kernels.arch(), &g) {
+        Ok(t) => t,
+        Err(why) => {
+            tracing::debug!(path = %p.path, %why, "no wgmma 8-bit conv candidate");
+            return Ok(vec![]);
+        }
+    };
+    let arch = hopper_arch(ctx.kernels.arch()).expect("checked by plan");
+    let (name, source) = CONV8_HOPPER;
+    ctx.kernels.add_source_for(name, source, &arch)?;
+    let mut out: Vec<Box<dyn Layer>> = Vec::new();
+    for variant in HopperVariant::ALL {
+        let entry = variant.entry(p.format);
+        let f = ctx.kernels.get(&entry)?;
+        let smem = variant.shared_bytes();
+        if let Err(e) = f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32) {
+            tracing::debug!(path = %p.path, %entry, smem, error = ?e, "the device cannot give this wgmma conv its shared memory");
+            continue;
+        }
+        let w = ctx.upload_bytes(&p.codes)?;
+        let w_map = weight_map(variant, w.ptr(), &g);
+        debug_assert_eq!(w_map.box_bytes(), (variant.bn * variant.bk) as u64, "the kernel's B stage");
+        let w_map = w_map.encode().map_err(|e| ctx.err(node, LowerKind::Unsupported, e))?;
+        let alpha = ctx.upload_f32(&p.alpha)?;
+        let bias = p.bias.as_deref().map(|b| ctx.upload_f32(b)).transpose()?;
+        out.push(Box::new(Conv8HopperLayer {
+            path: p.path.clone(),
+            entry,
+            variant,
+            tiling,
+            geometry: g,
+            f,
+            x: p.x,
+            y: p.y,
+            z: p.z,
+            w,
+            w_map: w_map.opaque,
+            alpha,
+            bias,
+            epilogue: p.epilogue,
+            geo: p.geo,
+        }));
+    }
+    Ok(out)
+}
+
+/// A conv of an 8-bit engine on the wgmma kernel: input (and residual) read as codes, output
+/// written as f16 or requantised codes, as `Conv8Layer`.
+struct Conv8HopperLayer {
+    path: String,
+    entry: String,
+    variant: HopperVariant,
+    tiling: Tiling,
+    geometry: Geometry,
+    f: CudaFunction,
+    x: ValueId,
+    y: ValueId,
+    z: Option<ValueId>,
+    /// `[K][R][S][C]` codes, and their tensor map's bytes.
+    w: DeviceBuf,
+    w_map: [u64; 16],
+    /// `s_x · s_w[k]` per output channel.
+    alpha: DeviceBuf,
+    bias: Option<DeviceBuf>,
+    epilogue: Epilogue8,
+    /// H, W, C, K, R, S, P, Q, stride, padding and dilation as the kernel takes them.
+    geo: [i32; 14],
+}
+
+impl Conv8HopperLayer {
+    /// Blocks of a launch over `batch` images: pixel tiles × channel tiles, checked against the
+    /// kernel's 32-bit indices (rows, and the tile index derived from `blockIdx.x`).
+    fn blocks(&self, batch: usize) -> std::result::Result<u32, String> {
+        let g = &self.geometry;
+        let rows = batch.checked_mul(g.p).and_then(|r| r.checked_mul(g.q));
+        if rows.is_none_or(|r| r > i32::MAX as usize - BM) {
+            return Err(format!("batch {batch} exceeds the wgmma conv's 32-bit range of output pixels"));
+        }
+        self.tiling
+            .pixel_tiles(batch, g.p, g.q)
+            .and_then(|t| t.checked_mul(g.k.div_ceil(self.variant.bn)))
+            .and_then(|b| u32::try_from(b).ok().filter(|&b| b <= i32::MAX as u32))
+            .ok_or_else(|| format!("batch {batch} needs more blocks of the wgmma conv than a grid has"))
+    }
+}
+
+impl Layer for Conv8HopperLayer {
+    fn path(&self) -> &str {
+        &self.path
+    }
+    fn kind(&self) -> String {
+        format!("kernel:{}", self.entry)
+    }
+    fn enqueue(&self, rt: &RunCtx, batch: usize) -> Result<()> {
+        if batch == 0 {
+            return Ok(());
+        }
+        let binding = |reason: String| Error::Binding { name: self.path.clone(), reason };
+        let blocks = self.blocks(batch).map_err(binding)?;
+        let y = rt.ptr(self.y);
+        if !y.is_multiple_of(16) || self.z.is_some_and(|z| !rt.ptr(z).is_multiple_of(16)) {
+            return Err(binding("the wgmma conv's output and residual must be 16-byte aligned".into()));
+        }
+        let x = rt.ptr(self.x);
+        let x_map = activation_map(self.tiling, self.variant, x, batch, &self.geometry);
+        debug_assert_eq!(x_map.box_bytes(), (BM * self.variant.bk) as u64, "the kernel's A stage");
+        let x_map = x_map
+            .encode()
+            .map_err(|reason| Error::Cuda { context: format!("the wgmma conv `{}`'s input tensor map", self.path), reason })?;
+        let pointers =
+            [x, self.w.ptr(), self.alpha.ptr(), self.bias.as_ref().map_or(0, DeviceBuf::ptr), self.z.map_or(0, |z| rt.ptr(z)), y];
+        let mut args = vec![KArg::TensorMap(x_map.opaque), KArg::TensorMap(self.w_map)];
+        args.extend(kernel_args(pointers, &self.epilogue, &self.geo, batch as i32, (0, 1)));
+        args.extend(self.tiling.kernel_args().map(KArg::I32));
+        launch(rt, &self.f, (blocks, 1, 1), (THREADS, 1, 1), self.variant.shared_bytes() as u32, &args)
+    }
+}
+
+/// Every entry point of `kernels/conv8_hopper.cu` the layers launch, for the NVRTC test.
+pub fn entry_points() -> Vec<String> {
+    [QuantFormat::Int8, QuantFormat::Fp8E4m3].into_iter().flat_map(|f| HopperVariant::ALL.map(|v| v.entry(f))).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conv(c: usize, hw: [usize; 2], k: usize, rs: usize, stride: usize, pad: usize) -> Geometry {
+        let out = |i: usize| (i + 2 * pad - rs) / stride + 1;
+        Geometry { c, h: hw[0], w: hw[1], k, r: rs, s: rs, p: out(hw[0]), q: out(hw[1]), stride: [stride; 2], padding: [pad; 2] }
+    }
+
+    #[test]
+    fn convs_outside_the_kernel_are_refused_with_the_reason() {
+        let g = conv(64, [56, 56], 64, 3, 1, 1);
+        assert!(plan("sm_90", &g).is_ok());
+        assert!(plan("sm_89", &g).unwrap_err().contains("sm_90"));
+        assert!(plan("sm_100", &g).unwrap_err().contains("sm_90"));
+        assert!(plan("sm_90", &Geometry { c: 24, ..g }).unwrap_err().contains("multiples of 16"));
+        assert!(plan("sm_90", &Geometry { k: 40, ..g }).unwrap_err().contains("multiples of 16"));
+        assert!(plan("sm_90", &conv(64, [64, 64], 64, 3, 9, 1)).unwrap_err().contains("traversal strides"));
+        // Strides up to 8 take narrower patches: 16 × 8 needs boxes of 128 × 64 inputs.
+        assert_eq!(plan("sm_90", &conv(64, [256, 256], 64, 1, 8, 0)), Ok(Tiling::Patch { w: 16, h: 8 }));
+    }
+
+    #[test]
+    fn one_by_one_stride_one_convs_are_plain_gemms_and_the_rest_patches() {
+        assert_eq!(plan("sm_90", &conv(64, [56, 56], 256, 1, 1, 0)), Ok(Tiling::Gemm));
+        // A strided or padded 1×1 conv is not the activation matrix.
+        assert!(matches!(plan("sm_90", &conv(256, [56, 56], 512, 1, 2, 0)), Ok(Tiling::Patch { .. })));
+        assert!(matches!(plan("sm_90", &conv(16, [9, 11], 16, 1, 1, 1)), Ok(Tiling::Patch { .. })));
+        // 56 × 56: 16 × 8 patches compute 56 × 64 pixels, as 8 × 16, 32 × 4 and 64 × 2 do: the
+        // squarest, then the wider wins; 7 × 7: 16 × 8 and 8 × 16 compute 128, 32 × 4 256.
+        assert_eq!(plan("sm_90", &conv(64, [56, 56], 64, 3, 1, 1)), Ok(Tiling::Patch { w: 16, h: 8 }));
+        assert_eq!(plan("sm_90", &conv(512, [7, 7], 512, 3, 1, 1)), Ok(Tiling::Patch { w: 16, h: 8 }));
+        // A wide, short output: 3 × 100 pixels take three 128 × 1 patches (384 pixels; 64 × 2
+        // would compute 4 × 128).
+        assert_eq!(plan("sm_90", &conv(32, [3, 100], 32, 3, 1, 1)), Ok(Tiling::Patch { w: 128, h: 1 }));
+        // Stride 2 at 128 columns needs a 256-pixel box: still within TMA's limit.
+        assert_eq!(plan("sm_90", &conv(32, [2, 300], 32, 1, 2, 0)), Ok(Tiling::Patch { w: 128, h: 1 }));
+    }
+
+    #[test]
+    fn patches_cover_the_output_and_waste_least() {
+        for g in [
+            conv(64, [56, 56], 64, 3, 1, 1),
+            conv(128, [28, 28], 128, 3, 2, 1),
+            conv(16, [9, 11], 48, 3, 2, 1),
+            conv(32, [5, 3], 80, 3, 1, 1),
+        ] {
+            let Ok(Tiling::Patch { w, h }) = plan("sm_90", &g) else { panic!("{g:?}") };
+            assert_eq!(w * h, BM);
+            let computed = g.p.div_ceil(h) * h * g.q.div_ceil(w) * w;
+            for e in 0..=7 {
+                let (w2, h2) = (1 << e, BM >> e);
+                assert!(computed <= g.p.div_ceil(h2) * h2 * g.q.div_ceil(w2) * w2, "{g:?}: {w}×{h} wastes more than {w2}×{h2}");
+            }
+            let tiles = Tiling::Patch { w, h }.pixel_tiles(3, g.p, g.q).expect("small");
+            assert!(tiles * BM >= 3 * g.p * g.q, "{g:?}: {tiles} tiles");
+        }
+        assert_eq!(Tiling::Gemm.pixel_tiles(1, 7, 7), Some(1));
+        assert_eq!(Tiling::Gemm.pixel_tiles(64, 56, 56), Some(64 * 56 * 56 / 128));
+        assert_eq!(Tiling::Gemm.pixel_tiles(usize::MAX, 2, 1), None);
+    }
+
+    #[test]
+    fn tensor_maps_bring_the_bytes_the_kernel_expects() {
+        // The kernel expects 128 · BK bytes of activation and BN · BK of weight per stage.
+        for v in HopperVariant::ALL {
+            for g in [
+                conv(64, [56, 56], 64, 1, 1, 0),
+                conv(64, [56, 56], 64, 3, 1, 1),
+                conv(144, [9, 11], 16, 3, 2, 1),
+                conv(16, [9, 11], 48, 1, 2, 0),
+            ] {
+                let tiling = plan("sm_90", &g).expect("applies");
+                for batch in [1, 64] {
+                    let x = activation_map(tiling, v, 0x10_0000, batch, &g);
+                    assert_eq!(x.check(), Ok(()), "{g:?} {v:?}");
+                    assert_eq!(x.box_bytes(), (BM * v.bk) as u64, "{g:?} {v:?} {tiling:?}");
+                    let elements: u64 = x.dims.iter().product();
+                    assert_eq!(elements, (batch * g.h * g.w * g.c) as u64);
+                }
+                let w = weight_map(v, 0x20_0000, &g);
+                assert_eq!(w.check(), Ok(()));
+                assert_eq!(w.box_bytes(), (v.bn * v.bk) as u64);
+                assert_eq!(w.dims.iter().product::<u64>(), (g.k * g.r * g.s * g.c) as u64);
+            }
+        }
+        // A patch's box: 16 × 8 output pixels of a stride-2 conv read 32 × 16 inputs, every second.
+        let g = conv(64, [56, 56], 128, 3, 2, 1);
+        assert_eq!(plan("sm_90", &g), Ok(Tiling::Patch { w: 16, h: 8 }));
+        let x = activation_map(Tiling::Patch { w: 16, h: 8 }, HopperVariant::ALL[0], 0, 2, &g);
+        assert_eq!(x.dims, [64, 56, 56, 2]);
+        assert_eq!(x.strides, [64, 56 * 64, 56 * 56 * 64]);
+        assert_eq!(x.boxes, [64, 32, 16, 1]);
+        assert_eq!(x.element_strides, [1, 2, 2, 1]);
+    }
+
+    #[test]
+    fn variants_fit_the_shared_memory_of_one_block() {
+        for v in HopperVariant::ALL {
+            // sm_90's opt-in limit per block is 227 KiB; stages stay 1024-byte aligned.
+            assert!(v.shared_bytes() <= 227 * 1024, "{v:?}: {} bytes", v.shared_bytes());
+            assert_eq!(((BM + v.bn) * v.bk) % 1024, 0, "{v:?}");
+            assert!(v.bk == 64 || v.bk == 128);
+            assert!(v.shared_bytes() >= BM * (v.bn + 4) * 4 + 1024, "the staging tile fits the ring");
+        }
+        assert_eq!(HopperVariant::ALL[2].entry(QuantFormat::Int8), "conv8_i8_wgmma_n128_bk128_s6");
+        assert_eq!(HopperVariant::ALL[3].entry(QuantFormat::Fp8E4m3), "conv8_e4m3_wgmma_n256_bk128_s4");
+        assert_eq!(entry_points().len(), 8);
+        assert!(entry_points().iter().all(|e| crate::engine::eight_bit::precision_of_kind(&format!("kernel:{e}")).is_some()));
+    }
+}
