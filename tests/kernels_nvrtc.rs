@@ -72,8 +72,9 @@ fn every_kernel_family_compiles_for_sm_90() {
 }
 
 /// The Hopper-native families compile for the architecture-specific target `sm_90a` (wgmma and
-/// setmaxnreg exist only there), through NVRTC's `--gpu-architecture=sm_90a`, with the entry
-/// points the wgmma GEMM layer launches.
+/// setmaxnreg exist only there), through NVRTC's `--gpu-architecture=sm_90a`, without a warning
+/// (ptxas reports a wgmma pipeline it had to serialise as one), with the entry points their
+/// layers launch: the wgmma GEMM's and the 8-bit wgmma conv's.
 #[test]
 fn hopper_families_compile_for_sm_90a() {
     if !require_nvrtc() {
@@ -83,9 +84,14 @@ fn hopper_families_compile_for_sm_90a() {
     let compiled = compile_hopper().unwrap_or_else(|e| panic!("{e}"));
     println!("{} Hopper families for sm_90a in {:.2?}", compiled.len(), t.elapsed());
     assert_eq!(compiled.len(), HOPPER.len());
-    for (name, image) in &compiled {
+    let gemm: Vec<String> = ["hopper_gemm_f16_n128_s4", "hopper_gemm_f16_n256_s3"].map(String::from).into();
+    let entries = [("hopper_gemm.cu", gemm), ("conv8_hopper.cu", kiln::dev::kernels::conv8_hopper_entry_points())];
+    assert_eq!(compiled.iter().map(|(n, ..)| n.as_str()).collect::<Vec<_>>(), entries.iter().map(|(n, _)| *n).collect::<Vec<_>>());
+    for ((name, image, log), (_, entries)) in compiled.iter().zip(&entries) {
         println!("  {name:<16} {:>8} bytes of CUBIN", image.len());
-        for entry in ["hopper_gemm_f16_n128_s4", "hopper_gemm_f16_n256_s3"] {
+        assert!(!log.to_lowercase().contains("warning"), "{name} compiles with warnings:\n{log}");
+        assert!(!entries.is_empty());
+        for entry in entries {
             assert!(image_has_symbol(image, entry), "{name} lacks {entry}");
         }
     }

@@ -86,9 +86,15 @@ pub fn hopper_arch(arch: &str) -> Option<String> {
 }
 
 /// Compiles every Hopper family for `sm_90a` (no cache): what CI runs, beside
-/// [`compile_all_for`]. Each family's name and CUBIN.
-pub fn compile_hopper() -> Result<Vec<(String, Vec<u8>)>> {
-    HOPPER.iter().map(|(name, src)| Ok((name.to_string(), compile_source(name, src, "sm_90a")?))).collect()
+/// [`compile_all_for`]. Each family's name, CUBIN and NVRTC's log (its warnings, if any).
+pub fn compile_hopper() -> Result<Vec<(String, Vec<u8>, String)>> {
+    HOPPER
+        .iter()
+        .map(|(name, src)| {
+            let (cubin, log) = compile_with_log(name, src, "sm_90a")?;
+            Ok((name.to_string(), cubin, log))
+        })
+        .collect()
 }
 
 /// Loads NVRTC from an explicit path (a file, or a folder holding `libnvrtc.so*`) and keeps it
@@ -195,6 +201,11 @@ fn c_chars_to_string(chars: &[std::ffi::c_char]) -> String {
 /// Compiles `PRELUDE + source` for `arch` (no cache); the CUBIN, or `Error::KernelCompile` with
 /// NVRTC's log.
 pub fn compile_source(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
+    compile_with_log(name, source, arch).map(|(cubin, _)| cubin)
+}
+
+/// [`compile_source`], with NVRTC's log of a successful compilation (empty, or its warnings).
+fn compile_with_log(name: &str, source: &str, arch: &str) -> Result<(Vec<u8>, String)> {
     check_arch(arch)?;
     let fail = |log: String| Error::KernelCompile { name: name.to_string(), log };
     let full =
@@ -217,7 +228,9 @@ pub fn compile_source(name: &str, source: &str, arch: &str) -> Result<Vec<u8>> {
         unsafe { nvrtc_sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr().cast()) }
             .result()
             .map_err(|e| fail(format!("nvrtcGetCUBIN: {e:?}")))?;
-        Ok(cubin)
+        // SAFETY: `prog.0` is a live, compiled program.
+        let log = unsafe { nvrtc::get_program_log(prog.0) }.map(|l| c_chars_to_string(&l)).unwrap_or_default();
+        Ok((cubin, log))
     })
 }
 
