@@ -23,7 +23,7 @@ use std::sync::Arc;
 
 mod common;
 mod quant_graphs;
-use common::{gpu, rel_l2};
+use common::{gpu, min_max_cache, rel_l2};
 
 /// The workspace root: where the binary was built, or (a binary carried to the device by
 /// tools/gpu-build.sh) the current directory, the repository root there.
@@ -597,16 +597,6 @@ fn fp8_gpu() -> Option<Arc<kiln::engine::Gpu>> {
         return None;
     }
     Some(gpu)
-}
-
-/// A min-max calibration cache of `graph` over `input`, saved to a temporary file named after
-/// `name` for the builds to read.
-fn min_max_cache(graph: &Graph, input: &HostTensor, name: &str) -> (CalibrationCache, PathBuf) {
-    let cache =
-        Calibrator::new(graph).and_then(|c| c.calibrate(std::slice::from_ref(input), CalibrationMethod::MinMax)).expect("calibrate");
-    let path = std::env::temp_dir().join(format!("kiln-{name}-{}.json", std::process::id()));
-    cache.save(&path).expect("save");
-    (cache, path)
 }
 
 /// A reference as `tools/export_reference.py --intermediates all` writes it, made by the CPU

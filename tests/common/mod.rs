@@ -3,9 +3,10 @@
 //! CPU executor.
 #![allow(dead_code)]
 
-use kiln::engine::{gpu_available, BuildConfig, Engine, EngineBuilder, Gpu, Precision};
+use kiln::engine::{gpu_available, BuildConfig, CalibrationCache, CalibrationMethod, Calibrator, Engine, EngineBuilder, Gpu, Precision};
 use kiln::{Graph, HostTensor};
 use kiln::{Tensor, Tracer};
+use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
 /// The GPU, opened once per test binary; `None` (with the reason printed) where there is none.
@@ -137,4 +138,14 @@ pub fn depthwise_block(x: &Tensor, case: DepthwiseCase) -> kiln::Result<Tensor> 
         y = y.relu()?;
     }
     Ok(y)
+}
+
+/// A min-max calibration cache of `graph` over `input`, saved to a temporary file named after
+/// `name` for the builds to read.
+pub fn min_max_cache(graph: &Graph, input: &HostTensor, name: &str) -> (CalibrationCache, PathBuf) {
+    let cache =
+        Calibrator::new(graph).and_then(|c| c.calibrate(std::slice::from_ref(input), CalibrationMethod::MinMax)).expect("calibrate");
+    let path = std::env::temp_dir().join(format!("kiln-{name}-{}.json", std::process::id()));
+    cache.save(&path).expect("save");
+    (cache, path)
 }

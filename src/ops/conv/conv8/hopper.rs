@@ -391,13 +391,14 @@ mod tests {
                 assert_eq!(w.dims.iter().product::<u64>(), (g.k * g.r * g.s * g.c) as u64);
             }
         }
-        // A patch's box: 16 × 8 output pixels of a stride-2 conv read 32 × 16 inputs, every second.
+        // A patch's box: a stride-2 conv's 28 × 28 outputs take 32 × 4 patches (28 × 32 pixels
+        // computed; 16 × 8 would compute 32 × 32), each reading 64 × 8 inputs, every second.
         let g = conv(64, [56, 56], 128, 3, 2, 1);
-        assert_eq!(plan("sm_90", &g), Ok(Tiling::Patch { w: 16, h: 8 }));
-        let x = activation_map(Tiling::Patch { w: 16, h: 8 }, HopperVariant::ALL[0], 0, 2, &g);
+        assert_eq!(plan("sm_90", &g), Ok(Tiling::Patch { w: 32, h: 4 }));
+        let x = activation_map(Tiling::Patch { w: 32, h: 4 }, HopperVariant::ALL[0], 0, 2, &g);
         assert_eq!(x.dims, [64, 56, 56, 2]);
         assert_eq!(x.strides, [64, 56 * 64, 56 * 56 * 64]);
-        assert_eq!(x.boxes, [64, 32, 16, 1]);
+        assert_eq!(x.boxes, [64, 64, 8, 1]);
         assert_eq!(x.element_strides, [1, 2, 2, 1]);
     }
 

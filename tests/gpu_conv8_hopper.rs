@@ -1,0 +1,151 @@
+//! The 8-bit conv on Hopper's wgmma (`kernels/conv8_hopper.cu`) forced in INT8 and FP8 engines,
+//! every tile variant alone and all of them left to timing, against the CPU fake-quant simulation
+//! (and, in INT8, against the mma.sync kernel, whose exact s32 sums and epilogue it shares, so the
+//! two must agree to the last code), at batch 1, 7 and 48. The convs cover both of its modes and
+//! its ragged edges:
+//! - GEMM mode (1×1 stride 1): 32 → 48 channels (a partial channel tile; a reduction of 32 codes,
+//!   less than one stage), requantising into two readers; 16 → 16 (16 codes); 32 → 32 adding an
+//!   8-bit residual, writing f16;
+//! - patch mode: 3×3 stride 1 (48 → 80: C and K partial tiles, 9 stages through a ring of at most
+//!   8), 3×3 stride 2 on a 9 × 11 image (80 → 32: output 5 × 6, patches overhanging both edges),
+//!   1×1 stride 2, 3×3 dilation 2 with padding 2;
+//! - batch 1: 99 output pixels, one partial 128-row tile; batch 48: many tiles.
+//!
+//! Every result is compared with rel L2 (printed with max-abs): the simulation within 1e-2 (as
+//! conv8's own test), the mma.sync kernel within 1e-3 in INT8. Skips without a GPU, or on one that
+//! is not sm_90.
+//!
+//! On the device: `gpu_conv8_hopper --include-ignored --nocapture --test-threads 1`.
+
+use kiln::dev::quant::simulate;
+use kiln::engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision};
+use kiln::nn::{Conv2d, Conv2dConfig};
+use kiln::plugin::QuantFormat;
+use kiln::{Graph, HostTensor, Module, VarBuilder};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+mod common;
+use common::{gpu, min_max_cache, rel_l2};
+
+/// Per-image input shape.
+const INPUT: [usize; 3] = [32, 9, 11];
+/// The batches every engine runs (built for 1..=48, timed at 48).
+const BATCHES: [usize; 3] = [1, 7, 48];
+/// The 8-bit convs of the graph, all of which the wgmma kernel takes.
+const CONVS: [&str; 8] = ["a1", "a2", "a3", "a4", "a5", "a6", "a7", "a8"];
+const OUTPUTS: [&str; 4] = ["y1", "y2", "y3", "y4"];
+/// The tile variants (`conv8_<fmt>_wgmma_n<BN>_bk<BK>_s<STAGES>`), each forced alone.
+const VARIANTS: [&str; 4] = ["n64_bk64_s8", "n128_bk64_s8", "n128_bk128_s6", "n256_bk128_s4"];
+
+fn hopper_gpu() -> Option<Arc<Gpu>> {
+    let gpu = gpu()?;
+    if gpu.info.sm != 90 {
+        println!("skipped: the wgmma 8-bit conv needs an sm_90 GPU, this is sm_{}", gpu.info.sm);
+        return None;
+    }
+    Some(gpu)
+}
+
+/// The convs of the module comment, traced over `INPUT`.
+fn graph() -> Graph {
+    let tracer = kiln::Tracer::new();
+    let x = tracer.input("input", &[1, INPUT[0], INPUT[1], INPUT[2]]);
+    let vb = VarBuilder::seeded();
+    let conv = |name: &str, c: Conv2dConfig| Conv2d::load(vb.pp(name), &c).expect(name);
+    let a1 = conv("a1", Conv2dConfig::new(32, 48, 1)).forward(&x).and_then(|h| h.relu()).expect("a1");
+    let a2 = conv("a2", Conv2dConfig::new(48, 80, 3).padding(1)).forward(&a1).and_then(|h| h.relu()).expect("a2");
+    let a3 = conv("a3", Conv2dConfig::new(80, 32, 3).stride(2).padding(1)).forward(&a2).and_then(|h| h.relu()).expect("a3");
+    let a4 = conv("a4", Conv2dConfig::new(32, 32, 1)).forward(&a3).and_then(|y| y.add(&a3)).and_then(|y| y.relu()).expect("a4");
+    a4.mark_output("y1");
+    let a5 = conv("a5", Conv2dConfig::new(32, 16, 3).padding(1)).forward(&a3).and_then(|h| h.relu()).expect("a5");
+    conv("a6", Conv2dConfig::new(16, 16, 1)).forward(&a5).expect("a6").mark_output("y2");
+    conv("a7", Conv2dConfig::new(48, 16, 1).stride(2)).forward(&a1).expect("a7").mark_output("y3");
+    conv("a8", Conv2dConfig::new(48, 32, 3).padding(2).dilation(2)).forward(&a1).expect("a8").mark_output("y4");
+    tracer.graph()
+}
+
+/// `graph` as a `precision` engine with its tactics restricted to `source`; a build error is
+/// noted in `failures`.
+fn build(
+    gpu: &Arc<Gpu>,
+    graph: &Graph,
+    precision: Precision,
+    cache: &std::path::Path,
+    source: &str,
+    failures: &mut Vec<String>,
+) -> Option<Engine> {
+    let max = BATCHES[BATCHES.len() - 1];
+    let config = BuildConfig::default().precision(precision).batch(1, max, max).calibration_cache(cache).tactic_sources(&[source]);
+    EngineBuilder::new(config).with_gpu(gpu.clone()).build(graph).map_err(|e| failures.push(format!("`{source}` must build: {e}"))).ok()
+}
+
+/// Each batch's outputs of `engine` on the first images of `input`.
+fn run(engine: &Engine, input: &HostTensor) -> Vec<HashMap<String, HostTensor>> {
+    let mut ctx = engine.context().expect("context");
+    let per: usize = INPUT.iter().product();
+    BATCHES
+        .iter()
+        .map(|&b| {
+            let x = HostTensor::new(vec![b, INPUT[0], INPUT[1], INPUT[2]], input.data[..b * per].to_vec());
+            ctx.run(&[("input", &x)]).expect("run").into_iter().collect()
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "needs an sm_90 GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn wgmma_conv8_matches_the_simulation_and_the_mma_sync_kernel() {
+    let Some(gpu) = hopper_gpu() else { return };
+    let graph = graph();
+    let max = BATCHES[BATCHES.len() - 1];
+    let input = common::random(&[max, INPUT[0], INPUT[1], INPUT[2]], 31, 2.0);
+    let (cache, path) = min_max_cache(&graph, &input, "conv8-hopper");
+    let mut failures = vec![];
+    for (precision, format, code) in [(Precision::Int8, QuantFormat::Int8, "i8"), (Precision::Fp8, QuantFormat::Fp8E4m3, "e4m3")] {
+        // The simulation reads the input rounded to f16, as the engine's quantiser does.
+        let seen = common::to_f16(&input);
+        let sim = kiln::run_cpu(&simulate(&graph, &cache, format).expect("simulate"), &[("input", &seen)]).expect("cpu");
+        // INT8's twin on the mma.sync kernel: the same s32 sums and epilogue.
+        let twin = match format {
+            QuantFormat::Int8 => build(&gpu, &graph, precision, &path, "kernel:conv8_i8_m128n64", &mut failures).map(|e| run(&e, &input)),
+            QuantFormat::Fp8E4m3 => None,
+        };
+        let all = format!("kernel:conv8_{code}_wgmma");
+        for source in VARIANTS.iter().map(|v| format!("{all}_{v}")).chain([all.clone()]) {
+            let Some(engine) = build(&gpu, &graph, precision, &path, &source, &mut failures) else { continue };
+            print!("{}{}", engine.describe(), engine.summary);
+            // Every conv is 8-bit, and every one took the forced kernel.
+            let eight_bit: Vec<String> =
+                engine.layers().filter(|l| kiln::dev::plan::precision_of_kind(&l.kind()).is_some()).map(|l| l.path().to_string()).collect();
+            let forced: Vec<String> = engine.layers().filter(|l| l.kind().starts_with(&source)).map(|l| l.path().to_string()).collect();
+            if eight_bit != CONVS || forced != CONVS {
+                failures
+                    .push(format!("`{source}`: 8-bit layers {eight_bit:?}, on the forced kernel {forced:?}, expected {CONVS:?} for both"));
+            }
+            for (i, got) in run(&engine, &input).iter().enumerate() {
+                let batch = BATCHES[i];
+                for name in OUTPUTS {
+                    let y = &got[name].data;
+                    let (rel, max_abs) = rel_l2(y, &sim[name].data[..y.len()]);
+                    println!(
+                        "`{source}` batch {batch} {name}: rel L2 {rel:.2e}, max abs {max_abs:.2e} against the {} simulation",
+                        format.name()
+                    );
+                    if rel.is_nan() || rel >= 1e-2 {
+                        failures.push(format!("`{source}` batch {batch} {name}: rel L2 {rel:.2e} against the simulation"));
+                    }
+                    if let Some(twin) = &twin {
+                        let (rel, max_abs) = rel_l2(y, &twin[i][name].data);
+                        println!("`{source}` batch {batch} {name}: rel L2 {rel:.2e}, max abs {max_abs:.2e} against the mma.sync kernel");
+                        if rel.is_nan() || rel >= 1e-3 {
+                            failures.push(format!("`{source}` batch {batch} {name}: rel L2 {rel:.2e} against the mma.sync kernel"));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_file(&path);
+    assert!(failures.is_empty(), "{failures:#?}");
+}
