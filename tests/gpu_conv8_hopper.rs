@@ -21,7 +21,7 @@ use kiln::dev::quant::simulate;
 use kiln::engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision};
 use kiln::nn::{Conv2d, Conv2dConfig};
 use kiln::plugin::QuantFormat;
-use kiln::{Graph, HostTensor, Module, VarBuilder};
+use kiln::{Forward, Graph, HostTensor, Module, VarBuilder};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -74,14 +74,19 @@ fn build(
     cache: &std::path::Path,
     source: &str,
     failures: &mut Vec<String>,
-) -> Option<Engine> {
+) -> Option<Arc<Engine>> {
     let max = BATCHES[BATCHES.len() - 1];
     let config = BuildConfig::default().precision(precision).batch(1, max, max).calibration_cache(cache).tactic_sources(&[source]);
-    EngineBuilder::new(config).with_gpu(gpu.clone()).build(graph).map_err(|e| failures.push(format!("`{source}` must build: {e}"))).ok()
+    EngineBuilder::new(config)
+        .with_gpu(gpu.clone())
+        .build(graph)
+        .map(Arc::new)
+        .map_err(|e| failures.push(format!("`{source}` must build: {e}")))
+        .ok()
 }
 
 /// Each batch's outputs of `engine` on the first images of `input`.
-fn run(engine: &Engine, input: &HostTensor) -> Vec<HashMap<String, HostTensor>> {
+fn run(engine: &Arc<Engine>, input: &HostTensor) -> Vec<HashMap<String, HostTensor>> {
     let mut ctx = engine.context().expect("context");
     let per: usize = INPUT.iter().product();
     BATCHES

@@ -8,7 +8,7 @@
 
 use kiln::dev::quant::simulate;
 use kiln::engine::{BuildConfig, EngineBuilder, Precision};
-use kiln::engine::{CalibrationCache, CalibrationMethod, Calibrator};
+use kiln::engine::{CalibrationMethod, Calibrator};
 use kiln::files::read_safetensors;
 use kiln::{
     nn::{MaxPool2d, Pool2dConfig},
