@@ -15,7 +15,8 @@
 //! conv8's own test), the mma.sync kernel within 1e-3 in INT8. Skips without a GPU, or on one that
 //! is not sm_90.
 //!
-//! On the device: `gpu_conv8_hopper --include-ignored --nocapture --test-threads 1`.
+//! On the device: `gpu_conv8_hopper --include-ignored --nocapture --test-threads 1` (PENDING.md at
+//! the branch's root: the commands, compute-sanitizer's included).
 
 use kiln::dev::quant::simulate;
 use kiln::engine::{BuildConfig, Engine, EngineBuilder, Gpu, Precision};
@@ -117,7 +118,12 @@ fn wgmma_conv8_matches_the_simulation_and_the_mma_sync_kernel() {
             QuantFormat::Fp8E4m3 => None,
         };
         let all = format!("kernel:conv8_{code}_wgmma");
-        for source in VARIANTS.iter().map(|v| format!("{all}_{v}")).chain([all.clone()]) {
+        // `CONV8_HOPPER_SOURCE=n128_bk64_s8` (a variant; `all`: the timed choice among them) runs
+        // only that source, for compute-sanitizer.
+        let only = std::env::var("CONV8_HOPPER_SOURCE").ok();
+        let sources = VARIANTS.iter().map(|v| format!("{all}_{v}")).chain([all.clone()]);
+        let chosen = |s: &String| only.as_deref().is_none_or(|o| if o == "all" { *s == all } else { s.ends_with(o) });
+        for source in sources.filter(chosen) {
             let Some(engine) = build(&gpu, &graph, precision, &path, &source, &mut failures) else { continue };
             print!("{}{}", engine.describe(), engine.summary);
             // Every conv is 8-bit, and every one took the forced kernel.
