@@ -402,6 +402,144 @@ mod tests {
         assert_eq!(x.element_strides, [1, 2, 2, 1]);
     }
 
+    /// What a TMA box of `map` starting at `start` brings, in shared-memory order (dim 0 fastest,
+    /// swizzle aside: it permutes bytes within rows, which wgmma's descriptor undoes): every
+    /// traversal-stride-th element along each dim, zero outside the tensor.
+    fn tma_box(map: &TiledMap, data: &[i8], start: &[i64]) -> Vec<i8> {
+        let counts: Vec<i64> = map.boxes.iter().zip(&map.element_strides).map(|(&b, &e)| i64::from(b.div_ceil(e))).collect();
+        let byte_strides: Vec<i64> = [1].into_iter().chain(map.strides.iter().map(|&s| s as i64)).collect();
+        let total: i64 = counts.iter().product();
+        (0..total)
+            .map(|mut i| {
+                let mut offset = 0i64;
+                for d in 0..counts.len() {
+                    let at = start[d] + (i % counts[d]) * i64::from(map.element_strides[d]);
+                    i /= counts[d];
+                    if at < 0 || at >= map.dims[d] as i64 {
+                        return 0;
+                    }
+                    offset += at * byte_strides[d];
+                }
+                data[offset as usize]
+            })
+            .collect()
+    }
+
+    /// The kernel's work, step for step, on the host: its grid (`c8h_tile`), the producer's box
+    /// coordinates per (tap, channel block), the consumers' sums over the boxes, and the
+    /// epilogue's rows (`c8h_row`); the s32 sums of every output, and how often each was written.
+    fn emulate(g: &Geometry, dilation: [usize; 2], v: HopperVariant, batch: usize, x: &[i8], w: &[i8]) -> (Vec<i32>, Vec<u8>) {
+        let tiling = plan("sm_90", g).expect("applies");
+        let (x_map, w_map) = (activation_map(tiling, v, 0, batch, g), weight_map(v, 0, g));
+        let [patch_w, patch_h] = tiling.kernel_args().map(|a| a as i64);
+        let (p, q, k) = (g.p as i64, g.q as i64, g.k as i64);
+        let (n_tiles, c_blocks) = (g.k.div_ceil(v.bn), g.c.div_ceil(v.bk));
+        let m_tiles = tiling.pixel_tiles(batch, g.p, g.q).expect("small");
+        let (mut out, mut writes) = (vec![0i32; batch * g.p * g.q * g.k], vec![0u8; batch * g.p * g.q * g.k]);
+        for block in 0..m_tiles * n_tiles {
+            let (tile_m, col0) = ((block / n_tiles) as i64, ((block % n_tiles) * v.bn) as i64);
+            let (m0, img, p0, q0) = if patch_w == 0 {
+                (tile_m * BM as i64, 0, 0, 0)
+            } else {
+                let (tiles_p, tiles_q) = ((p + patch_h - 1) / patch_h, (q + patch_w - 1) / patch_w);
+                let rest = tile_m % (tiles_p * tiles_q);
+                (0, tile_m / (tiles_p * tiles_q), (rest / tiles_q) * patch_h, (rest % tiles_q) * patch_w)
+            };
+            let mut acc = vec![0i32; BM * v.bn];
+            for it in 0..g.r * g.s * c_blocks {
+                let (tap, c0) = ((it / c_blocks) as i64, ((it % c_blocks) * v.bk) as i64);
+                let a = if patch_w == 0 {
+                    tma_box(&x_map, x, &[c0, m0])
+                } else {
+                    let (r, fs) = (tap / g.s as i64, tap % g.s as i64);
+                    let iw = q0 * g.stride[1] as i64 - g.padding[1] as i64 + fs * dilation[1] as i64;
+                    let ih = p0 * g.stride[0] as i64 - g.padding[0] as i64 + r * dilation[0] as i64;
+                    tma_box(&x_map, x, &[c0, iw, ih, img])
+                };
+                let b = tma_box(&w_map, w, &[c0, tap, col0]);
+                assert_eq!((a.len(), b.len()), (BM * v.bk, v.bn * v.bk), "the boxes' bytes are the stage's");
+                for (lr, arow) in a.chunks(v.bk).enumerate() {
+                    for (n, brow) in b.chunks(v.bk).enumerate() {
+                        acc[lr * v.bn + n] += arow.iter().zip(brow).map(|(&x, &w)| i32::from(x) * i32::from(w)).sum::<i32>();
+                    }
+                }
+            }
+            for lr in 0..BM as i64 {
+                let row = if patch_w == 0 {
+                    Some(m0 + lr).filter(|&r| r < batch as i64 * p * q)
+                } else {
+                    let (pp, qq) = (p0 + lr / patch_w, q0 + lr % patch_w);
+                    (pp < p && qq < q).then_some((img * p + pp) * q + qq)
+                };
+                let Some(row) = row else { continue };
+                for n in 0..v.bn as i64 {
+                    if col0 + n < k {
+                        let at = (row * k + col0 + n) as usize;
+                        out[at] = acc[(lr * v.bn as i64 + n) as usize];
+                        writes[at] += 1;
+                    }
+                }
+            }
+        }
+        (out, writes)
+    }
+
+    /// The direct convolution of NHWC `x` by `[K][R][S][C]` `w`, in s32.
+    fn direct(g: &Geometry, dilation: [usize; 2], batch: usize, x: &[i8], w: &[i8]) -> Vec<i32> {
+        let mut out = vec![0i32; batch * g.p * g.q * g.k];
+        for (n, pp, qq, kk) in (0..batch)
+            .flat_map(|n| (0..g.p).flat_map(move |pp| (0..g.q).map(move |qq| (n, pp, qq))))
+            .flat_map(|(n, pp, qq)| (0..g.k).map(move |kk| (n, pp, qq, kk)))
+        {
+            let mut sum = 0i32;
+            for (r, fs, c) in (0..g.r).flat_map(|r| (0..g.s).flat_map(move |fs| (0..g.c).map(move |c| (r, fs, c)))) {
+                let ih = (pp * g.stride[0] + r * dilation[0]) as i64 - g.padding[0] as i64;
+                let iw = (qq * g.stride[1] + fs * dilation[1]) as i64 - g.padding[1] as i64;
+                if ih < 0 || iw < 0 || ih >= g.h as i64 || iw >= g.w as i64 {
+                    continue;
+                }
+                let xv = x[((n * g.h + ih as usize) * g.w + iw as usize) * g.c + c];
+                sum += i32::from(xv) * i32::from(w[((kk * g.r + r) * g.s + fs) * g.c + c]);
+            }
+            out[((n * g.p + pp) * g.q + qq) * g.k + kk] = sum;
+        }
+        out
+    }
+
+    #[test]
+    fn the_kernels_tiles_and_boxes_compute_the_conv() {
+        // (C, H × W, K, R, stride, padding, dilation): both modes; C and K partial tiles; C below
+        // one stage; stride 2 with patches overhanging both edges; dilation; batch 1 and 3.
+        let cases = [
+            (32, [9, 11], 48, 1, 1, 0, 1),
+            (16, [5, 7], 16, 1, 1, 0, 1),
+            (48, [9, 11], 80, 3, 1, 1, 1),
+            (80, [9, 11], 32, 3, 2, 1, 1),
+            (48, [9, 11], 16, 1, 2, 0, 1),
+            (48, [9, 11], 32, 3, 1, 2, 2),
+            (144, [6, 5], 16, 3, 1, 1, 1),
+            (16, [3, 40], 272, 3, 2, 1, 1),
+        ];
+        let seed = crate::seeded::run_seed();
+        for (i, &(c, hw, k, rs, stride, pad, dil)) in cases.iter().enumerate() {
+            let out = |n: usize| (n + 2 * pad - dil * (rs - 1) - 1) / stride + 1;
+            let g =
+                Geometry { c, h: hw[0], w: hw[1], k, r: rs, s: rs, p: out(hw[0]), q: out(hw[1]), stride: [stride; 2], padding: [pad; 2] };
+            for batch in [1, 3] {
+                let code =
+                    |stream: u64, j: usize| (crate::seeded::uniform(seed.wrapping_add(stream), j as u64) * 255.0 - 127.5).round() as i8;
+                let x: Vec<i8> = (0..batch * g.h * g.w * c).map(|j| code(2 * i as u64, j)).collect();
+                let w: Vec<i8> = (0..k * rs * rs * c).map(|j| code(2 * i as u64 + 1, j)).collect();
+                let want = direct(&g, [dil; 2], batch, &x, &w);
+                for v in HopperVariant::ALL {
+                    let (got, writes) = emulate(&g, [dil; 2], v, batch, &x, &w);
+                    assert!(writes.iter().all(|&n| n == 1), "{g:?} batch {batch} {v:?}: every output written once");
+                    assert_eq!(got, want, "{g:?} batch {batch} {v:?}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn variants_fit_the_shared_memory_of_one_block() {
         for v in HopperVariant::ALL {
