@@ -8,7 +8,8 @@
 //!   8-bit residual, writing f16;
 //! - patch mode: 3×3 stride 1 (48 → 80: C and K partial tiles, 9 stages through a ring of at most
 //!   8), 3×3 stride 2 on a 9 × 11 image (80 → 32: output 5 × 6, patches overhanging both edges),
-//!   1×1 stride 2, 3×3 dilation 2 with padding 2;
+//!   1×1 stride 2, 3×3 dilation 2 with padding 2, and 3×3 over 512 channels (a reduction of 4608
+//!   products, as deep as ResNet's layer4: where FP8 wgmma's accumulation would show a loss);
 //! - batch 1: 99 output pixels, one partial 128-row tile; batch 48: many tiles.
 //!
 //! Every result is compared with rel L2 (printed with max-abs): the simulation within 1e-2 (as
@@ -34,8 +35,8 @@ const INPUT: [usize; 3] = [32, 9, 11];
 /// The batches every engine runs (built for 1..=48, timed at 48).
 const BATCHES: [usize; 3] = [1, 7, 48];
 /// The 8-bit convs of the graph, all of which the wgmma kernel takes.
-const CONVS: [&str; 8] = ["a1", "a2", "a3", "a4", "a5", "a6", "a7", "a8"];
-const OUTPUTS: [&str; 4] = ["y1", "y2", "y3", "y4"];
+const CONVS: [&str; 10] = ["a1", "a2", "a3", "a4", "a5", "a6", "a7", "a8", "a9", "a10"];
+const OUTPUTS: [&str; 5] = ["y1", "y2", "y3", "y4", "y5"];
 /// The tile variants (`conv8_<fmt>_wgmma_n<BN>_bk<BK>_s<STAGES>`), each forced alone.
 const VARIANTS: [&str; 4] = ["n64_bk64_s8", "n128_bk64_s8", "n128_bk128_s6", "n256_bk128_s4"];
 
@@ -63,6 +64,8 @@ fn graph() -> Graph {
     conv("a6", Conv2dConfig::new(16, 16, 1)).forward(&a5).expect("a6").mark_output("y2");
     conv("a7", Conv2dConfig::new(48, 16, 1).stride(2)).forward(&a1).expect("a7").mark_output("y3");
     conv("a8", Conv2dConfig::new(48, 32, 3).padding(2).dilation(2)).forward(&a1).expect("a8").mark_output("y4");
+    let a9 = conv("a9", Conv2dConfig::new(32, 512, 1)).forward(&a3).and_then(|h| h.relu()).expect("a9");
+    conv("a10", Conv2dConfig::new(512, 64, 3).padding(1)).forward(&a9).expect("a10").mark_output("y5");
     tracer.graph()
 }
 
