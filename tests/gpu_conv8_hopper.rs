@@ -10,7 +10,9 @@
 //!   8), 3×3 stride 2 on a 9 × 11 image (80 → 32: output 5 × 6, patches overhanging both edges),
 //!   1×1 stride 2, 3×3 dilation 2 with padding 2, and 3×3 over 512 channels (a reduction of 4608
 //!   products, as deep as ResNet's layer4: where FP8 wgmma's accumulation would show a loss);
-//! - batch 1: 99 output pixels, one partial 128-row tile; batch 48: many tiles.
+//! - batch 1: 99 output pixels, one partial 128-row tile; batch 48: many tiles;
+//! - wide, short images (`edges`): 64 × 2 patches whose edge taps' boxes lie wholly outside the
+//!   image, and 128 × 1 patches of stride-2 boxes 256 pixels wide (TMA's limit).
 //!
 //! Every result is compared with rel L2 (printed with max-abs): the simulation within 1e-2 (as
 //! conv8's own test), the mma.sync kernel within 1e-3 in INT8. Skips without a GPU, or on one that
@@ -30,13 +32,8 @@ use std::sync::Arc;
 mod common;
 use common::{gpu, min_max_cache, rel_l2};
 
-/// Per-image input shape.
-const INPUT: [usize; 3] = [32, 9, 11];
 /// The batches every engine runs (built for 1..=48, timed at 48).
 const BATCHES: [usize; 3] = [1, 7, 48];
-/// The 8-bit convs of the graph, all of which the wgmma kernel takes.
-const CONVS: [&str; 10] = ["a1", "a2", "a3", "a4", "a5", "a6", "a7", "a8", "a9", "a10"];
-const OUTPUTS: [&str; 5] = ["y1", "y2", "y3", "y4", "y5"];
 /// The tile variants (`conv8_<fmt>_wgmma_n<BN>_bk<BK>_s<STAGES>`), each forced alone.
 const VARIANTS: [&str; 4] = ["n64_bk64_s8", "n128_bk64_s8", "n128_bk128_s6", "n256_bk128_s4"];
 
@@ -49,24 +46,69 @@ fn hopper_gpu() -> Option<Arc<Gpu>> {
     Some(gpu)
 }
 
-/// The convs of the module comment, traced over `INPUT`.
-fn graph() -> Graph {
+/// A graph of 8-bit convs, all of which the wgmma kernel takes, over one input of `input`'s
+/// per-image shape.
+struct Case {
+    name: &'static str,
+    input: [usize; 3],
+    graph: Graph,
+    convs: &'static [&'static str],
+    outputs: &'static [&'static str],
+}
+
+fn trace(name: &'static str, input: [usize; 3], body: impl FnOnce(&kiln::Tensor, &dyn Fn(&str, Conv2dConfig) -> Conv2d)) -> Graph {
     let tracer = kiln::Tracer::new();
-    let x = tracer.input("input", &[1, INPUT[0], INPUT[1], INPUT[2]]);
-    let vb = VarBuilder::seeded();
-    let conv = |name: &str, c: Conv2dConfig| Conv2d::load(vb.pp(name), &c).expect(name);
-    let a1 = conv("a1", Conv2dConfig::new(32, 48, 1)).forward(&x).and_then(|h| h.relu()).expect("a1");
-    let a2 = conv("a2", Conv2dConfig::new(48, 80, 3).padding(1)).forward(&a1).and_then(|h| h.relu()).expect("a2");
-    let a3 = conv("a3", Conv2dConfig::new(80, 32, 3).stride(2).padding(1)).forward(&a2).and_then(|h| h.relu()).expect("a3");
-    let a4 = conv("a4", Conv2dConfig::new(32, 32, 1)).forward(&a3).and_then(|y| y.add(&a3)).and_then(|y| y.relu()).expect("a4");
-    a4.mark_output("y1");
-    let a5 = conv("a5", Conv2dConfig::new(32, 16, 3).padding(1)).forward(&a3).and_then(|h| h.relu()).expect("a5");
-    conv("a6", Conv2dConfig::new(16, 16, 1)).forward(&a5).expect("a6").mark_output("y2");
-    conv("a7", Conv2dConfig::new(48, 16, 1).stride(2)).forward(&a1).expect("a7").mark_output("y3");
-    conv("a8", Conv2dConfig::new(48, 32, 3).padding(2).dilation(2)).forward(&a1).expect("a8").mark_output("y4");
-    let a9 = conv("a9", Conv2dConfig::new(32, 512, 1)).forward(&a3).and_then(|h| h.relu()).expect("a9");
-    conv("a10", Conv2dConfig::new(512, 64, 3).padding(1)).forward(&a9).expect("a10").mark_output("y5");
+    let x = tracer.input("input", &[1, input[0], input[1], input[2]]);
+    let vb = VarBuilder::seeded().pp(name);
+    body(&x, &|conv: &str, c: Conv2dConfig| Conv2d::load(vb.pp(conv), &c).expect(conv));
     tracer.graph()
+}
+
+/// The convs of the module comment.
+fn shapes() -> Case {
+    let graph = trace("shapes", [32, 9, 11], |x, conv| {
+        let a1 = conv("a1", Conv2dConfig::new(32, 48, 1)).forward(x).and_then(|h| h.relu()).expect("a1");
+        let a2 = conv("a2", Conv2dConfig::new(48, 80, 3).padding(1)).forward(&a1).and_then(|h| h.relu()).expect("a2");
+        let a3 = conv("a3", Conv2dConfig::new(80, 32, 3).stride(2).padding(1)).forward(&a2).and_then(|h| h.relu()).expect("a3");
+        let a4 = conv("a4", Conv2dConfig::new(32, 32, 1)).forward(&a3).and_then(|y| y.add(&a3)).and_then(|y| y.relu()).expect("a4");
+        a4.mark_output("y1");
+        let a5 = conv("a5", Conv2dConfig::new(32, 16, 3).padding(1)).forward(&a3).and_then(|h| h.relu()).expect("a5");
+        conv("a6", Conv2dConfig::new(16, 16, 1)).forward(&a5).expect("a6").mark_output("y2");
+        conv("a7", Conv2dConfig::new(48, 16, 1).stride(2)).forward(&a1).expect("a7").mark_output("y3");
+        conv("a8", Conv2dConfig::new(48, 32, 3).padding(2).dilation(2)).forward(&a1).expect("a8").mark_output("y4");
+        let a9 = conv("a9", Conv2dConfig::new(32, 512, 1)).forward(&a3).and_then(|h| h.relu()).expect("a9");
+        conv("a10", Conv2dConfig::new(512, 64, 3).padding(1)).forward(&a9).expect("a10").mark_output("y5");
+    });
+    Case {
+        name: "shapes",
+        input: [32, 9, 11],
+        graph,
+        convs: &[
+            "shapes.a1",
+            "shapes.a2",
+            "shapes.a3",
+            "shapes.a4",
+            "shapes.a5",
+            "shapes.a6",
+            "shapes.a7",
+            "shapes.a8",
+            "shapes.a9",
+            "shapes.a10",
+        ],
+        outputs: &["y1", "y2", "y3", "y4", "y5"],
+    }
+}
+
+/// Wide, short images, where the host picks 64 × 2 and 128 × 1 patches: with padding 2 and
+/// dilation 2, the first filter row's boxes lie wholly above the image (all zero fill), and a
+/// stride-2 conv's 256-pixel boxes are TMA's widest.
+fn edges() -> Case {
+    let graph = trace("edges", [16, 2, 258], |x, conv| {
+        let e1 = conv("e1", Conv2dConfig::new(16, 32, 3).padding(2).dilation(2)).forward(x).and_then(|h| h.relu()).expect("e1");
+        conv("e2", Conv2dConfig::new(32, 16, 1).stride(2)).forward(&e1).expect("e2").mark_output("z1");
+        conv("e3", Conv2dConfig::new(32, 32, 3).stride(2).padding(1)).forward(&e1).expect("e3").mark_output("z2");
+    });
+    Case { name: "edges", input: [16, 2, 258], graph, convs: &["edges.e1", "edges.e2", "edges.e3"], outputs: &["z1", "z2"] }
 }
 
 /// `graph` as a `precision` engine with its tactics restricted to `source`; a build error is
@@ -92,11 +134,11 @@ fn build(
 /// Each batch's outputs of `engine` on the first images of `input`.
 fn run(engine: &Arc<Engine>, input: &HostTensor) -> Vec<HashMap<String, HostTensor>> {
     let mut ctx = engine.context().expect("context");
-    let per: usize = INPUT.iter().product();
+    let per: usize = input.shape[1..].iter().product();
     BATCHES
         .iter()
         .map(|&b| {
-            let x = HostTensor::new(vec![b, INPUT[0], INPUT[1], INPUT[2]], input.data[..b * per].to_vec());
+            let x = HostTensor::new([&[b][..], &input.shape[1..]].concat(), input.data[..b * per].to_vec());
             ctx.run(&[("input", &x)]).expect("run").into_iter().collect()
         })
         .collect()
@@ -105,19 +147,31 @@ fn run(engine: &Arc<Engine>, input: &HostTensor) -> Vec<HashMap<String, HostTens
 #[test]
 #[ignore = "needs an sm_90 GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
 fn wgmma_conv8_matches_the_simulation_and_the_mma_sync_kernel() {
+    check(shapes());
+}
+
+#[test]
+#[ignore = "needs an sm_90 GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn wgmma_conv8_at_the_edges_of_wide_short_images() {
+    check(edges());
+}
+
+/// `case` in INT8 and FP8 engines, each variant forced and all timed, against the simulation and
+/// (INT8) the mma.sync kernel, at every batch of `BATCHES`.
+fn check(case: Case) {
     let Some(gpu) = hopper_gpu() else { return };
-    let graph = graph();
+    let graph = &case.graph;
     let max = BATCHES[BATCHES.len() - 1];
-    let input = common::random(&[max, INPUT[0], INPUT[1], INPUT[2]], 31, 2.0);
-    let (cache, path) = min_max_cache(&graph, &input, "conv8-hopper");
+    let input = common::random(&[&[max][..], &case.input[..]].concat(), 31, 2.0);
+    let (cache, path) = min_max_cache(graph, &input, &format!("conv8-hopper-{}", case.name));
     let mut failures = vec![];
     for (precision, format, code) in [(Precision::Int8, QuantFormat::Int8, "i8"), (Precision::Fp8, QuantFormat::Fp8E4m3, "e4m3")] {
         // The simulation reads the input rounded to f16, as the engine's quantiser does.
         let seen = common::to_f16(&input);
-        let sim = kiln::run_cpu(&simulate(&graph, &cache, format).expect("simulate"), &[("input", &seen)]).expect("cpu");
+        let sim = kiln::run_cpu(&simulate(graph, &cache, format).expect("simulate"), &[("input", &seen)]).expect("cpu");
         // INT8's twin on the mma.sync kernel: the same s32 sums and epilogue.
         let twin = match format {
-            QuantFormat::Int8 => build(&gpu, &graph, precision, &path, "kernel:conv8_i8_m128n64", &mut failures).map(|e| run(&e, &input)),
+            QuantFormat::Int8 => build(&gpu, graph, precision, &path, "kernel:conv8_i8_m128n64", &mut failures).map(|e| run(&e, &input)),
             QuantFormat::Fp8E4m3 => None,
         };
         let all = format!("kernel:conv8_{code}_wgmma");
@@ -127,19 +181,20 @@ fn wgmma_conv8_matches_the_simulation_and_the_mma_sync_kernel() {
         let sources = VARIANTS.iter().map(|v| format!("{all}_{v}")).chain([all.clone()]);
         let chosen = |s: &String| only.as_deref().is_none_or(|o| if o == "all" { *s == all } else { s.ends_with(o) });
         for source in sources.filter(chosen) {
-            let Some(engine) = build(&gpu, &graph, precision, &path, &source, &mut failures) else { continue };
+            let Some(engine) = build(&gpu, graph, precision, &path, &source, &mut failures) else { continue };
             print!("{}{}", engine.describe(), engine.summary);
             // Every conv is 8-bit, and every one took the forced kernel.
             let eight_bit: Vec<String> =
                 engine.layers().filter(|l| kiln::dev::plan::precision_of_kind(&l.kind()).is_some()).map(|l| l.path().to_string()).collect();
             let forced: Vec<String> = engine.layers().filter(|l| l.kind().starts_with(&source)).map(|l| l.path().to_string()).collect();
-            if eight_bit != CONVS || forced != CONVS {
+            if eight_bit != case.convs || forced != case.convs {
+                let want = case.convs;
                 failures
-                    .push(format!("`{source}`: 8-bit layers {eight_bit:?}, on the forced kernel {forced:?}, expected {CONVS:?} for both"));
+                    .push(format!("`{source}`: 8-bit layers {eight_bit:?}, on the forced kernel {forced:?}, expected {want:?} for both"));
             }
             for (i, got) in run(&engine, &input).iter().enumerate() {
                 let batch = BATCHES[i];
-                for name in OUTPUTS {
+                for &name in case.outputs {
                     let y = &got[name].data;
                     let (rel, max_abs) = rel_l2(y, &sim[name].data[..y.len()]);
                     println!(

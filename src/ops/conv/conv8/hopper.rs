@@ -519,6 +519,10 @@ mod tests {
             (48, [9, 11], 32, 3, 1, 2, 2),
             (144, [6, 5], 16, 3, 1, 1, 1),
             (16, [3, 40], 272, 3, 2, 1, 1),
+            // 64 × 2 patches whose first and last filter rows' boxes lie wholly outside; 128 × 1
+            // patches of 256-pixel stride-2 boxes (tests/gpu_conv8_hopper.rs's `edges`).
+            (16, [2, 258], 32, 3, 1, 2, 2),
+            (32, [2, 258], 32, 3, 2, 1, 1),
         ];
         let seed = crate::seeded::run_seed();
         for (i, &(c, hw, k, rs, stride, pad, dil)) in cases.iter().enumerate() {
