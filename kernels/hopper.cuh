@@ -251,9 +251,9 @@ __device__ __forceinline__ void wgmma_m64n256k16_f16(float* d, u64 desc_a, u64 d
     C(d[120]), C(d[121]), C(d[122]), C(d[123]), C(d[124]), C(d[125]), C(d[126]), C(d[127])
 
 // D[64×N] (+)= A[64×32]·B[32×N] on 8-bit codes, A and B through K-major descriptors; `accumulate`
-// 0 overwrites D. `_s8`: int8 × int8 into exact s32 accumulators (no saturation: a conv's
-// reduction of R·S·C < 2^17 products of at most 2^14 cannot overflow); `_e4m3`: e4m3 × e4m3 into
-// f32. Accumulator layout as the f16 wgmmas' (`wgmma_acc_row/col`).
+// 0 overwrites D. `_s8`: int8 × int8 into exact s32 accumulators, wrapping (the conv's host side
+// refuses reductions of more than (2^31 − 1) / 2^14 products); `_e4m3`: e4m3 × e4m3 into f32.
+// Accumulator layout as the f16 wgmmas' (`wgmma_acc_row/col`).
 #define WGMMA_K32(N, NACC, DA, DB, P, SUFFIX, TYPES, T, C, TAIL)                                                                   \
     __device__ __forceinline__ void wgmma_m64n##N##k32_##SUFFIX(T* d, u64 desc_a, u64 desc_b, int accumulate) {                   \
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #P ", 0;\n"                                                           \

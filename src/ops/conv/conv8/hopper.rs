@@ -7,7 +7,8 @@
 //! activation is the matrix `[N·H·W, C]`), patch mode otherwise (a block's 128 output pixels are a
 //! `patch_h × patch_w` patch of one image, each filter tap's input a 4-D TMA box with traversal
 //! strides), with the patch shape that computes the fewest pixels past the output's edges. A conv
-//! it cannot run (another device, stride above 8) gets no candidate, and the reason is logged.
+//! it cannot run (another device, stride above 8, a reduction whose s32 sums could overflow) gets
+//! no candidate, and the reason is logged.
 //! The weight's map is encoded once per layer; the activation's at every enqueue (its address
 //! and batch change), as the wgmma GEMM does.
 
@@ -30,6 +31,8 @@ const THREADS: u32 = 384;
 /// TMA's limits on a box's extent and on traversal strides.
 const MAX_BOX: usize = 256;
 const MAX_TRAVERSAL_STRIDE: usize = 8;
+/// The longest reduction whose int8 sums fit s32: (2^31 − 1) / (128 · 128) products.
+const MAX_REDUCTION: usize = (i32::MAX as usize) / (128 * 128);
 
 /// One compiled tile: `bn` output channels per block, `bk` codes of the reduction per stage (one
 /// swizzled shared-memory row), `stages` in the ring (`CONV8_HOPPER` in the kernel).
@@ -123,6 +126,11 @@ fn plan(arch: &str, g: &Geometry) -> std::result::Result<Tiling, String> {
     }
     if !g.c.is_multiple_of(16) || !g.k.is_multiple_of(16) {
         return Err(format!("needs C and K multiples of 16 (TMA's 16-byte strides, 16-channel epilogue), got C = {}, K = {}", g.c, g.k));
+    }
+    // An int8 reduction's s32 sum must not overflow: at most 128 · 128 per product.
+    let reduction = g.r.checked_mul(g.s).and_then(|rs| rs.checked_mul(g.c));
+    if reduction.is_none_or(|n| n > MAX_REDUCTION) {
+        return Err(format!("a reduction of {}×{}×{} codes could overflow its s32 sums (at most {MAX_REDUCTION})", g.r, g.s, g.c));
     }
     if [g.r, g.s] == [1, 1] && g.stride == [1, 1] && g.padding == [0, 0] {
         return Ok(Tiling::Gemm);
@@ -323,6 +331,10 @@ mod tests {
         assert!(plan("sm_90", &Geometry { c: 24, ..g }).unwrap_err().contains("multiples of 16"));
         assert!(plan("sm_90", &Geometry { k: 40, ..g }).unwrap_err().contains("multiples of 16"));
         assert!(plan("sm_90", &conv(64, [64, 64], 64, 3, 9, 1)).unwrap_err().contains("traversal strides"));
+        assert_eq!(MAX_REDUCTION, 131_071);
+        assert!(plan("sm_90", &conv(14_560, [8, 8], 64, 3, 1, 1)).is_ok(), "9 × 14560 = 131040 codes");
+        assert!(plan("sm_90", &conv(14_576, [8, 8], 64, 3, 1, 1)).unwrap_err().contains("overflow"));
+        assert!(plan("sm_90", &Geometry { r: usize::MAX, ..g }).unwrap_err().contains("overflow"));
         // Strides up to 8 take narrower patches: 16 × 8 needs boxes of 128 × 64 inputs.
         assert_eq!(plan("sm_90", &conv(64, [256, 256], 64, 1, 8, 0)), Ok(Tiling::Patch { w: 16, h: 8 }));
     }
