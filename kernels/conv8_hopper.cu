@@ -1,7 +1,7 @@
 // 8-bit convolution on Hopper's asynchronous tensor cores (sm_90a): the same conv, operands and
 // epilogue as kernels/conv8.cu (its header is the contract: NHWC codes in, [K][R][S][C] weight
 // codes, v = acc · alpha[k] + bias[k] (+ residual) ; ReLU ; f16 or requantised codes out), but
-// its operands are brought by TMA and multiplied by wgmma (s8·s8 → s32, e4m3·e4m3 → f32) in a
+// its operands are brought by TMA and multiplied by wgmma (s8·s8 → s32; the e4m3 form is not compiled: see the end) in a
 // warp-specialised pipeline. One more tactic of the conv8 family (src/ops/conv/conv8/hopper.rs),
 // timed against the mma.sync tiles and cuDNN; nothing forces it.
 //
@@ -209,7 +209,7 @@ CONV8_HOPPER(i8, false, 64, 64, 8)
 CONV8_HOPPER(i8, false, 128, 64, 8)
 CONV8_HOPPER(i8, false, 128, 128, 6)
 CONV8_HOPPER(i8, false, 256, 128, 4)
-CONV8_HOPPER(e4m3, true, 64, 64, 8)
-CONV8_HOPPER(e4m3, true, 128, 64, 8)
-CONV8_HOPPER(e4m3, true, 128, 128, 6)
-CONV8_HOPPER(e4m3, true, 256, 128, 4)
+// No e4m3 entry points: the FP8 form (FP8 = true) ran on an H200 and its sums drifted from f32
+// ones (rel L2 1.4e-3 after one requantised conv, 1.3-3e-2 after four, where the mma.sync kernel
+// stays under 1e-3), also when each stage's sums were promoted to f32 registers; wgmma's e4m3
+// accumulation keeps fewer bits inside an instruction. FP8 convs stay on kernels/conv8.cu.
