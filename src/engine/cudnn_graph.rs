@@ -257,6 +257,11 @@ impl FusedConv {
         let graph = Desc::new(Kind::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR)?;
         graph.set_descs(Attr::CUDNN_ATTR_OPERATIONGRAPH_OPS, &ops.iter().collect::<Vec<_>>())?;
         graph.set(Attr::CUDNN_ATTR_OPERATIONGRAPH_HANDLE, Ty::CUDNN_TYPE_HANDLE, &[handle])?;
+        if kernel_cache_enabled() {
+            // A dynamic-shape graph: its plans at other batch sizes may reuse one compiled kernel
+            // (`kernel_cache`); heuristics then rank only engines that allow it.
+            graph.set(Attr::CUDNN_ATTR_OPERATIONGRAPH_IS_DYNAMIC_SHAPE_ENABLED, Ty::CUDNN_TYPE_BOOLEAN, &[true])?;
+        }
         let graph = graph.finalize("finalizing the cuDNN operation graph")?;
         parts.extend(ops);
         Ok(OpGraph { graph, _parts: parts })
@@ -320,7 +325,7 @@ pub fn engine_configs(handle: dnn::cudnnHandle_t, conv: &FusedConv, batch: usize
 struct Plan {
     plan: Desc,
     workspace: usize,
-    _made_from: (OpGraph, Desc, Vec<Desc>, Desc),
+    _made_from: (OpGraph, Desc, Vec<Desc>, Desc, Option<Arc<KernelCache>>),
 }
 
 /// The plan of `conv` on `cfg` at `batch` images on `gpu`, made with `handle` (one of the GPU's;
@@ -341,13 +346,13 @@ fn shared_plan(gpu: &Gpu, handle: dnn::cudnnHandle_t, conv: &FusedConv, cfg: &En
         let mut plans = plans.lock().unwrap_or_else(|p| p.into_inner());
         // A slot being filled is locked and kept; a free one whose plan is gone is dropped.
         plans.retain(|_, s| s.try_lock().map_or(true, |p| p.strong_count() > 0));
-        plans.entry(key).or_default().clone()
+        plans.entry(key.clone()).or_default().clone()
     };
     let mut held = slot.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(plan) = held.upgrade() {
         return Ok(plan);
     }
-    let plan = Arc::new(make_plan(handle, conv, cfg, batch)?);
+    let plan = Arc::new(make_plan(key.0, handle, conv, cfg, batch)?);
     *held = Arc::downgrade(&plan);
     Ok(plan)
 }
@@ -361,15 +366,48 @@ pub(crate) fn plans_built() -> (u64, f64) {
     (PLANS_BUILT.0.load(Ordering::Relaxed), PLANS_BUILT.1.load(Ordering::Relaxed) as f64 * 1e-9)
 }
 
-fn make_plan(handle: dnn::cudnnHandle_t, conv: &FusedConv, cfg: &EngineConfig, batch: usize) -> Result<Plan> {
+fn make_plan(ctx: usize, handle: dnn::cudnnHandle_t, conv: &FusedConv, cfg: &EngineConfig, batch: usize) -> Result<Plan> {
     let start = std::time::Instant::now();
-    let plan = make_plan_untimed(handle, conv, cfg, batch);
+    let plan = make_plan_untimed(ctx, handle, conv, cfg, batch);
     PLANS_BUILT.0.fetch_add(1, Ordering::Relaxed);
     PLANS_BUILT.1.fetch_add(u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
     plan
 }
 
-fn make_plan_untimed(handle: dnn::cudnnHandle_t, conv: &FusedConv, cfg: &EngineConfig, batch: usize) -> Result<Plan> {
+/// Whether fused plans share compiled kernels across batch sizes (cuDNN's kernel cache for
+/// dynamic-shape graphs): on unless `KILN_CUDNN_KERNEL_CACHE=0`, read once.
+fn kernel_cache_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KILN_CUDNN_KERNEL_CACHE").map_or(true, |v| v != "0"))
+}
+
+/// cuDNN's kernel cache of one problem (`conv` without its batch) on one engine configuration.
+struct KernelCache {
+    desc: Desc,
+    /// Held while a plan is finalized with the cache: cuDNN documents no concurrent use.
+    lock: Mutex<()>,
+}
+
+/// The kernel cache that plans of `conv` on `cfg` at every batch share, in `ctx` (one per
+/// problem and configuration, kept while any plan holds it): runtime fusion compiles a kernel
+/// once for the problem instead of once per planned batch size (9 of them at batch 1..=256).
+fn kernel_cache(ctx: usize, conv: &FusedConv, cfg: &EngineConfig) -> Result<Arc<KernelCache>> {
+    type Caches = Mutex<HashMap<(usize, String), Weak<KernelCache>>>;
+    static CACHES: OnceLock<Caches> = OnceLock::new();
+    let caches = CACHES.get_or_init(Default::default);
+    let key = (ctx, format!("{conv:?}|{}", cfg.name()));
+    let mut caches = caches.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(c) = caches.get(&key).and_then(Weak::upgrade) {
+        return Ok(c);
+    }
+    let desc = Desc::new(Kind::CUDNN_BACKEND_KERNEL_CACHE_DESCRIPTOR)?.finalize("finalizing a cuDNN kernel cache")?;
+    let cache = Arc::new(KernelCache { desc, lock: Mutex::new(()) });
+    caches.retain(|_, c| c.strong_count() > 0);
+    caches.insert(key, Arc::downgrade(&cache));
+    Ok(cache)
+}
+
+fn make_plan_untimed(ctx: usize, handle: dnn::cudnnHandle_t, conv: &FusedConv, cfg: &EngineConfig, batch: usize) -> Result<Plan> {
     let og = conv.op_graph(handle, batch)?;
     let engine = Desc::new(Kind::CUDNN_BACKEND_ENGINE_DESCRIPTOR)?;
     engine.set_descs(Attr::CUDNN_ATTR_ENGINE_OPERATION_GRAPH, &[&og.graph])?;
@@ -391,9 +429,16 @@ fn make_plan_untimed(handle: dnn::cudnnHandle_t, conv: &FusedConv, cfg: &EngineC
     let plan = Desc::new(Kind::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
     plan.set(Attr::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, Ty::CUDNN_TYPE_HANDLE, &[handle])?;
     plan.set_descs(Attr::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, &[&ec])?;
-    let plan = plan.finalize(&format!("building cuDNN's {} plan at batch {batch}", cfg.name()))?;
+    let cache = if kernel_cache_enabled() { Some(kernel_cache(ctx, conv, cfg)?) } else { None };
+    let plan = {
+        let _one = cache.as_ref().map(|c| c.lock.lock().unwrap_or_else(|p| p.into_inner()));
+        if let Some(c) = &cache {
+            plan.set_descs(Attr::CUDNN_ATTR_EXECUTION_PLAN_KERNEL_CACHE, &[&c.desc])?;
+        }
+        plan.finalize(&format!("building cuDNN's {} plan at batch {batch}", cfg.name()))?
+    };
     let workspace = plan.get_i64(Attr::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE)?.max(0) as usize;
-    Ok(Plan { plan, workspace, _made_from: (og, engine, knobs, ec) })
+    Ok(Plan { plan, workspace, _made_from: (og, engine, knobs, ec, cache) })
 }
 
 /// The batch sizes that get a plan of their own for an engine of `opt` and `max` images: those
