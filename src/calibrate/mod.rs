@@ -54,9 +54,7 @@ pub enum CalibrationMethod {
     /// TensorRT's default: the threshold minimising the KL divergence between the histogram
     /// clipped there and its 128-level quantisation.
     Entropy,
-    /// The given percentile of `|x|` (TensorRT uses 99.99). Kiln's default, 99.99, for both
-    /// formats: the least error against FP32 of the four methods on held-out photos, INT8 and FP8
-    /// alike (docs/QUANT.md's table).
+    /// The given percentile of `|x|` (TensorRT uses 99.99; the `percentile` flag means 99.99).
     Percentile(f64),
     /// `max |x|`.
     MinMax,

@@ -384,6 +384,8 @@ fn kernel_cache_enabled() -> bool {
 /// cuDNN's kernel cache of one problem (`conv` without its batch) on one engine configuration.
 struct KernelCache {
     desc: Desc,
+    /// The dynamic-shape graph the cache was finalized for (cuDNN requires one; any batch's).
+    _graph: OpGraph,
     /// Held while a plan is finalized with the cache: cuDNN documents no concurrent use.
     lock: Mutex<()>,
 }
@@ -391,7 +393,7 @@ struct KernelCache {
 /// The kernel cache that plans of `conv` on `cfg` at every batch share, in `ctx` (one per
 /// problem and configuration, kept while any plan holds it): runtime fusion compiles a kernel
 /// once for the problem instead of once per planned batch size (9 of them at batch 1..=256).
-fn kernel_cache(ctx: usize, conv: &FusedConv, cfg: &EngineConfig) -> Result<Arc<KernelCache>> {
+fn kernel_cache(ctx: usize, handle: dnn::cudnnHandle_t, conv: &FusedConv, cfg: &EngineConfig, batch: usize) -> Result<Arc<KernelCache>> {
     type Caches = Mutex<HashMap<(usize, String), Weak<KernelCache>>>;
     static CACHES: OnceLock<Caches> = OnceLock::new();
     let caches = CACHES.get_or_init(Default::default);
@@ -400,8 +402,14 @@ fn kernel_cache(ctx: usize, conv: &FusedConv, cfg: &EngineConfig) -> Result<Arc<
     if let Some(c) = caches.get(&key).and_then(Weak::upgrade) {
         return Ok(c);
     }
-    let desc = Desc::new(Kind::CUDNN_BACKEND_KERNEL_CACHE_DESCRIPTOR)?.finalize("finalizing a cuDNN kernel cache")?;
-    let cache = Arc::new(KernelCache { desc, lock: Mutex::new(()) });
+    // cuDNN finalizes a kernel cache only with the operation graph it serves
+    // (`CUDNN_ATTR_KERNEL_CACHE_OPERATION_GRAPH`, since 9.5): the problem's graph at the first
+    // batch asked for, kept with the cache.
+    let graph = conv.op_graph(handle, batch)?;
+    let desc = Desc::new(Kind::CUDNN_BACKEND_KERNEL_CACHE_DESCRIPTOR)?;
+    desc.set_descs(Attr::CUDNN_ATTR_KERNEL_CACHE_OPERATION_GRAPH, &[&graph.graph])?;
+    let desc = desc.finalize("finalizing a cuDNN kernel cache")?;
+    let cache = Arc::new(KernelCache { desc, _graph: graph, lock: Mutex::new(()) });
     caches.retain(|_, c| c.strong_count() > 0);
     caches.insert(key, Arc::downgrade(&cache));
     Ok(cache)
@@ -429,7 +437,14 @@ fn make_plan_untimed(ctx: usize, handle: dnn::cudnnHandle_t, conv: &FusedConv, c
     let plan = Desc::new(Kind::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
     plan.set(Attr::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, Ty::CUDNN_TYPE_HANDLE, &[handle])?;
     plan.set_descs(Attr::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, &[&ec])?;
-    let cache = if kernel_cache_enabled() { Some(kernel_cache(ctx, conv, cfg)?) } else { None };
+    // A cache cuDNN refuses costs this problem its sharing, not its plan.
+    let cache = kernel_cache_enabled()
+        .then(|| {
+            kernel_cache(ctx, handle, conv, cfg, batch)
+                .map_err(|e| tracing::debug!("{}: no kernel cache for {conv:?}: {e}", cfg.name()))
+                .ok()
+        })
+        .flatten();
     let plan = {
         let _one = cache.as_ref().map(|c| c.lock.lock().unwrap_or_else(|p| p.into_inner()));
         if let Some(c) = &cache {
