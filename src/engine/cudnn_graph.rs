@@ -167,9 +167,8 @@ impl FusedConv {
         v.iter().map(|&d| d as i64).collect()
     }
 
-    /// The operation graph at `batch` images; `dynamic`: marked dynamic-shape, so that its plans
-    /// may share a compiled kernel through a kernel cache ([`Kernel::Shared`]).
-    fn op_graph(&self, handle: dnn::cudnnHandle_t, batch: usize, dynamic: bool) -> Result<OpGraph> {
+    /// The operation graph at `batch` images.
+    fn op_graph(&self, handle: dnn::cudnnHandle_t, batch: usize) -> Result<OpGraph> {
         let [c, h, w, k, r, s, p, q] = self.dims.map(|d| d as i64);
         let n = batch as i64;
         let y_dims = [n, k, p, q];
@@ -258,9 +257,6 @@ impl FusedConv {
         let graph = Desc::new(Kind::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR)?;
         graph.set_descs(Attr::CUDNN_ATTR_OPERATIONGRAPH_OPS, &ops.iter().collect::<Vec<_>>())?;
         graph.set(Attr::CUDNN_ATTR_OPERATIONGRAPH_HANDLE, Ty::CUDNN_TYPE_HANDLE, &[handle])?;
-        if dynamic {
-            graph.set(Attr::CUDNN_ATTR_OPERATIONGRAPH_IS_DYNAMIC_SHAPE_ENABLED, Ty::CUDNN_TYPE_BOOLEAN, &[true])?;
-        }
         let graph = graph.finalize("finalizing the cuDNN operation graph")?;
         parts.extend(ops);
         Ok(OpGraph { graph, _parts: parts })
@@ -288,7 +284,7 @@ const MAX_KNOBS: usize = 64;
 /// The engine configurations cuDNN's heuristics (mode A) rank for `conv` at `batch`, best first, at
 /// most `max`; empty where cuDNN has no engine for the graph (an unsupported fusion).
 pub fn engine_configs(handle: dnn::cudnnHandle_t, conv: &FusedConv, batch: usize, max: usize) -> Result<Vec<EngineConfig>> {
-    let og = match conv.op_graph(handle, batch, false) {
+    let og = match conv.op_graph(handle, batch) {
         Ok(g) => g,
         Err(_) => return Ok(Vec::new()),
     };
@@ -324,7 +320,7 @@ pub fn engine_configs(handle: dnn::cudnnHandle_t, conv: &FusedConv, batch: usize
 struct Plan {
     plan: Desc,
     workspace: usize,
-    _made_from: (OpGraph, Desc, Vec<Desc>, Desc, Option<Arc<KernelCache>>),
+    _made_from: (OpGraph, Desc, Vec<Desc>, Desc),
 }
 
 /// The plan of `conv` on `cfg` at `batch` images on `gpu`, made with `handle` (one of the GPU's;
@@ -334,31 +330,24 @@ struct Plan {
 /// plans instead of compiling each again: runtime fusion compiles a kernel per plan, most of an
 /// 8-bit build's time. Threads preparing layers in parallel (`plan::prepare_in_parallel`) wait for each
 /// other only on one problem: its slot is locked while it compiles.
-fn shared_plan(
-    gpu: &Gpu,
-    handle: dnn::cudnnHandle_t,
-    conv: &FusedConv,
-    cfg: &EngineConfig,
-    batch: usize,
-    kernel: Kernel,
-) -> Result<Arc<Plan>> {
+fn shared_plan(gpu: &Gpu, handle: dnn::cudnnHandle_t, conv: &FusedConv, cfg: &EngineConfig, batch: usize) -> Result<Arc<Plan>> {
     type Slot = Arc<Mutex<Weak<Plan>>>;
     static PLANS: OnceLock<Mutex<HashMap<(usize, String), Slot>>> = OnceLock::new();
     let plans = PLANS.get_or_init(Default::default);
     // A plan alive keeps its layer's GPU alive, and with it the context: a context's address is
     // not reused while a plan made in it can be found here.
-    let key = (gpu.ctx.cu_ctx() as usize, format!("{conv:?}|{}|{batch}|{kernel:?}", cfg.name()));
+    let key = (gpu.ctx.cu_ctx() as usize, format!("{conv:?}|{}|{batch}", cfg.name()));
     let slot = {
         let mut plans = plans.lock().unwrap_or_else(|p| p.into_inner());
         // A slot being filled is locked and kept; a free one whose plan is gone is dropped.
         plans.retain(|_, s| s.try_lock().map_or(true, |p| p.strong_count() > 0));
-        plans.entry(key.clone()).or_default().clone()
+        plans.entry(key).or_default().clone()
     };
     let mut held = slot.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(plan) = held.upgrade() {
         return Ok(plan);
     }
-    let plan = Arc::new(make_plan(key.0, handle, conv, cfg, batch, kernel)?);
+    let plan = Arc::new(make_plan(handle, conv, cfg, batch)?);
     *held = Arc::downgrade(&plan);
     Ok(plan)
 }
@@ -372,85 +361,16 @@ pub(crate) fn plans_built() -> (u64, f64) {
     (PLANS_BUILT.0.load(Ordering::Relaxed), PLANS_BUILT.1.load(Ordering::Relaxed) as f64 * 1e-9)
 }
 
-fn make_plan(ctx: usize, handle: dnn::cudnnHandle_t, conv: &FusedConv, cfg: &EngineConfig, batch: usize, kernel: Kernel) -> Result<Plan> {
+fn make_plan(handle: dnn::cudnnHandle_t, conv: &FusedConv, cfg: &EngineConfig, batch: usize) -> Result<Plan> {
     let start = std::time::Instant::now();
-    // A shared kernel cuDNN refuses (the cache, or the configuration on a dynamic-shape graph)
-    // costs the plan its sharing, not the plan.
-    let plan = match kernel {
-        Kernel::Shared => make_plan_untimed(ctx, handle, conv, cfg, batch, Kernel::Shared).or_else(|e| {
-            tracing::debug!("{} at batch {batch}: no shared kernel ({e}); a specialised one", cfg.name());
-            make_plan_untimed(ctx, handle, conv, cfg, batch, Kernel::Specialised)
-        }),
-        Kernel::Specialised => make_plan_untimed(ctx, handle, conv, cfg, batch, kernel),
-    };
+    let plan = make_plan_untimed(handle, conv, cfg, batch);
     PLANS_BUILT.0.fetch_add(1, Ordering::Relaxed);
     PLANS_BUILT.1.fetch_add(u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
     plan
 }
 
-/// How a plan gets its kernel. Runtime fusion compiles a kernel for each plan, specialised to its
-/// shapes, and a build plans each layer at up to 9 batch sizes (`planned_sizes`): most of an 8-bit
-/// build's time, even when the driver has the kernels cached (each plan is finalised again).
-/// Shared plans are made on a dynamic-shape graph with cuDNN's kernel cache, one per problem and
-/// configuration, so one compiled kernel serves every batch size; but on an H200 dynamic-shape
-/// kernels made ResNet-50 INT8 at batch 256 27% slower (60.0k against 44.0k images/s). So the batch
-/// sizes an engine is tuned for (its opt and max) get specialised plans, and the others share.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kernel {
-    Specialised,
-    Shared,
-}
-
-/// Whether plans at an engine's other batch sizes share a kernel ([`Kernel::Shared`]): yes unless
-/// `KILN_CUDNN_KERNEL_CACHE=0`, read once.
-fn kernel_cache_enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KILN_CUDNN_KERNEL_CACHE").map_or(true, |v| v != "0"))
-}
-
-/// cuDNN's kernel cache of one problem (`conv` without its batch) on one engine configuration.
-struct KernelCache {
-    desc: Desc,
-    /// The dynamic-shape graph the cache was finalized for (cuDNN requires one; any batch's).
-    _graph: OpGraph,
-    /// Held while a plan is finalized with the cache: cuDNN documents no concurrent use.
-    lock: Mutex<()>,
-}
-
-/// The kernel cache that plans of `conv` on `cfg` at every batch share, in `ctx` (one per
-/// problem and configuration, kept while any plan holds it): runtime fusion compiles a kernel
-/// once for the problem instead of once per planned batch size (9 of them at batch 1..=256).
-fn kernel_cache(ctx: usize, handle: dnn::cudnnHandle_t, conv: &FusedConv, cfg: &EngineConfig, batch: usize) -> Result<Arc<KernelCache>> {
-    type Caches = Mutex<HashMap<(usize, String), Weak<KernelCache>>>;
-    static CACHES: OnceLock<Caches> = OnceLock::new();
-    let caches = CACHES.get_or_init(Default::default);
-    let key = (ctx, format!("{conv:?}|{}", cfg.name()));
-    let mut caches = caches.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(c) = caches.get(&key).and_then(Weak::upgrade) {
-        return Ok(c);
-    }
-    // cuDNN finalizes a kernel cache only with the operation graph it serves
-    // (`CUDNN_ATTR_KERNEL_CACHE_OPERATION_GRAPH`, since 9.5): the problem's graph at the first
-    // batch asked for, kept with the cache.
-    let graph = conv.op_graph(handle, batch, true)?;
-    let desc = Desc::new(Kind::CUDNN_BACKEND_KERNEL_CACHE_DESCRIPTOR)?;
-    desc.set_descs(Attr::CUDNN_ATTR_KERNEL_CACHE_OPERATION_GRAPH, &[&graph.graph])?;
-    let desc = desc.finalize("finalizing a cuDNN kernel cache")?;
-    let cache = Arc::new(KernelCache { desc, _graph: graph, lock: Mutex::new(()) });
-    caches.retain(|_, c| c.strong_count() > 0);
-    caches.insert(key, Arc::downgrade(&cache));
-    Ok(cache)
-}
-
-fn make_plan_untimed(
-    ctx: usize,
-    handle: dnn::cudnnHandle_t,
-    conv: &FusedConv,
-    cfg: &EngineConfig,
-    batch: usize,
-    kernel: Kernel,
-) -> Result<Plan> {
-    let og = conv.op_graph(handle, batch, kernel == Kernel::Shared)?;
+fn make_plan_untimed(handle: dnn::cudnnHandle_t, conv: &FusedConv, cfg: &EngineConfig, batch: usize) -> Result<Plan> {
+    let og = conv.op_graph(handle, batch)?;
     let engine = Desc::new(Kind::CUDNN_BACKEND_ENGINE_DESCRIPTOR)?;
     engine.set_descs(Attr::CUDNN_ATTR_ENGINE_OPERATION_GRAPH, &[&og.graph])?;
     engine.set_i64s(Attr::CUDNN_ATTR_ENGINE_GLOBAL_INDEX, &[cfg.index])?;
@@ -471,19 +391,9 @@ fn make_plan_untimed(
     let plan = Desc::new(Kind::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
     plan.set(Attr::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, Ty::CUDNN_TYPE_HANDLE, &[handle])?;
     plan.set_descs(Attr::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, &[&ec])?;
-    let cache = match kernel {
-        Kernel::Shared => Some(kernel_cache(ctx, handle, conv, cfg, batch)?),
-        Kernel::Specialised => None,
-    };
-    let plan = {
-        let _one = cache.as_ref().map(|c| c.lock.lock().unwrap_or_else(|p| p.into_inner()));
-        if let Some(c) = &cache {
-            plan.set_descs(Attr::CUDNN_ATTR_EXECUTION_PLAN_KERNEL_CACHE, &[&c.desc])?;
-        }
-        plan.finalize(&format!("building cuDNN's {} plan at batch {batch}", cfg.name()))?
-    };
+    let plan = plan.finalize(&format!("building cuDNN's {} plan at batch {batch}", cfg.name()))?;
     let workspace = plan.get_i64(Attr::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE)?.max(0) as usize;
-    Ok(Plan { plan, workspace, _made_from: (og, engine, knobs, ec, cache) })
+    Ok(Plan { plan, workspace, _made_from: (og, engine, knobs, ec) })
 }
 
 /// The batch sizes that get a plan of their own for an engine of `opt` and `max` images: those
@@ -524,8 +434,6 @@ pub struct FusedConvLayer {
     constants: Vec<DeviceBuf>,
     /// Batch sizes with a plan of their own, largest first; other batches run in slices of these.
     sizes: Vec<usize>,
-    /// The engine's opt and max batch sizes: their plans get specialised kernels ([`Kernel`]).
-    tuned: [usize; 2],
     plans: Mutex<BTreeMap<usize, Arc<Plan>>>,
 }
 
@@ -546,22 +454,7 @@ impl FusedConvLayer {
     ) -> Self {
         let kind = format!("{kind_prefix}:{}", cfg.name());
         let sizes = planned_sizes(opt, max);
-        let tuned = [opt, max];
-        Self {
-            gpu: gpu.clone(),
-            path: path.to_string(),
-            kind,
-            conv,
-            cfg,
-            x,
-            y,
-            z,
-            w,
-            constants,
-            sizes,
-            tuned,
-            plans: Mutex::new(BTreeMap::new()),
-        }
+        Self { gpu: gpu.clone(), path: path.to_string(), kind, conv, cfg, x, y, z, w, constants, sizes, plans: Mutex::new(BTreeMap::new()) }
     }
 
     /// The plan at `size` images, made with `handle` where it is not made yet.
@@ -570,8 +463,7 @@ impl FusedConvLayer {
         if let Some(p) = self.plans.lock().map_err(|_| poisoned())?.get(&size) {
             return Ok(p.clone());
         }
-        let kernel = if self.tuned.contains(&size) || !kernel_cache_enabled() { Kernel::Specialised } else { Kernel::Shared };
-        let p = shared_plan(&self.gpu, handle, &self.conv, &self.cfg, size, kernel)?;
+        let p = shared_plan(&self.gpu, handle, &self.conv, &self.cfg, size)?;
         self.plans.lock().map_err(|_| poisoned())?.insert(size, p.clone());
         Ok(p)
     }
