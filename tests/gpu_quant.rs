@@ -747,3 +747,38 @@ fn resnet50_int8_fp8_cosine_against_fp32() {
     let _ = std::fs::remove_dir_all(&dir);
     assert!(failures.is_empty(), "{failures:#?}");
 }
+
+/// cuDNN's fused INT8 convs through the plan cache on disk: ResNet-18 (seeded) built twice with
+/// only cuDNN's fused graphs as conv tactics; the second build restores every plan the first
+/// made (none compiled again) and its engine computes the first's outputs bit for bit.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn cudnn_plans_restored_from_the_plan_cache_compute_the_same() {
+    let Some(gpu) = gpu() else { return };
+    let n = 4;
+    let graph = kiln_models::trace("resnet18", VarBuilder::seeded(), n, 224).expect("trace");
+    let calib = [common::random(&[4, 3, 224, 224], 181, 2.0)];
+    let stats = Calibrator::new(&graph).expect("calibrator").collect(&calib).expect("calibrate");
+    let path = std::env::temp_dir().join(format!("kiln-plan-cache-{}.json", std::process::id()));
+    stats.cache(CalibrationMethod::default()).save(&path).expect("save cache");
+    let input = common::random(&[n, 3, 224, 224], 182, 2.0);
+    let run = || {
+        let config =
+            BuildConfig::default().precision(Precision::Int8).batch(1, n, n).calibration_cache(&path).tactic_sources(&["cudnn-graph"]);
+        let engine = EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph).expect("build");
+        let t = &engine.summary.build_time;
+        let cudnn = engine.layers().filter(|l| l.kind().starts_with("cudnn-graph")).count();
+        println!(
+            "plans made {}, from the plan cache {}, in {:.2} s; {cudnn} layers on cuDNN's fused graphs",
+            t.fused_plans.0, t.fused_plans_from_disk, t.fused_plans.1
+        );
+        let out = Arc::new(engine).context().expect("context").run(&[("input", &input)]).expect("run")["logits"].clone();
+        (t.fused_plans.0, t.fused_plans_from_disk, cudnn, out)
+    };
+    let (_, _, cudnn, first) = run();
+    let (made, restored, _, second) = run();
+    let _ = std::fs::remove_file(&path);
+    assert!(cudnn > 0, "no layer on cuDNN's fused graphs");
+    assert!(made > 0 && restored == made, "the second build restored {restored} of its {made} plans");
+    assert_eq!(first.data, second.data, "restored plans compute what the compiled ones did");
+}

@@ -223,6 +223,7 @@ impl EngineBuilder {
         engine.summary.build_time = std::mem::take(&mut tactics.build_time);
         let plans_after = super::cudnn_graph::plans_built();
         engine.summary.build_time.fused_plans = (plans_after.0 - plans_before.0, plans_after.1 - plans_before.1);
+        engine.summary.build_time.fused_plans_from_disk = plans_after.2 - plans_before.2;
         tracing::debug!(
             seconds = engine.summary.build_seconds,
             timed = tactics.timed,

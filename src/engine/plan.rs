@@ -53,6 +53,8 @@ pub struct BuildTime {
     /// cuDNN fused-conv plans built (runtime fusion compiles one kernel each), and their seconds:
     /// part of making candidates and of choosing (plans are built on first run).
     pub fused_plans: (u64, f64),
+    /// How many of those plans the plan cache on disk held (restored, not compiled).
+    pub fused_plans_from_disk: u64,
     /// Module path and seconds (converting and choosing) of each lowered node, in build order.
     pub per_layer: Vec<(String, f64)>,
 }
@@ -129,7 +131,7 @@ impl std::fmt::Display for BuildSummary {
             let slowest: Vec<String> = t.slowest(3).iter().map(|(p, s)| format!("`{p}` {s:.2} s")).collect();
             writeln!(
                 f,
-                "build time: graph prepared {:.2} s, kernels {:.2} s, layers lowered {:.2} s (choosing tactics {:.2} s, making candidates {:.2} s; {} cuDNN fused plans built in {:.2} s), other {:.2} s; slowest layers: {}",
+                "build time: graph prepared {:.2} s, kernels {:.2} s, layers lowered {:.2} s (choosing tactics {:.2} s, making candidates {:.2} s; {} cuDNN fused plans built in {:.2} s, {} from the plan cache), other {:.2} s; slowest layers: {}",
                 t.prepare,
                 t.kernels,
                 t.layers,
@@ -137,6 +139,7 @@ impl std::fmt::Display for BuildSummary {
                 (t.layers - t.choosing).max(0.0),
                 t.fused_plans.0,
                 t.fused_plans.1,
+                t.fused_plans_from_disk,
                 (self.build_seconds - t.prepare - t.kernels - t.layers).max(0.0),
                 slowest.join(", ")
             )?;
