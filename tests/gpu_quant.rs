@@ -766,7 +766,7 @@ fn cudnn_plans_restored_from_the_plan_cache_compute_the_same() {
         let config =
             BuildConfig::default().precision(Precision::Int8).batch(1, n, n).calibration_cache(&path).tactic_sources(&["cudnn-graph"]);
         let engine = EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph).expect("build");
-        let t = &engine.summary.build_time;
+        let t = engine.summary.build_time.clone();
         let cudnn = engine.layers().filter(|l| l.kind().starts_with("cudnn-graph")).count();
         println!(
             "plans made {}, from the plan cache {}, in {:.2} s; {cudnn} layers on cuDNN's fused graphs",
