@@ -28,8 +28,8 @@ pub use crate::seeded::{fnv1a64, fresh_seed, mix, run_seed, try_uniform_tensor, 
 pub mod quant {
     pub use crate::calibrate::{
         fold_constant_quant, graph_hash, has_quant_nodes, layer_precision, prepare_for_best, prepare_for_engine, quant_points,
-        quantised_layers, quantizable, quantize_graph, simulate, simulation, symmetric_scale, tensor_names, weight_scales, Histogram,
-        QuantPoint, TensorRange,
+        quantised_layers, quantizable, quantize_graph, simulate, simulate_with_rules, simulation, symmetric_scale, tensor_names,
+        weight_scales, Histogram, QuantPoint, TensorRange,
     };
 }
 

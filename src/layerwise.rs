@@ -218,12 +218,13 @@ pub fn run_quantised(
     format: crate::graph::QuantFormat,
     reference: &BTreeMap<String, HostTensor>,
     rtol: f64,
+    rules: &[crate::engine::LayerPrecision],
     execute: impl FnOnce(&Graph, &HostTensor) -> Result<BTreeMap<String, HostTensor>>,
 ) -> Result<LayerwiseReport> {
     let optimized = crate::passes::optimize(traced)?;
     let quantised = match cache {
         _ if crate::calibrate::has_quant_nodes(&optimized) => optimized,
-        Some(cache) => crate::calibrate::quantize_graph(&optimized, cache, format)?,
+        Some(cache) => crate::calibrate::quantize_graph(&optimized, cache, format, rules)?,
         None => {
             return Err(Error::Config {
                 reason: format!("a layerwise comparison of a {} engine needs its calibration cache (--calibration-cache)", format.name()),
@@ -232,7 +233,7 @@ pub fn run_quantised(
     };
     // The graph the CPU simulation runs: weights folded onto their grids and FP16 stored where
     // the engine stores it (`calibrate::simulation`), so that its logits are `simulate`'s.
-    let simulated = crate::calibrate::simulation(&crate::calibrate::fold_constant_quant(&quantised)?, format)?;
+    let simulated = crate::calibrate::simulation(&crate::calibrate::fold_constant_quant(&quantised)?, format, rules)?;
     let keys = fused_keys(traced, &simulated);
     run_keyed(&simulated, &keys, reference, rtol, execute)
 }

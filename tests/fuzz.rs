@@ -869,7 +869,7 @@ fn check_calibration_cache(path: &Path) {
     }
     let (graph, _) = calibrated();
     for format in [kiln::plugin::QuantFormat::Int8, kiln::plugin::QuantFormat::Fp8E4m3] {
-        if let Ok(q) = kiln::dev::quant::quantize_graph(graph, &cache, format) {
+        if let Ok(q) = kiln::dev::quant::quantize_graph(graph, &cache, format, &[]) {
             let x = kiln::dev::uniform_tensor(&[1, 3, 8, 8], 4);
             kiln::run_cpu(&q, &[("input", &x)]).expect("a quantised graph of a loaded cache runs");
             if let Ok(folded) = kiln::dev::quant::fold_constant_quant(&q) {

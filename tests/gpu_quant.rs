@@ -631,7 +631,7 @@ fn layerwise_on_quantised_engines() {
         }
         let cache = stats.cache(CalibrationMethod::Entropy);
         let run = |on_gpu: bool| {
-            kiln::dev::layerwise::run_quantised(&d.graph, Some(&cache), format, &reference, 0.1, |g, input| {
+            kiln::dev::layerwise::run_quantised(&d.graph, Some(&cache), format, &reference, 0.1, &[], |g, input| {
                 if !on_gpu {
                     return kiln::run_cpu(g, &[("input", input)]);
                 }
@@ -746,6 +746,93 @@ fn resnet50_int8_fp8_cosine_against_fp32() {
     }
     let _ = std::fs::remove_dir_all(&dir);
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// ResNet-50's FP8 engine with layers kept in 16 bits (`--layer-precisions`): for each rule set
+/// (`KILN_FP8_RULES`, sets separated by `;`, else the candidates below) the engine's cosine and
+/// rel L2 against FP32 on the inputs and calibration of `resnet50_int8_fp8_cosine_against_fp32`,
+/// and how many layers it quantises: the evidence docs/QUANT.md chooses FP8's default from. Each
+/// engine must quantise exactly the points its rules leave.
+#[test]
+#[ignore = "needs a GPU: run with --include-ignored on the device (tools/gpu-test.sh)"]
+fn resnet50_fp8_with_layers_kept_in_16_bits() {
+    use kiln::engine::LayerPrecision;
+    let Some(gpu) = gpu() else { return };
+    if gpu.info.sm < 89 {
+        println!("FP8 skipped: sm_{}", gpu.info.sm);
+        return;
+    }
+    let file = std::env::var_os("KILN_REFERENCE_DIR").map(|d| PathBuf::from(d).join("torchvision/resnet50.weights.safetensors"));
+    let vb = match file.filter(|f| f.exists()) {
+        Some(f) => VarBuilder::from_safetensors(&[&f]).expect("weights"),
+        None => VarBuilder::seeded(),
+    };
+    let n = 32;
+    let graph = kiln_models::trace("resnet50", vb, n, 224).expect("trace");
+    let input = common::random(&[n, 3, 224, 224], 50, 2.0);
+    let calib: Vec<HostTensor> = (0..4).map(|i| common::random(&[4, 3, 224, 224], 500 + i, 2.0)).collect();
+    let stats = Calibrator::new(&graph).expect("calibrator").collect(&calib).expect("calibrate");
+    let path = std::env::temp_dir().join(format!("kiln-rn50-fp8-rules-{}.json", std::process::id()));
+    stats.cache(CalibrationMethod::default()).save(&path).expect("save cache");
+    let build = |precision: Precision, rules: &[LayerPrecision]| {
+        let mut config = BuildConfig::default().precision(precision).batch(1, n, n).layer_precisions(rules.iter().cloned());
+        if precision != Precision::Fp32 {
+            config = config.calibration_cache(&path);
+        }
+        Arc::new(EngineBuilder::new(config).with_gpu(gpu.clone()).build(&graph).unwrap_or_else(|e| panic!("{precision:?} {rules:?}: {e}")))
+    };
+    let logits = |e: &Arc<kiln::engine::Engine>| e.context().expect("context").run(&[("input", &input)]).expect("run")["logits"].clone();
+    let fp32 = logits(&build(Precision::Fp32, &[]));
+    let classes = fp32.shape[1];
+    let cosine = |a: &[f32], b: &[f32]| {
+        let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+        let norm = |v: &[f32]| v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+        dot / (norm(a) * norm(b)).max(1e-30)
+    };
+    let sets = std::env::var("KILN_FP8_RULES").unwrap_or_else(|_| {
+        [
+            "",
+            "conv1:fp16",
+            "layer1:fp16",
+            "layer4:fp16",
+            "layer4.2:fp16",
+            "*.downsample:fp16",
+            "*.conv3:fp16",
+            "conv1:fp16,layer1.0:fp16",
+            "conv1:fp16,layer4:fp16",
+        ]
+        .join(";")
+    });
+    let full = quantised(&build(Precision::Fp8, &[]));
+    for set in sets.split(';') {
+        let rules = if set.is_empty() { vec![] } else { LayerPrecision::parse_list(set).expect("rules") };
+        let engine = build(Precision::Fp8, &rules);
+        let got = logits(&engine);
+        let cos: Vec<f64> = got.data.chunks_exact(classes).zip(fp32.data.chunks_exact(classes)).map(|(a, b)| cosine(a, b)).collect();
+        let (min, mean) = (cos.iter().copied().fold(f64::INFINITY, f64::min), cos.iter().sum::<f64>() / cos.len() as f64);
+        let (rel, _) = rel_l2(&got.data, &fp32.data);
+        let top1 = kiln::top1(&got).iter().zip(kiln::top1(&fp32)).filter(|(a, b)| *a == b).count();
+        let layers = quantised(&engine);
+        println!(
+            "ResNet-50 FP8 with `{set}` in 16 bits: {} quantised layers; cosine min {min:.5}, mean {mean:.5}; rel L2 {rel:.3e}; top-1 {top1}/{n}",
+            layers.len()
+        );
+        let want: Vec<&String> = full.iter().filter(|p| !rules.iter().any(|r| r.matches(p))).collect();
+        assert_eq!(layers.iter().collect::<Vec<_>>(), want, "`{set}`: the engine quantises every point its rules leave");
+    }
+    let _ = std::fs::remove_file(&path);
+}
+
+/// The module paths of an engine's quantised layers: those its layer listing (`kiln inspect`)
+/// gives an 8-bit precision, but the quantisers themselves.
+fn quantised(engine: &kiln::engine::Engine) -> Vec<String> {
+    let listing = engine.describe();
+    engine
+        .layers()
+        .zip(listing.lines())
+        .filter(|(l, line)| !l.path().ends_with("quantizer") && matches!(line.split_whitespace().nth(1), Some("fp8" | "int8")))
+        .map(|(l, _)| l.path().to_string())
+        .collect()
 }
 
 /// cuDNN's fused INT8 convs through the plan cache on disk: ResNet-18 (seeded) built twice with

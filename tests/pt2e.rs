@@ -49,7 +49,7 @@ fn load(name: &str) -> (Graph, HostTensor, HostTensor) {
 fn int8_graph(graph: &Graph) -> Graph {
     let optimized = kiln::engine::optimize(graph).expect("optimize");
     assert!(has_quant_nodes(&optimized), "the graph carries its own quantisation");
-    prepare_for_engine(optimized, QuantFormat::Int8, None).expect("an INT8 engine's graph")
+    prepare_for_engine(optimized, QuantFormat::Int8, None, &[]).expect("an INT8 engine's graph")
 }
 
 fn count(g: &Graph, f: impl Fn(&Op) -> bool) -> usize {

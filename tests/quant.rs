@@ -116,29 +116,29 @@ fn calibrating_twice_gives_the_same_cache_and_the_cache_round_trips() {
 
     // A build from the file needs no data: it yields exactly the graph the in-memory cache does.
     let optimized = kiln::engine::optimize(&d.graph).expect("optimize");
-    let from_file = prepare_for_engine(optimized.clone(), QuantFormat::Int8, Some(&path)).expect("from the cache file");
-    let again = prepare_for_engine(optimized.clone(), QuantFormat::Int8, Some(&path)).expect("again");
+    let from_file = prepare_for_engine(optimized.clone(), QuantFormat::Int8, Some(&path), &[]).expect("from the cache file");
+    let again = prepare_for_engine(optimized.clone(), QuantFormat::Int8, Some(&path), &[]).expect("again");
     assert_eq!(from_file.nodes, again.nodes);
     let x = HostTensor::new(vec![4, 3, 32, 32], d.heldout.data[..4 * 3 * 1024].to_vec());
     // The simulation of the graph built from the file (its FP16 storage marked as the engine's)
     // is the in-memory cache's simulation.
-    let from_file_sim = kiln::dev::quant::simulation(&from_file, QuantFormat::Int8).expect("simulation");
+    let from_file_sim = kiln::dev::quant::simulation(&from_file, QuantFormat::Int8, &[]).expect("simulation");
     let a = kiln::run_cpu(&from_file_sim, &[("input", &x)]).expect("run");
     let b = kiln::run_cpu(&simulate(&d.graph, &first, QuantFormat::Int8).expect("simulate"), &[("input", &x)]).expect("run");
     assert_eq!(a["logits"], b["logits"], "the graph built from the cache file simulates as the in-memory cache's");
     println!("cache: {} tensors, {} bytes; rebuilt graphs identical", loaded.tensors.len(), text.len());
 
     // Without a cache an INT8 build is refused, naming the way out; a cache of another graph too.
-    let err = prepare_for_engine(optimized.clone(), QuantFormat::Int8, None).expect_err("needs a cache");
+    let err = prepare_for_engine(optimized.clone(), QuantFormat::Int8, None, &[]).expect_err("needs a cache");
     assert!(matches!(&err, Error::Config { reason } if reason.contains("calibration cache")), "{err}");
     let mut other = first.clone();
     other.graph_hash = "0000000000000000".into();
-    let err = quantize_graph(&optimized, &other, QuantFormat::Int8).expect_err("other graph");
+    let err = quantize_graph(&optimized, &other, QuantFormat::Int8, &[]).expect_err("other graph");
     assert!(err.to_string().contains("recalibrate"), "{err}");
     let mut missing = first.clone();
     let name = missing.tensors.keys().next().cloned().expect("a tensor");
     missing.tensors.remove(&name);
-    let err = quantize_graph(&optimized, &missing, QuantFormat::Int8).expect_err("missing tensor");
+    let err = quantize_graph(&optimized, &missing, QuantFormat::Int8, &[]).expect_err("missing tensor");
     assert!(err.to_string().contains(&format!("`{name}`")), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -152,7 +152,7 @@ fn simulation_quantises_exactly_the_documented_points() {
     let points = quant_points(optimized);
     // 9 convs (stem, 2 per block, 2 downsamples) and the fc.
     assert_eq!(points.len(), 10, "{}", optimized.to_text());
-    let sim = quantize_graph(optimized, &cache, QuantFormat::Int8).expect("quantize");
+    let sim = quantize_graph(optimized, &cache, QuantFormat::Int8, &[]).expect("quantize");
     let fq: Vec<&kiln::plugin::Node> = sim.nodes.iter().filter(|n| matches!(n.op, Op::Quant(_))).collect();
     let activations = fq.iter().filter(|n| n.path.ends_with(".quantizer")).count();
     let weights = fq.iter().filter(|n| n.path.ends_with(".weight_quantizer")).count();
@@ -174,6 +174,83 @@ fn simulation_quantises_exactly_the_documented_points() {
     }
 }
 
+/// `--layer-precisions` in an 8-bit engine: the layers a rule covers lose their quantisers (the
+/// stem and all of layer3 here, in both formats and in Best), every other point keeps its own, and
+/// the simulation of that engine computes those layers on unquantised values: it is closer to
+/// FP32 than the fully quantised simulation, and differs from it. A rule on a layer that a graph
+/// quantises with its own Q/DQ nodes is an error naming the flag, the rule and the layer.
+#[test]
+fn layer_precision_rules_keep_their_layers_unquantised() {
+    use kiln::engine::{LayerPrecision, Precision};
+    let d = digits();
+    let calibrator = Calibrator::new(&d.graph).expect("calibrator");
+    let cache = calibrator.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::MinMax).expect("calibrate");
+    let optimized = calibrator.graph().clone();
+    let rules = LayerPrecision::parse_list("conv1:fp16,layer3:fp32").expect("rules");
+    let covered = |path: &str| rules.iter().any(|r| r.matches(path));
+    let quantised_layers = |g: &Graph| -> Vec<String> {
+        let mut v: Vec<String> = g
+            .nodes
+            .iter()
+            .filter(|n| matches!(n.op, Op::Conv(_) | Op::Gemm(_)))
+            .filter(|n| n.inputs.iter().any(|&i| matches!(g.nodes[i].op, Op::Quant(_))))
+            .map(|n| n.path.clone())
+            .collect();
+        v.sort();
+        v
+    };
+    let points: Vec<String> = quant_points(&optimized).iter().map(|p| optimized.nodes[p.node].path.clone()).collect();
+    let kept: Vec<&String> = points.iter().filter(|p| covered(p)).collect();
+    assert_eq!(kept.len(), 4, "the stem and layer3's three convs: {points:?}");
+    for format in [QuantFormat::Int8, QuantFormat::Fp8E4m3] {
+        let all = quantised_layers(&quantize_graph(&optimized, &cache, format, &[]).expect("quantise"));
+        let some = quantised_layers(&quantize_graph(&optimized, &cache, format, &rules).expect("quantise with rules"));
+        let want: Vec<String> = all.iter().filter(|p| !covered(p)).cloned().collect();
+        assert_eq!(some, want, "{format:?}: every point but the covered ones");
+        assert!(all.len() > some.len() && !some.is_empty(), "{format:?}: {all:?} / {some:?}");
+    }
+    let path = std::env::temp_dir().join(format!("kiln-rules-{}.json", std::process::id()));
+    cache.save(&path).expect("save");
+    let best = prepare_for_best(optimized.clone(), Some(&path), &rules).expect("best");
+    let _ = std::fs::remove_file(&path);
+    assert!(quantised_layers(&best).iter().all(|p| !covered(p)), "Best leaves them unquantised too");
+
+    // The simulation with the rules: nearer FP32 than without, and not the same numbers.
+    let fp32 = kiln::run_cpu(&d.graph, &[("input", &d.heldout)]).expect("fp32")["logits"].clone();
+    for format in [QuantFormat::Int8, QuantFormat::Fp8E4m3] {
+        let run = |rules: &[LayerPrecision]| {
+            let g = kiln::dev::quant::simulate_with_rules(&d.graph, &cache, format, rules).expect("simulate");
+            kiln::run_cpu(&g, &[("input", &d.heldout)]).expect("simulation")["logits"].clone()
+        };
+        let (all, some) = (run(&[]), run(&rules));
+        let rel = |a: &[f32], b: &[f32]| {
+            let d: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum();
+            (d / b.iter().map(|y| (*y as f64).powi(2)).sum::<f64>()).sqrt()
+        };
+        let err = |t: &HostTensor| rel(&t.data, &fp32.data);
+        println!(
+            "{format:?}: simulation vs FP32 rel L2 {:.3e} fully quantised, {:.3e} with conv1 and layer3 unquantised",
+            err(&all),
+            err(&some)
+        );
+        assert!(err(&some) < err(&all), "{format:?}: {} !< {}", err(&some), err(&all));
+        assert!(rel(&some.data, &all.data) > 1e-4, "{format:?}: the rules change the simulation");
+    }
+
+    // Explicit quantisation (Q/DQ nodes in the graph, as kiln-torch imports a model quantised in
+    // PyTorch): a rule on a quantised layer cannot be obeyed.
+    let q = quantize_graph(&optimized, &cache, QuantFormat::Int8, &[]).expect("quantise");
+    let rule = [LayerPrecision::new("layer1.0.conv1", Precision::Fp16)];
+    let err = prepare_for_engine(q.clone(), QuantFormat::Int8, None, &rule).expect_err("a rule on a quantised layer");
+    let text = err.to_string();
+    assert!(
+        text.starts_with("--layer-precisions") && text.contains("layer1.0.conv1:fp16") && text.contains("own quantize/dequantize"),
+        "{text}"
+    );
+    // A rule on a layer it leaves unquantised is obeyed (only the precision of the others changes).
+    prepare_for_engine(q, QuantFormat::Int8, None, &[LayerPrecision::new("nothing.here", Precision::Fp32)]).expect("a rule elsewhere");
+}
+
 /// `Best` (TensorRT's `--best`): its graph has one INT8 quantiser per calibrated tensor with the
 /// cache's scale (the FP8 GEMMs clip at the same ranges), and keeps the original weights under
 /// their own names for its 16-bit layers, each carrying the per-channel INT8 grid its INT8 conv
@@ -186,8 +263,8 @@ fn best_keeps_int8_scales_and_unquantised_weights_on_their_grid() {
     let path = std::env::temp_dir().join(format!("kiln-best-{}.json", std::process::id()));
     cache.save(&path).expect("save");
     let optimized = calibrator.graph().clone();
-    let best = prepare_for_best(optimized.clone(), Some(&path)).expect("best");
-    let int8 = prepare_for_engine(optimized.clone(), QuantFormat::Int8, Some(&path)).expect("int8");
+    let best = prepare_for_best(optimized.clone(), Some(&path), &[]).expect("best");
+    let int8 = prepare_for_engine(optimized.clone(), QuantFormat::Int8, Some(&path), &[]).expect("int8");
     let _ = std::fs::remove_file(&path);
     let quantisers: Vec<(&str, f32)> = best
         .nodes
@@ -229,7 +306,7 @@ fn best_keeps_int8_scales_and_unquantised_weights_on_their_grid() {
         }
     }
     // Without a cache, Best is refused as the other 8-bit precisions are, naming itself.
-    let err = prepare_for_best(optimized, None).expect_err("no cache");
+    let err = prepare_for_best(optimized, None, &[]).expect_err("no cache");
     assert!(err.to_string().contains("best engine needs a calibration cache"), "{err}");
 }
 
@@ -254,7 +331,8 @@ fn explicit_qdq_graphs_build_with_exactly_their_state_dict_scales() {
     let y = wq.forward(&conv.forward(&quant.forward(&x).expect("q")).expect("conv")).expect("wq");
     y.mark_output("y");
     let graph = tracer.graph();
-    let engine_graph = prepare_for_engine(kiln::engine::optimize(&graph).expect("optimize"), QuantFormat::Int8, None).expect("explicit");
+    let engine_graph =
+        prepare_for_engine(kiln::engine::optimize(&graph).expect("optimize"), QuantFormat::Int8, None, &[]).expect("explicit");
     let scales: Vec<Vec<f32>> =
         engine_graph.nodes.iter().filter_map(|n| if let Op::Quant(q) = &n.op { Some(q.params().scale.clone()) } else { None }).collect();
     assert_eq!(scales, vec![vec![0.0123], vec![0.002, 0.003, 0.004, 0.005]], "the state_dict's scales, unchanged");
@@ -338,7 +416,7 @@ fn layerwise_runs_on_quantised_graphs() {
     for format in [QuantFormat::Int8, QuantFormat::Fp8E4m3] {
         let sim = simulate(&d.graph, &cache, format).expect("simulate");
         let mut ran = None;
-        let report = kiln::dev::layerwise::run_quantised(&d.graph, Some(&cache), format, &reference, 0.25, |g, input| {
+        let report = kiln::dev::layerwise::run_quantised(&d.graph, Some(&cache), format, &reference, 0.25, &[], |g, input| {
             ran = Some(g.clone());
             kiln::run_cpu(g, &[("input", input)])
         })
@@ -359,7 +437,7 @@ fn layerwise_runs_on_quantised_graphs() {
         assert_eq!(logits.rel_l2, 0.0, "marking outputs changes nothing: {logits}");
     }
     // Without a cache (and no Q/DQ nodes in the graph) it is a clear error.
-    let err = kiln::dev::layerwise::run_quantised(&d.graph, None, QuantFormat::Int8, &reference, 0.1, |_, _| Ok(BTreeMap::new()))
+    let err = kiln::dev::layerwise::run_quantised(&d.graph, None, QuantFormat::Int8, &reference, 0.1, &[], |_, _| Ok(BTreeMap::new()))
         .expect_err("needs a cache");
     assert!(matches!(&err, Error::Config { reason } if reason.contains("--calibration-cache")), "{err}");
 }
@@ -371,7 +449,7 @@ fn digits_int8_engine_graph(d: &Digits) -> kiln::Graph {
         Calibrator::new(&d.graph).and_then(|c| c.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::MinMax)).expect("calibrate");
     let path = std::env::temp_dir().join(format!("kiln-int8-{}-{:?}.json", std::process::id(), std::thread::current().id()));
     cache.save(&path).expect("save");
-    let g = prepare_for_engine(kiln::engine::optimize(&d.graph).expect("optimize"), QuantFormat::Int8, Some(&path)).expect("quantise");
+    let g = prepare_for_engine(kiln::engine::optimize(&d.graph).expect("optimize"), QuantFormat::Int8, Some(&path), &[]).expect("quantise");
     let _ = std::fs::remove_file(&path);
     g
 }
@@ -447,7 +525,7 @@ fn best_moves_convs_to_16_bits_only_where_it_pays() {
         Calibrator::new(&d.graph).and_then(|c| c.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::MinMax)).expect("calibrate");
     let path = std::env::temp_dir().join(format!("kiln-best-choose-{}.json", std::process::id()));
     cache.save(&path).expect("save");
-    let g = prepare_for_best(kiln::engine::optimize(&d.graph).expect("optimize"), Some(&path)).expect("best graph");
+    let g = prepare_for_best(kiln::engine::optimize(&d.graph).expect("optimize"), Some(&path), &[]).expect("best graph");
     let _ = std::fs::remove_file(&path);
     let config = BuildConfig::default().precision(Precision::Best);
     let all = eight_bit_plan(&g, &config, 90);
@@ -491,7 +569,7 @@ fn eight_bit_plan_of_the_resnet_stem() {
     let path = std::env::temp_dir().join(format!("kiln-stem8-{}.json", std::process::id()));
     cache.save(&path).expect("save");
     for (precision, format) in [(Precision::Int8, QuantFormat::Int8), (Precision::Fp8, QuantFormat::Fp8E4m3)] {
-        let g = prepare_for_engine(kiln::engine::optimize(&traced).expect("optimize"), format, Some(&path)).expect("quantise");
+        let g = prepare_for_engine(kiln::engine::optimize(&traced).expect("optimize"), format, Some(&path), &[]).expect("quantise");
         let id = |p: &str| g.nodes.iter().position(|n| n.path == p).unwrap_or_else(|| panic!("no node {p}"));
         let (stem, q_in) = (id("conv1"), id("input.quantizer"));
         assert_eq!(g.nodes[stem].inputs[0], q_in, "the stem reads the input's quantiser");
@@ -549,9 +627,9 @@ fn fp8_gemm_candidates_go_to_aligned_linears_and_pointwise_convs() {
             Calibrator::new(graph).and_then(|c| c.calibrate(std::slice::from_ref(input), CalibrationMethod::MinMax)).expect("calibrate");
         let path = std::env::temp_dir().join(format!("kiln-fp8-plan-{what}-{}.json", std::process::id()));
         cache.save(&path).expect("save");
-        let fp8 = prepare_for_engine(optimized.clone(), QuantFormat::Fp8E4m3, Some(&path)).expect("fp8");
-        let int8 = prepare_for_engine(optimized.clone(), QuantFormat::Int8, Some(&path)).expect("int8");
-        let best = prepare_for_best(optimized.clone(), Some(&path)).expect("best");
+        let fp8 = prepare_for_engine(optimized.clone(), QuantFormat::Fp8E4m3, Some(&path), &[]).expect("fp8");
+        let int8 = prepare_for_engine(optimized.clone(), QuantFormat::Int8, Some(&path), &[]).expect("int8");
+        let best = prepare_for_best(optimized.clone(), Some(&path), &[]).expect("best");
         let _ = std::fs::remove_file(&path);
         let problems = |g: &Graph, p: Precision| -> BTreeMap<String, Fp8Problem> {
             (0..g.nodes.len()).filter_map(|id| problem(g, id, p).map(|f| (g.nodes[id].path.clone(), f))).collect()

@@ -489,7 +489,7 @@ fn layerwise(a: &CompareArgs, traced: &Traced, against: &Against, l2_tol: f64) -
     let report = match precision.quant_format().filter(|_| precision != Precision::Best) {
         Some(format) => {
             let cache = a.engine.calibration_cache.as_deref().map(kiln::engine::CalibrationCache::load).transpose()?;
-            kiln::dev::layerwise::run_quantised(&traced.graph, cache.as_ref(), format, &with_input, l2_tol, run)?
+            kiln::dev::layerwise::run_quantised(&traced.graph, cache.as_ref(), format, &with_input, l2_tol, a.engine.rules(), run)?
         }
         None => kiln::dev::layerwise::run(&traced.graph, &with_input, l2_tol, run)?,
     };

@@ -277,6 +277,8 @@ pub struct EngineArgs {
     pub timing_cache: Option<PathBuf>,
     /// Per-layer precisions, trtexec's --layerPrecisions (obeyed): `pattern:fp32|tf32|fp16,...`;
     /// a pattern is a module path or glob (`*`, `?`) and covers what is under it; the last match wins.
+    /// In an --int8/--fp8/--best engine the layers it covers are not quantised (e.g. `conv1:fp16`
+    /// keeps the first conv in 16 bits, as `kiln run --cpu` then simulates).
     #[arg(long, value_name = "PATTERN:PREC,...", value_parser = layer_precisions_parser)]
     pub layer_precisions: Option<LayerPrecisions>,
 }

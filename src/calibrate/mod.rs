@@ -600,7 +600,7 @@ impl Calibrator {
 mod quantise;
 pub use quantise::{
     fold_constant_quant, layer_precision, prepare_for_best, prepare_for_engine, quant_summary, quantised_layers, quantize_graph, simulate,
-    simulation, weight_scales,
+    simulate_with_rules, simulation, weight_scales,
 };
 
 #[cfg(test)]
@@ -791,7 +791,7 @@ mod tests {
         let cache =
             CalibrationCache { version: CACHE_VERSION, method: CalibrationMethod::MinMax, graph_hash: graph_hash(&g), images: 1, tensors };
         let quantised = |format| {
-            let q = quantize_graph(&g, &cache, format).unwrap();
+            let q = quantize_graph(&g, &cache, format, &[]).unwrap();
             let mut paths: Vec<String> = q
                 .nodes
                 .iter()
@@ -828,8 +828,8 @@ mod tests {
         let w = HostTensor::new(vec![1, 3, 1, 1], vec![1.0 + 2f32.powi(-12), 0.0, 0.0]);
         let w = crate::tensor::Param { name: "w".into(), value: Arc::new(w) };
         crate::tensor::Tensor::record("conv", Op::Conv(ConvAttrs::default()), &[&q], &[&w]).unwrap().mark_output("y");
-        let prepared = prepare_for_engine(crate::passes::optimize(&tracer.graph()).unwrap(), QuantFormat::Int8, None).unwrap();
-        let sim = simulation(&prepared, QuantFormat::Int8).unwrap();
+        let prepared = prepare_for_engine(crate::passes::optimize(&tracer.graph()).unwrap(), QuantFormat::Int8, None, &[]).unwrap();
+        let sim = simulation(&prepared, QuantFormat::Int8, &[]).unwrap();
         let y = |g: &Graph, v: f32| {
             let input = HostTensor::new(vec![1, 3, 1, 1], vec![v, 0.0, 0.0]);
             crate::cpu::run(g, &[("input", &input)]).unwrap()["y"].data[0]
@@ -875,7 +875,7 @@ mod tests {
         let y = &crate::cpu::run(&sim, &[("input", &data)]).unwrap()["y"];
         assert!(y.data.iter().all(|&v| crate::number_format::round_f16(v) == v));
         let f32_sim =
-            fold_constant_quant(&quantize_graph(&crate::passes::optimize(&g).unwrap(), &cache, QuantFormat::Int8).unwrap()).unwrap();
+            fold_constant_quant(&quantize_graph(&crate::passes::optimize(&g).unwrap(), &cache, QuantFormat::Int8, &[]).unwrap()).unwrap();
         let z = &crate::cpu::run(&f32_sim, &[("input", &data)]).unwrap()["y"];
         assert_ne!(y.data, z.data, "f16 storage changes the logits");
     }

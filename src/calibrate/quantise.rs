@@ -4,6 +4,8 @@
 //! is quantised, and why, is in the parent module's docs.
 
 use super::*;
+use crate::engine::precision::LAYER_PRECISIONS_FLAG;
+use crate::engine::LayerPrecision;
 
 /// Per-output-channel symmetric scales of a weight `[Cout, ...]`: `max |w[c]| / max_abs`.
 pub fn weight_scales(w: &HostTensor, format: QuantFormat) -> Vec<f32> {
@@ -54,8 +56,11 @@ fn has_fp8_kernel(graph: &Graph, id: NodeId) -> bool {
 
 /// The explicit Q/DQ form of an optimised graph: a `fake_quantize` (per tensor, the cache's
 /// scale) on the activation input of every 8-bit layer (in FP8, those of [`fp8_point`]) and one
-/// on its weight ([`weight_quantiser`]). `graph` must be the optimised graph the cache was recorded on (its hash is checked).
-pub fn quantize_graph(graph: &Graph, cache: &CalibrationCache, format: QuantFormat) -> Result<Graph> {
+/// on its weight ([`weight_quantiser`]), but at the layers a per-layer precision rule covers
+/// (`rules`, `--layer-precisions`: TensorRT's `--layerPrecisions` in an INT8 build), which stay
+/// unquantised and compute in the rule's precision. `graph` must be the optimised graph the cache
+/// was recorded on (its hash is checked).
+pub fn quantize_graph(graph: &Graph, cache: &CalibrationCache, format: QuantFormat, rules: &[LayerPrecision]) -> Result<Graph> {
     let hash = graph_hash(graph);
     if cache.graph_hash != hash {
         return Err(Error::Calibration {
@@ -67,8 +72,11 @@ pub fn quantize_graph(graph: &Graph, cache: &CalibrationCache, format: QuantForm
         });
     }
     let names = tensor_names(graph);
-    let points: Vec<QuantPoint> =
-        quant_points(graph).into_iter().filter(|p| format != QuantFormat::Fp8E4m3 || fp8_point(graph, p)).collect();
+    let points: Vec<QuantPoint> = quant_points(graph)
+        .into_iter()
+        .filter(|p| format != QuantFormat::Fp8E4m3 || fp8_point(graph, p))
+        .filter(|p| !rules.iter().any(|r| r.matches(&graph.nodes[p.node].path)))
+        .collect();
     let mut out = Graph { weights: graph.weights.clone(), fp32_layers: graph.fp32_layers.clone(), ..Default::default() };
     let mut map: Vec<NodeId> = Vec::with_capacity(graph.nodes.len());
     // The fake-quantised copy of each value already made (shared by all its 8-bit readers).
@@ -158,7 +166,13 @@ fn replace_weight_quantizers(graph: &Graph, fold: bool) -> Result<Graph> {
 /// points, weights folded onto their grids), with each value stored as the engine stores it
 /// ([`simulation`]).
 pub fn simulate(graph: &Graph, cache: &CalibrationCache, format: QuantFormat) -> Result<Graph> {
-    simulation(&fold_constant_quant(&quantize_graph(&crate::passes::optimize(graph)?, cache, format)?)?, format)
+    simulate_with_rules(graph, cache, format, &[])
+}
+
+/// [`simulate`] for an engine built with per-layer precision rules (`--layer-precisions`): the
+/// layers they cover are not quantised, and compute (and store) in their rule's precision.
+pub fn simulate_with_rules(graph: &Graph, cache: &CalibrationCache, format: QuantFormat, rules: &[LayerPrecision]) -> Result<Graph> {
+    simulation(&fold_constant_quant(&quantize_graph(&crate::passes::optimize(graph)?, cache, format, rules)?)?, format, rules)
 }
 
 /// The GPU whose 8-bit plan a simulation follows: one with both formats' 8-bit kernels (FP8's
@@ -193,13 +207,13 @@ const SIMULATED_SM: u32 = 90;
 /// What is not simulated: the order of f32 sums (the engine's tensor-core and split-K
 /// reductions round differently from the CPU's loops, ~1e-7 relative), and any reduced
 /// accumulation precision of the FP8 tensor cores.
-pub fn simulation(prepared: &Graph, format: QuantFormat) -> Result<Graph> {
+pub fn simulation(prepared: &Graph, format: QuantFormat, rules: &[LayerPrecision]) -> Result<Graph> {
     use crate::engine::{layer::Elem, BuildConfig, Precision};
     let precision = match format {
         QuantFormat::Int8 => Precision::Int8,
         QuantFormat::Fp8E4m3 => Precision::Fp8,
     };
-    let config = BuildConfig::default().precision(precision);
+    let config = BuildConfig::default().precision(precision).layer_precisions(rules.iter().cloned());
     let precisions = crate::engine::resolve::node_precisions(prepared, &config);
     let plan = crate::ops::eight_bit_plan(prepared, &config, &precisions, SIMULATED_SM);
     let readers = prepared.readers();
@@ -253,34 +267,65 @@ pub fn simulation(prepared: &Graph, format: QuantFormat) -> Result<Graph> {
 }
 
 /// What the engine builder lowers for an 8-bit precision: an optimised graph that already has
-/// Q/DQ nodes as it is, anything else quantised with the cache (an error without one); weight
-/// fake-quantisers are then folded into the weights.
-pub fn prepare_for_engine(optimized: Graph, format: QuantFormat, cache: Option<&Path>) -> Result<Graph> {
+/// Q/DQ nodes as it is, anything else quantised with the cache (an error without one) but at the
+/// layers `rules` covers ([`quantize_graph`]); weight fake-quantisers are then folded into the
+/// weights.
+pub fn prepare_for_engine(optimized: Graph, format: QuantFormat, cache: Option<&Path>, rules: &[LayerPrecision]) -> Result<Graph> {
     if has_quant_nodes(&optimized) {
+        check_rules_on_explicit(&optimized, rules)?;
         return fold_constant_quant(&optimized);
     }
-    fold_constant_quant(&quantize_with_cache(&optimized, format, cache, format.name())?)
+    fold_constant_quant(&quantize_with_cache(&optimized, format, cache, format.name(), rules)?)
 }
 
 /// What the engine builder lowers for `Best` (TensorRT's `--best`): the optimised graph with INT8
-/// activation quantisers from the cache at the 8-bit points, and the weights as they are, each
-/// carrying its per-channel INT8 grid. The convs that timing puts on INT8 tensor cores
-/// (`engine::best`) round their weights onto it and read their inputs' codes; every other
-/// quantiser is lowered as an alias of its input, so a layer whose timing a 16-bit candidate wins
-/// computes on unquantised values, and an FP8 GEMM candidate takes the quantiser's range as its
-/// input scale and quantises its own input and weight. A graph with its own Q/DQ nodes (explicit
-/// quantisation) keeps its scales, weights folded, as for the other 8-bit precisions.
-pub fn prepare_for_best(optimized: Graph, cache: Option<&Path>) -> Result<Graph> {
+/// activation quantisers from the cache at the 8-bit points (but the layers `rules` covers), and
+/// the weights as they are, each carrying its per-channel INT8 grid. The convs that timing puts
+/// on INT8 tensor cores (`engine::best`) round their weights onto it and read their inputs'
+/// codes; every other quantiser is lowered as an alias of its input, so a layer whose timing a
+/// 16-bit candidate wins computes on unquantised values, and an FP8 GEMM candidate takes the
+/// quantiser's range as its input scale and quantises its own input and weight. A graph with its
+/// own Q/DQ nodes (explicit quantisation) keeps its scales, weights folded, as for the other
+/// 8-bit precisions.
+pub fn prepare_for_best(optimized: Graph, cache: Option<&Path>, rules: &[LayerPrecision]) -> Result<Graph> {
     if has_quant_nodes(&optimized) {
+        check_rules_on_explicit(&optimized, rules)?;
         return fold_constant_quant(&optimized);
     }
-    let g = quantize_with_cache(&optimized, QuantFormat::Int8, cache, "best")?;
+    let g = quantize_with_cache(&optimized, QuantFormat::Int8, cache, "best", rules)?;
     replace_weight_quantizers(&g, false)
+}
+
+/// In a graph with its own Q/DQ nodes the graph decides what is quantised: a per-layer rule may
+/// set the precision of its unquantised layers, and a rule covering a layer that reads a
+/// quantiser is an error naming the flag, the rule and the layer (it cannot be obeyed).
+fn check_rules_on_explicit(graph: &Graph, rules: &[LayerPrecision]) -> Result<()> {
+    for node in graph.nodes.iter().filter(|n| quantizable(&n.op)) {
+        let quantised = node.inputs.iter().any(|&i| matches!(graph.nodes[i].op, Op::Quant(_)));
+        if let Some(rule) = rules.iter().find(|r| quantised && r.matches(&node.path)) {
+            return Err(Error::Flag {
+                flag: LAYER_PRECISIONS_FLAG.into(),
+                reason: format!(
+                    "`{}:{}` covers `{}`, which this graph quantises with its own quantize/dequantize nodes: a model quantised in PyTorch keeps its quantised layers 8-bit (remove its quantizers there, or narrow the pattern)",
+                    rule.pattern,
+                    rule.precision.short_name(),
+                    node.path
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// `optimized` quantised with the cache at `cache` (an error naming the file, or asking for a
 /// cache, for a `precision` engine).
-fn quantize_with_cache(optimized: &Graph, format: QuantFormat, cache: Option<&Path>, precision: &str) -> Result<Graph> {
+fn quantize_with_cache(
+    optimized: &Graph,
+    format: QuantFormat,
+    cache: Option<&Path>,
+    precision: &str,
+    rules: &[LayerPrecision],
+) -> Result<Graph> {
     let Some(path) = cache else {
         return Err(Error::Config {
             reason: format!(
@@ -289,7 +334,7 @@ fn quantize_with_cache(optimized: &Graph, format: QuantFormat, cache: Option<&Pa
         });
     };
     let cache = CalibrationCache::load(path)?;
-    quantize_graph(optimized, &cache, format).map_err(|e| match e {
+    quantize_graph(optimized, &cache, format, rules).map_err(|e| match e {
         Error::Calibration { reason, .. } => Error::Calibration { path: path.display().to_string(), reason },
         e => e,
     })

@@ -48,7 +48,8 @@ pub struct BuildConfig {
     #[serde(default)]
     pub fastest_tactics: bool,
     /// Per-layer precisions (`--layer-precisions`), applied after the graph's own
-    /// (`Graph::fp32_layers`); the last matching rule wins. Engines built before these existed
+    /// (`Graph::fp32_layers`); the last matching rule wins. In an 8-bit engine the layers a rule
+    /// covers are not quantised (`calibrate::quantize_graph`). Engines built before these existed
     /// read as having none.
     #[serde(default)]
     pub layer_precisions: Vec<LayerPrecision>,
@@ -155,7 +156,8 @@ impl BuildConfig {
     pub fn precision_of(&self, graph_fp32: &[String], path: &str) -> Precision {
         let model = graph_fp32.iter().filter(|p| LayerPrecision::new(p.as_str(), Precision::Fp32).matches(path)).map(|_| Precision::Fp32);
         let user = self.layer_precisions.iter().filter(|r| r.matches(path)).map(|r| r.precision);
-        // An 8-bit engine's rules apply to the layers it does not quantise, which run in FP16.
+        // In an 8-bit engine a layer a rule covers is not quantised (`calibrate::quantize_graph`)
+        // and computes in the rule's precision; the others that are not quantised run in FP16.
         model.chain(user).last().unwrap_or(self.precision)
     }
 
@@ -171,12 +173,6 @@ impl BuildConfig {
         }
         for rule in &self.layer_precisions {
             rule.check().map_err(|reason| Error::Flag { flag: LAYER_PRECISIONS_FLAG.into(), reason })?;
-        }
-        if !self.layer_precisions.is_empty() && self.precision.quant_format().is_some() {
-            return Err(Error::Flag {
-                flag: LAYER_PRECISIONS_FLAG.into(),
-                reason: format!("is not supported in {:?} engines yet (only in fp32, tf32 and fp16 ones)", self.precision),
-            });
         }
         Ok(())
     }

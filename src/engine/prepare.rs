@@ -25,9 +25,9 @@ pub(crate) fn prepare(graph: &Graph, config: &BuildConfig) -> Result<Graph> {
 fn with_precision(optimized: Graph, config: &BuildConfig) -> Result<Graph> {
     let cache = config.calibration_cache.as_deref();
     match config.precision {
-        Precision::Best => calibrate::prepare_for_best(optimized, cache),
+        Precision::Best => calibrate::prepare_for_best(optimized, cache, &config.layer_precisions),
         p => match p.quant_format() {
-            Some(format) => calibrate::prepare_for_engine(optimized, format, cache),
+            Some(format) => calibrate::prepare_for_engine(optimized, format, cache, &config.layer_precisions),
             // A Q/DQ graph in FP16/FP32 runs its quantisers as they are; weights' are folded.
             None if calibrate::has_quant_nodes(&optimized) => calibrate::fold_constant_quant(&optimized),
             // `passes::fuse_linear_activation` (a Linear's activation in its GEMM's epilogue) is

@@ -9,7 +9,7 @@
 
 mod photos;
 
-use kiln::dev::quant::simulate;
+use kiln::dev::quant::simulate_with_rules;
 use kiln::engine::{gpu_available, BuildConfig, EngineBuilder, Gpu, Precision, QuantFormat};
 use kiln_vision::top_k;
 use photos::*;
@@ -35,7 +35,8 @@ fn int8_fp8_engines_keep_fp32_answers_and_match_their_simulation() {
     let fp32 = fp32_logits(&data);
     let stats = fold_stats(&data);
     let method = method_from_env();
-    println!("calibration: {method:?}");
+    let rules = rules_from_env();
+    println!("calibration: {method:?}; layers kept out of 8 bits: {rules:?}");
     let tmp = std::env::temp_dir().join(format!("kiln-gpu-quant-photos-{}", std::process::id()));
     std::fs::create_dir_all(&tmp).expect("temp dir");
     let mut failures = vec![];
@@ -52,7 +53,8 @@ fn int8_fp8_engines_keep_fp32_answers_and_match_their_simulation() {
             cache.save(&path).expect("save cache");
             let x = batch(&data, fold(1 - f), 1);
             let n = x.shape[0];
-            let config = BuildConfig::default().precision(precision).batch(1, n, n).calibration_cache(&path);
+            let config =
+                BuildConfig::default().precision(precision).batch(1, n, n).calibration_cache(&path).layer_precisions(rules.iter().cloned());
             let t0 = Instant::now();
             let engine = match EngineBuilder::new(config).with_gpu(gpu.clone()).build(&data.graph) {
                 Ok(e) => Arc::new(e),
@@ -65,7 +67,7 @@ fn int8_fp8_engines_keep_fp32_answers_and_match_their_simulation() {
             let time = summary.lines().find(|l| l.starts_with("build time")).unwrap_or("");
             println!("{} fold {f}: built in {:.1} s; {time}", format.name(), t0.elapsed().as_secs_f64());
             let got = engine.context().expect("context").run(&[("input", &x)]).expect("engine run")["logits"].clone();
-            let sim = logits(&simulate(&data.graph, &cache, format).expect("simulation"), &x);
+            let sim = logits(&simulate_with_rules(&data.graph, &cache, format, &rules).expect("simulation"), &x);
             engine_vs_fp32.add(&got, &fp32[1 - f].0);
             sim_vs_fp32.add(&sim, &fp32[1 - f].0);
             for (i, ((g, s), e)) in got.data.chunks(1000).zip(sim.data.chunks(1000)).zip(rel_l2_per_image(&got, &sim)).enumerate() {

@@ -28,6 +28,11 @@ impl EngineArgs {
         }
     }
 
+    /// The `--layer-precisions` rules (none without the flag).
+    pub fn rules(&self) -> &[kiln::engine::LayerPrecision] {
+        self.layer_precisions.as_ref().map_or(&[], |r| r.0.as_slice())
+    }
+
     /// What `--cpu` runs for the precision flags, and its name for the header: the optimised
     /// graph in f32 (no precision flag, or `--fp32`), or for `--int8`/`--fp8` the CPU simulation
     /// of that engine (`kiln::dev::quant`: the graph's own Q/DQ nodes, else `--calibration-cache`'s
@@ -56,7 +61,7 @@ impl EngineArgs {
             Precision::Int8 | Precision::Fp8 => precision.quant_format().expect("an 8-bit precision has a format"),
         };
         let (graph, source) = self.eight_bit_graph(optimized, format)?;
-        let graph = kiln::dev::quant::simulation(&graph, format)?;
+        let graph = kiln::dev::quant::simulation(&graph, format, self.rules())?;
         Ok((graph, format!("CPU simulation of the {} engine ({source})", format.name().to_uppercase())))
     }
 
@@ -106,7 +111,7 @@ impl EngineArgs {
                 }
             }
         };
-        let graph = kiln::dev::quant::prepare_for_engine(optimized, format, self.calibration_cache.as_deref())?;
+        let graph = kiln::dev::quant::prepare_for_engine(optimized, format, self.calibration_cache.as_deref(), self.rules())?;
         Ok((graph, source))
     }
 

@@ -3,8 +3,8 @@
 //! and how a quantised run agrees with FP32.
 #![allow(dead_code)]
 
-use kiln::dev::quant::simulate;
-use kiln::engine::{CalibrationCache, CalibrationMethod, Calibrator, QuantFormat};
+use kiln::dev::quant::simulate_with_rules;
+use kiln::engine::{CalibrationCache, CalibrationMethod, Calibrator, LayerPrecision, QuantFormat};
 use kiln::{Graph, HostTensor, VarBuilder};
 use kiln_vision::image::imageops;
 use kiln_vision::{center_crop, load_rgb, resize_shorter, top_k, ClassifyPreset, RgbImage};
@@ -32,6 +32,12 @@ pub const VIEWS: usize = 4;
 /// The calibration method: `$KILN_METHOD` (a `--method` value), else the default.
 pub fn method_from_env() -> CalibrationMethod {
     std::env::var("KILN_METHOD").ok().map_or(CalibrationMethod::default(), |m| CalibrationMethod::parse(&m).expect("KILN_METHOD"))
+}
+
+/// Layers kept out of 8 bits in the judged engines and simulations: `$KILN_LAYER_PRECISIONS` (a
+/// `--layer-precisions` value, e.g. `features.0.0:fp16`), else none.
+pub fn rules_from_env() -> Vec<LayerPrecision> {
+    std::env::var("KILN_LAYER_PRECISIONS").ok().map_or(vec![], |r| LayerPrecision::parse_list(&r).expect("KILN_LAYER_PRECISIONS"))
 }
 
 pub fn real_data() -> Option<PathBuf> {
@@ -154,7 +160,7 @@ pub fn judge(
     let (mut centre, mut all) = (Agreement::default(), Agreement::default());
     for (f, cache) in caches.iter().enumerate() {
         let judged = 1 - f;
-        let sim = simulate(&data.graph, cache, format).expect("simulation graph");
+        let sim = simulate_with_rules(&data.graph, cache, format, &rules_from_env()).expect("simulation graph");
         let got = logits(&sim, &batch(data, fold(judged), VIEWS));
         all.add(&got, &fp32[judged].1);
         let per = 1000 * VIEWS;
