@@ -186,6 +186,48 @@ fn fp8_layer_by_layer() {
     }
 }
 
+/// Which 8-bit layers cost the most: the simulation of `$KILN_FORMAT` (default int8) with one
+/// quantised layer at a time kept in FP16 (`--layer-precisions <path>:fp16`, as the engine would
+/// build it), judged as `quant_table` judges (each fold's default cache on the other fold), the
+/// 12 layers whose FP16 helps most first.
+#[test]
+#[ignore = "a diagnosis: about 35 simulations of MobileNetV2 on 48 views"]
+fn layers_kept_in_16_bits() {
+    use kiln::engine::{LayerPrecision, Precision};
+    use kiln::plugin::Op;
+    let Some(dir) = real_data() else { return };
+    let data = load(&dir);
+    let fp32 = fp32_logits(&data);
+    let stats = fold_stats(&data);
+    let format = match std::env::var("KILN_FORMAT").as_deref() {
+        Ok("fp8") => QuantFormat::Fp8E4m3,
+        _ => QuantFormat::Int8,
+    };
+    let method = method_from_env();
+    let caches = [stats[0].cache(method), stats[1].cache(method)];
+    let sim = simulate(&data.graph, &caches[0], format).expect("simulation");
+    let layers: Vec<String> = sim
+        .nodes
+        .iter()
+        .filter(|n| matches!(n.op, Op::Conv(_) | Op::Gemm(_)) && n.inputs.iter().any(|&i| matches!(sim.nodes[i].op, Op::Quant(_))))
+        .map(|n| n.path.clone())
+        .collect();
+    let (centre, all) = judge_with_rules(&data, &caches, format, &fp32, &[]);
+    println!("{} ({method:?}), {} quantised layers; centre crops | all views", format.name(), layers.len());
+    println!("  none in FP16: {} | {}", centre.text(), all.text());
+    let mut one: Vec<(String, Agreement, Agreement)> = layers
+        .iter()
+        .map(|l| {
+            let (c, a) = judge_with_rules(&data, &caches, format, &fp32, &[LayerPrecision::new(l.as_str(), Precision::Fp16)]);
+            (l.clone(), c, a)
+        })
+        .collect();
+    one.sort_by(|a, b| a.2.sum_rel_l2.total_cmp(&b.2.sum_rel_l2));
+    for (l, c, a) in one.iter().take(12) {
+        println!("  {l} in FP16: {} | {}", c.text(), a.text());
+    }
+}
+
 /// Which FP8 layers lose the answers: the FP8 simulation with one layer (or one kind of layer)
 /// computing in f32 (its quantisers bypassed), against FP32 on the 12 held-out centre crops.
 #[test]

@@ -151,16 +151,28 @@ pub fn fold_stats(data: &Data) -> [kiln::engine::CalibrationStats; 2] {
 }
 
 /// Runs `method` × `format` with each fold's cache on the other fold: (centre crops, all views).
+/// The layers `$KILN_LAYER_PRECISIONS` covers stay out of 8 bits.
 pub fn judge(
     data: &Data,
     caches: &[CalibrationCache; 2],
     format: QuantFormat,
     fp32: &[(HostTensor, HostTensor); 2],
 ) -> (Agreement, Agreement) {
+    judge_with_rules(data, caches, format, fp32, &rules_from_env())
+}
+
+/// [`judge`] with the layers `rules` covers out of 8 bits.
+pub fn judge_with_rules(
+    data: &Data,
+    caches: &[CalibrationCache; 2],
+    format: QuantFormat,
+    fp32: &[(HostTensor, HostTensor); 2],
+    rules: &[LayerPrecision],
+) -> (Agreement, Agreement) {
     let (mut centre, mut all) = (Agreement::default(), Agreement::default());
     for (f, cache) in caches.iter().enumerate() {
         let judged = 1 - f;
-        let sim = simulate_with_rules(&data.graph, cache, format, &rules_from_env()).expect("simulation graph");
+        let sim = simulate_with_rules(&data.graph, cache, format, rules).expect("simulation graph");
         let got = logits(&sim, &batch(data, fold(judged), VIEWS));
         all.add(&got, &fp32[judged].1);
         let per = 1000 * VIEWS;
