@@ -49,6 +49,28 @@ fn run_cpu_simulates_int8_and_fp8_engines() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `--layer-precisions` in the simulation of an 8-bit engine: the covered layers are not
+/// quantised, so the answers differ from the fully quantised simulation's (and from FP32's), and
+/// the header names the rules.
+#[test]
+fn run_cpu_simulates_the_layers_a_rule_keeps_out_of_8_bits() {
+    let dir = temp_dir("rules");
+    let cache = calibration_cache(&dir);
+    let base = ["run", "resnet18", "--cpu", "--size", "32", "--seed", "7", "--top", "3", "--fp8", "--calibration-cache", arg(&cache)];
+    let all = kiln(&base);
+    let (all_out, stderr) = text(&all);
+    assert!(all.status.success(), "{stderr}");
+    let kept = kiln(&[&base[..], &["--layer-precisions", "layer4:fp16,conv1:fp32"]].concat());
+    let (kept_out, stderr) = text(&kept);
+    assert!(kept.status.success(), "{stderr}");
+    let header = kept_out.lines().next().unwrap_or_default();
+    assert!(header.contains("not quantised: --layer-precisions layer4:fp16,conv1:fp32"), "{kept_out}");
+    assert_ne!(answers(&kept_out), answers(&all_out), "the rules changed nothing:\n{kept_out}");
+    let f32_run = kiln(&base[..9]);
+    assert_ne!(answers(&kept_out), answers(&text(&f32_run).0), "with rules the simulation is still quantised");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn compare_cpu_simulates_the_8_bit_engine_it_names() {
     let dir = temp_dir("compare");

@@ -62,7 +62,14 @@ impl EngineArgs {
         };
         let (graph, source) = self.eight_bit_graph(optimized, format)?;
         let graph = kiln::dev::quant::simulation(&graph, format, self.rules())?;
-        Ok((graph, format!("CPU simulation of the {} engine ({source})", format.name().to_uppercase())))
+        let kept = match self.rules() {
+            [] => String::new(),
+            rules => {
+                let spec: Vec<String> = rules.iter().map(|r| format!("{}:{}", r.pattern, r.precision.short_name())).collect();
+                format!("; not quantised: --layer-precisions {}", spec.join(","))
+            }
+        };
+        Ok((graph, format!("CPU simulation of the {} engine ({source}{kept})", format.name().to_uppercase())))
     }
 
     /// The graph an 8-bit (`format`) engine lowers, from the optimised graph, and where its scales
