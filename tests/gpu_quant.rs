@@ -664,6 +664,43 @@ fn layerwise_on_quantised_engines() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
+/// A ResNet of the cosine checks: traced at batch `n` with torchvision's init where the device's
+/// reference export wrote it (`$KILN_REFERENCE_DIR/torchvision/<model>.weights.safetensors`,
+/// BatchNorm statistics measured on random batches), seeded weights elsewhere; 32 random inputs;
+/// calibration statistics over 16 other random inputs.
+struct ResnetCase {
+    graph: Graph,
+    input: HostTensor,
+    stats: kiln::engine::CalibrationStats,
+}
+
+fn resnet_case(model: &str, n: usize) -> ResnetCase {
+    let file = std::env::var_os("KILN_REFERENCE_DIR").map(|d| PathBuf::from(d).join(format!("torchvision/{model}.weights.safetensors")));
+    let (vb, weights) = match file.filter(|f| f.exists()) {
+        Some(f) => (VarBuilder::from_safetensors(&[&f]).expect("weights"), "torchvision init, BN statistics measured on random batches"),
+        None => (VarBuilder::seeded(), "seeded (no torchvision weights: KILN_REFERENCE_DIR unset or without them)"),
+    };
+    let graph = kiln_models::trace(model, vb, n, 224).expect("trace");
+    let input = common::random(&[n, 3, 224, 224], 50, 2.0);
+    let calib: Vec<HostTensor> = (0..4).map(|i| common::random(&[4, 3, 224, 224], 500 + i, 2.0)).collect();
+    let t = std::time::Instant::now();
+    let stats = Calibrator::new(&graph).expect("calibrator").collect(&calib).expect("calibrate");
+    println!("{model} ({weights}): calibrated {} tensors on 16 images in {:.1} s", stats.tensors.len(), t.elapsed().as_secs_f64());
+    ResnetCase { graph, input, stats }
+}
+
+/// The min and mean over images of the cosine similarity of `got`'s and `want`'s logits.
+fn cosines(got: &HostTensor, want: &HostTensor) -> (f64, f64) {
+    let classes = want.shape[1];
+    let cosine = |a: &[f32], b: &[f32]| {
+        let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+        let norm = |v: &[f32]| v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+        dot / (norm(a) * norm(b)).max(1e-30)
+    };
+    let cos: Vec<f64> = got.data.chunks_exact(classes).zip(want.data.chunks_exact(classes)).map(|(a, b)| cosine(a, b)).collect();
+    (cos.iter().copied().fold(f64::INFINITY, f64::min), cos.iter().sum::<f64>() / cos.len() as f64)
+}
+
 /// ResNet-34 and ResNet-50 INT8, FP8 and Best engines against the FP32 engine on 32 random
 /// inputs (224×224), each calibrated on 16 other random inputs with the default method (MSE) and
 /// with entropy: per-image cosine similarity of the logits ≥ 0.999 with the default in INT8 and
@@ -680,21 +717,8 @@ fn resnet_int8_fp8_cosine_against_fp32() {
     let Some(gpu) = gpu() else { return };
     let mut failures = vec![];
     for model in ["resnet34", "resnet50"] {
-        let file =
-            std::env::var_os("KILN_REFERENCE_DIR").map(|d| PathBuf::from(d).join(format!("torchvision/{model}.weights.safetensors")));
-        let (vb, weights) = match file.filter(|f| f.exists()) {
-            Some(f) => {
-                (VarBuilder::from_safetensors(&[&f]).expect("weights"), "torchvision init, BN statistics measured on random batches")
-            }
-            None => (VarBuilder::seeded(), "seeded (no torchvision weights: KILN_REFERENCE_DIR unset or without them)"),
-        };
         let n = 32;
-        let graph = kiln_models::trace(model, vb, n, 224).expect("trace");
-        let input = common::random(&[n, 3, 224, 224], 50, 2.0);
-        let calib: Vec<HostTensor> = (0..4).map(|i| common::random(&[4, 3, 224, 224], 500 + i, 2.0)).collect();
-        let t = std::time::Instant::now();
-        let stats = Calibrator::new(&graph).expect("calibrator").collect(&calib).expect("calibrate");
-        println!("{model} ({weights}): calibrated {} tensors on 16 images in {:.1} s", stats.tensors.len(), t.elapsed().as_secs_f64());
+        let ResnetCase { graph, input, stats } = resnet_case(model, n);
         let dir = std::env::temp_dir().join(format!("kiln-{model}-quant-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let run = |precision: Precision, cache: Option<&PathBuf>, rules: &[LayerPrecision]| -> HostTensor {
@@ -710,11 +734,6 @@ fn resnet_int8_fp8_cosine_against_fp32() {
         };
         let fp32 = run(Precision::Fp32, None, &[]);
         let classes = fp32.shape[1];
-        let cosine = |a: &[f32], b: &[f32]| {
-            let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
-            let norm = |v: &[f32]| v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-            dot / (norm(a) * norm(b)).max(1e-30)
-        };
         let default = CalibrationMethod::default();
         let last_stage = [LayerPrecision::new("layer4", Precision::Fp16)];
         let cases: [(CalibrationMethod, Precision, &[LayerPrecision], f64); 7] = [
@@ -734,8 +753,7 @@ fn resnet_int8_fp8_cosine_against_fp32() {
             let path = dir.join(format!("{method:?}.json"));
             stats.cache(method).save(&path).expect("save cache");
             let got = run(precision, Some(&path), rules);
-            let cos: Vec<f64> = got.data.chunks_exact(classes).zip(fp32.data.chunks_exact(classes)).map(|(a, b)| cosine(a, b)).collect();
-            let (min, mean) = (cos.iter().copied().fold(f64::INFINITY, f64::min), cos.iter().sum::<f64>() / cos.len() as f64);
+            let (min, mean) = cosines(&got, &fp32);
             let (rel, max_abs) = rel_l2(&got.data, &fp32.data);
             let same_top1 = kiln::top1(&got).iter().zip(kiln::top1(&fp32)).filter(|(a, b)| *a == b).count();
             let kept = if rules.is_empty() { String::new() } else { format!(", {rules:?} in FP16") };
@@ -791,16 +809,8 @@ fn resnet50_fp8_with_layers_kept_in_16_bits() {
         println!("FP8 skipped: sm_{}", gpu.info.sm);
         return;
     }
-    let file = std::env::var_os("KILN_REFERENCE_DIR").map(|d| PathBuf::from(d).join("torchvision/resnet50.weights.safetensors"));
-    let vb = match file.filter(|f| f.exists()) {
-        Some(f) => VarBuilder::from_safetensors(&[&f]).expect("weights"),
-        None => VarBuilder::seeded(),
-    };
     let n = 32;
-    let graph = kiln_models::trace("resnet50", vb, n, 224).expect("trace");
-    let input = common::random(&[n, 3, 224, 224], 50, 2.0);
-    let calib: Vec<HostTensor> = (0..4).map(|i| common::random(&[4, 3, 224, 224], 500 + i, 2.0)).collect();
-    let stats = Calibrator::new(&graph).expect("calibrator").collect(&calib).expect("calibrate");
+    let ResnetCase { graph, input, stats } = resnet_case("resnet50", n);
     let path = std::env::temp_dir().join(format!("kiln-rn50-fp8-rules-{}.json", std::process::id()));
     stats.cache(CalibrationMethod::default()).save(&path).expect("save cache");
     let build = |precision: Precision, rules: &[LayerPrecision]| {
@@ -812,12 +822,6 @@ fn resnet50_fp8_with_layers_kept_in_16_bits() {
     };
     let logits = |e: &Arc<kiln::engine::Engine>| e.context().expect("context").run(&[("input", &input)]).expect("run")["logits"].clone();
     let fp32 = logits(&build(Precision::Fp32, &[]));
-    let classes = fp32.shape[1];
-    let cosine = |a: &[f32], b: &[f32]| {
-        let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
-        let norm = |v: &[f32]| v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-        dot / (norm(a) * norm(b)).max(1e-30)
-    };
     let sets = std::env::var("KILN_FP8_RULES").unwrap_or_else(|_| {
         [
             "",
@@ -837,8 +841,7 @@ fn resnet50_fp8_with_layers_kept_in_16_bits() {
         let rules = if set.is_empty() { vec![] } else { LayerPrecision::parse_list(set).expect("rules") };
         let engine = build(Precision::Fp8, &rules);
         let got = logits(&engine);
-        let cos: Vec<f64> = got.data.chunks_exact(classes).zip(fp32.data.chunks_exact(classes)).map(|(a, b)| cosine(a, b)).collect();
-        let (min, mean) = (cos.iter().copied().fold(f64::INFINITY, f64::min), cos.iter().sum::<f64>() / cos.len() as f64);
+        let (min, mean) = cosines(&got, &fp32);
         let (rel, _) = rel_l2(&got.data, &fp32.data);
         let top1 = kiln::top1(&got).iter().zip(kiln::top1(&fp32)).filter(|(a, b)| *a == b).count();
         let layers = quantised(&engine);
