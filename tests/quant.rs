@@ -251,6 +251,50 @@ fn layer_precision_rules_keep_their_layers_unquantised() {
     prepare_for_engine(q, QuantFormat::Int8, None, &[LayerPrecision::new("nothing.here", Precision::Fp32)]).expect("a rule elsewhere");
 }
 
+/// `quant_sensitivity` on the digits network: one entry per quantised layer and per module
+/// holding two or more, best first; its numbers are the simulation's (the fully quantised error is
+/// `simulate`'s, the best scope's is `simulate_with_rules`'s with that scope in FP16), and keeping
+/// some scope in FP16 helps.
+#[test]
+fn sensitivity_ranks_the_scopes_by_the_simulations_error() {
+    use kiln::engine::{quant_sensitivity, LayerPrecision, Precision};
+    let d = digits();
+    let calibrator = Calibrator::new(&d.graph).expect("calibrator");
+    let cache = calibrator.calibrate(std::slice::from_ref(&d.calib), CalibrationMethod::default()).expect("calibrate");
+    let x = HostTensor::new([vec![16], d.heldout.shape[1..].to_vec()].concat(), d.heldout.data[..16 * 3 * 32 * 32].to_vec());
+    let rel = |a: &[f32], b: &[f32]| {
+        let e: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum();
+        (e / b.iter().map(|y| (*y as f64).powi(2)).sum::<f64>()).sqrt()
+    };
+    let fp32 = kiln::run_cpu(&d.graph, &[("input", &x)]).expect("fp32")["logits"].clone();
+    for format in [QuantFormat::Int8, QuantFormat::Fp8E4m3] {
+        let mut calls = vec![];
+        let (all, scopes) = quant_sensitivity(&d.graph, &cache, format, std::slice::from_ref(&x), |done, total| calls.push((done, total)))
+            .expect("sensitivity");
+        let sim = simulate(&d.graph, &cache, format).expect("simulate");
+        let want_all = rel(&kiln::run_cpu(&sim, &[("input", &x)]).expect("sim")["logits"].data, &fp32.data);
+        // Its FP32 is the optimised graph (BatchNorm folded): the same to rounding.
+        assert!((all - want_all).abs() <= 1e-4 * want_all, "{format:?}: {all} against {want_all}");
+        let layers = sim
+            .nodes
+            .iter()
+            .filter(|n| matches!(n.op, Op::Conv(_) | Op::Gemm(_)) && n.inputs.iter().any(|&i| matches!(sim.nodes[i].op, Op::Quant(_))))
+            .count();
+        let singles = scopes.iter().filter(|s| s.layers == 1).count();
+        assert_eq!(singles, layers, "{format:?}: every quantised layer is a scope");
+        assert!(scopes.iter().any(|s| s.scope == "layer1" && s.layers >= 2), "{format:?}: the modules too: {scopes:?}");
+        assert!(scopes.windows(2).all(|w| w[0].rel_l2 <= w[1].rel_l2), "{format:?}: best first");
+        assert_eq!(calls.last(), Some(&(scopes.len() + 1, scopes.len() + 1)), "{format:?}: progress reaches its total");
+        let best = &scopes[0];
+        assert!(best.rel_l2 < all, "{format:?}: some scope in FP16 helps: {best:?}, all {all}");
+        let rule = [LayerPrecision::new(best.scope.as_str(), Precision::Fp16)];
+        let g = kiln::dev::quant::simulate_with_rules(&d.graph, &cache, format, &rule).expect("simulate");
+        let want = rel(&kiln::run_cpu(&g, &[("input", &x)]).expect("sim")["logits"].data, &fp32.data);
+        assert!((best.rel_l2 - want).abs() <= 1e-4 * want, "{format:?}: {best:?} against {want}");
+        println!("{format:?}: all quantised {all:.3e}; best {} ({} layers) {:.3e}", best.scope, best.layers, best.rel_l2);
+    }
+}
+
 /// `Best` (TensorRT's `--best`): its graph has one INT8 quantiser per calibrated tensor with the
 /// cache's scale (the FP8 GEMMs clip at the same ranges), and keeps the original weights under
 /// their own names for its 16-bit layers, each carrying the per-channel INT8 grid its INT8 conv

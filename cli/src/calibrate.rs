@@ -12,7 +12,7 @@ use super::common;
 use super::images;
 use super::ModelArgs;
 use clap::Args;
-use kiln::engine::{CalibrationMethod, Calibrator};
+use kiln::engine::{CalibrationMethod, Calibrator, QuantFormat};
 use kiln::{Error, HostTensor, Result};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -46,6 +46,16 @@ pub struct CalibrateArgs {
     /// out grey), instead of refusing it.
     #[arg(long)]
     pub accept_truncated_images: bool,
+    /// After calibrating, measure which layers cost the int8 or fp8 engine its accuracy: the CPU
+    /// simulation's rel L2 against FP32 with everything quantised, then with each quantised layer,
+    /// and each module holding two or more, kept in FP16 (as `--layer-precisions <scope>:fp16`
+    /// builds it). One simulation per scope over --sensitivity-images images: minutes for a
+    /// ResNet-50.
+    #[arg(long, value_name = "FORMAT", value_parser = ["int8", "fp8"])]
+    pub sensitivity: Option<String>,
+    /// Images of the set the sensitivity is measured on (the first N).
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    pub sensitivity_images: usize,
 }
 
 pub fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
@@ -88,7 +98,58 @@ pub fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
         say!("  {name:<40} amax {:>10.5}  int8 scale {:.6e}  fp8 scale {:.6e}", r.amax, r.int8_scale, r.fp8_scale);
     }
     say!("wrote {} (graph {}); build with --int8 or --fp8 --calibration-cache {}", out.display(), cache.graph_hash, out.display());
+    if let Some(format) = &a.sensitivity {
+        sensitivity(&traced, &cache, format, &images, n.min(a.sensitivity_images), a.batch)?;
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `--sensitivity`: the scopes whose FP16 helps the `format` simulation most, and the rule to
+/// build with.
+fn sensitivity(
+    traced: &common::Traced,
+    cache: &kiln::engine::CalibrationCache,
+    format: &str,
+    images: &HostTensor,
+    n: usize,
+    batch: usize,
+) -> Result<()> {
+    let format = if format == "fp8" { QuantFormat::Fp8E4m3 } else { QuantFormat::Int8 };
+    if n == 0 {
+        return Err(Error::Flag { flag: "--sensitivity-images".into(), reason: "must be at least 1".into() });
+    }
+    let per = images.numel() / images.shape[0];
+    let dims = images.shape[1..].to_vec();
+    let batches: Vec<HostTensor> = (0..n)
+        .step_by(batch)
+        .map(|start| {
+            let end = (start + batch).min(n);
+            HostTensor::new([vec![end - start], dims.clone()].concat(), images.data[start * per..end * per].to_vec())
+        })
+        .collect();
+    let name = format.name().to_uppercase();
+    let bar = common::progress_bar(0, &format!("{name} sensitivity of {} on {n} image(s)", traced.name));
+    let result = kiln::engine::quant_sensitivity(&traced.graph, cache, format, &batches, |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    });
+    bar.finish_and_clear();
+    let (all, scopes) = result?;
+    say!("{name} simulation against FP32 on {n} image(s): rel L2 {all:.3e} with every layer quantised; with one scope in FP16:");
+    say!("  {:>10}  {:>6}  scope", "rel L2", "layers");
+    for s in scopes.iter().take(15) {
+        say!("  {:>10.3e}  {:>6}  {}", s.rel_l2, s.layers, s.scope);
+    }
+    if let Some(best) = scopes.first().filter(|b| b.rel_l2 < all) {
+        say!(
+            "keeping `{}` in FP16 ({} layer(s)) takes the error from {all:.3e} to {:.3e}: build with --layer-precisions {}:fp16",
+            best.scope,
+            best.layers,
+            best.rel_l2,
+            best.scope
+        );
+    }
+    Ok(())
 }
 
 /// `[N, 3, S, S]` from a folder of images: each at S×S as it is (normalised by `--mean` / `--std`),

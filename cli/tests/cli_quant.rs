@@ -71,6 +71,30 @@ fn run_cpu_simulates_the_layers_a_rule_keeps_out_of_8_bits() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `kiln calibrate --sensitivity`: after the cache, the table of scopes kept in FP16 and the rule
+/// to build with; a format it does not know is a usage error.
+#[test]
+fn calibrate_measures_the_sensitivity_of_the_8_bit_engine() {
+    let dir = temp_dir("sensitivity");
+    let data = dir.join("calib.safetensors");
+    let n = 4 * 3 * 32 * 32;
+    let x = HostTensor::new(vec![4, 3, 32, 32], (0..n).map(|i| ((i as f32) * 0.37).sin() * 1.5).collect());
+    kiln::files::write_safetensors(&data, &BTreeMap::from([("input".to_string(), x)])).expect("calibration set");
+    let cache = dir.join("c.json");
+    let base = ["calibrate", "resnet18", "--size", "32", "--data", arg(&data), "-o", arg(&cache)];
+    let out = kiln(&[&base[..], &["--sensitivity", "int8", "--sensitivity-images", "2"]].concat());
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(cache.exists(), "the cache is written first");
+    assert!(stdout.contains("INT8 simulation against FP32 on 2 image(s): rel L2"), "{stdout}");
+    assert!(stdout.contains("layer4") && stdout.contains("rel L2  layers  scope"), "{stdout}");
+    assert!(stdout.contains("build with --layer-precisions "), "{stdout}");
+    let bad = kiln(&[&base[..], &["--sensitivity", "int4"]].concat());
+    assert_eq!(bad.status.code(), Some(2), "{}", text(&bad).1);
+    assert!(text(&bad).1.contains("--sensitivity"), "{}", text(&bad).1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn compare_cpu_simulates_the_8_bit_engine_it_names() {
     let dir = temp_dir("compare");

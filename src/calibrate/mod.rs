@@ -598,10 +598,12 @@ impl Calibrator {
 }
 
 mod quantise;
+mod sensitivity;
 pub use quantise::{
     fold_constant_quant, layer_precision, prepare_for_best, prepare_for_engine, quant_summary, quantised_layers, quantize_graph, simulate,
     simulate_with_rules, simulation, weight_scales,
 };
+pub use sensitivity::{quant_sensitivity, ScopeError};
 
 #[cfg(test)]
 mod tests {

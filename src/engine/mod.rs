@@ -36,7 +36,7 @@ pub(crate) mod strided;
 pub(crate) mod tactic;
 pub(crate) mod tma;
 
-pub use crate::calibrate::{CalibrationCache, CalibrationMethod, CalibrationStats, Calibrator};
+pub use crate::calibrate::{quant_sensitivity, CalibrationCache, CalibrationMethod, CalibrationStats, Calibrator, ScopeError};
 /// FNV-1a (64 bit) of bytes: the engine file's checksum, and a content key for caches of engines.
 pub use crate::hash::checksum;
 pub use crate::number_format::QuantFormat;

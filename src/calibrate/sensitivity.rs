@@ -1,0 +1,123 @@
+//! Which quantised layers cost a model its accuracy, measured: the CPU simulation of the 8-bit
+//! engine against FP32 with every layer quantised, then with one scope at a time kept out of 8
+//! bits (`--layer-precisions <scope>:fp16`): each quantised layer, and each module holding two or
+//! more of them (a ResNet's `layer4`, a block). The evidence a user picks `--layer-precisions`
+//! from (`kiln calibrate --sensitivity`), in the spirit of Polygraphy's `debug precision`.
+
+use super::quantise::simulate_with_rules;
+use super::*;
+use crate::engine::{LayerPrecision, Precision};
+
+/// One scope kept in FP16: its module path, how many quantised layers it covers, and the
+/// simulation's rel L2 against FP32 over every output.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ScopeError {
+    pub scope: String,
+    pub layers: usize,
+    pub rel_l2: f64,
+}
+
+/// The sensitivity of a `format` engine built with `cache`: the fully quantised simulation's rel
+/// L2 against FP32 on `inputs` (batches for the graph's one input), and each scope's with that
+/// scope in FP16, best first. `progress(done, total)` is called after each simulation.
+pub fn quant_sensitivity(
+    graph: &Graph,
+    cache: &CalibrationCache,
+    format: QuantFormat,
+    inputs: &[HostTensor],
+    mut progress: impl FnMut(usize, usize),
+) -> Result<(f64, Vec<ScopeError>)> {
+    let optimized = crate::passes::optimize(graph)?;
+    let names = optimized.input_names();
+    let [input] = names.as_slice() else {
+        return Err(Error::Config { reason: format!("sensitivity feeds graphs of one input; this one has {names:?}") });
+    };
+    if inputs.is_empty() {
+        return Err(Error::Config { reason: "sensitivity needs at least one batch".into() });
+    }
+    let outputs = |g: &Graph| -> Result<Vec<f32>> {
+        let mut all = vec![];
+        for x in inputs {
+            for t in crate::cpu::run(g, &[(*input, x)])?.into_values() {
+                all.extend_from_slice(&t.data);
+            }
+        }
+        Ok(all)
+    };
+    let fp32 = outputs(&optimized)?;
+    let error =
+        |rules: &[LayerPrecision]| -> Result<f64> { Ok(rel_l2(&outputs(&simulate_with_rules(graph, cache, format, rules)?)?, &fp32)) };
+    // The quantised layers, as the simulation has them.
+    let sim = simulate_with_rules(graph, cache, format, &[])?;
+    let layers: Vec<String> = sim
+        .nodes
+        .iter()
+        .filter(|n| quantizable(&n.op) && n.inputs.iter().any(|&i| matches!(sim.nodes[i].op, Op::Quant(_))))
+        .map(|n| n.path.clone())
+        .collect();
+    let scopes = scopes(&layers);
+    let total = scopes.len() + 1;
+    let all = error(&[])?;
+    progress(1, total);
+    let mut out = Vec::with_capacity(scopes.len());
+    for (i, (scope, covered)) in scopes.into_iter().enumerate() {
+        let rel_l2 = error(&[LayerPrecision::new(scope.as_str(), Precision::Fp16)])?;
+        out.push(ScopeError { scope, layers: covered, rel_l2 });
+        progress(i + 2, total);
+    }
+    out.sort_by(|a, b| a.rel_l2.total_cmp(&b.rel_l2).then(a.layers.cmp(&b.layers)));
+    Ok((all, out))
+}
+
+/// The scopes of `layers` (module paths): each layer, and each ancestor module covering two or
+/// more of them, with the count it covers; ancestors first, in order of first appearance.
+fn scopes(layers: &[String]) -> Vec<(String, usize)> {
+    let mut modules: Vec<(String, usize)> = vec![];
+    for l in layers {
+        for (i, _) in l.match_indices('.') {
+            let m = &l[..i];
+            match modules.iter_mut().find(|(p, _)| p == m) {
+                Some((_, n)) => *n += 1,
+                None => modules.push((m.to_string(), 1)),
+            }
+        }
+    }
+    modules.retain(|(_, n)| *n >= 2);
+    modules.extend(layers.iter().map(|l| (l.clone(), 1)));
+    modules
+}
+
+/// `‖got − want‖ / ‖want‖` in f64 (`inf` where the lengths differ).
+fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
+    if got.len() != want.len() {
+        return f64::INFINITY;
+    }
+    let d: f64 = got.iter().zip(want).map(|(a, b)| (*a as f64 - *b as f64).powi(2)).sum();
+    let n: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
+    (d / n.max(1e-300)).sqrt()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scopes_are_the_layers_and_the_modules_holding_two_or_more() {
+        let layers: Vec<String> =
+            ["conv1", "layer1.0.conv1", "layer1.0.conv2", "layer1.1.conv1", "layer2.0.conv1", "fc"].map(String::from).into();
+        let s = scopes(&layers);
+        assert_eq!(
+            s,
+            [
+                ("layer1".to_string(), 3),
+                ("layer1.0".to_string(), 2),
+                ("conv1".to_string(), 1),
+                ("layer1.0.conv1".to_string(), 1),
+                ("layer1.0.conv2".to_string(), 1),
+                ("layer1.1.conv1".to_string(), 1),
+                ("layer2.0.conv1".to_string(), 1),
+                ("fc".to_string(), 1),
+            ]
+        );
+    }
+}
