@@ -252,7 +252,7 @@ fn layer_precision_rules_keep_their_layers_unquantised() {
 }
 
 /// `quant_sensitivity` on the digits network: one entry per quantised layer and per module
-/// holding two or more, best first; its numbers are the simulation's (the fully quantised error is
+/// holding two to a quarter of them, best first; its numbers are the simulation's (the fully quantised error is
 /// `simulate`'s, the best scope's is `simulate_with_rules`'s with that scope in FP16), and keeping
 /// some scope in FP16 helps.
 #[test]

@@ -48,7 +48,7 @@ pub struct CalibrateArgs {
     pub accept_truncated_images: bool,
     /// After calibrating, measure which layers cost the int8 or fp8 engine its accuracy: the CPU
     /// simulation's rel L2 against FP32 with everything quantised, then with each quantised layer,
-    /// and each module holding two or more, kept in FP16 (as `--layer-precisions <scope>:fp16`
+    /// and each module holding from two to a quarter of them, kept in FP16 (as `--layer-precisions <scope>:fp16`
     /// builds it). One simulation per scope over --sensitivity-images images: minutes for a
     /// ResNet-50.
     #[arg(long, value_name = "FORMAT", value_parser = ["int8", "fp8"])]

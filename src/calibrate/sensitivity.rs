@@ -1,8 +1,9 @@
 //! Which quantised layers cost a model its accuracy, measured: the CPU simulation of the 8-bit
 //! engine against FP32 with every layer quantised, then with one scope at a time kept out of 8
-//! bits (`--layer-precisions <scope>:fp16`): each quantised layer, and each module holding two or
-//! more of them (a ResNet's `layer4`, a block). The evidence a user picks `--layer-precisions`
-//! from (`kiln calibrate --sensitivity`), in the spirit of Polygraphy's `debug precision`.
+//! bits (`--layer-precisions <scope>:fp16`): each quantised layer, and each module holding from
+//! two to a quarter of them (a ResNet's `layer4`, a block). The evidence a user picks
+//! `--layer-precisions` from (`kiln calibrate --sensitivity`), in the spirit of Polygraphy's
+//! `debug precision`.
 
 use super::quantise::simulate_with_rules;
 use super::*;
@@ -69,22 +70,30 @@ pub fn quant_sensitivity(
     Ok((all, out))
 }
 
-/// The scopes of `layers` (module paths): each layer, and each ancestor module covering two or
-/// more of them, with the count it covers; ancestors first, in order of first appearance.
+/// The scopes of `layers` (module paths): each layer, and each ancestor module covering from two
+/// to a quarter of them (a module holding most of the network, MobileNetV2's `features`, would
+/// win by not quantising at all), with the count it covers; of modules covering the same layers
+/// (`features.17` and `features.17.conv`) the outermost. Modules first, in order of first
+/// appearance.
 fn scopes(layers: &[String]) -> Vec<(String, usize)> {
-    let mut modules: Vec<(String, usize)> = vec![];
-    for l in layers {
+    let mut modules: Vec<(String, Vec<usize>)> = vec![];
+    for (j, l) in layers.iter().enumerate() {
         for (i, _) in l.match_indices('.') {
             let m = &l[..i];
             match modules.iter_mut().find(|(p, _)| p == m) {
-                Some((_, n)) => *n += 1,
-                None => modules.push((m.to_string(), 1)),
+                Some((_, covered)) => covered.push(j),
+                None => modules.push((m.to_string(), vec![j])),
             }
         }
     }
-    modules.retain(|(_, n)| *n >= 2);
-    modules.extend(layers.iter().map(|l| (l.clone(), 1)));
-    modules
+    let most = (layers.len() / 4).max(2);
+    let mut out: Vec<(String, Vec<usize>)> = vec![];
+    for (m, covered) in modules {
+        if (2..=most).contains(&covered.len()) && !out.iter().any(|(_, c)| *c == covered) {
+            out.push((m, covered));
+        }
+    }
+    out.into_iter().map(|(m, c)| (m, c.len())).chain(layers.iter().map(|l| (l.clone(), 1))).collect()
 }
 
 /// `‖got − want‖ / ‖want‖` in f64 (`inf` where the lengths differ).
@@ -102,22 +111,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn scopes_are_the_layers_and_the_modules_holding_two_or_more() {
-        let layers: Vec<String> =
+    fn scopes_are_the_layers_and_the_modules_holding_a_few() {
+        let mut layers: Vec<String> =
             ["conv1", "layer1.0.conv1", "layer1.0.conv2", "layer1.1.conv1", "layer2.0.conv1", "fc"].map(String::from).into();
+        layers.extend((0..6).map(|i| format!("big.{i}.conv")));
         let s = scopes(&layers);
-        assert_eq!(
-            s,
-            [
-                ("layer1".to_string(), 3),
-                ("layer1.0".to_string(), 2),
-                ("conv1".to_string(), 1),
-                ("layer1.0.conv1".to_string(), 1),
-                ("layer1.0.conv2".to_string(), 1),
-                ("layer1.1.conv1".to_string(), 1),
-                ("layer2.0.conv1".to_string(), 1),
-                ("fc".to_string(), 1),
-            ]
-        );
+        // `big` covers 6 of 12, more than a quarter; each `big.i` one layer; `layer2` one.
+        let modules: Vec<(String, usize)> = s.iter().filter(|(_, n)| *n > 1).cloned().collect();
+        assert_eq!(modules, [("layer1".to_string(), 3), ("layer1.0".to_string(), 2)]);
+        assert_eq!(s.len(), 2 + layers.len(), "every layer too: {s:?}");
+        assert_eq!(s[2..].iter().map(|(l, _)| l.as_str()).collect::<Vec<_>>(), layers.iter().map(String::as_str).collect::<Vec<_>>());
+        // Of `a` and `a.b`, which cover the same two layers, the outermost.
+        let same: Vec<String> = ["a.b.x", "a.b.y", "c", "d", "e", "f", "g", "h"].map(String::from).into();
+        assert_eq!(scopes(&same)[0], ("a".to_string(), 2));
+        assert_eq!(scopes(&same).iter().filter(|(_, n)| *n > 1).count(), 1);
     }
 }
