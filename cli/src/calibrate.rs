@@ -77,14 +77,7 @@ pub fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
     if n == 0 {
         return Err(Error::Flag { flag: "--data".into(), reason: format!("{} holds no images", a.data.display()) });
     }
-    let per = images.numel() / images.shape[0];
-    let batches: Vec<HostTensor> = (0..n)
-        .step_by(a.batch)
-        .map(|start| {
-            let end = (start + a.batch).min(n);
-            HostTensor::new(vec![end - start, 3, size, size], images.data[start * per..end * per].to_vec())
-        })
-        .collect();
+    let batches = batches(&images, n, a.batch);
     let calibrator = Calibrator::new(&traced.graph)?.with_source(a.data.display().to_string());
     // Two passes over the set (ranges, then histograms), one CPU run per batch each.
     let bar = common::progress_bar(2 * batches.len(), &format!("calibrating {} on {n} image(s)", traced.name));
@@ -104,6 +97,19 @@ pub fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The first `n` images of `images` (`[N, ...]`) in runs of at most `batch`.
+fn batches(images: &HostTensor, n: usize, batch: usize) -> Vec<HostTensor> {
+    let per = images.numel() / images.shape[0];
+    let dims = &images.shape[1..];
+    (0..n)
+        .step_by(batch)
+        .map(|start| {
+            let end = (start + batch).min(n);
+            HostTensor::new([&[end - start], dims].concat(), images.data[start * per..end * per].to_vec())
+        })
+        .collect()
+}
+
 /// `--sensitivity`: the scopes whose FP16 helps the `format` simulation most, and the rule to
 /// build with.
 fn sensitivity(
@@ -118,15 +124,7 @@ fn sensitivity(
     if n == 0 {
         return Err(Error::Flag { flag: "--sensitivity-images".into(), reason: "must be at least 1".into() });
     }
-    let per = images.numel() / images.shape[0];
-    let dims = images.shape[1..].to_vec();
-    let batches: Vec<HostTensor> = (0..n)
-        .step_by(batch)
-        .map(|start| {
-            let end = (start + batch).min(n);
-            HostTensor::new([vec![end - start], dims.clone()].concat(), images.data[start * per..end * per].to_vec())
-        })
-        .collect();
+    let batches = batches(images, n, batch);
     let name = format.name().to_uppercase();
     let bar = common::progress_bar(0, &format!("{name} sensitivity of {} on {n} image(s)", traced.name));
     let result = kiln::engine::quant_sensitivity(&traced.graph, cache, format, &batches, |done, total| {

@@ -172,7 +172,18 @@ pub fn simulate(graph: &Graph, cache: &CalibrationCache, format: QuantFormat) ->
 /// [`simulate`] for an engine built with per-layer precision rules (`--layer-precisions`): the
 /// layers they cover are not quantised, and compute (and store) in their rule's precision.
 pub fn simulate_with_rules(graph: &Graph, cache: &CalibrationCache, format: QuantFormat, rules: &[LayerPrecision]) -> Result<Graph> {
-    simulation(&fold_constant_quant(&quantize_graph(&crate::passes::optimize(graph)?, cache, format, rules)?)?, format, rules)
+    simulate_optimized(&crate::passes::optimize(graph)?, cache, format, rules)
+}
+
+/// [`simulate_with_rules`] of a graph already optimised (`passes::optimize`), for callers that
+/// simulate one graph under many rule sets.
+pub(super) fn simulate_optimized(
+    optimized: &Graph,
+    cache: &CalibrationCache,
+    format: QuantFormat,
+    rules: &[LayerPrecision],
+) -> Result<Graph> {
+    simulation(&fold_constant_quant(&quantize_graph(optimized, cache, format, rules)?)?, format, rules)
 }
 
 /// The GPU whose 8-bit plan a simulation follows: one with both formats' 8-bit kernels (FP8's

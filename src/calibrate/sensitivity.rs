@@ -5,7 +5,7 @@
 //! `--layer-precisions` from (`kiln calibrate --sensitivity`), in the spirit of Polygraphy's
 //! `debug precision`.
 
-use super::quantise::simulate_with_rules;
+use super::quantise::simulate_optimized;
 use super::*;
 use crate::engine::{LayerPrecision, Precision};
 
@@ -46,10 +46,14 @@ pub fn quant_sensitivity(
         Ok(all)
     };
     let fp32 = outputs(&optimized)?;
-    let error =
-        |rules: &[LayerPrecision]| -> Result<f64> { Ok(rel_l2(&outputs(&simulate_with_rules(graph, cache, format, rules)?)?, &fp32)) };
+    let fp32 = HostTensor::new(vec![fp32.len()], fp32);
+    // The harness's rel L2 of every output, each run's values end to end.
+    let error = |rules: &[LayerPrecision]| -> Result<f64> {
+        let got = outputs(&simulate_optimized(&optimized, cache, format, rules)?)?;
+        Ok(crate::compare::compare("outputs", &HostTensor::new(vec![got.len()], got), &fp32).rel_l2)
+    };
     // The quantised layers, as the simulation has them.
-    let sim = simulate_with_rules(graph, cache, format, &[])?;
+    let sim = simulate_optimized(&optimized, cache, format, &[])?;
     let layers: Vec<String> = sim
         .nodes
         .iter()
@@ -94,16 +98,6 @@ fn scopes(layers: &[String]) -> Vec<(String, usize)> {
         }
     }
     out.into_iter().map(|(m, c)| (m, c.len())).chain(layers.iter().map(|l| (l.clone(), 1))).collect()
-}
-
-/// `‖got − want‖ / ‖want‖` in f64 (`inf` where the lengths differ).
-fn rel_l2(got: &[f32], want: &[f32]) -> f64 {
-    if got.len() != want.len() {
-        return f64::INFINITY;
-    }
-    let d: f64 = got.iter().zip(want).map(|(a, b)| (*a as f64 - *b as f64).powi(2)).sum();
-    let n: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum();
-    (d / n.max(1e-300)).sqrt()
 }
 
 #[cfg(test)]
