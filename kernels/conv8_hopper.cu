@@ -23,21 +23,27 @@
 // The weight is a 3-D map [K][R·S][C]: the stage's B box is BN channels × BK codes of one tap
 // (zeros past K and past C, where the A box has zeros too).
 //
-// Pipeline (kernels/hopper.cuh's convention). 384 threads: warpgroup 0 is the producer (it
-// gives registers back with setmaxnreg; one thread issues the loads), warpgroups 1 and 2 the
-// consumers (64 pixels each, all BN channels). A ring of STAGES stages, each an A box (128 rows
-// of BK bytes) and a B box (BN rows of BK bytes), both 1024-byte aligned and swizzled over their
-// row width, with a `full` barrier (the producer's arrival + the boxes' bytes) and an `empty`
-// barrier (one arrival per consumer warp). The producer waits `empty`, announces the stage's
-// bytes on `full` and issues both boxes; a consumer waits `full`, issues BK / 32 wgmmas over the
-// stage, commits them, waits until only this stage's group is in flight and frees the previous
-// stage. One tile per block: when both consumers are past their last wgmma, nothing is in flight
-// (every issued box was waited for), so the epilogue reuses the ring as its staging tile.
+// Pipeline (kernels/hopper.cuh's convention). Persistent: a grid of at most one block per SM
+// walks the tiles (blockIdx.x, then every gridDim.x-th), so the loads of a block's next tile run
+// while its consumers finish the last one. 384 threads: warpgroup 0 is the producer (it gives
+// registers back with setmaxnreg; one thread issues the loads), warpgroups 1 and 2 the consumers
+// (64 pixels each, all BN channels). A ring of STAGES stages, each an A box (128 rows of BK
+// bytes) and a B box (BN rows of BK bytes), both 1024-byte aligned and swizzled over their row
+// width, with a `full` barrier (the producer's arrival + the boxes' bytes) and an `empty` barrier
+// (one arrival per consumer warp). Producer and consumers count the same stages across tiles
+// (stage g % STAGES, phase (g / STAGES) & 1). The producer waits `empty`, announces the stage's
+// bytes on `full` and issues both boxes, tile after tile; a consumer waits `full`, issues BK / 32
+// wgmmas over the stage, commits them, waits until only this stage's group is in flight and frees
+// the previous stage; after a tile's last stage it waits for every group and frees that stage too,
+// then runs the epilogue in a staging tile of its own (after the ring), while the producer fills
+// the freed stages with the next tile's boxes.
 //
 // Epilogue: conv8's, in the same two passes: accumulators · alpha + bias → f32 staging rows;
 // then 16 channels of one pixel per step through conv8_epilogue.cuh's `finish16` (residual,
 // ReLU, f16 or codes), so the numbers are the mma.sync kernel's (int8 bit for bit: the s32 sums
-// are exact in both). No split-K: deep reductions of small batches stay with conv8's split-K.
+// are exact in both). Each consumer stages and finishes its own 64 rows, so only its own 128
+// threads meet at a barrier (before and after the second pass). No split-K: deep reductions of
+// small batches stay with conv8's split-K.
 
 #define C8H_BM 128
 #define C8H_THREADS 384
@@ -88,7 +94,7 @@ __device__ __forceinline__ int c8h_row(const Conv8Args& a, const C8hTile& t, int
 
 template <bool FP8, int BN, int BK, int STAGES>
 __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const TensorMap* map_w, const Conv8Args& a, int patch_w,
-                                             int patch_h) {
+                                             int patch_h, int tiles) {
     typedef typename Acc<FP8>::T AccT;
     constexpr int A_BYTES = C8H_BM * BK, B_BYTES = BN * BK, STAGE_BYTES = A_BYTES + B_BYTES;
     static_assert(STAGE_BYTES % 1024 == 0, "stages stay 1024-byte aligned");
@@ -100,8 +106,7 @@ __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const Tenso
     const int warpgroup = threadIdx.x / 128, t = threadIdx.x % 128;
     // Output-channel tiles fastest: the blocks sharing a pixel tile run together and read it
     // from L2.
-    const int n_tiles = (a.k + BN - 1) / BN, col0 = (blockIdx.x % n_tiles) * BN;
-    const C8hTile tile = c8h_tile(a, blockIdx.x / n_tiles, patch_w, patch_h);
+    const int n_tiles = (a.k + BN - 1) / BN;
     const int c_blocks = (a.c + BK - 1) / BK, k_iters = a.r * a.s * c_blocks;
 
     if (threadIdx.x == 0) {
@@ -118,19 +123,24 @@ __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const Tenso
     if (warpgroup == 0) {
         setmaxnreg_dec<40>();
         if (t == 0) {
-            for (int it = 0; it < k_iters; ++it) {
-                const int s = it % STAGES, tap = it / c_blocks, c0 = (it % c_blocks) * BK;
-                unsigned char* stage = ring + s * STAGE_BYTES;
-                mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);
-                mbar_arrive_expect_tx(&full[s], STAGE_BYTES);
-                if (patch_w == 0) {
-                    tma_load_2d(stage, map_x, &full[s], c0, tile.m0);
-                } else {
-                    const int r = tap / a.s, fs = tap % a.s;
-                    const int iw = tile.q0 * a.stride_w - a.pad_w + fs * a.dil_w, ih = tile.p0 * a.stride_h - a.pad_h + r * a.dil_h;
-                    tma_load_4d(stage, map_x, &full[s], c0, iw, ih, tile.img);
+            int g = 0;  // stages issued, over every tile of this block
+            for (int tile_id = blockIdx.x; tile_id < tiles; tile_id += gridDim.x) {
+                const int col0 = (tile_id % n_tiles) * BN;
+                const C8hTile tile = c8h_tile(a, tile_id / n_tiles, patch_w, patch_h);
+                for (int it = 0; it < k_iters; ++it, ++g) {
+                    const int s = g % STAGES, tap = it / c_blocks, c0 = (it % c_blocks) * BK;
+                    unsigned char* stage = ring + s * STAGE_BYTES;
+                    mbar_wait(&empty[s], ((g / STAGES) & 1) ^ 1);
+                    mbar_arrive_expect_tx(&full[s], STAGE_BYTES);
+                    if (patch_w == 0) {
+                        tma_load_2d(stage, map_x, &full[s], c0, tile.m0);
+                    } else {
+                        const int r = tap / a.s, fs = tap % a.s;
+                        const int iw = tile.q0 * a.stride_w - a.pad_w + fs * a.dil_w, ih = tile.p0 * a.stride_h - a.pad_h + r * a.dil_h;
+                        tma_load_4d(stage, map_x, &full[s], c0, iw, ih, tile.img);
+                    }
+                    tma_load_3d(stage + A_BYTES, map_w, &full[s], c0, tap, col0);
                 }
-                tma_load_3d(stage + A_BYTES, map_w, &full[s], c0, tap, col0);
             }
         }
         return;
@@ -139,76 +149,85 @@ __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const Tenso
     setmaxnreg_inc<232>();
     const int half = warpgroup - 1;      // pixels 64·half .. 64·half + 63 of the tile
     const bool signals = (t & 31) == 0;  // one arrival per warp on `empty`
-    AccT acc[BN / 2];
-    for (int it = 0; it < k_iters; ++it) {
-        const int s = it % STAGES;
-        mbar_wait(&full[s], (it / STAGES) & 1);
-        const unsigned char* stage = ring + s * STAGE_BYTES;
-        const u64 da = wgmma_desc_k<BK>(stage + half * 64 * BK), db = wgmma_desc_k<BK>(stage + A_BYTES);
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) wgmma_fence_operand(acc[i]);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BK / 32; ++kk)
-            c8h_mma<FP8, BN>(acc, wgmma_desc_advance(da, kk * 32), wgmma_desc_advance(db, kk * 32), it > 0 || kk > 0);
-        wgmma_commit();
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) wgmma_fence_operand(acc[i]);
-        // The previous stage's MMAs are done once at most this stage's group runs: free it.
-        wgmma_wait<1>();
-        if (it > 0 && signals) mbar_arrive(&empty[(it - 1) % STAGES]);
-    }
-    wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) wgmma_fence_operand(acc[i]);
-
-    // Both consumers past their last wgmma: no box is in flight and no MMA reads the ring, which
-    // becomes the f32 staging tile (rows padded by 4 floats against bank conflicts).
-    asm volatile("bar.sync 1, 256;" ::: "memory");
-    fence_proxy_async();
+    // The f32 staging tile after the ring (rows padded by 4 floats against bank conflicts).
     constexpr int LD = BN + 4;
-    float* staging = reinterpret_cast<float*>(ring);
+    float* staging = reinterpret_cast<float*>(ring + STAGES * STAGE_BYTES);
+    AccT acc[BN / 2];
+    int g = 0;  // stages consumed, over every tile of this block
+    for (int tile_id = blockIdx.x; tile_id < tiles; tile_id += gridDim.x) {
+        const int col0 = (tile_id % n_tiles) * BN;
+        const C8hTile tile = c8h_tile(a, tile_id / n_tiles, patch_w, patch_h);
+        for (int it = 0; it < k_iters; ++it, ++g) {
+            const int s = g % STAGES;
+            mbar_wait(&full[s], (g / STAGES) & 1);
+            const unsigned char* stage = ring + s * STAGE_BYTES;
+            const u64 da = wgmma_desc_k<BK>(stage + half * 64 * BK), db = wgmma_desc_k<BK>(stage + A_BYTES);
 #pragma unroll
-    for (int i = 0; i < BN / 2; i += 2) {
-        const int lr = half * 64 + wgmma_acc_row(t, i), lc = wgmma_acc_col(t, i), col = col0 + lc;
-        const bool ok = col < a.k;  // K is a multiple of 16 and lc even: col + 1 < K too
-        const float al0 = ok ? a.alpha[col] : 0.f, al1 = ok ? a.alpha[col + 1] : 0.f;
-        const float b0 = ok && a.bias ? a.bias[col] : 0.f, b1 = ok && a.bias ? a.bias[col + 1] : 0.f;
-        *reinterpret_cast<float2*>(staging + lr * LD + lc) = make_float2((float)acc[i] * al0 + b0, (float)acc[i + 1] * al1 + b1);
-    }
-    asm volatile("bar.sync %0, 128;" ::"r"(2 + half) : "memory");  // this warpgroup's rows are staged
-    constexpr int CHUNKS = BN / 16;
-    for (int item = t; item < 64 * CHUNKS; item += 128) {
-        const int lr = half * 64 + item / CHUNKS, lc = (item % CHUNKS) * 16, col = col0 + lc;
-        const int row = c8h_row(a, tile, lr, patch_w);
-        if (row < 0 || col >= a.k) continue;
-        float v[16];
+            for (int i = 0; i < BN / 2; ++i) wgmma_fence_operand(acc[i]);
+            wgmma_fence();
 #pragma unroll
-        for (int j = 0; j < 16; j += 4) *reinterpret_cast<float4*>(v + j) = *reinterpret_cast<const float4*>(staging + lr * LD + lc + j);
-        const long long o = (long long)row * a.k + col;
-        uint4 zq = make_uint4(0, 0, 0, 0);
-        if (a.z_store == C8_Q8) zq = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(a.z) + o);
-        finish16<FP8>(a, v, o, zq);
+            for (int kk = 0; kk < BK / 32; ++kk)
+                c8h_mma<FP8, BN>(acc, wgmma_desc_advance(da, kk * 32), wgmma_desc_advance(db, kk * 32), it > 0 || kk > 0);
+            wgmma_commit();
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) wgmma_fence_operand(acc[i]);
+            // The previous stage's MMAs are done once at most this stage's group runs: free it.
+            wgmma_wait<1>();
+            if (it > 0 && signals) mbar_arrive(&empty[(g - 1) % STAGES]);
+        }
+        wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) wgmma_fence_operand(acc[i]);
+        // The tile's last stage is read: the producer may refill it with the next tile's boxes.
+        if (signals) mbar_arrive(&empty[(g - 1) % STAGES]);
+
+#pragma unroll
+        for (int i = 0; i < BN / 2; i += 2) {
+            const int lr = half * 64 + wgmma_acc_row(t, i), lc = wgmma_acc_col(t, i), col = col0 + lc;
+            const bool ok = col < a.k;  // K is a multiple of 16 and lc even: col + 1 < K too
+            const float al0 = ok ? a.alpha[col] : 0.f, al1 = ok ? a.alpha[col + 1] : 0.f;
+            const float b0 = ok && a.bias ? a.bias[col] : 0.f, b1 = ok && a.bias ? a.bias[col + 1] : 0.f;
+            *reinterpret_cast<float2*>(staging + lr * LD + lc) =
+                make_float2((float)acc[i] * al0 + b0, (float)acc[i + 1] * al1 + b1);
+        }
+        asm volatile("bar.sync %0, 128;" ::"r"(2 + half) : "memory");  // this warpgroup's rows are staged
+        constexpr int CHUNKS = BN / 16;
+        for (int item = t; item < 64 * CHUNKS; item += 128) {
+            const int lr = half * 64 + item / CHUNKS, lc = (item % CHUNKS) * 16, col = col0 + lc;
+            const int row = c8h_row(a, tile, lr, patch_w);
+            if (row < 0 || col >= a.k) continue;
+            float v[16];
+#pragma unroll
+            for (int j = 0; j < 16; j += 4)
+                *reinterpret_cast<float4*>(v + j) = *reinterpret_cast<const float4*>(staging + lr * LD + lc + j);
+            const long long o = (long long)row * a.k + col;
+            uint4 zq = make_uint4(0, 0, 0, 0);
+            if (a.z_store == C8_Q8) zq = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(a.z) + o);
+            finish16<FP8>(a, v, o, zq);
+        }
+        asm volatile("bar.sync %0, 128;" ::"r"(2 + half) : "memory");  // its rows are read: the next tile may stage
     }
 }
 
-// Entry points: conv8_<i8|e4m3>_wgmma_n<BN>_bk<BK>_s<STAGES>. A 1-D grid of (pixel tiles) ×
-// ceil(K / BN) blocks of 384 threads, max(STAGES · (128 + BN) · BK, 128 · (BN + 4) · 4) + 1024
-// bytes of dynamic shared memory (`HopperVariant::shared_bytes`). The parameters: the
-// activation's map (2-D [N·H·W][C] in GEMM mode, 4-D [N][H][W][C] with traversal strides
-// otherwise), the weight's 3-D map, conv8's arguments (`CONV8_PARAMS`; split-K's must be 1), and
-// the patch's width and height in output pixels (0, 0: GEMM mode).
+// Entry points: conv8_<i8|e4m3>_wgmma_n<BN>_bk<BK>_s<STAGES>. A 1-D grid of at most one block
+// per SM (each walks the tiles: (pixel tiles) × ceil(K / BN) of them, `tiles`) of 384 threads,
+// STAGES · (128 + BN) · BK + 128 · (BN + 4) · 4 + 1024 bytes of dynamic shared memory
+// (`HopperVariant::shared_bytes`). The parameters: the activation's map (2-D [N·H·W][C] in GEMM
+// mode, 4-D [N][H][W][C] with traversal strides otherwise), the weight's 3-D map, conv8's
+// arguments (`CONV8_PARAMS`; split-K's must be 1), the patch's width and height in output pixels
+// (0, 0: GEMM mode) and the tile count.
 #define CONV8_HOPPER(FMT, FP8, BN, BK, STAGES)                                                                                       \
     extern "C" __global__ void __launch_bounds__(C8H_THREADS, 1) conv8_##FMT##_wgmma_n##BN##_bk##BK##_s##STAGES(                     \
-        const __grid_constant__ TensorMap map_x, const __grid_constant__ TensorMap map_w, CONV8_PARAMS, int patch_w, int patch_h) {  \
+        const __grid_constant__ TensorMap map_x, const __grid_constant__ TensorMap map_w, CONV8_PARAMS, int patch_w, int patch_h,    \
+        int tiles) {                                                                                                                  \
         CONV8_ARGS;                                                                                                                   \
-        conv8_hopper<FP8, BN, BK, STAGES>(&map_x, &map_w, a, patch_w, patch_h);                                                      \
+        conv8_hopper<FP8, BN, BK, STAGES>(&map_x, &map_w, a, patch_w, patch_h, tiles);                                               \
     }
 
 CONV8_HOPPER(i8, false, 64, 64, 8)
 CONV8_HOPPER(i8, false, 128, 64, 8)
-CONV8_HOPPER(i8, false, 128, 128, 6)
-CONV8_HOPPER(i8, false, 256, 128, 4)
+CONV8_HOPPER(i8, false, 128, 128, 4)
+CONV8_HOPPER(i8, false, 256, 64, 3)
 // No e4m3 entry points: the FP8 form (FP8 = true) ran on an H200 and its sums drifted from f32
 // ones (rel L2 1.4e-3 after one requantised conv, 1.3-3e-2 after four, where the mma.sync kernel
 // stays under 1e-3), also when each stage's sums were promoted to f32 registers; wgmma's e4m3

@@ -51,11 +51,12 @@ struct HopperVariant {
 impl HopperVariant {
     /// 64-code stages suit C = 64 (a 128-code stage would be half zeros), 128-code ones deeper
     /// channels; 64 to 256 output channels per block.
+    /// The staging tile beside the ring leaves 256-channel blocks 3 stages of 64 codes.
     const ALL: [HopperVariant; 4] = [
         HopperVariant { bn: 64, bk: 64, stages: 8 },
         HopperVariant { bn: 128, bk: 64, stages: 8 },
-        HopperVariant { bn: 128, bk: 128, stages: 6 },
-        HopperVariant { bn: 256, bk: 128, stages: 4 },
+        HopperVariant { bn: 128, bk: 128, stages: 4 },
+        HopperVariant { bn: 256, bk: 64, stages: 3 },
     ];
 
     /// The variants compiled for `format`: int8's alone (see [`FP8_REFUSAL`]).
@@ -73,10 +74,11 @@ impl HopperVariant {
             TmaSwizzle::B64
         }
     }
-    /// Dynamic shared memory: the ring of (A, B) stages, or the epilogue's f32 staging tile (rows
-    /// of `bn` + 4 floats) that reuses it, whichever is larger, and 1 KiB to align the ring.
+    /// Dynamic shared memory: the ring of (A, B) stages, then the epilogue's f32 staging tile
+    /// (rows of `bn` + 4 floats; apart from the ring, which the next tile's loads fill meanwhile),
+    /// and 1 KiB to align the ring.
     fn shared_bytes(self) -> usize {
-        (self.stages * (BM + self.bn) * self.bk).max(BM * (self.bn + 4) * 4) + 1024
+        self.stages * (BM + self.bn) * self.bk + BM * (self.bn + 4) * 4 + 1024
     }
 }
 
@@ -245,6 +247,7 @@ pub(super) fn candidates(ctx: &mut BuildCtx, node: NodeId, p: &Conv8Problem) -> 
             bias,
             epilogue: p.epilogue,
             geo: p.geo,
+            sms: ctx.kernels.sm_count(),
         }));
     }
     Ok(out)
@@ -271,12 +274,14 @@ struct Conv8HopperLayer {
     epilogue: Epilogue8,
     /// H, W, C, K, R, S, P, Q, stride, padding and dilation as the kernel takes them.
     geo: [i32; 14],
+    /// The device's SMs: the persistent grid's size at most.
+    sms: u32,
 }
 
 impl Conv8HopperLayer {
-    /// Blocks of a launch over `batch` images: pixel tiles × channel tiles, checked against the
-    /// kernel's 32-bit indices (rows, and the tile index derived from `blockIdx.x`).
-    fn blocks(&self, batch: usize) -> std::result::Result<u32, String> {
+    /// Tiles of a launch over `batch` images: pixel tiles × channel tiles, checked against the
+    /// kernel's 32-bit indices (rows, and the tile index).
+    fn tiles(&self, batch: usize) -> std::result::Result<u32, String> {
         let g = &self.geometry;
         let rows = batch.checked_mul(g.p).and_then(|r| r.checked_mul(g.q));
         if rows.is_none_or(|r| r > i32::MAX as usize - BM) {
@@ -302,7 +307,9 @@ impl Layer for Conv8HopperLayer {
             return Ok(());
         }
         let binding = |reason: String| Error::Binding { name: self.path.clone(), reason };
-        let blocks = self.blocks(batch).map_err(binding)?;
+        let tiles = self.tiles(batch).map_err(binding)?;
+        // Persistent: a block an SM (one fits, `__launch_bounds__(384, 1)`), each walking its tiles.
+        let blocks = tiles.min(self.sms.max(1));
         let y = rt.ptr(self.y);
         if !y.is_multiple_of(16) || self.z.is_some_and(|z| !rt.ptr(z).is_multiple_of(16)) {
             return Err(binding("the wgmma conv's output and residual must be 16-byte aligned".into()));
@@ -318,6 +325,7 @@ impl Layer for Conv8HopperLayer {
         let mut args = vec![KArg::TensorMap(x_map.opaque), KArg::TensorMap(self.w_map)];
         args.extend(kernel_args(pointers, &self.epilogue, &self.geo, batch as i32, (0, 1)));
         args.extend(self.tiling.kernel_args().map(KArg::I32));
+        args.push(KArg::I32(tiles as i32));
         launch(rt, &self.f, (blocks, 1, 1), (THREADS, 1, 1), self.variant.shared_bytes() as u32, &args)
     }
 }
@@ -451,10 +459,11 @@ mod tests {
             .collect()
     }
 
-    /// The kernel's work, step for step, on the host: its grid (`c8h_tile`), the producer's box
-    /// coordinates per (tap, channel block), the consumers' sums over the boxes, and the
-    /// epilogue's rows (`c8h_row`); the s32 sums of every output, and how often each was written.
-    fn emulate(g: &Geometry, dilation: [usize; 2], v: HopperVariant, batch: usize, x: &[i8], w: &[i8]) -> (Vec<i32>, Vec<u8>) {
+    /// The kernel's work, step for step, on the host: its persistent grid of `grid` blocks, each
+    /// walking every `grid`-th tile (`c8h_tile`), the producer's box coordinates per (tap, channel
+    /// block), the consumers' sums over the boxes, and the epilogue's rows (`c8h_row`); the s32
+    /// sums of every output, and how often each was written.
+    fn emulate(g: &Geometry, dilation: [usize; 2], v: HopperVariant, batch: usize, grid: usize, x: &[i8], w: &[i8]) -> (Vec<i32>, Vec<u8>) {
         let tiling = plan("sm_90", g).expect("applies");
         let (x_map, w_map) = (activation_map(tiling, v, 0, batch, g), weight_map(v, 0, g));
         let [patch_w, patch_h] = tiling.kernel_args().map(|a| a as i64);
@@ -462,8 +471,9 @@ mod tests {
         let (n_tiles, c_blocks) = (g.k.div_ceil(v.bn), g.c.div_ceil(v.bk));
         let m_tiles = tiling.pixel_tiles(batch, g.p, g.q).expect("small");
         let (mut out, mut writes) = (vec![0i32; batch * g.p * g.q * g.k], vec![0u8; batch * g.p * g.q * g.k]);
-        for block in 0..m_tiles * n_tiles {
-            let (tile_m, col0) = ((block / n_tiles) as i64, ((block % n_tiles) * v.bn) as i64);
+        let tiles = m_tiles * n_tiles;
+        for tile in (0..grid.min(tiles)).flat_map(|block| (block..tiles).step_by(grid)) {
+            let (tile_m, col0) = ((tile / n_tiles) as i64, ((tile % n_tiles) * v.bn) as i64);
             let (m0, img, p0, q0) = if patch_w == 0 {
                 (tile_m * BM as i64, 0, 0, 0)
             } else {
@@ -561,10 +571,11 @@ mod tests {
                 let x: Vec<i8> = (0..batch * g.h * g.w * c).map(|j| code(2 * i as u64, j)).collect();
                 let w: Vec<i8> = (0..k * rs * rs * c).map(|j| code(2 * i as u64 + 1, j)).collect();
                 let want = direct(&g, [dil; 2], batch, &x, &w);
-                for v in HopperVariant::ALL {
-                    let (got, writes) = emulate(&g, [dil; 2], v, batch, &x, &w);
-                    assert!(writes.iter().all(|&n| n == 1), "{g:?} batch {batch} {v:?}: every output written once");
-                    assert_eq!(got, want, "{g:?} batch {batch} {v:?}");
+                // Grids of one block, a few, and more blocks than tiles.
+                for (v, grid) in HopperVariant::ALL.into_iter().flat_map(|v| [1, 3, 132].map(|g| (v, g))) {
+                    let (got, writes) = emulate(&g, [dil; 2], v, batch, grid, &x, &w);
+                    assert!(writes.iter().all(|&n| n == 1), "{g:?} batch {batch} {v:?}, {grid} blocks: every output written once");
+                    assert_eq!(got, want, "{g:?} batch {batch} {v:?}, {grid} blocks");
                 }
             }
         }
@@ -577,10 +588,11 @@ mod tests {
             assert!(v.shared_bytes() <= 227 * 1024, "{v:?}: {} bytes", v.shared_bytes());
             assert_eq!(((BM + v.bn) * v.bk) % 1024, 0, "{v:?}");
             assert!(v.bk == 64 || v.bk == 128);
-            assert!(v.shared_bytes() >= BM * (v.bn + 4) * 4 + 1024, "the staging tile fits the ring");
+            assert_eq!(v.shared_bytes(), v.stages * (BM + v.bn) * v.bk + BM * (v.bn + 4) * 4 + 1024, "the ring, then the staging tile");
+            assert!(v.stages >= 3, "{v:?}: a ring deep enough to load ahead");
         }
-        assert_eq!(HopperVariant::ALL[2].entry(QuantFormat::Int8), "conv8_i8_wgmma_n128_bk128_s6");
-        assert_eq!(HopperVariant::ALL[3].entry(QuantFormat::Int8), "conv8_i8_wgmma_n256_bk128_s4");
+        assert_eq!(HopperVariant::ALL[2].entry(QuantFormat::Int8), "conv8_i8_wgmma_n128_bk128_s4");
+        assert_eq!(HopperVariant::ALL[3].entry(QuantFormat::Int8), "conv8_i8_wgmma_n256_bk64_s3");
         assert_eq!(entry_points().len(), 4, "four int8 tiles and no FP8 one");
         assert_eq!(HopperVariant::of(QuantFormat::Fp8E4m3).count(), 0, "{FP8_REFUSAL}");
         assert!(entry_points().iter().all(|e| crate::engine::eight_bit::precision_of_kind(&format!("kernel:{e}")).is_some()));
