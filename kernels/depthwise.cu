@@ -79,8 +79,10 @@ __device__ void depthwise(const T* x, const float* w, const float* bias, const T
     extern "C" __global__ void depthwise_k5_##S(DEPTHWISE_ARGS(T)) { depthwise<T, 5>(DEPTHWISE_PASS); }                                    \
     extern "C" __global__ void depthwise_k7_##S(DEPTHWISE_ARGS(T)) { depthwise<T, 7>(DEPTHWISE_PASS); }
 
+#if !defined(DW_PART) || DW_PART == 0
 DEPTHWISE(float, f32)
 DEPTHWISE(f16, f16)
+#endif
 
 // Register-tiled variant (a separate tactic candidate): one thread computes a TH x TW tile of
 // output pixels for V channels (one 8-byte load: 4 halves or 2 floats). It walks the
@@ -201,22 +203,34 @@ __device__ void depthwise_tile(const T* x, const float* w, const float* bias, co
         int relu
 #define DW_TILE_PASS x, w, bias, residual, y, N, H, W, C, OH, OW, ph, pw, relu
 // dw_tile_k{K}_s{S}_h{TH}_{type}: 8 output columns a tile at stride 1, 4 at stride 2.
-#define DW_TILE(T, S) \
-    extern "C" __global__ void dw_tile_k3_s1_h1_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 3, 1, 1, 8>(DW_TILE_PASS); } \
-    extern "C" __global__ void dw_tile_k3_s1_h2_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 3, 1, 2, 8>(DW_TILE_PASS); } \
-    extern "C" __global__ void dw_tile_k3_s2_h1_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 3, 2, 1, 4>(DW_TILE_PASS); } \
-    extern "C" __global__ void dw_tile_k3_s2_h2_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 3, 2, 2, 4>(DW_TILE_PASS); } \
-    extern "C" __global__ void dw_tile_k5_s1_h1_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 5, 1, 1, 8>(DW_TILE_PASS); } \
-    extern "C" __global__ void dw_tile_k5_s1_h2_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 5, 1, 2, 8>(DW_TILE_PASS); } \
-    extern "C" __global__ void dw_tile_k5_s2_h1_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 5, 2, 1, 4>(DW_TILE_PASS); } \
-    extern "C" __global__ void dw_tile_k5_s2_h2_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 5, 2, 2, 4>(DW_TILE_PASS); } \
-    extern "C" __global__ void dw_tile_k7_s1_h1_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 7, 1, 1, 8>(DW_TILE_PASS); } \
-    extern "C" __global__ void dw_tile_k7_s1_h2_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 7, 1, 2, 8>(DW_TILE_PASS); } \
-    extern "C" __global__ void dw_tile_k7_s2_h1_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 7, 2, 1, 4>(DW_TILE_PASS); } \
-    extern "C" __global__ void dw_tile_k7_s2_h2_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 7, 2, 2, 4>(DW_TILE_PASS); }
+#define DW_TILE(T, S, K)                                                                                                   \
+    extern "C" __global__ void dw_tile_k##K##_s1_h1_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, K, 1, 1, 8>(DW_TILE_PASS); } \
+    extern "C" __global__ void dw_tile_k##K##_s1_h2_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, K, 1, 2, 8>(DW_TILE_PASS); } \
+    extern "C" __global__ void dw_tile_k##K##_s2_h1_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, K, 2, 1, 4>(DW_TILE_PASS); } \
+    extern "C" __global__ void dw_tile_k##K##_s2_h2_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, K, 2, 2, 4>(DW_TILE_PASS); }
 
-DW_TILE(float, f32)
-DW_TILE(f16, f16)
+// The register-tiled kernels are most of this family's NVRTC time (about 30 s on one core for
+// all of them), so src/engine/kernels.rs compiles the family as DW_PARTS programs side by side,
+// each with its DW_PART: part 0 the simple and shared-memory kernels, parts 1 to 6 the tiles of
+// one type and kernel size. Without DW_PART the file is every kernel at once.
+#if !defined(DW_PART) || DW_PART == 1
+DW_TILE(float, f32, 3)
+#endif
+#if !defined(DW_PART) || DW_PART == 2
+DW_TILE(float, f32, 5)
+#endif
+#if !defined(DW_PART) || DW_PART == 3
+DW_TILE(float, f32, 7)
+#endif
+#if !defined(DW_PART) || DW_PART == 4
+DW_TILE(f16, f16, 3)
+#endif
+#if !defined(DW_PART) || DW_PART == 5
+DW_TILE(f16, f16, 5)
+#endif
+#if !defined(DW_PART) || DW_PART == 6
+DW_TILE(f16, f16, 7)
+#endif
 
 // dw_smem_k{K}_{type}: stride 1, C a multiple of 32. A block of 256 threads takes an 8 x 16 tile of
 // output pixels and 32 channels: it stages the tile's (8 + K - 1) x (16 + K - 1) input pixels in
@@ -291,5 +305,7 @@ __device__ __forceinline__ void depthwise_smem(const T* x, const float* w, const
     extern "C" __global__ void dw_smem_k5_##S(DW_TILE_ARGS(T)) { depthwise_smem<T, 5>(DW_TILE_PASS); } \
     extern "C" __global__ void dw_smem_k7_##S(DW_TILE_ARGS(T)) { depthwise_smem<T, 7>(DW_TILE_PASS); }
 
+#if !defined(DW_PART) || DW_PART == 0
 DW_SMEM(float, f32)
 DW_SMEM(f16, f16)
+#endif

@@ -22,7 +22,16 @@ use std::sync::{Arc, Mutex, OnceLock};
 /// Prepended to every kernel source (Kiln's and users').
 pub const PRELUDE: &str = include_str!("../../kernels/common.cuh");
 
-/// Kiln's kernel families: `(file name, source)`.
+/// `kernels/depthwise.cu` as part `$n` of its seven programs (its `DW_PART`): one program takes
+/// NVRTC about 20–30 s, most of it in the register-tiled kernels, and is a fresh machine's first
+/// build's longest wait; its parts compile side by side in at most about 4.5 s each.
+macro_rules! depthwise_part {
+    ($n:literal) => {
+        (concat!("depthwise.cu#", $n), concat!("#define DW_PART ", $n, "\n", include_str!("../../kernels/depthwise.cu")))
+    };
+}
+
+/// Kiln's kernel families: `(file name, source)` (`depthwise.cu#k` for the depthwise parts).
 pub const FAMILIES: &[(&str, &str)] = &[
     ("elementwise.cu", include_str!("../../kernels/elementwise.cu")),
     ("reformat.cu", include_str!("../../kernels/reformat.cu")),
@@ -32,7 +41,13 @@ pub const FAMILIES: &[(&str, &str)] = &[
     ("norm.cu", include_str!("../../kernels/norm.cu")),
     ("shape.cu", include_str!("../../kernels/shape.cu")),
     ("resize.cu", include_str!("../../kernels/resize.cu")),
-    ("depthwise.cu", include_str!("../../kernels/depthwise.cu")),
+    depthwise_part!(0),
+    depthwise_part!(1),
+    depthwise_part!(2),
+    depthwise_part!(3),
+    depthwise_part!(4),
+    depthwise_part!(5),
+    depthwise_part!(6),
     ("attention.cu", include_str!("../../kernels/attention.cu")),
     ("quant.cu", include_str!("../../kernels/quant.cu")),
 ];
