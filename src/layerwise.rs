@@ -223,7 +223,10 @@ pub fn run_quantised(
 ) -> Result<LayerwiseReport> {
     let optimized = crate::passes::optimize(traced)?;
     let quantised = match cache {
-        _ if crate::calibrate::has_quant_nodes(&optimized) => optimized,
+        _ if crate::calibrate::has_quant_nodes(&optimized) => {
+            crate::calibrate::check_rules_on_explicit(&optimized, rules)?;
+            optimized
+        }
         Some(cache) => crate::calibrate::quantize_graph(&optimized, cache, format, rules)?,
         None => {
             return Err(Error::Config {

@@ -34,8 +34,6 @@ use common::{gpu, min_max_cache, rel_l2};
 
 /// The batches every engine runs (built for 1..=48, timed at 48).
 const BATCHES: [usize; 3] = [1, 7, 48];
-/// The tile variants (`conv8_<fmt>_wgmma_n<BN>_bk<BK>_s<STAGES>`), each forced alone.
-const VARIANTS: [&str; 4] = ["n64_bk64_s8", "n128_bk64_s8", "n128_bk128_s6", "n256_bk128_s4"];
 
 fn hopper_gpu() -> Option<Arc<Gpu>> {
     let gpu = gpu()?;
@@ -176,7 +174,11 @@ fn check(case: Case) {
         // `CONV8_HOPPER_SOURCE=n128_bk64_s8` (a variant; `all`: the timed choice among them) runs
         // only that source, for compute-sanitizer.
         let only = std::env::var("CONV8_HOPPER_SOURCE").ok();
-        let sources = VARIANTS.iter().map(|v| format!("{all}_{v}")).chain([all.clone()]);
+        // Every tile variant the library lists (`conv8_<fmt>_wgmma_n<BN>_bk<BK>_s<STAGES>`), each
+        // forced alone, then all of them timed.
+        let variants: Vec<String> = kiln::dev::kernels::conv8_hopper_entry_points().into_iter().filter(|e| all.strip_prefix("kernel:").is_some_and(|a| e.starts_with(a))).collect();
+        assert!(variants.len() >= 2, "{format:?}: the wgmma variants {variants:?}");
+        let sources = variants.iter().map(|v| format!("kernel:{v}")).chain([all.clone()]);
         let chosen = |s: &String| only.as_deref().is_none_or(|o| if o == "all" { *s == all } else { s.ends_with(o) });
         for source in sources.filter(chosen) {
             let Some(engine) = build(&gpu, graph, precision, &path, &source, &mut failures) else { continue };

@@ -247,6 +247,10 @@ fn layer_precision_rules_keep_their_layers_unquantised() {
         text.starts_with("--layer-precisions") && text.contains("layer1.0.conv1:fp16") && text.contains("own quantize/dequantize"),
         "{text}"
     );
+    // `kiln compare --layerwise` refuses it in the same words.
+    let err = kiln::dev::layerwise::run_quantised(&q, None, QuantFormat::Int8, &BTreeMap::new(), 0.1, &rule, |_, _| Ok(BTreeMap::new()))
+        .expect_err("a layerwise rule on a quantised layer");
+    assert_eq!(err.to_string(), text);
     // A rule on a layer it leaves unquantised is obeyed (only the precision of the others changes).
     prepare_for_engine(q, QuantFormat::Int8, None, &[LayerPrecision::new("nothing.here", Precision::Fp32)]).expect("a rule elsewhere");
 }

@@ -126,7 +126,7 @@ pub enum Command {
     /// times the candidate algorithms of each layer on the device, and writes the engine. Prints
     /// what was fused and the engine's device memory; -v lists every timed candidate.
     #[command(
-        after_long_help = "Examples:\n  kiln build resnet50 -o rn50.kiln\n  kiln build centernet --fp16 --max-batch 32 --opt-batch 8 --timing-cache tc.bin -o cn.kiln\n  kiln build resnet50 --minShapes input:1x3x224x224 --optShapes input:8x3x224x224 --maxShapes input:32x3x224x224 --saveEngine rn50.kiln"
+        after_long_help = "Examples:\n  kiln build resnet50 -o rn50.kiln\n  kiln build centernet --fp16 --max-batch 32 --opt-batch 8 --timing-cache tc.bin -o cn.kiln\n  kiln build resnet50 --minShapes input:1x3x224x224 --optShapes input:8x3x224x224 --maxShapes input:32x3x224x224 --saveEngine rn50.kiln\n  kiln build resnet50 --int8 --calibration-cache c.json --tactic-sources kernel:conv8 -o rn50-int8.kiln"
     )]
     Build(BuildArgs),
     /// Measure latency (median, p90, p99, max, standard deviation) and throughput, with and without
@@ -281,6 +281,12 @@ pub struct EngineArgs {
     /// keeps the first conv in 16 bits, as `kiln run --cpu` then simulates).
     #[arg(long, value_name = "PATTERN:PREC,...", value_parser = layer_precisions_parser)]
     pub layer_precisions: Option<LayerPrecisions>,
+    /// Restrict each layer's algorithms to those whose kind starts with one of these prefixes
+    /// (trtexec's --tacticSources, by kind): e.g. `cudnn` or `kernel:conv8_i8_wgmma`. The kinds
+    /// are the ones `kiln profile` and `kiln inspect` print; a layer with none of them keeps all of
+    /// its own, and a forced one that cannot run here is a build error naming it.
+    #[arg(long, value_name = "PREFIX,...", value_delimiter = ',')]
+    pub tactic_sources: Vec<String>,
 }
 
 /// A `--layer-precisions` value.
@@ -630,6 +636,18 @@ mod tests {
     #[test]
     fn cli_definition_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn tactic_sources_reach_the_build_config() {
+        let cli = Cli::try_parse_from(["kiln", "build", "resnet50", "--int8", "--tactic-sources", "kernel:conv8,cudnn", "-o", "r.kiln"])
+            .expect("parse");
+        let Command::Build(b) = cli.command else { panic!("not a build") };
+        let sources = b.engine.config(1, 1, 1).tactic_sources;
+        assert_eq!(sources, Some(vec!["kernel:conv8".to_string(), "cudnn".to_string()]));
+        let none = Cli::try_parse_from(["kiln", "build", "resnet50", "-o", "r.kiln"]).expect("parse");
+        let Command::Build(b) = none.command else { panic!("not a build") };
+        assert_eq!(b.engine.config(1, 1, 1).tactic_sources, None, "no flag: every algorithm is timed");
     }
 
     #[test]

@@ -310,7 +310,7 @@ pub fn prepare_for_best(optimized: Graph, cache: Option<&Path>, rules: &[LayerPr
 /// In a graph with its own Q/DQ nodes the graph decides what is quantised: a per-layer rule may
 /// set the precision of its unquantised layers, and a rule covering a layer that reads a
 /// quantiser is an error naming the flag, the rule and the layer (it cannot be obeyed).
-fn check_rules_on_explicit(graph: &Graph, rules: &[LayerPrecision]) -> Result<()> {
+pub(crate) fn check_rules_on_explicit(graph: &Graph, rules: &[LayerPrecision]) -> Result<()> {
     for node in graph.nodes.iter().filter(|n| quantizable(&n.op)) {
         let quantised = node.inputs.iter().any(|&i| matches!(graph.nodes[i].op, Op::Quant(_)));
         if let Some(rule) = rules.iter().find(|r| quantised && r.matches(&node.path)) {

@@ -67,7 +67,11 @@ fn choose(ctx: &mut LayerCtx, key: &str, candidates: Vec<Box<dyn Layer>>) -> Res
     }
     let layer = fastest(ctx, &key, candidates)?;
     ctx.tactics.recorded.insert(rkey, layer.kind());
-    ctx.tactics.cache.insert(ckey, layer.kind());
+    // A choice among restricted sources is not the problem's fastest: the timing cache keeps
+    // only unrestricted choices, so that a later build without --tactic-sources times afresh.
+    if ctx.config.tactic_sources.is_none() {
+        ctx.tactics.cache.insert(ckey, layer.kind());
+    }
     Ok(layer)
 }
 

@@ -53,8 +53,14 @@ fn int8_fp8_engines_keep_fp32_answers_and_match_their_simulation() {
             cache.save(&path).expect("save cache");
             let x = batch(&data, fold(1 - f), 1);
             let n = x.shape[0];
-            let config =
+            let mut config =
                 BuildConfig::default().precision(precision).batch(1, n, n).calibration_cache(&path).layer_precisions(rules.iter().cloned());
+            // `KILN_TACTIC_SOURCES=kernel:conv8` (the CLI's --tactic-sources) keeps the 8-bit
+            // convs on Kiln's own kernels, whose epilogue the simulation mirrors, away from
+            // cuDNN's fused graphs.
+            if let Ok(sources) = std::env::var("KILN_TACTIC_SOURCES") {
+                config.tactic_sources = Some(sources.split(',').map(str::to_string).collect());
+            }
             let t0 = Instant::now();
             let engine = match EngineBuilder::new(config).with_gpu(gpu.clone()).build(&data.graph) {
                 Ok(e) => Arc::new(e),

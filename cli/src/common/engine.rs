@@ -136,6 +136,9 @@ impl EngineArgs {
         if let Some(rules) = &self.layer_precisions {
             c = c.layer_precisions(rules.0.iter().cloned());
         }
+        if !self.tactic_sources.is_empty() {
+            c.tactic_sources = Some(self.tactic_sources.clone());
+        }
         c
     }
 }
