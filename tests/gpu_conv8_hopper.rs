@@ -176,7 +176,10 @@ fn check(case: Case) {
         let only = std::env::var("CONV8_HOPPER_SOURCE").ok();
         // Every tile variant the library lists (`conv8_<fmt>_wgmma_n<BN>_bk<BK>_s<STAGES>`), each
         // forced alone, then all of them timed.
-        let variants: Vec<String> = kiln::dev::kernels::conv8_hopper_entry_points().into_iter().filter(|e| all.strip_prefix("kernel:").is_some_and(|a| e.starts_with(a))).collect();
+        let variants: Vec<String> = kiln::dev::kernels::conv8_hopper_entry_points()
+            .into_iter()
+            .filter(|e| all.strip_prefix("kernel:").is_some_and(|a| e.starts_with(a)))
+            .collect();
         assert!(variants.len() >= 2, "{format:?}: the wgmma variants {variants:?}");
         let sources = variants.iter().map(|v| format!("kernel:{v}")).chain([all.clone()]);
         let chosen = |s: &String| only.as_deref().is_none_or(|o| if o == "all" { *s == all } else { s.ends_with(o) });

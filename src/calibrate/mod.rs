@@ -599,11 +599,11 @@ impl Calibrator {
 
 mod quantise;
 mod sensitivity;
+pub(crate) use quantise::check_rules_on_explicit;
 pub use quantise::{
     fold_constant_quant, layer_precision, prepare_for_best, prepare_for_engine, quant_summary, quantised_layers, quantize_graph, simulate,
     simulate_with_rules, simulation, weight_scales,
 };
-pub(crate) use quantise::check_rules_on_explicit;
 pub use sensitivity::{quant_sensitivity, ScopeError};
 
 #[cfg(test)]
