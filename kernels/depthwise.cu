@@ -203,33 +203,46 @@ __device__ void depthwise_tile(const T* x, const float* w, const float* bias, co
         int relu
 #define DW_TILE_PASS x, w, bias, residual, y, N, H, W, C, OH, OW, ph, pw, relu
 // dw_tile_k{K}_s{S}_h{TH}_{type}: 8 output columns a tile at stride 1, 4 at stride 2.
-#define DW_TILE(T, S, K)                                                                                                   \
-    extern "C" __global__ void dw_tile_k##K##_s1_h1_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, K, 1, 1, 8>(DW_TILE_PASS); } \
-    extern "C" __global__ void dw_tile_k##K##_s1_h2_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, K, 1, 2, 8>(DW_TILE_PASS); } \
-    extern "C" __global__ void dw_tile_k##K##_s2_h1_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, K, 2, 1, 4>(DW_TILE_PASS); } \
-    extern "C" __global__ void dw_tile_k##K##_s2_h2_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, K, 2, 2, 4>(DW_TILE_PASS); }
+// One macro a kernel size, each entry point's name spelled out (so that it can be found).
+#define DW_TILE_K3(T, S)                                                                                              \
+    extern "C" __global__ void dw_tile_k3_s1_h1_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 3, 1, 1, 8>(DW_TILE_PASS); } \
+    extern "C" __global__ void dw_tile_k3_s1_h2_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 3, 1, 2, 8>(DW_TILE_PASS); } \
+    extern "C" __global__ void dw_tile_k3_s2_h1_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 3, 2, 1, 4>(DW_TILE_PASS); } \
+    extern "C" __global__ void dw_tile_k3_s2_h2_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 3, 2, 2, 4>(DW_TILE_PASS); }
+
+#define DW_TILE_K5(T, S)                                                                                              \
+    extern "C" __global__ void dw_tile_k5_s1_h1_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 5, 1, 1, 8>(DW_TILE_PASS); } \
+    extern "C" __global__ void dw_tile_k5_s1_h2_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 5, 1, 2, 8>(DW_TILE_PASS); } \
+    extern "C" __global__ void dw_tile_k5_s2_h1_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 5, 2, 1, 4>(DW_TILE_PASS); } \
+    extern "C" __global__ void dw_tile_k5_s2_h2_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 5, 2, 2, 4>(DW_TILE_PASS); }
+
+#define DW_TILE_K7(T, S)                                                                                              \
+    extern "C" __global__ void dw_tile_k7_s1_h1_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 7, 1, 1, 8>(DW_TILE_PASS); } \
+    extern "C" __global__ void dw_tile_k7_s1_h2_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 7, 1, 2, 8>(DW_TILE_PASS); } \
+    extern "C" __global__ void dw_tile_k7_s2_h1_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 7, 2, 1, 4>(DW_TILE_PASS); } \
+    extern "C" __global__ void dw_tile_k7_s2_h2_##S(DW_TILE_ARGS(T)) { depthwise_tile<T, 7, 2, 2, 4>(DW_TILE_PASS); }
 
 // The register-tiled kernels are most of this family's NVRTC time (about 30 s on one core for
 // all of them), so src/engine/kernels.rs compiles the family as DW_PARTS programs side by side,
 // each with its DW_PART: part 0 the simple and shared-memory kernels, parts 1 to 6 the tiles of
 // one type and kernel size. Without DW_PART the file is every kernel at once.
 #if !defined(DW_PART) || DW_PART == 1
-DW_TILE(float, f32, 3)
+DW_TILE_K3(float, f32)
 #endif
 #if !defined(DW_PART) || DW_PART == 2
-DW_TILE(float, f32, 5)
+DW_TILE_K5(float, f32)
 #endif
 #if !defined(DW_PART) || DW_PART == 3
-DW_TILE(float, f32, 7)
+DW_TILE_K7(float, f32)
 #endif
 #if !defined(DW_PART) || DW_PART == 4
-DW_TILE(f16, f16, 3)
+DW_TILE_K3(f16, f16)
 #endif
 #if !defined(DW_PART) || DW_PART == 5
-DW_TILE(f16, f16, 5)
+DW_TILE_K5(f16, f16)
 #endif
 #if !defined(DW_PART) || DW_PART == 6
-DW_TILE(f16, f16, 7)
+DW_TILE_K7(f16, f16)
 #endif
 
 // dw_smem_k{K}_{type}: stride 1, C a multiple of 32. A block of 256 threads takes an 8 x 16 tile of
