@@ -59,7 +59,7 @@ fn int8_fp8_engines_keep_fp32_answers_and_match_their_simulation() {
             // convs on Kiln's own kernels, whose epilogue the simulation mirrors, away from
             // cuDNN's fused graphs.
             if let Ok(sources) = std::env::var("KILN_TACTIC_SOURCES") {
-                config.tactic_sources = Some(sources.split(',').map(str::to_string).collect());
+                config = config.tactic_sources(&sources.split(',').collect::<Vec<_>>());
             }
             let t0 = Instant::now();
             let engine = match EngineBuilder::new(config).with_gpu(gpu.clone()).build(&data.graph) {
