@@ -82,16 +82,6 @@ __device__ __forceinline__ C8hTile c8h_tile(const Conv8Args& a, int tile_m, int 
     return t;
 }
 
-// The output pixel (NHWC row) of the tile's local row `lr`, or -1 where it lies past the output.
-__device__ __forceinline__ int c8h_row(const Conv8Args& a, const C8hTile& t, int lr, int patch_w) {
-    if (patch_w == 0) {
-        const int row = t.m0 + lr;
-        return row < a.n * a.p * a.q ? row : -1;
-    }
-    const int p = t.p0 + lr / patch_w, q = t.q0 + lr % patch_w;
-    return p < a.p && q < a.q ? (t.img * a.p + p) * a.q + q : -1;
-}
-
 template <bool FP8, int BN, int BK, int STAGES>
 __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const TensorMap* map_w, const Conv8Args& a, int patch_w,
                                              int patch_h, int tiles) {
@@ -149,19 +139,36 @@ __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const Tenso
     setmaxnreg_inc<232>();
     const int half = warpgroup - 1;      // pixels 64·half .. 64·half + 63 of the tile
     const bool signals = (t & 31) == 0;  // one arrival per warp on `empty`
-    // The f32 staging tile after the ring (rows padded by 4 floats against bank conflicts).
-    constexpr int LD = BN + 4;
+    // The f32 staging tile after the ring. Rows are BN + 8 floats apart (8 banks): the float2
+    // stores of a half-warp (4 rows × 4 column pairs) then fall in 16 distinct banks.
+    constexpr int LD = BN + 8;
     float* staging = reinterpret_cast<float*>(ring + STAGES * STAGE_BYTES);
+    // Stage s is at a constant offset from stage 0: its barriers 8·s bytes on, its descriptors
+    // (STAGE_BYTES·s) >> 4 on (the address field cannot carry: shared memory is under 256 KiB).
+    const unsigned full0 = smem_u32(&full[0]), empty0 = smem_u32(&empty[0]);
+    const u64 da0 = wgmma_desc_k<BK>(ring + half * 64 * BK), db0 = wgmma_desc_k<BK>(ring + A_BYTES);
+    // Each thread's epilogue rows within a tile (the same in every tile): the divisions by the
+    // patch width, done once.
+    constexpr int CHUNKS = BN / 16, ITEMS = 64 * CHUNKS / 128;
+    int row_p[ITEMS], row_q[ITEMS];
+#pragma unroll
+    for (int j = 0; j < ITEMS; ++j) {
+        const int lr = half * 64 + (t + 128 * j) / CHUNKS;
+        row_p[j] = patch_w ? lr / patch_w : 0;
+        row_q[j] = patch_w ? lr % patch_w : lr;
+    }
     AccT acc[BN / 2];
-    int g = 0;  // stages consumed, over every tile of this block
+    // The stage being consumed and its phase, run across tiles as the producer's are.
+    int s = 0;
+    unsigned phase = 0;
     for (int tile_id = blockIdx.x; tile_id < tiles; tile_id += gridDim.x) {
         const int col0 = (tile_id % n_tiles) * BN;
         const C8hTile tile = c8h_tile(a, tile_id / n_tiles, patch_w, patch_h);
-        for (int it = 0; it < k_iters; ++it, ++g) {
-            const int s = g % STAGES;
-            mbar_wait(&full[s], (g / STAGES) & 1);
-            const unsigned char* stage = ring + s * STAGE_BYTES;
-            const u64 da = wgmma_desc_k<BK>(stage + half * 64 * BK), db = wgmma_desc_k<BK>(stage + A_BYTES);
+        int prev = 0;
+        for (int it = 0; it < k_iters; ++it) {
+            mbar_wait(full0 + 8u * s, phase);
+            const u64 off = (u64)((unsigned)(s * STAGE_BYTES) >> 4);
+            const u64 da = da0 + off, db = db0 + off;
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) wgmma_fence_operand(acc[i]);
             wgmma_fence();
@@ -173,13 +180,18 @@ __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const Tenso
             for (int i = 0; i < BN / 2; ++i) wgmma_fence_operand(acc[i]);
             // The previous stage's MMAs are done once at most this stage's group runs: free it.
             wgmma_wait<1>();
-            if (it > 0 && signals) mbar_arrive(&empty[(g - 1) % STAGES]);
+            if (it > 0 && signals) mbar_arrive(empty0 + 8u * prev);
+            prev = s;
+            if (++s == STAGES) {
+                s = 0;
+                phase ^= 1;
+            }
         }
         wgmma_wait<0>();
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) wgmma_fence_operand(acc[i]);
         // The tile's last stage is read: the producer may refill it with the next tile's boxes.
-        if (signals) mbar_arrive(&empty[(g - 1) % STAGES]);
+        if (signals) mbar_arrive(empty0 + 8u * prev);
 
 #pragma unroll
         for (int i = 0; i < BN / 2; i += 2) {
@@ -191,15 +203,22 @@ __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const Tenso
                 make_float2((float)acc[i] * al0 + b0, (float)acc[i + 1] * al1 + b1);
         }
         asm volatile("bar.sync %0, 128;" ::"r"(2 + half) : "memory");  // this warpgroup's rows are staged
-        constexpr int CHUNKS = BN / 16;
-        for (int item = t; item < 64 * CHUNKS; item += 128) {
+#pragma unroll
+        for (int j = 0; j < ITEMS; ++j) {
+            const int item = t + 128 * j;
             const int lr = half * 64 + item / CHUNKS, lc = (item % CHUNKS) * 16, col = col0 + lc;
-            const int row = c8h_row(a, tile, lr, patch_w);
+            int row;
+            if (patch_w == 0) {
+                row = tile.m0 + lr < a.n * a.p * a.q ? tile.m0 + lr : -1;
+            } else {
+                const int p = tile.p0 + row_p[j], q = tile.q0 + row_q[j];
+                row = p < a.p && q < a.q ? (tile.img * a.p + p) * a.q + q : -1;
+            }
             if (row < 0 || col >= a.k) continue;
             float v[16];
 #pragma unroll
-            for (int j = 0; j < 16; j += 4)
-                *reinterpret_cast<float4*>(v + j) = *reinterpret_cast<const float4*>(staging + lr * LD + lc + j);
+            for (int e = 0; e < 16; e += 4)
+                *reinterpret_cast<float4*>(v + e) = *reinterpret_cast<const float4*>(staging + lr * LD + lc + e);
             const long long o = (long long)row * a.k + col;
             uint4 zq = make_uint4(0, 0, 0, 0);
             if (a.z_store == C8_Q8) zq = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(a.z) + o);
@@ -211,7 +230,7 @@ __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const Tenso
 
 // Entry points: conv8_<i8|e4m3>_wgmma_n<BN>_bk<BK>_s<STAGES>. A 1-D grid of at most one block
 // per SM (each walks the tiles: (pixel tiles) × ceil(K / BN) of them, `tiles`) of 384 threads,
-// STAGES · (128 + BN) · BK + 128 · (BN + 4) · 4 + 1024 bytes of dynamic shared memory
+// STAGES · (128 + BN) · BK + 128 · (BN + 8) · 4 + 1024 bytes of dynamic shared memory
 // (`HopperVariant::shared_bytes`). The parameters: the activation's map (2-D [N·H·W][C] in GEMM
 // mode, 4-D [N][H][W][C] with traversal strides otherwise), the weight's 3-D map, conv8's
 // arguments (`CONV8_PARAMS`; split-K's must be 1), the patch's width and height in output pixels

@@ -37,14 +37,17 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(u64* bar, unsigned bytes) 
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
 
-__device__ __forceinline__ void mbar_arrive(u64* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+// The barrier ops also take the barrier's shared-window address (`smem_u32`), so that a loop
+// over a ring of barriers adds a constant stride instead of converting a generic pointer each time.
+__device__ __forceinline__ void mbar_arrive(unsigned addr) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(addr) : "memory");
 }
+__device__ __forceinline__ void mbar_arrive(u64* bar) { mbar_arrive(smem_u32(bar)); }
 
 // Spins until the phase of parity `parity` has completed (try_wait suspends the thread for a
 // while inside each try, so the loop is not a busy spin).
-__device__ __forceinline__ void mbar_wait(u64* bar, unsigned parity) {
-    unsigned addr = smem_u32(bar), done;
+__device__ __forceinline__ void mbar_wait(unsigned addr, unsigned parity) {
+    unsigned done;
     do {
         asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
                      : "=r"(done)
@@ -52,6 +55,7 @@ __device__ __forceinline__ void mbar_wait(u64* bar, unsigned parity) {
                      : "memory");
     } while (!done);
 }
+__device__ __forceinline__ void mbar_wait(u64* bar, unsigned parity) { mbar_wait(smem_u32(bar), parity); }
 
 // ---- TMA (cp.async.bulk.tensor): tiled loads global → shared, completing on an mbarrier
 

@@ -78,7 +78,7 @@ impl HopperVariant {
     /// (rows of `bn` + 4 floats; apart from the ring, which the next tile's loads fill meanwhile),
     /// and 1 KiB to align the ring.
     fn shared_bytes(self) -> usize {
-        self.stages * (BM + self.bn) * self.bk + BM * (self.bn + 4) * 4 + 1024
+        self.stages * (BM + self.bn) * self.bk + BM * (self.bn + 8) * 4 + 1024
     }
 }
 
@@ -461,7 +461,7 @@ mod tests {
 
     /// The kernel's work, step for step, on the host: its persistent grid of `grid` blocks, each
     /// walking every `grid`-th tile (`c8h_tile`), the producer's box coordinates per (tap, channel
-    /// block), the consumers' sums over the boxes, and the epilogue's rows (`c8h_row`); the s32
+    /// block), the consumers' sums over the boxes, and the epilogue's rows (its row rule); the s32
     /// sums of every output, and how often each was written.
     fn emulate(g: &Geometry, dilation: [usize; 2], v: HopperVariant, batch: usize, grid: usize, x: &[i8], w: &[i8]) -> (Vec<i32>, Vec<u8>) {
         let tiling = plan("sm_90", g).expect("applies");
@@ -588,7 +588,7 @@ mod tests {
             assert!(v.shared_bytes() <= 227 * 1024, "{v:?}: {} bytes", v.shared_bytes());
             assert_eq!(((BM + v.bn) * v.bk) % 1024, 0, "{v:?}");
             assert!(v.bk == 64 || v.bk == 128);
-            assert_eq!(v.shared_bytes(), v.stages * (BM + v.bn) * v.bk + BM * (v.bn + 4) * 4 + 1024, "the ring, then the staging tile");
+            assert_eq!(v.shared_bytes(), v.stages * (BM + v.bn) * v.bk + BM * (v.bn + 8) * 4 + 1024, "the ring, then the staging tile");
             assert!(v.stages >= 3, "{v:?}: a ring deep enough to load ahead");
         }
         assert_eq!(HopperVariant::ALL[2].entry(QuantFormat::Int8), "conv8_i8_wgmma_n128_bk128_s4");
