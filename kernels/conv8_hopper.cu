@@ -26,17 +26,20 @@
 // Pipeline (kernels/hopper.cuh's convention). Persistent: a grid of at most one block per SM
 // walks the tiles (blockIdx.x, then every gridDim.x-th), so the loads of a block's next tile run
 // while its consumers finish the last one. 384 threads: warpgroup 0 is the producer (it gives
-// registers back with setmaxnreg; one thread issues the loads), warpgroups 1 and 2 the consumers
-// (64 pixels each, all BN channels). A ring of STAGES stages, each an A box (128 rows of BK
+// registers back with setmaxnreg; one thread issues the loads), warpgroups 1 and 2 the consumers:
+// in ping-pong (BN ≤ 128) each takes every other tile of the block, all 128 pixels and BN
+// channels, so that one's epilogue runs while the other's MMAs do; cooperatively (BN 256) both
+// take every tile, 64 pixels each. A ring of STAGES stages, each an A box (128 rows of BK
 // bytes) and a B box (BN rows of BK bytes), both 1024-byte aligned and swizzled over their row
 // width, with a `full` barrier (the producer's arrival + the boxes' bytes) and an `empty` barrier
-// (one arrival per consumer warp). Producer and consumers count the same stages across tiles
-// (stage g % STAGES, phase (g / STAGES) & 1). The producer waits `empty`, announces the stage's
-// bytes on `full` and issues both boxes, tile after tile; a consumer waits `full`, issues BK / 32
-// wgmmas over the stage, commits them, waits until only this stage's group is in flight and frees
-// the previous stage; after a tile's last stage it waits for every group and frees that stage too,
-// then runs the epilogue in a staging tile of its own (after the ring), while the producer fills
-// the freed stages with the next tile's boxes.
+// (one arrival per consumer warp that reads the stage: 4 in ping-pong, 8 cooperatively).
+// Producer and consumers count the same stages across tiles (stage g % STAGES, phase
+// (g / STAGES) & 1; the block's k-th tile has stages k·k_iters ..). The producer waits `empty`,
+// announces the stage's bytes on `full` and issues both boxes, tile after tile; a consumer waits
+// `full`, issues its wgmmas over the stage, commits them, waits until only this stage's group is
+// in flight and frees the previous stage; after a tile's last stage it waits for every group and
+// frees that stage too, then runs the epilogue in staging rows of its own (after the ring), 64
+// rows at a time, while the producer fills the freed stages with later tiles' boxes.
 //
 // Epilogue: conv8's, in the same two passes: accumulators · alpha + bias → f32 staging rows;
 // then 16 channels of one pixel per step through conv8_epilogue.cuh's `finish16` (residual,
@@ -87,8 +90,14 @@ __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const Tenso
                                              int patch_h, int tiles) {
     typedef typename Acc<FP8>::T AccT;
     constexpr int A_BYTES = C8H_BM * BK, B_BYTES = BN * BK, STAGE_BYTES = A_BYTES + B_BYTES;
+    // Ping-pong (BN ≤ 128): each consumer warpgroup takes every other tile of the block, all 128
+    // of its pixels (two m64 wgmmas a k-step, BN accumulators a thread), so one's epilogue runs
+    // under the other's MMAs. Cooperative (BN 256, whose 64 pixels alone take 128 accumulators a
+    // thread): both warpgroups take every tile, 64 pixels each.
+    constexpr bool PP = BN <= 128;
+    constexpr int MS = PP ? 2 : 1;  // the m64 row blocks a warpgroup computes
     static_assert(STAGE_BYTES % 1024 == 0, "stages stay 1024-byte aligned");
-    __shared__ __align__(8) u64 full[STAGES], empty[STAGES];
+    __shared__ __align__(8) u64 full[STAGES], empty[STAGES], order[2];
     extern __shared__ unsigned char c8h_dynamic[];
     // Swizzled boxes start on 1024 bytes (the host asks for 1 KiB of slack).
     unsigned char* ring = c8h_dynamic + ((1024 - (smem_u32(c8h_dynamic) & 1023)) & 1023);
@@ -102,8 +111,10 @@ __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const Tenso
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(&full[s], 1);
-            mbar_init(&empty[s], 8);  // the eight consumer warps
+            mbar_init(&empty[s], PP ? 4 : 8);  // the consumer warps that read a stage
         }
+        mbar_init(&order[0], 4);  // a warpgroup's four warps
+        mbar_init(&order[1], 4);
         mbar_fence_init();
         tma_prefetch_map(map_x);
         tma_prefetch_map(map_w);
@@ -137,47 +148,70 @@ __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const Tenso
     }
 
     setmaxnreg_inc<232>();
-    const int half = warpgroup - 1;      // pixels 64·half .. 64·half + 63 of the tile
+    const int wg = warpgroup - 1;
+    const int row0 = PP ? 0 : wg * 64;   // the warpgroup's first pixel of a tile
     const bool signals = (t & 31) == 0;  // one arrival per warp on `empty`
-    // The f32 staging tile after the ring. Rows are BN + 8 floats apart (8 banks): the float2
-    // stores of a half-warp (4 rows × 4 column pairs) then fall in 16 distinct banks.
+    // The f32 staging rows after the ring, 64 a warpgroup. Rows are BN + 8 floats apart (8
+    // banks): the float2 stores of a half-warp (4 rows × 4 column pairs) fall in 16 distinct banks.
     constexpr int LD = BN + 8;
-    float* staging = reinterpret_cast<float*>(ring + STAGES * STAGE_BYTES);
+    float* staging = reinterpret_cast<float*>(ring + STAGES * STAGE_BYTES) + wg * 64 * LD;
     // Stage s is at a constant offset from stage 0: its barriers 8·s bytes on, its descriptors
-    // (STAGE_BYTES·s) >> 4 on (the address field cannot carry: shared memory is under 256 KiB).
+    // (STAGE_BYTES·s) >> 4 on (the address field cannot carry: shared memory is under 256 KiB);
+    // row block m of the A box 64·m·BK bytes on.
     const unsigned full0 = smem_u32(&full[0]), empty0 = smem_u32(&empty[0]);
-    const u64 da0 = wgmma_desc_k<BK>(ring + half * 64 * BK), db0 = wgmma_desc_k<BK>(ring + A_BYTES);
+    const u64 da0 = wgmma_desc_k<BK>(ring + row0 * BK), db0 = wgmma_desc_k<BK>(ring + A_BYTES);
     // Each thread's epilogue rows within a tile (the same in every tile): the divisions by the
     // patch width, done once.
     constexpr int CHUNKS = BN / 16, ITEMS = 64 * CHUNKS / 128;
-    int row_p[ITEMS], row_q[ITEMS];
+    int row_p[MS][ITEMS], row_q[MS][ITEMS];
 #pragma unroll
-    for (int j = 0; j < ITEMS; ++j) {
-        const int lr = half * 64 + (t + 128 * j) / CHUNKS;
-        row_p[j] = patch_w ? lr / patch_w : 0;
-        row_q[j] = patch_w ? lr % patch_w : lr;
-    }
-    AccT acc[BN / 2];
-    // The stage being consumed and its phase, run across tiles as the producer's are.
-    int s = 0;
-    unsigned phase = 0;
-    for (int tile_id = blockIdx.x; tile_id < tiles; tile_id += gridDim.x) {
+    for (int m = 0; m < MS; ++m)
+#pragma unroll
+        for (int j = 0; j < ITEMS; ++j) {
+            const int lr = row0 + 64 * m + (t + 128 * j) / CHUNKS;
+            row_p[m][j] = patch_w ? lr / patch_w : 0;
+            row_q[m][j] = patch_w ? lr % patch_w : lr;
+        }
+    AccT acc[MS][BN / 2];
+    // The block's k-th tile is blockIdx.x + k·gridDim.x, and its stages are k·k_iters ..
+    // (k + 1)·k_iters − 1 of the producer's sequence. Ping-pong: this warpgroup takes k = wg,
+    // wg + 2, ...; cooperative: every k.
+    // In ping-pong the main loops alternate (`order`): warpgroup 0 starts its i-th once warpgroup
+    // 1 has issued its (i - 1)-th, warpgroup 1 its i-th once warpgroup 0 has issued its i-th. A
+    // parity wait cannot tell a stage's next use from the one after, so no warpgroup may wait on
+    // a stage whose previous use is still pending: once the other's main loop is issued, every
+    // earlier stage has been loaded and read (the host test `the_ring_feeds_each_warpgroup_...`
+    // runs this protocol).
+    constexpr int STEP = PP ? 2 : 1;
+    const unsigned order_mine = smem_u32(&order[wg]), order_other = smem_u32(&order[1 - wg]);
+    int mine = 0;  // this warpgroup's tiles so far
+    for (int k = PP ? wg : 0, tile_id = blockIdx.x + k * gridDim.x; tile_id < tiles; k += STEP, tile_id += STEP * gridDim.x, ++mine) {
+        if (PP && (wg == 1 || mine > 0)) mbar_wait(order_mine, (unsigned)(wg == 0 ? mine - 1 : mine) & 1);
         const int col0 = (tile_id % n_tiles) * BN;
         const C8hTile tile = c8h_tile(a, tile_id / n_tiles, patch_w, patch_h);
-        int prev = 0;
+        const unsigned g0 = (unsigned)k * (unsigned)k_iters;
+        int s = g0 % STAGES, prev = 0;
+        unsigned phase = (g0 / STAGES) & 1;
         for (int it = 0; it < k_iters; ++it) {
             mbar_wait(full0 + 8u * s, phase);
             const u64 off = (u64)((unsigned)(s * STAGE_BYTES) >> 4);
             const u64 da = da0 + off, db = db0 + off;
 #pragma unroll
-            for (int i = 0; i < BN / 2; ++i) wgmma_fence_operand(acc[i]);
+            for (int m = 0; m < MS; ++m)
+#pragma unroll
+                for (int i = 0; i < BN / 2; ++i) wgmma_fence_operand(acc[m][i]);
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < BK / 32; ++kk)
-                c8h_mma<FP8, BN>(acc, wgmma_desc_advance(da, kk * 32), wgmma_desc_advance(db, kk * 32), it > 0 || kk > 0);
+#pragma unroll
+                for (int m = 0; m < MS; ++m)
+                    c8h_mma<FP8, BN>(acc[m], wgmma_desc_advance(da, m * 64 * BK + kk * 32), wgmma_desc_advance(db, kk * 32),
+                                     it > 0 || kk > 0);
             wgmma_commit();
 #pragma unroll
-            for (int i = 0; i < BN / 2; ++i) wgmma_fence_operand(acc[i]);
+            for (int m = 0; m < MS; ++m)
+#pragma unroll
+                for (int i = 0; i < BN / 2; ++i) wgmma_fence_operand(acc[m][i]);
             // The previous stage's MMAs are done once at most this stage's group runs: free it.
             wgmma_wait<1>();
             if (it > 0 && signals) mbar_arrive(empty0 + 8u * prev);
@@ -187,44 +221,53 @@ __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const Tenso
                 phase ^= 1;
             }
         }
+        // The main loop is issued: the other warpgroup's may start.
+        if (PP && signals) mbar_arrive(order_other);
         wgmma_wait<0>();
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) wgmma_fence_operand(acc[i]);
-        // The tile's last stage is read: the producer may refill it with the next tile's boxes.
+        for (int m = 0; m < MS; ++m)
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) wgmma_fence_operand(acc[m][i]);
+        // The tile's last stage is read: the producer may refill it with a later tile's boxes
+        // (in ping-pong, the other warpgroup's MMAs run on them while this one finishes).
         if (signals) mbar_arrive(empty0 + 8u * prev);
 
 #pragma unroll
-        for (int i = 0; i < BN / 2; i += 2) {
-            const int lr = half * 64 + wgmma_acc_row(t, i), lc = wgmma_acc_col(t, i), col = col0 + lc;
-            const bool ok = col < a.k;  // K is a multiple of 16 and lc even: col + 1 < K too
-            const float al0 = ok ? a.alpha[col] : 0.f, al1 = ok ? a.alpha[col + 1] : 0.f;
-            const float b0 = ok && a.bias ? a.bias[col] : 0.f, b1 = ok && a.bias ? a.bias[col + 1] : 0.f;
-            *reinterpret_cast<float2*>(staging + lr * LD + lc) =
-                make_float2((float)acc[i] * al0 + b0, (float)acc[i + 1] * al1 + b1);
-        }
-        asm volatile("bar.sync %0, 128;" ::"r"(2 + half) : "memory");  // this warpgroup's rows are staged
+        for (int m = 0; m < MS; ++m) {
 #pragma unroll
-        for (int j = 0; j < ITEMS; ++j) {
-            const int item = t + 128 * j;
-            const int lr = half * 64 + item / CHUNKS, lc = (item % CHUNKS) * 16, col = col0 + lc;
-            int row;
-            if (patch_w == 0) {
-                row = tile.m0 + lr < a.n * a.p * a.q ? tile.m0 + lr : -1;
-            } else {
-                const int p = tile.p0 + row_p[j], q = tile.q0 + row_q[j];
-                row = p < a.p && q < a.q ? (tile.img * a.p + p) * a.q + q : -1;
+            for (int i = 0; i < BN / 2; i += 2) {
+                const int r = wgmma_acc_row(t, i), lc = wgmma_acc_col(t, i), col = col0 + lc;
+                const bool ok = col < a.k;  // K is a multiple of 16 and lc even: col + 1 < K too
+                const float al0 = ok ? a.alpha[col] : 0.f, al1 = ok ? a.alpha[col + 1] : 0.f;
+                const float b0 = ok && a.bias ? a.bias[col] : 0.f, b1 = ok && a.bias ? a.bias[col + 1] : 0.f;
+                *reinterpret_cast<float2*>(staging + r * LD + lc) =
+                    make_float2((float)acc[m][i] * al0 + b0, (float)acc[m][i + 1] * al1 + b1);
             }
-            if (row < 0 || col >= a.k) continue;
-            float v[16];
+            asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");  // this warpgroup's 64 rows are staged
 #pragma unroll
-            for (int e = 0; e < 16; e += 4)
-                *reinterpret_cast<float4*>(v + e) = *reinterpret_cast<const float4*>(staging + lr * LD + lc + e);
-            const long long o = (long long)row * a.k + col;
-            uint4 zq = make_uint4(0, 0, 0, 0);
-            if (a.z_store == C8_Q8) zq = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(a.z) + o);
-            finish16<FP8>(a, v, o, zq);
+            for (int j = 0; j < ITEMS; ++j) {
+                const int item = t + 128 * j;
+                const int r = item / CHUNKS, lc = (item % CHUNKS) * 16, col = col0 + lc;
+                int row;
+                if (patch_w == 0) {
+                    const int lr = row0 + 64 * m + r;
+                    row = tile.m0 + lr < a.n * a.p * a.q ? tile.m0 + lr : -1;
+                } else {
+                    const int p = tile.p0 + row_p[m][j], q = tile.q0 + row_q[m][j];
+                    row = p < a.p && q < a.q ? (tile.img * a.p + p) * a.q + q : -1;
+                }
+                if (row < 0 || col >= a.k) continue;
+                float v[16];
+#pragma unroll
+                for (int e = 0; e < 16; e += 4)
+                    *reinterpret_cast<float4*>(v + e) = *reinterpret_cast<const float4*>(staging + r * LD + lc + e);
+                const long long o = (long long)row * a.k + col;
+                uint4 zq = make_uint4(0, 0, 0, 0);
+                if (a.z_store == C8_Q8) zq = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(a.z) + o);
+                finish16<FP8>(a, v, o, zq);
+            }
+            asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");  // its rows are read: the next rows may stage
         }
-        asm volatile("bar.sync %0, 128;" ::"r"(2 + half) : "memory");  // its rows are read: the next tile may stage
     }
 }
 

@@ -597,4 +597,175 @@ mod tests {
         assert_eq!(HopperVariant::of(QuantFormat::Fp8E4m3).count(), 0, "{FP8_REFUSAL}");
         assert!(entry_points().iter().all(|e| crate::engine::eight_bit::precision_of_kind(&format!("kernel:{e}")).is_some()));
     }
+
+    /// An mbarrier as the kernel uses it: `completed` phases so far, and the arrivals still
+    /// missing from the current one. `try_wait.parity(p)` succeeds once the phase of parity `p`
+    /// is complete, i.e. when the current phase's parity is not `p` (so before the first phase
+    /// completes, parity 1 already passes: the producer's first pass over the ring).
+    struct Barrier {
+        completed: u32,
+        missing: u32,
+        count: u32,
+    }
+
+    impl Barrier {
+        fn new(count: u32) -> Self {
+            Barrier { completed: 0, missing: count, count }
+        }
+        fn passes(&self, parity: u32) -> bool {
+            self.completed & 1 != parity
+        }
+        fn arrive(&mut self, n: u32) {
+            assert!(n <= self.missing, "more arrivals than the barrier's count");
+            self.missing -= n;
+            if self.missing == 0 {
+                self.completed += 1;
+                self.missing = self.count;
+            }
+        }
+    }
+
+    /// One consumer warpgroup's walk, as `kernels/conv8_hopper.cu` writes it: the block's tiles
+    /// k = first, first + step, ... ; tile k's stages from g0 = k·k_iters, stage `g0 % stages`,
+    /// phase `(g0 / stages) & 1`, then running counters; each stage freed after the next one's
+    /// MMAs are issued, the tile's last after all of them.
+    struct Consumer {
+        first: usize,
+        step: usize,
+        k: usize,
+        it: usize,
+        s: usize,
+        phase: u32,
+        prev: Option<usize>,
+        reading: Vec<(usize, usize)>,
+        done: usize,
+    }
+
+    impl Consumer {
+        /// Ping-pong's order: warpgroup 0 may start its j-th tile's main loop once warpgroup 1 has
+        /// issued its (j - 1)-th, and warpgroup 1 its j-th once warpgroup 0 has issued its j-th,
+        /// (`order[wg]`, parity as the kernel computes it), so that no warpgroup waits on a stage
+        /// whose previous use has not completed (a parity wait cannot tell them apart).
+        fn order_parity(&self, wg: usize) -> Option<u32> {
+            let j = self.done;
+            match wg {
+                0 if j == 0 => None,
+                0 => Some(((j - 1) & 1) as u32),
+                _ => Some((j & 1) as u32),
+            }
+        }
+    }
+
+    /// Runs the kernel's ring protocol for one block of `tiles` tiles under a seeded random
+    /// schedule of its producer and consumers: `Err` on a deadlock or on a consumer reading a
+    /// stage that does not hold its tile's box (or that the producer refills before it is freed).
+    fn ring_protocol(tiles: usize, k_iters: usize, stages: usize, ping_pong: bool, seed: u64) -> std::result::Result<usize, String> {
+        let warps_per_reader = if ping_pong { 4 } else { 8 };
+        let mut full: Vec<Barrier> = (0..stages).map(|_| Barrier::new(1)).collect();
+        let mut empty: Vec<Barrier> = (0..stages).map(|_| Barrier::new(warps_per_reader)).collect();
+        let mut content: Vec<Option<usize>> = vec![None; stages];
+        let mut order: Vec<Barrier> = (0..2).map(|_| Barrier::new(4)).collect();
+        let mut consumers: Vec<Consumer> = (0..2)
+            .map(|wg| {
+                let (first, step) = if ping_pong { (wg, 2) } else { (0, 1) };
+                Consumer { first, step, k: first, it: 0, s: 0, phase: 0, prev: None, reading: vec![], done: 0 }
+            })
+            .collect();
+        for c in &mut consumers {
+            let g0 = c.first * k_iters;
+            (c.s, c.phase) = (g0 % stages, ((g0 / stages) & 1) as u32);
+        }
+        let total = tiles * k_iters;
+        let (mut produced, mut rng, mut reads) = (0usize, seed | 1, 0usize);
+        let arrivals = 4; // a warpgroup's four warps arrive together
+        loop {
+            let finished = produced == total && consumers.iter().all(|c| c.k >= tiles);
+            if finished {
+                return Ok(reads);
+            }
+            // Who can move: the producer (0) or a consumer (1, 2).
+            let mut ready = vec![];
+            if produced < total && empty[produced % stages].passes((((produced / stages) & 1) as u32) ^ 1) {
+                ready.push(0);
+            }
+            for (i, c) in consumers.iter().enumerate() {
+                let ordered = !ping_pong || c.it > 0 || c.order_parity(i).is_none_or(|p| order[i].passes(p));
+                if c.k < tiles && ordered && full[c.s].passes(c.phase) {
+                    ready.push(i + 1);
+                }
+            }
+            if ready.is_empty() {
+                return Err(format!(
+                    "deadlock: produced {produced} of {total}, consumers at tiles {:?}",
+                    consumers.iter().map(|c| c.k).collect::<Vec<_>>()
+                ));
+            }
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            let who = ready[(rng % ready.len() as u64) as usize];
+            if who == 0 {
+                let s = produced % stages;
+                if consumers.iter().any(|c| c.reading.iter().any(|&(rs, _)| rs == s)) {
+                    return Err(format!("stage {s} refilled with g = {produced} while a consumer still reads it"));
+                }
+                content[s] = Some(produced);
+                full[s].arrive(1);
+                produced += 1;
+                continue;
+            }
+            let c = &mut consumers[who - 1];
+            let g = c.k * k_iters + c.it;
+            if content[c.s] != Some(g) {
+                return Err(format!("consumer {} read stage {} holding {:?}, wanted g = {g}", who - 1, c.s, content[c.s]));
+            }
+            reads += 1;
+            c.reading.push((c.s, g));
+            // After this stage's MMAs are issued, the previous one is freed.
+            if let Some(p) = c.prev.take() {
+                c.reading.retain(|&(rs, _)| rs != p);
+                empty[p].arrive(arrivals);
+            }
+            c.prev = Some(c.s);
+            c.s += 1;
+            if c.s == stages {
+                c.s = 0;
+                c.phase ^= 1;
+            }
+            c.it += 1;
+            if c.it == k_iters {
+                // The main loop is issued: the other warpgroup's may start.
+                if ping_pong {
+                    order[1 - (who - 1)].arrive(arrivals);
+                }
+                // The tile's last stage, freed after every group.
+                let p = c.prev.take().expect("a stage");
+                c.reading.retain(|&(rs, _)| rs != p);
+                empty[p].arrive(arrivals);
+                c.done += 1;
+                c.k += c.step;
+                c.it = 0;
+                let g0 = c.k * k_iters;
+                (c.s, c.phase) = (g0 % stages, ((g0 / stages) & 1) as u32);
+            }
+        }
+    }
+
+    #[test]
+    fn the_ring_feeds_each_warpgroup_its_own_tiles_in_ping_pong_and_cooperatively() {
+        // Shapes of the variants' rings against reductions shorter than, as long as and longer
+        // than the ring, over odd and even tile counts a block.
+        for (stages, k_iters) in [(8, 9), (8, 1), (8, 8), (4, 18), (3, 36), (4, 2), (8, 17)] {
+            for tiles in [1, 2, 3, 7, 48] {
+                for seed in 1..40u64 {
+                    let pp = ring_protocol(tiles, k_iters, stages, true, seed)
+                        .unwrap_or_else(|e| panic!("ping-pong {stages} stages, {k_iters} k-steps, {tiles} tiles: {e}"));
+                    assert_eq!(pp, tiles * k_iters, "every stage read once in ping-pong");
+                    let coop = ring_protocol(tiles, k_iters, stages, false, seed)
+                        .unwrap_or_else(|e| panic!("cooperative {stages} stages, {k_iters} k-steps, {tiles} tiles: {e}"));
+                    assert_eq!(coop, 2 * tiles * k_iters, "every stage read by both warpgroups cooperatively");
+                }
+            }
+        }
+    }
 }
