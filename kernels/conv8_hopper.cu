@@ -223,6 +223,32 @@ __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const Tenso
         }
         // The main loop is issued: the other warpgroup's may start.
         if (PP && signals) mbar_arrive(order_other);
+        // Each of this thread's epilogue items (16 channels of one output pixel): its element
+        // offset (-1 past P, Q or K), and its 8-bit residual, loaded now so that the loads' latency
+        // runs under the last MMAs and the staging pass. Loaded in the second pass, one item's
+        // round trip after another's, they were the epilogue's time on a 1×1 conv with a residual
+        // (K = 64: one stage of MMAs a tile, 8 items a thread).
+        long long item_o[MS][ITEMS];
+        uint4 item_z[MS][ITEMS];
+#pragma unroll
+        for (int m = 0; m < MS; ++m)
+#pragma unroll
+            for (int j = 0; j < ITEMS; ++j) {
+                const int item = t + 128 * j;
+                const int col = col0 + (item % CHUNKS) * 16;
+                int row;
+                if (patch_w == 0) {
+                    const int lr = row0 + 64 * m + item / CHUNKS;
+                    row = tile.m0 + lr < a.n * a.p * a.q ? tile.m0 + lr : -1;
+                } else {
+                    const int p = tile.p0 + row_p[m][j], q = tile.q0 + row_q[m][j];
+                    row = p < a.p && q < a.q ? (tile.img * a.p + p) * a.q + q : -1;
+                }
+                item_o[m][j] = row < 0 || col >= a.k ? -1 : (long long)row * a.k + col;
+                item_z[m][j] = make_uint4(0, 0, 0, 0);
+                if (a.z_store == C8_Q8 && item_o[m][j] >= 0)
+                    item_z[m][j] = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(a.z) + item_o[m][j]));
+            }
         wgmma_wait<0>();
 #pragma unroll
         for (int m = 0; m < MS; ++m)
@@ -246,25 +272,14 @@ __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const Tenso
             asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");  // this warpgroup's 64 rows are staged
 #pragma unroll
             for (int j = 0; j < ITEMS; ++j) {
+                if (item_o[m][j] < 0) continue;
                 const int item = t + 128 * j;
-                const int r = item / CHUNKS, lc = (item % CHUNKS) * 16, col = col0 + lc;
-                int row;
-                if (patch_w == 0) {
-                    const int lr = row0 + 64 * m + r;
-                    row = tile.m0 + lr < a.n * a.p * a.q ? tile.m0 + lr : -1;
-                } else {
-                    const int p = tile.p0 + row_p[m][j], q = tile.q0 + row_q[m][j];
-                    row = p < a.p && q < a.q ? (tile.img * a.p + p) * a.q + q : -1;
-                }
-                if (row < 0 || col >= a.k) continue;
+                const int r = item / CHUNKS, lc = (item % CHUNKS) * 16;
                 float v[16];
 #pragma unroll
                 for (int e = 0; e < 16; e += 4)
                     *reinterpret_cast<float4*>(v + e) = *reinterpret_cast<const float4*>(staging + r * LD + lc + e);
-                const long long o = (long long)row * a.k + col;
-                uint4 zq = make_uint4(0, 0, 0, 0);
-                if (a.z_store == C8_Q8) zq = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(a.z) + o);
-                finish16<FP8>(a, v, o, zq);
+                finish16<FP8>(a, v, item_o[m][j], item_z[m][j]);
             }
             asm volatile("bar.sync %0, 128;" ::"r"(2 + wg) : "memory");  // its rows are read: the next rows may stage
         }
