@@ -44,8 +44,9 @@
 // Epilogue: conv8's, in the same two passes: accumulators · alpha + bias → f32 staging rows;
 // then 16 channels of one pixel per step through conv8_epilogue.cuh's `finish16` (residual,
 // ReLU, f16 or codes), so the numbers are the mma.sync kernel's (int8 bit for bit: the s32 sums
-// are exact in both). Each consumer stages and finishes its own 64 rows, so only its own 128
-// threads meet at a barrier (before and after the second pass). No split-K: deep reductions of
+// are exact in both). A thread's items (their offsets and 8-bit residuals) are loaded before the
+// first pass, under the tile's last MMAs. Each consumer stages and finishes its own 64 rows at a
+// time, so only its own 128 threads meet at a barrier (before and after the second pass). No split-K: deep reductions of
 // small batches stay with conv8's split-K.
 
 #define C8H_BM 128
@@ -85,7 +86,7 @@ __device__ __forceinline__ C8hTile c8h_tile(const Conv8Args& a, int tile_m, int 
     return t;
 }
 
-template <bool FP8, int BN, int BK, int STAGES>
+template <bool FP8, int BN, int BK, int STAGES, int BLOCKS>
 __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const TensorMap* map_w, const Conv8Args& a, int patch_w,
                                              int patch_h, int tiles) {
     typedef typename Acc<FP8>::T AccT;
@@ -93,8 +94,9 @@ __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const Tenso
     // Ping-pong (BN ≤ 128): each consumer warpgroup takes every other tile of the block, all 128
     // of its pixels (two m64 wgmmas a k-step, BN accumulators a thread), so one's epilogue runs
     // under the other's MMAs. Cooperative (BN 256, whose 64 pixels alone take 128 accumulators a
-    // thread): both warpgroups take every tile, 64 pixels each.
-    constexpr bool PP = BN <= 128;
+    // thread, as do two blocks an SM, whose threads have 80): both warpgroups take every tile, 64
+    // pixels each.
+    constexpr bool PP = BN <= 128 && BLOCKS == 1;
     constexpr int MS = PP ? 2 : 1;  // the m64 row blocks a warpgroup computes
     static_assert(STAGE_BYTES % 1024 == 0, "stages stay 1024-byte aligned");
     __shared__ __align__(8) u64 full[STAGES], empty[STAGES], order[2];
@@ -122,7 +124,7 @@ __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const Tenso
     __syncthreads();
 
     if (warpgroup == 0) {
-        setmaxnreg_dec<40>();
+        setmaxnreg_dec<BLOCKS == 1 ? 40 : 24>();
         if (t == 0) {
             int g = 0;  // stages issued, over every tile of this block
             for (int tile_id = blockIdx.x; tile_id < tiles; tile_id += gridDim.x) {
@@ -147,7 +149,10 @@ __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const Tenso
         return;
     }
 
-    setmaxnreg_inc<232>();
+    // A block's registers are 384 · 168 (one block an SM) or 384 · 80 (two): the producer keeps
+    // 40 or 24 of its share and the consumers take the rest. (ptxas allocates every thread's
+    // code within the launch bound, 168 or 80.)
+    setmaxnreg_inc<BLOCKS == 1 ? 232 : 104>();
     const int wg = warpgroup - 1;
     const int row0 = PP ? 0 : wg * 64;   // the warpgroup's first pixel of a tile
     const bool signals = (t & 31) == 0;  // one arrival per warp on `empty`
@@ -286,25 +291,28 @@ __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const Tenso
     }
 }
 
-// Entry points: conv8_<i8|e4m3>_wgmma_n<BN>_bk<BK>_s<STAGES>. A 1-D grid of at most one block
-// per SM (each walks the tiles: (pixel tiles) × ceil(K / BN) of them, `tiles`) of 384 threads,
-// STAGES · (128 + BN) · BK + 128 · (BN + 8) · 4 + 1024 bytes of dynamic shared memory
-// (`HopperVariant::shared_bytes`). The parameters: the activation's map (2-D [N·H·W][C] in GEMM
-// mode, 4-D [N][H][W][C] with traversal strides otherwise), the weight's 3-D map, conv8's
-// arguments (`CONV8_PARAMS`; split-K's must be 1), the patch's width and height in output pixels
-// (0, 0: GEMM mode) and the tile count.
-#define CONV8_HOPPER(FMT, FP8, BN, BK, STAGES)                                                                                       \
-    extern "C" __global__ void __launch_bounds__(C8H_THREADS, 1) conv8_##FMT##_wgmma_n##BN##_bk##BK##_s##STAGES(                     \
-        const __grid_constant__ TensorMap map_x, const __grid_constant__ TensorMap map_w, CONV8_PARAMS, int patch_w, int patch_h,    \
-        int tiles) {                                                                                                                  \
+// Entry points: conv8_<i8|e4m3>_wgmma_n<BN>_bk<BK>_s<STAGES>[_x<BLOCKS>]. A 1-D grid of at most
+// BLOCKS blocks per SM (each walks the tiles: (pixel tiles) × ceil(K / BN) of them, `tiles`) of 384
+// threads, STAGES · (128 + BN) · BK + 128 · (BN + 8) · 4 + 1024 bytes of dynamic shared memory
+// (`HopperVariant::shared_bytes`). Two blocks an SM double the warps that hide the epilogue's
+// latencies, at 80 registers a thread instead of 168, so cooperatively (BN 64 only: 32
+// accumulators a thread). The parameters: the activation's map (2-D [N·H·W][C] in GEMM mode, 4-D
+// [N][H][W][C] with traversal strides otherwise), the weight's 3-D map, conv8's arguments
+// (`CONV8_PARAMS`; split-K's must be 1), the patch's width and height in output pixels (0, 0: GEMM
+// mode) and the tile count.
+#define CONV8_HOPPER(NAME, FP8, BN, BK, STAGES, BLOCKS)                                                                              \
+    extern "C" __global__ void __launch_bounds__(C8H_THREADS, BLOCKS) NAME(const __grid_constant__ TensorMap map_x,                 \
+                                                                           const __grid_constant__ TensorMap map_w, CONV8_PARAMS,    \
+                                                                           int patch_w, int patch_h, int tiles) {                     \
         CONV8_ARGS;                                                                                                                   \
-        conv8_hopper<FP8, BN, BK, STAGES>(&map_x, &map_w, a, patch_w, patch_h, tiles);                                               \
+        conv8_hopper<FP8, BN, BK, STAGES, BLOCKS>(&map_x, &map_w, a, patch_w, patch_h, tiles);                                       \
     }
 
-CONV8_HOPPER(i8, false, 64, 64, 8)
-CONV8_HOPPER(i8, false, 128, 64, 8)
-CONV8_HOPPER(i8, false, 128, 128, 4)
-CONV8_HOPPER(i8, false, 256, 64, 3)
+CONV8_HOPPER(conv8_i8_wgmma_n64_bk64_s8, false, 64, 64, 8, 1)
+CONV8_HOPPER(conv8_i8_wgmma_n64_bk64_s4_x2, false, 64, 64, 4, 2)
+CONV8_HOPPER(conv8_i8_wgmma_n128_bk64_s8, false, 128, 64, 8, 1)
+CONV8_HOPPER(conv8_i8_wgmma_n128_bk128_s4, false, 128, 128, 4, 1)
+CONV8_HOPPER(conv8_i8_wgmma_n256_bk64_s3, false, 256, 64, 3, 1)
 // No e4m3 entry points: the FP8 form (FP8 = true) ran on an H200 and its sums drifted from f32
 // ones (rel L2 1.4e-3 after one requantised conv, 1.3-3e-2 after four, where the mma.sync kernel
 // stays under 1e-3), also when each stage's sums were promoted to f32 registers; wgmma's e4m3

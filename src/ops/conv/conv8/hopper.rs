@@ -40,23 +40,27 @@ const MAX_REDUCTION: usize = (i32::MAX as usize) / (128 * 128);
 const FP8_REFUSAL: &str = "wgmma's e4m3 sums keep fewer bits than f32 (FP8 convs stay on the mma.sync kernel)";
 
 /// One compiled tile: `bn` output channels per block, `bk` codes of the reduction per stage (one
-/// swizzled shared-memory row), `stages` in the ring (`CONV8_HOPPER` in the kernel).
+/// swizzled shared-memory row), `stages` in the ring, `blocks` resident on an SM (the persistent
+/// grid's blocks per SM; `CONV8_HOPPER` in the kernel).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct HopperVariant {
     bn: usize,
     bk: usize,
     stages: usize,
+    blocks: usize,
 }
 
 impl HopperVariant {
     /// 64-code stages suit C = 64 (a 128-code stage would be half zeros), 128-code ones deeper
     /// channels; 64 to 256 output channels per block.
-    /// The staging tile beside the ring leaves 256-channel blocks 3 stages of 64 codes.
-    const ALL: [HopperVariant; 4] = [
-        HopperVariant { bn: 64, bk: 64, stages: 8 },
-        HopperVariant { bn: 128, bk: 64, stages: 8 },
-        HopperVariant { bn: 128, bk: 128, stages: 4 },
-        HopperVariant { bn: 256, bk: 64, stages: 3 },
+    /// The staging tile beside the ring leaves 256-channel blocks 3 stages of 64 codes. Two
+    /// 64-channel blocks fit an SM with 4 stages each (their consumers at 104 registers a thread).
+    const ALL: [HopperVariant; 5] = [
+        HopperVariant { bn: 64, bk: 64, stages: 8, blocks: 1 },
+        HopperVariant { bn: 64, bk: 64, stages: 4, blocks: 2 },
+        HopperVariant { bn: 128, bk: 64, stages: 8, blocks: 1 },
+        HopperVariant { bn: 128, bk: 128, stages: 4, blocks: 1 },
+        HopperVariant { bn: 256, bk: 64, stages: 3, blocks: 1 },
     ];
 
     /// The variants compiled for `format`: int8's alone (see [`FP8_REFUSAL`]).
@@ -65,7 +69,8 @@ impl HopperVariant {
     }
 
     fn entry(self, format: QuantFormat) -> String {
-        format!("conv8_{}_wgmma_n{}_bk{}_s{}", EightBitPlan::elem(format).suffix(), self.bn, self.bk, self.stages)
+        let blocks = if self.blocks > 1 { format!("_x{}", self.blocks) } else { String::new() };
+        format!("conv8_{}_wgmma_n{}_bk{}_s{}{blocks}", EightBitPlan::elem(format).suffix(), self.bn, self.bk, self.stages)
     }
     fn swizzle(self) -> TmaSwizzle {
         if self.bk == 128 {
@@ -225,6 +230,13 @@ pub(super) fn candidates(ctx: &mut BuildCtx, node: NodeId, p: &Conv8Problem) -> 
             tracing::debug!(path = %p.path, %entry, smem, error = ?e, "the device cannot give this wgmma conv its shared memory");
             continue;
         }
+        // Two blocks an SM need the whole of its unified L1 as shared memory.
+        if variant.blocks > 1 {
+            if let Err(e) = f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100) {
+                tracing::debug!(path = %p.path, %entry, error = ?e, "the device refuses the wgmma conv's shared-memory carveout");
+                continue;
+            }
+        }
         let w = ctx.upload_bytes(&p.codes)?;
         let w_map = weight_map(variant, w.ptr(), &g);
         debug_assert_eq!(w_map.box_bytes(), (variant.bn * variant.bk) as u64, "the kernel's B stage");
@@ -308,8 +320,9 @@ impl Layer for Conv8HopperLayer {
         }
         let binding = |reason: String| Error::Binding { name: self.path.clone(), reason };
         let tiles = self.tiles(batch).map_err(binding)?;
-        // Persistent: a block an SM (one fits, `__launch_bounds__(384, 1)`), each walking its tiles.
-        let blocks = tiles.min(self.sms.max(1));
+        // Persistent: `blocks` an SM (as many fit, `__launch_bounds__(384, blocks)`), each walking
+        // its tiles.
+        let blocks = tiles.min(self.sms.max(1).saturating_mul(self.variant.blocks as u32));
         let y = rt.ptr(self.y);
         if !y.is_multiple_of(16) || self.z.is_some_and(|z| !rt.ptr(z).is_multiple_of(16)) {
             return Err(binding("the wgmma conv's output and residual must be 16-byte aligned".into()));
@@ -584,16 +597,20 @@ mod tests {
     #[test]
     fn variants_fit_the_shared_memory_of_one_block() {
         for v in HopperVariant::ALL {
-            // sm_90's opt-in limit per block is 227 KiB; stages stay 1024-byte aligned.
+            // sm_90's opt-in limit per block is 227 KiB, 228 KiB an SM with 1 KiB reserved per
+            // block; stages stay 1024-byte aligned.
             assert!(v.shared_bytes() <= 227 * 1024, "{v:?}: {} bytes", v.shared_bytes());
+            assert!(v.blocks * (v.shared_bytes() + 1024) <= 228 * 1024, "{v:?}: {} blocks an SM", v.blocks);
+            assert!(v.blocks == 1 || v.bn == 64, "{v:?}: two blocks leave a consumer 104 registers, room for 64 accumulators");
             assert_eq!(((BM + v.bn) * v.bk) % 1024, 0, "{v:?}");
             assert!(v.bk == 64 || v.bk == 128);
             assert_eq!(v.shared_bytes(), v.stages * (BM + v.bn) * v.bk + BM * (v.bn + 8) * 4 + 1024, "the ring, then the staging tile");
             assert!(v.stages >= 3, "{v:?}: a ring deep enough to load ahead");
         }
-        assert_eq!(HopperVariant::ALL[2].entry(QuantFormat::Int8), "conv8_i8_wgmma_n128_bk128_s4");
-        assert_eq!(HopperVariant::ALL[3].entry(QuantFormat::Int8), "conv8_i8_wgmma_n256_bk64_s3");
-        assert_eq!(entry_points().len(), 4, "four int8 tiles and no FP8 one");
+        assert_eq!(HopperVariant::ALL[1].entry(QuantFormat::Int8), "conv8_i8_wgmma_n64_bk64_s4_x2");
+        assert_eq!(HopperVariant::ALL[3].entry(QuantFormat::Int8), "conv8_i8_wgmma_n128_bk128_s4");
+        assert_eq!(HopperVariant::ALL[4].entry(QuantFormat::Int8), "conv8_i8_wgmma_n256_bk64_s3");
+        assert_eq!(entry_points().len(), 5, "five int8 tiles and no FP8 one");
         assert_eq!(HopperVariant::of(QuantFormat::Fp8E4m3).count(), 0, "{FP8_REFUSAL}");
         assert!(entry_points().iter().all(|e| crate::engine::eight_bit::precision_of_kind(&format!("kernel:{e}")).is_some()));
     }
