@@ -46,6 +46,12 @@ pub struct CalibrateArgs {
     /// out grey), instead of refusing it.
     #[arg(long)]
     pub accept_truncated_images: bool,
+    /// Write no input means: an FP8 engine's layers then keep their biases as they are, instead
+    /// of corrected for the mean shift their rounded weights cause (the default, which takes a
+    /// ResNet-50's FP8 error against FP32 from 5.0e-2 to 1.9e-2 rel L2, docs/QUANT.md; INT8
+    /// engines never correct).
+    #[arg(long)]
+    pub no_bias_correction: bool,
     /// After calibrating, measure which layers cost the int8 or fp8 engine its accuracy: the CPU
     /// simulation's rel L2 against FP32 with everything quantised, then with each quantised layer,
     /// and each module holding from two to a quarter of them, kept in FP16 (as `--layer-precisions <scope>:fp16`
@@ -83,10 +89,17 @@ pub fn calibrate(a: CalibrateArgs) -> Result<ExitCode> {
     let bar = common::progress_bar(2 * batches.len(), &format!("calibrating {} on {n} image(s)", traced.name));
     let stats = calibrator.collect_with_progress(&batches, |done| bar.set_position(done as u64));
     bar.finish_and_clear();
-    let cache = stats?.cache(method);
+    let mut cache = stats?.cache(method);
+    if a.no_bias_correction {
+        cache.input_means.clear();
+    }
     let out = a.output.unwrap_or_else(|| PathBuf::from(format!("{}.calib.json", traced.name)));
     cache.save(&out)?;
-    say!("calibrated {} ({method:?}) on {n} image(s) of {}: {} tensors", traced.name, a.data.display(), cache.tensors.len());
+    let bias = match cache.input_means.len() {
+        0 => "no bias correction".to_string(),
+        layers => format!("input means of {layers} layer(s) for bias correction"),
+    };
+    say!("calibrated {} ({method:?}) on {n} image(s) of {}: {} tensors, {bias}", traced.name, a.data.display(), cache.tensors.len());
     for (name, r) in &cache.tensors {
         say!("  {name:<40} amax {:>10.5}  int8 scale {:.6e}  fp8 scale {:.6e}", r.amax, r.int8_scale, r.fp8_scale);
     }

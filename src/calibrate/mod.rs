@@ -16,6 +16,9 @@
 //! - the residual a conv adds in its epilogue (the skip connection of a ResNet block), with that
 //!   value's own scale: so a block's input and output are one 8-bit tensor each, which the engine
 //!   keeps in 8 bits between its 8-bit convs (TensorRT's QAT recipe quantises the same input);
+//! - in FP8, each such layer's bias is corrected for its weight's rounding where the cache holds
+//!   the layer's input means (`bias.rs`: the mean output shift `ΔW · E[x]` subtracted, channel by
+//!   channel; `kiln calibrate` records the means unless `--no-bias-correction`);
 //! - nothing else: biases are added in f32 in the layer's epilogue; grouped and depthwise convs,
 //!   transposed convs, pooling, matmul and elementwise layers run in FP16;
 //! - in FP8, only the layers an FP8 kernel runs and whose input is not a clamp's (ReLU6) output
@@ -138,6 +141,11 @@ pub struct CalibrationCache {
     pub images: usize,
     /// Tensor name (the producing node's module path, or the input's name) → range.
     pub tensors: BTreeMap<String, TensorRange>,
+    /// Layer (its tensor name: the module path) → the means of its input per channel and filter tap, for bias
+    /// correction (`bias.rs`). Empty in caches written without (`kiln calibrate
+    /// --no-bias-correction`, or before it existed): no correction.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub input_means: BTreeMap<String, Vec<f32>>,
 }
 
 impl CalibrationCache {
@@ -178,6 +186,11 @@ impl CalibrationCache {
                 }
                 // A subnormal scale (1e-45) has an infinite reciprocal: its simulation is NaN.
                 crate::number_format::check_scale(s, format).map_err(|reason| format!("tensor `{name}`: {what}: {reason}"))?;
+            }
+        }
+        for (layer, means) in &self.input_means {
+            if let Some(v) = means.iter().find(|v| !v.is_finite()) {
+                return Err(format!("layer `{layer}`: input mean {v} is not finite"));
             }
         }
         Ok(())
@@ -435,6 +448,8 @@ pub struct CalibrationStats {
     pub images: usize,
     /// Tensor name → (max |x|, histogram of |x| over [0, max]).
     pub tensors: BTreeMap<String, (f32, Histogram)>,
+    /// Layer → its input's means per channel and tap (`CalibrationCache::input_means`).
+    pub input_means: BTreeMap<String, Vec<f32>>,
 }
 
 impl CalibrationStats {
@@ -455,7 +470,14 @@ impl CalibrationStats {
                 (name.clone(), range)
             })
             .collect();
-        CalibrationCache { version: CACHE_VERSION, method, graph_hash: self.graph_hash.clone(), images: self.images, tensors }
+        CalibrationCache {
+            version: CACHE_VERSION,
+            method,
+            graph_hash: self.graph_hash.clone(),
+            images: self.images,
+            tensors,
+            input_means: self.input_means.clone(),
+        }
     }
 }
 
@@ -466,6 +488,8 @@ pub struct Calibrator {
     graph: Graph,
     /// (tensor name, node) of each quantised activation, once each.
     tensors: Vec<(String, NodeId)>,
+    /// (layer path, layer, its activation's tensor name) of each 8-bit layer, for bias correction.
+    layers: Vec<(String, NodeId, String)>,
     /// What the calibration set is, in errors (`--data`'s path).
     source: String,
 }
@@ -480,12 +504,18 @@ impl Calibrator {
         let graph = crate::passes::optimize(graph)?;
         let names = tensor_names(&graph);
         let mut tensors: Vec<(String, NodeId)> = vec![];
-        for a in quant_points(&graph).iter().flat_map(QuantPoint::activations) {
+        let points = quant_points(&graph);
+        for a in points.iter().flat_map(QuantPoint::activations) {
             if !tensors.iter().any(|(_, id)| *id == a) && !matches!(graph.nodes[a].op, Op::Quant(_)) {
                 tensors.push((names[a].clone(), a));
             }
         }
-        Ok(Self { graph, tensors, source: "the calibration data".into() })
+        let layers = points
+            .iter()
+            .filter(|p| !matches!(graph.nodes[p.activation].op, Op::Quant(_)))
+            .map(|p| (names[p.node].clone(), p.node, names[p.activation].clone()))
+            .collect();
+        Ok(Self { graph, tensors, layers, source: "the calibration data".into() })
     }
 
     /// The optimised graph calibration runs on.
@@ -525,9 +555,16 @@ impl Calibrator {
         }
         self.check_data(batches)?;
         let mut amax: BTreeMap<String, f32> = self.tensors.iter().map(|(n, _)| (n.clone(), 0.0)).collect();
+        let mut sums: Vec<bias::InputSums> = vec![Default::default(); self.layers.len()];
         let mut done = 0;
         for b in batches {
-            for (name, t) in self.run(b)? {
+            let outputs = self.run(b)?;
+            for ((_, node, input), s) in self.layers.iter().zip(&mut sums) {
+                if let Some(x) = outputs.get(input) {
+                    s.add(&self.graph, *node, x);
+                }
+            }
+            for (name, t) in outputs {
                 let m = self.finite_amax(&name, &t.data)?;
                 let e = amax.entry(name).or_insert(0.0);
                 *e = e.max(m);
@@ -535,6 +572,7 @@ impl Calibrator {
             done += 1;
             progress(done);
         }
+        let input_means = self.layers.iter().zip(&sums).filter_map(|((path, ..), s)| Some((path.clone(), s.means()?))).collect();
         let mut hists: BTreeMap<String, Histogram> = amax.iter().map(|(n, &a)| (n.clone(), Histogram::new(a))).collect();
         for b in batches {
             for (name, t) in self.run(b)? {
@@ -548,7 +586,7 @@ impl Calibrator {
         tracing::debug!(batches = batches.len(), tensors = amax.len(), "calibration ranges and histograms recorded");
         let tensors = hists.into_iter().map(|(n, h)| (n.clone(), (amax[&n], h))).collect();
         let images = batches.iter().map(|b| b.shape.first().copied().unwrap_or(0)).sum();
-        Ok(CalibrationStats { graph_hash: graph_hash(&self.graph), images, tensors })
+        Ok(CalibrationStats { graph_hash: graph_hash(&self.graph), images, tensors, input_means })
     }
 
     /// Every value of the calibration set finite; else an error naming the first bad image.
@@ -597,6 +635,7 @@ impl Calibrator {
     }
 }
 
+mod bias;
 mod quantise;
 mod sensitivity;
 pub(crate) use quantise::check_rules_on_explicit;
@@ -634,6 +673,7 @@ mod tests {
             graph_hash: "ab".into(),
             images: 4,
             tensors,
+            input_means: BTreeMap::from([("layer2.conv".to_string(), vec![0.5, 1.25])]),
         };
         let back: CalibrationCache = serde_json::from_str(&c.to_json()).unwrap();
         assert_eq!(back, c);
@@ -666,6 +706,7 @@ mod tests {
             graph_hash: "ab".into(),
             images: 1,
             tensors: BTreeMap::from([("conv1".to_string(), r)]),
+            input_means: BTreeMap::new(),
         };
         for (int8_scale, says) in [(1e-45, "int8_scale: a scale must be positive, finite and within"), (3e37, "got 3e37")] {
             let r = TensorRange { int8_scale, ..TensorRange::from_amax(1.0) };
@@ -758,6 +799,7 @@ mod tests {
             graph_hash: "ab".into(),
             images: 1,
             tensors: BTreeMap::from([("x".to_string(), (h_range(&data), histogram_of(&data)))]),
+            input_means: BTreeMap::new(),
         };
         let r = stats.cache(CalibrationMethod::Mse).tensors["x"];
         let h = histogram_of(&data);
@@ -791,8 +833,14 @@ mod tests {
         conv("plain", &c2, 32, 32).mark_output("y");
         let g = tracer.graph();
         let tensors = tensor_names(&g).into_iter().map(|n| (n, TensorRange::from_amax(1.0))).collect();
-        let cache =
-            CalibrationCache { version: CACHE_VERSION, method: CalibrationMethod::MinMax, graph_hash: graph_hash(&g), images: 1, tensors };
+        let cache = CalibrationCache {
+            version: CACHE_VERSION,
+            method: CalibrationMethod::MinMax,
+            graph_hash: graph_hash(&g),
+            images: 1,
+            tensors,
+            input_means: BTreeMap::new(),
+        };
         let quantised = |format| {
             let q = quantize_graph(&g, &cache, format, &[]).unwrap();
             let mut paths: Vec<String> = q

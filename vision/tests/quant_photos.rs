@@ -43,8 +43,8 @@ fn quant_table() {
     let data = load(&dir);
     let fp32 = fp32_logits(&data);
     let stats = fold_stats(&data);
-    println!("| format | method | top-1 (12 centre crops) | top-5 of 60 | mean rel L2 | worst rel L2 | top-1 (48 views) | top-5 of 240 | mean rel L2 | worst rel L2 |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("| format | method | bias | top-1 (12 centre crops) | top-5 of 60 | mean rel L2 | worst rel L2 | top-1 (48 views) | top-5 of 240 | mean rel L2 | worst rel L2 |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     // `$KILN_METHODS` (comma-separated, `kiln calibrate --method` names) judges other methods or
     // settings, e.g. `percentile=99.9,percentile=99.999`.
     let methods: Vec<CalibrationMethod> = match std::env::var("KILN_METHODS") {
@@ -56,9 +56,24 @@ fn quant_table() {
             continue;
         }
         for &method in &methods {
-            let caches = [stats[0].cache(method), stats[1].cache(method)];
-            let (centre, all) = judge(&data, &caches, format, &fp32);
-            println!("| {} | {method:?} | {} | {} |", format.name(), centre.text(), all.text());
+            // FP8 with each layer's bias corrected for its weight's rounding (the cache's input
+            // means, the default), and without them; INT8 never corrects.
+            let corrections: &[bool] = if format == QuantFormat::Fp8E4m3 { &[true, false] } else { &[true] };
+            for &corrected in corrections {
+                let caches = [stats[0].cache(method), stats[1].cache(method)].map(|mut c| {
+                    if !corrected {
+                        c.input_means.clear();
+                    }
+                    c
+                });
+                let (centre, all) = judge(&data, &caches, format, &fp32);
+                let bias = match (format, corrected) {
+                    (QuantFormat::Int8, _) => "—",
+                    (_, true) => "corrected",
+                    (_, false) => "as is",
+                };
+                println!("| {} | {method:?} | {bias} | {} | {} |", format.name(), centre.text(), all.text());
+            }
         }
     }
 }
