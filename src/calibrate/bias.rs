@@ -151,7 +151,7 @@ mod tests {
         let tracer = crate::Tracer::new();
         let xi = tracer.input("x", &x.shape);
         let param = |name: &str, v: &HostTensor| crate::tensor::Param { name: name.into(), value: std::sync::Arc::new(v.clone()) };
-        crate::tensor::Tensor::record("conv", Op::Conv(attrs.clone()), &[&xi], &[&param("conv.weight", &w), &param("conv.bias", &b)])
+        crate::tensor::Tensor::record("conv", Op::Conv(attrs), &[&xi], &[&param("conv.weight", &w), &param("conv.bias", &b)])
             .unwrap()
             .mark_output("y");
         let g = tracer.graph();
