@@ -121,6 +121,15 @@ fn fp8_biases_are_corrected_for_the_weights_rounding() {
     assert_eq!(errors[0].0, 0);
     assert!(errors[1].0 > 0 && errors[1].0 <= points, "{errors:?}");
     assert!(errors[1].1 < errors[0].1, "the correction brings FP8 closer to FP32: {errors:?}");
+    // Means of the wrong size for a layer (a cache edited, or of another model): an error naming
+    // the layer and both sizes.
+    let mut bad = with.clone();
+    let layer = "layer1.0.conv1";
+    bad.input_means.get_mut(layer).expect("an FP8 layer's means").push(0.0);
+    let Err(e) = simulate(&d.graph, &bad, QuantFormat::Fp8E4m3) else { panic!("means of the wrong size accepted") };
+    let text = e.to_string();
+    println!("{text}");
+    assert!(text.contains(layer) && text.contains("recalibrate") && text.contains("145 values"), "{text}");
     let int8 = |c: &CalibrationCache| simulate(&d.graph, c, QuantFormat::Int8).expect("simulate");
     let (a, b) = (int8(&with), int8(&without));
     assert!(a.nodes.iter().all(|n| !n.path.ends_with(".bias.corrected")), "INT8 corrects no bias");

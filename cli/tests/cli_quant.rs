@@ -146,3 +146,35 @@ fn cpu_runs_stop_where_nothing_simulates_the_precision() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `kiln calibrate` writes each 8-bit layer's input means (bias correction) and says so;
+/// `--no-bias-correction` writes none. The FP8 simulation of the two caches differs (its biases
+/// corrected or not), the INT8 one does not (INT8 never corrects).
+#[test]
+fn calibrate_records_input_means_unless_told_not_to() {
+    let dir = temp_dir("bias");
+    let data = dir.join("calib.safetensors");
+    let n = 4 * 3 * 32 * 32;
+    let x = HostTensor::new(vec![4, 3, 32, 32], (0..n).map(|i| ((i as f32) * 0.37).sin() * 1.5).collect());
+    kiln::files::write_safetensors(&data, &BTreeMap::from([("input".to_string(), x)])).expect("calibration set");
+    let (with, without) = (dir.join("with.json"), dir.join("without.json"));
+    let base = ["calibrate", "resnet18", "--size", "32", "--data", arg(&data)];
+    let out = kiln(&[&base[..], &["-o", arg(&with)]].concat());
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("input means of 21 layer(s) for bias correction"), "{stdout}");
+    let out = kiln(&[&base[..], &["-o", arg(&without), "--no-bias-correction"]].concat());
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("no bias correction"), "{stdout}");
+    let means = |p: &Path| kiln::engine::CalibrationCache::load(p).expect("cache").input_means.len();
+    assert_eq!((means(&with), means(&without)), (21, 0));
+    let run = |flag: &str, cache: &Path| {
+        let out = kiln(&["run", "resnet18", "--cpu", "--size", "32", "--seed", "7", "--top", "3", flag, "--calibration-cache", arg(cache)]);
+        assert!(out.status.success(), "{}", text(&out).1);
+        answers(&text(&out).0)
+    };
+    assert_ne!(run("--fp8", &with), run("--fp8", &without), "FP8 corrects its biases");
+    assert_eq!(run("--int8", &with), run("--int8", &without), "INT8 does not");
+    let _ = std::fs::remove_dir_all(&dir);
+}
