@@ -22,7 +22,7 @@ pub use crate::var_builder::{
 };
 
 /// Graph files: a safetensors file of the graph's weights whose metadata holds the graph itself
-/// (JSON under [`KEY_GRAPH`]), its format name and version.
+/// (JSON under `KEY_GRAPH`), its format name and version.
 pub mod graph {
     pub use crate::graph_file::{
         decode, encode, has_random_weights, is_graph_metadata, read, write, GraphFile, EXTENSION, FORMAT, KEY_FORMAT, KEY_GRAPH,

@@ -33,7 +33,7 @@ impl QuantFormat {
     }
 }
 
-/// `amax / max_abs(format)`, at least [`MIN_SCALE`]; 1 for an all-zero range (any scale maps
+/// `amax / max_abs(format)`, at least `MIN_SCALE`; 1 for an all-zero range (any scale maps
 /// zeros to zero).
 pub fn symmetric_scale(amax: f32, format: QuantFormat) -> f32 {
     if amax > 0.0 && amax.is_finite() {

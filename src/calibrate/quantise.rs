@@ -55,11 +55,11 @@ fn has_fp8_kernel(graph: &Graph, id: NodeId) -> bool {
 }
 
 /// The explicit Q/DQ form of an optimised graph: a `fake_quantize` (per tensor, the cache's
-/// scale) on the activation input of every 8-bit layer (in FP8, those of [`fp8_point`]) and one
-/// on its weight ([`weight_quantiser`]), but at the layers a per-layer precision rule covers
+/// scale) on the activation input of every 8-bit layer (in FP8, those of `fp8_point`) and one
+/// on its weight (`weight_quantiser`), but at the layers a per-layer precision rule covers
 /// (`rules`, `--layer-precisions`: TensorRT's `--layerPrecisions` in an INT8 build), which stay
 /// unquantised and compute in the rule's precision. In FP8, where the cache holds a layer's
-/// input means, its bias is corrected for its weight's rounding (`bias.rs`, [`corrects_bias`]).
+/// input means, its bias is corrected for its weight's rounding (`bias.rs`, `corrects_bias`).
 /// `graph` must be the optimised graph the cache was recorded on (its hash is checked).
 pub fn quantize_graph(graph: &Graph, cache: &CalibrationCache, format: QuantFormat, rules: &[LayerPrecision]) -> Result<Graph> {
     quantize_graph_with(graph, cache, format, rules, true)
@@ -263,8 +263,8 @@ const SIMULATED_SM: u32 = 90;
 ///   an identity reshape marked f16 after the input. Not where the 8-bit stem reads the f32
 ///   binding itself (`EightBitPlan::folded`: it quantises the f32 values);
 /// - **8-bit codes** (a stored quantiser, a conv that requantises into one, a quantiser folded
-///   into the stem): not rounded. The 8-bit kernels dequantise codes in f32 (`acc · s_x · s_w[k]
-///   + bias`, f32 bias, residual `code · s_r`) and requantise `rint(v · (1/s))` saturated,
+///   into the stem): not rounded. The 8-bit kernels dequantise codes in f32
+///   (`acc · s_x · s_w[k] + bias`, f32 bias, residual `code · s_r`) and requantise `rint(v · (1/s))` saturated,
 ///   ties to even (int8, `cvt.rni` + `cvt.pack.sat`) or `cvt.rn.satfinite.e4m3x2` (fp8): the
 ///   arithmetic of `fake_quantize` in f32 (`kernels/conv8.cu`, `kernels/eight_bit.cuh`);
 /// - **every other value of an FP16 node** is f16 (the layer computes in f32 and writes f16):

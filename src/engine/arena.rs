@@ -56,7 +56,7 @@ pub struct ArenaPlan {
     pub in_place: Vec<usize>,
     /// Each step's idle region: the offset and length of the largest value region that is live
     /// across the step but not touched by it ((0, 0): none). Values fill their regions in
-    /// proportion to the batch, so below the planned batch its tail ([`idle_tail`]) is free while
+    /// proportion to the batch, so below the planned batch its tail (`idle_tail`) is free while
     /// the step runs.
     pub idle: Vec<(usize, usize)>,
 }

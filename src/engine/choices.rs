@@ -31,7 +31,7 @@ pub struct Tactics {
     /// Every choice made, in order: (module path, kind), whether timed, cached, recorded or
     /// followed (the builder takes a profile's opt choices from it).
     pub chosen: Vec<(String, String)>,
-    /// Build progress callback (see [`Progress`]).
+    /// Build progress callback (see `Progress`).
     pub progress: Option<Progress>,
     /// Where the build's seconds went, added up as it goes.
     pub build_time: super::plan::BuildTime,

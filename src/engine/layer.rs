@@ -161,7 +161,7 @@ impl ValueDesc {
 }
 
 /// Device memory owned by a layer (its weights) or a context (arena, bindings). Weights uploaded
-/// through a [`WeightStore`] may be shared by several layers (the plans of one engine at several
+/// through a `WeightStore` may be shared by several layers (the plans of one engine at several
 /// input shapes); the memory is freed with the last of them.
 pub struct DeviceBuf {
     alloc: Arc<Alloc>,

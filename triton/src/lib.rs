@@ -267,7 +267,7 @@ pub unsafe extern "C" fn TRITONBACKEND_ModelInstanceFinalize(instance: *mut ffi:
 }
 
 /// Runs a batch of requests. Once the instance's state is found, the backend owns every request
-/// and answers each (see [`execute::execute`]); only before that does an error return them to Triton.
+/// and answers each (see `execute::execute`); only before that does an error return them to Triton.
 ///
 /// # Safety
 /// Called by Triton with a live instance and `request_count` live requests, never twice at once

@@ -115,7 +115,7 @@ pub struct Fp8Problem {
 }
 
 /// Where an FP8 GEMM candidate applies, from the graph alone (the values' checks are
-/// [`candidates`]'): a node of an `Fp8` or `Best` layer (`precision`) that is
+/// `candidates`'): a node of an `Fp8` or `Best` layer (`precision`) that is
 /// - a stride-1 1×1 convolution (not grouped or transposed, no padding): `[C, H, W] →
 ///   [K, H, W]`, H·W rows per image;
 /// - or a Linear (`Gemm::Linear`): `[.., k] → [.., n]`, the product of the dims between the batch
@@ -124,7 +124,7 @@ pub struct Fp8Problem {
 /// whose input is a per-tensor, symmetric fp8 `fake_quantize` (or Best's int8 one, whose range the
 /// FP8 GEMM clips at: its scale × qmax / 448), with k and n multiples of 16 (cuBLASLt's FP8
 /// alignment). The bias, a fused ReLU and a residual (a conv's or a Linear's last input) go to the
-/// GEMM's epilogue ([`Fp8Epilogue`]). A Linear's residual is not quantised (`calibrate::quant_points`).
+/// GEMM's epilogue (`Fp8Epilogue`). A Linear's residual is not quantised (`calibrate::quant_points`).
 pub fn problem(graph: &Graph, node: NodeId, precision: Precision) -> Option<Fp8Problem> {
     if !matches!(precision, Precision::Fp8 | Precision::Best) {
         return None;
