@@ -190,6 +190,44 @@ mod tests {
         assert!(rounded.iter().zip(&exact).any(|(a, b)| (a - b).abs() > 1e-3), "the rounding shifts the mean: {rounded:?} {exact:?}");
     }
 
+    /// Each tap's mean is the mean output of the conv whose weight picks that one tap (a one-hot
+    /// weight run by the CPU executor), on a conv with stride, padding and dilation in both axes;
+    /// a Linear's are its input's column means over every leading dim.
+    #[test]
+    fn tap_means_are_what_the_conv_itself_reads() {
+        let (c, r, s) = (3, 3, 2);
+        let attrs = ConvAttrs { stride: [2, 1], padding: [2, 1], dilation: [2, 3], ..Default::default() };
+        let x = crate::dev::uniform_tensor(&[2, c, 11, 9], 7);
+        let tracer = crate::Tracer::new();
+        let xi = tracer.input("x", &x.shape);
+        let w = HostTensor::new(vec![1, c, r, s], vec![0.0; c * r * s]);
+        let param = crate::tensor::Param { name: "conv.weight".into(), value: std::sync::Arc::new(w.clone()) };
+        crate::tensor::Tensor::record("conv", Op::Conv(attrs), &[&xi], &[&param]).unwrap().mark_output("y");
+        let g = tracer.graph();
+        let conv = g.nodes.iter().position(|n| matches!(n.op, Op::Conv(_))).unwrap();
+        let mut sums = InputSums::default();
+        assert!(sums.add(&g, conv, &x));
+        let means = sums.means().unwrap();
+        for tap in 0..c * r * s {
+            let mut one_hot = w.clone();
+            one_hot.data[tap] = 1.0;
+            let mut g = g.clone();
+            g.weights.insert("conv.weight".into(), std::sync::Arc::new(one_hot));
+            let y = crate::cpu::run(&g, &[("x", &x)]).unwrap().remove("y").unwrap();
+            let want = y.data.iter().map(|&v| v as f64).sum::<f64>() / y.data.len() as f64;
+            assert!((means[tap] as f64 - want).abs() < 1e-6, "tap {tap}: {} against the conv's {want}", means[tap]);
+        }
+
+        let x = crate::dev::uniform_tensor(&[2, 3, 4], 8);
+        let mut sums = InputSums::default();
+        assert!(sums.add_linear(&x));
+        let means = sums.means().unwrap();
+        for f in 0..4 {
+            let want = x.data.iter().skip(f).step_by(4).map(|&v| v as f64).sum::<f64>() / 6.0;
+            assert!((means[f] as f64 - want).abs() < 1e-6, "feature {f}");
+        }
+    }
+
     #[test]
     fn sizes_that_disagree_give_no_correction() {
         let w = HostTensor::new(vec![2, 3], vec![0.0; 6]);
