@@ -208,23 +208,25 @@ mod tests {
         let mut sums = InputSums::default();
         assert!(sums.add(&g, conv, &x));
         let means = sums.means().unwrap();
-        for tap in 0..c * r * s {
+        assert_eq!(means.len(), c * r * s);
+        for (tap, &mean) in means.iter().enumerate() {
             let mut one_hot = w.clone();
             one_hot.data[tap] = 1.0;
             let mut g = g.clone();
             g.weights.insert("conv.weight".into(), std::sync::Arc::new(one_hot));
             let y = crate::cpu::run(&g, &[("x", &x)]).unwrap().remove("y").unwrap();
             let want = y.data.iter().map(|&v| v as f64).sum::<f64>() / y.data.len() as f64;
-            assert!((means[tap] as f64 - want).abs() < 1e-6, "tap {tap}: {} against the conv's {want}", means[tap]);
+            assert!((mean as f64 - want).abs() < 1e-6, "tap {tap}: {mean} against the conv's {want}");
         }
 
         let x = crate::dev::uniform_tensor(&[2, 3, 4], 8);
         let mut sums = InputSums::default();
         assert!(sums.add_linear(&x));
         let means = sums.means().unwrap();
-        for f in 0..4 {
+        assert_eq!(means.len(), 4);
+        for (f, &mean) in means.iter().enumerate() {
             let want = x.data.iter().skip(f).step_by(4).map(|&v| v as f64).sum::<f64>() / 6.0;
-            assert!((means[f] as f64 - want).abs() < 1e-6, "feature {f}");
+            assert!((mean as f64 - want).abs() < 1e-6, "feature {f}");
         }
     }
 
