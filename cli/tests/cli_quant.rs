@@ -10,12 +10,18 @@ use kiln::HostTensor;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-/// A calibration cache of resnet18 at 32×32 (seeded weights) over 4 smooth images.
-fn calibration_cache(dir: &Path) -> PathBuf {
+/// A calibration set of 4 smooth 32×32 images, `dir/calib.safetensors`.
+fn calibration_set(dir: &Path) -> PathBuf {
     let data = dir.join("calib.safetensors");
     let n = 4 * 3 * 32 * 32;
     let x = HostTensor::new(vec![4, 3, 32, 32], (0..n).map(|i| ((i as f32) * 0.37).sin() * 1.5).collect());
     kiln::files::write_safetensors(&data, &BTreeMap::from([("input".to_string(), x)])).expect("calibration set");
+    data
+}
+
+/// A calibration cache of resnet18 at 32×32 (seeded weights) over [`calibration_set`].
+fn calibration_cache(dir: &Path) -> PathBuf {
+    let data = calibration_set(dir);
     let cache = dir.join("resnet18.calib.json");
     let out = kiln(&["calibrate", "resnet18", "--size", "32", "--data", arg(&data), "-o", arg(&cache)]);
     assert!(out.status.success(), "{}", text(&out).1);
@@ -76,10 +82,7 @@ fn run_cpu_simulates_the_layers_a_rule_keeps_out_of_8_bits() {
 #[test]
 fn calibrate_measures_the_sensitivity_of_the_8_bit_engine() {
     let dir = temp_dir("sensitivity");
-    let data = dir.join("calib.safetensors");
-    let n = 4 * 3 * 32 * 32;
-    let x = HostTensor::new(vec![4, 3, 32, 32], (0..n).map(|i| ((i as f32) * 0.37).sin() * 1.5).collect());
-    kiln::files::write_safetensors(&data, &BTreeMap::from([("input".to_string(), x)])).expect("calibration set");
+    let data = calibration_set(&dir);
     let cache = dir.join("c.json");
     let base = ["calibrate", "resnet18", "--size", "32", "--data", arg(&data), "-o", arg(&cache)];
     let out = kiln(&[&base[..], &["--sensitivity", "int8", "--sensitivity-images", "2"]].concat());
@@ -153,10 +156,7 @@ fn cpu_runs_stop_where_nothing_simulates_the_precision() {
 #[test]
 fn calibrate_records_input_means_unless_told_not_to() {
     let dir = temp_dir("bias");
-    let data = dir.join("calib.safetensors");
-    let n = 4 * 3 * 32 * 32;
-    let x = HostTensor::new(vec![4, 3, 32, 32], (0..n).map(|i| ((i as f32) * 0.37).sin() * 1.5).collect());
-    kiln::files::write_safetensors(&data, &BTreeMap::from([("input".to_string(), x)])).expect("calibration set");
+    let data = calibration_set(&dir);
     let (with, without) = (dir.join("with.json"), dir.join("without.json"));
     let base = ["calibrate", "resnet18", "--size", "32", "--data", arg(&data)];
     let out = kiln(&[&base[..], &["-o", arg(&with)]].concat());
