@@ -23,7 +23,7 @@
 // The weight is a 3-D map [K][R·S][C]: the stage's B box is BN channels × BK codes of one tap
 // (zeros past K and past C, where the A box has zeros too).
 //
-// Pipeline (kernels/hopper.cuh's convention). Persistent: a grid of at most one block per SM
+// Pipeline (kernels/hopper.cuh's convention). Persistent: a grid of at most BLOCKS blocks per SM
 // walks the tiles (blockIdx.x, then every gridDim.x-th), so the loads of a block's next tile run
 // while its consumers finish the last one. 384 threads: warpgroup 0 is the producer (it gives
 // registers back with setmaxnreg; one thread issues the loads), warpgroups 1 and 2 the consumers:

@@ -38,11 +38,9 @@ impl InputSums {
     fn add_conv(&mut self, a: &ConvAttrs, [r, s]: [usize; 2], x: &HostTensor) -> bool {
         let [n, c, h, w] = x.shape[..] else { return false };
         let [dh, dw] = a.dilation;
-        // Output size per axis (the conv's own: a fused max-pool's output is the node's shape).
-        let out = |size: usize, k: usize, axis: usize| {
-            let span = a.dilation[axis].checked_mul(k.checked_sub(1)?)?.checked_add(1)?;
-            size.checked_add(a.padding[axis].checked_mul(2)?)?.checked_sub(span).map(|v| v / a.stride[axis].max(1) + 1)
-        };
+        // The conv's own output size (a fused max-pool's output is the node's shape).
+        let out =
+            |size: usize, k: usize, axis: usize| crate::ops::conv::out_extent(size, k, a.stride[axis], a.padding[axis], a.dilation[axis]);
         let (Some(p), Some(q)) = (out(h, r, 0), out(w, s, 1)) else { return false };
         if self.sums.is_empty() {
             self.sums = vec![0.0; c * r * s];

@@ -269,7 +269,7 @@ pub const ATEN: &[AtenImport] = &[
 
 /// Sizes come from files: every step is checked, and `None` covers overflow as well as a kernel
 /// larger than the padded input.
-fn out_extent(input: usize, k: usize, s: usize, p: usize, d: usize) -> Option<usize> {
+pub(crate) fn out_extent(input: usize, k: usize, s: usize, p: usize, d: usize) -> Option<usize> {
     let span = d.checked_mul(k.checked_sub(1)?)?.checked_add(1)?;
     input.checked_add(p.checked_mul(2)?)?.checked_sub(span).map(|v| v / s + 1)
 }

@@ -80,7 +80,7 @@ impl HopperVariant {
         }
     }
     /// Dynamic shared memory: the ring of (A, B) stages, then the epilogue's f32 staging tile
-    /// (rows of `bn` + 4 floats; apart from the ring, which the next tile's loads fill meanwhile),
+    /// (rows of `bn` + 8 floats; apart from the ring, which the next tile's loads fill meanwhile),
     /// and 1 KiB to align the ring.
     fn shared_bytes(self) -> usize {
         self.stages * (BM + self.bn) * self.bk + BM * (self.bn + 8) * 4 + 1024
