@@ -278,6 +278,18 @@ impl EngineConfig {
     }
 }
 
+/// Engine configurations that run but compute wrong values, so they are never candidates:
+/// - INT8, engine 2 (cuDNN 9.14, H200): on ResNet-18's `layer2.0.downsample.0` (a 1×1 stride-2
+///   conv, 64 → 128 channels, 56×56 → 28×28, INT8 codes out) inside an engine, it took the
+///   network to 2e-1 rel L2 from FP32 where the INT8 simulation is 1.2e-2, deterministically;
+///   with every fused conv on engine 4 instead, 1.8e-2. The same configuration alone on random
+///   inputs, in buffers of its own, computed the right codes, so the fault depends on what lies
+///   around its tensors; cuDNN's timing picks it nowhere else in ResNet-18 or ResNet-50, so
+///   leaving it out costs no speed there.
+pub fn known_wrong(conv: &FusedConv, cfg: &EngineConfig) -> bool {
+    conv.x == Elem::I8 && cfg.index == 2
+}
+
 /// The most knob choices one engine configuration has (`CUDNN_KNOB_TYPE_COUNTS` is below this).
 const MAX_KNOBS: usize = 64;
 
@@ -309,7 +321,7 @@ pub fn engine_configs(handle: dnn::cudnnHandle_t, conv: &FusedConv, batch: usize
         }
         knobs.sort();
         let c = EngineConfig { index, knobs };
-        if !out.contains(&c) {
+        if !out.contains(&c) && !known_wrong(conv, &c) {
             out.push(c);
         }
     }
@@ -640,6 +652,24 @@ mod tests {
         assert_eq!(slices(&sizes, 99), [64, 32, 2, 1]);
         assert_eq!(slices(&sizes, 0), Vec::<usize>::new());
         assert_eq!(planned_sizes(1, 1), [1]);
+    }
+
+    #[test]
+    fn int8_convs_never_take_engine_2() {
+        let conv = |x| FusedConv {
+            x,
+            y: x,
+            z: None,
+            dims: [64, 56, 56, 128, 1, 1, 28, 28],
+            stride: [2, 2],
+            padding: [0, 0],
+            dilation: [1, 1],
+            steps: vec![],
+        };
+        let eng = |index| EngineConfig { index, knobs: vec![(24, 23)] };
+        assert!(known_wrong(&conv(Elem::I8), &eng(2)));
+        assert!(!known_wrong(&conv(Elem::I8), &eng(4)));
+        assert!(!known_wrong(&conv(Elem::E4m3), &eng(2)));
     }
 
     #[test]
