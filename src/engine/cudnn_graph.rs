@@ -286,7 +286,7 @@ impl EngineConfig {
 ///   inputs, in buffers of its own, computed the right codes, so the fault depends on what lies
 ///   around its tensors; cuDNN's timing picks it nowhere else in ResNet-18 or ResNet-50, so
 ///   leaving it out costs no speed there.
-pub fn known_wrong(conv: &FusedConv, cfg: &EngineConfig) -> bool {
+fn known_wrong(conv: &FusedConv, cfg: &EngineConfig) -> bool {
     conv.x == Elem::I8 && cfg.index == 2
 }
 
