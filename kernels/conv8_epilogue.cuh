@@ -25,35 +25,34 @@ struct Conv8Args {
     int splits;
 };
 
-// 16 codes (one uint4) added to v as values: code · scale. int8 through integer extraction; e4m3
-// through the hardware's e4m3x2 → f16x2 conversion (sm_89+).
-template <bool FP8> __device__ __forceinline__ void decode16(uint4 q, float scale, float* v);
-template <> __device__ __forceinline__ void decode16<false>(uint4 q, float scale, float* v) {
-    const unsigned* w = reinterpret_cast<const unsigned*>(&q);
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-#pragma unroll
-        for (int b = 0; b < 4; b++) v[4 * i + b] += (float)(signed char)(w[i] >> (8 * b)) * scale;
-}
-template <> __device__ __forceinline__ void decode16<true>(uint4 q, float scale, float* v) {
+// Two codes (a u16, the first in the low byte) added to v0, v1 as values: code · scale. int8
+// through integer extraction; e4m3 through the hardware's e4m3x2 → f16x2 conversion (sm_89+).
+template <bool FP8> __device__ __forceinline__ void decode2(unsigned pair, float scale, float& v0, float& v1) {
+    if constexpr (!FP8) {
+        v0 += (float)(signed char)(pair & 0xff) * scale;
+        v1 += (float)(signed char)((pair >> 8) & 0xff) * scale;
+    } else {
 #if __CUDA_ARCH__ >= 890
+        unsigned f2;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(f2) : "h"((unsigned short)pair));
+        f16 lo, hi;
+        lo.bits = f2 & 0xffff;
+        hi.bits = f2 >> 16;
+        v0 += to_f32(lo) * scale;
+        v1 += to_f32(hi) * scale;
+#else
+        __trap();
+#endif
+    }
+}
+
+// 16 codes (one uint4) added to v as values, pair by pair as decode2.
+template <bool FP8> __device__ __forceinline__ void decode16(uint4 q, float scale, float* v) {
     const unsigned* w = reinterpret_cast<const unsigned*>(&q);
 #pragma unroll
     for (int i = 0; i < 4; i++)
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            unsigned short pair = (unsigned short)(w[i] >> (16 * h));
-            unsigned f2;
-            asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(f2) : "h"(pair));
-            f16 lo, hi;
-            lo.bits = f2 & 0xffff;
-            hi.bits = f2 >> 16;
-            v[4 * i + 2 * h] += to_f32(lo) * scale;
-            v[4 * i + 2 * h + 1] += to_f32(hi) * scale;
-        }
-#else
-    __trap();
-#endif
+        for (int h = 0; h < 2; h++) decode2<FP8>(w[i] >> (16 * h), scale, v[4 * i + 2 * h], v[4 * i + 2 * h + 1]);
 }
 
 // The end of the epilogue for 16 consecutive channels at output offset o, given v = acc · alpha

@@ -41,10 +41,22 @@
 // frees that stage too, then runs the epilogue in staging rows of its own (after the ring), 64
 // rows at a time, while the producer fills the freed stages with later tiles' boxes.
 //
-// Epilogue: conv8's, in the same two passes: accumulators · alpha + bias → f32 staging rows;
-// then 16 channels of one pixel per step through conv8_epilogue.cuh's `finish16` (residual,
-// ReLU, f16 or codes), so the numbers are the mma.sync kernel's (int8 bit for bit: the s32 sums
-// are exact in both). A thread's items (their offsets and 8-bit residuals) are loaded before the
+// Epilogue, codes out (an 8-bit residual or none): TMA moves whole tiles of codes, so no consumer
+// waits on a global load or stores to global memory, and the arithmetic needs no conversion
+// unit (`c8h_finish_codes`). The block's k-th tile has code tile k % 4
+// (four lie where the f32 staging rows would). A second producer thread, the tile mover, brings
+// the residual's codes into it on `zfull` (without a residual it only arrives there), up to four
+// tiles ahead of the consumers. They wait `zfull`, and each thread runs conv8's arithmetic (acc ·
+// alpha + bias, + the residual's code · its scale, ReLU, requantised) on its own accumulator
+// pairs in place, reading two codes of the tile and writing its two over them; after an
+// async-proxy fence each warp arrives on `written`. The mover then stores the tile with TMA, and
+// once the store has read it fills the code tile for tile k + 4. The tiles' rows are swizzled
+// over 64 bytes, boxes 64 channels wide, so the pairs a warp touches fall in distinct banks
+// (`c8h_code_offset`).
+// Epilogue, f16 out or an f16 residual: conv8's, in the same two passes: accumulators · alpha +
+// bias → f32 staging rows; then 16 channels of one pixel per step through conv8_epilogue.cuh's
+// `finish16` (residual, ReLU, f16 or codes). Both forms compute the mma.sync kernel's numbers
+// (int8 bit for bit: the s32 sums are exact in both, the epilogue's operations the same). A thread's items (their offsets and 8-bit residuals) are loaded before the
 // first pass, under the tile's last MMAs. Each consumer stages and finishes its own 64 rows at a
 // time, so only its own 128 threads meet at a barrier (before and after the second pass). No split-K: deep reductions of
 // small batches stay with conv8's split-K.
@@ -86,9 +98,74 @@ __device__ __forceinline__ C8hTile c8h_tile(const Conv8Args& a, int tile_m, int 
     return t;
 }
 
+// Where channel `lc` of tile row `lr` lies in a tile of codes as TMA moves it: BN / 64 boxes of
+// 128 rows × 64 bytes, each row's four 16-byte chunks swizzled by the row pair (64-byte swizzle:
+// chunk ^= (lr / 2) % 4), so that a warp's accumulator pairs (8 rows × 8 bytes) meet no bank twice.
+__device__ __forceinline__ int c8h_code_offset(int lr, int lc) {
+    return (lc >> 6) * (C8H_BM * 64) + lr * 64 + ((((lc >> 4) & 3) ^ ((lr >> 1) & 3)) << 4) + (lc & 15);
+}
+
+// The codes-out epilogue of one consumer thread, on its accumulators in place: channels (lc, lc +
+// 1) of row lr take acc · alpha + bias, the residual's two codes from the code tile (· its scale),
+// ReLU, and leave their own two codes there. Its arithmetic is the mma.sync kernel's, without the
+// conversion unit (16 values a clock an SM; the pointwise conv's epilogue was bound by it:
+// eight_bit.cuh): codes and small accumulators cross to floats by their bits, requantised codes
+// by the 1.5 · 2^23 rounding, and ReLU is the int8 clamp's lower end (rint(max(v, 0) · 1/s) is
+// max(rint(v · 1/s), 0)). SHORT: a reduction of at most 256 codes, whose sums are exact through
+// their bits; longer ones convert each accumulator.
+template <bool FP8, int BN, int MS, bool SHORT>
+__device__ __forceinline__ void c8h_finish_codes(const Conv8Args& a, const typename Acc<FP8>::T (&acc)[MS][BN / 2], unsigned char* codes, int t,
+                                                 int row0, int col0, bool z_codes) {
+    constexpr int PAIRS = BN / 4;  // a thread's pairs of channels per m64 row block
+    // The residual's codes first, all of them: a load issued after the stores of earlier pairs
+    // (which may alias it, for all the compiler knows) would wait for them, one round trip a pair.
+    unsigned z[MS][PAIRS];
+#pragma unroll
+    for (int m = 0; m < MS; ++m)
+#pragma unroll
+        for (int j = 0; j < PAIRS; ++j) {
+            const int i = 2 * j, lr = row0 + 64 * m + wgmma_acc_row(t, i), lc = wgmma_acc_col(t, i);
+            z[m][j] = z_codes ? *reinterpret_cast<const unsigned short*>(codes + c8h_code_offset(lr, lc)) : 0u;
+        }
+    const float lo = a.relu ? fmaxf(a.qmin, 0.f) : a.qmin;
+#pragma unroll
+    for (int j = 0; j < PAIRS; ++j) {
+        const int i = 2 * j, lc = wgmma_acc_col(t, i), col = col0 + lc;
+        const bool ok = col < a.k;  // K is a multiple of 16 and col even: col + 1 < K too
+        const float2 al = ok ? __ldg(reinterpret_cast<const float2*>(a.alpha + col)) : make_float2(0.f, 0.f);
+        const float2 bs = ok && a.bias ? __ldg(reinterpret_cast<const float2*>(a.bias + col)) : make_float2(0.f, 0.f);
+#pragma unroll
+        for (int m = 0; m < MS; ++m) {
+            const int lr = row0 + 64 * m + wgmma_acc_row(t, i);
+            float v0, v1;
+            if constexpr (SHORT) {
+                v0 = short_dot_value(acc[m][i]) * al.x + bs.x;
+                v1 = short_dot_value(acc[m][i + 1]) * al.y + bs.y;
+            } else {
+                v0 = (float)acc[m][i] * al.x + bs.x;
+                v1 = (float)acc[m][i + 1] * al.y + bs.y;
+            }
+            if (z_codes) {
+                if constexpr (FP8) {
+                    decode2<FP8>(z[m][j], a.z_scale, v0, v1);
+                } else {
+                    const unsigned flipped = z[m][j] ^ 0x8080u;
+                    v0 += int8_code_value<0>(flipped) * a.z_scale;
+                    v1 += int8_code_value<1>(flipped) * a.z_scale;
+                }
+            }
+            if (FP8 && a.relu) {
+                v0 = fmaxf(v0, 0.f);
+                v1 = fmaxf(v1, 0.f);
+            }
+            *reinterpret_cast<unsigned short*>(codes + c8h_code_offset(lr, lc)) = (unsigned short)encode2<FP8>(v0, v1, a.inv_y_scale, lo, a.qmax);
+        }
+    }
+}
+
 template <bool FP8, int BN, int BK, int STAGES, int BLOCKS>
-__device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const TensorMap* map_w, const Conv8Args& a, int patch_w,
-                                             int patch_h, int tiles) {
+__device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const TensorMap* map_w, const TensorMap* map_y, const TensorMap* map_z,
+                                             const Conv8Args& a, int patch_w, int patch_h, int tiles) {
     typedef typename Acc<FP8>::T AccT;
     constexpr int A_BYTES = C8H_BM * BK, B_BYTES = BN * BK, STAGE_BYTES = A_BYTES + B_BYTES;
     // Ping-pong (BN ≤ 128): each consumer warpgroup takes every other tile of the block, all 128
@@ -99,10 +176,17 @@ __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const Tenso
     constexpr bool PP = BN <= 128 && BLOCKS == 1;
     constexpr int MS = PP ? 2 : 1;  // the m64 row blocks a warpgroup computes
     static_assert(STAGE_BYTES % 1024 == 0, "stages stay 1024-byte aligned");
-    __shared__ __align__(8) u64 full[STAGES], empty[STAGES], order[2];
+    // Codes out (and 8-bit or no residual in): the tile's codes go through shared memory, TMA
+    // brings the residual's and stores the output's. TILES code tiles lie where the f32 staging
+    // rows would (128 · (BN + 8) · 4 bytes hold four of 128 · BN).
+    constexpr int TILE_BYTES = C8H_BM * BN, TILES = 4;
+    static_assert(TILES * TILE_BYTES <= C8H_BM * (BN + 8) * 4, "the code tiles fit the staging rows");
+    const bool codes_out = a.y_store == C8_Q8 && a.z_store != C8_F16, z_codes = codes_out && a.z_store == C8_Q8;
+    __shared__ __align__(8) u64 full[STAGES], empty[STAGES], order[2], zfull[TILES], written[TILES];
     extern __shared__ unsigned char c8h_dynamic[];
     // Swizzled boxes start on 1024 bytes (the host asks for 1 KiB of slack).
     unsigned char* ring = c8h_dynamic + ((1024 - (smem_u32(c8h_dynamic) & 1023)) & 1023);
+    unsigned char* code_tiles = ring + STAGES * STAGE_BYTES;
 
     const int warpgroup = threadIdx.x / 128, t = threadIdx.x % 128;
     // Output-channel tiles fastest: the blocks sharing a pixel tile run together and read it
@@ -117,9 +201,15 @@ __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const Tenso
         }
         mbar_init(&order[0], 4);  // a warpgroup's four warps
         mbar_init(&order[1], 4);
+        for (int b = 0; b < TILES; ++b) {
+            mbar_init(&zfull[b], 1);              // the tile mover (and the residual's bytes)
+            mbar_init(&written[b], PP ? 4 : 8);  // the consumer warps that write the tile
+        }
         mbar_fence_init();
         tma_prefetch_map(map_x);
         tma_prefetch_map(map_w);
+        if (codes_out) tma_prefetch_map(map_y);
+        if (z_codes) tma_prefetch_map(map_z);
     }
     __syncthreads();
 
@@ -145,6 +235,47 @@ __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const Tenso
                     tma_load_3d(stage + A_BYTES, map_w, &full[s], c0, tap, col0);
                 }
             }
+        } else if (t == 32 && codes_out) {
+            // The tile mover: the block's k-th tile of codes is code tile k % TILES. It brings the
+            // residual's codes there (without a residual it only arrives on `zfull`), and once
+            // the consumers have written the tile's output codes over them it stores them; the
+            // code tile takes tile k + TILES once that store has read it (checked a tile later,
+            // so that two stores are in flight).
+            const int mine = (tiles - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;  // this block's tiles
+            auto fill = [&](int kb) {
+                const int tile_id = blockIdx.x + kb * gridDim.x, b = kb % TILES, col0 = (tile_id % n_tiles) * BN;
+                if (!z_codes) {
+                    mbar_arrive(&zfull[b]);
+                    return;
+                }
+                const C8hTile tile = c8h_tile(a, tile_id / n_tiles, patch_w, patch_h);
+                mbar_arrive_expect_tx(&zfull[b], TILE_BYTES);
+                for (int h = 0; h < BN / 64; ++h) {
+                    unsigned char* dst = code_tiles + b * TILE_BYTES + h * (C8H_BM * 64);
+                    if (patch_w == 0) tma_load_2d(dst, map_z, &zfull[b], col0 + 64 * h, tile.m0);
+                    else tma_load_4d(dst, map_z, &zfull[b], col0 + 64 * h, tile.q0, tile.p0, tile.img);
+                }
+            };
+            for (int kb = 0; kb < TILES && kb < mine; ++kb) fill(kb);
+            for (int kb = 0; kb < mine; ++kb) {
+                const int tile_id = blockIdx.x + kb * gridDim.x, b = kb % TILES, col0 = (tile_id % n_tiles) * BN;
+                const C8hTile tile = c8h_tile(a, tile_id / n_tiles, patch_w, patch_h);
+                mbar_wait(&written[b], (kb / TILES) & 1);
+                for (int h = 0; h < BN / 64; ++h) {
+                    const unsigned char* src = code_tiles + b * TILE_BYTES + h * (C8H_BM * 64);
+                    if (patch_w == 0) tma_store_2d(map_y, src, col0 + 64 * h, tile.m0);
+                    else tma_store_4d(map_y, src, col0 + 64 * h, tile.q0, tile.p0, tile.img);
+                }
+                tma_store_commit();
+                // Two stores in flight: once the previous tile's has read its code tile, that
+                // tile takes the residual of the tile TILES after it.
+                if (kb >= 1 && kb - 1 + TILES < mine) {
+                    tma_store_wait_read<1>();
+                    fill(kb - 1 + TILES);
+                }
+            }
+            // The last stores must be done before the block's shared memory goes.
+            tma_store_wait<0>();
         }
         return;
     }
@@ -228,6 +359,27 @@ __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const Tenso
         }
         // The main loop is issued: the other warpgroup's may start.
         if (PP && signals) mbar_arrive(order_other);
+        if (codes_out) {
+            wgmma_wait<0>();
+#pragma unroll
+            for (int m = 0; m < MS; ++m)
+#pragma unroll
+                for (int i = 0; i < BN / 2; ++i) wgmma_fence_operand(acc[m][i]);
+            if (signals) mbar_arrive(empty0 + 8u * prev);
+            // The whole epilogue on the accumulators in place (`c8h_finish_codes`).
+            const int b = k % TILES;
+            unsigned char* codes = code_tiles + b * TILE_BYTES;
+            mbar_wait(smem_u32(&zfull[b]), (unsigned)(k / TILES) & 1);
+            // Reductions of at most 256 codes (|acc| <= 2^22) take no conversion unit at all.
+            if (a.r * a.s * a.c <= 256) c8h_finish_codes<FP8, BN, MS, true>(a, acc, codes, t, row0, col0, z_codes);
+            else c8h_finish_codes<FP8, BN, MS, false>(a, acc, codes, t, row0, col0, z_codes);
+            // The tile's codes, for the mover's TMA store: visible to the async proxy, then
+            // one arrival a warp.
+            fence_proxy_async();
+            __syncwarp();
+            if (signals) mbar_arrive(smem_u32(&written[b]));
+            continue;
+        }
         // Each of this thread's epilogue items (16 channels of one output pixel): its element
         // offset (-1 past P, Q or K), and its 8-bit residual, loaded now so that the loads' latency
         // runs under the last MMAs and the staging pass. Loaded in the second pass, one item's
@@ -297,15 +449,17 @@ __device__ __forceinline__ void conv8_hopper(const TensorMap* map_x, const Tenso
 // (`HopperVariant::shared_bytes`). Two blocks an SM double the warps that hide the epilogue's
 // latencies, at 80 registers a thread instead of 168, so cooperatively (BN 64 only: 32
 // accumulators a thread). The parameters: the activation's map (2-D [N·H·W][C] in GEMM mode, 4-D
-// [N][H][W][C] with traversal strides otherwise), the weight's 3-D map, conv8's arguments
-// (`CONV8_PARAMS`; split-K's must be 1), the patch's width and height in output pixels (0, 0: GEMM
-// mode) and the tile count.
+// [N][H][W][C] with traversal strides otherwise), the weight's 3-D map, the output's and the
+// residual's maps (read only where codes go out: the [N·P·Q][K] matrix in GEMM mode, 4-D
+// [N][P][Q][K] otherwise, boxes 64 codes wide and one tile of pixels, swizzled over 64 bytes),
+// conv8's arguments (`CONV8_PARAMS`; split-K's must be 1), the patch's width and height in output
+// pixels (0, 0: GEMM mode) and the tile count.
 #define CONV8_HOPPER(NAME, FP8, BN, BK, STAGES, BLOCKS)                                                                              \
-    extern "C" __global__ void __launch_bounds__(C8H_THREADS, BLOCKS) NAME(const __grid_constant__ TensorMap map_x,                 \
-                                                                           const __grid_constant__ TensorMap map_w, CONV8_PARAMS,    \
-                                                                           int patch_w, int patch_h, int tiles) {                     \
+    extern "C" __global__ void __launch_bounds__(C8H_THREADS, BLOCKS)                                                                \
+        NAME(const __grid_constant__ TensorMap map_x, const __grid_constant__ TensorMap map_w, const __grid_constant__ TensorMap map_y, \
+             const __grid_constant__ TensorMap map_z, CONV8_PARAMS, int patch_w, int patch_h, int tiles) {                            \
         CONV8_ARGS;                                                                                                                   \
-        conv8_hopper<FP8, BN, BK, STAGES, BLOCKS>(&map_x, &map_w, a, patch_w, patch_h, tiles);                                       \
+        conv8_hopper<FP8, BN, BK, STAGES, BLOCKS>(&map_x, &map_w, &map_y, &map_z, a, patch_w, patch_h, tiles);                       \
     }
 
 CONV8_HOPPER(conv8_i8_wgmma_n64_bk64_s8, false, 64, 64, 8, 1)

@@ -1,7 +1,8 @@
 // Hopper (sm_90a) building blocks, prepended after kernels/common.cuh to every Hopper-native
 // family (`engine::kernels::HOPPER`, compiled for `sm_90a`): mbarriers, the tensor-memory
-// accelerator's tiled loads (TMA), wgmma's shared-memory descriptors and its asynchronous MMAs,
-// the async-proxy fence and register reallocation between warpgroups. Written for the GEMM in
+// accelerator's tiled loads and stores (TMA), wgmma's shared-memory descriptors and its
+// asynchronous MMAs, the async-proxy fence and register reallocation between warpgroups. Written
+// for the GEMM in
 // hopper_gemm.cu and used by the 8-bit implicit-GEMM convolution (conv8_hopper.cu) too, whose
 // 8-bit MMAs are the `wgmma_m64n*k32_s8` / `_e4m3` wrappers at the end.
 //
@@ -90,6 +91,28 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap* map, u64
                  "l"(reinterpret_cast<u64>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
                  : "memory");
 }
+
+// ---- TMA stores (cp.async.bulk.tensor): tiled stores shared → global, in bulk groups
+// The box of `map` whose first element is at (c0, c1[, c2, c3]) from shared memory at `src`
+// (laid out and swizzled as a load of the same box would leave it). Elements outside the tensor
+// are not written. Write `src` before with ordinary stores, then `fence_proxy_async` and a
+// barrier, then one thread stores; it commits the group and waits before `src` is written again.
+__device__ __forceinline__ void tma_store_2d(const TensorMap* map, const void* src, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(reinterpret_cast<u64>(map)),
+                 "r"(smem_u32(src)), "r"(c0), "r"(c1)
+                 : "memory");
+}
+__device__ __forceinline__ void tma_store_4d(const TensorMap* map, const void* src, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];" ::"l"(reinterpret_cast<u64>(map)),
+                 "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+                 : "memory");
+}
+// Closes this thread's stores issued since the last commit into one group.
+__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Waits until at most N of this thread's groups still read their shared memory (it may be
+// written again), or (`tma_store_wait`) are still writing global memory.
+template <int N> __device__ __forceinline__ void tma_store_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory"); }
+template <int N> __device__ __forceinline__ void tma_store_wait() { asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory"); }
 
 // ---- Proxies and registers
 

@@ -10,6 +10,9 @@
 //!   8), 3×3 stride 2 on a 9 × 11 image (80 → 32: output 5 × 6, patches overhanging both edges),
 //!   1×1 stride 2, 3×3 dilation 2 with padding 2, and 3×3 over 512 channels (a reduction of 4608
 //!   products, as deep as ResNet's layer4);
+//! - codes out through TMA's code tiles: with no residual (most of the above), and adding an
+//!   8-bit residual into an 8-bit reader, 1×1 (GEMM mode) and 3×3 (patch mode), over 160 channels
+//!   (a partial 64-channel box, and 3, 2 or 1 channel tiles);
 //! - batch 1: 99 output pixels, one partial 128-row tile; batch 48: many tiles;
 //! - wide, short images (`edges`): 64 × 2 patches whose edge taps' boxes lie wholly outside the
 //!   image, and 128 × 1 patches of stride-2 boxes 256 pixels wide (TMA's limit).
@@ -82,6 +85,14 @@ fn shapes() -> Case {
         conv("a8", Conv2dConfig::new(48, 32, 3).padding(2).dilation(2)).forward(&a1).expect("a8").mark_output("y4");
         let a9 = conv("a9", Conv2dConfig::new(32, 512, 1)).forward(&a3).and_then(|h| h.relu()).expect("a9");
         conv("a10", Conv2dConfig::new(512, 64, 3).padding(1)).forward(&a9).expect("a10").mark_output("y5");
+        let a11 = conv("a11", Conv2dConfig::new(32, 160, 3).padding(1)).forward(&a3).and_then(|h| h.relu()).expect("a11");
+        let a12 = conv("a12", Conv2dConfig::new(160, 160, 1)).forward(&a11).and_then(|y| y.add(&a11)).and_then(|y| y.relu()).expect("a12");
+        let a13 = conv("a13", Conv2dConfig::new(160, 160, 3).padding(1))
+            .forward(&a12)
+            .and_then(|y| y.add(&a12))
+            .and_then(|y| y.relu())
+            .expect("a13");
+        conv("a14", Conv2dConfig::new(160, 16, 1)).forward(&a13).expect("a14").mark_output("y6");
     });
     Case {
         name: "shapes",
@@ -98,8 +109,12 @@ fn shapes() -> Case {
             "shapes.a8",
             "shapes.a9",
             "shapes.a10",
+            "shapes.a11",
+            "shapes.a12",
+            "shapes.a13",
+            "shapes.a14",
         ],
-        outputs: &["y1", "y2", "y3", "y4", "y5"],
+        outputs: &["y1", "y2", "y3", "y4", "y5", "y6"],
     }
 }
 

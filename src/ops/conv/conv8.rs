@@ -284,6 +284,14 @@ struct Epilogue8 {
     relu: bool,
 }
 
+impl Epilogue8 {
+    /// Codes out, and an 8-bit residual or none: what the persistent pointwise kernel takes, and
+    /// where the wgmma kernel moves whole tiles of codes by TMA.
+    fn codes_out(&self) -> bool {
+        self.y_store == Store8::Codes && self.z_store != Store8::F16
+    }
+}
+
 /// A conv of an 8-bit engine on 8-bit tensor cores: input (and residual) read as codes, output
 /// written as f16 or requantised codes.
 pub struct Conv8Layer {
@@ -448,8 +456,7 @@ impl Conv8Problem {
             && self.padding == [0, 0]
             && c.is_power_of_two()
             && (32..=PW_MAX_C).contains(&c)
-            && self.epilogue.y_store == Store8::Codes
-            && self.epilogue.z_store != Store8::F16
+            && self.epilogue.codes_out()
     }
 
     /// The kernel's layer of one tile shape (`splits` > 1: split-K, finished by `finish`), with its

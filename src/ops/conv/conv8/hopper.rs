@@ -12,7 +12,7 @@
 //! The weight's map is encoded once per layer; the activation's at every enqueue (its address
 //! and batch change), as the wgmma GEMM does.
 
-use super::{kernel_args, Conv8Problem, Epilogue8};
+use super::{kernel_args, Conv8Problem, Epilogue8, Store8};
 use crate::engine::eight_bit::EightBitPlan;
 use crate::engine::kernels::{hopper_arch, CONV8_HOPPER};
 use crate::engine::launch::{launch, CudaFunction, KArg};
@@ -28,6 +28,8 @@ use cudarc::driver::sys::CUfunction_attribute;
 const BM: usize = 128;
 /// A producer warpgroup and two consumer warpgroups.
 const THREADS: u32 = 384;
+/// Channels per box of the output's and the residual's code tiles.
+const CODE_BOX: usize = 64;
 /// TMA's limits on a box's extent and on traversal strides.
 const MAX_BOX: usize = 256;
 const MAX_TRAVERSAL_STRIDE: usize = 8;
@@ -80,8 +82,8 @@ impl HopperVariant {
         }
     }
     /// Dynamic shared memory: the ring of (A, B) stages, then the epilogue's f32 staging tile
-    /// (rows of `bn` + 8 floats; apart from the ring, which the next tile's loads fill meanwhile),
-    /// and 1 KiB to align the ring.
+    /// (rows of `bn` + 8 floats; apart from the ring, which the next tile's loads fill meanwhile)
+    /// or, where codes go out, four tiles of codes in the same bytes, and 1 KiB to align the ring.
     fn shared_bytes(self) -> usize {
         self.stages * (BM + self.bn) * self.bk + BM * (self.bn + 8) * 4 + 1024
     }
@@ -187,6 +189,19 @@ fn activation_map(tiling: Tiling, v: HopperVariant, x: u64, batch: usize, g: &Ge
         }
     };
     TiledMap { elem: TmaElem::U8, address: x, dims, strides, boxes, element_strides, swizzle: v.swizzle() }
+}
+
+/// The output's (or the residual's) map where the kernel moves tiles of codes by TMA: the
+/// `[N·P·Q][K]` matrix in 128-row boxes (GEMM mode), or the 4-D `[N][P][Q][K]` tensor whose box is
+/// one patch; boxes 64 codes wide, swizzled over 64 bytes (`c8h_code_offset`).
+fn output_map(tiling: Tiling, y: u64, batch: usize, g: &Geometry) -> TiledMap {
+    let (k, p, q, n) = (g.k as u64, g.p as u64, g.q as u64, batch as u64);
+    let (dims, strides, boxes) = match tiling {
+        Tiling::Gemm => (vec![k, n * p * q], vec![k], vec![CODE_BOX as u32, BM as u32]),
+        Tiling::Patch { w, h } => (vec![k, q, p, n], vec![k, q * k, p * q * k], vec![CODE_BOX as u32, w as u32, h as u32, 1]),
+    };
+    let element_strides = vec![1; dims.len()];
+    TiledMap { elem: TmaElem::U8, address: y, dims, strides, boxes, element_strides, swizzle: TmaSwizzle::B64 }
 }
 
 /// The weight's map: `[K][R·S][C]` codes at `w`, boxes of `bn` channels × `bk` codes of one tap.
@@ -333,9 +348,21 @@ impl Layer for Conv8HopperLayer {
         let x_map = x_map
             .encode()
             .map_err(|reason| Error::Cuda { context: format!("the wgmma conv `{}`'s input tensor map", self.path), reason })?;
-        let pointers =
-            [x, self.w.ptr(), self.alpha.ptr(), self.bias.as_ref().map_or(0, DeviceBuf::ptr), self.z.map_or(0, |z| rt.ptr(z)), y];
-        let mut args = vec![KArg::TensorMap(x_map.opaque), KArg::TensorMap(self.w_map)];
+        let z = self.z.map_or(0, |z| rt.ptr(z));
+        // The output's and the residual's maps, where the kernel reads them; zeros otherwise.
+        let code_map = |address: u64, what: &str| -> Result<[u64; 16]> {
+            let map = output_map(self.tiling, address, batch, &self.geometry);
+            debug_assert_eq!(map.box_bytes(), (BM * CODE_BOX) as u64, "a box of the kernel's code tiles");
+            let map = map
+                .encode()
+                .map_err(|reason| Error::Cuda { context: format!("the wgmma conv `{}`'s {what} tensor map", self.path), reason })?;
+            Ok(map.opaque)
+        };
+        let codes = self.epilogue.codes_out();
+        let y_map = if codes { code_map(y, "output")? } else { [0; 16] };
+        let z_map = if codes && self.epilogue.z_store == Store8::Codes { code_map(z, "residual")? } else { [0; 16] };
+        let pointers = [x, self.w.ptr(), self.alpha.ptr(), self.bias.as_ref().map_or(0, DeviceBuf::ptr), z, y];
+        let mut args = vec![KArg::TensorMap(x_map.opaque), KArg::TensorMap(self.w_map), KArg::TensorMap(y_map), KArg::TensorMap(z_map)];
         args.extend(kernel_args(pointers, &self.epilogue, &self.geo, batch as i32, (0, 1)));
         args.extend(self.tiling.kernel_args().map(KArg::I32));
         args.push(KArg::I32(tiles as i32));
@@ -414,6 +441,42 @@ mod tests {
         assert_eq!(Tiling::Gemm.pixel_tiles(usize::MAX, 2, 1), None);
     }
 
+    /// `c8h_code_offset` of the kernel: channel `lc` of row `lr` in a tile of code boxes.
+    fn code_offset(lr: usize, lc: usize) -> usize {
+        (lc >> 6) * (BM * CODE_BOX) + lr * 64 + ((((lc >> 4) & 3) ^ ((lr >> 1) & 3)) << 4) + (lc & 15)
+    }
+
+    #[test]
+    fn code_tiles_hold_each_code_once_and_a_warps_pairs_meet_no_bank_twice() {
+        for bn in [64, 128, 256] {
+            let mut seen = vec![false; BM * bn];
+            for lr in 0..BM {
+                for lc in 0..bn {
+                    let o = code_offset(lr, lc);
+                    assert!(o < BM * bn && !seen[o], "bn {bn}: ({lr}, {lc}) at {o}");
+                    seen[o] = true;
+                    // The 64-byte swizzle moves 16-byte chunks within their 64-byte row.
+                    assert_eq!(o / 64, (lc >> 6) * BM + lr);
+                }
+            }
+            // A warp's accumulator pair i (wgmma_acc_row/col): 8 rows × 4 lanes of 2 codes.
+            for warp in 0..4 {
+                for i in (0..bn / 2).step_by(2) {
+                    let words: std::collections::BTreeSet<usize> = (0..32)
+                        .map(|lane| {
+                            let t = warp * 32 + lane;
+                            let (lr, lc) = ((t >> 5) * 16 + ((t & 31) >> 2) + ((i >> 1) & 1) * 8, (i >> 2) * 8 + (t & 3) * 2);
+                            code_offset(lr, lc) / 4
+                        })
+                        .collect();
+                    let banks: std::collections::BTreeSet<usize> = words.iter().map(|w| w % 32).collect();
+                    // 32 lanes of 2 codes, two lanes a 4-byte word: 16 words, each in a bank of its own.
+                    assert_eq!((words.len(), banks.len()), (16, 16), "bn {bn} warp {warp} pair {i}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn tensor_maps_bring_the_bytes_the_kernel_expects() {
         // The kernel expects 128 · BK bytes of activation and BN · BK of weight per stage.
@@ -431,6 +494,12 @@ mod tests {
                     assert_eq!(x.box_bytes(), (BM * v.bk) as u64, "{g:?} {v:?} {tiling:?}");
                     let elements: u64 = x.dims.iter().product();
                     assert_eq!(elements, (batch * g.h * g.w * g.c) as u64);
+                }
+                for batch in [1, 64] {
+                    let y = output_map(tiling, 0x30_0000, batch, &g);
+                    assert_eq!(y.check(), Ok(()), "{g:?} {tiling:?}");
+                    assert_eq!(y.box_bytes(), (BM * CODE_BOX) as u64, "{g:?} {tiling:?}");
+                    assert_eq!(y.dims.iter().product::<u64>(), (batch * g.p * g.q * g.k) as u64);
                 }
                 let w = weight_map(v, 0x20_0000, &g);
                 assert_eq!(w.check(), Ok(()));
@@ -606,6 +675,7 @@ mod tests {
             assert!(v.bk == 64 || v.bk == 128);
             assert_eq!(v.shared_bytes(), v.stages * (BM + v.bn) * v.bk + BM * (v.bn + 8) * 4 + 1024, "the ring, then the staging tile");
             assert!(v.stages >= 3, "{v:?}: a ring deep enough to load ahead");
+            assert!(v.bn.is_multiple_of(CODE_BOX) && 4 * BM * v.bn <= BM * (v.bn + 8) * 4, "{v:?}: four code tiles in the staging bytes");
         }
         assert_eq!(HopperVariant::ALL[1].entry(QuantFormat::Int8), "conv8_i8_wgmma_n64_bk64_s4_x2");
         assert_eq!(HopperVariant::ALL[3].entry(QuantFormat::Int8), "conv8_i8_wgmma_n128_bk128_s4");
